@@ -1,0 +1,350 @@
+//! Hugging Face `config.json` → [`ModelSpec`]. Reads both key styles: the older top-level
+//! `rope_theta` / `rope_scaling` / `torch_dtype` and the newer `rope_parameters` / `dtype`.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::ModelError;
+use super::spec::*;
+
+/// A parsed `config.json`: the spec, plus the facts the loader needs about tensor naming.
+#[derive(Clone, Debug)]
+pub struct HfConfig {
+    pub spec: ModelSpec,
+    /// `model_type` as written (llama, mistral, qwen2, opt).
+    pub model_type: String,
+    /// The dtype the checkpoint says it is stored in (informational).
+    pub dtype: Option<String>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+struct Reader<'a> {
+    path: &'a Path,
+    v: &'a Value,
+}
+
+impl Reader<'_> {
+    fn err(&self, msg: String) -> ModelError {
+        ModelError::Config {
+            path: self.path.to_path_buf(),
+            msg,
+        }
+    }
+
+    fn usize(&self, key: &str) -> Result<usize, ModelError> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.err(format!("`{key}` is missing")))
+    }
+
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(format!("`{key}` must be a non-negative integer, got {x}"))),
+        }
+    }
+
+    fn opt_f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        opt_f32_in(self.v, key).map_err(|m| self.err(m))
+    }
+
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(x) => Err(self.err(format!("`{key}` must be true or false, got {x}"))),
+        }
+    }
+
+    fn opt_str(&self, key: &str) -> Result<Option<&str>, ModelError> {
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(x) => Err(self.err(format!("`{key}` must be a string, got {x}"))),
+        }
+    }
+
+    /// A token id or a list of them (`eos_token_id` may be either).
+    fn ids(&self, key: &str) -> Result<Vec<u32>, ModelError> {
+        let bad = || self.err(format!("`{key}` must be a token id or a list of ids"));
+        match self.v.get(key) {
+            None | Some(Value::Null) => Ok(vec![]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad))
+                .collect(),
+            Some(x) => x
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .map(|n| vec![n])
+                .ok_or_else(bad),
+        }
+    }
+}
+
+fn opt_f32_in(v: &Value, key: &str) -> Result<Option<f32>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .map(|f| Some(f as f32))
+            .ok_or_else(|| format!("`{key}` must be a number, got {x}")),
+    }
+}
+
+/// Parse the text of a `config.json` at `path`.
+pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| ModelError::Config {
+        path: path.to_path_buf(),
+        msg: format!("not valid JSON: {e}"),
+    })?;
+    if !v.is_object() {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            msg: "must be a JSON object".into(),
+        });
+    }
+    let r = Reader { path, v: &v };
+    let model_type = r
+        .opt_str("model_type")?
+        .map(str::to_string)
+        .or_else(|| {
+            // Fall back to the class name in `architectures`.
+            v.get("architectures")
+                .and_then(|a| a.get(0))
+                .and_then(Value::as_str)
+                .map(|a| a.trim_end_matches("ForCausalLM").to_lowercase())
+        })
+        .ok_or_else(|| r.err("neither `model_type` nor `architectures` says what model this is".into()))?;
+    let dtype = r
+        .opt_str("dtype")?
+        .or(r.opt_str("torch_dtype")?)
+        .map(str::to_string);
+    let spec = match model_type.as_str() {
+        "llama" | "mistral" | "qwen2" => llama_spec(&r, &model_type)?,
+        "opt" => opt_spec(&r)?,
+        other => {
+            return Err(r.err(format!(
+                "unknown architecture `{other}` (supported: llama, mistral, qwen2, opt)"
+            )));
+        }
+    };
+    spec.validate().map_err(|m| r.err(m))?;
+    Ok(HfConfig {
+        spec,
+        model_type,
+        dtype,
+        bos_token_id: r.ids("bos_token_id")?.first().copied(),
+        eos_token_ids: r.ids("eos_token_id")?,
+    })
+}
+
+fn name_of(path: &Path) -> String {
+    path.parent()
+        .and_then(|p| p.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
+    let d_model = r.usize("hidden_size")?;
+    let n_heads = r.usize("num_attention_heads")?;
+    if n_heads == 0 || d_model % n_heads != 0 && r.opt_usize("head_dim")?.is_none() {
+        return Err(r.err(format!(
+            "hidden_size {d_model} is not divisible by num_attention_heads {n_heads}"
+        )));
+    }
+    let head_dim = r.opt_usize("head_dim")?.unwrap_or(d_model / n_heads);
+    let n_kv_heads = r.opt_usize("num_key_value_heads")?.unwrap_or(n_heads);
+    let act_name = r.opt_str("hidden_act")?.unwrap_or("silu");
+    let activation = Activation::from_hf(act_name)
+        .ok_or_else(|| r.err(format!("unsupported activation `{act_name}`")))?;
+    let qwen = model_type == "qwen2";
+    let attention_bias = r.opt_bool("attention_bias")?.unwrap_or(false);
+    if r.opt_bool("mlp_bias")?.unwrap_or(false) {
+        return Err(r.err("`mlp_bias: true` is not supported".into()));
+    }
+    let max_context = r.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+    if let Some(w) = r.opt_usize("sliding_window")? {
+        let used = r.opt_bool("use_sliding_window")?.unwrap_or(!qwen);
+        if used && w < max_context {
+            tracing::warn!(
+                "config sets a sliding window of {w} tokens; attention here is full, which is \
+                 exact up to {w} tokens"
+            );
+        }
+    }
+    let (theta, scaling) = rope_params(r)?;
+    Ok(ModelSpec {
+        arch: Arch::Llama,
+        name: name_of(r.path),
+        n_layers: r.usize("num_hidden_layers")?,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        d_ff: r.usize("intermediate_size")?,
+        vocab_size: r.usize("vocab_size")?,
+        max_context,
+        norm: NormKind::Rms,
+        norm_eps: r.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
+        activation,
+        gated_ffn: true,
+        qkv_bias: qwen || attention_bias,
+        out_bias: attention_bias && !qwen,
+        ffn_bias: false,
+        pre_norm: true,
+        position: PositionEncoding::Rope(RopeSpec {
+            theta,
+            style: RopeStyle::Halves,
+            dims: head_dim,
+            scaling,
+        }),
+        tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+    })
+}
+
+/// RoPE base and scaling from either `rope_parameters` (new) or `rope_theta` + `rope_scaling`.
+fn rope_params(r: &Reader) -> Result<(f32, RopeScaling), ModelError> {
+    let params = r.v.get("rope_parameters").filter(|p| !p.is_null());
+    let scaling_obj = params.or_else(|| r.v.get("rope_scaling").filter(|p| !p.is_null()));
+    let theta = match params {
+        Some(p) => opt_f32_in(p, "rope_theta").map_err(|m| r.err(format!("rope_parameters: {m}")))?,
+        None => None,
+    }
+    .or(r.opt_f32("rope_theta")?)
+    .unwrap_or(10000.0);
+    let Some(s) = scaling_obj else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let num = |key: &str| -> Result<f32, ModelError> {
+        opt_f32_in(s, key)
+            .map_err(|m| r.err(format!("rope scaling: {m}")))?
+            .ok_or_else(|| r.err(format!("rope scaling `{kind}` needs `{key}`")))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position: num("original_max_position_embeddings")? as usize,
+        },
+        other => {
+            return Err(r.err(format!(
+                "RoPE scaling `{other}` is not supported (supported: default, linear, llama3)"
+            )));
+        }
+    };
+    Ok((theta, scaling))
+}
+
+fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
+    let d_model = r.usize("hidden_size")?;
+    let n_heads = r.usize("num_attention_heads")?;
+    if n_heads == 0 || d_model % n_heads != 0 {
+        return Err(r.err(format!(
+            "hidden_size {d_model} is not divisible by num_attention_heads {n_heads}"
+        )));
+    }
+    if let Some(p) = r.opt_usize("word_embed_proj_dim")? {
+        if p != d_model {
+            return Err(r.err(format!(
+                "word_embed_proj_dim {p} differs from hidden_size {d_model}; OPT models with \
+                 projected embeddings are not supported"
+            )));
+        }
+    }
+    if r.opt_bool("layer_norm_elementwise_affine")? == Some(false) {
+        return Err(r.err("layer_norm_elementwise_affine: false is not supported".into()));
+    }
+    let act_name = r.opt_str("activation_function")?.unwrap_or("relu");
+    let activation = Activation::from_hf(act_name)
+        .ok_or_else(|| r.err(format!("unsupported activation `{act_name}`")))?;
+    let bias = r.opt_bool("enable_bias")?.unwrap_or(true);
+    if !bias {
+        return Err(r.err("OPT with enable_bias: false is not supported".into()));
+    }
+    let head_dim = d_model / n_heads;
+    Ok(ModelSpec {
+        arch: Arch::Opt,
+        name: name_of(r.path),
+        n_layers: r.usize("num_hidden_layers")?,
+        d_model,
+        n_heads,
+        n_kv_heads: n_heads,
+        head_dim,
+        d_ff: r.usize("ffn_dim")?,
+        vocab_size: r.usize("vocab_size")?,
+        max_context: r.usize("max_position_embeddings")?,
+        norm: NormKind::Layer,
+        norm_eps: 1e-5,
+        activation,
+        gated_ffn: false,
+        qkv_bias: true,
+        out_bias: true,
+        ffn_bias: true,
+        pre_norm: r.opt_bool("do_layer_norm_before")?.unwrap_or(true),
+        position: PositionEncoding::Learned { offset: 2 },
+        tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(true),
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OLD: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+      "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+      "num_key_value_heads":2,"vocab_size":256,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+      "max_position_embeddings":128,"torch_dtype":"float32","tie_word_embeddings":false}"#;
+
+    const NEW: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama",
+      "hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+      "num_key_value_heads":2,"vocab_size":256,"rms_norm_eps":1e-5,
+      "rope_parameters":{"rope_theta":500000.0,"rope_type":"default"},
+      "max_position_embeddings":128,"dtype":"bfloat16","tie_word_embeddings":false}"#;
+
+    #[test]
+    fn both_key_styles_give_the_same_spec() {
+        let p = Path::new("/m/config.json");
+        let a = parse_config(p, OLD).unwrap();
+        let b = parse_config(p, NEW).unwrap();
+        assert_eq!(a.spec, b.spec);
+        assert_eq!(a.dtype.as_deref(), Some("float32"));
+        assert_eq!(b.dtype.as_deref(), Some("bfloat16"));
+        let PositionEncoding::Rope(r) = &a.spec.position else {
+            panic!("llama uses rope")
+        };
+        assert_eq!(r.theta, 500000.0);
+        assert_eq!(a.spec.head_dim, 16);
+    }
+
+    #[test]
+    fn unknown_architecture_is_named() {
+        let e = parse_config(Path::new("c.json"), r#"{"model_type":"mamba"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown architecture `mamba`"), "{e}");
+    }
+
+    #[test]
+    fn wrong_types_are_named() {
+        let bad = OLD.replace("\"hidden_size\":64", "\"hidden_size\":\"64\"");
+        let e = parse_config(Path::new("c.json"), &bad).unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+    }
+}

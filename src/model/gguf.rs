@@ -1,0 +1,670 @@
+//! GGUF v2/v3 reader: header, metadata, tensor directory, and tensor bytes straight from a memory
+//! map. Every length and offset read from the file is bounds-checked, so a truncated or corrupt file
+//! is an error naming what is wrong, never a panic or a runaway allocation.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use super::ModelError;
+use super::ggml::GgmlType;
+use crate::tensor::{Bytes, HostTensor};
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// One metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetaValue {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    U64(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Bool(bool),
+    String(String),
+    Array(Vec<MetaValue>),
+}
+
+impl MetaValue {
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            MetaValue::U8(v) => Some(v as u64),
+            MetaValue::U16(v) => Some(v as u64),
+            MetaValue::U32(v) => Some(v as u64),
+            MetaValue::U64(v) => Some(v),
+            MetaValue::I8(v) => u64::try_from(v).ok(),
+            MetaValue::I16(v) => u64::try_from(v).ok(),
+            MetaValue::I32(v) => u64::try_from(v).ok(),
+            MetaValue::I64(v) => u64::try_from(v).ok(),
+            MetaValue::Bool(v) => Some(v as u64),
+            _ => None,
+        }
+    }
+
+    pub fn as_i64(&self) -> Option<i64> {
+        match *self {
+            MetaValue::I8(v) => Some(v as i64),
+            MetaValue::I16(v) => Some(v as i64),
+            MetaValue::I32(v) => Some(v as i64),
+            MetaValue::I64(v) => Some(v),
+            _ => self.as_u64().and_then(|v| i64::try_from(v).ok()),
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            MetaValue::F32(v) => Some(v as f64),
+            MetaValue::F64(v) => Some(v),
+            _ => self.as_i64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            MetaValue::Bool(v) => Some(v),
+            _ => self.as_u64().map(|v| v != 0),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            MetaValue::String(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[MetaValue]> {
+        match self {
+            MetaValue::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+}
+
+/// The metadata of a GGUF file with typed lookups that name the key when it is missing or of the
+/// wrong type.
+#[derive(Clone, Debug, Default)]
+pub struct GgufMetadata {
+    pub path: PathBuf,
+    pub entries: BTreeMap<String, MetaValue>,
+}
+
+impl GgufMetadata {
+    pub fn get(&self, key: &str) -> Option<&MetaValue> {
+        self.entries.get(key)
+    }
+
+    fn bad(&self, key: &str, want: &str) -> ModelError {
+        ModelError::Format {
+            path: self.path.clone(),
+            msg: format!("metadata key `{key}` is missing or not {want}"),
+        }
+    }
+
+    pub fn str(&self, key: &str) -> Result<&str, ModelError> {
+        self.get(key)
+            .and_then(MetaValue::as_str)
+            .ok_or_else(|| self.bad(key, "a string"))
+    }
+
+    pub fn u64(&self, key: &str) -> Result<u64, ModelError> {
+        self.get(key)
+            .and_then(MetaValue::as_u64)
+            .ok_or_else(|| self.bad(key, "an unsigned integer"))
+    }
+
+    pub fn usize(&self, key: &str) -> Result<usize, ModelError> {
+        let v = self.u64(key)?;
+        usize::try_from(v).map_err(|_| self.bad(key, "a size"))
+    }
+
+    pub fn f32(&self, key: &str) -> Result<f32, ModelError> {
+        self.get(key)
+            .and_then(MetaValue::as_f64)
+            .map(|v| v as f32)
+            .ok_or_else(|| self.bad(key, "a number"))
+    }
+
+    pub fn bool(&self, key: &str) -> Result<bool, ModelError> {
+        self.get(key)
+            .and_then(MetaValue::as_bool)
+            .ok_or_else(|| self.bad(key, "a bool"))
+    }
+
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        if self.get(key).is_none() {
+            return Ok(None);
+        }
+        self.usize(key).map(Some)
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>, ModelError> {
+        if self.get(key).is_none() {
+            return Ok(None);
+        }
+        self.f32(key).map(Some)
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, ModelError> {
+        if self.get(key).is_none() {
+            return Ok(None);
+        }
+        self.bool(key).map(Some)
+    }
+
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>, ModelError> {
+        if self.get(key).is_none() {
+            return Ok(None);
+        }
+        self.str(key).map(Some)
+    }
+
+    pub fn array(&self, key: &str) -> Result<&[MetaValue], ModelError> {
+        self.get(key)
+            .and_then(MetaValue::as_array)
+            .ok_or_else(|| self.bad(key, "an array"))
+    }
+
+    /// An array of strings (e.g. the vocabulary).
+    pub fn str_array(&self, key: &str) -> Result<Vec<&str>, ModelError> {
+        self.array(key)?
+            .iter()
+            .map(|v| v.as_str().ok_or_else(|| self.bad(key, "an array of strings")))
+            .collect()
+    }
+
+    pub fn f32_array(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        self.array(key)?
+            .iter()
+            .map(|v| {
+                v.as_f64()
+                    .map(|x| x as f32)
+                    .ok_or_else(|| self.bad(key, "an array of numbers"))
+            })
+            .collect()
+    }
+
+    pub fn i64_array(&self, key: &str) -> Result<Vec<i64>, ModelError> {
+        self.array(key)?
+            .iter()
+            .map(|v| {
+                v.as_i64()
+                    .ok_or_else(|| self.bad(key, "an array of integers"))
+            })
+            .collect()
+    }
+}
+
+/// Where one tensor's bytes are, as the directory says.
+#[derive(Clone, Debug)]
+pub struct GgufTensorInfo {
+    pub name: String,
+    /// GGML order: `dims[0]` is the contiguous (column) dimension.
+    pub dims: Vec<u64>,
+    pub ggml_type: GgmlType,
+    /// Absolute offset in the file.
+    pub offset: usize,
+    pub n_bytes: usize,
+}
+
+impl GgufTensorInfo {
+    pub fn n_elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// An opened GGUF file.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub version: u32,
+    pub metadata: GgufMetadata,
+    pub tensors: BTreeMap<String, GgufTensorInfo>,
+    map: Arc<Mmap>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("tensors", &self.tensors.len())
+            .finish()
+    }
+}
+
+struct Cursor<'a> {
+    data: &'a [u8],
+    pos: usize,
+    path: &'a Path,
+}
+
+impl<'a> Cursor<'a> {
+    fn truncated(&self, what: &str) -> ModelError {
+        ModelError::Truncated {
+            path: self.path.to_path_buf(),
+            msg: format!("file ends while reading {what} at byte {}", self.pos),
+        }
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], ModelError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.data.len())
+            .ok_or_else(|| self.truncated(what))?;
+        let s = &self.data[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], ModelError> {
+        let s = self.take(N, what)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, ModelError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, ModelError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn remaining(&self) -> usize {
+        self.data.len() - self.pos
+    }
+
+    /// A length read from the file that must fit in what is left of it, given at least
+    /// `min_item` bytes per item.
+    fn len(&mut self, what: &str, min_item: usize) -> Result<usize, ModelError> {
+        let n = self.u64(what)?;
+        let fits = usize::try_from(n)
+            .ok()
+            .and_then(|n| n.checked_mul(min_item.max(1)))
+            .is_some_and(|bytes| bytes <= self.remaining());
+        if !fits {
+            return Err(self.truncated(&format!("{what} (claims {n} items)")));
+        }
+        Ok(n as usize)
+    }
+
+    fn string(&mut self, what: &str) -> Result<String, ModelError> {
+        let n = self.len(what, 1)?;
+        let bytes = self.take(n, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| ModelError::Format {
+            path: self.path.to_path_buf(),
+            msg: format!("{what} is not valid UTF-8"),
+        })
+    }
+
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<MetaValue, ModelError> {
+        let what = format!("value of `{key}`");
+        Ok(match ty {
+            0 => MetaValue::U8(self.array::<1>(&what)?[0]),
+            1 => MetaValue::I8(self.array::<1>(&what)?[0] as i8),
+            2 => MetaValue::U16(u16::from_le_bytes(self.array(&what)?)),
+            3 => MetaValue::I16(i16::from_le_bytes(self.array(&what)?)),
+            4 => MetaValue::U32(u32::from_le_bytes(self.array(&what)?)),
+            5 => MetaValue::I32(i32::from_le_bytes(self.array(&what)?)),
+            6 => MetaValue::F32(f32::from_le_bytes(self.array(&what)?)),
+            7 => MetaValue::Bool(self.array::<1>(&what)?[0] != 0),
+            8 => MetaValue::String(self.string(&what)?),
+            9 => {
+                if depth > 2 {
+                    return Err(ModelError::Format {
+                        path: self.path.to_path_buf(),
+                        msg: format!("metadata `{key}` nests arrays too deeply"),
+                    });
+                }
+                let elem = self.u32(&what)?;
+                let min_item = match elem {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    9 => 12,
+                    _ => 1,
+                };
+                let n = self.len(&what, min_item)?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.value(elem, key, depth + 1)?);
+                }
+                MetaValue::Array(items)
+            }
+            10 => MetaValue::U64(u64::from_le_bytes(self.array(&what)?)),
+            11 => MetaValue::I64(i64::from_le_bytes(self.array(&what)?)),
+            12 => MetaValue::F64(f64::from_le_bytes(self.array(&what)?)),
+            other => {
+                return Err(ModelError::Format {
+                    path: self.path.to_path_buf(),
+                    msg: format!("metadata `{key}` has unknown value type {other}"),
+                });
+            }
+        })
+    }
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+        // SAFETY: the map is read-only and lives as long as the Arc; a file changed underneath us
+        // by another process is outside what any reader can guard against.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+        Self::parse(path, Arc::new(map))
+    }
+
+    fn parse(path: &Path, map: Arc<Mmap>) -> Result<Self, ModelError> {
+        let mut c = Cursor {
+            data: &map,
+            pos: 0,
+            path,
+        };
+        let magic = c.array::<4>("magic")?;
+        if &magic != GGUF_MAGIC {
+            return Err(ModelError::Format {
+                path: path.to_path_buf(),
+                msg: "not a GGUF file (bad magic)".into(),
+            });
+        }
+        let version = c.u32("version")?;
+        if !(2..=3).contains(&version) {
+            return Err(ModelError::Format {
+                path: path.to_path_buf(),
+                msg: format!("GGUF version {version} is not supported (2 and 3 are)"),
+            });
+        }
+        // A tensor info is at least 8 (name len) + 4 (n_dims) + 4 (type) + 8 (offset) bytes,
+        // a key-value pair at least 8 + 4.
+        let n_tensors = c.len("tensor count", 24)?;
+        let n_kv = c.len("metadata count", 12)?;
+
+        let mut entries = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = c.string("metadata key")?;
+            let ty = c.u32("metadata type")?;
+            let value = c.value(ty, &key, 0)?;
+            entries.insert(key, value);
+        }
+        let metadata = GgufMetadata {
+            path: path.to_path_buf(),
+            entries,
+        };
+        let alignment = match metadata.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => v
+                .as_u64()
+                .filter(|a| *a > 0 && a.is_power_of_two())
+                .ok_or_else(|| ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: "general.alignment must be a power of two".into(),
+                })?,
+        };
+
+        let mut raw = Vec::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = c.string("tensor name")?;
+            let n_dims = c.u32("tensor dims")?;
+            if n_dims == 0 || n_dims > 4 {
+                return Err(ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: format!("tensor `{name}` has {n_dims} dimensions"),
+                });
+            }
+            let mut dims = Vec::with_capacity(n_dims as usize);
+            for _ in 0..n_dims {
+                dims.push(c.u64("tensor dim")?);
+            }
+            let ty = c.u32("tensor type")?;
+            let offset = c.u64("tensor offset")?;
+            raw.push((name, dims, ty, offset));
+        }
+        let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
+
+        let mut tensors = BTreeMap::new();
+        for (name, dims, ty, offset) in raw {
+            let ggml_type = GgmlType::from_id(ty).ok_or_else(|| ModelError::Unsupported {
+                path: path.to_path_buf(),
+                msg: format!("tensor `{name}` uses unknown GGML type id {ty}"),
+            })?;
+            let n_elems = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: format!("tensor `{name}` has an impossible shape {dims:?}"),
+                })?;
+            let (block_len, block_bytes) = ggml_type.block();
+            if dims[0] % block_len as u64 != 0 {
+                return Err(ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: format!(
+                        "tensor `{name}`: row length {} is not a multiple of the {} block ({block_len})",
+                        dims[0],
+                        ggml_type.name()
+                    ),
+                });
+            }
+            let n_bytes = (n_elems / block_len as u64).checked_mul(block_bytes as u64);
+            let start = data_start.checked_add(offset);
+            let end = match (start, n_bytes) {
+                (Some(s), Some(n)) => s.checked_add(n),
+                _ => None,
+            };
+            let (start, end) = match (start, end) {
+                (Some(s), Some(e)) if e <= map.len() as u64 => (s as usize, e as usize),
+                _ => {
+                    return Err(ModelError::Truncated {
+                        path: path.to_path_buf(),
+                        msg: format!(
+                            "tensor `{name}` lies beyond the end of the file ({} bytes)",
+                            map.len()
+                        ),
+                    });
+                }
+            };
+            let info = GgufTensorInfo {
+                name: name.clone(),
+                dims,
+                ggml_type,
+                offset: start,
+                n_bytes: end - start,
+            };
+            if tensors.insert(name.clone(), info).is_some() {
+                return Err(ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: format!("tensor `{name}` appears twice"),
+                });
+            }
+        }
+
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            map,
+        })
+    }
+
+    pub fn tensor_info(&self, name: &str) -> Option<&GgufTensorInfo> {
+        self.tensors.get(name)
+    }
+
+    /// The raw bytes of a tensor.
+    pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> &[u8] {
+        &self.map[info.offset..info.offset + info.n_bytes]
+    }
+
+    /// Load a tensor as a `rows × cols` host tensor: formats the backends compute on are borrowed
+    /// from the map, the others are decoded (see [`GgmlType::host_dtype`]).
+    pub fn load(&self, name: &str) -> Result<HostTensor, ModelError> {
+        let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })?;
+        let cols = info.dims[0] as usize;
+        if info.dims[2..].iter().any(|&d| d != 1) {
+            return Err(ModelError::Format {
+                path: self.path.clone(),
+                msg: format!("tensor `{name}` has shape {:?}; expected a matrix", info.dims),
+            });
+        }
+        let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+        let dtype = info.ggml_type.host_dtype().ok_or_else(|| ModelError::Unsupported {
+            path: self.path.clone(),
+            msg: format!(
+                "tensor `{name}` uses quantization type {}, which is not supported \
+                 (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)",
+                info.ggml_type.name()
+            ),
+        })?;
+        let data = if info.ggml_type.is_native() {
+            Bytes::mapped(self.map.clone(), info.offset..info.offset + info.n_bytes)
+        } else {
+            let decoded = info
+                .ggml_type
+                .decode_to(dtype, self.tensor_bytes(info), rows * cols)
+                .map_err(|msg| ModelError::Format {
+                    path: self.path.clone(),
+                    msg: format!("tensor `{name}`: {msg}"),
+                })?;
+            Bytes::from_slice(&decoded)
+        };
+        Ok(HostTensor {
+            name: name.to_string(),
+            rows,
+            cols,
+            dtype,
+            data,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    /// A minimal GGUF writer for tests: metadata of strings/u32 and f32 tensors.
+    pub(crate) fn write_gguf(
+        path: &Path,
+        kv: &[(&str, MetaValue)],
+        tensors: &[(&str, Vec<u64>, Vec<f32>)],
+    ) {
+        fn s(buf: &mut Vec<u8>, v: &str) {
+            buf.extend((v.len() as u64).to_le_bytes());
+            buf.extend(v.as_bytes());
+        }
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
+        b.extend((kv.len() as u64).to_le_bytes());
+        for (k, v) in kv {
+            s(&mut b, k);
+            match v {
+                MetaValue::U32(x) => {
+                    b.extend(4u32.to_le_bytes());
+                    b.extend(x.to_le_bytes());
+                }
+                MetaValue::String(x) => {
+                    b.extend(8u32.to_le_bytes());
+                    s(&mut b, x);
+                }
+                _ => unimplemented!("test writer"),
+            }
+        }
+        let mut offset = 0u64;
+        for (name, dims, data) in tensors {
+            s(&mut b, name);
+            b.extend((dims.len() as u32).to_le_bytes());
+            for d in dims {
+                b.extend(d.to_le_bytes());
+            }
+            b.extend(0u32.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+            offset += (data.len() * 4).div_ceil(32) as u64 * 32;
+        }
+        while b.len() % 32 != 0 {
+            b.push(0);
+        }
+        for (_, _, data) in tensors {
+            for v in data {
+                b.extend(v.to_le_bytes());
+            }
+            while b.len() % 32 != 0 {
+                b.push(0);
+            }
+        }
+        std::fs::File::create(path).unwrap().write_all(&b).unwrap();
+    }
+
+    #[test]
+    fn reads_metadata_and_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        write_gguf(
+            &p,
+            &[
+                ("general.architecture", MetaValue::String("llama".into())),
+                ("llama.block_count", MetaValue::U32(2)),
+            ],
+            &[("w", vec![3, 2], vec![1., 2., 3., 4., 5., 6.])],
+        );
+        let f = GgufFile::open(&p).unwrap();
+        assert_eq!(f.metadata.str("general.architecture").unwrap(), "llama");
+        assert_eq!(f.metadata.usize("llama.block_count").unwrap(), 2);
+        let t = f.load("w").unwrap();
+        assert_eq!((t.rows, t.cols), (2, 3));
+        assert_eq!(t.to_f32(), vec![1., 2., 3., 4., 5., 6.]);
+        assert!(t.data.is_mapped());
+        assert!(matches!(
+            f.load("nope"),
+            Err(ModelError::MissingTensor { .. })
+        ));
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        write_gguf(
+            &p,
+            &[("general.architecture", MetaValue::String("llama".into()))],
+            &[("w", vec![8, 2], vec![0.5; 16])],
+        );
+        let full = std::fs::read(&p).unwrap();
+        for len in 0..full.len() - 1 {
+            let q = dir.path().join("cut.gguf");
+            std::fs::write(&q, &full[..len]).unwrap();
+            assert!(GgufFile::open(&q).is_err(), "length {len} accepted");
+        }
+    }
+
+    #[test]
+    fn huge_claimed_lengths_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(0u64.to_le_bytes());
+        b.extend(1u64.to_le_bytes());
+        b.extend(u64::MAX.to_le_bytes()); // key length
+        std::fs::write(&p, &b).unwrap();
+        let err = GgufFile::open(&p).unwrap_err().to_string();
+        assert!(err.contains("metadata"), "{err}");
+    }
+}

@@ -1,0 +1,239 @@
+//! What a model is: its spec, its weights on the host, its tokenizer and chat template, read from
+//! a GGUF file or a Hugging Face directory. Knows nothing about devices or execution.
+
+pub mod config;
+pub mod ggml;
+pub mod gguf;
+mod load_gguf;
+mod load_hf;
+pub mod spec;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+pub use spec::{Activation, Arch, ModelSpec, NormKind, PositionEncoding, RopeScaling, RopeSpec, RopeStyle};
+pub use tokenizer::{ChatMessage, Tokenizer};
+
+use crate::tensor::HostTensor;
+
+#[derive(Debug, Error)]
+pub enum ModelError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {msg}", path.display())]
+    Format { path: PathBuf, msg: String },
+    #[error("{}: truncated: {msg}", path.display())]
+    Truncated { path: PathBuf, msg: String },
+    #[error("{}: unsupported: {msg}", path.display())]
+    Unsupported { path: PathBuf, msg: String },
+    #[error("{}: tensor `{name}` is missing", path.display())]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{}: tensor `{name}` has shape {got:?}, expected {expected:?}", path.display())]
+    Shape {
+        path: PathBuf,
+        name: String,
+        expected: (usize, usize),
+        got: (usize, usize),
+    },
+    #[error("{}: {msg}", path.display())]
+    Config { path: PathBuf, msg: String },
+    #[error("{}: tokenizer: {msg}", path.display())]
+    Tokenizer { path: PathBuf, msg: String },
+}
+
+impl ModelError {
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
+/// The weights of one norm: scale, and a bias for LayerNorm.
+#[derive(Clone, Debug)]
+pub struct NormWeights {
+    pub weight: HostTensor,
+    pub bias: Option<HostTensor>,
+}
+
+/// A linear layer `y = W·x (+ b)`, `W` is `out × in`.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    pub weight: HostTensor,
+    pub bias: Option<HostTensor>,
+}
+
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: NormWeights,
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    pub wo: Linear,
+    pub ffn_norm: NormWeights,
+    /// Present for gated FFNs.
+    pub w_gate: Option<Linear>,
+    pub w_up: Linear,
+    pub w_down: Linear,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelWeights {
+    /// `vocab × d_model`.
+    pub token_embd: HostTensor,
+    /// Learned positions (OPT): `(max_context + offset) × d_model`.
+    pub pos_embd: Option<HostTensor>,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: NormWeights,
+    /// `vocab × d_model`; `None` when tied to `token_embd`.
+    pub output: Option<HostTensor>,
+    /// Per-pair RoPE frequency divisors (Llama 3.1 GGUF files ship them as a tensor).
+    pub rope_freq_factors: Option<Vec<f32>>,
+}
+
+impl ModelWeights {
+    /// The matrix that maps the final hidden state to logits.
+    pub fn output_matrix(&self) -> &HostTensor {
+        self.output.as_ref().unwrap_or(&self.token_embd)
+    }
+
+    /// Every tensor once, with a stable order (for byte accounting and hashing).
+    pub fn tensors(&self) -> Vec<&HostTensor> {
+        let mut v = vec![&self.token_embd];
+        v.extend(self.pos_embd.as_ref());
+        for l in &self.layers {
+            v.extend(norm_tensors(&l.attn_norm));
+            for lin in [&l.wq, &l.wk, &l.wv, &l.wo] {
+                v.extend(linear_tensors(lin));
+            }
+            v.extend(norm_tensors(&l.ffn_norm));
+            if let Some(g) = &l.w_gate {
+                v.extend(linear_tensors(g));
+            }
+            v.extend(linear_tensors(&l.w_up));
+            v.extend(linear_tensors(&l.w_down));
+        }
+        v.extend(norm_tensors(&self.output_norm));
+        v.extend(self.output.as_ref());
+        v
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.tensors().iter().map(|t| t.data.len()).sum()
+    }
+}
+
+fn norm_tensors(n: &NormWeights) -> impl Iterator<Item = &HostTensor> {
+    std::iter::once(&n.weight).chain(n.bias.as_ref())
+}
+
+fn linear_tensors(l: &Linear) -> impl Iterator<Item = &HostTensor> {
+    std::iter::once(&l.weight).chain(l.bias.as_ref())
+}
+
+/// A loaded model.
+pub struct Model {
+    pub spec: ModelSpec,
+    pub weights: ModelWeights,
+    pub tokenizer: Option<Tokenizer>,
+    pub source: PathBuf,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("spec", &self.spec)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl Model {
+    /// Load a GGUF file or a Hugging Face model directory.
+    pub fn load(path: &Path) -> Result<Model, ModelError> {
+        let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+        let model = if meta.is_dir() {
+            load_hf::load(path)?
+        } else {
+            load_gguf::load(path)?
+        };
+        model.check_shapes()?;
+        Ok(model)
+    }
+
+    /// Every weight has the shape the spec implies.
+    fn check_shapes(&self) -> Result<(), ModelError> {
+        let s = &self.spec;
+        let w = &self.weights;
+        let check = |t: &HostTensor, rows: usize, cols: usize| {
+            if (t.rows, t.cols) != (rows, cols) {
+                Err(ModelError::Shape {
+                    path: self.source.clone(),
+                    name: t.name.clone(),
+                    expected: (rows, cols),
+                    got: (t.rows, t.cols),
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let check_norm = |n: &NormWeights| {
+            check(&n.weight, 1, s.d_model)?;
+            n.bias.as_ref().map_or(Ok(()), |b| check(b, 1, s.d_model))
+        };
+        let check_lin = |l: &Linear, rows: usize, cols: usize| {
+            check(&l.weight, rows, cols)?;
+            l.bias.as_ref().map_or(Ok(()), |b| check(b, 1, rows))
+        };
+        check(&w.token_embd, s.vocab_size, s.d_model)?;
+        if let Some(o) = &w.output {
+            check(o, s.vocab_size, s.d_model)?;
+        }
+        if let (Some(p), PositionEncoding::Learned { offset }) = (&w.pos_embd, &s.position) {
+            if p.cols != s.d_model || p.rows <= *offset {
+                return Err(ModelError::Shape {
+                    path: self.source.clone(),
+                    name: p.name.clone(),
+                    expected: (s.max_context + offset, s.d_model),
+                    got: (p.rows, p.cols),
+                });
+            }
+        }
+        check_norm(&w.output_norm)?;
+        if w.layers.len() != s.n_layers {
+            return Err(ModelError::Format {
+                path: self.source.clone(),
+                msg: format!("{} layers found, {} declared", w.layers.len(), s.n_layers),
+            });
+        }
+        for l in &w.layers {
+            check_norm(&l.attn_norm)?;
+            check_norm(&l.ffn_norm)?;
+            check_lin(&l.wq, s.q_dim(), s.d_model)?;
+            check_lin(&l.wk, s.kv_dim(), s.d_model)?;
+            check_lin(&l.wv, s.kv_dim(), s.d_model)?;
+            check_lin(&l.wo, s.d_model, s.q_dim())?;
+            if let Some(g) = &l.w_gate {
+                check_lin(g, s.d_ff, s.d_model)?;
+            }
+            check_lin(&l.w_up, s.d_ff, s.d_model)?;
+            check_lin(&l.w_down, s.d_model, s.d_ff)?;
+        }
+        if let (Some(f), PositionEncoding::Rope(r)) = (&w.rope_freq_factors, &s.position) {
+            if f.len() != r.dims / 2 {
+                return Err(ModelError::Format {
+                    path: self.source.clone(),
+                    msg: format!("rope_freqs has {} entries, expected {}", f.len(), r.dims / 2),
+                });
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,300 @@
+//! Host-side tensors: the bytes of one weight, its shape and the storage format the backends
+//! compute on directly. Owns nothing about models or devices; `model` produces these, `backend`
+//! consumes them.
+
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+
+/// Elements per quantization block of the 32-wide block formats (Q8_0, Q4_0, Q4_1, Q8_1).
+pub const QK: usize = 32;
+
+/// Storage formats a backend multiplies by without first inflating to f32.
+///
+/// The block layouts are byte-identical to GGML's so GGUF tensors are used straight from the map:
+/// - `Q8_0`: per 32 values an f16 scale `d` and 32 `i8`; x = d·q.
+/// - `Q4_0`: an f16 scale `d` and 16 bytes of nibbles; x = d·(q − 8); low nibbles hold values 0..16.
+/// - `Q4_1`: f16 `d`, f16 `m` and 16 bytes of nibbles; x = d·q + m.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+}
+
+impl DType {
+    /// Bytes taken by `n` values; `n` must be a multiple of [`DType::block_len`].
+    pub fn bytes_for(self, n: usize) -> usize {
+        n / self.block_len() * self.block_bytes()
+    }
+
+    pub fn block_len(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+        }
+    }
+
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
+            DType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
+            DType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::Q8_0 => "q8_0",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self.block_len() > 1
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; QK],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockQ4_0 {
+    pub d: f16,
+    pub qs: [u8; QK / 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct BlockQ4_1 {
+    pub d: f16,
+    pub m: f16,
+    pub qs: [u8; QK / 2],
+}
+
+/// Bytes that are either borrowed from a memory map (zero-copy weights) or owned.
+///
+/// Owned bytes are backed by `u64` words so typed views (`f32`, `f16`, blocks) are always aligned.
+#[derive(Clone)]
+pub enum Bytes {
+    Mapped { map: Arc<Mmap>, range: Range<usize> },
+    Owned { words: Arc<Vec<u64>>, len: usize },
+}
+
+impl Bytes {
+    pub fn from_vec_f32(v: Vec<f32>) -> Self {
+        Self::from_slice(bytemuck::cast_slice(&v))
+    }
+
+    pub fn from_slice(src: &[u8]) -> Self {
+        let mut words = vec![0u64; src.len().div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..src.len()].copy_from_slice(src);
+        Bytes::Owned {
+            words: Arc::new(words),
+            len: src.len(),
+        }
+    }
+
+    /// A view of `range` inside `map`; copied into owned storage when the start is not 8-byte
+    /// aligned, so typed views never fail.
+    pub fn mapped(map: Arc<Mmap>, range: Range<usize>) -> Self {
+        let aligned = (map.as_ptr() as usize + range.start) % 8 == 0;
+        if aligned {
+            Bytes::Mapped { map, range }
+        } else {
+            Self::from_slice(&map[range])
+        }
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped { map, range } => &map[range.clone()],
+            Bytes::Owned { words, len } => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Mapped { range, .. } => range.len(),
+            Bytes::Owned { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn is_mapped(&self) -> bool {
+        matches!(self, Bytes::Mapped { .. })
+    }
+}
+
+impl fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = if self.is_mapped() { "mapped" } else { "owned" };
+        write!(f, "Bytes({kind}, {} bytes)", self.len())
+    }
+}
+
+/// One weight on the host: a matrix of `rows × cols` (row-major, `cols` contiguous; a vector has
+/// one row) in a backend storage format.
+#[derive(Clone, Debug)]
+pub struct HostTensor {
+    pub name: String,
+    pub rows: usize,
+    pub cols: usize,
+    pub dtype: DType,
+    pub data: Bytes,
+}
+
+impl HostTensor {
+    pub fn from_f32(name: impl Into<String>, rows: usize, cols: usize, values: Vec<f32>) -> Self {
+        debug_assert_eq!(values.len(), rows * cols);
+        HostTensor {
+            name: name.into(),
+            rows,
+            cols,
+            dtype: DType::F32,
+            data: Bytes::from_vec_f32(values),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.bytes_for(self.cols)
+    }
+
+    /// The raw bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.data.as_slice()[r * rb..(r + 1) * rb]
+    }
+
+    /// Row `r` as f32 values, whatever the format.
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        decode_row(self.dtype, self.row(r), out);
+    }
+
+    /// The whole tensor as f32 values.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.len()];
+        for (r, chunk) in out.chunks_mut(self.cols.max(1)).enumerate() {
+            self.row_f32(r, chunk);
+        }
+        out
+    }
+}
+
+/// Decode one row of `dtype` bytes into f32 values (`out.len()` values).
+pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
+        DType::F16 => {
+            for (o, v) in out.iter_mut().zip(bytemuck::cast_slice::<u8, f16>(bytes)) {
+                *o = v.to_f32();
+            }
+        }
+        DType::BF16 => {
+            for (o, v) in out.iter_mut().zip(bytemuck::cast_slice::<u8, bf16>(bytes)) {
+                *o = v.to_f32();
+            }
+        }
+        DType::Q8_0 => {
+            let blocks: &[BlockQ8_0] = bytemuck::cast_slice(bytes);
+            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
+                let d = b.d.to_f32();
+                for (o, q) in o.iter_mut().zip(b.qs) {
+                    *o = d * q as f32;
+                }
+            }
+        }
+        DType::Q4_0 => {
+            let blocks: &[BlockQ4_0] = bytemuck::cast_slice(bytes);
+            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
+                let d = b.d.to_f32();
+                for (j, q) in b.qs.iter().enumerate() {
+                    o[j] = d * ((q & 0x0f) as i32 - 8) as f32;
+                    o[j + QK / 2] = d * ((q >> 4) as i32 - 8) as f32;
+                }
+            }
+        }
+        DType::Q4_1 => {
+            let blocks: &[BlockQ4_1] = bytemuck::cast_slice(bytes);
+            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
+                let (d, m) = (b.d.to_f32(), b.m.to_f32());
+                for (j, q) in b.qs.iter().enumerate() {
+                    o[j] = d * (q & 0x0f) as f32 + m;
+                    o[j + QK / 2] = d * (q >> 4) as f32 + m;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sizes_match_ggml() {
+        assert_eq!(DType::Q8_0.block_bytes(), 34);
+        assert_eq!(DType::Q4_0.block_bytes(), 18);
+        assert_eq!(DType::Q4_1.block_bytes(), 20);
+        assert_eq!(DType::Q4_1.bytes_for(64), 40);
+    }
+
+    #[test]
+    fn owned_bytes_roundtrip_f32() {
+        let t = HostTensor::from_f32("x", 2, 3, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let mut row = [0f32; 3];
+        t.row_f32(1, &mut row);
+        assert_eq!(row, [4.0, 5.0, 6.0]);
+        assert_eq!(t.to_f32().len(), 6);
+    }
+
+    #[test]
+    fn q4_1_decodes_low_then_high_nibbles() {
+        let mut qs = [0u8; 16];
+        qs[0] = 0x21; // value 0 -> 1, value 16 -> 2
+        let b = BlockQ4_1 {
+            d: f16::from_f32(0.5),
+            m: f16::from_f32(-1.0),
+            qs,
+        };
+        let mut out = [0f32; 32];
+        decode_row(DType::Q4_1, bytemuck::bytes_of(&b), &mut out);
+        assert_eq!(out[0], -0.5);
+        assert_eq!(out[16], 0.0);
+        assert_eq!(out[1], -1.0);
+    }
+}
