@@ -121,7 +121,7 @@ impl Bytes {
     /// A view of `range` inside `map`; copied into owned storage when the start is not 8-byte
     /// aligned, so typed views never fail.
     pub fn mapped(map: Arc<Mmap>, range: Range<usize>) -> Self {
-        let aligned = (map.as_ptr() as usize + range.start) % 8 == 0;
+        let aligned = (map.as_ptr() as usize + range.start).is_multiple_of(8);
         if aligned {
             Bytes::Mapped { map, range }
         } else {
@@ -215,46 +215,58 @@ impl HostTensor {
     }
 }
 
-/// Decode one row of `dtype` bytes into f32 values (`out.len()` values).
+/// Decode one row of `dtype` bytes into f32 values (`out.len()` values). Reads bytes without
+/// assuming any alignment, so it works on any slice.
 pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    let half = |b: &[u8], at: usize| f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
     match dtype {
-        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
+        DType::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
         DType::F16 => {
-            for (o, v) in out.iter_mut().zip(bytemuck::cast_slice::<u8, f16>(bytes)) {
-                *o = v.to_f32();
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half(b, 0);
             }
         }
         DType::BF16 => {
-            for (o, v) in out.iter_mut().zip(bytemuck::cast_slice::<u8, bf16>(bytes)) {
-                *o = v.to_f32();
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
         DType::Q8_0 => {
-            let blocks: &[BlockQ8_0] = bytemuck::cast_slice(bytes);
-            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
-                let d = b.d.to_f32();
-                for (o, q) in o.iter_mut().zip(b.qs) {
-                    *o = d * q as f32;
+            for (b, o) in bytes
+                .chunks_exact(dtype.block_bytes())
+                .zip(out.chunks_mut(QK))
+            {
+                let d = half(b, 0);
+                for (o, &q) in o.iter_mut().zip(&b[2..]) {
+                    *o = d * q as i8 as f32;
                 }
             }
         }
-        DType::Q4_0 => {
-            let blocks: &[BlockQ4_0] = bytemuck::cast_slice(bytes);
-            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
-                let d = b.d.to_f32();
-                for (j, q) in b.qs.iter().enumerate() {
-                    o[j] = d * ((q & 0x0f) as i32 - 8) as f32;
-                    o[j + QK / 2] = d * ((q >> 4) as i32 - 8) as f32;
-                }
-            }
-        }
-        DType::Q4_1 => {
-            let blocks: &[BlockQ4_1] = bytemuck::cast_slice(bytes);
-            for (b, o) in blocks.iter().zip(out.chunks_mut(QK)) {
-                let (d, m) = (b.d.to_f32(), b.m.to_f32());
-                for (j, q) in b.qs.iter().enumerate() {
-                    o[j] = d * (q & 0x0f) as f32 + m;
-                    o[j + QK / 2] = d * (q >> 4) as f32 + m;
+        DType::Q4_0 | DType::Q4_1 => {
+            let with_min = dtype == DType::Q4_1;
+            for (b, o) in bytes
+                .chunks_exact(dtype.block_bytes())
+                .zip(out.chunks_mut(QK))
+            {
+                let d = half(b, 0);
+                let (m, qs) = if with_min {
+                    (half(b, 2), &b[4..])
+                } else {
+                    (0.0, &b[2..])
+                };
+                for (j, &q) in qs.iter().enumerate() {
+                    let (lo, hi) = ((q & 0x0f) as f32, (q >> 4) as f32);
+                    if with_min {
+                        o[j] = d * lo + m;
+                        o[j + QK / 2] = d * hi + m;
+                    } else {
+                        o[j] = d * (lo - 8.0);
+                        o[j + QK / 2] = d * (hi - 8.0);
+                    }
                 }
             }
         }

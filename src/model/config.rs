@@ -45,7 +45,9 @@ impl Reader<'_> {
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .map(Some)
-                .ok_or_else(|| self.err(format!("`{key}` must be a non-negative integer, got {x}"))),
+                .ok_or_else(|| {
+                    self.err(format!("`{key}` must be a non-negative integer, got {x}"))
+                }),
         }
     }
 
@@ -76,7 +78,11 @@ impl Reader<'_> {
             None | Some(Value::Null) => Ok(vec![]),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(bad))
+                .map(|x| {
+                    x.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(bad)
+                })
                 .collect(),
             Some(x) => x
                 .as_u64()
@@ -120,7 +126,9 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
                 .and_then(Value::as_str)
                 .map(|a| a.trim_end_matches("ForCausalLM").to_lowercase())
         })
-        .ok_or_else(|| r.err("neither `model_type` nor `architectures` says what model this is".into()))?;
+        .ok_or_else(|| {
+            r.err("neither `model_type` nor `architectures` says what model this is".into())
+        })?;
     let dtype = r
         .opt_str("dtype")?
         .or(r.opt_str("torch_dtype")?)
@@ -198,7 +206,6 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         qkv_bias: qwen || attention_bias,
         out_bias: attention_bias && !qwen,
         ffn_bias: false,
-        pre_norm: true,
         position: PositionEncoding::Rope(RopeSpec {
             theta,
             style: RopeStyle::Halves,
@@ -215,7 +222,9 @@ fn rope_params(r: &Reader) -> Result<(f32, RopeScaling), ModelError> {
     let params = r.v.get("rope_parameters").filter(|p| !p.is_null());
     let scaling_obj = params.or_else(|| r.v.get("rope_scaling").filter(|p| !p.is_null()));
     let theta = match params {
-        Some(p) => opt_f32_in(p, "rope_theta").map_err(|m| r.err(format!("rope_parameters: {m}")))?,
+        Some(p) => {
+            opt_f32_in(p, "rope_theta").map_err(|m| r.err(format!("rope_parameters: {m}")))?
+        }
         None => None,
     }
     .or(r.opt_f32("rope_theta")?)
@@ -261,16 +270,20 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
             "hidden_size {d_model} is not divisible by num_attention_heads {n_heads}"
         )));
     }
-    if let Some(p) = r.opt_usize("word_embed_proj_dim")? {
-        if p != d_model {
+    if let Some(p) = r.opt_usize("word_embed_proj_dim")?
+        && p != d_model {
             return Err(r.err(format!(
                 "word_embed_proj_dim {p} differs from hidden_size {d_model}; OPT models with \
                  projected embeddings are not supported"
             )));
         }
-    }
     if r.opt_bool("layer_norm_elementwise_affine")? == Some(false) {
         return Err(r.err("layer_norm_elementwise_affine: false is not supported".into()));
+    }
+    if r.opt_bool("do_layer_norm_before")? == Some(false) {
+        return Err(r.err(
+            "do_layer_norm_before: false (post-norm OPT, e.g. opt-350m) is not supported".into(),
+        ));
     }
     let act_name = r.opt_str("activation_function")?.unwrap_or("relu");
     let activation = Activation::from_hf(act_name)
@@ -298,7 +311,6 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
         qkv_bias: true,
         out_bias: true,
         ffn_bias: true,
-        pre_norm: r.opt_bool("do_layer_norm_before")?.unwrap_or(true),
         position: PositionEncoding::Learned { offset: 2 },
         tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(true),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
@@ -338,7 +350,10 @@ mod tests {
     #[test]
     fn unknown_architecture_is_named() {
         let e = parse_config(Path::new("c.json"), r#"{"model_type":"mamba"}"#).unwrap_err();
-        assert!(e.to_string().contains("unknown architecture `mamba`"), "{e}");
+        assert!(
+            e.to_string().contains("unknown architecture `mamba`"),
+            "{e}"
+        );
     }
 
     #[test]

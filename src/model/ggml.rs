@@ -151,7 +151,7 @@ impl GgmlType {
     /// Reference dequantization to f32 (exactly what GGML computes).
     pub fn dequantize(self, bytes: &[u8], n: usize) -> Result<Vec<f32>, String> {
         let (block_len, block_bytes) = self.block();
-        if n % block_len != 0 || bytes.len() != n / block_len * block_bytes {
+        if !n.is_multiple_of(block_len) || bytes.len() != n / block_len * block_bytes {
             return Err(format!(
                 "{} data of {} bytes does not hold {n} values",
                 self.name(),
@@ -159,7 +159,9 @@ impl GgmlType {
             ));
         }
         let mut out = vec![0f32; n];
-        let blocks = bytes.chunks_exact(block_bytes).zip(out.chunks_exact_mut(block_len));
+        let blocks = bytes
+            .chunks_exact(block_bytes)
+            .zip(out.chunks_exact_mut(block_len));
         match self {
             Self::Q5_0 => blocks.for_each(|(b, y)| dequant_q5(b, y, false)),
             Self::Q5_1 => blocks.for_each(|(b, y)| dequant_q5(b, y, true)),
@@ -169,7 +171,10 @@ impl GgmlType {
             t => match t.host_dtype() {
                 Some(d) if t.is_native() => {
                     let row_bytes = d.bytes_for(block_len);
-                    for (b, y) in bytes.chunks_exact(row_bytes).zip(out.chunks_exact_mut(block_len)) {
+                    for (b, y) in bytes
+                        .chunks_exact(row_bytes)
+                        .zip(out.chunks_exact_mut(block_len))
+                    {
                         crate::tensor::decode_row(d, b, y);
                     }
                 }
@@ -201,8 +206,14 @@ fn dequant_q5(b: &[u8], y: &mut [f32], with_min: bool) {
         let h1 = (qh >> (j + 12)) & 0x10;
         let x0 = ((qs[j] as u32 & 0x0f) | h0) as i32 - offset;
         let x1 = ((qs[j] as u32 >> 4) | h1) as i32 - offset;
-        y[j] = x0 as f32 * d + m;
-        y[j + 16] = x1 as f32 * d + m;
+        // ggml adds the min only for Q5_1 (so Q5_0 keeps the sign of a zero product).
+        if with_min {
+            y[j] = x0 as f32 * d + m;
+            y[j + 16] = x1 as f32 * d + m;
+        } else {
+            y[j] = x0 as f32 * d;
+            y[j + 16] = x1 as f32 * d;
+        }
     }
 }
 

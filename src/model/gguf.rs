@@ -178,7 +178,10 @@ impl GgufMetadata {
     pub fn str_array(&self, key: &str) -> Result<Vec<&str>, ModelError> {
         self.array(key)?
             .iter()
-            .map(|v| v.as_str().ok_or_else(|| self.bad(key, "an array of strings")))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.bad(key, "an array of strings"))
+            })
             .collect()
     }
 
@@ -294,7 +297,10 @@ impl<'a> Cursor<'a> {
             .and_then(|n| n.checked_mul(min_item.max(1)))
             .is_some_and(|bytes| bytes <= self.remaining());
         if !fits {
-            return Err(self.truncated(&format!("{what} (claims {n} items)")));
+            let left = self.remaining();
+            return Err(self.truncated(&format!(
+                "{what} (length {n} does not fit in the {left} bytes left)"
+            )));
         }
         Ok(n as usize)
     }
@@ -456,6 +462,14 @@ impl GgufFile {
                     ),
                 });
             }
+            if offset % alignment != 0 {
+                return Err(ModelError::Format {
+                    path: path.to_path_buf(),
+                    msg: format!(
+                        "tensor `{name}` starts at offset {offset}, not a multiple of the file's alignment {alignment}"
+                    ),
+                });
+            }
             let n_bytes = (n_elems / block_len as u64).checked_mul(block_bytes as u64);
             let start = data_start.checked_add(offset);
             let end = match (start, n_bytes) {
@@ -510,26 +524,35 @@ impl GgufFile {
     /// Load a tensor as a `rows × cols` host tensor: formats the backends compute on are borrowed
     /// from the map, the others are decoded (see [`GgmlType::host_dtype`]).
     pub fn load(&self, name: &str) -> Result<HostTensor, ModelError> {
-        let info = self.tensors.get(name).ok_or_else(|| ModelError::MissingTensor {
-            path: self.path.clone(),
-            name: name.to_string(),
-        })?;
+        let info = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.path.clone(),
+                name: name.to_string(),
+            })?;
         let cols = info.dims[0] as usize;
-        if info.dims[2..].iter().any(|&d| d != 1) {
+        if info.dims.iter().skip(2).any(|&d| d != 1) {
             return Err(ModelError::Format {
                 path: self.path.clone(),
-                msg: format!("tensor `{name}` has shape {:?}; expected a matrix", info.dims),
+                msg: format!(
+                    "tensor `{name}` has shape {:?}; expected a matrix",
+                    info.dims
+                ),
             });
         }
         let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
-        let dtype = info.ggml_type.host_dtype().ok_or_else(|| ModelError::Unsupported {
-            path: self.path.clone(),
-            msg: format!(
-                "tensor `{name}` uses quantization type {}, which is not supported \
+        let dtype = info
+            .ggml_type
+            .host_dtype()
+            .ok_or_else(|| ModelError::Unsupported {
+                path: self.path.clone(),
+                msg: format!(
+                    "tensor `{name}` uses quantization type {}, which is not supported \
                  (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)",
-                info.ggml_type.name()
-            ),
-        })?;
+                    info.ggml_type.name()
+                ),
+            })?;
         let data = if info.ggml_type.is_native() {
             Bytes::mapped(self.map.clone(), info.offset..info.offset + info.n_bytes)
         } else {

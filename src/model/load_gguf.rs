@@ -83,7 +83,6 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
         qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
         out_bias: file.tensor_info("blk.0.attn_output.bias").is_some(),
         ffn_bias: false,
-        pre_norm: true,
         position: PositionEncoding::Rope(RopeSpec {
             theta: meta.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
             style,

@@ -132,10 +132,13 @@ impl Checkpoint {
     }
 
     fn load(&self, name: &str) -> Result<HostTensor, ModelError> {
-        let e = self.entries.get(name).ok_or_else(|| ModelError::MissingTensor {
-            path: self.dir.clone(),
-            name: name.to_string(),
-        })?;
+        let e = self
+            .entries
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                path: self.dir.clone(),
+                name: name.to_string(),
+            })?;
         let (path, map) = &self.files[e.file];
         let dtype = match e.dtype {
             Dtype::F32 => DType::F32,
@@ -170,7 +173,8 @@ impl Checkpoint {
 
 pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let text =
+        std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
     let config = parse_config(&config_path, &text)?;
     let spec = config.spec.clone();
     let ckpt = Checkpoint::open(dir)?;

@@ -59,7 +59,9 @@ pub enum RopeStyle {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1 frequency-dependent scaling.
     Llama3 {
         factor: f32,
@@ -123,7 +125,9 @@ impl RopeSpec {
 pub enum PositionEncoding {
     Rope(RopeSpec),
     /// A learned table indexed by `position + offset` (OPT uses offset 2).
-    Learned { offset: usize },
+    Learned {
+        offset: usize,
+    },
 }
 
 /// The shape and numerics of one model.
@@ -149,8 +153,6 @@ pub struct ModelSpec {
     pub qkv_bias: bool,
     pub out_bias: bool,
     pub ffn_bias: bool,
-    /// Norm before each sub-block (every LLaMA; OPT unless `do_layer_norm_before` is false).
-    pub pre_norm: bool,
     pub position: PositionEncoding,
     pub tied_output: bool,
     /// Multiplier on q·k before the softmax.
@@ -182,7 +184,7 @@ impl ModelSpec {
                 return Err(format!("{what} is 0"));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "{} attention heads are not a multiple of {} KV heads",
                 self.n_heads, self.n_kv_heads
