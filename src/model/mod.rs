@@ -13,14 +13,16 @@ use std::path::{Path, PathBuf};
 
 use thiserror::Error;
 
-pub use spec::{Activation, Arch, ModelSpec, NormKind, PositionEncoding, RopeScaling, RopeSpec, RopeStyle};
+pub use spec::{
+    Activation, Arch, ModelSpec, NormKind, PositionEncoding, RopeScaling, RopeSpec, RopeStyle,
+};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 use crate::tensor::HostTensor;
 
 #[derive(Debug, Error)]
 pub enum ModelError {
-    #[error("{}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Io {
         path: PathBuf,
         #[source]
@@ -196,8 +198,8 @@ impl Model {
         if let Some(o) = &w.output {
             check(o, s.vocab_size, s.d_model)?;
         }
-        if let (Some(p), PositionEncoding::Learned { offset }) = (&w.pos_embd, &s.position) {
-            if p.cols != s.d_model || p.rows <= *offset {
+        if let (Some(p), PositionEncoding::Learned { offset }) = (&w.pos_embd, &s.position)
+            && (p.cols != s.d_model || p.rows <= *offset) {
                 return Err(ModelError::Shape {
                     path: self.source.clone(),
                     name: p.name.clone(),
@@ -205,7 +207,6 @@ impl Model {
                     got: (p.rows, p.cols),
                 });
             }
-        }
         check_norm(&w.output_norm)?;
         if w.layers.len() != s.n_layers {
             return Err(ModelError::Format {
@@ -226,14 +227,38 @@ impl Model {
             check_lin(&l.w_up, s.d_ff, s.d_model)?;
             check_lin(&l.w_down, s.d_model, s.d_ff)?;
         }
-        if let (Some(f), PositionEncoding::Rope(r)) = (&w.rope_freq_factors, &s.position) {
-            if f.len() != r.dims / 2 {
+        if let (Some(f), PositionEncoding::Rope(r)) = (&w.rope_freq_factors, &s.position)
+            && f.len() != r.dims / 2 {
                 return Err(ModelError::Format {
                     path: self.source.clone(),
-                    msg: format!("rope_freqs has {} entries, expected {}", f.len(), r.dims / 2),
+                    msg: format!(
+                        "rope_freqs has {} entries, expected {}",
+                        f.len(),
+                        r.dims / 2
+                    ),
                 });
             }
-        }
         Ok(())
     }
+}
+
+/// File name of the default model that `scripts/fetch-models.sh` downloads.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where fetched models live: `$GPU_OFFLOAD_MODELS`, else `$XDG_CACHE_HOME/gpu-offload/models`,
+/// else `~/.cache/gpu-offload/models`.
+pub fn models_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("GPU_OFFLOAD_MODELS") {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    cache.join("gpu-offload").join("models")
+}
+
+/// The model `run` uses when none is given.
+pub fn default_model_path() -> PathBuf {
+    models_dir().join(DEFAULT_MODEL_FILE)
 }

@@ -1,0 +1,285 @@
+//! Chat templates: render a model's Jinja template with minijinja the way transformers'
+//! `apply_chat_template` does (trim_blocks, lstrip_blocks, loop controls, Python string and dict
+//! methods, `raise_exception`, `strftime_now`, a Python-style `tojson`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Kwargs, Object, ValueKind};
+use minijinja::{Environment, Error, ErrorKind, Value};
+
+use super::{ChatMessage, TokenizeError};
+
+/// Render `template` for `messages`.
+pub(crate) fn render(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: &str,
+    eos_token: &str,
+) -> Result<String, TokenizeError> {
+    let env = environment()?;
+    let tmpl = env
+        .template_from_str(template)
+        .map_err(|e| TokenizeError(format!("chat template does not parse: {e:#}")))?;
+    let messages: Vec<Value> = messages
+        .iter()
+        .map(|m| Value::from_object(Message(m.clone())))
+        .collect();
+    let ctx = BTreeMap::from([
+        ("messages", Value::from(messages)),
+        ("add_generation_prompt", Value::from(add_generation_prompt)),
+        ("bos_token", Value::from(bos_token)),
+        ("eos_token", Value::from(eos_token)),
+    ]);
+    tmpl.render(ctx)
+        .map_err(|e| TokenizeError(format!("chat template failed: {e:#}")))
+}
+
+/// A message as a template sees it: a map with keys in Python's order (role, then content).
+#[derive(Debug)]
+struct Message(ChatMessage);
+
+impl Object for Message {
+    fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
+        match key.as_str()? {
+            "role" => Some(Value::from(self.0.role.as_str())),
+            "content" => Some(Value::from(self.0.content.as_str())),
+            _ => None,
+        }
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Str(&["role", "content"])
+    }
+}
+
+fn environment() -> Result<Environment<'static>, TokenizeError> {
+    let mut env = Environment::new();
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .map_err(|e| TokenizeError(format!("chat template syntax: {e}")))?;
+    env.set_syntax(syntax);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_filter("tojson", tojson);
+    Ok(env)
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False, indent=indent)` (what transformers' `tojson`
+/// does): `", "` and `": "` separators without indent, newlines with it.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let mut out = String::new();
+    write_json(&value, indent, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+fn write_json(
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), Error> {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => out.push_str(&v.to_string()),
+        ValueKind::String => write_json_string(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            write_container(out, indent, depth, ('[', ']'), &items, |item, out| {
+                write_json(item, indent, depth + 1, out)
+            })?;
+        }
+        ValueKind::Map => {
+            let keys: Vec<Value> = v.try_iter()?.collect();
+            write_container(out, indent, depth, ('{', '}'), &keys, |key, out| {
+                write_json_string(&key.to_string(), out);
+                out.push_str(": ");
+                write_json(&v.get_item(key)?, indent, depth + 1, out)
+            })?;
+        }
+        _ => write_json_string(&v.to_string(), out),
+    }
+    Ok(())
+}
+
+fn write_container(
+    out: &mut String,
+    indent: Option<usize>,
+    depth: usize,
+    (open, close): (char, char),
+    items: &[Value],
+    mut item: impl FnMut(&Value, &mut String) -> Result<(), Error>,
+) -> Result<(), Error> {
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return Ok(());
+    }
+    let newline = |out: &mut String, level: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    for (i, v) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(if indent.is_some() { "," } else { ", " });
+        }
+        newline(out, depth + 1);
+        item(v, out)?;
+    }
+    newline(out, depth);
+    out.push(close);
+    Ok(())
+}
+
+fn write_json_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0C}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+
+/// The current UTC time formatted with the common `strftime` directives (Llama 3 templates put
+/// `strftime_now("%d %b %Y")` in their system prompt).
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format_time(secs, &format)
+}
+
+fn format_time(unix_secs: u64, format: &str) -> String {
+    let (y, m, d) = civil_from_days((unix_secs / 86_400) as i64);
+    let tod = unix_secs % 86_400;
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('B') => out.push_str(month),
+            Some('b') => out.push_str(&month[..3]),
+            Some('H') => out.push_str(&format!("{:02}", tod / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", tod / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", tod % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// (year, month 1..=12, day 1..=31) of a day count since 1970-01-01 (proleptic Gregorian).
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    #[test]
+    fn renders_hf_style_templates() {
+        let t = "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}SYS\n{% endif %}\
+                 {{ '<' + m.role + '>' + m.content.strip() }}\n{% endfor %}\
+                 {% if add_generation_prompt %}<assistant>{% endif %}";
+        let out = render(t, &[msg("user", "  hi  ")], true, "<s>", "</s>").unwrap();
+        assert_eq!(out, "SYS\n<user>hi\n<assistant>");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let t = "{{ raise_exception('only user and assistant roles') }}";
+        let err = render(t, &[], false, "", "").unwrap_err();
+        assert!(err.0.contains("only user and assistant roles"), "{err}");
+    }
+
+    #[test]
+    fn tojson_is_pythons() {
+        let t = "{{ messages[0] | tojson }}|{{ [1, 'a\"'] | tojson(indent=2) }}";
+        let out = render(t, &[msg("user", "é\n")], false, "", "").unwrap();
+        assert_eq!(
+            out,
+            "{\"role\": \"user\", \"content\": \"é\\n\"}|[\n  1,\n  \"a\\\"\"\n]"
+        );
+    }
+
+    #[test]
+    fn dates_format_like_strftime() {
+        // 2024-07-23 12:34:56 UTC
+        assert_eq!(
+            format_time(1_721_738_096, "%d %b %Y %H:%M:%S"),
+            "23 Jul 2024 12:34:56"
+        );
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+    }
+}
