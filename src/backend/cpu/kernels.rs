@@ -1,0 +1,743 @@
+//! Row kernels of the CPU backend: dot products of one weight row (in its storage format) with
+//! activations, and the activation quantizer for the integer paths. Each kernel has a portable
+//! version (the reference) and an AVX2/FMA/F16C version chosen once at run time.
+//!
+//! Quantized weights multiply 8-bit activations the way llama.cpp does (Q8_0/Q8_1 activation
+//! blocks with f16-rounded scales), so its results and ours round alike.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+
+use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+
+/// One block of 32 activations quantized to 8 bits: x ≈ d·q.
+/// `d` and `s = d·Σq` hold f16-rounded values, as llama.cpp stores them; `isum = Σq` is exact.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ActBlock {
+    pub d: f32,
+    pub s: f32,
+    pub isum: i32,
+    pub qs: [i8; QK],
+}
+
+/// The kernel set for this machine.
+pub struct Kernels {
+    pub name: &'static str,
+    pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    pub dot_f16: fn(&[f16], &[f32]) -> f32,
+    pub dot_bf16: fn(&[bf16], &[f32]) -> f32,
+    pub dot_q8_0: fn(&[BlockQ8_0], &[ActBlock]) -> f32,
+    pub dot_q4_0: fn(&[BlockQ4_0], &[ActBlock]) -> f32,
+    pub dot_q4_1: fn(&[BlockQ4_1], &[ActBlock]) -> f32,
+    pub quantize: fn(&[f32], &mut [ActBlock]),
+}
+
+/// The best kernels this CPU supports (detected once). `GPU_OFFLOAD_KERNELS=portable|avx2|avx512vnni`
+/// restricts the choice (tests compare the sets).
+pub fn kernels() -> &'static Kernels {
+    static K: OnceLock<Kernels> = OnceLock::new();
+    K.get_or_init(|| {
+        let forced = std::env::var("GPU_OFFLOAD_KERNELS").ok();
+        let allow = |name: &str| forced.as_deref().is_none_or(|f| f == name);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if allow("avx512vnni") && x86::supported() && x86::vnni::supported() {
+                return x86::vnni::KERNELS;
+            }
+            if allow("avx2") && x86::supported() {
+                return x86::KERNELS;
+            }
+        }
+        PORTABLE
+    })
+}
+
+pub const PORTABLE: Kernels = Kernels {
+    name: "portable",
+    dot_f32: portable::dot_f32,
+    dot_f16: portable::dot_f16,
+    dot_bf16: portable::dot_bf16,
+    dot_q8_0: portable::dot_q8_0,
+    dot_q4_0: portable::dot_q4_0,
+    dot_q4_1: portable::dot_q4_1,
+    quantize: portable::quantize,
+};
+
+fn round_f16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+pub mod portable {
+    use super::*;
+
+    pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+        // Eight partial sums: the same association the SIMD version uses, and faster.
+        let mut acc = [0f32; 8];
+        let chunks = w.len() / 8 * 8;
+        for (wc, xc) in w[..chunks].chunks_exact(8).zip(x[..chunks].chunks_exact(8)) {
+            for i in 0..8 {
+                acc[i] += wc[i] * xc[i];
+            }
+        }
+        let mut sum: f32 = acc.iter().sum();
+        for i in chunks..w.len() {
+            sum += w[i] * x[i];
+        }
+        sum
+    }
+
+    pub fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
+        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+    }
+
+    pub fn dot_bf16(w: &[bf16], x: &[f32]) -> f32 {
+        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+    }
+
+    pub fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+        w.iter()
+            .zip(x)
+            .map(|(b, a)| {
+                let dot: i32 =
+                    b.qs.iter()
+                        .zip(a.qs)
+                        .map(|(&p, q)| p as i32 * q as i32)
+                        .sum();
+                b.d.to_f32() * a.d * dot as f32
+            })
+            .sum()
+    }
+
+    fn nibble_dot(qs: &[u8; QK / 2], a: &ActBlock) -> i32 {
+        let (lo, hi) = a.qs.split_at(QK / 2);
+        qs.iter()
+            .zip(lo.iter().zip(hi))
+            .map(|(&q, (&x0, &x1))| (q & 0x0f) as i32 * x0 as i32 + (q >> 4) as i32 * x1 as i32)
+            .sum()
+    }
+
+    pub fn dot_q4_0(w: &[BlockQ4_0], x: &[ActBlock]) -> f32 {
+        w.iter()
+            .zip(x)
+            .map(|(b, a)| {
+                let dot = nibble_dot(&b.qs, a) - 8 * a.isum;
+                b.d.to_f32() * a.d * dot as f32
+            })
+            .sum()
+    }
+
+    pub fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
+        w.iter()
+            .zip(x)
+            .map(|(b, a)| {
+                let dot = nibble_dot(&b.qs, a);
+                b.d.to_f32() * a.d * dot as f32 + b.m.to_f32() * a.s
+            })
+            .sum()
+    }
+
+    /// llama.cpp's x86 activation quantizer: d = max|x|/127 (stored as f16), q = round-half-even
+    /// (x·127/max|x|), s = f16(d·Σq).
+    pub fn quantize(x: &[f32], out: &mut [ActBlock]) {
+        for (xs, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, &v) in o.qs.iter_mut().zip(xs) {
+                let r = (v * id).round_ties_even() as i32;
+                *q = r as i8;
+                sum += r;
+            }
+            o.d = round_f16(d);
+            o.isum = sum;
+            o.s = round_f16(d * sum as f32);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use half::bf16;
+    use std::arch::x86_64::*;
+
+    pub fn supported() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    pub const KERNELS: Kernels = Kernels {
+        name: "avx2",
+        dot_f32,
+        dot_f16,
+        dot_bf16,
+        dot_q8_0,
+        dot_q4_0,
+        dot_q4_1,
+        quantize,
+    };
+
+    // The safe wrappers below are installed only after `supported()` returned true.
+
+    fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+        // SAFETY: AVX2+FMA present (checked before this table is used).
+        unsafe { dot_f32_avx2(w, x) }
+    }
+    fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
+        // SAFETY: as above, plus F16C.
+        unsafe { dot_f16_avx2(w, x) }
+    }
+    fn dot_bf16(w: &[bf16], x: &[f32]) -> f32 {
+        // SAFETY: as above.
+        unsafe { dot_bf16_avx2(w, x) }
+    }
+    fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+        // SAFETY: as above.
+        unsafe { dot_q8_0_avx2(w, x) }
+    }
+    fn dot_q4_0(w: &[BlockQ4_0], x: &[ActBlock]) -> f32 {
+        // SAFETY: as above.
+        unsafe { dot_q4_avx2::<false>(bytemuck::cast_slice(w), x) }
+    }
+    fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
+        // SAFETY: as above.
+        unsafe { dot_q4_avx2::<true>(bytemuck::cast_slice(w), x) }
+    }
+    fn quantize(x: &[f32], out: &mut [ActBlock]) {
+        // SAFETY: as above.
+        unsafe { quantize_avx2(x, out) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_f32_avx2(w: &[f32], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 8 floats at i < n - 7 (or i + 24 < n for the unrolled loop).
+        unsafe {
+            while i + 32 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * k;
+                    *a =
+                        _mm256_fmadd_ps(_mm256_loadu_ps(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(wp.add(i)),
+                    _mm256_loadu_ps(xp.add(i)),
+                    acc[0],
+                );
+                i += 8;
+            }
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut sum = hsum(v);
+        for j in i..n {
+            sum += w[j] * x[j];
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_f16_avx2(w: &[f16], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let (wp, xp) = (w.as_ptr() as *const u16, x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: loads of 8 halves / 8 floats stay below n.
+        unsafe {
+            while i + 32 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * k;
+                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(o) as *const __m128i));
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(o)), *a);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(i) as *const __m128i));
+                acc[0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(i)), acc[0]);
+                i += 8;
+            }
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut sum = hsum(v);
+        for j in i..n {
+            sum += w[j].to_f32() * x[j];
+        }
+        sum
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_bf16_avx2(w: &[bf16], x: &[f32]) -> f32 {
+        let n = w.len().min(x.len());
+        let (wp, xp) = (w.as_ptr() as *const u16, x.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut i = 0;
+        // SAFETY: loads of 8 bf16 / 8 floats stay below n.
+        unsafe {
+            while i + 16 <= n {
+                for (k, a) in acc.iter_mut().enumerate() {
+                    let o = i + 8 * k;
+                    let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(wp.add(o) as *const __m128i));
+                    let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h));
+                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(o)), *a);
+                }
+                i += 16;
+            }
+        }
+        let mut sum = hsum(_mm256_add_ps(acc[0], acc[1]));
+        for j in i..n {
+            sum += w[j].to_f32() * x[j];
+        }
+        sum
+    }
+
+    /// Σ over 32 lanes of u8 × i8 products, as 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn mul_sum_u8_i8(a: __m256i, b: __m256i) -> __m256i {
+        let p16 = _mm256_maddubs_epi16(a, b);
+        _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
+    }
+
+    /// Eight copies of an f16 as f32. (A scalar conversion compiles to an insert that depends on
+    /// whatever register it merges into, which chained the blocks of the loops below.)
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn h2f8(bits: u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
+    }
+
+    /// Integer dot product of one Q8_0 weight block with one activation block, as 8 f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn q8_block(b: &BlockQ8_0, a: &ActBlock) -> __m256 {
+        // SAFETY: each block holds 32 i8 values; unaligned loads.
+        let (wv, xv) = unsafe {
+            (
+                _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i),
+                _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i),
+            )
+        };
+        // |w| as u8 times x carrying w's sign: maddubs needs one unsigned operand.
+        _mm256_cvtepi32_ps(mul_sum_u8_i8(
+            _mm256_sign_epi8(wv, wv),
+            _mm256_sign_epi8(xv, wv),
+        ))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q8_0_avx2(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+        // Two accumulators: consecutive blocks do not wait on each other's FMA.
+        let mut acc = [_mm256_setzero_ps(); 2];
+        let pairs = w.len().min(x.len()) / 2;
+        for i in 0..pairs {
+            for (k, a) in acc.iter_mut().enumerate() {
+                let (b, xa) = (&w[2 * i + k], &x[2 * i + k]);
+                let scale = _mm256_mul_ps(h2f8(b.d.to_bits()), _mm256_set1_ps(xa.d));
+                // SAFETY: blocks are whole structs.
+                *a = _mm256_fmadd_ps(scale, unsafe { q8_block(b, xa) }, *a);
+            }
+        }
+        if w.len().min(x.len()) % 2 == 1 {
+            let (b, xa) = (&w[2 * pairs], &x[2 * pairs]);
+            let scale = _mm256_mul_ps(h2f8(b.d.to_bits()), _mm256_set1_ps(xa.d));
+            // SAFETY: as above.
+            acc[0] = _mm256_fmadd_ps(scale, unsafe { q8_block(b, xa) }, acc[0]);
+        }
+        hsum(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    /// One Q4 block (`header` bytes of scales, then 16 bytes of nibbles) against one activation
+    /// block: (d_w·d_x·Σ q_w q_x as 8 lanes, offset term as 8 equal lanes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_block<const WITH_MIN: bool>(wb: *const u8, a: &ActBlock) -> (__m256, __m256) {
+        let header = if WITH_MIN { 4 } else { 2 };
+        let mask = _mm_set1_epi8(0x0f);
+        // SAFETY: the caller passes a whole block; the activation block has 32 i8.
+        let (packed, xv, d_bits, m_bits) = unsafe {
+            (
+                _mm_loadu_si128(wb.add(header) as *const __m128i),
+                _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i),
+                (wb as *const u16).read_unaligned(),
+                if WITH_MIN {
+                    (wb.add(2) as *const u16).read_unaligned()
+                } else {
+                    0
+                },
+            )
+        };
+        let lo = _mm_and_si128(packed, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(packed), mask);
+        let prod = _mm256_cvtepi32_ps(mul_sum_u8_i8(_mm256_set_m128i(hi, lo), xv));
+        let scale = _mm256_mul_ps(h2f8(u16::from_le(d_bits)), _mm256_set1_ps(a.d));
+        let offset = if WITH_MIN {
+            // m·s: the min times the (scaled) sum of the activations.
+            _mm256_mul_ps(h2f8(u16::from_le(m_bits)), _mm256_set1_ps(a.s))
+        } else {
+            // d_w·d_x·Σq_x, for the −8 offset of Q4_0 codes.
+            _mm256_mul_ps(scale, _mm256_set1_ps(a.isum as f32))
+        };
+        (_mm256_mul_ps(scale, prod), offset)
+    }
+
+    /// Q4_0 (`WITH_MIN = false`, blocks of 18 bytes) and Q4_1 (`true`, 20 bytes).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_q4_avx2<const WITH_MIN: bool>(w: &[u8], x: &[ActBlock]) -> f32 {
+        let block = if WITH_MIN { 20 } else { 18 };
+        let n = (w.len() / block).min(x.len());
+        let p = w.as_ptr();
+        // Even and odd blocks accumulate separately so consecutive blocks do not wait on
+        // each other's adds.
+        let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut off0, mut off1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY: i + 1 < n, so both blocks lie inside `w` and `x`.
+        unsafe {
+            while i + 1 < n {
+                let (d0, o0) = q4_block::<WITH_MIN>(p.add(i * block), &x[i]);
+                let (d1, o1) = q4_block::<WITH_MIN>(p.add((i + 1) * block), &x[i + 1]);
+                acc0 = _mm256_add_ps(acc0, d0);
+                acc1 = _mm256_add_ps(acc1, d1);
+                off0 = _mm256_add_ps(off0, o0);
+                off1 = _mm256_add_ps(off1, o1);
+                i += 2;
+            }
+            if i < n {
+                let (d0, o0) = q4_block::<WITH_MIN>(p.add(i * block), &x[i]);
+                acc0 = _mm256_add_ps(acc0, d0);
+                off0 = _mm256_add_ps(off0, o0);
+            }
+        }
+        let dots = hsum(_mm256_add_ps(acc0, acc1));
+        // Every lane of the offset sums holds the same value; take lane 0.
+        let off = _mm256_cvtss_f32(_mm256_add_ps(off0, off1));
+        if WITH_MIN {
+            dots + off
+        } else {
+            dots - 8.0 * off
+        }
+    }
+
+    /// AVX-512 VNNI: two 32-value blocks per 512-bit `vpdpbusd` (u8 × i8 → i32 in one op).
+    pub mod vnni {
+        use super::*;
+
+        pub fn supported() -> bool {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+        }
+
+        pub const KERNELS: Kernels = Kernels {
+            name: "avx512vnni",
+            dot_q8_0,
+            dot_q4_0,
+            dot_q4_1,
+            ..super::KERNELS
+        };
+
+        fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+            // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+            unsafe { dot_q8_0_vnni(w, x) }
+        }
+        fn dot_q4_0(w: &[BlockQ4_0], x: &[ActBlock]) -> f32 {
+            // SAFETY: as above.
+            unsafe { dot_q4_vnni::<false>(bytemuck::cast_slice(w), x) }
+        }
+        fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
+            // SAFETY: as above.
+            unsafe { dot_q4_vnni::<true>(bytemuck::cast_slice(w), x) }
+        }
+
+        /// [a × 8, b × 8] as 16 f32 lanes.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn pair_ps(a: f32, b: f32) -> __m512 {
+            let lo = _mm512_castps256_ps512(_mm256_set1_ps(a));
+            _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                _mm512_castps_pd(lo),
+                _mm256_castps_pd(_mm256_set1_ps(b)),
+            ))
+        }
+
+        /// [f16 a × 8, f16 b × 8] as 16 f32 lanes.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2")]
+        fn pair_h(a: u16, b: u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_set_m128i(
+                _mm_set1_epi16(b as i16),
+                _mm_set1_epi16(a as i16),
+            ))
+        }
+
+        /// The 32 activation codes of two blocks as one register.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn act_pair(a0: &ActBlock, a1: &ActBlock) -> __m512i {
+            // SAFETY: each block has 32 i8.
+            unsafe {
+                let x0 = _mm256_loadu_si256(a0.qs.as_ptr() as *const __m256i);
+                let x1 = _mm256_loadu_si256(a1.qs.as_ptr() as *const __m256i);
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1)
+            }
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn dot_q8_0_vnni(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+            let n = w.len().min(x.len());
+            let flip = _mm512_set1_epi8(-128);
+            let mut acc = _mm512_setzero_ps();
+            let mut i = 0;
+            while i + 1 < n {
+                let (b0, b1, a0, a1) = (&w[i], &w[i + 1], &x[i], &x[i + 1]);
+                // SAFETY: whole blocks.
+                let (wz, xz) = unsafe {
+                    let w0 = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);
+                    let w1 = _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i);
+                    (
+                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
+                        act_pair(a0, a1),
+                    )
+                };
+                // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
+                let dot =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wz, flip), xz);
+                let f = _mm512_cvtepi32_ps(dot);
+                let scale =
+                    _mm512_mul_ps(pair_h(b0.d.to_bits(), b1.d.to_bits()), pair_ps(a0.d, a1.d));
+                // Each block's 128·Σx spread over its 8 lanes: 16·Σx per lane.
+                let corr = pair_ps(16.0 * a0.isum as f32, 16.0 * a1.isum as f32);
+                acc = _mm512_fmadd_ps(scale, _mm512_sub_ps(f, corr), acc);
+                i += 2;
+            }
+            let mut sum = _mm512_reduce_add_ps(acc);
+            if i < n {
+                sum += super::dot_q8_0(&w[i..i + 1], &x[i..i + 1]);
+            }
+            sum
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn dot_q4_vnni<const WITH_MIN: bool>(w: &[u8], x: &[ActBlock]) -> f32 {
+            let block = if WITH_MIN { 20 } else { 18 };
+            let header = block - 16;
+            let n = (w.len() / block).min(x.len());
+            let mask = _mm256_set1_epi8(0x0f);
+            let p = w.as_ptr();
+            let (mut acc, mut off) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let mut i = 0;
+            while i + 1 < n {
+                let (a0, a1) = (&x[i], &x[i + 1]);
+                // SAFETY: blocks i and i + 1 lie inside `w` (i + 1 < n).
+                let (packed, d0, d1, m0, m1, xz) = unsafe {
+                    let w0 = p.add(i * block);
+                    let w1 = p.add((i + 1) * block);
+                    let rd = |q: *const u8| u16::from_le((q as *const u16).read_unaligned());
+                    (
+                        _mm256_set_m128i(
+                            _mm_loadu_si128(w1.add(header) as *const __m128i),
+                            _mm_loadu_si128(w0.add(header) as *const __m128i),
+                        ),
+                        rd(w0),
+                        rd(w1),
+                        if WITH_MIN { rd(w0.add(2)) } else { 0 },
+                        if WITH_MIN { rd(w1.add(2)) } else { 0 },
+                        act_pair(a0, a1),
+                    )
+                };
+                let lo = _mm256_and_si256(packed, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), mask);
+                // 128-bit lanes [lo0, lo1, hi0, hi1] → [lo0, hi0, lo1, hi1], the activation order.
+                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let wz = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+                let f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, xz));
+                let scale = _mm512_mul_ps(pair_h(d0, d1), pair_ps(a0.d, a1.d));
+                acc = _mm512_fmadd_ps(scale, f, acc);
+                // Offsets, one copy per lane of each block's half: lanes 0 and 8 carry them.
+                off = if WITH_MIN {
+                    _mm512_fmadd_ps(pair_h(m0, m1), pair_ps(a0.s, a1.s), off)
+                } else {
+                    _mm512_fmadd_ps(scale, pair_ps(a0.isum as f32, a1.isum as f32), off)
+                };
+                i += 2;
+            }
+            let mut lanes = [0f32; 16];
+            // SAFETY: 16 floats.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), off) };
+            let offset = lanes[0] + lanes[8];
+            let mut sum = _mm512_reduce_add_ps(acc) + if WITH_MIN { offset } else { -8.0 * offset };
+            if i < n {
+                // SAFETY: one whole block remains.
+                sum += unsafe {
+                    dot_q4_avx2::<WITH_MIN>(&w[i * block..(i + 1) * block], &x[i..i + 1])
+                };
+            }
+            sum
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quantize_avx2(x: &[f32], out: &mut [ActBlock]) {
+        let sign_mask = _mm256_set1_ps(-0.0);
+        for (xs, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
+            // SAFETY: each chunk has exactly 32 floats.
+            let v: [__m256; 4] =
+                std::array::from_fn(|k| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * k)) });
+            let mut m = _mm256_andnot_ps(sign_mask, v[0]);
+            for vk in &v[1..] {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vk));
+            }
+            let m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let q: [__m256i; 4] = std::array::from_fn(|k| {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(v[k], id),
+                );
+                _mm256_cvtps_epi32(r)
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let s4 = _mm_add_epi32(
+                _mm256_extracti128_si256::<1>(sum),
+                _mm256_castsi256_si128(sum),
+            );
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let isum = _mm_cvtsi128_si32(s4);
+            // Pack 32 i32 → 32 i8 in order: packs interleave 128-bit lanes, the permute undoes it.
+            let p01 = _mm256_packs_epi32(q[0], q[1]);
+            let p23 = _mm256_packs_epi32(q[2], q[3]);
+            let p = _mm256_packs_epi16(p01, p23);
+            let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            // SAFETY: qs has 32 bytes.
+            unsafe { _mm256_storeu_si256(o.qs.as_mut_ptr() as *mut __m256i, p) };
+            o.d = round_f16(d);
+            o.isum = isum;
+            o.s = round_f16(d * isum as f32);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+    fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+    }
+
+    fn rel(a: f32, b: f32) -> f32 {
+        (a - b).abs() / b.abs().max(1.0)
+    }
+
+    #[test]
+    fn simd_kernels_equal_portable() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if x86::supported() {
+                check_against_portable(&x86::KERNELS);
+                if x86::vnni::supported() {
+                    check_against_portable(&x86::vnni::KERNELS);
+                }
+            }
+        }
+        check_against_portable(kernels());
+    }
+
+    fn check_against_portable(k: &Kernels) {
+        let mut rng = StdRng::seed_from_u64(7);
+        for n in [32usize, 64, 96, 576, 1536] {
+            let w = rand_vec(&mut rng, n);
+            let x = rand_vec(&mut rng, n);
+            assert!(rel((k.dot_f32)(&w, &x), portable::dot_f32(&w, &x)) < 1e-5);
+            let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+            assert!(rel((k.dot_f16)(&wh, &x), portable::dot_f16(&wh, &x)) < 1e-5);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            assert!(rel((k.dot_bf16)(&wb, &x), portable::dot_bf16(&wb, &x)) < 1e-5);
+
+            let mut qa = vec![ActBlock::default(); n / QK];
+            let mut qb = vec![ActBlock::default(); n / QK];
+            (k.quantize)(&x, &mut qa);
+            portable::quantize(&x, &mut qb);
+            for (a, b) in qa.iter().zip(&qb) {
+                assert_eq!(a.qs, b.qs);
+                assert_eq!((a.d, a.s, a.isum), (b.d, b.s, b.isum));
+            }
+
+            let q8: Vec<BlockQ8_0> = (0..n / QK)
+                .map(|_| BlockQ8_0 {
+                    d: f16::from_f32(rng.random_range(0.001f32..0.1)),
+                    qs: std::array::from_fn(|_| rng.random_range(-128i32..=127) as i8),
+                })
+                .collect();
+            assert!(rel((k.dot_q8_0)(&q8, &qa), portable::dot_q8_0(&q8, &qa)) < 1e-5);
+            let q40: Vec<BlockQ4_0> = (0..n / QK)
+                .map(|_| BlockQ4_0 {
+                    d: f16::from_f32(rng.random_range(-0.1f32..0.1)),
+                    qs: std::array::from_fn(|_| rng.random::<u8>()),
+                })
+                .collect();
+            assert!(rel((k.dot_q4_0)(&q40, &qa), portable::dot_q4_0(&q40, &qa)) < 1e-5);
+            let q41: Vec<BlockQ4_1> = (0..n / QK)
+                .map(|_| BlockQ4_1 {
+                    d: f16::from_f32(rng.random_range(0.001f32..0.1)),
+                    m: f16::from_f32(rng.random_range(-0.5f32..0.5)),
+                    qs: std::array::from_fn(|_| rng.random::<u8>()),
+                })
+                .collect();
+            assert!(rel((k.dot_q4_1)(&q41, &qa), portable::dot_q4_1(&q41, &qa)) < 1e-5);
+        }
+    }
+
+    #[test]
+    fn quantized_dot_is_close_to_float_dot() {
+        let mut rng = StdRng::seed_from_u64(3);
+        let x = rand_vec(&mut rng, 256);
+        let w = rand_vec(&mut rng, 256);
+        let q8: Vec<BlockQ8_0> = w
+            .chunks(QK)
+            .map(|c| {
+                let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                BlockQ8_0 {
+                    d: f16::from_f32(d),
+                    qs: std::array::from_fn(|i| (c[i] / d).round() as i8),
+                }
+            })
+            .collect();
+        let mut qa = vec![ActBlock::default(); 8];
+        (kernels().quantize)(&x, &mut qa);
+        let exact = portable::dot_f32(&w, &x);
+        let approx = (kernels().dot_q8_0)(&q8, &qa);
+        assert!(
+            (exact - approx).abs() < 0.05 * exact.abs().max(1.0),
+            "{exact} vs {approx}"
+        );
+    }
+}

@@ -1,0 +1,224 @@
+//! `out = x · Wᵀ` on the CPU for every storage format, split over the thread pool by output
+//! rows. Quantized weights first quantize the activations to 8-bit blocks (once per call), then
+//! use integer dot products; float weights use f32 FMA.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::kernels::{ActBlock, Kernels, kernels};
+use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, HostTensor, QK};
+
+/// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
+const TOKEN_TILE: usize = 16;
+
+/// Raw pointer to the output, shared by tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint (row, token) cells; see `matmul`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// A method (not a field access) so closures capture the whole `Send` wrapper.
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// Activations prepared for one weight format.
+enum Prepared<'a> {
+    Float(&'a [f32]),
+    Quant(Vec<ActBlock>),
+}
+
+/// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens; runs on the current rayon pool.
+pub fn matmul(w: &HostTensor, x: &[f32], n: usize, out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    debug_assert_eq!(x.len(), n * cols);
+    debug_assert_eq!(out.len(), n * rows);
+    let k = kernels();
+    let prepared = if w.dtype.is_quantized() {
+        let blocks_per_row = cols / QK;
+        let mut q = vec![ActBlock::default(); n * blocks_per_row];
+        let quantize_rows = |(xr, qr): (&[f32], &mut [ActBlock])| (k.quantize)(xr, qr);
+        if n >= 8 {
+            x.par_chunks(cols)
+                .zip(q.par_chunks_mut(blocks_per_row))
+                .for_each(quantize_rows);
+        } else {
+            x.chunks(cols)
+                .zip(q.chunks_mut(blocks_per_row))
+                .for_each(quantize_rows);
+        }
+        Prepared::Quant(q)
+    } else {
+        Prepared::Float(x)
+    };
+
+    let threads = rayon::current_num_threads().max(1);
+    // Enough tasks to balance, few enough that scheduling stays cheap for small matrices.
+    let rows_per_task = rows.div_ceil(threads * 4).max(8);
+    let n_tasks = rows.div_ceil(rows_per_task);
+    let ptr = OutPtr(out.as_mut_ptr());
+    let data = w.data.as_slice();
+    let row_bytes = w.row_bytes();
+    let task = |task: usize| {
+        let r0 = task * rows_per_task;
+        let r1 = (r0 + rows_per_task).min(rows);
+        // Float rows used by several tokens are decoded to f32 once per tile.
+        let decode_rows = !w.dtype.is_quantized() && w.dtype != DType::F32 && n >= 4;
+        let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
+        for t0 in (0..n).step_by(TOKEN_TILE) {
+            let t1 = (t0 + TOKEN_TILE).min(n);
+            for r in r0..r1 {
+                let mut wrow = &data[r * row_bytes..(r + 1) * row_bytes];
+                let mut dtype = w.dtype;
+                if decode_rows {
+                    crate::tensor::decode_row(dtype, wrow, &mut row_f32);
+                    wrow = bytemuck::cast_slice(&row_f32);
+                    dtype = DType::F32;
+                }
+                for t in t0..t1 {
+                    let v = dot_row(k, dtype, wrow, &prepared, t, cols);
+                    // SAFETY: (t, r) is written by exactly one task (r in this task's rows),
+                    // and t * rows + r < n * rows = out.len().
+                    unsafe { *ptr.at(t * rows + r) = v };
+                }
+            }
+        }
+    };
+    if n_tasks == 1 {
+        task(0);
+    } else {
+        (0..n_tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// One weight row (bytes in `dtype`) against token `t`.
+#[inline]
+fn dot_row(k: &Kernels, dtype: DType, wrow: &[u8], x: &Prepared, t: usize, cols: usize) -> f32 {
+    match x {
+        Prepared::Float(x) => {
+            let xt = &x[t * cols..(t + 1) * cols];
+            match dtype {
+                DType::F32 => (k.dot_f32)(bytemuck::cast_slice(wrow), xt),
+                DType::F16 => (k.dot_f16)(bytemuck::cast_slice::<u8, f16>(wrow), xt),
+                DType::BF16 => (k.dot_bf16)(bytemuck::cast_slice::<u8, bf16>(wrow), xt),
+                _ => unreachable!("quantized formats use Prepared::Quant"),
+            }
+        }
+        Prepared::Quant(q) => {
+            let bpr = cols / QK;
+            let xt = &q[t * bpr..(t + 1) * bpr];
+            match dtype {
+                DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice::<u8, BlockQ8_0>(wrow), xt),
+                DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice::<u8, BlockQ4_0>(wrow), xt),
+                DType::Q4_1 => (k.dot_q4_1)(bytemuck::cast_slice::<u8, BlockQ4_1>(wrow), xt),
+                _ => unreachable!("float formats use Prepared::Float"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Bytes;
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+    fn reference(w: &HostTensor, x: &[f32], n: usize) -> Vec<f32> {
+        let wf = w.to_f32();
+        let mut out = vec![0f32; n * w.rows];
+        for t in 0..n {
+            for r in 0..w.rows {
+                let mut s = 0f64;
+                for c in 0..w.cols {
+                    s += wf[r * w.cols + c] as f64 * x[t * w.cols + c] as f64;
+                }
+                out[t * w.rows + r] = s as f32;
+            }
+        }
+        out
+    }
+
+    fn tensor(dtype: DType, rows: usize, cols: usize, rng: &mut StdRng) -> HostTensor {
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => bytemuck::cast_slice(&vals).to_vec(),
+            DType::F16 => vals
+                .iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::BF16 => vals
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::Q8_0 => vals
+                .chunks(QK)
+                .flat_map(|c| {
+                    let b = BlockQ8_0 {
+                        d: f16::from_f32(1.0 / 127.0),
+                        qs: std::array::from_fn(|i| (c[i] * 127.0).round() as i8),
+                    };
+                    bytemuck::bytes_of(&b).to_vec()
+                })
+                .collect(),
+            DType::Q4_0 | DType::Q4_1 => (0..rows * cols / QK)
+                .flat_map(|_| {
+                    let qs: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
+                    let d = f16::from_f32(0.1);
+                    if dtype == DType::Q4_0 {
+                        bytemuck::bytes_of(&BlockQ4_0 { d, qs }).to_vec()
+                    } else {
+                        let m = f16::from_f32(-0.7);
+                        bytemuck::bytes_of(&BlockQ4_1 { d, m, qs }).to_vec()
+                    }
+                })
+                .collect(),
+        };
+        HostTensor {
+            name: "w".into(),
+            rows,
+            cols,
+            dtype,
+            data: Bytes::from_slice(&bytes),
+        }
+    }
+
+    #[test]
+    fn every_format_matches_the_f64_reference() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            for (rows, cols, n) in [(5, 64, 1), (67, 96, 3), (130, 64, 21)] {
+                let w = tensor(dtype, rows, cols, &mut rng);
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                let mut out = vec![f32::NAN; n * rows];
+                pool.install(|| matmul(&w, &x, n, &mut out));
+                let want = reference(&w, &x, n);
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let tol = if dtype.is_quantized() { 2e-2 } else { 1e-5 };
+                for (a, b) in out.iter().zip(&want) {
+                    assert!(
+                        (a - b).abs() <= tol * scale,
+                        "{dtype} {rows}x{cols} n={n}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}

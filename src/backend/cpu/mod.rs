@@ -1,0 +1,381 @@
+//! The CPU backend: a full, fast engine target (SIMD row kernels, a rayon pool per backend) and
+//! the reference every other backend is checked against. Weights are used in place (borrowed
+//! from the model's memory map), never inflated to f32.
+
+pub mod kernels;
+pub mod matmul;
+mod ops;
+
+use rayon::prelude::*;
+
+use super::{Act, AttnShape, Backend, BackendError, Result, RopePairs};
+use crate::tensor::HostTensor;
+
+/// Activations on the CPU.
+#[derive(Clone, Debug)]
+pub struct CpuTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl CpuTensor {
+    fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+impl CpuBackend {
+    /// A backend with `threads` worker threads (0 = one per available core).
+    pub fn new(threads: usize) -> Result<Self> {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("cpu-backend-{i}"))
+            .build()
+            .map_err(|e| {
+                BackendError::Unavailable(format!("cannot start {threads} threads: {e}"))
+            })?;
+        Ok(CpuBackend { pool, threads })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+fn shape_err(op: &'static str, msg: String) -> BackendError {
+    BackendError::Shape { op, msg }
+}
+
+fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
+    if (a.rows, a.cols) != (b.rows, b.cols) {
+        return Err(shape_err(
+            op,
+            format!("{}x{} vs {}x{}", a.rows, a.cols, b.rows, b.cols),
+        ));
+    }
+    Ok(())
+}
+
+fn vector<'a>(op: &'static str, w: &'a HostTensor, len: usize) -> Result<&'a [f32]> {
+    if w.dtype != crate::tensor::DType::F32 || w.rows * w.cols != len {
+        return Err(shape_err(
+            op,
+            format!(
+                "`{}` must be {len} f32 values, is {}x{} {}",
+                w.name, w.rows, w.cols, w.dtype
+            ),
+        ));
+    }
+    Ok(bytemuck::cast_slice(w.data.as_slice()))
+}
+
+/// Row-parallel work pays off only above this many elements.
+const PAR_ELEMS: usize = 1 << 15;
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = HostTensor;
+
+    fn name(&self) -> String {
+        format!(
+            "cpu ({} threads, {} kernels)",
+            self.threads,
+            kernels::kernels().name
+        )
+    }
+
+    fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    fn upload(&self, w: &HostTensor) -> Result<HostTensor> {
+        Ok(w.clone())
+    }
+
+    fn alloc(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
+        let n = rows
+            .checked_mul(cols)
+            .ok_or_else(|| BackendError::OutOfMemory {
+                what: format!("a {rows}x{cols} buffer"),
+                needed: usize::MAX,
+                available: 0,
+            })?;
+        Ok(CpuTensor {
+            rows,
+            cols,
+            data: vec![0.0; n],
+        })
+    }
+
+    fn write(&self, dst: &mut CpuTensor, src: &[f32]) -> Result<()> {
+        if dst.data.len() != src.len() {
+            return Err(shape_err(
+                "write",
+                format!("{} values into {}", src.len(), dst.data.len()),
+            ));
+        }
+        dst.data.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn read(&self, src: &CpuTensor, dst: &mut [f32]) -> Result<()> {
+        if dst.len() != src.data.len() {
+            return Err(shape_err(
+                "read",
+                format!("{} values into {}", src.data.len(), dst.len()),
+            ));
+        }
+        dst.copy_from_slice(&src.data);
+        Ok(())
+    }
+
+    fn copy_rows(
+        &self,
+        src: &CpuTensor,
+        src_row: usize,
+        dst: &mut CpuTensor,
+        dst_row: usize,
+        n: usize,
+    ) -> Result<()> {
+        if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
+            return Err(shape_err(
+                "copy_rows",
+                format!(
+                    "{n} rows from {src_row} of {}x{} to {dst_row} of {}x{}",
+                    src.rows, src.cols, dst.rows, dst.cols
+                ),
+            ));
+        }
+        let c = src.cols;
+        dst.data[dst_row * c..(dst_row + n) * c]
+            .copy_from_slice(&src.data[src_row * c..(src_row + n) * c]);
+        Ok(())
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn embed(&self, table: &HostTensor, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
+        if out.rows != ids.len() || out.cols != table.cols {
+            return Err(shape_err(
+                "embed",
+                format!("{} ids into {}x{}", ids.len(), out.rows, out.cols),
+            ));
+        }
+        for (&id, o) in ids.iter().zip(out.data.chunks_mut(table.cols)) {
+            if id as usize >= table.rows {
+                return Err(shape_err(
+                    "embed",
+                    format!("token id {id} ≥ vocabulary {}", table.rows),
+                ));
+            }
+            table.row_f32(id as usize, o);
+        }
+        Ok(())
+    }
+
+    fn add_table_rows(
+        &self,
+        x: &mut CpuTensor,
+        table: &HostTensor,
+        first_row: usize,
+    ) -> Result<()> {
+        if x.cols != table.cols || first_row + x.rows > table.rows {
+            return Err(shape_err(
+                "add_table_rows",
+                format!(
+                    "rows {first_row}..{} of a {}-row table",
+                    first_row + x.rows,
+                    table.rows
+                ),
+            ));
+        }
+        let mut row = vec![0f32; x.cols];
+        for (i, xr) in x.data.chunks_mut(x.cols).enumerate() {
+            table.row_f32(first_row + i, &mut row);
+            xr.iter_mut().zip(&row).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+
+    fn matmul(&self, w: &HostTensor, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
+        if x.cols != w.cols || out.rows != x.rows || out.cols != w.rows {
+            return Err(shape_err(
+                "matmul",
+                format!(
+                    "{}x{} · ({}: {}x{})ᵀ into {}x{}",
+                    x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
+                ),
+            ));
+        }
+        self.pool
+            .install(|| matmul::matmul(w, &x.data, x.rows, &mut out.data));
+        Ok(())
+    }
+
+    fn add_bias(&self, x: &mut CpuTensor, bias: &HostTensor) -> Result<()> {
+        let b = vector("add_bias", bias, x.cols)?;
+        for row in x.data.chunks_mut(x.cols) {
+            row.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+        }
+        Ok(())
+    }
+
+    fn add(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
+        same_shape("add", x, y)?;
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &HostTensor, eps: f32, out: &mut CpuTensor) -> Result<()> {
+        same_shape("rms_norm", x, out)?;
+        let w = vector("rms_norm", w, x.cols)?;
+        for (xr, or) in x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols)) {
+            ops::rms_norm(xr, w, eps, or);
+        }
+        Ok(())
+    }
+
+    fn layer_norm(
+        &self,
+        x: &CpuTensor,
+        w: &HostTensor,
+        b: &HostTensor,
+        eps: f32,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        same_shape("layer_norm", x, out)?;
+        let w = vector("layer_norm", w, x.cols)?;
+        let b = vector("layer_norm", b, x.cols)?;
+        for (xr, or) in x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols)) {
+            ops::layer_norm(xr, w, b, eps, or);
+        }
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuTensor,
+        head_dim: usize,
+        rot_dims: usize,
+        pairs: RopePairs,
+        inv_freq: &HostTensor,
+        first_pos: usize,
+    ) -> Result<()> {
+        if head_dim == 0 || !x.cols.is_multiple_of(head_dim) || rot_dims > head_dim || !rot_dims.is_multiple_of(2) {
+            return Err(shape_err(
+                "rope",
+                format!(
+                    "{} columns, head dim {head_dim}, rotating {rot_dims}",
+                    x.cols
+                ),
+            ));
+        }
+        let inv_freq = vector("rope", inv_freq, rot_dims / 2)?;
+        let mut cos_sin = vec![(0f32, 0f32); rot_dims / 2];
+        for (i, row) in x.data.chunks_mut(x.cols).enumerate() {
+            let pos = (first_pos + i) as f32;
+            for (cs, f) in cos_sin.iter_mut().zip(inv_freq) {
+                let angle = pos * f;
+                *cs = (angle.cos(), angle.sin());
+            }
+            for head in row.chunks_mut(head_dim) {
+                ops::rotate(head, &cos_sin, pairs);
+            }
+        }
+        Ok(())
+    }
+
+    fn activate(&self, x: &mut CpuTensor, act: Act) -> Result<()> {
+        let f = ops::activation(act);
+        if x.data.len() >= PAR_ELEMS {
+            self.pool.install(|| {
+                x.data
+                    .par_chunks_mut(4096)
+                    .for_each(|c| c.iter_mut().for_each(|v| *v = f(*v)))
+            });
+        } else {
+            x.data.iter_mut().for_each(|v| *v = f(*v));
+        }
+        Ok(())
+    }
+
+    fn gated(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Act) -> Result<()> {
+        same_shape("gated", gate, up)?;
+        let f = ops::activation(act);
+        let apply =
+            |(g, u): (&mut [f32], &[f32])| g.iter_mut().zip(u).for_each(|(g, u)| *g = f(*g) * u);
+        if gate.data.len() >= PAR_ELEMS {
+            self.pool.install(|| {
+                gate.data
+                    .par_chunks_mut(4096)
+                    .zip(up.data.par_chunks(4096))
+                    .for_each(apply)
+            });
+        } else {
+            apply((&mut gate.data, &up.data));
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        k_cache: &CpuTensor,
+        v_cache: &CpuTensor,
+        first_pos: usize,
+        s: AttnShape,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        let kv_dim = s.n_kv_heads * s.head_dim;
+        let q_dim = s.n_heads * s.head_dim;
+        let n = q.rows;
+        if q.cols != q_dim
+            || out.cols != q_dim
+            || out.rows != n
+            || k_cache.cols != kv_dim
+            || v_cache.cols != kv_dim
+            || first_pos + n > k_cache.rows.min(v_cache.rows)
+            || s.n_kv_heads == 0
+            || !s.n_heads.is_multiple_of(s.n_kv_heads)
+        {
+            return Err(shape_err(
+                "attention",
+                format!(
+                    "q {}x{}, caches {}x{}, {} positions from {first_pos}",
+                    q.rows, q.cols, k_cache.rows, k_cache.cols, n
+                ),
+            ));
+        }
+        let group = s.n_heads / s.n_kv_heads;
+        let hd = s.head_dim;
+        let work = n * s.n_heads * (first_pos + n) * hd;
+        // One task per (token, head): writes its own head_dim slice of `out`.
+        let head_task = |(idx, o): (usize, &mut [f32])| {
+            let (t, h) = (idx / s.n_heads, idx % s.n_heads);
+            let kvh = h / group;
+            let qv = &q.row(t)[h * hd..(h + 1) * hd];
+            let len = first_pos + t + 1;
+            ops::attend(qv, k_cache, v_cache, kvh * hd, hd, len, s.scale, o);
+        };
+        if work >= PAR_ELEMS * 4 {
+            self.pool
+                .install(|| out.data.par_chunks_mut(hd).enumerate().for_each(head_task));
+        } else {
+            out.data.chunks_mut(hd).enumerate().for_each(head_task);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,154 @@
+//! Where math runs. The engine is written once against [`Backend`]: device memory (activations,
+//! weights, KV cache) is opaque handles, every op is enqueued in order, and only [`Backend::read`]
+//! brings numbers back to the host. The CPU backend implements it directly; the CUDA backend and the
+//! budgeted-device mode (CPU standing in for a GPU under a byte budget) implement the same calls.
+//!
+//! Knows nothing about models: ops take shapes and numbers, not layers.
+
+pub mod cpu;
+
+use thiserror::Error;
+
+use crate::tensor::HostTensor;
+
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error("device memory exhausted: {what} needs {needed} bytes, {available} of the budget left")]
+    OutOfMemory {
+        what: String,
+        needed: usize,
+        available: usize,
+    },
+    #[error("shape mismatch in {op}: {msg}")]
+    Shape { op: &'static str, msg: String },
+    #[error("backend unavailable: {0}")]
+    Unavailable(String),
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// Element-wise nonlinearities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    Silu,
+    Relu,
+    Gelu,
+    GeluTanh,
+}
+
+/// Which RoPE pairing a rotation uses (see `model::RopeStyle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopePairs {
+    Adjacent,
+    Halves,
+}
+
+/// Geometry of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+}
+
+/// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
+/// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
+/// storage format.
+pub trait Backend: Send + Sync {
+    type Tensor: Send;
+    type Weight: Send + Sync;
+
+    fn name(&self) -> String;
+
+    /// Run `f` in this backend's execution context (the CPU backend's thread pool), so the ops
+    /// it calls do not each pay to enter it.
+    fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        f()
+    }
+
+    // ---- memory -------------------------------------------------------------------------
+
+    /// Place a weight on the device.
+    fn upload(&self, w: &HostTensor) -> Result<Self::Weight>;
+    /// A zeroed `rows × cols` activation buffer.
+    fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
+    /// Host → device; `src.len()` must equal the tensor's size.
+    fn write(&self, dst: &mut Self::Tensor, src: &[f32]) -> Result<()>;
+    /// Device → host; waits for queued work.
+    fn read(&self, src: &Self::Tensor, dst: &mut [f32]) -> Result<()>;
+    /// Copy `n` rows from `src[src_row..]` to `dst[dst_row..]` (same column count).
+    fn copy_rows(
+        &self,
+        src: &Self::Tensor,
+        src_row: usize,
+        dst: &mut Self::Tensor,
+        dst_row: usize,
+        n: usize,
+    ) -> Result<()>;
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+
+    // ---- ops ----------------------------------------------------------------------------
+
+    /// `out[i] = table[ids[i]]` (rows decoded to f32).
+    fn embed(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) -> Result<()>;
+    /// `x[i] += table[first_row + i]` (learned positions).
+    fn add_table_rows(
+        &self,
+        x: &mut Self::Tensor,
+        table: &Self::Weight,
+        first_row: usize,
+    ) -> Result<()>;
+    /// `out = x · Wᵀ`: `x` is `n × in`, `W` is `out_features × in`, `out` is `n × out_features`.
+    fn matmul(&self, w: &Self::Weight, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
+    /// `x[i] += bias` for every row.
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight) -> Result<()>;
+    /// `x += y`.
+    fn add(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// Per row: `out = x / rms(x) * w`.
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// Per row: `out = (x - mean) / std * w + b`.
+    fn layer_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        b: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// Rotate the first `rot_dims` dimensions of every head of every row; row `i` is at position
+    /// `first_pos + i`; `inv_freq` holds `rot_dims / 2` inverse frequencies.
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        head_dim: usize,
+        rot_dims: usize,
+        pairs: RopePairs,
+        inv_freq: &Self::Weight,
+        first_pos: usize,
+    ) -> Result<()>;
+    /// `x = act(x)`.
+    fn activate(&self, x: &mut Self::Tensor, act: Act) -> Result<()>;
+    /// `gate = act(gate) ⊙ up`.
+    fn gated(&self, gate: &mut Self::Tensor, up: &Self::Tensor, act: Act) -> Result<()>;
+    /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
+    /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
+    /// already hold this step's keys and values.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        k_cache: &Self::Tensor,
+        v_cache: &Self::Tensor,
+        first_pos: usize,
+        shape: AttnShape,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+}

@@ -1,0 +1,113 @@
+//! Hardware probe: what this machine can move per second. Host figures (cores, SIMD, DRAM read
+//! bandwidth) are measured here; they are the denominators of every bound the benchmarks print.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct HostProfile {
+    pub cpu_model: String,
+    pub logical_cores: usize,
+    pub simd: Vec<&'static str>,
+    pub dram_bytes: Option<u64>,
+    /// Sustained read bandwidth of host memory with `threads` threads, bytes/s.
+    pub dram_read_bytes_per_s: f64,
+    pub dram_read_threads: usize,
+}
+
+/// CPU SIMD features the kernels care about.
+pub fn simd_features() -> Vec<&'static str> {
+    #[allow(unused_mut)]
+    let mut v = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        for (name, on) in [
+            ("sse4.2", is_x86_feature_detected!("sse4.2")),
+            ("avx", is_x86_feature_detected!("avx")),
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("fma", is_x86_feature_detected!("fma")),
+            ("f16c", is_x86_feature_detected!("f16c")),
+            ("avx512f", is_x86_feature_detected!("avx512f")),
+            ("avx512bw", is_x86_feature_detected!("avx512bw")),
+            ("avx512vnni", is_x86_feature_detected!("avx512vnni")),
+        ] {
+            if on {
+                v.push(name);
+            }
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    v.push("neon");
+    v
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn dram_total() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Read bandwidth of host memory: `threads` threads each sum their share of a `bytes`-sized
+/// buffer (far larger than the caches); the best of `reps` passes. Bytes/s.
+pub fn dram_read_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
+    let words = (bytes / 8).max(1 << 16);
+    // Non-zero contents so pages are really backed.
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let pool = match rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+    {
+        Ok(p) => p,
+        Err(_) => return 0.0,
+    };
+    let chunk = words.div_ceil(threads.max(1));
+    let mut best = 0f64;
+    for _ in 0..reps.max(1) {
+        let t0 = Instant::now();
+        let sum: u64 = pool.install(|| {
+            buf.par_chunks(chunk)
+                .map(|c| {
+                    // Eight independent lanes so the loop is bound by loads, not by one add chain.
+                    let mut acc = [0u64; 8];
+                    for w in c.chunks_exact(8) {
+                        for i in 0..8 {
+                            acc[i] = acc[i].wrapping_add(w[i]);
+                        }
+                    }
+                    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                })
+                .reduce(|| 0, u64::wrapping_add)
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / secs);
+    }
+    best
+}
+
+/// Probe the host (about a second).
+pub fn probe_host(threads: usize) -> HostProfile {
+    HostProfile {
+        cpu_model: cpu_model(),
+        logical_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        simd: simd_features(),
+        dram_bytes: dram_total(),
+        dram_read_bytes_per_s: dram_read_bandwidth(threads, 512 << 20, 5),
+        dram_read_threads: threads,
+    }
+}
