@@ -1,7 +1,11 @@
 //! gpu-offload: serve language models larger than GPU memory on one consumer GPU.
 //!
-//! Rooms (see DESIGN.md §3): `model` (what a model is), `backend` (where math runs), `engine`
-//! (a forward pass), `cli` (the command-line edge).
+//! Rooms (see DESIGN.md §3), data flowing downward: `cli` (the command-line edge) → `engine`
+//! (a forward pass) → `backend` (where math runs) and `model` (what a model is) → `tensor`.
 
+pub mod backend;
+pub mod cli;
+pub mod engine;
+pub mod hw;
 pub mod model;
 pub mod tensor;

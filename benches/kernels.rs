@@ -1,0 +1,81 @@
+//! CPU matmul kernels per storage format: decode (one token) and prefill (64 tokens) shapes.
+//! Throughput is reported in weight bytes per second, the figure to hold against DRAM
+//! bandwidth (`gpu-offload doctor`).
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gpu_offload::backend::cpu::matmul::matmul;
+use gpu_offload::tensor::{Bytes, DType, HostTensor};
+
+fn weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
+    // Deterministic bytes; for block formats keep the f16 scales finite (small positive).
+    let n = dtype.bytes_for(rows * cols);
+    let mut bytes: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 13) as u8).collect();
+    let block = dtype.block_bytes();
+    match dtype {
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            for b in bytes.chunks_mut(block) {
+                b[0..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                if dtype == DType::Q4_1 {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
+                }
+            }
+        }
+        DType::F16 | DType::BF16 => {
+            for h in bytes.chunks_mut(2) {
+                h[1] &= 0x3b; // keep exponents small
+            }
+        }
+        DType::F32 => {
+            for f in bytes.chunks_mut(4) {
+                f[3] = 0x3c;
+            }
+        }
+    }
+    HostTensor {
+        name: "w".into(),
+        rows,
+        cols,
+        dtype,
+        data: Bytes::from_slice(&bytes),
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let threads = std::env::var("BENCH_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    for (rows, cols, n) in [
+        (1536usize, 576usize, 1usize),
+        (4096, 4096, 1),
+        (1536, 576, 64),
+    ] {
+        let mut g = c.benchmark_group(format!("matmul_{rows}x{cols}_n{n}_t{threads}"));
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q8_0,
+            DType::Q4_0,
+            DType::Q4_1,
+        ] {
+            let w = weight(dtype, rows, cols);
+            let x: Vec<f32> = (0..n * cols)
+                .map(|i| ((i % 97) as f32 - 48.0) / 48.0)
+                .collect();
+            let mut out = vec![0f32; n * rows];
+            g.throughput(Throughput::Bytes(w.data.len() as u64));
+            g.bench_with_input(BenchmarkId::from_parameter(dtype), &w, |b, w| {
+                b.iter(|| pool.install(|| matmul(w, &x, n, &mut out)))
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,98 @@
+//! The command-line edge: one file per subcommand parses its flags, calls the library and prints.
+//! Every flag can also come from a `GPU_OFFLOAD_*` environment variable.
+
+mod doctor;
+mod load;
+mod logits;
+mod perplexity;
+mod run;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+pub use load::LoadedModel;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gpu-offload",
+    version,
+    about = "Run language models larger than GPU memory: HBM/DRAM/SSD offloading, sparse FFNs, persistent contexts.",
+    long_about = None
+)]
+pub struct Cli {
+    /// Log filter (error, warn, info, debug, trace, or a tracing directive).
+    #[arg(long, global = true, env = "GPU_OFFLOAD_LOG", default_value = "warn")]
+    pub log: String,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate text from a prompt (streams to stdout).
+    Run(run::RunArgs),
+    /// Print the logits the model gives for a prompt or token ids.
+    Logits(logits::LogitsArgs),
+    /// Perplexity of the model over a text file.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Probe this machine (devices, memory bandwidth) for the planner and the benchmarks.
+    Doctor(doctor::DoctorArgs),
+}
+
+/// Where the math runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The best device present (the CPU in this build).
+    Auto,
+    /// The CPU backend.
+    Cpu,
+}
+
+/// Flags shared by every command that loads a model.
+#[derive(Debug, Args)]
+pub struct ModelArgs {
+    /// GGUF file or Hugging Face model directory [default: the model scripts/fetch-models.sh
+    /// downloads, SmolLM2-135M-Instruct Q4_1, in $GPU_OFFLOAD_MODELS or ~/.cache/gpu-offload/models]
+    #[arg(long, short = 'm', env = "GPU_OFFLOAD_MODEL")]
+    pub model: Option<PathBuf>,
+
+    /// Worker threads for the CPU backend [default: one per core]
+    #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
+
+    /// Device to run on.
+    #[arg(long, env = "GPU_OFFLOAD_DEVICE", value_enum, default_value = "auto")]
+    pub device: Device,
+
+    /// Context size in tokens [default: what the job needs, at most the model's maximum]
+    #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
+    pub ctx_size: Option<u32>,
+}
+
+/// Where the input tokens come from.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct PromptArgs {
+    /// Prompt text.
+    #[arg(long, short = 'p', env = "GPU_OFFLOAD_PROMPT")]
+    pub prompt: Option<String>,
+
+    /// Read the prompt from a file.
+    #[arg(long, env = "GPU_OFFLOAD_PROMPT_FILE")]
+    pub prompt_file: Option<PathBuf>,
+
+    /// Token ids, comma-separated (for models without a tokenizer), e.g. 1,15043,3186.
+    #[arg(long, env = "GPU_OFFLOAD_TOKENS", value_delimiter = ',', num_args = 1..)]
+    pub tokens: Option<Vec<u32>>,
+}
+
+pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Logits(a) => logits::run(a),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::Doctor(a) => doctor::run(a),
+    }
+}

@@ -1,0 +1,209 @@
+//! `gpu-offload run`: one-shot generation, streamed to stdout or printed as one JSON object.
+
+use std::io::Write;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use serde_json::json;
+
+use super::{LoadedModel, ModelArgs, PromptArgs};
+use crate::engine::{GenerateParams, SamplerParams, generate};
+use crate::model::tokenizer::TextStream;
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long, env = "GPU_OFFLOAD_CHAT")]
+    pub chat: bool,
+
+    /// System message for --chat.
+    #[arg(long, env = "GPU_OFFLOAD_SYSTEM", requires = "chat")]
+    pub system: Option<String>,
+
+    /// New tokens to generate at most.
+    #[arg(
+        long,
+        short = 'n',
+        env = "GPU_OFFLOAD_MAX_TOKENS",
+        default_value_t = 256
+    )]
+    pub max_tokens: usize,
+
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+
+    /// Keep generating past end-of-generation tokens (benchmarks, parity checks).
+    #[arg(long, env = "GPU_OFFLOAD_IGNORE_EOS")]
+    pub ignore_eos: bool,
+
+    /// Print one JSON object: prompt_token_ids, token_ids, text, stop_reason, timings.
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SamplingArgs {
+    /// Sampling temperature; 0 = greedy.
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_TEMPERATURE",
+        default_value_t = 0.8,
+        allow_negative_numbers = true
+    )]
+    pub temperature: f32,
+
+    /// Sample from the k most likely tokens (0 = all).
+    #[arg(long, env = "GPU_OFFLOAD_TOP_K", default_value_t = 40)]
+    pub top_k: usize,
+
+    /// Nucleus sampling: smallest set of tokens whose probability reaches p.
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_TOP_P",
+        default_value_t = 0.95,
+        allow_negative_numbers = true
+    )]
+    pub top_p: f32,
+
+    /// Drop tokens less likely than min-p times the most likely one.
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_MIN_P",
+        default_value_t = 0.05,
+        allow_negative_numbers = true
+    )]
+    pub min_p: f32,
+
+    /// Random seed [default: from the clock]
+    #[arg(long, env = "GPU_OFFLOAD_SEED")]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> Result<SamplerParams> {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        let p = SamplerParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            seed,
+        };
+        if let Err(msg) = p.validate() {
+            bail!("invalid sampling flag: {msg}");
+        }
+        Ok(p)
+    }
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let sampler = args.sampling.params()?;
+    let loaded = LoadedModel::load(&args.model)?;
+    let chat = args.chat.then_some(args.system.as_deref());
+    let prompt = loaded.prompt_ids(&args.prompt, chat)?;
+    if prompt.is_empty() {
+        bail!("the prompt is empty (and the model adds no BOS token): nothing to continue from");
+    }
+    let ctx = loaded.context_for(&args.model, prompt.len() + args.max_tokens)?;
+    if prompt.len() > ctx {
+        bail!(
+            "the prompt has {} tokens but the context holds {ctx} (the model's maximum is {}; see --ctx-size)",
+            prompt.len(),
+            loaded.spec().max_context
+        );
+    }
+    let engine = &loaded.engine;
+    let mut session = engine.new_session(ctx)?;
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        sampler,
+        stop_at_eog: !args.ignore_eos,
+    };
+    let tok = loaded.tokenizer.as_ref();
+    let is_eog = |id: u32| tok.is_some_and(|t| t.is_end_of_generation(id));
+    let mut stream = tok.map(TextStream::new);
+    let mut stdout = std::io::stdout().lock();
+    let mut write_err = None;
+    let mut text = String::new();
+    let mut on_token = |id: u32| {
+        let piece = match &mut stream {
+            Some(s) => s.push(id),
+            None => format!("{id} "),
+        };
+        if args.json {
+            text.push_str(&piece);
+            return true;
+        }
+        if let Err(e) = stdout
+            .write_all(piece.as_bytes())
+            .and_then(|_| stdout.flush())
+        {
+            write_err = Some(e);
+            return false;
+        }
+        true
+    };
+    let generation = generate(
+        engine,
+        &mut session,
+        &prompt,
+        &params,
+        &is_eog,
+        &mut on_token,
+    )?;
+    if let Some(e) = write_err {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e.into());
+        }
+        return Ok(());
+    }
+    let t = &generation.timings;
+    if args.json {
+        if let Some(s) = &mut stream {
+            text.push_str(&s.finish());
+        }
+        if tok.is_none() {
+            text.clear();
+        }
+        let out = json!({
+            "prompt_token_ids": prompt,
+            "token_ids": generation.tokens,
+            "text": text,
+            "stop_reason": generation.stop,
+            "timings": {
+                "load_s": loaded.load_s,
+                "prefill_tokens_per_s": t.prefill_tokens_per_s(),
+                "decode_tokens_per_s": t.decode_tokens_per_s(),
+            },
+            "memory": {
+                // Mean bytes each decode step read (weights + KV cache): the DRAM-bound numerator.
+                "dram_read_bytes_per_token": loaded.traffic.mean(prompt.len(), t.decode_steps),
+            },
+        });
+        writeln!(stdout, "{out}")?;
+    } else {
+        if let Some(s) = &mut stream {
+            write!(stdout, "{}", s.finish())?;
+        }
+        writeln!(stdout)?;
+        eprintln!(
+            "[{} prompt tokens at {:.1} tok/s, {} generated at {:.1} tok/s, stop: {:?}]",
+            t.prompt_tokens,
+            t.prefill_tokens_per_s(),
+            generation.tokens.len(),
+            t.decode_tokens_per_s(),
+            generation.stop
+        );
+    }
+    Ok(())
+}
