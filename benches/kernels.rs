@@ -3,13 +3,16 @@
 //! bandwidth (`gpu-offload doctor`).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use gpu_offload::backend::cpu::kernels;
 use gpu_offload::backend::cpu::matmul::matmul;
 use gpu_offload::tensor::{Bytes, DType, HostTensor};
 
 fn weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
     // Deterministic bytes; for block formats keep the f16 scales finite (small positive).
     let n = dtype.bytes_for(rows * cols);
-    let mut bytes: Vec<u8> = (0..n).map(|i| ((i * 2654435761usize) >> 13) as u8).collect();
+    let mut bytes: Vec<u8> = (0..n)
+        .map(|i| ((i * 2654435761usize) >> 13) as u8)
+        .collect();
     let block = dtype.block_bytes();
     match dtype {
         DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
@@ -70,7 +73,7 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; n * rows];
             g.throughput(Throughput::Bytes(w.data.len() as u64));
             g.bench_with_input(BenchmarkId::from_parameter(dtype), &w, |b, w| {
-                b.iter(|| pool.install(|| matmul(w, &x, n, &mut out)))
+                b.iter(|| pool.install(|| matmul(kernels, w, &x, n, &mut out)))
             });
         }
         g.finish();

@@ -145,6 +145,14 @@ MODELS = {
                 "parse_special": True,
             },
             {"prompt": "def fibonacci(n):", "parse_special": False},
+            {"prompt": "Once upon a time", "parse_special": False},
+            {"prompt": "The best way to learn a new language is", "parse_special": False},
+            {
+                "prompt": "<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n",
+                "parse_special": True,
+            },
+            {"prompt": "import numpy as np\n", "parse_special": False},
+            {"prompt": "In 1492, Columbus", "parse_special": False},
         ],
         "n_new": 32,
         "random_seed": 135,
@@ -316,6 +324,29 @@ def chat_section(llm: Llama, spec: dict, facts: dict) -> dict | None:
     return out
 
 
+def greedy_ids(llm: Llama, prompt_ids: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(prompt_ids)
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)))
+        out.append(t)
+        llm.eval([t])
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# Other llama.cpp configurations, each as valid as the default: how long their greedy runs agree
+# with the default's measures where the reference itself is numerically determined.
+VARIANTS = {
+    "f32_kv_cache": {"type_k": 0, "type_v": 0},
+    "flash_attn": {"flash_attn": True},
+}
+
+
 def greedy(llm: Llama, spec: dict, case: dict, full_logits: bool) -> dict:
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     prompt_ids = llm.tokenize(case["prompt"].encode(), add_bos=True, special=case["parse_special"])
@@ -332,6 +363,10 @@ def greedy(llm: Llama, spec: dict, case: dict, full_logits: bool) -> dict:
         out_ids.append(t)
         llm.eval([t])
     pieces = b"".join(piece(vocab, t, False) for t in out_ids)
+    agreement = {
+        name: common_prefix(out_ids, greedy_ids(v, prompt_ids, spec["n_new"]))
+        for name, v in llm.variants.items()
+    }
     res = {
         "prompt": case["prompt"],
         "parse_special": case["parse_special"],
@@ -341,6 +376,7 @@ def greedy(llm: Llama, spec: dict, case: dict, full_logits: bool) -> dict:
         "detokenized": text_field(detokenize(vocab, out_ids)),
         "pieces_concat": text_field(pieces),
         "llama_cpp_python_detokenize": text_field(llm.detokenize(out_ids)),
+        "variant_agreement": agreement,
     }
     if first_logits is not None:
         res["first_logits"] = first_logits
@@ -368,8 +404,12 @@ def build(name: str, spec: dict, path: Path) -> dict:
     del tok_llm
     fixture["pre_variants"] = pre_variants(path, spec)
 
-    llm = Llama(model_path=str(path), n_ctx=N_CTX, n_threads=N_THREADS, n_threads_batch=N_THREADS,
-                logits_all=True, verbose=False)
+    def load(**kw) -> Llama:
+        return Llama(model_path=str(path), n_ctx=N_CTX, n_threads=N_THREADS,
+                     n_threads_batch=N_THREADS, logits_all=True, verbose=False, **kw)
+
+    llm = load()
+    llm.variants = {name: load(**kw) for name, kw in VARIANTS.items()}
     # Full first-position logits for every case of a small vocabulary, for the first case only of a
     # large one (keeps the file well under 2 MB).
     small = facts["n_vocab"] <= 4096
@@ -383,7 +423,8 @@ def build(name: str, spec: dict, path: Path) -> dict:
         "llama_detokenize of each ids list). "
         "pieces: llama_token_to_piece(id, lstrip=0, special=False/True) as hex. greedy: manual "
         "argmax loop over Llama.eval with n_ctx=512, n_threads=2, logits_all=True; top5 holds "
-        "[id, logit] per step; first_logits is the full logits vector of the first generated "
+        "[id, logit] per step; variant_agreement: for each other llama.cpp configuration "
+        "(f32 KV cache; flash attention), how many greedy ids agree with this run's; first_logits is the full logits vector of the first generated "
         "position (6 significant digits; every case for a small vocabulary, the first case "
         "otherwise). detokenized: llama_detokenize(remove_special=False, unparse_special=False); "
         "pieces_concat: concatenated token pieces (special=False); llama_cpp_python_detokenize: "

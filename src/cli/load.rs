@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 
 use super::{ModelArgs, PromptArgs};
-use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::{DecodeTraffic, Engine};
 use crate::model::{ChatMessage, Model, ModelSpec, Tokenizer, default_model_path};
 
@@ -22,6 +22,16 @@ pub struct LoadedModel {
 impl LoadedModel {
     pub fn load(args: &ModelArgs) -> Result<Self> {
         let t0 = Instant::now();
+        let kernels = match &args.cpu_kernels {
+            None => kernels::best(),
+            Some(name) => kernels::by_name(name).with_context(|| {
+                let have: Vec<&str> = kernels::available().iter().map(|k| k.name).collect();
+                format!(
+                    "--cpu-kernels {name}: not available on this CPU (available: {})",
+                    have.join(", ")
+                )
+            })?,
+        };
         let path = match &args.model {
             Some(p) => p.clone(),
             None => {
@@ -44,7 +54,7 @@ impl LoadedModel {
             model.spec.d_model,
             model.weights.total_bytes() >> 20
         );
-        let backend = CpuBackend::new(args.threads.map_or(0, usize::from))?;
+        let backend = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels)?;
         let engine = Engine::new(backend, model.spec.clone(), &model.weights)?;
         Ok(LoadedModel {
             traffic: DecodeTraffic::of(&model.spec, &model.weights),

@@ -66,6 +66,10 @@ pub struct ModelArgs {
     #[arg(long, env = "GPU_OFFLOAD_DEVICE", value_enum, default_value = "auto")]
     pub device: Device,
 
+    /// CPU kernel set: avx512vnni, avx2 or portable [default: the best this CPU runs]
+    #[arg(long, env = "GPU_OFFLOAD_KERNELS")]
+    pub cpu_kernels: Option<String>,
+
     /// Context size in tokens [default: what the job needs, at most the model's maximum]
     #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub ctx_size: Option<u32>,

@@ -414,7 +414,10 @@ impl DecodeTraffic {
         // and learned positions.
         let row_table = |t: &HostTensor| {
             (std::ptr::eq(t, &weights.token_embd) && !spec.tied_output)
-                || weights.pos_embd.as_ref().is_some_and(|p| std::ptr::eq(t, p))
+                || weights
+                    .pos_embd
+                    .as_ref()
+                    .is_some_and(|p| std::ptr::eq(t, p))
         };
         let mut weight_bytes: u64 = weights
             .tensors()

@@ -271,12 +271,13 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
         )));
     }
     if let Some(p) = r.opt_usize("word_embed_proj_dim")?
-        && p != d_model {
-            return Err(r.err(format!(
-                "word_embed_proj_dim {p} differs from hidden_size {d_model}; OPT models with \
+        && p != d_model
+    {
+        return Err(r.err(format!(
+            "word_embed_proj_dim {p} differs from hidden_size {d_model}; OPT models with \
                  projected embeddings are not supported"
-            )));
-        }
+        )));
+    }
     if r.opt_bool("layer_norm_elementwise_affine")? == Some(false) {
         return Err(r.err("layer_norm_elementwise_affine: false is not supported".into()));
     }

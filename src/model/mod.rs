@@ -199,14 +199,15 @@ impl Model {
             check(o, s.vocab_size, s.d_model)?;
         }
         if let (Some(p), PositionEncoding::Learned { offset }) = (&w.pos_embd, &s.position)
-            && (p.cols != s.d_model || p.rows <= *offset) {
-                return Err(ModelError::Shape {
-                    path: self.source.clone(),
-                    name: p.name.clone(),
-                    expected: (s.max_context + offset, s.d_model),
-                    got: (p.rows, p.cols),
-                });
-            }
+            && (p.cols != s.d_model || p.rows <= *offset)
+        {
+            return Err(ModelError::Shape {
+                path: self.source.clone(),
+                name: p.name.clone(),
+                expected: (s.max_context + offset, s.d_model),
+                got: (p.rows, p.cols),
+            });
+        }
         check_norm(&w.output_norm)?;
         if w.layers.len() != s.n_layers {
             return Err(ModelError::Format {
@@ -228,16 +229,17 @@ impl Model {
             check_lin(&l.w_down, s.d_model, s.d_ff)?;
         }
         if let (Some(f), PositionEncoding::Rope(r)) = (&w.rope_freq_factors, &s.position)
-            && f.len() != r.dims / 2 {
-                return Err(ModelError::Format {
-                    path: self.source.clone(),
-                    msg: format!(
-                        "rope_freqs has {} entries, expected {}",
-                        f.len(),
-                        r.dims / 2
-                    ),
-                });
-            }
+            && f.len() != r.dims / 2
+        {
+            return Err(ModelError::Format {
+                path: self.source.clone(),
+                msg: format!(
+                    "rope_freqs has {} entries, expected {}",
+                    f.len(),
+                    r.dims / 2
+                ),
+            });
+        }
         Ok(())
     }
 }

@@ -5,8 +5,6 @@
 //! Quantized weights multiply 8-bit activations the way llama.cpp does (Q8_0/Q8_1 activation
 //! blocks with f16-rounded scales), so its results and ours round alike.
 
-use std::sync::OnceLock;
-
 use half::{bf16, f16};
 
 use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
@@ -34,24 +32,31 @@ pub struct Kernels {
     pub quantize: fn(&[f32], &mut [ActBlock]),
 }
 
-/// The best kernels this CPU supports (detected once). `GPU_OFFLOAD_KERNELS=portable|avx2|avx512vnni`
-/// restricts the choice (tests compare the sets).
-pub fn kernels() -> &'static Kernels {
-    static K: OnceLock<Kernels> = OnceLock::new();
-    K.get_or_init(|| {
-        let forced = std::env::var("GPU_OFFLOAD_KERNELS").ok();
-        let allow = |name: &str| forced.as_deref().is_none_or(|f| f == name);
-        #[cfg(target_arch = "x86_64")]
-        {
-            if allow("avx512vnni") && x86::supported() && x86::vnni::supported() {
-                return x86::vnni::KERNELS;
+/// Every kernel set this CPU can run, best first.
+pub fn available() -> Vec<&'static Kernels> {
+    #[allow(unused_mut)]
+    let mut v: Vec<&'static Kernels> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if x86::supported() {
+            if x86::vnni::supported() {
+                v.push(&x86::vnni::KERNELS);
             }
-            if allow("avx2") && x86::supported() {
-                return x86::KERNELS;
-            }
+            v.push(&x86::KERNELS);
         }
-        PORTABLE
-    })
+    }
+    v.push(&PORTABLE);
+    v
+}
+
+/// The kernel set called `name`, if this CPU can run it.
+pub fn by_name(name: &str) -> Option<&'static Kernels> {
+    available().into_iter().find(|k| k.name == name)
+}
+
+/// The best kernel set this CPU supports.
+pub fn best() -> &'static Kernels {
+    available()[0]
 }
 
 pub const PORTABLE: Kernels = Kernels {
@@ -658,16 +663,9 @@ mod tests {
 
     #[test]
     fn simd_kernels_equal_portable() {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if x86::supported() {
-                check_against_portable(&x86::KERNELS);
-                if x86::vnni::supported() {
-                    check_against_portable(&x86::vnni::KERNELS);
-                }
-            }
+        for k in available() {
+            check_against_portable(k);
         }
-        check_against_portable(kernels());
     }
 
     fn check_against_portable(k: &Kernels) {
@@ -732,9 +730,9 @@ mod tests {
             })
             .collect();
         let mut qa = vec![ActBlock::default(); 8];
-        (kernels().quantize)(&x, &mut qa);
+        (best().quantize)(&x, &mut qa);
         let exact = portable::dot_f32(&w, &x);
-        let approx = (kernels().dot_q8_0)(&q8, &qa);
+        let approx = (best().dot_q8_0)(&q8, &qa);
         assert!(
             (exact - approx).abs() < 0.05 * exact.abs().max(1.0),
             "{exact} vs {approx}"

@@ -5,7 +5,7 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::kernels::{ActBlock, Kernels, kernels};
+use super::kernels::{ActBlock, Kernels};
 use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, HostTensor, QK};
 
 /// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
@@ -31,12 +31,12 @@ enum Prepared<'a> {
     Quant(Vec<ActBlock>),
 }
 
-/// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens; runs on the current rayon pool.
-pub fn matmul(w: &HostTensor, x: &[f32], n: usize, out: &mut [f32]) {
+/// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens with kernel set `k`; runs on the
+/// current rayon pool.
+pub fn matmul(k: &Kernels, w: &HostTensor, x: &[f32], n: usize, out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     debug_assert_eq!(x.len(), n * cols);
     debug_assert_eq!(out.len(), n * rows);
-    let k = kernels();
     let prepared = if w.dtype.is_quantized() {
         let blocks_per_row = cols / QK;
         let mut q = vec![ActBlock::default(); n * blocks_per_row];
@@ -208,7 +208,7 @@ mod tests {
                     .map(|_| rng.random_range(-1.0f32..1.0))
                     .collect();
                 let mut out = vec![f32::NAN; n * rows];
-                pool.install(|| matmul(&w, &x, n, &mut out));
+                pool.install(|| matmul(super::super::kernels::best(), &w, &x, n, &mut out));
                 let want = reference(&w, &x, n);
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let tol = if dtype.is_quantized() { 2e-2 } else { 1e-5 };

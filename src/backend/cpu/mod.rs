@@ -28,11 +28,18 @@ impl CpuTensor {
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
+    kernels: &'static kernels::Kernels,
 }
 
 impl CpuBackend {
-    /// A backend with `threads` worker threads (0 = one per available core).
+    /// A backend with `threads` worker threads (0 = one per available core) and the best
+    /// kernels this CPU runs.
     pub fn new(threads: usize) -> Result<Self> {
+        Self::with_kernels(threads, kernels::best())
+    }
+
+    /// A backend with a chosen kernel set (see [`kernels::available`]).
+    pub fn with_kernels(threads: usize, kernels: &'static kernels::Kernels) -> Result<Self> {
         let threads = if threads == 0 {
             std::thread::available_parallelism().map_or(1, |n| n.get())
         } else {
@@ -45,7 +52,11 @@ impl CpuBackend {
             .map_err(|e| {
                 BackendError::Unavailable(format!("cannot start {threads} threads: {e}"))
             })?;
-        Ok(CpuBackend { pool, threads })
+        Ok(CpuBackend {
+            pool,
+            threads,
+            kernels,
+        })
     }
 
     pub fn threads(&self) -> usize {
@@ -90,8 +101,7 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!(
             "cpu ({} threads, {} kernels)",
-            self.threads,
-            kernels::kernels().name
+            self.threads, self.kernels.name
         )
     }
 
@@ -221,7 +231,7 @@ impl Backend for CpuBackend {
             ));
         }
         self.pool
-            .install(|| matmul::matmul(w, &x.data, x.rows, &mut out.data));
+            .install(|| matmul::matmul(self.kernels, w, &x.data, x.rows, &mut out.data));
         Ok(())
     }
 
@@ -274,7 +284,11 @@ impl Backend for CpuBackend {
         inv_freq: &HostTensor,
         first_pos: usize,
     ) -> Result<()> {
-        if head_dim == 0 || !x.cols.is_multiple_of(head_dim) || rot_dims > head_dim || !rot_dims.is_multiple_of(2) {
+        if head_dim == 0
+            || !x.cols.is_multiple_of(head_dim)
+            || rot_dims > head_dim
+            || !rot_dims.is_multiple_of(2)
+        {
             return Err(shape_err(
                 "rope",
                 format!(
@@ -368,7 +382,17 @@ impl Backend for CpuBackend {
             let kvh = h / group;
             let qv = &q.row(t)[h * hd..(h + 1) * hd];
             let len = first_pos + t + 1;
-            ops::attend(qv, k_cache, v_cache, kvh * hd, hd, len, s.scale, o);
+            ops::attend(
+                self.kernels,
+                qv,
+                k_cache,
+                v_cache,
+                kvh * hd,
+                hd,
+                len,
+                s.scale,
+                o,
+            );
         };
         if work >= PAR_ELEMS * 4 {
             self.pool

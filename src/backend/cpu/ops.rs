@@ -2,7 +2,7 @@
 //! Reductions accumulate in f64 where a long sum would otherwise drift from the references.
 
 use super::CpuTensor;
-use super::kernels::kernels;
+use super::kernels::Kernels;
 use crate::backend::{Act, RopePairs};
 
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -53,6 +53,7 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
 /// columns start in a cache row.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
+    k: &Kernels,
     q: &[f32],
     k_cache: &CpuTensor,
     v_cache: &CpuTensor,
@@ -62,7 +63,7 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    let dot = kernels().dot_f32;
+    let dot = k.dot_f32;
     let mut scores: Vec<f32> = (0..len)
         .map(|j| dot(q, &k_cache.row(j)[col..col + hd]) * scale)
         .collect();
@@ -116,7 +117,17 @@ mod tests {
             data: vec![3.0, 4.0, 9.0, 9.0],
         };
         let mut out = [0f32; 2];
-        attend(&[1.0, 1.0], &k, &v, 0, 2, 1, 1.0, &mut out);
+        attend(
+            super::super::kernels::best(),
+            &[1.0, 1.0],
+            &k,
+            &v,
+            0,
+            2,
+            1,
+            1.0,
+            &mut out,
+        );
         assert_eq!(out, [3.0, 4.0]);
     }
 
