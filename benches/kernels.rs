@@ -52,12 +52,19 @@ fn bench(c: &mut Criterion) {
         .num_threads(threads)
         .build()
         .unwrap();
+    let kernel_set = std::env::var("GPU_OFFLOAD_KERNELS")
+        .ok()
+        .and_then(|n| kernels::by_name(&n))
+        .unwrap_or_else(kernels::best);
     for (rows, cols, n) in [
         (1536usize, 576usize, 1usize),
         (4096, 4096, 1),
         (1536, 576, 64),
     ] {
-        let mut g = c.benchmark_group(format!("matmul_{rows}x{cols}_n{n}_t{threads}"));
+        let mut g = c.benchmark_group(format!(
+            "matmul_{rows}x{cols}_n{n}_t{threads}_{}",
+            kernel_set.name
+        ));
         for dtype in [
             DType::F32,
             DType::F16,
@@ -73,7 +80,7 @@ fn bench(c: &mut Criterion) {
             let mut out = vec![0f32; n * rows];
             g.throughput(Throughput::Bytes(w.data.len() as u64));
             g.bench_with_input(BenchmarkId::from_parameter(dtype), &w, |b, w| {
-                b.iter(|| pool.install(|| matmul(kernels, w, &x, n, &mut out)))
+                b.iter(|| pool.install(|| matmul(kernel_set, w, &x, n, &mut out)))
             });
         }
         g.finish();
