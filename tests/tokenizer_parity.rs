@@ -477,3 +477,43 @@ fn no_tokenizer_model_means_no_tokenizer() {
             .is_none()
     );
 }
+
+/// `tokenizer.json` (HF directory) against transformers' own tokenization and chat rendering.
+#[test]
+fn hf_tokenizer_json_matches_transformers() {
+    let dir = crate_dir().join("tests/fixtures/hf/llama-tok");
+    let tok = Tokenizer::from_hf_dir(&dir)
+        .expect("tokenizer loads")
+        .expect("directory has tokenizer.json");
+    let fx: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    for case in fx["tokenization"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        assert_eq!(
+            tok.encode(text, true, true).unwrap(),
+            ids(&case["ids_add_special"]),
+            "{text:?} with special tokens"
+        );
+        assert_eq!(
+            tok.encode(text, false, true).unwrap(),
+            ids(&case["ids_no_special"]),
+            "{text:?} without"
+        );
+    }
+    let chat = &fx["chat"];
+    let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
+    let rendered = tok
+        .apply_chat_template(&messages, chat["add_generation_prompt"].as_bool().unwrap())
+        .unwrap();
+    assert_eq!(rendered, chat["rendered"].as_str().unwrap());
+    assert_eq!(
+        tok.encode(&rendered, false, true).unwrap(),
+        ids(&chat["ids_no_special"])
+    );
+    let greedy_prompt = fx["greedy_prompt"].as_str().unwrap();
+    assert_eq!(
+        tok.encode(greedy_prompt, true, true).unwrap(),
+        ids(&fx["greedy"]["prompt_ids"])
+    );
+}
