@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod cli;
 pub mod engine;
+pub mod fsutil;
 pub mod hw;
 pub mod model;
 pub mod tensor;

@@ -1,30 +1,22 @@
 //! The dense CPU engine against transformers: logits at every position and greedy continuations
 //! of the generated fixtures (tests/fixtures/hf, tests/fixtures/gguf; see their README).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
+
+use common::{fixtures, ids};
 
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
 use serde_json::Value;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
 struct Reference {
     input_ids: Vec<u32>,
     logits: Vec<Vec<f32>>,
     greedy_prompt: Vec<u32>,
     greedy: Vec<u32>,
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 fn reference(path: &Path) -> Reference {

@@ -12,24 +12,14 @@ mod common;
 
 use std::path::Path;
 
+use common::ids;
 use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
 use serde_json::Value;
 
 fn fixture(name: &str) -> Value {
-    let p = common::fixtures()
-        .join("llamacpp")
-        .join(format!("{name}.json"));
-    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    common::json_fixture(&format!("llamacpp/{name}.json"))
 }
 
 struct Run {

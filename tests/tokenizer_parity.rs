@@ -15,6 +15,9 @@ use gpu_offload::model::tokenizer::TextStream;
 use gpu_offload::model::{ChatMessage, ModelError, Tokenizer};
 use serde_json::Value;
 
+mod common;
+use common::ids;
+
 const STORIES: &str = "stories260K";
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1";
 
@@ -23,51 +26,15 @@ fn crate_dir() -> PathBuf {
 }
 
 fn fixture(name: &str) -> Value {
-    let path = crate_dir()
-        .join("tests/fixtures/llamacpp")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn shared_models_dir() -> PathBuf {
-    std::env::var_os("GPU_OFFLOAD_SHARED_MODELS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| crate_dir().join("../shared/models"))
-}
-
-/// Where scripts/fetch-models.sh puts models.
-fn cache_models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("GPU_OFFLOAD_MODELS") {
-        return PathBuf::from(dir);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| PathBuf::from(".cache"));
-    cache.join("gpu-offload/models")
+    common::json_fixture(&format!("llamacpp/{name}.json"))
 }
 
 /// The model's path, or `None` (after saying why) when it is missing and the caller allowed that.
 fn model_path(name: &str) -> Option<PathBuf> {
-    let (path, how) = match name {
-        STORIES => (
-            shared_models_dir().join("stories260K-f32.gguf"),
-            "it ships in shared/models (or set GPU_OFFLOAD_SHARED_MODELS)",
-        ),
-        _ => (
-            cache_models_dir().join(format!("{name}.gguf")),
-            "run scripts/fetch-models.sh (or set GPU_OFFLOAD_MODELS)",
-        ),
-    };
-    if path.exists() {
-        return Some(path);
+    match name {
+        STORIES => Some(common::stories260k()),
+        _ => common::smollm2(),
     }
-    if std::env::var("GPU_OFFLOAD_SKIP_MISSING_MODELS").as_deref() == Ok("1") {
-        eprintln!("skipping: {} is missing; {how}", path.display());
-        return None;
-    }
-    panic!("{} is missing: {how}", path.display());
 }
 
 /// The model's tokenizer and its fixture, or `None` when skipped.
@@ -86,14 +53,6 @@ fn load(name: &str) -> Option<(Tokenizer, Value)> {
         .unwrap_or_else(|e| panic!("{e}"))
         .expect("the model has a tokenizer");
     Some((tok, fx))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 fn hex(s: &str) -> Vec<u8> {

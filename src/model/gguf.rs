@@ -575,63 +575,126 @@ impl GgufFile {
     }
 }
 
+/// A tensor to write: GGML dims (columns first), GGML type id, raw bytes.
+#[derive(Clone, Debug)]
+pub struct RawTensor {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub ggml_type: u32,
+    pub bytes: Vec<u8>,
+}
+
+impl RawTensor {
+    pub fn f32(name: &str, dims: &[u64], values: &[f32]) -> Self {
+        RawTensor {
+            name: name.into(),
+            dims: dims.to_vec(),
+            ggml_type: 0,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+}
+
+fn put_str(b: &mut Vec<u8>, v: &str) {
+    b.extend((v.len() as u64).to_le_bytes());
+    b.extend(v.as_bytes());
+}
+
+fn value_type(v: &MetaValue) -> u32 {
+    match v {
+        MetaValue::U8(_) => 0,
+        MetaValue::I8(_) => 1,
+        MetaValue::U16(_) => 2,
+        MetaValue::I16(_) => 3,
+        MetaValue::U32(_) => 4,
+        MetaValue::I32(_) => 5,
+        MetaValue::F32(_) => 6,
+        MetaValue::Bool(_) => 7,
+        MetaValue::String(_) => 8,
+        MetaValue::Array(_) => 9,
+        MetaValue::U64(_) => 10,
+        MetaValue::I64(_) => 11,
+        MetaValue::F64(_) => 12,
+    }
+}
+
+fn put_value(b: &mut Vec<u8>, v: &MetaValue) {
+    match v {
+        MetaValue::U8(x) => b.push(*x),
+        MetaValue::I8(x) => b.push(*x as u8),
+        MetaValue::U16(x) => b.extend(x.to_le_bytes()),
+        MetaValue::I16(x) => b.extend(x.to_le_bytes()),
+        MetaValue::U32(x) => b.extend(x.to_le_bytes()),
+        MetaValue::I32(x) => b.extend(x.to_le_bytes()),
+        MetaValue::U64(x) => b.extend(x.to_le_bytes()),
+        MetaValue::I64(x) => b.extend(x.to_le_bytes()),
+        MetaValue::F32(x) => b.extend(x.to_le_bytes()),
+        MetaValue::F64(x) => b.extend(x.to_le_bytes()),
+        MetaValue::Bool(x) => b.push(*x as u8),
+        MetaValue::String(x) => put_str(b, x),
+        MetaValue::Array(items) => {
+            // An empty array is written as u8 elements.
+            b.extend(items.first().map_or(0, value_type).to_le_bytes());
+            b.extend((items.len() as u64).to_le_bytes());
+            for i in items {
+                put_value(b, i);
+            }
+        }
+    }
+}
+
+/// A GGUF v3 file (alignment 32) holding `metadata` and `tensors`, as bytes. For tools and tests
+/// that craft models; arrays must hold one element type.
+pub fn encode(metadata: &[(&str, MetaValue)], tensors: &[RawTensor]) -> Vec<u8> {
+    let align = DEFAULT_ALIGNMENT as usize;
+    let mut b = Vec::new();
+    b.extend(GGUF_MAGIC);
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        put_str(&mut b, k);
+        b.extend(value_type(v).to_le_bytes());
+        put_value(&mut b, v);
+    }
+    let mut offset = 0u64;
+    for t in tensors {
+        put_str(&mut b, &t.name);
+        b.extend((t.dims.len() as u32).to_le_bytes());
+        for d in &t.dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(t.ggml_type.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += t.bytes.len().div_ceil(align) as u64 * align as u64;
+    }
+    b.resize(b.len().div_ceil(align) * align, 0);
+    for t in tensors {
+        b.extend(&t.bytes);
+        b.resize(b.len().div_ceil(align) * align, 0);
+    }
+    b
+}
+
+/// Write [`encode`]'s bytes to `path` atomically.
+pub fn write(
+    path: &Path,
+    metadata: &[(&str, MetaValue)],
+    tensors: &[RawTensor],
+) -> std::io::Result<()> {
+    crate::fsutil::write_atomic(path, &encode(metadata, tensors))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
-    /// A minimal GGUF writer for tests: metadata of strings/u32 and f32 tensors.
-    pub(crate) fn write_gguf(
-        path: &Path,
-        kv: &[(&str, MetaValue)],
-        tensors: &[(&str, Vec<u64>, Vec<f32>)],
-    ) {
-        fn s(buf: &mut Vec<u8>, v: &str) {
-            buf.extend((v.len() as u64).to_le_bytes());
-            buf.extend(v.as_bytes());
-        }
-        let mut b = Vec::new();
-        b.extend(b"GGUF");
-        b.extend(3u32.to_le_bytes());
-        b.extend((tensors.len() as u64).to_le_bytes());
-        b.extend((kv.len() as u64).to_le_bytes());
-        for (k, v) in kv {
-            s(&mut b, k);
-            match v {
-                MetaValue::U32(x) => {
-                    b.extend(4u32.to_le_bytes());
-                    b.extend(x.to_le_bytes());
-                }
-                MetaValue::String(x) => {
-                    b.extend(8u32.to_le_bytes());
-                    s(&mut b, x);
-                }
-                _ => unimplemented!("test writer"),
-            }
-        }
-        let mut offset = 0u64;
-        for (name, dims, data) in tensors {
-            s(&mut b, name);
-            b.extend((dims.len() as u32).to_le_bytes());
-            for d in dims {
-                b.extend(d.to_le_bytes());
-            }
-            b.extend(0u32.to_le_bytes());
-            b.extend(offset.to_le_bytes());
-            offset += (data.len() * 4).div_ceil(32) as u64 * 32;
-        }
-        while b.len() % 32 != 0 {
-            b.push(0);
-        }
-        for (_, _, data) in tensors {
-            for v in data {
-                b.extend(v.to_le_bytes());
-            }
-            while b.len() % 32 != 0 {
-                b.push(0);
-            }
-        }
-        std::fs::File::create(path).unwrap().write_all(&b).unwrap();
+    fn write_gguf(path: &Path, kv: &[(&str, MetaValue)], tensors: &[(&str, Vec<u64>, Vec<f32>)]) {
+        let raw: Vec<RawTensor> = tensors
+            .iter()
+            .map(|(n, d, v)| RawTensor::f32(n, d, v))
+            .collect();
+        write(path, kv, &raw).unwrap();
     }
 
     #[test]

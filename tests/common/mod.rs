@@ -40,86 +40,27 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-/// A metadata value for [`write_gguf`].
-pub enum Meta {
-    U32(u32),
-    F32(f32),
-    Str(String),
-    Bool(bool),
+/// A JSON fixture, by path relative to tests/fixtures.
+pub fn json_fixture(rel: &str) -> serde_json::Value {
+    let path = fixtures().join(rel);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// A tensor for [`write_gguf`]: name, GGML dims (columns first), GGML type id, raw bytes.
-pub struct RawTensor {
-    pub name: String,
-    pub dims: Vec<u64>,
-    pub ggml_type: u32,
-    pub bytes: Vec<u8>,
+/// A JSON list of token ids.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
-impl RawTensor {
-    pub fn f32(name: &str, dims: &[u64], values: &[f32]) -> Self {
-        RawTensor {
-            name: name.into(),
-            dims: dims.to_vec(),
-            ggml_type: 0,
-            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        }
-    }
-}
+pub use gpu_offload::model::gguf::{MetaValue, RawTensor};
 
-/// Write a GGUF v3 file (alignment 32).
-pub fn write_gguf(path: &Path, kv: &[(&str, Meta)], tensors: &[RawTensor]) {
-    fn s(b: &mut Vec<u8>, v: &str) {
-        b.extend((v.len() as u64).to_le_bytes());
-        b.extend(v.as_bytes());
-    }
-    let mut b = Vec::new();
-    b.extend(b"GGUF");
-    b.extend(3u32.to_le_bytes());
-    b.extend((tensors.len() as u64).to_le_bytes());
-    b.extend((kv.len() as u64).to_le_bytes());
-    for (k, v) in kv {
-        s(&mut b, k);
-        match v {
-            Meta::U32(x) => {
-                b.extend(4u32.to_le_bytes());
-                b.extend(x.to_le_bytes());
-            }
-            Meta::F32(x) => {
-                b.extend(6u32.to_le_bytes());
-                b.extend(x.to_le_bytes());
-            }
-            Meta::Bool(x) => {
-                b.extend(7u32.to_le_bytes());
-                b.push(*x as u8);
-            }
-            Meta::Str(x) => {
-                b.extend(8u32.to_le_bytes());
-                s(&mut b, x);
-            }
-        }
-    }
-    let mut offset = 0u64;
-    for t in tensors {
-        s(&mut b, &t.name);
-        b.extend((t.dims.len() as u32).to_le_bytes());
-        for d in &t.dims {
-            b.extend(d.to_le_bytes());
-        }
-        b.extend(t.ggml_type.to_le_bytes());
-        b.extend(offset.to_le_bytes());
-        offset += (t.bytes.len() as u64).div_ceil(32) * 32;
-    }
-    while b.len() % 32 != 0 {
-        b.push(0);
-    }
-    for t in tensors {
-        b.extend(&t.bytes);
-        while b.len() % 32 != 0 {
-            b.push(0);
-        }
-    }
-    std::fs::write(path, b).expect("write gguf");
+/// Write a GGUF v3 file.
+pub fn write_gguf(path: &Path, kv: &[(&str, MetaValue)], tensors: &[RawTensor]) {
+    gpu_offload::model::gguf::write(path, kv, tensors).expect("write gguf");
 }
 
 /// A tiny but complete `llama` GGUF (no tokenizer): 1 layer, d 256, 4 heads, vocab 64. `ffn_type`
@@ -139,20 +80,23 @@ pub fn tiny_llama_gguf(path: &Path, arch: &str, ffn_type: u32, ffn_block: (u64, 
         bytes: vec![0u8; (cols * rows / ffn_block.0 * ffn_block.1) as usize],
     };
     let key = |k: &str| format!("{arch}.{k}");
-    let keys: Vec<(String, Meta)> = vec![
-        ("general.architecture".into(), Meta::Str(arch.into())),
-        (key("block_count"), Meta::U32(1)),
-        (key("embedding_length"), Meta::U32(d as u32)),
-        (key("feed_forward_length"), Meta::U32(ff as u32)),
-        (key("attention.head_count"), Meta::U32(4)),
-        (key("attention.head_count_kv"), Meta::U32(4)),
-        (key("context_length"), Meta::U32(64)),
-        (key("attention.layer_norm_rms_epsilon"), Meta::F32(1e-5)),
+    let keys: Vec<(String, MetaValue)> = vec![
+        (
+            "general.architecture".into(),
+            MetaValue::String(arch.into()),
+        ),
+        (key("block_count"), MetaValue::U32(1)),
+        (key("embedding_length"), MetaValue::U32(d as u32)),
+        (key("feed_forward_length"), MetaValue::U32(ff as u32)),
+        (key("attention.head_count"), MetaValue::U32(4)),
+        (key("attention.head_count_kv"), MetaValue::U32(4)),
+        (key("context_length"), MetaValue::U32(64)),
+        (
+            key("attention.layer_norm_rms_epsilon"),
+            MetaValue::F32(1e-5),
+        ),
     ];
-    let kv: Vec<(&str, Meta)> = keys
-        .into_iter()
-        .map(|(k, v)| (Box::leak(k.into_boxed_str()) as &str, v))
-        .collect();
+    let kv: Vec<(&str, MetaValue)> = keys.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     write_gguf(
         path,
         &kv,
