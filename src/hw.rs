@@ -107,7 +107,7 @@ pub fn probe_host(threads: usize) -> HostProfile {
         logical_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         simd: simd_features(),
         dram_bytes: dram_total(),
-        dram_read_bytes_per_s: dram_read_bandwidth(threads, 512 << 20, 5),
+        dram_read_bytes_per_s: dram_read_bandwidth(threads, 512 << 20, 10),
         dram_read_threads: threads,
     }
 }
