@@ -8,7 +8,7 @@ this machine, GGML_NATIVE). The bound is measured DRAM read bandwidth (`gpu-offl
 divided by the bytes one decode step reads (weights + KV cache, `run --json` memory field).
 
 Usage (from the repository root, after `cargo build --release` and scripts/fetch-models.sh):
-    PY=~/.cache/gpu-offload/pyref/bin/python   # a venv with llama-cpp-python
+    scripts/setup-pyref.sh; PY=~/.cache/gpu-offload/pyref/bin/python
     $PY benches/decode_vs_llamacpp.py [--model M] [--threads 2] [--tokens 128] [--reps 5]
 Prints a Markdown table and writes the raw figures as JSON with --json-out.
 """
