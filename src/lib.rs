@@ -9,4 +9,5 @@ pub mod engine;
 pub mod fsutil;
 pub mod hw;
 pub mod model;
+pub mod store;
 pub mod tensor;

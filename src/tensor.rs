@@ -95,13 +95,77 @@ pub struct BlockQ4_1 {
     pub qs: [u8; QK / 2],
 }
 
-/// Bytes that are either borrowed from a memory map (zero-copy weights) or owned.
+/// Alignment of [`AlignedBuf`]: a page, as direct I/O needs.
+pub const PAGE: usize = 4096;
+
+/// A page-aligned, zero-initialised heap buffer (direct I/O reads land here).
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain owned memory; access goes through &/&mut borrows.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// `len` bytes (rounded up to a whole page), zeroed.
+    pub fn zeroed(len: usize) -> Self {
+        let cap = len.div_ceil(PAGE).max(1) * PAGE;
+        let layout = std::alloc::Layout::from_size_align(cap, PAGE).expect("page-aligned layout");
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes available including the padding to a whole page.
+    pub fn capacity(&self) -> usize {
+        self.len.div_ceil(PAGE).max(1) * PAGE
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: ptr holds `capacity() >= len` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The whole page-rounded buffer (for reads of whole pages).
+    pub fn padded_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the allocation is `capacity()` bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.capacity()) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.capacity(), PAGE).expect("layout");
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+    }
+}
+
+/// Bytes that are borrowed from a memory map (zero-copy weights), owned, or a range of a shared
+/// page-aligned buffer (read from the store).
 ///
 /// Owned bytes are backed by `u64` words so typed views (`f32`, `f16`, blocks) are always aligned.
 #[derive(Clone)]
 pub enum Bytes {
     Mapped { map: Arc<Mmap>, range: Range<usize> },
     Owned { words: Arc<Vec<u64>>, len: usize },
+    Aligned { buf: Arc<AlignedBuf>, range: Range<usize> },
 }
 
 impl Bytes {
@@ -133,12 +197,13 @@ impl Bytes {
         match self {
             Bytes::Mapped { map, range } => &map[range.clone()],
             Bytes::Owned { words, len } => &bytemuck::cast_slice::<u64, u8>(words)[..*len],
+            Bytes::Aligned { buf, range } => &buf.as_slice()[range.clone()],
         }
     }
 
     pub fn len(&self) -> usize {
         match self {
-            Bytes::Mapped { range, .. } => range.len(),
+            Bytes::Mapped { range, .. } | Bytes::Aligned { range, .. } => range.len(),
             Bytes::Owned { len, .. } => *len,
         }
     }
@@ -154,7 +219,11 @@ impl Bytes {
 
 impl fmt::Debug for Bytes {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = if self.is_mapped() { "mapped" } else { "owned" };
+        let kind = match self {
+            Bytes::Mapped { .. } => "mapped",
+            Bytes::Owned { .. } => "owned",
+            Bytes::Aligned { .. } => "aligned",
+        };
         write!(f, "Bytes({kind}, {} bytes)", self.len())
     }
 }

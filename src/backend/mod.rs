@@ -9,7 +9,7 @@ pub mod cpu;
 
 use thiserror::Error;
 
-use crate::tensor::HostTensor;
+use crate::tensor::{DType, HostTensor};
 
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -54,12 +54,22 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// FFN neuron bundles (see `store`): `rows` neurons, each `parts` vectors of `d` values —
+/// `[gate | up | down]` (3 parts, gated) or `[up | down]` (2 parts).
+#[derive(Clone, Copy, Debug)]
+pub struct BundleShape {
+    pub parts: usize,
+    pub d: usize,
+}
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
-/// storage format.
-pub trait Backend: Send + Sync {
+/// storage format. Copies to the device may run on a separate copy stream: `Event`s order them
+/// against compute (on synchronous backends they are no-ops).
+pub trait Backend: Send + Sync + 'static {
     type Tensor: Send;
     type Weight: Send + Sync;
+    type Event: Send;
 
     fn name(&self) -> String;
 
@@ -73,6 +83,20 @@ pub trait Backend: Send + Sync {
 
     /// Place a weight on the device.
     fn upload(&self, w: &HostTensor) -> Result<Self::Weight>;
+    /// An uninitialised device weight buffer of `rows × cols` values in `dtype` (a streaming
+    /// slot, filled by [`Backend::upload_into`]).
+    fn alloc_weight(&self, name: &str, dtype: DType, rows: usize, cols: usize) -> Result<Self::Weight>;
+    /// Copy `src` (whole rows of `dst`'s format) into `dst` from row `first_row`, on the copy
+    /// stream. `src` must stay unchanged until an event recorded after this call completes.
+    fn upload_into(&self, dst: &mut Self::Weight, first_row: usize, src: &[u8]) -> Result<()>;
+    /// An event that completes when every copy issued so far is done.
+    fn copies_done(&self) -> Result<Self::Event>;
+    /// An event that completes when all compute issued so far is done.
+    fn compute_done(&self) -> Result<Self::Event>;
+    /// Make later compute wait for `ev`.
+    fn compute_waits(&self, ev: &Self::Event) -> Result<()>;
+    /// Make later copies wait for `ev`.
+    fn copies_wait(&self, ev: &Self::Event) -> Result<()>;
     /// A zeroed `rows × cols` activation buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Host → device; `src.len()` must equal the tensor's size.
@@ -102,7 +126,36 @@ pub trait Backend: Send + Sync {
         first_row: usize,
     ) -> Result<()>;
     /// `out = x · Wᵀ`: `x` is `n × in`, `W` is `out_features × in`, `out` is `n × out_features`.
-    fn matmul(&self, w: &Self::Weight, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()>;
+    fn matmul(&self, w: &Self::Weight, x: &Self::Tensor, out: &mut Self::Tensor) -> Result<()> {
+        self.matmul_into(w, x, out, 0)
+    }
+    /// `out[:, col0 .. col0 + W.rows] = x · Wᵀ`: a row block of a larger weight (the rest of the
+    /// columns are left alone).
+    fn matmul_into(&self, w: &Self::Weight, x: &Self::Tensor, out: &mut Self::Tensor, col0: usize) -> Result<()>;
+    /// First half of a bundled FFN: for each neuron `i` of `bundles`,
+    /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_bundles_up(
+        &self,
+        bundles: &Self::Weight,
+        shape: BundleShape,
+        x: &Self::Tensor,
+        act: Act,
+        up_bias: Option<&Self::Weight>,
+        h: &mut Self::Tensor,
+        col0: usize,
+    ) -> Result<()>;
+    /// Second half: `out += Σ_i h[:, col0 + i] · down_i` over the neurons of `bundles`.
+    fn ffn_bundles_down(
+        &self,
+        bundles: &Self::Weight,
+        shape: BundleShape,
+        h: &Self::Tensor,
+        col0: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// `x = 0`.
+    fn zero(&self, x: &mut Self::Tensor) -> Result<()>;
     /// `x[i] += bias` for every row.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight) -> Result<()>;
     /// `x += y`.

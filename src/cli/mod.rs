@@ -1,11 +1,13 @@
 //! The command-line edge: one file per subcommand parses its flags, calls the library and prints.
 //! Every flag can also come from a `GPU_OFFLOAD_*` environment variable.
 
+mod convert;
 mod doctor;
 mod load;
 mod logits;
 mod perplexity;
 mod run;
+mod synth;
 
 use std::path::PathBuf;
 
@@ -39,6 +41,10 @@ pub enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Probe this machine (devices, memory bandwidth) for the planner and the benchmarks.
     Doctor(doctor::DoctorArgs),
+    /// Convert a GGUF file or HF directory into an offload store (or verify one).
+    Convert(convert::ConvertArgs),
+    /// Write a deterministic synthetic model of any shape (HF format).
+    Synth(synth::SynthArgs),
 }
 
 /// Where the math runs.
@@ -98,5 +104,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Logits(a) => logits::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Doctor(a) => doctor::run(a),
+        Command::Convert(a) => convert::run(a),
+        Command::Synth(a) => synth::run(a),
     }
 }

@@ -1,23 +1,26 @@
-//! A forward pass, written once against [`Backend`]: the model's weights placed on the device,
-//! sessions holding a KV cache, batched prefill and single-token decode, sampling, generation.
-//! Knows nothing about HTTP or files.
+//! A forward pass, written once against [`Backend`]: sessions holding a KV cache, batched
+//! prefill and single-token decode, sampling, generation. Where each weight lives is a
+//! [`WeightSource`]'s business: all resident ([`resident::ResidentWeights`]) or streamed through
+//! the tiers (`tier`); the pass asks it for one layer at a time. Knows nothing about HTTP or files.
 
 pub mod generate;
 pub mod perplexity;
+pub mod resident;
 pub mod sampler;
+mod traffic;
 
-use serde::Serialize;
+use std::sync::Mutex;
+
 use thiserror::Error;
 
-use crate::backend::{Act, AttnShape, Backend, BackendError, RopePairs};
-use crate::model::{
-    Activation, Arch, LayerWeights, Linear, ModelSpec, ModelWeights, NormKind, NormWeights,
-    PositionEncoding, RopeStyle,
-};
+use crate::backend::{Act, AttnShape, Backend, BackendError, BundleShape, RopePairs};
+use crate::model::{Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle};
 use crate::tensor::HostTensor;
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
+pub use resident::ResidentWeights;
 pub use sampler::{Sampler, SamplerParams};
+pub use traffic::DecodeTraffic;
 
 #[derive(Debug, Error)]
 pub enum EngineError {
@@ -31,6 +34,8 @@ pub enum EngineError {
     Empty,
     #[error("context size {requested} exceeds the model's maximum of {max} positions")]
     ContextTooLarge { requested: usize, max: usize },
+    #[error("weights: {0}")]
+    Weights(String),
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -38,40 +43,72 @@ pub type Result<T> = std::result::Result<T, EngineError>;
 /// Tokens evaluated per forward step during prefill; bounds scratch memory for long prompts.
 pub const MAX_BATCH: usize = 512;
 
-struct DeviceNorm<B: Backend> {
-    weight: B::Weight,
-    bias: Option<B::Weight>,
+/// A linear layer on the device: its rows may be split into blocks that live in different
+/// places (a resident block and a streamed one); `(first_row, block)` pairs cover all rows.
+pub struct LinearView<'a, B: Backend> {
+    pub blocks: Vec<(usize, &'a B::Weight)>,
+    pub bias: Option<&'a B::Weight>,
 }
 
-struct DeviceLinear<B: Backend> {
-    weight: B::Weight,
-    bias: Option<B::Weight>,
+pub struct NormView<'a, B: Backend> {
+    pub weight: &'a B::Weight,
+    pub bias: Option<&'a B::Weight>,
 }
 
-struct DeviceLayer<B: Backend> {
-    attn_norm: DeviceNorm<B>,
-    wq: DeviceLinear<B>,
-    wk: DeviceLinear<B>,
-    wv: DeviceLinear<B>,
-    wo: DeviceLinear<B>,
-    ffn_norm: DeviceNorm<B>,
-    w_gate: Option<DeviceLinear<B>>,
-    w_up: DeviceLinear<B>,
-    w_down: DeviceLinear<B>,
+/// The FFN of one layer: separate matrices, or neuron bundles in runs `(first_neuron, run)`.
+pub enum FfnView<'a, B: Backend> {
+    Matrices {
+        gate: Option<LinearView<'a, B>>,
+        up: LinearView<'a, B>,
+        down: LinearView<'a, B>,
+    },
+    Bundles {
+        runs: Vec<(usize, &'a B::Weight)>,
+        shape: BundleShape,
+        up_bias: Option<&'a B::Weight>,
+        down_bias: Option<&'a B::Weight>,
+    },
 }
 
-/// A model's weights resident on one backend, ready to run.
+/// Everything one layer computes with, wherever it lives.
+pub struct LayerView<'a, B: Backend> {
+    pub attn_norm: NormView<'a, B>,
+    pub wq: LinearView<'a, B>,
+    pub wk: LinearView<'a, B>,
+    pub wv: LinearView<'a, B>,
+    pub wo: LinearView<'a, B>,
+    pub ffn_norm: NormView<'a, B>,
+    pub ffn: FfnView<'a, B>,
+}
+
+/// The final norm and the output matrix.
+pub struct HeadView<'a, B: Backend> {
+    pub norm: NormView<'a, B>,
+    pub output: LinearView<'a, B>,
+}
+
+/// Provides the weights of a forward pass, one layer at a time, in order: `layer(0)`,
+/// `layer_done(0)`, `layer(1)`, ..., `head()`, `head_done()`. A streaming source uses the calls
+/// to move weights in ahead of use and free them after.
+pub trait WeightSource<B: Backend>: Send {
+    /// Token embeddings (plus learned positions from `first_pos`) of `ids` into `out`.
+    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()>;
+    /// Per-pair RoPE frequency divisors shipped with the weights (Llama 3.1 GGUF files).
+    fn rope_freq_factors(&self) -> Option<Vec<f32>>;
+    fn layer(&mut self, b: &B, l: usize) -> Result<LayerView<'_, B>>;
+    fn layer_done(&mut self, b: &B, l: usize) -> Result<()>;
+    fn head(&mut self, b: &B) -> Result<HeadView<'_, B>>;
+    fn head_done(&mut self, b: &B) -> Result<()>;
+}
+
+/// A model ready to run on one backend.
 pub struct Engine<B: Backend> {
     backend: B,
     spec: ModelSpec,
-    token_embd: B::Weight,
-    pos_embd: Option<B::Weight>,
-    layers: Vec<DeviceLayer<B>>,
-    output_norm: DeviceNorm<B>,
-    /// `None` when tied to `token_embd`.
-    output: Option<B::Weight>,
-    rope: Option<(B::Weight, RopePairs, usize)>,
+    source: Mutex<Box<dyn WeightSource<B>>>,
     act: Act,
+    /// RoPE inverse frequencies on the device, pairing, rotated dims.
+    rope: Option<(B::Weight, RopePairs, usize)>,
 }
 
 /// Which positions' logits a forward step returns.
@@ -125,68 +162,55 @@ struct Scratch<B: Backend> {
     gate: Option<B::Tensor>,
 }
 
+/// Bytes of the activation buffers a step of `n` tokens allocates (scratch plus the logits
+/// buffers of `logit_rows` rows), for planning device memory.
+pub fn scratch_bytes(spec: &ModelSpec, n: usize, logit_rows: usize) -> u64 {
+    let per_token = 3 * spec.d_model + 2 * spec.q_dim() + 2 * spec.kv_dim() + spec.d_ff * if spec.gated_ffn { 2 } else { 1 };
+    let logits = logit_rows * (2 * spec.d_model + spec.vocab_size);
+    4 * (n * per_token + logits) as u64
+}
+
+/// KV cache bytes of one session of `ctx` positions.
+pub fn kv_bytes(spec: &ModelSpec, ctx: usize) -> u64 {
+    2 * (spec.n_layers * ctx * spec.kv_dim() * 4) as u64
+}
+
+fn backend_act(a: Activation) -> Act {
+    match a {
+        Activation::Silu => Act::Silu,
+        Activation::Relu => Act::Relu,
+        Activation::Gelu => Act::Gelu,
+        Activation::GeluTanh => Act::GeluTanh,
+    }
+}
+
 impl<B: Backend> Engine<B> {
-    /// Place `weights` on `backend`.
+    /// Place all of `weights` on `backend` (see [`ResidentWeights`]).
     pub fn new(backend: B, spec: ModelSpec, weights: &ModelWeights) -> Result<Self> {
-        let up = |t: &HostTensor| backend.upload(t);
-        let norm = |n: &NormWeights| -> Result<DeviceNorm<B>> {
-            Ok(DeviceNorm {
-                weight: up(&n.weight)?,
-                bias: n.bias.as_ref().map(up).transpose()?,
-            })
-        };
-        let linear = |l: &Linear| -> Result<DeviceLinear<B>> {
-            Ok(DeviceLinear {
-                weight: up(&l.weight)?,
-                bias: l.bias.as_ref().map(up).transpose()?,
-            })
-        };
-        let layer = |l: &LayerWeights| -> Result<DeviceLayer<B>> {
-            Ok(DeviceLayer {
-                attn_norm: norm(&l.attn_norm)?,
-                wq: linear(&l.wq)?,
-                wk: linear(&l.wk)?,
-                wv: linear(&l.wv)?,
-                wo: linear(&l.wo)?,
-                ffn_norm: norm(&l.ffn_norm)?,
-                w_gate: l.w_gate.as_ref().map(linear).transpose()?,
-                w_up: linear(&l.w_up)?,
-                w_down: linear(&l.w_down)?,
-            })
-        };
-        let layers = weights
-            .layers
-            .iter()
-            .map(layer)
-            .collect::<Result<Vec<_>>>()?;
+        let source = ResidentWeights::new(&backend, &spec, weights)?;
+        Self::with_source(backend, spec, Box::new(source))
+    }
+
+    /// An engine whose weights come from `source`.
+    pub fn with_source(backend: B, spec: ModelSpec, source: Box<dyn WeightSource<B>>) -> Result<Self> {
         let rope = match &spec.position {
             PositionEncoding::Rope(r) => {
-                let inv = r.inv_freqs(weights.rope_freq_factors.as_deref());
+                let inv = r.inv_freqs(source.rope_freq_factors().as_deref());
                 let pairs = match r.style {
                     RopeStyle::Adjacent => RopePairs::Adjacent,
                     RopeStyle::Halves => RopePairs::Halves,
                 };
                 let t = HostTensor::from_f32("rope.inv_freq", 1, inv.len(), inv);
-                Some((up(&t)?, pairs, r.dims))
+                Some((backend.upload(&t)?, pairs, r.dims))
             }
             PositionEncoding::Learned { .. } => None,
         };
-        let act = match spec.activation {
-            Activation::Silu => Act::Silu,
-            Activation::Relu => Act::Relu,
-            Activation::Gelu => Act::Gelu,
-            Activation::GeluTanh => Act::GeluTanh,
-        };
         Ok(Engine {
-            token_embd: up(&weights.token_embd)?,
-            pos_embd: weights.pos_embd.as_ref().map(up).transpose()?,
-            layers,
-            output_norm: norm(&weights.output_norm)?,
-            output: weights.output.as_ref().map(up).transpose()?,
-            rope,
-            act,
-            spec,
+            act: backend_act(spec.activation),
             backend,
+            spec,
+            source: Mutex::new(source),
+            rope,
         })
     }
 
@@ -196,6 +220,11 @@ impl<B: Backend> Engine<B> {
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Which architecture family this engine runs.
+    pub fn arch(&self) -> Arch {
+        self.spec.arch
     }
 
     /// A fresh session holding up to `ctx` positions.
@@ -224,12 +253,7 @@ impl<B: Backend> Engine<B> {
 
     /// Evaluate `tokens` after what the session holds; returns logits (`vocab` values per
     /// returned position, row-major).
-    pub fn forward(
-        &self,
-        session: &mut Session<B>,
-        tokens: &[u32],
-        logits: Logits,
-    ) -> Result<Vec<f32>> {
+    pub fn forward(&self, session: &mut Session<B>, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(EngineError::Empty);
         }
@@ -246,6 +270,12 @@ impl<B: Backend> Engine<B> {
                 vocab: self.spec.vocab_size,
             });
         }
+        // One pass at a time: a streaming source's buffers are shared by all sessions.
+        let mut guard = self
+            .source
+            .lock()
+            .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
+        let source: &mut dyn WeightSource<B> = &mut **guard;
         self.backend.enter(|| {
             let mut out = Vec::new();
             let n_batches = tokens.len().div_ceil(MAX_BATCH);
@@ -255,7 +285,7 @@ impl<B: Backend> Engine<B> {
                     Logits::Last if i + 1 == n_batches => Logits::Last,
                     _ => Logits::None,
                 };
-                out.extend(self.step(session, batch, mode)?);
+                out.extend(self.step(source, session, batch, mode)?);
             }
             Ok(out)
         })
@@ -274,19 +304,15 @@ impl<B: Backend> Engine<B> {
             attn: b.alloc(n, s.q_dim())?,
             proj: b.alloc(n, s.d_model)?,
             up: b.alloc(n, s.d_ff)?,
-            gate: if s.gated_ffn {
-                Some(b.alloc(n, s.d_ff)?)
-            } else {
-                None
-            },
+            gate: if s.gated_ffn { Some(b.alloc(n, s.d_ff)?) } else { None },
         })
     }
 
-    fn norm(&self, x: &B::Tensor, n: &DeviceNorm<B>, out: &mut B::Tensor) -> Result<()> {
+    fn norm(&self, x: &B::Tensor, n: &NormView<B>, out: &mut B::Tensor) -> Result<()> {
         let eps = self.spec.norm_eps;
-        match (self.spec.norm, &n.bias) {
-            (NormKind::Rms, _) => self.backend.rms_norm(x, &n.weight, eps, out)?,
-            (NormKind::Layer, Some(b)) => self.backend.layer_norm(x, &n.weight, b, eps, out)?,
+        match (self.spec.norm, n.bias) {
+            (NormKind::Rms, _) => self.backend.rms_norm(x, n.weight, eps, out)?,
+            (NormKind::Layer, Some(b)) => self.backend.layer_norm(x, n.weight, b, eps, out)?,
             (NormKind::Layer, None) => {
                 return Err(BackendError::Shape {
                     op: "layer_norm",
@@ -298,16 +324,64 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    fn linear(&self, l: &DeviceLinear<B>, x: &B::Tensor, out: &mut B::Tensor) -> Result<()> {
-        self.backend.matmul(&l.weight, x, out)?;
-        if let Some(b) = &l.bias {
+    fn linear(&self, l: &LinearView<B>, x: &B::Tensor, out: &mut B::Tensor) -> Result<()> {
+        for &(row0, w) in &l.blocks {
+            self.backend.matmul_into(w, x, out, row0)?;
+        }
+        if let Some(b) = l.bias {
             self.backend.add_bias(out, b)?;
         }
         Ok(())
     }
 
+    /// `proj = FFN(h)`, using `sc.up` / `sc.gate` for the hidden activations.
+    fn ffn(&self, f: &FfnView<B>, sc: &mut Scratch<B>) -> Result<()> {
+        let b = &self.backend;
+        match f {
+            FfnView::Matrices { gate, up, down } => {
+                self.linear(up, &sc.h, &mut sc.up)?;
+                let hidden = match (gate, &mut sc.gate) {
+                    (Some(wg), Some(g)) => {
+                        self.linear(wg, &sc.h, g)?;
+                        b.gated(g, &sc.up, self.act)?;
+                        &*g
+                    }
+                    _ => {
+                        b.activate(&mut sc.up, self.act)?;
+                        &sc.up
+                    }
+                };
+                self.linear(down, hidden, &mut sc.proj)?;
+            }
+            FfnView::Bundles {
+                runs,
+                shape,
+                up_bias,
+                down_bias,
+            } => {
+                for &(first, run) in runs {
+                    b.ffn_bundles_up(run, *shape, &sc.h, self.act, *up_bias, &mut sc.up, first)?;
+                }
+                b.zero(&mut sc.proj)?;
+                for &(first, run) in runs {
+                    b.ffn_bundles_down(run, *shape, &sc.up, first, &mut sc.proj)?;
+                }
+                if let Some(bias) = down_bias {
+                    b.add_bias(&mut sc.proj, bias)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One forward step over at most [`MAX_BATCH`] tokens.
-    fn step(&self, session: &mut Session<B>, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+    fn step(
+        &self,
+        source: &mut dyn WeightSource<B>,
+        session: &mut Session<B>,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         let n = tokens.len();
         let b = &self.backend;
         let spec = &self.spec;
@@ -317,57 +391,37 @@ impl<B: Backend> Engine<B> {
             _ => self.scratch(n)?,
         };
 
-        b.embed(&self.token_embd, tokens, &mut sc.x)?;
-        if let (Some(table), PositionEncoding::Learned { offset }) =
-            (&self.pos_embd, &spec.position)
-        {
-            b.add_table_rows(&mut sc.x, table, pos + offset)?;
-        }
+        source.embed(b, tokens, pos, &mut sc.x)?;
         let attn_shape = AttnShape {
             n_heads: spec.n_heads,
             n_kv_heads: spec.n_kv_heads,
             head_dim: spec.head_dim,
             scale: spec.attn_scale,
         };
-        for (l, layer) in self.layers.iter().enumerate() {
-            // Attention block.
-            self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
-            self.linear(&layer.wq, &sc.h, &mut sc.q)?;
-            self.linear(&layer.wk, &sc.h, &mut sc.k)?;
-            self.linear(&layer.wv, &sc.h, &mut sc.v)?;
-            if let Some((inv_freq, pairs, dims)) = &self.rope {
-                b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-                b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-            }
-            b.copy_rows(&sc.k, 0, &mut session.k[l], pos, n)?;
-            b.copy_rows(&sc.v, 0, &mut session.v[l], pos, n)?;
-            b.attention(
-                &sc.q,
-                &session.k[l],
-                &session.v[l],
-                pos,
-                attn_shape,
-                &mut sc.attn,
-            )?;
-            self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-            b.add(&mut sc.x, &sc.proj)?;
+        for l in 0..spec.n_layers {
+            {
+                let layer = source.layer(b, l)?;
+                // Attention block.
+                self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+                self.linear(&layer.wq, &sc.h, &mut sc.q)?;
+                self.linear(&layer.wk, &sc.h, &mut sc.k)?;
+                self.linear(&layer.wv, &sc.h, &mut sc.v)?;
+                if let Some((inv_freq, pairs, dims)) = &self.rope {
+                    b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                    b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                }
+                b.copy_rows(&sc.k, 0, &mut session.k[l], pos, n)?;
+                b.copy_rows(&sc.v, 0, &mut session.v[l], pos, n)?;
+                b.attention(&sc.q, &session.k[l], &session.v[l], pos, attn_shape, &mut sc.attn)?;
+                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
+                b.add(&mut sc.x, &sc.proj)?;
 
-            // Feed-forward block.
-            self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
-            self.linear(&layer.w_up, &sc.h, &mut sc.up)?;
-            let hidden = match (&layer.w_gate, &mut sc.gate) {
-                (Some(wg), Some(gate)) => {
-                    self.linear(wg, &sc.h, gate)?;
-                    b.gated(gate, &sc.up, self.act)?;
-                    &*gate
-                }
-                _ => {
-                    b.activate(&mut sc.up, self.act)?;
-                    &sc.up
-                }
-            };
-            self.linear(&layer.w_down, hidden, &mut sc.proj)?;
-            b.add(&mut sc.x, &sc.proj)?;
+                // Feed-forward block.
+                self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
+                self.ffn(&layer.ffn, &mut sc)?;
+                b.add(&mut sc.x, &sc.proj)?;
+            }
+            source.layer_done(b, l)?;
         }
         session.pos += n;
 
@@ -382,72 +436,16 @@ impl<B: Backend> Engine<B> {
         let mut last = b.alloc(rows, spec.d_model)?;
         b.copy_rows(&sc.x, n - rows, &mut last, 0, rows)?;
         let mut normed = b.alloc(rows, spec.d_model)?;
-        self.norm(&last, &self.output_norm, &mut normed)?;
-        let out_w = self.output.as_ref().unwrap_or(&self.token_embd);
         let mut logits_t = b.alloc(rows, spec.vocab_size)?;
-        b.matmul(out_w, &normed, &mut logits_t)?;
+        {
+            let head = source.head(b)?;
+            self.norm(&last, &head.norm, &mut normed)?;
+            self.linear(&head.output, &normed, &mut logits_t)?;
+        }
+        source.head_done(b)?;
         let mut host = vec![0f32; rows * spec.vocab_size];
         b.read(&logits_t, &mut host)?;
         session.scratch = Some(sc);
         Ok(host)
-    }
-
-    /// Which architecture family this engine runs.
-    pub fn arch(&self) -> Arch {
-        self.spec.arch
-    }
-}
-
-/// What one decode step must read from memory: every weight once (one embedding row when the
-/// table is not also the output matrix; one position row) and the f32 KV cache so far. The
-/// numerator of the memory-bandwidth bound on decode speed.
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct DecodeTraffic {
-    pub weight_bytes: u64,
-    /// K and V bytes read per cached position, over all layers.
-    pub kv_bytes_per_position: u64,
-}
-
-impl DecodeTraffic {
-    pub fn of(spec: &ModelSpec, weights: &ModelWeights) -> Self {
-        // Tables read one row per token: the embedding (unless it is also the output matrix)
-        // and learned positions.
-        let row_table = |t: &HostTensor| {
-            (std::ptr::eq(t, &weights.token_embd) && !spec.tied_output)
-                || weights
-                    .pos_embd
-                    .as_ref()
-                    .is_some_and(|p| std::ptr::eq(t, p))
-        };
-        let mut weight_bytes: u64 = weights
-            .tensors()
-            .into_iter()
-            .filter(|t| !row_table(t))
-            .map(|t| t.data.len() as u64)
-            .sum();
-        if !spec.tied_output {
-            weight_bytes += weights.token_embd.row_bytes() as u64;
-        }
-        if let Some(p) = &weights.pos_embd {
-            weight_bytes += p.row_bytes() as u64;
-        }
-        DecodeTraffic {
-            weight_bytes,
-            kv_bytes_per_position: 2 * spec.n_layers as u64 * spec.kv_dim() as u64 * 4,
-        }
-    }
-
-    /// Bytes read by the step that evaluates position `pos` (it attends to `pos + 1` rows).
-    pub fn at(&self, pos: usize) -> u64 {
-        self.weight_bytes + self.kv_bytes_per_position * (pos as u64 + 1)
-    }
-
-    /// Mean over the decode steps at positions `first..first + steps`.
-    pub fn mean(&self, first: usize, steps: usize) -> f64 {
-        if steps == 0 {
-            return self.at(first) as f64;
-        }
-        let mid = first as f64 + (steps as f64 - 1.0) / 2.0;
-        self.weight_bytes as f64 + self.kv_bytes_per_position as f64 * (mid + 1.0)
     }
 }

@@ -1,10 +1,10 @@
 //! `ModelSpec`: everything the engine needs to know about a model's shape and numerics, whatever
 //! file it came from.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Model families with one forward pass each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Arch {
     /// LLaMA family: Llama 2/3, Mistral, Qwen2 (QKV bias), ReLU/ReGLU variants.
@@ -13,14 +13,14 @@ pub enum Arch {
     Opt,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum NormKind {
     Rms,
     Layer,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Activation {
     Silu,
@@ -45,7 +45,7 @@ impl Activation {
 }
 
 /// Which dimensions RoPE rotates together.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RopeStyle {
     /// Pairs (2i, 2i+1): llama.cpp's LLAMA layout (its converter permutes Q/K rows into it).
@@ -54,7 +54,7 @@ pub enum RopeStyle {
     Halves,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum RopeScaling {
     None,
@@ -71,7 +71,7 @@ pub enum RopeScaling {
     },
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RopeSpec {
     pub theta: f32,
     pub style: RopeStyle,
@@ -120,7 +120,7 @@ impl RopeSpec {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum PositionEncoding {
     Rope(RopeSpec),
@@ -131,7 +131,7 @@ pub enum PositionEncoding {
 }
 
 /// The shape and numerics of one model.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
     pub arch: Arch,
     /// Human-readable name (from the file's metadata, else the file name).

@@ -34,9 +34,21 @@ enum Prepared<'a> {
 /// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens with kernel set `k`; runs on the
 /// current rayon pool.
 pub fn matmul(k: &Kernels, w: &HostTensor, x: &[f32], n: usize, out: &mut [f32]) {
+    matmul_strided(k, w, x, n, out, w.rows, 0)
+}
+
+/// As [`matmul`], into columns `col0 .. col0 + w.rows` of an output with `stride` columns.
+pub fn matmul_strided(
+    k: &Kernels,
+    w: &HostTensor,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+    col0: usize,
+) {
     let (rows, cols) = (w.rows, w.cols);
-    debug_assert_eq!(x.len(), n * cols);
-    debug_assert_eq!(out.len(), n * rows);
+    assert!(x.len() == n * cols && out.len() == n * stride && col0 + rows <= stride);
     let prepared = if w.dtype.is_quantized() {
         let blocks_per_row = cols / QK;
         let mut q = vec![ActBlock::default(); n * blocks_per_row];
@@ -81,8 +93,8 @@ pub fn matmul(k: &Kernels, w: &HostTensor, x: &[f32], n: usize, out: &mut [f32])
                 for t in t0..t1 {
                     let v = dot_row(k, dtype, wrow, &prepared, t, cols);
                     // SAFETY: (t, r) is written by exactly one task (r in this task's rows),
-                    // and t * rows + r < n * rows = out.len().
-                    unsafe { *ptr.at(t * rows + r) = v };
+                    // and t * stride + col0 + r < n * stride = out.len() (asserted above).
+                    unsafe { *ptr.at(t * stride + col0 + r) = v };
                 }
             }
         }

@@ -2,14 +2,15 @@
 //! the reference every other backend is checked against. Weights are used in place (borrowed
 //! from the model's memory map), never inflated to f32.
 
+mod bundles;
 pub mod kernels;
 pub mod matmul;
 mod ops;
 
 use rayon::prelude::*;
 
-use super::{Act, AttnShape, Backend, BackendError, Result, RopePairs};
-use crate::tensor::HostTensor;
+use super::{Act, AttnShape, Backend, BackendError, BundleShape, Result, RopePairs};
+use crate::tensor::{Bytes, DType, HostTensor};
 
 /// Activations on the CPU.
 #[derive(Clone, Debug)]
@@ -91,12 +92,23 @@ fn vector<'a>(op: &'static str, w: &'a HostTensor, len: usize) -> Result<&'a [f3
     Ok(bytemuck::cast_slice(w.data.as_slice()))
 }
 
+fn check_bundles(op: &'static str, b: &HostTensor, shape: BundleShape) -> Result<()> {
+    if !matches!(b.dtype, DType::F16 | DType::F32) || !(2..=3).contains(&shape.parts) || b.cols != shape.parts * shape.d {
+        return Err(shape_err(
+            op,
+            format!("`{}` ({}x{} {}) is not {}-part bundles of {}", b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d),
+        ));
+    }
+    Ok(())
+}
+
 /// Row-parallel work pays off only above this many elements.
 const PAR_ELEMS: usize = 1 << 15;
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = HostTensor;
+    type Event = ();
 
     fn name(&self) -> String {
         format!(
@@ -111,6 +123,59 @@ impl Backend for CpuBackend {
 
     fn upload(&self, w: &HostTensor) -> Result<HostTensor> {
         Ok(w.clone())
+    }
+
+    fn alloc_weight(&self, name: &str, dtype: DType, rows: usize, cols: usize) -> Result<HostTensor> {
+        if !cols.is_multiple_of(dtype.block_len()) {
+            return Err(shape_err("alloc_weight", format!("{cols} columns of {dtype}")));
+        }
+        let bytes = rows
+            .checked_mul(dtype.bytes_for(cols))
+            .ok_or_else(|| shape_err("alloc_weight", format!("{rows}x{cols} overflows")))?;
+        Ok(HostTensor {
+            name: name.to_string(),
+            rows,
+            cols,
+            dtype,
+            data: Bytes::Owned {
+                words: std::sync::Arc::new(vec![0u64; bytes.div_ceil(8)]),
+                len: bytes,
+            },
+        })
+    }
+
+    fn upload_into(&self, dst: &mut HostTensor, first_row: usize, src: &[u8]) -> Result<()> {
+        let rb = dst.row_bytes();
+        let start = first_row * rb;
+        if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.data.len() {
+            return Err(shape_err(
+                "upload_into",
+                format!("{} bytes at row {first_row} of `{}` ({} bytes)", src.len(), dst.name, dst.data.len()),
+            ));
+        }
+        let Bytes::Owned { words, .. } = &mut dst.data else {
+            return Err(shape_err("upload_into", format!("`{}` is not a slot", dst.name)));
+        };
+        let words = std::sync::Arc::get_mut(words)
+            .ok_or_else(|| shape_err("upload_into", "slot is shared while being filled".into()))?;
+        bytemuck::cast_slice_mut::<u64, u8>(words)[start..start + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copies_done(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn compute_done(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn compute_waits(&self, _: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn copies_wait(&self, _: &()) -> Result<()> {
+        Ok(())
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<CpuTensor> {
@@ -220,18 +285,71 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul(&self, w: &HostTensor, x: &CpuTensor, out: &mut CpuTensor) -> Result<()> {
-        if x.cols != w.cols || out.rows != x.rows || out.cols != w.rows {
+    fn matmul_into(&self, w: &HostTensor, x: &CpuTensor, out: &mut CpuTensor, col0: usize) -> Result<()> {
+        if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
             return Err(shape_err(
                 "matmul",
                 format!(
-                    "{}x{} · ({}: {}x{})ᵀ into {}x{}",
+                    "{}x{} · ({}: {}x{})ᵀ into columns {col0}.. of {}x{}",
                     x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
                 ),
             ));
         }
+        let stride = out.cols;
+        self.pool.install(|| {
+            matmul::matmul_strided(self.kernels, w, &x.data, x.rows, &mut out.data, stride, col0)
+        });
+        Ok(())
+    }
+
+    fn ffn_bundles_up(
+        &self,
+        b: &HostTensor,
+        shape: BundleShape,
+        x: &CpuTensor,
+        act: Act,
+        up_bias: Option<&HostTensor>,
+        h: &mut CpuTensor,
+        col0: usize,
+    ) -> Result<()> {
+        check_bundles("ffn_bundles_up", b, shape)?;
+        if x.cols != shape.d || h.rows != x.rows || col0 + b.rows > h.cols {
+            return Err(shape_err(
+                "ffn_bundles_up",
+                format!("x {}x{}, {} neurons at {col0} into h {}x{}", x.rows, x.cols, b.rows, h.rows, h.cols),
+            ));
+        }
+        let bias = up_bias.map(|bb| vector("ffn_bundles_up", bb, h.cols)).transpose()?;
+        let (stride, n) = (h.cols, x.rows);
+        let f = ops::activation(act);
         self.pool
-            .install(|| matmul::matmul(self.kernels, w, &x.data, x.rows, &mut out.data));
+            .install(|| bundles::up(self.kernels, b, shape, &x.data, n, f, bias, &mut h.data, stride, col0));
+        Ok(())
+    }
+
+    fn ffn_bundles_down(
+        &self,
+        b: &HostTensor,
+        shape: BundleShape,
+        h: &CpuTensor,
+        col0: usize,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        check_bundles("ffn_bundles_down", b, shape)?;
+        if out.cols != shape.d || h.rows != out.rows || col0 + b.rows > h.cols {
+            return Err(shape_err(
+                "ffn_bundles_down",
+                format!("h {}x{}, {} neurons at {col0} into {}x{}", h.rows, h.cols, b.rows, out.rows, out.cols),
+            ));
+        }
+        let (stride, n) = (h.cols, h.rows);
+        self.pool
+            .install(|| bundles::down(b, shape, &h.data, n, stride, col0, &mut out.data));
+        Ok(())
+    }
+
+    fn zero(&self, x: &mut CpuTensor) -> Result<()> {
+        x.data.fill(0.0);
         Ok(())
     }
 

@@ -1,0 +1,217 @@
+//! The bundled FFN on the CPU: neuron i's gate row, up row and down column stored side by side
+//! (see `store`). `up` computes the hidden activations of a run of neurons, `down` adds their
+//! weighted down columns to the output. Float bundles (f16, f32); each bundle is read once.
+
+use rayon::prelude::*;
+
+use super::kernels::Kernels;
+use crate::backend::BundleShape;
+use crate::tensor::{DType, HostTensor, decode_row};
+
+/// Neurons per parallel task.
+const NEURONS_PER_TASK: usize = 64;
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint cells (see the callers).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// One part (`p`) of bundle `i` as f32 values in `buf`.
+fn part<'a>(b: &HostTensor, shape: BundleShape, i: usize, p: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+    let esize = b.dtype.block_bytes();
+    let d = shape.d;
+    let start = (i * shape.parts + p) * d * esize;
+    let bytes = &b.data.as_slice()[start..start + d * esize];
+    buf.resize(d, 0.0);
+    decode_row(b.dtype, bytes, buf);
+    buf
+}
+
+/// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`.
+#[allow(clippy::too_many_arguments)]
+pub fn up(
+    k: &Kernels,
+    b: &HostTensor,
+    shape: BundleShape,
+    x: &[f32],
+    n: usize,
+    act: fn(f32) -> f32,
+    bias: Option<&[f32]>,
+    h: &mut [f32],
+    stride: usize,
+    col0: usize,
+) {
+    let neurons = b.rows;
+    let d = shape.d;
+    assert!(matches!(b.dtype, DType::F16 | DType::F32) && b.cols == shape.parts * d);
+    assert!(x.len() == n * d && h.len() == n * stride && col0 + neurons <= stride);
+    let gated = shape.parts == 3;
+    let ptr = OutPtr(h.as_mut_ptr());
+    let tasks = neurons.div_ceil(NEURONS_PER_TASK);
+    let task = |task: usize| {
+        let (mut gbuf, mut ubuf) = (Vec::new(), Vec::new());
+        let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
+        for i in task * NEURONS_PER_TASK..i1 {
+            let up_row = part(b, shape, i, if gated { 1 } else { 0 }, &mut ubuf);
+            let gate_row = if gated { Some(part(b, shape, i, 0, &mut gbuf)) } else { None };
+            for t in 0..n {
+                let xt = &x[t * d..(t + 1) * d];
+                let u = (k.dot_f32)(up_row, xt);
+                let v = match gate_row {
+                    Some(g) => act((k.dot_f32)(g, xt)) * u,
+                    None => act(u + bias.map_or(0.0, |bb| bb[col0 + i])),
+                };
+                // SAFETY: neuron i belongs to this task only; index < n·stride (asserted).
+                unsafe { *ptr.at(t * stride + col0 + i) = v };
+            }
+        }
+    };
+    if tasks <= 1 {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`).
+pub fn down(b: &HostTensor, shape: BundleShape, h: &[f32], n: usize, stride: usize, col0: usize, out: &mut [f32]) {
+    let neurons = b.rows;
+    let d = shape.d;
+    assert!(matches!(b.dtype, DType::F16 | DType::F32) && b.cols == shape.parts * d);
+    assert!(h.len() == n * stride && col0 + neurons <= stride && out.len() == n * d);
+    let down_part = shape.parts - 1;
+    // Each task sums a run of neurons into its own accumulator; the accumulators are added at
+    // the end (cheap next to reading the bundles, which each task streams contiguously).
+    let tasks = neurons.div_ceil(NEURONS_PER_TASK);
+    let partial = |task: usize, acc: &mut [f32]| {
+        let mut buf = Vec::new();
+        let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
+        for i in task * NEURONS_PER_TASK..i1 {
+            let col = part(b, shape, i, down_part, &mut buf);
+            for t in 0..n {
+                let w = h[t * stride + col0 + i];
+                if w != 0.0 {
+                    acc[t * d..(t + 1) * d].iter_mut().zip(col).for_each(|(o, c)| *o += w * c);
+                }
+            }
+        }
+    };
+    let sum = (0..tasks)
+        .into_par_iter()
+        .fold(
+            || vec![0f32; n * d],
+            |mut acc, t| {
+                partial(t, &mut acc);
+                acc
+            },
+        )
+        .reduce(
+            || vec![0f32; n * d],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                a
+            },
+        );
+    out.iter_mut().zip(&sum).for_each(|(o, s)| *o += s);
+}
+
+/// Reference f16 bundle builder for tests: gate/up rows and down columns → bundle bytes.
+#[cfg(test)]
+pub fn make_bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize) -> HostTensor {
+    let neurons = up.len() / d;
+    let parts = if gate.is_some() { 3 } else { 2 };
+    let mut v = Vec::with_capacity(neurons * parts * d);
+    for i in 0..neurons {
+        if let Some(g) = gate {
+            v.extend(&g[i * d..(i + 1) * d]);
+        }
+        v.extend(&up[i * d..(i + 1) * d]);
+        v.extend(&down_t[i * d..(i + 1) * d]);
+    }
+    let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+    HostTensor {
+        name: "bundles".into(),
+        rows: neurons,
+        cols: parts * d,
+        dtype: DType::F16,
+        data: crate::tensor::Bytes::from_slice(bytemuck::cast_slice(&h)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::{CpuBackend, CpuTensor};
+    use crate::backend::{Act, Backend};
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+    fn f16_round(v: &[f32]) -> Vec<f32> {
+        v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect()
+    }
+
+    /// Split bundles (two runs of neurons) equal the dense FFN on the same f16 weights.
+    #[test]
+    fn bundled_ffn_equals_dense_ffn() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (d, ff) = (64, 96);
+        let mut r = |n: usize| f16_round(&(0..n).map(|_| rng.random_range(-0.3f32..0.3)).collect::<Vec<_>>());
+        let (gate, up, down_t) = (r(ff * d), r(ff * d), r(ff * d));
+        let be = CpuBackend::new(2).unwrap();
+        for gated in [true, false] {
+            for n in [1usize, 5] {
+                let x: Vec<f32> = (0..n * d).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
+                let bias: Vec<f32> = (0..ff).map(|i| (i as f32 - 48.0) / 100.0).collect();
+                // Dense reference in f64.
+                let mut want = vec![0f64; n * d];
+                for t in 0..n {
+                    for i in 0..ff {
+                        let dot = |w: &[f32]| -> f64 { (0..d).map(|j| w[i * d + j] as f64 * x[t * d + j] as f64).sum() };
+                        let h = if gated {
+                            let g = dot(&gate);
+                            g / (1.0 + (-g).exp()) * dot(&up)
+                        } else {
+                            (dot(&up) + bias[i] as f64).max(0.0)
+                        };
+                        for j in 0..d {
+                            want[t * d + j] += h * down_t[i * d + j] as f64;
+                        }
+                    }
+                }
+                let shape = BundleShape { parts: if gated { 3 } else { 2 }, d };
+                let bundles = make_bundles(gated.then_some(&gate[..]), &up, &down_t, d);
+                // Two runs: neurons 0..40 and 40..96, as a resident part and a streamed part.
+                let split = |lo: usize, hi: usize| {
+                    let rb = bundles.row_bytes();
+                    HostTensor {
+                        name: "part".into(),
+                        rows: hi - lo,
+                        cols: bundles.cols,
+                        dtype: bundles.dtype,
+                        data: crate::tensor::Bytes::from_slice(&bundles.data.as_slice()[lo * rb..hi * rb]),
+                    }
+                };
+                let (a, b) = (split(0, 40), split(40, ff));
+                let xt = CpuTensor { rows: n, cols: d, data: x.clone() };
+                let mut h = be.alloc(n, ff).unwrap();
+                let act = if gated { Act::Silu } else { Act::Relu };
+                let bias_t = HostTensor::from_f32("b", 1, ff, bias.clone());
+                let bias_ref = (!gated).then_some(&bias_t);
+                be.ffn_bundles_up(&a, shape, &xt, act, bias_ref, &mut h, 0).unwrap();
+                be.ffn_bundles_up(&b, shape, &xt, act, bias_ref, &mut h, 40).unwrap();
+                let mut out = be.alloc(n, d).unwrap();
+                be.ffn_bundles_down(&a, shape, &h, 0, &mut out).unwrap();
+                be.ffn_bundles_down(&b, shape, &h, 40, &mut out).unwrap();
+                for (o, w) in out.data.iter().zip(&want) {
+                    assert!((*o as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "gated {gated} n {n}: {o} vs {w}");
+                }
+            }
+        }
+    }
+}

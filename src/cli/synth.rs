@@ -1,0 +1,138 @@
+//! `gpu-offload synth`: write a deterministic synthetic model (HF format) of any shape.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::model::Arch;
+use crate::model::synth::{SynthDtype, SynthSpec, synthesize};
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SynthArch {
+    Llama,
+    Opt,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SynthDtypeArg {
+    F16,
+    Bf16,
+}
+
+#[derive(Debug, Args)]
+pub struct SynthArgs {
+    /// Directory to write.
+    #[arg(long, short = 'o', env = "GPU_OFFLOAD_OUT")]
+    pub out: PathBuf,
+
+    /// Named shape: tiny, 1b, 7b, 13b (other flags override its fields).
+    #[arg(long, env = "GPU_OFFLOAD_PRESET", default_value = "tiny")]
+    pub preset: String,
+
+    #[arg(long, env = "GPU_OFFLOAD_ARCH", value_enum)]
+    pub arch: Option<SynthArch>,
+    #[arg(long, env = "GPU_OFFLOAD_LAYERS")]
+    pub layers: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_HIDDEN")]
+    pub hidden: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_FFN")]
+    pub ffn: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_HEADS")]
+    pub heads: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_KV_HEADS")]
+    pub kv_heads: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_VOCAB")]
+    pub vocab: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_MAX_CONTEXT")]
+    pub max_context: Option<usize>,
+    #[arg(long, env = "GPU_OFFLOAD_DTYPE", value_enum)]
+    pub dtype: Option<SynthDtypeArg>,
+    /// FFN activation for LLaMA shapes: silu or relu.
+    #[arg(long, env = "GPU_OFFLOAD_ACTIVATION")]
+    pub activation: Option<String>,
+    /// Tie the output matrix to the embeddings.
+    #[arg(long, env = "GPU_OFFLOAD_TIED")]
+    pub tied: bool,
+    #[arg(long, env = "GPU_OFFLOAD_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Plant hot/cold FFN neurons with this power-law exponent (e.g. 0.8).
+    #[arg(long, env = "GPU_OFFLOAD_POWER_LAW")]
+    pub power_law: Option<f64>,
+    /// GiB per safetensors shard.
+    #[arg(long, env = "GPU_OFFLOAD_SHARD_GIB", default_value_t = 4.0)]
+    pub shard_gib: f64,
+    /// Replace an existing directory.
+    #[arg(long, env = "GPU_OFFLOAD_FORCE")]
+    pub force: bool,
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    let Some(mut s) = SynthSpec::preset(&a.preset) else {
+        bail!("--preset {}: unknown (tiny, 1b, 7b, 13b)", a.preset);
+    };
+    if let Some(arch) = a.arch {
+        s.arch = match arch {
+            SynthArch::Llama => Arch::Llama,
+            SynthArch::Opt => Arch::Opt,
+        };
+        if s.arch == Arch::Opt {
+            s.activation = "relu".into();
+            s.n_kv_heads = a.heads.unwrap_or(s.n_heads);
+            s.tied_output = true;
+        }
+    }
+    macro_rules! set {
+        ($field:ident, $arg:expr) => {
+            if let Some(v) = $arg {
+                s.$field = v;
+            }
+        };
+    }
+    set!(n_layers, a.layers);
+    set!(d_model, a.hidden);
+    set!(d_ff, a.ffn);
+    set!(n_heads, a.heads);
+    set!(n_kv_heads, a.kv_heads);
+    set!(vocab_size, a.vocab);
+    set!(max_context, a.max_context);
+    set!(activation, a.activation.clone());
+    if let Some(d) = a.dtype {
+        s.dtype = match d {
+            SynthDtypeArg::F16 => SynthDtype::F16,
+            SynthDtypeArg::Bf16 => SynthDtype::Bf16,
+        };
+    }
+    s.tied_output |= a.tied;
+    s.seed = a.seed;
+    s.power_law = a.power_law;
+    if !(a.shard_gib.is_finite() && a.shard_gib > 0.0) {
+        bail!("--shard-gib must be positive");
+    }
+    s.shard_bytes = (a.shard_gib * (1u64 << 30) as f64) as u64;
+    if let Err(msg) = s.validate() {
+        bail!("invalid model shape: {msg}");
+    }
+    let params = s.parameters();
+    let pb = ProgressBar::new(params * 2 >> 20);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} MiB")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let t0 = Instant::now();
+    synthesize(&s, &a.out, a.force, &mut |done, _| pb.set_position(done >> 20))
+        .with_context(|| format!("cannot write {}", a.out.display()))?;
+    pb.finish_and_clear();
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{}: {:.2}B parameters, {:.1} GiB in {:.1} s ({:.0} MiB/s)",
+        a.out.display(),
+        params as f64 / 1e9,
+        (params * 2) as f64 / (1u64 << 30) as f64,
+        secs,
+        (params * 2) as f64 / (1u64 << 20) as f64 / secs
+    );
+    Ok(())
+}

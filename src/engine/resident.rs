@@ -1,0 +1,150 @@
+//! Every weight placed on the device once, in its file format: the dense engine (the CPU engine
+//! uses the weights straight from the memory map; a GPU holds a copy).
+
+use super::{FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource};
+use crate::backend::Backend;
+use crate::model::{LayerWeights, Linear, ModelSpec, ModelWeights, NormWeights, PositionEncoding};
+use crate::tensor::HostTensor;
+
+struct Norm<B: Backend> {
+    weight: B::Weight,
+    bias: Option<B::Weight>,
+}
+
+struct Lin<B: Backend> {
+    weight: B::Weight,
+    bias: Option<B::Weight>,
+}
+
+struct Layer<B: Backend> {
+    attn_norm: Norm<B>,
+    wq: Lin<B>,
+    wk: Lin<B>,
+    wv: Lin<B>,
+    wo: Lin<B>,
+    ffn_norm: Norm<B>,
+    gate: Option<Lin<B>>,
+    up: Lin<B>,
+    down: Lin<B>,
+}
+
+/// All weights resident on the backend.
+pub struct ResidentWeights<B: Backend> {
+    token_embd: B::Weight,
+    pos_embd: Option<(B::Weight, usize)>,
+    layers: Vec<Layer<B>>,
+    output_norm: Norm<B>,
+    /// `None` when tied to `token_embd`.
+    output: Option<B::Weight>,
+    rope_freq_factors: Option<Vec<f32>>,
+}
+
+impl<B: Backend> Norm<B> {
+    fn view(&self) -> NormView<'_, B> {
+        NormView {
+            weight: &self.weight,
+            bias: self.bias.as_ref(),
+        }
+    }
+}
+
+impl<B: Backend> Lin<B> {
+    fn view(&self) -> LinearView<'_, B> {
+        LinearView {
+            blocks: vec![(0, &self.weight)],
+            bias: self.bias.as_ref(),
+        }
+    }
+}
+
+impl<B: Backend> ResidentWeights<B> {
+    pub fn new(b: &B, spec: &ModelSpec, w: &ModelWeights) -> Result<Self> {
+        let up = |t: &HostTensor| b.upload(t);
+        let norm = |n: &NormWeights| -> Result<Norm<B>> {
+            Ok(Norm {
+                weight: up(&n.weight)?,
+                bias: n.bias.as_ref().map(up).transpose()?,
+            })
+        };
+        let lin = |l: &Linear| -> Result<Lin<B>> {
+            Ok(Lin {
+                weight: up(&l.weight)?,
+                bias: l.bias.as_ref().map(up).transpose()?,
+            })
+        };
+        let layer = |l: &LayerWeights| -> Result<Layer<B>> {
+            Ok(Layer {
+                attn_norm: norm(&l.attn_norm)?,
+                wq: lin(&l.wq)?,
+                wk: lin(&l.wk)?,
+                wv: lin(&l.wv)?,
+                wo: lin(&l.wo)?,
+                ffn_norm: norm(&l.ffn_norm)?,
+                gate: l.w_gate.as_ref().map(lin).transpose()?,
+                up: lin(&l.w_up)?,
+                down: lin(&l.w_down)?,
+            })
+        };
+        let pos_embd = match (&w.pos_embd, &spec.position) {
+            (Some(p), PositionEncoding::Learned { offset }) => Some((up(p)?, *offset)),
+            _ => None,
+        };
+        Ok(ResidentWeights {
+            token_embd: up(&w.token_embd)?,
+            pos_embd,
+            layers: w.layers.iter().map(layer).collect::<Result<_>>()?,
+            output_norm: norm(&w.output_norm)?,
+            output: w.output.as_ref().map(up).transpose()?,
+            rope_freq_factors: w.rope_freq_factors.clone(),
+        })
+    }
+}
+
+impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
+    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
+        b.embed(&self.token_embd, ids, out)?;
+        if let Some((table, offset)) = &self.pos_embd {
+            b.add_table_rows(out, table, first_pos + offset)?;
+        }
+        Ok(())
+    }
+
+    fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+        self.rope_freq_factors.clone()
+    }
+
+    fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
+        let layer = &self.layers[l];
+        Ok(LayerView {
+            attn_norm: layer.attn_norm.view(),
+            wq: layer.wq.view(),
+            wk: layer.wk.view(),
+            wv: layer.wv.view(),
+            wo: layer.wo.view(),
+            ffn_norm: layer.ffn_norm.view(),
+            ffn: FfnView::Matrices {
+                gate: layer.gate.as_ref().map(Lin::view),
+                up: layer.up.view(),
+                down: layer.down.view(),
+            },
+        })
+    }
+
+    fn layer_done(&mut self, _: &B, _: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
+        Ok(HeadView {
+            norm: self.output_norm.view(),
+            output: LinearView {
+                blocks: vec![(0, self.output.as_ref().unwrap_or(&self.token_embd))],
+                bias: None,
+            },
+        })
+    }
+
+    fn head_done(&mut self, _: &B) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,60 @@
+//! What a decode step reads: the numerator of the memory-bandwidth bound on decode speed.
+
+use serde::Serialize;
+
+use crate::model::{ModelSpec, ModelWeights};
+use crate::tensor::HostTensor;
+
+/// What one decode step must read from memory: every weight once (one embedding row when the
+/// table is not also the output matrix; one position row) and the f32 KV cache so far. The
+/// numerator of the memory-bandwidth bound on decode speed.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct DecodeTraffic {
+    pub weight_bytes: u64,
+    /// K and V bytes read per cached position, over all layers.
+    pub kv_bytes_per_position: u64,
+}
+
+impl DecodeTraffic {
+    pub fn of(spec: &ModelSpec, weights: &ModelWeights) -> Self {
+        // Tables read one row per token: the embedding (unless it is also the output matrix)
+        // and learned positions.
+        let row_table = |t: &HostTensor| {
+            (std::ptr::eq(t, &weights.token_embd) && !spec.tied_output)
+                || weights
+                    .pos_embd
+                    .as_ref()
+                    .is_some_and(|p| std::ptr::eq(t, p))
+        };
+        let mut weight_bytes: u64 = weights
+            .tensors()
+            .into_iter()
+            .filter(|t| !row_table(t))
+            .map(|t| t.data.len() as u64)
+            .sum();
+        if !spec.tied_output {
+            weight_bytes += weights.token_embd.row_bytes() as u64;
+        }
+        if let Some(p) = &weights.pos_embd {
+            weight_bytes += p.row_bytes() as u64;
+        }
+        DecodeTraffic {
+            weight_bytes,
+            kv_bytes_per_position: 2 * spec.n_layers as u64 * spec.kv_dim() as u64 * 4,
+        }
+    }
+
+    /// Bytes read by the step that evaluates position `pos` (it attends to `pos + 1` rows).
+    pub fn at(&self, pos: usize) -> u64 {
+        self.weight_bytes + self.kv_bytes_per_position * (pos as u64 + 1)
+    }
+
+    /// Mean over the decode steps at positions `first..first + steps`.
+    pub fn mean(&self, first: usize, steps: usize) -> f64 {
+        if steps == 0 {
+            return self.at(first) as f64;
+        }
+        let mid = first as f64 + (steps as f64 - 1.0) / 2.0;
+        self.weight_bytes as f64 + self.kv_bytes_per_position as f64 * (mid + 1.0)
+    }
+}

@@ -1,0 +1,641 @@
+//! Deterministic synthetic models in Hugging Face format (config.json + sharded safetensors):
+//! any LLaMA-family or OPT shape, f16 or bf16, generated in parallel and streamed to disk, so a
+//! 7B-shaped model takes about a minute on a 16-core machine. Optionally plants activation
+//! structure: FFN neurons whose activation frequency follows a power law (hot and cold neurons),
+//! for the sparse paths to exploit.
+//!
+//! The values are a pure function of (seed, tensor name, position): the same options give the
+//! same bytes on any machine.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+use rayon::prelude::*;
+use safetensors::tensor::{Dtype, View};
+use serde_json::json;
+
+use super::ModelError;
+use super::spec::Arch;
+
+/// Values generated per parallel chunk (each chunk has its own generator state).
+const CHUNK: usize = 1 << 16;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthDtype {
+    F16,
+    Bf16,
+}
+
+/// The shape and options of a synthetic model.
+#[derive(Clone, Debug)]
+pub struct SynthSpec {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub d_model: usize,
+    pub d_ff: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub dtype: SynthDtype,
+    /// LLaMA: `silu` (SwiGLU) or `relu` (ReGLU). OPT is always ReLU.
+    pub activation: String,
+    pub tied_output: bool,
+    pub seed: u64,
+    /// Plant hot/cold FFN neurons: the neuron at rank fraction q ∈ [0, 1) fires with frequency
+    /// about `0.95·(1 + 200q)^(-exponent)` (exponent 0.8: ~5% of neurons active per token, the
+    /// hottest 20% carrying ~60% of activations).
+    pub power_law: Option<f64>,
+    /// Bytes per safetensors shard.
+    pub shard_bytes: u64,
+}
+
+impl SynthSpec {
+    /// Named shapes: `tiny` (CI), `1b` (TinyLlama-like), `7b` (Llama-2-7B), `13b`.
+    pub fn preset(name: &str) -> Option<Self> {
+        let base = |n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab_size| SynthSpec {
+            arch: Arch::Llama,
+            n_layers,
+            d_model,
+            d_ff,
+            n_heads,
+            n_kv_heads,
+            vocab_size,
+            max_context: 4096,
+            dtype: SynthDtype::F16,
+            activation: "silu".into(),
+            tied_output: false,
+            seed: 0,
+            power_law: None,
+            shard_bytes: 4 << 30,
+        };
+        Some(match name {
+            "tiny" => SynthSpec {
+                max_context: 256,
+                ..base(2, 64, 160, 4, 2, 256)
+            },
+            "1b" => base(22, 2048, 5632, 32, 4, 32000),
+            "7b" => base(32, 4096, 11008, 32, 32, 32000),
+            "13b" => base(40, 5120, 13824, 40, 40, 32000),
+            _ => return None,
+        })
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let dims = [
+            ("layers", self.n_layers),
+            ("hidden size", self.d_model),
+            ("FFN size", self.d_ff),
+            ("heads", self.n_heads),
+            ("KV heads", self.n_kv_heads),
+            ("vocabulary", self.vocab_size),
+            ("context", self.max_context),
+        ];
+        if let Some((what, _)) = dims.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{what} must be positive"));
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(format!("hidden size {} is not divisible by {} heads", self.d_model, self.n_heads));
+        }
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
+            return Err(format!("{} heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+        }
+        if self.arch == Arch::Opt && self.n_kv_heads != self.n_heads {
+            return Err("OPT has no grouped-query attention: KV heads must equal heads".into());
+        }
+        if !matches!(self.activation.as_str(), "silu" | "relu") {
+            return Err(format!("activation `{}` (silu or relu)", self.activation));
+        }
+        if self.power_law.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
+            return Err("the power-law exponent must be positive".into());
+        }
+        Ok(())
+    }
+
+    fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// Parameters of the model.
+    pub fn parameters(&self) -> u64 {
+        self.tensors().iter().map(|t| (t.rows * t.cols) as u64).sum()
+    }
+
+    /// Every tensor: HF name, shape and how its values are drawn.
+    fn tensors(&self) -> Vec<TensorPlan> {
+        let (d, ff, hd) = (self.d_model, self.d_ff, self.head_dim());
+        let kv = self.n_kv_heads * hd;
+        let mut v = Vec::new();
+        let lin = |name: String, rows: usize, cols: usize| TensorPlan {
+            name,
+            rows,
+            cols,
+            fill: Fill::Uniform {
+                std: 1.0 / (cols as f64).sqrt(),
+            },
+        };
+        let norm = |name: String| TensorPlan {
+            name,
+            rows: 1,
+            cols: d,
+            fill: Fill::NearOne,
+        };
+        let bias = |name: String, cols: usize| TensorPlan {
+            name,
+            rows: 1,
+            cols,
+            fill: Fill::Uniform { std: 0.02 },
+        };
+        let planted = self.power_law.map(|exponent| exponent as f32);
+        match self.arch {
+            Arch::Llama => {
+                v.push(TensorPlan {
+                    name: "model.embed_tokens.weight".into(),
+                    rows: self.vocab_size,
+                    cols: d,
+                    fill: if planted.is_some() { Fill::Embedding } else { Fill::Uniform { std: 1.0 } },
+                });
+                for l in 0..self.n_layers {
+                    let p = format!("model.layers.{l}");
+                    v.push(norm(format!("{p}.input_layernorm.weight")));
+                    v.push(lin(format!("{p}.self_attn.q_proj.weight"), d, d));
+                    v.push(lin(format!("{p}.self_attn.k_proj.weight"), kv, d));
+                    v.push(lin(format!("{p}.self_attn.v_proj.weight"), kv, d));
+                    v.push(lin(format!("{p}.self_attn.o_proj.weight"), d, d));
+                    v.push(norm(format!("{p}.post_attention_layernorm.weight")));
+                    let gate = format!("{p}.mlp.gate_proj.weight");
+                    v.push(match planted {
+                        Some(exponent) => TensorPlan {
+                            name: gate,
+                            rows: ff,
+                            cols: d,
+                            fill: Fill::Planted { exponent },
+                        },
+                        None => lin(gate, ff, d),
+                    });
+                    v.push(lin(format!("{p}.mlp.up_proj.weight"), ff, d));
+                    v.push(lin(format!("{p}.mlp.down_proj.weight"), d, ff));
+                }
+                v.push(norm("model.norm.weight".into()));
+                if !self.tied_output {
+                    v.push(lin("lm_head.weight".into(), self.vocab_size, d));
+                }
+            }
+            Arch::Opt => {
+                let p = "model.decoder";
+                v.push(TensorPlan {
+                    name: format!("{p}.embed_tokens.weight"),
+                    rows: self.vocab_size,
+                    cols: d,
+                    fill: if planted.is_some() { Fill::Embedding } else { Fill::Uniform { std: 1.0 } },
+                });
+                v.push(TensorPlan {
+                    name: format!("{p}.embed_positions.weight"),
+                    rows: self.max_context + 2,
+                    cols: d,
+                    fill: Fill::Uniform { std: 0.1 },
+                });
+                for l in 0..self.n_layers {
+                    let q = format!("{p}.layers.{l}");
+                    for (n, rows, cols) in [
+                        ("self_attn.q_proj", d, d),
+                        ("self_attn.k_proj", d, d),
+                        ("self_attn.v_proj", d, d),
+                        ("self_attn.out_proj", d, d),
+                    ] {
+                        v.push(lin(format!("{q}.{n}.weight"), rows, cols));
+                        v.push(bias(format!("{q}.{n}.bias"), rows));
+                    }
+                    for n in ["self_attn_layer_norm", "final_layer_norm"] {
+                        v.push(norm(format!("{q}.{n}.weight")));
+                        v.push(bias(format!("{q}.{n}.bias"), d));
+                    }
+                    let fc1 = format!("{q}.fc1.weight");
+                    v.push(match planted {
+                        Some(exponent) => TensorPlan {
+                            name: fc1,
+                            rows: ff,
+                            cols: d,
+                            fill: Fill::Planted { exponent },
+                        },
+                        None => lin(fc1, ff, d),
+                    });
+                    v.push(bias(format!("{q}.fc1.bias"), ff));
+                    v.push(lin(format!("{q}.fc2.weight"), d, ff));
+                    v.push(bias(format!("{q}.fc2.bias"), d));
+                }
+                v.push(norm(format!("{p}.final_layer_norm.weight")));
+                v.push(bias(format!("{p}.final_layer_norm.bias"), d));
+            }
+        }
+        v
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        let torch_dtype = match self.dtype {
+            SynthDtype::F16 => "float16",
+            SynthDtype::Bf16 => "bfloat16",
+        };
+        match self.arch {
+            Arch::Llama => json!({
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": self.d_model,
+                "intermediate_size": self.d_ff,
+                "num_hidden_layers": self.n_layers,
+                "num_attention_heads": self.n_heads,
+                "num_key_value_heads": self.n_kv_heads,
+                "hidden_act": self.activation,
+                "max_position_embeddings": self.max_context,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": self.tied_output,
+                "vocab_size": self.vocab_size,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "torch_dtype": torch_dtype,
+                "gpu_offload_synth": {"seed": self.seed, "power_law": self.power_law},
+            }),
+            Arch::Opt => json!({
+                "architectures": ["OPTForCausalLM"],
+                "model_type": "opt",
+                "hidden_size": self.d_model,
+                "ffn_dim": self.d_ff,
+                "num_hidden_layers": self.n_layers,
+                "num_attention_heads": self.n_heads,
+                "activation_function": "relu",
+                "max_position_embeddings": self.max_context,
+                "do_layer_norm_before": true,
+                "word_embed_proj_dim": self.d_model,
+                "tie_word_embeddings": true,
+                "vocab_size": self.vocab_size,
+                "bos_token_id": 2,
+                "eos_token_id": 2,
+                "torch_dtype": torch_dtype,
+                "gpu_offload_synth": {"seed": self.seed, "power_law": self.power_law},
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    /// Uniform with this standard deviation.
+    Uniform { std: f64 },
+    /// 1 + small noise (norm scales).
+    NearOne,
+    /// Token embeddings sharing a common direction (so planted neurons see it).
+    Embedding,
+    /// FFN input rows: noise plus a per-neuron offset along the common direction, sized so the
+    /// neuron of rank r fires with the power-law frequency.
+    Planted { exponent: f32 },
+}
+
+#[derive(Clone, Debug)]
+struct TensorPlan {
+    name: String,
+    rows: usize,
+    cols: usize,
+    fill: Fill,
+}
+
+/// splitmix64: seeds independent per-chunk generators from (seed, tensor, chunk).
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// xorshift64* stream of uniform values in [-1, 1).
+struct Uniform(u64);
+
+impl Uniform {
+    fn new(seed: u64) -> Self {
+        Uniform(splitmix(seed) | 1)
+    }
+
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40; // 24 random bits
+        bits as f32 * (2.0 / (1u64 << 24) as f32) - 1.0
+    }
+}
+
+fn name_hash(name: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+}
+
+/// Inverse of the standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9).
+fn probit(p: f64) -> f64 {
+    const A: [f64; 6] = [-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00];
+    const B: [f64; 5] = [-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01, -1.328068155288572e+01];
+    const C: [f64; 6] = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00];
+    const D: [f64; 4] = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00];
+    let p = p.clamp(1e-12, 1.0 - 1e-12);
+    let tail = |q: f64| {
+        (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
+            / ((((D[0] * q + D[1]) * q + D[2]) * q + D[3]) * q + 1.0)
+    };
+    if p < 0.02425 {
+        tail((-2.0 * p.ln()).sqrt())
+    } else if p > 1.0 - 0.02425 {
+        -tail((-2.0 * (1.0 - p).ln()).sqrt())
+    } else {
+        let q = p - 0.5;
+        let r = q * q;
+        (((((A[0] * r + A[1]) * r + A[2]) * r + A[3]) * r + A[4]) * r + A[5]) * q
+            / (((((B[0] * r + B[1]) * r + B[2]) * r + B[3]) * r + B[4]) * r + 1.0)
+    }
+}
+
+/// The shared direction planted neurons and embeddings use: a unit vector of `d` values.
+fn common_direction(seed: u64, d: usize) -> Vec<f32> {
+    let mut g = Uniform::new(seed ^ 0x5eed_d1ec);
+    let v: Vec<f32> = (0..d).map(|_| g.next()).collect();
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt();
+    v.into_iter().map(|x| x / n).collect()
+}
+
+/// Embedding rows are `EMBED_ALONG · u + noise` with unit-variance uniform noise per element.
+const EMBED_ALONG: f32 = 0.5;
+
+/// One tensor's values, generated on demand (a safetensors `View`).
+struct SynthTensor<'a> {
+    spec: &'a SynthSpec,
+    plan: TensorPlan,
+    shape: Vec<usize>,
+    direction: &'a [f32],
+}
+
+impl SynthTensor<'_> {
+    fn values(&self) -> Vec<f32> {
+        let n = self.plan.rows * self.plan.cols;
+        let base = self.spec.seed ^ name_hash(&self.plan.name);
+        let mut out = vec![0f32; n];
+        let sqrt3 = 3f32.sqrt();
+        let cols = self.plan.cols;
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+            let mut g = Uniform::new(base.wrapping_add(splitmix(c as u64)));
+            match self.plan.fill {
+                Fill::Uniform { std } => {
+                    let a = std as f32 * sqrt3;
+                    chunk.iter_mut().for_each(|v| *v = a * g.next());
+                }
+                Fill::NearOne => chunk.iter_mut().for_each(|v| *v = 1.0 + 0.05 * g.next()),
+                Fill::Embedding => {
+                    for (k, v) in chunk.iter_mut().enumerate() {
+                        let j = (c * CHUNK + k) % cols;
+                        *v = sqrt3 * g.next() + EMBED_ALONG * self.direction[j] * (cols as f32).sqrt();
+                    }
+                }
+                Fill::Planted { exponent } => {
+                    let a = sqrt3 / (cols as f32).sqrt();
+                    for (k, v) in chunk.iter_mut().enumerate() {
+                        let idx = c * CHUNK + k;
+                        let (row, j) = (idx / cols, idx % cols);
+                        *v = a * g.next() + planted_offset(self.spec.seed, &self.plan.name, row, exponent, cols) * self.direction[j];
+                    }
+                }
+            }
+        });
+        out
+    }
+}
+
+/// The offset along the common direction for FFN row `row`: the frequency target of its
+/// (pseudo-random) rank, turned into a margin. After RMSNorm an input is about
+/// `c·u + noise` with `c = sqrt(d)·ρ/sqrt(1 + ρ²)` (ρ = EMBED_ALONG) and the row's noise
+/// contributes a unit-variance term, so `P(fire) = Φ(offset·c)`.
+fn planted_offset(seed: u64, name: &str, row: usize, exponent: f32, d: usize) -> f32 {
+    // The neuron's place in the ranking as a fraction in [0, 1), so the profile does not depend
+    // on the FFN width.
+    let q = (splitmix(seed ^ name_hash(name) ^ (row as u64).wrapping_mul(0x9e37)) % 1_000_000) as f64 / 1e6;
+    let freq = (0.95 * (1.0 + 200.0 * q).powf(-exponent as f64)).clamp(0.005, 0.95);
+    let rho = EMBED_ALONG as f64;
+    let c = (d as f64).sqrt() * rho / (1.0 + rho * rho).sqrt();
+    (probit(freq) / c) as f32
+}
+
+impl View for SynthTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        match self.spec.dtype {
+            SynthDtype::F16 => Dtype::F16,
+            SynthDtype::Bf16 => Dtype::BF16,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let v = self.values();
+        let bytes = match self.spec.dtype {
+            SynthDtype::F16 => {
+                let mut h = vec![f16::ZERO; v.len()];
+                h.par_chunks_mut(CHUNK)
+                    .zip(v.par_chunks(CHUNK))
+                    .for_each(|(h, v)| h.convert_from_f32_slice(v));
+                bytemuck::cast_slice(&h).to_vec()
+            }
+            SynthDtype::Bf16 => {
+                let mut h = vec![bf16::ZERO; v.len()];
+                h.par_chunks_mut(CHUNK)
+                    .zip(v.par_chunks(CHUNK))
+                    .for_each(|(h, v)| h.convert_from_f32_slice(v));
+                bytemuck::cast_slice(&h).to_vec()
+            }
+        };
+        Cow::Owned(bytes)
+    }
+
+    fn data_len(&self) -> usize {
+        self.plan.rows * self.plan.cols * 2
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> ModelError {
+    ModelError::io(path, e)
+}
+
+/// Write the model into directory `out` (created; must not exist unless `force`).
+/// `progress(bytes_done, bytes_total)`.
+pub fn synthesize(
+    spec: &SynthSpec,
+    out: &Path,
+    force: bool,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    spec.validate().map_err(|msg| ModelError::Config {
+        path: out.to_path_buf(),
+        msg,
+    })?;
+    if out.exists() && !force {
+        return Err(ModelError::Config {
+            path: out.to_path_buf(),
+            msg: "already exists (pass --force to replace it)".into(),
+        });
+    }
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    let tmp: PathBuf = parent.join(format!(
+        ".{}.synth.{}",
+        out.file_name().map_or("model".into(), |n| n.to_string_lossy()),
+        std::process::id()
+    ));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| io(&tmp, e))?;
+    let result = write_model(spec, &tmp, progress).and_then(|()| {
+        if out.exists() {
+            fs::remove_dir_all(out).map_err(|e| io(out, e))?;
+        }
+        fs::rename(&tmp, out).map_err(|e| io(out, e))
+    });
+    if result.is_err() {
+        fs::remove_dir_all(&tmp).ok();
+    }
+    result
+}
+
+fn write_model(spec: &SynthSpec, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(), ModelError> {
+    let direction = common_direction(spec.seed, spec.d_model);
+    let plans = spec.tensors();
+    let total: u64 = plans.iter().map(|p| (p.rows * p.cols * 2) as u64).sum();
+    // Greedy sharding in declaration order.
+    let mut shards: Vec<Vec<TensorPlan>> = vec![Vec::new()];
+    let mut in_shard = 0u64;
+    for p in plans {
+        let b = (p.rows * p.cols * 2) as u64;
+        if in_shard > 0 && in_shard + b > spec.shard_bytes {
+            shards.push(Vec::new());
+            in_shard = 0;
+        }
+        in_shard += b;
+        shards.last_mut().expect("one shard").push(p);
+    }
+    let n_shards = shards.len();
+    let mut weight_map = BTreeMap::new();
+    let mut done = 0u64;
+    for (i, shard) in shards.into_iter().enumerate() {
+        let file = if n_shards == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n_shards:05}.safetensors", i + 1)
+        };
+        let bytes: u64 = shard.iter().map(|p| (p.rows * p.cols * 2) as u64).sum();
+        let views: Vec<(String, SynthTensor)> = shard
+            .into_iter()
+            .map(|plan| {
+                weight_map.insert(plan.name.clone(), file.clone());
+                let shape = if plan.rows == 1 { vec![plan.cols] } else { vec![plan.rows, plan.cols] };
+                (
+                    plan.name.clone(),
+                    SynthTensor {
+                        spec,
+                        plan,
+                        shape,
+                        direction: &direction,
+                    },
+                )
+            })
+            .collect();
+        let path = dir.join(&file);
+        safetensors::tensor::serialize_to_file(views, None, &path).map_err(|e| ModelError::Format {
+            path: path.clone(),
+            msg: format!("cannot write safetensors: {e}"),
+        })?;
+        fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io(&path, e))?;
+        done += bytes;
+        progress(done, total);
+    }
+    if n_shards > 1 {
+        let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let p = dir.join("model.safetensors.index.json");
+        crate::fsutil::write_atomic(&p, index.to_string().as_bytes()).map_err(|e| io(&p, e))?;
+    }
+    let p = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&spec.config_json()).map_err(|e| ModelError::Format {
+        path: p.clone(),
+        msg: e.to_string(),
+    })?;
+    crate::fsutil::write_atomic(&p, text.as_bytes()).map_err(|e| io(&p, e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probit_inverts_known_quantiles() {
+        assert!(probit(0.5).abs() < 1e-9);
+        assert!((probit(0.975) - 1.959964).abs() < 1e-5);
+        assert!((probit(0.01) + 2.326348).abs() < 1e-5);
+    }
+
+    #[test]
+    fn same_seed_same_bytes_other_seed_other_bytes() {
+        let spec = SynthSpec::preset("tiny").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        synthesize(&spec, &dir.path().join("a"), false, &mut |_, _| {}).unwrap();
+        synthesize(&spec, &dir.path().join("b"), false, &mut |_, _| {}).unwrap();
+        let other = SynthSpec { seed: 7, ..spec };
+        synthesize(&other, &dir.path().join("c"), false, &mut |_, _| {}).unwrap();
+        let read = |n: &str| fs::read(dir.path().join(n).join("model.safetensors")).unwrap();
+        assert_eq!(read("a"), read("b"));
+        assert_ne!(read("a"), read("c"));
+        let m = crate::model::Model::load(&dir.path().join("a")).unwrap();
+        assert_eq!(m.spec.n_layers, 2);
+        assert!(synthesize(&other, &dir.path().join("c"), false, &mut |_, _| {}).is_err());
+    }
+
+    #[test]
+    fn planted_neurons_follow_a_power_law() {
+        // Layer 0's gate sees RMSNorm(embedding) (norm scales ≈ 1): measure firing frequencies.
+        let spec = SynthSpec {
+            d_model: 256,
+            d_ff: 1024,
+            vocab_size: 512,
+            power_law: Some(0.8),
+            activation: "relu".into(),
+            ..SynthSpec::preset("tiny").unwrap()
+        };
+        let direction = common_direction(spec.seed, spec.d_model);
+        let plans = spec.tensors();
+        let find = |suffix: &str| {
+            let p = plans.iter().find(|p| p.name.ends_with(suffix)).unwrap().clone();
+            let shape = vec![p.rows, p.cols];
+            SynthTensor { spec: &spec, plan: p, shape, direction: &direction }.values()
+        };
+        let emb = find("embed_tokens.weight");
+        let gate = find("layers.0.mlp.gate_proj.weight");
+        let (d, ff) = (spec.d_model, spec.d_ff);
+        let mut fires = vec![0usize; ff];
+        for t in 0..spec.vocab_size {
+            let x = &emb[t * d..(t + 1) * d];
+            let rms = (x.iter().map(|v| v * v).sum::<f32>() / d as f32).sqrt();
+            for (i, f) in fires.iter_mut().enumerate() {
+                let dot: f32 = gate[i * d..(i + 1) * d].iter().zip(x).map(|(w, v)| w * v / rms).sum();
+                *f += (dot > 0.0) as usize;
+            }
+        }
+        let mut freq: Vec<f64> = fires.iter().map(|&f| f as f64 / spec.vocab_size as f64).collect();
+        freq.sort_by(|a, b| b.total_cmp(a));
+        let top: f64 = freq[..ff / 10].iter().sum::<f64>() / (ff / 10) as f64;
+        let bottom: f64 = freq[ff / 2..].iter().sum::<f64>() / (ff / 2) as f64;
+        let total: f64 = freq.iter().sum();
+        let top20: f64 = freq[..ff / 5].iter().sum();
+        assert!(top > 0.1 && top > 5.0 * bottom, "hot {top} vs cold {bottom}");
+        assert!(top20 / total > 0.5, "20% of neurons carry most activations: {}", top20 / total);
+    }
+}

@@ -1,0 +1,213 @@
+//! The on-SSD offload store: one model converted to the layout the tiers read.
+//!
+//! A store is a directory with `manifest.json` (the model spec, every segment with offset,
+//! length and xxh3-64 checksum, the model identity hash), `data.bin` (the segments, each starting
+//! on a 4 KiB boundary so direct I/O can read it) and the tokenizer files. Per layer:
+//! - FFN neurons **bundled**: neuron i's gate row, up row and down column next to each other,
+//!   one segment per encoding (f16 always; INT8 per row and INT4 per group of 32 on request);
+//! - attention matrices whole (f16), norms and biases whole (f32).
+//!
+//! Written atomically (a temporary directory renamed into place); every read from disk is
+//! checked against its checksum, so a truncated or bit-flipped segment is named, never used.
+//! Owns the format; knows nothing about devices.
+
+pub mod quant;
+mod read;
+mod write;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::model::{ModelError, ModelSpec};
+
+pub use read::Store;
+pub use write::{ConvertOptions, cached_store_for, convert};
+
+/// Store format version this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+/// Segments start on this boundary (direct I/O).
+pub const ALIGN: u64 = 4096;
+const FORMAT_NAME: &str = "gpu-offload-store";
+const MANIFEST: &str = "manifest.json";
+const DATA: &str = "data.bin";
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("cannot access {}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {msg}", path.display())]
+    Format { path: PathBuf, msg: String },
+    #[error("{}: segment `{segment}` is truncated: {msg}", path.display())]
+    Truncated {
+        path: PathBuf,
+        segment: String,
+        msg: String,
+    },
+    #[error("{}: segment `{segment}` fails its checksum (stored {expected}, read {actual}): the store is corrupt; convert the model again", path.display())]
+    Checksum {
+        path: PathBuf,
+        segment: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("{} already exists (pass --force to replace it)", path.display())]
+    Exists { path: PathBuf },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl StoreError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        StoreError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// How the values of a segment are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    F32,
+    F16,
+    /// Per row (per bundle part): an f32 scale, then `cols` i8 codes.
+    Int8,
+    /// Per group of 32: an f16 scale; then the codes, two per byte.
+    Int4,
+}
+
+impl Encoding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::F32 => "f32",
+            Encoding::F16 => "f16",
+            Encoding::Int8 => "int8",
+            Encoding::Int4 => "int4",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "f32" => Encoding::F32,
+            "f16" => Encoding::F16,
+            "int8" => Encoding::Int8,
+            "int4" => Encoding::Int4,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of one row of `cols` values made of `parts` equal vectors (a bundle has 2 or 3
+    /// parts; a matrix row 1).
+    pub fn row_bytes(self, cols: usize, parts: usize) -> usize {
+        match self {
+            Encoding::F32 => cols * 4,
+            Encoding::F16 => cols * 2,
+            Encoding::Int8 => parts * 4 + cols,
+            Encoding::Int4 => cols / quant::INT4_GROUP * 2 + cols / 2,
+        }
+    }
+}
+
+/// What a segment holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SegmentKind {
+    /// A matrix (or a vector as one row).
+    Tensor,
+    /// FFN neuron bundles: `rows` neurons, each `parts` vectors of `d_model` values
+    /// (gate, up, down or up, down).
+    Bundles { parts: usize },
+}
+
+/// One contiguous run of bytes in `data.bin`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Segment {
+    /// Canonical name, e.g. `blk.3.attn_q.weight`, `blk.3.ffn_bundles.f16`, `output_norm.weight`.
+    pub name: String,
+    pub kind: SegmentKind,
+    pub encoding: Encoding,
+    pub rows: usize,
+    pub cols: usize,
+    pub offset: u64,
+    pub bytes: u64,
+    /// xxh3-64 of the bytes, 16 hex digits.
+    pub xxh3: String,
+}
+
+impl Segment {
+    pub fn row_bytes(&self) -> usize {
+        let parts = match self.kind {
+            SegmentKind::Tensor => 1,
+            SegmentKind::Bundles { parts } => parts,
+        };
+        self.encoding.row_bytes(self.cols, parts)
+    }
+}
+
+/// Where the model came from, so a cached store can be matched to its source.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SourceInfo {
+    pub path: String,
+    pub bytes: u64,
+    pub modified_unix_s: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Identity of the converted weights: xxh3-64 over the spec and every segment checksum.
+    pub model_id: String,
+    pub spec: ModelSpec,
+    pub source: SourceInfo,
+    /// Encodings the FFN bundles are stored in (f16 always first).
+    pub bundle_encodings: Vec<Encoding>,
+    pub data_bytes: u64,
+    pub segments: Vec<Segment>,
+    /// Tokenizer files in the store directory (`tokenizer.gguf` or HF files), if any.
+    pub tokenizer: Option<TokenizerFiles>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TokenizerFiles {
+    /// GGUF tokenizer metadata only (no tensors), in `tokenizer.gguf`.
+    Gguf,
+    /// Copied Hugging Face files (tokenizer.json, tokenizer_config.json, ...).
+    HuggingFace,
+}
+
+impl Manifest {
+    pub fn segment(&self, name: &str) -> Option<&Segment> {
+        self.segments.iter().find(|s| s.name == name)
+    }
+}
+
+/// Canonical segment names.
+pub mod names {
+    pub const TOKEN_EMBD: &str = "token_embd.weight";
+    pub const POS_EMBD: &str = "pos_embd.weight";
+    pub const OUTPUT: &str = "output.weight";
+    pub const OUTPUT_NORM: &str = "output_norm.weight";
+    pub const OUTPUT_NORM_BIAS: &str = "output_norm.bias";
+    pub const ROPE_FREQS: &str = "rope_freqs.weight";
+
+    /// `blk.{layer}.{what}`, e.g. `layer(3, "attn_q.weight")`.
+    pub fn layer(layer: usize, what: &str) -> String {
+        format!("blk.{layer}.{what}")
+    }
+
+    /// The FFN bundle segment of a layer in one encoding.
+    pub fn bundles(layer: usize, encoding: super::Encoding) -> String {
+        format!("blk.{layer}.ffn_bundles.{}", encoding.name())
+    }
+}

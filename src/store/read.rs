@@ -1,0 +1,347 @@
+//! Opening a store and reading its segments: direct I/O (page cache bypassed, so `--dram-mem`
+//! is the only DRAM the weights use) into page-aligned buffers, every read checked against the
+//! segment's checksum.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use half::f16;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::*;
+use crate::model::{
+    Arch, LayerWeights, Linear, ModelWeights, NormWeights, PositionEncoding, Tokenizer,
+};
+use crate::tensor::{AlignedBuf, Bytes, DType, HostTensor, PAGE};
+
+/// Manifests larger than this are refused (a real one is a few hundred KiB).
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+/// An opened store.
+pub struct Store {
+    dir: PathBuf,
+    pub manifest: Manifest,
+    data: File,
+    data_path: PathBuf,
+    /// Whether `data` bypasses the page cache.
+    direct: bool,
+    index: HashMap<String, usize>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .field("model_id", &self.manifest.model_id)
+            .field("direct_io", &self.direct)
+            .finish()
+    }
+}
+
+fn format_err(path: &Path, msg: impl Into<String>) -> StoreError {
+    StoreError::Format {
+        path: path.to_path_buf(),
+        msg: msg.into(),
+    }
+}
+
+impl Store {
+    /// Whether `dir` looks like a store (has a manifest).
+    pub fn is_store(dir: &Path) -> bool {
+        dir.join(MANIFEST).is_file()
+    }
+
+    /// Open and check the structure: manifest readable and of this format, every segment inside
+    /// the data file and inside the bounds its shape implies. Checksums are checked on each read.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        let mpath = dir.join(MANIFEST);
+        let meta = std::fs::metadata(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
+        if meta.len() > MAX_MANIFEST_BYTES {
+            return Err(format_err(&mpath, format!("{} bytes is too large for a manifest", meta.len())));
+        }
+        let text = std::fs::read(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
+        let manifest: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| format_err(&mpath, format!("not a valid store manifest: {e}")))?;
+        if manifest.format != FORMAT_NAME {
+            return Err(format_err(&mpath, format!("format `{}` is not a gpu-offload store", manifest.format)));
+        }
+        if manifest.version != FORMAT_VERSION {
+            return Err(format_err(
+                &mpath,
+                format!(
+                    "store format version {} (this build reads {FORMAT_VERSION}); convert the model again",
+                    manifest.version
+                ),
+            ));
+        }
+        manifest
+            .spec
+            .validate()
+            .map_err(|m| format_err(&mpath, format!("model spec: {m}")))?;
+
+        let data_path = dir.join(DATA);
+        let (data, direct) = open_data(&data_path)?;
+        let len = data
+            .metadata()
+            .map_err(|e| StoreError::io(&data_path, e))?
+            .len();
+        let mut index = HashMap::new();
+        for (i, s) in manifest.segments.iter().enumerate() {
+            let expect = (s.rows as u64).checked_mul(s.row_bytes() as u64);
+            if expect != Some(s.bytes) || s.offset % ALIGN != 0 {
+                return Err(format_err(
+                    &mpath,
+                    format!("segment `{}` has an inconsistent shape or offset", s.name),
+                ));
+            }
+            let end = s.offset.checked_add(s.bytes).unwrap_or(u64::MAX);
+            if end > len {
+                return Err(StoreError::Truncated {
+                    path: data_path.clone(),
+                    segment: s.name.clone(),
+                    msg: format!("it ends at byte {end} but {} has {len} bytes", data_path.display()),
+                });
+            }
+            if index.insert(s.name.clone(), i).is_some() {
+                return Err(format_err(&mpath, format!("segment `{}` appears twice", s.name)));
+            }
+        }
+        if len < manifest.data_bytes {
+            return Err(StoreError::Truncated {
+                path: data_path.clone(),
+                segment: "(end of file)".into(),
+                msg: format!("{len} bytes, the manifest says {}", manifest.data_bytes),
+            });
+        }
+        Ok(Store {
+            dir: dir.to_path_buf(),
+            manifest,
+            data,
+            data_path,
+            direct,
+            index,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn direct_io(&self) -> bool {
+        self.direct
+    }
+
+    pub fn segment(&self, name: &str) -> Option<&Segment> {
+        self.index.get(name).map(|&i| &self.manifest.segments[i])
+    }
+
+    pub fn require(&self, name: &str) -> Result<&Segment, StoreError> {
+        self.segment(name)
+            .ok_or_else(|| format_err(&self.dir.join(MANIFEST), format!("segment `{name}` is missing")))
+    }
+
+    /// Read a whole segment into `buf` (at least `seg.bytes` long) and check its checksum.
+    pub fn read_into(&self, seg: &Segment, buf: &mut AlignedBuf) -> Result<(), StoreError> {
+        let len = seg.bytes as usize;
+        assert!(buf.len() >= len, "buffer of {} bytes for segment of {len}", buf.len());
+        let span = len.div_ceil(PAGE) * PAGE;
+        let dst = &mut buf.padded_mut()[..span];
+        let mut done = 0;
+        while done < span {
+            let n = self
+                .data
+                .read_at(&mut dst[done..], seg.offset + done as u64)
+                .map_err(|e| StoreError::io(&self.data_path, e))?;
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        if done < len {
+            return Err(StoreError::Truncated {
+                path: self.data_path.clone(),
+                segment: seg.name.clone(),
+                msg: format!("read {done} of {len} bytes"),
+            });
+        }
+        if !self.direct {
+            // Keep the page cache from holding weights behind the DRAM budget's back.
+            // SAFETY: plain advisory syscall on an open descriptor.
+            unsafe {
+                libc::posix_fadvise(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.data),
+                    seg.offset as libc::off_t,
+                    span as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                );
+            }
+        }
+        let actual = format!("{:016x}", xxh3_64(&dst[..len]));
+        if actual != seg.xxh3 {
+            return Err(StoreError::Checksum {
+                path: self.data_path.clone(),
+                segment: seg.name.clone(),
+                expected: seg.xxh3.clone(),
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    /// A whole segment in a fresh buffer.
+    pub fn read(&self, seg: &Segment) -> Result<AlignedBuf, StoreError> {
+        let mut buf = AlignedBuf::zeroed(seg.bytes as usize);
+        self.read_into(seg, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Read every segment once (a full integrity check); `progress(done, total)` in bytes.
+    pub fn verify_all(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), StoreError> {
+        let total: u64 = self.manifest.segments.iter().map(|s| s.bytes).sum();
+        let mut done = 0;
+        let biggest = self.manifest.segments.iter().map(|s| s.bytes).max().unwrap_or(0);
+        let mut buf = AlignedBuf::zeroed(biggest as usize);
+        for s in &self.manifest.segments {
+            self.read_into(s, &mut buf)?;
+            done += s.bytes;
+            progress(done, total);
+        }
+        Ok(())
+    }
+
+    /// A tensor segment as a host tensor (f32 or f16).
+    pub fn tensor(&self, name: &str) -> Result<HostTensor, StoreError> {
+        let seg = self.require(name)?;
+        let dtype = match (seg.kind, seg.encoding) {
+            (SegmentKind::Tensor, Encoding::F32) => DType::F32,
+            (SegmentKind::Tensor, Encoding::F16) => DType::F16,
+            _ => {
+                return Err(format_err(
+                    &self.dir.join(MANIFEST),
+                    format!("segment `{name}` is not an f32/f16 tensor"),
+                ));
+            }
+        };
+        let buf = Arc::new(self.read(seg)?);
+        Ok(HostTensor {
+            name: name.to_string(),
+            rows: seg.rows,
+            cols: seg.cols,
+            dtype,
+            data: Bytes::Aligned {
+                range: 0..seg.bytes as usize,
+                buf,
+            },
+        })
+    }
+
+    pub fn opt_tensor(&self, name: &str) -> Result<Option<HostTensor>, StoreError> {
+        match self.segment(name) {
+            Some(_) => self.tensor(name).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The model's tokenizer, if the store carries one.
+    pub fn tokenizer(&self) -> Result<Option<Tokenizer>, StoreError> {
+        Ok(match self.manifest.tokenizer {
+            None => None,
+            Some(TokenizerFiles::HuggingFace) => Tokenizer::from_hf_dir(&self.dir)?,
+            Some(TokenizerFiles::Gguf) => {
+                let f = crate::model::gguf::GgufFile::open(&self.dir.join("tokenizer.gguf"))?;
+                Tokenizer::from_gguf(&f.metadata)?
+            }
+        })
+    }
+
+    /// Dense weights rebuilt from the store (f16 matrices; gate, up and down from the f16
+    /// bundles): the same numbers the offloaded engine computes with, in the dense layout.
+    pub fn dense_weights(&self) -> Result<ModelWeights, StoreError> {
+        let spec = &self.manifest.spec;
+        let norm = |base: String| -> Result<NormWeights, StoreError> {
+            Ok(NormWeights {
+                weight: self.tensor(&format!("{base}.weight"))?,
+                bias: self.opt_tensor(&format!("{base}.bias"))?,
+            })
+        };
+        let linear = |base: String| -> Result<Linear, StoreError> {
+            Ok(Linear {
+                weight: self.tensor(&format!("{base}.weight"))?,
+                bias: self.opt_tensor(&format!("{base}.bias"))?,
+            })
+        };
+        let mut layers = Vec::with_capacity(spec.n_layers);
+        for l in 0..spec.n_layers {
+            let seg = self.require(&names::bundles(l, Encoding::F16))?;
+            let raw = self.read(seg)?;
+            let halves: &[f16] = bytemuck::cast_slice(raw.as_slice());
+            let (d, n_ff) = (spec.d_model, spec.d_ff);
+            let parts = if spec.gated_ffn { 3 } else { 2 };
+            let bundle = |i: usize, p: usize| &halves[(i * parts + p) * d..(i * parts + p + 1) * d];
+            let rows_of = |p: usize| -> Vec<f16> { (0..n_ff).flat_map(|i| bundle(i, p).to_vec()).collect() };
+            let mut down = vec![f16::ZERO; d * n_ff];
+            for i in 0..n_ff {
+                for (j, &v) in bundle(i, parts - 1).iter().enumerate() {
+                    down[j * n_ff + i] = v;
+                }
+            }
+            let f16_tensor = |name: String, rows: usize, cols: usize, v: Vec<f16>| HostTensor {
+                name,
+                rows,
+                cols,
+                dtype: DType::F16,
+                data: Bytes::from_slice(bytemuck::cast_slice(&v)),
+            };
+            let up_bias = self.opt_tensor(&names::layer(l, "ffn_up.bias"))?;
+            let down_bias = self.opt_tensor(&names::layer(l, "ffn_down.bias"))?;
+            layers.push(LayerWeights {
+                attn_norm: norm(names::layer(l, "attn_norm"))?,
+                wq: linear(names::layer(l, "attn_q"))?,
+                wk: linear(names::layer(l, "attn_k"))?,
+                wv: linear(names::layer(l, "attn_v"))?,
+                wo: linear(names::layer(l, "attn_output"))?,
+                ffn_norm: norm(names::layer(l, "ffn_norm"))?,
+                w_gate: spec.gated_ffn.then(|| Linear {
+                    weight: f16_tensor(names::layer(l, "ffn_gate.weight"), n_ff, d, rows_of(0)),
+                    bias: None,
+                }),
+                w_up: Linear {
+                    weight: f16_tensor(names::layer(l, "ffn_up.weight"), n_ff, d, rows_of(parts - 2)),
+                    bias: up_bias,
+                },
+                w_down: Linear {
+                    weight: f16_tensor(names::layer(l, "ffn_down.weight"), d, n_ff, down),
+                    bias: down_bias,
+                },
+            });
+        }
+        let pos_embd = match (spec.arch, &spec.position) {
+            (Arch::Opt, PositionEncoding::Learned { .. }) => Some(self.tensor(names::POS_EMBD)?),
+            _ => self.opt_tensor(names::POS_EMBD)?,
+        };
+        Ok(ModelWeights {
+            token_embd: self.tensor(names::TOKEN_EMBD)?,
+            pos_embd,
+            layers,
+            output_norm: norm("output_norm".into())?,
+            output: self.opt_tensor(names::OUTPUT)?,
+            rope_freq_factors: self.opt_tensor(names::ROPE_FREQS)?.map(|t| t.to_f32()),
+        })
+    }
+}
+
+/// Open the data file for direct I/O, or buffered where the filesystem refuses O_DIRECT.
+fn open_data(path: &Path) -> Result<(File, bool), StoreError> {
+    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            tracing::info!("{}: no direct I/O on this filesystem; reading through the page cache", path.display());
+            let f = File::open(path).map_err(|e| StoreError::io(path, e))?;
+            Ok((f, false))
+        }
+        Err(e) => Err(StoreError::io(path, e)),
+    }
+}

@@ -1,0 +1,448 @@
+//! `convert`: a GGUF file or HF directory → a store directory, written into a temporary
+//! directory next to the target and renamed into place only when complete and synced.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use half::f16;
+use rayon::prelude::*;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use super::quant::{INT4_GROUP, int4_row, int8_row};
+use super::*;
+use crate::model::gguf::{GgufFile, MetaValue};
+use crate::model::{Linear, Model, NormWeights};
+use crate::tensor::HostTensor;
+
+#[derive(Clone, Debug, Default)]
+pub struct ConvertOptions {
+    /// Bundle encodings besides f16 (which is always written): INT8 and/or INT4.
+    pub extra_encodings: Vec<Encoding>,
+    /// Replace an existing store at the target.
+    pub force: bool,
+}
+
+/// Appends segments to `data.bin`, each aligned and checksummed.
+struct DataWriter {
+    out: BufWriter<File>,
+    path: PathBuf,
+    offset: u64,
+    segments: Vec<Segment>,
+}
+
+impl DataWriter {
+    fn put(
+        &mut self,
+        name: String,
+        kind: SegmentKind,
+        encoding: Encoding,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<(), StoreError> {
+        let pad = self.offset.next_multiple_of(ALIGN) - self.offset;
+        let err = |e| StoreError::io(&self.path, e);
+        self.out.write_all(&vec![0u8; pad as usize]).map_err(err)?;
+        self.offset += pad;
+        self.out.write_all(bytes).map_err(|e| StoreError::io(&self.path, e))?;
+        self.segments.push(Segment {
+            name,
+            kind,
+            encoding,
+            rows,
+            cols,
+            offset: self.offset,
+            bytes: bytes.len() as u64,
+            xxh3: format!("{:016x}", xxh3_64(bytes)),
+        });
+        self.offset += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// A host tensor as f32 (vectors) or f16 (matrices).
+    fn tensor(&mut self, name: String, t: &HostTensor, encoding: Encoding) -> Result<(), StoreError> {
+        let values = t.to_f32();
+        let bytes: Vec<u8> = match encoding {
+            Encoding::F32 => bytemuck::cast_slice(&values).to_vec(),
+            Encoding::F16 => {
+                let h: Vec<f16> = values.par_iter().map(|&v| f16::from_f32(v)).collect();
+                bytemuck::cast_slice(&h).to_vec()
+            }
+            other => return Err(StoreError::Unsupported(format!("{other:?} tensors"))),
+        };
+        self.put(name, SegmentKind::Tensor, encoding, t.rows, t.cols, &bytes)
+    }
+
+    /// Pad the file to a whole page (so direct reads of the last segment stay inside it), flush
+    /// and sync.
+    fn finish(mut self) -> Result<(u64, Vec<Segment>), StoreError> {
+        let end = self.offset.next_multiple_of(ALIGN);
+        let pad = (end - self.offset) as usize;
+        let path = self.path.clone();
+        self.out.write_all(&vec![0u8; pad]).map_err(|e| StoreError::io(&path, e))?;
+        let file = self.out.into_inner().map_err(|e| StoreError::io(&path, e.into_error()))?;
+        file.sync_all().map_err(|e| StoreError::io(&path, e))?;
+        Ok((end, self.segments))
+    }
+}
+
+/// FFN bundles of one layer in one encoding: neuron i = [gate_i | up_i | down_i] (or [up_i |
+/// down_i] without a gate), each `d_model` values, where down_i is column i of W_down.
+fn bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize, enc: Encoding) -> Vec<u8> {
+    let n_ff = up.len() / d;
+    let parts = if gate.is_some() { 3 } else { 2 };
+    let cols = parts * d;
+    let row_bytes = enc.row_bytes(cols, parts);
+    let mut out = vec![0u8; n_ff * row_bytes];
+    out.par_chunks_mut(row_bytes).enumerate().for_each(|(i, dst)| {
+        let mut vecs: Vec<&[f32]> = Vec::with_capacity(3);
+        if let Some(g) = gate {
+            vecs.push(&g[i * d..(i + 1) * d]);
+        }
+        vecs.push(&up[i * d..(i + 1) * d]);
+        vecs.push(&down_t[i * d..(i + 1) * d]);
+        encode_bundle(&vecs, enc, dst);
+    });
+    out
+}
+
+/// One bundle's bytes: the parts in order. INT8 puts the part scales first, INT4 all group scales
+/// first, so the codes of a bundle are contiguous.
+fn encode_bundle(parts: &[&[f32]], enc: Encoding, dst: &mut [u8]) {
+    let d = parts[0].len();
+    match enc {
+        Encoding::F32 => {
+            for (p, v) in parts.iter().enumerate() {
+                dst[p * d * 4..(p + 1) * d * 4].copy_from_slice(bytemuck::cast_slice(v));
+            }
+        }
+        Encoding::F16 => {
+            for (p, v) in parts.iter().enumerate() {
+                for (j, &x) in v.iter().enumerate() {
+                    let at = (p * d + j) * 2;
+                    dst[at..at + 2].copy_from_slice(&f16::from_f32(x).to_le_bytes());
+                }
+            }
+        }
+        Encoding::Int8 => {
+            let n = parts.len();
+            for (p, v) in parts.iter().enumerate() {
+                let (scale, q) = int8_row(v);
+                dst[p * 4..p * 4 + 4].copy_from_slice(&scale.to_le_bytes());
+                let codes = &mut dst[n * 4 + p * d..n * 4 + (p + 1) * d];
+                codes.copy_from_slice(bytemuck::cast_slice(&q));
+            }
+        }
+        Encoding::Int4 => {
+            let groups = d / INT4_GROUP;
+            let scale_bytes = parts.len() * groups * 2;
+            for (p, v) in parts.iter().enumerate() {
+                let (scales, packed) = int4_row(v);
+                for (g, s) in scales.iter().enumerate() {
+                    let at = (p * groups + g) * 2;
+                    dst[at..at + 2].copy_from_slice(&s.to_le_bytes());
+                }
+                let at = scale_bytes + p * d / 2;
+                dst[at..at + d / 2].copy_from_slice(&packed);
+            }
+        }
+    }
+}
+
+/// `rows × cols` row-major → `cols × rows`, in cache-sized tiles.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    const T: usize = 64;
+    let mut out = vec![0f32; m.len()];
+    for r0 in (0..rows).step_by(T) {
+        for c0 in (0..cols).step_by(T) {
+            for r in r0..(r0 + T).min(rows) {
+                for c in c0..(c0 + T).min(cols) {
+                    out[c * rows + r] = m[r * cols + c];
+                }
+            }
+        }
+    }
+    out
+}
+
+fn source_info(source: &Path) -> Result<SourceInfo, StoreError> {
+    let canonical = fs::canonicalize(source).map_err(|e| StoreError::io(source, e))?;
+    let meta = fs::metadata(&canonical).map_err(|e| StoreError::io(&canonical, e))?;
+    let mtime = |m: &fs::Metadata| {
+        m.modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs())
+    };
+    let (bytes, modified) = if meta.is_dir() {
+        let mut total = 0u64;
+        let mut newest = 0u64;
+        for entry in fs::read_dir(&canonical).map_err(|e| StoreError::io(&canonical, e))? {
+            let entry = entry.map_err(|e| StoreError::io(&canonical, e))?;
+            if let Ok(m) = entry.metadata() {
+                if m.is_file() {
+                    total += m.len();
+                    newest = newest.max(mtime(&m));
+                }
+            }
+        }
+        (total, newest)
+    } else {
+        (meta.len(), mtime(&meta))
+    };
+    Ok(SourceInfo {
+        path: canonical.to_string_lossy().into_owned(),
+        bytes,
+        modified_unix_s: modified,
+    })
+}
+
+/// Where `run` keeps the store it converts from `source` on first use:
+/// `<models dir>/stores/<hash of the source path>`.
+pub fn cached_store_for(source: &Path) -> Result<PathBuf, StoreError> {
+    let canonical = fs::canonicalize(source).map_err(|e| StoreError::io(source, e))?;
+    let key = xxh3_64(canonical.to_string_lossy().as_bytes());
+    Ok(crate::model::models_dir().join("stores").join(format!("{key:016x}")))
+}
+
+fn write_tokenizer(source: &Path, tmp: &Path) -> Result<Option<TokenizerFiles>, StoreError> {
+    if source.is_dir() {
+        let mut any = false;
+        for name in [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+            "config.json",
+        ] {
+            let from = source.join(name);
+            if from.exists() {
+                fs::copy(&from, tmp.join(name)).map_err(|e| StoreError::io(&from, e))?;
+                any |= name == "tokenizer.json";
+            }
+        }
+        return Ok(any.then_some(TokenizerFiles::HuggingFace));
+    }
+    let gguf = GgufFile::open(source)?;
+    let entries: Vec<(&str, MetaValue)> = gguf
+        .metadata
+        .entries
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer."))
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    if entries.is_empty() {
+        return Ok(None);
+    }
+    let path = tmp.join("tokenizer.gguf");
+    crate::model::gguf::write(&path, &entries, &[]).map_err(|e| StoreError::io(&path, e))?;
+    Ok(Some(TokenizerFiles::Gguf))
+}
+
+/// Convert `source` (GGUF file or HF directory) into a store at `out`. `progress(done, total)`
+/// counts layers.
+pub fn convert(
+    source: &Path,
+    out: &Path,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Manifest, StoreError> {
+    if out.exists() && !opts.force {
+        return Err(StoreError::Exists { path: out.to_path_buf() });
+    }
+    let model = Model::load(source)?;
+    let spec = model.spec.clone();
+    for &e in &opts.extra_encodings {
+        if e == Encoding::Int4 && !spec.d_model.is_multiple_of(INT4_GROUP) {
+            return Err(StoreError::Unsupported(format!(
+                "INT4 bundles need a hidden size divisible by {INT4_GROUP}; this model has {}",
+                spec.d_model
+            )));
+        }
+        if !matches!(e, Encoding::Int8 | Encoding::Int4) {
+            return Err(StoreError::Unsupported(format!(
+                "bundle encoding {} (extra encodings are int8 and int4)",
+                e.name()
+            )));
+        }
+    }
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    fs::create_dir_all(parent).map_err(|e| StoreError::io(parent, e))?;
+    let name = out
+        .file_name()
+        .ok_or_else(|| StoreError::Unsupported(format!("{} is not a directory name", out.display())))?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = parent.join(format!(".{name}.tmp.{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
+    }
+    fs::create_dir(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
+    let result = write_store(source, &model, &tmp, opts, progress).and_then(|manifest| {
+        install(&tmp, out, &name)?;
+        Ok(manifest)
+    });
+    if result.is_err() {
+        fs::remove_dir_all(&tmp).ok();
+    }
+    result
+}
+
+/// Move the finished temporary directory to `out`, replacing what was there.
+fn install(tmp: &Path, out: &Path, name: &str) -> Result<(), StoreError> {
+    let parent = tmp.parent().unwrap_or(Path::new("."));
+    let old = parent.join(format!(".{name}.old.{}", std::process::id()));
+    let had_old = out.exists();
+    if had_old {
+        fs::rename(out, &old).map_err(|e| StoreError::io(out, e))?;
+    }
+    if let Err(e) = fs::rename(tmp, out) {
+        if had_old {
+            fs::rename(&old, out).ok();
+        }
+        return Err(StoreError::io(out, e));
+    }
+    if let Ok(d) = File::open(parent) {
+        d.sync_all().ok();
+    }
+    if had_old {
+        fs::remove_dir_all(&old).ok();
+    }
+    Ok(())
+}
+
+fn write_store(
+    source: &Path,
+    model: &Model,
+    tmp: &Path,
+    opts: &ConvertOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Manifest, StoreError> {
+    let spec = &model.spec;
+    let w = &model.weights;
+    let data_path = tmp.join(DATA);
+    let file = File::create(&data_path).map_err(|e| StoreError::io(&data_path, e))?;
+    let mut dw = DataWriter {
+        out: BufWriter::with_capacity(8 << 20, file),
+        path: data_path.clone(),
+        offset: 0,
+        segments: Vec::new(),
+    };
+    let mut encodings = vec![Encoding::F16];
+    for &e in &opts.extra_encodings {
+        if !encodings.contains(&e) {
+            encodings.push(e);
+        }
+    }
+
+    let norm = |dw: &mut DataWriter, base: String, n: &NormWeights| -> Result<(), StoreError> {
+        dw.tensor(format!("{base}.weight"), &n.weight, Encoding::F32)?;
+        if let Some(b) = &n.bias {
+            dw.tensor(format!("{base}.bias"), b, Encoding::F32)?;
+        }
+        Ok(())
+    };
+    let linear = |dw: &mut DataWriter, base: String, l: &Linear| -> Result<(), StoreError> {
+        dw.tensor(format!("{base}.weight"), &l.weight, Encoding::F16)?;
+        if let Some(b) = &l.bias {
+            dw.tensor(format!("{base}.bias"), b, Encoding::F32)?;
+        }
+        Ok(())
+    };
+
+    dw.tensor(names::TOKEN_EMBD.into(), &w.token_embd, Encoding::F16)?;
+    if let Some(p) = &w.pos_embd {
+        dw.tensor(names::POS_EMBD.into(), p, Encoding::F16)?;
+    }
+    if let Some(f) = &w.rope_freq_factors {
+        let t = HostTensor::from_f32(names::ROPE_FREQS, 1, f.len(), f.clone());
+        dw.tensor(names::ROPE_FREQS.into(), &t, Encoding::F32)?;
+    }
+    let n_layers = w.layers.len();
+    for (l, layer) in w.layers.iter().enumerate() {
+        norm(&mut dw, names::layer(l, "attn_norm"), &layer.attn_norm)?;
+        linear(&mut dw, names::layer(l, "attn_q"), &layer.wq)?;
+        linear(&mut dw, names::layer(l, "attn_k"), &layer.wk)?;
+        linear(&mut dw, names::layer(l, "attn_v"), &layer.wv)?;
+        linear(&mut dw, names::layer(l, "attn_output"), &layer.wo)?;
+        norm(&mut dw, names::layer(l, "ffn_norm"), &layer.ffn_norm)?;
+        if let Some(b) = &layer.w_up.bias {
+            dw.tensor(names::layer(l, "ffn_up.bias"), b, Encoding::F32)?;
+        }
+        if let Some(b) = &layer.w_down.bias {
+            dw.tensor(names::layer(l, "ffn_down.bias"), b, Encoding::F32)?;
+        }
+        let gate = layer.w_gate.as_ref().map(|g| g.weight.to_f32());
+        let up = layer.w_up.weight.to_f32();
+        let down_t = transpose(&layer.w_down.weight.to_f32(), spec.d_model, spec.d_ff);
+        let parts = if gate.is_some() { 3 } else { 2 };
+        for &enc in &encodings {
+            let bytes = bundles(gate.as_deref(), &up, &down_t, spec.d_model, enc);
+            dw.put(
+                names::bundles(l, enc),
+                SegmentKind::Bundles { parts },
+                enc,
+                spec.d_ff,
+                parts * spec.d_model,
+                &bytes,
+            )?;
+        }
+        progress(l + 1, n_layers);
+    }
+    norm(&mut dw, "output_norm".into(), &w.output_norm)?;
+    if let Some(o) = &w.output {
+        dw.tensor(names::OUTPUT.into(), o, Encoding::F16)?;
+    }
+    let (data_bytes, segments) = dw.finish()?;
+
+    let tokenizer = write_tokenizer(source, tmp)?;
+    let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
+    let mut id = Xxh3::new();
+    id.update(spec_json.as_bytes());
+    for s in &segments {
+        id.update(s.name.as_bytes());
+        id.update(s.xxh3.as_bytes());
+    }
+    let manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        model_id: format!("{:016x}", id.digest()),
+        spec: spec.clone(),
+        source: source_info(source)?,
+        bundle_encodings: encodings,
+        data_bytes,
+        segments,
+        tokenizer,
+    };
+    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| StoreError::Unsupported(e.to_string()))?;
+    let mpath = tmp.join(MANIFEST);
+    crate::fsutil::write_atomic(&mpath, &text).map_err(|e| StoreError::io(&mpath, e))?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bundles_put_gate_up_and_down_column_side_by_side() {
+        // d = 2, n_ff = 2: gate rows g0 g1, up rows u0 u1, down (d × n_ff) [[a, b], [c, d]].
+        let gate = [1.0, 2.0, 3.0, 4.0];
+        let up = [5.0, 6.0, 7.0, 8.0];
+        let down = [10.0, 11.0, 12.0, 13.0];
+        let down_t = transpose(&down, 2, 2);
+        let b = bundles(Some(&gate), &up, &down_t, 2, Encoding::F32);
+        let v: &[f32] = bytemuck::cast_slice(&b);
+        assert_eq!(v, [1.0, 2.0, 5.0, 6.0, 10.0, 12.0, 3.0, 4.0, 7.0, 8.0, 11.0, 13.0]);
+    }
+
+    #[test]
+    fn transpose_roundtrips() {
+        let m: Vec<f32> = (0..6 * 130).map(|i| i as f32).collect();
+        let t = transpose(&m, 6, 130);
+        assert_eq!(t[5 * 6 + 1], m[130 + 5]);
+        assert_eq!(transpose(&t, 130, 6), m);
+    }
+}
