@@ -9,5 +9,7 @@ pub mod engine;
 pub mod fsutil;
 pub mod hw;
 pub mod model;
+pub mod plan;
 pub mod store;
 pub mod tensor;
+pub mod tier;

@@ -115,7 +115,8 @@ impl AlignedBuf {
         let layout = std::alloc::Layout::from_size_align(cap, PAGE).expect("page-aligned layout");
         // SAFETY: layout has non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBuf { ptr, len }
     }
 
@@ -163,9 +164,18 @@ impl Drop for AlignedBuf {
 /// Owned bytes are backed by `u64` words so typed views (`f32`, `f16`, blocks) are always aligned.
 #[derive(Clone)]
 pub enum Bytes {
-    Mapped { map: Arc<Mmap>, range: Range<usize> },
-    Owned { words: Arc<Vec<u64>>, len: usize },
-    Aligned { buf: Arc<AlignedBuf>, range: Range<usize> },
+    Mapped {
+        map: Arc<Mmap>,
+        range: Range<usize>,
+    },
+    Owned {
+        words: Arc<Vec<u64>>,
+        len: usize,
+    },
+    Aligned {
+        buf: Arc<AlignedBuf>,
+        range: Range<usize>,
+    },
 }
 
 impl Bytes {

@@ -6,6 +6,7 @@
 //! Knows nothing about models: ops take shapes and numbers, not layers.
 
 pub mod cpu;
+pub mod sim;
 
 use thiserror::Error;
 
@@ -85,7 +86,13 @@ pub trait Backend: Send + Sync + 'static {
     fn upload(&self, w: &HostTensor) -> Result<Self::Weight>;
     /// An uninitialised device weight buffer of `rows × cols` values in `dtype` (a streaming
     /// slot, filled by [`Backend::upload_into`]).
-    fn alloc_weight(&self, name: &str, dtype: DType, rows: usize, cols: usize) -> Result<Self::Weight>;
+    fn alloc_weight(
+        &self,
+        name: &str,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self::Weight>;
     /// Copy `src` (whole rows of `dst`'s format) into `dst` from row `first_row`, on the copy
     /// stream. `src` must stay unchanged until an event recorded after this call completes.
     fn upload_into(&self, dst: &mut Self::Weight, first_row: usize, src: &[u8]) -> Result<()>;
@@ -97,6 +104,9 @@ pub trait Backend: Send + Sync + 'static {
     fn compute_waits(&self, ev: &Self::Event) -> Result<()>;
     /// Make later copies wait for `ev`.
     fn copies_wait(&self, ev: &Self::Event) -> Result<()>;
+    /// Block the calling thread until `ev` has completed (host buffers a copy read from may be
+    /// reused after this).
+    fn host_waits(&self, ev: &Self::Event) -> Result<()>;
     /// A zeroed `rows × cols` activation buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Host → device; `src.len()` must equal the tensor's size.
@@ -131,7 +141,13 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// `out[:, col0 .. col0 + W.rows] = x · Wᵀ`: a row block of a larger weight (the rest of the
     /// columns are left alone).
-    fn matmul_into(&self, w: &Self::Weight, x: &Self::Tensor, out: &mut Self::Tensor, col0: usize) -> Result<()>;
+    fn matmul_into(
+        &self,
+        w: &Self::Weight,
+        x: &Self::Tensor,
+        out: &mut Self::Tensor,
+        col0: usize,
+    ) -> Result<()>;
     /// First half of a bundled FFN: for each neuron `i` of `bundles`,
     /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`.
     #[allow(clippy::too_many_arguments)]

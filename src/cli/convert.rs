@@ -13,7 +13,12 @@ use crate::store::{ConvertOptions, Encoding, Store, cached_store_for, convert};
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
     /// GGUF file or Hugging Face model directory to convert.
-    #[arg(long, short = 'm', env = "GPU_OFFLOAD_MODEL", required_unless_present = "verify")]
+    #[arg(
+        long,
+        short = 'm',
+        env = "GPU_OFFLOAD_MODEL",
+        required_unless_present = "verify"
+    )]
     pub model: Option<PathBuf>,
 
     /// Store directory to write [default: the cache directory `run` uses for this model]
@@ -36,13 +41,16 @@ pub struct ConvertArgs {
 fn bar(len: u64, unit: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
     let template = format!("{{elapsed_precise}} [{{bar:40}}] {{pos}}/{{len}} {unit}");
-    pb.set_style(ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    pb.set_style(
+        ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
     pb
 }
 
 pub fn run(args: ConvertArgs) -> Result<()> {
     if let Some(dir) = &args.verify {
-        let store = Store::open(dir).with_context(|| format!("cannot open store {}", dir.display()))?;
+        let store =
+            Store::open(dir).with_context(|| format!("cannot open store {}", dir.display()))?;
         let total: u64 = store.manifest.segments.iter().map(|s| s.bytes).sum();
         let pb = bar(total >> 20, "MiB");
         store.verify_all(&mut |done, _| pb.set_position(done >> 20))?;

@@ -6,7 +6,9 @@ mod doctor;
 mod load;
 mod logits;
 mod perplexity;
+mod plan;
 mod run;
+mod store;
 mod synth;
 
 use std::path::PathBuf;
@@ -45,6 +47,8 @@ pub enum Command {
     Convert(convert::ConvertArgs),
     /// Write a deterministic synthetic model of any shape (HF format).
     Synth(synth::SynthArgs),
+    /// Decide where every byte lives for a budget; print the plan and its predicted speed.
+    Plan(plan::PlanArgs),
 }
 
 /// Where the math runs.
@@ -106,5 +110,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Doctor(a) => doctor::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Synth(a) => synth::run(a),
+        Command::Plan(a) => plan::run(a),
     }
 }

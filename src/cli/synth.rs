@@ -116,14 +116,16 @@ pub fn run(a: SynthArgs) -> Result<()> {
         bail!("invalid model shape: {msg}");
     }
     let params = s.parameters();
-    let pb = ProgressBar::new(params * 2 >> 20);
+    let pb = ProgressBar::new((params * 2) >> 20);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} MiB")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let t0 = Instant::now();
-    synthesize(&s, &a.out, a.force, &mut |done, _| pb.set_position(done >> 20))
-        .with_context(|| format!("cannot write {}", a.out.display()))?;
+    synthesize(&s, &a.out, a.force, &mut |done, _| {
+        pb.set_position(done >> 20)
+    })
+    .with_context(|| format!("cannot write {}", a.out.display()))?;
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
     println!(

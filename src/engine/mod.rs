@@ -14,7 +14,9 @@ use std::sync::Mutex;
 use thiserror::Error;
 
 use crate::backend::{Act, AttnShape, Backend, BackendError, BundleShape, RopePairs};
-use crate::model::{Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle};
+use crate::model::{
+    Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
+};
 use crate::tensor::HostTensor;
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
@@ -99,6 +101,8 @@ pub trait WeightSource<B: Backend>: Send {
     fn layer_done(&mut self, b: &B, l: usize) -> Result<()>;
     fn head(&mut self, b: &B) -> Result<HeadView<'_, B>>;
     fn head_done(&mut self, b: &B) -> Result<()>;
+    /// Wait for background transfers (read-ahead) to finish, so traffic counters are stable.
+    fn settle(&mut self) {}
 }
 
 /// A model ready to run on one backend.
@@ -165,7 +169,10 @@ struct Scratch<B: Backend> {
 /// Bytes of the activation buffers a step of `n` tokens allocates (scratch plus the logits
 /// buffers of `logit_rows` rows), for planning device memory.
 pub fn scratch_bytes(spec: &ModelSpec, n: usize, logit_rows: usize) -> u64 {
-    let per_token = 3 * spec.d_model + 2 * spec.q_dim() + 2 * spec.kv_dim() + spec.d_ff * if spec.gated_ffn { 2 } else { 1 };
+    let per_token = 3 * spec.d_model
+        + 2 * spec.q_dim()
+        + 2 * spec.kv_dim()
+        + spec.d_ff * if spec.gated_ffn { 2 } else { 1 };
     let logits = logit_rows * (2 * spec.d_model + spec.vocab_size);
     4 * (n * per_token + logits) as u64
 }
@@ -192,7 +199,11 @@ impl<B: Backend> Engine<B> {
     }
 
     /// An engine whose weights come from `source`.
-    pub fn with_source(backend: B, spec: ModelSpec, source: Box<dyn WeightSource<B>>) -> Result<Self> {
+    pub fn with_source(
+        backend: B,
+        spec: ModelSpec,
+        source: Box<dyn WeightSource<B>>,
+    ) -> Result<Self> {
         let rope = match &spec.position {
             PositionEncoding::Rope(r) => {
                 let inv = r.inv_freqs(source.rope_freq_factors().as_deref());
@@ -227,6 +238,13 @@ impl<B: Backend> Engine<B> {
         self.spec.arch
     }
 
+    /// Wait for the weight source's background transfers to finish (before reading counters).
+    pub fn settle(&self) {
+        if let Ok(mut s) = self.source.lock() {
+            s.settle();
+        }
+    }
+
     /// A fresh session holding up to `ctx` positions.
     pub fn new_session(&self, ctx: usize) -> Result<Session<B>> {
         if ctx > self.spec.max_context {
@@ -253,7 +271,12 @@ impl<B: Backend> Engine<B> {
 
     /// Evaluate `tokens` after what the session holds; returns logits (`vocab` values per
     /// returned position, row-major).
-    pub fn forward(&self, session: &mut Session<B>, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        session: &mut Session<B>,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
         if tokens.is_empty() {
             return Err(EngineError::Empty);
         }
@@ -304,7 +327,11 @@ impl<B: Backend> Engine<B> {
             attn: b.alloc(n, s.q_dim())?,
             proj: b.alloc(n, s.d_model)?,
             up: b.alloc(n, s.d_ff)?,
-            gate: if s.gated_ffn { Some(b.alloc(n, s.d_ff)?) } else { None },
+            gate: if s.gated_ffn {
+                Some(b.alloc(n, s.d_ff)?)
+            } else {
+                None
+            },
         })
     }
 
@@ -388,7 +415,11 @@ impl<B: Backend> Engine<B> {
         let pos = session.pos;
         let mut sc = match session.scratch.take() {
             Some(sc) if sc.n == n => sc,
-            _ => self.scratch(n)?,
+            old => {
+                // Free the old buffers before taking new ones: device memory is budgeted.
+                drop(old);
+                self.scratch(n)?
+            }
         };
 
         source.embed(b, tokens, pos, &mut sc.x)?;
@@ -412,7 +443,14 @@ impl<B: Backend> Engine<B> {
                 }
                 b.copy_rows(&sc.k, 0, &mut session.k[l], pos, n)?;
                 b.copy_rows(&sc.v, 0, &mut session.v[l], pos, n)?;
-                b.attention(&sc.q, &session.k[l], &session.v[l], pos, attn_shape, &mut sc.attn)?;
+                b.attention(
+                    &sc.q,
+                    &session.k[l],
+                    &session.v[l],
+                    pos,
+                    attn_shape,
+                    &mut sc.attn,
+                )?;
                 self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
                 b.add(&mut sc.x, &sc.proj)?;
 

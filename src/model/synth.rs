@@ -98,10 +98,16 @@ impl SynthSpec {
             return Err(format!("{what} must be positive"));
         }
         if !self.d_model.is_multiple_of(self.n_heads) {
-            return Err(format!("hidden size {} is not divisible by {} heads", self.d_model, self.n_heads));
+            return Err(format!(
+                "hidden size {} is not divisible by {} heads",
+                self.d_model, self.n_heads
+            ));
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!("{} heads are not a multiple of {} KV heads", self.n_heads, self.n_kv_heads));
+            return Err(format!(
+                "{} heads are not a multiple of {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.arch == Arch::Opt && self.n_kv_heads != self.n_heads {
             return Err("OPT has no grouped-query attention: KV heads must equal heads".into());
@@ -121,7 +127,10 @@ impl SynthSpec {
 
     /// Parameters of the model.
     pub fn parameters(&self) -> u64 {
-        self.tensors().iter().map(|t| (t.rows * t.cols) as u64).sum()
+        self.tensors()
+            .iter()
+            .map(|t| (t.rows * t.cols) as u64)
+            .sum()
     }
 
     /// Every tensor: HF name, shape and how its values are drawn.
@@ -156,7 +165,11 @@ impl SynthSpec {
                     name: "model.embed_tokens.weight".into(),
                     rows: self.vocab_size,
                     cols: d,
-                    fill: if planted.is_some() { Fill::Embedding } else { Fill::Uniform { std: 1.0 } },
+                    fill: if planted.is_some() {
+                        Fill::Embedding
+                    } else {
+                        Fill::Uniform { std: 1.0 }
+                    },
                 });
                 for l in 0..self.n_layers {
                     let p = format!("model.layers.{l}");
@@ -190,7 +203,11 @@ impl SynthSpec {
                     name: format!("{p}.embed_tokens.weight"),
                     rows: self.vocab_size,
                     cols: d,
-                    fill: if planted.is_some() { Fill::Embedding } else { Fill::Uniform { std: 1.0 } },
+                    fill: if planted.is_some() {
+                        Fill::Embedding
+                    } else {
+                        Fill::Uniform { std: 1.0 }
+                    },
                 });
                 v.push(TensorPlan {
                     name: format!("{p}.embed_positions.weight"),
@@ -333,10 +350,35 @@ fn name_hash(name: &str) -> u64 {
 
 /// Inverse of the standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9).
 fn probit(p: f64) -> f64 {
-    const A: [f64; 6] = [-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02, 1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00];
-    const B: [f64; 5] = [-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02, 6.680131188771972e+01, -1.328068155288572e+01];
-    const C: [f64; 6] = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00, -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00];
-    const D: [f64; 4] = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00, 3.754408661907416e+00];
+    const A: [f64; 6] = [
+        -3.969683028665376e+01,
+        2.209460984245205e+02,
+        -2.759285104469687e+02,
+        1.383_577_518_672_69e2,
+        -3.066479806614716e+01,
+        2.506628277459239e+00,
+    ];
+    const B: [f64; 5] = [
+        -5.447609879822406e+01,
+        1.615858368580409e+02,
+        -1.556989798598866e+02,
+        6.680131188771972e+01,
+        -1.328068155288572e+01,
+    ];
+    const C: [f64; 6] = [
+        -7.784894002430293e-03,
+        -3.223964580411365e-01,
+        -2.400758277161838e+00,
+        -2.549732539343734e+00,
+        4.374664141464968e+00,
+        2.938163982698783e+00,
+    ];
+    const D: [f64; 4] = [
+        7.784695709041462e-03,
+        3.224671290700398e-01,
+        2.445134137142996e+00,
+        3.754408661907416e+00,
+    ];
     let p = p.clamp(1e-12, 1.0 - 1e-12);
     let tail = |q: f64| {
         (((((C[0] * q + C[1]) * q + C[2]) * q + C[3]) * q + C[4]) * q + C[5])
@@ -380,30 +422,40 @@ impl SynthTensor<'_> {
         let mut out = vec![0f32; n];
         let sqrt3 = 3f32.sqrt();
         let cols = self.plan.cols;
-        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
-            let mut g = Uniform::new(base.wrapping_add(splitmix(c as u64)));
-            match self.plan.fill {
-                Fill::Uniform { std } => {
-                    let a = std as f32 * sqrt3;
-                    chunk.iter_mut().for_each(|v| *v = a * g.next());
-                }
-                Fill::NearOne => chunk.iter_mut().for_each(|v| *v = 1.0 + 0.05 * g.next()),
-                Fill::Embedding => {
-                    for (k, v) in chunk.iter_mut().enumerate() {
-                        let j = (c * CHUNK + k) % cols;
-                        *v = sqrt3 * g.next() + EMBED_ALONG * self.direction[j] * (cols as f32).sqrt();
+        out.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let mut g = Uniform::new(base.wrapping_add(splitmix(c as u64)));
+                match self.plan.fill {
+                    Fill::Uniform { std } => {
+                        let a = std as f32 * sqrt3;
+                        chunk.iter_mut().for_each(|v| *v = a * g.next());
+                    }
+                    Fill::NearOne => chunk.iter_mut().for_each(|v| *v = 1.0 + 0.05 * g.next()),
+                    Fill::Embedding => {
+                        for (k, v) in chunk.iter_mut().enumerate() {
+                            let j = (c * CHUNK + k) % cols;
+                            *v = sqrt3 * g.next()
+                                + EMBED_ALONG * self.direction[j] * (cols as f32).sqrt();
+                        }
+                    }
+                    Fill::Planted { exponent } => {
+                        let a = sqrt3 / (cols as f32).sqrt();
+                        for (k, v) in chunk.iter_mut().enumerate() {
+                            let idx = c * CHUNK + k;
+                            let (row, j) = (idx / cols, idx % cols);
+                            *v = a * g.next()
+                                + planted_offset(
+                                    self.spec.seed,
+                                    &self.plan.name,
+                                    row,
+                                    exponent,
+                                    cols,
+                                ) * self.direction[j];
+                        }
                     }
                 }
-                Fill::Planted { exponent } => {
-                    let a = sqrt3 / (cols as f32).sqrt();
-                    for (k, v) in chunk.iter_mut().enumerate() {
-                        let idx = c * CHUNK + k;
-                        let (row, j) = (idx / cols, idx % cols);
-                        *v = a * g.next() + planted_offset(self.spec.seed, &self.plan.name, row, exponent, cols) * self.direction[j];
-                    }
-                }
-            }
-        });
+            });
         out
     }
 }
@@ -415,7 +467,9 @@ impl SynthTensor<'_> {
 fn planted_offset(seed: u64, name: &str, row: usize, exponent: f32, d: usize) -> f32 {
     // The neuron's place in the ranking as a fraction in [0, 1), so the profile does not depend
     // on the FFN width.
-    let q = (splitmix(seed ^ name_hash(name) ^ (row as u64).wrapping_mul(0x9e37)) % 1_000_000) as f64 / 1e6;
+    let q = (splitmix(seed ^ name_hash(name) ^ (row as u64).wrapping_mul(0x9e37)) % 1_000_000)
+        as f64
+        / 1e6;
     let freq = (0.95 * (1.0 + 200.0 * q).powf(-exponent as f64)).clamp(0.005, 0.95);
     let rho = EMBED_ALONG as f64;
     let c = (d as f64).sqrt() * rho / (1.0 + rho * rho).sqrt();
@@ -482,11 +536,15 @@ pub fn synthesize(
             msg: "already exists (pass --force to replace it)".into(),
         });
     }
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
     let tmp: PathBuf = parent.join(format!(
         ".{}.synth.{}",
-        out.file_name().map_or("model".into(), |n| n.to_string_lossy()),
+        out.file_name()
+            .map_or("model".into(), |n| n.to_string_lossy()),
         std::process::id()
     ));
     if tmp.exists() {
@@ -505,7 +563,11 @@ pub fn synthesize(
     result
 }
 
-fn write_model(spec: &SynthSpec, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<(), ModelError> {
+fn write_model(
+    spec: &SynthSpec,
+    dir: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(), ModelError> {
     let direction = common_direction(spec.seed, spec.d_model);
     let plans = spec.tensors();
     let total: u64 = plans.iter().map(|p| (p.rows * p.cols * 2) as u64).sum();
@@ -535,7 +597,11 @@ fn write_model(spec: &SynthSpec, dir: &Path, progress: &mut dyn FnMut(u64, u64))
             .into_iter()
             .map(|plan| {
                 weight_map.insert(plan.name.clone(), file.clone());
-                let shape = if plan.rows == 1 { vec![plan.cols] } else { vec![plan.rows, plan.cols] };
+                let shape = if plan.rows == 1 {
+                    vec![plan.cols]
+                } else {
+                    vec![plan.rows, plan.cols]
+                };
                 (
                     plan.name.clone(),
                     SynthTensor {
@@ -548,9 +614,11 @@ fn write_model(spec: &SynthSpec, dir: &Path, progress: &mut dyn FnMut(u64, u64))
             })
             .collect();
         let path = dir.join(&file);
-        safetensors::tensor::serialize_to_file(views, None, &path).map_err(|e| ModelError::Format {
-            path: path.clone(),
-            msg: format!("cannot write safetensors: {e}"),
+        safetensors::tensor::serialize_to_file(views, None, &path).map_err(|e| {
+            ModelError::Format {
+                path: path.clone(),
+                msg: format!("cannot write safetensors: {e}"),
+            }
         })?;
         fs::File::open(&path)
             .and_then(|f| f.sync_all())
@@ -564,10 +632,11 @@ fn write_model(spec: &SynthSpec, dir: &Path, progress: &mut dyn FnMut(u64, u64))
         crate::fsutil::write_atomic(&p, index.to_string().as_bytes()).map_err(|e| io(&p, e))?;
     }
     let p = dir.join("config.json");
-    let text = serde_json::to_string_pretty(&spec.config_json()).map_err(|e| ModelError::Format {
-        path: p.clone(),
-        msg: e.to_string(),
-    })?;
+    let text =
+        serde_json::to_string_pretty(&spec.config_json()).map_err(|e| ModelError::Format {
+            path: p.clone(),
+            msg: e.to_string(),
+        })?;
     crate::fsutil::write_atomic(&p, text.as_bytes()).map_err(|e| io(&p, e))?;
     Ok(())
 }
@@ -613,9 +682,19 @@ mod tests {
         let direction = common_direction(spec.seed, spec.d_model);
         let plans = spec.tensors();
         let find = |suffix: &str| {
-            let p = plans.iter().find(|p| p.name.ends_with(suffix)).unwrap().clone();
+            let p = plans
+                .iter()
+                .find(|p| p.name.ends_with(suffix))
+                .unwrap()
+                .clone();
             let shape = vec![p.rows, p.cols];
-            SynthTensor { spec: &spec, plan: p, shape, direction: &direction }.values()
+            SynthTensor {
+                spec: &spec,
+                plan: p,
+                shape,
+                direction: &direction,
+            }
+            .values()
         };
         let emb = find("embed_tokens.weight");
         let gate = find("layers.0.mlp.gate_proj.weight");
@@ -625,17 +704,31 @@ mod tests {
             let x = &emb[t * d..(t + 1) * d];
             let rms = (x.iter().map(|v| v * v).sum::<f32>() / d as f32).sqrt();
             for (i, f) in fires.iter_mut().enumerate() {
-                let dot: f32 = gate[i * d..(i + 1) * d].iter().zip(x).map(|(w, v)| w * v / rms).sum();
+                let dot: f32 = gate[i * d..(i + 1) * d]
+                    .iter()
+                    .zip(x)
+                    .map(|(w, v)| w * v / rms)
+                    .sum();
                 *f += (dot > 0.0) as usize;
             }
         }
-        let mut freq: Vec<f64> = fires.iter().map(|&f| f as f64 / spec.vocab_size as f64).collect();
+        let mut freq: Vec<f64> = fires
+            .iter()
+            .map(|&f| f as f64 / spec.vocab_size as f64)
+            .collect();
         freq.sort_by(|a, b| b.total_cmp(a));
         let top: f64 = freq[..ff / 10].iter().sum::<f64>() / (ff / 10) as f64;
         let bottom: f64 = freq[ff / 2..].iter().sum::<f64>() / (ff / 2) as f64;
         let total: f64 = freq.iter().sum();
         let top20: f64 = freq[..ff / 5].iter().sum();
-        assert!(top > 0.1 && top > 5.0 * bottom, "hot {top} vs cold {bottom}");
-        assert!(top20 / total > 0.5, "20% of neurons carry most activations: {}", top20 / total);
+        assert!(
+            top > 0.1 && top > 5.0 * bottom,
+            "hot {top} vs cold {bottom}"
+        );
+        assert!(
+            top20 / total > 0.5,
+            "20% of neurons carry most activations: {}",
+            top20 / total
+        );
     }
 }

@@ -29,6 +29,9 @@ pub use write::{ConvertOptions, cached_store_for, convert};
 pub const FORMAT_VERSION: u32 = 1;
 /// Segments start on this boundary (direct I/O).
 pub const ALIGN: u64 = 4096;
+/// Rows per checksum group: a read of any run of whole groups can be verified on its own
+/// (streamed parts of a tensor start on a group boundary).
+pub const GROUP_ROWS: usize = 64;
 const FORMAT_NAME: &str = "gpu-offload-store";
 const MANIFEST: &str = "manifest.json";
 const DATA: &str = "data.bin";
@@ -141,9 +144,25 @@ pub struct Segment {
     pub bytes: u64,
     /// xxh3-64 of the bytes, 16 hex digits.
     pub xxh3: String,
+    /// xxh3-64 of each run of [`GROUP_ROWS`] rows (the last may be shorter).
+    pub group_xxh3: Vec<String>,
 }
 
 impl Segment {
+    /// The bytes of rows `rows` as a file range.
+    pub fn row_range(&self, rows: std::ops::Range<usize>) -> std::ops::Range<u64> {
+        let rb = self.row_bytes() as u64;
+        self.offset + rows.start as u64 * rb..self.offset + rows.end as u64 * rb
+    }
+
+    /// The page-aligned file extent a direct read of `rows` covers: (start, length).
+    pub fn read_extent(&self, rows: std::ops::Range<usize>) -> (u64, u64) {
+        let r = self.row_range(rows);
+        let start = r.start / ALIGN * ALIGN;
+        let end = r.end.div_ceil(ALIGN) * ALIGN;
+        (start, end - start)
+    }
+
     pub fn row_bytes(&self) -> usize {
         let parts = match self.kind {
             SegmentKind::Tensor => 1,

@@ -60,7 +60,9 @@ mod tests {
     use super::*;
 
     fn ramp(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect()
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect()
     }
 
     #[test]
@@ -83,7 +85,10 @@ mod tests {
         for (i, (a, b)) in x.iter().zip(&y).enumerate() {
             let step = s[i / INT4_GROUP].to_f32();
             // f16 rounding of the scale can stretch the grid by a hair.
-            assert!((a - b).abs() <= step * 0.5 + 7.0 * step * 1e-3 + 1e-6, "{i}: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= step * 0.5 + 7.0 * step * 1e-3 + 1e-6,
+                "{i}: {a} vs {b}"
+            );
         }
     }
 

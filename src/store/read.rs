@@ -60,13 +60,19 @@ impl Store {
         let mpath = dir.join(MANIFEST);
         let meta = std::fs::metadata(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
         if meta.len() > MAX_MANIFEST_BYTES {
-            return Err(format_err(&mpath, format!("{} bytes is too large for a manifest", meta.len())));
+            return Err(format_err(
+                &mpath,
+                format!("{} bytes is too large for a manifest", meta.len()),
+            ));
         }
         let text = std::fs::read(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
         let manifest: Manifest = serde_json::from_slice(&text)
             .map_err(|e| format_err(&mpath, format!("not a valid store manifest: {e}")))?;
         if manifest.format != FORMAT_NAME {
-            return Err(format_err(&mpath, format!("format `{}` is not a gpu-offload store", manifest.format)));
+            return Err(format_err(
+                &mpath,
+                format!("format `{}` is not a gpu-offload store", manifest.format),
+            ));
         }
         if manifest.version != FORMAT_VERSION {
             return Err(format_err(
@@ -97,16 +103,33 @@ impl Store {
                     format!("segment `{}` has an inconsistent shape or offset", s.name),
                 ));
             }
-            let end = s.offset.checked_add(s.bytes).unwrap_or(u64::MAX);
+            let end = s.offset.saturating_add(s.bytes);
             if end > len {
                 return Err(StoreError::Truncated {
                     path: data_path.clone(),
                     segment: s.name.clone(),
-                    msg: format!("it ends at byte {end} but {} has {len} bytes", data_path.display()),
+                    msg: format!(
+                        "it ends at byte {end} but {} has {len} bytes",
+                        data_path.display()
+                    ),
                 });
             }
+            if s.group_xxh3.len() != s.rows.div_ceil(GROUP_ROWS) {
+                return Err(format_err(
+                    &mpath,
+                    format!(
+                        "segment `{}` has {} group checksums for {} rows",
+                        s.name,
+                        s.group_xxh3.len(),
+                        s.rows
+                    ),
+                ));
+            }
             if index.insert(s.name.clone(), i).is_some() {
-                return Err(format_err(&mpath, format!("segment `{}` appears twice", s.name)));
+                return Err(format_err(
+                    &mpath,
+                    format!("segment `{}` appears twice", s.name),
+                ));
             }
         }
         if len < manifest.data_bytes {
@@ -139,14 +162,22 @@ impl Store {
     }
 
     pub fn require(&self, name: &str) -> Result<&Segment, StoreError> {
-        self.segment(name)
-            .ok_or_else(|| format_err(&self.dir.join(MANIFEST), format!("segment `{name}` is missing")))
+        self.segment(name).ok_or_else(|| {
+            format_err(
+                &self.dir.join(MANIFEST),
+                format!("segment `{name}` is missing"),
+            )
+        })
     }
 
     /// Read a whole segment into `buf` (at least `seg.bytes` long) and check its checksum.
     pub fn read_into(&self, seg: &Segment, buf: &mut AlignedBuf) -> Result<(), StoreError> {
         let len = seg.bytes as usize;
-        assert!(buf.len() >= len, "buffer of {} bytes for segment of {len}", buf.len());
+        assert!(
+            buf.len() >= len,
+            "buffer of {} bytes for segment of {len}",
+            buf.len()
+        );
         let span = len.div_ceil(PAGE) * PAGE;
         let dst = &mut buf.padded_mut()[..span];
         let mut done = 0;
@@ -167,18 +198,7 @@ impl Store {
                 msg: format!("read {done} of {len} bytes"),
             });
         }
-        if !self.direct {
-            // Keep the page cache from holding weights behind the DRAM budget's back.
-            // SAFETY: plain advisory syscall on an open descriptor.
-            unsafe {
-                libc::posix_fadvise(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.data),
-                    seg.offset as libc::off_t,
-                    span as libc::off_t,
-                    libc::POSIX_FADV_DONTNEED,
-                );
-            }
-        }
+        self.forget_cached(seg.offset, span as u64);
         let actual = format!("{:016x}", xxh3_64(&dst[..len]));
         if actual != seg.xxh3 {
             return Err(StoreError::Checksum {
@@ -189,6 +209,85 @@ impl Store {
             });
         }
         Ok(())
+    }
+
+    /// Read rows `rows` of `seg` (starting on a checksum group, ending on one or at the last
+    /// row) into `buf` with one direct read of whole pages, and check every group. Returns where
+    /// the rows start in `buf` and how many bytes were read from disk.
+    pub fn read_rows_into(
+        &self,
+        seg: &Segment,
+        rows: std::ops::Range<usize>,
+        buf: &mut AlignedBuf,
+    ) -> Result<(usize, u64), StoreError> {
+        let aligned = rows.start.is_multiple_of(GROUP_ROWS)
+            && (rows.end == seg.rows || rows.end.is_multiple_of(GROUP_ROWS))
+            && rows.start <= rows.end
+            && rows.end <= seg.rows;
+        if !aligned {
+            return Err(StoreError::Unsupported(format!(
+                "rows {rows:?} of `{}` do not fall on checksum groups of {GROUP_ROWS}",
+                seg.name
+            )));
+        }
+        let (start, len) = seg.read_extent(rows.clone());
+        let len_us = len as usize;
+        assert!(
+            buf.capacity() >= len_us,
+            "buffer of {} bytes for a read of {len}",
+            buf.capacity()
+        );
+        let dst = &mut buf.padded_mut()[..len_us];
+        let mut done = 0;
+        while done < len_us {
+            let n = self
+                .data
+                .read_at(&mut dst[done..], start + done as u64)
+                .map_err(|e| StoreError::io(&self.data_path, e))?;
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        let first = (seg.row_range(rows.clone()).start - start) as usize;
+        let rb = seg.row_bytes();
+        if done < first + rows.len() * rb {
+            return Err(StoreError::Truncated {
+                path: self.data_path.clone(),
+                segment: seg.name.clone(),
+                msg: format!("read {done} of {len} bytes"),
+            });
+        }
+        self.forget_cached(start, len);
+        for g in rows.start / GROUP_ROWS..rows.end.div_ceil(GROUP_ROWS) {
+            let (r0, r1) = (g * GROUP_ROWS, ((g + 1) * GROUP_ROWS).min(seg.rows));
+            let at = first + (r0 - rows.start) * rb;
+            let actual = format!("{:016x}", xxh3_64(&dst[at..at + (r1 - r0) * rb]));
+            if actual != seg.group_xxh3[g] {
+                return Err(StoreError::Checksum {
+                    path: self.data_path.clone(),
+                    segment: format!("{} (rows {r0}..{r1})", seg.name),
+                    expected: seg.group_xxh3[g].clone(),
+                    actual,
+                });
+            }
+        }
+        Ok((first, len))
+    }
+
+    /// Keep the page cache from holding weights behind the DRAM budget's back.
+    fn forget_cached(&self, offset: u64, len: u64) {
+        if !self.direct {
+            // SAFETY: plain advisory syscall on an open descriptor.
+            unsafe {
+                libc::posix_fadvise(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.data),
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                );
+            }
+        }
     }
 
     /// A whole segment in a fresh buffer.
@@ -202,7 +301,13 @@ impl Store {
     pub fn verify_all(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), StoreError> {
         let total: u64 = self.manifest.segments.iter().map(|s| s.bytes).sum();
         let mut done = 0;
-        let biggest = self.manifest.segments.iter().map(|s| s.bytes).max().unwrap_or(0);
+        let biggest = self
+            .manifest
+            .segments
+            .iter()
+            .map(|s| s.bytes)
+            .max()
+            .unwrap_or(0);
         let mut buf = AlignedBuf::zeroed(biggest as usize);
         for s in &self.manifest.segments {
             self.read_into(s, &mut buf)?;
@@ -281,7 +386,8 @@ impl Store {
             let (d, n_ff) = (spec.d_model, spec.d_ff);
             let parts = if spec.gated_ffn { 3 } else { 2 };
             let bundle = |i: usize, p: usize| &halves[(i * parts + p) * d..(i * parts + p + 1) * d];
-            let rows_of = |p: usize| -> Vec<f16> { (0..n_ff).flat_map(|i| bundle(i, p).to_vec()).collect() };
+            let rows_of =
+                |p: usize| -> Vec<f16> { (0..n_ff).flat_map(|i| bundle(i, p).to_vec()).collect() };
             let mut down = vec![f16::ZERO; d * n_ff];
             for i in 0..n_ff {
                 for (j, &v) in bundle(i, parts - 1).iter().enumerate() {
@@ -309,7 +415,12 @@ impl Store {
                     bias: None,
                 }),
                 w_up: Linear {
-                    weight: f16_tensor(names::layer(l, "ffn_up.weight"), n_ff, d, rows_of(parts - 2)),
+                    weight: f16_tensor(
+                        names::layer(l, "ffn_up.weight"),
+                        n_ff,
+                        d,
+                        rows_of(parts - 2),
+                    ),
                     bias: up_bias,
                 },
                 w_down: Linear {
@@ -335,10 +446,17 @@ impl Store {
 
 /// Open the data file for direct I/O, or buffered where the filesystem refuses O_DIRECT.
 fn open_data(path: &Path) -> Result<(File, bool), StoreError> {
-    match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+    match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
         Ok(f) => Ok((f, true)),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-            tracing::info!("{}: no direct I/O on this filesystem; reading through the page cache", path.display());
+            tracing::info!(
+                "{}: no direct I/O on this filesystem; reading through the page cache",
+                path.display()
+            );
             let f = File::open(path).map_err(|e| StoreError::io(path, e))?;
             Ok((f, false))
         }

@@ -45,7 +45,14 @@ impl DataWriter {
         let err = |e| StoreError::io(&self.path, e);
         self.out.write_all(&vec![0u8; pad as usize]).map_err(err)?;
         self.offset += pad;
-        self.out.write_all(bytes).map_err(|e| StoreError::io(&self.path, e))?;
+        self.out
+            .write_all(bytes)
+            .map_err(|e| StoreError::io(&self.path, e))?;
+        let group_bytes = (bytes.len() / rows.max(1)) * GROUP_ROWS;
+        let group_xxh3 = bytes
+            .chunks(group_bytes.max(1))
+            .map(|g| format!("{:016x}", xxh3_64(g)))
+            .collect();
         self.segments.push(Segment {
             name,
             kind,
@@ -55,13 +62,19 @@ impl DataWriter {
             offset: self.offset,
             bytes: bytes.len() as u64,
             xxh3: format!("{:016x}", xxh3_64(bytes)),
+            group_xxh3,
         });
         self.offset += bytes.len() as u64;
         Ok(())
     }
 
     /// A host tensor as f32 (vectors) or f16 (matrices).
-    fn tensor(&mut self, name: String, t: &HostTensor, encoding: Encoding) -> Result<(), StoreError> {
+    fn tensor(
+        &mut self,
+        name: String,
+        t: &HostTensor,
+        encoding: Encoding,
+    ) -> Result<(), StoreError> {
         let values = t.to_f32();
         let bytes: Vec<u8> = match encoding {
             Encoding::F32 => bytemuck::cast_slice(&values).to_vec(),
@@ -80,8 +93,13 @@ impl DataWriter {
         let end = self.offset.next_multiple_of(ALIGN);
         let pad = (end - self.offset) as usize;
         let path = self.path.clone();
-        self.out.write_all(&vec![0u8; pad]).map_err(|e| StoreError::io(&path, e))?;
-        let file = self.out.into_inner().map_err(|e| StoreError::io(&path, e.into_error()))?;
+        self.out
+            .write_all(&vec![0u8; pad])
+            .map_err(|e| StoreError::io(&path, e))?;
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| StoreError::io(&path, e.into_error()))?;
         file.sync_all().map_err(|e| StoreError::io(&path, e))?;
         Ok((end, self.segments))
     }
@@ -95,15 +113,17 @@ fn bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize, enc: Enco
     let cols = parts * d;
     let row_bytes = enc.row_bytes(cols, parts);
     let mut out = vec![0u8; n_ff * row_bytes];
-    out.par_chunks_mut(row_bytes).enumerate().for_each(|(i, dst)| {
-        let mut vecs: Vec<&[f32]> = Vec::with_capacity(3);
-        if let Some(g) = gate {
-            vecs.push(&g[i * d..(i + 1) * d]);
-        }
-        vecs.push(&up[i * d..(i + 1) * d]);
-        vecs.push(&down_t[i * d..(i + 1) * d]);
-        encode_bundle(&vecs, enc, dst);
-    });
+    out.par_chunks_mut(row_bytes)
+        .enumerate()
+        .for_each(|(i, dst)| {
+            let mut vecs: Vec<&[f32]> = Vec::with_capacity(3);
+            if let Some(g) = gate {
+                vecs.push(&g[i * d..(i + 1) * d]);
+            }
+            vecs.push(&up[i * d..(i + 1) * d]);
+            vecs.push(&down_t[i * d..(i + 1) * d]);
+            encode_bundle(&vecs, enc, dst);
+        });
     out
 }
 
@@ -180,11 +200,11 @@ fn source_info(source: &Path) -> Result<SourceInfo, StoreError> {
         let mut newest = 0u64;
         for entry in fs::read_dir(&canonical).map_err(|e| StoreError::io(&canonical, e))? {
             let entry = entry.map_err(|e| StoreError::io(&canonical, e))?;
-            if let Ok(m) = entry.metadata() {
-                if m.is_file() {
-                    total += m.len();
-                    newest = newest.max(mtime(&m));
-                }
+            if let Ok(m) = entry.metadata()
+                && m.is_file()
+            {
+                total += m.len();
+                newest = newest.max(mtime(&m));
             }
         }
         (total, newest)
@@ -203,7 +223,9 @@ fn source_info(source: &Path) -> Result<SourceInfo, StoreError> {
 pub fn cached_store_for(source: &Path) -> Result<PathBuf, StoreError> {
     let canonical = fs::canonicalize(source).map_err(|e| StoreError::io(source, e))?;
     let key = xxh3_64(canonical.to_string_lossy().as_bytes());
-    Ok(crate::model::models_dir().join("stores").join(format!("{key:016x}")))
+    Ok(crate::model::models_dir()
+        .join("stores")
+        .join(format!("{key:016x}")))
 }
 
 fn write_tokenizer(source: &Path, tmp: &Path) -> Result<Option<TokenizerFiles>, StoreError> {
@@ -250,7 +272,9 @@ pub fn convert(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Manifest, StoreError> {
     if out.exists() && !opts.force {
-        return Err(StoreError::Exists { path: out.to_path_buf() });
+        return Err(StoreError::Exists {
+            path: out.to_path_buf(),
+        });
     }
     let model = Model::load(source)?;
     let spec = model.spec.clone();
@@ -268,11 +292,16 @@ pub fn convert(
             )));
         }
     }
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     fs::create_dir_all(parent).map_err(|e| StoreError::io(parent, e))?;
     let name = out
         .file_name()
-        .ok_or_else(|| StoreError::Unsupported(format!("{} is not a directory name", out.display())))?
+        .ok_or_else(|| {
+            StoreError::Unsupported(format!("{} is not a directory name", out.display()))
+        })?
         .to_string_lossy()
         .into_owned();
     let tmp = parent.join(format!(".{name}.tmp.{}", std::process::id()));
@@ -398,7 +427,8 @@ fn write_store(
     let (data_bytes, segments) = dw.finish()?;
 
     let tokenizer = write_tokenizer(source, tmp)?;
-    let spec_json = serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
+    let spec_json =
+        serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
     let mut id = Xxh3::new();
     id.update(spec_json.as_bytes());
     for s in &segments {
@@ -416,7 +446,8 @@ fn write_store(
         segments,
         tokenizer,
     };
-    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| StoreError::Unsupported(e.to_string()))?;
+    let text =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| StoreError::Unsupported(e.to_string()))?;
     let mpath = tmp.join(MANIFEST);
     crate::fsutil::write_atomic(&mpath, &text).map_err(|e| StoreError::io(&mpath, e))?;
     Ok(manifest)
@@ -435,7 +466,12 @@ mod tests {
         let down_t = transpose(&down, 2, 2);
         let b = bundles(Some(&gate), &up, &down_t, 2, Encoding::F32);
         let v: &[f32] = bytemuck::cast_slice(&b);
-        assert_eq!(v, [1.0, 2.0, 5.0, 6.0, 10.0, 12.0, 3.0, 4.0, 7.0, 8.0, 11.0, 13.0]);
+        assert_eq!(
+            v,
+            [
+                1.0, 2.0, 5.0, 6.0, 10.0, 12.0, 3.0, 4.0, 7.0, 8.0, 11.0, 13.0
+            ]
+        );
     }
 
     #[test]

@@ -24,7 +24,13 @@ impl OutPtr {
 }
 
 /// One part (`p`) of bundle `i` as f32 values in `buf`.
-fn part<'a>(b: &HostTensor, shape: BundleShape, i: usize, p: usize, buf: &'a mut Vec<f32>) -> &'a [f32] {
+fn part<'a>(
+    b: &HostTensor,
+    shape: BundleShape,
+    i: usize,
+    p: usize,
+    buf: &'a mut Vec<f32>,
+) -> &'a [f32] {
     let esize = b.dtype.block_bytes();
     let d = shape.d;
     let start = (i * shape.parts + p) * d * esize;
@@ -60,7 +66,11 @@ pub fn up(
         let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
         for i in task * NEURONS_PER_TASK..i1 {
             let up_row = part(b, shape, i, if gated { 1 } else { 0 }, &mut ubuf);
-            let gate_row = if gated { Some(part(b, shape, i, 0, &mut gbuf)) } else { None };
+            let gate_row = if gated {
+                Some(part(b, shape, i, 0, &mut gbuf))
+            } else {
+                None
+            };
             for t in 0..n {
                 let xt = &x[t * d..(t + 1) * d];
                 let u = (k.dot_f32)(up_row, xt);
@@ -81,7 +91,15 @@ pub fn up(
 }
 
 /// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`).
-pub fn down(b: &HostTensor, shape: BundleShape, h: &[f32], n: usize, stride: usize, col0: usize, out: &mut [f32]) {
+pub fn down(
+    b: &HostTensor,
+    shape: BundleShape,
+    h: &[f32],
+    n: usize,
+    stride: usize,
+    col0: usize,
+    out: &mut [f32],
+) {
     let neurons = b.rows;
     let d = shape.d;
     assert!(matches!(b.dtype, DType::F16 | DType::F32) && b.cols == shape.parts * d);
@@ -98,7 +116,10 @@ pub fn down(b: &HostTensor, shape: BundleShape, h: &[f32], n: usize, stride: usi
             for t in 0..n {
                 let w = h[t * stride + col0 + i];
                 if w != 0.0 {
-                    acc[t * d..(t + 1) * d].iter_mut().zip(col).for_each(|(o, c)| *o += w * c);
+                    acc[t * d..(t + 1) * d]
+                        .iter_mut()
+                        .zip(col)
+                        .for_each(|(o, c)| *o += w * c);
                 }
             }
         }
@@ -161,18 +182,30 @@ mod tests {
     fn bundled_ffn_equals_dense_ffn() {
         let mut rng = StdRng::seed_from_u64(5);
         let (d, ff) = (64, 96);
-        let mut r = |n: usize| f16_round(&(0..n).map(|_| rng.random_range(-0.3f32..0.3)).collect::<Vec<_>>());
+        let mut r = |n: usize| {
+            f16_round(
+                &(0..n)
+                    .map(|_| rng.random_range(-0.3f32..0.3))
+                    .collect::<Vec<_>>(),
+            )
+        };
         let (gate, up, down_t) = (r(ff * d), r(ff * d), r(ff * d));
         let be = CpuBackend::new(2).unwrap();
         for gated in [true, false] {
             for n in [1usize, 5] {
-                let x: Vec<f32> = (0..n * d).map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0).collect();
+                let x: Vec<f32> = (0..n * d)
+                    .map(|i| ((i * 7 % 13) as f32 - 6.0) / 6.0)
+                    .collect();
                 let bias: Vec<f32> = (0..ff).map(|i| (i as f32 - 48.0) / 100.0).collect();
                 // Dense reference in f64.
                 let mut want = vec![0f64; n * d];
                 for t in 0..n {
                     for i in 0..ff {
-                        let dot = |w: &[f32]| -> f64 { (0..d).map(|j| w[i * d + j] as f64 * x[t * d + j] as f64).sum() };
+                        let dot = |w: &[f32]| -> f64 {
+                            (0..d)
+                                .map(|j| w[i * d + j] as f64 * x[t * d + j] as f64)
+                                .sum()
+                        };
                         let h = if gated {
                             let g = dot(&gate);
                             g / (1.0 + (-g).exp()) * dot(&up)
@@ -184,7 +217,10 @@ mod tests {
                         }
                     }
                 }
-                let shape = BundleShape { parts: if gated { 3 } else { 2 }, d };
+                let shape = BundleShape {
+                    parts: if gated { 3 } else { 2 },
+                    d,
+                };
                 let bundles = make_bundles(gated.then_some(&gate[..]), &up, &down_t, d);
                 // Two runs: neurons 0..40 and 40..96, as a resident part and a streamed part.
                 let split = |lo: usize, hi: usize| {
@@ -194,22 +230,33 @@ mod tests {
                         rows: hi - lo,
                         cols: bundles.cols,
                         dtype: bundles.dtype,
-                        data: crate::tensor::Bytes::from_slice(&bundles.data.as_slice()[lo * rb..hi * rb]),
+                        data: crate::tensor::Bytes::from_slice(
+                            &bundles.data.as_slice()[lo * rb..hi * rb],
+                        ),
                     }
                 };
                 let (a, b) = (split(0, 40), split(40, ff));
-                let xt = CpuTensor { rows: n, cols: d, data: x.clone() };
+                let xt = CpuTensor {
+                    rows: n,
+                    cols: d,
+                    data: x.clone(),
+                };
                 let mut h = be.alloc(n, ff).unwrap();
                 let act = if gated { Act::Silu } else { Act::Relu };
                 let bias_t = HostTensor::from_f32("b", 1, ff, bias.clone());
                 let bias_ref = (!gated).then_some(&bias_t);
-                be.ffn_bundles_up(&a, shape, &xt, act, bias_ref, &mut h, 0).unwrap();
-                be.ffn_bundles_up(&b, shape, &xt, act, bias_ref, &mut h, 40).unwrap();
+                be.ffn_bundles_up(&a, shape, &xt, act, bias_ref, &mut h, 0)
+                    .unwrap();
+                be.ffn_bundles_up(&b, shape, &xt, act, bias_ref, &mut h, 40)
+                    .unwrap();
                 let mut out = be.alloc(n, d).unwrap();
                 be.ffn_bundles_down(&a, shape, &h, 0, &mut out).unwrap();
                 be.ffn_bundles_down(&b, shape, &h, 40, &mut out).unwrap();
                 for (o, w) in out.data.iter().zip(&want) {
-                    assert!((*o as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "gated {gated} n {n}: {o} vs {w}");
+                    assert!(
+                        (*o as f64 - w).abs() < 1e-4 * (1.0 + w.abs()),
+                        "gated {gated} n {n}: {o} vs {w}"
+                    );
                 }
             }
         }

@@ -93,10 +93,16 @@ fn vector<'a>(op: &'static str, w: &'a HostTensor, len: usize) -> Result<&'a [f3
 }
 
 fn check_bundles(op: &'static str, b: &HostTensor, shape: BundleShape) -> Result<()> {
-    if !matches!(b.dtype, DType::F16 | DType::F32) || !(2..=3).contains(&shape.parts) || b.cols != shape.parts * shape.d {
+    if !matches!(b.dtype, DType::F16 | DType::F32)
+        || !(2..=3).contains(&shape.parts)
+        || b.cols != shape.parts * shape.d
+    {
         return Err(shape_err(
             op,
-            format!("`{}` ({}x{} {}) is not {}-part bundles of {}", b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d),
+            format!(
+                "`{}` ({}x{} {}) is not {}-part bundles of {}",
+                b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d
+            ),
         ));
     }
     Ok(())
@@ -125,9 +131,18 @@ impl Backend for CpuBackend {
         Ok(w.clone())
     }
 
-    fn alloc_weight(&self, name: &str, dtype: DType, rows: usize, cols: usize) -> Result<HostTensor> {
+    fn alloc_weight(
+        &self,
+        name: &str,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostTensor> {
         if !cols.is_multiple_of(dtype.block_len()) {
-            return Err(shape_err("alloc_weight", format!("{cols} columns of {dtype}")));
+            return Err(shape_err(
+                "alloc_weight",
+                format!("{cols} columns of {dtype}"),
+            ));
         }
         let bytes = rows
             .checked_mul(dtype.bytes_for(cols))
@@ -150,11 +165,19 @@ impl Backend for CpuBackend {
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.data.len() {
             return Err(shape_err(
                 "upload_into",
-                format!("{} bytes at row {first_row} of `{}` ({} bytes)", src.len(), dst.name, dst.data.len()),
+                format!(
+                    "{} bytes at row {first_row} of `{}` ({} bytes)",
+                    src.len(),
+                    dst.name,
+                    dst.data.len()
+                ),
             ));
         }
         let Bytes::Owned { words, .. } = &mut dst.data else {
-            return Err(shape_err("upload_into", format!("`{}` is not a slot", dst.name)));
+            return Err(shape_err(
+                "upload_into",
+                format!("`{}` is not a slot", dst.name),
+            ));
         };
         let words = std::sync::Arc::get_mut(words)
             .ok_or_else(|| shape_err("upload_into", "slot is shared while being filled".into()))?;
@@ -175,6 +198,10 @@ impl Backend for CpuBackend {
     }
 
     fn copies_wait(&self, _: &()) -> Result<()> {
+        Ok(())
+    }
+
+    fn host_waits(&self, _: &()) -> Result<()> {
         Ok(())
     }
 
@@ -285,7 +312,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn matmul_into(&self, w: &HostTensor, x: &CpuTensor, out: &mut CpuTensor, col0: usize) -> Result<()> {
+    fn matmul_into(
+        &self,
+        w: &HostTensor,
+        x: &CpuTensor,
+        out: &mut CpuTensor,
+        col0: usize,
+    ) -> Result<()> {
         if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
             return Err(shape_err(
                 "matmul",
@@ -297,7 +330,15 @@ impl Backend for CpuBackend {
         }
         let stride = out.cols;
         self.pool.install(|| {
-            matmul::matmul_strided(self.kernels, w, &x.data, x.rows, &mut out.data, stride, col0)
+            matmul::matmul_strided(
+                self.kernels,
+                w,
+                &x.data,
+                x.rows,
+                &mut out.data,
+                stride,
+                col0,
+            )
         });
         Ok(())
     }
@@ -316,14 +357,31 @@ impl Backend for CpuBackend {
         if x.cols != shape.d || h.rows != x.rows || col0 + b.rows > h.cols {
             return Err(shape_err(
                 "ffn_bundles_up",
-                format!("x {}x{}, {} neurons at {col0} into h {}x{}", x.rows, x.cols, b.rows, h.rows, h.cols),
+                format!(
+                    "x {}x{}, {} neurons at {col0} into h {}x{}",
+                    x.rows, x.cols, b.rows, h.rows, h.cols
+                ),
             ));
         }
-        let bias = up_bias.map(|bb| vector("ffn_bundles_up", bb, h.cols)).transpose()?;
+        let bias = up_bias
+            .map(|bb| vector("ffn_bundles_up", bb, h.cols))
+            .transpose()?;
         let (stride, n) = (h.cols, x.rows);
         let f = ops::activation(act);
-        self.pool
-            .install(|| bundles::up(self.kernels, b, shape, &x.data, n, f, bias, &mut h.data, stride, col0));
+        self.pool.install(|| {
+            bundles::up(
+                self.kernels,
+                b,
+                shape,
+                &x.data,
+                n,
+                f,
+                bias,
+                &mut h.data,
+                stride,
+                col0,
+            )
+        });
         Ok(())
     }
 
@@ -339,7 +397,10 @@ impl Backend for CpuBackend {
         if out.cols != shape.d || h.rows != out.rows || col0 + b.rows > h.cols {
             return Err(shape_err(
                 "ffn_bundles_down",
-                format!("h {}x{}, {} neurons at {col0} into {}x{}", h.rows, h.cols, b.rows, out.rows, out.cols),
+                format!(
+                    "h {}x{}, {} neurons at {col0} into {}x{}",
+                    h.rows, h.cols, b.rows, out.rows, out.cols
+                ),
             ));
         }
         let (stride, n) = (h.cols, h.rows);

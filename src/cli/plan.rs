@@ -1,0 +1,150 @@
+//! `gpu-offload plan`: where every byte of a model lives for a budget, per layer, with totals
+//! and the predicted speed.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use super::store::open_store_for;
+use crate::plan::{Budget, HardwareProfile, make_plan};
+
+/// Flags shared by everything that runs under a memory budget.
+#[derive(Debug, Args)]
+pub struct BudgetArgs {
+    /// Device memory budget, e.g. 4G, 512M, 4GiB.
+    #[arg(long, env = "GPU_OFFLOAD_GPU_MEM", value_parser = parse_bytes)]
+    pub gpu_mem: Option<u64>,
+
+    /// Host memory for the model's weights (DRAM cache); beyond it, layers are re-read from SSD.
+    #[arg(long, env = "GPU_OFFLOAD_DRAM_MEM", value_parser = parse_bytes)]
+    pub dram_mem: Option<u64>,
+
+    /// Layers streamed ahead of compute.
+    #[arg(long, env = "GPU_OFFLOAD_PREFETCH_WINDOW", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefetch_window: u16,
+
+    /// Hardware profile for the cost model: a preset name (configs/) or a JSON file
+    /// [default: the profile `doctor --save` measured, else cpu-sim for --device sim, gpu-4g otherwise]
+    #[arg(long, env = "GPU_OFFLOAD_HARDWARE")]
+    pub hardware: Option<String>,
+}
+
+impl BudgetArgs {
+    pub fn hardware_profile(&self, default: &str) -> Result<HardwareProfile> {
+        match &self.hardware {
+            Some(h) => HardwareProfile::load(h).map_err(anyhow::Error::msg),
+            None => HardwareProfile::saved_or(default).map_err(anyhow::Error::msg),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Store directory, GGUF file or HF directory (converted into the cache on first use).
+    #[arg(long, short = 'm', env = "GPU_OFFLOAD_MODEL")]
+    pub model: PathBuf,
+
+    #[command(flatten)]
+    pub budget: BudgetArgs,
+
+    /// KV cache positions to plan for [default: the model's maximum context, at most 4096]
+    #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE")]
+    pub ctx_size: Option<usize>,
+
+    /// Most tokens one step evaluates (prefill batch).
+    #[arg(long, env = "GPU_OFFLOAD_BATCH", default_value_t = 512)]
+    pub batch: usize,
+
+    /// Print the plan as JSON.
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+/// "4G", "4GiB", "512M", "1.5g", "1048576" → bytes (binary units).
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let (num, mult) = [
+        ("tib", 40),
+        ("gib", 30),
+        ("mib", 20),
+        ("kib", 10),
+        ("tb", 40),
+        ("gb", 30),
+        ("mb", 20),
+        ("kb", 10),
+        ("t", 40),
+        ("g", 30),
+        ("m", 20),
+        ("k", 10),
+        ("b", 0),
+    ]
+    .iter()
+    .find_map(|(suffix, shift)| {
+        lower
+            .strip_suffix(suffix)
+            .map(|n| (n.trim().to_string(), 1u64 << shift))
+    })
+    .unwrap_or((lower.clone(), 1));
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (examples: 4G, 512M, 4GiB)"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("`{s}` must be a positive size"));
+    }
+    let bytes = v * mult as f64;
+    if bytes > u64::MAX as f64 / 2.0 {
+        return Err(format!("`{s}` is too large"));
+    }
+    Ok(bytes as u64)
+}
+
+pub fn run(a: PlanArgs) -> Result<()> {
+    let gpu_mem = a
+        .budget
+        .gpu_mem
+        .context("give the device memory budget with --gpu-mem (e.g. --gpu-mem 4G)")?;
+    let store = open_store_for(&a.model)?;
+    let spec = &store.manifest.spec;
+    let ctx = a.ctx_size.unwrap_or(spec.max_context.min(4096));
+    if ctx == 0 || ctx > spec.max_context {
+        anyhow::bail!(
+            "--ctx-size {ctx} must be between 1 and the model's maximum of {}",
+            spec.max_context
+        );
+    }
+    let budget = Budget {
+        gpu_mem,
+        dram_mem: a.budget.dram_mem,
+        window: a.budget.prefetch_window as usize,
+        ctx,
+        batch: a.batch.clamp(1, crate::engine::MAX_BATCH),
+        logit_rows: 1,
+    };
+    let hw = a.budget.hardware_profile("gpu-4g")?;
+    let plan = make_plan(&store.manifest, &budget, &hw)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        print!("{}", plan.report());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn sizes_parse_in_binary_units() {
+        assert_eq!(parse_bytes("4G").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_bytes("512m").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert!(parse_bytes("-1G").is_err());
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+}

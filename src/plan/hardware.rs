@@ -1,0 +1,135 @@
+//! Hardware profiles: the bandwidths the cost model divides by. Measured by `gpu-offload
+//! doctor --save` or taken from a preset in `configs/` (consumer GPUs, the budgeted CPU device).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HardwareProfile {
+    pub name: String,
+    /// Device memory read bandwidth, bytes/s.
+    pub hbm_bytes_per_s: f64,
+    /// Host→device copy bandwidth from pinned memory, bytes/s.
+    pub h2d_pinned_bytes_per_s: f64,
+    /// Host→device copy bandwidth from pageable memory, bytes/s.
+    pub h2d_pageable_bytes_per_s: f64,
+    /// Host memory read bandwidth (CPU threads), bytes/s.
+    pub dram_read_bytes_per_s: f64,
+    /// SSD sequential read bandwidth with direct I/O, bytes/s.
+    pub ssd_read_bytes_per_s: f64,
+    /// Fixed cost of one device op (kernel launch and its wait), seconds.
+    pub op_overhead_s: f64,
+    /// Device memory size, bytes (0 when unknown).
+    #[serde(default)]
+    pub device_bytes: u64,
+}
+
+const GB: f64 = 1e9;
+
+/// The built-in presets (also in configs/ as JSON).
+pub fn presets() -> Vec<HardwareProfile> {
+    let p = |name: &str,
+             hbm: f64,
+             h2d: f64,
+             pageable: f64,
+             dram: f64,
+             ssd: f64,
+             op: f64,
+             mem_gib: u64| HardwareProfile {
+        name: name.into(),
+        hbm_bytes_per_s: hbm * GB,
+        h2d_pinned_bytes_per_s: h2d * GB,
+        h2d_pageable_bytes_per_s: pageable * GB,
+        dram_read_bytes_per_s: dram * GB,
+        ssd_read_bytes_per_s: ssd * GB,
+        op_overhead_s: op,
+        device_bytes: mem_gib << 30,
+    };
+    vec![
+        p("rtx4090-24g", 1008.0, 25.0, 12.0, 60.0, 6.0, 4e-6, 24),
+        p("rtx3060-12g", 360.0, 12.5, 8.0, 40.0, 3.0, 5e-6, 12),
+        p("gpu-4g", 200.0, 12.5, 8.0, 30.0, 2.0, 5e-6, 4),
+        p("h100-80g", 3350.0, 50.0, 20.0, 200.0, 6.0, 3e-6, 80),
+        // The budgeted CPU device: copies are memcpy, "HBM" is host memory.
+        p("cpu-sim", 20.0, 10.0, 10.0, 20.0, 1.0, 2e-6, 0),
+    ]
+}
+
+impl HardwareProfile {
+    /// A preset by name, or a JSON profile file (as `doctor --save` writes).
+    pub fn load(name_or_path: &str) -> Result<Self, String> {
+        if let Some(p) = presets().into_iter().find(|p| p.name == name_or_path) {
+            return Ok(p);
+        }
+        let path = Path::new(name_or_path);
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let names: Vec<String> = presets().into_iter().map(|p| p.name).collect();
+            format!(
+                "`{name_or_path}` is neither a preset ({}) nor a readable profile file: {e}",
+                names.join(", ")
+            )
+        })?;
+        let p: HardwareProfile = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not a hardware profile: {e}", path.display()))?;
+        p.validate()
+            .map_err(|m| format!("{}: {m}", path.display()))?;
+        Ok(p)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        for (what, v) in [
+            ("hbm_bytes_per_s", self.hbm_bytes_per_s),
+            ("h2d_pinned_bytes_per_s", self.h2d_pinned_bytes_per_s),
+            ("h2d_pageable_bytes_per_s", self.h2d_pageable_bytes_per_s),
+            ("dram_read_bytes_per_s", self.dram_read_bytes_per_s),
+            ("ssd_read_bytes_per_s", self.ssd_read_bytes_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{what} must be positive, is {v}"));
+            }
+        }
+        if !(self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0) {
+            return Err("op_overhead_s must be ≥ 0".into());
+        }
+        Ok(())
+    }
+
+    /// Where `doctor --save` writes the measured profile and the planner looks first.
+    pub fn saved_path() -> PathBuf {
+        crate::model::models_dir().parent().map_or_else(
+            || PathBuf::from("hardware.json"),
+            |p| p.join("hardware.json"),
+        )
+    }
+
+    /// The saved measured profile if there is one, else the named default preset.
+    pub fn saved_or(default: &str) -> Result<Self, String> {
+        let saved = Self::saved_path();
+        if saved.exists() {
+            return Self::load(&saved.to_string_lossy());
+        }
+        Self::load(default)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid_and_match_configs() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+        for p in presets() {
+            p.validate().unwrap();
+            let file = dir.join(format!("{}.json", p.name));
+            let on_disk = HardwareProfile::load(&file.to_string_lossy()).unwrap();
+            assert_eq!(on_disk, p, "{} differs from the preset", file.display());
+        }
+        assert!(
+            HardwareProfile::load("no-such-gpu")
+                .unwrap_err()
+                .contains("rtx4090-24g")
+        );
+    }
+}

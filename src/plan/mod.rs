@@ -1,0 +1,439 @@
+//! Offline decisions as data: where every byte of a stored model lives for a budget, and how fast
+//! that should run. Pure data and math (no devices, no I/O besides reading profiles).
+//!
+//! A [`Plan`] combines:
+//! - size-aware caching (HyperGen): the small fragments (norms, biases, the RoPE table) are
+//!   always resident, smallest first;
+//! - the output matrix resident (used every token; streaming it would need a slot its size);
+//! - flexible tensor preservation with balanced locking (FlexInfer, [`preserve`]): the same
+//!   resident share of every layer, the rest streamed through `window` device slots;
+//! - the DRAM two-level cache (M2Cache): the streamed parts of the first layers fixed in DRAM,
+//!   the others cycling through a dynamic area refilled from SSD ahead of use;
+//! - the cost model: bytes each tier moves per token, and the predicted tokens/s.
+
+pub mod hardware;
+pub mod preserve;
+mod report;
+
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::engine::{kv_bytes, scratch_bytes};
+use crate::model::{ModelSpec, PositionEncoding};
+use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
+
+pub use hardware::HardwareProfile;
+pub use preserve::{LayerShape, Part, Residency, preserve};
+
+/// Upper bound on one staging read (resident weights are loaded in chunks of whole groups).
+pub const STAGING_CHUNK_BYTES: u64 = 64 << 20;
+/// Dynamic DRAM buffers when the DRAM budget cannot hold every streamed layer: the layer being
+/// copied to the device, the one whose copy may still be in flight, and two read ahead.
+pub const DYNAMIC_BUFFERS: usize = 4;
+
+/// What the plan must fit in.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Budget {
+    /// Device memory, bytes.
+    pub gpu_mem: u64,
+    /// Host memory for the model (tables, streamed layers, staging); `None` = unlimited.
+    pub dram_mem: Option<u64>,
+    /// Layers streamed ahead of compute (FlexInfer's prefetch window).
+    pub window: usize,
+    /// KV cache positions.
+    pub ctx: usize,
+    /// Most tokens one forward step evaluates (prefill batch).
+    pub batch: usize,
+    /// Logit rows one step returns at most.
+    pub logit_rows: usize,
+}
+
+#[derive(Debug, Error)]
+pub enum PlanError {
+    #[error(
+        "--gpu-mem {} MiB is too small to run this model: at least {} MiB is needed ({})",
+        budget >> 20, minimum.div_ceil(1 << 20), breakdown
+    )]
+    GpuTooSmall {
+        budget: u64,
+        minimum: u64,
+        breakdown: String,
+    },
+    #[error(
+        "--dram-mem {} MiB is too small: at least {} MiB of host memory is needed ({})",
+        budget >> 20, minimum.div_ceil(1 << 20), breakdown
+    )]
+    DramTooSmall {
+        budget: u64,
+        minimum: u64,
+        breakdown: String,
+    },
+    #[error("store: {0}")]
+    Store(String),
+    #[error("invalid budget: {0}")]
+    Budget(String),
+}
+
+/// Device memory by use.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuBytes {
+    pub small: u64,
+    pub head: u64,
+    pub resident_layers: u64,
+    pub slots: u64,
+    pub kv: u64,
+    pub scratch: u64,
+    pub total: u64,
+}
+
+/// Host memory by use.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DramPlan {
+    /// Embedding (and position) tables, read one row per token.
+    pub tables: u64,
+    /// Buffer for loading resident weights at start-up (freed after).
+    pub staging: u64,
+    /// Bytes of one layer's streamed parts as read from SSD (whole pages).
+    pub layer_bytes: u64,
+    /// Layers whose streamed parts stay in DRAM (the first ones).
+    pub fixed_layers: usize,
+    /// Buffers of the dynamic area (0 when every layer is fixed).
+    pub dynamic_buffers: usize,
+    /// Steady-state total.
+    pub total: u64,
+}
+
+/// Bytes moved per decoded token.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PerToken {
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub ssd_bytes: u64,
+    /// Bytes device compute reads (weights, KV at mid context).
+    pub hbm_read_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Prediction {
+    pub tokens_per_s: f64,
+    /// The resource that bounds decode.
+    pub limited_by: String,
+    pub pcie_s: f64,
+    pub ssd_s: f64,
+    pub hbm_s: f64,
+    pub ops_s: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Plan {
+    pub model_id: String,
+    pub model: String,
+    pub spec: ModelSpec,
+    pub hardware: HardwareProfile,
+    pub budget: Budget,
+    pub shape: LayerShape,
+    pub residency: Residency,
+    /// Device slots streamed layers pass through (0 when all is resident).
+    pub window: usize,
+    pub resident_bytes_per_layer: u64,
+    pub streamed_bytes_per_layer: u64,
+    pub gpu: GpuBytes,
+    pub dram: DramPlan,
+    pub per_token: PerToken,
+    pub prediction: Prediction,
+}
+
+impl Plan {
+    /// Whether anything streams.
+    pub fn streams(&self) -> bool {
+        self.streamed_bytes_per_layer > 0
+    }
+
+    /// The per-layer table and totals, for people.
+    pub fn report(&self) -> String {
+        report::render(self)
+    }
+}
+
+fn store_err(msg: String) -> PlanError {
+    PlanError::Store(msg)
+}
+
+fn seg<'a>(m: &'a Manifest, name: &str) -> Result<&'a Segment, PlanError> {
+    m.segment(name)
+        .ok_or_else(|| store_err(format!("segment `{name}` is missing")))
+}
+
+/// The segment of part `p` in layer `l`.
+pub fn part_segment_name(l: usize, p: Part) -> String {
+    match p {
+        Part::Ffn => names::bundles(l, Encoding::F16),
+        Part::Q => names::layer(l, "attn_q.weight"),
+        Part::K => names::layer(l, "attn_k.weight"),
+        Part::V => names::layer(l, "attn_v.weight"),
+        Part::O => names::layer(l, "attn_output.weight"),
+    }
+}
+
+/// Row shape of the streamable parts, checked identical in every layer.
+pub fn layer_shape(m: &Manifest) -> Result<LayerShape, PlanError> {
+    let mut shape = LayerShape {
+        rows: [0; 5],
+        row_bytes: [0; 5],
+    };
+    for l in 0..m.spec.n_layers {
+        for p in Part::ALL {
+            let s = seg(m, &part_segment_name(l, p))?;
+            let (rows, rb) = (s.rows, s.row_bytes() as u64);
+            if l == 0 {
+                shape.rows[p.index()] = rows;
+                shape.row_bytes[p.index()] = rb;
+            } else if (rows, rb) != (shape.rows[p.index()], shape.row_bytes[p.index()]) {
+                return Err(store_err(format!(
+                    "layer {l} {} differs in shape from layer 0",
+                    p.name()
+                )));
+            }
+        }
+    }
+    Ok(shape)
+}
+
+/// Bytes of the small fragments the device holds (f32 vectors and the RoPE table), smallest
+/// first (HyperGen's size-aware order; all of them are kept).
+pub fn small_fragments(m: &Manifest) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = m
+        .segments
+        .iter()
+        .filter(|s| s.kind == SegmentKind::Tensor && s.rows == 1 && s.name != names::ROPE_FREQS)
+        .map(|s| (s.name.clone(), s.bytes))
+        .collect();
+    if let PositionEncoding::Rope(r) = &m.spec.position {
+        v.push(("rope.inv_freq".into(), (r.dims / 2 * 4) as u64));
+    }
+    v.sort_by_key(|(name, b)| (*b, name.clone()));
+    v
+}
+
+/// The device's copy of the output matrix.
+pub fn head_segment(m: &Manifest) -> Result<&Segment, PlanError> {
+    match m.segment(names::OUTPUT) {
+        Some(s) => Ok(s),
+        None => seg(m, names::TOKEN_EMBD),
+    }
+}
+
+/// Page-aligned extent of reading `rows` of a segment: what an SSD read of them costs.
+fn extent(s: &Segment, rows: std::ops::Range<usize>) -> u64 {
+    if rows.is_empty() {
+        0
+    } else {
+        s.read_extent(rows).1
+    }
+}
+
+/// The reads that load rows `rows` of `s` at start-up: runs of whole checksum groups of at most
+/// [`STAGING_CHUNK_BYTES`].
+pub fn staging_chunks(
+    s: &Segment,
+    rows: std::ops::Range<usize>,
+) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let rb = s.row_bytes().max(1) as u64;
+    let chunk = (STAGING_CHUNK_BYTES / rb / GROUP_ROWS as u64).max(1) as usize * GROUP_ROWS;
+    let end = rows.end;
+    rows.step_by(chunk).map(move |r| r..(r + chunk).min(end))
+}
+
+/// The staging buffer loading rows `0..rows` of `s` needs.
+fn staging_for(s: &Segment, rows: usize) -> u64 {
+    staging_chunks(s, 0..rows)
+        .map(|c| extent(s, c))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Plan `m` for `budget` on `hw`.
+pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<Plan, PlanError> {
+    let spec = &m.spec;
+    if budget.window == 0 {
+        return Err(PlanError::Budget(
+            "the prefetch window must be at least 1 layer".into(),
+        ));
+    }
+    if budget.ctx == 0 || budget.batch == 0 {
+        return Err(PlanError::Budget(
+            "context and batch must be at least 1".into(),
+        ));
+    }
+    let n_layers = spec.n_layers;
+    let shape = layer_shape(m)?;
+    let s_layer = shape.total();
+    let small: u64 = small_fragments(m).iter().map(|(_, b)| b).sum();
+    let head = head_segment(m)?.bytes;
+    let kv = kv_bytes(spec, budget.ctx);
+    let scratch = scratch_bytes(spec, budget.batch, budget.logit_rows);
+    let fixed = small + head + kv + scratch;
+    let window = budget.window.min(n_layers);
+    let minimum = fixed + window as u64 * s_layer;
+    let breakdown = |slots: u64| {
+        format!(
+            "small fragments {} MiB, output matrix {} MiB, KV cache {} MiB for {} positions, scratch {} MiB, {window} streaming slots {} MiB",
+            small >> 20,
+            head >> 20,
+            kv >> 20,
+            budget.ctx,
+            scratch >> 20,
+            slots >> 20
+        )
+    };
+    let all_resident = fixed + n_layers as u64 * s_layer <= budget.gpu_mem;
+    if !all_resident && budget.gpu_mem < minimum {
+        return Err(PlanError::GpuTooSmall {
+            budget: budget.gpu_mem,
+            minimum,
+            breakdown: breakdown(window as u64 * s_layer),
+        });
+    }
+    let grouped_query = spec.n_kv_heads < spec.n_heads;
+    let (residency, window) = if all_resident {
+        (Residency::all(&shape), 0)
+    } else {
+        // L·r + k·(S − r) ≤ A  ⇒  r ≤ (A − k·S) / (L − k); L > k here (else all resident fits).
+        let avail = budget.gpu_mem - fixed;
+        let per_layer = (avail - window as u64 * s_layer) / (n_layers - window) as u64;
+        (
+            preserve(&shape, per_layer.min(s_layer), grouped_query),
+            window,
+        )
+    };
+    let r = residency.resident_bytes(&shape);
+    let s = s_layer - r;
+    let gpu = GpuBytes {
+        small,
+        head,
+        resident_layers: n_layers as u64 * r,
+        slots: window as u64 * s,
+        kv,
+        scratch,
+        total: fixed + n_layers as u64 * r + window as u64 * s,
+    };
+
+    // DRAM: tables, staging at start-up, streamed layers (fixed area, then dynamic buffers).
+    // Tables are held in whole pages.
+    let page = |b: u64| b.next_multiple_of(crate::store::ALIGN);
+    let emb = seg(m, names::TOKEN_EMBD)?;
+    let tables = page(emb.bytes) + m.segment(names::POS_EMBD).map_or(0, |p| page(p.bytes));
+    let layer0 = |p: Part| seg(m, &part_segment_name(0, p));
+    let mut layer_bytes = 0;
+    let mut staging = 0u64;
+    for p in Part::ALL {
+        let sg = layer0(p)?;
+        layer_bytes += extent(sg, residency.streamed_rows(&shape, p));
+        staging = staging.max(staging_for(sg, residency.rows[p.index()]));
+    }
+    for (name, _) in small_fragments(m) {
+        if let Some(sg) = m.segment(&name) {
+            staging = staging.max(staging_for(sg, sg.rows));
+        }
+    }
+    let h = head_segment(m)?;
+    staging = staging.max(staging_for(h, h.rows));
+    let all_streamed = n_layers as u64 * layer_bytes;
+    let (fixed_layers, dynamic_buffers) = match budget.dram_mem {
+        _ if s == 0 => (n_layers, 0),
+        None => (n_layers, 0),
+        Some(d) if d >= tables + all_streamed && d >= tables + staging => (n_layers, 0),
+        Some(d) => {
+            let dynamic = DYNAMIC_BUFFERS.min(n_layers);
+            let need = tables + (dynamic as u64 * layer_bytes).max(staging);
+            if d < need {
+                return Err(PlanError::DramTooSmall {
+                    budget: d,
+                    minimum: need,
+                    breakdown: format!(
+                        "embedding tables {} MiB, {dynamic} dynamic layer buffers of {} MiB",
+                        tables >> 20,
+                        layer_bytes >> 20
+                    ),
+                });
+            }
+            let f = ((d - tables - dynamic as u64 * layer_bytes) / layer_bytes.max(1)) as usize;
+            (f.min(n_layers - dynamic), dynamic)
+        }
+    };
+    if let Some(d) = budget.dram_mem
+        && d < tables + staging
+    {
+        return Err(PlanError::DramTooSmall {
+            budget: d,
+            minimum: tables + staging,
+            breakdown: format!(
+                "embedding tables {} MiB, start-up staging {} MiB",
+                tables >> 20,
+                staging >> 20
+            ),
+        });
+    }
+    let dram = DramPlan {
+        tables,
+        staging,
+        layer_bytes,
+        fixed_layers,
+        dynamic_buffers,
+        total: tables + (fixed_layers + dynamic_buffers) as u64 * layer_bytes,
+    };
+
+    // Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
+    // from SSD; device compute reads every weight and half the KV cache on average.
+    let per_token = PerToken {
+        h2d_bytes: n_layers as u64 * s + spec.d_model as u64 * 4,
+        d2h_bytes: spec.vocab_size as u64 * 4,
+        ssd_bytes: if s == 0 {
+            0
+        } else {
+            (n_layers - fixed_layers) as u64 * layer_bytes
+        },
+        hbm_read_bytes: small + head + n_layers as u64 * s_layer + kv / 2,
+    };
+    // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
+    // plus one per streamed block.
+    let streamed_blocks = Part::ALL
+        .iter()
+        .filter(|&&p| !residency.streamed_rows(&shape, p).is_empty())
+        .count();
+    let ops = n_layers * (14 + streamed_blocks) + 4;
+    let pcie_s = per_token.h2d_bytes as f64 / hw.h2d_pinned_bytes_per_s;
+    let ssd_s = per_token.ssd_bytes as f64 / hw.ssd_read_bytes_per_s;
+    let hbm_s = per_token.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
+    let ops_s = ops as f64 * hw.op_overhead_s;
+    let (limited_by, bound) = [("PCIe", pcie_s), ("SSD", ssd_s), ("HBM", hbm_s)]
+        .into_iter()
+        .fold(
+            ("HBM", 0.0),
+            |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
+        );
+    let prediction = Prediction {
+        tokens_per_s: 1.0 / (bound + ops_s),
+        limited_by: limited_by.to_string(),
+        pcie_s,
+        ssd_s,
+        hbm_s,
+        ops_s,
+    };
+    Ok(Plan {
+        model_id: m.model_id.clone(),
+        model: spec.name.clone(),
+        spec: spec.clone(),
+        hardware: hw.clone(),
+        budget: budget.clone(),
+        shape,
+        residency,
+        window,
+        resident_bytes_per_layer: r,
+        streamed_bytes_per_layer: s,
+        gpu,
+        dram,
+        per_token,
+        prediction,
+    })
+}

@@ -1,0 +1,195 @@
+//! Flexible tensor preservation (FlexInfer's Algorithm 1) with balanced locking: which rows of
+//! each layer's streamable tensors stay resident on the device, the same share in every layer so
+//! every layer streams the same bytes.
+//!
+//! Order: when the per-layer budget holds the whole FFN, keep the FFN, then attention tensors one
+//! by one; otherwise keep attention tensors one by one and give the FFN what is left. Under
+//! grouped-query attention the small W_k and W_v come first (small tensors stream least
+//! efficiently). A partly kept tensor keeps a prefix of whole checksum groups, so its streamed
+//! rest can be read and verified on its own.
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::GROUP_ROWS;
+
+/// The streamable tensors of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Part {
+    /// FFN neuron bundles (one row per neuron).
+    Ffn,
+    Q,
+    K,
+    V,
+    O,
+}
+
+impl Part {
+    pub const ALL: [Part; 5] = [Part::Ffn, Part::Q, Part::K, Part::V, Part::O];
+
+    pub fn index(self) -> usize {
+        match self {
+            Part::Ffn => 0,
+            Part::Q => 1,
+            Part::K => 2,
+            Part::V => 3,
+            Part::O => 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Part::Ffn => "ffn",
+            Part::Q => "wq",
+            Part::K => "wk",
+            Part::V => "wv",
+            Part::O => "wo",
+        }
+    }
+}
+
+/// Rows and row size of each part (identical in every layer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerShape {
+    pub rows: [usize; 5],
+    pub row_bytes: [u64; 5],
+}
+
+impl LayerShape {
+    pub fn bytes(&self, p: Part) -> u64 {
+        self.rows[p.index()] as u64 * self.row_bytes[p.index()]
+    }
+
+    pub fn total(&self) -> u64 {
+        Part::ALL.iter().map(|&p| self.bytes(p)).sum()
+    }
+}
+
+/// Rows of each part kept resident in every layer (a prefix).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Residency {
+    pub rows: [usize; 5],
+}
+
+impl Residency {
+    pub fn all(shape: &LayerShape) -> Self {
+        Residency { rows: shape.rows }
+    }
+
+    pub fn resident_bytes(&self, shape: &LayerShape) -> u64 {
+        Part::ALL
+            .iter()
+            .map(|&p| self.rows[p.index()] as u64 * shape.row_bytes[p.index()])
+            .sum()
+    }
+
+    pub fn streamed_bytes(&self, shape: &LayerShape) -> u64 {
+        shape.total() - self.resident_bytes(shape)
+    }
+
+    /// The streamed rows of part `p`.
+    pub fn streamed_rows(&self, shape: &LayerShape, p: Part) -> std::ops::Range<usize> {
+        self.rows[p.index()]..shape.rows[p.index()]
+    }
+}
+
+/// Keep as many rows of `p` as `left` allows: all of them, or whole checksum groups.
+fn keep(shape: &LayerShape, p: Part, left: &mut u64, res: &mut Residency) {
+    let (rows, rb) = (shape.rows[p.index()], shape.row_bytes[p.index()]);
+    if rb == 0 {
+        return;
+    }
+    let fit = (*left / rb).min(rows as u64) as usize;
+    let take = if fit == rows {
+        rows
+    } else {
+        fit / GROUP_ROWS * GROUP_ROWS
+    };
+    res.rows[p.index()] = take;
+    *left -= take as u64 * rb;
+}
+
+/// Algorithm 1: the residency that fits `per_layer_budget` bytes in every layer.
+pub fn preserve(shape: &LayerShape, per_layer_budget: u64, grouped_query: bool) -> Residency {
+    let attention = if grouped_query {
+        [Part::K, Part::V, Part::Q, Part::O]
+    } else {
+        [Part::Q, Part::K, Part::V, Part::O]
+    };
+    let mut res = Residency::default();
+    let mut left = per_layer_budget;
+    if left >= shape.bytes(Part::Ffn) {
+        keep(shape, Part::Ffn, &mut left, &mut res);
+        for p in attention {
+            keep(shape, p, &mut left, &mut res);
+        }
+    } else {
+        for p in attention {
+            keep(shape, p, &mut left, &mut res);
+        }
+        keep(shape, Part::Ffn, &mut left, &mut res);
+    }
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A 7B-like layer: FFN 11008 neurons × 24 KiB, four 4096×4096 f16 attention matrices
+    /// (K, V small under GQA).
+    fn shape(gqa: bool) -> LayerShape {
+        let kv_rows = if gqa { 1024 } else { 4096 };
+        LayerShape {
+            rows: [11008, 4096, kv_rows, kv_rows, 4096],
+            row_bytes: [3 * 4096 * 2, 8192, 8192, 8192, 8192],
+        }
+    }
+
+    #[test]
+    fn ffn_first_when_it_fits_then_attention_in_order() {
+        let s = shape(false);
+        let ffn = s.bytes(Part::Ffn);
+        let r = preserve(&s, ffn + s.bytes(Part::Q) + 100 * 8192, false);
+        assert_eq!(r.rows[Part::Ffn.index()], 11008);
+        assert_eq!(r.rows[Part::Q.index()], 4096);
+        assert_eq!(r.rows[Part::K.index()], 64, "partial K keeps whole groups");
+        assert_eq!(r.rows[Part::V.index()], 0);
+    }
+
+    #[test]
+    fn small_budget_keeps_attention_then_ffn_share() {
+        let s = shape(true);
+        // Room for K and V (GQA: 1024 rows each) and some FFN neurons.
+        let kv = s.bytes(Part::K) + s.bytes(Part::V);
+        let r = preserve(&s, kv + 200 * 3 * 4096 * 2 - 1, true);
+        assert_eq!(
+            (r.rows[Part::K.index()], r.rows[Part::V.index()]),
+            (1024, 1024)
+        );
+        // Q does not fit whole; a prefix of groups is kept before the FFN gets the rest.
+        let q = r.rows[Part::Q.index()];
+        assert!(q > 0 && q.is_multiple_of(GROUP_ROWS) && q < 4096, "{q}");
+        assert!(r.resident_bytes(&s) <= kv + 200 * 3 * 4096 * 2);
+    }
+
+    #[test]
+    fn whole_layer_and_nothing() {
+        let s = shape(true);
+        assert_eq!(preserve(&s, s.total(), true), Residency::all(&s));
+        assert_eq!(preserve(&s, 0, true).resident_bytes(&s), 0);
+    }
+
+    #[test]
+    fn never_over_budget() {
+        let s = shape(true);
+        for budget in (0..s.total()).step_by(7_777_777) {
+            let r = preserve(&s, budget, true);
+            assert!(r.resident_bytes(&s) <= budget);
+            for p in Part::ALL {
+                let rows = r.rows[p.index()];
+                assert!(rows == s.rows[p.index()] || rows.is_multiple_of(GROUP_ROWS));
+            }
+        }
+    }
+}

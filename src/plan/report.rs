@@ -1,0 +1,128 @@
+//! The plan as a table: per layer where its bytes live, then totals against the budgets and the
+//! predicted speed with the bound behind it.
+
+use std::fmt::Write;
+
+use super::{Part, Plan};
+
+fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / (1u64 << 20) as f64)
+}
+
+pub fn render(p: &Plan) -> String {
+    let mut o = String::new();
+    let spec = &p.spec;
+    let _ = writeln!(
+        o,
+        "model {} ({}), {} layers, d {}, FFN {}, model id {}",
+        p.model,
+        match spec.arch {
+            crate::model::Arch::Llama => "llama",
+            crate::model::Arch::Opt => "opt",
+        },
+        spec.n_layers,
+        spec.d_model,
+        spec.d_ff,
+        p.model_id
+    );
+    let _ = writeln!(
+        o,
+        "budget: GPU {} MiB, DRAM {}, prefetch window {} layers, context {} tokens, batch {}; hardware {}",
+        mib(p.budget.gpu_mem),
+        p.budget
+            .dram_mem
+            .map_or("unlimited".into(), |d| format!("{} MiB", mib(d))),
+        p.budget.window,
+        p.budget.ctx,
+        p.budget.batch,
+        p.hardware.name
+    );
+    let kept: Vec<String> = Part::ALL
+        .iter()
+        .map(|&q| {
+            let (r, n) = (p.residency.rows[q.index()], p.shape.rows[q.index()]);
+            format!("{} {r}/{n}", q.name())
+        })
+        .collect();
+    let _ = writeln!(
+        o,
+        "resident rows in every layer (balanced): {}",
+        kept.join(", ")
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:>5}  {:>13}  {:>13}  {:>8}  {:>14}",
+        "layer", "resident MiB", "streamed MiB", "DRAM", "SSD MiB/token"
+    );
+    for l in 0..spec.n_layers {
+        let (area, ssd) = if !p.streams() {
+            ("-", 0)
+        } else if l < p.dram.fixed_layers {
+            ("fixed", 0)
+        } else {
+            ("dynamic", p.dram.layer_bytes)
+        };
+        let _ = writeln!(
+            o,
+            "{:>5}  {:>13}  {:>13}  {:>8}  {:>14}",
+            l,
+            mib(p.resident_bytes_per_layer),
+            mib(p.streamed_bytes_per_layer),
+            area,
+            mib(ssd)
+        );
+    }
+    let g = &p.gpu;
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "GPU  {} MiB of {} MiB: resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {}, scratch {}",
+        mib(g.total),
+        mib(p.budget.gpu_mem),
+        mib(g.resident_layers),
+        mib(g.slots),
+        p.window,
+        mib(p.streamed_bytes_per_layer),
+        mib(g.head),
+        mib(g.small),
+        mib(g.kv),
+        mib(g.scratch)
+    );
+    let d = &p.dram;
+    let _ = writeln!(
+        o,
+        "DRAM {} MiB{}: tables {}, fixed area {} layers, dynamic area {} buffers of {}, start-up staging {}",
+        mib(d.total),
+        p.budget
+            .dram_mem
+            .map_or(String::new(), |b| format!(" of {} MiB", mib(b))),
+        mib(d.tables),
+        d.fixed_layers,
+        d.dynamic_buffers,
+        mib(d.layer_bytes),
+        mib(d.staging)
+    );
+    let t = &p.per_token;
+    let pr = &p.prediction;
+    let _ = writeln!(
+        o,
+        "per token: host→device {} MiB ({:.2} ms at {:.1} GB/s), SSD {} MiB ({:.2} ms at {:.1} GB/s), device reads {} MiB ({:.2} ms at {:.0} GB/s), {:.2} ms of op overhead",
+        mib(t.h2d_bytes),
+        pr.pcie_s * 1e3,
+        p.hardware.h2d_pinned_bytes_per_s / 1e9,
+        mib(t.ssd_bytes),
+        pr.ssd_s * 1e3,
+        p.hardware.ssd_read_bytes_per_s / 1e9,
+        mib(t.hbm_read_bytes),
+        pr.hbm_s * 1e3,
+        p.hardware.hbm_bytes_per_s / 1e9,
+        pr.ops_s * 1e3
+    );
+    let _ = writeln!(
+        o,
+        "predicted decode: {:.2} tokens/s (bound by {})",
+        pr.tokens_per_s, pr.limited_by
+    );
+    o
+}

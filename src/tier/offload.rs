@@ -1,0 +1,463 @@
+//! The streaming weight source: runs a [`Plan`] on any backend. Small fragments, the output
+//! matrix and every layer's resident share live on the device for good; each layer's streamed
+//! share goes SSD → DRAM (the [`DramCache`]) → one of `window` device slots, copied in while the
+//! layers before it compute (FlexInfer's prefetch window), the compute stream waiting on the copy
+//! event and the slot refilled as soon as its layer is done.
+//!
+//! Weights come from the store, in the f16 bundled layout; embeddings are looked up in DRAM.
+
+use std::sync::Arc;
+
+use super::dram::{DramCache, LayerData};
+use super::ledger::{Ledger, Reservation, Tier};
+use crate::backend::{Backend, BundleShape};
+use crate::engine::{
+    EngineError, FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource,
+};
+use crate::model::{ModelSpec, PositionEncoding};
+use crate::plan::{Part, Plan, Residency, head_segment, part_segment_name, staging_chunks};
+use crate::store::{Segment, SegmentKind, Store, StoreError, names};
+use crate::tensor::{AlignedBuf, DType, HostTensor};
+
+fn store_err(e: StoreError) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+/// Norms and biases of one layer (always resident).
+struct Small<B: Backend> {
+    attn_norm: (B::Weight, Option<B::Weight>),
+    ffn_norm: (B::Weight, Option<B::Weight>),
+    /// q, k, v, o biases.
+    attn_bias: [Option<B::Weight>; 4],
+    up_bias: Option<B::Weight>,
+    down_bias: Option<B::Weight>,
+}
+
+/// Device buffers one streamed layer passes through.
+struct Slot<B: Backend> {
+    parts: [Option<B::Weight>; 5],
+    layer: Option<usize>,
+    ready: Option<B::Event>,
+}
+
+/// A host table in DRAM (embeddings), read one row per token.
+struct Table {
+    t: HostTensor,
+    _hold: Reservation,
+}
+
+pub struct OffloadWeights<B: Backend> {
+    spec: ModelSpec,
+    residency: Residency,
+    bundle: BundleShape,
+    small: Vec<Small<B>>,
+    /// Per layer, the resident row prefix of each part.
+    resident: Vec<[Option<B::Weight>; 5]>,
+    slots: Vec<Slot<B>>,
+    /// The most recent fill: its copy event and the DRAM buffer it reads from.
+    pending: Option<(B::Event, Arc<LayerData>)>,
+    head: B::Weight,
+    output_norm: (B::Weight, Option<B::Weight>),
+    token_embd: Table,
+    pos_embd: Option<(Table, usize)>,
+    dram: DramCache,
+    rope_freq_factors: Option<Vec<f32>>,
+    x_host: Vec<f32>,
+}
+
+/// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
+/// them to the device in chunks of whole checksum groups.
+struct Loader<'a> {
+    store: &'a Store,
+    ledger: &'a Ledger,
+    staging: AlignedBuf,
+    _hold: Reservation,
+}
+
+impl Loader<'_> {
+    /// Rows `rows` of `seg` into a new device weight of `dtype`.
+    fn load_to_device<B: Backend>(
+        &mut self,
+        b: &B,
+        seg: &Segment,
+        rows: std::ops::Range<usize>,
+        dtype: DType,
+    ) -> Result<B::Weight> {
+        let mut w = b.alloc_weight(&seg.name, dtype, rows.len(), seg.cols)?;
+        for chunk in staging_chunks(seg, rows.clone()) {
+            let (first, read) = self
+                .store
+                .read_rows_into(seg, chunk.clone(), &mut self.staging)
+                .map_err(store_err)?;
+            self.ledger.count_ssd(read);
+            let len = chunk.len() * seg.row_bytes();
+            b.upload_into(
+                &mut w,
+                chunk.start - rows.start,
+                &self.staging.as_slice()[first..first + len],
+            )?;
+            // The copy reads from staging: finish it before the next read overwrites it.
+            let ev = b.copies_done()?;
+            b.host_waits(&ev)?;
+        }
+        Ok(w)
+    }
+
+    fn vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<B::Weight> {
+        let seg = self.store.require(name).map_err(store_err)?;
+        self.load_to_device(b, seg, 0..seg.rows, DType::F32)
+    }
+
+    fn opt_vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<Option<B::Weight>> {
+        match self.store.segment(name) {
+            Some(_) => self.vector(b, name).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
+fn dtype_of(seg: &Segment) -> DType {
+    match seg.encoding {
+        crate::store::Encoding::F32 => DType::F32,
+        _ => DType::F16,
+    }
+}
+
+/// A whole tensor segment in a DRAM buffer (reserved), as a host tensor.
+fn table(store: &Store, ledger: &Arc<Ledger>, name: &str) -> Result<Table> {
+    let seg = store.require(name).map_err(store_err)?;
+    if seg.kind != SegmentKind::Tensor {
+        return Err(EngineError::Weights(format!("`{name}` is not a tensor")));
+    }
+    let hold = ledger
+        .reserve(Tier::Dram, seg.bytes.next_multiple_of(4096), name)
+        .map_err(|e| EngineError::Weights(e.to_string()))?;
+    let t = store.tensor(name).map_err(store_err)?;
+    ledger.count_ssd(seg.read_extent(0..seg.rows).1);
+    Ok(Table { t, _hold: hold })
+}
+
+impl<B: Backend> OffloadWeights<B> {
+    /// Load what the plan keeps resident, fill the DRAM fixed area, start the preloader and
+    /// prefetch the first `window` layers.
+    pub fn new(b: &B, store: Arc<Store>, plan: &Plan, ledger: Arc<Ledger>) -> Result<Self> {
+        let m = &store.manifest;
+        if m.model_id != plan.model_id {
+            return Err(EngineError::Weights(
+                "the plan was made for another model".into(),
+            ));
+        }
+        let spec = m.spec.clone();
+        let (shape, residency) = (plan.shape, plan.residency);
+        let n_layers = spec.n_layers;
+        let wrap = |e: super::ledger::OverBudget| EngineError::Weights(e.to_string());
+
+        // Tables first: they stay in DRAM for the whole run.
+        let token_embd = table(&store, &ledger, names::TOKEN_EMBD)?;
+        let pos_embd = match &spec.position {
+            PositionEncoding::Learned { offset } => {
+                Some((table(&store, &ledger, names::POS_EMBD)?, *offset))
+            }
+            PositionEncoding::Rope(_) => None,
+        };
+
+        let staging_bytes = plan.dram.staging.max(4096);
+        let mut loader = Loader {
+            store: &store,
+            ledger: &ledger,
+            staging: AlignedBuf::zeroed(staging_bytes as usize),
+            _hold: ledger
+                .reserve(Tier::Dram, staging_bytes, "start-up staging")
+                .map_err(wrap)?,
+        };
+        let mut small = Vec::with_capacity(n_layers);
+        let mut resident = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let norm = |ld: &mut Loader, what: &str| -> Result<(B::Weight, Option<B::Weight>)> {
+                Ok((
+                    ld.vector(b, &names::layer(l, &format!("{what}.weight")))?,
+                    ld.opt_vector(b, &names::layer(l, &format!("{what}.bias")))?,
+                ))
+            };
+            let attn_norm = norm(&mut loader, "attn_norm")?;
+            let ffn_norm = norm(&mut loader, "ffn_norm")?;
+            let mut attn_bias: [Option<B::Weight>; 4] = Default::default();
+            for (i, t) in ["attn_q", "attn_k", "attn_v", "attn_output"]
+                .iter()
+                .enumerate()
+            {
+                attn_bias[i] = loader.opt_vector(b, &names::layer(l, &format!("{t}.bias")))?;
+            }
+            small.push(Small {
+                attn_norm,
+                ffn_norm,
+                attn_bias,
+                up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
+                down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
+            });
+            let mut parts: [Option<B::Weight>; 5] = Default::default();
+            for p in Part::ALL {
+                let r = residency.rows[p.index()];
+                if r > 0 {
+                    let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                    parts[p.index()] = Some(loader.load_to_device(b, seg, 0..r, DType::F16)?);
+                }
+            }
+            resident.push(parts);
+        }
+        let head_seg = head_segment(m).map_err(|e| EngineError::Weights(e.to_string()))?;
+        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, dtype_of(head_seg))?;
+        let output_norm = (
+            loader.vector(b, names::OUTPUT_NORM)?,
+            loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
+        );
+        let rope_freq_factors = match store.segment(names::ROPE_FREQS) {
+            Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
+            None => None,
+        };
+        drop(loader);
+
+        let mut slots = Vec::with_capacity(plan.window);
+        for i in 0..plan.window {
+            let mut parts: [Option<B::Weight>; 5] = Default::default();
+            for p in Part::ALL {
+                let rows = residency.streamed_rows(&shape, p);
+                if !rows.is_empty() {
+                    let seg = store.require(&part_segment_name(0, p)).map_err(store_err)?;
+                    parts[p.index()] = Some(b.alloc_weight(
+                        &format!("slot {i} {}", p.name()),
+                        DType::F16,
+                        rows.len(),
+                        seg.cols,
+                    )?);
+                }
+            }
+            slots.push(Slot {
+                parts,
+                layer: None,
+                ready: None,
+            });
+        }
+        let dram = DramCache::new(
+            store.clone(),
+            ledger.clone(),
+            shape,
+            residency,
+            n_layers,
+            if plan.window == 0 {
+                0
+            } else {
+                plan.dram.fixed_layers
+            },
+            plan.dram.dynamic_buffers,
+        )
+        .map_err(store_err)?;
+        let mut me = OffloadWeights {
+            bundle: BundleShape {
+                parts: if spec.gated_ffn { 3 } else { 2 },
+                d: spec.d_model,
+            },
+            x_host: Vec::new(),
+            spec,
+            residency,
+            small,
+            resident,
+            slots,
+            pending: None,
+            head,
+            output_norm,
+            token_embd,
+            pos_embd,
+            dram,
+            rope_freq_factors,
+        };
+        for l in 0..me.slots.len() {
+            me.fill(b, l, l)?;
+        }
+        Ok(me)
+    }
+
+    /// Copy layer `layer`'s streamed share into slot `slot`.
+    fn fill(&mut self, b: &B, slot: usize, layer: usize) -> Result<()> {
+        // The previous fill's DRAM buffer can go back to the preloader once its copy is done.
+        if let Some((ev, data)) = self.pending.take() {
+            b.host_waits(&ev)?;
+            drop(data);
+        }
+        let data = self.dram.get(layer).map_err(store_err)?;
+        // Compute may still be reading the slot's previous layer.
+        let freed = b.compute_done()?;
+        b.copies_wait(&freed)?;
+        let s = &mut self.slots[slot];
+        for pd in &data.parts {
+            let w = s.parts[pd.part.index()].as_mut().ok_or_else(|| {
+                EngineError::Weights(format!("slot {slot} has no {} buffer", pd.part.name()))
+            })?;
+            b.upload_into(w, 0, pd.bytes())?;
+        }
+        s.layer = Some(layer);
+        s.ready = Some(b.copies_done()?);
+        self.pending = Some((b.copies_done()?, data));
+        Ok(())
+    }
+
+    fn slot_of(&self, layer: usize) -> Option<usize> {
+        self.slots.iter().position(|s| s.layer == Some(layer))
+    }
+
+    fn linear<'a>(
+        resident: &'a [Option<B::Weight>; 5],
+        slot: Option<&'a Slot<B>>,
+        p: Part,
+        r: usize,
+        bias: Option<&'a B::Weight>,
+    ) -> LinearView<'a, B> {
+        let mut blocks = Vec::with_capacity(2);
+        if let Some(w) = &resident[p.index()] {
+            blocks.push((0, w));
+        }
+        if let Some(w) = slot.and_then(|s| s.parts[p.index()].as_ref()) {
+            blocks.push((r, w));
+        }
+        LinearView { blocks, bias }
+    }
+}
+
+impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
+    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
+        let d = self.spec.d_model;
+        self.x_host.resize(ids.len() * d, 0.0);
+        let mut row = vec![0f32; d];
+        for (i, &id) in ids.iter().enumerate() {
+            let x = &mut self.x_host[i * d..(i + 1) * d];
+            self.token_embd.t.row_f32(id as usize, x);
+            if let Some((table, offset)) = &self.pos_embd {
+                let r = first_pos + i + offset;
+                if r >= table.t.rows {
+                    return Err(EngineError::ContextFull {
+                        needed: first_pos + i + 1,
+                        ctx: table.t.rows - offset,
+                    });
+                }
+                table.t.row_f32(r, &mut row);
+                x.iter_mut().zip(&row).for_each(|(a, p)| *a += p);
+            }
+        }
+        b.write(out, &self.x_host)?;
+        Ok(())
+    }
+
+    fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+        self.rope_freq_factors.clone()
+    }
+
+    fn layer(&mut self, b: &B, l: usize) -> Result<LayerView<'_, B>> {
+        let k = self.slots.len();
+        let slot = if k > 0 {
+            // The slots hold a sliding window of the layers about to run; a miss (a pass that
+            // did not start at layer 0) is filled now.
+            let i = match self.slot_of(l) {
+                Some(i) => i,
+                None => {
+                    self.fill(b, l % k, l)?;
+                    l % k
+                }
+            };
+            if let Some(ev) = &self.slots[i].ready {
+                b.compute_waits(ev)?;
+            }
+            Some(&self.slots[i])
+        } else {
+            None
+        };
+        let rows = self.residency.rows;
+        let res = &self.resident[l];
+        let sm = &self.small[l];
+        let ffn_runs = {
+            let mut runs = Vec::with_capacity(2);
+            if let Some(w) = &res[Part::Ffn.index()] {
+                runs.push((0, w));
+            }
+            if let Some(w) = slot.and_then(|s| s.parts[Part::Ffn.index()].as_ref()) {
+                runs.push((rows[Part::Ffn.index()], w));
+            }
+            runs
+        };
+        Ok(LayerView {
+            attn_norm: NormView {
+                weight: &sm.attn_norm.0,
+                bias: sm.attn_norm.1.as_ref(),
+            },
+            wq: Self::linear(
+                res,
+                slot,
+                Part::Q,
+                rows[Part::Q.index()],
+                sm.attn_bias[0].as_ref(),
+            ),
+            wk: Self::linear(
+                res,
+                slot,
+                Part::K,
+                rows[Part::K.index()],
+                sm.attn_bias[1].as_ref(),
+            ),
+            wv: Self::linear(
+                res,
+                slot,
+                Part::V,
+                rows[Part::V.index()],
+                sm.attn_bias[2].as_ref(),
+            ),
+            wo: Self::linear(
+                res,
+                slot,
+                Part::O,
+                rows[Part::O.index()],
+                sm.attn_bias[3].as_ref(),
+            ),
+            ffn_norm: NormView {
+                weight: &sm.ffn_norm.0,
+                bias: sm.ffn_norm.1.as_ref(),
+            },
+            ffn: FfnView::Bundles {
+                runs: ffn_runs,
+                shape: self.bundle,
+                up_bias: sm.up_bias.as_ref(),
+                down_bias: sm.down_bias.as_ref(),
+            },
+        })
+    }
+
+    fn layer_done(&mut self, b: &B, l: usize) -> Result<()> {
+        let k = self.slots.len();
+        if k == 0 {
+            return Ok(());
+        }
+        // Refill this layer's slot with the layer `k` ahead (wrapping to the next pass).
+        let next = (l + k) % self.spec.n_layers;
+        let i = self.slot_of(l).unwrap_or(l % k);
+        self.fill(b, i, next)
+    }
+
+    fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
+        Ok(HeadView {
+            norm: NormView {
+                weight: &self.output_norm.0,
+                bias: self.output_norm.1.as_ref(),
+            },
+            output: LinearView {
+                blocks: vec![(0, &self.head)],
+                bias: None,
+            },
+        })
+    }
+
+    fn head_done(&mut self, _: &B) -> Result<()> {
+        Ok(())
+    }
+
+    fn settle(&mut self) {
+        self.dram.settle();
+    }
+}

@@ -1,0 +1,256 @@
+//! Offloaded execution on the budgeted device (the CPU standing in for a GPU): for random GPU
+//! budgets from the minimum up to "everything resident", random prefetch windows and random DRAM
+//! budgets, the logits equal the dense engine's on the same (f16) weights; the ledger's peak HBM
+//! and DRAM stay within the budgets after every token; and the bytes copied to the device, read
+//! back and read from SSD per decoded token are exactly what the plan's cost model says.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{Engine, Logits};
+use gpu_offload::plan::{Budget, HardwareProfile, Plan, PlanError, make_plan};
+use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::offload::OffloadWeights;
+use proptest::prelude::*;
+
+const PROMPT: usize = 6;
+const DECODE: usize = 4;
+
+/// A converted store, by name, and the directory holding it.
+type Converted = (String, Arc<Store>, tempfile::TempDir);
+
+/// A converted store per source model, shared by the cases of this test binary.
+fn store(name: &str, source: PathBuf) -> Arc<Store> {
+    static STORES: OnceLock<Mutex<Vec<Converted>>> = OnceLock::new();
+    let stores = STORES.get_or_init(|| Mutex::new(Vec::new()));
+    let mut v = stores.lock().unwrap();
+    if let Some((_, s, _)) = v.iter().find(|(n, _, _)| n == name) {
+        return s.clone();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("store");
+    convert(&source, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    let s = Arc::new(Store::open(&out).unwrap());
+    v.push((name.into(), s.clone(), dir));
+    s
+}
+
+fn tokens(vocab: usize) -> Vec<u32> {
+    (0..PROMPT + DECODE)
+        .map(|i| ((i * 7919 + 13) % (vocab - 4) + 3) as u32)
+        .collect()
+}
+
+/// Dense reference: the plain engine over the store's weights in dense layout.
+fn dense(store: &Store, toks: &[u32]) -> Vec<Vec<f32>> {
+    let w = store.dense_weights().unwrap();
+    let e = Engine::new(CpuBackend::new(2).unwrap(), store.manifest.spec.clone(), &w).unwrap();
+    let mut s = e.new_session(toks.len()).unwrap();
+    let mut out = vec![e.forward(&mut s, &toks[..PROMPT], Logits::Last).unwrap()];
+    for &t in &toks[PROMPT..] {
+        out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+    out
+}
+
+fn budget(gpu_mem: u64, dram_mem: Option<u64>, window: usize) -> Budget {
+    Budget {
+        gpu_mem,
+        dram_mem,
+        window,
+        ctx: PROMPT + DECODE,
+        batch: PROMPT,
+        logit_rows: 1,
+    }
+}
+
+/// (minimum GPU budget, GPU budget holding everything) for a window.
+fn gpu_range(store: &Store, window: usize) -> (u64, u64) {
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let min = match make_plan(&store.manifest, &budget(0, None, window), &hw) {
+        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+        other => panic!("expected GpuTooSmall, got {other:?}"),
+    };
+    let all = make_plan(&store.manifest, &budget(u64::MAX / 4, None, window), &hw)
+        .unwrap()
+        .gpu
+        .total;
+    (min, all)
+}
+
+/// (minimum DRAM budget, DRAM holding every streamed layer) for a plan's residency.
+fn dram_range(store: &Store, gpu_mem: u64, window: usize) -> (u64, u64) {
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let p = make_plan(&store.manifest, &budget(gpu_mem, None, window), &hw).unwrap();
+    let min = match make_plan(&store.manifest, &budget(gpu_mem, Some(1), window), &hw) {
+        Err(PlanError::DramTooSmall { minimum, .. }) => minimum,
+        Ok(_) => 1,
+        Err(e) => panic!("{e}"),
+    };
+    (min, p.dram.total.max(p.dram.tables + p.dram.staging))
+}
+
+/// Run the plan on the budgeted device and check logits, budgets and traffic.
+fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
+    let ledger = Ledger::new(Some(plan.budget.gpu_mem), plan.budget.dram_mem);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src)).unwrap();
+    let mut s = e.new_session(plan.budget.ctx).unwrap();
+    let in_budget = |when: &str| {
+        let snap = ledger.snapshot();
+        assert!(
+            snap.hbm_peak <= plan.budget.gpu_mem,
+            "{when}: HBM peak {} > budget {}",
+            snap.hbm_peak,
+            plan.budget.gpu_mem
+        );
+        assert!(
+            snap.hbm_peak <= plan.gpu.total,
+            "{when}: HBM peak {} > planned {}",
+            snap.hbm_peak,
+            plan.gpu.total
+        );
+        if let Some(d) = plan.budget.dram_mem {
+            assert!(
+                snap.dram_total_peak <= d,
+                "{when}: DRAM peak {} > budget {d}",
+                snap.dram_total_peak
+            );
+        }
+    };
+    let close = |got: &[f32], want: &[f32], when: &str| {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = got
+            .iter()
+            .zip(want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= 1e-4 * scale.max(1.0),
+            "{when}: logits differ by {diff} (scale {scale})\n{}",
+            plan.report()
+        );
+    };
+    let got = e.forward(&mut s, &toks[..PROMPT], Logits::Last).unwrap();
+    close(&got, &want[0], "prefill");
+    in_budget("prefill");
+    for (i, &t) in toks[PROMPT..].iter().enumerate() {
+        e.settle();
+        let before = ledger.snapshot();
+        let got = e.forward(&mut s, &[t], Logits::Last).unwrap();
+        e.settle();
+        let after = ledger.snapshot();
+        close(&got, &want[i + 1], &format!("decode {i}"));
+        in_budget(&format!("decode {i}"));
+        let pt = &plan.per_token;
+        assert_eq!(
+            after.h2d_bytes - before.h2d_bytes,
+            pt.h2d_bytes,
+            "host→device bytes of token {i}"
+        );
+        assert_eq!(
+            after.d2h_bytes - before.d2h_bytes,
+            pt.d2h_bytes,
+            "device→host bytes of token {i}"
+        );
+        assert_eq!(
+            after.ssd_read_bytes - before.ssd_read_bytes,
+            pt.ssd_bytes,
+            "SSD bytes of token {i}\n{}",
+            plan.report()
+        );
+    }
+}
+
+fn case(name: &str, source: PathBuf, gpu_frac: f64, window: usize, dram_frac: Option<f64>) {
+    let store = store(name, source);
+    let toks = tokens(store.manifest.spec.vocab_size);
+    let want = dense(&store, &toks);
+    let (min, all) = gpu_range(&store, window);
+    let gpu_mem = min + ((all + 4096 - min) as f64 * gpu_frac) as u64;
+    let dram_mem = dram_frac.map(|f| {
+        let (lo, hi) = dram_range(&store, gpu_mem, window);
+        lo + ((hi - lo) as f64 * f) as u64
+    });
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let plan = make_plan(&store.manifest, &budget(gpu_mem, dram_mem, window), &hw).unwrap();
+    check(&store, &plan, &want, &toks);
+}
+
+fn hf(name: &str) -> PathBuf {
+    common::fixtures().join("hf").join(name)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn llama_gqa_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        case("llama-gqa", hf("llama-gqa"), gpu, window, dram);
+    }
+
+    #[test]
+    fn opt_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        case("opt", hf("opt"), gpu, window, dram);
+    }
+
+    #[test]
+    fn qwen2_bias_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        case("qwen2-bias", hf("qwen2-bias"), gpu, window, dram);
+    }
+
+    #[test]
+    fn relu_llama_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        case("relu-llama", hf("relu-llama"), gpu, window, dram);
+    }
+
+    #[test]
+    fn stories260k_any_budget(gpu in 0.0f64..1.0, window in 1usize..5, dram in proptest::option::of(0.0f64..1.0)) {
+        case("stories260K", common::stories260k(), gpu, window, dram);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 4, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn smollm2_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        if let Some(path) = common::smollm2() {
+            case("smollm2", path, gpu, window, dram);
+        }
+    }
+}
+
+/// The corners the random cases may miss: the exact minimum, a DRAM budget at its minimum.
+#[test]
+fn minimum_budgets_run() {
+    for (name, src) in [("llama-gqa", hf("llama-gqa")), ("opt", hf("opt"))] {
+        let store = store(name, src);
+        let toks = tokens(store.manifest.spec.vocab_size);
+        let want = dense(&store, &toks);
+        let (min, _) = gpu_range(&store, 1);
+        let (dmin, _) = dram_range(&store, min, 1);
+        let hw = HardwareProfile::load("cpu-sim").unwrap();
+        let plan = make_plan(&store.manifest, &budget(min, Some(dmin), 1), &hw).unwrap();
+        assert!(plan.streams());
+        check(&store, &plan, &want, &toks);
+    }
+}
+
+#[test]
+fn budget_below_minimum_names_the_minimum() {
+    let store = store("llama-gqa", hf("llama-gqa"));
+    let (min, _) = gpu_range(&store, 3);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let err = make_plan(&store.manifest, &budget(min - 1, None, 3), &hw).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("too small") && msg.contains("at least"),
+        "{msg}"
+    );
+}
