@@ -111,3 +111,72 @@ pub fn probe_host(threads: usize) -> HostProfile {
         dram_read_threads: threads,
     }
 }
+
+/// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),
+/// bytes/s copied.
+pub fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; bytes];
+    let mut best = 0f64;
+    for _ in 0..reps.max(1) {
+        let t0 = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&dst);
+        best = best.max(bytes as f64 / t0.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// Sequential read bandwidth of the filesystem under `dir` with direct I/O (page cache
+/// bypassed; buffered with the cache dropped where the filesystem refuses O_DIRECT): writes a
+/// `bytes` scratch file, reads it back in 4 MiB requests, removes it. Bytes/s.
+pub fn ssd_read_bandwidth(dir: &std::path::Path, bytes: usize) -> std::io::Result<f64> {
+    use std::io::Write;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!(".gpu-offload-ssd-probe.{}", std::process::id()));
+    let result = (|| {
+        let chunk = 4 << 20;
+        let bytes = bytes.div_ceil(chunk) * chunk;
+        {
+            let mut f = std::fs::File::create(&path)?;
+            let block: Vec<u8> = (0..chunk).map(|i| (i * 31) as u8).collect();
+            for _ in 0..bytes / chunk {
+                f.write_all(&block)?;
+            }
+            f.sync_all()?;
+        }
+        let (f, direct) = match std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+        {
+            Ok(f) => (f, true),
+            Err(_) => (std::fs::File::open(&path)?, false),
+        };
+        if !direct {
+            // SAFETY: advisory call on an open descriptor.
+            unsafe {
+                libc::posix_fadvise(
+                    std::os::fd::AsRawFd::as_raw_fd(&f),
+                    0,
+                    0,
+                    libc::POSIX_FADV_DONTNEED,
+                );
+            }
+        }
+        let mut buf = crate::tensor::AlignedBuf::zeroed(chunk);
+        let t0 = Instant::now();
+        let mut off = 0u64;
+        while (off as usize) < bytes {
+            let n = f.read_at(buf.padded_mut(), off)?;
+            if n == 0 {
+                break;
+            }
+            off += n as u64;
+        }
+        Ok(off as f64 / t0.elapsed().as_secs_f64())
+    })();
+    std::fs::remove_file(&path).ok();
+    result
+}

@@ -5,6 +5,12 @@ use gpu_offload::cli::{Cli, dispatch};
 use tracing_subscriber::EnvFilter;
 
 fn main() -> ExitCode {
+    // A write past a file-size limit must fail with an error we report and clean up after,
+    // not kill the process mid-write.
+    // SAFETY: setting a signal's disposition to "ignore" at start-up, before any threads.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
     let cli = Cli::parse();
     let filter = EnvFilter::try_new(&cli.log).unwrap_or_else(|_| EnvFilter::new("warn"));
     tracing_subscriber::fmt()

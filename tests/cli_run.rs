@@ -216,7 +216,16 @@ fn perplexity_reports_json() {
 
 #[test]
 fn doctor_reports_host_figures_without_a_gpu() {
-    let out = ok(bin().args(["doctor", "--json", "-t", "1"]));
+    let out = ok(bin().args([
+        "doctor",
+        "--json",
+        "-t",
+        "1",
+        "--ssd-test-mib",
+        "8",
+        "--ssd-dir",
+        std::env::temp_dir().to_str().unwrap(),
+    ]));
     let json: Value = serde_json::from_str(&out).unwrap();
     assert!(json["host"]["dram_read_bytes_per_s"].as_f64().unwrap() > 1e8);
     assert!(json["host"]["logical_cores"].as_u64().unwrap() >= 1);

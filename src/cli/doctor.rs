@@ -1,12 +1,14 @@
-//! `gpu-offload doctor`: what this machine can do — devices found, host memory bandwidth — as
-//! the hardware profile the planner and the benchmark bounds use.
+//! `gpu-offload doctor`: what this machine can do — devices found, host memory and SSD
+//! bandwidth — and, with `--save`, the hardware profile the planner and the benchmark bounds use.
 
 use std::io::Write;
+use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 
 use crate::hw;
+use crate::plan::HardwareProfile;
 
 #[derive(Debug, Args)]
 pub struct DoctorArgs {
@@ -14,7 +16,20 @@ pub struct DoctorArgs {
     #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
 
-    /// Print the profile as JSON.
+    /// Directory on the drive the store lives on, for the SSD read test [default: the models
+    /// directory]
+    #[arg(long, env = "GPU_OFFLOAD_SSD_DIR")]
+    pub ssd_dir: Option<PathBuf>,
+
+    /// MiB read in the SSD test (0 skips it).
+    #[arg(long, env = "GPU_OFFLOAD_SSD_TEST_MIB", default_value_t = 256)]
+    pub ssd_test_mib: usize,
+
+    /// Write the measured profile where the planner looks first (~/.cache/gpu-offload/hardware.json).
+    #[arg(long, env = "GPU_OFFLOAD_SAVE")]
+    pub save: bool,
+
+    /// Print the report as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
 }
@@ -25,14 +40,53 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         usize::from,
     );
     let host = hw::probe_host(threads);
-    let gpu = "no GPU found: this build runs on the CPU only";
+    let memcpy = hw::memcpy_bandwidth(256 << 20, 5);
+    let ssd_dir = args
+        .ssd_dir
+        .clone()
+        .unwrap_or_else(crate::model::models_dir);
+    let ssd = if args.ssd_test_mib == 0 {
+        None
+    } else {
+        Some(
+            hw::ssd_read_bandwidth(&ssd_dir, args.ssd_test_mib << 20)
+                .with_context(|| format!("SSD test in {}", ssd_dir.display()))?,
+        )
+    };
+    let gpu =
+        "no GPU found: this build runs on the CPU (and the budgeted CPU device, --device sim)";
+    // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host memory and
+    // its copies are memcpy.
+    let profile = HardwareProfile {
+        name: "cpu-sim (measured)".into(),
+        hbm_bytes_per_s: host.dram_read_bytes_per_s,
+        h2d_pinned_bytes_per_s: memcpy,
+        h2d_pageable_bytes_per_s: memcpy,
+        dram_read_bytes_per_s: host.dram_read_bytes_per_s,
+        ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
+        op_overhead_s: 2e-6,
+        device_bytes: 0,
+    };
+    if args.save {
+        let path = HardwareProfile::saved_path();
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+        }
+        crate::fsutil::write_atomic(&path, serde_json::to_string_pretty(&profile)?.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let mut out = std::io::stdout().lock();
     if args.json {
-        writeln!(
-            out,
-            "{}",
-            serde_json::json!({"host": host, "gpu": null, "gpu_status": gpu})
-        )?;
+        let v = serde_json::json!({
+            "host": host,
+            "memcpy_bytes_per_s": memcpy,
+            "ssd_read_bytes_per_s": ssd,
+            "gpu": null,
+            "gpu_status": gpu,
+            "profile": profile,
+        });
+        writeln!(out, "{v}")?;
         return Ok(());
     }
     writeln!(out, "GPU:   {gpu}")?;
@@ -52,5 +106,26 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         host.dram_read_bytes_per_s / 1e9,
         host.dram_read_threads
     )?;
+    writeln!(
+        out,
+        "memcpy bandwidth:    {:.1} GB/s (1 thread)",
+        memcpy / 1e9
+    )?;
+    match ssd {
+        Some(b) => writeln!(
+            out,
+            "SSD read bandwidth:  {:.2} GB/s (direct I/O, {})",
+            b / 1e9,
+            ssd_dir.display()
+        )?,
+        None => writeln!(out, "SSD read bandwidth:  not measured")?,
+    }
+    if args.save {
+        writeln!(
+            out,
+            "profile saved to {}",
+            HardwareProfile::saved_path().display()
+        )?;
+    }
     Ok(())
 }

@@ -1,37 +1,100 @@
-//! Shared by the commands: find and load the model, place it on a backend, turn prompt flags
-//! into token ids.
+//! Shared by the commands: find and open the model, turn prompt flags into token ids, then place
+//! the model on the chosen device — all of it on the CPU, or offloaded to the budgeted device
+//! under a plan — once the job's context and batch are known.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
 
-use super::{ModelArgs, PromptArgs};
+use super::store::open_store_for;
+use super::{Device, ModelArgs, PromptArgs};
 use crate::backend::cpu::{CpuBackend, kernels};
+use crate::backend::sim::SimBackend;
 use crate::engine::{DecodeTraffic, Engine};
-use crate::model::{ChatMessage, Model, ModelSpec, Tokenizer, default_model_path};
+use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
+use crate::plan::{Budget, Plan, make_plan};
+use crate::store::Store;
+use crate::tier::offload::OffloadWeights;
+use crate::tier::{Ledger, LedgerSnapshot};
 
+/// An engine on whichever backend the flags chose.
+pub enum AnyEngine {
+    Cpu(Engine<CpuBackend>),
+    Sim(Engine<SimBackend>),
+}
+
+/// Run `$body` with `$e` bound to the engine, whatever its backend.
+macro_rules! with_engine {
+    ($any:expr, $e:ident => $body:expr) => {
+        match $any {
+            $crate::cli::load::AnyEngine::Cpu($e) => $body,
+            $crate::cli::load::AnyEngine::Sim($e) => $body,
+        }
+    };
+}
+pub(crate) use with_engine;
+
+/// What a job needs the device to hold.
+#[derive(Clone, Copy, Debug)]
+pub struct Job {
+    /// KV cache positions.
+    pub ctx: usize,
+    /// Most tokens one step evaluates.
+    pub batch: usize,
+    /// Logit rows one step returns at most.
+    pub logit_rows: usize,
+}
+
+enum Weights {
+    /// The model file itself, for the CPU engine.
+    Dense(Box<ModelWeights>),
+    /// The offload store, for budgeted devices.
+    Stored(Arc<Store>),
+}
+
+/// An opened model, not yet placed on a device.
 pub struct LoadedModel {
-    pub engine: Engine<CpuBackend>,
+    pub spec: ModelSpec,
     pub tokenizer: Option<Tokenizer>,
     pub path: PathBuf,
+    weights: Weights,
+    device: Device,
+    t0: Instant,
+}
+
+/// A model placed on a device for one job.
+pub struct Running {
+    pub engine: AnyEngine,
+    /// Seconds from the start of loading until the engine was ready.
     pub load_s: f64,
-    pub traffic: DecodeTraffic,
+    /// For offloaded runs: the ledger and the plan.
+    pub offload: Option<(Arc<Ledger>, Plan)>,
+    /// For the dense CPU engine: what a decode step reads from DRAM.
+    pub traffic: Option<DecodeTraffic>,
+}
+
+fn resolve_device(args: &ModelArgs) -> Result<Device> {
+    let budgeted = args.budget.gpu_mem.is_some() || args.budget.dram_mem.is_some();
+    Ok(match args.device {
+        Device::Cuda => bail!(
+            "--device cuda: this build has no CUDA backend yet (use --device sim to run under a --gpu-mem budget on the CPU)"
+        ),
+        Device::Cpu if budgeted => {
+            bail!("--gpu-mem/--dram-mem apply to offloaded devices: use --device sim (or cuda)")
+        }
+        Device::Auto if budgeted => Device::Sim,
+        Device::Auto => Device::Cpu,
+        d => d,
+    })
 }
 
 impl LoadedModel {
     pub fn load(args: &ModelArgs) -> Result<Self> {
         let t0 = Instant::now();
-        let kernels = match &args.cpu_kernels {
-            None => kernels::best(),
-            Some(name) => kernels::by_name(name).with_context(|| {
-                let have: Vec<&str> = kernels::available().iter().map(|k| k.name).collect();
-                format!(
-                    "--cpu-kernels {name}: not available on this CPU (available: {})",
-                    have.join(", ")
-                )
-            })?,
-        };
+        let device = resolve_device(args)?;
         let path = match &args.model {
             Some(p) => p.clone(),
             None => {
@@ -45,28 +108,94 @@ impl LoadedModel {
                 p
             }
         };
-        let model =
-            Model::load(&path).with_context(|| format!("cannot load model {}", path.display()))?;
-        tracing::info!(
-            "loaded {} ({} layers, d_model {}, {} MiB of weights)",
-            model.spec.name,
-            model.spec.n_layers,
-            model.spec.d_model,
-            model.weights.total_bytes() >> 20
-        );
-        let backend = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels)?;
-        let engine = Engine::new(backend, model.spec.clone(), &model.weights)?;
+        let (spec, tokenizer, weights) = match device {
+            Device::Sim => {
+                let store = open_store_for(&path)?;
+                let tok = store.tokenizer()?;
+                (
+                    store.manifest.spec.clone(),
+                    tok,
+                    Weights::Stored(Arc::new(store)),
+                )
+            }
+            _ => {
+                if Store::is_store(&path) {
+                    bail!(
+                        "{} is an offload store: run it with --device sim (or cuda)",
+                        path.display()
+                    );
+                }
+                let model = Model::load(&path)
+                    .with_context(|| format!("cannot load model {}", path.display()))?;
+                tracing::info!(
+                    "loaded {} ({} layers, d_model {}, {} MiB of weights)",
+                    model.spec.name,
+                    model.spec.n_layers,
+                    model.spec.d_model,
+                    model.weights.total_bytes() >> 20
+                );
+                (model.spec, model.tokenizer, Weights::Dense(Box::new(model.weights)))
+            }
+        };
         Ok(LoadedModel {
-            traffic: DecodeTraffic::of(&model.spec, &model.weights),
-            engine,
-            tokenizer: model.tokenizer,
+            spec,
+            tokenizer,
             path,
-            load_s: t0.elapsed().as_secs_f64(),
+            weights,
+            device,
+            t0,
         })
     }
 
     pub fn spec(&self) -> &ModelSpec {
-        self.engine.spec()
+        &self.spec
+    }
+
+    /// Place the model on its device for `job`.
+    pub fn start(&self, args: &ModelArgs, job: Job) -> Result<Running> {
+        let kernels = match &args.cpu_kernels {
+            None => kernels::best(),
+            Some(name) => kernels::by_name(name).with_context(|| {
+                let have: Vec<&str> = kernels::available().iter().map(|k| k.name).collect();
+                format!(
+                    "--cpu-kernels {name}: not available on this CPU (available: {})",
+                    have.join(", ")
+                )
+            })?,
+        };
+        let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels)?;
+        let (engine, offload, traffic) = match &self.weights {
+            Weights::Dense(w) => (
+                AnyEngine::Cpu(Engine::new(cpu, self.spec.clone(), w)?),
+                None,
+                Some(DecodeTraffic::of(&self.spec, w)),
+            ),
+            Weights::Stored(store) => {
+                let budget = Budget {
+                    gpu_mem: args.budget.gpu_mem.unwrap_or(u64::MAX / 4),
+                    dram_mem: args.budget.dram_mem,
+                    window: args.budget.prefetch_window as usize,
+                    ctx: job.ctx,
+                    batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
+                    logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
+                };
+                let hw = args.budget.hardware_profile("cpu-sim")?;
+                let plan = make_plan(&store.manifest, &budget, &hw)?;
+                tracing::info!("plan:\n{}", plan.report());
+                let ledger = Ledger::new(args.budget.gpu_mem, args.budget.dram_mem);
+                debug_assert!(matches!(self.device, Device::Sim));
+                let sim = SimBackend::new(cpu, ledger.clone());
+                let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
+                let engine = Engine::with_source(sim, self.spec.clone(), Box::new(src))?;
+                (AnyEngine::Sim(engine), Some((ledger, plan)), None)
+            }
+        };
+        Ok(Running {
+            engine,
+            load_s: self.t0.elapsed().as_secs_f64(),
+            offload,
+            traffic,
+        })
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
@@ -119,7 +248,7 @@ impl LoadedModel {
     /// The context size for a job that needs `needed` positions: `--ctx-size` when given
     /// (which must hold them), else exactly what is needed, never beyond the model's maximum.
     pub fn context_for(&self, args: &ModelArgs, needed: usize) -> Result<usize> {
-        let max = self.spec().max_context;
+        let max = self.spec.max_context;
         let ctx = match args.ctx_size {
             Some(c) => {
                 let c = c as usize;
@@ -131,5 +260,52 @@ impl LoadedModel {
             None => needed.min(max),
         };
         Ok(ctx.max(1))
+    }
+}
+
+impl Running {
+    pub fn ledger(&self) -> Option<&Arc<Ledger>> {
+        self.offload.as_ref().map(|(l, _)| l)
+    }
+
+    pub fn snapshot(&self) -> LedgerSnapshot {
+        self.ledger().map(|l| l.snapshot()).unwrap_or_default()
+    }
+
+    /// The `memory` object of `run --json`: peaks from the ledger and per-token traffic of the
+    /// decode steps between `after_prefill` and `end` (the bytes read from DRAM per step for the
+    /// CPU engine).
+    pub fn memory_json(
+        &self,
+        after_prefill: LedgerSnapshot,
+        end: LedgerSnapshot,
+        first_pos: usize,
+        steps: usize,
+    ) -> Value {
+        let per = |a: u64, b: u64| {
+            if steps == 0 {
+                0.0
+            } else {
+                (b - a) as f64 / steps as f64
+            }
+        };
+        let mut v = json!({
+            "gpu_peak_bytes": end.hbm_peak,
+            "dram_peak_bytes": end.dram_total_peak,
+            "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
+            "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
+        });
+        if let Some(t) = &self.traffic {
+            v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();
+        }
+        if let Some((_, plan)) = &self.offload {
+            v["planned"] = json!({
+                "gpu_bytes": plan.gpu.total,
+                "h2d_bytes_per_token": plan.per_token.h2d_bytes,
+                "ssd_bytes_per_token": plan.per_token.ssd_bytes,
+                "predicted_tokens_per_s": plan.prediction.tokens_per_s,
+            });
+        }
+        v
     }
 }

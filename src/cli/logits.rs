@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
+use super::load::{Job, with_engine};
 use super::{LoadedModel, ModelArgs, PromptArgs};
 use crate::engine::Logits;
 
@@ -44,14 +45,23 @@ pub fn run(args: LogitsArgs) -> Result<()> {
             ids.len()
         );
     }
-    let engine = &loaded.engine;
-    let mut session = engine.new_session(ctx)?;
     let mode = if args.all_positions {
         Logits::All
     } else {
         Logits::Last
     };
-    let logits = engine.forward(&mut session, &ids, mode)?;
+    let running = loaded.start(
+        &args.model,
+        Job {
+            ctx,
+            batch: ids.len(),
+            logit_rows: if args.all_positions { ids.len() } else { 1 },
+        },
+    )?;
+    let logits = with_engine!(&running.engine, e => {
+        let mut session = e.new_session(ctx)?;
+        e.forward(&mut session, &ids, mode)?
+    });
     let vocab = loaded.spec().vocab_size;
     let rows: Vec<&[f32]> = logits.chunks(vocab).collect();
     let mut out = std::io::stdout().lock();

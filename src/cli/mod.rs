@@ -3,7 +3,7 @@
 
 mod convert;
 mod doctor;
-mod load;
+pub(crate) mod load;
 mod logits;
 mod perplexity;
 mod plan;
@@ -54,10 +54,16 @@ pub enum Command {
 /// Where the math runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
-    /// The best device present (the CPU in this build).
+    /// A GPU when one is present; else the budgeted CPU device when --gpu-mem is given, else
+    /// the CPU.
     Auto,
-    /// The CPU backend.
+    /// The CPU backend: every weight used in place, in its file format.
     Cpu,
+    /// The budgeted device: the CPU standing in for a GPU of --gpu-mem, weights offloaded from
+    /// the store through DRAM and SSD exactly as on a GPU, every byte counted.
+    Sim,
+    /// An NVIDIA GPU (CUDA).
+    Cuda,
 }
 
 /// Flags shared by every command that loads a model.
@@ -79,6 +85,9 @@ pub struct ModelArgs {
     /// CPU kernel set: avx512vnni, avx2 or portable [default: the best this CPU runs]
     #[arg(long, env = "GPU_OFFLOAD_KERNELS")]
     pub cpu_kernels: Option<String>,
+
+    #[command(flatten)]
+    pub budget: plan::BudgetArgs,
 
     /// Context size in tokens [default: what the job needs, at most the model's maximum]
     #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE", value_parser = clap::value_parser!(u32).range(1..))]

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
+use super::load::{Job, with_engine};
 use super::{LoadedModel, ModelArgs};
 use crate::engine::perplexity::perplexity;
 
@@ -51,6 +52,14 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             tokens.len()
         );
     }
+    let running = loaded.start(
+        &args.model,
+        Job {
+            ctx,
+            batch: ctx,
+            logit_rows: ctx,
+        },
+    )?;
     let t0 = Instant::now();
     let quiet = args.json;
     let mut on_chunk = |i: usize, ppl: f64| {
@@ -58,14 +67,9 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             eprint!("[{}]{ppl:.4} ", i + 1);
         }
     };
-    let result = perplexity(
-        &loaded.engine,
-        &tokens,
-        ctx,
-        tok.bos(),
-        args.chunks,
-        &mut on_chunk,
-    )?;
+    let result = with_engine!(&running.engine, e => {
+        perplexity(e, &tokens, ctx, tok.bos(), args.chunks, &mut on_chunk)?
+    });
     let secs = t0.elapsed().as_secs_f64();
     let mut out = std::io::stdout().lock();
     if args.json {

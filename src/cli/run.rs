@@ -6,6 +6,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
+use super::load::{Job, with_engine};
 use super::{LoadedModel, ModelArgs, PromptArgs};
 use crate::engine::{GenerateParams, SamplerParams, generate};
 use crate::model::tokenizer::TextStream;
@@ -122,8 +123,14 @@ pub fn run(args: RunArgs) -> Result<()> {
             loaded.spec().max_context
         );
     }
-    let engine = &loaded.engine;
-    let mut session = engine.new_session(ctx)?;
+    let running = loaded.start(
+        &args.model,
+        Job {
+            ctx,
+            batch: prompt.len(),
+            logit_rows: 1,
+        },
+    )?;
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         sampler,
@@ -135,7 +142,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let mut write_err = None;
     let mut text = String::new();
+    // Traffic counters right after the prefill (the first token comes from it).
+    let mut after_prefill = None;
     let mut on_token = |id: u32| {
+        if after_prefill.is_none() {
+            after_prefill = Some(running.snapshot());
+        }
         let piece = match &mut stream {
             Some(s) => s.push(id),
             None => format!("{id} "),
@@ -153,14 +165,11 @@ pub fn run(args: RunArgs) -> Result<()> {
         }
         true
     };
-    let generation = generate(
-        engine,
-        &mut session,
-        &prompt,
-        &params,
-        &is_eog,
-        &mut on_token,
-    )?;
+    let generation = with_engine!(&running.engine, e => {
+        let mut session = e.new_session(ctx)?;
+        generate(e, &mut session, &prompt, &params, &is_eog, &mut on_token)?
+    });
+    let end = running.snapshot();
     if let Some(e) = write_err {
         if e.kind() != std::io::ErrorKind::BrokenPipe {
             return Err(e.into());
@@ -181,14 +190,11 @@ pub fn run(args: RunArgs) -> Result<()> {
             "text": text,
             "stop_reason": generation.stop,
             "timings": {
-                "load_s": loaded.load_s,
+                "load_s": running.load_s,
                 "prefill_tokens_per_s": t.prefill_tokens_per_s(),
                 "decode_tokens_per_s": t.decode_tokens_per_s(),
             },
-            "memory": {
-                // Mean bytes each decode step read (weights + KV cache): the DRAM-bound numerator.
-                "dram_read_bytes_per_token": loaded.traffic.mean(prompt.len(), t.decode_steps),
-            },
+            "memory": running.memory_json(after_prefill.unwrap_or_default(), end, prompt.len(), t.decode_steps),
         });
         writeln!(stdout, "{out}")?;
     } else {

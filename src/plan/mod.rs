@@ -51,8 +51,8 @@ pub struct Budget {
 #[derive(Debug, Error)]
 pub enum PlanError {
     #[error(
-        "--gpu-mem {} MiB is too small to run this model: at least {} MiB is needed ({})",
-        budget >> 20, minimum.div_ceil(1 << 20), breakdown
+        "--gpu-mem {} is too small to run this model: at least {} is needed ({})",
+        human_bytes(*budget), human_bytes(*minimum), breakdown
     )]
     GpuTooSmall {
         budget: u64,
@@ -60,8 +60,8 @@ pub enum PlanError {
         breakdown: String,
     },
     #[error(
-        "--dram-mem {} MiB is too small: at least {} MiB of host memory is needed ({})",
-        budget >> 20, minimum.div_ceil(1 << 20), breakdown
+        "--dram-mem {} is too small: at least {} of host memory is needed ({})",
+        human_bytes(*budget), human_bytes(*minimum), breakdown
     )]
     DramTooSmall {
         budget: u64,
@@ -153,6 +153,25 @@ impl Plan {
     pub fn report(&self) -> String {
         report::render(self)
     }
+}
+
+/// Bytes in the largest binary unit that keeps a whole number in front (e.g. `300.0 KiB`,
+/// `1.5 GiB`); rounded up, so a stated minimum is always enough.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut unit = 0;
+    while unit + 1 < UNITS.len() && b >= 1u64 << (10 * (unit + 1)) {
+        unit += 1;
+    }
+    if unit == 0 {
+        return format!("{b} B");
+    }
+    let scale = (1u64 << (10 * unit)) as f64;
+    format!(
+        "{:.1} {}",
+        (b as f64 / scale * 10.0).ceil() / 10.0,
+        UNITS[unit]
+    )
 }
 
 fn store_err(msg: String) -> PlanError {
@@ -351,9 +370,9 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
                     budget: d,
                     minimum: need,
                     breakdown: format!(
-                        "embedding tables {} MiB, {dynamic} dynamic layer buffers of {} MiB",
-                        tables >> 20,
-                        layer_bytes >> 20
+                        "embedding tables {}, {dynamic} dynamic layer buffers of {}",
+                        human_bytes(tables),
+                        human_bytes(layer_bytes)
                     ),
                 });
             }
@@ -436,4 +455,17 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         per_token,
         prediction,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn human_bytes_rounds_up_in_binary_units() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(300 * 1024), "300.0 KiB");
+        assert_eq!(human_bytes((3 << 29) + 1), "1.6 GiB");
+        assert_eq!(human_bytes(1 << 20), "1.0 MiB");
+    }
 }

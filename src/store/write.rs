@@ -304,6 +304,7 @@ pub fn convert(
         })?
         .to_string_lossy()
         .into_owned();
+    remove_abandoned(parent, &name);
     let tmp = parent.join(format!(".{name}.tmp.{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
@@ -317,6 +318,28 @@ pub fn convert(
         fs::remove_dir_all(&tmp).ok();
     }
     result
+}
+
+/// Remove temporary directories of earlier conversions to the same target whose process is
+/// gone (a crash or kill mid-write leaves one behind; it never becomes a store).
+fn remove_abandoned(parent: &Path, name: &str) {
+    let prefixes = [format!(".{name}.tmp."), format!(".{name}.old.")];
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let fname = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = prefixes.iter().find_map(|p| fname.strip_prefix(p.as_str())) else {
+            continue;
+        };
+        let alive = pid
+            .parse::<u32>()
+            .is_ok_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if !alive {
+            tracing::info!("removing abandoned {}", e.path().display());
+            fs::remove_dir_all(e.path()).ok();
+        }
+    }
 }
 
 /// Move the finished temporary directory to `out`, replacing what was there.
