@@ -134,7 +134,11 @@ impl LoadedModel {
                     model.spec.d_model,
                     model.weights.total_bytes() >> 20
                 );
-                (model.spec, model.tokenizer, Weights::Dense(Box::new(model.weights)))
+                (
+                    model.spec,
+                    model.tokenizer,
+                    Weights::Dense(Box::new(model.weights)),
+                )
             }
         };
         Ok(LoadedModel {

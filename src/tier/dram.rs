@@ -82,9 +82,10 @@ impl Reader {
         Ok(LayerData { layer, parts })
     }
 
-    /// Read layer `layer`'s streamed rows into `data` (buffers reused).
+    /// Read layer `layer`'s streamed rows into `data` (buffers reused), one I/O thread per
+    /// part so the drive sees several requests at once (FlexInfer's thread per tensor).
     fn fill(&self, data: &mut LayerData, layer: usize) -> Result<(), StoreError> {
-        for pd in &mut data.parts {
+        let read_part = |pd: &mut PartData| -> Result<(), StoreError> {
             let seg = self.store.require(&part_segment_name(layer, pd.part))?;
             let (first, read) = self
                 .store
@@ -92,6 +93,23 @@ impl Reader {
             self.ledger.count_ssd(read);
             pd.first = first;
             pd.len = pd.rows.len() * seg.row_bytes();
+            Ok(())
+        };
+        if data.parts.len() <= 1 {
+            data.parts.iter_mut().try_for_each(read_part)?;
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = data
+                    .parts
+                    .iter_mut()
+                    .map(|pd| scope.spawn(move || read_part(pd)))
+                    .collect();
+                handles.into_iter().try_for_each(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(StoreError::Unsupported("an I/O thread panicked".into()))
+                    })
+                })
+            })?;
         }
         data.layer = layer;
         Ok(())
