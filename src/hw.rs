@@ -180,3 +180,109 @@ pub fn ssd_read_bandwidth(dir: &std::path::Path, bytes: usize) -> std::io::Resul
     std::fs::remove_file(&path).ok();
     result
 }
+
+/// What `doctor` measures of a GPU.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuProfile {
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub multiprocessors: i32,
+    pub driver_version: Option<String>,
+    /// Current and maximum PCIe generation and width (NVML).
+    pub pcie: Option<PcieLink>,
+    /// Device-to-device copy, bytes read plus written per second.
+    pub d2d_bytes_per_s: f64,
+    pub h2d_pinned_bytes_per_s: f64,
+    pub h2d_pageable_bytes_per_s: f64,
+    pub d2h_pinned_bytes_per_s: f64,
+    pub d2h_pageable_bytes_per_s: f64,
+    /// How the kernels ship in this build.
+    pub kernels: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PcieLink {
+    pub gen_current: u32,
+    pub width_current: u32,
+    pub gen_max: u32,
+    pub width_max: u32,
+}
+
+fn nvml_facts() -> (Option<String>, Option<PcieLink>) {
+    let Ok(nvml) = nvml_wrapper::Nvml::init() else {
+        return (None, None);
+    };
+    let driver = nvml.sys_driver_version().ok();
+    let pcie = nvml.device_by_index(0).ok().and_then(|d| {
+        Some(PcieLink {
+            gen_current: d.current_pcie_link_gen().ok()?,
+            width_current: d.current_pcie_link_width().ok()?,
+            gen_max: d.max_pcie_link_gen().ok()?,
+            width_max: d.max_pcie_link_width().ok()?,
+        })
+    });
+    (driver, pcie)
+}
+
+/// Probe GPU 0: NVML facts and copy bandwidths measured with CUDA events. Errors (no driver, no
+/// device) come back as text for `doctor` to print.
+pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
+    use crate::backend::cuda::{CudaBackend, driver_present};
+    use cudarc::driver::result as r;
+    if !driver_present() {
+        return Err("no GPU found: no CUDA driver (libcuda) on this machine".into());
+    }
+    let ledger = crate::tier::Ledger::new(None, None);
+    let be = CudaBackend::new(0, ledger).map_err(|e| format!("no GPU found: {e}"))?;
+    let info = be.info().map_err(|e| e.to_string())?;
+    let stream = be.compute_stream().clone();
+    let ctx = be.context().clone();
+    let err = |e: cudarc::driver::DriverError| format!("{e:?}");
+    // SAFETY: buffers are written by the copies before being read; sizes match.
+    unsafe {
+        let a = stream.alloc::<u8>(bytes).map_err(err)?;
+        let b = stream.alloc::<u8>(bytes).map_err(err)?;
+        let (pa, _) = cudarc::driver::DevicePtr::device_ptr(&a, &stream);
+        let (pb, _) = cudarc::driver::DevicePtr::device_ptr(&b, &stream);
+        let mut pinned = ctx.alloc_pinned::<u8>(bytes).map_err(err)?;
+        let mut pageable = vec![1u8; bytes];
+        let cs = stream.cu_stream();
+        let time = |f: &mut dyn FnMut() -> Result<(), cudarc::driver::DriverError>| -> Result<f64, String> {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let start = stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
+                f().map_err(err)?;
+                let end = stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
+                end.synchronize().map_err(err)?;
+                best = best.min(start.elapsed_ms(&end).map_err(err)? as f64 / 1e3);
+            }
+            Ok(best)
+        };
+        let host_pinned = pinned.as_mut_slice().map_err(err)?;
+        host_pinned.fill(2);
+        let d2d = time(&mut || r::memcpy_dtod_async(pb, pa, bytes, cs))?;
+        let h2d_p = time(&mut || r::memcpy_htod_async(pa, &host_pinned[..], cs))?;
+        let h2d_u = time(&mut || r::memcpy_htod_async(pa, &pageable[..], cs))?;
+        let d2h_p = time(&mut || r::memcpy_dtoh_async(&mut host_pinned[..], pa, cs))?;
+        let d2h_u = time(&mut || r::memcpy_dtoh_async(&mut pageable[..], pa, cs))?;
+        let (driver_version, pcie) = nvml_facts();
+        let b = bytes as f64;
+        Ok(GpuProfile {
+            name: info.name,
+            compute_capability: info.compute_capability,
+            total_bytes: info.total_bytes,
+            free_bytes: info.free_bytes,
+            multiprocessors: info.multiprocessors,
+            driver_version,
+            pcie,
+            d2d_bytes_per_s: 2.0 * b / d2d,
+            h2d_pinned_bytes_per_s: b / h2d_p,
+            h2d_pageable_bytes_per_s: b / h2d_u,
+            d2h_pinned_bytes_per_s: b / d2h_p,
+            d2h_pageable_bytes_per_s: b / d2h_u,
+            kernels: crate::backend::cuda::kernels::build_info(),
+        })
+    }
+}

@@ -6,6 +6,7 @@
 //! Knows nothing about models: ops take shapes and numbers, not layers.
 
 pub mod cpu;
+pub mod cuda;
 pub mod sim;
 
 use thiserror::Error;
@@ -45,6 +46,9 @@ pub enum RopePairs {
     Adjacent,
     Halves,
 }
+
+/// Keeps a host range page-locked while alive.
+pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
 
 /// Geometry of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -107,6 +111,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Block the calling thread until `ev` has completed (host buffers a copy read from may be
     /// reused after this).
     fn host_waits(&self, ev: &Self::Event) -> Result<()>;
+    /// Page-lock a host range that copies to the device will read from, so they run
+    /// asynchronously; the guard unlocks it (drop it before the memory). `None` where pinning
+    /// means nothing (the CPU backends).
+    fn pin_host(&self, _bytes: &[u8]) -> Result<Option<HostPin>> {
+        Ok(None)
+    }
     /// A zeroed `rows × cols` activation buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Host → device; `src.len()` must equal the tensor's size.

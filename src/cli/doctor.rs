@@ -53,19 +53,30 @@ pub fn run(args: DoctorArgs) -> Result<()> {
                 .with_context(|| format!("SSD test in {}", ssd_dir.display()))?,
         )
     };
-    let gpu =
-        "no GPU found: this build runs on the CPU (and the budgeted CPU device, --device sim)";
-    // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host memory and
-    // its copies are memcpy.
-    let profile = HardwareProfile {
-        name: "cpu-sim (measured)".into(),
-        hbm_bytes_per_s: host.dram_read_bytes_per_s,
-        h2d_pinned_bytes_per_s: memcpy,
-        h2d_pageable_bytes_per_s: memcpy,
-        dram_read_bytes_per_s: host.dram_read_bytes_per_s,
-        ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
-        op_overhead_s: 2e-6,
-        device_bytes: 0,
+    let gpu = hw::probe_gpu(256 << 20);
+    let profile = match &gpu {
+        Ok(g) => HardwareProfile {
+            name: format!("{} (measured)", g.name),
+            hbm_bytes_per_s: g.d2d_bytes_per_s,
+            h2d_pinned_bytes_per_s: g.h2d_pinned_bytes_per_s,
+            h2d_pageable_bytes_per_s: g.h2d_pageable_bytes_per_s,
+            dram_read_bytes_per_s: host.dram_read_bytes_per_s,
+            ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
+            op_overhead_s: 4e-6,
+            device_bytes: g.total_bytes,
+        },
+        // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
+        // memory and its copies are memcpy.
+        Err(_) => HardwareProfile {
+            name: "cpu-sim (measured)".into(),
+            hbm_bytes_per_s: host.dram_read_bytes_per_s,
+            h2d_pinned_bytes_per_s: memcpy,
+            h2d_pageable_bytes_per_s: memcpy,
+            dram_read_bytes_per_s: host.dram_read_bytes_per_s,
+            ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
+            op_overhead_s: 2e-6,
+            device_bytes: 0,
+        },
     };
     if args.save {
         let path = HardwareProfile::saved_path();
@@ -82,14 +93,54 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             "host": host,
             "memcpy_bytes_per_s": memcpy,
             "ssd_read_bytes_per_s": ssd,
-            "gpu": null,
-            "gpu_status": gpu,
+            "gpu": gpu.as_ref().ok(),
+            "gpu_status": match &gpu { Ok(g) => format!("{} found", g.name), Err(e) => e.clone() },
             "profile": profile,
         });
         writeln!(out, "{v}")?;
         return Ok(());
     }
-    writeln!(out, "GPU:   {gpu}")?;
+    match &gpu {
+        Ok(g) => {
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            writeln!(
+                out,
+                "GPU:   {} (compute {}.{}, {} SMs), {:.1} GiB ({:.1} GiB free), driver {}",
+                g.name,
+                g.compute_capability.0,
+                g.compute_capability.1,
+                g.multiprocessors,
+                gib(g.total_bytes),
+                gib(g.free_bytes),
+                g.driver_version.as_deref().unwrap_or("?")
+            )?;
+            if let Some(p) = &g.pcie {
+                writeln!(
+                    out,
+                    "PCIe:  gen {} x{} (max gen {} x{})",
+                    p.gen_current, p.width_current, p.gen_max, p.width_max
+                )?;
+            }
+            writeln!(
+                out,
+                "device-to-device copy: {:.0} GB/s (read + write)",
+                g.d2d_bytes_per_s / 1e9
+            )?;
+            writeln!(
+                out,
+                "host→device: {:.1} GB/s pinned, {:.1} GB/s pageable; device→host: {:.1} GB/s pinned, {:.1} GB/s pageable",
+                g.h2d_pinned_bytes_per_s / 1e9,
+                g.h2d_pageable_bytes_per_s / 1e9,
+                g.d2h_pinned_bytes_per_s / 1e9,
+                g.d2h_pageable_bytes_per_s / 1e9
+            )?;
+            writeln!(out, "kernels: {}", g.kernels)?;
+        }
+        Err(e) => writeln!(
+            out,
+            "GPU:   {e} (this build still runs on the CPU, and on the budgeted CPU device, --device sim)"
+        )?,
+    }
     writeln!(
         out,
         "CPU:   {} ({} logical cores; {})",

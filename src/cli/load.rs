@@ -11,7 +11,9 @@ use serde_json::{Value, json};
 
 use super::store::open_store_for;
 use super::{Device, ModelArgs, PromptArgs};
+use crate::backend::Backend;
 use crate::backend::cpu::{CpuBackend, kernels};
+use crate::backend::cuda::{CudaBackend, driver_present};
 use crate::backend::sim::SimBackend;
 use crate::engine::{DecodeTraffic, Engine};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
@@ -21,9 +23,11 @@ use crate::tier::offload::OffloadWeights;
 use crate::tier::{Ledger, LedgerSnapshot};
 
 /// An engine on whichever backend the flags chose.
+#[allow(clippy::large_enum_variant)] // one per process; boxing buys nothing
 pub enum AnyEngine {
     Cpu(Engine<CpuBackend>),
     Sim(Engine<SimBackend>),
+    Cuda(Engine<CudaBackend>),
 }
 
 /// Run `$body` with `$e` bound to the engine, whatever its backend.
@@ -32,6 +36,7 @@ macro_rules! with_engine {
         match $any {
             $crate::cli::load::AnyEngine::Cpu($e) => $body,
             $crate::cli::load::AnyEngine::Sim($e) => $body,
+            $crate::cli::load::AnyEngine::Cuda($e) => $body,
         }
     };
 }
@@ -70,21 +75,29 @@ pub struct Running {
     pub engine: AnyEngine,
     /// Seconds from the start of loading until the engine was ready.
     pub load_s: f64,
-    /// For offloaded runs: the ledger and the plan.
-    pub offload: Option<(Arc<Ledger>, Plan)>,
+    /// The byte ledger of a device run (offloaded or whole-GPU).
+    pub ledger: Option<Arc<Ledger>>,
+    /// For offloaded runs: the plan.
+    pub plan: Option<Plan>,
     /// For the dense CPU engine: what a decode step reads from DRAM.
     pub traffic: Option<DecodeTraffic>,
+}
+
+/// Whether a usable CUDA device is present (without panicking where there is no driver).
+pub fn cuda_available() -> bool {
+    driver_present() && cudarc::driver::CudaContext::device_count().is_ok_and(|n| n > 0)
 }
 
 fn resolve_device(args: &ModelArgs) -> Result<Device> {
     let budgeted = args.budget.gpu_mem.is_some() || args.budget.dram_mem.is_some();
     Ok(match args.device {
-        Device::Cuda => bail!(
-            "--device cuda: this build has no CUDA backend yet (use --device sim to run under a --gpu-mem budget on the CPU)"
+        Device::Cuda if !cuda_available() => bail!(
+            "--device cuda: no CUDA device found (no driver, or no GPU); use --device sim to run under a --gpu-mem budget on the CPU"
         ),
         Device::Cpu if budgeted => {
             bail!("--gpu-mem/--dram-mem apply to offloaded devices: use --device sim (or cuda)")
         }
+        Device::Auto if cuda_available() => Device::Cuda,
         Device::Auto if budgeted => Device::Sim,
         Device::Auto => Device::Cpu,
         d => d,
@@ -108,8 +121,10 @@ impl LoadedModel {
                 p
             }
         };
-        let (spec, tokenizer, weights) = match device {
-            Device::Sim => {
+        let offloaded =
+            device == Device::Sim || (device == Device::Cuda && args.budget.gpu_mem.is_some());
+        let (spec, tokenizer, weights) = match offloaded {
+            true => {
                 let store = open_store_for(&path)?;
                 let tok = store.tokenizer()?;
                 (
@@ -167,14 +182,26 @@ impl LoadedModel {
                 )
             })?,
         };
-        let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels)?;
-        let (engine, offload, traffic) = match &self.weights {
-            Weights::Dense(w) => (
-                AnyEngine::Cpu(Engine::new(cpu, self.spec.clone(), w)?),
-                None,
-                Some(DecodeTraffic::of(&self.spec, w)),
-            ),
-            Weights::Stored(store) => {
+        let threads = args.threads.map_or(0, usize::from);
+        let (engine, ledger, plan, traffic) = match (&self.weights, self.device) {
+            (Weights::Dense(w), Device::Cuda) => {
+                let ledger = Ledger::new(None, None);
+                let cuda = CudaBackend::new(0, ledger.clone())?;
+                tracing::info!("{}", cuda.name());
+                let e = AnyEngine::Cuda(Engine::new(cuda, self.spec.clone(), w)?);
+                (
+                    e,
+                    Some(ledger),
+                    None,
+                    Some(DecodeTraffic::of(&self.spec, w)),
+                )
+            }
+            (Weights::Dense(w), _) => {
+                let cpu = CpuBackend::with_kernels(threads, kernels)?;
+                let e = AnyEngine::Cpu(Engine::new(cpu, self.spec.clone(), w)?);
+                (e, None, None, Some(DecodeTraffic::of(&self.spec, w)))
+            }
+            (Weights::Stored(store), device) => {
                 let budget = Budget {
                     gpu_mem: args.budget.gpu_mem.unwrap_or(u64::MAX / 4),
                     dram_mem: args.budget.dram_mem,
@@ -183,21 +210,37 @@ impl LoadedModel {
                     batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
                     logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
                 };
-                let hw = args.budget.hardware_profile("cpu-sim")?;
-                let plan = make_plan(&store.manifest, &budget, &hw)?;
-                tracing::info!("plan:\n{}", plan.report());
                 let ledger = Ledger::new(args.budget.gpu_mem, args.budget.dram_mem);
-                debug_assert!(matches!(self.device, Device::Sim));
-                let sim = SimBackend::new(cpu, ledger.clone());
-                let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
-                let engine = Engine::with_source(sim, self.spec.clone(), Box::new(src))?;
-                (AnyEngine::Sim(engine), Some((ledger, plan)), None)
+                let engine = if device == Device::Cuda {
+                    let hw = args.budget.hardware_profile("gpu-4g")?;
+                    let cuda = CudaBackend::new(0, ledger.clone())?;
+                    let plan = make_plan(&store.manifest, &budget, &hw)?;
+                    tracing::info!("plan:\n{}", plan.report());
+                    let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
+                    let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?;
+                    (AnyEngine::Cuda(e), plan)
+                } else {
+                    let hw = args.budget.hardware_profile("cpu-sim")?;
+                    let plan = make_plan(&store.manifest, &budget, &hw)?;
+                    tracing::info!("plan:\n{}", plan.report());
+                    let sim = SimBackend::new(
+                        CpuBackend::with_kernels(threads, kernels)?,
+                        ledger.clone(),
+                    );
+                    let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
+                    (
+                        AnyEngine::Sim(Engine::with_source(sim, self.spec.clone(), Box::new(src))?),
+                        plan,
+                    )
+                };
+                (engine.0, Some(ledger), Some(engine.1), None)
             }
         };
         Ok(Running {
             engine,
             load_s: self.t0.elapsed().as_secs_f64(),
-            offload,
+            ledger,
+            plan,
             traffic,
         })
     }
@@ -269,7 +312,7 @@ impl LoadedModel {
 
 impl Running {
     pub fn ledger(&self) -> Option<&Arc<Ledger>> {
-        self.offload.as_ref().map(|(l, _)| l)
+        self.ledger.as_ref()
     }
 
     pub fn snapshot(&self) -> LedgerSnapshot {
@@ -302,7 +345,7 @@ impl Running {
         if let Some(t) = &self.traffic {
             v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();
         }
-        if let Some((_, plan)) = &self.offload {
+        if let Some(plan) = &self.plan {
             v["planned"] = json!({
                 "gpu_bytes": plan.gpu.total,
                 "h2d_bytes_per_token": plan.per_token.h2d_bytes,

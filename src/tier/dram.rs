@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use super::ledger::{Ledger, Reservation, Tier};
+use crate::backend::HostPin;
 use crate::plan::{LayerShape, Part, Residency, part_segment_name};
 use crate::store::{Store, StoreError};
 use crate::tensor::AlignedBuf;
@@ -20,6 +21,8 @@ use crate::tensor::AlignedBuf;
 pub struct PartData {
     pub part: Part,
     pub rows: Range<usize>,
+    /// Page-lock guard (drops before `buf`).
+    _pin: Option<HostPin>,
     buf: AlignedBuf,
     /// Where the rows start in `buf` (the read started on a page boundary).
     first: usize,
@@ -40,6 +43,9 @@ pub struct LayerData {
 }
 
 /// Which rows of which parts stream, and how to read them.
+/// Page-locks a fresh host buffer for fast copies (see `Backend::pin_host`).
+pub type PinFn<'a> = &'a dyn Fn(&AlignedBuf) -> Option<HostPin>;
+
 #[derive(Clone)]
 struct Reader {
     store: Arc<Store>,
@@ -56,16 +62,23 @@ impl Reader {
             .filter(|(_, r)| !r.is_empty())
     }
 
-    /// Fresh buffers (reserved in DRAM) for one layer.
-    fn alloc(&self, layer: usize) -> Result<LayerData, StoreError> {
+    /// Fresh buffers (reserved in DRAM, page-locked where the device wants that) for one layer.
+    fn alloc(&self, layer: usize, pin: PinFn) -> Result<LayerData, StoreError> {
         let mut parts = Vec::new();
         for (p, rows) in self.streamed_parts() {
             let seg = self.store.require(&part_segment_name(layer, p))?;
             let (_, len) = seg.read_extent(rows.clone());
+            let buf = AlignedBuf::zeroed(len as usize);
+            let pinned = pin(&buf);
+            let tier = if pinned.is_some() {
+                Tier::PinnedDram
+            } else {
+                Tier::Dram
+            };
             let hold = self
                 .ledger
                 .reserve(
-                    Tier::Dram,
+                    tier,
                     len,
                     &format!("DRAM buffer for layer {layer} {}", p.name()),
                 )
@@ -73,7 +86,8 @@ impl Reader {
             parts.push(PartData {
                 part: p,
                 rows,
-                buf: AlignedBuf::zeroed(len as usize),
+                _pin: pinned,
+                buf,
                 first: 0,
                 len: 0,
                 _hold: hold,
@@ -169,6 +183,7 @@ impl DramCache {
         n_layers: usize,
         fixed_layers: usize,
         dynamic_buffers: usize,
+        pin: PinFn,
     ) -> Result<Self, StoreError> {
         let reader = Reader {
             store,
@@ -178,7 +193,7 @@ impl DramCache {
         };
         let mut fixed = Vec::with_capacity(fixed_layers);
         for l in 0..fixed_layers.min(n_layers) {
-            let mut d = reader.alloc(l)?;
+            let mut d = reader.alloc(l, pin)?;
             reader.fill(&mut d, l)?;
             fixed.push(Arc::new(d));
         }
@@ -190,7 +205,7 @@ impl DramCache {
         let mut spare = Vec::with_capacity(dynamic);
         for _ in 0..dynamic {
             // Every layer has the same shape: size the buffers on the first dynamic one.
-            spare.push(reader.alloc(fixed.len())?);
+            spare.push(reader.alloc(fixed.len(), pin)?);
         }
         let shared = Arc::new(Shared {
             ring: Mutex::new(Ring {

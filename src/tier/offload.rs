@@ -250,6 +250,15 @@ impl<B: Backend> OffloadWeights<B> {
                 plan.dram.fixed_layers
             },
             plan.dram.dynamic_buffers,
+            &|buf: &AlignedBuf| match b.pin_host(buf.as_slice()) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot page-lock a DRAM buffer ({e}); copies from it will be slower"
+                    );
+                    None
+                }
+            },
         )
         .map_err(store_err)?;
         let mut me = OffloadWeights {

@@ -1,0 +1,79 @@
+// Element-wise ops, embedding gathers, activation quantization and format conversions.
+#include "common.cuh"
+
+extern "C" __global__ void add_f32(float* x, const float* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// x[r][c] += b[c]
+extern "C" __global__ void add_bias_f32(float* x, const float* b, long long n, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += b[i % cols];
+}
+
+extern "C" __global__ void activate_f32(float* x, long long n, int kind) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = act(x[i], kind);
+}
+
+// g = act(g) * u
+extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int kind) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) g[i] = act(g[i], kind) * u[i];
+}
+
+// out[t] = table[ids[t]] decoded to f32. Grid: one block per token.
+extern "C" __global__ void embed_rows(const u8* table, int dtype, int cols, const int* ids, float* out) {
+    int t = blockIdx.x;
+    const u8* row = table + row_bytes(dtype, cols) * ids[t];
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) out[(long long)t * cols + j] = load_elem(row, dtype, j);
+}
+
+// x[t] += table[first_row + t]. Grid: one block per token.
+extern "C" __global__ void add_table_rows(float* x, const u8* table, int dtype, int cols, int first_row) {
+    int t = blockIdx.x;
+    const u8* row = table + row_bytes(dtype, cols) * (long long)(first_row + t);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) x[(long long)t * cols + j] += load_elem(row, dtype, j);
+}
+
+// Quantize `blocks` runs of 32 activations to ActBlocks, exactly as the CPU quantizer:
+// d = max|x|/127 (stored f16-rounded), q = round-half-even(x·127/max|x|), s = f16(d·Σq).
+// One warp per block.
+extern "C" __global__ void quantize_q8(const float* x, long long blocks, ActBlock* out) {
+    long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (b >= blocks) return;
+    float v = x[b * 32 + lane];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int q = __float2int_rn(v * id);
+    int isum = warp_sum_i(q);
+    // Gather the 32 codes into 8 little-endian ints: lane k holds byte k % 4 of int k / 4.
+    u32 byte = (u32)(q & 0xff) << (8 * (lane & 3));
+    byte |= __shfl_xor_sync(0xffffffffu, byte, 1);
+    byte |= __shfl_xor_sync(0xffffffffu, byte, 2);
+    ActBlock* o = out + b;
+    if ((lane & 3) == 0) o->qs[lane >> 2] = (int)byte;
+    if (lane == 0) {
+        o->d = h2f(f2h(d));
+        o->isum = isum;
+        o->s = h2f(f2h(d * (float)isum));
+    }
+}
+
+extern "C" __global__ void f32_to_f16(const float* x, u16* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f2h(x[i]);
+}
+
+extern "C" __global__ void f32_to_bf16(const float* x, u16* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = f2bf(x[i]);
+}
+
+extern "C" __global__ void fill_f32(float* x, long long n, float v) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = v;
+}

@@ -1,0 +1,89 @@
+//! The kernel modules: PTX built by build.rs with nvcc, or CUDA source compiled here with NVRTC
+//! when the build machine had no nvcc. Each module is loaded the first time it is needed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaModule};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use crate::backend::{BackendError, Result};
+
+/// How a module ships in the binary.
+pub enum KernelSource {
+    Ptx(&'static str),
+    Cuda(&'static str),
+}
+
+mod generated {
+    use super::KernelSource;
+    include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+}
+
+pub use generated::{COMPILED_WITH_NVCC, MODULES, PTX_ARCH};
+
+/// How this build carries its kernels, for `doctor`.
+pub fn build_info() -> String {
+    if COMPILED_WITH_NVCC {
+        format!("PTX built by nvcc for {PTX_ARCH}")
+    } else if MODULES
+        .iter()
+        .any(|(_, s)| matches!(s, KernelSource::Ptx(_)))
+    {
+        format!("PTX for {PTX_ARCH} for some modules, CUDA source (NVRTC at run time) for the rest")
+    } else {
+        "CUDA source, compiled with NVRTC at run time".into()
+    }
+}
+
+/// Loaded modules by name.
+#[derive(Default)]
+pub struct Modules {
+    loaded: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl Modules {
+    pub fn get(&self, ctx: &Arc<CudaContext>, name: &'static str) -> Result<Arc<CudaModule>> {
+        let mut loaded = self
+            .loaded
+            .lock()
+            .map_err(|_| BackendError::Device("module cache poisoned".into()))?;
+        if let Some(m) = loaded.get(name) {
+            return Ok(m.clone());
+        }
+        let (_, source) = MODULES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| BackendError::Device(format!("no kernel module `{name}`")))?;
+        let ptx = match source {
+            KernelSource::Ptx(text) => Ptx::from_src(*text),
+            KernelSource::Cuda(src) => {
+                // SAFETY: only dlopens NVRTC.
+                if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                    return Err(BackendError::Unavailable(
+                        "kernels were built without nvcc and NVRTC is not installed: rebuild with NVCC set, or install NVRTC".into(),
+                    ));
+                }
+                let (major, minor) = ctx
+                    .compute_capability()
+                    .map_err(|e| BackendError::Device(format!("{e:?}")))?;
+                let arch: &'static str =
+                    Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+                cudarc::nvrtc::compile_ptx_with_opts(
+                    src,
+                    CompileOptions {
+                        arch: Some(arch),
+                        name: Some(format!("{name}.cu")),
+                        ..Default::default()
+                    },
+                )
+                .map_err(|e| BackendError::Device(format!("NVRTC compiling {name}.cu: {e:?}")))?
+            }
+        };
+        let module = ctx.load_module(ptx).map_err(|e| {
+            BackendError::Device(format!("loading kernel module {name} ({PTX_ARCH}): {e:?}"))
+        })?;
+        loaded.insert(name, module.clone());
+        Ok(module)
+    }
+}
