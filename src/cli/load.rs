@@ -13,7 +13,7 @@ use super::store::open_store_for;
 use super::{Device, ModelArgs, PromptArgs};
 use crate::backend::Backend;
 use crate::backend::cpu::{CpuBackend, kernels};
-use crate::backend::cuda::{CudaBackend, driver_present};
+use crate::backend::cuda::{CudaBackend, device_available};
 use crate::backend::sim::SimBackend;
 use crate::engine::{DecodeTraffic, Engine};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
@@ -83,21 +83,16 @@ pub struct Running {
     pub traffic: Option<DecodeTraffic>,
 }
 
-/// Whether a usable CUDA device is present (without panicking where there is no driver).
-pub fn cuda_available() -> bool {
-    driver_present() && cudarc::driver::CudaContext::device_count().is_ok_and(|n| n > 0)
-}
-
 fn resolve_device(args: &ModelArgs) -> Result<Device> {
     let budgeted = args.budget.gpu_mem.is_some() || args.budget.dram_mem.is_some();
     Ok(match args.device {
-        Device::Cuda if !cuda_available() => bail!(
+        Device::Cuda if !device_available() => bail!(
             "--device cuda: no CUDA device found (no driver, or no GPU); use --device sim to run under a --gpu-mem budget on the CPU"
         ),
         Device::Cpu if budgeted => {
             bail!("--gpu-mem/--dram-mem apply to offloaded devices: use --device sim (or cuda)")
         }
-        Device::Auto if cuda_available() => Device::Cuda,
+        Device::Auto if device_available() => Device::Cuda,
         Device::Auto if budgeted => Device::Sim,
         Device::Auto => Device::Cpu,
         d => d,

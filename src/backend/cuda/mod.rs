@@ -41,6 +41,11 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// Whether a usable CUDA device is present (without panicking where there is no driver).
+pub fn device_available() -> bool {
+    driver_present() && CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
 /// Device facts for `doctor` and the planner.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct DeviceInfo {

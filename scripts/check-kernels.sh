@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Compile every kernels/*.cu to PTX with the pinned CUDA 13.0 nvcc from PyPI (no GPU needed),
+# check the PTX ISA version is at most 9.0 (what the 13.0 driver loads), and assemble each for
+# sm_90 with ptxas; then compile them again through NVRTC (the run-time path of builds made
+# without nvcc) in the crate's own test. The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
+BIN="$VENV/lib/python3.11/site-packages/nvidia/cu13/bin"
+if [[ ! -x "$BIN/nvcc" ]] || ! compgen -G "$VENV/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so*" >/dev/null; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 \
+        nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 \
+        nvidia-cuda-nvrtc==13.0.88
+fi
+BIN="$(dirname "$(find "$VENV" -path '*nvidia/cu13/bin/nvcc' | head -n1)")"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+for cu in kernels/*.cu; do
+    name="$(basename "$cu" .cu)"
+    "$BIN/nvcc" --ptx -arch=compute_80 -O3 -I kernels "$cu" -o "$OUT/$name.ptx"
+    version="$(grep -m1 '^\.version' "$OUT/$name.ptx" | awk '{print $2}')"
+    if ! awk -v v="$version" 'BEGIN { exit !(v + 0 <= 9.0) }'; then
+        echo "check-kernels: $cu: PTX ISA $version is newer than 9.0" >&2
+        exit 1
+    fi
+    "$BIN/ptxas" -arch=sm_90 "$OUT/$name.ptx" -o "$OUT/$name.cubin"
+    echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok"
+done
+LIB="$(dirname "$BIN")/lib"
+LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
+    cargo test --locked --quiet --lib nvrtc_compiles_every_module
+echo "check-kernels: NVRTC compiled every module"

@@ -1,0 +1,633 @@
+//! GPU parity: every CUDA op against the CPU backend on fresh random inputs (outputs poisoned
+//! with NaN first, so an unwritten element fails), then whole engines (full-GPU and offloaded)
+//! against the CPU engine. On a machine without a GPU each test prints why it skips.
+//!
+//! `scripts/gpu-check.sh` runs these on the device machine.
+
+// The op helpers take every dimension explicitly, as the ops do.
+#![allow(clippy::too_many_arguments)]
+
+mod common;
+
+use std::sync::Arc;
+
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::cuda::CudaBackend;
+use gpu_offload::backend::{Act, AttnShape, Backend, BundleShape, RopePairs};
+use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
+use gpu_offload::model::Model;
+use gpu_offload::tensor::{Bytes, DType, HostTensor};
+use gpu_offload::tier::Ledger;
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+fn gpu() -> Option<CudaBackend> {
+    if !gpu_offload::backend::cuda::device_available() {
+        eprintln!("skipped: no CUDA device on this machine");
+        return None;
+    }
+    Some(CudaBackend::new(0, Ledger::new(None, None)).expect("CUDA backend"))
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(2).unwrap()
+}
+
+/// max |a − b| / max |b|; NaN anywhere is infinite error.
+fn rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    if a.iter().any(|v| !v.is_finite()) {
+        return f32::INFINITY;
+    }
+    let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    d / b.iter().fold(1e-30f32, |m, v| m.max(v.abs()))
+}
+
+fn rand_vec(rng: &mut StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// A random weight in `dtype` (block formats get small finite scales).
+fn weight(rng: &mut StdRng, dtype: DType, rows: usize, cols: usize) -> HostTensor {
+    let vals = rand_vec(rng, rows * cols, 1.0);
+    let bytes: Vec<u8> = match dtype {
+        DType::F32 => bytemuck::cast_slice(&vals).to_vec(),
+        DType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v * 0.1).to_le_bytes())
+            .collect(),
+        DType::BF16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v * 0.1).to_le_bytes())
+            .collect(),
+        _ => {
+            let n = dtype.bytes_for(rows * cols);
+            let mut b: Vec<u8> = (0..n).map(|_| rng.random::<u8>()).collect();
+            for blk in b.chunks_mut(dtype.block_bytes()) {
+                blk[0..2].copy_from_slice(
+                    &f16::from_f32(rng.random_range(0.001f32..0.02)).to_le_bytes(),
+                );
+                if dtype == DType::Q4_1 {
+                    blk[2..4].copy_from_slice(
+                        &f16::from_f32(rng.random_range(-0.1f32..0.1)).to_le_bytes(),
+                    );
+                }
+            }
+            b
+        }
+    };
+    HostTensor {
+        name: format!("w_{dtype}"),
+        rows,
+        cols,
+        dtype,
+        data: Bytes::from_slice(&bytes),
+    }
+}
+
+/// A tensor on `b` holding `v`.
+fn put<B: Backend>(b: &B, rows: usize, cols: usize, v: &[f32]) -> B::Tensor {
+    let mut t = b.alloc(rows, cols).unwrap();
+    b.write(&mut t, v).unwrap();
+    t
+}
+
+/// An output tensor full of NaN (an element the op does not write stays NaN).
+fn poisoned<B: Backend>(b: &B, rows: usize, cols: usize) -> B::Tensor {
+    put(b, rows, cols, &vec![f32::NAN; rows * cols])
+}
+
+fn get<B: Backend>(b: &B, t: &B::Tensor) -> Vec<f32> {
+    let (r, c) = b.shape(t);
+    let mut v = vec![0f32; r * c];
+    b.read(t, &mut v).unwrap();
+    v
+}
+
+fn matmul_on<B: Backend>(
+    b: &B,
+    w: &HostTensor,
+    x: &[f32],
+    n: usize,
+    col0: usize,
+    stride: usize,
+) -> Vec<f32> {
+    let dw = b.upload(w).unwrap();
+    let xt = put(b, n, w.cols, x);
+    // Poison only the written columns' neighbours stay as zeros written here.
+    let mut out = put(b, n, stride, &vec![0.0; n * stride]);
+    let mut poison = vec![0f32; n * stride];
+    for t in 0..n {
+        for r in 0..w.rows {
+            poison[t * stride + col0 + r] = f32::NAN;
+        }
+    }
+    b.write(&mut out, &poison).unwrap();
+    b.matmul_into(&dw, &xt, &mut out, col0).unwrap();
+    get(b, &out)
+}
+
+fn matmul_every_format_and_batch_equals_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(1);
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        for (rows, cols, n) in [
+            (67, 96, 1),
+            (130, 256, 3),
+            (64, 512, 8),
+            (96, 128, 13),
+            (33, 64, 40),
+        ] {
+            let w = weight(&mut rng, dtype, rows, cols);
+            let x = rand_vec(&mut rng, n * cols, 1.0);
+            let (col0, stride) = (5, rows + 9);
+            let want = matmul_on(&c, &w, &x, n, col0, stride);
+            let got = matmul_on(g, &w, &x, n, col0, stride);
+            // cuBLAS (n > 8) rounds activations to the weight's 16-bit type.
+            let tol = match dtype {
+                DType::BF16 if n > 8 => 1e-2,
+                _ => 1e-3,
+            };
+            let e = rel(&got, &want);
+            assert!(e <= tol, "{dtype} {rows}x{cols} n={n}: relative error {e}");
+        }
+    }
+}
+
+fn unary_on<B: Backend>(
+    b: &B,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    op: &str,
+    w: &HostTensor,
+    bias: &HostTensor,
+) -> Vec<f32> {
+    let xt = put(b, rows, cols, x);
+    let dw = b.upload(w).unwrap();
+    let db = b.upload(bias).unwrap();
+    let mut out = poisoned(b, rows, cols);
+    match op {
+        "rms" => b.rms_norm(&xt, &dw, 1e-5, &mut out).unwrap(),
+        "ln" => b.layer_norm(&xt, &dw, &db, 1e-5, &mut out).unwrap(),
+        "add" => {
+            b.copy_rows(&xt, 0, &mut out, 0, rows).unwrap();
+            let y = put(
+                b,
+                rows,
+                cols,
+                &x.iter().map(|v| v * 0.5 + 1.0).collect::<Vec<_>>(),
+            );
+            b.add(&mut out, &y).unwrap();
+        }
+        "bias" => {
+            b.copy_rows(&xt, 0, &mut out, 0, rows).unwrap();
+            b.add_bias(&mut out, &db).unwrap();
+        }
+        "zero" => b.zero(&mut out).unwrap(),
+        act => {
+            let a = match act {
+                "silu" => Act::Silu,
+                "relu" => Act::Relu,
+                "gelu" => Act::Gelu,
+                _ => Act::GeluTanh,
+            };
+            b.copy_rows(&xt, 0, &mut out, 0, rows).unwrap();
+            b.activate(&mut out, a).unwrap();
+            let up = put(
+                b,
+                rows,
+                cols,
+                &x.iter().map(|v| v * 0.3 - 0.2).collect::<Vec<_>>(),
+            );
+            let mut g2 = put(b, rows, cols, x);
+            b.gated(&mut g2, &up, a).unwrap();
+            let mut v = get(b, &out);
+            v.extend(get(b, &g2));
+            return v;
+        }
+    }
+    get(b, &out)
+}
+
+fn norms_activations_and_elementwise_equal_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(2);
+    for (rows, cols) in [(1, 64), (7, 576), (3, 4096)] {
+        let x = rand_vec(&mut rng, rows * cols, 3.0);
+        let w = HostTensor::from_f32("w", 1, cols, rand_vec(&mut rng, cols, 1.5));
+        let bias = HostTensor::from_f32("b", 1, cols, rand_vec(&mut rng, cols, 0.5));
+        for op in [
+            "rms",
+            "ln",
+            "add",
+            "bias",
+            "zero",
+            "silu",
+            "relu",
+            "gelu",
+            "gelu_tanh",
+        ] {
+            let want = unary_on(&c, &x, rows, cols, op, &w, &bias);
+            let got = unary_on(g, &x, rows, cols, op, &w, &bias);
+            let e = rel(&got, &want);
+            assert!(e <= 1e-5, "{op} {rows}x{cols}: relative error {e}");
+        }
+    }
+}
+
+fn rope_on<B: Backend>(
+    b: &B,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    hd: usize,
+    rot: usize,
+    pairs: RopePairs,
+    pos: usize,
+) -> Vec<f32> {
+    let mut t = put(b, rows, cols, x);
+    let inv: Vec<f32> = (0..rot / 2)
+        .map(|i| 10000f32.powf(-(2.0 * i as f32) / rot as f32))
+        .collect();
+    let f = b
+        .upload(&HostTensor::from_f32("inv", 1, rot / 2, inv))
+        .unwrap();
+    b.rope(&mut t, hd, rot, pairs, &f, pos).unwrap();
+    get(b, &t)
+}
+
+fn rope_both_pairings_equal_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(3);
+    for pairs in [RopePairs::Adjacent, RopePairs::Halves] {
+        for (rows, heads, hd, rot, pos) in [
+            (1, 9, 64, 64, 1000),
+            (5, 4, 16, 8, 0),
+            (3, 32, 128, 128, 4090),
+        ] {
+            let x = rand_vec(&mut rng, rows * heads * hd, 1.0);
+            let want = rope_on(&c, &x, rows, heads * hd, hd, rot, pairs, pos);
+            let got = rope_on(g, &x, rows, heads * hd, hd, rot, pairs, pos);
+            let e = rel(&got, &want);
+            assert!(e <= 1e-5, "{pairs:?} rows {rows} hd {hd} pos {pos}: {e}");
+        }
+    }
+}
+
+fn embed_on<B: Backend>(b: &B, table: &HostTensor, ids: &[u32], first_row: usize) -> Vec<f32> {
+    let t = b.upload(table).unwrap();
+    let mut out = poisoned(b, ids.len(), table.cols);
+    b.embed(&t, ids, &mut out).unwrap();
+    let mut v = get(b, &out);
+    b.add_table_rows(&mut out, &t, first_row).unwrap();
+    v.extend(get(b, &out));
+    v
+}
+
+fn embedding_gathers_every_format_equal_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(4);
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        let table = weight(&mut rng, dtype, 50, 96);
+        let ids = [0u32, 49, 7, 7, 23];
+        let e = rel(
+            &embed_on(g, &table, &ids, 11),
+            &embed_on(&c, &table, &ids, 11),
+        );
+        assert!(e <= 1e-6, "{dtype}: {e}");
+    }
+}
+
+fn attention_on<B: Backend>(
+    b: &B,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    ctx: usize,
+    pos: usize,
+    s: AttnShape,
+) -> Vec<f32> {
+    let kv = s.n_kv_heads * s.head_dim;
+    let qt = put(b, n, s.n_heads * s.head_dim, q);
+    let kt = put(b, ctx, kv, k);
+    let vt = put(b, ctx, kv, v);
+    let mut out = poisoned(b, n, s.n_heads * s.head_dim);
+    b.attention(&qt, &kt, &vt, pos, s, &mut out).unwrap();
+    get(b, &out)
+}
+
+fn attention_decode_and_prefill_with_gqa_equal_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(5);
+    for (n, pos, ctx, heads, kv_heads, hd) in [
+        (1, 37, 64, 9, 3, 64),
+        (5, 0, 8, 4, 2, 16),
+        (7, 11, 32, 8, 8, 32),
+        (1, 2500, 2600, 32, 8, 128),
+    ] {
+        let s = AttnShape {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let q = rand_vec(&mut rng, n * heads * hd, 1.0);
+        let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s);
+        let got = attention_on(g, &q, &k, &v, n, ctx, pos, s);
+        let e = rel(&got, &want);
+        assert!(
+            e <= 1e-4,
+            "n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
+        );
+    }
+}
+
+fn bundles_on<B: Backend>(
+    b: &B,
+    bundles: &HostTensor,
+    split: usize,
+    shape: BundleShape,
+    x: &[f32],
+    n: usize,
+    act: Act,
+    bias: Option<&HostTensor>,
+) -> Vec<f32> {
+    let rb = bundles.row_bytes();
+    let part = |lo: usize, hi: usize| HostTensor {
+        name: "part".into(),
+        rows: hi - lo,
+        cols: bundles.cols,
+        dtype: bundles.dtype,
+        data: Bytes::from_slice(&bundles.data.as_slice()[lo * rb..hi * rb]),
+    };
+    let (a, z) = (
+        b.upload(&part(0, split)).unwrap(),
+        b.upload(&part(split, bundles.rows)).unwrap(),
+    );
+    let xt = put(b, n, shape.d, x);
+    let db = bias.map(|t| b.upload(t).unwrap());
+    let mut h = poisoned(b, n, bundles.rows);
+    b.ffn_bundles_up(&a, shape, &xt, act, db.as_ref(), &mut h, 0)
+        .unwrap();
+    b.ffn_bundles_up(&z, shape, &xt, act, db.as_ref(), &mut h, split)
+        .unwrap();
+    let mut out = poisoned(b, n, shape.d);
+    b.zero(&mut out).unwrap();
+    b.ffn_bundles_down(&a, shape, &h, 0, &mut out).unwrap();
+    b.ffn_bundles_down(&z, shape, &h, split, &mut out).unwrap();
+    let mut v = get(b, &h);
+    v.extend(get(b, &out));
+    v
+}
+
+fn bundled_ffn_equals_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(6);
+    for (parts, d, neurons, n, split) in [
+        (3, 64, 150, 1, 64),
+        (2, 128, 300, 3, 128),
+        (3, 576, 1536, 9, 1024),
+    ] {
+        let vals = rand_vec(&mut rng, neurons * parts * d, 0.2);
+        let h: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+        let bundles = HostTensor {
+            name: "bundles".into(),
+            rows: neurons,
+            cols: parts * d,
+            dtype: DType::F16,
+            data: Bytes::from_slice(bytemuck::cast_slice(&h)),
+        };
+        let shape = BundleShape { parts, d };
+        let x = rand_vec(&mut rng, n * d, 1.0);
+        let bias = HostTensor::from_f32("b", 1, neurons, rand_vec(&mut rng, neurons, 0.1));
+        let (act, bias) = if parts == 3 {
+            (Act::Silu, None)
+        } else {
+            (Act::Relu, Some(&bias))
+        };
+        let want = bundles_on(&c, &bundles, split, shape, &x, n, act, bias);
+        let got = bundles_on(g, &bundles, split, shape, &x, n, act, bias);
+        let e = rel(&got, &want);
+        assert!(e <= 1e-4, "{parts} parts d {d} n {n}: {e}");
+    }
+}
+
+/// Each op check runs on the CUDA backend (skipped without a GPU) and on the budgeted CPU device
+/// (always: it proves the checks themselves and the sim backend's delegation).
+macro_rules! on_devices {
+    ($($check:ident),*) => {
+        mod cuda_ops {
+            use super::*;
+            $( #[test] fn $check() { if let Some(g) = gpu() { super::$check(&g) } } )*
+        }
+        mod sim_ops {
+            use super::*;
+            $( #[test] fn $check() {
+                let sim = gpu_offload::backend::sim::SimBackend::new(cpu(), Ledger::new(None, None));
+                super::$check(&sim)
+            } )*
+        }
+    };
+}
+
+on_devices!(
+    matmul_every_format_and_batch_equals_cpu,
+    norms_activations_and_elementwise_equal_cpu,
+    rope_both_pairings_equal_cpu,
+    embedding_gathers_every_format_equal_cpu,
+    attention_decode_and_prefill_with_gqa_equal_cpu,
+    bundled_ffn_equals_cpu
+);
+
+#[test]
+fn device_budget_is_enforced() {
+    if gpu().is_none() {
+        return;
+    }
+    let g = CudaBackend::new(0, Ledger::new(Some(64 << 20), None)).unwrap();
+    let _a = g.alloc(1024, 1024).unwrap(); // 4 MiB (after the 32 MiB cuBLAS workspace)
+    assert!(
+        g.alloc(8192, 1024).is_err(),
+        "32 MiB more is over the 64 MiB budget"
+    );
+}
+
+/// CPU and CUDA engines on the same model: logits, then greedy runs.
+fn engine_parity(
+    model: &Model,
+    prompt: &[u32],
+    tokens: usize,
+    tol: f32,
+) -> (f32, usize, Vec<u32>, Vec<u32>) {
+    let g = gpu().expect("GPU");
+    let cpu_e = Engine::new(cpu(), model.spec.clone(), &model.weights).unwrap();
+    let gpu_e = Engine::new(g, model.spec.clone(), &model.weights).unwrap();
+    let ctx = prompt.len() + tokens;
+    let mut s1 = cpu_e.new_session(ctx).unwrap();
+    let mut s2 = gpu_e.new_session(ctx).unwrap();
+    let a = cpu_e.forward(&mut s1, prompt, Logits::All).unwrap();
+    let b = gpu_e.forward(&mut s2, prompt, Logits::All).unwrap();
+    let e = rel(&b, &a);
+    assert!(e <= tol, "{}: logits relative error {e}", model.spec.name);
+    let params = GenerateParams {
+        max_tokens: tokens,
+        sampler: SamplerParams::greedy(),
+        stop_at_eog: false,
+    };
+    let mut s1 = cpu_e.new_session(ctx).unwrap();
+    let mut s2 = gpu_e.new_session(ctx).unwrap();
+    let ga = generate(&cpu_e, &mut s1, prompt, &params, &|_| false, &mut |_| true).unwrap();
+    let gb = generate(&gpu_e, &mut s2, prompt, &params, &|_| false, &mut |_| true).unwrap();
+    let agree = ga
+        .tokens
+        .iter()
+        .zip(&gb.tokens)
+        .take_while(|(x, y)| x == y)
+        .count();
+    (e, agree, ga.tokens, gb.tokens)
+}
+
+#[test]
+fn stories260k_on_gpu_equals_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let m = Model::load(&common::stories260k()).unwrap();
+    let (e, agree, a, b) = engine_parity(&m, &[1, 403, 407, 261, 378], 32, 1e-2);
+    println!("stories260K: logits relative error {e:.2e}, greedy agreement {agree}/32");
+    assert_eq!(a, b);
+}
+
+#[test]
+fn smollm2_on_gpu_equals_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let Some(p) = common::smollm2() else { return };
+    let m = Model::load(&p).unwrap();
+    let tok = m.tokenizer.as_ref().unwrap();
+    for prompt in [
+        "Once upon a time",
+        "The capital of France is",
+        "def fibonacci(n):",
+    ] {
+        let ids = tok.encode(prompt, true, false).unwrap();
+        let (e, agree, a, b) = engine_parity(&m, &ids, 32, 1e-2);
+        println!(
+            "SmolLM2 {prompt:?}: logits relative error {e:.2e}, greedy agreement {agree}/32\n  cpu {a:?}\n  gpu {b:?}"
+        );
+        assert_eq!(a, b, "{prompt:?}");
+    }
+}
+
+#[test]
+fn hf_fixtures_on_gpu_equal_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    for name in ["llama-gqa", "relu-llama", "qwen2-bias", "opt", "llama-tok"] {
+        let m = Model::load(&common::fixtures().join("hf").join(name)).unwrap();
+        let (e, agree, a, b) = engine_parity(&m, &[5, 17, 99, 3, 42, 8], 24, 1e-3);
+        println!("{name}: logits relative error {e:.2e}, greedy agreement {agree}/24");
+        assert_eq!(a, b, "{name}");
+    }
+}
+
+/// The offloaded engine on the GPU: logits equal the dense CPU engine on the store's weights,
+/// the device budget holds, and host→device bytes per token equal the plan.
+#[test]
+fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
+    if gpu().is_none() {
+        return;
+    }
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    use gpu_offload::store::{ConvertOptions, Store, convert};
+    use gpu_offload::tier::offload::OffloadWeights;
+    let dir = tempfile::tempdir().unwrap();
+    for (name, src) in [
+        ("stories", common::stories260k()),
+        ("llama-gqa", common::fixtures().join("hf/llama-gqa")),
+    ] {
+        let out = dir.path().join(name);
+        convert(&src, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+        let store = Arc::new(Store::open(&out).unwrap());
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..10)
+            .map(|i| (i * 37 % (spec.vocab_size - 3) + 2) as u32)
+            .collect();
+        let dense = Engine::new(cpu(), spec.clone(), &store.dense_weights().unwrap()).unwrap();
+        let mut s = dense.new_session(16).unwrap();
+        let want = dense.forward(&mut s, &toks[..6], Logits::Last).unwrap();
+        let hw = HardwareProfile::load("h100-80g").unwrap();
+        // Smallest budget, with the cuBLAS workspace on top.
+        let probe = Budget {
+            gpu_mem: 0,
+            dram_mem: None,
+            window: 2,
+            ctx: 16,
+            batch: 6,
+            logit_rows: 1,
+        };
+        let min = match make_plan(&store.manifest, &probe, &hw) {
+            Err(gpu_offload::plan::PlanError::GpuTooSmall { minimum, .. }) => minimum,
+            other => panic!("{other:?}"),
+        };
+        let budget = Budget {
+            gpu_mem: min + (40 << 20),
+            ..probe
+        };
+        let plan = make_plan(
+            &store.manifest,
+            &Budget {
+                gpu_mem: min,
+                ..budget.clone()
+            },
+            &hw,
+        )
+        .unwrap();
+        let ledger = Ledger::new(Some(budget.gpu_mem), None);
+        let g = CudaBackend::new(0, ledger.clone()).unwrap();
+        let src = OffloadWeights::new(&g, store.clone(), &plan, ledger.clone()).unwrap();
+        let e = Engine::with_source(g, spec.clone(), Box::new(src)).unwrap();
+        let mut s = e.new_session(16).unwrap();
+        let got = e.forward(&mut s, &toks[..6], Logits::Last).unwrap();
+        let err = rel(&got, &want);
+        assert!(err <= 1e-3, "{name}: offloaded logits differ by {err}");
+        for &t in &toks[6..] {
+            let before = ledger.snapshot();
+            e.forward(&mut s, &[t], Logits::Last).unwrap();
+            e.settle();
+            let after = ledger.snapshot();
+            assert_eq!(
+                after.h2d_bytes - before.h2d_bytes,
+                plan.per_token.h2d_bytes,
+                "{name}"
+            );
+            assert!(
+                after.hbm_peak <= budget.gpu_mem,
+                "{name}: peak {} > {}",
+                after.hbm_peak,
+                budget.gpu_mem
+            );
+        }
+    }
+}
