@@ -1,6 +1,7 @@
 //! The command-line edge: one file per subcommand parses its flags, calls the library and prints.
 //! Every flag can also come from a `GPU_OFFLOAD_*` environment variable.
 
+mod bench;
 mod convert;
 mod doctor;
 pub(crate) mod load;
@@ -49,6 +50,8 @@ pub enum Command {
     Synth(synth::SynthArgs),
     /// Decide where every byte lives for a budget; print the plan and its predicted speed.
     Plan(plan::PlanArgs),
+    /// Measure speed beside its physical bound (matvec, decode).
+    Bench(bench::BenchArgs),
 }
 
 /// Where the math runs.
@@ -120,5 +123,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Convert(a) => convert::run(a),
         Command::Synth(a) => synth::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 pub fn stories260k() -> PathBuf {
     let dir = std::env::var_os("GPU_OFFLOAD_SHARED_MODELS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/models"));
+        .unwrap_or_else(|| repo().join("../shared/models"));
     let p = dir.join("stories260K-f32.gguf");
     assert!(
         p.exists(),
@@ -36,8 +36,16 @@ pub fn smollm2() -> Option<PathBuf> {
     panic!("{} is missing: run scripts/fetch-models.sh", p.display());
 }
 
+/// The repository root: `$GPU_OFFLOAD_REPO` (test binaries run on another machine, e.g. the
+/// GPU machine, from a copy of the tree) or where the crate was built.
+pub fn repo() -> PathBuf {
+    std::env::var_os("GPU_OFFLOAD_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    repo().join("tests/fixtures")
 }
 
 /// A JSON fixture, by path relative to tests/fixtures.
