@@ -20,7 +20,7 @@ B="$PWD/.gpu/gpu-offload"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu-offload-check}"
 mkdir -p "$WORK"
 export GPU_OFFLOAD_REPO="$PWD" GPU_OFFLOAD_SHARED_MODELS="$PWD/.gpu/models" GPU_OFFLOAD_MODELS="${GPU_OFFLOAD_MODELS:-$WORK/models}"
-export GPU_OFFLOAD_SKIP_MISSING_MODELS="${GPU_OFFLOAD_SKIP_MISSING_MODELS:-1}"
+export GPU_OFFLOAD_SKIP_MISSING_MODELS="${GPU_OFFLOAD_SKIP_MISSING_MODELS:-1}" GPU_OFFLOAD_REQUIRE_GPU=1
 PY="${PYTHON:-python3}"
 [[ -x "$B" ]] || { echo "gpu-check: .gpu/gpu-offload missing: run scripts/gpu-build.sh here and carry .gpu" | tee -a "$LOG"; exit 2; }
 

@@ -24,6 +24,11 @@ use rand::{RngExt, SeedableRng};
 
 fn gpu() -> Option<CudaBackend> {
     if !gpu_offload::backend::cuda::device_available() {
+        // scripts/gpu-check.sh sets this: on the GPU machine a missing GPU is a failure.
+        assert!(
+            std::env::var_os("GPU_OFFLOAD_REQUIRE_GPU").is_none(),
+            "GPU_OFFLOAD_REQUIRE_GPU is set but no CUDA device was found"
+        );
         eprintln!("skipped: no CUDA device on this machine");
         return None;
     }

@@ -235,6 +235,11 @@ impl CudaBackend {
         self.copy.synchronize().map_err(dev)
     }
 
+    /// Make this device's context current on the calling thread (raw driver calls need it).
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(dev)
+    }
+
     fn reserve(&self, bytes: usize, what: &str) -> Result<Reservation> {
         self.ledger
             .reserve(Tier::Hbm, bytes as u64, what)
@@ -382,6 +387,15 @@ impl CudaBackend {
     }
 }
 
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        // Weights may be dropped after the backend: let every queued copy and kernel finish
+        // first, so nothing in flight touches memory as it is freed.
+        self.compute.synchronize().ok();
+        self.copy.synchronize().ok();
+    }
+}
+
 /// A page-locked host range; unlocked on drop.
 pub struct PinnedRegion {
     ptr: usize,
@@ -414,6 +428,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, w: &HostTensor) -> Result<CudaWeight> {
+        self.bind()?;
         let mut dst = self.alloc_weight(&w.name, w.dtype, w.rows, w.cols)?;
         let bytes = w.data.as_slice();
         // SAFETY: dst holds exactly `bytes.len()` bytes; the compute stream orders the copy
@@ -446,6 +461,10 @@ impl Backend for CudaBackend {
         // SAFETY: filled by upload/upload_into before use.
         let buf = unsafe { self.compute.alloc::<u8>(bytes.max(1)) }.map_err(dev)?;
         let ptr = ptr_of(&buf, &self.compute);
+        // The allocation is ordered on the compute stream; copies into it run on the copy
+        // stream, which must not get ahead of it.
+        let allocated = self.compute.record_event(None).map_err(dev)?;
+        self.copy.wait(&allocated).map_err(dev)?;
         Ok(CudaWeight {
             buf,
             ptr,
@@ -458,6 +477,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
+        self.bind()?;
         let rb = dst.dtype.bytes_for(dst.cols);
         let start = first_row * rb;
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.rows * rb {
@@ -518,6 +538,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        self.bind()?;
         let (buf, ptr, hold) =
             self.alloc_f32(rows * cols, &format!("a {rows}x{cols} activation buffer"))?;
         let t = CudaTensor {
@@ -542,6 +563,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, dst: &mut CudaTensor, src: &[f32]) -> Result<()> {
+        self.bind()?;
         if src.len() != dst.rows * dst.cols {
             return Err(shape_err(
                 "write",
@@ -559,6 +581,7 @@ impl Backend for CudaBackend {
     }
 
     fn read(&self, src: &CudaTensor, dst: &mut [f32]) -> Result<()> {
+        self.bind()?;
         if dst.len() != src.rows * src.cols {
             return Err(shape_err(
                 "read",
@@ -584,6 +607,7 @@ impl Backend for CudaBackend {
         dst_row: usize,
         n: usize,
     ) -> Result<()> {
+        self.bind()?;
         if src.cols != dst.cols || src_row + n > src.rows || dst_row + n > dst.rows {
             return Err(shape_err(
                 "copy_rows",
@@ -608,6 +632,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
+        self.bind()?;
         if out.rows != ids.len() || out.cols != table.cols {
             return Err(shape_err(
                 "embed",
@@ -676,6 +701,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         col0: usize,
     ) -> Result<()> {
+        self.bind()?;
         if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
             return Err(shape_err(
                 "matmul",
@@ -872,6 +898,7 @@ impl Backend for CudaBackend {
     }
 
     fn zero(&self, x: &mut CudaTensor) -> Result<()> {
+        self.bind()?;
         // SAFETY: the whole buffer.
         unsafe {
             cudarc::driver::result::memset_d8_async(
