@@ -165,6 +165,40 @@ impl LoadedModel {
         &self.spec
     }
 
+    /// Identity of the model's weights: the store's id, or a hash of the shape, the file
+    /// sizes and the first and last 64 KiB of each file (cheap, and changes with any re-export).
+    pub fn model_id(&self) -> Result<String> {
+        use std::io::{Read, Seek, SeekFrom};
+        if let Weights::Stored(store) = &self.weights {
+            return Ok(store.manifest.model_id.clone());
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(serde_json::to_string(&self.spec)?.as_bytes());
+        let mut files: Vec<PathBuf> = if self.path.is_dir() {
+            std::fs::read_dir(&self.path)
+                .with_context(|| format!("cannot list {}", self.path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file())
+                .collect()
+        } else {
+            vec![self.path.clone()]
+        };
+        files.sort();
+        for f in files {
+            let mut file =
+                std::fs::File::open(&f).with_context(|| format!("cannot open {}", f.display()))?;
+            let len = file.metadata()?.len();
+            h.update(&len.to_le_bytes());
+            let mut buf = vec![0u8; 65536.min(len as usize)];
+            file.read_exact(&mut buf)?;
+            h.update(&buf);
+            file.seek(SeekFrom::End(-(buf.len() as i64)))?;
+            file.read_exact(&mut buf)?;
+            h.update(&buf);
+        }
+        Ok(format!("{:016x}", h.digest()))
+    }
+
     /// Place the model on its device for `job`.
     pub fn start(&self, args: &ModelArgs, job: Job) -> Result<Running> {
         let kernels = match &args.cpu_kernels {

@@ -9,6 +9,7 @@ mod logits;
 mod perplexity;
 mod plan;
 mod run;
+mod serve;
 mod store;
 mod synth;
 
@@ -52,6 +53,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Measure speed beside its physical bound (matvec, decode).
     Bench(bench::BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API with persistent contexts.
+    Serve(serve::ServeArgs),
 }
 
 /// Where the math runs.
@@ -124,5 +127,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Synth(a) => synth::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

@@ -133,7 +133,24 @@ pub struct Session<B: Backend> {
     pos: usize,
     ctx: usize,
     scratch: Option<Scratch<B>>,
+    probe: Option<QueryProbe<B>>,
 }
+
+/// The most recent queries of a few layers, kept so the attention a context's positions receive
+/// can be measured later (the information density of KV chunks, LLMS eq. 1).
+struct QueryProbe<B: Backend> {
+    layers: Vec<usize>,
+    /// Per probed layer: a ring of [`PROBE_QUERIES`] query rows (after RoPE).
+    q: Vec<B::Tensor>,
+    /// Position of the query in each ring row (`usize::MAX`: empty).
+    positions: Vec<usize>,
+    next: usize,
+}
+
+/// Queries remembered per probed layer.
+pub const PROBE_QUERIES: usize = 16;
+/// Layers probed at most (evenly spaced).
+const PROBE_LAYERS: usize = 4;
 
 impl<B: Backend> Session<B> {
     /// Tokens evaluated so far.
@@ -149,6 +166,19 @@ impl<B: Backend> Session<B> {
     /// Forget everything after the first `pos` tokens (their cache rows are overwritten later).
     pub fn truncate(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);
+    }
+
+    /// Declare the first `pos` cache rows valid: rows written with [`Engine::write_kv`], or a
+    /// jump back to recompute the rows from `pos` on (the rows after stay as written).
+    pub fn set_position(&mut self, pos: usize) -> Result<()> {
+        if pos > self.ctx {
+            return Err(EngineError::ContextFull {
+                needed: pos,
+                ctx: self.ctx,
+            });
+        }
+        self.pos = pos;
+        Ok(())
     }
 }
 
@@ -266,6 +296,163 @@ impl<B: Backend> Engine<B> {
             pos: 0,
             ctx,
             scratch: None,
+            probe: None,
+        })
+    }
+
+    /// Remember the latest queries of a few layers in `session` from now on, for
+    /// [`Engine::attention_density`].
+    pub fn enable_probe(&self, session: &mut Session<B>) -> Result<()> {
+        if session.probe.is_some() {
+            return Ok(());
+        }
+        let n = self.spec.n_layers;
+        let count = PROBE_LAYERS.min(n);
+        let layers: Vec<usize> = (0..count).map(|i| (2 * i + 1) * n / (2 * count)).collect();
+        let mut q = Vec::with_capacity(count);
+        for _ in 0..count {
+            q.push(self.backend.alloc(PROBE_QUERIES, self.spec.q_dim())?);
+        }
+        session.probe = Some(QueryProbe {
+            layers,
+            q,
+            positions: vec![usize::MAX; PROBE_QUERIES],
+            next: 0,
+        });
+        Ok(())
+    }
+
+    /// Keys and values of positions `first..first + len` of every layer, laid out per layer K
+    /// then V, each `len × kv_dim` (the layout of `kv::ChunkData`).
+    pub fn read_kv(&self, s: &mut Session<B>, first: usize, len: usize) -> Result<Vec<f32>> {
+        self.check_rows(s, first, len)?;
+        let kv = self.spec.kv_dim();
+        let b = &self.backend;
+        b.enter(move || {
+            let mut out = vec![0f32; 2 * self.spec.n_layers * len * kv];
+            if len == 0 {
+                return Ok(out);
+            }
+            let mut tmp = b.alloc(len, kv)?;
+            for (i, part) in out.chunks_mut(len * kv).enumerate() {
+                let src = if i % 2 == 0 { &s.k[i / 2] } else { &s.v[i / 2] };
+                b.copy_rows(src, first, &mut tmp, 0, len)?;
+                b.read(&tmp, part)?;
+            }
+            Ok(out)
+        })
+    }
+
+    /// Write keys and values (layout of [`Engine::read_kv`]) into positions `first..first + len`.
+    /// The session's position is not changed: see [`Session::set_position`].
+    pub fn write_kv(
+        &self,
+        s: &mut Session<B>,
+        first: usize,
+        len: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        self.check_rows(s, first, len)?;
+        let kv = self.spec.kv_dim();
+        if values.len() != 2 * self.spec.n_layers * len * kv {
+            return Err(EngineError::Weights(format!(
+                "KV rows: {} values given for {len} positions",
+                values.len()
+            )));
+        }
+        let b = &self.backend;
+        b.enter(|| {
+            if len == 0 {
+                return Ok(());
+            }
+            let mut tmp = b.alloc(len, kv)?;
+            for (i, part) in values.chunks(len * kv).enumerate() {
+                b.write(&mut tmp, part)?;
+                let dst = if i % 2 == 0 {
+                    &mut s.k[i / 2]
+                } else {
+                    &mut s.v[i / 2]
+                };
+                b.copy_rows(&tmp, 0, dst, first, len)?;
+            }
+            Ok(())
+        })
+    }
+
+    fn check_rows(&self, s: &Session<B>, first: usize, len: usize) -> Result<()> {
+        if first + len > s.ctx {
+            return Err(EngineError::ContextFull {
+                needed: first + len,
+                ctx: s.ctx,
+            });
+        }
+        Ok(())
+    }
+
+    /// Share of attention each block of `block` positions received from the remembered queries
+    /// (softmax probabilities, averaged over probed layers, heads and queries; blocks sum to 1).
+    /// Empty when the session has no probe or no queries yet.
+    pub fn attention_density(&self, s: &mut Session<B>, block: usize) -> Result<Vec<f32>> {
+        let Some(p) = &s.probe else {
+            return Ok(Vec::new());
+        };
+        let spec = &self.spec;
+        let layers = p.layers.clone();
+        let pos = s.pos;
+        let blocks = pos.div_ceil(block.max(1));
+        let mut mass = vec![0f64; blocks];
+        let queries: Vec<(usize, usize)> = p
+            .positions
+            .iter()
+            .enumerate()
+            .filter(|&(_, &qp)| qp < pos)
+            .map(|(r, &qp)| (r, qp))
+            .collect();
+        if queries.is_empty() || pos == 0 {
+            return Ok(Vec::new());
+        }
+        let (hd, kv) = (spec.head_dim, spec.kv_dim());
+        let group = spec.n_heads / spec.n_kv_heads.max(1);
+        let b = &self.backend;
+        b.enter(move || {
+            let Some(p) = &mut s.probe else {
+                return Ok(Vec::new());
+            };
+            let mut q = vec![0f32; PROBE_QUERIES * spec.q_dim()];
+            let mut k = vec![0f32; pos * kv];
+            let mut kt = b.alloc(pos, kv)?;
+            let mut scores = vec![0f32; pos];
+            for (li, &l) in layers.iter().enumerate() {
+                b.read(&p.q[li], &mut q)?;
+                b.copy_rows(&s.k[l], 0, &mut kt, 0, pos)?;
+                b.read(&kt, &mut k)?;
+                for &(row, qp) in &queries {
+                    for h in 0..spec.n_heads {
+                        let qh = &q[row * spec.q_dim() + h * hd..][..hd];
+                        let kh = (h / group.max(1)) * hd;
+                        let mut max = f32::NEG_INFINITY;
+                        for (j, sc) in scores[..=qp].iter_mut().enumerate() {
+                            let kj = &k[j * kv + kh..][..hd];
+                            *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
+                                * spec.attn_scale;
+                            max = max.max(*sc);
+                        }
+                        let mut sum = 0f64;
+                        for sc in &mut scores[..=qp] {
+                            *sc = (*sc - max).exp();
+                            sum += *sc as f64;
+                        }
+                        for (j, sc) in scores[..=qp].iter().enumerate() {
+                            mass[j / block] += *sc as f64 / sum;
+                        }
+                    }
+                }
+            }
+            let total: f64 = mass.iter().sum();
+            Ok(mass
+                .iter()
+                .map(|m| if total > 0.0 { (m / total) as f32 } else { 0.0 })
+                .collect())
         })
     }
 
@@ -441,6 +628,16 @@ impl<B: Backend> Engine<B> {
                     b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
                     b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
                 }
+                if let Some(p) = &mut session.probe
+                    && let Some(i) = p.layers.iter().position(|&pl| pl == l)
+                {
+                    // The last queries of this step go into the ring, oldest first.
+                    let m = n.min(PROBE_QUERIES);
+                    for r in 0..m {
+                        let row = (p.next + r) % PROBE_QUERIES;
+                        b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
+                    }
+                }
                 b.copy_rows(&sc.k, 0, &mut session.k[l], pos, n)?;
                 b.copy_rows(&sc.v, 0, &mut session.v[l], pos, n)?;
                 b.attention(
@@ -460,6 +657,13 @@ impl<B: Backend> Engine<B> {
                 b.add(&mut sc.x, &sc.proj)?;
             }
             source.layer_done(b, l)?;
+        }
+        if let Some(p) = &mut session.probe {
+            let m = n.min(PROBE_QUERIES);
+            for r in 0..m {
+                p.positions[(p.next + r) % PROBE_QUERIES] = pos + n - m + r;
+            }
+            p.next = (p.next + m) % PROBE_QUERIES;
         }
         session.pos += n;
 

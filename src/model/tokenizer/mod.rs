@@ -182,13 +182,13 @@ impl Tokenizer {
 /// become U+FFFD. The concatenated output equals the concatenated token pieces (llama.cpp's
 /// `token_to_piece`, control tokens hidden), with no prefix-space removal: a stream continues a
 /// prompt.
-pub struct TextStream<'a> {
-    tok: &'a Tokenizer,
+pub struct TextStream<T: std::ops::Deref<Target = Tokenizer>> {
+    tok: T,
     pending: Vec<u8>,
 }
 
-impl<'a> TextStream<'a> {
-    pub fn new(tok: &'a Tokenizer) -> Self {
+impl<T: std::ops::Deref<Target = Tokenizer>> TextStream<T> {
+    pub fn new(tok: T) -> Self {
         TextStream {
             tok,
             pending: Vec::new(),

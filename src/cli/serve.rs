@@ -1,0 +1,237 @@
+//! `gpu-offload serve`: load the model, start the engine thread and the HTTP server.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+
+use super::load::{Job, with_engine};
+use super::plan::parse_bytes;
+use super::{LoadedModel, ModelArgs};
+use crate::kv::{self, Compression, KvConfig, KvManager};
+use crate::service::api::Limits;
+use crate::service::worker::{Worker, WorkerConfig};
+use crate::service::{AppState, HttpConfig, Shared, router};
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    /// Address to listen on (loopback by default; anything else exposes the server).
+    #[arg(long, env = "GPU_OFFLOAD_HOST", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+
+    /// Port to listen on (0: any free port, printed at start).
+    #[arg(long, env = "GPU_OFFLOAD_PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// API keys (comma-separated). When set, every route but /health needs
+    /// `Authorization: Bearer <key>`, and contexts belong to the key that created them.
+    #[arg(long, env = "GPU_OFFLOAD_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+
+    /// Sequences generated at once (each holds a KV cache of --ctx-size on the device).
+    #[arg(long, env = "GPU_OFFLOAD_PARALLEL", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub parallel: u16,
+
+    /// Requests waiting at most; beyond, 429.
+    #[arg(long, env = "GPU_OFFLOAD_QUEUE", default_value_t = 64)]
+    pub queue: usize,
+
+    /// Longest prompt accepted, in tokens [default: the context size]
+    #[arg(long, env = "GPU_OFFLOAD_MAX_PROMPT_TOKENS")]
+    pub max_prompt_tokens: Option<usize>,
+
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, env = "GPU_OFFLOAD_MAX_TOKENS_LIMIT", default_value_t = 4096)]
+    pub max_tokens_limit: usize,
+
+    /// max_tokens when a request gives none.
+    #[arg(long, env = "GPU_OFFLOAD_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    pub default_max_tokens: usize,
+
+    /// Directory where contexts persist (chunk files and indexes) [default: DRAM only, lost at exit]
+    #[arg(long, env = "GPU_OFFLOAD_KV_DIR")]
+    pub kv_dir: Option<PathBuf>,
+
+    /// KV chunk compression when contexts leave the device: off, int8, int4, int2, or a ratio
+    /// of the int8 size (e.g. 50%) met with per-chunk widths chosen by attention density.
+    #[arg(long, env = "GPU_OFFLOAD_KV_COMPRESSION", default_value = "50%", value_parser = Compression::parse)]
+    pub kv_compression: Compression,
+
+    /// DRAM for compressed KV chunks (counted in the DRAM ledger).
+    #[arg(long, env = "GPU_OFFLOAD_KV_DRAM_MEM", default_value = "512M", value_parser = parse_bytes)]
+    pub kv_dram_mem: u64,
+
+    /// Seconds in-flight requests may run after a shutdown signal before they are stopped.
+    #[arg(long, env = "GPU_OFFLOAD_SHUTDOWN_GRACE", default_value_t = 10.0)]
+    pub shutdown_grace: f64,
+
+    /// Model name reported by /v1/models and expected in requests [default: the file name]
+    #[arg(long, env = "GPU_OFFLOAD_MODEL_NAME")]
+    pub model_name: Option<String>,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
+        bail!("--shutdown-grace must be a non-negative number of seconds");
+    }
+    if a.api_key.iter().any(|k| k.trim().is_empty()) {
+        bail!("--api-key: keys must not be empty");
+    }
+    if a.queue == 0 {
+        bail!("--queue must be at least 1");
+    }
+    let loaded = LoadedModel::load(&a.model)?;
+    let spec = loaded.spec().clone();
+    let ctx = loaded.context_for(&a.model, spec.max_context.min(2048))?;
+    let parallel = a.parallel as usize;
+    let running = loaded.start(
+        &a.model,
+        Job {
+            ctx: ctx * parallel,
+            batch: crate::engine::MAX_BATCH.min(ctx),
+            logit_rows: 1,
+        },
+    )?;
+    let model_id = loaded.model_id()?;
+    let model_name = a.model_name.clone().unwrap_or_else(|| {
+        loaded
+            .path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| spec.name.clone())
+    });
+    if let Some(dir) = &a.kv_dir {
+        kv::persist::prepare(dir)
+            .with_context(|| format!("--kv-dir {} is not usable", dir.display()))?;
+    }
+    let shared = Shared::new(running.ledger.clone()).context("metrics")?;
+    let tok = loaded.tokenizer.clone().map(Arc::new);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
+    let worker_cfg = WorkerConfig {
+        parallel,
+        ctx,
+        max_prompt_tokens: a.max_prompt_tokens.unwrap_or(ctx),
+        shutdown_grace: Duration::from_secs_f64(a.shutdown_grace),
+    };
+    let kv_base = (a.kv_compression, a.kv_dram_mem, a.kv_dir.clone(), model_id);
+    let ledger = running.ledger.clone();
+    let shared_w = shared.clone();
+    let engine = running.engine;
+    let worker = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || {
+            with_engine!(engine, e => {
+                let start = || -> Result<_> {
+                    let costs = kv::measure_costs(&e, kv_base.2.as_deref())?;
+                    tracing::info!("KV cost model: {costs:?}");
+                    let cfg = KvConfig {
+                        compression: kv_base.0,
+                        dram_budget: kv_base.1,
+                        dir: kv_base.2.clone(),
+                        model_id: kv_base.3.clone(),
+                        costs,
+                    };
+                    let (kv, warnings) = KvManager::open(cfg, ledger)?;
+                    for w in warnings {
+                        tracing::warn!("{w}");
+                        eprintln!("warning: {w}");
+                    }
+                    Ok(kv)
+                };
+                match start().and_then(|kv| Ok(Worker::new(e, tok, kv, shared_w, worker_cfg)?)) {
+                    Ok(w) => {
+                        ready_tx.send(Ok(())).ok();
+                        w.run(rx);
+                    }
+                    Err(err) => {
+                        ready_tx.send(Err(err)).ok();
+                    }
+                }
+            })
+        })
+        .context("cannot start the engine thread")?;
+    ready_rx
+        .recv()
+        .context("the engine thread stopped while starting")??;
+
+    let cfg = HttpConfig {
+        addr: SocketAddr::new(a.host, a.port),
+        api_keys: a.api_key.clone(),
+        model_name,
+        queue: a.queue,
+        limits: Limits {
+            max_tokens: a.max_tokens_limit,
+            default_max_tokens: a.default_max_tokens.min(a.max_tokens_limit),
+        },
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let state = AppState {
+        tx,
+        shared: shared.clone(),
+        cfg: Arc::new(cfg.clone()),
+    };
+    let shared_http = shared.clone();
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(cfg.addr)
+            .await
+            .with_context(|| format!("cannot listen on {}", cfg.addr))?;
+        let addr = listener.local_addr()?;
+        // Scripts wait for this line (and read the port from it when --port 0).
+        println!("listening on http://{addr}");
+        use std::io::Write;
+        std::io::stdout().flush().ok();
+        if !a.host.is_loopback() && a.api_key.is_empty() {
+            eprintln!(
+                "warning: listening on {addr} without --api-key: anyone who can reach it can use it"
+            );
+        }
+        let app = router(state);
+        let sd = shared_http;
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                shutdown_signal().await;
+                eprintln!("shutting down: finishing requests, flushing contexts");
+                sd.shutdown.store(true, Ordering::SeqCst);
+            })
+            .await
+            .context("server error")
+    })?;
+    shared.shutdown.store(true, Ordering::SeqCst);
+    if worker.join().is_err() {
+        bail!("the engine thread panicked");
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        tokio::signal::ctrl_c().await.ok();
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,673 @@
+//! Persistent contexts (LLMS): a context's KV cache is cut into chunks of [`CHUNK_TOKENS`]
+//! positions. While the context is on the device its chunks are exact; at the end of every call
+//! the chunks it changed are compressed (width per chunk by attention density, to a global
+//! ratio), kept in DRAM under a budget (LCTRU eviction) and written to disk ahead of time, so
+//! taking the device away from a context costs nothing. Bringing it back loads chunks while
+//! recomputing others from their tokens, the split chosen by measured cost models.
+
+pub mod chunk;
+pub mod persist;
+pub mod policy;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use thiserror::Error;
+
+use crate::backend::Backend;
+use crate::engine::{Engine, EngineError, Logits, Session};
+use crate::tier::ledger::{Ledger, Reservation, Tier};
+pub use chunk::{Bits, CHUNK_TOKENS, ChunkData};
+use persist::{ChunkRecord, ContextIndex, PersistError};
+pub use policy::{Compression, CostModel};
+
+#[derive(Debug, Error)]
+pub enum KvError {
+    #[error("no context {0}")]
+    NotFound(String),
+    #[error(
+        "context {id} was saved under another model ({model_id}); it cannot be used with this one"
+    )]
+    OtherModel { id: String, model_id: String },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+}
+
+pub type Result<T> = std::result::Result<T, KvError>;
+
+/// Settings of the context store.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    pub compression: Compression,
+    /// Bytes of compressed chunks kept in DRAM at most.
+    pub dram_budget: u64,
+    /// Where contexts persist (None: DRAM only, lost at exit).
+    pub dir: Option<PathBuf>,
+    /// Identity of the model the contexts belong to.
+    pub model_id: String,
+    pub costs: CostModel,
+}
+
+/// A chunk's copy in DRAM.
+struct DramChunk {
+    bytes: Arc<Vec<u8>>,
+    bits: Bits,
+    len: usize,
+    _reservation: Option<Reservation>,
+}
+
+/// How the last restore of a context went.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct RestoreStats {
+    pub chunks_from_dram: usize,
+    pub chunks_from_disk: usize,
+    /// Recomputed by choice (the cost model) or because no copy existed.
+    pub chunks_recomputed: usize,
+    /// Copies that failed their checksum (recomputed, never used).
+    pub chunks_corrupt: usize,
+    pub seconds: f64,
+}
+
+/// One persistent context.
+pub struct Context {
+    pub index: ContextIndex,
+    dram: Vec<Option<DramChunk>>,
+    /// Tokens whose chunks are written and current.
+    clean: usize,
+    pub last_use: u64,
+    pub last_restore: Option<RestoreStats>,
+    /// Chunks found unusable when the context was loaded at start-up.
+    pub lost_at_load: usize,
+}
+
+impl Context {
+    pub fn id(&self) -> &str {
+        &self.index.id
+    }
+
+    /// Chunk widths of the written chunks.
+    pub fn chunk_bits(&self) -> Vec<Option<Bits>> {
+        (0..self.index.chunks.len())
+            .map(|c| {
+                self.dram
+                    .get(c)
+                    .and_then(|d| d.as_ref().map(|d| d.bits))
+                    .or_else(|| self.index.chunks[c].as_ref().map(|r| r.bits))
+            })
+            .collect()
+    }
+
+    pub fn chunks_in_dram(&self) -> usize {
+        self.dram.iter().flatten().count()
+    }
+
+    pub fn chunks_on_disk(&self) -> usize {
+        self.index.chunks.iter().flatten().count()
+    }
+
+    /// Forget the evaluated tokens after `keep` (the conversation diverged there).
+    pub fn truncate_evaluated(&mut self, keep: usize) {
+        let keep = keep.min(self.index.evaluated);
+        self.index.evaluated = keep;
+        let chunks = keep.div_ceil(CHUNK_TOKENS);
+        self.index.chunks.truncate(chunks);
+        self.dram.truncate(chunks);
+        // A partial last chunk is rewritten at the next swap-out.
+        self.clean = self.clean.min(keep / CHUNK_TOKENS * CHUNK_TOKENS);
+    }
+}
+
+/// Counters for /metrics.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvCounters {
+    pub swap_outs: u64,
+    pub swap_ins: u64,
+    pub chunks_written: u64,
+    pub chunks_from_dram: u64,
+    pub chunks_from_disk: u64,
+    pub chunks_recomputed: u64,
+    pub chunks_corrupt: u64,
+    pub dram_evictions: u64,
+}
+
+/// All contexts of one model.
+pub struct KvManager {
+    cfg: KvConfig,
+    ledger: Option<Arc<Ledger>>,
+    contexts: HashMap<String, Context>,
+    /// Contexts found on disk that belong to another model: id → model id.
+    foreign: HashMap<String, String>,
+    clock: u64,
+    dram_used: u64,
+    pub counters: KvCounters,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl KvManager {
+    /// Open the store, loading every context persisted under the directory. Returns the
+    /// manager and one line per context that could not be loaded.
+    pub fn open(cfg: KvConfig, ledger: Option<Arc<Ledger>>) -> Result<(Self, Vec<String>)> {
+        let mut m = KvManager {
+            cfg,
+            ledger,
+            contexts: HashMap::new(),
+            foreign: HashMap::new(),
+            clock: 0,
+            dram_used: 0,
+            counters: KvCounters::default(),
+        };
+        let mut warnings = Vec::new();
+        if let Some(dir) = m.cfg.dir.clone() {
+            persist::prepare(&dir)?;
+            for r in persist::load_all(&dir)? {
+                match r {
+                    Err(e) => warnings.push(format!("context not loaded: {e}")),
+                    Ok(idx) if idx.model_id != m.cfg.model_id => {
+                        warnings.push(format!(
+                            "context {} belongs to model {}, not {}: refused",
+                            idx.id, idx.model_id, m.cfg.model_id
+                        ));
+                        m.foreign.insert(idx.id, idx.model_id);
+                    }
+                    Ok(mut idx) => {
+                        // The index is written before its chunks: chunks it names that are
+                        // missing are recomputed later, never trusted.
+                        idx.evaluated = idx.evaluated.min(idx.tokens.len());
+                        idx.chunks.truncate(idx.evaluated.div_ceil(CHUNK_TOKENS));
+                        let lost = idx
+                            .chunks
+                            .iter()
+                            .filter(|c| {
+                                c.as_ref()
+                                    .is_none_or(|r| persist::read_chunk(&dir, &idx.id, r).is_err())
+                            })
+                            .count();
+                        let n = idx.chunks.len();
+                        m.clock += 1;
+                        let id = idx.id.clone();
+                        m.contexts.insert(
+                            id,
+                            Context {
+                                index: idx,
+                                dram: (0..n).map(|_| None).collect(),
+                                clean: 0,
+                                last_use: 0,
+                                last_restore: None,
+                                lost_at_load: lost,
+                            },
+                        );
+                    }
+                }
+            }
+            for c in m.contexts.values_mut() {
+                c.clean = c.index.evaluated;
+            }
+        }
+        Ok((m, warnings))
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.cfg
+    }
+
+    pub fn len(&self) -> usize {
+        self.contexts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.contexts.is_empty()
+    }
+
+    pub fn dram_bytes(&self) -> u64 {
+        self.dram_used
+    }
+
+    pub fn contexts(&self) -> impl Iterator<Item = &Context> {
+        self.contexts.values()
+    }
+
+    /// A new empty context owned by `owner`.
+    pub fn create(
+        &mut self,
+        owner: Option<String>,
+        system_prompt: Option<String>,
+    ) -> Result<String> {
+        let id = format!("ctx-{:016x}", rand::random::<u64>());
+        let mut index = ContextIndex::new(&self.cfg.model_id, &id, owner, now_unix());
+        index.system_prompt = system_prompt;
+        if let Some(dir) = &self.cfg.dir {
+            persist::save_index(dir, &index)?;
+        }
+        self.clock += 1;
+        self.contexts.insert(
+            id.clone(),
+            Context {
+                index,
+                dram: Vec::new(),
+                clean: 0,
+                last_use: self.clock,
+                last_restore: None,
+                lost_at_load: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    fn check(&self, id: &str, owner: Option<&str>) -> Result<()> {
+        if let Some(model_id) = self.foreign.get(id) {
+            return Err(KvError::OtherModel {
+                id: id.into(),
+                model_id: model_id.clone(),
+            });
+        }
+        match self.contexts.get(id) {
+            // Another key's context does not exist for this caller.
+            Some(c) if c.index.owner.as_deref() == owner => Ok(()),
+            _ => Err(KvError::NotFound(id.into())),
+        }
+    }
+
+    pub fn get(&self, id: &str, owner: Option<&str>) -> Result<&Context> {
+        self.check(id, owner)?;
+        self.contexts
+            .get(id)
+            .ok_or_else(|| KvError::NotFound(id.into()))
+    }
+
+    pub fn get_mut(&mut self, id: &str, owner: Option<&str>) -> Result<&mut Context> {
+        self.check(id, owner)?;
+        self.clock += 1;
+        let clock = self.clock;
+        let c = self
+            .contexts
+            .get_mut(id)
+            .ok_or_else(|| KvError::NotFound(id.into()))?;
+        c.last_use = clock;
+        Ok(c)
+    }
+
+    pub fn delete(&mut self, id: &str, owner: Option<&str>) -> Result<()> {
+        self.check(id, owner)?;
+        if let Some(c) = self.contexts.remove(id) {
+            self.dram_used -= c
+                .dram
+                .iter()
+                .flatten()
+                .map(|d| d.bytes.len() as u64)
+                .sum::<u64>();
+        }
+        if let Some(dir) = &self.cfg.dir {
+            persist::remove_context(dir, id)?;
+        }
+        Ok(())
+    }
+
+    /// Persist the conversation (tokens, messages) now: chunks not yet written are recomputed
+    /// if the process dies before [`KvManager::swap_out`] finishes.
+    pub fn save_conversation(&mut self, id: &str) -> Result<()> {
+        let (Some(dir), Some(c)) = (&self.cfg.dir, self.contexts.get(id)) else {
+            return Ok(());
+        };
+        persist::save_index(dir, &c.index)?;
+        Ok(())
+    }
+
+    /// Write the chunks the session changed since the last swap-out (ahead of time: the
+    /// context may stay on the device). Returns the number of chunks written.
+    pub fn swap_out<B: Backend>(
+        &mut self,
+        engine: &Engine<B>,
+        session: &mut Session<B>,
+        id: &str,
+    ) -> Result<usize> {
+        let spec = engine.spec();
+        let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
+        let pos = session.position();
+        let density = engine.attention_density(session, CHUNK_TOKENS)?;
+        let c = self
+            .contexts
+            .get_mut(id)
+            .ok_or_else(|| KvError::NotFound(id.into()))?;
+        let pos = pos.min(c.index.tokens.len());
+        let n_chunks = pos.div_ceil(CHUNK_TOKENS);
+        let first = (c.clean.min(pos)) / CHUNK_TOKENS;
+        let full = pos / CHUNK_TOKENS;
+        c.index.evaluated = pos;
+        c.index.chunks.resize(n_chunks, None);
+        c.dram.resize_with(n_chunks, || None);
+        let fixed: Vec<Option<Bits>> = (0..full)
+            .map(|i| {
+                if i < first {
+                    c.dram[i]
+                        .as_ref()
+                        .map(|d| d.bits)
+                        .or_else(|| c.index.chunks[i].as_ref().map(|r| r.bits))
+                        .or(Some(Bits::Q8))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let values_per_chunk = 2 * n_layers * CHUNK_TOKENS * kv_dim;
+        let widths: Vec<Bits> = match self.cfg.compression {
+            Compression::Off => vec![Bits::F32; full],
+            Compression::Uniform(b) => vec![b; full],
+            Compression::Ratio(r) => {
+                policy::allocate_bits(&density, &fixed, r, values_per_chunk, kv_dim)
+            }
+        };
+        let mut written = Vec::new();
+        for ci in first..n_chunks {
+            let start = ci * CHUNK_TOKENS;
+            let len = CHUNK_TOKENS.min(pos - start);
+            // A partial chunk keeps changing: it stays exact until it is full.
+            let bits = match widths.get(ci) {
+                Some(&w) if len == CHUNK_TOKENS => w,
+                _ => Bits::F32,
+            };
+            let values = engine.read_kv(session, start, len)?;
+            let data = ChunkData {
+                len,
+                n_layers,
+                kv_dim,
+                values,
+            };
+            let bytes = chunk::encode(&data, bits);
+            let record = match &self.cfg.dir {
+                Some(dir) => Some(persist::write_chunk(dir, id, ci, len, bits, &bytes)?),
+                None => None,
+            };
+            written.push((ci, len, bits, bytes, record));
+        }
+        let count = written.len();
+        let c = self
+            .contexts
+            .get_mut(id)
+            .ok_or_else(|| KvError::NotFound(id.into()))?;
+        let mut to_cache = Vec::new();
+        for (ci, len, bits, bytes, record) in written {
+            c.index.chunks[ci] = record;
+            if let Some(old) = c.dram[ci].take() {
+                self.dram_used -= old.bytes.len() as u64;
+            }
+            to_cache.push((ci, len, bits, bytes));
+        }
+        c.clean = pos;
+        if let Some(dir) = &self.cfg.dir {
+            persist::save_index(dir, &c.index)?;
+            persist::remove_unreferenced(dir, &c.index);
+        }
+        for (ci, len, bits, bytes) in to_cache {
+            self.cache_in_dram(id, ci, len, bits, bytes);
+        }
+        self.counters.swap_outs += 1;
+        self.counters.chunks_written += count as u64;
+        Ok(count)
+    }
+
+    /// Keep a chunk in DRAM, evicting others in LCTRU order to make room; when nothing can be
+    /// evicted the chunk is not cached (it is on disk, or will be recomputed).
+    fn cache_in_dram(&mut self, id: &str, ci: usize, len: usize, bits: Bits, bytes: Vec<u8>) {
+        let need = bytes.len() as u64;
+        if need > self.cfg.dram_budget {
+            return;
+        }
+        loop {
+            let fits = self.dram_used + need <= self.cfg.dram_budget;
+            let reservation = match (&self.ledger, fits) {
+                (_, false) => None,
+                (None, true) => Some(None),
+                (Some(l), true) => l.reserve(Tier::Dram, need, "KV chunk").ok().map(Some),
+            };
+            if let Some(reservation) = reservation {
+                if let Some(c) = self.contexts.get_mut(id)
+                    && ci < c.dram.len()
+                {
+                    c.dram[ci] = Some(DramChunk {
+                        bytes: Arc::new(bytes),
+                        bits,
+                        len,
+                        _reservation: reservation,
+                    });
+                    self.dram_used += need;
+                }
+                return;
+            }
+            if !self.evict_one(id, ci) {
+                return;
+            }
+        }
+    }
+
+    /// Drop the DRAM copy first in LCTRU order (never `keep`). False when none is left.
+    fn evict_one(&mut self, keep_id: &str, keep_chunk: usize) -> bool {
+        let mut victim: Option<(_, String, usize)> = None;
+        for (cid, c) in &self.contexts {
+            for (i, d) in c.dram.iter().enumerate() {
+                let Some(d) = d else { continue };
+                if cid == keep_id && i == keep_chunk {
+                    continue;
+                }
+                let key = policy::lctru_key(c.last_use, d.bits, i);
+                if victim.as_ref().is_none_or(|(k, _, _)| key < *k) {
+                    victim = Some((key, cid.clone(), i));
+                }
+            }
+        }
+        let Some((_, cid, i)) = victim else {
+            return false;
+        };
+        if let Some(c) = self.contexts.get_mut(&cid)
+            && let Some(d) = c.dram[i].take()
+        {
+            self.dram_used -= d.bytes.len() as u64;
+            self.counters.dram_evictions += 1;
+        }
+        true
+    }
+
+    /// Bring a context's keys and values into `session` (which is reset): chunks in DRAM are
+    /// decoded, chunks on disk load on an I/O thread while a prefix of chunks is recomputed
+    /// (split by the cost model), chunks without a usable copy are recomputed from their tokens.
+    pub fn swap_in<B: Backend>(
+        &mut self,
+        engine: &Engine<B>,
+        session: &mut Session<B>,
+        id: &str,
+    ) -> Result<RestoreStats> {
+        let t0 = Instant::now();
+        let spec = engine.spec();
+        let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
+        let c = self
+            .contexts
+            .get(id)
+            .ok_or_else(|| KvError::NotFound(id.into()))?;
+        let evaluated = c.index.evaluated;
+        let tokens = c.index.tokens[..evaluated].to_vec();
+        let n = evaluated.div_ceil(CHUNK_TOKENS);
+        let lens: Vec<usize> = (0..n)
+            .map(|i| CHUNK_TOKENS.min(evaluated - i * CHUNK_TOKENS))
+            .collect();
+        let dram: Vec<Option<(Arc<Vec<u8>>, Bits)>> = (0..n)
+            .map(|i| {
+                c.dram
+                    .get(i)
+                    .and_then(|d| d.as_ref())
+                    .filter(|d| d.len == lens[i])
+                    .map(|d| (d.bytes.clone(), d.bits))
+            })
+            .collect();
+        let disk: Vec<Option<ChunkRecord>> = (0..n)
+            .map(|i| {
+                c.index
+                    .chunks
+                    .get(i)
+                    .cloned()
+                    .flatten()
+                    .filter(|r| r.len == lens[i] && self.cfg.dir.is_some())
+            })
+            .collect();
+        let on_disk: Vec<Option<u64>> = (0..n)
+            .map(|i| match (&dram[i], &disk[i]) {
+                (None, Some(r)) => Some(r.bytes),
+                _ => None,
+            })
+            .collect();
+        let prefix = self.cfg.costs.recompute_prefix(&on_disk, &lens);
+        let mut stats = RestoreStats::default();
+        session.truncate(0);
+        let mut redo: Vec<usize> = Vec::new();
+        let dir = self.cfg.dir.clone();
+        std::thread::scope(|scope| -> Result<()> {
+            let (tx, rx) = mpsc::channel::<(usize, Option<ChunkData>)>();
+            let io_jobs: Vec<(usize, ChunkRecord)> = (prefix..n)
+                .filter(|&i| on_disk[i].is_some())
+                .filter_map(|i| disk[i].clone().map(|r| (i, r)))
+                .collect();
+            if let Some(dir) = dir.clone() {
+                let id = id.to_string();
+                scope.spawn(move || {
+                    for (i, r) in io_jobs {
+                        let data = persist::read_chunk(&dir, &id, &r)
+                            .map_err(|e| tracing::warn!("{e}: recomputing"))
+                            .ok()
+                            .and_then(|b| chunk::decode(&b, r.bits, n_layers, kv_dim, r.len));
+                        if tx.send((i, data)).is_err() {
+                            return;
+                        }
+                    }
+                });
+            } else {
+                drop(tx);
+            }
+            if prefix > 0 {
+                let upto: usize = lens[..prefix].iter().sum();
+                engine.forward(session, &tokens[..upto], Logits::None)?;
+                stats.chunks_recomputed += prefix;
+            }
+            for i in prefix..n {
+                match (&dram[i], &on_disk[i]) {
+                    (Some((bytes, bits)), _) => {
+                        match chunk::decode(bytes, *bits, n_layers, kv_dim, lens[i]) {
+                            Some(d) => {
+                                engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &d.values)?;
+                                stats.chunks_from_dram += 1;
+                            }
+                            None => redo.push(i),
+                        }
+                    }
+                    (None, Some(_)) => {}
+                    (None, None) => redo.push(i),
+                }
+            }
+            for (i, data) in rx {
+                match data {
+                    Some(d) => {
+                        engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &d.values)?;
+                        stats.chunks_from_disk += 1;
+                    }
+                    None => {
+                        stats.chunks_corrupt += 1;
+                        redo.push(i);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        // Recompute what has no usable copy, in order: every earlier position is in place.
+        redo.sort_unstable();
+        for &i in &redo {
+            let start = i * CHUNK_TOKENS;
+            session.set_position(start)?;
+            engine.forward(session, &tokens[start..start + lens[i]], Logits::None)?;
+            stats.chunks_recomputed += 1;
+        }
+        session.set_position(evaluated)?;
+        stats.seconds = t0.elapsed().as_secs_f64();
+        self.counters.swap_ins += 1;
+        self.counters.chunks_from_dram += stats.chunks_from_dram as u64;
+        self.counters.chunks_from_disk += stats.chunks_from_disk as u64;
+        self.counters.chunks_recomputed += stats.chunks_recomputed as u64;
+        self.counters.chunks_corrupt += stats.chunks_corrupt as u64;
+        if let Some(c) = self.contexts.get_mut(id) {
+            c.last_restore = Some(stats);
+            // Chunks recomputed because their copy was bad are rewritten at the next swap-out.
+            if let Some(&first_bad) = redo.first()
+                && stats.chunks_corrupt + redo.len() > 0
+            {
+                c.clean = c.clean.min(first_bad * CHUNK_TOKENS);
+            }
+        }
+        Ok(stats)
+    }
+
+    /// Drop every DRAM copy (to measure loads from disk).
+    pub fn drop_dram_copies(&mut self) {
+        for c in self.contexts.values_mut() {
+            for d in &mut c.dram {
+                *d = None;
+            }
+        }
+        self.dram_used = 0;
+    }
+}
+
+/// Measure the cost models on this engine: recompute time per token from a forward pass over
+/// a few chunks, load time per chunk and per byte from writing and reading chunk-sized files.
+pub fn measure_costs<B: Backend>(
+    engine: &Engine<B>,
+    dir: Option<&std::path::Path>,
+) -> Result<CostModel> {
+    let spec = engine.spec();
+    let tokens = (4 * CHUNK_TOKENS).min(spec.max_context).max(1);
+    let mut session = engine.new_session(tokens)?;
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| i % spec.vocab_size as u32)
+        .collect();
+    // Warm once, then time.
+    engine.forward(&mut session, &ids, Logits::None)?;
+    session.truncate(0);
+    let t = Instant::now();
+    engine.forward(&mut session, &ids, Logits::None)?;
+    let recompute = t.elapsed().as_secs_f64() / tokens as f64;
+    let chunk_bytes = 2 * spec.n_layers * CHUNK_TOKENS * spec.kv_dim() * 4;
+    let (per_chunk, per_byte) = match dir {
+        None => (0.0, 0.0),
+        Some(dir) => {
+            let probe = dir.join(".cost-probe");
+            std::fs::create_dir_all(&probe).map_err(|e| PersistError::Io {
+                path: probe.clone(),
+                source: e,
+            })?;
+            let time_read = |bytes: usize| -> Result<f64> {
+                let rec = persist::write_chunk(&probe, "p", 0, 1, Bits::F32, &vec![7u8; bytes])?;
+                let t = Instant::now();
+                for _ in 0..4 {
+                    persist::read_chunk(&probe, "p", &rec)?;
+                }
+                Ok(t.elapsed().as_secs_f64() / 4.0)
+            };
+            let small = time_read(4096)?;
+            let large = time_read(chunk_bytes.max(8192) * 4)?;
+            std::fs::remove_dir_all(&probe).ok();
+            let per_byte = ((large - small) / (chunk_bytes.max(8192) * 4 - 4096) as f64).max(0.0);
+            (small.max(0.0), per_byte)
+        }
+    };
+    Ok(CostModel {
+        recompute_s_per_token: recompute,
+        load_s_per_chunk: per_chunk,
+        load_s_per_byte: per_byte,
+    })
+}

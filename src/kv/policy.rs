@@ -1,0 +1,197 @@
+//! Which bit width each chunk gets (LLMS tolerance-aware compression) and which chunk leaves
+//! DRAM first (the LCTRU queue).
+
+use super::chunk::{Bits, encoded_len_rows};
+
+/// How chunks are compressed when they leave the device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Compression {
+    /// Exact f32 (swap and restore are bit-exact).
+    Off,
+    /// Every chunk at one width (the "uniform" baseline).
+    Uniform(Bits),
+    /// Widths from {8, 4, 2} by information density, so that compressed bytes ÷ int8 bytes
+    /// over the context stay at or under this ratio (0.25..=1).
+    Ratio(f64),
+}
+
+impl Compression {
+    /// Parse `off`, `int8`/`int4`/`int2` (uniform) or a ratio like `0.5` / `50%`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let t = s.trim().to_ascii_lowercase();
+        match t.as_str() {
+            "off" | "none" | "f32" => return Ok(Compression::Off),
+            "int8" | "q8" => return Ok(Compression::Uniform(Bits::Q8)),
+            "int4" | "q4" => return Ok(Compression::Uniform(Bits::Q4)),
+            "int2" | "q2" => return Ok(Compression::Uniform(Bits::Q2)),
+            _ => {}
+        }
+        let (num, pct) = match t.strip_suffix('%') {
+            Some(n) => (n, true),
+            None => (t.as_str(), false),
+        };
+        let v: f64 = num.parse().map_err(|_| {
+            format!("'{s}' is not off, int8, int4, int2 or a ratio like 0.5 or 50%")
+        })?;
+        let r = if pct { v / 100.0 } else { v };
+        if !(0.25..=1.0).contains(&r) {
+            return Err(format!(
+                "compression ratio {s} is outside 25%..100% of int8 (2 bits is the least)"
+            ));
+        }
+        Ok(Compression::Ratio(r))
+    }
+}
+
+/// Bit widths for the full chunks of a context. `density[i]` is chunk i's share of attention;
+/// `fixed[i]` is the width of a chunk already written (kept as is); the others are chosen: start
+/// every free chunk at 2 bits, then widen the densest first (to 4, then 8) while the context's
+/// total stays within `ratio` × its int8 size.
+pub fn allocate_bits(
+    density: &[f32],
+    fixed: &[Option<Bits>],
+    ratio: f64,
+    values_per_chunk: usize,
+    kv_dim: usize,
+) -> Vec<Bits> {
+    let n = fixed.len();
+    let size = |b: Bits| encoded_len_rows(b, values_per_chunk, kv_dim) as f64;
+    let budget = ratio * size(Bits::Q8) * n as f64;
+    let mut bits: Vec<Bits> = fixed.iter().map(|f| f.unwrap_or(Bits::Q2)).collect();
+    let mut used: f64 = bits.iter().map(|&b| size(b)).sum();
+    let mut free: Vec<usize> = (0..n).filter(|&i| fixed[i].is_none()).collect();
+    let d = |i: usize| density.get(i).copied().unwrap_or(0.0);
+    free.sort_by(|&a, &b| d(b).total_cmp(&d(a)).then(a.cmp(&b)));
+    for step in [Bits::Q4, Bits::Q8] {
+        for &i in &free {
+            if bits[i] >= step {
+                continue;
+            }
+            let extra = size(step) - size(bits[i]);
+            if used + extra <= budget + 1e-6 {
+                used += extra;
+                bits[i] = step;
+            }
+        }
+    }
+    bits
+}
+
+/// Eviction order of DRAM chunks (LCTRU): least recently used context first; within a context,
+/// the chunks least tolerant of compression (the widest) first, then later chunks first.
+pub fn lctru_key(
+    context_last_use: u64,
+    bits: Bits,
+    index: usize,
+) -> (u64, std::cmp::Reverse<Bits>, std::cmp::Reverse<usize>) {
+    (
+        context_last_use,
+        std::cmp::Reverse(bits),
+        std::cmp::Reverse(index),
+    )
+}
+
+/// Linear cost models measured at start-up: recompute time per token, and load time per
+/// chunk file (a fixed part plus a per-byte part).
+#[derive(Clone, Copy, Debug)]
+pub struct CostModel {
+    pub recompute_s_per_token: f64,
+    pub load_s_per_chunk: f64,
+    pub load_s_per_byte: f64,
+}
+
+impl CostModel {
+    /// How many leading chunks to recompute while the I/O thread loads the rest from disk, so
+    /// that both finish as early as possible. `on_disk[i]`: bytes chunk i must read (None: the
+    /// chunk is in DRAM or has to be recomputed anyway).
+    pub fn recompute_prefix(&self, on_disk: &[Option<u64>], tokens_per_chunk: &[usize]) -> usize {
+        let n = on_disk.len();
+        let load = |i: usize| {
+            on_disk[i].map_or(0.0, |b| {
+                self.load_s_per_chunk + b as f64 * self.load_s_per_byte
+            })
+        };
+        let mut io_after: f64 = (0..n).map(load).sum();
+        let mut compute = 0.0;
+        let mut best = (io_after, 0);
+        for r in 1..=n {
+            compute += tokens_per_chunk[r - 1] as f64 * self.recompute_s_per_token;
+            io_after -= load(r - 1);
+            let t = compute.max(io_after);
+            if t < best.0 {
+                best = (t, r);
+            }
+        }
+        best.1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ratio_is_met_and_dense_chunks_get_more_bits() {
+        let density = [0.5, 0.05, 0.3, 0.05, 0.1, 0.0];
+        let fixed = [None; 6];
+        let vals = 2 * 4 * 16 * 64;
+        for ratio in [0.25, 0.5, 0.75, 1.0] {
+            let bits = allocate_bits(&density, &fixed, ratio, vals, 64);
+            let size = |b: Bits| encoded_len_rows(b, vals, 64) as f64;
+            let used: f64 = bits.iter().map(|&b| size(b)).sum();
+            assert!(
+                used <= ratio * 6.0 * size(Bits::Q8) + 1e-6,
+                "{ratio}: {bits:?}"
+            );
+            // Densest never gets fewer bits than a sparser one.
+            assert!(
+                bits[0] >= bits[2] && bits[2] >= bits[4] && bits[4] >= bits[5],
+                "{bits:?}"
+            );
+        }
+        assert_eq!(
+            allocate_bits(&density, &fixed, 1.0, vals, 64),
+            vec![Bits::Q8; 6]
+        );
+    }
+
+    #[test]
+    fn fixed_chunks_keep_their_width_and_count_against_the_budget() {
+        let vals = 2 * 16 * 64;
+        let fixed = [Some(Bits::Q8), Some(Bits::Q8), None, None];
+        let bits = allocate_bits(&[0.0, 0.0, 0.9, 0.1], &fixed, 0.5, vals, 64);
+        assert_eq!(&bits[..2], &[Bits::Q8, Bits::Q8]);
+        assert_eq!(&bits[2..], &[Bits::Q2, Bits::Q2]);
+    }
+
+    #[test]
+    fn parse_compression() {
+        assert_eq!(Compression::parse("off").unwrap(), Compression::Off);
+        assert_eq!(Compression::parse("50%").unwrap(), Compression::Ratio(0.5));
+        assert_eq!(
+            Compression::parse("int8").unwrap(),
+            Compression::Uniform(Bits::Q8)
+        );
+        assert!(Compression::parse("0.1").is_err());
+        assert!(Compression::parse("lots").is_err());
+    }
+
+    #[test]
+    fn recompute_prefix_balances_io_and_compute() {
+        let m = CostModel {
+            recompute_s_per_token: 1.0,
+            load_s_per_chunk: 16.0,
+            load_s_per_byte: 0.0,
+        };
+        // Loading a chunk costs as much as recomputing it: split in half.
+        assert_eq!(m.recompute_prefix(&[Some(1); 8], &[16; 8]), 4);
+        // Free loads: recompute nothing.
+        let cheap = CostModel {
+            load_s_per_chunk: 0.0,
+            ..m
+        };
+        assert_eq!(cheap.recompute_prefix(&[Some(1); 8], &[16; 8]), 0);
+        // Nothing on disk: nothing to gain.
+        assert_eq!(m.recompute_prefix(&[None; 8], &[16; 8]), 0);
+    }
+}

@@ -1,0 +1,79 @@
+//! `gpu-offload serve`: an OpenAI-compatible HTTP server (tokio + axum) in front of one engine
+//! thread ([`worker`]) that owns the device, the sequences and the persistent contexts.
+
+pub mod api;
+mod http;
+pub mod metrics;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+pub use http::router;
+use metrics::Metrics;
+use worker::Request;
+
+use crate::tier::Ledger;
+
+/// What the HTTP side and the engine thread share.
+pub struct Shared {
+    pub metrics: Metrics,
+    /// Requests sent to the engine thread and not yet admitted.
+    pub waiting: AtomicUsize,
+    pub shutdown: AtomicBool,
+    pub ledger: Option<Arc<Ledger>>,
+    last_scrape: Mutex<(Instant, u64)>,
+}
+
+impl Shared {
+    pub fn new(ledger: Option<Arc<Ledger>>) -> Result<Arc<Self>, prometheus::Error> {
+        Ok(Arc::new(Shared {
+            metrics: Metrics::new()?,
+            waiting: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            ledger,
+            last_scrape: Mutex::new((Instant::now(), 0)),
+        }))
+    }
+
+    fn tokens_per_s(&self) -> f64 {
+        let now = Instant::now();
+        let count = self.metrics.generated_tokens.get();
+        let mut g = self.last_scrape.lock().unwrap_or_else(|e| e.into_inner());
+        let dt = (now - g.0).as_secs_f64();
+        let rate = if dt > 0.0 {
+            (count - g.1) as f64 / dt
+        } else {
+            0.0
+        };
+        *g = (now, count);
+        rate
+    }
+}
+
+/// Settings of the HTTP side.
+#[derive(Clone, Debug)]
+pub struct HttpConfig {
+    pub addr: SocketAddr,
+    /// Accepted API keys (empty: no authentication).
+    pub api_keys: Vec<String>,
+    pub model_name: String,
+    /// Requests waiting at most before 429.
+    pub queue: usize,
+    pub limits: api::Limits,
+}
+
+/// The owner id of an API key (contexts are stored with this, never the key).
+pub fn owner_of(key: &str) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(key.as_bytes()))
+}
+
+/// The state every route sees.
+#[derive(Clone)]
+pub struct AppState {
+    pub tx: std::sync::mpsc::Sender<Request>,
+    pub shared: Arc<Shared>,
+    pub cfg: Arc<HttpConfig>,
+}

@@ -1,0 +1,730 @@
+//! The engine thread: owns the engine, the device sessions (slots) and the contexts; admits
+//! requests from a queue, prefills them, then decodes one token per active sequence in turn.
+//! Nothing here knows HTTP: requests come in and events go out over channels.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::sync::{mpsc::UnboundedSender, oneshot};
+
+use super::Shared;
+use super::api::{ApiError, GenerationRequest, Input};
+use crate::backend::Backend;
+use crate::engine::{Engine, EngineError, Logits, Sampler, Session};
+use crate::kv::{Bits, CHUNK_TOKENS, KvError, KvManager};
+use crate::model::tokenizer::TextStream;
+use crate::model::{ChatMessage, Tokenizer};
+
+/// What the HTTP side asks of the engine thread.
+pub enum Request {
+    Generate(Box<Generate>),
+    CreateContext {
+        owner: Option<String>,
+        system_prompt: Option<String>,
+        reply: oneshot::Sender<Result<Value, ApiError>>,
+    },
+    GetContext {
+        id: String,
+        owner: Option<String>,
+        reply: oneshot::Sender<Result<Value, ApiError>>,
+    },
+    DeleteContext {
+        id: String,
+        owner: Option<String>,
+        reply: oneshot::Sender<Result<Value, ApiError>>,
+    },
+}
+
+pub struct Generate {
+    pub request: GenerationRequest,
+    pub context: Option<String>,
+    pub owner: Option<String>,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+/// What a generation reports, in order: `Start`, `Text`…, `Done`; or one `Error`.
+#[derive(Debug)]
+pub enum Event {
+    Start {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Text(String),
+    Done {
+        finish_reason: &'static str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
+    Error(ApiError),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Holder {
+    Free,
+    /// A finished stateless request's tokens, kept for prefix reuse.
+    Anon(Vec<u32>),
+    /// A context whose chunks are all written (ahead-of-time swap-out): taking the slot away
+    /// costs nothing.
+    Context(String),
+}
+
+struct Slot<B: Backend> {
+    session: Session<B>,
+    holder: Holder,
+    busy: bool,
+    last_use: u64,
+}
+
+struct Sequence {
+    slot: usize,
+    job: Box<Generate>,
+    sampler: Sampler,
+    logits: Vec<f32>,
+    /// Prompt (the whole conversation for a context) followed by what was generated.
+    tokens: Vec<u32>,
+    prompt_tokens: usize,
+    generated: usize,
+    text: String,
+    stream: Option<TextStream<Arc<Tokenizer>>>,
+    /// Chat on a context: its messages so far (the assistant's reply is added at the end).
+    messages: Option<Vec<ChatMessage>>,
+    last_token: Instant,
+}
+
+pub struct WorkerConfig {
+    pub parallel: usize,
+    pub ctx: usize,
+    pub max_prompt_tokens: usize,
+    pub shutdown_grace: Duration,
+}
+
+pub struct Worker<B: Backend> {
+    engine: Engine<B>,
+    tok: Option<Arc<Tokenizer>>,
+    kv: KvManager,
+    slots: Vec<Slot<B>>,
+    active: Vec<Sequence>,
+    pending: VecDeque<Box<Generate>>,
+    shared: Arc<Shared>,
+    cfg: WorkerConfig,
+    clock: u64,
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+fn kv_error(e: KvError) -> ApiError {
+    match e {
+        KvError::NotFound(id) => ApiError::not_found(format!("no context '{id}'")),
+        e @ KvError::OtherModel { .. } => ApiError::conflict(e.to_string()),
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        e @ (EngineError::ContextFull { .. }
+        | EngineError::InvalidToken { .. }
+        | EngineError::Empty) => ApiError::bad_request(e.to_string(), None),
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+impl<B: Backend> Worker<B> {
+    pub fn new(
+        engine: Engine<B>,
+        tok: Option<Arc<Tokenizer>>,
+        kv: KvManager,
+        shared: Arc<Shared>,
+        cfg: WorkerConfig,
+    ) -> Result<Self, EngineError> {
+        let mut slots = Vec::with_capacity(cfg.parallel);
+        for _ in 0..cfg.parallel {
+            let mut session = engine.new_session(cfg.ctx)?;
+            engine.enable_probe(&mut session)?;
+            slots.push(Slot {
+                session,
+                holder: Holder::Free,
+                busy: false,
+                last_use: 0,
+            });
+        }
+        Ok(Worker {
+            engine,
+            tok,
+            kv,
+            slots,
+            active: Vec::new(),
+            pending: VecDeque::new(),
+            shared,
+            cfg,
+            clock: 0,
+        })
+    }
+
+    /// Serve until the request channel closes or shutdown is asked and everything is finished.
+    pub fn run(mut self, rx: Receiver<Request>) {
+        let mut shutdown_at: Option<Instant> = None;
+        loop {
+            // Take everything waiting; control requests are answered at once.
+            loop {
+                let msg =
+                    if self.active.is_empty() && self.pending.is_empty() && shutdown_at.is_none() {
+                        match rx.recv_timeout(Duration::from_millis(50)) {
+                            Ok(m) => Some(m),
+                            Err(RecvTimeoutError::Timeout) => None,
+                            Err(RecvTimeoutError::Disconnected) => return self.flush(),
+                        }
+                    } else {
+                        rx.try_recv().ok()
+                    };
+                match msg {
+                    Some(m) => self.take(m),
+                    None => break,
+                }
+            }
+            if self.shared.shutdown.load(Ordering::SeqCst) && shutdown_at.is_none() {
+                shutdown_at = Some(Instant::now() + self.cfg.shutdown_grace);
+            }
+            if shutdown_at.is_some() {
+                while let Some(g) = self.pending.pop_front() {
+                    self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                    g.events
+                        .send(Event::Error(ApiError::unavailable(
+                            "the server is shutting down",
+                        )))
+                        .ok();
+                }
+            }
+            self.admit();
+            self.step_all(shutdown_at.is_some_and(|t| Instant::now() >= t));
+            self.update_gauges();
+            if shutdown_at.is_some() && self.active.is_empty() {
+                return self.flush();
+            }
+        }
+    }
+
+    fn flush(mut self) {
+        // Contexts are written at the end of every call; a last pass catches anything left.
+        for i in 0..self.slots.len() {
+            if let Holder::Context(id) = self.slots[i].holder.clone()
+                && let Err(e) = self
+                    .kv
+                    .swap_out(&self.engine, &mut self.slots[i].session, &id)
+            {
+                tracing::warn!("flushing context {id}: {e}");
+            }
+        }
+        tracing::info!("engine thread stopped; {} contexts kept", self.kv.len());
+    }
+
+    fn take(&mut self, m: Request) {
+        match m {
+            Request::Generate(g) => self.pending.push_back(g),
+            Request::CreateContext {
+                owner,
+                system_prompt,
+                reply,
+            } => {
+                let r = self
+                    .kv
+                    .create(owner.clone(), system_prompt)
+                    .map_err(kv_error)
+                    .and_then(|id| self.context_json(&id, owner.as_deref()));
+                reply.send(r).ok();
+            }
+            Request::GetContext { id, owner, reply } => {
+                reply.send(self.context_json(&id, owner.as_deref())).ok();
+            }
+            Request::DeleteContext { id, owner, reply } => {
+                let busy = self
+                    .active
+                    .iter()
+                    .any(|s| s.job.context.as_deref() == Some(id.as_str()));
+                let r = if busy {
+                    // The caller owns it (else 404 below); refuse while a call runs on it.
+                    self.kv
+                        .get(&id, owner.as_deref())
+                        .map_err(kv_error)
+                        .and_then(|_| {
+                            Err(ApiError::conflict(format!(
+                                "context '{id}' is in use by a running request"
+                            )))
+                        })
+                } else {
+                    self.kv
+                        .delete(&id, owner.as_deref())
+                        .map_err(kv_error)
+                        .map(|()| {
+                            for s in &mut self.slots {
+                                if s.holder == Holder::Context(id.clone()) {
+                                    s.holder = Holder::Free;
+                                }
+                            }
+                            json!({"id": id, "object": "context.deleted", "deleted": true})
+                        })
+                };
+                reply.send(r).ok();
+            }
+        }
+    }
+
+    fn context_json(&self, id: &str, owner: Option<&str>) -> Result<Value, ApiError> {
+        let c = self.kv.get(id, owner).map_err(kv_error)?;
+        let bits = c.chunk_bits();
+        let count = |b: Bits| bits.iter().filter(|x| **x == Some(b)).count();
+        let resident = self
+            .slots
+            .iter()
+            .any(|s| s.holder == Holder::Context(id.to_string()));
+        Ok(json!({
+            "id": id,
+            "object": "context",
+            "created": c.index.created,
+            "system_prompt": c.index.system_prompt,
+            "messages": c.index.messages,
+            "tokens": c.index.tokens.len(),
+            "evaluated_tokens": c.index.evaluated,
+            "resident": resident,
+            "chunks": {
+                "total": bits.len(),
+                "in_dram": c.chunks_in_dram(),
+                "on_disk": c.chunks_on_disk(),
+                "bits": {"8": count(Bits::Q8), "4": count(Bits::Q4), "2": count(Bits::Q2), "32": count(Bits::F32)},
+            },
+            "lost_chunks_at_load": c.lost_at_load,
+            "last_restore": c.last_restore,
+        }))
+    }
+
+    fn admit(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() && self.active.len() < self.slots.len() {
+            let busy_ctx = self.pending[i].context.as_ref().is_some_and(|c| {
+                self.active
+                    .iter()
+                    .any(|s| s.job.context.as_ref() == Some(c))
+            });
+            if busy_ctx {
+                // Calls on one context run one after another.
+                i += 1;
+                continue;
+            }
+            let Some(g) = self.pending.remove(i) else {
+                break;
+            };
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            if g.events.is_closed() {
+                continue;
+            }
+            match self.start(g) {
+                Ok(seq) => self.active.push(seq),
+                Err((g, e)) => {
+                    g.events.send(Event::Error(e)).ok();
+                }
+            }
+        }
+    }
+
+    fn tokenizer(&self) -> Result<Arc<Tokenizer>, ApiError> {
+        self.tok.clone().ok_or_else(|| {
+            ApiError::bad_request(
+                "this model has no tokenizer: send the prompt as token ids",
+                Some("prompt"),
+            )
+        })
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+        let tok = self.tokenizer()?;
+        let text = tok
+            .apply_chat_template(messages, true)
+            .map_err(|e| ApiError::bad_request(format!("chat: {e}"), Some("messages")))?;
+        tok.encode(&text, false, true)
+            .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+    }
+
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
+        self.tokenizer()?
+            .encode(text, add_special, true)
+            .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+    }
+
+    /// The tokens the request continues, and for a chat on a context its messages.
+    fn prompt(&self, g: &Generate) -> Result<(Vec<u32>, Option<Vec<ChatMessage>>), ApiError> {
+        let input = &g.request.input;
+        let Some(id) = &g.context else {
+            return Ok(match input {
+                Input::Text(t) => (self.encode(t, true)?, None),
+                Input::Tokens(t) => (t.clone(), None),
+                Input::Chat(m) => (self.render_chat(m)?, None),
+            });
+        };
+        let c = self.kv.get(id, g.owner.as_deref()).map_err(kv_error)?;
+        let idx = &c.index;
+        Ok(match input {
+            Input::Chat(new) => {
+                let mut messages = idx.messages.clone();
+                if messages.is_empty()
+                    && let Some(s) = &idx.system_prompt
+                {
+                    messages.push(ChatMessage {
+                        role: "system".into(),
+                        content: s.clone(),
+                    });
+                }
+                messages.extend(new.iter().cloned());
+                (self.render_chat(&messages)?, Some(messages))
+            }
+            Input::Text(t) => {
+                let mut tokens = idx.tokens.clone();
+                if tokens.is_empty() {
+                    let first = format!("{}{t}", idx.system_prompt.as_deref().unwrap_or(""));
+                    tokens = self.encode(&first, true)?;
+                } else {
+                    tokens.extend(self.encode(t, false)?);
+                }
+                (tokens, None)
+            }
+            Input::Tokens(t) => {
+                let mut tokens = idx.tokens.clone();
+                tokens.extend(t);
+                (tokens, None)
+            }
+        })
+    }
+
+    /// Pick a free slot: the one already holding `context`, else the stateless one sharing
+    /// the longest prefix with `tokens`, else empty, else least recently used.
+    fn pick_slot(&self, context: Option<&str>, tokens: &[u32]) -> Option<(usize, usize)> {
+        let free = || self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
+        if let Some(id) = context
+            && let Some((i, _)) = free().find(|(_, s)| s.holder == Holder::Context(id.into()))
+        {
+            return Some((i, 0));
+        }
+        if context.is_none() {
+            let best = free()
+                .filter_map(|(i, s)| match &s.holder {
+                    Holder::Anon(t) => Some((i, common_prefix(t, tokens))),
+                    _ => None,
+                })
+                .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)));
+            if let Some((i, n)) = best
+                && n > 0
+            {
+                return Some((i, n));
+            }
+        }
+        free()
+            .min_by_key(|(_, s)| (s.holder != Holder::Free, s.last_use))
+            .map(|(i, _)| (i, 0))
+    }
+
+    fn start(&mut self, g: Box<Generate>) -> Result<Sequence, (Box<Generate>, ApiError)> {
+        match self.try_start(&g) {
+            Ok((slot, logits, tokens, messages, cached)) => {
+                let prompt_tokens = tokens.len();
+                g.events
+                    .send(Event::Start {
+                        prompt_tokens,
+                        cached_tokens: cached,
+                    })
+                    .ok();
+                self.shared
+                    .metrics
+                    .ttft
+                    .observe(g.received.elapsed().as_secs_f64());
+                Ok(Sequence {
+                    slot,
+                    sampler: Sampler::new(g.request.sampler.clone()),
+                    logits,
+                    tokens,
+                    prompt_tokens,
+                    generated: 0,
+                    text: String::new(),
+                    stream: self.tok.clone().map(TextStream::new),
+                    messages,
+                    last_token: Instant::now(),
+                    job: g,
+                })
+            }
+            Err(e) => Err((g, e)),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn try_start(
+        &mut self,
+        g: &Generate,
+    ) -> Result<(usize, Vec<f32>, Vec<u32>, Option<Vec<ChatMessage>>, usize), ApiError> {
+        let (tokens, messages) = self.prompt(g)?;
+        if tokens.is_empty() {
+            return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
+        }
+        let limit = self.cfg.max_prompt_tokens.min(self.cfg.ctx);
+        if tokens.len() > limit {
+            return Err(ApiError::bad_request(
+                format!(
+                    "the prompt{} is {} tokens; this server takes at most {limit} (context size {})",
+                    if g.context.is_some() {
+                        " with the context's conversation"
+                    } else {
+                        ""
+                    },
+                    tokens.len(),
+                    self.cfg.ctx
+                ),
+                Some(if matches!(g.request.input, Input::Chat(_)) {
+                    "messages"
+                } else {
+                    "prompt"
+                }),
+            ));
+        }
+        let vocab = self.engine.spec().vocab_size;
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_request(
+                format!("token id {t} is outside the vocabulary of {vocab} tokens"),
+                Some("prompt"),
+            ));
+        }
+        let (slot, anon_prefix) = self
+            .pick_slot(g.context.as_deref(), &tokens)
+            .ok_or_else(|| ApiError::internal("no free slot"))?;
+        self.clock += 1;
+        let clock = self.clock;
+        let s = &mut self.slots[slot];
+        s.last_use = clock;
+        let start = match &g.context {
+            Some(id) => {
+                if s.holder != Holder::Context(id.clone()) {
+                    s.holder = Holder::Free;
+                    let stats = self
+                        .kv
+                        .swap_in(&self.engine, &mut s.session, id)
+                        .map_err(kv_error)?;
+                    self.shared.metrics.swap_in_seconds.observe(stats.seconds);
+                    s.holder = Holder::Context(id.clone());
+                }
+                let c = self.kv.get_mut(id, g.owner.as_deref()).map_err(kv_error)?;
+                let keep = common_prefix(&tokens, &c.index.tokens[..c.index.evaluated]);
+                let keep = keep.min(tokens.len() - 1);
+                if keep < c.index.evaluated {
+                    c.truncate_evaluated(keep);
+                }
+                s.session.truncate(keep);
+                keep
+            }
+            None => {
+                let keep = anon_prefix.min(tokens.len() - 1);
+                s.session.truncate(keep);
+                self.shared.metrics.prefix_reused.inc_by(keep as u64);
+                keep
+            }
+        };
+        self.shared
+            .metrics
+            .prompt_tokens
+            .inc_by(tokens.len() as u64);
+        s.busy = true;
+        let logits = self
+            .engine
+            .forward(&mut s.session, &tokens[start..], Logits::Last);
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                s.busy = false;
+                s.holder = Holder::Free;
+                return Err(engine_error(e));
+            }
+        };
+        if g.context.is_none() {
+            s.holder = Holder::Anon(tokens.clone());
+        }
+        Ok((slot, logits, tokens, messages, start))
+    }
+
+    fn step_all(&mut self, stop_now: bool) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let finish = if stop_now {
+                Some("cancelled")
+            } else {
+                self.step(i)
+            };
+            match finish {
+                Some(reason) => {
+                    let seq = self.active.swap_remove(i);
+                    self.finish(seq, reason);
+                }
+                None => i += 1,
+            }
+        }
+    }
+
+    /// Sample one token for sequence `i` and evaluate it; `Some(reason)` when it is done.
+    fn step(&mut self, i: usize) -> Option<&'static str> {
+        let seq = &mut self.active[i];
+        if seq.job.events.is_closed() {
+            return Some("cancelled");
+        }
+        let next = seq.sampler.sample(&seq.logits);
+        let eog = self
+            .tok
+            .as_ref()
+            .is_some_and(|t| t.is_end_of_generation(next));
+        if eog && !seq.job.request.ignore_eos {
+            return Some("stop");
+        }
+        seq.tokens.push(next);
+        seq.generated += 1;
+        self.shared.metrics.generated_tokens.inc();
+        let now = Instant::now();
+        if seq.generated > 1 {
+            self.shared
+                .metrics
+                .inter_token
+                .observe((now - seq.last_token).as_secs_f64());
+        }
+        seq.last_token = now;
+        let mut piece = seq
+            .stream
+            .as_mut()
+            .map(|s| s.push(next))
+            .unwrap_or_default();
+        let mut stop = None;
+        if !seq.job.request.stop.is_empty() {
+            let before = seq.text.len();
+            seq.text.push_str(&piece);
+            if let Some(cut) = seq
+                .job
+                .request
+                .stop
+                .iter()
+                .filter_map(|s| seq.text.find(s.as_str()))
+                .min()
+            {
+                seq.text.truncate(cut);
+                piece = seq.text[before.min(cut)..].to_string();
+                stop = Some("stop");
+            }
+        } else {
+            seq.text.push_str(&piece);
+        }
+        if !piece.is_empty() && seq.job.events.send(Event::Text(piece)).is_err() {
+            return Some("cancelled");
+        }
+        if stop.is_some() {
+            return stop;
+        }
+        if seq.generated >= seq.job.request.max_tokens {
+            return Some("length");
+        }
+        let slot = &mut self.slots[seq.slot];
+        if slot.session.position() >= slot.session.context_size() {
+            return Some("length");
+        }
+        match self
+            .engine
+            .forward(&mut slot.session, &[next], Logits::Last)
+        {
+            Ok(l) => {
+                seq.logits = l;
+                None
+            }
+            Err(e) => {
+                seq.job.events.send(Event::Error(engine_error(e))).ok();
+                Some("error")
+            }
+        }
+    }
+
+    fn finish(&mut self, mut seq: Sequence, reason: &'static str) {
+        if let Some(rest) = seq.stream.as_mut().map(|s| s.finish())
+            && !rest.is_empty()
+            && seq.job.request.stop.is_empty()
+        {
+            seq.job.events.send(Event::Text(rest.clone())).ok();
+            seq.text.push_str(&rest);
+        }
+        let slot = &mut self.slots[seq.slot];
+        slot.busy = false;
+        let pos = slot.session.position();
+        if let Some(id) = seq.job.context.clone() {
+            if let Ok(c) = self.kv.get_mut(&id, seq.job.owner.as_deref()) {
+                c.index.tokens = seq.tokens.clone();
+                c.index.evaluated = pos.min(seq.tokens.len());
+                if let Some(mut m) = seq.messages.take() {
+                    m.push(ChatMessage {
+                        role: "assistant".into(),
+                        content: seq.text.clone(),
+                    });
+                    c.index.messages = m;
+                }
+            }
+            // The conversation reaches the disk before the client hears the call is done.
+            if let Err(e) = self.kv.save_conversation(&id) {
+                tracing::warn!("saving context {id}: {e}");
+            }
+        } else {
+            slot.holder = Holder::Anon(seq.tokens[..pos.min(seq.tokens.len())].to_vec());
+        }
+        if reason != "error" {
+            seq.job
+                .events
+                .send(Event::Done {
+                    finish_reason: reason,
+                    prompt_tokens: seq.prompt_tokens,
+                    completion_tokens: seq.generated,
+                })
+                .ok();
+        }
+        drop(seq.job.events);
+        if let Some(id) = seq.job.context {
+            // Ahead-of-time swap-out: the chunks this call changed are written now, so the
+            // slot can be given to another context later at no cost.
+            let slot = &mut self.slots[seq.slot];
+            match self.kv.swap_out(&self.engine, &mut slot.session, &id) {
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!("swap-out of context {id}: {e}");
+                    slot.holder = Holder::Free;
+                }
+            }
+        }
+    }
+
+    fn update_gauges(&self) {
+        let m = &self.shared.metrics;
+        m.queue_depth
+            .set(self.shared.waiting.load(Ordering::SeqCst) as i64);
+        m.active.set(self.active.len() as i64);
+        let device: usize = self
+            .slots
+            .iter()
+            .filter_map(|s| match &s.holder {
+                Holder::Context(_) => Some(s.session.position().div_ceil(CHUNK_TOKENS)),
+                _ => None,
+            })
+            .sum();
+        let dram: usize = self.kv.contexts().map(|c| c.chunks_in_dram()).sum();
+        let disk: usize = self.kv.contexts().map(|c| c.chunks_on_disk()).sum();
+        m.kv_chunks
+            .with_label_values(&["device"])
+            .set(device as i64);
+        m.kv_chunks.with_label_values(&["dram"]).set(dram as i64);
+        m.kv_chunks.with_label_values(&["disk"]).set(disk as i64);
+        m.kv_dram_bytes.set(self.kv.dram_bytes() as i64);
+        m.contexts.set(self.kv.len() as i64);
+        let k = self.kv.counters;
+        m.set_kv_counters(&k);
+    }
+}
