@@ -185,15 +185,16 @@ impl KvManager {
                         // missing are recomputed later, never trusted.
                         idx.evaluated = idx.evaluated.min(idx.tokens.len());
                         idx.chunks.truncate(idx.evaluated.div_ceil(CHUNK_TOKENS));
-                        let lost = idx
-                            .chunks
-                            .iter()
-                            .filter(|c| {
-                                c.as_ref()
-                                    .is_none_or(|r| persist::read_chunk(&dir, &idx.id, r).is_err())
+                        let n = idx.evaluated.div_ceil(CHUNK_TOKENS);
+                        let lost = (0..n)
+                            .filter(|&i| {
+                                let want = CHUNK_TOKENS.min(idx.evaluated - i * CHUNK_TOKENS);
+                                idx.chunks.get(i).cloned().flatten().is_none_or(|r| {
+                                    r.len != want || persist::read_chunk(&dir, &idx.id, &r).is_err()
+                                })
                             })
                             .count();
-                        let n = idx.chunks.len();
+                        
                         m.clock += 1;
                         let id = idx.id.clone();
                         m.contexts.insert(
@@ -376,6 +377,9 @@ impl KvManager {
                 Some(&w) if len == CHUNK_TOKENS => w,
                 _ => Bits::F32,
             };
+            if let Some(d) = test_swap_delay() {
+                std::thread::sleep(d);
+            }
             let values = engine.read_kv(session, start, len)?;
             let data = ChunkData {
                 len,
@@ -621,6 +625,18 @@ impl KvManager {
         }
         self.dram_used = 0;
     }
+}
+
+/// Fault injection for tests: `GPU_OFFLOAD_TEST_SWAP_DELAY_MS` slows every chunk write of a
+/// swap-out, so a test can kill the server while one is under way.
+fn test_swap_delay() -> Option<std::time::Duration> {
+    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("GPU_OFFLOAD_TEST_SWAP_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(std::time::Duration::from_millis)
+    })
 }
 
 /// Measure the cost models on this engine: recompute time per token from a forward pass over

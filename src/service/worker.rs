@@ -291,6 +291,7 @@ impl<B: Backend> Worker<B> {
             "system_prompt": c.index.system_prompt,
             "messages": c.index.messages,
             "tokens": c.index.tokens.len(),
+            "token_ids": c.index.tokens,
             "evaluated_tokens": c.index.evaluated,
             "resident": resident,
             "chunks": {
@@ -423,8 +424,14 @@ impl<B: Backend> Worker<B> {
                 return Some((i, n));
             }
         }
+        // Contexts are worth more than a stateless prefix: evict those last.
+        let rank = |h: &Holder| match h {
+            Holder::Free => 0,
+            Holder::Anon(_) => 1,
+            Holder::Context(_) => 2,
+        };
         free()
-            .min_by_key(|(_, s)| (s.holder != Holder::Free, s.last_use))
+            .min_by_key(|(_, s)| (rank(&s.holder), s.last_use))
             .map(|(i, _)| (i, 0))
     }
 
