@@ -150,7 +150,9 @@ fn sse(url: &str, body: Value) -> Vec<String> {
 
 fn assert_error(status: u16, v: &Value, want: u16, needle: &str) {
     assert_eq!(status, want, "{v}");
-    let msg = v["error"]["message"].as_str().unwrap_or_else(|| panic!("no OpenAI error in {v}"));
+    let msg = v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no OpenAI error in {v}"));
     assert!(v["error"]["type"].is_string(), "{v}");
     assert!(msg.contains(needle), "'{msg}' lacks '{needle}'");
 }
@@ -162,7 +164,17 @@ fn greedy(prompt: Value, n: usize) -> Value {
 #[test]
 fn completions_stream_contexts_and_bad_input() {
     let model = common::stories260k();
-    let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "2", "--kv-compression", "off"]);
+    let s = Server::start(
+        &model,
+        &[
+            "--ctx-size",
+            "256",
+            "--parallel",
+            "2",
+            "--kv-compression",
+            "off",
+        ],
+    );
 
     // Health, models.
     let (st, v) = call("GET", &s.url("/health"), None, None);
@@ -172,11 +184,26 @@ fn completions_stream_contexts_and_bad_input() {
     assert_eq!(v["data"][0]["id"], "stories260K-f32");
 
     // A completion equals `gpu-offload run` (greedy).
-    let (st, v) = post(&s.url("/v1/completions"), greedy(json!("Once upon a time"), 24));
+    let (st, v) = post(
+        &s.url("/v1/completions"),
+        greedy(json!("Once upon a time"), 24),
+    );
     assert_eq!(st, 200, "{v}");
     let text = text_of(&v);
     let run = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
-        .args(["run", "--device", "cpu", "--temperature", "0", "-n", "24", "--json", "-p", "Once upon a time", "-m"])
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+            "-n",
+            "24",
+            "--json",
+            "-p",
+            "Once upon a time",
+            "-m",
+        ])
         .arg(&model)
         .output()
         .expect("run");
@@ -185,7 +212,10 @@ fn completions_stream_contexts_and_bad_input() {
     assert_eq!(v["usage"]["completion_tokens"], 24);
 
     // Streaming gives the same text, then [DONE].
-    let lines = sse(&s.url("/v1/completions"), json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": true}));
+    let lines = sse(
+        &s.url("/v1/completions"),
+        json!({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": true}),
+    );
     assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
     let mut streamed = String::new();
     let mut finish = None;
@@ -204,7 +234,10 @@ fn completions_stream_contexts_and_bad_input() {
     assert_eq!(st, 201, "{c}");
     let id = c["id"].as_str().unwrap().to_string();
     let a: Vec<u32> = vec![1, 403, 407, 261, 378];
-    let (st, v1) = post(&s.url(&format!("/v1/contexts/{id}/completions")), greedy(json!(a), 20));
+    let (st, v1) = post(
+        &s.url(&format!("/v1/contexts/{id}/completions")),
+        greedy(json!(a), 20),
+    );
     assert_eq!(st, 200, "{v1}");
     let (_, info) = call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None);
     let conv: Vec<u32> = common::ids(&info["token_ids"]);
@@ -212,26 +245,42 @@ fn completions_stream_contexts_and_bad_input() {
     // Push the context off the device: other contexts take both slots.
     for p in ["Lily", "Tom"] {
         let (_, o) = post(&s.url("/v1/contexts"), json!({}));
-        let url = s.url(&format!("/v1/contexts/{}/completions", o["id"].as_str().unwrap()));
+        let url = s.url(&format!(
+            "/v1/contexts/{}/completions",
+            o["id"].as_str().unwrap()
+        ));
         let (st, _) = post(&url, greedy(json!(p), 30));
         assert_eq!(st, 200);
     }
     let (_, info) = call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None);
     assert_eq!(info["resident"], false, "{info}");
     let b: Vec<u32> = vec![13, 157];
-    let (st, v2) = post(&s.url(&format!("/v1/contexts/{id}/completions")), greedy(json!(b), 20));
+    let (st, v2) = post(
+        &s.url(&format!("/v1/contexts/{id}/completions")),
+        greedy(json!(b), 20),
+    );
     assert_eq!(st, 200, "{v2}");
     let mut whole = conv.clone();
     whole.extend(&b);
     let (_, reference) = post(&s.url("/v1/completions"), greedy(json!(whole), 20));
-    assert_eq!(text_of(&v2), text_of(&reference), "a restored context differs");
+    assert_eq!(
+        text_of(&v2),
+        text_of(&reference),
+        "a restored context differs"
+    );
     let (_, info) = call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None);
     let restore = &info["last_restore"];
     assert!(
-        restore["chunks_from_dram"].as_u64().unwrap() + restore["chunks_from_disk"].as_u64().unwrap() + restore["chunks_recomputed"].as_u64().unwrap() > 0,
+        restore["chunks_from_dram"].as_u64().unwrap()
+            + restore["chunks_from_disk"].as_u64().unwrap()
+            + restore["chunks_recomputed"].as_u64().unwrap()
+            > 0,
         "the context was not restored: {info}"
     );
-    assert_eq!(info["chunks"]["bits"]["32"], info["chunks"]["total"], "compression off");
+    assert_eq!(
+        info["chunks"]["bits"]["32"], info["chunks"]["total"],
+        "compression off"
+    );
 
     // Bad input: each gets its 4xx and the server keeps serving.
     let comp = s.url("/v1/completions");
@@ -255,9 +304,15 @@ fn completions_stream_contexts_and_bad_input() {
     let long = "Once upon a time there was a dog. ".repeat(60);
     let (st, v) = post(&comp, json!({"prompt": long, "max_tokens": 4}));
     assert_error(st, &v, 400, "tokens");
-    let (st, v) = post(&s.url("/v1/chat/completions"), json!({"messages": [{"role": "user", "content": "hi"}]}));
+    let (st, v) = post(
+        &s.url("/v1/chat/completions"),
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+    );
     assert_error(st, &v, 400, "chat template");
-    let (st, v) = post(&s.url("/v1/contexts/ctx-nope/completions"), greedy(json!("x"), 2));
+    let (st, v) = post(
+        &s.url("/v1/contexts/ctx-nope/completions"),
+        greedy(json!("x"), 2),
+    );
     assert_error(st, &v, 404, "ctx-nope");
     let (st, v) = call("GET", &s.url("/v1/contexts/ctx-nope"), None, None);
     assert_error(st, &v, 404, "ctx-nope");
@@ -300,8 +355,13 @@ fn completions_stream_contexts_and_bad_input() {
 #[test]
 fn concurrent_clients_queue_limits_and_disconnects() {
     let model = common::stories260k();
-    let s = Server::start(&model, &["--ctx-size", "512", "--parallel", "2", "--queue", "8"]);
-    let prompts = ["Once", "Lily", "Tom", "The dog", "A cat", "One day", "The sun", "Mom"];
+    let s = Server::start(
+        &model,
+        &["--ctx-size", "512", "--parallel", "2", "--queue", "8"],
+    );
+    let prompts = [
+        "Once", "Lily", "Tom", "The dog", "A cat", "One day", "The sun", "Mom",
+    ];
     let expected: Vec<String> = prompts
         .iter()
         .map(|p| text_of(&post(&s.url("/v1/completions"), greedy(json!(p), 32)).1))
@@ -326,7 +386,10 @@ fn concurrent_clients_queue_limits_and_disconnects() {
 
     // One slot, one queue place: a long stream holds the slot, one request waits, the next
     // is refused with 429; hanging up the stream frees the slot for the waiting one.
-    let s = Server::start(&model, &["--ctx-size", "512", "--parallel", "1", "--queue", "1"]);
+    let s = Server::start(
+        &model,
+        &["--ctx-size", "512", "--parallel", "1", "--queue", "1"],
+    );
     let addr = s.base.trim_start_matches("http://").to_string();
     let mut stream = TcpStream::connect(&addr).expect("connect");
     let body = json!({"prompt": "Once", "max_tokens": 100000, "stream": true, "ignore_eos": true, "max_tokens": 4000}).to_string();
@@ -338,7 +401,10 @@ fn concurrent_clients_queue_limits_and_disconnects() {
     .unwrap();
     let mut first = [0u8; 256];
     let n = stream.read(&mut first).expect("first bytes");
-    assert!(String::from_utf8_lossy(&first[..n]).contains("200"), "stream did not start");
+    assert!(
+        String::from_utf8_lossy(&first[..n]).contains("200"),
+        "stream did not start"
+    );
     let url = s.url("/v1/completions");
     let waiting = std::thread::spawn(move || post(&url, greedy(json!("Lily"), 8)));
     let t = Instant::now();
@@ -347,14 +413,20 @@ fn concurrent_clients_queue_limits_and_disconnects() {
         if m.as_str().unwrap().contains("gpu_offload_queue_depth 1") {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(30), "the request never queued");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the request never queued"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let (st, v) = post(&s.url("/v1/completions"), greedy(json!("Tom"), 8));
     assert_error(st, &v, 429, "queue");
     drop(stream);
     let (st, v) = waiting.join().unwrap();
-    assert_eq!(st, 200, "the waiting request did not get the freed slot: {v}");
+    assert_eq!(
+        st, 200,
+        "the waiting request did not get the freed slot: {v}"
+    );
     s.stop();
 }
 
@@ -377,56 +449,113 @@ fn api_keys_guard_routes_and_contexts() {
     let (st, v) = call("GET", &ctx, None, Some("beta"));
     assert_error(st, &v, 404, id);
     let body = greedy(json!("Once"), 4).to_string();
-    let (st, _) = call("POST", &format!("{ctx}/completions"), Some(&body), Some("beta"));
+    let (st, _) = call(
+        "POST",
+        &format!("{ctx}/completions"),
+        Some(&body),
+        Some("beta"),
+    );
     assert_eq!(st, 404);
     let (st, _) = call("DELETE", &ctx, None, Some("beta"));
     assert_eq!(st, 404);
-    let (st, v) = call("POST", &format!("{ctx}/completions"), Some(&body), Some("alpha"));
+    let (st, v) = call(
+        "POST",
+        &format!("{ctx}/completions"),
+        Some(&body),
+        Some("alpha"),
+    );
     assert_eq!(st, 200, "{v}");
     s.stop();
 }
 
 #[test]
 fn chat_with_a_real_template() {
-    let Some(model) = common::smollm2() else { return };
+    let Some(model) = common::smollm2() else {
+        return;
+    };
     let s = Server::start(&model, &["--ctx-size", "512", "--parallel", "1"]);
     let msg = json!([{"role": "user", "content": "What is the capital of France?"}]);
-    let (st, v) = post(&s.url("/v1/chat/completions"), json!({"messages": msg, "max_tokens": 16, "temperature": 0}));
+    let (st, v) = post(
+        &s.url("/v1/chat/completions"),
+        json!({"messages": msg, "max_tokens": 16, "temperature": 0}),
+    );
     assert_eq!(st, 200, "{v}");
     let answer = text_of(&v);
     let run = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
-        .args(["run", "--device", "cpu", "--temperature", "0", "-n", "16", "--json", "--chat", "-p", "What is the capital of France?", "-m"])
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+            "-n",
+            "16",
+            "--json",
+            "--chat",
+            "-p",
+            "What is the capital of France?",
+            "-m",
+        ])
         .arg(&model)
         .output()
         .expect("run");
     let run: Value = serde_json::from_slice(&run.stdout).expect("run json");
-    assert_eq!(answer, run["text"].as_str().unwrap(), "server chat and run --chat differ");
+    assert_eq!(
+        answer,
+        run["text"].as_str().unwrap(),
+        "server chat and run --chat differ"
+    );
     assert_eq!(v["object"], "chat.completion");
     // Streamed chat: role first, then content deltas, then [DONE].
-    let lines = sse(&s.url("/v1/chat/completions"), json!({"messages": msg, "max_tokens": 16, "temperature": 0, "stream": true}));
+    let lines = sse(
+        &s.url("/v1/chat/completions"),
+        json!({"messages": msg, "max_tokens": 16, "temperature": 0, "stream": true}),
+    );
     let first: Value = serde_json::from_str(&lines[0]).unwrap();
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
     let streamed: String = lines[..lines.len() - 1]
         .iter()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["choices"][0]["delta"]["content"].as_str().unwrap_or("").to_string())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
         .collect();
     assert_eq!(streamed, answer);
     assert_eq!(lines.last().unwrap(), "[DONE]");
     // A chat context with a system prompt keeps the conversation.
-    let (_, c) = post(&s.url("/v1/contexts"), json!({"system_prompt": "You are a terse geography tutor."}));
+    let (_, c) = post(
+        &s.url("/v1/contexts"),
+        json!({"system_prompt": "You are a terse geography tutor."}),
+    );
     let id = c["id"].as_str().unwrap();
     let url = s.url(&format!("/v1/contexts/{id}/chat/completions"));
-    let (st, v) = post(&url, json!({"messages": msg, "max_tokens": 16, "temperature": 0}));
+    let (st, v) = post(
+        &url,
+        json!({"messages": msg, "max_tokens": 16, "temperature": 0}),
+    );
     assert_eq!(st, 200, "{v}");
-    let (st, v2) = post(&url, json!({"messages": [{"role": "user", "content": "And of Italy?"}], "max_tokens": 16, "temperature": 0}));
+    let (st, v2) = post(
+        &url,
+        json!({"messages": [{"role": "user", "content": "And of Italy?"}], "max_tokens": 16, "temperature": 0}),
+    );
     assert_eq!(st, 200, "{v2}");
     let (_, info) = call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None);
-    let roles: Vec<&str> = info["messages"].as_array().unwrap().iter().map(|m| m["role"].as_str().unwrap()).collect();
+    let roles: Vec<&str> = info["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
     assert_eq!(roles, ["system", "user", "assistant", "user", "assistant"]);
     // The same conversation sent whole gives the same answer.
     let mut all = info["messages"].as_array().unwrap().clone();
     all.pop();
-    let (_, whole) = post(&s.url("/v1/chat/completions"), json!({"messages": all, "max_tokens": 16, "temperature": 0}));
+    let (_, whole) = post(
+        &s.url("/v1/chat/completions"),
+        json!({"messages": all, "max_tokens": 16, "temperature": 0}),
+    );
     assert_eq!(text_of(&whole), text_of(&v2));
     s.stop();
 }
@@ -441,11 +570,19 @@ fn contexts_survive_kill_9() {
     let kv = dir.path().join("kv");
     let kv_ref = dir.path().join("kv-ref");
     let args = |d: &Path| -> Vec<String> {
-        ["--ctx-size", "512", "--parallel", "2", "--kv-compression", "off", "--kv-dir"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([d.to_string_lossy().into_owned()])
-            .collect()
+        [
+            "--ctx-size",
+            "512",
+            "--parallel",
+            "2",
+            "--kv-compression",
+            "off",
+            "--kv-dir",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([d.to_string_lossy().into_owned()])
+        .collect()
     };
     let a = args(&kv);
     let a: Vec<&str> = a.iter().map(String::as_str).collect();
@@ -453,14 +590,24 @@ fn contexts_survive_kill_9() {
     let slow = [("GPU_OFFLOAD_TEST_SWAP_DELAY_MS", "5")];
     let mut s = Server::start_env(&model, &a, &slow);
     let ids: Vec<String> = (0..3)
-        .map(|_| post(&s.url("/v1/contexts"), json!({})).1["id"].as_str().unwrap().to_string())
+        .map(|_| {
+            post(&s.url("/v1/contexts"), json!({})).1["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     let mut history: Vec<Vec<Vec<u32>>> = vec![Vec::new(); ids.len()];
     let mut lost_total = 0;
     for round in 0..4u32 {
         for (i, id) in ids.iter().enumerate() {
-            let prompt: Vec<u32> = (0..(7 + 5 * round + i as u32)).map(|t| 1 + (t * 37 + round * 11 + i as u32) % 500).collect();
-            let (st, v) = post(&s.url(&format!("/v1/contexts/{id}/completions")), greedy(json!(prompt), 40));
+            let prompt: Vec<u32> = (0..(7 + 5 * round + i as u32))
+                .map(|t| 1 + (t * 37 + round * 11 + i as u32) % 500)
+                .collect();
+            let (st, v) = post(
+                &s.url(&format!("/v1/contexts/{id}/completions")),
+                greedy(json!(prompt), 40),
+            );
             assert_eq!(st, 200, "{v}");
             history[i].push(prompt);
         }
@@ -483,18 +630,34 @@ fn contexts_survive_kill_9() {
         let (_, c) = post(&r.url("/v1/contexts"), json!({}));
         let rid = c["id"].as_str().unwrap().to_string();
         for p in &history[i] {
-            let (st, _) = post(&r.url(&format!("/v1/contexts/{rid}/completions")), greedy(json!(p), 40));
+            let (st, _) = post(
+                &r.url(&format!("/v1/contexts/{rid}/completions")),
+                greedy(json!(p), 40),
+            );
             assert_eq!(st, 200);
         }
-        let (_, want) = post(&r.url(&format!("/v1/contexts/{rid}/completions")), greedy(json!(probe), 30));
-        let (st, got) = post(&s.url(&format!("/v1/contexts/{id}/completions")), greedy(json!(probe), 30));
+        let (_, want) = post(
+            &r.url(&format!("/v1/contexts/{rid}/completions")),
+            greedy(json!(probe), 30),
+        );
+        let (st, got) = post(
+            &s.url(&format!("/v1/contexts/{id}/completions")),
+            greedy(json!(probe), 30),
+        );
         assert_eq!(st, 200, "{got}");
-        assert_eq!(text_of(&got), text_of(&want), "context {i} answers differently after kill -9");
+        assert_eq!(
+            text_of(&got),
+            text_of(&want),
+            "context {i} answers differently after kill -9"
+        );
         let (_, info) = call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None);
         eprintln!("context {i}: restore {}", info["last_restore"]);
     }
     eprintln!("chunks found lost (recomputed) after the kills: {lost_total}");
-    assert!(lost_total > 0, "no kill landed during a swap-out: the test proved nothing");
+    assert!(
+        lost_total > 0,
+        "no kill landed during a swap-out: the test proved nothing"
+    );
     r.stop();
     s.stop();
 }

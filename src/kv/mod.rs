@@ -194,7 +194,7 @@ impl KvManager {
                                 })
                             })
                             .count();
-                        
+
                         m.clock += 1;
                         let id = idx.id.clone();
                         m.contexts.insert(
@@ -360,13 +360,10 @@ impl KvManager {
                 }
             })
             .collect();
-        let values_per_chunk = 2 * n_layers * CHUNK_TOKENS * kv_dim;
         let widths: Vec<Bits> = match self.cfg.compression {
             Compression::Off => vec![Bits::F32; full],
             Compression::Uniform(b) => vec![b; full],
-            Compression::Ratio(r) => {
-                policy::allocate_bits(&density, &fixed, r, values_per_chunk, kv_dim)
-            }
+            Compression::Ratio(r) => policy::allocate_bits(&density, &fixed, r),
         };
         let mut written = Vec::new();
         for ci in first..n_chunks {

@@ -1,0 +1,211 @@
+//! Contexts swapped out and back: exact with compression off (from disk, partly recomputed,
+//! with a corrupted chunk), and the perplexity cost of compressing to 50%.
+
+mod common;
+
+use std::path::Path;
+
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::engine::{Engine, Logits, Session};
+use gpu_offload::kv::{Bits, CHUNK_TOKENS, Compression, CostModel, KvConfig, KvManager};
+use gpu_offload::model::Model;
+
+fn engine(path: &Path) -> (Engine<CpuBackend>, Model) {
+    let m = Model::load(path).expect("model");
+    let e = Engine::new(CpuBackend::new(2).unwrap(), m.spec.clone(), &m.weights).expect("engine");
+    (e, m)
+}
+
+fn manager(dir: Option<&Path>, compression: Compression, dram: u64, costs: CostModel) -> KvManager {
+    let cfg = KvConfig {
+        compression,
+        dram_budget: dram,
+        dir: dir.map(Path::to_path_buf),
+        model_id: "test-model".into(),
+        costs,
+    };
+    KvManager::open(cfg, None).expect("open").0
+}
+
+const LOAD_ONLY: CostModel = CostModel {
+    recompute_s_per_token: 1.0,
+    load_s_per_chunk: 0.0,
+    load_s_per_byte: 0.0,
+};
+
+/// Evaluate `tokens` into a new context of `kv` and swap it out.
+fn fill(
+    e: &Engine<CpuBackend>,
+    kv: &mut KvManager,
+    tokens: &[u32],
+    ctx: usize,
+) -> (String, Session<CpuBackend>) {
+    let id = kv.create(None, None).unwrap();
+    let mut s = e.new_session(ctx).unwrap();
+    e.enable_probe(&mut s).unwrap();
+    e.forward(&mut s, tokens, Logits::None).unwrap();
+    kv.get_mut(&id, None).unwrap().index.tokens = tokens.to_vec();
+    kv.swap_out(e, &mut s, &id).unwrap();
+    (id, s)
+}
+
+fn tokens_of(m: &Model, n: usize) -> Vec<u32> {
+    let text = std::fs::read_to_string(common::fixtures().join("heldout.txt")).unwrap();
+    let tok = m.tokenizer.as_ref().expect("tokenizer");
+    let mut t = tok.encode(&text, true, false).unwrap();
+    t.truncate(n);
+    assert_eq!(t.len(), n, "held-out text too short");
+    t
+}
+
+fn check_exact(path: &Path) {
+    let (e, m) = engine(path);
+    let t = tokens_of(&m, 70);
+    let (head, tail) = t.split_at(60);
+    let dir = tempfile::tempdir().unwrap();
+
+    // Reference: never swapped.
+    let mut kv = manager(Some(dir.path()), Compression::Off, 0, LOAD_ONLY);
+    let (id, mut s) = fill(&e, &mut kv, head, 128);
+    let want = e.forward(&mut s, tail, Logits::All).unwrap();
+
+    // Every chunk from disk (no DRAM): bit-exact.
+    let mut s2 = e.new_session(128).unwrap();
+    let st = kv.swap_in(&e, &mut s2, &id).unwrap();
+    assert_eq!(
+        (st.chunks_from_disk, st.chunks_recomputed),
+        (60usize.div_ceil(CHUNK_TOKENS), 0),
+        "{st:?}"
+    );
+    assert_eq!(s2.position(), 60);
+    let got = e.forward(&mut s2, tail, Logits::All).unwrap();
+    assert!(got == want, "logits differ after a swap through disk");
+
+    // Some chunks recomputed by the cost model, one chunk file corrupted: the same answer.
+    let balanced = CostModel {
+        recompute_s_per_token: 1.0,
+        load_s_per_chunk: 24.0,
+        load_s_per_byte: 0.0,
+    };
+    let mut kv = manager(Some(dir.path()), Compression::Off, 0, balanced);
+    let cdir = dir.path().join("contexts").join(&id);
+    let mut files: Vec<_> = std::fs::read_dir(&cdir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kv"))
+        .collect();
+    files.sort();
+    let last = files.last().unwrap();
+    let mut bytes = std::fs::read(last).unwrap();
+    bytes[7] ^= 0x10;
+    std::fs::write(last, bytes).unwrap();
+    let mut s3 = e.new_session(128).unwrap();
+    let st = kv.swap_in(&e, &mut s3, &id).unwrap();
+    assert!(
+        st.chunks_recomputed >= 2 && st.chunks_from_disk >= 1 && st.chunks_corrupt == 1,
+        "{st:?}"
+    );
+    let got = e.forward(&mut s3, tail, Logits::All).unwrap();
+    let vocab = m.spec.vocab_size;
+    for (p, (g, w)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let scale = w.iter().fold(0f32, |a, x| a.max(x.abs()));
+        let err = g.iter().zip(w).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        assert!(
+            err <= 1e-4 * scale,
+            "position {p}: recomputed chunks moved logits by {err} (scale {scale})"
+        );
+        let argmax = |v: &[f32]| {
+            v.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        };
+        assert_eq!(argmax(g), argmax(w), "position {p}");
+    }
+}
+
+#[test]
+fn swapped_contexts_give_the_same_logits_stories260k() {
+    check_exact(&common::stories260k());
+}
+
+#[test]
+fn swapped_contexts_give_the_same_logits_smollm2() {
+    if let Some(p) = common::smollm2() {
+        check_exact(&p);
+    }
+}
+
+/// Perplexity of the held-out text evaluated in calls of 64 tokens, the context swapped out
+/// (compressed) and back in between calls; the first call is not scored.
+fn chunked_ppl(e: &Engine<CpuBackend>, t: &[u32], compression: Option<Compression>) -> (f64, f64) {
+    let vocab = e.spec().vocab_size;
+    let mut kv = manager(
+        None,
+        compression.unwrap_or(Compression::Off),
+        u64::MAX / 4,
+        LOAD_ONLY,
+    );
+    let id = kv.create(None, None).unwrap();
+    let mut s = e.new_session(t.len()).unwrap();
+    e.enable_probe(&mut s).unwrap();
+    let (mut nll, mut n) = (0f64, 0usize);
+    for (call, part) in t.chunks(64).enumerate() {
+        let start = call * 64;
+        let logits = e.forward(&mut s, part, Logits::All).unwrap();
+        if call > 0 {
+            for (i, row) in logits.chunks(vocab).enumerate() {
+                if let Some(&next) = t.get(start + i + 1) {
+                    nll += gpu_offload::engine::perplexity::nll(row, next);
+                    n += 1;
+                }
+            }
+        }
+        if compression.is_some() {
+            kv.get_mut(&id, None).unwrap().index.tokens = t[..start + part.len()].to_vec();
+            kv.swap_out(e, &mut s, &id).unwrap();
+            let mut fresh = e.new_session(t.len()).unwrap();
+            e.enable_probe(&mut fresh).unwrap();
+            kv.swap_in(e, &mut fresh, &id).unwrap();
+            s = fresh;
+        }
+    }
+    let bits = kv.get(&id, None).unwrap().chunk_bits();
+    let full: Vec<Bits> = bits
+        .into_iter()
+        .flatten()
+        .filter(|b| *b != Bits::F32)
+        .collect();
+    let mean_bits = full.iter().map(|b| b.bits() as f64).sum::<f64>() / full.len().max(1) as f64;
+    ((nll / n as f64).exp(), mean_bits)
+}
+
+#[test]
+fn compression_to_half_costs_little_perplexity() {
+    let Some(p) = common::smollm2() else { return };
+    let (e, m) = engine(&p);
+    let t = tokens_of(&m, 448);
+    let (base, _) = chunked_ppl(&e, &t, None);
+    let mut report =
+        format!("SmolLM2 held-out perplexity, 448 tokens in calls of 64: exact {base:.4}");
+    let mut half = 0.0;
+    for (name, c) in [
+        ("int8", Compression::Uniform(Bits::Q8)),
+        ("50% (ours)", Compression::Ratio(0.5)),
+        ("int4", Compression::Uniform(Bits::Q4)),
+        ("int2", Compression::Uniform(Bits::Q2)),
+    ] {
+        let (ppl, bits) = chunked_ppl(&e, &t, Some(c));
+        let delta = ppl / base - 1.0;
+        report += &format!(
+            "; {name}: {ppl:.4} ({:+.2}%, {bits:.2} bits/value)",
+            100.0 * delta
+        );
+        if c == Compression::Ratio(0.5) {
+            half = delta;
+        }
+    }
+    eprintln!("{report}");
+    assert!(half <= 0.01, "{report}");
+}
