@@ -8,6 +8,7 @@
 #   offload  the 7B shape under --gpu-mem 4G: decode vs the PCIe bound and the plan's
 #            prediction, vs transformers + accelerate offload at 4 GiB; then --dram-mem below
 #            the model size (SSD tier) vs the SSD bound
+#   serve    the HTTP server on CUDA: completions, a context swapped out and restored, HBM ledger
 # Results: $OUT/results.jsonl (one JSON object per measurement) and $OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,11 +83,41 @@ offload() {
     record decode_7b_4g_dram6g "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --dram-mem 6G --prompt-tokens 32 -n 8 --reps 1 --json 2>>"$LOG")"
 }
 
+serve() {
+    say "serve on CUDA (stories260K, --gpu-mem 64M): completions, a context swapped out and back, ledger in /metrics"
+    "$B" serve --device cuda -m .gpu/models/stories260K-f32.gguf --gpu-mem 64M --port 18181 --parallel 1 \
+        --kv-dir "$WORK/kv" --kv-compression off --ctx-size 256 > "$WORK/serve.out" 2>>"$LOG" &
+    local pid=$!
+    for _ in $(seq 100); do grep -q listening "$WORK/serve.out" 2>/dev/null && break; sleep 0.2; done
+    record serve_cuda "$($PY - <<'PY' 2>>"$LOG"
+import json, urllib.request as u
+B = "http://127.0.0.1:18181"
+def post(p, body):
+    r = u.Request(B + p, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.load(u.urlopen(r))
+g = lambda prompt, n: {"prompt": prompt, "max_tokens": n, "temperature": 0}
+a = post("/v1/completions", g("Once upon a time", 32))["choices"][0]["text"]
+c = post("/v1/contexts", {})["id"]
+post(f"/v1/contexts/{c}/completions", g([1, 403, 407, 261, 378], 40))
+post("/v1/completions", g("Lily", 40))  # takes the only slot: the context leaves the device
+t = post(f"/v1/contexts/{c}/completions", g([13, 157], 20))["choices"][0]["text"]
+info = json.load(u.urlopen(f"{B}/v1/contexts/{c}"))
+# 5 prompt + 40 generated + 2 appended tokens: the same conversation sent whole.
+ref = post("/v1/completions", g(info["token_ids"][:47], 20))
+m = u.urlopen(B + "/metrics").read().decode()
+hbm = [l for l in m.splitlines() if l.startswith('gpu_offload_ledger_bytes{kind="peak",tier="hbm"}')]
+print(json.dumps({"completion": a, "restore": info["last_restore"], "hbm_peak": hbm, "context_matches_whole_prompt": ref["choices"][0]["text"] == t}))
+PY
+)"
+    kill -TERM $pid; wait $pid
+}
+
 case "$MODE" in
     tests) tests ;;
     bench) bench ;;
     offload) offload ;;
-    all) tests; bench; offload ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|all]"; exit 2 ;;
+    serve) serve ;;
+    all) tests; serve; bench; offload ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|serve|all]"; exit 2 ;;
 esac
 say "done"
