@@ -121,6 +121,28 @@ fn call(method: &str, url: &str, body: Option<&str>, key: Option<&str>) -> (u16,
     (status, v)
 }
 
+/// The text `gpu-offload run --json` generates greedily on the CPU.
+fn run_greedy(model: &Path, n: usize, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
+        .args([
+            "run",
+            "--device",
+            "cpu",
+            "--temperature",
+            "0",
+            "--json",
+            "-n",
+        ])
+        .arg(n.to_string())
+        .args(args)
+        .arg("-m")
+        .arg(model)
+        .output()
+        .expect("run");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("run json");
+    v["text"].as_str().expect("text").to_string()
+}
+
 fn post(url: &str, body: Value) -> (u16, Value) {
     call("POST", url, Some(&body.to_string()), None)
 }
@@ -190,25 +212,8 @@ fn completions_stream_contexts_and_bad_input() {
     );
     assert_eq!(st, 200, "{v}");
     let text = text_of(&v);
-    let run = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
-        .args([
-            "run",
-            "--device",
-            "cpu",
-            "--temperature",
-            "0",
-            "-n",
-            "24",
-            "--json",
-            "-p",
-            "Once upon a time",
-            "-m",
-        ])
-        .arg(&model)
-        .output()
-        .expect("run");
-    let run: Value = serde_json::from_slice(&run.stdout).expect("run json");
-    assert_eq!(text, run["text"].as_str().unwrap(), "server and run differ");
+    let run = run_greedy(&model, 24, &["-p", "Once upon a time"]);
+    assert_eq!(text, run, "server and run differ");
     assert_eq!(v["usage"]["completion_tokens"], 24);
 
     // Streaming gives the same text, then [DONE].
@@ -481,30 +486,12 @@ fn chat_with_a_real_template() {
     );
     assert_eq!(st, 200, "{v}");
     let answer = text_of(&v);
-    let run = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
-        .args([
-            "run",
-            "--device",
-            "cpu",
-            "--temperature",
-            "0",
-            "-n",
-            "16",
-            "--json",
-            "--chat",
-            "-p",
-            "What is the capital of France?",
-            "-m",
-        ])
-        .arg(&model)
-        .output()
-        .expect("run");
-    let run: Value = serde_json::from_slice(&run.stdout).expect("run json");
-    assert_eq!(
-        answer,
-        run["text"].as_str().unwrap(),
-        "server chat and run --chat differ"
+    let run = run_greedy(
+        &model,
+        16,
+        &["--chat", "-p", "What is the capital of France?"],
     );
+    assert_eq!(answer, run, "server chat and run --chat differ");
     assert_eq!(v["object"], "chat.completion");
     // Streamed chat: role first, then content deltas, then [DONE].
     let lines = sse(

@@ -12,7 +12,7 @@ use clap::Args;
 use super::load::{Job, with_engine};
 use super::plan::parse_bytes;
 use super::{LoadedModel, ModelArgs};
-use crate::kv::{self, Compression, KvConfig, KvManager};
+use crate::kv::{self, Compression, CostModel, KvConfig, KvManager};
 use crate::service::api::Limits;
 use crate::service::worker::{Worker, WorkerConfig};
 use crate::service::{AppState, HttpConfig, Shared, router};
@@ -121,7 +121,18 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_prompt_tokens: a.max_prompt_tokens.unwrap_or(ctx),
         shutdown_grace: Duration::from_secs_f64(a.shutdown_grace),
     };
-    let kv_base = (a.kv_compression, a.kv_dram_mem, a.kv_dir.clone(), model_id);
+    // The cost models are measured on the engine thread, once the engine is there.
+    let mut kv_cfg = KvConfig {
+        compression: a.kv_compression,
+        dram_budget: a.kv_dram_mem,
+        dir: a.kv_dir.clone(),
+        model_id,
+        costs: CostModel {
+            recompute_s_per_token: 0.0,
+            load_s_per_chunk: 0.0,
+            load_s_per_byte: 0.0,
+        },
+    };
     let ledger = running.ledger.clone();
     let shared_w = shared.clone();
     let engine = running.engine;
@@ -130,16 +141,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .spawn(move || {
             with_engine!(engine, e => {
                 let start = || -> Result<_> {
-                    let costs = kv::measure_costs(&e, kv_base.2.as_deref())?;
-                    tracing::info!("KV cost model: {costs:?}");
-                    let cfg = KvConfig {
-                        compression: kv_base.0,
-                        dram_budget: kv_base.1,
-                        dir: kv_base.2.clone(),
-                        model_id: kv_base.3.clone(),
-                        costs,
-                    };
-                    let (kv, warnings) = KvManager::open(cfg, ledger)?;
+                    kv_cfg.costs = kv::measure_costs(&e, kv_cfg.dir.as_deref())?;
+                    tracing::info!("KV cost model: {:?}", kv_cfg.costs);
+                    let (kv, warnings) = KvManager::open(kv_cfg, ledger)?;
                     for w in warnings {
                         tracing::warn!("{w}");
                         eprintln!("warning: {w}");

@@ -147,7 +147,8 @@ pub struct KvManager {
     pub counters: KvCounters,
 }
 
-fn now_unix() -> u64 {
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -196,13 +197,14 @@ impl KvManager {
                             .count();
 
                         m.clock += 1;
-                        let id = idx.id.clone();
+                        let (id, evaluated) = (idx.id.clone(), idx.evaluated);
                         m.contexts.insert(
                             id,
                             Context {
                                 index: idx,
                                 dram: (0..n).map(|_| None).collect(),
-                                clean: 0,
+                                // What the index names is what is written.
+                                clean: evaluated,
                                 last_use: 0,
                                 last_restore: None,
                                 lost_at_load: lost,
@@ -211,15 +213,8 @@ impl KvManager {
                     }
                 }
             }
-            for c in m.contexts.values_mut() {
-                c.clean = c.index.evaluated;
-            }
         }
         Ok((m, warnings))
-    }
-
-    pub fn config(&self) -> &KvConfig {
-        &self.cfg
     }
 
     pub fn len(&self) -> usize {
@@ -245,7 +240,7 @@ impl KvManager {
         system_prompt: Option<String>,
     ) -> Result<String> {
         let id = format!("ctx-{:016x}", rand::random::<u64>());
-        let mut index = ContextIndex::new(&self.cfg.model_id, &id, owner, now_unix());
+        let mut index = ContextIndex::new(&self.cfg.model_id, &id, owner, unix_now());
         index.system_prompt = system_prompt;
         if let Some(dir) = &self.cfg.dir {
             persist::save_index(dir, &index)?;
@@ -385,31 +380,22 @@ impl KvManager {
                 values,
             };
             let bytes = chunk::encode(&data, bits);
-            let record = match &self.cfg.dir {
+            c.index.chunks[ci] = match &self.cfg.dir {
                 Some(dir) => Some(persist::write_chunk(dir, id, ci, len, bits, &bytes)?),
                 None => None,
             };
-            written.push((ci, len, bits, bytes, record));
-        }
-        let count = written.len();
-        let c = self
-            .contexts
-            .get_mut(id)
-            .ok_or_else(|| KvError::NotFound(id.into()))?;
-        let mut to_cache = Vec::new();
-        for (ci, len, bits, bytes, record) in written {
-            c.index.chunks[ci] = record;
             if let Some(old) = c.dram[ci].take() {
                 self.dram_used -= old.bytes.len() as u64;
             }
-            to_cache.push((ci, len, bits, bytes));
+            written.push((ci, len, bits, bytes));
         }
+        let count = written.len();
         c.clean = pos;
         if let Some(dir) = &self.cfg.dir {
             persist::save_index(dir, &c.index)?;
             persist::remove_unreferenced(dir, &c.index);
         }
-        for (ci, len, bits, bytes) in to_cache {
+        for (ci, len, bits, bytes) in written {
             self.cache_in_dram(id, ci, len, bits, bytes);
         }
         self.counters.swap_outs += 1;
@@ -604,23 +590,11 @@ impl KvManager {
         if let Some(c) = self.contexts.get_mut(id) {
             c.last_restore = Some(stats);
             // Chunks recomputed because their copy was bad are rewritten at the next swap-out.
-            if let Some(&first_bad) = redo.first()
-                && stats.chunks_corrupt + redo.len() > 0
-            {
+            if let Some(&first_bad) = redo.first() {
                 c.clean = c.clean.min(first_bad * CHUNK_TOKENS);
             }
         }
         Ok(stats)
-    }
-
-    /// Drop every DRAM copy (to measure loads from disk).
-    pub fn drop_dram_copies(&mut self) {
-        for c in self.contexts.values_mut() {
-            for d in &mut c.dram {
-                *d = None;
-            }
-        }
-        self.dram_used = 0;
     }
 }
 

@@ -3,12 +3,12 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, Request as HttpRequest, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -21,6 +21,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use super::api::{self, ApiError, GenerationRequest};
 use super::worker::{Event, Generate, Request};
 use super::{AppState, owner_of};
+use crate::kv::unix_now;
 
 /// The router over `state`.
 pub fn router(state: AppState) -> Router {
@@ -94,13 +95,6 @@ async fn metrics(State(st): State<AppState>) -> Response {
     let rate = st.shared.tokens_per_s();
     let text = st.shared.metrics.render(st.shared.ledger.as_deref(), rate);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 async fn models(State(st): State<AppState>) -> impl IntoResponse {
@@ -388,9 +382,4 @@ impl Chunk {
             self.wrap(json!({"index": 0, "text": "", "finish_reason": reason}))
         }
     }
-}
-
-#[allow(dead_code)]
-fn _assert_send(h: HeaderMap) -> HeaderMap {
-    h
 }
