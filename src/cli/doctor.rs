@@ -64,6 +64,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
             op_overhead_s: 4e-6,
             device_bytes: g.total_bytes,
+            device_fixed_bytes: None,
         },
         // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
         // memory and its copies are memcpy.
@@ -76,6 +77,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
             op_overhead_s: 2e-6,
             device_bytes: 0,
+            device_fixed_bytes: Some(0),
         },
     };
     if args.save {

@@ -28,6 +28,11 @@ pub struct BudgetArgs {
     /// [default: the profile `doctor --save` measured, else cpu-sim for --device sim, gpu-4g otherwise]
     #[arg(long, env = "GPU_OFFLOAD_HARDWARE")]
     pub hardware: Option<String>,
+
+    /// Run as on another card: a preset (configs/, e.g. rtx3060-12g) whose memory caps --gpu-mem
+    /// and whose PCIe rate paces host→device copies; its profile becomes the cost model's.
+    #[arg(long, env = "GPU_OFFLOAD_EMULATE")]
+    pub emulate: Option<String>,
 }
 
 impl BudgetArgs {

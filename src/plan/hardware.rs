@@ -23,7 +23,18 @@ pub struct HardwareProfile {
     /// Device memory size, bytes (0 when unknown).
     #[serde(default)]
     pub device_bytes: u64,
+    /// Device memory a process holds before it places anything: the CUDA context, our kernel
+    /// modules, cuBLAS and its workspace (measured by `doctor`). `--gpu-mem` bounds the whole
+    /// process, so the planner takes this off the budget first. `None`: not measured, and
+    /// [`DEFAULT_DEVICE_FIXED_BYTES`] is assumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_fixed_bytes: Option<u64>,
 }
+
+/// What a profile that does not state its fixed device cost is assumed to have: above the 626 MiB
+/// an H100 (132 SMs, whose per-SM context reservations are among the largest) was seen to hold
+/// with our modules and cuBLAS, so a card that holds less is never over-committed.
+pub const DEFAULT_DEVICE_FIXED_BYTES: u64 = 768 << 20;
 
 const GB: f64 = 1e9;
 
@@ -36,7 +47,8 @@ pub fn presets() -> Vec<HardwareProfile> {
              dram: f64,
              ssd: f64,
              op: f64,
-             mem_gib: u64| HardwareProfile {
+             mem_gib: u64,
+             fixed: Option<u64>| HardwareProfile {
         name: name.into(),
         hbm_bytes_per_s: hbm * GB,
         h2d_pinned_bytes_per_s: h2d * GB,
@@ -45,14 +57,17 @@ pub fn presets() -> Vec<HardwareProfile> {
         ssd_read_bytes_per_s: ssd * GB,
         op_overhead_s: op,
         device_bytes: mem_gib << 30,
+        device_fixed_bytes: fixed,
     };
     vec![
-        p("rtx4090-24g", 1008.0, 25.0, 12.0, 60.0, 6.0, 4e-6, 24),
-        p("rtx3060-12g", 360.0, 12.5, 8.0, 40.0, 3.0, 5e-6, 12),
-        p("gpu-4g", 200.0, 12.5, 8.0, 30.0, 2.0, 5e-6, 4),
-        p("h100-80g", 3350.0, 50.0, 20.0, 200.0, 6.0, 3e-6, 80),
-        // The budgeted CPU device: copies are memcpy, "HBM" is host memory.
-        p("cpu-sim", 20.0, 10.0, 10.0, 20.0, 1.0, 2e-6, 0),
+        // Consumer cards: fixed cost not measured here, so the conservative default applies.
+        p("rtx4090-24g", 1008.0, 25.0, 12.0, 60.0, 6.0, 4e-6, 24, None),
+        p("rtx3060-12g", 360.0, 12.5, 8.0, 40.0, 3.0, 5e-6, 12, None),
+        p("gpu-4g", 200.0, 12.5, 8.0, 30.0, 2.0, 5e-6, 4, None),
+        p("h100-80g", 3350.0, 50.0, 20.0, 200.0, 6.0, 3e-6, 80, None),
+        // The budgeted CPU device: copies are memcpy, "HBM" is host memory, and there is no
+        // context to pay for (emulate a card with --hardware or --emulate to include one).
+        p("cpu-sim", 20.0, 10.0, 10.0, 20.0, 1.0, 2e-6, 0, Some(0)),
     ]
 }
 
@@ -75,6 +90,12 @@ impl HardwareProfile {
         p.validate()
             .map_err(|m| format!("{}: {m}", path.display()))?;
         Ok(p)
+    }
+
+    /// Device bytes a process holds before placing anything (measured, or the default).
+    pub fn fixed_device_bytes(&self) -> u64 {
+        self.device_fixed_bytes
+            .unwrap_or(DEFAULT_DEVICE_FIXED_BYTES)
     }
 
     pub fn validate(&self) -> Result<(), String> {
