@@ -1,18 +1,31 @@
 // Causal attention over the KV cache with GQA, no score buffer in device memory: one block per
 // (query token, head) walks the keys in tiles, keeping a running max and sum (online softmax)
-// and rescaling its output accumulator as the max grows.
+// and rescaling its output accumulator as the max grows. The cache holds f32, f16 or Q8_0 rows
+// (`KvType` in src/backend/mod.rs); values are read back as f32 and accumulated in f32.
 #include "common.cuh"
 
 #define TILE 1024
 #define MAX_HEAD_DIM 256
 
-// q: n × q_stride (head h at h·hd); caches: ctx × kv_stride (KV head g at g·hd); query t sits at
-// position first_pos + t and sees keys 0..=first_pos + t. Block: 256 threads.
-extern "C" __global__ void attention(const float* q, const float* kc, const float* vc, float* out, int n_heads,
-                                     int group, int hd, int q_stride, int kv_stride, int first_pos, float scale) {
+// Element e of a cache row in storage format DT.
+template <int DT>
+__device__ __forceinline__ float kv_elem(const u8* row, int e) {
+    if (DT == DT_F32) return ((const float*)row)[e];
+    if (DT == DT_F16) return h2f(((const u16*)row)[e]);
+    const u8* b = row + (e >> 5) * 34;  // Q8_0
+    return h2f(load_u16(b)) * (float)(i8)b[2 + (e & 31)];
+}
+
+// q: n × q_stride f32 (head h at h·hd); caches: ctx rows of `kv_cols` values in DT (KV head g at
+// values g·hd..); query t sits at position first_pos + t and sees keys 0..=first_pos + t.
+// Block: 256 threads.
+template <int DT>
+__device__ void attention_impl(const float* q, const u8* kc, const u8* vc, float* out, int n_heads, int group,
+                               int hd, int q_stride, int kv_cols, int first_pos, float scale) {
     __shared__ float qs[MAX_HEAD_DIM];
     __shared__ float p[TILE];
     __shared__ float red[32];
+    const long long rb = row_bytes(DT, kv_cols);
     int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads;
     int g = h / group;
     int len = first_pos + t + 1;
@@ -21,13 +34,14 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
     __syncthreads();
     // Thread d < hd owns output dimension d.
     float acc = 0.0f, m = -3.0e38f, l = 0.0f;
+    const int col = g * hd;
     for (int j0 = 0; j0 < len; j0 += TILE) {
         int tile = min(TILE, len - j0);
         float local_max = -3.0e38f;
         for (int j = threadIdx.x; j < tile; j += blockDim.x) {
-            const float* k = kc + (long long)(j0 + j) * kv_stride + (long long)g * hd;
+            const u8* k = kc + (long long)(j0 + j) * rb;
             float s = 0.0f;
-            for (int d = 0; d < hd; d++) s += qs[d] * k[d];
+            for (int d = 0; d < hd; d++) s += qs[d] * kv_elem<DT>(k, col + d);
             s *= scale;
             p[j] = s;
             local_max = fmaxf(local_max, s);
@@ -46,11 +60,49 @@ extern "C" __global__ void attention(const float* q, const float* kc, const floa
         m = new_m;
         if (threadIdx.x < hd) {
             float a = acc * rescale;
-            const float* v = vc + (long long)j0 * kv_stride + (long long)g * hd + threadIdx.x;
-            for (int j = 0; j < tile; j++) a += p[j] * v[(long long)j * kv_stride];
+            const u8* v = vc + (long long)j0 * rb;
+            for (int j = 0; j < tile; j++) a += p[j] * kv_elem<DT>(v + (long long)j * rb, col + threadIdx.x);
             acc = a;
         }
         __syncthreads();
     }
     if (threadIdx.x < hd) out[(long long)t * q_stride + (long long)h * hd + threadIdx.x] = acc / l;
+}
+
+#define ATTENTION(name, DT)                                                                                   \
+    extern "C" __global__ void name(const float* q, const u8* kc, const u8* vc, float* out, int n_heads,     \
+                                    int group, int hd, int q_stride, int kv_cols, int first_pos, float scale) { \
+        attention_impl<DT>(q, kc, vc, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale);          \
+    }
+
+ATTENTION(attention_f32, DT_F32)
+ATTENTION(attention_f16, DT_F16)
+ATTENTION(attention_q8_0, DT_Q8_0)
+
+// Store `rows` rows of `cols` f32 values into cache rows in DT (at `dst`, the first target row),
+// converted as the host's `tensor::encode_row` does, bit for bit. f32/f16: a thread per value;
+// Q8_0: a warp per 32-value block — d = amax/127, q = round(x·(1/d)), d kept as f16 — as
+// llama.cpp's reference quantizer.
+extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    long long n = rows * cols;
+    if (dt == DT_F32) {
+        if (i < n) ((float*)dst)[i] = src[i];
+        return;
+    }
+    if (dt == DT_F16) {
+        if (i < n) ((u16*)dst)[i] = f2h(src[i]);
+        return;
+    }
+    // Q8_0: value i of the flattened rows (cols is a multiple of 32, so blocks never straddle rows).
+    long long b = i >> 5;
+    int lane = threadIdx.x & 31;
+    if (b >= n / 32) return;
+    float v = src[i];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    u8* blk = dst + b * 34;
+    blk[2 + lane] = (u8)(i8)roundf(v * id);
+    if (lane == 0) *(u16*)blk = f2h(d);
 }

@@ -194,6 +194,12 @@ pub struct GpuProfile {
     pub pcie: Option<PcieLink>,
     /// Device-to-device copy, bytes read plus written per second.
     pub d2d_bytes_per_s: f64,
+    /// Device-memory read bandwidth (a kernel that only reads), bytes/s: what decode and matvec
+    /// stream weights at, the HBM bound's denominator.
+    pub hbm_read_bytes_per_s: f64,
+    /// Device memory a process holds with our context, kernel modules, cuBLAS and its workspace
+    /// up (NVML), before placing anything; `None` where NVML cannot tell.
+    pub fixed_bytes: Option<u64>,
     pub h2d_pinned_bytes_per_s: f64,
     pub h2d_pageable_bytes_per_s: f64,
     pub d2h_pinned_bytes_per_s: f64,
@@ -268,7 +274,9 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
         let d2h_p = time(&mut || r::memcpy_dtoh_async(&mut host_pinned[..], pa, cs))?;
         let d2h_u = time(&mut || r::memcpy_dtoh_async(&mut pageable[..], pa, cs))?;
         let (driver_version, pcie) = nvml_facts();
+        drop((a, b));
         let b = bytes as f64;
+        let hbm_read = be.read_bandwidth(bytes).map_err(|e| e.to_string())?;
         Ok(GpuProfile {
             name: info.name,
             compute_capability: info.compute_capability,
@@ -278,6 +286,8 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             driver_version,
             pcie,
             d2d_bytes_per_s: 2.0 * b / d2d,
+            hbm_read_bytes_per_s: hbm_read,
+            fixed_bytes: be.fixed_bytes(),
             h2d_pinned_bytes_per_s: b / h2d_p,
             h2d_pageable_bytes_per_s: b / h2d_u,
             d2h_pinned_bytes_per_s: b / d2h_p,

@@ -294,6 +294,43 @@ impl HostTensor {
     }
 }
 
+/// Encode f32 values into one row of `dtype` bytes (`out.len() == dtype.bytes_for(x.len())`):
+/// round to nearest for the float formats; Q8_0 as llama.cpp's reference quantizer does it
+/// (per 32 values `d = amax / 127`, `q = round(x / d)`, `d` kept as f16), which the CUDA KV
+/// kernel repeats bit for bit. The 4-bit formats are weight formats only: `None` for them.
+pub fn encode_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Option<()> {
+    match dtype {
+        DType::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(x) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(x) {
+                o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+        DType::Q8_0 => {
+            for (o, xs) in out.chunks_exact_mut(dtype.block_bytes()).zip(x.chunks(QK)) {
+                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                o[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                for (q, v) in o[2..].iter_mut().zip(xs) {
+                    *q = (v * id).round() as i8 as u8;
+                }
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => return None,
+    }
+    Some(())
+}
+
 /// Decode one row of `dtype` bytes into f32 values (`out.len()` values). Reads bytes without
 /// assuming any alignment, so it works on any slice.
 pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {

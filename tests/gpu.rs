@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::cuda::CudaBackend;
-use gpu_offload::backend::{Act, AttnShape, Backend, BundleShape, RopePairs};
+use gpu_offload::backend::{Act, AttnShape, Backend, BundleShape, KvType, RopePairs, WorkspaceOp};
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
 use gpu_offload::tensor::{Bytes, DType, HostTensor};
@@ -129,6 +129,12 @@ fn matmul_on<B: Backend>(
         }
     }
     b.write(&mut out, &poison).unwrap();
+    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Matmul {
+        dtype: w.dtype,
+        tokens: n,
+        cols: w.cols,
+    }))
+    .unwrap();
     b.matmul_into(&dw, &xt, &mut out, col0).unwrap();
     get(b, &out)
 }
@@ -291,6 +297,8 @@ fn rope_both_pairings_equal_cpu<B: Backend>(g: &B) {
 fn embed_on<B: Backend>(b: &B, table: &HostTensor, ids: &[u32], first_row: usize) -> Vec<f32> {
     let t = b.upload(table).unwrap();
     let mut out = poisoned(b, ids.len(), table.cols);
+    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Embed { tokens: ids.len() }))
+        .unwrap();
     b.embed(&t, ids, &mut out).unwrap();
     let mut v = get(b, &out);
     b.add_table_rows(&mut out, &t, first_row).unwrap();
@@ -328,41 +336,86 @@ fn attention_on<B: Backend>(
     ctx: usize,
     pos: usize,
     s: AttnShape,
+    ty: KvType,
 ) -> Vec<f32> {
     let kv = s.n_kv_heads * s.head_dim;
     let qt = put(b, n, s.n_heads * s.head_dim, q);
+    // K and V go in through store_kv (the device's conversion), as the engine stores them.
     let kt = put(b, ctx, kv, k);
     let vt = put(b, ctx, kv, v);
+    let mut kc = b.alloc_kv(ctx, kv, ty).unwrap();
+    let mut vc = b.alloc_kv(ctx, kv, ty).unwrap();
+    b.store_kv(&kt, &mut kc, 0).unwrap();
+    b.store_kv(&vt, &mut vc, 0).unwrap();
     let mut out = poisoned(b, n, s.n_heads * s.head_dim);
-    b.attention(&qt, &kt, &vt, pos, s, &mut out).unwrap();
+    b.attention(&qt, &kc, &vc, pos, s, &mut out).unwrap();
     get(b, &out)
 }
 
 fn attention_decode_and_prefill_with_gqa_equal_cpu<B: Backend>(g: &B) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(5);
-    for (n, pos, ctx, heads, kv_heads, hd) in [
-        (1, 37, 64, 9, 3, 64),
-        (5, 0, 8, 4, 2, 16),
-        (7, 11, 32, 8, 8, 32),
-        (1, 2500, 2600, 32, 8, 128),
-    ] {
-        let s = AttnShape {
-            n_heads: heads,
-            n_kv_heads: kv_heads,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        for (n, pos, ctx, heads, kv_heads, hd) in [
+            (1, 37, 64, 9, 3, 64),
+            (5, 0, 8, 4, 2, 16),
+            (7, 11, 32, 8, 8, 32),
+            (1, 2500, 2600, 32, 8, 128),
+        ] {
+            let s = AttnShape {
+                n_heads: heads,
+                n_kv_heads: kv_heads,
+                head_dim: hd,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let q = rand_vec(&mut rng, n * heads * hd, 1.0);
+            let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+            let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+            let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty);
+            let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty);
+            let e = rel(&got, &want);
+            assert!(
+                e <= 1e-4,
+                "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
+            );
+        }
+    }
+}
+
+/// The device's KV conversion equals the host codec bit for bit (so a context swapped out on
+/// one backend and in on another holds the same cache), and what is written comes back.
+fn kv_store_read_write_equal_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(8);
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        let (rows, cols) = (19, 96);
+        let x = rand_vec(&mut rng, rows * cols, 3.0);
+        let read = |b: &dyn Fn(&mut Vec<f32>)| {
+            let mut v = vec![0f32; rows * cols];
+            b(&mut v);
+            v
         };
-        let q = rand_vec(&mut rng, n * heads * hd, 1.0);
-        let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
-        let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
-        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s);
-        let got = attention_on(g, &q, &k, &v, n, ctx, pos, s);
-        let e = rel(&got, &want);
-        assert!(
-            e <= 1e-4,
-            "n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
+        let on = |be: &B| {
+            let xt = put(be, rows, cols, &x);
+            let mut kv = be.alloc_kv(rows + 5, cols, ty).unwrap();
+            be.store_kv(&xt, &mut kv, 3).unwrap();
+            read(&|v| be.read_kv(&kv, 3, v).unwrap())
+        };
+        let want = {
+            let xt = put(&c, rows, cols, &x);
+            let mut kv = c.alloc_kv(rows + 5, cols, ty).unwrap();
+            c.store_kv(&xt, &mut kv, 3).unwrap();
+            read(&|v| c.read_kv(&kv, 3, v).unwrap())
+        };
+        let got = on(g);
+        assert_eq!(
+            got, want,
+            "{ty:?}: device conversion differs from the host codec"
         );
+        let mut kv = g.alloc_kv(rows, cols, ty).unwrap();
+        g.write_kv(&mut kv, 0, &want).unwrap();
+        let back = read(&|v| g.read_kv(&kv, 0, v).unwrap());
+        assert_eq!(back, want, "{ty:?}: write then read");
     }
 }
 
@@ -460,6 +513,7 @@ on_devices!(
     rope_both_pairings_equal_cpu,
     embedding_gathers_every_format_equal_cpu,
     attention_decode_and_prefill_with_gqa_equal_cpu,
+    kv_store_read_write_equal_cpu,
     bundled_ffn_equals_cpu
 );
 
@@ -469,11 +523,41 @@ fn device_budget_is_enforced() {
         return;
     }
     let g = CudaBackend::new(0, Ledger::new(Some(64 << 20), None)).unwrap();
-    let _a = g.alloc(1024, 1024).unwrap(); // 4 MiB (after the 32 MiB cuBLAS workspace)
+    let _a = g.alloc(1024, 1024).unwrap(); // 4 MiB of the 64 MiB arena
+    let _b = g.alloc(8192, 1024).unwrap(); // 32 MiB more
     assert!(
         g.alloc(8192, 1024).is_err(),
         "32 MiB more is over the 64 MiB budget"
     );
+}
+
+/// Under a process budget the driver's figure for this process stays within it: context,
+/// modules and cuBLAS measured first, the arena sized to what is left.
+#[test]
+fn process_budget_holds_as_the_driver_counts() {
+    if gpu().is_none() {
+        return;
+    }
+    let gpu_mem = 2u64 << 30;
+    let (g, ledger) = CudaBackend::with_process_budget(0, gpu_mem, None, 768 << 20).unwrap();
+    let fixed = g.fixed_bytes().unwrap();
+    assert_eq!(ledger.hbm_budget(), Some(gpu_mem - fixed));
+    let held = g.process_bytes();
+    println!(
+        "fixed device cost {} MiB; process holds {:?} MiB with the arena",
+        fixed >> 20,
+        held.map(|b| b >> 20)
+    );
+    if let Some(h) = held {
+        assert!(h <= gpu_mem, "process holds {h} > --gpu-mem {gpu_mem}");
+    }
+    // Fill the arena to the last granule: still within the budget.
+    let left = ledger.hbm_budget().unwrap() / 4;
+    let _t = g.alloc(1, left as usize).unwrap();
+    assert!(g.alloc(1, 64).is_err());
+    if let Some(h) = g.process_bytes() {
+        assert!(h <= gpu_mem, "process holds {h} > --gpu-mem {gpu_mem}");
+    }
 }
 
 /// CPU and CUDA engines on the same model: logits, then greedy runs.
@@ -582,37 +666,35 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
         let dense = Engine::new(cpu(), spec.clone(), &store.dense_weights().unwrap()).unwrap();
         let mut s = dense.new_session(16).unwrap();
         let want = dense.forward(&mut s, &toks[..6], Logits::Last).unwrap();
-        let hw = HardwareProfile::load("h100-80g").unwrap();
-        // Smallest budget, with the cuBLAS workspace on top.
+        // The plan takes off the fixed cost this process measures (as `run` does).
+        let mut hw = HardwareProfile::load("h100-80g").unwrap();
+        let measured = gpu().unwrap().fixed_bytes().unwrap_or(768 << 20);
+        // Slack for the re-measured context of the backend below.
+        hw.device_fixed_bytes = Some(measured + (16 << 20));
         let probe = Budget {
-            gpu_mem: 0,
-            dram_mem: None,
-            window: 2,
-            ctx: 16,
-            batch: 6,
-            logit_rows: 1,
+            kv_type: KvType::F32,
+            ..Budget::new(0, None, 2, 16, 6)
         };
         let min = match make_plan(&store.manifest, &probe, &hw) {
             Err(gpu_offload::plan::PlanError::GpuTooSmall { minimum, .. }) => minimum,
             other => panic!("{other:?}"),
         };
         let budget = Budget {
-            gpu_mem: min + (40 << 20),
+            gpu_mem: min,
             ..probe
         };
-        let plan = make_plan(
-            &store.manifest,
-            &Budget {
-                gpu_mem: min,
-                ..budget.clone()
-            },
-            &hw,
-        )
-        .unwrap();
-        let ledger = Ledger::new(Some(budget.gpu_mem), None);
-        let g = CudaBackend::new(0, ledger.clone()).unwrap();
+        let plan = make_plan(&store.manifest, &budget, &hw).unwrap();
+        let (g, ledger) =
+            CudaBackend::with_process_budget(0, budget.gpu_mem, None, measured).unwrap();
+        assert!(
+            g.fixed_bytes().unwrap() <= plan.gpu.fixed,
+            "{name}: fixed cost grew"
+        );
         let src = OffloadWeights::new(&g, store.clone(), &plan, ledger.clone()).unwrap();
-        let e = Engine::with_source(g, spec.clone(), Box::new(src)).unwrap();
+        let e = Engine::with_source(g, spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F32)
+            .unwrap();
         let mut s = e.new_session(16).unwrap();
         let got = e.forward(&mut s, &toks[..6], Logits::Last).unwrap();
         let err = rel(&got, &want);
@@ -628,11 +710,18 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
                 "{name}"
             );
             assert!(
-                after.hbm_peak <= budget.gpu_mem,
-                "{name}: peak {} > {}",
+                after.hbm_peak <= plan.gpu.placed,
+                "{name}: peak {} > planned {}",
                 after.hbm_peak,
-                budget.gpu_mem
+                plan.gpu.placed
             );
+            if let Some(p) = e.backend().process_bytes() {
+                assert!(
+                    p <= budget.gpu_mem,
+                    "{name}: process holds {p} > {}",
+                    budget.gpu_mem
+                );
+            }
         }
     }
 }

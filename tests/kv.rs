@@ -1,18 +1,23 @@
 //! Contexts swapped out and back: exact with compression off (from disk, partly recomputed,
-//! with a corrupted chunk), and the perplexity cost of compressing to 50%.
+//! with a corrupted chunk) with an f32 and an f16 KV cache, and the perplexity cost of
+//! compressing to 50%.
 
 mod common;
 
 use std::path::Path;
 
+use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::engine::{Engine, Logits, Session};
 use gpu_offload::kv::{Bits, CHUNK_TOKENS, Compression, CostModel, KvConfig, KvManager};
 use gpu_offload::model::Model;
 
-fn engine(path: &Path) -> (Engine<CpuBackend>, Model) {
+fn engine(path: &Path, kv: KvType) -> (Engine<CpuBackend>, Model) {
     let m = Model::load(path).expect("model");
-    let e = Engine::new(CpuBackend::new(2).unwrap(), m.spec.clone(), &m.weights).expect("engine");
+    let e = Engine::new(CpuBackend::new(2).unwrap(), m.spec.clone(), &m.weights)
+        .expect("engine")
+        .with_kv_type(kv)
+        .expect("kv type");
     (e, m)
 }
 
@@ -58,8 +63,8 @@ fn tokens_of(m: &Model, n: usize) -> Vec<u32> {
     t
 }
 
-fn check_exact(path: &Path) {
-    let (e, m) = engine(path);
+fn check_exact(path: &Path, kv_type: KvType) {
+    let (e, m) = engine(path, kv_type);
     let t = tokens_of(&m, 70);
     let (head, tail) = t.split_at(60);
     let dir = tempfile::tempdir().unwrap();
@@ -127,13 +132,25 @@ fn check_exact(path: &Path) {
 
 #[test]
 fn swapped_contexts_give_the_same_logits_stories260k() {
-    check_exact(&common::stories260k());
+    check_exact(&common::stories260k(), KvType::F32);
+}
+
+#[test]
+fn swapped_contexts_give_the_same_logits_stories260k_f16_kv() {
+    check_exact(&common::stories260k(), KvType::F16);
 }
 
 #[test]
 fn swapped_contexts_give_the_same_logits_smollm2() {
     if let Some(p) = common::smollm2() {
-        check_exact(&p);
+        check_exact(&p, KvType::F32);
+    }
+}
+
+#[test]
+fn swapped_contexts_give_the_same_logits_smollm2_f16_kv() {
+    if let Some(p) = common::smollm2() {
+        check_exact(&p, KvType::F16);
     }
 }
 
@@ -184,7 +201,7 @@ fn chunked_ppl(e: &Engine<CpuBackend>, t: &[u32], compression: Option<Compressio
 #[test]
 fn compression_to_half_costs_little_perplexity() {
     let Some(p) = common::smollm2() else { return };
-    let (e, m) = engine(&p);
+    let (e, m) = engine(&p, KvType::F32);
     let t = tokens_of(&m, 448);
     let (base, _) = chunked_ppl(&e, &t, None);
     let mut report =

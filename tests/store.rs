@@ -141,6 +141,8 @@ fn convert_verify_and_run_offloaded() {
 fn plan_prints_a_table_and_refuses_a_budget_too_small() {
     let dir = tempfile::tempdir().unwrap();
     let store = converted(dir.path());
+    // The budgeted CPU device's profile has no fixed device cost, so a few hundred KiB hold
+    // this model.
     let table = ok(bin().args([
         "plan",
         "-m",
@@ -152,7 +154,7 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
         "--batch",
         "4",
         "--hardware",
-        "rtx3060-12g",
+        "cpu-sim",
     ]));
     for needle in [
         "layer",
@@ -173,10 +175,27 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
         "64",
         "--batch",
         "4",
+        "--hardware",
+        "cpu-sim",
         "--json",
     ])))
     .unwrap();
     assert!(json["gpu"]["total"].as_u64().unwrap() <= 300 * 1024);
+    assert_eq!(json["gpu"]["fixed"].as_u64(), Some(0));
+    // A GPU's context, kernels and cuBLAS come off --gpu-mem first: on a card whose profile
+    // does not state them, the stated default applies, and the refusal names it.
+    fails(
+        bin().args([
+            "plan",
+            "-m",
+            s(&store),
+            "--gpu-mem",
+            "300K",
+            "--hardware",
+            "rtx3060-12g",
+        ]),
+        &["too small", "fixed device cost 768 MiB"],
+    );
     let err = fails(
         bin().args([
             "plan",
@@ -188,6 +207,8 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
             "64",
             "--batch",
             "4",
+            "--hardware",
+            "cpu-sim",
         ]),
         &["too small", "at least"],
     );

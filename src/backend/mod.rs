@@ -7,6 +7,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod memory;
 pub mod sim;
 
 use thiserror::Error;
@@ -27,6 +28,10 @@ pub enum BackendError {
     Unavailable(String),
     #[error("device error: {0}")]
     Device(String),
+    #[error(
+        "{op} needs {needed} bytes of device workspace, {held} are held: the step's workspace formula missed it"
+    )]
+    Workspace { op: String, needed: u64, held: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;
@@ -45,6 +50,67 @@ pub enum Act {
 pub enum RopePairs {
     Adjacent,
     Halves,
+}
+
+/// Element type of a KV cache on a device. Keys and values are computed in f32 and stored in this
+/// type; attention reads them back in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvType {
+    F32,
+    F16,
+    /// llama.cpp's Q8_0: per 32 values an f16 scale and 32 `i8` (8.5 bits a value).
+    Q8_0,
+}
+
+impl KvType {
+    pub fn dtype(self) -> DType {
+        match self {
+            KvType::F32 => DType::F32,
+            KvType::F16 => DType::F16,
+            KvType::Q8_0 => DType::Q8_0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.dtype().name()
+    }
+
+    /// Bytes of one cache row of `cols` values.
+    pub fn row_bytes(self, cols: usize) -> usize {
+        self.dtype().bytes_for(cols)
+    }
+
+    /// Whether rows of `cols` values can be stored (Q8_0 needs whole blocks of 32).
+    pub fn check_cols(self, cols: usize) -> Result<()> {
+        if cols.is_multiple_of(self.dtype().block_len()) {
+            Ok(())
+        } else {
+            Err(BackendError::Shape {
+                op: "kv cache",
+                msg: format!(
+                    "a {} KV cache needs rows of whole {}-value blocks; this model's rows have {cols} values (use --kv-type f16)",
+                    self.name(),
+                    self.dtype().block_len()
+                ),
+            })
+        }
+    }
+}
+
+/// An op that takes device workspace (temporaries beyond its operands) while it runs, described
+/// by what sizes it. Backends say how much each needs ([`Backend::workspace_bytes`]); the engine
+/// holds the most any op of a step needs ([`Backend::set_workspace`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkspaceOp {
+    /// [`Backend::embed`] of `tokens` ids.
+    Embed { tokens: usize },
+    /// [`Backend::matmul_into`] of `tokens` rows against a weight of `dtype` with `cols` columns.
+    Matmul {
+        dtype: DType,
+        tokens: usize,
+        cols: usize,
+    },
 }
 
 /// Keeps a host range page-locked while alive.
@@ -75,6 +141,8 @@ pub trait Backend: Send + Sync + 'static {
     type Tensor: Send;
     type Weight: Send + Sync;
     type Event: Send;
+    /// A KV cache: `rows` positions of `cols` values in a [`KvType`].
+    type Kv: Send;
 
     fn name(&self) -> String;
 
@@ -117,6 +185,11 @@ pub trait Backend: Send + Sync + 'static {
     fn pin_host(&self, _bytes: &[u8]) -> Result<Option<HostPin>> {
         Ok(None)
     }
+    /// Pace host→device copies to at most `bytes_per_s` from now on (emulating a slower link;
+    /// see `--emulate`). The CPU backend copies nothing and ignores it.
+    fn pace_copies(&self, _bytes_per_s: f64) -> Result<()> {
+        Ok(())
+    }
     /// A zeroed `rows × cols` activation buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Host → device; `src.len()` must equal the tensor's size.
@@ -133,6 +206,30 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
     ) -> Result<()>;
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+
+    // ---- workspace ----------------------------------------------------------------------
+
+    /// Device bytes `op` takes as workspace (0 where the backend needs none). The one formula
+    /// the planner, this backend and the budgeted device all use.
+    fn workspace_bytes(&self, op: &WorkspaceOp) -> u64;
+    /// Hold exactly `bytes` of device workspace for the ops that follow (0 releases it). An op
+    /// needing more than is held fails with [`BackendError::Workspace`].
+    fn set_workspace(&self, bytes: u64) -> Result<()>;
+    /// Device bytes of workspace held now.
+    fn workspace_held(&self) -> u64;
+
+    // ---- KV cache -----------------------------------------------------------------------
+
+    /// A zeroed KV cache of `rows` positions × `cols` values.
+    fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<Self::Kv>;
+    /// `(rows, cols, type)` of a cache.
+    fn kv_shape(&self, kv: &Self::Kv) -> (usize, usize, KvType);
+    /// Store every row of `src` (f32, `cols` wide) at rows `dst_row..` of `dst`, converted.
+    fn store_kv(&self, src: &Self::Tensor, dst: &mut Self::Kv, dst_row: usize) -> Result<()>;
+    /// Rows `first..first + out.len() / cols` of `src` as f32 on the host (waits for queued work).
+    fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
+    /// Write f32 `values` (whole rows) into rows `first..` of `dst`, converted.
+    fn write_kv(&self, dst: &mut Self::Kv, first: usize, values: &[f32]) -> Result<()>;
 
     // ---- ops ----------------------------------------------------------------------------
 
@@ -224,8 +321,8 @@ pub trait Backend: Send + Sync + 'static {
     fn attention(
         &self,
         q: &Self::Tensor,
-        k_cache: &Self::Tensor,
-        v_cache: &Self::Tensor,
+        k_cache: &Self::Kv,
+        v_cache: &Self::Kv,
         first_pos: usize,
         shape: AttnShape,
         out: &mut Self::Tensor,

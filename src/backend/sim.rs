@@ -1,49 +1,93 @@
-//! The budgeted device: the CPU standing in for a GPU. Every device allocation is taken from the
-//! ledger's HBM budget (refused past it) and every host→device and device→host copy is counted,
-//! so the offload policies run in CI with exact byte accounting. Weights uploaded here are real
-//! copies, as on a GPU. The math is the CPU backend's.
+//! The budgeted device: the CPU standing in for a GPU. It takes device memory exactly as the CUDA
+//! backend does — every buffer through the same [`DeviceMemory`] (ledger budget, aligned sizes,
+//! one arena), and the same workspace for the same ops (the CUDA formula,
+//! [`super::cuda::workspace_bytes`]) — and counts every host→device and device→host copy, so the
+//! offload policies run in CI with the byte accounting a GPU would show. Weights uploaded here
+//! are real copies, as on a GPU. The math is the CPU backend's.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use super::cpu::{CpuBackend, CpuTensor};
-use super::{Act, AttnShape, Backend, BackendError, BundleShape, Result, RopePairs};
+use super::cpu::{CpuBackend, CpuKv, CpuTensor};
+use super::memory::{DeviceAlloc, DeviceMemory};
+use super::{
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
+};
 use crate::tensor::{Bytes, DType, HostTensor};
-use crate::tier::ledger::{Ledger, Reservation, Tier};
+use crate::tier::ledger::Ledger;
 
 pub struct SimBackend {
     cpu: CpuBackend,
-    ledger: Arc<Ledger>,
+    mem: DeviceMemory,
+    workspace: Mutex<Option<DeviceAlloc>>,
+    /// Emulated link: (bytes/s, when the last paced copy may end).
+    pace: Mutex<Option<(f64, Instant)>>,
 }
 
 /// Activations in the budgeted device's memory.
 pub struct SimTensor {
     t: CpuTensor,
-    _hold: Reservation,
+    _mem: DeviceAlloc,
 }
 
 /// A weight in the budgeted device's memory.
 pub struct SimWeight {
     w: HostTensor,
-    _hold: Reservation,
+    _mem: DeviceAlloc,
+}
+
+/// A KV cache in the budgeted device's memory.
+pub struct SimKv {
+    kv: CpuKv,
+    _mem: DeviceAlloc,
 }
 
 impl SimBackend {
     pub fn new(cpu: CpuBackend, ledger: Arc<Ledger>) -> Self {
-        SimBackend { cpu, ledger }
+        SimBackend {
+            cpu,
+            mem: DeviceMemory::new(ledger),
+            workspace: Mutex::new(None),
+            pace: Mutex::new(None),
+        }
     }
 
     pub fn ledger(&self) -> &Arc<Ledger> {
-        &self.ledger
+        self.mem.ledger()
     }
 
-    fn reserve(&self, bytes: usize, what: &str) -> Result<Reservation> {
-        self.ledger
-            .reserve(Tier::Hbm, bytes as u64, what)
-            .map_err(|e| BackendError::OutOfMemory {
-                what: e.what,
-                needed: e.needed as usize,
-                available: e.available as usize,
-            })
+    fn reserve(&self, bytes: usize, what: &str) -> Result<DeviceAlloc> {
+        self.mem.take(bytes as u64, what)
+    }
+
+    /// Fail as the CUDA backend would when `op` needs more workspace than is held.
+    fn check_workspace(&self, op: WorkspaceOp) -> Result<()> {
+        let need = self.workspace_bytes(&op);
+        let held = self.workspace_held();
+        if need > 0 && need > held {
+            return Err(BackendError::Workspace {
+                op: format!("{op:?}"),
+                needed: need,
+                held,
+            });
+        }
+        Ok(())
+    }
+
+    /// Count a host→device copy of `bytes`, taking as long as the emulated link would.
+    fn copied_in(&self, bytes: usize, started: Instant) {
+        self.ledger().count_h2d(bytes as u64);
+        let Ok(mut pace) = self.pace.lock() else {
+            return;
+        };
+        if let Some((rate, until)) = pace.as_mut() {
+            let end = (*until).max(started) + Duration::from_secs_f64(bytes as f64 / *rate);
+            *until = end;
+            let now = Instant::now();
+            if end > now {
+                std::thread::sleep(end - now);
+            }
+        }
     }
 }
 
@@ -51,10 +95,11 @@ impl Backend for SimBackend {
     type Tensor = SimTensor;
     type Weight = SimWeight;
     type Event = ();
+    type Kv = SimKv;
 
     fn name(&self) -> String {
         let budget = self
-            .ledger
+            .ledger()
             .hbm_budget()
             .map_or("unlimited".to_string(), |b| format!("{} MiB", b >> 20));
         format!("sim (budgeted device, {budget}) on {}", self.cpu.name())
@@ -66,13 +111,12 @@ impl Backend for SimBackend {
 
     fn upload(&self, w: &HostTensor) -> Result<SimWeight> {
         let hold = self.reserve(w.data.len(), &w.name)?;
-        self.ledger.count_h2d(w.data.len() as u64);
+        let t0 = Instant::now();
+        let data = Bytes::from_slice(w.data.as_slice());
+        self.copied_in(w.data.len(), t0);
         Ok(SimWeight {
-            w: HostTensor {
-                data: Bytes::from_slice(w.data.as_slice()),
-                ..w.clone()
-            },
-            _hold: hold,
+            w: HostTensor { data, ..w.clone() },
+            _mem: hold,
         })
     }
 
@@ -87,13 +131,14 @@ impl Backend for SimBackend {
         let hold = self.reserve(bytes, name)?;
         Ok(SimWeight {
             w: self.cpu.alloc_weight(name, dtype, rows, cols)?,
-            _hold: hold,
+            _mem: hold,
         })
     }
 
     fn upload_into(&self, dst: &mut SimWeight, first_row: usize, src: &[u8]) -> Result<()> {
+        let t0 = Instant::now();
         self.cpu.upload_into(&mut dst.w, first_row, src)?;
-        self.ledger.count_h2d(src.len() as u64);
+        self.copied_in(src.len(), t0);
         Ok(())
     }
 
@@ -117,24 +162,39 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn pace_copies(&self, bytes_per_s: f64) -> Result<()> {
+        if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
+            return Err(BackendError::Device(format!(
+                "copy pacing needs a positive rate, not {bytes_per_s}"
+            )));
+        }
+        let mut p = self
+            .pace
+            .lock()
+            .map_err(|_| BackendError::Device("pacer poisoned".into()))?;
+        *p = Some((bytes_per_s, Instant::now()));
+        Ok(())
+    }
+
     fn alloc(&self, rows: usize, cols: usize) -> Result<SimTensor> {
         let bytes = rows.saturating_mul(cols).saturating_mul(4);
         let hold = self.reserve(bytes, &format!("a {rows}x{cols} activation buffer"))?;
         Ok(SimTensor {
             t: self.cpu.alloc(rows, cols)?,
-            _hold: hold,
+            _mem: hold,
         })
     }
 
     fn write(&self, dst: &mut SimTensor, src: &[f32]) -> Result<()> {
+        let t0 = Instant::now();
         self.cpu.write(&mut dst.t, src)?;
-        self.ledger.count_h2d(std::mem::size_of_val(src) as u64);
+        self.copied_in(std::mem::size_of_val(src), t0);
         Ok(())
     }
 
     fn read(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
         self.cpu.read(&src.t, dst)?;
-        self.ledger.count_d2h(std::mem::size_of_val(dst) as u64);
+        self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
         Ok(())
     }
 
@@ -153,8 +213,73 @@ impl Backend for SimBackend {
         self.cpu.shape(&t.t)
     }
 
+    /// What the CUDA backend takes for the same op.
+    fn workspace_bytes(&self, op: &WorkspaceOp) -> u64 {
+        super::cuda::workspace_bytes(op)
+    }
+
+    fn set_workspace(&self, bytes: u64) -> Result<()> {
+        let mut ws = self
+            .workspace
+            .lock()
+            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
+        if ws.as_ref().map_or(0, |w| w.bytes) == super::memory::device_bytes(bytes) && bytes > 0 {
+            return Ok(());
+        }
+        // Free the old one first: device memory is budgeted.
+        *ws = None;
+        if bytes > 0 {
+            *ws = Some(self.mem.take(bytes, "device workspace")?);
+        }
+        Ok(())
+    }
+
+    fn workspace_held(&self) -> u64 {
+        self.workspace
+            .lock()
+            .ok()
+            .and_then(|w| w.as_ref().map(|w| w.bytes))
+            .unwrap_or(0)
+    }
+
+    fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<SimKv> {
+        ty.check_cols(cols)?;
+        let bytes = rows.saturating_mul(ty.row_bytes(cols));
+        let hold = self.reserve(bytes, &format!("a {rows}x{cols} {} KV cache", ty.name()))?;
+        Ok(SimKv {
+            kv: self.cpu.alloc_kv(rows, cols, ty)?,
+            _mem: hold,
+        })
+    }
+
+    fn kv_shape(&self, kv: &SimKv) -> (usize, usize, KvType) {
+        self.cpu.kv_shape(&kv.kv)
+    }
+
+    fn store_kv(&self, src: &SimTensor, dst: &mut SimKv, dst_row: usize) -> Result<()> {
+        self.cpu.store_kv(&src.t, &mut dst.kv, dst_row)
+    }
+
+    fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
+        self.cpu.read_kv(&src.kv, first, out)?;
+        let rows = out.len() / src.kv.cols.max(1);
+        self.ledger().count_d2h((rows * src.kv.row_bytes()) as u64);
+        Ok(())
+    }
+
+    fn write_kv(&self, dst: &mut SimKv, first: usize, values: &[f32]) -> Result<()> {
+        let t0 = Instant::now();
+        self.cpu.write_kv(&mut dst.kv, first, values)?;
+        let rows = values.len() / dst.kv.cols.max(1);
+        self.copied_in(rows * dst.kv.row_bytes(), t0);
+        Ok(())
+    }
+
     fn embed(&self, table: &SimWeight, ids: &[u32], out: &mut SimTensor) -> Result<()> {
-        self.cpu.embed(&table.w, ids, &mut out.t)
+        self.check_workspace(WorkspaceOp::Embed { tokens: ids.len() })?;
+        self.cpu.embed(&table.w, ids, &mut out.t)?;
+        self.ledger().count_h2d(std::mem::size_of_val(ids) as u64);
+        Ok(())
     }
 
     fn add_table_rows(&self, x: &mut SimTensor, table: &SimWeight, first_row: usize) -> Result<()> {
@@ -168,6 +293,11 @@ impl Backend for SimBackend {
         out: &mut SimTensor,
         col0: usize,
     ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Matmul {
+            dtype: w.w.dtype,
+            tokens: x.t.rows,
+            cols: w.w.cols,
+        })?;
         self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
     }
 
@@ -255,14 +385,14 @@ impl Backend for SimBackend {
     fn attention(
         &self,
         q: &SimTensor,
-        k_cache: &SimTensor,
-        v_cache: &SimTensor,
+        k_cache: &SimKv,
+        v_cache: &SimKv,
         first_pos: usize,
         shape: AttnShape,
         out: &mut SimTensor,
     ) -> Result<()> {
         self.cpu
-            .attention(&q.t, &k_cache.t, &v_cache.t, first_pos, shape, &mut out.t)
+            .attention(&q.t, &k_cache.kv, &v_cache.kv, first_pos, shape, &mut out.t)
     }
 }
 
@@ -272,22 +402,61 @@ mod tests {
 
     #[test]
     fn device_memory_is_budgeted_and_copies_counted() {
-        let ledger = Ledger::new(Some(1000), None);
+        let ledger = Ledger::new(Some(1024), None);
         let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
         let w = HostTensor::from_f32("w", 10, 10, vec![1.0; 100]);
-        let dw = sim.upload(&w).unwrap(); // 400 bytes
-        let mut t = sim.alloc(2, 50).unwrap(); // 400 bytes
+        let dw = sim.upload(&w).unwrap(); // 400 bytes, 512 on the device
+        let mut t = sim.alloc(2, 50).unwrap(); // 400 bytes, 512 on the device
         assert!(matches!(
-            sim.alloc(2, 50),
+            sim.alloc(1, 1),
             Err(BackendError::OutOfMemory { .. })
         ));
         sim.write(&mut t, &[0.5; 100]).unwrap();
         let mut back = vec![0f32; 100];
         sim.read(&t, &mut back).unwrap();
         let s = ledger.snapshot();
-        assert_eq!((s.hbm_used, s.h2d_bytes, s.d2h_bytes), (800, 800, 400));
+        assert_eq!((s.hbm_used, s.h2d_bytes, s.d2h_bytes), (1024, 800, 400));
         drop((dw, t));
         assert_eq!(ledger.snapshot().hbm_used, 0);
-        assert_eq!(ledger.snapshot().hbm_peak, 800);
+        assert_eq!(ledger.snapshot().hbm_peak, 1024);
+    }
+
+    #[test]
+    fn ops_fail_without_the_workspace_cuda_would_take() {
+        let ledger = Ledger::new(None, None);
+        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+        let w = sim
+            .upload(&HostTensor::from_f32("w", 4, 64, vec![0.5; 256]))
+            .unwrap();
+        let x = sim.alloc(16, 64).unwrap();
+        let mut out = sim.alloc(16, 4).unwrap();
+        // An f32 weight needs no workspace: cuBLAS reads the activations in place.
+        sim.matmul_into(&w, &x, &mut out, 0).unwrap();
+        let halves: Vec<u8> = (0..256)
+            .flat_map(|_| half::f16::from_f32(0.5).to_le_bytes())
+            .collect();
+        let w16 = sim
+            .upload(&HostTensor {
+                name: "w16".into(),
+                rows: 4,
+                cols: 64,
+                dtype: DType::F16,
+                data: Bytes::from_slice(&halves),
+            })
+            .unwrap();
+        let need = sim.workspace_bytes(&WorkspaceOp::Matmul {
+            dtype: DType::F16,
+            tokens: 16,
+            cols: 64,
+        });
+        assert!(need > 0);
+        let err = sim.matmul_into(&w16, &x, &mut out, 0).unwrap_err();
+        assert!(matches!(err, BackendError::Workspace { .. }), "{err}");
+        sim.set_workspace(need).unwrap();
+        assert_eq!(sim.workspace_held(), need);
+        let before = ledger.snapshot().hbm_used;
+        sim.matmul_into(&w16, &x, &mut out, 0).unwrap();
+        sim.set_workspace(0).unwrap();
+        assert_eq!(ledger.snapshot().hbm_used, before - need);
     }
 }

@@ -230,14 +230,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let prompt: Vec<u32> = (0..a.prompt_tokens)
         .map(|_| rng.random_range(3..spec.vocab_size as u32))
         .collect();
-    let running = loaded.start(
-        &a.model,
-        Job {
-            ctx,
-            batch: a.prompt_tokens,
-            logit_rows: 1,
-        },
-    )?;
+    let running = loaded.start(&a.model, Job::single(ctx, a.prompt_tokens, 1))?;
     let params = GenerateParams {
         max_tokens: a.tokens,
         sampler: SamplerParams::greedy(),

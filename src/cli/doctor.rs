@@ -57,14 +57,14 @@ pub fn run(args: DoctorArgs) -> Result<()> {
     let profile = match &gpu {
         Ok(g) => HardwareProfile {
             name: format!("{} (measured)", g.name),
-            hbm_bytes_per_s: g.d2d_bytes_per_s,
+            hbm_bytes_per_s: g.hbm_read_bytes_per_s,
             h2d_pinned_bytes_per_s: g.h2d_pinned_bytes_per_s,
             h2d_pageable_bytes_per_s: g.h2d_pageable_bytes_per_s,
             dram_read_bytes_per_s: host.dram_read_bytes_per_s,
             ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
             op_overhead_s: 4e-6,
             device_bytes: g.total_bytes,
-            device_fixed_bytes: None,
+            device_fixed_bytes: g.fixed_bytes,
         },
         // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
         // memory and its copies are memcpy.
@@ -125,9 +125,22 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             }
             writeln!(
                 out,
-                "device-to-device copy: {:.0} GB/s (read + write)",
+                "device memory: {:.0} GB/s read (kernel), {:.0} GB/s device-to-device copy (read + write)",
+                g.hbm_read_bytes_per_s / 1e9,
                 g.d2d_bytes_per_s / 1e9
             )?;
+            match g.fixed_bytes {
+                Some(f) => writeln!(
+                    out,
+                    "fixed device cost: {:.0} MiB (CUDA context, kernels, cuBLAS + workspace): --gpu-mem covers it",
+                    f as f64 / (1u64 << 20) as f64
+                )?,
+                None => writeln!(
+                    out,
+                    "fixed device cost: not measurable here (NVML); the planner assumes {} MiB",
+                    crate::plan::hardware::DEFAULT_DEVICE_FIXED_BYTES >> 20
+                )?,
+            }
             writeln!(
                 out,
                 "host→device: {:.1} GB/s pinned, {:.1} GB/s pageable; device→host: {:.1} GB/s pinned, {:.1} GB/s pageable",

@@ -11,13 +11,13 @@ use serde_json::{Value, json};
 
 use super::store::open_store_for;
 use super::{Device, ModelArgs, PromptArgs};
-use crate::backend::Backend;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::backend::cuda::{CudaBackend, device_available};
 use crate::backend::sim::SimBackend;
+use crate::backend::{Backend, KvType};
 use crate::engine::{DecodeTraffic, Engine};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
-use crate::plan::{Budget, Plan, make_plan};
+use crate::plan::{Budget, HardwareProfile, Plan, make_plan};
 use crate::store::Store;
 use crate::tier::offload::OffloadWeights;
 use crate::tier::{Ledger, LedgerSnapshot};
@@ -45,12 +45,29 @@ pub(crate) use with_engine;
 /// What a job needs the device to hold.
 #[derive(Clone, Copy, Debug)]
 pub struct Job {
-    /// KV cache positions.
+    /// KV cache positions of each session.
     pub ctx: usize,
+    /// Sessions holding a KV cache at once.
+    pub sessions: usize,
+    /// Whether sessions keep a query probe (contexts).
+    pub probe: bool,
     /// Most tokens one step evaluates.
     pub batch: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
+}
+
+impl Job {
+    /// One session of `ctx` positions.
+    pub fn single(ctx: usize, batch: usize, logit_rows: usize) -> Self {
+        Job {
+            ctx,
+            sessions: 1,
+            probe: false,
+            batch,
+            logit_rows,
+        }
+    }
 }
 
 enum Weights {
@@ -81,28 +98,67 @@ pub struct Running {
     pub plan: Option<Plan>,
     /// For the dense CPU engine: what a decode step reads from DRAM.
     pub traffic: Option<DecodeTraffic>,
+    /// The preset a run emulates (`--emulate`).
+    pub emulated: Option<HardwareProfile>,
+    /// Most device memory the process was seen to hold (driver figures, CUDA only).
+    process_peak: std::sync::atomic::AtomicU64,
 }
 
-fn resolve_device(args: &ModelArgs) -> Result<Device> {
-    let budgeted = args.budget.gpu_mem.is_some() || args.budget.dram_mem.is_some();
+fn resolve_device(args: &ModelArgs, path: &std::path::Path) -> Result<Device> {
+    let budgeted = args.budget.gpu_mem.is_some()
+        || args.budget.dram_mem.is_some()
+        || args.budget.emulate.is_some();
     Ok(match args.device {
         Device::Cuda if !device_available() => bail!(
             "--device cuda: no CUDA device found (no driver, or no GPU); use --device sim to run under a --gpu-mem budget on the CPU"
         ),
-        Device::Cpu if budgeted => {
-            bail!("--gpu-mem/--dram-mem apply to offloaded devices: use --device sim (or cuda)")
-        }
+        Device::Cpu if budgeted => bail!(
+            "--gpu-mem/--dram-mem/--emulate apply to offloaded devices: use --device sim (or cuda)"
+        ),
+        Device::Cpu if Store::is_store(path) => bail!(
+            "{} is an offload store, which runs on a device: use --device sim (or cuda)",
+            path.display()
+        ),
         Device::Auto if device_available() => Device::Cuda,
-        Device::Auto if budgeted => Device::Sim,
+        // A store only runs offloaded: without a GPU that is the budgeted device.
+        Device::Auto if budgeted || Store::is_store(path) => Device::Sim,
         Device::Auto => Device::Cpu,
         d => d,
+    })
+}
+
+/// The preset `--emulate` names, if any.
+fn emulated(args: &ModelArgs) -> Result<Option<HardwareProfile>> {
+    let Some(name) = &args.budget.emulate else {
+        return Ok(None);
+    };
+    let p = HardwareProfile::load(name).map_err(|e| anyhow::anyhow!("--emulate: {e}"))?;
+    if p.device_bytes == 0 {
+        bail!(
+            "--emulate {name}: the profile states no device memory (device_bytes), so there is nothing to emulate"
+        );
+    }
+    Ok(Some(p))
+}
+
+/// The device budget a run uses: `--gpu-mem`, capped by an emulated card's memory.
+fn gpu_budget(args: &ModelArgs, emulate: Option<&HardwareProfile>) -> Result<Option<u64>> {
+    Ok(match (args.budget.gpu_mem, emulate) {
+        (Some(g), Some(p)) if g > p.device_bytes => bail!(
+            "--gpu-mem {} exceeds the {} MiB of the emulated {}",
+            crate::plan::human_bytes(g),
+            p.device_bytes >> 20,
+            p.name
+        ),
+        (Some(g), _) => Some(g),
+        (None, Some(p)) => Some(p.device_bytes),
+        (None, None) => None,
     })
 }
 
 impl LoadedModel {
     pub fn load(args: &ModelArgs) -> Result<Self> {
         let t0 = Instant::now();
-        let device = resolve_device(args)?;
         let path = match &args.model {
             Some(p) => p.clone(),
             None => {
@@ -116,8 +172,9 @@ impl LoadedModel {
                 p
             }
         };
-        let offloaded =
-            device == Device::Sim || (device == Device::Cuda && args.budget.gpu_mem.is_some());
+        let device = resolve_device(args, &path)?;
+        let budgeted = gpu_budget(args, emulated(args)?.as_ref())?.is_some();
+        let offloaded = device == Device::Sim || (device == Device::Cuda && budgeted);
         let (spec, tokenizer, weights) = match offloaded {
             true => {
                 let store = open_store_for(&path)?;
@@ -131,7 +188,7 @@ impl LoadedModel {
             _ => {
                 if Store::is_store(&path) {
                     bail!(
-                        "{} is an offload store: run it with --device sim (or cuda)",
+                        "{} is an offload store: run it with --gpu-mem (or --device sim)",
                         path.display()
                     );
                 }
@@ -212,66 +269,114 @@ impl LoadedModel {
             })?,
         };
         let threads = args.threads.map_or(0, usize::from);
+        let emulate = emulated(args)?;
+        let gpu_mem = gpu_budget(args, emulate.as_ref())?;
+        let kv_type = match args.kv_type {
+            Some(k) => k.kv_type(),
+            None if self.device == Device::Cpu => KvType::F32,
+            None => KvType::F16,
+        };
+        let pace = |b: &dyn Fn(f64) -> crate::backend::Result<()>| -> Result<()> {
+            if let Some(p) = &emulate {
+                b(p.h2d_pinned_bytes_per_s)?;
+            }
+            Ok(())
+        };
         let (engine, ledger, plan, traffic) = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => {
                 let ledger = Ledger::new(None, None);
                 let cuda = CudaBackend::new(0, ledger.clone())?;
                 tracing::info!("{}", cuda.name());
-                let e = AnyEngine::Cuda(Engine::new(cuda, self.spec.clone(), w)?);
+                let e = Engine::new(cuda, self.spec.clone(), w)?.with_kv_type(kv_type)?;
                 (
-                    e,
+                    AnyEngine::Cuda(e),
                     Some(ledger),
                     None,
-                    Some(DecodeTraffic::of(&self.spec, w)),
+                    Some(DecodeTraffic::of(&self.spec, w, kv_type)),
                 )
             }
             (Weights::Dense(w), _) => {
                 let cpu = CpuBackend::with_kernels(threads, kernels)?;
-                let e = AnyEngine::Cpu(Engine::new(cpu, self.spec.clone(), w)?);
-                (e, None, None, Some(DecodeTraffic::of(&self.spec, w)))
+                let e = Engine::new(cpu, self.spec.clone(), w)?.with_kv_type(kv_type)?;
+                (
+                    AnyEngine::Cpu(e),
+                    None,
+                    None,
+                    Some(DecodeTraffic::of(&self.spec, w, kv_type)),
+                )
             }
             (Weights::Stored(store), device) => {
-                let budget = Budget {
-                    gpu_mem: args.budget.gpu_mem.unwrap_or(u64::MAX / 4),
+                let mut budget = Budget {
+                    gpu_mem: gpu_mem.unwrap_or(u64::MAX / 4),
                     dram_mem: args.budget.dram_mem,
                     window: args.budget.prefetch_window as usize,
                     ctx: job.ctx,
+                    sessions: job.sessions.max(1),
+                    kv_type,
+                    probe: job.probe,
                     batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
                     logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
                 };
-                let ledger = Ledger::new(args.budget.gpu_mem, args.budget.dram_mem);
-                let engine = if device == Device::Cuda {
-                    let hw = args.budget.hardware_profile("gpu-4g")?;
-                    let cuda = CudaBackend::new(0, ledger.clone())?;
+                if device == Device::Cuda {
+                    let mut hw = args.budget.hardware_profile("gpu-4g")?;
+                    // The whole process within the budget: the fixed cost this process measures
+                    // comes off it (the profile's figure where the driver cannot tell).
+                    let (cuda, ledger) = match gpu_mem {
+                        Some(g) => {
+                            let (c, l) = CudaBackend::with_process_budget(
+                                0,
+                                g,
+                                args.budget.dram_mem,
+                                hw.fixed_device_bytes(),
+                            )?;
+                            hw.device_fixed_bytes = c.fixed_bytes();
+                            (c, l)
+                        }
+                        None => {
+                            let l = Ledger::new(None, args.budget.dram_mem);
+                            hw.device_fixed_bytes = Some(0);
+                            (CudaBackend::new(0, l.clone())?, l)
+                        }
+                    };
+                    if gpu_mem.is_none() {
+                        budget.gpu_mem = u64::MAX / 4;
+                    }
+                    pace(&|r| cuda.pace_copies(r))?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
                     tracing::info!("plan:\n{}", plan.report());
                     let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
-                    let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?;
-                    (AnyEngine::Cuda(e), plan)
+                    let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?
+                        .with_kv_type(kv_type)?;
+                    (AnyEngine::Cuda(e), Some(ledger), Some(plan), None)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
                     tracing::info!("plan:\n{}", plan.report());
+                    let ledger =
+                        Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
                     let sim = SimBackend::new(
                         CpuBackend::with_kernels(threads, kernels)?,
                         ledger.clone(),
                     );
+                    pace(&|r| sim.pace_copies(r))?;
                     let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
-                    (
-                        AnyEngine::Sim(Engine::with_source(sim, self.spec.clone(), Box::new(src))?),
-                        plan,
-                    )
-                };
-                (engine.0, Some(ledger), Some(engine.1), None)
+                    let e = Engine::with_source(sim, self.spec.clone(), Box::new(src))?
+                        .with_kv_type(kv_type)?;
+                    (AnyEngine::Sim(e), Some(ledger), Some(plan), None)
+                }
             }
         };
-        Ok(Running {
+        let running = Running {
             engine,
             load_s: self.t0.elapsed().as_secs_f64(),
             ledger,
             plan,
             traffic,
-        })
+            emulated: emulate,
+            process_peak: std::sync::atomic::AtomicU64::new(0),
+        };
+        running.sample_process();
+        Ok(running)
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {
@@ -344,8 +449,33 @@ impl Running {
         self.ledger.as_ref()
     }
 
+    /// The ledger's figures now (and a sample of the process's device memory).
     pub fn snapshot(&self) -> LedgerSnapshot {
+        self.sample_process();
         self.ledger().map(|l| l.snapshot()).unwrap_or_default()
+    }
+
+    /// Device memory this process holds now, from the driver (CUDA only).
+    pub fn process_bytes(&self) -> Option<u64> {
+        match &self.engine {
+            AnyEngine::Cuda(e) => e.backend().process_bytes(),
+            _ => None,
+        }
+    }
+
+    fn sample_process(&self) {
+        if let Some(b) = self.process_bytes() {
+            self.process_peak
+                .fetch_max(b, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The most device memory the process was seen to hold (driver figures; CUDA only).
+    pub fn process_peak_bytes(&self) -> Option<u64> {
+        match self.process_peak.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            b => Some(b),
+        }
     }
 
     /// The `memory` object of `run --json`: peaks from the ledger and per-token traffic of the
@@ -367,6 +497,7 @@ impl Running {
         };
         let mut v = json!({
             "gpu_peak_bytes": end.hbm_peak,
+            "gpu_process_peak_bytes": self.process_peak_bytes(),
             "dram_peak_bytes": end.dram_total_peak,
             "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
             "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
@@ -374,9 +505,14 @@ impl Running {
         if let Some(t) = &self.traffic {
             v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();
         }
+        if let Some(p) = &self.emulated {
+            v["emulated"] = p.name.clone().into();
+        }
         if let Some(plan) = &self.plan {
             v["planned"] = json!({
                 "gpu_bytes": plan.gpu.total,
+                "gpu_fixed_bytes": plan.gpu.fixed,
+                "gpu_placed_bytes": plan.gpu.placed,
                 "h2d_bytes_per_token": plan.per_token.h2d_bytes,
                 "ssd_bytes_per_token": plan.per_token.ssd_bytes,
                 "predicted_tokens_per_s": plan.prediction.tokens_per_s,

@@ -52,11 +52,11 @@ pub fn run(args: LogitsArgs) -> Result<()> {
     };
     let running = loaded.start(
         &args.model,
-        Job {
+        Job::single(
             ctx,
-            batch: ids.len(),
-            logit_rows: if args.all_positions { ids.len() } else { 1 },
-        },
+            ids.len(),
+            if args.all_positions { ids.len() } else { 1 },
+        ),
     )?;
     let logits = with_engine!(&running.engine, e => {
         let mut session = e.new_session(ctx)?;

@@ -98,6 +98,30 @@ pub struct ModelArgs {
     /// Context size in tokens [default: what the job needs, at most the model's maximum]
     #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE", value_parser = clap::value_parser!(u32).range(1..))]
     pub ctx_size: Option<u32>,
+
+    /// KV cache element type: f16, f32 or q8_0 [default: f16 on a device (cuda, sim), f32 on
+    /// the CPU]
+    #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
+    pub kv_type: Option<KvTypeArg>,
+}
+
+/// `--kv-type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvTypeArg {
+    F16,
+    F32,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl KvTypeArg {
+    pub fn kv_type(self) -> crate::backend::KvType {
+        match self {
+            KvTypeArg::F16 => crate::backend::KvType::F16,
+            KvTypeArg::F32 => crate::backend::KvType::F32,
+            KvTypeArg::Q8_0 => crate::backend::KvType::Q8_0,
+        }
+    }
 }
 
 /// Where the input tokens come from.

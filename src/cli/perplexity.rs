@@ -52,14 +52,7 @@ pub fn run(args: PerplexityArgs) -> Result<()> {
             tokens.len()
         );
     }
-    let running = loaded.start(
-        &args.model,
-        Job {
-            ctx,
-            batch: ctx,
-            logit_rows: ctx,
-        },
-    )?;
+    let running = loaded.start(&args.model, Job::single(ctx, ctx, ctx))?;
     let t0 = Instant::now();
     let quiet = args.json;
     let mut on_chunk = |i: usize, ppl: f64| {

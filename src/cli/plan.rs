@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 
 use super::store::open_store_for;
@@ -36,10 +36,12 @@ pub struct BudgetArgs {
 }
 
 impl BudgetArgs {
+    /// The cost model's profile: `--hardware`, else the `--emulate`d card, else the measured
+    /// profile, else `default`.
     pub fn hardware_profile(&self, default: &str) -> Result<HardwareProfile> {
-        match &self.hardware {
-            Some(h) => HardwareProfile::load(h).map_err(anyhow::Error::msg),
-            None => HardwareProfile::saved_or(default).map_err(anyhow::Error::msg),
+        match (&self.hardware, &self.emulate) {
+            (Some(h), _) | (None, Some(h)) => HardwareProfile::load(h).map_err(anyhow::Error::msg),
+            (None, None) => HardwareProfile::saved_or(default).map_err(anyhow::Error::msg),
         }
     }
 }
@@ -60,6 +62,10 @@ pub struct PlanArgs {
     /// Most tokens one step evaluates (prefill batch).
     #[arg(long, env = "GPU_OFFLOAD_BATCH", default_value_t = 512)]
     pub batch: usize,
+
+    /// KV cache element type on the device [default: f16]
+    #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
+    pub kv_type: Option<super::KvTypeArg>,
 
     /// Print the plan as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
@@ -106,10 +112,14 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
-    let gpu_mem = a
-        .budget
-        .gpu_mem
-        .context("give the device memory budget with --gpu-mem (e.g. --gpu-mem 4G)")?;
+    let hw = a.budget.hardware_profile("gpu-4g")?;
+    let gpu_mem = match (a.budget.gpu_mem, &a.budget.emulate) {
+        (Some(g), _) => g,
+        (None, Some(_)) => hw.device_bytes,
+        (None, None) => {
+            anyhow::bail!("give the device memory budget with --gpu-mem (e.g. --gpu-mem 4G)")
+        }
+    };
     let store = open_store_for(&a.model)?;
     let spec = &store.manifest.spec;
     let ctx = a.ctx_size.unwrap_or(spec.max_context.min(4096));
@@ -120,14 +130,17 @@ pub fn run(a: PlanArgs) -> Result<()> {
         );
     }
     let budget = Budget {
-        gpu_mem,
-        dram_mem: a.budget.dram_mem,
-        window: a.budget.prefetch_window as usize,
-        ctx,
-        batch: a.batch.clamp(1, crate::engine::MAX_BATCH),
-        logit_rows: 1,
+        kv_type: a
+            .kv_type
+            .map_or(crate::backend::KvType::F16, |k| k.kv_type()),
+        ..Budget::new(
+            gpu_mem,
+            a.budget.dram_mem,
+            a.budget.prefetch_window as usize,
+            ctx,
+            a.batch.clamp(1, crate::engine::MAX_BATCH),
+        )
     };
-    let hw = a.budget.hardware_profile("gpu-4g")?;
     let plan = make_plan(&store.manifest, &budget, &hw)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&plan)?);

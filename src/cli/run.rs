@@ -123,14 +123,7 @@ pub fn run(args: RunArgs) -> Result<()> {
             loaded.spec().max_context
         );
     }
-    let running = loaded.start(
-        &args.model,
-        Job {
-            ctx,
-            batch: prompt.len(),
-            logit_rows: 1,
-        },
-    )?;
+    let running = loaded.start(&args.model, Job::single(ctx, prompt.len(), 1))?;
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         sampler,

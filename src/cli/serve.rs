@@ -94,7 +94,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let running = loaded.start(
         &a.model,
         Job {
-            ctx: ctx * parallel,
+            ctx,
+            sessions: parallel,
+            probe: true,
             batch: crate::engine::MAX_BATCH.min(ctx),
             logit_rows: 1,
         },

@@ -13,11 +13,14 @@ use std::sync::Mutex;
 
 use thiserror::Error;
 
-use crate::backend::{Act, AttnShape, Backend, BackendError, BundleShape, RopePairs};
+use crate::backend::memory::device_bytes;
+use crate::backend::{
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, RopePairs, WorkspaceOp,
+};
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
 };
-use crate::tensor::HostTensor;
+use crate::tensor::{DType, HostTensor};
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use resident::ResidentWeights;
@@ -103,16 +106,59 @@ pub trait WeightSource<B: Backend>: Send {
     fn head_done(&mut self, b: &B) -> Result<()>;
     /// Wait for background transfers (read-ahead) to finish, so traffic counters are stable.
     fn settle(&mut self) {}
+    /// The weight formats and widths this source's matrices multiply with (what sizes the
+    /// device workspace of a step).
+    fn matmuls(&self) -> MatmulShapes;
+}
+
+/// The `(format, columns)` of the matrices a forward step multiplies: those of every layer
+/// (weights in neuron bundles need no workspace and are not listed) and the output matrix's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MatmulShapes {
+    pub layer: Vec<(DType, usize)>,
+    pub head: (DType, usize),
+}
+
+impl MatmulShapes {
+    /// The matrices of a model used in its file formats.
+    pub fn of_weights(w: &ModelWeights) -> Self {
+        let mut layer: Vec<(DType, usize)> = Vec::new();
+        for l in &w.layers {
+            for lin in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]
+                .into_iter()
+                .chain(l.w_gate.as_ref())
+            {
+                let k = (lin.weight.dtype, lin.weight.cols);
+                if !layer.contains(&k) {
+                    layer.push(k);
+                }
+            }
+        }
+        let head = w.output.as_ref().unwrap_or(&w.token_embd);
+        MatmulShapes {
+            layer,
+            head: (head.dtype, head.cols),
+        }
+    }
 }
 
 /// A model ready to run on one backend.
 pub struct Engine<B: Backend> {
     backend: B,
     spec: ModelSpec,
-    source: Mutex<Box<dyn WeightSource<B>>>,
+    /// One pass at a time: a streaming source's buffers and the step buffers are shared by all
+    /// sessions.
+    pass: Mutex<Pass<B>>,
     act: Act,
     /// RoPE inverse frequencies on the device, pairing, rotated dims.
     rope: Option<(B::Weight, RopePairs, usize)>,
+    kv_type: KvType,
+}
+
+struct Pass<B: Backend> {
+    source: Box<dyn WeightSource<B>>,
+    /// The buffers of the last step, reused while steps keep their size.
+    scratch: Option<Scratch<B>>,
 }
 
 /// Which positions' logits a forward step returns.
@@ -128,11 +174,10 @@ pub enum Logits {
 
 /// One sequence's state on the device: its KV cache and how far it has been filled.
 pub struct Session<B: Backend> {
-    k: Vec<B::Tensor>,
-    v: Vec<B::Tensor>,
+    k: Vec<B::Kv>,
+    v: Vec<B::Kv>,
     pos: usize,
     ctx: usize,
-    scratch: Option<Scratch<B>>,
     probe: Option<QueryProbe<B>>,
 }
 
@@ -182,7 +227,8 @@ impl<B: Backend> Session<B> {
     }
 }
 
-/// Activation buffers for one forward step of `n` tokens.
+/// Activation buffers for one forward step of `n` tokens, and the logits buffers of its last
+/// `logit_rows` rows (when it returns logits).
 struct Scratch<B: Backend> {
     n: usize,
     x: B::Tensor,
@@ -194,22 +240,112 @@ struct Scratch<B: Backend> {
     proj: B::Tensor,
     up: B::Tensor,
     gate: Option<B::Tensor>,
+    logits: Option<LogitBuffers<B>>,
 }
 
-/// Bytes of the activation buffers a step of `n` tokens allocates (scratch plus the logits
-/// buffers of `logit_rows` rows), for planning device memory.
-pub fn scratch_bytes(spec: &ModelSpec, n: usize, logit_rows: usize) -> u64 {
-    let per_token = 3 * spec.d_model
-        + 2 * spec.q_dim()
-        + 2 * spec.kv_dim()
-        + spec.d_ff * if spec.gated_ffn { 2 } else { 1 };
-    let logits = logit_rows * (2 * spec.d_model + spec.vocab_size);
-    4 * (n * per_token + logits) as u64
+struct LogitBuffers<B: Backend> {
+    rows: usize,
+    last: B::Tensor,
+    normed: B::Tensor,
+    logits: B::Tensor,
 }
 
-/// KV cache bytes of one session of `ctx` positions.
-pub fn kv_bytes(spec: &ModelSpec, ctx: usize) -> u64 {
-    2 * (spec.n_layers * ctx * spec.kv_dim() * 4) as u64
+/// `(rows, cols)` of the activation buffers of a step of `n` tokens, in the order [`Scratch`]
+/// holds them (gate last, for gated FFNs).
+fn activation_shapes(spec: &ModelSpec, n: usize) -> Vec<(usize, usize)> {
+    let mut v = vec![
+        (n, spec.d_model),
+        (n, spec.d_model),
+        (n, spec.q_dim()),
+        (n, spec.kv_dim()),
+        (n, spec.kv_dim()),
+        (n, spec.q_dim()),
+        (n, spec.d_model),
+        (n, spec.d_ff),
+    ];
+    if spec.gated_ffn {
+        v.push((n, spec.d_ff));
+    }
+    v
+}
+
+/// `(rows, cols)` of the logits buffers of `rows` returned rows.
+fn logit_shapes(spec: &ModelSpec, rows: usize) -> [(usize, usize); 3] {
+    [
+        (rows, spec.d_model),
+        (rows, spec.d_model),
+        (rows, spec.vocab_size),
+    ]
+}
+
+fn f32_buffers(shapes: &[(usize, usize)]) -> u64 {
+    shapes
+        .iter()
+        .map(|&(r, c)| device_bytes((r * c * 4) as u64))
+        .sum()
+}
+
+/// Device memory one forward step holds: the activation buffers, the logits buffers and the
+/// backend's workspace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StepMemory {
+    pub activations: u64,
+    pub logits: u64,
+    pub workspace: u64,
+}
+
+impl StepMemory {
+    pub fn total(&self) -> u64 {
+        self.activations + self.logits + self.workspace
+    }
+}
+
+/// The device memory of a step of `n` tokens returning `logit_rows` rows of logits, with
+/// `workspace` the backend's per-op formula ([`Backend::workspace_bytes`]): the one formula the
+/// engine allocates by and the planner plans with.
+pub fn step_memory(
+    spec: &ModelSpec,
+    n: usize,
+    logit_rows: usize,
+    matmuls: &MatmulShapes,
+    workspace: impl Fn(&WorkspaceOp) -> u64,
+) -> StepMemory {
+    let mut ws = workspace(&WorkspaceOp::Embed { tokens: n });
+    for &(dtype, cols) in &matmuls.layer {
+        ws = ws.max(workspace(&WorkspaceOp::Matmul {
+            dtype,
+            tokens: n,
+            cols,
+        }));
+    }
+    if logit_rows > 0 {
+        let (dtype, cols) = matmuls.head;
+        ws = ws.max(workspace(&WorkspaceOp::Matmul {
+            dtype,
+            tokens: logit_rows,
+            cols,
+        }));
+    }
+    StepMemory {
+        activations: f32_buffers(&activation_shapes(spec, n)),
+        logits: if logit_rows > 0 {
+            f32_buffers(&logit_shapes(spec, logit_rows))
+        } else {
+            0
+        },
+        workspace: ws,
+    }
+}
+
+/// Device bytes of one session's KV cache of `ctx` positions in `kv`.
+pub fn kv_bytes(spec: &ModelSpec, ctx: usize, kv: KvType) -> u64 {
+    2 * spec.n_layers as u64 * device_bytes((ctx * kv.row_bytes(spec.kv_dim())) as u64)
+}
+
+/// Device bytes of a session's query probe ([`Engine::enable_probe`]).
+pub fn probe_bytes(spec: &ModelSpec) -> u64 {
+    let layers = PROBE_LAYERS.min(spec.n_layers) as u64;
+    layers * device_bytes((PROBE_QUERIES * spec.q_dim() * 4) as u64)
 }
 
 fn backend_act(a: Activation) -> Act {
@@ -250,9 +386,39 @@ impl<B: Backend> Engine<B> {
             act: backend_act(spec.activation),
             backend,
             spec,
-            source: Mutex::new(source),
+            pass: Mutex::new(Pass {
+                source,
+                scratch: None,
+            }),
             rope,
+            kv_type: KvType::F32,
         })
+    }
+
+    /// Store the KV cache of sessions made from now on in `kv` (f32 unless set).
+    pub fn with_kv_type(mut self, kv: KvType) -> Result<Self> {
+        kv.check_cols(self.spec.kv_dim())?;
+        self.kv_type = kv;
+        Ok(self)
+    }
+
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    /// The device memory a step of `n` tokens returning `logit_rows` logit rows holds.
+    pub fn step_memory(&self, n: usize, logit_rows: usize) -> Result<StepMemory> {
+        let pass = self
+            .pass
+            .lock()
+            .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
+        Ok(step_memory(
+            &self.spec,
+            n,
+            logit_rows,
+            &pass.source.matmuls(),
+            |op| self.backend.workspace_bytes(op),
+        ))
     }
 
     pub fn spec(&self) -> &ModelSpec {
@@ -270,8 +436,8 @@ impl<B: Backend> Engine<B> {
 
     /// Wait for the weight source's background transfers to finish (before reading counters).
     pub fn settle(&self) {
-        if let Ok(mut s) = self.source.lock() {
-            s.settle();
+        if let Ok(mut p) = self.pass.lock() {
+            p.source.settle();
         }
     }
 
@@ -283,19 +449,18 @@ impl<B: Backend> Engine<B> {
                 max: self.spec.max_context,
             });
         }
-        let kv = self.spec.kv_dim();
+        let (kv, ty) = (self.spec.kv_dim(), self.kv_type);
         let mut k = Vec::with_capacity(self.spec.n_layers);
         let mut v = Vec::with_capacity(self.spec.n_layers);
         for _ in 0..self.spec.n_layers {
-            k.push(self.backend.alloc(ctx, kv)?);
-            v.push(self.backend.alloc(ctx, kv)?);
+            k.push(self.backend.alloc_kv(ctx, kv, ty)?);
+            v.push(self.backend.alloc_kv(ctx, kv, ty)?);
         }
         Ok(Session {
             k,
             v,
             pos: 0,
             ctx,
-            scratch: None,
             probe: None,
         })
     }
@@ -328,19 +493,16 @@ impl<B: Backend> Engine<B> {
         self.check_rows(s, first, len)?;
         let kv = self.spec.kv_dim();
         let b = &self.backend;
-        b.enter(move || {
-            let mut out = vec![0f32; 2 * self.spec.n_layers * len * kv];
-            if len == 0 {
-                return Ok(out);
-            }
-            let mut tmp = b.alloc(len, kv)?;
-            for (i, part) in out.chunks_mut(len * kv).enumerate() {
-                let src = if i % 2 == 0 { &s.k[i / 2] } else { &s.v[i / 2] };
-                b.copy_rows(src, first, &mut tmp, 0, len)?;
-                b.read(&tmp, part)?;
-            }
-            Ok(out)
-        })
+        let mut out = vec![0f32; 2 * self.spec.n_layers * len * kv];
+        if len == 0 {
+            return Ok(out);
+        }
+        // Straight from the caches to the host: no device temporary.
+        for (i, part) in out.chunks_mut(len * kv).enumerate() {
+            let src = if i % 2 == 0 { &s.k[i / 2] } else { &s.v[i / 2] };
+            b.read_kv(src, first, part)?;
+        }
+        Ok(out)
     }
 
     /// Write keys and values (layout of [`Engine::read_kv`]) into positions `first..first + len`.
@@ -360,23 +522,18 @@ impl<B: Backend> Engine<B> {
                 values.len()
             )));
         }
-        let b = &self.backend;
-        b.enter(|| {
-            if len == 0 {
-                return Ok(());
-            }
-            let mut tmp = b.alloc(len, kv)?;
-            for (i, part) in values.chunks(len * kv).enumerate() {
-                b.write(&mut tmp, part)?;
-                let dst = if i % 2 == 0 {
-                    &mut s.k[i / 2]
-                } else {
-                    &mut s.v[i / 2]
-                };
-                b.copy_rows(&tmp, 0, dst, first, len)?;
-            }
-            Ok(())
-        })
+        if len == 0 {
+            return Ok(());
+        }
+        for (i, part) in values.chunks(len * kv).enumerate() {
+            let dst = if i % 2 == 0 {
+                &mut s.k[i / 2]
+            } else {
+                &mut s.v[i / 2]
+            };
+            self.backend.write_kv(dst, first, part)?;
+        }
+        Ok(())
     }
 
     fn check_rows(&self, s: &Session<B>, first: usize, len: usize) -> Result<()> {
@@ -420,12 +577,11 @@ impl<B: Backend> Engine<B> {
             };
             let mut q = vec![0f32; PROBE_QUERIES * spec.q_dim()];
             let mut k = vec![0f32; pos * kv];
-            let mut kt = b.alloc(pos, kv)?;
             let mut scores = vec![0f32; pos];
             for (li, &l) in layers.iter().enumerate() {
                 b.read(&p.q[li], &mut q)?;
-                b.copy_rows(&s.k[l], 0, &mut kt, 0, pos)?;
-                b.read(&kt, &mut k)?;
+                // Straight to the host: no device temporary however long the context.
+                b.read_kv(&s.k[l], 0, &mut k)?;
                 for &(row, qp) in &queries {
                     for h in 0..spec.n_heads {
                         let qh = &q[row * spec.q_dim() + h * hd..][..hd];
@@ -480,12 +636,11 @@ impl<B: Backend> Engine<B> {
                 vocab: self.spec.vocab_size,
             });
         }
-        // One pass at a time: a streaming source's buffers are shared by all sessions.
         let mut guard = self
-            .source
+            .pass
             .lock()
             .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
-        let source: &mut dyn WeightSource<B> = &mut **guard;
+        let pass: &mut Pass<B> = &mut guard;
         self.backend.enter(|| {
             let mut out = Vec::new();
             let n_batches = tokens.len().div_ceil(MAX_BATCH);
@@ -495,30 +650,50 @@ impl<B: Backend> Engine<B> {
                     Logits::Last if i + 1 == n_batches => Logits::Last,
                     _ => Logits::None,
                 };
-                out.extend(self.step(source, session, batch, mode)?);
+                out.extend(self.step(pass, session, batch, mode)?);
             }
             Ok(out)
         })
     }
 
     fn scratch(&self, n: usize) -> Result<Scratch<B>> {
-        let s = &self.spec;
         let b = &self.backend;
+        let mut bufs = activation_shapes(&self.spec, n)
+            .into_iter()
+            .map(|(r, c)| b.alloc(r, c))
+            .collect::<std::result::Result<Vec<_>, _>>()?
+            .into_iter();
+        let mut next = || {
+            bufs.next()
+                .ok_or_else(|| EngineError::Weights("activation buffers miscounted".into()))
+        };
         Ok(Scratch {
             n,
-            x: b.alloc(n, s.d_model)?,
-            h: b.alloc(n, s.d_model)?,
-            q: b.alloc(n, s.q_dim())?,
-            k: b.alloc(n, s.kv_dim())?,
-            v: b.alloc(n, s.kv_dim())?,
-            attn: b.alloc(n, s.q_dim())?,
-            proj: b.alloc(n, s.d_model)?,
-            up: b.alloc(n, s.d_ff)?,
-            gate: if s.gated_ffn {
-                Some(b.alloc(n, s.d_ff)?)
+            x: next()?,
+            h: next()?,
+            q: next()?,
+            k: next()?,
+            v: next()?,
+            attn: next()?,
+            proj: next()?,
+            up: next()?,
+            gate: if self.spec.gated_ffn {
+                Some(next()?)
             } else {
                 None
             },
+            logits: None,
+        })
+    }
+
+    fn logit_buffers(&self, rows: usize) -> Result<LogitBuffers<B>> {
+        let [a, b, c] = logit_shapes(&self.spec, rows);
+        let be = &self.backend;
+        Ok(LogitBuffers {
+            rows,
+            last: be.alloc(a.0, a.1)?,
+            normed: be.alloc(b.0, b.1)?,
+            logits: be.alloc(c.0, c.1)?,
         })
     }
 
@@ -591,7 +766,7 @@ impl<B: Backend> Engine<B> {
     /// One forward step over at most [`MAX_BATCH`] tokens.
     fn step(
         &self,
-        source: &mut dyn WeightSource<B>,
+        pass: &mut Pass<B>,
         session: &mut Session<B>,
         tokens: &[u32],
         logits: Logits,
@@ -600,14 +775,24 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let spec = &self.spec;
         let pos = session.pos;
-        let mut sc = match session.scratch.take() {
+        let rows = match logits {
+            Logits::None => 0,
+            Logits::Last => 1,
+            Logits::All => n,
+        };
+        let source = &mut *pass.source;
+        let mut sc = match pass.scratch.take() {
             Some(sc) if sc.n == n => sc,
             old => {
                 // Free the old buffers before taking new ones: device memory is budgeted.
                 drop(old);
+                b.set_workspace(0)?;
                 self.scratch(n)?
             }
         };
+        // The workspace the ops of this step need, by the formula the planner used.
+        let need = step_memory(spec, n, rows, &source.matmuls(), |op| b.workspace_bytes(op));
+        b.set_workspace(need.workspace)?;
 
         source.embed(b, tokens, pos, &mut sc.x)?;
         let attn_shape = AttnShape {
@@ -638,8 +823,8 @@ impl<B: Backend> Engine<B> {
                         b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
                     }
                 }
-                b.copy_rows(&sc.k, 0, &mut session.k[l], pos, n)?;
-                b.copy_rows(&sc.v, 0, &mut session.v[l], pos, n)?;
+                b.store_kv(&sc.k, &mut session.k[l], pos)?;
+                b.store_kv(&sc.v, &mut session.v[l], pos)?;
                 b.attention(
                     &sc.q,
                     &session.k[l],
@@ -667,27 +852,28 @@ impl<B: Backend> Engine<B> {
         }
         session.pos += n;
 
-        let rows = match logits {
-            Logits::None => {
-                session.scratch = Some(sc);
-                return Ok(Vec::new());
+        if rows == 0 {
+            pass.scratch = Some(sc);
+            return Ok(Vec::new());
+        }
+        let mut lb = match sc.logits.take() {
+            Some(lb) if lb.rows == rows => lb,
+            old => {
+                drop(old);
+                self.logit_buffers(rows)?
             }
-            Logits::Last => 1,
-            Logits::All => n,
         };
-        let mut last = b.alloc(rows, spec.d_model)?;
-        b.copy_rows(&sc.x, n - rows, &mut last, 0, rows)?;
-        let mut normed = b.alloc(rows, spec.d_model)?;
-        let mut logits_t = b.alloc(rows, spec.vocab_size)?;
+        b.copy_rows(&sc.x, n - rows, &mut lb.last, 0, rows)?;
         {
             let head = source.head(b)?;
-            self.norm(&last, &head.norm, &mut normed)?;
-            self.linear(&head.output, &normed, &mut logits_t)?;
+            self.norm(&lb.last, &head.norm, &mut lb.normed)?;
+            self.linear(&head.output, &lb.normed, &mut lb.logits)?;
         }
         source.head_done(b)?;
         let mut host = vec![0f32; rows * spec.vocab_size];
-        b.read(&logits_t, &mut host)?;
-        session.scratch = Some(sc);
+        b.read(&lb.logits, &mut host)?;
+        sc.logits = Some(lb);
+        pass.scratch = Some(sc);
         Ok(host)
     }
 }

@@ -1,7 +1,9 @@
 //! Every weight placed on the device once, in its file format: the dense engine (the CPU engine
 //! uses the weights straight from the memory map; a GPU holds a copy).
 
-use super::{FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource};
+use super::{
+    FfnView, HeadView, LayerView, LinearView, MatmulShapes, NormView, Result, WeightSource,
+};
 use crate::backend::Backend;
 use crate::model::{LayerWeights, Linear, ModelSpec, ModelWeights, NormWeights, PositionEncoding};
 use crate::tensor::HostTensor;
@@ -37,6 +39,7 @@ pub struct ResidentWeights<B: Backend> {
     /// `None` when tied to `token_embd`.
     output: Option<B::Weight>,
     rope_freq_factors: Option<Vec<f32>>,
+    matmuls: MatmulShapes,
 }
 
 impl<B: Backend> Norm<B> {
@@ -96,6 +99,7 @@ impl<B: Backend> ResidentWeights<B> {
             output_norm: norm(&w.output_norm)?,
             output: w.output.as_ref().map(up).transpose()?,
             rope_freq_factors: w.rope_freq_factors.clone(),
+            matmuls: MatmulShapes::of_weights(w),
         })
     }
 }
@@ -146,5 +150,9 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
 
     fn head_done(&mut self, _: &B) -> Result<()> {
         Ok(())
+    }
+
+    fn matmuls(&self) -> MatmulShapes {
+        self.matmuls.clone()
     }
 }

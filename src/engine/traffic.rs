@@ -2,11 +2,12 @@
 
 use serde::Serialize;
 
+use crate::backend::KvType;
 use crate::model::{ModelSpec, ModelWeights};
 use crate::tensor::HostTensor;
 
 /// What one decode step must read from memory: every weight once (one embedding row when the
-/// table is not also the output matrix; one position row) and the f32 KV cache so far. The
+/// table is not also the output matrix; one position row) and the KV cache so far. The
 /// numerator of the memory-bandwidth bound on decode speed.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct DecodeTraffic {
@@ -16,7 +17,7 @@ pub struct DecodeTraffic {
 }
 
 impl DecodeTraffic {
-    pub fn of(spec: &ModelSpec, weights: &ModelWeights) -> Self {
+    pub fn of(spec: &ModelSpec, weights: &ModelWeights, kv: KvType) -> Self {
         // Tables read one row per token: the embedding (unless it is also the output matrix)
         // and learned positions.
         let row_table = |t: &HostTensor| {
@@ -40,7 +41,7 @@ impl DecodeTraffic {
         }
         DecodeTraffic {
             weight_bytes,
-            kv_bytes_per_position: 2 * spec.n_layers as u64 * spec.kv_dim() as u64 * 4,
+            kv_bytes_per_position: 2 * spec.n_layers as u64 * kv.row_bytes(spec.kv_dim()) as u64,
         }
     }
 

@@ -10,6 +10,13 @@
 //! - the DRAM two-level cache (M2Cache): the streamed parts of the first layers fixed in DRAM,
 //!   the others cycling through a dynamic area refilled from SSD ahead of use;
 //! - the cost model: bytes each tier moves per token, and the predicted tokens/s.
+//!
+//! Device bytes are counted as the devices take them: the process's fixed cost (context, modules,
+//! cuBLAS; from the hardware profile or measured) comes off `--gpu-mem` first, every buffer is
+//! rounded to the allocation granule ([`device_bytes`]), and a step's activations and workspace
+//! come from the engine's and the CUDA backend's own formulas ([`step_memory`],
+//! [`crate::backend::cuda::workspace_bytes`]) — so what the plan accepts, the budgeted device and
+//! the GPU both run.
 
 pub mod hardware;
 pub mod preserve;
@@ -18,9 +25,12 @@ mod report;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::engine::{kv_bytes, scratch_bytes};
+use crate::backend::KvType;
+use crate::backend::memory::device_bytes;
+use crate::engine::{MatmulShapes, StepMemory, kv_bytes, probe_bytes, step_memory};
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
+use crate::tensor::DType;
 
 pub use hardware::HardwareProfile;
 pub use preserve::{LayerShape, Part, Residency, preserve};
@@ -40,12 +50,41 @@ pub struct Budget {
     pub dram_mem: Option<u64>,
     /// Layers streamed ahead of compute (FlexInfer's prefetch window).
     pub window: usize,
-    /// KV cache positions.
+    /// KV cache positions of each session.
     pub ctx: usize,
+    /// Sessions holding a KV cache at once (`serve --parallel`).
+    pub sessions: usize,
+    /// Element type of the KV cache on the device.
+    pub kv_type: KvType,
+    /// Whether each session keeps a query probe (serve's contexts measure attention density).
+    pub probe: bool,
     /// Most tokens one forward step evaluates (prefill batch).
     pub batch: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
+}
+
+impl Budget {
+    /// One session of `ctx` positions with an f16 KV cache, no probe.
+    pub fn new(
+        gpu_mem: u64,
+        dram_mem: Option<u64>,
+        window: usize,
+        ctx: usize,
+        batch: usize,
+    ) -> Self {
+        Budget {
+            gpu_mem,
+            dram_mem,
+            window,
+            ctx,
+            sessions: 1,
+            kv_type: KvType::F16,
+            probe: false,
+            batch,
+            logit_rows: 1,
+        }
+    }
 }
 
 #[derive(Debug, Error)]
@@ -74,15 +113,24 @@ pub enum PlanError {
     Budget(String),
 }
 
-/// Device memory by use.
+/// Device memory by use (as the device takes it: every buffer rounded to the granule).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct GpuBytes {
+    /// What the process holds before placing anything (context, modules, cuBLAS).
+    pub fixed: u64,
     pub small: u64,
     pub head: u64,
     pub resident_layers: u64,
     pub slots: u64,
+    /// KV caches (and query probes) of every session.
     pub kv: u64,
+    /// One step's activation and logits buffers.
     pub scratch: u64,
+    /// One step's backend workspace.
+    pub workspace: u64,
+    /// Everything but `fixed`: what the byte ledger holds at the peak.
+    pub placed: u64,
+    /// `fixed + placed`: the process's device memory at the peak.
     pub total: u64,
 }
 
@@ -147,6 +195,11 @@ impl Plan {
     /// Whether anything streams.
     pub fn streams(&self) -> bool {
         self.streamed_bytes_per_layer > 0
+    }
+
+    /// The byte ledger's HBM budget: `--gpu-mem` less the fixed cost.
+    pub fn ledger_budget(&self) -> u64 {
+        self.budget.gpu_mem - self.gpu.fixed
     }
 
     /// The per-layer table and totals, for people.
@@ -242,6 +295,63 @@ pub fn head_segment(m: &Manifest) -> Result<&Segment, PlanError> {
     }
 }
 
+/// The format a stored segment has on the device: f32 stays f32, everything else is f16.
+pub fn device_dtype(s: &Segment) -> DType {
+    match s.encoding {
+        Encoding::F32 => DType::F32,
+        _ => DType::F16,
+    }
+}
+
+/// The matrices an offloaded step multiplies: the f16 attention projections of every layer
+/// (the FFN runs on neuron bundles) and the output matrix.
+pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
+    let mut layer = Vec::new();
+    for p in [Part::Q, Part::K, Part::V, Part::O] {
+        let k = (DType::F16, seg(m, &part_segment_name(0, p))?.cols);
+        if !layer.contains(&k) {
+            layer.push(k);
+        }
+    }
+    let h = head_segment(m)?;
+    Ok(MatmulShapes {
+        layer,
+        head: (device_dtype(h), h.cols),
+    })
+}
+
+/// Device bytes of the parts of a layer held resident (one buffer per part).
+fn resident_device_bytes(shape: &LayerShape, r: &Residency) -> u64 {
+    Part::ALL
+        .iter()
+        .map(|&p| r.rows[p.index()] as u64 * shape.row_bytes[p.index()])
+        .filter(|&b| b > 0)
+        .map(device_bytes)
+        .sum()
+}
+
+/// Device bytes of one streaming slot (one buffer per streamed part).
+fn slot_device_bytes(shape: &LayerShape, r: &Residency) -> u64 {
+    Part::ALL
+        .iter()
+        .map(|&p| r.streamed_rows(shape, p).len() as u64 * shape.row_bytes[p.index()])
+        .filter(|&b| b > 0)
+        .map(device_bytes)
+        .sum()
+}
+
+/// The device memory of one step of the budget's batch, on the CUDA backend (which the budgeted
+/// device reserves the same way).
+pub fn step_device_memory(m: &Manifest, budget: &Budget) -> Result<StepMemory, PlanError> {
+    Ok(step_memory(
+        &m.spec,
+        budget.batch,
+        budget.logit_rows,
+        &offload_matmuls(m)?,
+        crate::backend::cuda::workspace_bytes,
+    ))
+}
+
 /// Page-aligned extent of reading `rows` of a segment: what an SSD read of them costs.
 fn extent(s: &Segment, rows: std::ops::Range<usize>) -> u64 {
     if rows.is_empty() {
@@ -284,57 +394,95 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             "context and batch must be at least 1".into(),
         ));
     }
+    if budget.sessions == 0 {
+        return Err(PlanError::Budget("at least one session must fit".into()));
+    }
+    if let Err(e) = budget.kv_type.check_cols(spec.kv_dim()) {
+        return Err(PlanError::Budget(e.to_string()));
+    }
     let n_layers = spec.n_layers;
     let shape = layer_shape(m)?;
     let s_layer = shape.total();
-    let small: u64 = small_fragments(m).iter().map(|(_, b)| b).sum();
-    let head = head_segment(m)?.bytes;
-    let kv = kv_bytes(spec, budget.ctx);
-    let scratch = scratch_bytes(spec, budget.batch, budget.logit_rows);
-    let fixed = small + head + kv + scratch;
+    let fixed_cost = hw.fixed_device_bytes();
+    let small: u64 = small_fragments(m)
+        .iter()
+        .map(|&(_, b)| device_bytes(b))
+        .sum();
+    let head = device_bytes(head_segment(m)?.bytes);
+    let per_session = kv_bytes(spec, budget.ctx, budget.kv_type)
+        + if budget.probe { probe_bytes(spec) } else { 0 };
+    let kv = budget.sessions as u64 * per_session;
+    let step = step_device_memory(m, budget)?;
+    let scratch = step.activations + step.logits;
+    let fixed = small + head + kv + scratch + step.workspace;
     let window = budget.window.min(n_layers);
-    let minimum = fixed + window as u64 * s_layer;
+    let none = Residency::default();
+    let all = Residency::all(&shape);
+    let minimum = fixed + window as u64 * slot_device_bytes(&shape, &none);
     let breakdown = |slots: u64| {
         format!(
-            "small fragments {} MiB, output matrix {} MiB, KV cache {} MiB for {} positions, scratch {} MiB, {window} streaming slots {} MiB",
+            "fixed device cost {} MiB (context, kernels, cuBLAS), small fragments {} MiB, output matrix {} MiB, KV cache {} MiB for {} × {} positions ({}), step buffers {} MiB, workspace {} MiB, {window} streaming slots {} MiB",
+            fixed_cost >> 20,
             small >> 20,
             head >> 20,
             kv >> 20,
+            budget.sessions,
             budget.ctx,
+            budget.kv_type.name(),
             scratch >> 20,
+            step.workspace >> 20,
             slots >> 20
         )
     };
-    let all_resident = fixed + n_layers as u64 * s_layer <= budget.gpu_mem;
-    if !all_resident && budget.gpu_mem < minimum {
+    let usable = budget.gpu_mem.saturating_sub(fixed_cost);
+    let all_resident = fixed + n_layers as u64 * resident_device_bytes(&shape, &all) <= usable;
+    if !all_resident && usable < minimum {
         return Err(PlanError::GpuTooSmall {
             budget: budget.gpu_mem,
-            minimum,
-            breakdown: breakdown(window as u64 * s_layer),
+            minimum: fixed_cost + minimum,
+            breakdown: breakdown(minimum - fixed),
         });
     }
     let grouped_query = spec.n_kv_heads < spec.n_heads;
+    let placed_with = |r: &Residency, k: usize| {
+        fixed
+            + n_layers as u64 * resident_device_bytes(&shape, r)
+            + k as u64 * slot_device_bytes(&shape, r)
+    };
     let (residency, window) = if all_resident {
-        (Residency::all(&shape), 0)
+        (all, 0)
     } else {
         // L·r + k·(S − r) ≤ A  ⇒  r ≤ (A − k·S) / (L − k); L > k here (else all resident fits).
-        let avail = budget.gpu_mem - fixed;
-        let per_layer = (avail - window as u64 * s_layer) / (n_layers - window) as u64;
-        (
-            preserve(&shape, per_layer.min(s_layer), grouped_query),
-            window,
-        )
+        // Granule rounding makes that a first guess: shrink until the rounded total fits (no
+        // residency always does: that is the minimum).
+        let avail = usable - fixed;
+        let mut per_layer = (avail.saturating_sub(window as u64 * s_layer)
+            / (n_layers - window) as u64)
+            .min(s_layer);
+        loop {
+            let r = preserve(&shape, per_layer, grouped_query);
+            let placed = placed_with(&r, window);
+            if placed <= usable || per_layer == 0 {
+                break (r, window);
+            }
+            let over = (placed - usable).div_ceil((n_layers - window) as u64);
+            per_layer = per_layer.saturating_sub(over.max(crate::backend::memory::DEVICE_ALIGN));
+        }
     };
     let r = residency.resident_bytes(&shape);
     let s = s_layer - r;
+    let placed = placed_with(&residency, window);
     let gpu = GpuBytes {
+        fixed: fixed_cost,
         small,
         head,
-        resident_layers: n_layers as u64 * r,
-        slots: window as u64 * s,
+        resident_layers: n_layers as u64 * resident_device_bytes(&shape, &residency),
+        slots: window as u64 * slot_device_bytes(&shape, &residency),
         kv,
         scratch,
-        total: fixed + n_layers as u64 * r + window as u64 * s,
+        workspace: step.workspace,
+        placed,
+        total: fixed_cost + placed,
     };
 
     // DRAM: tables, staging at start-up, streamed layers (fixed area, then dynamic buffers).
@@ -412,7 +560,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         } else {
             (n_layers - fixed_layers) as u64 * layer_bytes
         },
-        hbm_read_bytes: small + head + n_layers as u64 * s_layer + kv / 2,
+        hbm_read_bytes: small + head + n_layers as u64 * s_layer + per_session / 2,
     };
     // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
     // plus one per streamed block.

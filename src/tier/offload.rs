@@ -12,10 +12,14 @@ use super::dram::{DramCache, LayerData};
 use super::ledger::{Ledger, Reservation, Tier};
 use crate::backend::{Backend, BundleShape};
 use crate::engine::{
-    EngineError, FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource,
+    EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes, NormView, Result,
+    WeightSource,
 };
 use crate::model::{ModelSpec, PositionEncoding};
-use crate::plan::{Part, Plan, Residency, head_segment, part_segment_name, staging_chunks};
+use crate::plan::{
+    Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,
+    staging_chunks,
+};
 use crate::store::{Segment, SegmentKind, Store, StoreError, names};
 use crate::tensor::{AlignedBuf, DType, HostTensor};
 
@@ -63,6 +67,7 @@ pub struct OffloadWeights<B: Backend> {
     dram: DramCache,
     rope_freq_factors: Option<Vec<f32>>,
     x_host: Vec<f32>,
+    matmuls: MatmulShapes,
 }
 
 /// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
@@ -113,13 +118,6 @@ impl Loader<'_> {
             Some(_) => self.vector(b, name).map(Some),
             None => Ok(None),
         }
-    }
-}
-
-fn dtype_of(seg: &Segment) -> DType {
-    match seg.encoding {
-        crate::store::Encoding::F32 => DType::F32,
-        _ => DType::F16,
     }
 }
 
@@ -206,7 +204,7 @@ impl<B: Backend> OffloadWeights<B> {
             resident.push(parts);
         }
         let head_seg = head_segment(m).map_err(|e| EngineError::Weights(e.to_string()))?;
-        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, dtype_of(head_seg))?;
+        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, device_dtype(head_seg))?;
         let output_norm = (
             loader.vector(b, names::OUTPUT_NORM)?,
             loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
@@ -261,7 +259,9 @@ impl<B: Backend> OffloadWeights<B> {
             },
         )
         .map_err(store_err)?;
+        let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
         let mut me = OffloadWeights {
+            matmuls,
             bundle: BundleShape {
                 parts: if spec.gated_ffn { 3 } else { 2 },
                 d: spec.d_model,
@@ -468,5 +468,9 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
 
     fn settle(&mut self) {
         self.dram.settle();
+    }
+
+    fn matmuls(&self) -> MatmulShapes {
+        self.matmuls.clone()
     }
 }

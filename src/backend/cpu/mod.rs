@@ -4,12 +4,17 @@
 
 mod bundles;
 pub mod kernels;
+mod kv;
 pub mod matmul;
 mod ops;
 
+pub use kv::{CpuKv, decode_rows, encode_rows};
+
 use rayon::prelude::*;
 
-use super::{Act, AttnShape, Backend, BackendError, BundleShape, Result, RopePairs};
+use super::{
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
+};
 use crate::tensor::{Bytes, DType, HostTensor};
 
 /// Activations on the CPU.
@@ -115,6 +120,7 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = HostTensor;
     type Event = ();
+    type Kv = CpuKv;
 
     fn name(&self) -> String {
         format!(
@@ -267,6 +273,39 @@ impl Backend for CpuBackend {
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
         (t.rows, t.cols)
+    }
+
+    /// Host memory is not a device: no op needs workspace.
+    fn workspace_bytes(&self, _: &WorkspaceOp) -> u64 {
+        0
+    }
+
+    fn set_workspace(&self, _: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn workspace_held(&self) -> u64 {
+        0
+    }
+
+    fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<CpuKv> {
+        CpuKv::new(rows, cols, ty)
+    }
+
+    fn kv_shape(&self, kv: &CpuKv) -> (usize, usize, KvType) {
+        (kv.rows, kv.cols, kv.ty())
+    }
+
+    fn store_kv(&self, src: &CpuTensor, dst: &mut CpuKv, dst_row: usize) -> Result<()> {
+        dst.store(src, dst_row)
+    }
+
+    fn read_kv(&self, src: &CpuKv, first: usize, out: &mut [f32]) -> Result<()> {
+        src.read(first, out)
+    }
+
+    fn write_kv(&self, dst: &mut CpuKv, first: usize, values: &[f32]) -> Result<()> {
+        dst.write(first, values)
     }
 
     fn embed(&self, table: &HostTensor, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
@@ -526,8 +565,8 @@ impl Backend for CpuBackend {
     fn attention(
         &self,
         q: &CpuTensor,
-        k_cache: &CpuTensor,
-        v_cache: &CpuTensor,
+        k_cache: &CpuKv,
+        v_cache: &CpuKv,
         first_pos: usize,
         s: AttnShape,
         out: &mut CpuTensor,

@@ -1,7 +1,7 @@
 //! Scalar-per-row ops of the CPU backend: norms, RoPE rotation, activations, one head's attention.
 //! Reductions accumulate in f64 where a long sum would otherwise drift from the references.
 
-use super::CpuTensor;
+use super::CpuKv;
 use super::kernels::Kernels;
 use crate::backend::{Act, RopePairs};
 
@@ -55,8 +55,8 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
 pub fn attend(
     k: &Kernels,
     q: &[f32],
-    k_cache: &CpuTensor,
-    v_cache: &CpuTensor,
+    k_cache: &CpuKv,
+    v_cache: &CpuKv,
     col: usize,
     hd: usize,
     len: usize,
@@ -64,8 +64,10 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let dot = k.dot_f32;
+    // Rows of f16/Q8_0 caches are decoded here, one head at a time.
+    let mut tmp = vec![0f32; hd];
     let mut scores: Vec<f32> = (0..len)
-        .map(|j| dot(q, &k_cache.row(j)[col..col + hd]) * scale)
+        .map(|j| dot(q, k_cache.slice(j, col, &mut tmp)) * scale)
         .collect();
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
     let mut sum = 0f64;
@@ -76,7 +78,7 @@ pub fn attend(
     let inv = (1.0 / sum) as f32;
     out.fill(0.0);
     for (j, &p) in scores.iter().enumerate() {
-        let v = &v_cache.row(j)[col..col + hd];
+        let v = v_cache.slice(j, col, &mut tmp);
         let w = p * inv;
         out.iter_mut().zip(v).for_each(|(o, &vv)| *o += w * vv);
     }
@@ -106,16 +108,10 @@ mod tests {
 
     #[test]
     fn attention_over_one_position_returns_its_value() {
-        let k = CpuTensor {
-            rows: 2,
-            cols: 2,
-            data: vec![1.0, 0.0, 9.0, 9.0],
-        };
-        let v = CpuTensor {
-            rows: 2,
-            cols: 2,
-            data: vec![3.0, 4.0, 9.0, 9.0],
-        };
+        let mut k = CpuKv::new(2, 2, crate::backend::KvType::F32).unwrap();
+        k.write(0, &[1.0, 0.0, 9.0, 9.0]).unwrap();
+        let mut v = CpuKv::new(2, 2, crate::backend::KvType::F32).unwrap();
+        v.write(0, &[3.0, 4.0, 9.0, 9.0]).unwrap();
         let mut out = [0f32; 2];
         attend(
             super::super::kernels::best(),

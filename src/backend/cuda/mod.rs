@@ -1,15 +1,24 @@
 //! The CUDA backend: cudarc with the driver loaded at run time (nothing here panics on a machine
 //! without one: [`CudaBackend::new`] checks for libcuda first and returns an error).
 //!
-//! - Memory: every device buffer is a ledger reservation in HBM (the budget is enforced where
-//!   memory is taken) allocated from the stream-ordered pool of the compute stream.
+//! - Memory: every device buffer is a [`DeviceMemory`] allocation: a ledger reservation of
+//!   [`device_bytes`] and, under a budget, a range of one arena allocated up front
+//!   ([`CudaBackend::with_process_budget`] sizes it as `--gpu-mem` less what the context, our
+//!   modules and cuBLAS hold, so the process never holds more than `--gpu-mem`). Without a budget
+//!   buffers come from the compute stream's pool.
+//! - Workspace: the temporaries ops need (f16 activations for cuBLAS, 8-bit activation blocks,
+//!   token ids) are carved from one held buffer sized by [`workspace_bytes`] — the formula the
+//!   planner and the budgeted device use too.
 //! - Streams: one compute stream for every kernel (and cuBLAS, bound to it), one copy stream for
-//!   weight uploads; events order them (`copies_done` → `compute_waits`, and back).
-//! - Kernels: `kernels/*.cu`, PTX built by build.rs or compiled here with NVRTC, each module
-//!   loaded the first time one of its functions is asked for.
+//!   weight uploads; events order them (`copies_done` → `compute_waits`, and back). A new buffer
+//!   may reuse an arena range that queued work on either stream still touches, so every
+//!   allocation orders both streams after what was queued before it.
+//! - Kernels: `kernels/*.cu`, PTX built by build.rs or compiled here with NVRTC, loaded at start
+//!   (so their memory is part of the fixed cost measured before the arena is sized).
 //! - Host buffers the copy stream reads from are page-locked with [`CudaBackend::pin_host`].
 
 pub mod kernels;
+mod meter;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,16 +29,49 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use super::{Act, AttnShape, Backend, BackendError, BundleShape, HostPin, Result, RopePairs};
+pub use meter::DeviceMeter;
+
+use super::memory::{DeviceAlloc, DeviceMemory, device_bytes};
+use super::{
+    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, Result, RopePairs,
+    WorkspaceOp,
+};
 use crate::tensor::{DType, HostTensor};
-use crate::tier::ledger::{Ledger, Reservation, Tier};
+use crate::tier::ledger::Ledger;
 
 /// Tokens one matvec launch handles (MAX_TOKENS in kernels/common.cuh).
 const MAX_TOKENS: usize = 8;
 /// Rows (warps) per matvec block (WARPS in kernels/matvec.cu, bundles.cu).
 const WARPS: u32 = 8;
-/// cuBLAS workspace, held for the backend's lifetime (so cuBLAS allocates nothing itself).
+/// cuBLAS workspace, held for the backend's lifetime (so cuBLAS allocates nothing itself); part
+/// of the fixed cost.
 const BLAS_WORKSPACE: usize = 32 << 20;
+/// Bytes of one 8-bit activation block (`ActBlock` in kernels/common.cuh).
+const ACT_BLOCK_BYTES: usize = 44;
+
+/// The device workspace `op` takes on the CUDA backend (with cuBLAS): the one formula the
+/// planner, this backend and the budgeted device (which reserves the same) use. Pure: no GPU.
+pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
+    match *op {
+        // Token ids copied in for the gather.
+        WorkspaceOp::Embed { tokens } => device_bytes(tokens as u64 * 4),
+        WorkspaceOp::Matmul {
+            dtype,
+            tokens,
+            cols,
+        } => {
+            if dtype.is_quantized() {
+                // Activations quantized to 8-bit blocks for the integer dot products.
+                device_bytes((tokens * cols / 32 * ACT_BLOCK_BYTES) as u64)
+            } else if tokens > MAX_TOKENS && matches!(dtype, DType::F16 | DType::BF16) {
+                // Activations converted to the weight's type for cuBLAS.
+                device_bytes((tokens * cols * 2) as u64)
+            } else {
+                0
+            }
+        }
+    }
+}
 
 fn dev<E: std::fmt::Debug>(e: E) -> BackendError {
     BackendError::Device(format!("{e:?}"))
@@ -56,24 +98,42 @@ pub struct DeviceInfo {
     pub multiprocessors: i32,
 }
 
+/// One device buffer: its address, and what keeps it (a pool allocation, or an arena range).
+struct DeviceBuf {
+    ptr: u64,
+    _pool: Option<CudaSlice<u8>>,
+    mem: DeviceAlloc,
+}
+
 /// Activations on the device.
 pub struct CudaTensor {
-    buf: CudaSlice<f32>,
-    ptr: u64,
+    buf: DeviceBuf,
     rows: usize,
     cols: usize,
-    _hold: Reservation,
 }
 
 /// A weight on the device.
 pub struct CudaWeight {
-    buf: CudaSlice<u8>,
-    ptr: u64,
+    buf: DeviceBuf,
     name: String,
     dtype: DType,
     rows: usize,
     cols: usize,
-    _hold: Reservation,
+}
+
+/// A KV cache on the device.
+pub struct CudaKv {
+    buf: DeviceBuf,
+    rows: usize,
+    cols: usize,
+    ty: KvType,
+}
+
+/// `--emulate`: host→device copies paced to `bytes_per_s` by a stamp kernel before each copy and
+/// a wait kernel after it (one stamp per stream).
+struct Pacer {
+    bytes_per_s: f64,
+    stamps: CudaSlice<u64>,
 }
 
 pub struct CudaBackend {
@@ -81,15 +141,22 @@ pub struct CudaBackend {
     compute: Arc<CudaStream>,
     copy: Arc<CudaStream>,
     blas: Option<Mutex<BlasState>>,
-    ledger: Arc<Ledger>,
+    mem: DeviceMemory,
+    /// Base address of the arena (under a budget).
+    arena: Option<u64>,
+    workspace: Mutex<Option<DeviceBuf>>,
+    pace: Mutex<Option<Pacer>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: kernels::Modules,
+    meter: Option<DeviceMeter>,
+    /// Device bytes the process held once context, modules and cuBLAS were up (before any
+    /// buffer), as measured; `None` where NVML could not tell.
+    fixed_bytes: Option<u64>,
 }
 
 struct BlasState {
     handle: cudarc::cublas::CudaBlas,
     _workspace: CudaSlice<u8>,
-    _hold: Reservation,
 }
 
 /// Typed `u64` device addresses: kernel arguments with offsets computed on the host.
@@ -134,11 +201,11 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
     }
 }
 
-/// Launch `$f` on the compute stream with the given arguments (each a local value).
-macro_rules! launch {
-    ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+/// Launch `$f` on `$stream` with the given arguments (each a local value).
+macro_rules! launch_on {
+    ($stream:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         let f = $f;
-        let mut b = $self.compute.launch_builder(&f);
+        let mut b = $stream.launch_builder(&f);
         $( b.arg(&$arg); )*
         // SAFETY: argument types and counts match the kernel signatures in kernels/*.cu; every
         // pointer is a live device allocation sized as the kernel indexes it (checked by the
@@ -147,14 +214,62 @@ macro_rules! launch {
     }};
 }
 
+/// Launch `$f` on the compute stream.
+macro_rules! launch {
+    ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {
+        launch_on!($self.compute, $f, $cfg, $($arg),*)
+    };
+}
+
 impl CudaBackend {
-    /// Device `ordinal` with a ledger (its HBM budget is enforced on every allocation).
+    /// Device `ordinal` under `ledger`: its HBM budget (if any) is the arena every buffer comes
+    /// from, allocated here; the context, modules and cuBLAS are outside it (see
+    /// [`CudaBackend::with_process_budget`] to bound them too).
     pub fn new(ordinal: usize, ledger: Arc<Ledger>) -> Result<Self> {
+        let mut me = Self::open(ordinal, ledger)?;
+        me.make_arena()?;
+        Ok(me)
+    }
+
+    /// Device `ordinal` with the whole process held to `gpu_mem` device bytes as the driver
+    /// counts them: the context, modules and cuBLAS are brought up first and measured, and the
+    /// arena gets what is left. Where NVML cannot measure, `assumed_fixed` (the hardware
+    /// profile's figure) is taken. Returns the backend and its ledger (HBM budget = the arena).
+    pub fn with_process_budget(
+        ordinal: usize,
+        gpu_mem: u64,
+        dram_mem: Option<u64>,
+        assumed_fixed: u64,
+    ) -> Result<(Self, Arc<Ledger>)> {
+        // The ledger's budget is only known once the fixed cost is: open with an unlimited one,
+        // then replace it before any buffer exists.
+        let mut me = Self::open(ordinal, Ledger::new(None, dram_mem))?;
+        let fixed = me.fixed_bytes.unwrap_or(assumed_fixed);
+        if gpu_mem <= fixed {
+            return Err(BackendError::OutOfMemory {
+                what: format!(
+                    "--gpu-mem: the CUDA context, kernels and cuBLAS alone hold {} MiB on this device",
+                    fixed >> 20
+                ),
+                needed: fixed as usize,
+                available: gpu_mem as usize,
+            });
+        }
+        let ledger = Ledger::new(Some(gpu_mem - fixed), dram_mem);
+        me.fixed_bytes = Some(fixed);
+        me.mem = DeviceMemory::new(ledger.clone());
+        me.make_arena()?;
+        Ok((me, ledger))
+    }
+
+    /// Context, streams, every kernel module and cuBLAS, then the fixed cost measured.
+    fn open(ordinal: usize, ledger: Arc<Ledger>) -> Result<Self> {
         if !driver_present() {
             return Err(BackendError::Unavailable(
                 "no CUDA driver (libcuda) on this machine".into(),
             ));
         }
+        let meter = DeviceMeter::before_context(ordinal);
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| BackendError::Unavailable(format!("CUDA device {ordinal}: {e:?}")))?;
         // Ordering between our streams is explicit (events); per-use event tracking would add
@@ -169,14 +284,21 @@ impl CudaBackend {
             compute,
             copy,
             blas: None,
-            ledger,
+            mem: DeviceMemory::new(ledger),
+            arena: None,
+            workspace: Mutex::new(None),
+            pace: Mutex::new(None),
             functions: Mutex::new(HashMap::new()),
             modules: kernels::Modules::default(),
+            meter,
+            fixed_bytes: None,
         };
+        for (name, _) in kernels::MODULES {
+            me.modules.get(&me.ctx, name)?;
+        }
         // SAFETY: only dlopens cuBLAS.
         if unsafe { blas_sys::is_culib_present() } {
             let handle = cudarc::cublas::CudaBlas::new(me.compute.clone()).map_err(dev)?;
-            let hold = me.reserve(BLAS_WORKSPACE, "cuBLAS workspace")?;
             // SAFETY: uninitialised device memory handed to cuBLAS as scratch.
             let ws = unsafe { me.compute.alloc::<u8>(BLAS_WORKSPACE) }.map_err(dev)?;
             let wptr = ptr_of(&ws, &me.compute);
@@ -190,12 +312,78 @@ impl CudaBackend {
             me.blas = Some(Mutex::new(BlasState {
                 handle,
                 _workspace: ws,
-                _hold: hold,
             }));
         } else {
             tracing::warn!("cuBLAS not found: prefill runs on the matvec kernels");
         }
+        me.synchronize()?;
+        me.fixed_bytes = me.process_bytes();
         Ok(me)
+    }
+
+    /// Under a budget: the arena, one allocation of the whole budget.
+    fn make_arena(&mut self) -> Result<()> {
+        if let Some(size) = self.mem.arena_size() {
+            self.bind()?;
+            // SAFETY: a plain device allocation, freed in Drop after all work has finished.
+            let base = unsafe { cudarc::driver::result::malloc_sync(size.max(1) as usize) }
+                .map_err(|e| BackendError::OutOfMemory {
+                    what: format!("the {} MiB device arena ({e:?})", size >> 20),
+                    needed: size as usize,
+                    available: self.info().map_or(0, |i| i.free_bytes as usize),
+                })?;
+            self.arena = Some(base);
+        }
+        Ok(())
+    }
+
+    /// Device-memory read bandwidth, bytes/s: the `read_sum` kernel over a `bytes` buffer (far
+    /// beyond the caches), best of 5 timed with events. The HBM bound's denominator.
+    pub fn read_bandwidth(&self, bytes: usize) -> Result<f64> {
+        self.bind()?;
+        let n4 = (bytes / 16).max(1);
+        let blocks_n = 4 * self.info()?.multiprocessors.max(1) as u32;
+        // Outside the ledger: a measurement, not a placement.
+        let x = self.compute.alloc_zeros::<u8>(n4 * 16).map_err(dev)?;
+        let out = self
+            .compute
+            .alloc_zeros::<f32>(blocks_n as usize)
+            .map_err(dev)?;
+        let (xp, op, n) = (
+            ptr_of(&x, &self.compute),
+            ptr_of(&out, &self.compute),
+            n4 as i64,
+        );
+        let f = self.func("membw", "read_sum")?;
+        let mut best = f64::MAX;
+        for rep in 0..6 {
+            let start = self
+                .compute
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(dev)?;
+            launch!(self, f.clone(), cfg(blocks_n, 256), xp, n, op);
+            let end = self
+                .compute
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(dev)?;
+            end.synchronize().map_err(dev)?;
+            // The first run warms up (module, clocks): leave it out.
+            if rep > 0 {
+                best = best.min(start.elapsed_ms(&end).map_err(dev)? as f64 / 1e3);
+            }
+        }
+        Ok((n4 * 16) as f64 / best)
+    }
+
+    /// Device bytes this process holds now, from the driver (NVML); `None` where it cannot tell.
+    pub fn process_bytes(&self) -> Option<u64> {
+        self.meter.as_ref().and_then(|m| m.process_bytes())
+    }
+
+    /// The fixed device cost this backend measured (context, modules, cuBLAS and its workspace)
+    /// or, under [`CudaBackend::with_process_budget`], the figure it used.
+    pub fn fixed_bytes(&self) -> Option<u64> {
+        self.fixed_bytes
     }
 
     pub fn info(&self) -> Result<DeviceInfo> {
@@ -214,7 +402,7 @@ impl CudaBackend {
     }
 
     pub fn ledger(&self) -> &Arc<Ledger> {
-        &self.ledger
+        self.mem.ledger()
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -240,14 +428,84 @@ impl CudaBackend {
         self.ctx.bind_to_thread().map_err(dev)
     }
 
-    fn reserve(&self, bytes: usize, what: &str) -> Result<Reservation> {
-        self.ledger
-            .reserve(Tier::Hbm, bytes as u64, what)
-            .map_err(|e| BackendError::OutOfMemory {
-                what: e.what,
-                needed: e.needed as usize,
-                available: e.available as usize,
-            })
+    /// A device buffer of [`device_bytes`]`(bytes)` for `what`: an arena range under a budget,
+    /// else from the compute stream's pool. Both streams are ordered after the work queued so
+    /// far, which may still touch a recycled range.
+    fn take(&self, bytes: usize, what: &str) -> Result<DeviceBuf> {
+        self.bind()?;
+        let mem = self.mem.take(bytes as u64, what)?;
+        let (ptr, pool) = match (self.arena, mem.offset) {
+            (Some(base), Some(off)) => (base + off, None),
+            _ => {
+                // SAFETY: uninitialised device memory; every user writes before reading (or
+                // zeroes it).
+                let buf = unsafe { self.compute.alloc::<u8>(mem.bytes as usize) }.map_err(dev)?;
+                (ptr_of(&buf, &self.compute), Some(buf))
+            }
+        };
+        if self.arena.is_some() {
+            let copies = self.copy.record_event(None).map_err(dev)?;
+            self.compute.wait(&copies).map_err(dev)?;
+        }
+        let computed = self.compute.record_event(None).map_err(dev)?;
+        self.copy.wait(&computed).map_err(dev)?;
+        Ok(DeviceBuf {
+            ptr,
+            _pool: pool,
+            mem,
+        })
+    }
+
+    /// The held workspace, checked to hold what `op` needs; the guard keeps other threads from
+    /// reusing it while this op's kernels are queued.
+    fn workspace_for(
+        &self,
+        op: WorkspaceOp,
+    ) -> Result<(std::sync::MutexGuard<'_, Option<DeviceBuf>>, u64)> {
+        let need = workspace_bytes(&op);
+        let ws = self
+            .workspace
+            .lock()
+            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
+        let (held, ptr) = ws.as_ref().map_or((0, 0), |b| (b.mem.bytes, b.ptr));
+        if need > held {
+            return Err(BackendError::Workspace {
+                op: format!("{op:?}"),
+                needed: need,
+                held,
+            });
+        }
+        Ok((ws, ptr))
+    }
+
+    /// Launch the stamp before a host→device copy on `stream` when pacing (see [`Pacer`]);
+    /// returns the wait to launch after it.
+    fn pace_before(&self, stream: &Arc<CudaStream>, slot: u64) -> Result<Option<(f64, u64)>> {
+        let pace = self
+            .pace
+            .lock()
+            .map_err(|_| BackendError::Device("pacer poisoned".into()))?;
+        let Some(p) = pace.as_ref() else {
+            return Ok(None);
+        };
+        let stamp = ptr_of(&p.stamps, stream) + 8 * slot;
+        let f = self.func("membw", "pace_stamp")?;
+        launch_on!(stream, f, cfg(1, 1), stamp);
+        Ok(Some((p.bytes_per_s, stamp)))
+    }
+
+    fn pace_after(
+        &self,
+        stream: &Arc<CudaStream>,
+        paced: Option<(f64, u64)>,
+        bytes: usize,
+    ) -> Result<()> {
+        if let Some((rate, stamp)) = paced {
+            let ns = (bytes as f64 / rate * 1e9) as u64;
+            let f = self.func("membw", "pace_wait")?;
+            launch_on!(stream, f, cfg(1, 1), stamp, ns);
+        }
+        Ok(())
     }
 
     fn func(&self, module: &'static str, name: &'static str) -> Result<CudaFunction> {
@@ -280,26 +538,9 @@ impl CudaBackend {
         Ok(PinnedRegion { ptr: ptr as usize })
     }
 
-    fn alloc_f32(&self, n: usize, what: &str) -> Result<(CudaSlice<f32>, u64, Reservation)> {
-        let hold = self.reserve(n * 4, what)?;
-        // SAFETY: uninitialised f32 buffer; callers write before reading (or zero it).
-        let buf = unsafe { self.compute.alloc::<f32>(n.max(1)) }.map_err(dev)?;
-        let ptr = ptr_of(&buf, &self.compute);
-        Ok((buf, ptr, hold))
-    }
-
-    /// A transient device buffer of `bytes` (counted while alive).
-    fn scratch(&self, bytes: usize, what: &str) -> Result<(CudaSlice<u8>, u64, Reservation)> {
-        let hold = self.reserve(bytes, what)?;
-        // SAFETY: scratch is written by a kernel before it is read.
-        let buf = unsafe { self.compute.alloc::<u8>(bytes.max(1)) }.map_err(dev)?;
-        let ptr = ptr_of(&buf, &self.compute);
-        Ok((buf, ptr, hold))
-    }
-
-    fn quantize(&self, x: u64, n: usize, cols: usize) -> Result<(CudaSlice<u8>, u64, Reservation)> {
+    /// Quantize `n` rows of `cols` activations at `x` into 8-bit blocks at `out` (workspace).
+    fn quantize(&self, x: u64, n: usize, cols: usize, out: u64) -> Result<()> {
         let blocks_total = n * cols / 32;
-        let (buf, ptr, hold) = self.scratch(blocks_total * 44, "activation blocks")?;
         let f = self.func("elementwise", "quantize_q8")?;
         let nb = blocks_total as i64;
         launch!(
@@ -308,23 +549,30 @@ impl CudaBackend {
             cfg(blocks(blocks_total * 32, 256), 256),
             x,
             nb,
-            ptr
+            out
         );
-        Ok((buf, ptr, hold))
+        Ok(())
     }
 
     /// cuBLAS `out[:, col0..col0+rows] = x · Wᵀ` for float weights (x converted to the
     /// weight's type; f32 accumulation).
-    fn gemm(&self, w: &CudaWeight, x: &CudaTensor, out: &CudaTensor, col0: usize) -> Result<bool> {
+    fn gemm(
+        &self,
+        w: &CudaWeight,
+        x: &CudaTensor,
+        out: &CudaTensor,
+        col0: usize,
+        ws: u64,
+    ) -> Result<bool> {
         let Some(blas) = &self.blas else {
             return Ok(false);
         };
         use blas_sys::cudaDataType as T;
         let (n, k, m) = (x.rows, x.cols, w.rows);
-        let (atype, bptr, _conv) = match w.dtype {
-            DType::F32 => (T::CUDA_R_32F, x.ptr, None),
+        let (atype, bptr) = match w.dtype {
+            DType::F32 => (T::CUDA_R_32F, x.buf.ptr),
             DType::F16 | DType::BF16 => {
-                let (buf, ptr, hold) = self.scratch(n * k * 2, "activations for cuBLAS")?;
+                let ptr = ws;
                 let name = if w.dtype == DType::F16 {
                     "f32_to_f16"
                 } else {
@@ -332,7 +580,8 @@ impl CudaBackend {
                 };
                 let f = self.func("elementwise", name)?;
                 let len = (n * k) as i64;
-                launch!(self, f, cfg(blocks(n * k, 256), 256), x.ptr, ptr, len);
+                let xp = x.buf.ptr;
+                launch!(self, f, cfg(blocks(n * k, 256), 256), xp, ptr, len);
                 (
                     if w.dtype == DType::F16 {
                         T::CUDA_R_16F
@@ -340,7 +589,6 @@ impl CudaBackend {
                         T::CUDA_R_16BF
                     },
                     ptr,
-                    Some((buf, hold)),
                 )
             }
             _ => return Ok(false),
@@ -361,14 +609,14 @@ impl CudaBackend {
                 n as i32,
                 k as i32,
                 &alpha as *const f32 as *const _,
-                w.ptr as *const _,
+                w.buf.ptr as *const _,
                 atype,
                 k as i32,
                 bptr as *const _,
                 atype,
                 k as i32,
                 &beta as *const f32 as *const _,
-                (out.ptr + 4 * col0 as u64) as *mut _,
+                (out.buf.ptr + 4 * col0 as u64) as *mut _,
                 T::CUDA_R_32F,
                 out.cols as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -393,6 +641,18 @@ impl Drop for CudaBackend {
         // first, so nothing in flight touches memory as it is freed.
         self.compute.synchronize().ok();
         self.copy.synchronize().ok();
+        if let Ok(mut ws) = self.workspace.lock() {
+            *ws = None;
+        }
+        if let Some(base) = self.arena.take()
+            && self.bind().is_ok()
+        {
+            // Buffers still alive (dropped after the backend) only hold ledger ranges now.
+            // SAFETY: allocated by make_arena; all work on it has finished (synchronized above).
+            unsafe {
+                cudarc::driver::result::free_sync(base).ok();
+            }
+        }
     }
 }
 
@@ -415,11 +675,12 @@ impl Backend for CudaBackend {
     type Tensor = CudaTensor;
     type Weight = CudaWeight;
     type Event = CudaEvent;
+    type Kv = CudaKv;
 
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let budget = self
-            .ledger
+            .ledger()
             .hbm_budget()
             .map_or("whole device".to_string(), |b| {
                 format!("{} MiB budget", b >> 20)
@@ -431,14 +692,16 @@ impl Backend for CudaBackend {
         self.bind()?;
         let mut dst = self.alloc_weight(&w.name, w.dtype, w.rows, w.cols)?;
         let bytes = w.data.as_slice();
+        let paced = self.pace_before(&self.compute, 1)?;
         // SAFETY: dst holds exactly `bytes.len()` bytes; the compute stream orders the copy
         // before any kernel that reads it.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst.ptr, bytes, self.compute.cu_stream())
+            cudarc::driver::result::memcpy_htod_async(dst.buf.ptr, bytes, self.compute.cu_stream())
         }
         .map_err(dev)?;
+        self.pace_after(&self.compute, paced, bytes.len())?;
         self.compute.synchronize().map_err(dev)?;
-        self.ledger.count_h2d(bytes.len() as u64);
+        self.ledger().count_h2d(bytes.len() as u64);
         dst.name = w.name.clone();
         Ok(dst)
     }
@@ -456,23 +719,15 @@ impl Backend for CudaBackend {
                 format!("{cols} columns of {dtype}"),
             ));
         }
-        let bytes = rows * dtype.bytes_for(cols);
-        let hold = self.reserve(bytes, name)?;
-        // SAFETY: filled by upload/upload_into before use.
-        let buf = unsafe { self.compute.alloc::<u8>(bytes.max(1)) }.map_err(dev)?;
-        let ptr = ptr_of(&buf, &self.compute);
-        // The allocation is ordered on the compute stream; copies into it run on the copy
-        // stream, which must not get ahead of it.
-        let allocated = self.compute.record_event(None).map_err(dev)?;
-        self.copy.wait(&allocated).map_err(dev)?;
+        // Filled by upload/upload_into before use; `take` orders the copy stream after the
+        // allocation.
+        let buf = self.take(rows * dtype.bytes_for(cols), name)?;
         Ok(CudaWeight {
             buf,
-            ptr,
             name: name.to_string(),
             dtype,
             rows,
             cols,
-            _hold: hold,
         })
     }
 
@@ -491,18 +746,19 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
+        let paced = self.pace_before(&self.copy, 0)?;
         // SAFETY: in bounds (checked); the caller keeps `src` unchanged until an event recorded
         // after this completes (Backend::upload_into's contract).
         unsafe {
             cudarc::driver::result::memcpy_htod_async(
-                dst.ptr + start as u64,
+                dst.buf.ptr + start as u64,
                 src,
                 self.copy.cu_stream(),
             )
         }
         .map_err(dev)?;
-        let _ = &dst.buf;
-        self.ledger.count_h2d(src.len() as u64);
+        self.pace_after(&self.copy, paced, src.len())?;
+        self.ledger().count_h2d(src.len() as u64);
         Ok(())
     }
 
@@ -526,6 +782,29 @@ impl Backend for CudaBackend {
         ev.synchronize().map_err(dev)
     }
 
+    fn pace_copies(&self, bytes_per_s: f64) -> Result<()> {
+        if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
+            return Err(BackendError::Device(format!(
+                "copy pacing needs a positive rate, not {bytes_per_s}"
+            )));
+        }
+        self.bind()?;
+        let mut pace = self
+            .pace
+            .lock()
+            .map_err(|_| BackendError::Device("pacer poisoned".into()))?;
+        let stamps = match pace.take() {
+            Some(p) => p.stamps,
+            // Two stamps (copy stream, compute stream), outside the budget like the modules.
+            None => self.compute.alloc_zeros::<u64>(2).map_err(dev)?,
+        };
+        *pace = Some(Pacer {
+            bytes_per_s,
+            stamps,
+        });
+        Ok(())
+    }
+
     fn pin_host(&self, bytes: &[u8]) -> Result<Option<HostPin>> {
         if bytes.is_empty() {
             return Ok(None);
@@ -538,21 +817,16 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
-        self.bind()?;
-        let (buf, ptr, hold) =
-            self.alloc_f32(rows * cols, &format!("a {rows}x{cols} activation buffer"))?;
-        let t = CudaTensor {
-            buf,
-            ptr,
-            rows,
-            cols,
-            _hold: hold,
-        };
+        let buf = self.take(
+            rows * cols * 4,
+            &format!("a {rows}x{cols} activation buffer"),
+        )?;
+        let t = CudaTensor { buf, rows, cols };
         // Zeroed, as the trait promises.
         // SAFETY: the whole buffer.
         unsafe {
             cudarc::driver::result::memset_d8_async(
-                t.ptr,
+                t.buf.ptr,
                 0,
                 rows * cols * 4,
                 self.compute.cu_stream(),
@@ -570,13 +844,15 @@ impl Backend for CudaBackend {
                 format!("{} values into {}x{}", src.len(), dst.rows, dst.cols),
             ));
         }
+        let paced = self.pace_before(&self.compute, 1)?;
         // SAFETY: sizes checked; synchronous w.r.t. `src` (pageable) then ordered on compute.
         unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream())
+            cudarc::driver::result::memcpy_htod_async(dst.buf.ptr, src, self.compute.cu_stream())
         }
         .map_err(dev)?;
+        self.pace_after(&self.compute, paced, std::mem::size_of_val(src))?;
         self.compute.synchronize().map_err(dev)?;
-        self.ledger.count_h2d(std::mem::size_of_val(src) as u64);
+        self.ledger().count_h2d(std::mem::size_of_val(src) as u64);
         Ok(())
     }
 
@@ -590,12 +866,12 @@ impl Backend for CudaBackend {
         }
         // SAFETY: sizes checked; the stream is synchronized before `dst` is used.
         unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, self.compute.cu_stream())
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.buf.ptr, self.compute.cu_stream())
         }
         .map_err(dev)?;
         self.compute.synchronize().map_err(dev)?;
         self.ctx.check_err().map_err(dev)?;
-        self.ledger.count_d2h(std::mem::size_of_val(dst) as u64);
+        self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
         Ok(())
     }
 
@@ -618,8 +894,8 @@ impl Backend for CudaBackend {
         // SAFETY: both ranges in bounds (checked), ordered on the compute stream.
         unsafe {
             cudarc::driver::result::memcpy_dtod_async(
-                dst.ptr + dst_row as u64 * c,
-                src.ptr + src_row as u64 * c,
+                dst.buf.ptr + dst_row as u64 * c,
+                src.buf.ptr + src_row as u64 * c,
                 n * c as usize,
                 self.compute.cu_stream(),
             )
@@ -629,6 +905,146 @@ impl Backend for CudaBackend {
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
         (t.rows, t.cols)
+    }
+
+    fn workspace_bytes(&self, op: &WorkspaceOp) -> u64 {
+        workspace_bytes(op)
+    }
+
+    fn set_workspace(&self, bytes: u64) -> Result<()> {
+        let mut ws = self
+            .workspace
+            .lock()
+            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
+        if bytes > 0
+            && ws
+                .as_ref()
+                .is_some_and(|b| b.mem.bytes == device_bytes(bytes))
+        {
+            return Ok(());
+        }
+        // Free the old one first: device memory is budgeted. Queued kernels still using it are
+        // ahead of any user of the range in stream order.
+        *ws = None;
+        if bytes > 0 {
+            *ws = Some(self.take(bytes as usize, "device workspace")?);
+        }
+        Ok(())
+    }
+
+    fn workspace_held(&self) -> u64 {
+        self.workspace
+            .lock()
+            .ok()
+            .and_then(|w| w.as_ref().map(|b| b.mem.bytes))
+            .unwrap_or(0)
+    }
+
+    fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<CudaKv> {
+        ty.check_cols(cols)?;
+        let bytes = rows * ty.row_bytes(cols);
+        let buf = self.take(bytes, &format!("a {rows}x{cols} {} KV cache", ty.name()))?;
+        // Zeroed like activations, so unwritten rows read as zeros everywhere.
+        // SAFETY: the whole buffer, ordered on the compute stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(buf.ptr, 0, bytes, self.compute.cu_stream())
+        }
+        .map_err(dev)?;
+        Ok(CudaKv {
+            buf,
+            rows,
+            cols,
+            ty,
+        })
+    }
+
+    fn kv_shape(&self, kv: &CudaKv) -> (usize, usize, KvType) {
+        (kv.rows, kv.cols, kv.ty)
+    }
+
+    fn store_kv(&self, src: &CudaTensor, dst: &mut CudaKv, dst_row: usize) -> Result<()> {
+        if src.cols != dst.cols || dst_row + src.rows > dst.rows {
+            return Err(shape_err(
+                "store_kv",
+                format!(
+                    "{}x{} at row {dst_row} of a {}x{} cache",
+                    src.rows, src.cols, dst.rows, dst.cols
+                ),
+            ));
+        }
+        let f = self.func("attention", "store_kv")?;
+        let n = src.rows * src.cols;
+        let (rows, cols, dt) = (src.rows as i64, src.cols as i32, dtype_code(dst.ty.dtype()));
+        let (sp, dp) = (
+            src.buf.ptr,
+            dst.buf.ptr + (dst_row * dst.ty.row_bytes(dst.cols)) as u64,
+        );
+        launch!(self, f, Self::elementwise_cfg(n), sp, rows, cols, dt, dp);
+        Ok(())
+    }
+
+    fn read_kv(&self, src: &CudaKv, first: usize, out: &mut [f32]) -> Result<()> {
+        self.bind()?;
+        let n = out.len() / src.cols.max(1);
+        if src.cols == 0 || !out.len().is_multiple_of(src.cols) || first + n > src.rows {
+            return Err(shape_err(
+                "read_kv",
+                format!(
+                    "{} values from row {first} of a {}x{} cache",
+                    out.len(),
+                    src.rows,
+                    src.cols
+                ),
+            ));
+        }
+        let rb = src.ty.row_bytes(src.cols);
+        let mut raw = vec![0u8; n * rb];
+        // SAFETY: in bounds (checked); synchronized before `raw` is read.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut raw[..],
+                src.buf.ptr + (first * rb) as u64,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        self.compute.synchronize().map_err(dev)?;
+        self.ledger().count_d2h(raw.len() as u64);
+        super::cpu::decode_rows(src.ty, &raw, src.cols, out);
+        Ok(())
+    }
+
+    fn write_kv(&self, dst: &mut CudaKv, first: usize, values: &[f32]) -> Result<()> {
+        self.bind()?;
+        let n = values.len() / dst.cols.max(1);
+        if dst.cols == 0 || !values.len().is_multiple_of(dst.cols) || first + n > dst.rows {
+            return Err(shape_err(
+                "write_kv",
+                format!(
+                    "{} values at row {first} of a {}x{} cache",
+                    values.len(),
+                    dst.rows,
+                    dst.cols
+                ),
+            ));
+        }
+        // Encoded on the host with the codec the device kernel matches bit for bit.
+        let raw = super::cpu::encode_rows(dst.ty, values, dst.cols);
+        let rb = dst.ty.row_bytes(dst.cols);
+        let paced = self.pace_before(&self.compute, 1)?;
+        // SAFETY: in bounds (checked); synchronous w.r.t. `raw` (pageable).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dst.buf.ptr + (first * rb) as u64,
+                &raw[..],
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        self.pace_after(&self.compute, paced, raw.len())?;
+        self.compute.synchronize().map_err(dev)?;
+        self.ledger().count_h2d(raw.len() as u64);
+        Ok(())
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
@@ -645,25 +1061,23 @@ impl Backend for CudaBackend {
                 format!("token id {bad} ≥ vocabulary {}", table.rows),
             ));
         }
-        let (ibuf, iptr, _hold) = self.scratch(ids.len() * 4, "token ids")?;
-        // SAFETY: the buffer holds ids.len() u32.
+        let (_ws, iptr) = self.workspace_for(WorkspaceOp::Embed { tokens: ids.len() })?;
+        // SAFETY: the workspace holds at least ids.len() u32 (checked); ordered on compute.
         unsafe { cudarc::driver::result::memcpy_htod_async(iptr, ids, self.compute.cu_stream()) }
             .map_err(dev)?;
-        self.ledger.count_h2d(ids.len() as u64 * 4);
+        self.ledger().count_h2d(ids.len() as u64 * 4);
         let f = self.func("elementwise", "embed_rows")?;
         let (dt, cols) = (dtype_code(table.dtype), table.cols as i32);
         launch!(
             self,
             f,
             cfg(ids.len() as u32, 256),
-            table.ptr,
+            table.buf.ptr,
             dt,
             cols,
             iptr,
-            out.ptr
+            out.buf.ptr
         );
-        // The ids buffer is freed in stream order after the kernel.
-        drop(ibuf);
         Ok(())
     }
 
@@ -685,8 +1099,8 @@ impl Backend for CudaBackend {
             self,
             f,
             cfg(x.rows as u32, 256),
-            x.ptr,
-            table.ptr,
+            x.buf.ptr,
+            table.buf.ptr,
             dt,
             cols,
             fr
@@ -712,30 +1126,35 @@ impl Backend for CudaBackend {
             ));
         }
         let n = x.rows;
-        if n > MAX_TOKENS && self.gemm(w, x, out, col0)? {
+        let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
+            dtype: w.dtype,
+            tokens: n,
+            cols: w.cols,
+        })?;
+        if n > MAX_TOKENS && self.gemm(w, x, out, col0, ws)? {
             return Ok(());
         }
         let (rows, cols, stride, c0) = (w.rows as i32, w.cols as i32, out.cols as i32, col0 as i32);
         let grid = blocks(w.rows, WARPS);
-        let quant = w.dtype.is_quantized();
-        let q = if quant {
-            Some(self.quantize(x.ptr, n, w.cols)?)
+        let q = if w.dtype.is_quantized() {
+            self.quantize(x.buf.ptr, n, w.cols, ws)?;
+            Some(ws)
         } else {
             None
         };
         for t0 in (0..n).step_by(MAX_TOKENS) {
             let nt = (n - t0).min(MAX_TOKENS) as i32;
-            let out_p = out.ptr + (t0 * out.cols * 4) as u64;
-            match &q {
-                Some((_, qptr, _)) => {
+            let out_p = out.buf.ptr + (t0 * out.cols * 4) as u64;
+            match q {
+                Some(qptr) => {
                     let f = self.func("matvec", "matvec_quant")?;
-                    let xq = qptr + (t0 * (w.cols / 32) * 44) as u64;
+                    let xq = qptr + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
                     let dt = dtype_code(w.dtype);
                     launch!(
                         self,
                         f,
                         cfg(grid, WARPS * 32),
-                        w.ptr,
+                        w.buf.ptr,
                         dt,
                         rows,
                         cols,
@@ -747,14 +1166,14 @@ impl Backend for CudaBackend {
                     );
                 }
                 None => {
-                    let xp = x.ptr + (t0 * w.cols * 4) as u64;
+                    let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
                     if w.dtype == DType::F16 && w.cols.is_multiple_of(8) {
                         let f = self.func("matvec", "matvec_f16_vec")?;
                         launch!(
                             self,
                             f,
                             cfg(grid, WARPS * 32),
-                            w.ptr,
+                            w.buf.ptr,
                             rows,
                             cols,
                             xp,
@@ -770,7 +1189,7 @@ impl Backend for CudaBackend {
                             self,
                             f,
                             cfg(grid, WARPS * 32),
-                            w.ptr,
+                            w.buf.ptr,
                             dt,
                             rows,
                             cols,
@@ -818,17 +1237,17 @@ impl Backend for CudaBackend {
             shape.d as i32,
             act_code(act),
         );
-        let bias = up_bias.map_or(0u64, |w| w.ptr);
+        let bias = up_bias.map_or(0u64, |w| w.buf.ptr);
         let (hs, c0) = (h.cols as i32, col0 as i32);
         for t0 in (0..x.rows).step_by(MAX_TOKENS) {
             let nt = (x.rows - t0).min(MAX_TOKENS) as i32;
-            let xp = x.ptr + (t0 * shape.d * 4) as u64;
-            let hp = h.ptr + (t0 * h.cols * 4) as u64;
+            let xp = x.buf.ptr + (t0 * shape.d * 4) as u64;
+            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
             launch!(
                 self,
                 f.clone(),
                 cfg(blocks(b.rows, WARPS), WARPS * 32),
-                b.ptr,
+                b.buf.ptr,
                 neurons,
                 parts,
                 d,
@@ -872,8 +1291,8 @@ impl Backend for CudaBackend {
         let grid = (blocks(shape.d, 256), blocks(b.rows, 64), 1);
         for t0 in (0..h.rows).step_by(MAX_TOKENS) {
             let nt = (h.rows - t0).min(MAX_TOKENS) as i32;
-            let hp = h.ptr + (t0 * h.cols * 4) as u64;
-            let op = out.ptr + (t0 * shape.d * 4) as u64;
+            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
+            let op = out.buf.ptr + (t0 * shape.d * 4) as u64;
             let c = LaunchConfig {
                 grid_dim: grid,
                 block_dim: (256, 1, 1),
@@ -883,7 +1302,7 @@ impl Backend for CudaBackend {
                 self,
                 f.clone(),
                 c,
-                b.ptr,
+                b.buf.ptr,
                 neurons,
                 parts,
                 d,
@@ -902,7 +1321,7 @@ impl Backend for CudaBackend {
         // SAFETY: the whole buffer.
         unsafe {
             cudarc::driver::result::memset_d8_async(
-                x.ptr,
+                x.buf.ptr,
                 0,
                 x.rows * x.cols * 4,
                 self.compute.cu_stream(),
@@ -924,8 +1343,8 @@ impl Backend for CudaBackend {
             self,
             f,
             Self::elementwise_cfg(x.rows * x.cols),
-            x.ptr,
-            bias.ptr,
+            x.buf.ptr,
+            bias.buf.ptr,
             n,
             cols
         );
@@ -945,8 +1364,8 @@ impl Backend for CudaBackend {
             self,
             f,
             Self::elementwise_cfg(x.rows * x.cols),
-            x.ptr,
-            y.ptr,
+            x.buf.ptr,
+            y.buf.ptr,
             n
         );
         Ok(())
@@ -974,10 +1393,10 @@ impl Backend for CudaBackend {
             self,
             f,
             cfg(x.rows as u32, 256),
-            x.ptr,
-            w.ptr,
+            x.buf.ptr,
+            w.buf.ptr,
             eps,
-            out.ptr,
+            out.buf.ptr,
             cols
         );
         Ok(())
@@ -1006,11 +1425,11 @@ impl Backend for CudaBackend {
             self,
             f,
             cfg(x.rows as u32, 256),
-            x.ptr,
-            w.ptr,
-            b.ptr,
+            x.buf.ptr,
+            w.buf.ptr,
+            b.buf.ptr,
             eps,
-            out.ptr,
+            out.buf.ptr,
             cols
         );
         Ok(())
@@ -1057,13 +1476,13 @@ impl Backend for CudaBackend {
             self,
             f,
             Self::elementwise_cfg(total),
-            x.ptr,
+            x.buf.ptr,
             rows,
             cols,
             hd,
             rd,
             p,
-            inv_freq.ptr,
+            inv_freq.buf.ptr,
             fp
         );
         Ok(())
@@ -1072,7 +1491,14 @@ impl Backend for CudaBackend {
     fn activate(&self, x: &mut CudaTensor, act: Act) -> Result<()> {
         let f = self.func("elementwise", "activate_f32")?;
         let (n, k) = ((x.rows * x.cols) as i64, act_code(act));
-        launch!(self, f, Self::elementwise_cfg(x.rows * x.cols), x.ptr, n, k);
+        launch!(
+            self,
+            f,
+            Self::elementwise_cfg(x.rows * x.cols),
+            x.buf.ptr,
+            n,
+            k
+        );
         Ok(())
     }
 
@@ -1089,8 +1515,8 @@ impl Backend for CudaBackend {
             self,
             f,
             Self::elementwise_cfg(gate.rows * gate.cols),
-            gate.ptr,
-            up.ptr,
+            gate.buf.ptr,
+            up.buf.ptr,
             n,
             k
         );
@@ -1100,8 +1526,8 @@ impl Backend for CudaBackend {
     fn attention(
         &self,
         q: &CudaTensor,
-        k_cache: &CudaTensor,
-        v_cache: &CudaTensor,
+        k_cache: &CudaKv,
+        v_cache: &CudaKv,
         first_pos: usize,
         s: AttnShape,
         out: &mut CudaTensor,
@@ -1114,6 +1540,7 @@ impl Backend for CudaBackend {
             || out.rows != n
             || k_cache.cols != kv_dim
             || v_cache.cols != kv_dim
+            || k_cache.ty != v_cache.ty
             || first_pos + n > k_cache.rows.min(v_cache.rows)
             || s.n_kv_heads == 0
             || !s.n_heads.is_multiple_of(s.n_kv_heads)
@@ -1127,7 +1554,14 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
-        let f = self.func("attention", "attention")?;
+        let f = self.func(
+            "attention",
+            match k_cache.ty {
+                KvType::F32 => "attention_f32",
+                KvType::F16 => "attention_f16",
+                KvType::Q8_0 => "attention_q8_0",
+            },
+        )?;
         let (nh, group, hd) = (
             s.n_heads as i32,
             (s.n_heads / s.n_kv_heads) as i32,
@@ -1138,10 +1572,10 @@ impl Backend for CudaBackend {
             self,
             f,
             cfg((n * s.n_heads) as u32, 256),
-            q.ptr,
-            k_cache.ptr,
-            v_cache.ptr,
-            out.ptr,
+            q.buf.ptr,
+            k_cache.buf.ptr,
+            v_cache.buf.ptr,
+            out.buf.ptr,
             nh,
             group,
             hd,
@@ -1151,12 +1585,5 @@ impl Backend for CudaBackend {
             s.scale
         );
         Ok(())
-    }
-}
-
-impl CudaTensor {
-    /// The underlying slice (for tests reading device memory directly).
-    pub fn slice(&self) -> &CudaSlice<f32> {
-        &self.buf
     }
 }
