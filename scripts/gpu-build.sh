@@ -5,6 +5,9 @@
 # .gpu/ (git-ignored), which the device call carries:
 #     scripts/gpu-build.sh   # here
 #     device run: carry [".gpu"], command "scripts/gpu-check.sh all"
+# With GPU_OFFLOAD_PEERS=1 it also packs the peers `gpu-check.sh peers` runs beside us: llama.cpp's
+# source (from the llama-cpp-python source package on PyPI, trimmed to what a CUDA llama-bench
+# build needs) and the shared synth_to_gguf.py, under .gpu/peers/ (never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check-kernels.sh >/dev/null
@@ -21,5 +24,17 @@ cp "$test_bin" .gpu/gpu-tests
 strip .gpu/gpu-offload .gpu/gpu-tests 2>/dev/null || true
 shared="${GPU_OFFLOAD_SHARED_MODELS:-../shared/models}"
 cp "$shared/stories260K-f32.gguf" .gpu/models/
+if [[ "${GPU_OFFLOAD_PEERS:-0}" == 1 ]]; then
+    mkdir -p .gpu/peers
+    tmp="$(mktemp -d)"
+    python3 -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$tmp"
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+    src="$(find "$tmp" -maxdepth 3 -type d -path '*vendor/llama.cpp' | head -n1)"
+    rm -rf "$src"/{models,docs,media,tests,benches,tools/ui}
+    find "$src/ggml/src" -maxdepth 1 -type d -name 'ggml-*' ! -name 'ggml-cuda' ! -name 'ggml-cpu' -exec rm -rf {} +
+    tar -czf .gpu/peers/llama.cpp.tgz -C "$(dirname "$src")" llama.cpp
+    cp "$shared/../device/synth_to_gguf.py" .gpu/peers/
+    rm -rf "$tmp"
+fi
 du -sh .gpu
 echo "gpu-build: ready; carry .gpu and run scripts/gpu-check.sh"

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|all]
-#   tests    every GPU parity test, then compute-sanitizer memcheck over the op tests
-#   bench    doctor (bandwidths), matvec bandwidth vs device memory, full-GPU decode of a
-#            synthesized 7B-shaped fp16 model vs its HBM bound and vs transformers, same call
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|serve|all]
+#   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
+#            counts it, engines), then compute-sanitizer memcheck over the op tests
+#   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
+#            read bound (a fraction above 1.05 fails the bench), full-GPU decode of the 7B shape
+#            (f16 KV) at 128 and 4000 positions vs its HBM bound and vs transformers
 #   offload  the 7B shape under --gpu-mem 4G: decode vs the PCIe bound and the plan's
 #            prediction, vs transformers + accelerate offload at 4 GiB; then --dram-mem below
 #            the model size (SSD tier) vs the SSD bound
+#   budgets  the whole process inside --gpu-mem by nvidia-smi: the 7B shape at 2G/4G/8G with
+#            and without --dram-mem 6G, the 1B shape at a quarter of its size (logits vs the
+#            whole-GPU run), and the longest prompt the 7B shape takes at 4G with f16 KV
+#   suite    `bench suite` on the 7B shape, emulating rtx4090-24g and rtx3060-12g
+#   peers    llama.cpp (built from .gpu/peers, see gpu-build.sh) beside us: `bench suite` with
+#            llama-bench at full offload and the largest -ngl that fits each budget
 #   serve    the HTTP server on CUDA: completions, a context swapped out and restored, HBM ledger
 # Results: $OUT/results.jsonl (one JSON object per measurement) and $OUT/log.txt.
 set -uo pipefail
@@ -26,6 +34,24 @@ PY="${PYTHON:-python3}"
 [[ -x "$B" ]] || { echo "gpu-check: .gpu/gpu-offload missing: run scripts/gpu-build.sh here and carry .gpu" | tee -a "$LOG"; exit 2; }
 
 say() { echo "== $*" | tee -a "$LOG"; }
+
+# Run a command with stdout to $1, polling nvidia-smi every 0.2 s for the device memory of its
+# process (by pid; where the process table shows other pids — a PID namespace — the sum over
+# compute processes, the machine being ours); the peak (MiB) goes to $1.peak.
+with_peak() {
+    local out="$1"; shift
+    "$@" > "$out" 2>>"$LOG" &
+    local pid=$! peak=0 m
+    while kill -0 "$pid" 2>/dev/null; do
+        m="$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
+            | awk -F', *' -v p="$pid" '$1==p {own=$2} {all+=$2} END {print (own != "" ? own : all + 0)}')"
+        [[ -n "$m" && "$m" -gt "$peak" ]] && peak="$m"
+        sleep 0.2
+    done
+    wait "$pid"; local rc=$?
+    echo "$peak" > "$out.peak"
+    return $rc
+}
 record() { # name, json
     printf '{"check":"%s","result":%s}\n' "$1" "$2" >> "$RES"
     echo "$1: $2" | tee -a "$LOG"
@@ -53,6 +79,13 @@ synth7b() {
     fi
 }
 
+synth1b() {
+    if [[ ! -f "$WORK/m1b/config.json" ]]; then
+        say "synthesizing a 1B-shaped fp16 model"
+        "$B" synth --preset 1b -o "$WORK/m1b" --force 2>&1 | tee -a "$LOG"
+    fi
+}
+
 bench() {
     say "doctor"
     "$B" doctor --save --json --ssd-dir "$WORK" > "$OUT/doctor.json" 2>>"$LOG"
@@ -63,8 +96,9 @@ bench() {
         record "matvec_${1}x${2}_${3}_n${4:-1}" "$("$B" bench matvec --device cuda --rows "$1" --cols "$2" --dtype "$3" --tokens "${4:-1}" --json 2>>"$LOG")"
     done
     synth7b
-    say "full-GPU decode, 7B shape"
+    say "full-GPU decode, 7B shape, f16 KV, at 128 and at 4000 positions"
     record decode_7b_full_gpu "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 32 -n 64 --json 2>>"$LOG")"
+    record decode_7b_full_gpu_4000 "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 --json 2>>"$LOG")"
     say "transformers, same model, same call"
     record decode_7b_transformers "$($PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens 32 --tokens 64 2>>"$LOG" | tail -n1)"
     say "stories260K decode"
@@ -81,6 +115,83 @@ offload() {
     record decode_7b_accelerate_4g "$(timeout 400 $PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens 32 --tokens 4 --max-gpu-mem 4GiB 2>>"$LOG" | tail -n1)"
     say "SSD tier: --dram-mem 6G (below the 13.5 GB model)"
     record decode_7b_4g_dram6g "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --dram-mem 6G --prompt-tokens 32 -n 8 --reps 1 --json 2>>"$LOG")"
+}
+
+budgets() {
+    synth7b
+    synth1b
+    say "the whole process inside --gpu-mem (nvidia-smi peak beside the budget), 7B shape"
+    local g d name
+    for g in 2G 4G 8G; do
+        for d in "" 6G; do
+            name="budget_7b_${g}${d:+_dram$d}"
+            with_peak "$WORK/$name.json" "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem "$g" \
+                ${d:+--dram-mem "$d"} --prompt-tokens 32 -n 8 --reps 1 --json
+            record "$name" "{\"exit_code\":$?,\"gpu_mem\":\"$g\",\"nvidia_smi_peak_mib\":$(cat "$WORK/$name.json.peak"),\"bench\":$(cat "$WORK/$name.json" || echo null)}"
+        done
+    done
+    # A quarter of 1B's 2.2 GB is below what the CUDA context alone holds (~0.6 GiB), so the
+    # budget is a quarter of the weights on top of the measured fixed device cost.
+    say "1B shape at a quarter of its size (plus the fixed device cost): logits against the whole-GPU run"
+    local toks="1,306,4997,310,263,931,29892,727,471,263,2217,7826"
+    with_peak "$WORK/l1b_full.json" "$B" logits --device cuda -m "$WORK/m1b" --tokens "$toks" --all-positions --json
+    local fixed
+    fixed="$("$B" doctor --json --ssd-test-mib 0 2>>"$LOG" | $PY -c 'import json,sys; print(json.load(sys.stdin)["profile"].get("device_fixed_bytes") or 805306368)')"
+    local quarter=$(( fixed + $(du -sb "$WORK/m1b" | cut -f1) / 4 ))
+    with_peak "$WORK/l1b_quarter.json" "$B" logits --device cuda -m "$WORK/m1b" --gpu-mem "$quarter" --tokens "$toks" --all-positions --json
+    local rc=$?
+    record budget_1b_quarter "$($PY - "$WORK/l1b_full.json" "$WORK/l1b_quarter.json" "$quarter" "$(cat "$WORK/l1b_quarter.json.peak")" "$rc" <<'PY'
+import json, sys
+full, part, budget, peak, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+try:
+    a = json.load(open(full))["logits"]; b = json.load(open(part))["logits"]
+    err = max(max(abs(x - y) for x, y in zip(ra, rb)) / max(abs(y) for y in ra) for ra, rb in zip(a, b))
+except Exception as e:
+    err = str(e)
+print(json.dumps({"exit_code": rc, "gpu_mem_bytes": budget, "nvidia_smi_peak_mib": peak,
+                  "within_budget": peak * 2**20 <= budget, "logits_max_relative_error": err}))
+PY
+)"
+    say "the longest prompt the 7B shape takes at --gpu-mem 4G with f16 KV (plan), then run"
+    local lo=512 hi=32768 mid
+    while (( hi - lo > 256 )); do
+        mid=$(( (lo + hi) / 2 ))
+        if "$B" plan -m "$WORK/m7b" --gpu-mem 4G --ctx-size "$mid" --kv-type f16 >/dev/null 2>&1; then lo=$mid; else hi=$mid; fi
+    done
+    with_peak "$WORK/maxprompt.json" "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --kv-type f16 \
+        --prompt-tokens $(( lo - 2 )) -n 2 --reps 1 --json
+    record max_prompt_7b_4g_f16 "{\"exit_code\":$?,\"max_ctx_planned\":$lo,\"nvidia_smi_peak_mib\":$(cat "$WORK/maxprompt.json.peak"),\"bench\":$(cat "$WORK/maxprompt.json" || echo null)}"
+}
+
+suite() {
+    synth7b
+    local card
+    for card in rtx4090-24g rtx3060-12g; do
+        say "bench suite on the 7B shape, emulating $card"
+        "$B" bench suite --device cuda -m "$WORK/m7b" --emulate "$card" --out "$OUT/suite-$card" 2>>"$LOG"
+        record "suite_$card" "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/suite-$card" 2>/dev/null | tr '\n' ' ')\"}"
+    done
+}
+
+peers() {
+    synth7b
+    local src=.gpu/peers/llama.cpp.tgz lb=/tmp/lbuild/bin/llama-bench
+    if [[ ! -x "$lb" ]]; then
+        [[ -f "$src" ]] || { record peers '{"skipped":"no .gpu/peers/llama.cpp.tgz (GPU_OFFLOAD_PEERS=1 scripts/gpu-build.sh)"}'; return; }
+        say "building llama-bench (CUDA, sm_90) from the llama-cpp-python source package"
+        rm -rf /tmp/llama.cpp && mkdir -p /tmp/llama.cpp && tar -xzf "$src" -C /tmp/llama.cpp --strip-components=1
+        cmake -S /tmp/llama.cpp -B /tmp/lbuild -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >>"$LOG" 2>&1 &&
+            cmake --build /tmp/lbuild --target llama-bench -j 16 >>"$LOG" 2>&1
+    fi
+    if [[ ! -f "$WORK/m7b.gguf" ]]; then
+        say "the 7B shape as an F16 GGUF for llama.cpp"
+        PYTHONPATH=/tmp/llama.cpp/gguf-py $PY .gpu/peers/synth_to_gguf.py "$WORK/m7b" "$WORK/m7b.gguf" >>"$LOG" 2>&1
+    fi
+    say "bench suite with llama.cpp and transformers beside us"
+    "$B" bench suite --device cuda -m "$WORK/m7b" --budgets whole,8G,4G,min --out "$OUT/suite-peers" \
+        --llama-bench "$lb" --peer-gguf "$WORK/m7b.gguf" --peer-hf "$PY" 2>>"$LOG"
+    record suite_peers "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/suite-peers" 2>/dev/null | tr '\n' ' ')\"}"
 }
 
 serve() {
@@ -117,7 +228,10 @@ case "$MODE" in
     bench) bench ;;
     offload) offload ;;
     serve) serve ;;
-    all) tests; serve; bench; offload ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|serve|all]"; exit 2 ;;
+    budgets) budgets ;;
+    suite) suite ;;
+    peers) peers ;;
+    all) tests; bench; budgets; offload; suite; serve ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|serve|all]"; exit 2 ;;
 esac
 say "done"

@@ -135,6 +135,71 @@ fn convert_verify_and_run_offloaded() {
         mem["h2d_bytes_per_token"].as_f64().unwrap() > 0.0,
         "something streams at this budget: {mem}"
     );
+    // The driver's figure for the process exists only on a GPU.
+    assert!(mem["gpu_process_peak_bytes"].is_null(), "{mem}");
+
+    // A store with no device flag runs where it can: on a machine without a GPU, the budgeted
+    // device (on one with a GPU, `auto` is CUDA).
+    if !gpu_offload::backend::cuda::device_available() {
+        let auto: Value = serde_json::from_str(&ok(bin().args([
+            "run",
+            "-m",
+            s(&store),
+            "--tokens",
+            "5,17,99,3",
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+        ])))
+        .unwrap();
+        assert_eq!(dense["token_ids"], auto["token_ids"]);
+    }
+    // `--device cpu` cannot run a store, and says what can.
+    fails(
+        bin().args(["run", "--device", "cpu", "-m", s(&store), "--tokens", "5"]),
+        &["offload store", "--device sim"],
+    );
+}
+
+#[test]
+fn emulated_cards_cap_memory_and_count_their_fixed_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = converted(dir.path());
+    let out: Value = serde_json::from_str(&ok(&mut sim_run(
+        &store,
+        &["--emulate", "rtx3060-12g", "--kv-type", "q8_0"],
+    )))
+    .unwrap();
+    let mem = &out["memory"];
+    assert_eq!(mem["emulated"], "rtx3060-12g", "{mem}");
+    // No stated fixed cost in the preset: the conservative default comes off its 12 GiB.
+    assert_eq!(mem["planned"]["gpu_fixed_bytes"].as_u64(), Some(768 << 20));
+    assert!(mem["gpu_peak_bytes"].as_u64().unwrap() <= (12u64 << 30) - (768 << 20));
+    assert_eq!(out["token_ids"].as_array().unwrap().len(), 6);
+    fails(
+        &mut sim_run(&store, &["--emulate", "rtx3060-12g", "--gpu-mem", "13G"]),
+        &["exceeds", "rtx3060-12g"],
+    );
+    fails(
+        &mut sim_run(&store, &["--emulate", "no-such-card"]),
+        &["--emulate", "no-such-card"],
+    );
+    fails(
+        bin().args([
+            "run",
+            "--device",
+            "cpu",
+            "--emulate",
+            "gpu-4g",
+            "-m",
+            s(&store),
+            "--tokens",
+            "5",
+        ]),
+        &["--emulate"],
+    );
 }
 
 #[test]
