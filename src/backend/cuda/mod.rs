@@ -129,12 +129,6 @@ pub struct CudaKv {
     ty: KvType,
 }
 
-/// `--emulate`: host→device copies paced to `bytes_per_s` by a stamp kernel before each copy and
-/// a wait kernel after it (one stamp per stream).
-struct Pacer {
-    bytes_per_s: f64,
-    stamps: CudaSlice<u64>,
-}
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -145,7 +139,12 @@ pub struct CudaBackend {
     /// Base address of the arena (under a budget).
     arena: Option<u64>,
     workspace: Mutex<Option<DeviceBuf>>,
-    pace: Mutex<Option<Pacer>>,
+    /// `--emulate`: host→device copies paced to this many bytes/s by a stamp kernel before each
+    /// copy and a wait kernel after it ([`CudaBackend::pace_before`]).
+    pace: Mutex<Option<f64>>,
+    /// The pacing stamps, one per stream (copy, compute); allocated with the context so they
+    /// are part of the measured fixed cost.
+    stamps: CudaSlice<u64>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: kernels::Modules,
     meter: Option<DeviceMeter>,
@@ -279,6 +278,7 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let compute = ctx.new_stream().map_err(dev)?;
         let copy = ctx.new_stream().map_err(dev)?;
+        let stamps = compute.alloc_zeros::<u64>(2).map_err(dev)?;
         let mut me = CudaBackend {
             ctx,
             compute,
@@ -288,6 +288,7 @@ impl CudaBackend {
             arena: None,
             workspace: Mutex::new(None),
             pace: Mutex::new(None),
+            stamps,
             functions: Mutex::new(HashMap::new()),
             modules: kernels::Modules::default(),
             meter,
@@ -485,13 +486,13 @@ impl CudaBackend {
             .pace
             .lock()
             .map_err(|_| BackendError::Device("pacer poisoned".into()))?;
-        let Some(p) = pace.as_ref() else {
+        let Some(rate) = *pace else {
             return Ok(None);
         };
-        let stamp = ptr_of(&p.stamps, stream) + 8 * slot;
+        let stamp = ptr_of(&self.stamps, stream) + 8 * slot;
         let f = self.func("membw", "pace_stamp")?;
         launch_on!(stream, f, cfg(1, 1), stamp);
-        Ok(Some((p.bytes_per_s, stamp)))
+        Ok(Some((rate, stamp)))
     }
 
     fn pace_after(
@@ -788,20 +789,11 @@ impl Backend for CudaBackend {
                 "copy pacing needs a positive rate, not {bytes_per_s}"
             )));
         }
-        self.bind()?;
         let mut pace = self
             .pace
             .lock()
             .map_err(|_| BackendError::Device("pacer poisoned".into()))?;
-        let stamps = match pace.take() {
-            Some(p) => p.stamps,
-            // Two stamps (copy stream, compute stream), outside the budget like the modules.
-            None => self.compute.alloc_zeros::<u64>(2).map_err(dev)?,
-        };
-        *pace = Some(Pacer {
-            bytes_per_s,
-            stamps,
-        });
+        *pace = Some(bytes_per_s);
         Ok(())
     }
 
