@@ -20,6 +20,14 @@ fn bin() -> Command {
     c
 }
 
+/// The binary with its own model cache under `dir` (stores converted there, the SSD probe there
+/// too), so tests running at once never convert into the same directory.
+fn isolated(dir: &Path) -> Command {
+    let mut c = bin();
+    c.env("GPU_OFFLOAD_MODELS", dir.join("models"));
+    c
+}
+
 fn run(c: &mut Command) -> Output {
     c.output().expect("run binary")
 }
@@ -114,7 +122,7 @@ fn suite_on_the_budgeted_device_writes_every_cell_beside_its_bound() {
         "-n",
         "8",
     ];
-    ok(bin().args(args).arg("--out").arg(&out));
+    ok(isolated(dir.path()).args(args).arg("--out").arg(&out));
     let j = read_json(&out.join("suite.json"));
     assert_eq!(j["schema"], "gpu-offload/bench-suite/1");
     assert_eq!(j["device"]["kind"], "sim");
@@ -249,7 +257,7 @@ fn llama_bench_peer_appears_beside_ours_and_a_missing_one_is_not_run() {
         "--device",
         "sim",
         "--budgets",
-        "whole",
+        "whole,1G",
         "--prompts",
         "16",
         "-n",
@@ -257,7 +265,7 @@ fn llama_bench_peer_appears_beside_ours_and_a_missing_one_is_not_run() {
         "--hardware",
         &hw,
     ];
-    ok(bin()
+    ok(isolated(dir.path())
         .args(base)
         .arg("--out")
         .arg(&out)
@@ -275,6 +283,13 @@ fn llama_bench_peer_appears_beside_ours_and_a_missing_one_is_not_run() {
     assert_eq!(r["decode_tokens_per_s"], 1234.5);
     assert_eq!(r["prefill"][0]["prompt_tokens"], 16);
     assert_eq!(r["prefill"][0]["tokens_per_s"], 4321.5);
+    // At a budget: the largest -ngl whose process fits (5 layers + the output matrix within
+    // 1 GiB, the default fixed process cost included).
+    let r = &peer["runs"][1];
+    assert_eq!(r["budget"], "1.0 GiB");
+    assert_eq!(r["setting"], "-ngl 6 -fa 1");
+    assert_eq!(r["n_gpu_layers"], 6);
+    assert!(r["estimated_bytes"].as_u64().unwrap() <= 1 << 30);
     let args = std::fs::read_to_string(dir.path().join("llama-bench.args")).unwrap();
     for a in ["-m", "-p 16", "-n 4", "-ngl 99", "-fa 1", "-o json"] {
         assert!(args.contains(a), "{a} not in {args}");
@@ -286,7 +301,7 @@ fn llama_bench_peer_appears_beside_ours_and_a_missing_one_is_not_run() {
 
     // A llama-bench that is not there: not run, with the reason; the suite itself succeeds.
     let out2 = dir.path().join("out2");
-    ok(bin().args(base).arg("--out").arg(&out2).env(
+    ok(isolated(dir.path()).args(base).arg("--out").arg(&out2).env(
         "GPU_OFFLOAD_LLAMA_BENCH",
         dir.path().join("no-such-llama-bench"),
     ));
@@ -316,7 +331,7 @@ fn a_preset_model_runs_from_env_vars_with_the_transformers_peer() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&py, std::fs::Permissions::from_mode(0o755)).unwrap();
     let out = dir.path().join("out");
-    ok(bin()
+    ok(isolated(dir.path())
         .args(["bench", "suite"])
         .env("GPU_OFFLOAD_MODELS", &models)
         .env("GPU_OFFLOAD_PRESET", "tiny")
@@ -369,7 +384,7 @@ fn an_emulated_card_is_said_and_caps_the_budgets() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let m = stories();
-    ok(bin()
+    ok(isolated(dir.path())
         .args([
             "bench",
             "suite",
@@ -424,7 +439,7 @@ fn bad_suite_input_gives_clear_errors() {
     let m = stories();
     let out = dir.path().join("out");
     let suite = |extra: &[&str]| {
-        let mut c = bin();
+        let mut c = isolated(dir.path());
         c.args(["bench", "suite", "-m", &m, "--device", "sim", "--out"])
             .arg(&out)
             .args(extra);
@@ -439,7 +454,7 @@ fn bad_suite_input_gives_clear_errors() {
     let e = fails(&mut suite(&["--gpu-mem", "4G"]));
     assert!(e.contains("--budgets"), "{e}");
     let e = fails(
-        bin()
+        isolated(dir.path())
             .args(["bench", "suite", "-m", &m, "--device", "cpu", "--out"])
             .arg(&out),
     );
@@ -447,7 +462,7 @@ fn bad_suite_input_gives_clear_errors() {
     let e = fails(&mut suite(&["--preset", "tiny"]));
     assert!(e.contains("not both"), "{e}");
     let e = fails(
-        bin()
+        isolated(dir.path())
             .args(["bench", "suite", "--preset", "huge", "--out"])
             .arg(&out),
     );
@@ -456,7 +471,7 @@ fn bad_suite_input_gives_clear_errors() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
     let e = fails(
-        bin()
+        isolated(dir.path())
             .args(["bench", "suite", "-m", &m, "--device", "sim", "--out"])
             .arg(file.join("sub")),
     );

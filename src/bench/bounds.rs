@@ -6,6 +6,8 @@
 //! slowest resource moves what it must. A figure above its bound (beyond [`TOLERANCE`]) means
 //! the bound is wrong: a rate too low, or bytes counted that were never moved.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 use thiserror::Error;
 
@@ -137,14 +139,15 @@ pub struct Bound {
     pub tokens_per_s: f64,
     /// "HBM", "PCIe", "DRAM" or "SSD".
     pub limited_by: String,
-    /// Seconds per token each resource needs (bytes ÷ rate), by name.
-    pub seconds: Vec<(String, f64)>,
+    /// Seconds per token each resource needs (bytes ÷ rate), by name; resources the token
+    /// moves nothing through are absent.
+    pub seconds: BTreeMap<String, f64>,
 }
 
 impl Bound {
     /// The slowest resource of `traffic` at `rates`.
     pub fn of(traffic: &Traffic, rates: &Rates) -> Self {
-        let seconds: Vec<(String, f64)> = [
+        let seconds: BTreeMap<String, f64> = [
             ("HBM", traffic.hbm_read_bytes, rates.hbm_read_bytes_per_s),
             ("PCIe", traffic.h2d_bytes, rates.h2d_bytes_per_s),
             ("DRAM", traffic.dram_read_bytes, rates.dram_read_bytes_per_s),

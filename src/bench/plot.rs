@@ -24,6 +24,8 @@ const PALETTE: [RGBColor; 8] = [
 ];
 
 type Series = (String, RGBColor, Vec<(f64, f64)>, bool);
+/// A text placed at a data point.
+type Note = (f64, f64, String);
 
 /// Bytes in the unit that suits the axis.
 fn unit_for(max_bytes: u64) -> (f64, &'static str) {
@@ -82,6 +84,7 @@ fn draw(
     x_desc: &str,
     y_desc: &str,
     series: &[Series],
+    notes: &[Note],
     log_x: bool,
 ) -> Result<String, String> {
     let err = |e: &dyn std::fmt::Debug| format!("plot {title}: {e:?}");
@@ -103,6 +106,7 @@ fn draw(
                 chart
                     .configure_mesh()
                     .light_line_style(WHITE)
+                    .y_labels(16)
                     .x_desc(x_desc)
                     .y_desc(y_desc)
                     .x_label_formatter(&|v| sig(*v))
@@ -140,6 +144,20 @@ fn draw(
                         .draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled())))
                         .map_err(|e| err(&e))?;
                 }
+                chart
+                    .draw_series(
+                        notes
+                            .iter()
+                            .filter(|n| n.0.is_finite() && n.1.is_finite() && n.1 > 0.0)
+                            .map(|n| {
+                                Text::new(
+                                    n.2.clone(),
+                                    (n.0, n.1),
+                                    ("sans-serif", 12).into_font().color(&BLACK),
+                                )
+                            }),
+                    )
+                    .map_err(|e| err(&e))?;
                 if any {
                     chart
                         .configure_series_labels()
@@ -245,11 +263,21 @@ pub fn decode_svg(r: &SuiteReport) -> Result<String, String> {
             false,
         ));
     }
+    let notes: Vec<Note> = r
+        .decode
+        .iter()
+        .filter_map(|c| {
+            let b = r.budgets.iter().find(|b| b.label == c.budget)?;
+            let y = finite_pos(c.tokens_per_s).or(finite_pos(c.bound_tokens_per_s))?;
+            Some((budget_x(b, whole, unit), y, format!(" {}", c.budget)))
+        })
+        .collect();
     draw(
         &format!("{}: decode tokens/s by device memory", r.model.name),
         &format!("--gpu-mem ({unit_name}; whole model at its need)"),
         "decode tokens/s (log)",
         &series,
+        &notes,
         false,
     )
 }
@@ -280,6 +308,7 @@ pub fn ttft_svg(r: &SuiteReport) -> Result<String, String> {
         "prompt tokens (log)",
         "TTFT seconds (log)",
         &series,
+        &[],
         true,
     )
 }

@@ -155,8 +155,8 @@ pub struct Cell {
     pub bound_ttft_s: Option<f64>,
     /// "HBM", "PCIe", "DRAM" or "SSD".
     pub bound_limited_by: Option<String>,
-    /// Seconds each resource needs (per token, or per prompt for prefill).
-    pub bound_seconds: Vec<(String, f64)>,
+    /// Seconds each resource needs (per token, or per prompt for prefill), by resource.
+    pub bound_seconds: std::collections::BTreeMap<String, f64>,
     /// The plan's predicted decode tokens/s (decode cells; null for prefill: the plan predicts
     /// decode only).
     pub predicted_tokens_per_s: Option<f64>,
@@ -198,7 +198,7 @@ impl Cell {
             bound_tokens_per_s: None,
             bound_ttft_s: None,
             bound_limited_by: None,
-            bound_seconds: Vec::new(),
+            bound_seconds: Default::default(),
             predicted_tokens_per_s: None,
             predicted_limited_by: None,
             fraction_of_bound: None,
@@ -284,14 +284,21 @@ impl SuiteReport {
             human_bytes(m.min_gpu_bytes)
         );
         let r = &self.rates;
+        let gbs = |v: f64| {
+            if v.is_finite() {
+                format!("{:.2} GB/s", v / 1e9)
+            } else {
+                "not measured".into()
+            }
+        };
         let _ = writeln!(
             s,
-            "- bounds from {}: device memory read {:.2} GB/s, host→device {:.2} GB/s, DRAM read {:.2} GB/s, SSD read {:.2} GB/s",
+            "- bounds from {}: device memory read {}, host→device {}, DRAM read {}, SSD read {}",
             r.source,
-            r.hbm_read_bytes_per_s / 1e9,
-            r.h2d_bytes_per_s / 1e9,
-            r.dram_read_bytes_per_s / 1e9,
-            r.ssd_read_bytes_per_s / 1e9
+            gbs(r.hbm_read_bytes_per_s),
+            gbs(r.h2d_bytes_per_s),
+            gbs(r.dram_read_bytes_per_s),
+            gbs(r.ssd_read_bytes_per_s)
         );
         let st = &self.settings;
         let _ = writeln!(

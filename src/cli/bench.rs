@@ -365,8 +365,13 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let device = device_of(&running);
     let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
     let ssd_dir = (traffic.ssd_read_bytes > 0.0).then(|| store_dir_for(&loaded.path));
+    // An emulated card's figures bound what runs as it, unless --hardware names others.
     let rates = rates_for(
-        a.model.budget.hardware.as_deref(),
+        a.model
+            .budget
+            .hardware
+            .as_deref()
+            .or(a.model.budget.emulate.as_deref()),
         device,
         threads_of(&a.model),
         ssd_dir.as_deref(),
