@@ -52,15 +52,24 @@ impl Rates {
         }
     }
 
-    /// `base` with its rates replaced by these (for the planner's cost model); named `name`.
+    /// `base` with its rates replaced by these (for the planner's cost model); named `name`. A
+    /// rate that was not measured (not finite and positive) keeps `base`'s figure.
     pub fn into_profile(&self, base: &HardwareProfile, name: &str) -> HardwareProfile {
+        let pick = |measured: f64, fallback: f64| {
+            if measured.is_finite() && measured > 0.0 {
+                measured
+            } else {
+                fallback
+            }
+        };
+        let h2d = pick(self.h2d_bytes_per_s, base.h2d_pinned_bytes_per_s);
         HardwareProfile {
             name: name.into(),
-            hbm_bytes_per_s: self.hbm_read_bytes_per_s,
-            h2d_pinned_bytes_per_s: self.h2d_bytes_per_s,
-            h2d_pageable_bytes_per_s: base.h2d_pageable_bytes_per_s.min(self.h2d_bytes_per_s),
-            dram_read_bytes_per_s: self.dram_read_bytes_per_s,
-            ssd_read_bytes_per_s: self.ssd_read_bytes_per_s,
+            hbm_bytes_per_s: pick(self.hbm_read_bytes_per_s, base.hbm_bytes_per_s),
+            h2d_pinned_bytes_per_s: h2d,
+            h2d_pageable_bytes_per_s: base.h2d_pageable_bytes_per_s.min(h2d),
+            dram_read_bytes_per_s: pick(self.dram_read_bytes_per_s, base.dram_read_bytes_per_s),
+            ssd_read_bytes_per_s: pick(self.ssd_read_bytes_per_s, base.ssd_read_bytes_per_s),
             ..base.clone()
         }
     }
@@ -155,11 +164,12 @@ impl Bound {
         ]
         .into_iter()
         .filter(|&(_, bytes, _)| bytes > 0.0)
+        // A rate that was not measured bounds nothing: its entry is NaN (null in JSON).
         .map(|(name, bytes, rate)| {
-            let s = if rate > 0.0 {
+            let s = if rate.is_finite() && rate > 0.0 {
                 bytes / rate
             } else {
-                f64::INFINITY
+                f64::NAN
             };
             (name.to_string(), s)
         })
@@ -281,6 +291,20 @@ mod tests {
     }
 
     #[test]
+    fn an_unmeasured_rate_bounds_nothing() {
+        let t = Traffic {
+            h2d_bytes: 50.0,
+            ssd_read_bytes: 1e9,
+            ..Default::default()
+        };
+        let mut r = rates(1000.0);
+        r.ssd_read_bytes_per_s = f64::NAN;
+        let b = Bound::of(&t, &r);
+        assert_eq!(b.limited_by, "PCIe");
+        assert!(b.seconds["SSD"].is_nan());
+    }
+
+    #[test]
     fn ttft_bound_counts_every_pass() {
         let b = ttft_bound(1000.0, 0.0, 4, &rates(1000.0));
         assert!((1.0 / b.tokens_per_s - 4.0).abs() < 1e-9);
@@ -289,8 +313,13 @@ mod tests {
     #[test]
     fn profile_rates_round_trip() {
         let p = HardwareProfile::load("rtx3060-12g").unwrap();
-        let r = Rates::from_profile(&p);
+        let mut r = Rates::from_profile(&p);
         assert_eq!(r.h2d_bytes_per_s, p.h2d_pinned_bytes_per_s);
         assert_eq!(r.into_profile(&p, &p.name), p);
+        // An SSD that could not be probed keeps the base's figure: the profile stays valid.
+        r.ssd_read_bytes_per_s = f64::NAN;
+        let q = r.into_profile(&p, "measured");
+        assert_eq!(q.ssd_read_bytes_per_s, p.ssd_read_bytes_per_s);
+        q.validate().unwrap();
     }
 }
