@@ -748,10 +748,9 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
             rates
         }
     };
-    if explicit_hw.is_none()
-        && let Some(p) = &emulated
-    {
-        a.model.budget.hardware = Some(p.name.clone());
+    if explicit_hw.is_none() && emulated.is_some() {
+        // The emulated card's profile (preset name or file) is the planner's.
+        a.model.budget.hardware = a.model.budget.emulate.clone();
     }
     let planner = a.model.budget.hardware_profile(if device == Device::Cuda {
         "gpu-4g"
