@@ -315,6 +315,38 @@ fn llama_bench_peer_appears_beside_ours_and_a_missing_one_is_not_run() {
     );
     let md = std::fs::read_to_string(out2.join("suite.md")).unwrap();
     assert!(md.contains("not run: llama-bench"), "{md}");
+
+    // A llama-bench that fails: the peer says so with its stderr; ours still stands.
+    let broken = dir.path().join("broken-llama-bench");
+    std::fs::write(
+        &broken,
+        "#!/bin/sh\necho 'CUDA error: out of memory' >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out3 = dir.path().join("out3");
+    ok(isolated(dir.path())
+        .args(base)
+        .arg("--out")
+        .arg(&out3)
+        .arg("--llama-bench")
+        .arg(&broken));
+    let j = read_json(&out3.join("suite.json"));
+    assert_eq!(j["peers"][0]["status"], "failed");
+    assert!(
+        j["peers"][0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("out of memory")
+    );
+    assert!(
+        j["decode"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["status"] == "ok")
+    );
 }
 
 #[test]

@@ -807,7 +807,7 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
         pb.inc(1);
     };
     let reps = a.reps as usize;
-    let (decode, prefill, mut problems) = {
+    let (decode, prefill, problems) = {
         let mut cells = LoaderCells {
             args: &mut a.model,
             manifest,
@@ -847,13 +847,14 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
     }
     .run(&job, &budgets, &a.out, &mut tick);
     pb.finish_and_clear();
+    // A peer that failed is reported beside ours; it is not a failure of this benchmark.
     for p in [&llama, &hf] {
         if p.status == crate::bench::peers::PeerStatus::Failed {
-            problems.push(format!(
-                "peer {} failed: {}",
+            eprintln!(
+                "warning: peer {} failed: {}",
                 p.name,
                 p.reason.as_deref().unwrap_or("")
-            ));
+            );
         }
     }
 
