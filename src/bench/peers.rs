@@ -127,8 +127,15 @@ impl PeerReport {
             }
             PeerStatus::Ok => {}
         }
-        if !self.info.is_null() {
-            let _ = writeln!(s, "{}\n", self.info);
+        if let Some(info) = self.info.as_object().filter(|o| !o.is_empty()) {
+            let facts: Vec<String> = info
+                .iter()
+                .map(|(k, v)| match v.as_str() {
+                    Some(t) => format!("{k}: {t}"),
+                    None => format!("{k}: {v}"),
+                })
+                .collect();
+            let _ = writeln!(s, "{}\n", facts.join(", ").replace('|', "\\|"));
         }
         let _ = writeln!(
             s,
