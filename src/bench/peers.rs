@@ -713,7 +713,7 @@ impl PeerHf {
         let Some(dir) = self
             .model_dir
             .as_ref()
-            .filter(|d| d.join("config.json").is_file())
+            .filter(|d| d.join("config.json").is_file() && !crate::store::Store::is_store(d))
         else {
             return PeerReport::not_run(
                 Self::NAME,
