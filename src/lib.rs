@@ -4,6 +4,7 @@
 //! (a forward pass) → `backend` (where math runs) and `model` (what a model is) → `tensor`.
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod engine;
 pub mod fsutil;

@@ -2,22 +2,39 @@
 //! - `matvec`: one weight matrix times a few vectors; bytes/s against the memory it streams from.
 //! - `decode`: a model end to end (TTFT, prefill and decode tokens/s) against the bound of the
 //!   resource it must move bytes through (device memory, PCIe, DRAM or SSD).
+//! - `suite`: the consumer-GPU benchmark: a matrix of `--gpu-mem` budgets × prompt lengths,
+//!   every figure beside its bound and the plan's prediction, peers in the same run, written as
+//!   JSON, Markdown and SVG plots (the harness is `crate::bench`; this file loads and drives).
+//!
+//! Bounds are measured rates (or a `--hardware` profile's figures); a figure more than 5% above
+//! its bound is an error: the bound is wrong.
 
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use serde_json::json;
+use serde_json::{Value, json};
 
-use super::load::{Job, with_engine};
+use super::load::{AnyEngine, Job, Running, with_engine};
+use super::plan::parse_bytes;
+use super::store::open_store_for;
 use super::{Device, LoadedModel, ModelArgs};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
-use crate::engine::{GenerateParams, SamplerParams, generate};
-use crate::hw;
+use crate::bench::bounds::{self, Bound, Rates, Traffic};
+use crate::bench::peers::{LlamaBench, PeerHf, PeerJob};
+use crate::bench::report::{
+    BudgetPoint, DeviceInfo, Emulation, ModelInfo, SCHEMA, Settings, SuiteReport,
+};
+use crate::bench::suite::{self, BudgetChoice, CellJob, CellOutcome, CellRun, CellRunner, Matrix};
+use crate::bench::{measure, plot};
+use crate::plan::{Budget, HardwareProfile, PlanError, make_plan};
+use crate::store::Manifest;
 use crate::tensor::{Bytes, DType, HostTensor};
 use crate::tier::Ledger;
 
@@ -33,6 +50,9 @@ pub enum BenchWhat {
     Matvec(MatvecArgs),
     /// A model end to end: TTFT, prefill and decode tokens/s against the bound.
     Decode(DecodeArgs),
+    /// The consumer-GPU benchmark: --gpu-mem budgets × prompt lengths, bounds, predictions and
+    /// peers; writes suite.json, suite.md and SVG plots.
+    Suite(SuiteArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -82,6 +102,10 @@ pub struct MatvecArgs {
     /// CPU threads.
     #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS")]
     pub threads: Option<usize>,
+    /// Take the bound from this hardware profile (a preset name in configs/ or a JSON file)
+    /// instead of measuring the memory's read rate now.
+    #[arg(long, env = "GPU_OFFLOAD_HARDWARE")]
+    pub hardware: Option<String>,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
 }
@@ -107,6 +131,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     match a.what {
         BenchWhat::Matvec(m) => matvec(m),
         BenchWhat::Decode(d) => decode(d),
+        BenchWhat::Suite(s) => suite_cmd(s),
     }
 }
 
@@ -140,6 +165,12 @@ fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) ->
     b.write(&mut x, &vec![0.01; tokens * w.cols])?;
     let mut out = b.alloc(tokens, w.rows)?;
     let mut sink = vec![0f32; tokens * w.rows];
+    // The workspace the product takes, as a forward step would hold it.
+    b.set_workspace(b.workspace_bytes(&crate::backend::WorkspaceOp::Matmul {
+        dtype: w.dtype,
+        tokens,
+        cols: w.cols,
+    }))?;
     b.enter(move || -> Result<f64> {
         b.matmul(&dw, &x, &mut out)?;
         b.read(&out, &mut sink)?;
@@ -172,20 +203,38 @@ fn matvec(a: MatvecArgs) -> Result<()> {
         Device::Auto => crate::backend::cuda::device_available(),
         _ => false,
     };
-    let (secs, bound_name, bound) = if cuda {
-        let g = hw::probe_gpu(256 << 20).map_err(anyhow::Error::msg)?;
+    let profile = a
+        .hardware
+        .as_deref()
+        .map(HardwareProfile::load)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let (secs, bound_name, bound, source) = if cuda {
         let be = CudaBackend::new(0, Ledger::new(None, None))?;
-        // Device memory bandwidth for a stream that only reads: half the copy's read+write.
-        (
-            time_matvec(&be, &w, a.tokens, a.reps)?,
-            "device memory read (d2d copy / 2)",
-            g.d2d_bytes_per_s / 2.0,
-        )
+        let secs = time_matvec(&be, &w, a.tokens, a.reps)?;
+        let (bw, source) = match &profile {
+            Some(p) => (p.hbm_bytes_per_s, format!("profile {}", p.name)),
+            None => {
+                let g = crate::hw::probe_gpu(256 << 20).map_err(anyhow::Error::msg)?;
+                (
+                    bounds::hbm_read_rate(&g),
+                    format!("measured live ({})", g.name),
+                )
+            }
+        };
+        (secs, "device memory read", bw, source)
     } else {
         let threads = a.threads.unwrap_or(0);
         let be = CpuBackend::new(threads)?;
-        let bw = hw::dram_read_bandwidth(be.threads(), 512 << 20, 5);
-        (time_matvec(&be, &w, a.tokens, a.reps)?, "DRAM read", bw)
+        let secs = time_matvec(&be, &w, a.tokens, a.reps)?;
+        let (bw, source) = match &profile {
+            Some(p) => (p.dram_read_bytes_per_s, format!("profile {}", p.name)),
+            None => (
+                crate::hw::dram_read_bandwidth(be.threads(), 512 << 20, 5),
+                format!("measured live ({} threads)", be.threads()),
+            ),
+        };
+        (secs, "DRAM read", bw, source)
     };
     let achieved = bytes / secs;
     if a.json {
@@ -194,11 +243,11 @@ fn matvec(a: MatvecArgs) -> Result<()> {
             json!({"rows": a.rows, "cols": a.cols, "dtype": dtype.name(), "tokens": a.tokens, "seconds": secs,
                    "weight_bytes": bytes, "achieved_bytes_per_s": achieved, "bound": bound_name,
                    "bound_bytes_per_s": bound, "fraction_of_bound": achieved / bound,
-                   "device": if cuda { "cuda" } else { "cpu" }})
+                   "bound_from": source, "device": if cuda { "cuda" } else { "cpu" }})
         );
     } else {
         println!(
-            "matvec {}x{} {dtype} × {} vector(s) on {}: {:.1} µs, {:.1} GB/s = {:.0}% of {} {:.1} GB/s",
+            "matvec {}x{} {dtype} × {} vector(s) on {}: {:.1} µs, {:.1} GB/s = {:.0}% of {} {:.1} GB/s ({source})",
             a.rows,
             a.cols,
             a.tokens,
@@ -210,7 +259,90 @@ fn matvec(a: MatvecArgs) -> Result<()> {
             bound / 1e9
         );
     }
+    if achieved > bounds::TOLERANCE * bound {
+        bail!(
+            "matvec: measured {:.3} GB/s is {:.2}× its {bound_name} bound {:.3} GB/s ({source}): a figure above its bound means the bound is wrong — check that rate",
+            achieved / 1e9,
+            achieved / bound,
+            bound / 1e9
+        );
+    }
     Ok(())
+}
+
+/// Random prompt ids (seeded, so every run and every cell sees the same prompt).
+fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(1);
+    let hi = (vocab as u32).max(4);
+    (0..n).map(|_| rng.random_range(3..hi)).collect()
+}
+
+fn device_of(r: &Running) -> &'static str {
+    match &r.engine {
+        AnyEngine::Cpu(_) => "cpu",
+        AnyEngine::Sim(_) => "sim",
+        AnyEngine::Cuda(_) => "cuda",
+    }
+}
+
+fn threads_of(args: &ModelArgs) -> usize {
+    args.threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        usize::from,
+    )
+}
+
+/// The rates bounds divide by: `hardware`'s figures when given, else measured now on
+/// `device` (SSD only when `ssd_dir` is given).
+fn rates_for(
+    hardware: Option<&str>,
+    emulate: Option<&str>,
+    device: &str,
+    threads: usize,
+    ssd_dir: Option<&Path>,
+) -> Result<Rates> {
+    let rates = match hardware {
+        Some(h) => Rates::from_profile(&HardwareProfile::load(h).map_err(anyhow::Error::msg)?),
+        None => match device {
+            "cuda" => {
+                bounds::measure_gpu(threads, ssd_dir)
+                    .map_err(anyhow::Error::msg)?
+                    .0
+            }
+            _ => bounds::measure_sim(threads, ssd_dir),
+        },
+    };
+    Ok(match emulate {
+        Some(card) => rates.emulating(&HardwareProfile::load(card).map_err(anyhow::Error::msg)?),
+        None => rates,
+    })
+}
+
+/// Bytes per decoded token of a running model at positions `first..first + steps`: the plan's
+/// for an offloaded run; every weight and the KV so far from device memory (CUDA) or DRAM (CPU)
+/// for a whole-model run.
+fn traffic_of(r: &Running, first: usize, steps: usize) -> Traffic {
+    match (&r.plan, &r.traffic) {
+        (Some(plan), _) => Traffic::of_plan(plan),
+        (None, Some(t)) if device_of(r) == "cuda" => Traffic {
+            hbm_read_bytes: t.mean(first, steps),
+            ..Default::default()
+        },
+        (None, Some(t)) => Traffic {
+            dram_read_bytes: t.mean(first, steps),
+            ..Default::default()
+        },
+        (None, None) => Traffic::default(),
+    }
+}
+
+/// The directory offloaded weights are read from (the SSD the bound's SSD rate is of).
+fn store_dir_for(model: &Path) -> PathBuf {
+    if crate::store::Store::is_store(model) {
+        model.to_path_buf()
+    } else {
+        crate::model::models_dir()
+    }
 }
 
 fn decode(a: DecodeArgs) -> Result<()> {
@@ -226,100 +358,603 @@ fn decode(a: DecodeArgs) -> Result<()> {
             spec.max_context
         );
     }
-    let mut rng = StdRng::seed_from_u64(1);
-    let prompt: Vec<u32> = (0..a.prompt_tokens)
-        .map(|_| rng.random_range(3..spec.vocab_size as u32))
-        .collect();
+    let prompt = random_prompt(a.prompt_tokens, spec.vocab_size);
     let running = loaded.start(&a.model, Job::single(ctx, a.prompt_tokens, 1))?;
-    let params = GenerateParams {
-        max_tokens: a.tokens,
-        sampler: SamplerParams::greedy(),
-        stop_at_eog: false,
-    };
-    let mut runs = Vec::new();
-    let mut traffic = Vec::new();
-    for _ in 0..a.reps + 1 {
-        let mut first = None;
-        let t0 = Instant::now();
-        let g = with_engine!(&running.engine, e => {
-            let mut s = e.new_session(ctx)?;
-            generate(e, &mut s, &prompt, &params, &|_| false, &mut |_| {
-                if first.is_none() {
-                    first = Some((t0.elapsed().as_secs_f64(), running.snapshot()));
-                }
-                true
-            })?
-        });
-        let end = running.snapshot();
-        let (ttft, after) = first.unwrap_or_default();
-        traffic.push(running.memory_json(after, end, prompt.len(), g.timings.decode_steps));
-        runs.push((
-            ttft,
-            g.timings.prefill_tokens_per_s(),
-            g.timings.decode_tokens_per_s(),
-        ));
-    }
-    // The first run warms caches and compiles kernels: leave it out.
-    runs.remove(0);
-    let by = |k: usize| {
-        let mut v: Vec<f64> = runs.iter().map(|r| [r.0, r.1, r.2][k]).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (ttft, prefill, decode) = (by(0), by(1), by(2));
-    let memory = traffic.pop().unwrap_or_default();
-    // The bound: bytes each resource moves per token over its bandwidth.
-    let device = match &running.engine {
-        super::load::AnyEngine::Cpu(_) => "cpu",
-        super::load::AnyEngine::Sim(_) => "sim",
-        super::load::AnyEngine::Cuda(_) => "cuda",
-    };
-    let (bound_name, bound_tps) = match (&running.plan, &running.traffic, device) {
-        (Some(plan), _, _) => (
-            format!("plan: {} (predicted)", plan.prediction.limited_by),
-            plan.prediction.tokens_per_s,
-        ),
-        (None, Some(t), "cuda") => {
-            let g = hw::probe_gpu(256 << 20).map_err(anyhow::Error::msg)?;
-            let bytes = t.mean(a.prompt_tokens, a.tokens - 1);
-            (
-                "device memory (weights + KV per token ÷ d2d/2)".into(),
-                g.d2d_bytes_per_s / 2.0 / bytes,
-            )
-        }
-        (None, Some(t), _) => {
-            let bw = hw::dram_read_bandwidth(
-                std::thread::available_parallelism().map_or(1, |n| n.get()),
-                512 << 20,
-                5,
-            );
-            (
-                "DRAM (weights + KV per token ÷ read bandwidth)".into(),
-                bw / t.mean(a.prompt_tokens, a.tokens - 1),
-            )
-        }
-        _ => ("unknown".into(), f64::NAN),
-    };
+    let m = with_engine!(&running.engine, e => {
+        measure(e, ctx, &prompt, a.tokens, a.reps, &|| running.snapshot())?
+    });
+    let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
+    let device = device_of(&running);
+    let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
+    let ssd_dir = (traffic.ssd_read_bytes > 0.0).then(|| store_dir_for(&loaded.path));
+    let rates = rates_for(
+        a.model.budget.hardware.as_deref(),
+        a.model.budget.emulate.as_deref(),
+        device,
+        threads_of(&a.model),
+        ssd_dir.as_deref(),
+    )?;
+    let bound = Bound::of(&traffic, &rates);
+    let predicted = running.plan.as_ref().map(|p| p.prediction.tokens_per_s);
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
-        "reps": a.reps, "ttft_s": ttft, "prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode,
-        "bound": bound_name, "bound_tokens_per_s": bound_tps, "fraction_of_bound": decode / bound_tps,
+        "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
+        "decode_tokens_per_s": m.decode_tokens_per_s,
+        "bound": format!("{} (bytes per token ÷ rate)", bound.limited_by),
+        "bound_limited_by": bound.limited_by, "bound_tokens_per_s": bound.tokens_per_s,
+        "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
+        "predicted_tokens_per_s": predicted, "rates": rates,
         "load_s": running.load_s, "memory": memory,
     });
     if a.json {
         println!("{out}");
     } else {
         println!(
-            "{} on {device}: TTFT {:.1} ms ({} prompt tokens, {:.0} tok/s), decode {:.2} tok/s = {:.0}% of the {} bound {:.2} tok/s",
+            "{} on {device}: TTFT {:.1} ms ({} prompt tokens, {:.0} tok/s), decode {:.2} tok/s = {:.0}% of the {} bound {:.2} tok/s ({}){}",
             spec.name,
-            ttft * 1e3,
+            m.ttft_s * 1e3,
             a.prompt_tokens,
-            prefill,
-            decode,
-            100.0 * decode / bound_tps,
-            bound_name,
-            bound_tps
+            m.prefill_tokens_per_s,
+            m.decode_tokens_per_s,
+            100.0 * m.decode_tokens_per_s / bound.tokens_per_s,
+            bound.limited_by,
+            bound.tokens_per_s,
+            rates.source,
+            predicted.map_or(String::new(), |p| format!(
+                "; the plan predicted {p:.2} tok/s"
+            ))
         );
     }
+    bounds::check("decode (tokens/s)", m.decode_tokens_per_s, &bound, &rates)?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------ bench suite
+
+/// `--budgets`: sizes and the words `whole` and `min`.
+#[derive(Clone, Debug)]
+pub struct BudgetList(pub Vec<BudgetChoice>);
+
+fn parse_budgets(s: &str) -> std::result::Result<BudgetList, String> {
+    suite::parse_budget_list(s, parse_bytes).map(BudgetList)
+}
+
+/// `--prompts`: prompt lengths in tokens.
+#[derive(Clone, Debug)]
+pub struct PromptList(pub Vec<usize>);
+
+fn parse_prompts(s: &str) -> std::result::Result<PromptList, String> {
+    suite::parse_prompt_list(s).map(PromptList)
+}
+
+#[derive(Debug, Args)]
+pub struct SuiteArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Benchmark a synthesized model of this shape instead of -m (tiny, 1b, 7b, 13b), written
+    /// once into the cache.
+    #[arg(long, env = "GPU_OFFLOAD_PRESET")]
+    pub preset: Option<String>,
+    /// Directory for suite.json, suite.md and the plots (created if missing).
+    #[arg(long, short = 'o', env = "GPU_OFFLOAD_OUT")]
+    pub out: PathBuf,
+    /// --gpu-mem budgets: sizes and the words `whole` (no budget) and `min` (the smallest the
+    /// plan accepts) [default: whole, 24G, 12G, 8G, 4G, min — those between min and whole]
+    #[arg(long, env = "GPU_OFFLOAD_BUDGETS", value_parser = parse_budgets)]
+    pub budgets: Option<BudgetList>,
+    /// Prompt lengths for TTFT (those within the model's context are run).
+    #[arg(long, env = "GPU_OFFLOAD_PROMPTS", value_parser = parse_prompts, default_value = "128,2048,8192")]
+    pub prompts: PromptList,
+    /// Prompt tokens before the decode measurement.
+    #[arg(long, env = "GPU_OFFLOAD_DECODE_PROMPT", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub decode_prompt: u32,
+    /// Tokens to decode per budget.
+    #[arg(long = "tokens", short = 'n', env = "GPU_OFFLOAD_TOKENS", default_value_t = 64, value_parser = clap::value_parser!(u32).range(2..))]
+    pub tokens: u32,
+    /// Measured repetitions per cell after a warm-up (the median is reported).
+    #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub reps: u32,
+    /// llama.cpp's llama-bench binary, run beside ours (needs the model as GGUF).
+    #[arg(long, env = "GPU_OFFLOAD_LLAMA_BENCH")]
+    pub llama_bench: Option<PathBuf>,
+    /// The model as GGUF for llama-bench [default: -m when it is a GGUF file]
+    #[arg(long, env = "GPU_OFFLOAD_PEER_GGUF")]
+    pub peer_gguf: Option<PathBuf>,
+    /// A python with torch + transformers + accelerate: runs scripts/peer_hf.py beside ours
+    /// (needs the model as an HF directory).
+    #[arg(long, env = "GPU_OFFLOAD_PEER_HF")]
+    pub peer_hf: Option<PathBuf>,
+    /// Seconds one peer run may take.
+    #[arg(long, env = "GPU_OFFLOAD_PEER_TIMEOUT", default_value_t = 1800)]
+    pub peer_timeout: u64,
+}
+
+/// What the CPU is, for the report.
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// Whether loading failed because the plan refused the budget.
+fn refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<PlanError>(),
+            Some(PlanError::GpuTooSmall { .. } | PlanError::DramTooSmall { .. })
+        )
+    })
+}
+
+/// Runs the suite's cells with the CLI's loader: one load per cell, sized for its job.
+struct LoaderCells<'a> {
+    args: &'a mut ModelArgs,
+    manifest: &'a Manifest,
+    planner: &'a HardwareProfile,
+    reps: usize,
+}
+
+impl LoaderCells<'_> {
+    fn budget_for(&self, job: CellJob, gpu_mem: u64) -> Budget {
+        super::load::budget_for(
+            self.args,
+            Job::single(job.prompt_tokens + job.tokens, job.prompt_tokens, 1),
+            gpu_mem,
+            self.args.device,
+        )
+    }
+
+    fn try_run(&mut self, job: CellJob) -> Result<CellRun> {
+        let loaded = LoadedModel::load(self.args)?;
+        let ctx = job.prompt_tokens + job.tokens;
+        let running = loaded.start(self.args, Job::single(ctx, job.prompt_tokens, 1))?;
+        let prompt = random_prompt(job.prompt_tokens, loaded.spec.vocab_size);
+        let m = with_engine!(&running.engine, e => {
+            measure(e, ctx, &prompt, job.tokens, self.reps, &|| running.snapshot())?
+        });
+        let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
+        let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
+        // The whole model on CUDA runs without a plan: the all-resident plan predicts it.
+        let whole_plan;
+        let plan = match &running.plan {
+            Some(p) => Some(p),
+            None => {
+                whole_plan = make_plan(
+                    self.manifest,
+                    &self.budget_for(job, u64::MAX / 4),
+                    self.planner,
+                )
+                .ok();
+                whole_plan.as_ref()
+            }
+        };
+        let (pass_streamed, pass_read) = match (&running.plan, &running.traffic) {
+            (Some(p), _) => (
+                (p.spec.n_layers as u64 * p.streamed_bytes_per_layer) as f64,
+                p.per_token.hbm_read_bytes.saturating_sub(p.gpu.kv / 2) as f64,
+            ),
+            (None, Some(t)) => (0.0, t.weight_bytes as f64),
+            (None, None) => (0.0, 0.0),
+        };
+        Ok(CellRun {
+            traffic,
+            pass_streamed_bytes: pass_streamed,
+            pass_read_bytes: pass_read,
+            prediction: plan.map(|p| (p.prediction.tokens_per_s, p.prediction.limited_by.clone())),
+            gpu_peak_bytes: memory.get("gpu_peak_bytes").and_then(Value::as_u64),
+            gpu_process_peak_bytes: memory.get("gpu_process_peak_bytes").and_then(Value::as_u64),
+            load_s: running.load_s,
+            memory,
+            measured: m,
+        })
+    }
+}
+
+impl CellRunner for LoaderCells<'_> {
+    fn run(&mut self, budget: &BudgetPoint, job: CellJob) -> CellOutcome {
+        self.args.budget.gpu_mem = budget.gpu_mem_bytes;
+        match self.try_run(job) {
+            Ok(r) => CellOutcome::Ran(Box::new(r)),
+            Err(e) if refused(&e) => CellOutcome::Refused(e.to_string()),
+            Err(e) => CellOutcome::Failed(format!("{e:#}")),
+        }
+    }
+}
+
+/// The synthesized model of `--preset`, written into the cache on first use.
+fn preset_model(name: &str) -> Result<PathBuf> {
+    use crate::model::synth::{SynthSpec, synthesize};
+    let Some(spec) = SynthSpec::preset(name) else {
+        bail!("--preset {name}: unknown (tiny, 1b, 7b, 13b)");
+    };
+    let dir = crate::model::models_dir().join("synth").join(name);
+    if dir.join("config.json").is_file() {
+        return Ok(dir);
+    }
+    eprintln!(
+        "synthesizing the {name} shape into {} (first use)",
+        dir.display()
+    );
+    let pb = ProgressBar::new((spec.parameters() * 2) >> 20);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} MiB")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    synthesize(&spec, &dir, true, &mut |done, _| {
+        pb.set_position(done >> 20)
+    })
+    .with_context(|| format!("cannot write {}", dir.display()))?;
+    pb.finish_and_clear();
+    Ok(dir)
+}
+
+/// Create `dir` and prove it can be written, before any work.
+fn writable_dir(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("--out {}: cannot create the directory", dir.display()))?;
+    let probe = dir.join(".gpu-offload-write-test");
+    crate::fsutil::write_atomic(&probe, b"ok")
+        .with_context(|| format!("--out {}: cannot write there", dir.display()))?;
+    std::fs::remove_file(&probe).ok();
+    Ok(())
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
+    // Flags first: nothing heavy runs before bad input is refused.
+    if a.model.budget.gpu_mem.is_some() {
+        bail!(
+            "bench suite sweeps --gpu-mem itself: give the budgets with --budgets (e.g. --budgets whole,8G,4G,min)"
+        );
+    }
+    if a.model.ctx_size.is_some() {
+        bail!("bench suite sizes the context of each cell to its job: drop --ctx-size");
+    }
+    let device = match a.model.device {
+        Device::Cpu => {
+            bail!("bench suite runs offloaded: use --device sim (the budgeted CPU device) or cuda")
+        }
+        Device::Auto if crate::backend::cuda::device_available() => Device::Cuda,
+        Device::Auto => Device::Sim,
+        d => d,
+    };
+    a.model.device = device;
+    let emulated = match &a.model.budget.emulate {
+        None => None,
+        Some(name) => {
+            let p = HardwareProfile::load(name).map_err(|e| anyhow::anyhow!("--emulate {e}"))?;
+            if p.device_bytes == 0 {
+                bail!(
+                    "--emulate {name}: the profile states no device memory (device_bytes) to emulate"
+                );
+            }
+            Some(p)
+        }
+    };
+    let explicit_hw = match &a.model.budget.hardware {
+        Some(h) => Some(HardwareProfile::load(h).map_err(|e| anyhow::anyhow!("--hardware {e}"))?),
+        None => None,
+    };
+    writable_dir(&a.out)?;
+    let (model_path, source) = match (&a.model.model, &a.preset) {
+        (Some(_), Some(_)) => bail!(
+            "give -m MODEL or --preset NAME, not both (check GPU_OFFLOAD_MODEL / GPU_OFFLOAD_PRESET)"
+        ),
+        (None, Some(p)) => (preset_model(p)?, format!("preset {p} (synthesized)")),
+        (Some(m), None) => (m.clone(), "file".to_string()),
+        (None, None) => {
+            let p = crate::model::default_model_path();
+            if !p.exists() {
+                bail!(
+                    "no model given and the default model is not at {}: pass -m MODEL or --preset NAME",
+                    p.display()
+                );
+            }
+            (p, "file (the default model)".to_string())
+        }
+    };
+    a.model.model = Some(model_path.clone());
+    let store = open_store_for(&model_path)?;
+    let manifest = &store.manifest;
+    let spec = manifest.spec.clone();
+
+    // The job sizes and prompt lengths the model can hold.
+    let n = a.tokens as usize;
+    let decode_prompt = a.decode_prompt as usize;
+    if decode_prompt + n > spec.max_context {
+        bail!(
+            "--decode-prompt {decode_prompt} plus -n {n} exceed {}'s maximum context of {} tokens",
+            spec.name,
+            spec.max_context
+        );
+    }
+    let mut notes = Vec::new();
+    let prompts: Vec<usize> = a
+        .prompts
+        .0
+        .iter()
+        .copied()
+        .filter(|&p| p < spec.max_context)
+        .collect();
+    if prompts.len() < a.prompts.0.len() {
+        notes.push(format!(
+            "prompt lengths at or beyond the model's maximum context of {} were left out",
+            spec.max_context
+        ));
+    }
+
+    // Rates for the bounds, and the planner's profile.
+    let device_word = if device == Device::Cuda {
+        "cuda"
+    } else {
+        "sim"
+    };
+    let threads = threads_of(&a.model);
+    let mut real_device = match device {
+        Device::Cuda => String::from("CUDA device 0"),
+        _ => format!("the budgeted CPU device (sim) on {}", cpu_name()),
+    };
+    let rates = match &explicit_hw {
+        Some(p) => {
+            if device == Device::Cuda
+                && let Ok(be) = CudaBackend::new(0, Ledger::new(None, None))
+                && let Ok(info) = be.info()
+            {
+                real_device = info.name;
+            }
+            Rates::from_profile(p)
+        }
+        None => {
+            let ssd = store.dir().to_path_buf();
+            eprintln!("measuring this machine's rates for the bounds…");
+            let (rates, base) = if device == Device::Cuda {
+                let (r, g) =
+                    bounds::measure_gpu(threads, Some(&ssd)).map_err(anyhow::Error::msg)?;
+                real_device = g.name.clone();
+                let mut base = HardwareProfile::saved_or("gpu-4g").map_err(anyhow::Error::msg)?;
+                base.device_bytes = g.total_bytes;
+                base.device_fixed_bytes = g.fixed_bytes.or(base.device_fixed_bytes);
+                (r, base)
+            } else {
+                let base = HardwareProfile::load("cpu-sim").map_err(anyhow::Error::msg)?;
+                (bounds::measure_sim(threads, Some(&ssd)), base)
+            };
+            let profile = rates.into_profile(&base, "measured");
+            let path = a.out.join("hardware-measured.json");
+            crate::fsutil::write_atomic(&path, serde_json::to_string_pretty(&profile)?.as_bytes())
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            a.model.budget.hardware = Some(path.to_string_lossy().into_owned());
+            rates
+        }
+    };
+    // Emulating a card: its memory, fixed cost and PCIe pace; this machine's other rates (the
+    // planner's profile does the same through `--emulate`).
+    let rates = match &emulated {
+        Some(card) => rates.emulating(card),
+        None => rates,
+    };
+    let planner = a.model.budget.hardware_profile(if device == Device::Cuda {
+        "gpu-4g"
+    } else {
+        "cpu-sim"
+    })?;
+
+    // The budget axis: what the whole model needs and the least the plan accepts.
+    let decode_budget = |gpu_mem| {
+        super::load::budget_for(
+            &a.model,
+            Job::single(decode_prompt + n, decode_prompt, 1),
+            gpu_mem,
+            device,
+        )
+    };
+    let whole_need = make_plan(manifest, &decode_budget(u64::MAX / 4), &planner)
+        .context("planning the whole model")?
+        .gpu
+        .total;
+    let minimum = match make_plan(manifest, &decode_budget(0), &planner) {
+        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+        Ok(p) => p.gpu.total,
+        Err(e) => return Err(e).context("planning the smallest budget"),
+    };
+    let cap = emulated.as_ref().map(|p| p.device_bytes);
+    let (budgets, budget_notes) = suite::select_budgets(
+        a.budgets.as_ref().map(|b| b.0.as_slice()),
+        whole_need,
+        minimum,
+        cap,
+    );
+    notes.extend(budget_notes);
+    if budgets.is_empty() {
+        bail!(
+            "no --gpu-mem budget left to run (the budget list, after dropping those above the emulated card)"
+        );
+    }
+
+    let matrix = Matrix {
+        budgets: budgets.clone(),
+        prompts: prompts.clone(),
+        decode_prompt_tokens: decode_prompt,
+        decode_tokens: n,
+    };
+    let peers_on = usize::from(a.llama_bench.is_some()) + usize::from(a.peer_hf.is_some());
+    let pb = ProgressBar::new((matrix.cells() + peers_on * budgets.len()) as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut tick = |msg: &str| {
+        pb.set_message(msg.to_string());
+        pb.inc(1);
+    };
+    let reps = a.reps as usize;
+    let (decode, prefill, problems) = {
+        let mut cells = LoaderCells {
+            args: &mut a.model,
+            manifest,
+            planner: &planner,
+            reps,
+        };
+        suite::run_matrix(&matrix, &rates, &mut cells, &mut tick)
+    };
+
+    // Peers, in the same run.
+    let job = PeerJob {
+        prompts: prompts.clone(),
+        decode_prompt_tokens: decode_prompt,
+        decode_tokens: n,
+        reps,
+        threads: a.model.threads.map(usize::from),
+        fixed_device_bytes: planner.fixed_device_bytes(),
+    };
+    let timeout = Duration::from_secs(a.peer_timeout.max(1));
+    let gguf = a.peer_gguf.clone().or_else(|| {
+        (model_path.is_file()
+            && model_path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf")))
+        .then(|| model_path.clone())
+    });
+    let llama = LlamaBench {
+        exe: a.llama_bench.clone(),
+        gguf,
+        timeout,
+    }
+    .run(&job, &budgets, &mut tick);
+    let hf = PeerHf {
+        python: a.peer_hf.clone(),
+        model_dir: model_path.is_dir().then(|| model_path.clone()),
+        timeout,
+    }
+    .run(&job, &budgets, &a.out, &mut tick);
+    pb.finish_and_clear();
+    // A peer that failed is reported beside ours; it is not a failure of this benchmark.
+    for p in [&llama, &hf] {
+        if p.status == crate::bench::peers::PeerStatus::Failed {
+            eprintln!(
+                "warning: peer {} failed: {}",
+                p.name,
+                p.reason.as_deref().unwrap_or("")
+            );
+        }
+    }
+
+    notes.push("Decode bound: 1 / max over resources (device memory, PCIe, DRAM, SSD) of the bytes a token moves through it ÷ its rate. TTFT bound: bytes only (weights streamed and read once per pass), FLOPs are not in it.".into());
+    notes.push(format!(
+        "A figure above {:.0}% of its bound marks the bound wrong (status ABOVE BOUND) and makes the suite exit non-zero.",
+        100.0 * bounds::TOLERANCE
+    ));
+    if let Some(p) = &emulated {
+        notes.push(format!(
+            "Emulating {}: device memory is capped at {} (its fixed cost counted), host→device copies are paced to {:.1} GB/s; compute, device-memory, host-memory and SSD speeds are {}'s, and the bounds and predictions use them.",
+            p.name,
+            crate::plan::human_bytes(p.device_bytes),
+            p.h2d_pinned_bytes_per_s / 1e9,
+            real_device
+        ));
+    }
+    if llama.ran() {
+        notes.push("llama.cpp: decode is llama-bench's tg test (from an empty context); TTFT is the prompt ÷ its pp tokens/s. At a budget, -ngl is the largest whose process fits (estimated from layer bytes; verified by polling the process's device memory where a driver answers).".into());
+    }
+    let report = SuiteReport {
+        schema: SCHEMA,
+        gpu_offload_version: env!("CARGO_PKG_VERSION"),
+        created_unix_s: unix_now(),
+        model: ModelInfo {
+            name: spec.name.clone(),
+            path: model_path.display().to_string(),
+            source,
+            n_layers: spec.n_layers,
+            d_model: spec.d_model,
+            vocab_size: spec.vocab_size,
+            max_context: spec.max_context,
+            whole_gpu_bytes: whole_need,
+            min_gpu_bytes: minimum,
+        },
+        device: DeviceInfo {
+            kind: device_word.into(),
+            name: real_device.clone(),
+            emulated: emulated.as_ref().map(|p| Emulation {
+                preset: p.name.clone(),
+                device_bytes: p.device_bytes,
+                h2d_bytes_per_s: p.h2d_pinned_bytes_per_s,
+                on: real_device.clone(),
+            }),
+        },
+        rates,
+        settings: Settings {
+            prompts,
+            decode_prompt_tokens: decode_prompt,
+            decode_tokens: n,
+            reps,
+            planner_profile: planner.name.clone(),
+        },
+        budgets,
+        decode,
+        prefill,
+        peers: vec![llama, hf],
+        problems,
+        notes,
+    };
+    write_report(&report, &a.out)?;
+    if !report.problems.is_empty() {
+        bail!(
+            "{} problem(s); the report is in {}:\n  {}",
+            report.problems.len(),
+            a.out.display(),
+            report.problems.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// suite.json, the plots and suite.md into `dir`, each written atomically.
+fn write_report(report: &SuiteReport, dir: &Path) -> Result<()> {
+    let write = |name: &str, bytes: &[u8]| {
+        let p = dir.join(name);
+        crate::fsutil::write_atomic(&p, bytes)
+            .with_context(|| format!("cannot write {}", p.display()))
+    };
+    write(
+        "suite.json",
+        serde_json::to_string_pretty(report)?.as_bytes(),
+    )?;
+    let mut plots = Vec::new();
+    for (file, title, svg) in [
+        (
+            "decode.svg",
+            "decode tokens/s by --gpu-mem",
+            plot::decode_svg(report),
+        ),
+        ("ttft.svg", "TTFT by prompt length", plot::ttft_svg(report)),
+    ] {
+        match svg {
+            Ok(s) => {
+                write(file, s.as_bytes())?;
+                plots.push((file, title));
+            }
+            Err(e) => eprintln!("warning: {e}"),
+        }
+    }
+    write("suite.md", report.markdown(&plots).as_bytes())?;
+    println!(
+        "wrote {0}/suite.json, {0}/suite.md and {1} plot(s): {2} decode and {3} prefill cell(s), {4} problem(s)",
+        dir.display(),
+        plots.len(),
+        report.decode.len(),
+        report.prefill.len(),
+        report.problems.len()
+    );
     Ok(())
 }

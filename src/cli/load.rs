@@ -127,6 +127,31 @@ fn resolve_device(args: &ModelArgs, path: &std::path::Path) -> Result<Device> {
     })
 }
 
+/// The KV cache type a run on `device` uses: `--kv-type`, else f16 on a device and f32 on the CPU.
+pub fn kv_type_for(args: &ModelArgs, device: Device) -> KvType {
+    match args.kv_type {
+        Some(k) => k.kv_type(),
+        None if device == Device::Cpu => KvType::F32,
+        None => KvType::F16,
+    }
+}
+
+/// What the planner is asked to fit for `job` on a device with `gpu_mem`: the one place flags
+/// and a job become a [`Budget`].
+pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> Budget {
+    Budget {
+        gpu_mem,
+        dram_mem: args.budget.dram_mem,
+        window: args.budget.prefetch_window as usize,
+        ctx: job.ctx,
+        sessions: job.sessions.max(1),
+        kv_type: kv_type_for(args, device),
+        probe: job.probe,
+        batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
+        logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
+    }
+}
+
 /// The preset `--emulate` names, if any.
 fn emulated(args: &ModelArgs) -> Result<Option<HardwareProfile>> {
     let Some(name) = &args.budget.emulate else {
@@ -271,11 +296,7 @@ impl LoadedModel {
         let threads = args.threads.map_or(0, usize::from);
         let emulate = emulated(args)?;
         let gpu_mem = gpu_budget(args, emulate.as_ref())?;
-        let kv_type = match args.kv_type {
-            Some(k) => k.kv_type(),
-            None if self.device == Device::Cpu => KvType::F32,
-            None => KvType::F16,
-        };
+        let kv_type = kv_type_for(args, self.device);
         let pace = |b: &dyn Fn(f64) -> crate::backend::Result<()>| -> Result<()> {
             if let Some(p) = &emulate {
                 b(p.h2d_pinned_bytes_per_s)?;
@@ -306,17 +327,7 @@ impl LoadedModel {
                 )
             }
             (Weights::Stored(store), device) => {
-                let mut budget = Budget {
-                    gpu_mem: gpu_mem.unwrap_or(u64::MAX / 4),
-                    dram_mem: args.budget.dram_mem,
-                    window: args.budget.prefetch_window as usize,
-                    ctx: job.ctx,
-                    sessions: job.sessions.max(1),
-                    kv_type,
-                    probe: job.probe,
-                    batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
-                    logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
-                };
+                let mut budget = budget_for(args, job, gpu_mem.unwrap_or(u64::MAX / 4), device);
                 if device == Device::Cuda {
                     let mut hw = args.budget.hardware_profile("gpu-4g")?;
                     // The whole process within the budget: the fixed cost this process measures

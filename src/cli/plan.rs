@@ -36,12 +36,19 @@ pub struct BudgetArgs {
 }
 
 impl BudgetArgs {
-    /// The cost model's profile: `--hardware`, else the `--emulate`d card, else the measured
-    /// profile, else `default`.
+    /// The cost model's profile: `--hardware`, else the measured profile, else `default` — as
+    /// the `--emulate`d card would run on it (its memory, fixed cost and PCIe rate).
     pub fn hardware_profile(&self, default: &str) -> Result<HardwareProfile> {
-        match (&self.hardware, &self.emulate) {
-            (Some(h), _) | (None, Some(h)) => HardwareProfile::load(h).map_err(anyhow::Error::msg),
-            (None, None) => HardwareProfile::saved_or(default).map_err(anyhow::Error::msg),
+        let base = match &self.hardware {
+            Some(h) => HardwareProfile::load(h),
+            None => HardwareProfile::saved_or(default),
+        }
+        .map_err(anyhow::Error::msg)?;
+        match &self.emulate {
+            Some(card) => Ok(base.emulating(
+                &HardwareProfile::load(card).map_err(|e| anyhow::anyhow!("--emulate: {e}"))?,
+            )),
+            None => Ok(base),
         }
     }
 }

@@ -92,6 +92,22 @@ impl HardwareProfile {
         Ok(p)
     }
 
+    /// This machine (`self`) running as `card` does under `--emulate`: the card's memory size,
+    /// fixed cost and host→device rate (what emulation caps and paces); device-memory,
+    /// host-memory and SSD rates stay this machine's, since nothing slows those down.
+    pub fn emulating(&self, card: &HardwareProfile) -> HardwareProfile {
+        HardwareProfile {
+            name: format!("{} (emulated on {})", card.name, self.name),
+            h2d_pinned_bytes_per_s: card.h2d_pinned_bytes_per_s,
+            h2d_pageable_bytes_per_s: card
+                .h2d_pageable_bytes_per_s
+                .min(card.h2d_pinned_bytes_per_s),
+            device_bytes: card.device_bytes,
+            device_fixed_bytes: card.device_fixed_bytes,
+            ..self.clone()
+        }
+    }
+
     /// Device bytes a process holds before placing anything (measured, or the default).
     pub fn fixed_device_bytes(&self) -> u64 {
         self.device_fixed_bytes

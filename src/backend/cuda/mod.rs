@@ -129,7 +129,6 @@ pub struct CudaKv {
     ty: KvType,
 }
 
-
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,

@@ -1,0 +1,97 @@
+//! The one place a model's speed is measured: time to first token, prefill and decode tokens/s
+//! of an engine on a prompt, with the ledger snapshots that give bytes moved per token. Used by
+//! `bench decode` and every cell of `bench suite`. Knows nothing of bounds or reports.
+
+use std::time::Instant;
+
+use crate::backend::Backend;
+use crate::engine::{Engine, GenerateParams, SamplerParams, generate};
+use crate::tier::LedgerSnapshot;
+
+/// Tokens of the warm-up run's prompt (compiles kernels, fills caches, streams every layer once).
+const WARMUP_PROMPT: usize = 64;
+
+/// Medians over the measured repetitions, and the last repetition's ledger snapshots.
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    pub prompt_tokens: usize,
+    /// Seconds from the start of the prefill until the first token was chosen.
+    pub ttft_s: f64,
+    pub prefill_tokens_per_s: f64,
+    /// 0 when only one token was asked for.
+    pub decode_tokens_per_s: f64,
+    /// Single-token steps of the last repetition.
+    pub decode_steps: usize,
+    pub reps: usize,
+    /// The ledger when the first token was chosen, and at the end (last repetition).
+    pub after_prefill: LedgerSnapshot,
+    pub end: LedgerSnapshot,
+}
+
+/// Generate `tokens` greedy tokens after `prompt` in a fresh session of `ctx` positions,
+/// `reps` times after one short warm-up run; medians of the timings. `snapshot` reads the
+/// device's ledger.
+pub fn measure<B: Backend>(
+    engine: &Engine<B>,
+    ctx: usize,
+    prompt: &[u32],
+    tokens: usize,
+    reps: usize,
+    snapshot: &dyn Fn() -> LedgerSnapshot,
+) -> crate::engine::Result<Measured> {
+    let run = |prompt: &[u32], tokens: usize| {
+        let params = GenerateParams {
+            max_tokens: tokens,
+            sampler: SamplerParams::greedy(),
+            stop_at_eog: false,
+        };
+        let mut first = None;
+        let mut session = engine.new_session(ctx)?;
+        let t0 = Instant::now();
+        let g = generate(
+            engine,
+            &mut session,
+            prompt,
+            &params,
+            &|_| false,
+            &mut |_| {
+                if first.is_none() {
+                    first = Some((t0.elapsed().as_secs_f64(), snapshot()));
+                }
+                true
+            },
+        )?;
+        let (ttft, after) = first.unwrap_or_default();
+        Ok::<_, crate::engine::EngineError>((ttft, g.timings, after, snapshot()))
+    };
+    let warm = prompt.len().min(WARMUP_PROMPT);
+    run(&prompt[..warm], tokens.min(2))?;
+    let mut out = Measured {
+        prompt_tokens: prompt.len(),
+        reps: reps.max(1),
+        ..Default::default()
+    };
+    let (mut ttft, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..reps.max(1) {
+        let (t, timings, after, end) = run(prompt, tokens)?;
+        ttft.push(t);
+        prefill.push(timings.prefill_tokens_per_s());
+        decode.push(timings.decode_tokens_per_s());
+        out.decode_steps = timings.decode_steps;
+        out.after_prefill = after;
+        out.end = end;
+    }
+    out.ttft_s = median(ttft);
+    out.prefill_tokens_per_s = median(prefill);
+    out.decode_tokens_per_s = median(decode);
+    Ok(out)
+}
+
+/// The median (the upper one for an even count); NaN for none.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
