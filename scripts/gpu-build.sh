@@ -27,7 +27,17 @@ cp "$shared/stories260K-f32.gguf" .gpu/models/
 if [[ "${GPU_OFFLOAD_PEERS:-0}" == 1 ]]; then
     mkdir -p .gpu/peers
     tmp="$(mktemp -d)"
-    python3 -m pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$tmp"
+    # The sdist straight from the package index (pip download would build its build tools to
+    # read metadata), checked against the index's sha256.
+    python3 - "$tmp" <<'PY'
+import hashlib, re, sys, urllib.request
+name = "llama_cpp_python-0.3.36.tar.gz"
+page = urllib.request.urlopen("https://pypi.org/simple/llama-cpp-python/").read().decode()
+url, sha = re.search(r'href="([^"#]*/' + re.escape(name) + r')#sha256=([0-9a-f]+)"', page).groups()
+data = urllib.request.urlopen(url).read()
+assert hashlib.sha256(data).hexdigest() == sha, "sha256 mismatch"
+open(f"{sys.argv[1]}/{name}", "wb").write(data)
+PY
     tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
     src="$(find "$tmp" -maxdepth 3 -type d -path '*vendor/llama.cpp' | head -n1)"
     rm -rf "$src"/{models,docs,media,tests,benches,tools/ui}

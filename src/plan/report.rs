@@ -77,9 +77,10 @@ pub fn render(p: &Plan) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "GPU  {} MiB of {} MiB: resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {}, scratch {}",
+        "GPU  {} MiB of {} MiB: fixed cost {} (context, kernels, cuBLAS), resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {} ({} × {} positions, {}), step buffers {}, workspace {}",
         mib(g.total),
         mib(p.budget.gpu_mem),
+        mib(g.fixed),
         mib(g.resident_layers),
         mib(g.slots),
         p.window,
@@ -87,7 +88,11 @@ pub fn render(p: &Plan) -> String {
         mib(g.head),
         mib(g.small),
         mib(g.kv),
-        mib(g.scratch)
+        p.budget.sessions,
+        p.budget.ctx,
+        p.budget.kv_type.name(),
+        mib(g.scratch),
+        mib(g.workspace)
     );
     let d = &p.dram;
     let _ = writeln!(
