@@ -43,7 +43,8 @@ pub fn simd_features() -> Vec<&'static str> {
     v
 }
 
-fn cpu_model() -> String {
+/// The CPU's model name (`/proc/cpuinfo`), else the architecture.
+pub fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {

@@ -115,6 +115,68 @@ impl Drop for DeviceAlloc {
     }
 }
 
+/// Something holding one device allocation (a buffer and what keeps it).
+pub trait Holds {
+    fn alloc(&self) -> &DeviceAlloc;
+}
+
+impl Holds for DeviceAlloc {
+    fn alloc(&self) -> &DeviceAlloc {
+        self
+    }
+}
+
+/// A backend's held workspace: one buffer of exactly the size last asked for.
+pub struct Workspace<T>(Mutex<Option<T>>);
+
+impl<T: Holds> Default for Workspace<T> {
+    fn default() -> Self {
+        Workspace(Mutex::new(None))
+    }
+}
+
+impl<T: Holds> Workspace<T> {
+    /// Hold [`device_bytes`]`(bytes)` (nothing for 0), taking a new buffer with `take` when the
+    /// size changes. The old one is freed first: device memory is budgeted.
+    pub fn set(&self, bytes: u64, take: impl FnOnce(u64) -> Result<T>) -> Result<()> {
+        let mut ws = self.lock()?;
+        if bytes > 0
+            && ws
+                .as_ref()
+                .is_some_and(|w| w.alloc().bytes == device_bytes(bytes))
+        {
+            return Ok(());
+        }
+        *ws = None;
+        if bytes > 0 {
+            *ws = Some(take(bytes)?);
+        }
+        Ok(())
+    }
+
+    /// Free what is held.
+    pub fn clear(&self) {
+        if let Ok(mut w) = self.0.lock() {
+            *w = None;
+        }
+    }
+
+    /// Device bytes held now.
+    pub fn held(&self) -> u64 {
+        self.0
+            .lock()
+            .ok()
+            .and_then(|w| w.as_ref().map(|w| w.alloc().bytes))
+            .unwrap_or(0)
+    }
+
+    pub fn lock(&self) -> Result<std::sync::MutexGuard<'_, Option<T>>> {
+        self.0
+            .lock()
+            .map_err(|_| BackendError::Device("workspace poisoned".into()))
+    }
+}
+
 impl DeviceMemory {
     /// Memory under `ledger`'s HBM budget (an arena of that size when there is one).
     pub fn new(ledger: Arc<Ledger>) -> Self {

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::cpu::{CpuBackend, CpuKv, CpuTensor};
-use super::memory::{DeviceAlloc, DeviceMemory};
+use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
 };
@@ -19,7 +19,7 @@ use crate::tier::ledger::Ledger;
 pub struct SimBackend {
     cpu: CpuBackend,
     mem: DeviceMemory,
-    workspace: Mutex<Option<DeviceAlloc>>,
+    workspace: Workspace<DeviceAlloc>,
     /// Emulated link: (bytes/s, when the last paced copy may end).
     pace: Mutex<Option<(f64, Instant)>>,
 }
@@ -47,7 +47,7 @@ impl SimBackend {
         SimBackend {
             cpu,
             mem: DeviceMemory::new(ledger),
-            workspace: Mutex::new(None),
+            workspace: Workspace::default(),
             pace: Mutex::new(None),
         }
     }
@@ -219,27 +219,12 @@ impl Backend for SimBackend {
     }
 
     fn set_workspace(&self, bytes: u64) -> Result<()> {
-        let mut ws = self
-            .workspace
-            .lock()
-            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
-        if ws.as_ref().map_or(0, |w| w.bytes) == super::memory::device_bytes(bytes) && bytes > 0 {
-            return Ok(());
-        }
-        // Free the old one first: device memory is budgeted.
-        *ws = None;
-        if bytes > 0 {
-            *ws = Some(self.mem.take(bytes, "device workspace")?);
-        }
-        Ok(())
+        self.workspace
+            .set(bytes, |b| self.mem.take(b, "device workspace"))
     }
 
     fn workspace_held(&self) -> u64 {
-        self.workspace
-            .lock()
-            .ok()
-            .and_then(|w| w.as_ref().map(|w| w.bytes))
-            .unwrap_or(0)
+        self.workspace.held()
     }
 
     fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<SimKv> {

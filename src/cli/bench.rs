@@ -469,19 +469,6 @@ pub struct SuiteArgs {
     pub peer_timeout: u64,
 }
 
-/// What the CPU is, for the report.
-fn cpu_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
-}
-
 /// Whether loading failed because the plan refused the budget.
 fn refused(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
@@ -703,7 +690,10 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
     let threads = threads_of(&a.model);
     let mut real_device = match device {
         Device::Cuda => String::from("CUDA device 0"),
-        _ => format!("the budgeted CPU device (sim) on {}", cpu_name()),
+        _ => format!(
+            "the budgeted CPU device (sim) on {}",
+            crate::hw::cpu_model()
+        ),
     };
     let rates = match &explicit_hw {
         Some(p) => {

@@ -31,7 +31,7 @@ use cudarc::driver::{
 
 pub use meter::DeviceMeter;
 
-use super::memory::{DeviceAlloc, DeviceMemory, device_bytes};
+use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, Result, RopePairs,
     WorkspaceOp,
@@ -105,6 +105,12 @@ struct DeviceBuf {
     mem: DeviceAlloc,
 }
 
+impl Holds for DeviceBuf {
+    fn alloc(&self) -> &DeviceAlloc {
+        &self.mem
+    }
+}
+
 /// Activations on the device.
 pub struct CudaTensor {
     buf: DeviceBuf,
@@ -137,7 +143,7 @@ pub struct CudaBackend {
     mem: DeviceMemory,
     /// Base address of the arena (under a budget).
     arena: Option<u64>,
-    workspace: Mutex<Option<DeviceBuf>>,
+    workspace: Workspace<DeviceBuf>,
     /// `--emulate`: host→device copies paced to this many bytes/s by a stamp kernel before each
     /// copy and a wait kernel after it ([`CudaBackend::pace_before`]).
     pace: Mutex<Option<f64>>,
@@ -285,7 +291,7 @@ impl CudaBackend {
             blas: None,
             mem: DeviceMemory::new(ledger),
             arena: None,
-            workspace: Mutex::new(None),
+            workspace: Workspace::default(),
             pace: Mutex::new(None),
             stamps,
             functions: Mutex::new(HashMap::new()),
@@ -463,10 +469,7 @@ impl CudaBackend {
         op: WorkspaceOp,
     ) -> Result<(std::sync::MutexGuard<'_, Option<DeviceBuf>>, u64)> {
         let need = workspace_bytes(&op);
-        let ws = self
-            .workspace
-            .lock()
-            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
+        let ws = self.workspace.lock()?;
         let (held, ptr) = ws.as_ref().map_or((0, 0), |b| (b.mem.bytes, b.ptr));
         if need > held {
             return Err(BackendError::Workspace {
@@ -641,9 +644,7 @@ impl Drop for CudaBackend {
         // first, so nothing in flight touches memory as it is freed.
         self.compute.synchronize().ok();
         self.copy.synchronize().ok();
-        if let Ok(mut ws) = self.workspace.lock() {
-            *ws = None;
-        }
+        self.workspace.clear();
         if let Some(base) = self.arena.take()
             && self.bind().is_ok()
         {
@@ -903,32 +904,14 @@ impl Backend for CudaBackend {
     }
 
     fn set_workspace(&self, bytes: u64) -> Result<()> {
-        let mut ws = self
-            .workspace
-            .lock()
-            .map_err(|_| BackendError::Device("workspace poisoned".into()))?;
-        if bytes > 0
-            && ws
-                .as_ref()
-                .is_some_and(|b| b.mem.bytes == device_bytes(bytes))
-        {
-            return Ok(());
-        }
-        // Free the old one first: device memory is budgeted. Queued kernels still using it are
-        // ahead of any user of the range in stream order.
-        *ws = None;
-        if bytes > 0 {
-            *ws = Some(self.take(bytes as usize, "device workspace")?);
-        }
-        Ok(())
+        // Queued kernels still using the old one are ahead of any user of its range in stream
+        // order.
+        self.workspace
+            .set(bytes, |b| self.take(b as usize, "device workspace"))
     }
 
     fn workspace_held(&self) -> u64 {
-        self.workspace
-            .lock()
-            .ok()
-            .and_then(|w| w.as_ref().map(|b| b.mem.bytes))
-            .unwrap_or(0)
+        self.workspace.held()
     }
 
     fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<CudaKv> {
