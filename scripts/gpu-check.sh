@@ -195,8 +195,8 @@ peers() {
 }
 
 serve() {
-    say "serve on CUDA (stories260K, --gpu-mem 64M): completions, a context swapped out and back, ledger in /metrics"
-    "$B" serve --device cuda -m .gpu/models/stories260K-f32.gguf --gpu-mem 64M --port 18181 --parallel 1 \
+    say "serve on CUDA (stories260K, --gpu-mem 1G: the process, context included): completions, a context swapped out and back, ledger in /metrics"
+    "$B" serve --device cuda -m .gpu/models/stories260K-f32.gguf --gpu-mem 1G --port 18181 --parallel 1 \
         --kv-dir "$WORK/kv" --kv-compression off --ctx-size 256 > "$WORK/serve.out" 2>>"$LOG" &
     local pid=$!
     for _ in $(seq 100); do grep -q listening "$WORK/serve.out" 2>/dev/null && break; sleep 0.2; done
