@@ -13,7 +13,8 @@
 #   budgets  the whole process inside --gpu-mem by nvidia-smi: the 7B shape at 2G/4G/8G with
 #            and without --dram-mem 6G, the 1B shape at a quarter of its size (logits vs the
 #            whole-GPU run), and the longest prompt the 7B shape takes at 4G with f16 KV
-#   suite    `bench suite` on the 7B shape, emulating rtx4090-24g and rtx3060-12g
+#   suite    `bench suite` on the 7B shape, emulating rtx4090-24g and rtx3060-12g (SUITE_CARDS=...
+#            picks which, so each fits in one device call)
 #   peers    llama.cpp (built from .gpu/peers, see gpu-build.sh) beside us: `bench suite` with
 #            llama-bench at full offload and the largest -ngl that fits each budget
 #   serve    the HTTP server on CUDA: completions, a context swapped out and restored, HBM ledger
@@ -166,7 +167,7 @@ PY
 suite() {
     synth7b
     local card
-    for card in rtx4090-24g rtx3060-12g; do
+    for card in ${SUITE_CARDS:-rtx4090-24g rtx3060-12g}; do
         say "bench suite on the 7B shape, emulating $card"
         "$B" bench suite --device cuda -m "$WORK/m7b" --emulate "$card" --out "$OUT/suite-$card" 2>>"$LOG"
         record "suite_$card" "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/suite-$card" 2>/dev/null | tr '\n' ' ')\"}"
