@@ -375,3 +375,21 @@ fn kv_types_offloaded_equal_dense() {
         check(&store, &plan, &want, &toks);
     }
 }
+
+/// A budget that holds fewer streaming slots than the prefetch window asked for narrows the
+/// window to what fits (one layer at the least) instead of refusing, and still runs exactly.
+#[test]
+fn a_budget_below_the_asked_window_narrows_it() {
+    let store = store("llama-gqa", hf("llama-gqa"));
+    let toks = tokens(store.manifest.spec.vocab_size);
+    let want = dense(&store, &toks, KvType::F32);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    // The minimum now is the minimum with one slot.
+    let (min, _) = gpu_range(&store, 3);
+    let (min1, _) = gpu_range(&store, 1);
+    assert_eq!(min, min1);
+    let plan = make_plan(&store.manifest, &budget(min, None, 3), &hw).unwrap();
+    assert_eq!((plan.window, plan.budget.window), (1, 3));
+    assert!(plan.report().contains("of 3 asked"), "{}", plan.report());
+    check(&store, &plan, &want, &toks);
+}

@@ -152,6 +152,18 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
     }
 }
 
+/// Log the plan, and say so when the budget narrowed the prefetch window.
+fn note_plan(plan: &Plan) {
+    tracing::info!("plan:\n{}", plan.report());
+    if plan.streams() && plan.window < plan.budget.window {
+        tracing::warn!(
+            "--gpu-mem holds a prefetch window of {} layers, not the {} asked",
+            plan.window,
+            plan.budget.window
+        );
+    }
+}
+
 /// The preset `--emulate` names, if any.
 fn emulated(args: &ModelArgs) -> Result<Option<HardwareProfile>> {
     let Some(name) = &args.budget.emulate else {
@@ -354,7 +366,7 @@ impl LoadedModel {
                     }
                     pace(&|r| cuda.pace_copies(r))?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
-                    tracing::info!("plan:\n{}", plan.report());
+                    note_plan(&plan);
                     let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
                     let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?
                         .with_kv_type(kv_type)?;
@@ -362,7 +374,7 @@ impl LoadedModel {
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
-                    tracing::info!("plan:\n{}", plan.report());
+                    note_plan(&plan);
                     let ledger =
                         Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
                     let sim = SimBackend::new(

@@ -415,10 +415,18 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let step = step_device_memory(m, budget)?;
     let scratch = step.activations + step.logits;
     let fixed = small + head + kv + scratch + step.workspace;
-    let window = budget.window.min(n_layers);
     let none = Residency::default();
     let all = Residency::all(&shape);
-    let minimum = fixed + window as u64 * slot_device_bytes(&shape, &none);
+    let usable = budget.gpu_mem.saturating_sub(fixed_cost);
+    let minimum_with = |w: usize| fixed + w as u64 * slot_device_bytes(&shape, &none);
+    // The prefetch window asked for, or the widest narrower one the budget holds (a window of
+    // one layer is the least that runs).
+    let asked = budget.window.min(n_layers);
+    let window = (1..=asked)
+        .rev()
+        .find(|&w| usable >= minimum_with(w))
+        .unwrap_or(1);
+    let minimum = minimum_with(window);
     let breakdown = |slots: u64| {
         format!(
             "fixed device cost {} MiB (context, kernels, cuBLAS), small fragments {} MiB, output matrix {} MiB, KV cache {} MiB for {} × {} positions ({}), step buffers {} MiB, workspace {} MiB, {window} streaming slots {} MiB",
@@ -434,7 +442,6 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             slots >> 20
         )
     };
-    let usable = budget.gpu_mem.saturating_sub(fixed_cost);
     let all_resident = fixed + n_layers as u64 * resident_device_bytes(&shape, &all) <= usable;
     if !all_resident && usable < minimum {
         return Err(PlanError::GpuTooSmall {

@@ -32,7 +32,14 @@ pub fn render(p: &Plan) -> String {
         p.budget
             .dram_mem
             .map_or("unlimited".into(), |d| format!("{} MiB", mib(d))),
-        p.budget.window,
+        if p.streams() && p.window < p.budget.window {
+            format!(
+                "{} (of {} asked: the budget holds no more)",
+                p.window, p.budget.window
+            )
+        } else {
+            p.budget.window.to_string()
+        },
         p.budget.ctx,
         p.budget.batch,
         p.hardware.name
