@@ -429,17 +429,17 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let minimum = minimum_with(window);
     let breakdown = |slots: u64| {
         format!(
-            "fixed device cost {} MiB (context, kernels, cuBLAS), small fragments {} MiB, output matrix {} MiB, KV cache {} MiB for {} × {} positions ({}), step buffers {} MiB, workspace {} MiB, {window} streaming slots {} MiB",
-            fixed_cost >> 20,
-            small >> 20,
-            head >> 20,
-            kv >> 20,
+            "fixed device cost {} (context, kernels, cuBLAS), small fragments {}, output matrix {}, KV cache {} for {} × {} positions ({}), step buffers {}, workspace {}, {window} streaming slots {}",
+            human_bytes(fixed_cost),
+            human_bytes(small),
+            human_bytes(head),
+            human_bytes(kv),
             budget.sessions,
             budget.ctx,
             budget.kv_type.name(),
-            scratch >> 20,
-            step.workspace >> 20,
-            slots >> 20
+            human_bytes(scratch),
+            human_bytes(step.workspace),
+            human_bytes(slots)
         )
     };
     let all_resident = fixed + n_layers as u64 * resident_device_bytes(&shape, &all) <= usable;
