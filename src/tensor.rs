@@ -29,6 +29,21 @@ pub enum DType {
 }
 
 impl DType {
+    /// Every storage format, in a stable order.
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ];
+
+    /// The format called `name` ([`DType::name`]).
+    pub fn parse(name: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == name)
+    }
+
     /// Bytes taken by `n` values; `n` must be a multiple of [`DType::block_len`].
     pub fn bytes_for(self, n: usize) -> usize {
         n / self.block_len() * self.block_bytes()
