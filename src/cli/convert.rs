@@ -95,13 +95,17 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     .with_context(|| format!("cannot convert {}", model.display()))?;
     pb.finish_and_clear();
     let encodings: Vec<&str> = manifest.bundle_encodings.iter().map(|e| e.name()).collect();
+    let ffn = if encodings.is_empty() {
+        "FFN as its matrices in the model's formats".to_string()
+    } else {
+        format!("FFN bundles in {}", encodings.join("+"))
+    };
     println!(
-        "{} → {}: {} segments, {:.1} MiB, bundles in {}, model {} ({:.1} s)",
+        "{} → {}: {} segments, {:.1} MiB, {ffn}, model {} ({:.1} s)",
         model.display(),
         out.display(),
         manifest.segments.len(),
         manifest.data_bytes as f64 / (1u64 << 20) as f64,
-        encodings.join("+"),
         manifest.model_id,
         t0.elapsed().as_secs_f64()
     );

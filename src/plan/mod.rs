@@ -33,7 +33,7 @@ use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
 use crate::tensor::DType;
 
 pub use hardware::HardwareProfile;
-pub use preserve::{LayerShape, Part, Residency, preserve};
+pub use preserve::{LayerShape, PARTS, Part, Residency, preserve};
 
 /// Upper bound on one staging read (resident weights are loaded in chunks of whole groups).
 pub const STAGING_CHUNK_BYTES: u64 = 64 << 20;
@@ -240,6 +240,9 @@ fn seg<'a>(m: &'a Manifest, name: &str) -> Result<&'a Segment, PlanError> {
 pub fn part_segment_name(l: usize, p: Part) -> String {
     match p {
         Part::Ffn => names::bundles(l, Encoding::F16),
+        Part::Gate => names::layer(l, "ffn_gate.weight"),
+        Part::Up => names::layer(l, "ffn_up.weight"),
+        Part::Down => names::layer(l, "ffn_down.weight"),
         Part::Q => names::layer(l, "attn_q.weight"),
         Part::K => names::layer(l, "attn_k.weight"),
         Part::V => names::layer(l, "attn_v.weight"),
@@ -247,20 +250,44 @@ pub fn part_segment_name(l: usize, p: Part) -> String {
     }
 }
 
-/// Row shape of the streamable parts, checked identical in every layer.
+/// Whether the store holds part `p` (the FFN is bundles or matrices; a gate only when gated).
+fn holds(m: &Manifest, p: Part) -> bool {
+    let bundled = !m.bundle_encodings.is_empty();
+    match p {
+        Part::Ffn => bundled,
+        Part::Gate => !bundled && m.spec.gated_ffn,
+        Part::Up | Part::Down => !bundled,
+        Part::Q | Part::K | Part::V | Part::O => true,
+    }
+}
+
+/// Row shape of the streamable parts, checked identical in every layer (the parts the store
+/// does not hold have no rows).
 pub fn layer_shape(m: &Manifest) -> Result<LayerShape, PlanError> {
     let mut shape = LayerShape {
-        rows: [0; 5],
-        row_bytes: [0; 5],
+        rows: [0; PARTS],
+        row_bytes: [0; PARTS],
     };
     for l in 0..m.spec.n_layers {
-        for p in Part::ALL {
+        for p in Part::ALL.into_iter().filter(|&p| holds(m, p)) {
             let s = seg(m, &part_segment_name(l, p))?;
             let (rows, rb) = (s.rows, s.row_bytes() as u64);
             if l == 0 {
                 shape.rows[p.index()] = rows;
                 shape.row_bytes[p.index()] = rb;
-            } else if (rows, rb) != (shape.rows[p.index()], shape.row_bytes[p.index()]) {
+                continue;
+            }
+            let first = seg(m, &part_segment_name(0, p))?;
+            if s.encoding != first.encoding {
+                // Streaming slots are shared by every layer: one format per part.
+                return Err(store_err(format!(
+                    "layer {l} {} is {} where layer 0's is {}: layers mixing formats in one tensor (as some K-quant mixes do) cannot be offloaded yet",
+                    p.name(),
+                    s.encoding.name(),
+                    first.encoding.name()
+                )));
+            }
+            if (rows, rb) != (shape.rows[p.index()], shape.row_bytes[p.index()]) {
                 return Err(store_err(format!(
                     "layer {l} {} differs in shape from layer 0",
                     p.name()
@@ -295,22 +322,26 @@ pub fn head_segment(m: &Manifest) -> Result<&Segment, PlanError> {
     }
 }
 
-/// The format a stored segment has on the device: f32 stays f32, everything else is f16.
+/// The format a stored segment has on the device: its own (bundles are f16 on the device).
 pub fn device_dtype(s: &Segment) -> DType {
-    match s.encoding {
-        Encoding::F32 => DType::F32,
-        _ => DType::F16,
-    }
+    s.encoding.dtype().unwrap_or(DType::F16)
 }
 
-/// The matrices an offloaded step multiplies: the f16 attention projections of every layer
-/// (the FFN runs on neuron bundles) and the output matrix.
+/// The matrices an offloaded step multiplies, in their formats: the attention projections and,
+/// for a block-quantized model, the FFN matrices of every layer (a bundled FFN runs on neuron
+/// bundles, no matrix product), and the output matrix.
 pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
     let mut layer = Vec::new();
-    for p in [Part::Q, Part::K, Part::V, Part::O] {
-        let k = (DType::F16, seg(m, &part_segment_name(0, p))?.cols);
-        if !layer.contains(&k) {
-            layer.push(k);
+    for l in 0..m.spec.n_layers {
+        for p in Part::ALL
+            .into_iter()
+            .filter(|&p| p != Part::Ffn && holds(m, p))
+        {
+            let s = seg(m, &part_segment_name(l, p))?;
+            let k = (device_dtype(s), s.cols);
+            if !layer.contains(&k) {
+                layer.push(k);
+            }
         }
     }
     let h = head_segment(m)?;
@@ -500,7 +531,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let layer0 = |p: Part| seg(m, &part_segment_name(0, p));
     let mut layer_bytes = 0;
     let mut staging = 0u64;
-    for p in Part::ALL {
+    for p in Part::ALL.into_iter().filter(|&p| holds(m, p)) {
         let sg = layer0(p)?;
         layer_bytes += extent(sg, residency.streamed_rows(&shape, p));
         staging = staging.max(staging_for(sg, residency.rows[p.index()]));

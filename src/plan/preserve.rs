@@ -12,34 +12,60 @@ use serde::{Deserialize, Serialize};
 
 use crate::store::GROUP_ROWS;
 
-/// The streamable tensors of a layer.
+/// The streamable tensors of a layer. A store holds the FFN either as neuron bundles (`Ffn`)
+/// or as its matrices (`Gate`, `Up`, `Down`); the parts it does not hold have no rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Part {
     /// FFN neuron bundles (one row per neuron).
     Ffn,
+    /// FFN matrices of a block-quantized model (rows as the file holds them: neurons for gate
+    /// and up, output dimensions for down).
+    Gate,
+    Up,
+    Down,
     Q,
     K,
     V,
     O,
 }
 
+/// How many parts a layer has.
+pub const PARTS: usize = 8;
+
 impl Part {
-    pub const ALL: [Part; 5] = [Part::Ffn, Part::Q, Part::K, Part::V, Part::O];
+    pub const ALL: [Part; PARTS] = [
+        Part::Ffn,
+        Part::Gate,
+        Part::Up,
+        Part::Down,
+        Part::Q,
+        Part::K,
+        Part::V,
+        Part::O,
+    ];
+    /// The FFN's parts, in the order tensor preservation keeps them.
+    pub const FFN: [Part; 4] = [Part::Ffn, Part::Gate, Part::Up, Part::Down];
 
     pub fn index(self) -> usize {
         match self {
             Part::Ffn => 0,
-            Part::Q => 1,
-            Part::K => 2,
-            Part::V => 3,
-            Part::O => 4,
+            Part::Gate => 1,
+            Part::Up => 2,
+            Part::Down => 3,
+            Part::Q => 4,
+            Part::K => 5,
+            Part::V => 6,
+            Part::O => 7,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Part::Ffn => "ffn",
+            Part::Gate => "ffn_gate",
+            Part::Up => "ffn_up",
+            Part::Down => "ffn_down",
             Part::Q => "wq",
             Part::K => "wk",
             Part::V => "wv",
@@ -51,8 +77,8 @@ impl Part {
 /// Rows and row size of each part (identical in every layer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayerShape {
-    pub rows: [usize; 5],
-    pub row_bytes: [u64; 5],
+    pub rows: [usize; PARTS],
+    pub row_bytes: [u64; PARTS],
 }
 
 impl LayerShape {
@@ -68,7 +94,7 @@ impl LayerShape {
 /// Rows of each part kept resident in every layer (a prefix).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Residency {
-    pub rows: [usize; 5],
+    pub rows: [usize; PARTS],
 }
 
 impl Residency {
@@ -118,16 +144,15 @@ pub fn preserve(shape: &LayerShape, per_layer_budget: u64, grouped_query: bool) 
     };
     let mut res = Residency::default();
     let mut left = per_layer_budget;
-    if left >= shape.bytes(Part::Ffn) {
-        keep(shape, Part::Ffn, &mut left, &mut res);
-        for p in attention {
+    let ffn_bytes: u64 = Part::FFN.iter().map(|&p| shape.bytes(p)).sum();
+    if left >= ffn_bytes {
+        for p in Part::FFN.into_iter().chain(attention) {
             keep(shape, p, &mut left, &mut res);
         }
     } else {
-        for p in attention {
+        for p in attention.into_iter().chain(Part::FFN) {
             keep(shape, p, &mut left, &mut res);
         }
-        keep(shape, Part::Ffn, &mut left, &mut res);
     }
     res
 }
@@ -141,8 +166,8 @@ mod tests {
     fn shape(gqa: bool) -> LayerShape {
         let kv_rows = if gqa { 1024 } else { 4096 };
         LayerShape {
-            rows: [11008, 4096, kv_rows, kv_rows, 4096],
-            row_bytes: [3 * 4096 * 2, 8192, 8192, 8192, 8192],
+            rows: [11008, 0, 0, 0, 4096, kv_rows, kv_rows, 4096],
+            row_bytes: [3 * 4096 * 2, 0, 0, 0, 8192, 8192, 8192, 8192],
         }
     }
 
@@ -171,6 +196,36 @@ mod tests {
         let q = r.rows[Part::Q.index()];
         assert!(q > 0 && q.is_multiple_of(GROUP_ROWS) && q < 4096, "{q}");
         assert!(r.resident_bytes(&s) <= kv + 200 * 3 * 4096 * 2);
+    }
+
+    /// A block-quantized layer: the FFN as three matrices (Q4_0: 18 bytes per 32 values).
+    #[test]
+    fn ffn_matrices_are_kept_together_first() {
+        let (d, ff) = (4096usize, 11008usize);
+        let s = LayerShape {
+            rows: [0, ff, ff, d, d, d, d, d],
+            row_bytes: [
+                0,
+                (d / 32 * 18) as u64,
+                (d / 32 * 18) as u64,
+                (ff / 32 * 18) as u64,
+                (d / 32 * 18) as u64,
+                (d / 32 * 18) as u64,
+                (d / 32 * 18) as u64,
+                (d / 32 * 18) as u64,
+            ],
+        };
+        let ffn: u64 = Part::FFN.iter().map(|&p| s.bytes(p)).sum();
+        let r = preserve(&s, ffn, false);
+        for p in [Part::Gate, Part::Up, Part::Down] {
+            assert_eq!(r.rows[p.index()], s.rows[p.index()], "{p:?}");
+        }
+        assert_eq!(r.rows[Part::Q.index()], 0);
+        // Less than the FFN: attention first, then gate, up, down in order.
+        let r = preserve(&s, s.bytes(Part::Q) * 4 + s.bytes(Part::Gate), false);
+        assert_eq!(r.rows[Part::O.index()], d);
+        assert_eq!(r.rows[Part::Gate.index()], ff);
+        assert_eq!(r.rows[Part::Down.index()], 0);
     }
 
     #[test]

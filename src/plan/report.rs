@@ -46,6 +46,7 @@ pub fn render(p: &Plan) -> String {
     );
     let kept: Vec<String> = Part::ALL
         .iter()
+        .filter(|&&q| p.shape.rows[q.index()] > 0)
         .map(|&q| {
             let (r, n) = (p.residency.rows[q.index()], p.shape.rows[q.index()]);
             format!("{} {r}/{n}", q.name())

@@ -2,10 +2,18 @@
 //!
 //! A store is a directory with `manifest.json` (the model spec, every segment with offset,
 //! length and xxh3-64 checksum, the model identity hash), `data.bin` (the segments, each starting
-//! on a 4 KiB boundary so direct I/O can read it) and the tokenizer files. Per layer:
-//! - FFN neurons **bundled**: neuron i's gate row, up row and down column next to each other,
-//!   one segment per encoding (f16 always; INT8 per row and INT4 per group of 32 on request);
-//! - attention matrices whole (f16), norms and biases whole (f32).
+//! on a 4 KiB boundary so direct I/O can read it) and the tokenizer files.
+//!
+//! Matrices keep the model's own encoding, byte for byte (f32, f16, bf16 or a GGUF block
+//! format): an offloaded run computes on the very numbers of the file and moves its bytes, no
+//! more. Per layer:
+//! - the FFN of a float model (f32/f16/bf16) is **bundled**: neuron i's gate row, up row and down
+//!   column next to each other, one segment per encoding (f16 always; INT8 per row and INT4 per
+//!   group of 32 on request) — what neuron-level sparsity reads;
+//! - the FFN of a block-quantized model stays three matrices in their formats: a down-projection
+//!   column crosses every row's blocks, so bundling it would mean re-quantizing (lossy) — the
+//!   rows of gate, up and down are streamed as the file holds them;
+//! - attention matrices whole, norms and biases whole (f32).
 //!
 //! Written atomically (a temporary directory renamed into place); every read from disk is
 //! checked against its checksum, so a truncated or bit-flipped segment is named, never used.
@@ -21,12 +29,14 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::model::{ModelError, ModelSpec};
+use crate::tensor::DType;
 
 pub use read::Store;
 pub use write::{ConvertOptions, cached_store_for, convert};
 
-/// Store format version this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// Store format version this build reads and writes (2: matrices in the model's own encoding,
+/// FFN matrices for block-quantized models).
+pub const FORMAT_VERSION: u32 = 2;
 /// Segments start on this boundary (direct I/O).
 pub const ALIGN: u64 = 4096;
 /// Rows per checksum group: a read of any run of whole groups can be verified on its own
@@ -76,12 +86,12 @@ impl StoreError {
     }
 }
 
-/// How the values of a segment are encoded.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// How the values of a segment are encoded: a storage format a backend computes on directly
+/// (the model's own), or one of the bundle-only codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Encoding {
-    F32,
-    F16,
+    /// The values as a [`DType`] lays them out (f32, f16, bf16, GGUF blocks).
+    Format(DType),
     /// Per row (per bundle part): an f32 scale, then `cols` i8 codes.
     Int8,
     /// Per group of 32: an f16 scale; then the codes, two per byte.
@@ -89,10 +99,12 @@ pub enum Encoding {
 }
 
 impl Encoding {
+    pub const F32: Encoding = Encoding::Format(DType::F32);
+    pub const F16: Encoding = Encoding::Format(DType::F16);
+
     pub fn name(self) -> &'static str {
         match self {
-            Encoding::F32 => "f32",
-            Encoding::F16 => "f16",
+            Encoding::Format(d) => d.name(),
             Encoding::Int8 => "int8",
             Encoding::Int4 => "int4",
         }
@@ -100,23 +112,42 @@ impl Encoding {
 
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
-            "f32" => Encoding::F32,
-            "f16" => Encoding::F16,
             "int8" => Encoding::Int8,
             "int4" => Encoding::Int4,
-            _ => return None,
+            other => Encoding::Format(DType::parse(other)?),
         })
+    }
+
+    /// The storage format backends compute on, if this is one.
+    pub fn dtype(self) -> Option<DType> {
+        match self {
+            Encoding::Format(d) => Some(d),
+            Encoding::Int8 | Encoding::Int4 => None,
+        }
     }
 
     /// Bytes of one row of `cols` values made of `parts` equal vectors (a bundle has 2 or 3
     /// parts; a matrix row 1).
     pub fn row_bytes(self, cols: usize, parts: usize) -> usize {
         match self {
-            Encoding::F32 => cols * 4,
-            Encoding::F16 => cols * 2,
+            Encoding::Format(d) => d.bytes_for(cols),
             Encoding::Int8 => parts * 4 + cols,
             Encoding::Int4 => cols / quant::INT4_GROUP * 2 + cols / 2,
         }
+    }
+}
+
+impl Serialize for Encoding {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Encoding {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        Encoding::parse(&name)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown encoding `{name}`")))
     }
 }
 
@@ -188,7 +219,8 @@ pub struct Manifest {
     pub model_id: String,
     pub spec: ModelSpec,
     pub source: SourceInfo,
-    /// Encodings the FFN bundles are stored in (f16 always first).
+    /// Encodings the FFN bundles are stored in (f16 always first); empty when the FFN is stored
+    /// as its matrices (block-quantized models).
     pub bundle_encodings: Vec<Encoding>,
     pub data_bytes: u64,
     pub segments: Vec<Segment>,
@@ -228,5 +260,11 @@ pub mod names {
     /// The FFN bundle segment of a layer in one encoding.
     pub fn bundles(layer: usize, encoding: super::Encoding) -> String {
         format!("blk.{layer}.ffn_bundles.{}", encoding.name())
+    }
+
+    /// Whether the FFN of a model whose FFN matrices are in `dtypes` is stored as neuron
+    /// bundles (float formats) or as its matrices (block formats: see the module docs).
+    pub fn ffn_bundled(dtypes: &[crate::tensor::DType]) -> bool {
+        dtypes.iter().all(|d| !d.is_quantized())
     }
 }

@@ -317,16 +317,15 @@ impl Store {
         Ok(())
     }
 
-    /// A tensor segment as a host tensor (f32 or f16).
+    /// A tensor segment as a host tensor, in its stored format.
     pub fn tensor(&self, name: &str) -> Result<HostTensor, StoreError> {
         let seg = self.require(name)?;
-        let dtype = match (seg.kind, seg.encoding) {
-            (SegmentKind::Tensor, Encoding::F32) => DType::F32,
-            (SegmentKind::Tensor, Encoding::F16) => DType::F16,
+        let dtype = match (seg.kind, seg.encoding.dtype()) {
+            (SegmentKind::Tensor, Some(d)) => d,
             _ => {
                 return Err(format_err(
                     &self.dir.join(MANIFEST),
-                    format!("segment `{name}` is not an f32/f16 tensor"),
+                    format!("segment `{name}` is not a tensor in a storage format"),
                 ));
             }
         };
@@ -362,8 +361,14 @@ impl Store {
         })
     }
 
-    /// Dense weights rebuilt from the store (f16 matrices; gate, up and down from the f16
-    /// bundles): the same numbers the offloaded engine computes with, in the dense layout.
+    /// Whether the FFN is stored as neuron bundles (else as its matrices).
+    pub fn ffn_bundled(&self) -> bool {
+        !self.manifest.bundle_encodings.is_empty()
+    }
+
+    /// Dense weights rebuilt from the store (matrices as stored; for a bundled FFN gate, up and
+    /// down from the f16 bundles): the same numbers the offloaded engine computes with, in the
+    /// dense layout.
     pub fn dense_weights(&self) -> Result<ModelWeights, StoreError> {
         let spec = &self.manifest.spec;
         let norm = |base: String| -> Result<NormWeights, StoreError> {
@@ -380,6 +385,24 @@ impl Store {
         };
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
+            if !self.ffn_bundled() {
+                layers.push(LayerWeights {
+                    attn_norm: norm(names::layer(l, "attn_norm"))?,
+                    wq: linear(names::layer(l, "attn_q"))?,
+                    wk: linear(names::layer(l, "attn_k"))?,
+                    wv: linear(names::layer(l, "attn_v"))?,
+                    wo: linear(names::layer(l, "attn_output"))?,
+                    ffn_norm: norm(names::layer(l, "ffn_norm"))?,
+                    w_gate: if spec.gated_ffn {
+                        Some(linear(names::layer(l, "ffn_gate"))?)
+                    } else {
+                        None
+                    },
+                    w_up: linear(names::layer(l, "ffn_up"))?,
+                    w_down: linear(names::layer(l, "ffn_down"))?,
+                });
+                continue;
+            }
             let seg = self.require(&names::bundles(l, Encoding::F16))?;
             let raw = self.read(seg)?;
             let halves: &[f16] = bytemuck::cast_slice(raw.as_slice());

@@ -5,7 +5,6 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use half::f16;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
@@ -68,23 +67,29 @@ impl DataWriter {
         Ok(())
     }
 
-    /// A host tensor as f32 (vectors) or f16 (matrices).
-    fn tensor(
-        &mut self,
-        name: String,
-        t: &HostTensor,
-        encoding: Encoding,
-    ) -> Result<(), StoreError> {
+    /// A vector (norm weights, biases, RoPE factors) as f32, what every backend reads them in.
+    fn vector(&mut self, name: String, t: &HostTensor) -> Result<(), StoreError> {
         let values = t.to_f32();
-        let bytes: Vec<u8> = match encoding {
-            Encoding::F32 => bytemuck::cast_slice(&values).to_vec(),
-            Encoding::F16 => {
-                let h: Vec<f16> = values.par_iter().map(|&v| f16::from_f32(v)).collect();
-                bytemuck::cast_slice(&h).to_vec()
-            }
-            other => return Err(StoreError::Unsupported(format!("{other:?} tensors"))),
-        };
-        self.put(name, SegmentKind::Tensor, encoding, t.rows, t.cols, &bytes)
+        self.put(
+            name,
+            SegmentKind::Tensor,
+            Encoding::F32,
+            t.rows,
+            t.cols,
+            bytemuck::cast_slice(&values),
+        )
+    }
+
+    /// A matrix in its own encoding, its bytes as the model holds them.
+    fn matrix(&mut self, name: String, t: &HostTensor) -> Result<(), StoreError> {
+        self.put(
+            name,
+            SegmentKind::Tensor,
+            Encoding::Format(t.dtype),
+            t.rows,
+            t.cols,
+            t.data.as_slice(),
+        )
     }
 
     /// Pad the file to a whole page (so direct reads of the last segment stay inside it), flush
@@ -108,6 +113,7 @@ impl DataWriter {
 /// FFN bundles of one layer in one encoding: neuron i = [gate_i | up_i | down_i] (or [up_i |
 /// down_i] without a gate), each `d_model` values, where down_i is column i of W_down.
 fn bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize, enc: Encoding) -> Vec<u8> {
+    debug_assert!(bundle_encoding(enc), "{enc:?} is not a bundle encoding");
     let n_ff = up.len() / d;
     let parts = if gate.is_some() { 3 } else { 2 };
     let cols = parts * d;
@@ -127,22 +133,21 @@ fn bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize, enc: Enco
     out
 }
 
+/// Whether bundles can be written in `enc`: a float format, or INT8/INT4.
+fn bundle_encoding(enc: Encoding) -> bool {
+    enc.dtype().is_none_or(|d| !d.is_quantized())
+}
+
 /// One bundle's bytes: the parts in order. INT8 puts the part scales first, INT4 all group scales
 /// first, so the codes of a bundle are contiguous.
 fn encode_bundle(parts: &[&[f32]], enc: Encoding, dst: &mut [u8]) {
     let d = parts[0].len();
     match enc {
-        Encoding::F32 => {
+        Encoding::Format(dtype) => {
+            let rb = dtype.bytes_for(d);
             for (p, v) in parts.iter().enumerate() {
-                dst[p * d * 4..(p + 1) * d * 4].copy_from_slice(bytemuck::cast_slice(v));
-            }
-        }
-        Encoding::F16 => {
-            for (p, v) in parts.iter().enumerate() {
-                for (j, &x) in v.iter().enumerate() {
-                    let at = (p * d + j) * 2;
-                    dst[at..at + 2].copy_from_slice(&f16::from_f32(x).to_le_bytes());
-                }
+                // Float formats always encode (checked by `bundle_encoding`).
+                let _ = crate::tensor::encode_row(dtype, v, &mut dst[p * rb..(p + 1) * rb]);
             }
         }
         Encoding::Int8 => {
@@ -382,35 +387,54 @@ fn write_store(
         offset: 0,
         segments: Vec::new(),
     };
-    let mut encodings = vec![Encoding::F16];
-    for &e in &opts.extra_encodings {
-        if !encodings.contains(&e) {
-            encodings.push(e);
+    let ffn_dtypes: Vec<crate::tensor::DType> = w
+        .layers
+        .iter()
+        .flat_map(|l| {
+            [Some(&l.w_up), Some(&l.w_down), l.w_gate.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|lin| lin.weight.dtype)
+        })
+        .collect();
+    let bundled = names::ffn_bundled(&ffn_dtypes);
+    if !bundled && !opts.extra_encodings.is_empty() {
+        return Err(StoreError::Unsupported(
+            "INT8/INT4 bundles are made from float models; this model's FFN is block-quantized and is stored in its own formats".into(),
+        ));
+    }
+    let mut encodings = Vec::new();
+    if bundled {
+        encodings.push(Encoding::F16);
+        for &e in &opts.extra_encodings {
+            if !encodings.contains(&e) {
+                encodings.push(e);
+            }
         }
     }
 
     let norm = |dw: &mut DataWriter, base: String, n: &NormWeights| -> Result<(), StoreError> {
-        dw.tensor(format!("{base}.weight"), &n.weight, Encoding::F32)?;
+        dw.vector(format!("{base}.weight"), &n.weight)?;
         if let Some(b) = &n.bias {
-            dw.tensor(format!("{base}.bias"), b, Encoding::F32)?;
+            dw.vector(format!("{base}.bias"), b)?;
         }
         Ok(())
     };
     let linear = |dw: &mut DataWriter, base: String, l: &Linear| -> Result<(), StoreError> {
-        dw.tensor(format!("{base}.weight"), &l.weight, Encoding::F16)?;
+        dw.matrix(format!("{base}.weight"), &l.weight)?;
         if let Some(b) = &l.bias {
-            dw.tensor(format!("{base}.bias"), b, Encoding::F32)?;
+            dw.vector(format!("{base}.bias"), b)?;
         }
         Ok(())
     };
 
-    dw.tensor(names::TOKEN_EMBD.into(), &w.token_embd, Encoding::F16)?;
+    dw.matrix(names::TOKEN_EMBD.into(), &w.token_embd)?;
     if let Some(p) = &w.pos_embd {
-        dw.tensor(names::POS_EMBD.into(), p, Encoding::F16)?;
+        dw.matrix(names::POS_EMBD.into(), p)?;
     }
     if let Some(f) = &w.rope_freq_factors {
         let t = HostTensor::from_f32(names::ROPE_FREQS, 1, f.len(), f.clone());
-        dw.tensor(names::ROPE_FREQS.into(), &t, Encoding::F32)?;
+        dw.vector(names::ROPE_FREQS.into(), &t)?;
     }
     let n_layers = w.layers.len();
     for (l, layer) in w.layers.iter().enumerate() {
@@ -421,10 +445,20 @@ fn write_store(
         linear(&mut dw, names::layer(l, "attn_output"), &layer.wo)?;
         norm(&mut dw, names::layer(l, "ffn_norm"), &layer.ffn_norm)?;
         if let Some(b) = &layer.w_up.bias {
-            dw.tensor(names::layer(l, "ffn_up.bias"), b, Encoding::F32)?;
+            dw.vector(names::layer(l, "ffn_up.bias"), b)?;
         }
         if let Some(b) = &layer.w_down.bias {
-            dw.tensor(names::layer(l, "ffn_down.bias"), b, Encoding::F32)?;
+            dw.vector(names::layer(l, "ffn_down.bias"), b)?;
+        }
+        if !bundled {
+            // Block formats: the FFN matrices as the file holds them.
+            if let Some(g) = &layer.w_gate {
+                dw.matrix(names::layer(l, "ffn_gate.weight"), &g.weight)?;
+            }
+            dw.matrix(names::layer(l, "ffn_up.weight"), &layer.w_up.weight)?;
+            dw.matrix(names::layer(l, "ffn_down.weight"), &layer.w_down.weight)?;
+            progress(l + 1, n_layers);
+            continue;
         }
         let gate = layer.w_gate.as_ref().map(|g| g.weight.to_f32());
         let up = layer.w_up.weight.to_f32();
@@ -445,7 +479,7 @@ fn write_store(
     }
     norm(&mut dw, "output_norm".into(), &w.output_norm)?;
     if let Some(o) = &w.output {
-        dw.tensor(names::OUTPUT.into(), o, Encoding::F16)?;
+        dw.matrix(names::OUTPUT.into(), o)?;
     }
     let (data_bytes, segments) = dw.finish()?;
 

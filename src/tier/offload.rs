@@ -4,7 +4,8 @@
 //! layers before it compute (FlexInfer's prefetch window), the compute stream waiting on the copy
 //! event and the slot refilled as soon as its layer is done.
 //!
-//! Weights come from the store, in the f16 bundled layout; embeddings are looked up in DRAM.
+//! Weights come from the store in its encodings (the model's own; a float model's FFN as f16
+//! neuron bundles, a block-quantized model's as its matrices); embeddings are looked up in DRAM.
 
 use std::sync::Arc;
 
@@ -17,7 +18,7 @@ use crate::engine::{
 };
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::plan::{
-    Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,
+    PARTS, Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,
     staging_chunks,
 };
 use crate::store::{Segment, SegmentKind, Store, StoreError, names};
@@ -39,7 +40,7 @@ struct Small<B: Backend> {
 
 /// Device buffers one streamed layer passes through.
 struct Slot<B: Backend> {
-    parts: [Option<B::Weight>; 5],
+    parts: [Option<B::Weight>; PARTS],
     layer: Option<usize>,
     ready: Option<B::Event>,
 }
@@ -53,10 +54,12 @@ struct Table {
 pub struct OffloadWeights<B: Backend> {
     spec: ModelSpec,
     residency: Residency,
+    /// Whether the FFN is neuron bundles (else its matrices).
+    bundled: bool,
     bundle: BundleShape,
     small: Vec<Small<B>>,
     /// Per layer, the resident row prefix of each part.
-    resident: Vec<[Option<B::Weight>; 5]>,
+    resident: Vec<[Option<B::Weight>; PARTS]>,
     slots: Vec<Slot<B>>,
     /// The most recent fill: its copy event and the DRAM buffer it reads from.
     pending: Option<(B::Event, Arc<LayerData>)>,
@@ -193,12 +196,13 @@ impl<B: Backend> OffloadWeights<B> {
                 up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
                 down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
             });
-            let mut parts: [Option<B::Weight>; 5] = Default::default();
+            let mut parts: [Option<B::Weight>; PARTS] = Default::default();
             for p in Part::ALL {
                 let r = residency.rows[p.index()];
                 if r > 0 {
                     let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                    parts[p.index()] = Some(loader.load_to_device(b, seg, 0..r, DType::F16)?);
+                    parts[p.index()] =
+                        Some(loader.load_to_device(b, seg, 0..r, device_dtype(seg))?);
                 }
             }
             resident.push(parts);
@@ -217,14 +221,14 @@ impl<B: Backend> OffloadWeights<B> {
 
         let mut slots = Vec::with_capacity(plan.window);
         for i in 0..plan.window {
-            let mut parts: [Option<B::Weight>; 5] = Default::default();
+            let mut parts: [Option<B::Weight>; PARTS] = Default::default();
             for p in Part::ALL {
                 let rows = residency.streamed_rows(&shape, p);
                 if !rows.is_empty() {
                     let seg = store.require(&part_segment_name(0, p)).map_err(store_err)?;
                     parts[p.index()] = Some(b.alloc_weight(
                         &format!("slot {i} {}", p.name()),
-                        DType::F16,
+                        device_dtype(seg),
                         rows.len(),
                         seg.cols,
                     )?);
@@ -262,6 +266,7 @@ impl<B: Backend> OffloadWeights<B> {
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
         let mut me = OffloadWeights {
             matmuls,
+            bundled: store.ffn_bundled(),
             bundle: BundleShape {
                 parts: if spec.gated_ffn { 3 } else { 2 },
                 d: spec.d_model,
@@ -315,7 +320,7 @@ impl<B: Backend> OffloadWeights<B> {
     }
 
     fn linear<'a>(
-        resident: &'a [Option<B::Weight>; 5],
+        resident: &'a [Option<B::Weight>; PARTS],
         slot: Option<&'a Slot<B>>,
         p: Part,
         r: usize,
@@ -429,11 +434,20 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                 weight: &sm.ffn_norm.0,
                 bias: sm.ffn_norm.1.as_ref(),
             },
-            ffn: FfnView::Bundles {
-                runs: ffn_runs,
-                shape: self.bundle,
-                up_bias: sm.up_bias.as_ref(),
-                down_bias: sm.down_bias.as_ref(),
+            ffn: if self.bundled {
+                FfnView::Bundles {
+                    runs: ffn_runs,
+                    shape: self.bundle,
+                    up_bias: sm.up_bias.as_ref(),
+                    down_bias: sm.down_bias.as_ref(),
+                }
+            } else {
+                let part = |p: Part, bias| Self::linear(res, slot, p, rows[p.index()], bias);
+                FfnView::Matrices {
+                    gate: self.spec.gated_ffn.then(|| part(Part::Gate, None)),
+                    up: part(Part::Up, sm.up_bias.as_ref()),
+                    down: part(Part::Down, sm.down_bias.as_ref()),
+                }
             },
         })
     }

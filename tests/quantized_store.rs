@@ -1,0 +1,197 @@
+//! A block-quantized GGUF (SmolLM2-135M-Instruct, Q4_1) offloaded as it is: the store holds every
+//! tensor's own bytes (the FFN as its matrices), is the file's size, and an offloaded run at any
+//! budget computes on exactly the numbers of the dense run — the same logits, bit for bit, and
+//! the same greedy tokens, with host→device traffic in the file's bytes.
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use gpu_offload::backend::KvType;
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{Engine, Logits};
+use gpu_offload::model::Model;
+use gpu_offload::model::gguf::GgufFile;
+use gpu_offload::plan::{Budget, HardwareProfile, PlanError, make_plan};
+use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::offload::OffloadWeights;
+use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+fn converted(gguf: &std::path::Path) -> (Arc<Store>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("store");
+    convert(gguf, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    (Arc::new(Store::open(&out).unwrap()), dir)
+}
+
+#[test]
+fn the_store_holds_the_gguf_bytes_and_is_the_files_size() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let (store, dir) = converted(&path);
+    let gguf = GgufFile::open(&path).unwrap();
+    let mut matrices = 0;
+    for (name, info) in &gguf.tensors {
+        let seg = store
+            .segment(name)
+            .unwrap_or_else(|| panic!("`{name}` is not in the store"));
+        let bytes = gguf.tensor_bytes(info);
+        assert_eq!(
+            seg.xxh3,
+            format!("{:016x}", xxh3_64(bytes)),
+            "`{name}` ({}) differs from the file's bytes",
+            seg.encoding.name()
+        );
+        matrices += usize::from(info.dims.len() == 2);
+    }
+    assert!(matrices > 200, "{matrices} matrices");
+    assert!(!store.ffn_bundled(), "a Q4_1 FFN stays matrices");
+    let file = std::fs::metadata(&path).unwrap().len() as f64;
+    let stored: u64 = walk(&dir.path().join("store"));
+    let ratio = stored as f64 / file;
+    println!("store {stored} bytes for a {file} byte file ({ratio:.4})");
+    assert!((0.98..=1.02).contains(&ratio), "store/file = {ratio}");
+}
+
+fn walk(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// Logits of a prompt then `decode` single-token steps.
+fn logits<B: gpu_offload::backend::Backend>(
+    e: &Engine<B>,
+    toks: &[u32],
+    prompt: usize,
+) -> Vec<Vec<f32>> {
+    let mut s = e.new_session(toks.len()).unwrap();
+    let mut out = vec![e.forward(&mut s, &toks[..prompt], Logits::Last).unwrap()];
+    for &t in &toks[prompt..] {
+        out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+    out
+}
+
+#[test]
+fn offloaded_runs_compute_the_dense_numbers_exactly() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let (store, _dir) = converted(&path);
+    let model = Model::load(&path).unwrap();
+    let toks: Vec<u32> = [1u32, 504, 3458, 282, 4649, 314, 2412, 30, 198, 504]
+        .into_iter()
+        .chain((0..6).map(|i| 100 + 37 * i))
+        .collect();
+    let prompt = 10;
+    for kv in [KvType::F32, KvType::F16] {
+        let dense = Engine::new(
+            CpuBackend::new(2).unwrap(),
+            model.spec.clone(),
+            &model.weights,
+        )
+        .unwrap()
+        .with_kv_type(kv)
+        .unwrap();
+        let want = logits(&dense, &toks, prompt);
+        let hw = HardwareProfile::load("cpu-sim").unwrap();
+        let b = |g| Budget {
+            kv_type: kv,
+            ..Budget::new(g, None, 2, toks.len(), prompt)
+        };
+        let min = match make_plan(&store.manifest, &b(0), &hw) {
+            Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+            other => panic!("{other:?}"),
+        };
+        let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
+            .unwrap()
+            .gpu
+            .total;
+        for g in [min, min + (all - min) / 3, all] {
+            let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+            let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+            let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+            let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(kv)
+                .unwrap();
+            let got = logits(&e, &toks, prompt);
+            assert!(
+                got == want,
+                "{kv:?} at {g} bytes: logits differ from the dense run"
+            );
+            if plan.streams() {
+                // Streamed in the file's bytes: the per-token traffic is the plan's, in Q4_1.
+                e.settle();
+                let before = ledger.snapshot();
+                let mut s = e.new_session(2).unwrap();
+                e.forward(&mut s, &[1], Logits::Last).unwrap();
+                e.settle();
+                let moved = ledger.snapshot().h2d_bytes - before.h2d_bytes;
+                assert_eq!(moved, plan.per_token.h2d_bytes);
+            }
+        }
+    }
+}
+
+fn bin() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gpu-offload"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_OFFLOAD_") && k != "GPU_OFFLOAD_MODELS" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+fn tokens(args: &[&str]) -> Value {
+    let out = bin().args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    j["token_ids"].clone()
+}
+
+#[test]
+fn run_on_the_budgeted_device_gives_the_cpus_tokens() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let m = path.to_str().unwrap();
+    let base = [
+        "run",
+        "-m",
+        m,
+        "--prompt",
+        "The capital of France is",
+        "--temperature",
+        "0",
+        "-n",
+        "24",
+        "--json",
+    ];
+    for kv in ["f32", "f16"] {
+        let cpu = tokens(&[&base[..], &["--device", "cpu", "--kv-type", kv]].concat());
+        for g in ["80M", "1G"] {
+            let sim = tokens(
+                &[
+                    &base[..],
+                    &["--device", "sim", "--gpu-mem", g, "--kv-type", kv],
+                ]
+                .concat(),
+            );
+            assert_eq!(sim, cpu, "--gpu-mem {g} --kv-type {kv}");
+        }
+    }
+}
