@@ -5,9 +5,9 @@
 # .gpu/ (git-ignored), which the device call carries:
 #     scripts/gpu-build.sh   # here
 #     device run: carry [".gpu"], command "scripts/gpu-check.sh all"
-# With GPU_OFFLOAD_PEERS=1 it also packs the peers `gpu-check.sh peers` runs beside us: llama.cpp's
+# With GPU_OFFLOAD_PEERS=1 it also packs the peer `gpu-check.sh peers` runs beside us: llama.cpp's
 # source (from the llama-cpp-python source package on PyPI, trimmed to what a CUDA llama-bench
-# build needs) and the shared synth_to_gguf.py, under .gpu/peers/ (never committed).
+# build needs), under .gpu/peers/ (never committed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/check-kernels.sh >/dev/null
@@ -43,7 +43,6 @@ PY
     rm -rf "$src"/{models,docs,media,tests,benches,tools/ui}
     find "$src/ggml/src" -maxdepth 1 -type d -name 'ggml-*' ! -name 'ggml-cuda' ! -name 'ggml-cpu' -exec rm -rf {} +
     tar -czf .gpu/peers/llama.cpp.tgz -C "$(dirname "$src")" llama.cpp
-    cp "$shared/../device/synth_to_gguf.py" .gpu/peers/
     rm -rf "$tmp"
 fi
 du -sh .gpu

@@ -186,8 +186,8 @@ peers() {
             cmake --build /tmp/lbuild --target llama-bench -j 16 >>"$LOG" 2>&1
     fi
     if [[ ! -f "$WORK/m7b.gguf" ]]; then
-        say "the 7B shape as an F16 GGUF for llama.cpp"
-        PYTHONPATH=/tmp/llama.cpp/gguf-py $PY .gpu/peers/synth_to_gguf.py "$WORK/m7b" "$WORK/m7b.gguf" >>"$LOG" 2>&1
+        say "the 7B shape as an F16 GGUF for llama.cpp (the same model as the HF directory)"
+        "$B" synth --preset 7b -o "$WORK/m7b.gguf" --force 2>&1 | tee -a "$LOG"
     fi
     say "bench suite with llama.cpp and transformers beside us"
     "$B" bench suite --device cuda -m "$WORK/m7b" --budgets whole,8G,4G,min --out "$OUT/suite-peers" \

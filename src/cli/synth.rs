@@ -8,12 +8,20 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::model::Arch;
-use crate::model::synth::{SynthDtype, SynthSpec, synthesize};
+use crate::model::synth::{SynthDtype, SynthSpec, synthesize, synthesize_gguf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum SynthArch {
     Llama,
     Opt,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SynthFormat {
+    /// A Hugging Face directory (config.json + safetensors).
+    Hf,
+    /// One llama GGUF file, as llama.cpp loads it (LLaMA SwiGLU shapes).
+    Gguf,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -24,9 +32,13 @@ pub enum SynthDtypeArg {
 
 #[derive(Debug, Args)]
 pub struct SynthArgs {
-    /// Directory to write.
+    /// Directory (hf) or file (gguf) to write.
     #[arg(long, short = 'o', env = "GPU_OFFLOAD_OUT")]
     pub out: PathBuf,
+
+    /// Output format [default: gguf when --out ends in .gguf, else hf]
+    #[arg(long, env = "GPU_OFFLOAD_FORMAT", value_enum)]
+    pub format: Option<SynthFormat>,
 
     /// Named shape: tiny, 1b, 7b, 13b (other flags override its fields).
     #[arg(long, env = "GPU_OFFLOAD_PRESET", default_value = "tiny")]
@@ -122,7 +134,18 @@ pub fn run(a: SynthArgs) -> Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let t0 = Instant::now();
-    synthesize(&s, &a.out, a.force, &mut |done, _| {
+    let format = a.format.unwrap_or_else(|| {
+        if a.out.extension().is_some_and(|e| e == "gguf") {
+            SynthFormat::Gguf
+        } else {
+            SynthFormat::Hf
+        }
+    });
+    let write = match format {
+        SynthFormat::Hf => synthesize,
+        SynthFormat::Gguf => synthesize_gguf,
+    };
+    write(&s, &a.out, a.force, &mut |done, _| {
         pb.set_position(done >> 20)
     })
     .with_context(|| format!("cannot write {}", a.out.display()))?;

@@ -585,6 +585,15 @@ pub struct RawTensor {
 }
 
 impl RawTensor {
+    pub fn spec(&self) -> TensorSpec {
+        TensorSpec {
+            name: self.name.clone(),
+            dims: self.dims.clone(),
+            ggml_type: self.ggml_type,
+            bytes: self.bytes.len() as u64,
+        }
+    }
+
     pub fn f32(name: &str, dims: &[u64], values: &[f32]) -> Self {
         RawTensor {
             name: name.into(),
@@ -643,10 +652,20 @@ fn put_value(b: &mut Vec<u8>, v: &MetaValue) {
     }
 }
 
-/// A GGUF v3 file (alignment 32) holding `metadata` and `tensors`, as bytes. For tools and tests
-/// that craft models; arrays must hold one element type.
-pub fn encode(metadata: &[(&str, MetaValue)], tensors: &[RawTensor]) -> Vec<u8> {
-    let align = DEFAULT_ALIGNMENT as usize;
+/// What the header says of one tensor: name, GGML dims (columns first), GGML type id, and how
+/// many bytes its data takes.
+#[derive(Clone, Debug)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dims: Vec<u64>,
+    pub ggml_type: u32,
+    pub bytes: u64,
+}
+
+/// The header of a GGUF v3 file (alignment 32): magic, counts, metadata, tensor infos with their
+/// offsets, padded to where the first tensor's data starts. Arrays must hold one element type.
+fn header(metadata: &[(&str, MetaValue)], tensors: &[TensorSpec]) -> Vec<u8> {
+    let align = DEFAULT_ALIGNMENT;
     let mut b = Vec::new();
     b.extend(GGUF_MAGIC);
     b.extend(3u32.to_le_bytes());
@@ -666,12 +685,23 @@ pub fn encode(metadata: &[(&str, MetaValue)], tensors: &[RawTensor]) -> Vec<u8> 
         }
         b.extend(t.ggml_type.to_le_bytes());
         b.extend(offset.to_le_bytes());
-        offset += t.bytes.len().div_ceil(align) as u64 * align as u64;
+        offset += t.bytes.next_multiple_of(align);
     }
-    b.resize(b.len().div_ceil(align) * align, 0);
+    b.resize((b.len() as u64).next_multiple_of(align) as usize, 0);
+    b
+}
+
+/// A GGUF v3 file (alignment 32) holding `metadata` and `tensors`, as bytes. For tools and tests
+/// that craft models; arrays must hold one element type.
+pub fn encode(metadata: &[(&str, MetaValue)], tensors: &[RawTensor]) -> Vec<u8> {
+    let specs: Vec<TensorSpec> = tensors.iter().map(RawTensor::spec).collect();
+    let mut b = header(metadata, &specs);
     for t in tensors {
         b.extend(&t.bytes);
-        b.resize(b.len().div_ceil(align) * align, 0);
+        b.resize(
+            (b.len() as u64).next_multiple_of(DEFAULT_ALIGNMENT) as usize,
+            0,
+        );
     }
     b
 }
@@ -683,6 +713,36 @@ pub fn write(
     tensors: &[RawTensor],
 ) -> std::io::Result<()> {
     crate::fsutil::write_atomic(path, &encode(metadata, tensors))
+}
+
+/// Write a GGUF file too large to hold in memory, atomically: the header from `tensors`, then
+/// each tensor's data as `data(i)` produces it, in order (each exactly `tensors[i].bytes`).
+pub fn write_streamed(
+    path: &Path,
+    metadata: &[(&str, MetaValue)],
+    tensors: &[TensorSpec],
+    data: &mut dyn FnMut(usize) -> std::io::Result<Vec<u8>>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    crate::fsutil::write_atomic_with(path, |f| {
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+        w.write_all(&header(metadata, tensors))?;
+        for (i, t) in tensors.iter().enumerate() {
+            let bytes = data(i)?;
+            if bytes.len() as u64 != t.bytes {
+                return Err(std::io::Error::other(format!(
+                    "tensor `{}`: {} bytes produced, the header says {}",
+                    t.name,
+                    bytes.len(),
+                    t.bytes
+                )));
+            }
+            w.write_all(&bytes)?;
+            let pad = t.bytes.next_multiple_of(DEFAULT_ALIGNMENT) - t.bytes;
+            w.write_all(&vec![0u8; pad as usize])?;
+        }
+        w.flush()
+    })
 }
 
 #[cfg(test)]

@@ -641,9 +641,243 @@ fn write_model(
     Ok(())
 }
 
+/// llama.cpp's name for an HF llama tensor (`None` for the rest).
+fn gguf_name(hf: &str) -> Option<String> {
+    Some(match hf {
+        "model.embed_tokens.weight" => "token_embd.weight".into(),
+        "model.norm.weight" => "output_norm.weight".into(),
+        "lm_head.weight" => "output.weight".into(),
+        _ => {
+            let rest = hf.strip_prefix("model.layers.")?;
+            let (layer, what) = rest.split_once('.')?;
+            let what = match what {
+                "input_layernorm.weight" => "attn_norm.weight",
+                "post_attention_layernorm.weight" => "ffn_norm.weight",
+                "self_attn.q_proj.weight" => "attn_q.weight",
+                "self_attn.k_proj.weight" => "attn_k.weight",
+                "self_attn.v_proj.weight" => "attn_v.weight",
+                "self_attn.o_proj.weight" => "attn_output.weight",
+                "mlp.gate_proj.weight" => "ffn_gate.weight",
+                "mlp.up_proj.weight" => "ffn_up.weight",
+                "mlp.down_proj.weight" => "ffn_down.weight",
+                _ => return None,
+            };
+            format!("blk.{layer}.{what}")
+        }
+    })
+}
+
+/// Rows of a Q or K projection reordered from HF's RoPE layout (a head's two halves rotate
+/// together) to GGUF llama's (adjacent pairs rotate together), as llama.cpp's converter does:
+/// row `i·2 + j` of a head takes HF row `j·hd/2 + i`.
+fn rope_pairs_adjacent(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let rows = values.len() / cols;
+    let hd = rows / heads;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for j in 0..2 {
+                let (to, from) = (h * hd + i * 2 + j, h * hd + j * hd / 2 + i);
+                out[to * cols..(to + 1) * cols]
+                    .copy_from_slice(&values[from * cols..(from + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Write the model as one llama GGUF file `out` (what llama.cpp loads): the same values as the
+/// HF directory [`synthesize`] writes (matrices in f16/bf16, norms in f32, Q/K rows in llama.cpp's
+/// RoPE order), with a byte-fallback vocabulary of placeholder tokens. LLaMA SwiGLU shapes only.
+pub fn synthesize_gguf(
+    spec: &SynthSpec,
+    out: &Path,
+    force: bool,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<(), ModelError> {
+    use super::gguf::{MetaValue as M, TensorSpec, write_streamed};
+    let bad = |msg: String| ModelError::Config {
+        path: out.to_path_buf(),
+        msg,
+    };
+    spec.validate().map_err(bad)?;
+    if spec.arch != Arch::Llama || spec.activation != "silu" {
+        return Err(bad(
+            "GGUF output is for LLaMA shapes with SwiGLU (llama.cpp's llama architecture)".into(),
+        ));
+    }
+    if out.exists() && !force {
+        return Err(bad("already exists (pass --force to replace it)".into()));
+    }
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
+    }
+    let (ggml_type, file_type, width) = match spec.dtype {
+        SynthDtype::F16 => (1u32, 1u32, 2u64),
+        SynthDtype::Bf16 => (30, 32, 2),
+    };
+    // Placeholder vocabulary: unknown, BOS, EOS, the 256 byte tokens, then `▁t{i}`.
+    let mut tokens: Vec<M> = ["<unk>", "<s>", "</s>"]
+        .iter()
+        .map(|t| M::String(t.to_string()))
+        .collect();
+    let mut types: Vec<M> = vec![M::I32(2), M::I32(3), M::I32(3)];
+    for b in 0..256 {
+        tokens.push(M::String(format!("<0x{b:02X}>")));
+        types.push(M::I32(6));
+    }
+    if spec.vocab_size < tokens.len() {
+        return Err(bad(format!(
+            "a GGUF vocabulary needs at least {} tokens (the byte tokens)",
+            tokens.len()
+        )));
+    }
+    for i in tokens.len()..spec.vocab_size {
+        tokens.push(M::String(format!("\u{2581}t{i}")));
+        types.push(M::I32(1));
+    }
+    let n = spec.vocab_size;
+    let metadata: Vec<(&str, M)> = vec![
+        ("general.architecture", M::String("llama".into())),
+        (
+            "general.name",
+            M::String(format!("gpu-offload synth seed {}", spec.seed)),
+        ),
+        ("general.file_type", M::U32(file_type)),
+        ("llama.context_length", M::U32(spec.max_context as u32)),
+        ("llama.embedding_length", M::U32(spec.d_model as u32)),
+        ("llama.block_count", M::U32(spec.n_layers as u32)),
+        ("llama.feed_forward_length", M::U32(spec.d_ff as u32)),
+        ("llama.attention.head_count", M::U32(spec.n_heads as u32)),
+        (
+            "llama.attention.head_count_kv",
+            M::U32(spec.n_kv_heads as u32),
+        ),
+        ("llama.rope.freq_base", M::F32(10000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", M::F32(1e-5)),
+        ("tokenizer.ggml.model", M::String("llama".into())),
+        ("tokenizer.ggml.tokens", M::Array(tokens)),
+        ("tokenizer.ggml.scores", M::Array(vec![M::F32(0.0); n])),
+        ("tokenizer.ggml.token_type", M::Array(types)),
+        ("tokenizer.ggml.bos_token_id", M::U32(1)),
+        ("tokenizer.ggml.eos_token_id", M::U32(2)),
+        ("tokenizer.ggml.unknown_token_id", M::U32(0)),
+    ];
+    let plans: Vec<TensorPlan> = spec.tensors();
+    let specs: Vec<TensorSpec> = plans
+        .iter()
+        .map(|p| {
+            let name =
+                gguf_name(&p.name).ok_or_else(|| bad(format!("no GGUF name for {}", p.name)))?;
+            let vector = p.rows == 1;
+            Ok(TensorSpec {
+                name,
+                dims: if vector {
+                    vec![p.cols as u64]
+                } else {
+                    vec![p.cols as u64, p.rows as u64]
+                },
+                ggml_type: if vector { 0 } else { ggml_type },
+                bytes: (p.rows * p.cols) as u64 * if vector { 4 } else { width },
+            })
+        })
+        .collect::<Result<_, ModelError>>()?;
+    let total: u64 = specs.iter().map(|t| t.bytes).sum();
+    let direction = common_direction(spec.seed, spec.d_model);
+    let mut done = 0u64;
+    write_streamed(out, &metadata, &specs, &mut |i| {
+        let plan = plans[i].clone();
+        let name = plan.name.clone();
+        let (rows, cols) = (plan.rows, plan.cols);
+        let t = SynthTensor {
+            spec,
+            shape: vec![rows, cols],
+            plan,
+            direction: &direction,
+        };
+        let mut v = t.values();
+        if name.ends_with("q_proj.weight") {
+            v = rope_pairs_adjacent(&v, spec.n_heads, cols);
+        } else if name.ends_with("k_proj.weight") {
+            v = rope_pairs_adjacent(&v, spec.n_kv_heads, cols);
+        }
+        let bytes = if rows == 1 {
+            // The HF directory holds vectors in f16/bf16 too: the same numbers, as f32.
+            let r: Vec<f32> = v
+                .iter()
+                .map(|&x| match spec.dtype {
+                    SynthDtype::F16 => f16::from_f32(x).to_f32(),
+                    SynthDtype::Bf16 => bf16::from_f32(x).to_f32(),
+                })
+                .collect();
+            bytemuck::cast_slice(&r).to_vec()
+        } else {
+            let dtype = match spec.dtype {
+                SynthDtype::F16 => crate::tensor::DType::F16,
+                SynthDtype::Bf16 => crate::tensor::DType::BF16,
+            };
+            let mut b = vec![0u8; v.len() * 2];
+            b.par_chunks_mut(CHUNK * 2)
+                .zip(v.par_chunks(CHUNK))
+                .for_each(|(o, x)| {
+                    let _ = crate::tensor::encode_row(dtype, x, o);
+                });
+            b
+        };
+        done += bytes.len() as u64;
+        progress(done, total);
+        Ok(bytes)
+    })
+    .map_err(|e| io(out, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The GGUF a synth writes is the model of the HF directory it writes: the same logits
+    /// (its Q/K rows in llama.cpp's RoPE order, the loader rotating adjacent pairs).
+    #[test]
+    fn the_gguf_is_the_same_model_as_the_hf_directory() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::engine::{Engine, Logits};
+        let spec = SynthSpec {
+            vocab_size: 300,
+            ..SynthSpec::preset("tiny").unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        synthesize(&spec, &dir.path().join("hf"), false, &mut |_, _| {}).unwrap();
+        let gguf = dir.path().join("m.gguf");
+        synthesize_gguf(&spec, &gguf, false, &mut |_, _| {}).unwrap();
+        assert!(synthesize_gguf(&spec, &gguf, false, &mut |_, _| {}).is_err());
+        let run = |p: &Path| {
+            let m = crate::model::Model::load(p).unwrap();
+            let e = Engine::new(CpuBackend::new(1).unwrap(), m.spec.clone(), &m.weights).unwrap();
+            let mut s = e.new_session(8).unwrap();
+            (
+                e.forward(&mut s, &[1, 5, 77, 260, 3, 9], Logits::All)
+                    .unwrap(),
+                m.tokenizer.is_some(),
+            )
+        };
+        let (a, _) = run(&dir.path().join("hf"));
+        let (b, has_tokenizer) = run(&gguf);
+        assert!(has_tokenizer, "the GGUF carries a vocabulary");
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            diff <= 1e-4 * scale,
+            "logits differ by {diff} (scale {scale})"
+        );
+        let relu = SynthSpec {
+            activation: "relu".into(),
+            ..spec
+        };
+        assert!(synthesize_gguf(&relu, &dir.path().join("r.gguf"), false, &mut |_, _| {}).is_err());
+    }
 
     #[test]
     fn probit_inverts_known_quantiles() {
