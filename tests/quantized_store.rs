@@ -21,19 +21,99 @@ use gpu_offload::tier::offload::OffloadWeights;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
-fn converted(gguf: &std::path::Path) -> (Arc<Store>, tempfile::TempDir) {
+fn converted_with(
+    gguf: &std::path::Path,
+    opts: &ConvertOptions,
+) -> (Arc<Store>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("store");
-    convert(gguf, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    convert(gguf, &out, opts, &mut |_, _| {}).unwrap();
     (Arc::new(Store::open(&out).unwrap()), dir)
 }
 
+fn converted(gguf: &std::path::Path) -> (Arc<Store>, tempfile::TempDir) {
+    converted_with(gguf, &ConvertOptions::default())
+}
+
+/// By default the store reads a GGUF's matrices in the file itself: only norms (as f32
+/// vectors) go to `data.bin`, and every matrix segment is the file's bytes at its offset.
 #[test]
-fn the_store_holds_the_gguf_bytes_and_is_the_files_size() {
+fn the_store_reads_the_gguf_in_place() {
     let Some(path) = common::smollm2() else {
         return;
     };
     let (store, dir) = converted(&path);
+    let gguf = GgufFile::open(&path).unwrap();
+    for (name, info) in &gguf.tensors {
+        let seg = store.segment(name).unwrap();
+        assert_eq!(seg.in_source, info.dims.len() == 2, "`{name}`");
+        if seg.in_source {
+            assert_eq!(seg.offset, info.offset as u64, "`{name}`");
+        }
+        assert_eq!(
+            seg.xxh3,
+            format!("{:016x}", xxh3_64(gguf.tensor_bytes(info)))
+        );
+    }
+    store.verify_all(&mut |_, _| {}).unwrap();
+    let stored = walk(&dir.path().join("store"));
+    println!("in place: the store holds {stored} bytes beside the file");
+    assert!(stored < 4 << 20, "{stored} bytes");
+}
+
+/// A model file that changed under a store reading it in place is refused (size), or its
+/// changed bytes fail their checksum when read (content).
+#[test]
+fn a_changed_model_file_is_caught() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let copy = dir.path().join("m.gguf");
+    std::fs::copy(&path, &copy).unwrap();
+    let out = dir.path().join("store");
+    convert(&copy, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    let store = Store::open(&out).unwrap();
+    let seg = store
+        .manifest
+        .segments
+        .iter()
+        .find(|s| s.in_source && s.name.contains("ffn_down"))
+        .unwrap()
+        .clone();
+    drop(store);
+    // Same size, one byte flipped inside a matrix.
+    let mut bytes = std::fs::read(&copy).unwrap();
+    bytes[seg.offset as usize + 100] ^= 0x40;
+    std::fs::write(&copy, &bytes).unwrap();
+    let store = Store::open(&out).unwrap();
+    let err = store.verify_all(&mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains(&seg.name) && err.contains("checksum"), "{err}");
+    // Another size: refused at open, naming the file.
+    bytes.push(0);
+    std::fs::write(&copy, &bytes).unwrap();
+    let err = Store::open(&out).unwrap_err().to_string();
+    assert!(
+        err.contains("has changed") && err.contains("m.gguf"),
+        "{err}"
+    );
+    std::fs::remove_file(&copy).unwrap();
+    let err = Store::open(&out).unwrap_err().to_string();
+    assert!(err.contains("cannot be opened"), "{err}");
+}
+
+#[test]
+fn a_copied_store_holds_the_gguf_bytes_and_is_the_files_size() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let (store, dir) = converted_with(
+        &path,
+        &ConvertOptions {
+            copy: true,
+            ..Default::default()
+        },
+    );
     let gguf = GgufFile::open(&path).unwrap();
     let mut matrices = 0;
     for (name, info) in &gguf.tensors {
@@ -48,6 +128,7 @@ fn the_store_holds_the_gguf_bytes_and_is_the_files_size() {
             seg.encoding.name()
         );
         matrices += usize::from(info.dims.len() == 2);
+        assert!(!seg.in_source);
     }
     assert!(matrices > 200, "{matrices} matrices");
     assert!(!store.ffn_bundled(), "a Q4_1 FFN stays matrices");

@@ -33,8 +33,13 @@ pub struct ConvertArgs {
     #[arg(long, env = "GPU_OFFLOAD_FORCE")]
     pub force: bool,
 
+    /// Copy a GGUF's tensors into the store [default: the store reads them in the GGUF itself,
+    /// which must then stay where it is, unchanged]
+    #[arg(long, env = "GPU_OFFLOAD_COPY")]
+    pub copy: bool,
+
     /// Check every segment of an existing store against its checksum instead of converting.
-    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force"])]
+    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy"])]
     pub verify: Option<PathBuf>,
 }
 
@@ -86,6 +91,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         &ConvertOptions {
             extra_encodings: extra,
             force: args.force,
+            copy: args.copy,
         },
         &mut |done, total| {
             pb.set_length(total as u64);
@@ -100,12 +106,28 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     } else {
         format!("FFN bundles in {}", encodings.join("+"))
     };
+    let in_place: u64 = manifest
+        .segments
+        .iter()
+        .filter(|s| s.in_source)
+        .map(|s| s.bytes)
+        .sum();
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let place = if in_place > 0 {
+        format!(
+            " (+ {:.1} MiB read in place from {})",
+            mib(in_place),
+            model.display()
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "{} → {}: {} segments, {:.1} MiB, {ffn}, model {} ({:.1} s)",
+        "{} → {}: {} segments, {:.1} MiB{place}, {ffn}, model {} ({:.1} s)",
         model.display(),
         out.display(),
         manifest.segments.len(),
-        manifest.data_bytes as f64 / (1u64 << 20) as f64,
+        mib(manifest.data_bytes),
         manifest.model_id,
         t0.elapsed().as_secs_f64()
     );

@@ -46,6 +46,7 @@ pub fn open_store_for(model: &Path) -> Result<Store> {
         &ConvertOptions {
             extra_encodings: vec![],
             force: true,
+            copy: false,
         },
         &mut |done, total| {
             pb.set_length(total as u64);

@@ -15,6 +15,11 @@
 //!   rows of gate, up and down are streamed as the file holds them;
 //! - attention matrices whole, norms and biases whole (f32).
 //!
+//! A GGUF's matrices are by default not copied at all: their segments point at the model file
+//! itself (`Segment::in_source`), checksummed at conversion, so a 40 GB model takes no second
+//! 40 GB of disk (`convert --copy` copies them). A model file that changed size is refused at
+//! open; changed bytes fail their checksums when read.
+//!
 //! Written atomically (a temporary directory renamed into place); every read from disk is
 //! checked against its checksum, so a truncated or bit-flipped segment is named, never used.
 //! Owns the format; knows nothing about devices.
@@ -177,6 +182,10 @@ pub struct Segment {
     pub xxh3: String,
     /// xxh3-64 of each run of [`GROUP_ROWS`] rows (the last may be shorter).
     pub group_xxh3: Vec<String>,
+    /// The bytes are the model file's own, read in place at `offset` of the source file
+    /// (`Manifest::source`) rather than from `data.bin`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_source: bool,
 }
 
 impl Segment {

@@ -15,19 +15,27 @@ use super::*;
 use crate::model::{
     Arch, LayerWeights, Linear, ModelWeights, NormWeights, PositionEncoding, Tokenizer,
 };
-use crate::tensor::{AlignedBuf, Bytes, DType, HostTensor, PAGE};
+use crate::tensor::{AlignedBuf, Bytes, DType, HostTensor};
 
 /// Manifests larger than this are refused (a real one is a few hundred KiB).
 const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+
+/// A file segments are read from, opened for direct I/O where the filesystem allows it.
+struct DataFile {
+    file: File,
+    path: PathBuf,
+    /// Whether reads bypass the page cache.
+    direct: bool,
+}
 
 /// An opened store.
 pub struct Store {
     dir: PathBuf,
     pub manifest: Manifest,
-    data: File,
-    data_path: PathBuf,
-    /// Whether `data` bypasses the page cache.
-    direct: bool,
+    /// `data.bin`.
+    data: DataFile,
+    /// The model file itself, for segments referenced in place.
+    source: Option<DataFile>,
     index: HashMap<String, usize>,
 }
 
@@ -36,7 +44,7 @@ impl std::fmt::Debug for Store {
         f.debug_struct("Store")
             .field("dir", &self.dir)
             .field("model_id", &self.manifest.model_id)
-            .field("direct_io", &self.direct)
+            .field("direct_io", &self.data.direct)
             .finish()
     }
 }
@@ -88,29 +96,68 @@ impl Store {
             .validate()
             .map_err(|m| format_err(&mpath, format!("model spec: {m}")))?;
 
-        let data_path = dir.join(DATA);
-        let (data, direct) = open_data(&data_path)?;
-        let len = data
-            .metadata()
-            .map_err(|e| StoreError::io(&data_path, e))?
-            .len();
+        let data = open_data(&dir.join(DATA))?;
+        let source = if manifest.segments.iter().any(|s| s.in_source) {
+            let path = PathBuf::from(&manifest.source.path);
+            let f = open_data(&path).map_err(|e| {
+                format_err(
+                    &mpath,
+                    format!(
+                        "the store reads the model file {} in place, and it cannot be opened ({e}): convert the model again",
+                        path.display()
+                    ),
+                )
+            })?;
+            let size = f
+                .file
+                .metadata()
+                .map_err(|e| StoreError::io(&path, e))?
+                .len();
+            if size != manifest.source.bytes {
+                return Err(format_err(
+                    &mpath,
+                    format!(
+                        "the store reads the model file {} in place, which has changed ({size} bytes, {} when converted): convert the model again",
+                        path.display(),
+                        manifest.source.bytes
+                    ),
+                ));
+            }
+            Some(f)
+        } else {
+            None
+        };
+        let len_of = |f: &DataFile| {
+            f.file
+                .metadata()
+                .map(|m| m.len())
+                .map_err(|e| StoreError::io(&f.path, e))
+        };
+        let data_len = len_of(&data)?;
+        let source_len = source.as_ref().map(len_of).transpose()?.unwrap_or(0);
         let mut index = HashMap::new();
         for (i, s) in manifest.segments.iter().enumerate() {
             let expect = (s.rows as u64).checked_mul(s.row_bytes() as u64);
-            if expect != Some(s.bytes) || s.offset % ALIGN != 0 {
+            // Segments of data.bin start on a page (direct I/O); in-place ones where the
+            // model file has them.
+            if expect != Some(s.bytes) || (!s.in_source && s.offset % ALIGN != 0) {
                 return Err(format_err(
                     &mpath,
                     format!("segment `{}` has an inconsistent shape or offset", s.name),
                 ));
             }
+            let (len, path) = match (&source, s.in_source) {
+                (Some(f), true) => (source_len, &f.path),
+                _ => (data_len, &data.path),
+            };
             let end = s.offset.saturating_add(s.bytes);
             if end > len {
                 return Err(StoreError::Truncated {
-                    path: data_path.clone(),
+                    path: path.clone(),
                     segment: s.name.clone(),
                     msg: format!(
                         "it ends at byte {end} but {} has {len} bytes",
-                        data_path.display()
+                        path.display()
                     ),
                 });
             }
@@ -132,6 +179,8 @@ impl Store {
                 ));
             }
         }
+        let len = data_len;
+        let data_path = data.path.clone();
         if len < manifest.data_bytes {
             return Err(StoreError::Truncated {
                 path: data_path.clone(),
@@ -143,8 +192,7 @@ impl Store {
             dir: dir.to_path_buf(),
             manifest,
             data,
-            data_path,
-            direct,
+            source,
             index,
         })
     }
@@ -154,7 +202,15 @@ impl Store {
     }
 
     pub fn direct_io(&self) -> bool {
-        self.direct
+        self.data.direct
+    }
+
+    /// The file `seg` is read from.
+    fn file_of(&self, seg: &Segment) -> &DataFile {
+        match (&self.source, seg.in_source) {
+            (Some(f), true) => f,
+            _ => &self.data,
+        }
     }
 
     pub fn segment(&self, name: &str) -> Option<&Segment> {
@@ -168,47 +224,6 @@ impl Store {
                 format!("segment `{name}` is missing"),
             )
         })
-    }
-
-    /// Read a whole segment into `buf` (at least `seg.bytes` long) and check its checksum.
-    pub fn read_into(&self, seg: &Segment, buf: &mut AlignedBuf) -> Result<(), StoreError> {
-        let len = seg.bytes as usize;
-        assert!(
-            buf.len() >= len,
-            "buffer of {} bytes for segment of {len}",
-            buf.len()
-        );
-        let span = len.div_ceil(PAGE) * PAGE;
-        let dst = &mut buf.padded_mut()[..span];
-        let mut done = 0;
-        while done < span {
-            let n = self
-                .data
-                .read_at(&mut dst[done..], seg.offset + done as u64)
-                .map_err(|e| StoreError::io(&self.data_path, e))?;
-            if n == 0 {
-                break;
-            }
-            done += n;
-        }
-        if done < len {
-            return Err(StoreError::Truncated {
-                path: self.data_path.clone(),
-                segment: seg.name.clone(),
-                msg: format!("read {done} of {len} bytes"),
-            });
-        }
-        self.forget_cached(seg.offset, span as u64);
-        let actual = format!("{:016x}", xxh3_64(&dst[..len]));
-        if actual != seg.xxh3 {
-            return Err(StoreError::Checksum {
-                path: self.data_path.clone(),
-                segment: seg.name.clone(),
-                expected: seg.xxh3.clone(),
-                actual,
-            });
-        }
-        Ok(())
     }
 
     /// Read rows `rows` of `seg` (starting on a checksum group, ending on one or at the last
@@ -237,13 +252,14 @@ impl Store {
             "buffer of {} bytes for a read of {len}",
             buf.capacity()
         );
+        let f = self.file_of(seg);
         let dst = &mut buf.padded_mut()[..len_us];
         let mut done = 0;
         while done < len_us {
-            let n = self
-                .data
+            let n = f
+                .file
                 .read_at(&mut dst[done..], start + done as u64)
-                .map_err(|e| StoreError::io(&self.data_path, e))?;
+                .map_err(|e| StoreError::io(&f.path, e))?;
             if n == 0 {
                 break;
             }
@@ -253,19 +269,19 @@ impl Store {
         let rb = seg.row_bytes();
         if done < first + rows.len() * rb {
             return Err(StoreError::Truncated {
-                path: self.data_path.clone(),
+                path: f.path.clone(),
                 segment: seg.name.clone(),
                 msg: format!("read {done} of {len} bytes"),
             });
         }
-        self.forget_cached(start, len);
+        forget_cached(f, start, len);
         for g in rows.start / GROUP_ROWS..rows.end.div_ceil(GROUP_ROWS) {
             let (r0, r1) = (g * GROUP_ROWS, ((g + 1) * GROUP_ROWS).min(seg.rows));
             let at = first + (r0 - rows.start) * rb;
             let actual = format!("{:016x}", xxh3_64(&dst[at..at + (r1 - r0) * rb]));
             if actual != seg.group_xxh3[g] {
                 return Err(StoreError::Checksum {
-                    path: self.data_path.clone(),
+                    path: f.path.clone(),
                     segment: format!("{} (rows {r0}..{r1})", seg.name),
                     expected: seg.group_xxh3[g].clone(),
                     actual,
@@ -275,26 +291,13 @@ impl Store {
         Ok((first, len))
     }
 
-    /// Keep the page cache from holding weights behind the DRAM budget's back.
-    fn forget_cached(&self, offset: u64, len: u64) {
-        if !self.direct {
-            // SAFETY: plain advisory syscall on an open descriptor.
-            unsafe {
-                libc::posix_fadvise(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.data),
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                    libc::POSIX_FADV_DONTNEED,
-                );
-            }
-        }
-    }
-
-    /// A whole segment in a fresh buffer.
-    pub fn read(&self, seg: &Segment) -> Result<AlignedBuf, StoreError> {
-        let mut buf = AlignedBuf::zeroed(seg.bytes as usize);
-        self.read_into(seg, &mut buf)?;
-        Ok(buf)
+    /// A whole segment in a fresh buffer, with where its bytes are in it (every checksum group
+    /// checked).
+    pub fn read(&self, seg: &Segment) -> Result<(AlignedBuf, std::ops::Range<usize>), StoreError> {
+        let (_, extent) = seg.read_extent(0..seg.rows);
+        let mut buf = AlignedBuf::zeroed(extent as usize);
+        let (first, _) = self.read_rows_into(seg, 0..seg.rows, &mut buf)?;
+        Ok((buf, first..first + seg.bytes as usize))
     }
 
     /// Read every segment once (a full integrity check); `progress(done, total)` in bytes.
@@ -305,12 +308,12 @@ impl Store {
             .manifest
             .segments
             .iter()
-            .map(|s| s.bytes)
+            .map(|s| s.read_extent(0..s.rows).1)
             .max()
             .unwrap_or(0);
         let mut buf = AlignedBuf::zeroed(biggest as usize);
         for s in &self.manifest.segments {
-            self.read_into(s, &mut buf)?;
+            self.read_rows_into(s, 0..s.rows, &mut buf)?;
             done += s.bytes;
             progress(done, total);
         }
@@ -329,15 +332,15 @@ impl Store {
                 ));
             }
         };
-        let buf = Arc::new(self.read(seg)?);
+        let (buf, range) = self.read(seg)?;
         Ok(HostTensor {
             name: name.to_string(),
             rows: seg.rows,
             cols: seg.cols,
             dtype,
             data: Bytes::Aligned {
-                range: 0..seg.bytes as usize,
-                buf,
+                range,
+                buf: Arc::new(buf),
             },
         })
     }
@@ -404,8 +407,8 @@ impl Store {
                 continue;
             }
             let seg = self.require(&names::bundles(l, Encoding::F16))?;
-            let raw = self.read(seg)?;
-            let halves: &[f16] = bytemuck::cast_slice(raw.as_slice());
+            let (raw, range) = self.read(seg)?;
+            let halves: &[f16] = bytemuck::cast_slice(&raw.as_slice()[range]);
             let (d, n_ff) = (spec.d_model, spec.d_ff);
             let parts = if spec.gated_ffn { 3 } else { 2 };
             let bundle = |i: usize, p: usize| &halves[(i * parts + p) * d..(i * parts + p + 1) * d];
@@ -468,21 +471,43 @@ impl Store {
 }
 
 /// Open the data file for direct I/O, or buffered where the filesystem refuses O_DIRECT.
-fn open_data(path: &Path) -> Result<(File, bool), StoreError> {
-    match OpenOptions::new()
+fn open_data(path: &Path) -> Result<DataFile, StoreError> {
+    let (file, direct) = match OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
     {
-        Ok(f) => Ok((f, true)),
+        Ok(f) => (f, true),
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
             tracing::info!(
                 "{}: no direct I/O on this filesystem; reading through the page cache",
                 path.display()
             );
-            let f = File::open(path).map_err(|e| StoreError::io(path, e))?;
-            Ok((f, false))
+            (
+                File::open(path).map_err(|e| StoreError::io(path, e))?,
+                false,
+            )
         }
-        Err(e) => Err(StoreError::io(path, e)),
+        Err(e) => return Err(StoreError::io(path, e)),
+    };
+    Ok(DataFile {
+        file,
+        path: path.to_path_buf(),
+        direct,
+    })
+}
+
+/// Keep the page cache from holding weights behind the DRAM budget's back.
+fn forget_cached(f: &DataFile, offset: u64, len: u64) {
+    if !f.direct {
+        // SAFETY: plain advisory syscall on an open descriptor.
+        unsafe {
+            libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(&f.file),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_DONTNEED,
+            );
+        }
     }
 }

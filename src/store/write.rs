@@ -20,14 +20,30 @@ pub struct ConvertOptions {
     pub extra_encodings: Vec<Encoding>,
     /// Replace an existing store at the target.
     pub force: bool,
+    /// Copy a GGUF's tensors into `data.bin` even where the store could read them in the file
+    /// itself (by default it does: a 40 GB model then takes no second 40 GB of disk).
+    pub copy: bool,
 }
 
-/// Appends segments to `data.bin`, each aligned and checksummed.
+/// Appends segments to `data.bin`, each aligned and checksummed; or records, checksummed,
+/// segments the store reads in the model file itself.
 struct DataWriter {
     out: BufWriter<File>,
     path: PathBuf,
     offset: u64,
     segments: Vec<Segment>,
+    /// Whether matrices mapped from the (single-file) source are referenced in place.
+    in_place: bool,
+}
+
+/// The checksums of a segment's bytes: whole, and per group of [`GROUP_ROWS`] rows.
+fn checksums(bytes: &[u8], rows: usize) -> (String, Vec<String>) {
+    let group_bytes = (bytes.len() / rows.max(1)) * GROUP_ROWS;
+    let groups = bytes
+        .chunks(group_bytes.max(1))
+        .map(|g| format!("{:016x}", xxh3_64(g)))
+        .collect();
+    (format!("{:016x}", xxh3_64(bytes)), groups)
 }
 
 impl DataWriter {
@@ -47,11 +63,7 @@ impl DataWriter {
         self.out
             .write_all(bytes)
             .map_err(|e| StoreError::io(&self.path, e))?;
-        let group_bytes = (bytes.len() / rows.max(1)) * GROUP_ROWS;
-        let group_xxh3 = bytes
-            .chunks(group_bytes.max(1))
-            .map(|g| format!("{:016x}", xxh3_64(g)))
-            .collect();
+        let (xxh3, group_xxh3) = checksums(bytes, rows);
         self.segments.push(Segment {
             name,
             kind,
@@ -60,8 +72,9 @@ impl DataWriter {
             cols,
             offset: self.offset,
             bytes: bytes.len() as u64,
-            xxh3: format!("{:016x}", xxh3_64(bytes)),
+            xxh3,
             group_xxh3,
+            in_source: false,
         });
         self.offset += bytes.len() as u64;
         Ok(())
@@ -80,8 +93,26 @@ impl DataWriter {
         )
     }
 
-    /// A matrix in its own encoding, its bytes as the model holds them.
+    /// A matrix in its own encoding, its bytes as the model holds them: referenced where the
+    /// source file has them, when it may be, else copied.
     fn matrix(&mut self, name: String, t: &HostTensor) -> Result<(), StoreError> {
+        if let (true, crate::tensor::Bytes::Mapped { range, map }) = (self.in_place, &t.data) {
+            let bytes = &map[range.clone()];
+            let (xxh3, group_xxh3) = checksums(bytes, t.rows);
+            self.segments.push(Segment {
+                name,
+                kind: SegmentKind::Tensor,
+                encoding: Encoding::Format(t.dtype),
+                rows: t.rows,
+                cols: t.cols,
+                offset: range.start as u64,
+                bytes: bytes.len() as u64,
+                xxh3,
+                group_xxh3,
+                in_source: true,
+            });
+            return Ok(());
+        }
         self.put(
             name,
             SegmentKind::Tensor,
@@ -386,6 +417,8 @@ fn write_store(
         path: data_path.clone(),
         offset: 0,
         segments: Vec::new(),
+        // One file mapped as a whole (a GGUF): its offsets are the file's.
+        in_place: !opts.copy && source.is_file(),
     };
     let ffn_dtypes: Vec<crate::tensor::DType> = w
         .layers
