@@ -276,3 +276,145 @@ fn run_on_the_budgeted_device_gives_the_cpus_tokens() {
         }
     }
 }
+
+/// A GGUF whose layers keep one tensor in different formats (as Q4_K_M keeps some layers'
+/// `ffn_down` and `attn_v` in Q6_K): here Q8_0 in even layers and F16 in odd ones, everything
+/// else Q8_0, written from a synthesized 6-layer llama GGUF (so the DRAM cache has layers to
+/// cycle through).
+fn mixed_format_gguf(dir: &std::path::Path) -> std::path::PathBuf {
+    use gpu_offload::model::gguf::{RawTensor, write};
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    use gpu_offload::tensor::{DType, decode_row, encode_row};
+    let src = dir.join("f16.gguf");
+    let spec = SynthSpec {
+        n_layers: 6,
+        vocab_size: 320,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    synthesize_gguf(&spec, &src, false, &mut |_, _| {}).unwrap();
+    let g = GgufFile::open(&src).unwrap();
+    let mut tensors = Vec::new();
+    for (name, info) in &g.tensors {
+        let bytes = g.tensor_bytes(info);
+        if info.dims.len() < 2 {
+            tensors.push(RawTensor {
+                name: name.clone(),
+                dims: info.dims.clone(),
+                ggml_type: 0,
+                bytes: bytes.to_vec(),
+            });
+            continue;
+        }
+        let cols = info.dims[0] as usize;
+        let odd_layer = name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|l| l.parse::<usize>().ok())
+            .is_some_and(|l| l % 2 == 1);
+        let mixed = name.contains("ffn_down") || name.contains("attn_v");
+        let (dtype, ggml_type) = if mixed && odd_layer {
+            (DType::F16, 1)
+        } else {
+            (DType::Q8_0, 8)
+        };
+        let from = info.ggml_type.host_dtype().unwrap();
+        let mut out = Vec::new();
+        let mut row = vec![0f32; cols];
+        for r in bytes.chunks(from.bytes_for(cols)) {
+            decode_row(from, r, &mut row);
+            let mut enc = vec![0u8; dtype.bytes_for(cols)];
+            encode_row(dtype, &row, &mut enc).unwrap();
+            out.extend(enc);
+        }
+        tensors.push(RawTensor {
+            name: name.clone(),
+            dims: info.dims.clone(),
+            ggml_type,
+            bytes: out,
+        });
+    }
+    let meta: Vec<(&str, gpu_offload::model::gguf::MetaValue)> = g
+        .metadata
+        .entries
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let path = dir.join("mixed.gguf");
+    write(&path, &meta, &tensors).unwrap();
+    path
+}
+
+/// Layers of mixed formats stream through the same slots (re-typed per layer) and DRAM buffers
+/// (sized for the widest layer): at any budget, with the SSD tier in play, the offloaded logits
+/// are the dense run's bit for bit and the traffic per token is the plan's, layer by layer.
+#[test]
+fn layers_of_mixed_formats_offload_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = mixed_format_gguf(dir.path());
+    let (store, _d) = converted(&path);
+    let shapes = gpu_offload::plan::layer_shapes(&store.manifest).unwrap();
+    let down = gpu_offload::plan::Part::Down.index();
+    assert_ne!(shapes[0].row_bytes[down], shapes[1].row_bytes[down]);
+    let model = Model::load(&path).unwrap();
+    let toks: Vec<u32> = (0..12).map(|i| (i * 37 % 300 + 3) as u32).collect();
+    let prompt = 6;
+    let dense = Engine::new(
+        CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_kv_type(KvType::F16)
+    .unwrap();
+    let want = logits(&dense, &toks, prompt);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    for window in [1, 2] {
+        let b = |g, dram| Budget::new(g, dram, window, toks.len(), prompt);
+        let min = match make_plan(&store.manifest, &b(0, None), &hw) {
+            Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+            other => panic!("{other:?}"),
+        };
+        let all = make_plan(&store.manifest, &b(u64::MAX / 4, None), &hw)
+            .unwrap()
+            .gpu
+            .total;
+        for g in [min, min + (all - min) / 3] {
+            let dram = match make_plan(&store.manifest, &b(g, Some(1)), &hw) {
+                Err(PlanError::DramTooSmall { minimum, .. }) => Some(minimum),
+                _ => None,
+            };
+            let plan = make_plan(&store.manifest, &b(g, dram), &hw).unwrap();
+            assert!(plan.streams());
+            assert!(
+                dram.is_none() || plan.per_token.ssd_bytes > 0,
+                "the SSD tier is in play"
+            );
+            let ledger = Ledger::new(Some(plan.ledger_budget()), dram);
+            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+            let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+            let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(KvType::F16)
+                .unwrap();
+            let mut s = e.new_session(toks.len()).unwrap();
+            let mut got = vec![e.forward(&mut s, &toks[..prompt], Logits::Last).unwrap()];
+            for &t in &toks[prompt..] {
+                e.settle();
+                let before = ledger.snapshot();
+                got.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+                e.settle();
+                let after = ledger.snapshot();
+                assert_eq!(after.h2d_bytes - before.h2d_bytes, plan.per_token.h2d_bytes);
+                assert_eq!(
+                    after.ssd_read_bytes - before.ssd_read_bytes,
+                    plan.per_token.ssd_bytes
+                );
+                assert!(after.hbm_peak <= plan.gpu.placed);
+                if let Some(d) = dram {
+                    assert!(after.dram_total_peak <= d);
+                }
+            }
+            assert!(got == want, "window {window}, {g} bytes: logits differ");
+        }
+    }
+}

@@ -165,6 +165,15 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         cols: usize,
     ) -> Result<Self::Weight>;
+    /// Reinterpret `w` as `rows × cols` values in `dtype`, within the bytes it was allocated
+    /// with: a streaming slot that holds, layer after layer, tensors of different formats.
+    fn retype_weight(
+        &self,
+        w: &mut Self::Weight,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()>;
     /// Copy `src` (whole rows of `dst`'s format) into `dst` from row `first_row`, on the copy
     /// stream. `src` must stay unchanged until an event recorded after this call completes.
     fn upload_into(&self, dst: &mut Self::Weight, first_row: usize, src: &[u8]) -> Result<()>;

@@ -135,6 +135,16 @@ impl Backend for SimBackend {
         })
     }
 
+    fn retype_weight(
+        &self,
+        w: &mut SimWeight,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.cpu.retype_weight(&mut w.w, dtype, rows, cols)
+    }
+
     fn upload_into(&self, dst: &mut SimWeight, first_row: usize, src: &[u8]) -> Result<()> {
         let t0 = Instant::now();
         self.cpu.upload_into(&mut dst.w, first_row, src)?;

@@ -261,41 +261,64 @@ fn holds(m: &Manifest, p: Part) -> bool {
     }
 }
 
-/// Row shape of the streamable parts, checked identical in every layer (the parts the store
-/// does not hold have no rows).
-pub fn layer_shape(m: &Manifest) -> Result<LayerShape, PlanError> {
-    let mut shape = LayerShape {
-        rows: [0; PARTS],
-        row_bytes: [0; PARTS],
-    };
+/// Row shape of every layer's streamable parts (the parts the store does not hold have no
+/// rows). Rows are the same in every layer; formats, and so row bytes, may differ (a Q4_K_M file
+/// keeps some layers' `ffn_down` and `attn_v` in Q6_K).
+pub fn layer_shapes(m: &Manifest) -> Result<Vec<LayerShape>, PlanError> {
+    let mut shapes: Vec<LayerShape> = Vec::with_capacity(m.spec.n_layers);
     for l in 0..m.spec.n_layers {
+        let mut shape = LayerShape {
+            rows: [0; PARTS],
+            row_bytes: [0; PARTS],
+        };
         for p in Part::ALL.into_iter().filter(|&p| holds(m, p)) {
             let s = seg(m, &part_segment_name(l, p))?;
-            let (rows, rb) = (s.rows, s.row_bytes() as u64);
-            if l == 0 {
-                shape.rows[p.index()] = rows;
-                shape.row_bytes[p.index()] = rb;
-                continue;
-            }
-            let first = seg(m, &part_segment_name(0, p))?;
-            if s.encoding != first.encoding {
-                // Streaming slots are shared by every layer: one format per part.
-                return Err(store_err(format!(
-                    "layer {l} {} is {} where layer 0's is {}: layers mixing formats in one tensor (as some K-quant mixes do) cannot be offloaded yet",
-                    p.name(),
-                    s.encoding.name(),
-                    first.encoding.name()
-                )));
-            }
-            if (rows, rb) != (shape.rows[p.index()], shape.row_bytes[p.index()]) {
-                return Err(store_err(format!(
-                    "layer {l} {} differs in shape from layer 0",
-                    p.name()
-                )));
-            }
+            shape.rows[p.index()] = s.rows;
+            shape.row_bytes[p.index()] = s.row_bytes() as u64;
+        }
+        if let Some(first) = shapes.first()
+            && first.rows != shape.rows
+        {
+            return Err(store_err(format!(
+                "layer {l} has other tensor shapes than layer 0"
+            )));
+        }
+        shapes.push(shape);
+    }
+    Ok(shapes)
+}
+
+/// The shape every layer fits: each part's widest rows over the layers (what a streaming slot
+/// and a DRAM buffer are sized for).
+pub fn layer_shape(m: &Manifest) -> Result<LayerShape, PlanError> {
+    Ok(widest(&layer_shapes(m)?))
+}
+
+fn widest(shapes: &[LayerShape]) -> LayerShape {
+    let mut w = shapes.first().copied().unwrap_or(LayerShape {
+        rows: [0; PARTS],
+        row_bytes: [0; PARTS],
+    });
+    for s in shapes {
+        for (a, b) in w.row_bytes.iter_mut().zip(s.row_bytes) {
+            *a = (*a).max(b);
         }
     }
-    Ok(shape)
+    w
+}
+
+/// The format of part `p` in the layer where its rows are widest (what a slot for it is
+/// allocated in, and re-typed from for each layer it holds).
+pub fn widest_dtype(m: &Manifest, p: Part) -> Result<DType, PlanError> {
+    let mut best = None;
+    for l in 0..m.spec.n_layers {
+        let s = seg(m, &part_segment_name(l, p))?;
+        if best.is_none_or(|(rb, _)| s.row_bytes() > rb) {
+            best = Some((s.row_bytes(), device_dtype(s)));
+        }
+    }
+    best.map(|(_, d)| d)
+        .ok_or_else(|| store_err(format!("no layer holds {}", p.name())))
 }
 
 /// Bytes of the small fragments the device holds (f32 vectors and the RoPE table), smallest
@@ -432,7 +455,8 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         return Err(PlanError::Budget(e.to_string()));
     }
     let n_layers = spec.n_layers;
-    let shape = layer_shape(m)?;
+    let shapes = layer_shapes(m)?;
+    let shape = widest(&shapes);
     let s_layer = shape.total();
     let fixed_cost = hw.fixed_device_bytes();
     let small: u64 = small_fragments(m)
@@ -473,7 +497,9 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             human_bytes(slots)
         )
     };
-    let all_resident = fixed + n_layers as u64 * resident_device_bytes(&shape, &all) <= usable;
+    let resident_all_layers =
+        |r: &Residency| -> u64 { shapes.iter().map(|sh| resident_device_bytes(sh, r)).sum() };
+    let all_resident = fixed + resident_all_layers(&all) <= usable;
     if !all_resident && usable < minimum {
         return Err(PlanError::GpuTooSmall {
             budget: budget.gpu_mem,
@@ -483,9 +509,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     }
     let grouped_query = spec.n_kv_heads < spec.n_heads;
     let placed_with = |r: &Residency, k: usize| {
-        fixed
-            + n_layers as u64 * resident_device_bytes(&shape, r)
-            + k as u64 * slot_device_bytes(&shape, r)
+        fixed + resident_all_layers(r) + k as u64 * slot_device_bytes(&shape, r)
     };
     let (residency, window) = if all_resident {
         (all, 0)
@@ -514,7 +538,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         fixed: fixed_cost,
         small,
         head,
-        resident_layers: n_layers as u64 * resident_device_bytes(&shape, &residency),
+        resident_layers: resident_all_layers(&residency),
         slots: window as u64 * slot_device_bytes(&shape, &residency),
         kv,
         scratch,
@@ -528,14 +552,24 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let page = |b: u64| b.next_multiple_of(crate::store::ALIGN);
     let emb = seg(m, names::TOKEN_EMBD)?;
     let tables = page(emb.bytes) + m.segment(names::POS_EMBD).map_or(0, |p| page(p.bytes));
-    let layer0 = |p: Part| seg(m, &part_segment_name(0, p));
-    let mut layer_bytes = 0;
+    // Per layer: the bytes its streamed rows take read from SSD (whole pages), and the most a
+    // start-up read of its resident rows takes. A DRAM buffer holds any layer: each part's
+    // widest extent over the layers (formats and page offsets differ between layers).
+    let mut layer_extents = Vec::with_capacity(n_layers);
+    let mut widest_extent = [0u64; PARTS];
     let mut staging = 0u64;
-    for p in Part::ALL.into_iter().filter(|&p| holds(m, p)) {
-        let sg = layer0(p)?;
-        layer_bytes += extent(sg, residency.streamed_rows(&shape, p));
-        staging = staging.max(staging_for(sg, residency.rows[p.index()]));
+    for l in 0..n_layers {
+        let mut e = 0;
+        for p in Part::ALL.into_iter().filter(|&p| holds(m, p)) {
+            let sg = seg(m, &part_segment_name(l, p))?;
+            let x = extent(sg, residency.streamed_rows(&shape, p));
+            e += x;
+            widest_extent[p.index()] = widest_extent[p.index()].max(x);
+            staging = staging.max(staging_for(sg, residency.rows[p.index()]));
+        }
+        layer_extents.push(e);
     }
+    let layer_bytes: u64 = widest_extent.iter().sum();
     for (name, _) in small_fragments(m) {
         if let Some(sg) = m.segment(&name) {
             staging = staging.max(staging_for(sg, sg.rows));
@@ -543,7 +577,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     }
     let h = head_segment(m)?;
     staging = staging.max(staging_for(h, h.rows));
-    let all_streamed = n_layers as u64 * layer_bytes;
+    let all_streamed: u64 = layer_extents.iter().sum();
     let (fixed_layers, dynamic_buffers) = match budget.dram_mem {
         _ if s == 0 => (n_layers, 0),
         None => (n_layers, 0),
@@ -590,15 +624,19 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
 
     // Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
     // from SSD; device compute reads every weight and half the KV cache on average.
+    let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
     let per_token = PerToken {
-        h2d_bytes: n_layers as u64 * s + spec.d_model as u64 * 4,
+        h2d_bytes: streamed_all + spec.d_model as u64 * 4,
         d2h_bytes: spec.vocab_size as u64 * 4,
         ssd_bytes: if s == 0 {
             0
         } else {
-            (n_layers - fixed_layers) as u64 * layer_bytes
+            layer_extents[fixed_layers..].iter().sum()
         },
-        hbm_read_bytes: small + head + n_layers as u64 * s_layer + per_session / 2,
+        hbm_read_bytes: small
+            + head
+            + shapes.iter().map(LayerShape::total).sum::<u64>()
+            + per_session / 2,
     };
     // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
     // plus one per streamed block.

@@ -62,12 +62,17 @@ impl Reader {
             .filter(|(_, r)| !r.is_empty())
     }
 
-    /// Fresh buffers (reserved in DRAM, page-locked where the device wants that) for one layer.
-    fn alloc(&self, layer: usize, pin: PinFn) -> Result<LayerData, StoreError> {
+    /// Fresh buffers (reserved in DRAM, page-locked where the device wants that) that hold
+    /// any of `layers` (their parts' formats may differ: each buffer fits the widest).
+    fn alloc(&self, layers: &[usize], pin: PinFn) -> Result<LayerData, StoreError> {
+        let layer = layers.first().copied().unwrap_or(0);
         let mut parts = Vec::new();
         for (p, rows) in self.streamed_parts() {
-            let seg = self.store.require(&part_segment_name(layer, p))?;
-            let (_, len) = seg.read_extent(rows.clone());
+            let mut len = 0;
+            for &l in layers {
+                let seg = self.store.require(&part_segment_name(l, p))?;
+                len = len.max(seg.read_extent(rows.clone()).1);
+            }
             let buf = AlignedBuf::zeroed(len as usize);
             let pinned = pin(&buf);
             let tier = if pinned.is_some() {
@@ -193,7 +198,7 @@ impl DramCache {
         };
         let mut fixed = Vec::with_capacity(fixed_layers);
         for l in 0..fixed_layers.min(n_layers) {
-            let mut d = reader.alloc(l, pin)?;
+            let mut d = reader.alloc(&[l], pin)?;
             reader.fill(&mut d, l)?;
             fixed.push(Arc::new(d));
         }
@@ -203,9 +208,9 @@ impl DramCache {
             0
         };
         let mut spare = Vec::with_capacity(dynamic);
+        let dynamic_layers: Vec<usize> = (fixed.len()..n_layers).collect();
         for _ in 0..dynamic {
-            // Every layer has the same shape: size the buffers on the first dynamic one.
-            spare.push(reader.alloc(fixed.len(), pin)?);
+            spare.push(reader.alloc(&dynamic_layers, pin)?);
         }
         let shared = Arc::new(Shared {
             ring: Mutex::new(Ring {

@@ -19,7 +19,7 @@ use crate::engine::{
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::plan::{
     PARTS, Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,
-    staging_chunks,
+    staging_chunks, widest_dtype,
 };
 use crate::store::{Segment, SegmentKind, Store, StoreError, names};
 use crate::tensor::{AlignedBuf, DType, HostTensor};
@@ -71,6 +71,8 @@ pub struct OffloadWeights<B: Backend> {
     rope_freq_factors: Option<Vec<f32>>,
     x_host: Vec<f32>,
     matmuls: MatmulShapes,
+    /// Per layer, each streamed part's device format and columns.
+    part_formats: Vec<[(DType, usize); PARTS]>,
 }
 
 /// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
@@ -219,18 +221,29 @@ impl<B: Backend> OffloadWeights<B> {
         };
         drop(loader);
 
+        let mut part_formats = vec![[(DType::F32, 0); PARTS]; n_layers];
+        for (l, formats) in part_formats.iter_mut().enumerate() {
+            for p in Part::ALL {
+                if shape.rows[p.index()] > 0 {
+                    let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                    formats[p.index()] = (device_dtype(seg), seg.cols);
+                }
+            }
+        }
         let mut slots = Vec::with_capacity(plan.window);
         for i in 0..plan.window {
             let mut parts: [Option<B::Weight>; PARTS] = Default::default();
             for p in Part::ALL {
                 let rows = residency.streamed_rows(&shape, p);
                 if !rows.is_empty() {
-                    let seg = store.require(&part_segment_name(0, p)).map_err(store_err)?;
+                    // Sized for the layer whose rows of this part are widest.
+                    let widest =
+                        widest_dtype(m, p).map_err(|e| EngineError::Weights(e.to_string()))?;
                     parts[p.index()] = Some(b.alloc_weight(
                         &format!("slot {i} {}", p.name()),
-                        device_dtype(seg),
+                        widest,
                         rows.len(),
-                        seg.cols,
+                        part_formats[0][p.index()].1,
                     )?);
                 }
             }
@@ -265,6 +278,7 @@ impl<B: Backend> OffloadWeights<B> {
         .map_err(store_err)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
         let mut me = OffloadWeights {
+            part_formats,
             matmuls,
             bundled: store.ffn_bundled(),
             bundle: BundleShape {
@@ -307,6 +321,9 @@ impl<B: Backend> OffloadWeights<B> {
             let w = s.parts[pd.part.index()].as_mut().ok_or_else(|| {
                 EngineError::Weights(format!("slot {slot} has no {} buffer", pd.part.name()))
             })?;
+            // This layer's format of the part (layers may differ, as in K-quant mixes).
+            let (dtype, cols) = self.part_formats[layer][pd.part.index()];
+            b.retype_weight(w, dtype, pd.rows.len(), cols)?;
             b.upload_into(w, 0, pd.bytes())?;
         }
         s.layer = Some(layer);

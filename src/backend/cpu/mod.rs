@@ -165,6 +165,42 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn retype_weight(
+        &self,
+        w: &mut HostTensor,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let Bytes::Owned { words, len } = &mut w.data else {
+            return Err(shape_err(
+                "retype_weight",
+                format!("`{}` is not a slot", w.name),
+            ));
+        };
+        let need = cols
+            .is_multiple_of(dtype.block_len())
+            .then(|| rows.checked_mul(dtype.bytes_for(cols)))
+            .flatten();
+        match need {
+            Some(n) if n <= words.len() * 8 => {
+                *len = n;
+                w.dtype = dtype;
+                w.rows = rows;
+                w.cols = cols;
+                Ok(())
+            }
+            _ => Err(shape_err(
+                "retype_weight",
+                format!(
+                    "{rows}x{cols} {dtype} does not fit `{}` ({} bytes)",
+                    w.name,
+                    words.len() * 8
+                ),
+            )),
+        }
+    }
+
     fn upload_into(&self, dst: &mut HostTensor, first_row: usize, src: &[u8]) -> Result<()> {
         let rb = dst.row_bytes();
         let start = first_row * rb;

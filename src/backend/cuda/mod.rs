@@ -732,6 +732,34 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn retype_weight(
+        &self,
+        w: &mut CudaWeight,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let need = cols
+            .is_multiple_of(dtype.block_len())
+            .then(|| rows.checked_mul(dtype.bytes_for(cols)))
+            .flatten();
+        match need {
+            Some(n) if n as u64 <= w.buf.mem.bytes => {
+                w.dtype = dtype;
+                w.rows = rows;
+                w.cols = cols;
+                Ok(())
+            }
+            _ => Err(shape_err(
+                "retype_weight",
+                format!(
+                    "{rows}x{cols} {dtype} does not fit `{}` ({} bytes)",
+                    w.name, w.buf.mem.bytes
+                ),
+            )),
+        }
+    }
+
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
         self.bind()?;
         let rb = dst.dtype.bytes_for(dst.cols);
