@@ -113,6 +113,14 @@ pub enum WorkspaceOp {
     },
 }
 
+/// Bytes `rows × cols` values in `dtype` take, if the shape is valid for the format (whole
+/// blocks per row): what [`Backend::retype_weight`] checks against a buffer's size.
+pub fn weight_bytes(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
+    cols.is_multiple_of(dtype.block_len())
+        .then(|| rows.checked_mul(dtype.bytes_for(cols)))
+        .flatten()
+}
+
 /// Keeps a host range page-locked while alive.
 pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
 

@@ -388,47 +388,17 @@ impl Store {
         };
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
-            if !self.ffn_bundled() {
-                layers.push(LayerWeights {
-                    attn_norm: norm(names::layer(l, "attn_norm"))?,
-                    wq: linear(names::layer(l, "attn_q"))?,
-                    wk: linear(names::layer(l, "attn_k"))?,
-                    wv: linear(names::layer(l, "attn_v"))?,
-                    wo: linear(names::layer(l, "attn_output"))?,
-                    ffn_norm: norm(names::layer(l, "ffn_norm"))?,
-                    w_gate: if spec.gated_ffn {
-                        Some(linear(names::layer(l, "ffn_gate"))?)
-                    } else {
-                        None
-                    },
-                    w_up: linear(names::layer(l, "ffn_up"))?,
-                    w_down: linear(names::layer(l, "ffn_down"))?,
-                });
-                continue;
-            }
-            let seg = self.require(&names::bundles(l, Encoding::F16))?;
-            let (raw, range) = self.read(seg)?;
-            let halves: &[f16] = bytemuck::cast_slice(&raw.as_slice()[range]);
-            let (d, n_ff) = (spec.d_model, spec.d_ff);
-            let parts = if spec.gated_ffn { 3 } else { 2 };
-            let bundle = |i: usize, p: usize| &halves[(i * parts + p) * d..(i * parts + p + 1) * d];
-            let rows_of =
-                |p: usize| -> Vec<f16> { (0..n_ff).flat_map(|i| bundle(i, p).to_vec()).collect() };
-            let mut down = vec![f16::ZERO; d * n_ff];
-            for i in 0..n_ff {
-                for (j, &v) in bundle(i, parts - 1).iter().enumerate() {
-                    down[j * n_ff + i] = v;
-                }
-            }
-            let f16_tensor = |name: String, rows: usize, cols: usize, v: Vec<f16>| HostTensor {
-                name,
-                rows,
-                cols,
-                dtype: DType::F16,
-                data: Bytes::from_slice(bytemuck::cast_slice(&v)),
+            let (w_gate, w_up, w_down) = if self.ffn_bundled() {
+                self.ffn_from_bundles(l)?
+            } else {
+                (
+                    spec.gated_ffn
+                        .then(|| linear(names::layer(l, "ffn_gate")))
+                        .transpose()?,
+                    linear(names::layer(l, "ffn_up"))?,
+                    linear(names::layer(l, "ffn_down"))?,
+                )
             };
-            let up_bias = self.opt_tensor(&names::layer(l, "ffn_up.bias"))?;
-            let down_bias = self.opt_tensor(&names::layer(l, "ffn_down.bias"))?;
             layers.push(LayerWeights {
                 attn_norm: norm(names::layer(l, "attn_norm"))?,
                 wq: linear(names::layer(l, "attn_q"))?,
@@ -436,23 +406,9 @@ impl Store {
                 wv: linear(names::layer(l, "attn_v"))?,
                 wo: linear(names::layer(l, "attn_output"))?,
                 ffn_norm: norm(names::layer(l, "ffn_norm"))?,
-                w_gate: spec.gated_ffn.then(|| Linear {
-                    weight: f16_tensor(names::layer(l, "ffn_gate.weight"), n_ff, d, rows_of(0)),
-                    bias: None,
-                }),
-                w_up: Linear {
-                    weight: f16_tensor(
-                        names::layer(l, "ffn_up.weight"),
-                        n_ff,
-                        d,
-                        rows_of(parts - 2),
-                    ),
-                    bias: up_bias,
-                },
-                w_down: Linear {
-                    weight: f16_tensor(names::layer(l, "ffn_down.weight"), d, n_ff, down),
-                    bias: down_bias,
-                },
+                w_gate,
+                w_up,
+                w_down,
             });
         }
         let pos_embd = match (spec.arch, &spec.position) {
@@ -467,6 +423,54 @@ impl Store {
             output: self.opt_tensor(names::OUTPUT)?,
             rope_freq_factors: self.opt_tensor(names::ROPE_FREQS)?.map(|t| t.to_f32()),
         })
+    }
+}
+
+impl Store {
+    /// Layer `l`'s gate, up and down matrices rebuilt from its f16 bundles.
+    #[allow(clippy::type_complexity)]
+    fn ffn_from_bundles(&self, l: usize) -> Result<(Option<Linear>, Linear, Linear), StoreError> {
+        let spec = &self.manifest.spec;
+        let seg = self.require(&names::bundles(l, Encoding::F16))?;
+        let (raw, range) = self.read(seg)?;
+        let halves: &[f16] = bytemuck::cast_slice(&raw.as_slice()[range]);
+        let (d, n_ff) = (spec.d_model, spec.d_ff);
+        let parts = if spec.gated_ffn { 3 } else { 2 };
+        let bundle = |i: usize, p: usize| &halves[(i * parts + p) * d..(i * parts + p + 1) * d];
+        let rows_of =
+            |p: usize| -> Vec<f16> { (0..n_ff).flat_map(|i| bundle(i, p).to_vec()).collect() };
+        let mut down = vec![f16::ZERO; d * n_ff];
+        for i in 0..n_ff {
+            for (j, &v) in bundle(i, parts - 1).iter().enumerate() {
+                down[j * n_ff + i] = v;
+            }
+        }
+        let f16_tensor = |name: String, rows: usize, cols: usize, v: Vec<f16>| HostTensor {
+            name,
+            rows,
+            cols,
+            dtype: DType::F16,
+            data: Bytes::from_slice(bytemuck::cast_slice(&v)),
+        };
+        Ok((
+            spec.gated_ffn.then(|| Linear {
+                weight: f16_tensor(names::layer(l, "ffn_gate.weight"), n_ff, d, rows_of(0)),
+                bias: None,
+            }),
+            Linear {
+                weight: f16_tensor(
+                    names::layer(l, "ffn_up.weight"),
+                    n_ff,
+                    d,
+                    rows_of(parts - 2),
+                ),
+                bias: self.opt_tensor(&names::layer(l, "ffn_up.bias"))?,
+            },
+            Linear {
+                weight: f16_tensor(names::layer(l, "ffn_down.weight"), d, n_ff, down),
+                bias: self.opt_tensor(&names::layer(l, "ffn_down.bias"))?,
+            },
+        ))
     }
 }
 

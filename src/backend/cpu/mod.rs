@@ -178,11 +178,7 @@ impl Backend for CpuBackend {
                 format!("`{}` is not a slot", w.name),
             ));
         };
-        let need = cols
-            .is_multiple_of(dtype.block_len())
-            .then(|| rows.checked_mul(dtype.bytes_for(cols)))
-            .flatten();
-        match need {
+        match super::weight_bytes(dtype, rows, cols) {
             Some(n) if n <= words.len() * 8 => {
                 *len = n;
                 w.dtype = dtype;

@@ -739,11 +739,7 @@ impl Backend for CudaBackend {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        let need = cols
-            .is_multiple_of(dtype.block_len())
-            .then(|| rows.checked_mul(dtype.bytes_for(cols)))
-            .flatten();
-        match need {
+        match super::weight_bytes(dtype, rows, cols) {
             Some(n) if n as u64 <= w.buf.mem.bytes => {
                 w.dtype = dtype;
                 w.rows = rows;
