@@ -82,12 +82,26 @@ impl GgmlType {
             Self::I64 => "I64".into(),
             Self::F64 => "F64".into(),
             Self::BF16 => "BF16".into(),
-            Self::Other(id) => format!("type {id} (IQ/TQ family)"),
+            Self::Other(id) => match id {
+                16 => "IQ2_XXS".into(),
+                17 => "IQ2_XS".into(),
+                18 => "IQ3_XXS".into(),
+                19 => "IQ1_S".into(),
+                20 => "IQ4_NL".into(),
+                21 => "IQ3_S".into(),
+                22 => "IQ2_S".into(),
+                23 => "IQ4_XS".into(),
+                29 => "IQ1_M".into(),
+                34 => "TQ1_0".into(),
+                35 => "TQ2_0".into(),
+                39 => "MXFP4".into(),
+                _ => format!("type {id}"),
+            },
         }
     }
 
-    /// (elements per block, bytes per block). For `Other` types the geometry is unknown; a
-    /// one-byte block keeps the directory readable and loading them is refused later.
+    /// (elements per block, bytes per block). For an `Other` id without a known layout a
+    /// one-byte block keeps the directory readable; loading it is refused later.
     pub fn block(self) -> (usize, usize) {
         match self {
             Self::F32 | Self::I32 => (1, 4),
@@ -106,7 +120,23 @@ impl GgmlType {
             Self::Q5K => (QK_K, 176),
             Self::Q6K => (QK_K, 210),
             Self::Q8K => (QK_K, 292),
-            Self::Other(_) => (1, 1),
+            // Types no backend computes: their geometry (ggml-common.h) keeps the directory
+            // and the file size checks right, so loading is refused with the type named.
+            Self::Other(id) => match id {
+                16 => (QK_K, 66),  // IQ2_XXS
+                17 => (QK_K, 74),  // IQ2_XS
+                18 => (QK_K, 98),  // IQ3_XXS
+                19 => (QK_K, 50),  // IQ1_S
+                20 => (32, 18),    // IQ4_NL
+                21 => (QK_K, 110), // IQ3_S
+                22 => (QK_K, 82),  // IQ2_S
+                23 => (QK_K, 136), // IQ4_XS
+                29 => (QK_K, 56),  // IQ1_M
+                34 => (QK_K, 54),  // TQ1_0
+                35 => (QK_K, 66),  // TQ2_0
+                39 => (32, 17),    // MXFP4
+                _ => (1, 1),
+            },
         }
     }
 

@@ -548,8 +548,8 @@ impl GgufFile {
             .ok_or_else(|| ModelError::Unsupported {
                 path: self.path.clone(),
                 msg: format!(
-                    "tensor `{name}` uses GGML type {}, which no backend computes \
-                     (supported: {})",
+                    "tensor `{name}` uses GGML type {}, which is not supported: no backend \
+                     computes it (supported: {})",
                     info.ggml_type.name(),
                     DType::ALL
                         .map(|d| GgmlType::of_dtype(d).0.name())
