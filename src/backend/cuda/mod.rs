@@ -1575,3 +1575,35 @@ impl Backend for CudaBackend {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_formats_with_integer_kernels_take_activation_blocks() {
+        for dtype in DType::ALL {
+            let ws = workspace_bytes(&WorkspaceOp::Matmul {
+                dtype,
+                tokens: 3,
+                cols: 512,
+            });
+            if uses_act_blocks(dtype) {
+                assert_eq!(
+                    ws,
+                    device_bytes(3 * 512 / 32 * ACT_BLOCK_BYTES as u64),
+                    "{dtype}"
+                );
+            } else {
+                // f32 activations read in place (f16/bf16 convert only for cuBLAS, n > 8).
+                assert_eq!(ws, 0, "{dtype}");
+            }
+        }
+        let k = WorkspaceOp::Matmul {
+            dtype: DType::Q4K,
+            tokens: 64,
+            cols: 4096,
+        };
+        assert_eq!(workspace_bytes(&k), 0);
+    }
+}
