@@ -6,6 +6,10 @@
 //!
 //! Used to make quantized models (fixtures, benchmarks); never on a hot path.
 
+// The loops index as ggml's C does, so the order of every float operation can be compared line
+// by line with `ggml-quants.c`.
+#![allow(clippy::needless_range_loop)]
+
 use half::f16;
 
 use super::blocks::{QK_K, scale_min_k4};
