@@ -86,6 +86,8 @@ fn bench(c: &mut Criterion) {
         (1536usize, 576usize, 1usize),
         (4096, 4096, 1),
         (11008, 4096, 1),
+        // Every format's weight well beyond the last-level cache (the DRAM-bound figure).
+        (65536, 4096, 1),
         (1536, 576, 64),
         (1536, 1024, 64),
     ] {

@@ -301,11 +301,27 @@ pub mod x86 {
         _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
     }
 
-    /// An f16 (bits) as f32 through F16C.
+    /// Eight copies of an f16 (bits) as f32. Scale arithmetic stays in vectors: a scalar
+    /// conversion compiles to an insert that merges into whatever register is free (often an
+    /// accumulator), which chains every block to the one before.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn h2f(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    fn h2f8(bits: u16) -> __m256 {
+        _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
+    }
+
+    /// Eight copies of an i32 as f32 (a vector conversion: no false dependency).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn i2f8(v: i32) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_set1_epi32(v))
+    }
+
+    /// `d_x · d_w` in every lane.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn scale8(dx: f32, dw: half::f16) -> __m256 {
+        _mm256_mul_ps(_mm256_set1_ps(dx), h2f8(dw.to_bits()))
     }
 
     /// Q5_0 (`WITH_MIN = false`, blocks of 22 bytes) and Q5_1 (24 bytes).
@@ -316,8 +332,7 @@ pub mod x86 {
         let n = (w.len() / block).min(x.len());
         let p = w.as_ptr();
         let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let mut off = 0f32;
+        let (mut acc, mut off) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (i, a) in x[..n].iter().enumerate() {
             // SAFETY: block i lies inside `w` (i < n); the activation block has 32 codes.
             let (q, y, d_bits, m_bits) = unsafe {
@@ -334,23 +349,29 @@ pub mod x86 {
                     },
                 )
             };
-            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-            let d = h2f(d_bits) * a.d;
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(dot), acc);
-            off += if WITH_MIN {
-                h2f(m_bits) * a.s
+            let prod = if WITH_MIN {
+                _mm256_maddubs_epi16(q, y)
             } else {
-                -16.0 * d * a.isum as f32
+                // Signed codes q − 16: |q − 16| times y carrying the code's sign.
+                let qs = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                _mm256_maddubs_epi16(_mm256_sign_epi8(qs, qs), _mm256_sign_epi8(y, qs))
             };
+            let dot = _mm256_madd_epi16(prod, ones);
+            let d = _mm256_mul_ps(h2f8(d_bits), _mm256_set1_ps(a.d));
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot), acc);
+            if WITH_MIN {
+                off = _mm256_fmadd_ps(h2f8(m_bits), _mm256_set1_ps(a.s), off);
+            }
         }
-        hsum(acc) + off
+        // Every lane of `off` holds the same sum.
+        hsum(acc) + _mm256_cvtss_f32(off)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
         let m3 = _mm256_set1_epi8(3);
         let mut acc = _mm256_setzero_ps();
-        let mut mins_acc = 0f32;
+        let mut mins_acc = _mm256_setzero_ps();
         for (b, a) in w.iter().zip(x) {
             // SAFETY: whole blocks: 16 scale bytes, 64 code bytes, 256 activation codes.
             unsafe {
@@ -368,25 +389,23 @@ pub mod x86 {
                         q = _mm256_srli_epi16::<2>(q);
                     }
                 }
-                let dy = a.d;
-                let d = _mm256_set1_ps(dy * h2f(b.d.to_bits()));
-                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
-                mins_acc += dy * h2f(b.dmin.to_bits()) * scaled_bsums(mins, a) as f32;
+                acc = _mm256_fmadd_ps(scale8(a.d, b.d), _mm256_cvtepi32_ps(sumi), acc);
+                let m = i2f8(scaled_bsums(mins, a));
+                mins_acc = _mm256_fmadd_ps(scale8(a.d, b.dmin), m, mins_acc);
             }
         }
-        hsum(acc) - mins_acc
+        hsum(acc) - _mm256_cvtss_f32(mins_acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
         let m3 = _mm256_set1_epi8(3);
         let one = _mm256_set1_epi8(1);
-        let mut acc = 0f32;
+        let mut acc = _mm256_setzero_ps();
         for (b, a) in w.iter().zip(x) {
-            let sc = q3k_scales(&b.scales);
-            // SAFETY: whole blocks: 16 scales, 32 hmask bytes, 64 code bytes, 256 activations.
+            let scales = q3k_scales_simd(&b.scales);
+            // SAFETY: whole blocks: 32 hmask bytes, 64 code bytes, 256 activations.
             unsafe {
-                let scales = _mm_loadu_si128(sc.as_ptr() as *const __m128i);
                 let mut hm = load256(b.hmask.as_ptr());
                 let mut sumi = _mm256_setzero_si256();
                 for n in 0..2 {
@@ -402,47 +421,74 @@ pub mod x86 {
                         hm = _mm256_srli_epi16::<1>(hm);
                     }
                 }
-                // Σ sc·(code + 4)·y − 4·Σ sc·Σy.
-                let total = hsum_i32(sumi) - 4 * scaled_bsums(scales, a);
-                acc += a.d * h2f(b.d.to_bits()) * total as f32;
+                // Σ sc·(code + 4)·y − 4·Σ sc·Σy (the correction in lane 0).
+                let corr = _mm256_setr_epi32(4 * scaled_bsums(scales, a), 0, 0, 0, 0, 0, 0, 0);
+                let total = _mm256_sub_epi32(sumi, corr);
+                acc = _mm256_fmadd_ps(scale8(a.d, b.d), _mm256_cvtepi32_ps(total), acc);
             }
         }
-        acc
+        hsum(acc)
     }
 
-    /// The 8 scales and 8 mins of a Q4_K/Q5_K block as 16 i8 (scales first).
+    /// The 12 scale bytes of a K-quant block as three little-endian words.
+    #[inline]
+    fn words(q: &[u8; 12]) -> [u32; 3] {
+        std::array::from_fn(|i| {
+            u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]])
+        })
+    }
+
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+
+    /// The 8 scales and 8 mins of a Q4_K/Q5_K block, each byte repeated (one per 16-value half
+    /// of its sub-block): scales 0..4 are the low 6 bits of bytes 0..4, mins 0..4 of bytes 4..8;
+    /// scales and mins 4..8 take their low 4 bits from the nibbles of bytes 8..12 and their top 2
+    /// from the top bits of bytes 0..4 and 4..8.
     #[inline]
     #[target_feature(enable = "avx2")]
     fn k4_scales_mins(q: &[u8; 12]) -> (__m128i, __m128i) {
-        let mut sc = [0u8; 16];
-        let mut mn = [0u8; 16];
-        for j in 0..8 {
-            let (s, m) = scale_min_k4(j, q);
-            sc[2 * j] = s;
-            sc[2 * j + 1] = s;
-            mn[2 * j] = m;
-            mn[2 * j + 1] = m;
-        }
-        // SAFETY: 16-byte arrays.
-        unsafe {
-            (
-                _mm_loadu_si128(sc.as_ptr() as *const __m128i),
-                _mm_loadu_si128(mn.as_ptr() as *const __m128i),
-            )
-        }
+        let [w0, w1, w2] = words(q);
+        let sc = _mm_set_epi32(
+            0,
+            0,
+            ((w2 & LOW4) | (((w0 >> 6) & LOW2) << 4)) as i32,
+            (w0 & LOW6) as i32,
+        );
+        let mn = _mm_set_epi32(
+            0,
+            0,
+            (((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4)) as i32,
+            (w1 & LOW6) as i32,
+        );
+        (_mm_unpacklo_epi8(sc, sc), _mm_unpacklo_epi8(mn, mn))
+    }
+
+    /// The 16 scales of a Q3_K block minus 32, as i8: low 4 bits from the nibbles of bytes 0..8
+    /// (low nibbles first), top 2 bits from the bit pairs of bytes 8..12.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn q3k_scales_simd(q: &[u8; 12]) -> __m128i {
+        let [w0, w1, w2] = words(q);
+        let v = _mm_set_epi32(
+            (((w1 >> 4) & LOW4) | (((w2 >> 6) & LOW2) << 4)) as i32,
+            (((w0 >> 4) & LOW4) | (((w2 >> 4) & LOW2) << 4)) as i32,
+            ((w1 & LOW4) | (((w2 >> 2) & LOW2) << 4)) as i32,
+            ((w0 & LOW4) | ((w2 & LOW2) << 4)) as i32,
+        );
+        _mm_sub_epi8(v, _mm_set1_epi8(32))
     }
 
     /// Q4_K (`FIVE = false`) and Q5_K over whole blocks; `qs`/`qh` point at each block's codes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn qk_32<const FIVE: bool>(
-        d: f32,
-        dmin: f32,
         scales: &[u8; 12],
         qh: *const u8,
         qs: *const u8,
         a: &ActBlockK,
-    ) -> (__m256, f32) {
+    ) -> (__m256i, i32) {
         let m4 = _mm256_set1_epi8(0x0f);
         let one = _mm256_set1_epi8(1);
         // Sub-block j's scale and min, each repeated for its two 16-value halves.
@@ -473,54 +519,33 @@ pub mod x86 {
                 sumi = _mm256_add_epi32(sumi, group(hi, y1, pair_scales(sc, 2 * c + 1)));
             }
             // Each min appears twice in `mn`, once per 16-value half: Σ m_j·(bsum 2j + 2j+1).
-            let mins = scaled_bsums(mn, a);
-            (
-                _mm256_mul_ps(_mm256_set1_ps(a.d * d), _mm256_cvtepi32_ps(sumi)),
-                a.d * dmin * mins as f32,
-            )
+            (sumi, scaled_bsums(mn, a))
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
-        let (mut acc, mut mins) = (_mm256_setzero_ps(), 0f32);
+        let (mut acc, mut mins) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (b, a) in w.iter().zip(x) {
             // SAFETY: whole blocks.
-            let (v, m) = unsafe {
-                qk_32::<false>(
-                    h2f(b.d.to_bits()),
-                    h2f(b.dmin.to_bits()),
-                    &b.scales,
-                    std::ptr::null(),
-                    b.qs.as_ptr(),
-                    a,
-                )
-            };
-            acc = _mm256_add_ps(acc, v);
-            mins += m;
+            let (sumi, m) =
+                unsafe { qk_32::<false>(&b.scales, std::ptr::null(), b.qs.as_ptr(), a) };
+            acc = _mm256_fmadd_ps(scale8(a.d, b.d), _mm256_cvtepi32_ps(sumi), acc);
+            mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), i2f8(m), mins);
         }
-        hsum(acc) - mins
+        hsum(acc) - _mm256_cvtss_f32(mins)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
-        let (mut acc, mut mins) = (_mm256_setzero_ps(), 0f32);
+        let (mut acc, mut mins) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (b, a) in w.iter().zip(x) {
             // SAFETY: whole blocks.
-            let (v, m) = unsafe {
-                qk_32::<true>(
-                    h2f(b.d.to_bits()),
-                    h2f(b.dmin.to_bits()),
-                    &b.scales,
-                    b.qh.as_ptr(),
-                    b.qs.as_ptr(),
-                    a,
-                )
-            };
-            acc = _mm256_add_ps(acc, v);
-            mins += m;
+            let (sumi, m) = unsafe { qk_32::<true>(&b.scales, b.qh.as_ptr(), b.qs.as_ptr(), a) };
+            acc = _mm256_fmadd_ps(scale8(a.d, b.d), _mm256_cvtepi32_ps(sumi), acc);
+            mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), i2f8(m), mins);
         }
-        hsum(acc) - mins
+        hsum(acc) - _mm256_cvtss_f32(mins)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -561,8 +586,7 @@ pub mod x86 {
                     sumi,
                     _mm256_setr_epi32(32 * scaled_bsums(scales, a), 0, 0, 0, 0, 0, 0, 0),
                 );
-                let d = _mm256_set1_ps(a.d * h2f(b.d.to_bits()));
-                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(total), acc);
+                acc = _mm256_fmadd_ps(scale8(a.d, b.d), _mm256_cvtepi32_ps(total), acc);
             }
         }
         hsum(acc)
