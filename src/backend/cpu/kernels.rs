@@ -521,8 +521,24 @@ mod x86 {
             dot_q8_0,
             dot_q4_0,
             dot_q4_1,
+            dot_q4_k,
+            dot_q5_k,
+            dot_q6_k,
             ..super::KERNELS
         };
+
+        fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+            unsafe { super::super::kq::x86::vnni::dot_q4_k(w, x) }
+        }
+        fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q5_k(w, x) }
+        }
+        fn dot_q6_k(w: &[BlockQ6K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q6_k(w, x) }
+        }
 
         fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
             // SAFETY: installed only after `supported()` (and the AVX2 set's check).

@@ -591,6 +591,171 @@ pub mod x86 {
         }
         hsum(acc)
     }
+
+    /// AVX-512 VNNI versions of the Q4_K_M formats (Q4_K, Q5_K, Q6_K): 64 codes per
+    /// `vpdpbusd` (u8 × i8, four products summed per i32 lane), the lane sums weighted by their
+    /// sub-block scales with one 32-bit multiply.
+    pub mod vnni {
+        use super::*;
+
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load512(p: *const u8) -> __m512i {
+            // SAFETY: the caller passes 64 readable bytes.
+            unsafe { _mm512_loadu_si512(p as *const _) }
+        }
+
+        /// Two 32-byte halves as one register (`lo` in lanes 0..8).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn join(lo: __m256i, hi: __m256i) -> __m512i {
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+        }
+
+        /// i32 lane i of the result = lane `first + (i >> SHIFT)` of `v`: spreads per-sub-block
+        /// scales over the lanes that hold that sub-block's partial sums.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn spread<const SHIFT: u32>(v: __m512i, first: i32) -> __m512i {
+            let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let idx = _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_srli_epi32::<SHIFT>(iota));
+            _mm512_permutexvar_epi32(idx, v)
+        }
+
+        /// Q6_K codes of 32 values: `low` nibbles | the 2-bit pairs of `h` at `SHIFT` as bits 4-5.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn q6_codes<const SHIFT: i32>(low: __m256i, h: __m256i) -> __m256i {
+            let high = _mm256_and_si256(_mm256_srli_epi16::<SHIFT>(h), _mm256_set1_epi8(3));
+            _mm256_or_si256(low, _mm256_slli_epi16::<4>(high))
+        }
+
+        /// `d_x · d_w` in 16 lanes.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx2,f16c")]
+        fn scale16(dx: f32, dw: half::f16) -> __m512 {
+            _mm512_mul_ps(
+                _mm512_set1_ps(dx),
+                _mm512_cvtph_ps(_mm256_set1_epi16(dw.to_bits() as i16)),
+            )
+        }
+
+        /// Q4_K (`FIVE = false`) and Q5_K: Σ_j sc_j·Σ q·y as 16 i32 lanes, and Σ_j m_j·Σ y.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn qk_32<const FIVE: bool>(
+            scales: &[u8; 12],
+            qh: *const u8,
+            qs: *const u8,
+            a: &ActBlockK,
+        ) -> (__m512i, i32) {
+            let [w0, _, w2] = words(scales);
+            let sc = _mm_set_epi32(
+                0,
+                0,
+                ((w2 & LOW4) | (((w0 >> 6) & LOW2) << 4)) as i32,
+                (w0 & LOW6) as i32,
+            );
+            let sc32 = _mm512_cvtepu8_epi32(sc);
+            let (_, mn) = k4_scales_mins(scales);
+            let m4 = _mm512_set1_epi8(0x0f);
+            let one = _mm256_set1_epi8(1);
+            let mut isum = _mm512_setzero_si512();
+            // SAFETY: the caller passes whole blocks (128 code bytes, 32 high-bit bytes for
+            // Q5_K); the activation block has 256 codes.
+            unsafe {
+                let mut h = if FIVE {
+                    load256(qh)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for c in 0..4 {
+                    let q = load256(qs.add(32 * c));
+                    // Values 64c..64c+32 (low nibbles), then 64c+32..64c+64 (high nibbles).
+                    let mut z = _mm512_and_si512(join(q, _mm256_srli_epi16::<4>(q)), m4);
+                    if FIVE {
+                        let fifth = join(
+                            _mm256_and_si256(h, one),
+                            _mm256_and_si256(_mm256_srli_epi16::<1>(h), one),
+                        );
+                        z = _mm512_or_si512(z, _mm512_slli_epi16::<4>(fifth));
+                        h = _mm256_srli_epi16::<2>(h);
+                    }
+                    let y = load512(a.qs.as_ptr().add(64 * c) as *const u8);
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, y);
+                    isum = _mm512_add_epi32(
+                        isum,
+                        _mm512_mullo_epi32(dot, spread::<3>(sc32, 2 * c as i32)),
+                    );
+                }
+                (isum, scaled_bsums(mn, a))
+            }
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+            let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+            for (b, a) in w.iter().zip(x) {
+                // SAFETY: whole blocks.
+                let (isum, m) =
+                    unsafe { qk_32::<false>(&b.scales, std::ptr::null(), b.qs.as_ptr(), a) };
+                acc = _mm512_fmadd_ps(scale16(a.d, b.d), _mm512_cvtepi32_ps(isum), acc);
+                mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), i2f8(m), mins);
+            }
+            _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(mins)
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
+            let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+            for (b, a) in w.iter().zip(x) {
+                // SAFETY: whole blocks.
+                let (isum, m) =
+                    unsafe { qk_32::<true>(&b.scales, b.qh.as_ptr(), b.qs.as_ptr(), a) };
+                acc = _mm512_fmadd_ps(scale16(a.d, b.d), _mm512_cvtepi32_ps(isum), acc);
+                mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), i2f8(m), mins);
+            }
+            _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(mins)
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn dot_q6_k(w: &[BlockQ6K], x: &[ActBlockK]) -> f32 {
+            let m4 = _mm256_set1_epi8(0x0f);
+            let (mut acc, mut corr) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+            for (b, a) in w.iter().zip(x) {
+                // SAFETY: whole blocks: 128 + 64 code bytes, 16 scales, 256 activations.
+                unsafe {
+                    let sc8 = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+                    let sc32 = _mm512_cvtepi8_epi32(sc8);
+                    let mut isum = _mm512_setzero_si512();
+                    for half in 0..2 {
+                        let l0 = load256(b.ql.as_ptr().add(64 * half));
+                        let l1 = load256(b.ql.as_ptr().add(64 * half + 32));
+                        let h = load256(b.qh.as_ptr().add(32 * half));
+                        let k0 = q6_codes::<0>(_mm256_and_si256(l0, m4), h);
+                        let k1 = q6_codes::<2>(_mm256_and_si256(l1, m4), h);
+                        let k2 = q6_codes::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4), h);
+                        let k3 = q6_codes::<6>(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4), h);
+                        // Codes of values 128·half + 0..64, then + 64..128: four sub-blocks of
+                        // 16 each, four i32 lanes per sub-block.
+                        for (v, z) in [join(k0, k1), join(k2, k3)].into_iter().enumerate() {
+                            let y = load512(a.qs.as_ptr().add(128 * half + 64 * v) as *const u8);
+                            let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, y);
+                            let first = (8 * half + 4 * v) as i32;
+                            isum = _mm512_add_epi32(
+                                isum,
+                                _mm512_mullo_epi32(dot, spread::<2>(sc32, first)),
+                            );
+                        }
+                    }
+                    acc = _mm512_fmadd_ps(scale16(a.d, b.d), _mm512_cvtepi32_ps(isum), acc);
+                    // Codes are stored + 32: subtract 32·Σ sc·Σy.
+                    corr = _mm256_fmadd_ps(scale8(a.d, b.d), i2f8(32 * scaled_bsums(sc8, a)), corr);
+                }
+            }
+            _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(corr)
+        }
+    }
 }
 
 #[cfg(test)]
