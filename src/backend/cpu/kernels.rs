@@ -521,14 +521,24 @@ mod x86 {
             dot_q8_0,
             dot_q4_0,
             dot_q4_1,
+            dot_q2_k,
+            dot_q3_k,
             dot_q4_k,
             dot_q5_k,
             dot_q6_k,
             ..super::KERNELS
         };
 
-        fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+        fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
             // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+            unsafe { super::super::kq::x86::vnni::dot_q2_k(w, x) }
+        }
+        fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q3_k(w, x) }
+        }
+        fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
             unsafe { super::super::kq::x86::vnni::dot_q4_k(w, x) }
         }
         fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {

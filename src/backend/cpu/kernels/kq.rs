@@ -592,7 +592,7 @@ pub mod x86 {
         hsum(acc)
     }
 
-    /// AVX-512 VNNI versions of the Q4_K_M formats (Q4_K, Q5_K, Q6_K): 64 codes per
+    /// AVX-512 VNNI versions of the K-quants: 64 codes per
     /// `vpdpbusd` (u8 × i8, four products summed per i32 lane), the lane sums weighted by their
     /// sub-block scales with one 32-bit multiply.
     pub mod vnni {
@@ -716,6 +716,99 @@ pub mod x86 {
                 mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), i2f8(m), mins);
             }
             _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(mins)
+        }
+
+        /// Q2_K and Q3_K (`THREE`): 2-bit codes (+ the third bit, as code + 4) in 16-value
+        /// sub-blocks, four i32 lanes per sub-block.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn q23_k<const THREE: bool>(
+            qs: *const u8,
+            hmask: *const u8,
+            sc32: __m512i,
+            a: &ActBlockK,
+        ) -> __m512i {
+            let m3 = _mm256_set1_epi8(3);
+            let one = _mm256_set1_epi8(1);
+            let mut isum = _mm512_setzero_si512();
+            // SAFETY: the caller passes whole blocks (64 code bytes, 32 hmask bytes for Q3_K);
+            // the activation block has 256 codes.
+            unsafe {
+                let mut hm = if THREE {
+                    load256(hmask)
+                } else {
+                    _mm256_setzero_si256()
+                };
+                for n in 0..2 {
+                    let mut q = load256(qs.add(32 * n));
+                    let mut codes = [_mm256_setzero_si256(); 4];
+                    for c in codes.iter_mut() {
+                        *c = _mm256_and_si256(q, m3);
+                        if THREE {
+                            let high = _mm256_slli_epi16::<2>(_mm256_and_si256(hm, one));
+                            *c = _mm256_or_si256(*c, high);
+                            hm = _mm256_srli_epi16::<1>(hm);
+                        }
+                        q = _mm256_srli_epi16::<2>(q);
+                    }
+                    for v in 0..2 {
+                        let z = join(codes[2 * v], codes[2 * v + 1]);
+                        let y = load512(a.qs.as_ptr().add(128 * n + 64 * v) as *const u8);
+                        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, y);
+                        let first = (8 * n + 4 * v) as i32;
+                        isum = _mm512_add_epi32(
+                            isum,
+                            _mm512_mullo_epi32(dot, spread::<2>(sc32, first)),
+                        );
+                    }
+                }
+            }
+            isum
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
+            let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+            for (b, a) in w.iter().zip(x) {
+                // SAFETY: whole blocks: 16 scale bytes, 64 code bytes, 256 activations.
+                unsafe {
+                    let sc8 = _mm_loadu_si128(b.scales.as_ptr() as *const __m128i);
+                    let scales = _mm_and_si128(sc8, _mm_set1_epi8(0x0f));
+                    let mn = _mm_and_si128(_mm_srli_epi16::<4>(sc8), _mm_set1_epi8(0x0f));
+                    let isum = q23_k::<false>(
+                        b.qs.as_ptr(),
+                        std::ptr::null(),
+                        _mm512_cvtepu8_epi32(scales),
+                        a,
+                    );
+                    acc = _mm512_fmadd_ps(scale16(a.d, b.d), _mm512_cvtepi32_ps(isum), acc);
+                    let m = i2f8(scaled_bsums(mn, a));
+                    mins = _mm256_fmadd_ps(scale8(a.d, b.dmin), m, mins);
+                }
+            }
+            _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(mins)
+        }
+
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
+            let (mut acc, mut corr) = (_mm512_setzero_ps(), _mm256_setzero_ps());
+            for (b, a) in w.iter().zip(x) {
+                let scales = q3k_scales_simd(&b.scales);
+                // SAFETY: whole blocks: 32 hmask bytes, 64 code bytes, 256 activations.
+                unsafe {
+                    let isum = q23_k::<true>(
+                        b.qs.as_ptr(),
+                        b.hmask.as_ptr(),
+                        _mm512_cvtepi8_epi32(scales),
+                        a,
+                    );
+                    acc = _mm512_fmadd_ps(scale16(a.d, b.d), _mm512_cvtepi32_ps(isum), acc);
+                    // Codes were taken + 4: subtract 4·Σ sc·Σy.
+                    let c = i2f8(4 * scaled_bsums(scales, a));
+                    corr = _mm256_fmadd_ps(scale8(a.d, b.d), c, corr);
+                }
+            }
+            _mm512_reduce_add_ps(acc) - _mm256_cvtss_f32(corr)
         }
 
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
