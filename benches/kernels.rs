@@ -1,6 +1,10 @@
 //! CPU matmul kernels per storage format: decode (one token) and prefill (64 tokens) shapes.
 //! Throughput is reported in weight bytes per second, the figure to hold against DRAM
-//! bandwidth (`gpu-offload doctor`).
+//! bandwidth: the bench prints the machine's DRAM read bandwidth at the same thread count first
+//! (`hw::dram_read_bandwidth`, as `gpu-offload doctor` measures it).
+//!
+//! `BENCH_THREADS` (default 2), `GPU_OFFLOAD_KERNELS` (a kernel set name), `BENCH_DTYPES`
+//! (comma-separated format names, default all).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use gpu_offload::backend::cpu::kernels;
@@ -14,12 +18,21 @@ fn weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
         .map(|i| ((i * 2654435761usize) >> 13) as u8)
         .collect();
     let block = dtype.block_bytes();
+    // Byte offsets of each block format's f16 scale fields.
+    let scales: &[usize] = match dtype {
+        DType::Q8_0 | DType::Q4_0 | DType::Q5_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4K | DType::Q5K => &[0, 2],
+        DType::Q2K => &[80, 82],
+        DType::Q3K => &[108],
+        DType::Q6K => &[208],
+        DType::F32 | DType::F16 | DType::BF16 => &[],
+    };
     match dtype {
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+        _ if dtype.is_quantized() => {
             for b in bytes.chunks_mut(block) {
-                b[0..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-                if dtype == DType::Q4_1 {
-                    b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
+                for (k, &at) in scales.iter().enumerate() {
+                    let v = if k == 0 { 0.01 } else { -0.05 };
+                    b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
                 }
             }
         }
@@ -33,6 +46,7 @@ fn weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
                 f[3] = 0x3c;
             }
         }
+        _ => {}
     }
     HostTensor {
         name: "w".into(),
@@ -56,23 +70,35 @@ fn bench(c: &mut Criterion) {
         .ok()
         .and_then(|n| kernels::by_name(&n))
         .unwrap_or_else(kernels::best);
+    let dtypes: Vec<DType> = match std::env::var("BENCH_DTYPES") {
+        Ok(list) => list
+            .split(',')
+            .map(|n| DType::parse(n.trim()).unwrap_or_else(|| panic!("unknown format {n}")))
+            .collect(),
+        Err(_) => DType::ALL.to_vec(),
+    };
+    let dram = gpu_offload::hw::dram_read_bandwidth(threads, 1 << 30, 5);
+    println!(
+        "DRAM read bandwidth, {threads} threads: {:.1} GB/s (the bound for every matmul below)",
+        dram / 1e9
+    );
     for (rows, cols, n) in [
         (1536usize, 576usize, 1usize),
         (4096, 4096, 1),
+        (11008, 4096, 1),
+        // Every format's weight well beyond the last-level cache (the DRAM-bound figure).
+        (65536, 4096, 1),
         (1536, 576, 64),
+        (1536, 1024, 64),
     ] {
         let mut g = c.benchmark_group(format!(
             "matmul_{rows}x{cols}_n{n}_t{threads}_{}",
             kernel_set.name
         ));
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
+        for &dtype in &dtypes {
+            if !cols.is_multiple_of(dtype.block_len()) {
+                continue;
+            }
             let w = weight(dtype, rows, cols);
             let x: Vec<f32> = (0..n * cols)
                 .map(|i| ((i % 97) as f32 - 48.0) / 48.0)

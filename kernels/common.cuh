@@ -14,6 +14,13 @@ typedef unsigned int u32;
 #define DT_Q8_0 3
 #define DT_Q4_0 4
 #define DT_Q4_1 5
+#define DT_Q5_0 6
+#define DT_Q5_1 7
+#define DT_Q2_K 8
+#define DT_Q3_K 9
+#define DT_Q4_K 10
+#define DT_Q5_K 11
+#define DT_Q6_K 12
 
 // Activations, numbered as `Act` in src/backend/mod.rs.
 #define ACT_SILU 0
@@ -110,7 +117,64 @@ __device__ __forceinline__ long long row_bytes(int dtype, int cols) {
         case DT_BF16: return 2LL * cols;
         case DT_Q8_0: return (long long)(cols / 32) * 34;
         case DT_Q4_0: return (long long)(cols / 32) * 18;
-        default: return (long long)(cols / 32) * 20;  // Q4_1
+        case DT_Q4_1: return (long long)(cols / 32) * 20;
+        case DT_Q5_0: return (long long)(cols / 32) * 22;
+        case DT_Q5_1: return (long long)(cols / 32) * 24;
+        case DT_Q2_K: return (long long)(cols / 256) * 84;
+        case DT_Q3_K: return (long long)(cols / 256) * 110;
+        case DT_Q4_K: return (long long)(cols / 256) * 144;
+        case DT_Q5_K: return (long long)(cols / 256) * 176;
+        default: return (long long)(cols / 256) * 210;  // Q6_K
+    }
+}
+
+// The 6-bit scale (`sc`) or min (`!sc`) of sub-block j of a Q4_K/Q5_K block's 12 scale bytes.
+__device__ __forceinline__ int scale_min_k4(const u8* q, int j, bool sc) {
+    if (j < 4) return sc ? (q[j] & 63) : (q[j + 4] & 63);
+    return sc ? ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4)) : ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+}
+
+// Value v (0..256) of a K-quant block at `b` (the reference decode, as src/tensor/blocks.rs).
+// Products are rounded one by one (__fmul_rn: no fused multiply-add), as ggml's C code does.
+__device__ __forceinline__ float load_k_elem(const u8* b, int dtype, int v) {
+    switch (dtype) {
+        case DT_Q2_K: {
+            int n = v >> 7, j = (v & 127) >> 5, r = v & 31;
+            int sc = b[8 * n + 2 * j + (r >> 4)];
+            int q = (b[16 + 32 * n + r] >> (2 * j)) & 3;
+            float dl = __fmul_rn(h2f(load_u16(b + 80)), (float)(sc & 0x0f));
+            float ml = __fmul_rn(h2f(load_u16(b + 82)), (float)(sc >> 4));
+            return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+        }
+        case DT_Q3_K: {
+            int n = v >> 7, j = (v & 127) >> 5, r = v & 31;
+            int s = 8 * n + 2 * j + (r >> 4);
+            const u8* sc = b + 96;
+            int low = s < 8 ? (sc[s] & 0x0f) : (sc[s - 8] >> 4);
+            int high = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+            int q = ((b[32 + 32 * n + r] >> (2 * j)) & 3) - (((b[r] >> (4 * n + j)) & 1) ? 0 : 4);
+            float dl = __fmul_rn(h2f(load_u16(b + 108)), (float)((low | (high << 4)) - 32));
+            return __fmul_rn(dl, (float)q);
+        }
+        case DT_Q4_K:
+        case DT_Q5_K: {
+            int c = v >> 6, upper = (v >> 5) & 1, l = v & 31;
+            const u8* qs = b + (dtype == DT_Q4_K ? 16 : 48);
+            int q = upper ? (qs[32 * c + l] >> 4) : (qs[32 * c + l] & 0x0f);
+            if (dtype == DT_Q5_K && ((b[16 + l] >> (2 * c + upper)) & 1)) q += 16;
+            float d = __fmul_rn(h2f(load_u16(b)), (float)scale_min_k4(b + 4, 2 * c + upper, true));
+            float m = __fmul_rn(h2f(load_u16(b + 2)), (float)scale_min_k4(b + 4, 2 * c + upper, false));
+            return __fsub_rn(__fmul_rn(d, (float)q), m);
+        }
+        default: {  // Q6_K
+            int half = v >> 7, k = (v & 127) >> 5, l = v & 31;
+            int lo = b[64 * half + l + 32 * (k & 1)];
+            lo = k < 2 ? (lo & 0x0f) : (lo >> 4);
+            int hi = (b[128 + 32 * half + l] >> (2 * k)) & 3;
+            int sc = (int)(i8)b[192 + 8 * half + (l >> 4) + 2 * k];
+            float ds = __fmul_rn(h2f(load_u16(b + 208)), (float)sc);
+            return __fmul_rn(ds, (float)((lo | (hi << 4)) - 32));
+        }
     }
 }
 
@@ -130,11 +194,27 @@ __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
             int q = k < 16 ? (b[2 + k] & 0x0f) : (b[2 + k - 16] >> 4);
             return h2f(load_u16(b)) * (float)(q - 8);
         }
-        default: {  // Q4_1
+        case DT_Q4_1: {
             const u8* b = row + (j / 32) * 20;
             int k = j % 32;
             int q = k < 16 ? (b[4 + k] & 0x0f) : (b[4 + k - 16] >> 4);
             return h2f(load_u16(b)) * (float)q + h2f(load_u16(b + 2));
+        }
+        case DT_Q5_0:
+        case DT_Q5_1: {
+            bool with_min = dtype == DT_Q5_1;
+            const u8* b = row + (j / 32) * (with_min ? 24 : 22);
+            const u8* qh = b + (with_min ? 4 : 2);
+            int k = j % 32;
+            int nib = k < 16 ? (qh[4 + k] & 0x0f) : (qh[4 + k - 16] >> 4);
+            int q = nib | (((qh[k >> 3] >> (k & 7)) & 1) << 4);
+            float d = h2f(load_u16(b));
+            if (with_min) return __fadd_rn(__fmul_rn((float)q, d), h2f(load_u16(b + 2)));
+            return __fmul_rn((float)(q - 16), d);
+        }
+        default: {  // K-quants
+            int bytes = (int)row_bytes(dtype, 256);
+            return load_k_elem(row + (long long)(j / 256) * bytes, dtype, j % 256);
         }
     }
 }

@@ -9,7 +9,14 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use memmap2::Mmap;
 
-/// Elements per quantization block of the 32-wide block formats (Q8_0, Q4_0, Q4_1, Q8_1).
+pub mod blocks;
+pub mod quantize;
+
+pub use blocks::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, QK_K};
+pub use quantize::quantize_row;
+
+/// Elements per quantization block of the 32-wide block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+/// and the Q8_1-style activation blocks).
 pub const QK: usize = 32;
 
 /// Storage formats a backend multiplies by without first inflating to f32.
@@ -18,6 +25,7 @@ pub const QK: usize = 32;
 /// - `Q8_0`: per 32 values an f16 scale `d` and 32 `i8`; x = d·q.
 /// - `Q4_0`: an f16 scale `d` and 16 bytes of nibbles; x = d·(q − 8); low nibbles hold values 0..16.
 /// - `Q4_1`: f16 `d`, f16 `m` and 16 bytes of nibbles; x = d·q + m.
+/// - `Q5_0`, `Q5_1`, and the 256-value K-quants `Q2K`…`Q6K`: see [`blocks`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -26,17 +34,31 @@ pub enum DType {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
 }
 
 impl DType {
     /// Every storage format, in a stable order.
-    pub const ALL: [DType; 6] = [
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
         DType::BF16,
         DType::Q8_0,
         DType::Q4_0,
         DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
     ];
 
     /// The format called `name` ([`DType::name`]).
@@ -52,7 +74,8 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => QK,
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 => QK,
+            DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => QK_K,
         }
     }
 
@@ -63,6 +86,13 @@ impl DType {
             DType::Q8_0 => std::mem::size_of::<BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<BlockQ4_0>(),
             DType::Q4_1 => std::mem::size_of::<BlockQ4_1>(),
+            DType::Q5_0 => std::mem::size_of::<BlockQ5_0>(),
+            DType::Q5_1 => std::mem::size_of::<BlockQ5_1>(),
+            DType::Q2K => std::mem::size_of::<BlockQ2K>(),
+            DType::Q3K => std::mem::size_of::<BlockQ3K>(),
+            DType::Q4K => std::mem::size_of::<BlockQ4K>(),
+            DType::Q5K => std::mem::size_of::<BlockQ5K>(),
+            DType::Q6K => std::mem::size_of::<BlockQ6K>(),
         }
     }
 
@@ -74,11 +104,23 @@ impl DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q2K => "q2_k",
+            DType::Q3K => "q3_k",
+            DType::Q4K => "q4_k",
+            DType::Q5K => "q5_k",
+            DType::Q6K => "q6_k",
         }
     }
 
     pub fn is_quantized(self) -> bool {
         self.block_len() > 1
+    }
+
+    /// The 256-value super-block formats (multiplied by 256-value 8-bit activation blocks).
+    pub fn is_k_quant(self) -> bool {
+        self.block_len() == QK_K
     }
 }
 
@@ -310,39 +352,12 @@ impl HostTensor {
 }
 
 /// Encode f32 values into one row of `dtype` bytes (`out.len() == dtype.bytes_for(x.len())`):
-/// round to nearest for the float formats; Q8_0 as llama.cpp's reference quantizer does it
-/// (per 32 values `d = amax / 127`, `q = round(x / d)`, `d` kept as f16), which the CUDA KV
-/// kernel repeats bit for bit. The 4-bit formats are weight formats only: `None` for them.
+/// round to nearest for the float formats; the block formats as llama.cpp's reference
+/// quantizers do it ([`quantize::quantize_row`]). Q8_0 (per 32 values `d = amax / 127`,
+/// `q = round(x / d)`, `d` kept as f16) is also what the CUDA KV kernel repeats bit for bit.
+/// Always `Some` (the option is kept for callers that check).
 pub fn encode_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Option<()> {
-    match dtype {
-        DType::F32 => {
-            for (o, v) in out.chunks_exact_mut(4).zip(x) {
-                o.copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (o, v) in out.chunks_exact_mut(2).zip(x) {
-                o.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
-            }
-        }
-        DType::BF16 => {
-            for (o, v) in out.chunks_exact_mut(2).zip(x) {
-                o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
-            }
-        }
-        DType::Q8_0 => {
-            for (o, xs) in out.chunks_exact_mut(dtype.block_bytes()).zip(x.chunks(QK)) {
-                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                o[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                for (q, v) in o[2..].iter_mut().zip(xs) {
-                    *q = (v * id).round() as i8 as u8;
-                }
-            }
-        }
-        DType::Q4_0 | DType::Q4_1 => return None,
-    }
+    quantize_row(dtype, x, out);
     Some(())
 }
 
@@ -401,6 +416,30 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        DType::Q5_0 | DType::Q5_1 => {
+            let with_min = dtype == DType::Q5_1;
+            for (b, o) in bytes
+                .chunks_exact(dtype.block_bytes())
+                .zip(out.chunks_mut(QK))
+            {
+                blocks::decode_q5(b, o, with_min);
+            }
+        }
+        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K => {
+            let decode = match dtype {
+                DType::Q2K => blocks::decode_q2k,
+                DType::Q3K => blocks::decode_q3k,
+                DType::Q4K => blocks::decode_q4k,
+                DType::Q5K => blocks::decode_q5k,
+                _ => blocks::decode_q6k,
+            };
+            for (b, o) in bytes
+                .chunks_exact(dtype.block_bytes())
+                .zip(out.chunks_mut(QK_K))
+            {
+                decode(b, o);
+            }
+        }
     }
 }
 
@@ -414,6 +453,23 @@ mod tests {
         assert_eq!(DType::Q4_0.block_bytes(), 18);
         assert_eq!(DType::Q4_1.block_bytes(), 20);
         assert_eq!(DType::Q4_1.bytes_for(64), 40);
+        assert_eq!(DType::Q5_0.block_bytes(), 22);
+        assert_eq!(DType::Q5_1.block_bytes(), 24);
+        assert_eq!(DType::Q2K.block_bytes(), 84);
+        assert_eq!(DType::Q3K.block_bytes(), 110);
+        assert_eq!(DType::Q4K.block_bytes(), 144);
+        assert_eq!(DType::Q5K.block_bytes(), 176);
+        assert_eq!(DType::Q6K.block_bytes(), 210);
+        assert_eq!(DType::Q6K.bytes_for(512), 420);
+    }
+
+    #[test]
+    fn every_dtype_parses_from_its_name() {
+        for d in DType::ALL {
+            assert_eq!(DType::parse(d.name()), Some(d));
+        }
+        assert_eq!(DType::parse("q4_k"), Some(DType::Q4K));
+        assert_eq!(DType::parse("iq4_xs"), None);
     }
 
     #[test]

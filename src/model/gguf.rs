@@ -11,7 +11,7 @@ use memmap2::Mmap;
 
 use super::ModelError;
 use super::ggml::GgmlType;
-use crate::tensor::{Bytes, HostTensor};
+use crate::tensor::{Bytes, DType, HostTensor};
 
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -521,8 +521,8 @@ impl GgufFile {
         &self.map[info.offset..info.offset + info.n_bytes]
     }
 
-    /// Load a tensor as a `rows × cols` host tensor: formats the backends compute on are borrowed
-    /// from the map, the others are decoded (see [`GgmlType::host_dtype`]).
+    /// Load a tensor as a `rows × cols` host tensor, its bytes borrowed from the map in the file's
+    /// own format ([`GgmlType::host_dtype`]); a type no backend computes is refused.
     pub fn load(&self, name: &str) -> Result<HostTensor, ModelError> {
         let info = self
             .tensors
@@ -548,23 +548,25 @@ impl GgufFile {
             .ok_or_else(|| ModelError::Unsupported {
                 path: self.path.clone(),
                 msg: format!(
-                    "tensor `{name}` uses quantization type {}, which is not supported \
-                 (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)",
-                    info.ggml_type.name()
+                    "tensor `{name}` uses GGML type {}, which is not supported: no backend \
+                     computes it (supported: {})",
+                    info.ggml_type.name(),
+                    DType::ALL
+                        .map(|d| GgmlType::of_dtype(d).0.name())
+                        .join(", ")
                 ),
             })?;
-        let data = if info.ggml_type.is_native() {
-            Bytes::mapped(self.map.clone(), info.offset..info.offset + info.n_bytes)
-        } else {
-            let decoded = info
-                .ggml_type
-                .decode_to(dtype, self.tensor_bytes(info), rows * cols)
-                .map_err(|msg| ModelError::Format {
-                    path: self.path.clone(),
-                    msg: format!("tensor `{name}`: {msg}"),
-                })?;
-            Bytes::from_slice(&decoded)
-        };
+        if !cols.is_multiple_of(dtype.block_len()) {
+            return Err(ModelError::Format {
+                path: self.path.clone(),
+                msg: format!(
+                    "tensor `{name}`: rows of {cols} values are not whole {} blocks of {}",
+                    info.ggml_type.name(),
+                    dtype.block_len()
+                ),
+            });
+        }
+        let data = Bytes::mapped(self.map.clone(), info.offset..info.offset + info.n_bytes);
         Ok(HostTensor {
             name: name.to_string(),
             rows,

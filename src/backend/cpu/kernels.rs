@@ -7,7 +7,13 @@
 
 use half::{bf16, f16};
 
-use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
+use crate::tensor::{
+    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
+    BlockQ8_0, QK,
+};
+
+mod kq;
+pub use kq::{ActBlockK, quantize_k};
 
 /// One block of 32 activations quantized to 8 bits: x ≈ d·q.
 /// `d` and `s = d·Σq` hold f16-rounded values, as llama.cpp stores them; `isum = Σq` is exact.
@@ -29,7 +35,17 @@ pub struct Kernels {
     pub dot_q8_0: fn(&[BlockQ8_0], &[ActBlock]) -> f32,
     pub dot_q4_0: fn(&[BlockQ4_0], &[ActBlock]) -> f32,
     pub dot_q4_1: fn(&[BlockQ4_1], &[ActBlock]) -> f32,
+    pub dot_q5_0: fn(&[BlockQ5_0], &[ActBlock]) -> f32,
+    pub dot_q5_1: fn(&[BlockQ5_1], &[ActBlock]) -> f32,
+    pub dot_q2_k: fn(&[BlockQ2K], &[ActBlockK]) -> f32,
+    pub dot_q3_k: fn(&[BlockQ3K], &[ActBlockK]) -> f32,
+    pub dot_q4_k: fn(&[BlockQ4K], &[ActBlockK]) -> f32,
+    pub dot_q5_k: fn(&[BlockQ5K], &[ActBlockK]) -> f32,
+    pub dot_q6_k: fn(&[BlockQ6K], &[ActBlockK]) -> f32,
+    /// Activations into 32-value blocks (Q8_0…Q5_1 weights).
     pub quantize: fn(&[f32], &mut [ActBlock]),
+    /// Activations into 256-value blocks (K-quant weights).
+    pub quantize_k: fn(&[f32], &mut [ActBlockK]),
 }
 
 /// Every kernel set this CPU can run, best first.
@@ -67,7 +83,15 @@ pub const PORTABLE: Kernels = Kernels {
     dot_q8_0: portable::dot_q8_0,
     dot_q4_0: portable::dot_q4_0,
     dot_q4_1: portable::dot_q4_1,
+    dot_q5_0: kq::portable::dot_q5_0,
+    dot_q5_1: kq::portable::dot_q5_1,
+    dot_q2_k: kq::portable::dot_q2_k,
+    dot_q3_k: kq::portable::dot_q3_k,
+    dot_q4_k: kq::portable::dot_q4_k,
+    dot_q5_k: kq::portable::dot_q5_k,
+    dot_q6_k: kq::portable::dot_q6_k,
     quantize: portable::quantize,
+    quantize_k,
 };
 
 fn round_f16(v: f32) -> f32 {
@@ -183,8 +207,45 @@ mod x86 {
         dot_q8_0,
         dot_q4_0,
         dot_q4_1,
+        dot_q5_0,
+        dot_q5_1,
+        dot_q2_k,
+        dot_q3_k,
+        dot_q4_k,
+        dot_q5_k,
+        dot_q6_k,
         quantize,
+        quantize_k,
     };
+
+    fn dot_q5_0(w: &[BlockQ5_0], x: &[ActBlock]) -> f32 {
+        // SAFETY: AVX2+FMA+F16C present (checked before this table is used).
+        unsafe { super::kq::x86::dot_q5::<false>(bytemuck::cast_slice(w), x) }
+    }
+    fn dot_q5_1(w: &[BlockQ5_1], x: &[ActBlock]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q5::<true>(bytemuck::cast_slice(w), x) }
+    }
+    fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q2_k(w, x) }
+    }
+    fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q3_k(w, x) }
+    }
+    fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q4_k(w, x) }
+    }
+    fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q5_k(w, x) }
+    }
+    fn dot_q6_k(w: &[BlockQ6K], x: &[ActBlockK]) -> f32 {
+        // SAFETY: as above.
+        unsafe { super::kq::x86::dot_q6_k(w, x) }
+    }
 
     // The safe wrappers below are installed only after `supported()` returned true.
 
@@ -460,8 +521,34 @@ mod x86 {
             dot_q8_0,
             dot_q4_0,
             dot_q4_1,
+            dot_q2_k,
+            dot_q3_k,
+            dot_q4_k,
+            dot_q5_k,
+            dot_q6_k,
             ..super::KERNELS
         };
+
+        fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+            unsafe { super::super::kq::x86::vnni::dot_q2_k(w, x) }
+        }
+        fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q3_k(w, x) }
+        }
+        fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q4_k(w, x) }
+        }
+        fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q5_k(w, x) }
+        }
+        fn dot_q6_k(w: &[BlockQ6K], x: &[ActBlockK]) -> f32 {
+            // SAFETY: as above.
+            unsafe { super::super::kq::x86::vnni::dot_q6_k(w, x) }
+        }
 
         fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
             // SAFETY: installed only after `supported()` (and the AVX2 set's check).

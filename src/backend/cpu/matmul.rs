@@ -5,8 +5,11 @@
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::kernels::{ActBlock, Kernels};
-use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, HostTensor, QK};
+use super::kernels::{ActBlock, ActBlockK, Kernels};
+use crate::tensor::{
+    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
+    BlockQ8_0, DType, HostTensor, QK, QK_K,
+};
 
 /// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
 const TOKEN_TILE: usize = 16;
@@ -28,7 +31,34 @@ impl OutPtr {
 /// Activations prepared for one weight format.
 enum Prepared<'a> {
     Float(&'a [f32]),
+    /// 32-value blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights).
     Quant(Vec<ActBlock>),
+    /// 256-value blocks (K-quant weights).
+    QuantK(Vec<ActBlockK>),
+}
+
+/// Quantize `n` rows of `cols` activations into blocks of `per` values with `f` (in parallel
+/// for many tokens).
+fn quantize_rows<B: Default + Clone + Send>(
+    x: &[f32],
+    n: usize,
+    cols: usize,
+    per: usize,
+    f: fn(&[f32], &mut [B]),
+) -> Vec<B> {
+    let blocks_per_row = cols / per;
+    let mut q = vec![B::default(); n * blocks_per_row];
+    let one = |(xr, qr): (&[f32], &mut [B])| f(xr, qr);
+    if n >= 8 {
+        x.par_chunks(cols)
+            .zip(q.par_chunks_mut(blocks_per_row))
+            .for_each(one);
+    } else {
+        x.chunks(cols)
+            .zip(q.chunks_mut(blocks_per_row))
+            .for_each(one);
+    }
+    q
 }
 
 /// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens with kernel set `k`; runs on the
@@ -49,20 +79,10 @@ pub fn matmul_strided(
 ) {
     let (rows, cols) = (w.rows, w.cols);
     assert!(x.len() == n * cols && out.len() == n * stride && col0 + rows <= stride);
-    let prepared = if w.dtype.is_quantized() {
-        let blocks_per_row = cols / QK;
-        let mut q = vec![ActBlock::default(); n * blocks_per_row];
-        let quantize_rows = |(xr, qr): (&[f32], &mut [ActBlock])| (k.quantize)(xr, qr);
-        if n >= 8 {
-            x.par_chunks(cols)
-                .zip(q.par_chunks_mut(blocks_per_row))
-                .for_each(quantize_rows);
-        } else {
-            x.chunks(cols)
-                .zip(q.chunks_mut(blocks_per_row))
-                .for_each(quantize_rows);
-        }
-        Prepared::Quant(q)
+    let prepared = if w.dtype.is_k_quant() {
+        Prepared::QuantK(quantize_rows(x, n, cols, QK_K, k.quantize_k))
+    } else if w.dtype.is_quantized() {
+        Prepared::Quant(quantize_rows(x, n, cols, QK, k.quantize))
     } else {
         Prepared::Float(x)
     };
@@ -126,7 +146,21 @@ fn dot_row(k: &Kernels, dtype: DType, wrow: &[u8], x: &Prepared, t: usize, cols:
                 DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice::<u8, BlockQ8_0>(wrow), xt),
                 DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice::<u8, BlockQ4_0>(wrow), xt),
                 DType::Q4_1 => (k.dot_q4_1)(bytemuck::cast_slice::<u8, BlockQ4_1>(wrow), xt),
-                _ => unreachable!("float formats use Prepared::Float"),
+                DType::Q5_0 => (k.dot_q5_0)(bytemuck::cast_slice::<u8, BlockQ5_0>(wrow), xt),
+                DType::Q5_1 => (k.dot_q5_1)(bytemuck::cast_slice::<u8, BlockQ5_1>(wrow), xt),
+                _ => unreachable!("{dtype} does not use 32-value activation blocks"),
+            }
+        }
+        Prepared::QuantK(q) => {
+            let bpr = cols / QK_K;
+            let xt = &q[t * bpr..(t + 1) * bpr];
+            match dtype {
+                DType::Q2K => (k.dot_q2_k)(bytemuck::cast_slice::<u8, BlockQ2K>(wrow), xt),
+                DType::Q3K => (k.dot_q3_k)(bytemuck::cast_slice::<u8, BlockQ3K>(wrow), xt),
+                DType::Q4K => (k.dot_q4_k)(bytemuck::cast_slice::<u8, BlockQ4K>(wrow), xt),
+                DType::Q5K => (k.dot_q5_k)(bytemuck::cast_slice::<u8, BlockQ5K>(wrow), xt),
+                DType::Q6K => (k.dot_q6_k)(bytemuck::cast_slice::<u8, BlockQ6K>(wrow), xt),
+                _ => unreachable!("{dtype} does not use 256-value activation blocks"),
             }
         }
     }
@@ -177,6 +211,17 @@ mod tests {
                     bytemuck::bytes_of(&b).to_vec()
                 })
                 .collect(),
+            DType::Q5_0
+            | DType::Q5_1
+            | DType::Q2K
+            | DType::Q3K
+            | DType::Q4K
+            | DType::Q5K
+            | DType::Q6K => {
+                let mut b = vec![0u8; dtype.bytes_for(rows * cols)];
+                crate::tensor::quantize_row(dtype, &vals, &mut b);
+                b
+            }
             DType::Q4_0 | DType::Q4_1 => (0..rows * cols / QK)
                 .flat_map(|_| {
                     let qs: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
@@ -206,15 +251,13 @@ mod tests {
             .num_threads(3)
             .build()
             .unwrap();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_0,
-            DType::Q4_0,
-            DType::Q4_1,
-        ] {
-            for (rows, cols, n) in [(5, 64, 1), (67, 96, 3), (130, 64, 21)] {
+        for dtype in DType::ALL {
+            let shapes = if dtype.is_k_quant() {
+                [(5, 256, 1), (67, 512, 3), (130, 256, 21)]
+            } else {
+                [(5, 64, 1), (67, 96, 3), (130, 64, 21)]
+            };
+            for (rows, cols, n) in shapes {
                 let w = tensor(dtype, rows, cols, &mut rng);
                 let x: Vec<f32> = (0..n * cols)
                     .map(|_| rng.random_range(-1.0f32..1.0))

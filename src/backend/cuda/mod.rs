@@ -60,7 +60,7 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
             tokens,
             cols,
         } => {
-            if dtype.is_quantized() {
+            if uses_act_blocks(dtype) {
                 // Activations quantized to 8-bit blocks for the integer dot products.
                 device_bytes((tokens * cols / 32 * ACT_BLOCK_BYTES) as u64)
             } else if tokens > MAX_TOKENS && matches!(dtype, DType::F16 | DType::BF16) {
@@ -177,7 +177,21 @@ fn dtype_code(d: DType) -> i32 {
         DType::Q8_0 => 3,
         DType::Q4_0 => 4,
         DType::Q4_1 => 5,
+        DType::Q5_0 => 6,
+        DType::Q5_1 => 7,
+        DType::Q2K => 8,
+        DType::Q3K => 9,
+        DType::Q4K => 10,
+        DType::Q5K => 11,
+        DType::Q6K => 12,
     }
+}
+
+/// Whether matmuls with `dtype` weights multiply 8-bit activation blocks (`matvec_quant`, which
+/// needs them in the workspace). The other block formats go through `matvec_float` on f32
+/// activations, decoding each weight element by the reference formula (`load_elem`).
+fn uses_act_blocks(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
 }
 
 fn act_code(a: Act) -> i32 {
@@ -1134,7 +1148,7 @@ impl Backend for CudaBackend {
         }
         let (rows, cols, stride, c0) = (w.rows as i32, w.cols as i32, out.cols as i32, col0 as i32);
         let grid = blocks(w.rows, WARPS);
-        let q = if w.dtype.is_quantized() {
+        let q = if uses_act_blocks(w.dtype) {
             self.quantize(x.buf.ptr, n, w.cols, ws)?;
             Some(ws)
         } else {
@@ -1583,5 +1597,37 @@ impl Backend for CudaBackend {
             s.scale
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_formats_with_integer_kernels_take_activation_blocks() {
+        for dtype in DType::ALL {
+            let ws = workspace_bytes(&WorkspaceOp::Matmul {
+                dtype,
+                tokens: 3,
+                cols: 512,
+            });
+            if uses_act_blocks(dtype) {
+                assert_eq!(
+                    ws,
+                    device_bytes(3 * 512 / 32 * ACT_BLOCK_BYTES as u64),
+                    "{dtype}"
+                );
+            } else {
+                // f32 activations read in place (f16/bf16 convert only for cuBLAS, n > 8).
+                assert_eq!(ws, 0, "{dtype}");
+            }
+        }
+        let k = WorkspaceOp::Matmul {
+            dtype: DType::Q4K,
+            tokens: 64,
+            cols: 4096,
+        };
+        assert_eq!(workspace_bytes(&k), 0);
     }
 }
