@@ -291,7 +291,7 @@ fn mixed_format_gguf(dir: &std::path::Path) -> std::path::PathBuf {
         vocab_size: 320,
         ..SynthSpec::preset("tiny").unwrap()
     };
-    synthesize_gguf(&spec, &src, false, &mut |_, _| {}).unwrap();
+    synthesize_gguf(&spec, &src, false, None, &mut |_, _| {}).unwrap();
     let g = GgufFile::open(&src).unwrap();
     let mut tensors = Vec::new();
     for (name, info) in &g.tensors {
@@ -416,5 +416,83 @@ fn layers_of_mixed_formats_offload_exactly() {
             }
             assert!(got == want, "window {window}, {g} bytes: logits differ");
         }
+    }
+}
+
+/// A synthesized Q4_K_M model (llama.cpp's mix: Q4_K, with Q6_K for the output and for `attn_v`
+/// and `ffn_down` in the layers it gives more bits) is stored in its own formats, read in place,
+/// and offloaded at tight budgets computes the dense run's logits bit for bit.
+#[test]
+fn a_q4_k_m_model_offloads_exactly() {
+    use gpu_offload::model::quant_mix::QuantMix;
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    use gpu_offload::tensor::DType;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("q4km.gguf");
+    let spec = SynthSpec {
+        n_layers: 8,
+        d_model: 256,
+        d_ff: 512,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab_size: 320,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    synthesize_gguf(&spec, &path, false, Some(QuantMix::Q4KM), &mut |_, _| {}).unwrap();
+    let (store, _d) = converted(&path);
+    let fmt = |name: &str| store.segment(name).unwrap().encoding.name();
+    assert_eq!(fmt("output.weight"), "q6_k");
+    assert_eq!(fmt("blk.0.ffn_down.weight"), "q6_k");
+    assert_eq!(fmt("blk.1.ffn_down.weight"), "q4_k");
+    assert_eq!(fmt("blk.3.attn_v.weight"), "q6_k");
+    assert_eq!(fmt("blk.4.attn_q.weight"), "q4_k");
+    assert!(
+        store
+            .manifest
+            .segments
+            .iter()
+            .filter(|s| s.rows > 1)
+            .all(|s| s.in_source)
+    );
+    assert_eq!(
+        gpu_offload::plan::widest_dtype(&store.manifest, gpu_offload::plan::Part::Down).unwrap(),
+        DType::Q6K
+    );
+    let model = Model::load(&path).unwrap();
+    let toks: Vec<u32> = (0..12).map(|i| (i * 37 % 300 + 3) as u32).collect();
+    let prompt = 6;
+    let dense = Engine::new(
+        CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_kv_type(KvType::F16)
+    .unwrap();
+    let want = logits(&dense, &toks, prompt);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let b = |g| Budget::new(g, None, 2, toks.len(), prompt);
+    let min = match make_plan(&store.manifest, &b(0), &hw) {
+        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+        other => panic!("{other:?}"),
+    };
+    let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
+        .unwrap()
+        .gpu
+        .total;
+    for g in [min, min + (all - min) / 2] {
+        let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap();
+        assert!(
+            logits(&e, &toks, prompt) == want,
+            "{g} bytes: logits differ"
+        );
+        assert!(ledger.snapshot().hbm_peak <= plan.gpu.placed);
     }
 }

@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::model::Arch;
+use crate::model::quant_mix::QuantMix;
 use crate::model::synth::{SynthDtype, SynthSpec, synthesize, synthesize_gguf};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -22,12 +23,6 @@ pub enum SynthFormat {
     Hf,
     /// One llama GGUF file, as llama.cpp loads it (LLaMA SwiGLU shapes).
     Gguf,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum SynthDtypeArg {
-    F16,
-    Bf16,
 }
 
 #[derive(Debug, Args)]
@@ -60,8 +55,11 @@ pub struct SynthArgs {
     pub vocab: Option<usize>,
     #[arg(long, env = "GPU_OFFLOAD_MAX_CONTEXT")]
     pub max_context: Option<usize>,
-    #[arg(long, env = "GPU_OFFLOAD_DTYPE", value_enum)]
-    pub dtype: Option<SynthDtypeArg>,
+    /// Weight precision: f16 or bf16; for GGUF output also a quantization of those weights by
+    /// llama.cpp's reference quantizers: q4_k_m (its mix), or one format for every matrix (q4_0,
+    /// q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k) [default: f16]
+    #[arg(long, env = "GPU_OFFLOAD_DTYPE")]
+    pub dtype: Option<String>,
     /// FFN activation for LLaMA shapes: silu or relu.
     #[arg(long, env = "GPU_OFFLOAD_ACTIVATION")]
     pub activation: Option<String>,
@@ -111,11 +109,15 @@ pub fn run(a: SynthArgs) -> Result<()> {
     set!(vocab_size, a.vocab);
     set!(max_context, a.max_context);
     set!(activation, a.activation.clone());
-    if let Some(d) = a.dtype {
-        s.dtype = match d {
-            SynthDtypeArg::F16 => SynthDtype::F16,
-            SynthDtypeArg::Bf16 => SynthDtype::Bf16,
-        };
+    let mut quant = None;
+    match a.dtype.as_deref() {
+        None | Some("f16") => s.dtype = SynthDtype::F16,
+        Some("bf16") => s.dtype = SynthDtype::Bf16,
+        Some(other) => {
+            quant = Some(QuantMix::parse(other).with_context(|| {
+                format!("--dtype {other}: unknown (f16, bf16, q4_k_m, or a block format such as q4_0, q8_0, q4_k, q6_k)")
+            })?);
+        }
     }
     s.tied_output |= a.tied;
     s.seed = a.seed;
@@ -135,19 +137,21 @@ pub fn run(a: SynthArgs) -> Result<()> {
     );
     let t0 = Instant::now();
     let format = a.format.unwrap_or_else(|| {
-        if a.out.extension().is_some_and(|e| e == "gguf") {
+        if quant.is_some() || a.out.extension().is_some_and(|e| e == "gguf") {
             SynthFormat::Gguf
         } else {
             SynthFormat::Hf
         }
     });
-    let write = match format {
-        SynthFormat::Hf => synthesize,
-        SynthFormat::Gguf => synthesize_gguf,
-    };
-    write(&s, &a.out, a.force, &mut |done, _| {
-        pb.set_position(done >> 20)
-    })
+    let mut tick = |done, _| pb.set_position(done >> 20);
+    match (format, quant) {
+        (SynthFormat::Hf, Some(q)) => bail!(
+            "--dtype {}: quantized models are written as GGUF (--format gguf, or -o NAME.gguf)",
+            q.name()
+        ),
+        (SynthFormat::Hf, None) => synthesize(&s, &a.out, a.force, &mut tick),
+        (SynthFormat::Gguf, q) => synthesize_gguf(&s, &a.out, a.force, q, &mut tick),
+    }
     .with_context(|| format!("cannot write {}", a.out.display()))?;
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();

@@ -6,6 +6,7 @@ pub mod ggml;
 pub mod gguf;
 mod load_gguf;
 mod load_hf;
+pub mod quant_mix;
 pub mod spec;
 pub mod synth;
 pub mod tokenizer;

@@ -689,10 +689,13 @@ fn rope_pairs_adjacent(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 /// Write the model as one llama GGUF file `out` (what llama.cpp loads): the same values as the
 /// HF directory [`synthesize`] writes (matrices in f16/bf16, norms in f32, Q/K rows in llama.cpp's
 /// RoPE order), with a byte-fallback vocabulary of placeholder tokens. LLaMA SwiGLU shapes only.
+/// With `quant`, the matrices are those f16/bf16 values quantized by llama.cpp's reference
+/// quantizers in the mix's formats: what `llama-quantize` makes of the f16 file.
 pub fn synthesize_gguf(
     spec: &SynthSpec,
     out: &Path,
     force: bool,
+    quant: Option<super::quant_mix::QuantMix>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<(), ModelError> {
     use super::gguf::{MetaValue as M, TensorSpec, write_streamed};
@@ -712,9 +715,13 @@ pub fn synthesize_gguf(
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         fs::create_dir_all(parent).map_err(|e| io(parent, e))?;
     }
-    let (ggml_type, file_type, width) = match spec.dtype {
-        SynthDtype::F16 => (1u32, 1u32, 2u64),
-        SynthDtype::Bf16 => (30, 32, 2),
+    let float = match spec.dtype {
+        SynthDtype::F16 => crate::tensor::DType::F16,
+        SynthDtype::Bf16 => crate::tensor::DType::BF16,
+    };
+    let file_type = match quant {
+        Some(q) => q.file_type(),
+        None => super::quant_mix::QuantMix::Pure(float).file_type(),
     };
     // Placeholder vocabulary: unknown, BOS, EOS, the 256 byte tokens, then `▁t{i}`.
     let mut tokens: Vec<M> = ["<unk>", "<s>", "</s>"]
@@ -764,12 +771,20 @@ pub fn synthesize_gguf(
         ("tokenizer.ggml.unknown_token_id", M::U32(0)),
     ];
     let plans: Vec<TensorPlan> = spec.tensors();
+    // Each tensor's format: f32 vectors, matrices in the float type or the mix's format.
+    let mut formats = Vec::with_capacity(plans.len());
     let specs: Vec<TensorSpec> = plans
         .iter()
         .map(|p| {
             let name =
                 gguf_name(&p.name).ok_or_else(|| bad(format!("no GGUF name for {}", p.name)))?;
             let vector = p.rows == 1;
+            let dtype = match (vector, quant) {
+                (true, _) => crate::tensor::DType::F32,
+                (false, Some(q)) => q.format(&name, p.cols, spec.n_layers),
+                (false, None) => float,
+            };
+            formats.push(dtype);
             Ok(TensorSpec {
                 name,
                 dims: if vector {
@@ -777,8 +792,8 @@ pub fn synthesize_gguf(
                 } else {
                     vec![p.cols as u64, p.rows as u64]
                 },
-                ggml_type: if vector { 0 } else { ggml_type },
-                bytes: (p.rows * p.cols) as u64 * if vector { 4 } else { width },
+                ggml_type: super::ggml::GgmlType::of_dtype(dtype).1,
+                bytes: (p.rows * dtype.bytes_for(p.cols)) as u64,
             })
         })
         .collect::<Result<_, ModelError>>()?;
@@ -801,29 +816,21 @@ pub fn synthesize_gguf(
         } else if name.ends_with("k_proj.weight") {
             v = rope_pairs_adjacent(&v, spec.n_kv_heads, cols);
         }
-        let bytes = if rows == 1 {
-            // The HF directory holds vectors in f16/bf16 too: the same numbers, as f32.
-            let r: Vec<f32> = v
-                .iter()
-                .map(|&x| match spec.dtype {
-                    SynthDtype::F16 => f16::from_f32(x).to_f32(),
-                    SynthDtype::Bf16 => bf16::from_f32(x).to_f32(),
-                })
-                .collect();
-            bytemuck::cast_slice(&r).to_vec()
-        } else {
-            let dtype = match spec.dtype {
-                SynthDtype::F16 => crate::tensor::DType::F16,
-                SynthDtype::Bf16 => crate::tensor::DType::BF16,
-            };
-            let mut b = vec![0u8; v.len() * 2];
-            b.par_chunks_mut(CHUNK * 2)
-                .zip(v.par_chunks(CHUNK))
-                .for_each(|(o, x)| {
-                    let _ = crate::tensor::encode_row(dtype, x, o);
-                });
-            b
-        };
+        // The model's numbers are its f16/bf16 values (what the HF directory holds); vectors are
+        // those as f32, matrices those in their format.
+        v.par_iter_mut().for_each(|x| {
+            *x = match spec.dtype {
+                SynthDtype::F16 => f16::from_f32(*x).to_f32(),
+                SynthDtype::Bf16 => bf16::from_f32(*x).to_f32(),
+            }
+        });
+        let dtype = formats[i];
+        let rb = dtype.bytes_for(cols);
+        let mut bytes = vec![0u8; rows * rb];
+        bytes
+            .par_chunks_mut(rb)
+            .zip(v.par_chunks(cols))
+            .for_each(|(o, x)| crate::tensor::quantize_row(dtype, x, o));
         done += bytes.len() as u64;
         progress(done, total);
         Ok(bytes)
@@ -848,8 +855,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         synthesize(&spec, &dir.path().join("hf"), false, &mut |_, _| {}).unwrap();
         let gguf = dir.path().join("m.gguf");
-        synthesize_gguf(&spec, &gguf, false, &mut |_, _| {}).unwrap();
-        assert!(synthesize_gguf(&spec, &gguf, false, &mut |_, _| {}).is_err());
+        synthesize_gguf(&spec, &gguf, false, None, &mut |_, _| {}).unwrap();
+        assert!(synthesize_gguf(&spec, &gguf, false, None, &mut |_, _| {}).is_err());
         let run = |p: &Path| {
             let m = crate::model::Model::load(p).unwrap();
             let e = Engine::new(CpuBackend::new(1).unwrap(), m.spec.clone(), &m.weights).unwrap();
@@ -876,7 +883,16 @@ mod tests {
             activation: "relu".into(),
             ..spec
         };
-        assert!(synthesize_gguf(&relu, &dir.path().join("r.gguf"), false, &mut |_, _| {}).is_err());
+        assert!(
+            synthesize_gguf(
+                &relu,
+                &dir.path().join("r.gguf"),
+                false,
+                None,
+                &mut |_, _| {}
+            )
+            .is_err()
+        );
     }
 
     #[test]
