@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -55,30 +55,12 @@ pub enum BenchWhat {
     Suite(SuiteArgs),
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum DTypeArg {
-    F32,
-    F16,
-    Bf16,
-    #[value(name = "q8_0")]
-    Q8_0,
-    #[value(name = "q4_0")]
-    Q4_0,
-    #[value(name = "q4_1")]
-    Q4_1,
-}
-
-impl DTypeArg {
-    fn dtype(self) -> DType {
-        match self {
-            DTypeArg::F32 => DType::F32,
-            DTypeArg::F16 => DType::F16,
-            DTypeArg::Bf16 => DType::BF16,
-            DTypeArg::Q8_0 => DType::Q8_0,
-            DTypeArg::Q4_0 => DType::Q4_0,
-            DTypeArg::Q4_1 => DType::Q4_1,
-        }
-    }
+/// A storage format by name (`f16`, `q4_k`, …).
+fn parse_dtype(s: &str) -> std::result::Result<DType, String> {
+    DType::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+        format!("`{s}` is not a weight format ({})", names.join(", "))
+    })
 }
 
 #[derive(Debug, Args)]
@@ -92,8 +74,9 @@ pub struct MatvecArgs {
     /// Input columns.
     #[arg(long, default_value_t = 4096)]
     pub cols: usize,
-    #[arg(long, value_enum, default_value = "f16")]
-    pub dtype: DTypeArg,
+    /// Weight format: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k … q6_k.
+    #[arg(long, value_parser = parse_dtype, default_value = "f16")]
+    pub dtype: DType,
     /// Vectors per product.
     #[arg(long, default_value_t = 1)]
     pub tokens: usize,
@@ -135,20 +118,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
 }
 
+/// Random values in [-1, 1) quantized into `dtype` by the reference quantizers, a row at a time.
 fn random_weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
-    let mut rng = StdRng::seed_from_u64(9);
-    let n = dtype.bytes_for(rows * cols);
-    let mut bytes: Vec<u8> = (0..n).map(|_| rng.random::<u8>()).collect();
-    match dtype {
-        DType::F32 => bytes.chunks_mut(4).for_each(|f| f[3] = 0x3c),
-        DType::F16 | DType::BF16 => bytes.chunks_mut(2).for_each(|h| h[1] &= 0x3b),
-        _ => bytes.chunks_mut(dtype.block_bytes()).for_each(|b| {
-            b[0..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-            if dtype == DType::Q4_1 {
-                b[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
-            }
-        }),
-    }
+    use rayon::prelude::*;
+    let rb = dtype.bytes_for(cols);
+    let mut bytes = vec![0u8; rows * rb];
+    bytes.par_chunks_mut(rb).enumerate().for_each(|(r, out)| {
+        let mut rng = StdRng::seed_from_u64(9 + r as u64);
+        let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        crate::tensor::quantize_row(dtype, &x, out);
+    });
     HostTensor {
         name: "bench".into(),
         rows,
@@ -158,9 +137,18 @@ fn random_weight(dtype: DType, rows: usize, cols: usize) -> HostTensor {
     }
 }
 
-/// Seconds per product (median of 5 timings of `reps` products each).
+/// Bytes of weights the products cycle through, so no cache holds them between uses (a
+/// matrix a last-level cache holds would be read at cache speed, beating the memory bound):
+/// 256 MiB, far above the caches of the GPUs and CPUs we bound (H100 L2 50 MB).
+const MATVEC_WORKING_SET: usize = 256 << 20;
+
+/// Seconds per product (median of 5 timings of `reps` products each), cycling through copies
+/// of `w` that together exceed [`MATVEC_WORKING_SET`].
 fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) -> Result<f64> {
-    let dw = b.upload(w)?;
+    let copies = MATVEC_WORKING_SET.div_ceil(w.data.len().max(1)).max(1);
+    let dws = (0..copies)
+        .map(|_| b.upload(w))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let mut x = b.alloc(tokens, w.cols)?;
     b.write(&mut x, &vec![0.01; tokens * w.cols])?;
     let mut out = b.alloc(tokens, w.rows)?;
@@ -172,13 +160,15 @@ fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) ->
         cols: w.cols,
     }))?;
     b.enter(move || -> Result<f64> {
-        b.matmul(&dw, &x, &mut out)?;
+        for dw in &dws {
+            b.matmul(dw, &x, &mut out)?;
+        }
         b.read(&out, &mut sink)?;
         let mut times = Vec::new();
         for _ in 0..5 {
             let t0 = Instant::now();
-            for _ in 0..reps {
-                b.matmul(&dw, &x, &mut out)?;
+            for i in 0..reps {
+                b.matmul(&dws[i % copies], &x, &mut out)?;
             }
             b.read(&out, &mut sink)?;
             times.push(t0.elapsed().as_secs_f64() / reps as f64);
@@ -189,7 +179,7 @@ fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) ->
 }
 
 fn matvec(a: MatvecArgs) -> Result<()> {
-    let dtype = a.dtype.dtype();
+    let dtype = a.dtype;
     if !a.cols.is_multiple_of(dtype.block_len()) || a.rows == 0 || a.tokens == 0 || a.reps == 0 {
         bail!(
             "--cols must be a multiple of {} for {dtype}; rows, tokens and reps must be positive",
