@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|serve|all]
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -17,6 +17,10 @@
 #            picks which, so each fits in one device call)
 #   peers    llama.cpp (built from .gpu/peers, see gpu-build.sh) beside us: `bench suite` with
 #            llama-bench at full offload and the largest -ngl that fits each budget
+#   quant    quantized models (issue 10): 7B Q4_K_M whole GPU vs llama.cpp (when built by
+#            `peers`), 7B Q4_K_M at --gpu-mem 2G and 13B Q4_K_M at 4G vs the PCIe bound, the
+#            70B-shaped Q4_K_M at 24G with --dram-mem 32G (SSD tier) vs the SSD and PCIe bounds;
+#            stores read the GGUFs in place (70B Q4_K_M is ~40 GB of a 64 GB disk)
 #   serve    the HTTP server on CUDA: completions, a context swapped out and restored, HBM ledger
 # Results: $OUT/results.jsonl (one JSON object per measurement) and $OUT/log.txt.
 set -uo pipefail
@@ -195,6 +199,30 @@ peers() {
     record suite_peers "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/suite-peers" 2>/dev/null | tr '\n' ' ')\"}"
 }
 
+quant() {
+    local m
+    for m in 7b 13b 70b; do
+        if [[ ! -f "$WORK/m$m-q4km.gguf" ]]; then
+            say "synthesizing the $m shape as Q4_K_M (llama.cpp's mix, reference quantizers)"
+            "$B" synth --preset "$m" --dtype q4_k_m -o "$WORK/m$m-q4km.gguf" --force 2>&1 | tee -a "$LOG"
+        fi
+    done
+    local lb=/tmp/lbuild/bin/llama-bench peer=()
+    [[ -x "$lb" ]] && peer=(--llama-bench "$lb")
+    say "7B Q4_K_M on the whole GPU and at 2G, beside llama.cpp where built"
+    "$B" bench suite --device cuda -m "$WORK/m7b-q4km.gguf" --budgets whole,2G --prompts 512,2048 \
+        --out "$OUT/suite-7b-q4km" "${peer[@]}" 2>>"$LOG"
+    record suite_7b_q4km "{\"exit_code\":$?}"
+    say "13B Q4_K_M at --gpu-mem 4G"
+    with_peak "$WORK/q13b.json" "$B" bench decode --device cuda -m "$WORK/m13b-q4km.gguf" --gpu-mem 4G \
+        --prompt-tokens 32 -n 8 --reps 1 --json
+    record decode_13b_q4km_4g "{\"exit_code\":$?,\"nvidia_smi_peak_mib\":$(cat "$WORK/q13b.json.peak"),\"bench\":$(cat "$WORK/q13b.json" || echo null)}"
+    say "70B-shaped Q4_K_M at --gpu-mem 24G --dram-mem 32G (SSD tier)"
+    with_peak "$WORK/q70b.json" "$B" bench decode --device cuda -m "$WORK/m70b-q4km.gguf" --gpu-mem 24G \
+        --dram-mem 32G --prompt-tokens 16 -n 4 --reps 1 --json
+    record decode_70b_q4km_24g "{\"exit_code\":$?,\"nvidia_smi_peak_mib\":$(cat "$WORK/q70b.json.peak"),\"bench\":$(cat "$WORK/q70b.json" || echo null)}"
+}
+
 serve() {
     say "serve on CUDA (stories260K, --gpu-mem 1G: the process, context included): completions, a context swapped out and back, ledger in /metrics"
     "$B" serve --device cuda -m .gpu/models/stories260K-f32.gguf --gpu-mem 1G --port 18181 --parallel 1 \
@@ -232,7 +260,8 @@ case "$MODE" in
     budgets) budgets ;;
     suite) suite ;;
     peers) peers ;;
+    quant) quant ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|serve|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|all]"; exit 2 ;;
 esac
 say "done"

@@ -35,7 +35,7 @@ pub struct SynthArgs {
     #[arg(long, env = "GPU_OFFLOAD_FORMAT", value_enum)]
     pub format: Option<SynthFormat>,
 
-    /// Named shape: tiny, 1b, 7b, 13b (other flags override its fields).
+    /// Named shape: tiny, 1b, 7b, 13b, 70b (other flags override its fields).
     #[arg(long, env = "GPU_OFFLOAD_PRESET", default_value = "tiny")]
     pub preset: String,
 
@@ -81,7 +81,7 @@ pub struct SynthArgs {
 
 pub fn run(a: SynthArgs) -> Result<()> {
     let Some(mut s) = SynthSpec::preset(&a.preset) else {
-        bail!("--preset {}: unknown (tiny, 1b, 7b, 13b)", a.preset);
+        bail!("--preset {}: unknown (tiny, 1b, 7b, 13b, 70b)", a.preset);
     };
     if let Some(arch) = a.arch {
         s.arch = match arch {
