@@ -146,6 +146,23 @@ fn walk(dir: &std::path::Path) -> u64 {
         .sum()
 }
 
+/// The plan run on the budgeted device (with a DRAM budget, if given), and its ledger.
+fn offloaded(
+    store: &Arc<Store>,
+    plan: &gpu_offload::plan::Plan,
+    dram: Option<u64>,
+    kv: KvType,
+) -> (Engine<SimBackend>, Arc<Ledger>) {
+    let ledger = Ledger::new(Some(plan.ledger_budget()), dram);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+        .unwrap()
+        .with_kv_type(kv)
+        .unwrap();
+    (e, ledger)
+}
+
 /// Logits of a prompt then `decode` single-token steps.
 fn logits<B: gpu_offload::backend::Backend>(
     e: &Engine<B>,
@@ -197,13 +214,7 @@ fn offloaded_runs_compute_the_dense_numbers_exactly() {
             .total;
         for g in [min, min + (all - min) / 3, all] {
             let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
-            let ledger = Ledger::new(Some(plan.ledger_budget()), None);
-            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-            let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
-            let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-                .unwrap()
-                .with_kv_type(kv)
-                .unwrap();
+            let (e, ledger) = offloaded(&store, &plan, None, kv);
             let got = logits(&e, &toks, prompt);
             assert!(
                 got == want,
@@ -389,13 +400,7 @@ fn layers_of_mixed_formats_offload_exactly() {
                 dram.is_none() || plan.per_token.ssd_bytes > 0,
                 "the SSD tier is in play"
             );
-            let ledger = Ledger::new(Some(plan.ledger_budget()), dram);
-            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-            let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
-            let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-                .unwrap()
-                .with_kv_type(KvType::F16)
-                .unwrap();
+            let (e, ledger) = offloaded(&store, &plan, dram, KvType::F16);
             let mut s = e.new_session(toks.len()).unwrap();
             let mut got = vec![e.forward(&mut s, &toks[..prompt], Logits::Last).unwrap()];
             for &t in &toks[prompt..] {
@@ -482,13 +487,7 @@ fn a_q4_k_m_model_offloads_exactly() {
         .total;
     for g in [min, min + (all - min) / 2] {
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
-        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
-        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
-        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-            .unwrap()
-            .with_kv_type(KvType::F16)
-            .unwrap();
+        let (e, ledger) = offloaded(&store, &plan, None, KvType::F16);
         assert!(
             logits(&e, &toks, prompt) == want,
             "{g} bytes: logits differ"
