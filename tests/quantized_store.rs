@@ -146,6 +146,20 @@ fn walk(dir: &std::path::Path) -> u64 {
         .sum()
 }
 
+/// The dense CPU engine's logits for the model file at `path` (prompt, then single steps).
+fn dense_logits(path: &std::path::Path, toks: &[u32], prompt: usize, kv: KvType) -> Vec<Vec<f32>> {
+    let model = Model::load(path).unwrap();
+    let dense = Engine::new(
+        CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_kv_type(kv)
+    .unwrap();
+    logits(&dense, toks, prompt)
+}
+
 /// The plan run on the budgeted device (with a DRAM budget, if given), and its ledger.
 fn offloaded(
     store: &Arc<Store>,
@@ -366,18 +380,9 @@ fn layers_of_mixed_formats_offload_exactly() {
     let shapes = gpu_offload::plan::layer_shapes(&store.manifest).unwrap();
     let down = gpu_offload::plan::Part::Down.index();
     assert_ne!(shapes[0].row_bytes[down], shapes[1].row_bytes[down]);
-    let model = Model::load(&path).unwrap();
     let toks: Vec<u32> = (0..12).map(|i| (i * 37 % 300 + 3) as u32).collect();
     let prompt = 6;
-    let dense = Engine::new(
-        CpuBackend::new(2).unwrap(),
-        model.spec.clone(),
-        &model.weights,
-    )
-    .unwrap()
-    .with_kv_type(KvType::F16)
-    .unwrap();
-    let want = logits(&dense, &toks, prompt);
+    let want = dense_logits(&path, &toks, prompt, KvType::F16);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     for window in [1, 2] {
         let b = |g, dram| Budget::new(g, dram, window, toks.len(), prompt);
@@ -463,18 +468,9 @@ fn a_q4_k_m_model_offloads_exactly() {
         gpu_offload::plan::widest_dtype(&store.manifest, gpu_offload::plan::Part::Down).unwrap(),
         DType::Q6K
     );
-    let model = Model::load(&path).unwrap();
     let toks: Vec<u32> = (0..12).map(|i| (i * 37 % 300 + 3) as u32).collect();
     let prompt = 6;
-    let dense = Engine::new(
-        CpuBackend::new(2).unwrap(),
-        model.spec.clone(),
-        &model.weights,
-    )
-    .unwrap()
-    .with_kv_type(KvType::F16)
-    .unwrap();
-    let want = logits(&dense, &toks, prompt);
+    let want = dense_logits(&path, &toks, prompt, KvType::F16);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let b = |g| Budget::new(g, None, 2, toks.len(), prompt);
     let min = match make_plan(&store.manifest, &b(0), &hw) {

@@ -121,6 +121,20 @@ pub fn weight_bytes(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
         .flatten()
 }
 
+/// The error of a [`Backend::retype_weight`] asking for more than `name`'s `capacity` bytes.
+pub fn retype_error(
+    name: &str,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    capacity: u64,
+) -> BackendError {
+    BackendError::Shape {
+        op: "retype_weight",
+        msg: format!("{rows}x{cols} {dtype} does not fit `{name}` ({capacity} bytes)"),
+    }
+}
+
 /// Keeps a host range page-locked while alive.
 pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
 

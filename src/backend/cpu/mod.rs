@@ -186,13 +186,12 @@ impl Backend for CpuBackend {
                 w.cols = cols;
                 Ok(())
             }
-            _ => Err(shape_err(
-                "retype_weight",
-                format!(
-                    "{rows}x{cols} {dtype} does not fit `{}` ({} bytes)",
-                    w.name,
-                    words.len() * 8
-                ),
+            _ => Err(super::retype_error(
+                &w.name,
+                dtype,
+                rows,
+                cols,
+                (words.len() * 8) as u64,
             )),
         }
     }

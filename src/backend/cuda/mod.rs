@@ -760,12 +760,12 @@ impl Backend for CudaBackend {
                 w.cols = cols;
                 Ok(())
             }
-            _ => Err(shape_err(
-                "retype_weight",
-                format!(
-                    "{rows}x{cols} {dtype} does not fit `{}` ({} bytes)",
-                    w.name, w.buf.mem.bytes
-                ),
+            _ => Err(super::retype_error(
+                &w.name,
+                dtype,
+                rows,
+                cols,
+                w.buf.mem.bytes,
             )),
         }
     }
