@@ -28,10 +28,35 @@ fn find_nvcc() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
-/// The source with `#include "common.cuh"` replaced by the header (NVRTC gets one string).
-fn inline_header(src: &str, header: &str) -> String {
-    let header = header.replace("#pragma once", "");
-    src.replace("#include \"common.cuh\"", &header)
+/// The source with each `#include "x.cuh"` replaced by that header from `dir`, recursively and
+/// once per header (`#pragma once`), so NVRTC gets one self-contained string.
+fn inline_headers(src: &str, dir: &Path, seen: &mut Vec<String>) -> String {
+    let mut out = String::with_capacity(src.len());
+    for line in src.lines() {
+        let header = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'))
+            .filter(|h| h.ends_with(".cuh"));
+        match header {
+            Some(h) => {
+                if !seen.iter().any(|s| s == h) {
+                    seen.push(h.to_string());
+                    let text = fs::read_to_string(dir.join(h)).expect("kernel header");
+                    out.push_str(&inline_headers(
+                        &text.replace("#pragma once", ""),
+                        dir,
+                        seen,
+                    ));
+                }
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 fn main() {
@@ -47,7 +72,6 @@ fn main() {
         println!("cargo:rerun-if-env-changed={var}");
     }
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
-    let header = fs::read_to_string(dir.join("common.cuh")).expect("kernels/common.cuh");
     let mut sources: Vec<PathBuf> = fs::read_dir(dir)
         .expect("kernels/")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -70,7 +94,11 @@ fn main() {
             .to_string_lossy()
             .into_owned();
         let cu = out.join(format!("{name}.cu"));
-        let text = inline_header(&fs::read_to_string(src).expect("kernel source"), &header);
+        let text = inline_headers(
+            &fs::read_to_string(src).expect("kernel source"),
+            dir,
+            &mut Vec::new(),
+        );
         fs::write(&cu, text).expect("write inlined source");
         let _ = writeln!(
             inlined,

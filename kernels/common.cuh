@@ -2,6 +2,10 @@
 // compiles with nvcc at build time and with NVRTC at run time.
 #pragma once
 
+#ifdef KERNEL_HOST_CHECK
+#include "host/shim.h"
+#endif
+
 typedef unsigned char u8;
 typedef signed char i8;
 typedef unsigned short u16;
@@ -28,19 +32,29 @@ typedef unsigned int u32;
 #define ACT_GELU 2
 #define ACT_GELU_TANH 3
 
-// Tokens one matvec launch handles (their accumulators live in registers).
+// Tokens one matvec launch handles (their accumulators live in registers): float formats,
+// and block formats (whose decode costs more, so more tokens share it).
 #define MAX_TOKENS 8
+#define MAX_QTOKENS 16
 
 __device__ __forceinline__ float h2f(u16 h) {
+#ifdef KERNEL_HOST_CHECK
+    return host_h2f(h);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 __device__ __forceinline__ u16 f2h(float f) {
+#ifdef KERNEL_HOST_CHECK
+    return host_f2h(f);
+#else
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+#endif
 }
 
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }

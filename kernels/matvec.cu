@@ -1,8 +1,9 @@
-// Matrix × (a few) vectors for decode: out[t][col0 + r] = W[r] · x[t] for up to MAX_TOKENS
-// tokens, one warp per weight row, the row read once for all tokens. Float formats multiply f32
-// activations; the block formats multiply 8-bit activation blocks (quantize_q8) with integer
-// dot products, as the CPU backend does.
-#include "common.cuh"
+// Matrix × (a few) vectors for decode: out[t][col0 + r] = W[r] · x[t], one warp per weight row,
+// the row read once for all tokens of a launch. Float formats multiply f32 activations (up to
+// MAX_TOKENS per launch); block formats multiply 8-bit activation blocks (quantize_q8) with
+// integer dot products (kernels/quant.cuh), up to MAX_QTOKENS per launch. Prefill multiplies
+// block formats through dequant_f16 tiles and cuBLAS.
+#include "quant.cuh"
 
 #define WARPS 8  // warps (rows) per block
 
@@ -69,11 +70,8 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const
     write_out(acc, n, out, stride, col0, row);
 }
 
-__device__ __forceinline__ u32 load_u32_2(const u8* p) {  // 2-byte aligned
-    return (u32)load_u16(p) | ((u32)load_u16(p + 2) << 16);
-}
-
-// Block formats. `xq` holds n rows of cols/32 activation blocks.
+// Block formats, up to MAX_QTOKENS tokens per launch (each weight block read once for all).
+// `xq` holds n rows of cols/32 activation blocks.
 extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int cols, const ActBlock* xq, int n,
                                         float* out, int stride, int col0) {
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -81,46 +79,36 @@ extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int co
     if (row >= rows) return;
     int nb = cols / 32;
     const u8* wr = w + row_bytes(dtype, cols) * row;
-    float acc[MAX_TOKENS];
+    float acc[MAX_QTOKENS];
 #pragma unroll
-    for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.0f;
+    for (int t = 0; t < MAX_QTOKENS; t++) acc[t] = 0.0f;
     for (int b = lane; b < nb; b += 32) {
-        int wq[8];
-        float dw, mw = 0.0f;
-        if (dtype == DT_Q8_0) {
-            const u8* blk = wr + 34LL * b;
-            dw = h2f(load_u16(blk));
+        WeightSub ws = decode_sub(wr, dtype, b);
 #pragma unroll
-            for (int k = 0; k < 8; k++) wq[k] = (int)load_u32_2(blk + 2 + 4 * k);
-        } else {
-            const u8* blk = wr + (dtype == DT_Q4_0 ? 18LL : 20LL) * b;
-            dw = h2f(load_u16(blk));
-            const u8* qs = blk + 2;
-            if (dtype == DT_Q4_1) {
-                mw = h2f(load_u16(blk + 2));
-                qs = blk + 4;
-            }
+        for (int t = 0; t < MAX_QTOKENS; t++)
+            if (t < n) acc[t] += sub_dot(ws, xq + (long long)t * nb + b);
+    }
+    int lane0 = lane == 0;
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                u32 packed = load_u32_2(qs + 4 * k);
-                wq[k] = (int)(packed & 0x0f0f0f0fu);
-                wq[k + 4] = (int)((packed >> 4) & 0x0f0f0f0fu);
-            }
-        }
-#pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
-            if (t < n) {
-                const ActBlock* a = xq + (long long)t * nb + b;
-                int dot = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++) dot = __dp4a(wq[k], a->qs[k], dot);
-                float v;
-                if (dtype == DT_Q8_0) v = dw * a->d * (float)dot;
-                else if (dtype == DT_Q4_0) v = dw * a->d * (float)(dot - 8 * a->isum);
-                else v = dw * a->d * (float)dot + mw * a->s;
-                acc[t] += v;
-            }
+    for (int t = 0; t < MAX_QTOKENS; t++) {
+        if (t < n) {
+            float v = warp_sum(acc[t]);
+            if (lane0) out[(long long)t * stride + col0 + row] = v;
         }
     }
-    write_out(acc, n, out, stride, col0, row);
+}
+
+// Rows row0..row0+tile_rows of a block-format weight decoded to f16 (the reference decode,
+// rounded once), for cuBLAS on tensor cores: each thread writes 8 consecutive values.
+extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int tile_rows, int cols, u16* out) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int per_row = cols / 8;
+    if (i >= (long long)tile_rows * per_row) return;
+    int r = (int)(i / per_row), c = (int)(i % per_row) * 8;
+    const u8* wr = w + row_bytes(dtype, cols) * (long long)(row0 + r);
+    u32 packed[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        packed[k] = (u32)f2h(load_elem(wr, dtype, c + 2 * k)) | ((u32)f2h(load_elem(wr, dtype, c + 2 * k + 1)) << 16);
+    *(uint4*)(out + (long long)r * cols + c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }

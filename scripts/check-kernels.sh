@@ -2,7 +2,8 @@
 # Compile every kernels/*.cu to PTX with the pinned CUDA 13.0 nvcc from PyPI (no GPU needed),
 # check the PTX ISA version is at most 9.0 (what the 13.0 driver loads), and assemble each for
 # sm_90 with ptxas; then compile them again through NVRTC (the run-time path of builds made
-# without nvcc) in the crate's own test. The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+# without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
+# check them against the reference dequantization (scripts/kernel_host_check.py). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
@@ -27,6 +28,7 @@ for cu in kernels/*.cu; do
     "$BIN/ptxas" -arch=sm_90 "$OUT/$name.ptx" -o "$OUT/$name.cubin"
     echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok"
 done
+python3 scripts/kernel_host_check.py
 LIB="$(dirname "$BIN")/lib"
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
     cargo test --locked --quiet --lib nvrtc_compiles_every_module

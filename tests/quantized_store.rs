@@ -491,3 +491,108 @@ fn a_q4_k_m_model_offloads_exactly() {
         assert!(ledger.snapshot().hbm_peak <= plan.gpu.placed);
     }
 }
+
+/// `convert --quantize q4_k_m` of an f16 GGUF (made by `synth`) writes a Q4_K_M GGUF beside it
+/// and a store that reads it in place; `run` on the budgeted device, streaming, gives the CPU's
+/// greedy tokens. Quantizing a model that is already quantized is refused with the tensor
+/// named, and nothing is written.
+#[test]
+fn convert_quantize_makes_a_q4_k_m_model_that_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let f16 = dir.path().join("m-f16.gguf");
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let cmd = |args: &[&str]| {
+        bin()
+            .env("GPU_OFFLOAD_MODELS", &models)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let ok = |args: &[&str]| {
+        let out = cmd(args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(&[
+        "synth",
+        "-o",
+        &s(&f16),
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--ffn",
+        "512",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "320",
+    ]);
+    let said = ok(&["convert", "-m", &s(&f16), "--quantize", "q4_k_m"]);
+    let q = dir.path().join("m-f16.q4_k_m.gguf");
+    assert!(q.is_file() && said.contains("quantized"), "{said}");
+    let store = Store::open(
+        &models
+            .join("stores")
+            .read_dir()
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path(),
+    )
+    .unwrap();
+    let fmt = |name: &str| store.segment(name).unwrap().encoding.name();
+    // 4 layers: llama.cpp gives more bits to layers 2 and 3.
+    assert_eq!(fmt("blk.3.ffn_down.weight"), "q6_k");
+    assert_eq!(fmt("blk.1.ffn_up.weight"), "q4_k");
+    let run = |extra: &[&str]| -> Value {
+        let base = [
+            "run",
+            "-m",
+            &s(&q),
+            "--tokens",
+            "5,17,99,3,250",
+            "--temperature",
+            "0",
+            "-n",
+            "12",
+            "--json",
+        ];
+        let out = ok(&[&base[..], extra].concat());
+        serde_json::from_str(&out).unwrap()
+    };
+    let cpu = run(&["--device", "cpu"]);
+    // At 1M the layers stream (the quantized model is 1.5 MiB).
+    let sim = run(&["--device", "sim", "--gpu-mem", "1M"]);
+    assert_eq!(sim["token_ids"], cpu["token_ids"]);
+    assert!(sim["memory"]["h2d_bytes_per_token"].as_f64().unwrap() > 1e6);
+    // Already quantized: refused, the tensor named, nothing written.
+    let again = dir.path().join("twice.gguf");
+    let out = cmd(&[
+        "convert",
+        "-m",
+        &s(&q),
+        "--quantize",
+        "q4_0",
+        "--quantized-out",
+        &s(&again),
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("already quantized") && err.contains("tensor `"),
+        "{err}"
+    );
+    assert!(!again.exists());
+    let out = cmd(&["convert", "-m", &s(&f16), "--quantize", "q9_9"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a quantization"));
+}

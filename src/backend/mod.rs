@@ -105,10 +105,11 @@ impl KvType {
 pub enum WorkspaceOp {
     /// [`Backend::embed`] of `tokens` ids.
     Embed { tokens: usize },
-    /// [`Backend::matmul_into`] of `tokens` rows against a weight of `dtype` with `cols` columns.
+    /// [`Backend::matmul_into`] of `tokens` rows against a weight of `dtype`, `rows` × `cols`.
     Matmul {
         dtype: DType,
         tokens: usize,
+        rows: usize,
         cols: usize,
     },
 }

@@ -291,6 +291,7 @@ impl Backend for SimBackend {
         self.check_workspace(WorkspaceOp::Matmul {
             dtype: w.w.dtype,
             tokens: x.t.rows,
+            rows: w.w.rows,
             cols: w.w.cols,
         })?;
         self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
@@ -442,6 +443,7 @@ mod tests {
         let need = sim.workspace_bytes(&WorkspaceOp::Matmul {
             dtype: DType::F16,
             tokens: 16,
+            rows: 4,
             cols: 64,
         });
         assert!(need > 0);

@@ -157,6 +157,7 @@ fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) ->
     b.set_workspace(b.workspace_bytes(&crate::backend::WorkspaceOp::Matmul {
         dtype: w.dtype,
         tokens,
+        rows: w.rows,
         cols: w.cols,
     }))?;
     b.enter(move || -> Result<f64> {

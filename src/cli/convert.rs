@@ -1,13 +1,15 @@
 //! `gpu-offload convert`: a GGUF file or HF directory → an offload store on SSD (or, with
 //! `--verify`, a full integrity check of an existing store).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::model::quant_mix::QuantMix;
+use crate::model::quantize_gguf::quantize_gguf;
 use crate::store::{ConvertOptions, Encoding, Store, cached_store_for, convert};
 
 #[derive(Debug, Args)]
@@ -38,8 +40,20 @@ pub struct ConvertArgs {
     #[arg(long, env = "GPU_OFFLOAD_COPY")]
     pub copy: bool,
 
+    /// Quantize the model first, as llama-quantize does: `q4_k_m` (llama.cpp's mix) or one block
+    /// format for every matrix (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k … q6_k). The model must be a
+    /// GGUF with float matrices; the quantized GGUF is written to --quantized-out and the store
+    /// is made from it (llama.cpp can run the same file).
+    #[arg(long, env = "GPU_OFFLOAD_QUANTIZE", value_name = "TYPE")]
+    pub quantize: Option<String>,
+
+    /// Where --quantize writes the quantized GGUF [default: beside the model, named
+    /// `<model stem>.<TYPE>.gguf`]
+    #[arg(long, env = "GPU_OFFLOAD_QUANTIZED_OUT", requires = "quantize")]
+    pub quantized_out: Option<PathBuf>,
+
     /// Check every segment of an existing store against its checksum instead of converting.
-    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy"])]
+    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy", "quantize"])]
     pub verify: Option<PathBuf>,
 }
 
@@ -71,6 +85,14 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     }
     let Some(model) = &args.model else {
         bail!("give --model to convert (or --verify STORE)");
+    };
+    let quantized;
+    let model = match &args.quantize {
+        Some(name) => {
+            quantized = quantize_first(model, name, args.quantized_out.as_deref(), args.force)?;
+            &quantized
+        }
+        None => model,
     };
     let mut extra = Vec::new();
     for name in &args.encodings {
@@ -132,4 +154,51 @@ pub fn run(args: ConvertArgs) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// `--quantize NAME`: the quantized GGUF of `model`, written to `out` (default: beside it).
+fn quantize_first(model: &Path, name: &str, out: Option<&Path>, force: bool) -> Result<PathBuf> {
+    let mix = QuantMix::parse(&name.to_ascii_lowercase()).with_context(|| {
+        format!("--quantize {name}: not a quantization (q4_k_m, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k)")
+    })?;
+    if model.is_dir() || model.extension().is_none_or(|e| e != "gguf") {
+        bail!(
+            "--quantize takes a GGUF model with f16/bf16/f32 matrices; {} is not a .gguf file",
+            model.display()
+        );
+    }
+    let out = match out {
+        Some(o) => o.to_path_buf(),
+        None => {
+            let stem = model
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into());
+            model.with_file_name(format!("{stem}.{}.gguf", mix.name()))
+        }
+    };
+    let t0 = Instant::now();
+    let pb = bar(0, "MiB");
+    let report = quantize_gguf(model, &out, mix, force, &mut |done, total| {
+        pb.set_length(total >> 20);
+        pb.set_position(done >> 20);
+    })
+    .with_context(|| format!("cannot quantize {}", model.display()))?;
+    pb.finish_and_clear();
+    let formats: Vec<String> = report
+        .quantized
+        .iter()
+        .map(|(d, n)| format!("{n} {d}"))
+        .collect();
+    println!(
+        "{} → {}: {} matrices quantized ({}), {:.1} → {:.1} MiB ({:.1} s)",
+        model.display(),
+        out.display(),
+        report.quantized.iter().map(|(_, n)| n).sum::<usize>(),
+        formats.join(", "),
+        report.bytes_in as f64 / (1u64 << 20) as f64,
+        report.bytes_out as f64 / (1u64 << 20) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(out)
 }

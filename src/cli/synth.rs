@@ -155,13 +155,26 @@ pub fn run(a: SynthArgs) -> Result<()> {
     .with_context(|| format!("cannot write {}", a.out.display()))?;
     pb.finish_and_clear();
     let secs = t0.elapsed().as_secs_f64();
+    // What was written, as it lies on disk (quantized files are smaller than 2 bytes/parameter).
+    let bytes: u64 = if a.out.is_dir() {
+        std::fs::read_dir(&a.out)?
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    } else {
+        std::fs::metadata(&a.out)?.len()
+    };
+    let count = if params >= 1_000_000_000 {
+        format!("{:.2}B", params as f64 / 1e9)
+    } else {
+        format!("{:.2}M", params as f64 / 1e6)
+    };
     println!(
-        "{}: {:.2}B parameters, {:.1} GiB in {:.1} s ({:.0} MiB/s)",
+        "{}: {count} parameters, {:.1} MiB in {:.1} s ({:.0} MiB/s)",
         a.out.display(),
-        params as f64 / 1e9,
-        (params * 2) as f64 / (1u64 << 30) as f64,
+        bytes as f64 / (1u64 << 20) as f64,
         secs,
-        (params * 2) as f64 / (1u64 << 20) as f64 / secs
+        bytes as f64 / (1u64 << 20) as f64 / secs
     );
     Ok(())
 }

@@ -111,33 +111,60 @@ pub trait WeightSource<B: Backend>: Send {
     fn matmuls(&self) -> MatmulShapes;
 }
 
-/// The `(format, columns)` of the matrices a forward step multiplies: those of every layer
-/// (weights in neuron bundles need no workspace and are not listed) and the output matrix's.
+/// One matrix a forward step multiplies: its format and shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulShape {
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The matrices a forward step multiplies: the distinct shapes of every layer's (weights in
+/// neuron bundles need no workspace and are not listed) and the output matrix.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MatmulShapes {
-    pub layer: Vec<(DType, usize)>,
-    pub head: (DType, usize),
+    pub layer: Vec<MatmulShape>,
+    pub head: MatmulShape,
+}
+
+impl MatmulShape {
+    pub fn of(t: &HostTensor) -> Self {
+        MatmulShape {
+            dtype: t.dtype,
+            rows: t.rows,
+            cols: t.cols,
+        }
+    }
+
+    /// The workspace op of multiplying `tokens` rows by this matrix.
+    pub fn op(&self, tokens: usize) -> WorkspaceOp {
+        WorkspaceOp::Matmul {
+            dtype: self.dtype,
+            tokens,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
 }
 
 impl MatmulShapes {
     /// The matrices of a model used in its file formats.
     pub fn of_weights(w: &ModelWeights) -> Self {
-        let mut layer: Vec<(DType, usize)> = Vec::new();
+        let mut layer: Vec<MatmulShape> = Vec::new();
         for l in &w.layers {
             for lin in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_up, &l.w_down]
                 .into_iter()
                 .chain(l.w_gate.as_ref())
             {
-                let k = (lin.weight.dtype, lin.weight.cols);
+                let k = MatmulShape::of(&lin.weight);
                 if !layer.contains(&k) {
                     layer.push(k);
                 }
             }
         }
-        let head = w.output.as_ref().unwrap_or(&w.token_embd);
         MatmulShapes {
             layer,
-            head: (head.dtype, head.cols),
+            head: MatmulShape::of(w.output.as_ref().unwrap_or(&w.token_embd)),
         }
     }
 }
@@ -311,20 +338,11 @@ pub fn step_memory(
     workspace: impl Fn(&WorkspaceOp) -> u64,
 ) -> StepMemory {
     let mut ws = workspace(&WorkspaceOp::Embed { tokens: n });
-    for &(dtype, cols) in &matmuls.layer {
-        ws = ws.max(workspace(&WorkspaceOp::Matmul {
-            dtype,
-            tokens: n,
-            cols,
-        }));
+    for m in &matmuls.layer {
+        ws = ws.max(workspace(&m.op(n)));
     }
     if logit_rows > 0 {
-        let (dtype, cols) = matmuls.head;
-        ws = ws.max(workspace(&WorkspaceOp::Matmul {
-            dtype,
-            tokens: logit_rows,
-            cols,
-        }));
+        ws = ws.max(workspace(&matmuls.head.op(logit_rows)));
     }
     StepMemory {
         activations: f32_buffers(&activation_shapes(spec, n)),

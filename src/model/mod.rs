@@ -7,6 +7,7 @@ pub mod gguf;
 mod load_gguf;
 mod load_hf;
 pub mod quant_mix;
+pub mod quantize_gguf;
 pub mod spec;
 pub mod synth;
 pub mod tokenizer;

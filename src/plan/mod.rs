@@ -27,7 +27,7 @@ use thiserror::Error;
 
 use crate::backend::KvType;
 use crate::backend::memory::device_bytes;
-use crate::engine::{MatmulShapes, StepMemory, kv_bytes, probe_bytes, step_memory};
+use crate::engine::{MatmulShape, MatmulShapes, StepMemory, kv_bytes, probe_bytes, step_memory};
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
 use crate::tensor::DType;
@@ -361,7 +361,11 @@ pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
             .filter(|&p| p != Part::Ffn && holds(m, p))
         {
             let s = seg(m, &part_segment_name(l, p))?;
-            let k = (device_dtype(s), s.cols);
+            let k = MatmulShape {
+                dtype: device_dtype(s),
+                rows: s.rows,
+                cols: s.cols,
+            };
             if !layer.contains(&k) {
                 layer.push(k);
             }
@@ -370,7 +374,11 @@ pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
     let h = head_segment(m)?;
     Ok(MatmulShapes {
         layer,
-        head: (device_dtype(h), h.cols),
+        head: MatmulShape {
+            dtype: device_dtype(h),
+            rows: h.rows,
+            cols: h.cols,
+        },
     })
 }
 

@@ -39,8 +39,16 @@ use super::{
 use crate::tensor::{DType, HostTensor};
 use crate::tier::ledger::Ledger;
 
-/// Tokens one matvec launch handles (MAX_TOKENS in kernels/common.cuh).
+/// Tokens one float-format matvec launch handles (MAX_TOKENS in kernels/common.cuh); above it,
+/// f16/bf16 products go through cuBLAS.
 const MAX_TOKENS: usize = 8;
+/// Tokens one block-format matvec launch handles (MAX_QTOKENS in kernels/common.cuh): up to it,
+/// each weight block is read once for all tokens; above it, block formats are decoded to f16
+/// tiles for cuBLAS.
+pub const MAX_QTOKENS: usize = 16;
+/// Most bytes of one f16 tile a block-format weight is decoded into for cuBLAS (whole rows; a
+/// matrix smaller than this takes a tile of its own size).
+pub const DEQUANT_TILE_BYTES: usize = 16 << 20;
 /// Rows (warps) per matvec block (WARPS in kernels/matvec.cu, bundles.cu).
 const WARPS: u32 = 8;
 /// cuBLAS workspace, held for the backend's lifetime (so cuBLAS allocates nothing itself); part
@@ -58,11 +66,22 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
         WorkspaceOp::Matmul {
             dtype,
             tokens,
+            rows,
             cols,
         } => {
             if uses_act_blocks(dtype) {
-                // Activations quantized to 8-bit blocks for the integer dot products.
-                device_bytes((tokens * cols / 32 * ACT_BLOCK_BYTES) as u64)
+                // Activations quantized to 8-bit blocks for the integer dot products; above
+                // MAX_QTOKENS, the f16 activations and one decoded f16 tile for cuBLAS instead
+                // (the larger of the two is held, so the matvec path can stand in where cuBLAS
+                // is absent).
+                let act_blocks = device_bytes((tokens * cols / 32 * ACT_BLOCK_BYTES) as u64);
+                if tokens <= MAX_QTOKENS {
+                    act_blocks
+                } else {
+                    let tile = dequant_tile_rows(rows, cols) * cols * 2;
+                    act_blocks
+                        .max(device_bytes((tokens * cols * 2) as u64) + device_bytes(tile as u64))
+                }
             } else if tokens > MAX_TOKENS && matches!(dtype, DType::F16 | DType::BF16) {
                 // Activations converted to the weight's type for cuBLAS.
                 device_bytes((tokens * cols * 2) as u64)
@@ -71,6 +90,11 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
             }
         }
     }
+}
+
+/// Rows of a block-format weight (`rows` × `cols`) decoded per f16 tile for cuBLAS.
+pub fn dequant_tile_rows(rows: usize, cols: usize) -> usize {
+    (DEQUANT_TILE_BYTES / (2 * cols.max(1))).clamp(1, rows.max(1))
 }
 
 fn dev<E: std::fmt::Debug>(e: E) -> BackendError {
@@ -188,10 +212,9 @@ fn dtype_code(d: DType) -> i32 {
 }
 
 /// Whether matmuls with `dtype` weights multiply 8-bit activation blocks (`matvec_quant`, which
-/// needs them in the workspace). The other block formats go through `matvec_float` on f32
-/// activations, decoding each weight element by the reference formula (`load_elem`).
+/// needs them in the workspace): every block format.
 fn uses_act_blocks(dtype: DType) -> bool {
-    matches!(dtype, DType::Q8_0 | DType::Q4_0 | DType::Q4_1)
+    dtype.is_quantized()
 }
 
 fn act_code(a: Act) -> i32 {
@@ -571,8 +594,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// cuBLAS `out[:, col0..col0+rows] = x · Wᵀ` for float weights (x converted to the
-    /// weight's type; f32 accumulation).
+    /// `out[:, col0..col0+rows] = x · Wᵀ` through cuBLAS (f32 accumulation): float weights
+    /// with x converted to the weight's type, block formats decoded tile by tile to f16 (x to
+    /// f16). Returns false where cuBLAS is absent or the format has no GEMM path.
     fn gemm(
         &self,
         w: &CudaWeight,
@@ -586,37 +610,113 @@ impl CudaBackend {
         };
         use blas_sys::cudaDataType as T;
         let (n, k, m) = (x.rows, x.cols, w.rows);
-        let (atype, bptr) = match w.dtype {
-            DType::F32 => (T::CUDA_R_32F, x.buf.ptr),
-            DType::F16 | DType::BF16 => {
-                let ptr = ws;
-                let name = if w.dtype == DType::F16 {
-                    "f32_to_f16"
-                } else {
-                    "f32_to_bf16"
-                };
-                let f = self.func("elementwise", name)?;
-                let len = (n * k) as i64;
-                let xp = x.buf.ptr;
-                launch!(self, f, cfg(blocks(n * k, 256), 256), xp, ptr, len);
-                (
-                    if w.dtype == DType::F16 {
-                        T::CUDA_R_16F
-                    } else {
-                        T::CUDA_R_16BF
-                    },
-                    ptr,
-                )
-            }
-            _ => return Ok(false),
+        let out_at = |row: usize| out.buf.ptr + 4 * (col0 + row) as u64;
+        let to_half = |name: &'static str, dst: u64| -> Result<()> {
+            let f = self.func("elementwise", name)?;
+            let (len, xp) = ((n * k) as i64, x.buf.ptr);
+            launch!(self, f, cfg(blocks(n * k, 256), 256), xp, dst, len);
+            Ok(())
         };
+        match w.dtype {
+            DType::F32 => self.gemm_call(
+                blas,
+                w.buf.ptr,
+                x.buf.ptr,
+                T::CUDA_R_32F,
+                m,
+                n,
+                k,
+                out_at(0),
+                out.cols,
+            )?,
+            DType::F16 => {
+                to_half("f32_to_f16", ws)?;
+                self.gemm_call(
+                    blas,
+                    w.buf.ptr,
+                    ws,
+                    T::CUDA_R_16F,
+                    m,
+                    n,
+                    k,
+                    out_at(0),
+                    out.cols,
+                )?
+            }
+            DType::BF16 => {
+                to_half("f32_to_bf16", ws)?;
+                self.gemm_call(
+                    blas,
+                    w.buf.ptr,
+                    ws,
+                    T::CUDA_R_16BF,
+                    m,
+                    n,
+                    k,
+                    out_at(0),
+                    out.cols,
+                )?
+            }
+            dtype => {
+                // Workspace: [x in f16][one decoded tile], as workspace_bytes counts them.
+                to_half("f32_to_f16", ws)?;
+                let tile_ptr = ws + device_bytes((n * k * 2) as u64);
+                let tile_rows = dequant_tile_rows(m, k);
+                let f = self.func("matvec", "dequant_f16")?;
+                let (dt, cols) = (dtype_code(dtype), k as i32);
+                for r0 in (0..m).step_by(tile_rows) {
+                    let rows = tile_rows.min(m - r0);
+                    let (row0, nrows) = (r0 as i32, rows as i32);
+                    let wp = w.buf.ptr;
+                    launch!(
+                        self,
+                        f.clone(),
+                        cfg(blocks(rows * k / 8, 256), 256),
+                        wp,
+                        dt,
+                        row0,
+                        nrows,
+                        cols,
+                        tile_ptr
+                    );
+                    self.gemm_call(
+                        blas,
+                        tile_ptr,
+                        ws,
+                        T::CUDA_R_16F,
+                        rows,
+                        n,
+                        k,
+                        out_at(r0),
+                        out.cols,
+                    )?;
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// One cuBLAS GEMM: C (`m` × `n`, column-major, leading dimension `ldc`) = Aᵀ · B, where A is
+    /// `m` rows of `k` values as stored (row-major) and B is `n` rows of `k` values.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_call(
+        &self,
+        blas: &Mutex<BlasState>,
+        a: u64,
+        b: u64,
+        ty: blas_sys::cudaDataType,
+        m: usize,
+        n: usize,
+        k: usize,
+        c: u64,
+        ldc: usize,
+    ) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let state = blas
             .lock()
             .map_err(|_| BackendError::Device("cuBLAS handle poisoned".into()))?;
-        // Column-major view: C (m × n, ld = out stride) = Wᵀ-as-stored (op T of the k × m
-        // matrix W) · x (k × n).
-        // SAFETY: pointers are live device buffers of the shapes checked by matmul_into.
+        // SAFETY: pointers are live device buffers of the shapes checked by matmul_into (the
+        // weight, the workspace sized by workspace_bytes, the output's columns).
         let st = unsafe {
             blas_sys::cublasGemmEx(
                 *state.handle.handle(),
@@ -626,16 +726,16 @@ impl CudaBackend {
                 n as i32,
                 k as i32,
                 &alpha as *const f32 as *const _,
-                w.buf.ptr as *const _,
-                atype,
+                a as *const _,
+                ty,
                 k as i32,
-                bptr as *const _,
-                atype,
+                b as *const _,
+                ty,
                 k as i32,
                 &beta as *const f32 as *const _,
-                (out.buf.ptr + 4 * col0 as u64) as *mut _,
-                T::CUDA_R_32F,
-                out.cols as i32,
+                c as *mut _,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                ldc as i32,
                 blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -643,7 +743,7 @@ impl CudaBackend {
         if st != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(BackendError::Device(format!("cublasGemmEx: {st:?}")));
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Elementwise launch over `n` values.
@@ -1141,9 +1241,15 @@ impl Backend for CudaBackend {
         let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
             dtype: w.dtype,
             tokens: n,
+            rows: w.rows,
             cols: w.cols,
         })?;
-        if n > MAX_TOKENS && self.gemm(w, x, out, col0, ws)? {
+        let per_launch = if uses_act_blocks(w.dtype) {
+            MAX_QTOKENS
+        } else {
+            MAX_TOKENS
+        };
+        if n > per_launch && self.gemm(w, x, out, col0, ws)? {
             return Ok(());
         }
         let (rows, cols, stride, c0) = (w.rows as i32, w.cols as i32, out.cols as i32, col0 as i32);
@@ -1154,8 +1260,8 @@ impl Backend for CudaBackend {
         } else {
             None
         };
-        for t0 in (0..n).step_by(MAX_TOKENS) {
-            let nt = (n - t0).min(MAX_TOKENS) as i32;
+        for t0 in (0..n).step_by(per_launch) {
+            let nt = (n - t0).min(per_launch) as i32;
             let out_p = out.buf.ptr + (t0 * out.cols * 4) as u64;
             match q {
                 Some(qptr) => {
@@ -1605,29 +1711,55 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_formats_with_integer_kernels_take_activation_blocks() {
+    fn block_formats_take_activation_blocks_then_f16_tiles() {
         for dtype in DType::ALL {
-            let ws = workspace_bytes(&WorkspaceOp::Matmul {
+            let op = |tokens| WorkspaceOp::Matmul {
                 dtype,
-                tokens: 3,
+                tokens,
+                rows: 1000,
                 cols: 512,
-            });
-            if uses_act_blocks(dtype) {
+            };
+            let blocks = |tokens: u64| device_bytes(tokens * 512 / 32 * ACT_BLOCK_BYTES as u64);
+            if dtype.is_quantized() {
+                assert_eq!(workspace_bytes(&op(3)), blocks(3), "{dtype}");
+                assert_eq!(workspace_bytes(&op(MAX_QTOKENS)), blocks(16), "{dtype}");
+                // Above MAX_QTOKENS: f16 activations + one tile (the whole 1000-row matrix,
+                // being under DEQUANT_TILE_BYTES).
                 assert_eq!(
-                    ws,
-                    device_bytes(3 * 512 / 32 * ACT_BLOCK_BYTES as u64),
+                    workspace_bytes(&op(40)),
+                    device_bytes(40 * 512 * 2) + device_bytes(1000 * 512 * 2),
+                    "{dtype}"
+                );
+            } else if matches!(dtype, DType::F16 | DType::BF16) {
+                assert_eq!(workspace_bytes(&op(8)), 0, "{dtype}");
+                assert_eq!(
+                    workspace_bytes(&op(9)),
+                    device_bytes(9 * 512 * 2),
                     "{dtype}"
                 );
             } else {
-                // f32 activations read in place (f16/bf16 convert only for cuBLAS, n > 8).
-                assert_eq!(ws, 0, "{dtype}");
+                // f32 activations read in place.
+                assert_eq!(workspace_bytes(&op(40)), 0, "{dtype}");
             }
         }
-        let k = WorkspaceOp::Matmul {
-            dtype: DType::Q4K,
-            tokens: 64,
-            cols: 4096,
-        };
-        assert_eq!(workspace_bytes(&k), 0);
+    }
+
+    #[test]
+    fn dequant_tiles_are_whole_rows_under_the_cap() {
+        // 7B FFN down (4096 rows of 11008) and a 70B one (8192 of 28672): tiles stay under the
+        // cap; a small matrix is one tile.
+        for (rows, cols) in [(4096, 11008), (8192, 28672), (576, 1536), (1, 1 << 24)] {
+            let t = dequant_tile_rows(rows, cols);
+            assert!(t >= 1 && t <= rows);
+            assert!(
+                t == 1 || t * cols * 2 <= DEQUANT_TILE_BYTES,
+                "{rows}x{cols}"
+            );
+        }
+        assert_eq!(dequant_tile_rows(576, 1536), 576);
+        assert_eq!(
+            dequant_tile_rows(4096, 11008),
+            DEQUANT_TILE_BYTES / (2 * 11008)
+        );
     }
 }

@@ -1,0 +1,32 @@
+// Host stand-ins for the CUDA built-ins the kernel headers use, so their per-thread device
+// functions (decoders, dot products) compile with g++ and can be checked on a machine without a
+// GPU (kernels/host/decode_check.cpp). Warp and block collectives are single-thread identities:
+// only code that does not depend on them is checked here.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define __device__
+#define __forceinline__ inline
+#define __global__
+#define __restrict__
+
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+// Built with -ffp-contract=off, so these round once each, as the device intrinsics do.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
+// Signed 8-bit × 8-bit products of the four bytes, summed into c.
+inline int __dp4a(int a, int b, int c) {
+    for (int k = 0; k < 4; k++) c += (int)(signed char)(a >> (8 * k)) * (int)(signed char)(b >> (8 * k));
+    return c;
+}
+template <typename T> inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
+inline void __syncthreads() {}
+struct HostDim3 { unsigned x, y, z; };
+static HostDim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {32, 1, 1};
+inline float host_h2f(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
+inline unsigned short host_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h; }
