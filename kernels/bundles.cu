@@ -9,7 +9,8 @@
 #define DOWN_NEURONS 64
 
 extern "C" __global__ void ffn_bundles_up(const u16* b, int neurons, int parts, int d, const float* x, int n,
-                                          int kind, const float* up_bias, float* h, int h_stride, int col0) {
+                                          int kind, float threshold, const float* up_bias, float* h, int h_stride,
+                                          int col0) {
     int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (i >= neurons) return;
@@ -37,7 +38,8 @@ extern "C" __global__ void ffn_bundles_up(const u16* b, int neurons, int parts, 
             float u = warp_sum(ua[t]);
             float g = warp_sum(ga[t]);
             if (lane == 0) {
-                float v = gate ? act(g, kind) * u : act(u + (up_bias ? up_bias[col0 + i] : 0.0f), kind);
+                float v = gate ? sparse_act(act(g, kind), threshold) * u
+                               : sparse_act(act(u + (up_bias ? up_bias[col0 + i] : 0.0f), kind), threshold);
                 h[(long long)t * h_stride + col0 + i] = v;
             }
         }

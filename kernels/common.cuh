@@ -250,3 +250,9 @@ __device__ __forceinline__ float act(float x, int kind) {
         default: return 0.5f * x * (1.0f + tanhf(0.7978846f * (x + 0.044715f * x * x * x)));
     }
 }
+
+// The FFN sparsity mask (src/backend/mod.rs sparse_act): an activation of magnitude at most
+// `threshold` counts as inactive; threshold <= 0 leaves every value as it is.
+__device__ __forceinline__ float sparse_act(float a, float threshold) {
+    return (threshold > 0.0f && fabsf(a) <= threshold) ? 0.0f : a;
+}

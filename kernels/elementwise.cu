@@ -12,15 +12,16 @@ extern "C" __global__ void add_bias_f32(float* x, const float* b, long long n, i
     if (i < n) x[i] += b[i % cols];
 }
 
-extern "C" __global__ void activate_f32(float* x, long long n, int kind) {
+// x = act(x), masked by `threshold` (sparse_act).
+extern "C" __global__ void activate_f32(float* x, long long n, int kind, float threshold) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = act(x[i], kind);
+    if (i < n) x[i] = sparse_act(act(x[i], kind), threshold);
 }
 
-// g = act(g) * u
-extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int kind) {
+// g = act(g) * u, act(g) masked by `threshold` (sparse_act).
+extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int kind, float threshold) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) g[i] = act(g[i], kind) * u[i];
+    if (i < n) g[i] = sparse_act(act(g[i], kind), threshold) * u[i];
 }
 
 // out[t] = table[ids[t]] decoded to f32. Grid: one block per token.

@@ -13,6 +13,7 @@ pub mod kv;
 pub mod model;
 pub mod plan;
 pub mod service;
+pub mod sparsity;
 pub mod store;
 pub mod tensor;
 pub mod tier;

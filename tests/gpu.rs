@@ -260,7 +260,7 @@ fn unary_on<B: Backend>(
                 _ => Act::GeluTanh,
             };
             b.copy_rows(&xt, 0, &mut out, 0, rows).unwrap();
-            b.activate(&mut out, a).unwrap();
+            b.activate(&mut out, a, 0.0).unwrap();
             let up = put(
                 b,
                 rows,
@@ -268,7 +268,7 @@ fn unary_on<B: Backend>(
                 &x.iter().map(|v| v * 0.3 - 0.2).collect::<Vec<_>>(),
             );
             let mut g2 = put(b, rows, cols, x);
-            b.gated(&mut g2, &up, a).unwrap();
+            b.gated(&mut g2, &up, a, 0.0).unwrap();
             let mut v = get(b, &out);
             v.extend(get(b, &g2));
             return v;
@@ -486,9 +486,9 @@ fn bundles_on<B: Backend>(
     let xt = put(b, n, shape.d, x);
     let db = bias.map(|t| b.upload(t).unwrap());
     let mut h = poisoned(b, n, bundles.rows);
-    b.ffn_bundles_up(&a, shape, &xt, act, db.as_ref(), &mut h, 0)
+    b.ffn_bundles_up(&a, shape, &xt, act, 0.0, db.as_ref(), &mut h, 0)
         .unwrap();
-    b.ffn_bundles_up(&z, shape, &xt, act, db.as_ref(), &mut h, split)
+    b.ffn_bundles_up(&z, shape, &xt, act, 0.0, db.as_ref(), &mut h, split)
         .unwrap();
     let mut out = poisoned(b, n, shape.d);
     b.zero(&mut out).unwrap();
@@ -531,6 +531,94 @@ fn bundled_ffn_equals_cpu<B: Backend>(g: &B) {
     }
 }
 
+/// The FFN sparsity mask (`sparse_act`) in `activate`, `gated` and `ffn_bundles_up`: every
+/// activation at or below the threshold in magnitude is zeroed, every other one is as without
+/// the mask — checked against a host reference of the mask applied to the unmasked op's own
+/// output, so it holds for any backend's rounding.
+fn ffn_sparsity_masks_zero_exactly_what_they_say<B: Backend>(g: &B) {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (rows, cols, t) = (3, 256, 0.3f32);
+    let x = rand_vec(&mut rng, rows * cols, 2.0);
+    let u = rand_vec(&mut rng, rows * cols, 1.0);
+    let ones = vec![1.0f32; rows * cols];
+    for act in [Act::Silu, Act::Relu, Act::Gelu] {
+        // act(x) itself, read back (gated with up = 1 gives it too).
+        let mut a = put(g, rows, cols, &x);
+        g.activate(&mut a, act, 0.0).unwrap();
+        let a = get(g, &a);
+        let mut m = put(g, rows, cols, &x);
+        g.activate(&mut m, act, t).unwrap();
+        let want: Vec<f32> = a
+            .iter()
+            .map(|&v| if v.abs() <= t { 0.0 } else { v })
+            .collect();
+        assert_eq!(get(g, &m), want, "{act:?} activate");
+        let (mut gm, up) = (put(g, rows, cols, &x), put(g, rows, cols, &u));
+        g.gated(&mut gm, &up, act, t).unwrap();
+        let (mut gd, up1) = (put(g, rows, cols, &x), put(g, rows, cols, &ones));
+        g.gated(&mut gd, &up1, act, 0.0).unwrap();
+        let (masked, plain) = (get(g, &gm), get(g, &gd));
+        let zeroed = plain.iter().filter(|v| v.abs() <= t).count();
+        assert!(
+            zeroed > 0 && zeroed < plain.len(),
+            "{act:?}: the test needs both kinds"
+        );
+        for (i, (&m, &a)) in masked.iter().zip(&plain).enumerate() {
+            if a.abs() <= t {
+                assert_eq!(m, 0.0, "{act:?} gated value {i}");
+            } else {
+                assert!(
+                    (m - a * u[i]).abs() <= 1e-6 * (a * u[i]).abs().max(1.0),
+                    "{act:?} {i}"
+                );
+            }
+        }
+    }
+    // Bundles: h with the mask equals h without it where the gate's activation is above t.
+    let (d, neurons, n) = (64, 96, 2);
+    let vals = rand_vec(&mut rng, neurons * 3 * d, 0.3);
+    let h: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+    let bundles = g
+        .upload(&HostTensor {
+            name: "bundles".into(),
+            rows: neurons,
+            cols: 3 * d,
+            dtype: DType::F16,
+            data: Bytes::from_slice(bytemuck::cast_slice(&h)),
+        })
+        .unwrap();
+    let shape = BundleShape { parts: 3, d };
+    let xt = put(g, n, d, &rand_vec(&mut rng, n * d, 2.0));
+    let up_of = |threshold: f32| {
+        let mut out = poisoned(g, n, neurons);
+        g.ffn_bundles_up(
+            &bundles,
+            shape,
+            &xt,
+            Act::Silu,
+            threshold,
+            None,
+            &mut out,
+            0,
+        )
+        .unwrap();
+        get(g, &out)
+    };
+    let (plain, masked) = (up_of(0.0), up_of(0.05));
+    let mut zeroed = 0;
+    for (&m, &p) in masked.iter().zip(&plain) {
+        if m == 0.0 && p != 0.0 {
+            zeroed += 1;
+        } else {
+            assert_eq!(m, p);
+        }
+    }
+    assert!(
+        zeroed > 0 && zeroed < plain.len(),
+        "bundles: {zeroed} masked"
+    );
+}
+
 /// Each op check runs on the CUDA backend (skipped without a GPU) and on the budgeted CPU device
 /// (always: it proves the checks themselves and the sim backend's delegation).
 macro_rules! on_devices {
@@ -556,7 +644,8 @@ on_devices!(
     embedding_gathers_every_format_equal_cpu,
     attention_decode_and_prefill_with_gqa_equal_cpu,
     kv_store_read_write_equal_cpu,
-    bundled_ffn_equals_cpu
+    bundled_ffn_equals_cpu,
+    ffn_sparsity_masks_zero_exactly_what_they_say
 );
 
 #[test]

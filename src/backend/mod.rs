@@ -148,6 +148,19 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// The FFN sparsity mask on one activation value `a = act(·)` (CATS): a neuron whose activation
+/// magnitude is at most `threshold` contributes nothing. `threshold ≤ 0` is the dense FFN, bit
+/// for bit (no mask is applied at all); for ReLU-family activations threshold 0 already is the
+/// exact active set (`a > 0`).
+#[inline]
+pub fn sparse_act(a: f32, threshold: f32) -> f32 {
+    if threshold > 0.0 && a.abs() <= threshold {
+        0.0
+    } else {
+        a
+    }
+}
+
 /// FFN neuron bundles (see `store`): `rows` neurons, each `parts` vectors of `d` values —
 /// `[gate | up | down]` (3 parts, gated) or `[up | down]` (2 parts).
 #[derive(Clone, Copy, Debug)]
@@ -288,7 +301,8 @@ pub trait Backend: Send + Sync + 'static {
         col0: usize,
     ) -> Result<()>;
     /// First half of a bundled FFN: for each neuron `i` of `bundles`,
-    /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`.
+    /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`,
+    /// masked by `threshold` as [`Backend::gated`] / [`Backend::activate`] are.
     #[allow(clippy::too_many_arguments)]
     fn ffn_bundles_up(
         &self,
@@ -296,6 +310,7 @@ pub trait Backend: Send + Sync + 'static {
         shape: BundleShape,
         x: &Self::Tensor,
         act: Act,
+        threshold: f32,
         up_bias: Option<&Self::Weight>,
         h: &mut Self::Tensor,
         col0: usize,
@@ -343,10 +358,17 @@ pub trait Backend: Send + Sync + 'static {
         inv_freq: &Self::Weight,
         first_pos: usize,
     ) -> Result<()>;
-    /// `x = act(x)`.
-    fn activate(&self, x: &mut Self::Tensor, act: Act) -> Result<()>;
-    /// `gate = act(gate) ⊙ up`.
-    fn gated(&self, gate: &mut Self::Tensor, up: &Self::Tensor, act: Act) -> Result<()>;
+    /// `x = act(x)`, and where `threshold > 0`, 0 wherever `|act(x)| ≤ threshold` (the FFN
+    /// sparsity mask; see [`sparse_act`]).
+    fn activate(&self, x: &mut Self::Tensor, act: Act, threshold: f32) -> Result<()>;
+    /// `gate = act(gate) ⊙ up`, and where `threshold > 0`, 0 wherever `|act(gate)| ≤ threshold`.
+    fn gated(
+        &self,
+        gate: &mut Self::Tensor,
+        up: &Self::Tensor,
+        act: Act,
+        threshold: f32,
+    ) -> Result<()>;
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
     /// already hold this step's keys and values.

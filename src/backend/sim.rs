@@ -303,6 +303,7 @@ impl Backend for SimBackend {
         shape: BundleShape,
         x: &SimTensor,
         act: Act,
+        threshold: f32,
         up_bias: Option<&SimWeight>,
         h: &mut SimTensor,
         col0: usize,
@@ -312,6 +313,7 @@ impl Backend for SimBackend {
             shape,
             &x.t,
             act,
+            threshold,
             up_bias.map(|w| &w.w),
             &mut h.t,
             col0,
@@ -370,12 +372,12 @@ impl Backend for SimBackend {
             .rope(&mut x.t, head_dim, rot_dims, pairs, &inv_freq.w, first_pos)
     }
 
-    fn activate(&self, x: &mut SimTensor, act: Act) -> Result<()> {
-        self.cpu.activate(&mut x.t, act)
+    fn activate(&self, x: &mut SimTensor, act: Act, threshold: f32) -> Result<()> {
+        self.cpu.activate(&mut x.t, act, threshold)
     }
 
-    fn gated(&self, gate: &mut SimTensor, up: &SimTensor, act: Act) -> Result<()> {
-        self.cpu.gated(&mut gate.t, &up.t, act)
+    fn gated(&self, gate: &mut SimTensor, up: &SimTensor, act: Act, threshold: f32) -> Result<()> {
+        self.cpu.gated(&mut gate.t, &up.t, act, threshold)
     }
 
     fn attention(

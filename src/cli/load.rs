@@ -2,6 +2,10 @@
 //! the model on the chosen device — all of it on the CPU, or offloaded to the budgeted device
 //! under a plan — once the job's context and batch are known.
 
+use crate::sparsity::SparsityProfile;
+
+/// `--sparsity-target` where none is given for a SwiGLU model.
+pub const DEFAULT_SPARSITY_TARGET: f64 = 0.4;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -309,6 +313,7 @@ impl LoadedModel {
         let emulate = emulated(args)?;
         let gpu_mem = gpu_budget(args, emulate.as_ref())?;
         let kv_type = kv_type_for(args, self.device);
+        let thresholds = self.sparsity_thresholds(args)?;
         let pace = |b: &dyn Fn(f64) -> crate::backend::Result<()>| -> Result<()> {
             if let Some(p) = &emulate {
                 b(p.h2d_pinned_bytes_per_s)?;
@@ -320,7 +325,9 @@ impl LoadedModel {
                 let ledger = Ledger::new(None, None);
                 let cuda = CudaBackend::new(0, ledger.clone())?;
                 tracing::info!("{}", cuda.name());
-                let e = Engine::new(cuda, self.spec.clone(), w)?.with_kv_type(kv_type)?;
+                let e = Engine::new(cuda, self.spec.clone(), w)?
+                    .with_kv_type(kv_type)?
+                    .with_sparsity(thresholds.clone())?;
                 (
                     AnyEngine::Cuda(e),
                     Some(ledger),
@@ -330,7 +337,9 @@ impl LoadedModel {
             }
             (Weights::Dense(w), _) => {
                 let cpu = CpuBackend::with_kernels(threads, kernels)?;
-                let e = Engine::new(cpu, self.spec.clone(), w)?.with_kv_type(kv_type)?;
+                let e = Engine::new(cpu, self.spec.clone(), w)?
+                    .with_kv_type(kv_type)?
+                    .with_sparsity(thresholds.clone())?;
                 (
                     AnyEngine::Cpu(e),
                     None,
@@ -369,7 +378,8 @@ impl LoadedModel {
                     note_plan(&plan);
                     let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
                     let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?
-                        .with_kv_type(kv_type)?;
+                        .with_kv_type(kv_type)?
+                        .with_sparsity(thresholds.clone())?;
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
@@ -384,7 +394,8 @@ impl LoadedModel {
                     pace(&|r| sim.pace_copies(r))?;
                     let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
                     let e = Engine::with_source(sim, self.spec.clone(), Box::new(src))?
-                        .with_kv_type(kv_type)?;
+                        .with_kv_type(kv_type)?
+                        .with_sparsity(thresholds.clone())?;
                     (AnyEngine::Sim(e), Some(ledger), Some(plan), None)
                 }
             }
@@ -400,6 +411,39 @@ impl LoadedModel {
         };
         running.sample_process();
         Ok(running)
+    }
+
+    /// Per layer, the FFN sparsity thresholds `--sparsity` asks for (empty when off): zeros for a
+    /// ReLU-family model without --sparsity-target (its exact natural mask), else read from the
+    /// profile in the model's store at the target.
+    pub fn sparsity_thresholds(&self, args: &ModelArgs) -> Result<Vec<f32>> {
+        if args.sparsity == super::SparsityMode::Off {
+            return Ok(Vec::new());
+        }
+        let relu = matches!(self.spec.activation, crate::model::Activation::Relu);
+        let target = match args.sparsity_target {
+            None if relu => return Ok(vec![0.0; self.spec.n_layers]),
+            None => DEFAULT_SPARSITY_TARGET,
+            Some(t) => t,
+        };
+        let name = self.path.display().to_string();
+        let profile = match &self.weights {
+            Weights::Stored(store) => {
+                SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?
+            }
+            Weights::Dense(_) => {
+                let store = super::store::open_store_for(&self.path)?;
+                SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?
+            }
+        };
+        let t = profile.thresholds_for(target)?;
+        tracing::info!(
+            "FFN sparsity {:.0}% (oracle): thresholds {:.4}…{:.4}",
+            target * 100.0,
+            t.iter().copied().fold(f32::INFINITY, f32::min),
+            t.iter().copied().fold(0.0, f32::max)
+        );
+        Ok(t)
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {

@@ -8,6 +8,7 @@ pub(crate) mod load;
 mod logits;
 mod perplexity;
 mod plan;
+mod profile;
 mod run;
 mod serve;
 mod store;
@@ -55,6 +56,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API with persistent contexts.
     Serve(serve::ServeArgs),
+    /// Measure a model's FFN activation sparsity on a corpus (thresholds per target sparsity,
+    /// activation frequency per neuron) and save it in the model's store.
+    Profile(profile::ProfileArgs),
 }
 
 /// Where the math runs.
@@ -103,6 +107,24 @@ pub struct ModelArgs {
     /// the CPU]
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<KvTypeArg>,
+
+    /// FFN activation sparsity: off (every neuron computed), or oracle (each token's exact mask:
+    /// neurons whose activation magnitude is at most the layer's threshold for
+    /// --sparsity-target contribute nothing). SwiGLU models need `gpu-offload profile` first.
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY", value_enum, default_value = "off")]
+    pub sparsity: SparsityMode,
+
+    /// Share of FFN neurons to skip, 0.01–0.99 [default: 0 for ReLU models (their natural
+    /// sparsity, exact), else 0.4]
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET")]
+    pub sparsity_target: Option<f64>,
+}
+
+/// `--sparsity`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SparsityMode {
+    Off,
+    Oracle,
 }
 
 /// `--kv-type`.
@@ -152,5 +174,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Profile(a) => profile::run(a),
     }
 }

@@ -9,7 +9,7 @@ pub mod resident;
 pub mod sampler;
 mod traffic;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 
@@ -180,6 +180,17 @@ pub struct Engine<B: Backend> {
     /// RoPE inverse frequencies on the device, pairing, rotated dims.
     rope: Option<(B::Weight, RopePairs, usize)>,
     kv_type: KvType,
+    /// Per layer, the FFN activation magnitude at or below which a neuron is inactive (the
+    /// sparsity mask, [`crate::backend::sparse_act`]); empty = dense.
+    thresholds: Vec<f32>,
+    /// Where each layer's FFN activations are shown as they are computed (`profile`).
+    tap: Option<Arc<dyn ActivationTap>>,
+}
+
+/// Receives each layer's FFN activations `act(gate·x)` (or `act(up·x)` without a gate), before
+/// any mask: `n` token rows of `d_ff` values.
+pub trait ActivationTap: Send + Sync {
+    fn observe(&self, layer: usize, acts: &[f32], n: usize);
 }
 
 struct Pass<B: Backend> {
@@ -410,7 +421,35 @@ impl<B: Backend> Engine<B> {
             }),
             rope,
             kv_type: KvType::F32,
+            thresholds: Vec::new(),
+            tap: None,
         })
+    }
+
+    /// Compute the FFN sparsely from now on: in layer `l`, neurons whose activation magnitude is
+    /// at most `thresholds[l]` contribute nothing (one threshold per layer; an empty list is the
+    /// dense FFN).
+    pub fn with_sparsity(mut self, thresholds: Vec<f32>) -> Result<Self> {
+        if !thresholds.is_empty() && thresholds.len() != self.spec.n_layers {
+            return Err(EngineError::Weights(format!(
+                "{} sparsity thresholds for {} layers",
+                thresholds.len(),
+                self.spec.n_layers
+            )));
+        }
+        if let Some(t) = thresholds.iter().find(|t| !t.is_finite() || **t < 0.0) {
+            return Err(EngineError::Weights(format!(
+                "sparsity threshold {t} is not a finite non-negative number"
+            )));
+        }
+        self.thresholds = thresholds;
+        Ok(self)
+    }
+
+    /// Show every layer's FFN activations to `tap` as steps compute them.
+    pub fn with_activation_tap(mut self, tap: Arc<dyn ActivationTap>) -> Self {
+        self.tap = Some(tap);
+        self
     }
 
     /// Store the KV cache of sessions made from now on in `kv` (f32 unless set).
@@ -741,20 +780,37 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// `proj = FFN(h)`, using `sc.up` / `sc.gate` for the hidden activations.
-    fn ffn(&self, f: &FfnView<B>, sc: &mut Scratch<B>) -> Result<()> {
+    /// Layer `layer`'s activations before the mask, shown to the tap.
+    fn show_tap(&self, layer: usize, pre_act: &B::Tensor) -> Result<()> {
+        let Some(tap) = &self.tap else {
+            return Ok(());
+        };
+        let (n, cols) = self.backend.shape(pre_act);
+        let mut v = vec![0f32; n * cols];
+        self.backend.read(pre_act, &mut v)?;
+        let f = crate::backend::cpu::ops::activation(self.act);
+        v.iter_mut().for_each(|x| *x = f(*x));
+        tap.observe(layer, &v, n);
+        Ok(())
+    }
+
+    /// `proj = FFN(h)` of layer `layer`, using `sc.up` / `sc.gate` for the hidden activations.
+    fn ffn(&self, layer: usize, f: &FfnView<B>, sc: &mut Scratch<B>) -> Result<()> {
         let b = &self.backend;
+        let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
         match f {
             FfnView::Matrices { gate, up, down } => {
                 self.linear(up, &sc.h, &mut sc.up)?;
                 let hidden = match (gate, &mut sc.gate) {
                     (Some(wg), Some(g)) => {
                         self.linear(wg, &sc.h, g)?;
-                        b.gated(g, &sc.up, self.act)?;
+                        self.show_tap(layer, g)?;
+                        b.gated(g, &sc.up, self.act, threshold)?;
                         &*g
                     }
                     _ => {
-                        b.activate(&mut sc.up, self.act)?;
+                        self.show_tap(layer, &sc.up)?;
+                        b.activate(&mut sc.up, self.act, threshold)?;
                         &sc.up
                     }
                 };
@@ -766,8 +822,15 @@ impl<B: Backend> Engine<B> {
                 up_bias,
                 down_bias,
             } => {
+                if self.tap.is_some() {
+                    return Err(EngineError::Weights(
+                        "activations are observed on the FFN matrices: profile a model loaded whole, not an offload store's neuron bundles".into(),
+                    ));
+                }
                 for &(first, run) in runs {
-                    b.ffn_bundles_up(run, *shape, &sc.h, self.act, *up_bias, &mut sc.up, first)?;
+                    b.ffn_bundles_up(
+                        run, *shape, &sc.h, self.act, threshold, *up_bias, &mut sc.up, first,
+                    )?;
                 }
                 b.zero(&mut sc.proj)?;
                 for &(first, run) in runs {
@@ -856,7 +919,7 @@ impl<B: Backend> Engine<B> {
 
                 // Feed-forward block.
                 self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
-                self.ffn(&layer.ffn, &mut sc)?;
+                self.ffn(l, &layer.ffn, &mut sc)?;
                 b.add(&mut sc.x, &sc.proj)?;
             }
             source.layer_done(b, l)?;

@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use super::kernels::Kernels;
-use crate::backend::BundleShape;
+use crate::backend::{BundleShape, sparse_act};
 use crate::tensor::{DType, HostTensor, decode_row};
 
 /// Neurons per parallel task.
@@ -49,6 +49,7 @@ pub fn up(
     x: &[f32],
     n: usize,
     act: fn(f32) -> f32,
+    threshold: f32,
     bias: Option<&[f32]>,
     h: &mut [f32],
     stride: usize,
@@ -75,8 +76,8 @@ pub fn up(
                 let xt = &x[t * d..(t + 1) * d];
                 let u = (k.dot_f32)(up_row, xt);
                 let v = match gate_row {
-                    Some(g) => act((k.dot_f32)(g, xt)) * u,
-                    None => act(u + bias.map_or(0.0, |bb| bb[col0 + i])),
+                    Some(g) => sparse_act(act((k.dot_f32)(g, xt)), threshold) * u,
+                    None => sparse_act(act(u + bias.map_or(0.0, |bb| bb[col0 + i])), threshold),
                 };
                 // SAFETY: neuron i belongs to this task only; index < n·stride (asserted).
                 unsafe { *ptr.at(t * stride + col0 + i) = v };
@@ -245,9 +246,9 @@ mod tests {
                 let act = if gated { Act::Silu } else { Act::Relu };
                 let bias_t = HostTensor::from_f32("b", 1, ff, bias.clone());
                 let bias_ref = (!gated).then_some(&bias_t);
-                be.ffn_bundles_up(&a, shape, &xt, act, bias_ref, &mut h, 0)
+                be.ffn_bundles_up(&a, shape, &xt, act, 0.0, bias_ref, &mut h, 0)
                     .unwrap();
-                be.ffn_bundles_up(&b, shape, &xt, act, bias_ref, &mut h, 40)
+                be.ffn_bundles_up(&b, shape, &xt, act, 0.0, bias_ref, &mut h, 40)
                     .unwrap();
                 let mut out = be.alloc(n, d).unwrap();
                 be.ffn_bundles_down(&a, shape, &h, 0, &mut out).unwrap();

@@ -6,7 +6,7 @@ mod bundles;
 pub mod kernels;
 mod kv;
 pub mod matmul;
-mod ops;
+pub mod ops;
 
 pub use kv::{CpuKv, decode_rows, encode_rows};
 
@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
+    sparse_act,
 };
 use crate::tensor::{Bytes, DType, HostTensor};
 
@@ -419,6 +420,7 @@ impl Backend for CpuBackend {
         shape: BundleShape,
         x: &CpuTensor,
         act: Act,
+        threshold: f32,
         up_bias: Option<&HostTensor>,
         h: &mut CpuTensor,
         col0: usize,
@@ -446,6 +448,7 @@ impl Backend for CpuBackend {
                 &x.data,
                 n,
                 f,
+                threshold,
                 bias,
                 &mut h.data,
                 stride,
@@ -561,25 +564,26 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn activate(&self, x: &mut CpuTensor, act: Act) -> Result<()> {
+    fn activate(&self, x: &mut CpuTensor, act: Act, threshold: f32) -> Result<()> {
         let f = ops::activation(act);
+        let apply = |c: &mut [f32]| c.iter_mut().for_each(|v| *v = sparse_act(f(*v), threshold));
         if x.data.len() >= PAR_ELEMS {
-            self.pool.install(|| {
-                x.data
-                    .par_chunks_mut(4096)
-                    .for_each(|c| c.iter_mut().for_each(|v| *v = f(*v)))
-            });
+            self.pool
+                .install(|| x.data.par_chunks_mut(4096).for_each(apply));
         } else {
-            x.data.iter_mut().for_each(|v| *v = f(*v));
+            apply(&mut x.data);
         }
         Ok(())
     }
 
-    fn gated(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Act) -> Result<()> {
+    fn gated(&self, gate: &mut CpuTensor, up: &CpuTensor, act: Act, threshold: f32) -> Result<()> {
         same_shape("gated", gate, up)?;
         let f = ops::activation(act);
-        let apply =
-            |(g, u): (&mut [f32], &[f32])| g.iter_mut().zip(u).for_each(|(g, u)| *g = f(*g) * u);
+        let apply = |(g, u): (&mut [f32], &[f32])| {
+            g.iter_mut()
+                .zip(u)
+                .for_each(|(g, u)| *g = sparse_act(f(*g), threshold) * u)
+        };
         if gate.data.len() >= PAR_ELEMS {
             self.pool.install(|| {
                 gate.data

@@ -1330,6 +1330,7 @@ impl Backend for CudaBackend {
         shape: BundleShape,
         x: &CudaTensor,
         act: Act,
+        threshold: f32,
         up_bias: Option<&CudaWeight>,
         h: &mut CudaTensor,
         col0: usize,
@@ -1372,6 +1373,7 @@ impl Backend for CudaBackend {
                 xp,
                 nt,
                 kind,
+                threshold,
                 bias,
                 hp,
                 hs,
@@ -1606,7 +1608,7 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn activate(&self, x: &mut CudaTensor, act: Act) -> Result<()> {
+    fn activate(&self, x: &mut CudaTensor, act: Act, threshold: f32) -> Result<()> {
         let f = self.func("elementwise", "activate_f32")?;
         let (n, k) = ((x.rows * x.cols) as i64, act_code(act));
         launch!(
@@ -1615,12 +1617,19 @@ impl Backend for CudaBackend {
             Self::elementwise_cfg(x.rows * x.cols),
             x.buf.ptr,
             n,
-            k
+            k,
+            threshold
         );
         Ok(())
     }
 
-    fn gated(&self, gate: &mut CudaTensor, up: &CudaTensor, act: Act) -> Result<()> {
+    fn gated(
+        &self,
+        gate: &mut CudaTensor,
+        up: &CudaTensor,
+        act: Act,
+        threshold: f32,
+    ) -> Result<()> {
         if (gate.rows, gate.cols) != (up.rows, up.cols) {
             return Err(shape_err(
                 "gated",
@@ -1636,7 +1645,8 @@ impl Backend for CudaBackend {
             gate.buf.ptr,
             up.buf.ptr,
             n,
-            k
+            k,
+            threshold
         );
         Ok(())
     }

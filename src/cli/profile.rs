@@ -1,0 +1,192 @@
+//! `gpu-offload profile`: a model's FFN activation sparsity on a calibration corpus, saved in its
+//! store (see `crate::sparsity`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::store::open_store_for;
+use crate::backend::cpu::{CpuBackend, kernels};
+use crate::engine::Engine;
+use crate::model::Model;
+use crate::sparsity::{
+    GRID_TARGETS, ProfileTap, SparsityProfile, fine_target, grid_target, profile_passes,
+};
+
+#[derive(Debug, Args)]
+pub struct ProfileArgs {
+    /// GGUF file or Hugging Face model directory [default: the model scripts/fetch-models.sh
+    /// downloads]
+    #[arg(long, short = 'm', env = "GPU_OFFLOAD_MODEL")]
+    pub model: Option<PathBuf>,
+
+    /// Calibration text (UTF-8) [default: the first 100 chapters of Moby-Dick, which
+    /// scripts/fetch-models.sh fetches as moby-dick-profile.txt; the rest of the book,
+    /// moby-dick-eval.txt, is held out for evaluation]
+    #[arg(long, env = "GPU_OFFLOAD_CORPUS")]
+    pub corpus: Option<PathBuf>,
+
+    /// Tokens of the corpus to profile on.
+    #[arg(long, env = "GPU_OFFLOAD_TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(16..))]
+    pub tokens: u32,
+
+    /// Tokens per window (each window is a fresh context, as in perplexity).
+    #[arg(long, env = "GPU_OFFLOAD_WINDOW", default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..))]
+    pub window: u32,
+
+    /// Worker threads [default: one per core]
+    #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
+
+    /// Print the summary as JSON.
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+pub fn run(args: ProfileArgs) -> Result<()> {
+    let models = crate::model::models_dir();
+    let model_path = args
+        .model
+        .clone()
+        .unwrap_or_else(crate::model::default_model_path);
+    let corpus = args
+        .corpus
+        .clone()
+        .unwrap_or_else(|| models.join("moby-dick-profile.txt"));
+    if !corpus.exists() {
+        bail!(
+            "corpus {} does not exist{}",
+            corpus.display(),
+            if args.corpus.is_none() {
+                ": run scripts/fetch-models.sh (it fetches the default corpus) or pass --corpus FILE"
+            } else {
+                ""
+            }
+        );
+    }
+    let bytes =
+        std::fs::read(&corpus).with_context(|| format!("cannot read {}", corpus.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("corpus {} is not UTF-8 text", corpus.display()))?;
+    if text.trim().is_empty() {
+        bail!("corpus {} is empty", corpus.display());
+    }
+    if !model_path.exists() {
+        bail!(
+            "{} does not exist: pass --model (or run scripts/fetch-models.sh for the default)",
+            model_path.display()
+        );
+    }
+    let store = open_store_for(&model_path)?;
+    let model = Model::load(&model_path)
+        .with_context(|| format!("cannot load model {}", model_path.display()))?;
+    let Some(tokenizer) = &model.tokenizer else {
+        bail!(
+            "{} has no tokenizer: profiling needs one to read the corpus",
+            model_path.display()
+        );
+    };
+    let all = tokenizer.encode(&text, false, false)?;
+    let want = args.tokens as usize;
+    if all.len() < want {
+        bail!(
+            "corpus {} has {} tokens; profiling needs --tokens {want}: give a longer corpus or a smaller --tokens",
+            corpus.display(),
+            all.len()
+        );
+    }
+    let window = (args.window as usize).min(model.spec.max_context);
+    let tokens = &all[..want];
+    let spec = model.spec.clone();
+    let d_ff = spec.d_ff;
+    let tap = Arc::new(ProfileTap::new(spec.n_layers, d_ff));
+    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
+    let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
+    drop(model.weights);
+    let t0 = Instant::now();
+    let pb = ProgressBar::new(0);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} windows ({msg})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let (thresholds, measured, frequency) =
+        profile_passes(&engine, &tap, tokens, window, &mut |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+            pb.set_message(if done * 2 <= total {
+                "pass 1: thresholds"
+            } else {
+                "pass 2: frequencies"
+            });
+        })?;
+    pb.finish_and_clear();
+    let profile = SparsityProfile {
+        model_id: store.manifest.model_id.clone(),
+        corpus: corpus.display().to_string(),
+        tokens: tokens.len(),
+        window,
+        n_layers: spec.n_layers,
+        d_ff,
+        thresholds,
+        measured,
+        frequency,
+    };
+    profile.save(store.dir())?;
+    let secs = t0.elapsed().as_secs_f64();
+    // How skewed the layers are: the share of neurons holding 80% of the activations at 50%.
+    let k50 = GRID_TARGETS / 2;
+    let skew: Vec<f64> = (0..spec.n_layers)
+        .map(|l| {
+            let mut f = profile.frequencies(l, k50);
+            f.sort_by(|a, b| b.total_cmp(a));
+            let total: f64 = f.iter().sum();
+            let mut acc = 0.0;
+            let hot = f
+                .iter()
+                .take_while(|&&v| {
+                    acc += v;
+                    acc - v < 0.8 * total
+                })
+                .count();
+            hot as f64 / d_ff as f64
+        })
+        .collect();
+    if args.json {
+        let v = serde_json::json!({
+            "store": store.dir(),
+            "model_id": profile.model_id,
+            "corpus": profile.corpus,
+            "tokens": profile.tokens,
+            "window": window,
+            "seconds": secs,
+            "thresholds_at_50pct": profile.thresholds.iter().map(|t| t[49]).collect::<Vec<_>>(),
+            "measured_sparsity_at_50pct": profile.measured.iter().map(|m| m[k50]).collect::<Vec<_>>(),
+            "hot_share_for_80pct_of_activations": skew,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "profiled {} on {} tokens of {} in {:.1} s → {}",
+            model_path.display(),
+            profile.tokens,
+            corpus.display(),
+            secs,
+            SparsityProfile::path_in(store.dir()).display()
+        );
+        println!("layer  threshold@50%  measured@50%  neurons holding 80% of activations");
+        for l in 0..spec.n_layers {
+            println!(
+                "{l:>5}  {:>13.5}  {:>11.1}%  {:>6.1}%",
+                profile.thresholds[l][49],
+                100.0 * profile.measured[l][k50],
+                100.0 * skew[l]
+            );
+        }
+        debug_assert!((fine_target(49) - grid_target(k50)).abs() < 1e-9);
+    }
+    Ok(())
+}

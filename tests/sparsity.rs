@@ -1,0 +1,301 @@
+//! FFN activation sparsity with oracle masks: a ReLU model's natural mask and a zero threshold
+//! change nothing; a profiled SwiGLU model's masks give the same logits dense on the CPU and
+//! offloaded on the budgeted device at any budget; `profile` and `--sparsity` refuse bad input
+//! with advice.
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use gpu_offload::backend::KvType;
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{ActivationTap, Engine, Logits};
+use gpu_offload::model::Model;
+use gpu_offload::plan::{Budget, HardwareProfile, PlanError, make_plan};
+use gpu_offload::sparsity::{ProfileTap, profile_passes};
+use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::offload::OffloadWeights;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+fn cpu_engine(model: &Model, thresholds: Vec<f32>) -> Engine<CpuBackend> {
+    // f16 KV, as the budgeted device keeps it (the plans below count it so).
+    Engine::new(
+        CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_kv_type(KvType::F16)
+    .unwrap()
+    .with_sparsity(thresholds)
+    .unwrap()
+}
+
+/// Logits of a prefill of `toks`, then of 4 decode steps.
+fn logits<B: gpu_offload::backend::Backend>(e: &Engine<B>, toks: &[u32]) -> Vec<f32> {
+    let mut s = e.new_session(toks.len() + 4).unwrap();
+    let mut out = e.forward(&mut s, toks, Logits::Last).unwrap();
+    for &t in &toks[..4] {
+        out.extend(e.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+    out
+}
+
+/// Counts activations exactly zero and in total.
+#[derive(Default)]
+struct Zeros(Mutex<(usize, usize)>);
+
+impl ActivationTap for Zeros {
+    fn observe(&self, _layer: usize, acts: &[f32], _n: usize) {
+        let mut z = self.0.lock().unwrap();
+        z.0 += acts.iter().filter(|&&a| a == 0.0).count();
+        z.1 += acts.len();
+    }
+}
+
+/// ReLU (ReGLU) model: the oracle mask at threshold 0 skips exactly the neurons whose
+/// activation is zero, so the logits are the dense ones, bit for bit; and there are such
+/// neurons to skip.
+#[test]
+fn oracle_masks_of_a_relu_model_are_exact() {
+    let dir = common::fixtures().join("hf/relu-llama");
+    let model = Model::load(&dir).unwrap();
+    assert_eq!(model.spec.activation, gpu_offload::model::Activation::Relu);
+    let toks: Vec<u32> = (0..24).map(|i| (i * 7 + 3) % 200).collect();
+    let dense = logits(&cpu_engine(&model, Vec::new()), &toks);
+    let zeros = Arc::new(Zeros::default());
+    let sparse_engine =
+        cpu_engine(&model, vec![0.0; model.spec.n_layers]).with_activation_tap(zeros.clone());
+    assert!(logits(&sparse_engine, &toks) == dense);
+    let (z, total) = *zeros.0.lock().unwrap();
+    assert!(
+        z * 5 > total,
+        "a ReLU FFN leaves many neurons at zero: {z} of {total}"
+    );
+}
+
+/// SwiGLU (stories260K): threshold 0 is the dense engine, bit for bit.
+#[test]
+fn threshold_zero_is_the_dense_engine() {
+    let model = Model::load(&common::stories260k()).unwrap();
+    let toks: Vec<u32> = (0..20).map(|i| (i * 11 + 1) % 500).collect();
+    let dense = logits(&cpu_engine(&model, Vec::new()), &toks);
+    let zero = logits(&cpu_engine(&model, vec![0.0; model.spec.n_layers]), &toks);
+    assert!(dense == zero);
+}
+
+/// SmolLM2 (Q4_1: the FFN stays matrices, so offloading is bit-exact): profiled on a few
+/// hundred tokens, the 50% oracle masks change the logits, skip about half the activations, and
+/// give the same logits offloaded on the budgeted device at random budgets as on the CPU.
+#[test]
+fn oracle_sparsity_offloads_exactly() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let model = Model::load(&path).unwrap();
+    let tok = model.tokenizer.as_ref().unwrap();
+    let text = "It was the best of times, it was the worst of times, it was the age of wisdom, \
+                it was the age of foolishness, it was the epoch of belief, it was the epoch of \
+                incredulity, it was the season of Light, it was the season of Darkness. ";
+    let calib: Vec<u32> = tok.encode(&text.repeat(8), false, false).unwrap();
+    let (n_layers, d_ff) = (model.spec.n_layers, model.spec.d_ff);
+    let tap = Arc::new(ProfileTap::new(n_layers, d_ff));
+    let profiling = cpu_engine(&model, Vec::new()).with_activation_tap(tap.clone());
+    let (fine, measured, _) =
+        profile_passes(&profiling, &tap, &calib[..256], 128, &mut |_, _| {}).unwrap();
+    let t50: Vec<f32> = fine.iter().map(|t| t[49]).collect();
+    for (l, m) in measured.iter().enumerate() {
+        assert!((m[9] - 0.5).abs() < 0.02, "layer {l}: measured {}", m[9]);
+    }
+    let toks = tok
+        .encode("Call me Ishmael. Some years ago", false, false)
+        .unwrap();
+    let dense = logits(&cpu_engine(&model, Vec::new()), &toks);
+    let want = logits(&cpu_engine(&model, t50.clone()), &toks);
+    assert!(want != dense, "the masks must change something");
+
+    let dir = tempfile::tempdir().unwrap();
+    convert(
+        &path,
+        &dir.path().join("s"),
+        &ConvertOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("s")).unwrap());
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let b = |g| Budget::new(g, None, 2, toks.len() + 4, toks.len());
+    let min = match make_plan(&store.manifest, &b(0), &hw) {
+        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
+        other => panic!("{other:?}"),
+    };
+    let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
+        .unwrap()
+        .gpu
+        .total;
+    let mut rng = StdRng::seed_from_u64(11);
+    for _ in 0..3 {
+        let g = rng.random_range(min..=all);
+        let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap()
+            .with_sparsity(t50.clone())
+            .unwrap();
+        assert!(logits(&e, &toks) == want, "{g} bytes: logits differ");
+    }
+}
+
+fn bin(models: &std::path::Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gpu-offload"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_OFFLOAD_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("GPU_OFFLOAD_MODELS", models);
+    c
+}
+
+fn fails(c: &mut Command, needle: &str) {
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected failure mentioning {needle}"
+    );
+    assert!(err.contains(needle), "wanted `{needle}` in: {err}");
+}
+
+/// `profile` and `--sparsity oracle` on the CLI (stories260K): bad corpora and a model never
+/// profiled are refused with the fix named; a profile makes oracle runs work; a profile from
+/// another model is refused.
+#[test]
+fn profile_and_oracle_on_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let m = dir.path().join("stories.gguf");
+    std::fs::copy(common::stories260k(), &m).unwrap();
+    let ms = m.to_str().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let cs = corpus.to_str().unwrap();
+    let profile = |extra: &[&str]| {
+        let mut c = bin(&models);
+        c.args(["profile", "-m", ms, "--tokens", "64", "--window", "32"])
+            .args(extra);
+        c
+    };
+    fails(&mut profile(&["--corpus", cs]), "does not exist");
+    std::fs::write(&corpus, "  \n").unwrap();
+    fails(&mut profile(&["--corpus", cs]), "is empty");
+    std::fs::write(&corpus, [0xffu8, 0xfe, 0x00, 0x41]).unwrap();
+    fails(&mut profile(&["--corpus", cs]), "not UTF-8");
+    std::fs::write(&corpus, "Once upon a time.").unwrap();
+    fails(&mut profile(&["--corpus", cs]), "give a longer corpus");
+    let run = |extra: &[&str]| {
+        let mut c = bin(&models);
+        c.args([
+            "run",
+            "-m",
+            ms,
+            "--prompt",
+            "Once upon a time",
+            "-n",
+            "8",
+            "--temperature",
+            "0",
+            "--json",
+            "--device",
+            "cpu",
+        ])
+        .args(extra);
+        c
+    };
+    fails(
+        &mut run(&["--sparsity", "oracle"]),
+        "run `gpu-offload profile -m",
+    );
+    std::fs::write(
+        &corpus,
+        "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+            .repeat(20),
+    )
+    .unwrap();
+    let out = profile(&["--corpus", cs, "--json"]).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tokens"], 64);
+    for a in [["--sparsity", "off"], ["--sparsity", "oracle"]] {
+        let out = run(&a).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{a:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    fails(
+        &mut run(&["--sparsity", "oracle", "--sparsity-target", "1.5"]),
+        "outside 0.01..=0.99",
+    );
+    // A profile copied into another model's store belongs to the first model.
+    let stores = models.join("stores");
+    let first = std::fs::read_dir(&stores)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let other = dir.path().join("other.gguf");
+    gpu_offload::model::synth::synthesize_gguf(
+        &gpu_offload::model::synth::SynthSpec {
+            vocab_size: 320,
+            ..gpu_offload::model::synth::SynthSpec::preset("tiny").unwrap()
+        },
+        &other,
+        false,
+        None,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let os = other.to_str().unwrap();
+    let out = bin(&models).args(["convert", "-m", os]).output().unwrap();
+    assert!(out.status.success());
+    let second = std::fs::read_dir(&stores)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| *p != first)
+        .unwrap();
+    std::fs::copy(
+        first.join("sparsity.profile"),
+        second.join("sparsity.profile"),
+    )
+    .unwrap();
+    fails(
+        bin(&models).args([
+            "run",
+            "-m",
+            os,
+            "--tokens",
+            "1,2,3",
+            "-n",
+            "2",
+            "--device",
+            "cpu",
+            "--sparsity",
+            "oracle",
+        ]),
+        "belongs to another model",
+    );
+}
