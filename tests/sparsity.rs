@@ -50,7 +50,7 @@ fn logits<B: gpu_offload::backend::Backend>(e: &Engine<B>, toks: &[u32]) -> Vec<
 struct Zeros(Mutex<(usize, usize)>);
 
 impl ActivationTap for Zeros {
-    fn observe(&self, _layer: usize, acts: &[f32], _n: usize) {
+    fn observe(&self, _layer: usize, _input: &[f32], acts: &[f32], _n: usize) {
         let mut z = self.0.lock().unwrap();
         z.0 += acts.iter().filter(|&&a| a == 0.0).count();
         z.1 += acts.len();

@@ -2,10 +2,12 @@
 //! the model on the chosen device — all of it on the CPU, or offloaded to the budgeted device
 //! under a plan — once the job's context and batch are known.
 
-use crate::sparsity::SparsityProfile;
+use crate::engine::NeuronPredictor;
+use crate::sparsity::{Predictors, SparsityProfile};
 
-/// `--sparsity-target` where none is given for a SwiGLU model.
-pub const DEFAULT_SPARSITY_TARGET: f64 = 0.4;
+/// `--sparsity-target` where none is given for a SwiGLU model: SmolLM2-135M on held-out text
+/// stays within 1% of dense perplexity up to 15% with oracle masks (+0.26%; 20%: +1.3%).
+pub const DEFAULT_SPARSITY_TARGET: f64 = 0.15;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -313,7 +315,7 @@ impl LoadedModel {
         let emulate = emulated(args)?;
         let gpu_mem = gpu_budget(args, emulate.as_ref())?;
         let kv_type = kv_type_for(args, self.device);
-        let thresholds = self.sparsity_thresholds(args)?;
+        let (thresholds, predictor) = self.sparsity(args)?;
         let pace = |b: &dyn Fn(f64) -> crate::backend::Result<()>| -> Result<()> {
             if let Some(p) = &emulate {
                 b(p.h2d_pinned_bytes_per_s)?;
@@ -379,7 +381,8 @@ impl LoadedModel {
                     let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
                     let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?
                         .with_kv_type(kv_type)?
-                        .with_sparsity(thresholds.clone())?;
+                        .with_sparsity(thresholds.clone())?
+                        .with_predictor(predictor.clone());
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
@@ -395,7 +398,8 @@ impl LoadedModel {
                     let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
                     let e = Engine::with_source(sim, self.spec.clone(), Box::new(src))?
                         .with_kv_type(kv_type)?
-                        .with_sparsity(thresholds.clone())?;
+                        .with_sparsity(thresholds.clone())?
+                        .with_predictor(predictor.clone());
                     (AnyEngine::Sim(e), Some(ledger), Some(plan), None)
                 }
             }
@@ -413,19 +417,22 @@ impl LoadedModel {
         Ok(running)
     }
 
-    /// Per layer, the FFN sparsity thresholds `--sparsity` asks for (empty when off): zeros for a
+    /// What `--sparsity` asks for: per layer, the FFN thresholds (empty when off) — zeros for a
     /// ReLU-family model without --sparsity-target (its exact natural mask), else read from the
-    /// profile in the model's store at the target.
-    pub fn sparsity_thresholds(&self, args: &ModelArgs) -> Result<Vec<f32>> {
-        if args.sparsity == super::SparsityMode::Off {
-            return Ok(Vec::new());
+    /// profile in the model's store at the target — and, for `predicted`, the profile's
+    /// predictors.
+    pub fn sparsity(
+        &self,
+        args: &ModelArgs,
+    ) -> Result<(Vec<f32>, Option<Arc<dyn NeuronPredictor>>)> {
+        use super::SparsityMode;
+        if args.sparsity == SparsityMode::Off {
+            return Ok((Vec::new(), None));
         }
         let relu = matches!(self.spec.activation, crate::model::Activation::Relu);
-        let target = match args.sparsity_target {
-            None if relu => return Ok(vec![0.0; self.spec.n_layers]),
-            None => DEFAULT_SPARSITY_TARGET,
-            Some(t) => t,
-        };
+        if args.sparsity == SparsityMode::Oracle && relu && args.sparsity_target.is_none() {
+            return Ok((vec![0.0; self.spec.n_layers], None));
+        }
         let name = self.path.display().to_string();
         let profile = match &self.weights {
             Weights::Stored(store) => {
@@ -436,6 +443,28 @@ impl LoadedModel {
                 SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?
             }
         };
+        if args.sparsity == SparsityMode::Predicted {
+            let Some(trained) = profile.predictor_target else {
+                bail!(
+                    "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
+                );
+            };
+            if let Some(t) = args.sparsity_target
+                && (t - trained).abs() > 1e-9
+            {
+                bail!(
+                    "--sparsity-target {t}: the predictors of {name} were trained for {trained}; run `gpu-offload profile -m {name} --predictor-target {t}`"
+                );
+            }
+            tracing::info!(
+                "FFN sparsity {:.0}% (predicted): {} predictors",
+                trained * 100.0,
+                profile.predictors.len()
+            );
+            let p: Arc<dyn NeuronPredictor> = Arc::new(Predictors(profile.predictors));
+            return Ok((Vec::new(), Some(p)));
+        }
+        let target = args.sparsity_target.unwrap_or(DEFAULT_SPARSITY_TARGET);
         let t = profile.thresholds_for(target)?;
         tracing::info!(
             "FFN sparsity {:.0}% (oracle): thresholds {:.4}…{:.4}",
@@ -443,7 +472,7 @@ impl LoadedModel {
             t.iter().copied().fold(f32::INFINITY, f32::min),
             t.iter().copied().fold(0.0, f32::max)
         );
-        Ok(t)
+        Ok((t, None))
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer> {

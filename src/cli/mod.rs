@@ -108,14 +108,15 @@ pub struct ModelArgs {
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<KvTypeArg>,
 
-    /// FFN activation sparsity: off (every neuron computed), or oracle (each token's exact mask:
+    /// FFN activation sparsity: off (every neuron computed); oracle (each token's exact mask:
     /// neurons whose activation magnitude is at most the layer's threshold for
-    /// --sparsity-target contribute nothing). SwiGLU models need `gpu-offload profile` first.
+    /// --sparsity-target contribute nothing; SwiGLU models need `gpu-offload profile` first);
+    /// predicted (the profile's per-layer predictors choose the neurons from the layer's input).
     #[arg(long, env = "GPU_OFFLOAD_SPARSITY", value_enum, default_value = "off")]
     pub sparsity: SparsityMode,
 
     /// Share of FFN neurons to skip, 0.01–0.99 [default: 0 for ReLU models (their natural
-    /// sparsity, exact), else 0.4]
+    /// sparsity, exact), else 0.15, what SmolLM2-135M tolerates within 1% perplexity]
     #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET")]
     pub sparsity_target: Option<f64>,
 }
@@ -125,6 +126,8 @@ pub struct ModelArgs {
 pub enum SparsityMode {
     Off,
     Oracle,
+    /// The profile's predictors pick each token's neurons from the layer's input.
+    Predicted,
 }
 
 /// `--kv-type`.

@@ -13,6 +13,7 @@ use super::store::open_store_for;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::Engine;
 use crate::model::Model;
+use crate::sparsity::predictor::{Predictor, TrainOptions};
 use crate::sparsity::{
     GRID_TARGETS, ProfileTap, SparsityProfile, fine_target, grid_target, profile_passes,
 };
@@ -41,6 +42,23 @@ pub struct ProfileArgs {
     /// Worker threads [default: one per core]
     #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
+
+    /// Skip training the activation predictors (`--sparsity predicted` needs them).
+    #[arg(long, env = "GPU_OFFLOAD_NO_PREDICTORS")]
+    pub no_predictors: bool,
+
+    /// Sparsity the predictors are trained for [default: 0.15, what --sparsity-target
+    /// defaults to]
+    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TARGET", default_value_t = super::load::DEFAULT_SPARSITY_TARGET)]
+    pub predictor_target: f64,
+
+    /// Rank of each predictor's hidden layer.
+    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_RANK", default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    pub predictor_rank: u32,
+
+    /// Tokens of pass 2 the predictors train on (a tenth held out for their cutoff).
+    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TOKENS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(20..))]
+    pub predictor_tokens: u32,
 
     /// Print the summary as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
@@ -103,9 +121,22 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let tokens = &all[..want];
     let spec = model.spec.clone();
     let d_ff = spec.d_ff;
-    let tap = Arc::new(ProfileTap::new(spec.n_layers, d_ff));
+    if !(0.01..=0.99).contains(&args.predictor_target) {
+        bail!("--predictor-target {} is outside 0.01..=0.99", args.predictor_target);
+    }
+    let mut tap = ProfileTap::new(spec.n_layers, d_ff);
+    if !args.no_predictors {
+        tap = tap.with_predictor_data(
+            spec.d_model,
+            args.predictor_target,
+            args.predictor_tokens as usize,
+        );
+    }
+    let tap = Arc::new(tap);
     let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
     let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
+    // Every weight's values, for the predictors' share of the model.
+    let model_parameters: u64 = model.weights.tensors().iter().map(|t| (t.rows * t.cols) as u64).sum();
     drop(model.weights);
     let t0 = Instant::now();
     let pb = ProgressBar::new(0);
@@ -124,6 +155,15 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             });
         })?;
     pb.finish_and_clear();
+    let t_train = Instant::now();
+    let trained = tap.train_predictors(TrainOptions {
+        rank: args.predictor_rank as usize,
+        ..Default::default()
+    });
+    let train_s = t_train.elapsed().as_secs_f64();
+    let (predictors, predictor_quality): (Vec<_>, Vec<_>) = trained.into_iter().unzip();
+    let params: usize = predictors.iter().map(|p: &Predictor| p.parameters()).sum();
+    let model_params = model_parameters;
     let profile = SparsityProfile {
         model_id: store.manifest.model_id.clone(),
         corpus: corpus.display().to_string(),
@@ -134,6 +174,9 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         thresholds,
         measured,
         frequency,
+        predictor_target: (!predictors.is_empty()).then_some(args.predictor_target),
+        predictors,
+        predictor_quality,
     };
     profile.save(store.dir())?;
     let secs = t0.elapsed().as_secs_f64();
@@ -166,6 +209,11 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             "thresholds_at_50pct": profile.thresholds.iter().map(|t| t[49]).collect::<Vec<_>>(),
             "measured_sparsity_at_50pct": profile.measured.iter().map(|m| m[k50]).collect::<Vec<_>>(),
             "hot_share_for_80pct_of_activations": skew,
+            "predictor_target": profile.predictor_target,
+            "predictors": profile.predictor_quality,
+            "predictor_parameters": params,
+            "predictor_share_of_model": params as f64 / model_params as f64,
+            "predictor_training_seconds": train_s,
         });
         println!("{v}");
     } else {
@@ -187,6 +235,25 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             );
         }
         debug_assert!((fine_target(49) - grid_target(k50)).abs() < 1e-9);
+        if let Some(t) = profile.predictor_target {
+            println!(
+                "predictors for {:.0}% sparsity: {} parameters ({:.1}% of the model), trained in {train_s:.1} s",
+                t * 100.0,
+                params,
+                100.0 * params as f64 / model_params as f64
+            );
+            println!("layer  recall  precision  predicted  active  epochs");
+            for (l, q) in profile.predictor_quality.iter().enumerate() {
+                println!(
+                    "{l:>5}  {:>6.3}  {:>9.3}  {:>8.1}%  {:>5.1}%  {:>6}",
+                    q.recall,
+                    q.precision,
+                    100.0 * q.predicted_share,
+                    100.0 * q.active_share,
+                    q.epochs
+                );
+            }
+        }
     }
     Ok(())
 }

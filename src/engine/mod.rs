@@ -185,12 +185,21 @@ pub struct Engine<B: Backend> {
     thresholds: Vec<f32>,
     /// Where each layer's FFN activations are shown as they are computed (`profile`).
     tap: Option<Arc<dyn ActivationTap>>,
+    /// Predicted masks, applied after the activation (`--sparsity predicted`).
+    predictor: Option<Arc<dyn NeuronPredictor>>,
 }
 
-/// Receives each layer's FFN activations `act(gate·x)` (or `act(up·x)` without a gate), before
-/// any mask: `n` token rows of `d_ff` values.
+/// Receives each layer's FFN input (`n` rows of `d_model`) and activations `act(gate·x)` (or
+/// `act(up·x)` without a gate) before any mask (`n` rows of `d_ff`).
 pub trait ActivationTap: Send + Sync {
-    fn observe(&self, layer: usize, acts: &[f32], n: usize);
+    fn observe(&self, layer: usize, input: &[f32], acts: &[f32], n: usize);
+}
+
+/// Decides, per layer, which FFN neurons each token computes (activation predictors): the
+/// others contribute nothing.
+pub trait NeuronPredictor: Send + Sync {
+    /// For `n` rows of the layer's FFN input, `n × d_ff` flags: true = compute.
+    fn active(&self, layer: usize, input: &[f32], n: usize) -> Vec<bool>;
 }
 
 struct Pass<B: Backend> {
@@ -423,6 +432,7 @@ impl<B: Backend> Engine<B> {
             kv_type: KvType::F32,
             thresholds: Vec::new(),
             tap: None,
+            predictor: None,
         })
     }
 
@@ -444,6 +454,13 @@ impl<B: Backend> Engine<B> {
         }
         self.thresholds = thresholds;
         Ok(self)
+    }
+
+    /// Compute, in every layer, only the FFN neurons `predictor` picks for each token (none:
+    /// every neuron the thresholds keep).
+    pub fn with_predictor(mut self, predictor: Option<Arc<dyn NeuronPredictor>>) -> Self {
+        self.predictor = predictor;
+        self
     }
 
     /// Show every layer's FFN activations to `tap` as steps compute them.
@@ -780,17 +797,49 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Layer `layer`'s activations before the mask, shown to the tap.
-    fn show_tap(&self, layer: usize, pre_act: &B::Tensor) -> Result<()> {
+    /// The rows of a device tensor on the host.
+    fn host_rows(&self, t: &B::Tensor) -> Result<(Vec<f32>, usize)> {
+        let (n, cols) = self.backend.shape(t);
+        let mut v = vec![0f32; n * cols];
+        self.backend.read(t, &mut v)?;
+        Ok((v, n))
+    }
+
+    /// Layer `layer`'s FFN input and activations before the mask, shown to the tap.
+    fn show_tap(&self, layer: usize, input: &B::Tensor, pre_act: &B::Tensor) -> Result<()> {
         let Some(tap) = &self.tap else {
             return Ok(());
         };
-        let (n, cols) = self.backend.shape(pre_act);
-        let mut v = vec![0f32; n * cols];
-        self.backend.read(pre_act, &mut v)?;
+        let (x, _) = self.host_rows(input)?;
+        let (mut v, n) = self.host_rows(pre_act)?;
         let f = crate::backend::cpu::ops::activation(self.act);
         v.iter_mut().for_each(|x| *x = f(*x));
-        tap.observe(layer, &v, n);
+        tap.observe(layer, &x, &v, n);
+        Ok(())
+    }
+
+    /// Zero the hidden activations of the neurons the predictor leaves out. (The neuron-aware
+    /// kernels skip them instead; this is the same result, for any backend.)
+    fn apply_predictor(&self, layer: usize, input: &B::Tensor, hidden: &mut B::Tensor) -> Result<()> {
+        let Some(p) = &self.predictor else {
+            return Ok(());
+        };
+        let (x, n) = self.host_rows(input)?;
+        let keep = p.active(layer, &x, n);
+        let (mut h, _) = self.host_rows(hidden)?;
+        if keep.len() != h.len() {
+            return Err(EngineError::Weights(format!(
+                "the predictor of layer {layer} gave {} flags for {} activations",
+                keep.len(),
+                h.len()
+            )));
+        }
+        h.iter_mut().zip(&keep).for_each(|(v, &k)| {
+            if !k {
+                *v = 0.0
+            }
+        });
+        self.backend.write(hidden, &h)?;
         Ok(())
     }
 
@@ -804,13 +853,15 @@ impl<B: Backend> Engine<B> {
                 let hidden = match (gate, &mut sc.gate) {
                     (Some(wg), Some(g)) => {
                         self.linear(wg, &sc.h, g)?;
-                        self.show_tap(layer, g)?;
+                        self.show_tap(layer, &sc.h, g)?;
                         b.gated(g, &sc.up, self.act, threshold)?;
+                        self.apply_predictor(layer, &sc.h, g)?;
                         &*g
                     }
                     _ => {
-                        self.show_tap(layer, &sc.up)?;
+                        self.show_tap(layer, &sc.h, &sc.up)?;
                         b.activate(&mut sc.up, self.act, threshold)?;
+                        self.apply_predictor(layer, &sc.h, &mut sc.up)?;
                         &sc.up
                     }
                 };
@@ -832,6 +883,7 @@ impl<B: Backend> Engine<B> {
                         run, *shape, &sc.h, self.act, threshold, *up_bias, &mut sc.up, first,
                     )?;
                 }
+                self.apply_predictor(layer, &sc.h, &mut sc.up)?;
                 b.zero(&mut sc.proj)?;
                 for &(first, run) in runs {
                     b.ffn_bundles_down(run, *shape, &sc.up, first, &mut sc.proj)?;

@@ -11,6 +11,11 @@
 //! frequency: PowerInfer's impact metric, the input of hot-neuron placement). The result is
 //! saved in the model's store as one checksummed file tied to the store's model identity.
 
+pub mod predictor;
+
+use predictor::{Predictor, PredictorQuality, TrainOptions};
+use rayon::prelude::*;
+
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -95,6 +100,24 @@ pub struct SparsityProfile {
     /// of tokens scaled to 0..=65535 (kept in the file's binary part, not its JSON header).
     #[serde(skip)]
     pub frequency: Vec<u16>,
+    /// The sparsity the predictors were trained for (their mask is the threshold's at it).
+    #[serde(default)]
+    pub predictor_target: Option<f64>,
+    /// One per layer, or none (weights after the frequencies in the binary part).
+    #[serde(default)]
+    pub predictors: Vec<Predictor>,
+    /// How each did on held-out tokens.
+    #[serde(default)]
+    pub predictor_quality: Vec<PredictorQuality>,
+}
+
+/// A profile's predictors as the engine uses them.
+pub struct Predictors(pub Vec<Predictor>);
+
+impl crate::engine::NeuronPredictor for Predictors {
+    fn active(&self, layer: usize, input: &[f32], n: usize) -> Vec<bool> {
+        self.0[layer].active(input, n)
+    }
 }
 
 impl SparsityProfile {
@@ -143,6 +166,13 @@ impl SparsityProfile {
         for f in &self.frequency {
             b.extend(f.to_le_bytes());
         }
+        for p in &self.predictors {
+            for w in p.weights() {
+                for v in w {
+                    b.extend(v.to_le_bytes());
+                }
+            }
+        }
         let sum = xxh3_64(&b);
         b.extend(sum.to_le_bytes());
         crate::fsutil::write_atomic(&path, &b).map_err(|source| SparsityError::Io { path, source })
@@ -181,8 +211,32 @@ impl SparsityProfile {
             .ok_or_else(|| corrupt("header length"))?;
         let mut p: SparsityProfile =
             serde_json::from_slice(&body[16..hend]).map_err(|e| corrupt(&e.to_string()))?;
-        let freq = &body[hend..];
         let want = p.n_layers * GRID_TARGETS * p.d_ff;
+        let weights: usize = p
+            .predictors
+            .iter()
+            .map(|q| q.weight_lens().iter().sum::<usize>())
+            .sum();
+        if body.len() - hend != 2 * want + 4 * weights {
+            return Err(corrupt("sizes do not match the header"));
+        }
+        let freq = &body[hend..hend + 2 * want];
+        let mut at = hend + 2 * want;
+        for q in &mut p.predictors {
+            let lens = q.weight_lens();
+            let mut take = |len: usize| -> Vec<f32> {
+                let v = body[at..at + 4 * len]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                at += 4 * len;
+                v
+            };
+            q.w1 = take(lens[0]);
+            q.b1 = take(lens[1]);
+            q.w2 = take(lens[2]);
+            q.b2 = take(lens[3]);
+        }
         if freq.len() != 2 * want
             || p.thresholds.len() != p.n_layers
             || p.thresholds.iter().any(|t| t.len() != FINE_TARGETS)
@@ -231,9 +285,21 @@ enum Phase {
     /// Pass 2: per layer the 19 grid thresholds, and `[layer][j][neuron]` counts of activations
     /// exceeding exactly j of them.
     Counting {
+        fine: Vec<Vec<f32>>,
         grid: Vec<Vec<f32>>,
         counts: Vec<Vec<u32>>,
     },
+}
+
+/// Predictor training data gathered in pass 2: per layer, FFN inputs (f16) and the mask at
+/// the predictor's target (bit per neuron).
+struct PredictorData {
+    d_model: usize,
+    fine: usize,
+    max_tokens: usize,
+    inputs: Vec<Vec<half::f16>>,
+    masks: Vec<Vec<u64>>,
+    tokens: Vec<usize>,
 }
 
 /// The [`ActivationTap`] `profile` runs the model with.
@@ -241,6 +307,7 @@ pub struct ProfileTap {
     n_layers: usize,
     d_ff: usize,
     state: Mutex<(Phase, usize)>,
+    data: Mutex<Option<PredictorData>>,
 }
 
 impl ProfileTap {
@@ -249,7 +316,57 @@ impl ProfileTap {
             n_layers,
             d_ff,
             state: Mutex::new((Phase::Histogram(vec![vec![0; LOG_BINS + 1]; n_layers]), 0)),
+            data: Mutex::new(None),
         }
+    }
+
+    /// Also gather, in pass 2, up to `max_tokens` tokens of training data for predictors of the
+    /// mask at `target` sparsity.
+    pub fn with_predictor_data(self, d_model: usize, target: f64, max_tokens: usize) -> Self {
+        let fine = ((target * 100.0).round() as usize).clamp(1, FINE_TARGETS) - 1;
+        *self.data.lock().unwrap_or_else(|e| e.into_inner()) = Some(PredictorData {
+            d_model,
+            fine,
+            max_tokens,
+            inputs: vec![Vec::new(); self.n_layers],
+            masks: vec![Vec::new(); self.n_layers],
+            tokens: vec![0; self.n_layers],
+        });
+        self
+    }
+
+    /// Train one predictor per layer on the gathered data (layers in parallel). Empty when no
+    /// data was gathered.
+    pub fn train_predictors(&self, opts: TrainOptions) -> Vec<(Predictor, PredictorQuality)> {
+        let data = self.data.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(data) = data.as_ref() else {
+            return Vec::new();
+        };
+        let (d, n) = (data.d_model, self.d_ff);
+        (0..self.n_layers)
+            .into_par_iter()
+            .map(|l| {
+                let t = data.tokens[l];
+                let x: Vec<f32> = data.inputs[l].iter().map(|v| v.to_f32()).collect();
+                let words = n.div_ceil(64);
+                let truth: Vec<bool> = (0..t * n)
+                    .map(|i| {
+                        let (row, j) = (i / n, i % n);
+                        data.masks[l][row * words + j / 64] >> (j % 64) & 1 == 1
+                    })
+                    .collect();
+                predictor::train(&x, &truth, d, n, TrainOptions { seed: l as u64, ..opts })
+            })
+            .collect()
+    }
+
+    /// The fine-target index the predictor data is for.
+    pub fn predictor_fine(&self) -> Option<usize> {
+        self.data
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|d| d.fine)
     }
 
     /// End pass 1: read the thresholds of every fine target from the histograms, and start
@@ -283,6 +400,7 @@ impl ProfileTap {
             .map(|t| (0..GRID_TARGETS).map(|k| t[5 * (k + 1) - 1]).collect())
             .collect();
         st.0 = Phase::Counting {
+            fine: fine.clone(),
             grid,
             counts: vec![vec![0; (GRID_TARGETS + 1) * self.d_ff]; self.n_layers],
         };
@@ -320,7 +438,7 @@ impl ProfileTap {
 }
 
 impl ActivationTap for ProfileTap {
-    fn observe(&self, layer: usize, acts: &[f32], n: usize) {
+    fn observe(&self, layer: usize, input: &[f32], acts: &[f32], n: usize) {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let d = self.d_ff;
         st.1 += n;
@@ -331,7 +449,27 @@ impl ActivationTap for ProfileTap {
                     bins[bin_of(a)] += 1;
                 }
             }
-            Phase::Counting { grid, counts } => {
+            Phase::Counting { fine, grid, counts } => {
+                let mut data = self.data.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(pd) = data.as_mut() {
+                    let t = fine[layer][pd.fine];
+                    let words = d.div_ceil(64);
+                    let dm = pd.d_model;
+                    for (row, x) in acts.chunks_exact(d).zip(input.chunks_exact(dm)) {
+                        if pd.tokens[layer] >= pd.max_tokens {
+                            break;
+                        }
+                        pd.inputs[layer].extend(x.iter().map(|&v| half::f16::from_f32(v)));
+                        let mut bits = vec![0u64; words];
+                        for (j, &a) in row.iter().enumerate() {
+                            if a.abs() > t {
+                                bits[j / 64] |= 1 << (j % 64);
+                            }
+                        }
+                        pd.masks[layer].extend(bits);
+                        pd.tokens[layer] += 1;
+                    }
+                }
                 let (g, c) = (&grid[layer], &mut counts[layer]);
                 for row in acts.chunks_exact(d) {
                     for (n, &a) in row.iter().enumerate() {
@@ -373,7 +511,7 @@ mod tests {
         let acts: Vec<f32> = row.iter().cycle().take(4 * d).copied().collect();
         for pass in 0..2 {
             for l in 0..layers {
-                tap.observe(l, &acts, 4);
+                tap.observe(l, &[], &acts, 4);
             }
             if pass == 0 {
                 let fine = tap.start_counting();
@@ -396,6 +534,9 @@ mod tests {
             thresholds: vec![vec![0.45; FINE_TARGETS]; layers],
             measured,
             frequency,
+            predictor_target: None,
+            predictors: Vec::new(),
+            predictor_quality: Vec::new(),
         };
         let f = p.frequencies(1, k50);
         assert_eq!(f, [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
