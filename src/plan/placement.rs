@@ -28,6 +28,7 @@
 //! [`MAX_TABLE_CELLS`] (a pathological gcd, e.g. coprime bytes per neuron) the solver returns
 //! [`PlacementError::TooFine`] rather than round anything.
 
+use rayon::prelude::*;
 use thiserror::Error;
 
 /// Neurons per group (PowerInfer's placement granule).
@@ -173,31 +174,36 @@ impl LayerGroups {
                 bytes_per_neuron: layer.bytes_per_neuron,
             });
         }
-        let mut ranked: Vec<(f64, u32)> = layer
+        // Finite impacts ≥ 0 order like their bits (`+ 0.0` turns −0 into +0), so one integer
+        // sort of (complemented bits, index) ranks highest impact first, ties by index: several
+        // times faster than comparing floats.
+        let mut keys: Vec<u128> = layer
             .impacts
             .iter()
             .enumerate()
-            .map(|(i, &v)| (v, i as u32))
+            .map(|(i, &v)| (u128::from(!(v + 0.0).to_bits()) << 32) | i as u128)
             .collect();
-        ranked.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        keys.sort_unstable();
+        let order: Vec<u32> = keys.iter().map(|&k| k as u32).collect();
+        let impact_of = |i: &u32| layer.impacts[*i as usize];
         let full = n / GROUP_NEURONS;
         let mut prefix = Vec::with_capacity(full + 1);
         prefix.push(0.0);
-        for group in ranked[..full * GROUP_NEURONS].chunks_exact(GROUP_NEURONS) {
-            let sum: f64 = group.iter().map(|&(v, _)| v).sum();
+        for group in order[..full * GROUP_NEURONS].chunks_exact(GROUP_NEURONS) {
+            let sum: f64 = group.iter().map(impact_of).sum();
             prefix.push(prefix[prefix.len() - 1] + sum);
         }
-        let partial = &ranked[full * GROUP_NEURONS..];
+        let partial = &order[full * GROUP_NEURONS..];
         let min = layer.min_neurons;
         let min_full_alone = Some(min.div_ceil(GROUP_NEURONS).max(1)).filter(|&j| j <= full);
         let min_full_with_partial = (!partial.is_empty())
             .then(|| min.saturating_sub(partial.len()).div_ceil(GROUP_NEURONS))
             .filter(|&j| j <= full);
         Ok(LayerGroups {
-            order: ranked.iter().map(|&(_, i)| i).collect(),
-            prefix,
             partial_neurons: partial.len(),
-            partial_impact: partial.iter().map(|&(v, _)| v).sum(),
+            partial_impact: partial.iter().map(impact_of).sum(),
+            order,
+            prefix,
             min_full_alone,
             min_full_with_partial,
         })
@@ -235,8 +241,9 @@ pub fn place_hot_neurons(
     layers: &[PlacementLayer],
     budget_bytes: u64,
 ) -> Result<Placement, PlacementError> {
+    // Ranking the neurons (one sort per layer) is most of the time; layers are independent.
     let groups = layers
-        .iter()
+        .par_iter()
         .enumerate()
         .map(|(i, l)| LayerGroups::new(i, l))
         .collect::<Result<Vec<_>, _>>()?;
