@@ -237,7 +237,12 @@ fn profile_and_oracle_on_the_cli() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["tokens"], 64);
-    for a in [["--sparsity", "off"], ["--sparsity", "oracle"]] {
+    assert_eq!(v["predictors"].as_array().map(Vec::len), Some(5));
+    for a in [
+        ["--sparsity", "off"],
+        ["--sparsity", "oracle"],
+        ["--sparsity", "predicted"],
+    ] {
         let out = run(&a).output().unwrap();
         assert!(
             out.status.success(),
@@ -249,6 +254,13 @@ fn profile_and_oracle_on_the_cli() {
         &mut run(&["--sparsity", "oracle", "--sparsity-target", "1.5"]),
         "outside 0.01..=0.99",
     );
+    fails(
+        &mut run(&["--sparsity", "predicted", "--sparsity-target", "0.5"]),
+        "were trained for 0.15",
+    );
+    let out = profile(&["--corpus", cs, "--no-predictors"]).output().unwrap();
+    assert!(out.status.success());
+    fails(&mut run(&["--sparsity", "predicted"]), "has no predictors");
     // A profile copied into another model's store belongs to the first model.
     let stores = models.join("stores");
     let first = std::fs::read_dir(&stores)

@@ -538,6 +538,16 @@ mod tests {
             predictors: Vec::new(),
             predictor_quality: Vec::new(),
         };
+        // With predictors, whose weights travel in the binary part.
+        let x: Vec<f32> = (0..40 * 4).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+        let truth: Vec<bool> = (0..40 * d).map(|i| i % 3 == 0).collect();
+        let (pred, q) = predictor::train(&x, &truth, 4, d, TrainOptions::default());
+        let p = SparsityProfile {
+            predictor_target: Some(0.5),
+            predictors: vec![pred.clone(), pred],
+            predictor_quality: vec![q, q],
+            ..p
+        };
         let f = p.frequencies(1, k50);
         assert_eq!(f, [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]);
         let dir = tempfile::tempdir().unwrap();
