@@ -430,7 +430,7 @@ fn sparse(a: SparseArgs) -> Result<()> {
         );
         println!(
             "{:<6} {:>7} {:>10} {:>10} {:>8} {:>7} {:>12} {:>10} {:>8}",
-            "enc", "active", "µs", "MB", "GB/s", "÷DRAM", "partials µs", "dense µs", "speed-up"
+            "enc", "active", "µs", "MB", "GB/s", "÷DRAM", "out-split µs", "dense µs", "speed-up"
         );
     }
     for &enc in &a.encodings.0 {
@@ -502,8 +502,8 @@ fn sparse(a: SparseArgs) -> Result<()> {
                     })
                 })
             };
-            let secs = time(DownSplit::Output)?;
-            let partials = time(DownSplit::Partials)?;
+            let secs = time(DownSplit::Partials)?;
+            let output_split = time(DownSplit::Output)?;
             if p == 100 {
                 full_secs = Some(secs);
             }
@@ -519,7 +519,7 @@ fn sparse(a: SparseArgs) -> Result<()> {
                 );
             }
             enc_rows.push(json!({"encoding": enc.name(), "active_percent": p, "neurons": m,
-                "seconds": secs, "seconds_partials": partials, "bytes": bytes,
+                "seconds": secs, "seconds_output_split": output_split, "bytes": bytes,
                 "bytes_per_s": rate, "fraction_of_dram": rate / bound,
                 "dense_seconds": base, "dense_is": if dense_secs.is_some() { "bundles::up+down" } else { "sparse at 100%" },
                 "speedup": base.map(|b| b / secs)}));
@@ -536,7 +536,7 @@ fn sparse(a: SparseArgs) -> Result<()> {
                     f("bytes") / 1e6,
                     f("bytes_per_s") / 1e9,
                     f("fraction_of_dram"),
-                    f("seconds_partials") * 1e6,
+                    f("seconds_output_split") * 1e6,
                     f("dense_seconds") * 1e6,
                     f("speedup"),
                 );

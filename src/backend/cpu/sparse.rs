@@ -659,7 +659,10 @@ pub enum DownSplit {
 const MIN_COLS_PER_TASK: usize = 256;
 
 /// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), split the way
-/// measured fastest ([`DownSplit::Output`]: see `gpu-offload bench sparse`).
+/// measured faster ([`DownSplit::Partials`], `gpu-offload bench sparse`: equal or up to ~10-25%
+/// ahead on 2 shared cores): its many small tasks balance when a core is busy elsewhere, where
+/// the output split's one task per thread waits for the slowest, and each task streams whole
+/// columns; the partial sums it adds cost `threads × n × d` floats, little beside the columns.
 pub fn sparse_down(
     k: &Kernels,
     b: &Bundles,
@@ -668,7 +671,7 @@ pub fn sparse_down(
     n: usize,
     out: &mut [f32],
 ) -> Result<()> {
-    sparse_down_split(k, b, idx, h, n, out, DownSplit::Output)
+    sparse_down_split(k, b, idx, h, n, out, DownSplit::Partials)
 }
 
 /// [`sparse_down`] with the thread split chosen by the caller.
