@@ -258,7 +258,9 @@ fn profile_and_oracle_on_the_cli() {
         &mut run(&["--sparsity", "predicted", "--sparsity-target", "0.5"]),
         "were trained for 0.15",
     );
-    let out = profile(&["--corpus", cs, "--no-predictors"]).output().unwrap();
+    let out = profile(&["--corpus", cs, "--no-predictors"])
+        .output()
+        .unwrap();
     assert!(out.status.success());
     fails(&mut run(&["--sparsity", "predicted"]), "has no predictors");
     // A profile copied into another model's store belongs to the first model.

@@ -122,7 +122,10 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let spec = model.spec.clone();
     let d_ff = spec.d_ff;
     if !(0.01..=0.99).contains(&args.predictor_target) {
-        bail!("--predictor-target {} is outside 0.01..=0.99", args.predictor_target);
+        bail!(
+            "--predictor-target {} is outside 0.01..=0.99",
+            args.predictor_target
+        );
     }
     let mut tap = ProfileTap::new(spec.n_layers, d_ff);
     if !args.no_predictors {
@@ -136,7 +139,12 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
     let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
     // Every weight's values, for the predictors' share of the model.
-    let model_parameters: u64 = model.weights.tensors().iter().map(|t| (t.rows * t.cols) as u64).sum();
+    let model_parameters: u64 = model
+        .weights
+        .tensors()
+        .iter()
+        .map(|t| (t.rows * t.cols) as u64)
+        .sum();
     drop(model.weights);
     let t0 = Instant::now();
     let pb = ProgressBar::new(0);

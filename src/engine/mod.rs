@@ -820,7 +820,12 @@ impl<B: Backend> Engine<B> {
 
     /// Zero the hidden activations of the neurons the predictor leaves out. (The neuron-aware
     /// kernels skip them instead; this is the same result, for any backend.)
-    fn apply_predictor(&self, layer: usize, input: &B::Tensor, hidden: &mut B::Tensor) -> Result<()> {
+    fn apply_predictor(
+        &self,
+        layer: usize,
+        input: &B::Tensor,
+        hidden: &mut B::Tensor,
+    ) -> Result<()> {
         let Some(p) = &self.predictor else {
             return Ok(());
         };

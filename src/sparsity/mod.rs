@@ -355,7 +355,16 @@ impl ProfileTap {
                         data.masks[l][row * words + j / 64] >> (j % 64) & 1 == 1
                     })
                     .collect();
-                predictor::train(&x, &truth, d, n, TrainOptions { seed: l as u64, ..opts })
+                predictor::train(
+                    &x,
+                    &truth,
+                    d,
+                    n,
+                    TrainOptions {
+                        seed: l as u64,
+                        ..opts
+                    },
+                )
             })
             .collect()
     }

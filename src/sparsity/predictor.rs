@@ -107,7 +107,12 @@ impl Predictor {
 
     /// The weights' lengths for this predictor's shape.
     pub fn weight_lens(&self) -> [usize; 4] {
-        [self.rank * self.d, self.rank, self.neurons * self.rank, self.neurons]
+        [
+            self.rank * self.d,
+            self.rank,
+            self.neurons * self.rank,
+            self.neurons,
+        ]
     }
 
     /// Parameters (for the size report).
@@ -119,14 +124,34 @@ impl Predictor {
     fn forward(&self, x: &[f32], t: usize) -> (Vec<f32>, Vec<f32>) {
         let (d, r, n) = (self.d, self.rank, self.neurons);
         let mut h = vec![0f32; t * r];
-        gemm(t, d, r, x, (d as isize, 1), &self.w1, (1, d as isize), &mut h, false);
+        gemm(
+            t,
+            d,
+            r,
+            x,
+            (d as isize, 1),
+            &self.w1,
+            (1, d as isize),
+            &mut h,
+            false,
+        );
         for row in h.chunks_exact_mut(r) {
             for (v, b) in row.iter_mut().zip(&self.b1) {
                 *v = (*v + b).max(0.0);
             }
         }
         let mut z = vec![0f32; t * n];
-        gemm(t, r, n, &h, (r as isize, 1), &self.w2, (1, r as isize), &mut z, false);
+        gemm(
+            t,
+            r,
+            n,
+            &h,
+            (r as isize, 1),
+            &self.w2,
+            (1, r as isize),
+            &mut z,
+            false,
+        );
         for row in z.chunks_exact_mut(n) {
             for (v, b) in row.iter_mut().zip(&self.b2) {
                 *v += b;
@@ -142,7 +167,10 @@ impl Predictor {
 
     /// Whether each neuron is predicted active for each of `t` inputs (`t × neurons`).
     pub fn active(&self, x: &[f32], t: usize) -> Vec<bool> {
-        self.logits(x, t).iter().map(|&z| z >= self.cutoff).collect()
+        self.logits(x, t)
+            .iter()
+            .map(|&z| z >= self.cutoff)
+            .collect()
     }
 }
 
@@ -157,8 +185,16 @@ fn quality(logits: &[f32], truth: &[bool], cutoff: f32) -> PredictorQuality {
     }
     let n = logits.len().max(1) as f64;
     PredictorQuality {
-        recall: if act == 0 { 1.0 } else { tp as f64 / act as f64 },
-        precision: if pred == 0 { 1.0 } else { tp as f64 / pred as f64 },
+        recall: if act == 0 {
+            1.0
+        } else {
+            tp as f64 / act as f64
+        },
+        precision: if pred == 0 {
+            1.0
+        } else {
+            tp as f64 / pred as f64
+        },
         predicted_share: pred as f64 / n,
         active_share: act as f64 / n,
         epochs: 0,
@@ -281,20 +317,50 @@ pub fn train(
             }
             let dz = z;
             let mut gw2 = vec![0f32; neurons * rank];
-            gemm(neurons, b, rank, &dz, (1, neurons as isize), &h, (rank as isize, 1), &mut gw2, false);
+            gemm(
+                neurons,
+                b,
+                rank,
+                &dz,
+                (1, neurons as isize),
+                &h,
+                (rank as isize, 1),
+                &mut gw2,
+                false,
+            );
             let mut gb2 = vec![0f32; neurons];
             for row in dz.chunks_exact(neurons) {
                 gb2.iter_mut().zip(row).for_each(|(g, v)| *g += v);
             }
             let mut dh = vec![0f32; b * rank];
-            gemm(b, neurons, rank, &dz, (neurons as isize, 1), &p.w2, (rank as isize, 1), &mut dh, false);
+            gemm(
+                b,
+                neurons,
+                rank,
+                &dz,
+                (neurons as isize, 1),
+                &p.w2,
+                (rank as isize, 1),
+                &mut dh,
+                false,
+            );
             dh.iter_mut().zip(&h).for_each(|(g, &hv)| {
                 if hv <= 0.0 {
                     *g = 0.0
                 }
             });
             let mut gw1 = vec![0f32; rank * d];
-            gemm(rank, b, d, &dh, (1, rank as isize), &xb, (d as isize, 1), &mut gw1, false);
+            gemm(
+                rank,
+                b,
+                d,
+                &dh,
+                (1, rank as isize),
+                &xb,
+                (d as isize, 1),
+                &mut gw1,
+                false,
+            );
             let mut gb1 = vec![0f32; rank];
             for row in dh.chunks_exact(rank) {
                 gb1.iter_mut().zip(row).for_each(|(g, v)| *g += v);
@@ -336,8 +402,12 @@ mod tests {
     fn learns_a_low_rank_activity_pattern() {
         let (d, neurons, tokens) = (32, 64, 1200);
         let mut rng = StdRng::seed_from_u64(3);
-        let dirs: Vec<f32> = (0..neurons * 4).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let x: Vec<f32> = (0..tokens * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let dirs: Vec<f32> = (0..neurons * 4)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let x: Vec<f32> = (0..tokens * d)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let mut truth = vec![false; tokens * neurons];
         for t in 0..tokens {
             for n in 0..neurons {

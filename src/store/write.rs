@@ -143,7 +143,13 @@ impl DataWriter {
 
 /// FFN bundles of one layer in one encoding: neuron i = [gate_i | up_i | down_i] (or [up_i |
 /// down_i] without a gate), each `d_model` values, where down_i is column i of W_down.
-fn bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize, enc: Encoding) -> Vec<u8> {
+pub(crate) fn bundles(
+    gate: Option<&[f32]>,
+    up: &[f32],
+    down_t: &[f32],
+    d: usize,
+    enc: Encoding,
+) -> Vec<u8> {
     debug_assert!(bundle_encoding(enc), "{enc:?} is not a bundle encoding");
     let n_ff = up.len() / d;
     let parts = if gate.is_some() { 3 } else { 2 };

@@ -2,11 +2,12 @@
 //! the reference every other backend is checked against. Weights are used in place (borrowed
 //! from the model's memory map), never inflated to f32.
 
-mod bundles;
+pub mod bundles;
 pub mod kernels;
 mod kv;
 pub mod matmul;
 pub mod ops;
+pub mod sparse;
 
 pub use kv::{CpuKv, decode_rows, encode_rows};
 
