@@ -78,6 +78,29 @@ fn oracle_masks_of_a_relu_model_are_exact() {
     );
 }
 
+/// Keeps every neuron, or none of layer 1's.
+struct Keep(bool);
+
+impl gpu_offload::engine::NeuronPredictor for Keep {
+    fn active(&self, layer: usize, _input: &[f32], n: usize) -> Vec<bool> {
+        vec![self.0 || layer != 1; n * 172]
+    }
+}
+
+/// A predictor keeping every neuron is the dense engine; one dropping a layer's neurons changes
+/// the logits (stories260K, d_ff 172).
+#[test]
+fn predicted_masks_apply() {
+    let model = Model::load(&common::stories260k()).unwrap();
+    assert_eq!(model.spec.d_ff, 172);
+    let toks: Vec<u32> = (0..12).map(|i| (i * 11 + 1) % 500).collect();
+    let dense = logits(&cpu_engine(&model, Vec::new()), &toks);
+    let all = cpu_engine(&model, Vec::new()).with_predictor(Some(Arc::new(Keep(true))));
+    assert!(logits(&all, &toks) == dense);
+    let cut = cpu_engine(&model, Vec::new()).with_predictor(Some(Arc::new(Keep(false))));
+    assert!(logits(&cut, &toks) != dense);
+}
+
 /// SwiGLU (stories260K): threshold 0 is the dense engine, bit for bit.
 #[test]
 fn threshold_zero_is_the_dense_engine() {
@@ -250,6 +273,29 @@ fn profile_and_oracle_on_the_cli() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // The predicted masks change the numbers (a predictor of a tiny model keeps most neurons,
+    // not all).
+    let logits_of = |mode: &str| -> serde_json::Value {
+        let out = bin(&models)
+            .args([
+                "logits",
+                "-m",
+                ms,
+                "--prompt",
+                "Once upon a time",
+                "--json",
+                "--device",
+                "cpu",
+                "--sparsity",
+                mode,
+            ])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["logits"].clone()
+    };
+    assert_ne!(logits_of("predicted"), logits_of("off"));
+    assert_ne!(logits_of("oracle"), logits_of("off"));
     fails(
         &mut run(&["--sparsity", "oracle", "--sparsity-target", "1.5"]),
         "outside 0.01..=0.99",

@@ -329,7 +329,8 @@ impl LoadedModel {
                 tracing::info!("{}", cuda.name());
                 let e = Engine::new(cuda, self.spec.clone(), w)?
                     .with_kv_type(kv_type)?
-                    .with_sparsity(thresholds.clone())?;
+                    .with_sparsity(thresholds.clone())?
+                    .with_predictor(predictor.clone());
                 (
                     AnyEngine::Cuda(e),
                     Some(ledger),
@@ -341,7 +342,8 @@ impl LoadedModel {
                 let cpu = CpuBackend::with_kernels(threads, kernels)?;
                 let e = Engine::new(cpu, self.spec.clone(), w)?
                     .with_kv_type(kv_type)?
-                    .with_sparsity(thresholds.clone())?;
+                    .with_sparsity(thresholds.clone())?
+                    .with_predictor(predictor.clone());
                 (
                     AnyEngine::Cpu(e),
                     None,
