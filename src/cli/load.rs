@@ -3,6 +3,9 @@
 //! under a plan — once the job's context and batch are known.
 
 use crate::engine::NeuronPredictor;
+
+/// The predictor `--sparsity predicted` gives every engine.
+type SharedPredictor = Arc<dyn NeuronPredictor>;
 use crate::sparsity::{Predictors, SparsityProfile};
 
 /// `--sparsity-target` where none is given for a SwiGLU model: SmolLM2-135M on held-out text
@@ -426,7 +429,7 @@ impl LoadedModel {
     pub fn sparsity(
         &self,
         args: &ModelArgs,
-    ) -> Result<(Vec<f32>, Option<Arc<dyn NeuronPredictor>>)> {
+    ) -> Result<(Vec<f32>, Option<SharedPredictor>)> {
         use super::SparsityMode;
         if args.sparsity == SparsityMode::Off {
             return Ok((Vec::new(), None));

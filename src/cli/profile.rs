@@ -234,12 +234,12 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             SparsityProfile::path_in(store.dir()).display()
         );
         println!("layer  threshold@50%  measured@50%  neurons holding 80% of activations");
-        for l in 0..spec.n_layers {
+        for (l, hot) in skew.iter().enumerate() {
             println!(
                 "{l:>5}  {:>13.5}  {:>11.1}%  {:>6.1}%",
                 profile.thresholds[l][49],
                 100.0 * profile.measured[l][k50],
-                100.0 * skew[l]
+                100.0 * hot
             );
         }
         debug_assert!((fine_target(49) - grid_target(k50)).abs() < 1e-9);

@@ -428,7 +428,7 @@ impl ProfileTap {
         let mut measured = Vec::with_capacity(self.n_layers);
         let mut freq = vec![0u16; self.n_layers * GRID_TARGETS * d];
         for (l, c) in counts.iter().enumerate() {
-            let mut m = vec![0f32; GRID_TARGETS];
+            let mut m = [0f32; GRID_TARGETS];
             for n in 0..d {
                 // Active at target k ⇔ above at least k + 1 of the ascending grid thresholds.
                 let mut above = 0u64;
@@ -489,6 +489,37 @@ impl ActivationTap for ProfileTap {
             }
         }
     }
+}
+
+/// What both passes give: `[layer][fine target]` thresholds, `[layer][grid target]` measured
+/// sparsity, and the per-neuron frequencies (see [`SparsityProfile`]).
+pub type ProfileResult = (Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<u16>);
+
+/// Run both passes of a profile: `tokens` in windows of `window` (each a fresh context) through
+/// `engine`, which must carry `tap` ([`crate::engine::Engine::with_activation_tap`]).
+/// `progress(done, total)` counts windows over both passes.
+pub fn profile_passes<B: crate::backend::Backend>(
+    engine: &crate::engine::Engine<B>,
+    tap: &ProfileTap,
+    tokens: &[u32],
+    window: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ProfileResult, crate::engine::EngineError> {
+    let windows: Vec<&[u32]> = tokens.chunks(window.max(1)).collect();
+    let total = 2 * windows.len();
+    let mut fine = Vec::new();
+    for pass in 0..2 {
+        for (i, w) in windows.iter().enumerate() {
+            let mut s = engine.new_session(w.len())?;
+            engine.forward(&mut s, w, crate::engine::Logits::None)?;
+            progress(pass * windows.len() + i + 1, total);
+        }
+        if pass == 0 {
+            fine = tap.start_counting();
+        }
+    }
+    let (measured, frequency) = tap.finish();
+    Ok((fine, measured, frequency))
 }
 
 #[cfg(test)]
@@ -581,29 +612,3 @@ mod tests {
     }
 }
 
-/// Run both passes of a profile: `tokens` in windows of `window` (each a fresh context) through
-/// `engine`, which must carry `tap` ([`crate::engine::Engine::with_activation_tap`]).
-/// `progress(done, total)` counts windows over both passes.
-pub fn profile_passes<B: crate::backend::Backend>(
-    engine: &crate::engine::Engine<B>,
-    tap: &ProfileTap,
-    tokens: &[u32],
-    window: usize,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>, Vec<u16>), crate::engine::EngineError> {
-    let windows: Vec<&[u32]> = tokens.chunks(window.max(1)).collect();
-    let total = 2 * windows.len();
-    let mut fine = Vec::new();
-    for pass in 0..2 {
-        for (i, w) in windows.iter().enumerate() {
-            let mut s = engine.new_session(w.len())?;
-            engine.forward(&mut s, w, crate::engine::Logits::None)?;
-            progress(pass * windows.len() + i + 1, total);
-        }
-        if pass == 0 {
-            fine = tap.start_counting();
-        }
-    }
-    let (measured, frequency) = tap.finish();
-    Ok((fine, measured, frequency))
-}
