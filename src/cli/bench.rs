@@ -75,18 +75,19 @@ pub struct MatvecArgs {
     #[arg(long, env = "GPU_OFFLOAD_DEVICE", value_enum, default_value = "auto")]
     pub device: Device,
     /// Output rows (neurons).
-    #[arg(long, default_value_t = 11008)]
+    #[arg(long, env = "GPU_OFFLOAD_ROWS", default_value_t = 11008)]
     pub rows: usize,
     /// Input columns.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, env = "GPU_OFFLOAD_COLS", default_value_t = 4096)]
     pub cols: usize,
     /// Weight format: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k … q6_k.
-    #[arg(long, value_parser = parse_dtype, default_value = "f16")]
+    #[arg(long, env = "GPU_OFFLOAD_DTYPE", value_parser = parse_dtype, default_value = "f16")]
     pub dtype: DType,
     /// Vectors per product.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "GPU_OFFLOAD_TOKENS", default_value_t = 1)]
     pub tokens: usize,
-    #[arg(long, default_value_t = 50)]
+    /// Repetitions.
+    #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 50)]
     pub reps: usize,
     /// CPU threads.
     #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS")]
@@ -171,13 +172,13 @@ pub struct DecodeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt length in tokens (random ids).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "GPU_OFFLOAD_PROMPT_TOKENS", default_value_t = 32)]
     pub prompt_tokens: usize,
     /// Tokens to decode.
-    #[arg(long, short = 'n', default_value_t = 64)]
+    #[arg(long, short = 'n', env = "GPU_OFFLOAD_TOKENS", default_value_t = 64)]
     pub tokens: usize,
     /// Repetitions (the median is reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 3)]
     pub reps: usize,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,

@@ -32,11 +32,11 @@ pub struct ProfileArgs {
     pub corpus: Option<PathBuf>,
 
     /// Tokens of the corpus to profile on.
-    #[arg(long, env = "GPU_OFFLOAD_TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(16..))]
+    #[arg(long, env = "GPU_OFFLOAD_PROFILE_TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(16..))]
     pub tokens: u32,
 
     /// Tokens per window (each window is a fresh context, as in perplexity).
-    #[arg(long, env = "GPU_OFFLOAD_WINDOW", default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..))]
+    #[arg(long, env = "GPU_OFFLOAD_PROFILE_WINDOW", default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..))]
     pub window: u32,
 
     /// Worker threads [default: one per core]
