@@ -74,16 +74,7 @@ fn budget(gpu_mem: u64, dram_mem: Option<u64>, window: usize) -> Budget {
 
 /// (minimum GPU budget, GPU budget holding everything) for a window.
 fn gpu_range(store: &Store, window: usize) -> (u64, u64) {
-    let hw = HardwareProfile::load("cpu-sim").unwrap();
-    let min = match make_plan(&store.manifest, &budget(0, None, window), &hw) {
-        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-        other => panic!("expected GpuTooSmall, got {other:?}"),
-    };
-    let all = make_plan(&store.manifest, &budget(u64::MAX / 4, None, window), &hw)
-        .unwrap()
-        .gpu
-        .total;
-    (min, all)
+    common::gpu_range(&store.manifest, |g| budget(g, None, window))
 }
 
 /// (minimum DRAM budget, DRAM holding every streamed layer) for a plan's residency.
@@ -337,11 +328,7 @@ proptest! {
             kv_type: kv,
             ..Budget::new(gpu_mem, None, window, prompt + decode, prompt)
         };
-        let min = match make_plan(&store.manifest, &b(0), &hw) {
-            Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-            other => panic!("expected GpuTooSmall, got {other:?}"),
-        };
-        let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw).unwrap().gpu.total;
+        let (min, all) = common::gpu_range(&store.manifest, b);
         prop_assert!(min <= all);
         let gpu_mem = min + ((all - min) as f64 * gpu_frac) as u64;
         let plan = make_plan(&store.manifest, &b(gpu_mem), &hw).unwrap();

@@ -218,14 +218,7 @@ fn offloaded_runs_compute_the_dense_numbers_exactly() {
             kv_type: kv,
             ..Budget::new(g, None, 2, toks.len(), prompt)
         };
-        let min = match make_plan(&store.manifest, &b(0), &hw) {
-            Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-            other => panic!("{other:?}"),
-        };
-        let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
-            .unwrap()
-            .gpu
-            .total;
+        let (min, all) = common::gpu_range(&store.manifest, b);
         for g in [min, min + (all - min) / 3, all] {
             let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
             let (e, ledger) = offloaded(&store, &plan, None, kv);
@@ -386,14 +379,7 @@ fn layers_of_mixed_formats_offload_exactly() {
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     for window in [1, 2] {
         let b = |g, dram| Budget::new(g, dram, window, toks.len(), prompt);
-        let min = match make_plan(&store.manifest, &b(0, None), &hw) {
-            Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-            other => panic!("{other:?}"),
-        };
-        let all = make_plan(&store.manifest, &b(u64::MAX / 4, None), &hw)
-            .unwrap()
-            .gpu
-            .total;
+        let (min, all) = common::gpu_range(&store.manifest, |g| b(g, None));
         for g in [min, min + (all - min) / 3] {
             let dram = match make_plan(&store.manifest, &b(g, Some(1)), &hw) {
                 Err(PlanError::DramTooSmall { minimum, .. }) => Some(minimum),
@@ -473,14 +459,7 @@ fn a_q4_k_m_model_offloads_exactly() {
     let want = dense_logits(&path, &toks, prompt, KvType::F16);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let b = |g| Budget::new(g, None, 2, toks.len(), prompt);
-    let min = match make_plan(&store.manifest, &b(0), &hw) {
-        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-        other => panic!("{other:?}"),
-    };
-    let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
-        .unwrap()
-        .gpu
-        .total;
+    let (min, all) = common::gpu_range(&store.manifest, b);
     for g in [min, min + (all - min) / 2] {
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
         let (e, ledger) = offloaded(&store, &plan, None, KvType::F16);

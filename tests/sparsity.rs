@@ -13,7 +13,7 @@ use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{ActivationTap, Engine, Logits};
 use gpu_offload::model::Model;
-use gpu_offload::plan::{Budget, HardwareProfile, PlanError, make_plan};
+use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
 use gpu_offload::sparsity::{ProfileTap, profile_passes};
 use gpu_offload::store::{ConvertOptions, Store, convert};
 use gpu_offload::tier::Ledger;
@@ -152,14 +152,7 @@ fn oracle_sparsity_offloads_exactly() {
     let store = Arc::new(Store::open(&dir.path().join("s")).unwrap());
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let b = |g| Budget::new(g, None, 2, toks.len() + 4, toks.len());
-    let min = match make_plan(&store.manifest, &b(0), &hw) {
-        Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
-        other => panic!("{other:?}"),
-    };
-    let all = make_plan(&store.manifest, &b(u64::MAX / 4), &hw)
-        .unwrap()
-        .gpu
-        .total;
+    let (min, all) = common::gpu_range(&store.manifest, b);
     let mut rng = StdRng::seed_from_u64(11);
     for _ in 0..3 {
         let g = rng.random_range(min..=all);

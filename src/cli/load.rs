@@ -426,10 +426,7 @@ impl LoadedModel {
     /// ReLU-family model without --sparsity-target (its exact natural mask), else read from the
     /// profile in the model's store at the target — and, for `predicted`, the profile's
     /// predictors.
-    pub fn sparsity(
-        &self,
-        args: &ModelArgs,
-    ) -> Result<(Vec<f32>, Option<SharedPredictor>)> {
+    pub fn sparsity(&self, args: &ModelArgs) -> Result<(Vec<f32>, Option<SharedPredictor>)> {
         use super::SparsityMode;
         if args.sparsity == SparsityMode::Off {
             return Ok((Vec::new(), None));

@@ -611,4 +611,3 @@ mod tests {
         assert_eq!(p.thresholds_for(0.5).unwrap(), vec![0.45; layers]);
     }
 }
-

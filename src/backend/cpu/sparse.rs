@@ -1229,21 +1229,7 @@ mod tests {
         }
     }
 
-    const FORMATS: [DType; 13] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
-        DType::Q4_1,
-        DType::Q5_0,
-        DType::Q5_1,
-        DType::Q2K,
-        DType::Q3K,
-        DType::Q4K,
-        DType::Q5K,
-        DType::Q6K,
-    ];
+    const FORMATS: [DType; 13] = DType::ALL;
 
     #[test]
     fn rows_equal_dense_matmul_rows() {
