@@ -289,6 +289,41 @@ fn profile_and_oracle_on_the_cli() {
     };
     assert_ne!(logits_of("predicted"), logits_of("off"));
     assert_ne!(logits_of("oracle"), logits_of("off"));
+    // Hot-neuron placement from the profile: every neuron fits in 2G beside the rest, and the
+    // placement stays within what the budget leaves for neurons.
+    let plan = |g: &str| -> serde_json::Value {
+        let out = bin(&models)
+            .args([
+                "plan",
+                "-m",
+                ms,
+                "--gpu-mem",
+                g,
+                "--hardware",
+                "gpu-4g",
+                "--hot-neurons",
+                "--sparsity-target",
+                "0.5",
+                "--json",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["hot_neurons"].clone()
+    };
+    let hot = plan("2G");
+    assert_eq!(hot["layers"].as_array().map(Vec::len), Some(5));
+    assert_eq!(hot["activation_share"].as_f64(), Some(1.0));
+    assert!(hot["bytes"].as_u64() <= hot["budget_bytes"].as_u64());
+    // A budget that leaves room for some of the neurons (330 KiB of them in all here).
+    let some = plan("770.3M");
+    let share = some["activation_share"].as_f64().unwrap();
+    assert!(share > 0.0 && share < 1.0, "{some}");
+    assert!(some["bytes"].as_u64() <= some["budget_bytes"].as_u64());
     fails(
         &mut run(&["--sparsity", "oracle", "--sparsity-target", "1.5"]),
         "outside 0.01..=0.99",

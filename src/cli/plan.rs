@@ -74,6 +74,16 @@ pub struct PlanArgs {
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<super::KvTypeArg>,
 
+    /// Also place hot FFN neurons as PowerInfer does (everything else resident, the budget left
+    /// for the neurons that fire most at --sparsity-target, by exact ILP); needs the model's
+    /// sparsity profile (`gpu-offload profile`).
+    #[arg(long, env = "GPU_OFFLOAD_HOT_NEURONS")]
+    pub hot_neurons: bool,
+
+    /// Sparsity the hot-neuron placement takes the activation frequencies at.
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET", default_value_t = super::load::DEFAULT_SPARSITY_TARGET)]
+    pub sparsity_target: f64,
+
     /// Print the plan as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
@@ -149,10 +159,35 @@ pub fn run(a: PlanArgs) -> Result<()> {
         )
     };
     let plan = make_plan(&store.manifest, &budget, &hw)?;
+    let hot = if a.hot_neurons {
+        if !(0.01..=0.99).contains(&a.sparsity_target) {
+            anyhow::bail!(
+                "--sparsity-target {} is outside 0.01..=0.99",
+                a.sparsity_target
+            );
+        }
+        let name = a.model.display().to_string();
+        let profile =
+            crate::sparsity::SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?;
+        Some(crate::plan::hot::plan_hot_neurons(
+            &plan,
+            &profile,
+            a.sparsity_target,
+        )?)
+    } else {
+        None
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&plan)?);
+        let mut v = serde_json::to_value(&plan)?;
+        if let Some(h) = &hot {
+            v["hot_neurons"] = serde_json::to_value(h)?;
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", plan.report());
+        if let Some(h) = &hot {
+            print!("{}", h.report());
+        }
     }
     Ok(())
 }

@@ -19,6 +19,7 @@
 //! the GPU both run.
 
 pub mod hardware;
+pub mod hot;
 pub mod placement;
 pub mod preserve;
 mod report;
