@@ -74,7 +74,8 @@ fn budget(gpu_mem: u64, dram_mem: Option<u64>, window: usize) -> Budget {
 
 /// (minimum GPU budget, GPU budget holding everything) for a window.
 fn gpu_range(store: &Store, window: usize) -> (u64, u64) {
-    common::gpu_range(&store.manifest, |g| budget(g, None, window))
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    common::gpu_range(&store.manifest, &hw, |g| budget(g, None, window))
 }
 
 /// (minimum DRAM budget, DRAM holding every streamed layer) for a plan's residency.
@@ -328,7 +329,7 @@ proptest! {
             kv_type: kv,
             ..Budget::new(gpu_mem, None, window, prompt + decode, prompt)
         };
-        let (min, all) = common::gpu_range(&store.manifest, b);
+        let (min, all) = common::gpu_range(&store.manifest, &hw, b);
         prop_assert!(min <= all);
         let gpu_mem = min + ((all - min) as f64 * gpu_frac) as u64;
         let plan = make_plan(&store.manifest, &b(gpu_mem), &hw).unwrap();

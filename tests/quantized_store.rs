@@ -218,7 +218,7 @@ fn offloaded_runs_compute_the_dense_numbers_exactly() {
             kv_type: kv,
             ..Budget::new(g, None, 2, toks.len(), prompt)
         };
-        let (min, all) = common::gpu_range(&store.manifest, b);
+        let (min, all) = common::gpu_range(&store.manifest, &hw, b);
         for g in [min, min + (all - min) / 3, all] {
             let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
             let (e, ledger) = offloaded(&store, &plan, None, kv);
@@ -379,7 +379,7 @@ fn layers_of_mixed_formats_offload_exactly() {
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     for window in [1, 2] {
         let b = |g, dram| Budget::new(g, dram, window, toks.len(), prompt);
-        let (min, all) = common::gpu_range(&store.manifest, |g| b(g, None));
+        let (min, all) = common::gpu_range(&store.manifest, &hw, |g| b(g, None));
         for g in [min, min + (all - min) / 3] {
             let dram = match make_plan(&store.manifest, &b(g, Some(1)), &hw) {
                 Err(PlanError::DramTooSmall { minimum, .. }) => Some(minimum),
@@ -459,7 +459,7 @@ fn a_q4_k_m_model_offloads_exactly() {
     let want = dense_logits(&path, &toks, prompt, KvType::F16);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let b = |g| Budget::new(g, None, 2, toks.len(), prompt);
-    let (min, all) = common::gpu_range(&store.manifest, b);
+    let (min, all) = common::gpu_range(&store.manifest, &hw, b);
     for g in [min, min + (all - min) / 2] {
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
         let (e, ledger) = offloaded(&store, &plan, None, KvType::F16);

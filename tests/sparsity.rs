@@ -152,7 +152,7 @@ fn oracle_sparsity_offloads_exactly() {
     let store = Arc::new(Store::open(&dir.path().join("s")).unwrap());
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let b = |g| Budget::new(g, None, 2, toks.len() + 4, toks.len());
-    let (min, all) = common::gpu_range(&store.manifest, b);
+    let (min, all) = common::gpu_range(&store.manifest, &hw, b);
     let mut rng = StdRng::seed_from_u64(11);
     for _ in 0..3 {
         let g = rng.random_range(min..=all);

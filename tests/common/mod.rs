@@ -124,21 +124,18 @@ pub fn tiny_llama_gguf(path: &Path, arch: &str, ffn_type: u32, ffn_block: (u64, 
     );
 }
 
-/// The device budgets a store can run at on the budgeted device (cpu-sim profile): from the
-/// smallest the planner accepts to what holds everything, for the budget `b` makes of a size.
+/// The device budgets a store can run at with hardware `hw`: from the smallest the planner
+/// accepts to what holds everything, for the budget `b` makes of a size.
 pub fn gpu_range(
     manifest: &gpu_offload::store::Manifest,
+    hw: &gpu_offload::plan::HardwareProfile,
     b: impl Fn(u64) -> gpu_offload::plan::Budget,
 ) -> (u64, u64) {
-    use gpu_offload::plan::{HardwareProfile, PlanError, make_plan};
-    let hw = HardwareProfile::load("cpu-sim").unwrap();
-    let min = match make_plan(manifest, &b(0), &hw) {
+    use gpu_offload::plan::{PlanError, make_plan};
+    let min = match make_plan(manifest, &b(0), hw) {
         Err(PlanError::GpuTooSmall { minimum, .. }) => minimum,
         other => panic!("expected GpuTooSmall, got {other:?}"),
     };
-    let all = make_plan(manifest, &b(u64::MAX / 4), &hw)
-        .unwrap()
-        .gpu
-        .total;
+    let all = make_plan(manifest, &b(u64::MAX / 4), hw).unwrap().gpu.total;
     (min, all)
 }
