@@ -468,7 +468,7 @@ fn sparse(a: SparseArgs) -> Result<()> {
                     median_secs(a.reps, |i| {
                         let t = &ts[i % copies];
                         bundles::up(k, t, shape, &x, n, silu, 0.0, None, &mut h, neurons, 0);
-                        bundles::down(t, shape, &h, n, neurons, 0, &mut out);
+                        bundles::down(k, t, shape, &h, n, neurons, 0, &mut out);
                         Ok(())
                     })
                 })?)

@@ -478,8 +478,18 @@ impl Backend for CpuBackend {
             ));
         }
         let (stride, n) = (h.cols, h.rows);
-        self.pool
-            .install(|| bundles::down(b, shape, &h.data, n, stride, col0, &mut out.data));
+        self.pool.install(|| {
+            bundles::down(
+                self.kernels,
+                b,
+                shape,
+                &h.data,
+                n,
+                stride,
+                col0,
+                &mut out.data,
+            )
+        });
         Ok(())
     }
 

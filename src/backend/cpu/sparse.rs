@@ -588,6 +588,17 @@ fn per_item(m: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) +
     }
 }
 
+/// `part p of bundle i · x` by the best kernels (no decode to f32 first): the dense bundle
+/// kernels' inner product.
+pub(crate) fn bundle_dot(k: &Kernels, b: &Bundles, i: usize, p: usize, x: &[f32]) -> f32 {
+    b.part(i, p).dot(k, ops(k), x)
+}
+
+/// `out += a · part p of bundle i` by the best kernels.
+pub(crate) fn bundle_axpy(k: &Kernels, b: &Bundles, i: usize, p: usize, a: f32, out: &mut [f32]) {
+    b.part(i, p).axpy(ops(k), a, out)
+}
+
 /// Hidden activations of the listed neurons for `n` tokens:
 /// `h[t·m + j] = act(gate_i·x_t) · (up_i·x_t)` (gated bundles) or `act(up_i·x_t + bias[i])`
 /// (two-part bundles; `bias` indexed by neuron, ignored when gated, as the dense kernel does),
@@ -1159,7 +1170,7 @@ mod tests {
                             }
                             let out0 = rand_vec(&mut rng, n * d, 1.0);
                             let mut want = out0.clone();
-                            bundles::down(&l.oracle, l.shape, &masked, n, neurons, 0, &mut want);
+                            bundles::down(k, &l.oracle, l.shape, &masked, n, neurons, 0, &mut want);
                             for split in [DownSplit::Output, DownSplit::Partials] {
                                 let mut got = out0.clone();
                                 sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
