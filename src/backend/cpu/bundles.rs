@@ -105,6 +105,7 @@ pub fn up(
 }
 
 /// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`).
+#[allow(clippy::too_many_arguments)]
 pub fn down(
     k: &Kernels,
     b: &HostTensor,
