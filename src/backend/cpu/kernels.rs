@@ -12,7 +12,7 @@ use crate::tensor::{
     BlockQ8_0, QK,
 };
 
-mod kq;
+pub(crate) mod kq;
 pub use kq::{ActBlockK, quantize_k};
 
 /// One block of 32 activations quantized to 8 bits: x ≈ d·q.

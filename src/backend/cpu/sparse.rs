@@ -314,6 +314,7 @@ mod portable {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::backend::cpu::kernels::kq::x86::hsum;
     use half::bf16;
     use std::arch::x86_64::*;
 
@@ -356,15 +357,6 @@ mod x86 {
     fn axpy_i4(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
         // SAFETY: as above.
         unsafe { axpy_i4_avx2(a, scales, q, out) }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
     }
 
     /// 8 signed bytes at `p` as floats.
