@@ -7,10 +7,12 @@
 
 #define WARPS 8  // warps (rows) per block
 
+// Each token's row sum to out[t][col0 + row] (lane 0 writes); MAXT = the kernel's token limit.
+template <int MAXT>
 __device__ __forceinline__ void write_out(float* acc, int n, float* out, int stride, int col0, int row) {
     int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int t = 0; t < MAX_TOKENS; t++) {
+    for (int t = 0; t < MAXT; t++) {
         if (t < n) {
             float v = warp_sum(acc[t]);
             if (lane == 0) out[(long long)t * stride + col0 + row] = v;
@@ -34,7 +36,7 @@ extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int co
         for (int t = 0; t < MAX_TOKENS; t++)
             if (t < n) acc[t] += wv * x[(long long)t * cols + j];
     }
-    write_out(acc, n, out, stride, col0, row);
+    write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
 // f16 rows with cols % 8 == 0: 16-byte loads, two in flight per lane.
@@ -67,7 +69,7 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const
             }
         }
     }
-    write_out(acc, n, out, stride, col0, row);
+    write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
 // Block formats, up to MAX_QTOKENS tokens per launch (each weight block read once for all).
@@ -88,14 +90,7 @@ extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int co
         for (int t = 0; t < MAX_QTOKENS; t++)
             if (t < n) acc[t] += sub_dot(ws, xq + (long long)t * nb + b);
     }
-    int lane0 = lane == 0;
-#pragma unroll
-    for (int t = 0; t < MAX_QTOKENS; t++) {
-        if (t < n) {
-            float v = warp_sum(acc[t]);
-            if (lane0) out[(long long)t * stride + col0 + row] = v;
-        }
-    }
+    write_out<MAX_QTOKENS>(acc, n, out, stride, col0, row);
 }
 
 // Rows row0..row0+tile_rows of a block-format weight decoded to f16 (the reference decode,

@@ -24,14 +24,7 @@ fn worst_relative(a: &[f32], b: &[f32], vocab: usize) -> f32 {
 
 /// All-position logits of `prompt` and the greedy continuation of `tokens` tokens.
 fn run(model: &Model, kv: KvType, prompt: &[u32], tokens: usize) -> (Vec<f32>, Vec<u32>) {
-    let e = Engine::new(
-        CpuBackend::new(2).unwrap(),
-        model.spec.clone(),
-        &model.weights,
-    )
-    .unwrap()
-    .with_kv_type(kv)
-    .unwrap();
+    let e = common::cpu_engine(model, kv);
     let mut s = e.new_session(prompt.len() + tokens).unwrap();
     let logits = e.forward(&mut s, prompt, Logits::All).unwrap();
     let mut s = e.new_session(prompt.len() + tokens).unwrap();

@@ -148,16 +148,11 @@ fn walk(dir: &std::path::Path) -> u64 {
 
 /// The dense CPU engine's logits for the model file at `path` (prompt, then single steps).
 fn dense_logits(path: &std::path::Path, toks: &[u32], prompt: usize, kv: KvType) -> Vec<Vec<f32>> {
-    let model = Model::load(path).unwrap();
-    let dense = Engine::new(
-        CpuBackend::new(2).unwrap(),
-        model.spec.clone(),
-        &model.weights,
+    logits(
+        &common::cpu_engine(&Model::load(path).unwrap(), kv),
+        toks,
+        prompt,
     )
-    .unwrap()
-    .with_kv_type(kv)
-    .unwrap();
-    logits(&dense, toks, prompt)
 }
 
 /// The plan run on the budgeted device (with a DRAM budget, if given), and its ledger.
@@ -204,15 +199,7 @@ fn offloaded_runs_compute_the_dense_numbers_exactly() {
         .collect();
     let prompt = 10;
     for kv in [KvType::F32, KvType::F16] {
-        let dense = Engine::new(
-            CpuBackend::new(2).unwrap(),
-            model.spec.clone(),
-            &model.weights,
-        )
-        .unwrap()
-        .with_kv_type(kv)
-        .unwrap();
-        let want = logits(&dense, &toks, prompt);
+        let want = logits(&common::cpu_engine(&model, kv), &toks, prompt);
         let hw = HardwareProfile::load("cpu-sim").unwrap();
         let b = |g| Budget {
             kv_type: kv,

@@ -23,16 +23,9 @@ use rand::{RngExt, SeedableRng};
 
 fn cpu_engine(model: &Model, thresholds: Vec<f32>) -> Engine<CpuBackend> {
     // f16 KV, as the budgeted device keeps it (the plans below count it so).
-    Engine::new(
-        CpuBackend::new(2).unwrap(),
-        model.spec.clone(),
-        &model.weights,
-    )
-    .unwrap()
-    .with_kv_type(KvType::F16)
-    .unwrap()
-    .with_sparsity(thresholds)
-    .unwrap()
+    common::cpu_engine(model, KvType::F16)
+        .with_sparsity(thresholds)
+        .unwrap()
 }
 
 /// Logits of a prefill of `toks`, then of 4 decode steps.
@@ -181,6 +174,17 @@ fn bin(models: &std::path::Path) -> Command {
     c
 }
 
+/// Runs `c`, which must succeed; its JSON output.
+fn succeeds(c: &mut Command) -> serde_json::Value {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null)
+}
+
 fn fails(c: &mut Command, needle: &str) {
     let out = c.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
@@ -245,13 +249,7 @@ fn profile_and_oracle_on_the_cli() {
             .repeat(20),
     )
     .unwrap();
-    let out = profile(&["--corpus", cs, "--json"]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = succeeds(&mut profile(&["--corpus", cs, "--json"]));
     assert_eq!(v["tokens"], 64);
     assert_eq!(v["predictors"].as_array().map(Vec::len), Some(5));
     for a in [
@@ -259,61 +257,44 @@ fn profile_and_oracle_on_the_cli() {
         ["--sparsity", "oracle"],
         ["--sparsity", "predicted"],
     ] {
-        let out = run(&a).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{a:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeds(&mut run(&a));
     }
     // The predicted masks change the numbers (a predictor of a tiny model keeps most neurons,
     // not all).
     let logits_of = |mode: &str| -> serde_json::Value {
-        let out = bin(&models)
-            .args([
-                "logits",
-                "-m",
-                ms,
-                "--prompt",
-                "Once upon a time",
-                "--json",
-                "--device",
-                "cpu",
-                "--sparsity",
-                mode,
-            ])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["logits"].clone()
+        succeeds(bin(&models).args([
+            "logits",
+            "-m",
+            ms,
+            "--prompt",
+            "Once upon a time",
+            "--json",
+            "--device",
+            "cpu",
+            "--sparsity",
+            mode,
+        ]))["logits"]
+            .clone()
     };
     assert_ne!(logits_of("predicted"), logits_of("off"));
     assert_ne!(logits_of("oracle"), logits_of("off"));
     // Hot-neuron placement from the profile: every neuron fits in 2G beside the rest, and the
     // placement stays within what the budget leaves for neurons.
     let plan = |g: &str| -> serde_json::Value {
-        let out = bin(&models)
-            .args([
-                "plan",
-                "-m",
-                ms,
-                "--gpu-mem",
-                g,
-                "--hardware",
-                "gpu-4g",
-                "--hot-neurons",
-                "--sparsity-target",
-                "0.5",
-                "--json",
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["hot_neurons"].clone()
+        succeeds(bin(&models).args([
+            "plan",
+            "-m",
+            ms,
+            "--gpu-mem",
+            g,
+            "--hardware",
+            "gpu-4g",
+            "--hot-neurons",
+            "--sparsity-target",
+            "0.5",
+            "--json",
+        ]))["hot_neurons"]
+            .clone()
     };
     let hot = plan("2G");
     assert_eq!(hot["layers"].as_array().map(Vec::len), Some(5));
@@ -332,10 +313,7 @@ fn profile_and_oracle_on_the_cli() {
         &mut run(&["--sparsity", "predicted", "--sparsity-target", "0.5"]),
         "were trained for 0.15",
     );
-    let out = profile(&["--corpus", cs, "--no-predictors"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
+    succeeds(&mut profile(&["--corpus", cs, "--no-predictors"]));
     fails(&mut run(&["--sparsity", "predicted"]), "has no predictors");
     // A profile copied into another model's store belongs to the first model.
     let stores = models.join("stores");
@@ -358,8 +336,7 @@ fn profile_and_oracle_on_the_cli() {
     )
     .unwrap();
     let os = other.to_str().unwrap();
-    let out = bin(&models).args(["convert", "-m", os]).output().unwrap();
-    assert!(out.status.success());
+    succeeds(bin(&models).args(["convert", "-m", os]));
     let second = std::fs::read_dir(&stores)
         .unwrap()
         .map(|e| e.unwrap().path())

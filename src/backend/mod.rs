@@ -122,18 +122,21 @@ pub fn weight_bytes(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
         .flatten()
 }
 
-/// The error of a [`Backend::retype_weight`] asking for more than `name`'s `capacity` bytes.
-pub fn retype_error(
+/// The bytes [`Backend::retype_weight`] gives `name` as `rows × cols` in `dtype`, if the shape
+/// is valid for the format and fits its `capacity`; else the error naming both.
+pub fn retyped_bytes(
     name: &str,
     dtype: DType,
     rows: usize,
     cols: usize,
     capacity: u64,
-) -> BackendError {
-    BackendError::Shape {
-        op: "retype_weight",
-        msg: format!("{rows}x{cols} {dtype} does not fit `{name}` ({capacity} bytes)"),
-    }
+) -> Result<usize> {
+    weight_bytes(dtype, rows, cols)
+        .filter(|&n| n as u64 <= capacity)
+        .ok_or_else(|| BackendError::Shape {
+            op: "retype_weight",
+            msg: format!("{rows}x{cols} {dtype} does not fit `{name}` ({capacity} bytes)"),
+        })
 }
 
 /// Keeps a host range page-locked while alive.

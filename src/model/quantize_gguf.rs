@@ -92,11 +92,7 @@ pub fn quantize_gguf(
         .map(|(t, &(from, to))| TensorSpec {
             name: t.name.clone(),
             dims: t.dims.clone(),
-            ggml_type: if from == to {
-                GgmlType::of_dtype(from).1
-            } else {
-                GgmlType::of_dtype(to).1
-            },
+            ggml_type: GgmlType::of_dtype(to).1,
             bytes: if from == to {
                 t.n_bytes as u64
             } else {

@@ -139,3 +139,18 @@ pub fn gpu_range(
     let all = make_plan(manifest, &b(u64::MAX / 4), hw).unwrap().gpu.total;
     (min, all)
 }
+
+/// The dense CPU engine (2 threads) of a loaded model, its KV cache in `kv`.
+pub fn cpu_engine(
+    model: &gpu_offload::model::Model,
+    kv: gpu_offload::backend::KvType,
+) -> gpu_offload::engine::Engine<gpu_offload::backend::cpu::CpuBackend> {
+    gpu_offload::engine::Engine::new(
+        gpu_offload::backend::cpu::CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_kv_type(kv)
+    .unwrap()
+}

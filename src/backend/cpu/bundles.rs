@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::kernels::Kernels;
 use super::sparse::{Bundles, bundle_axpy, bundle_dot};
 use crate::backend::{BundleShape, sparse_act};
-use crate::tensor::{DType, HostTensor, decode_row};
+use crate::tensor::{Bytes, DType, HostTensor};
 
 /// Neurons per parallel task.
 const NEURONS_PER_TASK: usize = 64;
@@ -24,21 +24,22 @@ impl OutPtr {
     }
 }
 
-/// One part (`p`) of bundle `i` as f32 values in `buf`.
-fn part<'a>(
-    b: &HostTensor,
-    shape: BundleShape,
-    i: usize,
-    p: usize,
-    buf: &'a mut Vec<f32>,
-) -> &'a [f32] {
-    let esize = b.dtype.block_bytes();
-    let d = shape.d;
-    let start = (i * shape.parts + p) * d * esize;
-    let bytes = &b.data.as_slice()[start..start + d * esize];
-    buf.resize(d, 0.0);
-    decode_row(b.dtype, bytes, buf);
-    buf
+/// `f` of the bundles as typed slices, multiplied in their format by the best kernels (decoding
+/// rows to f32 first ran at ~1.4 GB/s). Bytes that cannot be viewed so (misaligned) are copied
+/// once into an aligned buffer.
+fn with_view<R>(b: &HostTensor, shape: BundleShape, f: impl FnOnce(&Bundles) -> R) -> R {
+    if let Ok(v) = Bundles::from_host(b, shape) {
+        return f(&v);
+    }
+    let copy = HostTensor {
+        name: b.name.clone(),
+        rows: b.rows,
+        cols: b.cols,
+        dtype: b.dtype,
+        data: Bytes::from_slice(b.data.as_slice()),
+    };
+    let v = Bundles::from_host(&copy, shape).expect("owned bytes are word-aligned");
+    f(&v)
 }
 
 /// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`.
@@ -63,32 +64,14 @@ pub fn up(
     let gated = shape.parts == 3;
     let ptr = OutPtr(h.as_mut_ptr());
     let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    // The parts as typed slices, multiplied in their format (f16 by the f16 kernel): decoding a
-    // row to f32 first ran at ~1.4 GB/s. Where the bytes cannot be viewed so (misaligned), the
-    // decoding path stays.
-    let view = Bundles::from_host(b, shape).ok();
-    let task = |task: usize| {
-        let (mut gbuf, mut ubuf) = (Vec::new(), Vec::new());
+    let task = |view: &Bundles, task: usize| {
         let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
         for i in task * NEURONS_PER_TASK..i1 {
-            let up_p = if gated { 1 } else { 0 };
-            let (up_row, gate_row) = match &view {
-                Some(_) => (None, None),
-                None => (
-                    Some(part(b, shape, i, up_p, &mut ubuf).to_vec()),
-                    gated.then(|| part(b, shape, i, 0, &mut gbuf).to_vec()),
-                ),
-            };
-            let dot = |p: usize, row: &Option<Vec<f32>>, xt: &[f32]| match (&view, row) {
-                (Some(v), _) => bundle_dot(k, v, i, p, xt),
-                (None, Some(r)) => (k.dot_f32)(r, xt),
-                (None, None) => 0.0,
-            };
             for t in 0..n {
                 let xt = &x[t * d..(t + 1) * d];
-                let u = dot(up_p, &up_row, xt);
+                let u = bundle_dot(k, view, i, if gated { 1 } else { 0 }, xt);
                 let v = if gated {
-                    sparse_act(act(dot(0, &gate_row, xt)), threshold) * u
+                    sparse_act(act(bundle_dot(k, view, i, 0, xt)), threshold) * u
                 } else {
                     sparse_act(act(u + bias.map_or(0.0, |bb| bb[col0 + i])), threshold)
                 };
@@ -97,11 +80,13 @@ pub fn up(
             }
         }
     };
-    if tasks <= 1 {
-        (0..tasks).for_each(task);
-    } else {
-        (0..tasks).into_par_iter().for_each(task);
-    }
+    with_view(b, shape, |view| {
+        if tasks <= 1 {
+            (0..tasks).for_each(|t| task(view, t));
+        } else {
+            (0..tasks).into_par_iter().for_each(|t| task(view, t));
+        }
+    });
 }
 
 /// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`).
@@ -124,43 +109,35 @@ pub fn down(
     // Each task sums a run of neurons into its own accumulator; the accumulators are added at
     // the end (cheap next to reading the bundles, which each task streams contiguously).
     let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    let view = Bundles::from_host(b, shape).ok();
-    let partial = |task: usize, acc: &mut [f32]| {
-        let mut buf = Vec::new();
+    let partial = |view: &Bundles, task: usize, acc: &mut [f32]| {
         let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
         for i in task * NEURONS_PER_TASK..i1 {
             for t in 0..n {
                 let w = h[t * stride + col0 + i];
-                if w == 0.0 {
-                    continue;
-                }
-                let acc_t = &mut acc[t * d..(t + 1) * d];
-                match &view {
-                    Some(v) => bundle_axpy(k, v, i, down_part, w, acc_t),
-                    None => {
-                        let col = part(b, shape, i, down_part, &mut buf);
-                        acc_t.iter_mut().zip(col).for_each(|(o, c)| *o += w * c);
-                    }
+                if w != 0.0 {
+                    bundle_axpy(k, view, i, down_part, w, &mut acc[t * d..(t + 1) * d]);
                 }
             }
         }
     };
-    let sum = (0..tasks)
-        .into_par_iter()
-        .fold(
-            || vec![0f32; n * d],
-            |mut acc, t| {
-                partial(t, &mut acc);
-                acc
-            },
-        )
-        .reduce(
-            || vec![0f32; n * d],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        );
+    let sum = with_view(b, shape, |view| {
+        (0..tasks)
+            .into_par_iter()
+            .fold(
+                || vec![0f32; n * d],
+                |mut acc, t| {
+                    partial(view, t, &mut acc);
+                    acc
+                },
+            )
+            .reduce(
+                || vec![0f32; n * d],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                    a
+                },
+            )
+    });
     out.iter_mut().zip(&sum).for_each(|(o, s)| *o += s);
 }
 

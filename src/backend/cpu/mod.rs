@@ -180,22 +180,11 @@ impl Backend for CpuBackend {
                 format!("`{}` is not a slot", w.name),
             ));
         };
-        match super::weight_bytes(dtype, rows, cols) {
-            Some(n) if n <= words.len() * 8 => {
-                *len = n;
-                w.dtype = dtype;
-                w.rows = rows;
-                w.cols = cols;
-                Ok(())
-            }
-            _ => Err(super::retype_error(
-                &w.name,
-                dtype,
-                rows,
-                cols,
-                (words.len() * 8) as u64,
-            )),
-        }
+        *len = super::retyped_bytes(&w.name, dtype, rows, cols, (words.len() * 8) as u64)?;
+        w.dtype = dtype;
+        w.rows = rows;
+        w.cols = cols;
+        Ok(())
     }
 
     fn upload_into(&self, dst: &mut HostTensor, first_row: usize, src: &[u8]) -> Result<()> {

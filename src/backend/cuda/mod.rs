@@ -853,21 +853,11 @@ impl Backend for CudaBackend {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        match super::weight_bytes(dtype, rows, cols) {
-            Some(n) if n as u64 <= w.buf.mem.bytes => {
-                w.dtype = dtype;
-                w.rows = rows;
-                w.cols = cols;
-                Ok(())
-            }
-            _ => Err(super::retype_error(
-                &w.name,
-                dtype,
-                rows,
-                cols,
-                w.buf.mem.bytes,
-            )),
-        }
+        super::retyped_bytes(&w.name, dtype, rows, cols, w.buf.mem.bytes)?;
+        w.dtype = dtype;
+        w.rows = rows;
+        w.cols = cols;
+        Ok(())
     }
 
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
