@@ -254,6 +254,10 @@ pub trait Backend: Send + Sync + 'static {
         n: usize,
     ) -> Result<()>;
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// View `t` as `rows × cols` in the memory it was allocated with (at most that many
+    /// values; the contents are unspecified until written): a step's buffers narrowed to a
+    /// layer's width and back, never reallocated.
+    fn reshape(&self, t: &mut Self::Tensor, rows: usize, cols: usize) -> Result<()>;
 
     // ---- workspace ----------------------------------------------------------------------
 

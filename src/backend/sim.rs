@@ -223,6 +223,10 @@ impl Backend for SimBackend {
         self.cpu.shape(&t.t)
     }
 
+    fn reshape(&self, t: &mut SimTensor, rows: usize, cols: usize) -> Result<()> {
+        self.cpu.reshape(&mut t.t, rows, cols)
+    }
+
     /// What the CUDA backend takes for the same op.
     fn workspace_bytes(&self, op: &WorkspaceOp) -> u64 {
         super::cuda::workspace_bytes(op)

@@ -24,10 +24,11 @@ use crate::backend::cpu::{CpuBackend, kernels};
 use crate::backend::cuda::{CudaBackend, device_available};
 use crate::backend::sim::SimBackend;
 use crate::backend::{Backend, KvType};
-use crate::engine::{DecodeTraffic, Engine};
+use crate::engine::{DecodeTraffic, Engine, WeightSource};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
 use crate::plan::{Budget, HardwareProfile, Plan, make_plan};
 use crate::store::Store;
+use crate::tier::hybrid::{ColdTraffic, HybridWeights};
 use crate::tier::offload::OffloadWeights;
 use crate::tier::{Ledger, LedgerSnapshot};
 
@@ -86,6 +87,12 @@ enum Weights {
     Stored(Arc<Store>),
 }
 
+/// What a hybrid run placed and what its CPU share reads.
+pub struct Hybrid {
+    pub plan: crate::plan::hot::HotPlan,
+    pub traffic: Arc<ColdTraffic>,
+}
+
 /// An opened model, not yet placed on a device.
 pub struct LoadedModel {
     pub spec: ModelSpec,
@@ -105,6 +112,8 @@ pub struct Running {
     pub ledger: Option<Arc<Ledger>>,
     /// For offloaded runs: the plan.
     pub plan: Option<Plan>,
+    /// For hybrid runs (`--cold cpu`): the hot-neuron plan and the CPU's cold-neuron reads.
+    pub hybrid: Option<Hybrid>,
     /// For the dense CPU engine: what a decode step reads from DRAM.
     pub traffic: Option<DecodeTraffic>,
     /// The preset a run emulates (`--emulate`).
@@ -325,7 +334,7 @@ impl LoadedModel {
             }
             Ok(())
         };
-        let (engine, ledger, plan, traffic) = match (&self.weights, self.device) {
+        let (engine, ledger, plan, traffic, hybrid) = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => {
                 let ledger = Ledger::new(None, None);
                 let cuda = CudaBackend::new(0, ledger.clone())?;
@@ -339,6 +348,7 @@ impl LoadedModel {
                     Some(ledger),
                     None,
                     Some(DecodeTraffic::of(&self.spec, w, kv_type)),
+                    None,
                 )
             }
             (Weights::Dense(w), _) => {
@@ -352,6 +362,7 @@ impl LoadedModel {
                     None,
                     None,
                     Some(DecodeTraffic::of(&self.spec, w, kv_type)),
+                    None,
                 )
             }
             (Weights::Stored(store), device) => {
@@ -383,12 +394,13 @@ impl LoadedModel {
                     pace(&|r| cuda.pace_copies(r))?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
                     note_plan(&plan);
-                    let src = OffloadWeights::new(&cuda, store.clone(), &plan, ledger.clone())?;
-                    let e = Engine::with_source(cuda, self.spec.clone(), Box::new(src))?
+                    let (src, hybrid) =
+                        self.offload_source(&cuda, args, store, &plan, &ledger, kernels)?;
+                    let e = Engine::with_source(cuda, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone());
-                    (AnyEngine::Cuda(e), Some(ledger), Some(plan), None)
+                    (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
                     let plan = make_plan(&store.manifest, &budget, &hw)?;
@@ -400,12 +412,13 @@ impl LoadedModel {
                         ledger.clone(),
                     );
                     pace(&|r| sim.pace_copies(r))?;
-                    let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone())?;
-                    let e = Engine::with_source(sim, self.spec.clone(), Box::new(src))?
+                    let (src, hybrid) =
+                        self.offload_source(&sim, args, store, &plan, &ledger, kernels)?;
+                    let e = Engine::with_source(sim, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone());
-                    (AnyEngine::Sim(e), Some(ledger), Some(plan), None)
+                    (AnyEngine::Sim(e), Some(ledger), Some(plan), None, hybrid)
                 }
             }
         };
@@ -414,12 +427,50 @@ impl LoadedModel {
             load_s: self.t0.elapsed().as_secs_f64(),
             ledger,
             plan,
+            hybrid,
             traffic,
             emulated: emulate,
             process_peak: std::sync::atomic::AtomicU64::new(0),
         };
         running.sample_process();
         Ok(running)
+    }
+
+    /// The weight source of an offloaded run: streaming (`--cold stream`), or hybrid
+    /// (`--cold cpu`: hot neurons placed from the sparsity profile, cold ones on the CPU).
+    fn offload_source<B: Backend>(
+        &self,
+        b: &B,
+        args: &ModelArgs,
+        store: &Arc<Store>,
+        plan: &Plan,
+        ledger: &Arc<Ledger>,
+        kernels: &'static kernels::Kernels,
+    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
+        if args.cold == super::ColdMode::Stream {
+            let src = OffloadWeights::new(b, store.clone(), plan, ledger.clone())?;
+            return Ok((Box::new(src), None));
+        }
+        let name = self.path.display().to_string();
+        let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
+            .context("--cold cpu places the hot neurons by how often they fire")?;
+        let target = match (args.sparsity, profile.predictor_target) {
+            (super::SparsityMode::Predicted, Some(t)) => t,
+            _ => args.sparsity_target.unwrap_or(DEFAULT_SPARSITY_TARGET),
+        };
+        let hot = crate::plan::hot::plan_hot_neurons(&store.manifest, plan, &profile, target)?;
+        tracing::info!("hybrid plan:\n{}", hot.report());
+        let src = HybridWeights::new(
+            b,
+            store.clone(),
+            plan,
+            &hot,
+            ledger.clone(),
+            kernels,
+            crate::engine::backend_act(self.spec.activation),
+        )?;
+        let traffic = src.traffic();
+        Ok((Box::new(src), Some(Hybrid { plan: hot, traffic })))
     }
 
     /// What `--sparsity` asks for: per layer, the FFN thresholds (empty when off) — zeros for a

@@ -170,6 +170,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         let profile =
             crate::sparsity::SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?;
         Some(crate::plan::hot::plan_hot_neurons(
+            &store.manifest,
             &plan,
             &profile,
             a.sparsity_target,

@@ -83,7 +83,37 @@ pub struct LayerView<'a, B: Backend> {
     pub wv: LinearView<'a, B>,
     pub wo: LinearView<'a, B>,
     pub ffn_norm: NormView<'a, B>,
+    /// The FFN on the device: all of it, or in hybrid execution only the hot neurons (their
+    /// hidden activations in columns `0..hot.len()`).
     pub ffn: FfnView<'a, B>,
+    /// Hybrid execution: the neurons the CPU computes, and how they merge.
+    pub cold: Option<ColdView<'a, B>>,
+}
+
+/// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons).
+pub trait ColdNeurons: Send + Sync {
+    /// Add to `out` (`n × d_model`) the FFN output of this layer's cold neurons for the `n`
+    /// input rows `x`. A neuron the mask leaves out (`threshold`, as
+    /// [`crate::backend::sparse_act`]) or `keep` does not list (`n × d_ff` flags by neuron id,
+    /// from a predictor) contributes nothing, and the parts it would need beyond the one that
+    /// decides are not read.
+    fn add_ffn(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<()>;
+}
+
+/// The CPU's share of a hybrid layer.
+pub struct ColdView<'a, B: Backend> {
+    pub neurons: &'a dyn ColdNeurons,
+    /// Ids of the hot neurons, in the order of the device FFN's hidden columns.
+    pub hot: &'a [u32],
+    /// Device buffer the CPU's partial sum is copied into (room for the step's `n × d_model`).
+    pub partial: &'a mut B::Tensor,
 }
 
 /// The final norm and the output matrix.
@@ -386,7 +416,8 @@ pub fn probe_bytes(spec: &ModelSpec) -> u64 {
     layers * device_bytes((PROBE_QUERIES * spec.q_dim() * 4) as u64)
 }
 
-fn backend_act(a: Activation) -> Act {
+/// The backend's activation for a model's.
+pub fn backend_act(a: Activation) -> Act {
     match a {
         Activation::Silu => Act::Silu,
         Activation::Relu => Act::Relu,
@@ -818,40 +849,145 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Zero the hidden activations of the neurons the predictor leaves out. (The neuron-aware
-    /// kernels skip them instead; this is the same result, for any backend.)
+    /// The predictor's flags for layer `layer` and the FFN input `x` (`n × d_ff`), if any.
+    fn predict(&self, layer: usize, x: &[f32], n: usize) -> Result<Option<Vec<bool>>> {
+        let Some(p) = &self.predictor else {
+            return Ok(None);
+        };
+        let keep = p.active(layer, x, n);
+        if keep.len() != n * self.spec.d_ff {
+            return Err(EngineError::Weights(format!(
+                "the predictor of layer {layer} gave {} flags for {n}×{} activations",
+                keep.len(),
+                self.spec.d_ff
+            )));
+        }
+        Ok(Some(keep))
+    }
+
+    /// Zero the hidden activations of the neurons `keep` leaves out. Column `j` of `hidden` is
+    /// neuron `ids[j]` (columns past `ids` unused), or neuron `j` without `ids`. (The
+    /// neuron-aware kernels skip them instead; this is the same result, for any backend.)
+    fn mask_hidden(
+        &self,
+        keep: &[bool],
+        ids: Option<&[u32]>,
+        hidden: &mut B::Tensor,
+    ) -> Result<()> {
+        let d_ff = self.spec.d_ff;
+        let (mut h, n) = self.host_rows(hidden)?;
+        let cols = h.len() / n.max(1);
+        let used = ids.map_or(cols, |ids| ids.len().min(cols));
+        for t in 0..n {
+            for j in 0..used {
+                let id = ids.map_or(j, |ids| ids[j] as usize);
+                if !keep[t * d_ff + id] {
+                    h[t * cols + j] = 0.0;
+                }
+            }
+        }
+        self.backend.write(hidden, &h)?;
+        Ok(())
+    }
+
+    /// The predictor's mask for the FFN input `input` applied to `hidden` (dense layers).
     fn apply_predictor(
         &self,
         layer: usize,
         input: &B::Tensor,
         hidden: &mut B::Tensor,
     ) -> Result<()> {
-        let Some(p) = &self.predictor else {
+        if self.predictor.is_none() {
             return Ok(());
-        };
-        let (x, n) = self.host_rows(input)?;
-        let keep = p.active(layer, &x, n);
-        let (mut h, _) = self.host_rows(hidden)?;
-        if keep.len() != h.len() {
-            return Err(EngineError::Weights(format!(
-                "the predictor of layer {layer} gave {} flags for {} activations",
-                keep.len(),
-                h.len()
-            )));
         }
-        h.iter_mut().zip(&keep).for_each(|(v, &k)| {
-            if !k {
-                *v = 0.0
+        let (x, n) = self.host_rows(input)?;
+        match self.predict(layer, &x, n)? {
+            Some(keep) => self.mask_hidden(&keep, None, hidden),
+            None => Ok(()),
+        }
+    }
+
+    /// `proj = FFN(h)` of layer `layer`, using `sc.up` / `sc.gate` for the hidden activations:
+    /// on the device, or in hybrid execution the hot neurons on the device and the cold ones on
+    /// the CPU, merged on the device.
+    fn ffn(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        cold: Option<&mut ColdView<B>>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
+        let Some(cold) = cold else {
+            return self.device_ffn(layer, f, threshold, None, sc);
+        };
+        if self.tap.is_some() {
+            return Err(EngineError::Weights(
+                "activations are observed on a model loaded whole, not in hybrid execution".into(),
+            ));
+        }
+        // The input goes to the host first (the one sync), so the CPU's share runs while the
+        // device computes the hot neurons queued after it; writing the partial sum back waits
+        // for them.
+        let (x, n) = self.host_rows(&sc.h)?;
+        let keep = self.predict(layer, &x, n)?;
+        let hot = cold.hot.len();
+        if hot == 0 {
+            b.zero(&mut sc.proj)?;
+            let bias = match f {
+                FfnView::Matrices { down, .. } => down.bias,
+                FfnView::Bundles { down_bias, .. } => *down_bias,
+            };
+            if let Some(bias) = bias {
+                b.add_bias(&mut sc.proj, bias)?;
             }
-        });
-        self.backend.write(hidden, &h)?;
+        } else {
+            // Hot matrices have `hot` rows (gate, up) and columns (down): the hidden buffers
+            // narrow to match. Hot bundles fill the first `hot` columns as they are.
+            let narrow = matches!(f, FfnView::Matrices { .. });
+            let d_ff = self.spec.d_ff;
+            if narrow {
+                b.reshape(&mut sc.up, n, hot)?;
+                if let Some(g) = &mut sc.gate {
+                    b.reshape(g, n, hot)?;
+                }
+            }
+            let done = self.device_ffn(layer, f, threshold, Some((keep.as_deref(), cold.hot)), sc);
+            if narrow {
+                b.reshape(&mut sc.up, n, d_ff)?;
+                if let Some(g) = &mut sc.gate {
+                    b.reshape(g, n, d_ff)?;
+                }
+            }
+            done?;
+        }
+        let d = self.spec.d_model;
+        let mut part = vec![0f32; n * d];
+        cold.neurons
+            .add_ffn(&x, n, threshold, keep.as_deref(), &mut part)?;
+        b.reshape(cold.partial, n, d)?;
+        b.write(cold.partial, &part)?;
+        b.add(&mut sc.proj, cold.partial)?;
         Ok(())
     }
 
-    /// `proj = FFN(h)` of layer `layer`, using `sc.up` / `sc.gate` for the hidden activations.
-    fn ffn(&self, layer: usize, f: &FfnView<B>, sc: &mut Scratch<B>) -> Result<()> {
+    /// The FFN on the device. `hybrid`: the predictor's flags (already computed) and the ids of
+    /// the device's neurons, column by column; else the predictor runs here on the whole layer.
+    fn device_ffn(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        threshold: f32,
+        hybrid: Option<(Option<&[bool]>, &[u32])>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
         let b = &self.backend;
-        let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
+        let mask = |input: &B::Tensor, hidden: &mut B::Tensor| match hybrid {
+            Some((Some(keep), ids)) => self.mask_hidden(keep, Some(ids), hidden),
+            Some((None, _)) => Ok(()),
+            None => self.apply_predictor(layer, input, hidden),
+        };
         match f {
             FfnView::Matrices { gate, up, down } => {
                 self.linear(up, &sc.h, &mut sc.up)?;
@@ -860,13 +996,13 @@ impl<B: Backend> Engine<B> {
                         self.linear(wg, &sc.h, g)?;
                         self.show_tap(layer, &sc.h, g)?;
                         b.gated(g, &sc.up, self.act, threshold)?;
-                        self.apply_predictor(layer, &sc.h, g)?;
+                        mask(&sc.h, g)?;
                         &*g
                     }
                     _ => {
                         self.show_tap(layer, &sc.h, &sc.up)?;
                         b.activate(&mut sc.up, self.act, threshold)?;
-                        self.apply_predictor(layer, &sc.h, &mut sc.up)?;
+                        mask(&sc.h, &mut sc.up)?;
                         &sc.up
                     }
                 };
@@ -888,7 +1024,7 @@ impl<B: Backend> Engine<B> {
                         run, *shape, &sc.h, self.act, threshold, *up_bias, &mut sc.up, first,
                     )?;
                 }
-                self.apply_predictor(layer, &sc.h, &mut sc.up)?;
+                mask(&sc.h, &mut sc.up)?;
                 b.zero(&mut sc.proj)?;
                 for &(first, run) in runs {
                     b.ffn_bundles_down(run, *shape, &sc.up, first, &mut sc.proj)?;
@@ -941,7 +1077,7 @@ impl<B: Backend> Engine<B> {
         };
         for l in 0..spec.n_layers {
             {
-                let layer = source.layer(b, l)?;
+                let mut layer = source.layer(b, l)?;
                 // Attention block.
                 self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
                 self.linear(&layer.wq, &sc.h, &mut sc.q)?;
@@ -976,7 +1112,7 @@ impl<B: Backend> Engine<B> {
 
                 // Feed-forward block.
                 self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
-                self.ffn(l, &layer.ffn, &mut sc)?;
+                self.ffn(l, &layer.ffn, layer.cold.as_mut(), &mut sc)?;
                 b.add(&mut sc.x, &sc.proj)?;
             }
             source.layer_done(b, l)?;

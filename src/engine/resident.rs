@@ -131,6 +131,7 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
                 up: layer.up.view(),
                 down: layer.down.view(),
             },
+            cold: None,
         })
     }
 

@@ -1,14 +1,23 @@
-//! Hot-neuron placement for a profiled model (PowerInfer §6): everything but the FFN stays on
-//! the device (every layer's attention, the output head, KV, step memory), and what the budget
-//! leaves holds the FFN neurons that fire most often, chosen by the exact ILP
-//! ([`super::placement`]) from the profile's activation frequencies. What `plan --hot-neurons`
-//! prints; the hybrid engine (cold neurons on the CPU) runs it.
+//! Hot-neuron placement for a profiled model (PowerInfer §6) and the plan of hybrid execution:
+//! everything but the FFN stays on the device (every layer's attention, the output head, KV,
+//! step memory), what the budget leaves holds the FFN neurons that fire most often, chosen by the
+//! exact ILP ([`super::placement`]) from the profile's activation frequencies, and the CPU
+//! computes the other (cold) neurons from DRAM. What `plan --hot-neurons` prints and
+//! [`crate::tier::hybrid::HybridWeights`] runs: its device bytes are counted here the way the
+//! source allocates them, buffer by buffer.
+//!
+//! A block-quantized FFN keeps its matrices, and a neuron's share of the down matrix is a column
+//! inside blocks of 32 (or 256) neurons: such layers place whole blocks ("units"), so the hot
+//! and cold down matrices are whole blocks gathered row by row. Bundled FFNs place neurons.
 
 use serde::Serialize;
 
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
-use super::{Part, Plan, PlanError};
+use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg, staging_for};
+use crate::backend::memory::{DEVICE_ALIGN, device_bytes};
 use crate::sparsity::{GRID_TARGETS, SparsityProfile, grid_target};
+use crate::store::{Manifest, SegmentKind, names};
+use crate::tensor::{DType, QK};
 
 /// One layer's share of the placement.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -16,6 +25,54 @@ pub struct HotLayer {
     pub neurons: usize,
     /// Share of the layer's activations (at the target) its GPU neurons account for.
     pub activation_share: f64,
+}
+
+/// What the CPU reads for a layer's cold neurons, per token: every candidate neuron's deciding
+/// vector (the gate, or the up row without a gate), the rest of each neuron that turns out active
+/// and, for block-format down matrices, every down block (a unit, all `d_model` rows) holding an
+/// active neuron.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ColdCost {
+    pub decide_bytes: u64,
+    pub active_bytes: u64,
+    pub unit_bytes: u64,
+    /// Neurons per unit (1 for bundles).
+    pub unit: usize,
+}
+
+impl ColdCost {
+    /// Bytes read for `candidates` neurons examined, `active` of them computed, `units` down
+    /// blocks touched.
+    pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
+        self.decide_bytes * candidates + self.active_bytes * active + self.unit_bytes * units
+    }
+}
+
+/// Device bytes of hybrid execution, as the source allocates them (each buffer rounded).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HybridDevice {
+    /// Every layer's attention matrices, whole.
+    pub attention: u64,
+    /// The hot neurons' tensors.
+    pub hot: u64,
+    /// The buffer the CPU's partial sums come back into.
+    pub merge: u64,
+    /// Everything the byte ledger holds at the peak (small fragments, head, KV, step memory
+    /// and the above).
+    pub placed: u64,
+    /// `fixed + placed`.
+    pub total: u64,
+}
+
+/// Bytes per decoded token by resource, expected at the profile's frequencies.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HybridPerToken {
+    /// What the device reads: attention, hot neurons, head, half the KV cache.
+    pub hbm_bytes: u64,
+    /// What the CPU reads from DRAM for the cold neurons.
+    pub cpu_bytes: u64,
+    /// The FFN input down and the partial sum up, every layer; logits out.
+    pub pcie_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -32,99 +89,346 @@ pub struct HotPlan {
     /// Share of all FFN activations computed on the GPU.
     pub activation_share: f64,
     pub solve_seconds: f64,
+    /// Per layer, the ids of the hot neurons, ascending.
+    #[serde(skip)]
+    pub hot_neurons: Vec<Vec<u32>>,
+    /// Per layer, what its cold neurons cost the CPU.
+    pub cold_cost: Vec<ColdCost>,
+    pub device: HybridDevice,
+    /// DRAM the cold neurons take (gathered, per layer).
+    pub dram_cold_bytes: u64,
+    /// Start-up staging buffer (loading the attention matrices and the head).
+    pub staging: u64,
+    /// Rows of the merge buffer (the most tokens a step evaluates).
+    pub batch: usize,
+    pub per_token: HybridPerToken,
+    pub predicted_tokens_per_s: f64,
 }
 
-/// The placement for `plan`'s budget and hardware from `profile` at `target` sparsity.
+/// A layer's FFN as stored, for placement.
+struct FfnLayout {
+    /// Bytes of one unit of neurons on the device.
+    unit_bytes: u64,
+    cost: ColdCost,
+    /// Device tensors its hot share takes (each rounded to the granule).
+    tensors: u64,
+    /// Bundles: bytes of one neuron; matrices: (gate row, up row, down format, up bias).
+    kind: FfnKind,
+}
+
+enum FfnKind {
+    Bundles {
+        row_bytes: u64,
+    },
+    Matrices {
+        gate_row: u64,
+        up_row: u64,
+        down: DType,
+        d_model: usize,
+        up_bias: bool,
+    },
+}
+
+impl FfnLayout {
+    fn of(m: &Manifest, l: usize) -> Result<Self, PlanError> {
+        let spec = &m.spec;
+        let (d, d_ff) = (spec.d_model, spec.d_ff);
+        if let Some(s) = m.segment(&part_segment_name(l, Part::Ffn)) {
+            let SegmentKind::Bundles { parts } = s.kind else {
+                return Err(PlanError::Store(format!("`{}` is not bundles", s.name)));
+            };
+            let row = s.row_bytes() as u64;
+            let part = row / parts as u64;
+            return Ok(FfnLayout {
+                unit_bytes: row,
+                cost: ColdCost {
+                    decide_bytes: part,
+                    active_bytes: row - part,
+                    unit_bytes: 0,
+                    unit: 1,
+                },
+                tensors: 1,
+                kind: FfnKind::Bundles { row_bytes: row },
+            });
+        }
+        let up = seg(m, &part_segment_name(l, Part::Up))?;
+        let down = seg(m, &part_segment_name(l, Part::Down))?;
+        let gate = if spec.gated_ffn {
+            Some(seg(m, &part_segment_name(l, Part::Gate))?)
+        } else {
+            None
+        };
+        let Some(down_dtype) = down.encoding.dtype() else {
+            return Err(PlanError::Store(format!("`{}` is not a matrix", down.name)));
+        };
+        let unit = down_dtype.block_len().max(QK);
+        if !d_ff.is_multiple_of(unit) {
+            return Err(PlanError::Store(format!(
+                "d_ff {d_ff} is not a multiple of the {unit}-neuron blocks of `{}`",
+                down.name
+            )));
+        }
+        let (gate_row, up_row) = (
+            gate.map_or(0, |g| g.row_bytes() as u64),
+            up.row_bytes() as u64,
+        );
+        let down_unit = (d * down_dtype.bytes_for(unit)) as u64;
+        let up_bias = m.segment(&names::layer(l, "ffn_up.bias")).is_some();
+        Ok(FfnLayout {
+            unit_bytes: unit as u64 * (gate_row + up_row) + down_unit,
+            cost: ColdCost {
+                decide_bytes: if gate.is_some() { gate_row } else { up_row },
+                active_bytes: if gate.is_some() { up_row } else { 0 },
+                unit_bytes: down_unit,
+                unit,
+            },
+            tensors: 2 + gate.is_some() as u64 + up_bias as u64,
+            kind: FfnKind::Matrices {
+                gate_row,
+                up_row,
+                down: down_dtype,
+                d_model: d,
+                up_bias,
+            },
+        })
+    }
+
+    /// Device bytes of `hot` neurons' tensors, as the hybrid source allocates them.
+    fn device_bytes(&self, hot: usize) -> u64 {
+        if hot == 0 {
+            return 0;
+        }
+        let h = hot as u64;
+        match self.kind {
+            FfnKind::Bundles { row_bytes } => device_bytes(h * row_bytes),
+            FfnKind::Matrices {
+                gate_row,
+                up_row,
+                down,
+                d_model,
+                up_bias,
+            } => {
+                (if gate_row > 0 {
+                    device_bytes(h * gate_row)
+                } else {
+                    0
+                }) + device_bytes(h * up_row)
+                    + device_bytes((d_model * down.bytes_for(hot)) as u64)
+                    + if up_bias { device_bytes(h * 4) } else { 0 }
+            }
+        }
+    }
+}
+
+/// The placement for `plan`'s budget and hardware from `profile` at `target` sparsity, and what
+/// hybrid execution of it holds and moves.
 pub fn plan_hot_neurons(
+    m: &Manifest,
     plan: &Plan,
     profile: &SparsityProfile,
     target: f64,
 ) -> Result<HotPlan, PlanError> {
     let k = ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1;
-    let shape = &plan.shape;
     let spec = &plan.spec;
-    let d_ff = spec.d_ff;
-    if profile.d_ff != d_ff || profile.n_layers != spec.n_layers {
+    let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
+    if profile.d_ff != d_ff || profile.n_layers != n_layers {
         return Err(PlanError::Store(
             "the sparsity profile's shape is not this model's".into(),
         ));
     }
-    // A neuron's bytes: its bundle, or its gate and up rows and its share of the down matrix.
-    let bytes_per_neuron = if shape.rows[Part::Ffn.index()] > 0 {
-        shape.row_bytes[Part::Ffn.index()]
-    } else {
-        shape.row_bytes[Part::Gate.index()]
-            + shape.row_bytes[Part::Up.index()]
-            + shape.bytes(Part::Down).div_ceil(d_ff.max(1) as u64)
-    };
-    let attention: u64 = [Part::Q, Part::K, Part::V, Part::O]
-        .iter()
-        .map(|&p| shape.bytes(p))
-        .sum::<u64>()
-        * spec.n_layers as u64;
+    let layouts = (0..n_layers)
+        .map(|l| FfnLayout::of(m, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let attention_parts = |l: usize| [Part::Q, Part::K, Part::V, Part::O].map(move |p| (l, p));
+    let mut attention = 0;
+    let mut attention_raw = 0;
+    let mut staging = 0;
+    for (l, p) in (0..n_layers).flat_map(attention_parts) {
+        let s = seg(m, &part_segment_name(l, p))?;
+        attention += device_bytes(s.bytes);
+        attention_raw += s.bytes;
+        staging = staging.max(staging_for(s, s.rows));
+    }
+    let head = super::head_segment(m)?;
+    staging = staging.max(staging_for(head, head.rows));
+    for (name, _) in super::small_fragments(m) {
+        if let Some(s) = m.segment(&name) {
+            staging = staging.max(staging_for(s, s.rows));
+        }
+    }
+    let batch = plan.budget.batch;
+    let merge = device_bytes((batch * spec.d_model * 4) as u64);
     let g = &plan.gpu;
-    let everything_else = g.fixed + g.small + g.head + g.kv + g.scratch + g.workspace + attention;
-    let budget_bytes = plan.budget.gpu_mem.saturating_sub(everything_else);
-    // C_l: a neuron costs its bytes at DRAM speed on the CPU and at HBM speed on the GPU; a
-    // layer split between them pays a round trip (the input down, the partial sum up). A layer
-    // wholly on the GPU pays none, so it is always allowed (C_l at most the layer).
+    let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
+    let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
+    // Each hot tensor rounds up to the granule: keep room for that, so the ILP's raw bytes
+    // always fit once rounded.
+    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
+    if usable < everything_else + rounding {
+        return Err(PlanError::GpuTooSmall {
+            budget: plan.budget.gpu_mem,
+            minimum: g.fixed + everything_else + rounding,
+            breakdown: format!(
+                "hybrid execution keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
+                human_bytes(attention),
+                human_bytes(g.small),
+                human_bytes(g.head),
+                human_bytes(g.kv),
+                human_bytes(g.scratch),
+                human_bytes(g.workspace),
+                human_bytes(merge)
+            ),
+        });
+    }
+    let budget_bytes = usable - everything_else - rounding;
+
+    // C_l: a unit costs its bytes at DRAM speed on the CPU and at HBM speed on the GPU; a layer
+    // split between them pays a round trip (the input down, the partial sum up). A layer wholly
+    // on the GPU pays none, so it is always allowed (C_l at most the layer).
     let hw = &plan.hardware;
     let vector = (spec.d_model * 4) as f64;
     let sync = 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s);
-    let min_neurons = min_gpu_neurons(
-        bytes_per_neuron as f64 / hw.dram_read_bytes_per_s,
-        bytes_per_neuron as f64 / hw.hbm_bytes_per_s,
-        sync,
-        d_ff,
-    )
-    .min(d_ff);
-    let impacts: Vec<Vec<f64>> = (0..spec.n_layers)
-        .map(|l| profile.frequencies(l, k))
-        .collect();
-    let layers: Vec<PlacementLayer> = impacts
+    let freqs: Vec<Vec<f64>> = (0..n_layers).map(|l| profile.frequencies(l, k)).collect();
+    let units: Vec<Vec<f64>> = freqs
         .iter()
-        .map(|i| PlacementLayer {
-            impacts: i.clone(),
-            bytes_per_neuron,
-            min_neurons,
+        .zip(&layouts)
+        .map(|(f, lay)| {
+            f.chunks(lay.cost.unit)
+                .map(|c| c.iter().sum::<f64>())
+                .collect()
+        })
+        .collect();
+    let placement_layers: Vec<PlacementLayer> = units
+        .iter()
+        .zip(&layouts)
+        .map(|(impacts, lay)| PlacementLayer {
+            impacts: impacts.clone(),
+            bytes_per_neuron: lay.unit_bytes,
+            min_neurons: min_gpu_neurons(
+                lay.unit_bytes as f64 / hw.dram_read_bytes_per_s,
+                lay.unit_bytes as f64 / hw.hbm_bytes_per_s,
+                sync,
+                impacts.len(),
+            )
+            .min(impacts.len()),
         })
         .collect();
     let t0 = std::time::Instant::now();
-    let placed = place_hot_neurons(&layers, budget_bytes)
+    let placed = place_hot_neurons(&placement_layers, budget_bytes)
         .map_err(|e| PlanError::Budget(format!("hot-neuron placement: {e}")))?;
     let solve_seconds = t0.elapsed().as_secs_f64();
-    let total: f64 = impacts.iter().flatten().sum();
-    let hot = placed
+
+    let hot_neurons: Vec<Vec<u32>> = placed
         .neurons
         .iter()
-        .zip(&impacts)
-        .map(|(n, i)| {
-            let layer_total: f64 = i.iter().sum();
-            // (+ 0.0: an empty float sum is -0.0.)
-            let on: f64 = n.iter().map(|&j| i[j as usize]).sum::<f64>() + 0.0;
-            HotLayer {
-                neurons: n.len(),
-                activation_share: if layer_total > 0.0 {
-                    on / layer_total
-                } else {
-                    0.0
-                },
-            }
+        .zip(&layouts)
+        .map(|(us, lay)| {
+            let u = lay.cost.unit as u32;
+            us.iter().flat_map(|&j| j * u..(j + 1) * u).collect()
         })
         .collect();
+    let total: f64 = freqs.iter().flatten().sum();
+    let mut layers = Vec::with_capacity(n_layers);
+    let mut hot_device = 0;
+    let mut hbm = g.small + g.head + attention_raw;
+    let mut cpu = 0u64;
+    let mut cold_dram = 0u64;
+    let mut seconds = 0.0;
+    let mut on_total = 0.0;
+    for (l, ((ids, f), lay)) in hot_neurons.iter().zip(&freqs).zip(&layouts).enumerate() {
+        let layer_total: f64 = f.iter().sum();
+        // (+ 0.0: an empty float sum is -0.0.)
+        let on: f64 = ids.iter().map(|&j| f[j as usize]).sum::<f64>() + 0.0;
+        on_total += on;
+        layers.push(HotLayer {
+            neurons: ids.len(),
+            activation_share: if layer_total > 0.0 {
+                on / layer_total
+            } else {
+                0.0
+            },
+        });
+        hot_device += lay.device_bytes(ids.len());
+        let hot_units = ids.len() / lay.cost.unit;
+        let hot_raw = hot_units as u64 * lay.unit_bytes;
+        hbm += hot_raw;
+        let total_units = d_ff / lay.cost.unit;
+        cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
+        // Expected cold work: every cold neuron examined, each active with its frequency, a
+        // down block touched unless all its neurons are off (taken as independent).
+        let mut is_hot = vec![false; d_ff];
+        ids.iter().for_each(|&j| is_hot[j as usize] = true);
+        let cold: Vec<usize> = (0..d_ff).filter(|&j| !is_hot[j]).collect();
+        let active: f64 = cold.iter().map(|&j| f[j]).sum();
+        let touched: f64 = f
+            .chunks(lay.cost.unit)
+            .enumerate()
+            .filter(|(u, _)| !is_hot[u * lay.cost.unit])
+            .map(|(_, c)| 1.0 - c.iter().map(|p| 1.0 - p).product::<f64>())
+            .sum();
+        let c = lay.cost;
+        let cold_bytes = c.decide_bytes as f64 * cold.len() as f64
+            + c.active_bytes as f64 * active
+            + c.unit_bytes as f64 * touched;
+        cpu += cold_bytes as u64;
+        let layer_attention: u64 = attention_parts(l)
+            .iter()
+            .map(|&(l, p)| seg(m, &part_segment_name(l, p)).map_or(0, |s| s.bytes))
+            .sum();
+        let gpu_s = hot_raw as f64 / hw.hbm_bytes_per_s;
+        let cpu_s = if cold.is_empty() {
+            0.0
+        } else {
+            cold_bytes / hw.dram_read_bytes_per_s + sync
+        };
+        seconds += layer_attention as f64 / hw.hbm_bytes_per_s + gpu_s.max(cpu_s);
+    }
+    let per_session = g.kv / plan.budget.sessions.max(1) as u64;
+    hbm += per_session / 2;
+    seconds += (g.head + per_session / 2) as f64 / hw.hbm_bytes_per_s;
+    // About 16 ops a layer (norms, projections, rope, attention, FFN, merge, adds).
+    seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
+    let pcie = 2 * n_layers as u64 * spec.d_model as u64 * 4
+        + spec.d_model as u64 * 4
+        + spec.vocab_size as u64 * 4;
+    let placed_bytes = everything_else + hot_device;
+    let bytes_per_neuron = layouts
+        .iter()
+        .map(|l| l.unit_bytes / l.cost.unit as u64)
+        .max()
+        .unwrap_or(0);
     Ok(HotPlan {
         target: grid_target(k),
         budget_bytes,
         bytes_per_neuron,
-        min_neurons,
-        layers: hot,
+        min_neurons: placement_layers
+            .iter()
+            .zip(&layouts)
+            .map(|(p, l)| p.min_neurons * l.cost.unit)
+            .max()
+            .unwrap_or(0),
+        layers,
         bytes: placed.bytes,
-        activation_share: if total > 0.0 {
-            placed.impact / total
-        } else {
-            0.0
-        },
+        activation_share: if total > 0.0 { on_total / total } else { 0.0 },
         solve_seconds,
+        hot_neurons,
+        cold_cost: layouts.iter().map(|l| l.cost).collect(),
+        device: HybridDevice {
+            attention,
+            hot: hot_device,
+            merge,
+            placed: placed_bytes,
+            total: g.fixed + placed_bytes,
+        },
+        dram_cold_bytes: cold_dram,
+        staging,
+        batch,
+        per_token: HybridPerToken {
+            hbm_bytes: hbm,
+            cpu_bytes: cpu,
+            pcie_bytes: pcie,
+        },
+        predicted_tokens_per_s: 1.0 / seconds,
     })
 }
 
@@ -132,7 +436,7 @@ impl HotPlan {
     pub fn report(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();
-        let h = super::human_bytes;
+        let h = human_bytes;
         let _ = writeln!(
             s,
             "hot neurons at {:.0}% sparsity: {} left for FFN neurons after attention, head, KV and step memory; {} per neuron, at least {} per layer (C_l)",
@@ -156,6 +460,25 @@ impl HotPlan {
             h(self.bytes),
             100.0 * self.activation_share,
             self.solve_seconds * 1e3
+        );
+        let d = &self.device;
+        let _ = writeln!(
+            s,
+            "hybrid (--cold cpu): device {} (attention {}, hot neurons {}, merge buffer {}), cold neurons in DRAM {}",
+            h(d.total),
+            h(d.attention),
+            h(d.hot),
+            h(d.merge),
+            h(self.dram_cold_bytes)
+        );
+        let p = &self.per_token;
+        let _ = writeln!(
+            s,
+            "per token: device reads {}, CPU reads {} from DRAM, PCIe {}; predicted {:.1} tok/s",
+            h(p.hbm_bytes),
+            h(p.cpu_bytes),
+            h(p.pcie_bytes),
+            self.predicted_tokens_per_s
         );
         s
     }

@@ -233,7 +233,7 @@ fn store_err(msg: String) -> PlanError {
     PlanError::Store(msg)
 }
 
-fn seg<'a>(m: &'a Manifest, name: &str) -> Result<&'a Segment, PlanError> {
+pub(crate) fn seg<'a>(m: &'a Manifest, name: &str) -> Result<&'a Segment, PlanError> {
     m.segment(name)
         .ok_or_else(|| store_err(format!("segment `{name}` is missing")))
 }
@@ -438,7 +438,7 @@ pub fn staging_chunks(
 }
 
 /// The staging buffer loading rows `0..rows` of `s` needs.
-fn staging_for(s: &Segment, rows: usize) -> u64 {
+pub(crate) fn staging_for(s: &Segment, rows: usize) -> u64 {
     staging_chunks(s, 0..rows)
         .map(|c| extent(s, c))
         .max()

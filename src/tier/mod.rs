@@ -4,6 +4,7 @@
 //! weights SSD → DRAM → device a window of layers ahead of compute.
 
 pub mod dram;
+pub mod hybrid;
 pub mod ledger;
 pub mod offload;
 

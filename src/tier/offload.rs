@@ -29,13 +29,55 @@ fn store_err(e: StoreError) -> EngineError {
 }
 
 /// Norms and biases of one layer (always resident).
-struct Small<B: Backend> {
-    attn_norm: (B::Weight, Option<B::Weight>),
-    ffn_norm: (B::Weight, Option<B::Weight>),
+pub(super) struct Small<B: Backend> {
+    pub(super) attn_norm: (B::Weight, Option<B::Weight>),
+    pub(super) ffn_norm: (B::Weight, Option<B::Weight>),
     /// q, k, v, o biases.
-    attn_bias: [Option<B::Weight>; 4],
-    up_bias: Option<B::Weight>,
-    down_bias: Option<B::Weight>,
+    pub(super) attn_bias: [Option<B::Weight>; 4],
+    pub(super) up_bias: Option<B::Weight>,
+    pub(super) down_bias: Option<B::Weight>,
+}
+
+impl<B: Backend> Small<B> {
+    /// Layer `l`'s norms and biases, loaded to the device.
+    pub(super) fn load(loader: &mut Loader, b: &B, l: usize) -> Result<Self> {
+        let mut norm = |what: &str| -> Result<(B::Weight, Option<B::Weight>)> {
+            Ok((
+                loader.vector(b, &names::layer(l, &format!("{what}.weight")))?,
+                loader.opt_vector(b, &names::layer(l, &format!("{what}.bias")))?,
+            ))
+        };
+        let attn_norm = norm("attn_norm")?;
+        let ffn_norm = norm("ffn_norm")?;
+        let mut attn_bias: [Option<B::Weight>; 4] = Default::default();
+        for (i, t) in ["attn_q", "attn_k", "attn_v", "attn_output"]
+            .iter()
+            .enumerate()
+        {
+            attn_bias[i] = loader.opt_vector(b, &names::layer(l, &format!("{t}.bias")))?;
+        }
+        Ok(Small {
+            attn_norm,
+            ffn_norm,
+            attn_bias,
+            up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
+            down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
+        })
+    }
+
+    pub(super) fn attn_norm(&self) -> NormView<'_, B> {
+        NormView {
+            weight: &self.attn_norm.0,
+            bias: self.attn_norm.1.as_ref(),
+        }
+    }
+
+    pub(super) fn ffn_norm(&self) -> NormView<'_, B> {
+        NormView {
+            weight: &self.ffn_norm.0,
+            bias: self.ffn_norm.1.as_ref(),
+        }
+    }
 }
 
 /// Device buffers one streamed layer passes through.
@@ -49,6 +91,61 @@ struct Slot<B: Backend> {
 struct Table {
     t: HostTensor,
     _hold: Reservation,
+}
+
+/// The embedding tables in DRAM, looked up on the host: a step's input rows are built there and
+/// copied in once.
+pub(super) struct Embeddings {
+    token: Table,
+    pos: Option<(Table, usize)>,
+    d: usize,
+    x_host: Vec<f32>,
+}
+
+impl Embeddings {
+    pub(super) fn load(store: &Store, ledger: &Arc<Ledger>, spec: &ModelSpec) -> Result<Self> {
+        Ok(Embeddings {
+            token: table(store, ledger, names::TOKEN_EMBD)?,
+            pos: match &spec.position {
+                PositionEncoding::Learned { offset } => {
+                    Some((table(store, ledger, names::POS_EMBD)?, *offset))
+                }
+                PositionEncoding::Rope(_) => None,
+            },
+            d: spec.d_model,
+            x_host: Vec::new(),
+        })
+    }
+
+    /// Token embeddings (plus learned positions from `first_pos`) of `ids` into `out`.
+    pub(super) fn embed<B: Backend>(
+        &mut self,
+        b: &B,
+        ids: &[u32],
+        first_pos: usize,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
+        let d = self.d;
+        self.x_host.resize(ids.len() * d, 0.0);
+        let mut row = vec![0f32; d];
+        for (i, &id) in ids.iter().enumerate() {
+            let x = &mut self.x_host[i * d..(i + 1) * d];
+            self.token.t.row_f32(id as usize, x);
+            if let Some((table, offset)) = &self.pos {
+                let r = first_pos + i + offset;
+                if r >= table.t.rows {
+                    return Err(EngineError::ContextFull {
+                        needed: first_pos + i + 1,
+                        ctx: table.t.rows - offset,
+                    });
+                }
+                table.t.row_f32(r, &mut row);
+                x.iter_mut().zip(&row).for_each(|(a, p)| *a += p);
+            }
+        }
+        b.write(out, &self.x_host)?;
+        Ok(())
+    }
 }
 
 pub struct OffloadWeights<B: Backend> {
@@ -65,11 +162,9 @@ pub struct OffloadWeights<B: Backend> {
     pending: Option<(B::Event, Arc<LayerData>)>,
     head: B::Weight,
     output_norm: (B::Weight, Option<B::Weight>),
-    token_embd: Table,
-    pos_embd: Option<(Table, usize)>,
+    embeddings: Embeddings,
     dram: DramCache,
     rope_freq_factors: Option<Vec<f32>>,
-    x_host: Vec<f32>,
     matmuls: MatmulShapes,
     /// Per layer, each streamed part's device format and columns.
     part_formats: Vec<[(DType, usize); PARTS]>,
@@ -77,16 +172,29 @@ pub struct OffloadWeights<B: Backend> {
 
 /// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
 /// them to the device in chunks of whole checksum groups.
-struct Loader<'a> {
+pub(super) struct Loader<'a> {
     store: &'a Store,
-    ledger: &'a Ledger,
+    ledger: &'a Arc<Ledger>,
     staging: AlignedBuf,
     _hold: Reservation,
 }
 
-impl Loader<'_> {
+impl<'a> Loader<'a> {
+    /// A loader with a staging buffer of `bytes` (at least a page), reserved in DRAM.
+    pub(super) fn new(store: &'a Store, ledger: &'a Arc<Ledger>, bytes: u64) -> Result<Self> {
+        let bytes = bytes.max(4096);
+        Ok(Loader {
+            store,
+            ledger,
+            staging: AlignedBuf::zeroed(bytes as usize),
+            _hold: ledger
+                .reserve(Tier::Dram, bytes, "start-up staging")
+                .map_err(|e| EngineError::Weights(e.to_string()))?,
+        })
+    }
+
     /// Rows `rows` of `seg` into a new device weight of `dtype`.
-    fn load_to_device<B: Backend>(
+    pub(super) fn load_to_device<B: Backend>(
         &mut self,
         b: &B,
         seg: &Segment,
@@ -113,12 +221,16 @@ impl Loader<'_> {
         Ok(w)
     }
 
-    fn vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<B::Weight> {
+    pub(super) fn vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<B::Weight> {
         let seg = self.store.require(name).map_err(store_err)?;
         self.load_to_device(b, seg, 0..seg.rows, DType::F32)
     }
 
-    fn opt_vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<Option<B::Weight>> {
+    pub(super) fn opt_vector<B: Backend>(
+        &mut self,
+        b: &B,
+        name: &str,
+    ) -> Result<Option<B::Weight>> {
         match self.store.segment(name) {
             Some(_) => self.vector(b, name).map(Some),
             None => Ok(None),
@@ -153,51 +265,14 @@ impl<B: Backend> OffloadWeights<B> {
         let spec = m.spec.clone();
         let (shape, residency) = (plan.shape, plan.residency);
         let n_layers = spec.n_layers;
-        let wrap = |e: super::ledger::OverBudget| EngineError::Weights(e.to_string());
 
         // Tables first: they stay in DRAM for the whole run.
-        let token_embd = table(&store, &ledger, names::TOKEN_EMBD)?;
-        let pos_embd = match &spec.position {
-            PositionEncoding::Learned { offset } => {
-                Some((table(&store, &ledger, names::POS_EMBD)?, *offset))
-            }
-            PositionEncoding::Rope(_) => None,
-        };
-
-        let staging_bytes = plan.dram.staging.max(4096);
-        let mut loader = Loader {
-            store: &store,
-            ledger: &ledger,
-            staging: AlignedBuf::zeroed(staging_bytes as usize),
-            _hold: ledger
-                .reserve(Tier::Dram, staging_bytes, "start-up staging")
-                .map_err(wrap)?,
-        };
+        let embeddings = Embeddings::load(&store, &ledger, &spec)?;
+        let mut loader = Loader::new(&store, &ledger, plan.dram.staging)?;
         let mut small = Vec::with_capacity(n_layers);
         let mut resident = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
-            let norm = |ld: &mut Loader, what: &str| -> Result<(B::Weight, Option<B::Weight>)> {
-                Ok((
-                    ld.vector(b, &names::layer(l, &format!("{what}.weight")))?,
-                    ld.opt_vector(b, &names::layer(l, &format!("{what}.bias")))?,
-                ))
-            };
-            let attn_norm = norm(&mut loader, "attn_norm")?;
-            let ffn_norm = norm(&mut loader, "ffn_norm")?;
-            let mut attn_bias: [Option<B::Weight>; 4] = Default::default();
-            for (i, t) in ["attn_q", "attn_k", "attn_v", "attn_output"]
-                .iter()
-                .enumerate()
-            {
-                attn_bias[i] = loader.opt_vector(b, &names::layer(l, &format!("{t}.bias")))?;
-            }
-            small.push(Small {
-                attn_norm,
-                ffn_norm,
-                attn_bias,
-                up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
-                down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
-            });
+            small.push(Small::load(&mut loader, b, l)?);
             let mut parts: [Option<B::Weight>; PARTS] = Default::default();
             for p in Part::ALL {
                 let r = residency.rows[p.index()];
@@ -285,7 +360,6 @@ impl<B: Backend> OffloadWeights<B> {
                 parts: if spec.gated_ffn { 3 } else { 2 },
                 d: spec.d_model,
             },
-            x_host: Vec::new(),
             spec,
             residency,
             small,
@@ -294,8 +368,7 @@ impl<B: Backend> OffloadWeights<B> {
             pending: None,
             head,
             output_norm,
-            token_embd,
-            pos_embd,
+            embeddings,
             dram,
             rope_freq_factors,
         };
@@ -356,26 +429,7 @@ impl<B: Backend> OffloadWeights<B> {
 
 impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
     fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
-        let d = self.spec.d_model;
-        self.x_host.resize(ids.len() * d, 0.0);
-        let mut row = vec![0f32; d];
-        for (i, &id) in ids.iter().enumerate() {
-            let x = &mut self.x_host[i * d..(i + 1) * d];
-            self.token_embd.t.row_f32(id as usize, x);
-            if let Some((table, offset)) = &self.pos_embd {
-                let r = first_pos + i + offset;
-                if r >= table.t.rows {
-                    return Err(EngineError::ContextFull {
-                        needed: first_pos + i + 1,
-                        ctx: table.t.rows - offset,
-                    });
-                }
-                table.t.row_f32(r, &mut row);
-                x.iter_mut().zip(&row).for_each(|(a, p)| *a += p);
-            }
-        }
-        b.write(out, &self.x_host)?;
-        Ok(())
+        self.embeddings.embed(b, ids, first_pos, out)
     }
 
     fn rope_freq_factors(&self) -> Option<Vec<f32>> {
@@ -415,10 +469,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
             runs
         };
         Ok(LayerView {
-            attn_norm: NormView {
-                weight: &sm.attn_norm.0,
-                bias: sm.attn_norm.1.as_ref(),
-            },
+            attn_norm: sm.attn_norm(),
             wq: Self::linear(
                 res,
                 slot,
@@ -447,10 +498,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                 rows[Part::O.index()],
                 sm.attn_bias[3].as_ref(),
             ),
-            ffn_norm: NormView {
-                weight: &sm.ffn_norm.0,
-                bias: sm.ffn_norm.1.as_ref(),
-            },
+            ffn_norm: sm.ffn_norm(),
             ffn: if self.bundled {
                 FfnView::Bundles {
                     runs: ffn_runs,
@@ -466,6 +514,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                     down: part(Part::Down, sm.down_bias.as_ref()),
                 }
             },
+            cold: None,
         })
     }
 

@@ -238,6 +238,7 @@ mod tests {
                     rows: n,
                     cols: d,
                     data: x.clone(),
+                    capacity: n * d,
                 };
                 let mut h = be.alloc(n, ff).unwrap();
                 let act = if gated { Act::Silu } else { Act::Relu };

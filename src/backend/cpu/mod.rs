@@ -25,6 +25,8 @@ pub struct CpuTensor {
     pub rows: usize,
     pub cols: usize,
     pub data: Vec<f32>,
+    /// Values allocated (what [`Backend::reshape`] may use).
+    pub capacity: usize,
 }
 
 impl CpuTensor {
@@ -245,6 +247,7 @@ impl Backend for CpuBackend {
             rows,
             cols,
             data: vec![0.0; n],
+            capacity: n,
         })
     }
 
@@ -295,6 +298,20 @@ impl Backend for CpuBackend {
 
     fn shape(&self, t: &CpuTensor) -> (usize, usize) {
         (t.rows, t.cols)
+    }
+
+    fn reshape(&self, t: &mut CpuTensor, rows: usize, cols: usize) -> Result<()> {
+        let n = rows.checked_mul(cols).filter(|&n| n <= t.capacity);
+        let Some(n) = n else {
+            return Err(shape_err(
+                "reshape",
+                format!("{rows}x{cols} in a buffer of {} values", t.capacity),
+            ));
+        };
+        // Within the allocation: the Vec keeps its capacity, nothing is reallocated.
+        t.data.resize(n, 0.0);
+        (t.rows, t.cols) = (rows, cols);
+        Ok(())
     }
 
     /// Host memory is not a device: no op needs workspace.

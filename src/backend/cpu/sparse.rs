@@ -646,6 +646,42 @@ pub fn sparse_up(
     Ok(())
 }
 
+/// `out[t·m + j] = part p of bundle idx[j] · x_t` for `n` tokens: one part of the listed
+/// neurons (the part that decides whether a neuron is active: the gate, or the up vector of
+/// two-part bundles), so the others are read only for the neurons that turn out active.
+pub fn sparse_part_dots(
+    k: &Kernels,
+    b: &Bundles,
+    idx: &[u32],
+    p: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let op = "sparse_part_dots";
+    let BundleShape { parts, d } = b.shape;
+    let m = idx.len();
+    if p >= parts || x.len() != n * d || out.len() != n * m {
+        return Err(err(
+            op,
+            format!(
+                "part {p} of {parts}, x has {} values, out {}: want {n}×{d} and {n}×{m}",
+                x.len(),
+                out.len()
+            ),
+        ));
+    }
+    b.check_idx(op, idx)?;
+    let o = ops(k);
+    per_item(m, n, out, |j, v| {
+        let row = b.part(idx[j] as usize, p);
+        for (t, v) in v.iter_mut().enumerate() {
+            *v = row.dot(k, o, &x[t * d..(t + 1) * d]);
+        }
+    });
+    Ok(())
+}
+
 /// How [`sparse_down`] spreads its work over threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DownSplit {

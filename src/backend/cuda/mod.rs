@@ -140,6 +140,8 @@ pub struct CudaTensor {
     buf: DeviceBuf,
     rows: usize,
     cols: usize,
+    /// Values allocated (what `reshape` may use).
+    capacity: usize,
 }
 
 /// A weight on the device.
@@ -941,7 +943,12 @@ impl Backend for CudaBackend {
             rows * cols * 4,
             &format!("a {rows}x{cols} activation buffer"),
         )?;
-        let t = CudaTensor { buf, rows, cols };
+        let t = CudaTensor {
+            buf,
+            rows,
+            cols,
+            capacity: rows * cols,
+        };
         // Zeroed, as the trait promises.
         // SAFETY: the whole buffer.
         unsafe {
@@ -1025,6 +1032,17 @@ impl Backend for CudaBackend {
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
         (t.rows, t.cols)
+    }
+
+    fn reshape(&self, t: &mut CudaTensor, rows: usize, cols: usize) -> Result<()> {
+        if rows.checked_mul(cols).is_none_or(|n| n > t.capacity) {
+            return Err(shape_err(
+                "reshape",
+                format!("{rows}x{cols} in a buffer of {} values", t.capacity),
+            ));
+        }
+        (t.rows, t.cols) = (rows, cols);
+        Ok(())
     }
 
     fn workspace_bytes(&self, op: &WorkspaceOp) -> u64 {

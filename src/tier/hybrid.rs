@@ -1,0 +1,674 @@
+//! Hybrid execution (PowerInfer): every layer's attention, the norms, biases and output matrix
+//! resident on the device; of each FFN, the hot neurons ([`HotPlan`]) resident on the device in
+//! one contiguous block per layer and the cold ones in DRAM, computed by the CPU for the tokens
+//! that need them. Nothing streams: per layer the FFN input goes down to the host, the CPU's
+//! partial sum comes back and is added on the device (the engine's hybrid step, which queues
+//! the device's hot neurons before the CPU starts, so the two overlap).
+//!
+//! Hot neurons are gathered at load time: bundles row by row; block-quantized matrices by
+//! rows for gate and up, and by whole blocks of every down row (the placement works in units
+//! of a down block, see [`crate::plan::hot`]). The cold neurons are gathered the same way into
+//! DRAM, reserved in the ledger.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::ledger::{Ledger, Reservation, Tier};
+use super::offload::{Embeddings, Loader, Small};
+use crate::backend::cpu::kernels::Kernels;
+use crate::backend::cpu::sparse::{
+    Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
+};
+use crate::backend::{Act, Backend, BundleShape, sparse_act};
+use crate::engine::{
+    ColdNeurons, ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes,
+    NormView, Result, WeightSource,
+};
+use crate::model::ModelSpec;
+use crate::plan::hot::{ColdCost, HotPlan};
+use crate::plan::{Part, Plan, device_dtype, head_segment, offload_matmuls, part_segment_name};
+use crate::store::{SegmentKind, Store, StoreError, names};
+use crate::tensor::{Bytes, DType, HostTensor, QK};
+
+fn store_err(e: StoreError) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+fn weights_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+/// What the CPU has read for cold neurons, summed over every layer and call.
+#[derive(Debug, Default)]
+pub struct ColdTraffic {
+    pub bytes: AtomicU64,
+    /// Neurons examined (their deciding vector read).
+    pub candidates: AtomicU64,
+    /// Neurons computed.
+    pub active: AtomicU64,
+    /// Down blocks read (block-format FFNs).
+    pub units: AtomicU64,
+}
+
+impl ColdTraffic {
+    fn add(&self, cost: &ColdCost, candidates: usize, active: usize, units: usize) {
+        let (c, a, u) = (candidates as u64, active as u64, units as u64);
+        self.bytes.fetch_add(cost.bytes(c, a, u), Ordering::Relaxed);
+        self.candidates.fetch_add(c, Ordering::Relaxed);
+        self.active.fetch_add(a, Ordering::Relaxed);
+        self.units.fetch_add(u, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> [u64; 4] {
+        [
+            self.bytes.load(Ordering::Relaxed),
+            self.candidates.load(Ordering::Relaxed),
+            self.active.load(Ordering::Relaxed),
+            self.units.load(Ordering::Relaxed),
+        ]
+    }
+}
+
+/// The parts of a layer's cold FFN.
+enum ColdData {
+    /// Gathered bundles (f16), `ids.len()` rows.
+    Bundles { t: HostTensor, shape: BundleShape },
+    /// Gathered gate and up rows; the down matrix's blocks of the cold units, row by row.
+    Matrices {
+        gate: Option<HostTensor>,
+        up: HostTensor,
+        down: HostTensor,
+    },
+}
+
+/// One layer's cold neurons in DRAM and how the CPU computes them.
+pub struct ColdLayer {
+    data: ColdData,
+    /// Neuron id of each cold position.
+    ids: Vec<u32>,
+    /// The up bias of each cold position (two-part bundles and biased up matrices).
+    up_bias: Option<Vec<f32>>,
+    d_ff: usize,
+    act: fn(f32) -> f32,
+    kernels: &'static Kernels,
+    cost: ColdCost,
+    traffic: Arc<ColdTraffic>,
+    _hold: Option<Reservation>,
+}
+
+impl ColdLayer {
+    /// Cold positions some token may need (all without a predictor).
+    fn candidates(&self, n: usize, keep: Option<&[bool]>) -> Vec<u32> {
+        let d_ff = self.d_ff;
+        (0..self.ids.len() as u32)
+            .filter(|&j| {
+                keep.is_none_or(|k| {
+                    let id = self.ids[j as usize] as usize;
+                    (0..n).any(|t| k[t * d_ff + id])
+                })
+            })
+            .collect()
+    }
+
+    /// `dec[t·c + j]` (the deciding dot products of the candidates) turned into the masked
+    /// activations, as the dense kernels compute them; returns the positions in `cand` that
+    /// are non-zero for some token.
+    fn activate(
+        &self,
+        cand: &[u32],
+        n: usize,
+        gated: bool,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        dec: &mut [f32],
+    ) -> Vec<usize> {
+        let c = cand.len();
+        let mut live = vec![false; c];
+        for (jj, &j) in cand.iter().enumerate() {
+            let id = self.ids[j as usize] as usize;
+            let bias = if gated {
+                0.0
+            } else {
+                self.up_bias.as_ref().map_or(0.0, |b| b[j as usize])
+            };
+            for t in 0..n {
+                let v = &mut dec[t * c + jj];
+                *v = sparse_act((self.act)(*v + bias), threshold);
+                if keep.is_some_and(|k| !k[t * self.d_ff + id]) {
+                    *v = 0.0;
+                }
+                live[jj] |= *v != 0.0;
+            }
+        }
+        (0..c).filter(|&jj| live[jj]).collect()
+    }
+}
+
+/// The columns `pos` of `src` (`n × c`), as `n × pos.len()`.
+fn select_cols(src: &[f32], n: usize, c: usize, pos: &[usize]) -> Vec<f32> {
+    let a = pos.len();
+    let mut out = vec![0f32; n * a];
+    for t in 0..n {
+        for (aa, &jj) in pos.iter().enumerate() {
+            out[t * a + aa] = src[t * c + jj];
+        }
+    }
+    out
+}
+
+impl ColdNeurons for ColdLayer {
+    fn add_ffn(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        let k = self.kernels;
+        let cand = self.candidates(n, keep);
+        let c = cand.len();
+        let mut dec = vec![0f32; n * c];
+        match &self.data {
+            ColdData::Bundles { t, shape } => {
+                let b = Bundles::from_host(t, *shape)?;
+                let gated = shape.parts == 3;
+                // The gate (or the up vector of two-part bundles) decides; the rest is read
+                // only for the neurons it leaves on.
+                sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
+                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
+                let mut h = select_cols(&dec, n, c, &pos);
+                if gated {
+                    let mut u = vec![0f32; h.len()];
+                    sparse_part_dots(k, &b, &active, 1, x, n, &mut u)?;
+                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
+                }
+                sparse_down(k, &b, &active, &h, n, out)?;
+                self.traffic.add(&self.cost, c, active.len(), 0);
+            }
+            ColdData::Matrices { gate, up, down } => {
+                let gated = gate.is_some();
+                sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
+                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
+                let mut h = select_cols(&dec, n, c, &pos);
+                if gated {
+                    let a = active.len();
+                    let mut u = vec![0f32; h.len()];
+                    sparse_rows(k, up, &active, x, n, &mut u)?;
+                    if let Some(bias) = &self.up_bias {
+                        for t in 0..n {
+                            for (aa, &j) in active.iter().enumerate() {
+                                u[t * a + aa] += bias[j as usize];
+                            }
+                        }
+                    }
+                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
+                }
+                let units = sparse_down_blocks(k, down, &active, &h, n, out)?;
+                self.traffic.add(&self.cost, c, active.len(), units);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A layer's hot neurons on the device.
+enum HotFfn<B: Backend> {
+    Bundles(Option<B::Weight>),
+    Matrices {
+        gate: Option<B::Weight>,
+        up: Option<B::Weight>,
+        down: Option<B::Weight>,
+        up_bias: Option<B::Weight>,
+    },
+}
+
+pub struct HybridWeights<B: Backend> {
+    spec: ModelSpec,
+    small: Vec<Small<B>>,
+    /// q, k, v, o of every layer.
+    attention: Vec<[B::Weight; 4]>,
+    hot: Vec<HotFfn<B>>,
+    hot_ids: Vec<Vec<u32>>,
+    cold: Vec<ColdLayer>,
+    partial: B::Tensor,
+    bundle: BundleShape,
+    head: B::Weight,
+    output_norm: (B::Weight, Option<B::Weight>),
+    embeddings: Embeddings,
+    rope_freq_factors: Option<Vec<f32>>,
+    matmuls: MatmulShapes,
+    traffic: Arc<ColdTraffic>,
+}
+
+/// Rows `ids` of a row-major byte matrix with rows of `rb` bytes, one after another.
+fn gather_rows(bytes: &[u8], rb: usize, ids: &[u32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ids.len() * rb);
+    for &i in ids {
+        let i = i as usize;
+        out.extend_from_slice(&bytes[i * rb..(i + 1) * rb]);
+    }
+    out
+}
+
+/// Of every row of a matrix whose rows hold `units` blocks of `ub` bytes, the blocks `units_of`
+/// (ascending), row after row.
+fn gather_blocks(bytes: &[u8], rows: usize, rb: usize, ub: usize, units_of: &[usize]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows * units_of.len() * ub);
+    for r in 0..rows {
+        let row = &bytes[r * rb..(r + 1) * rb];
+        for &u in units_of {
+            out.extend_from_slice(&row[u * ub..(u + 1) * ub]);
+        }
+    }
+    out
+}
+
+impl<B: Backend> HybridWeights<B> {
+    /// Load what `hot` places on the device and gather the cold neurons into DRAM. `plan` is
+    /// the store's offload plan for the same budget (its small fragments, KV and step memory);
+    /// `kernels` and `act` are the CPU's for the cold neurons.
+    pub fn new(
+        b: &B,
+        store: Arc<Store>,
+        plan: &Plan,
+        hot: &HotPlan,
+        ledger: Arc<Ledger>,
+        kernels: &'static Kernels,
+        act: Act,
+    ) -> Result<Self> {
+        let m = &store.manifest;
+        if m.model_id != plan.model_id {
+            return Err(weights_err("the plan was made for another model"));
+        }
+        let spec = m.spec.clone();
+        let (n_layers, d, d_ff) = (spec.n_layers, spec.d_model, spec.d_ff);
+        if hot.hot_neurons.len() != n_layers || hot.cold_cost.len() != n_layers {
+            return Err(weights_err(
+                "the hot-neuron plan has another number of layers",
+            ));
+        }
+        let embeddings = Embeddings::load(&store, &ledger, &spec)?;
+        let traffic = Arc::new(ColdTraffic::default());
+        let act_fn = crate::backend::cpu::ops::activation(act);
+        let mut loader = Loader::new(&store, &ledger, hot.staging)?;
+        let mut small = Vec::with_capacity(n_layers);
+        let mut attention = Vec::with_capacity(n_layers);
+        let mut hot_ffn = Vec::with_capacity(n_layers);
+        let mut cold = Vec::with_capacity(n_layers);
+        let bundled = store.ffn_bundled();
+        for l in 0..n_layers {
+            let mut sm = Small::load(&mut loader, b, l)?;
+            let mut att = Vec::with_capacity(4);
+            for p in [Part::Q, Part::K, Part::V, Part::O] {
+                let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
+            }
+            let att: [B::Weight; 4] = att
+                .try_into()
+                .map_err(|_| weights_err("four attention matrices"))?;
+            attention.push(att);
+
+            let ids = &hot.hot_neurons[l];
+            let mut is_hot = vec![false; d_ff];
+            for &i in ids {
+                let slot = is_hot
+                    .get_mut(i as usize)
+                    .ok_or_else(|| weights_err(format!("hot neuron {i} of layer {l} ≥ {d_ff}")))?;
+                if *slot {
+                    return Err(weights_err(format!(
+                        "hot neuron {i} of layer {l} listed twice"
+                    )));
+                }
+                *slot = true;
+            }
+            let cold_ids: Vec<u32> = (0..d_ff as u32).filter(|&i| !is_hot[i as usize]).collect();
+            let up_bias = store
+                .opt_tensor(&names::layer(l, "ffn_up.bias"))
+                .map_err(store_err)?
+                .map(|t| t.to_f32());
+            let pick = |ids: &[u32]| -> Option<Vec<f32>> {
+                up_bias
+                    .as_ref()
+                    .map(|b| ids.iter().map(|&i| b[i as usize]).collect())
+            };
+            let cost = hot.cold_cost[l];
+            let (hot_part, data, cold_bytes) = if bundled {
+                let s = store
+                    .require(&part_segment_name(l, Part::Ffn))
+                    .map_err(store_err)?;
+                let SegmentKind::Bundles { parts } = s.kind else {
+                    return Err(weights_err(format!("`{}` is not bundles", s.name)));
+                };
+                let (buf, range) = store.read(s).map_err(store_err)?;
+                let bytes = &buf.as_slice()[range];
+                let rb = s.row_bytes();
+                let dtype = device_dtype(s);
+                let w = if ids.is_empty() {
+                    None
+                } else {
+                    let mut w =
+                        b.alloc_weight(&format!("{} hot", s.name), dtype, ids.len(), s.cols)?;
+                    upload(b, &mut w, &gather_rows(bytes, rb, ids))?;
+                    Some(w)
+                };
+                // The device's up bias follows the hot block's order (same buffer, rewritten).
+                if let (Some(dev), Some(hb)) = (&mut sm.up_bias, pick(ids)) {
+                    let mut v = hb;
+                    v.resize(d_ff, 0.0);
+                    upload(b, dev, bytemuck::cast_slice(&v))?;
+                }
+                let t = HostTensor {
+                    name: format!("{} cold", s.name),
+                    rows: cold_ids.len(),
+                    cols: s.cols,
+                    dtype,
+                    data: Bytes::from_slice(&gather_rows(bytes, rb, &cold_ids)),
+                };
+                let n = t.data.len() as u64;
+                (
+                    HotFfn::Bundles(w),
+                    ColdData::Bundles {
+                        t,
+                        shape: BundleShape { parts, d },
+                    },
+                    n,
+                )
+            } else {
+                let unit = cost.unit;
+                let hot_units: Vec<usize> = ids
+                    .iter()
+                    .step_by(unit.max(1))
+                    .map(|&i| i as usize / unit)
+                    .collect();
+                let cold_units: Vec<usize> = cold_ids
+                    .iter()
+                    .step_by(unit.max(1))
+                    .map(|&i| i as usize / unit)
+                    .collect();
+                if hot_units.len() * unit != ids.len()
+                    || ids
+                        .iter()
+                        .enumerate()
+                        .any(|(k, &i)| i as usize != hot_units[k / unit] * unit + k % unit)
+                {
+                    return Err(weights_err(format!(
+                        "the hot neurons of layer {l} are not whole blocks of {unit}"
+                    )));
+                }
+                let rows_of = |p: Part, ids: &[u32]| -> Result<(HostTensor, Vec<u8>)> {
+                    let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                    let (buf, range) = store.read(s).map_err(store_err)?;
+                    let bytes = &buf.as_slice()[range];
+                    let dtype = device_dtype(s);
+                    let cold_rows = gather_rows(bytes, s.row_bytes(), &cold_ids);
+                    let t = HostTensor {
+                        name: format!("{} cold", s.name),
+                        rows: cold_ids.len(),
+                        cols: s.cols,
+                        dtype,
+                        data: Bytes::from_slice(&cold_rows),
+                    };
+                    Ok((t, gather_rows(bytes, s.row_bytes(), ids)))
+                };
+                let hot_weight = |p: Part,
+                                  rows: usize,
+                                  cols: usize,
+                                  dtype: DType,
+                                  bytes: &[u8]|
+                 -> Result<Option<B::Weight>> {
+                    if ids.is_empty() {
+                        return Ok(None);
+                    }
+                    let mut w = b.alloc_weight(
+                        &format!("{} hot", names::layer(l, p.name())),
+                        dtype,
+                        rows,
+                        cols,
+                    )?;
+                    upload(b, &mut w, bytes)?;
+                    Ok(Some(w))
+                };
+                let gate = if spec.gated_ffn {
+                    let (t, hot_rows) = rows_of(Part::Gate, ids)?;
+                    let w = hot_weight(Part::Gate, ids.len(), t.cols, t.dtype, &hot_rows)?;
+                    Some((t, w))
+                } else {
+                    None
+                };
+                let (up_t, up_hot) = rows_of(Part::Up, ids)?;
+                let up_w = hot_weight(Part::Up, ids.len(), up_t.cols, up_t.dtype, &up_hot)?;
+                let s = store
+                    .require(&part_segment_name(l, Part::Down))
+                    .map_err(store_err)?;
+                let dtype = device_dtype(s);
+                let ub = dtype.bytes_for(unit);
+                if unit != dtype.block_len().max(QK) || s.cols != d_ff || s.rows != d {
+                    return Err(weights_err(format!(
+                        "`{}` does not have the plan's {unit}-neuron blocks",
+                        s.name
+                    )));
+                }
+                let (buf, range) = store.read(s).map_err(store_err)?;
+                let bytes = &buf.as_slice()[range];
+                let down_w = hot_weight(
+                    Part::Down,
+                    d,
+                    ids.len(),
+                    dtype,
+                    &gather_blocks(bytes, d, s.row_bytes(), ub, &hot_units),
+                )?;
+                let down = HostTensor {
+                    name: format!("{} cold", s.name),
+                    rows: d,
+                    cols: cold_ids.len(),
+                    dtype,
+                    data: Bytes::from_slice(&gather_blocks(
+                        bytes,
+                        d,
+                        s.row_bytes(),
+                        ub,
+                        &cold_units,
+                    )),
+                };
+                let up_bias_w = match pick(ids) {
+                    Some(v) if !ids.is_empty() => Some(b.upload(&HostTensor::from_f32(
+                        names::layer(l, "ffn_up.bias hot"),
+                        1,
+                        ids.len(),
+                        v,
+                    ))?),
+                    _ => None,
+                };
+                let n = (up_t.data.len() + down.data.len()) as u64
+                    + gate.as_ref().map_or(0, |(t, _)| t.data.len() as u64);
+                let (gate_t, gate_w) = match gate {
+                    Some((t, w)) => (Some(t), w),
+                    None => (None, None),
+                };
+                (
+                    HotFfn::Matrices {
+                        gate: gate_w,
+                        up: up_w,
+                        down: down_w,
+                        up_bias: up_bias_w,
+                    },
+                    ColdData::Matrices {
+                        gate: gate_t,
+                        up: up_t,
+                        down,
+                    },
+                    n,
+                )
+            };
+            let hold = if cold_bytes > 0 {
+                Some(
+                    ledger
+                        .reserve(
+                            Tier::Dram,
+                            cold_bytes,
+                            &format!("cold neurons of layer {l}"),
+                        )
+                        .map_err(weights_err)?,
+                )
+            } else {
+                None
+            };
+            cold.push(ColdLayer {
+                data,
+                up_bias: pick(&cold_ids),
+                ids: cold_ids,
+                d_ff,
+                act: act_fn,
+                kernels,
+                cost,
+                traffic: traffic.clone(),
+                _hold: hold,
+            });
+            hot_ffn.push(hot_part);
+            small.push(sm);
+        }
+        let head_seg = head_segment(m).map_err(weights_err)?;
+        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, device_dtype(head_seg))?;
+        let output_norm = (
+            loader.vector(b, names::OUTPUT_NORM)?,
+            loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
+        );
+        let rope_freq_factors = match store.segment(names::ROPE_FREQS) {
+            Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
+            None => None,
+        };
+        drop(loader);
+        let partial = b.alloc(hot.batch.max(1), d)?;
+        Ok(HybridWeights {
+            matmuls: offload_matmuls(m).map_err(weights_err)?,
+            bundle: BundleShape {
+                parts: if spec.gated_ffn { 3 } else { 2 },
+                d,
+            },
+            spec,
+            small,
+            attention,
+            hot: hot_ffn,
+            hot_ids: hot.hot_neurons.clone(),
+            cold,
+            partial,
+            head,
+            output_norm,
+            embeddings,
+            rope_freq_factors,
+            traffic,
+        })
+    }
+
+    /// What the CPU has read for cold neurons so far.
+    pub fn traffic(&self) -> Arc<ColdTraffic> {
+        self.traffic.clone()
+    }
+}
+
+/// Copy `bytes` into `w` from row 0, and wait for the copy (the bytes are a temporary).
+fn upload<B: Backend>(b: &B, w: &mut B::Weight, bytes: &[u8]) -> Result<()> {
+    b.upload_into(w, 0, bytes)?;
+    let ev = b.copies_done()?;
+    b.host_waits(&ev)?;
+    Ok(())
+}
+
+fn linear<'a, B: Backend>(
+    w: Option<&'a B::Weight>,
+    bias: Option<&'a B::Weight>,
+) -> LinearView<'a, B> {
+    LinearView {
+        blocks: w.map(|w| (0, w)).into_iter().collect(),
+        bias,
+    }
+}
+
+impl<B: Backend> WeightSource<B> for HybridWeights<B> {
+    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
+        self.embeddings.embed(b, ids, first_pos, out)
+    }
+
+    fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+        self.rope_freq_factors.clone()
+    }
+
+    fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
+        let HybridWeights {
+            small,
+            attention,
+            hot,
+            hot_ids,
+            cold,
+            partial,
+            bundle,
+            spec,
+            ..
+        } = self;
+        let sm = &small[l];
+        let [q, k, v, o] = &attention[l];
+        let ffn = match &hot[l] {
+            HotFfn::Bundles(w) => FfnView::Bundles {
+                runs: w.iter().map(|w| (0, w)).collect(),
+                shape: *bundle,
+                up_bias: sm.up_bias.as_ref(),
+                down_bias: sm.down_bias.as_ref(),
+            },
+            HotFfn::Matrices {
+                gate,
+                up,
+                down,
+                up_bias,
+            } => FfnView::Matrices {
+                gate: spec.gated_ffn.then(|| linear(gate.as_ref(), None)),
+                up: linear(up.as_ref(), up_bias.as_ref()),
+                down: linear(down.as_ref(), sm.down_bias.as_ref()),
+            },
+        };
+        Ok(LayerView {
+            attn_norm: sm.attn_norm(),
+            wq: linear(Some(q), sm.attn_bias[0].as_ref()),
+            wk: linear(Some(k), sm.attn_bias[1].as_ref()),
+            wv: linear(Some(v), sm.attn_bias[2].as_ref()),
+            wo: linear(Some(o), sm.attn_bias[3].as_ref()),
+            ffn_norm: sm.ffn_norm(),
+            ffn,
+            cold: Some(ColdView {
+                neurons: &cold[l],
+                hot: &hot_ids[l],
+                partial,
+            }),
+        })
+    }
+
+    fn layer_done(&mut self, _: &B, _: usize) -> Result<()> {
+        Ok(())
+    }
+
+    fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
+        Ok(HeadView {
+            norm: NormView {
+                weight: &self.output_norm.0,
+                bias: self.output_norm.1.as_ref(),
+            },
+            output: LinearView {
+                blocks: vec![(0, &self.head)],
+                bias: None,
+            },
+        })
+    }
+
+    fn head_done(&mut self, _: &B) -> Result<()> {
+        Ok(())
+    }
+
+    fn matmuls(&self) -> MatmulShapes {
+        self.matmuls.clone()
+    }
+}
