@@ -228,7 +228,7 @@ pub fn plan_hot_neurons(
     profile: &SparsityProfile,
     target: f64,
 ) -> Result<HotPlan, PlanError> {
-    let k = ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1;
+    let k = grid_index(target);
     let spec = &plan.spec;
     let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
     if profile.d_ff != d_ff || profile.n_layers != n_layers {
@@ -236,51 +236,8 @@ pub fn plan_hot_neurons(
             "the sparsity profile's shape is not this model's".into(),
         ));
     }
-    let layouts = (0..n_layers)
-        .map(|l| FfnLayout::of(m, l))
-        .collect::<Result<Vec<_>, _>>()?;
-    let attention_parts = |l: usize| [Part::Q, Part::K, Part::V, Part::O].map(move |p| (l, p));
-    let mut attention = 0;
-    let mut attention_raw = 0;
-    let mut staging = 0;
-    for (l, p) in (0..n_layers).flat_map(attention_parts) {
-        let s = seg(m, &part_segment_name(l, p))?;
-        attention += device_bytes(s.bytes);
-        attention_raw += s.bytes;
-        staging = staging.max(staging_for(s, s.rows));
-    }
-    let head = super::head_segment(m)?;
-    staging = staging.max(staging_for(head, head.rows));
-    for (name, _) in super::small_fragments(m) {
-        if let Some(s) = m.segment(&name) {
-            staging = staging.max(staging_for(s, s.rows));
-        }
-    }
-    let batch = plan.budget.batch;
-    let merge = device_bytes((batch * spec.d_model * 4) as u64);
-    let g = &plan.gpu;
-    let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
-    let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
-    // Each hot tensor rounds up to the granule: keep room for that, so the ILP's raw bytes
-    // always fit once rounded.
-    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
-    if usable < everything_else + rounding {
-        return Err(PlanError::GpuTooSmall {
-            budget: plan.budget.gpu_mem,
-            minimum: g.fixed + everything_else + rounding,
-            breakdown: format!(
-                "hybrid execution keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
-                human_bytes(attention),
-                human_bytes(g.small),
-                human_bytes(g.head),
-                human_bytes(g.kv),
-                human_bytes(g.scratch),
-                human_bytes(g.workspace),
-                human_bytes(merge)
-            ),
-        });
-    }
-    let budget_bytes = usable - everything_else - rounding;
+    let (base, layouts) = base_of(m, plan)?;
+    let budget_bytes = base.budget_bytes;
 
     // C_l: a unit costs its bytes at DRAM speed on the CPU and at HBM speed on the GPU; a layer
     // split between them pays a round trip (the input down, the partial sum up). A layer wholly
@@ -327,15 +284,212 @@ pub fn plan_hot_neurons(
             us.iter().flat_map(|&j| j * u..(j + 1) * u).collect()
         })
         .collect();
+    let min_neurons = placement_layers
+        .iter()
+        .zip(&layouts)
+        .map(|(p, l)| p.min_neurons * l.cost.unit)
+        .max()
+        .unwrap_or(0);
+    Ok(finish(
+        m,
+        plan,
+        &base,
+        &layouts,
+        &freqs,
+        hot_neurons,
+        Solved {
+            target: grid_target(k),
+            budget_bytes,
+            min_neurons,
+            bytes: placed.bytes,
+            solve_seconds,
+        },
+    ))
+}
+
+/// Hybrid execution of a placement given neuron by neuron (`hot[l]`: layer l's hot neuron ids,
+/// ascending, whole units): what it holds and moves, its bytes checked against the budget.
+/// Frequencies from `profile` at `target` if given, else every neuron at `target`.
+pub fn plan_hybrid_with(
+    m: &Manifest,
+    plan: &Plan,
+    hot: Vec<Vec<u32>>,
+    profile: Option<&SparsityProfile>,
+    target: f64,
+) -> Result<HotPlan, PlanError> {
+    let k = grid_index(target);
+    let (n_layers, d_ff) = (plan.spec.n_layers, plan.spec.d_ff);
+    let (base, layouts) = base_of(m, plan)?;
+    if hot.len() != n_layers {
+        return Err(PlanError::Budget(format!(
+            "a placement of {} layers for {n_layers}",
+            hot.len()
+        )));
+    }
+    for (l, (ids, lay)) in hot.iter().zip(&layouts).enumerate() {
+        let u = lay.cost.unit;
+        let whole = ids.len().is_multiple_of(u)
+            && ids.windows(2).all(|w| w[0] < w[1])
+            && ids.last().is_none_or(|&i| (i as usize) < d_ff)
+            && ids.chunks(u).all(|c| {
+                (c[0] as usize).is_multiple_of(u) && c.windows(2).all(|w| w[1] == w[0] + 1)
+            });
+        if !whole {
+            return Err(PlanError::Budget(format!(
+                "layer {l}: hot neurons must be ascending ids below {d_ff} in whole blocks of {u}"
+            )));
+        }
+    }
+    let freqs: Vec<Vec<f64>> = match profile {
+        Some(p) => (0..n_layers).map(|l| p.frequencies(l, k)).collect(),
+        None => vec![vec![1.0 - target; d_ff]; n_layers],
+    };
+    let bytes = hot
+        .iter()
+        .zip(&layouts)
+        .map(|(ids, lay)| (ids.len() / lay.cost.unit) as u64 * lay.unit_bytes)
+        .sum();
+    let h = finish(
+        m,
+        plan,
+        &base,
+        &layouts,
+        &freqs,
+        hot,
+        Solved {
+            target,
+            budget_bytes: base.budget_bytes,
+            min_neurons: 0,
+            bytes,
+            solve_seconds: 0.0,
+        },
+    );
+    if h.device.total > plan.budget.gpu_mem {
+        return Err(PlanError::GpuTooSmall {
+            budget: plan.budget.gpu_mem,
+            minimum: h.device.total,
+            breakdown: format!(
+                "hot neurons {} on top of attention {}",
+                human_bytes(h.device.hot),
+                human_bytes(h.device.attention)
+            ),
+        });
+    }
+    Ok(h)
+}
+
+/// What the ILP (or a caller) decided.
+struct Solved {
+    target: f64,
+    budget_bytes: u64,
+    min_neurons: usize,
+    bytes: u64,
+    solve_seconds: f64,
+}
+
+/// Everything hybrid execution holds besides the hot neurons.
+struct Base {
+    attention: u64,
+    attention_raw: u64,
+    staging: u64,
+    merge: u64,
+    everything_else: u64,
+    /// What the ILP may place (raw bytes), with room for each hot tensor's rounding.
+    budget_bytes: u64,
+}
+
+fn grid_index(target: f64) -> usize {
+    ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1
+}
+
+/// The hybrid device bytes besides the hot neurons, and each layer's FFN layout.
+fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanError> {
+    let spec = &plan.spec;
+    let n_layers = spec.n_layers;
+    let layouts = (0..n_layers)
+        .map(|l| FfnLayout::of(m, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut attention = 0;
+    let mut attention_raw = 0;
+    let mut staging = 0;
+    for (l, p) in (0..n_layers).flat_map(attention_parts) {
+        let s = seg(m, &part_segment_name(l, p))?;
+        attention += device_bytes(s.bytes);
+        attention_raw += s.bytes;
+        staging = staging.max(staging_for(s, s.rows));
+    }
+    let head = super::head_segment(m)?;
+    staging = staging.max(staging_for(head, head.rows));
+    for (name, _) in super::small_fragments(m) {
+        if let Some(s) = m.segment(&name) {
+            staging = staging.max(staging_for(s, s.rows));
+        }
+    }
+    let merge = device_bytes((plan.budget.batch * spec.d_model * 4) as u64);
+    let g = &plan.gpu;
+    let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
+    let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
+    // Each hot tensor rounds up to the granule: keep room for that, so the ILP's raw bytes
+    // always fit once rounded.
+    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
+    if usable < everything_else + rounding {
+        return Err(PlanError::GpuTooSmall {
+            budget: plan.budget.gpu_mem,
+            minimum: g.fixed + everything_else + rounding,
+            breakdown: format!(
+                "hybrid execution keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
+                human_bytes(attention),
+                human_bytes(g.small),
+                human_bytes(g.head),
+                human_bytes(g.kv),
+                human_bytes(g.scratch),
+                human_bytes(g.workspace),
+                human_bytes(merge)
+            ),
+        });
+    }
+    Ok((
+        Base {
+            attention,
+            attention_raw,
+            staging,
+            merge,
+            everything_else,
+            budget_bytes: usable - everything_else - rounding,
+        },
+        layouts,
+    ))
+}
+
+fn attention_parts(l: usize) -> [(usize, Part); 4] {
+    [Part::Q, Part::K, Part::V, Part::O].map(move |p| (l, p))
+}
+
+/// The plan of a placement: device bytes, cold costs, expected traffic and speed.
+fn finish(
+    m: &Manifest,
+    plan: &Plan,
+    base: &Base,
+    layouts: &[FfnLayout],
+    freqs: &[Vec<f64>],
+    hot_neurons: Vec<Vec<u32>>,
+    solved: Solved,
+) -> HotPlan {
+    let spec = &plan.spec;
+    let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
+    let hw = &plan.hardware;
+    let g = &plan.gpu;
+    let vector = (spec.d_model * 4) as f64;
+    let sync = 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s);
     let total: f64 = freqs.iter().flatten().sum();
     let mut layers = Vec::with_capacity(n_layers);
     let mut hot_device = 0;
-    let mut hbm = g.small + g.head + attention_raw;
+    let mut hbm = g.small + g.head + base.attention_raw;
     let mut cpu = 0u64;
     let mut cold_dram = 0u64;
     let mut seconds = 0.0;
     let mut on_total = 0.0;
-    for (l, ((ids, f), lay)) in hot_neurons.iter().zip(&freqs).zip(&layouts).enumerate() {
+    for (l, ((ids, f), lay)) in hot_neurons.iter().zip(freqs).zip(layouts).enumerate() {
         let layer_total: f64 = f.iter().sum();
         // (+ 0.0: an empty float sum is -0.0.)
         let on: f64 = ids.iter().map(|&j| f[j as usize]).sum::<f64>() + 0.0;
@@ -391,45 +545,40 @@ pub fn plan_hot_neurons(
     let pcie = 2 * n_layers as u64 * spec.d_model as u64 * 4
         + spec.d_model as u64 * 4
         + spec.vocab_size as u64 * 4;
-    let placed_bytes = everything_else + hot_device;
+    let placed_bytes = base.everything_else + hot_device;
     let bytes_per_neuron = layouts
         .iter()
         .map(|l| l.unit_bytes / l.cost.unit as u64)
         .max()
         .unwrap_or(0);
-    Ok(HotPlan {
-        target: grid_target(k),
-        budget_bytes,
+    HotPlan {
+        target: solved.target,
+        budget_bytes: solved.budget_bytes,
         bytes_per_neuron,
-        min_neurons: placement_layers
-            .iter()
-            .zip(&layouts)
-            .map(|(p, l)| p.min_neurons * l.cost.unit)
-            .max()
-            .unwrap_or(0),
+        min_neurons: solved.min_neurons,
         layers,
-        bytes: placed.bytes,
+        bytes: solved.bytes,
         activation_share: if total > 0.0 { on_total / total } else { 0.0 },
-        solve_seconds,
+        solve_seconds: solved.solve_seconds,
         hot_neurons,
         cold_cost: layouts.iter().map(|l| l.cost).collect(),
         device: HybridDevice {
-            attention,
+            attention: base.attention,
             hot: hot_device,
-            merge,
+            merge: base.merge,
             placed: placed_bytes,
             total: g.fixed + placed_bytes,
         },
         dram_cold_bytes: cold_dram,
-        staging,
-        batch,
+        staging: base.staging,
+        batch: plan.budget.batch,
         per_token: HybridPerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
             pcie_bytes: pcie,
         },
         predicted_tokens_per_s: 1.0 / seconds,
-    })
+    }
 }
 
 impl HotPlan {

@@ -672,3 +672,149 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
         self.matmuls.clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::{kernels, matmul::matmul};
+    use crate::tensor::quantize::quantize_row;
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+    fn quantized(
+        rng: &mut StdRng,
+        name: &str,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> HostTensor {
+        let mut bytes = vec![0u8; rows * dtype.bytes_for(cols)];
+        for r in bytes.chunks_mut(dtype.bytes_for(cols)) {
+            let v: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            quantize_row(dtype, &v, r);
+        }
+        HostTensor {
+            name: name.into(),
+            rows,
+            cols,
+            dtype,
+            data: Bytes::from_slice(&bytes),
+        }
+    }
+
+    fn gathered(t: &HostTensor, rows: usize, cols: usize, bytes: Vec<u8>) -> HostTensor {
+        HostTensor {
+            name: t.name.clone(),
+            rows,
+            cols,
+            dtype: t.dtype,
+            data: Bytes::from_slice(&bytes),
+        }
+    }
+
+    /// One gated layer of Q4_1 matrices (Q6_K down, 256-neuron units, in the second case) split
+    /// into hot blocks (dense products on the gathered matrices, as the device runs them) and
+    /// cold blocks (the CPU's [`ColdLayer`]): their sum is the dense FFN to float reassociation,
+    /// for every token, with and without a mask; the CPU's reads are the cost model's.
+    #[test]
+    fn hot_plus_cold_blocks_are_the_dense_ffn() {
+        let k = kernels::best();
+        let mut rng = StdRng::seed_from_u64(3);
+        let (d, n) = (256, 3);
+        for (down_dtype, d_ff, threshold) in [
+            (DType::Q4_1, 512, 0.0),
+            (DType::Q6K, 1024, 0.0),
+            (DType::Q4_1, 512, 0.3),
+        ] {
+            let unit = down_dtype.block_len().max(QK);
+            let gate = quantized(&mut rng, "gate", DType::Q4_1, d_ff, d);
+            let up = quantized(&mut rng, "up", DType::Q4_1, d_ff, d);
+            let down = quantized(&mut rng, "down", down_dtype, d, d_ff);
+            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let silu = crate::backend::cpu::ops::activation(Act::Silu);
+            let ffn = |g: &HostTensor, u: &HostTensor, dn: &HostTensor| {
+                let m = g.rows;
+                let (mut gv, mut uv) = (vec![0f32; n * m], vec![0f32; n * m]);
+                matmul(k, g, &x, n, &mut gv);
+                matmul(k, u, &x, n, &mut uv);
+                let h: Vec<f32> = gv
+                    .iter()
+                    .zip(&uv)
+                    .map(|(g, u)| sparse_act(silu(*g), threshold) * u)
+                    .collect();
+                let mut out = vec![0f32; n * d];
+                matmul(k, dn, &h, n, &mut out);
+                out
+            };
+            let want = ffn(&gate, &up, &down);
+            let units = d_ff / unit;
+            let hot_units: Vec<usize> = (0..units).filter(|_| rng.random_bool(0.5)).collect();
+            let cold_units: Vec<usize> = (0..units).filter(|u| !hot_units.contains(u)).collect();
+            let ids = |us: &[usize]| -> Vec<u32> {
+                us.iter()
+                    .flat_map(|&u| (u * unit) as u32..((u + 1) * unit) as u32)
+                    .collect()
+            };
+            let (hot_ids, cold_ids) = (ids(&hot_units), ids(&cold_units));
+            let rows = |t: &HostTensor, ids: &[u32]| {
+                gathered(
+                    t,
+                    ids.len(),
+                    d,
+                    gather_rows(t.data.as_slice(), t.row_bytes(), ids),
+                )
+            };
+            let blocks = |us: &[usize]| {
+                let ub = down_dtype.bytes_for(unit);
+                let b = gather_blocks(down.data.as_slice(), d, down.row_bytes(), ub, us);
+                gathered(&down, d, us.len() * unit, b)
+            };
+            let mut got = if hot_ids.is_empty() {
+                vec![0f32; n * d]
+            } else {
+                ffn(
+                    &rows(&gate, &hot_ids),
+                    &rows(&up, &hot_ids),
+                    &blocks(&hot_units),
+                )
+            };
+            let traffic = Arc::new(ColdTraffic::default());
+            let cost = ColdCost {
+                decide_bytes: gate.row_bytes() as u64,
+                active_bytes: up.row_bytes() as u64,
+                unit_bytes: (d * down_dtype.bytes_for(unit)) as u64,
+                unit,
+            };
+            let cold = ColdLayer {
+                data: ColdData::Matrices {
+                    gate: Some(rows(&gate, &cold_ids)),
+                    up: rows(&up, &cold_ids),
+                    down: blocks(&cold_units),
+                },
+                ids: cold_ids.clone(),
+                up_bias: None,
+                d_ff,
+                act: silu,
+                kernels: k,
+                cost,
+                traffic: traffic.clone(),
+                _hold: None,
+            };
+            cold.add_ffn(&x, n, threshold, None, &mut got).unwrap();
+            for (t, (g, w)) in got.chunks(d).zip(want.chunks(d)).enumerate() {
+                let scale: f32 = w.iter().map(|v| v.abs()).sum::<f32>() / d as f32;
+                for (a, b) in g.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * scale * d as f32,
+                        "{down_dtype} token {t}: {a} vs {b}"
+                    );
+                }
+            }
+            let [bytes, candidates, active, touched] = traffic.snapshot();
+            assert_eq!(candidates, cold_ids.len() as u64);
+            assert_eq!(bytes, cost.bytes(candidates, active, touched));
+            if threshold > 0.0 {
+                assert!(active < candidates, "the mask leaves some cold neurons out");
+            }
+        }
+    }
+}
