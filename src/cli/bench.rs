@@ -615,6 +615,17 @@ fn rates_for(
 /// for an offloaded run; every weight and the KV so far from device memory (CUDA) or DRAM (CPU)
 /// for a whole-model run.
 fn traffic_of(r: &Running, first: usize, steps: usize) -> Traffic {
+    if let Some(h) = &r.hybrid {
+        // Hybrid: the device reads attention and hot neurons, the CPU the cold ones (expected
+        // at the profile's frequencies), PCIe carries two vectors a layer.
+        let p = &h.plan.per_token;
+        return Traffic {
+            hbm_read_bytes: p.hbm_bytes as f64,
+            h2d_bytes: p.pcie_bytes as f64,
+            dram_read_bytes: p.cpu_bytes as f64,
+            ssd_read_bytes: 0.0,
+        };
+    }
     match (&r.plan, &r.traffic) {
         (Some(plan), _) => Traffic::of_plan(plan),
         (None, Some(t)) if device_of(r) == "cuda" => Traffic {
@@ -668,7 +679,18 @@ fn decode(a: DecodeArgs) -> Result<()> {
         ssd_dir.as_deref(),
     )?;
     let bound = Bound::of(&traffic, &rates);
-    let predicted = running.plan.as_ref().map(|p| p.prediction.tokens_per_s);
+    let predicted = match &running.hybrid {
+        Some(h) => Some(h.plan.predicted_tokens_per_s),
+        None => running.plan.as_ref().map(|p| p.prediction.tokens_per_s),
+    };
+    // What the CPU read for cold neurons, against what the plan expected per token.
+    let cold = running.hybrid.as_ref().map(|h| {
+        let [bytes, candidates, active, units] = h.traffic.snapshot();
+        json!({"cpu_bytes_total": bytes, "candidates": candidates, "active": active,
+               "down_blocks": units, "expected_cpu_bytes_per_token": h.plan.per_token.cpu_bytes,
+               "hot_neurons": h.plan.layers.iter().map(|l| l.neurons).sum::<usize>(),
+               "device_bytes": h.plan.device.total})
+    });
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
@@ -677,7 +699,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "bound_limited_by": bound.limited_by, "bound_tokens_per_s": bound.tokens_per_s,
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
-        "load_s": running.load_s, "memory": memory,
+        "load_s": running.load_s, "memory": memory, "hybrid": cold,
     });
     if a.json {
         println!("{out}");
