@@ -220,7 +220,7 @@ fn profile_and_oracle_on_the_cli() {
     fails(&mut profile(&["--corpus", cs]), "not UTF-8");
     std::fs::write(&corpus, "Once upon a time.").unwrap();
     fails(&mut profile(&["--corpus", cs]), "give a longer corpus");
-    let run = |extra: &[&str]| {
+    let run_on = |device: &[&str], extra: &[&str]| {
         let mut c = bin(&models);
         c.args([
             "run",
@@ -233,14 +233,19 @@ fn profile_and_oracle_on_the_cli() {
             "--temperature",
             "0",
             "--json",
-            "--device",
-            "cpu",
         ])
+        .args(device)
         .args(extra);
         c
     };
+    let run = |extra: &[&str]| run_on(&["--device", "cpu"], extra);
     fails(
         &mut run(&["--sparsity", "oracle"]),
+        "run `gpu-offload profile -m",
+    );
+    let sim = ["--device", "sim", "--gpu-mem", "64M"];
+    fails(
+        &mut run_on(&sim, &["--cold", "cpu"]),
         "run `gpu-offload profile -m",
     );
     std::fs::write(
@@ -259,6 +264,12 @@ fn profile_and_oracle_on_the_cli() {
     ] {
         succeeds(&mut run(&a));
     }
+    // Hybrid execution (hot neurons placed from the profile, cold ones on the CPU) generates
+    // what streaming does (the same neurons, summed in another order).
+    let streamed = succeeds(&mut run_on(&sim, &["--cold", "stream"]));
+    let hybrid_out = succeeds(&mut run_on(&sim, &["--cold", "cpu"]));
+    assert!(streamed["text"].as_str().is_some_and(|t| !t.is_empty()));
+    assert_eq!(hybrid_out["token_ids"], streamed["token_ids"]);
     // The predicted masks change the numbers (a predictor of a tiny model keeps most neurons,
     // not all).
     let logits_of = |mode: &str| -> serde_json::Value {
