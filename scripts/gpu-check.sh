@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|all]
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -22,6 +22,10 @@
 #            70B-shaped Q4_K_M at 24G with --dram-mem 32G (SSD tier) vs the SSD and PCIe bounds;
 #            stores read the GGUFs in place (70B Q4_K_M is ~40 GB of a 64 GB disk)
 #   serve    the HTTP server on CUDA: completions, a context swapped out and restored, HBM ledger
+#   hybrid   issue 11: the 7B shape with ReLU and power-law 0.8 hot neurons, profiled on random
+#            token ids; at --gpu-mem 4G hybrid decode (--cold cpu, oracle masks) vs dense
+#            offload (--cold stream) vs each bound and the plan's prediction, the ILP's placement
+#            and solve time; parity: hybrid logits vs the whole-GPU run (oracle masks)
 # Results: $OUT/results.jsonl (one JSON object per measurement) and $OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -252,6 +256,35 @@ PY
     kill -TERM $pid; wait $pid
 }
 
+hybrid() {
+    local m="$WORK/m7b-relu"
+    if [[ ! -f "$m/config.json" ]]; then
+        say "synthesizing the 7B shape with ReLU and power-law 0.8 hot neurons"
+        "$B" synth --preset 7b --activation relu --power-law 0.8 -o "$m" --force 2>&1 | tee -a "$LOG"
+    fi
+    say "profile on random ids (a synthesized model has no tokenizer; its hot neurons are planted; no predictors: oracle masks are exact for ReLU)"
+    record profile_7b_relu "$("$B" profile -m "$m" --random-corpus --tokens 256 --window 128 --no-predictors --json 2>>"$LOG")"
+    say "hybrid plan at 4G"
+    "$B" plan -m "$m" --gpu-mem 4G --ctx-size 1024 --hot-neurons 2>&1 | tail -4 | tee -a "$LOG"
+    record plan_7b_relu_hot_4g "$("$B" plan -m "$m" --gpu-mem 4G --ctx-size 1024 --hot-neurons --json 2>>"$LOG")"
+    local cold
+    for cold in stream cpu; do
+        say "7B ReLU at --gpu-mem 4G, --cold $cold, oracle masks"
+        record "decode_7b_relu_4g_$cold" "$("$B" bench decode --device cuda -m "$m" --gpu-mem 4G --cold "$cold" \
+            --sparsity oracle --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+    done
+    say "parity: hybrid at 4G vs the whole GPU, oracle masks"
+    "$B" logits --device cuda -m "$m" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
+    "$B" logits --device cuda -m "$m" --gpu-mem 4G --cold cpu --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/hyb.json" 2>>"$LOG"
+    record parity_7b_relu_hybrid "$($PY - "$WORK/whole.json" "$WORK/hyb.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["logits"][-1] for p in sys.argv[1:3])
+d = max(abs(x - y) for x, y in zip(a, b))
+print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
+PY
+)"
+}
+
 case "$MODE" in
     tests) tests ;;
     bench) bench ;;
@@ -261,7 +294,8 @@ case "$MODE" in
     suite) suite ;;
     peers) peers ;;
     quant) quant ;;
+    hybrid) hybrid ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|all]"; exit 2 ;;
 esac
 say "done"

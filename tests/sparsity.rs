@@ -374,4 +374,31 @@ fn profile_and_oracle_on_the_cli() {
         ]),
         "belongs to another model",
     );
+    // Calibration on random ids (for synthesized models without a tokenizer).
+    let v = succeeds(bin(&models).args([
+        "profile",
+        "-m",
+        os,
+        "--random-corpus",
+        "--tokens",
+        "64",
+        "--window",
+        "32",
+        "--no-predictors",
+        "--json",
+    ]));
+    assert_eq!(v["tokens"], 64);
+    succeeds(bin(&models).args([
+        "run",
+        "-m",
+        os,
+        "--tokens",
+        "1,2,3",
+        "-n",
+        "2",
+        "--device",
+        "cpu",
+        "--sparsity",
+        "oracle",
+    ]));
 }

@@ -29,6 +29,11 @@ pub struct ProfileArgs {
     #[arg(long, env = "GPU_OFFLOAD_CORPUS")]
     pub corpus: Option<PathBuf>,
 
+    /// Calibrate on seeded random token ids instead of a corpus: for synthesized models, which
+    /// have no tokenizer (their hot neurons are planted in the weights, not learned from text)
+    #[arg(long, env = "GPU_OFFLOAD_RANDOM_CORPUS", conflicts_with = "corpus")]
+    pub random_corpus: bool,
+
     /// Tokens of the corpus to profile on.
     #[arg(long, env = "GPU_OFFLOAD_PROFILE_TOKENS", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(16..))]
     pub tokens: u32,
@@ -69,52 +74,71 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         .model
         .clone()
         .unwrap_or_else(crate::model::default_model_path);
-    let corpus = args
-        .corpus
-        .clone()
-        .unwrap_or_else(|| models.join("moby-dick-profile.txt"));
-    if !corpus.exists() {
-        bail!(
-            "corpus {} does not exist{}",
-            corpus.display(),
-            if args.corpus.is_none() {
-                ": run scripts/fetch-models.sh (it fetches the default corpus) or pass --corpus FILE"
-            } else {
-                ""
-            }
-        );
-    }
-    let bytes =
-        std::fs::read(&corpus).with_context(|| format!("cannot read {}", corpus.display()))?;
-    let text = String::from_utf8(bytes)
-        .map_err(|_| anyhow::anyhow!("corpus {} is not UTF-8 text", corpus.display()))?;
-    if text.trim().is_empty() {
-        bail!("corpus {} is empty", corpus.display());
-    }
     if !model_path.exists() {
         bail!(
             "{} does not exist: pass --model (or run scripts/fetch-models.sh for the default)",
             model_path.display()
         );
     }
+    let want = args.tokens as usize;
+    // The corpus is checked before the model loads: a bad one fails at once.
+    let text = if args.random_corpus {
+        None
+    } else {
+        let corpus = args
+            .corpus
+            .clone()
+            .unwrap_or_else(|| models.join("moby-dick-profile.txt"));
+        if !corpus.exists() {
+            bail!(
+                "corpus {} does not exist{}",
+                corpus.display(),
+                if args.corpus.is_none() {
+                    ": run scripts/fetch-models.sh (it fetches the default corpus) or pass --corpus FILE"
+                } else {
+                    ""
+                }
+            );
+        }
+        let bytes =
+            std::fs::read(&corpus).with_context(|| format!("cannot read {}", corpus.display()))?;
+        let text = String::from_utf8(bytes)
+            .map_err(|_| anyhow::anyhow!("corpus {} is not UTF-8 text", corpus.display()))?;
+        if text.trim().is_empty() {
+            bail!("corpus {} is empty", corpus.display());
+        }
+        Some((corpus, text))
+    };
+    let corpus_name = match &text {
+        Some((corpus, _)) => corpus.display().to_string(),
+        None => "random token ids (seed 7)".to_string(),
+    };
     let store = open_store_for(&model_path)?;
     let model = Model::load(&model_path)
         .with_context(|| format!("cannot load model {}", model_path.display()))?;
-    let Some(tokenizer) = &model.tokenizer else {
-        bail!(
-            "{} has no tokenizer: profiling needs one to read the corpus",
+    let all = match (&text, &model.tokenizer) {
+        (Some((corpus, text)), Some(tokenizer)) => {
+            let all = tokenizer.encode(text, false, false)?;
+            if all.len() < want {
+                bail!(
+                    "corpus {} has {} tokens; profiling needs --tokens {want}: give a longer corpus or a smaller --tokens",
+                    corpus.display(),
+                    all.len()
+                );
+            }
+            all
+        }
+        (Some(_), None) => bail!(
+            "{} has no tokenizer: profiling needs one to read the corpus (a synthesized model: pass --random-corpus)",
             model_path.display()
-        );
+        ),
+        (None, _) => {
+            use rand::{RngExt, SeedableRng};
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let hi = (model.spec.vocab_size as u32).max(4);
+            (0..want).map(|_| rng.random_range(3..hi)).collect()
+        }
     };
-    let all = tokenizer.encode(&text, false, false)?;
-    let want = args.tokens as usize;
-    if all.len() < want {
-        bail!(
-            "corpus {} has {} tokens; profiling needs --tokens {want}: give a longer corpus or a smaller --tokens",
-            corpus.display(),
-            all.len()
-        );
-    }
     let window = (args.window as usize).min(model.spec.max_context);
     let tokens = &all[..want];
     let spec = model.spec.clone();
@@ -172,7 +196,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let model_params = model_parameters;
     let profile = SparsityProfile {
         model_id: store.manifest.model_id.clone(),
-        corpus: corpus.display().to_string(),
+        corpus: corpus_name.clone(),
         tokens: tokens.len(),
         window,
         n_layers: spec.n_layers,
@@ -228,7 +252,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             "profiled {} on {} tokens of {} in {:.1} s → {}",
             model_path.display(),
             profile.tokens,
-            corpus.display(),
+            corpus_name,
             secs,
             SparsityProfile::path_in(store.dir()).display()
         );
