@@ -299,3 +299,58 @@ fn hybrid_matrices_place_whole_blocks() {
     let e = plan_hybrid_with(&store.manifest, &plan, split, None, 0.5).unwrap_err();
     assert!(e.to_string().contains("whole blocks of 32"), "{e}");
 }
+
+/// The CPU+PCIe split (`--cold split`, bundled FFNs): at random budgets that stream, the plan
+/// has the CPU compute the last FFN neurons of every layer; the logits are the dense engine's,
+/// the device holds what the plan counts, nothing more, the copies carry only the streamed
+/// rows, and the CPU examines exactly its neurons once per step.
+#[test]
+fn cpu_pcie_split_equals_streaming() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    let toks: Vec<u32> = (0..10).map(|i| (i * 13 + 5) % 500).collect();
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let budget = |g, split| Budget {
+        cpu_split: split,
+        ..Budget::new(g, None, 2, toks.len() + 4, toks.len())
+    };
+    let (min, all) = common::gpu_range(&store.manifest, &hw, |g| budget(g, true));
+    let want = logits(
+        &streaming(&store, &plan_for(&store, toks.len()), &[]),
+        &toks,
+    );
+    let mut rng = StdRng::seed_from_u64(21);
+    let mut split_seen = false;
+    for _ in 0..4 {
+        let g = rng.random_range(min..all);
+        let plan = make_plan(&store.manifest, &budget(g, true), &hw).unwrap();
+        let c = plan.residency.cpu_rows;
+        split_seen |= c > 0;
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+        let traffic = src.cpu_traffic();
+        assert_eq!(traffic.is_some(), c > 0);
+        let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap();
+        let got = logits(&e, &toks);
+        close(
+            &got,
+            &want,
+            &format!("split at {g} bytes ({c} CPU neurons)"),
+        );
+        let snap = ledger.snapshot();
+        assert_eq!(snap.hbm_peak, plan.gpu.placed, "{g}");
+        if let Some(t) = traffic {
+            let [bytes, candidates, active, _] = t.snapshot();
+            assert_eq!(candidates, 5 * (spec.n_layers * c) as u64);
+            assert_eq!(active, candidates, "SiLU without a mask computes them all");
+            // Per decoded token: the plan's CPU bytes.
+            assert_eq!(bytes / 5, plan.per_token.cpu_read_bytes);
+        }
+    }
+    assert!(split_seen, "some budget between {min} and {all} splits");
+}

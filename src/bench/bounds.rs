@@ -150,7 +150,7 @@ impl Traffic {
         Traffic {
             hbm_read_bytes: p.per_token.hbm_read_bytes as f64,
             h2d_bytes: p.per_token.h2d_bytes as f64,
-            dram_read_bytes: 0.0,
+            dram_read_bytes: p.per_token.cpu_read_bytes as f64,
             ssd_read_bytes: p.per_token.ssd_bytes as f64,
         }
     }

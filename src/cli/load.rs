@@ -167,6 +167,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         probe: job.probe,
         batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
         logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
+        cpu_split: args.budget.cold == super::plan::ColdMode::Split,
     }
 }
 
@@ -447,8 +448,9 @@ impl LoadedModel {
         ledger: &Arc<Ledger>,
         kernels: &'static kernels::Kernels,
     ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
-        if args.cold == super::ColdMode::Stream {
-            let src = OffloadWeights::new(b, store.clone(), plan, ledger.clone())?;
+        if args.budget.cold != super::plan::ColdMode::Cpu {
+            let src =
+                OffloadWeights::with_cpu_kernels(b, store.clone(), plan, ledger.clone(), kernels)?;
             return Ok((Box::new(src), None));
         }
         let name = self.path.display().to_string();

@@ -119,20 +119,6 @@ pub struct ModelArgs {
     /// sparsity, exact), else 0.15, what SmolLM2-135M tolerates within 1% perplexity]
     #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET")]
     pub sparsity_target: Option<f64>,
-
-    /// Where an offloaded model's FFN neurons that do not fit the device run: stream (copied in
-    /// per token, all computed on the device) or cpu (hybrid: the neurons the profile says fire
-    /// most stay on the device, chosen by the exact ILP; the CPU computes the others from DRAM;
-    /// attention stays resident). `cpu` needs a sparsity profile (`gpu-offload profile`).
-    #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
-    pub cold: ColdMode,
-}
-
-/// `--cold`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ColdMode {
-    Stream,
-    Cpu,
 }
 
 /// `--sparsity`.

@@ -20,6 +20,14 @@ pub struct BudgetArgs {
     #[arg(long, env = "GPU_OFFLOAD_DRAM_MEM", value_parser = parse_bytes)]
     pub dram_mem: Option<u64>,
 
+    /// Where the FFN neurons that do not fit the device run: stream (copied in per token, all
+    /// computed on the device); split (bundled FFNs: the planner has the CPU compute the last of
+    /// them from DRAM, as many as take it as long as the copies of the rest); cpu (hybrid: the
+    /// neurons the sparsity profile says fire most stay on the device, chosen by the exact ILP,
+    /// the CPU computes the others; attention stays resident; needs `gpu-offload profile`)
+    #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
+    pub cold: ColdMode,
+
     /// Layers streamed ahead of compute.
     #[arg(long, env = "GPU_OFFLOAD_PREFETCH_WINDOW", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub prefetch_window: u16,
@@ -33,6 +41,14 @@ pub struct BudgetArgs {
     /// and whose PCIe rate paces host→device copies; its profile becomes the cost model's.
     #[arg(long, env = "GPU_OFFLOAD_EMULATE")]
     pub emulate: Option<String>,
+}
+
+/// `--cold`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ColdMode {
+    Stream,
+    Split,
+    Cpu,
 }
 
 impl BudgetArgs {
@@ -157,6 +173,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
             ctx,
             a.batch.clamp(1, crate::engine::MAX_BATCH),
         )
+    };
+    let budget = Budget {
+        cpu_split: a.budget.cold == ColdMode::Split,
+        ..budget
     };
     let plan = make_plan(&store.manifest, &budget, &hw)?;
     let hot = if a.hot_neurons {

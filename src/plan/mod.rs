@@ -64,6 +64,9 @@ pub struct Budget {
     pub batch: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
+    /// Whether the planner may have the CPU compute some of the FFN neurons that do not fit
+    /// (bundled FFNs): the CPU+PCIe split (`--cold split`).
+    pub cpu_split: bool,
 }
 
 impl Budget {
@@ -85,6 +88,7 @@ impl Budget {
             probe: false,
             batch,
             logit_rows: 1,
+            cpu_split: false,
         }
     }
 }
@@ -130,6 +134,9 @@ pub struct GpuBytes {
     pub scratch: u64,
     /// One step's backend workspace.
     pub workspace: u64,
+    /// Where the CPU's share of a split FFN comes back to (0 without a split).
+    #[serde(default)]
+    pub merge: u64,
     /// Everything but `fixed`: what the byte ledger holds at the peak.
     pub placed: u64,
     /// `fixed + placed`: the process's device memory at the peak.
@@ -149,6 +156,9 @@ pub struct DramPlan {
     pub fixed_layers: usize,
     /// Buffers of the dynamic area (0 when every layer is fixed).
     pub dynamic_buffers: usize,
+    /// FFN neurons the CPU computes (the split), every layer, held for the whole run.
+    #[serde(default)]
+    pub cpu_rows: u64,
     /// Steady-state total.
     pub total: u64,
 }
@@ -161,6 +171,9 @@ pub struct PerToken {
     pub ssd_bytes: u64,
     /// Bytes device compute reads (weights, KV at mid context).
     pub hbm_read_bytes: u64,
+    /// Bytes the CPU reads from DRAM for the FFN neurons it computes (the split).
+    #[serde(default)]
+    pub cpu_read_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -171,6 +184,10 @@ pub struct Prediction {
     pub pcie_s: f64,
     pub ssd_s: f64,
     pub hbm_s: f64,
+    /// The CPU's share of a split FFN, with a round trip of the FFN input and partial sum per
+    /// layer; serial with the device's compute.
+    #[serde(default)]
+    pub cpu_s: f64,
     pub ops_s: f64,
 }
 
@@ -521,30 +538,75 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let placed_with = |r: &Residency, k: usize| {
         fixed + resident_all_layers(r) + k as u64 * slot_device_bytes(&shape, r)
     };
-    let (residency, window) = if all_resident {
-        (all, 0)
-    } else {
+    // The residency that fits with the last `cpu` FFN neurons of every layer computed by the
+    // CPU (0: none): the device's share of each layer is the rest.
+    let fit = |cpu: usize, merge: u64| -> Residency {
+        let mut dev = shape;
+        dev.rows[Part::Ffn.index()] -= cpu;
+        let s_dev = dev.total();
+        let with_cpu = |r: Residency| Residency { cpu_rows: cpu, ..r };
+        if all_resident && cpu == 0 {
+            return all;
+        }
         // L·r + k·(S − r) ≤ A  ⇒  r ≤ (A − k·S) / (L − k); L > k here (else all resident fits).
         // Granule rounding makes that a first guess: shrink until the rounded total fits (no
         // residency always does: that is the minimum).
-        let avail = usable - fixed;
-        let mut per_layer = (avail.saturating_sub(window as u64 * s_layer)
-            / (n_layers - window) as u64)
-            .min(s_layer);
+        let avail = usable.saturating_sub(fixed + merge);
+        let mut per_layer = (avail.saturating_sub(window as u64 * s_dev)
+            / (n_layers - window).max(1) as u64)
+            .min(s_dev);
         loop {
-            let r = preserve(&shape, per_layer, grouped_query);
-            let placed = placed_with(&r, window);
+            let r = with_cpu(preserve(&dev, per_layer, grouped_query));
+            let placed = placed_with(&r, window) + merge;
             if placed <= usable || per_layer == 0 {
-                break (r, window);
+                break r;
             }
-            let over = (placed - usable).div_ceil((n_layers - window) as u64);
+            let over = (placed - usable).div_ceil((n_layers - window).max(1) as u64);
             per_layer = per_layer.saturating_sub(over.max(crate::backend::memory::DEVICE_ALIGN));
         }
     };
+    let (mut residency, window) = if all_resident {
+        (all, 0)
+    } else {
+        (fit(0, 0), window)
+    };
+    // The CPU+PCIe split (bundled FFNs, the DRAM holding the model): of the neurons that do not
+    // fit, the last ones are computed by the CPU from DRAM instead of streamed, as many as make
+    // the CPU take as long as the copies of what still streams: with `a` other streamed bytes,
+    // `n` neurons off the device of `b` bytes, PCIe rate `p` and DRAM rate `d`,
+    // (a + (n − c)·b)/p = c·b/d. The slots shrink with it, which leaves room for more resident
+    // rows, which changes the balance: a few rounds settle it; the first round's merge buffer
+    // must fit too.
+    let mut merge = 0;
+    if budget.cpu_split && window > 0 && budget.dram_mem.is_none() && holds(m, Part::Ffn) {
+        let f = Part::Ffn.index();
+        let (rows, b) = (shape.rows[f], shape.row_bytes[f]);
+        let (p, d) = (hw.h2d_pinned_bytes_per_s, hw.dram_read_bytes_per_s);
+        let with_merge = device_bytes((budget.batch * spec.d_model * 4) as u64);
+        let mut cur = residency;
+        for _ in 0..4 {
+            let n = rows - cur.rows[f];
+            let others =
+                cur.streamed_bytes(&shape) - cur.streamed_rows(&shape, Part::Ffn).len() as u64 * b;
+            let c = (((others + n as u64 * b) as f64 * d / (b as f64 * (p + d))) as usize).min(n);
+            // What still streams ends on a checksum group (or is nothing).
+            let end = (rows - c).div_ceil(GROUP_ROWS) * GROUP_ROWS;
+            let c = rows - end.clamp(cur.rows[f], rows);
+            if c == cur.cpu_rows {
+                break;
+            }
+            cur = fit(c, with_merge);
+        }
+        if cur.cpu_rows > 0 && placed_with(&cur, window) + with_merge <= usable {
+            residency = cur;
+            merge = with_merge;
+        }
+    }
     let r = residency.resident_bytes(&shape);
-    let s = s_layer - r;
-    let placed = placed_with(&residency, window);
+    let s = s_layer - r - residency.cpu_bytes(&shape);
+    let placed = placed_with(&residency, window) + merge;
     let gpu = GpuBytes {
+        merge,
         fixed: fixed_cost,
         small,
         head,
@@ -623,13 +685,23 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             ),
         });
     }
+    let cpu_rows = n_layers as u64 * residency.cpu_bytes(&shape);
+    // Held as read: whole pages.
+    let mut cpu_rows_dram = 0;
+    if cpu_rows > 0 {
+        for l in 0..n_layers {
+            let sg = seg(m, &part_segment_name(l, Part::Ffn))?;
+            cpu_rows_dram += extent(sg, residency.cpu_rows_of(&shape, Part::Ffn));
+        }
+    }
     let dram = DramPlan {
         tables,
         staging,
         layer_bytes,
         fixed_layers,
         dynamic_buffers,
-        total: tables + (fixed_layers + dynamic_buffers) as u64 * layer_bytes,
+        cpu_rows: cpu_rows_dram,
+        total: tables + (fixed_layers + dynamic_buffers) as u64 * layer_bytes + cpu_rows_dram,
     };
 
     // Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
@@ -643,10 +715,9 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         } else {
             layer_extents[fixed_layers..].iter().sum()
         },
-        hbm_read_bytes: small
-            + head
-            + shapes.iter().map(LayerShape::total).sum::<u64>()
+        hbm_read_bytes: small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows
             + per_session / 2,
+        cpu_read_bytes: cpu_rows,
     };
     // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
     // plus one per streamed block.
@@ -659,18 +730,33 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let ssd_s = per_token.ssd_bytes as f64 / hw.ssd_read_bytes_per_s;
     let hbm_s = per_token.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
     let ops_s = ops as f64 * hw.op_overhead_s;
-    let (limited_by, bound) = [("PCIe", pcie_s), ("SSD", ssd_s), ("HBM", hbm_s)]
-        .into_iter()
-        .fold(
-            ("HBM", 0.0),
-            |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
-        );
+    // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
+    // the copies; each layer pays a round trip (the FFN input down, the partial sum up).
+    let cpu_s = if cpu_rows > 0 {
+        let vector = (spec.d_model * 4) as f64;
+        cpu_rows as f64 / hw.dram_read_bytes_per_s
+            + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
+    } else {
+        0.0
+    };
+    let (limited_by, bound) = [
+        ("PCIe", pcie_s),
+        ("SSD", ssd_s),
+        ("HBM", hbm_s),
+        ("HBM+CPU", hbm_s + cpu_s),
+    ]
+    .into_iter()
+    .fold(
+        ("HBM", 0.0),
+        |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
+    );
     let prediction = Prediction {
         tokens_per_s: 1.0 / (bound + ops_s),
         limited_by: limited_by.to_string(),
         pcie_s,
         ssd_s,
         hbm_s,
+        cpu_s,
         ops_s,
     };
     Ok(Plan {

@@ -91,15 +91,35 @@ impl LayerShape {
     }
 }
 
-/// Rows of each part kept resident in every layer (a prefix).
+/// Rows of each part kept resident in every layer (a prefix); of the others, the last
+/// `cpu_rows` FFN neurons (bundles) of every layer are computed by the CPU from DRAM and the rest
+/// stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Residency {
     pub rows: [usize; PARTS],
+    #[serde(default)]
+    pub cpu_rows: usize,
 }
 
 impl Residency {
     pub fn all(shape: &LayerShape) -> Self {
-        Residency { rows: shape.rows }
+        Residency {
+            rows: shape.rows,
+            cpu_rows: 0,
+        }
+    }
+
+    /// The rows of part `p` the CPU computes.
+    pub fn cpu_rows_of(&self, shape: &LayerShape, p: Part) -> std::ops::Range<usize> {
+        let rows = shape.rows[p.index()];
+        match p {
+            Part::Ffn => rows - self.cpu_rows.min(rows)..rows,
+            _ => rows..rows,
+        }
+    }
+
+    pub fn cpu_bytes(&self, shape: &LayerShape) -> u64 {
+        self.cpu_rows_of(shape, Part::Ffn).len() as u64 * shape.row_bytes[Part::Ffn.index()]
     }
 
     pub fn resident_bytes(&self, shape: &LayerShape) -> u64 {
@@ -110,12 +130,12 @@ impl Residency {
     }
 
     pub fn streamed_bytes(&self, shape: &LayerShape) -> u64 {
-        shape.total() - self.resident_bytes(shape)
+        shape.total() - self.resident_bytes(shape) - self.cpu_bytes(shape)
     }
 
     /// The streamed rows of part `p`.
     pub fn streamed_rows(&self, shape: &LayerShape, p: Part) -> std::ops::Range<usize> {
-        self.rows[p.index()]..shape.rows[p.index()]
+        self.rows[p.index()]..self.cpu_rows_of(shape, p).start.max(self.rows[p.index()])
     }
 }
 

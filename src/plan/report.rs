@@ -132,6 +132,18 @@ pub fn render(p: &Plan) -> String {
         p.hardware.hbm_bytes_per_s / 1e9,
         pr.ops_s * 1e3
     );
+    if t.cpu_read_bytes > 0 {
+        let _ = writeln!(
+            o,
+            "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per token ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",
+            p.residency.cpu_rows,
+            mib(p.dram.cpu_rows),
+            mib(t.cpu_read_bytes),
+            pr.cpu_s * 1e3,
+            p.hardware.dram_read_bytes_per_s / 1e9,
+            mib(g.merge)
+        );
+    }
     let _ = writeln!(
         o,
         "predicted decode: {:.2} tokens/s (bound by {})",

@@ -97,6 +97,70 @@ pub struct ColdLayer {
 }
 
 impl ColdLayer {
+    /// The FFN bundles `rows` (whole checksum groups from the first, to the last row) of layer
+    /// `l`, read into DRAM (reserved) for the CPU: the neurons a split plan computes there.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bundle_rows(
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        l: usize,
+        rows: std::ops::Range<usize>,
+        kernels: &'static Kernels,
+        act: Act,
+        traffic: Arc<ColdTraffic>,
+    ) -> Result<Self> {
+        let s = store
+            .require(&part_segment_name(l, Part::Ffn))
+            .map_err(store_err)?;
+        let SegmentKind::Bundles { parts } = s.kind else {
+            return Err(weights_err(format!("`{}` is not bundles", s.name)));
+        };
+        let (_, extent) = s.read_extent(rows.clone());
+        let hold = ledger
+            .reserve(Tier::Dram, extent, &format!("CPU neurons of layer {l}"))
+            .map_err(weights_err)?;
+        let mut buf = crate::tensor::AlignedBuf::zeroed(extent as usize);
+        let (first, _) = store
+            .read_rows_into(s, rows.clone(), &mut buf)
+            .map_err(store_err)?;
+        let rb = s.row_bytes();
+        let bytes = &buf.as_slice()[first..first + rows.len() * rb];
+        let up_bias = store
+            .opt_tensor(&names::layer(l, "ffn_up.bias"))
+            .map_err(store_err)?
+            .map(|t| t.to_f32()[rows.clone()].to_vec());
+        let row = rb as u64;
+        let part = row / parts as u64;
+        Ok(ColdLayer {
+            data: ColdData::Bundles {
+                t: HostTensor {
+                    name: format!("{} cpu", s.name),
+                    rows: rows.len(),
+                    cols: s.cols,
+                    dtype: device_dtype(s),
+                    data: Bytes::from_slice(bytes),
+                },
+                shape: BundleShape {
+                    parts,
+                    d: store.manifest.spec.d_model,
+                },
+            },
+            ids: (rows.start as u32..rows.end as u32).collect(),
+            up_bias,
+            d_ff: store.manifest.spec.d_ff,
+            act: crate::backend::cpu::ops::activation(act),
+            kernels,
+            cost: ColdCost {
+                decide_bytes: part,
+                active_bytes: row - part,
+                unit_bytes: 0,
+                unit: 1,
+            },
+            traffic,
+            _hold: Some(hold),
+        })
+    }
+
     /// Cold positions some token may need (all without a predictor).
     fn candidates(&self, n: usize, keep: Option<&[bool]>) -> Vec<u32> {
         let d_ff = self.d_ff;

@@ -13,8 +13,8 @@ use super::dram::{DramCache, LayerData};
 use super::ledger::{Ledger, Reservation, Tier};
 use crate::backend::{Backend, BundleShape};
 use crate::engine::{
-    EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes, NormView, Result,
-    WeightSource,
+    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes, NormView,
+    Result, WeightSource,
 };
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::plan::{
@@ -168,6 +168,16 @@ pub struct OffloadWeights<B: Backend> {
     matmuls: MatmulShapes,
     /// Per layer, each streamed part's device format and columns.
     part_formats: Vec<[(DType, usize); PARTS]>,
+    /// The CPU+PCIe split: per layer the FFN neurons the CPU computes, the ids of those the
+    /// device computes (column order), and where the CPU's partial sums come back.
+    cpu: Option<CpuShare<B>>,
+}
+
+struct CpuShare<B: Backend> {
+    layers: Vec<super::hybrid::ColdLayer>,
+    device_ids: Vec<u32>,
+    partial: B::Tensor,
+    traffic: Arc<super::hybrid::ColdTraffic>,
 }
 
 /// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
@@ -256,6 +266,17 @@ impl<B: Backend> OffloadWeights<B> {
     /// Load what the plan keeps resident, fill the DRAM fixed area, start the preloader and
     /// prefetch the first `window` layers.
     pub fn new(b: &B, store: Arc<Store>, plan: &Plan, ledger: Arc<Ledger>) -> Result<Self> {
+        Self::with_cpu_kernels(b, store, plan, ledger, crate::backend::cpu::kernels::best())
+    }
+
+    /// As [`Self::new`], with `kernels` for the neurons a split plan has the CPU compute.
+    pub fn with_cpu_kernels(
+        b: &B,
+        store: Arc<Store>,
+        plan: &Plan,
+        ledger: Arc<Ledger>,
+        kernels: &'static crate::backend::cpu::kernels::Kernels,
+    ) -> Result<Self> {
         let m = &store.manifest;
         if m.model_id != plan.model_id {
             return Err(EngineError::Weights(
@@ -352,7 +373,34 @@ impl<B: Backend> OffloadWeights<B> {
         )
         .map_err(store_err)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
+        let cpu_rows = residency.cpu_rows_of(&shape, Part::Ffn);
+        let cpu = if cpu_rows.is_empty() {
+            None
+        } else {
+            let traffic = Arc::new(super::hybrid::ColdTraffic::default());
+            let act = crate::engine::backend_act(spec.activation);
+            let layers = (0..n_layers)
+                .map(|l| {
+                    super::hybrid::ColdLayer::bundle_rows(
+                        &store,
+                        &ledger,
+                        l,
+                        cpu_rows.clone(),
+                        kernels,
+                        act,
+                        traffic.clone(),
+                    )
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Some(CpuShare {
+                layers,
+                device_ids: (0..cpu_rows.start as u32).collect(),
+                partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
+                traffic,
+            })
+        };
         let mut me = OffloadWeights {
+            cpu,
             part_formats,
             matmuls,
             bundled: store.ffn_bundled(),
@@ -376,6 +424,11 @@ impl<B: Backend> OffloadWeights<B> {
             me.fill(b, l, l)?;
         }
         Ok(me)
+    }
+
+    /// What the CPU has read for the FFN neurons of a split plan (none without a split).
+    pub fn cpu_traffic(&self) -> Option<Arc<super::hybrid::ColdTraffic>> {
+        self.cpu.as_ref().map(|c| c.traffic.clone())
     }
 
     /// Copy layer `layer`'s streamed share into slot `slot`.
@@ -514,7 +567,11 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                     down: part(Part::Down, sm.down_bias.as_ref()),
                 }
             },
-            cold: None,
+            cold: self.cpu.as_mut().map(|c| ColdView {
+                neurons: &c.layers[l],
+                hot: &c.device_ids,
+                partial: &mut c.partial,
+            }),
         })
     }
 
