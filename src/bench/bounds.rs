@@ -160,7 +160,7 @@ impl Traffic {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Bound {
     pub tokens_per_s: f64,
-    /// "HBM", "PCIe", "DRAM" or "SSD".
+    /// "HBM", "PCIe", "DRAM", "SSD", or "HBM+DRAM" (device and CPU one after the other).
     pub limited_by: String,
     /// Seconds per token each resource needs (bytes ÷ rate), by name; resources the token
     /// moves nothing through are absent.
@@ -188,6 +188,13 @@ impl Bound {
             (name.to_string(), s)
         })
         .collect();
+        // The CPU's share of a split or hybrid layer waits for the device's input and the
+        // device for its partial sum: the two add up, layer by layer.
+        let mut seconds = seconds;
+        if let (Some(h), Some(d)) = (seconds.get("HBM"), seconds.get("DRAM")) {
+            let both = h + d;
+            seconds.insert("HBM+DRAM".to_string(), both);
+        }
         let (limited_by, worst) = seconds
             .iter()
             .fold(("none".to_string(), 0.0), |acc, (n, s)| {
@@ -211,6 +218,7 @@ impl Bound {
             "PCIe" => rates.h2d_bytes_per_s,
             "DRAM" => rates.dram_read_bytes_per_s,
             "SSD" => rates.ssd_read_bytes_per_s,
+            "HBM+DRAM" => rates.hbm_read_bytes_per_s.min(rates.dram_read_bytes_per_s),
             _ => f64::NAN,
         }
     }
