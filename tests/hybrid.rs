@@ -20,15 +20,7 @@ use gpu_offload::tier::offload::OffloadWeights;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-/// Logits of a prefill of `toks`, then of 4 decode steps.
-fn logits<B: gpu_offload::backend::Backend>(e: &Engine<B>, toks: &[u32]) -> Vec<f32> {
-    let mut s = e.new_session(toks.len() + 4).unwrap();
-    let mut out = e.forward(&mut s, toks, Logits::Last).unwrap();
-    for &t in &toks[..4] {
-        out.extend(e.forward(&mut s, &[t], Logits::Last).unwrap());
-    }
-    out
-}
+use common::prefill_and_decode_logits as logits;
 
 fn store_of(model: &std::path::Path, dir: &tempfile::TempDir) -> Arc<Store> {
     let at = dir.path().join("s");

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
-use gpu_offload::engine::{ActivationTap, Engine, Logits};
+use gpu_offload::engine::{ActivationTap, Engine};
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
 use gpu_offload::sparsity::{ProfileTap, profile_passes};
@@ -28,15 +28,7 @@ fn cpu_engine(model: &Model, thresholds: Vec<f32>) -> Engine<CpuBackend> {
         .unwrap()
 }
 
-/// Logits of a prefill of `toks`, then of 4 decode steps.
-fn logits<B: gpu_offload::backend::Backend>(e: &Engine<B>, toks: &[u32]) -> Vec<f32> {
-    let mut s = e.new_session(toks.len() + 4).unwrap();
-    let mut out = e.forward(&mut s, toks, Logits::Last).unwrap();
-    for &t in &toks[..4] {
-        out.extend(e.forward(&mut s, &[t], Logits::Last).unwrap());
-    }
-    out
-}
+use common::prefill_and_decode_logits as logits;
 
 /// Counts activations exactly zero and in total.
 #[derive(Default)]
@@ -358,8 +350,9 @@ fn profile_and_oracle_on_the_cli() {
         second.join("sparsity.profile"),
     )
     .unwrap();
-    fails(
-        bin(&models).args([
+    let run_other = || {
+        let mut c = bin(&models);
+        c.args([
             "run",
             "-m",
             os,
@@ -371,9 +364,10 @@ fn profile_and_oracle_on_the_cli() {
             "cpu",
             "--sparsity",
             "oracle",
-        ]),
-        "belongs to another model",
-    );
+        ]);
+        c
+    };
+    fails(&mut run_other(), "belongs to another model");
     // Calibration on random ids (for synthesized models without a tokenizer).
     let v = succeeds(bin(&models).args([
         "profile",
@@ -388,17 +382,5 @@ fn profile_and_oracle_on_the_cli() {
         "--json",
     ]));
     assert_eq!(v["tokens"], 64);
-    succeeds(bin(&models).args([
-        "run",
-        "-m",
-        os,
-        "--tokens",
-        "1,2,3",
-        "-n",
-        "2",
-        "--device",
-        "cpu",
-        "--sparsity",
-        "oracle",
-    ]));
+    succeeds(&mut run_other());
 }

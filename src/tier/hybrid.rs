@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::ledger::{Ledger, Reservation, Tier};
-use super::offload::{Embeddings, Loader, Small};
+use super::offload::{Embeddings, Head, Loader, Small};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
     Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
@@ -22,11 +22,11 @@ use crate::backend::cpu::sparse::{
 use crate::backend::{Act, Backend, BundleShape, sparse_act};
 use crate::engine::{
     ColdNeurons, ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes,
-    NormView, Result, WeightSource,
+    Result, WeightSource,
 };
 use crate::model::ModelSpec;
 use crate::plan::hot::{ColdCost, HotPlan};
-use crate::plan::{Part, Plan, device_dtype, head_segment, offload_matmuls, part_segment_name};
+use crate::plan::{Part, Plan, device_dtype, offload_matmuls, part_segment_name};
 use crate::store::{SegmentKind, Store, StoreError, names};
 use crate::tensor::{Bytes, DType, HostTensor, QK};
 
@@ -302,10 +302,8 @@ pub struct HybridWeights<B: Backend> {
     cold: Vec<ColdLayer>,
     partial: B::Tensor,
     bundle: BundleShape,
-    head: B::Weight,
-    output_norm: (B::Weight, Option<B::Weight>),
+    head: Head<B>,
     embeddings: Embeddings,
-    rope_freq_factors: Option<Vec<f32>>,
     matmuls: MatmulShapes,
     traffic: Arc<ColdTraffic>,
 }
@@ -597,16 +595,7 @@ impl<B: Backend> HybridWeights<B> {
             hot_ffn.push(hot_part);
             small.push(sm);
         }
-        let head_seg = head_segment(m).map_err(weights_err)?;
-        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, device_dtype(head_seg))?;
-        let output_norm = (
-            loader.vector(b, names::OUTPUT_NORM)?,
-            loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
-        );
-        let rope_freq_factors = match store.segment(names::ROPE_FREQS) {
-            Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
-            None => None,
-        };
+        let head = Head::load(&mut loader, b, &store)?;
         drop(loader);
         let partial = b.alloc(hot.batch.max(1), d)?;
         Ok(HybridWeights {
@@ -623,9 +612,7 @@ impl<B: Backend> HybridWeights<B> {
             cold,
             partial,
             head,
-            output_norm,
             embeddings,
-            rope_freq_factors,
             traffic,
         })
     }
@@ -660,7 +647,7 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
     }
 
     fn rope_freq_factors(&self) -> Option<Vec<f32>> {
-        self.rope_freq_factors.clone()
+        self.head.rope_freq_factors()
     }
 
     fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
@@ -716,16 +703,7 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
     }
 
     fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
-        Ok(HeadView {
-            norm: NormView {
-                weight: &self.output_norm.0,
-                bias: self.output_norm.1.as_ref(),
-            },
-            output: LinearView {
-                blocks: vec![(0, &self.head)],
-                bias: None,
-            },
-        })
+        Ok(self.head.view())
     }
 
     fn head_done(&mut self, _: &B) -> Result<()> {

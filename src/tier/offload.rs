@@ -93,6 +93,48 @@ struct Table {
     _hold: Reservation,
 }
 
+/// What every offloaded source holds for the end of a pass: the final norm and the output
+/// matrix on the device, and the RoPE frequency factors (host).
+pub(super) struct Head<B: Backend> {
+    output: B::Weight,
+    norm: (B::Weight, Option<B::Weight>),
+    rope_freq_factors: Option<Vec<f32>>,
+}
+
+impl<B: Backend> Head<B> {
+    pub(super) fn load(loader: &mut Loader, b: &B, store: &Store) -> Result<Self> {
+        let seg = head_segment(&store.manifest).map_err(|e| EngineError::Weights(e.to_string()))?;
+        Ok(Head {
+            output: loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?,
+            norm: (
+                loader.vector(b, names::OUTPUT_NORM)?,
+                loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
+            ),
+            rope_freq_factors: match store.segment(names::ROPE_FREQS) {
+                Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
+                None => None,
+            },
+        })
+    }
+
+    pub(super) fn view(&self) -> HeadView<'_, B> {
+        HeadView {
+            norm: NormView {
+                weight: &self.norm.0,
+                bias: self.norm.1.as_ref(),
+            },
+            output: LinearView {
+                blocks: vec![(0, &self.output)],
+                bias: None,
+            },
+        }
+    }
+
+    pub(super) fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+        self.rope_freq_factors.clone()
+    }
+}
+
 /// The embedding tables in DRAM, looked up on the host: a step's input rows are built there and
 /// copied in once.
 pub(super) struct Embeddings {
@@ -160,11 +202,9 @@ pub struct OffloadWeights<B: Backend> {
     slots: Vec<Slot<B>>,
     /// The most recent fill: its copy event and the DRAM buffer it reads from.
     pending: Option<(B::Event, Arc<LayerData>)>,
-    head: B::Weight,
-    output_norm: (B::Weight, Option<B::Weight>),
+    head: Head<B>,
     embeddings: Embeddings,
     dram: DramCache,
-    rope_freq_factors: Option<Vec<f32>>,
     matmuls: MatmulShapes,
     /// Per layer, each streamed part's device format and columns.
     part_formats: Vec<[(DType, usize); PARTS]>,
@@ -305,16 +345,7 @@ impl<B: Backend> OffloadWeights<B> {
             }
             resident.push(parts);
         }
-        let head_seg = head_segment(m).map_err(|e| EngineError::Weights(e.to_string()))?;
-        let head = loader.load_to_device(b, head_seg, 0..head_seg.rows, device_dtype(head_seg))?;
-        let output_norm = (
-            loader.vector(b, names::OUTPUT_NORM)?,
-            loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
-        );
-        let rope_freq_factors = match store.segment(names::ROPE_FREQS) {
-            Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
-            None => None,
-        };
+        let head = Head::load(&mut loader, b, &store)?;
         drop(loader);
 
         let mut part_formats = vec![[(DType::F32, 0); PARTS]; n_layers];
@@ -415,10 +446,8 @@ impl<B: Backend> OffloadWeights<B> {
             slots,
             pending: None,
             head,
-            output_norm,
             embeddings,
             dram,
-            rope_freq_factors,
         };
         for l in 0..me.slots.len() {
             me.fill(b, l, l)?;
@@ -486,7 +515,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
     }
 
     fn rope_freq_factors(&self) -> Option<Vec<f32>> {
-        self.rope_freq_factors.clone()
+        self.head.rope_freq_factors()
     }
 
     fn layer(&mut self, b: &B, l: usize) -> Result<LayerView<'_, B>> {
@@ -587,16 +616,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
     }
 
     fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
-        Ok(HeadView {
-            norm: NormView {
-                weight: &self.output_norm.0,
-                bias: self.output_norm.1.as_ref(),
-            },
-            output: LinearView {
-                blocks: vec![(0, &self.head)],
-                bias: None,
-            },
-        })
+        Ok(self.head.view())
     }
 
     fn head_done(&mut self, _: &B) -> Result<()> {

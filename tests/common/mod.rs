@@ -154,3 +154,17 @@ pub fn cpu_engine(
     .with_kv_type(kv)
     .unwrap()
 }
+
+/// Logits of a prefill of `toks` (last position), then of 4 decode steps of its first tokens.
+pub fn prefill_and_decode_logits<B: gpu_offload::backend::Backend>(
+    e: &gpu_offload::engine::Engine<B>,
+    toks: &[u32],
+) -> Vec<f32> {
+    use gpu_offload::engine::Logits;
+    let mut s = e.new_session(toks.len() + 4).unwrap();
+    let mut out = e.forward(&mut s, toks, Logits::Last).unwrap();
+    for &t in &toks[..4] {
+        out.extend(e.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+    out
+}
