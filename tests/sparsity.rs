@@ -308,6 +308,27 @@ fn profile_and_oracle_on_the_cli() {
     let share = some["activation_share"].as_f64().unwrap();
     assert!(share > 0.0 && share < 1.0, "{some}");
     assert!(some["bytes"].as_u64() <= some["budget_bytes"].as_u64());
+    // `--cold auto`: the planner's choice is the candidate it predicts fastest, hybrid among
+    // them now that a profile exists.
+    let auto = succeeds(bin(&models).args([
+        "plan",
+        "-m",
+        ms,
+        "--gpu-mem",
+        "770.3M",
+        "--hardware",
+        "gpu-4g",
+        "--cold",
+        "auto",
+        "--json",
+    ]));
+    let cands = auto["cold_candidates"].as_array().unwrap().clone();
+    assert!(cands.iter().any(|c| c[0] == "cpu"), "{auto}");
+    let best = cands
+        .iter()
+        .max_by(|a, b| a[1].as_f64().unwrap().total_cmp(&b[1].as_f64().unwrap()))
+        .unwrap();
+    assert_eq!(auto["cold"], best[0], "{auto}");
     fails(
         &mut run(&["--sparsity", "oracle", "--sparsity-target", "1.5"]),
         "outside 0.01..=0.99",

@@ -26,7 +26,7 @@ use crate::backend::sim::SimBackend;
 use crate::backend::{Backend, KvType};
 use crate::engine::{DecodeTraffic, Engine, WeightSource};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
-use crate::plan::{Budget, HardwareProfile, Plan, make_plan};
+use crate::plan::{Budget, HardwareProfile, Plan};
 use crate::store::Store;
 use crate::tier::hybrid::{ColdTraffic, HybridWeights};
 use crate::tier::offload::OffloadWeights;
@@ -167,7 +167,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         probe: job.probe,
         batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
         logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
-        cpu_split: args.budget.cold == super::plan::ColdMode::Split,
+        cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
     }
 }
 
@@ -393,10 +393,9 @@ impl LoadedModel {
                         budget.gpu_mem = u64::MAX / 4;
                     }
                     pace(&|r| cuda.pace_copies(r))?;
-                    let plan = make_plan(&store.manifest, &budget, &hw)?;
-                    note_plan(&plan);
+                    let (plan, hot) = self.offload_plan(args, store, &budget, &hw)?;
                     let (src, hybrid) =
-                        self.offload_source(&cuda, args, store, &plan, &ledger, kernels)?;
+                        self.offload_source(&cuda, store, &plan, hot, &ledger, kernels)?;
                     let e = Engine::with_source(cuda, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
@@ -404,8 +403,7 @@ impl LoadedModel {
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
-                    let plan = make_plan(&store.manifest, &budget, &hw)?;
-                    note_plan(&plan);
+                    let (plan, hot) = self.offload_plan(args, store, &budget, &hw)?;
                     let ledger =
                         Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
                     let sim = SimBackend::new(
@@ -414,7 +412,7 @@ impl LoadedModel {
                     );
                     pace(&|r| sim.pace_copies(r))?;
                     let (src, hybrid) =
-                        self.offload_source(&sim, args, store, &plan, &ledger, kernels)?;
+                        self.offload_source(&sim, store, &plan, hot, &ledger, kernels)?;
                     let e = Engine::with_source(sim, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
@@ -437,31 +435,70 @@ impl LoadedModel {
         Ok(running)
     }
 
-    /// The weight source of an offloaded run: streaming (`--cold stream`), or hybrid
-    /// (`--cold cpu`: hot neurons placed from the sparsity profile, cold ones on the CPU).
-    fn offload_source<B: Backend>(
+    /// The plan of an offloaded run for `--cold` (see [`crate::plan::hot::plan_cold`]): the
+    /// sparsity profile is read where hybrid execution needs it or `auto` may choose it.
+    fn offload_plan(
         &self,
-        b: &B,
         args: &ModelArgs,
-        store: &Arc<Store>,
-        plan: &Plan,
-        ledger: &Arc<Ledger>,
-        kernels: &'static kernels::Kernels,
-    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
-        if args.budget.cold != super::plan::ColdMode::Cpu {
-            let src =
-                OffloadWeights::with_cpu_kernels(b, store.clone(), plan, ledger.clone(), kernels)?;
-            return Ok((Box::new(src), None));
-        }
+        store: &Store,
+        budget: &crate::plan::Budget,
+        hw: &HardwareProfile,
+    ) -> Result<(Plan, Option<crate::plan::hot::HotPlan>)> {
+        use crate::plan::hot::{Cold, plan_cold};
+        let cold = args.budget.cold;
         let name = self.path.display().to_string();
-        let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
-            .context("--cold cpu places the hot neurons by how often they fire")?;
-        let target = match (args.sparsity, profile.predictor_target) {
+        let load = || SparsityProfile::load(store.dir(), &store.manifest.model_id, &name);
+        let profile = match cold {
+            Cold::Cpu => {
+                Some(load().context("--cold cpu places the hot neurons by how often they fire")?)
+            }
+            Cold::Auto if SparsityProfile::path_in(store.dir()).exists() => Some(load()?),
+            _ => None,
+        };
+        let target = match (
+            args.sparsity,
+            profile.as_ref().and_then(|p| p.predictor_target),
+        ) {
             (super::SparsityMode::Predicted, Some(t)) => t,
             _ => args.sparsity_target.unwrap_or(DEFAULT_SPARSITY_TARGET),
         };
-        let hot = crate::plan::hot::plan_hot_neurons(&store.manifest, plan, &profile, target)?;
-        tracing::info!("hybrid plan:\n{}", hot.report());
+        let crate::plan::hot::ColdChoice {
+            plan,
+            hot,
+            candidates: seen,
+        } = plan_cold(
+            &store.manifest,
+            budget,
+            hw,
+            cold,
+            profile.as_ref().map(|p| (p, target)),
+        )?;
+        if seen.len() > 1 {
+            tracing::info!("--cold auto, predicted tokens/s: {seen:?}");
+        }
+        note_plan(&plan);
+        if let Some(h) = &hot {
+            tracing::info!("hybrid plan:\n{}", h.report());
+        }
+        Ok((plan, hot))
+    }
+
+    /// The weight source of an offloaded run: streaming (the plan may split the FFN with the
+    /// CPU), or hybrid (a hot-neuron plan: hot neurons on the device, cold ones on the CPU).
+    fn offload_source<B: Backend>(
+        &self,
+        b: &B,
+        store: &Arc<Store>,
+        plan: &Plan,
+        hot: Option<crate::plan::hot::HotPlan>,
+        ledger: &Arc<Ledger>,
+        kernels: &'static kernels::Kernels,
+    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
+        let Some(hot) = hot else {
+            let src =
+                OffloadWeights::with_cpu_kernels(b, store.clone(), plan, ledger.clone(), kernels)?;
+            return Ok((Box::new(src), None));
+        };
         let src = HybridWeights::new(
             b,
             store.clone(),

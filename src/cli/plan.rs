@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::Args;
 
 use super::store::open_store_for;
-use crate::plan::{Budget, HardwareProfile, make_plan};
+use crate::plan::{Budget, HardwareProfile};
 
 /// Flags shared by everything that runs under a memory budget.
 #[derive(Debug, Args)]
@@ -24,9 +24,10 @@ pub struct BudgetArgs {
     /// computed on the device); split (bundled FFNs: the planner has the CPU compute the last of
     /// them from DRAM, as many as take it as long as the copies of the rest); cpu (hybrid: the
     /// neurons the sparsity profile says fire most stay on the device, chosen by the exact ILP,
-    /// the CPU computes the others; attention stays resident; needs `gpu-offload profile`)
+    /// the CPU computes the others; attention stays resident; needs `gpu-offload profile`); auto
+    /// (the fastest of these by the plan's prediction; hybrid only where a profile exists)
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
-    pub cold: ColdMode,
+    pub cold: crate::plan::hot::Cold,
 
     /// Layers streamed ahead of compute.
     #[arg(long, env = "GPU_OFFLOAD_PREFETCH_WINDOW", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -41,14 +42,6 @@ pub struct BudgetArgs {
     /// and whose PCIe rate paces host→device copies; its profile becomes the cost model's.
     #[arg(long, env = "GPU_OFFLOAD_EMULATE")]
     pub emulate: Option<String>,
-}
-
-/// `--cold`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ColdMode {
-    Stream,
-    Split,
-    Cpu,
 }
 
 impl BudgetArgs {
@@ -174,40 +167,78 @@ pub fn run(a: PlanArgs) -> Result<()> {
             a.batch.clamp(1, crate::engine::MAX_BATCH),
         )
     };
-    let budget = Budget {
-        cpu_split: a.budget.cold == ColdMode::Split,
-        ..budget
-    };
-    let plan = make_plan(&store.manifest, &budget, &hw)?;
-    let hot = if a.hot_neurons {
-        if !(0.01..=0.99).contains(&a.sparsity_target) {
-            anyhow::bail!(
-                "--sparsity-target {} is outside 0.01..=0.99",
-                a.sparsity_target
-            );
-        }
-        let name = a.model.display().to_string();
-        let profile =
-            crate::sparsity::SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)?;
-        Some(crate::plan::hot::plan_hot_neurons(
-            &store.manifest,
-            &plan,
-            &profile,
-            a.sparsity_target,
+    let name = a.model.display().to_string();
+    let profile_path = crate::sparsity::SparsityProfile::path_in(store.dir());
+    let cold = a.budget.cold;
+    let wants_profile = a.hot_neurons
+        || cold == crate::plan::hot::Cold::Cpu
+        || (cold == crate::plan::hot::Cold::Auto && profile_path.exists());
+    if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
+        anyhow::bail!(
+            "--sparsity-target {} is outside 0.01..=0.99",
+            a.sparsity_target
+        );
+    }
+    let profile = if wants_profile {
+        Some(crate::sparsity::SparsityProfile::load(
+            store.dir(),
+            &store.manifest.model_id,
+            &name,
         )?)
     } else {
         None
+    };
+    let crate::plan::hot::ColdChoice {
+        plan,
+        hot: chosen_hot,
+        candidates,
+    } = crate::plan::hot::plan_cold(
+        &store.manifest,
+        &budget,
+        &hw,
+        cold,
+        profile.as_ref().map(|p| (p, a.sparsity_target)),
+    )?;
+    // What runs the neurons that do not fit.
+    let chosen = if chosen_hot.is_some() {
+        "cpu"
+    } else if plan.residency.cpu_rows > 0 {
+        "split"
+    } else {
+        "stream"
+    };
+    let hot = match (&profile, chosen_hot) {
+        (_, Some(h)) => Some(h),
+        (Some(p), None) if a.hot_neurons => Some(crate::plan::hot::plan_hot_neurons(
+            &store.manifest,
+            &plan,
+            p,
+            a.sparsity_target,
+        )?),
+        _ => None,
     };
     if a.json {
         let mut v = serde_json::to_value(&plan)?;
         if let Some(h) = &hot {
             v["hot_neurons"] = serde_json::to_value(h)?;
         }
+        v["cold_candidates"] = serde_json::to_value(&candidates)?;
+        v["cold"] = chosen.into();
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", plan.report());
         if let Some(h) = &hot {
             print!("{}", h.report());
+        }
+        if candidates.len() > 1 {
+            let list: Vec<String> = candidates
+                .iter()
+                .map(|(c, t)| format!("{c:?} {t:.2} tok/s").to_lowercase())
+                .collect();
+            println!(
+                "--cold auto chose {chosen} (predicted: {})",
+                list.join(", ")
+            );
         }
     }
     Ok(())

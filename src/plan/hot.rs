@@ -220,6 +220,105 @@ impl FfnLayout {
     }
 }
 
+/// Where an offloaded run's FFN neurons that do not fit the device run (`--cold`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Cold {
+    /// Streamed in per token, all computed on the device.
+    Stream,
+    /// Bundled FFNs: the CPU computes the last neurons of every layer from DRAM, as many as
+    /// balance the copies of the rest ([`Budget::cpu_split`]).
+    Split,
+    /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others.
+    Cpu,
+    /// The fastest of the above by the plan's prediction (hybrid only where a profile exists).
+    Auto,
+}
+
+/// What [`plan_cold`] chose.
+pub struct ColdChoice {
+    /// The streaming plan (with the split where chosen); hybrid execution's base plan.
+    pub plan: Plan,
+    /// Hybrid execution's hot-neuron plan, where chosen.
+    pub hot: Option<HotPlan>,
+    /// The predicted tokens/s of every candidate considered.
+    pub candidates: Vec<(Cold, f64)>,
+}
+
+/// The plan of an offloaded run for `mode`: the streaming plan (with or without the split) and,
+/// for hybrid execution, the hot-neuron plan; `profile` at its target, where one exists (hybrid
+/// needs it). For `auto`, the candidate predicted fastest, and the predictions of all of them.
+pub fn plan_cold(
+    m: &Manifest,
+    budget: &super::Budget,
+    hw: &super::HardwareProfile,
+    mode: Cold,
+    profile: Option<(&SparsityProfile, f64)>,
+) -> Result<ColdChoice, PlanError> {
+    let plan_with = |split: bool| {
+        super::make_plan(
+            m,
+            &super::Budget {
+                cpu_split: split,
+                ..budget.clone()
+            },
+            hw,
+        )
+    };
+    let hybrid = |plan: &Plan| -> Result<HotPlan, PlanError> {
+        let Some((p, target)) = profile else {
+            return Err(PlanError::Store(
+                "hybrid execution places hot neurons by their activation frequency: run `gpu-offload profile` first".into(),
+            ));
+        };
+        plan_hot_neurons(m, plan, p, target)
+    };
+    let (plan, hot, candidates) = match mode {
+        Cold::Stream | Cold::Split => {
+            let plan = plan_with(mode == Cold::Split)?;
+            let t = plan.prediction.tokens_per_s;
+            (plan, None, vec![(mode, t)])
+        }
+        Cold::Cpu => {
+            let plan = plan_with(false)?;
+            let hot = hybrid(&plan)?;
+            let t = hot.predicted_tokens_per_s;
+            (plan, Some(hot), vec![(Cold::Cpu, t)])
+        }
+        Cold::Auto => {
+            let stream = plan_with(false)?;
+            let split = plan_with(true)?;
+            let mut seen = vec![(Cold::Stream, stream.prediction.tokens_per_s)];
+            if split.residency.cpu_rows > 0 {
+                seen.push((Cold::Split, split.prediction.tokens_per_s));
+            }
+            // Hybrid where it fits (it keeps all attention resident) and a profile exists.
+            let hot = match profile {
+                Some(_) if stream.streams() => hybrid(&stream).ok(),
+                _ => None,
+            };
+            if let Some(h) = &hot {
+                seen.push((Cold::Cpu, h.predicted_tokens_per_s));
+            }
+            let best = seen
+                .iter()
+                .copied()
+                .fold((Cold::Stream, 0.0), |b, c| if c.1 > b.1 { c } else { b })
+                .0;
+            match best {
+                Cold::Split => (split, None, seen),
+                Cold::Cpu => (stream, hot, seen),
+                _ => (stream, None, seen),
+            }
+        }
+    };
+    Ok(ColdChoice {
+        plan,
+        hot,
+        candidates,
+    })
+}
+
 /// The placement for `plan`'s budget and hardware from `profile` at `target` sparsity, and what
 /// hybrid execution of it holds and moves.
 pub fn plan_hot_neurons(
