@@ -220,6 +220,95 @@ impl<'a> Vector<'a> {
     }
 }
 
+/// `[rows[r] · x]` for the first `live` rows (the rest are padding: repeats of a live row,
+/// their results unused). All rows share one encoding (one bundle part kind); `next` is the
+/// group to be read after this one, whose rows are prefetched while this one is summed.
+fn dot4(
+    k: &Kernels,
+    o: &Ops,
+    rows: [Vector; 4],
+    next: [Vector; 4],
+    live: usize,
+    x: &[f32],
+) -> [f32; 4] {
+    match (rows[0], o.dot4_f16, o.dot4_i8, o.dot4_i4) {
+        (Vector::F16(_), Some(f4), _, _) => {
+            return f4(rows.map(|r| r.f16()), next.map(|r| r.f16()), x);
+        }
+        (Vector::I8 { .. }, _, Some(f4), _) => {
+            let s = f4(rows.map(|r| r.i8_codes()), next.map(|r| r.i8_codes()), x);
+            return [0, 1, 2, 3].map(|r| rows[r].i8_scale() * s[r]);
+        }
+        (Vector::I4 { .. }, _, _, Some(f4)) => {
+            return f4(rows.map(|r| r.i4_row()), next.map(|r| r.i4_row()), x);
+        }
+        _ => {}
+    }
+    let mut s = [0f32; 4];
+    for (v, r) in s.iter_mut().zip(rows).take(live) {
+        *v = r.dot(k, o, x);
+    }
+    s
+}
+
+/// `out += Σ_r a[r] · cols[r]` over the first `live` columns (padding columns have `a = 0`);
+/// `next` as for [`dot4`].
+fn axpy4(o: &Ops, a: [f32; 4], cols: [Vector; 4], next: [Vector; 4], live: usize, out: &mut [f32]) {
+    match (cols[0], o.axpy4_f16, o.axpy4_i8, o.axpy4_i4) {
+        (Vector::F16(_), Some(f4), _, _) => {
+            return f4(a, cols.map(|c| c.f16()), next.map(|c| c.f16()), out);
+        }
+        (Vector::I8 { .. }, _, Some(f4), _) => {
+            let a = [0, 1, 2, 3].map(|r| a[r] * cols[r].i8_scale());
+            return f4(
+                a,
+                cols.map(|c| c.i8_codes()),
+                next.map(|c| c.i8_codes()),
+                out,
+            );
+        }
+        (Vector::I4 { .. }, _, _, Some(f4)) => {
+            return f4(a, cols.map(|c| c.i4_row()), next.map(|c| c.i4_row()), out);
+        }
+        _ => {}
+    }
+    for (&a, c) in a.iter().zip(cols).take(live) {
+        // Zero weights add nothing (and ReLU models have many).
+        if a != 0.0 {
+            c.axpy(o, a, out);
+        }
+    }
+}
+
+impl<'a> Vector<'a> {
+    // Accessors for the group dispatch above: a group's vectors share one variant (one part
+    // kind of one bundle set), so the dispatch looks at the first.
+    fn f16(self) -> &'a [f16] {
+        match self {
+            Vector::F16(v) => v,
+            _ => &[],
+        }
+    }
+    fn i8_codes(self) -> &'a [i8] {
+        match self {
+            Vector::I8 { q, .. } => q,
+            _ => &[],
+        }
+    }
+    fn i8_scale(self) -> f32 {
+        match self {
+            Vector::I8 { scale, .. } => scale,
+            _ => 0.0,
+        }
+    }
+    fn i4_row(self) -> I4Row<'a> {
+        match self {
+            Vector::I4 { scales, q } => (scales, q),
+            _ => (&[], &[]),
+        }
+    }
+}
+
 /// The kernels `Kernels` lacks: INT8/INT4 dots with f32 activations and the column axpys.
 struct Ops {
     dot_i8: fn(&[i8], &[f32]) -> f32,
@@ -229,7 +318,29 @@ struct Ops {
     axpy_bf16: fn(f32, &[bf16], &mut [f32]),
     axpy_i8: fn(f32, &[i8], &mut [f32]),
     axpy_i4: fn(f32, &[u8], &[u8], &mut [f32]),
+    /// Four rows against one `x` in one pass (the loads of `x` shared), prefetching the next
+    /// group's rows ahead of the reads; `None` where the per-row kernels serve (portable).
+    /// INT8 sums come unscaled.
+    dot4_f16: Option<Dot4F16>,
+    dot4_i8: Option<Dot4I8>,
+    dot4_i4: Option<Dot4I4>,
+    /// `out += Σ_r a[r] · col[r]`, in the order of `r` (as four axpys would add), the next
+    /// group's columns prefetched; the output tile is read and written once per four columns.
+    axpy4_f16: Option<Axpy4F16>,
+    axpy4_i8: Option<Axpy4I8>,
+    axpy4_i4: Option<Axpy4I4>,
 }
+
+// The four-row kernels: (rows, next rows, x) and (weights, columns, next columns, out).
+type Dot4F16 = fn([&[f16]; 4], [&[f16]; 4], &[f32]) -> [f32; 4];
+type Dot4I8 = fn([&[i8]; 4], [&[i8]; 4], &[f32]) -> [f32; 4];
+type Dot4I4 = fn([I4Row; 4], [I4Row; 4], &[f32]) -> [f32; 4];
+type Axpy4F16 = fn([f32; 4], [&[f16]; 4], [&[f16]; 4], &mut [f32]);
+type Axpy4I8 = fn([f32; 4], [&[i8]; 4], [&[i8]; 4], &mut [f32]);
+type Axpy4I4 = fn([f32; 4], [I4Row; 4], [I4Row; 4], &mut [f32]);
+
+/// An INT4 vector: its group scales (little-endian f16s) and packed codes.
+type I4Row<'a> = (&'a [u8], &'a [u8]);
 
 /// Ours to go with kernel set `k`: every set but the portable one implies AVX2+FMA+F16C (see
 /// `kernels::available`), so the choice follows it, and a test forcing portable gets portable.
@@ -257,6 +368,12 @@ mod portable {
         axpy_bf16,
         axpy_i8,
         axpy_i4,
+        dot4_f16: None,
+        dot4_i8: None,
+        dot4_i4: None,
+        axpy4_f16: None,
+        axpy4_i8: None,
+        axpy4_i4: None,
     };
 
     fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
@@ -326,6 +443,12 @@ mod x86 {
         axpy_bf16,
         axpy_i8,
         axpy_i4,
+        dot4_f16: Some(dot4_f16),
+        dot4_i8: Some(dot4_i8),
+        dot4_i4: Some(dot4_i4),
+        axpy4_f16: Some(axpy4_f16),
+        axpy4_i8: Some(axpy4_i8),
+        axpy4_i4: Some(axpy4_i4),
     };
 
     // The safe wrappers are installed only with a kernel set that required AVX2+FMA+F16C.
@@ -357,6 +480,30 @@ mod x86 {
     fn axpy_i4(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
         // SAFETY: as above.
         unsafe { axpy_i4_avx2(a, scales, q, out) }
+    }
+    fn dot4_f16(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+        // SAFETY: as above, plus F16C.
+        unsafe { dot4_f16_avx2(w, next, x) }
+    }
+    fn dot4_i8(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
+        // SAFETY: as above.
+        unsafe { dot4_i8_avx2(q, next, x) }
+    }
+    fn dot4_i4(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
+        // SAFETY: as above, plus F16C.
+        unsafe { dot4_i4_avx2(w, next, x) }
+    }
+    fn axpy4_f16(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &mut [f32]) {
+        // SAFETY: as above, plus F16C.
+        unsafe { axpy4_f16_avx2(a, w, next, out) }
+    }
+    fn axpy4_i8(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { axpy4_i8_avx2(a, q, next, out) }
+    }
+    fn axpy4_i4(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut [f32]) {
+        // SAFETY: as above, plus F16C.
+        unsafe { axpy4_i4_avx2(a, w, next, out) }
     }
 
     /// 8 signed bytes at `p` as floats.
@@ -541,21 +688,293 @@ mod x86 {
             }
         }
     }
+
+    /// How far ahead of its reads each row is prefetched, bytes. Listed neurons' rows are
+    /// short runs at random places: the hardware prefetchers restart at every row and every
+    /// 4 KiB page, so we ask for the lines ourselves (measured: 256–1024 B all help, 512 best).
+    const PREFETCH: usize = 512;
+
+    /// Prefetch the line `PREFETCH` bytes past byte `at` of `row` (`len` bytes), or, past its
+    /// end, the corresponding line of `next` (the row read after it).
+    #[inline(always)]
+    fn prefetch_ahead(row: *const u8, len: usize, next: *const u8, at: usize) {
+        let a = at + PREFETCH;
+        prefetch(if a < len {
+            row.wrapping_add(a)
+        } else {
+            next.wrapping_add(a - len)
+        });
+    }
+
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+
+    /// Every line of the next rows' INT4 scales, which sit apart from their codes.
+    #[inline(always)]
+    fn prefetch_scales(next: &[I4Row; 4]) {
+        for (s, _) in next {
+            for at in (0..s.len()).step_by(64) {
+                prefetch(s.as_ptr().wrapping_add(at));
+            }
+        }
+    }
+
+    /// The f16 at `s[2g..2g + 2]` (little-endian) by F16C (`half`'s software path is slow).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn scale_at(s: &[u8], g: usize) -> f32 {
+        let v = u16::from_le_bytes([s[2 * g], s[2 * g + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v as i32)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot4_f16_avx2(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+        let n = w.iter().map(|r| r.len()).fold(x.len(), usize::min);
+        let p = w.map(|r| r.as_ptr() as *const u16);
+        let nx = next.map(|r| r.as_ptr() as *const u8);
+        let xp = x.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: loads of 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
+        unsafe {
+            while i + 32 <= n {
+                // 32 halves: one line of each row.
+                for r in 0..4 {
+                    prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
+                }
+                for o in (i..i + 32).step_by(8) {
+                    let xv = _mm256_loadu_ps(xp.add(o));
+                    for r in 0..4 {
+                        let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
+                        acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+                    }
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let xv = _mm256_loadu_ps(xp.add(i));
+                for r in 0..4 {
+                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
+                    acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+                }
+                i += 8;
+            }
+        }
+        let mut s = acc.map(|a| hsum(a));
+        for j in i..n {
+            for r in 0..4 {
+                s[r] += w[r][j].to_f32() * x[j];
+            }
+        }
+        s
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4_i8_avx2(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
+        let n = q.iter().map(|r| r.len()).fold(x.len(), usize::min);
+        let p = q.map(|r| r.as_ptr());
+        let nx = next.map(|r| r.as_ptr() as *const u8);
+        let xp = x.as_ptr();
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: loads of 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
+        unsafe {
+            while i + 64 <= n {
+                for r in 0..4 {
+                    prefetch_ahead(p[r] as *const u8, n, nx[r], i);
+                }
+                for o in (i..i + 64).step_by(8) {
+                    let xv = _mm256_loadu_ps(xp.add(o));
+                    for r in 0..4 {
+                        acc[r] = _mm256_fmadd_ps(i8x8(p[r].add(o)), xv, acc[r]);
+                    }
+                }
+                i += 64;
+            }
+            while i + 8 <= n {
+                let xv = _mm256_loadu_ps(xp.add(i));
+                for r in 0..4 {
+                    acc[r] = _mm256_fmadd_ps(i8x8(p[r].add(i)), xv, acc[r]);
+                }
+                i += 8;
+            }
+        }
+        let mut s = acc.map(|a| hsum(a));
+        for j in i..n {
+            for r in 0..4 {
+                s[r] += q[r][j] as f32 * x[j];
+            }
+        }
+        s
+    }
+
+    /// Whole groups in all four INT4 rows and `x`.
+    fn i4_groups(w: &[I4Row; 4], len: usize) -> usize {
+        w.iter()
+            .map(|(s, q)| (s.len() / 2).min(q.len() / (INT4_GROUP / 2)))
+            .fold(len / INT4_GROUP, usize::min)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot4_i4_avx2(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
+        let groups = i4_groups(&w, x.len());
+        let nx = next.map(|(_, q)| q.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        prefetch_scales(&next);
+        for g in 0..groups {
+            // 16 code bytes per group: one line of each row per 4 groups.
+            if g % 4 == 0 {
+                for r in 0..4 {
+                    prefetch_ahead(w[r].1.as_ptr(), groups * 16, nx[r], g * 16);
+                }
+            }
+            // SAFETY: group g < groups: 16 code bytes of every row and 32 activations in bounds.
+            unsafe {
+                let xp = x.as_ptr().add(g * INT4_GROUP);
+                let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xp.add(o)));
+                for r in 0..4 {
+                    let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
+                    let s = _mm256_fmadd_ps(v[1], xv[1], _mm256_mul_ps(v[0], xv[0]));
+                    let t = _mm256_fmadd_ps(v[3], xv[3], _mm256_mul_ps(v[2], xv[2]));
+                    let d = _mm256_set1_ps(scale_at(w[r].0, g));
+                    acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s, t), acc[r]);
+                }
+            }
+        }
+        acc.map(|a| hsum(a))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy4_f16_avx2(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &mut [f32]) {
+        let n = w.iter().map(|r| r.len()).fold(out.len(), usize::min);
+        let av = a.map(|v| _mm256_set1_ps(v));
+        let p = w.map(|r| r.as_ptr() as *const u16);
+        let nx = next.map(|r| r.as_ptr() as *const u8);
+        let op = out.as_mut_ptr();
+        let mut i = 0;
+        // SAFETY: 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
+        unsafe {
+            while i + 32 <= n {
+                for r in 0..4 {
+                    prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
+                }
+                for o in (i..i + 32).step_by(8) {
+                    let mut v = _mm256_loadu_ps(op.add(o));
+                    for r in 0..4 {
+                        let c = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
+                        v = _mm256_fmadd_ps(av[r], c, v);
+                    }
+                    _mm256_storeu_ps(op.add(o), v);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let mut v = _mm256_loadu_ps(op.add(i));
+                for r in 0..4 {
+                    let c = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
+                    v = _mm256_fmadd_ps(av[r], c, v);
+                }
+                _mm256_storeu_ps(op.add(i), v);
+                i += 8;
+            }
+        }
+        for j in i..n {
+            for r in 0..4 {
+                out[j] += a[r] * w[r][j].to_f32();
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn axpy4_i8_avx2(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut [f32]) {
+        let n = q.iter().map(|r| r.len()).fold(out.len(), usize::min);
+        let av = a.map(|v| _mm256_set1_ps(v));
+        let p = q.map(|r| r.as_ptr());
+        let nx = next.map(|r| r.as_ptr() as *const u8);
+        let op = out.as_mut_ptr();
+        let mut i = 0;
+        // SAFETY: 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
+        unsafe {
+            while i + 64 <= n {
+                for r in 0..4 {
+                    prefetch_ahead(p[r] as *const u8, n, nx[r], i);
+                }
+                for o in (i..i + 64).step_by(8) {
+                    let mut v = _mm256_loadu_ps(op.add(o));
+                    for r in 0..4 {
+                        v = _mm256_fmadd_ps(av[r], i8x8(p[r].add(o)), v);
+                    }
+                    _mm256_storeu_ps(op.add(o), v);
+                }
+                i += 64;
+            }
+            while i + 8 <= n {
+                let mut v = _mm256_loadu_ps(op.add(i));
+                for r in 0..4 {
+                    v = _mm256_fmadd_ps(av[r], i8x8(p[r].add(i)), v);
+                }
+                _mm256_storeu_ps(op.add(i), v);
+                i += 8;
+            }
+        }
+        for j in i..n {
+            for r in 0..4 {
+                out[j] += a[r] * q[r][j] as f32;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut [f32]) {
+        let groups = i4_groups(&w, out.len());
+        let nx = next.map(|(_, q)| q.as_ptr());
+        prefetch_scales(&next);
+        for g in 0..groups {
+            if g % 4 == 0 {
+                for r in 0..4 {
+                    prefetch_ahead(w[r].1.as_ptr(), groups * 16, nx[r], g * 16);
+                }
+            }
+            // SAFETY: group g < groups: 16 code bytes of every row and 32 outputs in bounds.
+            unsafe {
+                let op = out.as_mut_ptr().add(g * INT4_GROUP);
+                let mut o = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(op.add(k)));
+                for r in 0..4 {
+                    let s = _mm256_set1_ps(a[r] * scale_at(w[r].0, g));
+                    let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
+                    for k in 0..4 {
+                        o[k] = _mm256_fmadd_ps(s, v[k], o[k]);
+                    }
+                }
+                for (k, ok) in o.iter().enumerate() {
+                    _mm256_storeu_ps(op.add(8 * k), *ok);
+                }
+            }
+        }
+    }
 }
 
 /// Listed neurons per parallel task of the row-wise functions.
 const NEURONS_PER_TASK: usize = 32;
 
 /// `out[t·m + j] = f(j, t)` for `m` items and `n` tokens, items split over rayon tasks.
-/// Each task fills its items' values item-major, then they are transposed into `out`.
-fn per_item(m: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+/// `f(js, vals)` fills a run of items `js`, item-major (`vals[(j − js.start)·n + t]`); for
+/// `n > 1` the runs are transposed into `out` afterwards.
+fn per_items(
+    m: usize,
+    n: usize,
+    out: &mut [f32],
+    f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) {
     debug_assert_eq!(out.len(), m * n);
+    let task = |(c, o): (usize, &mut [f32])| {
+        let j0 = c * NEURONS_PER_TASK;
+        f(j0..j0 + o.len() / n.max(1), o)
+    };
     if n == 1 {
-        let task = |(c, o): (usize, &mut [f32])| {
-            for (jj, v) in o.iter_mut().enumerate() {
-                f(c * NEURONS_PER_TASK + jj, std::slice::from_mut(v));
-            }
-        };
         if m <= NEURONS_PER_TASK {
             out.chunks_mut(NEURONS_PER_TASK).enumerate().for_each(task);
         } else {
@@ -568,15 +987,39 @@ fn per_item(m: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) +
     let mut tr = vec![0f32; m * n];
     tr.par_chunks_mut(NEURONS_PER_TASK * n)
         .enumerate()
-        .for_each(|(c, o)| {
-            for (jj, v) in o.chunks_mut(n).enumerate() {
-                f(c * NEURONS_PER_TASK + jj, v);
-            }
-        });
+        .for_each(task);
     for (j, v) in tr.chunks(n).enumerate() {
         for (t, &x) in v.iter().enumerate() {
             out[t * m + j] = x;
         }
+    }
+}
+
+/// `per_items` for an item at a time.
+fn per_item(m: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    per_items(m, n, out, |js, vals| {
+        for (j, v) in js.zip(vals.chunks_mut(n)) {
+            f(j, v);
+        }
+    });
+}
+
+/// Groups of four vectors over a run of items (the last group padded with repeats of its last
+/// item): `group(items)` picks the vectors. Calls `f(vectors, next group's vectors, items)`;
+/// the last group's `next` is itself (nothing further to prefetch).
+fn in_fours<'a>(
+    items: &[usize],
+    per: usize,
+    group: impl Fn(&[usize; 4]) -> [Vector<'a>; 4],
+    mut f: impl FnMut([Vector<'a>; 4], [Vector<'a>; 4], &[usize]),
+) {
+    let pad = |c: &[usize]| -> [usize; 4] { [0, 1, 2, 3].map(|q| c[q.min(c.len() - 1)]) };
+    let mut chunks = items.chunks(per).peekable();
+    let mut cur = chunks.peek().map(|c| group(&pad(c)));
+    while let (Some(c), Some(rows)) = (chunks.next(), cur) {
+        let next = chunks.peek().map(|c| group(&pad(c)));
+        f(rows, next.unwrap_or(rows), c);
+        cur = next;
     }
 }
 
@@ -630,18 +1073,38 @@ pub fn sparse_up(
     b.check_idx(op, idx)?;
     let o = ops(k);
     let gated = parts == 3;
-    per_item(m, n, h, |j, out| {
-        let i = idx[j] as usize;
-        let up_row = b.part(i, if gated { 1 } else { 0 });
-        let gate_row = gated.then(|| b.part(i, 0));
-        for (t, v) in out.iter_mut().enumerate() {
-            let xt = &x[t * d..(t + 1) * d];
-            let u = up_row.dot(k, o, xt);
-            *v = match gate_row {
-                Some(g) => act(g.dot(k, o, xt)) * u,
-                None => act(u + bias.map_or(0.0, |bb| bb[i])),
-            };
-        }
+    // Gated: two neurons' gate and up rows per group of four; else four neurons' up rows.
+    let per = if gated { 2 } else { 4 };
+    per_items(m, n, h, |js, vals| {
+        let j0 = js.start;
+        let items: Vec<usize> = js.collect();
+        let rows = |g: &[usize; 4]| -> [Vector; 4] {
+            let nr = |q: usize| idx[g[q]] as usize;
+            if gated {
+                [
+                    b.part(nr(0), 0),
+                    b.part(nr(0), 1),
+                    b.part(nr(1), 0),
+                    b.part(nr(1), 1),
+                ]
+            } else {
+                [0, 1, 2, 3].map(|q| b.part(nr(q), 0))
+            }
+        };
+        in_fours(&items, per, rows, |rows, next, group| {
+            let live = if gated { 2 * group.len() } else { group.len() };
+            for t in 0..n {
+                let s = dot4(k, o, rows, next, live, &x[t * d..(t + 1) * d]);
+                for (q, &j) in group.iter().enumerate() {
+                    let i = idx[j] as usize;
+                    vals[(j - j0) * n + t] = if gated {
+                        act(s[2 * q]) * s[2 * q + 1]
+                    } else {
+                        act(s[q] + bias.map_or(0.0, |bb| bb[i]))
+                    };
+                }
+            }
+        });
     });
     Ok(())
 }
@@ -673,11 +1136,18 @@ pub fn sparse_part_dots(
     }
     b.check_idx(op, idx)?;
     let o = ops(k);
-    per_item(m, n, out, |j, v| {
-        let row = b.part(idx[j] as usize, p);
-        for (t, v) in v.iter_mut().enumerate() {
-            *v = row.dot(k, o, &x[t * d..(t + 1) * d]);
-        }
+    per_items(m, n, out, |js, vals| {
+        let j0 = js.start;
+        let items: Vec<usize> = js.collect();
+        let rows = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, p));
+        in_fours(&items, 4, rows, |rows, next, group| {
+            for t in 0..n {
+                let s = dot4(k, o, rows, next, group.len(), &x[t * d..(t + 1) * d]);
+                for (q, &j) in group.iter().enumerate() {
+                    vals[(j - j0) * n + t] = s[q];
+                }
+            }
+        });
     });
     Ok(())
 }
@@ -743,18 +1213,21 @@ pub fn sparse_down_split(
     let o = ops(k);
     let down = parts - 1;
     // Sum the listed neurons' columns over `c0..c1` into `acc` (`n × (c1 − c0)`).
+    // Four columns at a time, so each pass reads and writes the output tile once per four.
     let columns = |js: std::ops::Range<usize>, c0: usize, c1: usize, acc: &mut [f32]| {
         let w = c1 - c0;
-        for j in js {
-            let col = b.part(idx[j] as usize, down).slice(c0, c1);
+        // Neurons with a zero weight for every token add nothing (and ReLU models have many).
+        let live: Vec<usize> = js
+            .filter(|&j| (0..n).any(|t| h[t * m + j] != 0.0))
+            .collect();
+        let cols = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, down).slice(c0, c1));
+        in_fours(&live, 4, cols, |cols, next, group| {
             for t in 0..n {
-                let a = h[t * m + j];
-                // Zero weights add nothing (and ReLU models have many).
-                if a != 0.0 {
-                    col.axpy(o, a, &mut acc[t * w..(t + 1) * w]);
-                }
+                // Padding columns (repeats) get weight zero.
+                let a = [0, 1, 2, 3].map(|q| group.get(q).map_or(0.0, |&j| h[t * m + j]));
+                axpy4(o, a, cols, next, group.len(), &mut acc[t * w..(t + 1) * w]);
             }
-        }
+        });
     };
     let threads = rayon::current_num_threads().max(1);
     match split {
@@ -1219,6 +1692,99 @@ mod tests {
                                             ((g - w).abs() as f64) <= REL * mag + 1e-30,
                                             "{what} {split:?} [{t},{c}]: {g} vs {w}"
                                         );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The grouped (four-row) paths against one row at a time: short lists of every length
+    /// around the group size, repeats, zero weights, several tokens, row lengths with tails.
+    #[test]
+    fn grouped_paths_equal_per_row() {
+        let mut rng = StdRng::seed_from_u64(17);
+        let encs = [
+            Encoding::F32,
+            Encoding::F16,
+            Encoding::Format(DType::BF16),
+            Encoding::Int8,
+            Encoding::Int4,
+        ];
+        let id: fn(f32) -> f32 = |x| x;
+        for k in kernel_sets() {
+            let o = ops(k);
+            for enc in encs {
+                for (gated, d) in [(true, 224usize), (false, 224), (true, 77), (false, 77)] {
+                    if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
+                        continue;
+                    }
+                    let neurons = 23;
+                    let l = layer(&mut rng, enc, gated, neurons, d);
+                    let bytes = aligned(&l.bytes);
+                    let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+                    let parts = l.shape.parts;
+                    for m in 1..=10usize {
+                        // With repeats: a neuron listed twice counts twice.
+                        let idx: Vec<u32> = (0..m)
+                            .map(|_| rng.random_range(0..neurons as u32))
+                            .collect();
+                        for n in [1usize, 2, 4] {
+                            let what =
+                                format!("{} {enc:?} gated {gated} d {d} m {m} n {n}", k.name);
+                            let x = rand_vec(&mut rng, n * d, 1.0);
+                            let row = |i: usize, p: usize, t: usize| {
+                                b.part(i, p).dot(k, o, &x[t * d..(t + 1) * d])
+                            };
+                            let close = |g: f32, w: f32, mag: f32| {
+                                assert!((g - w).abs() <= 1e-5 * (1.0 + mag), "{what}: {g} vs {w}");
+                            };
+                            let mut h = vec![f32::NAN; n * m];
+                            sparse_up(k, &b, &idx, &x, n, id, None, &mut h).unwrap();
+                            for p in 0..parts {
+                                let mut v = vec![f32::NAN; n * m];
+                                sparse_part_dots(k, &b, &idx, p, &x, n, &mut v).unwrap();
+                                for t in 0..n {
+                                    for (j, &i) in idx.iter().enumerate() {
+                                        let want = row(i as usize, p, t);
+                                        close(v[t * m + j], want, want.abs());
+                                    }
+                                }
+                            }
+                            for t in 0..n {
+                                for (j, &i) in idx.iter().enumerate() {
+                                    let i = i as usize;
+                                    let want = if gated {
+                                        row(i, 0, t) * row(i, 1, t)
+                                    } else {
+                                        row(i, 0, t)
+                                    };
+                                    close(h[t * m + j], want, want.abs());
+                                }
+                            }
+                            // Zero weights for some neurons (all tokens) and some cells.
+                            for (c, v) in h.iter_mut().enumerate() {
+                                if c % m % 3 == 1 || c % 5 == 2 {
+                                    *v = 0.0;
+                                }
+                            }
+                            let out0 = rand_vec(&mut rng, n * d, 1.0);
+                            for split in [DownSplit::Output, DownSplit::Partials] {
+                                let mut got = out0.clone();
+                                sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
+                                for t in 0..n {
+                                    let mut want = out0[t * d..(t + 1) * d].to_vec();
+                                    let mut mag = 0f32;
+                                    for (j, &i) in idx.iter().enumerate() {
+                                        let a = h[t * m + j];
+                                        b.part(i as usize, parts - 1).axpy(o, a, &mut want);
+                                        mag += a.abs();
+                                    }
+                                    for c in 0..d {
+                                        close(got[t * d + c], want[c], mag + want[c].abs());
                                     }
                                 }
                             }
