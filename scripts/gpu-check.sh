@@ -25,7 +25,8 @@
 #   hybrid   issue 11: the 7B shape with ReLU and power-law 0.8 hot neurons, profiled on random
 #            token ids; at --gpu-mem 4G hybrid decode (--cold cpu, oracle masks) vs dense
 #            offload (--cold stream) vs each bound and the plan's prediction, the ILP's placement
-#            and solve time; parity: hybrid logits vs the whole-GPU run (oracle masks)
+#            and solve time; parity: hybrid logits vs the whole-GPU run (oracle masks); the
+#            dense 7B shape at 4G with --cold split vs streaming, and vs llama.cpp (after `peers`)
 # Results: $OUT/results.jsonl (one JSON object per measurement) and $OUT/log.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -283,6 +284,22 @@ d = max(abs(x - y) for x, y in zip(a, b))
 print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
 PY
 )"
+    synth7b
+    say "dense 7B shape at 4G: the CPU+PCIe split vs streaming (plan, then decode)"
+    "$B" plan -m "$WORK/m7b" --gpu-mem 4G --ctx-size 1024 --cold auto 2>&1 | tail -3 | tee -a "$LOG"
+    for cold in stream split; do
+        record "decode_7b_4g_$cold" "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold "$cold" \
+            --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+    done
+    local lb=/tmp/lbuild/bin/llama-bench
+    if [[ -x "$lb" && -f "$WORK/m7b.gguf" ]]; then
+        say "the split at 4G beside llama.cpp at the largest -ngl that fits (built by \`peers\`)"
+        "$B" bench suite --device cuda -m "$WORK/m7b" --budgets 4G --prompts 32 --cold split \
+            --out "$OUT/suite-split" --llama-bench "$lb" --peer-gguf "$WORK/m7b.gguf" 2>>"$LOG"
+        record suite_7b_split_4g "{\"exit_code\":$?}"
+    else
+        record suite_7b_split_4g '{"skipped":"llama-bench not built: run `scripts/gpu-check.sh peers` first"}'
+    fi
 }
 
 case "$MODE" in
