@@ -1,7 +1,9 @@
 // The bundled FFN (neuron i = [gate_i | up_i | down_i] in f16, see src/store): `up` computes the
 // hidden activations of a run of neurons, one warp per neuron for up to MAX_TOKENS tokens;
 // `down` adds their weighted down columns to the output, each block a run of neurons and a tile
-// of output columns, accumulated with atomics.
+// of output columns, accumulated with atomics. With `idx` (device neuron ids, else null) both
+// run over the listed neurons only: neuron idx[i] of the run, its hidden value in column col0 + i
+// (compact), its up bias at col0 + idx[i].
 #include "common.cuh"
 
 #define WARPS 8
@@ -10,11 +12,12 @@
 
 extern "C" __global__ void ffn_bundles_up(const u16* b, int neurons, int parts, int d, const float* x, int n,
                                           int kind, float threshold, const float* up_bias, float* h, int h_stride,
-                                          int col0) {
+                                          int col0, const unsigned* idx) {
     int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (i >= neurons) return;
-    const u16* bundle = b + (long long)i * parts * d;
+    int row = idx ? (int)idx[i] : i;
+    const u16* bundle = b + (long long)row * parts * d;
     const u16* gate = parts == 3 ? bundle : 0;
     const u16* up = parts == 3 ? bundle + d : bundle;
     float ga[MAX_TOKENS], ua[MAX_TOKENS];
@@ -39,7 +42,7 @@ extern "C" __global__ void ffn_bundles_up(const u16* b, int neurons, int parts, 
             float g = warp_sum(ga[t]);
             if (lane == 0) {
                 float v = gate ? sparse_act(act(g, kind), threshold) * u
-                               : sparse_act(act(u + (up_bias ? up_bias[col0 + i] : 0.0f), kind), threshold);
+                               : sparse_act(act(u + (up_bias ? up_bias[col0 + row] : 0.0f), kind), threshold);
                 h[(long long)t * h_stride + col0 + i] = v;
             }
         }
@@ -48,7 +51,7 @@ extern "C" __global__ void ffn_bundles_up(const u16* b, int neurons, int parts, 
 
 // Grid: (ceil(d / DOWN_TILE), ceil(neurons / DOWN_NEURONS)); block DOWN_TILE threads.
 extern "C" __global__ void ffn_bundles_down(const u16* b, int neurons, int parts, int d, const float* h, int n,
-                                            int h_stride, int col0, float* out) {
+                                            int h_stride, int col0, float* out, const unsigned* idx) {
     int j = blockIdx.x * DOWN_TILE + threadIdx.x;
     int i0 = blockIdx.y * DOWN_NEURONS;
     int i1 = min(i0 + DOWN_NEURONS, neurons);
@@ -63,7 +66,8 @@ extern "C" __global__ void ffn_bundles_down(const u16* b, int neurons, int parts
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.0f;
     for (int i = i0; i < i1; i++) {
-        float c = h2f(b[((long long)i * parts + parts - 1) * d + j]);
+        long long row = idx ? (long long)idx[i] : i;
+        float c = h2f(b[(row * parts + parts - 1) * d + j]);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; t++)
             if (t < n) acc[t] += hs[t][i - i0] * c;

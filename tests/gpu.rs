@@ -619,6 +619,104 @@ fn ffn_sparsity_masks_zero_exactly_what_they_say<B: Backend>(g: &B) {
     );
 }
 
+/// The neuron-listed bundle ops compute exactly the listed neurons: `up_listed` gives, column
+/// by column, the dense op's activation of each listed neuron (two- and three-part bundles, an
+/// up bias, a mask); `down_listed` equals the dense down with every unlisted activation zero;
+/// they refuse without the workspace for the list and on an id past the run.
+fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
+    let mut rng = StdRng::seed_from_u64(17);
+    let (d, neurons, n) = (64, 96, 3);
+    let idx: Vec<u32> = vec![5, 90, 0, 41, 42, 7, 95, 60];
+    g.set_workspace(g.workspace_bytes(&WorkspaceOp::Listed { neurons: idx.len() }))
+        .unwrap();
+    for parts in [2, 3] {
+        let vals = rand_vec(&mut rng, neurons * parts * d, 0.3);
+        let h16: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
+        let bundles = g
+            .upload(&HostTensor {
+                name: "bundles".into(),
+                rows: neurons,
+                cols: parts * d,
+                dtype: DType::F16,
+                data: Bytes::from_slice(bytemuck::cast_slice(&h16)),
+            })
+            .unwrap();
+        let shape = BundleShape { parts, d };
+        let bias = g
+            .upload(&HostTensor::from_f32(
+                "bias",
+                1,
+                neurons,
+                rand_vec(&mut rng, neurons, 0.5),
+            ))
+            .unwrap();
+        let bias = (parts == 2).then_some(&bias);
+        let act = if parts == 3 { Act::Silu } else { Act::Relu };
+        let xt = put(g, n, d, &rand_vec(&mut rng, n * d, 2.0));
+        let mut dense = poisoned(g, n, neurons);
+        g.ffn_bundles_up(&bundles, shape, &xt, act, 0.05, bias, &mut dense, 0)
+            .unwrap();
+        let dense = get(g, &dense);
+        let mut listed = poisoned(g, n, idx.len());
+        g.ffn_bundles_up_listed(&bundles, shape, &xt, act, 0.05, bias, &idx, &mut listed)
+            .unwrap();
+        let listed = get(g, &listed);
+        for t in 0..n {
+            for (j, &i) in idx.iter().enumerate() {
+                let (a, b) = (listed[t * idx.len() + j], dense[t * neurons + i as usize]);
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "{parts} parts, token {t}, neuron {i}: {a} vs {b}"
+                );
+            }
+        }
+        // Down: the listed columns against the dense op on h zero outside the list.
+        let hv = rand_vec(&mut rng, n * idx.len(), 1.0);
+        let mut full = vec![0f32; n * neurons];
+        for t in 0..n {
+            for (j, &i) in idx.iter().enumerate() {
+                full[t * neurons + i as usize] = hv[t * idx.len() + j];
+            }
+        }
+        let mut want = put(g, n, d, &vec![0.0; n * d]);
+        g.ffn_bundles_down(&bundles, shape, &put(g, n, neurons, &full), 0, &mut want)
+            .unwrap();
+        let mut got = put(g, n, d, &vec![0.0; n * d]);
+        g.ffn_bundles_down_listed(&bundles, shape, &put(g, n, idx.len(), &hv), &idx, &mut got)
+            .unwrap();
+        for (a, b) in get(g, &got).iter().zip(get(g, &want)) {
+            assert!(
+                (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                "{parts} parts down: {a} vs {b}"
+            );
+        }
+        let mut out = poisoned(g, n, idx.len());
+        assert!(
+            g.ffn_bundles_up_listed(&bundles, shape, &xt, act, 0.0, bias, &[96], &mut out)
+                .is_err(),
+            "an id past the run is refused"
+        );
+    }
+    g.set_workspace(0).unwrap();
+    let mut out = poisoned(g, 1, 4);
+    let xt = put(g, 1, 64, &vec![0.0; 64]);
+    let one = g
+        .upload(&HostTensor {
+            name: "b".into(),
+            rows: 8,
+            cols: 128,
+            dtype: DType::F16,
+            data: Bytes::from_slice(&[0u8; 8 * 128 * 2]),
+        })
+        .unwrap();
+    let shape = BundleShape { parts: 2, d: 64 };
+    assert!(
+        g.ffn_bundles_up_listed(&one, shape, &xt, Act::Relu, 0.0, None, &[1, 2], &mut out)
+            .is_err(),
+        "no workspace for the list: refused, as the CUDA backend would"
+    );
+}
+
 /// Each op check runs on the CUDA backend (skipped without a GPU) and on the budgeted CPU device
 /// (always: it proves the checks themselves and the sim backend's delegation).
 macro_rules! on_devices {
@@ -645,7 +743,8 @@ on_devices!(
     attention_decode_and_prefill_with_gqa_equal_cpu,
     kv_store_read_write_equal_cpu,
     bundled_ffn_equals_cpu,
-    ffn_sparsity_masks_zero_exactly_what_they_say
+    ffn_sparsity_masks_zero_exactly_what_they_say,
+    bundles_listed_compute_only_the_listed_neurons
 );
 
 #[test]

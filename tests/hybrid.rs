@@ -205,6 +205,20 @@ fn cold_neurons_skip_what_the_mask_and_predictor_leave_out() {
     close(&logits(&e, &toks), &logits(&stream, &toks), "predicted");
     let [_, candidates, _, _] = traffic.snapshot();
     assert_eq!(candidates, 5 * (spec.n_layers * spec.d_ff / 2) as u64);
+
+    // With hot neurons too: the device computes only the listed hot neurons (the listed bundle
+    // kernels), the CPU the listed cold ones; the logits are still the streaming engine's.
+    let mut rng = StdRng::seed_from_u64(3);
+    let hot_ids = random_placement(&mut rng, spec.n_layers, spec.d_ff, 1, 2);
+    let hot = plan_hybrid_with(&store.manifest, &plan, hot_ids, None, 0.5).unwrap();
+    let (e, ledger, _) = hybrid(&store, &plan, &hot, &[]);
+    let e = e.with_predictor(Some(Arc::new(EveryOther(spec.d_ff))));
+    close(
+        &logits(&e, &toks),
+        &logits(&stream, &toks),
+        "predicted, hot and cold",
+    );
+    assert_eq!(ledger.snapshot().hbm_peak, hot.device.placed);
 }
 
 /// The largest |difference| between logit rows, and the row-wise argmax agreement.

@@ -112,6 +112,8 @@ pub enum WorkspaceOp {
         rows: usize,
         cols: usize,
     },
+    /// The neuron-listed bundle ops over a list of `neurons` ids (copied in).
+    Listed { neurons: usize },
 }
 
 /// Bytes `rows × cols` values in `dtype` take, if the shape is valid for the format (whole
@@ -329,6 +331,30 @@ pub trait Backend: Send + Sync + 'static {
         shape: BundleShape,
         h: &Self::Tensor,
         col0: usize,
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// [`Backend::ffn_bundles_up`] for the listed neurons of `bundles` only:
+    /// `h[:, j] = ` the activation of neuron `idx[j]` (its up bias `up_bias[idx[j]]`), for
+    /// `j < idx.len()`; the other neurons are not read.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_bundles_up_listed(
+        &self,
+        bundles: &Self::Weight,
+        shape: BundleShape,
+        x: &Self::Tensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&Self::Weight>,
+        idx: &[u32],
+        h: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// `out += Σ_j h[:, j] · down_{idx[j]}`: the down columns of the listed neurons only.
+    fn ffn_bundles_down_listed(
+        &self,
+        bundles: &Self::Weight,
+        shape: BundleShape,
+        h: &Self::Tensor,
+        idx: &[u32],
         out: &mut Self::Tensor,
     ) -> Result<()>;
     /// `x = 0`.

@@ -336,6 +336,43 @@ impl Backend for SimBackend {
             .ffn_bundles_down(&b.w, shape, &h.t, col0, &mut out.t)
     }
 
+    fn ffn_bundles_up_listed(
+        &self,
+        b: &SimWeight,
+        shape: BundleShape,
+        x: &SimTensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&SimWeight>,
+        idx: &[u32],
+        h: &mut SimTensor,
+    ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        self.cpu.ffn_bundles_up_listed(
+            &b.w,
+            shape,
+            &x.t,
+            act,
+            threshold,
+            up_bias.map(|w| &w.w),
+            idx,
+            &mut h.t,
+        )
+    }
+
+    fn ffn_bundles_down_listed(
+        &self,
+        b: &SimWeight,
+        shape: BundleShape,
+        h: &SimTensor,
+        idx: &[u32],
+        out: &mut SimTensor,
+    ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        self.cpu
+            .ffn_bundles_down_listed(&b.w, shape, &h.t, idx, &mut out.t)
+    }
+
     fn zero(&self, x: &mut SimTensor) -> Result<()> {
         self.cpu.zero(&mut x.t)
     }

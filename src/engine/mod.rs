@@ -387,7 +387,8 @@ pub fn step_memory(
     matmuls: &MatmulShapes,
     workspace: impl Fn(&WorkspaceOp) -> u64,
 ) -> StepMemory {
-    let mut ws = workspace(&WorkspaceOp::Embed { tokens: n });
+    let mut ws = workspace(&WorkspaceOp::Embed { tokens: n })
+        .max(workspace(&WorkspaceOp::Listed { neurons: spec.d_ff }));
     for m in &matmuls.layer {
         ws = ws.max(workspace(&m.op(n)));
     }
@@ -983,6 +984,39 @@ impl<B: Backend> Engine<B> {
         sc: &mut Scratch<B>,
     ) -> Result<()> {
         let b = &self.backend;
+        // Hybrid with a predictor over a hot block of bundles: only the hot neurons some token
+        // needs are read (the neuron-listed kernels), their activations compact in `sc.up`.
+        if let (
+            Some((Some(keep), ids)),
+            FfnView::Bundles {
+                runs,
+                shape,
+                up_bias,
+                down_bias,
+            },
+        ) = (hybrid, f)
+            && let [(0, run)] = runs.as_slice()
+        {
+            let d_ff = self.spec.d_ff;
+            let (n, _) = b.shape(&sc.h);
+            let listed: Vec<u32> = (0..ids.len() as u32)
+                .filter(|&j| (0..n).any(|t| keep[t * d_ff + ids[j as usize] as usize]))
+                .collect();
+            b.ffn_bundles_up_listed(
+                run, *shape, &sc.h, self.act, threshold, *up_bias, &listed, &mut sc.up,
+            )?;
+            if n > 1 {
+                // A neuron listed for one token may be off for another.
+                let listed_ids: Vec<u32> = listed.iter().map(|&j| ids[j as usize]).collect();
+                self.mask_hidden(keep, Some(&listed_ids), &mut sc.up)?;
+            }
+            b.zero(&mut sc.proj)?;
+            b.ffn_bundles_down_listed(run, *shape, &sc.up, &listed, &mut sc.proj)?;
+            if let Some(bias) = down_bias {
+                b.add_bias(&mut sc.proj, bias)?;
+            }
+            return Ok(());
+        }
         let mask = |input: &B::Tensor, hidden: &mut B::Tensor| match hybrid {
             Some((Some(keep), ids)) => self.mask_hidden(keep, Some(ids), hidden),
             Some((None, _)) => Ok(()),

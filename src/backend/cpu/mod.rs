@@ -499,6 +499,91 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn ffn_bundles_up_listed(
+        &self,
+        b: &HostTensor,
+        shape: BundleShape,
+        x: &CpuTensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&HostTensor>,
+        idx: &[u32],
+        h: &mut CpuTensor,
+    ) -> Result<()> {
+        let op = "ffn_bundles_up_listed";
+        check_bundles(op, b, shape)?;
+        let (n, m) = (x.rows, idx.len());
+        if x.cols != shape.d || h.rows != n || m > h.cols {
+            return Err(shape_err(
+                op,
+                format!(
+                    "x {}x{}, {m} neurons into h {}x{}",
+                    n, x.cols, h.rows, h.cols
+                ),
+            ));
+        }
+        let bias = up_bias.map(|bb| vector(op, bb, b.rows)).transpose()?;
+        let view = sparse::Bundles::from_host(b, shape)?;
+        let f = ops::activation(act);
+        let gated = shape.parts == 3;
+        // The deciding part (gate, or up without a gate) of every listed neuron, then the up
+        // part for gated bundles.
+        let mut v = vec![0f32; n * m];
+        self.pool.install(|| {
+            sparse::sparse_part_dots(self.kernels, &view, idx, 0, &x.data, n, &mut v)
+        })?;
+        if gated {
+            let mut u = vec![0f32; n * m];
+            self.pool.install(|| {
+                sparse::sparse_part_dots(self.kernels, &view, idx, 1, &x.data, n, &mut u)
+            })?;
+            v.iter_mut()
+                .zip(&u)
+                .for_each(|(g, u)| *g = sparse_act(f(*g), threshold) * u);
+        } else {
+            for (k, g) in v.iter_mut().enumerate() {
+                let add = bias.map_or(0.0, |bb| bb[idx[k % m] as usize]);
+                *g = sparse_act(f(*g + add), threshold);
+            }
+        }
+        let stride = h.cols;
+        for t in 0..n {
+            h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);
+        }
+        Ok(())
+    }
+
+    fn ffn_bundles_down_listed(
+        &self,
+        b: &HostTensor,
+        shape: BundleShape,
+        h: &CpuTensor,
+        idx: &[u32],
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        let op = "ffn_bundles_down_listed";
+        check_bundles(op, b, shape)?;
+        let (n, m) = (h.rows, idx.len());
+        if out.cols != shape.d || out.rows != n || m > h.cols {
+            return Err(shape_err(
+                op,
+                format!(
+                    "h {}x{}, {m} neurons into {}x{}",
+                    n, h.cols, out.rows, out.cols
+                ),
+            ));
+        }
+        let view = sparse::Bundles::from_host(b, shape)?;
+        let mut compact = vec![0f32; n * m];
+        for t in 0..n {
+            compact[t * m..(t + 1) * m].copy_from_slice(&h.data[t * h.cols..t * h.cols + m]);
+        }
+        self.pool.install(|| {
+            sparse::sparse_down(self.kernels, &view, idx, &compact, n, &mut out.data)
+        })?;
+        Ok(())
+    }
+
     fn zero(&self, x: &mut CpuTensor) -> Result<()> {
         x.data.fill(0.0);
         Ok(())

@@ -63,6 +63,8 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
     match *op {
         // Token ids copied in for the gather.
         WorkspaceOp::Embed { tokens } => device_bytes(tokens as u64 * 4),
+        // Neuron ids copied in for the listed bundle kernels.
+        WorkspaceOp::Listed { neurons } => device_bytes(neurons as u64 * 4),
         WorkspaceOp::Matmul {
             dtype,
             tokens,
@@ -503,6 +505,139 @@ impl CudaBackend {
 
     /// The held workspace, checked to hold what `op` needs; the guard keeps other threads from
     /// reusing it while this op's kernels are queued.
+    /// `ids` copied into the workspace (ordered on compute): the list the listed bundle kernels
+    /// read; the guard keeps the workspace while they are queued.
+    fn listed(&self, ids: &[u32]) -> Result<(std::sync::MutexGuard<'_, Option<DeviceBuf>>, u64)> {
+        let (ws, ptr) = self.workspace_for(WorkspaceOp::Listed { neurons: ids.len() })?;
+        // SAFETY: the workspace holds at least ids.len() u32 (checked); ordered on compute,
+        // staged out of the pageable slice before the call returns.
+        unsafe { cudarc::driver::result::memcpy_htod_async(ptr, ids, self.compute.cu_stream()) }
+            .map_err(dev)?;
+        Ok((ws, ptr))
+    }
+
+    /// The first half of the bundled FFN over all neurons of `b` (`list` none) or the `list.1`
+    /// neurons listed at device address `list.0` (h compact from column `col0`).
+    #[allow(clippy::too_many_arguments)]
+    fn bundles_up(
+        &self,
+        b: &CudaWeight,
+        shape: BundleShape,
+        x: &CudaTensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&CudaWeight>,
+        h: &mut CudaTensor,
+        col0: usize,
+        list: Option<(u64, usize)>,
+    ) -> Result<()> {
+        if b.dtype != DType::F16
+            || b.cols != shape.parts * shape.d
+            || x.cols != shape.d
+            || h.rows != x.rows
+        {
+            return Err(shape_err(
+                "ffn_bundles_up",
+                format!(
+                    "`{}` {}x{} {} as {} parts of {}",
+                    b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d
+                ),
+            ));
+        }
+        let f = self.func("bundles", "ffn_bundles_up")?;
+        let count = list.map_or(b.rows, |l| l.1);
+        let idx_ptr = list.map_or(0u64, |l| l.0);
+        let (neurons, parts, d, kind) = (
+            count as i32,
+            shape.parts as i32,
+            shape.d as i32,
+            act_code(act),
+        );
+        let bias = up_bias.map_or(0u64, |w| w.buf.ptr);
+        let (hs, c0) = (h.cols as i32, col0 as i32);
+        for t0 in (0..x.rows).step_by(MAX_TOKENS) {
+            let nt = (x.rows - t0).min(MAX_TOKENS) as i32;
+            let xp = x.buf.ptr + (t0 * shape.d * 4) as u64;
+            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
+            launch!(
+                self,
+                f.clone(),
+                cfg(blocks(count, WARPS), WARPS * 32),
+                b.buf.ptr,
+                neurons,
+                parts,
+                d,
+                xp,
+                nt,
+                kind,
+                threshold,
+                bias,
+                hp,
+                hs,
+                c0,
+                idx_ptr
+            );
+        }
+        Ok(())
+    }
+
+    /// The second half over all neurons of `b` or the listed ones (see [`Self::bundles_up`]).
+    fn bundles_down(
+        &self,
+        b: &CudaWeight,
+        shape: BundleShape,
+        h: &CudaTensor,
+        col0: usize,
+        out: &mut CudaTensor,
+        list: Option<(u64, usize)>,
+    ) -> Result<()> {
+        if b.dtype != DType::F16
+            || b.cols != shape.parts * shape.d
+            || out.cols != shape.d
+            || h.rows != out.rows
+        {
+            return Err(shape_err(
+                "ffn_bundles_down",
+                format!(
+                    "`{}` {}x{} as {} parts of {}",
+                    b.name, b.rows, b.cols, shape.parts, shape.d
+                ),
+            ));
+        }
+        let f = self.func("bundles", "ffn_bundles_down")?;
+        let count = list.map_or(b.rows, |l| l.1);
+        let idx_ptr = list.map_or(0u64, |l| l.0);
+        let (neurons, parts, d) = (count as i32, shape.parts as i32, shape.d as i32);
+        let (hs, c0) = (h.cols as i32, col0 as i32);
+        let grid = (blocks(shape.d, 256), blocks(count, 64), 1);
+        for t0 in (0..h.rows).step_by(MAX_TOKENS) {
+            let nt = (h.rows - t0).min(MAX_TOKENS) as i32;
+            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
+            let op = out.buf.ptr + (t0 * shape.d * 4) as u64;
+            let c = LaunchConfig {
+                grid_dim: grid,
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                f.clone(),
+                c,
+                b.buf.ptr,
+                neurons,
+                parts,
+                d,
+                hp,
+                nt,
+                hs,
+                c0,
+                op,
+                idx_ptr
+            );
+        }
+        Ok(())
+    }
+
     fn workspace_for(
         &self,
         op: WorkspaceOp,
@@ -1343,52 +1478,13 @@ impl Backend for CudaBackend {
         h: &mut CudaTensor,
         col0: usize,
     ) -> Result<()> {
-        if b.dtype != DType::F16
-            || b.cols != shape.parts * shape.d
-            || x.cols != shape.d
-            || h.rows != x.rows
-            || col0 + b.rows > h.cols
-        {
+        if col0 + b.rows > h.cols {
             return Err(shape_err(
                 "ffn_bundles_up",
-                format!(
-                    "`{}` {}x{} {} as {} parts of {}",
-                    b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d
-                ),
+                format!("{} neurons at {col0} into h {}x{}", b.rows, h.rows, h.cols),
             ));
         }
-        let f = self.func("bundles", "ffn_bundles_up")?;
-        let (neurons, parts, d, kind) = (
-            b.rows as i32,
-            shape.parts as i32,
-            shape.d as i32,
-            act_code(act),
-        );
-        let bias = up_bias.map_or(0u64, |w| w.buf.ptr);
-        let (hs, c0) = (h.cols as i32, col0 as i32);
-        for t0 in (0..x.rows).step_by(MAX_TOKENS) {
-            let nt = (x.rows - t0).min(MAX_TOKENS) as i32;
-            let xp = x.buf.ptr + (t0 * shape.d * 4) as u64;
-            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
-            launch!(
-                self,
-                f.clone(),
-                cfg(blocks(b.rows, WARPS), WARPS * 32),
-                b.buf.ptr,
-                neurons,
-                parts,
-                d,
-                xp,
-                nt,
-                kind,
-                threshold,
-                bias,
-                hp,
-                hs,
-                c0
-            );
-        }
-        Ok(())
+        self.bundles_up(b, shape, x, act, threshold, up_bias, h, col0, None)
     }
 
     fn ffn_bundles_down(
@@ -1399,49 +1495,80 @@ impl Backend for CudaBackend {
         col0: usize,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        if b.dtype != DType::F16
-            || b.cols != shape.parts * shape.d
-            || out.cols != shape.d
-            || h.rows != out.rows
-            || col0 + b.rows > h.cols
-        {
+        if col0 + b.rows > h.cols {
             return Err(shape_err(
                 "ffn_bundles_down",
+                format!("{} neurons at {col0} of h {}x{}", b.rows, h.rows, h.cols),
+            ));
+        }
+        self.bundles_down(b, shape, h, col0, out, None)
+    }
+
+    fn ffn_bundles_up_listed(
+        &self,
+        b: &CudaWeight,
+        shape: BundleShape,
+        x: &CudaTensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&CudaWeight>,
+        idx: &[u32],
+        h: &mut CudaTensor,
+    ) -> Result<()> {
+        if idx.len() > h.cols || idx.iter().any(|&i| i as usize >= b.rows) {
+            return Err(shape_err(
+                "ffn_bundles_up_listed",
                 format!(
-                    "`{}` {}x{} as {} parts of {}",
-                    b.name, b.rows, b.cols, shape.parts, shape.d
+                    "{} listed of {} neurons into h {}x{}",
+                    idx.len(),
+                    b.rows,
+                    h.rows,
+                    h.cols
                 ),
             ));
         }
-        let f = self.func("bundles", "ffn_bundles_down")?;
-        let (neurons, parts, d) = (b.rows as i32, shape.parts as i32, shape.d as i32);
-        let (hs, c0) = (h.cols as i32, col0 as i32);
-        let grid = (blocks(shape.d, 256), blocks(b.rows, 64), 1);
-        for t0 in (0..h.rows).step_by(MAX_TOKENS) {
-            let nt = (h.rows - t0).min(MAX_TOKENS) as i32;
-            let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
-            let op = out.buf.ptr + (t0 * shape.d * 4) as u64;
-            let c = LaunchConfig {
-                grid_dim: grid,
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launch!(
-                self,
-                f.clone(),
-                c,
-                b.buf.ptr,
-                neurons,
-                parts,
-                d,
-                hp,
-                nt,
-                hs,
-                c0,
-                op
-            );
+        if idx.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let (_ws, list) = self.listed(idx)?;
+        self.bundles_up(
+            b,
+            shape,
+            x,
+            act,
+            threshold,
+            up_bias,
+            h,
+            0,
+            Some((list, idx.len())),
+        )
+    }
+
+    fn ffn_bundles_down_listed(
+        &self,
+        b: &CudaWeight,
+        shape: BundleShape,
+        h: &CudaTensor,
+        idx: &[u32],
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        if idx.len() > h.cols || idx.iter().any(|&i| i as usize >= b.rows) {
+            return Err(shape_err(
+                "ffn_bundles_down_listed",
+                format!(
+                    "{} listed of {} neurons, h {}x{}",
+                    idx.len(),
+                    b.rows,
+                    h.rows,
+                    h.cols
+                ),
+            ));
+        }
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let (_ws, list) = self.listed(idx)?;
+        self.bundles_down(b, shape, h, 0, out, Some((list, idx.len())))
     }
 
     fn zero(&self, x: &mut CudaTensor) -> Result<()> {
