@@ -308,6 +308,39 @@ fn profile_and_oracle_on_the_cli() {
     let share = some["activation_share"].as_f64().unwrap();
     assert!(share > 0.0 && share < 1.0, "{some}");
     assert!(some["bytes"].as_u64() <= some["budget_bytes"].as_u64());
+    // A budget that cannot hold every layer's attention: hybrid streams attention beside the
+    // hot neurons (the streaming source with the FFN on the CPU but for them), and generates
+    // what streaming does.
+    let low = ["--device", "sim", "--gpu-mem", "320K"];
+    let streamed = succeeds(&mut run_on(&low, &["--cold", "stream"]));
+    let hybrid_low = succeeds(&mut run_on(&low, &["--cold", "cpu"]));
+    assert_eq!(hybrid_low["token_ids"], streamed["token_ids"]);
+    let p = succeeds(bin(&models).args([
+        "plan",
+        "-m",
+        ms,
+        "--gpu-mem",
+        "320K",
+        "--hardware",
+        "cpu-sim",
+        "--ctx-size",
+        "64",
+        "--batch",
+        "8",
+        "--cold",
+        "cpu",
+        "--json",
+    ]));
+    let h = &p["hot_neurons"];
+    assert!(
+        h["per_token"]["pcie_bytes"].as_u64().unwrap() > 100_000,
+        "attention streams: {h}"
+    );
+    assert!(h["device"]["total"].as_u64().unwrap() <= 320 * 1024, "{h}");
+    assert_eq!(
+        p["residency"]["cpu_rows"], 172,
+        "the FFN is off the device but for the hot neurons"
+    );
     // `--cold auto`: the planner's choice is the candidate it predicts fastest, hybrid among
     // them now that a profile exists.
     let auto = succeeds(bin(&models).args([

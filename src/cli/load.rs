@@ -168,6 +168,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
         logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
         cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
+        hot_reserve: None,
     }
 }
 
@@ -495,10 +496,31 @@ impl LoadedModel {
         kernels: &'static kernels::Kernels,
     ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
         let Some(hot) = hot else {
-            let src =
-                OffloadWeights::with_cpu_kernels(b, store.clone(), plan, ledger.clone(), kernels)?;
+            let src = OffloadWeights::with_cpu_kernels(
+                b,
+                store.clone(),
+                plan,
+                ledger.clone(),
+                kernels,
+                None,
+            )?;
             return Ok((Box::new(src), None));
         };
+        if hot.base_plan.is_some() {
+            // Attention streamed beside the hot neurons: the streaming source runs it.
+            let src = OffloadWeights::with_cpu_kernels(
+                b,
+                store.clone(),
+                plan,
+                ledger.clone(),
+                kernels,
+                Some(&hot),
+            )?;
+            let traffic = src
+                .cpu_traffic()
+                .ok_or_else(|| anyhow::anyhow!("a hybrid plan without CPU neurons"))?;
+            return Ok((Box::new(src), Some(Hybrid { plan: hot, traffic })));
+        }
         let src = HybridWeights::new(
             b,
             store.clone(),

@@ -75,7 +75,7 @@ pub struct HybridPerToken {
     pub pcie_bytes: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct HotPlan {
     /// The profile's grid target the frequencies are taken at.
     pub target: f64,
@@ -103,6 +103,10 @@ pub struct HotPlan {
     pub batch: usize,
     pub per_token: HybridPerToken,
     pub predicted_tokens_per_s: f64,
+    /// With streamed attention: the streaming plan it runs on (attention residency, slots,
+    /// the reserve), where the hot neurons go into the reserve.
+    #[serde(skip)]
+    pub base_plan: Option<Box<Plan>>,
 }
 
 /// A layer's FFN as stored, for placement.
@@ -271,7 +275,35 @@ pub fn plan_cold(
                 "hybrid execution places hot neurons by their activation frequency: run `gpu-offload profile` first".into(),
             ));
         };
-        plan_hot_neurons(m, plan, p, target)
+        match plan_hot_neurons(m, plan, p, target) {
+            // Attention does not all fit: stream it, beside hot neurons in a share of the room.
+            Err(e @ PlanError::GpuTooSmall { .. })
+                if m.segment(&part_segment_name(0, Part::Ffn)).is_some() =>
+            {
+                let room = super::make_plan(
+                    m,
+                    &super::Budget {
+                        hot_reserve: Some(0),
+                        cpu_split: false,
+                        ..budget.clone()
+                    },
+                    hw,
+                )?
+                .gpu
+                .resident_layers;
+                [0.25, 0.5, 0.75, 1.0]
+                    .iter()
+                    .filter_map(|f| {
+                        plan_hot_streamed(m, budget, hw, p, target, (room as f64 * f) as u64).ok()
+                    })
+                    .max_by(|a, b| {
+                        a.predicted_tokens_per_s
+                            .total_cmp(&b.predicted_tokens_per_s)
+                    })
+                    .ok_or(e)
+            }
+            r => r,
+        }
     };
     let (plan, hot, candidates) = match mode {
         Cold::Stream | Cold::Split => {
@@ -283,6 +315,7 @@ pub fn plan_cold(
             let plan = plan_with(false)?;
             let hot = hybrid(&plan)?;
             let t = hot.predicted_tokens_per_s;
+            let plan = hot.base_plan.as_deref().cloned().unwrap_or(plan);
             (plan, Some(hot), vec![(Cold::Cpu, t)])
         }
         Cold::Auto => {
@@ -307,7 +340,10 @@ pub fn plan_cold(
                 .0;
             match best {
                 Cold::Split => (split, None, seen),
-                Cold::Cpu => (stream, hot, seen),
+                Cold::Cpu => {
+                    let base = hot.as_ref().and_then(|h| h.base_plan.as_deref().cloned());
+                    (base.unwrap_or(stream), hot, seen)
+                }
                 _ => (stream, None, seen),
             }
         }
@@ -336,6 +372,20 @@ pub fn plan_hot_neurons(
         ));
     }
     let (base, layouts) = base_of(m, plan)?;
+    place_in(m, plan, base, &layouts, profile, k)
+}
+
+/// The ILP's placement into what `base` leaves, and the plan of it.
+fn place_in(
+    m: &Manifest,
+    plan: &Plan,
+    base: Base,
+    layouts: &[FfnLayout],
+    profile: &SparsityProfile,
+    k: usize,
+) -> Result<HotPlan, PlanError> {
+    let spec = &plan.spec;
+    let n_layers = spec.n_layers;
     let budget_bytes = base.budget_bytes;
 
     // C_l: a unit costs its bytes at DRAM speed on the CPU and at HBM speed on the GPU; a layer
@@ -347,7 +397,7 @@ pub fn plan_hot_neurons(
     let freqs: Vec<Vec<f64>> = (0..n_layers).map(|l| profile.frequencies(l, k)).collect();
     let units: Vec<Vec<f64>> = freqs
         .iter()
-        .zip(&layouts)
+        .zip(layouts)
         .map(|(f, lay)| {
             f.chunks(lay.cost.unit)
                 .map(|c| c.iter().sum::<f64>())
@@ -356,7 +406,7 @@ pub fn plan_hot_neurons(
         .collect();
     let placement_layers: Vec<PlacementLayer> = units
         .iter()
-        .zip(&layouts)
+        .zip(layouts)
         .map(|(impacts, lay)| PlacementLayer {
             impacts: impacts.clone(),
             bytes_per_neuron: lay.unit_bytes,
@@ -377,7 +427,7 @@ pub fn plan_hot_neurons(
     let hot_neurons: Vec<Vec<u32>> = placed
         .neurons
         .iter()
-        .zip(&layouts)
+        .zip(layouts)
         .map(|(us, lay)| {
             let u = lay.cost.unit as u32;
             us.iter().flat_map(|&j| j * u..(j + 1) * u).collect()
@@ -385,7 +435,7 @@ pub fn plan_hot_neurons(
         .collect();
     let min_neurons = placement_layers
         .iter()
-        .zip(&layouts)
+        .zip(layouts)
         .map(|(p, l)| p.min_neurons * l.cost.unit)
         .max()
         .unwrap_or(0);
@@ -393,7 +443,7 @@ pub fn plan_hot_neurons(
         m,
         plan,
         &base,
-        &layouts,
+        layouts,
         &freqs,
         hot_neurons,
         Solved {
@@ -404,6 +454,62 @@ pub fn plan_hot_neurons(
             solve_seconds,
         },
     ))
+}
+
+/// Hybrid execution for a budget that cannot hold every layer's attention (bundled FFNs): the
+/// streaming plan with the whole FFN off the device and `reserve` bytes kept free, in which the
+/// ILP places the hot neurons; attention is resident as far as it fits and streams beyond.
+pub fn plan_hot_streamed(
+    m: &Manifest,
+    budget: &super::Budget,
+    hw: &super::HardwareProfile,
+    profile: &SparsityProfile,
+    target: f64,
+    reserve: u64,
+) -> Result<HotPlan, PlanError> {
+    let plan = super::make_plan(
+        m,
+        &super::Budget {
+            hot_reserve: Some(reserve),
+            cpu_split: false,
+            ..budget.clone()
+        },
+        hw,
+    )?;
+    let spec = &plan.spec;
+    if profile.d_ff != spec.d_ff || profile.n_layers != spec.n_layers {
+        return Err(PlanError::Store(
+            "the sparsity profile's shape is not this model's".into(),
+        ));
+    }
+    if plan.residency.cpu_rows != spec.d_ff {
+        return Err(PlanError::Budget(
+            "hybrid execution with streamed attention needs a bundled FFN".into(),
+        ));
+    }
+    let layouts = (0..spec.n_layers)
+        .map(|l| FfnLayout::of(m, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
+    let attention_raw = (0..spec.n_layers)
+        .flat_map(attention_parts)
+        .map(|(l, p)| seg(m, &part_segment_name(l, p)).map(|s| s.bytes))
+        .sum::<Result<u64, _>>()?;
+    let g = &plan.gpu;
+    let base = Base {
+        attention: g.resident_layers + g.slots,
+        attention_raw,
+        staging: plan.dram.staging,
+        merge: g.merge,
+        everything_else: g.placed,
+        budget_bytes: reserve.saturating_sub(rounding),
+        streamed: plan.per_token.h2d_bytes,
+    };
+    let k = grid_index(target);
+    place_in(m, &plan.clone(), base, &layouts, profile, k).map(|h| HotPlan {
+        base_plan: Some(Box::new(plan)),
+        ..h
+    })
 }
 
 /// Hybrid execution of a placement given neuron by neuron (`hot[l]`: layer l's hot neuron ids,
@@ -495,6 +601,8 @@ struct Base {
     everything_else: u64,
     /// What the ILP may place (raw bytes), with room for each hot tensor's rounding.
     budget_bytes: u64,
+    /// Bytes streamed per token (attention that does not fit), 0 when all of it is resident.
+    streamed: u64,
 }
 
 fn grid_index(target: f64) -> usize {
@@ -555,6 +663,7 @@ fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanErro
             merge,
             everything_else,
             budget_bytes: usable - everything_else - rounding,
+            streamed: 0,
         },
         layouts,
     ))
@@ -643,7 +752,10 @@ fn finish(
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
     let pcie = 2 * n_layers as u64 * spec.d_model as u64 * 4
         + spec.d_model as u64 * 4
-        + spec.vocab_size as u64 * 4;
+        + spec.vocab_size as u64 * 4
+        + base.streamed;
+    // Streamed attention comes in beside the compute (the prefetch window).
+    let seconds = seconds.max(base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
     let placed_bytes = base.everything_else + hot_device;
     let bytes_per_neuron = layouts
         .iter()
@@ -677,6 +789,7 @@ fn finish(
             pcie_bytes: pcie,
         },
         predicted_tokens_per_s: 1.0 / seconds,
+        base_plan: None,
     }
 }
 

@@ -67,6 +67,9 @@ pub struct Budget {
     /// Whether the planner may have the CPU compute some of the FFN neurons that do not fit
     /// (bundled FFNs): the CPU+PCIe split (`--cold split`).
     pub cpu_split: bool,
+    /// Hybrid execution with streamed attention (bundled FFNs): the FFN off the device, its hot
+    /// neurons to be placed in this many bytes kept free (see [`hot::plan_cold`]).
+    pub hot_reserve: Option<u64>,
 }
 
 impl Budget {
@@ -89,6 +92,7 @@ impl Budget {
             batch,
             logit_rows: 1,
             cpu_split: false,
+            hot_reserve: None,
         }
     }
 }
@@ -578,7 +582,30 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     // rows, which changes the balance: a few rounds settle it; the first round's merge buffer
     // must fit too.
     let mut merge = 0;
-    if budget.cpu_split && window > 0 && budget.dram_mem.is_none() && holds(m, Part::Ffn) {
+    if let Some(reserve) = budget.hot_reserve
+        && window > 0
+        && holds(m, Part::Ffn)
+    {
+        // Every FFN neuron off the device (the CPU's, less the hot ones placed later in
+        // `reserve`); attention resident and streamed in what is left.
+        let rows = shape.rows[Part::Ffn.index()];
+        let with_merge = device_bytes((budget.batch * spec.d_model * 4) as u64);
+        let r = fit(rows, with_merge + reserve);
+        let placed = placed_with(&r, window) + with_merge + reserve;
+        if placed > usable {
+            return Err(PlanError::GpuTooSmall {
+                budget: budget.gpu_mem,
+                minimum: fixed_cost + placed,
+                breakdown: format!(
+                    "{} kept for hot neurons beside {}",
+                    human_bytes(reserve),
+                    breakdown(window as u64 * slot_device_bytes(&shape, &r))
+                ),
+            });
+        }
+        residency = r;
+        merge = with_merge;
+    } else if budget.cpu_split && window > 0 && budget.dram_mem.is_none() && holds(m, Part::Ffn) {
         let f = Part::Ffn.index();
         let (rows, b) = (shape.rows[f], shape.row_bytes[f]);
         let (p, d) = (hw.h2d_pinned_bytes_per_s, hw.dram_read_bytes_per_s);

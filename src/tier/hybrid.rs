@@ -282,7 +282,7 @@ impl ColdNeurons for ColdLayer {
 }
 
 /// A layer's hot neurons on the device.
-enum HotFfn<B: Backend> {
+pub(super) enum HotFfn<B: Backend> {
     Bundles(Option<B::Weight>),
     Matrices {
         gate: Option<B::Weight>,
@@ -331,6 +331,240 @@ fn gather_blocks(bytes: &[u8], rows: usize, rb: usize, ub: usize, units_of: &[us
     out
 }
 
+/// How the CPU computes a layer's cold neurons.
+pub(super) struct CpuSide {
+    pub(super) kernels: &'static Kernels,
+    pub(super) act: fn(f32) -> f32,
+    pub(super) traffic: Arc<ColdTraffic>,
+}
+
+/// Layer `l`'s FFN split: the `ids` neurons gathered onto the device (in that order; whole down
+/// blocks for matrices), the others gathered into DRAM (reserved) for the CPU. A bundled up
+/// bias on the device (`up_bias_dev`) is rewritten in the hot block's order.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layer_ffn<B: Backend>(
+    b: &B,
+    store: &Store,
+    ledger: &Arc<Ledger>,
+    l: usize,
+    ids: &[u32],
+    cost: ColdCost,
+    up_bias_dev: &mut Option<B::Weight>,
+    cpu: CpuSide,
+) -> Result<(HotFfn<B>, ColdLayer)> {
+    let spec = &store.manifest.spec;
+    let (d, d_ff) = (spec.d_model, spec.d_ff);
+    let bundled = store.ffn_bundled();
+    let mut is_hot = vec![false; d_ff];
+    for &i in ids {
+        let slot = is_hot
+            .get_mut(i as usize)
+            .ok_or_else(|| weights_err(format!("hot neuron {i} of layer {l} ≥ {d_ff}")))?;
+        if *slot {
+            return Err(weights_err(format!(
+                "hot neuron {i} of layer {l} listed twice"
+            )));
+        }
+        *slot = true;
+    }
+    let cold_ids: Vec<u32> = (0..d_ff as u32).filter(|&i| !is_hot[i as usize]).collect();
+    let up_bias = store
+        .opt_tensor(&names::layer(l, "ffn_up.bias"))
+        .map_err(store_err)?
+        .map(|t| t.to_f32());
+    let pick = |ids: &[u32]| -> Option<Vec<f32>> {
+        up_bias
+            .as_ref()
+            .map(|b| ids.iter().map(|&i| b[i as usize]).collect())
+    };
+    let (hot_part, data, cold_bytes) = if bundled {
+        let s = store
+            .require(&part_segment_name(l, Part::Ffn))
+            .map_err(store_err)?;
+        let SegmentKind::Bundles { parts } = s.kind else {
+            return Err(weights_err(format!("`{}` is not bundles", s.name)));
+        };
+        let (buf, range) = store.read(s).map_err(store_err)?;
+        let bytes = &buf.as_slice()[range];
+        let rb = s.row_bytes();
+        let dtype = device_dtype(s);
+        let w = if ids.is_empty() {
+            None
+        } else {
+            let mut w = b.alloc_weight(&format!("{} hot", s.name), dtype, ids.len(), s.cols)?;
+            upload(b, &mut w, &gather_rows(bytes, rb, ids))?;
+            Some(w)
+        };
+        // The device's up bias follows the hot block's order (same buffer, rewritten).
+        if let (Some(dev), Some(hb)) = (up_bias_dev.as_mut(), pick(ids)) {
+            let mut v = hb;
+            v.resize(d_ff, 0.0);
+            upload(b, dev, bytemuck::cast_slice(&v))?;
+        }
+        let t = HostTensor {
+            name: format!("{} cold", s.name),
+            rows: cold_ids.len(),
+            cols: s.cols,
+            dtype,
+            data: Bytes::from_slice(&gather_rows(bytes, rb, &cold_ids)),
+        };
+        let n = t.data.len() as u64;
+        (
+            HotFfn::Bundles(w),
+            ColdData::Bundles {
+                t,
+                shape: BundleShape { parts, d },
+            },
+            n,
+        )
+    } else {
+        let unit = cost.unit;
+        let hot_units: Vec<usize> = ids
+            .iter()
+            .step_by(unit.max(1))
+            .map(|&i| i as usize / unit)
+            .collect();
+        let cold_units: Vec<usize> = cold_ids
+            .iter()
+            .step_by(unit.max(1))
+            .map(|&i| i as usize / unit)
+            .collect();
+        if hot_units.len() * unit != ids.len()
+            || ids
+                .iter()
+                .enumerate()
+                .any(|(k, &i)| i as usize != hot_units[k / unit] * unit + k % unit)
+        {
+            return Err(weights_err(format!(
+                "the hot neurons of layer {l} are not whole blocks of {unit}"
+            )));
+        }
+        let rows_of = |p: Part, ids: &[u32]| -> Result<(HostTensor, Vec<u8>)> {
+            let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+            let (buf, range) = store.read(s).map_err(store_err)?;
+            let bytes = &buf.as_slice()[range];
+            let dtype = device_dtype(s);
+            let cold_rows = gather_rows(bytes, s.row_bytes(), &cold_ids);
+            let t = HostTensor {
+                name: format!("{} cold", s.name),
+                rows: cold_ids.len(),
+                cols: s.cols,
+                dtype,
+                data: Bytes::from_slice(&cold_rows),
+            };
+            Ok((t, gather_rows(bytes, s.row_bytes(), ids)))
+        };
+        let hot_weight = |p: Part,
+                          rows: usize,
+                          cols: usize,
+                          dtype: DType,
+                          bytes: &[u8]|
+         -> Result<Option<B::Weight>> {
+            if ids.is_empty() {
+                return Ok(None);
+            }
+            let mut w = b.alloc_weight(
+                &format!("{} hot", names::layer(l, p.name())),
+                dtype,
+                rows,
+                cols,
+            )?;
+            upload(b, &mut w, bytes)?;
+            Ok(Some(w))
+        };
+        let gate = if spec.gated_ffn {
+            let (t, hot_rows) = rows_of(Part::Gate, ids)?;
+            let w = hot_weight(Part::Gate, ids.len(), t.cols, t.dtype, &hot_rows)?;
+            Some((t, w))
+        } else {
+            None
+        };
+        let (up_t, up_hot) = rows_of(Part::Up, ids)?;
+        let up_w = hot_weight(Part::Up, ids.len(), up_t.cols, up_t.dtype, &up_hot)?;
+        let s = store
+            .require(&part_segment_name(l, Part::Down))
+            .map_err(store_err)?;
+        let dtype = device_dtype(s);
+        let ub = dtype.bytes_for(unit);
+        if unit != dtype.block_len().max(QK) || s.cols != d_ff || s.rows != d {
+            return Err(weights_err(format!(
+                "`{}` does not have the plan's {unit}-neuron blocks",
+                s.name
+            )));
+        }
+        let (buf, range) = store.read(s).map_err(store_err)?;
+        let bytes = &buf.as_slice()[range];
+        let down_w = hot_weight(
+            Part::Down,
+            d,
+            ids.len(),
+            dtype,
+            &gather_blocks(bytes, d, s.row_bytes(), ub, &hot_units),
+        )?;
+        let down = HostTensor {
+            name: format!("{} cold", s.name),
+            rows: d,
+            cols: cold_ids.len(),
+            dtype,
+            data: Bytes::from_slice(&gather_blocks(bytes, d, s.row_bytes(), ub, &cold_units)),
+        };
+        let up_bias_w = match pick(ids) {
+            Some(v) if !ids.is_empty() => Some(b.upload(&HostTensor::from_f32(
+                names::layer(l, "ffn_up.bias hot"),
+                1,
+                ids.len(),
+                v,
+            ))?),
+            _ => None,
+        };
+        let n = (up_t.data.len() + down.data.len()) as u64
+            + gate.as_ref().map_or(0, |(t, _)| t.data.len() as u64);
+        let (gate_t, gate_w) = match gate {
+            Some((t, w)) => (Some(t), w),
+            None => (None, None),
+        };
+        (
+            HotFfn::Matrices {
+                gate: gate_w,
+                up: up_w,
+                down: down_w,
+                up_bias: up_bias_w,
+            },
+            ColdData::Matrices {
+                gate: gate_t,
+                up: up_t,
+                down,
+            },
+            n,
+        )
+    };
+    let hold = if cold_bytes > 0 {
+        Some(
+            ledger
+                .reserve(
+                    Tier::Dram,
+                    cold_bytes,
+                    &format!("cold neurons of layer {l}"),
+                )
+                .map_err(weights_err)?,
+        )
+    } else {
+        None
+    };
+    let cold = ColdLayer {
+        data,
+        up_bias: pick(&cold_ids),
+        ids: cold_ids,
+        d_ff,
+        act: cpu.act,
+        kernels: cpu.kernels,
+        cost,
+        traffic: cpu.traffic,
+        _hold: hold,
+    };
+    Ok((hot_part, cold))
+}
+
 impl<B: Backend> HybridWeights<B> {
     /// Load what `hot` places on the device and gather the cold neurons into DRAM. `plan` is
     /// the store's offload plan for the same budget (its small fragments, KV and step memory);
@@ -349,7 +583,7 @@ impl<B: Backend> HybridWeights<B> {
             return Err(weights_err("the plan was made for another model"));
         }
         let spec = m.spec.clone();
-        let (n_layers, d, d_ff) = (spec.n_layers, spec.d_model, spec.d_ff);
+        let (n_layers, d) = (spec.n_layers, spec.d_model);
         if hot.hot_neurons.len() != n_layers || hot.cold_cost.len() != n_layers {
             return Err(weights_err(
                 "the hot-neuron plan has another number of layers",
@@ -363,7 +597,6 @@ impl<B: Backend> HybridWeights<B> {
         let mut attention = Vec::with_capacity(n_layers);
         let mut hot_ffn = Vec::with_capacity(n_layers);
         let mut cold = Vec::with_capacity(n_layers);
-        let bundled = store.ffn_bundled();
         for l in 0..n_layers {
             let mut sm = Small::load(&mut loader, b, l)?;
             let mut att = Vec::with_capacity(4);
@@ -376,222 +609,21 @@ impl<B: Backend> HybridWeights<B> {
                 .map_err(|_| weights_err("four attention matrices"))?;
             attention.push(att);
 
-            let ids = &hot.hot_neurons[l];
-            let mut is_hot = vec![false; d_ff];
-            for &i in ids {
-                let slot = is_hot
-                    .get_mut(i as usize)
-                    .ok_or_else(|| weights_err(format!("hot neuron {i} of layer {l} ≥ {d_ff}")))?;
-                if *slot {
-                    return Err(weights_err(format!(
-                        "hot neuron {i} of layer {l} listed twice"
-                    )));
-                }
-                *slot = true;
-            }
-            let cold_ids: Vec<u32> = (0..d_ff as u32).filter(|&i| !is_hot[i as usize]).collect();
-            let up_bias = store
-                .opt_tensor(&names::layer(l, "ffn_up.bias"))
-                .map_err(store_err)?
-                .map(|t| t.to_f32());
-            let pick = |ids: &[u32]| -> Option<Vec<f32>> {
-                up_bias
-                    .as_ref()
-                    .map(|b| ids.iter().map(|&i| b[i as usize]).collect())
-            };
-            let cost = hot.cold_cost[l];
-            let (hot_part, data, cold_bytes) = if bundled {
-                let s = store
-                    .require(&part_segment_name(l, Part::Ffn))
-                    .map_err(store_err)?;
-                let SegmentKind::Bundles { parts } = s.kind else {
-                    return Err(weights_err(format!("`{}` is not bundles", s.name)));
-                };
-                let (buf, range) = store.read(s).map_err(store_err)?;
-                let bytes = &buf.as_slice()[range];
-                let rb = s.row_bytes();
-                let dtype = device_dtype(s);
-                let w = if ids.is_empty() {
-                    None
-                } else {
-                    let mut w =
-                        b.alloc_weight(&format!("{} hot", s.name), dtype, ids.len(), s.cols)?;
-                    upload(b, &mut w, &gather_rows(bytes, rb, ids))?;
-                    Some(w)
-                };
-                // The device's up bias follows the hot block's order (same buffer, rewritten).
-                if let (Some(dev), Some(hb)) = (&mut sm.up_bias, pick(ids)) {
-                    let mut v = hb;
-                    v.resize(d_ff, 0.0);
-                    upload(b, dev, bytemuck::cast_slice(&v))?;
-                }
-                let t = HostTensor {
-                    name: format!("{} cold", s.name),
-                    rows: cold_ids.len(),
-                    cols: s.cols,
-                    dtype,
-                    data: Bytes::from_slice(&gather_rows(bytes, rb, &cold_ids)),
-                };
-                let n = t.data.len() as u64;
-                (
-                    HotFfn::Bundles(w),
-                    ColdData::Bundles {
-                        t,
-                        shape: BundleShape { parts, d },
-                    },
-                    n,
-                )
-            } else {
-                let unit = cost.unit;
-                let hot_units: Vec<usize> = ids
-                    .iter()
-                    .step_by(unit.max(1))
-                    .map(|&i| i as usize / unit)
-                    .collect();
-                let cold_units: Vec<usize> = cold_ids
-                    .iter()
-                    .step_by(unit.max(1))
-                    .map(|&i| i as usize / unit)
-                    .collect();
-                if hot_units.len() * unit != ids.len()
-                    || ids
-                        .iter()
-                        .enumerate()
-                        .any(|(k, &i)| i as usize != hot_units[k / unit] * unit + k % unit)
-                {
-                    return Err(weights_err(format!(
-                        "the hot neurons of layer {l} are not whole blocks of {unit}"
-                    )));
-                }
-                let rows_of = |p: Part, ids: &[u32]| -> Result<(HostTensor, Vec<u8>)> {
-                    let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                    let (buf, range) = store.read(s).map_err(store_err)?;
-                    let bytes = &buf.as_slice()[range];
-                    let dtype = device_dtype(s);
-                    let cold_rows = gather_rows(bytes, s.row_bytes(), &cold_ids);
-                    let t = HostTensor {
-                        name: format!("{} cold", s.name),
-                        rows: cold_ids.len(),
-                        cols: s.cols,
-                        dtype,
-                        data: Bytes::from_slice(&cold_rows),
-                    };
-                    Ok((t, gather_rows(bytes, s.row_bytes(), ids)))
-                };
-                let hot_weight = |p: Part,
-                                  rows: usize,
-                                  cols: usize,
-                                  dtype: DType,
-                                  bytes: &[u8]|
-                 -> Result<Option<B::Weight>> {
-                    if ids.is_empty() {
-                        return Ok(None);
-                    }
-                    let mut w = b.alloc_weight(
-                        &format!("{} hot", names::layer(l, p.name())),
-                        dtype,
-                        rows,
-                        cols,
-                    )?;
-                    upload(b, &mut w, bytes)?;
-                    Ok(Some(w))
-                };
-                let gate = if spec.gated_ffn {
-                    let (t, hot_rows) = rows_of(Part::Gate, ids)?;
-                    let w = hot_weight(Part::Gate, ids.len(), t.cols, t.dtype, &hot_rows)?;
-                    Some((t, w))
-                } else {
-                    None
-                };
-                let (up_t, up_hot) = rows_of(Part::Up, ids)?;
-                let up_w = hot_weight(Part::Up, ids.len(), up_t.cols, up_t.dtype, &up_hot)?;
-                let s = store
-                    .require(&part_segment_name(l, Part::Down))
-                    .map_err(store_err)?;
-                let dtype = device_dtype(s);
-                let ub = dtype.bytes_for(unit);
-                if unit != dtype.block_len().max(QK) || s.cols != d_ff || s.rows != d {
-                    return Err(weights_err(format!(
-                        "`{}` does not have the plan's {unit}-neuron blocks",
-                        s.name
-                    )));
-                }
-                let (buf, range) = store.read(s).map_err(store_err)?;
-                let bytes = &buf.as_slice()[range];
-                let down_w = hot_weight(
-                    Part::Down,
-                    d,
-                    ids.len(),
-                    dtype,
-                    &gather_blocks(bytes, d, s.row_bytes(), ub, &hot_units),
-                )?;
-                let down = HostTensor {
-                    name: format!("{} cold", s.name),
-                    rows: d,
-                    cols: cold_ids.len(),
-                    dtype,
-                    data: Bytes::from_slice(&gather_blocks(
-                        bytes,
-                        d,
-                        s.row_bytes(),
-                        ub,
-                        &cold_units,
-                    )),
-                };
-                let up_bias_w = match pick(ids) {
-                    Some(v) if !ids.is_empty() => Some(b.upload(&HostTensor::from_f32(
-                        names::layer(l, "ffn_up.bias hot"),
-                        1,
-                        ids.len(),
-                        v,
-                    ))?),
-                    _ => None,
-                };
-                let n = (up_t.data.len() + down.data.len()) as u64
-                    + gate.as_ref().map_or(0, |(t, _)| t.data.len() as u64);
-                let (gate_t, gate_w) = match gate {
-                    Some((t, w)) => (Some(t), w),
-                    None => (None, None),
-                };
-                (
-                    HotFfn::Matrices {
-                        gate: gate_w,
-                        up: up_w,
-                        down: down_w,
-                        up_bias: up_bias_w,
-                    },
-                    ColdData::Matrices {
-                        gate: gate_t,
-                        up: up_t,
-                        down,
-                    },
-                    n,
-                )
-            };
-            let hold = if cold_bytes > 0 {
-                Some(
-                    ledger
-                        .reserve(
-                            Tier::Dram,
-                            cold_bytes,
-                            &format!("cold neurons of layer {l}"),
-                        )
-                        .map_err(weights_err)?,
-                )
-            } else {
-                None
-            };
-            cold.push(ColdLayer {
-                data,
-                up_bias: pick(&cold_ids),
-                ids: cold_ids,
-                d_ff,
-                act: act_fn,
-                kernels,
-                cost,
-                traffic: traffic.clone(),
-                _hold: hold,
-            });
+            let (hot_part, cold_layer) = layer_ffn(
+                b,
+                &store,
+                &ledger,
+                l,
+                &hot.hot_neurons[l],
+                hot.cold_cost[l],
+                &mut sm.up_bias,
+                CpuSide {
+                    kernels,
+                    act: act_fn,
+                    traffic: traffic.clone(),
+                },
+            )?;
+            cold.push(cold_layer);
             hot_ffn.push(hot_part);
             small.push(sm);
         }

@@ -211,11 +211,15 @@ pub struct OffloadWeights<B: Backend> {
     /// The CPU+PCIe split: per layer the FFN neurons the CPU computes, the ids of those the
     /// device computes (column order), and where the CPU's partial sums come back.
     cpu: Option<CpuShare<B>>,
+    /// Hybrid with streamed attention: per layer the hot neurons' block (the FFN's only device
+    /// part); empty otherwise.
+    hot_ffn: Vec<Option<B::Weight>>,
 }
 
 struct CpuShare<B: Backend> {
     layers: Vec<super::hybrid::ColdLayer>,
-    device_ids: Vec<u32>,
+    /// Per layer, the ids of the FFN neurons the device computes, in column order.
+    device_ids: Vec<Vec<u32>>,
     partial: B::Tensor,
     traffic: Arc<super::hybrid::ColdTraffic>,
 }
@@ -306,16 +310,27 @@ impl<B: Backend> OffloadWeights<B> {
     /// Load what the plan keeps resident, fill the DRAM fixed area, start the preloader and
     /// prefetch the first `window` layers.
     pub fn new(b: &B, store: Arc<Store>, plan: &Plan, ledger: Arc<Ledger>) -> Result<Self> {
-        Self::with_cpu_kernels(b, store, plan, ledger, crate::backend::cpu::kernels::best())
+        Self::with_cpu_kernels(
+            b,
+            store,
+            plan,
+            ledger,
+            crate::backend::cpu::kernels::best(),
+            None,
+        )
     }
 
-    /// As [`Self::new`], with `kernels` for the neurons a split plan has the CPU compute.
+    /// As [`Self::new`], with `kernels` for the neurons a split plan has the CPU compute; with
+    /// `hot` (a plan from [`crate::plan::hot::plan_hot_streamed`], whose base plan this is), the
+    /// FFN runs hybrid: its hot neurons on the device, the others on the CPU, attention as the
+    /// plan streams it.
     pub fn with_cpu_kernels(
         b: &B,
         store: Arc<Store>,
         plan: &Plan,
         ledger: Arc<Ledger>,
         kernels: &'static crate::backend::cpu::kernels::Kernels,
+        hot: Option<&crate::plan::hot::HotPlan>,
     ) -> Result<Self> {
         let m = &store.manifest;
         if m.model_id != plan.model_id {
@@ -405,33 +420,81 @@ impl<B: Backend> OffloadWeights<B> {
         .map_err(store_err)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
         let cpu_rows = residency.cpu_rows_of(&shape, Part::Ffn);
-        let cpu = if cpu_rows.is_empty() {
-            None
-        } else {
-            let traffic = Arc::new(super::hybrid::ColdTraffic::default());
-            let act = crate::engine::backend_act(spec.activation);
-            let layers = (0..n_layers)
-                .map(|l| {
-                    super::hybrid::ColdLayer::bundle_rows(
+        let act = crate::engine::backend_act(spec.activation);
+        let mut hot_ffn = Vec::new();
+        let cpu = match hot {
+            _ if cpu_rows.is_empty() => {
+                if hot.is_some() {
+                    return Err(EngineError::Weights(
+                        "a hot-neuron plan needs a plan with the FFN off the device".into(),
+                    ));
+                }
+                None
+            }
+            Some(h) => {
+                if cpu_rows != (0..spec.d_ff) || h.hot_neurons.len() != n_layers {
+                    return Err(EngineError::Weights(
+                        "the hot-neuron plan does not match this plan's FFN".into(),
+                    ));
+                }
+                let traffic = Arc::new(super::hybrid::ColdTraffic::default());
+                let mut layers = Vec::new();
+                for (l, sm) in small.iter_mut().enumerate() {
+                    let (part, cold) = super::hybrid::layer_ffn(
+                        b,
                         &store,
                         &ledger,
                         l,
-                        cpu_rows.clone(),
-                        kernels,
-                        act,
-                        traffic.clone(),
-                    )
+                        &h.hot_neurons[l],
+                        h.cold_cost[l],
+                        &mut sm.up_bias,
+                        super::hybrid::CpuSide {
+                            kernels,
+                            act: crate::backend::cpu::ops::activation(act),
+                            traffic: traffic.clone(),
+                        },
+                    )?;
+                    let super::hybrid::HotFfn::Bundles(w) = part else {
+                        return Err(EngineError::Weights(
+                            "hybrid with streamed attention needs a bundled FFN".into(),
+                        ));
+                    };
+                    layers.push(cold);
+                    hot_ffn.push(w);
+                }
+                Some(CpuShare {
+                    layers,
+                    device_ids: h.hot_neurons.clone(),
+                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
+                    traffic,
                 })
-                .collect::<Result<Vec<_>>>()?;
-            Some(CpuShare {
-                layers,
-                device_ids: (0..cpu_rows.start as u32).collect(),
-                partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
-                traffic,
-            })
+            }
+            None => {
+                let traffic = Arc::new(super::hybrid::ColdTraffic::default());
+                let layers = (0..n_layers)
+                    .map(|l| {
+                        super::hybrid::ColdLayer::bundle_rows(
+                            &store,
+                            &ledger,
+                            l,
+                            cpu_rows.clone(),
+                            kernels,
+                            act,
+                            traffic.clone(),
+                        )
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(CpuShare {
+                    layers,
+                    device_ids: vec![(0..cpu_rows.start as u32).collect(); n_layers],
+                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
+                    traffic,
+                })
+            }
         };
         let mut me = OffloadWeights {
             cpu,
+            hot_ffn,
             part_formats,
             matmuls,
             bundled: store.ffn_bundled(),
@@ -542,6 +605,9 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
         let sm = &self.small[l];
         let ffn_runs = {
             let mut runs = Vec::with_capacity(2);
+            if let Some(Some(w)) = self.hot_ffn.get(l) {
+                runs.push((0, w));
+            }
             if let Some(w) = &res[Part::Ffn.index()] {
                 runs.push((0, w));
             }
@@ -598,7 +664,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
             },
             cold: self.cpu.as_mut().map(|c| ColdView {
                 neurons: &c.layers[l],
-                hot: &c.device_ids,
+                hot: &c.device_ids[l],
                 partial: &mut c.partial,
             }),
         })
