@@ -372,12 +372,11 @@ pub fn plan_hot_neurons(
         ));
     }
     let (base, layouts) = base_of(m, plan)?;
-    place_in(m, plan, base, &layouts, profile, k)
+    place_in(plan, base, &layouts, profile, k)
 }
 
 /// The ILP's placement into what `base` leaves, and the plan of it.
 fn place_in(
-    m: &Manifest,
     plan: &Plan,
     base: Base,
     layouts: &[FfnLayout],
@@ -440,7 +439,6 @@ fn place_in(
         .max()
         .unwrap_or(0);
     Ok(finish(
-        m,
         plan,
         &base,
         layouts,
@@ -487,28 +485,22 @@ pub fn plan_hot_streamed(
             "hybrid execution with streamed attention needs a bundled FFN".into(),
         ));
     }
-    let layouts = (0..spec.n_layers)
-        .map(|l| FfnLayout::of(m, l))
-        .collect::<Result<Vec<_>, _>>()?;
-    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
-    let attention_raw = (0..spec.n_layers)
-        .flat_map(attention_parts)
-        .map(|(l, p)| seg(m, &part_segment_name(l, p)).map(|s| s.bytes))
-        .sum::<Result<u64, _>>()?;
+    let (layouts, attention_layers) = layers_of(m, spec.n_layers)?;
     let g = &plan.gpu;
     let base = Base {
         attention: g.resident_layers + g.slots,
-        attention_raw,
+        attention_layers,
         staging: plan.dram.staging,
         merge: g.merge,
         everything_else: g.placed,
-        budget_bytes: reserve.saturating_sub(rounding),
+        budget_bytes: reserve.saturating_sub(hot_rounding(&layouts)),
         streamed: plan.per_token.h2d_bytes,
     };
     let k = grid_index(target);
-    place_in(m, &plan.clone(), base, &layouts, profile, k).map(|h| HotPlan {
+    let hot = place_in(&plan, base, &layouts, profile, k)?;
+    Ok(HotPlan {
         base_plan: Some(Box::new(plan)),
-        ..h
+        ..hot
     })
 }
 
@@ -555,7 +547,6 @@ pub fn plan_hybrid_with(
         .map(|(ids, lay)| (ids.len() / lay.cost.unit) as u64 * lay.unit_bytes)
         .sum();
     let h = finish(
-        m,
         plan,
         &base,
         &layouts,
@@ -595,7 +586,8 @@ struct Solved {
 /// Everything hybrid execution holds besides the hot neurons.
 struct Base {
     attention: u64,
-    attention_raw: u64,
+    /// Per layer, the attention matrices' bytes (what the device reads of them per token).
+    attention_layers: Vec<u64>,
     staging: u64,
     merge: u64,
     everything_else: u64,
@@ -609,20 +601,38 @@ fn grid_index(target: f64) -> usize {
     ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1
 }
 
+/// Each layer's FFN layout and attention bytes.
+fn layers_of(m: &Manifest, n_layers: usize) -> Result<(Vec<FfnLayout>, Vec<u64>), PlanError> {
+    let layouts = (0..n_layers)
+        .map(|l| FfnLayout::of(m, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let attention = (0..n_layers)
+        .map(|l| {
+            attention_parts(l)
+                .iter()
+                .map(|&(l, p)| seg(m, &part_segment_name(l, p)).map(|s| s.bytes))
+                .sum::<Result<u64, _>>()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((layouts, attention))
+}
+
+/// Room kept for the hot tensors' rounding to the granule, so the ILP's raw bytes always fit
+/// once rounded.
+fn hot_rounding(layouts: &[FfnLayout]) -> u64 {
+    layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum()
+}
+
 /// The hybrid device bytes besides the hot neurons, and each layer's FFN layout.
 fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
-    let layouts = (0..n_layers)
-        .map(|l| FfnLayout::of(m, l))
-        .collect::<Result<Vec<_>, _>>()?;
+    let (layouts, attention_layers) = layers_of(m, n_layers)?;
     let mut attention = 0;
-    let mut attention_raw = 0;
     let mut staging = 0;
     for (l, p) in (0..n_layers).flat_map(attention_parts) {
         let s = seg(m, &part_segment_name(l, p))?;
         attention += device_bytes(s.bytes);
-        attention_raw += s.bytes;
         staging = staging.max(staging_for(s, s.rows));
     }
     let head = super::head_segment(m)?;
@@ -636,9 +646,7 @@ fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanErro
     let g = &plan.gpu;
     let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
     let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
-    // Each hot tensor rounds up to the granule: keep room for that, so the ILP's raw bytes
-    // always fit once rounded.
-    let rounding: u64 = layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum();
+    let rounding = hot_rounding(&layouts);
     if usable < everything_else + rounding {
         return Err(PlanError::GpuTooSmall {
             budget: plan.budget.gpu_mem,
@@ -658,7 +666,7 @@ fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanErro
     Ok((
         Base {
             attention,
-            attention_raw,
+            attention_layers,
             staging,
             merge,
             everything_else,
@@ -675,7 +683,6 @@ fn attention_parts(l: usize) -> [(usize, Part); 4] {
 
 /// The plan of a placement: device bytes, cold costs, expected traffic and speed.
 fn finish(
-    m: &Manifest,
     plan: &Plan,
     base: &Base,
     layouts: &[FfnLayout],
@@ -692,7 +699,7 @@ fn finish(
     let total: f64 = freqs.iter().flatten().sum();
     let mut layers = Vec::with_capacity(n_layers);
     let mut hot_device = 0;
-    let mut hbm = g.small + g.head + base.attention_raw;
+    let mut hbm = g.small + g.head + base.attention_layers.iter().sum::<u64>();
     let mut cpu = 0u64;
     let mut cold_dram = 0u64;
     let mut seconds = 0.0;
@@ -733,10 +740,7 @@ fn finish(
             + c.active_bytes as f64 * active
             + c.unit_bytes as f64 * touched;
         cpu += cold_bytes as u64;
-        let layer_attention: u64 = attention_parts(l)
-            .iter()
-            .map(|&(l, p)| seg(m, &part_segment_name(l, p)).map_or(0, |s| s.bytes))
-            .sum();
+        let layer_attention = base.attention_layers[l];
         let gpu_s = hot_raw as f64 / hw.hbm_bytes_per_s;
         let cpu_s = if cold.is_empty() {
             0.0

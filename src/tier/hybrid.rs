@@ -99,15 +99,12 @@ pub struct ColdLayer {
 impl ColdLayer {
     /// The FFN bundles `rows` (whole checksum groups from the first, to the last row) of layer
     /// `l`, read into DRAM (reserved) for the CPU: the neurons a split plan computes there.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn bundle_rows(
         store: &Store,
         ledger: &Arc<Ledger>,
         l: usize,
         rows: std::ops::Range<usize>,
-        kernels: &'static Kernels,
-        act: Act,
-        traffic: Arc<ColdTraffic>,
+        cpu: CpuSide,
     ) -> Result<Self> {
         let s = store
             .require(&part_segment_name(l, Part::Ffn))
@@ -148,15 +145,15 @@ impl ColdLayer {
             ids: (rows.start as u32..rows.end as u32).collect(),
             up_bias,
             d_ff: store.manifest.spec.d_ff,
-            act: crate::backend::cpu::ops::activation(act),
-            kernels,
+            act: cpu.act,
+            kernels: cpu.kernels,
             cost: ColdCost {
                 decide_bytes: part,
                 active_bytes: row - part,
                 unit_bytes: 0,
                 unit: 1,
             },
-            traffic,
+            traffic: cpu.traffic,
             _hold: Some(hold),
         })
     }

@@ -420,7 +420,13 @@ impl<B: Backend> OffloadWeights<B> {
         .map_err(store_err)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
         let cpu_rows = residency.cpu_rows_of(&shape, Part::Ffn);
-        let act = crate::engine::backend_act(spec.activation);
+        let act = crate::backend::cpu::ops::activation(crate::engine::backend_act(spec.activation));
+        let traffic = Arc::new(super::hybrid::ColdTraffic::default());
+        let cpu_side = || super::hybrid::CpuSide {
+            kernels,
+            act,
+            traffic: traffic.clone(),
+        };
         let mut hot_ffn = Vec::new();
         let cpu = match hot {
             _ if cpu_rows.is_empty() => {
@@ -437,7 +443,6 @@ impl<B: Backend> OffloadWeights<B> {
                         "the hot-neuron plan does not match this plan's FFN".into(),
                     ));
                 }
-                let traffic = Arc::new(super::hybrid::ColdTraffic::default());
                 let mut layers = Vec::new();
                 for (l, sm) in small.iter_mut().enumerate() {
                     let (part, cold) = super::hybrid::layer_ffn(
@@ -448,11 +453,7 @@ impl<B: Backend> OffloadWeights<B> {
                         &h.hot_neurons[l],
                         h.cold_cost[l],
                         &mut sm.up_bias,
-                        super::hybrid::CpuSide {
-                            kernels,
-                            act: crate::backend::cpu::ops::activation(act),
-                            traffic: traffic.clone(),
-                        },
+                        cpu_side(),
                     )?;
                     let super::hybrid::HotFfn::Bundles(w) = part else {
                         return Err(EngineError::Weights(
@@ -470,7 +471,6 @@ impl<B: Backend> OffloadWeights<B> {
                 })
             }
             None => {
-                let traffic = Arc::new(super::hybrid::ColdTraffic::default());
                 let layers = (0..n_layers)
                     .map(|l| {
                         super::hybrid::ColdLayer::bundle_rows(
@@ -478,9 +478,7 @@ impl<B: Backend> OffloadWeights<B> {
                             &ledger,
                             l,
                             cpu_rows.clone(),
-                            kernels,
-                            act,
-                            traffic.clone(),
+                            cpu_side(),
                         )
                     })
                     .collect::<Result<Vec<_>>>()?;
