@@ -150,10 +150,18 @@ fn hybrid_equals_streaming_for_random_placements() {
             let hot = plan_hybrid_with(&store.manifest, &plan, hot_ids, None, 0.5).unwrap();
             let want = logits(&streaming(&store, &plan, &thresholds), &toks);
             let (e, ledger, traffic) = hybrid(&store, &plan, &hot, &thresholds);
+            let waits_at_load = ledger.snapshot().host_waits;
             let got = logits(&e, &toks);
             let what = format!("{} placement {case}", model.display());
             close(&got, &want, &what);
             assert_eq!(ledger.snapshot().hbm_peak, hot.device.placed, "{what}");
+            // The per-layer graph waits on the host once per layer (the FFN input's landing),
+            // plus once per step for the logits: the partial sums go back without a wait.
+            assert_eq!(
+                ledger.snapshot().host_waits - waits_at_load,
+                5 * (spec.n_layers as u64 + 1),
+                "{what}: host waits over 5 steps"
+            );
             // One prefill step and 4 decode steps: each examines every cold neuron of every
             // layer once (the prefill's tokens share the read).
             let [bytes, candidates, active, _] = traffic.snapshot();

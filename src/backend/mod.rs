@@ -144,6 +144,103 @@ pub fn retyped_bytes(
 /// Keeps a host range page-locked while alive.
 pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
 
+/// Host memory a device→host copy lands in while the host goes on with other work:
+/// page-locked where the backend pins (a copy into pageable memory returns only once it has
+/// landed, so nothing would overlap it).
+pub struct HostStage {
+    // Declared first: dropped (unpinned) before the buffer is freed.
+    _pin: Option<HostPin>,
+    // Whole pages, so pinning it never touches a page another allocation shares.
+    buf: crate::tensor::AlignedBuf,
+    len: usize,
+}
+
+impl HostStage {
+    /// Room for `values` f32s, pinned by `b` where it pins.
+    pub fn new<B: Backend>(b: &B, values: usize) -> Result<Self> {
+        let mut buf = crate::tensor::AlignedBuf::zeroed(values * 4);
+        let pin = b.pin_host(buf.padded_mut())?;
+        Ok(HostStage {
+            _pin: pin,
+            buf,
+            len: values,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn values(&self) -> &[f32] {
+        bytemuck::cast_slice(self.buf.as_slice())
+    }
+
+    fn values_mut(&mut self) -> &mut [f32] {
+        bytemuck::cast_slice_mut(self.buf.as_mut_slice())
+    }
+}
+
+/// A device→host copy in flight into a [`HostStage`]. [`Landing::wait`] blocks (the event
+/// waits, it does not spin) until the values have landed and hands them out; dropping it
+/// unwaited waits too, so the stage is never read, reused or freed under the copy.
+pub struct Landing<'a, B: Backend> {
+    backend: &'a B,
+    event: Option<B::Event>,
+    stage: Option<&'a mut HostStage>,
+    len: usize,
+}
+
+impl<'a, B: Backend> Landing<'a, B> {
+    /// Queue the copy of all of `src` into `stage`, behind the compute queued so far.
+    pub fn start(backend: &'a B, src: &B::Tensor, stage: &'a mut HostStage) -> Result<Self> {
+        let (rows, cols) = backend.shape(src);
+        let len = rows * cols;
+        if len > stage.len() {
+            return Err(BackendError::Shape {
+                op: "read_queued",
+                msg: format!("{rows}x{cols} values into a stage of {}", stage.len()),
+            });
+        }
+        // SAFETY: the stage stays mutably borrowed by the landing until the event has been
+        // waited on (in `wait` or on drop).
+        let event = unsafe { backend.read_queued(src, &mut stage.values_mut()[..len]) }?;
+        Ok(Landing {
+            backend,
+            event: Some(event),
+            stage: Some(stage),
+            len,
+        })
+    }
+
+    /// Block until the copy has landed; the values.
+    pub fn wait(mut self) -> Result<&'a [f32]> {
+        if let Some(ev) = self.event.take() {
+            self.backend.host_waits(&ev)?;
+        }
+        let stage = self
+            .stage
+            .take()
+            .ok_or_else(|| BackendError::Device("a landing waited on twice".into()))?;
+        Ok(&stage.values()[..self.len])
+    }
+}
+
+impl<B: Backend> Drop for Landing<'_, B> {
+    fn drop(&mut self) {
+        if let Some(ev) = self.event.take() {
+            // An error here leaves nothing better to do than not to touch the stage, which
+            // the borrow already ensures until now.
+            if let Err(e) = self.backend.host_waits(&ev) {
+                tracing::error!("waiting for a device→host copy: {e}");
+            }
+        }
+    }
+}
+
 /// Geometry of one attention call.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -242,10 +339,22 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// A zeroed `rows × cols` activation buffer.
     fn alloc(&self, rows: usize, cols: usize) -> Result<Self::Tensor>;
-    /// Host → device; `src.len()` must equal the tensor's size.
+    /// Host → device, in order with the compute queued so far; `src.len()` must equal the
+    /// tensor's size. `src` (pageable memory) may be reused as soon as this returns, and the
+    /// host does not wait for the device.
     fn write(&self, dst: &mut Self::Tensor, src: &[f32]) -> Result<()>;
     /// Device → host; waits for queued work.
     fn read(&self, src: &Self::Tensor, dst: &mut [f32]) -> Result<()>;
+    /// Queue a device → host copy of `src` into `dst` behind the compute queued so far; it has
+    /// landed once [`Backend::host_waits`] on the returned event has returned. Synchronous
+    /// backends copy at once. Use it through [`Landing`].
+    ///
+    /// # Safety
+    /// `dst` must be neither read, written nor freed until that wait has returned.
+    unsafe fn read_queued(&self, src: &Self::Tensor, dst: &mut [f32]) -> Result<Self::Event> {
+        self.read(src, dst)?;
+        self.compute_done()
+    }
     /// Copy `n` rows from `src[src_row..]` to `dst[dst_row..]` (same column count).
     fn copy_rows(
         &self,

@@ -169,6 +169,7 @@ impl Backend for SimBackend {
     }
 
     fn host_waits(&self, _: &()) -> Result<()> {
+        self.ledger().count_host_wait();
         Ok(())
     }
 
@@ -203,6 +204,14 @@ impl Backend for SimBackend {
     }
 
     fn read(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
+        self.cpu.read(&src.t, dst)?;
+        self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
+        self.ledger().count_host_wait();
+        Ok(())
+    }
+
+    unsafe fn read_queued(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
+        // The copy is done at once; the wait is counted where the host waits on the event.
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
         Ok(())
@@ -261,6 +270,7 @@ impl Backend for SimBackend {
 
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
         self.cpu.read_kv(&src.kv, first, out)?;
+        self.ledger().count_host_wait();
         let rows = out.len() / src.kv.cols.max(1);
         self.ledger().count_d2h((rows * src.kv.row_bytes()) as u64);
         Ok(())

@@ -15,7 +15,8 @@ use thiserror::Error;
 
 use crate::backend::memory::device_bytes;
 use crate::backend::{
-    Act, AttnShape, Backend, BackendError, BundleShape, KvType, RopePairs, WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, HostStage, KvType, Landing, RopePairs,
+    WorkspaceOp,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -318,6 +319,8 @@ struct Scratch<B: Backend> {
     up: B::Tensor,
     gate: Option<B::Tensor>,
     logits: Option<LogitBuffers<B>>,
+    /// Where hybrid layers' FFN inputs land on the host (made at the first hybrid layer).
+    stage: Option<HostStage>,
 }
 
 struct LogitBuffers<B: Backend> {
@@ -789,6 +792,7 @@ impl<B: Backend> Engine<B> {
                 None
             },
             logits: None,
+            stage: None,
         })
     }
 
@@ -918,7 +922,6 @@ impl<B: Backend> Engine<B> {
         cold: Option<&mut ColdView<B>>,
         sc: &mut Scratch<B>,
     ) -> Result<()> {
-        let b = &self.backend;
         let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
         let Some(cold) = cold else {
             return self.device_ffn(layer, f, threshold, None, sc);
@@ -928,13 +931,72 @@ impl<B: Backend> Engine<B> {
                 "activations are observed on a model loaded whole, not in hybrid execution".into(),
             ));
         }
-        // The input goes to the host first (the one sync), so the CPU's share runs while the
-        // device computes the hot neurons queued after it; writing the partial sum back waits
-        // for them.
-        let (x, n) = self.host_rows(&sc.h)?;
-        let keep = self.predict(layer, &x, n)?;
-        let hot = cold.hot.len();
-        if hot == 0 {
+        let d = self.spec.d_model;
+        let n = sc.n;
+        // The stage leaves the scratch while the copy into it is in flight (the device ops
+        // borrow the rest), and goes back whatever happens.
+        let mut stage = match sc.stage.take() {
+            Some(s) if s.len() >= n * d => s,
+            _ => HostStage::new(&self.backend, n * d)?,
+        };
+        let done = self.hybrid_ffn(layer, f, threshold, cold, &mut stage, sc);
+        sc.stage = Some(stage);
+        done
+    }
+
+    /// One layer's hybrid FFN as its graph of device ops, CPU ops and copies, issued in this
+    /// order, with one host wait:
+    /// 1. copy device→host: the FFN input, queued behind the attention (event `input`);
+    /// 2. device: the hot neurons, queued at once where no predictor decides them;
+    /// 3. host: wait for `input` (a blocking event, never a spin); the predictor, if any;
+    /// 4. device: the hot neurons, queued here where the predictor decides them;
+    /// 5. CPU: the cold neurons into the partial sum, while the device runs 2 or 4;
+    /// 6. copy host→device: the partial sum (staged by the driver; the host does not wait);
+    /// 7. device: `proj += partial`, the one merge, after 2/4 and 6 in stream order.
+    fn hybrid_ffn(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        threshold: f32,
+        cold: &mut ColdView<B>,
+        stage: &mut HostStage,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let (n, d) = b.shape(&sc.h);
+        let input = Landing::start(b, &sc.h, stage)?;
+        let early = self.predictor.is_none();
+        if early {
+            self.queue_hot(layer, f, threshold, None, cold.hot, sc)?;
+        }
+        let x = input.wait()?;
+        let keep = self.predict(layer, x, n)?;
+        if !early {
+            self.queue_hot(layer, f, threshold, keep.as_deref(), cold.hot, sc)?;
+        }
+        let mut part = vec![0f32; n * d];
+        cold.neurons
+            .add_ffn(x, n, threshold, keep.as_deref(), &mut part)?;
+        b.reshape(cold.partial, n, d)?;
+        b.write(cold.partial, &part)?;
+        b.add(&mut sc.proj, cold.partial)?;
+        Ok(())
+    }
+
+    /// Queue the hot neurons `hot` of a hybrid layer on the device (`proj` = their FFN
+    /// output; the bias where there are none).
+    fn queue_hot(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        hot: &[u32],
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let n = sc.n;
+        if hot.is_empty() {
             b.zero(&mut sc.proj)?;
             let bias = match f {
                 FfnView::Matrices { down, .. } => down.bias,
@@ -943,34 +1005,26 @@ impl<B: Backend> Engine<B> {
             if let Some(bias) = bias {
                 b.add_bias(&mut sc.proj, bias)?;
             }
-        } else {
-            // Hot matrices have `hot` rows (gate, up) and columns (down): the hidden buffers
-            // narrow to match. Hot bundles fill the first `hot` columns as they are.
-            let narrow = matches!(f, FfnView::Matrices { .. });
-            let d_ff = self.spec.d_ff;
-            if narrow {
-                b.reshape(&mut sc.up, n, hot)?;
-                if let Some(g) = &mut sc.gate {
-                    b.reshape(g, n, hot)?;
-                }
-            }
-            let done = self.device_ffn(layer, f, threshold, Some((keep.as_deref(), cold.hot)), sc);
-            if narrow {
-                b.reshape(&mut sc.up, n, d_ff)?;
-                if let Some(g) = &mut sc.gate {
-                    b.reshape(g, n, d_ff)?;
-                }
-            }
-            done?;
+            return Ok(());
         }
-        let d = self.spec.d_model;
-        let mut part = vec![0f32; n * d];
-        cold.neurons
-            .add_ffn(&x, n, threshold, keep.as_deref(), &mut part)?;
-        b.reshape(cold.partial, n, d)?;
-        b.write(cold.partial, &part)?;
-        b.add(&mut sc.proj, cold.partial)?;
-        Ok(())
+        // Hot matrices have `hot` rows (gate, up) and columns (down): the hidden buffers
+        // narrow to match. Hot bundles fill the first `hot` columns as they are.
+        let narrow = matches!(f, FfnView::Matrices { .. });
+        let d_ff = self.spec.d_ff;
+        if narrow {
+            b.reshape(&mut sc.up, n, hot.len())?;
+            if let Some(g) = &mut sc.gate {
+                b.reshape(g, n, hot.len())?;
+            }
+        }
+        let done = self.device_ffn(layer, f, threshold, Some((keep, hot)), sc);
+        if narrow {
+            b.reshape(&mut sc.up, n, d_ff)?;
+            if let Some(g) = &mut sc.gate {
+                b.reshape(g, n, d_ff)?;
+            }
+        }
+        done
     }
 
     /// The FFN on the device. `hybrid`: the predictor's flags (already computed) and the ids of

@@ -66,6 +66,7 @@ pub struct Ledger {
     state: Mutex<State>,
     h2d: AtomicU64,
     d2h: AtomicU64,
+    waits: AtomicU64,
     ssd: AtomicU64,
 }
 
@@ -107,6 +108,8 @@ pub struct LedgerSnapshot {
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub ssd_read_bytes: u64,
+    /// Times the host waited for the device (see [`Ledger::count_host_wait`]).
+    pub host_waits: u64,
 }
 
 impl Ledger {
@@ -118,6 +121,7 @@ impl Ledger {
             state: Mutex::new(State::default()),
             h2d: AtomicU64::new(0),
             d2h: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
             ssd: AtomicU64::new(0),
         })
     }
@@ -183,6 +187,12 @@ impl Ledger {
         self.d2h.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// The host blocked until the device reached a point (a read, an event): the syncs a step
+    /// costs, which hybrid execution keeps to one per layer.
+    pub fn count_host_wait(&self) {
+        self.waits.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn count_ssd(&self, bytes: u64) {
         self.ssd.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -207,6 +217,7 @@ impl Ledger {
             h2d_bytes: self.h2d.load(Ordering::Relaxed),
             d2h_bytes: self.d2h.load(Ordering::Relaxed),
             ssd_read_bytes: self.ssd.load(Ordering::Relaxed),
+            host_waits: self.waits.load(Ordering::Relaxed),
         }
     }
 }

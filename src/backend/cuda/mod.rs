@@ -1045,6 +1045,7 @@ impl Backend for CudaBackend {
     }
 
     fn host_waits(&self, ev: &CudaEvent) -> Result<()> {
+        self.ledger().count_host_wait();
         ev.synchronize().map_err(dev)
     }
 
@@ -1107,13 +1108,15 @@ impl Backend for CudaBackend {
             ));
         }
         let paced = self.pace_before(&self.compute, 1)?;
-        // SAFETY: sizes checked; synchronous w.r.t. `src` (pageable) then ordered on compute.
+        // SAFETY: sizes checked. From pageable memory the driver stages `src` before the call
+        // returns (CUDA's documented behaviour for asynchronous host→device copies), so the
+        // host neither waits for the device nor has to keep `src`; the copy runs in order on
+        // the compute stream.
         unsafe {
             cudarc::driver::result::memcpy_htod_async(dst.buf.ptr, src, self.compute.cu_stream())
         }
         .map_err(dev)?;
         self.pace_after(&self.compute, paced, std::mem::size_of_val(src))?;
-        self.compute.synchronize().map_err(dev)?;
         self.ledger().count_h2d(std::mem::size_of_val(src) as u64);
         Ok(())
     }
@@ -1134,7 +1137,33 @@ impl Backend for CudaBackend {
         self.compute.synchronize().map_err(dev)?;
         self.ctx.check_err().map_err(dev)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
+        self.ledger().count_host_wait();
         Ok(())
+    }
+
+    unsafe fn read_queued(&self, src: &CudaTensor, dst: &mut [f32]) -> Result<CudaEvent> {
+        self.bind()?;
+        if dst.len() != src.rows * src.cols {
+            return Err(shape_err(
+                "read_queued",
+                format!("{}x{} into {} values", src.rows, src.cols, dst.len()),
+            ));
+        }
+        // SAFETY: sizes checked; the caller leaves `dst` alone until the event has completed
+        // (the trait's contract). Into page-locked memory (a `HostStage`) the copy is truly
+        // asynchronous.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.buf.ptr, self.compute.cu_stream())
+        }
+        .map_err(dev)?;
+        self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
+        // A blocking-sync event: the host thread sleeps on it instead of spinning, leaving its
+        // core to the CPU's share of the work.
+        self.compute
+            .record_event(Some(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC,
+            ))
+            .map_err(dev)
     }
 
     fn copy_rows(
@@ -1265,6 +1294,7 @@ impl Backend for CudaBackend {
         .map_err(dev)?;
         self.compute.synchronize().map_err(dev)?;
         self.ledger().count_d2h(raw.len() as u64);
+        self.ledger().count_host_wait();
         super::cpu::decode_rows(src.ty, &raw, src.cols, out);
         Ok(())
     }
