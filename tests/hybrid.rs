@@ -11,7 +11,7 @@ use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
-use gpu_offload::plan::hot::{HotPlan, plan_hybrid_with};
+use gpu_offload::plan::hot::{HotPlan, LayerRuns, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
 use gpu_offload::store::{ConvertOptions, Store, convert};
 use gpu_offload::tier::Ledger;
@@ -148,6 +148,19 @@ fn hybrid_equals_streaming_for_random_placements() {
             let hot_ids = random_placement(&mut rng, spec.n_layers, spec.d_ff, 1, case);
             let cold: u64 = hot_ids.iter().map(|h| (spec.d_ff - h.len()) as u64).sum();
             let hot = plan_hybrid_with(&store.manifest, &plan, hot_ids, None, 0.5).unwrap();
+            // The per-layer figures `plan` prints add up to its totals, and name each layer's
+            // choice by its neurons.
+            let layer_cpu: u64 = hot.layers.iter().map(|l| l.cpu_bytes).sum();
+            assert_eq!(layer_cpu, hot.per_token.cpu_bytes);
+            for (l, ids) in hot.layers.iter().zip(&hot.hot_neurons) {
+                let want_runs = match ids.len() {
+                    0 => LayerRuns::Cpu,
+                    n if n == spec.d_ff => LayerRuns::Gpu,
+                    _ => LayerRuns::Hybrid,
+                };
+                assert_eq!((l.runs, l.neurons), (want_runs, ids.len()));
+                assert_eq!(l.cpu_bytes == 0, want_runs == LayerRuns::Gpu);
+            }
             let want = logits(&streaming(&store, &plan, &thresholds), &toks);
             let (e, ledger, traffic) = hybrid(&store, &plan, &hot, &thresholds);
             let waits_at_load = ledger.snapshot().host_waits;

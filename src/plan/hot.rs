@@ -25,6 +25,35 @@ pub struct HotLayer {
     pub neurons: usize,
     /// Share of the layer's activations (at the target) its GPU neurons account for.
     pub activation_share: f64,
+    /// Where the layer's FFN runs: all on the GPU, all on the CPU, or split between them.
+    pub runs: LayerRuns,
+    /// Expected bytes per token the device reads for the layer (attention and hot neurons).
+    pub device_bytes: u64,
+    /// Expected bytes per token the CPU reads for its cold neurons.
+    pub cpu_bytes: u64,
+    /// Predicted seconds per token of the device's FFN share and the CPU's (with its round
+    /// trip); the layer takes the longer.
+    pub gpu_s: f64,
+    pub cpu_s: f64,
+}
+
+/// Where a hybrid layer's FFN runs (the ILP's choice for it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayerRuns {
+    Gpu,
+    Hybrid,
+    Cpu,
+}
+
+impl LayerRuns {
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerRuns::Gpu => "GPU",
+            LayerRuns::Hybrid => "hybrid",
+            LayerRuns::Cpu => "CPU",
+        }
+    }
 }
 
 /// What the CPU reads for a layer's cold neurons, per token: every candidate neuron's deciding
@@ -231,7 +260,7 @@ pub enum Cold {
     /// Streamed in per token, all computed on the device.
     Stream,
     /// Bundled FFNs: the CPU computes the last neurons of every layer from DRAM, as many as
-    /// balance the copies of the rest ([`Budget::cpu_split`]).
+    /// balance the copies of the rest.
     Split,
     /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others.
     Cpu,
@@ -709,14 +738,6 @@ fn finish(
         // (+ 0.0: an empty float sum is -0.0.)
         let on: f64 = ids.iter().map(|&j| f[j as usize]).sum::<f64>() + 0.0;
         on_total += on;
-        layers.push(HotLayer {
-            neurons: ids.len(),
-            activation_share: if layer_total > 0.0 {
-                on / layer_total
-            } else {
-                0.0
-            },
-        });
         hot_device += lay.device_bytes(ids.len());
         let hot_units = ids.len() / lay.cost.unit;
         let hot_raw = hot_units as u64 * lay.unit_bytes;
@@ -748,6 +769,23 @@ fn finish(
             cold_bytes / hw.dram_read_bytes_per_s + sync
         };
         seconds += layer_attention as f64 / hw.hbm_bytes_per_s + gpu_s.max(cpu_s);
+        layers.push(HotLayer {
+            neurons: ids.len(),
+            activation_share: if layer_total > 0.0 {
+                on / layer_total
+            } else {
+                0.0
+            },
+            runs: match (ids.len(), cold.len()) {
+                (_, 0) => LayerRuns::Gpu,
+                (0, _) => LayerRuns::Cpu,
+                _ => LayerRuns::Hybrid,
+            },
+            device_bytes: layer_attention + hot_raw,
+            cpu_bytes: cold_bytes as u64,
+            gpu_s,
+            cpu_s,
+        });
     }
     let per_session = g.kv / plan.budget.sessions.max(1) as u64;
     hbm += per_session / 2;
@@ -810,13 +848,22 @@ impl HotPlan {
             h(self.bytes_per_neuron),
             self.min_neurons
         );
-        let _ = writeln!(s, "layer  GPU neurons  share of its activations");
+        let _ = writeln!(
+            s,
+            "layer    runs  GPU neurons  share of its activations  device MiB/token  CPU MiB/token  GPU ms  CPU ms"
+        );
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
         for (l, x) in self.layers.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "{l:>5}  {:>11}  {:>6.1}%",
+                "{l:>5}  {:>6}  {:>11}  {:>23.1}%  {:>16.2}  {:>13.2}  {:>6.3}  {:>6.3}",
+                x.runs.name(),
                 x.neurons,
-                100.0 * x.activation_share
+                100.0 * x.activation_share,
+                mib(x.device_bytes),
+                mib(x.cpu_bytes),
+                x.gpu_s * 1e3,
+                x.cpu_s * 1e3
             );
         }
         let _ = writeln!(

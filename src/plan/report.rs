@@ -49,7 +49,12 @@ pub fn render(p: &Plan) -> String {
         .filter(|&&q| p.shape.rows[q.index()] > 0)
         .map(|&q| {
             let (r, n) = (p.residency.rows[q.index()], p.shape.rows[q.index()]);
-            format!("{} {r}/{n}", q.name())
+            let cpu = p.residency.cpu_rows_of(&p.shape, q).len();
+            if cpu > 0 {
+                format!("{} {r}/{n} (the last {cpu} on the CPU)", q.name())
+            } else {
+                format!("{} {r}/{n}", q.name())
+            }
         })
         .collect();
     let _ = writeln!(
@@ -60,9 +65,18 @@ pub fn render(p: &Plan) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "{:>5}  {:>13}  {:>13}  {:>8}  {:>14}",
-        "layer", "resident MiB", "streamed MiB", "DRAM", "SSD MiB/token"
+        "{:>5}  {:>9}  {:>13}  {:>13}  {:>8}  {:>8}  {:>14}",
+        "layer", "runs", "resident MiB", "streamed MiB", "CPU MiB", "DRAM", "SSD MiB/token"
     );
+    let cpu = p.residency.cpu_bytes(&p.shape);
+    let streamed = p.streamed_bytes_per_layer;
+    // What each layer's weights do per token: read where they rest, copied in, or (the split's
+    // FFN rows) computed by the CPU beside the copies.
+    let runs = match (streamed > 0, cpu > 0) {
+        (false, false) => "resident",
+        (true, false) => "streamed",
+        (_, true) => "split",
+    };
     for l in 0..spec.n_layers {
         let (area, ssd) = if !p.streams() {
             ("-", 0)
@@ -73,10 +87,12 @@ pub fn render(p: &Plan) -> String {
         };
         let _ = writeln!(
             o,
-            "{:>5}  {:>13}  {:>13}  {:>8}  {:>14}",
+            "{:>5}  {:>9}  {:>13}  {:>13}  {:>8}  {:>8}  {:>14}",
             l,
+            runs,
             mib(p.resident_bytes_per_layer),
-            mib(p.streamed_bytes_per_layer),
+            mib(streamed),
+            mib(cpu),
             area,
             mib(ssd)
         );
