@@ -11,8 +11,9 @@ use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
-use gpu_offload::plan::hot::{HotPlan, LayerRuns, plan_hybrid_with};
+use gpu_offload::plan::hot::{Cold, HotPlan, LayerRuns, plan_cold, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
+use gpu_offload::sparsity::{GRID_TARGETS, SparsityProfile};
 use gpu_offload::store::{ConvertOptions, Store, convert};
 use gpu_offload::tier::Ledger;
 use gpu_offload::tier::hybrid::{ColdTraffic, HybridWeights};
@@ -380,4 +381,113 @@ fn cpu_pcie_split_equals_streaming() {
         }
     }
     assert!(split_seen, "some budget between {min} and {all} splits");
+}
+
+/// A profile with random activation frequencies (no corpus needed): what the planner places by.
+fn random_profile(store: &Store, rng: &mut StdRng) -> SparsityProfile {
+    let spec = &store.manifest.spec;
+    SparsityProfile {
+        model_id: store.manifest.model_id.clone(),
+        corpus: "random frequencies".into(),
+        tokens: 0,
+        window: 0,
+        n_layers: spec.n_layers,
+        d_ff: spec.d_ff,
+        thresholds: Vec::new(),
+        measured: Vec::new(),
+        frequency: (0..spec.n_layers * GRID_TARGETS * spec.d_ff)
+            .map(|_| rng.random_range(0..=u16::MAX))
+            .collect(),
+        predictor_target: None,
+        predictors: Vec::new(),
+        predictor_quality: Vec::new(),
+    }
+}
+
+/// Hybrid with streamed attention (`--cold cpu` where the budget cannot hold every layer's
+/// attention), for bundled (stories260K) and block-quantized (SmolLM2) FFNs: the streaming
+/// source runs the hot blocks beside attention streamed through its slots, the CPU the other
+/// neurons; the answers are streaming's and the device holds exactly what the plan counts.
+#[test]
+fn hybrid_streams_attention_beside_hot_blocks() {
+    let mut rng = StdRng::seed_from_u64(13);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let mut models = vec![(common::stories260k(), [300 << 10, 340 << 10])];
+    if let Some(smol) = common::smollm2() {
+        models.push((smol, [40 << 20, 44 << 20]));
+    }
+    for (model, budgets) in models {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..8)
+            .map(|i| (i * 101 + 7) % spec.vocab_size as u32)
+            .collect();
+        let profile = random_profile(&store, &mut rng);
+        let want = logits(
+            &streaming(&store, &plan_for(&store, toks.len()), &[]),
+            &toks,
+        );
+        for g in budgets {
+            let what = format!("{} at {g} bytes", model.display());
+            let mut budget = Budget::new(g, None, 2, toks.len() + 4, toks.len());
+            budget.batch = toks.len();
+            let chosen = plan_cold(
+                &store.manifest,
+                &budget,
+                &hw,
+                Cold::Cpu,
+                Some((&profile, 0.5)),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let hot = chosen.hot.expect("a hybrid plan");
+            assert!(
+                hot.base_plan.is_some() && chosen.plan.residency.ffn_off,
+                "{what}: attention streams"
+            );
+            assert!(
+                hot.per_token.pcie_bytes > chosen.plan.per_token.d2h_bytes,
+                "{what}"
+            );
+            let ledger = Ledger::new(Some(hot.device.placed), None);
+            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+            let src = OffloadWeights::with_cpu_kernels(
+                &sim,
+                store.clone(),
+                &chosen.plan,
+                ledger.clone(),
+                kernels::best(),
+                Some(&hot),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let traffic = src.cpu_traffic().expect("the CPU's neurons");
+            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(KvType::F16)
+                .unwrap();
+            let got = logits(&e, &toks);
+            assert_eq!(
+                argmax_rows(&got, spec.vocab_size),
+                argmax_rows(&want, spec.vocab_size),
+                "{what}"
+            );
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst <= 1e-3 * scale.max(1.0), "{what}: {worst} of {scale}");
+            assert_eq!(ledger.snapshot().hbm_peak, hot.device.placed, "{what}");
+            let placed: usize = hot.layers.iter().map(|l| l.neurons).sum();
+            // 5 steps, each examining every cold neuron once.
+            let [_, candidates, _, _] = traffic.snapshot();
+            let cold = (spec.n_layers * spec.d_ff - placed) as u64;
+            assert_eq!(candidates, 5 * cold, "{what}");
+            eprintln!(
+                "{what}: {placed} hot neurons, {} attention bytes streamed per token, max |diff| {worst} of {scale}",
+                chosen.plan.per_token.h2d_bytes
+            );
+        }
+    }
 }

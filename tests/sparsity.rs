@@ -338,7 +338,7 @@ fn profile_and_oracle_on_the_cli() {
     );
     assert!(h["device"]["total"].as_u64().unwrap() <= 320 * 1024, "{h}");
     assert_eq!(
-        p["residency"]["cpu_rows"], 172,
+        p["residency"]["ffn_off"], true,
         "the FFN is off the device but for the hot neurons"
     );
     // `--cold auto`: the planner's choice is the candidate it predicts fastest, hybrid among

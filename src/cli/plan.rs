@@ -24,7 +24,8 @@ pub struct BudgetArgs {
     /// computed on the device); split (bundled FFNs: the planner has the CPU compute the last of
     /// them from DRAM, as many as take it as long as the copies of the rest); cpu (hybrid: the
     /// neurons the sparsity profile says fire most stay on the device, chosen by the exact ILP,
-    /// the CPU computes the others; attention stays resident; needs `gpu-offload profile`); auto
+    /// the CPU computes the others; attention resident, or streamed beside the hot neurons where
+    /// it does not all fit; needs `gpu-offload profile`); auto
     /// (the fastest of these by the plan's prediction; hybrid only where a profile exists)
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
     pub cold: crate::plan::hot::Cold,

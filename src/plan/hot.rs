@@ -4,7 +4,8 @@
 //! exact ILP ([`super::placement`]) from the profile's activation frequencies, and the CPU
 //! computes the other (cold) neurons from DRAM. What `plan --hot-neurons` prints and
 //! [`crate::tier::hybrid::HybridWeights`] runs: its device bytes are counted here the way the
-//! source allocates them, buffer by buffer.
+//! source allocates them, buffer by buffer. Where every layer's attention does not fit,
+//! [`plan_hot_streamed`] streams it beside the hot neurons instead (the streaming source runs it).
 //!
 //! A block-quantized FFN keeps its matrices, and a neuron's share of the down matrix is a column
 //! inside blocks of 32 (or 256) neurons: such layers place whole blocks ("units"), so the hot
@@ -306,9 +307,7 @@ pub fn plan_cold(
         };
         match plan_hot_neurons(m, plan, p, target) {
             // Attention does not all fit: stream it, beside hot neurons in a share of the room.
-            Err(e @ PlanError::GpuTooSmall { .. })
-                if m.segment(&part_segment_name(0, Part::Ffn)).is_some() =>
-            {
+            Err(e @ PlanError::GpuTooSmall { .. }) => {
                 let room = super::make_plan(
                     m,
                     &super::Budget {
@@ -483,7 +482,7 @@ fn place_in(
     ))
 }
 
-/// Hybrid execution for a budget that cannot hold every layer's attention (bundled FFNs): the
+/// Hybrid execution for a budget that cannot hold every layer's attention: the
 /// streaming plan with the whole FFN off the device and `reserve` bytes kept free, in which the
 /// ILP places the hot neurons; attention is resident as far as it fits and streams beyond.
 pub fn plan_hot_streamed(
@@ -509,9 +508,9 @@ pub fn plan_hot_streamed(
             "the sparsity profile's shape is not this model's".into(),
         ));
     }
-    if plan.residency.cpu_rows != spec.d_ff {
+    if !plan.residency.ffn_off {
         return Err(PlanError::Budget(
-            "hybrid execution with streamed attention needs a bundled FFN".into(),
+            "the budget holds every layer: hybrid execution keeps attention resident".into(),
         ));
     }
     let (layouts, attention_layers) = layers_of(m, spec.n_layers)?;

@@ -67,7 +67,7 @@ pub struct Budget {
     /// Whether the planner may have the CPU compute some of the FFN neurons that do not fit
     /// (bundled FFNs): the CPU+PCIe split (`--cold split`).
     pub cpu_split: bool,
-    /// Hybrid execution with streamed attention (bundled FFNs): the FFN off the device, its hot
+    /// Hybrid execution with streamed attention: the FFN off the device, its hot
     /// neurons to be placed in this many bytes kept free (see [`hot::plan_cold`]).
     pub hot_reserve: Option<u64>,
 }
@@ -544,12 +544,20 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     };
     // The residency that fits with the last `cpu` FFN neurons of every layer computed by the
     // CPU (0: none): the device's share of each layer is the rest.
-    let fit = |cpu: usize, merge: u64| -> Residency {
+    // `ffn_off`: no FFN row on the device at all (hybrid with streamed attention).
+    let fit = |cpu: usize, ffn_off: bool, merge: u64| -> Residency {
         let mut dev = shape;
         dev.rows[Part::Ffn.index()] -= cpu;
+        if ffn_off {
+            Part::FFN.iter().for_each(|p| dev.rows[p.index()] = 0);
+        }
         let s_dev = dev.total();
-        let with_cpu = |r: Residency| Residency { cpu_rows: cpu, ..r };
-        if all_resident && cpu == 0 {
+        let with_cpu = |r: Residency| Residency {
+            cpu_rows: cpu,
+            ffn_off,
+            ..r
+        };
+        if all_resident && cpu == 0 && !ffn_off {
             return all;
         }
         // L·r + k·(S − r) ≤ A  ⇒  r ≤ (A − k·S) / (L − k); L > k here (else all resident fits).
@@ -572,7 +580,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let (mut residency, window) = if all_resident {
         (all, 0)
     } else {
-        (fit(0, 0), window)
+        (fit(0, false, 0), window)
     };
     // The CPU+PCIe split (bundled FFNs, the DRAM holding the model): of the neurons that do not
     // fit, the last ones are computed by the CPU from DRAM instead of streamed, as many as make
@@ -584,13 +592,11 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let mut merge = 0;
     if let Some(reserve) = budget.hot_reserve
         && window > 0
-        && holds(m, Part::Ffn)
     {
         // Every FFN neuron off the device (the CPU's, less the hot ones placed later in
         // `reserve`); attention resident and streamed in what is left.
-        let rows = shape.rows[Part::Ffn.index()];
         let with_merge = device_bytes((budget.batch * spec.d_model * 4) as u64);
-        let r = fit(rows, with_merge + reserve);
+        let r = fit(0, true, with_merge + reserve);
         let placed = placed_with(&r, window) + with_merge + reserve;
         if placed > usable {
             return Err(PlanError::GpuTooSmall {
@@ -622,7 +628,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             if c == cur.cpu_rows {
                 break;
             }
-            cur = fit(c, with_merge);
+            cur = fit(c, false, with_merge);
         }
         if cur.cpu_rows > 0 && placed_with(&cur, window) + with_merge <= usable {
             residency = cur;
@@ -717,8 +723,10 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let mut cpu_rows_dram = 0;
     if cpu_rows > 0 {
         for l in 0..n_layers {
-            let sg = seg(m, &part_segment_name(l, Part::Ffn))?;
-            cpu_rows_dram += extent(sg, residency.cpu_rows_of(&shape, Part::Ffn));
+            for p in Part::FFN.into_iter().filter(|&p| holds(m, p)) {
+                let sg = seg(m, &part_segment_name(l, p))?;
+                cpu_rows_dram += extent(sg, residency.cpu_rows_of(&shape, p));
+            }
         }
     }
     let dram = DramPlan {

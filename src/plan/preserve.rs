@@ -99,6 +99,10 @@ pub struct Residency {
     pub rows: [usize; PARTS],
     #[serde(default)]
     pub cpu_rows: usize,
+    /// Hybrid execution with streamed attention: every FFN row off the device, neither
+    /// resident nor streamed (the hot neurons are placed apart, the CPU computes the others).
+    #[serde(default)]
+    pub ffn_off: bool,
 }
 
 impl Residency {
@@ -106,6 +110,7 @@ impl Residency {
         Residency {
             rows: shape.rows,
             cpu_rows: 0,
+            ffn_off: false,
         }
     }
 
@@ -113,13 +118,17 @@ impl Residency {
     pub fn cpu_rows_of(&self, shape: &LayerShape, p: Part) -> std::ops::Range<usize> {
         let rows = shape.rows[p.index()];
         match p {
+            _ if self.ffn_off && Part::FFN.contains(&p) => 0..rows,
             Part::Ffn => rows - self.cpu_rows.min(rows)..rows,
             _ => rows..rows,
         }
     }
 
     pub fn cpu_bytes(&self, shape: &LayerShape) -> u64 {
-        self.cpu_rows_of(shape, Part::Ffn).len() as u64 * shape.row_bytes[Part::Ffn.index()]
+        Part::FFN
+            .iter()
+            .map(|&p| self.cpu_rows_of(shape, p).len() as u64 * shape.row_bytes[p.index()])
+            .sum()
     }
 
     pub fn resident_bytes(&self, shape: &LayerShape) -> u64 {

@@ -73,6 +73,7 @@ pub fn render(p: &Plan) -> String {
     // What each layer's weights do per token: read where they rest, copied in, or (the split's
     // FFN rows) computed by the CPU beside the copies.
     let runs = match (streamed > 0, cpu > 0) {
+        _ if p.residency.ffn_off => "hybrid",
         (false, false) => "resident",
         (true, false) => "streamed",
         (_, true) => "split",
@@ -148,7 +149,12 @@ pub fn render(p: &Plan) -> String {
         p.hardware.hbm_bytes_per_s / 1e9,
         pr.ops_s * 1e3
     );
-    if t.cpu_read_bytes > 0 {
+    if p.residency.ffn_off {
+        let _ = writeln!(
+            o,
+            "hybrid: every FFN neuron off the device but for the hot ones placed below; the CPU computes the others from DRAM"
+        );
+    } else if t.cpu_read_bytes > 0 {
         let _ = writeln!(
             o,
             "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per token ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",

@@ -289,6 +289,36 @@ pub(super) enum HotFfn<B: Backend> {
     },
 }
 
+impl<B: Backend> HotFfn<B> {
+    /// The device's share of a hybrid layer's FFN: its hot block (nothing where no neuron is
+    /// hot), with the layer's biases from `sm`.
+    pub(super) fn view<'a>(
+        &'a self,
+        sm: &'a Small<B>,
+        bundle: BundleShape,
+        gated: bool,
+    ) -> FfnView<'a, B> {
+        match self {
+            HotFfn::Bundles(w) => FfnView::Bundles {
+                runs: w.iter().map(|w| (0, w)).collect(),
+                shape: bundle,
+                up_bias: sm.up_bias.as_ref(),
+                down_bias: sm.down_bias.as_ref(),
+            },
+            HotFfn::Matrices {
+                gate,
+                up,
+                down,
+                up_bias,
+            } => FfnView::Matrices {
+                gate: gated.then(|| linear(gate.as_ref(), None)),
+                up: linear(up.as_ref(), up_bias.as_ref()),
+                down: linear(down.as_ref(), sm.down_bias.as_ref()),
+            },
+        }
+    }
+}
+
 pub struct HybridWeights<B: Backend> {
     spec: ModelSpec,
     small: Vec<Small<B>>,
@@ -693,24 +723,7 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
         } = self;
         let sm = &small[l];
         let [q, k, v, o] = &attention[l];
-        let ffn = match &hot[l] {
-            HotFfn::Bundles(w) => FfnView::Bundles {
-                runs: w.iter().map(|w| (0, w)).collect(),
-                shape: *bundle,
-                up_bias: sm.up_bias.as_ref(),
-                down_bias: sm.down_bias.as_ref(),
-            },
-            HotFfn::Matrices {
-                gate,
-                up,
-                down,
-                up_bias,
-            } => FfnView::Matrices {
-                gate: spec.gated_ffn.then(|| linear(gate.as_ref(), None)),
-                up: linear(up.as_ref(), up_bias.as_ref()),
-                down: linear(down.as_ref(), sm.down_bias.as_ref()),
-            },
-        };
+        let ffn = hot[l].view(sm, *bundle, spec.gated_ffn);
         Ok(LayerView {
             attn_norm: sm.attn_norm(),
             wq: linear(Some(q), sm.attn_bias[0].as_ref()),

@@ -213,7 +213,7 @@ pub struct OffloadWeights<B: Backend> {
     cpu: Option<CpuShare<B>>,
     /// Hybrid with streamed attention: per layer the hot neurons' block (the FFN's only device
     /// part); empty otherwise.
-    hot_ffn: Vec<Option<B::Weight>>,
+    hot_ffn: Vec<super::hybrid::HotFfn<B>>,
 }
 
 struct CpuShare<B: Backend> {
@@ -429,7 +429,7 @@ impl<B: Backend> OffloadWeights<B> {
         };
         let mut hot_ffn = Vec::new();
         let cpu = match hot {
-            _ if cpu_rows.is_empty() => {
+            _ if cpu_rows.is_empty() && !residency.ffn_off => {
                 if hot.is_some() {
                     return Err(EngineError::Weights(
                         "a hot-neuron plan needs a plan with the FFN off the device".into(),
@@ -438,7 +438,7 @@ impl<B: Backend> OffloadWeights<B> {
                 None
             }
             Some(h) => {
-                if cpu_rows != (0..spec.d_ff) || h.hot_neurons.len() != n_layers {
+                if !residency.ffn_off || h.hot_neurons.len() != n_layers {
                     return Err(EngineError::Weights(
                         "the hot-neuron plan does not match this plan's FFN".into(),
                     ));
@@ -455,13 +455,8 @@ impl<B: Backend> OffloadWeights<B> {
                         &mut sm.up_bias,
                         cpu_side(),
                     )?;
-                    let super::hybrid::HotFfn::Bundles(w) = part else {
-                        return Err(EngineError::Weights(
-                            "hybrid with streamed attention needs a bundled FFN".into(),
-                        ));
-                    };
                     layers.push(cold);
-                    hot_ffn.push(w);
+                    hot_ffn.push(part);
                 }
                 Some(CpuShare {
                     layers,
@@ -469,6 +464,11 @@ impl<B: Backend> OffloadWeights<B> {
                     partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
                     traffic,
                 })
+            }
+            None if residency.ffn_off => {
+                return Err(EngineError::Weights(
+                    "a plan with the FFN off the device runs with its hot-neuron plan".into(),
+                ));
             }
             None => {
                 let layers = (0..n_layers)
@@ -603,9 +603,6 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
         let sm = &self.small[l];
         let ffn_runs = {
             let mut runs = Vec::with_capacity(2);
-            if let Some(Some(w)) = self.hot_ffn.get(l) {
-                runs.push((0, w));
-            }
             if let Some(w) = &res[Part::Ffn.index()] {
                 runs.push((0, w));
             }
@@ -645,7 +642,9 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                 sm.attn_bias[3].as_ref(),
             ),
             ffn_norm: sm.ffn_norm(),
-            ffn: if self.bundled {
+            ffn: if let Some(hot) = self.hot_ffn.get(l) {
+                hot.view(sm, self.bundle, self.spec.gated_ffn)
+            } else if self.bundled {
                 FfnView::Bundles {
                     runs: ffn_runs,
                     shape: self.bundle,
