@@ -5,6 +5,8 @@
 //!
 //! Knows nothing about models: ops take shapes and numbers, not layers.
 
+#[cfg(test)]
+mod bundle_tests;
 pub mod cpu;
 pub mod cuda;
 pub mod memory;
