@@ -385,3 +385,46 @@ fn bad_bundles_are_refused_on_cpu_and_sim() {
     let sim = SimBackend::new(CpuBackend::new(1).unwrap(), Ledger::new(None, None));
     bad_bundles_are_refused(&sim);
 }
+
+/// The fixture `kernels/host/bundle_check.cpp` checks the CUDA bundle decoders against: bundles
+/// the store's encoder wrote, and what the reference dequantizers decode from them. Written to
+/// the file `GPU_OFFLOAD_BUNDLE_FIXTURE` names (scripts/check-kernels.sh); else only built.
+#[test]
+fn bundle_decode_fixture() {
+    use std::fmt::Write as _;
+    let hex = |b: &[u8]| {
+        b.iter().fold(String::new(), |mut s, x| {
+            let _ = write!(s, "{x:02x}");
+            s
+        })
+    };
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut text = String::new();
+    // ENCODINGS is in the order of the kernels' BE_* codes (f32, f16, bf16, int8, int4).
+    for (code, enc) in ENCODINGS.into_iter().enumerate() {
+        // d = 37: INT8 bundles of an odd length, so scales sit at every alignment.
+        for (parts, d) in [(2, 64usize), (3, 96), (3, 37)] {
+            if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
+                continue;
+            }
+            let (shape, neurons) = (BundleShape { parts, d }, 5);
+            let l = layer(&mut rng, enc, shape, neurons);
+            let values: Vec<u8> = l
+                .parts
+                .iter()
+                .flatten()
+                .flatten()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            let _ = writeln!(
+                text,
+                "{code} {parts} {d} {neurons} {} {}",
+                hex(&l.bytes),
+                hex(&values)
+            );
+        }
+    }
+    if let Some(path) = std::env::var_os("GPU_OFFLOAD_BUNDLE_FIXTURE") {
+        std::fs::write(&path, text).expect("write the bundle fixture");
+    }
+}
