@@ -216,7 +216,7 @@ pub fn bundle_bytes(name: &str, enc: Encoding, shape: BundleShape, rows: usize) 
 
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
-/// storage format. Copies to the device may run on a separate copy stream: `Event`s order them
+/// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to the device may run on a separate copy stream: `Event`s order them
 /// against compute (on synchronous backends they are no-ops).
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send;

@@ -616,6 +616,9 @@ impl CudaBackend {
             shape.d as i32,
             act_code(act),
         );
+        if let Some(bb) = up_bias {
+            bb.plain("ffn_bundles_up")?;
+        }
         let bias = up_bias.map_or(0u64, |w| w.buf.ptr);
         let (hs, c0) = (h.cols as i32, col0 as i32);
         for t0 in (0..x.rows).step_by(MAX_TOKENS) {
