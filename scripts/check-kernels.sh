@@ -3,7 +3,8 @@
 # check the PTX ISA version is at most 9.0 (what the 13.0 driver loads), and assemble each for
 # sm_90 with ptxas; then compile them again through NVRTC (the run-time path of builds made
 # without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
-# check them against the reference dequantization (scripts/kernel_host_check.py). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+# check them against the reference dequantization (scripts/kernel_host_check.py), and the bundle
+# decoders against the store's (kernels/host/bundle_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
@@ -29,6 +30,12 @@ for cu in kernels/*.cu; do
     echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok"
 done
 python3 scripts/kernel_host_check.py
+# The bundle decoders (kernels/bundle_codes.cuh) against the store's dequantizers, bit for bit,
+# on bundles the store's encoder wrote (the crate's test writes them).
+GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib bundle_decode_fixture >/dev/null
+"${CXX:-g++}" -std=c++17 -O1 -ffp-contract=off -DKERNEL_HOST_CHECK -I kernels -o "$OUT/bundle_check" \
+    kernels/host/bundle_check.cpp
+"$OUT/bundle_check" <"$OUT/bundles.txt"
 LIB="$(dirname "$BIN")/lib"
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
     cargo test --locked --quiet --lib nvrtc_compiles_every_module

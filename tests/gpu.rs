@@ -16,6 +16,7 @@ use gpu_offload::backend::cuda::CudaBackend;
 use gpu_offload::backend::{Act, AttnShape, Backend, BundleShape, KvType, RopePairs, WorkspaceOp};
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
+use gpu_offload::store::Encoding;
 use gpu_offload::tensor::{Bytes, DType, HostTensor};
 use gpu_offload::tier::Ledger;
 use half::{bf16, f16};
@@ -461,9 +462,30 @@ fn kv_store_read_write_equal_cpu<B: Backend>(g: &B) {
     }
 }
 
+/// Every encoding bundles can be stored in.
+const BUNDLE_ENCODINGS: [Encoding; 5] = [
+    Encoding::F32,
+    Encoding::F16,
+    Encoding::Format(DType::BF16),
+    Encoding::Int8,
+    Encoding::Int4,
+];
+
+/// `neurons` random bundles of `shape` in `enc`, as the store writes them.
+fn random_bundles(rng: &mut StdRng, enc: Encoding, shape: BundleShape, neurons: usize) -> Vec<u8> {
+    let d = shape.d;
+    let gate = (shape.parts == 3).then(|| rand_vec(rng, neurons * d, 0.2));
+    let up = rand_vec(rng, neurons * d, 0.2);
+    let down_t = rand_vec(rng, neurons * d, 0.2);
+    gpu_offload::store::encode_bundles(gate.as_deref(), &up, &down_t, d, enc)
+}
+
+/// Dense up and down over `bundles` (`enc`) uploaded as two runs split at neuron `split`:
+/// the hidden activations, then the output.
 fn bundles_on<B: Backend>(
     b: &B,
-    bundles: &HostTensor,
+    bundles: &[u8],
+    enc: Encoding,
     split: usize,
     shape: BundleShape,
     x: &[f32],
@@ -471,21 +493,16 @@ fn bundles_on<B: Backend>(
     act: Act,
     bias: Option<&HostTensor>,
 ) -> Vec<f32> {
-    let rb = bundles.row_bytes();
-    let part = |lo: usize, hi: usize| HostTensor {
-        name: "part".into(),
-        rows: hi - lo,
-        cols: bundles.cols,
-        dtype: bundles.dtype,
-        data: Bytes::from_slice(&bundles.data.as_slice()[lo * rb..hi * rb]),
+    let rb = enc.row_bytes(shape.parts * shape.d, shape.parts);
+    let neurons = bundles.len() / rb;
+    let part = |lo: usize, hi: usize| {
+        let data = Bytes::from_slice(&bundles[lo * rb..hi * rb]);
+        b.upload_bundles("part", enc, shape, &data).unwrap()
     };
-    let (a, z) = (
-        b.upload(&part(0, split)).unwrap(),
-        b.upload(&part(split, bundles.rows)).unwrap(),
-    );
+    let (a, z) = (part(0, split), part(split, neurons));
     let xt = put(b, n, shape.d, x);
     let db = bias.map(|t| b.upload(t).unwrap());
-    let mut h = poisoned(b, n, bundles.rows);
+    let mut h = poisoned(b, n, neurons);
     b.ffn_bundles_up(&a, shape, &xt, act, 0.0, db.as_ref(), &mut h, 0)
         .unwrap();
     b.ffn_bundles_up(&z, shape, &xt, act, 0.0, db.as_ref(), &mut h, split)
@@ -499,35 +516,31 @@ fn bundles_on<B: Backend>(
     v
 }
 
+/// The dense bundle ops (two runs, 2 and 3 parts, up to 9 tokens) equal the CPU backend's in
+/// every bundle encoding.
 fn bundled_ffn_equals_cpu<B: Backend>(g: &B) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(6);
-    for (parts, d, neurons, n, split) in [
-        (3, 64, 150, 1, 64),
-        (2, 128, 300, 3, 128),
-        (3, 576, 1536, 9, 1024),
-    ] {
-        let vals = rand_vec(&mut rng, neurons * parts * d, 0.2);
-        let h: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
-        let bundles = HostTensor {
-            name: "bundles".into(),
-            rows: neurons,
-            cols: parts * d,
-            dtype: DType::F16,
-            data: Bytes::from_slice(bytemuck::cast_slice(&h)),
-        };
-        let shape = BundleShape { parts, d };
-        let x = rand_vec(&mut rng, n * d, 1.0);
-        let bias = HostTensor::from_f32("b", 1, neurons, rand_vec(&mut rng, neurons, 0.1));
-        let (act, bias) = if parts == 3 {
-            (Act::Silu, None)
-        } else {
-            (Act::Relu, Some(&bias))
-        };
-        let want = bundles_on(&c, &bundles, split, shape, &x, n, act, bias);
-        let got = bundles_on(g, &bundles, split, shape, &x, n, act, bias);
-        let e = rel(&got, &want);
-        assert!(e <= 1e-4, "{parts} parts d {d} n {n}: {e}");
+    for enc in BUNDLE_ENCODINGS {
+        for (parts, d, neurons, n, split) in [
+            (3, 64, 150, 1, 64),
+            (2, 128, 300, 3, 128),
+            (3, 576, 1536, 9, 1024),
+        ] {
+            let shape = BundleShape { parts, d };
+            let bundles = random_bundles(&mut rng, enc, shape, neurons);
+            let x = rand_vec(&mut rng, n * d, 1.0);
+            let bias = HostTensor::from_f32("b", 1, neurons, rand_vec(&mut rng, neurons, 0.1));
+            let (act, bias) = if parts == 3 {
+                (Act::Silu, None)
+            } else {
+                (Act::Relu, Some(&bias))
+            };
+            let want = bundles_on(&c, &bundles, enc, split, shape, &x, n, act, bias);
+            let got = bundles_on(g, &bundles, enc, split, shape, &x, n, act, bias);
+            let e = rel(&got, &want);
+            assert!(e <= 1e-4, "{} {parts} parts d {d} n {n}: {e}", enc.name());
+        }
     }
 }
 
@@ -619,9 +632,42 @@ fn ffn_sparsity_masks_zero_exactly_what_they_say<B: Backend>(g: &B) {
     );
 }
 
-/// The neuron-listed bundle ops compute exactly the listed neurons: `up_listed` gives, column
-/// by column, the dense op's activation of each listed neuron (two- and three-part bundles, an
-/// up bias, a mask); `down_listed` equals the dense down with every unlisted activation zero;
+/// The listed up (threshold 0) and down ops over `idx` of `bundles` (`enc`) on `b`: the hidden
+/// activations, then the output of `hv` through the listed down columns.
+fn listed_on<B: Backend>(
+    b: &B,
+    bundles: &[u8],
+    enc: Encoding,
+    shape: BundleShape,
+    x: &[f32],
+    n: usize,
+    act: Act,
+    bias: Option<&HostTensor>,
+    idx: &[u32],
+    hv: &[f32],
+) -> Vec<f32> {
+    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Listed { neurons: idx.len() }))
+        .unwrap();
+    let w = b
+        .upload_bundles("bundles", enc, shape, &Bytes::from_slice(bundles))
+        .unwrap();
+    let db = bias.map(|t| b.upload(t).unwrap());
+    let xt = put(b, n, shape.d, x);
+    let mut h = poisoned(b, n, idx.len());
+    b.ffn_bundles_up_listed(&w, shape, &xt, act, 0.0, db.as_ref(), idx, &mut h)
+        .unwrap();
+    let mut out = put(b, n, shape.d, &vec![0.0; n * shape.d]);
+    b.ffn_bundles_down_listed(&w, shape, &put(b, n, idx.len(), hv), idx, &mut out)
+        .unwrap();
+    let mut v = get(b, &h);
+    v.extend(get(b, &out));
+    v
+}
+
+/// The neuron-listed bundle ops compute exactly the listed neurons, in every bundle encoding:
+/// `up_listed` gives, column by column, the dense op's activation of each listed neuron (two-
+/// and three-part bundles, an up bias, a mask); `down_listed` equals the dense down with every
+/// unlisted activation zero; both equal the CPU backend's listed ops;
 /// they refuse without the workspace for the list and on an id past the run.
 fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(17);
@@ -629,30 +675,18 @@ fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
     let idx: Vec<u32> = vec![5, 90, 0, 41, 42, 7, 95, 60];
     g.set_workspace(g.workspace_bytes(&WorkspaceOp::Listed { neurons: idx.len() }))
         .unwrap();
-    for parts in [2, 3] {
-        let vals = rand_vec(&mut rng, neurons * parts * d, 0.3);
-        let h16: Vec<f16> = vals.iter().map(|&v| f16::from_f32(v)).collect();
-        let bundles = g
-            .upload(&HostTensor {
-                name: "bundles".into(),
-                rows: neurons,
-                cols: parts * d,
-                dtype: DType::F16,
-                data: Bytes::from_slice(bytemuck::cast_slice(&h16)),
-            })
-            .unwrap();
+    for (enc, parts) in BUNDLE_ENCODINGS.into_iter().flat_map(|e| [(e, 2), (e, 3)]) {
         let shape = BundleShape { parts, d };
-        let bias = g
-            .upload(&HostTensor::from_f32(
-                "bias",
-                1,
-                neurons,
-                rand_vec(&mut rng, neurons, 0.5),
-            ))
+        let bytes = random_bundles(&mut rng, enc, shape, neurons);
+        let bundles = g
+            .upload_bundles("bundles", enc, shape, &Bytes::from_slice(&bytes))
             .unwrap();
+        let bias_host = HostTensor::from_f32("bias", 1, neurons, rand_vec(&mut rng, neurons, 0.5));
+        let bias = g.upload(&bias_host).unwrap();
         let bias = (parts == 2).then_some(&bias);
         let act = if parts == 3 { Act::Silu } else { Act::Relu };
-        let xt = put(g, n, d, &rand_vec(&mut rng, n * d, 2.0));
+        let x = rand_vec(&mut rng, n * d, 2.0);
+        let xt = put(g, n, d, &x);
         let mut dense = poisoned(g, n, neurons);
         g.ffn_bundles_up(&bundles, shape, &xt, act, 0.05, bias, &mut dense, 0)
             .unwrap();
@@ -666,7 +700,8 @@ fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
                 let (a, b) = (listed[t * idx.len() + j], dense[t * neurons + i as usize]);
                 assert!(
                     (a - b).abs() <= 1e-5 * b.abs().max(1.0),
-                    "{parts} parts, token {t}, neuron {i}: {a} vs {b}"
+                    "{} {parts} parts, token {t}, neuron {i}: {a} vs {b}",
+                    enc.name()
                 );
             }
         }
@@ -687,9 +722,17 @@ fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
         for (a, b) in get(g, &got).iter().zip(get(g, &want)) {
             assert!(
                 (a - b).abs() <= 1e-4 * b.abs().max(1.0),
-                "{parts} parts down: {a} vs {b}"
+                "{} {parts} parts down: {a} vs {b}",
+                enc.name()
             );
         }
+        // The listed ops against the CPU backend's on the same bundles (unmasked, so no
+        // activation sits on the threshold).
+        let bias_host = (parts == 2).then_some(&bias_host);
+        let want = listed_on(&cpu(), &bytes, enc, shape, &x, n, act, bias_host, &idx, &hv);
+        let got = listed_on(g, &bytes, enc, shape, &x, n, act, bias_host, &idx, &hv);
+        let e = rel(&got, &want);
+        assert!(e <= 1e-4, "{} {parts} parts listed vs cpu: {e}", enc.name());
         let mut out = poisoned(g, n, idx.len());
         assert!(
             g.ffn_bundles_up_listed(&bundles, shape, &xt, act, 0.0, bias, &[96], &mut out)

@@ -5,6 +5,8 @@
 //!
 //! Knows nothing about models: ops take shapes and numbers, not layers.
 
+#[cfg(test)]
+mod bundle_tests;
 pub mod cpu;
 pub mod cuda;
 pub mod memory;
@@ -12,7 +14,9 @@ pub mod sim;
 
 use thiserror::Error;
 
-use crate::tensor::{DType, HostTensor};
+use crate::store::Encoding;
+use crate::store::quant::INT4_GROUP;
+use crate::tensor::{Bytes, DType, HostTensor};
 
 #[derive(Debug, Error)]
 pub enum BackendError {
@@ -271,9 +275,45 @@ pub struct BundleShape {
     pub d: usize,
 }
 
+/// Bytes of `rows` FFN bundles of `shape` in `enc` (`rows × enc.row_bytes(parts·d, parts)`), if
+/// `enc` can hold such bundles: f32, f16, bf16, INT8, or INT4 with `d` a whole number of its
+/// groups; else the error naming `name` and what is wrong. The one size every backend gives a
+/// bundle weight (the budgeted device reserves it as CUDA allocates it).
+pub fn bundle_bytes(name: &str, enc: Encoding, shape: BundleShape, rows: usize) -> Result<usize> {
+    let BundleShape { parts, d } = shape;
+    let bad = |msg: String| BackendError::Shape {
+        op: "bundles",
+        msg: format!("`{name}`: {msg}"),
+    };
+    if !(2..=3).contains(&parts) {
+        return Err(bad(format!(
+            "bundles have 2 parts (up, down) or 3 (gate, up, down), not {parts}"
+        )));
+    }
+    if d == 0 {
+        return Err(bad("bundles of 0 values".into()));
+    }
+    match enc {
+        Encoding::Format(DType::F32 | DType::F16 | DType::BF16) | Encoding::Int8 => {}
+        Encoding::Int4 if d.is_multiple_of(INT4_GROUP) => {}
+        Encoding::Int4 => {
+            return Err(bad(format!(
+                "int4 bundles need parts of whole {INT4_GROUP}-value groups, not {d} values"
+            )));
+        }
+        Encoding::Format(other) => {
+            return Err(bad(format!(
+                "{other} is not a bundle encoding (f32, f16, bf16, int8, int4)"
+            )));
+        }
+    }
+    rows.checked_mul(enc.row_bytes(parts * d, parts))
+        .ok_or_else(|| bad(format!("{rows} bundles of {parts}×{d} overflow")))
+}
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
-/// storage format. Copies to the device may run on a separate copy stream: `Event`s order them
+/// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to the device may run on a separate copy stream: `Event`s order them
 /// against compute (on synchronous backends they are no-ops).
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send;
@@ -302,6 +342,26 @@ pub trait Backend: Send + Sync + 'static {
         dtype: DType,
         rows: usize,
         cols: usize,
+    ) -> Result<Self::Weight>;
+    /// Place FFN neuron bundles on the device in a store encoding (f32, f16, bf16, INT8, INT4;
+    /// see `store::Encoding`): `data` is whole bundles of `shape` laid out as the store writes
+    /// them. The weight remembers its encoding; INT8/INT4 weights are taken by the bundle ops
+    /// only. Device bytes: [`bundle_bytes`].
+    fn upload_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<Self::Weight>;
+    /// An uninitialised slot for `rows` bundles of `shape` in `enc` (filled by
+    /// [`Backend::upload_into`], whole bundles); device bytes as [`Backend::upload_bundles`].
+    fn alloc_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        rows: usize,
     ) -> Result<Self::Weight>;
     /// Reinterpret `w` as `rows × cols` values in `dtype`, within the bytes it was allocated
     /// with: a streaming slot that holds, layer after layer, tensors of different formats.

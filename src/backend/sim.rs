@@ -8,11 +8,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::cpu::{CpuBackend, CpuKv, CpuTensor};
+use super::cpu::{CpuBackend, CpuKv, CpuTensor, CpuWeight};
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
 };
+use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
 use crate::tier::ledger::Ledger;
 
@@ -32,7 +33,7 @@ pub struct SimTensor {
 
 /// A weight in the budgeted device's memory.
 pub struct SimWeight {
-    w: HostTensor,
+    w: CpuWeight,
     _mem: DeviceAlloc,
 }
 
@@ -115,7 +116,40 @@ impl Backend for SimBackend {
         let data = Bytes::from_slice(w.data.as_slice());
         self.copied_in(w.data.len(), t0);
         Ok(SimWeight {
-            w: HostTensor { data, ..w.clone() },
+            w: HostTensor { data, ..w.clone() }.into(),
+            _mem: hold,
+        })
+    }
+
+    fn upload_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<SimWeight> {
+        // Checked (and sized) before any memory is taken; the CPU keeps a view, no copy yet.
+        let rows = self.cpu.upload_bundles(name, enc, shape, data)?.rows();
+        let hold = self.reserve(super::bundle_bytes(name, enc, shape, rows)?, name)?;
+        let t0 = Instant::now();
+        let copy = Bytes::from_slice(data.as_slice());
+        self.copied_in(data.len(), t0);
+        Ok(SimWeight {
+            w: self.cpu.upload_bundles(name, enc, shape, &copy)?,
+            _mem: hold,
+        })
+    }
+
+    fn alloc_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        rows: usize,
+    ) -> Result<SimWeight> {
+        let hold = self.reserve(super::bundle_bytes(name, enc, shape, rows)?, name)?;
+        Ok(SimWeight {
+            w: self.cpu.alloc_bundles(name, enc, shape, rows)?,
             _mem: hold,
         })
     }
@@ -302,12 +336,15 @@ impl Backend for SimBackend {
         out: &mut SimTensor,
         col0: usize,
     ) -> Result<()> {
-        self.check_workspace(WorkspaceOp::Matmul {
-            dtype: w.w.dtype,
-            tokens: x.t.rows,
-            rows: w.w.rows,
-            cols: w.w.cols,
-        })?;
+        // Coded bundles are no matrix: the CPU backend refuses them below.
+        if let Some(t) = w.w.as_tensor() {
+            self.check_workspace(WorkspaceOp::Matmul {
+                dtype: t.dtype,
+                tokens: x.t.rows,
+                rows: t.rows,
+                cols: t.cols,
+            })?;
+        }
         self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
     }
 

@@ -37,8 +37,7 @@ use crate::model::{ModelError, ModelSpec};
 use crate::tensor::DType;
 
 pub use read::Store;
-#[cfg(test)]
-pub(crate) use write::bundles as encode_bundles;
+pub use write::bundles as encode_bundles;
 pub use write::{ConvertOptions, cached_store_for, convert};
 
 /// Store format version this build reads and writes (2: matrices in the model's own encoding,

@@ -142,8 +142,10 @@ impl DataWriter {
 }
 
 /// FFN bundles of one layer in one encoding: neuron i = [gate_i | up_i | down_i] (or [up_i |
-/// down_i] without a gate), each `d_model` values, where down_i is column i of W_down.
-pub(crate) fn bundles(
+/// down_i] without a gate), each `d_model` values, where down_i is column i of W_down (row i of
+/// `down_t`). `enc` must hold bundles of `d` (`backend::bundle_bytes` says whether it does).
+/// Public so tests and tools build bundles exactly as the store writes them.
+pub fn bundles(
     gate: Option<&[f32]>,
     up: &[f32],
     down_t: &[f32],

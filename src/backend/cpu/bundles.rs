@@ -1,13 +1,15 @@
 //! The bundled FFN on the CPU: neuron i's gate row, up row and down column stored side by side
 //! (see `store`). `up` computes the hidden activations of a run of neurons, `down` adds their
-//! weighted down columns to the output. Float bundles (f16, f32); each bundle is read once.
+//! weighted down columns to the output. Every bundle encoding (f32, f16, bf16, INT8, INT4; the
+//! decoders are `sparse`'s); each bundle is read once.
 
 use rayon::prelude::*;
 
 use super::kernels::Kernels;
 use super::sparse::{Bundles, bundle_axpy, bundle_dot};
-use crate::backend::{BundleShape, sparse_act};
-use crate::tensor::{Bytes, DType, HostTensor};
+use crate::backend::{BundleShape, Result, sparse_act};
+use crate::store::Encoding;
+use crate::tensor::{Bytes, HostTensor};
 
 /// Neurons per parallel task.
 const NEURONS_PER_TASK: usize = 64;
@@ -24,25 +26,25 @@ impl OutPtr {
     }
 }
 
-/// `f` of the bundles as typed slices, multiplied in their format by the best kernels (decoding
-/// rows to f32 first ran at ~1.4 GB/s). Bytes that cannot be viewed so (misaligned) are copied
-/// once into an aligned buffer.
-fn with_view<R>(b: &HostTensor, shape: BundleShape, f: impl FnOnce(&Bundles) -> R) -> R {
-    if let Ok(v) = Bundles::from_host(b, shape) {
-        return f(&v);
+/// `f` of `bytes` viewed as bundles of `shape` in `enc`, multiplied in their encoding by the
+/// best kernels (decoding rows to f32 first ran at ~1.4 GB/s). Bytes that cannot be viewed in
+/// place (misaligned) are copied once into an aligned buffer.
+pub(crate) fn with_view<R>(
+    bytes: &[u8],
+    enc: Encoding,
+    shape: BundleShape,
+    f: impl FnOnce(&Bundles) -> R,
+) -> Result<R> {
+    if let Ok(v) = Bundles::new(bytes, enc, shape) {
+        return Ok(f(&v));
     }
-    let copy = HostTensor {
-        name: b.name.clone(),
-        rows: b.rows,
-        cols: b.cols,
-        dtype: b.dtype,
-        data: Bytes::from_slice(b.data.as_slice()),
-    };
-    let v = Bundles::from_host(&copy, shape).expect("owned bytes are word-aligned");
-    f(&v)
+    // Owned bytes are word-aligned, so what fails now is the shape or the encoding.
+    let copy = Bytes::from_slice(bytes);
+    let v = Bundles::new(copy.as_slice(), enc, shape)?;
+    Ok(f(&v))
 }
 
-/// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`.
+/// [`up_view`] of float bundles held as a `neurons × parts·d` tensor (f32, f16, bf16).
 #[allow(clippy::too_many_arguments)]
 pub fn up(
     k: &Kernels,
@@ -57,14 +59,57 @@ pub fn up(
     stride: usize,
     col0: usize,
 ) {
-    let neurons = b.rows;
+    assert!(b.cols == shape.parts * shape.d);
+    let enc = Encoding::Format(b.dtype);
+    with_view(b.data.as_slice(), enc, shape, |view| {
+        up_view(k, view, x, n, act, threshold, bias, h, stride, col0)
+    })
+    .expect("float bundles of whole rows");
+}
+
+/// [`down_view`] of float bundles held as a tensor (see [`up`]).
+#[allow(clippy::too_many_arguments)]
+pub fn down(
+    k: &Kernels,
+    b: &HostTensor,
+    shape: BundleShape,
+    h: &[f32],
+    n: usize,
+    stride: usize,
+    col0: usize,
+    out: &mut [f32],
+) {
+    assert!(b.cols == shape.parts * shape.d);
+    let enc = Encoding::Format(b.dtype);
+    with_view(b.data.as_slice(), enc, shape, |view| {
+        down_view(k, view, h, n, stride, col0, out)
+    })
+    .expect("float bundles of whole rows");
+}
+
+/// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`
+/// for every neuron `i` of `view`, in any bundle encoding.
+#[allow(clippy::too_many_arguments)]
+pub fn up_view(
+    k: &Kernels,
+    view: &Bundles,
+    x: &[f32],
+    n: usize,
+    act: fn(f32) -> f32,
+    threshold: f32,
+    bias: Option<&[f32]>,
+    h: &mut [f32],
+    stride: usize,
+    col0: usize,
+) {
+    let neurons = view.neurons();
+    let shape = view.shape();
     let d = shape.d;
-    assert!(matches!(b.dtype, DType::F16 | DType::F32) && b.cols == shape.parts * d);
     assert!(x.len() == n * d && h.len() == n * stride && col0 + neurons <= stride);
     let gated = shape.parts == 3;
     let ptr = OutPtr(h.as_mut_ptr());
     let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    let task = |view: &Bundles, task: usize| {
+    let task = |task: usize| {
         let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
         for i in task * NEURONS_PER_TASK..i1 {
             for t in 0..n {
@@ -80,36 +125,32 @@ pub fn up(
             }
         }
     };
-    with_view(b, shape, |view| {
-        if tasks <= 1 {
-            (0..tasks).for_each(|t| task(view, t));
-        } else {
-            (0..tasks).into_par_iter().for_each(|t| task(view, t));
-        }
-    });
+    if tasks <= 1 {
+        (0..tasks).for_each(task);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
 }
 
-/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`).
-#[allow(clippy::too_many_arguments)]
-pub fn down(
+/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`.
+pub fn down_view(
     k: &Kernels,
-    b: &HostTensor,
-    shape: BundleShape,
+    view: &Bundles,
     h: &[f32],
     n: usize,
     stride: usize,
     col0: usize,
     out: &mut [f32],
 ) {
-    let neurons = b.rows;
+    let neurons = view.neurons();
+    let shape = view.shape();
     let d = shape.d;
-    assert!(matches!(b.dtype, DType::F16 | DType::F32) && b.cols == shape.parts * d);
     assert!(h.len() == n * stride && col0 + neurons <= stride && out.len() == n * d);
     let down_part = shape.parts - 1;
     // Each task sums a run of neurons into its own accumulator; the accumulators are added at
     // the end (cheap next to reading the bundles, which each task streams contiguously).
     let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    let partial = |view: &Bundles, task: usize, acc: &mut [f32]| {
+    let partial = |task: usize, acc: &mut [f32]| {
         let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
         for i in task * NEURONS_PER_TASK..i1 {
             for t in 0..n {
@@ -120,24 +161,22 @@ pub fn down(
             }
         }
     };
-    let sum = with_view(b, shape, |view| {
-        (0..tasks)
-            .into_par_iter()
-            .fold(
-                || vec![0f32; n * d],
-                |mut acc, t| {
-                    partial(view, t, &mut acc);
-                    acc
-                },
-            )
-            .reduce(
-                || vec![0f32; n * d],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                },
-            )
-    });
+    let sum = (0..tasks)
+        .into_par_iter()
+        .fold(
+            || vec![0f32; n * d],
+            |mut acc, t| {
+                partial(t, &mut acc);
+                acc
+            },
+        )
+        .reduce(
+            || vec![0f32; n * d],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                a
+            },
+        );
     out.iter_mut().zip(&sum).for_each(|(o, s)| *o += s);
 }
 
@@ -159,7 +198,7 @@ pub fn make_bundles(gate: Option<&[f32]>, up: &[f32], down_t: &[f32], d: usize) 
         name: "bundles".into(),
         rows: neurons,
         cols: parts * d,
-        dtype: DType::F16,
+        dtype: crate::tensor::DType::F16,
         data: crate::tensor::Bytes::from_slice(bytemuck::cast_slice(&h)),
     }
 }
@@ -233,7 +272,10 @@ mod tests {
                         ),
                     }
                 };
-                let (a, b) = (split(0, 40), split(40, ff));
+                let (a, b) = (
+                    be.upload(&split(0, 40)).unwrap(),
+                    be.upload(&split(40, ff)).unwrap(),
+                );
                 let xt = CpuTensor {
                     rows: n,
                     cols: d,
@@ -242,7 +284,9 @@ mod tests {
                 };
                 let mut h = be.alloc(n, ff).unwrap();
                 let act = if gated { Act::Silu } else { Act::Relu };
-                let bias_t = HostTensor::from_f32("b", 1, ff, bias.clone());
+                let bias_t = be
+                    .upload(&HostTensor::from_f32("b", 1, ff, bias.clone()))
+                    .unwrap();
                 let bias_ref = (!gated).then_some(&bias_t);
                 be.ffn_bundles_up(&a, shape, &xt, act, 0.0, bias_ref, &mut h, 0)
                     .unwrap();

@@ -17,6 +17,7 @@ use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
     sparse_act,
 };
+use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
 
 /// Activations on the CPU.
@@ -88,7 +89,8 @@ fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
     Ok(())
 }
 
-fn vector<'a>(op: &'static str, w: &'a HostTensor, len: usize) -> Result<&'a [f32]> {
+fn vector<'a>(op: &'static str, w: &'a CpuWeight, len: usize) -> Result<&'a [f32]> {
+    let w = w.tensor(op)?;
     if w.dtype != crate::tensor::DType::F32 || w.rows * w.cols != len {
         return Err(shape_err(
             op,
@@ -101,20 +103,116 @@ fn vector<'a>(op: &'static str, w: &'a HostTensor, len: usize) -> Result<&'a [f3
     Ok(bytemuck::cast_slice(w.data.as_slice()))
 }
 
-fn check_bundles(op: &'static str, b: &HostTensor, shape: BundleShape) -> Result<()> {
-    if !matches!(b.dtype, DType::F16 | DType::F32)
-        || !(2..=3).contains(&shape.parts)
-        || b.cols != shape.parts * shape.d
-    {
-        return Err(shape_err(
-            op,
-            format!(
-                "`{}` ({}x{} {}) is not {}-part bundles of {}",
-                b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d
-            ),
-        ));
+/// A weight on the CPU backend: a host tensor used in place (borrowed from the model's map or a
+/// store buffer), remembering its encoding. INT8/INT4 FFN bundles have no storage format a
+/// matrix op could read, so only the bundle ops take them.
+#[derive(Clone, Debug)]
+pub struct CpuWeight {
+    /// The bytes as `rows × cols`; `dtype` is their format unless `coded` is set.
+    t: HostTensor,
+    /// INT8/INT4 bundles: their encoding and part count (a code's row size depends on it).
+    coded: Option<(Encoding, usize)>,
+}
+
+impl From<HostTensor> for CpuWeight {
+    fn from(t: HostTensor) -> Self {
+        CpuWeight { t, coded: None }
     }
-    Ok(())
+}
+
+impl CpuWeight {
+    /// The weight as a tensor in its storage format (`None` for INT8/INT4 bundles).
+    pub fn as_tensor(&self) -> Option<&HostTensor> {
+        self.coded.is_none().then_some(&self.t)
+    }
+
+    pub fn encoding(&self) -> Encoding {
+        self.coded
+            .map_or(Encoding::Format(self.t.dtype), |(enc, _)| enc)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.t.name
+    }
+
+    /// Rows: neurons of bundles, else the matrix's rows.
+    pub fn rows(&self) -> usize {
+        self.t.rows
+    }
+
+    /// The weight as a tensor for `op`, which reads one in its storage format.
+    fn tensor(&self, op: &'static str) -> Result<&HostTensor> {
+        match self.coded {
+            None => Ok(&self.t),
+            Some((enc, _)) => Err(shape_err(
+                op,
+                format!(
+                    "`{}` holds {} bundles: only the bundle ops take them",
+                    self.t.name,
+                    enc.name()
+                ),
+            )),
+        }
+    }
+
+    /// `f` of the weight viewed as bundles of `shape` in its encoding.
+    fn with_bundles<R>(
+        &self,
+        op: &'static str,
+        shape: BundleShape,
+        f: impl FnOnce(&sparse::Bundles) -> R,
+    ) -> Result<R> {
+        let parts_ok = self.coded.is_none_or(|(_, parts)| parts == shape.parts);
+        if !parts_ok || self.t.cols != shape.parts * shape.d {
+            return Err(shape_err(
+                op,
+                format!(
+                    "`{}` ({} rows of {} {} values) is not {}-part bundles of {}",
+                    self.t.name,
+                    self.t.rows,
+                    self.t.cols,
+                    self.encoding().name(),
+                    shape.parts,
+                    shape.d
+                ),
+            ));
+        }
+        bundles::with_view(self.t.data.as_slice(), self.encoding(), shape, f)
+    }
+}
+
+/// `bytes` zeroed bytes, word-backed (owned, so a slot can be filled in place).
+fn zeroed(bytes: usize) -> Bytes {
+    Bytes::Owned {
+        words: std::sync::Arc::new(vec![0u64; bytes.div_ceil(8)]),
+        len: bytes,
+    }
+}
+
+/// `rows` bundles of `shape` in `enc` held in `data` (sized by the caller): float bundles are a
+/// plain `rows × parts·d` tensor, as `upload` of the same bytes gives.
+fn bundle_weight(
+    name: &str,
+    enc: Encoding,
+    shape: BundleShape,
+    rows: usize,
+    data: Bytes,
+) -> CpuWeight {
+    let (dtype, coded) = match enc {
+        Encoding::Format(dtype) => (dtype, None),
+        // The dtype of coded bundles is never read (`CpuWeight::tensor` refuses them).
+        Encoding::Int8 | Encoding::Int4 => (DType::F32, Some((enc, shape.parts))),
+    };
+    CpuWeight {
+        t: HostTensor {
+            name: name.to_string(),
+            rows,
+            cols: shape.parts * shape.d,
+            dtype,
+            data,
+        },
+        coded,
+    }
 }
 
 /// Row-parallel work pays off only above this many elements.
@@ -122,7 +220,7 @@ const PAR_ELEMS: usize = 1 << 15;
 
 impl Backend for CpuBackend {
     type Tensor = CpuTensor;
-    type Weight = HostTensor;
+    type Weight = CpuWeight;
     type Event = ();
     type Kv = CpuKv;
 
@@ -137,8 +235,48 @@ impl Backend for CpuBackend {
         self.pool.install(f)
     }
 
-    fn upload(&self, w: &HostTensor) -> Result<HostTensor> {
-        Ok(w.clone())
+    fn upload(&self, w: &HostTensor) -> Result<CpuWeight> {
+        Ok(w.clone().into())
+    }
+
+    fn upload_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<CpuWeight> {
+        let row_bytes = super::bundle_bytes(name, enc, shape, 1)?;
+        if !data.len().is_multiple_of(row_bytes) {
+            return Err(shape_err(
+                "upload_bundles",
+                format!(
+                    "`{name}`: {} bytes is not whole {row_bytes}-byte {} bundles of {}×{}",
+                    data.len(),
+                    enc.name(),
+                    shape.parts,
+                    shape.d
+                ),
+            ));
+        }
+        Ok(bundle_weight(
+            name,
+            enc,
+            shape,
+            data.len() / row_bytes,
+            data.clone(),
+        ))
+    }
+
+    fn alloc_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        rows: usize,
+    ) -> Result<CpuWeight> {
+        let bytes = super::bundle_bytes(name, enc, shape, rows)?;
+        Ok(bundle_weight(name, enc, shape, rows, zeroed(bytes)))
     }
 
     fn alloc_weight(
@@ -147,7 +285,7 @@ impl Backend for CpuBackend {
         dtype: DType,
         rows: usize,
         cols: usize,
-    ) -> Result<HostTensor> {
+    ) -> Result<CpuWeight> {
         if !cols.is_multiple_of(dtype.block_len()) {
             return Err(shape_err(
                 "alloc_weight",
@@ -162,20 +300,21 @@ impl Backend for CpuBackend {
             rows,
             cols,
             dtype,
-            data: Bytes::Owned {
-                words: std::sync::Arc::new(vec![0u64; bytes.div_ceil(8)]),
-                len: bytes,
-            },
-        })
+            data: zeroed(bytes),
+        }
+        .into())
     }
 
     fn retype_weight(
         &self,
-        w: &mut HostTensor,
+        w: &mut CpuWeight,
         dtype: DType,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
+        // A slot that held coded bundles becomes a plain tensor again.
+        w.coded = None;
+        let w = &mut w.t;
         let Bytes::Owned { words, len } = &mut w.data else {
             return Err(shape_err(
                 "retype_weight",
@@ -189,8 +328,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn upload_into(&self, dst: &mut HostTensor, first_row: usize, src: &[u8]) -> Result<()> {
-        let rb = dst.row_bytes();
+    fn upload_into(&self, dst: &mut CpuWeight, first_row: usize, src: &[u8]) -> Result<()> {
+        let rb = match dst.coded {
+            Some((enc, parts)) => enc.row_bytes(dst.t.cols, parts),
+            None => dst.t.row_bytes(),
+        };
+        let dst = &mut dst.t;
         let start = first_row * rb;
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.data.len() {
             return Err(shape_err(
@@ -347,7 +490,8 @@ impl Backend for CpuBackend {
         dst.write(first, values)
     }
 
-    fn embed(&self, table: &HostTensor, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
+    fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
+        let table = table.tensor("embed")?;
         if out.rows != ids.len() || out.cols != table.cols {
             return Err(shape_err(
                 "embed",
@@ -366,12 +510,8 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_table_rows(
-        &self,
-        x: &mut CpuTensor,
-        table: &HostTensor,
-        first_row: usize,
-    ) -> Result<()> {
+    fn add_table_rows(&self, x: &mut CpuTensor, table: &CpuWeight, first_row: usize) -> Result<()> {
+        let table = table.tensor("add_table_rows")?;
         if x.cols != table.cols || first_row + x.rows > table.rows {
             return Err(shape_err(
                 "add_table_rows",
@@ -392,11 +532,12 @@ impl Backend for CpuBackend {
 
     fn matmul_into(
         &self,
-        w: &HostTensor,
+        w: &CpuWeight,
         x: &CpuTensor,
         out: &mut CpuTensor,
         col0: usize,
     ) -> Result<()> {
+        let w = w.tensor("matmul")?;
         if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
             return Err(shape_err(
                 "matmul",
@@ -423,95 +564,92 @@ impl Backend for CpuBackend {
 
     fn ffn_bundles_up(
         &self,
-        b: &HostTensor,
+        b: &CpuWeight,
         shape: BundleShape,
         x: &CpuTensor,
         act: Act,
         threshold: f32,
-        up_bias: Option<&HostTensor>,
+        up_bias: Option<&CpuWeight>,
         h: &mut CpuTensor,
         col0: usize,
     ) -> Result<()> {
-        check_bundles("ffn_bundles_up", b, shape)?;
-        if x.cols != shape.d || h.rows != x.rows || col0 + b.rows > h.cols {
+        let op = "ffn_bundles_up";
+        if x.cols != shape.d || h.rows != x.rows || col0 + b.rows() > h.cols {
             return Err(shape_err(
-                "ffn_bundles_up",
+                op,
                 format!(
                     "x {}x{}, {} neurons at {col0} into h {}x{}",
-                    x.rows, x.cols, b.rows, h.rows, h.cols
+                    x.rows,
+                    x.cols,
+                    b.rows(),
+                    h.rows,
+                    h.cols
                 ),
             ));
         }
-        let bias = up_bias
-            .map(|bb| vector("ffn_bundles_up", bb, h.cols))
-            .transpose()?;
+        let bias = up_bias.map(|bb| vector(op, bb, h.cols)).transpose()?;
         let (stride, n) = (h.cols, x.rows);
         let f = ops::activation(act);
-        self.pool.install(|| {
-            bundles::up(
-                self.kernels,
-                b,
-                shape,
-                &x.data,
-                n,
-                f,
-                threshold,
-                bias,
-                &mut h.data,
-                stride,
-                col0,
-            )
-        });
-        Ok(())
+        b.with_bundles(op, shape, |view| {
+            self.pool.install(|| {
+                bundles::up_view(
+                    self.kernels,
+                    view,
+                    &x.data,
+                    n,
+                    f,
+                    threshold,
+                    bias,
+                    &mut h.data,
+                    stride,
+                    col0,
+                )
+            })
+        })
     }
 
     fn ffn_bundles_down(
         &self,
-        b: &HostTensor,
+        b: &CpuWeight,
         shape: BundleShape,
         h: &CpuTensor,
         col0: usize,
         out: &mut CpuTensor,
     ) -> Result<()> {
-        check_bundles("ffn_bundles_down", b, shape)?;
-        if out.cols != shape.d || h.rows != out.rows || col0 + b.rows > h.cols {
+        let op = "ffn_bundles_down";
+        if out.cols != shape.d || h.rows != out.rows || col0 + b.rows() > h.cols {
             return Err(shape_err(
-                "ffn_bundles_down",
+                op,
                 format!(
                     "h {}x{}, {} neurons at {col0} into {}x{}",
-                    h.rows, h.cols, b.rows, out.rows, out.cols
+                    h.rows,
+                    h.cols,
+                    b.rows(),
+                    out.rows,
+                    out.cols
                 ),
             ));
         }
         let (stride, n) = (h.cols, h.rows);
-        self.pool.install(|| {
-            bundles::down(
-                self.kernels,
-                b,
-                shape,
-                &h.data,
-                n,
-                stride,
-                col0,
-                &mut out.data,
-            )
-        });
-        Ok(())
+        b.with_bundles(op, shape, |view| {
+            self.pool.install(|| {
+                bundles::down_view(self.kernels, view, &h.data, n, stride, col0, &mut out.data)
+            })
+        })
     }
 
     fn ffn_bundles_up_listed(
         &self,
-        b: &HostTensor,
+        b: &CpuWeight,
         shape: BundleShape,
         x: &CpuTensor,
         act: Act,
         threshold: f32,
-        up_bias: Option<&HostTensor>,
+        up_bias: Option<&CpuWeight>,
         idx: &[u32],
         h: &mut CpuTensor,
     ) -> Result<()> {
         let op = "ffn_bundles_up_listed";
-        check_bundles(op, b, shape)?;
         let (n, m) = (x.rows, idx.len());
         if x.cols != shape.d || h.rows != n || m > h.cols {
             return Err(shape_err(
@@ -522,21 +660,23 @@ impl Backend for CpuBackend {
                 ),
             ));
         }
-        let bias = up_bias.map(|bb| vector(op, bb, b.rows)).transpose()?;
-        let view = sparse::Bundles::from_host(b, shape)?;
+        let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
         let f = ops::activation(act);
         let gated = shape.parts == 3;
         // The deciding part (gate, or up without a gate) of every listed neuron, then the up
         // part for gated bundles.
         let mut v = vec![0f32; n * m];
-        self.pool.install(|| {
-            sparse::sparse_part_dots(self.kernels, &view, idx, 0, &x.data, n, &mut v)
-        })?;
-        if gated {
-            let mut u = vec![0f32; n * m];
+        let mut u = vec![0f32; if gated { n * m } else { 0 }];
+        b.with_bundles(op, shape, |view| {
             self.pool.install(|| {
-                sparse::sparse_part_dots(self.kernels, &view, idx, 1, &x.data, n, &mut u)
-            })?;
+                sparse::sparse_part_dots(self.kernels, view, idx, 0, &x.data, n, &mut v)?;
+                if gated {
+                    sparse::sparse_part_dots(self.kernels, view, idx, 1, &x.data, n, &mut u)?;
+                }
+                Ok::<_, BackendError>(())
+            })
+        })??;
+        if gated {
             v.iter_mut()
                 .zip(&u)
                 .for_each(|(g, u)| *g = sparse_act(f(*g), threshold) * u);
@@ -555,14 +695,13 @@ impl Backend for CpuBackend {
 
     fn ffn_bundles_down_listed(
         &self,
-        b: &HostTensor,
+        b: &CpuWeight,
         shape: BundleShape,
         h: &CpuTensor,
         idx: &[u32],
         out: &mut CpuTensor,
     ) -> Result<()> {
         let op = "ffn_bundles_down_listed";
-        check_bundles(op, b, shape)?;
         let (n, m) = (h.rows, idx.len());
         if out.cols != shape.d || out.rows != n || m > h.cols {
             return Err(shape_err(
@@ -573,15 +712,15 @@ impl Backend for CpuBackend {
                 ),
             ));
         }
-        let view = sparse::Bundles::from_host(b, shape)?;
         let mut compact = vec![0f32; n * m];
         for t in 0..n {
             compact[t * m..(t + 1) * m].copy_from_slice(&h.data[t * h.cols..t * h.cols + m]);
         }
-        self.pool.install(|| {
-            sparse::sparse_down(self.kernels, &view, idx, &compact, n, &mut out.data)
-        })?;
-        Ok(())
+        b.with_bundles(op, shape, |view| {
+            self.pool.install(|| {
+                sparse::sparse_down(self.kernels, view, idx, &compact, n, &mut out.data)
+            })
+        })?
     }
 
     fn zero(&self, x: &mut CpuTensor) -> Result<()> {
@@ -589,7 +728,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn add_bias(&self, x: &mut CpuTensor, bias: &HostTensor) -> Result<()> {
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuWeight) -> Result<()> {
         let b = vector("add_bias", bias, x.cols)?;
         for row in x.data.chunks_mut(x.cols) {
             row.iter_mut().zip(b).for_each(|(a, b)| *a += b);
@@ -603,7 +742,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn rms_norm(&self, x: &CpuTensor, w: &HostTensor, eps: f32, out: &mut CpuTensor) -> Result<()> {
+    fn rms_norm(&self, x: &CpuTensor, w: &CpuWeight, eps: f32, out: &mut CpuTensor) -> Result<()> {
         same_shape("rms_norm", x, out)?;
         let w = vector("rms_norm", w, x.cols)?;
         for (xr, or) in x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols)) {
@@ -615,8 +754,8 @@ impl Backend for CpuBackend {
     fn layer_norm(
         &self,
         x: &CpuTensor,
-        w: &HostTensor,
-        b: &HostTensor,
+        w: &CpuWeight,
+        b: &CpuWeight,
         eps: f32,
         out: &mut CpuTensor,
     ) -> Result<()> {
@@ -635,7 +774,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         rot_dims: usize,
         pairs: RopePairs,
-        inv_freq: &HostTensor,
+        inv_freq: &CpuWeight,
         first_pos: usize,
     ) -> Result<()> {
         if head_dim == 0

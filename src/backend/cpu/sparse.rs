@@ -43,21 +43,12 @@ impl<'a> Bundles<'a> {
     /// (f16) first, then the packed codes.
     pub fn new(bytes: &'a [u8], enc: Encoding, shape: BundleShape) -> Result<Self> {
         let op = "sparse bundles";
-        let BundleShape { parts, d } = shape;
-        if !(2..=3).contains(&parts) || d == 0 {
-            return Err(err(op, format!("{parts}-part bundles of {d}")));
-        }
+        // The shape and encoding rule every backend sizes bundles by.
+        let row_bytes = crate::backend::bundle_bytes("bundles", enc, shape, 1)?;
         let align = match enc {
             Encoding::Format(DType::F32) => 4,
-            Encoding::Format(DType::F16 | DType::BF16) => 2,
-            Encoding::Int8 => 1,
-            Encoding::Int4 if d.is_multiple_of(INT4_GROUP) => 1,
-            _ => {
-                return Err(err(
-                    op,
-                    format!("no sparse kernels for {} bundles of {d}", enc.name()),
-                ));
-            }
+            Encoding::Format(_) => 2,
+            Encoding::Int8 | Encoding::Int4 => 1,
         };
         // Float parts are read as typed slices; the store's map and our buffers are aligned.
         if !(bytes.as_ptr() as usize).is_multiple_of(align) {
@@ -66,7 +57,6 @@ impl<'a> Bundles<'a> {
                 format!("{} bundles not {align}-aligned", enc.name()),
             ));
         }
-        let row_bytes = enc.row_bytes(parts * d, parts);
         if !bytes.len().is_multiple_of(row_bytes) {
             return Err(err(
                 op,

@@ -36,7 +36,8 @@ use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, Result, RopePairs,
     WorkspaceOp,
 };
-use crate::tensor::{DType, HostTensor};
+use crate::store::Encoding;
+use crate::tensor::{Bytes, DType, HostTensor};
 use crate::tier::ledger::Ledger;
 
 /// Tokens one float-format matvec launch handles (MAX_TOKENS in kernels/common.cuh); above it,
@@ -153,6 +154,70 @@ pub struct CudaWeight {
     dtype: DType,
     rows: usize,
     cols: usize,
+    /// INT8/INT4 bundles: their encoding and part count (`dtype` is then a placeholder, and
+    /// only the bundle ops take the weight).
+    coded: Option<(Encoding, usize)>,
+}
+
+impl CudaWeight {
+    fn encoding(&self) -> Encoding {
+        self.coded
+            .map_or(Encoding::Format(self.dtype), |(enc, _)| enc)
+    }
+
+    /// Refuse coded bundles for `op`, which reads a tensor in its storage format.
+    fn plain(&self, op: &'static str) -> Result<()> {
+        match self.coded {
+            None => Ok(()),
+            Some((enc, _)) => Err(shape_err(
+                op,
+                format!(
+                    "`{}` holds {} bundles: only the bundle ops take them",
+                    self.name,
+                    enc.name()
+                ),
+            )),
+        }
+    }
+
+    /// Bytes of one bundle, once `self` is checked to hold bundles of `shape` in an encoding
+    /// with kernels, and the kernel pair for it.
+    fn bundles(
+        &self,
+        op: &'static str,
+        shape: BundleShape,
+    ) -> Result<(usize, (&'static str, &'static str))> {
+        let enc = self.encoding();
+        let parts_ok = self.coded.is_none_or(|(_, parts)| parts == shape.parts);
+        if !parts_ok || self.cols != shape.parts * shape.d {
+            return Err(shape_err(
+                op,
+                format!(
+                    "`{}` ({} rows of {} {} values) is not {}-part bundles of {}",
+                    self.name,
+                    self.rows,
+                    self.cols,
+                    enc.name(),
+                    shape.parts,
+                    shape.d
+                ),
+            ));
+        }
+        let row_bytes = super::bundle_bytes(&self.name, enc, shape, 1)?;
+        Ok((row_bytes, bundle_kernels(enc)))
+    }
+}
+
+/// The (up, down) kernels of kernels/bundles.cu for bundles in `enc` (one `bundle_bytes` admits).
+fn bundle_kernels(enc: Encoding) -> (&'static str, &'static str) {
+    match enc {
+        Encoding::Format(DType::F32) => ("ffn_bundles_up_f32", "ffn_bundles_down_f32"),
+        Encoding::Format(DType::BF16) => ("ffn_bundles_up_bf16", "ffn_bundles_down_bf16"),
+        Encoding::Int8 => ("ffn_bundles_up_int8", "ffn_bundles_down_int8"),
+        Encoding::Int4 => ("ffn_bundles_up_int4", "ffn_bundles_down_int4"),
+        // f16, and what `bundle_bytes` refuses before a kernel is picked.
+        Encoding::Format(_) => ("ffn_bundles_up_f16", "ffn_bundles_down_f16"),
+    }
 }
 
 /// A KV cache on the device.
@@ -531,20 +596,18 @@ impl CudaBackend {
         col0: usize,
         list: Option<(u64, usize)>,
     ) -> Result<()> {
-        if b.dtype != DType::F16
-            || b.cols != shape.parts * shape.d
-            || x.cols != shape.d
-            || h.rows != x.rows
-        {
+        let (row_bytes, (up, _)) = b.bundles("ffn_bundles_up", shape)?;
+        if x.cols != shape.d || h.rows != x.rows {
             return Err(shape_err(
                 "ffn_bundles_up",
                 format!(
-                    "`{}` {}x{} {} as {} parts of {}",
-                    b.name, b.rows, b.cols, b.dtype, shape.parts, shape.d
+                    "x {}x{} into h {}x{} for bundles of {}",
+                    x.rows, x.cols, h.rows, h.cols, shape.d
                 ),
             ));
         }
-        let f = self.func("bundles", "ffn_bundles_up")?;
+        let f = self.func("bundles", up)?;
+        let row_bytes = row_bytes as i64;
         let count = list.map_or(b.rows, |l| l.1);
         let idx_ptr = list.map_or(0u64, |l| l.0);
         let (neurons, parts, d, kind) = (
@@ -553,6 +616,9 @@ impl CudaBackend {
             shape.d as i32,
             act_code(act),
         );
+        if let Some(bb) = up_bias {
+            bb.plain("ffn_bundles_up")?;
+        }
         let bias = up_bias.map_or(0u64, |w| w.buf.ptr);
         let (hs, c0) = (h.cols as i32, col0 as i32);
         for t0 in (0..x.rows).step_by(MAX_TOKENS) {
@@ -564,6 +630,7 @@ impl CudaBackend {
                 f.clone(),
                 cfg(blocks(count, WARPS), WARPS * 32),
                 b.buf.ptr,
+                row_bytes,
                 neurons,
                 parts,
                 d,
@@ -591,20 +658,18 @@ impl CudaBackend {
         out: &mut CudaTensor,
         list: Option<(u64, usize)>,
     ) -> Result<()> {
-        if b.dtype != DType::F16
-            || b.cols != shape.parts * shape.d
-            || out.cols != shape.d
-            || h.rows != out.rows
-        {
+        let (row_bytes, (_, down)) = b.bundles("ffn_bundles_down", shape)?;
+        if out.cols != shape.d || h.rows != out.rows {
             return Err(shape_err(
                 "ffn_bundles_down",
                 format!(
-                    "`{}` {}x{} as {} parts of {}",
-                    b.name, b.rows, b.cols, shape.parts, shape.d
+                    "h {}x{} into {}x{} for bundles of {}",
+                    h.rows, h.cols, out.rows, out.cols, shape.d
                 ),
             ));
         }
-        let f = self.func("bundles", "ffn_bundles_down")?;
+        let f = self.func("bundles", down)?;
+        let row_bytes = row_bytes as i64;
         let count = list.map_or(b.rows, |l| l.1);
         let idx_ptr = list.map_or(0u64, |l| l.0);
         let (neurons, parts, d) = (count as i32, shape.parts as i32, shape.d as i32);
@@ -624,6 +689,7 @@ impl CudaBackend {
                 f.clone(),
                 c,
                 b.buf.ptr,
+                row_bytes,
                 neurons,
                 parts,
                 d,
@@ -980,6 +1046,60 @@ impl Backend for CudaBackend {
             dtype,
             rows,
             cols,
+            coded: None,
+        })
+    }
+
+    fn upload_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<CudaWeight> {
+        let row_bytes = super::bundle_bytes(name, enc, shape, 1)?;
+        let bytes = data.as_slice();
+        if !bytes.len().is_multiple_of(row_bytes) {
+            return Err(shape_err(
+                "upload_bundles",
+                format!(
+                    "`{name}`: {} bytes is not whole {row_bytes}-byte {} bundles of {}×{}",
+                    bytes.len(),
+                    enc.name(),
+                    shape.parts,
+                    shape.d
+                ),
+            ));
+        }
+        let mut dst = self.alloc_bundles(name, enc, shape, bytes.len() / row_bytes)?;
+        self.upload_into(&mut dst, 0, bytes)?;
+        // As `upload`: the weight is usable (and `data` free) when this returns.
+        self.copy.synchronize().map_err(dev)?;
+        Ok(dst)
+    }
+
+    fn alloc_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        rows: usize,
+    ) -> Result<CudaWeight> {
+        let bytes = super::bundle_bytes(name, enc, shape, rows)?;
+        let (dtype, coded) = match enc {
+            Encoding::Format(dtype) => (dtype, None),
+            // The dtype of coded bundles is never read (`CudaWeight::plain` refuses them).
+            Encoding::Int8 | Encoding::Int4 => (DType::F32, Some((enc, shape.parts))),
+        };
+        // Filled by upload_into before use; `take` orders the copy stream after the allocation.
+        let buf = self.take(bytes, name)?;
+        Ok(CudaWeight {
+            buf,
+            name: name.to_string(),
+            dtype,
+            rows,
+            cols: shape.parts * shape.d,
+            coded,
         })
     }
 
@@ -991,6 +1111,8 @@ impl Backend for CudaBackend {
         cols: usize,
     ) -> Result<()> {
         super::retyped_bytes(&w.name, dtype, rows, cols, w.buf.mem.bytes)?;
+        // A slot that held coded bundles becomes a plain tensor again.
+        w.coded = None;
         w.dtype = dtype;
         w.rows = rows;
         w.cols = cols;
@@ -999,7 +1121,10 @@ impl Backend for CudaBackend {
 
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
         self.bind()?;
-        let rb = dst.dtype.bytes_for(dst.cols);
+        let rb = match dst.coded {
+            Some((enc, parts)) => enc.row_bytes(dst.cols, parts),
+            None => dst.dtype.bytes_for(dst.cols),
+        };
         let start = first_row * rb;
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.rows * rb {
             return Err(shape_err(
@@ -1333,6 +1458,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
+        table.plain("embed")?;
         self.bind()?;
         if out.rows != ids.len() || out.cols != table.cols {
             return Err(shape_err(
@@ -1372,6 +1498,7 @@ impl Backend for CudaBackend {
         table: &CudaWeight,
         first_row: usize,
     ) -> Result<()> {
+        table.plain("add_table_rows")?;
         if x.cols != table.cols || first_row + x.rows > table.rows {
             return Err(shape_err(
                 "add_table_rows",
@@ -1400,6 +1527,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         col0: usize,
     ) -> Result<()> {
+        w.plain("matmul")?;
         self.bind()?;
         if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
             return Err(shape_err(
@@ -1616,6 +1744,7 @@ impl Backend for CudaBackend {
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaWeight) -> Result<()> {
+        bias.plain("add_bias")?;
         if bias.dtype != DType::F32 || bias.rows * bias.cols != x.cols {
             return Err(shape_err(
                 "add_bias",
@@ -1663,6 +1792,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        w.plain("rms_norm")?;
         if (x.rows, x.cols) != (out.rows, out.cols)
             || w.rows * w.cols != x.cols
             || w.dtype != DType::F32
@@ -1695,6 +1825,8 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
+        w.plain("layer_norm")?;
+        b.plain("layer_norm")?;
         if (x.rows, x.cols) != (out.rows, out.cols)
             || w.rows * w.cols != x.cols
             || b.rows * b.cols != x.cols
@@ -1729,6 +1861,7 @@ impl Backend for CudaBackend {
         inv_freq: &CudaWeight,
         first_pos: usize,
     ) -> Result<()> {
+        inv_freq.plain("rope")?;
         if head_dim == 0
             || !x.cols.is_multiple_of(head_dim)
             || rot_dims > head_dim
