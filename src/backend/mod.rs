@@ -311,10 +311,29 @@ pub fn bundle_bytes(name: &str, enc: Encoding, shape: BundleShape, rows: usize) 
         .ok_or_else(|| bad(format!("{rows} bundles of {parts}×{d} overflow")))
 }
 
+/// How many `shape` bundles in `enc` the `len` bytes handed to [`Backend::upload_bundles`]
+/// hold: an error naming `name` unless they are whole bundles.
+pub fn bundle_rows(name: &str, enc: Encoding, shape: BundleShape, len: usize) -> Result<usize> {
+    let row_bytes = bundle_bytes(name, enc, shape, 1)?;
+    if !len.is_multiple_of(row_bytes) {
+        return Err(BackendError::Shape {
+            op: "upload_bundles",
+            msg: format!(
+                "`{name}`: {len} bytes is not whole {row_bytes}-byte {} bundles of {}×{}",
+                enc.name(),
+                shape.parts,
+                shape.d
+            ),
+        });
+    }
+    Ok(len / row_bytes)
+}
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
-/// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to the device may run on a separate copy stream: `Event`s order them
-/// against compute (on synchronous backends they are no-ops).
+/// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to
+/// the device may run on a separate copy stream: `Event`s order them against compute (on
+/// synchronous backends they are no-ops).
 pub trait Backend: Send + Sync + 'static {
     type Tensor: Send;
     type Weight: Send + Sync;

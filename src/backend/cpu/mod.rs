@@ -246,26 +246,8 @@ impl Backend for CpuBackend {
         shape: BundleShape,
         data: &Bytes,
     ) -> Result<CpuWeight> {
-        let row_bytes = super::bundle_bytes(name, enc, shape, 1)?;
-        if !data.len().is_multiple_of(row_bytes) {
-            return Err(shape_err(
-                "upload_bundles",
-                format!(
-                    "`{name}`: {} bytes is not whole {row_bytes}-byte {} bundles of {}×{}",
-                    data.len(),
-                    enc.name(),
-                    shape.parts,
-                    shape.d
-                ),
-            ));
-        }
-        Ok(bundle_weight(
-            name,
-            enc,
-            shape,
-            data.len() / row_bytes,
-            data.clone(),
-        ))
+        let rows = super::bundle_rows(name, enc, shape, data.len())?;
+        Ok(bundle_weight(name, enc, shape, rows, data.clone()))
     }
 
     fn alloc_bundles(

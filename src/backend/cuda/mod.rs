@@ -1057,21 +1057,9 @@ impl Backend for CudaBackend {
         shape: BundleShape,
         data: &Bytes,
     ) -> Result<CudaWeight> {
-        let row_bytes = super::bundle_bytes(name, enc, shape, 1)?;
         let bytes = data.as_slice();
-        if !bytes.len().is_multiple_of(row_bytes) {
-            return Err(shape_err(
-                "upload_bundles",
-                format!(
-                    "`{name}`: {} bytes is not whole {row_bytes}-byte {} bundles of {}×{}",
-                    bytes.len(),
-                    enc.name(),
-                    shape.parts,
-                    shape.d
-                ),
-            ));
-        }
-        let mut dst = self.alloc_bundles(name, enc, shape, bytes.len() / row_bytes)?;
+        let rows = super::bundle_rows(name, enc, shape, bytes.len())?;
+        let mut dst = self.alloc_bundles(name, enc, shape, rows)?;
         self.upload_into(&mut dst, 0, bytes)?;
         // As `upload`: the weight is usable (and `data` free) when this returns.
         self.copy.synchronize().map_err(dev)?;
