@@ -240,6 +240,13 @@ fn profile_and_oracle_on_the_cli() {
         &mut run_on(&sim, &["--cold", "cpu"]),
         "run `gpu-offload profile -m",
     );
+    let units = |extra: &[&str]| {
+        let mut c = bin(&models);
+        c.args(["bench", "units", "-m", ms, "--corpus", cs, "--tokens", "48"])
+            .args(extra);
+        c
+    };
+    fails(&mut units(&[]), "run `gpu-offload profile -m");
     std::fs::write(
         &corpus,
         "Once upon a time, there was a little girl named Lily. She loved to play outside. "
@@ -256,6 +263,37 @@ fn profile_and_oracle_on_the_cli() {
     ] {
         succeeds(&mut run(&a));
     }
+    // Cache units on a decode trace (`bench units`): every token's active set counted once per
+    // policy, hits within it, reloading moves the whole set; a unit as large as the layer keeps
+    // everything after its first load, so it can only miss a neuron's first activation.
+    fails(&mut units(&["--slots", "0.5"]), "at least 1");
+    let u = succeeds(&mut units(&["--slots", "1,1000", "--json"]));
+    let sizes = u["sizes"].as_array().unwrap();
+    assert_eq!(sizes.len(), 2);
+    for s in sizes {
+        let needed = s["atu"]["needed"].as_u64().unwrap();
+        assert!(needed > 0, "{s}");
+        assert_eq!(s["lru"]["needed"].as_u64(), Some(needed));
+        assert_eq!(s["reload_loads"].as_u64(), Some(needed));
+        for p in ["atu", "lru"] {
+            assert!(s[p]["hits"].as_u64().unwrap() <= needed);
+        }
+        let layers = s["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 5);
+        let per_layer: f64 = layers
+            .iter()
+            .map(|l| l["mean_active"].as_f64().unwrap() * 48.0)
+            .sum();
+        assert!((per_layer - needed as f64).abs() < 1e-6 * needed as f64);
+    }
+    let whole = &sizes[1];
+    let distinct_bound = 5 * 172;
+    let misses = whole["atu"]["needed"].as_u64().unwrap() - whole["atu"]["hits"].as_u64().unwrap();
+    assert!(misses <= distinct_bound, "{whole}");
+    assert_eq!(
+        whole["atu"], whole["lru"],
+        "nothing is evicted from a whole-layer unit"
+    );
     // Hybrid execution (hot neurons placed from the profile, cold ones on the CPU) generates
     // what streaming does (the same neurons, summed in another order).
     let streamed = succeeds(&mut run_on(&sim, &["--cold", "stream"]));

@@ -59,6 +59,10 @@ pub enum BenchWhat {
     /// The consumer-GPU benchmark: --gpu-mem budgets × prompt lengths, bounds, predictions and
     /// peers; writes suite.json, suite.md and SVG plots.
     Suite(SuiteArgs),
+    /// HBM cache units (M2Cache): on a decode trace of held-out text, the share of each token's
+    /// active neurons already in the unit under the adjacent-token update, against an LRU of the
+    /// same size and against reloading the whole active set.
+    Units(super::units::UnitsArgs),
 }
 
 /// A storage format by name (`f16`, `q4_k`, …).
@@ -190,6 +194,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         BenchWhat::Sparse(s) => sparse(s),
         BenchWhat::Decode(d) => decode(d),
         BenchWhat::Suite(s) => suite_cmd(s),
+        BenchWhat::Units(u) => super::units::units(u),
     }
 }
 

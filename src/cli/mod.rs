@@ -13,6 +13,7 @@ mod run;
 mod serve;
 mod store;
 mod synth;
+mod units;
 
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! `gpu-offload profile`: a model's FFN activation sparsity on a calibration corpus, saved in its
 //! store (see `crate::sparsity`).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -69,7 +69,6 @@ pub struct ProfileArgs {
 }
 
 pub fn run(args: ProfileArgs) -> Result<()> {
-    let models = crate::model::models_dir();
     let model_path = args
         .model
         .clone()
@@ -85,29 +84,10 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let text = if args.random_corpus {
         None
     } else {
-        let corpus = args
-            .corpus
-            .clone()
-            .unwrap_or_else(|| models.join("moby-dick-profile.txt"));
-        if !corpus.exists() {
-            bail!(
-                "corpus {} does not exist{}",
-                corpus.display(),
-                if args.corpus.is_none() {
-                    ": run scripts/fetch-models.sh (it fetches the default corpus) or pass --corpus FILE"
-                } else {
-                    ""
-                }
-            );
-        }
-        let bytes =
-            std::fs::read(&corpus).with_context(|| format!("cannot read {}", corpus.display()))?;
-        let text = String::from_utf8(bytes)
-            .map_err(|_| anyhow::anyhow!("corpus {} is not UTF-8 text", corpus.display()))?;
-        if text.trim().is_empty() {
-            bail!("corpus {} is empty", corpus.display());
-        }
-        Some((corpus, text))
+        Some(read_corpus(
+            args.corpus.as_deref(),
+            "moby-dick-profile.txt",
+        )?)
     };
     let corpus_name = match &text {
         Some((corpus, _)) => corpus.display().to_string(),
@@ -117,17 +97,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let model = Model::load(&model_path)
         .with_context(|| format!("cannot load model {}", model_path.display()))?;
     let all = match (&text, &model.tokenizer) {
-        (Some((corpus, text)), Some(tokenizer)) => {
-            let all = tokenizer.encode(text, false, false)?;
-            if all.len() < want {
-                bail!(
-                    "corpus {} has {} tokens; profiling needs --tokens {want}: give a longer corpus or a smaller --tokens",
-                    corpus.display(),
-                    all.len()
-                );
-            }
-            all
-        }
+        (Some((corpus, text)), Some(tokenizer)) => corpus_tokens(corpus, text, tokenizer, want)?,
         (Some(_), None) => bail!(
             "{} has no tokenizer: profiling needs one to read the corpus (a synthesized model: pass --random-corpus)",
             model_path.display()
@@ -286,4 +256,50 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The text of `given`, or of `default_file` in the models directory: an error naming the fix
+/// where it is missing, unreadable, not UTF-8 or empty.
+pub(super) fn read_corpus(given: Option<&Path>, default_file: &str) -> Result<(PathBuf, String)> {
+    let corpus = given.map_or_else(
+        || crate::model::models_dir().join(default_file),
+        Path::to_path_buf,
+    );
+    if !corpus.exists() {
+        bail!(
+            "corpus {} does not exist{}",
+            corpus.display(),
+            if given.is_none() {
+                ": run scripts/fetch-models.sh (it fetches the default corpus) or pass --corpus FILE"
+            } else {
+                ""
+            }
+        );
+    }
+    let bytes =
+        std::fs::read(&corpus).with_context(|| format!("cannot read {}", corpus.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("corpus {} is not UTF-8 text", corpus.display()))?;
+    if text.trim().is_empty() {
+        bail!("corpus {} is empty", corpus.display());
+    }
+    Ok((corpus, text))
+}
+
+/// The first `want` tokens of a corpus: an error if it has fewer.
+pub(super) fn corpus_tokens(
+    corpus: &Path,
+    text: &str,
+    tokenizer: &crate::model::tokenizer::Tokenizer,
+    want: usize,
+) -> Result<Vec<u32>> {
+    let all = tokenizer.encode(text, false, false)?;
+    if all.len() < want {
+        bail!(
+            "corpus {} has {} tokens; this needs {want}: give a longer corpus or ask for fewer tokens",
+            corpus.display(),
+            all.len()
+        );
+    }
+    Ok(all)
 }

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
 use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg, staging_for};
 use crate::backend::memory::{DEVICE_ALIGN, device_bytes};
-use crate::sparsity::{GRID_TARGETS, SparsityProfile, grid_target};
+use crate::sparsity::{SparsityProfile, grid_index, grid_target};
 use crate::store::{Manifest, SegmentKind, names};
 use crate::tensor::{DType, QK};
 
@@ -623,10 +623,6 @@ struct Base {
     budget_bytes: u64,
     /// Bytes streamed per token (attention that does not fit), 0 when all of it is resident.
     streamed: u64,
-}
-
-fn grid_index(target: f64) -> usize {
-    ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1
 }
 
 /// Each layer's FFN layout and attention bytes.

@@ -12,6 +12,7 @@
 //! saved in the model's store as one checksummed file tied to the store's model identity.
 
 pub mod predictor;
+pub mod trace;
 
 use predictor::{Predictor, PredictorQuality, TrainOptions};
 use rayon::prelude::*;
@@ -46,6 +47,11 @@ pub fn fine_target(i: usize) -> f64 {
 
 pub fn grid_target(i: usize) -> f64 {
     (i + 1) as f64 * 0.05
+}
+
+/// The grid target nearest `target` (its index).
+pub fn grid_index(target: f64) -> usize {
+    ((target / 0.05).round() as usize).clamp(1, GRID_TARGETS) - 1
 }
 
 #[derive(Debug, Error)]

@@ -7,5 +7,6 @@ pub mod dram;
 pub mod hybrid;
 pub mod ledger;
 pub mod offload;
+pub mod unit;
 
 pub use ledger::{Ledger, LedgerSnapshot, Reservation, Tier};

@@ -1,0 +1,259 @@
+//! `gpu-offload bench units`: how well HBM cache units would reuse neurons between adjacent
+//! tokens (M2Cache's ATU), on a decode trace of held-out text: per layer, the share of each
+//! token's active neurons already in a unit of a given size under the ATU, under an LRU of the
+//! same size, and what reloading the whole active set every token would move instead.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::profile::{corpus_tokens, read_corpus};
+use super::store::open_store_for;
+use crate::backend::cpu::{CpuBackend, kernels};
+use crate::engine::{Engine, Logits};
+use crate::model::Model;
+use crate::sparsity::trace::ActiveSetTap;
+use crate::sparsity::{SparsityProfile, grid_index};
+use crate::tier::unit::{Eviction, Reuse, replay};
+
+#[derive(Debug, Args)]
+pub struct UnitsArgs {
+    /// GGUF file, Hugging Face directory or store, profiled (`gpu-offload profile`) [default:
+    /// the model scripts/fetch-models.sh downloads]
+    #[arg(long, short = 'm', env = "GPU_OFFLOAD_MODEL")]
+    pub model: Option<PathBuf>,
+
+    /// Held-out text decoded token by token [default: moby-dick-eval.txt, the part of the
+    /// profile's book it was not calibrated on]
+    #[arg(long, env = "GPU_OFFLOAD_CORPUS")]
+    pub corpus: Option<PathBuf>,
+
+    /// Tokens decoded, one per step.
+    #[arg(long, env = "GPU_OFFLOAD_UNIT_TOKENS", default_value_t = 256, value_parser = clap::value_parser!(u32).range(2..))]
+    pub tokens: u32,
+
+    /// FFN sparsity whose mask decides what is active (from the profile's thresholds).
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET", default_value_t = 0.5)]
+    pub sparsity_target: f64,
+
+    /// Unit sizes to try, as multiples of the layer's largest active set in the trace (a unit
+    /// must hold a token's whole set; capped at the layer's neurons).
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_UNIT_SLOTS",
+        value_delimiter = ',',
+        default_value = "1.0,1.25,1.5"
+    )]
+    pub slots: Vec<f64>,
+
+    /// Worker threads [default: one per core]
+    #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
+
+    /// Print the result as JSON.
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+/// One layer at one unit size.
+#[derive(Debug, Serialize)]
+struct LayerReuse {
+    layer: usize,
+    slots: usize,
+    /// Mean active neurons per token, and the share of them the previous token had active.
+    mean_active: f64,
+    adjacent_overlap: f64,
+    atu: Reuse,
+    lru: Reuse,
+}
+
+#[derive(Debug, Serialize)]
+struct SizeReuse {
+    /// Multiple of each layer's largest active set.
+    factor: f64,
+    layers: Vec<LayerReuse>,
+    atu: Reuse,
+    lru: Reuse,
+    /// Neurons reloading every token's whole active set moves (no reuse).
+    reload_loads: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct UnitsReport {
+    model: String,
+    corpus: String,
+    tokens: usize,
+    sparsity_target: f64,
+    d_ff: usize,
+    sizes: Vec<SizeReuse>,
+}
+
+/// The share of each token's set (after the first) its predecessor shared.
+fn adjacent_overlap(trace: &[Vec<u32>]) -> f64 {
+    let (mut shared, mut total) = (0u64, 0u64);
+    for w in trace.windows(2) {
+        let prev: std::collections::HashSet<u32> = w[0].iter().copied().collect();
+        shared += w[1].iter().filter(|n| prev.contains(n)).count() as u64;
+        total += w[1].len() as u64;
+    }
+    if total == 0 {
+        1.0
+    } else {
+        shared as f64 / total as f64
+    }
+}
+
+fn add(a: Reuse, b: Reuse) -> Reuse {
+    Reuse {
+        needed: a.needed + b.needed,
+        hits: a.hits + b.hits,
+    }
+}
+
+pub fn units(args: UnitsArgs) -> Result<()> {
+    let model_path = args
+        .model
+        .clone()
+        .unwrap_or_else(crate::model::default_model_path);
+    if !model_path.exists() {
+        bail!(
+            "{} does not exist: pass --model (or run scripts/fetch-models.sh for the default)",
+            model_path.display()
+        );
+    }
+    if !(0.01..=0.99).contains(&args.sparsity_target) {
+        bail!(
+            "--sparsity-target {} is outside 0.01..=0.99",
+            args.sparsity_target
+        );
+    }
+    if args.slots.is_empty() || args.slots.iter().any(|f| !(f.is_finite() && *f >= 1.0)) {
+        bail!(
+            "--slots takes multiples of the largest active set, each at least 1 (a unit holds a token's whole set)"
+        );
+    }
+    let (corpus, text) = read_corpus(args.corpus.as_deref(), "moby-dick-eval.txt")?;
+    let store = open_store_for(&model_path)?;
+    let name = model_path.display().to_string();
+    let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
+        .context("the units' eviction and the mask come from the sparsity profile")?;
+    let model = Model::load(&model_path)
+        .with_context(|| format!("cannot load model {}", model_path.display()))?;
+    let Some(tokenizer) = &model.tokenizer else {
+        bail!(
+            "{} has no tokenizer: the trace decodes text",
+            model_path.display()
+        );
+    };
+    let want = args.tokens as usize;
+    if want > model.spec.max_context {
+        bail!(
+            "--tokens {want} exceeds the model's context of {}",
+            model.spec.max_context
+        );
+    }
+    let tokens = corpus_tokens(&corpus, &text, tokenizer, want)?;
+    let tokens = &tokens[..want];
+    let spec = model.spec.clone();
+    let d_ff = spec.d_ff;
+    let thresholds = profile.thresholds_for(args.sparsity_target)?;
+    let k = grid_index(args.sparsity_target);
+    let tap = Arc::new(ActiveSetTap::new(thresholds, d_ff));
+    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
+    let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
+    drop(model.weights);
+    let pb = ProgressBar::new(want as u64);
+    pb.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} tokens decoded")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut session = engine.new_session(want)?;
+    for &t in tokens {
+        engine.forward(&mut session, &[t], Logits::None)?;
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let trace = tap.take();
+    let mut sizes = Vec::new();
+    for &factor in &args.slots {
+        let mut layers = Vec::new();
+        let (mut atu, mut lru, mut reload) = (Reuse::default(), Reuse::default(), 0u64);
+        for (l, sets) in trace.iter().enumerate() {
+            let largest = sets.iter().map(Vec::len).max().unwrap_or(0);
+            let slots = ((largest as f64 * factor).ceil() as usize).clamp(1, d_ff);
+            let score: Vec<f32> = profile
+                .frequencies(l, k)
+                .iter()
+                .map(|&f| f as f32)
+                .collect();
+            let a = replay(sets, d_ff, slots, Eviction::Frequency(score))?;
+            let r = replay(sets, d_ff, slots, Eviction::Recency)?;
+            atu = add(atu, a);
+            lru = add(lru, r);
+            reload += a.needed;
+            layers.push(LayerReuse {
+                layer: l,
+                slots,
+                mean_active: a.needed as f64 / sets.len().max(1) as f64,
+                adjacent_overlap: adjacent_overlap(sets),
+                atu: a,
+                lru: r,
+            });
+        }
+        sizes.push(SizeReuse {
+            factor,
+            layers,
+            atu,
+            lru,
+            reload_loads: reload,
+        });
+    }
+    let report = UnitsReport {
+        model: name,
+        corpus: corpus.display().to_string(),
+        tokens: want,
+        sparsity_target: args.sparsity_target,
+        d_ff,
+        sizes,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{}: {} tokens of {} decoded one by one, FFN mask at {:.0}% sparsity ({} neurons per layer)",
+        report.model,
+        report.tokens,
+        report.corpus,
+        100.0 * report.sparsity_target,
+        d_ff
+    );
+    for s in &report.sizes {
+        println!(
+            "\nunits of {:.2}× the layer's largest active set: ATU hit ratio {:.1}%, LRU {:.1}%; neurons loaded per token: ATU {:.0}, LRU {:.0}, reloading the active set {:.0}",
+            s.factor,
+            100.0 * s.atu.hit_ratio(),
+            100.0 * s.lru.hit_ratio(),
+            s.atu.loads() as f64 / want as f64,
+            s.lru.loads() as f64 / want as f64,
+            s.reload_loads as f64 / want as f64
+        );
+        println!("layer  slots  mean active  adjacent overlap  ATU hits  LRU hits");
+        for l in &s.layers {
+            println!(
+                "{:>5}  {:>5}  {:>11.0}  {:>15.1}%  {:>7.1}%  {:>7.1}%",
+                l.layer,
+                l.slots,
+                l.mean_active,
+                100.0 * l.adjacent_overlap,
+                100.0 * l.atu.hit_ratio(),
+                100.0 * l.lru.hit_ratio()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,327 @@
+//! HBM cache units (M2Cache §4): a layer's device region of `slots` FFN neuron slots, and which
+//! neuron each slot holds. ATU, the adjacent-token update: for each token the active set is
+//! compared with what the unit holds and only the missing neurons are loaded, into slots whose
+//! neurons the token does not need (free slots first, then the stale neurons least likely to come
+//! back). Adjacent tokens share most of their active neurons, so most of a token's set is already
+//! there.
+//!
+//! Which stale neuron gives way is the [`Eviction`] policy: the ATU keeps the stale neurons that
+//! fire most often over the profile ([`Eviction::Frequency`]); an LRU of the same size keeps the
+//! most recently active ones ([`Eviction::Recency`]), for comparison.
+
+use thiserror::Error;
+
+const EMPTY: u32 = u32::MAX;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum UnitError {
+    #[error("{active} active neurons for a unit of {slots} slots")]
+    TooMany { active: usize, slots: usize },
+    #[error("neuron {neuron} is not one of the layer's {neurons} or is listed twice")]
+    BadList { neuron: u32, neurons: usize },
+    #[error("a unit of {slots} slots for {neurons} neurons")]
+    BadSize { slots: usize, neurons: usize },
+}
+
+/// Which stale neuron a miss replaces.
+#[derive(Clone, Debug)]
+pub enum Eviction {
+    /// The one with the lowest score (e.g. its activation frequency over the profile).
+    Frequency(Vec<f32>),
+    /// The one active longest ago (an LRU cache).
+    Recency,
+}
+
+/// One neuron to copy into the unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Load {
+    pub neuron: u32,
+    pub slot: u32,
+}
+
+/// A cache unit's slot map.
+#[derive(Clone, Debug)]
+pub struct SlotMap {
+    /// Per neuron, its slot or `EMPTY`.
+    slot_of: Vec<u32>,
+    /// Per slot, its neuron or `EMPTY`.
+    neuron_in: Vec<u32>,
+    /// Per slot, the update that last needed its neuron (for [`Eviction::Recency`]).
+    last_used: Vec<u64>,
+    eviction: Eviction,
+    updates: u64,
+    /// Scratch: per neuron, the update that needs it.
+    needed_at: Vec<u64>,
+}
+
+impl SlotMap {
+    /// An empty unit of `slots` slots for a layer of `neurons` neurons.
+    pub fn new(neurons: usize, slots: usize, eviction: Eviction) -> Result<Self, UnitError> {
+        let scored = match &eviction {
+            Eviction::Frequency(s) => s.len() == neurons,
+            Eviction::Recency => true,
+        };
+        if slots == 0 || slots > neurons || neurons >= EMPTY as usize || !scored {
+            return Err(UnitError::BadSize { slots, neurons });
+        }
+        Ok(SlotMap {
+            slot_of: vec![EMPTY; neurons],
+            neuron_in: vec![EMPTY; slots],
+            last_used: vec![0; slots],
+            eviction,
+            updates: 0,
+            needed_at: vec![0; neurons],
+        })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.neuron_in.len()
+    }
+
+    /// The slot holding `neuron`, if any.
+    pub fn slot_of(&self, neuron: u32) -> Option<u32> {
+        self.slot_of
+            .get(neuron as usize)
+            .copied()
+            .filter(|&s| s != EMPTY)
+    }
+
+    /// The neuron in `slot`, if any.
+    pub fn neuron_in(&self, slot: u32) -> Option<u32> {
+        self.neuron_in
+            .get(slot as usize)
+            .copied()
+            .filter(|&n| n != EMPTY)
+    }
+
+    /// Neurons held.
+    pub fn held(&self) -> usize {
+        self.neuron_in.iter().filter(|&&n| n != EMPTY).count()
+    }
+
+    /// The ATU for one token (or step): afterwards the unit holds every neuron of `active`
+    /// (distinct ids, at most `slots` of them). Returns the neurons to load, in slot order;
+    /// nothing else moves.
+    pub fn update(&mut self, active: &[u32]) -> Result<Vec<Load>, UnitError> {
+        let neurons = self.slot_of.len();
+        if active.len() > self.slots() {
+            return Err(UnitError::TooMany {
+                active: active.len(),
+                slots: self.slots(),
+            });
+        }
+        self.updates += 1;
+        let now = self.updates;
+        let mut misses = Vec::new();
+        for &n in active {
+            let i = n as usize;
+            if i >= neurons || self.needed_at[i] == now {
+                return Err(UnitError::BadList { neuron: n, neurons });
+            }
+            self.needed_at[i] = now;
+            match self.slot_of[i] {
+                EMPTY => misses.push(n),
+                s => self.last_used[s as usize] = now,
+            }
+        }
+        if misses.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Free slots first, then the stale ones in the policy's order.
+        let mut free: Vec<u32> = Vec::new();
+        let mut stale: Vec<u32> = Vec::new();
+        for (s, &n) in self.neuron_in.iter().enumerate() {
+            if n == EMPTY {
+                free.push(s as u32);
+            } else if self.needed_at[n as usize] != now {
+                stale.push(s as u32);
+            }
+        }
+        if free.len() < misses.len() {
+            match &self.eviction {
+                Eviction::Frequency(score) => stale.sort_by(|&a, &b| {
+                    let (na, nb) = (self.neuron_in[a as usize], self.neuron_in[b as usize]);
+                    score[na as usize]
+                        .total_cmp(&score[nb as usize])
+                        .then(a.cmp(&b))
+                }),
+                Eviction::Recency => {
+                    stale.sort_by_key(|&s| (self.last_used[s as usize], s));
+                }
+            }
+            free.extend(stale);
+        }
+        let mut loads: Vec<Load> = misses
+            .into_iter()
+            .zip(free)
+            .map(|(neuron, slot)| Load { neuron, slot })
+            .collect();
+        loads.sort_by_key(|l| l.slot);
+        for l in &loads {
+            let old = self.neuron_in[l.slot as usize];
+            if old != EMPTY {
+                self.slot_of[old as usize] = EMPTY;
+            }
+            self.neuron_in[l.slot as usize] = l.neuron;
+            self.slot_of[l.neuron as usize] = l.slot;
+            self.last_used[l.slot as usize] = now;
+        }
+        Ok(loads)
+    }
+
+    /// The slot of each of `active` (all held, as after [`SlotMap::update`]).
+    pub fn slots_of(&self, active: &[u32]) -> Option<Vec<u32>> {
+        active.iter().map(|&n| self.slot_of(n)).collect()
+    }
+}
+
+/// How a unit policy did over a trace of active sets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Reuse {
+    /// Active neurons over the trace.
+    pub needed: u64,
+    /// Of them, already in the unit.
+    pub hits: u64,
+}
+
+impl Reuse {
+    pub fn loads(&self) -> u64 {
+        self.needed - self.hits
+    }
+
+    pub fn hit_ratio(&self) -> f64 {
+        if self.needed == 0 {
+            1.0
+        } else {
+            self.hits as f64 / self.needed as f64
+        }
+    }
+}
+
+/// Replay `trace` (one active set per token) through a unit of `slots` slots under `eviction`.
+/// The first token loads its whole set into the empty unit; every token counts.
+pub fn replay(
+    trace: &[Vec<u32>],
+    neurons: usize,
+    slots: usize,
+    eviction: Eviction,
+) -> Result<Reuse, UnitError> {
+    let mut unit = SlotMap::new(neurons, slots, eviction)?;
+    let mut r = Reuse::default();
+    for active in trace {
+        let loads = unit.update(active)?;
+        r.needed += active.len() as u64;
+        r.hits += (active.len() - loads.len()) as u64;
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Invariants of the slot map under random traces and both policies: a neuron is in at
+    /// most one slot and the maps agree; every active neuron is held after its update; loads
+    /// are exactly the misses, into distinct slots, and nothing needed is evicted.
+    fn check(neurons: usize, slots: usize, trace: &[Vec<u32>], eviction: Eviction) {
+        let mut u = SlotMap::new(neurons, slots, eviction).unwrap();
+        for active in trace {
+            let before: Vec<Option<u32>> = (0..neurons as u32).map(|n| u.slot_of(n)).collect();
+            let loads = u.update(active).unwrap();
+            let misses = active
+                .iter()
+                .filter(|&&n| before[n as usize].is_none())
+                .count();
+            assert_eq!(loads.len(), misses);
+            let mut seen = std::collections::HashSet::new();
+            for l in &loads {
+                assert!(seen.insert(l.slot), "slot {} loaded twice", l.slot);
+                assert!(before[l.neuron as usize].is_none());
+            }
+            for &n in active {
+                let s = u.slot_of(n).expect("held after its update");
+                if let Some(was) = before[n as usize] {
+                    assert_eq!(s, was, "a hit does not move");
+                }
+            }
+            let mut held = std::collections::HashSet::new();
+            for s in 0..slots as u32 {
+                if let Some(n) = u.neuron_in(s) {
+                    assert!(held.insert(n), "neuron {n} in two slots");
+                    assert_eq!(u.slot_of(n), Some(s));
+                }
+            }
+            assert!(u.held() <= slots);
+        }
+    }
+
+    fn trace_strategy() -> impl Strategy<Value = (usize, usize, Vec<Vec<u32>>)> {
+        (4usize..40).prop_flat_map(|neurons| {
+            (1..=neurons).prop_flat_map(move |slots| {
+                let set = proptest::collection::btree_set(0..neurons as u32, 0..=slots)
+                    .prop_map(|s| s.into_iter().collect::<Vec<u32>>());
+                (
+                    Just(neurons),
+                    Just(slots),
+                    proptest::collection::vec(set, 1..20),
+                )
+            })
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn units_hold_each_neuron_once_and_every_active_one((neurons, slots, trace) in trace_strategy()) {
+            check(neurons, slots, &trace, Eviction::Recency);
+            let score = (0..neurons).map(|i| ((i * 7) % 5) as f32).collect();
+            check(neurons, slots, &trace, Eviction::Frequency(score));
+        }
+    }
+
+    #[test]
+    fn frequency_keeps_the_likely_neurons_and_recency_the_recent_ones() {
+        // Neurons 0..4, a unit of 3. Token 1 needs {0, 1, 2}; token 2 needs {3}: one stale
+        // neuron gives way. Neuron 2 is the most frequent, 0 the least.
+        let score = vec![0.1, 0.5, 0.9, 0.3];
+        let mut atu = SlotMap::new(4, 3, Eviction::Frequency(score)).unwrap();
+        atu.update(&[0, 1, 2]).unwrap();
+        let loads = atu.update(&[3]).unwrap();
+        assert_eq!(
+            loads,
+            vec![Load { neuron: 3, slot: 0 }],
+            "neuron 0 gives way"
+        );
+        // LRU: token 1 {0, 1, 2}, token 2 {0, 1}: neuron 2 is the least recent when 3 comes.
+        let mut lru = SlotMap::new(4, 3, Eviction::Recency).unwrap();
+        lru.update(&[0, 1, 2]).unwrap();
+        lru.update(&[0, 1]).unwrap();
+        assert_eq!(lru.update(&[3]).unwrap(), vec![Load { neuron: 3, slot: 2 }]);
+        assert_eq!(lru.slot_of(2), None);
+    }
+
+    #[test]
+    fn bad_lists_and_sizes_are_refused() {
+        let mut u = SlotMap::new(8, 2, Eviction::Recency).unwrap();
+        assert_eq!(
+            u.update(&[1, 2, 3]),
+            Err(UnitError::TooMany {
+                active: 3,
+                slots: 2
+            })
+        );
+        assert!(matches!(u.update(&[1, 1]), Err(UnitError::BadList { .. })));
+        assert!(matches!(u.update(&[9]), Err(UnitError::BadList { .. })));
+        assert!(SlotMap::new(8, 9, Eviction::Recency).is_err());
+        assert!(SlotMap::new(8, 0, Eviction::Recency).is_err());
+        assert!(SlotMap::new(8, 4, Eviction::Frequency(vec![0.0; 7])).is_err());
+    }
+
+    #[test]
+    fn replay_counts_hits_across_tokens() {
+        let trace = vec![vec![0, 1, 2], vec![1, 2, 3], vec![1, 2, 3]];
+        let r = replay(&trace, 6, 4, Eviction::Recency).unwrap();
+        assert_eq!(r, Reuse { needed: 9, hits: 5 });
+        assert!((r.hit_ratio() - 5.0 / 9.0).abs() < 1e-12);
+    }
+}
