@@ -78,3 +78,19 @@ extern "C" __global__ void fill_f32(float* x, long long n, float v) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
 }
+
+// Row i of src into row rows[i] of dst (row_bytes each): a cache unit's missing neurons, brought
+// in by one copy, scattered into their slots. Grid: one block per row; words where rows are whole
+// words (allocations are aligned), else bytes.
+extern "C" __global__ void scatter_rows(const u8* src, long long row_bytes, const unsigned* rows, u8* dst) {
+    long long i = blockIdx.x;
+    const u8* s = src + i * row_bytes;
+    u8* d = dst + (long long)rows[i] * row_bytes;
+    if ((row_bytes & 3) == 0) {
+        const unsigned* sw = (const unsigned*)s;
+        unsigned* dw = (unsigned*)d;
+        for (long long w = threadIdx.x; w < row_bytes / 4; w += blockDim.x) dw[w] = sw[w];
+    } else {
+        for (long long b = threadIdx.x; b < row_bytes; b += blockDim.x) d[b] = s[b];
+    }
+}

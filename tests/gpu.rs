@@ -762,6 +762,89 @@ fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
 
 /// Each op check runs on the CUDA backend (skipped without a GPU) and on the budgeted CPU device
 /// (always: it proves the checks themselves and the sim backend's delegation).
+/// `scatter_rows` puts row i of the source at row `rows[i]` of the unit and leaves the other
+/// rows alone (the hidden activations the unit's rows give, listed, are the source's and the
+/// original's bit for bit), in whole-word and odd-sized rows; bad lists and formats are refused.
+fn scatter_rows_place_each_row_where_listed<B: Backend>(g: &B) {
+    let mut rng = StdRng::seed_from_u64(23);
+    let (n, slots, k) = (2, 40, 12);
+    g.set_workspace(g.workspace_bytes(&WorkspaceOp::Listed { neurons: slots }))
+        .unwrap();
+    // int8 rows of 3 × (4 + 66) bytes are not whole words; f16 and int4 ones are.
+    for (enc, d) in [
+        (Encoding::F16, 64),
+        (Encoding::Int8, 66),
+        (Encoding::Int4, 64),
+    ] {
+        let shape = BundleShape { parts: 3, d };
+        let fill = random_bundles(&mut rng, enc, shape, slots);
+        let misses = random_bundles(&mut rng, enc, shape, k);
+        let mut unit = g.alloc_bundles("unit", enc, shape, slots).unwrap();
+        g.upload_into(&mut unit, 0, &fill).unwrap();
+        let original = g
+            .upload_bundles("original", enc, shape, &Bytes::from_slice(&fill))
+            .unwrap();
+        let staged = g
+            .upload_bundles("staged", enc, shape, &Bytes::from_slice(&misses))
+            .unwrap();
+        let ev = g.copies_done().unwrap();
+        g.compute_waits(&ev).unwrap();
+        let mut order: Vec<u32> = (0..slots as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let rows = &order[..k];
+        g.scatter_rows(&staged, rows, &mut unit).unwrap();
+        let x = put(g, n, d, &rand_vec(&mut rng, n * d, 1.0));
+        let up = |w: &B::Weight, idx: &[u32]| {
+            let mut h = poisoned(g, n, idx.len());
+            g.ffn_bundles_up_listed(w, shape, &x, Act::Silu, 0.0, None, idx, &mut h)
+                .unwrap();
+            get(g, &h)
+        };
+        let what = enc.name();
+        let firsts: Vec<u32> = (0..k as u32).collect();
+        assert_eq!(
+            up(&unit, rows),
+            up(&staged, &firsts),
+            "{what}: scattered rows"
+        );
+        let others = &order[k..];
+        assert_eq!(
+            up(&unit, others),
+            up(&original, others),
+            "{what}: rows left alone"
+        );
+        assert!(
+            g.scatter_rows(&staged, &[1, 1], &mut unit).is_err(),
+            "{what}"
+        );
+        assert!(
+            g.scatter_rows(&staged, &[slots as u32], &mut unit).is_err(),
+            "{what}"
+        );
+        let too_many: Vec<u32> = (0..k as u32 + 1).collect();
+        assert!(
+            g.scatter_rows(&staged, &too_many, &mut unit).is_err(),
+            "{what}"
+        );
+        let other = if enc == Encoding::F16 {
+            Encoding::Int8
+        } else {
+            Encoding::F16
+        };
+        let wrong = g
+            .upload_bundles(
+                "wrong",
+                other,
+                shape,
+                &Bytes::from_slice(&random_bundles(&mut rng, other, shape, 1)),
+            )
+            .unwrap();
+        assert!(g.scatter_rows(&wrong, &[0], &mut unit).is_err(), "{what}");
+    }
+}
+
 macro_rules! on_devices {
     ($($check:ident),*) => {
         mod cuda_ops {
@@ -779,6 +862,7 @@ macro_rules! on_devices {
 }
 
 on_devices!(
+    scatter_rows_place_each_row_where_listed,
     matmul_every_format_and_batch_equals_cpu,
     norms_activations_and_elementwise_equal_cpu,
     rope_both_pairings_equal_cpu,

@@ -329,6 +329,45 @@ pub fn bundle_rows(name: &str, enc: Encoding, shape: BundleShape, len: usize) ->
     Ok(len / row_bytes)
 }
 
+/// The checks of [`Backend::scatter_rows`] for weights of `rows` × `row_bytes` each (`src`,
+/// `dst`, named): an error unless the formats match and `rows` are distinct rows of `dst`, one
+/// per row of `src` at most.
+pub fn check_scatter(
+    (src_name, src_rows, src_row_bytes, src_enc): (&str, usize, usize, Encoding),
+    (dst_name, dst_rows, dst_row_bytes, dst_enc): (&str, usize, usize, Encoding),
+    rows: &[u32],
+) -> Result<()> {
+    let bad = |msg: String| BackendError::Shape {
+        op: "scatter_rows",
+        msg,
+    };
+    if src_enc != dst_enc || src_row_bytes != dst_row_bytes || src_row_bytes == 0 {
+        return Err(bad(format!(
+            "`{src_name}` ({} rows of {src_row_bytes} bytes) into `{dst_name}` ({} rows of {dst_row_bytes} bytes)",
+            src_enc.name(),
+            dst_enc.name()
+        )));
+    }
+    if rows.len() > src_rows {
+        return Err(bad(format!(
+            "{} rows from the {src_rows} of `{src_name}`",
+            rows.len()
+        )));
+    }
+    let mut seen = vec![false; dst_rows];
+    for &r in rows {
+        match seen.get_mut(r as usize) {
+            Some(s) if !*s => *s = true,
+            _ => {
+                return Err(bad(format!(
+                    "row {r} of `{dst_name}` ({dst_rows} rows) is out of range or listed twice"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
 /// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to
@@ -545,6 +584,10 @@ pub trait Backend: Send + Sync + 'static {
         idx: &[u32],
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// Row `i` of `src` into row `rows[i]` of `dst` (the same format and columns), for every
+    /// `i < rows.len()`, in order with the compute: a cache unit's missing neurons, brought in
+    /// by one copy into `src`, scattered into their slots. Rows must be distinct and in range.
+    fn scatter_rows(&self, src: &Self::Weight, rows: &[u32], dst: &mut Self::Weight) -> Result<()>;
     /// `x = 0`.
     fn zero(&self, x: &mut Self::Tensor) -> Result<()>;
     /// `x[i] += bias` for every row.

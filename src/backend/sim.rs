@@ -420,6 +420,13 @@ impl Backend for SimBackend {
             .ffn_bundles_down_listed(&b.w, shape, &h.t, idx, &mut out.t)
     }
 
+    fn scatter_rows(&self, src: &SimWeight, rows: &[u32], dst: &mut SimWeight) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed {
+            neurons: rows.len(),
+        })?;
+        self.cpu.scatter_rows(&src.w, rows, &mut dst.w)
+    }
+
     fn zero(&self, x: &mut SimTensor) -> Result<()> {
         self.cpu.zero(&mut x.t)
     }

@@ -121,6 +121,14 @@ impl From<HostTensor> for CpuWeight {
 }
 
 impl CpuWeight {
+    /// Bytes of one row (one bundle, for bundles).
+    pub fn row_bytes(&self) -> usize {
+        match self.coded {
+            Some((enc, parts)) => enc.row_bytes(self.t.cols, parts),
+            None => self.t.row_bytes(),
+        }
+    }
+
     /// The weight as a tensor in its storage format (`None` for INT8/INT4 bundles).
     pub fn as_tensor(&self) -> Option<&HostTensor> {
         self.coded.is_none().then_some(&self.t)
@@ -311,10 +319,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_into(&self, dst: &mut CpuWeight, first_row: usize, src: &[u8]) -> Result<()> {
-        let rb = match dst.coded {
-            Some((enc, parts)) => enc.row_bytes(dst.t.cols, parts),
-            None => dst.t.row_bytes(),
-        };
+        let rb = dst.row_bytes();
         let dst = &mut dst.t;
         let start = first_row * rb;
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.data.len() {
@@ -703,6 +708,28 @@ impl Backend for CpuBackend {
                 sparse::sparse_down(self.kernels, view, idx, &compact, n, &mut out.data)
             })
         })?
+    }
+
+    fn scatter_rows(&self, src: &CpuWeight, rows: &[u32], dst: &mut CpuWeight) -> Result<()> {
+        let rb = dst.row_bytes();
+        super::check_scatter(
+            (&src.t.name, src.t.rows, src.row_bytes(), src.encoding()),
+            (&dst.t.name, dst.t.rows, rb, dst.encoding()),
+            rows,
+        )?;
+        let name = dst.t.name.clone();
+        let Bytes::Owned { words, .. } = &mut dst.t.data else {
+            return Err(shape_err("scatter_rows", format!("`{name}` is not a slot")));
+        };
+        let words = std::sync::Arc::get_mut(words)
+            .ok_or_else(|| shape_err("scatter_rows", format!("`{name}` is shared")))?;
+        let out = bytemuck::cast_slice_mut::<u64, u8>(words);
+        let from = src.t.data.as_slice();
+        for (i, &r) in rows.iter().enumerate() {
+            let r = r as usize;
+            out[r * rb..(r + 1) * rb].copy_from_slice(&from[i * rb..(i + 1) * rb]);
+        }
+        Ok(())
     }
 
     fn zero(&self, x: &mut CpuTensor) -> Result<()> {

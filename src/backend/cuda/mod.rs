@@ -160,6 +160,14 @@ pub struct CudaWeight {
 }
 
 impl CudaWeight {
+    /// Bytes of one row (one bundle, for bundles).
+    fn row_bytes(&self) -> usize {
+        match self.coded {
+            Some((enc, parts)) => enc.row_bytes(self.cols, parts),
+            None => self.dtype.bytes_for(self.cols),
+        }
+    }
+
     fn encoding(&self) -> Encoding {
         self.coded
             .map_or(Encoding::Format(self.dtype), |(enc, _)| enc)
@@ -1109,10 +1117,7 @@ impl Backend for CudaBackend {
 
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
         self.bind()?;
-        let rb = match dst.coded {
-            Some((enc, parts)) => enc.row_bytes(dst.cols, parts),
-            None => dst.dtype.bytes_for(dst.cols),
-        };
+        let rb = dst.row_bytes();
         let start = first_row * rb;
         if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.rows * rb {
             return Err(shape_err(
@@ -1715,6 +1720,31 @@ impl Backend for CudaBackend {
         }
         let (_ws, list) = self.listed(idx)?;
         self.bundles_down(b, shape, h, 0, out, Some((list, idx.len())))
+    }
+
+    fn scatter_rows(&self, src: &CudaWeight, rows: &[u32], dst: &mut CudaWeight) -> Result<()> {
+        let rb = dst.row_bytes();
+        super::check_scatter(
+            (&src.name, src.rows, src.row_bytes(), src.encoding()),
+            (&dst.name, dst.rows, rb, dst.encoding()),
+            rows,
+        )?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let (_ws, list) = self.listed(rows)?;
+        let f = self.func("elementwise", "scatter_rows")?;
+        let row_bytes = rb as i64;
+        launch!(
+            self,
+            f,
+            cfg(rows.len() as u32, 256),
+            src.buf.ptr,
+            row_bytes,
+            list,
+            dst.buf.ptr
+        );
+        Ok(())
     }
 
     fn zero(&self, x: &mut CudaTensor) -> Result<()> {
