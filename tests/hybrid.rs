@@ -14,7 +14,7 @@ use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
 use gpu_offload::plan::hot::{Cold, HotPlan, LayerRuns, plan_cold, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
 use gpu_offload::sparsity::{GRID_TARGETS, SparsityProfile};
-use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::store::Store;
 use gpu_offload::tier::Ledger;
 use gpu_offload::tier::hybrid::{ColdTraffic, HybridWeights};
 use gpu_offload::tier::offload::OffloadWeights;
@@ -22,34 +22,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use common::prefill_and_decode_logits as logits;
-
-fn store_of(model: &std::path::Path, dir: &tempfile::TempDir) -> Arc<Store> {
-    let at = dir.path().join("s");
-    convert(model, &at, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
-    Arc::new(Store::open(&at).unwrap())
-}
-
-fn plan_for(store: &Store, toks: usize) -> Plan {
-    let hw = HardwareProfile::load("cpu-sim").unwrap();
-    make_plan(
-        &store.manifest,
-        &Budget::new(u64::MAX / 4, None, 2, toks + 4, toks),
-        &hw,
-    )
-    .unwrap()
-}
-
-fn streaming(store: &Arc<Store>, plan: &Plan, thresholds: &[f32]) -> Engine<SimBackend> {
-    let ledger = Ledger::new(None, None);
-    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger).unwrap();
-    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-        .unwrap()
-        .with_kv_type(KvType::F16)
-        .unwrap()
-        .with_sparsity(thresholds.to_vec())
-        .unwrap()
-}
+use common::{close, plan_for, store_of, streaming};
 
 /// The hybrid engine, its device ledger budgeted at exactly what `hot` counts.
 fn hybrid(
@@ -102,20 +75,6 @@ fn random_placement(
                 .collect()
         })
         .collect()
-}
-
-fn close(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
-    let worst = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
-    assert!(
-        worst <= 2e-4 * scale,
-        "{what}: logits differ by {worst} (scale {scale})"
-    );
 }
 
 /// Bundled FFNs (stories260K SwiGLU, the ReGLU fixture, OPT's two-part ReLU bundles with an up

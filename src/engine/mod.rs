@@ -89,6 +89,32 @@ pub struct LayerView<'a, B: Backend> {
     pub ffn: FfnView<'a, B>,
     /// Hybrid execution: the neurons the CPU computes, and how they merge.
     pub cold: Option<ColdView<'a, B>>,
+    /// The GPU-centric sparse FFN: a cache unit the neurons each step needs are brought into
+    /// (`ffn` then gives only the down bias).
+    pub unit: Option<Box<dyn NeuronUnit<B> + 'a>>,
+}
+
+/// A layer's HBM cache unit (M2Cache): device slots for FFN neuron bundles, filled with the
+/// neurons each step needs by the adjacent-token update, computed in place by the neuron-listed
+/// kernels.
+pub trait NeuronUnit<B: Backend>: Send {
+    /// The neurons any of the `n` rows of `x` (the FFN input) activates, ascending: those the
+    /// mask (`threshold`, as [`crate::backend::sparse_act`]) leaves on, of those `keep` (`n ×
+    /// d_ff` predictor flags, if any) lists.
+    fn active(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+    ) -> Result<Vec<u32>>;
+    /// Slots in the unit.
+    fn slots(&self) -> usize;
+    /// Bring `neurons` (distinct, at most [`NeuronUnit::slots`]) into the unit, moving only
+    /// those it does not hold; their slots, in the same order.
+    fn bring(&mut self, b: &B, neurons: &[u32]) -> Result<Vec<u32>>;
+    /// The unit (one bundle per slot) and its up bias by slot, if the model has one.
+    fn unit(&self) -> (&B::Weight, Option<&B::Weight>);
 }
 
 /// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons).
@@ -983,6 +1009,66 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// The FFN of a layer with a cache unit: the input lands on the host (the one wait), the
+    /// unit decides the active neurons (or the predictor does) and brings them in, as many as
+    /// its slots hold at a time, and the listed kernels compute them from their slots.
+    fn unit_ffn(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        unit: &mut dyn NeuronUnit<B>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let FfnView::Bundles {
+            shape, down_bias, ..
+        } = f
+        else {
+            return Err(EngineError::Weights(
+                "cache units hold neuron bundles: this FFN is stored as matrices".into(),
+            ));
+        };
+        if self.tap.is_some() {
+            return Err(EngineError::Weights(
+                "activations are observed on a model loaded whole, not from cache units".into(),
+            ));
+        }
+        let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
+        let (n, d) = (sc.n, self.spec.d_model);
+        let mut stage = match sc.stage.take() {
+            Some(s) if s.len() >= n * d => s,
+            _ => HostStage::new(b, n * d)?,
+        };
+        let decided = (|| {
+            let x = Landing::start(b, &sc.h, &mut stage)?.wait()?;
+            let keep = self.predict(layer, x, n)?;
+            let active = unit.active(x, n, threshold, keep.as_deref())?;
+            Ok::<_, EngineError>((active, keep))
+        })();
+        sc.stage = Some(stage);
+        let (active, keep) = decided?;
+        b.zero(&mut sc.proj)?;
+        if let Some(bias) = down_bias {
+            b.add_bias(&mut sc.proj, bias)?;
+        }
+        let slots = unit.slots().max(1);
+        for chunk in active.chunks(slots) {
+            let at = unit.bring(b, chunk)?;
+            let (w, up_bias) = unit.unit();
+            b.ffn_bundles_up_listed(
+                w, *shape, &sc.h, self.act, threshold, up_bias, &at, &mut sc.up,
+            )?;
+            if let Some(keep) = &keep
+                && n > 1
+            {
+                // A neuron one token needs may be off for another.
+                self.mask_hidden(keep, Some(chunk), &mut sc.up)?;
+            }
+            b.ffn_bundles_down_listed(w, *shape, &sc.up, &at, &mut sc.proj)?;
+        }
+        Ok(())
+    }
+
     /// Queue the hot neurons `hot` of a hybrid layer on the device (`proj` = their FFN
     /// output; the bias where there are none).
     fn queue_hot(
@@ -1200,7 +1286,10 @@ impl<B: Backend> Engine<B> {
 
                 // Feed-forward block.
                 self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
-                self.ffn(l, &layer.ffn, layer.cold.as_mut(), &mut sc)?;
+                match layer.unit.as_deref_mut() {
+                    Some(unit) => self.unit_ffn(l, &layer.ffn, unit, &mut sc)?,
+                    None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), &mut sc)?,
+                }
                 b.add(&mut sc.x, &sc.proj)?;
             }
             source.layer_done(b, l)?;

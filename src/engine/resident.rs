@@ -132,6 +132,7 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
                 down: layer.down.view(),
             },
             cold: None,
+            unit: None,
         })
     }
 

@@ -171,6 +171,60 @@ impl ColdLayer {
             .collect()
     }
 
+    /// The neuron ids any of the `n` rows of `x` activates (as [`ColdNeurons::add_ffn`]
+    /// decides: the deciding vector read for every candidate `keep` lists, the mask applied),
+    /// ascending; bundled layers only. Counted as candidates examined, none computed.
+    pub(super) fn active_ids(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+    ) -> Result<Vec<u32>> {
+        let ColdData::Bundles { t, shape } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let b = Bundles::from_host(t, *shape)?;
+        let cand = self.candidates(n, keep);
+        let mut dec = vec![0f32; n * cand.len()];
+        sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
+        let pos = self.activate(&cand, n, shape.parts == 3, threshold, keep, &mut dec);
+        self.traffic.add(&self.cost, cand.len(), 0, 0);
+        Ok(pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect())
+    }
+
+    /// The stored bundles of neurons `ids` (held here), one after another into `out`, and
+    /// their up biases (two-part bundles with one) into `bias`.
+    pub(super) fn gather(&self, ids: &[u32], out: &mut Vec<u8>, bias: &mut Vec<f32>) -> Result<()> {
+        let ColdData::Bundles { t, .. } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let rb = t.row_bytes();
+        let data = t.data.as_slice();
+        out.clear();
+        bias.clear();
+        for &id in ids {
+            let j = self
+                .ids
+                .binary_search(&id)
+                .map_err(|_| weights_err(format!("neuron {id} is not held in DRAM")))?;
+            out.extend_from_slice(&data[j * rb..(j + 1) * rb]);
+            if let Some(b) = &self.up_bias {
+                bias.push(b[j]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether two-part bundles here carry an up bias.
+    pub(super) fn has_up_bias(&self) -> bool {
+        self.up_bias.is_some()
+    }
+
     /// `dec[t·c + j]` (the deciding dot products of the candidates) turned into the masked
     /// activations, as the dense kernels compute them; returns the positions in `cand` that
     /// are non-zero for some token.
@@ -625,15 +679,7 @@ impl<B: Backend> HybridWeights<B> {
         let mut hot_ffn = Vec::with_capacity(n_layers);
         let mut cold = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
-            let mut sm = Small::load(&mut loader, b, l)?;
-            let mut att = Vec::with_capacity(4);
-            for p in [Part::Q, Part::K, Part::V, Part::O] {
-                let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
-            }
-            let att: [B::Weight; 4] = att
-                .try_into()
-                .map_err(|_| weights_err("four attention matrices"))?;
+            let (mut sm, att) = load_attention(&mut loader, b, &store, l)?;
             attention.push(att);
 
             let (hot_part, cold_layer) = layer_ffn(
@@ -682,6 +728,38 @@ impl<B: Backend> HybridWeights<B> {
     }
 }
 
+/// Layer `l`'s norms and biases and its four attention matrices, loaded to the device whole.
+pub(super) fn load_attention<B: Backend>(
+    loader: &mut Loader,
+    b: &B,
+    store: &Store,
+    l: usize,
+) -> Result<(Small<B>, [B::Weight; 4])> {
+    let sm = Small::load(loader, b, l)?;
+    let mut att = Vec::with_capacity(4);
+    for p in [Part::Q, Part::K, Part::V, Part::O] {
+        let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+        att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
+    }
+    let att: [B::Weight; 4] = att
+        .try_into()
+        .map_err(|_| weights_err("four attention matrices"))?;
+    Ok((sm, att))
+}
+
+/// The attention views of a layer whose matrices are resident whole.
+pub(super) fn attention_views<'a, B: Backend>(
+    sm: &'a Small<B>,
+    [q, k, v, o]: &'a [B::Weight; 4],
+) -> [LinearView<'a, B>; 4] {
+    [
+        linear(Some(q), sm.attn_bias[0].as_ref()),
+        linear(Some(k), sm.attn_bias[1].as_ref()),
+        linear(Some(v), sm.attn_bias[2].as_ref()),
+        linear(Some(o), sm.attn_bias[3].as_ref()),
+    ]
+}
+
 /// Copy `bytes` into `w` from row 0, and wait for the copy (the bytes are a temporary).
 fn upload<B: Backend>(b: &B, w: &mut B::Weight, bytes: &[u8]) -> Result<()> {
     b.upload_into(w, 0, bytes)?;
@@ -722,14 +800,14 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
             ..
         } = self;
         let sm = &small[l];
-        let [q, k, v, o] = &attention[l];
+        let [wq, wk, wv, wo] = attention_views(sm, &attention[l]);
         let ffn = hot[l].view(sm, *bundle, spec.gated_ffn);
         Ok(LayerView {
             attn_norm: sm.attn_norm(),
-            wq: linear(Some(q), sm.attn_bias[0].as_ref()),
-            wk: linear(Some(k), sm.attn_bias[1].as_ref()),
-            wv: linear(Some(v), sm.attn_bias[2].as_ref()),
-            wo: linear(Some(o), sm.attn_bias[3].as_ref()),
+            wq,
+            wk,
+            wv,
+            wo,
             ffn_norm: sm.ffn_norm(),
             ffn,
             cold: Some(ColdView {
@@ -737,6 +815,7 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
                 hot: &hot_ids[l],
                 partial,
             }),
+            unit: None,
         })
     }
 

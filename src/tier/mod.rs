@@ -8,5 +8,6 @@ pub mod hybrid;
 pub mod ledger;
 pub mod offload;
 pub mod unit;
+pub mod units;
 
 pub use ledger::{Ledger, LedgerSnapshot, Reservation, Tier};

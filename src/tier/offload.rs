@@ -664,6 +664,7 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
                 hot: &c.device_ids[l],
                 partial: &mut c.partial,
             }),
+            unit: None,
         })
     }
 

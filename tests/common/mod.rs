@@ -168,3 +168,64 @@ pub fn prefill_and_decode_logits<B: gpu_offload::backend::Backend>(
     }
     out
 }
+
+/// The model converted into a store in `dir`.
+pub fn store_of(
+    model: &Path,
+    dir: &tempfile::TempDir,
+) -> std::sync::Arc<gpu_offload::store::Store> {
+    use gpu_offload::store::{ConvertOptions, Store, convert};
+    let at = dir.path().join("s");
+    convert(model, &at, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    std::sync::Arc::new(Store::open(&at).unwrap())
+}
+
+/// The offload plan of `store` with no budget to speak of: everything resident.
+pub fn plan_for(store: &gpu_offload::store::Store, toks: usize) -> gpu_offload::plan::Plan {
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    make_plan(
+        &store.manifest,
+        &Budget::new(u64::MAX / 4, None, 2, toks + 4, toks),
+        &hw,
+    )
+    .unwrap()
+}
+
+/// The offloading engine on the budgeted device for `plan`, masks at `thresholds`.
+pub fn streaming(
+    store: &std::sync::Arc<gpu_offload::store::Store>,
+    plan: &gpu_offload::plan::Plan,
+    thresholds: &[f32],
+) -> gpu_offload::engine::Engine<gpu_offload::backend::sim::SimBackend> {
+    use gpu_offload::backend::KvType;
+    use gpu_offload::backend::cpu::CpuBackend;
+    use gpu_offload::backend::sim::SimBackend;
+    use gpu_offload::engine::Engine;
+    use gpu_offload::tier::Ledger;
+    use gpu_offload::tier::offload::OffloadWeights;
+    let ledger = Ledger::new(None, None);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger).unwrap();
+    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+        .unwrap()
+        .with_kv_type(KvType::F16)
+        .unwrap()
+        .with_sparsity(thresholds.to_vec())
+        .unwrap()
+}
+
+/// Logits equal up to the order sums run in (2e-4 of the largest).
+pub fn close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 2e-4 * scale,
+        "{what}: logits differ by {worst} (scale {scale})"
+    );
+}

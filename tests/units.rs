@@ -1,0 +1,106 @@
+//! The GPU-centric sparse FFN (cache units, M2Cache): whatever the unit sizes and masks, the
+//! logits are the streaming engine's (the same neurons, summed in another order); what crosses
+//! to the device per step is exactly the neurons the units lacked, and nothing else.
+
+mod common;
+
+use gpu_offload::backend::KvType;
+use gpu_offload::backend::cpu::{CpuBackend, kernels};
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{Engine, backend_act};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::units::UnitWeights;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use common::prefill_and_decode_logits as logits;
+use common::{close, plan_for, store_of, streaming};
+
+/// Bundled FFNs (stories260K SwiGLU, the ReGLU fixture, OPT's two-part ReLU bundles with an up
+/// bias), random unit sizes (down to a few slots, so a step's active set comes in rounds) and
+/// thresholds: the streaming engine's logits; the host→device bytes of the run are exactly the
+/// units' loads (a bundle, plus its up bias where there is one, per neuron brought in); a unit
+/// as large as its layer loads each neuron at most once.
+#[test]
+fn cache_units_equal_streaming_and_move_only_their_misses() {
+    let models = [
+        common::stories260k(),
+        common::fixtures().join("hf/relu-llama"),
+        common::fixtures().join("hf/opt"),
+    ];
+    let mut rng = StdRng::seed_from_u64(29);
+    for model in models {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..10)
+            .map(|i| (i * 13 + 5) % spec.vocab_size as u32)
+            .collect();
+        let plan = plan_for(&store, toks.len());
+        let seg = store
+            .manifest
+            .segment(&gpu_offload::plan::part_segment_name(
+                0,
+                gpu_offload::plan::Part::Ffn,
+            ))
+            .unwrap();
+        let biased = store.manifest.segment("blk.0.ffn_up.bias").is_some();
+        let per_load = seg.row_bytes() as u64 + if biased { 4 } else { 0 };
+        for case in 0..4 {
+            let thresholds: Vec<f32> = if case == 0 {
+                Vec::new()
+            } else {
+                (0..spec.n_layers)
+                    .map(|_| [0.0, 0.01, 0.05][rng.random_range(0..3)])
+                    .collect()
+            };
+            let slots: Vec<usize> = (0..spec.n_layers)
+                .map(|_| match case {
+                    3 => spec.d_ff,
+                    _ => rng.random_range(1..=spec.d_ff),
+                })
+                .collect();
+            let what = format!("{} case {case}, slots {slots:?}", model.display());
+            let want = logits(&streaming(&store, &plan, &thresholds), &toks);
+            let ledger = Ledger::new(None, None);
+            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+            let src = UnitWeights::new(
+                &sim,
+                store.clone(),
+                &plan,
+                &slots,
+                None,
+                ledger.clone(),
+                kernels::best(),
+                backend_act(spec.activation),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let traffic = src.traffic();
+            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(KvType::F16)
+                .unwrap()
+                .with_sparsity(thresholds.clone())
+                .unwrap();
+            let h2d_at_load = ledger.snapshot().h2d_bytes;
+            let got = logits(&e, &toks);
+            close(&got, &want, &what);
+            let [needed, loads, bytes] = traffic.snapshot();
+            assert!(needed > 0 && loads <= needed, "{what}");
+            assert_eq!(bytes, loads * per_load, "{what}");
+            // The embedding rows of the 14 tokens (looked up in DRAM) come in beside.
+            let embeddings = 14 * spec.d_model as u64 * 4;
+            assert_eq!(
+                ledger.snapshot().h2d_bytes - h2d_at_load,
+                bytes + embeddings,
+                "{what}: the host→device bytes of the steps are the units' loads and the input rows"
+            );
+            if case == 3 {
+                assert!(
+                    loads <= (spec.n_layers * spec.d_ff) as u64,
+                    "{what}: whole-layer units load each neuron once"
+                );
+            }
+        }
+    }
+}
