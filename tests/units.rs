@@ -104,3 +104,73 @@ fn cache_units_equal_streaming_and_move_only_their_misses() {
         }
     }
 }
+
+/// Planned cache units (`plan_units`, what `--cold gpu` runs) at random budgets: the device
+/// holds exactly what the plan counts at its peak, the units never exceed their budget, and the
+/// logits stay the streaming engine's, however small the units come out.
+#[test]
+fn planned_units_fill_the_budget_exactly() {
+    use gpu_offload::plan::units::plan_units;
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let mut rng = StdRng::seed_from_u64(31);
+    for model in [common::stories260k(), common::fixtures().join("hf/opt")] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..10)
+            .map(|i| (i * 17 + 3) % spec.vocab_size as u32)
+            .collect();
+        let want = logits(
+            &streaming(&store, &plan_for(&store, toks.len()), &[]),
+            &toks,
+        );
+        let full = plan_units(&store.manifest, &plan_for(&store, toks.len()), None, 0.5).unwrap();
+        assert!(
+            full.layers.iter().all(|l| l.slots == spec.d_ff),
+            "all of every layer fits"
+        );
+        let rest = full.device.placed - full.device.units - full.device.staging;
+        let mut tried = 0;
+        for _ in 0..6 {
+            let g = rest
+                + ((full.device.units + full.device.staging) as f64 * rng.random_range(0.02..1.0))
+                    as u64;
+            let budget = Budget::new(g, None, 2, toks.len() + 4, toks.len());
+            let Ok(plan) = make_plan(&store.manifest, &budget, &hw) else {
+                continue;
+            };
+            let Ok(units) = plan_units(&store.manifest, &plan, None, 0.5) else {
+                continue;
+            };
+            tried += 1;
+            let what = format!(
+                "{} at {g} bytes, slots {:?}",
+                model.display(),
+                units.slots()
+            );
+            assert!(units.device.total <= g, "{what}");
+            let ledger = Ledger::new(Some(units.device.placed), None);
+            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+            let src = UnitWeights::new(
+                &sim,
+                store.clone(),
+                &plan,
+                &units.slots(),
+                Some(&units.scores),
+                ledger.clone(),
+                kernels::best(),
+                backend_act(spec.activation),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(KvType::F16)
+                .unwrap();
+            let got = logits(&e, &toks);
+            close(&got, &want, &what);
+            assert_eq!(ledger.snapshot().hbm_peak, units.device.placed, "{what}");
+        }
+        assert!(tried >= 2, "{}: budgets too small to test", model.display());
+    }
+}

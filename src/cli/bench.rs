@@ -684,10 +684,19 @@ fn decode(a: DecodeArgs) -> Result<()> {
         ssd_dir.as_deref(),
     )?;
     let bound = Bound::of(&traffic, &rates);
-    let predicted = match &running.hybrid {
-        Some(h) => Some(h.plan.predicted_tokens_per_s),
-        None => running.plan.as_ref().map(|p| p.prediction.tokens_per_s),
+    let predicted = match (&running.hybrid, &running.units) {
+        (Some(h), _) => Some(h.plan.predicted_tokens_per_s),
+        (_, Some(u)) => Some(u.plan.predicted_tokens_per_s),
+        _ => running.plan.as_ref().map(|p| p.prediction.tokens_per_s),
     };
+    // What the cache units moved, against what the plan expected per token.
+    let units = running.units.as_ref().map(|u| {
+        let [needed, loads, bytes] = u.traffic.snapshot();
+        json!({"needed": needed, "loads": loads, "bytes": bytes,
+               "hit_ratio": if needed == 0 { 1.0 } else { 1.0 - loads as f64 / needed as f64 },
+               "expected_pcie_bytes_per_token": u.plan.per_token.pcie_bytes,
+               "slots": u.plan.slots(), "device_bytes": u.plan.device.total})
+    });
     // What the CPU read for cold neurons, against what the plan expected per token.
     let cold = running.hybrid.as_ref().map(|h| {
         let [bytes, candidates, active, units] = h.traffic.snapshot();
@@ -704,7 +713,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "bound_limited_by": bound.limited_by, "bound_tokens_per_s": bound.tokens_per_s,
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
-        "load_s": running.load_s, "memory": memory, "hybrid": cold,
+        "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units,
     });
     if a.json {
         println!("{out}");

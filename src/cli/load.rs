@@ -93,6 +93,12 @@ pub struct Hybrid {
     pub traffic: Arc<ColdTraffic>,
 }
 
+/// A cache-unit run's plan and what its units moved.
+pub struct Units {
+    pub plan: crate::plan::units::UnitPlan,
+    pub traffic: Arc<crate::tier::units::UnitTraffic>,
+}
+
 /// An opened model, not yet placed on a device.
 pub struct LoadedModel {
     pub spec: ModelSpec,
@@ -114,6 +120,8 @@ pub struct Running {
     pub plan: Option<Plan>,
     /// For hybrid runs (`--cold cpu`): the hot-neuron plan and the CPU's cold-neuron reads.
     pub hybrid: Option<Hybrid>,
+    /// For cache-unit runs (`--cold gpu`): their plan and what they moved.
+    pub units: Option<Units>,
     /// For the dense CPU engine: what a decode step reads from DRAM.
     pub traffic: Option<DecodeTraffic>,
     /// The preset a run emulates (`--emulate`).
@@ -336,6 +344,7 @@ impl LoadedModel {
             }
             Ok(())
         };
+        let mut units = None;
         let (engine, ledger, plan, traffic, hybrid) = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => {
                 let ledger = Ledger::new(None, None);
@@ -394,9 +403,10 @@ impl LoadedModel {
                         budget.gpu_mem = u64::MAX / 4;
                     }
                     pace(&|r| cuda.pace_copies(r))?;
-                    let (plan, hot) = self.offload_plan(args, store, &budget, &hw)?;
-                    let (src, hybrid) =
-                        self.offload_source(&cuda, store, &plan, hot, &ledger, kernels)?;
+                    let (plan, hot, unit_plan) = self.offload_plan(args, store, &budget, &hw)?;
+                    let (src, hybrid, u) =
+                        self.offload_source(&cuda, store, &plan, hot, unit_plan, &ledger, kernels)?;
+                    units = u;
                     let e = Engine::with_source(cuda, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
@@ -404,7 +414,7 @@ impl LoadedModel {
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
-                    let (plan, hot) = self.offload_plan(args, store, &budget, &hw)?;
+                    let (plan, hot, unit_plan) = self.offload_plan(args, store, &budget, &hw)?;
                     let ledger =
                         Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
                     let sim = SimBackend::new(
@@ -412,8 +422,9 @@ impl LoadedModel {
                         ledger.clone(),
                     );
                     pace(&|r| sim.pace_copies(r))?;
-                    let (src, hybrid) =
-                        self.offload_source(&sim, store, &plan, hot, &ledger, kernels)?;
+                    let (src, hybrid, u) =
+                        self.offload_source(&sim, store, &plan, hot, unit_plan, &ledger, kernels)?;
+                    units = u;
                     let e = Engine::with_source(sim, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
@@ -428,6 +439,7 @@ impl LoadedModel {
             ledger,
             plan,
             hybrid,
+            units,
             traffic,
             emulated: emulate,
             process_peak: std::sync::atomic::AtomicU64::new(0),
@@ -444,18 +456,26 @@ impl LoadedModel {
         store: &Store,
         budget: &crate::plan::Budget,
         hw: &HardwareProfile,
-    ) -> Result<(Plan, Option<crate::plan::hot::HotPlan>)> {
+    ) -> Result<(
+        Plan,
+        Option<crate::plan::hot::HotPlan>,
+        Option<crate::plan::units::UnitPlan>,
+    )> {
         use crate::plan::hot::{Cold, plan_cold};
         let cold = args.budget.cold;
         let name = self.path.display().to_string();
         let load = || SparsityProfile::load(store.dir(), &store.manifest.model_id, &name);
-        let profile = match cold {
-            Cold::Cpu => {
-                Some(load().context("--cold cpu places the hot neurons by how often they fire")?)
-            }
-            Cold::Auto if SparsityProfile::path_in(store.dir()).exists() => Some(load()?),
-            _ => None,
-        };
+        let profile =
+            match cold {
+                Cold::Cpu => Some(
+                    load().context("--cold cpu places the hot neurons by how often they fire")?,
+                ),
+                Cold::Gpu => Some(load().context(
+                    "--cold gpu sizes and keeps its cache units by how often neurons fire",
+                )?),
+                Cold::Auto if SparsityProfile::path_in(store.dir()).exists() => Some(load()?),
+                _ => None,
+            };
         let target = match (
             args.sparsity,
             profile.as_ref().and_then(|p| p.predictor_target),
@@ -466,6 +486,7 @@ impl LoadedModel {
         let crate::plan::hot::ColdChoice {
             plan,
             hot,
+            units,
             candidates: seen,
         } = plan_cold(
             &store.manifest,
@@ -481,7 +502,10 @@ impl LoadedModel {
         if let Some(h) = &hot {
             tracing::info!("hybrid plan:\n{}", h.report());
         }
-        Ok((plan, hot))
+        if let Some(u) = &units {
+            tracing::info!("cache units:\n{}", u.report());
+        }
+        Ok((plan, hot, units))
     }
 
     /// The weight source of an offloaded run: streaming (the plan may split the FFN with the
@@ -492,9 +516,24 @@ impl LoadedModel {
         store: &Arc<Store>,
         plan: &Plan,
         hot: Option<crate::plan::hot::HotPlan>,
+        units: Option<crate::plan::units::UnitPlan>,
         ledger: &Arc<Ledger>,
         kernels: &'static kernels::Kernels,
-    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>)> {
+    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>, Option<Units>)> {
+        if let Some(u) = units {
+            let src = crate::tier::units::UnitWeights::new(
+                b,
+                store.clone(),
+                plan,
+                &u.slots(),
+                Some(&u.scores),
+                ledger.clone(),
+                kernels,
+                crate::engine::backend_act(self.spec.activation),
+            )?;
+            let traffic = src.traffic();
+            return Ok((Box::new(src), None, Some(Units { plan: u, traffic })));
+        }
         let Some(hot) = hot else {
             let src = OffloadWeights::with_cpu_kernels(
                 b,
@@ -504,7 +543,7 @@ impl LoadedModel {
                 kernels,
                 None,
             )?;
-            return Ok((Box::new(src), None));
+            return Ok((Box::new(src), None, None));
         };
         if hot.base_plan.is_some() {
             // Attention streamed beside the hot neurons: the streaming source runs it.
@@ -519,7 +558,7 @@ impl LoadedModel {
             let traffic = src
                 .cpu_traffic()
                 .ok_or_else(|| anyhow::anyhow!("a hybrid plan without CPU neurons"))?;
-            return Ok((Box::new(src), Some(Hybrid { plan: hot, traffic })));
+            return Ok((Box::new(src), Some(Hybrid { plan: hot, traffic }), None));
         }
         let src = HybridWeights::new(
             b,
@@ -531,7 +570,7 @@ impl LoadedModel {
             crate::engine::backend_act(self.spec.activation),
         )?;
         let traffic = src.traffic();
-        Ok((Box::new(src), Some(Hybrid { plan: hot, traffic })))
+        Ok((Box::new(src), Some(Hybrid { plan: hot, traffic }), None))
     }
 
     /// What `--sparsity` asks for: per layer, the FFN thresholds (empty when off) — zeros for a

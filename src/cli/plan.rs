@@ -25,7 +25,9 @@ pub struct BudgetArgs {
     /// them from DRAM, as many as take it as long as the copies of the rest); cpu (hybrid: the
     /// neurons the sparsity profile says fire most stay on the device, chosen by the exact ILP,
     /// the CPU computes the others; attention resident, or streamed beside the hot neurons where
-    /// it does not all fit; needs `gpu-offload profile`); auto
+    /// it does not all fit; needs `gpu-offload profile`); gpu (cache units, bundled FFNs: a unit
+    /// of neuron slots per layer on the device, only the neurons a token needs and the unit
+    /// lacks copied in, all computed on the device; needs `gpu-offload profile`); auto
     /// (the fastest of these by the plan's prediction; hybrid only where a profile exists)
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
     pub cold: crate::plan::hot::Cold,
@@ -173,6 +175,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let cold = a.budget.cold;
     let wants_profile = a.hot_neurons
         || cold == crate::plan::hot::Cold::Cpu
+        || cold == crate::plan::hot::Cold::Gpu
         || (cold == crate::plan::hot::Cold::Auto && profile_path.exists());
     if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
         anyhow::bail!(
@@ -192,6 +195,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let crate::plan::hot::ColdChoice {
         plan,
         hot: chosen_hot,
+        units,
         candidates,
     } = crate::plan::hot::plan_cold(
         &store.manifest,
@@ -203,6 +207,8 @@ pub fn run(a: PlanArgs) -> Result<()> {
     // What runs the neurons that do not fit.
     let chosen = if chosen_hot.is_some() {
         "cpu"
+    } else if units.is_some() {
+        "gpu"
     } else if plan.residency.cpu_rows > 0 {
         "split"
     } else {
@@ -223,6 +229,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
         if let Some(h) = &hot {
             v["hot_neurons"] = serde_json::to_value(h)?;
         }
+        if let Some(u) = &units {
+            v["cache_units"] = serde_json::to_value(u)?;
+        }
         v["cold_candidates"] = serde_json::to_value(&candidates)?;
         v["cold"] = chosen.into();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -230,6 +239,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
         print!("{}", plan.report());
         if let Some(h) = &hot {
             print!("{}", h.report());
+        }
+        if let Some(u) = &units {
+            print!("{}", u.report());
         }
         if candidates.len() > 1 {
             let list: Vec<String> = candidates

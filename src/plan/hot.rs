@@ -140,7 +140,7 @@ pub struct HotPlan {
 }
 
 /// A layer's FFN as stored, for placement.
-struct FfnLayout {
+pub(super) struct FfnLayout {
     /// Bytes of one unit of neurons on the device.
     unit_bytes: u64,
     cost: ColdCost,
@@ -265,7 +265,11 @@ pub enum Cold {
     Split,
     /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others.
     Cpu,
-    /// The fastest of the above by the plan's prediction (hybrid only where a profile exists).
+    /// Cache units (bundled FFNs): the device computes every active neuron from a unit per
+    /// layer that only the neurons it lacks are copied into (by the sparsity profile).
+    Gpu,
+    /// The fastest of the above by the plan's prediction (hybrid and cache units only where a
+    /// profile exists).
     Auto,
 }
 
@@ -275,6 +279,8 @@ pub struct ColdChoice {
     pub plan: Plan,
     /// Hybrid execution's hot-neuron plan, where chosen.
     pub hot: Option<HotPlan>,
+    /// The cache units, where chosen.
+    pub units: Option<super::units::UnitPlan>,
     /// The predicted tokens/s of every candidate considered.
     pub candidates: Vec<(Cold, f64)>,
 }
@@ -333,18 +339,32 @@ pub fn plan_cold(
             r => r,
         }
     };
-    let (plan, hot, candidates) = match mode {
+    let units = |plan: &Plan| -> Result<super::units::UnitPlan, PlanError> {
+        let Some((p, target)) = profile else {
+            return Err(PlanError::Store(
+                "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
+            ));
+        };
+        super::units::plan_units(m, plan, Some(p), target)
+    };
+    let (plan, hot, units, candidates) = match mode {
         Cold::Stream | Cold::Split => {
             let plan = plan_with(mode == Cold::Split)?;
             let t = plan.prediction.tokens_per_s;
-            (plan, None, vec![(mode, t)])
+            (plan, None, None, vec![(mode, t)])
         }
         Cold::Cpu => {
             let plan = plan_with(false)?;
             let hot = hybrid(&plan)?;
             let t = hot.predicted_tokens_per_s;
             let plan = hot.base_plan.as_deref().cloned().unwrap_or(plan);
-            (plan, Some(hot), vec![(Cold::Cpu, t)])
+            (plan, Some(hot), None, vec![(Cold::Cpu, t)])
+        }
+        Cold::Gpu => {
+            let plan = plan_with(false)?;
+            let u = units(&plan)?;
+            let t = u.predicted_tokens_per_s;
+            (plan, None, Some(u), vec![(Cold::Gpu, t)])
         }
         Cold::Auto => {
             let stream = plan_with(false)?;
@@ -361,24 +381,33 @@ pub fn plan_cold(
             if let Some(h) = &hot {
                 seen.push((Cold::Cpu, h.predicted_tokens_per_s));
             }
+            let unit_plan = match profile {
+                Some(_) if stream.streams() => units(&stream).ok(),
+                _ => None,
+            };
+            if let Some(u) = &unit_plan {
+                seen.push((Cold::Gpu, u.predicted_tokens_per_s));
+            }
             let best = seen
                 .iter()
                 .copied()
                 .fold((Cold::Stream, 0.0), |b, c| if c.1 > b.1 { c } else { b })
                 .0;
             match best {
-                Cold::Split => (split, None, seen),
+                Cold::Split => (split, None, None, seen),
                 Cold::Cpu => {
                     let base = hot.as_ref().and_then(|h| h.base_plan.as_deref().cloned());
-                    (base.unwrap_or(stream), hot, seen)
+                    (base.unwrap_or(stream), hot, None, seen)
                 }
-                _ => (stream, None, seen),
+                Cold::Gpu => (stream, None, unit_plan, seen),
+                _ => (stream, None, None, seen),
             }
         }
     };
     Ok(ColdChoice {
         plan,
         hot,
+        units,
         candidates,
     })
 }
@@ -612,17 +641,17 @@ struct Solved {
 }
 
 /// Everything hybrid execution holds besides the hot neurons.
-struct Base {
-    attention: u64,
+pub(super) struct Base {
+    pub(super) attention: u64,
     /// Per layer, the attention matrices' bytes (what the device reads of them per token).
-    attention_layers: Vec<u64>,
-    staging: u64,
-    merge: u64,
-    everything_else: u64,
+    pub(super) attention_layers: Vec<u64>,
+    pub(super) staging: u64,
+    pub(super) merge: u64,
+    pub(super) everything_else: u64,
     /// What the ILP may place (raw bytes), with room for each hot tensor's rounding.
-    budget_bytes: u64,
+    pub(super) budget_bytes: u64,
     /// Bytes streamed per token (attention that does not fit), 0 when all of it is resident.
-    streamed: u64,
+    pub(super) streamed: u64,
 }
 
 /// Each layer's FFN layout and attention bytes.
@@ -648,7 +677,7 @@ fn hot_rounding(layouts: &[FfnLayout]) -> u64 {
 }
 
 /// The hybrid device bytes besides the hot neurons, and each layer's FFN layout.
-fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanError> {
+pub(super) fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
     let (layouts, attention_layers) = layers_of(m, n_layers)?;

@@ -23,6 +23,7 @@ pub mod hot;
 pub mod placement;
 pub mod preserve;
 mod report;
+pub mod units;
 
 use serde::Serialize;
 use thiserror::Error;

@@ -1,0 +1,293 @@
+//! The plan of cache units (`--cold gpu`, M2Cache): everything but the FFN resident as in hybrid
+//! execution, and in what is left one unit of neuron slots per layer, sized in proportion to the
+//! layer's mean active count (from the profile at the target sparsity), as large as the budget
+//! holds; a staging buffer the size of the largest unit carries the misses in. Its device bytes
+//! are counted the way [`crate::tier::units::UnitWeights`] allocates them.
+//!
+//! The expected loads per token take each neuron as active independently with its profile
+//! frequency `f`, reused from the previous token: `Σ f·(1 − f)` for a unit that holds a token's
+//! set, the whole set where it does not (`bench units` measures the real reuse, which spare
+//! slots raise).
+
+use serde::Serialize;
+
+use super::hot::base_of;
+use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
+use crate::backend::memory::device_bytes;
+use crate::sparsity::{SparsityProfile, grid_index};
+use crate::store::{Encoding, Manifest, names};
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct UnitLayer {
+    pub slots: usize,
+    /// Mean neurons active per token.
+    pub mean_active: f64,
+    /// Expected neurons brought in per token.
+    pub expected_loads: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct UnitDevice {
+    /// Every layer's attention matrices, whole.
+    pub attention: u64,
+    /// The units and their slot-ordered up biases.
+    pub units: u64,
+    /// The staging buffers misses come in by.
+    pub staging: u64,
+    /// Everything the byte ledger holds at the peak.
+    pub placed: u64,
+    /// `fixed + placed`.
+    pub total: u64,
+}
+
+/// Bytes per decoded token by resource, expected.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct UnitPerToken {
+    /// Attention, the active neurons in their units, head, half the KV cache.
+    pub hbm_bytes: u64,
+    /// The deciding vector of every neuron (the gate, or the up row), read from DRAM.
+    pub cpu_bytes: u64,
+    /// Loads in, the FFN input of every layer out, logits out.
+    pub pcie_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct UnitPlan {
+    pub target: f64,
+    /// Unit sizes as a multiple of each layer's mean active count.
+    pub scale: f64,
+    pub layers: Vec<UnitLayer>,
+    /// Bytes of one neuron (its f16 bundle, and its up bias where there is one).
+    pub neuron_bytes: u64,
+    pub device: UnitDevice,
+    /// DRAM the neurons take (every layer's bundles).
+    pub dram_neurons: u64,
+    pub per_token: UnitPerToken,
+    pub predicted_tokens_per_s: f64,
+    /// Per layer, what a stale neuron's stay is worth (its frequency; what the ATU evicts by).
+    #[serde(skip)]
+    pub scores: Vec<Vec<f32>>,
+}
+
+impl UnitPlan {
+    /// Slots of each layer's unit.
+    pub fn slots(&self) -> Vec<usize> {
+        self.layers.iter().map(|l| l.slots).collect()
+    }
+
+    pub fn report(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let h = human_bytes;
+        let _ = writeln!(
+            s,
+            "cache units (--cold gpu) at {:.0}% sparsity: units of {:.2}× each layer's mean active neurons, {} per neuron",
+            self.target * 100.0,
+            self.scale,
+            h(self.neuron_bytes)
+        );
+        let _ = writeln!(s, "layer  slots  mean active  expected loads/token");
+        for (l, x) in self.layers.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "{l:>5}  {:>5}  {:>11.1}  {:>19.1}",
+                x.slots, x.mean_active, x.expected_loads
+            );
+        }
+        let d = &self.device;
+        let _ = writeln!(
+            s,
+            "device {} (attention {}, units {}, staging {}), neurons in DRAM {}",
+            h(d.total),
+            h(d.attention),
+            h(d.units),
+            h(d.staging),
+            h(self.dram_neurons)
+        );
+        let p = &self.per_token;
+        let _ = writeln!(
+            s,
+            "per token: device reads {}, CPU reads {} from DRAM (deciding vectors), PCIe {}; predicted {:.1} tok/s",
+            h(p.hbm_bytes),
+            h(p.cpu_bytes),
+            h(p.pcie_bytes),
+            self.predicted_tokens_per_s
+        );
+        s
+    }
+}
+
+/// Device bytes of units of `slots` (and the staging buffers) for neurons of `row` bytes,
+/// with a slot-ordered up bias where `biased`: as the source allocates them.
+fn unit_device_bytes(slots: &[usize], row: u64, biased: bool) -> (u64, u64) {
+    let one = |k: usize| {
+        device_bytes(k as u64 * row)
+            + if biased {
+                device_bytes(k as u64 * 4)
+            } else {
+                0
+            }
+    };
+    let units = slots.iter().map(|&k| one(k)).sum();
+    let widest = slots.iter().copied().max().unwrap_or(1);
+    (units, one(widest))
+}
+
+/// Cache units for `plan`'s budget (everything but the FFN resident; its KV and step memory):
+/// their sizes from `profile`'s frequencies at `target` (or `target` alone), and what they
+/// hold and move.
+pub fn plan_units(
+    m: &Manifest,
+    plan: &Plan,
+    profile: Option<&SparsityProfile>,
+    target: f64,
+) -> Result<UnitPlan, PlanError> {
+    let spec = &plan.spec;
+    let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
+    if m.bundle_encodings.is_empty() {
+        return Err(PlanError::Budget(
+            "cache units hold neuron bundles: this model's FFN is stored as matrices (--cold cpu runs it sparse)".into(),
+        ));
+    }
+    if let Some(p) = profile
+        && (p.d_ff != d_ff || p.n_layers != n_layers)
+    {
+        return Err(PlanError::Store(
+            "the sparsity profile's shape is not this model's".into(),
+        ));
+    }
+    let parts = if spec.gated_ffn { 3 } else { 2 };
+    let row = Encoding::F16.row_bytes(parts * d, parts) as u64;
+    let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
+    let neuron_bytes = row + if biased { 4 } else { 0 };
+    let (base, _) = base_of(m, plan)?;
+    // The units' source keeps no merge buffer.
+    let everything_else = base.everything_else - base.merge;
+    let g = &plan.gpu;
+    let room = plan
+        .budget
+        .gpu_mem
+        .saturating_sub(g.fixed)
+        .saturating_sub(everything_else);
+    let k = grid_index(target);
+    let freqs: Vec<Vec<f64>> = (0..n_layers)
+        .map(|l| match profile {
+            Some(p) => p.frequencies(l, k),
+            None => vec![1.0 - target; d_ff],
+        })
+        .collect();
+    let means: Vec<f64> = freqs.iter().map(|f| f.iter().sum::<f64>()).collect();
+    let slots_at = |scale: f64| -> Vec<usize> {
+        means
+            .iter()
+            .map(|&mu| ((scale * mu).ceil() as usize).clamp(1, d_ff))
+            .collect()
+    };
+    let fits = |slots: &[usize]| {
+        let (u, st) = unit_device_bytes(slots, row, biased);
+        u + st <= room
+    };
+    if !fits(&vec![1; n_layers]) {
+        let (u, st) = unit_device_bytes(&vec![1; n_layers], row, biased);
+        return Err(PlanError::GpuTooSmall {
+            budget: plan.budget.gpu_mem,
+            minimum: g.fixed + everything_else + u + st,
+            breakdown: format!(
+                "cache units keep every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
+                human_bytes(base.attention),
+                human_bytes(g.small),
+                human_bytes(g.head),
+                human_bytes(g.kv),
+                human_bytes(g.scratch),
+                human_bytes(g.workspace)
+            ),
+        });
+    }
+    // The largest scale that fits (all neurons at most).
+    let smallest_mean = means
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-9);
+    let (mut lo, mut hi) = (0.0, d_ff as f64 / smallest_mean + 1.0);
+    if fits(&slots_at(hi)) {
+        lo = hi;
+    } else {
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if fits(&slots_at(mid)) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    let slots = slots_at(lo);
+    let (units, staging) = unit_device_bytes(&slots, row, biased);
+
+    let hw = &plan.hardware;
+    let decide = row / parts as u64;
+    let sync = hw.op_overhead_s + (d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
+    let mut layers = Vec::with_capacity(n_layers);
+    let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + base.attention, 0u64, 0u64);
+    let mut seconds = 0.0;
+    for (l, (f, &mu)) in freqs.iter().zip(&means).enumerate() {
+        let k = slots[l];
+        let loads = if k as f64 >= mu {
+            f.iter().map(|p| p * (1.0 - p)).sum::<f64>()
+        } else {
+            mu
+        };
+        let active = (mu * row as f64) as u64;
+        let moved = (loads * neuron_bytes as f64) as u64;
+        let decided = d_ff as u64 * decide;
+        hbm += active;
+        cpu += decided;
+        pcie += moved + (d * 4) as u64;
+        seconds += (base.attention_layers[l] + active) as f64 / hw.hbm_bytes_per_s
+            + decided as f64 / hw.dram_read_bytes_per_s
+            + moved as f64 / hw.h2d_pinned_bytes_per_s
+            + 2.0 * sync;
+        layers.push(UnitLayer {
+            slots: k,
+            mean_active: mu,
+            expected_loads: loads,
+        });
+    }
+    let per_session = g.kv / plan.budget.sessions.max(1) as u64;
+    hbm += per_session / 2;
+    seconds += (g.head + per_session / 2) as f64 / hw.hbm_bytes_per_s;
+    // About 16 ops a layer (norms, projections, rope, attention, the listed FFN, scatter).
+    seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
+    pcie += (spec.d_model + spec.vocab_size) as u64 * 4;
+    let mut dram_neurons = 0;
+    for l in 0..n_layers {
+        let s = seg(m, &part_segment_name(l, Part::Ffn))?;
+        dram_neurons += s.read_extent(0..s.rows).1;
+    }
+    let placed = everything_else + units + staging;
+    Ok(UnitPlan {
+        target,
+        scale: lo,
+        layers,
+        neuron_bytes,
+        device: UnitDevice {
+            attention: base.attention,
+            units,
+            staging,
+            placed,
+            total: g.fixed + placed,
+        },
+        dram_neurons,
+        per_token: UnitPerToken {
+            hbm_bytes: hbm,
+            cpu_bytes: cpu,
+            pcie_bytes: pcie,
+        },
+        predicted_tokens_per_s: 1.0 / seconds,
+        scores: freqs
+            .iter()
+            .map(|f| f.iter().map(|&p| p as f32).collect())
+            .collect(),
+    })
+}
