@@ -93,6 +93,20 @@ pub struct Hybrid {
     pub traffic: Arc<ColdTraffic>,
 }
 
+/// What an offloaded run's plan puts beside streaming, if anything.
+enum NeuronPlan {
+    Stream,
+    Hybrid(crate::plan::hot::HotPlan),
+    Units(crate::plan::units::UnitPlan),
+}
+
+/// An offloaded run's weight source, and what its sparse execution reports.
+struct OffloadSource<B: Backend> {
+    src: Box<dyn WeightSource<B>>,
+    hybrid: Option<Hybrid>,
+    units: Option<Units>,
+}
+
 /// A cache-unit run's plan and what its units moved.
 pub struct Units {
     pub plan: crate::plan::units::UnitPlan,
@@ -403,9 +417,12 @@ impl LoadedModel {
                         budget.gpu_mem = u64::MAX / 4;
                     }
                     pace(&|r| cuda.pace_copies(r))?;
-                    let (plan, hot, unit_plan) = self.offload_plan(args, store, &budget, &hw)?;
-                    let (src, hybrid, u) =
-                        self.offload_source(&cuda, store, &plan, hot, unit_plan, &ledger, kernels)?;
+                    let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
+                    let OffloadSource {
+                        src,
+                        hybrid,
+                        units: u,
+                    } = self.offload_source(&cuda, store, &plan, neurons, &ledger, kernels)?;
                     units = u;
                     let e = Engine::with_source(cuda, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
@@ -414,7 +431,7 @@ impl LoadedModel {
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
-                    let (plan, hot, unit_plan) = self.offload_plan(args, store, &budget, &hw)?;
+                    let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
                     let ledger =
                         Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
                     let sim = SimBackend::new(
@@ -422,8 +439,11 @@ impl LoadedModel {
                         ledger.clone(),
                     );
                     pace(&|r| sim.pace_copies(r))?;
-                    let (src, hybrid, u) =
-                        self.offload_source(&sim, store, &plan, hot, unit_plan, &ledger, kernels)?;
+                    let OffloadSource {
+                        src,
+                        hybrid,
+                        units: u,
+                    } = self.offload_source(&sim, store, &plan, neurons, &ledger, kernels)?;
                     units = u;
                     let e = Engine::with_source(sim, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
@@ -456,11 +476,7 @@ impl LoadedModel {
         store: &Store,
         budget: &crate::plan::Budget,
         hw: &HardwareProfile,
-    ) -> Result<(
-        Plan,
-        Option<crate::plan::hot::HotPlan>,
-        Option<crate::plan::units::UnitPlan>,
-    )> {
+    ) -> Result<(Plan, NeuronPlan)> {
         use crate::plan::hot::{Cold, plan_cold};
         let cold = args.budget.cold;
         let name = self.path.display().to_string();
@@ -505,47 +521,64 @@ impl LoadedModel {
         if let Some(u) = &units {
             tracing::info!("cache units:\n{}", u.report());
         }
-        Ok((plan, hot, units))
+        let neurons = match (hot, units) {
+            (Some(h), _) => NeuronPlan::Hybrid(h),
+            (_, Some(u)) => NeuronPlan::Units(u),
+            _ => NeuronPlan::Stream,
+        };
+        Ok((plan, neurons))
     }
 
     /// The weight source of an offloaded run: streaming (the plan may split the FFN with the
-    /// CPU), or hybrid (a hot-neuron plan: hot neurons on the device, cold ones on the CPU).
+    /// CPU), hybrid (a hot-neuron plan: hot neurons on the device, cold ones on the CPU) or
+    /// cache units (every active neuron on the device, copied in as the units lack them).
     fn offload_source<B: Backend>(
         &self,
         b: &B,
         store: &Arc<Store>,
         plan: &Plan,
-        hot: Option<crate::plan::hot::HotPlan>,
-        units: Option<crate::plan::units::UnitPlan>,
+        neurons: NeuronPlan,
         ledger: &Arc<Ledger>,
         kernels: &'static kernels::Kernels,
-    ) -> Result<(Box<dyn WeightSource<B>>, Option<Hybrid>, Option<Units>)> {
-        if let Some(u) = units {
-            let src = crate::tier::units::UnitWeights::new(
-                b,
-                store.clone(),
-                plan,
-                &u.slots(),
-                Some(&u.scores),
-                ledger.clone(),
-                kernels,
-                crate::engine::backend_act(self.spec.activation),
-            )?;
-            let traffic = src.traffic();
-            return Ok((Box::new(src), None, Some(Units { plan: u, traffic })));
-        }
-        let Some(hot) = hot else {
-            let src = OffloadWeights::with_cpu_kernels(
-                b,
-                store.clone(),
-                plan,
-                ledger.clone(),
-                kernels,
-                None,
-            )?;
-            return Ok((Box::new(src), None, None));
+    ) -> Result<OffloadSource<B>> {
+        let act = crate::engine::backend_act(self.spec.activation);
+        let hot = match neurons {
+            NeuronPlan::Stream => {
+                let src = OffloadWeights::with_cpu_kernels(
+                    b,
+                    store.clone(),
+                    plan,
+                    ledger.clone(),
+                    kernels,
+                    None,
+                )?;
+                return Ok(OffloadSource {
+                    src: Box::new(src),
+                    hybrid: None,
+                    units: None,
+                });
+            }
+            NeuronPlan::Units(u) => {
+                let src = crate::tier::units::UnitWeights::new(
+                    b,
+                    store.clone(),
+                    plan,
+                    &u.slots(),
+                    Some(&u.scores),
+                    ledger.clone(),
+                    kernels,
+                    act,
+                )?;
+                let traffic = src.traffic();
+                return Ok(OffloadSource {
+                    src: Box::new(src),
+                    hybrid: None,
+                    units: Some(Units { plan: u, traffic }),
+                });
+            }
+            NeuronPlan::Hybrid(h) => h,
         };
-        if hot.base_plan.is_some() {
+        let (src, traffic): (Box<dyn WeightSource<B>>, _) = if hot.base_plan.is_some() {
             // Attention streamed beside the hot neurons: the streaming source runs it.
             let src = OffloadWeights::with_cpu_kernels(
                 b,
@@ -558,19 +591,18 @@ impl LoadedModel {
             let traffic = src
                 .cpu_traffic()
                 .ok_or_else(|| anyhow::anyhow!("a hybrid plan without CPU neurons"))?;
-            return Ok((Box::new(src), Some(Hybrid { plan: hot, traffic }), None));
-        }
-        let src = HybridWeights::new(
-            b,
-            store.clone(),
-            plan,
-            &hot,
-            ledger.clone(),
-            kernels,
-            crate::engine::backend_act(self.spec.activation),
-        )?;
-        let traffic = src.traffic();
-        Ok((Box::new(src), Some(Hybrid { plan: hot, traffic }), None))
+            (Box::new(src), traffic)
+        } else {
+            let src =
+                HybridWeights::new(b, store.clone(), plan, &hot, ledger.clone(), kernels, act)?;
+            let traffic = src.traffic();
+            (Box::new(src), traffic)
+        };
+        Ok(OffloadSource {
+            src,
+            hybrid: Some(Hybrid { plan: hot, traffic }),
+            units: None,
+        })
     }
 
     /// What `--sparsity` asks for: per layer, the FFN thresholds (empty when off) — zeros for a
