@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|all]
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -311,6 +311,40 @@ PY
     fi
 }
 
+units() {
+    # Cache units (--cold gpu) on the 7B ReLU shape with power-law 0.8 hot neurons at 4G, beside
+    # dense offload and the hybrid path; the synthesized SwiGLU shape too (its masks at 50%).
+    local m="$WORK/m7b-relu" s="$WORK/m7b-swiglu"
+    if [[ ! -f "$m/config.json" ]]; then
+        "$B" synth --preset 7b --activation relu --power-law 0.8 -o "$m" --force 2>&1 | tee -a "$LOG"
+    fi
+    if [[ ! -f "$s/config.json" ]]; then
+        "$B" synth --preset 7b --power-law 0.8 -o "$s" --force 2>&1 | tee -a "$LOG"
+    fi
+    local path tag cold target
+    for model in "$m:relu:0.15" "$s:swiglu:0.5"; do
+        IFS=: read -r path tag target <<< "$model"
+        record "profile_7b_${tag}_units" "$("$B" profile -m "$path" --random-corpus --tokens 256 --window 128 --no-predictors --json 2>>"$LOG")"
+        say "cache units plan, 7B $tag at 4G"
+        "$B" plan -m "$path" --gpu-mem 4G --ctx-size 1024 --cold auto --sparsity-target "$target" 2>&1 | tail -12 | tee -a "$LOG"
+        for cold in stream gpu cpu; do
+            say "7B $tag at --gpu-mem 4G, --cold $cold, oracle masks at $target"
+            record "decode_7b_${tag}_4g_$cold" "$("$B" bench decode --device cuda -m "$path" --gpu-mem 4G \
+                --cold "$cold" --sparsity oracle --sparsity-target "$target" --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+        done
+    done
+    say "parity: cache units (ReLU 7B at 4G) vs the whole GPU, oracle masks"
+    "$B" logits --device cuda -m "$m" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
+    "$B" logits --device cuda -m "$m" --gpu-mem 4G --cold gpu --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/units.json" 2>>"$LOG"
+    record parity_7b_relu_units "$($PY - "$WORK/whole.json" "$WORK/units.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["logits"][-1] for p in sys.argv[1:3])
+d = max(abs(x - y) for x, y in zip(a, b))
+print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
+PY
+)"
+}
+
 case "$MODE" in
     tests) tests ;;
     bench) bench ;;
@@ -321,6 +355,7 @@ case "$MODE" in
     peers) peers ;;
     quant) quant ;;
     hybrid) hybrid ;;
+    units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
     *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|all]"; exit 2 ;;
 esac

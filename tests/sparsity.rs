@@ -240,6 +240,10 @@ fn profile_and_oracle_on_the_cli() {
         &mut run_on(&sim, &["--cold", "cpu"]),
         "run `gpu-offload profile -m",
     );
+    fails(
+        &mut run_on(&sim, &["--cold", "gpu"]),
+        "run `gpu-offload profile -m",
+    );
     let units = |extra: &[&str]| {
         let mut c = bin(&models);
         c.args(["bench", "units", "-m", ms, "--corpus", cs, "--tokens", "48"])
@@ -300,6 +304,9 @@ fn profile_and_oracle_on_the_cli() {
     let hybrid_out = succeeds(&mut run_on(&sim, &["--cold", "cpu"]));
     assert!(streamed["text"].as_str().is_some_and(|t| !t.is_empty()));
     assert_eq!(hybrid_out["token_ids"], streamed["token_ids"]);
+    // Cache units (every active neuron on the device, brought in as the units lack it) too.
+    let units_out = succeeds(&mut run_on(&sim, &["--cold", "gpu"]));
+    assert_eq!(units_out["token_ids"], streamed["token_ids"]);
     // The predicted masks change the numbers (a predictor of a tiny model keeps most neurons,
     // not all).
     let logits_of = |mode: &str| -> serde_json::Value {

@@ -174,3 +174,39 @@ fn planned_units_fill_the_budget_exactly() {
         assert!(tried >= 2, "{}: budgets too small to test", model.display());
     }
 }
+
+/// Cache units hold neuron bundles: a block-quantized FFN (SmolLM2's matrices) is refused with
+/// what runs it sparse instead, and so is a unit size out of range.
+#[test]
+fn units_refuse_what_they_cannot_hold() {
+    use gpu_offload::plan::units::plan_units;
+    if let Some(smol) = common::smollm2() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&smol, &dir);
+        let e = plan_units(&store.manifest, &plan_for(&store, 4), None, 0.5).unwrap_err();
+        assert!(e.to_string().contains("--cold cpu"), "{e}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    let plan = plan_for(&store, 4);
+    for slots in [
+        vec![0; spec.n_layers],
+        vec![spec.d_ff + 1; spec.n_layers],
+        vec![1],
+    ] {
+        let ledger = Ledger::new(None, None);
+        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+        let r = UnitWeights::new(
+            &sim,
+            store.clone(),
+            &plan,
+            &slots,
+            None,
+            ledger,
+            kernels::best(),
+            backend_act(spec.activation),
+        );
+        assert!(r.is_err(), "{slots:?}");
+    }
+}
