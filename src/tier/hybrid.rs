@@ -375,19 +375,132 @@ impl<B: Backend> HotFfn<B> {
 
 pub struct HybridWeights<B: Backend> {
     spec: ModelSpec,
-    small: Vec<Small<B>>,
-    /// q, k, v, o of every layer.
-    attention: Vec<[B::Weight; 4]>,
+    resident: Resident<B>,
     hot: Vec<HotFfn<B>>,
     hot_ids: Vec<Vec<u32>>,
     cold: Vec<ColdLayer>,
     partial: B::Tensor,
     bundle: BundleShape,
-    head: Head<B>,
-    embeddings: Embeddings,
-    matmuls: MatmulShapes,
     traffic: Arc<ColdTraffic>,
 }
+
+/// What hybrid execution and cache units keep whole: every layer's norms, biases and attention
+/// and the output head on the device, the embedding tables in DRAM, and the matmul shapes step
+/// memory is sized by.
+pub(super) struct Resident<B: Backend> {
+    small: Vec<Small<B>>,
+    /// q, k, v, o of every layer.
+    attention: Vec<[B::Weight; 4]>,
+    pub(super) head: Head<B>,
+    pub(super) embeddings: Embeddings,
+    pub(super) matmuls: MatmulShapes,
+}
+
+impl<B: Backend> Resident<B> {
+    /// Load it through a staging buffer of `staging` bytes, calling `ffn(l, small)` after each
+    /// layer's norms and biases are on the device (the FFN's own loading, which may rewrite the
+    /// up bias).
+    pub(super) fn load(
+        b: &B,
+        store: &Arc<Store>,
+        ledger: &Arc<Ledger>,
+        staging: u64,
+        mut ffn: impl FnMut(usize, &mut Small<B>) -> Result<()>,
+    ) -> Result<Self> {
+        let n_layers = store.manifest.spec.n_layers;
+        let embeddings = Embeddings::load(store, ledger, &store.manifest.spec)?;
+        let mut loader = Loader::new(store, ledger, staging)?;
+        let mut small = Vec::with_capacity(n_layers);
+        let mut attention = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let mut sm = Small::load(&mut loader, b, l)?;
+            let mut att = Vec::with_capacity(4);
+            for p in [Part::Q, Part::K, Part::V, Part::O] {
+                let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
+            }
+            let att: [B::Weight; 4] = att
+                .try_into()
+                .map_err(|_| weights_err("four attention matrices"))?;
+            ffn(l, &mut sm)?;
+            attention.push(att);
+            small.push(sm);
+        }
+        let head = Head::load(&mut loader, b, store)?;
+        Ok(Resident {
+            small,
+            attention,
+            head,
+            embeddings,
+            matmuls: offload_matmuls(&store.manifest).map_err(weights_err)?,
+        })
+    }
+
+    /// Layer `l`'s norms and biases.
+    pub(super) fn small(&self, l: usize) -> &Small<B> {
+        &self.small[l]
+    }
+
+    /// Layer `l` with `ffn` for its FFN and what runs beside.
+    pub(super) fn layer<'a>(
+        &'a self,
+        l: usize,
+        ffn: FfnView<'a, B>,
+        cold: Option<ColdView<'a, B>>,
+        unit: Option<Box<dyn crate::engine::NeuronUnit<B> + 'a>>,
+    ) -> LayerView<'a, B> {
+        let sm = &self.small[l];
+        let [q, k, v, o] = &self.attention[l];
+        LayerView {
+            attn_norm: sm.attn_norm(),
+            wq: linear(Some(q), sm.attn_bias[0].as_ref()),
+            wk: linear(Some(k), sm.attn_bias[1].as_ref()),
+            wv: linear(Some(v), sm.attn_bias[2].as_ref()),
+            wo: linear(Some(o), sm.attn_bias[3].as_ref()),
+            ffn_norm: sm.ffn_norm(),
+            ffn,
+            cold,
+            unit,
+        }
+    }
+}
+
+/// The [`WeightSource`] methods of a source whose `resident` field is a [`Resident`]: all but
+/// `layer`.
+macro_rules! resident_source {
+    () => {
+        fn embed(
+            &mut self,
+            b: &B,
+            ids: &[u32],
+            first_pos: usize,
+            out: &mut B::Tensor,
+        ) -> Result<()> {
+            self.resident.embeddings.embed(b, ids, first_pos, out)
+        }
+
+        fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+            self.resident.head.rope_freq_factors()
+        }
+
+        fn layer_done(&mut self, _: &B, _: usize) -> Result<()> {
+            Ok(())
+        }
+
+        fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
+            Ok(self.resident.head.view())
+        }
+
+        fn head_done(&mut self, _: &B) -> Result<()> {
+            Ok(())
+        }
+
+        fn matmuls(&self) -> MatmulShapes {
+            self.resident.matmuls.clone()
+        }
+    };
+}
+pub(super) use resident_source;
 
 /// Rows `ids` of a row-major byte matrix with rows of `rb` bytes, one after another.
 fn gather_rows(bytes: &[u8], rb: usize, ids: &[u32]) -> Vec<u8> {
@@ -670,18 +783,11 @@ impl<B: Backend> HybridWeights<B> {
                 "the hot-neuron plan has another number of layers",
             ));
         }
-        let embeddings = Embeddings::load(&store, &ledger, &spec)?;
         let traffic = Arc::new(ColdTraffic::default());
         let act_fn = crate::backend::cpu::ops::activation(act);
-        let mut loader = Loader::new(&store, &ledger, hot.staging)?;
-        let mut small = Vec::with_capacity(n_layers);
-        let mut attention = Vec::with_capacity(n_layers);
         let mut hot_ffn = Vec::with_capacity(n_layers);
         let mut cold = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            let (mut sm, att) = load_attention(&mut loader, b, &store, l)?;
-            attention.push(att);
-
+        let resident = Resident::load(b, &store, &ledger, hot.staging, |l, sm| {
             let (hot_part, cold_layer) = layer_ffn(
                 b,
                 &store,
@@ -698,26 +804,20 @@ impl<B: Backend> HybridWeights<B> {
             )?;
             cold.push(cold_layer);
             hot_ffn.push(hot_part);
-            small.push(sm);
-        }
-        let head = Head::load(&mut loader, b, &store)?;
-        drop(loader);
+            Ok(())
+        })?;
         let partial = b.alloc(hot.batch.max(1), d)?;
         Ok(HybridWeights {
-            matmuls: offload_matmuls(m).map_err(weights_err)?,
             bundle: BundleShape {
                 parts: if spec.gated_ffn { 3 } else { 2 },
                 d,
             },
             spec,
-            small,
-            attention,
+            resident,
             hot: hot_ffn,
             hot_ids: hot.hot_neurons.clone(),
             cold,
             partial,
-            head,
-            embeddings,
             traffic,
         })
     }
@@ -726,38 +826,6 @@ impl<B: Backend> HybridWeights<B> {
     pub fn traffic(&self) -> Arc<ColdTraffic> {
         self.traffic.clone()
     }
-}
-
-/// Layer `l`'s norms and biases and its four attention matrices, loaded to the device whole.
-pub(super) fn load_attention<B: Backend>(
-    loader: &mut Loader,
-    b: &B,
-    store: &Store,
-    l: usize,
-) -> Result<(Small<B>, [B::Weight; 4])> {
-    let sm = Small::load(loader, b, l)?;
-    let mut att = Vec::with_capacity(4);
-    for p in [Part::Q, Part::K, Part::V, Part::O] {
-        let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-        att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
-    }
-    let att: [B::Weight; 4] = att
-        .try_into()
-        .map_err(|_| weights_err("four attention matrices"))?;
-    Ok((sm, att))
-}
-
-/// The attention views of a layer whose matrices are resident whole.
-pub(super) fn attention_views<'a, B: Backend>(
-    sm: &'a Small<B>,
-    [q, k, v, o]: &'a [B::Weight; 4],
-) -> [LinearView<'a, B>; 4] {
-    [
-        linear(Some(q), sm.attn_bias[0].as_ref()),
-        linear(Some(k), sm.attn_bias[1].as_ref()),
-        linear(Some(v), sm.attn_bias[2].as_ref()),
-        linear(Some(o), sm.attn_bias[3].as_ref()),
-    ]
 }
 
 /// Copy `bytes` into `w` from row 0, and wait for the copy (the bytes are a temporary).
@@ -779,18 +847,11 @@ fn linear<'a, B: Backend>(
 }
 
 impl<B: Backend> WeightSource<B> for HybridWeights<B> {
-    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
-        self.embeddings.embed(b, ids, first_pos, out)
-    }
-
-    fn rope_freq_factors(&self) -> Option<Vec<f32>> {
-        self.head.rope_freq_factors()
-    }
+    resident_source!();
 
     fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
         let HybridWeights {
-            small,
-            attention,
+            resident,
             hot,
             hot_ids,
             cold,
@@ -799,40 +860,13 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
             spec,
             ..
         } = self;
-        let sm = &small[l];
-        let [wq, wk, wv, wo] = attention_views(sm, &attention[l]);
-        let ffn = hot[l].view(sm, *bundle, spec.gated_ffn);
-        Ok(LayerView {
-            attn_norm: sm.attn_norm(),
-            wq,
-            wk,
-            wv,
-            wo,
-            ffn_norm: sm.ffn_norm(),
-            ffn,
-            cold: Some(ColdView {
-                neurons: &cold[l],
-                hot: &hot_ids[l],
-                partial,
-            }),
-            unit: None,
-        })
-    }
-
-    fn layer_done(&mut self, _: &B, _: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
-        Ok(self.head.view())
-    }
-
-    fn head_done(&mut self, _: &B) -> Result<()> {
-        Ok(())
-    }
-
-    fn matmuls(&self) -> MatmulShapes {
-        self.matmuls.clone()
+        let ffn = hot[l].view(resident.small(l), *bundle, spec.gated_ffn);
+        let cold = ColdView {
+            neurons: &cold[l],
+            hot: &hot_ids[l],
+            partial,
+        };
+        Ok(resident.layer(l, ffn, Some(cold), None))
     }
 }
 

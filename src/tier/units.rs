@@ -9,16 +9,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::hybrid::{ColdLayer, CpuSide, attention_views, load_attention};
+use super::hybrid::{ColdLayer, CpuSide, Resident, resident_source};
 use super::ledger::Ledger;
-use super::offload::{Embeddings, Head, Loader, Small};
 use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
 use crate::engine::{
     EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result, WeightSource,
 };
-use crate::plan::{Part, Plan, offload_matmuls, part_segment_name};
+use crate::plan::{Part, Plan, part_segment_name};
 use crate::store::{Encoding, Store};
 use crate::tensor::DType;
 
@@ -68,14 +67,10 @@ struct Staging<B: Backend> {
 }
 
 pub struct UnitWeights<B: Backend> {
-    small: Vec<Small<B>>,
-    attention: Vec<[B::Weight; 4]>,
+    resident: Resident<B>,
     layers: Vec<LayerUnit<B>>,
     staging: Staging<B>,
     bundle: BundleShape,
-    head: Head<B>,
-    embeddings: Embeddings,
-    matmuls: MatmulShapes,
     traffic: Arc<UnitTraffic>,
 }
 
@@ -116,15 +111,11 @@ impl<B: Backend> UnitWeights<B> {
             d,
         };
         let enc = Encoding::Format(DType::F16);
-        let embeddings = Embeddings::load(&store, &ledger, &spec)?;
         let traffic = Arc::new(super::hybrid::ColdTraffic::default());
         let act_fn = crate::backend::cpu::ops::activation(act);
-        let mut loader = Loader::new(&store, &ledger, plan.dram.staging)?;
-        let mut small = Vec::with_capacity(n_layers);
-        let mut attention = Vec::with_capacity(n_layers);
         let mut layers = Vec::with_capacity(n_layers);
-        for (l, &k) in slots.iter().enumerate() {
-            let (sm, att) = load_attention(&mut loader, b, &store, l)?;
+        let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, _| {
+            let k = slots[l];
             let neurons = ColdLayer::bundle_rows(
                 &store,
                 &ledger,
@@ -152,17 +143,14 @@ impl<B: Backend> UnitWeights<B> {
                 None => Eviction::Frequency(vec![0.0; d_ff]),
             };
             let map = SlotMap::new(d_ff, k, eviction).map_err(|e| weights_err(e.to_string()))?;
-            attention.push(att);
-            small.push(sm);
             layers.push(LayerUnit {
                 neurons,
                 map,
                 unit,
                 slot_bias,
             });
-        }
-        let head = Head::load(&mut loader, b, &store)?;
-        drop(loader);
+            Ok(())
+        })?;
         let widest = slots.iter().copied().max().unwrap_or(1);
         let biased = layers.iter().any(|u| u.slot_bias.is_some());
         let staging = Staging {
@@ -176,14 +164,10 @@ impl<B: Backend> UnitWeights<B> {
             host_bias: Vec::new(),
         };
         Ok(UnitWeights {
-            matmuls: offload_matmuls(m).map_err(|e| weights_err(e.to_string()))?,
-            small,
-            attention,
+            resident,
             layers,
             staging,
             bundle,
-            head,
-            embeddings,
             traffic: Arc::new(UnitTraffic::default()),
         })
     }
@@ -270,61 +254,27 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
 }
 
 impl<B: Backend> WeightSource<B> for UnitWeights<B> {
-    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
-        self.embeddings.embed(b, ids, first_pos, out)
-    }
-
-    fn rope_freq_factors(&self) -> Option<Vec<f32>> {
-        self.head.rope_freq_factors()
-    }
+    resident_source!();
 
     fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
         let UnitWeights {
-            small,
-            attention,
+            resident,
             layers,
             staging,
             bundle,
             traffic,
-            ..
         } = self;
-        let sm = &small[l];
-        let [wq, wk, wv, wo] = attention_views(sm, &attention[l]);
-        Ok(LayerView {
-            attn_norm: sm.attn_norm(),
-            wq,
-            wk,
-            wv,
-            wo,
-            ffn_norm: sm.ffn_norm(),
-            ffn: FfnView::Bundles {
-                runs: Vec::new(),
-                shape: *bundle,
-                up_bias: None,
-                down_bias: sm.down_bias.as_ref(),
-            },
-            cold: None,
-            unit: Some(Box::new(UnitStep {
-                layer: &mut layers[l],
-                staging,
-                traffic,
-            })),
-        })
-    }
-
-    fn layer_done(&mut self, _: &B, _: usize) -> Result<()> {
-        Ok(())
-    }
-
-    fn head(&mut self, _: &B) -> Result<HeadView<'_, B>> {
-        Ok(self.head.view())
-    }
-
-    fn head_done(&mut self, _: &B) -> Result<()> {
-        Ok(())
-    }
-
-    fn matmuls(&self) -> MatmulShapes {
-        self.matmuls.clone()
+        let ffn = FfnView::Bundles {
+            runs: Vec::new(),
+            shape: *bundle,
+            up_bias: None,
+            down_bias: resident.small(l).down_bias.as_ref(),
+        };
+        let unit = Box::new(UnitStep {
+            layer: &mut layers[l],
+            staging,
+            traffic,
+        });
+        Ok(resident.layer(l, ffn, None, Some(unit)))
     }
 }
