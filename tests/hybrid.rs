@@ -83,11 +83,7 @@ fn random_placement(
 /// and layer (no predictor).
 #[test]
 fn hybrid_equals_streaming_for_random_placements() {
-    let models = [
-        common::stories260k(),
-        common::fixtures().join("hf/relu-llama"),
-        common::fixtures().join("hf/opt"),
-    ];
+    let models = common::bundled_models();
     let mut rng = StdRng::seed_from_u64(5);
     for model in models {
         let dir = tempfile::tempdir().unwrap();

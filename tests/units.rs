@@ -23,11 +23,7 @@ use common::{close, plan_for, store_of, streaming};
 /// as large as its layer loads each neuron at most once.
 #[test]
 fn cache_units_equal_streaming_and_move_only_their_misses() {
-    let models = [
-        common::stories260k(),
-        common::fixtures().join("hf/relu-llama"),
-        common::fixtures().join("hf/opt"),
-    ];
+    let models = common::bundled_models();
     let mut rng = StdRng::seed_from_u64(29);
     for model in models {
         let dir = tempfile::tempdir().unwrap();

@@ -229,3 +229,13 @@ pub fn close(a: &[f32], b: &[f32], what: &str) {
         "{what}: logits differ by {worst} (scale {scale})"
     );
 }
+
+/// Models whose FFN the store bundles by neuron: stories260K (SwiGLU), the ReGLU fixture and
+/// OPT (two-part ReLU bundles with an up bias).
+pub fn bundled_models() -> [PathBuf; 3] {
+    [
+        stories260k(),
+        fixtures().join("hf/relu-llama"),
+        fixtures().join("hf/opt"),
+    ]
+}
