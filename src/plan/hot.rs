@@ -428,7 +428,7 @@ pub fn plan_hot_neurons(
             "the sparsity profile's shape is not this model's".into(),
         ));
     }
-    let (base, layouts) = base_of(m, plan)?;
+    let (base, layouts) = base_of(m, plan, true)?;
     place_in(plan, base, &layouts, profile, k)
 }
 
@@ -573,7 +573,7 @@ pub fn plan_hybrid_with(
 ) -> Result<HotPlan, PlanError> {
     let k = grid_index(target);
     let (n_layers, d_ff) = (plan.spec.n_layers, plan.spec.d_ff);
-    let (base, layouts) = base_of(m, plan)?;
+    let (base, layouts) = base_of(m, plan, true)?;
     if hot.len() != n_layers {
         return Err(PlanError::Budget(format!(
             "a placement of {} layers for {n_layers}",
@@ -677,7 +677,13 @@ fn hot_rounding(layouts: &[FfnLayout]) -> u64 {
 }
 
 /// The hybrid device bytes besides the hot neurons, and each layer's FFN layout.
-pub(super) fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>), PlanError> {
+/// What everything but the FFN neurons takes on the device when every layer's attention is
+/// resident: with the merge buffer of hybrid execution (`merge`), or without (cache units).
+pub(super) fn base_of(
+    m: &Manifest,
+    plan: &Plan,
+    merge: bool,
+) -> Result<(Base, Vec<FfnLayout>), PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
     let (layouts, attention_layers) = layers_of(m, n_layers)?;
@@ -695,7 +701,11 @@ pub(super) fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>
             staging = staging.max(staging_for(s, s.rows));
         }
     }
-    let merge = device_bytes((plan.budget.batch * spec.d_model * 4) as u64);
+    let merge = if merge {
+        device_bytes((plan.budget.batch * spec.d_model * 4) as u64)
+    } else {
+        0
+    };
     let g = &plan.gpu;
     let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
     let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
@@ -705,7 +715,12 @@ pub(super) fn base_of(m: &Manifest, plan: &Plan) -> Result<(Base, Vec<FfnLayout>
             budget: plan.budget.gpu_mem,
             minimum: g.fixed + everything_else + rounding,
             breakdown: format!(
-                "hybrid execution keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
+                "{} keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
+                if merge > 0 {
+                    "hybrid execution"
+                } else {
+                    "cache units"
+                },
                 human_bytes(attention),
                 human_bytes(g.small),
                 human_bytes(g.head),

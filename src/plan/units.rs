@@ -160,9 +160,8 @@ pub fn plan_units(
     let row = Encoding::F16.row_bytes(parts * d, parts) as u64;
     let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
     let neuron_bytes = row + if biased { 4 } else { 0 };
-    let (base, _) = base_of(m, plan)?;
-    // The units' source keeps no merge buffer.
-    let everything_else = base.everything_else - base.merge;
+    let (base, _) = base_of(m, plan, false)?;
+    let everything_else = base.everything_else;
     let g = &plan.gpu;
     let room = plan
         .budget
