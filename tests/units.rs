@@ -206,3 +206,71 @@ fn units_refuse_what_they_cannot_hold() {
         assert!(r.is_err(), "{slots:?}");
     }
 }
+
+/// With a predictor the units take its set as it is (nothing read from DRAM to decide): the
+/// logits are the streaming engine's under the same predictor, and each step brings in or finds
+/// exactly the neurons it lists.
+#[test]
+fn predicted_sets_go_straight_into_the_units() {
+    use gpu_offload::engine::NeuronPredictor;
+    use std::sync::Arc;
+    struct EveryThird(usize);
+    impl NeuronPredictor for EveryThird {
+        fn active(&self, layer: usize, _input: &[f32], n: usize) -> Vec<bool> {
+            (0..n * self.0)
+                .map(|i| !(i % self.0 + layer).is_multiple_of(3))
+                .collect()
+        }
+    }
+    for model in common::bundled_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..10)
+            .map(|i| (i * 11 + 2) % spec.vocab_size as u32)
+            .collect();
+        let plan = plan_for(&store, toks.len());
+        let predictor =
+            || -> Option<Arc<dyn NeuronPredictor>> { Some(Arc::new(EveryThird(spec.d_ff))) };
+        let want = logits(
+            &streaming(&store, &plan, &[]).with_predictor(predictor()),
+            &toks,
+        );
+        let ledger = Ledger::new(None, None);
+        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+        let slots = vec![spec.d_ff / 2; spec.n_layers];
+        let src = UnitWeights::new(
+            &sim,
+            store.clone(),
+            &plan,
+            &slots,
+            None,
+            ledger,
+            kernels::best(),
+            backend_act(spec.activation),
+        )
+        .unwrap();
+        let traffic = src.traffic();
+        let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap()
+            .with_predictor(predictor());
+        let got = logits(&e, &toks);
+        close(&got, &want, &model.display().to_string());
+        let listed: u64 = (0..spec.n_layers)
+            .map(|l| {
+                (0..spec.d_ff)
+                    .filter(|j| !(j + l).is_multiple_of(3))
+                    .count() as u64
+            })
+            .sum();
+        let [needed, _, _] = traffic.snapshot();
+        assert_eq!(
+            needed,
+            5 * listed,
+            "{}: every step's listed neurons",
+            model.display()
+        );
+    }
+}

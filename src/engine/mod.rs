@@ -98,9 +98,9 @@ pub struct LayerView<'a, B: Backend> {
 /// neurons each step needs by the adjacent-token update, computed in place by the neuron-listed
 /// kernels.
 pub trait NeuronUnit<B: Backend>: Send {
-    /// The neurons any of the `n` rows of `x` (the FFN input) activates, ascending: those the
-    /// mask (`threshold`, as [`crate::backend::sparse_act`]) leaves on, of those `keep` (`n ×
-    /// d_ff` predictor flags, if any) lists.
+    /// The neurons any of the `n` rows of `x` (the FFN input) needs, ascending: those the
+    /// mask (`threshold`, as [`crate::backend::sparse_act`]) leaves on, or with a predictor
+    /// those its flags `keep` (`n × d_ff`) list.
     fn active(
         &self,
         x: &[f32],

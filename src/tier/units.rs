@@ -193,7 +193,17 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
         threshold: f32,
         keep: Option<&[bool]>,
     ) -> Result<Vec<u32>> {
-        self.layer.neurons.active_ids(x, n, threshold, keep)
+        match keep {
+            // The predictor names the set (M2Cache's path): nothing is read from DRAM to
+            // decide, and the kernels still apply the mask.
+            Some(keep) => {
+                let d_ff = keep.len() / n.max(1);
+                Ok((0..d_ff as u32)
+                    .filter(|&j| (0..n).any(|t| keep[t * d_ff + j as usize]))
+                    .collect())
+            }
+            None => self.layer.neurons.active_ids(x, n, threshold, None),
+        }
     }
 
     fn slots(&self) -> usize {
