@@ -631,6 +631,18 @@ fn traffic_of(r: &Running, first: usize, steps: usize) -> Traffic {
             ssd_read_bytes: 0.0,
         };
     }
+    if let Some(u) = &r.units {
+        // Cache units: the device reads attention and the active neurons in their units, PCIe
+        // carries the loads (expected at the profile's frequencies), the CPU reads the deciding
+        // vectors (oracle masks).
+        let p = &u.plan.per_token;
+        return Traffic {
+            hbm_read_bytes: p.hbm_bytes as f64,
+            h2d_bytes: p.pcie_bytes as f64,
+            dram_read_bytes: p.cpu_bytes as f64,
+            ssd_read_bytes: 0.0,
+        };
+    }
     match (&r.plan, &r.traffic) {
         (Some(plan), _) => Traffic::of_plan(plan),
         (None, Some(t)) if device_of(r) == "cuda" => Traffic {
