@@ -169,6 +169,19 @@ impl SlotMap {
         Ok(loads)
     }
 
+    /// Empty the slots of `loads` (an update whose copies failed): the unit must not claim
+    /// neurons it never received.
+    pub fn forget(&mut self, loads: &[Load]) {
+        for l in loads {
+            if let Some(n) = self.neuron_in.get_mut(l.slot as usize)
+                && *n == l.neuron
+            {
+                *n = EMPTY;
+                self.slot_of[l.neuron as usize] = EMPTY;
+            }
+        }
+    }
+
     /// The slot of each of `active` (all held, as after [`SlotMap::update`]).
     pub fn slots_of(&self, active: &[u32]) -> Option<Vec<u32>> {
         active.iter().map(|&n| self.slot_of(n)).collect()
@@ -315,6 +328,18 @@ mod tests {
         assert!(SlotMap::new(8, 9, Eviction::Recency).is_err());
         assert!(SlotMap::new(8, 0, Eviction::Recency).is_err());
         assert!(SlotMap::new(8, 4, Eviction::Frequency(vec![0.0; 7])).is_err());
+    }
+
+    #[test]
+    fn a_failed_update_is_forgotten() {
+        let mut u = SlotMap::new(6, 3, Eviction::Recency).unwrap();
+        u.update(&[0, 1]).unwrap();
+        let loads = u.update(&[1, 4]).unwrap();
+        assert_eq!(loads.len(), 1);
+        u.forget(&loads);
+        assert_eq!((u.slot_of(4), u.held()), (None, 2));
+        // Next time neuron 4 is a miss again.
+        assert_eq!(u.update(&[4]).unwrap().len(), 1);
     }
 
     #[test]

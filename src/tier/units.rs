@@ -219,7 +219,28 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
         self.traffic
             .needed
             .fetch_add(neurons.len() as u64, Ordering::Relaxed);
-        if !loads.is_empty() {
+        if !loads.is_empty()
+            && let Err(e) = self.load(b, &loads)
+        {
+            self.layer.map.forget(&loads);
+            return Err(e);
+        }
+        self.layer
+            .map
+            .slots_of(neurons)
+            .ok_or_else(|| weights_err("a neuron just brought in is not in the unit"))
+    }
+
+    fn unit(&self) -> (&B::Weight, Option<&B::Weight>) {
+        (&self.layer.unit, self.layer.slot_bias.as_ref())
+    }
+}
+
+impl<B: Backend> UnitStep<'_, B> {
+    /// Copy `loads` into the unit: gathered into one host buffer, sent in one copy, scattered
+    /// into their slots.
+    fn load(&mut self, b: &B, loads: &[super::unit::Load]) -> Result<()> {
+        {
             let st = &mut *self.staging;
             let ids: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
             let slots: Vec<u32> = loads.iter().map(|l| l.slot).collect();
@@ -252,14 +273,7 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
                 .bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
         }
-        self.layer
-            .map
-            .slots_of(neurons)
-            .ok_or_else(|| weights_err("a neuron just brought in is not in the unit"))
-    }
-
-    fn unit(&self) -> (&B::Weight, Option<&B::Weight>) {
-        (&self.layer.unit, self.layer.slot_bias.as_ref())
+        Ok(())
     }
 }
 
