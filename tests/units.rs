@@ -16,6 +16,35 @@ use rand::{RngExt, SeedableRng};
 use common::prefill_and_decode_logits as logits;
 use common::{close, plan_for, store_of, streaming};
 
+/// The cache-unit engine of `store` on the budgeted device over `ledger`: units of `slots`
+/// per layer, stale neurons kept by `score`; and what its units move.
+fn units_engine(
+    store: &std::sync::Arc<gpu_offload::store::Store>,
+    plan: &gpu_offload::plan::Plan,
+    slots: &[usize],
+    score: Option<&[Vec<f32>]>,
+    ledger: std::sync::Arc<Ledger>,
+) -> gpu_offload::engine::Result<(
+    Engine<SimBackend>,
+    std::sync::Arc<gpu_offload::tier::units::UnitTraffic>,
+)> {
+    let spec = store.manifest.spec.clone();
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = UnitWeights::new(
+        &sim,
+        store.clone(),
+        plan,
+        slots,
+        score,
+        ledger,
+        kernels::best(),
+        backend_act(spec.activation),
+    )?;
+    let traffic = src.traffic();
+    let e = Engine::with_source(sim, spec, Box::new(src))?.with_kv_type(KvType::F16)?;
+    Ok((e, traffic))
+}
+
 /// Bundled FFNs (stories260K SwiGLU, the ReGLU fixture, OPT's two-part ReLU bundles with an up
 /// bias), random unit sizes (down to a few slots, so a step's active set comes in rounds) and
 /// thresholds: the streaming engine's logits; the host→device bytes of the run are exactly the
@@ -59,25 +88,9 @@ fn cache_units_equal_streaming_and_move_only_their_misses() {
             let what = format!("{} case {case}, slots {slots:?}", model.display());
             let want = logits(&streaming(&store, &plan, &thresholds), &toks);
             let ledger = Ledger::new(None, None);
-            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-            let src = UnitWeights::new(
-                &sim,
-                store.clone(),
-                &plan,
-                &slots,
-                None,
-                ledger.clone(),
-                kernels::best(),
-                backend_act(spec.activation),
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let traffic = src.traffic();
-            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
-                .unwrap()
-                .with_kv_type(KvType::F16)
-                .unwrap()
-                .with_sparsity(thresholds.clone())
-                .unwrap();
+            let (e, traffic) = units_engine(&store, &plan, &slots, None, ledger.clone())
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let e = e.with_sparsity(thresholds.clone()).unwrap();
             let h2d_at_load = ledger.snapshot().h2d_bytes;
             let got = logits(&e, &toks);
             close(&got, &want, &what);
@@ -147,22 +160,9 @@ fn planned_units_fill_the_budget_exactly() {
             );
             assert!(units.device.total <= g, "{what}");
             let ledger = Ledger::new(Some(units.device.placed), None);
-            let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-            let src = UnitWeights::new(
-                &sim,
-                store.clone(),
-                &plan,
-                &units.slots(),
-                Some(&units.scores),
-                ledger.clone(),
-                kernels::best(),
-                backend_act(spec.activation),
-            )
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
-                .unwrap()
-                .with_kv_type(KvType::F16)
-                .unwrap();
+            let slots = units.slots();
+            let (e, _) = units_engine(&store, &plan, &slots, Some(&units.scores), ledger.clone())
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
             let got = logits(&e, &toks);
             close(&got, &want, &what);
             assert_eq!(ledger.snapshot().hbm_peak, units.device.placed, "{what}");
@@ -191,18 +191,7 @@ fn units_refuse_what_they_cannot_hold() {
         vec![spec.d_ff + 1; spec.n_layers],
         vec![1],
     ] {
-        let ledger = Ledger::new(None, None);
-        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
-        let r = UnitWeights::new(
-            &sim,
-            store.clone(),
-            &plan,
-            &slots,
-            None,
-            ledger,
-            kernels::best(),
-            backend_act(spec.activation),
-        );
+        let r = units_engine(&store, &plan, &slots, None, Ledger::new(None, None));
         assert!(r.is_err(), "{slots:?}");
     }
 }
@@ -236,26 +225,10 @@ fn predicted_sets_go_straight_into_the_units() {
             &streaming(&store, &plan, &[]).with_predictor(predictor()),
             &toks,
         );
-        let ledger = Ledger::new(None, None);
-        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
         let slots = vec![spec.d_ff / 2; spec.n_layers];
-        let src = UnitWeights::new(
-            &sim,
-            store.clone(),
-            &plan,
-            &slots,
-            None,
-            ledger,
-            kernels::best(),
-            backend_act(spec.activation),
-        )
-        .unwrap();
-        let traffic = src.traffic();
-        let e = Engine::with_source(sim, spec.clone(), Box::new(src))
-            .unwrap()
-            .with_kv_type(KvType::F16)
-            .unwrap()
-            .with_predictor(predictor());
+        let (e, traffic) =
+            units_engine(&store, &plan, &slots, None, Ledger::new(None, None)).unwrap();
+        let e = e.with_predictor(predictor());
         let got = logits(&e, &toks);
         close(&got, &want, &model.display().to_string());
         let listed: u64 = (0..spec.n_layers)

@@ -957,17 +957,21 @@ impl<B: Backend> Engine<B> {
                 "activations are observed on a model loaded whole, not in hybrid execution".into(),
             ));
         }
-        let d = self.spec.d_model;
-        let n = sc.n;
-        // The stage leaves the scratch while the copy into it is in flight (the device ops
-        // borrow the rest), and goes back whatever happens.
-        let mut stage = match sc.stage.take() {
-            Some(s) if s.len() >= n * d => s,
-            _ => HostStage::new(&self.backend, n * d)?,
-        };
+        let mut stage = self.take_stage(sc)?;
         let done = self.hybrid_ffn(layer, f, threshold, cold, &mut stage, sc);
         sc.stage = Some(stage);
         done
+    }
+
+    /// The host stage the step's FFN input lands in, taken out of the scratch (made at the
+    /// first use, or larger when the step is): it stays out while the copy into it is in flight
+    /// (the device ops borrow the rest) and the caller puts it back whatever happens.
+    fn take_stage(&self, sc: &mut Scratch<B>) -> Result<HostStage> {
+        let values = sc.n * self.spec.d_model;
+        match sc.stage.take() {
+            Some(s) if s.len() >= values => Ok(s),
+            _ => Ok(HostStage::new(&self.backend, values)?),
+        }
     }
 
     /// One layer's hybrid FFN as its graph of device ops, CPU ops and copies, issued in this
@@ -1034,11 +1038,8 @@ impl<B: Backend> Engine<B> {
             ));
         }
         let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
-        let (n, d) = (sc.n, self.spec.d_model);
-        let mut stage = match sc.stage.take() {
-            Some(s) if s.len() >= n * d => s,
-            _ => HostStage::new(b, n * d)?,
-        };
+        let n = sc.n;
+        let mut stage = self.take_stage(sc)?;
         let decided = (|| {
             let x = Landing::start(b, &sc.h, &mut stage)?.wait()?;
             let keep = self.predict(layer, x, n)?;
