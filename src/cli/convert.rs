@@ -31,6 +31,13 @@ pub struct ConvertArgs {
     #[arg(long, env = "GPU_OFFLOAD_ENCODINGS", value_delimiter = ',')]
     pub encodings: Vec<String>,
 
+    /// Store a block-quantized FFN (e.g. Q4_1) as neuron bundles as well: its blocks
+    /// dequantized and encoded as f16 (and --encodings), so cache units (`--cold gpu`) and
+    /// mixed-precision neurons can run it. The f16 bundles hold the blocks' values rounded to
+    /// f16. Without --out the store goes beside the default one, suffixed `-bundles`.
+    #[arg(long, env = "GPU_OFFLOAD_BUNDLE_FFN")]
+    pub bundle_ffn: bool,
+
     /// Replace an existing store.
     #[arg(long, env = "GPU_OFFLOAD_FORCE")]
     pub force: bool,
@@ -53,7 +60,7 @@ pub struct ConvertArgs {
     pub quantized_out: Option<PathBuf>,
 
     /// Check every segment of an existing store against its checksum instead of converting.
-    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy", "quantize"])]
+    #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy", "quantize", "bundle_ffn"])]
     pub verify: Option<PathBuf>,
 }
 
@@ -103,6 +110,11 @@ pub fn run(args: ConvertArgs) -> Result<()> {
     }
     let out = match &args.out {
         Some(o) => o.clone(),
+        None if args.bundle_ffn => {
+            let mut p = cached_store_for(model)?.into_os_string();
+            p.push("-bundles");
+            p.into()
+        }
         None => cached_store_for(model)?,
     };
     let t0 = Instant::now();
@@ -114,6 +126,7 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             extra_encodings: extra,
             force: args.force,
             copy: args.copy,
+            bundle_quantized: args.bundle_ffn,
         },
         &mut |done, total| {
             pb.set_length(total as u64);

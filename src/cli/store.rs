@@ -44,9 +44,8 @@ pub fn open_store_for(model: &Path) -> Result<Store> {
         model,
         &cached,
         &ConvertOptions {
-            extra_encodings: vec![],
             force: true,
-            copy: false,
+            ..Default::default()
         },
         &mut |done, total| {
             pb.set_length(total as u64);

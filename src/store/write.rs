@@ -23,6 +23,9 @@ pub struct ConvertOptions {
     /// Copy a GGUF's tensors into `data.bin` even where the store could read them in the file
     /// itself (by default it does: a 40 GB model then takes no second 40 GB of disk).
     pub copy: bool,
+    /// Store a block-quantized FFN as neuron bundles too (its blocks dequantized, then encoded
+    /// as f16 and `extra_encodings`), so cache units and mixed-precision neurons can run it.
+    pub bundle_quantized: bool,
 }
 
 /// Appends segments to `data.bin`, each aligned and checksummed; or records, checksummed,
@@ -438,10 +441,10 @@ fn write_store(
                 .map(|lin| lin.weight.dtype)
         })
         .collect();
-    let bundled = names::ffn_bundled(&ffn_dtypes);
+    let bundled = opts.bundle_quantized || names::ffn_bundled(&ffn_dtypes);
     if !bundled && !opts.extra_encodings.is_empty() {
         return Err(StoreError::Unsupported(
-            "INT8/INT4 bundles are made from float models; this model's FFN is block-quantized and is stored in its own formats".into(),
+            "INT8/INT4 bundles are made from float models; this model's FFN is block-quantized and is stored in its own formats (bundle it first with --bundle-ffn)".into(),
         ));
     }
     let mut encodings = Vec::new();
