@@ -393,6 +393,7 @@ fn hybrid_streams_attention_beside_hot_blocks() {
                 &hw,
                 Cold::Cpu,
                 Some((&profile, 0.5)),
+                &[gpu_offload::tier::precision::Precision::FP16],
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             let hot = chosen.hot.expect("a hybrid plan");

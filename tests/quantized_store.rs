@@ -562,3 +562,58 @@ fn convert_quantize_makes_a_q4_k_m_model_that_runs() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a quantization"));
 }
+
+/// `convert --bundle-ffn`: a block-quantized FFN (SmolLM2's Q4_1) is stored as neuron bundles
+/// too (f16, INT8, INT4): the f16 bundles hold the blocks' values rounded to f16, every layer
+/// has all three encodings, and the store plans cache units.
+#[test]
+fn a_bundled_quantized_ffn_holds_its_blocks_values_in_f16() {
+    use gpu_offload::store::{Encoding, names};
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let (store, _dir) = converted_with(
+        &path,
+        &ConvertOptions {
+            bundle_quantized: true,
+            extra_encodings: vec![Encoding::Int8, Encoding::Int4],
+            ..Default::default()
+        },
+    );
+    assert!(store.ffn_bundled());
+    let spec = &store.manifest.spec;
+    for l in 0..spec.n_layers {
+        for e in [Encoding::F16, Encoding::Int8, Encoding::Int4] {
+            assert!(
+                store.manifest.segment(&names::bundles(l, e)).is_some(),
+                "layer {l} {e:?}"
+            );
+        }
+    }
+    let model = Model::load(&path).unwrap();
+    let rebuilt = store.dense_weights().unwrap();
+    for l in [0, spec.n_layers - 1] {
+        let (a, b) = (&model.weights.layers[l], &rebuilt.layers[l]);
+        let pairs = [
+            (a.w_gate.as_ref().unwrap(), b.w_gate.as_ref().unwrap()),
+            (&a.w_up, &b.w_up),
+            (&a.w_down, &b.w_down),
+        ];
+        for (x, y) in pairs {
+            let (x, y) = (x.weight.to_f32(), y.weight.to_f32());
+            assert_eq!(x.len(), y.len());
+            for (u, v) in x.iter().zip(&y) {
+                assert_eq!(half::f16::from_f32(*u).to_f32(), *v, "layer {l}");
+            }
+        }
+    }
+    let plan = common::plan_for(&store, 4);
+    gpu_offload::plan::units::plan_units(
+        &store.manifest,
+        &plan,
+        None,
+        0.15,
+        gpu_offload::tier::precision::Precision([25, 25, 50]),
+    )
+    .unwrap();
+}

@@ -9,6 +9,7 @@ use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, backend_act};
 use gpu_offload::tier::Ledger;
+use gpu_offload::tier::precision::Precision;
 use gpu_offload::tier::units::UnitWeights;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -17,11 +18,12 @@ use common::prefill_and_decode_logits as logits;
 use common::{close, plan_for, store_of, streaming};
 
 /// The cache-unit engine of `store` on the budgeted device over `ledger`: units of `slots`
-/// per layer, stale neurons kept by `score`; and what its units move.
+/// per layer and precision tier, stale neurons kept by `score`; and what its units move.
 fn units_engine(
     store: &std::sync::Arc<gpu_offload::store::Store>,
     plan: &gpu_offload::plan::Plan,
-    slots: &[usize],
+    slots: &[[usize; 3]],
+    precision: Precision,
     score: Option<&[Vec<f32>]>,
     ledger: std::sync::Arc<Ledger>,
 ) -> gpu_offload::engine::Result<(
@@ -35,6 +37,7 @@ fn units_engine(
         store.clone(),
         plan,
         slots,
+        precision,
         score,
         ledger,
         kernels::best(),
@@ -88,8 +91,10 @@ fn cache_units_equal_streaming_and_move_only_their_misses() {
             let what = format!("{} case {case}, slots {slots:?}", model.display());
             let want = logits(&streaming(&store, &plan, &thresholds), &toks);
             let ledger = Ledger::new(None, None);
-            let (e, traffic) = units_engine(&store, &plan, &slots, None, ledger.clone())
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let slots: Vec<[usize; 3]> = slots.iter().map(|&k| [k, 0, 0]).collect();
+            let (e, traffic) =
+                units_engine(&store, &plan, &slots, Precision::FP16, None, ledger.clone())
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
             let e = e.with_sparsity(thresholds.clone()).unwrap();
             let h2d_at_load = ledger.snapshot().h2d_bytes;
             let got = logits(&e, &toks);
@@ -134,9 +139,16 @@ fn planned_units_fill_the_budget_exactly() {
             &streaming(&store, &plan_for(&store, toks.len()), &[]),
             &toks,
         );
-        let full = plan_units(&store.manifest, &plan_for(&store, toks.len()), None, 0.5).unwrap();
+        let full = plan_units(
+            &store.manifest,
+            &plan_for(&store, toks.len()),
+            None,
+            0.5,
+            Precision::FP16,
+        )
+        .unwrap();
         assert!(
-            full.layers.iter().all(|l| l.slots == spec.d_ff),
+            full.layers.iter().all(|l| l.slots == [spec.d_ff, 0, 0]),
             "all of every layer fits"
         );
         let rest = full.device.placed - full.device.units - full.device.staging;
@@ -149,7 +161,7 @@ fn planned_units_fill_the_budget_exactly() {
             let Ok(plan) = make_plan(&store.manifest, &budget, &hw) else {
                 continue;
             };
-            let Ok(units) = plan_units(&store.manifest, &plan, None, 0.5) else {
+            let Ok(units) = plan_units(&store.manifest, &plan, None, 0.5, Precision::FP16) else {
                 continue;
             };
             tried += 1;
@@ -161,8 +173,15 @@ fn planned_units_fill_the_budget_exactly() {
             assert!(units.device.total <= g, "{what}");
             let ledger = Ledger::new(Some(units.device.placed), None);
             let slots = units.slots();
-            let (e, _) = units_engine(&store, &plan, &slots, Some(&units.scores), ledger.clone())
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (e, _) = units_engine(
+                &store,
+                &plan,
+                &slots,
+                Precision::FP16,
+                Some(&units.scores),
+                ledger.clone(),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
             let got = logits(&e, &toks);
             close(&got, &want, &what);
             assert_eq!(ledger.snapshot().hbm_peak, units.device.placed, "{what}");
@@ -179,20 +198,39 @@ fn units_refuse_what_they_cannot_hold() {
     if let Some(smol) = common::smollm2() {
         let dir = tempfile::tempdir().unwrap();
         let store = store_of(&smol, &dir);
-        let e = plan_units(&store.manifest, &plan_for(&store, 4), None, 0.5).unwrap_err();
+        let e = plan_units(
+            &store.manifest,
+            &plan_for(&store, 4),
+            None,
+            0.5,
+            Precision::FP16,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("--cold cpu"), "{e}");
     }
     let dir = tempfile::tempdir().unwrap();
     let store = store_of(&common::stories260k(), &dir);
     let spec = store.manifest.spec.clone();
     let plan = plan_for(&store, 4);
-    for slots in [
-        vec![0; spec.n_layers],
-        vec![spec.d_ff + 1; spec.n_layers],
-        vec![1],
+    for (slots, precision) in [
+        (vec![[0, 0, 0]; spec.n_layers], Precision::FP16),
+        (vec![[spec.d_ff + 1, 0, 0]; spec.n_layers], Precision::FP16),
+        (vec![[1, 0, 0]], Precision::FP16),
+        // A tier in use without slots, slots in a tier not in use.
+        (vec![[4, 0, 4]; spec.n_layers], Precision([50, 25, 25])),
+        (vec![[4, 4, 0]; spec.n_layers], Precision::FP16),
+        // INT8 neurons from a store without INT8 bundles.
+        (vec![[4, 4, 4]; spec.n_layers], Precision([50, 25, 25])),
     ] {
-        let r = units_engine(&store, &plan, &slots, None, Ledger::new(None, None));
-        assert!(r.is_err(), "{slots:?}");
+        let r = units_engine(
+            &store,
+            &plan,
+            &slots,
+            precision,
+            None,
+            Ledger::new(None, None),
+        );
+        assert!(r.is_err(), "{slots:?} at {precision}");
     }
 }
 
@@ -225,9 +263,16 @@ fn predicted_sets_go_straight_into_the_units() {
             &streaming(&store, &plan, &[]).with_predictor(predictor()),
             &toks,
         );
-        let slots = vec![spec.d_ff / 2; spec.n_layers];
-        let (e, traffic) =
-            units_engine(&store, &plan, &slots, None, Ledger::new(None, None)).unwrap();
+        let slots = vec![[spec.d_ff / 2, 0, 0]; spec.n_layers];
+        let (e, traffic) = units_engine(
+            &store,
+            &plan,
+            &slots,
+            Precision::FP16,
+            None,
+            Ledger::new(None, None),
+        )
+        .unwrap();
         let e = e.with_predictor(predictor());
         let got = logits(&e, &toks);
         close(&got, &want, &model.display().to_string());
@@ -246,4 +291,183 @@ fn predicted_sets_go_straight_into_the_units() {
             model.display()
         );
     }
+}
+
+/// Mixed-precision units (f16 / INT8 / INT4 regions, each token's active neurons split by rank):
+/// a prompt evaluated in one step gives the logits of the same tokens decoded one by one (the
+/// split is per token, however many share the step); the host→device bytes are exactly each
+/// tier's loads times its neuron's bytes in that tier's encoding; every tier in use loads; and
+/// the quantized tiers change the logits, by little.
+#[test]
+fn mixed_precision_units_split_per_token_and_move_their_tiers_bytes() {
+    use gpu_offload::engine::Logits;
+    use gpu_offload::store::Encoding;
+    let mut rng = StdRng::seed_from_u64(37);
+    for model in common::bundled_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = common::store_with(&model, &dir, &common::with_int_bundles());
+        let spec = store.manifest.spec.clone();
+        let toks: Vec<u32> = (0..9)
+            .map(|i| (i * 7 + 1) % spec.vocab_size as u32)
+            .collect();
+        let plan = plan_for(&store, toks.len());
+        let parts = if spec.gated_ffn { 3 } else { 2 };
+        let biased = store.manifest.segment("blk.0.ffn_up.bias").is_some();
+        let per_load = [Encoding::F16, Encoding::Int8, Encoding::Int4]
+            .map(|e| e.row_bytes(parts * spec.d_model, parts) as u64 + if biased { 4 } else { 0 });
+        for (case, precision) in [
+            Precision([25, 25, 50]),
+            Precision([50, 0, 50]),
+            Precision([0, 100, 0]),
+            Precision([34, 33, 33]),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let thresholds: Vec<f32> = if case % 2 == 0 {
+                Vec::new()
+            } else {
+                (0..spec.n_layers)
+                    .map(|_| [0.01, 0.05][rng.random_range(0..2)])
+                    .collect()
+            };
+            let slots: Vec<[usize; 3]> = (0..spec.n_layers)
+                .map(|_| {
+                    [0, 1, 2].map(|i| {
+                        if precision.0[i] > 0 {
+                            rng.random_range(1..=spec.d_ff)
+                        } else {
+                            0
+                        }
+                    })
+                })
+                .collect();
+            let what = format!("{} at {precision}, slots {slots:?}", model.display());
+            let engine = |ledger| {
+                let (e, traffic) = units_engine(&store, &plan, &slots, precision, None, ledger)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                (e.with_sparsity(thresholds.clone()).unwrap(), traffic)
+            };
+            let (batched, _) = engine(Ledger::new(None, None));
+            let mut s = batched.new_session(toks.len()).unwrap();
+            let all = batched.forward(&mut s, &toks, Logits::All).unwrap();
+            let ledger = Ledger::new(None, None);
+            let (single, traffic) = engine(ledger.clone());
+            let h2d_at_load = ledger.snapshot().h2d_bytes;
+            let mut s = single.new_session(toks.len()).unwrap();
+            let mut one_by_one = Vec::new();
+            for &t in &toks {
+                one_by_one.extend(single.forward(&mut s, &[t], Logits::Last).unwrap());
+            }
+            close(
+                &all,
+                &one_by_one,
+                &format!("{what}: one step against one by one"),
+            );
+            let tier_loads = traffic.tier_loads();
+            let [_, loads, bytes] = traffic.snapshot();
+            assert_eq!(loads, tier_loads.iter().sum::<u64>(), "{what}");
+            assert_eq!(
+                bytes,
+                (0..3).map(|i| tier_loads[i] * per_load[i]).sum::<u64>(),
+                "{what}: each tier's loads in its encoding"
+            );
+            let embeddings = toks.len() as u64 * spec.d_model as u64 * 4;
+            assert_eq!(
+                ledger.snapshot().h2d_bytes - h2d_at_load,
+                bytes + embeddings,
+                "{what}"
+            );
+            for (i, (&loaded, &share)) in tier_loads.iter().zip(&precision.0).enumerate() {
+                assert_eq!(loaded > 0, share > 0, "{what}: tier {i}");
+            }
+            let f16_slots: Vec<[usize; 3]> = vec![[spec.d_ff, 0, 0]; spec.n_layers];
+            let (f16, _) = units_engine(
+                &store,
+                &plan,
+                &f16_slots,
+                Precision::FP16,
+                None,
+                Ledger::new(None, None),
+            )
+            .unwrap();
+            let f16 = f16.with_sparsity(thresholds.clone()).unwrap();
+            let mut s = f16.new_session(toks.len()).unwrap();
+            let want = f16.forward(&mut s, &toks, Logits::All).unwrap();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+            let worst = all
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst > 0.0, "{what}: the quantized tiers change nothing");
+            assert!(
+                worst < 0.25 * scale,
+                "{what}: {worst} off all-f16 (scale {scale})"
+            );
+        }
+    }
+}
+
+/// Planned mixed-precision units at random budgets and shares: the device holds exactly what
+/// the plan counts, within the budget; a store without INT8/INT4 bundles is refused.
+#[test]
+fn planned_mixed_units_fill_the_budget_exactly() {
+    use gpu_offload::plan::units::plan_units;
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let mut rng = StdRng::seed_from_u64(41);
+    let model = common::stories260k();
+    let plain = tempfile::tempdir().unwrap();
+    let e = plan_units(
+        &store_of(&model, &plain).manifest,
+        &plan_for(&store_of(&model, &tempfile::tempdir().unwrap()), 4),
+        None,
+        0.5,
+        Precision([25, 25, 50]),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("--encodings int8,int4"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_with(&model, &dir, &common::with_int_bundles());
+    let toks: Vec<u32> = (0..8).map(|i| i * 5 + 2).collect();
+    let mut tried = 0;
+    for _ in 0..8 {
+        let precision = Precision::search_grid()[rng.random_range(0..15)];
+        let full = plan_units(
+            &store.manifest,
+            &plan_for(&store, toks.len()),
+            None,
+            0.5,
+            precision,
+        )
+        .unwrap();
+        let rest = full.device.placed - full.device.units - full.device.staging;
+        let g = rest
+            + ((full.device.units + full.device.staging) as f64 * rng.random_range(0.05..1.0))
+                as u64;
+        let budget = Budget::new(g, None, 2, toks.len() + 4, toks.len());
+        let Ok(plan) = make_plan(&store.manifest, &budget, &hw) else {
+            continue;
+        };
+        let Ok(units) = plan_units(&store.manifest, &plan, None, 0.5, precision) else {
+            continue;
+        };
+        tried += 1;
+        let what = format!("{precision} at {g} bytes, slots {:?}", units.slots());
+        assert!(units.device.total <= g, "{what}");
+        let ledger = Ledger::new(Some(units.device.placed), None);
+        let (e, _) = units_engine(
+            &store,
+            &plan,
+            &units.slots(),
+            precision,
+            Some(&units.scores),
+            ledger.clone(),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let _ = logits(&e, &toks);
+        assert_eq!(ledger.snapshot().hbm_peak, units.device.placed, "{what}");
+    }
+    assert!(tried >= 3, "budgets too small to test");
 }

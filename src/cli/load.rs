@@ -510,6 +510,7 @@ impl LoadedModel {
             hw,
             cold,
             profile.as_ref().map(|p| (p, target)),
+            &args.budget.precisions(store, target)?,
         )?;
         if seen.len() > 1 {
             tracing::info!("--cold auto, predicted tokens/s: {seen:?}");
@@ -564,6 +565,7 @@ impl LoadedModel {
                     store.clone(),
                     plan,
                     &u.slots(),
+                    u.precision,
                     Some(&u.scores),
                     ledger.clone(),
                     kernels,

@@ -32,6 +32,15 @@ pub struct BudgetArgs {
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
     pub cold: crate::plan::hot::Cold,
 
+    /// Precision of the neurons cache units (--cold gpu) compute: fp16; A/B/C, the percent of
+    /// each token's active neurons, ranked by the predictor's score (by the activation's
+    /// magnitude with oracle masks), computed in f16, INT8 and INT4 (e.g. 25/25/50; the store
+    /// needs int8 and int4 bundles: convert --encodings int8,int4); auto, the fastest by the
+    /// plan of the shares `gpu-offload bench precision` found within its tolerance of fp16's
+    /// perplexity (fp16 where no search was saved)
+    #[arg(long, env = "GPU_OFFLOAD_NEURON_PRECISION", default_value = "auto")]
+    pub neuron_precision: crate::tier::precision::NeuronPrecision,
+
     /// Layers streamed ahead of compute.
     #[arg(long, env = "GPU_OFFLOAD_PREFETCH_WINDOW", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub prefetch_window: u16,
@@ -48,6 +57,49 @@ pub struct BudgetArgs {
 }
 
 impl BudgetArgs {
+    /// The neuron precisions cache units may run at for `store` (`--neuron-precision`): the
+    /// one given, or a saved search's good ones (all-f16 without a search, or where the search
+    /// was made at another sparsity than `target`).
+    pub fn precisions(
+        &self,
+        store: &crate::store::Store,
+        target: f64,
+    ) -> Result<Vec<crate::tier::precision::Precision>> {
+        use crate::tier::precision::{NeuronPrecision, Precision, PrecisionSearch};
+        match self.neuron_precision {
+            NeuronPrecision::Fixed(p) => Ok(vec![p]),
+            NeuronPrecision::Auto => {
+                match PrecisionSearch::load(store.dir(), &store.manifest.model_id)? {
+                    Some(s) if (s.target - target).abs() < 1e-9 => {
+                        let good = s.good();
+                        tracing::info!(
+                            "--neuron-precision auto: within {:.1}% of fp16's perplexity: {}",
+                            s.tolerance * 100.0,
+                            good.iter()
+                                .map(|p| p.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        );
+                        Ok(if good.is_empty() {
+                            vec![Precision::FP16]
+                        } else {
+                            good
+                        })
+                    }
+                    Some(s) => {
+                        tracing::info!(
+                            "--neuron-precision auto: the saved search is at {:.0}% sparsity, this run at {:.0}%: fp16",
+                            s.target * 100.0,
+                            target * 100.0
+                        );
+                        Ok(vec![Precision::FP16])
+                    }
+                    None => Ok(vec![Precision::FP16]),
+                }
+            }
+        }
+    }
+
     /// The cost model's profile: `--hardware`, else the measured profile, else `default` — as
     /// the `--emulate`d card would run on it (its memory, fixed cost and PCIe rate).
     pub fn hardware_profile(&self, default: &str) -> Result<HardwareProfile> {
@@ -203,6 +255,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         &hw,
         cold,
         profile.as_ref().map(|p| (p, a.sparsity_target)),
+        &a.budget.precisions(&store, a.sparsity_target)?,
     )?;
     // What runs the neurons that do not fit.
     let chosen = if chosen_hot.is_some() {

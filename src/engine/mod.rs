@@ -22,6 +22,7 @@ use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
 };
 use crate::tensor::{DType, HostTensor};
+use crate::tier::precision::TierSet;
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use resident::ResidentWeights;
@@ -98,23 +99,29 @@ pub struct LayerView<'a, B: Backend> {
 /// neurons each step needs by the adjacent-token update, computed in place by the neuron-listed
 /// kernels.
 pub trait NeuronUnit<B: Backend>: Send {
-    /// The neurons any of the `n` rows of `x` (the FFN input) needs, ascending: those the
-    /// mask (`threshold`, as [`crate::backend::sparse_act`]) leaves on, or with a predictor
-    /// those its flags `keep` (`n × d_ff`) list.
+    /// The neurons the `n` rows of `x` (the FFN input) need — those the mask (`threshold`, as
+    /// [`crate::backend::sparse_act`]) leaves on, or with a predictor those its flags `keep`
+    /// (`n × d_ff`) list — split among the unit's precision tiers
+    /// ([`crate::tier::precision`]), ranked by `scores` (the predictor's, `n × d_ff`) or by
+    /// the activations' magnitudes.
     fn active(
         &self,
         x: &[f32],
         n: usize,
         threshold: f32,
         keep: Option<&[bool]>,
-    ) -> Result<Vec<u32>>;
-    /// Slots in the unit.
-    fn slots(&self) -> usize;
-    /// Bring `neurons` (distinct, at most [`NeuronUnit::slots`]) into the unit, moving only
-    /// those it does not hold; their slots, in the same order.
-    fn bring(&mut self, b: &B, neurons: &[u32]) -> Result<Vec<u32>>;
-    /// The unit (one bundle per slot) and its up bias by slot, if the model has one.
-    fn unit(&self) -> (&B::Weight, Option<&B::Weight>);
+        scores: Option<&[f32]>,
+    ) -> Result<[TierSet; 3]>;
+    /// Whether the unit has more than one precision tier (a predictor's scores rank them).
+    fn mixed(&self) -> bool;
+    /// Slots in the unit's region for precision tier `tier`.
+    fn slots(&self, tier: usize) -> usize;
+    /// Bring `neurons` (distinct, at most [`NeuronUnit::slots`]) into tier `tier`'s region,
+    /// moving only those it does not hold; their slots, in the same order.
+    fn bring(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>>;
+    /// Tier `tier`'s region (one bundle per slot, in its encoding) and its up bias by slot, if
+    /// the model has one.
+    fn unit(&self, tier: usize) -> Result<(&B::Weight, Option<&B::Weight>)>;
 }
 
 /// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons).
@@ -257,6 +264,13 @@ pub trait ActivationTap: Send + Sync {
 pub trait NeuronPredictor: Send + Sync {
     /// For `n` rows of the layer's FFN input, `n × d_ff` flags: true = compute.
     fn active(&self, layer: usize, input: &[f32], n: usize) -> Vec<bool>;
+    /// The flags and a score per flag (higher = more surely active: what mixed precision
+    /// ranks by). Without scores of its own a predictor scores its flags 1 and 0.
+    fn scored(&self, layer: usize, input: &[f32], n: usize) -> (Vec<bool>, Vec<f32>) {
+        let keep = self.active(layer, input, n);
+        let scores = keep.iter().map(|&k| k as u8 as f32).collect();
+        (keep, scores)
+    }
 }
 
 struct Pass<B: Backend> {
@@ -264,6 +278,9 @@ struct Pass<B: Backend> {
     /// The buffers of the last step, reused while steps keep their size.
     scratch: Option<Scratch<B>>,
 }
+
+/// A predictor's flags for a step (`n × d_ff`) and, where asked for, its scores.
+type Predicted = (Vec<bool>, Option<Vec<f32>>);
 
 /// Which positions' logits a forward step returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -882,18 +899,35 @@ impl<B: Backend> Engine<B> {
 
     /// The predictor's flags for layer `layer` and the FFN input `x` (`n × d_ff`), if any.
     fn predict(&self, layer: usize, x: &[f32], n: usize) -> Result<Option<Vec<bool>>> {
+        Ok(self.predict_scored(layer, x, n, false)?.map(|(k, _)| k))
+    }
+
+    /// As [`Engine::predict`], with the predictor's scores where `scored`.
+    fn predict_scored(
+        &self,
+        layer: usize,
+        x: &[f32],
+        n: usize,
+        scored: bool,
+    ) -> Result<Option<Predicted>> {
         let Some(p) = &self.predictor else {
             return Ok(None);
         };
-        let keep = p.active(layer, x, n);
-        if keep.len() != n * self.spec.d_ff {
+        let (keep, scores) = if scored {
+            let (k, s) = p.scored(layer, x, n);
+            (k, Some(s))
+        } else {
+            (p.active(layer, x, n), None)
+        };
+        let want = n * self.spec.d_ff;
+        if keep.len() != want || scores.as_ref().is_some_and(|s| s.len() != want) {
             return Err(EngineError::Weights(format!(
                 "the predictor of layer {layer} gave {} flags for {n}×{} activations",
                 keep.len(),
                 self.spec.d_ff
             )));
         }
-        Ok(Some(keep))
+        Ok(Some((keep, scores)))
     }
 
     /// Zero the hidden activations of the neurons `keep` leaves out. Column `j` of `hidden` is
@@ -1042,30 +1076,35 @@ impl<B: Backend> Engine<B> {
         let mut stage = self.take_stage(sc)?;
         let decided = (|| {
             let x = Landing::start(b, &sc.h, &mut stage)?.wait()?;
-            let keep = self.predict(layer, x, n)?;
-            let active = unit.active(x, n, threshold, keep.as_deref())?;
-            Ok::<_, EngineError>((active, keep))
+            let predicted = self.predict_scored(layer, x, n, unit.mixed())?;
+            let (keep, scores) = match &predicted {
+                Some((k, s)) => (Some(k.as_slice()), s.as_deref()),
+                None => (None, None),
+            };
+            unit.active(x, n, threshold, keep, scores)
         })();
         sc.stage = Some(stage);
-        let (active, keep) = decided?;
+        let tiers = decided?;
         b.zero(&mut sc.proj)?;
         if let Some(bias) = down_bias {
             b.add_bias(&mut sc.proj, bias)?;
         }
-        let slots = unit.slots().max(1);
-        for chunk in active.chunks(slots) {
-            let at = unit.bring(b, chunk)?;
-            let (w, up_bias) = unit.unit();
-            b.ffn_bundles_up_listed(
-                w, *shape, &sc.h, self.act, threshold, up_bias, &at, &mut sc.up,
-            )?;
-            if let Some(keep) = &keep
-                && n > 1
-            {
-                // A neuron one token needs may be off for another.
-                self.mask_hidden(keep, Some(chunk), &mut sc.up)?;
+        for (tier, set) in tiers.iter().enumerate() {
+            let slots = unit.slots(tier).max(1);
+            for chunk in set.ids.chunks(slots) {
+                let at = unit.bring(b, tier, chunk)?;
+                let (w, up_bias) = unit.unit(tier)?;
+                b.ffn_bundles_up_listed(
+                    w, *shape, &sc.h, self.act, threshold, up_bias, &at, &mut sc.up,
+                )?;
+                if let Some(keep) = &set.keep
+                    && n > 1
+                {
+                    // A neuron one token needs (in this precision) may be off for another.
+                    self.mask_hidden(keep, Some(chunk), &mut sc.up)?;
+                }
+                b.ffn_bundles_down_listed(w, *shape, &sc.up, &at, &mut sc.proj)?;
             }
-            b.ffn_bundles_down_listed(w, *shape, &sc.up, &at, &mut sc.proj)?;
         }
         Ok(())
     }

@@ -287,13 +287,15 @@ pub struct ColdChoice {
 
 /// The plan of an offloaded run for `mode`: the streaming plan (with or without the split) and,
 /// for hybrid execution, the hot-neuron plan; `profile` at its target, where one exists (hybrid
-/// needs it). For `auto`, the candidate predicted fastest, and the predictions of all of them.
+/// needs it); cache units at the fastest of the neuron `precisions`. For `auto`, the
+/// candidate predicted fastest, and the predictions of all of them.
 pub fn plan_cold(
     m: &Manifest,
     budget: &super::Budget,
     hw: &super::HardwareProfile,
     mode: Cold,
     profile: Option<(&SparsityProfile, f64)>,
+    precisions: &[crate::tier::precision::Precision],
 ) -> Result<ColdChoice, PlanError> {
     let plan_with = |split: bool| {
         super::make_plan(
@@ -345,7 +347,7 @@ pub fn plan_cold(
                 "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
             ));
         };
-        super::units::plan_units(m, plan, Some(p), target)
+        super::units::plan_units_fastest(m, plan, Some(p), target, precisions)
     };
     let (plan, hot, units, candidates) = match mode {
         Cold::Stream | Cold::Split => {

@@ -8,6 +8,10 @@
 //! frequency `f`, reused from the previous token: `Σ f·(1 − f)` for a unit that holds a token's
 //! set, the whole set where it does not (`bench units` measures the real reuse, which spare
 //! slots raise).
+//!
+//! With mixed precision each tier's region is sized by its share `s` of the active set and
+//! its encoding's bytes; a neuron is taken to fall in a tier independently of the last token's
+//! rank, so the tier loads `Σ f·s·(1 − f·s)` (ranks of adjacent tokens correlate: fewer move).
 
 use serde::Serialize;
 
@@ -16,10 +20,12 @@ use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
 use crate::backend::memory::device_bytes;
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::store::{Encoding, Manifest, names};
+use crate::tier::precision::{Precision, TIER_ENCODINGS};
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct UnitLayer {
-    pub slots: usize,
+    /// Slots of the region of each precision tier (f16, INT8, INT4).
+    pub slots: [usize; 3],
     /// Mean neurons active per token.
     pub mean_active: f64,
     /// Expected neurons brought in per token.
@@ -54,13 +60,15 @@ pub struct UnitPerToken {
 #[derive(Clone, Debug, Serialize)]
 pub struct UnitPlan {
     pub target: f64,
+    /// Shares of each token's active neurons in f16, INT8 and INT4.
+    pub precision: Precision,
     /// Unit sizes as a multiple of each layer's mean active count.
     pub scale: f64,
     pub layers: Vec<UnitLayer>,
-    /// Bytes of one neuron (its f16 bundle, and its up bias where there is one).
-    pub neuron_bytes: u64,
+    /// Bytes of one neuron in each tier's encoding (and its up bias where there is one).
+    pub neuron_bytes: [u64; 3],
     pub device: UnitDevice,
-    /// DRAM the neurons take (every layer's bundles).
+    /// DRAM the neurons take (every layer's bundles in each encoding used).
     pub dram_neurons: u64,
     pub per_token: UnitPerToken,
     pub predicted_tokens_per_s: f64,
@@ -70,8 +78,8 @@ pub struct UnitPlan {
 }
 
 impl UnitPlan {
-    /// Slots of each layer's unit.
-    pub fn slots(&self) -> Vec<usize> {
+    /// Slots of each layer's unit, by precision tier.
+    pub fn slots(&self) -> Vec<[usize; 3]> {
         self.layers.iter().map(|l| l.slots).collect()
     }
 
@@ -79,19 +87,36 @@ impl UnitPlan {
         use std::fmt::Write;
         let mut s = String::new();
         let h = human_bytes;
+        let used: Vec<usize> = self.precision.tiers().collect();
+        let per: Vec<String> = used
+            .iter()
+            .map(|&i| format!("{} {}", TIER_ENCODINGS[i].name(), h(self.neuron_bytes[i])))
+            .collect();
         let _ = writeln!(
             s,
-            "cache units (--cold gpu) at {:.0}% sparsity: units of {:.2}× each layer's mean active neurons, {} per neuron",
+            "cache units (--cold gpu) at {:.0}% sparsity, neuron precision {}: units of {:.2}× each layer's mean active neurons, per neuron {}",
             self.target * 100.0,
+            self.precision,
             self.scale,
-            h(self.neuron_bytes)
+            per.join(", ")
         );
-        let _ = writeln!(s, "layer  slots  mean active  expected loads/token");
+        let head: Vec<String> = used
+            .iter()
+            .map(|&i| format!("{:>6}", TIER_ENCODINGS[i].name()))
+            .collect();
+        let _ = writeln!(
+            s,
+            "layer  {}  mean active  expected loads/token",
+            head.join(" ")
+        );
         for (l, x) in self.layers.iter().enumerate() {
+            let k: Vec<String> = used.iter().map(|&i| format!("{:>6}", x.slots[i])).collect();
             let _ = writeln!(
                 s,
-                "{l:>5}  {:>5}  {:>11.1}  {:>19.1}",
-                x.slots, x.mean_active, x.expected_loads
+                "{l:>5}  {}  {:>11.1}  {:>19.1}",
+                k.join(" "),
+                x.mean_active,
+                x.expected_loads
             );
         }
         let d = &self.device;
@@ -117,37 +142,57 @@ impl UnitPlan {
     }
 }
 
-/// Device bytes of units of `slots` (and the staging buffers) for neurons of `row` bytes,
-/// with a slot-ordered up bias where `biased`: as the source allocates them.
-fn unit_device_bytes(slots: &[usize], row: u64, biased: bool) -> (u64, u64) {
-    let one = |k: usize| {
-        device_bytes(k as u64 * row)
+/// Device bytes of units of `slots` (per tier) and the staging buffers (per tier, as wide as
+/// its widest region) for neurons of `row[tier]` bytes, with a slot-ordered up bias where
+/// `biased`: as the source allocates them.
+fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64, u64) {
+    let one = |k: usize, tier: usize| {
+        if k == 0 {
+            return 0;
+        }
+        device_bytes(k as u64 * row[tier])
             + if biased {
                 device_bytes(k as u64 * 4)
             } else {
                 0
             }
     };
-    let units = slots.iter().map(|&k| one(k)).sum();
-    let widest = slots.iter().copied().max().unwrap_or(1);
-    (units, one(widest))
+    let units = slots
+        .iter()
+        .map(|k| (0..3).map(|i| one(k[i], i)).sum::<u64>())
+        .sum();
+    let staging = (0..3)
+        .map(|i| one(slots.iter().map(|k| k[i]).max().unwrap_or(0), i))
+        .sum();
+    (units, staging)
 }
 
-/// Cache units for `plan`'s budget (everything but the FFN resident; its KV and step memory):
-/// their sizes from `profile`'s frequencies at `target` (or `target` alone), and what they
-/// hold and move.
+/// Cache units for `plan`'s budget (everything but the FFN resident; its KV and step memory)
+/// at neuron `precision`: their sizes from `profile`'s frequencies at `target` (or `target`
+/// alone), and what they hold and move.
 pub fn plan_units(
     m: &Manifest,
     plan: &Plan,
     profile: Option<&SparsityProfile>,
     target: f64,
+    precision: Precision,
 ) -> Result<UnitPlan, PlanError> {
     let spec = &plan.spec;
     let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
     if m.bundle_encodings.is_empty() {
         return Err(PlanError::Budget(
-            "cache units hold neuron bundles: this model's FFN is stored as matrices (--cold cpu runs it sparse)".into(),
+            "cache units hold neuron bundles: this model's FFN is stored as matrices (--cold cpu runs it sparse; convert --bundle-ffn bundles it)".into(),
         ));
+    }
+    for i in precision.tiers() {
+        let enc = TIER_ENCODINGS[i];
+        if !m.bundle_encodings.contains(&enc) {
+            return Err(PlanError::Store(format!(
+                "neuron precision {precision} computes neurons in {} but the store holds no {} bundles (convert with --encodings int8,int4)",
+                enc.name(),
+                enc.name()
+            )));
+        }
     }
     if let Some(p) = profile
         && (p.d_ff != d_ff || p.n_layers != n_layers)
@@ -157,9 +202,10 @@ pub fn plan_units(
         ));
     }
     let parts = if spec.gated_ffn { 3 } else { 2 };
-    let row = Encoding::F16.row_bytes(parts * d, parts) as u64;
+    let row = TIER_ENCODINGS.map(|e| e.row_bytes(parts * d, parts) as u64);
     let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
-    let neuron_bytes = row + if biased { 4 } else { 0 };
+    let neuron_bytes = row.map(|r| r + if biased { 4 } else { 0 });
+    let share = precision.0.map(|p| p as f64 / 100.0);
     let (base, _) = base_of(m, plan, false)?;
     let everything_else = base.everything_else;
     let g = &plan.gpu;
@@ -176,18 +222,28 @@ pub fn plan_units(
         })
         .collect();
     let means: Vec<f64> = freqs.iter().map(|f| f.iter().sum::<f64>()).collect();
-    let slots_at = |scale: f64| -> Vec<usize> {
+    let slots_at = |scale: f64| -> Vec<[usize; 3]> {
         means
             .iter()
-            .map(|&mu| ((scale * mu).ceil() as usize).clamp(1, d_ff))
+            .map(|&mu| {
+                [0, 1, 2].map(|i| {
+                    if share[i] > 0.0 {
+                        ((scale * share[i] * mu).ceil() as usize).clamp(1, d_ff)
+                    } else {
+                        0
+                    }
+                })
+            })
             .collect()
     };
-    let fits = |slots: &[usize]| {
+    let smallest =
+        || -> Vec<[usize; 3]> { vec![[0, 1, 2].map(|i| usize::from(share[i] > 0.0)); n_layers] };
+    let fits = |slots: &[[usize; 3]]| {
         let (u, st) = unit_device_bytes(slots, row, biased);
         u + st <= room
     };
-    if !fits(&vec![1; n_layers]) {
-        let (u, st) = unit_device_bytes(&vec![1; n_layers], row, biased);
+    if !fits(&smallest()) {
+        let (u, st) = unit_device_bytes(&smallest(), row, biased);
         return Err(PlanError::GpuTooSmall {
             budget: plan.budget.gpu_mem,
             minimum: g.fixed + everything_else + u + st,
@@ -225,20 +281,26 @@ pub fn plan_units(
     let (units, staging) = unit_device_bytes(&slots, row, biased);
 
     let hw = &plan.hardware;
-    let decide = row / parts as u64;
+    let decide = Encoding::F16.row_bytes(parts * d, parts) as u64 / parts as u64;
     let sync = hw.op_overhead_s + (d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
     let mut layers = Vec::with_capacity(n_layers);
     let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + base.attention, 0u64, 0u64);
     let mut seconds = 0.0;
     for (l, (f, &mu)) in freqs.iter().zip(&means).enumerate() {
         let k = slots[l];
-        let loads = if k as f64 >= mu {
-            f.iter().map(|p| p * (1.0 - p)).sum::<f64>()
-        } else {
-            mu
-        };
-        let active = (mu * row as f64) as u64;
-        let moved = (loads * neuron_bytes as f64) as u64;
+        let (mut loads, mut active, mut moved) = (0.0, 0.0, 0.0);
+        for i in precision.tiers() {
+            let s = share[i];
+            let tier_loads = if k[i] as f64 >= s * mu {
+                f.iter().map(|p| p * s * (1.0 - p * s)).sum::<f64>()
+            } else {
+                s * mu
+            };
+            loads += tier_loads;
+            active += s * mu * row[i] as f64;
+            moved += tier_loads * neuron_bytes[i] as f64;
+        }
+        let (active, moved) = (active as u64, moved as u64);
         let decided = d_ff as u64 * decide;
         hbm += active;
         cpu += decided;
@@ -263,10 +325,15 @@ pub fn plan_units(
     for l in 0..n_layers {
         let s = seg(m, &part_segment_name(l, Part::Ffn))?;
         dram_neurons += s.read_extent(0..s.rows).1;
+        for i in precision.tiers().filter(|&i| i > 0) {
+            let s = seg(m, &names::bundles(l, TIER_ENCODINGS[i]))?;
+            dram_neurons += s.read_extent(0..s.rows).1;
+        }
     }
     let placed = everything_else + units + staging;
     Ok(UnitPlan {
         target,
+        precision,
         scale: lo,
         layers,
         neuron_bytes,
@@ -288,5 +355,36 @@ pub fn plan_units(
             .iter()
             .map(|f| f.iter().map(|&p| p as f32).collect())
             .collect(),
+    })
+}
+
+/// Cache units at the fastest of the precisions `candidates` by the plan's prediction (the
+/// earlier of equals); where none fits, the first one's refusal.
+pub fn plan_units_fastest(
+    m: &Manifest,
+    plan: &Plan,
+    profile: Option<&SparsityProfile>,
+    target: f64,
+    candidates: &[Precision],
+) -> Result<UnitPlan, PlanError> {
+    let mut best: Option<UnitPlan> = None;
+    let mut first_err = None;
+    for &p in candidates {
+        match plan_units(m, plan, profile, target, p) {
+            Ok(u) => {
+                if best
+                    .as_ref()
+                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
+                {
+                    best = Some(u);
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    best.ok_or_else(|| {
+        first_err.unwrap_or_else(|| PlanError::Budget("no neuron precision to plan for".into()))
     })
 }

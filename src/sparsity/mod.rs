@@ -124,6 +124,10 @@ impl crate::engine::NeuronPredictor for Predictors {
     fn active(&self, layer: usize, input: &[f32], n: usize) -> Vec<bool> {
         self.0[layer].active(input, n)
     }
+
+    fn scored(&self, layer: usize, input: &[f32], n: usize) -> (Vec<bool>, Vec<f32>) {
+        self.0[layer].scored(input, n)
+    }
 }
 
 impl SparsityProfile {

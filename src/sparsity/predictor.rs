@@ -167,10 +167,13 @@ impl Predictor {
 
     /// Whether each neuron is predicted active for each of `t` inputs (`t × neurons`).
     pub fn active(&self, x: &[f32], t: usize) -> Vec<bool> {
-        self.logits(x, t)
-            .iter()
-            .map(|&z| z >= self.cutoff)
-            .collect()
+        self.scored(x, t).0
+    }
+
+    /// The flags of [`Predictor::active`] and the logits they come from.
+    pub fn scored(&self, x: &[f32], t: usize) -> (Vec<bool>, Vec<f32>) {
+        let z = self.logits(x, t);
+        (z.iter().map(|&v| v >= self.cutoff).collect(), z)
     }
 }
 

@@ -195,6 +195,30 @@ impl ColdLayer {
         Ok(pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect())
     }
 
+    /// As [`ColdLayer::active_ids`] without a predictor, with the masked activations of the
+    /// neurons found (`n × ids.len()`, zero where a token leaves one off): what ranks them.
+    pub(super) fn active_scored(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let ColdData::Bundles { t, shape } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let b = Bundles::from_host(t, *shape)?;
+        let cand = self.candidates(n, None);
+        let c = cand.len();
+        let mut dec = vec![0f32; n * c];
+        sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
+        let pos = self.activate(&cand, n, shape.parts == 3, threshold, None, &mut dec);
+        self.traffic.add(&self.cost, c, 0, 0);
+        let ids = pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect();
+        Ok((ids, select_cols(&dec, n, c, &pos)))
+    }
+
     /// The stored bundles of neurons `ids` (held here), one after another into `out`, and
     /// their up biases (two-part bundles with one) into `bias`.
     pub(super) fn gather(&self, ids: &[u32], out: &mut Vec<u8>, bias: &mut Vec<f32>) -> Result<()> {
@@ -206,18 +230,33 @@ impl ColdLayer {
         let rb = t.row_bytes();
         let data = t.data.as_slice();
         out.clear();
-        bias.clear();
         for &id in ids {
-            let j = self
-                .ids
-                .binary_search(&id)
-                .map_err(|_| weights_err(format!("neuron {id} is not held in DRAM")))?;
+            let j = self.position(id)?;
             out.extend_from_slice(&data[j * rb..(j + 1) * rb]);
-            if let Some(b) = &self.up_bias {
-                bias.push(b[j]);
+        }
+        self.gather_bias(ids, bias)
+    }
+
+    /// The up biases of neurons `ids` (held here) into `bias`; nothing without one.
+    pub(super) fn gather_bias(&self, ids: &[u32], bias: &mut Vec<f32>) -> Result<()> {
+        bias.clear();
+        if let Some(b) = &self.up_bias {
+            for &id in ids {
+                bias.push(b[self.position(id)?]);
             }
         }
         Ok(())
+    }
+
+    fn position(&self, id: u32) -> Result<usize> {
+        self.ids
+            .binary_search(&id)
+            .map_err(|_| weights_err(format!("neuron {id} is not held in DRAM")))
+    }
+
+    /// Neurons in the layer (held here or not).
+    pub(super) fn d_ff(&self) -> usize {
+        self.d_ff
     }
 
     /// Whether two-part bundles here carry an up bias.

@@ -7,6 +7,7 @@ pub mod dram;
 pub mod hybrid;
 pub mod ledger;
 pub mod offload;
+pub mod precision;
 pub mod unit;
 pub mod units;
 

@@ -5,12 +5,17 @@
 //! applies the mask, or the predictor lists them), the unit's slot map (the ATU,
 //! [`super::unit::SlotMap`]) names the ones it lacks, and those are gathered into one host
 //! buffer, sent in one copy and scattered into the slots they take.
+//!
+//! With mixed precision ([`super::precision`]) a unit has one region per precision tier (f16,
+//! INT8, INT4), each with its slot map and its DRAM copy of the neurons in that encoding (the
+//! store's bundles); a neuron a token ranks in a tier is brought into that tier's region.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hybrid::{ColdLayer, CpuSide, Resident, resident_source};
 use super::ledger::Ledger;
+use super::precision::{Precision, TIER_ENCODINGS, TierSet, split_by_precision};
 use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
@@ -18,8 +23,9 @@ use crate::engine::{
     EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result, WeightSource,
 };
 use crate::plan::{Part, Plan, part_segment_name};
-use crate::store::{Encoding, Store};
-use crate::tensor::DType;
+use crate::store::{Store, names};
+use crate::tensor::{AlignedBuf, DType};
+use crate::tier::ledger::{Reservation, Tier};
 
 fn weights_err(msg: impl Into<String>) -> EngineError {
     EngineError::Weights(msg.into())
@@ -28,12 +34,14 @@ fn weights_err(msg: impl Into<String>) -> EngineError {
 /// What the units have moved, over all layers.
 #[derive(Debug, Default)]
 pub struct UnitTraffic {
-    /// Active neurons the steps needed.
+    /// Active neurons the steps needed (a neuron needed in two tiers counts twice).
     pub needed: AtomicU64,
     /// Of them, brought in (not in the unit).
     pub loads: AtomicU64,
     /// Host→device bytes of those loads (bundles and, with an up bias, its values).
     pub bytes: AtomicU64,
+    /// Loads by precision tier (f16, INT8, INT4).
+    pub tier_loads: [AtomicU64; 3],
 }
 
 impl UnitTraffic {
@@ -45,23 +53,87 @@ impl UnitTraffic {
             self.bytes.load(Ordering::Relaxed),
         ]
     }
+
+    /// Loads by precision tier.
+    pub fn tier_loads(&self) -> [u64; 3] {
+        [0, 1, 2].map(|i| self.tier_loads[i].load(Ordering::Relaxed))
+    }
 }
 
-/// One layer's unit and the DRAM copy of its neurons.
-struct LayerUnit<B: Backend> {
-    neurons: ColdLayer,
+/// A layer's neurons in DRAM in one encoding (the store's bundles, row `j` = neuron `j`).
+struct DramBundles {
+    buf: AlignedBuf,
+    first: usize,
+    row_bytes: usize,
+    _hold: Reservation,
+}
+
+impl DramBundles {
+    fn read(store: &Store, ledger: &Arc<Ledger>, l: usize, tier: usize) -> Result<Self> {
+        let enc = TIER_ENCODINGS[tier];
+        let s = store.require(&names::bundles(l, enc)).map_err(|e| {
+            weights_err(format!(
+                "{} neurons need the store's {} bundles (convert with --encodings int8,int4): {e}",
+                enc.name(),
+                enc.name()
+            ))
+        })?;
+        let (_, extent) = s.read_extent(0..s.rows);
+        let hold = ledger
+            .reserve(
+                Tier::Dram,
+                extent,
+                &format!("{} neurons of layer {l}", enc.name()),
+            )
+            .map_err(|e| weights_err(e.to_string()))?;
+        let mut buf = AlignedBuf::zeroed(extent as usize);
+        let (first, _) = store
+            .read_rows_into(s, 0..s.rows, &mut buf)
+            .map_err(|e| weights_err(e.to_string()))?;
+        Ok(DramBundles {
+            buf,
+            first,
+            row_bytes: s.row_bytes(),
+            _hold: hold,
+        })
+    }
+
+    fn gather(&self, ids: &[u32], out: &mut Vec<u8>) {
+        let (rb, data) = (self.row_bytes, &self.buf.as_slice()[self.first..]);
+        out.clear();
+        for &id in ids {
+            let j = id as usize;
+            out.extend_from_slice(&data[j * rb..(j + 1) * rb]);
+        }
+    }
+}
+
+/// One precision tier's region of a layer's unit.
+struct TierUnit<B: Backend> {
+    /// The neurons in this tier's encoding (the f16 tier gathers from the layer's own copy).
+    dram: Option<DramBundles>,
     map: SlotMap,
-    /// `slots` bundles, one per slot.
+    /// One bundle per slot.
     unit: B::Weight,
     /// The up bias of the neuron in each slot (two-part bundles with one).
     slot_bias: Option<B::Weight>,
 }
 
-/// Where misses go on their way into a unit: one host buffer, one device buffer of as many
-/// bundles as the largest unit, shared by the layers.
+/// One layer's unit and the DRAM copy of its neurons.
+struct LayerUnit<B: Backend> {
+    /// Every neuron in f16: what decides the active set (oracle masks), and the f16 tier's
+    /// source.
+    neurons: ColdLayer,
+    tiers: [Option<TierUnit<B>>; 3],
+}
+
+type StagingTier<B> = (<B as Backend>::Weight, Option<<B as Backend>::Weight>);
+
+/// Where misses go on their way into a unit: one host buffer, and per tier one device buffer
+/// of as many bundles as that tier's largest region, shared by the layers.
 struct Staging<B: Backend> {
-    bundles: B::Weight,
-    bias: Option<B::Weight>,
+    /// Per tier, the bundles and their up biases.
+    tiers: [Option<StagingTier<B>>; 3],
     host: Vec<u8>,
     host_bias: Vec<f32>,
 }
@@ -71,20 +143,23 @@ pub struct UnitWeights<B: Backend> {
     layers: Vec<LayerUnit<B>>,
     staging: Staging<B>,
     bundle: BundleShape,
+    precision: Precision,
     traffic: Arc<UnitTraffic>,
 }
 
 impl<B: Backend> UnitWeights<B> {
-    /// Load everything but the FFN to the device, each layer's neurons into DRAM, and an empty
-    /// unit of `slots[l]` bundles per layer (f16, as stored). Stale neurons give way by
-    /// `score[l]` (e.g. the profile's activation frequencies; all equal without). `plan` is the
-    /// store's offload plan for the same budget (its staging size).
+    /// Load everything but the FFN to the device, each layer's neurons into DRAM (f16, and the
+    /// store's INT8/INT4 bundles where `precision` uses them), and an empty unit per layer of
+    /// `slots[l][tier]` bundles in each tier's encoding. Stale neurons give way by `score[l]`
+    /// (e.g. the profile's activation frequencies; all equal without). `plan` is the store's
+    /// offload plan for the same budget (its staging size).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         b: &B,
         store: Arc<Store>,
         plan: &Plan,
-        slots: &[usize],
+        slots: &[[usize; 3]],
+        precision: Precision,
         score: Option<&[Vec<f32>]>,
         ledger: Arc<Ledger>,
         kernels: &'static Kernels,
@@ -98,24 +173,31 @@ impl<B: Backend> UnitWeights<B> {
         let (n_layers, d, d_ff) = (spec.n_layers, spec.d_model, spec.d_ff);
         if !store.ffn_bundled() {
             return Err(weights_err(
-                "cache units hold neuron bundles: this model's FFN is stored as matrices",
+                "cache units hold neuron bundles: this model's FFN is stored as matrices (convert it with --bundle-ffn)",
             ));
         }
-        if slots.len() != n_layers || slots.iter().any(|&k| k == 0 || k > d_ff) {
+        let sized = |k: &[usize; 3]| {
+            (0..3).all(|i| {
+                if precision.0[i] > 0 {
+                    (1..=d_ff).contains(&k[i])
+                } else {
+                    k[i] == 0
+                }
+            })
+        };
+        if slots.len() != n_layers || !slots.iter().all(sized) {
             return Err(weights_err(format!(
-                "cache units need 1..={d_ff} slots for each of the {n_layers} layers"
+                "cache units at precision {precision} need 1..={d_ff} slots in each used tier (none in the others) for each of the {n_layers} layers"
             )));
         }
         let bundle = BundleShape {
             parts: if spec.gated_ffn { 3 } else { 2 },
             d,
         };
-        let enc = Encoding::Format(DType::F16);
         let traffic = Arc::new(super::hybrid::ColdTraffic::default());
         let act_fn = crate::backend::cpu::ops::activation(act);
         let mut layers = Vec::with_capacity(n_layers);
         let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, _| {
-            let k = slots[l];
             let neurons = ColdLayer::bundle_rows(
                 &store,
                 &ledger,
@@ -127,47 +209,65 @@ impl<B: Backend> UnitWeights<B> {
                     traffic: traffic.clone(),
                 },
             )?;
-            let seg = part_segment_name(l, Part::Ffn);
-            let unit = b.alloc_bundles(&format!("{seg} unit"), enc, bundle, k)?;
-            let slot_bias = if neurons.has_up_bias() {
-                Some(b.alloc_weight(&format!("{seg} unit up bias"), DType::F32, k, 1)?)
-            } else {
-                None
-            };
             let eviction = match score {
-                Some(s) => Eviction::Frequency(
-                    s.get(l)
-                        .cloned()
-                        .ok_or_else(|| weights_err("a score for every layer"))?,
-                ),
-                None => Eviction::Frequency(vec![0.0; d_ff]),
+                Some(s) => s
+                    .get(l)
+                    .cloned()
+                    .ok_or_else(|| weights_err("a score for every layer"))?,
+                None => vec![0.0; d_ff],
             };
-            let map = SlotMap::new(d_ff, k, eviction).map_err(|e| weights_err(e.to_string()))?;
-            layers.push(LayerUnit {
-                neurons,
-                map,
-                unit,
-                slot_bias,
-            });
+            let seg = part_segment_name(l, Part::Ffn);
+            let mut tiers: [Option<TierUnit<B>>; 3] = Default::default();
+            for tier in precision.tiers() {
+                let k = slots[l][tier];
+                let enc = TIER_ENCODINGS[tier];
+                let name = format!("{seg} unit {}", enc.name());
+                tiers[tier] = Some(TierUnit {
+                    dram: if tier == 0 {
+                        None
+                    } else {
+                        Some(DramBundles::read(&store, &ledger, l, tier)?)
+                    },
+                    map: SlotMap::new(d_ff, k, Eviction::Frequency(eviction.clone()))
+                        .map_err(|e| weights_err(e.to_string()))?,
+                    unit: b.alloc_bundles(&name, enc, bundle, k)?,
+                    slot_bias: if neurons.has_up_bias() {
+                        Some(b.alloc_weight(&format!("{name} up bias"), DType::F32, k, 1)?)
+                    } else {
+                        None
+                    },
+                });
+            }
+            layers.push(LayerUnit { neurons, tiers });
             Ok(())
         })?;
-        let widest = slots.iter().copied().max().unwrap_or(1);
-        let biased = layers.iter().any(|u| u.slot_bias.is_some());
-        let staging = Staging {
-            bundles: b.alloc_bundles("unit staging", enc, bundle, widest)?,
-            bias: if biased {
-                Some(b.alloc_weight("unit staging up bias", DType::F32, widest, 1)?)
-            } else {
-                None
-            },
+        let biased = layers
+            .iter()
+            .any(|u| u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()));
+        let mut staging = Staging {
+            tiers: Default::default(),
             host: Vec::new(),
             host_bias: Vec::new(),
         };
+        for tier in precision.tiers() {
+            let widest = slots.iter().map(|k| k[tier]).max().unwrap_or(1);
+            let enc = TIER_ENCODINGS[tier];
+            let name = format!("unit staging {}", enc.name());
+            staging.tiers[tier] = Some((
+                b.alloc_bundles(&name, enc, bundle, widest)?,
+                if biased {
+                    Some(b.alloc_weight(&format!("{name} up bias"), DType::F32, widest, 1)?)
+                } else {
+                    None
+                },
+            ));
+        }
         Ok(UnitWeights {
             resident,
             layers,
             staging,
             bundle,
+            precision,
             traffic: Arc::new(UnitTraffic::default()),
         })
     }
@@ -182,7 +282,16 @@ impl<B: Backend> UnitWeights<B> {
 struct UnitStep<'a, B: Backend> {
     layer: &'a mut LayerUnit<B>,
     staging: &'a mut Staging<B>,
+    precision: Precision,
     traffic: &'a UnitTraffic,
+}
+
+impl<B: Backend> UnitStep<'_, B> {
+    fn tier(&self, tier: usize) -> Result<&TierUnit<B>> {
+        self.layer.tiers[tier]
+            .as_ref()
+            .ok_or_else(|| weights_err(format!("this unit has no precision tier {tier}")))
+    }
 }
 
 impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
@@ -192,27 +301,53 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
         n: usize,
         threshold: f32,
         keep: Option<&[bool]>,
-    ) -> Result<Vec<u32>> {
+        scores: Option<&[f32]>,
+    ) -> Result<[TierSet; 3]> {
+        let d_ff = self.layer.neurons.d_ff();
+        let p = self.precision;
         match keep {
             // The predictor names the set (M2Cache's path): nothing is read from DRAM to
             // decide, and the kernels still apply the mask.
             Some(keep) => {
-                let d_ff = keep.len() / n.max(1);
-                Ok((0..d_ff as u32)
+                let ids: Vec<u32> = (0..d_ff as u32)
                     .filter(|&j| (0..n).any(|t| keep[t * d_ff + j as usize]))
-                    .collect())
+                    .collect();
+                Ok(split_by_precision(p, d_ff, n, &ids, Some(keep), |t, i| {
+                    let at = t * d_ff + ids[i] as usize;
+                    keep[at].then(|| scores.map_or(1.0, |s| s[at]))
+                }))
             }
-            None => self.layer.neurons.active_ids(x, n, threshold, None),
+            None if p == Precision::FP16 || n == 1 && !p.mixed() => {
+                let ids = self.layer.neurons.active_ids(x, n, threshold, None)?;
+                Ok(split_by_precision(p, d_ff, n, &ids, None, |_, _| Some(0.0)))
+            }
+            // The exact mask ranks by the activations' magnitudes.
+            None => {
+                let (ids, acts) = self.layer.neurons.active_scored(x, n, threshold)?;
+                let a = ids.len();
+                Ok(split_by_precision(p, d_ff, n, &ids, None, |t, i| {
+                    let v = acts[t * a + i];
+                    (v != 0.0).then(|| v.abs())
+                }))
+            }
         }
     }
 
-    fn slots(&self) -> usize {
-        self.layer.map.slots()
+    fn mixed(&self) -> bool {
+        self.precision.mixed()
     }
 
-    fn bring(&mut self, b: &B, neurons: &[u32]) -> Result<Vec<u32>> {
-        let loads = self
-            .layer
+    fn slots(&self, tier: usize) -> usize {
+        self.layer.tiers[tier].as_ref().map_or(0, |t| t.map.slots())
+    }
+
+    fn bring(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>> {
+        let Some(unit) = self.layer.tiers[tier].as_mut() else {
+            return Err(weights_err(format!(
+                "this unit has no precision tier {tier}"
+            )));
+        };
+        let loads = unit
             .map
             .update(neurons)
             .map_err(|e| weights_err(e.to_string()))?;
@@ -220,59 +355,73 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
             .needed
             .fetch_add(neurons.len() as u64, Ordering::Relaxed);
         if !loads.is_empty()
-            && let Err(e) = self.load(b, &loads)
+            && let Err(e) = self.load(b, tier, &loads)
         {
-            self.layer.map.forget(&loads);
+            if let Some(unit) = self.layer.tiers[tier].as_mut() {
+                unit.map.forget(&loads);
+            }
             return Err(e);
         }
-        self.layer
+        self.tier(tier)?
             .map
             .slots_of(neurons)
             .ok_or_else(|| weights_err("a neuron just brought in is not in the unit"))
     }
 
-    fn unit(&self) -> (&B::Weight, Option<&B::Weight>) {
-        (&self.layer.unit, self.layer.slot_bias.as_ref())
+    fn unit(&self, tier: usize) -> Result<(&B::Weight, Option<&B::Weight>)> {
+        let t = self.tier(tier)?;
+        Ok((&t.unit, t.slot_bias.as_ref()))
     }
 }
 
 impl<B: Backend> UnitStep<'_, B> {
-    /// Copy `loads` into the unit: gathered into one host buffer, sent in one copy, scattered
-    /// into their slots.
-    fn load(&mut self, b: &B, loads: &[super::unit::Load]) -> Result<()> {
-        {
-            let st = &mut *self.staging;
-            let ids: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
-            let slots: Vec<u32> = loads.iter().map(|l| l.slot).collect();
-            self.layer
-                .neurons
-                .gather(&ids, &mut st.host, &mut st.host_bias)?;
-            // The staging buffers are free once the compute queued so far (the last scatter
-            // out of them) is done.
-            let free = b.compute_done()?;
-            b.copies_wait(&free)?;
-            b.upload_into(&mut st.bundles, 0, &st.host)?;
-            let mut bytes = st.host.len();
-            if let (Some(sb), Some(_)) = (&mut st.bias, &self.layer.slot_bias) {
-                let values: &[u8] = bytemuck::cast_slice(&st.host_bias);
-                b.upload_into(sb, 0, values)?;
-                bytes += values.len();
+    /// Copy `loads` into tier `tier`'s region: gathered into one host buffer, sent in one
+    /// copy, scattered into their slots.
+    fn load(&mut self, b: &B, tier: usize, loads: &[super::unit::Load]) -> Result<()> {
+        let LayerUnit { neurons, tiers } = &mut *self.layer;
+        let Some(unit) = tiers[tier].as_mut() else {
+            return Err(weights_err(format!(
+                "this unit has no precision tier {tier}"
+            )));
+        };
+        let st = &mut *self.staging;
+        let Some((st_bundles, st_bias)) = st.tiers[tier].as_mut() else {
+            return Err(weights_err(format!("no staging for precision tier {tier}")));
+        };
+        let ids: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
+        let slots: Vec<u32> = loads.iter().map(|l| l.slot).collect();
+        match &unit.dram {
+            Some(d) => {
+                d.gather(&ids, &mut st.host);
+                neurons.gather_bias(&ids, &mut st.host_bias)?;
             }
-            let landed = b.copies_done()?;
-            b.compute_waits(&landed)?;
-            b.scatter_rows(&st.bundles, &slots, &mut self.layer.unit)?;
-            if let (Some(sb), Some(dst)) = (&st.bias, &mut self.layer.slot_bias) {
-                b.scatter_rows(sb, &slots, dst)?;
-            }
-            // The host buffer is refilled by the next layer: the copy must have read it.
-            b.host_waits(&landed)?;
-            self.traffic
-                .loads
-                .fetch_add(loads.len() as u64, Ordering::Relaxed);
-            self.traffic
-                .bytes
-                .fetch_add(bytes as u64, Ordering::Relaxed);
+            None => neurons.gather(&ids, &mut st.host, &mut st.host_bias)?,
         }
+        // The staging buffers are free once the compute queued so far (the last scatter out
+        // of them) is done.
+        let free = b.compute_done()?;
+        b.copies_wait(&free)?;
+        b.upload_into(st_bundles, 0, &st.host)?;
+        let mut bytes = st.host.len();
+        if let (Some(sb), Some(_)) = (st_bias.as_mut(), &unit.slot_bias) {
+            let values: &[u8] = bytemuck::cast_slice(&st.host_bias);
+            b.upload_into(sb, 0, values)?;
+            bytes += values.len();
+        }
+        let landed = b.copies_done()?;
+        b.compute_waits(&landed)?;
+        b.scatter_rows(st_bundles, &slots, &mut unit.unit)?;
+        if let (Some(sb), Some(dst)) = (st_bias.as_ref(), &mut unit.slot_bias) {
+            b.scatter_rows(sb, &slots, dst)?;
+        }
+        // The host buffer is refilled by the next load: the copy must have read it.
+        b.host_waits(&landed)?;
+        let n = loads.len() as u64;
+        self.traffic.loads.fetch_add(n, Ordering::Relaxed);
+        self.traffic.tier_loads[tier].fetch_add(n, Ordering::Relaxed);
+        self.traffic
+            .bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -286,6 +435,7 @@ impl<B: Backend> WeightSource<B> for UnitWeights<B> {
             layers,
             staging,
             bundle,
+            precision,
             traffic,
         } = self;
         let ffn = FfnView::Bundles {
@@ -297,6 +447,7 @@ impl<B: Backend> WeightSource<B> for UnitWeights<B> {
         let unit = Box::new(UnitStep {
             layer: &mut layers[l],
             staging,
+            precision: *precision,
             traffic,
         });
         Ok(resident.layer(l, ffn, None, Some(unit)))

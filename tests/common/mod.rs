@@ -174,10 +174,30 @@ pub fn store_of(
     model: &Path,
     dir: &tempfile::TempDir,
 ) -> std::sync::Arc<gpu_offload::store::Store> {
-    use gpu_offload::store::{ConvertOptions, Store, convert};
+    store_with(model, dir, &Default::default())
+}
+
+/// The model converted into a store in `dir` with `opts`.
+#[allow(dead_code)]
+pub fn store_with(
+    model: &Path,
+    dir: &tempfile::TempDir,
+    opts: &gpu_offload::store::ConvertOptions,
+) -> std::sync::Arc<gpu_offload::store::Store> {
+    use gpu_offload::store::{Store, convert};
     let at = dir.path().join("s");
-    convert(model, &at, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+    convert(model, &at, opts, &mut |_, _| {}).unwrap();
     std::sync::Arc::new(Store::open(&at).unwrap())
+}
+
+/// Conversion options that add the INT8 and INT4 bundles (mixed-precision neurons).
+#[allow(dead_code)]
+pub fn with_int_bundles() -> gpu_offload::store::ConvertOptions {
+    use gpu_offload::store::{ConvertOptions, Encoding};
+    ConvertOptions {
+        extra_encodings: vec![Encoding::Int8, Encoding::Int4],
+        ..Default::default()
+    }
 }
 
 /// The offload plan of `store` with no budget to speak of: everything resident.
