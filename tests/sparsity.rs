@@ -483,3 +483,121 @@ fn profile_and_oracle_on_the_cli() {
     assert_eq!(v["tokens"], 64);
     succeeds(&mut run_other());
 }
+
+/// Mixed-precision neurons on the CLI (stories260K with INT8/INT4 bundles): `bench precision`
+/// scores all-f16 and the candidates asked for (f16 first, at ratio 1), saves the search in the
+/// store, and `--neuron-precision auto` then runs; shares a store cannot run (no INT8/INT4
+/// bundles) and malformed shares are refused with the fix named.
+#[test]
+fn precision_search_on_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let store = dir.path().join("store");
+    let ss = store.to_str().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let cs = corpus.to_str().unwrap();
+    std::fs::write(
+        &corpus,
+        "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+            .repeat(20),
+    )
+    .unwrap();
+    let m = common::stories260k();
+    let ms = m.to_str().unwrap();
+    succeeds(bin(&models).args(["convert", "-m", ms, "-o", ss, "--copy"]));
+    let run = |extra: &[&str]| {
+        let mut c = bin(&models);
+        c.args([
+            "run",
+            "-m",
+            ss,
+            "--prompt",
+            "Once upon a time",
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+            "--device",
+            "sim",
+            "--gpu-mem",
+            "64M",
+            "--cold",
+            "gpu",
+        ])
+        .args(extra);
+        c
+    };
+    succeeds(bin(&models).args([
+        "profile", "-m", ss, "--corpus", cs, "--tokens", "64", "--window", "32", "--json",
+    ]));
+    fails(
+        &mut run(&["--neuron-precision", "25/25/50"]),
+        "--encodings int8,int4",
+    );
+    fails(
+        &mut run(&["--neuron-precision", "50/50/50"]),
+        "add up to 100",
+    );
+    succeeds(bin(&models).args([
+        "convert",
+        "-m",
+        ms,
+        "-o",
+        ss,
+        "--copy",
+        "--force",
+        "--encodings",
+        "int8,int4",
+    ]));
+    succeeds(bin(&models).args([
+        "profile", "-m", ss, "--corpus", cs, "--tokens", "64", "--window", "32", "--json",
+    ]));
+    let f16 = succeeds(&mut run(&["--neuron-precision", "fp16"]));
+    let mixed = succeeds(&mut run(&["--neuron-precision", "25/25/50"]));
+    assert!(mixed["token_ids"].as_array().is_some_and(|t| t.len() == 6));
+    let search = |extra: &[&str]| {
+        let mut c = bin(&models);
+        c.args([
+            "bench",
+            "precision",
+            "-m",
+            ss,
+            "--device",
+            "sim",
+            "--sparsity",
+            "oracle",
+            "--corpus",
+            cs,
+            "--ctx",
+            "32",
+            "--chunks",
+            "2",
+            "--json",
+        ])
+        .args(extra);
+        c
+    };
+    fails(&mut search(&["--candidates", "10/10"]), "--candidates");
+    let v = succeeds(&mut search(&["--candidates", "25/25/50,0/0/100"]));
+    let rows = v["candidates"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "{v}");
+    assert_eq!(rows[0]["precision"], serde_json::json!([100, 0, 0]));
+    assert_eq!(rows[0]["ratio"], 1.0);
+    for r in rows {
+        let ppl = r["ppl"].as_f64().unwrap();
+        assert!(ppl.is_finite() && ppl > 1.0, "{r}");
+        let ratio = r["ratio"].as_f64().unwrap();
+        assert!((ratio - ppl / rows[0]["ppl"].as_f64().unwrap()).abs() < 1e-12);
+    }
+    // Fewer bytes per neuron the more of it is quantized.
+    let bytes: Vec<f64> = rows
+        .iter()
+        .map(|r| r["neuron_bytes"].as_f64().unwrap())
+        .collect();
+    assert!(bytes[0] > bytes[1] && bytes[1] > bytes[2], "{bytes:?}");
+    assert!(store.join("precision-search.json").exists());
+    let auto = succeeds(&mut run(&["--neuron-precision", "auto"]));
+    assert!(auto["token_ids"].as_array().is_some_and(|t| t.len() == 6));
+    assert!(f16["token_ids"].as_array().is_some_and(|t| t.len() == 6));
+}

@@ -63,6 +63,10 @@ pub enum BenchWhat {
     /// active neurons already in the unit under the adjacent-token update, against an LRU of the
     /// same size and against reloading the whole active set.
     Units(super::units::UnitsArgs),
+    /// Mixed-precision neurons (M2Cache): the cache-unit engine's perplexity on calibration
+    /// text at each candidate share of f16 / INT8 / INT4 neurons, against all-f16, and what
+    /// each saves per token; saved in the store for --neuron-precision auto.
+    Precision(super::precision::PrecisionArgs),
 }
 
 /// A storage format by name (`f16`, `q4_k`, …).
@@ -195,6 +199,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         BenchWhat::Decode(d) => decode(d),
         BenchWhat::Suite(s) => suite_cmd(s),
         BenchWhat::Units(u) => super::units::units(u),
+        BenchWhat::Precision(p) => super::precision::run(p),
     }
 }
 

@@ -8,6 +8,7 @@ pub(crate) mod load;
 mod logits;
 mod perplexity;
 mod plan;
+mod precision;
 mod profile;
 mod run;
 mod serve;

@@ -12,7 +12,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::store::open_store_for;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::Engine;
-use crate::model::Model;
 use crate::sparsity::predictor::{Predictor, TrainOptions};
 use crate::sparsity::{GRID_TARGETS, ProfileTap, SparsityProfile, profile_passes};
 
@@ -94,8 +93,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         None => "random token ids (seed 7)".to_string(),
     };
     let store = open_store_for(&model_path)?;
-    let model = Model::load(&model_path)
-        .with_context(|| format!("cannot load model {}", model_path.display()))?;
+    let model = super::store::model_for(&model_path, &store)?;
     let all = match (&text, &model.tokenizer) {
         (Some((corpus, text)), Some(tokenizer)) => corpus_tokens(corpus, text, tokenizer, want)?,
         (Some(_), None) => bail!(

@@ -8,6 +8,21 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::store::{ConvertOptions, Store, cached_store_for, convert};
 
+/// The model's dense weights and tokenizer: from `store` where `model` is that store's
+/// directory (the numbers the offloaded engine computes with), else loaded from the file.
+pub fn model_for(model: &Path, store: &Store) -> Result<crate::model::Model> {
+    if Store::is_store(model) {
+        return Ok(crate::model::Model {
+            spec: store.manifest.spec.clone(),
+            weights: store.dense_weights()?,
+            tokenizer: store.tokenizer()?,
+            source: model.to_path_buf(),
+        });
+    }
+    crate::model::Model::load(model)
+        .with_context(|| format!("cannot load model {}", model.display()))
+}
+
 pub fn open_store_for(model: &Path) -> Result<Store> {
     if Store::is_store(model) {
         return Store::open(model)

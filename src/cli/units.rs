@@ -15,7 +15,6 @@ use super::profile::{corpus_tokens, read_corpus};
 use super::store::open_store_for;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::{Engine, Logits};
-use crate::model::Model;
 use crate::sparsity::trace::ActiveSetTap;
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::tier::unit::{Eviction, Reuse, replay};
@@ -141,8 +140,7 @@ pub fn units(args: UnitsArgs) -> Result<()> {
     let name = model_path.display().to_string();
     let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
         .context("the units' eviction and the mask come from the sparsity profile")?;
-    let model = Model::load(&model_path)
-        .with_context(|| format!("cannot load model {}", model_path.display()))?;
+    let model = super::store::model_for(&model_path, &store)?;
     let Some(tokenizer) = &model.tokenizer else {
         bail!(
             "{} has no tokenizer: the trace decodes text",
