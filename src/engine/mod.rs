@@ -25,7 +25,7 @@ use crate::tensor::{DType, HostTensor};
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use resident::ResidentWeights;
-pub use sampler::{Sampler, SamplerParams};
+pub use sampler::{Penalties, Sampled, Sampler, SamplerParams};
 pub use traffic::DecodeTraffic;
 
 #[derive(Debug, Error)]
