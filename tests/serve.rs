@@ -1072,3 +1072,34 @@ fn a_cancelled_call_leaves_its_context_as_before() {
     assert_eq!(got.len(), want.len() + 1);
     s.stop();
 }
+
+/// The official `openai` Python client against the server (scripts/openai-client-check.py):
+/// skipped, saying why, where the package is not installed.
+#[test]
+fn openai_python_client_check() {
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_openai {
+        println!("skipped: `python3 -c 'import openai'` fails (pip install openai)");
+        return;
+    }
+    let model = common::stories260k();
+    let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "2"]);
+    let out = Command::new("python3")
+        .arg(common::repo().join("scripts/openai-client-check.py"))
+        .arg(&s.base)
+        .output()
+        .expect("run python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "openai client check failed:\n{text}");
+    assert!(text.contains("all ok"), "{text}");
+    s.stop();
+}
