@@ -694,9 +694,9 @@ impl<B: Backend> Engine<B> {
 
     /// [`Engine::attention_density`] reading K `rows` positions at a time (rounded up to whole
     /// blocks): three passes over them (each query-head's maximum score, its softmax sum, then
-    /// the mass per block). Every sum is taken in the order of one whole-layer read (a block's
-    /// mass comes from the one run that holds it), so the result is the same to the bit
-    /// whatever `rows`.
+    /// the mass per block; K is read once when one run holds it all, else once per pass). Every
+    /// sum is taken in the order of one whole-layer read (a block's mass comes from the one run
+    /// that holds it), so the result is the same to the bit whatever `rows`.
     pub fn attention_density_in(
         &self,
         s: &mut Session<B>,
@@ -742,7 +742,10 @@ impl<B: Backend> Engine<B> {
                 for pass in 0..3 {
                     for first in (0..pos).step_by(rows) {
                         let len = rows.min(pos - first);
-                        b.read_kv(&s.k[l], first, &mut k[..len * kv])?;
+                        // One run holds the whole layer: read once for the three passes.
+                        if pass == 0 || rows < pos {
+                            b.read_kv(&s.k[l], first, &mut k[..len * kv])?;
+                        }
                         for (qi, &(row, qp)) in queries.iter().enumerate() {
                             if first > qp {
                                 continue;
