@@ -304,6 +304,25 @@ mod tests {
     }
 
     #[test]
+    fn no_template_falls_back_to_chatml() {
+        let tok = spm_tokenizer();
+        assert!(tok.chat_template().is_none());
+        let m = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let (text, chatml) = tok
+            .apply_chat_template_or_chatml(&[m("system", "Be brief."), m("user", "hi")], true)
+            .unwrap();
+        assert!(chatml);
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(tok.apply_chat_template(&[], true).is_err());
+    }
+
+    #[test]
     fn spm_falls_back_to_byte_tokens() {
         let t = spm_tokenizer();
         // BOS, "▁hi" (263), then "é" (C3 A9) as byte tokens <0xC3> = 3 + 0xC3, <0xA9> = 3 + 0xA9.
