@@ -226,3 +226,24 @@ fn compression_to_half_costs_little_perplexity() {
     eprintln!("{report}");
     assert!(half <= 0.01, "{report}");
 }
+
+#[test]
+fn density_read_in_runs_equals_the_whole_layer_read() {
+    let (e, m) = engine(&common::stories260k(), KvType::F32);
+    let t = tokens_of(&m, 150);
+    let mut s = e.new_session(256).unwrap();
+    e.enable_probe(&mut s).unwrap();
+    e.forward(&mut s, &t, Logits::None).unwrap();
+    let whole = e
+        .attention_density_in(&mut s, CHUNK_TOKENS, usize::MAX)
+        .unwrap();
+    assert_eq!(whole.len(), 150usize.div_ceil(CHUNK_TOKENS));
+    let total: f32 = whole.iter().sum();
+    assert!((total - 1.0).abs() < 1e-5, "{total}");
+    // Runs of one block, of several (ragged against the 150 positions), and the default.
+    for rows in [1, CHUNK_TOKENS, 3 * CHUNK_TOKENS + 5, 64] {
+        let runs = e.attention_density_in(&mut s, CHUNK_TOKENS, rows).unwrap();
+        assert_eq!(runs, whole, "K read {rows} rows at a time");
+    }
+    assert_eq!(e.attention_density(&mut s, CHUNK_TOKENS).unwrap(), whole);
+}

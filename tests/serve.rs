@@ -300,7 +300,7 @@ fn completions_stream_contexts_and_bad_input() {
     assert_error(st, &v, 400, "max_tokens");
     let (st, v) = raw("{\"prompt\": \"x\", \"temperature\": \"warm\"}");
     assert_error(st, &v, 400, "temperature");
-    let (st, v) = raw("{\"prompt\": \"x\", \"n\": 4}");
+    let (st, v) = raw("{\"prompt\": \"x\", \"n\": 17}");
     assert_error(st, &v, 400, "'n'");
     let (st, v) = raw("{\"prompt\": \"x\", \"frobnicate\": true}");
     assert_error(st, &v, 400, "frobnicate");
@@ -309,11 +309,6 @@ fn completions_stream_contexts_and_bad_input() {
     let long = "Once upon a time there was a dog. ".repeat(60);
     let (st, v) = post(&comp, json!({"prompt": long, "max_tokens": 4}));
     assert_error(st, &v, 400, "tokens");
-    let (st, v) = post(
-        &s.url("/v1/chat/completions"),
-        json!({"messages": [{"role": "user", "content": "hi"}]}),
-    );
-    assert_error(st, &v, 400, "chat template");
     let (st, v) = post(
         &s.url("/v1/contexts/ctx-nope/completions"),
         greedy(json!("x"), 2),
@@ -646,5 +641,488 @@ fn contexts_survive_kill_9() {
         "no kill landed during a swap-out: the test proved nothing"
     );
     r.stop();
+    s.stop();
+}
+
+/// The choices of an SSE answer, reassembled by index: (text, per-token logprob entries).
+fn sse_choices(lines: &[String], chat: bool) -> Vec<(String, Vec<Value>, Option<String>)> {
+    let mut out: Vec<(String, Vec<Value>, Option<String>)> = Vec::new();
+    for l in lines.iter().filter(|l| l.as_str() != "[DONE]") {
+        let v: Value = serde_json::from_str(l).expect("chunk json");
+        for c in v["choices"].as_array().expect("choices") {
+            let i = c["index"].as_u64().expect("index") as usize;
+            if out.len() <= i {
+                out.resize(i + 1, (String::new(), Vec::new(), None));
+            }
+            let text = if chat {
+                c["delta"]["content"].as_str()
+            } else {
+                c["text"].as_str()
+            };
+            out[i].0.push_str(text.unwrap_or(""));
+            let lp = &c["logprobs"];
+            if chat {
+                if let Some(a) = lp["content"].as_array() {
+                    out[i].1.extend(a.iter().cloned());
+                }
+            } else if let Some(t) = lp["tokens"].as_array() {
+                for (k, tok) in t.iter().enumerate() {
+                    out[i].1.push(json!({
+                        "token": tok,
+                        "logprob": lp["token_logprobs"][k],
+                        "top": lp["top_logprobs"][k],
+                    }));
+                }
+            }
+            if let Some(f) = c["finish_reason"].as_str() {
+                out[i].2 = Some(f.to_string());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn openai_fields_logprobs_n_penalties_and_bias() {
+    let model = common::stories260k();
+    let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "2"]);
+    let comp = s.url("/v1/completions");
+    let chat = s.url("/v1/chat/completions");
+    let prompt = "Once upon a time";
+
+    // Completions logprobs: the greedy token is the most likely alternative; offsets count
+    // characters of the completion.
+    let (st, plain) = post(&comp, greedy(json!(prompt), 12));
+    assert_eq!(st, 200, "{plain}");
+    let (st, v) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(text_of(&v), text_of(&plain));
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 12);
+    assert_eq!(tokens.concat(), text_of(&v));
+    let mut at = 0;
+    for (k, t) in tokens.iter().enumerate() {
+        assert_eq!(lp["text_offset"][k], at, "{lp}");
+        at += t.chars().count();
+        let chosen = lp["token_logprobs"][k].as_f64().unwrap();
+        assert!(chosen <= 0.0);
+        let top = lp["top_logprobs"][k].as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (best - chosen).abs() < 1e-6,
+            "greedy took a less likely token"
+        );
+    }
+    let (_, v0) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 0}),
+    );
+    assert_eq!(v0["choices"][0]["logprobs"]["top_logprobs"][0], json!({}));
+
+    // Streamed: the same tokens and log-probabilities, chunk by chunk.
+    let lines = sse(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3, "stream": true}),
+    );
+    let got = sse_choices(&lines, false);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, text_of(&v));
+    let streamed: Vec<&Value> = got[0].1.iter().map(|e| &e["logprob"]).collect();
+    let whole: Vec<&Value> = lp["token_logprobs"].as_array().unwrap().iter().collect();
+    assert_eq!(streamed, whole);
+
+    // Chat logprobs (stories260K has no template: ChatML), plain and streamed.
+    let msgs = json!([{"role": "user", "content": "Tell me a story."}]);
+    let (st, c) = post(
+        &chat,
+        json!({"messages": msgs, "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2}),
+    );
+    assert_eq!(st, 200, "{c}");
+    let content = c["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        c["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for e in content {
+        let bytes: Vec<u8> = e["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            e["token"].as_str().unwrap()
+        );
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(e["top_logprobs"][0]["logprob"], e["logprob"]);
+    }
+    let lines = sse(
+        &chat,
+        json!({"messages": msgs, "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2, "stream": true}),
+    );
+    let got = sse_choices(&lines, true);
+    assert_eq!(got[0].0, text_of(&c));
+    assert_eq!(&got[0].1, content);
+
+    // n: greedy choices are identical; sampled ones follow seed + index; usage counts all.
+    let (st, v) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "n": 3}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], choices[0]["text"]);
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 30);
+    let sampled = |n: usize, seed: u64| {
+        let (st, v) = post(
+            &comp,
+            json!({"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "seed": seed, "n": n, "ignore_eos": true}),
+        );
+        assert_eq!(st, 200, "{v}");
+        v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["text"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let three = sampled(3, 7);
+    assert_eq!(three, sampled(3, 7), "not deterministic");
+    assert!(three[0] != three[1] || three[1] != three[2], "{three:?}");
+    for (i, t) in three.iter().enumerate() {
+        assert_eq!(
+            &sampled(1, 7 + i as u64)[0],
+            t,
+            "choice {i} is not seed + {i}"
+        );
+    }
+    // n streamed: chunks carry their index and reassemble to the same choices.
+    let lines = sse(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3, "ignore_eos": true, "stream": true}),
+    );
+    let got = sse_choices(&lines, false);
+    let texts: Vec<String> = got.iter().map(|c| c.0.clone()).collect();
+    assert_eq!(texts, three);
+    assert!(got.iter().all(|c| c.2.as_deref() == Some("length")));
+    let last: Value = serde_json::from_str(&lines[lines.len() - 2]).unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 48);
+    let lines = sse(
+        &chat,
+        json!({"messages": msgs, "max_tokens": 6, "temperature": 0, "n": 2, "stream": true}),
+    );
+    let got = sse_choices(&lines, true);
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].0, got[1].0);
+
+    // Penalties: a strong frequency penalty breaks greedy repetition.
+    let (_, rep) = post(&comp, greedy(json!(prompt), 40));
+    let (st, pen) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 40, "temperature": 0, "frequency_penalty": 2.0, "presence_penalty": 1.0, "logprobs": 0}),
+    );
+    assert_eq!(st, 200, "{pen}");
+    assert_ne!(text_of(&pen), text_of(&rep));
+    let toks = pen["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+    let distinct: std::collections::HashSet<&str> =
+        toks.iter().map(|t| t.as_str().unwrap()).collect();
+    assert!(
+        distinct.len() * 10 >= toks.len() * 7,
+        "penalized text repeats: {toks:?}"
+    );
+
+    // logit_bias: +100 forces a token (log-probability ~0 after the bias), -100 bans one.
+    let (st, v) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "logit_bias": {"403": 100}, "logprobs": 1}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let forced = lp["tokens"][0].clone();
+    for k in 0..5 {
+        assert_eq!(lp["tokens"][k], forced);
+        assert!(lp["token_logprobs"][k].as_f64().unwrap() > -1e-3, "{lp}");
+    }
+    // The greedy first token's id (a context shows its token ids), banned: another is taken.
+    let (_, c) = post(&s.url("/v1/contexts"), json!({}));
+    let ctx = format!("/v1/contexts/{}", c["id"].as_str().unwrap());
+    let (_, one) = post(
+        &s.url(&format!("{ctx}/completions")),
+        greedy(json!(prompt), 1),
+    );
+    let (_, info) = call("GET", &s.url(&ctx), None, None);
+    let greedy_id = *common::ids(&info["token_ids"]).last().unwrap();
+    let (st, banned) = post(
+        &comp,
+        json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logit_bias": {greedy_id.to_string(): -100}}),
+    );
+    assert_eq!(st, 200, "{banned}");
+    assert_ne!(text_of(&banned), text_of(&one));
+    // Bad values: 400 naming the field; unimplemented fields refused clearly.
+    for (body, field) in [
+        (json!({"prompt": "x", "n": 17}), "'n'"),
+        (json!({"prompt": "x", "n": 0}), "'n'"),
+        (json!({"prompt": "x", "logprobs": 6}), "'logprobs'"),
+        (
+            json!({"prompt": "x", "presence_penalty": 3}),
+            "'presence_penalty'",
+        ),
+        (
+            json!({"prompt": "x", "frequency_penalty": -2.5}),
+            "'frequency_penalty'",
+        ),
+        (
+            json!({"prompt": "x", "logit_bias": {"512": 1}}),
+            "'logit_bias'",
+        ),
+        (
+            json!({"prompt": "x", "logit_bias": {"5": 200}}),
+            "'logit_bias'",
+        ),
+        (
+            json!({"prompt": "x", "logit_bias": {"five": 1}}),
+            "'logit_bias'",
+        ),
+        (
+            json!({"prompt": "x", "response_format": {"type": "json_object"}}),
+            "'response_format'",
+        ),
+    ] {
+        let (st, v) = post(&comp, body.clone());
+        assert_error(st, &v, 400, field);
+        assert_eq!(v["error"]["param"], field.trim_matches('\''), "{body}");
+    }
+    for (body, field) in [
+        (
+            json!({"messages": msgs, "top_logprobs": 2}),
+            "'top_logprobs'",
+        ),
+        (
+            json!({"messages": msgs, "logprobs": true, "top_logprobs": 21}),
+            "'top_logprobs'",
+        ),
+        (
+            json!({"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "'tools'",
+        ),
+        (
+            json!({"messages": msgs, "tool_choice": "auto"}),
+            "'tool_choice'",
+        ),
+        (
+            json!({"messages": msgs, "functions": [{"name": "f"}]}),
+            "'functions'",
+        ),
+        (
+            json!({"messages": msgs, "response_format": {"type": "json_schema"}}),
+            "'response_format'",
+        ),
+    ] {
+        let (st, v) = post(&chat, body.clone());
+        assert_error(st, &v, 400, field);
+    }
+    let (_, c) = post(&s.url("/v1/contexts"), json!({}));
+    let url = s.url(&format!(
+        "/v1/contexts/{}/completions",
+        c["id"].as_str().unwrap()
+    ));
+    let (st, v) = post(&url, json!({"prompt": "x", "n": 2}));
+    assert_error(st, &v, 400, "'n'");
+    s.stop();
+}
+
+#[test]
+fn chat_without_a_template_is_chatml() {
+    let model = common::stories260k();
+    let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "1"]);
+    let msgs = json!([
+        {"role": "system", "content": "You tell stories."},
+        {"role": "user", "content": "Once upon a time"},
+    ]);
+    let (st, c) = post(
+        &s.url("/v1/chat/completions"),
+        json!({"messages": msgs, "max_tokens": 16, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{c}");
+    let chatml = "<|im_start|>system\nYou tell stories.<|im_end|>\n<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n";
+    let (st, v) = post(&s.url("/v1/completions"), greedy(json!(chatml), 16));
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(text_of(&c), text_of(&v));
+    assert_eq!(c["usage"]["prompt_tokens"], v["usage"]["prompt_tokens"]);
+    s.stop();
+}
+
+/// Start a long call on a context over raw TCP, read its first bytes, hang up.
+fn hang_up_mid_call(base: &str, path: &str, body: &Value) {
+    let addr = base.trim_start_matches("http://").to_string();
+    let mut stream = TcpStream::connect(&addr).expect("connect");
+    let body = body.to_string();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    if body.contains("\"stream\":true") {
+        let mut first = [0u8; 256];
+        let n = stream.read(&mut first).expect("first bytes");
+        assert!(
+            String::from_utf8_lossy(&first[..n]).contains("200"),
+            "the call did not start"
+        );
+    } else {
+        // Nothing comes back before the end: give the call time to be well under way.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    drop(stream);
+}
+
+#[test]
+fn a_cancelled_call_leaves_its_context_as_before() {
+    let model = common::stories260k();
+    // Decode steps of 5 ms: a call of hundreds of tokens is surely running at the hang-up.
+    let s = Server::start_env(
+        &model,
+        &[
+            "--ctx-size",
+            "512",
+            "--parallel",
+            "2",
+            "--kv-compression",
+            "off",
+        ],
+        &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "5")],
+    );
+    // Two contexts with the same conversation: A is disturbed, B is not.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let (_, c) = post(&s.url("/v1/contexts"), json!({}));
+        let id = c["id"].as_str().unwrap().to_string();
+        let (st, v) = post(
+            &s.url(&format!("/v1/contexts/{id}/completions")),
+            greedy(json!("Once upon a time"), 20),
+        );
+        assert_eq!(st, 200, "{v}");
+        ids.push(id);
+    }
+    let info = |id: &str| call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None).1;
+    let before = info(&ids[0]);
+    assert_eq!(before["token_ids"], info(&ids[1])["token_ids"]);
+    let long = json!({"prompt": " The dog", "max_tokens": 4000, "ignore_eos": true, "temperature": 0, "stream": true});
+    let path = format!("/v1/contexts/{}/completions", ids[0]);
+    hang_up_mid_call(&s.base, &path, &long);
+    // The follow-up waits for the cancelled call on the same context, then continues from
+    // the conversation as it was.
+    let follow = greedy(json!(" Lily"), 16);
+    let (st, a) = post(&s.url(&path), follow.clone());
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(
+        &s.url(&format!("/v1/contexts/{}/completions", ids[1])),
+        follow.clone(),
+    );
+    assert_eq!(
+        text_of(&a),
+        text_of(&b),
+        "the cancelled call changed the context"
+    );
+    assert_eq!(a["usage"]["prompt_tokens"], b["usage"]["prompt_tokens"]);
+    assert_eq!(info(&ids[0])["token_ids"], info(&ids[1])["token_ids"]);
+
+    // The same for a call that does not stream.
+    let mut quiet = long.clone();
+    quiet["stream"] = json!(false);
+    hang_up_mid_call(&s.base, &path, &quiet);
+    let follow = greedy(json!(" Tom"), 16);
+    let (st, a) = post(&s.url(&path), follow.clone());
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(
+        &s.url(&format!("/v1/contexts/{}/completions", ids[1])),
+        follow,
+    );
+    assert_eq!(
+        text_of(&a),
+        text_of(&b),
+        "the cancelled call changed the context"
+    );
+    assert_eq!(info(&ids[0])["token_ids"], info(&ids[1])["token_ids"]);
+
+    // A chat call cancelled the same way keeps the messages too.
+    let (_, c) = post(&s.url("/v1/contexts"), json!({"system_prompt": "Stories."}));
+    let cid = c["id"].as_str().unwrap().to_string();
+    let chat = format!("/v1/contexts/{cid}/chat/completions");
+    let msg = json!([{"role": "user", "content": "Once upon a time"}]);
+    let (st, _) = post(
+        &s.url(&chat),
+        json!({"messages": msg, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(st, 200);
+    let before = info(&cid);
+    hang_up_mid_call(
+        &s.base,
+        &chat,
+        &json!({"messages": msg, "max_tokens": 4000, "ignore_eos": true, "stream": true}),
+    );
+    // Any later call on the context runs after the cancelled one.
+    let (st, _) = post(
+        &s.url(&format!("/v1/contexts/{cid}/completions")),
+        greedy(json!([13]), 1),
+    );
+    assert_eq!(st, 200);
+    let after = info(&cid);
+    assert_eq!(after["messages"], before["messages"]);
+    let mut want = common::ids(&before["token_ids"]);
+    want.push(13);
+    let got = common::ids(&after["token_ids"]);
+    assert_eq!(&got[..want.len()], &want[..]);
+    assert_eq!(got.len(), want.len() + 1);
+    s.stop();
+}
+
+/// The official `openai` Python client against the server (scripts/openai-client-check.py):
+/// skipped, saying why, where the package is not installed.
+#[test]
+fn openai_python_client_check() {
+    let has_openai = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_openai {
+        println!("skipped: `python3 -c 'import openai'` fails (pip install openai)");
+        return;
+    }
+    let model = common::stories260k();
+    let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "2"]);
+    let out = Command::new("python3")
+        .arg(common::repo().join("scripts/openai-client-check.py"))
+        .arg(&s.base)
+        .output()
+        .expect("run python3");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "openai client check failed:\n{text}");
+    assert!(text.contains("all ok"), "{text}");
     s.stop();
 }

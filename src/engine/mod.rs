@@ -26,7 +26,7 @@ use crate::tier::precision::TierSet;
 
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use resident::ResidentWeights;
-pub use sampler::{Sampler, SamplerParams};
+pub use sampler::{Penalties, Sampled, Sampler, SamplerParams};
 pub use traffic::DecodeTraffic;
 
 #[derive(Debug, Error)]
@@ -315,6 +315,9 @@ struct QueryProbe<B: Backend> {
 
 /// Queries remembered per probed layer.
 pub const PROBE_QUERIES: usize = 16;
+
+/// Positions of K read at a time by [`Engine::attention_density`].
+pub const DENSITY_READ_ROWS: usize = 256;
 /// Layers probed at most (evenly spaced).
 const PROBE_LAYERS: usize = 4;
 
@@ -700,15 +703,31 @@ impl<B: Backend> Engine<B> {
 
     /// Share of attention each block of `block` positions received from the remembered queries
     /// (softmax probabilities, averaged over probed layers, heads and queries; blocks sum to 1).
-    /// Empty when the session has no probe or no queries yet.
+    /// Empty when the session has no probe or no queries yet. K is read in runs of
+    /// [`DENSITY_READ_ROWS`] positions, so the temporary does not grow with the context.
     pub fn attention_density(&self, s: &mut Session<B>, block: usize) -> Result<Vec<f32>> {
+        self.attention_density_in(s, block, DENSITY_READ_ROWS)
+    }
+
+    /// [`Engine::attention_density`] reading K `rows` positions at a time (rounded up to whole
+    /// blocks): three passes over them (each query-head's maximum score, its softmax sum, then
+    /// the mass per block; K is read once when one run holds it all, else once per pass). Every
+    /// sum is taken in the order of one whole-layer read (a block's mass comes from the one run
+    /// that holds it), so the result is the same to the bit whatever `rows`.
+    pub fn attention_density_in(
+        &self,
+        s: &mut Session<B>,
+        block: usize,
+        rows: usize,
+    ) -> Result<Vec<f32>> {
         let Some(p) = &s.probe else {
             return Ok(Vec::new());
         };
         let spec = &self.spec;
         let layers = p.layers.clone();
         let pos = s.pos;
-        let blocks = pos.div_ceil(block.max(1));
+        let block = block.max(1);
+        let blocks = pos.div_ceil(block);
         let mut mass = vec![0f64; blocks];
         let queries: Vec<(usize, usize)> = p
             .positions
@@ -722,36 +741,51 @@ impl<B: Backend> Engine<B> {
         }
         let (hd, kv) = (spec.head_dim, spec.kv_dim());
         let group = spec.n_heads / spec.n_kv_heads.max(1);
+        let rows = rows.clamp(1, pos).div_ceil(block) * block;
         let b = &self.backend;
         b.enter(move || {
             let Some(p) = &mut s.probe else {
                 return Ok(Vec::new());
             };
             let mut q = vec![0f32; PROBE_QUERIES * spec.q_dim()];
-            let mut k = vec![0f32; pos * kv];
-            let mut scores = vec![0f32; pos];
+            // Straight to the host, a run of rows at a time: no device temporary, and a host
+            // one of `rows × kv_dim` however long the context.
+            let mut k = vec![0f32; rows * kv];
+            let n = queries.len() * spec.n_heads;
             for (li, &l) in layers.iter().enumerate() {
                 b.read(&p.q[li], &mut q)?;
-                // Straight to the host: no device temporary however long the context.
-                b.read_kv(&s.k[l], 0, &mut k)?;
-                for &(row, qp) in &queries {
-                    for h in 0..spec.n_heads {
-                        let qh = &q[row * spec.q_dim() + h * hd..][..hd];
-                        let kh = (h / group.max(1)) * hd;
-                        let mut max = f32::NEG_INFINITY;
-                        for (j, sc) in scores[..=qp].iter_mut().enumerate() {
-                            let kj = &k[j * kv + kh..][..hd];
-                            *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
-                                * spec.attn_scale;
-                            max = max.max(*sc);
+                let mut max = vec![f32::NEG_INFINITY; n];
+                let mut sum = vec![0f64; n];
+                for pass in 0..3 {
+                    for first in (0..pos).step_by(rows) {
+                        let len = rows.min(pos - first);
+                        // One run holds the whole layer: read once for the three passes.
+                        if pass == 0 || rows < pos {
+                            b.read_kv(&s.k[l], first, &mut k[..len * kv])?;
                         }
-                        let mut sum = 0f64;
-                        for sc in &mut scores[..=qp] {
-                            *sc = (*sc - max).exp();
-                            sum += *sc as f64;
-                        }
-                        for (j, sc) in scores[..=qp].iter().enumerate() {
-                            mass[j / block] += *sc as f64 / sum;
+                        for (qi, &(row, qp)) in queries.iter().enumerate() {
+                            if first > qp {
+                                continue;
+                            }
+                            let end = len.min(qp + 1 - first);
+                            for h in 0..spec.n_heads {
+                                let qh = &q[row * spec.q_dim() + h * hd..][..hd];
+                                let kh = (h / group.max(1)) * hd;
+                                let at = qi * spec.n_heads + h;
+                                for j in 0..end {
+                                    let kj = &k[j * kv + kh..][..hd];
+                                    let sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
+                                        * spec.attn_scale;
+                                    match pass {
+                                        0 => max[at] = max[at].max(sc),
+                                        1 => sum[at] += (sc - max[at]).exp() as f64,
+                                        _ => {
+                                            mass[(first + j) / block] +=
+                                                (sc - max[at]).exp() as f64 / sum[at]
+                                        }
+                                    }
+                                }
+                            }
                         }
                     }
                 }

@@ -1,5 +1,8 @@
 //! Choosing the next token from logits: greedy, or temperature with top-k, top-p and min-p
-//! filtering, from a seeded generator so runs repeat.
+//! filtering, from a seeded generator so runs repeat; optionally after OpenAI-style presence and
+//! frequency penalties and a logit bias, reporting log-probabilities.
+
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
@@ -52,10 +55,44 @@ impl SamplerParams {
     }
 }
 
+/// Changes to the logits before sampling (OpenAI's `presence_penalty`, `frequency_penalty` and
+/// `logit_bias`): `logit[t] -= presence·[count(t) > 0] + frequency·count(t) - bias[t]`, where
+/// `count(t)` is how often `t` was sampled so far by this sampler.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Penalties {
+    pub presence: f32,
+    pub frequency: f32,
+    /// `(token id, value added to its logit)`.
+    pub bias: Vec<(u32, f32)>,
+}
+
+impl Penalties {
+    pub fn is_neutral(&self) -> bool {
+        self.presence == 0.0 && self.frequency == 0.0 && self.bias.is_empty()
+    }
+}
+
+/// A sampled token and, when asked for, its log-probability and the most likely alternatives.
+///
+/// The log-probabilities are those of the model's distribution after the [`Penalties`] (a
+/// log-softmax of the adjusted logits at temperature 1), before temperature and the top-k / top-p
+/// / min-p truncation: so they mean the same at every temperature, greedy included (OpenAI's
+/// reading; llama.cpp instead reports the probabilities after its whole sampling chain).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    /// `(token, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
 pub struct Sampler {
     params: SamplerParams,
     rng: StdRng,
     candidates: Vec<(u32, f32)>,
+    penalties: Penalties,
+    counts: HashMap<u32, u32>,
+    adjusted: Vec<f32>,
 }
 
 /// Index of the largest value (the first one on ties), ignoring NaN.
@@ -73,15 +110,64 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 impl Sampler {
     pub fn new(params: SamplerParams) -> Self {
+        Self::with_penalties(params, Penalties::default())
+    }
+
+    pub fn with_penalties(params: SamplerParams, penalties: Penalties) -> Self {
         let rng = StdRng::seed_from_u64(params.seed);
         Sampler {
             params,
             rng,
             candidates: Vec::new(),
+            penalties,
+            counts: HashMap::new(),
+            adjusted: Vec::new(),
         }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        self.choose(logits, None).token
+    }
+
+    /// Sample from `logits` after the penalties; with `top = Some(n)`, also report the token's
+    /// log-probability and the `n` most likely tokens' (see [`Sampled`]).
+    pub fn choose(&mut self, logits: &[f32], top: Option<usize>) -> Sampled {
+        let mut adjusted = std::mem::take(&mut self.adjusted);
+        let logits = if self.penalties.is_neutral() {
+            logits
+        } else {
+            adjusted.clear();
+            adjusted.extend_from_slice(logits);
+            let pen = &self.penalties;
+            for (&t, &c) in &self.counts {
+                if let Some(l) = adjusted.get_mut(t as usize) {
+                    *l -= pen.presence + pen.frequency * c as f32;
+                }
+            }
+            for &(t, b) in &pen.bias {
+                if let Some(l) = adjusted.get_mut(t as usize) {
+                    *l += b;
+                }
+            }
+            &adjusted
+        };
+        let token = self.pick(logits);
+        let (logprob, top) = match top {
+            Some(n) => log_probs(logits, token, n),
+            None => (0.0, Vec::new()),
+        };
+        if !self.penalties.is_neutral() {
+            *self.counts.entry(token).or_default() += 1;
+        }
+        self.adjusted = adjusted;
+        Sampled {
+            token,
+            logprob,
+            top,
+        }
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
         if p.temperature <= 0.0 || p.top_k == 1 {
             return argmax(logits);
@@ -143,6 +229,50 @@ impl Sampler {
     }
 }
 
+/// The log-softmax of `logits` at `token`, and the `n` largest `(token, logprob)` (first index
+/// first on ties). NaN logits count as impossible.
+fn log_probs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| !v.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return (f32::NEG_INFINITY, Vec::new());
+    }
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| !v.is_nan())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |v: f32| {
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            (v as f64 - log_z) as f32
+        }
+    };
+    let chosen = logits
+        .get(token as usize)
+        .map_or(f32::NEG_INFINITY, |&v| lp(v));
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &v) in logits.iter().enumerate() {
+            if v.is_nan() {
+                continue;
+            }
+            // Kept sorted, largest first; a later equal value goes after.
+            if top.len() < n || top.last().is_some_and(|&(_, w)| v > w) {
+                let at = top.partition_point(|&(_, w)| w >= v);
+                top.insert(at, (i as u32, v));
+                top.truncate(n);
+            }
+        }
+    }
+    (chosen, top.into_iter().map(|(t, v)| (t, lp(v))).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,6 +318,74 @@ mod tests {
         for _ in 0..200 {
             assert!(s.sample(&logits) < 2);
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_top_is_sorted() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, f32::NAN];
+        let mut s = Sampler::new(SamplerParams::greedy());
+        let r = s.choose(&logits, Some(3));
+        assert_eq!(r.token, 1);
+        let z: f64 = [1.0f64, 3.0, 2.0, 3.0].iter().map(|v| v.exp()).sum();
+        let want = |v: f64| (v - z.ln()) as f32;
+        assert!((r.logprob - want(3.0)).abs() < 1e-6);
+        let ids: Vec<u32> = r.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 2]);
+        assert!((r.top[2].1 - want(2.0)).abs() < 1e-6);
+        let total: f64 = (0..4)
+            .map(|i| (log_probs(&logits, i, 0).0 as f64).exp())
+            .sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn penalties_follow_openai_formula() {
+        // Token 0 leads; each time it is chosen its logit falls by presence + frequency·count.
+        let logits = [2.0f32, 1.0, 0.0];
+        let mut s = Sampler::with_penalties(
+            SamplerParams::greedy(),
+            Penalties {
+                presence: 0.5,
+                frequency: 0.3,
+                bias: vec![],
+            },
+        );
+        // 0 (2.0) → 0 again: 2.0 − 0.5 − 0.3 = 1.2 > 1.0 → now 2.0 − 0.5 − 0.6 = 0.9 < 1.0: token 1.
+        let seq: Vec<u32> = (0..3).map(|_| s.sample(&logits)).collect();
+        assert_eq!(seq, vec![0, 0, 1]);
+        // The reported logprob is of the penalized distribution.
+        let r = s.choose(&logits, Some(1));
+        let adj = [2.0f64 - 0.5 - 0.6, 1.0 - 0.5 - 0.3, 0.0];
+        let z: f64 = adj.iter().map(|v| v.exp()).sum();
+        assert_eq!(r.token, 0);
+        assert!((r.logprob as f64 - (adj[0] - z.ln())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn logit_bias_forces_and_bans() {
+        let logits = [2.0f32, 1.0, 0.0];
+        let mut s = Sampler::with_penalties(
+            SamplerParams::greedy(),
+            Penalties {
+                bias: vec![(2, 100.0), (0, -100.0)],
+                ..Default::default()
+            },
+        );
+        assert_eq!(s.sample(&logits), 2);
+        let mut s = Sampler::with_penalties(
+            SamplerParams {
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 3,
+            },
+            Penalties {
+                bias: vec![(0, -100.0)],
+                ..Default::default()
+            },
+        );
+        assert!((0..200).all(|_| s.sample(&logits) != 0));
     }
 
     #[test]

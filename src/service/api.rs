@@ -5,7 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
-use crate::engine::SamplerParams;
+use crate::engine::{Penalties, SamplerParams};
 use crate::model::ChatMessage;
 
 /// An error as OpenAI's API returns it: `{"error": {"message", "type", "param", "code"}}`.
@@ -105,7 +105,20 @@ pub struct GenerationRequest {
     pub stop: Vec<String>,
     pub stream: bool,
     pub ignore_eos: bool,
+    /// Choices to generate (`n`), each from the prompt, choice `i` seeded with `seed + i`.
+    pub n: usize,
+    /// Report log-probabilities, with this many alternatives per token.
+    pub logprobs: Option<usize>,
+    /// `presence_penalty`, `frequency_penalty`, `logit_bias` (ids checked against the vocabulary
+    /// by the engine thread).
+    pub penalties: Penalties,
 }
+
+/// The most choices one request may ask for.
+pub const MAX_N: u64 = 16;
+/// The most alternatives per token: completions' `logprobs`, chat's `top_logprobs`.
+pub const MAX_LOGPROBS_COMPLETION: u64 = 5;
+pub const MAX_TOP_LOGPROBS_CHAT: u64 = 20;
 
 /// Limits the server enforces on requests.
 #[derive(Clone, Copy, Debug)]
@@ -118,22 +131,52 @@ pub struct Limits {
 type Check = fn(&Value) -> bool;
 
 const NEUTRAL: &[(&str, Check)] = &[
-    ("n", |v| v == &json!(1)),
-    ("best_of", |v| v == &json!(1)),
-    ("echo", |v| v == &json!(false)),
-    ("logprobs", |v| v.is_null() || v == &json!(false)),
-    ("top_logprobs", |v| v.is_null()),
-    ("presence_penalty", |v| v.as_f64() == Some(0.0)),
-    ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
-    ("logit_bias", |v| {
-        v.as_object().is_some_and(|o| o.is_empty()) || v.is_null()
-    }),
+    ("best_of", |v| v.is_null() || v == &json!(1)),
+    ("echo", |v| v.is_null() || v == &json!(false)),
     ("user", |v| v.is_string()),
     ("stream_options", |v| v.is_object() || v.is_null()),
     ("suffix", |v| v.is_null()),
 ];
 
+/// Fields refused until this server implements them (a request naming nothing is accepted).
+const UNIMPLEMENTED: &[(&str, Check, &str)] = &[
+    (
+        "response_format",
+        |v| v.is_null() || v == &json!({"type": "text"}),
+        "structured (JSON) output is not implemented by this server; only {\"type\": \"text\"} is accepted",
+    ),
+    (
+        "tools",
+        |v| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
+        "tool calling is not implemented by this server",
+    ),
+    (
+        "tool_choice",
+        |v| v.is_null() || v == &json!("none"),
+        "tool calling is not implemented by this server",
+    ),
+    (
+        "parallel_tool_calls",
+        |v| v.is_null() || v.is_boolean(),
+        "tool calling is not implemented by this server",
+    ),
+    (
+        "functions",
+        |v| v.is_null() || v.as_array().is_some_and(Vec::is_empty),
+        "function calling is not implemented by this server",
+    ),
+    (
+        "function_call",
+        |v| v.is_null() || v == &json!("none"),
+        "function calling is not implemented by this server",
+    ),
+];
+
 const COMMON: &[&str] = &[
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
     "model",
     "max_tokens",
     "max_completion_tokens",
@@ -163,6 +206,15 @@ fn check_fields(o: &Map<String, Value>, own: &[&str]) -> Result<(), ApiError> {
     for (k, v) in o {
         if COMMON.contains(&k.as_str()) || own.contains(&k.as_str()) {
             continue;
+        }
+        if let Some((_, ok, why)) = UNIMPLEMENTED.iter().find(|(n, _, _)| n == k) {
+            if ok(v) {
+                continue;
+            }
+            return Err(ApiError::bad_request(
+                format!("'{k}' = {} is not supported: {why}", short(v)),
+                Some(k),
+            ));
         }
         match NEUTRAL.iter().find(|(n, _)| n == k) {
             Some((_, ok)) if ok(v) => {}
@@ -216,10 +268,77 @@ fn boolean(o: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
     }
 }
 
+/// A number within `lo..=hi`, or None when absent.
+fn ranged(o: &Map<String, Value>, key: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+    match number(o, key)? {
+        Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::bad_request(
+            format!("'{key}' must be between {lo} and {hi}, got {v}"),
+            Some(key),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// A count within `lo..=hi`, or None when absent.
+fn counted(o: &Map<String, Value>, key: &str, lo: u64, hi: u64) -> Result<Option<u64>, ApiError> {
+    match count(o, key)? {
+        Some(v) if !(lo..=hi).contains(&v) => Err(ApiError::bad_request(
+            format!("'{key}' must be an integer from {lo} to {hi}, got {v}"),
+            Some(key),
+        )),
+        v => Ok(v),
+    }
+}
+
+fn penalties(o: &Map<String, Value>) -> Result<Penalties, ApiError> {
+    let key = "logit_bias";
+    let bias = match o.get(key) {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Object(m)) => {
+            let mut bias = Vec::with_capacity(m.len());
+            for (id, v) in m {
+                let Ok(t) = id.parse::<u32>() else {
+                    return Err(ApiError::bad_request(
+                        format!("'{key}' keys must be token ids, got '{id}'"),
+                        Some(key),
+                    ));
+                };
+                match v.as_f64() {
+                    Some(b) if (-100.0..=100.0).contains(&b) => bias.push((t, b as f32)),
+                    _ => {
+                        return Err(ApiError::bad_request(
+                            format!(
+                                "'{key}' values must be numbers from -100 to 100, got {v} for token {t}"
+                            ),
+                            Some(key),
+                        ));
+                    }
+                }
+            }
+            bias
+        }
+        Some(v) => {
+            return Err(ApiError::bad_request(
+                format!(
+                    "'{key}' must be an object of token id → bias, got {}",
+                    short(v)
+                ),
+                Some(key),
+            ));
+        }
+    };
+    Ok(Penalties {
+        presence: ranged(o, "presence_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        frequency: ranged(o, "frequency_penalty", -2.0, 2.0)?.unwrap_or(0.0) as f32,
+        bias,
+    })
+}
+
 fn common(
     o: &Map<String, Value>,
     input: Input,
     limits: Limits,
+    logprobs: Option<usize>,
 ) -> Result<GenerationRequest, ApiError> {
     let model = match o.get("model") {
         None | Some(Value::Null) => None,
@@ -295,13 +414,32 @@ fn common(
         stop,
         stream: boolean(o, "stream")?,
         ignore_eos: boolean(o, "ignore_eos")?,
+        n: counted(o, "n", 1, MAX_N)?.unwrap_or(1) as usize,
+        logprobs,
+        penalties: penalties(o)?,
     })
 }
 
 /// `POST /v1/completions` (and a context's): `prompt` is a string or an array of token ids.
 pub fn parse_completion(body: &[u8], limits: Limits) -> Result<GenerationRequest, ApiError> {
     let o = parse_object(body)?;
-    check_fields(&o, &["prompt"])?;
+    check_fields(&o, &["prompt", "logprobs"])?;
+    // Completions: `logprobs` is the number of alternatives (0 = the sampled token's only).
+    let logprobs = match o.get("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n <= MAX_LOGPROBS_COMPLETION) => {
+            n.as_u64().map(|n| n as usize)
+        }
+        Some(v) => {
+            return Err(ApiError::bad_request(
+                format!(
+                    "'logprobs' must be an integer from 0 to {MAX_LOGPROBS_COMPLETION} on completions, got {}",
+                    short(v)
+                ),
+                Some("logprobs"),
+            ));
+        }
+    };
     let input = match o.get("prompt") {
         Some(Value::String(s)) => Input::Text(s.clone()),
         Some(Value::Array(a))
@@ -331,7 +469,7 @@ pub fn parse_completion(body: &[u8], limits: Limits) -> Result<GenerationRequest
             ));
         }
     };
-    common(&o, input, limits)
+    common(&o, input, limits, logprobs)
 }
 
 /// `POST /v1/chat/completions` (and a context's): `messages` with `role` and string `content`.
@@ -341,7 +479,19 @@ pub fn parse_chat(
     allow_empty: bool,
 ) -> Result<GenerationRequest, ApiError> {
     let o = parse_object(body)?;
-    check_fields(&o, &["messages"])?;
+    check_fields(&o, &["messages", "logprobs", "top_logprobs"])?;
+    // Chat: `logprobs` is a switch, `top_logprobs` the number of alternatives.
+    let top = counted(&o, "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT)?;
+    let logprobs = match (boolean(&o, "logprobs")?, top) {
+        (true, top) => Some(top.unwrap_or(0) as usize),
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::bad_request(
+                "'top_logprobs' needs 'logprobs': true",
+                Some("top_logprobs"),
+            ));
+        }
+    };
     let bad = |msg: String| ApiError::bad_request(msg, Some("messages"));
     let list = match o.get("messages") {
         Some(Value::Array(a)) => a,
@@ -377,7 +527,7 @@ pub fn parse_chat(
             }
         }
     }
-    common(&o, Input::Chat(messages), limits)
+    common(&o, Input::Chat(messages), limits, logprobs)
 }
 
 /// `POST /v1/contexts`: an optional `system_prompt` string.
@@ -442,6 +592,33 @@ mod tests {
         )
         .unwrap();
         assert!(r.stream);
+        assert_eq!((r.n, r.logprobs), (1, None));
+    }
+
+    #[test]
+    fn openai_fields_parse() {
+        let r = parse_completion(
+            br#"{"prompt":"hi","n":3,"logprobs":2,"presence_penalty":0.5,"frequency_penalty":-1,"logit_bias":{"7":-100,"9":2.5},"response_format":{"type":"text"},"tools":[]}"#,
+            L,
+        )
+        .unwrap();
+        assert_eq!((r.n, r.logprobs), (3, Some(2)));
+        assert_eq!(r.penalties.presence, 0.5);
+        assert_eq!(r.penalties.frequency, -1.0);
+        let mut bias = r.penalties.bias.clone();
+        bias.sort_by_key(|b| b.0);
+        assert_eq!(bias, vec![(7, -100.0), (9, 2.5)]);
+        let r = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":4}"#,
+            L,
+            false,
+        )
+        .unwrap();
+        assert_eq!(r.logprobs, Some(4));
+        let r = parse_chat(br#"{"messages":[],"logprobs":true}"#, L, true).unwrap();
+        assert_eq!(r.logprobs, Some(0));
+        let r = parse_chat(br#"{"messages":[],"logprobs":false}"#, L, true).unwrap();
+        assert_eq!(r.logprobs, None);
     }
 
     #[test]
@@ -453,7 +630,34 @@ mod tests {
             (br#"{"prompt":"a","max_tokens":1000000}"#, "limit"),
             (br#"{"prompt":"a","temperature":"hot"}"#, "temperature"),
             (br#"{"prompt":"a","temperature":-1}"#, "temperature"),
-            (br#"{"prompt":"a","n":3}"#, "'n'"),
+            (br#"{"prompt":"a","n":0}"#, "'n'"),
+            (br#"{"prompt":"a","n":17}"#, "'n'"),
+            (br#"{"prompt":"a","logprobs":6}"#, "'logprobs'"),
+            (br#"{"prompt":"a","logprobs":true}"#, "'logprobs'"),
+            (
+                br#"{"prompt":"a","presence_penalty":2.5}"#,
+                "'presence_penalty'",
+            ),
+            (
+                br#"{"prompt":"a","frequency_penalty":"x"}"#,
+                "'frequency_penalty'",
+            ),
+            (br#"{"prompt":"a","logit_bias":{"x":1}}"#, "'logit_bias'"),
+            (br#"{"prompt":"a","logit_bias":{"5":101}}"#, "'logit_bias'"),
+            (br#"{"prompt":"a","logit_bias":[1]}"#, "'logit_bias'"),
+            (
+                br#"{"prompt":"a","response_format":{"type":"json_object"}}"#,
+                "'response_format'",
+            ),
+            (
+                br#"{"prompt":"a","tools":[{"type":"function"}]}"#,
+                "'tools'",
+            ),
+            (br#"{"prompt":"a","tool_choice":"auto"}"#, "'tool_choice'"),
+            (
+                br#"{"prompt":"a","functions":[{"name":"f"}]}"#,
+                "'functions'",
+            ),
             (br#"{"prompt":"a","bogus":1}"#, "bogus"),
             (br#"{"prompt":5}"#, "prompt"),
             (br#"{"max_tokens":5}"#, "prompt"),
@@ -476,6 +680,21 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("wizard"));
+        for (body, needle) in [
+            (
+                &br#"{"messages":[],"top_logprobs":2}"#[..],
+                "'top_logprobs'",
+            ),
+            (
+                br#"{"messages":[],"logprobs":true,"top_logprobs":21}"#,
+                "'top_logprobs'",
+            ),
+            (br#"{"messages":[],"logprobs":3}"#, "'logprobs'"),
+        ] {
+            let e = parse_chat(body, L, true).unwrap_err();
+            assert!(e.message.contains(needle), "{}", e.message);
+            assert_eq!(e.param.as_deref(), Some(&needle[1..needle.len() - 1]));
+        }
         assert!(parse_chat(br#"{"messages":[]}"#, L, false).is_err());
     }
 }

@@ -19,7 +19,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::api::{self, ApiError, GenerationRequest};
-use super::worker::{Event, Generate, Request};
+use super::worker::{Event, Generate, Request, TokenLogprob};
 use super::{AppState, owner_of};
 use crate::kv::unix_now;
 
@@ -243,6 +243,8 @@ async fn generate(
     }
     let (etx, mut erx) = mpsc::unbounded_channel();
     let stream = request.stream;
+    let n = request.n;
+    let logprobs = request.logprobs.is_some();
     let job = Generate {
         request,
         context: context.clone(),
@@ -277,52 +279,120 @@ async fn generate(
             chat,
             context,
         };
-        let first = chat.then(|| header.delta(json!({"role": "assistant", "content": ""}), None));
-        let events = UnboundedReceiverStream::new(erx).map(move |ev| {
+        let head: Vec<Value> = if chat {
+            (0..n)
+                .map(|i| {
+                    header.wrap(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // Characters sent so far per choice: where the next token's text starts.
+        let mut offsets = vec![0usize; n];
+        let mut last_finish = None;
+        let events = UnboundedReceiverStream::new(erx).filter_map(move |ev| {
             let v = match ev {
-                Event::Text(t) => header.delta(json!({"content": t}), Some(t.clone())),
-                Event::Done {
-                    finish_reason,
-                    completion_tokens,
-                    ..
+                Event::Token {
+                    index,
+                    text,
+                    logprobs: lps,
                 } => {
-                    let mut v = header.finish(finish_reason);
+                    let at = offsets.get(index).copied().unwrap_or(0);
+                    if let Some(o) = offsets.get_mut(index) {
+                        *o += text.chars().count();
+                    }
+                    let lp = logprobs.then(|| logprobs_json(chat, &lps, at));
+                    header.token(index, &text, lp)
+                }
+                Event::Finish {
+                    index,
+                    finish_reason,
+                } => {
+                    if index + 1 == n {
+                        // The last choice's finish goes out with the usage.
+                        last_finish = Some((index, finish_reason));
+                        return None;
+                    }
+                    header.finish(index, finish_reason)
+                }
+                Event::Done {
+                    completion_tokens, ..
+                } => {
+                    let (index, reason) = last_finish.take().unwrap_or((n - 1, "stop"));
+                    let mut v = header.finish(index, reason);
                     v["usage"] = usage(prompt_tokens, completion_tokens, cached);
                     v
                 }
                 Event::Error(e) => e.body(),
-                Event::Start { .. } => json!({}),
+                Event::Start { .. } => return None,
             };
-            Ok::<_, Infallible>(SseEvent::default().data(v.to_string()))
+            Some(Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
         });
-        let head = tokio_stream::iter(first.map(|v| Ok(SseEvent::default().data(v.to_string()))));
+        let head = tokio_stream::iter(
+            head.into_iter()
+                .map(|v| Ok(SseEvent::default().data(v.to_string()))),
+        );
         let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
         return Sse::new(head.chain(events).chain(done))
             .keep_alive(KeepAlive::default())
             .into_response();
     }
-    let mut text = String::new();
+    let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
     while let Some(ev) = erx.recv().await {
         match ev {
-            Event::Text(t) => text.push_str(&t),
+            Event::Token {
+                index,
+                text,
+                logprobs,
+            } => {
+                if let Some(c) = choices.get_mut(index) {
+                    let at = c.text.chars().count();
+                    c.offsets.extend(std::iter::repeat_n(at, logprobs.len()));
+                    c.logprobs.extend(logprobs);
+                    c.text.push_str(&text);
+                }
+            }
+            Event::Finish {
+                index,
+                finish_reason,
+            } => {
+                if let Some(c) = choices.get_mut(index) {
+                    c.finish = Some(finish_reason);
+                }
+            }
             Event::Error(e) => return e.into_response(),
             Event::Start { .. } => {}
             Event::Done {
-                finish_reason,
-                completion_tokens,
-                ..
+                completion_tokens, ..
             } => {
-                let choice = if chat {
-                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": null})
-                } else {
-                    json!({"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null})
-                };
+                let choices: Vec<Value> = choices
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        let lp = if logprobs {
+                            if chat {
+                                json!({"content": c.logprobs.iter().map(chat_logprob).collect::<Vec<_>>(), "refusal": null})
+                            } else {
+                                completion_logprobs(&c.logprobs, &c.offsets)
+                            }
+                        } else {
+                            Value::Null
+                        };
+                        let reason = c.finish.unwrap_or("stop");
+                        if chat {
+                            json!({"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason, "logprobs": lp})
+                        } else {
+                            json!({"index": i, "text": c.text, "finish_reason": reason, "logprobs": lp})
+                        }
+                    })
+                    .collect();
                 let mut v = json!({
                     "id": id,
                     "object": if chat { "chat.completion" } else { "text_completion" },
                     "created": created,
                     "model": model,
-                    "choices": [choice],
+                    "choices": choices,
                     "usage": usage(prompt_tokens, completion_tokens, cached),
                 });
                 if let Some(c) = context {
@@ -333,6 +403,57 @@ async fn generate(
         }
     }
     ApiError::internal("the engine stopped before the request finished").into_response()
+}
+
+/// One choice of a non-streamed answer, as it arrives.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    logprobs: Vec<TokenLogprob>,
+    /// Per token: the character offset of its text in `text`.
+    offsets: Vec<usize>,
+    finish: Option<&'static str>,
+}
+
+/// Chat's `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
+fn chat_logprob(t: &TokenLogprob) -> Value {
+    let top: Vec<Value> = t
+        .top
+        .iter()
+        .map(|(p, lp)| json!({"token": p.text, "logprob": lp, "bytes": p.bytes}))
+        .collect();
+    json!({"token": t.token.text, "logprob": t.logprob, "bytes": t.token.bytes, "top_logprobs": top})
+}
+
+/// Completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`;
+/// `text_offset` counts characters from the start of the completion's text.
+fn completion_logprobs(lps: &[TokenLogprob], offsets: &[usize]) -> Value {
+    let top: Vec<Value> = lps
+        .iter()
+        .map(|t| {
+            let m: serde_json::Map<String, Value> = t
+                .top
+                .iter()
+                .map(|(p, lp)| (p.text.clone(), json!(lp)))
+                .collect();
+            Value::Object(m)
+        })
+        .collect();
+    json!({
+        "tokens": lps.iter().map(|t| t.token.text.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    })
+}
+
+/// The `logprobs` of one streamed chunk whose tokens' text starts at character `at`.
+fn logprobs_json(chat: bool, lps: &[TokenLogprob], at: usize) -> Value {
+    if chat {
+        json!({"content": lps.iter().map(chat_logprob).collect::<Vec<_>>(), "refusal": null})
+    } else {
+        completion_logprobs(lps, &vec![at; lps.len()])
+    }
 }
 
 fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
@@ -367,19 +488,24 @@ impl Chunk {
         v
     }
 
-    fn delta(&self, delta: Value, text: Option<String>) -> Value {
+    fn token(&self, index: usize, text: &str, logprobs: Option<Value>) -> Value {
+        let lp = logprobs.unwrap_or(Value::Null);
         if self.chat {
-            self.wrap(json!({"index": 0, "delta": delta, "finish_reason": null}))
+            self.wrap(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}))
         } else {
-            self.wrap(json!({"index": 0, "text": text.unwrap_or_default(), "finish_reason": null}))
+            self.wrap(json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}))
         }
     }
 
-    fn finish(&self, reason: &str) -> Value {
+    fn finish(&self, index: usize, reason: &str) -> Value {
         if self.chat {
-            self.wrap(json!({"index": 0, "delta": {}, "finish_reason": reason}))
+            self.wrap(
+                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
+            )
         } else {
-            self.wrap(json!({"index": 0, "text": "", "finish_reason": reason}))
+            self.wrap(
+                json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason}),
+            )
         }
     }
 }

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc::UnboundedSender, oneshot};
 use super::Shared;
 use super::api::{ApiError, GenerationRequest, Input};
 use crate::backend::Backend;
-use crate::engine::{Engine, EngineError, Logits, Sampler, Session};
+use crate::engine::{Engine, EngineError, Logits, Sampled, Sampler, SamplerParams, Session};
 use crate::kv::{Bits, CHUNK_TOKENS, KvError, KvManager};
 use crate::model::tokenizer::TextStream;
 use crate::model::{ChatMessage, Tokenizer};
@@ -47,20 +47,55 @@ pub struct Generate {
     pub received: Instant,
 }
 
-/// What a generation reports, in order: `Start`, `Text`…, `Done`; or one `Error`.
+/// What a generation reports, in order: `Start`, then per choice (0, 1, … `n - 1`, one after
+/// another) `Token`… and `Finish`, then `Done`; or one `Error`.
 #[derive(Debug)]
 pub enum Event {
     Start {
         prompt_tokens: usize,
         cached_tokens: usize,
     },
-    Text(String),
-    Done {
+    /// Text of choice `index` that became complete (it may lag a token behind when a character
+    /// spans tokens), and the log-probabilities of the tokens sampled since the last `Token`
+    /// (when the request asked for them).
+    Token {
+        index: usize,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    Finish {
+        index: usize,
         finish_reason: &'static str,
+    },
+    Done {
         prompt_tokens: usize,
+        /// Over all choices.
         completion_tokens: usize,
     },
     Error(ApiError),
+}
+
+/// One sampled token's log-probability and the most likely alternatives (see
+/// [`crate::engine::Sampled`] for which distribution).
+#[derive(Clone, Debug)]
+pub struct TokenLogprob {
+    pub token: Piece,
+    pub logprob: f32,
+    pub top: Vec<(Piece, f32)>,
+}
+
+/// A token's text: its bytes, and them read as UTF-8 (lossily: a piece of a character).
+#[derive(Clone, Debug)]
+pub struct Piece {
+    pub id: u32,
+    pub text: String,
+    pub bytes: Vec<u8>,
+}
+
+/// A context as it was before a call, restored when the call does not complete.
+struct Before {
+    tokens: Vec<u32>,
+    messages: Vec<ChatMessage>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -85,10 +120,18 @@ struct Sequence {
     job: Box<Generate>,
     sampler: Sampler,
     logits: Vec<f32>,
-    /// Prompt (the whole conversation for a context) followed by what was generated.
+    /// Prompt (the whole conversation for a context) followed by what the current choice
+    /// generated.
     tokens: Vec<u32>,
     prompt_tokens: usize,
+    /// The choice being generated (`0..n`); the next starts again from `prompt_logits`.
+    choice: usize,
+    prompt_logits: Option<Vec<f32>>,
+    /// By the current choice, and by all choices.
     generated: usize,
+    generated_total: usize,
+    /// A context's conversation before this call.
+    before: Option<Before>,
     text: String,
     stream: Option<TextStream<Arc<Tokenizer>>>,
     /// Chat on a context: its messages so far (the assistant's reply is added at the end).
@@ -113,6 +156,18 @@ pub struct Worker<B: Backend> {
     shared: Arc<Shared>,
     cfg: WorkerConfig,
     clock: u64,
+}
+
+/// Fault injection for tests: `GPU_OFFLOAD_TEST_STEP_DELAY_MS` slows every decode step, so a
+/// test can hang up while a call is surely under way.
+fn test_step_delay() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        std::env::var("GPU_OFFLOAD_TEST_STEP_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map(Duration::from_millis)
+    })
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -343,13 +398,45 @@ impl<B: Backend> Worker<B> {
         })
     }
 
+    /// The conversation in the model's chat template, or ChatML when it has none (as llama.cpp).
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
         let tok = self.tokenizer()?;
-        let text = tok
-            .apply_chat_template(messages, true)
+        let (text, chatml) = tok
+            .apply_chat_template_or_chatml(messages, true)
             .map_err(|e| ApiError::bad_request(format!("chat: {e}"), Some("messages")))?;
-        tok.encode(&text, false, true)
+        // A model's own template writes the BOS text itself when the model wants one; ChatML
+        // does not, so the tokenizer adds it.
+        tok.encode(&text, chatml, true)
             .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+    }
+
+    /// The sampler of choice `index`: seeded with `seed + index`.
+    fn sampler(request: &GenerationRequest, index: usize) -> Sampler {
+        let params = SamplerParams {
+            seed: request.sampler.seed.wrapping_add(index as u64),
+            ..request.sampler.clone()
+        };
+        Sampler::with_penalties(params, request.penalties.clone())
+    }
+
+    fn logprob(&self, s: &Sampled) -> TokenLogprob {
+        let piece = |id: u32| {
+            let bytes = self
+                .tok
+                .as_ref()
+                .map(|t| t.token_bytes(id, false))
+                .unwrap_or_default();
+            Piece {
+                id,
+                text: String::from_utf8_lossy(&bytes).into_owned(),
+                bytes,
+            }
+        };
+        TokenLogprob {
+            token: piece(s.token),
+            logprob: s.logprob,
+            top: s.top.iter().map(|&(t, lp)| (piece(t), lp)).collect(),
+        }
     }
 
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
@@ -437,7 +524,7 @@ impl<B: Backend> Worker<B> {
 
     fn start(&mut self, g: Box<Generate>) -> Result<Sequence, (Box<Generate>, ApiError)> {
         match self.try_start(&g) {
-            Ok((slot, logits, tokens, messages, cached)) => {
+            Ok((slot, logits, tokens, messages, cached, before)) => {
                 let prompt_tokens = tokens.len();
                 g.events
                     .send(Event::Start {
@@ -451,11 +538,15 @@ impl<B: Backend> Worker<B> {
                     .observe(g.received.elapsed().as_secs_f64());
                 Ok(Sequence {
                     slot,
-                    sampler: Sampler::new(g.request.sampler.clone()),
+                    sampler: Self::sampler(&g.request, 0),
+                    prompt_logits: (g.request.n > 1).then(|| logits.clone()),
                     logits,
                     tokens,
                     prompt_tokens,
+                    choice: 0,
                     generated: 0,
+                    generated_total: 0,
+                    before,
                     text: String::new(),
                     stream: self.tok.clone().map(TextStream::new),
                     messages,
@@ -471,7 +562,39 @@ impl<B: Backend> Worker<B> {
     fn try_start(
         &mut self,
         g: &Generate,
-    ) -> Result<(usize, Vec<f32>, Vec<u32>, Option<Vec<ChatMessage>>, usize), ApiError> {
+    ) -> Result<
+        (
+            usize,
+            Vec<f32>,
+            Vec<u32>,
+            Option<Vec<ChatMessage>>,
+            usize,
+            Option<Before>,
+        ),
+        ApiError,
+    > {
+        let vocab = self.engine.spec().vocab_size;
+        if let Some(&(t, _)) = g
+            .request
+            .penalties
+            .bias
+            .iter()
+            .find(|&&(t, _)| t as usize >= vocab)
+        {
+            return Err(ApiError::bad_request(
+                format!("'logit_bias' names token {t}, outside the vocabulary of {vocab} tokens"),
+                Some("logit_bias"),
+            ));
+        }
+        if g.context.is_some() && g.request.n > 1 {
+            return Err(ApiError::bad_request(
+                format!(
+                    "'n' = {} on a context: a conversation continues with one answer",
+                    g.request.n
+                ),
+                Some("n"),
+            ));
+        }
         let (tokens, messages) = self.prompt(g)?;
         if tokens.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
@@ -496,7 +619,6 @@ impl<B: Backend> Worker<B> {
                 }),
             ));
         }
-        let vocab = self.engine.spec().vocab_size;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::bad_request(
                 format!("token id {t} is outside the vocabulary of {vocab} tokens"),
@@ -510,6 +632,7 @@ impl<B: Backend> Worker<B> {
         let clock = self.clock;
         let s = &mut self.slots[slot];
         s.last_use = clock;
+        let mut before = None;
         let start = match &g.context {
             Some(id) => {
                 if s.holder != Holder::Context(id.clone()) {
@@ -522,6 +645,10 @@ impl<B: Backend> Worker<B> {
                     s.holder = Holder::Context(id.clone());
                 }
                 let c = self.kv.get_mut(id, g.owner.as_deref()).map_err(kv_error)?;
+                before = Some(Before {
+                    tokens: c.index.tokens.clone(),
+                    messages: c.index.messages.clone(),
+                });
                 let keep = common_prefix(&tokens, &c.index.tokens[..c.index.evaluated]);
                 let keep = keep.min(tokens.len() - 1);
                 if keep < c.index.evaluated {
@@ -556,7 +683,7 @@ impl<B: Backend> Worker<B> {
         if g.context.is_none() {
             s.holder = Holder::Anon(tokens.clone());
         }
-        Ok((slot, logits, tokens, messages, start))
+        Ok((slot, logits, tokens, messages, start, before))
     }
 
     fn step_all(&mut self, stop_now: bool) {
@@ -568,6 +695,12 @@ impl<B: Backend> Worker<B> {
                 self.step(i)
             };
             match finish {
+                Some(reason @ ("stop" | "length"))
+                    if self.active[i].choice + 1 < self.active[i].job.request.n =>
+                {
+                    self.next_choice(i, reason);
+                    i += 1;
+                }
                 Some(reason) => {
                     let seq = self.active.swap_remove(i);
                     self.finish(seq, reason);
@@ -579,11 +712,15 @@ impl<B: Backend> Worker<B> {
 
     /// Sample one token for sequence `i` and evaluate it; `Some(reason)` when it is done.
     fn step(&mut self, i: usize) -> Option<&'static str> {
+        if let Some(d) = test_step_delay() {
+            std::thread::sleep(d);
+        }
         let seq = &mut self.active[i];
         if seq.job.events.is_closed() {
             return Some("cancelled");
         }
-        let next = seq.sampler.sample(&seq.logits);
+        let sampled = seq.sampler.choose(&seq.logits, seq.job.request.logprobs);
+        let next = sampled.token;
         let eog = self
             .tok
             .as_ref()
@@ -593,6 +730,7 @@ impl<B: Backend> Worker<B> {
         }
         seq.tokens.push(next);
         seq.generated += 1;
+        seq.generated_total += 1;
         self.shared.metrics.generated_tokens.inc();
         let now = Instant::now();
         if seq.generated > 1 {
@@ -626,7 +764,24 @@ impl<B: Backend> Worker<B> {
         } else {
             seq.text.push_str(&piece);
         }
-        if !piece.is_empty() && seq.job.events.send(Event::Text(piece)).is_err() {
+        let logprobs = if seq.job.request.logprobs.is_some() {
+            let lp = self.logprob(&sampled);
+            vec![lp]
+        } else {
+            Vec::new()
+        };
+        let seq = &mut self.active[i];
+        if (!piece.is_empty() || !logprobs.is_empty())
+            && seq
+                .job
+                .events
+                .send(Event::Token {
+                    index: seq.choice,
+                    text: piece,
+                    logprobs,
+                })
+                .is_err()
+        {
             return Some("cancelled");
         }
         if stop.is_some() {
@@ -654,18 +809,72 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn finish(&mut self, mut seq: Sequence, reason: &'static str) {
+    /// Send what the text stream still holds of the current choice.
+    fn flush_text(seq: &mut Sequence) {
         if let Some(rest) = seq.stream.as_mut().map(|s| s.finish())
             && !rest.is_empty()
             && seq.job.request.stop.is_empty()
         {
-            seq.job.events.send(Event::Text(rest.clone())).ok();
+            seq.job
+                .events
+                .send(Event::Token {
+                    index: seq.choice,
+                    text: rest.clone(),
+                    logprobs: Vec::new(),
+                })
+                .ok();
             seq.text.push_str(&rest);
         }
+    }
+
+    /// Choice `choice` of sequence `i` finished for `reason`: start the next from the prompt.
+    fn next_choice(&mut self, i: usize, reason: &'static str) {
+        let seq = &mut self.active[i];
+        Self::flush_text(seq);
+        seq.job
+            .events
+            .send(Event::Finish {
+                index: seq.choice,
+                finish_reason: reason,
+            })
+            .ok();
+        seq.choice += 1;
+        seq.generated = 0;
+        seq.tokens.truncate(seq.prompt_tokens);
+        seq.text.clear();
+        seq.stream = self.tok.clone().map(TextStream::new);
+        seq.sampler = Self::sampler(&seq.job.request, seq.choice);
+        if let Some(l) = &seq.prompt_logits {
+            seq.logits.clone_from(l);
+        }
+        self.slots[seq.slot].session.truncate(seq.prompt_tokens);
+    }
+
+    fn finish(&mut self, mut seq: Sequence, reason: &'static str) {
+        Self::flush_text(&mut seq);
         let slot = &mut self.slots[seq.slot];
         slot.busy = false;
-        let pos = slot.session.position();
-        if let Some(id) = seq.job.context.clone() {
+        let completed = !matches!(reason, "cancelled" | "error");
+        if let Some(id) = seq.job.context.clone()
+            && !completed
+        {
+            // A call that did not complete leaves the conversation as it was: its tokens and
+            // messages, and on the device only what was evaluated of them before the call.
+            if let (Ok(c), Some(b)) = (
+                self.kv.get_mut(&id, seq.job.owner.as_deref()),
+                seq.before.take(),
+            ) {
+                c.index.tokens = b.tokens;
+                c.index.messages = b.messages;
+                let keep = c.index.evaluated.min(c.index.tokens.len());
+                c.truncate_evaluated(keep);
+                slot.session.truncate(keep.min(slot.session.position()));
+            }
+            if let Err(e) = self.kv.save_conversation(&id) {
+                tracing::warn!("saving context {id}: {e}");
+            }
+        } else if let Some(id) = seq.job.context.clone() {
+            let pos = slot.session.position();
             if let Ok(c) = self.kv.get_mut(&id, seq.job.owner.as_deref()) {
                 c.index.tokens = seq.tokens.clone();
                 c.index.evaluated = pos.min(seq.tokens.len());
@@ -682,15 +891,22 @@ impl<B: Backend> Worker<B> {
                 tracing::warn!("saving context {id}: {e}");
             }
         } else {
+            let pos = slot.session.position();
             slot.holder = Holder::Anon(seq.tokens[..pos.min(seq.tokens.len())].to_vec());
         }
         if reason != "error" {
             seq.job
                 .events
-                .send(Event::Done {
+                .send(Event::Finish {
+                    index: seq.choice,
                     finish_reason: reason,
+                })
+                .ok();
+            seq.job
+                .events
+                .send(Event::Done {
                     prompt_tokens: seq.prompt_tokens,
-                    completion_tokens: seq.generated,
+                    completion_tokens: seq.generated_total,
                 })
                 .ok();
         }

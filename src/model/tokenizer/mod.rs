@@ -160,6 +160,22 @@ impl Tokenizer {
         chat::render(template, messages, add_generation_prompt, &bos, &eos)
     }
 
+    /// [`Tokenizer::apply_chat_template`], or ChatML when the model has no template (what
+    /// llama.cpp falls back to); the flag says ChatML was used (it writes no BOS text).
+    pub fn apply_chat_template_or_chatml(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<(String, bool), TokenizeError> {
+        if self.chat_template().is_some() {
+            return Ok((
+                self.apply_chat_template(messages, add_generation_prompt)?,
+                false,
+            ));
+        }
+        Ok((chatml(messages, add_generation_prompt), true))
+    }
+
     fn special_texts(&self) -> (String, String) {
         match &self.backend {
             Backend::Gguf(v) => {
@@ -233,6 +249,22 @@ impl<T: std::ops::Deref<Target = Tokenizer>> TextStream<T> {
     }
 }
 
+/// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
+/// `<|im_start|>assistant\n` when a reply is to follow.
+pub fn chatml(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
+    let mut out = String::new();
+    for m in messages {
+        out.push_str(&format!(
+            "<|im_start|>{}\n{}<|im_end|>\n",
+            m.role, m.content
+        ));
+    }
+    if add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,6 +301,25 @@ mod tests {
             MetaValue::Array(types.into_iter().map(MetaValue::I32).collect()),
         );
         Tokenizer::from_gguf(&meta).unwrap().unwrap()
+    }
+
+    #[test]
+    fn no_template_falls_back_to_chatml() {
+        let tok = spm_tokenizer();
+        assert!(tok.chat_template().is_none());
+        let m = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let (text, chatml) = tok
+            .apply_chat_template_or_chatml(&[m("system", "Be brief."), m("user", "hi")], true)
+            .unwrap();
+        assert!(chatml);
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert!(tok.apply_chat_template(&[], true).is_err());
     }
 
     #[test]
