@@ -1100,7 +1100,9 @@ fn a_cancelled_call_leaves_its_context_as_before() {
 /// skipped, saying why, where the package is not installed.
 #[test]
 fn openai_python_client_check() {
-    let has_openai = Command::new("python3")
+    // scripts/test.sh installs the client into a venv and names its python here.
+    let python = std::env::var("GPU_OFFLOAD_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_openai = Command::new(&python)
         .args(["-c", "import openai"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -1112,7 +1114,7 @@ fn openai_python_client_check() {
     }
     let model = common::stories260k();
     let s = Server::start(&model, &["--ctx-size", "256", "--parallel", "2"]);
-    let out = Command::new("python3")
+    let out = Command::new(&python)
         .arg(common::repo().join("scripts/openai-client-check.py"))
         .arg(&s.base)
         .output()
