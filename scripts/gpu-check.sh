@@ -333,6 +333,14 @@ units() {
                 --cold "$cold" --sparsity oracle --sparsity-target "$target" --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
         done
     done
+    say "mixed-precision neurons: 7B SwiGLU at 4G with INT8/INT4 bundles"
+    "$B" convert -m "$s" --encodings int8,int4 --force 2>&1 | tail -1 | tee -a "$LOG"
+    record "profile_7b_swiglu_units_int" "$("$B" profile -m "$s" --random-corpus --tokens 256 --window 128 --no-predictors --json 2>>"$LOG")"
+    for p in fp16 25/25/50 25/0/75; do
+        say "7B swiglu at --gpu-mem 4G, --cold gpu, --neuron-precision $p"
+        record "decode_7b_swiglu_4g_gpu_${p//\//-}" "$("$B" bench decode --device cuda -m "$s" --gpu-mem 4G \
+            --cold gpu --neuron-precision "$p" --sparsity oracle --sparsity-target 0.5 --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+    done
     say "parity: cache units (ReLU 7B at 4G) vs the whole GPU, oracle masks"
     "$B" logits --device cuda -m "$m" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
     "$B" logits --device cuda -m "$m" --gpu-mem 4G --cold gpu --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/units.json" 2>>"$LOG"
@@ -357,6 +365,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|all]"; exit 2 ;;
 esac
 say "done"
