@@ -209,11 +209,16 @@ pub fn plan_units(
     let (base, _) = base_of(m, plan, false)?;
     let everything_else = base.everything_else;
     let g = &plan.gpu;
+    // One step's buffers are left free beside the units: steps of another size (prefill,
+    // then decode) reallocate them, and a budget filled exactly has its free bytes in pieces
+    // too small for them (seen on SmolLM2 at 70M: the logits buffer refused).
+    let slack = g.scratch;
     let room = plan
         .budget
         .gpu_mem
         .saturating_sub(g.fixed)
-        .saturating_sub(everything_else);
+        .saturating_sub(everything_else)
+        .saturating_sub(slack);
     let k = grid_index(target);
     let freqs: Vec<Vec<f64>> = (0..n_layers)
         .map(|l| match profile {
@@ -246,7 +251,7 @@ pub fn plan_units(
         let (u, st) = unit_device_bytes(&smallest(), row, biased);
         return Err(PlanError::GpuTooSmall {
             budget: plan.budget.gpu_mem,
-            minimum: g.fixed + everything_else + u + st,
+            minimum: g.fixed + everything_else + slack + u + st,
             breakdown: format!(
                 "cache units keep every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
                 human_bytes(base.attention),
