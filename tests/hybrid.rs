@@ -13,7 +13,6 @@ use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
 use gpu_offload::plan::hot::{Cold, HotPlan, LayerRuns, plan_cold, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
-use gpu_offload::sparsity::{GRID_TARGETS, SparsityProfile};
 use gpu_offload::store::Store;
 use gpu_offload::tier::Ledger;
 use gpu_offload::tier::hybrid::{ColdTraffic, HybridWeights};
@@ -22,6 +21,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use common::prefill_and_decode_logits as logits;
+use common::random_profile;
 use common::{close, plan_for, store_of, streaming};
 
 /// The hybrid engine, its device ledger budgeted at exactly what `hot` counts.
@@ -336,27 +336,6 @@ fn cpu_pcie_split_equals_streaming() {
         }
     }
     assert!(split_seen, "some budget between {min} and {all} splits");
-}
-
-/// A profile with random activation frequencies (no corpus needed): what the planner places by.
-fn random_profile(store: &Store, rng: &mut StdRng) -> SparsityProfile {
-    let spec = &store.manifest.spec;
-    SparsityProfile {
-        model_id: store.manifest.model_id.clone(),
-        corpus: "random frequencies".into(),
-        tokens: 0,
-        window: 0,
-        n_layers: spec.n_layers,
-        d_ff: spec.d_ff,
-        thresholds: Vec::new(),
-        measured: Vec::new(),
-        frequency: (0..spec.n_layers * GRID_TARGETS * spec.d_ff)
-            .map(|_| rng.random_range(0..=u16::MAX))
-            .collect(),
-        predictor_target: None,
-        predictors: Vec::new(),
-        predictor_quality: Vec::new(),
-    }
 }
 
 /// Hybrid with streamed attention (`--cold cpu` where the budget cannot hold every layer's

@@ -39,6 +39,7 @@ fn units_engine(
         slots,
         precision,
         score,
+        None,
         ledger,
         kernels::best(),
         backend_act(spec.activation),
@@ -470,4 +471,136 @@ fn planned_mixed_units_fill_the_budget_exactly() {
         assert_eq!(ledger.snapshot().hbm_peak, units.device.placed, "{what}");
     }
     assert!(tried >= 3, "budgets too small to test");
+}
+
+/// A mixed plan (`--cold auto`: each layer a cache unit or hybrid, whichever the plan predicts
+/// faster): hand-made mixes (every other layer hybrid with the ILP's hot neurons) and planned
+/// ones at random budgets give the streaming engine's logits; a planned mix fits its budget and
+/// the device holds exactly what it counts.
+#[test]
+fn unit_and_hybrid_layers_mix() {
+    use gpu_offload::plan::hot::plan_hot_neurons;
+    use gpu_offload::plan::units::{HybridLayers, UnitMode, mix_with_hybrid, plan_units};
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let mut rng = StdRng::seed_from_u64(43);
+    let mut mixed_plans = 0;
+    for model in [common::stories260k(), common::fixtures().join("hf/opt")] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let profile = common::random_profile(&store, &mut rng);
+        let toks: Vec<u32> = (0..10)
+            .map(|i| (i * 19 + 4) % spec.vocab_size as u32)
+            .collect();
+        let plan = plan_for(&store, toks.len());
+        let thresholds: Vec<f32> = (0..spec.n_layers).map(|_| 0.02).collect();
+        let want = logits(&streaming(&store, &plan, &thresholds), &toks);
+        // Hand-made: every other layer hybrid.
+        let hot = plan_hot_neurons(&store.manifest, &plan, &profile, 0.5).unwrap();
+        let mix = HybridLayers {
+            hot_neurons: (0..spec.n_layers)
+                .map(|l| (l % 2 == 0).then(|| hot.hot_neurons[l].clone()))
+                .collect(),
+            cold_cost: hot.cold_cost.clone(),
+            batch: toks.len(),
+        };
+        let slots: Vec<[usize; 3]> = (0..spec.n_layers)
+            .map(|l| {
+                if l % 2 == 0 {
+                    [0; 3]
+                } else {
+                    [rng.random_range(1..=spec.d_ff), 0, 0]
+                }
+            })
+            .collect();
+        let what = format!("{} hand-made mix", model.display());
+        let sim = gpu_offload::backend::sim::SimBackend::new(
+            CpuBackend::new(2).unwrap(),
+            Ledger::new(None, None),
+        );
+        let src = UnitWeights::new(
+            &sim,
+            store.clone(),
+            &plan,
+            &slots,
+            Precision::FP16,
+            None,
+            Some(&mix),
+            Ledger::new(None, None),
+            kernels::best(),
+            backend_act(spec.activation),
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap()
+            .with_sparsity(thresholds.clone())
+            .unwrap();
+        close(&logits(&e, &toks), &want, &what);
+        // Planned at random budgets.
+        let full =
+            plan_units(&store.manifest, &plan, Some(&profile), 0.5, Precision::FP16).unwrap();
+        let rest = full.device.placed - full.device.units - full.device.staging;
+        for _ in 0..8 {
+            let g = rest
+                + ((full.device.units + full.device.staging) as f64 * rng.random_range(0.1..1.2))
+                    as u64;
+            let budget = Budget::new(g, None, 2, toks.len() + 4, toks.len());
+            let Ok(plan) = make_plan(&store.manifest, &budget, &hw) else {
+                continue;
+            };
+            let (Ok(units), Ok(hot)) = (
+                plan_units(&store.manifest, &plan, Some(&profile), 0.5, Precision::FP16),
+                plan_hot_neurons(&store.manifest, &plan, &profile, 0.5),
+            ) else {
+                continue;
+            };
+            let unit_speed = units.predicted_tokens_per_s;
+            let mixed = mix_with_hybrid(&store.manifest, &plan, units, &hot).unwrap();
+            assert!(mixed.predicted_tokens_per_s >= unit_speed * (1.0 - 1e-9));
+            let Some(h) = &mixed.hybrid else {
+                continue;
+            };
+            mixed_plans += 1;
+            let what = format!(
+                "{} at {g} bytes: {:?}",
+                model.display(),
+                mixed.layers.iter().map(|l| l.mode).collect::<Vec<_>>()
+            );
+            assert!(
+                mixed.layers.iter().any(|l| l.mode == UnitMode::Hybrid),
+                "{what}"
+            );
+            assert!(mixed.device.total <= g, "{what}");
+            let ledger = Ledger::new(Some(mixed.device.placed), None);
+            let sim = gpu_offload::backend::sim::SimBackend::new(
+                CpuBackend::new(2).unwrap(),
+                ledger.clone(),
+            );
+            let src = UnitWeights::new(
+                &sim,
+                store.clone(),
+                &plan,
+                &mixed.slots(),
+                Precision::FP16,
+                Some(&mixed.scores),
+                Some(h),
+                ledger.clone(),
+                kernels::best(),
+                backend_act(spec.activation),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+                .unwrap()
+                .with_kv_type(KvType::F16)
+                .unwrap()
+                .with_sparsity(thresholds.clone())
+                .unwrap();
+            close(&logits(&e, &toks), &want, &what);
+            assert_eq!(ledger.snapshot().hbm_peak, mixed.device.placed, "{what}");
+        }
+    }
+    assert!(mixed_plans > 0, "no budget gave a mixed plan");
 }

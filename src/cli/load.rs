@@ -567,6 +567,7 @@ impl LoadedModel {
                     &u.slots(),
                     u.precision,
                     Some(&u.scores),
+                    u.hybrid.as_ref(),
                     ledger.clone(),
                     kernels,
                     act,

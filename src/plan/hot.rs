@@ -254,6 +254,11 @@ impl FfnLayout {
     }
 }
 
+/// Device bytes of layer `l`'s `hot` neurons as the hybrid source allocates them.
+pub(super) fn hot_device_bytes(m: &Manifest, l: usize, hot: usize) -> Result<u64, PlanError> {
+    Ok(FfnLayout::of(m, l)?.device_bytes(hot))
+}
+
 /// Where an offloaded run's FFN neurons that do not fit the device run (`--cold`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -383,8 +388,12 @@ pub fn plan_cold(
             if let Some(h) = &hot {
                 seen.push((Cold::Cpu, h.predicted_tokens_per_s));
             }
+            // Cache units, each layer hybrid instead where that is faster.
             let unit_plan = match profile {
-                Some(_) if stream.streams() => units(&stream).ok(),
+                Some(_) if stream.streams() => units(&stream).ok().map(|u| match &hot {
+                    Some(h) => super::units::mix_with_hybrid(m, &stream, u.clone(), h).unwrap_or(u),
+                    None => u,
+                }),
                 _ => None,
             };
             if let Some(u) = &unit_plan {

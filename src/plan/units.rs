@@ -22,10 +22,30 @@ use crate::sparsity::{SparsityProfile, grid_index};
 use crate::store::{Encoding, Manifest, names};
 use crate::tier::precision::{Precision, TIER_ENCODINGS};
 
+/// How a layer's FFN runs in a cache-unit plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnitMode {
+    /// A cache unit: every active neuron on the device, the unit's misses copied in.
+    Unit,
+    /// Hybrid: hot neurons resident on the device, the CPU computes the rest from DRAM.
+    Hybrid,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct UnitLayer {
-    /// Slots of the region of each precision tier (f16, INT8, INT4).
+    pub mode: UnitMode,
+    /// Slots of the region of each precision tier (f16, INT8, INT4); none for a hybrid layer.
     pub slots: [usize; 3],
+    /// Hot neurons resident (hybrid layers).
+    pub hot: usize,
+    /// Device bytes the layer's FFN holds (its unit, or its hot neurons).
+    pub device_bytes: u64,
+    /// Predicted seconds per token of the layer (attention and FFN).
+    pub seconds: f64,
+    /// Expected bytes per token the layer's FFN reads on the device, reads from DRAM on the
+    /// CPU, and moves over PCIe.
+    pub ffn_bytes: [u64; 3],
     /// Mean neurons active per token.
     pub mean_active: f64,
     /// Expected neurons brought in per token.
@@ -38,6 +58,8 @@ pub struct UnitDevice {
     pub attention: u64,
     /// The units and their slot-ordered up biases.
     pub units: u64,
+    /// Hybrid layers' hot neurons and the merge buffer of their CPU sums.
+    pub hybrid: u64,
     /// The staging buffers misses come in by.
     pub staging: u64,
     /// Everything the byte ledger holds at the peak.
@@ -75,6 +97,19 @@ pub struct UnitPlan {
     /// Per layer, what a stale neuron's stay is worth (its frequency; what the ATU evicts by).
     #[serde(skip)]
     pub scores: Vec<Vec<f32>>,
+    /// The hybrid layers' placement, where some layers run hybrid.
+    #[serde(skip)]
+    pub hybrid: Option<HybridLayers>,
+}
+
+/// What the hybrid layers of a mixed plan hold.
+#[derive(Clone, Debug)]
+pub struct HybridLayers {
+    /// Per layer, the hot neurons of a hybrid layer (ascending); `None` for a unit layer.
+    pub hot_neurons: Vec<Option<Vec<u32>>>,
+    pub cold_cost: Vec<super::hot::ColdCost>,
+    /// Rows of the merge buffer.
+    pub batch: usize,
 }
 
 impl UnitPlan {
@@ -106,27 +141,47 @@ impl UnitPlan {
             .collect();
         let _ = writeln!(
             s,
-            "layer  {}  mean active  expected loads/token",
+            "layer  runs    {}  hot  mean active  expected loads/token  device  ms/token",
             head.join(" ")
         );
         for (l, x) in self.layers.iter().enumerate() {
             let k: Vec<String> = used.iter().map(|&i| format!("{:>6}", x.slots[i])).collect();
+            let runs = match x.mode {
+                UnitMode::Unit => "unit",
+                UnitMode::Hybrid => "hybrid",
+            };
             let _ = writeln!(
                 s,
-                "{l:>5}  {}  {:>11.1}  {:>19.1}",
+                "{l:>5}  {runs:<6}  {}  {:>3}  {:>11.1}  {:>19.1}  {:>6}  {:>8.3}",
                 k.join(" "),
+                x.hot,
                 x.mean_active,
-                x.expected_loads
+                x.expected_loads,
+                h(x.device_bytes),
+                x.seconds * 1e3
             );
         }
         let d = &self.device;
+        let hybrid_layers = self
+            .layers
+            .iter()
+            .filter(|l| l.mode == UnitMode::Hybrid)
+            .count();
+        if hybrid_layers > 0 {
+            let _ = writeln!(
+                s,
+                "{hybrid_layers} of {} layers hybrid (hot neurons resident, the CPU computes the rest): faster than a unit there",
+                self.layers.len()
+            );
+        }
         let _ = writeln!(
             s,
-            "device {} (attention {}, units {}, staging {}), neurons in DRAM {}",
+            "device {} (attention {}, units {}, staging {}, hybrid layers {}), neurons in DRAM {}",
             h(d.total),
             h(d.attention),
             h(d.units),
             h(d.staging),
+            h(d.hybrid),
             h(self.dram_neurons)
         );
         let p = &self.per_token;
@@ -310,12 +365,18 @@ pub fn plan_units(
         hbm += active;
         cpu += decided;
         pcie += moved + (d * 4) as u64;
-        seconds += (base.attention_layers[l] + active) as f64 / hw.hbm_bytes_per_s
+        let layer_s = (base.attention_layers[l] + active) as f64 / hw.hbm_bytes_per_s
             + decided as f64 / hw.dram_read_bytes_per_s
             + moved as f64 / hw.h2d_pinned_bytes_per_s
             + 2.0 * sync;
+        seconds += layer_s;
         layers.push(UnitLayer {
+            mode: UnitMode::Unit,
             slots: k,
+            hot: 0,
+            device_bytes: unit_device_bytes(&[k], row, biased).0,
+            seconds: layer_s,
+            ffn_bytes: [active, decided, moved + (d * 4) as u64],
             mean_active: mu,
             expected_loads: loads,
         });
@@ -345,6 +406,7 @@ pub fn plan_units(
         device: UnitDevice {
             attention: base.attention,
             units,
+            hybrid: 0,
             staging,
             placed,
             total: g.fixed + placed,
@@ -360,6 +422,7 @@ pub fn plan_units(
             .iter()
             .map(|f| f.iter().map(|&p| p as f32).collect())
             .collect(),
+        hybrid: None,
     })
 }
 
@@ -392,4 +455,129 @@ pub fn plan_units_fastest(
     best.ok_or_else(|| {
         first_err.unwrap_or_else(|| PlanError::Budget("no neuron precision to plan for".into()))
     })
+}
+
+/// Per layer, the faster of `units`' cache unit and `hot`'s hybrid layer (hot neurons resident,
+/// the CPU computing the rest) by the plans' predicted seconds, within the device room both
+/// plans share: where the faster choices together exceed it, layers go back to their smaller
+/// choice, least time lost per byte first. `units` as it is where no layer is faster hybrid,
+/// or where hybrid streams attention (its layers then do not hold theirs).
+pub fn mix_with_hybrid(
+    m: &Manifest,
+    plan: &Plan,
+    units: UnitPlan,
+    hot: &super::hot::HotPlan,
+) -> Result<UnitPlan, PlanError> {
+    let spec = &plan.spec;
+    let n_layers = spec.n_layers;
+    if hot.base_plan.is_some() || hot.layers.len() != n_layers || units.layers.len() != n_layers {
+        return Ok(units);
+    }
+    let hw = &plan.hardware;
+    let (base, _) = base_of(m, plan, false)?;
+    let g = &plan.gpu;
+    let room = plan
+        .budget
+        .gpu_mem
+        .saturating_sub(g.fixed)
+        .saturating_sub(base.everything_else)
+        .saturating_sub(g.scratch);
+    let parts = if spec.gated_ffn { 3 } else { 2 };
+    let row = TIER_ENCODINGS.map(|e| e.row_bytes(parts * spec.d_model, parts) as u64);
+    let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
+    let merge = device_bytes((hot.batch.max(1) * spec.d_model * 4) as u64);
+    // Per layer: (seconds, device bytes) as a unit and as hybrid.
+    let mut opts = Vec::with_capacity(n_layers);
+    for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
+        let hybrid_s = base.attention_layers[l] as f64 / hw.hbm_bytes_per_s + h.gpu_s.max(h.cpu_s);
+        let hybrid_b = super::hot::hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
+        opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
+    }
+    let mut pick: Vec<usize> = opts.iter().map(|o| usize::from(o[1].0 < o[0].0)).collect();
+    let total = |pick: &[usize]| -> u64 {
+        let slots: Vec<[usize; 3]> = (0..n_layers)
+            .map(|l| {
+                if pick[l] == 0 {
+                    units.layers[l].slots
+                } else {
+                    [0; 3]
+                }
+            })
+            .collect();
+        let (u, st) = unit_device_bytes(&slots, row, biased);
+        let h: u64 = (0..n_layers)
+            .filter(|&l| pick[l] == 1)
+            .map(|l| opts[l][1].1)
+            .sum();
+        u + st + h + if pick.contains(&1) { merge } else { 0 }
+    };
+    while total(&pick) > room {
+        let back = (0..n_layers)
+            .filter(|&l| opts[l][pick[l]].1 > opts[l][1 - pick[l]].1)
+            .min_by(|&a, &b| {
+                let cost = |l: usize| {
+                    (opts[l][1 - pick[l]].0 - opts[l][pick[l]].0)
+                        / (opts[l][pick[l]].1 - opts[l][1 - pick[l]].1) as f64
+                };
+                cost(a).total_cmp(&cost(b))
+            });
+        match back {
+            Some(l) => pick[l] = 1 - pick[l],
+            None => return Ok(units),
+        }
+    }
+    if !pick.contains(&1) {
+        return Ok(units);
+    }
+    let mut out = units;
+    let mut seconds = 1.0 / out.predicted_tokens_per_s;
+    let (mut hbm, mut cpu) = (out.per_token.hbm_bytes, out.per_token.cpu_bytes);
+    let mut pcie = out.per_token.pcie_bytes;
+    let mut hot_neurons = vec![None; n_layers];
+    let mut hybrid_bytes = merge;
+    for l in (0..n_layers).filter(|&l| pick[l] == 1) {
+        let (u, h) = (&mut out.layers[l], &hot.layers[l]);
+        seconds += opts[l][1].0 - u.seconds;
+        // The hybrid layer's FFN: its hot neurons on the device (its device bytes count the
+        // attention too), its cold ones on the CPU, the input down and the partial sum up.
+        let ffn = [
+            h.device_bytes.saturating_sub(base.attention_layers[l]),
+            h.cpu_bytes,
+            (2 * spec.d_model * 4) as u64,
+        ];
+        hbm = hbm - u.ffn_bytes[0] + ffn[0];
+        cpu = cpu - u.ffn_bytes[1] + ffn[1];
+        pcie = pcie - u.ffn_bytes[2] + ffn[2];
+        hybrid_bytes += opts[l][1].1;
+        hot_neurons[l] = Some(hot.hot_neurons[l].clone());
+        *u = UnitLayer {
+            mode: UnitMode::Hybrid,
+            slots: [0; 3],
+            hot: hot.hot_neurons[l].len(),
+            device_bytes: opts[l][1].1,
+            seconds: opts[l][1].0,
+            ffn_bytes: ffn,
+            mean_active: u.mean_active,
+            expected_loads: 0.0,
+        };
+    }
+    let (units_b, staging) = unit_device_bytes(&out.slots(), row, biased);
+    let d = &mut out.device;
+    d.units = units_b;
+    d.staging = staging;
+    d.hybrid = hybrid_bytes;
+    d.placed = base.everything_else + units_b + staging + hybrid_bytes;
+    d.total = g.fixed + d.placed;
+    out.per_token = UnitPerToken {
+        hbm_bytes: hbm,
+        cpu_bytes: cpu,
+        pcie_bytes: pcie,
+    };
+    out.predicted_tokens_per_s = 1.0 / seconds;
+    out.hybrid = Some(HybridLayers {
+        hot_neurons,
+        cold_cost: hot.cold_cost.clone(),
+        batch: hot.batch,
+    });
+    Ok(out)
 }

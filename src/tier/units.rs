@@ -13,14 +13,15 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::hybrid::{ColdLayer, CpuSide, Resident, resident_source};
+use super::hybrid::{ColdLayer, CpuSide, HotFfn, Resident, layer_ffn, resident_source};
 use super::ledger::Ledger;
 use super::precision::{Precision, TIER_ENCODINGS, TierSet, split_by_precision};
 use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
 use crate::engine::{
-    EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result, WeightSource,
+    ColdView, EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result,
+    WeightSource,
 };
 use crate::plan::{Part, Plan, part_segment_name};
 use crate::store::{Store, names};
@@ -119,6 +120,18 @@ struct TierUnit<B: Backend> {
     slot_bias: Option<B::Weight>,
 }
 
+/// A layer's FFN: a cache unit, or (a mixed plan's hybrid layer) hot neurons resident with
+/// the CPU computing the others. (One per layer, made once: their sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
+enum LayerFfn<B: Backend> {
+    Unit(LayerUnit<B>),
+    Hybrid {
+        hot: HotFfn<B>,
+        hot_ids: Vec<u32>,
+        cold: ColdLayer,
+    },
+}
+
 /// One layer's unit and the DRAM copy of its neurons.
 struct LayerUnit<B: Backend> {
     /// Every neuron in f16: what decides the active set (oracle masks), and the f16 tier's
@@ -140,9 +153,12 @@ struct Staging<B: Backend> {
 
 pub struct UnitWeights<B: Backend> {
     resident: Resident<B>,
-    layers: Vec<LayerUnit<B>>,
+    layers: Vec<LayerFfn<B>>,
     staging: Staging<B>,
+    /// The buffer hybrid layers' CPU sums come back into (where there are any).
+    partial: Option<B::Tensor>,
     bundle: BundleShape,
+    gated: bool,
     precision: Precision,
     traffic: Arc<UnitTraffic>,
 }
@@ -152,7 +168,9 @@ impl<B: Backend> UnitWeights<B> {
     /// store's INT8/INT4 bundles where `precision` uses them), and an empty unit per layer of
     /// `slots[l][tier]` bundles in each tier's encoding. Stale neurons give way by `score[l]`
     /// (e.g. the profile's activation frequencies; all equal without). `plan` is the store's
-    /// offload plan for the same budget (its staging size).
+    /// offload plan for the same budget (its staging size). The layers `hybrid` names run
+    /// hybrid instead: its hot neurons resident, the CPU computing the others (no unit; their
+    /// slots are none).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         b: &B,
@@ -161,6 +179,7 @@ impl<B: Backend> UnitWeights<B> {
         slots: &[[usize; 3]],
         precision: Precision,
         score: Option<&[Vec<f32>]>,
+        hybrid: Option<&crate::plan::units::HybridLayers>,
         ledger: Arc<Ledger>,
         kernels: &'static Kernels,
         act: Act,
@@ -185,7 +204,23 @@ impl<B: Backend> UnitWeights<B> {
                 }
             })
         };
-        if slots.len() != n_layers || !slots.iter().all(sized) {
+        let hot_of = |l: usize| {
+            hybrid
+                .and_then(|h| h.hot_neurons.get(l))
+                .and_then(Option::as_ref)
+        };
+        if hybrid.is_some_and(|h| h.hot_neurons.len() != n_layers || h.cold_cost.len() != n_layers)
+        {
+            return Err(weights_err(
+                "the hybrid layers' plan has another number of layers",
+            ));
+        }
+        if slots.len() != n_layers
+            || !(0..n_layers).all(|l| match hot_of(l) {
+                Some(_) => slots[l] == [0; 3],
+                None => sized(&slots[l]),
+            })
+        {
             return Err(weights_err(format!(
                 "cache units at precision {precision} need 1..={d_ff} slots in each used tier (none in the others) for each of the {n_layers} layers"
             )));
@@ -197,18 +232,31 @@ impl<B: Backend> UnitWeights<B> {
         let traffic = Arc::new(super::hybrid::ColdTraffic::default());
         let act_fn = crate::backend::cpu::ops::activation(act);
         let mut layers = Vec::with_capacity(n_layers);
-        let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, _| {
-            let neurons = ColdLayer::bundle_rows(
-                &store,
-                &ledger,
-                l,
-                0..d_ff,
-                CpuSide {
-                    kernels,
-                    act: act_fn,
-                    traffic: traffic.clone(),
-                },
-            )?;
+        let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, sm| {
+            let cpu = CpuSide {
+                kernels,
+                act: act_fn,
+                traffic: traffic.clone(),
+            };
+            if let (Some(ids), Some(h)) = (hot_of(l), hybrid) {
+                let (hot, cold) = layer_ffn(
+                    b,
+                    &store,
+                    &ledger,
+                    l,
+                    ids,
+                    h.cold_cost[l],
+                    &mut sm.up_bias,
+                    cpu,
+                )?;
+                layers.push(LayerFfn::Hybrid {
+                    hot,
+                    hot_ids: ids.clone(),
+                    cold,
+                });
+                return Ok(());
+            }
+            let neurons = ColdLayer::bundle_rows(&store, &ledger, l, 0..d_ff, cpu)?;
             let eviction = match score {
                 Some(s) => s
                     .get(l)
@@ -238,19 +286,23 @@ impl<B: Backend> UnitWeights<B> {
                     },
                 });
             }
-            layers.push(LayerUnit { neurons, tiers });
+            layers.push(LayerFfn::Unit(LayerUnit { neurons, tiers }));
             Ok(())
         })?;
-        let biased = layers
-            .iter()
-            .any(|u| u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()));
+        let biased = layers.iter().any(|u| match u {
+            LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
+            LayerFfn::Hybrid { .. } => false,
+        });
         let mut staging = Staging {
             tiers: Default::default(),
             host: Vec::new(),
             host_bias: Vec::new(),
         };
         for tier in precision.tiers() {
-            let widest = slots.iter().map(|k| k[tier]).max().unwrap_or(1);
+            let widest = slots.iter().map(|k| k[tier]).max().unwrap_or(0);
+            if widest == 0 {
+                continue;
+            }
             let enc = TIER_ENCODINGS[tier];
             let name = format!("unit staging {}", enc.name());
             staging.tiers[tier] = Some((
@@ -262,11 +314,19 @@ impl<B: Backend> UnitWeights<B> {
                 },
             ));
         }
+        let partial = match hybrid {
+            Some(h) if (0..n_layers).any(|l| hot_of(l).is_some()) => {
+                Some(b.alloc(h.batch.max(1), d)?)
+            }
+            _ => None,
+        };
         Ok(UnitWeights {
             resident,
             layers,
             staging,
+            partial,
             bundle,
+            gated: spec.gated_ffn,
             precision,
             traffic: Arc::new(UnitTraffic::default()),
         })
@@ -434,22 +494,40 @@ impl<B: Backend> WeightSource<B> for UnitWeights<B> {
             resident,
             layers,
             staging,
+            partial,
             bundle,
+            gated,
             precision,
             traffic,
         } = self;
-        let ffn = FfnView::Bundles {
-            runs: Vec::new(),
-            shape: *bundle,
-            up_bias: None,
-            down_bias: resident.small(l).down_bias.as_ref(),
-        };
-        let unit = Box::new(UnitStep {
-            layer: &mut layers[l],
-            staging,
-            precision: *precision,
-            traffic,
-        });
-        Ok(resident.layer(l, ffn, None, Some(unit)))
+        match &mut layers[l] {
+            LayerFfn::Hybrid { hot, hot_ids, cold } => {
+                let partial = partial
+                    .as_mut()
+                    .ok_or_else(|| weights_err("a hybrid layer without its merge buffer"))?;
+                let ffn = hot.view(resident.small(l), *bundle, *gated);
+                let cold = ColdView {
+                    neurons: &*cold,
+                    hot: hot_ids,
+                    partial,
+                };
+                Ok(resident.layer(l, ffn, Some(cold), None))
+            }
+            LayerFfn::Unit(layer) => {
+                let ffn = FfnView::Bundles {
+                    runs: Vec::new(),
+                    shape: *bundle,
+                    up_bias: None,
+                    down_bias: resident.small(l).down_bias.as_ref(),
+                };
+                let unit = Box::new(UnitStep {
+                    layer,
+                    staging,
+                    precision: *precision,
+                    traffic,
+                });
+                Ok(resident.layer(l, ffn, None, Some(unit)))
+            }
+        }
     }
 }

@@ -259,3 +259,30 @@ pub fn bundled_models() -> [PathBuf; 3] {
         fixtures().join("hf/opt"),
     ]
 }
+
+/// A profile with random activation frequencies (no corpus needed): what the planner places by.
+#[allow(dead_code)]
+pub fn random_profile(
+    store: &gpu_offload::store::Store,
+    rng: &mut rand::rngs::StdRng,
+) -> gpu_offload::sparsity::SparsityProfile {
+    use gpu_offload::sparsity::{GRID_TARGETS, SparsityProfile};
+    use rand::RngExt;
+    let spec = &store.manifest.spec;
+    SparsityProfile {
+        model_id: store.manifest.model_id.clone(),
+        corpus: "random frequencies".into(),
+        tokens: 0,
+        window: 0,
+        n_layers: spec.n_layers,
+        d_ff: spec.d_ff,
+        thresholds: Vec::new(),
+        measured: Vec::new(),
+        frequency: (0..spec.n_layers * GRID_TARGETS * spec.d_ff)
+            .map(|_| rng.random_range(0..=u16::MAX))
+            .collect(),
+        predictor_target: None,
+        predictors: Vec::new(),
+        predictor_quality: Vec::new(),
+    }
+}
