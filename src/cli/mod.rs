@@ -8,6 +8,7 @@ pub(crate) mod load;
 mod logits;
 mod perplexity;
 mod plan;
+mod prefill;
 mod profile;
 mod run;
 mod serve;
@@ -57,6 +58,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API with persistent contexts.
     Serve(serve::ServeArgs),
+    /// Batch job: prefill (and optionally continue) every prompt of a JSONL file or a directory,
+    /// one JSON line each; resumable, and can save each prompt as a context `serve` continues.
+    Prefill(prefill::PrefillArgs),
     /// Measure a model's FFN activation sparsity on a corpus (thresholds per target sparsity,
     /// activation frequency per neuron) and save it in the model's store.
     Profile(profile::ProfileArgs),
@@ -178,6 +182,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Prefill(a) => prefill::run(a),
         Command::Profile(a) => profile::run(a),
     }
 }
