@@ -174,6 +174,25 @@ fn twenty_prompts_with_a_bad_one_survive_kill_9_and_resume() {
             f.write_all(br#"{"id":"p15","prompt_tok"#).unwrap();
         }
     }
+    // Ctrl-C: the current record is abandoned, the job exits non-zero saying how to resume.
+    let mut child = prefill(&model, &input, &out, &n)
+        .env("GPU_OFFLOAD_TEST_PREFILL_DELAY_MS", "4")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start");
+    wait_for_lines(&out, 16, &mut child);
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGINT);
+    }
+    let o = child.wait_with_output().expect("wait");
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("run the same command again to resume"), "{e}");
+    assert!(lines(&out).len() < 20, "Ctrl-C came after the job ended");
+    by_id(&lines(&out));
+
     let resumed = ok(&mut prefill(&model, &input, &out, &n));
     let stderr = String::from_utf8_lossy(&resumed.stderr);
     assert!(stderr.contains("resuming"), "{stderr}");
