@@ -350,6 +350,20 @@ struct Ctx<'a> {
     owner: Option<String>,
 }
 
+fn per_s(n: usize, s: f64) -> f64 {
+    if s > 0.0 { n as f64 / s } else { 0.0 }
+}
+
+/// What one record did, for the totals.
+#[derive(Clone, Copy, Debug, Default)]
+struct Done {
+    prompt_tokens: usize,
+    generated: usize,
+    prefill_s: f64,
+    /// Sampling and decoding after the prefill (context saving included).
+    decode_s: f64,
+}
+
 /// Prefill one record, generate, save its context; the output line's JSON.
 fn one<B: Backend>(
     e: &Engine<B>,
@@ -357,12 +371,13 @@ fn one<B: Backend>(
     c: &Ctx,
     id: &str,
     prompt: &[u32],
-) -> std::result::Result<(Value, usize), Stop> {
+) -> std::result::Result<(Value, Done), Stop> {
     let args = c.args;
     session.truncate(0);
     let t0 = Instant::now();
     test_delay();
     let last = e.forward(session, prompt, Logits::Last)?;
+    let prefill_s = t0.elapsed().as_secs_f64();
     let mut sampler = Sampler::new(SamplerParams {
         temperature: args.temperature,
         top_k: args.top_k,
@@ -434,7 +449,13 @@ fn one<B: Backend>(
     if args.logits {
         out["logits"] = json!(last);
     }
-    Ok((out, prompt.len() + generated.len()))
+    let done = Done {
+        prompt_tokens: prompt.len(),
+        generated: generated.len(),
+        prefill_s,
+        decode_s: t0.elapsed().as_secs_f64() - prefill_s,
+    };
+    Ok((out, done))
 }
 
 /// The output side of the job: the log, the progress bar, the counts.
@@ -444,6 +465,7 @@ struct Output<'a> {
     pb: &'a ProgressBar,
     t0: Instant,
     tokens: usize,
+    totals: Done,
     written: usize,
     errors: usize,
 }
@@ -488,8 +510,13 @@ fn drive<B: Backend>(
             (Ok(_), None) => Err(Stop::Fatal(anyhow::anyhow!("no engine was started"))),
         };
         let line = match result {
-            Ok((v, n)) => {
-                out.tokens += n;
+            Ok((v, d)) => {
+                out.tokens += d.prompt_tokens + d.generated;
+                let t = &mut out.totals;
+                t.prompt_tokens += d.prompt_tokens;
+                t.generated += d.generated;
+                t.prefill_s += d.prefill_s;
+                t.decode_s += d.decode_s;
                 v
             }
             Err(Stop::Bad(msg)) => {
@@ -605,6 +632,7 @@ pub fn run(args: PrefillArgs) -> Result<()> {
         pb: &pb,
         t0: Instant::now(),
         tokens: 0,
+        totals: Done::default(),
         written: 0,
         errors: 0,
     };
@@ -627,12 +655,17 @@ pub fn run(args: PrefillArgs) -> Result<()> {
             })
         }
     };
-    let (tokens, written, errors, t0) = (out.tokens, out.written, out.errors, out.t0);
+    let (tokens, written, errors, t0, d) =
+        (out.tokens, out.written, out.errors, out.t0, out.totals);
     pb.finish_and_clear();
     let s = t0.elapsed().as_secs_f64();
     let rate = if s > 0.0 { tokens as f64 / s } else { 0.0 };
     eprintln!(
-        "[{written} records written ({errors} errors), {skipped} skipped as done; {tokens} tokens at {rate:.1} tok/s]"
+        "[{written} records written ({errors} errors), {skipped} skipped as done; prefill {} tokens at {:.1} tok/s, {} generated at {:.1} tok/s; {tokens} tokens at {rate:.1} tok/s overall]",
+        d.prompt_tokens,
+        per_s(d.prompt_tokens, d.prefill_s),
+        d.generated,
+        per_s(d.generated, d.decode_s),
     );
     match outcome {
         Ok(()) => Ok(()),
