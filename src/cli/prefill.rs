@@ -574,11 +574,7 @@ pub fn run(args: PrefillArgs) -> Result<()> {
         }
     }
     let total = records.len();
-    let pending: Vec<Record> = records
-        .into_iter()
-        .filter(|r| !done.contains(&r.id))
-        .collect();
-    let skipped = total - pending.len();
+    let skipped = records.iter().filter(|r| done.contains(&r.id)).count();
     if skipped > 0 {
         eprintln!(
             "resuming: {skipped} of {total} records already in {}",
@@ -589,8 +585,9 @@ pub fn run(args: PrefillArgs) -> Result<()> {
     let loaded = LoadedModel::load(&args.model)?;
     let tok = loaded.tokenizer.as_ref();
     let vocab = loaded.spec().vocab_size;
-    // Every prompt is read and tokenized first: the context must hold the longest one.
-    let prepared: Vec<(String, std::result::Result<Vec<u32>, String>)> = pending
+    // Every prompt is read and tokenized first, done ones too: the context holds the longest,
+    // and a resumed job sizes it (and so plans the device) exactly as the first run did.
+    let prepared: Vec<(String, std::result::Result<Vec<u32>, String>)> = records
         .into_iter()
         .map(|r| {
             let t = r.source.and_then(|s| tokens_of(&s, tok, vocab));
@@ -601,6 +598,11 @@ pub fn run(args: PrefillArgs) -> Result<()> {
         .iter()
         .filter_map(|(_, t)| t.as_ref().ok().map(Vec::len))
         .max();
+    let prepared: Vec<_> = prepared
+        .into_iter()
+        .filter(|(id, _)| !done.contains(id))
+        .collect();
+    let needs_engine = prepared.iter().any(|(_, t)| t.is_ok());
     let ctx = loaded.context_for(
         &args.model,
         longest.unwrap_or(1).saturating_add(args.max_tokens),
@@ -637,8 +639,8 @@ pub fn run(args: PrefillArgs) -> Result<()> {
         errors: 0,
     };
     let max_context = loaded.spec().max_context;
-    let outcome = match longest {
-        // Only bad records: no engine needed.
+    let outcome = match longest.filter(|_| needs_engine) {
+        // Only bad records left: no engine needed.
         None => drive::<crate::backend::cpu::CpuBackend>(
             None,
             &c,
