@@ -391,7 +391,8 @@ fn one<B: Backend>(
     let mut generated: Vec<u32> = Vec::new();
     let mut ttft = t0.elapsed().as_secs_f64();
     let mut stop = "length";
-    let mut logits = last.clone();
+    let last_logits = args.logits.then(|| last.clone());
+    let mut logits = last;
     while generated.len() < args.max_tokens {
         let next = sampler.sample(&logits);
         if generated.is_empty() {
@@ -446,8 +447,8 @@ fn one<B: Backend>(
         .map_err(|err| Stop::Fatal(anyhow::Error::new(err).context("saving a context")))?;
         out["context"] = cid.into();
     }
-    if args.logits {
-        out["logits"] = json!(last);
+    if let Some(l) = last_logits {
+        out["logits"] = json!(l);
     }
     let done = Done {
         prompt_tokens: prompt.len(),
