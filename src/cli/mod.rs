@@ -9,6 +9,7 @@ mod logits;
 mod perplexity;
 mod plan;
 mod precision;
+mod prefill;
 mod profile;
 mod run;
 mod serve;
@@ -58,6 +59,9 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Serve an OpenAI-compatible HTTP API with persistent contexts.
     Serve(serve::ServeArgs),
+    /// Batch job: prefill (and optionally continue) every prompt of a JSONL file or a directory,
+    /// one JSON line each; resumable, and can save each prompt as a context `serve` continues.
+    Prefill(prefill::PrefillArgs),
     /// Measure a model's FFN activation sparsity on a corpus (thresholds per target sparsity,
     /// activation frequency per neuron) and save it in the model's store.
     Profile(profile::ProfileArgs),
@@ -179,6 +183,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Prefill(a) => prefill::run(a),
         Command::Profile(a) => profile::run(a),
     }
 }

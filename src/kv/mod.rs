@@ -598,6 +598,50 @@ impl KvManager {
     }
 }
 
+/// Write what `session` holds as the persistent context `id` under `kv_dir`, in the format
+/// `serve --kv-dir` loads: `tokens` is the conversation (the prompt and what was generated; the
+/// last generated token may not be evaluated yet), the chunks exact (f32). The chunks are written
+/// first and the index last, each atomically, so the context exists on disk only once it is
+/// complete; an older context of the same id is replaced.
+pub fn save_session<B: Backend>(
+    engine: &Engine<B>,
+    session: &mut Session<B>,
+    kv_dir: &std::path::Path,
+    model_id: &str,
+    id: &str,
+    owner: Option<String>,
+    tokens: &[u32],
+) -> Result<ContextIndex> {
+    let spec = engine.spec();
+    let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
+    let evaluated = session.position().min(tokens.len());
+    let mut index = ContextIndex::new(model_id, id, owner, unix_now());
+    index.tokens = tokens.to_vec();
+    index.evaluated = evaluated;
+    for ci in 0..evaluated.div_ceil(CHUNK_TOKENS) {
+        let start = ci * CHUNK_TOKENS;
+        let len = CHUNK_TOKENS.min(evaluated - start);
+        let data = ChunkData {
+            len,
+            n_layers,
+            kv_dim,
+            values: engine.read_kv(session, start, len)?,
+        };
+        let bytes = chunk::encode(&data, Bits::F32);
+        index.chunks.push(Some(persist::write_chunk(
+            kv_dir,
+            id,
+            ci,
+            len,
+            Bits::F32,
+            &bytes,
+        )?));
+    }
+    persist::save_index(kv_dir, &index)?;
+    persist::remove_unreferenced(kv_dir, &index);
+    Ok(index)
+}
+
 /// Fault injection for tests: `GPU_OFFLOAD_TEST_SWAP_DELAY_MS` slows every chunk write of a
 /// swap-out, so a test can kill the server while one is under way.
 fn test_swap_delay() -> Option<std::time::Duration> {
