@@ -290,6 +290,30 @@ fn profile_and_oracle_on_the_cli() {
             .sum();
         assert!((per_layer - needed as f64).abs() < 1e-6 * needed as f64);
     }
+    // The hit ratios measured are kept in the profile for the plan.
+    let store_dir = std::fs::read_dir(models.join("stores"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let kept = gpu_offload::sparsity::SparsityProfile::load(
+        &store_dir,
+        &gpu_offload::store::Store::open(&store_dir)
+            .unwrap()
+            .manifest
+            .model_id,
+        ms,
+    )
+    .unwrap();
+    let reuse = kept.unit_reuse.expect("bench units keeps its hit ratios");
+    assert_eq!(reuse.layers.len(), 5);
+    assert!(
+        reuse
+            .layers
+            .iter()
+            .all(|p| !p.is_empty() && p.iter().all(|&(_, h)| (0.0..=1.0).contains(&h)))
+    );
     let whole = &sizes[1];
     let distinct_bound = 5 * 172;
     let misses = whole["atu"]["needed"].as_u64().unwrap() - whole["atu"]["hits"].as_u64().unwrap();

@@ -604,3 +604,40 @@ fn unit_and_hybrid_layers_mix() {
     }
     assert!(mixed_plans > 0, "no budget gave a mixed plan");
 }
+
+/// The plan takes the units' loads from the hit ratios `bench units` measured, where it has
+/// them for the layer at that size and sparsity: the misses of the measured ratio.
+#[test]
+fn measured_reuse_sets_the_expected_loads() {
+    use gpu_offload::plan::units::plan_units;
+    use gpu_offload::sparsity::UnitReuse;
+    let mut rng = StdRng::seed_from_u64(47);
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    let plan = plan_for(&store, 8);
+    let mut profile = common::random_profile(&store, &mut rng);
+    let guessed = plan_units(&store.manifest, &plan, Some(&profile), 0.5, Precision::FP16).unwrap();
+    profile.unit_reuse = Some(UnitReuse {
+        target: 0.5,
+        tokens: 100,
+        layers: vec![vec![(1, 0.9), (spec.d_ff, 0.9)]; spec.n_layers],
+    });
+    let measured =
+        plan_units(&store.manifest, &plan, Some(&profile), 0.5, Precision::FP16).unwrap();
+    for (g, m) in guessed.layers.iter().zip(&measured.layers) {
+        assert_eq!(g.slots, m.slots);
+        assert!(
+            (m.expected_loads - 0.1 * m.mean_active).abs() < 1e-9,
+            "{m:?}"
+        );
+        assert_ne!(g.expected_loads, m.expected_loads);
+    }
+    // At another sparsity the measurement does not apply.
+    let other = plan_units(&store.manifest, &plan, Some(&profile), 0.3, Precision::FP16).unwrap();
+    let again = {
+        profile.unit_reuse = None;
+        plan_units(&store.manifest, &plan, Some(&profile), 0.3, Precision::FP16).unwrap()
+    };
+    assert_eq!(other.layers, again.layers);
+}

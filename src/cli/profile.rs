@@ -175,6 +175,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         predictor_target: (!predictors.is_empty()).then_some(args.predictor_target),
         predictors,
         predictor_quality,
+        unit_reuse: None,
     };
     profile.save(store.dir())?;
     let secs = t0.elapsed().as_secs_f64();

@@ -56,6 +56,11 @@ pub struct UnitsArgs {
     /// Print the result as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
+
+    /// Do not keep the measured hit ratios in the profile (where the plan of `--cold gpu`
+    /// takes its expected loads from).
+    #[arg(long, env = "GPU_OFFLOAD_NO_SAVE")]
+    pub no_save: bool,
 }
 
 /// One layer at one unit size.
@@ -209,6 +214,25 @@ pub fn units(args: UnitsArgs) -> Result<()> {
             lru,
             reload_loads: reload,
         });
+    }
+    if !args.no_save {
+        let mut layers: Vec<Vec<(usize, f64)>> = vec![Vec::new(); spec.n_layers];
+        for size in &sizes {
+            for r in &size.layers {
+                layers[r.layer].push((r.slots, r.atu.hit_ratio()));
+            }
+        }
+        for pts in &mut layers {
+            pts.sort_by_key(|p| p.0);
+            pts.dedup_by_key(|p| p.0);
+        }
+        let mut profile = profile;
+        profile.unit_reuse = Some(crate::sparsity::UnitReuse {
+            target: args.sparsity_target,
+            tokens: want,
+            layers,
+        });
+        profile.save(store.dir())?;
     }
     let report = UnitsReport {
         model: name,

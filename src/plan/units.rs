@@ -12,6 +12,9 @@
 //! With mixed precision each tier's region is sized by its share `s` of the active set and
 //! its encoding's bytes; a neuron is taken to fall in a tier independently of the last token's
 //! rank, so the tier loads `Σ f·s·(1 − f·s)` (ranks of adjacent tokens correlate: fewer move).
+//!
+//! Where `bench units` has measured the ATU's hit ratio for the layer at that size (kept in the
+//! profile), the loads are the measured misses instead.
 
 use serde::Serialize;
 
@@ -340,6 +343,7 @@ pub fn plan_units(
     let slots = slots_at(lo);
     let (units, staging) = unit_device_bytes(&slots, row, biased);
 
+    let reuse = profile.and_then(|p| p.unit_reuse.as_ref());
     let hw = &plan.hardware;
     let decide = Encoding::F16.row_bytes(parts * d, parts) as u64 / parts as u64;
     let sync = hw.op_overhead_s + (d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
@@ -351,10 +355,15 @@ pub fn plan_units(
         let (mut loads, mut active, mut moved) = (0.0, 0.0, 0.0);
         for i in precision.tiers() {
             let s = share[i];
-            let tier_loads = if k[i] as f64 >= s * mu {
-                f.iter().map(|p| p * s * (1.0 - p * s)).sum::<f64>()
-            } else {
-                s * mu
+            // A tier's region of k slots for a share s of the set, taken as a unit of k / s
+            // for the whole set: measured where `bench units` measured that size.
+            let measured = reuse.and_then(|r| r.hit_ratio(target, l, k[i] as f64 / s));
+            let tier_loads = match measured {
+                Some(hit) => s * mu * (1.0 - hit),
+                None if k[i] as f64 >= s * mu => {
+                    f.iter().map(|p| p * s * (1.0 - p * s)).sum::<f64>()
+                }
+                None => s * mu,
             };
             loads += tier_loads;
             active += s * mu * row[i] as f64;

@@ -115,6 +115,48 @@ pub struct SparsityProfile {
     /// How each did on held-out tokens.
     #[serde(default)]
     pub predictor_quality: Vec<PredictorQuality>,
+    /// The cache units' hit ratios `bench units` measured on a decode trace, where it has.
+    #[serde(default)]
+    pub unit_reuse: Option<UnitReuse>,
+}
+
+/// Per layer, the share of each token's active neurons a cache unit of a given size already
+/// held under the adjacent-token update, measured on a decode trace at one sparsity: what the
+/// plan expects the units' loads by.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct UnitReuse {
+    pub target: f64,
+    pub tokens: usize,
+    /// `[layer]`: (slots, hit ratio), slots ascending.
+    pub layers: Vec<Vec<(usize, f64)>>,
+}
+
+impl UnitReuse {
+    /// The hit ratio of a unit of `slots` in layer `l` at `target`, interpolated between the
+    /// sizes measured (the largest's beyond them); `None` below the smallest measured or for
+    /// another target.
+    pub fn hit_ratio(&self, target: f64, l: usize, slots: f64) -> Option<f64> {
+        if (self.target - target).abs() > 1e-9 {
+            return None;
+        }
+        let pts = self.layers.get(l)?;
+        let first = pts.first()?;
+        if slots < first.0 as f64 {
+            return None;
+        }
+        for w in pts.windows(2) {
+            let ((k0, h0), (k1, h1)) = (w[0], w[1]);
+            if slots <= k1 as f64 {
+                let t = if k1 > k0 {
+                    (slots - k0 as f64) / (k1 - k0) as f64
+                } else {
+                    1.0
+                };
+                return Some(h0 + t * (h1 - h0));
+            }
+        }
+        pts.last().map(|p| p.1)
+    }
 }
 
 /// A profile's predictors as the engine uses them.
@@ -537,6 +579,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn unit_reuse_interpolates_between_measured_sizes() {
+        let r = UnitReuse {
+            target: 0.5,
+            tokens: 10,
+            layers: vec![vec![(10, 0.5), (20, 0.7), (40, 0.9)]],
+        };
+        assert_eq!(r.hit_ratio(0.5, 0, 9.0), None);
+        assert_eq!(r.hit_ratio(0.4, 0, 20.0), None);
+        assert_eq!(r.hit_ratio(0.5, 1, 20.0), None);
+        assert!((r.hit_ratio(0.5, 0, 15.0).unwrap() - 0.6).abs() < 1e-12);
+        assert!((r.hit_ratio(0.5, 0, 30.0).unwrap() - 0.8).abs() < 1e-12);
+        assert_eq!(r.hit_ratio(0.5, 0, 100.0), Some(0.9));
+        assert_eq!(r.hit_ratio(0.5, 0, 10.0), Some(0.5));
+    }
+
+    #[test]
     fn bins_are_ordered_and_their_edges_bound_them() {
         let mut last = 0;
         for v in [0.0f32, 1e-9, 1e-7, 3e-5, 0.01, 0.5, 1.0, 7.0, 1e3, 1e6] {
@@ -587,6 +645,7 @@ mod tests {
             predictor_target: None,
             predictors: Vec::new(),
             predictor_quality: Vec::new(),
+            unit_reuse: None,
         };
         // With predictors, whose weights travel in the binary part.
         let x: Vec<f32> = (0..40 * 4).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
@@ -596,6 +655,7 @@ mod tests {
             predictor_target: Some(0.5),
             predictors: vec![pred.clone(), pred],
             predictor_quality: vec![q, q],
+            unit_reuse: None,
             ..p
         };
         let f = p.frequencies(1, k50);

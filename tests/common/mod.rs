@@ -284,5 +284,6 @@ pub fn random_profile(
         predictor_target: None,
         predictors: Vec::new(),
         predictor_quality: Vec::new(),
+        unit_reuse: None,
     }
 }
