@@ -14,7 +14,7 @@
 //! rank, so the tier loads `Σ f·s·(1 − f·s)` (ranks of adjacent tokens correlate: fewer move).
 //!
 //! Where `bench units` has measured the ATU's hit ratio for the layer at that size (kept in the
-//! profile), the loads are the measured misses instead.
+//! profile), a single-precision unit's loads are the measured misses instead.
 
 use serde::Serialize;
 
@@ -355,9 +355,12 @@ pub fn plan_units(
         let (mut loads, mut active, mut moved) = (0.0, 0.0, 0.0);
         for i in precision.tiers() {
             let s = share[i];
-            // A tier's region of k slots for a share s of the set, taken as a unit of k / s
-            // for the whole set: measured where `bench units` measured that size.
-            let measured = reuse.and_then(|r| r.hit_ratio(target, l, k[i] as f64 / s));
+            // Measured where `bench units` measured a unit of that size. Its trace is of
+            // single-precision units: how often a neuron changes tier is not measured, so mixed
+            // precision keeps the independent estimate.
+            let measured = reuse
+                .filter(|_| !precision.mixed())
+                .and_then(|r| r.hit_ratio(target, l, k[i] as f64));
             let tier_loads = match measured {
                 Some(hit) => s * mu * (1.0 - hit),
                 None if k[i] as f64 >= s * mu => {
