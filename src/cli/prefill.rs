@@ -60,41 +60,10 @@ pub struct PrefillArgs {
     #[arg(long, env = "GPU_OFFLOAD_LOGITS")]
     pub logits: bool,
 
-    /// Sampling temperature; 0 = greedy.
-    #[arg(
-        long,
-        env = "GPU_OFFLOAD_TEMPERATURE",
-        default_value_t = 0.0,
-        allow_negative_numbers = true
-    )]
-    pub temperature: f32,
-
-    /// Sample from the k most likely tokens (0 = all).
-    #[arg(long, env = "GPU_OFFLOAD_TOP_K", default_value_t = 40)]
-    pub top_k: usize,
-
-    /// Nucleus sampling: smallest set of tokens whose probability reaches p.
-    #[arg(
-        long,
-        env = "GPU_OFFLOAD_TOP_P",
-        default_value_t = 0.95,
-        allow_negative_numbers = true
-    )]
-    pub top_p: f32,
-
-    /// Drop tokens less likely than min-p times the most likely one.
-    #[arg(
-        long,
-        env = "GPU_OFFLOAD_MIN_P",
-        default_value_t = 0.05,
-        allow_negative_numbers = true
-    )]
-    pub min_p: f32,
-
-    /// Random seed; each record's generator is seeded from it and the record's id, so a
-    /// resumed job samples what an uninterrupted one would.
-    #[arg(long, env = "GPU_OFFLOAD_SEED", default_value_t = 0)]
-    pub seed: u64,
+    /// Sampling (default greedy here, and seed 0: each record's generator is seeded from the
+    /// seed and the record's id, so a resumed job samples what an uninterrupted one would).
+    #[command(flatten)]
+    pub sampling: super::run::SamplingArgs,
 
     /// Keep generating past end-of-generation tokens.
     #[arg(long, env = "GPU_OFFLOAD_IGNORE_EOS")]
@@ -345,6 +314,8 @@ impl From<EngineError> for Stop {
 /// What the job needs for every record.
 struct Ctx<'a> {
     args: &'a PrefillArgs,
+    /// The sampling flags (a record's seed is mixed with its id).
+    sampler: SamplerParams,
     tok: Option<&'a Tokenizer>,
     model_id: String,
     owner: Option<String>,
@@ -379,11 +350,8 @@ fn one<B: Backend>(
     let last = e.forward(session, prompt, Logits::Last)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut sampler = Sampler::new(SamplerParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed ^ xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+        seed: c.sampler.seed ^ xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+        ..c.sampler.clone()
     });
     let is_eog = |t: u32| c.tok.is_some_and(|k| k.is_end_of_generation(t)) && !args.ignore_eos;
     let mut stream = c.tok.map(TextStream::new);
@@ -534,17 +502,7 @@ fn drive<B: Backend>(
 }
 
 pub fn run(args: PrefillArgs) -> Result<()> {
-    if let Err(msg) = (SamplerParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    })
-    .validate()
-    {
-        bail!("invalid sampling flag: {msg}");
-    }
+    let sampler = args.sampling.params(0.0, || 0)?;
     let meta = std::fs::metadata(&args.input)
         .with_context(|| format!("input {} is not readable", args.input.display()))?;
     let records = if meta.is_dir() {
@@ -611,6 +569,7 @@ pub fn run(args: PrefillArgs) -> Result<()> {
     let model_id = loaded.model_id()?;
     let c = Ctx {
         args: &args,
+        sampler,
         tok,
         model_id,
         owner: args.context_key.as_deref().map(crate::service::owner_of),

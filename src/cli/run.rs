@@ -50,14 +50,9 @@ pub struct RunArgs {
 
 #[derive(Debug, Args)]
 pub struct SamplingArgs {
-    /// Sampling temperature; 0 = greedy.
-    #[arg(
-        long,
-        env = "GPU_OFFLOAD_TEMPERATURE",
-        default_value_t = 0.8,
-        allow_negative_numbers = true
-    )]
-    pub temperature: f32,
+    /// Sampling temperature; 0 = greedy [default: 0.8 for run; 0 for prefill]
+    #[arg(long, env = "GPU_OFFLOAD_TEMPERATURE", allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
 
     /// Sample from the k most likely tokens (0 = all).
     #[arg(long, env = "GPU_OFFLOAD_TOP_K", default_value_t = 40)]
@@ -81,24 +76,21 @@ pub struct SamplingArgs {
     )]
     pub min_p: f32,
 
-    /// Random seed [default: from the clock]
+    /// Random seed [default: from the clock for run; 0 for prefill]
     #[arg(long, env = "GPU_OFFLOAD_SEED")]
     pub seed: Option<u64>,
 }
 
 impl SamplingArgs {
-    pub fn params(&self) -> Result<SamplerParams> {
-        let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64)
-        });
+    /// The sampler the flags ask for, with the command's default temperature and seed where
+    /// they are not given.
+    pub fn params(&self, temperature: f32, seed: impl FnOnce() -> u64) -> Result<SamplerParams> {
         let p = SamplerParams {
-            temperature: self.temperature,
+            temperature: self.temperature.unwrap_or(temperature),
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
-            seed,
+            seed: self.seed.unwrap_or_else(seed),
         };
         if let Err(msg) = p.validate() {
             bail!("invalid sampling flag: {msg}");
@@ -108,7 +100,11 @@ impl SamplingArgs {
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
-    let sampler = args.sampling.params()?;
+    let sampler = args.sampling.params(0.8, || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    })?;
     let loaded = LoadedModel::load(&args.model)?;
     let chat = args.chat.then_some(args.system.as_deref());
     let prompt = loaded.prompt_ids(&args.prompt, chat)?;
