@@ -25,6 +25,7 @@ fn units_engine(
     slots: &[[usize; 3]],
     precision: Precision,
     score: Option<&[Vec<f32>]>,
+    hybrid: Option<&gpu_offload::plan::units::HybridLayers>,
     ledger: std::sync::Arc<Ledger>,
 ) -> gpu_offload::engine::Result<(
     Engine<SimBackend>,
@@ -39,7 +40,7 @@ fn units_engine(
         slots,
         precision,
         score,
-        None,
+        hybrid,
         ledger,
         kernels::best(),
         backend_act(spec.activation),
@@ -93,9 +94,16 @@ fn cache_units_equal_streaming_and_move_only_their_misses() {
             let want = logits(&streaming(&store, &plan, &thresholds), &toks);
             let ledger = Ledger::new(None, None);
             let slots: Vec<[usize; 3]> = slots.iter().map(|&k| [k, 0, 0]).collect();
-            let (e, traffic) =
-                units_engine(&store, &plan, &slots, Precision::FP16, None, ledger.clone())
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let (e, traffic) = units_engine(
+                &store,
+                &plan,
+                &slots,
+                Precision::FP16,
+                None,
+                None,
+                ledger.clone(),
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
             let e = e.with_sparsity(thresholds.clone()).unwrap();
             let h2d_at_load = ledger.snapshot().h2d_bytes;
             let got = logits(&e, &toks);
@@ -180,6 +188,7 @@ fn planned_units_fill_the_budget_exactly() {
                 &slots,
                 Precision::FP16,
                 Some(&units.scores),
+                None,
                 ledger.clone(),
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -229,6 +238,7 @@ fn units_refuse_what_they_cannot_hold() {
             &slots,
             precision,
             None,
+            None,
             Ledger::new(None, None),
         );
         assert!(r.is_err(), "{slots:?} at {precision}");
@@ -270,6 +280,7 @@ fn predicted_sets_go_straight_into_the_units() {
             &plan,
             &slots,
             Precision::FP16,
+            None,
             None,
             Ledger::new(None, None),
         )
@@ -345,8 +356,9 @@ fn mixed_precision_units_split_per_token_and_move_their_tiers_bytes() {
                 .collect();
             let what = format!("{} at {precision}, slots {slots:?}", model.display());
             let engine = |ledger| {
-                let (e, traffic) = units_engine(&store, &plan, &slots, precision, None, ledger)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let (e, traffic) =
+                    units_engine(&store, &plan, &slots, precision, None, None, ledger)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                 (e.with_sparsity(thresholds.clone()).unwrap(), traffic)
             };
             let (batched, _) = engine(Ledger::new(None, None));
@@ -388,6 +400,7 @@ fn mixed_precision_units_split_per_token_and_move_their_tiers_bytes() {
                 &plan,
                 &f16_slots,
                 Precision::FP16,
+                None,
                 None,
                 Ledger::new(None, None),
             )
@@ -464,6 +477,7 @@ fn planned_mixed_units_fill_the_budget_exactly() {
             &units.slots(),
             precision,
             Some(&units.scores),
+            None,
             ledger.clone(),
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -515,29 +529,17 @@ fn unit_and_hybrid_layers_mix() {
             })
             .collect();
         let what = format!("{} hand-made mix", model.display());
-        let sim = gpu_offload::backend::sim::SimBackend::new(
-            CpuBackend::new(2).unwrap(),
-            Ledger::new(None, None),
-        );
-        let src = UnitWeights::new(
-            &sim,
-            store.clone(),
+        let (e, _) = units_engine(
+            &store,
             &plan,
             &slots,
             Precision::FP16,
             None,
             Some(&mix),
             Ledger::new(None, None),
-            kernels::best(),
-            backend_act(spec.activation),
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-        let e = Engine::with_source(sim, spec.clone(), Box::new(src))
-            .unwrap()
-            .with_kv_type(KvType::F16)
-            .unwrap()
-            .with_sparsity(thresholds.clone())
-            .unwrap();
+        let e = e.with_sparsity(thresholds.clone()).unwrap();
         close(&logits(&e, &toks), &want, &what);
         // Planned at random budgets.
         let full =
@@ -575,29 +577,17 @@ fn unit_and_hybrid_layers_mix() {
             );
             assert!(mixed.device.total <= g, "{what}");
             let ledger = Ledger::new(Some(mixed.device.placed), None);
-            let sim = gpu_offload::backend::sim::SimBackend::new(
-                CpuBackend::new(2).unwrap(),
-                ledger.clone(),
-            );
-            let src = UnitWeights::new(
-                &sim,
-                store.clone(),
+            let (e, _) = units_engine(
+                &store,
                 &plan,
                 &mixed.slots(),
                 Precision::FP16,
                 Some(&mixed.scores),
                 Some(h),
                 ledger.clone(),
-                kernels::best(),
-                backend_act(spec.activation),
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
-            let e = Engine::with_source(sim, spec.clone(), Box::new(src))
-                .unwrap()
-                .with_kv_type(KvType::F16)
-                .unwrap()
-                .with_sparsity(thresholds.clone())
-                .unwrap();
+            let e = e.with_sparsity(thresholds.clone()).unwrap();
             close(&logits(&e, &toks), &want, &what);
             assert_eq!(ledger.snapshot().hbm_peak, mixed.device.placed, "{what}");
         }
