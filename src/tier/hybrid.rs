@@ -219,9 +219,15 @@ impl ColdLayer {
         Ok((ids, select_cols(&dec, n, c, &pos)))
     }
 
-    /// The stored bundles of neurons `ids` (held here), one after another into `out`, and
-    /// their up biases (two-part bundles with one) into `bias`.
-    pub(super) fn gather(&self, ids: &[u32], out: &mut Vec<u8>, bias: &mut Vec<f32>) -> Result<()> {
+    /// The stored bundles of neurons `ids` (held here), one after another at the start of
+    /// `out`, and their up biases (two-part bundles with one) at the start of `bias`; the
+    /// bytes and biases written.
+    pub(super) fn gather(
+        &self,
+        ids: &[u32],
+        out: &mut [u8],
+        bias: &mut [f32],
+    ) -> Result<(usize, usize)> {
         let ColdData::Bundles { t, .. } = &self.data else {
             return Err(weights_err(
                 "cache units hold neuron bundles: this FFN is stored as matrices",
@@ -229,23 +235,33 @@ impl ColdLayer {
         };
         let rb = t.row_bytes();
         let data = t.data.as_slice();
-        out.clear();
-        for &id in ids {
-            let j = self.position(id)?;
-            out.extend_from_slice(&data[j * rb..(j + 1) * rb]);
+        if out.len() < ids.len() * rb {
+            return Err(weights_err(
+                "the staging buffer is smaller than the neurons",
+            ));
         }
-        self.gather_bias(ids, bias)
+        for (k, &id) in ids.iter().enumerate() {
+            let j = self.position(id)?;
+            out[k * rb..(k + 1) * rb].copy_from_slice(&data[j * rb..(j + 1) * rb]);
+        }
+        Ok((ids.len() * rb, self.gather_bias(ids, bias)?))
     }
 
-    /// The up biases of neurons `ids` (held here) into `bias`; nothing without one.
-    pub(super) fn gather_bias(&self, ids: &[u32], bias: &mut Vec<f32>) -> Result<()> {
-        bias.clear();
-        if let Some(b) = &self.up_bias {
-            for &id in ids {
-                bias.push(b[self.position(id)?]);
-            }
+    /// The up biases of neurons `ids` (held here) at the start of `bias`; how many (none
+    /// without an up bias).
+    pub(super) fn gather_bias(&self, ids: &[u32], bias: &mut [f32]) -> Result<usize> {
+        let Some(b) = &self.up_bias else {
+            return Ok(0);
+        };
+        if bias.len() < ids.len() {
+            return Err(weights_err(
+                "the staging buffer is smaller than the neurons",
+            ));
         }
-        Ok(())
+        for (k, &id) in ids.iter().enumerate() {
+            bias[k] = b[self.position(id)?];
+        }
+        Ok(ids.len())
     }
 
     fn position(&self, id: u32) -> Result<usize> {

@@ -99,13 +99,36 @@ impl DramBundles {
         })
     }
 
-    fn gather(&self, ids: &[u32], out: &mut Vec<u8>) {
+    /// The bundles of `ids` at the start of `out`; the bytes written.
+    fn gather(&self, ids: &[u32], out: &mut [u8]) -> Result<usize> {
         let (rb, data) = (self.row_bytes, &self.buf.as_slice()[self.first..]);
-        out.clear();
-        for &id in ids {
-            let j = id as usize;
-            out.extend_from_slice(&data[j * rb..(j + 1) * rb]);
+        if out.len() < ids.len() * rb {
+            return Err(weights_err(
+                "the staging buffer is smaller than the neurons",
+            ));
         }
+        for (k, &id) in ids.iter().enumerate() {
+            let j = id as usize;
+            out[k * rb..(k + 1) * rb].copy_from_slice(&data[j * rb..(j + 1) * rb]);
+        }
+        Ok(ids.len() * rb)
+    }
+}
+
+/// Host memory misses are gathered into for their one copy: page-locked where the backend
+/// pins (a pageable source is staged by the driver first, at a fraction of the rate).
+struct HostStaging {
+    // Declared first: unpinned before the buffer is freed.
+    _pin: Option<crate::backend::HostPin>,
+    buf: AlignedBuf,
+}
+
+impl HostStaging {
+    fn new<B: Backend>(b: &B, bytes: usize) -> Result<Self> {
+        // Whole f32s (the biases are read as f32), at least one.
+        let mut buf = AlignedBuf::zeroed(bytes.div_ceil(4).max(1) * 4);
+        let pin = b.pin_host(buf.padded_mut())?;
+        Ok(HostStaging { _pin: pin, buf })
     }
 }
 
@@ -147,8 +170,9 @@ type StagingTier<B> = (<B as Backend>::Weight, Option<<B as Backend>::Weight>);
 struct Staging<B: Backend> {
     /// Per tier, the bundles and their up biases.
     tiers: [Option<StagingTier<B>>; 3],
-    host: Vec<u8>,
-    host_bias: Vec<f32>,
+    /// Room for the largest region's bundles, and their up biases (f32).
+    host: HostStaging,
+    host_bias: HostStaging,
 }
 
 pub struct UnitWeights<B: Backend> {
@@ -293,11 +317,8 @@ impl<B: Backend> UnitWeights<B> {
             LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
             LayerFfn::Hybrid { .. } => false,
         });
-        let mut staging = Staging {
-            tiers: Default::default(),
-            host: Vec::new(),
-            host_bias: Vec::new(),
-        };
+        let mut tiers: [Option<StagingTier<B>>; 3] = Default::default();
+        let (mut host_bytes, mut host_rows) = (0, 0);
         for tier in precision.tiers() {
             let widest = slots.iter().map(|k| k[tier]).max().unwrap_or(0);
             if widest == 0 {
@@ -305,7 +326,9 @@ impl<B: Backend> UnitWeights<B> {
             }
             let enc = TIER_ENCODINGS[tier];
             let name = format!("unit staging {}", enc.name());
-            staging.tiers[tier] = Some((
+            host_bytes = host_bytes.max(widest * enc.row_bytes(bundle.parts * d, bundle.parts));
+            host_rows = host_rows.max(widest);
+            tiers[tier] = Some((
                 b.alloc_bundles(&name, enc, bundle, widest)?,
                 if biased {
                     Some(b.alloc_weight(&format!("{name} up bias"), DType::F32, widest, 1)?)
@@ -314,6 +337,11 @@ impl<B: Backend> UnitWeights<B> {
                 },
             ));
         }
+        let staging = Staging {
+            tiers,
+            host: HostStaging::new(b, host_bytes)?,
+            host_bias: HostStaging::new(b, if biased { host_rows * 4 } else { 0 })?,
+        };
         let partial = match hybrid {
             Some(h) if (0..n_layers).any(|l| hot_of(l).is_some()) => {
                 Some(b.alloc(h.batch.max(1), d)?)
@@ -450,21 +478,20 @@ impl<B: Backend> UnitStep<'_, B> {
         };
         let ids: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
         let slots: Vec<u32> = loads.iter().map(|l| l.slot).collect();
-        match &unit.dram {
-            Some(d) => {
-                d.gather(&ids, &mut st.host);
-                neurons.gather_bias(&ids, &mut st.host_bias)?;
-            }
-            None => neurons.gather(&ids, &mut st.host, &mut st.host_bias)?,
-        }
+        let host = st.host.buf.as_mut_slice();
+        let host_bias: &mut [f32] = bytemuck::cast_slice_mut(st.host_bias.buf.as_mut_slice());
+        let (n_bytes, n_bias) = match &unit.dram {
+            Some(d) => (d.gather(&ids, host)?, neurons.gather_bias(&ids, host_bias)?),
+            None => neurons.gather(&ids, host, host_bias)?,
+        };
         // The staging buffers are free once the compute queued so far (the last scatter out
         // of them) is done.
         let free = b.compute_done()?;
         b.copies_wait(&free)?;
-        b.upload_into(st_bundles, 0, &st.host)?;
-        let mut bytes = st.host.len();
+        b.upload_into(st_bundles, 0, &st.host.buf.as_slice()[..n_bytes])?;
+        let mut bytes = n_bytes;
         if let (Some(sb), Some(_)) = (st_bias.as_mut(), &unit.slot_bias) {
-            let values: &[u8] = bytemuck::cast_slice(&st.host_bias);
+            let values: &[u8] = &st.host_bias.buf.as_slice()[..n_bias * 4];
             b.upload_into(sb, 0, values)?;
             bytes += values.len();
         }
