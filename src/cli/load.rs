@@ -489,7 +489,14 @@ impl LoadedModel {
                 Cold::Gpu => Some(load().context(
                     "--cold gpu sizes and keeps its cache units by how often neurons fire",
                 )?),
-                Cold::Auto if SparsityProfile::path_in(store.dir()).exists() => Some(load()?),
+                // Sparse modes only where neurons are skipped: the plan's predictions for them
+                // assume the profile's sparsity.
+                Cold::Auto
+                    if args.sparsity != super::SparsityMode::Off
+                        && SparsityProfile::path_in(store.dir()).exists() =>
+                {
+                    Some(load()?)
+                }
                 _ => None,
             };
         let target = match (

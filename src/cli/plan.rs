@@ -28,8 +28,9 @@ pub struct BudgetArgs {
     /// it does not all fit; needs `gpu-offload profile`); gpu (cache units, bundled FFNs: a unit
     /// of neuron slots per layer on the device, only the neurons a token needs and the unit
     /// lacks copied in, all computed on the device; needs `gpu-offload profile`); auto
-    /// (the fastest of these by the plan's prediction; hybrid only where a profile exists)
-    #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "stream")]
+    /// (the fastest of these by the plan's prediction, with each layer a cache unit or hybrid,
+    /// whichever is faster there; hybrid and units only where a profile exists)
+    #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "auto")]
     pub cold: crate::plan::hot::Cold,
 
     /// Precision of the neurons cache units (--cold gpu) compute: fp16; A/B/C, the percent of
