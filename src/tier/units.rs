@@ -121,14 +121,23 @@ struct HostStaging {
     // Declared first: unpinned before the buffer is freed.
     _pin: Option<crate::backend::HostPin>,
     buf: AlignedBuf,
+    _hold: Reservation,
 }
 
 impl HostStaging {
-    fn new<B: Backend>(b: &B, bytes: usize) -> Result<Self> {
+    fn new<B: Backend>(b: &B, ledger: &Arc<Ledger>, bytes: usize, what: &str) -> Result<Self> {
         // Whole f32s (the biases are read as f32), at least one.
-        let mut buf = AlignedBuf::zeroed(bytes.div_ceil(4).max(1) * 4);
+        let len = bytes.div_ceil(4).max(1) * 4;
+        let hold = ledger
+            .reserve(Tier::Dram, len as u64, what)
+            .map_err(|e| weights_err(e.to_string()))?;
+        let mut buf = AlignedBuf::zeroed(len);
         let pin = b.pin_host(buf.padded_mut())?;
-        Ok(HostStaging { _pin: pin, buf })
+        Ok(HostStaging {
+            _pin: pin,
+            buf,
+            _hold: hold,
+        })
     }
 }
 
@@ -339,8 +348,13 @@ impl<B: Backend> UnitWeights<B> {
         }
         let staging = Staging {
             tiers,
-            host: HostStaging::new(b, host_bytes)?,
-            host_bias: HostStaging::new(b, if biased { host_rows * 4 } else { 0 })?,
+            host: HostStaging::new(b, &ledger, host_bytes, "unit staging (host)")?,
+            host_bias: HostStaging::new(
+                b,
+                &ledger,
+                if biased { host_rows * 4 } else { 0 },
+                "unit staging up bias (host)",
+            )?,
         };
         let partial = match hybrid {
             Some(h) if (0..n_layers).any(|l| hot_of(l).is_some()) => {
