@@ -35,8 +35,9 @@ pub struct PrecisionArgs {
     #[arg(long, env = "GPU_OFFLOAD_CTX", default_value_t = 256, value_parser = clap::value_parser!(u32).range(8..))]
     pub ctx: u32,
 
-    /// Chunks scored per candidate.
-    #[arg(long, env = "GPU_OFFLOAD_CHUNKS", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Chunks scored per candidate. Fewer cannot tell shares 1% apart: on SmolLM2, 4 chunks
+    /// (508 tokens) and 12 ranked 25/0/75 and 25/25/50 the other way round.
+    #[arg(long, env = "GPU_OFFLOAD_CHUNKS", default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..))]
     pub chunks: u32,
 
     /// Candidates, comma-separated (fp16 or A/B/C) [default: every split in steps of 25%]
