@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -316,25 +316,14 @@ struct Server {
 
 impl Server {
     fn start(model: &Path, kv_dir: &Path) -> Server {
-        let mut child = bin()
-            .arg("serve")
+        let mut cmd = bin();
+        cmd.arg("serve")
             .arg("--model")
             .arg(model)
             .args(["--port", "0", "--device", "cpu", "--threads", "2"])
             .args(["--kv-compression", "off", "--kv-dir"])
-            .arg(kv_dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start server");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read");
-        let base = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("server did not start: {line:?}"))
-            .to_string();
+            .arg(kv_dir);
+        let (child, base) = common::spawn_serve(cmd);
         Server { child, base }
     }
 

@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -22,27 +22,16 @@ impl Server {
     }
 
     fn start_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_gpu-offload"))
-            .envs(env.iter().copied())
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpu-offload"));
+        cmd.envs(env.iter().copied())
             .arg("serve")
             .arg("--model")
             .arg(model)
             .args(["--port", "0", "--device", "cpu", "--threads", "2"])
             .args(extra)
-            .env_remove("GPU_OFFLOAD_API_KEY")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start server");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read");
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .unwrap_or_else(|| panic!("server did not start: {line:?}"))
-            .to_string();
-        Server { child, base: addr }
+            .env_remove("GPU_OFFLOAD_API_KEY");
+        let (child, base) = common::spawn_serve(cmd);
+        Server { child, base }
     }
 
     fn url(&self, path: &str) -> String {

@@ -287,3 +287,25 @@ pub fn random_profile(
         unit_reuse: None,
     }
 }
+
+/// Start `serve` from `cmd` (its arguments given) and wait for the address it listens on: the
+/// child and `http://…`.
+#[allow(dead_code)]
+pub fn spawn_serve(mut cmd: std::process::Command) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start server");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read");
+    let base = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("server did not start: {line:?}"))
+        .to_string();
+    (child, base)
+}
