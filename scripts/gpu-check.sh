@@ -68,6 +68,22 @@ record() { # name, json
     echo "$1: $2" | tee -a "$LOG"
 }
 
+# Last-position logits of an offloaded run of a model (the flags after it) against the whole
+# GPU's, oracle masks both: max |diff|, scale, argmax equal. Args: record name, model, flags.
+parity_vs_whole() {
+    local name=$1 model=$2
+    shift 2
+    "$B" logits --device cuda -m "$model" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
+    "$B" logits --device cuda -m "$model" "$@" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/$name.json" 2>>"$LOG"
+    record "$name" "$($PY - "$WORK/whole.json" "$WORK/$name.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p))["logits"][-1] for p in sys.argv[1:3])
+d = max(abs(x - y) for x, y in zip(a, b))
+print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
+PY
+)"
+}
+
 tests() {
     say "nvidia-smi"; nvidia-smi 2>&1 | head -15 | tee -a "$LOG"
     say "GPU parity tests"
@@ -284,15 +300,7 @@ hybrid() {
         done
     done
     say "parity: hybrid (f16 at 4G, attention streamed) vs the whole GPU, oracle masks"
-    "$B" logits --device cuda -m "$m" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
-    "$B" logits --device cuda -m "$m" --gpu-mem 4G --cold cpu --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/hyb.json" 2>>"$LOG"
-    record parity_7b_relu_hybrid "$($PY - "$WORK/whole.json" "$WORK/hyb.json" <<'PY'
-import json, sys
-a, b = (json.load(open(p))["logits"][-1] for p in sys.argv[1:3])
-d = max(abs(x - y) for x, y in zip(a, b))
-print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
-PY
-)"
+    parity_vs_whole parity_7b_relu_hybrid "$m" --gpu-mem 4G --cold cpu
     synth7b
     say "dense 7B shape at 4G: the CPU+PCIe split vs streaming (plan, then decode)"
     "$B" plan -m "$WORK/m7b" --gpu-mem 4G --ctx-size 1024 --cold auto 2>&1 | tail -3 | tee -a "$LOG"
@@ -342,15 +350,7 @@ units() {
             --cold gpu --neuron-precision "$p" --sparsity oracle --sparsity-target 0.5 --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
     done
     say "parity: cache units (ReLU 7B at 4G) vs the whole GPU, oracle masks"
-    "$B" logits --device cuda -m "$m" --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/whole.json" 2>>"$LOG"
-    "$B" logits --device cuda -m "$m" --gpu-mem 4G --cold gpu --sparsity oracle --tokens 1,45,200,7 --json > "$WORK/units.json" 2>>"$LOG"
-    record parity_7b_relu_units "$($PY - "$WORK/whole.json" "$WORK/units.json" <<'PY'
-import json, sys
-a, b = (json.load(open(p))["logits"][-1] for p in sys.argv[1:3])
-d = max(abs(x - y) for x, y in zip(a, b))
-print(json.dumps({"max_abs_diff": d, "scale": max(abs(x) for x in a), "argmax_equal": a.index(max(a)) == b.index(max(b))}))
-PY
-)"
+    parity_vs_whole parity_7b_relu_units "$m" --gpu-mem 4G --cold gpu
 }
 
 case "$MODE" in

@@ -148,9 +148,10 @@ pub fn retyped_bytes(
 /// Keeps a host range page-locked while alive.
 pub type HostPin = Box<dyn std::any::Any + Send + Sync>;
 
-/// Host memory a device→host copy lands in while the host goes on with other work:
-/// page-locked where the backend pins (a copy into pageable memory returns only once it has
-/// landed, so nothing would overlap it).
+/// Host memory a device→host copy lands in while the host goes on with other work, or a
+/// host→device copy is sent from: page-locked where the backend pins (a copy into pageable
+/// memory returns only once it has landed, so nothing would overlap it; one from it is staged
+/// by the driver first, at a fraction of the rate).
 pub struct HostStage {
     // Declared first: dropped (unpinned) before the buffer is freed.
     _pin: Option<HostPin>,
@@ -183,8 +184,17 @@ impl HostStage {
         bytemuck::cast_slice(self.buf.as_slice())
     }
 
-    fn values_mut(&mut self) -> &mut [f32] {
+    pub(crate) fn values_mut(&mut self) -> &mut [f32] {
         bytemuck::cast_slice_mut(self.buf.as_mut_slice())
+    }
+
+    /// The stage as bytes (a host→device source: gathered into, then copied from).
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.buf.as_slice()
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        self.buf.as_mut_slice()
     }
 }
 

@@ -625,22 +625,16 @@ fn rates_for(
 /// for an offloaded run; every weight and the KV so far from device memory (CUDA) or DRAM (CPU)
 /// for a whole-model run.
 fn traffic_of(r: &Running, first: usize, steps: usize) -> Traffic {
-    if let Some(h) = &r.hybrid {
-        // Hybrid: the device reads attention and hot neurons, the CPU the cold ones (expected
-        // at the profile's frequencies), PCIe carries two vectors a layer.
-        let p = &h.plan.per_token;
-        return Traffic {
-            hbm_read_bytes: p.hbm_bytes as f64,
-            h2d_bytes: p.pcie_bytes as f64,
-            dram_read_bytes: p.cpu_bytes as f64,
-            ssd_read_bytes: 0.0,
-        };
-    }
-    if let Some(u) = &r.units {
-        // Cache units: the device reads attention and the active neurons in their units, PCIe
-        // carries the loads (expected at the profile's frequencies), the CPU reads the deciding
-        // vectors (oracle masks).
-        let p = &u.plan.per_token;
+    // Hybrid: the device reads attention and hot neurons, the CPU the cold ones, PCIe carries
+    // two vectors a layer. Cache units: the device reads attention and the active neurons in
+    // their units, PCIe carries the loads, the CPU reads the deciding vectors (oracle masks).
+    // Both expected at the profile's frequencies.
+    let sparse = r
+        .hybrid
+        .as_ref()
+        .map(|h| &h.plan.per_token)
+        .or(r.units.as_ref().map(|u| &u.plan.per_token));
+    if let Some(p) = sparse {
         return Traffic {
             hbm_read_bytes: p.hbm_bytes as f64,
             h2d_bytes: p.pcie_bytes as f64,

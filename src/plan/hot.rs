@@ -94,14 +94,17 @@ pub struct HybridDevice {
     pub total: u64,
 }
 
-/// Bytes per decoded token by resource, expected at the profile's frequencies.
+/// Bytes per decoded token by resource of a sparse plan (hybrid or cache units), expected at
+/// the profile's frequencies.
 #[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct HybridPerToken {
-    /// What the device reads: attention, hot neurons, head, half the KV cache.
+pub struct SparsePerToken {
+    /// What the device reads: attention, the neurons it computes (hot, or in their units),
+    /// head, half the KV cache.
     pub hbm_bytes: u64,
-    /// What the CPU reads from DRAM for the cold neurons.
+    /// What the CPU reads from DRAM: the cold neurons (hybrid), the deciding vectors (units).
     pub cpu_bytes: u64,
-    /// The FFN input down and the partial sum up, every layer; logits out.
+    /// Host→device and back: the FFN input and partial sums or the units' loads, every layer;
+    /// logits out.
     pub pcie_bytes: u64,
 }
 
@@ -131,7 +134,7 @@ pub struct HotPlan {
     pub staging: u64,
     /// Rows of the merge buffer (the most tokens a step evaluates).
     pub batch: usize,
-    pub per_token: HybridPerToken,
+    pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
     /// With streamed attention: the streaming plan it runs on (attention residency, slots,
     /// the reserve), where the hot neurons go into the reserve.
@@ -875,7 +878,7 @@ fn finish(
         dram_cold_bytes: cold_dram,
         staging: base.staging,
         batch: plan.budget.batch,
-        per_token: HybridPerToken {
+        per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
             pcie_bytes: pcie,

@@ -18,7 +18,7 @@
 
 use serde::Serialize;
 
-use super::hot::base_of;
+use super::hot::{SparsePerToken, base_of};
 use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
 use crate::backend::memory::device_bytes;
 use crate::sparsity::{SparsityProfile, grid_index};
@@ -71,17 +71,6 @@ pub struct UnitDevice {
     pub total: u64,
 }
 
-/// Bytes per decoded token by resource, expected.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct UnitPerToken {
-    /// Attention, the active neurons in their units, head, half the KV cache.
-    pub hbm_bytes: u64,
-    /// The deciding vector of every neuron (the gate, or the up row), read from DRAM.
-    pub cpu_bytes: u64,
-    /// Loads in, the FFN input of every layer out, logits out.
-    pub pcie_bytes: u64,
-}
-
 #[derive(Clone, Debug, Serialize)]
 pub struct UnitPlan {
     pub target: f64,
@@ -95,7 +84,7 @@ pub struct UnitPlan {
     pub device: UnitDevice,
     /// DRAM the neurons take (every layer's bundles in each encoding used).
     pub dram_neurons: u64,
-    pub per_token: UnitPerToken,
+    pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
     /// Per layer, what a stale neuron's stay is worth (its frequency; what the ATU evicts by).
     #[serde(skip)]
@@ -225,6 +214,38 @@ fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64,
     (units, staging)
 }
 
+/// What sizes the units of a plan: a neuron's bundle bytes in each tier's encoding (without
+/// its up bias), whether neurons carry an up bias, everything else resident, and the device
+/// bytes left for units and their staging.
+struct UnitRoom {
+    row: [u64; 3],
+    biased: bool,
+    base: super::hot::Base,
+    room: u64,
+}
+
+fn unit_room(m: &Manifest, plan: &Plan) -> Result<UnitRoom, PlanError> {
+    let spec = &plan.spec;
+    let parts = if spec.gated_ffn { 3 } else { 2 };
+    let (base, _) = base_of(m, plan, false)?;
+    let g = &plan.gpu;
+    // One step's buffers are left free beside the units: steps of another size (prefill,
+    // then decode) reallocate them, and a budget filled exactly has its free bytes in pieces
+    // too small for them (seen on SmolLM2 at 70M: the logits buffer refused).
+    let room = plan
+        .budget
+        .gpu_mem
+        .saturating_sub(g.fixed)
+        .saturating_sub(base.everything_else)
+        .saturating_sub(g.scratch);
+    Ok(UnitRoom {
+        row: TIER_ENCODINGS.map(|e| e.row_bytes(parts * spec.d_model, parts) as u64),
+        biased: m.segment(&names::layer(0, "ffn_up.bias")).is_some(),
+        base,
+        room,
+    })
+}
+
 /// Cache units for `plan`'s budget (everything but the FFN resident; its KV and step memory)
 /// at neuron `precision`: their sizes from `profile`'s frequencies at `target` (or `target`
 /// alone), and what they hold and move.
@@ -260,23 +281,17 @@ pub fn plan_units(
         ));
     }
     let parts = if spec.gated_ffn { 3 } else { 2 };
-    let row = TIER_ENCODINGS.map(|e| e.row_bytes(parts * d, parts) as u64);
-    let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
+    let UnitRoom {
+        row,
+        biased,
+        base,
+        room,
+    } = unit_room(m, plan)?;
     let neuron_bytes = row.map(|r| r + if biased { 4 } else { 0 });
     let share = precision.0.map(|p| p as f64 / 100.0);
-    let (base, _) = base_of(m, plan, false)?;
     let everything_else = base.everything_else;
     let g = &plan.gpu;
-    // One step's buffers are left free beside the units: steps of another size (prefill,
-    // then decode) reallocate them, and a budget filled exactly has its free bytes in pieces
-    // too small for them (seen on SmolLM2 at 70M: the logits buffer refused).
     let slack = g.scratch;
-    let room = plan
-        .budget
-        .gpu_mem
-        .saturating_sub(g.fixed)
-        .saturating_sub(everything_else)
-        .saturating_sub(slack);
     let k = grid_index(target);
     let freqs: Vec<Vec<f64>> = (0..n_layers)
         .map(|l| match profile {
@@ -424,7 +439,7 @@ pub fn plan_units(
             total: g.fixed + placed,
         },
         dram_neurons,
-        per_token: UnitPerToken {
+        per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
             pcie_bytes: pcie,
@@ -486,17 +501,13 @@ pub fn mix_with_hybrid(
         return Ok(units);
     }
     let hw = &plan.hardware;
-    let (base, _) = base_of(m, plan, false)?;
     let g = &plan.gpu;
-    let room = plan
-        .budget
-        .gpu_mem
-        .saturating_sub(g.fixed)
-        .saturating_sub(base.everything_else)
-        .saturating_sub(g.scratch);
-    let parts = if spec.gated_ffn { 3 } else { 2 };
-    let row = TIER_ENCODINGS.map(|e| e.row_bytes(parts * spec.d_model, parts) as u64);
-    let biased = m.segment(&names::layer(0, "ffn_up.bias")).is_some();
+    let UnitRoom {
+        row,
+        biased,
+        base,
+        room,
+    } = unit_room(m, plan)?;
     let merge = device_bytes((hot.batch.max(1) * spec.d_model * 4) as u64);
     // Per layer: (seconds, device bytes) as a unit and as hybrid.
     let mut opts = Vec::with_capacity(n_layers);
@@ -580,7 +591,7 @@ pub fn mix_with_hybrid(
     d.hybrid = hybrid_bytes;
     d.placed = base.everything_else + units_b + staging + hybrid_bytes;
     d.total = g.fixed + d.placed;
-    out.per_token = UnitPerToken {
+    out.per_token = SparsePerToken {
         hbm_bytes: hbm,
         cpu_bytes: cpu,
         pcie_bytes: pcie,

@@ -18,7 +18,7 @@ use super::ledger::Ledger;
 use super::precision::{Precision, TIER_ENCODINGS, TierSet, split_by_precision};
 use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
-use crate::backend::{Act, Backend, BundleShape};
+use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::{
     ColdView, EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result,
     WeightSource,
@@ -115,27 +115,22 @@ impl DramBundles {
     }
 }
 
-/// Host memory misses are gathered into for their one copy: page-locked where the backend
-/// pins (a pageable source is staged by the driver first, at a fraction of the rate).
+/// Host memory misses are gathered into for their one copy: a page-locked stage, counted in
+/// DRAM.
 struct HostStaging {
-    // Declared first: unpinned before the buffer is freed.
-    _pin: Option<crate::backend::HostPin>,
-    buf: AlignedBuf,
+    stage: HostStage,
     _hold: Reservation,
 }
 
 impl HostStaging {
     fn new<B: Backend>(b: &B, ledger: &Arc<Ledger>, bytes: usize, what: &str) -> Result<Self> {
         // Whole f32s (the biases are read as f32), at least one.
-        let len = bytes.div_ceil(4).max(1) * 4;
+        let values = bytes.div_ceil(4).max(1);
         let hold = ledger
-            .reserve(Tier::Dram, len as u64, what)
+            .reserve(Tier::Dram, values as u64 * 4, what)
             .map_err(|e| weights_err(e.to_string()))?;
-        let mut buf = AlignedBuf::zeroed(len);
-        let pin = b.pin_host(buf.padded_mut())?;
         Ok(HostStaging {
-            _pin: pin,
-            buf,
+            stage: HostStage::new(b, values)?,
             _hold: hold,
         })
     }
@@ -492,8 +487,8 @@ impl<B: Backend> UnitStep<'_, B> {
         };
         let ids: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
         let slots: Vec<u32> = loads.iter().map(|l| l.slot).collect();
-        let host = st.host.buf.as_mut_slice();
-        let host_bias: &mut [f32] = bytemuck::cast_slice_mut(st.host_bias.buf.as_mut_slice());
+        let host = st.host.stage.bytes_mut();
+        let host_bias = st.host_bias.stage.values_mut();
         let (n_bytes, n_bias) = match &unit.dram {
             Some(d) => (d.gather(&ids, host)?, neurons.gather_bias(&ids, host_bias)?),
             None => neurons.gather(&ids, host, host_bias)?,
@@ -502,10 +497,10 @@ impl<B: Backend> UnitStep<'_, B> {
         // of them) is done.
         let free = b.compute_done()?;
         b.copies_wait(&free)?;
-        b.upload_into(st_bundles, 0, &st.host.buf.as_slice()[..n_bytes])?;
+        b.upload_into(st_bundles, 0, &st.host.stage.bytes()[..n_bytes])?;
         let mut bytes = n_bytes;
         if let (Some(sb), Some(_)) = (st_bias.as_mut(), &unit.slot_bias) {
-            let values: &[u8] = &st.host_bias.buf.as_slice()[..n_bias * 4];
+            let values: &[u8] = &st.host_bias.stage.bytes()[..n_bias * 4];
             b.upload_into(sb, 0, values)?;
             bytes += values.len();
         }
