@@ -197,6 +197,8 @@ pub struct GpuProfile {
     /// Device memory a process holds with our context, kernel modules, cuBLAS and its workspace
     /// up (NVML), before placing anything; `None` where NVML cannot tell.
     pub fixed_bytes: Option<u64>,
+    /// A prefill-sized f16 matrix product's rate (see [`matmul_rate`]), FLOP/s.
+    pub matmul_flops_per_s: f64,
     pub h2d_pinned_bytes_per_s: f64,
     pub h2d_pageable_bytes_per_s: f64,
     pub d2h_pinned_bytes_per_s: f64,
@@ -231,6 +233,57 @@ fn nvml_facts() -> (Option<String>, Option<PcieLink>) {
 
 /// Probe GPU 0: NVML facts and copy bandwidths measured with CUDA events. Errors (no driver, no
 /// device) come back as text for `doctor` to print.
+/// FLOP/s of `tokens` rows times an f16 `rows × cols` weight on `b` (the prefill's products: on a
+/// GPU cuBLAS on tensor cores), the best of five after a warm-up: what the planner divides a
+/// prefill's FLOPs by.
+pub fn matmul_rate<B: crate::backend::Backend>(
+    b: &B,
+    tokens: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<f64, String> {
+    use crate::tensor::{Bytes, DType, HostTensor};
+    let err = |e: crate::backend::BackendError| format!("matrix product probe: {e}");
+    let half: Vec<u16> = (0..rows * cols)
+        .map(|i| half::f16::from_f32(((i * 7919) % 2001) as f32 * 1e-3 - 1.0).to_bits())
+        .collect();
+    let w = HostTensor {
+        name: "probe".into(),
+        rows,
+        cols,
+        dtype: DType::F16,
+        data: Bytes::from_slice(bytemuck::cast_slice(&half)),
+    };
+    let w = b.upload(&w).map_err(err)?;
+    let mut x = b.alloc(tokens, cols).map_err(err)?;
+    b.write(&mut x, &vec![0.5f32; tokens * cols]).map_err(err)?;
+    let mut out = b.alloc(tokens, rows).map_err(err)?;
+    let op = crate::backend::WorkspaceOp::Matmul {
+        dtype: DType::F16,
+        tokens,
+        rows,
+        cols,
+    };
+    b.set_workspace(b.workspace_bytes(&op)).map_err(err)?;
+    let mut sink = vec![0f32; rows];
+    let mut one = || -> Result<f64, String> {
+        let t0 = std::time::Instant::now();
+        b.matmul(&w, &x, &mut out).map_err(err)?;
+        // A read waits for the product (and costs one row's copy).
+        let mut row = b.alloc(1, rows).map_err(err)?;
+        b.copy_rows(&out, 0, &mut row, 0, 1).map_err(err)?;
+        b.read(&row, &mut sink).map_err(err)?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    one()?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        best = best.min(one()?);
+    }
+    b.set_workspace(0).map_err(err)?;
+    Ok(2.0 * (tokens * rows * cols) as f64 / best)
+}
+
 pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
     use crate::backend::cuda::{CudaBackend, driver_present};
     use cudarc::driver::result as r;
@@ -274,6 +327,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
         drop((a, b));
         let b = bytes as f64;
         let hbm_read = be.read_bandwidth(bytes).map_err(|e| e.to_string())?;
+        let matmul = matmul_rate(&be, 512, 4096, 4096)?;
         Ok(GpuProfile {
             name: info.name,
             compute_capability: info.compute_capability,
@@ -285,6 +339,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             d2d_bytes_per_s: 2.0 * b / d2d,
             hbm_read_bytes_per_s: hbm_read,
             fixed_bytes: be.fixed_bytes(),
+            matmul_flops_per_s: matmul,
             h2d_pinned_bytes_per_s: b / h2d_p,
             h2d_pageable_bytes_per_s: b / h2d_u,
             d2h_pinned_bytes_per_s: b / d2h_p,

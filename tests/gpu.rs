@@ -1050,6 +1050,8 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
         let src = OffloadWeights::new(&g, store.clone(), &plan, ledger.clone()).unwrap();
         let e = Engine::with_source(g, spec.clone(), Box::new(src))
             .unwrap()
+            .with_prefill(plan.prefill)
+            .unwrap()
             .with_kv_type(KvType::F32)
             .unwrap();
         let mut s = e.new_session(16).unwrap();

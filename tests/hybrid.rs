@@ -47,6 +47,8 @@ fn hybrid(
     let traffic = src.traffic();
     let e = Engine::with_source(sim, spec, Box::new(src))
         .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
         .with_kv_type(KvType::F16)
         .unwrap()
         .with_sparsity(thresholds.to_vec())
@@ -317,6 +319,8 @@ fn cpu_pcie_split_equals_streaming() {
         assert_eq!(traffic.is_some(), c > 0);
         let e = Engine::with_source(sim, spec.clone(), Box::new(src))
             .unwrap()
+            .with_prefill(plan.prefill)
+            .unwrap()
             .with_kv_type(KvType::F16)
             .unwrap();
         let got = logits(&e, &toks);
@@ -397,6 +401,8 @@ fn hybrid_streams_attention_beside_hot_blocks() {
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             let traffic = src.cpu_traffic().expect("the CPU's neurons");
             let e = Engine::with_source(sim, spec.clone(), Box::new(src))
+                .unwrap()
+                .with_prefill(chosen.plan.prefill)
                 .unwrap()
                 .with_kv_type(KvType::F16)
                 .unwrap();

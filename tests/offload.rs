@@ -98,6 +98,8 @@ fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
     let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
     let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
         .with_kv_type(plan.budget.kv_type)
         .unwrap();
     let mut s = e.new_session(plan.budget.ctx).unwrap();
@@ -144,7 +146,8 @@ fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
     if !want.is_empty() {
         close(&got, &want[0], "prefill");
     }
-    in_budget("prefill", prompt);
+    // A partitioned prompt holds one group's workspace.
+    in_budget("prefill", prompt.min(plan.prefill.group));
     for (i, &t) in toks[prompt..].iter().enumerate() {
         e.settle();
         let before = ledger.snapshot();
@@ -156,14 +159,15 @@ fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
         }
         in_budget(&format!("decode {i}"), 1);
         let pt = &plan.per_token;
+        let (h2d, d2h) = plan.decode_bytes_at(prompt + i);
         assert_eq!(
             after.h2d_bytes - before.h2d_bytes,
-            pt.h2d_bytes,
+            h2d,
             "host→device bytes of token {i}"
         );
         assert_eq!(
             after.d2h_bytes - before.d2h_bytes,
-            pt.d2h_bytes,
+            d2h,
             "device→host bytes of token {i}"
         );
         assert_eq!(

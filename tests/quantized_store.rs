@@ -167,6 +167,8 @@ fn offloaded(
     let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
     let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
         .with_kv_type(kv)
         .unwrap();
     (e, ledger)
@@ -222,7 +224,7 @@ fn offloaded_runs_compute_the_dense_numbers_exactly() {
                 e.forward(&mut s, &[1], Logits::Last).unwrap();
                 e.settle();
                 let moved = ledger.snapshot().h2d_bytes - before.h2d_bytes;
-                assert_eq!(moved, plan.per_token.h2d_bytes);
+                assert_eq!(moved, plan.decode_bytes_at(0).0);
             }
         }
     }
@@ -381,13 +383,16 @@ fn layers_of_mixed_formats_offload_exactly() {
             let (e, ledger) = offloaded(&store, &plan, dram, KvType::F16);
             let mut s = e.new_session(toks.len()).unwrap();
             let mut got = vec![e.forward(&mut s, &toks[..prompt], Logits::Last).unwrap()];
-            for &t in &toks[prompt..] {
+            for (i, &t) in toks[prompt..].iter().enumerate() {
                 e.settle();
                 let before = ledger.snapshot();
                 got.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
                 e.settle();
                 let after = ledger.snapshot();
-                assert_eq!(after.h2d_bytes - before.h2d_bytes, plan.per_token.h2d_bytes);
+                assert_eq!(
+                    after.h2d_bytes - before.h2d_bytes,
+                    plan.decode_bytes_at(prompt + i).0
+                );
                 assert_eq!(
                     after.ssd_read_bytes - before.ssd_read_bytes,
                     plan.per_token.ssd_bytes

@@ -147,6 +147,8 @@ fn oracle_sparsity_offloads_exactly() {
         let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
         let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
             .unwrap()
+            .with_prefill(plan.prefill)
+            .unwrap()
             .with_kv_type(KvType::F16)
             .unwrap()
             .with_sparsity(t50.clone())

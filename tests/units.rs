@@ -46,7 +46,9 @@ fn units_engine(
         backend_act(spec.activation),
     )?;
     let traffic = src.traffic();
-    let e = Engine::with_source(sim, spec, Box::new(src))?.with_kv_type(KvType::F16)?;
+    let e = Engine::with_source(sim, spec, Box::new(src))?
+        .with_prefill(plan.prefill)?
+        .with_kv_type(KvType::F16)?;
     Ok((e, traffic))
 }
 

@@ -180,7 +180,7 @@ impl HostStage {
         self.len == 0
     }
 
-    fn values(&self) -> &[f32] {
+    pub(crate) fn values(&self) -> &[f32] {
         bytemuck::cast_slice(self.buf.as_slice())
     }
 
@@ -521,6 +521,12 @@ pub trait Backend: Send + Sync + 'static {
     fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
     /// Write f32 `values` (whole rows) into rows `first..` of `dst`, converted.
     fn write_kv(&self, dst: &mut Self::Kv, first: usize, values: &[f32]) -> Result<()>;
+    /// Rows `first..` of `src` as stored (whole rows of its type, `out.len()` bytes) on the
+    /// host, waiting for queued work: a cache kept in host memory, copied without conversion.
+    fn read_kv_raw(&self, src: &Self::Kv, first: usize, out: &mut [u8]) -> Result<()>;
+    /// Stored rows (whole rows of `dst`'s type) into rows `first..` of `dst`, in order with the
+    /// compute; `src` may be reused when this returns.
+    fn write_kv_raw(&self, dst: &mut Self::Kv, first: usize, src: &[u8]) -> Result<()>;
 
     // ---- ops ----------------------------------------------------------------------------
 

@@ -318,6 +318,20 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn read_kv_raw(&self, src: &SimKv, first: usize, out: &mut [u8]) -> Result<()> {
+        self.cpu.read_kv_raw(&src.kv, first, out)?;
+        self.ledger().count_host_wait();
+        self.ledger().count_d2h(out.len() as u64);
+        Ok(())
+    }
+
+    fn write_kv_raw(&self, dst: &mut SimKv, first: usize, src: &[u8]) -> Result<()> {
+        let t0 = Instant::now();
+        self.cpu.write_kv_raw(&mut dst.kv, first, src)?;
+        self.copied_in(src.len(), t0);
+        Ok(())
+    }
+
     fn embed(&self, table: &SimWeight, ids: &[u32], out: &mut SimTensor) -> Result<()> {
         self.check_workspace(WorkspaceOp::Embed { tokens: ids.len() })?;
         self.cpu.embed(&table.w, ids, &mut out.t)?;

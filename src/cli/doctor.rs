@@ -65,6 +65,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             op_overhead_s: 4e-6,
             device_bytes: g.total_bytes,
             device_fixed_bytes: g.fixed_bytes,
+            matmul_flops_per_s: g.matmul_flops_per_s,
         },
         // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
         // memory and its copies are memcpy.
@@ -78,6 +79,13 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             op_overhead_s: 2e-6,
             device_bytes: 0,
             device_fixed_bytes: Some(0),
+            matmul_flops_per_s: hw::matmul_rate(
+                &crate::backend::cpu::CpuBackend::new(threads)?,
+                128,
+                1024,
+                1024,
+            )
+            .map_err(anyhow::Error::msg)?,
         },
     };
     if args.save {

@@ -65,6 +65,8 @@ pub struct Job {
     pub batch: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
+    /// Most tokens one forward call evaluates (the longest prompt).
+    pub prompt: usize,
 }
 
 impl Job {
@@ -76,6 +78,15 @@ impl Job {
             probe: false,
             batch,
             logit_rows,
+            prompt: batch,
+        }
+    }
+
+    /// The same job for prompts of up to `tokens` (a call longer than a step is partitioned).
+    pub fn with_prompt(self, tokens: usize) -> Self {
+        Job {
+            prompt: tokens.max(1),
+            ..self
         }
     }
 }
@@ -188,6 +199,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         kv_type: kv_type_for(args, device),
         probe: job.probe,
         batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
+        prompt: job.prompt.max(1),
         logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
         cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
         hot_reserve: None,
@@ -427,7 +439,8 @@ impl LoadedModel {
                     let e = Engine::with_source(cuda, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
-                        .with_predictor(predictor.clone());
+                        .with_predictor(predictor.clone())
+                        .with_prefill(plan.prefill)?;
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
@@ -448,7 +461,8 @@ impl LoadedModel {
                     let e = Engine::with_source(sim, self.spec.clone(), src)?
                         .with_kv_type(kv_type)?
                         .with_sparsity(thresholds.clone())?
-                        .with_predictor(predictor.clone());
+                        .with_predictor(predictor.clone())
+                        .with_prefill(plan.prefill)?;
                     (AnyEngine::Sim(e), Some(ledger), Some(plan), None, hybrid)
                 }
             }

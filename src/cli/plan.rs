@@ -135,6 +135,12 @@ pub struct PlanArgs {
     #[arg(long, env = "GPU_OFFLOAD_BATCH", default_value_t = 512)]
     pub batch: usize,
 
+    /// Plan the prefill of a prompt this long: how it is partitioned under the budget (row
+    /// groups per layer, where the hidden states and the KV cache live) and its predicted time
+    /// to first token [default: one step of --batch]. The context grows to hold it.
+    #[arg(long, env = "GPU_OFFLOAD_PROMPT_TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub prompt_tokens: Option<u64>,
+
     /// KV cache element type on the device [default: f16]
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<super::KvTypeArg>,
@@ -204,13 +210,30 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let store = open_store_for(&a.model)?;
     let spec = &store.manifest.spec;
-    let ctx = a.ctx_size.unwrap_or(spec.max_context.min(4096));
+    let prompt = a.prompt_tokens.map(|p| p as usize);
+    if let Some(p) = prompt
+        && p > spec.max_context
+    {
+        anyhow::bail!(
+            "--prompt-tokens {p} exceeds the model's maximum context of {} positions",
+            spec.max_context
+        );
+    }
+    let ctx = a
+        .ctx_size
+        .unwrap_or(spec.max_context.min(4096).max(prompt.unwrap_or(0)));
     if ctx == 0 || ctx > spec.max_context {
         anyhow::bail!(
             "--ctx-size {ctx} must be between 1 and the model's maximum of {}",
             spec.max_context
         );
     }
+    if let Some(p) = prompt
+        && p > ctx
+    {
+        anyhow::bail!("--prompt-tokens {p} does not fit --ctx-size {ctx}");
+    }
+    let batch = a.batch.clamp(1, crate::engine::MAX_BATCH);
     let budget = Budget {
         kv_type: a
             .kv_type
@@ -220,8 +243,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
             a.budget.dram_mem,
             a.budget.prefetch_window as usize,
             ctx,
-            a.batch.clamp(1, crate::engine::MAX_BATCH),
+            batch,
         )
+    };
+    let budget = Budget {
+        prompt: prompt.unwrap_or(batch),
+        ..budget
     };
     let name = a.model.display().to_string();
     let profile_path = crate::sparsity::SparsityProfile::path_in(store.dir());
@@ -288,6 +315,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
         v["cold_candidates"] = serde_json::to_value(&candidates)?;
         v["cold"] = chosen.into();
+        v["prefill_prediction"] = serde_json::to_value(plan.prefill_prediction(budget.prompt))?;
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", plan.report());

@@ -610,7 +610,10 @@ pub fn run(args: PrefillArgs) -> Result<()> {
             &mut out,
         ),
         Some(longest) => {
-            let running = loaded.start(&args.model, Job::single(ctx, longest.min(MAX_BATCH), 1))?;
+            let running = loaded.start(
+                &args.model,
+                Job::single(ctx, longest.min(MAX_BATCH), 1).with_prompt(longest),
+            )?;
             with_engine!(&running.engine, e => {
                 let mut session = e.new_session(ctx)?;
                 drive(Some((e, &mut session)), &c, &prepared, ctx, max_context, &mut out)

@@ -99,6 +99,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             probe: true,
             batch: crate::engine::MAX_BATCH.min(ctx),
             logit_rows: 1,
+            // A prompt may fill the context.
+            prompt: ctx,
         },
     )?;
     let model_id = loaded.model_id()?;

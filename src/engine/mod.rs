@@ -50,6 +50,53 @@ pub type Result<T> = std::result::Result<T, EngineError>;
 /// Tokens evaluated per forward step during prefill; bounds scratch memory for long prompts.
 pub const MAX_BATCH: usize = 512;
 
+/// How a forward call longer than one step runs, and where a session's KV cache lives
+/// (HyperGen's step-aware partitioning, as the plan sizes it for a budget):
+/// - up to `group` tokens are one step: every layer once over all of them;
+/// - a longer call runs layer by layer: each layer's weights are brought once and run over the
+///   call's tokens in row groups of `group`, the hidden states of all of them kept between
+///   layers on the device (up to `residual_rows` tokens) or in page-locked host memory — so a
+///   streamed model passes over PCIe once per prompt, not once per group;
+/// - `kv_host`: keys and values live in host memory and one layer's pass through a device
+///   buffer of the context's length (read back, then written out, per layer and step), so the
+///   longest context is a matter of host memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PrefillLayout {
+    pub group: usize,
+    pub residual_rows: usize,
+    pub kv_host: bool,
+}
+
+impl Default for PrefillLayout {
+    /// Unbudgeted: steps of [`MAX_BATCH`], hidden states and KV on the device.
+    fn default() -> Self {
+        PrefillLayout {
+            group: MAX_BATCH,
+            residual_rows: usize::MAX,
+            kv_host: false,
+        }
+    }
+}
+
+impl PrefillLayout {
+    /// Whether a call of `tokens` runs layer by layer in row groups.
+    pub fn partitions(&self, tokens: usize) -> bool {
+        tokens > self.group
+    }
+
+    /// Whether the hidden states of a partitioned call of `tokens` stay on the device.
+    pub fn residual_on_device(&self, tokens: usize) -> bool {
+        tokens <= self.residual_rows
+    }
+}
+
+/// Told when a layer has run over a group of rows (`first..first + rows` of the call), while
+/// every buffer of that step is still held: what the budgeted device's per-step peak is
+/// measured by.
+pub trait StepTap: Send + Sync {
+    fn group_done(&self, layer: usize, first: usize, rows: usize);
+}
+
 /// A linear layer on the device: its rows may be split into blocks that live in different
 /// places (a resident block and a streamed one); `(first_row, block)` pairs cover all rows.
 pub struct LinearView<'a, B: Backend> {
@@ -251,6 +298,8 @@ pub struct Engine<B: Backend> {
     tap: Option<Arc<dyn ActivationTap>>,
     /// Predicted masks, applied after the activation (`--sparsity predicted`).
     predictor: Option<Arc<dyn NeuronPredictor>>,
+    prefill: PrefillLayout,
+    step_tap: Option<Arc<dyn StepTap>>,
 }
 
 /// Receives each layer's FFN input (`n` rows of `d_model`) and activations `act(gate·x)` (or
@@ -295,11 +344,40 @@ pub enum Logits {
 
 /// One sequence's state on the device: its KV cache and how far it has been filled.
 pub struct Session<B: Backend> {
-    k: Vec<B::Kv>,
-    v: Vec<B::Kv>,
+    kv: SessionKv<B>,
     pos: usize,
     ctx: usize,
     probe: Option<QueryProbe<B>>,
+}
+
+/// Where a session's keys and values live.
+enum SessionKv<B: Backend> {
+    /// Every layer's cache on the device.
+    Device { k: Vec<B::Kv>, v: Vec<B::Kv> },
+    /// In host memory (see [`PrefillLayout::kv_host`]).
+    Host(HostKv<B>),
+}
+
+struct HostKv<B: Backend> {
+    /// Per layer, the context's rows of K and V as stored (the cache's type, as on the
+    /// device), page-locked where the backend pins so the copies run at the link's rate.
+    k: Vec<HostStage>,
+    v: Vec<HostStage>,
+    row_bytes: usize,
+    /// One layer's K and V on the device, the session's length: refilled for each layer.
+    work_k: B::Kv,
+    work_v: B::Kv,
+}
+
+impl<B: Backend> SessionKv<B> {
+    /// The device caches layer `l` attends over (in host mode: the work buffers, which
+    /// [`Engine::kv_layer_begin`] has filled).
+    fn layer(&mut self, l: usize) -> (&mut B::Kv, &mut B::Kv) {
+        match self {
+            SessionKv::Device { k, v } => (&mut k[l], &mut v[l]),
+            SessionKv::Host(h) => (&mut h.work_k, &mut h.work_v),
+        }
+    }
 }
 
 /// The most recent queries of a few layers, kept so the attention a context's positions receive
@@ -354,7 +432,9 @@ impl<B: Backend> Session<B> {
 /// Activation buffers for one forward step of `n` tokens, and the logits buffers of its last
 /// `logit_rows` rows (when it returns logits).
 struct Scratch<B: Backend> {
+    /// Rows the buffers are viewed as now ([`Engine::narrow`]) and were allocated with.
     n: usize,
+    cap: usize,
     x: B::Tensor,
     h: B::Tensor,
     q: B::Tensor,
@@ -514,7 +594,31 @@ impl<B: Backend> Engine<B> {
             thresholds: Vec::new(),
             tap: None,
             predictor: None,
+            prefill: PrefillLayout::default(),
+            step_tap: None,
         })
+    }
+
+    /// Run long calls and keep sessions' KV caches as `layout` says (sessions made from now on).
+    pub fn with_prefill(mut self, layout: PrefillLayout) -> Result<Self> {
+        if layout.group == 0 || layout.group > MAX_BATCH {
+            return Err(EngineError::Weights(format!(
+                "a prefill group of {} tokens (1..={MAX_BATCH})",
+                layout.group
+            )));
+        }
+        self.prefill = layout;
+        Ok(self)
+    }
+
+    pub fn prefill(&self) -> PrefillLayout {
+        self.prefill
+    }
+
+    /// Tell `tap` each time a layer has run over a group of rows.
+    pub fn with_step_tap(mut self, tap: Arc<dyn StepTap>) -> Self {
+        self.step_tap = Some(tap);
+        self
     }
 
     /// Compute the FFN sparsely from now on: in layer `l`, neurons whose activation magnitude is
@@ -605,15 +709,32 @@ impl<B: Backend> Engine<B> {
             });
         }
         let (kv, ty) = (self.spec.kv_dim(), self.kv_type);
-        let mut k = Vec::with_capacity(self.spec.n_layers);
-        let mut v = Vec::with_capacity(self.spec.n_layers);
-        for _ in 0..self.spec.n_layers {
-            k.push(self.backend.alloc_kv(ctx, kv, ty)?);
-            v.push(self.backend.alloc_kv(ctx, kv, ty)?);
-        }
+        let kv = if self.prefill.kv_host {
+            let row_bytes = ty.row_bytes(kv);
+            let values = (ctx * row_bytes).div_ceil(4);
+            let stages = || -> Result<Vec<HostStage>> {
+                (0..self.spec.n_layers)
+                    .map(|_| Ok(HostStage::new(&self.backend, values)?))
+                    .collect()
+            };
+            SessionKv::Host(HostKv {
+                k: stages()?,
+                v: stages()?,
+                row_bytes,
+                work_k: self.backend.alloc_kv(ctx, kv, ty)?,
+                work_v: self.backend.alloc_kv(ctx, kv, ty)?,
+            })
+        } else {
+            let mut k = Vec::with_capacity(self.spec.n_layers);
+            let mut v = Vec::with_capacity(self.spec.n_layers);
+            for _ in 0..self.spec.n_layers {
+                k.push(self.backend.alloc_kv(ctx, kv, ty)?);
+                v.push(self.backend.alloc_kv(ctx, kv, ty)?);
+            }
+            SessionKv::Device { k, v }
+        };
         Ok(Session {
-            k,
-            v,
+            kv,
             pos: 0,
             ctx,
             probe: None,
@@ -647,17 +768,45 @@ impl<B: Backend> Engine<B> {
     pub fn read_kv(&self, s: &mut Session<B>, first: usize, len: usize) -> Result<Vec<f32>> {
         self.check_rows(s, first, len)?;
         let kv = self.spec.kv_dim();
-        let b = &self.backend;
         let mut out = vec![0f32; 2 * self.spec.n_layers * len * kv];
         if len == 0 {
             return Ok(out);
         }
         // Straight from the caches to the host: no device temporary.
         for (i, part) in out.chunks_mut(len * kv).enumerate() {
-            let src = if i % 2 == 0 { &s.k[i / 2] } else { &s.v[i / 2] };
-            b.read_kv(src, first, part)?;
+            self.read_kv_rows(s, i / 2, i % 2 == 1, first, part)?;
         }
         Ok(out)
+    }
+
+    /// Rows `first..` of layer `l`'s keys (or values) as f32, wherever the session keeps them.
+    fn read_kv_rows(
+        &self,
+        s: &Session<B>,
+        l: usize,
+        values: bool,
+        first: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        match &s.kv {
+            SessionKv::Device { k, v } => {
+                let src = if values { &v[l] } else { &k[l] };
+                self.backend.read_kv(src, first, out)?;
+            }
+            SessionKv::Host(h) => {
+                let cols = self.spec.kv_dim();
+                let raw = if values { &h.v[l] } else { &h.k[l] };
+                let rows = out.len() / cols.max(1);
+                let bytes = raw.bytes();
+                let range = first * h.row_bytes..(first + rows) * h.row_bytes;
+                let rows_bytes = bytes.get(range).ok_or(EngineError::ContextFull {
+                    needed: first + rows,
+                    ctx: s.ctx,
+                })?;
+                crate::backend::cpu::decode_rows(self.kv_type, rows_bytes, cols, out);
+            }
+        }
+        Ok(())
     }
 
     /// Write keys and values (layout of [`Engine::read_kv`]) into positions `first..first + len`.
@@ -681,12 +830,43 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         for (i, part) in values.chunks(len * kv).enumerate() {
-            let dst = if i % 2 == 0 {
-                &mut s.k[i / 2]
-            } else {
-                &mut s.v[i / 2]
-            };
-            self.backend.write_kv(dst, first, part)?;
+            let (l, is_v) = (i / 2, i % 2 == 1);
+            match &mut s.kv {
+                SessionKv::Device { k, v } => {
+                    let dst = if is_v { &mut v[l] } else { &mut k[l] };
+                    self.backend.write_kv(dst, first, part)?;
+                }
+                SessionKv::Host(h) => {
+                    let rb = h.row_bytes;
+                    let raw = if is_v { &mut h.v[l] } else { &mut h.k[l] };
+                    let enc = crate::backend::cpu::encode_rows(self.kv_type, part, kv);
+                    raw.bytes_mut()[first * rb..(first + len) * rb].copy_from_slice(&enc);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Before layer `l` runs steps from position `pos`: a host-kept session's rows `0..pos` of
+    /// that layer into the device work buffers.
+    fn kv_layer_begin(&self, s: &mut Session<B>, l: usize, pos: usize) -> Result<()> {
+        if let SessionKv::Host(h) = &mut s.kv {
+            let end = pos * h.row_bytes;
+            for (raw, work) in [(&h.k[l], &mut h.work_k), (&h.v[l], &mut h.work_v)] {
+                self.backend.write_kv_raw(work, 0, &raw.bytes()[..end])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After layer `l` has stored rows `pos..pos + n`: a host-kept session's copies of them.
+    fn kv_layer_end(&self, s: &mut Session<B>, l: usize, pos: usize, n: usize) -> Result<()> {
+        if let SessionKv::Host(h) = &mut s.kv {
+            let rb = h.row_bytes;
+            for (raw, work) in [(&mut h.k[l], &h.work_k), (&mut h.v[l], &h.work_v)] {
+                let rows = &mut raw.bytes_mut()[pos * rb..(pos + n) * rb];
+                self.backend.read_kv_raw(work, pos, rows)?;
+            }
         }
         Ok(())
     }
@@ -744,7 +924,7 @@ impl<B: Backend> Engine<B> {
         let rows = rows.clamp(1, pos).div_ceil(block) * block;
         let b = &self.backend;
         b.enter(move || {
-            let Some(p) = &mut s.probe else {
+            let Some(p) = &s.probe else {
                 return Ok(Vec::new());
             };
             let mut q = vec![0f32; PROBE_QUERIES * spec.q_dim()];
@@ -761,7 +941,7 @@ impl<B: Backend> Engine<B> {
                         let len = rows.min(pos - first);
                         // One run holds the whole layer: read once for the three passes.
                         if pass == 0 || rows < pos {
-                            b.read_kv(&s.k[l], first, &mut k[..len * kv])?;
+                            self.read_kv_rows(s, l, false, first, &mut k[..len * kv])?;
                         }
                         for (qi, &(row, qp)) in queries.iter().enumerate() {
                             if first > qp {
@@ -828,17 +1008,11 @@ impl<B: Backend> Engine<B> {
             .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
         let pass: &mut Pass<B> = &mut guard;
         self.backend.enter(|| {
-            let mut out = Vec::new();
-            let n_batches = tokens.len().div_ceil(MAX_BATCH);
-            for (i, batch) in tokens.chunks(MAX_BATCH).enumerate() {
-                let mode = match logits {
-                    Logits::All => Logits::All,
-                    Logits::Last if i + 1 == n_batches => Logits::Last,
-                    _ => Logits::None,
-                };
-                out.extend(self.step(pass, session, batch, mode)?);
+            if self.prefill.partitions(tokens.len()) {
+                self.layer_major(pass, session, tokens, logits)
+            } else {
+                self.step(pass, session, tokens, logits)
             }
-            Ok(out)
         })
     }
 
@@ -855,6 +1029,7 @@ impl<B: Backend> Engine<B> {
         };
         Ok(Scratch {
             n,
+            cap: n,
             x: next()?,
             h: next()?,
             q: next()?,
@@ -1285,7 +1460,160 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// One forward step over at most [`MAX_BATCH`] tokens.
+    /// The step buffers for `n` rows: the last step's where they have the size, else fresh ones
+    /// (the old freed first: device memory is budgeted).
+    fn take_scratch(&self, pass: &mut Pass<B>, n: usize) -> Result<Scratch<B>> {
+        match pass.scratch.take() {
+            Some(sc) if sc.cap == n => Ok(sc),
+            old => {
+                drop(old);
+                self.backend.set_workspace(0)?;
+                self.scratch(n)
+            }
+        }
+    }
+
+    /// View the step buffers as `rows` rows (at most their capacity): a partitioned call's
+    /// last, shorter group.
+    fn narrow(&self, sc: &mut Scratch<B>, rows: usize) -> Result<()> {
+        let b = &self.backend;
+        let mut bufs = vec![&mut sc.x, &mut sc.h, &mut sc.q, &mut sc.k, &mut sc.v];
+        bufs.extend([&mut sc.attn, &mut sc.proj, &mut sc.up]);
+        if let Some(g) = sc.gate.as_mut() {
+            bufs.push(g);
+        }
+        for t in bufs {
+            let (_, cols) = b.shape(t);
+            b.reshape(t, rows, cols)?;
+        }
+        sc.n = rows;
+        Ok(())
+    }
+
+    /// Layer `l` over the rows of `sc.x` (the step's `n` rows, row `i` at position `pos + i`):
+    /// attention (storing the rows' keys and values), then the FFN, each added to `sc.x`. The
+    /// newest `ring` queries go into the session's probe from ring row `ring_at`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_layer(
+        &self,
+        layer: &mut LayerView<B>,
+        l: usize,
+        session: &mut Session<B>,
+        sc: &mut Scratch<B>,
+        pos: usize,
+        ring_at: usize,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let spec = &self.spec;
+        let n = sc.n;
+        let attn_shape = AttnShape {
+            n_heads: spec.n_heads,
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+            scale: spec.attn_scale,
+        };
+        // Attention block.
+        self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+        self.linear(&layer.wq, &sc.h, &mut sc.q)?;
+        self.linear(&layer.wk, &sc.h, &mut sc.k)?;
+        self.linear(&layer.wv, &sc.h, &mut sc.v)?;
+        if let Some((inv_freq, pairs, dims)) = &self.rope {
+            b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+            b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+        }
+        if let Some(p) = &mut session.probe
+            && let Some(i) = p.layers.iter().position(|&pl| pl == l)
+        {
+            // The last queries of these rows go into the ring, oldest first.
+            let m = n.min(PROBE_QUERIES);
+            for r in 0..m {
+                let row = (ring_at + r) % PROBE_QUERIES;
+                b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
+            }
+        }
+        let (kc, vc) = session.kv.layer(l);
+        b.store_kv(&sc.k, kc, pos)?;
+        b.store_kv(&sc.v, vc, pos)?;
+        b.attention(&sc.q, kc, vc, pos, attn_shape, &mut sc.attn)?;
+        self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
+        b.add(&mut sc.x, &sc.proj)?;
+
+        // Feed-forward block.
+        self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
+        match layer.unit.as_deref_mut() {
+            Some(unit) => self.unit_ffn(l, &layer.ffn, unit, sc)?,
+            None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), sc)?,
+        }
+        b.add(&mut sc.x, &sc.proj)?;
+        Ok(())
+    }
+
+    /// Record in the probe the positions of the newest queries of `n` rows from `pos` written
+    /// from ring row `ring_at`; the ring row after them.
+    fn probe_commit(session: &mut Session<B>, pos: usize, n: usize, ring_at: usize) -> usize {
+        let m = n.min(PROBE_QUERIES);
+        if let Some(p) = &mut session.probe {
+            for r in 0..m {
+                p.positions[(ring_at + r) % PROBE_QUERIES] = pos + n - m + r;
+            }
+        }
+        (ring_at + m) % PROBE_QUERIES
+    }
+
+    /// Hold the logits buffers of a call returning up to `rows` rows at a time from its start,
+    /// so a step holds all its memory while its layers run.
+    fn hold_logits(&self, sc: &mut Scratch<B>, rows: usize) -> Result<()> {
+        match sc.logits.take() {
+            // A call returning none keeps what the last one held (the plan counts it).
+            Some(lb) if lb.rows == rows || rows == 0 => sc.logits = Some(lb),
+            old => {
+                drop(old);
+                if rows > 0 {
+                    sc.logits = Some(self.logit_buffers(rows)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The head over the last `rows` rows of `x` (`n` rows; at most the held logits rows):
+    /// their logits on the host.
+    fn head_rows(
+        &self,
+        source: &mut dyn WeightSource<B>,
+        sc: &mut Scratch<B>,
+        rows: usize,
+    ) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let mut lb = match sc.logits.take() {
+            Some(lb) if lb.rows >= rows => lb,
+            old => {
+                drop(old);
+                self.logit_buffers(rows)?
+            }
+        };
+        let d = self.spec.d_model;
+        b.reshape(&mut lb.last, rows, d)?;
+        b.reshape(&mut lb.normed, rows, d)?;
+        b.reshape(&mut lb.logits, rows, self.spec.vocab_size)?;
+        b.copy_rows(&sc.x, sc.n - rows, &mut lb.last, 0, rows)?;
+        {
+            let head = source.head(b)?;
+            self.norm(&lb.last, &head.norm, &mut lb.normed)?;
+            self.linear(&head.output, &lb.normed, &mut lb.logits)?;
+        }
+        source.head_done(b)?;
+        let mut host = vec![0f32; rows * self.spec.vocab_size];
+        b.read(&lb.logits, &mut host)?;
+        let full = lb.rows;
+        b.reshape(&mut lb.last, full, d)?;
+        b.reshape(&mut lb.normed, full, d)?;
+        b.reshape(&mut lb.logits, full, self.spec.vocab_size)?;
+        sc.logits = Some(lb);
+        Ok(host)
+    }
+
+    /// One forward step: every layer once over all of `tokens` (at most a group).
     fn step(
         &self,
         pass: &mut Pass<B>,
@@ -1302,103 +1630,163 @@ impl<B: Backend> Engine<B> {
             Logits::Last => 1,
             Logits::All => n,
         };
+        let mut sc = self.take_scratch(pass, n)?;
+        self.hold_logits(&mut sc, rows)?;
         let source = &mut *pass.source;
-        let mut sc = match pass.scratch.take() {
-            Some(sc) if sc.n == n => sc,
-            old => {
-                // Free the old buffers before taking new ones: device memory is budgeted.
-                drop(old);
-                b.set_workspace(0)?;
-                self.scratch(n)?
-            }
-        };
         // The workspace the ops of this step need, by the formula the planner used.
         let need = step_memory(spec, n, rows, &source.matmuls(), |op| b.workspace_bytes(op));
         b.set_workspace(need.workspace)?;
 
         source.embed(b, tokens, pos, &mut sc.x)?;
-        let attn_shape = AttnShape {
-            n_heads: spec.n_heads,
-            n_kv_heads: spec.n_kv_heads,
-            head_dim: spec.head_dim,
-            scale: spec.attn_scale,
-        };
+        let ring_at = session.probe.as_ref().map_or(0, |p| p.next);
         for l in 0..spec.n_layers {
             {
                 let mut layer = source.layer(b, l)?;
-                // Attention block.
-                self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
-                self.linear(&layer.wq, &sc.h, &mut sc.q)?;
-                self.linear(&layer.wk, &sc.h, &mut sc.k)?;
-                self.linear(&layer.wv, &sc.h, &mut sc.v)?;
-                if let Some((inv_freq, pairs, dims)) = &self.rope {
-                    b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-                    b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                self.kv_layer_begin(session, l, pos)?;
+                self.run_layer(&mut layer, l, session, &mut sc, pos, ring_at)?;
+                self.kv_layer_end(session, l, pos, n)?;
+                if let Some(t) = &self.step_tap {
+                    t.group_done(l, 0, n);
                 }
-                if let Some(p) = &mut session.probe
-                    && let Some(i) = p.layers.iter().position(|&pl| pl == l)
-                {
-                    // The last queries of this step go into the ring, oldest first.
-                    let m = n.min(PROBE_QUERIES);
-                    for r in 0..m {
-                        let row = (p.next + r) % PROBE_QUERIES;
-                        b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
-                    }
-                }
-                b.store_kv(&sc.k, &mut session.k[l], pos)?;
-                b.store_kv(&sc.v, &mut session.v[l], pos)?;
-                b.attention(
-                    &sc.q,
-                    &session.k[l],
-                    &session.v[l],
-                    pos,
-                    attn_shape,
-                    &mut sc.attn,
-                )?;
-                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-                b.add(&mut sc.x, &sc.proj)?;
-
-                // Feed-forward block.
-                self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
-                match layer.unit.as_deref_mut() {
-                    Some(unit) => self.unit_ffn(l, &layer.ffn, unit, &mut sc)?,
-                    None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), &mut sc)?,
-                }
-                b.add(&mut sc.x, &sc.proj)?;
             }
             source.layer_done(b, l)?;
         }
+        let next = Self::probe_commit(session, pos, n, ring_at);
         if let Some(p) = &mut session.probe {
-            let m = n.min(PROBE_QUERIES);
-            for r in 0..m {
-                p.positions[(p.next + r) % PROBE_QUERIES] = pos + n - m + r;
-            }
-            p.next = (p.next + m) % PROBE_QUERIES;
+            p.next = next;
         }
         session.pos += n;
 
-        if rows == 0 {
-            pass.scratch = Some(sc);
-            return Ok(Vec::new());
-        }
-        let mut lb = match sc.logits.take() {
-            Some(lb) if lb.rows == rows => lb,
-            old => {
-                drop(old);
-                self.logit_buffers(rows)?
-            }
+        let out = if rows == 0 {
+            Ok(Vec::new())
+        } else {
+            self.head_rows(source, &mut sc, rows)
         };
-        b.copy_rows(&sc.x, n - rows, &mut lb.last, 0, rows)?;
-        {
-            let head = source.head(b)?;
-            self.norm(&lb.last, &head.norm, &mut lb.normed)?;
-            self.linear(&head.output, &lb.normed, &mut lb.logits)?;
-        }
-        source.head_done(b)?;
-        let mut host = vec![0f32; rows * spec.vocab_size];
-        b.read(&lb.logits, &mut host)?;
-        sc.logits = Some(lb);
         pass.scratch = Some(sc);
-        Ok(host)
+        out
+    }
+
+    /// A call longer than a group, layer by layer (see [`PrefillLayout`]): each layer's weights
+    /// once, over the call's rows in groups; the hidden states between layers on the device or
+    /// in host memory. The same rows, positions and ops as one step over all of them.
+    fn layer_major(
+        &self,
+        pass: &mut Pass<B>,
+        session: &mut Session<B>,
+        tokens: &[u32],
+        logits: Logits,
+    ) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let spec = &self.spec;
+        let (total, d) = (tokens.len(), spec.d_model);
+        let group = self.prefill.group;
+        let pos = session.pos;
+        let rows = match logits {
+            Logits::None => 0,
+            Logits::Last => 1,
+            Logits::All => group,
+        };
+        let mut sc = self.take_scratch(pass, group)?;
+        if let Err(e) = self.hold_logits(&mut sc, rows) {
+            pass.scratch = Some(sc);
+            return Err(e);
+        }
+        let source = &mut *pass.source;
+        let need = step_memory(spec, group, rows, &source.matmuls(), |op| {
+            b.workspace_bytes(op)
+        });
+        b.set_workspace(need.workspace)?;
+        let mut hidden = if self.prefill.residual_on_device(total) {
+            Hidden::Device(b.alloc(total, d)?)
+        } else {
+            Hidden::Host(HostStage::new(b, total * d)?)
+        };
+        let groups: Vec<(usize, usize)> = (0..total)
+            .step_by(group)
+            .map(|a| (a, group.min(total - a)))
+            .collect();
+        // The probe ring row each group's queries start at: as if each group were a step.
+        let mut ring = Vec::with_capacity(groups.len());
+        let mut at = session.probe.as_ref().map_or(0, |p| p.next);
+        for &(a, len) in &groups {
+            ring.push(at);
+            at = Self::probe_commit(session, pos + a, len, at);
+        }
+        let run = (|| -> Result<Vec<f32>> {
+            for &(a, len) in &groups {
+                self.narrow(&mut sc, len)?;
+                source.embed(b, &tokens[a..a + len], pos + a, &mut sc.x)?;
+                hidden.put(b, &sc.x, a)?;
+            }
+            for l in 0..spec.n_layers {
+                {
+                    let mut layer = source.layer(b, l)?;
+                    self.kv_layer_begin(session, l, pos)?;
+                    for (&(a, len), &ring_at) in groups.iter().zip(&ring) {
+                        self.narrow(&mut sc, len)?;
+                        hidden.get(b, a, &mut sc.x)?;
+                        self.run_layer(&mut layer, l, session, &mut sc, pos + a, ring_at)?;
+                        hidden.put(b, &sc.x, a)?;
+                        if let Some(t) = &self.step_tap {
+                            t.group_done(l, a, len);
+                        }
+                    }
+                    self.kv_layer_end(session, l, pos, total)?;
+                }
+                source.layer_done(b, l)?;
+            }
+            let mut out = Vec::new();
+            match logits {
+                Logits::None => {}
+                // The last group's rows are still in `sc.x`.
+                Logits::Last => out = self.head_rows(source, &mut sc, 1)?,
+                Logits::All => {
+                    for &(a, len) in &groups {
+                        self.narrow(&mut sc, len)?;
+                        hidden.get(b, a, &mut sc.x)?;
+                        out.extend(self.head_rows(source, &mut sc, len)?);
+                    }
+                }
+            }
+            Ok(out)
+        })();
+        // The buffers go back at their full size whatever happened.
+        let narrowed = self.narrow(&mut sc, group);
+        pass.scratch = Some(sc);
+        let out = run?;
+        narrowed?;
+        if let Some(p) = &mut session.probe {
+            p.next = at;
+        }
+        session.pos += total;
+        Ok(out)
+    }
+}
+
+/// The hidden states of a partitioned call between layers: `rows × d_model` f32.
+enum Hidden<B: Backend> {
+    Device(B::Tensor),
+    Host(HostStage),
+}
+
+impl<B: Backend> Hidden<B> {
+    /// Rows `first..first + rows of x` from `x`.
+    fn put(&mut self, b: &B, x: &B::Tensor, first: usize) -> Result<()> {
+        let (rows, d) = b.shape(x);
+        match self {
+            Hidden::Device(t) => b.copy_rows(x, 0, t, first, rows)?,
+            Hidden::Host(h) => b.read(x, &mut h.values_mut()[first * d..(first + rows) * d])?,
+        }
+        Ok(())
+    }
+
+    /// Rows `first..first + rows of x` into `x`.
+    fn get(&self, b: &B, first: usize, x: &mut B::Tensor) -> Result<()> {
+        let (rows, d) = b.shape(x);
+        match self {
+            Hidden::Device(t) => b.copy_rows(t, first, x, 0, rows)?,
+            Hidden::Host(h) => b.write(x, &h.values()[first * d..(first + rows) * d])?,
+        }
+        Ok(())
     }
 }

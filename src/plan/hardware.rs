@@ -29,6 +29,17 @@ pub struct HardwareProfile {
     /// [`DEFAULT_DEVICE_FIXED_BYTES`] is assumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_fixed_bytes: Option<u64>,
+    /// Rate of the device's large matrix products (prefill GEMMs, f16 in, f32 accumulation),
+    /// FLOP/s: the compute bound of a prefill's time to first token.
+    #[serde(default = "default_matmul_flops")]
+    pub matmul_flops_per_s: f64,
+}
+
+/// What a profile that does not state its matrix-product rate is assumed to reach.
+pub const DEFAULT_MATMUL_FLOPS: f64 = 50e12;
+
+fn default_matmul_flops() -> f64 {
+    DEFAULT_MATMUL_FLOPS
 }
 
 /// What a profile that does not state its fixed device cost is assumed to have: above the 626 MiB
@@ -48,7 +59,8 @@ pub fn presets() -> Vec<HardwareProfile> {
              ssd: f64,
              op: f64,
              mem_gib: u64,
-             fixed: Option<u64>| HardwareProfile {
+             fixed: Option<u64>,
+             tflops: f64| HardwareProfile {
         name: name.into(),
         hbm_bytes_per_s: hbm * GB,
         h2d_pinned_bytes_per_s: h2d * GB,
@@ -58,16 +70,55 @@ pub fn presets() -> Vec<HardwareProfile> {
         op_overhead_s: op,
         device_bytes: mem_gib << 30,
         device_fixed_bytes: fixed,
+        matmul_flops_per_s: tflops * 1e12,
     };
     vec![
         // Consumer cards: fixed cost not measured here, so the conservative default applies.
-        p("rtx4090-24g", 1008.0, 25.0, 12.0, 60.0, 6.0, 4e-6, 24, None),
-        p("rtx3060-12g", 360.0, 12.5, 8.0, 40.0, 3.0, 5e-6, 12, None),
-        p("gpu-4g", 200.0, 12.5, 8.0, 30.0, 2.0, 5e-6, 4, None),
-        p("h100-80g", 3350.0, 50.0, 20.0, 200.0, 6.0, 3e-6, 80, None),
+        // Matrix-product rates: f16 tensor cores with f32 accumulation, dense, at about 70% of
+        // the data sheet's peak (what cuBLAS reaches on large GEMMs).
+        p(
+            "rtx4090-24g",
+            1008.0,
+            25.0,
+            12.0,
+            60.0,
+            6.0,
+            4e-6,
+            24,
+            None,
+            115.0,
+        ),
+        p(
+            "rtx3060-12g",
+            360.0,
+            12.5,
+            8.0,
+            40.0,
+            3.0,
+            5e-6,
+            12,
+            None,
+            18.0,
+        ),
+        p("gpu-4g", 200.0, 12.5, 8.0, 30.0, 2.0, 5e-6, 4, None, 20.0),
+        p(
+            "h100-80g", 3350.0, 50.0, 20.0, 200.0, 6.0, 3e-6, 80, None, 530.0,
+        ),
         // The budgeted CPU device: copies are memcpy, "HBM" is host memory, and there is no
-        // context to pay for (emulate a card with --hardware or --emulate to include one).
-        p("cpu-sim", 20.0, 10.0, 10.0, 20.0, 1.0, 2e-6, 0, Some(0)),
+        // context to pay for (emulate a card with --hardware or --emulate to include one); its
+        // products run on two CPU cores.
+        p(
+            "cpu-sim",
+            20.0,
+            10.0,
+            10.0,
+            20.0,
+            1.0,
+            2e-6,
+            0,
+            Some(0),
+            0.05,
+        ),
     ]
 }
 
@@ -125,6 +176,12 @@ impl HardwareProfile {
             if !(v.is_finite() && v > 0.0) {
                 return Err(format!("{what} must be positive, is {v}"));
             }
+        }
+        if !(self.matmul_flops_per_s.is_finite() && self.matmul_flops_per_s > 0.0) {
+            return Err(format!(
+                "matmul_flops_per_s must be positive, is {}",
+                self.matmul_flops_per_s
+            ));
         }
         if !(self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0) {
             return Err("op_overhead_s must be ≥ 0".into());

@@ -30,7 +30,9 @@ use thiserror::Error;
 
 use crate::backend::KvType;
 use crate::backend::memory::device_bytes;
-use crate::engine::{MatmulShape, MatmulShapes, StepMemory, kv_bytes, probe_bytes, step_memory};
+use crate::engine::{
+    MatmulShape, MatmulShapes, PrefillLayout, StepMemory, kv_bytes, probe_bytes, step_memory,
+};
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
 use crate::tensor::DType;
@@ -63,6 +65,11 @@ pub struct Budget {
     pub probe: bool,
     /// Most tokens one forward step evaluates (prefill batch).
     pub batch: usize,
+    /// Most tokens one forward call evaluates (the longest prompt): a call longer than the
+    /// step the budget holds runs layer by layer in row groups ([`PrefillLayout`]), its hidden
+    /// states kept on the device where this many rows fit.
+    #[serde(default)]
+    pub prompt: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
     /// Whether the planner may have the CPU compute some of the FFN neurons that do not fit
@@ -91,6 +98,7 @@ impl Budget {
             kv_type: KvType::F16,
             probe: false,
             batch,
+            prompt: batch,
             logit_rows: 1,
             cpu_split: false,
             hot_reserve: None,
@@ -213,6 +221,8 @@ pub struct Plan {
     pub dram: DramPlan,
     pub per_token: PerToken,
     pub prediction: Prediction,
+    /// How a call longer than one step runs, and where the KV cache lives.
+    pub prefill: PrefillLayout,
 }
 
 impl Plan {
@@ -230,6 +240,110 @@ impl Plan {
     pub fn report(&self) -> String {
         report::render(self)
     }
+
+    /// Host→device and device→host bytes of the token decoded at position `pos` (the
+    /// per-token figures are at mid context): a KV cache in host memory comes back to the
+    /// device for each layer, the `pos` rows before the token.
+    pub fn decode_bytes_at(&self, pos: usize) -> (u64, u64) {
+        let pt = &self.per_token;
+        if !self.prefill.kv_host {
+            return (pt.h2d_bytes, pt.d2h_bytes);
+        }
+        let spec = &self.spec;
+        let mid = kv_bytes(spec, self.budget.ctx, self.budget.kv_type) / 2;
+        let rows = 2 * spec.n_layers as u64 * pos as u64;
+        let at = rows * self.budget.kv_type.row_bytes(spec.kv_dim()) as u64;
+        (pt.h2d_bytes - mid + at, pt.d2h_bytes)
+    }
+
+    /// Time to first token of a fresh prompt of `tokens` under this plan: the larger of the
+    /// bytes it moves over PCIe ÷ the link rate and its FLOPs ÷ the device's matrix-product rate,
+    /// plus the ops' fixed cost. A partitioned prompt streams each layer once (layer by layer),
+    /// as a prompt of one step does; its hidden states cross PCIe twice per layer where they live
+    /// in host memory, and its keys and values once where the cache does.
+    pub fn prefill_prediction(&self, tokens: usize) -> PrefillPrediction {
+        let spec = &self.spec;
+        let hw = &self.hardware;
+        let tokens = tokens.max(1);
+        let l = spec.n_layers as u64;
+        let t = tokens as u64;
+        let d = spec.d_model as u64;
+        let layout = self.prefill;
+        let partitioned = layout.partitions(tokens);
+        let groups = tokens.div_ceil(layout.group.max(1));
+        let weights = self.per_token.h2d_bytes.saturating_sub(if layout.kv_host {
+            kv_bytes(spec, self.budget.ctx, self.budget.kv_type) / 2
+        } else {
+            0
+        }) - d * 4;
+        let hidden = if partitioned && !layout.residual_on_device(tokens) {
+            2 * l * t * d * 4
+        } else {
+            0
+        };
+        let kv_out = if layout.kv_host {
+            2 * l * t * self.budget.kv_type.row_bytes(spec.kv_dim()) as u64
+        } else {
+            0
+        };
+        let h2d = weights + hidden / 2 + t * d * 4;
+        let d2h = hidden / 2 + kv_out + spec.vocab_size as u64 * 4;
+        // Products: 2 FLOPs per weight per token, the head for the last token; attention
+        // 2·2·q_dim per (query, key) pair, causal (half the square).
+        let ffn_mats = if spec.gated_ffn { 3 } else { 2 };
+        let per_layer = (spec.d_model * (2 * spec.q_dim() + 2 * spec.kv_dim())
+            + ffn_mats * spec.d_model * spec.d_ff) as f64;
+        let pairs = tokens as f64 * (tokens as f64 + 1.0) / 2.0;
+        let flops = 2.0 * tokens as f64 * per_layer * l as f64
+            + 4.0 * pairs * spec.q_dim() as f64 * l as f64
+            + 2.0 * (spec.d_model * spec.vocab_size) as f64;
+        let pcie_s = h2d.max(d2h) as f64 / hw.h2d_pinned_bytes_per_s;
+        let compute_s = flops / hw.matmul_flops_per_s;
+        let ops_s = (groups * spec.n_layers * 14 + 4) as f64 * hw.op_overhead_s;
+        PrefillPrediction {
+            tokens,
+            groups,
+            h2d_bytes: h2d,
+            d2h_bytes: d2h,
+            flops,
+            pcie_s,
+            compute_s,
+            ops_s,
+            ttft_s: pcie_s.max(compute_s) + ops_s,
+            limited_by: if pcie_s >= compute_s {
+                "PCIe"
+            } else {
+                "compute"
+            }
+            .into(),
+        }
+    }
+}
+
+/// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key
+/// and value rows of every layer.
+fn kv_row_out(spec: &ModelSpec, budget: &Budget, prefill: PrefillLayout) -> u64 {
+    if prefill.kv_host {
+        2 * spec.n_layers as u64 * budget.kv_type.row_bytes(spec.kv_dim()) as u64
+    } else {
+        0
+    }
+}
+
+/// [`Plan::prefill_prediction`]: a prompt's time to first token and what bounds it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PrefillPrediction {
+    pub tokens: usize,
+    /// Row groups per layer (1: the prompt is one step).
+    pub groups: usize,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub flops: f64,
+    pub pcie_s: f64,
+    pub compute_s: f64,
+    pub ops_s: f64,
+    pub ttft_s: f64,
+    pub limited_by: String,
 }
 
 /// Bytes in the largest binary unit that keeps a whole number in front (e.g. `300.0 KiB`,
@@ -426,16 +540,118 @@ fn slot_device_bytes(shape: &LayerShape, r: &Residency) -> u64 {
         .sum()
 }
 
-/// The device memory of one step of the budget's batch, on the CUDA backend (which the budgeted
-/// device reserves the same way).
-pub fn step_device_memory(m: &Manifest, budget: &Budget) -> Result<StepMemory, PlanError> {
+/// Groups at least this long make a partitioned prefill's products efficient enough that the
+/// planner takes a smaller group before it moves the hidden states or the KV cache to the host.
+pub const GOOD_GROUP: usize = 64;
+
+/// The device memory of one step of `group` tokens on the CUDA backend (which the budgeted device
+/// reserves the same way).
+pub fn step_device_memory(
+    m: &Manifest,
+    budget: &Budget,
+    group: usize,
+) -> Result<StepMemory, PlanError> {
     Ok(step_memory(
         &m.spec,
-        budget.batch,
-        budget.logit_rows,
+        group,
+        budget.logit_rows.min(group),
         &offload_matmuls(m)?,
         crate::backend::cuda::workspace_bytes,
     ))
+}
+
+/// HyperGen's step-aware partitioning, for the budget's longest call (`budget.prompt`): the
+/// step (row group) the device holds, and where a partitioned call's hidden states and the KV
+/// cache live, as the first of these that leaves room for the least the model runs with
+/// (`weights_min`: one streaming slot; or every layer resident, `all_layers`) beside
+/// `fixed` (small fragments, output matrix):
+/// 1. everything on the device, the step as large as the budget asks;
+/// 2. hidden states in host memory;
+/// 3. the KV cache in host memory, hidden states on the device;
+/// 4. both in host memory;
+///
+/// each with the largest step that fits, taken as soon as it is the call itself or at least
+/// [`GOOD_GROUP`] rows (else the largest step of the four). Also the KV cache's, the step's and
+/// the hidden states' device bytes.
+fn prefill_layout(
+    m: &Manifest,
+    budget: &Budget,
+    fixed: u64,
+    usable: u64,
+    all_layers: u64,
+    weights_min: u64,
+) -> Result<(PrefillLayout, u64, StepMemory, u64), PlanError> {
+    let spec = &m.spec;
+    let prompt = budget.prompt.max(1);
+    let probe = if budget.probe { probe_bytes(spec) } else { 0 };
+    let sessions = budget.sessions as u64;
+    let kv_on_device = kv_bytes(spec, budget.ctx, budget.kv_type);
+    // One layer's K and V, the context's length, on the device at a time.
+    let kv_work = 2 * device_bytes((budget.ctx * budget.kv_type.row_bytes(spec.kv_dim())) as u64);
+    let residual = device_bytes((prompt * spec.d_model * 4) as u64);
+    let matmuls = offload_matmuls(m)?;
+    let layout = |kv_host: bool, residual_on_device: bool, group: usize| {
+        let step = step_memory(
+            spec,
+            group,
+            budget.logit_rows.min(group),
+            &matmuls,
+            crate::backend::cuda::workspace_bytes,
+        );
+        let kv = sessions * (if kv_host { kv_work } else { kv_on_device } + probe);
+        let partitioned = prompt > group;
+        let res = if partitioned && residual_on_device {
+            residual
+        } else {
+            0
+        };
+        let held = fixed + kv + step.total() + res;
+        let fits = held + all_layers <= usable || held + weights_min <= usable;
+        let l = PrefillLayout {
+            group,
+            residual_rows: if partitioned && residual_on_device {
+                prompt
+            } else {
+                0
+            },
+            kv_host,
+        };
+        (fits, (l, kv, step, res))
+    };
+    let whole = budget.batch.min(prompt).max(1);
+    let mut best: Option<(PrefillLayout, u64, StepMemory, u64)> = None;
+    for (kv_host, residual_on_device) in
+        [(false, true), (false, false), (true, true), (true, false)]
+    {
+        // The budget's step, the call in one step, else the largest partition that fits (the
+        // bytes grow with the group: bisect).
+        let mut found = [budget.batch.max(1), whole]
+            .into_iter()
+            .map(|g| layout(kv_host, residual_on_device, g))
+            .find(|(fits, _)| *fits)
+            .map(|(_, c)| c);
+        if found.is_none() && whole > 1 && layout(kv_host, residual_on_device, 1).0 {
+            let (mut lo, mut hi) = (1, whole - 1);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if layout(kv_host, residual_on_device, mid).0 {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            found = Some(layout(kv_host, residual_on_device, lo).1);
+        }
+        let Some(c) = found else { continue };
+        if c.0.group >= whole.min(GOOD_GROUP) {
+            return Ok(c);
+        }
+        if best.as_ref().is_none_or(|b| c.0.group > b.0.group) {
+            best = Some(c);
+        }
+    }
+    // Nothing fits: the least the model runs with, whose shortfall the caller reports.
+    Ok(best.unwrap_or_else(|| layout(true, false, 1).1))
 }
 
 /// Page-aligned extent of reading `rows` of a segment: what an SSD read of them costs.
@@ -496,15 +712,23 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         .map(|&(_, b)| device_bytes(b))
         .sum();
     let head = device_bytes(head_segment(m)?.bytes);
-    let per_session = kv_bytes(spec, budget.ctx, budget.kv_type)
-        + if budget.probe { probe_bytes(spec) } else { 0 };
-    let kv = budget.sessions as u64 * per_session;
-    let step = step_device_memory(m, budget)?;
-    let scratch = step.activations + step.logits;
-    let fixed = small + head + kv + scratch + step.workspace;
     let none = Residency::default();
     let all = Residency::all(&shape);
     let usable = budget.gpu_mem.saturating_sub(fixed_cost);
+    let resident_all_layers =
+        |r: &Residency| -> u64 { shapes.iter().map(|sh| resident_device_bytes(sh, r)).sum() };
+    let (prefill, kv, step, residual) = prefill_layout(
+        m,
+        budget,
+        small + head,
+        usable,
+        resident_all_layers(&all),
+        slot_device_bytes(&shape, &none),
+    )?;
+    let per_session = kv / budget.sessions as u64;
+    // A partitioned prompt's hidden states count with the step's buffers.
+    let scratch = step.activations + step.logits + residual;
+    let fixed = small + head + kv + scratch + step.workspace;
     let minimum_with = |w: usize| fixed + w as u64 * slot_device_bytes(&shape, &none);
     // The prefetch window asked for, or the widest narrower one the budget holds (a window of
     // one layer is the least that runs).
@@ -529,8 +753,6 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             human_bytes(slots)
         )
     };
-    let resident_all_layers =
-        |r: &Residency| -> u64 { shapes.iter().map(|sh| resident_device_bytes(sh, r)).sum() };
     let all_resident = fixed + resident_all_layers(&all) <= usable;
     if !all_resident && usable < minimum {
         return Err(PlanError::GpuTooSmall {
@@ -743,9 +965,16 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     // Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
     // from SSD; device compute reads every weight and half the KV cache on average.
     let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
+    // A KV cache in host memory comes back to the device, a layer at a time, for every token:
+    // half the context on average.
+    let kv_in = if prefill.kv_host {
+        kv_bytes(spec, budget.ctx, budget.kv_type) / 2
+    } else {
+        0
+    };
     let per_token = PerToken {
-        h2d_bytes: streamed_all + spec.d_model as u64 * 4,
-        d2h_bytes: spec.vocab_size as u64 * 4,
+        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in,
+        d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill),
         ssd_bytes: if s == 0 {
             0
         } else {
@@ -810,6 +1039,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         dram,
         per_token,
         prediction,
+        prefill,
     })
 }
 

@@ -119,6 +119,42 @@ pub fn render(p: &Plan) -> String {
         mib(g.scratch),
         mib(g.workspace)
     );
+    let pf = p.prefill;
+    let prompt = p.budget.prompt.max(1);
+    let pp = p.prefill_prediction(prompt);
+    let _ = writeln!(
+        o,
+        "prefill of {prompt} tokens: {}, KV cache {}; predicted TTFT {:.3} s ({}: host→device {} MiB, device→host {} MiB, {:.3} s at {:.1} GB/s; {:.2} TFLOP, {:.3} s at {:.1} TFLOP/s; ops {:.3} s)",
+        if pf.partitions(prompt) {
+            format!(
+                "{} groups of {} rows per layer, each layer's weights once, hidden states {}",
+                pp.groups,
+                pf.group,
+                if pf.residual_on_device(prompt) {
+                    "on the device"
+                } else {
+                    "in host memory"
+                }
+            )
+        } else {
+            format!("one step (steps of up to {} rows)", pf.group)
+        },
+        if pf.kv_host {
+            "in host memory, a layer at a time on the device"
+        } else {
+            "on the device"
+        },
+        pp.ttft_s,
+        pp.limited_by,
+        mib(pp.h2d_bytes),
+        mib(pp.d2h_bytes),
+        pp.pcie_s,
+        p.hardware.h2d_pinned_bytes_per_s / 1e9,
+        pp.flops / 1e12,
+        pp.compute_s,
+        p.hardware.matmul_flops_per_s / 1e12,
+        pp.ops_s
+    );
     let d = &p.dram;
     let _ = writeln!(
         o,

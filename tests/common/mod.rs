@@ -229,6 +229,8 @@ pub fn streaming(
     let src = OffloadWeights::new(&sim, store.clone(), plan, ledger).unwrap();
     Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
         .with_kv_type(KvType::F16)
         .unwrap()
         .with_sparsity(thresholds.to_vec())

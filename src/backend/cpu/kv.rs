@@ -84,6 +84,34 @@ impl CpuKv {
         &self.bytes()[first * rb..(first + n) * rb]
     }
 
+    /// Rows `first..` in raw bytes: whole rows of the cache's type (what a device copy reads).
+    pub fn read_raw(&self, first: usize, out: &mut [u8]) -> Result<()> {
+        let n = self.whole_rows("read_kv_raw", out.len())?;
+        self.check_rows("read_kv_raw", first, n)?;
+        out.copy_from_slice(self.raw_rows(first, n));
+        Ok(())
+    }
+
+    /// Raw bytes (whole rows of the cache's type) into rows `first..`.
+    pub fn write_raw(&mut self, first: usize, src: &[u8]) -> Result<()> {
+        let n = self.whole_rows("write_kv_raw", src.len())?;
+        self.check_rows("write_kv_raw", first, n)?;
+        let rb = self.row_bytes();
+        self.bytes_mut()[first * rb..(first + n) * rb].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn whole_rows(&self, op: &'static str, bytes: usize) -> Result<usize> {
+        let rb = self.row_bytes();
+        if rb == 0 || !bytes.is_multiple_of(rb) {
+            return Err(shape_err(
+                op,
+                format!("{bytes} bytes are not whole {rb}-byte rows"),
+            ));
+        }
+        Ok(bytes / rb)
+    }
+
     fn check_rows(&self, op: &'static str, first: usize, n: usize) -> Result<()> {
         if first + n > self.rows {
             return Err(shape_err(

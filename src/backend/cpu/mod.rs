@@ -477,6 +477,14 @@ impl Backend for CpuBackend {
         dst.write(first, values)
     }
 
+    fn read_kv_raw(&self, src: &CpuKv, first: usize, out: &mut [u8]) -> Result<()> {
+        src.read_raw(first, out)
+    }
+
+    fn write_kv_raw(&self, dst: &mut CpuKv, first: usize, src: &[u8]) -> Result<()> {
+        dst.write_raw(first, src)
+    }
+
     fn embed(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) -> Result<()> {
         let table = table.tensor("embed")?;
         if out.rows != ids.len() || out.cols != table.cols {

@@ -1417,6 +1417,70 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn read_kv_raw(&self, src: &CudaKv, first: usize, out: &mut [u8]) -> Result<()> {
+        self.bind()?;
+        let rb = src.ty.row_bytes(src.cols);
+        let n = out.len() / rb.max(1);
+        if rb == 0 || !out.len().is_multiple_of(rb) || first + n > src.rows {
+            return Err(shape_err(
+                "read_kv_raw",
+                format!(
+                    "{} bytes from row {first} of a {}x{} cache",
+                    out.len(),
+                    src.rows,
+                    src.cols
+                ),
+            ));
+        }
+        // SAFETY: in bounds (checked); synchronized before `out` is read.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                out,
+                src.buf.ptr + (first * rb) as u64,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        self.compute.synchronize().map_err(dev)?;
+        self.ledger().count_d2h(out.len() as u64);
+        self.ledger().count_host_wait();
+        Ok(())
+    }
+
+    fn write_kv_raw(&self, dst: &mut CudaKv, first: usize, src: &[u8]) -> Result<()> {
+        self.bind()?;
+        let rb = dst.ty.row_bytes(dst.cols);
+        let n = src.len() / rb.max(1);
+        if rb == 0 || !src.len().is_multiple_of(rb) || first + n > dst.rows {
+            return Err(shape_err(
+                "write_kv_raw",
+                format!(
+                    "{} bytes at row {first} of a {}x{} cache",
+                    src.len(),
+                    dst.rows,
+                    dst.cols
+                ),
+            ));
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let paced = self.pace_before(&self.compute, 1)?;
+        // SAFETY: in bounds (checked); synchronous w.r.t. `src` (pageable).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dst.buf.ptr + (first * rb) as u64,
+                src,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        self.pace_after(&self.compute, paced, src.len())?;
+        self.compute.synchronize().map_err(dev)?;
+        self.ledger().count_h2d(src.len() as u64);
+        Ok(())
+    }
+
     fn write_kv(&self, dst: &mut CudaKv, first: usize, values: &[f32]) -> Result<()> {
         self.bind()?;
         let n = values.len() / dst.cols.max(1);

@@ -1,0 +1,289 @@
+//! Step-aware partitioning of long prompts (HyperGen) and KV caches in host memory, on the
+//! budgeted device: for random budgets and step sizes that force every layout the planner has —
+//! one step; row groups with the hidden states on the device or in host memory; the KV cache on
+//! the device or in host memory — a prompt's logits and the decode after it equal the
+//! unpartitioned run's (f32, ≤ 1e-4 relative), the device's measured peak while each layer runs
+//! each group equals the plan's device bytes, and the bytes a decoded token moves are the plan's.
+//! On the engine alone: the same layouts forced by hand give every row's logits of one step, and
+//! a KV cache in host memory gives the on-device result bit for bit.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use gpu_offload::backend::KvType;
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{Engine, Logits, PrefillLayout, StepTap};
+use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
+use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::offload::OffloadWeights;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+const PROMPT: usize = 300;
+const DECODE: usize = 4;
+
+fn tokens(vocab: usize) -> Vec<u32> {
+    (0..PROMPT + DECODE)
+        .map(|i| ((i * 7919 + 13) % (vocab - 4) + 3) as u32)
+        .collect()
+}
+
+fn stories_store() -> (Arc<Store>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("store");
+    convert(
+        &common::stories260k(),
+        &out,
+        &ConvertOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    (Arc::new(Store::open(&out).unwrap()), dir)
+}
+
+fn budget(gpu_mem: u64, window: usize, batch: usize) -> Budget {
+    Budget {
+        kv_type: KvType::F32,
+        prompt: PROMPT,
+        ..Budget::new(gpu_mem, None, window, PROMPT + DECODE, batch)
+    }
+}
+
+/// The layout a plan gives the prompt: (partitioned, hidden states on the device, KV on the
+/// device).
+fn mode(p: &PrefillLayout) -> (bool, bool, bool) {
+    (
+        p.partitions(PROMPT),
+        p.partitions(PROMPT) && p.residual_on_device(PROMPT),
+        !p.kv_host,
+    )
+}
+
+/// Checks, at every group a layer has run, that the device holds exactly `want` bytes at its
+/// peak since the last one.
+struct PeakTap {
+    ledger: Arc<Ledger>,
+    want: u64,
+    seen: Mutex<Vec<String>>,
+    steps: Mutex<usize>,
+}
+
+impl StepTap for PeakTap {
+    fn group_done(&self, layer: usize, first: usize, rows: usize) {
+        let peak = self.ledger.snapshot().hbm_peak;
+        if peak != self.want {
+            self.seen.lock().unwrap().push(format!(
+                "layer {layer}, rows {first}..{}: peak {peak}, planned {}",
+                first + rows,
+                self.want
+            ));
+        }
+        *self.steps.lock().unwrap() += 1;
+        self.ledger.reset_peaks();
+    }
+}
+
+fn engine(store: &Arc<Store>, plan: &Plan, ledger: &Arc<Ledger>) -> Engine<SimBackend> {
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+        .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
+        .with_kv_type(plan.budget.kv_type)
+        .unwrap()
+}
+
+fn close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        diff <= 1e-4 * scale,
+        "{what}: logits differ by {diff} (scale {scale})"
+    );
+}
+
+#[test]
+fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
+    let (store, _dir) = stories_store();
+    let spec = store.manifest.spec.clone();
+    let toks = tokens(spec.vocab_size);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+
+    // Unpartitioned: every weight resident, the prompt one step.
+    let all_plan = make_plan(&store.manifest, &budget(u64::MAX / 4, 1, PROMPT), &hw).unwrap();
+    assert!(!all_plan.prefill.partitions(PROMPT));
+    let reference = engine(&store, &all_plan, &Ledger::new(None, None));
+    let mut s = reference.new_session(PROMPT + DECODE).unwrap();
+    let mut want = vec![
+        reference
+            .forward(&mut s, &toks[..PROMPT], Logits::Last)
+            .unwrap(),
+    ];
+    for &t in &toks[PROMPT..] {
+        want.push(reference.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut seen = BTreeSet::new();
+    let every = [
+        (false, false, true),
+        (true, true, true),
+        (true, false, true),
+        (true, true, false),
+        (true, false, false),
+    ];
+    for case in 0..60 {
+        if every.iter().all(|m| seen.contains(m)) && case >= 12 {
+            break;
+        }
+        let window = rng.random_range(1..=3usize);
+        let batch = if rng.random_bool(0.3) {
+            PROMPT
+        } else {
+            rng.random_range(1..PROMPT)
+        };
+        let (min, all) = common::gpu_range(&store.manifest, &hw, |g| budget(g, window, batch));
+        let gpu_mem = rng.random_range(min..=all);
+        let plan = make_plan(&store.manifest, &budget(gpu_mem, window, batch), &hw).unwrap();
+        let m = mode(&plan.prefill);
+        seen.insert(m);
+        let what = format!(
+            "{gpu_mem} bytes (minimum {min}), window {window}, batch {batch}: {:?}",
+            plan.prefill
+        );
+
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let tap = Arc::new(PeakTap {
+            ledger: ledger.clone(),
+            want: plan.gpu.placed,
+            seen: Mutex::new(Vec::new()),
+            steps: Mutex::new(0),
+        });
+        let e = engine(&store, &plan, &ledger).with_step_tap(tap.clone());
+        let mut s = e.new_session(PROMPT + DECODE).unwrap();
+        ledger.reset_peaks();
+        let got = e.forward(&mut s, &toks[..PROMPT], Logits::Last).unwrap();
+        close(&got, &want[0], &format!("prefill, {what}"));
+        let groups = PROMPT.div_ceil(plan.prefill.group.min(PROMPT));
+        assert_eq!(
+            *tap.steps.lock().unwrap(),
+            groups * spec.n_layers,
+            "{what}: steps"
+        );
+        let off = tap.seen.lock().unwrap().clone();
+        assert!(
+            off.is_empty(),
+            "{what}: the device's peak is not the plan's\n{}\n{}",
+            off.join("\n"),
+            plan.report()
+        );
+        for (i, &t) in toks[PROMPT..].iter().enumerate() {
+            e.settle();
+            let before = ledger.snapshot();
+            let got = e.forward(&mut s, &[t], Logits::Last).unwrap();
+            e.settle();
+            let after = ledger.snapshot();
+            close(&got, &want[i + 1], &format!("decode {i}, {what}"));
+            let (h2d, d2h) = plan.decode_bytes_at(PROMPT + i);
+            assert_eq!(
+                after.h2d_bytes - before.h2d_bytes,
+                h2d,
+                "{what}: token {i} in"
+            );
+            assert_eq!(
+                after.d2h_bytes - before.d2h_bytes,
+                d2h,
+                "{what}: token {i} out"
+            );
+            assert!(after.hbm_peak <= plan.gpu.placed, "{what}: decode peak");
+        }
+    }
+    for m in every {
+        assert!(
+            seen.contains(&m),
+            "no budget gave the layout (partitioned, hidden on device, KV on device) = {m:?}; seen {seen:?}"
+        );
+    }
+}
+
+/// The engine alone, layouts forced: every row's logits of a partitioned prompt equal one
+/// step's, and a host-kept KV cache gives the device-kept one's results bit for bit, through
+/// the prompt, decode, and a cache read back and written into a fresh session.
+#[test]
+fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
+    let model = gpu_offload::model::Model::load(&common::stories260k()).unwrap();
+    let toks = tokens(model.spec.vocab_size);
+    let run = |layout: PrefillLayout, logits: Logits| {
+        let e = common::cpu_engine(&model, KvType::F16)
+            .with_prefill(layout)
+            .unwrap();
+        let mut s = e.new_session(PROMPT + DECODE).unwrap();
+        e.enable_probe(&mut s).unwrap();
+        let mut out = vec![e.forward(&mut s, &toks[..PROMPT], logits).unwrap()];
+        for &t in &toks[PROMPT..] {
+            out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+        }
+        let kv = e.read_kv(&mut s, 0, PROMPT + DECODE).unwrap();
+        let density = e.attention_density(&mut s, 16).unwrap();
+        // The cache written into a fresh session continues as the original does.
+        let mut fresh = e.new_session(PROMPT + DECODE + 1).unwrap();
+        e.write_kv(&mut fresh, 0, PROMPT + DECODE, &kv).unwrap();
+        fresh.set_position(PROMPT + DECODE).unwrap();
+        let next = toks[3];
+        let a = e.forward(&mut fresh, &[next], Logits::Last).unwrap();
+        (out, kv, density, a)
+    };
+    let one_step = PrefillLayout::default();
+    let (want, want_kv, want_density, _) = run(one_step, Logits::All);
+    assert_eq!(want[0].len(), PROMPT * model.spec.vocab_size);
+    for group in [1, 7, 64, 299] {
+        for residual_rows in [0, PROMPT] {
+            let device_kv = PrefillLayout {
+                group,
+                residual_rows,
+                kv_host: false,
+            };
+            let host_kv = PrefillLayout {
+                kv_host: true,
+                ..device_kv
+            };
+            let what = format!("group {group}, hidden on device {}", residual_rows > 0);
+            let (got, kv, density, next) = run(device_kv, Logits::All);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                close(g, w, &format!("{what}: call {i}"));
+            }
+            let kv_scale = want_kv.iter().fold(0f32, |m, v| m.max(v.abs()));
+            close(&kv, &want_kv, &format!("{what}: KV (scale {kv_scale})"));
+            assert_eq!(density.len(), want_density.len(), "{what}: density blocks");
+            let host = run(host_kv, Logits::All);
+            assert!(
+                host.0 == got,
+                "{what}: host KV logits differ from device KV"
+            );
+            assert!(host.1 == kv, "{what}: host KV rows differ");
+            assert!(host.2 == density, "{what}: host KV density differs");
+            assert!(host.3 == next, "{what}: host KV restored session differs");
+        }
+    }
+}
+
+#[test]
+fn bad_layouts_are_refused() {
+    let model = gpu_offload::model::Model::load(&common::stories260k()).unwrap();
+    for group in [0, gpu_offload::engine::MAX_BATCH + 1] {
+        let e = common::cpu_engine(&model, KvType::F32).with_prefill(PrefillLayout {
+            group,
+            ..PrefillLayout::default()
+        });
+        assert!(e.is_err(), "group {group} accepted");
+    }
+}
