@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|all]
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -353,8 +353,39 @@ units() {
     parity_vs_whole parity_7b_relu_units "$m" --gpu-mem 4G --cold gpu
 }
 
+synth7b_long() {
+    if [[ ! -f "$WORK/m7b-32k/config.json" ]]; then
+        say "synthesizing a 7B-shaped fp16 model with a 32k context"
+        "$B" synth --preset 7b --max-context 32768 -o "$WORK/m7b-32k" --force 2>&1 | tee -a "$LOG"
+    fi
+}
+
+prefill() {
+    synth7b
+    local n
+    say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
+    for n in 512 2048 4000; do
+        record "prefill_7b_full_gpu_$n" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens "$n" -n 1 --reps 2 --json 2>>"$LOG")"
+        record "prefill_7b_transformers_$n" "$($PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens "$n" --tokens 1 2>>"$LOG" | tail -n1)"
+    done
+    if [[ -x .gpu/peers/llama-bench || -x /tmp/lbuild/bin/llama-bench ]]; then
+        local lb=/tmp/lbuild/bin/llama-bench
+        [[ -x "$lb" ]] || lb=.gpu/peers/llama-bench
+        [[ -f "$WORK/m7b.gguf" ]] && record prefill_7b_llamacpp "$("$lb" -m "$WORK/m7b.gguf" -ngl 99 -fa 1 -p 512,2048,4000 -n 0 -o json 2>>"$LOG" | tr -d '\n')"
+    fi
+    synth7b_long
+    say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs"
+    for n in 8192 32760; do
+        "$B" plan -m "$WORK/m7b-32k" --gpu-mem 4G --prompt-tokens "$n" --json > "$OUT/plan_prefill_$n.json" 2>>"$LOG"
+        with_peak "$WORK/prefill_$n.json" "$B" bench decode --device cuda -m "$WORK/m7b-32k" --gpu-mem 4G \
+            --ctx-size $(( n + 8 )) --prompt-tokens "$n" -n 2 --reps 1 --json
+        record "prefill_7b_4g_$n" "{\"exit_code\":$?,\"nvidia_smi_peak_mib\":$(cat "$WORK/prefill_$n.json.peak"),\"plan\":$($PY -c 'import json,sys; p=json.load(open(sys.argv[1])); print(json.dumps({"prefill": p["prefill"], "prediction": p["prefill_prediction"]}))' "$OUT/plan_prefill_$n.json" 2>/dev/null || echo null),\"bench\":$(cat "$WORK/prefill_$n.json" || echo null)}"
+    done
+}
+
 case "$MODE" in
     tests) tests ;;
+    prefill) prefill ;;
     bench) bench ;;
     offload) offload ;;
     serve) serve ;;
@@ -365,6 +396,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|all]"; exit 2 ;;
 esac
 say "done"

@@ -27,7 +27,13 @@ impl Server {
             .arg("serve")
             .arg("--model")
             .arg(model)
-            .args(["--port", "0", "--device", "cpu", "--threads", "2"])
+            .args(["--port", "0", "--threads", "2"])
+            // The CPU unless the test names a device.
+            .args(if extra.contains(&"--device") {
+                &[][..]
+            } else {
+                &["--device", "cpu"][..]
+            })
             .args(extra)
             .env_remove("GPU_OFFLOAD_API_KEY");
         let (child, base) = common::spawn_serve(cmd);
@@ -417,6 +423,89 @@ fn concurrent_clients_queue_limits_and_disconnects() {
         "the waiting request did not get the freed slot: {v}"
     );
     s.stop();
+}
+
+/// Continuous batching: 8 clients at once on 8 slots run in shared decode steps (the metrics
+/// show steps of several sequences), and every greedy answer — whole or streamed, its SSE
+/// chunks in order — is the one the same request gets alone; on the CPU and on the budgeted
+/// device at a third of the model's size.
+#[test]
+fn eight_clients_share_decode_steps_and_answer_as_alone() {
+    let mut models = vec![(common::stories260k(), vec!["--device", "cpu"], 32)];
+    if let Some(p) = common::smollm2() {
+        models.push((p.clone(), vec!["--device", "cpu"], 16));
+        models.push((p, vec!["--device", "sim", "--gpu-mem", "60M"], 16));
+    }
+    let prompts = [
+        "Once", "Lily", "Tom", "The dog", "A cat", "One day", "The sun", "Mom",
+    ];
+    for (model, device, n) in models {
+        let mut args = vec!["--ctx-size", "256", "--parallel", "8", "--queue", "8"];
+        args.extend(device.iter().copied());
+        let what = format!("{} {device:?}", model.display());
+        let s = Server::start(&model, &args);
+        let url = s.url("/v1/completions");
+        let alone: Vec<String> = prompts
+            .iter()
+            .map(|p| text_of(&post(&url, greedy(json!(p), n)).1))
+            .collect();
+        let (whole, streamed): (Vec<String>, Vec<String>) = std::thread::scope(|sc| {
+            let hs: Vec<_> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let url = url.clone();
+                    sc.spawn(move || {
+                        if i % 2 == 0 {
+                            let (st, v) = post(&url, greedy(json!(p), n));
+                            assert_eq!(st, 200, "{v}");
+                            (text_of(&v), true)
+                        } else {
+                            let mut body = greedy(json!(p), n);
+                            body["stream"] = json!(true);
+                            let lines = sse(&url, body);
+                            assert_eq!(lines.last().map(String::as_str), Some("[DONE]"));
+                            let text: String = lines[..lines.len() - 1]
+                                .iter()
+                                .map(|l| {
+                                    let v: Value = serde_json::from_str(l).unwrap();
+                                    v["choices"][0]["text"].as_str().unwrap_or("").to_string()
+                                })
+                                .collect();
+                            (text, false)
+                        }
+                    })
+                })
+                .collect();
+            let got: Vec<(String, bool)> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            (
+                got.iter().map(|g| g.0.clone()).collect(),
+                got.iter().filter(|g| !g.1).map(|g| g.0.clone()).collect(),
+            )
+        });
+        assert_eq!(
+            whole, alone,
+            "{what}: answers beside others differ from alone"
+        );
+        assert_eq!(streamed.len(), 4, "{what}");
+        let (_, m) = call("GET", &s.url("/metrics"), None, None);
+        let m = m.as_str().unwrap().to_string();
+        let value = |name: &str| -> f64 {
+            m.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+                .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+        };
+        let (sum, count) = (
+            value("gpu_offload_decode_batch_size_sum"),
+            value("gpu_offload_decode_batch_size_count"),
+        );
+        assert!(
+            sum / count > 1.5,
+            "{what}: decode steps averaged {} sequences: the clients did not share steps",
+            sum / count
+        );
+        s.stop();
+    }
 }
 
 #[test]

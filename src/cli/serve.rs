@@ -98,7 +98,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
             sessions: parallel,
             probe: true,
             batch: crate::engine::MAX_BATCH.min(ctx),
-            logit_rows: 1,
+            // A batched decode step returns a row for every running sequence.
+            logit_rows: parallel,
             // A prompt may fill the context.
             prompt: ctx,
         },

@@ -444,6 +444,8 @@ struct Scratch<B: Backend> {
     proj: B::Tensor,
     up: B::Tensor,
     gate: Option<B::Tensor>,
+    /// One row of q, k, v and attention output (a batched step's sequences, one at a time).
+    row: [B::Tensor; 4],
     logits: Option<LogitBuffers<B>>,
     /// Where hybrid layers' FFN inputs land on the host (made at the first hybrid layer).
     stage: Option<HostStage>,
@@ -472,6 +474,14 @@ fn activation_shapes(spec: &ModelSpec, n: usize) -> Vec<(usize, usize)> {
     if spec.gated_ffn {
         v.push((n, spec.d_ff));
     }
+    // One sequence's row of a batched step ([`Engine::decode_many`]): its query, key, value
+    // and attention output, each at the sequence's own position and cache.
+    v.extend([
+        (1, spec.q_dim()),
+        (1, spec.kv_dim()),
+        (1, spec.kv_dim()),
+        (1, spec.q_dim()),
+    ]);
     v
 }
 
@@ -1043,6 +1053,7 @@ impl<B: Backend> Engine<B> {
             } else {
                 None
             },
+            row: [next()?, next()?, next()?, next()?],
             logits: None,
             stage: None,
         })
@@ -1460,6 +1471,120 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Evaluate one more token for each of several sessions in one step (continuous batching):
+    /// every layer's weights pass once for all of them, each token attends over its own
+    /// session's cache at its own position. Returns each session's logits for its token. A
+    /// token's logits are the ones [`Engine::forward`] gives it alone.
+    pub fn decode_many(&self, calls: &mut [(&mut Session<B>, u32)]) -> Result<Vec<Vec<f32>>> {
+        if calls.is_empty() {
+            return Ok(Vec::new());
+        }
+        for (s, t) in calls.iter() {
+            if s.pos + 1 > s.ctx {
+                return Err(EngineError::ContextFull {
+                    needed: s.pos + 1,
+                    ctx: s.ctx,
+                });
+            }
+            if *t as usize >= self.spec.vocab_size {
+                return Err(EngineError::InvalidToken {
+                    id: *t,
+                    vocab: self.spec.vocab_size,
+                });
+            }
+        }
+        let n = calls.len();
+        if n > self.prefill.group {
+            return Err(EngineError::Weights(format!(
+                "{n} sequences in one step; the step holds {}",
+                self.prefill.group
+            )));
+        }
+        let mut guard = self
+            .pass
+            .lock()
+            .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
+        let pass: &mut Pass<B> = &mut guard;
+        self.backend.enter(|| self.batched_step(pass, calls))
+    }
+
+    fn batched_step(
+        &self,
+        pass: &mut Pass<B>,
+        calls: &mut [(&mut Session<B>, u32)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let b = &self.backend;
+        let spec = &self.spec;
+        let n = calls.len();
+        let mut sc = self.take_scratch(pass, n)?;
+        if let Err(e) = self.hold_logits(&mut sc, n) {
+            pass.scratch = Some(sc);
+            return Err(e);
+        }
+        let source = &mut *pass.source;
+        let need = step_memory(spec, n, n, &source.matmuls(), |op| b.workspace_bytes(op));
+        b.set_workspace(need.workspace)?;
+        let attn_shape = self.attn_shape();
+        let run = (|| -> Result<Vec<f32>> {
+            // Embed each token at its own position (learned position tables differ per row).
+            for (i, (s, t)) in calls.iter().enumerate() {
+                b.reshape(&mut sc.h, 1, spec.d_model)?;
+                source.embed(b, &[*t], s.pos, &mut sc.h)?;
+                b.copy_rows(&sc.h, 0, &mut sc.x, i, 1)?;
+                b.reshape(&mut sc.h, n, spec.d_model)?;
+            }
+            for l in 0..spec.n_layers {
+                {
+                    let mut layer = source.layer(b, l)?;
+                    self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+                    self.linear(&layer.wq, &sc.h, &mut sc.q)?;
+                    self.linear(&layer.wk, &sc.h, &mut sc.k)?;
+                    self.linear(&layer.wv, &sc.h, &mut sc.v)?;
+                    for (i, (s, _)) in calls.iter_mut().enumerate() {
+                        let pos = s.pos;
+                        let [q1, k1, v1, a1] = &mut sc.row;
+                        b.copy_rows(&sc.q, i, q1, 0, 1)?;
+                        b.copy_rows(&sc.k, i, k1, 0, 1)?;
+                        b.copy_rows(&sc.v, i, v1, 0, 1)?;
+                        if let Some((inv_freq, pairs, dims)) = &self.rope {
+                            b.rope(q1, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                            b.rope(k1, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                        }
+                        let ring_at = s.probe.as_ref().map_or(0, |p| p.next);
+                        if let Some(p) = &mut s.probe
+                            && let Some(pi) = p.layers.iter().position(|&pl| pl == l)
+                        {
+                            b.copy_rows(q1, 0, &mut p.q[pi], ring_at, 1)?;
+                        }
+                        self.kv_layer_begin(s, l, pos)?;
+                        let (kc, vc) = s.kv.layer(l);
+                        b.store_kv(k1, kc, pos)?;
+                        b.store_kv(v1, vc, pos)?;
+                        b.attention(q1, kc, vc, pos, attn_shape, a1)?;
+                        self.kv_layer_end(s, l, pos, 1)?;
+                        b.copy_rows(a1, 0, &mut sc.attn, i, 1)?;
+                    }
+                    self.finish_layer(&mut layer, l, &mut sc)?;
+                    if let Some(t) = &self.step_tap {
+                        t.group_done(l, 0, n);
+                    }
+                }
+                source.layer_done(b, l)?;
+            }
+            self.head_rows(source, &mut sc, n)
+        })();
+        pass.scratch = Some(sc);
+        let logits = run?;
+        for (s, _) in calls.iter_mut() {
+            let next = Self::probe_commit(s, s.pos, 1, s.probe.as_ref().map_or(0, |p| p.next));
+            if let Some(p) = &mut s.probe {
+                p.next = next;
+            }
+            s.pos += 1;
+        }
+        Ok(logits.chunks(spec.vocab_size).map(|r| r.to_vec()).collect())
+    }
+
     /// The step buffers for `n` rows: the last step's where they have the size, else fresh ones
     /// (the old freed first: device memory is budgeted).
     fn take_scratch(&self, pass: &mut Pass<B>, n: usize) -> Result<Scratch<B>> {
@@ -1506,12 +1631,7 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let spec = &self.spec;
         let n = sc.n;
-        let attn_shape = AttnShape {
-            n_heads: spec.n_heads,
-            n_kv_heads: spec.n_kv_heads,
-            head_dim: spec.head_dim,
-            scale: spec.attn_scale,
-        };
+        let attn_shape = self.attn_shape();
         // Attention block.
         self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
         self.linear(&layer.wq, &sc.h, &mut sc.q)?;
@@ -1535,6 +1655,24 @@ impl<B: Backend> Engine<B> {
         b.store_kv(&sc.k, kc, pos)?;
         b.store_kv(&sc.v, vc, pos)?;
         b.attention(&sc.q, kc, vc, pos, attn_shape, &mut sc.attn)?;
+        self.finish_layer(layer, l, sc)
+    }
+
+    /// The attention shape of every layer.
+    fn attn_shape(&self) -> AttnShape {
+        let spec = &self.spec;
+        AttnShape {
+            n_heads: spec.n_heads,
+            n_kv_heads: spec.n_kv_heads,
+            head_dim: spec.head_dim,
+            scale: spec.attn_scale,
+        }
+    }
+
+    /// The rest of layer `l` once `sc.attn` holds the attention output: the output projection
+    /// and the FFN, each added to `sc.x`.
+    fn finish_layer(&self, layer: &mut LayerView<B>, l: usize, sc: &mut Scratch<B>) -> Result<()> {
+        let b = &self.backend;
         self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
         b.add(&mut sc.x, &sc.proj)?;
 

@@ -13,6 +13,8 @@ pub struct Metrics {
     pub ttft: Histogram,
     pub inter_token: Histogram,
     pub swap_in_seconds: Histogram,
+    /// Sequences evaluated together per decode step (continuous batching).
+    pub batch_size: Histogram,
     pub generated_tokens: IntCounter,
     pub prompt_tokens: IntCounter,
     pub prefix_reused: IntCounter,
@@ -51,6 +53,13 @@ impl Metrics {
                 "context_swap_in_seconds",
                 "Time to bring a context onto the device",
             )?,
+            batch_size: Histogram::with_opts(
+                HistogramOpts::new(
+                    "decode_batch_size",
+                    "Sequences evaluated in one decode step (one pass of the weights)",
+                )
+                .buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+            )?,
             generated_tokens: IntCounter::new("generated_tokens_total", "Tokens generated")?,
             prompt_tokens: IntCounter::new("prompt_tokens_total", "Prompt tokens received")?,
             prefix_reused: IntCounter::new(
@@ -85,6 +94,7 @@ impl Metrics {
         let r = &m.registry;
         r.register(Box::new(m.ttft.clone()))?;
         r.register(Box::new(m.inter_token.clone()))?;
+        r.register(Box::new(m.batch_size.clone()))?;
         r.register(Box::new(m.swap_in_seconds.clone()))?;
         r.register(Box::new(m.generated_tokens.clone()))?;
         r.register(Box::new(m.prompt_tokens.clone()))?;

@@ -115,6 +115,13 @@ struct Slot<B: Backend> {
     last_use: u64,
 }
 
+/// What a sequence does after sampling a token.
+enum Next {
+    Done(&'static str),
+    /// Evaluate this token (in the step's batch).
+    Eval(u32),
+}
+
 struct Sequence {
     slot: usize,
     job: Box<Generate>,
@@ -686,15 +693,66 @@ impl<B: Backend> Worker<B> {
         Ok((slot, logits, tokens, messages, start, before))
     }
 
+    /// One engine step for every running sequence (continuous batching): each samples its
+    /// next token, then the tokens still to evaluate run in one batched step — the weights pass
+    /// once for all of them, each token attends over its own cache — and each sequence gets its
+    /// logits, the same as its token would get alone.
     fn step_all(&mut self, stop_now: bool) {
-        let mut i = 0;
-        while i < self.active.len() {
-            let finish = if stop_now {
+        if let Some(d) = test_step_delay() {
+            std::thread::sleep(d);
+        }
+        let mut finish: Vec<Option<&'static str>> = Vec::with_capacity(self.active.len());
+        let mut eval: Vec<(usize, u32)> = Vec::new();
+        for i in 0..self.active.len() {
+            finish.push(if stop_now {
                 Some("cancelled")
             } else {
-                self.step(i)
-            };
-            match finish {
+                match self.sample(i) {
+                    Next::Done(reason) => Some(reason),
+                    Next::Eval(t) => {
+                        eval.push((i, t));
+                        None
+                    }
+                }
+            });
+        }
+        let group = self.engine.prefill().group.max(1);
+        for part in eval.chunks(group) {
+            // The sessions of this part, in its order.
+            let mut sessions: Vec<(usize, &mut Session<B>)> = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(si, slot)| {
+                    part.iter()
+                        .position(|&(i, _)| self.active[i].slot == si)
+                        .map(|k| (k, &mut slot.session))
+                })
+                .collect();
+            sessions.sort_by_key(|(k, _)| *k);
+            let mut calls: Vec<(&mut Session<B>, u32)> = sessions
+                .into_iter()
+                .map(|(k, session)| (session, part[k].1))
+                .collect();
+            self.shared.metrics.batch_size.observe(calls.len() as f64);
+            match self.engine.decode_many(&mut calls) {
+                Ok(logits) => {
+                    for (&(i, _), l) in part.iter().zip(logits) {
+                        self.active[i].logits = l;
+                    }
+                }
+                Err(e) => {
+                    let e = engine_error(e);
+                    for &(i, _) in part {
+                        self.active[i].job.events.send(Event::Error(e.clone())).ok();
+                        finish[i] = Some("error");
+                    }
+                }
+            }
+        }
+        let mut i = 0;
+        while i < self.active.len() {
+            match finish[i] {
                 Some(reason @ ("stop" | "length"))
                     if self.active[i].choice + 1 < self.active[i].job.request.n =>
                 {
@@ -703,6 +761,7 @@ impl<B: Backend> Worker<B> {
                 }
                 Some(reason) => {
                     let seq = self.active.swap_remove(i);
+                    finish.swap_remove(i);
                     self.finish(seq, reason);
                 }
                 None => i += 1,
@@ -710,14 +769,12 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// Sample one token for sequence `i` and evaluate it; `Some(reason)` when it is done.
-    fn step(&mut self, i: usize) -> Option<&'static str> {
-        if let Some(d) = test_step_delay() {
-            std::thread::sleep(d);
-        }
+    /// Sample one token for sequence `i` and send it: the token to evaluate next, or why the
+    /// sequence is done.
+    fn sample(&mut self, i: usize) -> Next {
         let seq = &mut self.active[i];
         if seq.job.events.is_closed() {
-            return Some("cancelled");
+            return Next::Done("cancelled");
         }
         let sampled = seq.sampler.choose(&seq.logits, seq.job.request.logprobs);
         let next = sampled.token;
@@ -726,7 +783,7 @@ impl<B: Backend> Worker<B> {
             .as_ref()
             .is_some_and(|t| t.is_end_of_generation(next));
         if eog && !seq.job.request.ignore_eos {
-            return Some("stop");
+            return Next::Done("stop");
         }
         seq.tokens.push(next);
         seq.generated += 1;
@@ -782,31 +839,19 @@ impl<B: Backend> Worker<B> {
                 })
                 .is_err()
         {
-            return Some("cancelled");
+            return Next::Done("cancelled");
         }
-        if stop.is_some() {
-            return stop;
+        if let Some(reason) = stop {
+            return Next::Done(reason);
         }
         if seq.generated >= seq.job.request.max_tokens {
-            return Some("length");
+            return Next::Done("length");
         }
-        let slot = &mut self.slots[seq.slot];
+        let slot = &self.slots[seq.slot];
         if slot.session.position() >= slot.session.context_size() {
-            return Some("length");
+            return Next::Done("length");
         }
-        match self
-            .engine
-            .forward(&mut slot.session, &[next], Logits::Last)
-        {
-            Ok(l) => {
-                seq.logits = l;
-                None
-            }
-            Err(e) => {
-                seq.job.events.send(Event::Error(engine_error(e))).ok();
-                Some("error")
-            }
-        }
+        Next::Eval(next)
     }
 
     /// Send what the text stream still holds of the current choice.

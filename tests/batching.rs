@@ -1,0 +1,193 @@
+//! Continuous batching in the engine: one step evaluates the next token of several sessions
+//! (each at its own position, over its own KV cache, with or without a query probe), and every
+//! session's logits are the ones it gets alone — bit for bit — on the CPU (f32 and a Q4_1
+//! model) and on the budgeted device streaming its weights, with the KV cache on the device or
+//! in host memory; the weights pass once per step, not once per session.
+
+mod common;
+
+use std::sync::Arc;
+
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::backend::{Backend, KvType};
+use gpu_offload::engine::{Engine, Logits, Session};
+use gpu_offload::model::Model;
+use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::tier::Ledger;
+use gpu_offload::tier::offload::OffloadWeights;
+
+const STEPS: usize = 5;
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+        .0 as u32
+}
+
+/// Prompts of different lengths (so positions differ within a step).
+fn prompts(vocab: usize, count: usize) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|p| {
+            (0..3 + 5 * p)
+                .map(|i| ((i * 7919 + 13 * p + 5) % (vocab - 4) + 3) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Greedy decode of each prompt alone: the logits of every step.
+fn alone<B: Backend>(e: &Engine<B>, prompts: &[Vec<u32>], probe: bool) -> Vec<Vec<Vec<f32>>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let mut s = e.new_session(64).unwrap();
+            if probe {
+                e.enable_probe(&mut s).unwrap();
+            }
+            let mut l = e.forward(&mut s, p, Logits::Last).unwrap();
+            let mut out = Vec::new();
+            for _ in 0..STEPS {
+                l = e.forward(&mut s, &[argmax(&l)], Logits::Last).unwrap();
+                out.push(l.clone());
+            }
+            out
+        })
+        .collect()
+}
+
+/// The same, every step one batched call over all sessions; also the density each session's
+/// probe measured at the end.
+fn batched<B: Backend>(e: &Engine<B>, prompts: &[Vec<u32>], probe: bool) -> Vec<Vec<Vec<f32>>> {
+    let mut sessions: Vec<Session<B>> =
+        prompts.iter().map(|_| e.new_session(64).unwrap()).collect();
+    let mut last: Vec<Vec<f32>> = Vec::new();
+    for (s, p) in sessions.iter_mut().zip(prompts) {
+        if probe {
+            e.enable_probe(s).unwrap();
+        }
+        last.push(e.forward(s, p, Logits::Last).unwrap());
+    }
+    let mut out = vec![Vec::new(); prompts.len()];
+    for _ in 0..STEPS {
+        let mut calls: Vec<(&mut Session<B>, u32)> = sessions
+            .iter_mut()
+            .zip(&last)
+            .map(|(s, l)| (s, argmax(l)))
+            .collect();
+        // As many at a time as the step holds (the server does the same).
+        last = calls
+            .chunks_mut(e.prefill().group)
+            .flat_map(|c| e.decode_many(c).unwrap())
+            .collect();
+        for (o, l) in out.iter_mut().zip(&last) {
+            o.push(l.clone());
+        }
+    }
+    out
+}
+
+fn same<B: Backend>(e: &Engine<B>, what: &str) {
+    let ps = prompts(e.spec().vocab_size, 5);
+    for probe in [false, true] {
+        let a = alone(e, &ps, probe);
+        let b = batched(e, &ps, probe);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                x == y,
+                "{what}, probe {probe}: session {i}'s logits differ when batched"
+            );
+        }
+    }
+}
+
+#[test]
+fn batched_decode_equals_each_session_alone_on_the_cpu() {
+    let m = Model::load(&common::stories260k()).unwrap();
+    same(&common::cpu_engine(&m, KvType::F32), "stories260K f32");
+    same(
+        &common::cpu_engine(&m, KvType::Q8_0),
+        "stories260K, Q8_0 KV",
+    );
+    if let Some(p) = common::smollm2() {
+        let m = Model::load(&p).unwrap();
+        same(&common::cpu_engine(&m, KvType::F16), "SmolLM2 Q4_1");
+    }
+}
+
+#[test]
+fn batched_decode_streams_the_weights_once_per_step_on_the_budgeted_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("store");
+    convert(
+        &common::stories260k(),
+        &out,
+        &ConvertOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let store = Arc::new(Store::open(&out).unwrap());
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let sessions = 5;
+    let b = |g| Budget {
+        kv_type: KvType::F16,
+        sessions,
+        probe: true,
+        logit_rows: sessions,
+        ..Budget::new(g, None, 1, 64, 32)
+    };
+    let (min, all) = common::gpu_range(&store.manifest, &hw, b);
+    let mut measured = 0;
+    for g in [min, min + (all - min) / 4, min + (all - min) / 2, all] {
+        let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+            .unwrap()
+            .with_prefill(plan.prefill)
+            .unwrap()
+            .with_kv_type(KvType::F16)
+            .unwrap();
+        let what = format!("{g} bytes, {:?}", plan.prefill);
+        eprintln!("{what}: {:?}", plan.gpu);
+        same(&e, &what);
+        assert!(
+            ledger.snapshot().hbm_peak <= plan.gpu.placed,
+            "{what}: peak"
+        );
+        // One batched step of all sessions moves the streamed weights once: what one session's
+        // step moves, plus only the other sessions' own rows (inputs, KV in host memory).
+        let ps = prompts(e.spec().vocab_size, sessions);
+        let mut ss: Vec<Session<SimBackend>> =
+            ps.iter().map(|_| e.new_session(64).unwrap()).collect();
+        for (s, p) in ss.iter_mut().zip(&ps) {
+            e.forward(s, p, Logits::Last).unwrap();
+        }
+        e.settle();
+        let before = ledger.snapshot();
+        if e.prefill().group < sessions {
+            continue;
+        }
+        let mut calls: Vec<(&mut Session<SimBackend>, u32)> =
+            ss.iter_mut().map(|s| (s, 5u32)).collect();
+        e.decode_many(&mut calls).unwrap();
+        e.settle();
+        let moved = ledger.snapshot().h2d_bytes - before.h2d_bytes;
+        eprintln!("{what}: a step of {sessions} sessions moved {moved} bytes");
+        let kv_in: u64 = ps
+            .iter()
+            .map(|p| plan.decode_bytes_at(p.len()).0 - plan.decode_bytes_at(0).0)
+            .sum();
+        let one = plan.decode_bytes_at(0).0;
+        let rows = (sessions as u64 - 1) * 4 * store.manifest.spec.d_model as u64;
+        assert!(
+            moved <= one + kv_in + rows,
+            "{what}: a step of {sessions} moved {moved} bytes; one session's step moves {one}"
+        );
+        measured += usize::from(plan.streams());
+    }
+    assert!(measured > 0, "no budget streamed with a step of {sessions}");
+}
