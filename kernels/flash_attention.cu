@@ -17,7 +17,7 @@
 #define FA_KEYS 64     // keys per shared tile
 #define FA_THREADS 128
 #define FA_PAD 8       // halves after each shared row: fragment loads then hit 32 distinct banks
-#define SPLIT_ROWS 8   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
+#define SPLIT_ROWS 4   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
 #define MAX_SPLITS 32  // chunks at most (MAX_SPLITS there: the workspace holds this many)
 #define SPLIT_TILE 64  // keys scored per pass of a split block
 #define SPLIT_THREADS 128
