@@ -2175,6 +2175,28 @@ mod tests {
     use super::*;
 
     #[test]
+    fn attention_workspace_ignores_the_context_and_never_shrinks_with_rows() {
+        let op = |tokens, head_dim| WorkspaceOp::Attention {
+            tokens,
+            n_heads: 32,
+            head_dim,
+        };
+        let one = workspace_bytes(&op(1, 128));
+        assert_eq!(one, device_bytes((32 * MAX_SPLITS * 130 * 4) as u64));
+        // A prefill step holds what the decode steps after it need (the plan sizes it once).
+        for tokens in 2..40 {
+            assert!(workspace_bytes(&op(tokens, 128)) >= workspace_bytes(&op(tokens - 1, 128)));
+        }
+        assert_eq!(
+            workspace_bytes(&op(4000, 128)),
+            workspace_bytes(&op(SPLIT_ROWS, 128))
+        );
+        // Narrow heads stay with the simple kernel, which takes none.
+        assert_eq!(workspace_bytes(&op(1, 16)), 0);
+        assert_eq!(workspace_bytes(&op(0, 128)), 0);
+    }
+
+    #[test]
     fn block_formats_take_activation_blocks_then_f16_tiles() {
         for dtype in DType::ALL {
             let op = |tokens| WorkspaceOp::Matmul {
