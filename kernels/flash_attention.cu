@@ -5,9 +5,10 @@
 //   (mma.sync, sm_80+); softmax is online (running max and sum per row, in registers), so the
 //   score matrix never exists in device memory.
 // - `attention_split_*` + `attention_combine`: decode (few query rows) over a long context of any
-//   cache type. The keys are cut into up to MAX_SPLITS chunks, one block per (head, chunk), so a
-//   single token's attention fills the GPU; each block leaves its partial (max, sum, unnormalised
-//   output) in the workspace and a second kernel combines the chunks.
+//   cache type. The keys are cut into chunks, one block per (head, chunk), so a single token's
+//   attention fills the GPU; each block leaves its rows' partials (max, sum, unnormalised output)
+//   in the workspace and a second kernel combines the chunks. A head holds MAX_SPLITS partials
+//   whatever the row count (rows × chunks ≤ MAX_SPLITS), so the workspace is fixed per model.
 // Both follow the causal rule of attention.cu: query row t sits at position first_pos + t and
 // sees keys 0..=first_pos + t. kernels/host/flash_check.cpp runs both on the host against a naive
 // attention (scripts/check-kernels.sh).
@@ -18,7 +19,7 @@
 #define FA_THREADS 128
 #define FA_PAD 8       // halves after each shared row: fragment loads then hit 32 distinct banks
 #define SPLIT_ROWS 4   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
-#define MAX_SPLITS 32  // chunks at most (MAX_SPLITS there: the workspace holds this many)
+#define MAX_SPLITS 32  // partials per head: rows × chunks at most (MAX_SPLITS there)
 #define SPLIT_TILE 64  // keys scored per pass of a split block
 #define SPLIT_THREADS 128
 #define SPLIT_MAX_HD 256
@@ -64,7 +65,8 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* 
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, quad = lane & 3;
     const int h = blockIdx.y, col = (h / group) * HD;
-    const int q0 = blockIdx.x * FA_ROWS, r0 = warp * 16;
+    // The last query tiles see the most keys: they go first, so the short ones fill the tail.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS, r0 = warp * 16;
     const long long q_stride = (long long)n_heads * HD;
 
     // The block's queries in f16 (rows past n as zeros), then each warp's rows as A fragments.
@@ -223,9 +225,9 @@ FLASH(128)
 
 // One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
 // caches of any KV type DT, head dims up to SPLIT_MAX_HD. Leaves, per row t, at
-// ws[((t·n_heads + h)·MAX_SPLITS + chunk)·(hd + 2)]: the chunk's max score m, its sum of
+// ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
-// MASKED, 0, zeros). Grid: (n_heads, chunks); block: SPLIT_THREADS.
+// MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
 template <int DT>
 __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws, int n, int n_heads, int group,
                            int hd, int kv_cols, int first_pos, float scale, int chunk) {
@@ -309,7 +311,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws
     for (int i = 0; i < 2; i++) {
         int t = warp + i * warps;
         if (t < n && lane == 0) {
-            float* w = ws + ((long long)(t * n_heads + h) * MAX_SPLITS + part) * width;
+            float* w = ws + ((long long)h * MAX_SPLITS + t * gridDim.y + part) * width;
             w[0] = m[i];
             w[1] = l[i];
         }
@@ -320,7 +322,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws
         if (d >= hd) break;
 #pragma unroll
         for (int t = 0; t < SPLIT_ROWS; t++)
-            if (t < n) ws[((long long)(t * n_heads + h) * MAX_SPLITS + part) * width + 2 + d] = acc[t][c];
+            if (t < n) ws[((long long)h * MAX_SPLITS + t * gridDim.y + part) * width + 2 + d] = acc[t][c];
     }
 }
 
@@ -339,7 +341,7 @@ SPLIT(attention_split_q8_0, DT_Q8_0)
 // outputs rescaled to the largest max. Grid: n·n_heads; block: any multiple of 32.
 extern "C" __global__ void attention_combine(const float* ws, float* out, int n_heads, int hd, int chunks) {
     const int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads, width = hd + 2;
-    const float* w = ws + (long long)(t * n_heads + h) * MAX_SPLITS * width;
+    const float* w = ws + ((long long)h * MAX_SPLITS + t * chunks) * width;
     float mx = MASKED;
     for (int c = 0; c < chunks; c++) mx = fmaxf(mx, w[c * width]);
     float sum = 0.0f;

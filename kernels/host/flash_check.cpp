@@ -117,7 +117,11 @@ static bool split(std::mt19937& rng, const Case& c, int chunk) {
     int chunks = (ctx + chunk - 1) / chunk;
     auto q = queries(rng, c);
     auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
-    std::vector<float> ws((size_t)c.n * c.heads * MAX_SPLITS * (c.hd + 2), NAN), out(q.size(), NAN);
+    if (c.n * chunks > MAX_SPLITS) {
+        std::printf("flash-check: %d rows × %d chunks exceed the workspace\n", c.n, chunks);
+        return false;
+    }
+    std::vector<float> ws((size_t)c.heads * MAX_SPLITS * (c.hd + 2), NAN), out(q.size(), NAN);
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads;
     host_launch({(unsigned)c.heads, (unsigned)chunks, 1}, SPLIT_THREADS, [&] {
@@ -140,7 +144,7 @@ int main() {
     for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
         ok &= flash(rng, c);
     // Chunks of one and of several tiles, rows that see none of the last chunk.
-    for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{8, 70, 2, 2, 32}}) {
+    for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}}) {
         ok &= split<DT_F32>(rng, c, 64);
         ok &= split<DT_F16>(rng, c, 100);
         ok &= split<DT_Q8_0>(rng, c, 37);

@@ -61,8 +61,8 @@ const ACT_BLOCK_BYTES: usize = 44;
 /// Query rows the split-KV (flash-decoding) attention takes (SPLIT_ROWS in
 /// kernels/flash_attention.cu); more rows go to the prefill kernels, which need no workspace.
 pub const SPLIT_ROWS: usize = 4;
-/// Most key chunks of a split attention (MAX_SPLITS in kernels/flash_attention.cu): the
-/// workspace holds this many partials per (row, head), whatever the context.
+/// Partials per head of a split attention (MAX_SPLITS in kernels/flash_attention.cu): rows ×
+/// key chunks at most, whatever the context, so the workspace is fixed per model.
 pub const MAX_SPLITS: usize = 32;
 /// Fewest keys a split-attention chunk takes: shorter contexts take fewer chunks.
 const SPLIT_MIN_KEYS: usize = 64;
@@ -87,17 +87,17 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
         WorkspaceOp::Embed { tokens } => device_bytes(tokens as u64 * 4),
         // Neuron ids copied in for the listed bundle kernels.
         WorkspaceOp::Listed { neurons } => device_bytes(neurons as u64 * 4),
-        // Per (row, head, chunk) of a split attention: max, sum and head_dim outputs, f32.
-        // More rows than the split kernel takes still count its most rows: the plan sizes the
-        // workspace once, at its batch, and the decode steps after it must fit in that.
+        // MAX_SPLITS partials per head of a split attention (max, sum and head_dim outputs,
+        // f32), shared by its rows. Steps of more rows (which do not split) count them too:
+        // the plan sizes the workspace once, at its batch, and the decode steps after it must
+        // fit in that.
         WorkspaceOp::Attention {
             tokens,
             n_heads,
             head_dim,
         } => {
             if tokens > 0 && splits_keys(head_dim) {
-                let rows = tokens.min(SPLIT_ROWS);
-                device_bytes((rows * n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
+                device_bytes((n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
             } else {
                 0
             }
@@ -136,6 +136,16 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
 /// simple kernel (a thread per key), as do heads wider than it is built for.
 fn splits_keys(head_dim: usize) -> bool {
     (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
+}
+
+/// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
+/// positions takes: chunks of at least SPLIT_MIN_KEYS, rows × chunks at most MAX_SPLITS (the
+/// workspace), each chunk holding at least one key (the kernels assume it).
+fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
+    let most = (MAX_SPLITS / rows.max(1)).max(1);
+    let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, most);
+    let chunk = keys.div_ceil(chunks).max(1);
+    (keys.div_ceil(chunk), chunk)
 }
 
 /// Rows of a block-format weight (`rows` × `cols`) decoded per f16 tile for cuBLAS.
@@ -2058,10 +2068,7 @@ impl Backend for CudaBackend {
                 n_heads: s.n_heads,
                 head_dim: s.head_dim,
             })?;
-            let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, MAX_SPLITS);
-            let chunk = keys.div_ceil(chunks);
-            // Every chunk holds at least one key (the kernels assume it).
-            let chunks = keys.div_ceil(chunk);
+            let (chunks, chunk) = split_chunks(keys, n);
             let f = self.func(
                 "flash_attention",
                 match k_cache.ty {
@@ -2175,7 +2182,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn attention_workspace_ignores_the_context_and_never_shrinks_with_rows() {
+    fn attention_workspace_depends_on_neither_context_nor_rows() {
         let op = |tokens, head_dim| WorkspaceOp::Attention {
             tokens,
             n_heads: 32,
@@ -2183,14 +2190,20 @@ mod tests {
         };
         let one = workspace_bytes(&op(1, 128));
         assert_eq!(one, device_bytes((32 * MAX_SPLITS * 130 * 4) as u64));
-        // A prefill step holds what the decode steps after it need (the plan sizes it once).
-        for tokens in 2..40 {
-            assert!(workspace_bytes(&op(tokens, 128)) >= workspace_bytes(&op(tokens - 1, 128)));
+        // Any step holds what the decode steps after it need (the plan sizes it once).
+        for tokens in [2, 4, 5, 40, 4000] {
+            assert_eq!(workspace_bytes(&op(tokens, 128)), one);
         }
-        assert_eq!(
-            workspace_bytes(&op(4000, 128)),
-            workspace_bytes(&op(SPLIT_ROWS, 128))
-        );
+        for rows in 1..=SPLIT_ROWS {
+            for keys in (1..300).chain([4000, 100_000]) {
+                let (chunks, chunk) = split_chunks(keys, rows);
+                assert!(chunks >= 1 && rows * chunks <= MAX_SPLITS, "{rows} {keys}");
+                assert!(
+                    chunks * chunk >= keys && (chunks - 1) * chunk < keys,
+                    "{keys}"
+                );
+            }
+        }
         // Narrow heads stay with the simple kernel, which takes none.
         assert_eq!(workspace_bytes(&op(1, 16)), 0);
         assert_eq!(workspace_bytes(&op(0, 128)), 0);
