@@ -7,15 +7,6 @@
 #define TILE 1024
 #define MAX_HEAD_DIM 256
 
-// Element e of a cache row in storage format DT.
-template <int DT>
-__device__ __forceinline__ float kv_elem(const u8* row, int e) {
-    if (DT == DT_F32) return ((const float*)row)[e];
-    if (DT == DT_F16) return h2f(((const u16*)row)[e]);
-    const u8* b = row + (e >> 5) * 34;  // Q8_0
-    return h2f(load_u16(b)) * (float)(i8)b[2 + (e & 31)];
-}
-
 // q: n × q_stride f32 (head h at h·hd); caches: ctx rows of `kv_cols` values in DT (KV head g at
 // values g·hd..); query t sits at position first_pos + t and sees keys 0..=first_pos + t.
 // Block: 256 threads.

@@ -233,6 +233,15 @@ __device__ __forceinline__ float load_elem(const u8* row, int dtype, int j) {
     }
 }
 
+// Element e of a KV cache row in storage format DT (f32, f16 or Q8_0: `KvType`).
+template <int DT>
+__device__ __forceinline__ float kv_elem(const u8* row, int e) {
+    if (DT == DT_F32) return ((const float*)row)[e];
+    if (DT == DT_F16) return h2f(((const u16*)row)[e]);
+    const u8* b = row + (e >> 5) * 34;  // Q8_0
+    return h2f(load_u16(b)) * (float)(i8)b[2 + (e & 31)];
+}
+
 // 32 activations quantized to 8 bits, laid out as `ActBlock` in src/backend/cpu/kernels.rs:
 // x ≈ d·q, d and s = d·Σq rounded to f16 (held as f32), isum = Σq exact.
 struct ActBlock {

@@ -6,7 +6,8 @@
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
 #            read bound (a fraction above 1.05 fails the bench), full-GPU decode of the 7B shape
-#            (f16 KV) at 128 and 4000 positions vs its HBM bound and vs transformers
+#            (f16 KV) at 128 and 4000 positions vs its HBM bound and vs transformers, its
+#            prefill of 512 and 2048 tokens (tensor-core attention)
 #   offload  the 7B shape under --gpu-mem 4G: decode vs the PCIe bound and the plan's
 #            prediction, vs transformers + accelerate offload at 4 GiB; then --dram-mem below
 #            the model size (SSD tier) vs the SSD bound
@@ -126,6 +127,10 @@ bench() {
     say "full-GPU decode, 7B shape, f16 KV, at 128 and at 4000 positions"
     record decode_7b_full_gpu "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 32 -n 64 --json 2>>"$LOG")"
     record decode_7b_full_gpu_4000 "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 --json 2>>"$LOG")"
+    say "full-GPU prefill, 7B shape, f16 KV, 512 and 2048 prompt tokens (prefill_tokens_per_s)"
+    for p in 512 2048; do
+        record "prefill_7b_full_gpu_$p" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens "$p" -n 2 --reps 2 --json 2>>"$LOG")"
+    done
     say "transformers, same model, same call"
     record decode_7b_transformers "$($PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens 32 --tokens 64 2>>"$LOG" | tail -n1)"
     say "stories260K decode"

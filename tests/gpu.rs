@@ -391,7 +391,15 @@ fn attention_on<B: Backend>(
     b.store_kv(&kt, &mut kc, 0).unwrap();
     b.store_kv(&vt, &mut vc, 0).unwrap();
     let mut out = poisoned(b, n, s.n_heads * s.head_dim);
+    // Few rows split the keys across blocks, meeting in the workspace.
+    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Attention {
+        tokens: n,
+        n_heads: s.n_heads,
+        head_dim: s.head_dim,
+    }))
+    .unwrap();
     b.attention(&qt, &kc, &vc, pos, s, &mut out).unwrap();
+    b.set_workspace(0).unwrap();
     get(b, &out)
 }
 
@@ -423,6 +431,58 @@ fn attention_decode_and_prefill_with_gqa_equal_cpu<B: Backend>(g: &B) {
             );
         }
     }
+}
+
+/// The kernels that scale with the context against the CPU: prefill over an f16 cache on
+/// tensor cores (at least 16 rows and a head dim of 64, 80, 96 or 128; queries and
+/// probabilities are rounded to f16, hence the looser tolerance), the simple kernel between
+/// them and the split decode (5..16 rows) and for head dims neither takes, and the split-KV
+/// decode (1..=4 rows) of every cache type over 4000 positions, chunked across blocks.
+fn long_context_attention_equals_cpu<B: Backend>(g: &B) {
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(13);
+    let shape = |heads: usize, kv_heads: usize, hd: usize| AttnShape {
+        n_heads: heads,
+        n_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    let mut check = |ty: KvType, n: usize, pos: usize, s: AttnShape, tol: f32| {
+        let ctx = pos + n + 3;
+        let (heads, kv_heads, hd) = (s.n_heads, s.n_kv_heads, s.head_dim);
+        let q = rand_vec(&mut rng, n * heads * hd, 1.0);
+        let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty);
+        let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty);
+        let e = rel(&got, &want);
+        assert!(
+            e <= tol,
+            "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
+        );
+    };
+    // Flash prefill: whole and partial query tiles, long first_pos, GQA, 1000+ positions.
+    for (n, pos, s) in [
+        (64, 1000, shape(8, 2, 64)),
+        (200, 1100, shape(4, 2, 128)),
+        (1030, 0, shape(4, 1, 128)),
+        (100, 300, shape(6, 3, 80)),
+        (17, 2000, shape(2, 2, 96)),
+    ] {
+        check(KvType::F16, n, pos, s, 2e-3);
+    }
+    // The simple kernel: between the split and flash row counts, and head dims flash lacks.
+    check(KvType::F16, 12, 500, shape(4, 2, 64), 1e-4);
+    check(KvType::F16, 40, 700, shape(4, 2, 48), 1e-4);
+    check(KvType::Q8_0, 40, 700, shape(4, 2, 64), 1e-4);
+    // Split-KV decode over 4000 positions.
+    for n in 1..=4 {
+        check(KvType::F16, n, 4000 - n, shape(8, 2, 128), 1e-4);
+        check(KvType::F16, n, 4000 - n, shape(4, 4, 64), 1e-4);
+    }
+    check(KvType::F32, 4, 3996, shape(4, 2, 128), 1e-4);
+    check(KvType::F32, 8, 3992, shape(4, 2, 128), 1e-4);
+    check(KvType::Q8_0, 3, 3997, shape(4, 1, 64), 1e-4);
 }
 
 /// The device's KV conversion equals the host codec bit for bit (so a context swapped out on
@@ -868,6 +928,7 @@ on_devices!(
     rope_both_pairings_equal_cpu,
     embedding_gathers_every_format_equal_cpu,
     attention_decode_and_prefill_with_gqa_equal_cpu,
+    long_context_attention_equals_cpu,
     kv_store_read_write_equal_cpu,
     bundled_ffn_equals_cpu,
     ffn_sparsity_masks_zero_exactly_what_they_say,

@@ -1,7 +1,8 @@
 // Host stand-ins for the CUDA built-ins the kernel headers use, so their per-thread device
 // functions (decoders, dot products) compile with g++ and can be checked on a machine without a
 // GPU (kernels/host/decode_check.cpp). Warp and block collectives are single-thread identities:
-// only code that does not depend on them is checked here.
+// only code that does not depend on them is checked here, unless KERNEL_HOST_SIMT runs each
+// block as threads (kernels/host/simt.h).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -24,9 +25,16 @@ inline int __dp4a(int a, int b, int c) {
     for (int k = 0; k < 4; k++) c += (int)(signed char)(a >> (8 * k)) * (int)(signed char)(b >> (8 * k));
     return c;
 }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+#ifdef KERNEL_HOST_SIMT
+// Whole blocks run as host threads (kernels/host/simt.h): collectives and shared memory are real.
+#include "simt.h"
+#else
 template <typename T> inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
 inline void __syncthreads() {}
 struct HostDim3 { unsigned x, y, z; };
 static HostDim3 threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {32, 1, 1};
+#endif
 inline float host_h2f(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
 inline unsigned short host_f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; std::memcpy(&h, &v, 2); return h; }

@@ -498,6 +498,11 @@ impl Backend for SimBackend {
         shape: AttnShape,
         out: &mut SimTensor,
     ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Attention {
+            tokens: q.t.rows,
+            n_heads: shape.n_heads,
+            head_dim: shape.head_dim,
+        })?;
         self.cpu
             .attention(&q.t, &k_cache.kv, &v_cache.kv, first_pos, shape, &mut out.t)
     }

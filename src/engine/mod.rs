@@ -531,6 +531,11 @@ pub fn step_memory(
     for m in &matmuls.layer {
         ws = ws.max(workspace(&m.op(n)));
     }
+    ws = ws.max(workspace(&WorkspaceOp::Attention {
+        tokens: n,
+        n_heads: spec.n_heads,
+        head_dim: spec.head_dim,
+    }));
     if logit_rows > 0 {
         ws = ws.max(workspace(&matmuls.head.op(logit_rows)));
     }

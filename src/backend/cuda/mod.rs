@@ -58,6 +58,27 @@ const BLAS_WORKSPACE: usize = 32 << 20;
 /// Bytes of one 8-bit activation block (`ActBlock` in kernels/common.cuh).
 const ACT_BLOCK_BYTES: usize = 44;
 
+/// Query rows the split-KV (flash-decoding) attention takes (SPLIT_ROWS in
+/// kernels/flash_attention.cu); more rows go to the prefill kernels, which need no workspace.
+pub const SPLIT_ROWS: usize = 4;
+/// Partials per head of a split attention (MAX_SPLITS in kernels/flash_attention.cu): rows ×
+/// key chunks at most, whatever the context, so the workspace is fixed per model.
+pub const MAX_SPLITS: usize = 32;
+/// Fewest keys a split-attention chunk takes: shorter contexts take fewer chunks.
+const SPLIT_MIN_KEYS: usize = 64;
+/// Narrowest heads the split attention takes (see [`splits_keys`]).
+const SPLIT_MIN_HD: usize = 32;
+/// Head dims the split kernel takes (SPLIT_MAX_HD in kernels/flash_attention.cu), and the
+/// simple kernel too.
+const MAX_HEAD_DIM: usize = 256;
+/// Query rows from which a prefill over an f16 cache runs on tensor cores (the flash kernel),
+/// and the head dims it is built for (flash_attn_f16_hd* in kernels/flash_attention.cu).
+const FLASH_MIN_ROWS: usize = 16;
+const FLASH_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
+/// Query rows per flash block (FA_ROWS) and threads per block of both new kernels.
+const FLASH_ROWS: usize = 64;
+const FLASH_THREADS: u32 = 128;
+
 /// The device workspace `op` takes on the CUDA backend (with cuBLAS): the one formula the
 /// planner, this backend and the budgeted device (which reserves the same) use. Pure: no GPU.
 pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
@@ -66,6 +87,21 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
         WorkspaceOp::Embed { tokens } => device_bytes(tokens as u64 * 4),
         // Neuron ids copied in for the listed bundle kernels.
         WorkspaceOp::Listed { neurons } => device_bytes(neurons as u64 * 4),
+        // MAX_SPLITS partials per head of a split attention (max, sum and head_dim outputs,
+        // f32), shared by its rows. Steps of more rows (which do not split) count them too:
+        // the plan sizes the workspace once, at its batch, and the decode steps after it must
+        // fit in that.
+        WorkspaceOp::Attention {
+            tokens,
+            n_heads,
+            head_dim,
+        } => {
+            if tokens > 0 && splits_keys(head_dim) {
+                device_bytes((n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
+            } else {
+                0
+            }
+        }
         WorkspaceOp::Matmul {
             dtype,
             tokens,
@@ -93,6 +129,23 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
             }
         }
     }
+}
+
+/// Whether attention with heads of `head_dim` splits the keys of few query rows across blocks:
+/// its warps split a key's dims over their lanes, so heads narrower than a warp stay with the
+/// simple kernel (a thread per key), as do heads wider than it is built for.
+fn splits_keys(head_dim: usize) -> bool {
+    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
+}
+
+/// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
+/// positions takes: chunks of at least SPLIT_MIN_KEYS, rows × chunks at most MAX_SPLITS (the
+/// workspace), each chunk holding at least one key (the kernels assume it).
+fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
+    let most = (MAX_SPLITS / rows.max(1)).max(1);
+    let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, most);
+    let chunk = keys.div_ceil(chunks).max(1);
+    (keys.div_ceil(chunk), chunk)
 }
 
 /// Rows of a block-format weight (`rows` × `cols`) decoded per f16 tile for cuBLAS.
@@ -2052,7 +2105,7 @@ impl Backend for CudaBackend {
             || first_pos + n > k_cache.rows.min(v_cache.rows)
             || s.n_kv_heads == 0
             || !s.n_heads.is_multiple_of(s.n_kv_heads)
-            || s.head_dim > 256
+            || s.head_dim > MAX_HEAD_DIM
         {
             return Err(shape_err(
                 "attention",
@@ -2062,6 +2115,104 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
+        if n == 0 {
+            return Ok(());
+        }
+        let (nh, group, hd) = (
+            s.n_heads as i32,
+            (s.n_heads / s.n_kv_heads) as i32,
+            s.head_dim as i32,
+        );
+        let (qs, kvs, fp) = (q_dim as i32, kv_dim as i32, first_pos as i32);
+        let keys = first_pos + n;
+        if n <= SPLIT_ROWS && splits_keys(s.head_dim) {
+            // Few rows (decode): the keys in chunks across blocks, partials in the workspace.
+            let (_ws, wptr) = self.workspace_for(WorkspaceOp::Attention {
+                tokens: n,
+                n_heads: s.n_heads,
+                head_dim: s.head_dim,
+            })?;
+            let (chunks, chunk) = split_chunks(keys, n);
+            let f = self.func(
+                "flash_attention",
+                match k_cache.ty {
+                    KvType::F32 => "attention_split_f32",
+                    KvType::F16 => "attention_split_f16",
+                    KvType::Q8_0 => "attention_split_q8_0",
+                },
+            )?;
+            let c = LaunchConfig {
+                grid_dim: (s.n_heads as u32, chunks as u32, 1),
+                block_dim: (FLASH_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (rows, chunk_i) = (n as i32, chunk as i32);
+            launch!(
+                self,
+                f,
+                c,
+                q.buf.ptr,
+                k_cache.buf.ptr,
+                v_cache.buf.ptr,
+                wptr,
+                rows,
+                nh,
+                group,
+                hd,
+                kvs,
+                fp,
+                s.scale,
+                chunk_i
+            );
+            let f = self.func("flash_attention", "attention_combine")?;
+            let chunks = chunks as i32;
+            launch!(
+                self,
+                f,
+                cfg((n * s.n_heads) as u32, FLASH_THREADS),
+                wptr,
+                out.buf.ptr,
+                nh,
+                hd,
+                chunks
+            );
+            return Ok(());
+        }
+        if n >= FLASH_MIN_ROWS && k_cache.ty == KvType::F16 && FLASH_HEAD_DIMS.contains(&s.head_dim)
+        {
+            // Prefill over an f16 cache: tensor-core tiles, the scores never leave the chip.
+            let f = self.func(
+                "flash_attention",
+                match s.head_dim {
+                    64 => "flash_attn_f16_hd64",
+                    80 => "flash_attn_f16_hd80",
+                    96 => "flash_attn_f16_hd96",
+                    _ => "flash_attn_f16_hd128",
+                },
+            )?;
+            let c = LaunchConfig {
+                grid_dim: (n.div_ceil(FLASH_ROWS) as u32, s.n_heads as u32, 1),
+                block_dim: (FLASH_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let rows = n as i32;
+            launch!(
+                self,
+                f,
+                c,
+                q.buf.ptr,
+                k_cache.buf.ptr,
+                v_cache.buf.ptr,
+                out.buf.ptr,
+                rows,
+                nh,
+                group,
+                kvs,
+                fp,
+                s.scale
+            );
+            return Ok(());
+        }
         let f = self.func(
             "attention",
             match k_cache.ty {
@@ -2070,12 +2221,6 @@ impl Backend for CudaBackend {
                 KvType::Q8_0 => "attention_q8_0",
             },
         )?;
-        let (nh, group, hd) = (
-            s.n_heads as i32,
-            (s.n_heads / s.n_kv_heads) as i32,
-            s.head_dim as i32,
-        );
-        let (qs, kvs, fp) = (q_dim as i32, kv_dim as i32, first_pos as i32);
         launch!(
             self,
             f,
@@ -2099,6 +2244,34 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_workspace_depends_on_neither_context_nor_rows() {
+        let op = |tokens, head_dim| WorkspaceOp::Attention {
+            tokens,
+            n_heads: 32,
+            head_dim,
+        };
+        let one = workspace_bytes(&op(1, 128));
+        assert_eq!(one, device_bytes((32 * MAX_SPLITS * 130 * 4) as u64));
+        // Any step holds what the decode steps after it need (the plan sizes it once).
+        for tokens in [2, 4, 5, 40, 4000] {
+            assert_eq!(workspace_bytes(&op(tokens, 128)), one);
+        }
+        for rows in 1..=SPLIT_ROWS {
+            for keys in (1..300).chain([4000, 100_000]) {
+                let (chunks, chunk) = split_chunks(keys, rows);
+                assert!(chunks >= 1 && rows * chunks <= MAX_SPLITS, "{rows} {keys}");
+                assert!(
+                    chunks * chunk >= keys && (chunks - 1) * chunk < keys,
+                    "{keys}"
+                );
+            }
+        }
+        // Narrow heads stay with the simple kernel, which takes none.
+        assert_eq!(workspace_bytes(&op(1, 16)), 0);
+        assert_eq!(workspace_bytes(&op(0, 128)), 0);
+    }
 
     #[test]
     fn block_formats_take_activation_blocks_then_f16_tiles() {

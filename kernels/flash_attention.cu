@@ -1,0 +1,355 @@
+// Attention that scales with the context (issue 13), beside the simple kernel of attention.cu:
+// - `flash_attn_f16_hd*`: prefill (many query rows) over an f16 cache on tensor cores. A block
+//   takes 64 query rows of one head (16 per warp); key and value tiles of 64 positions go through
+//   shared memory once per block; Q·Kᵀ and P·V are m16n8k16 f16 products with f32 accumulation
+//   (mma.sync, sm_80+); softmax is online (running max and sum per row, in registers), so the
+//   score matrix never exists in device memory.
+// - `attention_split_*` + `attention_combine`: decode (few query rows) over a long context of any
+//   cache type. The keys are cut into chunks, one block per (head, chunk), so a single token's
+//   attention fills the GPU; each block leaves its rows' partials (max, sum, unnormalised output)
+//   in the workspace and a second kernel combines the chunks. A head holds MAX_SPLITS partials
+//   whatever the row count (rows × chunks ≤ MAX_SPLITS), so the workspace is fixed per model.
+// Both follow the causal rule of attention.cu: query row t sits at position first_pos + t and
+// sees keys 0..=first_pos + t. kernels/host/flash_check.cpp runs both on the host against a naive
+// attention (scripts/check-kernels.sh).
+#include "common.cuh"
+
+#define FA_ROWS 64     // query rows per flash block: 16 per warp
+#define FA_KEYS 64     // keys per shared tile
+#define FA_THREADS 128
+#define FA_PAD 8       // halves after each shared row: fragment loads then hit 32 distinct banks
+#define SPLIT_ROWS 4   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
+#define MAX_SPLITS 32  // partials per head: rows × chunks at most (MAX_SPLITS there)
+#define SPLIT_TILE 64  // keys scored per pass of a split block
+#define SPLIT_THREADS 128
+#define SPLIT_MAX_HD 256
+#define MASKED (-3.0e38f)
+
+// Eight halves, moved as one 16-byte access.
+struct alignas(16) Half8 {
+    u32 w[4];
+};
+
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) { return (u32)f2h(lo) | ((u32)f2h(hi) << 16); }
+
+__device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
+
+// d += a·b for one 16×8 tile over k = 16: a is 16×16 f16 (row-major fragment), b 16×8 f16
+// (column-major fragment), d f32. Fragment layouts: kernels/host/simt.h, host_mma_16816.
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+#ifdef KERNEL_HOST_CHECK
+    host_mma_16816(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols f16 (KV head g at g·HD); out like q.
+// Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
+template <int HD>
+__device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* out, int n, int n_heads,
+                           int group, int kv_cols, int first_pos, float scale) {
+    constexpr int KP = HD + FA_PAD;      // pitch (halves) of a key row: the Q tile is staged here too
+    constexpr int VP = FA_KEYS + FA_PAD;  // pitch of a value column: values are stored transposed
+    constexpr int KSTEPS = HD / 16;       // k-steps of Q·Kᵀ
+    constexpr int OTILES = HD / 8;        // 8-wide column tiles of the output
+    constexpr int STILES = FA_KEYS / 8;   // 8-wide column tiles of a score tile
+    __shared__ Half8 k_raw[FA_KEYS * KP / 8];
+    __shared__ Half8 v_raw[HD * VP / 8];
+    u16* ks = (u16*)k_raw;
+    u16* vt = (u16*)v_raw;  // vt[d·VP + key]: a value fragment is then one 32-bit load
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, quad = lane & 3;
+    const int h = blockIdx.y, col = (h / group) * HD;
+    // The last query tiles see the most keys: they go first, so the short ones fill the tail.
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS, r0 = warp * 16;
+    const long long q_stride = (long long)n_heads * HD;
+
+    // The block's queries in f16 (rows past n as zeros), then each warp's rows as A fragments.
+    for (int i = tid; i < FA_ROWS * HD / 2; i += FA_THREADS) {
+        int r = i / (HD / 2), c = (i % (HD / 2)) * 2;
+        float x0 = 0.0f, x1 = 0.0f;
+        if (q0 + r < n) {
+            const float* src = q + (q0 + r) * q_stride + h * HD + c;
+            x0 = src[0];
+            x1 = src[1];
+        }
+        *(u32*)&ks[r * KP + c] = pack_h2(x0, x1);
+    }
+    __syncthreads();
+    u32 qf[KSTEPS][4];
+#pragma unroll
+    for (int k = 0; k < KSTEPS; k++) {
+        const u16* a = ks + (r0 + grp) * KP + k * 16 + quad * 2;
+        qf[k][0] = ld_u32(a);
+        qf[k][1] = ld_u32(a + 8 * KP);
+        qf[k][2] = ld_u32(a + 8);
+        qf[k][3] = ld_u32(a + 8 * KP + 8);
+    }
+
+    // This lane's rows: ta (fragment elements 0, 1) and ta + 8 (elements 2, 3).
+    const int ta = q0 + r0 + grp;
+    float o[OTILES][4];
+#pragma unroll
+    for (int j = 0; j < OTILES; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    // Running max (log2 units) and this lane's share of the running sum, per row.
+    float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
+    const float scale2 = scale * 1.4426950408889634f;  // exp(x·scale) = exp2(x·scale2)
+    const int keys = first_pos + min(n, q0 + FA_ROWS);  // keys the block's last row sees
+
+    for (int j0 = 0; j0 < keys; j0 += FA_KEYS) {
+        __syncthreads();  // every warp is done with the previous tile (or the Q staging)
+        // Keys row-major, 16 bytes a thread (a row is read contiguously); positions past the
+        // last one any row sees are zeros (they may be past the cache).
+        for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
+            int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+            Half8 x = {{0u, 0u, 0u, 0u}};
+            if (j0 + r < keys) x = *(const Half8*)(kc + (long long)(j0 + r) * kv_cols + col + c);
+            *(Half8*)&ks[r * KP + c] = x;
+        }
+        // Values transposed; consecutive threads take consecutive keys, so their 2-byte stores
+        // fall in distinct banks.
+        for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
+            int r = i % FA_KEYS, c = (i / FA_KEYS) * 8;
+            Half8 x = {{0u, 0u, 0u, 0u}};
+            if (j0 + r < keys) x = *(const Half8*)(vc + (long long)(j0 + r) * kv_cols + col + c);
+#pragma unroll
+            for (int e = 0; e < 8; e++) vt[(c + e) * VP + r] = (u16)(x.w[e >> 1] >> (16 * (e & 1)));
+        }
+        __syncthreads();
+
+        // Scores of this warp's 16 rows against the 64 keys.
+        float s[STILES][4];
+#pragma unroll
+        for (int j = 0; j < STILES; j++) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KSTEPS; k++) {
+                const u16* bp = ks + (j * 8 + grp) * KP + k * 16 + quad * 2;
+                u32 b[2] = {ld_u32(bp), ld_u32(bp + 8)};
+                mma_16816(s[j], qf[k], b);
+            }
+        }
+        // Causal mask, only on tiles that reach past this warp's first row's position.
+        const bool whole = j0 + FA_KEYS - 1 <= first_pos + q0 + r0;
+        float tmax[2] = {MASKED, MASKED};
+#pragma unroll
+        for (int j = 0; j < STILES; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int row = ta + (e >> 1) * 8, key = j0 + j * 8 + quad * 2 + (e & 1);
+                float x = s[j][e] * scale2;
+                if (!whole && key > first_pos + row) x = MASKED;
+                s[j][e] = x;
+                tmax[e >> 1] = fmaxf(tmax[e >> 1], x);
+            }
+        }
+        // Online softmax: the four lanes of a group hold one row between them.
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 1));
+            tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(0xffffffffu, tmax[i], 2));
+            // Every row sees key 0, so m is a real score from the first tile on and masked
+            // scores below give exp2(MASKED - m) = 0.
+            float mn = fmaxf(m[i], tmax[i]);
+            alpha[i] = exp2f(m[i] - mn);
+            m[i] = mn;
+            l[i] *= alpha[i];
+        }
+#pragma unroll
+        for (int j = 0; j < STILES; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = exp2f(s[j][e] - m[e >> 1]);
+                s[j][e] = p;
+                l[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < OTILES; j++) {
+            o[j][0] *= alpha[0];
+            o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1];
+            o[j][3] *= alpha[1];
+        }
+        // O += P·V: the score accumulators of tiles 2k, 2k+1 are exactly the A fragment of
+        // k-step k (rows grp, grp + 8; keys 16k + 2·quad.. and + 8), rounded to f16.
+#pragma unroll
+        for (int k = 0; k < FA_KEYS / 16; k++) {
+            u32 a[4] = {pack_h2(s[2 * k][0], s[2 * k][1]), pack_h2(s[2 * k][2], s[2 * k][3]),
+                        pack_h2(s[2 * k + 1][0], s[2 * k + 1][1]), pack_h2(s[2 * k + 1][2], s[2 * k + 1][3])};
+#pragma unroll
+            for (int j = 0; j < OTILES; j++) {
+                const u16* bp = vt + (j * 8 + grp) * VP + k * 16 + quad * 2;
+                u32 b[2] = {ld_u32(bp), ld_u32(bp + 8)};
+                mma_16816(o[j], a, b);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int row = ta + 8 * i;
+        if (row >= n) continue;
+        float inv = 1.0f / l[i];
+        float* dst = out + row * q_stride + h * HD + quad * 2;
+#pragma unroll
+        for (int j = 0; j < OTILES; j++) {
+            dst[j * 8] = o[j][2 * i] * inv;
+            dst[j * 8 + 1] = o[j][2 * i + 1] * inv;
+        }
+    }
+}
+
+#define FLASH(HD)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                               \
+        flash_attn_f16_hd##HD(const float* q, const u16* kc, const u16* vc, float* out, int n, int n_heads, \
+                              int group, int kv_cols, int first_pos, float scale) {                        \
+        flash_impl<HD>(q, kc, vc, out, n, n_heads, group, kv_cols, first_pos, scale);                      \
+    }
+
+FLASH(64)
+FLASH(80)
+FLASH(96)
+FLASH(128)
+
+// One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
+// caches of any KV type DT, head dims up to SPLIT_MAX_HD. Leaves, per row t, at
+// ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
+// exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
+// MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
+template <int DT>
+__device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws, int n, int n_heads, int group,
+                           int hd, int kv_cols, int first_pos, float scale, int chunk) {
+    __shared__ float qs[SPLIT_ROWS * SPLIT_MAX_HD];
+    __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
+    __shared__ float alpha[SPLIT_ROWS];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int warps = SPLIT_THREADS / 32;
+    const int h = blockIdx.x, part = blockIdx.y, col = (h / group) * hd;
+    const long long rb = row_bytes(DT, kv_cols);
+    const int k0 = part * chunk, k1 = min(first_pos + n, k0 + chunk);
+    for (int i = tid; i < n * hd; i += SPLIT_THREADS)
+        qs[(i / hd) * SPLIT_MAX_HD + i % hd] = q[(long long)(i / hd) * n_heads * hd + h * hd + i % hd] * scale;
+    // Warp w keeps the running max and sum of rows w and w + warps; thread i accumulates
+    // output dims i and i + SPLIT_THREADS of every row.
+    float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
+    float acc[SPLIT_ROWS][2];
+#pragma unroll
+    for (int t = 0; t < SPLIT_ROWS; t++) acc[t][0] = acc[t][1] = 0.0f;
+    __syncthreads();
+
+    for (int j0 = k0; j0 < k1; j0 += SPLIT_TILE) {
+        const int tile = min(SPLIT_TILE, k1 - j0);
+        // A warp per key: lanes split the head dims (coalesced), one sum per row.
+        for (int jj = warp; jj < tile; jj += warps) {
+            const u8* krow = kc + (long long)(j0 + jj) * rb;
+            float dot[SPLIT_ROWS];
+#pragma unroll
+            for (int t = 0; t < SPLIT_ROWS; t++) dot[t] = 0.0f;
+            for (int d = lane; d < hd; d += 32) {
+                float kv = kv_elem<DT>(krow, col + d);
+#pragma unroll
+                for (int t = 0; t < SPLIT_ROWS; t++)
+                    if (t < n) dot[t] += qs[t * SPLIT_MAX_HD + d] * kv;
+            }
+#pragma unroll
+            for (int t = 0; t < SPLIT_ROWS; t++) {
+                if (t >= n) break;
+                float sc = warp_sum(dot[t]);
+                if (lane == 0) p[t * SPLIT_TILE + jj] = j0 + jj <= first_pos + t ? sc : MASKED;
+            }
+        }
+        __syncthreads();
+        // Online softmax, a warp per row.
+        for (int i = 0; i < 2; i++) {
+            int t = warp + i * warps;
+            if (t >= n) break;
+            float* pr = p + t * SPLIT_TILE;
+            float x0 = lane < tile ? pr[lane] : MASKED;
+            float x1 = lane + 32 < tile ? pr[lane + 32] : MASKED;
+            float mn = fmaxf(m[i], warp_max(fmaxf(x0, x1)));
+            // Masked scores weigh 0 even while the row has seen no key of the chunk (mn masked).
+            float e0 = x0 > MASKED ? expf(x0 - mn) : 0.0f;
+            float e1 = x1 > MASKED ? expf(x1 - mn) : 0.0f;
+            if (lane < tile) pr[lane] = e0;
+            if (lane + 32 < tile) pr[lane + 32] = e1;
+            float a = expf(m[i] - mn);
+            l[i] = l[i] * a + warp_sum(e0 + e1);
+            m[i] = mn;
+            if (lane == 0) alpha[t] = a;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            int d = tid + c * SPLIT_THREADS;
+            if (d >= hd) break;
+#pragma unroll
+            for (int t = 0; t < SPLIT_ROWS; t++)
+                if (t < n) acc[t][c] *= alpha[t];
+            for (int jj = 0; jj < tile; jj++) {
+                float v = kv_elem<DT>(vc + (long long)(j0 + jj) * rb, col + d);
+#pragma unroll
+                for (int t = 0; t < SPLIT_ROWS; t++)
+                    if (t < n) acc[t][c] += p[t * SPLIT_TILE + jj] * v;
+            }
+        }
+        __syncthreads();  // p and alpha are rewritten by the next tile
+    }
+
+    const int width = hd + 2;
+    for (int i = 0; i < 2; i++) {
+        int t = warp + i * warps;
+        if (t < n && lane == 0) {
+            float* w = ws + ((long long)h * MAX_SPLITS + t * gridDim.y + part) * width;
+            w[0] = m[i];
+            w[1] = l[i];
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        int d = tid + c * SPLIT_THREADS;
+        if (d >= hd) break;
+#pragma unroll
+        for (int t = 0; t < SPLIT_ROWS; t++)
+            if (t < n) ws[((long long)h * MAX_SPLITS + t * gridDim.y + part) * width + 2 + d] = acc[t][c];
+    }
+}
+
+#define SPLIT(name, DT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                              \
+        name(const float* q, const u8* kc, const u8* vc, float* ws, int n, int n_heads, int group, int hd,   \
+             int kv_cols, int first_pos, float scale, int chunk) {                                           \
+        split_impl<DT>(q, kc, vc, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk);            \
+    }
+
+SPLIT(attention_split_f32, DT_F32)
+SPLIT(attention_split_f16, DT_F16)
+SPLIT(attention_split_q8_0, DT_Q8_0)
+
+// out[t][h·hd + d] from the `chunks` partials split_impl left for (t, h): every chunk's sum and
+// outputs rescaled to the largest max. Grid: n·n_heads; block: any multiple of 32.
+extern "C" __global__ void attention_combine(const float* ws, float* out, int n_heads, int hd, int chunks) {
+    const int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads, width = hd + 2;
+    const float* w = ws + ((long long)h * MAX_SPLITS + t * chunks) * width;
+    float mx = MASKED;
+    for (int c = 0; c < chunks; c++) mx = fmaxf(mx, w[c * width]);
+    float sum = 0.0f;
+    for (int c = 0; c < chunks; c++) sum += w[c * width + 1] * expf(w[c * width] - mx);
+    const float inv = 1.0f / sum;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int c = 0; c < chunks; c++) o += w[c * width + 2 + d] * expf(w[c * width] - mx);
+        out[(long long)t * n_heads * hd + h * hd + d] = o * inv;
+    }
+}

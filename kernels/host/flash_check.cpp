@@ -1,0 +1,155 @@
+// The kernels of kernels/flash_attention.cu run on the host, each block as threads
+// (kernels/host/simt.h, which also stands in for the tensor-core product from the PTX fragment
+// layouts), against a naive causal GQA attention in double over the same cache values:
+// the flash prefill kernel (f16 cache: queries and probabilities rounded to f16, so a relative
+// tolerance of 2e-3) and the split decode + combine kernels (every cache type, f32 math: 1e-4).
+// Errors are max |got - want| / max |want|. scripts/check-kernels.sh builds and runs this.
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "flash_attention.cu"
+
+struct Case {
+    int n, first_pos, heads, kv_heads, hd;
+};
+
+// A cache of `rows` × `cols` random values in DT, as store_kv writes it.
+static std::vector<u8> cache(std::mt19937& rng, int dt, int rows, int cols) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> x((size_t)rows * cols);
+    for (auto& v : x) v = u(rng);
+    std::vector<u8> out;
+    if (dt == DT_F32) {
+        out.resize(x.size() * 4);
+        std::memcpy(out.data(), x.data(), out.size());
+    } else if (dt == DT_F16) {
+        out.resize(x.size() * 2);
+        for (size_t i = 0; i < x.size(); i++) ((u16*)out.data())[i] = f2h(x[i]);
+    } else {  // Q8_0: d = amax / 127, q = round(x / d)
+        out.resize(x.size() / 32 * 34);
+        for (size_t b = 0; b < x.size() / 32; b++) {
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = std::fmax(amax, std::fabs(x[b * 32 + i]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            u16 dh = f2h(d);
+            std::memcpy(&out[b * 34], &dh, 2);
+            for (int i = 0; i < 32; i++) out[b * 34 + 2 + i] = (u8)(i8)std::round(x[b * 32 + i] * id);
+        }
+    }
+    return out;
+}
+
+template <int DT>
+static std::vector<double> naive(const std::vector<float>& q, const u8* kc, const u8* vc, const Case& c) {
+    int kv_cols = c.kv_heads * c.hd, group = c.heads / c.kv_heads;
+    long long rb = row_bytes(DT, kv_cols);
+    double scale = 1.0 / std::sqrt((double)c.hd);
+    std::vector<double> out((size_t)c.n * c.heads * c.hd, 0.0);
+    for (int t = 0; t < c.n; t++)
+        for (int h = 0; h < c.heads; h++) {
+            int len = c.first_pos + t + 1, col = (h / group) * c.hd;
+            std::vector<double> s(len);
+            double mx = -1e300, sum = 0.0;
+            for (int j = 0; j < len; j++) {
+                double dot = 0.0;
+                for (int d = 0; d < c.hd; d++)
+                    dot += (double)q[((size_t)t * c.heads + h) * c.hd + d] * kv_elem<DT>(kc + j * rb, col + d);
+                s[j] = dot * scale;
+                mx = std::max(mx, s[j]);
+            }
+            for (int j = 0; j < len; j++) sum += (s[j] = std::exp(s[j] - mx));
+            for (int d = 0; d < c.hd; d++) {
+                double o = 0.0;
+                for (int j = 0; j < len; j++) o += s[j] * kv_elem<DT>(vc + j * rb, col + d);
+                out[((size_t)t * c.heads + h) * c.hd + d] = o / sum;
+            }
+        }
+    return out;
+}
+
+static double rel(const std::vector<float>& got, const std::vector<double>& want) {
+    double d = 0.0, m = 1e-30;
+    for (size_t i = 0; i < got.size(); i++) {
+        if (!std::isfinite(got[i])) return INFINITY;
+        d = std::max(d, std::fabs(got[i] - want[i]));
+        m = std::max(m, std::fabs(want[i]));
+    }
+    return d / m;
+}
+
+static std::vector<float> queries(std::mt19937& rng, const Case& c) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> q((size_t)c.n * c.heads * c.hd);
+    for (auto& v : q) v = u(rng);
+    return q;
+}
+
+static bool flash(std::mt19937& rng, const Case& c) {
+    int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
+    auto q = queries(rng, c);
+    auto kc = cache(rng, DT_F16, ctx, kv_cols), vc = cache(rng, DT_F16, ctx, kv_cols);
+    std::vector<float> out(q.size(), NAN);
+    float scale = 1.0f / std::sqrt((float)c.hd);
+    auto kernel = [&] {
+        auto k = (const u16*)kc.data();
+        auto v = (const u16*)vc.data();
+        int g = c.heads / c.kv_heads;
+        switch (c.hd) {
+            case 64: flash_attn_f16_hd64(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            case 80: flash_attn_f16_hd80(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            case 96: flash_attn_f16_hd96(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            default: flash_attn_f16_hd128(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale);
+        }
+    };
+    host_launch({(unsigned)((c.n + FA_ROWS - 1) / FA_ROWS), (unsigned)c.heads, 1}, FA_THREADS, kernel);
+    double e = rel(out, naive<DT_F16>(q, kc.data(), vc.data(), c));
+    bool ok = e <= 2e-3;
+    std::printf("flash-check: flash f16 n %d from %d heads %d/%d hd %d: %.2e%s\n", c.n, c.first_pos, c.heads,
+                c.kv_heads, c.hd, e, ok ? "" : "  FAILED");
+    return ok;
+}
+
+template <int DT>
+static bool split(std::mt19937& rng, const Case& c, int chunk) {
+    int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
+    int chunks = (ctx + chunk - 1) / chunk;
+    auto q = queries(rng, c);
+    auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
+    if (c.n * chunks > MAX_SPLITS) {
+        std::printf("flash-check: %d rows × %d chunks exceed the workspace\n", c.n, chunks);
+        return false;
+    }
+    std::vector<float> ws((size_t)c.heads * MAX_SPLITS * (c.hd + 2), NAN), out(q.size(), NAN);
+    float scale = 1.0f / std::sqrt((float)c.hd);
+    int g = c.heads / c.kv_heads;
+    host_launch({(unsigned)c.heads, (unsigned)chunks, 1}, SPLIT_THREADS, [&] {
+        split_impl<DT>(q.data(), kc.data(), vc.data(), ws.data(), c.n, c.heads, g, c.hd, kv_cols, c.first_pos,
+                       scale, chunk);
+    });
+    host_launch({(unsigned)(c.n * c.heads), 1, 1}, 64,
+                [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks); });
+    double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
+    bool ok = e <= 1e-4;
+    std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks: %.2e%s\n", DT, c.n,
+                c.first_pos, c.heads, c.kv_heads, c.hd, chunks, e, ok ? "" : "  FAILED");
+    return ok;
+}
+
+int main() {
+    std::mt19937 rng(13);
+    bool ok = true;
+    // Query tiles cut short by n, rows past n, diagonal and whole key tiles, GQA.
+    for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
+        ok &= flash(rng, c);
+    // Chunks of one and of several tiles, rows that see none of the last chunk.
+    for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}}) {
+        ok &= split<DT_F32>(rng, c, 64);
+        ok &= split<DT_F16>(rng, c, 100);
+        ok &= split<DT_Q8_0>(rng, c, 37);
+    }
+    if (!ok) return 1;
+    std::printf("flash-check: flash prefill and split decode equal naive attention\n");
+    return 0;
+}
