@@ -188,6 +188,10 @@ pub struct DecodeArgs {
     /// Repetitions (the median is reported).
     #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 3)]
     pub reps: usize,
+    /// Decode this many sequences at once (continuous batching: one step evaluates a token of
+    /// each), beside one sequence alone in the same run: aggregate tokens/s of both.
+    #[arg(long, env = "GPU_OFFLOAD_SESSIONS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=512))]
+    pub sessions: u16,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
 }
@@ -669,6 +673,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
     if a.tokens < 2 || a.prompt_tokens == 0 || a.reps == 0 {
         bail!("--tokens must be at least 2; --prompt-tokens and --reps at least 1");
     }
+    if a.sessions > 1 {
+        return decode_sessions(a);
+    }
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
     let ctx = a.prompt_tokens + a.tokens;
@@ -746,6 +753,105 @@ fn decode(a: DecodeArgs) -> Result<()> {
         );
     }
     bounds::check("decode (tokens/s)", m.decode_tokens_per_s, &bound, &rates)?;
+    Ok(())
+}
+
+/// `bench decode --sessions N`: N sequences decoded together (one batched step per token of
+/// each) against one alone, in one run on one engine: aggregate decode tokens/s of each.
+fn decode_sessions(a: DecodeArgs) -> Result<()> {
+    let loaded = LoadedModel::load(&a.model)?;
+    let spec = loaded.spec().clone();
+    let n = a.sessions as usize;
+    let ctx = a.prompt_tokens + a.tokens + 1;
+    if ctx > spec.max_context {
+        bail!(
+            "{ctx} positions exceed the model's maximum of {}",
+            spec.max_context
+        );
+    }
+    let job = Job {
+        sessions: n,
+        logit_rows: n,
+        ..Job::single(ctx, a.prompt_tokens.max(n), 1)
+    };
+    let running = loaded.start(&a.model, job)?;
+    let prompts: Vec<Vec<u32>> = (0..n)
+        .map(|i| {
+            let mut rng = StdRng::seed_from_u64(100 + i as u64);
+            let hi = (spec.vocab_size as u32).max(4);
+            (0..a.prompt_tokens)
+                .map(|_| rng.random_range(3..hi))
+                .collect()
+        })
+        .collect();
+    let argmax = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .fold(
+                (0usize, f32::MIN),
+                |m, (i, &x)| if x > m.1 { (i, x) } else { m },
+            )
+            .0 as u32
+    };
+    let (one, many) = with_engine!(&running.engine, e => {
+        let mut one = Vec::new();
+        let mut many = Vec::new();
+        for _ in 0..a.reps {
+            // One sequence alone.
+            let mut s = e.new_session(ctx)?;
+            let mut next = argmax(&e.forward(&mut s, &prompts[0], crate::engine::Logits::Last)?);
+            let t0 = Instant::now();
+            for _ in 0..a.tokens {
+                next = argmax(&e.forward(&mut s, &[next], crate::engine::Logits::Last)?);
+            }
+            one.push(a.tokens as f64 / t0.elapsed().as_secs_f64());
+            drop(s);
+            // All of them together.
+            let mut ss = Vec::with_capacity(n);
+            let mut last = Vec::with_capacity(n);
+            for p in &prompts {
+                let mut s = e.new_session(ctx)?;
+                last.push(argmax(&e.forward(&mut s, p, crate::engine::Logits::Last)?));
+                ss.push(s);
+            }
+            let group = e.prefill().group;
+            let t0 = Instant::now();
+            for _ in 0..a.tokens {
+                let mut calls: Vec<_> = ss.iter_mut().zip(&last).map(|(s, &t)| (s, t)).collect();
+                let mut out = Vec::with_capacity(n);
+                for c in calls.chunks_mut(group) {
+                    out.extend(e.decode_many(c)?);
+                }
+                last = out.iter().map(|l| argmax(l)).collect();
+            }
+            many.push((n * a.tokens) as f64 / t0.elapsed().as_secs_f64());
+        }
+        (one, many)
+    });
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (one, many) = (median(one), median(many));
+    let out = json!({
+        "model": spec.name, "device": device_of(&running), "sessions": n,
+        "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens, "reps": a.reps,
+        "single_decode_tokens_per_s": one, "aggregate_decode_tokens_per_s": many,
+        "speedup": many / one,
+        "prefill_layout": running.plan.as_ref().map(|p| p.prefill),
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!(
+            "{} on {}: {n} sequences together {:.1} tok/s in all, one alone {:.1} tok/s ({:.2}×)",
+            spec.name,
+            device_of(&running),
+            many,
+            one,
+            many / one
+        );
+    }
     Ok(())
 }
 

@@ -1590,11 +1590,18 @@ impl<B: Backend> Engine<B> {
         Ok(logits.chunks(spec.vocab_size).map(|r| r.to_vec()).collect())
     }
 
-    /// The step buffers for `n` rows: the last step's where they have the size, else fresh ones
-    /// (the old freed first: device memory is budgeted).
+    /// The step buffers viewed as `n` rows: the last step's where they hold that many (a
+    /// step's memory is held, not reallocated, as calls of other sizes come and go: no churn, no
+    /// fragments), else fresh ones (the old freed first: device memory is budgeted).
     fn take_scratch(&self, pass: &mut Pass<B>, n: usize) -> Result<Scratch<B>> {
         match pass.scratch.take() {
-            Some(sc) if sc.cap == n => Ok(sc),
+            Some(mut sc) if sc.cap >= n => match self.narrow(&mut sc, n) {
+                Ok(()) => Ok(sc),
+                Err(e) => {
+                    pass.scratch = Some(sc);
+                    Err(e)
+                }
+            },
             old => {
                 drop(old);
                 self.backend.set_workspace(0)?;
@@ -1707,8 +1714,9 @@ impl<B: Backend> Engine<B> {
     /// so a step holds all its memory while its layers run.
     fn hold_logits(&self, sc: &mut Scratch<B>, rows: usize) -> Result<()> {
         match sc.logits.take() {
-            // A call returning none keeps what the last one held (the plan counts it).
-            Some(lb) if lb.rows == rows || rows == 0 => sc.logits = Some(lb),
+            // Held buffers serve any call returning as many rows or fewer (the plan counts
+            // them).
+            Some(lb) if lb.rows >= rows => sc.logits = Some(lb),
             old => {
                 drop(old);
                 if rows > 0 {
