@@ -173,9 +173,12 @@ impl CpuKv {
         match &self.data {
             Rows::F32(v) => &v[start..start + tmp.len()],
             Rows::F16(v) => {
-                for (o, h) in tmp.iter_mut().zip(&v[start..]) {
-                    *o = h.to_f32();
-                }
+                // The slice converter uses F16C where the CPU has it (exact either way): an
+                // element at a time, attention over an f16 cache was bound by the conversion.
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                    &v[start..start + tmp.len()],
+                    tmp,
+                );
                 tmp
             }
             Rows::Q8_0(v) => {
