@@ -6,17 +6,12 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::backend::{Backend, KvType};
 use gpu_offload::engine::{Engine, Logits, Session};
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
-use gpu_offload::store::{ConvertOptions, Store, convert};
 use gpu_offload::tier::Ledger;
-use gpu_offload::tier::offload::OffloadWeights;
 
 const STEPS: usize = 5;
 
@@ -120,15 +115,7 @@ fn batched_decode_equals_each_session_alone_on_the_cpu() {
 #[test]
 fn batched_decode_streams_the_weights_once_per_step_on_the_budgeted_device() {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("store");
-    convert(
-        &common::stories260k(),
-        &out,
-        &ConvertOptions::default(),
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let store = Arc::new(Store::open(&out).unwrap());
+    let store = common::store_of(&common::stories260k(), &dir);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let sessions = 5;
     let b = |g| Budget {
@@ -143,16 +130,8 @@ fn batched_decode_streams_the_weights_once_per_step_on_the_budgeted_device() {
     for g in [min, min + (all - min) / 4, min + (all - min) / 2, all] {
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
         let ledger = Ledger::new(Some(plan.ledger_budget()), None);
-        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
-        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-            .unwrap()
-            .with_prefill(plan.prefill)
-            .unwrap()
-            .with_kv_type(KvType::F16)
-            .unwrap();
+        let e = common::offloaded(&store, &plan, &ledger, KvType::F16);
         let what = format!("{g} bytes, {:?}", plan.prefill);
-        eprintln!("{what}: {:?}", plan.gpu);
         same(&e, &what);
         assert!(
             ledger.snapshot().hbm_peak <= plan.gpu.placed,

@@ -13,13 +13,11 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use gpu_offload::backend::KvType;
-use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, PrefillLayout, StepTap};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
-use gpu_offload::store::{ConvertOptions, Store, convert};
+use gpu_offload::store::Store;
 use gpu_offload::tier::Ledger;
-use gpu_offload::tier::offload::OffloadWeights;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -30,19 +28,6 @@ fn tokens(vocab: usize) -> Vec<u32> {
     (0..PROMPT + DECODE)
         .map(|i| ((i * 7919 + 13) % (vocab - 4) + 3) as u32)
         .collect()
-}
-
-fn stories_store() -> (Arc<Store>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("store");
-    convert(
-        &common::stories260k(),
-        &out,
-        &ConvertOptions::default(),
-        &mut |_, _| {},
-    )
-    .unwrap();
-    (Arc::new(Store::open(&out).unwrap()), dir)
 }
 
 fn budget(gpu_mem: u64, window: usize, batch: usize) -> Budget {
@@ -88,14 +73,7 @@ impl StepTap for PeakTap {
 }
 
 fn engine(store: &Arc<Store>, plan: &Plan, ledger: &Arc<Ledger>) -> Engine<SimBackend> {
-    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
-    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-        .unwrap()
-        .with_prefill(plan.prefill)
-        .unwrap()
-        .with_kv_type(plan.budget.kv_type)
-        .unwrap()
+    common::offloaded(store, plan, ledger, plan.budget.kv_type)
 }
 
 fn close(got: &[f32], want: &[f32], what: &str) {
@@ -113,7 +91,8 @@ fn close(got: &[f32], want: &[f32], what: &str) {
 
 #[test]
 fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
-    let (store, _dir) = stories_store();
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
     let spec = store.manifest.spec.clone();
     let toks = tokens(spec.vocab_size);
     let hw = HardwareProfile::load("cpu-sim").unwrap();

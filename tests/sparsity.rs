@@ -10,14 +10,12 @@ use std::sync::{Arc, Mutex};
 
 use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
-use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{ActivationTap, Engine};
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
 use gpu_offload::sparsity::{ProfileTap, profile_passes};
 use gpu_offload::store::{ConvertOptions, Store, convert};
 use gpu_offload::tier::Ledger;
-use gpu_offload::tier::offload::OffloadWeights;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -143,14 +141,7 @@ fn oracle_sparsity_offloads_exactly() {
         let g = rng.random_range(min..=all);
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
         let ledger = Ledger::new(Some(plan.ledger_budget()), None);
-        let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
-        let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-            .unwrap()
-            .with_prefill(plan.prefill)
-            .unwrap()
-            .with_kv_type(KvType::F16)
-            .unwrap()
+        let e = common::offloaded(&store, &plan, &ledger, KvType::F16)
             .with_sparsity(t50.clone())
             .unwrap();
         assert!(logits(&e, &toks) == want, "{g} bytes: logits differ");

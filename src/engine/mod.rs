@@ -342,6 +342,17 @@ pub enum Logits {
     None,
 }
 
+impl Logits {
+    /// Logit rows a step of `n` rows returns.
+    fn rows(self, n: usize) -> usize {
+        match self {
+            Logits::None => 0,
+            Logits::Last => 1,
+            Logits::All => n,
+        }
+    }
+}
+
 /// One sequence's state on the device: its KV cache and how far it has been filled.
 pub struct Session<B: Backend> {
     kv: SessionKv<B>,
@@ -1776,11 +1787,7 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let spec = &self.spec;
         let pos = session.pos;
-        let rows = match logits {
-            Logits::None => 0,
-            Logits::Last => 1,
-            Logits::All => n,
-        };
+        let rows = logits.rows(n);
         let mut sc = self.take_scratch(pass, n)?;
         self.hold_logits(&mut sc, rows)?;
         let source = &mut *pass.source;
@@ -1832,11 +1839,8 @@ impl<B: Backend> Engine<B> {
         let (total, d) = (tokens.len(), spec.d_model);
         let group = self.prefill.group;
         let pos = session.pos;
-        let rows = match logits {
-            Logits::None => 0,
-            Logits::Last => 1,
-            Logits::All => group,
-        };
+        // Every row's logits come a group at a time.
+        let rows = logits.rows(group);
         let mut sc = self.take_scratch(pass, group)?;
         if let Err(e) = self.hold_logits(&mut sc, rows) {
             pass.scratch = Some(sc);

@@ -212,27 +212,36 @@ pub fn plan_for(store: &gpu_offload::store::Store, toks: usize) -> gpu_offload::
     .unwrap()
 }
 
+/// The offloading engine for `plan` on the budgeted device over `ledger`, its KV cache in `kv`
+/// and laid out as the plan says.
+pub fn offloaded(
+    store: &std::sync::Arc<gpu_offload::store::Store>,
+    plan: &gpu_offload::plan::Plan,
+    ledger: &std::sync::Arc<gpu_offload::tier::Ledger>,
+    kv: gpu_offload::backend::KvType,
+) -> gpu_offload::engine::Engine<gpu_offload::backend::sim::SimBackend> {
+    use gpu_offload::backend::cpu::CpuBackend;
+    use gpu_offload::backend::sim::SimBackend;
+    use gpu_offload::engine::Engine;
+    use gpu_offload::tier::offload::OffloadWeights;
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
+        .unwrap()
+        .with_prefill(plan.prefill)
+        .unwrap()
+        .with_kv_type(kv)
+        .unwrap()
+}
+
 /// The offloading engine on the budgeted device for `plan`, masks at `thresholds`.
 pub fn streaming(
     store: &std::sync::Arc<gpu_offload::store::Store>,
     plan: &gpu_offload::plan::Plan,
     thresholds: &[f32],
 ) -> gpu_offload::engine::Engine<gpu_offload::backend::sim::SimBackend> {
-    use gpu_offload::backend::KvType;
-    use gpu_offload::backend::cpu::CpuBackend;
-    use gpu_offload::backend::sim::SimBackend;
-    use gpu_offload::engine::Engine;
-    use gpu_offload::tier::Ledger;
-    use gpu_offload::tier::offload::OffloadWeights;
-    let ledger = Ledger::new(None, None);
-    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger).unwrap();
-    Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
-        .unwrap()
-        .with_prefill(plan.prefill)
-        .unwrap()
-        .with_kv_type(KvType::F16)
-        .unwrap()
+    let ledger = gpu_offload::tier::Ledger::new(None, None);
+    offloaded(store, plan, &ledger, gpu_offload::backend::KvType::F16)
         .with_sparsity(thresholds.to_vec())
         .unwrap()
 }
