@@ -366,24 +366,19 @@ synth7b_long() {
 }
 
 prefill() {
-    synth7b
-    local n
+    # One model for every run here (a second 7B copy and its store would crowd the 64 GB disk).
+    synth7b_long
+    local m="$WORK/m7b-32k" n
     say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
     for n in 512 2048 4000; do
-        record "prefill_7b_full_gpu_$n" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens "$n" -n 1 --reps 2 --json 2>>"$LOG")"
-        record "prefill_7b_transformers_$n" "$($PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens "$n" --tokens 1 2>>"$LOG" | tail -n1)"
+        record "prefill_7b_full_gpu_$n" "$("$B" bench decode --device cuda -m "$m" --prompt-tokens "$n" -n 2 --reps 2 --json 2>>"$LOG")"
+        record "prefill_7b_transformers_$n" "$($PY scripts/peer_hf.py "$m" --prompt-tokens "$n" --tokens 1 2>>"$LOG" | tail -n1)"
     done
-    if [[ -x .gpu/peers/llama-bench || -x /tmp/lbuild/bin/llama-bench ]]; then
-        local lb=/tmp/lbuild/bin/llama-bench
-        [[ -x "$lb" ]] || lb=.gpu/peers/llama-bench
-        [[ -f "$WORK/m7b.gguf" ]] && record prefill_7b_llamacpp "$("$lb" -m "$WORK/m7b.gguf" -ngl 99 -fa 1 -p 512,2048,4000 -n 0 -o json 2>>"$LOG" | tr -d '\n')"
-    fi
-    synth7b_long
-    say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs"
+    say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"
     for n in 8192 32760; do
-        "$B" plan -m "$WORK/m7b-32k" --gpu-mem 4G --prompt-tokens "$n" --json > "$OUT/plan_prefill_$n.json" 2>>"$LOG"
-        with_peak "$WORK/prefill_$n.json" "$B" bench decode --device cuda -m "$WORK/m7b-32k" --gpu-mem 4G \
-            --ctx-size $(( n + 8 )) --prompt-tokens "$n" -n 2 --reps 1 --json
+        "$B" plan -m "$m" --gpu-mem 4G --prompt-tokens "$n" --json > "$OUT/plan_prefill_$n.json" 2>>"$LOG"
+        with_peak "$WORK/prefill_$n.json" "$B" bench decode --device cuda -m "$m" --gpu-mem 4G \
+            --prompt-tokens "$n" -n 2 --reps 1 --json
         record "prefill_7b_4g_$n" "{\"exit_code\":$?,\"nvidia_smi_peak_mib\":$(cat "$WORK/prefill_$n.json.peak"),\"plan\":$($PY -c 'import json,sys; p=json.load(open(sys.argv[1])); print(json.dumps({"prefill": p["prefill"], "prediction": p["prefill_prediction"]}))' "$OUT/plan_prefill_$n.json" 2>/dev/null || echo null),\"bench\":$(cat "$WORK/prefill_$n.json" || echo null)}"
     done
 }
