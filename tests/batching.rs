@@ -161,7 +161,16 @@ fn batched_decode_streams_the_weights_once_per_step_on_the_budgeted_device() {
             .map(|p| plan.decode_bytes_at(p.len()).0 - plan.decode_bytes_at(0).0)
             .sum();
         let one = plan.decode_bytes_at(0).0;
-        let rows = (sessions as u64 - 1) * 4 * store.manifest.spec.d_model as u64;
+        // Each other session's own rows: its input, and where attention runs on the CPU its
+        // attention output per layer.
+        let spec = &store.manifest.spec;
+        let own = 4 * spec.d_model as u64
+            + if plan.prefill.cpu_attention {
+                4 * (spec.n_layers * spec.q_dim()) as u64
+            } else {
+                0
+            };
+        let rows = (sessions as u64 - 1) * own;
         assert!(
             moved <= one + kv_in + rows,
             "{what}: a step of {sessions} moved {moved} bytes; one session's step moves {one}"

@@ -1,11 +1,13 @@
 //! Step-aware partitioning of long prompts (HyperGen) and KV caches in host memory, on the
 //! budgeted device: for random budgets and step sizes that force every layout the planner has —
 //! one step; row groups with the hidden states on the device or in host memory; the KV cache on
-//! the device or in host memory — a prompt's logits and the decode after it equal the
+//! the device or in host memory, decode over a host-kept cache attending on the CPU or on the
+//! device by the host's rates — a prompt's logits and the decode after it equal the
 //! unpartitioned run's (f32, ≤ 1e-4 relative), the device's measured peak while each layer runs
 //! each group equals the plan's device bytes, and the bytes a decoded token moves are the plan's.
 //! On the engine alone: the same layouts forced by hand give every row's logits of one step, and
-//! a KV cache in host memory gives the on-device result bit for bit.
+//! a KV cache in host memory gives the on-device result bit for bit (attended on the CPU: within
+//! rounding).
 
 mod common;
 
@@ -113,6 +115,7 @@ fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
 
     let mut rng = StdRng::seed_from_u64(7);
     let mut seen = BTreeSet::new();
+    let mut attention_seen = BTreeSet::new();
     let every = [
         (false, false, true),
         (true, true, true),
@@ -121,8 +124,14 @@ fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
         (true, false, false),
     ];
     for case in 0..60 {
-        if every.iter().all(|m| seen.contains(m)) && case >= 12 {
+        if every.iter().all(|m| seen.contains(m)) && attention_seen.len() == 2 && case >= 12 {
             break;
+        }
+        // Half the cases on a host whose DRAM is slower than its link: decode then brings a
+        // host-kept cache to the device instead of attending on the CPU.
+        let mut hw = hw.clone();
+        if rng.random_bool(0.5) {
+            hw.dram_read_bytes_per_s = hw.h2d_pinned_bytes_per_s / 2.0;
         }
         let window = rng.random_range(1..=3usize);
         let batch = if rng.random_bool(0.3) {
@@ -135,6 +144,9 @@ fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
         let plan = make_plan(&store.manifest, &budget(gpu_mem, window, batch), &hw).unwrap();
         let m = mode(&plan.prefill);
         seen.insert(m);
+        if plan.prefill.kv_host {
+            attention_seen.insert(plan.prefill.cpu_attention);
+        }
         let what = format!(
             "{gpu_mem} bytes (minimum {min}), window {window}, batch {batch}: {:?}",
             plan.prefill
@@ -186,6 +198,11 @@ fn partitioned_prefill_equals_one_step_and_holds_the_planned_bytes_each_step() {
             assert!(after.hbm_peak <= plan.gpu.placed, "{what}: decode peak");
         }
     }
+    assert_eq!(
+        attention_seen.len(),
+        2,
+        "a host-kept cache's decode ran only with CPU attention = {attention_seen:?}"
+    );
     for m in every {
         assert!(
             seen.contains(&m),
@@ -230,6 +247,7 @@ fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
                 group,
                 residual_rows,
                 kv_host: false,
+                cpu_attention: false,
             };
             let host_kv = PrefillLayout {
                 kv_host: true,
@@ -251,6 +269,20 @@ fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
             assert!(host.1 == kv, "{what}: host KV rows differ");
             assert!(host.2 == density, "{what}: host KV density differs");
             assert!(host.3 == next, "{what}: host KV restored session differs");
+            // Decode attending on the CPU over the host copy: the same numbers within rounding
+            // (another summation order), the cache rows bit for bit.
+            let cpu = run(
+                PrefillLayout {
+                    cpu_attention: true,
+                    ..host_kv
+                },
+                Logits::All,
+            );
+            for (i, (g, w)) in cpu.0.iter().zip(&got).enumerate() {
+                close(g, w, &format!("{what}: CPU attention, call {i}"));
+            }
+            close(&cpu.1, &kv, &format!("{what}: CPU attention, KV"));
+            close(&cpu.3, &next, &format!("{what}: CPU attention, restored"));
         }
     }
 }

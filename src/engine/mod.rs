@@ -60,12 +60,22 @@ pub const MAX_BATCH: usize = 512;
 /// - `kv_host`: keys and values live in host memory and one layer's pass through a device
 ///   buffer of the context's length (read back, then written out, per layer and step), so the
 ///   longest context is a matter of host memory.
+/// - `cpu_attention` (with `kv_host`): steps of at most [`CPU_ATTENTION_ROWS`] rows (decode)
+///   attend on the CPU over the host copy — their queries, keys and values come down, the
+///   output goes up — instead of bringing each layer's cache to the device: the same bytes read
+///   from DRAM instead of sent over PCIe, and the link left to the weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PrefillLayout {
     pub group: usize,
     pub residual_rows: usize,
     pub kv_host: bool,
+    #[serde(default)]
+    pub cpu_attention: bool,
 }
+
+/// Most rows of a step that attend on the CPU ([`PrefillLayout::cpu_attention`]); longer
+/// steps (prefill) bring the cache to the device.
+pub const CPU_ATTENTION_ROWS: usize = 4;
 
 impl Default for PrefillLayout {
     /// Unbudgeted: steps of [`MAX_BATCH`], hidden states and KV on the device.
@@ -74,6 +84,7 @@ impl Default for PrefillLayout {
             group: MAX_BATCH,
             residual_rows: usize::MAX,
             kv_host: false,
+            cpu_attention: false,
         }
     }
 }
@@ -82,6 +93,11 @@ impl PrefillLayout {
     /// Whether a call of `tokens` runs layer by layer in row groups.
     pub fn partitions(&self, tokens: usize) -> bool {
         tokens > self.group
+    }
+
+    /// Whether a step of `rows` rows attends on the CPU.
+    pub fn attends_on_cpu(&self, rows: usize) -> bool {
+        self.kv_host && self.cpu_attention && rows <= CPU_ATTENTION_ROWS
     }
 
     /// Whether the hidden states of a partitioned call of `tokens` stay on the device.
@@ -875,7 +891,10 @@ impl<B: Backend> Engine<B> {
 
     /// Before layer `l` runs steps from position `pos`: a host-kept session's rows `0..pos` of
     /// that layer into the device work buffers.
-    fn kv_layer_begin(&self, s: &mut Session<B>, l: usize, pos: usize) -> Result<()> {
+    fn kv_layer_begin(&self, s: &mut Session<B>, l: usize, pos: usize, on_cpu: bool) -> Result<()> {
+        if on_cpu {
+            return Ok(());
+        }
         if let SessionKv::Host(h) = &mut s.kv {
             let end = pos * h.row_bytes;
             for (raw, work) in [(&h.k[l], &mut h.work_k), (&h.v[l], &mut h.work_v)] {
@@ -886,7 +905,17 @@ impl<B: Backend> Engine<B> {
     }
 
     /// After layer `l` has stored rows `pos..pos + n`: a host-kept session's copies of them.
-    fn kv_layer_end(&self, s: &mut Session<B>, l: usize, pos: usize, n: usize) -> Result<()> {
+    fn kv_layer_end(
+        &self,
+        s: &mut Session<B>,
+        l: usize,
+        pos: usize,
+        n: usize,
+        on_cpu: bool,
+    ) -> Result<()> {
+        if on_cpu {
+            return Ok(());
+        }
         if let SessionKv::Host(h) = &mut s.kv {
             let rb = h.row_bytes;
             for (raw, work) in [(&mut h.k[l], &h.work_k), (&mut h.v[l], &h.work_v)] {
@@ -1540,7 +1569,6 @@ impl<B: Backend> Engine<B> {
         let source = &mut *pass.source;
         let need = step_memory(spec, n, n, &source.matmuls(), |op| b.workspace_bytes(op));
         b.set_workspace(need.workspace)?;
-        let attn_shape = self.attn_shape();
         let run = (|| -> Result<Vec<f32>> {
             // Embed each token at its own position (learned position tables differ per row).
             for (i, (s, t)) in calls.iter().enumerate() {
@@ -1572,12 +1600,10 @@ impl<B: Backend> Engine<B> {
                         {
                             b.copy_rows(q1, 0, &mut p.q[pi], ring_at, 1)?;
                         }
-                        self.kv_layer_begin(s, l, pos)?;
-                        let (kc, vc) = s.kv.layer(l);
-                        b.store_kv(k1, kc, pos)?;
-                        b.store_kv(v1, vc, pos)?;
-                        b.attention(q1, kc, vc, pos, attn_shape, a1)?;
-                        self.kv_layer_end(s, l, pos, 1)?;
+                        let on_cpu = self.prefill.attends_on_cpu(1);
+                        self.kv_layer_begin(s, l, pos, on_cpu)?;
+                        self.attend(s, l, pos, (q1, k1, v1), a1, on_cpu)?;
+                        self.kv_layer_end(s, l, pos, 1, on_cpu)?;
                         b.copy_rows(a1, 0, &mut sc.attn, i, 1)?;
                     }
                     self.finish_layer(&mut layer, l, &mut sc)?;
@@ -1650,11 +1676,12 @@ impl<B: Backend> Engine<B> {
         sc: &mut Scratch<B>,
         pos: usize,
         ring_at: usize,
+        on_cpu: bool,
     ) -> Result<()> {
         let b = &self.backend;
         let spec = &self.spec;
         let n = sc.n;
-        let attn_shape = self.attn_shape();
+
         // Attention block.
         self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
         self.linear(&layer.wq, &sc.h, &mut sc.q)?;
@@ -1674,11 +1701,62 @@ impl<B: Backend> Engine<B> {
                 b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
             }
         }
-        let (kc, vc) = session.kv.layer(l);
-        b.store_kv(&sc.k, kc, pos)?;
-        b.store_kv(&sc.v, vc, pos)?;
-        b.attention(&sc.q, kc, vc, pos, attn_shape, &mut sc.attn)?;
+        self.attend(session, l, pos, (&sc.q, &sc.k, &sc.v), &mut sc.attn, on_cpu)?;
         self.finish_layer(layer, l, sc)
+    }
+
+    /// Store rows `k`, `v` (positions `pos..`) in the session's layer `l` cache and attend
+    /// `q` over it into `out`: on the device, or (`on_cpu`, a host-kept cache) on the CPU over
+    /// the host copy.
+    fn attend(
+        &self,
+        s: &mut Session<B>,
+        l: usize,
+        pos: usize,
+        (q, k, v): (&B::Tensor, &B::Tensor, &B::Tensor),
+        out: &mut B::Tensor,
+        on_cpu: bool,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let n = b.shape(q).0;
+        if on_cpu && let SessionKv::Host(h) = &mut s.kv {
+            let spec = &self.spec;
+            let (qd, kd) = (spec.q_dim(), spec.kv_dim());
+            let mut qh = vec![0f32; n * qd];
+            let mut kh = vec![0f32; n * kd];
+            let mut vh = vec![0f32; n * kd];
+            b.read(q, &mut qh)?;
+            b.read(k, &mut kh)?;
+            b.read(v, &mut vh)?;
+            let rb = h.row_bytes;
+            let rows = pos * rb..(pos + n) * rb;
+            h.k[l].bytes_mut()[rows.clone()].copy_from_slice(&crate::backend::cpu::encode_rows(
+                self.kv_type,
+                &kh,
+                kd,
+            ));
+            h.v[l].bytes_mut()[rows].copy_from_slice(&crate::backend::cpu::encode_rows(
+                self.kv_type,
+                &vh,
+                kd,
+            ));
+            let mut o = vec![0f32; n * qd];
+            crate::backend::cpu::attend_rows(
+                self.kv_type,
+                (h.k[l].bytes(), h.v[l].bytes()),
+                &qh,
+                pos,
+                self.attn_shape(),
+                &mut o,
+            );
+            b.write(out, &o)?;
+            return Ok(());
+        }
+        let (kc, vc) = s.kv.layer(l);
+        b.store_kv(k, kc, pos)?;
+        b.store_kv(v, vc, pos)?;
+        b.attention(q, kc, vc, pos, self.attn_shape(), out)?;
+        Ok(())
     }
 
     /// The attention shape of every layer.
@@ -1797,12 +1875,13 @@ impl<B: Backend> Engine<B> {
 
         source.embed(b, tokens, pos, &mut sc.x)?;
         let ring_at = session.probe.as_ref().map_or(0, |p| p.next);
+        let on_cpu = self.prefill.attends_on_cpu(n);
         for l in 0..spec.n_layers {
             {
                 let mut layer = source.layer(b, l)?;
-                self.kv_layer_begin(session, l, pos)?;
-                self.run_layer(&mut layer, l, session, &mut sc, pos, ring_at)?;
-                self.kv_layer_end(session, l, pos, n)?;
+                self.kv_layer_begin(session, l, pos, on_cpu)?;
+                self.run_layer(&mut layer, l, session, &mut sc, pos, ring_at, on_cpu)?;
+                self.kv_layer_end(session, l, pos, n, on_cpu)?;
                 if let Some(t) = &self.step_tap {
                     t.group_done(l, 0, n);
                 }
@@ -1876,17 +1955,18 @@ impl<B: Backend> Engine<B> {
             for l in 0..spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
-                    self.kv_layer_begin(session, l, pos)?;
+                    // A partitioned call is a prefill: its groups attend on the device.
+                    self.kv_layer_begin(session, l, pos, false)?;
                     for (&(a, len), &ring_at) in groups.iter().zip(&ring) {
                         self.narrow(&mut sc, len)?;
                         hidden.get(b, a, &mut sc.x)?;
-                        self.run_layer(&mut layer, l, session, &mut sc, pos + a, ring_at)?;
+                        self.run_layer(&mut layer, l, session, &mut sc, pos + a, ring_at, false)?;
                         hidden.put(b, &sc.x, a)?;
                         if let Some(t) = &self.step_tap {
                             t.group_done(l, a, len);
                         }
                     }
-                    self.kv_layer_end(session, l, pos, total)?;
+                    self.kv_layer_end(session, l, pos, total, false)?;
                 }
                 source.layer_done(b, l)?;
             }

@@ -246,7 +246,7 @@ impl Plan {
     /// device for each layer, the `pos` rows before the token.
     pub fn decode_bytes_at(&self, pos: usize) -> (u64, u64) {
         let pt = &self.per_token;
-        if !self.prefill.kv_host {
+        if !self.prefill.kv_host || self.prefill.cpu_attention {
             return (pt.h2d_bytes, pt.d2h_bytes);
         }
         let spec = &self.spec;
@@ -271,11 +271,15 @@ impl Plan {
         let layout = self.prefill;
         let partitioned = layout.partitions(tokens);
         let groups = tokens.div_ceil(layout.group.max(1));
-        let weights = self.per_token.h2d_bytes.saturating_sub(if layout.kv_host {
+        let kv_in = if layout.kv_host && !layout.cpu_attention {
             kv_bytes(spec, self.budget.ctx, self.budget.kv_type) / 2
         } else {
             0
-        }) - d * 4;
+        };
+        let weights = self
+            .per_token
+            .h2d_bytes
+            .saturating_sub(kv_in + cpu_attention_rows(spec, layout).0 + d * 4);
         let hidden = if partitioned && !layout.residual_on_device(tokens) {
             2 * l * t * d * 4
         } else {
@@ -323,11 +327,22 @@ impl Plan {
 /// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key
 /// and value rows of every layer.
 fn kv_row_out(spec: &ModelSpec, budget: &Budget, prefill: PrefillLayout) -> u64 {
-    if prefill.kv_host {
+    if prefill.kv_host && !prefill.cpu_attention {
         2 * spec.n_layers as u64 * budget.kv_type.row_bytes(spec.kv_dim()) as u64
     } else {
         0
     }
+}
+
+/// (Host→device, device→host) bytes of a decoded token attending on the CPU: per layer the
+/// attention output up; its query, key and value down.
+fn cpu_attention_rows(spec: &ModelSpec, prefill: PrefillLayout) -> (u64, u64) {
+    if !prefill.cpu_attention {
+        return (0, 0);
+    }
+    let l = spec.n_layers as u64;
+    let (q, kv) = (spec.q_dim() as u64 * 4, spec.kv_dim() as u64 * 4);
+    (l * q, l * (q + 2 * kv))
 }
 
 /// [`Plan::prefill_prediction`]: a prompt's time to first token and what bounds it.
@@ -615,6 +630,8 @@ fn prefill_layout(
                 0
             },
             kv_host,
+            // Decided by the link rates (make_plan).
+            cpu_attention: false,
         };
         (fits, (l, kv, step, res))
     };
@@ -965,16 +982,26 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     // Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
     // from SSD; device compute reads every weight and half the KV cache on average.
     let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
-    // A KV cache in host memory comes back to the device, a layer at a time, for every token:
-    // half the context on average.
-    let kv_in = if prefill.kv_host {
+    // A KV cache in host memory is read for every token, half the context on average: over
+    // PCIe, a layer at a time, or by the CPU from DRAM (the token's q, k, v down and the
+    // attention output up) — whichever link is faster (the bytes are the same).
+    let mut prefill = prefill;
+    prefill.cpu_attention =
+        prefill.kv_host && hw.dram_read_bytes_per_s >= hw.h2d_pinned_bytes_per_s;
+    let kv_mid = if prefill.kv_host {
         kv_bytes(spec, budget.ctx, budget.kv_type) / 2
     } else {
         0
     };
+    let (kv_in, kv_cpu) = if prefill.cpu_attention {
+        (0, kv_mid)
+    } else {
+        (kv_mid, 0)
+    };
+    let (rows_in, rows_out) = cpu_attention_rows(spec, prefill);
     let per_token = PerToken {
-        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in,
-        d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill),
+        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in + rows_in,
+        d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill) + rows_out,
         ssd_bytes: if s == 0 {
             0
         } else {
@@ -982,7 +1009,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         },
         hbm_read_bytes: small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows
             + per_session / 2,
-        cpu_read_bytes: cpu_rows,
+        cpu_read_bytes: cpu_rows + kv_cpu,
     };
     // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
     // plus one per streamed block.
@@ -997,13 +1024,14 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let ops_s = ops as f64 * hw.op_overhead_s;
     // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
     // the copies; each layer pays a round trip (the FFN input down, the partial sum up).
-    let cpu_s = if cpu_rows > 0 {
-        let vector = (spec.d_model * 4) as f64;
-        cpu_rows as f64 / hw.dram_read_bytes_per_s
-            + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
-    } else {
-        0.0
-    };
+    let cpu_s = kv_cpu as f64 / hw.dram_read_bytes_per_s
+        + if cpu_rows > 0 {
+            let vector = (spec.d_model * 4) as f64;
+            cpu_rows as f64 / hw.dram_read_bytes_per_s
+                + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
+        } else {
+            0.0
+        };
     let (limited_by, bound) = [
         ("PCIe", pcie_s),
         ("SSD", ssd_s),

@@ -139,7 +139,9 @@ pub fn render(p: &Plan) -> String {
         } else {
             format!("one step (steps of up to {} rows)", pf.group)
         },
-        if pf.kv_host {
+        if pf.kv_host && pf.cpu_attention {
+            "in host memory, a layer at a time on the device for prefill; decode attends on the CPU"
+        } else if pf.kv_host {
             "in host memory, a layer at a time on the device"
         } else {
             "on the device"

@@ -201,6 +201,78 @@ pub fn decode_rows(ty: KvType, bytes: &[u8], cols: usize, out: &mut [f32]) {
     }
 }
 
+/// Rows of a cache kept as raw bytes of `ty` (`cols` values a row).
+struct RawRows<'a> {
+    ty: KvType,
+    cols: usize,
+    bytes: &'a [u8],
+}
+
+impl super::ops::KvRows for RawRows<'_> {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        let rb = self.ty.row_bytes(self.cols);
+        let row = &self.bytes[j * rb..(j + 1) * rb];
+        match self.ty {
+            KvType::F32 => &bytemuck::cast_slice::<u8, f32>(row)[col..col + tmp.len()],
+            KvType::F16 => {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                    &bytemuck::cast_slice::<u8, f16>(row)[col..col + tmp.len()],
+                    tmp,
+                );
+                tmp
+            }
+            KvType::Q8_0 => {
+                let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
+                for (i, o) in tmp.iter_mut().enumerate() {
+                    let e = col + i;
+                    let b = &blocks[e / QK];
+                    *o = b.d.to_f32() * b.qs[e % QK] as f32;
+                }
+                tmp
+            }
+        }
+    }
+}
+
+/// Causal attention of `q` (`n` rows of `n_heads · head_dim`, row `t` at position
+/// `first_pos + t`) over caches kept as raw rows of `ty` (`(keys, values)`, holding at least
+/// `first_pos + n` rows) into `out`: a KV cache in host memory attended on the CPU, with the
+/// CPU backend's arithmetic (the same numbers as its cache would give).
+pub fn attend_rows(
+    ty: KvType,
+    (k, v): (&[u8], &[u8]),
+    q: &[f32],
+    first_pos: usize,
+    s: crate::backend::AttnShape,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let hd = s.head_dim;
+    let cols = s.n_kv_heads * hd;
+    let (keys, values) = (
+        RawRows { ty, cols, bytes: k },
+        RawRows { ty, cols, bytes: v },
+    );
+    let group = (s.n_heads / s.n_kv_heads.max(1)).max(1);
+    let q_dim = s.n_heads * hd;
+    let kernels = super::kernels::best();
+    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let (t, h) = (idx / s.n_heads, idx % s.n_heads);
+        let qv = &q[t * q_dim + h * hd..][..hd];
+        super::ops::attend(
+            kernels,
+            qv,
+            &keys,
+            &values,
+            (h / group) * hd,
+            hd,
+            first_pos + t + 1,
+            s.scale,
+            o,
+        );
+    });
+}
+
 /// Encode whole rows of `cols` f32 values into the raw bytes of a `ty` cache.
 pub fn encode_rows(ty: KvType, values: &[f32], cols: usize) -> Vec<u8> {
     let rb = ty.row_bytes(cols);

@@ -9,7 +9,7 @@ pub mod matmul;
 pub mod ops;
 pub mod sparse;
 
-pub use kv::{CpuKv, decode_rows, encode_rows};
+pub use kv::{CpuKv, attend_rows, decode_rows, encode_rows};
 
 use rayon::prelude::*;
 

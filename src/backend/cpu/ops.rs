@@ -5,6 +5,17 @@ use super::CpuKv;
 use super::kernels::Kernels;
 use crate::backend::{Act, RopePairs};
 
+/// Rows of a KV cache one head's slice at a time, as f32 (borrowed, or decoded into `tmp`).
+pub trait KvRows: Sync {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32];
+}
+
+impl KvRows for CpuKv {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        CpuKv::slice(self, j, col, tmp)
+    }
+}
+
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
     let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
@@ -55,8 +66,8 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
 pub fn attend(
     k: &Kernels,
     q: &[f32],
-    k_cache: &CpuKv,
-    v_cache: &CpuKv,
+    k_cache: &impl KvRows,
+    v_cache: &impl KvRows,
     col: usize,
     hd: usize,
     len: usize,
