@@ -348,11 +348,38 @@ impl<B: Backend> Mover<B> for Recompute {
     }
 }
 
+/// A whole context's KV in DRAM, at the device's element width.
+enum Payload {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+}
+
+impl Payload {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Payload::F32(v) => bytemuck::cast_slice(v),
+            Payload::F16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// The values as the engine writes them (f32 moves, no copy).
+    fn into_f32(self) -> Vec<f32> {
+        match self {
+            Payload::F32(v) => v,
+            Payload::F16(h) => {
+                let mut out = vec![0f32; h.len()];
+                h.convert_to_f32_slice(&mut out);
+                out
+            }
+        }
+    }
+}
+
 /// A whole context's KV off the device.
 enum Held {
     None,
     Dram {
-        bytes: Vec<u8>,
+        payload: Payload,
         len: usize,
         last: u64,
     },
@@ -376,48 +403,31 @@ struct WholeSwap {
 }
 
 impl WholeSwap {
-    fn encode(&self, values: &[f32]) -> Vec<u8> {
+    fn payload(&self, values: Vec<f32>) -> Payload {
         if self.half {
             let mut h = vec![f16::ZERO; values.len()];
-            h.convert_from_f32_slice(values);
-            bytemuck::cast_slice(&h).to_vec()
+            h.convert_from_f32_slice(&values);
+            Payload::F16(h)
         } else {
-            bytemuck::cast_slice(values).to_vec()
+            Payload::F32(values)
         }
     }
 
-    fn decode(&self, bytes: &[u8]) -> Vec<f32> {
-        if self.half {
-            let h: Vec<f16> = bytes
-                .chunks_exact(2)
-                .map(|b| f16::from_le_bytes([b[0], b[1]]))
-                .collect();
-            let mut out = vec![0f32; h.len()];
-            h.convert_to_f32_slice(&mut out);
-            out
-        } else {
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect()
-        }
-    }
-
-    fn spill(&mut self, c: usize, bytes: &[u8], len: usize) -> Result<()> {
+    fn spill(&mut self, c: usize, p: &Payload, len: usize) -> Result<()> {
         let path = self.dir.join(format!("context-{c}.kv"));
-        crate::fsutil::write_atomic(&path, bytes).map_err(io_err(&path))?;
-        self.stats.disk_bytes_written += bytes.len() as u64;
+        crate::fsutil::write_atomic(&path, p.bytes()).map_err(io_err(&path))?;
+        self.stats.disk_bytes_written += p.bytes().len() as u64;
         self.held[c] = Held::Disk { path, len };
         Ok(())
     }
 
-    fn store(&mut self, c: usize, bytes: Vec<u8>, len: usize) -> Result<()> {
+    fn store(&mut self, c: usize, payload: Payload, len: usize) -> Result<()> {
         if self.held.len() <= c {
             self.held.resize_with(c + 1, || Held::None);
         }
-        let need = bytes.len() as u64;
+        let need = payload.bytes().len() as u64;
         if need > self.budget {
-            return self.spill(c, &bytes, len);
+            return self.spill(c, &payload, len);
         }
         while self.dram_used + need > self.budget {
             let victim = self
@@ -431,18 +441,18 @@ impl WholeSwap {
                 .min();
             let Some((_, v)) = victim else { break };
             if let Held::Dram {
-                bytes: b, len: l, ..
+                payload: p, len: l, ..
             } = std::mem::replace(&mut self.held[v], Held::None)
             {
-                self.dram_used -= b.len() as u64;
+                self.dram_used -= p.bytes().len() as u64;
                 self.stats.dram_evictions += 1;
-                self.spill(v, &b, l)?;
+                self.spill(v, &p, l)?;
             }
         }
         self.clock += 1;
         self.dram_used += need;
         self.held[c] = Held::Dram {
-            bytes,
+            payload,
             len,
             last: self.clock,
         };
@@ -457,25 +467,39 @@ impl<B: Backend> Mover<B> for WholeSwap {
     fn evict(&mut self, e: &Engine<B>, s: &mut Session<B>, c: usize, _: &[u32]) -> Result<()> {
         let len = s.position();
         let values = e.read_kv(s, 0, len)?;
-        let bytes = self.encode(&values);
-        self.store(c, bytes, len)
+        let payload = self.payload(values);
+        self.store(c, payload, len)
     }
     fn restore(&mut self, e: &Engine<B>, s: &mut Session<B>, c: usize, _: &[u32]) -> Result<()> {
         let held = self
             .held
             .get_mut(c)
             .map_or(Held::None, |h| std::mem::replace(h, Held::None));
-        let (bytes, len) = match held {
-            Held::Dram { bytes, len, .. } => {
-                self.dram_used -= bytes.len() as u64;
+        let (payload, len) = match held {
+            Held::Dram { payload, len, .. } => {
+                self.dram_used -= payload.bytes().len() as u64;
                 self.stats.from_dram += 1;
-                (bytes, len)
+                (payload, len)
             }
             Held::Disk { path, len } => {
                 let b = std::fs::read(&path).map_err(io_err(&path))?;
                 std::fs::remove_file(&path).ok();
                 self.stats.from_disk += 1;
-                (b, len)
+                // Copied into typed vectors: a byte buffer's alignment is not the element's.
+                let p = if self.half {
+                    Payload::F16(
+                        b.chunks_exact(2)
+                            .map(|x| f16::from_le_bytes([x[0], x[1]]))
+                            .collect(),
+                    )
+                } else {
+                    Payload::F32(
+                        b.chunks_exact(4)
+                            .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+                            .collect(),
+                    )
+                };
+                (p, len)
             }
             Held::None => {
                 return Err(ContextsError::Invalid(format!(
@@ -483,7 +507,7 @@ impl<B: Backend> Mover<B> for WholeSwap {
                 )));
             }
         };
-        let values = self.decode(&bytes);
+        let values = payload.into_f32();
         s.truncate(0);
         e.write_kv(s, 0, len, &values)?;
         s.set_position(len)?;

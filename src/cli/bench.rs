@@ -1564,7 +1564,7 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
         (cx::run(e, ctx, &set, &job, &progress)?, e.kv_type())
     });
     std::fs::remove_dir(&kv_dir).ok();
-    let kv_bytes_per_token = crate::engine::kv_bytes(&spec, 1, kv_type);
+    let kv_bytes_per_token = (2 * spec.n_layers * kv_type.row_bytes(spec.kv_dim())) as u64;
     let (speedups, ours_fastest) = cx::speedups(&outcome.strategies);
     let most_contexts = cx::most_contexts(&outcome.sweep, &job.strategies);
     let report = cx::ContextsReport {
