@@ -4,6 +4,7 @@
 //! models and drives it; nothing here parses flags or knows how a model is loaded.
 
 pub mod bounds;
+pub mod contexts;
 pub mod measure;
 pub mod peers;
 pub mod plot;

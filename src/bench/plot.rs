@@ -312,3 +312,62 @@ pub fn ttft_svg(r: &SuiteReport) -> Result<String, String> {
         true,
     )
 }
+
+/// `bench contexts`: p99 TTFT against the number of contexts (the sweep), one line per
+/// strategy, the latency target dashed.
+pub fn contexts_svg(r: &super::contexts::ContextsReport) -> Result<String, String> {
+    let mut series: Vec<Series> = r
+        .strategies
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut pts: Vec<(f64, f64)> = r
+                .sweep
+                .iter()
+                .filter_map(|p| {
+                    let c = p.cells.iter().find(|c| c.strategy == s.strategy)?;
+                    Some((p.contexts as f64, finite_pos(c.ttft_p99_s)?))
+                })
+                .collect();
+            if pts.is_empty() {
+                // No sweep: the main trace's point.
+                pts.extend(finite_pos(s.ttft_s.map(|t| t.p99)).map(|y| (s.contexts as f64, y)));
+            }
+            (
+                s.strategy.name().to_string(),
+                PALETTE[i % PALETTE.len()],
+                pts,
+                false,
+            )
+        })
+        .collect();
+    let xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.2.iter().map(|p| p.0))
+        .collect();
+    let (lo, hi) = xs
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(l, h), &x| (l.min(x), h.max(x)));
+    if lo <= hi {
+        series.push((
+            format!("target {} s", sig(r.settings.ttft_target_s)),
+            BLACK,
+            vec![
+                (lo, r.settings.ttft_target_s),
+                (hi, r.settings.ttft_target_s),
+            ],
+            true,
+        ));
+    }
+    draw(
+        &format!(
+            "{} on {}: p99 TTFT by number of contexts ({} resident)",
+            r.model.name, r.device.kind, r.settings.resident
+        ),
+        "contexts",
+        "p99 TTFT seconds (log)",
+        &series,
+        &[],
+        false,
+    )
+}

@@ -8,6 +8,8 @@
 //! - `suite`: the consumer-GPU benchmark: a matrix of `--gpu-mem` budgets × prompt lengths,
 //!   every figure beside its bound and the plan's prediction, peers in the same run, written as
 //!   JSON, Markdown and SVG plots (the harness is `crate::bench`; this file loads and drives).
+//! - `contexts`: the LLMS trace benchmark (`crate::bench::contexts`): context-switch latency and
+//!   TTFT of five ways to keep contexts, on one trace.
 //!
 //! Bounds are measured rates (or a `--hardware` profile's figures); a figure more than 5% above
 //! its bound is an error: the bound is wrong.
@@ -67,6 +69,11 @@ pub enum BenchWhat {
     /// text at each candidate share of f16 / INT8 / INT4 neurons, against all-f16, and what
     /// each saves per token; saved in the store for --neuron-precision auto.
     Precision(super::precision::PrecisionArgs),
+    /// Persistent contexts (LLMS) on a trace: N contexts, Poisson calls, only --resident of them
+    /// on the device; recompute, whole swap, chunked swap (exact, int8) and ours compared on
+    /// context-switch latency, TTFT and the contexts served within a latency target; writes
+    /// contexts.json, contexts.md and contexts.svg.
+    Contexts(ContextsArgs),
 }
 
 /// A storage format by name (`f16`, `q4_k`, …).
@@ -204,6 +211,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         BenchWhat::Suite(s) => suite_cmd(s),
         BenchWhat::Units(u) => super::units::units(u),
         BenchWhat::Precision(p) => super::precision::run(p),
+        BenchWhat::Contexts(c) => contexts_cmd(c),
     }
 }
 
@@ -1392,5 +1400,353 @@ fn write_report(report: &SuiteReport, dir: &Path) -> Result<()> {
         report.prefill.len(),
         report.problems.len()
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------- bench contexts
+
+/// `MIN-MAX` or `N` (inclusive).
+fn parse_token_range(s: &str) -> std::result::Result<(usize, usize), String> {
+    let bad = || format!("`{s}` is not a token count N or a range MIN-MAX (e.g. 30-200)");
+    let (a, b) = match s.split_once('-') {
+        Some((a, b)) => (a, b),
+        None => (s, s),
+    };
+    let a: usize = a.trim().parse().map_err(|_| bad())?;
+    let b: usize = b.trim().parse().map_err(|_| bad())?;
+    if a == 0 || a > b {
+        return Err(bad());
+    }
+    Ok((a, b))
+}
+
+/// `2,4,8`: context counts for the sweep.
+#[derive(Clone, Debug)]
+pub struct CountList(pub Vec<usize>);
+
+fn parse_counts(s: &str) -> std::result::Result<CountList, String> {
+    if s.trim().is_empty() || s.trim() == "none" {
+        return Ok(CountList(Vec::new()));
+    }
+    s.split(',')
+        .map(|p| match p.trim().parse::<usize>() {
+            Ok(v) if v >= 1 => Ok(v),
+            _ => Err(format!("`{p}` is not a number of contexts (1 or more)")),
+        })
+        .collect::<std::result::Result<_, _>>()
+        .map(CountList)
+}
+
+/// `recompute,ours` or `all`.
+#[derive(Clone, Debug)]
+pub struct StrategyList(pub Vec<crate::bench::contexts::Strategy>);
+
+fn parse_strategies(s: &str) -> std::result::Result<StrategyList, String> {
+    use crate::bench::contexts::Strategy;
+    if s.trim() == "all" {
+        return Ok(StrategyList(Strategy::ALL.to_vec()));
+    }
+    let mut v = Vec::new();
+    for p in s.split(',') {
+        let k = Strategy::parse(p)?;
+        if !v.contains(&k) {
+            v.push(k);
+        }
+    }
+    Ok(StrategyList(v))
+}
+
+fn parse_probability(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a probability in 0..=1")),
+    }
+}
+
+fn parse_positive(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number")),
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ContextsArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Contexts in the main trace.
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXTS", default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub contexts: u32,
+    /// Contexts whose KV the device holds at once: the slots, as `serve --parallel` (on a
+    /// budgeted device --gpu-mem must hold them beside the weights).
+    #[arg(long, env = "GPU_OFFLOAD_RESIDENT", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub resident: u16,
+    /// Calls in each trace.
+    #[arg(long, env = "GPU_OFFLOAD_CALLS", default_value_t = 24, value_parser = clap::value_parser!(u32).range(1..))]
+    pub calls: u32,
+    /// Tokens of each context's conversation before the trace (the contexts grow from there).
+    #[arg(long, env = "GPU_OFFLOAD_HISTORY_TOKENS", default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    pub history_tokens: u32,
+    /// Tokens of a user turn: N or MIN-MAX (uniform).
+    #[arg(long, env = "GPU_OFFLOAD_USER_TOKENS", default_value = "30-200", value_parser = parse_token_range)]
+    pub user_tokens: (usize, usize),
+    /// Tokens of an answer: N or MIN-MAX (uniform).
+    #[arg(long, env = "GPU_OFFLOAD_ANSWER_TOKENS", default_value = "10-60", value_parser = parse_token_range)]
+    pub answer_tokens: (usize, usize),
+    /// Mean call arrivals per second (Poisson).
+    #[arg(long, env = "GPU_OFFLOAD_RATE", default_value = "0.2", value_parser = parse_positive)]
+    pub rate: f64,
+    /// Probability that a call goes to the same context as the call before (a Markov chain);
+    /// otherwise the context is drawn uniformly. 0: switching at random.
+    #[arg(long, env = "GPU_OFFLOAD_STICKY", default_value = "0", value_parser = parse_probability)]
+    pub sticky: f64,
+    /// Seed of the trace (arrivals, contexts, turn lengths, where each context reads the corpus).
+    #[arg(long, env = "GPU_OFFLOAD_SEED", default_value_t = 1)]
+    pub seed: u64,
+    /// Strategies to compare (comma-separated): recompute, whole-swap, chunked-swap,
+    /// chunked-int8, ours; or all.
+    #[arg(long, env = "GPU_OFFLOAD_STRATEGIES", default_value = "all", value_parser = parse_strategies)]
+    pub strategies: StrategyList,
+    /// Ours: KV chunk compression (off, int8, int4, int2, or a ratio of the int8 size such as
+    /// 50%, as `serve --kv-compression`).
+    #[arg(long, env = "GPU_OFFLOAD_KV_COMPRESSION", default_value = "50%", value_parser = crate::kv::Compression::parse)]
+    pub kv_compression: crate::kv::Compression,
+    /// DRAM for swapped KV, for each strategy's store (as `serve --kv-dram-mem`).
+    #[arg(long, env = "GPU_OFFLOAD_KV_DRAM_MEM", default_value = "256M", value_parser = parse_bytes)]
+    pub kv_dram_mem: u64,
+    /// Directory for swap files (emptied and removed after each strategy) [default: OUT/kv-scratch]
+    #[arg(long, env = "GPU_OFFLOAD_KV_DIR")]
+    pub kv_dir: Option<PathBuf>,
+    /// Numbers of contexts to sweep for "most contexts within the target" (comma-separated;
+    /// the main trace's count is always a point). Empty: no sweep.
+    #[arg(long, env = "GPU_OFFLOAD_SWEEP", default_value = "", value_parser = parse_counts)]
+    pub sweep: CountList,
+    /// Latency target of the sweep: p99 TTFT in seconds.
+    #[arg(long, env = "GPU_OFFLOAD_TTFT_TARGET", default_value = "2", value_parser = parse_positive)]
+    pub ttft_target: f64,
+    /// Also run the trace with no context ever leaving the device and compare each call's
+    /// logits after its user turn (greedy token, largest difference) for every strategy.
+    #[arg(long, env = "GPU_OFFLOAD_CHECK")]
+    pub check: bool,
+    /// Text whose tokens make the conversations [default: moby-dick-eval.txt from
+    /// scripts/fetch-models.sh when the model has a tokenizer, else seeded random ids]
+    #[arg(long, env = "GPU_OFFLOAD_CORPUS")]
+    pub corpus: Option<PathBuf>,
+    /// Seeded random token ids instead of a corpus.
+    #[arg(long, env = "GPU_OFFLOAD_RANDOM_CORPUS", conflicts_with = "corpus")]
+    pub random_corpus: bool,
+    /// Directory for contexts.json, contexts.md and contexts.svg (created if missing).
+    #[arg(
+        long,
+        short = 'o',
+        env = "GPU_OFFLOAD_OUT",
+        default_value = "bench-contexts"
+    )]
+    pub out: PathBuf,
+    /// Print contexts.json on stdout too.
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+fn contexts_cmd(a: ContextsArgs) -> Result<()> {
+    use crate::bench::contexts::{self as cx, TokenSource, Trace, TraceConfig};
+    // Flags first: nothing heavy runs before bad input is refused.
+    if a.model.ctx_size.is_some() {
+        bail!(
+            "bench contexts sizes each slot to the longest context of its traces: drop --ctx-size"
+        );
+    }
+    if a.strategies.0.is_empty() {
+        bail!("--strategies: name at least one strategy");
+    }
+    let trace_cfg = |contexts: usize| TraceConfig {
+        contexts,
+        calls: a.calls as usize,
+        history_tokens: a.history_tokens as usize,
+        user_tokens: a.user_tokens,
+        answer_tokens: a.answer_tokens,
+        rate_per_s: a.rate,
+        sticky: a.sticky,
+        seed: a.seed,
+    };
+    trace_cfg(a.contexts as usize)
+        .validate()
+        .map_err(anyhow::Error::msg)?;
+    writable_dir(&a.out)?;
+    let kv_dir = a.kv_dir.clone().unwrap_or_else(|| a.out.join("kv-scratch"));
+
+    let loaded = LoadedModel::load(&a.model)?;
+    let spec = loaded.spec().clone();
+    let (source, source_name) = if a.random_corpus {
+        (
+            TokenSource::Random {
+                vocab: spec.vocab_size,
+            },
+            "seeded random ids".to_string(),
+        )
+    } else {
+        let default = crate::model::models_dir().join("moby-dick-eval.txt");
+        match (&a.corpus, &loaded.tokenizer) {
+            (Some(p), None) => bail!(
+                "--corpus {}: {} has no tokenizer (use --random-corpus)",
+                p.display(),
+                loaded.path.display()
+            ),
+            (None, None) => (
+                TokenSource::Random {
+                    vocab: spec.vocab_size,
+                },
+                "seeded random ids (the model has no tokenizer)".to_string(),
+            ),
+            (None, Some(_)) if !default.exists() => (
+                TokenSource::Random {
+                    vocab: spec.vocab_size,
+                },
+                format!("seeded random ids ({} is missing)", default.display()),
+            ),
+            (given, Some(tok)) => {
+                let (path, text) =
+                    super::profile::read_corpus(given.as_deref(), "moby-dick-eval.txt")?;
+                let ids = tok
+                    .encode(&text, false, false)
+                    .with_context(|| format!("cannot tokenize {}", path.display()))?;
+                if ids.is_empty() {
+                    bail!("corpus {} has no tokens", path.display());
+                }
+                (TokenSource::Corpus(ids), path.display().to_string())
+            }
+        }
+    };
+    let main = Trace::generate(&trace_cfg(a.contexts as usize), &source);
+    let mut counts: Vec<usize> = a.sweep.0.clone();
+    counts.sort_unstable();
+    counts.dedup();
+    let sweep: Vec<Trace> = counts
+        .iter()
+        .filter(|&&n| n != a.contexts as usize)
+        .map(|&n| Trace::generate(&trace_cfg(n), &source))
+        .collect();
+    let job = cx::Job {
+        main,
+        sweep,
+        strategies: a.strategies.0.clone(),
+        check: a.check,
+        ttft_target_s: a.ttft_target,
+    };
+    let ctx = job.ctx_size();
+    if ctx > spec.max_context {
+        bail!(
+            "the contexts grow to {ctx} tokens but {} holds at most {}: lower --history-tokens, --calls or the turn lengths",
+            spec.name,
+            spec.max_context
+        );
+    }
+    let resident = a.resident as usize;
+    let running = loaded.start(
+        &a.model,
+        Job {
+            ctx,
+            sessions: resident,
+            probe: true,
+            batch: crate::engine::MAX_BATCH.min(ctx),
+            logit_rows: 1,
+        },
+    )?;
+    let model_id = loaded.model_id()?;
+    let set = cx::RunSettings {
+        resident,
+        dram_budget: a.kv_dram_mem,
+        compression: a.kv_compression,
+        kv_dir: kv_dir.clone(),
+        model_id,
+        costs: crate::kv::CostModel {
+            recompute_s_per_token: 0.0,
+            load_s_per_chunk: 0.0,
+            load_s_per_byte: 0.0,
+        },
+    };
+    let progress = |m: &str| eprintln!("bench contexts: {m}");
+    let (outcome, kv_type) = with_engine!(&running.engine, e => {
+        (cx::run(e, ctx, &set, &job, &progress)?, e.kv_type())
+    });
+    std::fs::remove_dir(&kv_dir).ok();
+    let kv_bytes_per_token = (2 * spec.n_layers * kv_type.row_bytes(spec.kv_dim())) as u64;
+    let (speedups, ours_fastest) = cx::speedups(&outcome.strategies);
+    let most_contexts = cx::most_contexts(&outcome.sweep, &job.strategies);
+    let report = cx::ContextsReport {
+        schema: cx::SCHEMA,
+        gpu_offload_version: env!("CARGO_PKG_VERSION"),
+        created_unix_s: unix_now(),
+        model: cx::ModelInfo {
+            name: spec.name.clone(),
+            path: loaded.path.display().to_string(),
+            n_layers: spec.n_layers,
+            kv_dim: spec.kv_dim(),
+            max_context: spec.max_context,
+            kv_type: format!("{kv_type:?}").to_lowercase(),
+            kv_bytes_per_token,
+        },
+        device: cx::DeviceInfo {
+            kind: device_of(&running).into(),
+            gpu_mem: a.model.budget.gpu_mem,
+            threads: threads_of(&a.model),
+        },
+        settings: cx::Settings {
+            trace: job.main.cfg.clone(),
+            resident,
+            ctx_size: ctx,
+            dram_budget: a.kv_dram_mem,
+            compression: format!("{:?}", a.kv_compression),
+            kv_dir: kv_dir.display().to_string(),
+            tokens: source_name,
+            ttft_target_s: a.ttft_target,
+            sweep_contexts: counts,
+            check: a.check,
+        },
+        cost_model: cx::CostInfo {
+            recompute_s_per_token: outcome.costs.recompute_s_per_token,
+            load_s_per_chunk: outcome.costs.load_s_per_chunk,
+            load_s_per_byte: outcome.costs.load_s_per_byte,
+        },
+        strategies: outcome.strategies,
+        speedups,
+        ours_fastest,
+        sweep: outcome.sweep,
+        most_contexts,
+        notes: cx::notes(),
+    };
+    let write = |name: &str, bytes: &[u8]| {
+        let p = a.out.join(name);
+        crate::fsutil::write_atomic(&p, bytes)
+            .with_context(|| format!("cannot write {}", p.display()))
+    };
+    let json = serde_json::to_string_pretty(&report)?;
+    write("contexts.json", json.as_bytes())?;
+    let plot = match plot::contexts_svg(&report) {
+        Ok(svg) => {
+            write("contexts.svg", svg.as_bytes())?;
+            Some("contexts.svg")
+        }
+        Err(e) => {
+            eprintln!("warning: {e}");
+            None
+        }
+    };
+    let md = report.markdown(plot);
+    write("contexts.md", md.as_bytes())?;
+    if a.json {
+        println!("{json}");
+    } else {
+        print!("{md}");
+        println!(
+            "wrote {0}/contexts.json, {0}/contexts.md{1}",
+            a.out.display(),
+            if plot.is_some() {
+                " and contexts.svg"
+            } else {
+                ""
+            }
+        );
+    }
     Ok(())
 }

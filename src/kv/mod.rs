@@ -330,7 +330,11 @@ impl KvManager {
         let spec = engine.spec();
         let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
         let pos = session.position();
-        let density = engine.attention_density(session, CHUNK_TOKENS)?;
+        // Only the ratio mode reads the density: the others would pay a pass over K for nothing.
+        let density = match self.cfg.compression {
+            Compression::Ratio(_) => engine.attention_density(session, CHUNK_TOKENS)?,
+            Compression::Off | Compression::Uniform(_) => Vec::new(),
+        };
         let c = self
             .contexts
             .get_mut(id)
