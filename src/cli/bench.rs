@@ -1650,6 +1650,8 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
             probe: true,
             batch: crate::engine::MAX_BATCH.min(ctx),
             logit_rows: 1,
+            // Recompute re-prefills whole conversations.
+            prompt: ctx,
         },
     )?;
     let model_id = loaded.model_id()?;
