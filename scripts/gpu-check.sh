@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|all]
+#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -383,8 +383,51 @@ prefill() {
     done
 }
 
+batching() {
+    synth7b
+    synth1b
+    local n
+    say "7B shape at --gpu-mem 4G: N sequences in shared decode steps against one alone"
+    for n in 4 16; do
+        record "batch_7b_4g_$n" "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --sessions "$n" --prompt-tokens 64 -n 16 --reps 1 --json 2>>"$LOG")"
+    done
+    say "serve, 7B shape at --gpu-mem 4G --parallel 4: one client against four at once"
+    "$B" serve --device cuda -m "$WORK/m7b" --gpu-mem 4G --port 18182 --parallel 4 --ctx-size 512 \
+        > "$WORK/serve7b.out" 2>>"$LOG" &
+    local pid=$!
+    for _ in $(seq 600); do grep -q listening "$WORK/serve7b.out" 2>/dev/null && break; sleep 0.5; done
+    record serve_7b_4g_concurrent "$($PY - <<'PY' 2>>"$LOG"
+import json, threading, time, urllib.request as u
+B = "http://127.0.0.1:18182"
+def post(body):
+    r = u.Request(B + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.load(u.urlopen(r, timeout=600))
+prompts = [[(i * 7919 + 13 * k) % 31000 + 3 for i in range(64)] for k in range(4)]
+# No tokenizer in a synthesized model: the answer is compared with its logprobs (token by token).
+g = lambda p: {"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+ans = lambda v: json.dumps([v["choices"][0].get("text"), v["choices"][0].get("logprobs")])
+post(g(prompts[0]))  # warm-up
+t = time.time(); alone = [ans(post(g(p))) for p in prompts[:1]]; one = time.time() - t
+res = [None] * 4
+def run(k): res[k] = ans(post(g(prompts[k])))
+t = time.time(); ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+[x.start() for x in ts]; [x.join() for x in ts]; four = time.time() - t
+m = u.urlopen(B + "/metrics").read().decode()
+batch = [l for l in m.splitlines() if l.startswith("gpu_offload_decode_batch_size_")]
+print(json.dumps({"one_client_s": one, "four_clients_s": four, "ratio": four / one,
+                  "first_answer_equal": res[0] == alone[0], "batch_metrics": batch}))
+PY
+)"
+    kill -TERM $pid; wait $pid
+    say "bench contexts on CUDA, 1B shape (random token ids)"
+    "$B" bench contexts --device cuda -m "$WORK/m1b" --gpu-mem 8G --random-corpus --contexts 8 --resident 2 \
+        --calls 24 --history-tokens 1024 --out "$OUT/contexts-1b" 2>>"$LOG" | tail -n 20 | tee -a "$LOG"
+    record contexts_1b_cuda "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/contexts-1b" 2>/dev/null | tr '\n' ' ')\"}"
+}
+
 case "$MODE" in
     tests) tests ;;
+    batching) batching ;;
     prefill) prefill ;;
     bench) bench ;;
     offload) offload ;;
@@ -396,6 +439,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"
