@@ -247,3 +247,37 @@ fn density_read_in_runs_equals_the_whole_layer_read() {
     }
     assert_eq!(e.attention_density(&mut s, CHUNK_TOKENS).unwrap(), whole);
 }
+
+/// A session taken over by another context forgets the previous holder's queries: restored
+/// from copies alone (nothing recomputed), the context's density is empty until its own calls
+/// evaluate queries; after one, it is the same as in a session that never held anything else.
+#[test]
+fn swap_in_forgets_the_previous_holders_queries() {
+    let (e, m) = engine(&common::stories260k(), KvType::F32);
+    let t = tokens_of(&m, 70);
+    let (a, b) = t.split_at(40);
+    let mut kv = manager(None, Compression::Off, 1 << 30, LOAD_ONLY);
+    let (id, _) = fill(&e, &mut kv, b, 128);
+    // A session that held another context (its probe full of that one's queries).
+    let mut held = e.new_session(128).unwrap();
+    e.enable_probe(&mut held).unwrap();
+    e.forward(&mut held, a, Logits::None).unwrap();
+    assert!(!e.attention_density(&mut held, 16).unwrap().is_empty());
+    let st = kv.swap_in(&e, &mut held, &id).unwrap();
+    assert_eq!(st.chunks_recomputed, 0, "{st:?}");
+    assert!(
+        e.attention_density(&mut held, 16).unwrap().is_empty(),
+        "the previous holder's queries survived the swap-in"
+    );
+    // One call of its own: the same density as a fresh session restored the same way.
+    let mut fresh = e.new_session(128).unwrap();
+    e.enable_probe(&mut fresh).unwrap();
+    kv.swap_in(&e, &mut fresh, &id).unwrap();
+    for s in [&mut held, &mut fresh] {
+        e.forward(s, &a[..5], Logits::None).unwrap();
+    }
+    assert_eq!(
+        e.attention_density(&mut held, 16).unwrap(),
+        e.attention_density(&mut fresh, 16).unwrap()
+    );
+}

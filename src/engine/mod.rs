@@ -437,6 +437,15 @@ impl<B: Backend> Session<B> {
         self.ctx
     }
 
+    /// Forget the queries the probe remembers (a session taken over by another context: its
+    /// density must come from that context's own queries).
+    pub fn forget_queries(&mut self) {
+        if let Some(p) = &mut self.probe {
+            p.positions.fill(usize::MAX);
+            p.next = 0;
+        }
+    }
+
     /// Forget everything after the first `pos` tokens (their cache rows are overwritten later).
     pub fn truncate(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);

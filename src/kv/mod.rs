@@ -484,6 +484,9 @@ impl KvManager {
             .contexts
             .get(id)
             .ok_or_else(|| KvError::NotFound(id.into()))?;
+        // The queries the session remembers are the previous holder's: the density this
+        // context's chunks are compressed by comes from its own (recomputed chunks and calls).
+        session.forget_queries();
         let evaluated = c.index.evaluated;
         let tokens = c.index.tokens[..evaluated].to_vec();
         let n = evaluated.div_ceil(CHUNK_TOKENS);
