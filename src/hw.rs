@@ -266,11 +266,11 @@ pub fn matmul_rate<B: crate::backend::Backend>(
     };
     b.set_workspace(b.workspace_bytes(&op)).map_err(err)?;
     let mut sink = vec![0f32; rows];
+    let mut row = b.alloc(1, rows).map_err(err)?;
     let mut one = || -> Result<f64, String> {
         let t0 = std::time::Instant::now();
         b.matmul(&w, &x, &mut out).map_err(err)?;
         // A read waits for the product (and costs one row's copy).
-        let mut row = b.alloc(1, rows).map_err(err)?;
         b.copy_rows(&out, 0, &mut row, 0, 1).map_err(err)?;
         b.read(&row, &mut sink).map_err(err)?;
         Ok(t0.elapsed().as_secs_f64())

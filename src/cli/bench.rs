@@ -587,7 +587,11 @@ fn sparse(a: SparseArgs) -> Result<()> {
 
 /// Random prompt ids (seeded, so every run and every cell sees the same prompt).
 fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut rng = StdRng::seed_from_u64(1);
+    random_prompt_seeded(n, vocab, 1)
+}
+
+fn random_prompt_seeded(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed);
     let hi = (vocab as u32).max(4);
     (0..n).map(|_| rng.random_range(3..hi)).collect()
 }
@@ -784,23 +788,9 @@ fn decode_sessions(a: DecodeArgs) -> Result<()> {
     };
     let running = loaded.start(&a.model, job)?;
     let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| {
-            let mut rng = StdRng::seed_from_u64(100 + i as u64);
-            let hi = (spec.vocab_size as u32).max(4);
-            (0..a.prompt_tokens)
-                .map(|_| rng.random_range(3..hi))
-                .collect()
-        })
+        .map(|i| random_prompt_seeded(a.prompt_tokens, spec.vocab_size, 100 + i as u64))
         .collect();
-    let argmax = |l: &[f32]| {
-        l.iter()
-            .enumerate()
-            .fold(
-                (0usize, f32::MIN),
-                |m, (i, &x)| if x > m.1 { (i, x) } else { m },
-            )
-            .0 as u32
-    };
+    let argmax = crate::engine::sampler::argmax;
     let (one, many) = with_engine!(&running.engine, e => {
         let mut one = Vec::new();
         let mut many = Vec::new();
@@ -836,11 +826,7 @@ fn decode_sessions(a: DecodeArgs) -> Result<()> {
         }
         (one, many)
     });
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (one, many) = (median(one), median(many));
+    let (one, many) = (measure::median(one), measure::median(many));
     let out = json!({
         "model": spec.name, "device": device_of(&running), "sessions": n,
         "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens, "reps": a.reps,

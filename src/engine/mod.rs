@@ -1825,6 +1825,16 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// View the logits buffers as `rows` rows (at most those they hold).
+    fn view_logits(&self, lb: &mut LogitBuffers<B>, rows: usize) -> Result<()> {
+        let b = &self.backend;
+        let d = self.spec.d_model;
+        b.reshape(&mut lb.last, rows, d)?;
+        b.reshape(&mut lb.normed, rows, d)?;
+        b.reshape(&mut lb.logits, rows, self.spec.vocab_size)?;
+        Ok(())
+    }
+
     /// The head over the last `rows` rows of `x` (`n` rows; at most the held logits rows):
     /// their logits on the host.
     fn head_rows(
@@ -1841,10 +1851,7 @@ impl<B: Backend> Engine<B> {
                 self.logit_buffers(rows)?
             }
         };
-        let d = self.spec.d_model;
-        b.reshape(&mut lb.last, rows, d)?;
-        b.reshape(&mut lb.normed, rows, d)?;
-        b.reshape(&mut lb.logits, rows, self.spec.vocab_size)?;
+        self.view_logits(&mut lb, rows)?;
         b.copy_rows(&sc.x, sc.n - rows, &mut lb.last, 0, rows)?;
         {
             let head = source.head(b)?;
@@ -1855,9 +1862,7 @@ impl<B: Backend> Engine<B> {
         let mut host = vec![0f32; rows * self.spec.vocab_size];
         b.read(&lb.logits, &mut host)?;
         let full = lb.rows;
-        b.reshape(&mut lb.last, full, d)?;
-        b.reshape(&mut lb.normed, full, d)?;
-        b.reshape(&mut lb.logits, full, self.spec.vocab_size)?;
+        self.view_logits(&mut lb, full)?;
         sc.logits = Some(lb);
         Ok(host)
     }

@@ -169,26 +169,31 @@ impl CpuKv {
     /// Values `col..col + out.len()` of row `j`, as f32: borrowed from an f32 cache, decoded
     /// into `tmp` otherwise.
     pub fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
-        let start = j * self.cols + col;
-        match &self.data {
-            Rows::F32(v) => &v[start..start + tmp.len()],
-            Rows::F16(v) => {
-                // The slice converter uses F16C where the CPU has it (exact either way): an
-                // element at a time, attention over an f16 cache was bound by the conversion.
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                    &v[start..start + tmp.len()],
-                    tmp,
-                );
-                tmp
+        row_slice(self.ty, self.raw_rows(j, 1), col, tmp)
+    }
+}
+
+/// Values `col..col + tmp.len()` of one stored `ty` row, as f32: borrowed from an f32 row,
+/// decoded into `tmp` otherwise (f16 through the slice converter, which uses F16C where the CPU
+/// has it: a value at a time, attention over an f16 cache was bound by the conversion).
+fn row_slice<'a>(ty: KvType, row: &'a [u8], col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+    match ty {
+        KvType::F32 => &bytemuck::cast_slice::<u8, f32>(row)[col..col + tmp.len()],
+        KvType::F16 => {
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                &bytemuck::cast_slice::<u8, f16>(row)[col..col + tmp.len()],
+                tmp,
+            );
+            tmp
+        }
+        KvType::Q8_0 => {
+            let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
+            for (i, o) in tmp.iter_mut().enumerate() {
+                let e = col + i;
+                let b = &blocks[e / QK];
+                *o = b.d.to_f32() * b.qs[e % QK] as f32;
             }
-            Rows::Q8_0(v) => {
-                for (i, o) in tmp.iter_mut().enumerate() {
-                    let e = start + i;
-                    let b = &v[e / QK];
-                    *o = b.d.to_f32() * b.qs[e % QK] as f32;
-                }
-                tmp
-            }
+            tmp
         }
     }
 }
@@ -211,26 +216,7 @@ struct RawRows<'a> {
 impl super::ops::KvRows for RawRows<'_> {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         let rb = self.ty.row_bytes(self.cols);
-        let row = &self.bytes[j * rb..(j + 1) * rb];
-        match self.ty {
-            KvType::F32 => &bytemuck::cast_slice::<u8, f32>(row)[col..col + tmp.len()],
-            KvType::F16 => {
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                    &bytemuck::cast_slice::<u8, f16>(row)[col..col + tmp.len()],
-                    tmp,
-                );
-                tmp
-            }
-            KvType::Q8_0 => {
-                let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
-                for (i, o) in tmp.iter_mut().enumerate() {
-                    let e = col + i;
-                    let b = &blocks[e / QK];
-                    *o = b.d.to_f32() * b.qs[e % QK] as f32;
-                }
-                tmp
-            }
-        }
+        row_slice(self.ty, &self.bytes[j * rb..(j + 1) * rb], col, tmp)
     }
 }
 
