@@ -8,10 +8,12 @@
 #define MAX_HEAD_DIM 256
 
 // q: n × q_stride f32 (head h at h·hd); caches: ctx rows of `kv_cols` values in DT (KV head g at
-// values g·hd..); query t sits at position first_pos + t and sees keys 0..=first_pos + t.
+// values g·hd..), position j at row kv_row(table, j); query t sits at position first_pos + t and
+// sees keys 0..=first_pos + t.
 // Block: 256 threads.
 template <int DT>
-__device__ void attention_impl(const float* q, const u8* kc, const u8* vc, float* out, int n_heads, int group,
+__device__ void attention_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out,
+                               int n_heads, int group,
                                int hd, int q_stride, int kv_cols, int first_pos, float scale) {
     __shared__ float qs[MAX_HEAD_DIM];
     __shared__ float p[TILE];
@@ -30,7 +32,7 @@ __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, float
         int tile = min(TILE, len - j0);
         float local_max = -3.0e38f;
         for (int j = threadIdx.x; j < tile; j += blockDim.x) {
-            const u8* k = kc + (long long)(j0 + j) * rb;
+            const u8* k = kc + kv_row(table, j0 + j) * rb;
             float s = 0.0f;
             for (int d = 0; d < hd; d++) s += qs[d] * kv_elem<DT>(k, col + d);
             s *= scale;
@@ -51,8 +53,7 @@ __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, float
         m = new_m;
         if (threadIdx.x < hd) {
             float a = acc * rescale;
-            const u8* v = vc + (long long)j0 * rb;
-            for (int j = 0; j < tile; j++) a += p[j] * kv_elem<DT>(v + (long long)j * rb, col + threadIdx.x);
+            for (int j = 0; j < tile; j++) a += p[j] * kv_elem<DT>(vc + kv_row(table, j0 + j) * rb, col + threadIdx.x);
             acc = a;
         }
         __syncthreads();
@@ -61,28 +62,31 @@ __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, float
 }
 
 #define ATTENTION(name, DT)                                                                                   \
-    extern "C" __global__ void name(const float* q, const u8* kc, const u8* vc, float* out, int n_heads,     \
-                                    int group, int hd, int q_stride, int kv_cols, int first_pos, float scale) { \
-        attention_impl<DT>(q, kc, vc, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale);          \
+    extern "C" __global__ void name(const float* q, const u8* kc, const u8* vc, const unsigned* table,       \
+                                    float* out, int n_heads, int group, int hd, int q_stride, int kv_cols,    \
+                                    int first_pos, float scale) {                                             \
+        attention_impl<DT>(q, kc, vc, table, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale);   \
     }
 
 ATTENTION(attention_f32, DT_F32)
 ATTENTION(attention_f16, DT_F16)
 ATTENTION(attention_q8_0, DT_Q8_0)
 
-// Store `rows` rows of `cols` f32 values into cache rows in DT (at `dst`, the first target row),
-// converted as the host's `tensor::encode_row` does, bit for bit. f32/f16: a thread per value;
-// Q8_0: a warp per 32-value block — d = amax/127, q = round(x·(1/d)), d kept as f16 — as
-// llama.cpp's reference quantizer.
-extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst) {
+// Store `rows` rows of `cols` f32 values into the cache `dst` in DT, source row t at position
+// first_row + t (row kv_row(table, first_row + t)), converted as the host's `tensor::encode_row`
+// does, bit for bit. f32/f16: a thread per value; Q8_0: a warp per 32-value block —
+// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer.
+extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
+                                   const unsigned* table, int first_row) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long n = rows * cols;
+    const long long rb = row_bytes(dt, cols);
     if (dt == DT_F32) {
-        if (i < n) ((float*)dst)[i] = src[i];
+        if (i < n) ((float*)(dst + kv_row(table, first_row + (int)(i / cols)) * rb))[i % cols] = src[i];
         return;
     }
     if (dt == DT_F16) {
-        if (i < n) ((u16*)dst)[i] = f2h(src[i]);
+        if (i < n) ((u16*)(dst + kv_row(table, first_row + (int)(i / cols)) * rb))[i % cols] = f2h(src[i]);
         return;
     }
     // Q8_0: value i of the flattened rows (cols is a multiple of 32, so blocks never straddle rows).
@@ -93,7 +97,8 @@ extern "C" __global__ void store_kv(const float* src, long long rows, int cols, 
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
-    u8* blk = dst + b * 34;
+    const int row_blocks = cols / 32;
+    u8* blk = dst + kv_row(table, first_row + (int)(b / row_blocks)) * rb + (b % row_blocks) * 34;
     blk[2 + lane] = (u8)(i8)roundf(v * id);
     if (lane == 0) *(u16*)blk = f2h(d);
 }

@@ -123,6 +123,14 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ u16 load_u16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
 
+// Row of a KV cache holding position r: r itself (table null: a sequence's own cache), or
+// through a block table into the shared pool, position r at table[r / 16]·16 + r % 16
+// (KV_BLOCK in src/backend/mod.rs).
+#define KV_BLOCK 16
+__device__ __forceinline__ long long kv_row(const unsigned* table, int r) {
+    return table ? (long long)table[r / KV_BLOCK] * KV_BLOCK + r % KV_BLOCK : (long long)r;
+}
+
 // Byte size of one row of `cols` values in `dtype`.
 __device__ __forceinline__ long long row_bytes(int dtype, int cols) {
     switch (dtype) {

@@ -9,7 +9,8 @@
 //   attention fills the GPU; each block leaves its rows' partials (max, sum, unnormalised output)
 //   in the workspace and a second kernel combines the chunks. A head holds MAX_SPLITS partials
 //   whatever the row count (rows × chunks ≤ MAX_SPLITS), so the workspace is fixed per model.
-// Both follow the causal rule of attention.cu: query row t sits at position first_pos + t and
+// Both read position j of the caches at row kv_row(table, j) (a paged sequence in the KV pool, or
+// its own cache when table is null) and follow the causal rule of attention.cu: query row t sits at position first_pos + t and
 // sees keys 0..=first_pos + t. kernels/host/flash_check.cpp runs both on the host against a naive
 // attention (scripts/check-kernels.sh).
 #include "common.cuh"
@@ -51,7 +52,8 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 // q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols f16 (KV head g at g·HD); out like q.
 // Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
 template <int HD>
-__device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* out, int n, int n_heads,
+__device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, int n,
+                           int n_heads,
                            int group, int kv_cols, int first_pos, float scale) {
     constexpr int KP = HD + FA_PAD;      // pitch (halves) of a key row: the Q tile is staged here too
     constexpr int VP = FA_KEYS + FA_PAD;  // pitch of a value column: values are stored transposed
@@ -108,7 +110,7 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* 
         for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
             int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
             Half8 x = {{0u, 0u, 0u, 0u}};
-            if (j0 + r < keys) x = *(const Half8*)(kc + (long long)(j0 + r) * kv_cols + col + c);
+            if (j0 + r < keys) x = *(const Half8*)(kc + kv_row(table, j0 + r) * kv_cols + col + c);
             *(Half8*)&ks[r * KP + c] = x;
         }
         // Values transposed; consecutive threads take consecutive keys, so their 2-byte stores
@@ -116,7 +118,7 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* 
         for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
             int r = i % FA_KEYS, c = (i / FA_KEYS) * 8;
             Half8 x = {{0u, 0u, 0u, 0u}};
-            if (j0 + r < keys) x = *(const Half8*)(vc + (long long)(j0 + r) * kv_cols + col + c);
+            if (j0 + r < keys) x = *(const Half8*)(vc + kv_row(table, j0 + r) * kv_cols + col + c);
 #pragma unroll
             for (int e = 0; e < 8; e++) vt[(c + e) * VP + r] = (u16)(x.w[e >> 1] >> (16 * (e & 1)));
         }
@@ -213,9 +215,9 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, float* 
 
 #define FLASH(HD)                                                                                          \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                               \
-        flash_attn_f16_hd##HD(const float* q, const u16* kc, const u16* vc, float* out, int n, int n_heads, \
-                              int group, int kv_cols, int first_pos, float scale) {                        \
-        flash_impl<HD>(q, kc, vc, out, n, n_heads, group, kv_cols, first_pos, scale);                      \
+        flash_attn_f16_hd##HD(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, \
+                              int n, int n_heads, int group, int kv_cols, int first_pos, float scale) {        \
+        flash_impl<HD>(q, kc, vc, table, out, n, n_heads, group, kv_cols, first_pos, scale);                   \
     }
 
 FLASH(64)
@@ -229,7 +231,8 @@ FLASH(128)
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
 // MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
 template <int DT>
-__device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws, int n, int n_heads, int group,
+__device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n,
+                           int n_heads, int group,
                            int hd, int kv_cols, int first_pos, float scale, int chunk) {
     __shared__ float qs[SPLIT_ROWS * SPLIT_MAX_HD];
     __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
@@ -253,7 +256,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws
         const int tile = min(SPLIT_TILE, k1 - j0);
         // A warp per key: lanes split the head dims (coalesced), one sum per row.
         for (int jj = warp; jj < tile; jj += warps) {
-            const u8* krow = kc + (long long)(j0 + jj) * rb;
+            const u8* krow = kc + kv_row(table, j0 + jj) * rb;
             float dot[SPLIT_ROWS];
 #pragma unroll
             for (int t = 0; t < SPLIT_ROWS; t++) dot[t] = 0.0f;
@@ -298,7 +301,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws
             for (int t = 0; t < SPLIT_ROWS; t++)
                 if (t < n) acc[t][c] *= alpha[t];
             for (int jj = 0; jj < tile; jj++) {
-                float v = kv_elem<DT>(vc + (long long)(j0 + jj) * rb, col + d);
+                float v = kv_elem<DT>(vc + kv_row(table, j0 + jj) * rb, col + d);
 #pragma unroll
                 for (int t = 0; t < SPLIT_ROWS; t++)
                     if (t < n) acc[t][c] += p[t * SPLIT_TILE + jj] * v;
@@ -328,9 +331,9 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, float* ws
 
 #define SPLIT(name, DT)                                                                                      \
     extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                              \
-        name(const float* q, const u8* kc, const u8* vc, float* ws, int n, int n_heads, int group, int hd,   \
-             int kv_cols, int first_pos, float scale, int chunk) {                                           \
-        split_impl<DT>(q, kc, vc, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk);            \
+        name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n, int n_heads, \
+             int group, int hd, int kv_cols, int first_pos, float scale, int chunk) {                          \
+        split_impl<DT>(q, kc, vc, table, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk);       \
     }
 
 SPLIT(attention_split_f32, DT_F32)

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::cuda::CudaBackend;
-use gpu_offload::backend::{Act, AttnShape, Backend, BundleShape, KvType, RopePairs, WorkspaceOp};
+use gpu_offload::backend::{
+    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, RopePairs, WorkspaceOp,
+};
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
 use gpu_offload::store::Encoding;
@@ -370,6 +372,9 @@ fn embedding_gathers_every_format_equal_cpu<B: Backend>(g: &B) {
     }
 }
 
+/// Attention over caches filled through `store_kv`: each of the context's own, or (`paged`) a
+/// shared pool of twice the blocks with the sequence's blocks scattered in it, backwards.
+#[allow(clippy::too_many_arguments)]
 fn attention_on<B: Backend>(
     b: &B,
     q: &[f32],
@@ -380,16 +385,26 @@ fn attention_on<B: Backend>(
     pos: usize,
     s: AttnShape,
     ty: KvType,
+    paged: bool,
 ) -> Vec<f32> {
     let kv = s.n_kv_heads * s.head_dim;
     let qt = put(b, n, s.n_heads * s.head_dim, q);
     // K and V go in through store_kv (the device's conversion), as the engine stores them.
     let kt = put(b, ctx, kv, k);
     let vt = put(b, ctx, kv, v);
-    let mut kc = b.alloc_kv(ctx, kv, ty).unwrap();
-    let mut vc = b.alloc_kv(ctx, kv, ty).unwrap();
-    b.store_kv(&kt, &mut kc, 0).unwrap();
-    b.store_kv(&vt, &mut vc, 0).unwrap();
+    let blocks = ctx.div_ceil(KV_BLOCK);
+    let (rows, table) = if paged {
+        let ids: Vec<u32> = (0..blocks).map(|i| (2 * (blocks - i) - 1) as u32).collect();
+        let mut t = b.alloc_kv_table(blocks).unwrap();
+        b.write_kv_table(&mut t, &ids).unwrap();
+        (2 * blocks * KV_BLOCK, Some(t))
+    } else {
+        (ctx, None)
+    };
+    let mut kc = b.alloc_kv(rows, kv, ty).unwrap();
+    let mut vc = b.alloc_kv(rows, kv, ty).unwrap();
+    b.store_kv(&kt, &mut kc, table.as_ref(), 0).unwrap();
+    b.store_kv(&vt, &mut vc, table.as_ref(), 0).unwrap();
     let mut out = poisoned(b, n, s.n_heads * s.head_dim);
     // Few rows split the keys across blocks, meeting in the workspace.
     b.set_workspace(b.workspace_bytes(&WorkspaceOp::Attention {
@@ -398,7 +413,8 @@ fn attention_on<B: Backend>(
         head_dim: s.head_dim,
     }))
     .unwrap();
-    b.attention(&qt, &kc, &vc, pos, s, &mut out).unwrap();
+    b.attention(&qt, &kc, &vc, table.as_ref(), pos, s, &mut out)
+        .unwrap();
     b.set_workspace(0).unwrap();
     get(b, &out)
 }
@@ -422,13 +438,15 @@ fn attention_decode_and_prefill_with_gqa_equal_cpu<B: Backend>(g: &B) {
             let q = rand_vec(&mut rng, n * heads * hd, 1.0);
             let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
             let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
-            let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty);
-            let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty);
-            let e = rel(&got, &want);
-            assert!(
-                e <= 1e-4,
-                "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
-            );
+            let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty, false);
+            for paged in [false, true] {
+                let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty, paged);
+                let e = rel(&got, &want);
+                assert!(
+                    e <= 1e-4,
+                    "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd} paged {paged}: {e}"
+                );
+            }
         }
     }
 }
@@ -453,12 +471,14 @@ fn long_context_attention_equals_cpu<B: Backend>(g: &B) {
         let q = rand_vec(&mut rng, n * heads * hd, 1.0);
         let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
         let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
-        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty);
-        let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty);
+        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, ty, false);
+        // Paged on every other case: the pool's rows through a block table.
+        let paged = (n + pos) % 2 == 1;
+        let got = attention_on(g, &q, &k, &v, n, ctx, pos, s, ty, paged);
         let e = rel(&got, &want);
         assert!(
             e <= tol,
-            "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd}: {e}"
+            "{ty:?} n {n} pos {pos} heads {heads}/{kv_heads} hd {hd} paged {paged}: {e}"
         );
     };
     // Flash prefill: whole and partial query tiles, long first_pos, GQA, 1000+ positions.
@@ -501,13 +521,13 @@ fn kv_store_read_write_equal_cpu<B: Backend>(g: &B) {
         let on = |be: &B| {
             let xt = put(be, rows, cols, &x);
             let mut kv = be.alloc_kv(rows + 5, cols, ty).unwrap();
-            be.store_kv(&xt, &mut kv, 3).unwrap();
+            be.store_kv(&xt, &mut kv, None, 3).unwrap();
             read(&|v| be.read_kv(&kv, 3, v).unwrap())
         };
         let want = {
             let xt = put(&c, rows, cols, &x);
             let mut kv = c.alloc_kv(rows + 5, cols, ty).unwrap();
-            c.store_kv(&xt, &mut kv, 3).unwrap();
+            c.store_kv(&xt, &mut kv, None, 3).unwrap();
             read(&|v| c.read_kv(&kv, 3, v).unwrap())
         };
         let got = on(g);

@@ -1206,3 +1206,114 @@ fn openai_python_client_check() {
     assert!(text.contains("all ok"), "{text}");
     s.stop();
 }
+
+/// A value of `/metrics`, by its name with labels.
+fn metric(s: &Server, name: &str) -> f64 {
+    let (_, m) = call("GET", &s.url("/metrics"), None, None);
+    let m = m.as_str().unwrap().to_string();
+    m.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+}
+
+/// The paged KV pool under pressure (10 blocks of 16 positions, 4 sequences at once): a call
+/// that could never fit is refused; calls that do not fit beside the running ones wait and
+/// answer as alone; an idle context gives its blocks to a growing sequence and comes back
+/// exactly; a client hanging up gives its blocks back at once.
+#[test]
+fn a_small_kv_pool_queues_calls_and_moves_idle_contexts_out() {
+    let model = common::stories260k();
+    let args = [
+        "--ctx-size",
+        "256",
+        "--parallel",
+        "4",
+        "--kv-compression",
+        "off",
+    ];
+    let mut small = args.to_vec();
+    small.extend(["--kv-pool-tokens", "160"]);
+    let s = Server::start_env(&model, &small, &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "2")]);
+    let reference = Server::start(&model, &args);
+    let url = s.url("/v1/completions");
+    let used = |s: &Server| metric(s, "gpu_offload_kv_pool_blocks{state=\"used\"}");
+    assert_eq!(
+        metric(&s, "gpu_offload_kv_pool_blocks{state=\"free\"}"),
+        10.0
+    );
+
+    // A client hanging up mid-stream (the first call: nothing else holds blocks) gives its blocks
+    // back once the call is dropped.
+    let mut stream = greedy(json!("A cat"), 120);
+    stream["ignore_eos"] = json!(true);
+    stream["stream"] = json!(true);
+    hang_up_mid_call(&s.base, "/v1/completions", &stream);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (active, now) = (metric(&s, "gpu_offload_active_sequences"), used(&s));
+        if active == 0.0 {
+            assert_eq!(now, 0.0, "the hung-up call kept its blocks");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the hung-up call still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // 1 + 200 positions need 13 blocks: never.
+    let (st, v) = post(&url, greedy(json!("Once"), 200));
+    assert_error(st, &v, 400, "--kv-pool-tokens");
+
+    // Three calls of 5 blocks each at most: two run, the third waits for room.
+    let long = |p: &str| {
+        let mut b = greedy(json!(p), 70);
+        b["ignore_eos"] = json!(true);
+        b
+    };
+    let prompts = ["Once", "Lily", "Tom"];
+    let alone: Vec<String> = prompts
+        .iter()
+        .map(|p| text_of(&post(&reference.url("/v1/completions"), long(p)).1))
+        .collect();
+    let together: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let url = url.clone();
+                sc.spawn(move || {
+                    let (st, v) = post(&url, long(p));
+                    assert_eq!(st, 200, "{v}");
+                    text_of(&v)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone, "answers that waited for the pool differ");
+
+    // A context, idle on the device, then a stateless call growing to 9 of the 10 blocks: the
+    // context's blocks go to it, and its next call swaps it back in.
+    let mut answers = Vec::new();
+    for srv in [&s, &reference] {
+        let (_, c) = post(&srv.url("/v1/contexts"), json!({}));
+        let id = c["id"].as_str().unwrap().to_string();
+        let path = srv.url(&format!("/v1/contexts/{id}/completions"));
+        let (st, first) = post(&path, greedy(json!("Once upon a time"), 20));
+        assert_eq!(st, 200, "{first}");
+        let mut big = greedy(json!("The dog"), 140);
+        big["ignore_eos"] = json!(true);
+        let (st, v) = post(&srv.url("/v1/completions"), big);
+        assert_eq!(st, 200, "{v}");
+        let (st, second) = post(&path, greedy(json!(" Lily"), 20));
+        assert_eq!(st, 200, "{second}");
+        answers.push((text_of(&first), text_of(&second)));
+    }
+    assert_eq!(
+        answers[0], answers[1],
+        "a context moved out by the pool came back changed"
+    );
+    assert!(metric(&s, "gpu_offload_kv_pool_evictions_total") >= 1.0);
+    assert!(metric(&s, "gpu_offload_kv_events_total{event=\"swap_in\"}") >= 1.0);
+
+    s.stop();
+    reference.stop();
+}

@@ -3,6 +3,8 @@
 // layouts), against a naive causal GQA attention in double over the same cache values:
 // the flash prefill kernel (f16 cache: queries and probabilities rounded to f16, so a relative
 // tolerance of 2e-3) and the split decode + combine kernels (every cache type, f32 math: 1e-4).
+// Each runs over the caches as they are and paged: the rows scattered backwards over a pool of
+// twice the blocks and read through a block table (kv_row in common.cuh).
 // Errors are max |got - want| / max |want|. scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
 #include <functional>
@@ -39,6 +41,22 @@ static std::vector<u8> cache(std::mt19937& rng, int dt, int rows, int cols) {
         }
     }
     return out;
+}
+
+// A paged copy of a cache (`rows` rows of `rb` bytes) and its block table: block i of the
+// sequence at block 2·(blocks - i) - 1 of a pool of 2·blocks blocks.
+struct Paged {
+    std::vector<u8> pool;
+    std::vector<unsigned> table;
+};
+
+static Paged paged(const std::vector<u8>& c, int rows, long long rb) {
+    int blocks = (rows + KV_BLOCK - 1) / KV_BLOCK;
+    Paged p;
+    p.pool.assign((size_t)2 * blocks * KV_BLOCK * rb, 0xff);
+    for (int i = 0; i < blocks; i++) p.table.push_back((unsigned)(2 * (blocks - i) - 1));
+    for (int r = 0; r < rows; r++) std::memcpy(&p.pool[kv_row(p.table.data(), r) * rb], &c[(size_t)r * rb], rb);
+    return p;
 }
 
 template <int DT>
@@ -86,37 +104,45 @@ static std::vector<float> queries(std::mt19937& rng, const Case& c) {
     return q;
 }
 
-static bool flash(std::mt19937& rng, const Case& c) {
+static bool flash(std::mt19937& rng, const Case& c, bool page) {
     int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
     auto q = queries(rng, c);
     auto kc = cache(rng, DT_F16, ctx, kv_cols), vc = cache(rng, DT_F16, ctx, kv_cols);
+    long long rb = row_bytes(DT_F16, kv_cols);
+    Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
     std::vector<float> out(q.size(), NAN);
     float scale = 1.0f / std::sqrt((float)c.hd);
     auto kernel = [&] {
-        auto k = (const u16*)kc.data();
-        auto v = (const u16*)vc.data();
+        auto k = (const u16*)(page ? pk.pool.data() : kc.data());
+        auto v = (const u16*)(page ? pv.pool.data() : vc.data());
+        const unsigned* t = page ? pk.table.data() : nullptr;
         int g = c.heads / c.kv_heads;
         switch (c.hd) {
-            case 64: flash_attn_f16_hd64(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            case 80: flash_attn_f16_hd80(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            case 96: flash_attn_f16_hd96(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            default: flash_attn_f16_hd128(q.data(), k, v, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale);
+            case 64: flash_attn_f16_hd64(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            case 80: flash_attn_f16_hd80(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            case 96: flash_attn_f16_hd96(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
+            default: flash_attn_f16_hd128(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale);
         }
     };
     host_launch({(unsigned)((c.n + FA_ROWS - 1) / FA_ROWS), (unsigned)c.heads, 1}, FA_THREADS, kernel);
     double e = rel(out, naive<DT_F16>(q, kc.data(), vc.data(), c));
     bool ok = e <= 2e-3;
-    std::printf("flash-check: flash f16 n %d from %d heads %d/%d hd %d: %.2e%s\n", c.n, c.first_pos, c.heads,
-                c.kv_heads, c.hd, e, ok ? "" : "  FAILED");
+    std::printf("flash-check: flash f16 n %d from %d heads %d/%d hd %d%s: %.2e%s\n", c.n, c.first_pos, c.heads,
+                c.kv_heads, c.hd, page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
 }
 
 template <int DT>
-static bool split(std::mt19937& rng, const Case& c, int chunk) {
+static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
     int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
     int chunks = (ctx + chunk - 1) / chunk;
     auto q = queries(rng, c);
     auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
+    long long rb = row_bytes(DT, kv_cols);
+    Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
+    const u8* k = page ? pk.pool.data() : kc.data();
+    const u8* v = page ? pv.pool.data() : vc.data();
+    const unsigned* t = page ? pk.table.data() : nullptr;
     if (c.n * chunks > MAX_SPLITS) {
         std::printf("flash-check: %d rows × %d chunks exceed the workspace\n", c.n, chunks);
         return false;
@@ -125,15 +151,14 @@ static bool split(std::mt19937& rng, const Case& c, int chunk) {
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads;
     host_launch({(unsigned)c.heads, (unsigned)chunks, 1}, SPLIT_THREADS, [&] {
-        split_impl<DT>(q.data(), kc.data(), vc.data(), ws.data(), c.n, c.heads, g, c.hd, kv_cols, c.first_pos,
-                       scale, chunk);
+        split_impl<DT>(q.data(), k, v, t, ws.data(), c.n, c.heads, g, c.hd, kv_cols, c.first_pos, scale, chunk);
     });
     host_launch({(unsigned)(c.n * c.heads), 1, 1}, 64,
                 [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks); });
     double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
     bool ok = e <= 1e-4;
-    std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks: %.2e%s\n", DT, c.n,
-                c.first_pos, c.heads, c.kv_heads, c.hd, chunks, e, ok ? "" : "  FAILED");
+    std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks%s: %.2e%s\n", DT, c.n,
+                c.first_pos, c.heads, c.kv_heads, c.hd, chunks, page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
 }
 
@@ -141,15 +166,17 @@ int main() {
     std::mt19937 rng(13);
     bool ok = true;
     // Query tiles cut short by n, rows past n, diagonal and whole key tiles, GQA.
-    for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
-        ok &= flash(rng, c);
-    // Chunks of one and of several tiles, rows that see none of the last chunk.
-    for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}}) {
-        ok &= split<DT_F32>(rng, c, 64);
-        ok &= split<DT_F16>(rng, c, 100);
-        ok &= split<DT_Q8_0>(rng, c, 37);
+    for (bool page : {false, true}) {
+        for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
+            ok &= flash(rng, c, page);
+        // Chunks of one and of several tiles, rows that see none of the last chunk.
+        for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}}) {
+            ok &= split<DT_F32>(rng, c, 64, page);
+            ok &= split<DT_F16>(rng, c, 100, page);
+            ok &= split<DT_Q8_0>(rng, c, 37, page);
+        }
     }
     if (!ok) return 1;
-    std::printf("flash-check: flash prefill and split decode equal naive attention\n");
+    std::printf("flash-check: flash prefill and split decode equal naive attention, paged and not\n");
     return 0;
 }

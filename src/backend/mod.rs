@@ -386,6 +386,64 @@ pub fn check_scatter(
     Ok(())
 }
 
+/// Positions per block of a paged KV cache: the contexts' chunk length, so a context's chunk is
+/// one block of the pool.
+pub const KV_BLOCK: usize = 16;
+
+/// Where the logical rows `first..first + n` of a cache lie: runs of `(offset from first,
+/// physical row, rows)`. Without a table (`None`) row r is row r; with one, row r is row
+/// `blocks[r / KV_BLOCK] · KV_BLOCK + r % KV_BLOCK` (a run never crosses a block).
+pub fn kv_runs(
+    blocks: Option<&[u32]>,
+    first: usize,
+    n: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        if done >= n {
+            return None;
+        }
+        let r = first + done;
+        let run = match blocks {
+            None => (done, r, n - done),
+            Some(b) => (
+                done,
+                b[r / KV_BLOCK] as usize * KV_BLOCK + r % KV_BLOCK,
+                (KV_BLOCK - r % KV_BLOCK).min(n - done),
+            ),
+        };
+        done += run.2;
+        Some(run)
+    })
+}
+
+/// Checks a block table against the cache it maps into: it covers `rows` logical rows and
+/// every block lies inside the cache's `cache_rows`.
+pub fn check_kv_table(
+    op: &'static str,
+    blocks: &[u32],
+    rows: usize,
+    cache_rows: usize,
+) -> Result<()> {
+    let cache_blocks = cache_rows / KV_BLOCK;
+    if blocks.len() * KV_BLOCK < rows {
+        return Err(BackendError::Shape {
+            op,
+            msg: format!(
+                "a block table of {} blocks for {rows} positions",
+                blocks.len()
+            ),
+        });
+    }
+    if let Some(&b) = blocks.iter().find(|&&b| b as usize >= cache_blocks) {
+        return Err(BackendError::Shape {
+            op,
+            msg: format!("block {b} of a cache of {cache_blocks} blocks"),
+        });
+    }
+    Ok(())
+}
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
 /// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to
@@ -397,6 +455,9 @@ pub trait Backend: Send + Sync + 'static {
     type Event: Send;
     /// A KV cache: `rows` positions of `cols` values in a [`KvType`].
     type Kv: Send;
+    /// A block table on the device: maps a paged sequence's positions into a shared cache
+    /// (the KV pool) in blocks of [`KV_BLOCK`] rows ([`kv_runs`]).
+    type KvTable: Send;
 
     fn name(&self) -> String;
 
@@ -523,8 +584,20 @@ pub trait Backend: Send + Sync + 'static {
     fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<Self::Kv>;
     /// `(rows, cols, type)` of a cache.
     fn kv_shape(&self, kv: &Self::Kv) -> (usize, usize, KvType);
-    /// Store every row of `src` (f32, `cols` wide) at rows `dst_row..` of `dst`, converted.
-    fn store_kv(&self, src: &Self::Tensor, dst: &mut Self::Kv, dst_row: usize) -> Result<()>;
+    /// A block table of up to `blocks` entries (device memory: 4 bytes an entry).
+    fn alloc_kv_table(&self, blocks: usize) -> Result<Self::KvTable>;
+    /// Set a table to `blocks` (block ids of the cache it will map into), in order with the
+    /// compute; `blocks` may be reused when this returns.
+    fn write_kv_table(&self, table: &mut Self::KvTable, blocks: &[u32]) -> Result<()>;
+    /// Store every row of `src` (f32, `cols` wide) at rows `dst_row..` of `dst`, converted;
+    /// with a `table`, at the rows it maps those positions to.
+    fn store_kv(
+        &self,
+        src: &Self::Tensor,
+        dst: &mut Self::Kv,
+        table: Option<&Self::KvTable>,
+        dst_row: usize,
+    ) -> Result<()>;
     /// Rows `first..first + out.len() / cols` of `src` as f32 on the host (waits for queued work).
     fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
     /// Write f32 `values` (whole rows) into rows `first..` of `dst`, converted.
@@ -659,12 +732,15 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
-    /// already hold this step's keys and values.
+    /// already hold this step's keys and values; with a `table`, the rows it maps the positions
+    /// to (a paged sequence in the KV pool).
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         q: &Self::Tensor,
         k_cache: &Self::Kv,
         v_cache: &Self::Kv,
+        table: Option<&Self::KvTable>,
         first_pos: usize,
         shape: AttnShape,
         out: &mut Self::Tensor,

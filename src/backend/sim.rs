@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::cpu::{CpuBackend, CpuKv, CpuTensor, CpuWeight};
+use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
@@ -40,6 +40,12 @@ pub struct SimWeight {
 /// A KV cache in the budgeted device's memory.
 pub struct SimKv {
     kv: CpuKv,
+    _mem: DeviceAlloc,
+}
+
+/// A block table in the budgeted device's memory.
+pub struct SimKvTable {
+    t: CpuKvTable,
     _mem: DeviceAlloc,
 }
 
@@ -97,6 +103,7 @@ impl Backend for SimBackend {
     type Weight = SimWeight;
     type Event = ();
     type Kv = SimKv;
+    type KvTable = SimKvTable;
 
     fn name(&self) -> String {
         let budget = self
@@ -298,8 +305,33 @@ impl Backend for SimBackend {
         self.cpu.kv_shape(&kv.kv)
     }
 
-    fn store_kv(&self, src: &SimTensor, dst: &mut SimKv, dst_row: usize) -> Result<()> {
-        self.cpu.store_kv(&src.t, &mut dst.kv, dst_row)
+    fn alloc_kv_table(&self, blocks: usize) -> Result<SimKvTable> {
+        let hold = self.reserve(
+            blocks.saturating_mul(4),
+            &format!("a KV block table of {blocks} blocks"),
+        )?;
+        Ok(SimKvTable {
+            t: self.cpu.alloc_kv_table(blocks)?,
+            _mem: hold,
+        })
+    }
+
+    fn write_kv_table(&self, table: &mut SimKvTable, blocks: &[u32]) -> Result<()> {
+        let t0 = Instant::now();
+        self.cpu.write_kv_table(&mut table.t, blocks)?;
+        self.copied_in(std::mem::size_of_val(blocks), t0);
+        Ok(())
+    }
+
+    fn store_kv(
+        &self,
+        src: &SimTensor,
+        dst: &mut SimKv,
+        table: Option<&SimKvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        self.cpu
+            .store_kv(&src.t, &mut dst.kv, table.map(|t| &t.t), dst_row)
     }
 
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
@@ -494,6 +526,7 @@ impl Backend for SimBackend {
         q: &SimTensor,
         k_cache: &SimKv,
         v_cache: &SimKv,
+        table: Option<&SimKvTable>,
         first_pos: usize,
         shape: AttnShape,
         out: &mut SimTensor,
@@ -503,8 +536,15 @@ impl Backend for SimBackend {
             n_heads: shape.n_heads,
             head_dim: shape.head_dim,
         })?;
-        self.cpu
-            .attention(&q.t, &k_cache.kv, &v_cache.kv, first_pos, shape, &mut out.t)
+        self.cpu.attention(
+            &q.t,
+            &k_cache.kv,
+            &v_cache.kv,
+            table.map(|t| &t.t),
+            first_pos,
+            shape,
+            &mut out.t,
+        )
     }
 }
 

@@ -1638,6 +1638,7 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
             logit_rows: 1,
             // Recompute re-prefills whole conversations.
             prompt: ctx,
+            kv_pool: None,
         },
     )?;
     let model_id = loaded.model_id()?;

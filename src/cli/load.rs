@@ -67,6 +67,8 @@ pub struct Job {
     pub logit_rows: usize,
     /// Most tokens one forward call evaluates (the longest prompt).
     pub prompt: usize,
+    /// Blocks of a paged KV pool the sessions share, in place of a cache of `ctx` each.
+    pub kv_pool: Option<usize>,
 }
 
 impl Job {
@@ -79,6 +81,7 @@ impl Job {
             batch,
             logit_rows,
             prompt: batch,
+            kv_pool: None,
         }
     }
 
@@ -196,6 +199,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         window: args.budget.prefetch_window as usize,
         ctx: job.ctx,
         sessions: job.sessions.max(1),
+        kv_pool: job.kv_pool,
         kv_type: kv_type_for(args, device),
         probe: job.probe,
         batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
@@ -204,6 +208,24 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
         hot_reserve: None,
     }
+}
+
+/// `e` with the job's KV pool, if it asks for one and the plan keeps KV on the device.
+fn pooled<'p, B: crate::backend::Backend>(
+    e: Engine<B>,
+    job: &Job,
+    plan: impl Into<Option<&'p Plan>>,
+) -> Result<Engine<B>> {
+    let kv_host = plan.into().is_some_and(|p| p.prefill.kv_host);
+    Ok(match job.kv_pool.filter(|_| !kv_host) {
+        Some(blocks) => e.with_kv_pool(blocks).with_context(|| {
+            format!(
+                "a KV pool of {} positions",
+                blocks * crate::backend::KV_BLOCK
+            )
+        })?,
+        None => e,
+    })
 }
 
 /// Log the plan, and say so when the budget narrowed the prefetch window.
@@ -380,6 +402,7 @@ impl LoadedModel {
                     .with_kv_type(kv_type)?
                     .with_sparsity(thresholds.clone())?
                     .with_predictor(predictor.clone());
+                let e = pooled(e, &job, None)?;
                 (
                     AnyEngine::Cuda(e),
                     Some(ledger),
@@ -394,6 +417,7 @@ impl LoadedModel {
                     .with_kv_type(kv_type)?
                     .with_sparsity(thresholds.clone())?
                     .with_predictor(predictor.clone());
+                let e = pooled(e, &job, None)?;
                 (
                     AnyEngine::Cpu(e),
                     None,
@@ -441,6 +465,7 @@ impl LoadedModel {
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone())
                         .with_prefill(plan.prefill)?;
+                    let e = pooled(e, &job, &plan)?;
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
@@ -463,6 +488,7 @@ impl LoadedModel {
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone())
                         .with_prefill(plan.prefill)?;
+                    let e = pooled(e, &job, &plan)?;
                     (AnyEngine::Sim(e), Some(ledger), Some(plan), None, hybrid)
                 }
             }

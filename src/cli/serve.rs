@@ -12,6 +12,7 @@ use clap::Args;
 use super::load::{Job, with_engine};
 use super::plan::parse_bytes;
 use super::{LoadedModel, ModelArgs};
+use crate::backend::KV_BLOCK;
 use crate::kv::{self, Compression, CostModel, KvConfig, KvManager};
 use crate::service::api::Limits;
 use crate::service::worker::{Worker, WorkerConfig};
@@ -35,9 +36,17 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_OFFLOAD_API_KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
 
-    /// Sequences generated at once (each holds a KV cache of --ctx-size on the device).
+    /// Sequences generated at once (their KV caches grow in the pool, --kv-pool-tokens).
     #[arg(long, env = "GPU_OFFLOAD_PARALLEL", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub parallel: u16,
+
+    /// Positions of the paged KV pool on the device, shared by the running sequences and the
+    /// contexts kept there: a sequence takes blocks of 16 positions as it grows, and starts
+    /// once the pool can hold its prompt and max_tokens beside what the running ones may reach;
+    /// idle contexts leave the device (LCTRU) when it runs short [default: --parallel × the
+    /// context size]
+    #[arg(long, env = "GPU_OFFLOAD_KV_POOL_TOKENS")]
+    pub kv_pool_tokens: Option<usize>,
 
     /// Requests waiting at most; beyond, 429.
     #[arg(long, env = "GPU_OFFLOAD_QUEUE", default_value_t = 64)]
@@ -91,6 +100,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let spec = loaded.spec().clone();
     let ctx = loaded.context_for(&a.model, spec.max_context.min(2048))?;
     let parallel = a.parallel as usize;
+    let pool_tokens = a.kv_pool_tokens.unwrap_or(parallel * ctx);
+    if pool_tokens < KV_BLOCK {
+        bail!(
+            "--kv-pool-tokens {pool_tokens}: the pool holds at least one block of {KV_BLOCK} positions"
+        );
+    }
     let running = loaded.start(
         &a.model,
         Job {
@@ -102,6 +117,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             logit_rows: parallel,
             // A prompt may fill the context.
             prompt: ctx,
+            kv_pool: Some(pool_tokens.div_ceil(KV_BLOCK)),
         },
     )?;
     let model_id = loaded.model_id()?;

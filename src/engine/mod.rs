@@ -15,8 +15,8 @@ use thiserror::Error;
 
 use crate::backend::memory::device_bytes;
 use crate::backend::{
-    Act, AttnShape, Backend, BackendError, BundleShape, HostStage, KvType, Landing, RopePairs,
-    WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType, Landing,
+    RopePairs, WorkspaceOp, kv_runs,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -43,6 +43,14 @@ pub enum EngineError {
     ContextTooLarge { requested: usize, max: usize },
     #[error("weights: {0}")]
     Weights(String),
+    #[error(
+        "the KV pool is full: {needed} more blocks of {KV_BLOCK} positions needed, {free} free of {total}"
+    )]
+    KvPoolFull {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;
@@ -316,6 +324,42 @@ pub struct Engine<B: Backend> {
     predictor: Option<Arc<dyn NeuronPredictor>>,
     prefill: PrefillLayout,
     step_tap: Option<Arc<dyn StepTap>>,
+    /// The paged KV pool sessions take their blocks from ([`Engine::with_kv_pool`]); without
+    /// one, each session holds a cache of its whole context.
+    pool: Option<SharedPool<B>>,
+}
+
+/// The paged KV pool (vLLM's PagedAttention over the contexts' chunks): every layer's keys and
+/// values of `total` blocks of [`KV_BLOCK`] positions, one cache per layer, shared by the
+/// sessions. A session takes blocks as it grows and gives them back when truncated, released or
+/// dropped; its block table maps its positions to the pool's rows.
+struct KvPool<B: Backend> {
+    k: Vec<B::Kv>,
+    v: Vec<B::Kv>,
+    /// Free block ids, the lowest last (taken first).
+    free: Vec<u32>,
+    total: usize,
+}
+
+type SharedPool<B> = Arc<Mutex<KvPool<B>>>;
+
+fn lock_pool<B: Backend>(p: &SharedPool<B>) -> std::sync::MutexGuard<'_, KvPool<B>> {
+    // A panic while the pool was held leaves ids only, never half-written state worth refusing.
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<B: Backend> KvPool<B> {
+    fn give_back(&mut self, blocks: &[u32]) {
+        self.free.extend_from_slice(blocks);
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
+    }
+}
+
+/// Free and total blocks of a KV pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub free: usize,
+    pub total: usize,
 }
 
 /// Receives each layer's FFN input (`n` rows of `d_model`) and activations `act(gate·x)` (or
@@ -383,6 +427,34 @@ enum SessionKv<B: Backend> {
     Device { k: Vec<B::Kv>, v: Vec<B::Kv> },
     /// In host memory (see [`PrefillLayout::kv_host`]).
     Host(HostKv<B>),
+    /// Blocks of the engine's KV pool.
+    Paged(PagedKv<B>),
+}
+
+struct PagedKv<B: Backend> {
+    pool: SharedPool<B>,
+    /// The pool's blocks holding positions `0..16`, `16..32`, … in order.
+    blocks: Vec<u32>,
+    /// `blocks` on the device (rewritten before a step when `dirty`).
+    table: B::KvTable,
+    dirty: bool,
+}
+
+impl<B: Backend> PagedKv<B> {
+    /// Give back the blocks past the first `keep`.
+    fn shrink(&mut self, keep: usize) {
+        if keep < self.blocks.len() {
+            lock_pool(&self.pool).give_back(&self.blocks[keep..]);
+            self.blocks.truncate(keep);
+            self.dirty = true;
+        }
+    }
+}
+
+impl<B: Backend> Drop for PagedKv<B> {
+    fn drop(&mut self) {
+        self.shrink(0);
+    }
 }
 
 struct HostKv<B: Backend> {
@@ -394,17 +466,6 @@ struct HostKv<B: Backend> {
     /// One layer's K and V on the device, the session's length: refilled for each layer.
     work_k: B::Kv,
     work_v: B::Kv,
-}
-
-impl<B: Backend> SessionKv<B> {
-    /// The device caches layer `l` attends over (in host mode: the work buffers, which
-    /// [`Engine::kv_layer_begin`] has filled).
-    fn layer(&mut self, l: usize) -> (&mut B::Kv, &mut B::Kv) {
-        match self {
-            SessionKv::Device { k, v } => (&mut k[l], &mut v[l]),
-            SessionKv::Host(h) => (&mut h.work_k, &mut h.work_v),
-        }
-    }
 }
 
 /// The most recent queries of a few layers, kept so the attention a context's positions receive
@@ -446,9 +507,30 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// Forget everything after the first `pos` tokens (their cache rows are overwritten later).
+    /// Forget everything after the first `pos` tokens (their cache rows are overwritten later;
+    /// a paged session gives back the blocks it no longer needs).
     pub fn truncate(&mut self, pos: usize) {
         self.pos = self.pos.min(pos);
+        if let SessionKv::Paged(p) = &mut self.kv {
+            p.shrink(self.pos.div_ceil(KV_BLOCK));
+        }
+    }
+
+    /// Forget every token and give back a paged session's blocks (a context swapped out of
+    /// its session: its chunks are written elsewhere).
+    pub fn release(&mut self) {
+        self.pos = 0;
+        if let SessionKv::Paged(p) = &mut self.kv {
+            p.shrink(0);
+        }
+    }
+
+    /// Blocks of the KV pool this session holds (0 unless paged).
+    pub fn kv_blocks(&self) -> usize {
+        match &self.kv {
+            SessionKv::Paged(p) => p.blocks.len(),
+            _ => 0,
+        }
     }
 
     /// Declare the first `pos` cache rows valid: rows written with [`Engine::write_kv`], or a
@@ -591,6 +673,16 @@ pub fn kv_bytes(spec: &ModelSpec, ctx: usize, kv: KvType) -> u64 {
     2 * spec.n_layers as u64 * device_bytes((ctx * kv.row_bytes(spec.kv_dim())) as u64)
 }
 
+/// Device bytes of a KV pool of `blocks` blocks ([`Engine::with_kv_pool`]).
+pub fn kv_pool_bytes(spec: &ModelSpec, blocks: usize, kv: KvType) -> u64 {
+    kv_bytes(spec, blocks * KV_BLOCK, kv)
+}
+
+/// Device bytes of a paged session's block table, for a context of `ctx` positions.
+pub fn kv_table_bytes(ctx: usize) -> u64 {
+    device_bytes((ctx.div_ceil(KV_BLOCK) * 4) as u64)
+}
+
 /// Device bytes of a session's query probe ([`Engine::enable_probe`]).
 pub fn probe_bytes(spec: &ModelSpec) -> u64 {
     let layers = PROBE_LAYERS.min(spec.n_layers) as u64;
@@ -647,7 +739,98 @@ impl<B: Backend> Engine<B> {
             predictor: None,
             prefill: PrefillLayout::default(),
             step_tap: None,
+            pool: None,
         })
+    }
+
+    /// Keep the KV caches of sessions made from now on in one paged pool of `blocks` blocks of
+    /// [`KV_BLOCK`] positions (allocated now, in the engine's KV type): a session takes blocks
+    /// as it grows instead of a cache of its whole context.
+    pub fn with_kv_pool(mut self, blocks: usize) -> Result<Self> {
+        if self.prefill.kv_host {
+            return Err(EngineError::Weights(
+                "a KV pool on the device and KV kept in host memory exclude each other".into(),
+            ));
+        }
+        if blocks == 0 || blocks > u32::MAX as usize {
+            return Err(EngineError::Weights(format!(
+                "a KV pool of {blocks} blocks"
+            )));
+        }
+        let (rows, cols, ty) = (blocks * KV_BLOCK, self.spec.kv_dim(), self.kv_type);
+        let mut k = Vec::with_capacity(self.spec.n_layers);
+        let mut v = Vec::with_capacity(self.spec.n_layers);
+        for _ in 0..self.spec.n_layers {
+            k.push(self.backend.alloc_kv(rows, cols, ty)?);
+            v.push(self.backend.alloc_kv(rows, cols, ty)?);
+        }
+        self.pool = Some(Arc::new(Mutex::new(KvPool {
+            k,
+            v,
+            free: (0..blocks as u32).rev().collect(),
+            total: blocks,
+        })));
+        Ok(self)
+    }
+
+    /// Free and total blocks of the KV pool, if the engine has one.
+    pub fn pool_usage(&self) -> Option<PoolUsage> {
+        self.pool.as_ref().map(|p| {
+            let p = lock_pool(p);
+            PoolUsage {
+                free: p.free.len(),
+                total: p.total,
+            }
+        })
+    }
+
+    /// Blocks a paged session still has to take to hold its first `rows` positions.
+    fn blocks_missing(s: &Session<B>, rows: usize) -> usize {
+        match &s.kv {
+            SessionKv::Paged(p) => rows.div_ceil(KV_BLOCK).saturating_sub(p.blocks.len()),
+            _ => 0,
+        }
+    }
+
+    /// Give each paged session of `want` (session, positions it must hold) the blocks it lacks,
+    /// all or none: when the pool cannot give every one of them, nothing is taken.
+    fn take_blocks(&self, want: &mut [(&mut Session<B>, usize)]) -> Result<()> {
+        let needed: usize = want.iter().map(|(s, r)| Self::blocks_missing(s, *r)).sum();
+        if needed == 0 {
+            return Ok(());
+        }
+        let Some(pool) = &self.pool else {
+            return Ok(());
+        };
+        let mut pool = lock_pool(pool);
+        if needed > pool.free.len() {
+            return Err(EngineError::KvPoolFull {
+                needed,
+                free: pool.free.len(),
+                total: pool.total,
+            });
+        }
+        for (s, rows) in want.iter_mut() {
+            let missing = Self::blocks_missing(s, *rows);
+            if let SessionKv::Paged(p) = &mut s.kv
+                && missing > 0
+            {
+                let at = pool.free.len() - missing;
+                // The lowest ids first, in ascending order.
+                p.blocks.extend(pool.free.drain(at..).rev());
+                p.dirty = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// A paged session's block table on the device, up to date.
+    fn sync_table(&self, p: &mut PagedKv<B>) -> Result<()> {
+        if p.dirty {
+            self.backend.write_kv_table(&mut p.table, &p.blocks)?;
+            p.dirty = false;
+        }
+        Ok(())
     }
 
     /// Run long calls and keep sessions' KV caches as `layout` says (sessions made from now on).
@@ -707,6 +890,11 @@ impl<B: Backend> Engine<B> {
 
     /// Store the KV cache of sessions made from now on in `kv` (f32 unless set).
     pub fn with_kv_type(mut self, kv: KvType) -> Result<Self> {
+        if self.pool.is_some() {
+            return Err(EngineError::Weights(
+                "the KV type is chosen before the KV pool is made".into(),
+            ));
+        }
         kv.check_cols(self.spec.kv_dim())?;
         self.kv_type = kv;
         Ok(self)
@@ -760,7 +948,14 @@ impl<B: Backend> Engine<B> {
             });
         }
         let (kv, ty) = (self.spec.kv_dim(), self.kv_type);
-        let kv = if self.prefill.kv_host {
+        let kv = if let Some(pool) = &self.pool {
+            SessionKv::Paged(PagedKv {
+                pool: pool.clone(),
+                blocks: Vec::new(),
+                table: self.backend.alloc_kv_table(ctx.div_ceil(KV_BLOCK))?,
+                dirty: false,
+            })
+        } else if self.prefill.kv_host {
             let row_bytes = ty.row_bytes(kv);
             let values = (ctx * row_bytes).div_ceil(4);
             let stages = || -> Result<Vec<HostStage>> {
@@ -856,6 +1051,23 @@ impl<B: Backend> Engine<B> {
                 })?;
                 crate::backend::cpu::decode_rows(self.kv_type, rows_bytes, cols, out);
             }
+            SessionKv::Paged(p) => {
+                let cols = self.spec.kv_dim();
+                let rows = out.len() / cols.max(1);
+                if (first + rows).div_ceil(KV_BLOCK) > p.blocks.len() {
+                    return Err(EngineError::Weights(format!(
+                        "KV rows {first}..{} of a session holding {} blocks",
+                        first + rows,
+                        p.blocks.len()
+                    )));
+                }
+                let pool = lock_pool(&p.pool);
+                let src = if values { &pool.v[l] } else { &pool.k[l] };
+                for (off, row, n) in kv_runs(Some(&p.blocks), first, rows) {
+                    self.backend
+                        .read_kv(src, row, &mut out[off * cols..(off + n) * cols])?;
+                }
+            }
         }
         Ok(())
     }
@@ -880,6 +1092,7 @@ impl<B: Backend> Engine<B> {
         if len == 0 {
             return Ok(());
         }
+        self.take_blocks(&mut [(&mut *s, first + len)])?;
         for (i, part) in values.chunks(len * kv).enumerate() {
             let (l, is_v) = (i / 2, i % 2 == 1);
             match &mut s.kv {
@@ -892,6 +1105,14 @@ impl<B: Backend> Engine<B> {
                     let raw = if is_v { &mut h.v[l] } else { &mut h.k[l] };
                     let enc = crate::backend::cpu::encode_rows(self.kv_type, part, kv);
                     raw.bytes_mut()[first * rb..(first + len) * rb].copy_from_slice(&enc);
+                }
+                SessionKv::Paged(p) => {
+                    let mut pool = lock_pool(&p.pool);
+                    let dst = if is_v { &mut pool.v[l] } else { &mut pool.k[l] };
+                    for (off, row, n) in kv_runs(Some(&p.blocks), first, len) {
+                        self.backend
+                            .write_kv(dst, row, &part[off * kv..(off + n) * kv])?;
+                    }
                 }
             }
         }
@@ -1066,6 +1287,7 @@ impl<B: Backend> Engine<B> {
                 vocab: self.spec.vocab_size,
             });
         }
+        self.take_blocks(&mut [(&mut *session, needed)])?;
         let mut guard = self
             .pass
             .lock()
@@ -1554,6 +1776,14 @@ impl<B: Backend> Engine<B> {
                 self.prefill.group
             )));
         }
+        let mut want: Vec<(&mut Session<B>, usize)> = calls
+            .iter_mut()
+            .map(|(s, _)| {
+                let rows = s.pos + 1;
+                (&mut **s, rows)
+            })
+            .collect();
+        self.take_blocks(&mut want)?;
         let mut guard = self
             .pass
             .lock()
@@ -1761,10 +1991,29 @@ impl<B: Backend> Engine<B> {
             b.write(out, &o)?;
             return Ok(());
         }
-        let (kc, vc) = s.kv.layer(l);
-        b.store_kv(k, kc, pos)?;
-        b.store_kv(v, vc, pos)?;
-        b.attention(q, kc, vc, pos, self.attn_shape(), out)?;
+        let shape = self.attn_shape();
+        match &mut s.kv {
+            SessionKv::Paged(p) => {
+                self.sync_table(p)?;
+                let mut pool = lock_pool(&p.pool);
+                let pool = &mut *pool;
+                let t = Some(&p.table);
+                b.store_kv(k, &mut pool.k[l], t, pos)?;
+                b.store_kv(v, &mut pool.v[l], t, pos)?;
+                b.attention(q, &pool.k[l], &pool.v[l], t, pos, shape, out)?;
+            }
+            SessionKv::Device { k: kc, v: vc } => {
+                b.store_kv(k, &mut kc[l], None, pos)?;
+                b.store_kv(v, &mut vc[l], None, pos)?;
+                b.attention(q, &kc[l], &vc[l], None, pos, shape, out)?;
+            }
+            SessionKv::Host(h) => {
+                // The layer's rows are in the work buffers (kv_layer_begin).
+                b.store_kv(k, &mut h.work_k, None, pos)?;
+                b.store_kv(v, &mut h.work_v, None, pos)?;
+                b.attention(q, &h.work_k, &h.work_v, None, pos, shape, out)?;
+            }
+        }
         Ok(())
     }
 

@@ -10,7 +10,7 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 /// Positions per chunk.
-pub const CHUNK_TOKENS: usize = 16;
+pub const CHUNK_TOKENS: usize = crate::backend::KV_BLOCK;
 /// Values per quantization group.
 const GROUP: usize = 32;
 

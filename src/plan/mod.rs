@@ -31,7 +31,8 @@ use thiserror::Error;
 use crate::backend::KvType;
 use crate::backend::memory::device_bytes;
 use crate::engine::{
-    MatmulShape, MatmulShapes, PrefillLayout, StepMemory, kv_bytes, probe_bytes, step_memory,
+    MatmulShape, MatmulShapes, PrefillLayout, StepMemory, kv_bytes, kv_pool_bytes, kv_table_bytes,
+    probe_bytes, step_memory,
 };
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::store::{Encoding, GROUP_ROWS, Manifest, Segment, SegmentKind, names};
@@ -59,6 +60,11 @@ pub struct Budget {
     pub ctx: usize,
     /// Sessions holding a KV cache at once (`serve --parallel`).
     pub sessions: usize,
+    /// A paged KV pool of this many blocks ([`crate::backend::KV_BLOCK`] positions each) shared
+    /// by the sessions, in place of a cache of `ctx` positions per session (serve). Where only
+    /// KV in host memory fits ([`PrefillLayout::kv_host`]), the sessions keep theirs there.
+    #[serde(default)]
+    pub kv_pool: Option<usize>,
     /// Element type of the KV cache on the device.
     pub kv_type: KvType,
     /// Whether each session keeps a query probe (serve's contexts measure attention density).
@@ -95,6 +101,7 @@ impl Budget {
             window,
             ctx,
             sessions: 1,
+            kv_pool: None,
             kv_type: KvType::F16,
             probe: false,
             batch,
@@ -613,7 +620,15 @@ fn prefill_layout(
             &matmuls,
             crate::backend::cuda::workspace_bytes,
         );
-        let kv = sessions * (if kv_host { kv_work } else { kv_on_device } + probe);
+        // A pool lives on the device: with KV in host memory, each session keeps its own.
+        let kv = match budget.kv_pool.filter(|_| !kv_host) {
+            // The pool, and each session's block table and probe.
+            Some(blocks) => {
+                kv_pool_bytes(spec, blocks, budget.kv_type)
+                    + sessions * (kv_table_bytes(budget.ctx) + probe)
+            }
+            None => sessions * (if kv_host { kv_work } else { kv_on_device } + probe),
+        };
         let partitioned = prompt > group;
         let res = if partitioned && residual_on_device {
             residual

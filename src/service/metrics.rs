@@ -24,6 +24,10 @@ pub struct Metrics {
     pub contexts: IntGauge,
     pub kv_chunks: IntGaugeVec,
     pub kv_dram_bytes: IntGauge,
+    /// Blocks of the paged KV pool, by state (`free`, `used`).
+    pub kv_pool_blocks: IntGaugeVec,
+    /// Idle sessions whose blocks were taken for others when the pool ran short.
+    pub pool_evictions: IntCounter,
     kv_events: IntGaugeVec,
     ledger: IntGaugeVec,
 }
@@ -78,6 +82,17 @@ impl Metrics {
                 &["tier"],
             )?,
             kv_dram_bytes: IntGauge::new("kv_dram_bytes", "Bytes of compressed KV chunks in DRAM")?,
+            kv_pool_blocks: IntGaugeVec::new(
+                Opts::new(
+                    "kv_pool_blocks",
+                    "Blocks of 16 positions of the paged KV pool, free and used",
+                ),
+                &["state"],
+            )?,
+            pool_evictions: IntCounter::new(
+                "kv_pool_evictions_total",
+                "Idle sessions (stateless prefixes, contexts) that left the KV pool for others",
+            )?,
             kv_events: IntGaugeVec::new(
                 Opts::new("kv_events_total", "Context swap events and chunk sources"),
                 &["event"],
@@ -105,6 +120,8 @@ impl Metrics {
         r.register(Box::new(m.contexts.clone()))?;
         r.register(Box::new(m.kv_chunks.clone()))?;
         r.register(Box::new(m.kv_dram_bytes.clone()))?;
+        r.register(Box::new(m.kv_pool_blocks.clone()))?;
+        r.register(Box::new(m.pool_evictions.clone()))?;
         r.register(Box::new(m.kv_events.clone()))?;
         r.register(Box::new(m.ledger.clone()))?;
         Ok(m)

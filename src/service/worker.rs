@@ -13,7 +13,7 @@ use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 use super::Shared;
 use super::api::{ApiError, GenerationRequest, Input};
-use crate::backend::Backend;
+use crate::backend::{Backend, KV_BLOCK};
 use crate::engine::{Engine, EngineError, Logits, Sampled, Sampler, SamplerParams, Session};
 use crate::kv::{Bits, CHUNK_TOKENS, KvError, KvManager};
 use crate::model::tokenizer::TextStream;
@@ -124,6 +124,9 @@ enum Next {
 
 struct Sequence {
     slot: usize,
+    /// Blocks of the KV pool this sequence may come to hold (its prompt and every token it may
+    /// generate), counted against the pool when it was admitted.
+    pool_blocks: usize,
     job: Box<Generate>,
     sampler: Sampler,
     logits: Vec<f32>,
@@ -177,6 +180,31 @@ fn test_step_delay() -> Option<Duration> {
     })
 }
 
+/// Which idle slot gives up its session first (a new request, pool pressure): free ones, then
+/// stateless prefixes, then contexts (whose chunks are all written: LCTRU's least recently used
+/// context), least recently used first within each.
+fn eviction_rank(h: &Holder, last_use: u64) -> (u8, u64) {
+    let rank = match h {
+        Holder::Free => 0,
+        Holder::Anon(_) => 1,
+        Holder::Context(_) => 2,
+    };
+    (rank, last_use)
+}
+
+/// Why a request did not start.
+enum NotStarted {
+    /// The KV pool has no room for it while the running sequences may still grow: it waits.
+    Wait,
+    Failed(ApiError),
+}
+
+impl From<ApiError> for NotStarted {
+    fn from(e: ApiError) -> Self {
+        NotStarted::Failed(e)
+    }
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -217,7 +245,7 @@ impl<B: Backend> Worker<B> {
                 last_use: 0,
             });
         }
-        Ok(Worker {
+        let w = Worker {
             engine,
             tok,
             kv,
@@ -227,7 +255,10 @@ impl<B: Backend> Worker<B> {
             shared,
             cfg,
             clock: 0,
-        })
+        };
+        // /metrics tells the pool's size from the first request on.
+        w.update_gauges();
+        Ok(w)
     }
 
     /// Serve until the request channel closes or shutdown is asked and everything is finished.
@@ -389,7 +420,13 @@ impl<B: Backend> Worker<B> {
             }
             match self.start(g) {
                 Ok(seq) => self.active.push(seq),
-                Err((g, e)) => {
+                Err((g, NotStarted::Wait)) => {
+                    // First come, first served: nothing behind it starts before it.
+                    self.pending.insert(i, g);
+                    self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+                    break;
+                }
+                Err((g, NotStarted::Failed(e))) => {
                     g.events.send(Event::Error(e)).ok();
                 }
             }
@@ -519,19 +556,46 @@ impl<B: Backend> Worker<B> {
             }
         }
         // Contexts are worth more than a stateless prefix: evict those last.
-        let rank = |h: &Holder| match h {
-            Holder::Free => 0,
-            Holder::Anon(_) => 1,
-            Holder::Context(_) => 2,
-        };
         free()
-            .min_by_key(|(_, s)| (rank(&s.holder), s.last_use))
+            .min_by_key(|(_, s)| eviction_rank(&s.holder, s.last_use))
             .map(|(i, _)| (i, 0))
     }
 
-    fn start(&mut self, g: Box<Generate>) -> Result<Sequence, (Box<Generate>, ApiError)> {
+    /// Blocks of the KV pool the running sequences may come to hold.
+    fn pool_committed(&self) -> usize {
+        self.active.iter().map(|s| s.pool_blocks).sum()
+    }
+
+    /// Free at least `needed` blocks of the KV pool by taking idle slots' sessions away, in
+    /// eviction order (never slot `keep`); a context's chunks are already written (ahead-of-time
+    /// swap-out), so it only needs swapping back in at its next call. Whether enough are free.
+    fn make_room(&mut self, needed: usize, keep: Option<usize>) -> bool {
+        let free = |w: &Self| w.engine.pool_usage().map_or(0, |u| u.free);
+        let mut idle: Vec<usize> = (0..self.slots.len())
+            .filter(|&i| {
+                let s = &self.slots[i];
+                !s.busy && Some(i) != keep && s.session.kv_blocks() > 0
+            })
+            .collect();
+        idle.sort_by_key(|&i| eviction_rank(&self.slots[i].holder, self.slots[i].last_use));
+        for i in idle {
+            if free(self) >= needed {
+                break;
+            }
+            let s = &mut self.slots[i];
+            if let Holder::Context(id) = &s.holder {
+                tracing::debug!("KV pool pressure: context {id} leaves the device");
+                self.shared.metrics.pool_evictions.inc();
+            }
+            s.session.release();
+            s.holder = Holder::Free;
+        }
+        free(self) >= needed
+    }
+
+    fn start(&mut self, g: Box<Generate>) -> Result<Sequence, (Box<Generate>, NotStarted)> {
         match self.try_start(&g) {
-            Ok((slot, logits, tokens, messages, cached, before)) => {
+            Ok((slot, pool_blocks, logits, tokens, messages, cached, before)) => {
                 let prompt_tokens = tokens.len();
                 g.events
                     .send(Event::Start {
@@ -545,6 +609,7 @@ impl<B: Backend> Worker<B> {
                     .observe(g.received.elapsed().as_secs_f64());
                 Ok(Sequence {
                     slot,
+                    pool_blocks,
                     sampler: Self::sampler(&g.request, 0),
                     prompt_logits: (g.request.n > 1).then(|| logits.clone()),
                     logits,
@@ -572,13 +637,14 @@ impl<B: Backend> Worker<B> {
     ) -> Result<
         (
             usize,
+            usize,
             Vec<f32>,
             Vec<u32>,
             Option<Vec<ChatMessage>>,
             usize,
             Option<Before>,
         ),
-        ApiError,
+        NotStarted,
     > {
         let vocab = self.engine.spec().vocab_size;
         if let Some(&(t, _)) = g
@@ -591,7 +657,8 @@ impl<B: Backend> Worker<B> {
             return Err(ApiError::bad_request(
                 format!("'logit_bias' names token {t}, outside the vocabulary of {vocab} tokens"),
                 Some("logit_bias"),
-            ));
+            )
+            .into());
         }
         if g.context.is_some() && g.request.n > 1 {
             return Err(ApiError::bad_request(
@@ -600,11 +667,12 @@ impl<B: Backend> Worker<B> {
                     g.request.n
                 ),
                 Some("n"),
-            ));
+            )
+            .into());
         }
         let (tokens, messages) = self.prompt(g)?;
         if tokens.is_empty() {
-            return Err(ApiError::bad_request("the prompt is empty", Some("prompt")));
+            return Err(ApiError::bad_request("the prompt is empty", Some("prompt")).into());
         }
         let limit = self.cfg.max_prompt_tokens.min(self.cfg.ctx);
         if tokens.len() > limit {
@@ -624,32 +692,68 @@ impl<B: Backend> Worker<B> {
                 } else {
                     "prompt"
                 }),
-            ));
+            )
+            .into());
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {
             return Err(ApiError::bad_request(
                 format!("token id {t} is outside the vocabulary of {vocab} tokens"),
                 Some("prompt"),
-            ));
+            )
+            .into());
+        }
+        // The pool must hold what this sequence may grow to beside what the running ones may:
+        // otherwise it waits (a sequence never runs out of blocks half way).
+        let pool_blocks = (tokens.len() + g.request.max_tokens)
+            .min(self.cfg.ctx)
+            .div_ceil(KV_BLOCK);
+        if let Some(pool) = self.engine.pool_usage() {
+            if pool_blocks > pool.total {
+                return Err(ApiError::bad_request(
+                    format!(
+                        "the prompt of {} tokens and max_tokens {} need {} positions of KV cache; this server's pool holds {} (--kv-pool-tokens)",
+                        tokens.len(),
+                        g.request.max_tokens,
+                        pool_blocks * KV_BLOCK,
+                        pool.total * KV_BLOCK
+                    ),
+                    Some("max_tokens"),
+                )
+                .into());
+            }
+            if self.pool_committed() + pool_blocks > pool.total {
+                return Err(NotStarted::Wait);
+            }
         }
         let (slot, anon_prefix) = self
             .pick_slot(g.context.as_deref(), &tokens)
             .ok_or_else(|| ApiError::internal("no free slot"))?;
+        // What the call reuses is the slot's; the blocks of every other idle slot may be
+        // taken for its prompt.
+        let room = |w: &mut Self, e: &EngineError| match e {
+            EngineError::KvPoolFull { needed, .. } => w.make_room(*needed, Some(slot)),
+            _ => false,
+        };
         self.clock += 1;
-        let clock = self.clock;
-        let s = &mut self.slots[slot];
-        s.last_use = clock;
+        self.slots[slot].last_use = self.clock;
         let mut before = None;
         let start = match &g.context {
             Some(id) => {
-                if s.holder != Holder::Context(id.clone()) {
-                    s.holder = Holder::Free;
-                    let stats = self
-                        .kv
-                        .swap_in(&self.engine, &mut s.session, id)
-                        .map_err(kv_error)?;
+                if self.slots[slot].holder != Holder::Context(id.clone()) {
+                    self.slots[slot].holder = Holder::Free;
+                    let mut stats =
+                        self.kv
+                            .swap_in(&self.engine, &mut self.slots[slot].session, id);
+                    if let Err(KvError::Engine(e)) = &stats
+                        && room(self, e)
+                    {
+                        stats = self
+                            .kv
+                            .swap_in(&self.engine, &mut self.slots[slot].session, id);
+                    }
+                    let stats = stats.map_err(kv_error)?;
                     self.shared.metrics.swap_in_seconds.observe(stats.seconds);
-                    s.holder = Holder::Context(id.clone());
+                    self.slots[slot].holder = Holder::Context(id.clone());
                 }
                 let c = self.kv.get_mut(id, g.owner.as_deref()).map_err(kv_error)?;
                 before = Some(Before {
@@ -661,12 +765,12 @@ impl<B: Backend> Worker<B> {
                 if keep < c.index.evaluated {
                     c.truncate_evaluated(keep);
                 }
-                s.session.truncate(keep);
+                self.slots[slot].session.truncate(keep);
                 keep
             }
             None => {
                 let keep = anon_prefix.min(tokens.len() - 1);
-                s.session.truncate(keep);
+                self.slots[slot].session.truncate(keep);
                 self.shared.metrics.prefix_reused.inc_by(keep as u64);
                 keep
             }
@@ -675,22 +779,34 @@ impl<B: Backend> Worker<B> {
             .metrics
             .prompt_tokens
             .inc_by(tokens.len() as u64);
-        s.busy = true;
-        let logits = self
-            .engine
-            .forward(&mut s.session, &tokens[start..], Logits::Last);
+        self.slots[slot].busy = true;
+        let mut logits = self.engine.forward(
+            &mut self.slots[slot].session,
+            &tokens[start..],
+            Logits::Last,
+        );
+        if let Err(e) = &logits
+            && room(self, e)
+        {
+            logits = self.engine.forward(
+                &mut self.slots[slot].session,
+                &tokens[start..],
+                Logits::Last,
+            );
+        }
+        let s = &mut self.slots[slot];
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
                 s.busy = false;
                 s.holder = Holder::Free;
-                return Err(engine_error(e));
+                return Err(engine_error(e).into());
             }
         };
         if g.context.is_none() {
             s.holder = Holder::Anon(tokens.clone());
         }
-        Ok((slot, logits, tokens, messages, start, before))
+        Ok((slot, pool_blocks, logits, tokens, messages, start, before))
     }
 
     /// One engine step for every running sequence (continuous batching): each samples its
@@ -735,7 +851,30 @@ impl<B: Backend> Worker<B> {
                 .map(|(k, session)| (session, part[k].1))
                 .collect();
             self.shared.metrics.batch_size.observe(calls.len() as f64);
-            match self.engine.decode_many(&mut calls) {
+            let mut result = self.engine.decode_many(&mut calls);
+            if let Err(EngineError::KvPoolFull { needed, .. }) = &result {
+                // Idle slots hold the blocks the admitted sequences were promised.
+                let needed = *needed;
+                drop(calls);
+                self.make_room(needed, None);
+                let mut sessions: Vec<(usize, &mut Session<B>)> = self
+                    .slots
+                    .iter_mut()
+                    .enumerate()
+                    .filter_map(|(si, slot)| {
+                        part.iter()
+                            .position(|&(i, _)| self.active[i].slot == si)
+                            .map(|k| (k, &mut slot.session))
+                    })
+                    .collect();
+                sessions.sort_by_key(|(k, _)| *k);
+                let mut again: Vec<(&mut Session<B>, u32)> = sessions
+                    .into_iter()
+                    .map(|(k, session)| (session, part[k].1))
+                    .collect();
+                result = self.engine.decode_many(&mut again);
+            }
+            match result {
                 Ok(logits) => {
                     for (&(i, _), l) in part.iter().zip(logits) {
                         self.active[i].logits = l;
@@ -935,9 +1074,13 @@ impl<B: Backend> Worker<B> {
             if let Err(e) = self.kv.save_conversation(&id) {
                 tracing::warn!("saving context {id}: {e}");
             }
-        } else {
+        } else if completed {
             let pos = slot.session.position();
             slot.holder = Holder::Anon(seq.tokens[..pos.min(seq.tokens.len())].to_vec());
+        } else {
+            // A client that hung up (or an error): its blocks go back to the pool at once.
+            slot.session.release();
+            slot.holder = Holder::Free;
         }
         if reason != "error" {
             seq.job
@@ -991,6 +1134,14 @@ impl<B: Backend> Worker<B> {
         m.kv_chunks.with_label_values(&["dram"]).set(dram as i64);
         m.kv_chunks.with_label_values(&["disk"]).set(disk as i64);
         m.kv_dram_bytes.set(self.kv.dram_bytes() as i64);
+        if let Some(p) = self.engine.pool_usage() {
+            m.kv_pool_blocks
+                .with_label_values(&["free"])
+                .set(p.free as i64);
+            m.kv_pool_blocks
+                .with_label_values(&["used"])
+                .set((p.total - p.free) as i64);
+        }
         m.contexts.set(self.kv.len() as i64);
         let k = self.kv.counters;
         m.set_kv_counters(&k);

@@ -155,21 +155,75 @@ impl CpuKv {
         Ok(())
     }
 
-    /// Store every row of `src` at rows `dst_row..`.
-    pub fn store(&mut self, src: &CpuTensor, dst_row: usize) -> Result<()> {
+    /// Store every row of `src` at positions `dst_row..`: those rows, or with a block table
+    /// the rows it maps them to.
+    pub fn store(&mut self, src: &CpuTensor, blocks: Option<&[u32]>, dst_row: usize) -> Result<()> {
         if src.cols != self.cols {
             return Err(shape_err(
                 "store_kv",
                 format!("{} columns into a cache of {}", src.cols, self.cols),
             ));
         }
-        self.write(dst_row, &src.data)
+        if let Some(b) = blocks {
+            crate::backend::check_kv_table("store_kv", b, dst_row + src.rows, self.rows)?;
+        }
+        let cols = self.cols;
+        for (off, row, n) in crate::backend::kv_runs(blocks, dst_row, src.rows) {
+            self.write(row, &src.data[off * cols..(off + n) * cols])?;
+        }
+        Ok(())
     }
 
     /// Values `col..col + out.len()` of row `j`, as f32: borrowed from an f32 cache, decoded
     /// into `tmp` otherwise.
     pub fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         row_slice(self.ty, self.raw_rows(j, 1), col, tmp)
+    }
+}
+
+/// A block table on the CPU: the block ids a paged sequence's positions map to.
+#[derive(Clone, Debug, Default)]
+pub struct CpuKvTable {
+    blocks: Vec<u32>,
+    cap: usize,
+}
+
+impl CpuKvTable {
+    pub fn new(cap: usize) -> Self {
+        CpuKvTable {
+            blocks: Vec::with_capacity(cap),
+            cap,
+        }
+    }
+
+    pub fn set(&mut self, blocks: &[u32]) -> Result<()> {
+        if blocks.len() > self.cap {
+            return Err(shape_err(
+                "write_kv_table",
+                format!("{} blocks into a table of {}", blocks.len(), self.cap),
+            ));
+        }
+        self.blocks.clear();
+        self.blocks.extend_from_slice(blocks);
+        Ok(())
+    }
+
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+/// A paged sequence's rows in a shared cache, through its block table.
+pub(super) struct PagedRows<'a> {
+    pub kv: &'a CpuKv,
+    pub blocks: &'a [u32],
+}
+
+impl super::ops::KvRows for PagedRows<'_> {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        let b = crate::backend::KV_BLOCK;
+        self.kv
+            .slice(self.blocks[j / b] as usize * b + j % b, col, tmp)
     }
 }
 

@@ -9,7 +9,7 @@ pub mod matmul;
 pub mod ops;
 pub mod sparse;
 
-pub use kv::{CpuKv, attend_rows, decode_rows, encode_rows};
+pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
 
 use rayon::prelude::*;
 
@@ -231,6 +231,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Event = ();
     type Kv = CpuKv;
+    type KvTable = CpuKvTable;
 
     fn name(&self) -> String {
         format!(
@@ -465,8 +466,22 @@ impl Backend for CpuBackend {
         (kv.rows, kv.cols, kv.ty())
     }
 
-    fn store_kv(&self, src: &CpuTensor, dst: &mut CpuKv, dst_row: usize) -> Result<()> {
-        dst.store(src, dst_row)
+    fn alloc_kv_table(&self, blocks: usize) -> Result<CpuKvTable> {
+        Ok(CpuKvTable::new(blocks))
+    }
+
+    fn write_kv_table(&self, table: &mut CpuKvTable, blocks: &[u32]) -> Result<()> {
+        table.set(blocks)
+    }
+
+    fn store_kv(
+        &self,
+        src: &CpuTensor,
+        dst: &mut CpuKv,
+        table: Option<&CpuKvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        dst.store(src, table.map(|t| t.blocks()), dst_row)
     }
 
     fn read_kv(&self, src: &CpuKv, first: usize, out: &mut [f32]) -> Result<()> {
@@ -860,6 +875,7 @@ impl Backend for CpuBackend {
         q: &CpuTensor,
         k_cache: &CpuKv,
         v_cache: &CpuKv,
+        table: Option<&CpuKvTable>,
         first_pos: usize,
         s: AttnShape,
         out: &mut CpuTensor,
@@ -867,12 +883,21 @@ impl Backend for CpuBackend {
         let kv_dim = s.n_kv_heads * s.head_dim;
         let q_dim = s.n_heads * s.head_dim;
         let n = q.rows;
+        let rows = match table {
+            // Paged: the table says which rows; it must cover the positions, inside the cache.
+            Some(t) => {
+                let cache_rows = k_cache.rows.min(v_cache.rows);
+                super::check_kv_table("attention", t.blocks(), first_pos + n, cache_rows)?;
+                first_pos + n
+            }
+            None => k_cache.rows.min(v_cache.rows),
+        };
         if q.cols != q_dim
             || out.cols != q_dim
             || out.rows != n
             || k_cache.cols != kv_dim
             || v_cache.cols != kv_dim
-            || first_pos + n > k_cache.rows.min(v_cache.rows)
+            || first_pos + n > rows
             || s.n_kv_heads == 0
             || !s.n_heads.is_multiple_of(s.n_kv_heads)
         {
@@ -884,6 +909,38 @@ impl Backend for CpuBackend {
                 ),
             ));
         }
+        match table {
+            Some(t) => {
+                let (k, v) = (
+                    kv::PagedRows {
+                        kv: k_cache,
+                        blocks: t.blocks(),
+                    },
+                    kv::PagedRows {
+                        kv: v_cache,
+                        blocks: t.blocks(),
+                    },
+                );
+                self.attend_heads(q, &k, &v, first_pos, s, out);
+            }
+            None => self.attend_heads(q, k_cache, v_cache, first_pos, s, out),
+        }
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// Causal attention, one task per (token, head), over caches already checked.
+    fn attend_heads(
+        &self,
+        q: &CpuTensor,
+        k_cache: &impl ops::KvRows,
+        v_cache: &impl ops::KvRows,
+        first_pos: usize,
+        s: AttnShape,
+        out: &mut CpuTensor,
+    ) {
+        let n = q.rows;
         let group = s.n_heads / s.n_kv_heads;
         let hd = s.head_dim;
         let work = n * s.n_heads * (first_pos + n) * hd;
@@ -911,6 +968,5 @@ impl Backend for CpuBackend {
         } else {
             out.data.chunks_mut(hd).enumerate().for_each(head_task);
         }
-        Ok(())
     }
 }

@@ -289,6 +289,30 @@ pub struct CudaKv {
     ty: KvType,
 }
 
+/// A block table on the device, with the host's copy of its entries (checked against the cache
+/// before a kernel reads through it).
+pub struct CudaKvTable {
+    buf: DeviceBuf,
+    cap: usize,
+    blocks: Vec<u32>,
+}
+
+/// The device address of an optional block table (0: the kernels read a cache's own rows).
+fn table_ptr(
+    op: &'static str,
+    table: Option<&CudaKvTable>,
+    rows: usize,
+    cache_rows: usize,
+) -> Result<u64> {
+    match table {
+        None => Ok(0),
+        Some(t) => {
+            super::check_kv_table(op, &t.blocks, rows, cache_rows)?;
+            Ok(t.buf.ptr)
+        }
+    }
+}
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
@@ -1055,6 +1079,7 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Event = CudaEvent;
     type Kv = CudaKv;
+    type KvTable = CudaKvTable;
 
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA device".into());
@@ -1417,8 +1442,52 @@ impl Backend for CudaBackend {
         (kv.rows, kv.cols, kv.ty)
     }
 
-    fn store_kv(&self, src: &CudaTensor, dst: &mut CudaKv, dst_row: usize) -> Result<()> {
-        if src.cols != dst.cols || dst_row + src.rows > dst.rows {
+    fn alloc_kv_table(&self, blocks: usize) -> Result<CudaKvTable> {
+        let buf = self.take(blocks * 4, &format!("a KV block table of {blocks} blocks"))?;
+        Ok(CudaKvTable {
+            buf,
+            cap: blocks,
+            blocks: Vec::with_capacity(blocks),
+        })
+    }
+
+    fn write_kv_table(&self, table: &mut CudaKvTable, blocks: &[u32]) -> Result<()> {
+        self.bind()?;
+        if blocks.len() > table.cap {
+            return Err(shape_err(
+                "write_kv_table",
+                format!("{} blocks into a table of {}", blocks.len(), table.cap),
+            ));
+        }
+        if blocks.is_empty() {
+            table.blocks.clear();
+            return Ok(());
+        }
+        // SAFETY: within the table's allocation; from pageable memory the driver stages
+        // `blocks` before returning (see `write`), in order on the compute stream.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                table.buf.ptr,
+                blocks,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(dev)?;
+        self.ledger()
+            .count_h2d(std::mem::size_of_val(blocks) as u64);
+        table.blocks.clear();
+        table.blocks.extend_from_slice(blocks);
+        Ok(())
+    }
+
+    fn store_kv(
+        &self,
+        src: &CudaTensor,
+        dst: &mut CudaKv,
+        table: Option<&CudaKvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        if src.cols != dst.cols || (table.is_none() && dst_row + src.rows > dst.rows) {
             return Err(shape_err(
                 "store_kv",
                 format!(
@@ -1427,14 +1496,23 @@ impl Backend for CudaBackend {
                 ),
             ));
         }
+        let tp = table_ptr("store_kv", table, dst_row + src.rows, dst.rows)?;
         let f = self.func("attention", "store_kv")?;
         let n = src.rows * src.cols;
         let (rows, cols, dt) = (src.rows as i64, src.cols as i32, dtype_code(dst.ty.dtype()));
-        let (sp, dp) = (
-            src.buf.ptr,
-            dst.buf.ptr + (dst_row * dst.ty.row_bytes(dst.cols)) as u64,
+        let (sp, dp, first) = (src.buf.ptr, dst.buf.ptr, dst_row as i32);
+        launch!(
+            self,
+            f,
+            Self::elementwise_cfg(n),
+            sp,
+            rows,
+            cols,
+            dt,
+            dp,
+            tp,
+            first
         );
-        launch!(self, f, Self::elementwise_cfg(n), sp, rows, cols, dt, dp);
         Ok(())
     }
 
@@ -2089,6 +2167,7 @@ impl Backend for CudaBackend {
         q: &CudaTensor,
         k_cache: &CudaKv,
         v_cache: &CudaKv,
+        table: Option<&CudaKvTable>,
         first_pos: usize,
         s: AttnShape,
         out: &mut CudaTensor,
@@ -2102,7 +2181,7 @@ impl Backend for CudaBackend {
             || k_cache.cols != kv_dim
             || v_cache.cols != kv_dim
             || k_cache.ty != v_cache.ty
-            || first_pos + n > k_cache.rows.min(v_cache.rows)
+            || (table.is_none() && first_pos + n > k_cache.rows.min(v_cache.rows))
             || s.n_kv_heads == 0
             || !s.n_heads.is_multiple_of(s.n_kv_heads)
             || s.head_dim > MAX_HEAD_DIM
@@ -2118,6 +2197,12 @@ impl Backend for CudaBackend {
         if n == 0 {
             return Ok(());
         }
+        let tp = table_ptr(
+            "attention",
+            table,
+            first_pos + n,
+            k_cache.rows.min(v_cache.rows),
+        )?;
         let (nh, group, hd) = (
             s.n_heads as i32,
             (s.n_heads / s.n_kv_heads) as i32,
@@ -2154,6 +2239,7 @@ impl Backend for CudaBackend {
                 q.buf.ptr,
                 k_cache.buf.ptr,
                 v_cache.buf.ptr,
+                tp,
                 wptr,
                 rows,
                 nh,
@@ -2203,6 +2289,7 @@ impl Backend for CudaBackend {
                 q.buf.ptr,
                 k_cache.buf.ptr,
                 v_cache.buf.ptr,
+                tp,
                 out.buf.ptr,
                 rows,
                 nh,
@@ -2228,6 +2315,7 @@ impl Backend for CudaBackend {
             q.buf.ptr,
             k_cache.buf.ptr,
             v_cache.buf.ptr,
+            tp,
             out.buf.ptr,
             nh,
             group,
