@@ -179,3 +179,111 @@ fn batched_decode_streams_the_weights_once_per_step_on_the_budgeted_device() {
     }
     assert!(measured > 0, "no budget streamed with a step of {sessions}");
 }
+
+/// Prompts join a step of sequences being decoded: three sessions decode while two more bring
+/// their whole prompts into the same steps (continuous batching with prefill); every call's
+/// logits are the ones it gets alone, bit for bit.
+fn prompts_join_decode_steps<B: Backend>(e: &Engine<B>, what: &str) {
+    let ps = prompts(e.spec().vocab_size, 5);
+    let want = alone(e, &ps, true);
+    let prompt_logits: Vec<Vec<f32>> = ps
+        .iter()
+        .map(|p| {
+            let mut s = e.new_session(64).unwrap();
+            e.forward(&mut s, p, Logits::Last).unwrap()
+        })
+        .collect();
+    let mut ss: Vec<Session<B>> = ps.iter().map(|_| e.new_session(64).unwrap()).collect();
+    for s in &mut ss {
+        e.enable_probe(s).unwrap();
+    }
+    let mut last: Vec<Vec<f32>> = vec![Vec::new(); ps.len()];
+    for i in 0..3 {
+        last[i] = e.forward(&mut ss[i], &ps[i], Logits::Last).unwrap();
+    }
+    let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); ps.len()];
+    // Steps 0 and 1: sessions 3 and 4 join with their prompts, one a step.
+    for step in 0..STEPS + 2 {
+        let joining = (step < 2).then_some(3 + step);
+        let next: Vec<[u32; 1]> = last
+            .iter()
+            .map(|l| [if l.is_empty() { 0 } else { argmax(l) }])
+            .collect();
+        let mut calls: Vec<(usize, &mut Session<B>, &[u32])> = ss
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| !last[*i].is_empty() || joining == Some(*i))
+            .filter(|(i, _)| got[*i].len() < STEPS || joining == Some(*i))
+            .map(|(i, s)| {
+                let toks: &[u32] = if joining == Some(i) { &ps[i] } else { &next[i] };
+                (i, s, toks)
+            })
+            .collect();
+        if calls.is_empty() {
+            break;
+        }
+        let rows: usize = calls.iter().map(|c| c.2.len()).sum();
+        assert!(
+            rows <= e.prefill().group,
+            "{what}: the test's step is too large"
+        );
+        let ids: Vec<usize> = calls.iter().map(|c| c.0).collect();
+        let mut args: Vec<(&mut Session<B>, &[u32])> =
+            calls.iter_mut().map(|(_, s, t)| (&mut **s, *t)).collect();
+        let logits = e.step_many(&mut args).unwrap();
+        for (i, l) in ids.into_iter().zip(logits) {
+            if joining == Some(i) {
+                assert!(
+                    l == prompt_logits[i],
+                    "{what}: session {i}'s prompt logits differ"
+                );
+            } else {
+                got[i].push(l.clone());
+            }
+            last[i] = l;
+        }
+    }
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        assert!(
+            w == g,
+            "{what}: session {i}'s decode differs beside joining prompts"
+        );
+    }
+}
+
+#[test]
+fn prompts_join_decode_steps_and_answer_as_alone() {
+    let m = Model::load(&common::stories260k()).unwrap();
+    prompts_join_decode_steps(&common::cpu_engine(&m, KvType::F32), "stories260K f32");
+    prompts_join_decode_steps(
+        &common::cpu_engine(&m, KvType::Q8_0)
+            .with_kv_pool(40)
+            .unwrap(),
+        "stories260K, Q8_0 KV in a pool",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let b = |g| Budget {
+        kv_type: KvType::F16,
+        sessions: 5,
+        probe: true,
+        logit_rows: 5,
+        ..Budget::new(g, None, 1, 64, 64)
+    };
+    let (min, all) = common::gpu_range(&store.manifest, &hw, b);
+    let mut ran = 0;
+    for g in [min, min + (all - min) / 2, all] {
+        let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+        // The test's largest step: a prompt of 23 tokens beside four decoded ones.
+        if plan.prefill.group < 27 {
+            continue;
+        }
+        ran += 1;
+        let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+        let e = common::offloaded(&store, &plan, &ledger, KvType::F16);
+        prompts_join_decode_steps(&e, &format!("{g} bytes, {:?}", plan.prefill));
+        assert!(ledger.snapshot().hbm_peak <= plan.gpu.placed, "{g}: peak");
+    }
+    assert!(ran >= 2, "the budgeted device ran {ran} budgets");
+}

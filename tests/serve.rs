@@ -504,6 +504,10 @@ fn eight_clients_share_decode_steps_and_answer_as_alone() {
             "{what}: decode steps averaged {} sequences: the clients did not share steps",
             sum / count
         );
+        assert!(
+            value("gpu_offload_prompts_joined_steps_total") >= 1.0,
+            "{what}: no prompt joined a step beside others"
+        );
         s.stop();
     }
 }

@@ -562,7 +562,7 @@ struct Scratch<B: Backend> {
     proj: B::Tensor,
     up: B::Tensor,
     gate: Option<B::Tensor>,
-    /// One row of q, k, v and attention output (a batched step's sequences, one at a time).
+    /// One call's rows of q, k, v and attention output (a batched step's calls, one at a time).
     row: [B::Tensor; 4],
     logits: Option<LogitBuffers<B>>,
     /// Where hybrid layers' FFN inputs land on the host (made at the first hybrid layer).
@@ -592,13 +592,14 @@ fn activation_shapes(spec: &ModelSpec, n: usize) -> Vec<(usize, usize)> {
     if spec.gated_ffn {
         v.push((n, spec.d_ff));
     }
-    // One sequence's row of a batched step ([`Engine::decode_many`]): its query, key, value
-    // and attention output, each at the sequence's own position and cache.
+    // One call's rows of a batched step ([`Engine::step_many`]: a decoded token, or a prompt
+    // that joins the step): their queries, keys, values and attention output, at the call's
+    // own positions and cache. Up to the whole step may be one call.
     v.extend([
-        (1, spec.q_dim()),
-        (1, spec.kv_dim()),
-        (1, spec.kv_dim()),
-        (1, spec.q_dim()),
+        (n, spec.q_dim()),
+        (n, spec.kv_dim()),
+        (n, spec.kv_dim()),
+        (n, spec.q_dim()),
     ]);
     v
 }
@@ -1747,39 +1748,57 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Evaluate one more token for each of several sessions in one step (continuous batching):
-    /// every layer's weights pass once for all of them, each token attends over its own
-    /// session's cache at its own position. Returns each session's logits for its token. A
-    /// token's logits are the ones [`Engine::forward`] gives it alone.
+    /// The next token of each session, evaluated in one step (continuous batching): see
+    /// [`Engine::step_many`].
     pub fn decode_many(&self, calls: &mut [(&mut Session<B>, u32)]) -> Result<Vec<Vec<f32>>> {
+        let tokens: Vec<[u32; 1]> = calls.iter().map(|(_, t)| [*t]).collect();
+        let mut calls: Vec<(&mut Session<B>, &[u32])> = calls
+            .iter_mut()
+            .zip(&tokens)
+            .map(|((s, _), t)| (&mut **s, &t[..]))
+            .collect();
+        self.step_many(&mut calls)
+    }
+
+    /// One step over several sessions (continuous batching): each call's tokens — the next
+    /// token of a sequence being decoded, or a whole prompt joining the step — are evaluated at
+    /// that session's positions, over its own cache; the weights pass once for all of them.
+    /// Returns each call's logits of its last token: what its tokens get alone, bit for bit on
+    /// the CPU and the budgeted device. All the calls' tokens together are at most one step
+    /// (`PrefillLayout::group`); a session appears once.
+    pub fn step_many(&self, calls: &mut [(&mut Session<B>, &[u32])]) -> Result<Vec<Vec<f32>>> {
         if calls.is_empty() {
             return Ok(Vec::new());
         }
-        for (s, t) in calls.iter() {
-            if s.pos + 1 > s.ctx {
+        for (s, toks) in calls.iter() {
+            if toks.is_empty() {
+                return Err(EngineError::Empty);
+            }
+            if s.pos + toks.len() > s.ctx {
                 return Err(EngineError::ContextFull {
-                    needed: s.pos + 1,
+                    needed: s.pos + toks.len(),
                     ctx: s.ctx,
                 });
             }
-            if *t as usize >= self.spec.vocab_size {
+            if let Some(&id) = toks.iter().find(|&&t| t as usize >= self.spec.vocab_size) {
                 return Err(EngineError::InvalidToken {
-                    id: *t,
+                    id,
                     vocab: self.spec.vocab_size,
                 });
             }
         }
-        let n = calls.len();
+        let n: usize = calls.iter().map(|(_, t)| t.len()).sum();
         if n > self.prefill.group {
             return Err(EngineError::Weights(format!(
-                "{n} sequences in one step; the step holds {}",
+                "{n} tokens of {} sequences in one step; the step holds {}",
+                calls.len(),
                 self.prefill.group
             )));
         }
         let mut want: Vec<(&mut Session<B>, usize)> = calls
             .iter_mut()
-            .map(|(s, _)| {
-                let rows = s.pos + 1;
+            .map(|(s, t)| {
+                let rows = s.pos + t.len();
                 (&mut **s, rows)
             })
             .collect();
@@ -1789,33 +1808,49 @@ impl<B: Backend> Engine<B> {
             .lock()
             .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
         let pass: &mut Pass<B> = &mut guard;
-        self.backend.enter(|| self.batched_step(pass, calls))
+        self.backend.enter(|| self.batched_step(pass, calls, n))
     }
 
     fn batched_step(
         &self,
         pass: &mut Pass<B>,
-        calls: &mut [(&mut Session<B>, u32)],
+        calls: &mut [(&mut Session<B>, &[u32])],
+        n: usize,
     ) -> Result<Vec<Vec<f32>>> {
         let b = &self.backend;
         let spec = &self.spec;
-        let n = calls.len();
+        let m = calls.len();
+        // Each call's first row in the step; the rows whose logits come back (each call's last).
+        let firsts: Vec<usize> = calls
+            .iter()
+            .scan(0, |r, (_, t)| {
+                let f = *r;
+                *r += t.len();
+                Some(f)
+            })
+            .collect();
+        let lasts: Vec<usize> = calls
+            .iter()
+            .zip(&firsts)
+            .map(|((_, t), f)| f + t.len() - 1)
+            .collect();
         let mut sc = self.take_scratch(pass, n)?;
-        if let Err(e) = self.hold_logits(&mut sc, n) {
+        if let Err(e) = self.hold_logits(&mut sc, m) {
             pass.scratch = Some(sc);
             return Err(e);
         }
         let source = &mut *pass.source;
-        let need = step_memory(spec, n, n, &source.matmuls(), |op| b.workspace_bytes(op));
+        let need = step_memory(spec, n, m, &source.matmuls(), |op| b.workspace_bytes(op));
         b.set_workspace(need.workspace)?;
         let run = (|| -> Result<Vec<f32>> {
-            // Embed each token at its own position (learned position tables differ per row).
-            for (i, (s, t)) in calls.iter().enumerate() {
-                b.reshape(&mut sc.h, 1, spec.d_model)?;
-                source.embed(b, &[*t], s.pos, &mut sc.h)?;
-                b.copy_rows(&sc.h, 0, &mut sc.x, i, 1)?;
-                b.reshape(&mut sc.h, n, spec.d_model)?;
+            // Embed each call's tokens at its own positions (learned position tables differ
+            // per row).
+            for ((s, t), &first) in calls.iter().zip(&firsts) {
+                b.reshape(&mut sc.h, t.len(), spec.d_model)?;
+                source.embed(b, t, s.pos, &mut sc.h)?;
+                b.copy_rows(&sc.h, 0, &mut sc.x, first, t.len())?;
             }
+            b.reshape(&mut sc.h, n, spec.d_model)?;
             for l in 0..spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
@@ -1823,27 +1858,40 @@ impl<B: Backend> Engine<B> {
                     self.linear(&layer.wq, &sc.h, &mut sc.q)?;
                     self.linear(&layer.wk, &sc.h, &mut sc.k)?;
                     self.linear(&layer.wv, &sc.h, &mut sc.v)?;
-                    for (i, (s, _)) in calls.iter_mut().enumerate() {
-                        let pos = s.pos;
-                        let [q1, k1, v1, a1] = &mut sc.row;
-                        b.copy_rows(&sc.q, i, q1, 0, 1)?;
-                        b.copy_rows(&sc.k, i, k1, 0, 1)?;
-                        b.copy_rows(&sc.v, i, v1, 0, 1)?;
+                    for ((s, t), &first) in calls.iter_mut().zip(&firsts) {
+                        let (pos, k) = (s.pos, t.len());
+                        let [qc, kc, vc, ac] = &mut sc.row;
+                        for (buf, cols) in [
+                            (&mut *qc, spec.q_dim()),
+                            (&mut *kc, spec.kv_dim()),
+                            (&mut *vc, spec.kv_dim()),
+                            (&mut *ac, spec.q_dim()),
+                        ] {
+                            b.reshape(buf, k, cols)?;
+                        }
+                        b.copy_rows(&sc.q, first, qc, 0, k)?;
+                        b.copy_rows(&sc.k, first, kc, 0, k)?;
+                        b.copy_rows(&sc.v, first, vc, 0, k)?;
                         if let Some((inv_freq, pairs, dims)) = &self.rope {
-                            b.rope(q1, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-                            b.rope(k1, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                            b.rope(qc, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
+                            b.rope(kc, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
                         }
                         let ring_at = s.probe.as_ref().map_or(0, |p| p.next);
                         if let Some(p) = &mut s.probe
                             && let Some(pi) = p.layers.iter().position(|&pl| pl == l)
                         {
-                            b.copy_rows(q1, 0, &mut p.q[pi], ring_at, 1)?;
+                            // The last queries of the call's rows go into the ring, oldest first.
+                            let r = k.min(PROBE_QUERIES);
+                            for j in 0..r {
+                                let row = (ring_at + j) % PROBE_QUERIES;
+                                b.copy_rows(qc, k - r + j, &mut p.q[pi], row, 1)?;
+                            }
                         }
-                        let on_cpu = self.prefill.attends_on_cpu(1);
+                        let on_cpu = self.prefill.attends_on_cpu(k);
                         self.kv_layer_begin(s, l, pos, on_cpu)?;
-                        self.attend(s, l, pos, (q1, k1, v1), a1, on_cpu)?;
-                        self.kv_layer_end(s, l, pos, 1, on_cpu)?;
-                        b.copy_rows(a1, 0, &mut sc.attn, i, 1)?;
+                        self.attend(s, l, pos, (qc, kc, vc), ac, on_cpu)?;
+                        self.kv_layer_end(s, l, pos, k, on_cpu)?;
+                        b.copy_rows(ac, 0, &mut sc.attn, first, k)?;
                     }
                     self.finish_layer(&mut layer, l, &mut sc)?;
                     if let Some(t) = &self.step_tap {
@@ -1852,16 +1900,17 @@ impl<B: Backend> Engine<B> {
                 }
                 source.layer_done(b, l)?;
             }
-            self.head_rows(source, &mut sc, n)
+            self.head_of(source, &mut sc, &lasts)
         })();
         pass.scratch = Some(sc);
         let logits = run?;
-        for (s, _) in calls.iter_mut() {
-            let next = Self::probe_commit(s, s.pos, 1, s.probe.as_ref().map_or(0, |p| p.next));
+        for (s, t) in calls.iter_mut() {
+            let k = t.len();
+            let next = Self::probe_commit(s, s.pos, k, s.probe.as_ref().map_or(0, |p| p.next));
             if let Some(p) = &mut s.probe {
                 p.next = next;
             }
-            s.pos += 1;
+            s.pos += k;
         }
         Ok(logits.chunks(spec.vocab_size).map(|r| r.to_vec()).collect())
     }
@@ -2092,23 +2141,44 @@ impl<B: Backend> Engine<B> {
         sc: &mut Scratch<B>,
         rows: usize,
     ) -> Result<Vec<f32>> {
+        let last: Vec<usize> = (sc.n - rows..sc.n).collect();
+        self.head_of(source, sc, &last)
+    }
+
+    /// The head over rows `rows` of `x`, in that order: their logits on the host.
+    fn head_of(
+        &self,
+        source: &mut dyn WeightSource<B>,
+        sc: &mut Scratch<B>,
+        rows: &[usize],
+    ) -> Result<Vec<f32>> {
         let b = &self.backend;
+        let m = rows.len();
         let mut lb = match sc.logits.take() {
-            Some(lb) if lb.rows >= rows => lb,
+            Some(lb) if lb.rows >= m => lb,
             old => {
                 drop(old);
-                self.logit_buffers(rows)?
+                self.logit_buffers(m)?
             }
         };
-        self.view_logits(&mut lb, rows)?;
-        b.copy_rows(&sc.x, sc.n - rows, &mut lb.last, 0, rows)?;
+        self.view_logits(&mut lb, m)?;
+        // Runs of consecutive rows, one copy each.
+        let mut i = 0;
+        while i < m {
+            let mut j = i + 1;
+            while j < m && rows[j] == rows[j - 1] + 1 {
+                j += 1;
+            }
+            b.copy_rows(&sc.x, rows[i], &mut lb.last, i, j - i)?;
+            i = j;
+        }
         {
             let head = source.head(b)?;
             self.norm(&lb.last, &head.norm, &mut lb.normed)?;
             self.linear(&head.output, &lb.normed, &mut lb.logits)?;
         }
         source.head_done(b)?;
-        let mut host = vec![0f32; rows * self.spec.vocab_size];
+        let mut host = vec![0f32; m * self.spec.vocab_size];
         b.read(&lb.logits, &mut host)?;
         let full = lb.rows;
         self.view_logits(&mut lb, full)?;

@@ -770,15 +770,24 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
         .find(|&w| usable >= minimum_with(w))
         .unwrap_or(1);
     let minimum = minimum_with(window);
+    let kv_what = match budget.kv_pool.filter(|_| !prefill.kv_host) {
+        Some(blocks) => format!(
+            "a KV pool of {} positions for {} sessions (--kv-pool-tokens)",
+            blocks * crate::backend::KV_BLOCK,
+            budget.sessions
+        ),
+        None => format!(
+            "KV cache for {} × {} positions",
+            budget.sessions, budget.ctx
+        ),
+    };
     let breakdown = |slots: u64| {
         format!(
-            "fixed device cost {} (context, kernels, cuBLAS), small fragments {}, output matrix {}, KV cache {} for {} × {} positions ({}), step buffers {}, workspace {}, {window} streaming slots {}",
+            "fixed device cost {} (context, kernels, cuBLAS), small fragments {}, output matrix {}, {kv_what} {} ({}), step buffers {}, workspace {}, {window} streaming slots {}",
             human_bytes(fixed_cost),
             human_bytes(small),
             human_bytes(head),
             human_bytes(kv),
-            budget.sessions,
-            budget.ctx,
             budget.kv_type.name(),
             human_bytes(scratch),
             human_bytes(step.workspace),

@@ -26,6 +26,8 @@ pub struct Metrics {
     pub kv_dram_bytes: IntGauge,
     /// Blocks of the paged KV pool, by state (`free`, `used`).
     pub kv_pool_blocks: IntGaugeVec,
+    /// Prompts evaluated inside a batched step beside other sequences (no pass of their own).
+    pub prompts_joined: IntCounter,
     /// Idle sessions whose blocks were taken for others when the pool ran short.
     pub pool_evictions: IntCounter,
     kv_events: IntGaugeVec,
@@ -89,6 +91,10 @@ impl Metrics {
                 ),
                 &["state"],
             )?,
+            prompts_joined: IntCounter::new(
+                "prompts_joined_steps_total",
+                "Prompts evaluated in a batched step beside other sequences, not in a pass of their own",
+            )?,
             pool_evictions: IntCounter::new(
                 "kv_pool_evictions_total",
                 "Idle sessions (stateless prefixes, contexts) that left the KV pool for others",
@@ -122,6 +128,7 @@ impl Metrics {
         r.register(Box::new(m.kv_dram_bytes.clone()))?;
         r.register(Box::new(m.kv_pool_blocks.clone()))?;
         r.register(Box::new(m.pool_evictions.clone()))?;
+        r.register(Box::new(m.prompts_joined.clone()))?;
         r.register(Box::new(m.kv_events.clone()))?;
         r.register(Box::new(m.ledger.clone()))?;
         Ok(m)

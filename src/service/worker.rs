@@ -127,6 +127,9 @@ struct Sequence {
     /// Blocks of the KV pool this sequence may come to hold (its prompt and every token it may
     /// generate), counted against the pool when it was admitted.
     pool_blocks: usize,
+    /// The prompt from this token on joins the next step (it has not started yet; the tokens
+    /// before were already in its session).
+    joining: Option<usize>,
     job: Box<Generate>,
     sampler: Sampler,
     logits: Vec<f32>,
@@ -561,6 +564,16 @@ impl<B: Backend> Worker<B> {
             .map(|(i, _)| (i, 0))
     }
 
+    /// The longest prompt (rest) that joins a step instead of running alone: what the step
+    /// holds beside one token of every sequence; longer prompts run alone right away, layer by
+    /// layer where the step cannot hold them (one pass of the weights for the whole prompt).
+    fn joining_rows(&self) -> usize {
+        self.engine
+            .prefill()
+            .group
+            .saturating_sub(self.cfg.parallel)
+    }
+
     /// Blocks of the KV pool the running sequences may come to hold.
     fn pool_committed(&self) -> usize {
         self.active.iter().map(|s| s.pool_blocks).sum()
@@ -597,22 +610,13 @@ impl<B: Backend> Worker<B> {
         match self.try_start(&g) {
             Ok((slot, pool_blocks, logits, tokens, messages, cached, before)) => {
                 let prompt_tokens = tokens.len();
-                g.events
-                    .send(Event::Start {
-                        prompt_tokens,
-                        cached_tokens: cached,
-                    })
-                    .ok();
-                self.shared
-                    .metrics
-                    .ttft
-                    .observe(g.received.elapsed().as_secs_f64());
-                Ok(Sequence {
+                let mut seq = Sequence {
                     slot,
                     pool_blocks,
+                    joining: Some(cached),
                     sampler: Self::sampler(&g.request, 0),
-                    prompt_logits: (g.request.n > 1).then(|| logits.clone()),
-                    logits,
+                    prompt_logits: None,
+                    logits: Vec::new(),
                     tokens,
                     prompt_tokens,
                     choice: 0,
@@ -624,7 +628,11 @@ impl<B: Backend> Worker<B> {
                     messages,
                     last_token: Instant::now(),
                     job: g,
-                })
+                };
+                if let Some(l) = logits {
+                    Self::prompt_done(&self.shared, &mut seq, l);
+                }
+                Ok(seq)
             }
             Err(e) => Err((g, e)),
         }
@@ -638,7 +646,7 @@ impl<B: Backend> Worker<B> {
         (
             usize,
             usize,
-            Vec<f32>,
+            Option<Vec<f32>>,
             Vec<u32>,
             Option<Vec<ChatMessage>>,
             usize,
@@ -780,6 +788,13 @@ impl<B: Backend> Worker<B> {
             .prompt_tokens
             .inc_by(tokens.len() as u64);
         self.slots[slot].busy = true;
+        if tokens.len() - start <= self.joining_rows() {
+            // The prompt joins the next step beside the running sequences: no pass of its own.
+            if g.context.is_none() {
+                self.slots[slot].holder = Holder::Anon(tokens.clone());
+            }
+            return Ok((slot, pool_blocks, None, tokens, messages, start, before));
+        }
         let mut logits = self.engine.forward(
             &mut self.slots[slot].session,
             &tokens[start..],
@@ -806,85 +821,94 @@ impl<B: Backend> Worker<B> {
         if g.context.is_none() {
             s.holder = Holder::Anon(tokens.clone());
         }
-        Ok((slot, pool_blocks, logits, tokens, messages, start, before))
+        Ok((
+            slot,
+            pool_blocks,
+            Some(logits),
+            tokens,
+            messages,
+            start,
+            before,
+        ))
     }
 
     /// One engine step for every running sequence (continuous batching): each samples its
-    /// next token, then the tokens still to evaluate run in one batched step — the weights pass
-    /// once for all of them, each token attends over its own cache — and each sequence gets its
-    /// logits, the same as its token would get alone.
+    /// next token, then the tokens to evaluate — those tokens, and the prompts of sequences
+    /// just admitted — run in batched steps of at most the engine's step rows: the weights pass
+    /// once for all of them, each call attends over its own cache, and each gets the logits it
+    /// would get alone.
     fn step_all(&mut self, stop_now: bool) {
         if let Some(d) = test_step_delay() {
             std::thread::sleep(d);
         }
         let mut finish: Vec<Option<&'static str>> = Vec::with_capacity(self.active.len());
-        let mut eval: Vec<(usize, u32)> = Vec::new();
+        let mut eval: Vec<(usize, Vec<u32>)> = Vec::new();
         for i in 0..self.active.len() {
+            let seq = &self.active[i];
             finish.push(if stop_now {
                 Some("cancelled")
+            } else if let Some(from) = seq.joining {
+                if seq.job.events.is_closed() {
+                    Some("cancelled")
+                } else {
+                    eval.push((i, seq.tokens[from..seq.prompt_tokens].to_vec()));
+                    None
+                }
             } else {
                 match self.sample(i) {
                     Next::Done(reason) => Some(reason),
                     Next::Eval(t) => {
-                        eval.push((i, t));
+                        eval.push((i, vec![t]));
                         None
                     }
                 }
             });
         }
+        // Calls in order, as many as the step's rows hold.
         let group = self.engine.prefill().group.max(1);
-        for part in eval.chunks(group) {
-            // The sessions of this part, in its order.
-            let mut sessions: Vec<(usize, &mut Session<B>)> = self
-                .slots
-                .iter_mut()
-                .enumerate()
-                .filter_map(|(si, slot)| {
-                    part.iter()
-                        .position(|&(i, _)| self.active[i].slot == si)
-                        .map(|k| (k, &mut slot.session))
-                })
-                .collect();
-            sessions.sort_by_key(|(k, _)| *k);
-            let mut calls: Vec<(&mut Session<B>, u32)> = sessions
-                .into_iter()
-                .map(|(k, session)| (session, part[k].1))
-                .collect();
-            self.shared.metrics.batch_size.observe(calls.len() as f64);
-            let mut result = self.engine.decode_many(&mut calls);
+        let mut parts: Vec<&[(usize, Vec<u32>)]> = Vec::new();
+        let (mut from, mut rows) = (0, 0);
+        for (k, (_, toks)) in eval.iter().enumerate() {
+            if rows + toks.len() > group && k > from {
+                parts.push(&eval[from..k]);
+                (from, rows) = (k, 0);
+            }
+            rows += toks.len();
+        }
+        if from < eval.len() {
+            parts.push(&eval[from..]);
+        }
+        for part in parts {
+            self.shared.metrics.batch_size.observe(part.len() as f64);
+            let mut result = self.step_part(part);
             if let Err(EngineError::KvPoolFull { needed, .. }) = &result {
                 // Idle slots hold the blocks the admitted sequences were promised.
-                let needed = *needed;
-                drop(calls);
-                self.make_room(needed, None);
-                let mut sessions: Vec<(usize, &mut Session<B>)> = self
-                    .slots
-                    .iter_mut()
-                    .enumerate()
-                    .filter_map(|(si, slot)| {
-                        part.iter()
-                            .position(|&(i, _)| self.active[i].slot == si)
-                            .map(|k| (k, &mut slot.session))
-                    })
-                    .collect();
-                sessions.sort_by_key(|(k, _)| *k);
-                let mut again: Vec<(&mut Session<B>, u32)> = sessions
-                    .into_iter()
-                    .map(|(k, session)| (session, part[k].1))
-                    .collect();
-                result = self.engine.decode_many(&mut again);
+                self.make_room(*needed, None);
+                result = self.step_part(part);
             }
             match result {
                 Ok(logits) => {
-                    for (&(i, _), l) in part.iter().zip(logits) {
-                        self.active[i].logits = l;
+                    for ((i, _), l) in part.iter().zip(logits) {
+                        let seq = &mut self.active[*i];
+                        if seq.joining.is_some() {
+                            if part.len() > 1 {
+                                self.shared.metrics.prompts_joined.inc();
+                            }
+                            Self::prompt_done(&self.shared, seq, l);
+                        } else {
+                            seq.logits = l;
+                        }
                     }
                 }
                 Err(e) => {
                     let e = engine_error(e);
-                    for &(i, _) in part {
-                        self.active[i].job.events.send(Event::Error(e.clone())).ok();
-                        finish[i] = Some("error");
+                    for (i, _) in part {
+                        self.active[*i]
+                            .job
+                            .events
+                            .send(Event::Error(e.clone()))
+                            .ok();
+                        finish[*i] = Some("error");
                     }
                 }
             }
@@ -906,6 +930,48 @@ impl<B: Backend> Worker<B> {
                 None => i += 1,
             }
         }
+    }
+
+    /// One batched engine step over `part`'s calls (sequence, tokens), each on its slot's
+    /// session.
+    fn step_part(&mut self, part: &[(usize, Vec<u32>)]) -> Result<Vec<Vec<f32>>, EngineError> {
+        // The sessions of this part, in its order.
+        let mut sessions: Vec<(usize, &mut Session<B>)> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(si, slot)| {
+                part.iter()
+                    .position(|&(i, _)| self.active[i].slot == si)
+                    .map(|k| (k, &mut slot.session))
+            })
+            .collect();
+        sessions.sort_by_key(|(k, _)| *k);
+        let mut calls: Vec<(&mut Session<B>, &[u32])> = sessions
+            .into_iter()
+            .map(|(k, session)| (session, &part[k].1[..]))
+            .collect();
+        self.engine.step_many(&mut calls)
+    }
+
+    /// A sequence's prompt has been evaluated: it starts (the client hears so) from `logits`.
+    fn prompt_done(shared: &Shared, seq: &mut Sequence, logits: Vec<f32>) {
+        let cached = seq.joining.take().unwrap_or(0);
+        seq.job
+            .events
+            .send(Event::Start {
+                prompt_tokens: seq.prompt_tokens,
+                cached_tokens: cached,
+            })
+            .ok();
+        shared
+            .metrics
+            .ttft
+            .observe(seq.job.received.elapsed().as_secs_f64());
+        if seq.job.request.n > 1 {
+            seq.prompt_logits = Some(logits.clone());
+        }
+        seq.logits = logits;
     }
 
     /// Sample one token for sequence `i` and send it: the token to evaluate next, or why the
