@@ -383,6 +383,42 @@ prefill() {
     done
 }
 
+# serve on the 7B shape at 4G (arguments after the first two go to serve): one client alone,
+# then N at once; the answers compared through their logprobs, the times and /metrics recorded.
+serve_clients() {
+    local n=$1 name=$2
+    shift 2
+    "$B" serve --device cuda -m "$WORK/m7b" --gpu-mem 4G --port 18182 "$@" \
+        > "$WORK/serve7b.out" 2>>"$LOG" &
+    local pid=$!
+    for _ in $(seq 600); do grep -q listening "$WORK/serve7b.out" 2>/dev/null && break; sleep 0.5; done
+    record "$name" "$(CLIENTS=$n $PY - <<'PY' 2>>"$LOG"
+import json, os, threading, time, urllib.request as u
+B = "http://127.0.0.1:18182"
+N = int(os.environ["CLIENTS"])
+def post(body):
+    r = u.Request(B + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.load(u.urlopen(r, timeout=600))
+prompts = [[(i * 7919 + 13 * k) % 31000 + 3 for i in range(64)] for k in range(N)]
+# No tokenizer in a synthesized model: the answer is compared with its logprobs (token by token).
+g = lambda p: {"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+ans = lambda v: json.dumps([v["choices"][0].get("text"), v["choices"][0].get("logprobs")])
+post(g(prompts[0]))  # warm-up
+t = time.time(); alone = [ans(post(g(p))) for p in prompts[:1]]; one = time.time() - t
+res = [None] * N
+def run(k): res[k] = ans(post(g(prompts[k])))
+t = time.time(); ts = [threading.Thread(target=run, args=(k,)) for k in range(N)]
+[x.start() for x in ts]; [x.join() for x in ts]; many = time.time() - t
+m = u.urlopen(B + "/metrics").read().decode()
+keep = ("gpu_offload_decode_batch_size_", "gpu_offload_kv_pool", "gpu_offload_prompts_joined", "gpu_offload_ledger_bytes")
+print(json.dumps({"clients": N, "one_client_s": one, "all_clients_s": many, "time_ratio": many / one,
+                  "aggregate_speedup": N * one / many, "first_answer_equal": res[0] == alone[0],
+                  "metrics": [l for l in m.splitlines() if l.startswith(keep)]}))
+PY
+)"
+    kill -TERM $pid; wait $pid
+}
+
 batching() {
     synth7b
     synth1b
@@ -392,33 +428,9 @@ batching() {
         record "batch_7b_4g_$n" "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --sessions "$n" --prompt-tokens 64 -n 16 --reps 1 --json 2>>"$LOG")"
     done
     say "serve, 7B shape at --gpu-mem 4G --parallel 4: one client against four at once"
-    "$B" serve --device cuda -m "$WORK/m7b" --gpu-mem 4G --port 18182 --parallel 4 --ctx-size 512 \
-        > "$WORK/serve7b.out" 2>>"$LOG" &
-    local pid=$!
-    for _ in $(seq 600); do grep -q listening "$WORK/serve7b.out" 2>/dev/null && break; sleep 0.5; done
-    record serve_7b_4g_concurrent "$($PY - <<'PY' 2>>"$LOG"
-import json, threading, time, urllib.request as u
-B = "http://127.0.0.1:18182"
-def post(body):
-    r = u.Request(B + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return json.load(u.urlopen(r, timeout=600))
-prompts = [[(i * 7919 + 13 * k) % 31000 + 3 for i in range(64)] for k in range(4)]
-# No tokenizer in a synthesized model: the answer is compared with its logprobs (token by token).
-g = lambda p: {"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-ans = lambda v: json.dumps([v["choices"][0].get("text"), v["choices"][0].get("logprobs")])
-post(g(prompts[0]))  # warm-up
-t = time.time(); alone = [ans(post(g(p))) for p in prompts[:1]]; one = time.time() - t
-res = [None] * 4
-def run(k): res[k] = ans(post(g(prompts[k])))
-t = time.time(); ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-[x.start() for x in ts]; [x.join() for x in ts]; four = time.time() - t
-m = u.urlopen(B + "/metrics").read().decode()
-batch = [l for l in m.splitlines() if l.startswith("gpu_offload_decode_batch_size_")]
-print(json.dumps({"one_client_s": one, "four_clients_s": four, "ratio": four / one,
-                  "first_answer_equal": res[0] == alone[0], "batch_metrics": batch}))
-PY
-)"
-    kill -TERM $pid; wait $pid
+    serve_clients 4 serve_7b_4g_concurrent --parallel 4 --ctx-size 512
+    say "serve, 7B shape at --gpu-mem 4G --parallel 16, a paged KV pool of 2048 positions: one client against 16"
+    serve_clients 16 serve_7b_4g_16_clients --parallel 16 --ctx-size 512 --kv-pool-tokens 2048
     say "bench contexts on CUDA, 1B shape (random token ids)"
     "$B" bench contexts --device cuda -m "$WORK/m1b" --gpu-mem 8G --random-corpus --contexts 8 --resident 2 \
         --calls 24 --history-tokens 1024 --out "$OUT/contexts-1b" 2>>"$LOG" | tail -n 20 | tee -a "$LOG"
