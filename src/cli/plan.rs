@@ -145,6 +145,16 @@ pub struct PlanArgs {
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<super::KvTypeArg>,
 
+    /// Sequences at once (as `serve --parallel`): one step returns logits of each, and each
+    /// holds a cache of --ctx-size, or a block table into --kv-pool-tokens.
+    #[arg(long, env = "GPU_OFFLOAD_PARALLEL", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub parallel: u16,
+
+    /// Plan a paged KV pool of this many positions shared by the sequences (as `serve
+    /// --kv-pool-tokens`) instead of a cache of --ctx-size each.
+    #[arg(long, env = "GPU_OFFLOAD_KV_POOL_TOKENS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub kv_pool_tokens: Option<u64>,
+
     /// Also place hot FFN neurons as PowerInfer does (everything else resident, the budget left
     /// for the neurons that fire most at --sparsity-target, by exact ILP); needs the model's
     /// sparsity profile (`gpu-offload profile`).
@@ -246,8 +256,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
             batch,
         )
     };
+    let sessions = a.parallel as usize;
     let budget = Budget {
         prompt: prompt.unwrap_or(batch),
+        sessions,
+        logit_rows: sessions,
+        kv_pool: a
+            .kv_pool_tokens
+            .map(|t| (t as usize).div_ceil(crate::backend::KV_BLOCK)),
         ..budget
     };
     let name = a.model.display().to_string();

@@ -102,7 +102,7 @@ pub fn render(p: &Plan) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "GPU  {} MiB of {} MiB: fixed cost {} (context, kernels, cuBLAS), resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {} ({} × {} positions, {}), step buffers {}, workspace {}",
+        "GPU  {} MiB of {} MiB: fixed cost {} (context, kernels, cuBLAS), resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {} ({}, {}), step buffers {}, workspace {}",
         mib(g.total),
         mib(p.budget.gpu_mem),
         mib(g.fixed),
@@ -113,8 +113,14 @@ pub fn render(p: &Plan) -> String {
         mib(g.head),
         mib(g.small),
         mib(g.kv),
-        p.budget.sessions,
-        p.budget.ctx,
+        match p.budget.kv_pool.filter(|_| !p.prefill.kv_host) {
+            Some(blocks) => format!(
+                "a pool of {} positions for {} sequences",
+                blocks * crate::backend::KV_BLOCK,
+                p.budget.sessions
+            ),
+            None => format!("{} × {} positions", p.budget.sessions, p.budget.ctx),
+        },
         p.budget.kv_type.name(),
         mib(g.scratch),
         mib(g.workspace)
