@@ -215,8 +215,14 @@ fn the_budgeted_device_holds_the_plans_pool_and_tables_and_growing_takes_no_memo
         &Ledger::new(None, None),
         KvType::F16,
     );
-    for g in [min, (min + all) / 2, all] {
+    let mut pooled = 0;
+    for g in [min, min + (all - min) / 8, (min + all) / 2, all] {
         let plan = make_plan(&store.manifest, &b(g), &hw).unwrap();
+        if plan.prefill.kv_host {
+            // Only KV in host memory fits: each session keeps its own there, no pool.
+            continue;
+        }
+        pooled += 1;
         assert_eq!(
             plan.gpu.kv,
             kv_pool_bytes(spec, blocks, KvType::F16) + sessions as u64 * kv_table_bytes(CTX),
@@ -254,4 +260,5 @@ fn the_budgeted_device_holds_the_plans_pool_and_tables_and_growing_takes_no_memo
             plan.gpu.placed
         );
     }
+    assert!(pooled >= 2, "{pooled} budgets planned the pool");
 }

@@ -248,6 +248,7 @@ fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
                 residual_rows,
                 kv_host: false,
                 cpu_attention: false,
+                joins: false,
             };
             let host_kv = PrefillLayout {
                 kv_host: true,

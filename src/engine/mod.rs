@@ -72,6 +72,9 @@ pub const MAX_BATCH: usize = 512;
 ///   attend on the CPU over the host copy — their queries, keys and values come down, the
 ///   output goes up — instead of bringing each layer's cache to the device: the same bytes read
 ///   from DRAM instead of sent over PCIe, and the link left to the weights.
+/// - `joins`: a batched step ([`Engine::step_many`]) may take a whole prompt beside the other
+///   sequences' tokens (serve), so the step buffers one call's rows at the step's size; without
+///   it a call in a batched step is one token (decode) and one row is buffered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PrefillLayout {
     pub group: usize,
@@ -79,6 +82,8 @@ pub struct PrefillLayout {
     pub kv_host: bool,
     #[serde(default)]
     pub cpu_attention: bool,
+    #[serde(default)]
+    pub joins: bool,
 }
 
 /// Most rows of a step that attend on the CPU ([`PrefillLayout::cpu_attention`]); longer
@@ -93,6 +98,7 @@ impl Default for PrefillLayout {
             residual_rows: usize::MAX,
             kv_host: false,
             cpu_attention: false,
+            joins: true,
         }
     }
 }
@@ -578,7 +584,7 @@ struct LogitBuffers<B: Backend> {
 
 /// `(rows, cols)` of the activation buffers of a step of `n` tokens, in the order [`Scratch`]
 /// holds them (gate last, for gated FFNs).
-fn activation_shapes(spec: &ModelSpec, n: usize) -> Vec<(usize, usize)> {
+fn activation_shapes(spec: &ModelSpec, n: usize, joins: bool) -> Vec<(usize, usize)> {
     let mut v = vec![
         (n, spec.d_model),
         (n, spec.d_model),
@@ -594,12 +600,14 @@ fn activation_shapes(spec: &ModelSpec, n: usize) -> Vec<(usize, usize)> {
     }
     // One call's rows of a batched step ([`Engine::step_many`]: a decoded token, or a prompt
     // that joins the step): their queries, keys, values and attention output, at the call's
-    // own positions and cache. Up to the whole step may be one call.
+    // own positions and cache. Where prompts join ([`PrefillLayout::joins`]) up to the whole
+    // step may be one call; otherwise a call is one token.
+    let c = if joins { n } else { 1 };
     v.extend([
-        (n, spec.q_dim()),
-        (n, spec.kv_dim()),
-        (n, spec.kv_dim()),
-        (n, spec.q_dim()),
+        (c, spec.q_dim()),
+        (c, spec.kv_dim()),
+        (c, spec.kv_dim()),
+        (c, spec.q_dim()),
     ]);
     v
 }
@@ -642,6 +650,7 @@ pub fn step_memory(
     spec: &ModelSpec,
     n: usize,
     logit_rows: usize,
+    joins: bool,
     matmuls: &MatmulShapes,
     workspace: impl Fn(&WorkspaceOp) -> u64,
 ) -> StepMemory {
@@ -659,7 +668,7 @@ pub fn step_memory(
         ws = ws.max(workspace(&matmuls.head.op(logit_rows)));
     }
     StepMemory {
-        activations: f32_buffers(&activation_shapes(spec, n)),
+        activations: f32_buffers(&activation_shapes(spec, n, joins)),
         logits: if logit_rows > 0 {
             f32_buffers(&logit_shapes(spec, logit_rows))
         } else {
@@ -915,6 +924,7 @@ impl<B: Backend> Engine<B> {
             &self.spec,
             n,
             logit_rows,
+            self.prefill.joins,
             &pass.source.matmuls(),
             |op| self.backend.workspace_bytes(op),
         ))
@@ -1305,7 +1315,7 @@ impl<B: Backend> Engine<B> {
 
     fn scratch(&self, n: usize) -> Result<Scratch<B>> {
         let b = &self.backend;
-        let mut bufs = activation_shapes(&self.spec, n)
+        let mut bufs = activation_shapes(&self.spec, n, self.prefill.joins)
             .into_iter()
             .map(|(r, c)| b.alloc(r, c))
             .collect::<std::result::Result<Vec<_>, _>>()?
@@ -1787,6 +1797,15 @@ impl<B: Backend> Engine<B> {
                 });
             }
         }
+        if !self.prefill.joins
+            && calls.len() > 1
+            && let Some((_, t)) = calls.iter().find(|(_, t)| t.len() > 1)
+        {
+            return Err(EngineError::Weights(format!(
+                "a call of {} tokens beside others in one step: this engine's plan buffers one token a call (plan several sequences for prompts to join)",
+                t.len()
+            )));
+        }
         let n: usize = calls.iter().map(|(_, t)| t.len()).sum();
         if n > self.prefill.group {
             return Err(EngineError::Weights(format!(
@@ -1840,7 +1859,10 @@ impl<B: Backend> Engine<B> {
             return Err(e);
         }
         let source = &mut *pass.source;
-        let need = step_memory(spec, n, m, &source.matmuls(), |op| b.workspace_bytes(op));
+        let joins = self.prefill.joins;
+        let need = step_memory(spec, n, m, joins, &source.matmuls(), |op| {
+            b.workspace_bytes(op)
+        });
         b.set_workspace(need.workspace)?;
         let run = (|| -> Result<Vec<f32>> {
             // Embed each call's tokens at its own positions (learned position tables differ
@@ -2203,7 +2225,10 @@ impl<B: Backend> Engine<B> {
         self.hold_logits(&mut sc, rows)?;
         let source = &mut *pass.source;
         // The workspace the ops of this step need, by the formula the planner used.
-        let need = step_memory(spec, n, rows, &source.matmuls(), |op| b.workspace_bytes(op));
+        let joins = self.prefill.joins;
+        let need = step_memory(spec, n, rows, joins, &source.matmuls(), |op| {
+            b.workspace_bytes(op)
+        });
         b.set_workspace(need.workspace)?;
 
         source.embed(b, tokens, pos, &mut sc.x)?;
@@ -2259,9 +2284,14 @@ impl<B: Backend> Engine<B> {
             return Err(e);
         }
         let source = &mut *pass.source;
-        let need = step_memory(spec, group, rows, &source.matmuls(), |op| {
-            b.workspace_bytes(op)
-        });
+        let need = step_memory(
+            spec,
+            group,
+            rows,
+            self.prefill.joins,
+            &source.matmuls(),
+            |op| b.workspace_bytes(op),
+        );
         b.set_workspace(need.workspace)?;
         let mut hidden = if self.prefill.residual_on_device(total) {
             Hidden::Device(b.alloc(total, d)?)

@@ -577,6 +577,7 @@ pub fn step_device_memory(
         &m.spec,
         group,
         budget.logit_rows.min(group),
+        budget.sessions > 1,
         &offload_matmuls(m)?,
         crate::backend::cuda::workspace_bytes,
     ))
@@ -612,11 +613,14 @@ fn prefill_layout(
     let kv_work = 2 * device_bytes((budget.ctx * budget.kv_type.row_bytes(spec.kv_dim())) as u64);
     let residual = device_bytes((prompt * spec.d_model * 4) as u64);
     let matmuls = offload_matmuls(m)?;
+    // Several sequences (serve): prompts join their batched steps.
+    let joins = budget.sessions > 1;
     let layout = |kv_host: bool, residual_on_device: bool, group: usize| {
         let step = step_memory(
             spec,
             group,
             budget.logit_rows.min(group),
+            joins,
             &matmuls,
             crate::backend::cuda::workspace_bytes,
         );
@@ -647,6 +651,7 @@ fn prefill_layout(
             kv_host,
             // Decided by the link rates (make_plan).
             cpu_attention: false,
+            joins,
         };
         (fits, (l, kv, step, res))
     };

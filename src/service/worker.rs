@@ -568,10 +568,12 @@ impl<B: Backend> Worker<B> {
     /// holds beside one token of every sequence; longer prompts run alone right away, layer by
     /// layer where the step cannot hold them (one pass of the weights for the whole prompt).
     fn joining_rows(&self) -> usize {
-        self.engine
-            .prefill()
-            .group
-            .saturating_sub(self.cfg.parallel)
+        let layout = self.engine.prefill();
+        if layout.joins {
+            layout.group.saturating_sub(self.cfg.parallel)
+        } else {
+            0
+        }
     }
 
     /// Blocks of the KV pool the running sequences may come to hold.
