@@ -845,6 +845,11 @@ impl<B: Backend> Engine<B> {
 
     /// Run long calls and keep sessions' KV caches as `layout` says (sessions made from now on).
     pub fn with_prefill(mut self, layout: PrefillLayout) -> Result<Self> {
+        if layout.kv_host && self.pool.is_some() {
+            return Err(EngineError::Weights(
+                "a KV pool on the device and KV kept in host memory exclude each other".into(),
+            ));
+        }
         if layout.group == 0 || layout.group > MAX_BATCH {
             return Err(EngineError::Weights(format!(
                 "a prefill group of {} tokens (1..={MAX_BATCH})",
