@@ -429,26 +429,6 @@ pub fn kv_runs(
     })
 }
 
-#[cfg(test)]
-mod kv_runs_tests {
-    use super::{KV_BLOCK, kv_runs};
-
-    #[test]
-    fn runs_follow_the_table_and_join_adjacent_blocks() {
-        let b = KV_BLOCK;
-        let none: Vec<_> = kv_runs(None, 5, 40).collect();
-        assert_eq!(none, vec![(0, 5, 40)]);
-        // Blocks 7, 8 adjacent, then 2, then 3: rows 5..53 of the sequence.
-        let table = [7u32, 8, 2, 3];
-        let got: Vec<_> = kv_runs(Some(&table), 5, 48).collect();
-        assert_eq!(got, vec![(0, 7 * b + 5, 2 * b - 5), (2 * b - 5, 2 * b, 21)]);
-        // Not adjacent: one run per block.
-        let apart = [4u32, 1];
-        let got: Vec<_> = kv_runs(Some(&apart), 0, b + 3).collect();
-        assert_eq!(got, vec![(0, 4 * b, b), (b, b, 3)]);
-    }
-}
-
 /// Checks a block table against the cache it maps into: it covers `rows` logical rows and
 /// every block lies inside the cache's `cache_rows`.
 pub fn check_kv_table(
@@ -777,4 +757,24 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttnShape,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+}
+
+#[cfg(test)]
+mod kv_runs_tests {
+    use super::{KV_BLOCK, kv_runs};
+
+    #[test]
+    fn runs_follow_the_table_and_join_adjacent_blocks() {
+        let b = KV_BLOCK;
+        let none: Vec<_> = kv_runs(None, 5, 40).collect();
+        assert_eq!(none, vec![(0, 5, 40)]);
+        // Blocks 7, 8 adjacent, then 2, then 3: rows 5..53 of the sequence.
+        let table = [7u32, 8, 2, 3];
+        let got: Vec<_> = kv_runs(Some(&table), 5, 48).collect();
+        assert_eq!(got, vec![(0, 7 * b + 5, 2 * b - 5), (2 * b - 5, 2 * b, 21)]);
+        // Not adjacent: one run per block.
+        let apart = [4u32, 1];
+        let got: Vec<_> = kv_runs(Some(&apart), 0, b + 3).collect();
+        assert_eq!(got, vec![(0, 4 * b, b), (b, b, 3)]);
+    }
 }
