@@ -550,15 +550,22 @@ impl KvManager {
                 engine.forward(session, &tokens[..upto], Logits::None)?;
                 stats.chunks_recomputed += prefix;
             }
+            // One buffer for every chunk decoded here: no fresh pages to fault in per chunk.
+            let mut buf = ChunkData {
+                len: 0,
+                n_layers,
+                kv_dim,
+                values: Vec::new(),
+            };
             for i in prefix..n {
                 match (&dram[i], &on_disk[i]) {
                     (Some((bytes, bits)), _) => {
-                        match chunk::decode(bytes, *bits, n_layers, kv_dim, lens[i]) {
-                            Some(d) => {
-                                engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &d.values)?;
-                                stats.chunks_from_dram += 1;
-                            }
-                            None => redo.push(i),
+                        buf.len = lens[i];
+                        if chunk::decode_into(bytes, *bits, &mut buf) {
+                            engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &buf.values)?;
+                            stats.chunks_from_dram += 1;
+                        } else {
+                            redo.push(i);
                         }
                     }
                     (None, Some(_)) => {}
