@@ -36,6 +36,7 @@ const LOAD_ONLY: CostModel = CostModel {
     recompute_s_per_token: 1.0,
     load_s_per_chunk: 0.0,
     load_s_per_byte: 0.0,
+    decode_s_per_value: 0.0,
 };
 
 /// Evaluate `tokens` into a new context of `kv` and swap it out.
@@ -91,6 +92,7 @@ fn check_exact(path: &Path, kv_type: KvType) {
         recompute_s_per_token: 1.0,
         load_s_per_chunk: 24.0,
         load_s_per_byte: 0.0,
+        decode_s_per_value: 0.0,
     };
     let mut kv = manager(Some(dir.path()), Compression::Off, 0, balanced);
     let cdir = dir.path().join("contexts").join(&id);
@@ -280,4 +282,46 @@ fn swap_in_forgets_the_previous_holders_queries() {
         e.attention_density(&mut held, 16).unwrap(),
         e.attention_density(&mut fresh, 16).unwrap()
     );
+}
+
+/// Ours (a ratio) with a cost model that says decoding costs more than the bytes exact adds
+/// (host memory and the page cache as the media): the full chunks are stored exact and come
+/// back bit for bit; with decoding free (not measured), or without a disk tier, they are
+/// compressed as the tolerance logic says.
+#[test]
+fn ratio_keeps_chunks_exact_where_decoding_costs_more_than_the_bytes() {
+    let (e, m) = engine(&common::stories260k(), KvType::F32);
+    let t = tokens_of(&m, 70);
+    let (head, tail) = t.split_at(60);
+    let dir = tempfile::tempdir().unwrap();
+    let cheap_bytes = CostModel {
+        recompute_s_per_token: 1.0,
+        load_s_per_chunk: 1e-5,
+        load_s_per_byte: 0.1e-9,
+        decode_s_per_value: 2e-9,
+    };
+    for (costs, disk, exact) in [
+        (cheap_bytes, true, true),
+        (LOAD_ONLY, true, false),
+        (cheap_bytes, false, false),
+    ] {
+        let d = disk.then_some(dir.path());
+        let mut kv = manager(d, Compression::Ratio(0.5), 1 << 30, costs);
+        let (id, mut s) = fill(&e, &mut kv, head, 128);
+        let want = e.forward(&mut s, tail, Logits::All).unwrap();
+        let bits = kv.get(&id, None).unwrap().chunk_bits();
+        let full = head.len() / CHUNK_TOKENS;
+        assert_eq!(bits.len(), head.len().div_ceil(CHUNK_TOKENS));
+        for (i, b) in bits.iter().enumerate().take(full) {
+            assert_eq!(*b == Some(Bits::F32), exact, "chunk {i}: {bits:?}");
+        }
+        let mut s2 = e.new_session(128).unwrap();
+        kv.swap_in(&e, &mut s2, &id).unwrap();
+        let got = e.forward(&mut s2, tail, Logits::All).unwrap();
+        if exact {
+            assert!(got == want, "exact chunks restore bit for bit");
+        } else {
+            assert!(got != want, "compressed chunks were expected");
+        }
+    }
 }

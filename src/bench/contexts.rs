@@ -10,7 +10,8 @@
 //! 3. `chunked-swap`: `KvManager` with compression off, swapped out at eviction, never
 //!    recomputing (the cost model made to say recomputing never pays);
 //! 4. `chunked-int8`: the same with every chunk at 8 bits;
-//! 5. `ours`: `KvManager` as `serve` runs it: tolerance-aware widths, the measured
+//! 5. `ours`: `KvManager` as `serve` runs it: tolerance-aware widths (a chunk kept exact where
+//!    the measured decode costs more than loading the bytes exact adds), the measured
 //!    swap/recompute split, LCTRU and ahead-of-time swap-out at the end of every call.
 //!
 //! The queue is computed, not slept: one engine thread serves calls in arrival order, busy for
@@ -100,7 +101,7 @@ impl Strategy {
             }
             Strategy::ChunkedInt8 => "as chunked-swap with every chunk at int8",
             Strategy::Ours => {
-                "LLMS: tolerance-aware widths, swap/recompute split, LCTRU, ahead-of-time swap-out"
+                "LLMS: tolerance-aware widths (exact where decoding costs more than the bytes), swap/recompute split, LCTRU, ahead-of-time swap-out"
             }
         }
     }
@@ -809,6 +810,7 @@ fn mover<B: Backend>(
         recompute_s_per_token: 1e9,
         load_s_per_chunk: 0.0,
         load_s_per_byte: 0.0,
+        decode_s_per_value: 0.0,
     };
     let chunked = |compression, costs, ahead_of_time| -> Result<Box<dyn Mover<B>>> {
         let cfg = KvConfig {
@@ -1074,6 +1076,7 @@ pub struct CostInfo {
     pub recompute_s_per_token: f64,
     pub load_s_per_chunk: f64,
     pub load_s_per_byte: f64,
+    pub decode_s_per_value: f64,
 }
 
 /// How much faster ours switches and answers than one baseline (baseline ÷ ours).

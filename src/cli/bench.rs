@@ -1652,6 +1652,7 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
             recompute_s_per_token: 0.0,
             load_s_per_chunk: 0.0,
             load_s_per_byte: 0.0,
+            decode_s_per_value: 0.0,
         },
     };
     let progress = |m: &str| eprintln!("bench contexts: {m}");
@@ -1696,6 +1697,7 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
             recompute_s_per_token: outcome.costs.recompute_s_per_token,
             load_s_per_chunk: outcome.costs.load_s_per_chunk,
             load_s_per_byte: outcome.costs.load_s_per_byte,
+            decode_s_per_value: outcome.costs.decode_s_per_value,
         },
         strategies: outcome.strategies,
         speedups,

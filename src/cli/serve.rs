@@ -69,7 +69,9 @@ pub struct ServeArgs {
     pub kv_dir: Option<PathBuf>,
 
     /// KV chunk compression when contexts leave the device: off, int8, int4, int2, or a ratio
-    /// of the int8 size (e.g. 50%) met with per-chunk widths chosen by attention density.
+    /// of the int8 size (e.g. 50%) met with per-chunk widths chosen by attention density (with
+    /// --kv-dir, a chunk is kept exact where the measured decode costs more than loading the
+    /// bytes exact adds).
     #[arg(long, env = "GPU_OFFLOAD_KV_COMPRESSION", default_value = "50%", value_parser = Compression::parse)]
     pub kv_compression: Compression,
 
@@ -152,6 +154,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             recompute_s_per_token: 0.0,
             load_s_per_chunk: 0.0,
             load_s_per_byte: 0.0,
+            decode_s_per_value: 0.0,
         },
     };
     let ledger = running.ledger.clone();

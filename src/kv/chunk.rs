@@ -136,44 +136,146 @@ pub fn decode(
     kv_dim: usize,
     len: usize,
 ) -> Option<ChunkData> {
-    let n = 2 * n_layers * len * kv_dim;
+    let mut c = ChunkData {
+        len,
+        n_layers,
+        kv_dim,
+        values: Vec::new(),
+    };
+    decode_into(bytes, bits, &mut c).then_some(c)
+}
+
+/// Decode into `out`, whose `len`, `n_layers` and `kv_dim` give the shape (its values buffer is
+/// reused); false, leaving the values unspecified, when the bytes do not fit the shape.
+///
+/// Rows are independent (groups never span rows and the rotation works within a row), so each
+/// row is dequantized in tight per-group loops, rotated, and rows run in parallel (rayon). The
+/// arithmetic is the reference's operation for operation (`min + scale × code`, then the same
+/// butterflies in the same stage order), so the values are bit for bit the same.
+pub fn decode_into(bytes: &[u8], bits: Bits, out: &mut ChunkData) -> bool {
+    let kv_dim = out.kv_dim;
+    let n = 2 * out.n_layers * out.len * kv_dim;
     if bytes.len() != encoded_len_rows(bits, n, kv_dim) {
-        return None;
+        return false;
     }
-    let mut c = ChunkData::zeros(n_layers, kv_dim, len);
     if bits == Bits::F32 {
-        c.values.copy_from_slice(bytemuck::cast_slice(bytes));
-        return Some(c);
+        out.values.clear();
+        out.values.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|x| f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
+        );
+        return true;
     }
-    let b = bits.bits();
+    // Every value is written below: a reused buffer of the right size needs no clearing.
+    out.values.resize(n, 0.0);
+    if n == 0 {
+        return true;
+    }
     let groups_per_row = kv_dim.div_ceil(GROUP);
-    let n_groups = (n / kv_dim.max(1)) * groups_per_row;
-    let (header, codes) = bytes.split_at(n_groups * 4);
-    let mut bit = 0usize;
-    let mut gi = 0;
-    for row in c.values.chunks_mut(kv_dim.max(1)) {
-        for g in row.chunks_mut(GROUP) {
-            let h = &header[gi * 4..gi * 4 + 4];
-            let s = f16::from_le_bytes([h[0], h[1]]).to_f32();
-            let m = f16::from_le_bytes([h[2], h[3]]).to_f32();
-            gi += 1;
-            for v in g.iter_mut() {
-                let mut q = 0u32;
-                let mut got = 0;
-                while got < b {
-                    let byte = bit / 8;
-                    let off = bit % 8;
-                    let take = (b - got).min(8 - off);
-                    q |= (((codes[byte] >> off) as u32) & ((1 << take) - 1)) << got;
-                    got += take;
-                    bit += take;
-                }
+    let rows = n / kv_dim;
+    let (header, codes) = bytes.split_at(rows * groups_per_row * 4);
+    let rot = rotation_block(kv_dim);
+    let decode_rows = |first_row: usize, block: &mut [f32]| {
+        for (i, row) in block.chunks_exact_mut(kv_dim).enumerate() {
+            let r = first_row + i;
+            let head = &header[r * groups_per_row * 4..(r + 1) * groups_per_row * 4];
+            match bits {
+                Bits::Q8 => dequant_row::<8>(row, r * kv_dim, head, codes),
+                Bits::Q4 => dequant_row::<4>(row, r * kv_dim, head, codes),
+                Bits::Q2 => dequant_row::<2>(row, r * kv_dim, head, codes),
+                Bits::F32 => unreachable!(),
+            }
+            if rot >= 2 {
+                rotate_row(row, rot);
+            }
+        }
+    };
+    // About 4k values a task: enough to pay for the hand-off, many tasks per chunk.
+    let rows_per_task = (4096 / kv_dim).max(1);
+    if rows > rows_per_task {
+        use rayon::prelude::*;
+        out.values
+            .par_chunks_mut(rows_per_task * kv_dim)
+            .enumerate()
+            .for_each(|(t, block)| decode_rows(t * rows_per_task, block));
+    } else {
+        decode_rows(0, &mut out.values);
+    }
+    true
+}
+
+/// Dequantize one row of `B`-bit codes: `first` is the index of the row's first value in the
+/// chunk's code stream, `head` the row's group headers (f16 scale, f16 minimum).
+fn dequant_row<const B: usize>(row: &mut [f32], first: usize, head: &[u8], codes: &[u8]) {
+    let mask = ((1u16 << B) - 1) as u8;
+    for (g, (out, h)) in row.chunks_mut(GROUP).zip(head.chunks_exact(4)).enumerate() {
+        let s = f16::from_le_bytes([h[0], h[1]]).to_f32();
+        let m = f16::from_le_bytes([h[2], h[3]]).to_f32();
+        let k0 = first + g * GROUP;
+        if out.len() == GROUP && (k0 * B).is_multiple_of(8) {
+            // A whole group starting on a byte: 32 × B bits = 4 × B bytes, no carries. Codes
+            // first, then one multiply-add pass the compiler vectorizes.
+            let at = k0 * B / 8;
+            let src = &codes[at..at + GROUP * B / 8];
+            let mut q = [0u8; GROUP];
+            for (i, q) in q.iter_mut().enumerate() {
+                *q = (src[i * B / 8] >> ((i * B) % 8)) & mask;
+            }
+            for (v, &q) in out.iter_mut().zip(&q) {
+                *v = m + s * q as f32;
+            }
+        } else {
+            // A short group (the row's last) or one off a byte boundary: B divides 8, so a code
+            // never straddles two bytes.
+            for (j, v) in out.iter_mut().enumerate() {
+                let bit = (k0 + j) * B;
+                let q = (codes[bit / 8] >> (bit % 8)) & mask;
                 *v = m + s * q as f32;
             }
         }
     }
-    rotate_rows(&mut c.values, kv_dim);
-    Some(c)
+}
+
+/// The orthonormal Walsh-Hadamard transform of each `n`-value block of one row: the same
+/// butterflies, stage by stage, as [`rotate_rows`], in contiguous slices the compiler vectorizes.
+fn rotate_row(row: &mut [f32], n: usize) {
+    let norm = 1.0 / (n as f32).sqrt();
+    for block in row.chunks_exact_mut(n) {
+        let mut h = 1;
+        if n >= 8 {
+            // The first three stages (h = 1, 2, 4) within each run of 8, in registers.
+            for c in block.chunks_exact_mut(8) {
+                let mut a = [0f32; 8];
+                a.copy_from_slice(c);
+                for h in [1, 2, 4] {
+                    for i in 0..8 {
+                        if i & h == 0 {
+                            let (p, q) = (a[i], a[i + h]);
+                            a[i] = p + q;
+                            a[i + h] = p - q;
+                        }
+                    }
+                }
+                c.copy_from_slice(&a);
+            }
+            h = 8;
+        }
+        while h < n {
+            for pair in block.chunks_exact_mut(2 * h) {
+                let (a, b) = pair.split_at_mut(h);
+                for (x, y) in a.iter_mut().zip(b.iter_mut()) {
+                    let (p, q) = (*x, *y);
+                    *x = p + q;
+                    *y = p - q;
+                }
+            }
+            h *= 2;
+        }
+        for v in block.iter_mut() {
+            *v *= norm;
+        }
+    }
 }
 
 /// The rotation block for rows of `kv_dim` values: the largest power of two dividing it, ≤ 128.
@@ -187,25 +289,8 @@ fn rotation_block(kv_dim: usize) -> usize {
 /// Apply the orthonormal Walsh-Hadamard transform to each block of each row (its own inverse).
 fn rotate_rows(values: &mut [f32], kv_dim: usize) {
     let n = rotation_block(kv_dim);
-    if n < 2 {
-        return;
-    }
-    let norm = 1.0 / (n as f32).sqrt();
-    for block in values.chunks_exact_mut(n) {
-        let mut h = 1;
-        while h < n {
-            for i in (0..n).step_by(2 * h) {
-                for j in i..i + h {
-                    let (a, b) = (block[j], block[j + h]);
-                    block[j] = a + b;
-                    block[j + h] = a - b;
-                }
-            }
-            h *= 2;
-        }
-        for v in block.iter_mut() {
-            *v *= norm;
-        }
+    if n >= 2 {
+        rotate_row(values, n);
     }
 }
 
@@ -230,6 +315,181 @@ mod tests {
             *v = ((i * 7919 % 1000) as f32 / 250.0 - 2.0) * if i % 5 == 0 { 3.0 } else { 1.0 };
         }
         c
+    }
+
+    /// The rotation as first written. Apply the orthonormal Walsh-Hadamard transform to each block of each row (its own inverse).
+    fn rotate_rows_reference(values: &mut [f32], kv_dim: usize) {
+        let n = rotation_block(kv_dim);
+        if n < 2 {
+            return;
+        }
+        let norm = 1.0 / (n as f32).sqrt();
+        for block in values.chunks_exact_mut(n) {
+            let mut h = 1;
+            while h < n {
+                for i in (0..n).step_by(2 * h) {
+                    for j in i..i + h {
+                        let (a, b) = (block[j], block[j + h]);
+                        block[j] = a + b;
+                        block[j + h] = a - b;
+                    }
+                }
+                h *= 2;
+            }
+            for v in block.iter_mut() {
+                *v *= norm;
+            }
+        }
+    }
+
+    /// The decoder as first written, value by value: the fast one must match it bit for bit.
+    fn decode_reference(
+        bytes: &[u8],
+        bits: Bits,
+        n_layers: usize,
+        kv_dim: usize,
+        len: usize,
+    ) -> Option<ChunkData> {
+        let n = 2 * n_layers * len * kv_dim;
+        if bytes.len() != encoded_len_rows(bits, n, kv_dim) {
+            return None;
+        }
+        let mut c = ChunkData::zeros(n_layers, kv_dim, len);
+        if bits == Bits::F32 {
+            // (Copied, not cast: an empty Vec's pointer is not aligned for f32.)
+            c.values = bytes
+                .chunks_exact(4)
+                .map(|x| f32::from_ne_bytes([x[0], x[1], x[2], x[3]]))
+                .collect();
+            return Some(c);
+        }
+        let b = bits.bits();
+        let groups_per_row = kv_dim.div_ceil(GROUP);
+        let n_groups = (n / kv_dim.max(1)) * groups_per_row;
+        let (header, codes) = bytes.split_at(n_groups * 4);
+        let mut bit = 0usize;
+        let mut gi = 0;
+        for row in c.values.chunks_mut(kv_dim.max(1)) {
+            for g in row.chunks_mut(GROUP) {
+                let h = &header[gi * 4..gi * 4 + 4];
+                let s = f16::from_le_bytes([h[0], h[1]]).to_f32();
+                let m = f16::from_le_bytes([h[2], h[3]]).to_f32();
+                gi += 1;
+                for v in g.iter_mut() {
+                    let mut q = 0u32;
+                    let mut got = 0;
+                    while got < b {
+                        let byte = bit / 8;
+                        let off = bit % 8;
+                        let take = (b - got).min(8 - off);
+                        q |= (((codes[byte] >> off) as u32) & ((1 << take) - 1)) << got;
+                        got += take;
+                        bit += take;
+                    }
+                    *v = m + s * q as f32;
+                }
+            }
+        }
+        rotate_rows_reference(&mut c.values, kv_dim);
+        Some(c)
+    }
+
+    #[test]
+    fn fast_decode_equals_the_reference_bit_for_bit() {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(14);
+        // Shapes: SmolLM2's (192: rotation blocks of 64), a power of two, rows not a multiple
+        // of the group (40, 50: short groups; odd 7 and 3: codes off byte boundaries).
+        for &(n_layers, kv_dim, len) in &[
+            (30, 192, 16),
+            (2, 128, 16),
+            (3, 40, 16),
+            (2, 50, 7),
+            (1, 7, 3),
+            (2, 3, 5),
+            (1, 64, 1),
+            (2, 96, 0),
+        ] {
+            for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F32] {
+                for trial in 0..3 {
+                    let mut c = ChunkData::zeros(n_layers, kv_dim, len);
+                    for v in c.values.iter_mut() {
+                        let scale = if trial == 2 { 1e-3 } else { 4.0 };
+                        *v = (rng.random::<f32>() - 0.5) * scale;
+                        if rng.random::<f32>() < 0.02 {
+                            *v *= 50.0;
+                        }
+                    }
+                    if trial == 1 {
+                        // Constant groups: a zero scale.
+                        for v in c.values.iter_mut().take(70) {
+                            *v = 0.25;
+                        }
+                    }
+                    let mut fast = c.values.clone();
+                    let mut slow = c.values.clone();
+                    rotate_rows(&mut fast, kv_dim);
+                    rotate_rows_reference(&mut slow, kv_dim);
+                    assert_eq!(
+                        bytemuck::cast_slice::<f32, u32>(&fast),
+                        bytemuck::cast_slice::<f32, u32>(&slow)
+                    );
+                    let mut e = encode(&c, bits);
+                    if trial == 2 {
+                        // Arbitrary bytes too (any code and any scale, even non-finite ones).
+                        for b in e.iter_mut() {
+                            *b = rng.random::<u8>();
+                        }
+                    }
+                    let want = decode_reference(&e, bits, n_layers, kv_dim, len).unwrap();
+                    let got = decode(&e, bits, n_layers, kv_dim, len).unwrap();
+                    assert_eq!(got.values.len(), want.values.len());
+                    for (i, (a, b)) in got.values.iter().zip(&want.values).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{bits:?} {n_layers}x{kv_dim}x{len} trial {trial} value {i}: {a} vs {b}"
+                        );
+                    }
+                    // The reused buffer gives the same.
+                    let mut again = got.clone();
+                    assert!(decode_into(&e, bits, &mut again));
+                    assert_eq!(
+                        bytemuck::cast_slice::<f32, u32>(&again.values),
+                        bytemuck::cast_slice::<f32, u32>(&want.values)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "timing: cargo test --release --lib kv::chunk::tests::decode_speed -- --ignored --nocapture"]
+    fn decode_speed() {
+        let c = sample(30, 192, 16);
+        for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F32] {
+            let e = encode(&c, bits);
+            let reps = 50;
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(decode_reference(&e, bits, 30, 192, 16));
+            }
+            let slow = t.elapsed().as_secs_f64() / reps as f64;
+            let mut out = decode(&e, bits, 30, 192, 16).unwrap();
+            let t = std::time::Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(decode_into(&e, bits, &mut out));
+            }
+            let fast = t.elapsed().as_secs_f64() / reps as f64;
+            let n = c.values.len() as f64;
+            println!(
+                "{bits:?}: reference {:.2} ms ({:.2} ns/value), fast {:.3} ms ({:.2} ns/value)",
+                slow * 1e3,
+                slow * 1e9 / n,
+                fast * 1e3,
+                fast * 1e9 / n
+            );
+        }
     }
 
     #[test]

@@ -346,14 +346,20 @@ impl KvManager {
         c.index.evaluated = pos;
         c.index.chunks.resize(n_chunks, None);
         c.dram.resize_with(n_chunks, || None);
+        let ratio_mode = matches!(self.cfg.compression, Compression::Ratio(_));
         let fixed: Vec<Option<Bits>> = (0..full)
             .map(|i| {
                 if i < first {
-                    c.dram[i]
+                    let kept = c.dram[i]
                         .as_ref()
                         .map(|d| d.bits)
-                        .or_else(|| c.index.chunks[i].as_ref().map(|r| r.bits))
-                        .or(Some(Bits::Q8))
+                        .or_else(|| c.index.chunks[i].as_ref().map(|r| r.bits));
+                    // A full chunk kept exact because decoding cost more than its bytes counts
+                    // in the ratio's budget at the widest code, not at 32 bits.
+                    match kept {
+                        Some(Bits::F32) if ratio_mode => Some(Bits::Q8),
+                        k => k.or(Some(Bits::Q8)),
+                    }
                 } else {
                     None
                 }
@@ -362,7 +368,20 @@ impl KvManager {
         let widths: Vec<Bits> = match self.cfg.compression {
             Compression::Off => vec![Bits::F32; full],
             Compression::Uniform(b) => vec![b; full],
-            Compression::Ratio(r) => policy::allocate_bits(&density, &fixed, r),
+            // Tolerance-aware widths, then the cost model: where decoding a width costs more
+            // than loading the bytes exact adds, the chunk is kept exact (no loss at all). Only
+            // with a disk tier: what the DRAM budget cannot hold is then loaded at the measured
+            // rate, not recomputed.
+            Compression::Ratio(r) => policy::allocate_bits(&density, &fixed, r)
+                .into_iter()
+                .map(|b| {
+                    if self.cfg.dir.is_some() && self.cfg.costs.prefer_exact(b) {
+                        Bits::F32
+                    } else {
+                        b
+                    }
+                })
+                .collect(),
         };
         let mut written = Vec::new();
         for ci in first..n_chunks {
@@ -550,15 +569,22 @@ impl KvManager {
                 engine.forward(session, &tokens[..upto], Logits::None)?;
                 stats.chunks_recomputed += prefix;
             }
+            // One buffer for every chunk decoded here: no fresh pages to fault in per chunk.
+            let mut buf = ChunkData {
+                len: 0,
+                n_layers,
+                kv_dim,
+                values: Vec::new(),
+            };
             for i in prefix..n {
                 match (&dram[i], &on_disk[i]) {
                     (Some((bytes, bits)), _) => {
-                        match chunk::decode(bytes, *bits, n_layers, kv_dim, lens[i]) {
-                            Some(d) => {
-                                engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &d.values)?;
-                                stats.chunks_from_dram += 1;
-                            }
-                            None => redo.push(i),
+                        buf.len = lens[i];
+                        if chunk::decode_into(bytes, *bits, &mut buf) {
+                            engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &buf.values)?;
+                            stats.chunks_from_dram += 1;
+                        } else {
+                            redo.push(i);
                         }
                     }
                     (None, Some(_)) => {}
@@ -703,9 +729,31 @@ pub fn measure_costs<B: Backend>(
             (small.max(0.0), per_byte)
         }
     };
+    // Decoding a compressed chunk of this shape beyond copying an exact one (warm, best of a
+    // few: the figure a restore pays per value).
+    let decode_s_per_value = {
+        let mut data = ChunkData::zeros(spec.n_layers, spec.kv_dim(), CHUNK_TOKENS);
+        for (i, v) in data.values.iter_mut().enumerate() {
+            *v = ((i * 7919 % 1000) as f32 / 250.0) - 2.0;
+        }
+        let time = |bits: Bits| {
+            let bytes = chunk::encode(&data, bits);
+            let mut out = data.clone();
+            (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    chunk::decode_into(&bytes, bits, &mut out);
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
+        let n = data.values.len().max(1) as f64;
+        ((time(Bits::Q4) - time(Bits::F32)) / n).max(0.0)
+    };
     Ok(CostModel {
         recompute_s_per_token: recompute,
         load_s_per_chunk: per_chunk,
         load_s_per_byte: per_byte,
+        decode_s_per_value,
     })
 }

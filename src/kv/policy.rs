@@ -86,16 +86,33 @@ pub fn lctru_key(
     )
 }
 
-/// Linear cost models measured at start-up: recompute time per token, and load time per
-/// chunk file (a fixed part plus a per-byte part).
+/// Linear cost models measured at start-up: recompute time per token, load time per chunk
+/// file (a fixed part plus a per-byte part), and the time decoding a compressed value takes
+/// beyond copying an exact one.
 #[derive(Clone, Copy, Debug)]
 pub struct CostModel {
     pub recompute_s_per_token: f64,
     pub load_s_per_chunk: f64,
     pub load_s_per_byte: f64,
+    /// Seconds per value to decode a compressed chunk, over an exact one's copy; 0 (not
+    /// measured): compression always pays.
+    pub decode_s_per_value: f64,
 }
 
 impl CostModel {
+    /// Whether a chunk the tolerance logic gives `bits` comes back sooner stored exact: the
+    /// bytes exact adds cost less to load (at the measured disk rate, the slowest tier a chunk
+    /// is read from) than decoding the compressed values costs. Exact loses nothing in accuracy;
+    /// it only spends memory, where moving bytes is nearly free (the page cache, host memory).
+    pub fn prefer_exact(&self, bits: Bits) -> bool {
+        if bits == Bits::F32 || self.decode_s_per_value <= 0.0 {
+            return false;
+        }
+        // Bytes per value: the codes, plus a 4-byte header per group of 32.
+        let compressed = bits.bits() as f64 / 8.0 + 4.0 / 32.0;
+        (4.0 - compressed) * self.load_s_per_byte < self.decode_s_per_value
+    }
+
     /// How many leading chunks to recompute while the I/O thread loads the rest from disk, so
     /// that both finish as early as possible. `on_disk[i]`: bytes chunk i must read (None: the
     /// chunk is in DRAM or has to be recomputed anyway).
@@ -170,6 +187,7 @@ mod tests {
             recompute_s_per_token: 1.0,
             load_s_per_chunk: 16.0,
             load_s_per_byte: 0.0,
+            decode_s_per_value: 0.0,
         };
         // Loading a chunk costs as much as recomputing it: split in half.
         assert_eq!(m.recompute_prefix(&[Some(1); 8], &[16; 8]), 4);
@@ -181,5 +199,35 @@ mod tests {
         assert_eq!(cheap.recompute_prefix(&[Some(1); 8], &[16; 8]), 0);
         // Nothing on disk: nothing to gain.
         assert_eq!(m.recompute_prefix(&[None; 8], &[16; 8]), 0);
+    }
+
+    #[test]
+    fn exact_is_preferred_only_where_decoding_costs_more_than_the_bytes() {
+        let m = |per_byte: f64, decode: f64| CostModel {
+            recompute_s_per_token: 1e-3,
+            load_s_per_chunk: 1e-5,
+            load_s_per_byte: per_byte,
+            decode_s_per_value: decode,
+        };
+        // Page cache (0.16 ns/byte) against a 1.5 ns/value decode: exact.
+        let fast = m(0.16e-9, 1.5e-9);
+        assert!(
+            [Bits::Q2, Bits::Q4, Bits::Q8]
+                .iter()
+                .all(|&b| fast.prefer_exact(b))
+        );
+        // An SSD at 1 GB/s: the bytes cost more than the decode, compression kept.
+        let ssd = m(1e-9, 1.5e-9);
+        assert!(
+            [Bits::Q2, Bits::Q4, Bits::Q8]
+                .iter()
+                .all(|&b| !ssd.prefer_exact(b))
+        );
+        // In between, the widest code saves the fewest bytes: it goes exact first.
+        let mid = m(0.5e-9, 1.5e-9);
+        assert!(mid.prefer_exact(Bits::Q8) && !mid.prefer_exact(Bits::Q2));
+        // Not measured: never.
+        assert!(!m(0.0, 0.0).prefer_exact(Bits::Q4));
+        assert!(!fast.prefer_exact(Bits::F32));
     }
 }
