@@ -230,3 +230,30 @@ fn doctor_reports_host_figures_without_a_gpu() {
     assert!(json["host"]["dram_read_bytes_per_s"].as_f64().unwrap() > 1e8);
     assert!(json["host"]["logical_cores"].as_u64().unwrap() >= 1);
 }
+
+/// `bench decode --sessions 8` on the budgeted device at about a third of SmolLM2's size: the
+/// sessions' batched steps need larger logits buffers than the single sequence before them, and
+/// the budget's free bytes must not be in pieces by then (the buffers are made for the plan's
+/// logit rows at once).
+#[test]
+fn batched_decode_bench_runs_at_a_third_of_the_model() {
+    let Some(model) = smollm2() else {
+        eprintln!("skipped: SmolLM2 not fetched (scripts/fetch-models.sh)");
+        return;
+    };
+    let out = ok(bin().args(["bench", "decode", "-m"]).arg(&model).args([
+        "--device",
+        "sim",
+        "--gpu-mem",
+        "36M",
+        "--sessions",
+        "8",
+        "--prompt-tokens",
+        "64",
+        "-n",
+        "4",
+        "--reps",
+        "1",
+    ]));
+    assert!(out.contains("8 sequences together"), "{out}");
+}

@@ -333,6 +333,9 @@ pub struct Engine<B: Backend> {
     /// The paged KV pool sessions take their blocks from ([`Engine::with_kv_pool`]); without
     /// one, each session holds a cache of its whole context.
     pool: Option<SharedPool<B>>,
+    /// Logit rows a step may return at most ([`Engine::with_logit_rows`]): the logits buffers
+    /// are made this large at once, so calls returning more later never reallocate them.
+    logit_rows: usize,
 }
 
 /// The paged KV pool (vLLM's PagedAttention over the contexts' chunks): every layer's keys and
@@ -750,7 +753,16 @@ impl<B: Backend> Engine<B> {
             prefill: PrefillLayout::default(),
             step_tap: None,
             pool: None,
+            logit_rows: 1,
         })
+    }
+
+    /// Make the logits buffers for `rows` rows from the first call on (the plan's
+    /// `logit_rows`): a budgeted device then never frees a small set to make a larger one later,
+    /// which could find the budget's free bytes in pieces.
+    pub fn with_logit_rows(mut self, rows: usize) -> Self {
+        self.logit_rows = rows.clamp(1, MAX_BATCH);
+        self
     }
 
     /// Keep the KV caches of sessions made from now on in one paged pool of `blocks` blocks of
@@ -1352,6 +1364,7 @@ impl<B: Backend> Engine<B> {
     }
 
     fn logit_buffers(&self, rows: usize) -> Result<LogitBuffers<B>> {
+        let rows = rows.max(self.logit_rows.min(self.prefill.group));
         let [a, b, c] = logit_shapes(&self.spec, rows);
         let be = &self.backend;
         Ok(LogitBuffers {
