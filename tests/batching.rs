@@ -24,13 +24,7 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Prompts of different lengths (so positions differ within a step).
 fn prompts(vocab: usize, count: usize) -> Vec<Vec<u32>> {
-    (0..count)
-        .map(|p| {
-            (0..3 + 5 * p)
-                .map(|i| ((i * 7919 + 13 * p + 5) % (vocab - 4) + 3) as u32)
-                .collect()
-        })
-        .collect()
+    common::varied_prompts(vocab, count, 3, 5)
 }
 
 /// Greedy decode of each prompt alone: the logits of every step.

@@ -23,13 +23,7 @@ fn argmax(v: &[f32]) -> u32 {
 
 /// Prompts of different lengths, so blocks fill at different steps.
 fn prompts(vocab: usize, count: usize) -> Vec<Vec<u32>> {
-    (0..count)
-        .map(|p| {
-            (0..9 + 11 * p)
-                .map(|i| ((i * 7919 + 13 * p + 5) % (vocab - 4) + 3) as u32)
-                .collect()
-        })
-        .collect()
+    common::varied_prompts(vocab, count, 9, 11)
 }
 
 /// Every session's prompt in two halves, one session after another (so a paged pool hands

@@ -320,3 +320,16 @@ pub fn spawn_serve(mut cmd: std::process::Command) -> (std::process::Child, Stri
         .to_string();
     (child, base)
 }
+
+/// `count` prompts of token ids below `vocab`, prompt `p` of `first + step · p` tokens (different
+/// lengths, so positions and blocks differ between sessions).
+#[allow(dead_code)]
+pub fn varied_prompts(vocab: usize, count: usize, first: usize, step: usize) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|p| {
+            (0..first + step * p)
+                .map(|i| ((i * 7919 + 13 * p + 5) % (vocab - 4) + 3) as u32)
+                .collect()
+        })
+        .collect()
+}
