@@ -962,7 +962,7 @@ impl CpuBackend {
                 o,
             );
         };
-        if work >= PAR_ELEMS * 4 {
+        if work >= PAR_ELEMS / 2 {
             self.pool
                 .install(|| out.data.par_chunks_mut(hd).enumerate().for_each(head_task));
         } else {
