@@ -84,6 +84,10 @@ fn bench(c: &mut Criterion) {
     );
     for (rows, cols, n) in [
         (1536usize, 576usize, 1usize),
+        // Batched decode of a small model (8 sequences: SmolLM2's up and down shapes).
+        (1536, 576, 8),
+        (576, 1536, 8),
+        (49152, 576, 1),
         (4096, 4096, 1),
         (11008, 4096, 1),
         // Every format's weight well beyond the last-level cache (the DRAM-bound figure).

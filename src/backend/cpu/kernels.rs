@@ -9,7 +9,7 @@ use half::{bf16, f16};
 
 use crate::tensor::{
     BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K,
-    BlockQ8_0, QK,
+    BlockQ8_0, DType, QK,
 };
 
 pub(crate) mod kq;
@@ -25,6 +25,72 @@ pub struct ActBlock {
     pub isum: i32,
     pub qs: [i8; QK],
 }
+
+/// Two activation blocks of one token laid out for the many-token kernels: their 64 codes, and
+/// each block's scale and offset term spread over the block's 8 result lanes. These are the
+/// vectors the one-token kernel builds for every block pair of every weight row; built once per
+/// call, they leave the many-token kernel one load each.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub struct PairLanes {
+    pub qs: [i8; 2 * QK],
+    pub d: [f32; 16],
+    /// The offset term's activation factor (see [`ActPairs::new`]).
+    pub o: [f32; 16],
+}
+
+/// The activations of several tokens for the many-token kernels.
+pub struct ActPairs<'a> {
+    /// The blocks, `per_token` to a token: a tail block (odd count) is read from here.
+    pub blocks: &'a [ActBlock],
+    pub per_token: usize,
+    /// `per_token / 2` pairs to a token.
+    pub pairs: Vec<PairLanes>,
+}
+
+impl<'a> ActPairs<'a> {
+    /// The offset lanes for weights in `dtype`: `s` for Q4_1 (its min times the activations'
+    /// sum), `isum` for Q4_0 (its −8 code offset), `16·isum` for Q8_0 (the +128 the unsigned
+    /// product adds, spread over 8 lanes); see the one-token kernels.
+    pub fn new(blocks: &'a [ActBlock], per_token: usize, dtype: DType) -> Self {
+        let offset = |a: &ActBlock| match dtype {
+            DType::Q4_1 => a.s,
+            DType::Q8_0 => 16.0 * a.isum as f32,
+            _ => a.isum as f32,
+        };
+        let half = per_token / 2;
+        let mut pairs = Vec::with_capacity(blocks.len() / per_token.max(1) * half);
+        for token in blocks.chunks(per_token.max(1)) {
+            for p in token.chunks_exact(2).take(half) {
+                let mut lanes = PairLanes {
+                    qs: [0; 2 * QK],
+                    d: [0.0; 16],
+                    o: [0.0; 16],
+                };
+                lanes.qs[..QK].copy_from_slice(&p[0].qs);
+                lanes.qs[QK..].copy_from_slice(&p[1].qs);
+                for (j, a) in p.iter().enumerate() {
+                    lanes.d[8 * j..8 * j + 8].fill(a.d);
+                    lanes.o[8 * j..8 * j + 8].fill(offset(a));
+                }
+                pairs.push(lanes);
+            }
+        }
+        ActPairs {
+            blocks,
+            per_token,
+            pairs,
+        }
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.blocks.len() / self.per_token.max(1)
+    }
+}
+
+/// `out[r·n + j] = rows[r] · x[t0 + j]` for weight rows (bytes of whole blocks) and
+/// `n = out.len() / rows.len()` tokens, each result bit for bit the one-token kernel's.
+pub type DotsFn = fn(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]);
 
 /// The kernel set for this machine.
 pub struct Kernels {
@@ -46,6 +112,39 @@ pub struct Kernels {
     pub quantize: fn(&[f32], &mut [ActBlock]),
     /// Activations into 256-value blocks (K-quant weights).
     pub quantize_k: fn(&[f32], &mut [ActBlockK]),
+    /// Many-token Q8_0 / Q4_0 / Q4_1 kernels, where this set has them: each weight block is
+    /// unpacked once for all the tokens (batched decode is compute-bound on these formats
+    /// otherwise).
+    pub dots_q8_0: Option<DotsFn>,
+    pub dots_q4_0: Option<DotsFn>,
+    pub dots_q4_1: Option<DotsFn>,
+}
+
+impl Kernels {
+    /// The many-token kernel for weights in `dtype`, if this set has one.
+    pub fn dots(&self, dtype: DType) -> Option<DotsFn> {
+        match dtype {
+            DType::Q8_0 => self.dots_q8_0,
+            DType::Q4_0 => self.dots_q4_0,
+            DType::Q4_1 => self.dots_q4_1,
+            _ => None,
+        }
+    }
+
+    /// The many-token kernel for `n` tokens of activation blocks `q` (`per_token` each) over
+    /// weights in `dtype`, with the activations laid out for it; `None` for one token (the
+    /// one-token kernel, same arithmetic, streams a large matrix faster) or where this set has
+    /// no such kernel.
+    pub fn many_tokens<'a>(
+        &self,
+        dtype: DType,
+        q: &'a [ActBlock],
+        per_token: usize,
+        n: usize,
+    ) -> Option<(ActPairs<'a>, DotsFn)> {
+        let dots = self.dots(dtype).filter(|_| n >= 2)?;
+        Some((ActPairs::new(q, per_token, dtype), dots))
+    }
 }
 
 /// Every kernel set this CPU can run, best first.
@@ -92,6 +191,9 @@ pub const PORTABLE: Kernels = Kernels {
     dot_q6_k: kq::portable::dot_q6_k,
     quantize: portable::quantize,
     quantize_k,
+    dots_q8_0: None,
+    dots_q4_0: None,
+    dots_q4_1: None,
 };
 
 fn round_f16(v: f32) -> f32 {
@@ -102,27 +204,33 @@ pub mod portable {
     use super::*;
 
     pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
-        // Eight partial sums: the same association the SIMD version uses, and faster.
+        dot_as_f32(w, x, |v| v)
+    }
+
+    /// Eight partial sums: the same association the SIMD version uses, and faster. Every float
+    /// format sums this way, so a row decoded to f32 first (as the matmul does for several
+    /// tokens) gives what the row in its own format gives.
+    fn dot_as_f32<W: Copy>(w: &[W], x: &[f32], f: impl Fn(W) -> f32) -> f32 {
         let mut acc = [0f32; 8];
-        let chunks = w.len() / 8 * 8;
+        let chunks = w.len().min(x.len()) / 8 * 8;
         for (wc, xc) in w[..chunks].chunks_exact(8).zip(x[..chunks].chunks_exact(8)) {
             for i in 0..8 {
-                acc[i] += wc[i] * xc[i];
+                acc[i] += f(wc[i]) * xc[i];
             }
         }
         let mut sum: f32 = acc.iter().sum();
-        for i in chunks..w.len() {
-            sum += w[i] * x[i];
+        for i in chunks..w.len().min(x.len()) {
+            sum += f(w[i]) * x[i];
         }
         sum
     }
 
     pub fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
-        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+        dot_as_f32(w, x, f16::to_f32)
     }
 
     pub fn dot_bf16(w: &[bf16], x: &[f32]) -> f32 {
-        w.iter().zip(x).map(|(a, b)| a.to_f32() * b).sum()
+        dot_as_f32(w, x, bf16::to_f32)
     }
 
     pub fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
@@ -216,6 +324,9 @@ mod x86 {
         dot_q6_k,
         quantize,
         quantize_k,
+        dots_q8_0: None,
+        dots_q4_0: None,
+        dots_q4_1: None,
     };
 
     fn dot_q5_0(w: &[BlockQ5_0], x: &[ActBlock]) -> f32 {
@@ -352,25 +463,38 @@ mod x86 {
         sum
     }
 
+    /// As [`dot_f16_avx2`] (and so [`dot_f32_avx2`]'s association) for bf16 rows.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_bf16_avx2(w: &[bf16], x: &[f32]) -> f32 {
         let n = w.len().min(x.len());
         let (wp, xp) = (w.as_ptr() as *const u16, x.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 2];
+        // bf16 → f32 is a 16-bit shift. (A function, not a closure: a closure would not
+        // inherit the target features and the loads would not inline.)
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            // SAFETY: the caller passes 8 readable bf16.
+            let h = unsafe { _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+        let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         // SAFETY: loads of 8 bf16 / 8 floats stay below n.
         unsafe {
-            while i + 16 <= n {
+            while i + 32 <= n {
                 for (k, a) in acc.iter_mut().enumerate() {
                     let o = i + 8 * k;
-                    let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(wp.add(o) as *const __m128i));
-                    let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h));
-                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp.add(o)), *a);
+                    *a = _mm256_fmadd_ps(load8(wp.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
                 }
-                i += 16;
+                i += 32;
+            }
+            while i + 8 <= n {
+                acc[0] = _mm256_fmadd_ps(load8(wp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+                i += 8;
             }
         }
-        let mut sum = hsum(_mm256_add_ps(acc[0], acc[1]));
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut sum = hsum(v);
         for j in i..n {
             sum += w[j].to_f32() * x[j];
         }
@@ -526,8 +650,256 @@ mod x86 {
             dot_q4_k,
             dot_q5_k,
             dot_q6_k,
+            dots_q8_0: Some(dots_q8_0),
+            dots_q4_0: Some(dots_q4_0),
+            dots_q4_1: Some(dots_q4_1),
             ..super::KERNELS
         };
+
+        fn dots_q8_0(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+            // SAFETY: installed only after `supported()`; `dots` checks the bounds.
+            unsafe { dots::<Q8>(rows, x, t0, out) }
+        }
+        fn dots_q4_0(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { dots::<Q40>(rows, x, t0, out) }
+        }
+        fn dots_q4_1(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+            // SAFETY: as above.
+            unsafe { dots::<Q41>(rows, x, t0, out) }
+        }
+
+        /// Weight formats of the many-token kernels.
+        const Q8: u8 = 0;
+        const Q40: u8 = 1;
+        const Q41: u8 = 2;
+
+        const fn block_bytes(kind: u8) -> usize {
+            match kind {
+                Q8 => 34,
+                Q40 => 18,
+                _ => 20,
+            }
+        }
+
+        /// Tokens in tiles of 8, 4, 2 and 1 (Q8_0 rows in pairs): a tile's accumulators stay
+        /// in registers, each weight pair is unpacked once for the tile's tokens and each
+        /// token's activations loaded once for its rows.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn dots<const KIND: u8>(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+            let n = out.len() / rows.len().max(1);
+            assert!(
+                rows.iter()
+                    .all(|r| r.len() == x.per_token * block_bytes(KIND))
+                    && out.len() == rows.len() * n
+                    && t0 + n <= x.tokens(),
+                "dots: {} rows, {} blocks per token, tokens {t0}+{n} of {}",
+                rows.len(),
+                x.per_token,
+                x.tokens()
+            );
+            // Q4 cells keep a second accumulator (the offsets): one row of 8 tokens fills the
+            // registers.
+            let max_rows = if KIND == Q8 { 2 } else { 1 };
+            let mut r = 0;
+            while r < rows.len() {
+                let rr = (rows.len() - r).min(max_rows);
+                let mut t = 0;
+                while t < n {
+                    let tt = match n - t {
+                        8.. => 8,
+                        4..=7 => 4,
+                        2 | 3 => 2,
+                        _ => 1,
+                    };
+                    let w = &rows[r..r + rr];
+                    let o = &mut out[r * n + t..];
+                    // SAFETY: rows of whole blocks and tokens t0 + t .. + tt exist (asserted).
+                    unsafe {
+                        match (rr, tt) {
+                            (2, 8) => tile::<KIND, 2, 8>(w, x, t0 + t, o, n),
+                            (2, 4) => tile::<KIND, 2, 4>(w, x, t0 + t, o, n),
+                            (2, 2) => tile::<KIND, 2, 2>(w, x, t0 + t, o, n),
+                            (2, _) => tile::<KIND, 2, 1>(w, x, t0 + t, o, n),
+                            (_, 8) => tile::<KIND, 1, 8>(w, x, t0 + t, o, n),
+                            (_, 4) => tile::<KIND, 1, 4>(w, x, t0 + t, o, n),
+                            (_, 2) => tile::<KIND, 1, 2>(w, x, t0 + t, o, n),
+                            _ => tile::<KIND, 1, 1>(w, x, t0 + t, o, n),
+                        }
+                    }
+                    t += tt;
+                }
+                r += rr;
+            }
+        }
+
+        /// A pair of weight blocks: codes, scales and mins (Q4_1) as [`weight_pair`] gives them.
+        type WeightPair = (__m512i, __m512, __m512);
+
+        /// One pair of weight blocks (from `p`, the first): codes as `vpdpbusd`'s unsigned
+        /// operand in the activations' order, the two scales over their 8 lanes each, and the
+        /// two mins likewise (Q4_1; the scales again otherwise).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn weight_pair<const KIND: u8>(p: *const u8) -> WeightPair {
+            let block = block_bytes(KIND);
+            // SAFETY: the caller passes two whole blocks.
+            unsafe {
+                let rd = |q: *const u8| u16::from_le((q as *const u16).read_unaligned());
+                let wd = pair_h(rd(p), rd(p.add(block)));
+                let wm = if KIND == Q41 {
+                    pair_h(rd(p.add(2)), rd(p.add(block + 2)))
+                } else {
+                    wd
+                };
+                if KIND == Q8 {
+                    let w0 = _mm256_loadu_si256(p.add(2) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(p.add(block + 2) as *const __m256i);
+                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
+                    // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
+                    (_mm512_xor_si512(z, _mm512_set1_epi8(-128)), wd, wm)
+                } else {
+                    let header = block - 16;
+                    let packed = _mm256_set_m128i(
+                        _mm_loadu_si128(p.add(block + header) as *const __m128i),
+                        _mm_loadu_si128(p.add(header) as *const __m128i),
+                    );
+                    let mask = _mm256_set1_epi8(0x0f);
+                    let lo = _mm256_and_si256(packed, mask);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), mask);
+                    // 128-bit lanes [lo0, lo1, hi0, hi1] → [lo0, hi0, lo1, hi1].
+                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                    (_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), wd, wm)
+                }
+            }
+        }
+
+        /// One row against one token's pair: `(d_w·d_x·Σ w·x, d_w·d_x)` over 16 lanes, the
+        /// steps every kernel of a format shares.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        fn cell<const KIND: u8>(
+            (wz, wd, wm): WeightPair,
+            xz: __m512i,
+            xd: __m512,
+            xo: __m512,
+            acc: __m512,
+            off: __m512,
+        ) -> (__m512, __m512) {
+            let f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, xz));
+            let scale = _mm512_mul_ps(wd, xd);
+            match KIND {
+                // Each block's 128·Σx, spread over its 8 lanes (xo = 16·Σx).
+                Q8 => (_mm512_fmadd_ps(scale, _mm512_sub_ps(f, xo), acc), off),
+                Q40 => (
+                    _mm512_fmadd_ps(scale, f, acc),
+                    _mm512_fmadd_ps(scale, xo, off),
+                ),
+                // The min times the activations' (scaled) sum.
+                _ => (_mm512_fmadd_ps(scale, f, acc), _mm512_fmadd_ps(wm, xo, off)),
+            }
+        }
+
+        /// The result of one cell: its lanes summed, the format's offset term, and the tail
+        /// block of an odd count (`tail`: the token's last block).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn finish<const KIND: u8>(
+            row: &[u8],
+            nb: usize,
+            acc: __m512,
+            off: __m512,
+            tail: &ActBlock,
+        ) -> f32 {
+            let mut sum = _mm512_reduce_add_ps(acc);
+            if KIND != Q8 {
+                // Every lane of a block's half holds its offset: take lanes 0 and 8.
+                let mut lanes = [0f32; 16];
+                // SAFETY: 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), off) };
+                let offset = lanes[0] + lanes[8];
+                sum += if KIND == Q40 { -8.0 * offset } else { offset };
+            }
+            if nb % 2 == 1 {
+                let block = block_bytes(KIND);
+                let last = &row[(nb - 1) * block..nb * block];
+                let tail = std::slice::from_ref(tail);
+                // SAFETY: one whole block each.
+                sum += unsafe {
+                    match KIND {
+                        Q8 => dot_q8_0_avx2(bytemuck::cast_slice(last), tail),
+                        Q40 => dot_q4_avx2::<false>(last, tail),
+                        _ => dot_q4_avx2::<true>(last, tail),
+                    }
+                };
+            }
+            sum
+        }
+
+        /// `R` rows × `T` tokens into `out[r·n + t]`. Each cell takes the same steps in the
+        /// same order whatever `R` and `T` (and as the one-token kernels over [`ActBlock`]s),
+        /// so a token's result never depends on the tokens beside it. The caller checks bounds.
+        // Never inlined: each (R, T) gets its own register allocation (inlined into `dots`
+        // together, they spilled and ran a third slower). Indexed loops over the register tile
+        // read plainer than iterators here.
+        #[inline(never)]
+        #[allow(clippy::needless_range_loop)]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        unsafe fn tile<const KIND: u8, const R: usize, const T: usize>(
+            rows: &[&[u8]],
+            x: &ActPairs,
+            t0: usize,
+            out: &mut [f32],
+            n: usize,
+        ) {
+            let block = block_bytes(KIND);
+            let nb = x.per_token;
+            let ppt = nb / 2;
+            let mut acc = [[_mm512_setzero_ps(); T]; R];
+            let mut off = [[_mm512_setzero_ps(); T]; R];
+            // Raw pointers: the caller checked every bound, and checked indexing here costs
+            // as much as the arithmetic.
+            let mut rp = [std::ptr::null::<u8>(); R];
+            for (p, row) in rp.iter_mut().zip(rows) {
+                *p = row.as_ptr();
+            }
+            // SAFETY: tokens t0 .. t0 + T have ppt pairs each.
+            let xp = unsafe { x.pairs.as_ptr().add(t0 * ppt) };
+            for i in 0..ppt {
+                let mut w = [(
+                    _mm512_setzero_si512(),
+                    _mm512_setzero_ps(),
+                    _mm512_setzero_ps(),
+                ); R];
+                for (wr, p) in w.iter_mut().zip(rp) {
+                    // SAFETY: blocks 2i, 2i + 1 lie inside each row (nb blocks).
+                    *wr = unsafe { weight_pair::<KIND>(p.add(2 * i * block)) };
+                }
+                for t in 0..T {
+                    // SAFETY: pair i of token t0 + t; 64 codes and 16 floats each.
+                    let (xz, xd, xo) = unsafe {
+                        let a = xp.add(t * ppt + i);
+                        (
+                            _mm512_loadu_si512((*a).qs.as_ptr() as *const __m512i),
+                            _mm512_loadu_ps((*a).d.as_ptr()),
+                            _mm512_loadu_ps((*a).o.as_ptr()),
+                        )
+                    };
+                    for r in 0..R {
+                        (acc[r][t], off[r][t]) =
+                            cell::<KIND>(w[r], xz, xd, xo, acc[r][t], off[r][t]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for t in 0..T {
+                    let tail = &x.blocks[(t0 + t) * nb + nb.saturating_sub(1)];
+                    // SAFETY: whole rows (checked by the caller).
+                    out[r * n + t] =
+                        unsafe { finish::<KIND>(rows[r], nb, acc[r][t], off[r][t], tail) };
+                }
+            }
+        }
 
         fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
             // SAFETY: installed only after `supported()` (and the AVX2 set's check).
@@ -798,6 +1170,70 @@ mod tests {
                 .collect();
             assert!(rel((k.dot_q4_1)(&q41, &qa), portable::dot_q4_1(&q41, &qa)) < 1e-5);
         }
+    }
+
+    /// The many-token kernels give each token exactly what the one-token kernel gives it
+    /// (batched requests answer as if alone), for odd and even block counts and every tile size.
+    #[test]
+    fn many_token_dots_equal_one_token_dots_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(19);
+        let mut checked = 0;
+        for k in available() {
+            for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+                let Some(dots) = k.dots(dtype) else {
+                    continue;
+                };
+                for (blocks, tokens) in [(1usize, 3usize), (18, 11), (48, 8), (9, 16)] {
+                    let x = rand_vec(&mut rng, tokens * blocks * QK);
+                    let mut qa = vec![ActBlock::default(); tokens * blocks];
+                    (k.quantize)(&x, &mut qa);
+                    let row: Vec<u8> = (0..blocks)
+                        .flat_map(|_| {
+                            let d = f16::from_f32(rng.random_range(0.001f32..0.1));
+                            let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
+                            let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
+                            let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
+                            match dtype {
+                                DType::Q8_0 => {
+                                    bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec()
+                                }
+                                DType::Q4_0 => {
+                                    bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec()
+                                }
+                                _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec(),
+                            }
+                        })
+                        .collect();
+                    let pairs = ActPairs::new(&qa, blocks, dtype);
+                    for t0 in [0, 1] {
+                        let mut got = vec![f32::NAN; tokens - t0];
+                        dots(&[&row], &pairs, t0, &mut got);
+                        // Two rows at once give each row what it gives alone.
+                        let mut two = vec![f32::NAN; 2 * (tokens - t0)];
+                        dots(&[&row, &row], &pairs, t0, &mut two);
+                        assert_eq!(two[..tokens - t0], got[..]);
+                        assert_eq!(two[tokens - t0..], got[..]);
+                        for (j, g) in got.iter().enumerate() {
+                            let xa = &qa[(t0 + j) * blocks..(t0 + j + 1) * blocks];
+                            let one = match dtype {
+                                DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice(&row), xa),
+                                DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice(&row), xa),
+                                _ => (k.dot_q4_1)(bytemuck::cast_slice(&row), xa),
+                            };
+                            assert_eq!(
+                                g.to_bits(),
+                                one.to_bits(),
+                                "{} {dtype} {blocks} blocks, token {}: {g} vs {one}",
+                                k.name,
+                                t0 + j
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        println!("{checked} many-token dots checked");
     }
 
     #[test]

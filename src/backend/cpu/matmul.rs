@@ -13,6 +13,8 @@ use crate::tensor::{
 
 /// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
 const TOKEN_TILE: usize = 16;
+/// Weight rows per call of a many-token kernel.
+const ROW_TILE: usize = 8;
 
 /// Raw pointer to the output, shared by tasks that write disjoint rows.
 #[derive(Clone, Copy)]
@@ -87,6 +89,13 @@ pub fn matmul_strided(
         Prepared::Float(x)
     };
 
+    // Several tokens: a many-token kernel unpacks each weight block once for all of them, each
+    // token's result bit for bit the one-token kernel's.
+    let many = match &prepared {
+        Prepared::Quant(q) => k.many_tokens(w.dtype, q, cols / QK, n),
+        _ => None,
+    };
+
     let threads = rayon::current_num_threads().max(1);
     // Enough tasks to balance, few enough that scheduling stays cheap for small matrices.
     let rows_per_task = rows.div_ceil(threads * 4).max(8);
@@ -102,6 +111,25 @@ pub fn matmul_strided(
         let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
         for t0 in (0..n).step_by(TOKEN_TILE) {
             let t1 = (t0 + TOKEN_TILE).min(n);
+            if let Some((pairs, dots)) = &many {
+                let mut sums = [0f32; ROW_TILE * TOKEN_TILE];
+                let nt = t1 - t0;
+                for ra in (r0..r1).step_by(ROW_TILE) {
+                    let rb = (ra + ROW_TILE).min(r1);
+                    let rows: [&[u8]; ROW_TILE] = std::array::from_fn(|i| {
+                        let r = (ra + i).min(rb - 1);
+                        &data[r * row_bytes..(r + 1) * row_bytes]
+                    });
+                    dots(&rows[..rb - ra], pairs, t0, &mut sums[..(rb - ra) * nt]);
+                    for (i, r) in (ra..rb).enumerate() {
+                        for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
+                            // SAFETY: as below.
+                            unsafe { *ptr.at(t * stride + col0 + r) = *v };
+                        }
+                    }
+                }
+                continue;
+            }
             for r in r0..r1 {
                 let mut wrow = &data[r * row_bytes..(r + 1) * row_bytes];
                 let mut dtype = w.dtype;
@@ -272,6 +300,42 @@ mod tests {
                         (a - b).abs() <= tol * scale,
                         "{dtype} {rows}x{cols} n={n}: {a} vs {b}"
                     );
+                }
+            }
+        }
+    }
+
+    /// A token's outputs do not depend on the tokens beside it (batched requests answer as if
+    /// alone): every format, every kernel set, tile edges included.
+    #[test]
+    fn each_token_gets_what_it_gets_alone_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(23);
+        for k in super::super::kernels::available() {
+            for dtype in [
+                DType::Q8_0,
+                DType::Q4_0,
+                DType::Q4_1,
+                DType::F16,
+                DType::BF16,
+            ] {
+                let (rows, cols, n) = (37, 96, 21);
+                let w = tensor(dtype, rows, cols, &mut rng);
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                let mut all = vec![f32::NAN; n * rows];
+                matmul(k, &w, &x, n, &mut all);
+                for t in 0..n {
+                    let mut one = vec![f32::NAN; rows];
+                    matmul(k, &w, &x[t * cols..(t + 1) * cols], 1, &mut one);
+                    for (r, (a, b)) in all[t * rows..(t + 1) * rows].iter().zip(&one).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{} {dtype} token {t} row {r}",
+                            k.name
+                        );
+                    }
                 }
             }
         }

@@ -1393,9 +1393,17 @@ pub fn sparse_rows(
     }
     let prepared = Prepared::new(k, w.dtype, x, cols);
     let (data, rb) = (w.data.as_slice(), w.row_bytes());
+    // The dense matmul's many-token kernel where it has one (the same results).
+    let many = match &prepared {
+        Prepared::Quant(q) => k.many_tokens(w.dtype, q, cols / QK, n),
+        _ => None,
+    };
     per_item(m, n, out, |j, o| {
         let r = idx[j] as usize;
         let row = &data[r * rb..(r + 1) * rb];
+        if let Some((pairs, dots)) = &many {
+            return dots(&[row], pairs, 0, o);
+        }
         for (t, v) in o.iter_mut().enumerate() {
             *v = dot_any(k, w.dtype, row, prepared.token(t, cols, 0, cols));
         }
