@@ -53,11 +53,7 @@ impl<'a> ActPairs<'a> {
     /// sum), `isum` for Q4_0 (its −8 code offset), `16·isum` for Q8_0 (the +128 the unsigned
     /// product adds, spread over 8 lanes); see the one-token kernels.
     pub fn new(blocks: &'a [ActBlock], per_token: usize, dtype: DType) -> Self {
-        let offset = |a: &ActBlock| match dtype {
-            DType::Q4_1 => a.s,
-            DType::Q8_0 => 16.0 * a.isum as f32,
-            _ => a.isum as f32,
-        };
+        let offset = |a: &ActBlock| offset_term(dtype, a);
         let half = per_token / 2;
         let mut pairs = Vec::with_capacity(blocks.len() / per_token.max(1) * half);
         for token in blocks.chunks(per_token.max(1)) {
@@ -85,6 +81,16 @@ impl<'a> ActPairs<'a> {
 
     pub fn tokens(&self) -> usize {
         self.blocks.len() / self.per_token.max(1)
+    }
+}
+
+/// The activation factor of a block's offset term for weights in `dtype` (see
+/// [`ActPairs::new`]).
+fn offset_term(dtype: DType, a: &ActBlock) -> f32 {
+    match dtype {
+        DType::Q4_1 => a.s,
+        DType::Q8_0 => 16.0 * a.isum as f32,
+        _ => a.isum as f32,
     }
 }
 
@@ -924,15 +930,15 @@ mod x86 {
 
         fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
             // SAFETY: installed only after `supported()` (and the AVX2 set's check).
-            unsafe { dot_q8_0_vnni(w, x) }
+            unsafe { dot_one::<Q8>(bytemuck::cast_slice(w), x) }
         }
         fn dot_q4_0(w: &[BlockQ4_0], x: &[ActBlock]) -> f32 {
             // SAFETY: as above.
-            unsafe { dot_q4_vnni::<false>(bytemuck::cast_slice(w), x) }
+            unsafe { dot_one::<Q40>(bytemuck::cast_slice(w), x) }
         }
         fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
             // SAFETY: as above.
-            unsafe { dot_q4_vnni::<true>(bytemuck::cast_slice(w), x) }
+            unsafe { dot_one::<Q41>(bytemuck::cast_slice(w), x) }
         }
 
         /// [a × 8, b × 8] as 16 f32 lanes.
@@ -968,97 +974,39 @@ mod x86 {
             }
         }
 
+        /// One row (whole blocks) against one token: [`tile`]'s steps for one cell, the
+        /// token's pair vectors built from its blocks as it goes.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn dot_q8_0_vnni(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
-            let n = w.len().min(x.len());
-            let flip = _mm512_set1_epi8(-128);
-            let mut acc = _mm512_setzero_ps();
-            let mut i = 0;
-            while i + 1 < n {
-                let (b0, b1, a0, a1) = (&w[i], &w[i + 1], &x[i], &x[i + 1]);
-                // SAFETY: whole blocks.
-                let (wz, xz) = unsafe {
-                    let w0 = _mm256_loadu_si256(b0.qs.as_ptr() as *const __m256i);
-                    let w1 = _mm256_loadu_si256(b1.qs.as_ptr() as *const __m256i);
-                    (
-                        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
-                        act_pair(a0, a1),
-                    )
-                };
-                // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
-                let dot =
-                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wz, flip), xz);
-                let f = _mm512_cvtepi32_ps(dot);
-                let scale =
-                    _mm512_mul_ps(pair_h(b0.d.to_bits(), b1.d.to_bits()), pair_ps(a0.d, a1.d));
-                // Each block's 128·Σx spread over its 8 lanes: 16·Σx per lane.
-                let corr = pair_ps(16.0 * a0.isum as f32, 16.0 * a1.isum as f32);
-                acc = _mm512_fmadd_ps(scale, _mm512_sub_ps(f, corr), acc);
-                i += 2;
-            }
-            let mut sum = _mm512_reduce_add_ps(acc);
-            if i < n {
-                sum += super::dot_q8_0(&w[i..i + 1], &x[i..i + 1]);
-            }
-            sum
-        }
-
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn dot_q4_vnni<const WITH_MIN: bool>(w: &[u8], x: &[ActBlock]) -> f32 {
-            let block = if WITH_MIN { 20 } else { 18 };
-            let header = block - 16;
-            let n = (w.len() / block).min(x.len());
-            let mask = _mm256_set1_epi8(0x0f);
-            let p = w.as_ptr();
+        unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
+            let block = block_bytes(KIND);
+            let nb = (w.len() / block).min(x.len());
+            let Some(last) = nb.checked_sub(1) else {
+                return 0.0;
+            };
+            let dtype = match KIND {
+                Q8 => DType::Q8_0,
+                Q40 => DType::Q4_0,
+                _ => DType::Q4_1,
+            };
             let (mut acc, mut off) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let mut i = 0;
-            while i + 1 < n {
-                let (a0, a1) = (&x[i], &x[i + 1]);
-                // SAFETY: blocks i and i + 1 lie inside `w` (i + 1 < n).
-                let (packed, d0, d1, m0, m1, xz) = unsafe {
-                    let w0 = p.add(i * block);
-                    let w1 = p.add((i + 1) * block);
-                    let rd = |q: *const u8| u16::from_le((q as *const u16).read_unaligned());
+            for i in 0..nb / 2 {
+                let (a0, a1) = (&x[2 * i], &x[2 * i + 1]);
+                // SAFETY: blocks 2i and 2i + 1 lie inside `w` and `x`.
+                let (wp, xz) = unsafe {
                     (
-                        _mm256_set_m128i(
-                            _mm_loadu_si128(w1.add(header) as *const __m128i),
-                            _mm_loadu_si128(w0.add(header) as *const __m128i),
-                        ),
-                        rd(w0),
-                        rd(w1),
-                        if WITH_MIN { rd(w0.add(2)) } else { 0 },
-                        if WITH_MIN { rd(w1.add(2)) } else { 0 },
+                        weight_pair::<KIND>(w.as_ptr().add(2 * i * block)),
                         act_pair(a0, a1),
                     )
                 };
-                let lo = _mm256_and_si256(packed, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), mask);
-                // 128-bit lanes [lo0, lo1, hi0, hi1] → [lo0, hi0, lo1, hi1], the activation order.
-                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let wz = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
-                let f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, xz));
-                let scale = _mm512_mul_ps(pair_h(d0, d1), pair_ps(a0.d, a1.d));
-                acc = _mm512_fmadd_ps(scale, f, acc);
-                // Offsets, one copy per lane of each block's half: lanes 0 and 8 carry them.
-                off = if WITH_MIN {
-                    _mm512_fmadd_ps(pair_h(m0, m1), pair_ps(a0.s, a1.s), off)
-                } else {
-                    _mm512_fmadd_ps(scale, pair_ps(a0.isum as f32, a1.isum as f32), off)
-                };
-                i += 2;
+                let xd = pair_ps(a0.d, a1.d);
+                let xo = pair_ps(
+                    super::super::offset_term(dtype, a0),
+                    super::super::offset_term(dtype, a1),
+                );
+                (acc, off) = cell::<KIND>(wp, xz, xd, xo, acc, off);
             }
-            let mut lanes = [0f32; 16];
-            // SAFETY: 16 floats.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), off) };
-            let offset = lanes[0] + lanes[8];
-            let mut sum = _mm512_reduce_add_ps(acc) + if WITH_MIN { offset } else { -8.0 * offset };
-            if i < n {
-                // SAFETY: one whole block remains.
-                sum += unsafe {
-                    dot_q4_avx2::<WITH_MIN>(&w[i * block..(i + 1) * block], &x[i..i + 1])
-                };
-            }
-            sum
+            // SAFETY: nb whole blocks.
+            unsafe { finish::<KIND>(&w[..nb * block], nb, acc, off, &x[last]) }
         }
     }
 
