@@ -6,6 +6,7 @@
 
 mod common;
 
+use common::greedy as argmax;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::backend::{Backend, KvType};
 use gpu_offload::engine::{Engine, Logits, Session};
@@ -15,67 +16,17 @@ use gpu_offload::tier::Ledger;
 
 const STEPS: usize = 5;
 
-fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
-        .0 as u32
-}
-
 /// Prompts of different lengths (so positions differ within a step).
 fn prompts(vocab: usize, count: usize) -> Vec<Vec<u32>> {
     common::varied_prompts(vocab, count, 3, 5)
 }
 
-/// Greedy decode of each prompt alone: the logits of every step.
 fn alone<B: Backend>(e: &Engine<B>, prompts: &[Vec<u32>], probe: bool) -> Vec<Vec<Vec<f32>>> {
-    prompts
-        .iter()
-        .map(|p| {
-            let mut s = e.new_session(64).unwrap();
-            if probe {
-                e.enable_probe(&mut s).unwrap();
-            }
-            let mut l = e.forward(&mut s, p, Logits::Last).unwrap();
-            let mut out = Vec::new();
-            for _ in 0..STEPS {
-                l = e.forward(&mut s, &[argmax(&l)], Logits::Last).unwrap();
-                out.push(l.clone());
-            }
-            out
-        })
-        .collect()
+    common::decode_alone(e, prompts, STEPS, probe)
 }
 
-/// The same, every step one batched call over all sessions; also the density each session's
-/// probe measured at the end.
 fn batched<B: Backend>(e: &Engine<B>, prompts: &[Vec<u32>], probe: bool) -> Vec<Vec<Vec<f32>>> {
-    let mut sessions: Vec<Session<B>> =
-        prompts.iter().map(|_| e.new_session(64).unwrap()).collect();
-    let mut last: Vec<Vec<f32>> = Vec::new();
-    for (s, p) in sessions.iter_mut().zip(prompts) {
-        if probe {
-            e.enable_probe(s).unwrap();
-        }
-        last.push(e.forward(s, p, Logits::Last).unwrap());
-    }
-    let mut out = vec![Vec::new(); prompts.len()];
-    for _ in 0..STEPS {
-        let mut calls: Vec<(&mut Session<B>, u32)> = sessions
-            .iter_mut()
-            .zip(&last)
-            .map(|(s, l)| (s, argmax(l)))
-            .collect();
-        // As many at a time as the step holds (the server does the same).
-        last = calls
-            .chunks_mut(e.prefill().group)
-            .flat_map(|c| e.decode_many(c).unwrap())
-            .collect();
-        for (o, l) in out.iter_mut().zip(&last) {
-            o.push(l.clone());
-        }
-    }
-    out
+    common::decode_batched(e, prompts, STEPS, probe)
 }
 
 fn same<B: Backend>(e: &Engine<B>, what: &str) {

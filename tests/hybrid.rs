@@ -32,6 +32,17 @@ fn hybrid(
     thresholds: &[f32],
 ) -> (Engine<SimBackend>, Arc<Ledger>, Arc<ColdTraffic>) {
     let ledger = Ledger::new(Some(hot.device.placed), None);
+    hybrid_over(store, plan, hot, thresholds, ledger)
+}
+
+/// The hybrid engine over `ledger`.
+fn hybrid_over(
+    store: &Arc<Store>,
+    plan: &Plan,
+    hot: &HotPlan,
+    thresholds: &[f32],
+    ledger: Arc<Ledger>,
+) -> (Engine<SimBackend>, Arc<Ledger>, Arc<ColdTraffic>) {
     let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
     let spec = store.manifest.spec.clone();
     let src = HybridWeights::new(
@@ -435,6 +446,76 @@ fn hybrid_streams_attention_beside_hot_blocks() {
                 "{what}: {placed} hot neurons, {} attention bytes streamed per token, max |diff| {worst} of {scale}",
                 chosen.plan.per_token.h2d_bytes
             );
+        }
+    }
+}
+
+/// A predictor whose flags differ from token to token: neuron `i` is computed for a row whose
+/// input at `i mod d_model` is not negative.
+struct BySign {
+    d_model: usize,
+    d_ff: usize,
+}
+
+impl NeuronPredictor for BySign {
+    fn active(&self, _layer: usize, input: &[f32], n: usize) -> Vec<bool> {
+        (0..n * self.d_ff)
+            .map(|k| {
+                let (t, i) = (k / self.d_ff, k % self.d_ff);
+                input[t * self.d_model + i % self.d_model] >= 0.0
+            })
+            .collect()
+    }
+}
+
+/// Continuous batching through hybrid execution: every session's logits in a batched decode
+/// step are the ones it gets alone, bit for bit, while the mask and a predictor leave each
+/// token its own neurons — bundles (ReLU) and block-quantized matrices (SmolLM2 Q4_1, whose
+/// cold down blocks are skipped per token).
+#[test]
+fn batched_hybrid_decode_equals_each_session_alone() {
+    let sessions = 5;
+    // (Model, placement unit, mask threshold: high enough that SmolLM2's tokens leave whole
+    // blocks of 32 neurons of their own inactive.)
+    let mut models = vec![(common::fixtures().join("hf/relu-llama"), 1, 0.02)];
+    models.extend(common::smollm2().map(|p| (p, 32, 0.4)));
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let mut rng = StdRng::seed_from_u64(11);
+    for (model, unit, threshold) in models {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_of(&model, &dir);
+        let spec = store.manifest.spec.clone();
+        let budget = Budget {
+            sessions,
+            logit_rows: sessions,
+            ..Budget::new(u64::MAX / 4, None, 2, 64, 16)
+        };
+        let plan = make_plan(&store.manifest, &budget, &hw).unwrap();
+        let hot_ids = random_placement(&mut rng, spec.n_layers, spec.d_ff, unit, 2);
+        let hot = plan_hybrid_with(&store.manifest, &plan, hot_ids, None, 0.5).unwrap();
+        let thresholds = vec![threshold; spec.n_layers];
+        let prompts = common::varied_prompts(spec.vocab_size, sessions, 3, 4);
+        for predicted in [false, true] {
+            // (Unbudgeted: sessions come and go between the runs; this is about the sums.)
+            let ledger = Ledger::new(None, None);
+            let (e, _, _) = hybrid_over(&store, &plan, &hot, &thresholds, ledger);
+            let e = if predicted {
+                e.with_predictor(Some(Arc::new(BySign {
+                    d_model: spec.d_model,
+                    d_ff: spec.d_ff,
+                })))
+            } else {
+                e
+            };
+            let want = common::decode_alone(&e, &prompts, 3, false);
+            let got = common::decode_batched(&e, &prompts, 3, false);
+            for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+                assert!(
+                    w == g,
+                    "{}, predictor {predicted}: session {i}'s logits differ when batched",
+                    model.display()
+                );
+            }
         }
     }
 }

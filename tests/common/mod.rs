@@ -333,3 +333,77 @@ pub fn varied_prompts(vocab: usize, count: usize, first: usize, step: usize) -> 
         })
         .collect()
 }
+
+/// The index of the largest value (the greedy token).
+#[allow(dead_code)]
+pub fn greedy(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m })
+        .0 as u32
+}
+
+/// Greedy decode of each prompt alone (with a query probe where `probe`): the logits of each of
+/// `steps` decode steps.
+#[allow(dead_code)]
+pub fn decode_alone<B: gpu_offload::backend::Backend>(
+    e: &gpu_offload::engine::Engine<B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    probe: bool,
+) -> Vec<Vec<Vec<f32>>> {
+    use gpu_offload::engine::Logits;
+    prompts
+        .iter()
+        .map(|p| {
+            let mut s = e.new_session(64).unwrap();
+            if probe {
+                e.enable_probe(&mut s).unwrap();
+            }
+            let mut l = e.forward(&mut s, p, Logits::Last).unwrap();
+            let mut out = Vec::new();
+            for _ in 0..steps {
+                l = e.forward(&mut s, &[greedy(&l)], Logits::Last).unwrap();
+                out.push(l.clone());
+            }
+            out
+        })
+        .collect()
+}
+
+/// The same, every decode step one batched call over all the sessions (as many at a time as
+/// the engine's step holds, as the server does).
+#[allow(dead_code)]
+pub fn decode_batched<B: gpu_offload::backend::Backend>(
+    e: &gpu_offload::engine::Engine<B>,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    probe: bool,
+) -> Vec<Vec<Vec<f32>>> {
+    use gpu_offload::engine::{Logits, Session};
+    let mut sessions: Vec<Session<B>> =
+        prompts.iter().map(|_| e.new_session(64).unwrap()).collect();
+    let mut last: Vec<Vec<f32>> = Vec::new();
+    for (s, p) in sessions.iter_mut().zip(prompts) {
+        if probe {
+            e.enable_probe(s).unwrap();
+        }
+        last.push(e.forward(s, p, Logits::Last).unwrap());
+    }
+    let mut out = vec![Vec::new(); prompts.len()];
+    for _ in 0..steps {
+        let mut calls: Vec<(&mut Session<B>, u32)> = sessions
+            .iter_mut()
+            .zip(&last)
+            .map(|(s, l)| (s, greedy(l)))
+            .collect();
+        last = calls
+            .chunks_mut(e.prefill().group)
+            .flat_map(|c| e.decode_many(c).unwrap())
+            .collect();
+        for (o, l) in out.iter_mut().zip(&last) {
+            o.push(l.clone());
+        }
+    }
+    out
+}

@@ -1161,7 +1161,9 @@ const MIN_COLS_PER_TASK: usize = 256;
 /// measured faster ([`DownSplit::Partials`], `gpu-offload bench sparse`: equal or up to ~10-25%
 /// ahead on 2 shared cores): its many small tasks balance when a core is busy elsewhere, where
 /// the output split's one task per thread waits for the slowest, and each task streams whole
-/// columns; the partial sums it adds cost `threads × n × d` floats, little beside the columns.
+/// columns; the partial sums it adds cost `4 · threads × n × d` floats, little beside the
+/// columns. Either split gives each token what it gets alone, bit for bit, whatever the other
+/// tokens list (a token's neurons are summed in the order the list gives them).
 pub fn sparse_down(
     k: &Kernels,
     b: &Bundles,
@@ -1202,12 +1204,17 @@ pub fn sparse_down_split(
     }
     let o = ops(k);
     let down = parts - 1;
-    // Sum the listed neurons' columns over `c0..c1` into `acc` (`n × (c1 − c0)`).
-    // Four columns at a time, so each pass reads and writes the output tile once per four.
-    let columns = |js: std::ops::Range<usize>, c0: usize, c1: usize, acc: &mut [f32]| {
+    // Sum the columns of the neurons at positions `js` over `c0..c1` into `acc`
+    // (`n × (c1 − c0)`). Four columns at a time, so each pass reads and writes the output tile
+    // once per four; every kernel adds a neuron's term with one fused multiply-add per output
+    // in list order, so a neuron whose weight for a token is zero leaves that token's sums
+    // exactly as they were.
+    let columns = |js: &[usize], c0: usize, c1: usize, acc: &mut [f32]| {
         let w = c1 - c0;
         // Neurons with a zero weight for every token add nothing (and ReLU models have many).
         let live: Vec<usize> = js
+            .iter()
+            .copied()
             .filter(|&j| (0..n).any(|t| h[t * m + j] != 0.0))
             .collect();
         let cols = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, down).slice(c0, c1));
@@ -1222,6 +1229,7 @@ pub fn sparse_down_split(
     let threads = rayon::current_num_threads().max(1);
     match split {
         DownSplit::Output => {
+            let all: Vec<usize> = (0..m).collect();
             let per = d
                 .div_ceil(threads)
                 .next_multiple_of(64)
@@ -1232,7 +1240,7 @@ pub fn sparse_down_split(
                 .map(|task| {
                     let (c0, c1) = (task * per, ((task + 1) * per).min(d));
                     let mut acc = vec![0f32; n * (c1 - c0)];
-                    columns(0..m, c0, c1, &mut acc);
+                    columns(&all, c0, c1, &mut acc);
                     acc
                 })
                 .collect();
@@ -1248,23 +1256,32 @@ pub fn sparse_down_split(
             }
         }
         DownSplit::Partials => {
-            let per = m.div_ceil(threads * 4).max(16);
-            let sum = (0..m.div_ceil(per))
-                .into_par_iter()
-                .fold(
-                    || vec![0f32; n * d],
-                    |mut acc, task| {
-                        columns(task * per..((task + 1) * per).min(m), 0, d, &mut acc);
-                        acc
-                    },
-                )
-                .reduce_with(|mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                    a
-                });
-            if let Some(sum) = sum {
-                out.iter_mut().zip(&sum).for_each(|(x, s)| *x += s);
+            // Each task owns a fixed range of neuron ids (not of positions in the list), and
+            // the partial sums are added in task order: a token's result does not depend on
+            // the neurons listed for the other tokens of the call (their weights for it are
+            // zero) nor on how the threads divide the work.
+            let per = b.neurons.div_ceil(threads * 4).max(16);
+            let mut tasks: Vec<Vec<usize>> = vec![Vec::new(); b.neurons.div_ceil(per)];
+            for (j, &i) in idx.iter().enumerate() {
+                tasks[i as usize / per].push(j);
             }
+            let sums: Vec<Vec<f32>> = tasks
+                .par_iter()
+                .filter(|js| !js.is_empty())
+                .map(|js| {
+                    let mut acc = vec![0f32; n * d];
+                    columns(js, 0, d, &mut acc);
+                    acc
+                })
+                .collect();
+            // Added over column chunks in parallel, each in task order.
+            const CHUNK: usize = 1024;
+            out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+                for sum in &sums {
+                    let part = &sum[c * CHUNK..c * CHUNK + o.len()];
+                    o.iter_mut().zip(part).for_each(|(x, s)| *x += s);
+                }
+            });
         }
     }
     Ok(())
@@ -1416,10 +1433,12 @@ const ROWS_PER_TASK: usize = 16;
 
 /// `out[t·rows + r] += Σ_j W[r][idx[j]] · h[t·m + j]` for a down matrix `w` stored as
 /// `d_model` rows × `d_ff` columns in its format: the activations outside `idx` are zero, so
-/// every weight block (32 columns, or 256 for the K-quants; 32 for floats) holding no listed
-/// neuron contributes exactly zero and is skipped. The rest run as the dense matmul would (the
-/// same 8-bit activation blocks), a run of consecutive active blocks per kernel call.
-/// Returns how many blocks of each row were read.
+/// every weight block (32 columns, or 256 for the K-quants; 32 for floats) holding none of a
+/// token's non-zero activations contributes exactly zero to it and is skipped for it. The rest
+/// run as the dense matmul would (the same 8-bit activation blocks), a run of consecutive
+/// blocks per kernel call; the runs are each token's own, so a token gets what it gets alone,
+/// bit for bit, whatever the other tokens of the call list. Returns how many blocks of each
+/// row were read (for some token).
 pub fn sparse_down_blocks(
     k: &Kernels,
     w: &HostTensor,
@@ -1460,20 +1479,30 @@ pub fn sparse_down_blocks(
     }
     let block = w.dtype.block_len().max(QK);
     let blocks = cols.div_ceil(block);
-    let mut active = vec![false; blocks];
-    for &i in idx {
-        active[i as usize / block] = true;
-    }
-    // Runs of consecutive active blocks, as column ranges.
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    for (bi, _) in active.iter().enumerate().filter(|(_, a)| **a) {
-        let (c0, c1) = (bi * block, ((bi + 1) * block).min(cols));
-        match runs.last_mut() {
-            Some(r) if r.1 == c0 => r.1 = c1,
-            _ => runs.push((c0, c1)),
-        }
-    }
-    let used = active.iter().filter(|a| **a).count();
+    // Each token's runs of consecutive blocks holding its non-zero activations, as column
+    // ranges; and the blocks some token reads.
+    let mut read = vec![false; blocks];
+    let runs: Vec<Vec<(usize, usize)>> = (0..n)
+        .map(|t| {
+            let mut active = vec![false; blocks];
+            for (j, &i) in idx.iter().enumerate() {
+                if h[t * m + j] != 0.0 {
+                    active[i as usize / block] = true;
+                }
+            }
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for (bi, _) in active.iter().enumerate().filter(|(_, a)| **a) {
+                read[bi] = true;
+                let (c0, c1) = (bi * block, ((bi + 1) * block).min(cols));
+                match runs.last_mut() {
+                    Some(r) if r.1 == c0 => r.1 = c1,
+                    _ => runs.push((c0, c1)),
+                }
+            }
+            runs
+        })
+        .collect();
+    let used = read.iter().filter(|a| **a).count();
     let prepared = Prepared::new(k, w.dtype, &full, cols);
     let (data, rb) = (w.data.as_slice(), w.row_bytes());
     let bytes_of = |c: usize| w.dtype.bytes_for(c);
@@ -1485,7 +1514,7 @@ pub fn sparse_down_blocks(
             for r in r0..r1 {
                 let row = &data[r * rb..(r + 1) * rb];
                 for t in 0..n {
-                    acc[t * (r1 - r0) + r - r0] = runs
+                    acc[t * (r1 - r0) + r - r0] = runs[t]
                         .iter()
                         .map(|&(c0, c1)| {
                             let x = prepared.token(t, cols, c0, c1);
@@ -1531,6 +1560,39 @@ mod tests {
     }
 
     /// A random list of `frac` of `neurons`, in random order, without duplicates.
+    /// Zero about half of each token's activations (each token its own), then check that
+    /// every token's row of `call` over all `n` tokens is, bit for bit, its row of `call` over
+    /// that token alone listing only its non-zero neurons (in the same order). `call(idx, h,
+    /// n, out)` adds into `out` (`n × width`, starting from `out0`).
+    fn each_token_as_alone(
+        rng: &mut StdRng,
+        idx: &[u32],
+        h: &[f32],
+        n: usize,
+        out0: &[f32],
+        what: &str,
+        call: impl Fn(&[u32], &[f32], usize, &mut [f32]),
+    ) {
+        let (m, width) = (idx.len(), out0.len() / n);
+        let h: Vec<f32> = h
+            .iter()
+            .map(|&v| if rng.random_bool(0.5) { 0.0 } else { v })
+            .collect();
+        let mut all = out0.to_vec();
+        call(idx, &h, n, &mut all);
+        for t in 0..n {
+            let own: Vec<usize> = (0..m).filter(|&j| h[t * m + j] != 0.0).collect();
+            let idx_t: Vec<u32> = own.iter().map(|&j| idx[j]).collect();
+            let h_t: Vec<f32> = own.iter().map(|&j| h[t * m + j]).collect();
+            let mut alone = out0[t * width..(t + 1) * width].to_vec();
+            call(&idx_t, &h_t, 1, &mut alone);
+            assert!(
+                alone == all[t * width..(t + 1) * width],
+                "{what}: token {t} of {n} differs from alone"
+            );
+        }
+    }
+
     fn rand_idx(rng: &mut StdRng, neurons: usize, frac: f64) -> Vec<u32> {
         let mut all: Vec<u32> = (0..neurons as u32).collect();
         all.shuffle(rng);
@@ -1671,6 +1733,18 @@ mod tests {
                             let mut want = out0.clone();
                             bundles::down(k, &l.oracle, l.shape, &masked, n, neurons, 0, &mut want);
                             for split in [DownSplit::Output, DownSplit::Partials] {
+                                let w = format!("{what} {split:?}");
+                                each_token_as_alone(
+                                    &mut rng,
+                                    &idx,
+                                    &h,
+                                    n,
+                                    &out0,
+                                    &w,
+                                    |i, h, n, o| {
+                                        sparse_down_split(k, &b, i, h, n, o, split).unwrap();
+                                    },
+                                );
                                 let mut got = out0.clone();
                                 sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
                                 for t in 0..n {
@@ -1771,6 +1845,18 @@ mod tests {
                             }
                             let out0 = rand_vec(&mut rng, n * d, 1.0);
                             for split in [DownSplit::Output, DownSplit::Partials] {
+                                let w = format!("{what} {split:?}");
+                                each_token_as_alone(
+                                    &mut rng,
+                                    &idx,
+                                    &h,
+                                    n,
+                                    &out0,
+                                    &w,
+                                    |i, h, n, o| {
+                                        sparse_down_split(k, &b, i, h, n, o, split).unwrap();
+                                    },
+                                );
                                 let mut got = out0.clone();
                                 sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
                                 for t in 0..n {
@@ -1905,6 +1991,10 @@ mod tests {
                         let out0 = rand_vec(&mut rng, n * rows, 1.0);
                         let mut dense = vec![0f32; n * rows];
                         matmul::matmul(k, &w, &masked, n, &mut dense);
+                        let what = format!("{} {dtype} n {n} m {m}", k.name);
+                        each_token_as_alone(&mut rng, &idx, &h, n, &out0, &what, |i, h, n, o| {
+                            sparse_down_blocks(k, &w, i, h, n, o).unwrap();
+                        });
                         let mut got = out0.clone();
                         let used = sparse_down_blocks(k, &w, &idx, &h, n, &mut got).unwrap();
                         let block = dtype.block_len().max(QK);
