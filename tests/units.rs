@@ -633,3 +633,41 @@ fn measured_reuse_sets_the_expected_loads() {
     };
     assert_eq!(other.layers, again.layers);
 }
+
+/// Continuous batching through cache units: every session's logits in a batched decode step
+/// are the ones it gets alone, bit for bit — with masks, units small enough that a step's
+/// neurons come in rounds (the batch's rounds are not a token's own), and mixed precision.
+#[test]
+fn batched_unit_decode_equals_each_session_alone() {
+    let sessions = 4;
+    let mut rng = StdRng::seed_from_u64(41);
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_with(&common::stories260k(), &dir, &common::with_int_bundles());
+    let spec = store.manifest.spec.clone();
+    let plan = plan_for(&store, 16);
+    let prompts = common::varied_prompts(spec.vocab_size, sessions, 3, 4);
+    for case in 0..4 {
+        let precision = if case == 3 {
+            Precision([34, 33, 33])
+        } else {
+            Precision::FP16
+        };
+        let slots: Vec<[usize; 3]> = (0..spec.n_layers)
+            .map(|_| match case {
+                0 => [spec.d_ff, 0, 0],
+                1 => [rng.random_range(spec.d_ff / 2..=spec.d_ff), 0, 0],
+                2 => [rng.random_range(1..=spec.d_ff / 4), 0, 0],
+                _ => [0, 1, 2].map(|_| rng.random_range(1..=spec.d_ff / 2)),
+            })
+            .collect();
+        let thresholds = vec![if case >= 2 { 0.05 } else { 0.0 }; spec.n_layers];
+        let ledger = Ledger::new(None, None);
+        let (e, _) = units_engine(&store, &plan, &slots, precision, None, None, ledger).unwrap();
+        let e = e.with_sparsity(thresholds).unwrap();
+        let want = common::decode_alone(&e, &prompts, 3, false);
+        let got = common::decode_batched(&e, &prompts, 3, false);
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(w == g, "case {case}: session {i}'s logits differ when batched");
+        }
+    }
+}

@@ -1142,14 +1142,15 @@ pub fn sparse_part_dots(
     Ok(())
 }
 
-/// How [`sparse_down`] spreads its work over threads.
+/// How [`sparse_down_split`] spreads its work over threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DownSplit {
     /// Each task owns a range of output columns and reads that range of every listed column:
     /// no reduction, the task's outputs stay in L1.
     Output,
-    /// Each task sums a run of listed neurons into its own `n × d` accumulator; the
-    /// accumulators are added at the end.
+    /// Each task sums the listed neurons of a fixed range of neuron ids into its own `n × d`
+    /// accumulator; the accumulators are added at the end in task order (a token's result
+    /// depends on its own neurons only, but on the list being whole: not for a unit's rounds).
     Partials,
 }
 
@@ -1157,13 +1158,13 @@ pub enum DownSplit {
 /// reads runs long enough for the prefetchers.
 const MIN_COLS_PER_TASK: usize = 256;
 
-/// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), split the way
-/// measured faster ([`DownSplit::Partials`], `gpu-offload bench sparse`: equal or up to ~10-25%
-/// ahead on 2 shared cores): its many small tasks balance when a core is busy elsewhere, where
-/// the output split's one task per thread waits for the slowest, and each task streams whole
-/// columns; the partial sums it adds cost `4 · threads × n × d` floats, little beside the
-/// columns. Either split gives each token what it gets alone, bit for bit, whatever the other
-/// tokens list (a token's neurons are summed in the order the list gives them).
+/// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), split over
+/// output columns ([`DownSplit::Output`]): each token's result is one chain of multiply-adds
+/// from `out` in list order, so it is what the token gets alone, bit for bit, whatever the
+/// other tokens list, however a cache unit cuts the list into rounds and whichever slots hold
+/// the neurons. (`gpu-offload bench sparse` times both splits; on this project's 2-core
+/// machine they measured within noise of each other, 1 and 4 tokens, f16/int8/int4, 10 and
+/// 50% active.)
 pub fn sparse_down(
     k: &Kernels,
     b: &Bundles,
@@ -1172,7 +1173,7 @@ pub fn sparse_down(
     n: usize,
     out: &mut [f32],
 ) -> Result<()> {
-    sparse_down_split(k, b, idx, h, n, out, DownSplit::Partials)
+    sparse_down_split(k, b, idx, h, n, out, DownSplit::Output)
 }
 
 /// [`sparse_down`] with the thread split chosen by the caller.
@@ -1229,29 +1230,32 @@ pub fn sparse_down_split(
     let threads = rayon::current_num_threads().max(1);
     match split {
         DownSplit::Output => {
+            // Each task carries its columns of `out` through every listed neuron: a token's
+            // result is one chain of multiply-adds from `out` in list order, the same however
+            // the list is cut into calls (a unit's rounds) or which slots hold the neurons.
             let all: Vec<usize> = (0..m).collect();
             let per = d
                 .div_ceil(threads)
                 .next_multiple_of(64)
                 .max(MIN_COLS_PER_TASK);
             let tasks = d.div_ceil(per);
+            let cols = |task: usize| (task * per, ((task + 1) * per).min(d));
             let sums: Vec<Vec<f32>> = (0..tasks)
                 .into_par_iter()
                 .map(|task| {
-                    let (c0, c1) = (task * per, ((task + 1) * per).min(d));
-                    let mut acc = vec![0f32; n * (c1 - c0)];
+                    let (c0, c1) = cols(task);
+                    let mut acc: Vec<f32> = (0..n)
+                        .flat_map(|t| out[t * d + c0..t * d + c1].iter().copied())
+                        .collect();
                     columns(&all, c0, c1, &mut acc);
                     acc
                 })
                 .collect();
             for (task, acc) in sums.iter().enumerate() {
-                let (c0, c1) = (task * per, ((task + 1) * per).min(d));
+                let (c0, c1) = cols(task);
                 let w = c1 - c0;
                 for t in 0..n {
-                    out[t * d + c0..t * d + c1]
-                        .iter_mut()
-                        .zip(&acc[t * w..(t + 1) * w])
-                        .for_each(|(x, s)| *x += s);
+                    out[t * d + c0..t * d + c1].copy_from_slice(&acc[t * w..(t + 1) * w]);
                 }
             }
         }
