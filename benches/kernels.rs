@@ -88,6 +88,7 @@ fn bench(c: &mut Criterion) {
         (1536, 576, 8),
         (576, 1536, 8),
         (49152, 576, 1),
+        (49152, 576, 8),
         (4096, 4096, 1),
         (11008, 4096, 1),
         // Every format's weight well beyond the last-level cache (the DRAM-bound figure).

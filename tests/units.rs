@@ -667,7 +667,10 @@ fn batched_unit_decode_equals_each_session_alone() {
         let want = common::decode_alone(&e, &prompts, 3, false);
         let got = common::decode_batched(&e, &prompts, 3, false);
         for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-            assert!(w == g, "case {case}: session {i}'s logits differ when batched");
+            assert!(
+                w == g,
+                "case {case}: session {i}'s logits differ when batched"
+            );
         }
     }
 }
