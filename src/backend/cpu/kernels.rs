@@ -102,6 +102,10 @@ pub type DotsFn = fn(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]);
 pub struct Kernels {
     pub name: &'static str,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// `out[i] += w[j] · rows[j][i]` for each row `j` in order, a multiply then an add (as
+    /// scalar code rounds it, so every set gives the same bits): attention's weighted sum of
+    /// values, `out` held in registers across the rows.
+    pub axpy_rows: fn(&mut [f32], &[f32], &[&[f32]]),
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub dot_bf16: fn(&[bf16], &[f32]) -> f32,
     pub dot_q8_0: fn(&[BlockQ8_0], &[ActBlock]) -> f32,
@@ -183,6 +187,7 @@ pub fn best() -> &'static Kernels {
 pub const PORTABLE: Kernels = Kernels {
     name: "portable",
     dot_f32: portable::dot_f32,
+    axpy_rows: portable::axpy_rows,
     dot_f16: portable::dot_f16,
     dot_bf16: portable::dot_bf16,
     dot_q8_0: portable::dot_q8_0,
@@ -211,6 +216,12 @@ pub mod portable {
 
     pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         dot_as_f32(w, x, |v| v)
+    }
+
+    pub fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+        for (&w, row) in w.iter().zip(rows) {
+            out.iter_mut().zip(*row).for_each(|(o, &v)| *o += w * v);
+        }
     }
 
     /// Eight partial sums: the same association the SIMD version uses, and faster. Every float
@@ -316,6 +327,7 @@ mod x86 {
     pub const KERNELS: Kernels = Kernels {
         name: "avx2",
         dot_f32,
+        axpy_rows,
         dot_f16,
         dot_bf16,
         dot_q8_0,
@@ -370,6 +382,10 @@ mod x86 {
         // SAFETY: AVX2+FMA present (checked before this table is used).
         unsafe { dot_f32_avx2(w, x) }
     }
+    fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+        // SAFETY: as above.
+        unsafe { axpy_rows_avx2(out, w, rows) }
+    }
     fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
         // SAFETY: as above, plus F16C.
         unsafe { dot_f16_avx2(w, x) }
@@ -404,6 +420,46 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
         _mm_cvtss_f32(s)
+    }
+
+    /// 64 outputs (8 registers) at a time through every row; a multiply and an add, never
+    /// fused, as [`portable::axpy_rows`] rounds.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+        let rows = &rows[..w.len().min(rows.len())];
+        let n = rows.iter().map(|r| r.len()).fold(out.len(), usize::min);
+        let op = out.as_mut_ptr();
+        let mut i = 0;
+        // SAFETY: every load and store touches 8 floats below n (64 in the first loop).
+        unsafe {
+            while i + 64 <= n {
+                let mut o = [0, 1, 2, 3, 4, 5, 6, 7].map(|k| _mm256_loadu_ps(op.add(i + 8 * k)));
+                for (&wj, row) in w.iter().zip(rows) {
+                    let (wv, rp) = (_mm256_set1_ps(wj), row.as_ptr().add(i));
+                    for (k, ok) in o.iter_mut().enumerate() {
+                        *ok = _mm256_add_ps(*ok, _mm256_mul_ps(wv, _mm256_loadu_ps(rp.add(8 * k))));
+                    }
+                }
+                for (k, ok) in o.iter().enumerate() {
+                    _mm256_storeu_ps(op.add(i + 8 * k), *ok);
+                }
+                i += 64;
+            }
+            while i + 8 <= n {
+                let mut o = _mm256_loadu_ps(op.add(i));
+                for (&wj, row) in w.iter().zip(rows) {
+                    let v = _mm256_loadu_ps(row.as_ptr().add(i));
+                    o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(wj), v));
+                }
+                _mm256_storeu_ps(op.add(i), o);
+                i += 8;
+            }
+        }
+        for j in i..n {
+            for (&wj, row) in w.iter().zip(rows) {
+                out[j] += wj * row[j];
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -1066,6 +1122,32 @@ mod tests {
 
     fn rel(a: f32, b: f32) -> f32 {
         (a - b).abs() / b.abs().max(1.0)
+    }
+
+    /// Attention's weighted sum of value rows gives the same bits on every set (a multiply then
+    /// an add per term, in row order), over widths with and without tails.
+    #[test]
+    fn axpy_rows_is_bit_for_bit_the_same_on_every_set() {
+        let mut rng = StdRng::seed_from_u64(17);
+        for width in [3usize, 8, 64, 75, 128, 200] {
+            for count in [0usize, 1, 5, 16] {
+                let rows: Vec<Vec<f32>> = (0..count).map(|_| rand_vec(&mut rng, width)).collect();
+                let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                let w = rand_vec(&mut rng, count);
+                let out0 = rand_vec(&mut rng, width);
+                let mut want = out0.clone();
+                for (&wj, row) in w.iter().zip(&rows) {
+                    for (o, &v) in want.iter_mut().zip(row) {
+                        *o += wj * v;
+                    }
+                }
+                for k in available() {
+                    let mut got = out0.clone();
+                    (k.axpy_rows)(&mut got, &w, &refs);
+                    assert!(got == want, "{} width {width}, {count} rows", k.name);
+                }
+            }
+        }
     }
 
     #[test]

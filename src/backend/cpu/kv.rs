@@ -286,31 +286,21 @@ pub fn attend_rows(
     s: crate::backend::AttnShape,
     out: &mut [f32],
 ) {
-    use rayon::prelude::*;
-    let hd = s.head_dim;
-    let cols = s.n_kv_heads * hd;
+    let cols = s.n_kv_heads * s.head_dim;
     let (keys, values) = (
         RawRows { ty, cols, bytes: k },
         RawRows { ty, cols, bytes: v },
     );
-    let group = (s.n_heads / s.n_kv_heads.max(1)).max(1);
-    let q_dim = s.n_heads * hd;
-    let kernels = super::kernels::best();
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-        let (t, h) = (idx / s.n_heads, idx % s.n_heads);
-        let qv = &q[t * q_dim + h * hd..][..hd];
-        super::ops::attend(
-            kernels,
-            qv,
-            &keys,
-            &values,
-            (h / group) * hd,
-            hd,
-            first_pos + t + 1,
-            s.scale,
-            o,
-        );
-    });
+    super::ops::attend_causal(
+        super::kernels::best(),
+        q,
+        &keys,
+        &values,
+        first_pos,
+        s,
+        out,
+        true,
+    );
 }
 
 /// Encode whole rows of `cols` f32 values into the raw bytes of a `ty` cache.

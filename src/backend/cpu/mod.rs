@@ -30,12 +30,6 @@ pub struct CpuTensor {
     pub capacity: usize,
 }
 
-impl CpuTensor {
-    fn row(&self, r: usize) -> &[f32] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
-    }
-}
-
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
@@ -930,7 +924,7 @@ impl Backend for CpuBackend {
 }
 
 impl CpuBackend {
-    /// Causal attention, one task per (token, head), over caches already checked.
+    /// Causal attention over caches already checked (in parallel from enough work).
     fn attend_heads(
         &self,
         q: &CpuTensor,
@@ -941,32 +935,14 @@ impl CpuBackend {
         out: &mut CpuTensor,
     ) {
         let n = q.rows;
-        let group = s.n_heads / s.n_kv_heads;
-        let hd = s.head_dim;
-        let work = n * s.n_heads * (first_pos + n) * hd;
-        // One task per (token, head): writes its own head_dim slice of `out`.
-        let head_task = |(idx, o): (usize, &mut [f32])| {
-            let (t, h) = (idx / s.n_heads, idx % s.n_heads);
-            let kvh = h / group;
-            let qv = &q.row(t)[h * hd..(h + 1) * hd];
-            let len = first_pos + t + 1;
-            ops::attend(
-                self.kernels,
-                qv,
-                k_cache,
-                v_cache,
-                kvh * hd,
-                hd,
-                len,
-                s.scale,
-                o,
-            );
-        };
-        if work >= PAR_ELEMS / 2 {
+        let work = n * s.n_heads * (first_pos + n) * s.head_dim;
+        let parallel = work >= PAR_ELEMS / 2;
+        let (k, q, out) = (self.kernels, &q.data, &mut out.data);
+        if parallel {
             self.pool
-                .install(|| out.data.par_chunks_mut(hd).enumerate().for_each(head_task));
+                .install(|| ops::attend_causal(k, q, k_cache, v_cache, first_pos, s, out, true));
         } else {
-            out.data.chunks_mut(hd).enumerate().for_each(head_task);
+            ops::attend_causal(k, q, k_cache, v_cache, first_pos, s, out, false);
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use super::CpuKv;
 use super::kernels::Kernels;
-use crate::backend::{Act, RopePairs};
+use crate::backend::{Act, AttnShape, RopePairs};
 
 /// Rows of a KV cache one head's slice at a time, as f32 (borrowed, or decoded into `tmp`).
 pub trait KvRows: Sync {
@@ -60,8 +60,64 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
     }
 }
 
-/// One query head against the first `len` cached positions; `col` is where this KV head's
-/// columns start in a cache row.
+/// Causal attention of `q` (`n` rows of `n_heads · head_dim`, row `t` at position
+/// `first_pos + t`) over caches holding at least `first_pos + n` rows, into `out`; over the
+/// current rayon pool where `parallel`. A task takes the query heads sharing a KV head (each key
+/// and value row read once for them) where there are enough such tasks for the threads (a
+/// prompt), else one head (a decoded token: more tasks than KV heads); a head's arithmetic is
+/// the same either way, so a token's result does not depend on the rows beside it.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_causal(
+    k: &Kernels,
+    q: &[f32],
+    k_cache: &impl KvRows,
+    v_cache: &impl KvRows,
+    first_pos: usize,
+    s: AttnShape,
+    out: &mut [f32],
+    parallel: bool,
+) {
+    use rayon::prelude::*;
+    let hd = s.head_dim;
+    let q_dim = s.n_heads * hd;
+    let n = q.len() / q_dim.max(1);
+    let group = (s.n_heads / s.n_kv_heads.max(1)).max(1);
+    let threads = if parallel {
+        rayon::current_num_threads()
+    } else {
+        1
+    };
+    let per_task = if n * s.n_kv_heads >= 4 * threads {
+        group
+    } else {
+        1
+    };
+    let tasks_per_row = s.n_heads / per_task;
+    let task = |(idx, o): (usize, &mut [f32])| {
+        let (t, h0) = (idx / tasks_per_row, (idx % tasks_per_row) * per_task);
+        attend(
+            k,
+            &q[t * q_dim + h0 * hd..][..per_task * hd],
+            k_cache,
+            v_cache,
+            (h0 / group) * hd,
+            hd,
+            first_pos + t + 1,
+            s.scale,
+            o,
+        );
+    };
+    if parallel {
+        out.par_chunks_mut(per_task * hd).enumerate().for_each(task);
+    } else {
+        out.chunks_mut(per_task * hd).enumerate().for_each(task);
+    }
+}
+
+/// The query heads `q` (`group · hd` values: the heads sharing one KV head) against the first
+/// `len` cached positions, into `out` (as many values); `col` is where this KV head's columns
+/// start in a cache row. Each key and value row is read once for the whole group (grouped-query
+/// attention shares them); every head's arithmetic is what it would be alone.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(
     k: &Kernels,
@@ -75,23 +131,46 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let dot = k.dot_f32;
+    let group = q.len() / hd;
     // Rows of f16/Q8_0 caches are decoded here, one head at a time.
     let mut tmp = vec![0f32; hd];
-    let mut scores: Vec<f32> = (0..len)
-        .map(|j| dot(q, k_cache.slice(j, col, &mut tmp)) * scale)
-        .collect();
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f64;
-    for s in &mut scores {
-        *s = (*s - max).exp();
-        sum += *s as f64;
+    // Head g's scores at g·len.
+    let mut scores = vec![0f32; group * len];
+    for j in 0..len {
+        let key = k_cache.slice(j, col, &mut tmp);
+        for (g, qh) in q.chunks_exact(hd).enumerate() {
+            scores[g * len + j] = dot(qh, key) * scale;
+        }
     }
-    let inv = (1.0 / sum) as f32;
+    let inv: Vec<f32> = scores
+        .chunks_exact_mut(len.max(1))
+        .map(|s| {
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let mut sum = 0f64;
+            for v in s.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v as f64;
+            }
+            (1.0 / sum) as f32
+        })
+        .collect();
     out.fill(0.0);
-    for (j, &p) in scores.iter().enumerate() {
-        let v = v_cache.slice(j, col, &mut tmp);
-        let w = p * inv;
-        out.iter_mut().zip(v).for_each(|(o, &vv)| *o += w * vv);
+    // Value rows a block at a time, each head's sum held in registers across the block.
+    const ROWS: usize = 16;
+    let mut block = vec![0f32; ROWS * hd];
+    let mut w = [0f32; ROWS];
+    for j0 in (0..len).step_by(ROWS) {
+        let j1 = (j0 + ROWS).min(len);
+        let rows: Vec<&[f32]> = (j0..j1)
+            .zip(block.chunks_exact_mut(hd))
+            .map(|(j, tmp)| v_cache.slice(j, col, tmp))
+            .collect();
+        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+            for (wj, &p) in w.iter_mut().zip(&scores[g * len + j0..g * len + j1]) {
+                *wj = p * inv[g];
+            }
+            (k.axpy_rows)(o, &w[..j1 - j0], &rows);
+        }
     }
 }
 
@@ -136,6 +215,40 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, [3.0, 4.0]);
+    }
+
+    /// The query heads sharing a KV head, attended together, get what each gets alone, bit for
+    /// bit (f32 and f16 caches, lengths across the value-row blocks).
+    #[test]
+    fn grouped_heads_equal_each_head_alone() {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (hd, kv_heads, group) = (64, 2, 3);
+        let cols = kv_heads * hd;
+        for ty in [crate::backend::KvType::F32, crate::backend::KvType::F16] {
+            for len in [1usize, 16, 37] {
+                let mut rand = |n: usize| -> Vec<f32> {
+                    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+                };
+                let (kr, vr, q) = (rand(len * cols), rand(len * cols), rand(group * hd));
+                let mut k = CpuKv::new(len, cols, ty).unwrap();
+                let mut v = CpuKv::new(len, cols, ty).unwrap();
+                k.write(0, &kr).unwrap();
+                v.write(0, &vr).unwrap();
+                let kernels = super::super::kernels::best();
+                let mut together = vec![0f32; group * hd];
+                attend(kernels, &q, &k, &v, hd, hd, len, 0.125, &mut together);
+                for g in 0..group {
+                    let mut alone = vec![0f32; hd];
+                    let qh = &q[g * hd..(g + 1) * hd];
+                    attend(kernels, qh, &k, &v, hd, hd, len, 0.125, &mut alone);
+                    assert!(
+                        alone == together[g * hd..(g + 1) * hd],
+                        "{ty:?} len {len}: head {g}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
