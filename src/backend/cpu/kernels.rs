@@ -106,6 +106,9 @@ pub struct Kernels {
     /// scalar code rounds it, so every set gives the same bits): attention's weighted sum of
     /// values, `out` held in registers across the rows.
     pub axpy_rows: fn(&mut [f32], &[f32], &[&[f32]]),
+    /// `out[j] = dot_f32(x, rows[j])`, bit for bit this set's `dot_f32` (attention's scores:
+    /// several key rows against one query).
+    pub dot_rows: fn(&[f32], &[&[f32]], &mut [f32]),
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub dot_bf16: fn(&[bf16], &[f32]) -> f32,
     pub dot_q8_0: fn(&[BlockQ8_0], &[ActBlock]) -> f32,
@@ -188,6 +191,7 @@ pub const PORTABLE: Kernels = Kernels {
     name: "portable",
     dot_f32: portable::dot_f32,
     axpy_rows: portable::axpy_rows,
+    dot_rows: portable::dot_rows,
     dot_f16: portable::dot_f16,
     dot_bf16: portable::dot_bf16,
     dot_q8_0: portable::dot_q8_0,
@@ -216,6 +220,12 @@ pub mod portable {
 
     pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         dot_as_f32(w, x, |v| v)
+    }
+
+    pub fn dot_rows(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+        for (o, row) in out.iter_mut().zip(rows) {
+            *o = dot_f32(x, row);
+        }
     }
 
     pub fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
@@ -328,6 +338,7 @@ mod x86 {
         name: "avx2",
         dot_f32,
         axpy_rows,
+        dot_rows,
         dot_f16,
         dot_bf16,
         dot_q8_0,
@@ -386,6 +397,10 @@ mod x86 {
         // SAFETY: as above.
         unsafe { axpy_rows_avx2(out, w, rows) }
     }
+    fn dot_rows(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { dot_rows_avx2(x, rows, out) }
+    }
     fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
         // SAFETY: as above, plus F16C.
         unsafe { dot_f16_avx2(w, x) }
@@ -420,6 +435,61 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
         _mm_cvtss_f32(s)
+    }
+
+    /// [`dot_f32_avx2`] of `x` with two rows at a time (each row's accumulators, loop and
+    /// reduction exactly that function's; `x` loaded once for both).
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_rows_avx2(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+        let mut r = 0;
+        while r + 2 <= rows.len().min(out.len()) {
+            let (a, b) = (rows[r], rows[r + 1]);
+            let n = x.len();
+            if a.len() != n || b.len() != n {
+                // SAFETY: AVX2+FMA enabled on this function.
+                unsafe {
+                    out[r] = dot_f32_avx2(a, x);
+                    out[r + 1] = dot_f32_avx2(b, x);
+                }
+                r += 2;
+                continue;
+            }
+            let (ap, bp, xp) = (a.as_ptr(), b.as_ptr(), x.as_ptr());
+            let mut acc_a = [_mm256_setzero_ps(); 4];
+            let mut acc_b = [_mm256_setzero_ps(); 4];
+            let mut i = 0;
+            // SAFETY: every load reads 8 floats below n, as in dot_f32_avx2.
+            unsafe {
+                while i + 32 <= n {
+                    for k in 0..4 {
+                        let o = i + 8 * k;
+                        let xv = _mm256_loadu_ps(xp.add(o));
+                        acc_a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), xv, acc_a[k]);
+                        acc_b[k] = _mm256_fmadd_ps(_mm256_loadu_ps(bp.add(o)), xv, acc_b[k]);
+                    }
+                    i += 32;
+                }
+                while i + 8 <= n {
+                    let xv = _mm256_loadu_ps(xp.add(i));
+                    acc_a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i)), xv, acc_a[0]);
+                    acc_b[0] = _mm256_fmadd_ps(_mm256_loadu_ps(bp.add(i)), xv, acc_b[0]);
+                    i += 8;
+                }
+            }
+            for (o, (acc, row)) in out[r..r + 2].iter_mut().zip([(acc_a, a), (acc_b, b)]) {
+                let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+                let mut sum = hsum(v);
+                for j in i..n {
+                    sum += row[j] * x[j];
+                }
+                *o = sum;
+            }
+            r += 2;
+        }
+        for (o, row) in out.iter_mut().zip(rows).skip(r) {
+            // SAFETY: as above.
+            *o = unsafe { dot_f32_avx2(row, x) };
+        }
     }
 
     /// 64 outputs (8 registers) at a time through every row; a multiply and an add, never
@@ -1145,6 +1215,32 @@ mod tests {
                     let mut got = out0.clone();
                     (k.axpy_rows)(&mut got, &w, &refs);
                     assert!(got == want, "{} width {width}, {count} rows", k.name);
+                }
+            }
+        }
+    }
+
+    /// A set's scores of several rows are its one-row dot's, bit for bit.
+    #[test]
+    fn dot_rows_is_each_rows_dot_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(19);
+        for width in [3usize, 8, 40, 64, 75, 128] {
+            for count in [0usize, 1, 2, 5, 16] {
+                let rows: Vec<Vec<f32>> = (0..count).map(|_| rand_vec(&mut rng, width)).collect();
+                let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+                let x = rand_vec(&mut rng, width);
+                for k in available() {
+                    let mut got = vec![f32::NAN; count];
+                    (k.dot_rows)(&x, &refs, &mut got);
+                    for (j, row) in rows.iter().enumerate() {
+                        let want = (k.dot_f32)(&x, row);
+                        assert!(
+                            got[j].to_bits() == want.to_bits(),
+                            "{} width {width}, row {j} of {count}: {} vs {want}",
+                            k.name,
+                            got[j]
+                        );
+                    }
                 }
             }
         }

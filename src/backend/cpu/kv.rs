@@ -174,6 +174,14 @@ impl CpuKv {
         Ok(())
     }
 
+    /// Every value of an f32 cache (row-major), or `None` for the other types.
+    pub fn f32_values(&self) -> Option<&[f32]> {
+        match &self.data {
+            Rows::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
     /// Values `col..col + out.len()` of row `j`, as f32: borrowed from an f32 cache, decoded
     /// into `tmp` otherwise.
     pub fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
@@ -268,6 +276,15 @@ struct RawRows<'a> {
 }
 
 impl super::ops::KvRows for RawRows<'_> {
+    fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        match self.ty {
+            // Host memory kept as bytes: direct where the bytes are aligned for f32.
+            KvType::F32 => bytemuck::try_cast_slice(self.bytes)
+                .ok()
+                .map(|v| (v, self.cols)),
+            _ => None,
+        }
+    }
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         let rb = self.ty.row_bytes(self.cols);
         row_slice(self.ty, &self.bytes[j * rb..(j + 1) * rb], col, tmp)

@@ -8,11 +8,35 @@ use crate::backend::{Act, AttnShape, RopePairs};
 /// Rows of a KV cache one head's slice at a time, as f32 (borrowed, or decoded into `tmp`).
 pub trait KvRows: Sync {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32];
+    /// All rows as f32 values and the distance between rows, where they are stored so (an
+    /// f32 cache, not paged): attention then indexes them directly.
+    fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        None
+    }
 }
 
 impl KvRows for CpuKv {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         CpuKv::slice(self, j, col, tmp)
+    }
+    fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        self.f32_values().map(|v| (v, self.cols))
+    }
+}
+
+/// Row `j`'s values `col..col + tmp.len()`: straight from `direct` (f32 rows, their stride)
+/// where there is one, else through the cache's decoder.
+#[inline]
+fn kv_row<'a>(
+    direct: Option<(&'a [f32], usize)>,
+    cache: &'a impl KvRows,
+    j: usize,
+    col: usize,
+    tmp: &'a mut [f32],
+) -> &'a [f32] {
+    match direct {
+        Some((v, stride)) => &v[j * stride + col..j * stride + col + tmp.len()],
+        None => cache.slice(j, col, tmp),
     }
 }
 
@@ -130,16 +154,23 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    let dot = k.dot_f32;
     let group = q.len() / hd;
-    // Rows of f16/Q8_0 caches are decoded here, one head at a time.
-    let mut tmp = vec![0f32; hd];
-    // Head g's scores at g·len.
+    // Head g's scores at g·len. Key rows a block at a time, each block scored for every head;
+    // rows of f16/Q8_0 caches are decoded into `block`.
+    const ROWS: usize = 16;
+    let mut block = vec![0f32; ROWS * hd];
     let mut scores = vec![0f32; group * len];
-    for j in 0..len {
-        let key = k_cache.slice(j, col, &mut tmp);
+    let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
+    for j0 in (0..len).step_by(ROWS) {
+        let j1 = (j0 + ROWS).min(len);
+        let rows: Vec<&[f32]> = (j0..j1)
+            .zip(block.chunks_exact_mut(hd))
+            .map(|(j, tmp)| kv_row(keys, k_cache, j, col, tmp))
+            .collect();
         for (g, qh) in q.chunks_exact(hd).enumerate() {
-            scores[g * len + j] = dot(qh, key) * scale;
+            let s = &mut scores[g * len + j0..g * len + j1];
+            (k.dot_rows)(qh, &rows, s);
+            s.iter_mut().for_each(|v| *v *= scale);
         }
     }
     let inv: Vec<f32> = scores
@@ -156,14 +187,12 @@ pub fn attend(
         .collect();
     out.fill(0.0);
     // Value rows a block at a time, each head's sum held in registers across the block.
-    const ROWS: usize = 16;
-    let mut block = vec![0f32; ROWS * hd];
     let mut w = [0f32; ROWS];
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
         let rows: Vec<&[f32]> = (j0..j1)
             .zip(block.chunks_exact_mut(hd))
-            .map(|(j, tmp)| v_cache.slice(j, col, tmp))
+            .map(|(j, tmp)| kv_row(values, v_cache, j, col, tmp))
             .collect();
         for (g, o) in out.chunks_exact_mut(hd).enumerate() {
             for (wj, &p) in w.iter_mut().zip(&scores[g * len + j0..g * len + j1]) {
