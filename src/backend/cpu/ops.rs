@@ -163,13 +163,14 @@ pub fn attend(
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let rows: Vec<&[f32]> = (j0..j1)
-            .zip(block.chunks_exact_mut(hd))
-            .map(|(j, tmp)| kv_row(keys, k_cache, j, col, tmp))
-            .collect();
+        let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+        for ((r, j), tmp) in rows.iter_mut().zip(j0..j1).zip(block.chunks_exact_mut(hd)) {
+            *r = kv_row(keys, k_cache, j, col, tmp);
+        }
+        let rows = &rows[..j1 - j0];
         for (g, qh) in q.chunks_exact(hd).enumerate() {
             let s = &mut scores[g * len + j0..g * len + j1];
-            (k.dot_rows)(qh, &rows, s);
+            (k.dot_rows)(qh, rows, s);
             s.iter_mut().for_each(|v| *v *= scale);
         }
     }
@@ -190,15 +191,16 @@ pub fn attend(
     let mut w = [0f32; ROWS];
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let rows: Vec<&[f32]> = (j0..j1)
-            .zip(block.chunks_exact_mut(hd))
-            .map(|(j, tmp)| kv_row(values, v_cache, j, col, tmp))
-            .collect();
+        let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+        for ((r, j), tmp) in rows.iter_mut().zip(j0..j1).zip(block.chunks_exact_mut(hd)) {
+            *r = kv_row(values, v_cache, j, col, tmp);
+        }
+        let rows = &rows[..j1 - j0];
         for (g, o) in out.chunks_exact_mut(hd).enumerate() {
             for (wj, &p) in w.iter_mut().zip(&scores[g * len + j0..g * len + j1]) {
                 *wj = p * inv[g];
             }
-            (k.axpy_rows)(o, &w[..j1 - j0], &rows);
+            (k.axpy_rows)(o, &w[..j1 - j0], rows);
         }
     }
 }
