@@ -24,6 +24,26 @@ impl KvRows for CpuKv {
     }
 }
 
+/// Rows of attention's blocks of positions.
+const ROWS: usize = 16;
+
+/// Rows `js` (at most [`ROWS`]) of a cache, their values from `col` on, each `block.len() /
+/// ROWS` long (decoded into `block` where the cache is not f32).
+fn kv_block<'a>(
+    direct: Option<(&'a [f32], usize)>,
+    cache: &'a impl KvRows,
+    js: std::ops::Range<usize>,
+    col: usize,
+    block: &'a mut [f32],
+) -> [&'a [f32]; ROWS] {
+    let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+    let hd = block.len() / ROWS;
+    for ((r, j), tmp) in rows.iter_mut().zip(js).zip(block.chunks_exact_mut(hd)) {
+        *r = kv_row(direct, cache, j, col, tmp);
+    }
+    rows
+}
+
 /// Row `j`'s values `col..col + tmp.len()`: straight from `direct` (f32 rows, their stride)
 /// where there is one, else through the cache's decoder.
 #[inline]
@@ -157,16 +177,12 @@ pub fn attend(
     let group = q.len() / hd;
     // Head g's scores at g·len. Key rows a block at a time, each block scored for every head;
     // rows of f16/Q8_0 caches are decoded into `block`.
-    const ROWS: usize = 16;
     let mut block = vec![0f32; ROWS * hd];
     let mut scores = vec![0f32; group * len];
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
-        for ((r, j), tmp) in rows.iter_mut().zip(j0..j1).zip(block.chunks_exact_mut(hd)) {
-            *r = kv_row(keys, k_cache, j, col, tmp);
-        }
+        let rows = kv_block(keys, k_cache, j0..j1, col, &mut block);
         let rows = &rows[..j1 - j0];
         for (g, qh) in q.chunks_exact(hd).enumerate() {
             let s = &mut scores[g * len + j0..g * len + j1];
@@ -191,10 +207,7 @@ pub fn attend(
     let mut w = [0f32; ROWS];
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
-        for ((r, j), tmp) in rows.iter_mut().zip(j0..j1).zip(block.chunks_exact_mut(hd)) {
-            *r = kv_row(values, v_cache, j, col, tmp);
-        }
+        let rows = kv_block(values, v_cache, j0..j1, col, &mut block);
         let rows = &rows[..j1 - j0];
         for (g, o) in out.chunks_exact_mut(hd).enumerate() {
             for (wj, &p) in w.iter_mut().zip(&scores[g * len + j0..g * len + j1]) {

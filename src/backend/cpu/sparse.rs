@@ -1597,6 +1597,21 @@ mod tests {
         }
     }
 
+    /// [`each_token_as_alone`] for [`sparse_down_split`].
+    fn down_as_alone(
+        rng: &mut StdRng,
+        k: &Kernels,
+        b: &Bundles,
+        (idx, h, n): (&[u32], &[f32], usize),
+        out0: &[f32],
+        what: &str,
+        split: DownSplit,
+    ) {
+        each_token_as_alone(rng, idx, h, n, out0, what, |i, h, n, o| {
+            sparse_down_split(k, b, i, h, n, o, split).unwrap();
+        });
+    }
+
     fn rand_idx(rng: &mut StdRng, neurons: usize, frac: f64) -> Vec<u32> {
         let mut all: Vec<u32> = (0..neurons as u32).collect();
         all.shuffle(rng);
@@ -1738,17 +1753,7 @@ mod tests {
                             bundles::down(k, &l.oracle, l.shape, &masked, n, neurons, 0, &mut want);
                             for split in [DownSplit::Output, DownSplit::Partials] {
                                 let w = format!("{what} {split:?}");
-                                each_token_as_alone(
-                                    &mut rng,
-                                    &idx,
-                                    &h,
-                                    n,
-                                    &out0,
-                                    &w,
-                                    |i, h, n, o| {
-                                        sparse_down_split(k, &b, i, h, n, o, split).unwrap();
-                                    },
-                                );
+                                down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
                                 let mut got = out0.clone();
                                 sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
                                 for t in 0..n {
@@ -1850,17 +1855,7 @@ mod tests {
                             let out0 = rand_vec(&mut rng, n * d, 1.0);
                             for split in [DownSplit::Output, DownSplit::Partials] {
                                 let w = format!("{what} {split:?}");
-                                each_token_as_alone(
-                                    &mut rng,
-                                    &idx,
-                                    &h,
-                                    n,
-                                    &out0,
-                                    &w,
-                                    |i, h, n, o| {
-                                        sparse_down_split(k, &b, i, h, n, o, split).unwrap();
-                                    },
-                                );
+                                down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
                                 let mut got = out0.clone();
                                 sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
                                 for t in 0..n {
