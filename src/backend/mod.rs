@@ -272,6 +272,18 @@ pub struct AttnShape {
     pub scale: f32,
 }
 
+/// One sequence's rows in [`Backend::attention_batch`]: rows `first_row..first_row + rows` of
+/// the query and output, row `i` at position `first_pos + i`, over this sequence's caches (with
+/// its block table where it is paged).
+pub struct AttnSeq<'a, B: Backend + ?Sized> {
+    pub first_row: usize,
+    pub rows: usize,
+    pub first_pos: usize,
+    pub k: &'a B::Kv,
+    pub v: &'a B::Kv,
+    pub table: Option<&'a B::KvTable>,
+}
+
 /// The FFN sparsity mask on one activation value `a = act(·)` (CATS): a neuron whose activation
 /// magnitude is at most `threshold` contributes nothing. `threshold ≤ 0` is the dense FFN, bit
 /// for bit (no mask is applied at all); for ReLU-family activations threshold 0 already is the
@@ -757,6 +769,26 @@ pub trait Backend: Send + Sync + 'static {
         shape: AttnShape,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// Whether [`Backend::attention_batch`] runs here (else callers attend each sequence alone).
+    fn attends_batches(&self) -> bool {
+        false
+    }
+    /// The attention of several sequences' rows of `q` in one call (a batched step), each over
+    /// its own caches: every sequence's rows of `out` get what [`Backend::attention`] gives them
+    /// alone; rows of no sequence are left as they are. The caches already hold the step's keys
+    /// and values.
+    fn attention_batch(
+        &self,
+        _q: &Self::Tensor,
+        _seqs: &[AttnSeq<'_, Self>],
+        _shape: AttnShape,
+        _out: &mut Self::Tensor,
+    ) -> Result<()> {
+        Err(BackendError::Shape {
+            op: "attention_batch",
+            msg: "this backend attends one sequence at a time".into(),
+        })
+    }
 }
 
 #[cfg(test)]

@@ -15,8 +15,8 @@ use thiserror::Error;
 
 use crate::backend::memory::device_bytes;
 use crate::backend::{
-    Act, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType, Landing,
-    RopePairs, WorkspaceOp, kv_runs,
+    Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType,
+    Landing, RopePairs, WorkspaceOp, kv_runs,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -1898,6 +1898,9 @@ impl<B: Backend> Engine<B> {
                     self.linear(&layer.wq, &sc.h, &mut sc.q)?;
                     self.linear(&layer.wk, &sc.h, &mut sc.k)?;
                     self.linear(&layer.wv, &sc.h, &mut sc.v)?;
+                    // All the calls' attention in one backend call where it can (each call's
+                    // rows over its own caches, as alone), else call by call.
+                    let together = self.attends_together(calls);
                     for ((s, t), &first) in calls.iter_mut().zip(&firsts) {
                         let (pos, k) = (s.pos, t.len());
                         let [qc, kc, vc, ac] = &mut sc.row;
@@ -1929,9 +1932,21 @@ impl<B: Backend> Engine<B> {
                         }
                         let on_cpu = self.prefill.attends_on_cpu(k);
                         self.kv_layer_begin(s, l, pos, on_cpu)?;
+                        if together {
+                            // The rotated queries go back to the step's rows.
+                            b.copy_rows(qc, 0, &mut sc.q, first, k)?;
+                            self.store_kv(s, l, pos, kc, vc)?;
+                            continue;
+                        }
                         self.attend(s, l, pos, (qc, kc, vc), ac, on_cpu)?;
                         self.kv_layer_end(s, l, pos, k, on_cpu)?;
                         b.copy_rows(ac, 0, &mut sc.attn, first, k)?;
+                    }
+                    if together {
+                        self.attend_together(calls, &firsts, l, &sc.q, &mut sc.attn)?;
+                        for (s, t) in calls.iter_mut() {
+                            self.kv_layer_end(s, l, s.pos, t.len(), false)?;
+                        }
                     }
                     self.finish_layer(&mut layer, l, &mut sc)?;
                     if let Some(t) = &self.step_tap {
@@ -2081,6 +2096,33 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         let shape = self.attn_shape();
+        self.store_kv(s, l, pos, k, v)?;
+        match &s.kv {
+            SessionKv::Paged(p) => {
+                let pool = lock_pool(&p.pool);
+                b.attention(q, &pool.k[l], &pool.v[l], Some(&p.table), pos, shape, out)?;
+            }
+            SessionKv::Device { k: kc, v: vc } => {
+                b.attention(q, &kc[l], &vc[l], None, pos, shape, out)?;
+            }
+            SessionKv::Host(h) => {
+                b.attention(q, &h.work_k, &h.work_v, None, pos, shape, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Store rows `k`, `v` (positions `pos..`) in the session's layer `l` cache (a host-kept
+    /// session: in its work buffers, which hold the layer from `kv_layer_begin`).
+    fn store_kv(
+        &self,
+        s: &mut Session<B>,
+        l: usize,
+        pos: usize,
+        k: &B::Tensor,
+        v: &B::Tensor,
+    ) -> Result<()> {
+        let b = &self.backend;
         match &mut s.kv {
             SessionKv::Paged(p) => {
                 self.sync_table(p)?;
@@ -2089,20 +2131,64 @@ impl<B: Backend> Engine<B> {
                 let t = Some(&p.table);
                 b.store_kv(k, &mut pool.k[l], t, pos)?;
                 b.store_kv(v, &mut pool.v[l], t, pos)?;
-                b.attention(q, &pool.k[l], &pool.v[l], t, pos, shape, out)?;
             }
             SessionKv::Device { k: kc, v: vc } => {
                 b.store_kv(k, &mut kc[l], None, pos)?;
                 b.store_kv(v, &mut vc[l], None, pos)?;
-                b.attention(q, &kc[l], &vc[l], None, pos, shape, out)?;
             }
             SessionKv::Host(h) => {
-                // The layer's rows are in the work buffers (kv_layer_begin).
                 b.store_kv(k, &mut h.work_k, None, pos)?;
                 b.store_kv(v, &mut h.work_v, None, pos)?;
-                b.attention(q, &h.work_k, &h.work_v, None, pos, shape, out)?;
             }
         }
+        Ok(())
+    }
+
+    /// Whether a step's calls attend in one backend call: the backend can, none attends on the
+    /// CPU beside the device, and their paged caches are this engine's pool (locked once).
+    fn attends_together(&self, calls: &[(&mut Session<B>, &[u32])]) -> bool {
+        self.backend.attends_batches()
+            && calls.iter().all(|(s, t)| match &s.kv {
+                SessionKv::Device { .. } => true,
+                SessionKv::Host(_) => !self.prefill.attends_on_cpu(t.len()),
+                SessionKv::Paged(p) => self.pool.as_ref().is_some_and(|e| Arc::ptr_eq(e, &p.pool)),
+            })
+    }
+
+    /// Layer `l`'s attention of every call's rows of `q` (call `i`'s from `firsts[i]`, already
+    /// rotated, its keys and values stored) into the same rows of `out`, in one backend call.
+    fn attend_together(
+        &self,
+        calls: &[(&mut Session<B>, &[u32])],
+        firsts: &[usize],
+        l: usize,
+        q: &B::Tensor,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
+        let pool = self.pool.as_ref().map(lock_pool);
+        let mut seqs = Vec::with_capacity(calls.len());
+        for ((s, t), &first_row) in calls.iter().zip(firsts) {
+            let (k, v, table) = match &s.kv {
+                SessionKv::Device { k, v } => (&k[l], &v[l], None),
+                SessionKv::Host(h) => (&h.work_k, &h.work_v, None),
+                SessionKv::Paged(p) => {
+                    let pool = pool.as_ref().ok_or_else(|| {
+                        EngineError::Weights("a paged session without the engine's pool".into())
+                    })?;
+                    (&pool.k[l], &pool.v[l], Some(&p.table))
+                }
+            };
+            seqs.push(AttnSeq {
+                first_row,
+                rows: t.len(),
+                first_pos: s.pos,
+                k,
+                v,
+                table,
+            });
+        }
+        self.backend
+            .attention_batch(q, &seqs, self.attn_shape(), out)?;
         Ok(())
     }
 

@@ -221,6 +221,27 @@ impl CpuKvTable {
     }
 }
 
+/// A sequence's rows for attention: a cache of its own, or its blocks of a shared one.
+pub(super) enum SeqRows<'a> {
+    Whole(&'a CpuKv),
+    Paged(PagedRows<'a>),
+}
+
+impl super::ops::KvRows for SeqRows<'_> {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        match self {
+            SeqRows::Whole(kv) => kv.slice(j, col, tmp),
+            SeqRows::Paged(p) => p.slice(j, col, tmp),
+        }
+    }
+    fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        match self {
+            SeqRows::Whole(kv) => kv.f32_values().map(|v| (v, kv.cols)),
+            SeqRows::Paged(_) => None,
+        }
+    }
+}
+
 /// A paged sequence's rows in a shared cache, through its block table.
 pub(super) struct PagedRows<'a> {
     pub kv: &'a CpuKv,
@@ -308,12 +329,10 @@ pub fn attend_rows(
         RawRows { ty, cols, bytes: k },
         RawRows { ty, cols, bytes: v },
     );
-    super::ops::attend_causal(
+    super::ops::attend_each(
         super::kernels::best(),
         q,
-        &keys,
-        &values,
-        first_pos,
+        |t| Some((&keys, &values, first_pos + t + 1)),
         s,
         out,
         true,

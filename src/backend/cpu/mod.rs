@@ -14,8 +14,8 @@ pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
 use rayon::prelude::*;
 
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
-    sparse_act,
+    Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs,
+    WorkspaceOp, sparse_act,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -874,75 +874,212 @@ impl Backend for CpuBackend {
         s: AttnShape,
         out: &mut CpuTensor,
     ) -> Result<()> {
+        if out.rows != q.rows {
+            return Err(shape_err(
+                "attention",
+                format!("{} query rows into {} output rows", q.rows, out.rows),
+            ));
+        }
+        let seq = AttnSeq {
+            first_row: 0,
+            rows: q.rows,
+            first_pos,
+            k: k_cache,
+            v: v_cache,
+            table,
+        };
+        self.attention_batch(q, &[seq], s, out)
+    }
+
+    fn attends_batches(&self) -> bool {
+        true
+    }
+
+    fn attention_batch(
+        &self,
+        q: &CpuTensor,
+        seqs: &[AttnSeq<'_, Self>],
+        s: AttnShape,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
         let kv_dim = s.n_kv_heads * s.head_dim;
         let q_dim = s.n_heads * s.head_dim;
-        let n = q.rows;
-        let rows = match table {
-            // Paged: the table says which rows; it must cover the positions, inside the cache.
-            Some(t) => {
-                let cache_rows = k_cache.rows.min(v_cache.rows);
-                super::check_kv_table("attention", t.blocks(), first_pos + n, cache_rows)?;
-                first_pos + n
-            }
-            None => k_cache.rows.min(v_cache.rows),
-        };
         if q.cols != q_dim
             || out.cols != q_dim
-            || out.rows != n
-            || k_cache.cols != kv_dim
-            || v_cache.cols != kv_dim
-            || first_pos + n > rows
+            || out.rows != q.rows
             || s.n_kv_heads == 0
             || !s.n_heads.is_multiple_of(s.n_kv_heads)
         {
             return Err(shape_err(
                 "attention",
                 format!(
-                    "q {}x{}, caches {}x{}, {} positions from {first_pos}",
-                    q.rows, q.cols, k_cache.rows, k_cache.cols, n
+                    "q {}x{} into {}x{}, {} heads over {} KV heads",
+                    q.rows, q.cols, out.rows, out.cols, s.n_heads, s.n_kv_heads
                 ),
             ));
         }
-        match table {
-            Some(t) => {
-                let (k, v) = (
-                    kv::PagedRows {
-                        kv: k_cache,
-                        blocks: t.blocks(),
-                    },
-                    kv::PagedRows {
-                        kv: v_cache,
-                        blocks: t.blocks(),
-                    },
-                );
-                self.attend_heads(q, &k, &v, first_pos, s, out);
+        // Each row's sequence; each sequence's caches as attention reads them.
+        let mut owner: Vec<Option<usize>> = vec![None; q.rows];
+        let mut views = Vec::with_capacity(seqs.len());
+        let mut work = 0;
+        for (i, seq) in seqs.iter().enumerate() {
+            let (k, v, n, first_pos) = (seq.k, seq.v, seq.rows, seq.first_pos);
+            let rows = match seq.table {
+                // Paged: the table says which rows; it must cover the positions, inside the cache.
+                Some(t) => {
+                    let cache_rows = k.rows.min(v.rows);
+                    super::check_kv_table("attention", t.blocks(), first_pos + n, cache_rows)?;
+                    first_pos + n
+                }
+                None => k.rows.min(v.rows),
+            };
+            if k.cols != kv_dim
+                || v.cols != kv_dim
+                || first_pos + n > rows
+                || seq.first_row + n > q.rows
+            {
+                return Err(shape_err(
+                    "attention",
+                    format!(
+                        "rows {}..{} of q {}x{}, caches {}x{}, {n} positions from {first_pos}",
+                        seq.first_row,
+                        seq.first_row + n,
+                        q.rows,
+                        q.cols,
+                        k.rows,
+                        k.cols
+                    ),
+                ));
             }
-            None => self.attend_heads(q, k_cache, v_cache, first_pos, s, out),
+            for o in &mut owner[seq.first_row..seq.first_row + n] {
+                if o.replace(i).is_some() {
+                    return Err(shape_err(
+                        "attention",
+                        format!("row {} is in two sequences", seq.first_row),
+                    ));
+                }
+            }
+            views.push(match seq.table {
+                Some(t) => (
+                    kv::SeqRows::Paged(kv::PagedRows {
+                        kv: k,
+                        blocks: t.blocks(),
+                    }),
+                    kv::SeqRows::Paged(kv::PagedRows {
+                        kv: v,
+                        blocks: t.blocks(),
+                    }),
+                ),
+                None => (kv::SeqRows::Whole(k), kv::SeqRows::Whole(v)),
+            });
+            work += n * s.n_heads * (first_pos + n) * s.head_dim;
+        }
+        let caches = |t: usize| {
+            owner[t].map(|i| {
+                let seq = &seqs[i];
+                let len = seq.first_pos + (t - seq.first_row) + 1;
+                (&views[i].0, &views[i].1, len)
+            })
+        };
+        let (k, q, out) = (self.kernels, &q.data, &mut out.data);
+        if work >= PAR_ELEMS / 2 {
+            self.pool
+                .install(|| ops::attend_each(k, q, caches, s, out, true));
+        } else {
+            ops::attend_each(k, q, caches, s, out, false);
         }
         Ok(())
     }
 }
 
-impl CpuBackend {
-    /// Causal attention over caches already checked (in parallel from enough work).
-    fn attend_heads(
-        &self,
-        q: &CpuTensor,
-        k_cache: &impl ops::KvRows,
-        v_cache: &impl ops::KvRows,
-        first_pos: usize,
-        s: AttnShape,
-        out: &mut CpuTensor,
-    ) {
-        let n = q.rows;
-        let work = n * s.n_heads * (first_pos + n) * s.head_dim;
-        let parallel = work >= PAR_ELEMS / 2;
-        let (k, q, out) = (self.kernels, &q.data, &mut out.data);
-        if parallel {
-            self.pool
-                .install(|| ops::attend_causal(k, q, k_cache, v_cache, first_pos, s, out, true));
-        } else {
-            ops::attend_causal(k, q, k_cache, v_cache, first_pos, s, out, false);
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::KV_BLOCK;
+
+    /// Several sequences in one call — own caches of two types and blocks of a shared one —
+    /// get, bit for bit, what each gets from `attention` alone; a row of no sequence is left
+    /// as it was; a row claimed twice is refused.
+    #[test]
+    fn attention_batch_gives_each_sequence_its_own_attention() {
+        let b = CpuBackend::new(2).unwrap();
+        let s = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            scale: 0.35,
+        };
+        let (q_dim, kv_dim) = (32, 16);
+        let vals = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i + seed) * 7919 % 1009) as f32 - 504.0) / 300.0)
+                .collect()
+        };
+        let cache = |rows, ty, seed| {
+            let mut kv = b.alloc_kv(rows, kv_dim, ty).unwrap();
+            b.write_kv(&mut kv, 0, &vals(rows * kv_dim, seed)).unwrap();
+            kv
+        };
+        let (ka, va) = (cache(20, KvType::F32, 1), cache(20, KvType::F32, 2));
+        let (kc, vc) = (cache(8, KvType::F16, 3), cache(8, KvType::F16, 4));
+        let (kp, vp) = (
+            cache(4 * KV_BLOCK, KvType::F32, 5),
+            cache(4 * KV_BLOCK, KvType::F32, 6),
+        );
+        let mut table = b.alloc_kv_table(2).unwrap();
+        b.write_kv_table(&mut table, &[3, 1]).unwrap();
+        // (first_row, rows, first_pos, k, v, table)
+        let seqs = [
+            (0, 2, 5, &ka, &va, None),
+            (2, 3, 0, &kc, &vc, None),
+            (6, 1, 17, &kp, &vp, Some(&table)),
+        ];
+        let mut q = b.alloc(7, q_dim).unwrap();
+        let qv = vals(7 * q_dim, 7);
+        b.write(&mut q, &qv).unwrap();
+        let mut out = b.alloc(7, q_dim).unwrap();
+        b.write(&mut out, &vec![9.0; 7 * q_dim]).unwrap();
+        let batch: Vec<AttnSeq<'_, CpuBackend>> = seqs
+            .iter()
+            .map(|&(first_row, rows, first_pos, k, v, table)| AttnSeq {
+                first_row,
+                rows,
+                first_pos,
+                k,
+                v,
+                table,
+            })
+            .collect();
+        b.attention_batch(&q, &batch, s, &mut out).unwrap();
+        for &(first_row, rows, first_pos, k, v, table) in &seqs {
+            let mut qa = b.alloc(rows, q_dim).unwrap();
+            b.write(&mut qa, &qv[first_row * q_dim..(first_row + rows) * q_dim])
+                .unwrap();
+            let mut alone = b.alloc(rows, q_dim).unwrap();
+            b.attention(&qa, k, v, table, first_pos, s, &mut alone)
+                .unwrap();
+            let got = &out.data[first_row * q_dim..(first_row + rows) * q_dim];
+            assert!(got == &alone.data[..], "rows from {first_row}");
         }
+        assert!(out.data[5 * q_dim..6 * q_dim].iter().all(|&x| x == 9.0));
+        let twice = [
+            AttnSeq::<CpuBackend> {
+                first_row: 0,
+                rows: 2,
+                first_pos: 5,
+                k: &ka,
+                v: &va,
+                table: None,
+            },
+            AttnSeq {
+                first_row: 1,
+                rows: 1,
+                first_pos: 0,
+                k: &kc,
+                v: &vc,
+                table: None,
+            },
+        ];
+        assert!(b.attention_batch(&q, &twice, s, &mut out).is_err());
     }
 }

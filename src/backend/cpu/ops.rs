@@ -104,19 +104,16 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
     }
 }
 
-/// Causal attention of `q` (`n` rows of `n_heads · head_dim`, row `t` at position
-/// `first_pos + t`) over caches holding at least `first_pos + n` rows, into `out`; over the
-/// current rayon pool where `parallel`. A task takes the query heads sharing a KV head (each key
-/// and value row read once for them) where there are enough such tasks for the threads (a
-/// prompt), else one head (a decoded token: more tasks than KV heads); a head's arithmetic is
-/// the same either way, so a token's result does not depend on the rows beside it.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_causal(
+/// Causal attention of the rows of `q` (`n_heads · head_dim` each) into the same rows of
+/// `out`: `caches(t)` gives row `t`'s key and value caches and how many of their positions it
+/// attends (`None`: the row is left alone); over the current rayon pool where `parallel`. A task
+/// takes the query heads sharing a KV head (each key and value row read once for them) where
+/// there are enough such tasks for the threads, else one head; a head's arithmetic is the same
+/// either way, so a row's result depends on nothing but its own query and caches.
+pub fn attend_each<'c, R: KvRows + 'c>(
     k: &Kernels,
     q: &[f32],
-    k_cache: &impl KvRows,
-    v_cache: &impl KvRows,
-    first_pos: usize,
+    caches: impl Fn(usize) -> Option<(&'c R, &'c R, usize)> + Sync,
     s: AttnShape,
     out: &mut [f32],
     parallel: bool,
@@ -139,17 +136,19 @@ pub fn attend_causal(
     let tasks_per_row = s.n_heads / per_task;
     let task = |(idx, o): (usize, &mut [f32])| {
         let (t, h0) = (idx / tasks_per_row, (idx % tasks_per_row) * per_task);
-        attend(
-            k,
-            &q[t * q_dim + h0 * hd..][..per_task * hd],
-            k_cache,
-            v_cache,
-            (h0 / group) * hd,
-            hd,
-            first_pos + t + 1,
-            s.scale,
-            o,
-        );
+        if let Some((k_cache, v_cache, len)) = caches(t) {
+            attend(
+                k,
+                &q[t * q_dim + h0 * hd..][..per_task * hd],
+                k_cache,
+                v_cache,
+                (h0 / group) * hd,
+                hd,
+                len,
+                s.scale,
+                o,
+            );
+        }
     };
     if parallel {
         out.par_chunks_mut(per_task * hd).enumerate().for_each(task);
