@@ -2165,7 +2165,10 @@ impl<B: Backend> Engine<B> {
         q: &B::Tensor,
         out: &mut B::Tensor,
     ) -> Result<()> {
-        let pool = self.pool.as_ref().map(lock_pool);
+        let paged = calls
+            .iter()
+            .any(|(s, _)| matches!(s.kv, SessionKv::Paged(_)));
+        let pool = self.pool.as_ref().filter(|_| paged).map(lock_pool);
         let mut seqs = Vec::with_capacity(calls.len());
         for ((s, t), &first_row) in calls.iter().zip(firsts) {
             let (k, v, table) = match &s.kv {
