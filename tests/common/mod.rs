@@ -343,6 +343,19 @@ pub fn greedy(v: &[f32]) -> u32 {
         .0 as u32
 }
 
+/// A session of 64 positions, with a query probe where `probe`.
+#[allow(dead_code)]
+pub fn probed_session<B: gpu_offload::backend::Backend>(
+    e: &gpu_offload::engine::Engine<B>,
+    probe: bool,
+) -> gpu_offload::engine::Session<B> {
+    let mut s = e.new_session(64).unwrap();
+    if probe {
+        e.enable_probe(&mut s).unwrap();
+    }
+    s
+}
+
 /// Greedy decode of each prompt alone (with a query probe where `probe`): the logits of each of
 /// `steps` decode steps.
 #[allow(dead_code)]
@@ -356,10 +369,7 @@ pub fn decode_alone<B: gpu_offload::backend::Backend>(
     prompts
         .iter()
         .map(|p| {
-            let mut s = e.new_session(64).unwrap();
-            if probe {
-                e.enable_probe(&mut s).unwrap();
-            }
+            let mut s = probed_session(e, probe);
             let mut l = e.forward(&mut s, p, Logits::Last).unwrap();
             let mut out = Vec::new();
             for _ in 0..steps {
@@ -381,15 +391,13 @@ pub fn decode_batched<B: gpu_offload::backend::Backend>(
     probe: bool,
 ) -> Vec<Vec<Vec<f32>>> {
     use gpu_offload::engine::{Logits, Session};
-    let mut sessions: Vec<Session<B>> =
-        prompts.iter().map(|_| e.new_session(64).unwrap()).collect();
-    let mut last: Vec<Vec<f32>> = Vec::new();
-    for (s, p) in sessions.iter_mut().zip(prompts) {
-        if probe {
-            e.enable_probe(s).unwrap();
-        }
-        last.push(e.forward(s, p, Logits::Last).unwrap());
-    }
+    let mut sessions: Vec<Session<B>> = prompts.iter().map(|_| probed_session(e, probe)).collect();
+    let mut last: Vec<Vec<f32>> = sessions
+        .iter_mut()
+        .zip(prompts)
+        .map(|(s, p)| e.forward(s, p, Logits::Last).unwrap())
+        .collect();
+
     let mut out = vec![Vec::new(); prompts.len()];
     for _ in 0..steps {
         let mut calls: Vec<(&mut Session<B>, u32)> = sessions

@@ -476,14 +476,8 @@ mod x86 {
                     i += 8;
                 }
             }
-            for (o, (acc, row)) in out[r..r + 2].iter_mut().zip([(acc_a, a), (acc_b, b)]) {
-                let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-                let mut sum = hsum(v);
-                for j in i..n {
-                    sum += row[j] * x[j];
-                }
-                *o = sum;
-            }
+            out[r] = dot_f32_finish(acc_a, a, x, i);
+            out[r + 1] = dot_f32_finish(acc_b, b, x, i);
             r += 2;
         }
         for (o, row) in out.iter_mut().zip(rows).skip(r) {
@@ -557,9 +551,16 @@ mod x86 {
                 i += 8;
             }
         }
+        dot_f32_finish(acc, w, x, i)
+    }
+
+    /// [`dot_f32_avx2`]'s reduction: its four accumulators, then the values from `i` on.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn dot_f32_finish(acc: [__m256; 4], w: &[f32], x: &[f32], i: usize) -> f32 {
         let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut sum = hsum(v);
-        for j in i..n {
+        for j in i..w.len().min(x.len()) {
             sum += w[j] * x[j];
         }
         sum

@@ -236,7 +236,7 @@ impl super::ops::KvRows for SeqRows<'_> {
     }
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         match self {
-            SeqRows::Whole(kv) => kv.f32_values().map(|v| (v, kv.cols)),
+            SeqRows::Whole(kv) => super::ops::KvRows::f32_rows(*kv),
             SeqRows::Paged(_) => None,
         }
     }

@@ -874,12 +874,6 @@ impl Backend for CpuBackend {
         s: AttnShape,
         out: &mut CpuTensor,
     ) -> Result<()> {
-        if out.rows != q.rows {
-            return Err(shape_err(
-                "attention",
-                format!("{} query rows into {} output rows", q.rows, out.rows),
-            ));
-        }
         let seq = AttnSeq {
             first_row: 0,
             rows: q.rows,
@@ -951,11 +945,11 @@ impl Backend for CpuBackend {
                     ),
                 ));
             }
-            for o in &mut owner[seq.first_row..seq.first_row + n] {
+            for (r, o) in owner.iter_mut().enumerate().skip(seq.first_row).take(n) {
                 if o.replace(i).is_some() {
                     return Err(shape_err(
                         "attention",
-                        format!("row {} is in two sequences", seq.first_row),
+                        format!("row {r} is in two sequences"),
                     ));
                 }
             }

@@ -1563,7 +1563,6 @@ mod tests {
         (0..n).map(|_| rng.random_range(-r..r)).collect()
     }
 
-    /// A random list of `frac` of `neurons`, in random order, without duplicates.
     /// Zero about half of each token's activations (each token its own), then check that
     /// every token's row of `call` over all `n` tokens is, bit for bit, its row of `call` over
     /// that token alone listing only its non-zero neurons (in the same order). `call(idx, h,
@@ -1612,6 +1611,7 @@ mod tests {
         });
     }
 
+    /// A random list of `frac` of `neurons`, in random order, without duplicates.
     fn rand_idx(rng: &mut StdRng, neurons: usize, frac: f64) -> Vec<u32> {
         let mut all: Vec<u32> = (0..neurons as u32).collect();
         all.shuffle(rng);
