@@ -135,11 +135,16 @@ pub fn matmul_strided(
                         let r = (ra + i).min(rb - 1);
                         &data[r * row_bytes..(r + 1) * row_bytes]
                     });
-                    // The next rows stream in from DRAM while these compute.
-                    let next = (rb * row_bytes).min(data.len())
-                        ..((rb + ROW_TILE) * row_bytes).min(data.len());
-                    prefetch(&data[next]);
-                    dots(&rows[..rb - ra], pairs, t0, &mut sums[..(rb - ra) * nt]);
+                    // The next tile's rows stream in from DRAM while these compute, a pair of
+                    // rows at a time: a whole tile's lines at once filled the miss buffers and
+                    // stalled the core.
+                    for a in (0..rb - ra).step_by(2) {
+                        let b = (a + 2).min(rb - ra);
+                        let next = ((rb + a) * row_bytes).min(data.len())
+                            ..((rb + b) * row_bytes).min(data.len());
+                        prefetch(&data[next]);
+                        dots(&rows[a..b], pairs, t0, &mut sums[a * nt..b * nt]);
+                    }
                     for (i, r) in (ra..rb).enumerate() {
                         for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
                             // SAFETY: as below.
