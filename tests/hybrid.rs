@@ -223,8 +223,43 @@ fn argmax_rows(v: &[f32], vocab: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Each row's greedy token of `got` is `want`'s wherever `want`'s choice is clear (its top two
+/// more than `clear` of the logit range apart), and elsewhere one `want` scores within `clear`
+/// of its best: a near-tie may fall either way when the two paths round differently.
+fn greedy_agrees(got: &[f32], want: &[f32], vocab: usize, clear: f32, what: &str) {
+    for (r, ((g, w), (gi, wi))) in got
+        .chunks(vocab)
+        .zip(want.chunks(vocab))
+        .zip(
+            argmax_rows(got, vocab)
+                .into_iter()
+                .zip(argmax_rows(want, vocab)),
+        )
+        .enumerate()
+    {
+        let range = w.iter().fold(0f32, |m, v| m.max(v.abs())) * clear;
+        let second = w
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| i != wi)
+            .fold(f32::MIN, |m, (_, &v)| m.max(v));
+        if w[wi] - second > range {
+            assert_eq!(gi, wi, "{what}, row {r}: greedy token (clear choice)");
+        } else {
+            assert!(
+                w[gi] >= w[wi] - range,
+                "{what}, row {r}: greedy {gi} scored {} by the reference, its best {} ({wi}); g {}",
+                w[gi],
+                w[wi],
+                g[gi]
+            );
+        }
+    }
+}
+
 /// A block-quantized FFN (SmolLM2, Q4_1 matrices) places whole down blocks: at random block
-/// placements the greedy tokens are the streaming engine's and the logits stay within 5%.
+/// placements the greedy tokens are the streaming engine's wherever its choice is clear (a
+/// near-tie may fall either way) and the logits stay within 5%.
 /// (Each layer's FFN output equals the streaming one to ~1e-7 relative — hot and cold blocks
 /// summed apart, `tier::hybrid`'s unit test checks one layer to 1e-5 — but every matrix product
 /// rounds its input to 8-bit blocks, and a value on a rounding edge moves by a whole step:
@@ -257,11 +292,7 @@ fn hybrid_matrices_place_whole_blocks() {
         let got = logits(&e, &toks);
         let got_first = first(&e);
         for (got, want) in [(&got, &want), (&got_first, &want_first)] {
-            assert_eq!(
-                argmax_rows(got, spec.vocab_size),
-                argmax_rows(want, spec.vocab_size),
-                "{what}"
-            );
+            greedy_agrees(got, want, spec.vocab_size, 0.02, &what);
             let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
             let worst = got
                 .iter()

@@ -26,77 +26,38 @@ pub struct ActBlock {
     pub qs: [i8; QK],
 }
 
-/// Two activation blocks of one token laid out for the many-token kernels: their 64 codes, and
-/// each block's scale and offset term spread over the block's 8 result lanes. These are the
-/// vectors the one-token kernel builds for every block pair of every weight row; built once per
-/// call, they leave the many-token kernel one load each.
-#[repr(C, align(64))]
+/// The activations of one or more tokens for the many-row kernels: `per_token` blocks to a token.
 #[derive(Clone, Copy)]
-pub struct PairLanes {
-    pub qs: [i8; 2 * QK],
-    pub d: [f32; 16],
-    /// The offset term's activation factor (see [`ActPairs::new`]).
-    pub o: [f32; 16],
-}
-
-/// The activations of several tokens for the many-token kernels.
-pub struct ActPairs<'a> {
-    /// The blocks, `per_token` to a token: a tail block (odd count) is read from here.
+pub struct TokenBlocks<'a> {
     pub blocks: &'a [ActBlock],
     pub per_token: usize,
-    /// `per_token / 2` pairs to a token.
-    pub pairs: Vec<PairLanes>,
 }
 
-impl<'a> ActPairs<'a> {
-    /// The offset lanes for weights in `dtype`: `s` for Q4_1 (its min times the activations'
-    /// sum), `isum` for Q4_0 (its −8 code offset), `16·isum` for Q8_0 (the +128 the unsigned
-    /// product adds, spread over 8 lanes); see the one-token kernels.
-    pub fn new(blocks: &'a [ActBlock], per_token: usize, dtype: DType) -> Self {
-        let offset = |a: &ActBlock| offset_term(dtype, a);
-        let half = per_token / 2;
-        let mut pairs = Vec::with_capacity(blocks.len() / per_token.max(1) * half);
-        for token in blocks.chunks(per_token.max(1)) {
-            for p in token.chunks_exact(2).take(half) {
-                let mut lanes = PairLanes {
-                    qs: [0; 2 * QK],
-                    d: [0.0; 16],
-                    o: [0.0; 16],
-                };
-                lanes.qs[..QK].copy_from_slice(&p[0].qs);
-                lanes.qs[QK..].copy_from_slice(&p[1].qs);
-                for (j, a) in p.iter().enumerate() {
-                    lanes.d[8 * j..8 * j + 8].fill(a.d);
-                    lanes.o[8 * j..8 * j + 8].fill(offset(a));
-                }
-                pairs.push(lanes);
-            }
-        }
-        ActPairs {
-            blocks,
-            per_token,
-            pairs,
-        }
-    }
-
+impl TokenBlocks<'_> {
     pub fn tokens(&self) -> usize {
         self.blocks.len() / self.per_token.max(1)
     }
 }
 
-/// The activation factor of a block's offset term for weights in `dtype` (see
-/// [`ActPairs::new`]).
-fn offset_term(dtype: DType, a: &ActBlock) -> f32 {
-    match dtype {
-        DType::Q4_1 => a.s,
-        DType::Q8_0 => 16.0 * a.isum as f32,
-        _ => a.isum as f32,
-    }
-}
-
 /// `out[r·n + j] = rows[r] · x[t0 + j]` for weight rows (bytes of whole blocks) and
-/// `n = out.len() / rows.len()` tokens, each result bit for bit the one-token kernel's.
-pub type DotsFn = fn(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]);
+/// `n = out.len() / rows.len()` tokens, each result bit for bit the one-token kernel's. `next`:
+/// the bytes the caller reads next, prefetched while these rows compute.
+pub type DotsFn = fn(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]);
+
+/// Ask the caches for `bytes` ahead of use (one hint per 64-byte line; a hint never faults).
+#[inline]
+pub(crate) fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and cannot fault.
+        unsafe {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
 
 /// The kernel set for this machine.
 pub struct Kernels {
@@ -125,7 +86,7 @@ pub struct Kernels {
     pub quantize: fn(&[f32], &mut [ActBlock]),
     /// Activations into 256-value blocks (K-quant weights).
     pub quantize_k: fn(&[f32], &mut [ActBlockK]),
-    /// Many-token Q8_0 / Q4_0 / Q4_1 kernels, where this set has them: each weight block is
+    /// Many-row Q8_0 / Q4_0 / Q4_1 kernels, where this set has them: each weight block is
     /// unpacked once for all the tokens (batched decode is compute-bound on these formats
     /// otherwise).
     pub dots_q8_0: Option<DotsFn>,
@@ -134,7 +95,7 @@ pub struct Kernels {
 }
 
 impl Kernels {
-    /// The many-token kernel for weights in `dtype`, if this set has one.
+    /// The many-row kernel for weights in `dtype`, if this set has one.
     pub fn dots(&self, dtype: DType) -> Option<DotsFn> {
         match dtype {
             DType::Q8_0 => self.dots_q8_0,
@@ -144,19 +105,22 @@ impl Kernels {
         }
     }
 
-    /// The many-token kernel for `n` tokens of activation blocks `q` (`per_token` each) over
-    /// weights in `dtype`, with the activations laid out for it; `None` for one token (the
-    /// one-token kernel, same arithmetic, streams a large matrix faster) or where this set has
-    /// no such kernel.
-    pub fn many_tokens<'a>(
+    /// The many-row kernel for activation blocks `q` (`per_token` to a token) over weights in
+    /// `dtype`, where this set has one (it serves one token as well as many).
+    pub fn many_rows<'a>(
         &self,
         dtype: DType,
         q: &'a [ActBlock],
         per_token: usize,
-        n: usize,
-    ) -> Option<(ActPairs<'a>, DotsFn)> {
-        let dots = self.dots(dtype).filter(|_| n >= 2)?;
-        Some((ActPairs::new(q, per_token, dtype), dots))
+    ) -> Option<(TokenBlocks<'a>, DotsFn)> {
+        let dots = self.dots(dtype)?;
+        Some((
+            TokenBlocks {
+                blocks: q,
+                per_token,
+            },
+            dots,
+        ))
     }
 }
 
@@ -789,20 +753,20 @@ mod x86 {
             ..super::KERNELS
         };
 
-        fn dots_q8_0(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+        fn dots_q8_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
             // SAFETY: installed only after `supported()`; `dots` checks the bounds.
-            unsafe { dots::<Q8>(rows, x, t0, out) }
+            unsafe { dots::<Q8>(rows, x, t0, out, next) }
         }
-        fn dots_q4_0(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+        fn dots_q4_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
             // SAFETY: as above.
-            unsafe { dots::<Q40>(rows, x, t0, out) }
+            unsafe { dots::<Q40>(rows, x, t0, out, next) }
         }
-        fn dots_q4_1(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+        fn dots_q4_1(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
             // SAFETY: as above.
-            unsafe { dots::<Q41>(rows, x, t0, out) }
+            unsafe { dots::<Q41>(rows, x, t0, out, next) }
         }
 
-        /// Weight formats of the many-token kernels.
+        /// Weight formats of these kernels.
         const Q8: u8 = 0;
         const Q40: u8 = 1;
         const Q41: u8 = 2;
@@ -815,28 +779,59 @@ mod x86 {
             }
         }
 
-        /// Tokens in tiles of 8, 4, 2 and 1 (Q8_0 rows in pairs): a tile's accumulators stay
-        /// in registers, each weight pair is unpacked once for the tile's tokens and each
-        /// token's activations loaded once for its rows.
+        /// Weight rows a tile takes at once: one to each 32-bit lane of a register.
+        const LANES: usize = 16;
+
+        /// Tokens a tile takes at most.
+        const MAX_TOKENS: usize = 8;
+
+        // Every kernel of these formats, one row or many, computes a result the same way, so
+        // that it never depends on the rows or tokens computed beside it: for each block in
+        // order, the exact integer sum Σ code·x (with `code_offset`), then
+        // acc = fma(d_w·d_x, sum, acc) and, for Q4_1, acc = fma(m_w, s_x, acc).
+
+        /// The integer the block's sum of code products needs added.
+        #[inline]
+        fn code_offset<const KIND: u8>(a: &ActBlock) -> i32 {
+            match KIND {
+                // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
+                Q8 => -128 * a.isum,
+                // Codes 0..15 stand for −8..7.
+                Q40 => -8 * a.isum,
+                _ => 0,
+            }
+        }
+
+        /// Rows in groups of 16, one row to a lane (a group's weight codes transposed once for
+        /// the tile's tokens, each token's codes broadcast), tokens in tiles of 8, 4, 2 and 1:
+        /// the per-block scaling costs one vector operation for 16 rows, where one row to a
+        /// register paid it for every row.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn dots<const KIND: u8>(rows: &[&[u8]], x: &ActPairs, t0: usize, out: &mut [f32]) {
+        unsafe fn dots<const KIND: u8>(
+            rows: &[&[u8]],
+            x: &TokenBlocks,
+            t0: usize,
+            out: &mut [f32],
+            next: &[u8],
+        ) {
             let n = out.len() / rows.len().max(1);
+            let nb = x.per_token;
             assert!(
-                rows.iter()
-                    .all(|r| r.len() == x.per_token * block_bytes(KIND))
+                rows.iter().all(|r| r.len() == nb * block_bytes(KIND))
                     && out.len() == rows.len() * n
                     && t0 + n <= x.tokens(),
-                "dots: {} rows, {} blocks per token, tokens {t0}+{n} of {}",
+                "dots: {} rows, {nb} blocks per token, tokens {t0}+{n} of {}",
                 rows.len(),
-                x.per_token,
                 x.tokens()
             );
-            // Q4 cells keep a second accumulator (the offsets): one row of 8 tokens fills the
-            // registers.
-            let max_rows = if KIND == Q8 { 2 } else { 1 };
-            let mut r = 0;
-            while r < rows.len() {
-                let rr = (rows.len() - r).min(max_rows);
+            let groups = rows.len().div_ceil(LANES);
+            let share = next.len().div_ceil(groups.max(1));
+            let mut sums = [0f32; LANES * MAX_TOKENS];
+            for (g, group) in rows.chunks(LANES).enumerate() {
+                // Lanes past the group's last row repeat it (computed, never stored).
+                let rp: [*const u8; LANES] =
+                    std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
+                let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
                 let mut t = 0;
                 while t < n {
                     let tt = match n - t {
@@ -845,193 +840,178 @@ mod x86 {
                         2 | 3 => 2,
                         _ => 1,
                     };
-                    let w = &rows[r..r + rr];
-                    let o = &mut out[r * n + t..];
-                    // SAFETY: rows of whole blocks and tokens t0 + t .. + tt exist (asserted).
+                    let xb = x.blocks[(t0 + t) * nb..].as_ptr();
+                    let ahead = if t == 0 { ahead } else { &[] };
+                    // SAFETY: whole rows of nb blocks, and tokens t0 + t .. + tt of nb blocks
+                    // each (asserted above).
                     unsafe {
-                        match (rr, tt) {
-                            (2, 8) => tile::<KIND, 2, 8>(w, x, t0 + t, o, n),
-                            (2, 4) => tile::<KIND, 2, 4>(w, x, t0 + t, o, n),
-                            (2, 2) => tile::<KIND, 2, 2>(w, x, t0 + t, o, n),
-                            (2, _) => tile::<KIND, 2, 1>(w, x, t0 + t, o, n),
-                            (_, 8) => tile::<KIND, 1, 8>(w, x, t0 + t, o, n),
-                            (_, 4) => tile::<KIND, 1, 4>(w, x, t0 + t, o, n),
-                            (_, 2) => tile::<KIND, 1, 2>(w, x, t0 + t, o, n),
-                            _ => tile::<KIND, 1, 1>(w, x, t0 + t, o, n),
+                        match tt {
+                            8 => tile::<KIND, 8>(&rp, xb, nb, &mut sums, ahead),
+                            4 => tile::<KIND, 4>(&rp, xb, nb, &mut sums, ahead),
+                            2 => tile::<KIND, 2>(&rp, xb, nb, &mut sums, ahead),
+                            _ => tile::<KIND, 1>(&rp, xb, nb, &mut sums, ahead),
+                        }
+                    }
+                    let r0 = g * LANES;
+                    for (i, o) in out[r0 * n..(r0 + group.len()) * n]
+                        .chunks_exact_mut(n)
+                        .enumerate()
+                    {
+                        for (j, v) in o[t..t + tt].iter_mut().enumerate() {
+                            *v = sums[j * LANES + i];
                         }
                     }
                     t += tt;
                 }
-                r += rr;
             }
         }
 
-        /// A pair of weight blocks: codes, scales and mins (Q4_1) as [`weight_pair`] gives them.
-        type WeightPair = (__m512i, __m512, __m512);
-
-        /// One pair of weight blocks (from `p`, the first): codes as `vpdpbusd`'s unsigned
-        /// operand in the activations' order, the two scales over their 8 lanes each, and the
-        /// two mins likewise (Q4_1; the scales again otherwise).
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn weight_pair<const KIND: u8>(p: *const u8) -> WeightPair {
-            let block = block_bytes(KIND);
-            // SAFETY: the caller passes two whole blocks.
-            unsafe {
-                let rd = |q: *const u8| u16::from_le((q as *const u16).read_unaligned());
-                let wd = pair_h(rd(p), rd(p.add(block)));
-                let wm = if KIND == Q41 {
-                    pair_h(rd(p.add(2)), rd(p.add(block + 2)))
-                } else {
-                    wd
-                };
-                if KIND == Q8 {
-                    let w0 = _mm256_loadu_si256(p.add(2) as *const __m256i);
-                    let w1 = _mm256_loadu_si256(p.add(block + 2) as *const __m256i);
-                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1);
-                    // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
-                    (_mm512_xor_si512(z, _mm512_set1_epi8(-128)), wd, wm)
-                } else {
-                    let header = block - 16;
-                    let packed = _mm256_set_m128i(
-                        _mm_loadu_si128(p.add(block + header) as *const __m128i),
-                        _mm_loadu_si128(p.add(header) as *const __m128i),
-                    );
-                    let mask = _mm256_set1_epi8(0x0f);
-                    let lo = _mm256_and_si256(packed, mask);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), mask);
-                    // 128-bit lanes [lo0, lo1, hi0, hi1] → [lo0, hi0, lo1, hi1].
-                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                    (_mm512_shuffle_i64x2::<0b11_01_10_00>(z, z), wd, wm)
-                }
-            }
-        }
-
-        /// One row against one token's pair: `(d_w·d_x·Σ w·x, d_w·d_x)` over 16 lanes, the
-        /// steps every kernel of a format shares.
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        fn cell<const KIND: u8>(
-            (wz, wd, wm): WeightPair,
-            xz: __m512i,
-            xd: __m512,
-            xo: __m512,
-            acc: __m512,
-            off: __m512,
-        ) -> (__m512, __m512) {
-            let f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wz, xz));
-            let scale = _mm512_mul_ps(wd, xd);
-            match KIND {
-                // Each block's 128·Σx, spread over its 8 lanes (xo = 16·Σx).
-                Q8 => (_mm512_fmadd_ps(scale, _mm512_sub_ps(f, xo), acc), off),
-                Q40 => (
-                    _mm512_fmadd_ps(scale, f, acc),
-                    _mm512_fmadd_ps(scale, xo, off),
-                ),
-                // The min times the activations' (scaled) sum.
-                _ => (_mm512_fmadd_ps(scale, f, acc), _mm512_fmadd_ps(wm, xo, off)),
-            }
-        }
-
-        /// The result of one cell: its lanes summed, the format's offset term, and the tail
-        /// block of an odd count (`tail`: the token's last block).
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn finish<const KIND: u8>(
-            row: &[u8],
-            nb: usize,
-            acc: __m512,
-            off: __m512,
-            tail: &ActBlock,
-        ) -> f32 {
-            let mut sum = _mm512_reduce_add_ps(acc);
-            if KIND != Q8 {
-                // Every lane of a block's half holds its offset: take lanes 0 and 8.
-                let mut lanes = [0f32; 16];
-                // SAFETY: 16 floats.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), off) };
-                let offset = lanes[0] + lanes[8];
-                sum += if KIND == Q40 { -8.0 * offset } else { offset };
-            }
-            if nb % 2 == 1 {
-                let block = block_bytes(KIND);
-                let last = &row[(nb - 1) * block..nb * block];
-                let tail = std::slice::from_ref(tail);
-                // SAFETY: one whole block each.
-                sum += unsafe {
-                    match KIND {
-                        Q8 => dot_q8_0_avx2(bytemuck::cast_slice(last), tail),
-                        Q40 => dot_q4_avx2::<false>(last, tail),
-                        _ => dot_q4_avx2::<true>(last, tail),
-                    }
-                };
-            }
-            sum
-        }
-
-        /// `R` rows × `T` tokens into `out[r·n + t]`. Each cell takes the same steps in the
-        /// same order whatever `R` and `T` (and as the one-token kernels over [`ActBlock`]s),
-        /// so a token's result never depends on the tokens beside it. The caller checks bounds.
-        // Never inlined: each (R, T) gets its own register allocation (inlined into `dots`
-        // together, they spilled and ran a third slower). Indexed loops over the register tile
-        // read plainer than iterators here.
+        /// 16 rows × `T` tokens into `out[t·16 + lane]`. Never inlined: each `T` gets its own
+        /// register allocation. The caller checks bounds.
         #[inline(never)]
         #[allow(clippy::needless_range_loop)]
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        unsafe fn tile<const KIND: u8, const R: usize, const T: usize>(
-            rows: &[&[u8]],
-            x: &ActPairs,
-            t0: usize,
-            out: &mut [f32],
-            n: usize,
+        unsafe fn tile<const KIND: u8, const T: usize>(
+            rp: &[*const u8; LANES],
+            x: *const ActBlock,
+            nb: usize,
+            out: &mut [f32; LANES * MAX_TOKENS],
+            next: &[u8],
         ) {
             let block = block_bytes(KIND);
-            let nb = x.per_token;
-            let ppt = nb / 2;
-            let mut acc = [[_mm512_setzero_ps(); T]; R];
-            let mut off = [[_mm512_setzero_ps(); T]; R];
-            // Raw pointers: the caller checked every bound, and checked indexing here costs
-            // as much as the arithmetic.
-            let mut rp = [std::ptr::null::<u8>(); R];
-            for (p, row) in rp.iter_mut().zip(rows) {
-                *p = row.as_ptr();
-            }
-            // SAFETY: tokens t0 .. t0 + T have ppt pairs each.
-            let xp = unsafe { x.pairs.as_ptr().add(t0 * ppt) };
-            for i in 0..ppt {
-                let mut w = [(
-                    _mm512_setzero_si512(),
-                    _mm512_setzero_ps(),
-                    _mm512_setzero_ps(),
-                ); R];
-                for (wr, p) in w.iter_mut().zip(rp) {
-                    // SAFETY: blocks 2i, 2i + 1 lie inside each row (nb blocks).
-                    *wr = unsafe { weight_pair::<KIND>(p.add(2 * i * block)) };
-                }
-                for t in 0..T {
-                    // SAFETY: pair i of token t0 + t; 64 codes and 16 floats each.
-                    let (xz, xd, xo) = unsafe {
-                        let a = xp.add(t * ppt + i);
-                        (
-                            _mm512_loadu_si512((*a).qs.as_ptr() as *const __m512i),
-                            _mm512_loadu_ps((*a).d.as_ptr()),
-                            _mm512_loadu_ps((*a).o.as_ptr()),
-                        )
-                    };
-                    for r in 0..R {
-                        (acc[r][t], off[r][t]) =
-                            cell::<KIND>(w[r], xz, xd, xo, acc[r][t], off[r][t]);
+            // Each lane's row as a distance from the first: the scales are gathered.
+            let base = rp[0];
+            let dist: [i64; LANES] =
+                std::array::from_fn(|i| (rp[i] as usize).wrapping_sub(base as usize) as i64);
+            // SAFETY: 16 i64.
+            let (lo, hi) = unsafe {
+                (
+                    _mm512_loadu_si512(dist.as_ptr() as *const __m512i),
+                    _mm512_loadu_si512(dist.as_ptr().add(8) as *const __m512i),
+                )
+            };
+            let step = next.len().div_ceil(nb.max(1));
+            let mut acc = [_mm512_setzero_ps(); T];
+            for b in 0..nb {
+                let at = b * block;
+                let ahead = (b * step).min(next.len())..((b + 1) * step).min(next.len());
+                super::super::prefetch(&next[ahead]);
+                // SAFETY: block b lies inside every row; token t's block b inside `x`.
+                unsafe {
+                    let codes = codes16::<KIND>(rp, at);
+                    let (dw, mw) = scales16::<KIND>(base.add(at), lo, hi);
+                    for t in 0..T {
+                        let a = &*x.add(t * nb + b);
+                        let q = a.qs.as_ptr() as *const i32;
+                        // Two chains: integer sums add exactly in any order.
+                        let mut s0 = _mm512_set1_epi32(code_offset::<KIND>(a));
+                        let mut s1 = _mm512_setzero_si512();
+                        for j in 0..4 {
+                            let x0 = _mm512_set1_epi32(q.add(2 * j).read_unaligned());
+                            let x1 = _mm512_set1_epi32(q.add(2 * j + 1).read_unaligned());
+                            s0 = _mm512_dpbusd_epi32(s0, codes[2 * j], x0);
+                            s1 = _mm512_dpbusd_epi32(s1, codes[2 * j + 1], x1);
+                        }
+                        let f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                        let scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+                        acc[t] = _mm512_fmadd_ps(scale, f, acc[t]);
+                        if KIND == Q41 {
+                            acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[t]);
+                        }
                     }
                 }
             }
-            for r in 0..R {
-                for t in 0..T {
-                    let tail = &x.blocks[(t0 + t) * nb + nb.saturating_sub(1)];
-                    // SAFETY: whole rows (checked by the caller).
-                    out[r * n + t] =
-                        unsafe { finish::<KIND>(rows[r], nb, acc[r][t], off[r][t], tail) };
+            for t in 0..T {
+                // SAFETY: T ≤ 8 rows of 16 floats.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * LANES), acc[t]) };
+            }
+        }
+
+        /// The 16 bytes at `at` of 16 rows, transposed: register j holds, in lane r, row r's
+        /// bytes 4j .. 4j + 4.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+        unsafe fn transpose16(rp: &[*const u8; LANES], at: usize) -> [__m512i; 4] {
+            // z[k]'s 128-bit lane q: row 4q + k.
+            let mut z = [_mm512_setzero_si512(); 4];
+            for (k, zk) in z.iter_mut().enumerate() {
+                // SAFETY: the caller passes 16 readable bytes at `at` in every row.
+                unsafe {
+                    let l = |q: usize| _mm_loadu_si128(rp[4 * q + k].add(at) as *const __m128i);
+                    let v = _mm512_castsi128_si512(l(0));
+                    let v = _mm512_inserti32x4::<1>(v, l(1));
+                    let v = _mm512_inserti32x4::<2>(v, l(2));
+                    *zk = _mm512_inserti32x4::<3>(v, l(3));
                 }
             }
+            // A 4×4 transpose of 32-bit words within each 128-bit lane.
+            let a = _mm512_unpacklo_epi32(z[0], z[1]);
+            let b = _mm512_unpackhi_epi32(z[0], z[1]);
+            let c = _mm512_unpacklo_epi32(z[2], z[3]);
+            let d = _mm512_unpackhi_epi32(z[2], z[3]);
+            [
+                _mm512_unpacklo_epi64(a, c),
+                _mm512_unpackhi_epi64(a, c),
+                _mm512_unpacklo_epi64(b, d),
+                _mm512_unpackhi_epi64(b, d),
+            ]
+        }
+
+        /// Block codes (at `at` in each row) of 16 rows as vpdpbusd's unsigned operand:
+        /// register j holds, in lane r, row r's codes 4j .. 4j + 4, matching 32-bit word j of an
+        /// activation block.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+        unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512i; 8] {
+            // SAFETY: whole blocks at `at` (the caller's promise).
+            unsafe {
+                if KIND == Q8 {
+                    let a = transpose16(rp, at + 2);
+                    let b = transpose16(rp, at + 18);
+                    let flip = _mm512_set1_epi8(-128);
+                    std::array::from_fn(|j| {
+                        _mm512_xor_si512(if j < 4 { a[j] } else { b[j - 4] }, flip)
+                    })
+                } else {
+                    // Byte i holds code i (low nibble) and code i + 16 (high nibble).
+                    let t = transpose16(rp, at + block_bytes(KIND) - 16);
+                    let mask = _mm512_set1_epi8(0x0f);
+                    std::array::from_fn(|j| {
+                        if j < 4 {
+                            _mm512_and_si512(t[j], mask)
+                        } else {
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
+                        }
+                    })
+                }
+            }
+        }
+
+        /// The scales of one block of 16 rows (`p`: the first row's block; `lo`, `hi`: each
+        /// lane's row as a distance from it), and the mins (Q4_1; the scales again otherwise).
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+        unsafe fn scales16<const KIND: u8>(
+            p: *const u8,
+            lo: __m512i,
+            hi: __m512i,
+        ) -> (__m512, __m512) {
+            // SAFETY: every block starts with 4 readable bytes (the f16 scale, then the min or
+            // codes).
+            let (g0, g1) = unsafe {
+                (
+                    _mm512_i64gather_epi32::<1>(lo, p as *const i32),
+                    _mm512_i64gather_epi32::<1>(hi, p as *const i32),
+                )
+            };
+            let words = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(g0), g1);
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+            let m = if KIND == Q41 {
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(words)))
+            } else {
+                d
+            };
+            (d, m)
         }
 
         fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
@@ -1068,72 +1048,45 @@ mod x86 {
             unsafe { dot_one::<Q41>(bytemuck::cast_slice(w), x) }
         }
 
-        /// [a × 8, b × 8] as 16 f32 lanes.
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        fn pair_ps(a: f32, b: f32) -> __m512 {
-            let lo = _mm512_castps256_ps512(_mm256_set1_ps(a));
-            _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                _mm512_castps_pd(lo),
-                _mm256_castps_pd(_mm256_set1_ps(b)),
-            ))
-        }
-
-        /// [f16 a × 8, f16 b × 8] as 16 f32 lanes.
-        #[inline]
-        #[target_feature(enable = "avx512f,avx2")]
-        fn pair_h(a: u16, b: u16) -> __m512 {
-            _mm512_cvtph_ps(_mm256_set_m128i(
-                _mm_set1_epi16(b as i16),
-                _mm_set1_epi16(a as i16),
-            ))
-        }
-
-        /// The 32 activation codes of two blocks as one register.
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn act_pair(a0: &ActBlock, a1: &ActBlock) -> __m512i {
-            // SAFETY: each block has 32 i8.
-            unsafe {
-                let x0 = _mm256_loadu_si256(a0.qs.as_ptr() as *const __m256i);
-                let x1 = _mm256_loadu_si256(a1.qs.as_ptr() as *const __m256i);
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x0), x1)
-            }
-        }
-
-        /// One row (whole blocks) against one token: [`tile`]'s steps for one cell, the
-        /// token's pair vectors built from its blocks as it goes.
+        /// One row against one token: the tile's arithmetic for a single lane.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
         unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
             let block = block_bytes(KIND);
             let nb = (w.len() / block).min(x.len());
-            let Some(last) = nb.checked_sub(1) else {
-                return 0.0;
-            };
-            let dtype = match KIND {
-                Q8 => DType::Q8_0,
-                Q40 => DType::Q4_0,
-                _ => DType::Q4_1,
-            };
-            let (mut acc, mut off) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for i in 0..nb / 2 {
-                let (a0, a1) = (&x[2 * i], &x[2 * i + 1]);
-                // SAFETY: blocks 2i and 2i + 1 lie inside `w` and `x`.
-                let (wp, xz) = unsafe {
-                    (
-                        weight_pair::<KIND>(w.as_ptr().add(2 * i * block)),
-                        act_pair(a0, a1),
-                    )
+            let mut acc = 0f32;
+            for (b, a) in x[..nb].iter().enumerate() {
+                // SAFETY: block b lies inside `w`; 32 codes in `a`.
+                let sum = unsafe {
+                    let p = w.as_ptr().add(b * block);
+                    let codes = if KIND == Q8 {
+                        _mm256_xor_si256(
+                            _mm256_loadu_si256(p.add(2) as *const __m256i),
+                            _mm256_set1_epi8(-128),
+                        )
+                    } else {
+                        let packed = _mm_loadu_si128(p.add(block - 16) as *const __m128i);
+                        let mask = _mm_set1_epi8(0x0f);
+                        _mm256_set_m128i(
+                            _mm_and_si128(_mm_srli_epi16::<4>(packed), mask),
+                            _mm_and_si128(packed, mask),
+                        )
+                    };
+                    let xs = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+                    let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xs);
+                    let s4 =
+                        _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                    let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+                    let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2));
+                    _mm_cvtsi128_si32(s1) + code_offset::<KIND>(a)
                 };
-                let xd = pair_ps(a0.d, a1.d);
-                let xo = pair_ps(
-                    super::super::offset_term(dtype, a0),
-                    super::super::offset_term(dtype, a1),
-                );
-                (acc, off) = cell::<KIND>(wp, xz, xd, xo, acc, off);
+                let at = b * block;
+                let half = |i: usize| f16::from_le_bytes([w[at + i], w[at + i + 1]]).to_f32();
+                acc = (half(0) * a.d).mul_add(sum as f32, acc);
+                if KIND == Q41 {
+                    acc = half(2).mul_add(a.s, acc);
+                }
             }
-            // SAFETY: nb whole blocks.
-            unsafe { finish::<KIND>(&w[..nb * block], nb, acc, off, &x[last]) }
+            acc
         }
     }
 
@@ -1299,8 +1252,9 @@ mod tests {
         }
     }
 
-    /// The many-token kernels give each token exactly what the one-token kernel gives it
-    /// (batched requests answer as if alone), for odd and even block counts and every tile size.
+    /// The many-row kernels give each (row, token) exactly what the one-token kernel gives it
+    /// (batched requests answer as if alone), whatever rows and tokens are computed beside it:
+    /// odd and even block counts, every tile size, groups of rows full and partial.
     #[test]
     fn many_token_dots_equal_one_token_dots_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(19);
@@ -1310,57 +1264,89 @@ mod tests {
                 let Some(dots) = k.dots(dtype) else {
                     continue;
                 };
-                for (blocks, tokens) in [(1usize, 3usize), (18, 11), (48, 8), (9, 16)] {
+                for (blocks, tokens, n_rows) in [
+                    (1usize, 3usize, 1usize),
+                    (18, 11, 17),
+                    (48, 8, 16),
+                    (9, 16, 3),
+                ] {
                     let x = rand_vec(&mut rng, tokens * blocks * QK);
                     let mut qa = vec![ActBlock::default(); tokens * blocks];
                     (k.quantize)(&x, &mut qa);
-                    let row: Vec<u8> = (0..blocks)
-                        .flat_map(|_| {
-                            let d = f16::from_f32(rng.random_range(0.001f32..0.1));
-                            let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
-                            let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
-                            let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
-                            match dtype {
-                                DType::Q8_0 => {
-                                    bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec()
-                                }
-                                DType::Q4_0 => {
-                                    bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec()
-                                }
-                                _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec(),
-                            }
+                    let rows: Vec<Vec<u8>> = (0..n_rows)
+                        .map(|_| {
+                            (0..blocks)
+                                .flat_map(|_| {
+                                    let d = f16::from_f32(rng.random_range(0.001f32..0.1));
+                                    let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
+                                    let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
+                                    let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
+                                    match dtype {
+                                        DType::Q8_0 => {
+                                            bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec()
+                                        }
+                                        DType::Q4_0 => {
+                                            bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec()
+                                        }
+                                        _ => {
+                                            bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec()
+                                        }
+                                    }
+                                })
+                                .collect()
                         })
                         .collect();
-                    let pairs = ActPairs::new(&qa, blocks, dtype);
+                    let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+                    let x = TokenBlocks {
+                        blocks: &qa,
+                        per_token: blocks,
+                    };
                     for t0 in [0, 1] {
-                        let mut got = vec![f32::NAN; tokens - t0];
-                        dots(&[&row], &pairs, t0, &mut got);
-                        // Two rows at once give each row what it gives alone.
-                        let mut two = vec![f32::NAN; 2 * (tokens - t0)];
-                        dots(&[&row, &row], &pairs, t0, &mut two);
-                        assert_eq!(two[..tokens - t0], got[..]);
-                        assert_eq!(two[tokens - t0..], got[..]);
-                        for (j, g) in got.iter().enumerate() {
-                            let xa = &qa[(t0 + j) * blocks..(t0 + j + 1) * blocks];
-                            let one = match dtype {
-                                DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice(&row), xa),
-                                DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice(&row), xa),
-                                _ => (k.dot_q4_1)(bytemuck::cast_slice(&row), xa),
-                            };
-                            assert_eq!(
-                                g.to_bits(),
-                                one.to_bits(),
-                                "{} {dtype} {blocks} blocks, token {}: {g} vs {one}",
-                                k.name,
-                                t0 + j
-                            );
-                            checked += 1;
+                        let n = tokens - t0;
+                        let mut all = vec![f32::NAN; n_rows * n];
+                        dots(&refs, &x, t0, &mut all, &rows[0]);
+                        for (r, row) in rows.iter().enumerate() {
+                            // One row alone gives what it gives among the others.
+                            let mut alone = vec![f32::NAN; n];
+                            dots(&[row], &x, t0, &mut alone, &[]);
+                            assert_eq!(alone[..], all[r * n..(r + 1) * n]);
+                            for (j, g) in alone.iter().enumerate() {
+                                let xa = &qa[(t0 + j) * blocks..(t0 + j + 1) * blocks];
+                                let one = match dtype {
+                                    DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice(row), xa),
+                                    DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice(row), xa),
+                                    _ => (k.dot_q4_1)(bytemuck::cast_slice(row), xa),
+                                };
+                                assert_eq!(
+                                    g.to_bits(),
+                                    one.to_bits(),
+                                    "{} {dtype} {blocks} blocks, row {r}, token {}: {g} vs {one}",
+                                    k.name,
+                                    t0 + j
+                                );
+                                // And it is the product the portable kernel computes.
+                                let reference = match dtype {
+                                    DType::Q8_0 => {
+                                        portable::dot_q8_0(bytemuck::cast_slice(row), xa)
+                                    }
+                                    DType::Q4_0 => {
+                                        portable::dot_q4_0(bytemuck::cast_slice(row), xa)
+                                    }
+                                    _ => portable::dot_q4_1(bytemuck::cast_slice(row), xa),
+                                };
+                                assert!(
+                                    (g - reference).abs() <= 1e-4 * reference.abs().max(1.0),
+                                    "{} {dtype}: {g} vs portable {reference}",
+                                    k.name
+                                );
+                                checked += 1;
+                            }
                         }
                     }
                 }
             }
         }
-        println!("{checked} many-token dots checked");
+        println!("{checked} many-row dots checked");
     }
 
     #[test]

@@ -13,8 +13,8 @@ use crate::tensor::{
 
 /// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
 const TOKEN_TILE: usize = 16;
-/// Weight rows per call of a many-token kernel.
-const ROW_TILE: usize = 8;
+/// Weight rows per call of a many-row kernel (one register lane to a row in the AVX-512 set).
+const ROW_TILE: usize = 16;
 
 /// Raw pointer to the output, shared by tasks that write disjoint rows.
 #[derive(Clone, Copy)]
@@ -28,21 +28,6 @@ impl OutPtr {
     fn at(self, i: usize) -> *mut f32 {
         self.0.wrapping_add(i)
     }
-}
-
-/// Ask the caches for `bytes` ahead of use (one hint per 64-byte line; a hint never faults).
-#[inline]
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and cannot fault.
-        unsafe {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
 /// Activations prepared for one weight format.
@@ -104,10 +89,10 @@ pub fn matmul_strided(
         Prepared::Float(x)
     };
 
-    // Several tokens: a many-token kernel unpacks each weight block once for all of them, each
-    // token's result bit for bit the one-token kernel's.
+    // A many-row kernel unpacks each weight block once for all the tokens and scales 16 rows'
+    // blocks in one vector operation, each result bit for bit the one-row kernel's.
     let many = match &prepared {
-        Prepared::Quant(q) => k.many_tokens(w.dtype, q, cols / QK, n),
+        Prepared::Quant(q) => k.many_rows(w.dtype, q, cols / QK),
         _ => None,
     };
 
@@ -126,7 +111,7 @@ pub fn matmul_strided(
         let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
         for t0 in (0..n).step_by(TOKEN_TILE) {
             let t1 = (t0 + TOKEN_TILE).min(n);
-            if let Some((pairs, dots)) = &many {
+            if let Some((blocks, dots)) = &many {
                 let mut sums = [0f32; ROW_TILE * TOKEN_TILE];
                 let nt = t1 - t0;
                 for ra in (r0..r1).step_by(ROW_TILE) {
@@ -135,16 +120,12 @@ pub fn matmul_strided(
                         let r = (ra + i).min(rb - 1);
                         &data[r * row_bytes..(r + 1) * row_bytes]
                     });
-                    // The next tile's rows stream in from DRAM while these compute, a pair of
-                    // rows at a time: a whole tile's lines at once filled the miss buffers and
-                    // stalled the core.
-                    for a in (0..rb - ra).step_by(2) {
-                        let b = (a + 2).min(rb - ra);
-                        let next = ((rb + a) * row_bytes).min(data.len())
-                            ..((rb + b) * row_bytes).min(data.len());
-                        prefetch(&data[next]);
-                        dots(&rows[a..b], pairs, t0, &mut sums[a * nt..b * nt]);
-                    }
+                    // The next rows stream in from DRAM while these compute (the kernel spreads
+                    // the prefetches: a tile's lines at once filled the miss buffers).
+                    let next = (rb * row_bytes).min(data.len())
+                        ..((rb + ROW_TILE) * row_bytes).min(data.len());
+                    let rows = &rows[..rb - ra];
+                    dots(rows, blocks, t0, &mut sums[..rows.len() * nt], &data[next]);
                     for (i, r) in (ra..rb).enumerate() {
                         for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
                             // SAFETY: as below.

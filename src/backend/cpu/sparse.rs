@@ -985,15 +985,6 @@ fn per_items(
     }
 }
 
-/// `per_items` for an item at a time.
-fn per_item(m: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    per_items(m, n, out, |js, vals| {
-        for (j, v) in js.zip(vals.chunks_mut(n)) {
-            f(j, v);
-        }
-    });
-}
-
 /// Groups of four vectors over a run of items (the last group padded with repeats of its last
 /// item): `group(items)` picks the vectors. Calls `f(vectors, next group's vectors, items)`;
 /// the last group's `next` is itself (nothing further to prefetch).
@@ -1414,19 +1405,25 @@ pub fn sparse_rows(
     }
     let prepared = Prepared::new(k, w.dtype, x, cols);
     let (data, rb) = (w.data.as_slice(), w.row_bytes());
-    // The dense matmul's many-token kernel where it has one (the same results).
+    // The dense matmul's many-row kernel where it has one (the same results).
     let many = match &prepared {
-        Prepared::Quant(q) => k.many_tokens(w.dtype, q, cols / QK, n),
+        Prepared::Quant(q) => k.many_rows(w.dtype, q, cols / QK),
         _ => None,
     };
-    per_item(m, n, out, |j, o| {
+    let row = |j: usize| {
         let r = idx[j] as usize;
-        let row = &data[r * rb..(r + 1) * rb];
-        if let Some((pairs, dots)) = &many {
-            return dots(&[row], pairs, 0, o);
+        &data[r * rb..(r + 1) * rb]
+    };
+    per_items(m, n, out, |js, o| {
+        if let Some((blocks, dots)) = &many {
+            // The listed rows together, as the dense matmul takes its rows.
+            let rows: Vec<&[u8]> = js.map(row).collect();
+            return dots(&rows, blocks, 0, o, &[]);
         }
-        for (t, v) in o.iter_mut().enumerate() {
-            *v = dot_any(k, w.dtype, row, prepared.token(t, cols, 0, cols));
+        for (j, o) in js.zip(o.chunks_mut(n)) {
+            for (t, v) in o.iter_mut().enumerate() {
+                *v = dot_any(k, w.dtype, row(j), prepared.token(t, cols, 0, cols));
+            }
         }
     });
     Ok(())
