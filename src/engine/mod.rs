@@ -1245,6 +1245,11 @@ impl<B: Backend> Engine<B> {
             // one of `rows × kv_dim` however long the context.
             let mut k = vec![0f32; rows * kv];
             let n = queries.len() * spec.n_heads;
+            // Each query head's scores over the run (`rows` to a head): computed once where one
+            // run holds the whole layer (and their exponentials once), else once per pass; by
+            // the host's vector kernels, 16 key rows at a time, whatever `rows`.
+            let mut scores = vec![0f32; n * rows];
+            let kern = crate::backend::cpu::kernels::best();
             for (li, &l) in layers.iter().enumerate() {
                 b.read(&p.q[li], &mut q)?;
                 let mut max = vec![f32::NEG_INFINITY; n];
@@ -1252,29 +1257,56 @@ impl<B: Backend> Engine<B> {
                 for pass in 0..3 {
                     for first in (0..pos).step_by(rows) {
                         let len = rows.min(pos - first);
-                        // One run holds the whole layer: read once for the three passes.
+                        // One run holds the whole layer: read and scored once for the three
+                        // passes.
                         if pass == 0 || rows < pos {
                             self.read_kv_rows(s, l, false, first, &mut k[..len * kv])?;
+                            for (qi, &(row, qp)) in queries.iter().enumerate() {
+                                let end = len.min((qp + 1).saturating_sub(first));
+                                for h in 0..spec.n_heads {
+                                    let qh = &q[row * spec.q_dim() + h * hd..][..hd];
+                                    let kh = (h / group.max(1)) * hd;
+                                    let at = qi * spec.n_heads + h;
+                                    let out = &mut scores[at * rows..][..end];
+                                    for (j0, o) in (0..end).step_by(16).zip(out.chunks_mut(16)) {
+                                        let keys: [&[f32]; 16] = std::array::from_fn(|i| {
+                                            let j = (j0 + i).min(end - 1);
+                                            &k[j * kv + kh..][..hd]
+                                        });
+                                        (kern.dot_rows)(qh, &keys[..o.len()], o);
+                                    }
+                                    for v in out.iter_mut() {
+                                        *v *= spec.attn_scale;
+                                    }
+                                }
+                            }
                         }
-                        for (qi, &(row, qp)) in queries.iter().enumerate() {
+                        for (qi, &(_, qp)) in queries.iter().enumerate() {
                             if first > qp {
                                 continue;
                             }
                             let end = len.min(qp + 1 - first);
                             for h in 0..spec.n_heads {
-                                let qh = &q[row * spec.q_dim() + h * hd..][..hd];
-                                let kh = (h / group.max(1)) * hd;
                                 let at = qi * spec.n_heads + h;
-                                for j in 0..end {
-                                    let kj = &k[j * kv + kh..][..hd];
-                                    let sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
-                                        * spec.attn_scale;
+                                let run = &mut scores[at * rows..][..end];
+                                for (j, sc) in run.iter_mut().enumerate() {
                                     match pass {
-                                        0 => max[at] = max[at].max(sc),
-                                        1 => sum[at] += (sc - max[at]).exp() as f64,
+                                        0 => max[at] = max[at].max(*sc),
+                                        1 => {
+                                            let e = (*sc - max[at]).exp();
+                                            sum[at] += e as f64;
+                                            if rows >= pos {
+                                                // Kept for the last pass (the same value).
+                                                *sc = e;
+                                            }
+                                        }
                                         _ => {
-                                            mass[(first + j) / block] +=
-                                                (sc - max[at]).exp() as f64 / sum[at]
+                                            let e = if rows >= pos {
+                                                *sc
+                                            } else {
+                                                (*sc - max[at]).exp()
+                                            };
+                                            mass[(first + j) / block] += e as f64 / sum[at]
                                         }
                                     }
                                 }

@@ -87,8 +87,8 @@ pub struct Kernels {
     /// Activations into 256-value blocks (K-quant weights).
     pub quantize_k: fn(&[f32], &mut [ActBlockK]),
     /// Many-row Q8_0 / Q4_0 / Q4_1 kernels, where this set has them: each weight block is
-    /// unpacked once for all the tokens (batched decode is compute-bound on these formats
-    /// otherwise).
+    /// unpacked once for all the tokens and scaled once for a register of rows (batched decode
+    /// is compute-bound on these formats otherwise).
     pub dots_q8_0: Option<DotsFn>,
     pub dots_q4_0: Option<DotsFn>,
     pub dots_q4_1: Option<DotsFn>,
