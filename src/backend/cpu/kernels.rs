@@ -70,6 +70,9 @@ pub struct Kernels {
     /// `out[j] = dot_f32(x, rows[j])`, bit for bit this set's `dot_f32` (attention's scores:
     /// several key rows against one query).
     pub dot_rows: fn(&[f32], &[&[f32]], &mut [f32]),
+    /// `s[i] = exp(s[i] − max)` for scores at most `max`, returning their sum: a softmax's
+    /// numerators. Each value depends on its input alone (not on where it lies in `s`).
+    pub exp_sum: fn(&mut [f32], f32) -> f64,
     pub dot_f16: fn(&[f16], &[f32]) -> f32,
     pub dot_bf16: fn(&[bf16], &[f32]) -> f32,
     pub dot_q8_0: fn(&[BlockQ8_0], &[ActBlock]) -> f32,
@@ -156,6 +159,7 @@ pub const PORTABLE: Kernels = Kernels {
     dot_f32: portable::dot_f32,
     axpy_rows: portable::axpy_rows,
     dot_rows: portable::dot_rows,
+    exp_sum: portable::exp_sum,
     dot_f16: portable::dot_f16,
     dot_bf16: portable::dot_bf16,
     dot_q8_0: portable::dot_q8_0,
@@ -196,6 +200,15 @@ pub mod portable {
         for (&w, row) in w.iter().zip(rows) {
             out.iter_mut().zip(*row).for_each(|(o, &v)| *o += w * v);
         }
+    }
+
+    pub fn exp_sum(s: &mut [f32], max: f32) -> f64 {
+        let mut sum = 0f64;
+        for v in s.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v as f64;
+        }
+        sum
     }
 
     /// Eight partial sums: the same association the SIMD version uses, and faster. Every float
@@ -303,6 +316,7 @@ mod x86 {
         dot_f32,
         axpy_rows,
         dot_rows,
+        exp_sum,
         dot_f16,
         dot_bf16,
         dot_q8_0,
@@ -364,6 +378,94 @@ mod x86 {
     fn dot_rows(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
         // SAFETY: as above.
         unsafe { dot_rows_avx2(x, rows, out) }
+    }
+    fn exp_sum(s: &mut [f32], max: f32) -> f64 {
+        // SAFETY: as above.
+        unsafe { exp_sum_avx2(s, max) }
+    }
+
+    /// `exp(x)` for 8 lanes to within about 2 ulp: `2^n · e^r` with `n = round(x·log2 e)` and
+    /// `r = x − n·ln 2` (split in two constants, so `r` is exact to f32), `e^r` by its Taylor
+    /// polynomial to degree 7 (|r| ≤ 0.35: the first term left out is below 1e-8 relative).
+    /// Below about −87.3 (no normal f32 result) it gives 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        // (88 first: a NaN stays NaN.)
+        let x = _mm256_min_ps(_mm256_set1_ps(88.0), x);
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+        let mut p = _mm256_set1_ps(EXP_TAYLOR[0]);
+        for &c in &EXP_TAYLOR[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let e = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+        let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        _mm256_andnot_ps(under, e)
+    }
+
+    /// [`exp8`] for one value (the same operations, lane for lane).
+    #[inline]
+    fn exp1(x: f32) -> f32 {
+        let x = if x > 88.0 { 88.0 } else { x };
+        let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+        let r = (-n).mul_add(EXP_LN2_HI, x);
+        let r = (-n).mul_add(EXP_LN2_LO, r);
+        let mut p = EXP_TAYLOR[0];
+        for &c in &EXP_TAYLOR[1..] {
+            p = p.mul_add(r, c);
+        }
+        let e = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+        if x < EXP_MIN { 0.0 } else { e }
+    }
+
+    /// ln 2 in two parts: the first has few enough bits that `n · EXP_LN2_HI` is exact.
+    const EXP_LN2_HI: f32 = 0.693_145_75;
+    const EXP_LN2_LO: f32 = 1.428_606_8e-6;
+    /// Below this `exp` has no normal f32 value.
+    const EXP_MIN: f32 = -87.336_55;
+    /// 1/7!, 1/6!, …, 1/1!, 1/0! (Horner's order).
+    const EXP_TAYLOR: [f32; 8] = [
+        1.0 / 5040.0,
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ];
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp_sum_avx2(s: &mut [f32], max: f32) -> f64 {
+        let m = _mm256_set1_ps(max);
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        let mut chunks = s.chunks_exact_mut(8);
+        for c in &mut chunks {
+            // SAFETY: 8 floats.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+                _mm256_storeu_ps(c.as_mut_ptr(), e);
+                lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+                hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+            }
+        }
+        let mut lanes = [0f64; 4];
+        // SAFETY: 4 doubles.
+        unsafe { _mm256_storeu_pd(lanes.as_mut_ptr(), _mm256_add_pd(lo, hi)) };
+        let mut sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for v in chunks.into_remainder() {
+            *v = exp1(*v - max);
+            sum += *v as f64;
+        }
+        sum
     }
     fn dot_f16(w: &[f16], x: &[f32]) -> f32 {
         // SAFETY: as above, plus F16C.
@@ -1347,6 +1449,58 @@ mod tests {
             }
         }
         println!("{checked} many-row dots checked");
+    }
+
+    /// Every set's softmax numerators are `exp` to a few ulp, each value whatever its place in
+    /// the slice (vector lanes and the scalar tail agree), and their sum is theirs.
+    #[test]
+    fn exp_sum_is_exp_to_a_few_ulp_wherever_a_value_lies() {
+        let mut rng = StdRng::seed_from_u64(23);
+        let mut xs: Vec<f32> = (0..1000)
+            .map(|_| rng.random_range(-100.0f32..0.0))
+            .collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -1e-30,
+            -87.3,
+            -87.4,
+            -88.0,
+            -103.0,
+            f32::NEG_INFINITY,
+            -1e-3,
+        ]);
+        for k in available() {
+            let mut got = xs.clone();
+            let sum = (k.exp_sum)(&mut got, 0.0);
+            let mut want_sum = 0f64;
+            for (&x, &g) in xs.iter().zip(&got) {
+                let want = (x as f64).exp();
+                want_sum += g as f64;
+                let tiny = want < f32::MIN_POSITIVE as f64;
+                assert!(
+                    (g as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * want
+                        || (tiny && g as f64 <= f32::MIN_POSITIVE as f64),
+                    "{}: exp({x}) = {g}, want {want}",
+                    k.name
+                );
+                let mut one = [x];
+                (k.exp_sum)(&mut one, 0.0);
+                assert_eq!(one[0].to_bits(), g.to_bits(), "{}: exp({x}) alone", k.name);
+            }
+            assert!((sum - want_sum).abs() <= 1e-12 * want_sum, "{}", k.name);
+            // Scores less their maximum: the maximum's numerator is exactly 1.
+            let mut s = [3.0f32, 5.0, 1.0];
+            (k.exp_sum)(&mut s, 5.0);
+            assert_eq!(s[1], 1.0, "{}", k.name);
+            let mut nan = [f32::NAN; 9];
+            (k.exp_sum)(&mut nan, 0.0);
+            assert!(
+                nan.iter().all(|v| v.is_nan()),
+                "{}: a NaN score stays NaN",
+                k.name
+            );
+        }
     }
 
     #[test]

@@ -193,12 +193,7 @@ pub fn attend(
         .chunks_exact_mut(len.max(1))
         .map(|s| {
             let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let mut sum = 0f64;
-            for v in s.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v as f64;
-            }
-            (1.0 / sum) as f32
+            (1.0 / (k.exp_sum)(s, max)) as f32
         })
         .collect();
     out.fill(0.0);
