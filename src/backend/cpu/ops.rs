@@ -104,12 +104,20 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
     }
 }
 
+/// Positions of a chunk: a head's attention is taken over chunks of this many positions (each
+/// chunk's maximum score, sum of exponentials and unnormalised weighted sum of values), then
+/// the chunks merged in order. The arithmetic is the same whether one task takes a row's chunks
+/// or several tasks share them, so a decoded token alone can spread its long context over the
+/// threads and still get what it gets beside others.
+pub const CHUNK: usize = 256;
+
 /// Causal attention of the rows of `q` (`n_heads · head_dim` each) into the same rows of
 /// `out`: `caches(t)` gives row `t`'s key and value caches and how many of their positions it
 /// attends (`None`: the row is left alone); over the current rayon pool where `parallel`. A task
 /// takes the query heads sharing a KV head (each key and value row read once for them) where
-/// there are enough such tasks for the threads, else one head; a head's arithmetic is the same
-/// either way, so a row's result depends on nothing but its own query and caches.
+/// there are enough such tasks for the threads, else one head; with few rows over long
+/// contexts, a row's chunks of positions are shared out too. A head's arithmetic is the same
+/// every way, so a row's result depends on nothing but its own query and caches.
 pub fn attend_each<'c, R: KvRows + 'c>(
     k: &Kernels,
     q: &[f32],
@@ -128,33 +136,104 @@ pub fn attend_each<'c, R: KvRows + 'c>(
     } else {
         1
     };
-    let per_task = if n * s.n_kv_heads >= 4 * threads {
+    let chunks: Vec<usize> = (0..n)
+        .map(|t| caches(t).map_or(0, |(.., len)| len.div_ceil(CHUNK)))
+        .collect();
+    let grouped = n * s.n_kv_heads;
+    let split = parallel && grouped < 4 * threads && chunks.iter().sum::<usize>() > n;
+    let per_task = if grouped >= 4 * threads || split {
         group
     } else {
         1
     };
     let tasks_per_row = s.n_heads / per_task;
-    let task = |(idx, o): (usize, &mut [f32])| {
+    // Head set `idx` (row t's heads h0 .. h0 + per_task): its queries, caches, KV columns and
+    // length.
+    let head_set = |idx: usize| {
         let (t, h0) = (idx / tasks_per_row, (idx % tasks_per_row) * per_task);
-        if let Some((k_cache, v_cache, len)) = caches(t) {
-            attend(
-                k,
-                &q[t * q_dim + h0 * hd..][..per_task * hd],
-                k_cache,
-                v_cache,
-                (h0 / group) * hd,
-                hd,
-                len,
-                s.scale,
-                o,
-            );
-        }
+        caches(t).map(|(kc, vc, len)| {
+            let qh = &q[t * q_dim + h0 * hd..][..per_task * hd];
+            (qh, kc, vc, (h0 / group) * hd, len)
+        })
     };
-    if parallel {
-        out.par_chunks_mut(per_task * hd).enumerate().for_each(task);
-    } else {
-        out.chunks_mut(per_task * hd).enumerate().for_each(task);
+    if !split {
+        // Each task a row's head set, its chunks one after another.
+        let task = |(idx, o): (usize, &mut [f32])| {
+            if let Some((qh, kc, vc, col, len)) = head_set(idx) {
+                attend(k, qh, kc, vc, col, hd, len, s.scale, o);
+            }
+        };
+        if parallel {
+            out.par_chunks_mut(per_task * hd).enumerate().for_each(task);
+        } else {
+            out.chunks_mut(per_task * hd).enumerate().for_each(task);
+        }
+        return;
     }
+    // Few rows over long contexts: every chunk of every head set its own task, then each head
+    // set's chunks merged.
+    let sets = n * tasks_per_row;
+    let mut first = Vec::with_capacity(sets + 1);
+    let mut items = Vec::new();
+    for idx in 0..sets {
+        first.push(items.len());
+        items.extend((0..chunks[idx / tasks_per_row]).map(|c| (idx, c)));
+    }
+    first.push(items.len());
+    let mut parts = vec![ChunkPart::default(); items.len() * per_task];
+    let mut sums = vec![0f32; items.len() * per_task * hd];
+    parts
+        .par_chunks_mut(per_task)
+        .zip(sums.par_chunks_mut(per_task * hd))
+        .zip(items.par_iter())
+        .for_each(|((part, acc), &(idx, c))| {
+            if let Some((qh, kc, vc, col, len)) = head_set(idx) {
+                let js = c * CHUNK..((c + 1) * CHUNK).min(len);
+                let mut scratch = ChunkScratch::default();
+                attend_chunk(
+                    k,
+                    qh,
+                    (kc, vc),
+                    col,
+                    hd,
+                    js,
+                    s.scale,
+                    part,
+                    acc,
+                    &mut scratch,
+                );
+            }
+        });
+    out.par_chunks_mut(per_task * hd)
+        .enumerate()
+        .for_each(|(idx, o)| {
+            let (c0, c1) = (first[idx], first[idx + 1]);
+            if c1 > c0 {
+                merge_chunks(
+                    &parts[c0 * per_task..c1 * per_task],
+                    &sums[c0 * per_task * hd..c1 * per_task * hd],
+                    o,
+                );
+            }
+        });
+}
+
+/// One head's partial attention over a chunk of positions.
+#[derive(Clone, Copy, Default)]
+pub struct ChunkPart {
+    /// The chunk's maximum score.
+    max: f32,
+    /// Σ exp(score − max) over the chunk.
+    sum: f64,
+}
+
+/// Buffers a chunk's attention works in, kept across the chunks of a task.
+#[derive(Default)]
+struct ChunkScratch {
+    /// Rows of f16/Q8_0 caches decoded to f32.
+    block: Vec<f32>,
+    /// Each head's scores over the chunk.
+    scores: Vec<f32>,
 }
 
 /// The query heads `q` (`group · hd` values: the heads sharing one KV head) against the first
@@ -174,14 +253,47 @@ pub fn attend(
     out: &mut [f32],
 ) {
     let group = q.len() / hd;
-    // Head g's scores at g·len. Key rows a block at a time, each block scored for every head;
-    // rows of f16/Q8_0 caches are decoded into `block`.
-    let mut block = vec![0f32; ROWS * hd];
-    let mut scores = vec![0f32; group * len];
+    let chunks = len.div_ceil(CHUNK);
+    let mut parts = vec![ChunkPart::default(); chunks * group];
+    let mut sums = vec![0f32; chunks * group * hd];
+    let mut scratch = ChunkScratch::default();
+    for (c, (part, acc)) in parts
+        .chunks_mut(group)
+        .zip(sums.chunks_mut(group * hd))
+        .enumerate()
+    {
+        let js = c * CHUNK..((c + 1) * CHUNK).min(len);
+        let caches = (k_cache, v_cache);
+        attend_chunk(k, q, caches, col, hd, js, scale, part, acc, &mut scratch);
+    }
+    merge_chunks(&parts, &sums, out);
+}
+
+/// Heads `q` (as in [`attend`]) over positions `js` of the (key, value) caches: each head's
+/// [`ChunkPart`] into `part` and its sum of value rows weighted by exp(score − max) into `acc`
+/// (`hd` values a head).
+#[allow(clippy::too_many_arguments)]
+fn attend_chunk<K: KvRows, V: KvRows>(
+    k: &Kernels,
+    q: &[f32],
+    (k_cache, v_cache): (&K, &V),
+    col: usize,
+    hd: usize,
+    js: std::ops::Range<usize>,
+    scale: f32,
+    part: &mut [ChunkPart],
+    acc: &mut [f32],
+    scratch: &mut ChunkScratch,
+) {
+    let len = js.len();
+    // Head g's scores at g·len. Key rows a block at a time, each block scored for every head.
+    scratch.block.resize(ROWS * hd, 0.0);
+    scratch.scores.resize(part.len() * len, 0.0);
+    let (block, scores) = (&mut scratch.block, &mut scratch.scores);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let rows = kv_block(keys, k_cache, j0..j1, col, &mut block);
+        let rows = kv_block(keys, k_cache, js.start + j0..js.start + j1, col, block);
         let rows = &rows[..j1 - j0];
         for (g, qh) in q.chunks_exact(hd).enumerate() {
             let s = &mut scores[g * len + j0..g * len + j1];
@@ -189,26 +301,47 @@ pub fn attend(
             s.iter_mut().for_each(|v| *v *= scale);
         }
     }
-    let inv: Vec<f32> = scores
-        .chunks_exact_mut(len.max(1))
-        .map(|s| {
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            (1.0 / (k.exp_sum)(s, max)) as f32
-        })
-        .collect();
-    out.fill(0.0);
+    for (p, s) in part.iter_mut().zip(scores.chunks_exact_mut(len.max(1))) {
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        *p = ChunkPart {
+            max,
+            sum: (k.exp_sum)(s, max),
+        };
+    }
+    acc.fill(0.0);
     // Value rows a block at a time, each head's sum held in registers across the block.
-    let mut w = [0f32; ROWS];
     for j0 in (0..len).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(len);
-        let rows = kv_block(values, v_cache, j0..j1, col, &mut block);
+        let rows = kv_block(values, v_cache, js.start + j0..js.start + j1, col, block);
         let rows = &rows[..j1 - j0];
-        for (g, o) in out.chunks_exact_mut(hd).enumerate() {
-            for (wj, &p) in w.iter_mut().zip(&scores[g * len + j0..g * len + j1]) {
-                *wj = p * inv[g];
-            }
-            (k.axpy_rows)(o, &w[..j1 - j0], rows);
+        for (g, o) in acc.chunks_exact_mut(hd).enumerate() {
+            (k.axpy_rows)(o, &scores[g * len + j0..g * len + j1], rows);
         }
+    }
+}
+
+/// The chunks' parts (chunk by chunk, a part per head) and weighted sums (`hd` values per head)
+/// merged into each head's attention output (`out`, heads × `hd`): weights rescaled to the
+/// largest maximum, chunks added in order, the total divided out last.
+fn merge_chunks(parts: &[ChunkPart], sums: &[f32], out: &mut [f32]) {
+    out.fill(0.0);
+    if parts.is_empty() {
+        return;
+    }
+    let hd = sums.len() / parts.len();
+    let heads = out.len() / hd.max(1);
+    for (g, o) in out.chunks_exact_mut(hd).enumerate() {
+        let head = parts.iter().skip(g).step_by(heads);
+        let max = head.clone().fold(f32::NEG_INFINITY, |m, p| m.max(p.max));
+        let mut den = 0f64;
+        for (c, p) in head.enumerate() {
+            let a = (p.max - max).exp();
+            den += a as f64 * p.sum;
+            let acc = &sums[(c * heads + g) * hd..][..hd];
+            o.iter_mut().zip(acc).for_each(|(o, &v)| *o += a * v);
+        }
+        let inv = (1.0 / den) as f32;
+        o.iter_mut().for_each(|v| *v *= inv);
     }
 }
 
@@ -284,6 +417,80 @@ mod tests {
                         alone == together[g * hd..(g + 1) * hd],
                         "{ty:?} len {len}: head {g}"
                     );
+                }
+            }
+        }
+    }
+
+    /// Attention over long contexts in chunks: a row alone (its chunks shared out over the
+    /// threads), the same row among many (its chunks in one task) and the row computed serially
+    /// give the same bits, and they are softmax attention computed in f64 to 1e-5.
+    #[test]
+    fn chunked_attention_is_the_same_however_the_work_is_shared() {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let s = AttnShape {
+            n_heads: 6,
+            n_kv_heads: 2,
+            head_dim: 32,
+            scale: 0.3,
+        };
+        let (hd, cols, q_dim) = (32, 64, 192);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for ty in [crate::backend::KvType::F32, crate::backend::KvType::F16] {
+            for len in [1usize, CHUNK, CHUNK + 1, 3 * CHUNK + 77] {
+                let mut rand = |n: usize| -> Vec<f32> {
+                    (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+                };
+                let (kr, vr) = (rand(len * cols), rand(len * cols));
+                let mut k = CpuKv::new(len, cols, ty).unwrap();
+                let mut v = CpuKv::new(len, cols, ty).unwrap();
+                k.write(0, &kr).unwrap();
+                v.write(0, &vr).unwrap();
+                // Row 0 attends all `len` positions, the others fewer.
+                let rows = 12;
+                let q = rand(rows * q_dim);
+                let kernels = super::super::kernels::best();
+                let lens = |t: usize| len.saturating_sub(t * 37).max(1);
+                let caches = |t: usize| Some((&k, &v, lens(t)));
+                let mut alone = vec![0f32; q_dim];
+                pool.install(|| attend_each(kernels, &q[..q_dim], caches, s, &mut alone, true));
+                let mut serial = vec![0f32; q_dim];
+                attend_each(kernels, &q[..q_dim], caches, s, &mut serial, false);
+                let mut many = vec![0f32; rows * q_dim];
+                pool.install(|| attend_each(kernels, &q, caches, s, &mut many, true));
+                assert_eq!(alone, serial, "{ty:?} len {len}");
+                assert_eq!(alone[..], many[..q_dim], "{ty:?} len {len}");
+                // Against softmax attention in f64 over the cache's own values.
+                let (mut kt, mut vt) = (vec![0f32; hd], vec![0f32; hd]);
+                for h in 0..s.n_heads {
+                    let col = (h / 3) * hd;
+                    let qh = &q[h * hd..(h + 1) * hd];
+                    let sc: Vec<f64> = (0..len)
+                        .map(|j| {
+                            let kj = k.slice(j, col, &mut kt);
+                            qh.iter()
+                                .zip(kj)
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                * s.scale as f64
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let den: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                    for i in 0..hd {
+                        let want: f64 = (0..len)
+                            .map(|j| (sc[j] - m).exp() / den * v.slice(j, col, &mut vt)[i] as f64)
+                            .sum();
+                        let got = alone[h * hd + i] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+                            "{ty:?} len {len} head {h}[{i}]: {got} vs {want}"
+                        );
+                    }
                 }
             }
         }
