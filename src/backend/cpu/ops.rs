@@ -111,13 +111,17 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
 /// threads and still get what it gets beside others.
 pub const CHUNK: usize = 256;
 
+/// Query rows a task takes together where they attend the same caches (a prompt's rows): each
+/// key and value row is read once for all of them.
+const ROW_TILE: usize = 8;
+
 /// Causal attention of the rows of `q` (`n_heads · head_dim` each) into the same rows of
 /// `out`: `caches(t)` gives row `t`'s key and value caches and how many of their positions it
-/// attends (`None`: the row is left alone); over the current rayon pool where `parallel`. A task
-/// takes the query heads sharing a KV head (each key and value row read once for them) where
-/// there are enough such tasks for the threads, else one head; with few rows over long
-/// contexts, a row's chunks of positions are shared out too. A head's arithmetic is the same
-/// every way, so a row's result depends on nothing but its own query and caches.
+/// attends (`None`: the row is left alone); over the current rayon pool where `parallel`.
+/// Consecutive rows over the same caches go in tiles of [`ROW_TILE`], each key and value row
+/// read once for the tile's rows and the query heads sharing its KV head; with few tiles, every
+/// (row, KV head, chunk of positions) is a task of its own. A head's arithmetic is the same every
+/// way, so a row's result depends on nothing but its own query and caches.
 pub fn attend_each<'c, R: KvRows + 'c>(
     k: &Kernels,
     q: &[f32],
@@ -130,73 +134,92 @@ pub fn attend_each<'c, R: KvRows + 'c>(
     let hd = s.head_dim;
     let q_dim = s.n_heads * hd;
     let n = q.len() / q_dim.max(1);
-    let group = (s.n_heads / s.n_kv_heads.max(1)).max(1);
+    let kv_heads = s.n_kv_heads.max(1);
+    let group = (s.n_heads / kv_heads).max(1);
+    let same =
+        |a: (&R, &R, usize), b: (&R, &R, usize)| std::ptr::eq(a.0, b.0) && std::ptr::eq(a.1, b.1);
+    let mut tiles: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut t = 0;
+    while t < n {
+        let Some(c) = caches(t) else {
+            t += 1;
+            continue;
+        };
+        let mut e = t + 1;
+        while e < n && e - t < ROW_TILE && caches(e).is_some_and(|d| same(c, d)) {
+            e += 1;
+        }
+        tiles.push(t..e);
+        t = e;
+    }
+    let chunks = |t: usize| caches(t).map_or(0, |(.., len)| len.div_ceil(CHUNK));
     let threads = if parallel {
         rayon::current_num_threads()
     } else {
         1
     };
-    let chunks: Vec<usize> = (0..n)
-        .map(|t| caches(t).map_or(0, |(.., len)| len.div_ceil(CHUNK)))
-        .collect();
-    let grouped = n * s.n_kv_heads;
-    let split = parallel && grouped < 4 * threads && chunks.iter().sum::<usize>() > n;
-    let per_task = if grouped >= 4 * threads || split {
-        group
-    } else {
-        1
-    };
-    let tasks_per_row = s.n_heads / per_task;
-    // Head set `idx` (row t's heads h0 .. h0 + per_task): its queries, caches, KV columns and
-    // length.
-    let head_set = |idx: usize| {
-        let (t, h0) = (idx / tasks_per_row, (idx % tasks_per_row) * per_task);
-        caches(t).map(|(kc, vc, len)| {
-            let qh = &q[t * q_dim + h0 * hd..][..per_task * hd];
-            (qh, kc, vc, (h0 / group) * hd, len)
-        })
-    };
-    if !split {
-        // Each task a row's head set, its chunks one after another.
-        let task = |(idx, o): (usize, &mut [f32])| {
-            if let Some((qh, kc, vc, col, len)) = head_set(idx) {
-                attend(k, qh, kc, vc, col, hd, len, s.scale, o);
-            }
+    let rows: usize = tiles.iter().map(|r| r.len()).sum();
+    let items: usize = tiles
+        .iter()
+        .flat_map(|r| r.clone())
+        .map(chunks)
+        .sum::<usize>()
+        * kv_heads;
+    // Split where there are few tiles and some row's context spans several chunks.
+    if !parallel || tiles.len() >= 2 * threads || items <= rows * kv_heads {
+        // Each task a tile of rows, all their heads.
+        let tile = |(r, o): (&std::ops::Range<usize>, &mut [f32])| {
+            let lens: Vec<usize> = r.clone().map(|t| caches(t).map_or(0, |c| c.2)).collect();
+            let Some((kc, vc, _)) = caches(r.start) else {
+                return;
+            };
+            let qr = &q[r.start * q_dim..r.end * q_dim];
+            attend_tile(k, qr, &lens, (kc, vc), s, o);
         };
+        let mut slices = Vec::with_capacity(tiles.len());
+        let (mut rest, mut at) = (out, 0);
+        for r in &tiles {
+            let (_, tail) = rest.split_at_mut((r.start - at) * q_dim);
+            let (mine, tail) = tail.split_at_mut(r.len() * q_dim);
+            slices.push(mine);
+            (rest, at) = (tail, r.end);
+        }
         if parallel {
-            out.par_chunks_mut(per_task * hd).enumerate().for_each(task);
+            tiles.par_iter().zip(slices).for_each(tile);
         } else {
-            out.chunks_mut(per_task * hd).enumerate().for_each(task);
+            tiles.iter().zip(slices).for_each(tile);
         }
         return;
     }
-    // Few rows over long contexts: every chunk of every head set its own task, then each head
-    // set's chunks merged.
-    let sets = n * tasks_per_row;
-    let mut first = Vec::with_capacity(sets + 1);
-    let mut items = Vec::new();
-    for idx in 0..sets {
-        first.push(items.len());
-        items.extend((0..chunks[idx / tasks_per_row]).map(|c| (idx, c)));
+    // Few rows over long contexts: every (row, KV head, chunk) its own task, then each (row,
+    // KV head)'s chunks merged.
+    let mut first = Vec::with_capacity(n * kv_heads + 1);
+    let mut work = Vec::with_capacity(items);
+    for t in 0..n {
+        for h in 0..kv_heads {
+            first.push(work.len());
+            work.extend((0..chunks(t)).map(|c| (t, h, c)));
+        }
     }
-    first.push(items.len());
-    let mut parts = vec![ChunkPart::default(); items.len() * per_task];
-    let mut sums = vec![0f32; items.len() * per_task * hd];
+    first.push(work.len());
+    let mut parts = vec![ChunkPart::default(); work.len() * group];
+    let mut sums = vec![0f32; work.len() * group * hd];
     parts
-        .par_chunks_mut(per_task)
-        .zip(sums.par_chunks_mut(per_task * hd))
-        .zip(items.par_iter())
-        .for_each(|((part, acc), &(idx, c))| {
-            if let Some((qh, kc, vc, col, len)) = head_set(idx) {
-                let js = c * CHUNK..((c + 1) * CHUNK).min(len);
+        .par_chunks_mut(group)
+        .zip(sums.par_chunks_mut(group * hd))
+        .zip(work.par_iter())
+        .for_each(|((part, acc), &(t, h, c))| {
+            if let Some((kc, vc, len)) = caches(t) {
+                let qh = &q[t * q_dim + h * group * hd..][..group * hd];
                 let mut scratch = ChunkScratch::default();
+                let at = (h * hd, c);
                 attend_chunk(
                     k,
-                    qh,
+                    &[qh],
+                    &[len],
                     (kc, vc),
-                    col,
+                    at,
                     hd,
-                    js,
                     s.scale,
                     part,
                     acc,
@@ -204,14 +227,14 @@ pub fn attend_each<'c, R: KvRows + 'c>(
                 );
             }
         });
-    out.par_chunks_mut(per_task * hd)
+    out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
             let (c0, c1) = (first[idx], first[idx + 1]);
             if c1 > c0 {
                 merge_chunks(
-                    &parts[c0 * per_task..c1 * per_task],
-                    &sums[c0 * per_task * hd..c1 * per_task * hd],
+                    &parts[c0 * group..c1 * group],
+                    &sums[c0 * group * hd..c1 * group * hd],
                     o,
                 );
             }
@@ -227,12 +250,12 @@ pub struct ChunkPart {
     sum: f64,
 }
 
-/// Buffers a chunk's attention works in, kept across the chunks of a task.
+/// Buffers a chunk's attention works in, kept across a task's chunks.
 #[derive(Default)]
 struct ChunkScratch {
     /// Rows of f16/Q8_0 caches decoded to f32.
     block: Vec<f32>,
-    /// Each head's scores over the chunk.
+    /// Each (row, head)'s scores over the chunk, [`CHUNK`] apart.
     scores: Vec<f32>,
 }
 
@@ -262,46 +285,135 @@ pub fn attend(
         .zip(sums.chunks_mut(group * hd))
         .enumerate()
     {
-        let js = c * CHUNK..((c + 1) * CHUNK).min(len);
         let caches = (k_cache, v_cache);
-        attend_chunk(k, q, caches, col, hd, js, scale, part, acc, &mut scratch);
+        attend_chunk(
+            k,
+            &[q],
+            &[len],
+            caches,
+            (col, c),
+            hd,
+            scale,
+            part,
+            acc,
+            &mut scratch,
+        );
     }
     merge_chunks(&parts, &sums, out);
 }
 
-/// Heads `q` (as in [`attend`]) over positions `js` of the (key, value) caches: each head's
-/// [`ChunkPart`] into `part` and its sum of value rows weighted by exp(score − max) into `acc`
-/// (`hd` values a head).
+/// A tile of rows `q` (all heads of each) attending the first `lens[r]` positions of the same
+/// caches, into `out` (as many values): chunk by chunk for each KV head, then each row's chunks
+/// merged.
+fn attend_tile<K: KvRows, V: KvRows>(
+    k: &Kernels,
+    q: &[f32],
+    lens: &[usize],
+    caches: (&K, &V),
+    s: AttnShape,
+    out: &mut [f32],
+) {
+    let hd = s.head_dim;
+    let q_dim = s.n_heads * hd;
+    let kv_heads = s.n_kv_heads.max(1);
+    let group = (s.n_heads / kv_heads).max(1);
+    let rows = lens.len();
+    let chunks: Vec<usize> = lens.iter().map(|l| l.div_ceil(CHUNK)).collect();
+    let most = chunks.iter().copied().max().unwrap_or(0);
+    let mut scratch = ChunkScratch::default();
+    // Row r's chunk c at r·most + c: each row's chunks in order, as `merge_chunks` takes them.
+    let mut parts = vec![ChunkPart::default(); rows * most * group];
+    let mut sums = vec![0f32; rows * most * group * hd];
+    let mut part = vec![ChunkPart::default(); rows * group];
+    let mut acc = vec![0f32; rows * group * hd];
+    for h in 0..kv_heads {
+        for c in 0..most {
+            // The rows that reach chunk c.
+            let live: Vec<usize> = (0..rows).filter(|&r| chunks[r] > c).collect();
+            let qs: Vec<&[f32]> = live
+                .iter()
+                .map(|&r| &q[r * q_dim + h * group * hd..][..group * hd])
+                .collect();
+            let ls: Vec<usize> = live.iter().map(|&r| lens[r]).collect();
+            let (part, acc) = (
+                &mut part[..live.len() * group],
+                &mut acc[..live.len() * group * hd],
+            );
+            attend_chunk(
+                k,
+                &qs,
+                &ls,
+                caches,
+                (h * hd, c),
+                hd,
+                s.scale,
+                part,
+                acc,
+                &mut scratch,
+            );
+            for (i, &r) in live.iter().enumerate() {
+                let at = (r * most + c) * group;
+                parts[at..at + group].copy_from_slice(&part[i * group..(i + 1) * group]);
+                sums[at * hd..(at + group) * hd]
+                    .copy_from_slice(&acc[i * group * hd..(i + 1) * group * hd]);
+            }
+        }
+        for (r, o) in out.chunks_exact_mut(q_dim).enumerate() {
+            let at = r * most * group;
+            merge_chunks(
+                &parts[at..at + chunks[r] * group],
+                &sums[at * hd..(at + chunks[r] * group) * hd],
+                &mut o[h * group * hd..(h + 1) * group * hd],
+            );
+        }
+    }
+}
+
+/// Query rows `qs` (each the `group · hd` values of the heads sharing one KV head) over chunk
+/// `c` of the (key, value) caches' positions, row r up to `lens[r]`, the KV head's columns from
+/// `col`: each (row, head)'s [`ChunkPart`] into `part` and its sum of value rows weighted by
+/// exp(score − max) into `acc` (`hd` values a head), rows one after another. Each key and value
+/// row is read once for all the rows and heads; each (row, head) computes what it would alone.
 #[allow(clippy::too_many_arguments)]
 fn attend_chunk<K: KvRows, V: KvRows>(
     k: &Kernels,
-    q: &[f32],
+    qs: &[&[f32]],
+    lens: &[usize],
     (k_cache, v_cache): (&K, &V),
-    col: usize,
+    (col, c): (usize, usize),
     hd: usize,
-    js: std::ops::Range<usize>,
     scale: f32,
     part: &mut [ChunkPart],
     acc: &mut [f32],
     scratch: &mut ChunkScratch,
 ) {
-    let len = js.len();
-    // Head g's scores at g·len. Key rows a block at a time, each block scored for every head.
+    let group = qs.first().map_or(0, |q| q.len() / hd);
+    let start = c * CHUNK;
+    let ends: Vec<usize> = lens
+        .iter()
+        .map(|&l| l.min(start + CHUNK).saturating_sub(start))
+        .collect();
+    let width = ends.iter().copied().max().unwrap_or(0);
     scratch.block.resize(ROWS * hd, 0.0);
-    scratch.scores.resize(part.len() * len, 0.0);
+    scratch.scores.resize(qs.len() * group * CHUNK, 0.0);
     let (block, scores) = (&mut scratch.block, &mut scratch.scores);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
-    for j0 in (0..len).step_by(ROWS) {
-        let j1 = (j0 + ROWS).min(len);
-        let rows = kv_block(keys, k_cache, js.start + j0..js.start + j1, col, block);
-        let rows = &rows[..j1 - j0];
-        for (g, qh) in q.chunks_exact(hd).enumerate() {
-            let s = &mut scores[g * len + j0..g * len + j1];
-            (k.dot_rows)(qh, rows, s);
-            s.iter_mut().for_each(|v| *v *= scale);
+    // (Row r, head g)'s scores at (r·group + g)·CHUNK. Key rows a block at a time, each block
+    // scored for every row and head that reaches it.
+    for j0 in (0..width).step_by(ROWS) {
+        let j1 = (j0 + ROWS).min(width);
+        let block_rows = kv_block(keys, k_cache, start + j0..start + j1, col, block);
+        for (r, q) in qs.iter().enumerate() {
+            let m = ends[r].saturating_sub(j0).min(j1 - j0);
+            for (g, qh) in q.chunks_exact(hd).enumerate().filter(|_| m > 0) {
+                let s = &mut scores[(r * group + g) * CHUNK + j0..][..m];
+                (k.dot_rows)(qh, &block_rows[..m], s);
+                s.iter_mut().for_each(|v| *v *= scale);
+            }
         }
     }
-    for (p, s) in part.iter_mut().zip(scores.chunks_exact_mut(len.max(1))) {
+    for (i, p) in part.iter_mut().enumerate() {
+        let s = &mut scores[i * CHUNK..][..ends[i / group.max(1)]];
         let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         *p = ChunkPart {
             max,
@@ -310,12 +422,14 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     }
     acc.fill(0.0);
     // Value rows a block at a time, each head's sum held in registers across the block.
-    for j0 in (0..len).step_by(ROWS) {
-        let j1 = (j0 + ROWS).min(len);
-        let rows = kv_block(values, v_cache, js.start + j0..js.start + j1, col, block);
-        let rows = &rows[..j1 - j0];
-        for (g, o) in acc.chunks_exact_mut(hd).enumerate() {
-            (k.axpy_rows)(o, &scores[g * len + j0..g * len + j1], rows);
+    for j0 in (0..width).step_by(ROWS) {
+        let j1 = (j0 + ROWS).min(width);
+        let block_rows = kv_block(values, v_cache, start + j0..start + j1, col, block);
+        for (i, o) in acc.chunks_exact_mut(hd).enumerate() {
+            let m = ends[i / group.max(1)].saturating_sub(j0).min(j1 - j0);
+            if m > 0 {
+                (k.axpy_rows)(o, &scores[i * CHUNK + j0..][..m], &block_rows[..m]);
+            }
         }
     }
 }
@@ -423,8 +537,9 @@ mod tests {
     }
 
     /// Attention over long contexts in chunks: a row alone (its chunks shared out over the
-    /// threads), the same row among many (its chunks in one task) and the row computed serially
-    /// give the same bits, and they are softmax attention computed in f64 to 1e-5.
+    /// threads, or in one task without them), the same row in a tile of a prompt's rows, and the
+    /// rows of two sequences interleaved give the same bits; and they are softmax attention
+    /// computed in f64 to 1e-5.
     #[test]
     fn chunked_attention_is_the_same_however_the_work_is_shared() {
         use rand::{RngExt, SeedableRng};
@@ -440,31 +555,58 @@ mod tests {
             .num_threads(2)
             .build()
             .unwrap();
+        let kernels = super::super::kernels::best();
         for ty in [crate::backend::KvType::F32, crate::backend::KvType::F16] {
             for len in [1usize, CHUNK, CHUNK + 1, 3 * CHUNK + 77] {
                 let mut rand = |n: usize| -> Vec<f32> {
                     (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
                 };
-                let (kr, vr) = (rand(len * cols), rand(len * cols));
-                let mut k = CpuKv::new(len, cols, ty).unwrap();
-                let mut v = CpuKv::new(len, cols, ty).unwrap();
-                k.write(0, &kr).unwrap();
-                v.write(0, &vr).unwrap();
-                // Row 0 attends all `len` positions, the others fewer.
-                let rows = 12;
+                let cache = |vals: &[f32]| {
+                    let mut c = CpuKv::new(len, cols, ty).unwrap();
+                    c.write(0, vals).unwrap();
+                    c
+                };
+                let (k, v) = (cache(&rand(len * cols)), cache(&rand(len * cols)));
+                let (k2, v2) = (cache(&rand(len * cols)), cache(&rand(len * cols)));
+                // 40 rows of a prompt, row t attending fewer positions the further it is.
+                let rows = 40;
                 let q = rand(rows * q_dim);
-                let kernels = super::super::kernels::best();
-                let lens = |t: usize| len.saturating_sub(t * 37).max(1);
+                let lens = |t: usize| len.saturating_sub(t * 23).max(1);
                 let caches = |t: usize| Some((&k, &v, lens(t)));
-                let mut alone = vec![0f32; q_dim];
-                pool.install(|| attend_each(kernels, &q[..q_dim], caches, s, &mut alone, true));
-                let mut serial = vec![0f32; q_dim];
-                attend_each(kernels, &q[..q_dim], caches, s, &mut serial, false);
                 let mut many = vec![0f32; rows * q_dim];
                 pool.install(|| attend_each(kernels, &q, caches, s, &mut many, true));
-                assert_eq!(alone, serial, "{ty:?} len {len}");
-                assert_eq!(alone[..], many[..q_dim], "{ty:?} len {len}");
-                // Against softmax attention in f64 over the cache's own values.
+                let mut serial = vec![0f32; rows * q_dim];
+                attend_each(kernels, &q, caches, s, &mut serial, false);
+                assert_eq!(many, serial, "{ty:?} len {len}");
+                // Two sequences' rows interleaved (no tile spans both); each row as it is alone.
+                let mixed = |t: usize| {
+                    Some(if t.is_multiple_of(2) {
+                        (&k, &v, lens(t))
+                    } else {
+                        (&k2, &v2, lens(t))
+                    })
+                };
+                let mut both = vec![0f32; rows * q_dim];
+                pool.install(|| attend_each(kernels, &q, mixed, s, &mut both, true));
+                for t in [0, 1, 9, 17, rows - 1] {
+                    let qt = &q[t * q_dim..(t + 1) * q_dim];
+                    for (whole, what, c) in
+                        [(&many, "prompt", caches(t)), (&both, "mixed", mixed(t))]
+                    {
+                        let one = |_: usize| c;
+                        let mut alone = vec![0f32; q_dim];
+                        pool.install(|| attend_each(kernels, qt, one, s, &mut alone, true));
+                        let mut alone_serial = vec![0f32; q_dim];
+                        attend_each(kernels, qt, one, s, &mut alone_serial, false);
+                        assert_eq!(alone, alone_serial, "{ty:?} len {len} row {t} ({what})");
+                        assert_eq!(
+                            alone[..],
+                            whole[t * q_dim..(t + 1) * q_dim],
+                            "{ty:?} len {len} row {t} ({what})"
+                        );
+                    }
+                }
+                // Row 0 against softmax attention in f64 over the cache's own values.
                 let (mut kt, mut vt) = (vec![0f32; hd], vec![0f32; hd]);
                 for h in 0..s.n_heads {
                     let col = (h / 3) * hd;
@@ -485,7 +627,7 @@ mod tests {
                         let want: f64 = (0..len)
                             .map(|j| (sc[j] - m).exp() / den * v.slice(j, col, &mut vt)[i] as f64)
                             .sum();
-                        let got = alone[h * hd + i] as f64;
+                        let got = many[h * hd + i] as f64;
                         assert!(
                             (got - want).abs() <= 1e-5 * want.abs().max(1.0),
                             "{ty:?} len {len} head {h}[{i}]: {got} vs {want}"
