@@ -1261,25 +1261,27 @@ impl<B: Backend> Engine<B> {
                         // passes.
                         if pass == 0 || rows < pos {
                             self.read_kv_rows(s, l, false, first, &mut k[..len * kv])?;
-                            for (qi, &(row, qp)) in queries.iter().enumerate() {
+                            // Each query head's scores apart: over the threads.
+                            let score = |(at, out): (usize, &mut [f32])| {
+                                let (qi, h) = (at / spec.n_heads, at % spec.n_heads);
+                                let (row, qp) = queries[qi];
                                 let end = len.min((qp + 1).saturating_sub(first));
-                                for h in 0..spec.n_heads {
-                                    let qh = &q[row * spec.q_dim() + h * hd..][..hd];
-                                    let kh = (h / group.max(1)) * hd;
-                                    let at = qi * spec.n_heads + h;
-                                    let out = &mut scores[at * rows..][..end];
-                                    for (j0, o) in (0..end).step_by(16).zip(out.chunks_mut(16)) {
-                                        let keys: [&[f32]; 16] = std::array::from_fn(|i| {
-                                            let j = (j0 + i).min(end - 1);
-                                            &k[j * kv + kh..][..hd]
-                                        });
-                                        (kern.dot_rows)(qh, &keys[..o.len()], o);
-                                    }
-                                    for v in out.iter_mut() {
-                                        *v *= spec.attn_scale;
-                                    }
+                                let qh = &q[row * spec.q_dim() + h * hd..][..hd];
+                                let kh = (h / group.max(1)) * hd;
+                                let out = &mut out[..end];
+                                for (j0, o) in (0..end).step_by(16).zip(out.chunks_mut(16)) {
+                                    let keys: [&[f32]; 16] = std::array::from_fn(|i| {
+                                        let j = (j0 + i).min(end - 1);
+                                        &k[j * kv + kh..][..hd]
+                                    });
+                                    (kern.dot_rows)(qh, &keys[..o.len()], o);
                                 }
-                            }
+                                for v in out.iter_mut() {
+                                    *v *= spec.attn_scale;
+                                }
+                            };
+                            use rayon::prelude::*;
+                            scores.par_chunks_mut(rows).enumerate().for_each(score);
                         }
                         for (qi, &(_, qp)) in queries.iter().enumerate() {
                             if first > qp {

@@ -109,7 +109,7 @@ pub fn activation(act: Act) -> fn(f32) -> f32 {
 /// the chunks merged in order. The arithmetic is the same whether one task takes a row's chunks
 /// or several tasks share them, so a decoded token alone can spread its long context over the
 /// threads and still get what it gets beside others.
-pub const CHUNK: usize = 256;
+const CHUNK: usize = 256;
 
 /// Query rows a task takes together where they attend the same caches (a prompt's rows): each
 /// key and value row is read once for all of them.
@@ -243,7 +243,7 @@ pub fn attend_each<'c, R: KvRows + 'c>(
 
 /// One head's partial attention over a chunk of positions.
 #[derive(Clone, Copy, Default)]
-pub struct ChunkPart {
+struct ChunkPart {
     /// The chunk's maximum score.
     max: f32,
     /// Σ exp(score − max) over the chunk.
