@@ -491,7 +491,11 @@ struct QueryProbe<B: Backend> {
 /// Queries remembered per probed layer.
 pub const PROBE_QUERIES: usize = 16;
 
-/// Positions of K read at a time by [`Engine::attention_density`].
+/// Bytes of K read at a time by [`Engine::attention_density`]: a context of up to this much
+/// K per layer is read, scored and exponentiated once; beyond, once per pass, in runs of this
+/// size, so the temporary does not grow with the context.
+pub const DENSITY_READ_BYTES: usize = 4 << 20;
+/// The fewest positions of a run of [`DENSITY_READ_BYTES`].
 pub const DENSITY_READ_ROWS: usize = 256;
 /// Layers probed at most (evenly spaced).
 const PROBE_LAYERS: usize = 4;
@@ -1197,9 +1201,12 @@ impl<B: Backend> Engine<B> {
     /// Share of attention each block of `block` positions received from the remembered queries
     /// (softmax probabilities, averaged over probed layers, heads and queries; blocks sum to 1).
     /// Empty when the session has no probe or no queries yet. K is read in runs of
-    /// [`DENSITY_READ_ROWS`] positions, so the temporary does not grow with the context.
+    /// [`DENSITY_READ_BYTES`] (at least [`DENSITY_READ_ROWS`] positions), so the temporary does
+    /// not grow with the context.
     pub fn attention_density(&self, s: &mut Session<B>, block: usize) -> Result<Vec<f32>> {
-        self.attention_density_in(s, block, DENSITY_READ_ROWS)
+        let row_bytes = self.spec.kv_dim().max(1) * std::mem::size_of::<f32>();
+        let rows = (DENSITY_READ_BYTES / row_bytes).max(DENSITY_READ_ROWS);
+        self.attention_density_in(s, block, rows)
     }
 
     /// [`Engine::attention_density`] reading K `rows` positions at a time (rounded up to whole
