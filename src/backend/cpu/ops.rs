@@ -275,31 +275,19 @@ pub fn attend(
     scale: f32,
     out: &mut [f32],
 ) {
-    let group = q.len() / hd;
-    let chunks = len.div_ceil(CHUNK);
-    let mut parts = vec![ChunkPart::default(); chunks * group];
-    let mut sums = vec![0f32; chunks * group * hd];
     let mut scratch = ChunkScratch::default();
-    for (c, (part, acc)) in parts
-        .chunks_mut(group)
-        .zip(sums.chunks_mut(group * hd))
-        .enumerate()
-    {
-        let caches = (k_cache, v_cache);
-        attend_chunk(
-            k,
-            &[q],
-            &[len],
-            caches,
-            (col, c),
-            hd,
-            scale,
-            part,
-            acc,
-            &mut scratch,
-        );
-    }
-    merge_chunks(&parts, &sums, out);
+    let caches = (k_cache, v_cache);
+    attend_head(
+        k,
+        &[q],
+        &[len],
+        caches,
+        col,
+        hd,
+        scale,
+        &mut [out],
+        &mut scratch,
+    );
 }
 
 /// A tile of rows `q` (all heads of each) attending the first `lens[r]` positions of the same
@@ -317,55 +305,88 @@ fn attend_tile<K: KvRows, V: KvRows>(
     let q_dim = s.n_heads * hd;
     let kv_heads = s.n_kv_heads.max(1);
     let group = (s.n_heads / kv_heads).max(1);
+    let mut scratch = ChunkScratch::default();
+    for h in 0..kv_heads {
+        let heads = h * group * hd..(h + 1) * group * hd;
+        let qs: Vec<&[f32]> = q.chunks_exact(q_dim).map(|r| &r[heads.clone()]).collect();
+        let mut outs: Vec<&mut [f32]> = out
+            .chunks_exact_mut(q_dim)
+            .map(|r| &mut r[heads.clone()])
+            .collect();
+        attend_head(
+            k,
+            &qs,
+            lens,
+            caches,
+            h * hd,
+            hd,
+            s.scale,
+            &mut outs,
+            &mut scratch,
+        );
+    }
+}
+
+/// Rows `qs` (each the `group · hd` values of the heads sharing one KV head, whose columns
+/// start at `col` in a cache row) attending the first `lens[r]` positions of the same caches,
+/// into `outs[r]`: chunk by chunk, each chunk's key and value rows read once for all the rows
+/// that reach it, then each row's chunks merged.
+#[allow(clippy::too_many_arguments)]
+fn attend_head<K: KvRows, V: KvRows>(
+    k: &Kernels,
+    qs: &[&[f32]],
+    lens: &[usize],
+    caches: (&K, &V),
+    col: usize,
+    hd: usize,
+    scale: f32,
+    outs: &mut [&mut [f32]],
+    scratch: &mut ChunkScratch,
+) {
+    let group = qs.first().map_or(0, |q| q.len() / hd.max(1));
     let rows = lens.len();
     let chunks: Vec<usize> = lens.iter().map(|l| l.div_ceil(CHUNK)).collect();
     let most = chunks.iter().copied().max().unwrap_or(0);
-    let mut scratch = ChunkScratch::default();
     // Row r's chunk c at r·most + c: each row's chunks in order, as `merge_chunks` takes them.
     let mut parts = vec![ChunkPart::default(); rows * most * group];
     let mut sums = vec![0f32; rows * most * group * hd];
     let mut part = vec![ChunkPart::default(); rows * group];
     let mut acc = vec![0f32; rows * group * hd];
-    for h in 0..kv_heads {
-        for c in 0..most {
-            // The rows that reach chunk c.
-            let live: Vec<usize> = (0..rows).filter(|&r| chunks[r] > c).collect();
-            let qs: Vec<&[f32]> = live
-                .iter()
-                .map(|&r| &q[r * q_dim + h * group * hd..][..group * hd])
-                .collect();
-            let ls: Vec<usize> = live.iter().map(|&r| lens[r]).collect();
-            let (part, acc) = (
-                &mut part[..live.len() * group],
-                &mut acc[..live.len() * group * hd],
-            );
-            attend_chunk(
-                k,
-                &qs,
-                &ls,
-                caches,
-                (h * hd, c),
-                hd,
-                s.scale,
-                part,
-                acc,
-                &mut scratch,
-            );
-            for (i, &r) in live.iter().enumerate() {
-                let at = (r * most + c) * group;
-                parts[at..at + group].copy_from_slice(&part[i * group..(i + 1) * group]);
-                sums[at * hd..(at + group) * hd]
-                    .copy_from_slice(&acc[i * group * hd..(i + 1) * group * hd]);
-            }
+    for c in 0..most {
+        // The rows that reach chunk c.
+        let live: Vec<usize> = (0..rows).filter(|&r| chunks[r] > c).collect();
+        let live_qs: Vec<&[f32]> = live.iter().map(|&r| qs[r]).collect();
+        let ls: Vec<usize> = live.iter().map(|&r| lens[r]).collect();
+        let (part, acc) = (
+            &mut part[..live.len() * group],
+            &mut acc[..live.len() * group * hd],
+        );
+        attend_chunk(
+            k,
+            &live_qs,
+            &ls,
+            caches,
+            (col, c),
+            hd,
+            scale,
+            part,
+            acc,
+            scratch,
+        );
+        for (i, &r) in live.iter().enumerate() {
+            let at = (r * most + c) * group;
+            parts[at..at + group].copy_from_slice(&part[i * group..(i + 1) * group]);
+            sums[at * hd..(at + group) * hd]
+                .copy_from_slice(&acc[i * group * hd..(i + 1) * group * hd]);
         }
-        for (r, o) in out.chunks_exact_mut(q_dim).enumerate() {
-            let at = r * most * group;
-            merge_chunks(
-                &parts[at..at + chunks[r] * group],
-                &sums[at * hd..(at + chunks[r] * group) * hd],
-                &mut o[h * group * hd..(h + 1) * group * hd],
-            );
-        }
+    }
+    for (r, o) in outs.iter_mut().enumerate() {
+        let at = r * most * group;
+        merge_chunks(
+            &parts[at..at + chunks[r] * group],
+            &sums[at * hd..(at + chunks[r] * group) * hd],
+            o,
+        );
     }
 }
 
