@@ -86,6 +86,12 @@ fn check_exact(path: &Path, kv_type: KvType) {
     assert_eq!(s2.position(), 60);
     let got = e.forward(&mut s2, tail, Logits::All).unwrap();
     assert!(got == want, "logits differ after a swap through disk");
+    // Exact at the cache's own width: an f16 cache's chunks are half the bytes of f32.
+    let bits = kv.get(&id, None).unwrap().chunk_bits();
+    assert!(
+        bits.iter().all(|b| *b == Some(Bits::exact_for(kv_type))),
+        "{kv_type:?}: {bits:?}"
+    );
 
     // Some chunks recomputed by the cost model, one chunk file corrupted: the same answer.
     let balanced = CostModel {
@@ -191,11 +197,7 @@ fn chunked_ppl(e: &Engine<CpuBackend>, t: &[u32], compression: Option<Compressio
         }
     }
     let bits = kv.get(&id, None).unwrap().chunk_bits();
-    let full: Vec<Bits> = bits
-        .into_iter()
-        .flatten()
-        .filter(|b| *b != Bits::F32)
-        .collect();
+    let full: Vec<Bits> = bits.into_iter().flatten().filter(|b| !b.is_raw()).collect();
     let mean_bits = full.iter().map(|b| b.bits() as f64).sum::<f64>() / full.len().max(1) as f64;
     ((nll / n as f64).exp(), mean_bits)
 }
@@ -313,7 +315,7 @@ fn ratio_keeps_chunks_exact_where_decoding_costs_more_than_the_bytes() {
         let full = head.len() / CHUNK_TOKENS;
         assert_eq!(bits.len(), head.len().div_ceil(CHUNK_TOKENS));
         for (i, b) in bits.iter().enumerate().take(full) {
-            assert_eq!(*b == Some(Bits::F32), exact, "chunk {i}: {bits:?}");
+            assert_eq!(b.is_some_and(Bits::is_raw), exact, "chunk {i}: {bits:?}");
         }
         let mut s2 = e.new_session(128).unwrap();
         kv.swap_in(&e, &mut s2, &id).unwrap();

@@ -277,9 +277,11 @@ fn completions_stream_contexts_and_bad_input() {
             > 0,
         "the context was not restored: {info}"
     );
+    let raw_chunks = |w: &str| info["chunks"]["bits"][w].as_u64().unwrap();
     assert_eq!(
-        info["chunks"]["bits"]["32"], info["chunks"]["total"],
-        "compression off"
+        raw_chunks("32") + raw_chunks("16"),
+        info["chunks"]["total"].as_u64().unwrap(),
+        "compression off: every chunk raw (f32, or f16 for an f16 cache): {info}"
     );
 
     // Bad input: each gets its 4xx and the server keeps serving.

@@ -1,12 +1,14 @@
 //! KV cache chunks: the keys and values of up to [`CHUNK_TOKENS`] consecutive positions across
 //! every layer, the unit contexts are compressed, swapped and recomputed in (LLMS). Encodings:
-//! raw f32 (exact), or per group of 32 values an asymmetric 8-, 4- or 2-bit code with f16 scale
+//! raw f32 or raw f16 (exact where the cache holds f16, the device's default), or per group of 32 values an asymmetric 8-, 4- or 2-bit code with f16 scale
 //! and minimum, taken after an orthonormal Walsh-Hadamard rotation of each row (blocks of the
 //! largest power of two dividing the row, up to 128): keys carry a few outlier channels that
 //! would set every group's range, and the rotation spreads them out (as QuaRot does), which
 //! makes 4 and 2 bits usable.
 
+use crate::backend::KvType;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use serde::{Deserialize, Serialize};
 
 /// Positions per chunk.
@@ -21,7 +23,9 @@ pub enum Bits {
     Q2,
     Q4,
     Q8,
-    /// Uncompressed (exact).
+    /// Raw f16: exact for a cache of f16 values, at half the bytes of f32.
+    F16,
+    /// Raw f32: exact for any cache.
     F32,
 }
 
@@ -31,8 +35,23 @@ impl Bits {
             Bits::Q2 => 2,
             Bits::Q4 => 4,
             Bits::Q8 => 8,
+            Bits::F16 => 16,
             Bits::F32 => 32,
         }
+    }
+
+    /// The narrowest raw encoding that holds every value of a `kv` cache exactly.
+    pub fn exact_for(kv: KvType) -> Bits {
+        match kv {
+            KvType::F16 => Bits::F16,
+            // Q8_0's values (an f16 scale times an int8) need more than f16's 11 bits.
+            KvType::F32 | KvType::Q8_0 => Bits::F32,
+        }
+    }
+
+    /// A raw encoding (f16 or f32), not a quantized code.
+    pub fn is_raw(self) -> bool {
+        matches!(self, Bits::F16 | Bits::F32)
     }
 }
 
@@ -73,6 +92,7 @@ impl ChunkData {
 pub fn encoded_len(bits: Bits, values: usize) -> usize {
     match bits {
         Bits::F32 => values * 4,
+        Bits::F16 => values * 2,
         b => {
             let groups = values.div_ceil(GROUP);
             groups * 4 + (values * b.bits()).div_ceil(8)
@@ -83,8 +103,14 @@ pub fn encoded_len(bits: Bits, values: usize) -> usize {
 /// Encode a chunk. Quantized encodings: for each group of 32 values (groups never span two
 /// rows), f16 scale and f16 minimum, then the codes packed little-end first.
 pub fn encode(c: &ChunkData, bits: Bits) -> Vec<u8> {
-    if bits == Bits::F32 {
-        return bytemuck::cast_slice(&c.values).to_vec();
+    match bits {
+        Bits::F32 => return bytemuck::cast_slice(&c.values).to_vec(),
+        Bits::F16 => {
+            let mut h = vec![f16::ZERO; c.values.len()];
+            h.convert_from_f32_slice(&c.values);
+            return bytemuck::cast_slice(&h).to_vec();
+        }
+        _ => {}
     }
     let b = bits.bits();
     let levels = ((1u32 << b) - 1) as f32;
@@ -167,6 +193,19 @@ pub fn decode_into(bytes: &[u8], bits: Bits, out: &mut ChunkData) -> bool {
         );
         return true;
     }
+    if bits == Bits::F16 {
+        out.values.resize(n, 0.0);
+        match bytemuck::try_cast_slice::<u8, f16>(bytes) {
+            Ok(h) => h.convert_to_f32_slice(&mut out.values),
+            // Bytes not aligned for f16: value by value.
+            Err(_) => {
+                for (v, x) in out.values.iter_mut().zip(bytes.chunks_exact(2)) {
+                    *v = f16::from_le_bytes([x[0], x[1]]).to_f32();
+                }
+            }
+        }
+        return true;
+    }
     // Every value is written below: a reused buffer of the right size needs no clearing.
     out.values.resize(n, 0.0);
     if n == 0 {
@@ -184,7 +223,7 @@ pub fn decode_into(bytes: &[u8], bits: Bits, out: &mut ChunkData) -> bool {
                 Bits::Q8 => dequant_row::<8>(row, r * kv_dim, head, codes),
                 Bits::Q4 => dequant_row::<4>(row, r * kv_dim, head, codes),
                 Bits::Q2 => dequant_row::<2>(row, r * kv_dim, head, codes),
-                Bits::F32 => unreachable!(),
+                Bits::F16 | Bits::F32 => unreachable!(),
             }
             if rot >= 2 {
                 rotate_row(row, rot);
@@ -298,6 +337,7 @@ fn rotate_rows(values: &mut [f32], kv_dim: usize) {
 pub fn encoded_len_rows(bits: Bits, values: usize, kv_dim: usize) -> usize {
     match bits {
         Bits::F32 => values * 4,
+        Bits::F16 => values * 2,
         b => {
             let rows = values / kv_dim.max(1);
             rows * kv_dim.div_ceil(GROUP) * 4 + (values * b.bits()).div_ceil(8)
@@ -363,6 +403,13 @@ mod tests {
                 .collect();
             return Some(c);
         }
+        if bits == Bits::F16 {
+            c.values = bytes
+                .chunks_exact(2)
+                .map(|x| f16::from_le_bytes([x[0], x[1]]).to_f32())
+                .collect();
+            return Some(c);
+        }
         let b = bits.bits();
         let groups_per_row = kv_dim.div_ceil(GROUP);
         let n_groups = (n / kv_dim.max(1)) * groups_per_row;
@@ -410,7 +457,7 @@ mod tests {
             (1, 64, 1),
             (2, 96, 0),
         ] {
-            for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F32] {
+            for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F16, Bits::F32] {
                 for trial in 0..3 {
                     let mut c = ChunkData::zeros(n_layers, kv_dim, len);
                     for v in c.values.iter_mut() {
@@ -445,9 +492,9 @@ mod tests {
                     let got = decode(&e, bits, n_layers, kv_dim, len).unwrap();
                     assert_eq!(got.values.len(), want.values.len());
                     for (i, (a, b)) in got.values.iter().zip(&want.values).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            b.to_bits(),
+                        // (Arbitrary f16 bytes hold NaNs: any NaN is the same NaN here.)
+                        assert!(
+                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
                             "{bits:?} {n_layers}x{kv_dim}x{len} trial {trial} value {i}: {a} vs {b}"
                         );
                     }
@@ -456,7 +503,15 @@ mod tests {
                     assert!(decode_into(&e, bits, &mut again));
                     assert_eq!(
                         bytemuck::cast_slice::<f32, u32>(&again.values),
-                        bytemuck::cast_slice::<f32, u32>(&want.values)
+                        bytemuck::cast_slice::<f32, u32>(&got.values)
+                    );
+                    // Bytes not aligned for f16 decode the same.
+                    let mut shifted = vec![0u8; e.len() + 1];
+                    shifted[1..].copy_from_slice(&e);
+                    assert!(decode_into(&shifted[1..], bits, &mut again));
+                    assert_eq!(
+                        bytemuck::cast_slice::<f32, u32>(&again.values),
+                        bytemuck::cast_slice::<f32, u32>(&got.values)
                     );
                 }
             }
@@ -467,7 +522,7 @@ mod tests {
     #[ignore = "timing: cargo test --release --lib kv::chunk::tests::decode_speed -- --ignored --nocapture"]
     fn decode_speed() {
         let c = sample(30, 192, 16);
-        for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F32] {
+        for bits in [Bits::Q2, Bits::Q4, Bits::Q8, Bits::F16, Bits::F32] {
             let e = encode(&c, bits);
             let reps = 50;
             let t = std::time::Instant::now();
@@ -497,6 +552,31 @@ mod tests {
         let c = sample(3, 40, 16);
         let e = encode(&c, Bits::F32);
         assert_eq!(decode(&e, Bits::F32, 3, 40, 16).unwrap(), c);
+    }
+
+    #[test]
+    fn f16_holds_an_f16_cache_exactly_at_half_the_bytes() {
+        let mut c = sample(3, 40, 16);
+        // What an f16 cache hands the host: values f16 can hold.
+        for v in c.values.iter_mut() {
+            *v = f16::from_f32(*v).to_f32();
+        }
+        c.values[7] = f32::INFINITY;
+        c.values[8] = -0.0;
+        c.values[9] = f16::MIN_POSITIVE_SUBNORMAL.to_f32();
+        let e = encode(&c, Bits::F16);
+        assert_eq!(e.len(), encoded_len_rows(Bits::F16, c.values.len(), 40));
+        assert_eq!(2 * e.len(), encode(&c, Bits::F32).len());
+        let d = decode(&e, Bits::F16, 3, 40, 16).unwrap();
+        assert_eq!(
+            bytemuck::cast_slice::<f32, u32>(&d.values),
+            bytemuck::cast_slice::<f32, u32>(&c.values)
+        );
+        assert_eq!(Bits::exact_for(KvType::F16), Bits::F16);
+        assert_eq!(Bits::exact_for(KvType::F32), Bits::F32);
+        assert_eq!(Bits::exact_for(KvType::Q8_0), Bits::F32);
+        // Raw widths sort above every code (policy and LCTRU order by width).
+        assert!(Bits::Q8 < Bits::F16 && Bits::F16 < Bits::F32);
     }
 
     #[test]
@@ -545,6 +625,7 @@ mod tests {
     fn compression_ratios() {
         let n = 2 * 30 * 16 * 192;
         assert_eq!(encoded_len_rows(Bits::F32, n, 192), n * 4);
+        assert_eq!(encoded_len_rows(Bits::F16, n, 192), n * 2);
         let q8 = encoded_len_rows(Bits::Q8, n, 192) as f64 / n as f64;
         let q2 = encoded_len_rows(Bits::Q2, n, 192) as f64 / n as f64;
         assert!(

@@ -330,10 +330,16 @@ impl KvManager {
         let spec = engine.spec();
         let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
         let pos = session.position();
+        let exact = Bits::exact_for(engine.kv_type());
+        // With a disk tier, exact is kept wherever decoding costs more than the bytes it saves
+        // (below); where that holds for every code, no width depends on the density.
+        let exact_always = self.cfg.dir.is_some() && self.cfg.costs.exact_always(exact);
         // Only the ratio mode reads the density: the others would pay a pass over K for nothing.
         let density = match self.cfg.compression {
-            Compression::Ratio(_) => engine.attention_density(session, CHUNK_TOKENS)?,
-            Compression::Off | Compression::Uniform(_) => Vec::new(),
+            Compression::Ratio(_) if !exact_always => {
+                engine.attention_density(session, CHUNK_TOKENS)?
+            }
+            Compression::Ratio(_) | Compression::Off | Compression::Uniform(_) => Vec::new(),
         };
         let c = self
             .contexts
@@ -357,7 +363,7 @@ impl KvManager {
                     // A full chunk kept exact because decoding cost more than its bytes counts
                     // in the ratio's budget at the widest code, not at 32 bits.
                     match kept {
-                        Some(Bits::F32) if ratio_mode => Some(Bits::Q8),
+                        Some(b) if ratio_mode && b.is_raw() => Some(Bits::Q8),
                         k => k.or(Some(Bits::Q8)),
                     }
                 } else {
@@ -366,7 +372,7 @@ impl KvManager {
             })
             .collect();
         let widths: Vec<Bits> = match self.cfg.compression {
-            Compression::Off => vec![Bits::F32; full],
+            Compression::Off => vec![exact; full],
             Compression::Uniform(b) => vec![b; full],
             // Tolerance-aware widths, then the cost model: where decoding a width costs more
             // than loading the bytes exact adds, the chunk is kept exact (no loss at all). Only
@@ -375,8 +381,8 @@ impl KvManager {
             Compression::Ratio(r) => policy::allocate_bits(&density, &fixed, r)
                 .into_iter()
                 .map(|b| {
-                    if self.cfg.dir.is_some() && self.cfg.costs.prefer_exact(b) {
-                        Bits::F32
+                    if self.cfg.dir.is_some() && self.cfg.costs.prefer_exact(b, exact) {
+                        exact
                     } else {
                         b
                     }
@@ -390,7 +396,7 @@ impl KvManager {
             // A partial chunk keeps changing: it stays exact until it is full.
             let bits = match widths.get(ci) {
                 Some(&w) if len == CHUNK_TOKENS => w,
-                _ => Bits::F32,
+                _ => exact,
             };
             if let Some(d) = test_swap_delay() {
                 std::thread::sleep(d);
@@ -633,7 +639,8 @@ impl KvManager {
 
 /// Write what `session` holds as the persistent context `id` under `kv_dir`, in the format
 /// `serve --kv-dir` loads: `tokens` is the conversation (the prompt and what was generated; the
-/// last generated token may not be evaluated yet), the chunks exact (f32). The chunks are written
+/// last generated token may not be evaluated yet), the chunks exact ([`Bits::exact_for`] the
+/// cache). The chunks are written
 /// first and the index last, each atomically, so the context exists on disk only once it is
 /// complete; an older context of the same id is replaced.
 pub fn save_session<B: Backend>(
@@ -648,6 +655,7 @@ pub fn save_session<B: Backend>(
     let spec = engine.spec();
     let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
     let evaluated = session.position().min(tokens.len());
+    let exact = Bits::exact_for(engine.kv_type());
     let mut index = ContextIndex::new(model_id, id, owner, unix_now());
     index.tokens = tokens.to_vec();
     index.evaluated = evaluated;
@@ -660,14 +668,9 @@ pub fn save_session<B: Backend>(
             kv_dim,
             values: engine.read_kv(session, start, len)?,
         };
-        let bytes = chunk::encode(&data, Bits::F32);
+        let bytes = chunk::encode(&data, exact);
         index.chunks.push(Some(persist::write_chunk(
-            kv_dir,
-            id,
-            ci,
-            len,
-            Bits::F32,
-            &bytes,
+            kv_dir, id, ci, len, exact, &bytes,
         )?));
     }
     persist::save_index(kv_dir, &index)?;
@@ -752,7 +755,8 @@ pub fn measure_costs<B: Backend>(
                 .fold(f64::INFINITY, f64::min)
         };
         let n = data.values.len().max(1) as f64;
-        ((time(Bits::Q4) - time(Bits::F32)) / n).max(0.0)
+        let exact = Bits::exact_for(engine.kv_type());
+        ((time(Bits::Q4) - time(exact)) / n).max(0.0)
     };
     Ok(CostModel {
         recompute_s_per_token: recompute,

@@ -104,13 +104,23 @@ impl CostModel {
     /// bytes exact adds cost less to load (at the measured disk rate, the slowest tier a chunk
     /// is read from) than decoding the compressed values costs. Exact loses nothing in accuracy;
     /// it only spends memory, where moving bytes is nearly free (the page cache, host memory).
-    pub fn prefer_exact(&self, bits: Bits) -> bool {
-        if bits == Bits::F32 || self.decode_s_per_value <= 0.0 {
+    /// `exact`: the raw width that holds the cache's values exactly ([`Bits::exact_for`]).
+    pub fn prefer_exact(&self, bits: Bits, exact: Bits) -> bool {
+        if bits.is_raw() || self.decode_s_per_value <= 0.0 {
             return false;
         }
         // Bytes per value: the codes, plus a 4-byte header per group of 32.
         let compressed = bits.bits() as f64 / 8.0 + 4.0 / 32.0;
-        (4.0 - compressed) * self.load_s_per_byte < self.decode_s_per_value
+        let raw = exact.bits() as f64 / 8.0;
+        (raw - compressed) * self.load_s_per_byte < self.decode_s_per_value
+    }
+
+    /// Whether every quantized width would be stored exact ([`CostModel::prefer_exact`]): then
+    /// no chunk's width depends on its attention density, and nothing need measure it.
+    pub fn exact_always(&self, exact: Bits) -> bool {
+        [Bits::Q2, Bits::Q4, Bits::Q8]
+            .iter()
+            .all(|&b| self.prefer_exact(b, exact))
     }
 
     /// How many leading chunks to recompute while the I/O thread loads the rest from disk, so
@@ -210,24 +220,25 @@ mod tests {
             decode_s_per_value: decode,
         };
         // Page cache (0.16 ns/byte) against a 1.5 ns/value decode: exact.
+        let f32 = Bits::F32;
         let fast = m(0.16e-9, 1.5e-9);
-        assert!(
-            [Bits::Q2, Bits::Q4, Bits::Q8]
-                .iter()
-                .all(|&b| fast.prefer_exact(b))
-        );
+        assert!(fast.exact_always(f32));
         // An SSD at 1 GB/s: the bytes cost more than the decode, compression kept.
         let ssd = m(1e-9, 1.5e-9);
         assert!(
             [Bits::Q2, Bits::Q4, Bits::Q8]
                 .iter()
-                .all(|&b| !ssd.prefer_exact(b))
+                .all(|&b| !ssd.prefer_exact(b, f32))
         );
         // In between, the widest code saves the fewest bytes: it goes exact first.
         let mid = m(0.5e-9, 1.5e-9);
-        assert!(mid.prefer_exact(Bits::Q8) && !mid.prefer_exact(Bits::Q2));
+        assert!(mid.prefer_exact(Bits::Q8, f32) && !mid.prefer_exact(Bits::Q2, f32));
+        assert!(!mid.exact_always(f32));
+        // An f16 cache's exact chunks are half the bytes: exact pays sooner.
+        assert!(mid.exact_always(Bits::F16));
+        assert!(!m(1.5e-9, 1.5e-9).prefer_exact(Bits::Q2, Bits::F16));
         // Not measured: never.
-        assert!(!m(0.0, 0.0).prefer_exact(Bits::Q4));
-        assert!(!fast.prefer_exact(Bits::F32));
+        assert!(!m(0.0, 0.0).prefer_exact(Bits::Q4, f32));
+        assert!(!fast.prefer_exact(Bits::F32, f32) && !fast.prefer_exact(Bits::F16, f32));
     }
 }

@@ -394,7 +394,7 @@ impl<B: Backend> Worker<B> {
                 "total": bits.len(),
                 "in_dram": c.chunks_in_dram(),
                 "on_disk": c.chunks_on_disk(),
-                "bits": {"8": count(Bits::Q8), "4": count(Bits::Q4), "2": count(Bits::Q2), "32": count(Bits::F32)},
+                "bits": {"8": count(Bits::Q8), "4": count(Bits::Q4), "2": count(Bits::Q2), "16": count(Bits::F16), "32": count(Bits::F32)},
             },
             "lost_chunks_at_load": c.lost_at_load,
             "last_restore": c.last_restore,
