@@ -159,11 +159,15 @@ fn a_full_pool_refuses_a_call_and_leaves_every_session_as_it_was() {
 
 #[test]
 fn kv_rows_read_from_a_pooled_session_continue_in_another() {
+    for ty in [KvType::Q8_0, KvType::F16, KvType::F32] {
+        rows_continue(ty);
+    }
+}
+
+fn rows_continue(ty: KvType) {
     let m = Model::load(&common::stories260k()).unwrap();
-    let own = common::cpu_engine(&m, KvType::Q8_0);
-    let e = common::cpu_engine(&m, KvType::Q8_0)
-        .with_kv_pool(12)
-        .unwrap();
+    let own = common::cpu_engine(&m, ty);
+    let e = common::cpu_engine(&m, ty).with_kv_pool(12).unwrap();
     let p = &prompts(m.spec.vocab_size, 4)[3];
     // Another session holds the first blocks, so the copies land elsewhere in the pool.
     let mut other = e.new_session(CTX).unwrap();
@@ -181,10 +185,34 @@ fn kv_rows_read_from_a_pooled_session_continue_in_another() {
     e.write_kv(&mut t, 0, p.len(), &rows).unwrap();
     t.set_position(p.len()).unwrap();
     assert_eq!(t.kv_blocks(), p.len().div_ceil(KV_BLOCK));
+    // The cache's own bytes: the same rows from either session, converted the same way, and
+    // written back they continue the same.
+    let raw = e.read_kv_raw(&mut s, 0, p.len()).unwrap();
     assert!(
-        e.forward(&mut t, &[7], Logits::Last).unwrap()
-            == own.forward(&mut r, &[7], Logits::Last).unwrap(),
-        "continued from written rows"
+        raw == own.read_kv_raw(&mut r, 0, p.len()).unwrap(),
+        "{ty:?}: raw rows"
+    );
+    let row = ty.row_bytes(m.spec.kv_dim());
+    assert_eq!(raw.len(), 2 * m.spec.n_layers * p.len() * row);
+    let mut u = e.new_session(CTX).unwrap();
+    e.write_kv_raw(&mut u, 0, p.len(), &raw).unwrap();
+    u.set_position(p.len()).unwrap();
+    assert!(
+        e.read_kv(&mut u, 0, p.len()).unwrap() == rows,
+        "{ty:?}: raw bytes written read back as the rows"
+    );
+    assert!(
+        e.write_kv_raw(&mut u, 0, p.len(), &raw[1..]).is_err(),
+        "a short buffer is refused"
+    );
+    let want = own.forward(&mut r, &[7], Logits::Last).unwrap();
+    assert!(
+        e.forward(&mut t, &[7], Logits::Last).unwrap() == want,
+        "{ty:?}: continued from written rows"
+    );
+    assert!(
+        e.forward(&mut u, &[7], Logits::Last).unwrap() == want,
+        "{ty:?}: continued from written raw rows"
     );
 }
 

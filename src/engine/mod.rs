@@ -1044,15 +1044,25 @@ impl<B: Backend> Engine<B> {
     /// Keys and values of positions `first..first + len` of every layer, laid out per layer K
     /// then V, each `len × kv_dim` (the layout of `kv::ChunkData`).
     pub fn read_kv(&self, s: &mut Session<B>, first: usize, len: usize) -> Result<Vec<f32>> {
-        self.check_rows(s, first, len)?;
+        let raw = self.read_kv_raw(s, first, len)?;
         let kv = self.spec.kv_dim();
         let mut out = vec![0f32; 2 * self.spec.n_layers * len * kv];
+        crate::backend::cpu::decode_rows(self.kv_type, &raw, kv, &mut out);
+        Ok(out)
+    }
+
+    /// [`Engine::read_kv`] as the cache holds it: rows of [`Engine::kv_type`] bytes, no
+    /// conversion (per layer K then V, each `len` rows).
+    pub fn read_kv_raw(&self, s: &mut Session<B>, first: usize, len: usize) -> Result<Vec<u8>> {
+        self.check_rows(s, first, len)?;
+        let part = len * self.kv_type.row_bytes(self.spec.kv_dim());
+        let mut out = vec![0u8; 2 * self.spec.n_layers * part];
         if len == 0 {
             return Ok(out);
         }
         // Straight from the caches to the host: no device temporary.
-        for (i, part) in out.chunks_mut(len * kv).enumerate() {
-            self.read_kv_rows(s, i / 2, i % 2 == 1, first, part)?;
+        for (i, p) in out.chunks_mut(part).enumerate() {
+            self.read_kv_raw_rows(s, i / 2, i % 2 == 1, first, p)?;
         }
         Ok(out)
     }
@@ -1066,26 +1076,41 @@ impl<B: Backend> Engine<B> {
         first: usize,
         out: &mut [f32],
     ) -> Result<()> {
+        let cols = self.spec.kv_dim();
+        let rows = out.len() / cols.max(1);
+        let mut raw = vec![0u8; rows * self.kv_type.row_bytes(cols)];
+        self.read_kv_raw_rows(s, l, values, first, &mut raw)?;
+        crate::backend::cpu::decode_rows(self.kv_type, &raw, cols, out);
+        Ok(())
+    }
+
+    /// Rows `first..` of layer `l`'s keys (or values) as the cache's bytes (`out.len()` bytes
+    /// of whole rows), wherever the session keeps them.
+    fn read_kv_raw_rows(
+        &self,
+        s: &Session<B>,
+        l: usize,
+        values: bool,
+        first: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let rb = self.kv_type.row_bytes(self.spec.kv_dim());
+        let rows = out.len() / rb.max(1);
         match &s.kv {
             SessionKv::Device { k, v } => {
                 let src = if values { &v[l] } else { &k[l] };
-                self.backend.read_kv(src, first, out)?;
+                self.backend.read_kv_raw(src, first, out)?;
             }
             SessionKv::Host(h) => {
-                let cols = self.spec.kv_dim();
                 let raw = if values { &h.v[l] } else { &h.k[l] };
-                let rows = out.len() / cols.max(1);
-                let bytes = raw.bytes();
                 let range = first * h.row_bytes..(first + rows) * h.row_bytes;
-                let rows_bytes = bytes.get(range).ok_or(EngineError::ContextFull {
+                let bytes = raw.bytes().get(range).ok_or(EngineError::ContextFull {
                     needed: first + rows,
                     ctx: s.ctx,
                 })?;
-                crate::backend::cpu::decode_rows(self.kv_type, rows_bytes, cols, out);
+                out.copy_from_slice(bytes);
             }
             SessionKv::Paged(p) => {
-                let cols = self.spec.kv_dim();
-                let rows = out.len() / cols.max(1);
                 if (first + rows).div_ceil(KV_BLOCK) > p.blocks.len() {
                     return Err(EngineError::Weights(format!(
                         "KV rows {first}..{} of a session holding {} blocks",
@@ -1097,7 +1122,7 @@ impl<B: Backend> Engine<B> {
                 let src = if values { &pool.v[l] } else { &pool.k[l] };
                 for (off, row, n) in kv_runs(Some(&p.blocks), first, rows) {
                     self.backend
-                        .read_kv(src, row, &mut out[off * cols..(off + n) * cols])?;
+                        .read_kv_raw(src, row, &mut out[off * rb..(off + n) * rb])?;
                 }
             }
         }
@@ -1113,7 +1138,6 @@ impl<B: Backend> Engine<B> {
         len: usize,
         values: &[f32],
     ) -> Result<()> {
-        self.check_rows(s, first, len)?;
         let kv = self.spec.kv_dim();
         if values.len() != 2 * self.spec.n_layers * len * kv {
             return Err(EngineError::Weights(format!(
@@ -1121,29 +1145,47 @@ impl<B: Backend> Engine<B> {
                 values.len()
             )));
         }
+        let raw = crate::backend::cpu::encode_rows(self.kv_type, values, kv);
+        self.write_kv_raw(s, first, len, &raw)
+    }
+
+    /// [`Engine::write_kv`] from the cache's own bytes (layout of [`Engine::read_kv_raw`]).
+    pub fn write_kv_raw(
+        &self,
+        s: &mut Session<B>,
+        first: usize,
+        len: usize,
+        bytes: &[u8],
+    ) -> Result<()> {
+        self.check_rows(s, first, len)?;
+        let rb = self.kv_type.row_bytes(self.spec.kv_dim());
+        if bytes.len() != 2 * self.spec.n_layers * len * rb {
+            return Err(EngineError::Weights(format!(
+                "KV rows: {} bytes given for {len} positions of {rb}-byte rows",
+                bytes.len()
+            )));
+        }
         if len == 0 {
             return Ok(());
         }
         self.take_blocks(&mut [(&mut *s, first + len)])?;
-        for (i, part) in values.chunks(len * kv).enumerate() {
+        for (i, part) in bytes.chunks(len * rb).enumerate() {
             let (l, is_v) = (i / 2, i % 2 == 1);
             match &mut s.kv {
                 SessionKv::Device { k, v } => {
                     let dst = if is_v { &mut v[l] } else { &mut k[l] };
-                    self.backend.write_kv(dst, first, part)?;
+                    self.backend.write_kv_raw(dst, first, part)?;
                 }
                 SessionKv::Host(h) => {
-                    let rb = h.row_bytes;
                     let raw = if is_v { &mut h.v[l] } else { &mut h.k[l] };
-                    let enc = crate::backend::cpu::encode_rows(self.kv_type, part, kv);
-                    raw.bytes_mut()[first * rb..(first + len) * rb].copy_from_slice(&enc);
+                    raw.bytes_mut()[first * rb..(first + len) * rb].copy_from_slice(part);
                 }
                 SessionKv::Paged(p) => {
                     let mut pool = lock_pool(&p.pool);
                     let dst = if is_v { &mut pool.v[l] } else { &mut pool.k[l] };
                     for (off, row, n) in kv_runs(Some(&p.blocks), first, len) {
                         self.backend
-                            .write_kv(dst, row, &part[off * kv..(off + n) * kv])?;
+                            .write_kv_raw(dst, row, &part[off * rb..(off + n) * rb])?;
                     }
                 }
             }

@@ -42,10 +42,18 @@ impl Bits {
 
     /// The narrowest raw encoding that holds every value of a `kv` cache exactly.
     pub fn exact_for(kv: KvType) -> Bits {
+        // Q8_0's values (an f16 scale times an int8) need more than f16's 11 bits.
+        Bits::cache_bytes(kv).unwrap_or(Bits::F32)
+    }
+
+    /// The encoding whose bytes are the `kv` cache's own rows (per layer K then V, `len` rows
+    /// each: the engine's raw KV layout), if there is one: such a chunk moves between the cache
+    /// and its store without a conversion.
+    pub fn cache_bytes(kv: KvType) -> Option<Bits> {
         match kv {
-            KvType::F16 => Bits::F16,
-            // Q8_0's values (an f16 scale times an int8) need more than f16's 11 bits.
-            KvType::F32 | KvType::Q8_0 => Bits::F32,
+            KvType::F16 => Some(Bits::F16),
+            KvType::F32 => Some(Bits::F32),
+            KvType::Q8_0 => None,
         }
     }
 

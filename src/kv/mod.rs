@@ -327,8 +327,6 @@ impl KvManager {
         session: &mut Session<B>,
         id: &str,
     ) -> Result<usize> {
-        let spec = engine.spec();
-        let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
         let pos = session.position();
         let exact = Bits::exact_for(engine.kv_type());
         // With a disk tier, exact is kept wherever decoding costs more than the bytes it saves
@@ -401,14 +399,7 @@ impl KvManager {
             if let Some(d) = test_swap_delay() {
                 std::thread::sleep(d);
             }
-            let values = engine.read_kv(session, start, len)?;
-            let data = ChunkData {
-                len,
-                n_layers,
-                kv_dim,
-                values,
-            };
-            let bytes = chunk::encode(&data, bits);
+            let bytes = read_chunk_bytes(engine, session, start, len, bits)?;
             c.index.chunks[ci] = match &self.cfg.dir {
                 Some(dir) => Some(persist::write_chunk(dir, id, ci, len, bits, &bytes)?),
                 None => None,
@@ -548,8 +539,9 @@ impl KvManager {
         session.truncate(0);
         let mut redo: Vec<usize> = Vec::new();
         let dir = self.cfg.dir.clone();
+        let raw_bits = Bits::cache_bytes(engine.kv_type());
         std::thread::scope(|scope| -> Result<()> {
-            let (tx, rx) = mpsc::channel::<(usize, Option<ChunkData>)>();
+            let (tx, rx) = mpsc::channel::<(usize, Option<Loaded>)>();
             let io_jobs: Vec<(usize, ChunkRecord)> = (prefix..n)
                 .filter(|&i| on_disk[i].is_some())
                 .filter_map(|i| disk[i].clone().map(|r| (i, r)))
@@ -561,7 +553,21 @@ impl KvManager {
                         let data = persist::read_chunk(&dir, &id, &r)
                             .map_err(|e| tracing::warn!("{e}: recomputing"))
                             .ok()
-                            .and_then(|b| chunk::decode(&b, r.bits, n_layers, kv_dim, r.len));
+                            .and_then(|b| {
+                                if Some(r.bits) == raw_bits {
+                                    // The cache's own bytes: written as they are.
+                                    let ok = b.len()
+                                        == chunk::encoded_len_rows(
+                                            r.bits,
+                                            2 * n_layers * r.len * kv_dim,
+                                            kv_dim,
+                                        );
+                                    ok.then_some(Loaded::Raw(b))
+                                } else {
+                                    chunk::decode(&b, r.bits, n_layers, kv_dim, r.len)
+                                        .map(Loaded::Values)
+                                }
+                            });
                         if tx.send((i, data)).is_err() {
                             return;
                         }
@@ -586,8 +592,15 @@ impl KvManager {
                 match (&dram[i], &on_disk[i]) {
                     (Some((bytes, bits)), _) => {
                         buf.len = lens[i];
-                        if chunk::decode_into(bytes, *bits, &mut buf) {
-                            engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &buf.values)?;
+                        let at = i * CHUNK_TOKENS;
+                        let raw_len =
+                            chunk::encoded_len_rows(*bits, 2 * n_layers * lens[i] * kv_dim, kv_dim);
+                        if Some(*bits) == raw_bits && bytes.len() == raw_len {
+                            // The cache's own bytes: written as they are.
+                            engine.write_kv_raw(session, at, lens[i], bytes)?;
+                            stats.chunks_from_dram += 1;
+                        } else if chunk::decode_into(bytes, *bits, &mut buf) {
+                            engine.write_kv(session, at, lens[i], &buf.values)?;
                             stats.chunks_from_dram += 1;
                         } else {
                             redo.push(i);
@@ -600,7 +613,13 @@ impl KvManager {
             for (i, data) in rx {
                 match data {
                     Some(d) => {
-                        engine.write_kv(session, i * CHUNK_TOKENS, lens[i], &d.values)?;
+                        let at = i * CHUNK_TOKENS;
+                        match d {
+                            Loaded::Raw(b) => engine.write_kv_raw(session, at, lens[i], &b)?,
+                            Loaded::Values(d) => {
+                                engine.write_kv(session, at, lens[i], &d.values)?
+                            }
+                        }
                         stats.chunks_from_disk += 1;
                     }
                     None => {
@@ -652,8 +671,6 @@ pub fn save_session<B: Backend>(
     owner: Option<String>,
     tokens: &[u32],
 ) -> Result<ContextIndex> {
-    let spec = engine.spec();
-    let (n_layers, kv_dim) = (spec.n_layers, spec.kv_dim());
     let evaluated = session.position().min(tokens.len());
     let exact = Bits::exact_for(engine.kv_type());
     let mut index = ContextIndex::new(model_id, id, owner, unix_now());
@@ -662,13 +679,7 @@ pub fn save_session<B: Backend>(
     for ci in 0..evaluated.div_ceil(CHUNK_TOKENS) {
         let start = ci * CHUNK_TOKENS;
         let len = CHUNK_TOKENS.min(evaluated - start);
-        let data = ChunkData {
-            len,
-            n_layers,
-            kv_dim,
-            values: engine.read_kv(session, start, len)?,
-        };
-        let bytes = chunk::encode(&data, exact);
+        let bytes = read_chunk_bytes(engine, session, start, len, exact)?;
         index.chunks.push(Some(persist::write_chunk(
             kv_dir, id, ci, len, exact, &bytes,
         )?));
@@ -676,6 +687,32 @@ pub fn save_session<B: Backend>(
     persist::save_index(kv_dir, &index)?;
     persist::remove_unreferenced(kv_dir, &index);
     Ok(index)
+}
+
+/// A chunk loaded from disk: the cache's own bytes, or values decoded from a code.
+enum Loaded {
+    Raw(Vec<u8>),
+    Values(ChunkData),
+}
+
+/// Positions `start..start + len` of `session` encoded as a chunk of `bits`: the cache's bytes
+/// as they are where `bits` is its own encoding ([`Bits::cache_bytes`]), else its values
+/// encoded.
+fn read_chunk_bytes<B: Backend>(
+    engine: &Engine<B>,
+    session: &mut Session<B>,
+    start: usize,
+    len: usize,
+    bits: Bits,
+) -> Result<Vec<u8>> {
+    let raw = engine.read_kv_raw(session, start, len)?;
+    if Bits::cache_bytes(engine.kv_type()) == Some(bits) {
+        return Ok(raw);
+    }
+    let spec = engine.spec();
+    let mut data = ChunkData::zeros(spec.n_layers, spec.kv_dim(), len);
+    crate::backend::cpu::decode_rows(engine.kv_type(), &raw, spec.kv_dim(), &mut data.values);
+    Ok(chunk::encode(&data, bits))
 }
 
 /// Fault injection for tests: `GPU_OFFLOAD_TEST_SWAP_DELAY_MS` slows every chunk write of a
