@@ -1056,6 +1056,12 @@ fn chat_without_a_template_is_chatml() {
 
 /// Start a long call on a context over raw TCP, read its first bytes, hang up.
 fn hang_up_mid_call(base: &str, path: &str, body: &Value) {
+    drop(start_call(base, path, body));
+}
+
+/// Send a call and return its connection once the call is under way (for a streamed call, once
+/// its first bytes came back); dropping the connection hangs up.
+fn start_call(base: &str, path: &str, body: &Value) -> TcpStream {
     let addr = base.trim_start_matches("http://").to_string();
     let mut stream = TcpStream::connect(&addr).expect("connect");
     let body = body.to_string();
@@ -1076,7 +1082,68 @@ fn hang_up_mid_call(base: &str, path: &str, body: &Value) {
         // Nothing comes back before the end: give the call time to be well under way.
         std::thread::sleep(Duration::from_millis(300));
     }
-    drop(stream);
+    stream
+}
+
+/// Ahead-of-time swap-out waits for an idle engine: a context call that ends while another
+/// call runs leaves its chunks unwritten (the running call is not held up by the write); once
+/// the engine falls idle they are written, with no further call on the context.
+#[test]
+fn a_contexts_chunks_are_written_when_the_engine_falls_idle() {
+    let model = common::stories260k();
+    let dir = tempfile::tempdir().unwrap();
+    let kv = dir.path().to_string_lossy().into_owned();
+    // Decode steps of 5 ms: the long call surely outlasts the context's call.
+    let s = Server::start_env(
+        &model,
+        &[
+            "--ctx-size",
+            "512",
+            "--parallel",
+            "2",
+            "--kv-compression",
+            "off",
+            "--kv-dir",
+            &kv,
+        ],
+        &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "5")],
+    );
+    let (_, c) = post(&s.url("/v1/contexts"), json!({}));
+    let id = c["id"].as_str().unwrap().to_string();
+    let info = || call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None).1;
+    let mut long = greedy(json!("Once"), 4000);
+    long["ignore_eos"] = json!(true);
+    long["stream"] = json!(true);
+    let running = start_call(&s.base, "/v1/completions", &long);
+    let (st, v) = post(
+        &s.url(&format!("/v1/contexts/{id}/completions")),
+        greedy(json!("Once upon a time there was a little girl"), 30),
+    );
+    assert_eq!(st, 200, "{v}");
+    let now = info();
+    let chunks = now["evaluated_tokens"].as_u64().unwrap().div_ceil(16);
+    assert!(chunks >= 2, "{now}");
+    assert_eq!(
+        (&now["chunks"]["on_disk"], &now["chunks"]["in_dram"]),
+        (&json!(0), &json!(0)),
+        "written while another call was running: {now}"
+    );
+    drop(running);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = info();
+        if now["chunks"]["on_disk"].as_u64() == Some(chunks)
+            && now["chunks"]["in_dram"].as_u64() == Some(chunks)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the idle engine did not write the context: {now}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.stop();
 }
 
 #[test]

@@ -103,8 +103,8 @@ enum Holder {
     Free,
     /// A finished stateless request's tokens, kept for prefix reuse.
     Anon(Vec<u32>),
-    /// A context whose chunks are all written (ahead-of-time swap-out): taking the slot away
-    /// costs nothing.
+    /// A context. Its chunks are written ahead of time, when the engine falls idle after a
+    /// call ([`Slot::unwritten`] until then): taking the slot away then costs nothing.
     Context(String),
 }
 
@@ -113,6 +113,9 @@ struct Slot<B: Backend> {
     holder: Holder,
     busy: bool,
     last_use: u64,
+    /// The held context changed since its chunks were last written: they are written when the
+    /// engine falls idle, or before the slot goes to another holder, whichever comes first.
+    unwritten: bool,
 }
 
 /// What a sequence does after sampling a token.
@@ -246,6 +249,7 @@ impl<B: Backend> Worker<B> {
                 holder: Holder::Free,
                 busy: false,
                 last_use: 0,
+                unwritten: false,
             });
         }
         let w = Worker {
@@ -300,6 +304,12 @@ impl<B: Backend> Worker<B> {
             }
             self.admit();
             self.step_all(shutdown_at.is_some_and(|t| Instant::now() >= t));
+            if self.active.is_empty() && self.pending.is_empty() {
+                // Idle: the ahead-of-time swap-outs held back while calls were waiting.
+                for i in 0..self.slots.len() {
+                    self.write_ahead(i);
+                }
+            }
             self.update_gauges();
             if shutdown_at.is_some() && self.active.is_empty() {
                 return self.flush();
@@ -307,8 +317,23 @@ impl<B: Backend> Worker<B> {
         }
     }
 
+    /// Write slot `i`'s context's changed chunks (ahead-of-time swap-out), if it has any.
+    fn write_ahead(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        if !std::mem::take(&mut slot.unwritten) {
+            return;
+        }
+        if let Holder::Context(id) = &slot.holder
+            && let Err(e) = self.kv.swap_out(&self.engine, &mut slot.session, id)
+        {
+            // Its chunks after the last write are recomputed from its tokens when it returns.
+            tracing::warn!("swap-out of context {id}: {e}");
+            slot.holder = Holder::Free;
+        }
+    }
+
     fn flush(mut self) {
-        // Contexts are written at the end of every call; a last pass catches anything left.
+        // Contexts are written when the engine falls idle; a last pass catches anything left.
         for i in 0..self.slots.len() {
             if let Holder::Context(id) = self.slots[i].holder.clone()
                 && let Err(e) = self
@@ -362,6 +387,7 @@ impl<B: Backend> Worker<B> {
                             for s in &mut self.slots {
                                 if s.holder == Holder::Context(id.clone()) {
                                     s.holder = Holder::Free;
+                                    s.unwritten = false;
                                 }
                             }
                             json!({"id": id, "object": "context.deleted", "deleted": true})
@@ -597,6 +623,7 @@ impl<B: Backend> Worker<B> {
             if free(self) >= needed {
                 break;
             }
+            self.write_ahead(i);
             let s = &mut self.slots[i];
             if let Holder::Context(id) = &s.holder {
                 tracing::debug!("KV pool pressure: context {id} leaves the device");
@@ -746,6 +773,10 @@ impl<B: Backend> Worker<B> {
         };
         self.clock += 1;
         self.slots[slot].last_use = self.clock;
+        if self.slots[slot].holder != g.context.clone().map_or(Holder::Free, Holder::Context) {
+            // The slot goes to another holder: its context's chunks are written first.
+            self.write_ahead(slot);
+        }
         let mut before = None;
         let start = match &g.context {
             Some(id) => {
@@ -1167,17 +1198,11 @@ impl<B: Backend> Worker<B> {
                 .ok();
         }
         drop(seq.job.events);
-        if let Some(id) = seq.job.context {
-            // Ahead-of-time swap-out: the chunks this call changed are written now, so the
-            // slot can be given to another context later at no cost.
-            let slot = &mut self.slots[seq.slot];
-            match self.kv.swap_out(&self.engine, &mut slot.session, &id) {
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!("swap-out of context {id}: {e}");
-                    slot.holder = Holder::Free;
-                }
-            }
+        if seq.job.context.is_some() {
+            // Ahead-of-time swap-out of the chunks this call changed: when the engine falls
+            // idle (the run loop), so that calls already waiting do not wait for it too; before
+            // then if the slot goes to another holder.
+            self.slots[seq.slot].unwritten = true;
         }
     }
 
@@ -1185,7 +1210,6 @@ impl<B: Backend> Worker<B> {
         let m = &self.shared.metrics;
         m.queue_depth
             .set(self.shared.waiting.load(Ordering::SeqCst) as i64);
-        m.active.set(self.active.len() as i64);
         let device: usize = self
             .slots
             .iter()
@@ -1213,5 +1237,7 @@ impl<B: Backend> Worker<B> {
         m.contexts.set(self.kv.len() as i64);
         let k = self.kv.counters;
         m.set_kv_counters(&k);
+        // Last: a reader who sees the sequences gone sees what they held gone too.
+        m.active.set(self.active.len() as i64);
     }
 }
