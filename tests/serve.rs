@@ -1085,6 +1085,21 @@ fn start_call(base: &str, path: &str, body: &Value) -> TcpStream {
     stream
 }
 
+/// A server of 2 slots of 512 positions, compression off, whose decode steps take 5 ms (so a
+/// long call is surely still running when a test acts), with `extra` flags.
+fn slow_server(model: &Path, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--ctx-size",
+        "512",
+        "--parallel",
+        "2",
+        "--kv-compression",
+        "off",
+    ];
+    args.extend_from_slice(extra);
+    Server::start_env(model, &args, &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "5")])
+}
+
 /// Ahead-of-time swap-out waits for an idle engine: a context call that ends while another
 /// call runs leaves its chunks unwritten (the running call is not held up by the write); once
 /// the engine falls idle they are written, with no further call on the context.
@@ -1093,21 +1108,8 @@ fn a_contexts_chunks_are_written_when_the_engine_falls_idle() {
     let model = common::stories260k();
     let dir = tempfile::tempdir().unwrap();
     let kv = dir.path().to_string_lossy().into_owned();
-    // Decode steps of 5 ms: the long call surely outlasts the context's call.
-    let s = Server::start_env(
-        &model,
-        &[
-            "--ctx-size",
-            "512",
-            "--parallel",
-            "2",
-            "--kv-compression",
-            "off",
-            "--kv-dir",
-            &kv,
-        ],
-        &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "5")],
-    );
+    // The long call surely outlasts the context's call.
+    let s = slow_server(&model, &["--kv-dir", &kv]);
     let (_, c) = post(&s.url("/v1/contexts"), json!({}));
     let id = c["id"].as_str().unwrap().to_string();
     let info = || call("GET", &s.url(&format!("/v1/contexts/{id}")), None, None).1;
@@ -1149,19 +1151,8 @@ fn a_contexts_chunks_are_written_when_the_engine_falls_idle() {
 #[test]
 fn a_cancelled_call_leaves_its_context_as_before() {
     let model = common::stories260k();
-    // Decode steps of 5 ms: a call of hundreds of tokens is surely running at the hang-up.
-    let s = Server::start_env(
-        &model,
-        &[
-            "--ctx-size",
-            "512",
-            "--parallel",
-            "2",
-            "--kv-compression",
-            "off",
-        ],
-        &[("GPU_OFFLOAD_TEST_STEP_DELAY_MS", "5")],
-    );
+    // A call of hundreds of tokens is surely running at the hang-up.
+    let s = slow_server(&model, &[]);
     // Two contexts with the same conversation: A is disturbed, B is not.
     let mut ids = Vec::new();
     for _ in 0..2 {
