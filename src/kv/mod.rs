@@ -1,8 +1,9 @@
 //! Persistent contexts (LLMS): a context's KV cache is cut into chunks of [`CHUNK_TOKENS`]
-//! positions. While the context is on the device its chunks are exact; at the end of every call
-//! the chunks it changed are compressed (width per chunk by attention density, to a global
-//! ratio), kept in DRAM under a budget (LCTRU eviction) and written to disk ahead of time, so
-//! taking the device away from a context costs nothing. Bringing it back loads chunks while
+//! positions. While the context is on the device its chunks are exact; after a call (when the
+//! server falls idle) the chunks it changed are compressed (width per chunk by attention
+//! density, to a global ratio; exact, as the cache's own bytes, where decoding would cost more
+//! than the bytes save), kept in DRAM under a budget (LCTRU eviction) and written to disk ahead
+//! of time, so taking the device away from a context costs nothing. Bringing it back loads chunks while
 //! recomputing others from their tokens, the split chosen by measured cost models.
 
 pub mod chunk;
@@ -658,10 +659,10 @@ impl KvManager {
 
 /// Write what `session` holds as the persistent context `id` under `kv_dir`, in the format
 /// `serve --kv-dir` loads: `tokens` is the conversation (the prompt and what was generated; the
-/// last generated token may not be evaluated yet), the chunks exact ([`Bits::exact_for`] the
-/// cache). The chunks are written
-/// first and the index last, each atomically, so the context exists on disk only once it is
-/// complete; an older context of the same id is replaced.
+/// last generated token may not be evaluated yet), the chunks exact (the cache's own bytes,
+/// [`Bits::exact_for`]). The chunks are written first and the index last, each atomically, so
+/// the context exists on disk only once it is complete; an older context of the same id is
+/// replaced.
 pub fn save_session<B: Backend>(
     engine: &Engine<B>,
     session: &mut Session<B>,

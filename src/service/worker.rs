@@ -608,8 +608,9 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Free at least `needed` blocks of the KV pool by taking idle slots' sessions away, in
-    /// eviction order (never slot `keep`); a context's chunks are already written (ahead-of-time
-    /// swap-out), so it only needs swapping back in at its next call. Whether enough are free.
+    /// eviction order (never slot `keep`); a context's chunks are written first where they are
+    /// not yet (ahead-of-time swap-out held back while calls ran), so it only needs swapping
+    /// back in at its next call. Whether enough are free.
     fn make_room(&mut self, needed: usize, keep: Option<usize>) -> bool {
         let free = |w: &Self| w.engine.pool_usage().map_or(0, |u| u.free);
         let mut idle: Vec<usize> = (0..self.slots.len())
