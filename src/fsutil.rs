@@ -4,7 +4,7 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Replace `path` with `bytes` atomically: readers see the old file or the new one, never a mix,
 /// and after a crash the new one is either complete or absent.
@@ -18,7 +18,18 @@ pub fn write_atomic_with(
     path: &Path,
     fill: impl FnOnce(&mut File) -> io::Result<()>,
 ) -> io::Result<()> {
-    let (dir, tmp) = temporary_for(path)?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let result = (|| {
         let mut f = File::create(&tmp)?;
         fill(&mut f)?;
@@ -35,72 +46,6 @@ pub fn write_atomic_with(
         fs::remove_file(&tmp).ok();
     }
     result
-}
-
-/// The directory of `path` and the temporary file a write of it goes through.
-fn temporary_for(path: &Path) -> io::Result<(&Path, PathBuf)> {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp.{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    Ok((dir, tmp))
-}
-
-/// Files written together per group of the batch (each held open until its fsync).
-const BATCH_GROUP: usize = 64;
-
-/// [`write_atomic`] for several files at once, each with the same guarantee, at less cost: the
-/// files of a group are written, then synced, then renamed, and each directory is synced once at
-/// the end (one write at a time syncs the directory after every file). When this returns Ok
-/// every file is complete on disk; after an error or a crash each file is its old or its new
-/// self, never a mix, and no temporary is left behind by an error.
-pub fn write_atomic_many(files: &[(&Path, &[u8])]) -> io::Result<()> {
-    let mut dirs: Vec<&Path> = Vec::new();
-    for group in files.chunks(BATCH_GROUP) {
-        let mut tmps: Vec<PathBuf> = Vec::with_capacity(group.len());
-        let result = (|| {
-            let mut open = Vec::with_capacity(group.len());
-            for (path, bytes) in group {
-                let (dir, tmp) = temporary_for(path)?;
-                if !dirs.contains(&dir) {
-                    dirs.push(dir);
-                }
-                let mut f = File::create(&tmp)?;
-                tmps.push(tmp);
-                f.write_all(bytes)?;
-                open.push(f);
-            }
-            for f in &open {
-                f.sync_all()?;
-            }
-            drop(open);
-            for ((path, _), tmp) in group.iter().zip(&tmps) {
-                fs::rename(tmp, path)?;
-            }
-            Ok(())
-        })();
-        if result.is_err() {
-            for t in &tmps {
-                fs::remove_file(t).ok();
-            }
-            return result;
-        }
-    }
-    // The renames themselves must reach the disk.
-    for d in dirs {
-        if let Ok(d) = File::open(d) {
-            d.sync_all().ok();
-        }
-    }
-    Ok(())
 }
 
 /// An append-only file of newline-terminated lines (JSONL) that a job appends one record at a
@@ -225,47 +170,6 @@ mod tests {
         let (_held, _) = LineLog::open(&p).unwrap();
         let e = LineLog::open(&p).err().expect("a second writer is refused");
         assert!(e.to_string().contains("another process"), "{e}");
-    }
-
-    #[test]
-    fn many_files_are_written_whole_and_a_failure_leaves_no_temporary() {
-        let dir = tempfile::tempdir().unwrap();
-        let names: Vec<_> = (0..(BATCH_GROUP + 3))
-            .map(|i| dir.path().join(format!("f{i}.bin")))
-            .collect();
-        let old: Vec<Vec<u8>> = (0..names.len()).map(|i| vec![i as u8; 10]).collect();
-        let files: Vec<(&Path, &[u8])> = names
-            .iter()
-            .zip(&old)
-            .map(|(p, b)| (p.as_path(), b.as_slice()))
-            .collect();
-        write_atomic_many(&files).unwrap();
-        let new: Vec<Vec<u8>> = (0..names.len()).map(|i| vec![i as u8; 3 + i]).collect();
-        let files: Vec<(&Path, &[u8])> = names
-            .iter()
-            .zip(&new)
-            .map(|(p, b)| (p.as_path(), b.as_slice()))
-            .collect();
-        write_atomic_many(&files).unwrap();
-        for (p, b) in names.iter().zip(&new) {
-            assert_eq!(&fs::read(p).unwrap(), b);
-        }
-        // A file that cannot be created (its directory is missing): the error comes back, the
-        // files of its group keep their old contents and no temporary is left.
-        let missing = dir.path().join("no-such-dir").join("x.bin");
-        let bad: Vec<(&Path, &[u8])> = vec![
-            (names[0].as_path(), b"changed".as_slice()),
-            (missing.as_path(), b"x".as_slice()),
-        ];
-        assert!(write_atomic_many(&bad).is_err());
-        assert_eq!(fs::read(&names[0]).unwrap(), new[0]);
-        let left: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.contains(".tmp."))
-            .collect();
-        assert!(left.is_empty(), "{left:?}");
-        assert!(write_atomic_many(&[]).is_ok());
     }
 
     #[test]

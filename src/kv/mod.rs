@@ -401,27 +401,14 @@ impl KvManager {
                 std::thread::sleep(d);
             }
             let bytes = read_chunk_bytes(engine, session, start, len, bits)?;
-            written.push((ci, len, bits, bytes));
-        }
-        // The chunk files are written and synced as one batch, before the index names them.
-        let records = match &self.cfg.dir {
-            Some(dir) => {
-                let batch: Vec<(usize, usize, Bits, &[u8])> = written
-                    .iter()
-                    .map(|(ci, len, bits, bytes)| (*ci, *len, *bits, bytes.as_slice()))
-                    .collect();
-                persist::write_chunks(dir, id, &batch)?
-                    .into_iter()
-                    .map(Some)
-                    .collect()
-            }
-            None => vec![None; written.len()],
-        };
-        for ((ci, ..), rec) in written.iter().zip(records) {
-            c.index.chunks[*ci] = rec;
-            if let Some(old) = c.dram[*ci].take() {
+            c.index.chunks[ci] = match &self.cfg.dir {
+                Some(dir) => Some(persist::write_chunk(dir, id, ci, len, bits, &bytes)?),
+                None => None,
+            };
+            if let Some(old) = c.dram[ci].take() {
                 self.dram_used -= old.bytes.len() as u64;
             }
+            written.push((ci, len, bits, bytes));
         }
         let count = written.len();
         c.clean = pos;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::chunk::Bits;
-use crate::fsutil::{write_atomic, write_atomic_many};
+use crate::fsutil::write_atomic;
 use crate::model::ChatMessage;
 
 const FORMAT: &str = "gpu-offload-context";
@@ -181,44 +181,19 @@ pub fn write_chunk(
     bits: Bits,
     bytes: &[u8],
 ) -> Result<ChunkRecord, PersistError> {
-    let mut recs = write_chunks(kv_dir, id, &[(chunk, len, bits, bytes)])?;
-    recs.pop().ok_or_else(|| PersistError::Corrupt {
-        path: context_dir(kv_dir, id),
-        msg: "no chunk record written".into(),
-    })
-}
-
-/// Write several encoded chunks of one context (`(chunk, len, bits, bytes)` each), together:
-/// each file as [`write_chunk`] writes it, synced as one batch ([`write_atomic_many`]). Every
-/// file is on disk when this returns Ok, so an index naming them may be saved next.
-pub fn write_chunks(
-    kv_dir: &Path,
-    id: &str,
-    chunks: &[(usize, usize, Bits, &[u8])],
-) -> Result<Vec<ChunkRecord>, PersistError> {
     let dir = context_dir(kv_dir, id);
     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let mut recs = Vec::with_capacity(chunks.len());
-    let mut paths = Vec::with_capacity(chunks.len());
-    for &(chunk, len, bits, bytes) in chunks {
-        let sum = format!("{:016x}", xxh3_64(bytes));
-        let file = format!("{chunk:06}-{sum}.kv");
-        paths.push(dir.join(&file));
-        recs.push(ChunkRecord {
-            len,
-            bits,
-            bytes: bytes.len() as u64,
-            xxh3: sum,
-            file,
-        });
-    }
-    let files: Vec<(&Path, &[u8])> = paths
-        .iter()
-        .zip(chunks)
-        .map(|(p, c)| (p.as_path(), c.3))
-        .collect();
-    write_atomic_many(&files).map_err(io_err(&dir))?;
-    Ok(recs)
+    let sum = format!("{:016x}", xxh3_64(bytes));
+    let file = format!("{chunk:06}-{sum}.kv");
+    let path = dir.join(&file);
+    write_atomic(&path, bytes).map_err(io_err(&path))?;
+    Ok(ChunkRecord {
+        len,
+        bits,
+        bytes: bytes.len() as u64,
+        xxh3: sum,
+        file,
+    })
 }
 
 /// Read a chunk and check its length and checksum.
