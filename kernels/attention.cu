@@ -75,9 +75,11 @@ ATTENTION(attention_q8_0, DT_Q8_0)
 // Store `rows` rows of `cols` f32 values into the cache `dst` in DT, source row t at position
 // first_row + t (row kv_row(table, first_row + t)), converted as the host's `tensor::encode_row`
 // does, bit for bit. f32/f16: a thread per value; Q8_0: a warp per 32-value block —
-// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer.
+// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer. With
+// `pos_at` (a recorded step), the first position is read there instead.
 extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
-                                   const unsigned* table, int first_row) {
+                                   const unsigned* table, int first_row, const int* pos_at) {
+    if (pos_at) first_row = *pos_at;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long n = rows * cols;
     const long long rb = row_bytes(dt, cols);

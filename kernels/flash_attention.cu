@@ -21,6 +21,7 @@
 #define FA_PAD 8       // halves after each shared row: fragment loads then hit 32 distinct banks
 #define SPLIT_ROWS 4   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
 #define MAX_SPLITS 32  // partials per head: rows × chunks at most (MAX_SPLITS there)
+#define SPLIT_MIN_KEYS 64  // keys a chunk takes at least (SPLIT_MIN_KEYS there)
 #define SPLIT_TILE 64  // keys scored per pass of a split block
 #define SPLIT_THREADS 128
 #define SPLIT_MAX_HD 256
@@ -225,21 +226,42 @@ FLASH(80)
 FLASH(96)
 FLASH(128)
 
+// The chunks a split attention of `rows` query rows over `keys` positions takes: at least
+// SPLIT_MIN_KEYS keys a chunk, rows × chunks at most MAX_SPLITS, every chunk holding a key. The
+// host's split_chunks (src/backend/cuda/mod.rs), step for step.
+__device__ inline void split_plan(int keys, int rows, int* chunks, int* chunk) {
+    const int most = rows > 1 ? (MAX_SPLITS / rows > 1 ? MAX_SPLITS / rows : 1) : MAX_SPLITS;
+    int c = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
+    c = c < 1 ? 1 : (c > most ? most : c);
+    const int k = (keys + c - 1) / c;
+    *chunk = k < 1 ? 1 : k;
+    *chunks = (keys + *chunk - 1) / *chunk;
+}
+
 // One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
 // caches of any KV type DT, head dims up to SPLIT_MAX_HD. Leaves, per row t, at
 // ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
 // MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
+// With `pos_at` (a recorded step, replayed at later positions as a CUDA graph) the position is
+// read there and the chunks planned here, as split_chunks plans them on the host; the grid then
+// has room for the most chunks (MAX_SPLITS / n), and blocks past the plan leave nothing.
 template <int DT>
 __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n,
                            int n_heads, int group,
-                           int hd, int kv_cols, int first_pos, float scale, int chunk) {
+                           int hd, int kv_cols, int first_pos, float scale, int chunk, const int* pos_at) {
     __shared__ float qs[SPLIT_ROWS * SPLIT_MAX_HD];
     __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
     __shared__ float alpha[SPLIT_ROWS];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int warps = SPLIT_THREADS / 32;
     const int h = blockIdx.x, part = blockIdx.y, col = (h / group) * hd;
+    int chunks = gridDim.y;
+    if (pos_at) {
+        first_pos = *pos_at;
+        split_plan(first_pos + n, n, &chunks, &chunk);
+        if (part >= chunks) return;  // the whole block: no barrier is reached
+    }
     const long long rb = row_bytes(DT, kv_cols);
     const int k0 = part * chunk, k1 = min(first_pos + n, k0 + chunk);
     for (int i = tid; i < n * hd; i += SPLIT_THREADS)
@@ -314,7 +336,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
     for (int i = 0; i < 2; i++) {
         int t = warp + i * warps;
         if (t < n && lane == 0) {
-            float* w = ws + ((long long)h * MAX_SPLITS + t * gridDim.y + part) * width;
+            float* w = ws + ((long long)h * MAX_SPLITS + t * chunks + part) * width;
             w[0] = m[i];
             w[1] = l[i];
         }
@@ -325,15 +347,15 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
         if (d >= hd) break;
 #pragma unroll
         for (int t = 0; t < SPLIT_ROWS; t++)
-            if (t < n) ws[((long long)h * MAX_SPLITS + t * gridDim.y + part) * width + 2 + d] = acc[t][c];
+            if (t < n) ws[((long long)h * MAX_SPLITS + t * chunks + part) * width + 2 + d] = acc[t][c];
     }
 }
 
 #define SPLIT(name, DT)                                                                                      \
     extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                              \
         name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n, int n_heads, \
-             int group, int hd, int kv_cols, int first_pos, float scale, int chunk) {                          \
-        split_impl<DT>(q, kc, vc, table, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk);       \
+             int group, int hd, int kv_cols, int first_pos, float scale, int chunk, const int* pos_at) {       \
+        split_impl<DT>(q, kc, vc, table, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk, pos_at); \
     }
 
 SPLIT(attention_split_f32, DT_F32)
@@ -341,9 +363,16 @@ SPLIT(attention_split_f16, DT_F16)
 SPLIT(attention_split_q8_0, DT_Q8_0)
 
 // out[t][h·hd + d] from the `chunks` partials split_impl left for (t, h): every chunk's sum and
-// outputs rescaled to the largest max. Grid: n·n_heads; block: any multiple of 32.
-extern "C" __global__ void attention_combine(const float* ws, float* out, int n_heads, int hd, int chunks) {
+// outputs rescaled to the largest max. Grid: n·n_heads; block: any multiple of 32. With `pos_at`,
+// the chunks are planned from the position there (as split_impl plans them).
+extern "C" __global__ void attention_combine(const float* ws, float* out, int n_heads, int hd, int chunks,
+                                             const int* pos_at) {
     const int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads, width = hd + 2;
+    if (pos_at) {
+        const int n = gridDim.x / n_heads;
+        int chunk;
+        split_plan(*pos_at + n, n, &chunks, &chunk);
+    }
     const float* w = ws + ((long long)h * MAX_SPLITS + t * chunks) * width;
     float mx = MASKED;
     for (int c = 0; c < chunks; c++) mx = fmaxf(mx, w[c * width]);

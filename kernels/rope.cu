@@ -1,9 +1,11 @@
 // Rotary position embeddings in place. One thread per (row, head, pair).
 #include "common.cuh"
 
-// pairs: 0 = adjacent (2i, 2i+1), 1 = halves (i, i + rot/2).
+// pairs: 0 = adjacent (2i, 2i+1), 1 = halves (i, i + rot/2). Row r is at position first_pos + r,
+// or *pos_at + r where pos_at is given (a recorded step, replayed at later positions).
 extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int rot_dims, int pairs,
-                                const float* inv_freq, int first_pos) {
+                                const float* inv_freq, int first_pos, const int* pos_at) {
+    if (pos_at) first_pos = *pos_at;
     int half = rot_dims / 2;
     int heads = cols / head_dim;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -5,8 +5,13 @@
 // tolerance of 2e-3) and the split decode + combine kernels (every cache type, f32 math: 1e-4).
 // Each runs over the caches as they are and paged: the rows scattered backwards over a pool of
 // twice the blocks and read through a block table (kv_row in common.cuh).
+// A recorded step (a CUDA graph replayed at later positions) launches the split kernels with the
+// position in device memory and room for the most chunks: their output must be the host-planned
+// launch's bit for bit, and the device's chunk plan the host's (split_chunks) at every position.
 // Errors are max |got - want| / max |want|. scripts/check-kernels.sh builds and runs this.
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <vector>
@@ -151,15 +156,81 @@ static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads;
     host_launch({(unsigned)c.heads, (unsigned)chunks, 1}, SPLIT_THREADS, [&] {
-        split_impl<DT>(q.data(), k, v, t, ws.data(), c.n, c.heads, g, c.hd, kv_cols, c.first_pos, scale, chunk);
+        split_impl<DT>(q.data(), k, v, t, ws.data(), c.n, c.heads, g, c.hd, kv_cols, c.first_pos, scale, chunk,
+                       nullptr);
     });
     host_launch({(unsigned)(c.n * c.heads), 1, 1}, 64,
-                [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks); });
+                [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks, nullptr); });
     double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
     bool ok = e <= 1e-4;
     std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks%s: %.2e%s\n", DT, c.n,
                 c.first_pos, c.heads, c.kv_heads, c.hd, chunks, page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
+}
+
+// split_chunks of src/backend/cuda/mod.rs, as written there: the plan the host launches with.
+static void host_split_chunks(int keys, int rows, int* chunks, int* chunk) {
+    int most = std::max(MAX_SPLITS / std::max(rows, 1), 1);
+    int c = std::clamp((keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS, 1, most);
+    *chunk = std::max((keys + c - 1) / c, 1);
+    *chunks = (keys + *chunk - 1) / *chunk;
+}
+
+// A recorded step (replayed as a CUDA graph at later positions): the split kernels read the
+// position from device memory and plan their chunks themselves, on a grid with room for the most
+// chunks. Their output must be the host-planned launch's, bit for bit, at every position.
+template <int DT>
+static bool recorded(std::mt19937& rng, const Case& c, bool page) {
+    int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
+    auto q = queries(rng, c);
+    auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
+    long long rb = row_bytes(DT, kv_cols);
+    Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
+    const u8* k = page ? pk.pool.data() : kc.data();
+    const u8* v = page ? pv.pool.data() : vc.data();
+    const unsigned* t = page ? pk.table.data() : nullptr;
+    float scale = 1.0f / std::sqrt((float)c.hd);
+    int g = c.heads / c.kv_heads, chunks, chunk;
+    host_split_chunks(ctx, c.n, &chunks, &chunk);
+    auto run = [&](unsigned grid_chunks, int pos_arg, int chunk_arg, int chunks_arg, const int* pos_at) {
+        std::vector<float> ws((size_t)c.heads * MAX_SPLITS * (c.hd + 2), NAN), out(q.size(), NAN);
+        host_launch({(unsigned)c.heads, grid_chunks, 1}, SPLIT_THREADS, [&] {
+            split_impl<DT>(q.data(), k, v, t, ws.data(), c.n, c.heads, g, c.hd, kv_cols, pos_arg, scale, chunk_arg,
+                           pos_at);
+        });
+        host_launch({(unsigned)(c.n * c.heads), 1, 1}, 64,
+                    [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks_arg, pos_at); });
+        return out;
+    };
+    auto planned = run((unsigned)chunks, c.first_pos, chunk, chunks, nullptr);
+    // The recorded launch's scalars are those of the step it was recorded at (stale here).
+    int pos = c.first_pos;
+    auto replayed = run((unsigned)std::max(MAX_SPLITS / c.n, 1), 3, 1, 2, &pos);
+    bool same = std::memcmp(planned.data(), replayed.data(), planned.size() * 4) == 0;
+    double e = rel(replayed, naive<DT>(q, kc.data(), vc.data(), c));
+    bool ok = same && e <= 1e-4;
+    std::printf("flash-check: recorded split dtype %d n %d at %d (%d chunks of %d)%s: %s, %.2e%s\n", DT, c.n,
+                c.first_pos, chunks, chunk, page ? " paged" : "", same ? "bit-identical" : "DIFFERENT", e,
+                ok ? "" : "  FAILED");
+    return ok;
+}
+
+// The device's chunk plan equals the host's for every position and row count a split takes.
+static bool plans_agree() {
+    int plan[2];
+    for (int rows = 1; rows <= SPLIT_ROWS; rows++)
+        for (int keys = 1; keys <= 40000; keys++) {
+            int hc, hk;
+            host_split_chunks(keys, rows, &hc, &hk);
+            split_plan(keys, rows, &plan[0], &plan[1]);
+            if (plan[0] != hc || plan[1] != hk || hc * rows > MAX_SPLITS || (long long)hc * hk < keys) {
+                std::printf("flash-check: split plan of %d keys, %d rows: device %d × %d, host %d × %d  FAILED\n",
+                            keys, rows, plan[0], plan[1], hc, hk);
+                return false;
+            }
+        }
+    std::printf("flash-check: device and host split plans agree for 1..40000 keys, 1..%d rows\n", SPLIT_ROWS);
+    return true;
 }
 
 int main() {
@@ -174,6 +245,19 @@ int main() {
             ok &= split<DT_F32>(rng, c, 64, page);
             ok &= split<DT_F16>(rng, c, 100, page);
             ok &= split<DT_Q8_0>(rng, c, 37, page);
+        }
+    }
+    ok &= plans_agree();
+    // One chunk, the first split, many, the most; several rows. Each case once (each block runs
+    // as host threads), the cache types and paging taking turns.
+    int i = 0;
+    for (Case c : {Case{1, 0, 2, 1, 64}, Case{1, 63, 2, 2, 64}, Case{1, 64, 2, 1, 64}, Case{1, 777, 2, 1, 64},
+                   Case{1, 2100, 1, 1, 128}, Case{2, 300, 4, 2, 48}, Case{4, 90, 2, 2, 32}}) {
+        bool page = i % 2 == 1;
+        switch (i++ % 3) {
+            case 0: ok &= recorded<DT_F16>(rng, c, page); break;
+            case 1: ok &= recorded<DT_F32>(rng, c, page); break;
+            default: ok &= recorded<DT_Q8_0>(rng, c, page);
         }
     }
     if (!ok) return 1;

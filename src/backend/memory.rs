@@ -9,6 +9,7 @@
 //! it fails in CI too.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{BackendError, Result};
@@ -92,11 +93,16 @@ impl Arena {
 pub struct DeviceMemory {
     ledger: Arc<Ledger>,
     arena: Option<Arc<Mutex<Arena>>>,
+    /// Allocations taken so far (each one's [`DeviceAlloc::id`]).
+    takes: AtomicU64,
 }
 
 /// One device allocation: its ledger reservation and, in an arena, its range.
 #[derive(Debug)]
 pub struct DeviceAlloc {
+    /// Which allocation of its [`DeviceMemory`] this is (1, 2, …: never reused), so a buffer
+    /// can be told from one taken later at the same address.
+    pub id: u64,
     /// Offset in the arena (`None` without one).
     pub offset: Option<u64>,
     /// Device bytes taken ([`device_bytes`] of the request).
@@ -183,7 +189,18 @@ impl DeviceMemory {
         let arena = ledger
             .hbm_budget()
             .map(|b| Arc::new(Mutex::new(Arena::new(b))));
-        DeviceMemory { ledger, arena }
+        DeviceMemory {
+            ledger,
+            arena,
+            takes: AtomicU64::new(0),
+        }
+    }
+
+    /// How many allocations have been taken so far: unchanged between two reads, no buffer has
+    /// been taken in between (so none freed since can have been replaced at its address by
+    /// another; what a recorded step's replay relies on).
+    pub fn takes(&self) -> u64 {
+        self.takes.load(Ordering::SeqCst)
     }
 
     pub fn ledger(&self) -> &Arc<Ledger> {
@@ -231,6 +248,7 @@ impl DeviceMemory {
             }
         };
         Ok(DeviceAlloc {
+            id: self.takes.fetch_add(1, Ordering::SeqCst) + 1,
             offset,
             bytes,
             arena: self.arena.clone(),

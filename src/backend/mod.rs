@@ -482,6 +482,8 @@ pub trait Backend: Send + Sync + 'static {
     /// A block table on the device: maps a paged sequence's positions into a shared cache
     /// (the KV pool) in blocks of [`KV_BLOCK`] rows ([`kv_runs`]).
     type KvTable: Send;
+    /// A recorded step ([`Backend::record`]); `()` where nothing is recorded.
+    type Recording: Send;
 
     fn name(&self) -> String;
 
@@ -788,6 +790,56 @@ pub trait Backend: Send + Sync + 'static {
             op: "attention_batch",
             msg: "this backend attends one sequence at a time".into(),
         })
+    }
+
+    // ---- recorded steps -----------------------------------------------------------------
+
+    /// Whether this backend records a step's ops once and replays them ([`Backend::record`],
+    /// [`Backend::replay`]): a CUDA graph, launched with one call instead of one per kernel.
+    fn records_steps(&self) -> bool {
+        false
+    }
+    /// Allocations taken on the device so far ([`memory::DeviceMemory::takes`]): while it is
+    /// unchanged, every buffer a recording names is still the one it was recorded with.
+    fn allocations(&self) -> u64 {
+        0
+    }
+    /// Set the position a recorded step's first row is at when it runs (what `rope`,
+    /// `store_kv` and `attention` are given while recording): before [`Backend::record`] and
+    /// before each [`Backend::replay`]; not while recording.
+    fn set_step_position(&self, _first_pos: usize) -> Result<()> {
+        Err(not_recorded("set_step_position"))
+    }
+    /// Run `ops` (a step's ops, none of which may allocate, copy between host and device, wait
+    /// or sync) and record them. Their position comes from [`Backend::set_step_position`], not
+    /// from their arguments, so the recording replays at any later position; every other
+    /// argument (buffers, shapes) is fixed in it.
+    fn record<E: From<BackendError>>(
+        &self,
+        _ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self::Recording, E> {
+        Err(not_recorded("record").into())
+    }
+    /// Run `rec` again at the position set last. `ops` are the ops it was recorded from,
+    /// issued again: a backend that replays for real does not call them; the budgeted device
+    /// runs them and fails if they differ from the recording in anything but the position (a
+    /// buffer, a shape, an op), which a real replay would have got wrong.
+    fn replay<E: From<BackendError>>(
+        &self,
+        _rec: &Self::Recording,
+        _ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        Err(not_recorded("replay").into())
+    }
+}
+
+/// Device bytes the position of recorded steps takes (an i32).
+pub const STEP_POSITION_BYTES: usize = 4;
+
+fn not_recorded(op: &'static str) -> BackendError {
+    BackendError::Shape {
+        op,
+        msg: "this backend does not record steps".into(),
     }
 }
 

@@ -5,13 +5,17 @@
 //! offload policies run in CI with the byte accounting a GPU would show. Weights uploaded here
 //! are real copies, as on a GPU. The math is the CPU backend's.
 
-use std::sync::{Arc, Mutex};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
+use super::cuda::step_position_word;
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs, WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs,
+    STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -23,30 +27,63 @@ pub struct SimBackend {
     workspace: Workspace<DeviceAlloc>,
     /// Emulated link: (bytes/s, when the last paced copy may end).
     pace: Mutex<Option<(f64, Instant)>>,
+    steps: Mutex<Steps>,
+}
+
+/// Recorded steps on the budgeted device ([`Backend::record`]): the step position and the device
+/// buffer CUDA keeps it in; while a step is recorded or replayed, what each of its ops was
+/// given. The ops run as always (there is no graph to launch), reading the position from the
+/// step's as CUDA's recorded kernels do, and anything a CUDA graph cannot hold
+/// (an allocation, a copy between host and device, a wait) fails. A replay whose ops differ
+/// from its recording in anything else (a buffer, a shape, an op) fails too: CUDA would have
+/// replayed the recording regardless.
+#[derive(Default)]
+struct Steps {
+    position: Option<usize>,
+    buf: Option<DeviceAlloc>,
+    signing: Option<Vec<Signed>>,
+}
+
+/// One op of a recorded step: its name and a hash of its arguments (buffers by allocation,
+/// shapes, scalars; not positions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Signed {
+    op: &'static str,
+    args: u64,
+}
+
+/// A step recorded on the budgeted device: its ops, signed.
+pub struct SimRecording {
+    ops: Vec<Signed>,
+}
+
+/// A buffer as a recording names it: which allocation, and its shape now.
+fn tensor_arg(t: &SimTensor) -> [u64; 3] {
+    [t.mem.id, t.t.rows as u64, t.t.cols as u64]
 }
 
 /// Activations in the budgeted device's memory.
 pub struct SimTensor {
     t: CpuTensor,
-    _mem: DeviceAlloc,
+    mem: DeviceAlloc,
 }
 
 /// A weight in the budgeted device's memory.
 pub struct SimWeight {
     w: CpuWeight,
-    _mem: DeviceAlloc,
+    mem: DeviceAlloc,
 }
 
 /// A KV cache in the budgeted device's memory.
 pub struct SimKv {
     kv: CpuKv,
-    _mem: DeviceAlloc,
+    mem: DeviceAlloc,
 }
 
 /// A block table in the budgeted device's memory.
 pub struct SimKvTable {
     t: CpuKvTable,
-    _mem: DeviceAlloc,
+    mem: DeviceAlloc,
 }
 
 impl SimBackend {
@@ -56,7 +93,80 @@ impl SimBackend {
             mem: DeviceMemory::new(ledger),
             workspace: Workspace::default(),
             pace: Mutex::new(None),
+            steps: Mutex::new(Steps::default()),
         }
+    }
+
+    fn steps(&self) -> Result<MutexGuard<'_, Steps>> {
+        self.steps
+            .lock()
+            .map_err(|_| BackendError::Device("recorded steps poisoned".into()))
+    }
+
+    /// Note `op` with `args` in the step being recorded or replayed, if any.
+    fn sign(&self, op: &'static str, args: &[u64]) -> Result<()> {
+        let mut steps = self.steps()?;
+        if let Some(ops) = steps.signing.as_mut() {
+            let mut h = DefaultHasher::new();
+            args.hash(&mut h);
+            ops.push(Signed {
+                op,
+                args: h.finish(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds.
+    fn outside(&self, op: &'static str) -> Result<()> {
+        if self.steps()?.signing.is_some() {
+            return Err(BackendError::Device(format!(
+                "{op} inside a recorded step: a CUDA graph holds kernels only (no allocation, \
+                 no copy between host and device, no wait)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The position an op recorded now reads: the step's, not its argument.
+    fn position(&self, arg: usize) -> Result<usize> {
+        let steps = self.steps()?;
+        Ok(match (&steps.signing, steps.position) {
+            (Some(_), Some(pos)) => pos,
+            _ => arg,
+        })
+    }
+
+    /// Start signing a step's ops (its position set).
+    fn begin_signing(&self) -> Result<()> {
+        let mut steps = self.steps()?;
+        if steps.signing.is_some() {
+            return Err(BackendError::Device(
+                "a step is already being recorded".into(),
+            ));
+        }
+        if steps.position.is_none() {
+            return Err(BackendError::Device(
+                "a step recorded or replayed before its position was set".into(),
+            ));
+        }
+        steps.signing = Some(Vec::new());
+        Ok(())
+    }
+
+    /// The bundle ops' activation and shape, signed beside their buffers.
+    fn sign_act(&self, act: Act, threshold: f32, shape: BundleShape) -> Result<()> {
+        let args = [
+            act as u64,
+            threshold.to_bits().into(),
+            shape.parts as u64,
+            shape.d as u64,
+        ];
+        self.sign("bundle_shape", &args)
+    }
+
+    fn end_signing(&self) -> Result<Vec<Signed>> {
+        Ok(self.steps()?.signing.take().unwrap_or_default())
     }
 
     pub fn ledger(&self) -> &Arc<Ledger> {
@@ -104,6 +214,7 @@ impl Backend for SimBackend {
     type Event = ();
     type Kv = SimKv;
     type KvTable = SimKvTable;
+    type Recording = SimRecording;
 
     fn name(&self) -> String {
         let budget = self
@@ -118,13 +229,14 @@ impl Backend for SimBackend {
     }
 
     fn upload(&self, w: &HostTensor) -> Result<SimWeight> {
+        self.outside("upload")?;
         let hold = self.reserve(w.data.len(), &w.name)?;
         let t0 = Instant::now();
         let data = Bytes::from_slice(w.data.as_slice());
         self.copied_in(w.data.len(), t0);
         Ok(SimWeight {
             w: HostTensor { data, ..w.clone() }.into(),
-            _mem: hold,
+            mem: hold,
         })
     }
 
@@ -135,6 +247,7 @@ impl Backend for SimBackend {
         shape: BundleShape,
         data: &Bytes,
     ) -> Result<SimWeight> {
+        self.outside("upload_bundles")?;
         // Checked (and sized) before any memory is taken; the CPU keeps a view, no copy yet.
         let rows = self.cpu.upload_bundles(name, enc, shape, data)?.rows();
         let hold = self.reserve(super::bundle_bytes(name, enc, shape, rows)?, name)?;
@@ -143,7 +256,7 @@ impl Backend for SimBackend {
         self.copied_in(data.len(), t0);
         Ok(SimWeight {
             w: self.cpu.upload_bundles(name, enc, shape, &copy)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
@@ -154,10 +267,11 @@ impl Backend for SimBackend {
         shape: BundleShape,
         rows: usize,
     ) -> Result<SimWeight> {
+        self.outside("alloc_bundles")?;
         let hold = self.reserve(super::bundle_bytes(name, enc, shape, rows)?, name)?;
         Ok(SimWeight {
             w: self.cpu.alloc_bundles(name, enc, shape, rows)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
@@ -168,11 +282,12 @@ impl Backend for SimBackend {
         rows: usize,
         cols: usize,
     ) -> Result<SimWeight> {
+        self.outside("alloc_weight")?;
         let bytes = rows.saturating_mul(dtype.bytes_for(cols));
         let hold = self.reserve(bytes, name)?;
         Ok(SimWeight {
             w: self.cpu.alloc_weight(name, dtype, rows, cols)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
@@ -183,10 +298,12 @@ impl Backend for SimBackend {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
+        self.outside("retype_weight")?;
         self.cpu.retype_weight(&mut w.w, dtype, rows, cols)
     }
 
     fn upload_into(&self, dst: &mut SimWeight, first_row: usize, src: &[u8]) -> Result<()> {
+        self.outside("upload_into")?;
         let t0 = Instant::now();
         self.cpu.upload_into(&mut dst.w, first_row, src)?;
         self.copied_in(src.len(), t0);
@@ -194,27 +311,33 @@ impl Backend for SimBackend {
     }
 
     fn copies_done(&self) -> Result<()> {
+        self.outside("copies_done")?;
         Ok(())
     }
 
     fn compute_done(&self) -> Result<()> {
+        self.outside("compute_done")?;
         Ok(())
     }
 
     fn compute_waits(&self, _: &()) -> Result<()> {
+        self.outside("compute_waits")?;
         Ok(())
     }
 
     fn copies_wait(&self, _: &()) -> Result<()> {
+        self.outside("copies_wait")?;
         Ok(())
     }
 
     fn host_waits(&self, _: &()) -> Result<()> {
+        self.outside("host_waits")?;
         self.ledger().count_host_wait();
         Ok(())
     }
 
     fn pace_copies(&self, bytes_per_s: f64) -> Result<()> {
+        self.outside("pace_copies")?;
         if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
             return Err(BackendError::Device(format!(
                 "copy pacing needs a positive rate, not {bytes_per_s}"
@@ -229,15 +352,17 @@ impl Backend for SimBackend {
     }
 
     fn alloc(&self, rows: usize, cols: usize) -> Result<SimTensor> {
+        self.outside("alloc")?;
         let bytes = rows.saturating_mul(cols).saturating_mul(4);
         let hold = self.reserve(bytes, &format!("a {rows}x{cols} activation buffer"))?;
         Ok(SimTensor {
             t: self.cpu.alloc(rows, cols)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
     fn write(&self, dst: &mut SimTensor, src: &[f32]) -> Result<()> {
+        self.outside("write")?;
         let t0 = Instant::now();
         self.cpu.write(&mut dst.t, src)?;
         self.copied_in(std::mem::size_of_val(src), t0);
@@ -245,6 +370,7 @@ impl Backend for SimBackend {
     }
 
     fn read(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
+        self.outside("read")?;
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
         self.ledger().count_host_wait();
@@ -252,6 +378,7 @@ impl Backend for SimBackend {
     }
 
     unsafe fn read_queued(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
+        self.outside("read_queued")?;
         // The copy is done at once; the wait is counted where the host waits on the event.
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
@@ -266,6 +393,21 @@ impl Backend for SimBackend {
         dst_row: usize,
         n: usize,
     ) -> Result<()> {
+        let (a, b) = (tensor_arg(src), tensor_arg(dst));
+        self.sign(
+            "copy_rows",
+            &[
+                a[0],
+                a[1],
+                a[2],
+                b[0],
+                b[1],
+                b[2],
+                src_row as u64,
+                dst_row as u64,
+                n as u64,
+            ],
+        )?;
         self.cpu.copy_rows(&src.t, src_row, &mut dst.t, dst_row, n)
     }
 
@@ -274,6 +416,7 @@ impl Backend for SimBackend {
     }
 
     fn reshape(&self, t: &mut SimTensor, rows: usize, cols: usize) -> Result<()> {
+        self.sign("reshape", &[t.mem.id, rows as u64, cols as u64])?;
         self.cpu.reshape(&mut t.t, rows, cols)
     }
 
@@ -283,6 +426,7 @@ impl Backend for SimBackend {
     }
 
     fn set_workspace(&self, bytes: u64) -> Result<()> {
+        self.outside("set_workspace")?;
         self.workspace
             .set(bytes, |b| self.mem.take(b, "device workspace"))
     }
@@ -292,12 +436,13 @@ impl Backend for SimBackend {
     }
 
     fn alloc_kv(&self, rows: usize, cols: usize, ty: KvType) -> Result<SimKv> {
+        self.outside("alloc_kv")?;
         ty.check_cols(cols)?;
         let bytes = rows.saturating_mul(ty.row_bytes(cols));
         let hold = self.reserve(bytes, &format!("a {rows}x{cols} {} KV cache", ty.name()))?;
         Ok(SimKv {
             kv: self.cpu.alloc_kv(rows, cols, ty)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
@@ -306,17 +451,19 @@ impl Backend for SimBackend {
     }
 
     fn alloc_kv_table(&self, blocks: usize) -> Result<SimKvTable> {
+        self.outside("alloc_kv_table")?;
         let hold = self.reserve(
             blocks.saturating_mul(4),
             &format!("a KV block table of {blocks} blocks"),
         )?;
         Ok(SimKvTable {
             t: self.cpu.alloc_kv_table(blocks)?,
-            _mem: hold,
+            mem: hold,
         })
     }
 
     fn write_kv_table(&self, table: &mut SimKvTable, blocks: &[u32]) -> Result<()> {
+        self.outside("write_kv_table")?;
         let t0 = Instant::now();
         self.cpu.write_kv_table(&mut table.t, blocks)?;
         self.copied_in(std::mem::size_of_val(blocks), t0);
@@ -330,11 +477,16 @@ impl Backend for SimBackend {
         table: Option<&SimKvTable>,
         dst_row: usize,
     ) -> Result<()> {
+        let a = tensor_arg(src);
+        let args = [a[0], a[1], a[2], dst.mem.id, table.map_or(0, |t| t.mem.id)];
+        self.sign("store_kv", &args)?;
+        let dst_row = self.position(dst_row)?;
         self.cpu
             .store_kv(&src.t, &mut dst.kv, table.map(|t| &t.t), dst_row)
     }
 
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
+        self.outside("read_kv")?;
         self.cpu.read_kv(&src.kv, first, out)?;
         self.ledger().count_host_wait();
         let rows = out.len() / src.kv.cols.max(1);
@@ -343,6 +495,7 @@ impl Backend for SimBackend {
     }
 
     fn write_kv(&self, dst: &mut SimKv, first: usize, values: &[f32]) -> Result<()> {
+        self.outside("write_kv")?;
         let t0 = Instant::now();
         self.cpu.write_kv(&mut dst.kv, first, values)?;
         let rows = values.len() / dst.kv.cols.max(1);
@@ -351,6 +504,7 @@ impl Backend for SimBackend {
     }
 
     fn read_kv_raw(&self, src: &SimKv, first: usize, out: &mut [u8]) -> Result<()> {
+        self.outside("read_kv_raw")?;
         self.cpu.read_kv_raw(&src.kv, first, out)?;
         self.ledger().count_host_wait();
         self.ledger().count_d2h(out.len() as u64);
@@ -358,6 +512,7 @@ impl Backend for SimBackend {
     }
 
     fn write_kv_raw(&self, dst: &mut SimKv, first: usize, src: &[u8]) -> Result<()> {
+        self.outside("write_kv_raw")?;
         let t0 = Instant::now();
         self.cpu.write_kv_raw(&mut dst.kv, first, src)?;
         self.copied_in(src.len(), t0);
@@ -365,6 +520,8 @@ impl Backend for SimBackend {
     }
 
     fn embed(&self, table: &SimWeight, ids: &[u32], out: &mut SimTensor) -> Result<()> {
+        // The ids are copied from the host: a recorded step starts after its embedding.
+        self.outside("embed")?;
         self.check_workspace(WorkspaceOp::Embed { tokens: ids.len() })?;
         self.cpu.embed(&table.w, ids, &mut out.t)?;
         self.ledger().count_h2d(std::mem::size_of_val(ids) as u64);
@@ -372,6 +529,7 @@ impl Backend for SimBackend {
     }
 
     fn add_table_rows(&self, x: &mut SimTensor, table: &SimWeight, first_row: usize) -> Result<()> {
+        self.outside("add_table_rows")?;
         self.cpu.add_table_rows(&mut x.t, &table.w, first_row)
     }
 
@@ -391,6 +549,11 @@ impl Backend for SimBackend {
                 cols: t.cols,
             })?;
         }
+        let (a, b) = (tensor_arg(x), tensor_arg(out));
+        self.sign(
+            "matmul_into",
+            &[w.mem.id, a[0], a[1], a[2], b[0], b[1], b[2], col0 as u64],
+        )?;
         self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
     }
 
@@ -405,6 +568,21 @@ impl Backend for SimBackend {
         h: &mut SimTensor,
         col0: usize,
     ) -> Result<()> {
+        let (a, o) = (tensor_arg(x), tensor_arg(h));
+        let bias = up_bias.map_or(0, |w| w.mem.id);
+        let args = [
+            b.mem.id,
+            a[0],
+            a[1],
+            a[2],
+            o[0],
+            o[1],
+            o[2],
+            col0 as u64,
+            bias,
+        ];
+        self.sign("ffn_bundles_up", &args)?;
+        self.sign_act(act, threshold, shape)?;
         self.cpu.ffn_bundles_up(
             &b.w,
             shape,
@@ -425,6 +603,10 @@ impl Backend for SimBackend {
         col0: usize,
         out: &mut SimTensor,
     ) -> Result<()> {
+        let (a, o) = (tensor_arg(h), tensor_arg(out));
+        let args = [b.mem.id, a[0], a[1], a[2], o[0], o[1], o[2], col0 as u64];
+        self.sign("ffn_bundles_down", &args)?;
+        self.sign_act(Act::Relu, 0.0, shape)?;
         self.cpu
             .ffn_bundles_down(&b.w, shape, &h.t, col0, &mut out.t)
     }
@@ -441,6 +623,8 @@ impl Backend for SimBackend {
         h: &mut SimTensor,
     ) -> Result<()> {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        // The neuron list is copied from the host: nothing a recording holds.
+        self.outside("ffn_bundles_up_listed")?;
         self.cpu.ffn_bundles_up_listed(
             &b.w,
             shape,
@@ -462,6 +646,7 @@ impl Backend for SimBackend {
         out: &mut SimTensor,
     ) -> Result<()> {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        self.outside("ffn_bundles_down_listed")?;
         self.cpu
             .ffn_bundles_down_listed(&b.w, shape, &h.t, idx, &mut out.t)
     }
@@ -470,22 +655,40 @@ impl Backend for SimBackend {
         self.check_workspace(WorkspaceOp::Listed {
             neurons: rows.len(),
         })?;
+        self.outside("scatter_rows")?;
         self.cpu.scatter_rows(&src.w, rows, &mut dst.w)
     }
 
     fn zero(&self, x: &mut SimTensor) -> Result<()> {
+        self.sign("zero", &tensor_arg(x))?;
         self.cpu.zero(&mut x.t)
     }
 
     fn add_bias(&self, x: &mut SimTensor, bias: &SimWeight) -> Result<()> {
+        let a = tensor_arg(x);
+        self.sign("add_bias", &[a[0], a[1], a[2], bias.mem.id])?;
         self.cpu.add_bias(&mut x.t, &bias.w)
     }
 
     fn add(&self, x: &mut SimTensor, y: &SimTensor) -> Result<()> {
+        let (a, b) = (tensor_arg(x), tensor_arg(y));
+        self.sign("add", &[a[0], a[1], a[2], b[0], b[1], b[2]])?;
         self.cpu.add(&mut x.t, &y.t)
     }
 
     fn rms_norm(&self, x: &SimTensor, w: &SimWeight, eps: f32, out: &mut SimTensor) -> Result<()> {
+        let (a, b) = (tensor_arg(x), tensor_arg(out));
+        let args = [
+            a[0],
+            a[1],
+            a[2],
+            w.mem.id,
+            eps.to_bits().into(),
+            b[0],
+            b[1],
+            b[2],
+        ];
+        self.sign("rms_norm", &args)?;
         self.cpu.rms_norm(&x.t, &w.w, eps, &mut out.t)
     }
 
@@ -497,6 +700,19 @@ impl Backend for SimBackend {
         eps: f32,
         out: &mut SimTensor,
     ) -> Result<()> {
+        let (xa, o) = (tensor_arg(x), tensor_arg(out));
+        let args = [
+            xa[0],
+            xa[1],
+            xa[2],
+            w.mem.id,
+            b.mem.id,
+            eps.to_bits().into(),
+            o[0],
+            o[1],
+            o[2],
+        ];
+        self.sign("layer_norm", &args)?;
         self.cpu.layer_norm(&x.t, &w.w, &b.w, eps, &mut out.t)
     }
 
@@ -509,15 +725,44 @@ impl Backend for SimBackend {
         inv_freq: &SimWeight,
         first_pos: usize,
     ) -> Result<()> {
+        let a = tensor_arg(x);
+        let args = [
+            a[0],
+            a[1],
+            a[2],
+            head_dim as u64,
+            rot_dims as u64,
+            pairs as u64,
+            inv_freq.mem.id,
+        ];
+        self.sign("rope", &args)?;
+        let first_pos = self.position(first_pos)?;
         self.cpu
             .rope(&mut x.t, head_dim, rot_dims, pairs, &inv_freq.w, first_pos)
     }
 
     fn activate(&self, x: &mut SimTensor, act: Act, threshold: f32) -> Result<()> {
+        let a = tensor_arg(x);
+        self.sign(
+            "activate",
+            &[a[0], a[1], a[2], act as u64, threshold.to_bits().into()],
+        )?;
         self.cpu.activate(&mut x.t, act, threshold)
     }
 
     fn gated(&self, gate: &mut SimTensor, up: &SimTensor, act: Act, threshold: f32) -> Result<()> {
+        let (g, u) = (tensor_arg(gate), tensor_arg(up));
+        let args = [
+            g[0],
+            g[1],
+            g[2],
+            u[0],
+            u[1],
+            u[2],
+            act as u64,
+            threshold.to_bits().into(),
+        ];
+        self.sign("gated", &args)?;
         self.cpu.gated(&mut gate.t, &up.t, act, threshold)
     }
 
@@ -536,6 +781,36 @@ impl Backend for SimBackend {
             n_heads: shape.n_heads,
             head_dim: shape.head_dim,
         })?;
+        let (a, o) = (tensor_arg(q), tensor_arg(out));
+        let args = [
+            a[0],
+            a[1],
+            a[2],
+            k_cache.mem.id,
+            v_cache.mem.id,
+            table.map_or(0, |t| t.mem.id),
+            shape.n_heads as u64,
+            shape.n_kv_heads as u64,
+            shape.head_dim as u64,
+            shape.scale.to_bits().into(),
+            o[0],
+            o[1],
+            o[2],
+        ];
+        self.sign("attention", &args)?;
+        if self.steps()?.signing.is_some()
+            && !super::cuda::records_attention(q.t.rows, shape.head_dim)
+        {
+            return Err(BackendError::Shape {
+                op: "attention",
+                msg: format!(
+                    "{} rows with heads of {}: CUDA's kernels for them take their position as \
+                     an argument, so this step cannot be recorded",
+                    q.t.rows, shape.head_dim
+                ),
+            });
+        }
+        let first_pos = self.position(first_pos)?;
         self.cpu.attention(
             &q.t,
             &k_cache.kv,
@@ -546,6 +821,68 @@ impl Backend for SimBackend {
             &mut out.t,
         )
     }
+
+    fn records_steps(&self) -> bool {
+        true
+    }
+
+    fn allocations(&self) -> u64 {
+        self.mem.takes()
+    }
+
+    /// Taken and copied as CUDA does: one small buffer, the first time; the position each time.
+    fn set_step_position(&self, first_pos: usize) -> Result<()> {
+        self.outside("set_step_position")?;
+        step_position_word(first_pos)?;
+        let mut steps = self.steps()?;
+        if steps.buf.is_none() {
+            steps.buf = Some(self.reserve(STEP_POSITION_BYTES, "recorded step position")?);
+        }
+        steps.position = Some(first_pos);
+        drop(steps);
+        self.copied_in(STEP_POSITION_BYTES, Instant::now());
+        Ok(())
+    }
+
+    fn record<E: From<BackendError>>(
+        &self,
+        ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<SimRecording, E> {
+        self.begin_signing()?;
+        let ran = ops();
+        let signed = self.end_signing()?;
+        ran?;
+        Ok(SimRecording { ops: signed })
+    }
+
+    fn replay<E: From<BackendError>>(
+        &self,
+        rec: &SimRecording,
+        ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.begin_signing()?;
+        let ran = ops();
+        let signed = self.end_signing()?;
+        ran?;
+        if signed != rec.ops {
+            let at = signed
+                .iter()
+                .zip(&rec.ops)
+                .position(|(a, b)| a != b)
+                .unwrap_or(signed.len().min(rec.ops.len()));
+            let name = |ops: &[Signed]| ops.get(at).map_or("nothing", |s| s.op);
+            return Err(BackendError::Device(format!(
+                "a replayed step is not its recording: op {at} is {} now, {} when recorded ({} \
+                 ops now, {} then); a CUDA graph would have run the recording",
+                name(&signed),
+                name(&rec.ops),
+                signed.len(),
+                rec.ops.len()
+            ))
+            .into());
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -553,7 +890,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn device_memory_is_budgeted_and_copies_counted() {
+    fn devicememory_is_budgeted_and_copies_counted() {
         let ledger = Ledger::new(Some(1024), None);
         let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
         let w = HostTensor::from_f32("w", 10, 10, vec![1.0; 100]);
@@ -571,6 +908,65 @@ mod tests {
         drop((dw, t));
         assert_eq!(ledger.snapshot().hbm_used, 0);
         assert_eq!(ledger.snapshot().hbm_peak, 1024);
+    }
+
+    #[test]
+    fn a_recorded_step_holds_kernels_only_and_reads_the_step_position() {
+        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), Ledger::new(None, None));
+        let inv = sim
+            .upload(&HostTensor::from_f32("inv", 1, 2, vec![1.0, 0.25]))
+            .unwrap();
+        let row = [1.0, 2.0, 3.0, 4.0];
+        let fresh = |v: &[f32]| {
+            let mut t = sim.alloc(1, 4).unwrap();
+            sim.write(&mut t, v).unwrap();
+            t
+        };
+        let read = |t: &SimTensor| {
+            let mut v = vec![0f32; 4];
+            sim.read(t, &mut v).unwrap();
+            v
+        };
+        let none = || Ok::<(), BackendError>(());
+        let err = sim.record(none).err().unwrap().to_string();
+        assert!(err.contains("before its position was set"), "{err}");
+        sim.set_step_position(7).unwrap();
+        // Nothing but kernels: an allocation fails the recording, and the next one starts clean.
+        let err = sim.record(|| sim.alloc(1, 1).map(|_| ())).err().unwrap();
+        assert!(err.to_string().contains("inside a recorded step"), "{err}");
+        // Recorded with a stale position argument, the rotation is the step position's.
+        let mut want = fresh(&row);
+        sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 7)
+            .unwrap();
+        let mut x = fresh(&row);
+        let rec = sim
+            .record(|| sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 123))
+            .unwrap();
+        assert_eq!(read(&x), read(&want));
+        // Replayed at another position over the same buffer: that position's rotation.
+        sim.write(&mut x, &row).unwrap();
+        sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 0)
+            .unwrap();
+        let mut want9 = fresh(&row);
+        sim.rope(&mut want9, 4, 4, RopePairs::Adjacent, &inv, 9)
+            .unwrap();
+        sim.set_step_position(9).unwrap();
+        sim.replay(&rec, || {
+            sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 7)
+        })
+        .unwrap();
+        assert_eq!(read(&x), read(&want9));
+        // Over another buffer, or with another op, a graph would have run the recording: refused.
+        let mut y = fresh(&row);
+        let err = sim
+            .replay(&rec, || {
+                sim.rope(&mut y, 4, 4, RopePairs::Adjacent, &inv, 9)
+            })
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("not its recording"), "{err}");
+        let err = sim.replay(&rec, || sim.zero(&mut x)).err().unwrap();
+        assert!(err.to_string().contains("not its recording"), "{err}");
     }
 
     #[test]

@@ -226,6 +226,7 @@ impl Backend for CpuBackend {
     type Event = ();
     type Kv = CpuKv;
     type KvTable = CpuKvTable;
+    type Recording = ();
 
     fn name(&self) -> String {
         format!(

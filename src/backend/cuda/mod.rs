@@ -34,7 +34,7 @@ pub use meter::DeviceMeter;
 use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, Result, RopePairs,
-    WorkspaceOp,
+    STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -136,6 +136,23 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
 /// simple kernel (a thread per key), as do heads wider than it is built for.
 fn splits_keys(head_dim: usize) -> bool {
     (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
+}
+
+/// The step position as the recorded kernels read it (an i32), if it is one.
+pub fn step_position_word(first_pos: usize) -> Result<i32> {
+    i32::try_from(first_pos).map_err(|_| {
+        shape_err(
+            "set_step_position",
+            format!("position {first_pos}: a recorded step's is below 2³¹"),
+        )
+    })
+}
+
+/// Whether the attention of `rows` query rows with heads of `head_dim` can be recorded: only
+/// the split kernels read their position from the step inputs. The budgeted device refuses
+/// what this refuses.
+pub fn records_attention(rows: usize, head_dim: usize) -> bool {
+    (1..=SPLIT_ROWS).contains(&rows) && splits_keys(head_dim)
 }
 
 /// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
@@ -334,7 +351,20 @@ pub struct CudaBackend {
     /// Device bytes the process held once context, modules and cuBLAS were up (before any
     /// buffer), as measured; `None` where NVML could not tell.
     fixed_bytes: Option<u64>,
+    /// Recorded steps: where the step position lives ([`Backend::set_step_position`]);
+    /// whether the compute stream is being captured into a graph now.
+    step_position: Mutex<Option<DeviceBuf>>,
+    recording: std::sync::atomic::AtomicBool,
 }
+
+/// A recorded step: a CUDA graph, instantiated.
+pub struct CudaRecording {
+    graph: cudarc::driver::CudaGraph,
+}
+
+// SAFETY: a graph needs its calls serialised, not a thread of its own (CUDA's graph thread-safety
+// rules); the engine launches a session's recording under its pass lock, one thread at a time.
+unsafe impl Send for CudaRecording {}
 
 struct BlasState {
     handle: cudarc::cublas::CudaBlas,
@@ -489,6 +519,8 @@ impl CudaBackend {
             modules: kernels::Modules::default(),
             meter,
             fixed_bytes: None,
+            step_position: Mutex::new(None),
+            recording: std::sync::atomic::AtomicBool::new(false),
         };
         for (name, _) in kernels::MODULES {
             me.modules.get(&me.ctx, name)?;
@@ -625,10 +657,47 @@ impl CudaBackend {
         self.ctx.bind_to_thread().map_err(dev)
     }
 
+    fn recording(&self) -> bool {
+        self.recording.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Fail while a step is being captured: `op` is nothing a CUDA graph holds (an allocation,
+    /// a copy between host and device, a wait), and would end the capture in an error.
+    fn outside(&self, op: &'static str) -> Result<()> {
+        if self.recording() {
+            return Err(BackendError::Device(format!(
+                "{op} inside a recorded step: a CUDA graph holds kernels only (no allocation, \
+                 no copy between host and device, no wait)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The step position's buffer: set (what a recording reads), else an error.
+    fn step_position_ptr(&self) -> Result<u64> {
+        let at = self
+            .step_position
+            .lock()
+            .map_err(|_| BackendError::Device("step position poisoned".into()))?;
+        at.as_ref().map(|b| b.ptr).ok_or_else(|| {
+            BackendError::Device("a step recorded or replayed before its position was set".into())
+        })
+    }
+
+    /// While recording, the device address of the step's position (the kernels read it there
+    /// at each replay); else 0, and the kernels take the position they are given.
+    fn position_at(&self) -> Result<u64> {
+        if !self.recording() {
+            return Ok(0);
+        }
+        self.step_position_ptr()
+    }
+
     /// A device buffer of [`device_bytes`]`(bytes)` for `what`: an arena range under a budget,
     /// else from the compute stream's pool. Both streams are ordered after the work queued so
     /// far, which may still touch a recycled range.
     fn take(&self, bytes: usize, what: &str) -> Result<DeviceBuf> {
+        self.outside("an allocation")?;
         self.bind()?;
         let mem = self.mem.take(bytes as u64, what)?;
         let (ptr, pool) = match (self.arena, mem.offset) {
@@ -658,6 +727,7 @@ impl CudaBackend {
     /// `ids` copied into the workspace (ordered on compute): the list the listed bundle kernels
     /// read; the guard keeps the workspace while they are queued.
     fn listed(&self, ids: &[u32]) -> Result<(std::sync::MutexGuard<'_, Option<DeviceBuf>>, u64)> {
+        self.outside("a neuron list")?;
         let (ws, ptr) = self.workspace_for(WorkspaceOp::Listed { neurons: ids.len() })?;
         // SAFETY: the workspace holds at least ids.len() u32 (checked); ordered on compute,
         // staged out of the pageable slice before the call returns.
@@ -1080,6 +1150,7 @@ impl Backend for CudaBackend {
     type Event = CudaEvent;
     type Kv = CudaKv;
     type KvTable = CudaKvTable;
+    type Recording = CudaRecording;
 
     fn name(&self) -> String {
         let name = self.ctx.name().unwrap_or_else(|_| "CUDA device".into());
@@ -1194,6 +1265,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_into(&self, dst: &mut CudaWeight, first_row: usize, src: &[u8]) -> Result<()> {
+        self.outside("upload_into")?;
         self.bind()?;
         let rb = dst.row_bytes();
         let start = first_row * rb;
@@ -1225,22 +1297,27 @@ impl Backend for CudaBackend {
     }
 
     fn copies_done(&self) -> Result<CudaEvent> {
+        self.outside("copies_done")?;
         self.copy.record_event(None).map_err(dev)
     }
 
     fn compute_done(&self) -> Result<CudaEvent> {
+        self.outside("compute_done")?;
         self.compute.record_event(None).map_err(dev)
     }
 
     fn compute_waits(&self, ev: &CudaEvent) -> Result<()> {
+        self.outside("compute_waits")?;
         self.compute.wait(ev).map_err(dev)
     }
 
     fn copies_wait(&self, ev: &CudaEvent) -> Result<()> {
+        self.outside("copies_wait")?;
         self.copy.wait(ev).map_err(dev)
     }
 
     fn host_waits(&self, ev: &CudaEvent) -> Result<()> {
+        self.outside("host_waits")?;
         self.ledger().count_host_wait();
         ev.synchronize().map_err(dev)
     }
@@ -1296,6 +1373,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, dst: &mut CudaTensor, src: &[f32]) -> Result<()> {
+        self.outside("write")?;
         self.bind()?;
         if src.len() != dst.rows * dst.cols {
             return Err(shape_err(
@@ -1318,6 +1396,7 @@ impl Backend for CudaBackend {
     }
 
     fn read(&self, src: &CudaTensor, dst: &mut [f32]) -> Result<()> {
+        self.outside("read")?;
         self.bind()?;
         if dst.len() != src.rows * src.cols {
             return Err(shape_err(
@@ -1338,6 +1417,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn read_queued(&self, src: &CudaTensor, dst: &mut [f32]) -> Result<CudaEvent> {
+        self.outside("read_queued")?;
         self.bind()?;
         if dst.len() != src.rows * src.cols {
             return Err(shape_err(
@@ -1410,6 +1490,7 @@ impl Backend for CudaBackend {
     }
 
     fn set_workspace(&self, bytes: u64) -> Result<()> {
+        self.outside("set_workspace")?;
         // Queued kernels still using the old one are ahead of any user of its range in stream
         // order.
         self.workspace
@@ -1452,6 +1533,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_kv_table(&self, table: &mut CudaKvTable, blocks: &[u32]) -> Result<()> {
+        self.outside("write_kv_table")?;
         self.bind()?;
         if blocks.len() > table.cap {
             return Err(shape_err(
@@ -1501,6 +1583,7 @@ impl Backend for CudaBackend {
         let n = src.rows * src.cols;
         let (rows, cols, dt) = (src.rows as i64, src.cols as i32, dtype_code(dst.ty.dtype()));
         let (sp, dp, first) = (src.buf.ptr, dst.buf.ptr, dst_row as i32);
+        let at = self.position_at()?;
         launch!(
             self,
             f,
@@ -1511,12 +1594,14 @@ impl Backend for CudaBackend {
             dt,
             dp,
             tp,
-            first
+            first,
+            at
         );
         Ok(())
     }
 
     fn read_kv(&self, src: &CudaKv, first: usize, out: &mut [f32]) -> Result<()> {
+        self.outside("read_kv")?;
         self.bind()?;
         let n = out.len() / src.cols.max(1);
         if src.cols == 0 || !out.len().is_multiple_of(src.cols) || first + n > src.rows {
@@ -1549,6 +1634,7 @@ impl Backend for CudaBackend {
     }
 
     fn read_kv_raw(&self, src: &CudaKv, first: usize, out: &mut [u8]) -> Result<()> {
+        self.outside("read_kv_raw")?;
         self.bind()?;
         let rb = src.ty.row_bytes(src.cols);
         let n = out.len() / rb.max(1);
@@ -1579,6 +1665,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_kv_raw(&self, dst: &mut CudaKv, first: usize, src: &[u8]) -> Result<()> {
+        self.outside("write_kv_raw")?;
         self.bind()?;
         let rb = dst.ty.row_bytes(dst.cols);
         let n = src.len() / rb.max(1);
@@ -1613,6 +1700,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_kv(&self, dst: &mut CudaKv, first: usize, values: &[f32]) -> Result<()> {
+        self.outside("write_kv")?;
         self.bind()?;
         let n = values.len() / dst.cols.max(1);
         if dst.cols == 0 || !values.len().is_multiple_of(dst.cols) || first + n > dst.rows {
@@ -1660,6 +1748,8 @@ impl Backend for CudaBackend {
                 format!("token id {bad} ≥ vocabulary {}", table.rows),
             ));
         }
+        // The ids are copied from the host: a recorded step starts after its embedding.
+        self.outside("embed")?;
         let (_ws, iptr) = self.workspace_for(WorkspaceOp::Embed { tokens: ids.len() })?;
         // SAFETY: the workspace holds at least ids.len() u32 (checked); ordered on compute.
         unsafe { cudarc::driver::result::memcpy_htod_async(iptr, ids, self.compute.cu_stream()) }
@@ -1686,6 +1776,7 @@ impl Backend for CudaBackend {
         table: &CudaWeight,
         first_row: usize,
     ) -> Result<()> {
+        self.outside("add_table_rows")?;
         table.plain("add_table_rows")?;
         if x.cols != table.cols || first_row + x.rows > table.rows {
             return Err(shape_err(
@@ -2102,7 +2193,7 @@ impl Backend for CudaBackend {
         } else {
             1
         };
-        let fp = first_pos as i32;
+        let (fp, at) = (first_pos as i32, self.position_at()?);
         launch!(
             self,
             f,
@@ -2114,7 +2205,8 @@ impl Backend for CudaBackend {
             rd,
             p,
             inv_freq.buf.ptr,
-            fp
+            fp,
+            at
         );
         Ok(())
     }
@@ -2210,6 +2302,17 @@ impl Backend for CudaBackend {
         );
         let (qs, kvs, fp) = (q_dim as i32, kv_dim as i32, first_pos as i32);
         let keys = first_pos + n;
+        let at = self.position_at()?;
+        if at != 0 && !records_attention(n, s.head_dim) {
+            return Err(shape_err(
+                "attention",
+                format!(
+                    "{n} rows with heads of {}: only the split kernels read their position from \
+                     the step inputs, so this step cannot be recorded",
+                    s.head_dim
+                ),
+            ));
+        }
         if n <= SPLIT_ROWS && splits_keys(s.head_dim) {
             // Few rows (decode): the keys in chunks across blocks, partials in the workspace.
             let (_ws, wptr) = self.workspace_for(WorkspaceOp::Attention {
@@ -2217,7 +2320,13 @@ impl Backend for CudaBackend {
                 n_heads: s.n_heads,
                 head_dim: s.head_dim,
             })?;
-            let (chunks, chunk) = split_chunks(keys, n);
+            // Recorded, the grid has room for the most chunks and the kernels plan them from
+            // the position they read (the same plan, at every replay's position).
+            let (chunks, chunk) = if at != 0 {
+                ((MAX_SPLITS / n).max(1), 0)
+            } else {
+                split_chunks(keys, n)
+            };
             let f = self.func(
                 "flash_attention",
                 match k_cache.ty {
@@ -2248,7 +2357,8 @@ impl Backend for CudaBackend {
                 kvs,
                 fp,
                 s.scale,
-                chunk_i
+                chunk_i,
+                at
             );
             let f = self.func("flash_attention", "attention_combine")?;
             let chunks = chunks as i32;
@@ -2260,7 +2370,8 @@ impl Backend for CudaBackend {
                 out.buf.ptr,
                 nh,
                 hd,
-                chunks
+                chunks,
+                at
             );
             return Ok(());
         }
@@ -2325,6 +2436,81 @@ impl Backend for CudaBackend {
             fp,
             s.scale
         );
+        Ok(())
+    }
+
+    fn records_steps(&self) -> bool {
+        true
+    }
+
+    fn allocations(&self) -> u64 {
+        self.mem.takes()
+    }
+
+    fn set_step_position(&self, first_pos: usize) -> Result<()> {
+        self.outside("set_step_position")?;
+        let word = step_position_word(first_pos)?;
+        let mut at = self
+            .step_position
+            .lock()
+            .map_err(|_| BackendError::Device("step position poisoned".into()))?;
+        if at.is_none() {
+            *at = Some(self.take(STEP_POSITION_BYTES, "recorded step position")?);
+        }
+        let Some(buf) = at.as_ref() else {
+            return Err(BackendError::Device("step position not held".into()));
+        };
+        self.bind()?;
+        // SAFETY: the buffer holds the word. From pageable memory the driver stages it before
+        // returning; ordered on compute, so the step queued before this has read the last one.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(buf.ptr, &[word], self.compute.cu_stream())
+        }
+        .map_err(dev)?;
+        self.ledger().count_h2d(STEP_POSITION_BYTES as u64);
+        Ok(())
+    }
+
+    fn record<E: From<BackendError>>(
+        &self,
+        ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<CudaRecording, E> {
+        self.outside("record")?;
+        self.step_position_ptr()?;
+        self.bind()?;
+        // Thread-local: only this thread's calls are checked against the capture (a read-ahead
+        // thread copying on the other stream goes on).
+        self.compute
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(dev)?;
+        self.recording
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let ran = ops();
+        self.recording
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        // Always ended, so the stream leaves capture mode whatever the ops did.
+        let graph = self
+            .compute
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        ran?;
+        let graph = graph
+            .map_err(dev)?
+            .ok_or_else(|| BackendError::Device("a recorded step holds no work".into()))?;
+        // Captured work does not run: this step runs now, as its replays will.
+        graph.launch().map_err(dev)?;
+        Ok(CudaRecording { graph })
+    }
+
+    fn replay<E: From<BackendError>>(
+        &self,
+        rec: &CudaRecording,
+        _ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        self.outside("replay")?;
+        self.step_position_ptr()?;
+        rec.graph.launch().map_err(dev)?;
         Ok(())
     }
 }
