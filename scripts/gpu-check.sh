@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
+#   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity test (recorded logits
+#            equal launched ones, bit for bit), then decode tok/s launched and recorded, side by
+#            side, on a synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU)
+#            at 128 and 4000 positions
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
 #            read bound (a fraction above 1.05 fails the bench), full-GPU decode of the 7B shape
 #            (f16 KV) at 128 and 4000 positions vs its HBM bound and vs transformers, its
@@ -135,6 +139,33 @@ bench() {
     record decode_7b_transformers "$($PY scripts/peer_hf.py "$WORK/m7b" --prompt-tokens 32 --tokens 64 2>>"$LOG" | tail -n1)"
     say "stories260K decode"
     record decode_stories_gpu "$("$B" bench decode --device cuda -m .gpu/models/stories260K-f32.gguf -n 128 --json 2>>"$LOG")"
+}
+
+# A SmolLM2-135M-shaped Q4_1 GGUF (30 layers, 576 wide, 9 heads of 64, 3 KV heads, tied
+# output, 49152 tokens): the real model is over what travels to this machine.
+synthsmol() {
+    if [[ ! -f "$WORK/smol-q4_1.gguf" ]]; then
+        say "synthesizing a SmolLM2-135M-shaped Q4_1 GGUF"
+        "$B" synth --preset tiny --layers 30 --hidden 576 --ffn 1536 --heads 9 --kv-heads 3 \
+            --vocab 49152 --max-context 8192 --tied --dtype q4_1 --format gguf \
+            -o "$WORK/smol-q4_1.gguf" --force 2>&1 | tail -n 2 | tee -a "$LOG"
+    fi
+}
+
+graphs() {
+    synth7b
+    synthsmol
+    say "recorded decode steps: parity with launched kernels"
+    .gpu/gpu-tests --test-threads 1 --nocapture recorded_decode 2>&1 | tee -a "$LOG"
+    record graphs_parity "{\"exit_code\":${PIPESTATUS[0]}}"
+    say "decode launched and recorded (--cuda-graphs), same call, side by side"
+    local g name
+    for g in "" --cuda-graphs; do
+        name="${g:+graphs}"; name="${name:-launched}"
+        record "decode_smol_q4_1_$name" "$("$B" bench decode --device cuda -m "$WORK/smol-q4_1.gguf" --prompt-tokens 32 -n 256 $g --json 2>>"$LOG")"
+        record "decode_7b_full_gpu_$name" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 32 -n 64 $g --json 2>>"$LOG")"
+        record "decode_7b_full_gpu_4000_$name" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 $g --json 2>>"$LOG")"
+    done
 }
 
 offload() {
@@ -439,6 +470,7 @@ batching() {
 
 case "$MODE" in
     tests) tests ;;
+    graphs) graphs ;;
     batching) batching ;;
     prefill) prefill ;;
     bench) bench ;;
@@ -451,6 +483,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"

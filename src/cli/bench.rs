@@ -736,8 +736,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
                "hot_neurons": h.plan.layers.iter().map(|l| l.neurons).sum::<usize>(),
                "device_bytes": h.plan.device.total})
     });
+    // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
+    let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
+        "cuda_graphs": {"on": a.model.cuda_graphs, "recorded": recorded, "replayed": replayed},
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
         "decode_tokens_per_s": m.decode_tokens_per_s,
         "bound": format!("{} (bytes per token ÷ rate)", bound.limited_by),
@@ -764,6 +767,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
                 "; the plan predicted {p:.2} tok/s"
             ))
         );
+        if a.model.cuda_graphs {
+            println!("decode steps recorded {recorded}, replayed {replayed}");
+        }
     }
     bounds::check("decode (tokens/s)", m.decode_tokens_per_s, &bound, &rates)?;
     Ok(())

@@ -402,7 +402,9 @@ impl LoadedModel {
                     .with_kv_type(kv_type)?
                     .with_sparsity(thresholds.clone())?
                     .with_predictor(predictor.clone());
-                let e = pooled(e, &job, None)?.with_logit_rows(job.logit_rows);
+                let e = pooled(e, &job, None)?
+                    .with_logit_rows(job.logit_rows)
+                    .with_recorded_steps(args.cuda_graphs);
                 (
                     AnyEngine::Cuda(e),
                     Some(ledger),
@@ -417,7 +419,9 @@ impl LoadedModel {
                     .with_kv_type(kv_type)?
                     .with_sparsity(thresholds.clone())?
                     .with_predictor(predictor.clone());
-                let e = pooled(e, &job, None)?.with_logit_rows(job.logit_rows);
+                let e = pooled(e, &job, None)?
+                    .with_logit_rows(job.logit_rows)
+                    .with_recorded_steps(args.cuda_graphs);
                 (
                     AnyEngine::Cpu(e),
                     None,
@@ -465,7 +469,9 @@ impl LoadedModel {
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone())
                         .with_prefill(plan.prefill)?;
-                    let e = pooled(e, &job, &plan)?.with_logit_rows(plan.budget.logit_rows);
+                    let e = pooled(e, &job, &plan)?
+                        .with_logit_rows(plan.budget.logit_rows)
+                        .with_recorded_steps(args.cuda_graphs);
                     (AnyEngine::Cuda(e), Some(ledger), Some(plan), None, hybrid)
                 } else {
                     let hw = args.budget.hardware_profile("cpu-sim")?;
@@ -488,7 +494,9 @@ impl LoadedModel {
                         .with_sparsity(thresholds.clone())?
                         .with_predictor(predictor.clone())
                         .with_prefill(plan.prefill)?;
-                    let e = pooled(e, &job, &plan)?.with_logit_rows(plan.budget.logit_rows);
+                    let e = pooled(e, &job, &plan)?
+                        .with_logit_rows(plan.budget.logit_rows)
+                        .with_recorded_steps(args.cuda_graphs);
                     (AnyEngine::Sim(e), Some(ledger), Some(plan), None, hybrid)
                 }
             }

@@ -125,6 +125,13 @@ pub struct ModelArgs {
     /// sparsity, exact), else 0.15, what SmolLM2-135M tolerates within 1% perplexity]
     #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET")]
     pub sparsity_target: Option<f64>,
+
+    /// Record each sequence's one-token decode step as a CUDA graph once and replay it (one
+    /// launch a token instead of one a kernel). Steps with weights resident on the device only;
+    /// others run as before. On the budgeted device (`--device sim`) the steps are recorded as
+    /// CUDA would and every replay is checked against its recording.
+    #[arg(long, env = "GPU_OFFLOAD_CUDA_GRAPHS")]
+    pub cuda_graphs: bool,
 }
 
 /// `--sparsity`.

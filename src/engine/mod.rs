@@ -247,6 +247,11 @@ pub trait WeightSource<B: Backend>: Send {
     fn head_done(&mut self, b: &B) -> Result<()>;
     /// Wait for background transfers (read-ahead) to finish, so traffic counters are stable.
     fn settle(&mut self) {}
+    /// Whether every weight stays where it is on the device, and `layer`, `layer_done`,
+    /// `head` and `head_done` issue nothing to it: what a recorded step needs.
+    fn fixed(&self) -> bool {
+        false
+    }
     /// The weight formats and widths this source's matrices multiply with (what sizes the
     /// device workspace of a step).
     fn matmuls(&self) -> MatmulShapes;
@@ -333,6 +338,11 @@ pub struct Engine<B: Backend> {
     /// The paged KV pool sessions take their blocks from ([`Engine::with_kv_pool`]); without
     /// one, each session holds a cache of its whole context.
     pool: Option<SharedPool<B>>,
+    /// Whether one-token decode steps are recorded and replayed where the backend can
+    /// ([`Engine::with_recorded_steps`]), and how many have been recorded and replayed.
+    record_steps: bool,
+    steps_recorded: std::sync::atomic::AtomicU64,
+    steps_replayed: std::sync::atomic::AtomicU64,
     /// Logit rows a step may return at most ([`Engine::with_logit_rows`]): the logits buffers
     /// are made this large at once, so calls returning more later never reallocate them.
     logit_rows: usize,
@@ -428,6 +438,21 @@ pub struct Session<B: Backend> {
     pos: usize,
     ctx: usize,
     probe: Option<QueryProbe<B>>,
+    /// Its one-token decode step, recorded ([`Engine::with_recorded_steps`]).
+    recorded: Recorded<B>,
+}
+
+/// Where a session's recorded decode step stands. A recording names every buffer of the step, so
+/// it is replayed only while no device allocation has been taken since it was made (the
+/// backend's allocation count, noted beside it); a step is recorded only after one ran plainly
+/// with no allocation after it, so its buffers and kernels are settled first.
+enum Recorded<B: Backend> {
+    None,
+    /// A plain step ran, and the allocation count after it.
+    Ran(u64),
+    Held(B::Recording, u64),
+    /// Recording failed (an op no recording holds): this session's steps run plainly.
+    Refused,
 }
 
 /// Where a session's keys and values live.
@@ -757,6 +782,9 @@ impl<B: Backend> Engine<B> {
             prefill: PrefillLayout::default(),
             step_tap: None,
             pool: None,
+            record_steps: false,
+            steps_recorded: Default::default(),
+            steps_replayed: Default::default(),
             logit_rows: 1,
         })
     }
@@ -878,6 +906,26 @@ impl<B: Backend> Engine<B> {
 
     pub fn prefill(&self) -> PrefillLayout {
         self.prefill
+    }
+
+    /// Record a session's one-token decode step once and replay it from then on, where the
+    /// backend records steps (CUDA: a graph, launched in one call instead of one launch per
+    /// kernel; the budgeted device runs the ops and checks each replay against the recording).
+    /// Steps that hold anything but kernels run as before: streamed or CPU-side weights,
+    /// host-kept KV, activation taps, predicted masks, the density probe, and attention the
+    /// backend cannot record (CUDA: heads narrower than 32).
+    pub fn with_recorded_steps(mut self, on: bool) -> Self {
+        self.record_steps = on;
+        self
+    }
+
+    /// Decode steps recorded, and replayed, so far.
+    pub fn recorded_steps(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering;
+        (
+            self.steps_recorded.load(Ordering::Relaxed),
+            self.steps_replayed.load(Ordering::Relaxed),
+        )
     }
 
     /// Tell `tap` each time a layer has run over a group of rows.
@@ -1016,6 +1064,7 @@ impl<B: Backend> Engine<B> {
             pos: 0,
             ctx,
             probe: None,
+            recorded: Recorded::None,
         })
     }
 
@@ -2364,13 +2413,30 @@ impl<B: Backend> Engine<B> {
         sc: &mut Scratch<B>,
         rows: &[usize],
     ) -> Result<Vec<f32>> {
+        if !matches!(&sc.logits, Some(lb) if lb.rows >= rows.len()) {
+            sc.logits = None;
+            sc.logits = Some(self.logit_buffers(rows.len())?);
+        }
+        self.head_ops(source, sc, rows)?;
+        self.head_read(sc, rows.len())
+    }
+
+    /// The head's ops over rows `rows` of `x`, into the held logits buffers (holding that
+    /// many rows), which are left viewed as their full size.
+    fn head_ops(
+        &self,
+        source: &mut dyn WeightSource<B>,
+        sc: &mut Scratch<B>,
+        rows: &[usize],
+    ) -> Result<()> {
         let b = &self.backend;
         let m = rows.len();
         let mut lb = match sc.logits.take() {
             Some(lb) if lb.rows >= m => lb,
-            old => {
-                drop(old);
-                self.logit_buffers(m)?
+            _ => {
+                return Err(EngineError::Weights(format!(
+                    "the head over {m} rows without logits buffers for them"
+                )));
             }
         };
         self.view_logits(&mut lb, m)?;
@@ -2390,12 +2456,108 @@ impl<B: Backend> Engine<B> {
             self.linear(&head.output, &lb.normed, &mut lb.logits)?;
         }
         source.head_done(b)?;
-        let mut host = vec![0f32; m * self.spec.vocab_size];
-        b.read(&lb.logits, &mut host)?;
         let full = lb.rows;
         self.view_logits(&mut lb, full)?;
         sc.logits = Some(lb);
+        Ok(())
+    }
+
+    /// The first `m` rows of the logits [`Engine::head_ops`] left, on the host.
+    fn head_read(&self, sc: &mut Scratch<B>, m: usize) -> Result<Vec<f32>> {
+        let lb = sc
+            .logits
+            .as_mut()
+            .ok_or_else(|| EngineError::Weights("logits read without their buffers".into()))?;
+        self.view_logits(lb, m)?;
+        let mut host = vec![0f32; m * self.spec.vocab_size];
+        let read = self.backend.read(&lb.logits, &mut host);
+        let full = lb.rows;
+        self.view_logits(lb, full)?;
+        read?;
         Ok(host)
+    }
+
+    /// Whether this step of `session` (`n` rows, `rows` of logits) is recorded or replayed: a
+    /// one-token decode step of kernels only (see [`Engine::with_recorded_steps`]).
+    fn records(
+        &self,
+        session: &Session<B>,
+        source: &dyn WeightSource<B>,
+        n: usize,
+        rows: usize,
+        on_cpu: bool,
+    ) -> bool {
+        self.record_steps
+            && self.backend.records_steps()
+            && n == 1
+            && rows == 1
+            && !on_cpu
+            && !matches!(session.recorded, Recorded::Refused)
+            && session.probe.is_none()
+            && matches!(session.kv, SessionKv::Device { .. } | SessionKv::Paged(_))
+            && self.step_tap.is_none()
+            && self.tap.is_none()
+            && self.predictor.is_none()
+            && source.fixed()
+    }
+
+    /// A one-token decode step through its recording: replayed where one is held and no
+    /// allocation has been taken since; else recorded where a plain step ran last with none
+    /// after it; else run plainly. The step buffers are held (`sc`, its logits and workspace
+    /// set) before this. The token is embedded before the recorded ops (its id, or its row,
+    /// comes from the host), and the position goes to the device as the step's.
+    fn recorded_step(
+        &self,
+        source: &mut dyn WeightSource<B>,
+        session: &mut Session<B>,
+        sc: &mut Scratch<B>,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>> {
+        use std::sync::atomic::Ordering;
+        let b = &self.backend;
+        let pos = session.pos;
+        if let SessionKv::Paged(p) = &mut session.kv {
+            self.sync_table(p)?;
+        }
+        source.embed(b, tokens, pos, &mut sc.x)?;
+        b.set_step_position(pos)?;
+        let now = b.allocations();
+        let mut ops = |session: &mut Session<B>| -> Result<()> {
+            for l in 0..self.spec.n_layers {
+                {
+                    let mut layer = source.layer(b, l)?;
+                    self.run_layer(&mut layer, l, session, sc, pos, 0, false)?;
+                }
+                source.layer_done(b, l)?;
+            }
+            self.head_ops(source, sc, &[sc.n - 1])
+        };
+        session.recorded = match std::mem::replace(&mut session.recorded, Recorded::None) {
+            Recorded::Held(rec, at) if at == now => {
+                b.replay(&rec, || ops(session))?;
+                self.steps_replayed.fetch_add(1, Ordering::Relaxed);
+                Recorded::Held(rec, at)
+            }
+            Recorded::Ran(at) if at == now => match b.record(|| ops(session)) {
+                Ok(rec) => {
+                    self.steps_recorded.fetch_add(1, Ordering::Relaxed);
+                    Recorded::Held(rec, now)
+                }
+                Err(e) => {
+                    // Nothing of a failed recording has run on CUDA; a budgeted device may
+                    // have run part of it, which the plain step rewrites (the same rows).
+                    tracing::info!("decode steps run unrecorded: {e}");
+                    ops(session)?;
+                    Recorded::Refused
+                }
+            },
+            _ => {
+                ops(session)?;
+                Recorded::Ran(b.allocations())
+            }
+        };
+        session.pos += 1;
+        self.head_read(sc, 1)
     }
 
     /// One forward step: every layer once over all of `tokens` (at most a group).
@@ -2421,9 +2583,14 @@ impl<B: Backend> Engine<B> {
         });
         b.set_workspace(need.workspace)?;
 
+        let on_cpu = self.prefill.attends_on_cpu(n);
+        if self.records(session, &*source, n, rows, on_cpu) {
+            let out = self.recorded_step(source, session, &mut sc, tokens);
+            pass.scratch = Some(sc);
+            return out;
+        }
         source.embed(b, tokens, pos, &mut sc.x)?;
         let ring_at = session.probe.as_ref().map_or(0, |p| p.next);
-        let on_cpu = self.prefill.attends_on_cpu(n);
         for l in 0..spec.n_layers {
             {
                 let mut layer = source.layer(b, l)?;

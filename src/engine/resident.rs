@@ -157,4 +157,8 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
     fn matmuls(&self) -> MatmulShapes {
         self.matmuls.clone()
     }
+
+    fn fixed(&self) -> bool {
+        true
+    }
 }

@@ -694,4 +694,10 @@ impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
     fn matmuls(&self) -> MatmulShapes {
         self.matmuls.clone()
     }
+
+    /// No streaming slots and no CPU-side neurons: every layer is resident, and the passes
+    /// issue nothing but the ops.
+    fn fixed(&self) -> bool {
+        self.slots.is_empty() && self.cpu.is_none()
+    }
 }

@@ -1,0 +1,172 @@
+//! Recorded decode steps (`--cuda-graphs`) on the budgeted device, which records as CUDA would:
+//! the ops between a token's embedding and its logits read their position from the step's, and
+//! anything a CUDA graph cannot hold (an allocation, a copy between host and device, a wait)
+//! fails; every replay issues its ops again and fails if they differ from the recording in
+//! anything but the position (a buffer, a shape, an op), which a real graph would have run
+//! regardless. So these tests prove on the CPU what the engine does with recordings: which steps
+//! it replays, when it records again, and that a recorded session answers exactly as a plain one.
+
+mod common;
+
+use gpu_offload::backend::KvType;
+use gpu_offload::backend::cpu::CpuBackend;
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::engine::{Engine, Logits, Session};
+use gpu_offload::model::Model;
+use gpu_offload::tier::Ledger;
+
+const CTX: usize = 96;
+
+fn engine(m: &Model, kv: KvType, pool: bool, record: bool) -> Engine<SimBackend> {
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), Ledger::new(None, None));
+    let e = Engine::new(sim, m.spec.clone(), &m.weights)
+        .unwrap()
+        .with_kv_type(kv)
+        .unwrap()
+        .with_recorded_steps(record);
+    if pool {
+        // Room for two sessions' whole contexts: blocks are taken as they grow.
+        e.with_kv_pool(2 * CTX.div_ceil(gpu_offload::backend::KV_BLOCK))
+            .unwrap()
+    } else {
+        e
+    }
+}
+
+/// Greedy decode of `steps` tokens after `prompt`: every call's logits.
+fn decode(
+    e: &Engine<SimBackend>,
+    s: &mut Session<SimBackend>,
+    prompt: &[u32],
+    steps: usize,
+) -> Vec<Vec<f32>> {
+    let mut out = vec![e.forward(s, prompt, Logits::Last).unwrap()];
+    for _ in 0..steps {
+        let t = common::greedy(out.last().unwrap());
+        out.push(e.forward(s, &[t], Logits::Last).unwrap());
+    }
+    out
+}
+
+fn prompt(vocab: usize) -> Vec<u32> {
+    common::varied_prompts(vocab, 1, 5, 0).remove(0)
+}
+
+/// The models of the GPU machine's test (tests/gpu.rs): 4 layers, heads of 64, f16 and Q4_1
+/// weights, synthesized into `dir`.
+fn synthesized(dir: &tempfile::TempDir) -> Vec<Model> {
+    use gpu_offload::model::quant_mix::QuantMix;
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    use gpu_offload::tensor::DType;
+    let spec = SynthSpec {
+        n_layers: 4,
+        d_model: 256,
+        d_ff: 704,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab_size: 512,
+        max_context: 128,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    [None, Some(QuantMix::Pure(DType::Q4_1))]
+        .into_iter()
+        .map(|quant| {
+            let path = dir.path().join(format!("m-{quant:?}.gguf"));
+            synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
+            Model::load(&path).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn recorded_decode_equals_plain_decode_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut models = synthesized(&dir);
+    models.extend(common::smollm2().map(|p| Model::load(&p).unwrap()));
+    for m in &models {
+        decode_recorded_and_plain(m);
+    }
+}
+
+fn decode_recorded_and_plain(m: &Model) {
+    let p = prompt(m.spec.vocab_size);
+    // 40 steps cross two 16-position blocks of a pooled session: its block table changes
+    // between replays (written before the step, outside the recording).
+    let steps = 40;
+    for kv in [KvType::F16, KvType::Q8_0, KvType::F32] {
+        for pool in [false, true] {
+            let what = format!("{}: {kv:?} cache, pooled {pool}", m.spec.name);
+            let plain = engine(m, kv, pool, false);
+            let want = decode(&plain, &mut plain.new_session(CTX).unwrap(), &p, steps);
+            let rec = engine(m, kv, pool, true);
+            let got = decode(&rec, &mut rec.new_session(CTX).unwrap(), &p, steps);
+            assert!(want == got, "{what}: recorded logits differ");
+            // The first decode step runs plainly, the second is recorded, the rest replayed.
+            assert_eq!(rec.recorded_steps(), (1, steps as u64 - 2), "{what}");
+            assert_eq!(plain.recorded_steps(), (0, 0), "{what}");
+        }
+    }
+}
+
+/// Two sessions take turns; halfway a third is made and takes a prompt longer than any so far
+/// (allocations: its cache, and step buffers for more rows, which replace the ones the
+/// recordings name; so each session runs a plain step and records again), and the first goes
+/// back three positions and decodes from there.
+fn interleaved(e: &Engine<SimBackend>, vocab: usize) -> Vec<Vec<f32>> {
+    let ps = common::varied_prompts(vocab, 2, 4, 3);
+    let mut a = e.new_session(CTX).unwrap();
+    let mut b = e.new_session(CTX).unwrap();
+    let mut out = vec![
+        e.forward(&mut a, &ps[0], Logits::Last).unwrap(),
+        e.forward(&mut b, &ps[1], Logits::Last).unwrap(),
+    ];
+    let mut next = [common::greedy(&out[0]), common::greedy(&out[1])];
+    let mut third = None;
+    for step in 0..16 {
+        if step == 8 {
+            let mut c = e.new_session(CTX).unwrap();
+            let long = common::varied_prompts(vocab, 3, 4, 5).remove(2);
+            out.push(e.forward(&mut c, &long, Logits::Last).unwrap());
+            third = Some(c);
+            a.truncate(a.position() - 3);
+        }
+        for (i, s) in [&mut a, &mut b].into_iter().enumerate() {
+            let l = e.forward(s, &[next[i]], Logits::Last).unwrap();
+            next[i] = common::greedy(&l);
+            out.push(l);
+        }
+    }
+    drop(third);
+    out
+}
+
+#[test]
+fn sessions_taking_turns_record_again_after_an_allocation() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let m = Model::load(&path).unwrap();
+    for pool in [false, true] {
+        let plain = engine(&m, KvType::F16, pool, false);
+        let want = interleaved(&plain, m.spec.vocab_size);
+        let rec = engine(&m, KvType::F16, pool, true);
+        let got = interleaved(&rec, m.spec.vocab_size);
+        assert!(want == got, "pooled {pool}: recorded logits differ");
+        // Each session: plain, recorded, 6 replays; after the allocation: plain, recorded, 6.
+        assert_eq!(rec.recorded_steps(), (4, 24), "pooled {pool}");
+    }
+}
+
+#[test]
+fn attention_cuda_cannot_record_leaves_steps_plain() {
+    // stories260K's heads are 8 wide: CUDA attends them with a kernel that takes its position
+    // as an argument, so the budgeted device refuses to record them too.
+    let m = Model::load(&common::stories260k()).unwrap();
+    let p = prompt(m.spec.vocab_size);
+    let plain = engine(&m, KvType::F16, false, false);
+    let want = decode(&plain, &mut plain.new_session(CTX).unwrap(), &p, 12);
+    let rec = engine(&m, KvType::F16, false, true);
+    let got = decode(&rec, &mut rec.new_session(CTX).unwrap(), &p, 12);
+    assert!(want == got);
+    assert_eq!(rec.recorded_steps(), (0, 0));
+}
