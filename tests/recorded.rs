@@ -170,3 +170,34 @@ fn attention_cuda_cannot_record_leaves_steps_plain() {
     assert!(want == got);
     assert_eq!(rec.recorded_steps(), (0, 0));
 }
+
+#[test]
+fn a_budget_with_no_room_for_the_step_position_decodes_unrecorded() {
+    use gpu_offload::backend::Backend;
+    let dir = tempfile::tempdir().unwrap();
+    let m = synthesized(&dir).remove(0);
+    let p = prompt(m.spec.vocab_size);
+    let plain = engine(&m, KvType::F16, false, false);
+    let want = decode(&plain, &mut plain.new_session(CTX).unwrap(), &p, 6);
+    // A budget the engine, a session and its steps fill to the last granule.
+    let budget = 64 << 20;
+    let ledger = Ledger::new(Some(budget), None);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let rec = Engine::new(sim, m.spec.clone(), &m.weights)
+        .unwrap()
+        .with_kv_type(KvType::F16)
+        .unwrap()
+        .with_recorded_steps(true);
+    let mut s = rec.new_session(CTX).unwrap();
+    let mut got = vec![rec.forward(&mut s, &p, Logits::Last).unwrap()];
+    // The prompt's step buffers serve the decode steps too; the rest of the budget is filled.
+    let free = budget - ledger.snapshot().hbm_used;
+    let _filler = rec.backend().alloc(1, free as usize / 4).unwrap();
+    assert_eq!(ledger.snapshot().hbm_used, budget);
+    for _ in 0..6 {
+        let t = common::greedy(got.last().unwrap());
+        got.push(rec.forward(&mut s, &[t], Logits::Last).unwrap());
+    }
+    assert!(want == got, "unrecorded steps differ");
+    assert_eq!(rec.recorded_steps(), (0, 0));
+}

@@ -2520,7 +2520,9 @@ impl<B: Backend> Engine<B> {
             self.sync_table(p)?;
         }
         source.embed(b, tokens, pos, &mut sc.x)?;
-        b.set_step_position(pos)?;
+        // The position's device word is taken on first use (outside the plan: a budget with no
+        // room left for it runs its steps plainly).
+        let placed = b.set_step_position(pos);
         let now = b.allocations();
         let mut ops = |session: &mut Session<B>| -> Result<()> {
             for l in 0..self.spec.n_layers {
@@ -2532,29 +2534,37 @@ impl<B: Backend> Engine<B> {
             }
             self.head_ops(source, sc, &[sc.n - 1])
         };
-        session.recorded = match std::mem::replace(&mut session.recorded, Recorded::None) {
-            Recorded::Held(rec, at) if at == now => {
-                b.replay(&rec, || ops(session))?;
-                self.steps_replayed.fetch_add(1, Ordering::Relaxed);
-                Recorded::Held(rec, at)
+        let held = std::mem::replace(&mut session.recorded, Recorded::None);
+        session.recorded = match (placed, held) {
+            (Err(e), _) => {
+                tracing::info!("decode steps run unrecorded: {e}");
+                ops(session)?;
+                Recorded::Refused
             }
-            Recorded::Ran(at) if at == now => match b.record(|| ops(session)) {
-                Ok(rec) => {
-                    self.steps_recorded.fetch_add(1, Ordering::Relaxed);
-                    Recorded::Held(rec, now)
+            (Ok(()), held) => match held {
+                Recorded::Held(rec, at) if at == now => {
+                    b.replay(&rec, || ops(session))?;
+                    self.steps_replayed.fetch_add(1, Ordering::Relaxed);
+                    Recorded::Held(rec, at)
                 }
-                Err(e) => {
-                    // Nothing of a failed recording has run on CUDA; a budgeted device may
-                    // have run part of it, which the plain step rewrites (the same rows).
-                    tracing::info!("decode steps run unrecorded: {e}");
+                Recorded::Ran(at) if at == now => match b.record(|| ops(session)) {
+                    Ok(rec) => {
+                        self.steps_recorded.fetch_add(1, Ordering::Relaxed);
+                        Recorded::Held(rec, now)
+                    }
+                    Err(e) => {
+                        // Nothing of a failed recording has run on CUDA; a budgeted device may
+                        // have run part of it, which the plain step rewrites (the same rows).
+                        tracing::info!("decode steps run unrecorded: {e}");
+                        ops(session)?;
+                        Recorded::Refused
+                    }
+                },
+                _ => {
                     ops(session)?;
-                    Recorded::Refused
+                    Recorded::Ran(b.allocations())
                 }
             },
-            _ => {
-                ops(session)?;
-                Recorded::Ran(b.allocations())
-            }
         };
         session.pos += 1;
         self.head_read(sc, 1)
