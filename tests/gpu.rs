@@ -1085,31 +1085,16 @@ fn smollm2_on_gpu_equals_cpu() {
 /// the rest replayed.
 #[test]
 fn recorded_decode_on_gpu_equals_launched_decode() {
-    use gpu_offload::model::quant_mix::QuantMix;
-    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
     if gpu().is_none() {
         return;
     }
-    let spec = SynthSpec {
-        n_layers: 4,
-        d_model: 256,
-        d_ff: 704,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab_size: 512,
-        max_context: 128,
-        ..SynthSpec::preset("tiny").unwrap()
-    };
     let dir = tempfile::tempdir().unwrap();
-    for quant in [None, Some(QuantMix::Pure(DType::Q4_1))] {
-        let path = dir.path().join(format!("m-{quant:?}.gguf"));
-        synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
-        let m = Model::load(&path).unwrap();
+    for (weights, m) in common::recordable_models(&dir) {
         let prompt: Vec<u32> = common::varied_prompts(m.spec.vocab_size, 1, 5, 0).remove(0);
         let steps = 48;
         for kv in [KvType::F16, KvType::Q8_0] {
             for pool in [false, true] {
-                let what = format!("{quant:?} weights, {kv:?} cache, pooled {pool}");
+                let what = format!("{weights} weights, {kv:?} cache, pooled {pool}");
                 let run = |record: bool| {
                     let e = Engine::new(gpu().unwrap(), m.spec.clone(), &m.weights)
                         .unwrap()

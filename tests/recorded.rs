@@ -52,36 +52,14 @@ fn prompt(vocab: usize) -> Vec<u32> {
     common::varied_prompts(vocab, 1, 5, 0).remove(0)
 }
 
-/// The models of the GPU machine's test (tests/gpu.rs): 4 layers, heads of 64, f16 and Q4_1
-/// weights, synthesized into `dir`.
-fn synthesized(dir: &tempfile::TempDir) -> Vec<Model> {
-    use gpu_offload::model::quant_mix::QuantMix;
-    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
-    use gpu_offload::tensor::DType;
-    let spec = SynthSpec {
-        n_layers: 4,
-        d_model: 256,
-        d_ff: 704,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab_size: 512,
-        max_context: 128,
-        ..SynthSpec::preset("tiny").unwrap()
-    };
-    [None, Some(QuantMix::Pure(DType::Q4_1))]
-        .into_iter()
-        .map(|quant| {
-            let path = dir.path().join(format!("m-{quant:?}.gguf"));
-            synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
-            Model::load(&path).unwrap()
-        })
-        .collect()
-}
-
 #[test]
 fn recorded_decode_equals_plain_decode_bit_for_bit() {
+    // The GPU machine's test (tests/gpu.rs) runs the synthesized ones.
     let dir = tempfile::tempdir().unwrap();
-    let mut models = synthesized(&dir);
+    let mut models: Vec<Model> = common::recordable_models(&dir)
+        .into_iter()
+        .map(|(_, m)| m)
+        .collect();
     models.extend(common::smollm2().map(|p| Model::load(&p).unwrap()));
     for m in &models {
         decode_recorded_and_plain(m);
@@ -175,7 +153,7 @@ fn attention_cuda_cannot_record_leaves_steps_plain() {
 fn a_budget_with_no_room_for_the_step_position_decodes_unrecorded() {
     use gpu_offload::backend::Backend;
     let dir = tempfile::tempdir().unwrap();
-    let m = synthesized(&dir).remove(0);
+    let (_, m) = common::recordable_models(&dir).remove(0);
     let p = prompt(m.spec.vocab_size);
     let plain = engine(&m, KvType::F16, false, false);
     let want = decode(&plain, &mut plain.new_session(CTX).unwrap(), &p, 6);

@@ -137,17 +137,42 @@ static bool flash(std::mt19937& rng, const Case& c, bool page) {
     return ok;
 }
 
+// A split case's queries and caches (as they are and paged), and what a launch reads: the caches
+// and block table as `page` says.
+struct SplitInputs {
+    int ctx, kv_cols;
+    std::vector<float> q;
+    std::vector<u8> kc, vc;
+    Paged pk, pv;
+    const u8 *k, *v;
+    const unsigned* t;
+};
+
+template <int DT>
+static SplitInputs split_inputs(std::mt19937& rng, const Case& c, bool page) {
+    SplitInputs in;
+    in.ctx = c.first_pos + c.n;
+    in.kv_cols = c.kv_heads * c.hd;
+    in.q = queries(rng, c);
+    in.kc = cache(rng, DT, in.ctx, in.kv_cols);
+    in.vc = cache(rng, DT, in.ctx, in.kv_cols);
+    long long rb = row_bytes(DT, in.kv_cols);
+    in.pk = paged(in.kc, in.ctx, rb);
+    in.pv = paged(in.vc, in.ctx, rb);
+    // Heap data: the pointers stay valid as `in` moves.
+    in.k = page ? in.pk.pool.data() : in.kc.data();
+    in.v = page ? in.pv.pool.data() : in.vc.data();
+    in.t = page ? in.pk.table.data() : nullptr;
+    return in;
+}
+
 template <int DT>
 static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
-    int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
-    int chunks = (ctx + chunk - 1) / chunk;
-    auto q = queries(rng, c);
-    auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
-    long long rb = row_bytes(DT, kv_cols);
-    Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
-    const u8* k = page ? pk.pool.data() : kc.data();
-    const u8* v = page ? pv.pool.data() : vc.data();
-    const unsigned* t = page ? pk.table.data() : nullptr;
+    SplitInputs in = split_inputs<DT>(rng, c, page);
+    auto& q = in.q;
+    int kv_cols = in.kv_cols, chunks = (in.ctx + chunk - 1) / chunk;
+    const u8 *k = in.k, *v = in.v;
+    const unsigned* t = in.t;
     if (c.n * chunks > MAX_SPLITS) {
         std::printf("flash-check: %d rows × %d chunks exceed the workspace\n", c.n, chunks);
         return false;
@@ -161,7 +186,7 @@ static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
     });
     host_launch({(unsigned)(c.n * c.heads), 1, 1}, 64,
                 [&] { attention_combine(ws.data(), out.data(), c.heads, c.hd, chunks, nullptr); });
-    double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
+    double e = rel(out, naive<DT>(q, in.kc.data(), in.vc.data(), c));
     bool ok = e <= 1e-4;
     std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks%s: %.2e%s\n", DT, c.n,
                 c.first_pos, c.heads, c.kv_heads, c.hd, chunks, page ? " paged" : "", e, ok ? "" : "  FAILED");
@@ -181,14 +206,11 @@ static void host_split_chunks(int keys, int rows, int* chunks, int* chunk) {
 // chunks. Their output must be the host-planned launch's, bit for bit, at every position.
 template <int DT>
 static bool recorded(std::mt19937& rng, const Case& c, bool page) {
-    int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
-    auto q = queries(rng, c);
-    auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
-    long long rb = row_bytes(DT, kv_cols);
-    Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
-    const u8* k = page ? pk.pool.data() : kc.data();
-    const u8* v = page ? pv.pool.data() : vc.data();
-    const unsigned* t = page ? pk.table.data() : nullptr;
+    SplitInputs in = split_inputs<DT>(rng, c, page);
+    auto& q = in.q;
+    int ctx = in.ctx, kv_cols = in.kv_cols;
+    const u8 *k = in.k, *v = in.v;
+    const unsigned* t = in.t;
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads, chunks, chunk;
     host_split_chunks(ctx, c.n, &chunks, &chunk);
@@ -207,7 +229,7 @@ static bool recorded(std::mt19937& rng, const Case& c, bool page) {
     int pos = c.first_pos;
     auto replayed = run((unsigned)std::max(MAX_SPLITS / c.n, 1), 3, 1, 2, &pos);
     bool same = std::memcmp(planned.data(), replayed.data(), planned.size() * 4) == 0;
-    double e = rel(replayed, naive<DT>(q, kc.data(), vc.data(), c));
+    double e = rel(replayed, naive<DT>(q, in.kc.data(), in.vc.data(), c));
     bool ok = same && e <= 1e-4;
     std::printf("flash-check: recorded split dtype %d n %d at %d (%d chunks of %d)%s: %s, %.2e%s\n", DT, c.n,
                 c.first_pos, chunks, chunk, page ? " paged" : "", same ? "bit-identical" : "DIFFERENT", e,

@@ -415,3 +415,32 @@ pub fn decode_batched<B: gpu_offload::backend::Backend>(
     }
     out
 }
+
+/// Two small models whose decode steps CUDA can record (4 layers, heads of 64: the split
+/// attention), synthesized into `dir` as GGUF: f16 weights, and Q4_1 (the matvec with 8-bit
+/// activations). Named by their weights.
+pub fn recordable_models(
+    dir: &tempfile::TempDir,
+) -> Vec<(&'static str, gpu_offload::model::Model)> {
+    use gpu_offload::model::quant_mix::QuantMix;
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    use gpu_offload::tensor::DType;
+    let spec = SynthSpec {
+        n_layers: 4,
+        d_model: 256,
+        d_ff: 704,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab_size: 512,
+        max_context: 128,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    [("f16", None), ("q4_1", Some(QuantMix::Pure(DType::Q4_1)))]
+        .into_iter()
+        .map(|(name, quant)| {
+            let path = dir.path().join(format!("{name}.gguf"));
+            synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
+            (name, gpu_offload::model::Model::load(&path).unwrap())
+        })
+        .collect()
+}
