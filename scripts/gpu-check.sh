@@ -97,7 +97,7 @@ tests() {
     record gpu_tests "{\"exit_code\":$rc}"
     if command -v compute-sanitizer >/dev/null; then
         say "compute-sanitizer memcheck (op tests and engines)"
-        compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/gpu-tests --test-threads 1 cuda_ops stories hf_fixtures offloaded 2>&1 | tail -25 | tee -a "$LOG"
+        compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/gpu-tests --test-threads 1 cuda_ops stories hf_fixtures offloaded recorded_decode 2>&1 | tail -25 | tee -a "$LOG"
         record memcheck "{\"exit_code\":${PIPESTATUS[0]}}"
     else
         record memcheck '{"skipped":"compute-sanitizer not on PATH"}'
