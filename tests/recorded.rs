@@ -179,3 +179,55 @@ fn a_budget_with_no_room_for_the_step_position_decodes_unrecorded() {
     assert!(want == got, "unrecorded steps differ");
     assert_eq!(rec.recorded_steps(), (0, 0));
 }
+
+#[test]
+fn a_lone_sequence_in_batched_steps_is_recorded() {
+    // A server with one client decodes through step_many: with recording on, a lone one-token
+    // call takes its own step, recorded and replayed, with the batched step's logits.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, m) = common::recordable_models(&dir).remove(1);
+    let p = prompt(m.spec.vocab_size);
+    let run = |e: &Engine<SimBackend>| {
+        let mut s = e.new_session(CTX).unwrap();
+        let mut out = vec![e.forward(&mut s, &p, Logits::Last).unwrap()];
+        for _ in 0..10 {
+            let t = common::greedy(out.last().unwrap());
+            let toks = [t];
+            let mut calls = [(&mut s, &toks[..])];
+            out.extend(e.step_many(&mut calls).unwrap());
+        }
+        out
+    };
+    for pool in [false, true] {
+        let plain = engine(&m, KvType::F16, pool, false);
+        let rec = engine(&m, KvType::F16, pool, true);
+        assert!(run(&plain) == run(&rec), "pooled {pool}");
+        assert_eq!(rec.recorded_steps(), (1, 8), "pooled {pool}");
+    }
+}
+
+#[test]
+fn a_probed_session_records_and_remembers_the_same_queries() {
+    // Serve's sessions keep a density probe: a recorded step writes its query to a fixed row,
+    // copied into the ring after the step. The density the ring gives, and the logits, are a
+    // plain session's; 24 steps wrap the 16-query ring.
+    let dir = tempfile::tempdir().unwrap();
+    let (_, m) = common::recordable_models(&dir).remove(1);
+    let p = prompt(m.spec.vocab_size);
+    let run = |e: &Engine<SimBackend>| {
+        let mut s = e.new_session(CTX).unwrap();
+        e.enable_probe(&mut s).unwrap();
+        let logits = decode(e, &mut s, &p, 24);
+        (logits, e.attention_density(&mut s, 16).unwrap())
+    };
+    for pool in [false, true] {
+        let plain = engine(&m, KvType::F16, pool, false);
+        let rec = engine(&m, KvType::F16, pool, true);
+        let (want, want_density) = run(&plain);
+        let (got, got_density) = run(&rec);
+        assert!(want == got, "pooled {pool}: logits differ");
+        assert!(!want_density.is_empty());
+        assert_eq!(want_density, got_density, "pooled {pool}: densities differ");
+        assert_eq!(rec.recorded_steps(), (1, 22), "pooled {pool}");
+    }
+}

@@ -1381,3 +1381,37 @@ fn a_small_kv_pool_queues_calls_and_moves_idle_contexts_out() {
     s.stop();
     reference.stop();
 }
+
+/// `serve --cuda-graphs` on the budgeted device: one client decodes through recorded steps (the
+/// counts in /metrics), answering as `run` does greedily.
+#[test]
+fn one_client_decodes_through_recorded_steps() {
+    let Some(model) = common::smollm2() else {
+        return;
+    };
+    let s = Server::start(
+        &model,
+        &["--device", "sim", "--ctx-size", "256", "--cuda-graphs"],
+    );
+    let prompt = "The capital of France is";
+    let (st, v) = post(&s.url("/v1/completions"), greedy(json!(prompt), 24));
+    assert_eq!(st, 200, "{v}");
+    // The budgeted device keeps an f16 cache; its math is the CPU's.
+    let want = run_greedy(&model, 24, &["-p", prompt, "--kv-type", "f16"]);
+    assert_eq!(text_of(&v), want);
+    let (_, metrics) = call("GET", &s.url("/metrics"), None, None);
+    let metrics = metrics.as_str().expect("metrics text").to_string();
+    let count = |event: &str| -> u64 {
+        let key = format!("gpu_offload_decode_steps_recorded_total{{event=\"{event}\"}} ");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .unwrap_or_else(|| panic!("no {key} in /metrics"))
+            .trim()
+            .parse()
+            .expect("a count")
+    };
+    // 23 decode steps after the prompt's: one plain, one recorded, the rest replayed.
+    assert_eq!((count("recorded"), count("replayed")), (1, 21));
+    s.stop();
+}

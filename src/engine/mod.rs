@@ -508,6 +508,9 @@ struct QueryProbe<B: Backend> {
     layers: Vec<usize>,
     /// Per probed layer: a ring of [`PROBE_QUERIES`] query rows (after RoPE).
     q: Vec<B::Tensor>,
+    /// Per probed layer: the newest query of a recorded step, which writes it here (one fixed
+    /// row; the ring row changes every step) and is copied into the ring after the step.
+    staged: Vec<B::Tensor>,
     /// Position of the query in each ring row (`usize::MAX`: empty).
     positions: Vec<usize>,
     next: usize,
@@ -728,7 +731,9 @@ pub fn kv_table_bytes(ctx: usize) -> u64 {
 /// Device bytes of a session's query probe ([`Engine::enable_probe`]).
 pub fn probe_bytes(spec: &ModelSpec) -> u64 {
     let layers = PROBE_LAYERS.min(spec.n_layers) as u64;
-    layers * device_bytes((PROBE_QUERIES * spec.q_dim() * 4) as u64)
+    let row = (spec.q_dim() * 4) as u64;
+    // The ring, and the row a recorded step stages its query in.
+    layers * (device_bytes(PROBE_QUERIES as u64 * row) + device_bytes(row))
 }
 
 /// The backend's activation for a model's.
@@ -912,8 +917,9 @@ impl<B: Backend> Engine<B> {
     /// backend records steps (CUDA: a graph, launched in one call instead of one launch per
     /// kernel; the budgeted device runs the ops and checks each replay against the recording).
     /// Steps that hold anything but kernels run as before: streamed or CPU-side weights,
-    /// host-kept KV, activation taps, predicted masks, the density probe, and attention the
-    /// backend cannot record (CUDA: heads narrower than 32).
+    /// host-kept KV, activation taps, predicted masks, and attention the backend cannot record
+    /// (CUDA: heads narrower than 32). A session's density probe takes its query from a fixed
+    /// row the recording writes.
     pub fn with_recorded_steps(mut self, on: bool) -> Self {
         self.record_steps = on;
         self
@@ -1078,12 +1084,15 @@ impl<B: Backend> Engine<B> {
         let count = PROBE_LAYERS.min(n);
         let layers: Vec<usize> = (0..count).map(|i| (2 * i + 1) * n / (2 * count)).collect();
         let mut q = Vec::with_capacity(count);
+        let mut staged = Vec::with_capacity(count);
         for _ in 0..count {
             q.push(self.backend.alloc(PROBE_QUERIES, self.spec.q_dim())?);
+            staged.push(self.backend.alloc(1, self.spec.q_dim())?);
         }
         session.probe = Some(QueryProbe {
             layers,
             q,
+            staged,
             positions: vec![usize::MAX; PROBE_QUERIES],
             next: 0,
         });
@@ -1956,6 +1965,15 @@ impl<B: Backend> Engine<B> {
                 t.len()
             )));
         }
+        if let [(s, toks)] = calls
+            && self.record_steps
+            && toks.len() == 1
+        {
+            // One token of one sequence (a server with one client decoding): its own step,
+            // recorded and replayed; the same logits, as a batched step gives each call what it
+            // gets alone.
+            return Ok(vec![self.forward(s, toks, Logits::Last)?]);
+        }
         let n: usize = calls.iter().map(|(_, t)| t.len()).sum();
         if n > self.prefill.group {
             return Err(EngineError::Weights(format!(
@@ -2141,7 +2159,8 @@ impl<B: Backend> Engine<B> {
 
     /// Layer `l` over the rows of `sc.x` (the step's `n` rows, row `i` at position `pos + i`):
     /// attention (storing the rows' keys and values), then the FFN, each added to `sc.x`. The
-    /// newest `ring` queries go into the session's probe from ring row `ring_at`.
+    /// newest queries go into the session's probe from ring row `ring_at`, or (`None`, a
+    /// recorded step's one row) into its staging row.
     #[allow(clippy::too_many_arguments)]
     fn run_layer(
         &self,
@@ -2150,7 +2169,7 @@ impl<B: Backend> Engine<B> {
         session: &mut Session<B>,
         sc: &mut Scratch<B>,
         pos: usize,
-        ring_at: usize,
+        ring_at: Option<usize>,
         on_cpu: bool,
     ) -> Result<()> {
         let b = &self.backend;
@@ -2169,11 +2188,17 @@ impl<B: Backend> Engine<B> {
         if let Some(p) = &mut session.probe
             && let Some(i) = p.layers.iter().position(|&pl| pl == l)
         {
-            // The last queries of these rows go into the ring, oldest first.
-            let m = n.min(PROBE_QUERIES);
-            for r in 0..m {
-                let row = (ring_at + r) % PROBE_QUERIES;
-                b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
+            match ring_at {
+                // The last queries of these rows go into the ring, oldest first.
+                Some(at) => {
+                    let m = n.min(PROBE_QUERIES);
+                    for r in 0..m {
+                        let row = (at + r) % PROBE_QUERIES;
+                        b.copy_rows(&sc.q, n - m + r, &mut p.q[i], row, 1)?;
+                    }
+                }
+                // A recorded step's one query: to the fixed staging row.
+                None => b.copy_rows(&sc.q, n - 1, &mut p.staged[i], 0, 1)?,
             }
         }
         self.attend(session, l, pos, (&sc.q, &sc.k, &sc.v), &mut sc.attn, on_cpu)?;
@@ -2493,7 +2518,6 @@ impl<B: Backend> Engine<B> {
             && rows == 1
             && !on_cpu
             && !matches!(session.recorded, Recorded::Refused)
-            && session.probe.is_none()
             && matches!(session.kv, SessionKv::Device { .. } | SessionKv::Paged(_))
             && self.step_tap.is_none()
             && self.tap.is_none()
@@ -2528,7 +2552,7 @@ impl<B: Backend> Engine<B> {
             for l in 0..self.spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
-                    self.run_layer(&mut layer, l, session, sc, pos, 0, false)?;
+                    self.run_layer(&mut layer, l, session, sc, pos, None, false)?;
                 }
                 source.layer_done(b, l)?;
             }
@@ -2566,6 +2590,22 @@ impl<B: Backend> Engine<B> {
                 }
             },
         };
+        // The staged queries into the ring, as a plain step would have put them there.
+        if let Some(p) = &mut session.probe {
+            let at = p.next;
+            for (staged, ring) in p.staged.iter().zip(p.q.iter_mut()) {
+                b.copy_rows(staged, 0, ring, at, 1)?;
+            }
+        }
+        let next = Self::probe_commit(
+            session,
+            pos,
+            1,
+            session.probe.as_ref().map_or(0, |p| p.next),
+        );
+        if let Some(p) = &mut session.probe {
+            p.next = next;
+        }
         session.pos += 1;
         self.head_read(sc, 1)
     }
@@ -2605,7 +2645,7 @@ impl<B: Backend> Engine<B> {
             {
                 let mut layer = source.layer(b, l)?;
                 self.kv_layer_begin(session, l, pos, on_cpu)?;
-                self.run_layer(&mut layer, l, session, &mut sc, pos, ring_at, on_cpu)?;
+                self.run_layer(&mut layer, l, session, &mut sc, pos, Some(ring_at), on_cpu)?;
                 self.kv_layer_end(session, l, pos, n, on_cpu)?;
                 if let Some(t) = &self.step_tap {
                     t.group_done(l, 0, n);
@@ -2690,7 +2730,15 @@ impl<B: Backend> Engine<B> {
                     for (&(a, len), &ring_at) in groups.iter().zip(&ring) {
                         self.narrow(&mut sc, len)?;
                         hidden.get(b, a, &mut sc.x)?;
-                        self.run_layer(&mut layer, l, session, &mut sc, pos + a, ring_at, false)?;
+                        self.run_layer(
+                            &mut layer,
+                            l,
+                            session,
+                            &mut sc,
+                            pos + a,
+                            Some(ring_at),
+                            false,
+                        )?;
                         hidden.put(b, &sc.x, a)?;
                         if let Some(t) = &self.step_tap {
                             t.group_done(l, a, len);

@@ -30,6 +30,8 @@ pub struct Metrics {
     pub prompts_joined: IntCounter,
     /// Idle sessions whose blocks were taken for others when the pool ran short.
     pub pool_evictions: IntCounter,
+    /// Decode steps recorded as CUDA graphs and replayed (`--cuda-graphs`), by event.
+    pub decode_steps_recorded: IntGaugeVec,
     kv_events: IntGaugeVec,
     ledger: IntGaugeVec,
 }
@@ -99,6 +101,13 @@ impl Metrics {
                 "kv_pool_evictions_total",
                 "Idle sessions (stateless prefixes, contexts) that left the KV pool for others",
             )?,
+            decode_steps_recorded: IntGaugeVec::new(
+                Opts::new(
+                    "decode_steps_recorded_total",
+                    "Decode steps recorded as CUDA graphs (--cuda-graphs), and replayed",
+                ),
+                &["event"],
+            )?,
             kv_events: IntGaugeVec::new(
                 Opts::new("kv_events_total", "Context swap events and chunk sources"),
                 &["event"],
@@ -129,6 +138,7 @@ impl Metrics {
         r.register(Box::new(m.kv_pool_blocks.clone()))?;
         r.register(Box::new(m.pool_evictions.clone()))?;
         r.register(Box::new(m.prompts_joined.clone()))?;
+        r.register(Box::new(m.decode_steps_recorded.clone()))?;
         r.register(Box::new(m.kv_events.clone()))?;
         r.register(Box::new(m.ledger.clone()))?;
         Ok(m)

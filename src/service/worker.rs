@@ -1236,6 +1236,12 @@ impl<B: Backend> Worker<B> {
                 .set((p.total - p.free) as i64);
         }
         m.contexts.set(self.kv.len() as i64);
+        let (recorded, replayed) = self.engine.recorded_steps();
+        for (event, v) in [("recorded", recorded), ("replayed", replayed)] {
+            m.decode_steps_recorded
+                .with_label_values(&[event])
+                .set(v as i64);
+        }
         let k = self.kv.counters;
         m.set_kv_counters(&k);
         // Last: a reader who sees the sequences gone sees what they held gone too.
