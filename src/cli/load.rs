@@ -382,6 +382,12 @@ impl LoadedModel {
             })?,
         };
         let threads = args.threads.map_or(0, usize::from);
+        if args.cuda_graphs && self.device == Device::Cpu {
+            tracing::warn!(
+                "--cuda-graphs: the CPU backend runs each op as it comes; nothing is recorded \
+                 (recorded steps run on --device cuda, and are checked on --device sim)"
+            );
+        }
         let emulate = emulated(args)?;
         let gpu_mem = gpu_budget(args, emulate.as_ref())?;
         let kv_type = kv_type_for(args, self.device);
