@@ -836,6 +836,23 @@ pub trait Backend: Send + Sync + 'static {
 /// Device bytes the position of recorded steps takes (an i32).
 pub const STEP_POSITION_BYTES: usize = 4;
 
+/// Fail while a step is being recorded (`recording`): `op` is nothing a CUDA graph holds (an
+/// allocation, a copy between host and device, a wait). CUDA and the budgeted device alike.
+fn outside_recording(op: &'static str, recording: bool) -> Result<()> {
+    if recording {
+        return Err(BackendError::Device(format!(
+            "{op} inside a recorded step: a CUDA graph holds kernels only (no allocation, no copy \
+             between host and device, no wait)"
+        )));
+    }
+    Ok(())
+}
+
+/// A step recorded or replayed before [`Backend::set_step_position`].
+fn position_unset() -> BackendError {
+    BackendError::Device("a step recorded or replayed before its position was set".into())
+}
+
 fn not_recorded(op: &'static str) -> BackendError {
     BackendError::Shape {
         op,

@@ -119,13 +119,7 @@ impl SimBackend {
 
     /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds.
     fn outside(&self, op: &'static str) -> Result<()> {
-        if self.steps()?.signing.is_some() {
-            return Err(BackendError::Device(format!(
-                "{op} inside a recorded step: a CUDA graph holds kernels only (no allocation, \
-                 no copy between host and device, no wait)"
-            )));
-        }
-        Ok(())
+        super::outside_recording(op, self.steps()?.signing.is_some())
     }
 
     /// The position an op recorded now reads: the step's, not its argument.
@@ -137,6 +131,18 @@ impl SimBackend {
         })
     }
 
+    /// Run `ops` signing each: what they were given, in order (their errors come first).
+    fn signed<E: From<BackendError>>(
+        &self,
+        ops: impl FnOnce() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Vec<Signed>, E> {
+        self.begin_signing()?;
+        let ran = ops();
+        let signed = self.end_signing()?;
+        ran?;
+        Ok(signed)
+    }
+
     /// Start signing a step's ops (its position set).
     fn begin_signing(&self) -> Result<()> {
         let mut steps = self.steps()?;
@@ -146,9 +152,7 @@ impl SimBackend {
             ));
         }
         if steps.position.is_none() {
-            return Err(BackendError::Device(
-                "a step recorded or replayed before its position was set".into(),
-            ));
+            return Err(super::position_unset());
         }
         steps.signing = Some(Vec::new());
         Ok(())
@@ -798,17 +802,8 @@ impl Backend for SimBackend {
             o[2],
         ];
         self.sign("attention", &args)?;
-        if self.steps()?.signing.is_some()
-            && !super::cuda::records_attention(q.t.rows, shape.head_dim)
-        {
-            return Err(BackendError::Shape {
-                op: "attention",
-                msg: format!(
-                    "{} rows with heads of {}: CUDA's kernels for them take their position as \
-                     an argument, so this step cannot be recorded",
-                    q.t.rows, shape.head_dim
-                ),
-            });
+        if self.steps()?.signing.is_some() {
+            super::cuda::recordable_attention(q.t.rows, shape.head_dim)?;
         }
         let first_pos = self.position(first_pos)?;
         self.cpu.attention(
@@ -848,11 +843,9 @@ impl Backend for SimBackend {
         &self,
         ops: impl FnOnce() -> std::result::Result<(), E>,
     ) -> std::result::Result<SimRecording, E> {
-        self.begin_signing()?;
-        let ran = ops();
-        let signed = self.end_signing()?;
-        ran?;
-        Ok(SimRecording { ops: signed })
+        Ok(SimRecording {
+            ops: self.signed(ops)?,
+        })
     }
 
     fn replay<E: From<BackendError>>(
@@ -860,10 +853,7 @@ impl Backend for SimBackend {
         rec: &SimRecording,
         ops: impl FnOnce() -> std::result::Result<(), E>,
     ) -> std::result::Result<(), E> {
-        self.begin_signing()?;
-        let ran = ops();
-        let signed = self.end_signing()?;
-        ran?;
+        let signed = self.signed(ops)?;
         if signed != rec.ops {
             let at = signed
                 .iter()
@@ -890,7 +880,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn devicememory_is_budgeted_and_copies_counted() {
+    fn device_memory_is_budgeted_and_copies_counted() {
         let ledger = Ledger::new(Some(1024), None);
         let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
         let w = HostTensor::from_f32("w", 10, 10, vec![1.0; 100]);

@@ -2560,35 +2560,33 @@ impl<B: Backend> Engine<B> {
         };
         let held = std::mem::replace(&mut session.recorded, Recorded::None);
         session.recorded = match (placed, held) {
+            (Ok(()), Recorded::Held(rec, at)) if at == now => {
+                b.replay(&rec, || ops(session))?;
+                self.steps_replayed.fetch_add(1, Ordering::Relaxed);
+                Recorded::Held(rec, at)
+            }
+            (Ok(()), Recorded::Ran(at)) if at == now => match b.record(|| ops(session)) {
+                Ok(rec) => {
+                    self.steps_recorded.fetch_add(1, Ordering::Relaxed);
+                    Recorded::Held(rec, now)
+                }
+                Err(e) => {
+                    // Nothing of a failed recording has run on CUDA; a budgeted device may have
+                    // run part of it, which the plain step rewrites (the same rows).
+                    tracing::info!("decode steps run unrecorded: {e}");
+                    ops(session)?;
+                    Recorded::Refused
+                }
+            },
             (Err(e), _) => {
                 tracing::info!("decode steps run unrecorded: {e}");
                 ops(session)?;
                 Recorded::Refused
             }
-            (Ok(()), held) => match held {
-                Recorded::Held(rec, at) if at == now => {
-                    b.replay(&rec, || ops(session))?;
-                    self.steps_replayed.fetch_add(1, Ordering::Relaxed);
-                    Recorded::Held(rec, at)
-                }
-                Recorded::Ran(at) if at == now => match b.record(|| ops(session)) {
-                    Ok(rec) => {
-                        self.steps_recorded.fetch_add(1, Ordering::Relaxed);
-                        Recorded::Held(rec, now)
-                    }
-                    Err(e) => {
-                        // Nothing of a failed recording has run on CUDA; a budgeted device may
-                        // have run part of it, which the plain step rewrites (the same rows).
-                        tracing::info!("decode steps run unrecorded: {e}");
-                        ops(session)?;
-                        Recorded::Refused
-                    }
-                },
-                _ => {
-                    ops(session)?;
-                    Recorded::Ran(b.allocations())
-                }
-            },
+            (Ok(()), _) => {
+                ops(session)?;
+                Recorded::Ran(b.allocations())
+            }
         };
         // The staged queries into the ring, as a plain step would have put them there.
         if let Some(p) = &mut session.probe {
@@ -2596,15 +2594,10 @@ impl<B: Backend> Engine<B> {
             for (staged, ring) in p.staged.iter().zip(p.q.iter_mut()) {
                 b.copy_rows(staged, 0, ring, at, 1)?;
             }
-        }
-        let next = Self::probe_commit(
-            session,
-            pos,
-            1,
-            session.probe.as_ref().map_or(0, |p| p.next),
-        );
-        if let Some(p) = &mut session.probe {
-            p.next = next;
+            let next = Self::probe_commit(session, pos, 1, at);
+            if let Some(p) = &mut session.probe {
+                p.next = next;
+            }
         }
         session.pos += 1;
         self.head_read(sc, 1)

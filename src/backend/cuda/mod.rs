@@ -148,11 +148,20 @@ pub fn step_position_word(first_pos: usize) -> Result<i32> {
     })
 }
 
-/// Whether the attention of `rows` query rows with heads of `head_dim` can be recorded: only
-/// the split kernels read their position from the step inputs. The budgeted device refuses
-/// what this refuses.
-pub fn records_attention(rows: usize, head_dim: usize) -> bool {
-    (1..=SPLIT_ROWS).contains(&rows) && splits_keys(head_dim)
+/// Whether the attention of `rows` query rows with heads of `head_dim` can be recorded, else
+/// why not: only the split kernels read their position from device memory. The budgeted device
+/// refuses what this refuses.
+pub fn recordable_attention(rows: usize, head_dim: usize) -> Result<()> {
+    if (1..=SPLIT_ROWS).contains(&rows) && splits_keys(head_dim) {
+        return Ok(());
+    }
+    Err(shape_err(
+        "attention",
+        format!(
+            "{rows} rows with heads of {head_dim}: CUDA's kernels for them take their position as \
+             an argument, so this step cannot be recorded"
+        ),
+    ))
 }
 
 /// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
@@ -664,13 +673,7 @@ impl CudaBackend {
     /// Fail while a step is being captured: `op` is nothing a CUDA graph holds (an allocation,
     /// a copy between host and device, a wait), and would end the capture in an error.
     fn outside(&self, op: &'static str) -> Result<()> {
-        if self.recording() {
-            return Err(BackendError::Device(format!(
-                "{op} inside a recorded step: a CUDA graph holds kernels only (no allocation, \
-                 no copy between host and device, no wait)"
-            )));
-        }
-        Ok(())
+        super::outside_recording(op, self.recording())
     }
 
     /// The step position's buffer: set (what a recording reads), else an error.
@@ -679,9 +682,7 @@ impl CudaBackend {
             .step_position
             .lock()
             .map_err(|_| BackendError::Device("step position poisoned".into()))?;
-        at.as_ref().map(|b| b.ptr).ok_or_else(|| {
-            BackendError::Device("a step recorded or replayed before its position was set".into())
-        })
+        at.as_ref().map(|b| b.ptr).ok_or_else(super::position_unset)
     }
 
     /// While recording, the device address of the step's position (the kernels read it there
@@ -2303,15 +2304,8 @@ impl Backend for CudaBackend {
         let (qs, kvs, fp) = (q_dim as i32, kv_dim as i32, first_pos as i32);
         let keys = first_pos + n;
         let at = self.position_at()?;
-        if at != 0 && !records_attention(n, s.head_dim) {
-            return Err(shape_err(
-                "attention",
-                format!(
-                    "{n} rows with heads of {}: only the split kernels read their position from \
-                     the step inputs, so this step cannot be recorded",
-                    s.head_dim
-                ),
-            ));
+        if at != 0 {
+            recordable_attention(n, s.head_dim)?;
         }
         if n <= SPLIT_ROWS && splits_keys(s.head_dim) {
             // Few rows (decode): the keys in chunks across blocks, partials in the workspace.
@@ -2454,11 +2448,9 @@ impl Backend for CudaBackend {
             .step_position
             .lock()
             .map_err(|_| BackendError::Device("step position poisoned".into()))?;
-        if at.is_none() {
-            *at = Some(self.take(STEP_POSITION_BYTES, "recorded step position")?);
-        }
-        let Some(buf) = at.as_ref() else {
-            return Err(BackendError::Device("step position not held".into()));
+        let buf = match &mut *at {
+            Some(buf) => buf,
+            slot => slot.insert(self.take(STEP_POSITION_BYTES, "recorded step position")?),
         };
         self.bind()?;
         // SAFETY: the buffer holds the word. From pageable memory the driver stages it before
