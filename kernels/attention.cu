@@ -75,12 +75,9 @@ ATTENTION(attention_q8_0, DT_Q8_0)
 // Store `rows` rows of `cols` f32 values into the cache `dst` in DT, source row t at position
 // first_row + t (row kv_row(table, first_row + t)), converted as the host's `tensor::encode_row`
 // does, bit for bit. f32/f16: a thread per value; Q8_0: a warp per 32-value block —
-// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer. With
-// `pos_at` (a recorded step), the first position is read there instead.
-extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
-                                   const unsigned* table, int first_row, const int* pos_at) {
-    if (pos_at) first_row = *pos_at;
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer.
+__device__ __forceinline__ void store_rows(long long i, const float* src, long long rows, int cols, int dt, u8* dst,
+                                           const unsigned* table, int first_row) {
     long long n = rows * cols;
     const long long rb = row_bytes(dt, cols);
     if (dt == DT_F32) {
@@ -103,4 +100,25 @@ extern "C" __global__ void store_kv(const float* src, long long rows, int cols, 
     u8* blk = dst + kv_row(table, first_row + (int)(b / row_blocks)) * rb + (b % row_blocks) * 34;
     blk[2 + lane] = (u8)(i8)roundf(v * id);
     if (lane == 0) *(u16*)blk = f2h(d);
+}
+
+// With `pos_at` (a recorded step), the first position is read there instead of first_row.
+extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
+                                   const unsigned* table, int first_row, const int* pos_at) {
+    if (pos_at) first_row = *pos_at;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    store_rows(i, src, rows, cols, dt, dst, table, first_row);
+}
+
+// A step's keys and values in one launch: blockIdx.y 0 stores k into k_dst, 1 v into v_dst
+// (same shape, format and table).
+extern "C" __global__ void store_kv_pair(const float* k, const float* v, long long rows, int cols, int dt,
+                                        u8* k_dst, u8* v_dst, const unsigned* table, int first_row,
+                                        const int* pos_at) {
+    if (pos_at) first_row = *pos_at;
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (blockIdx.y == 0)
+        store_rows(i, k, rows, cols, dt, k_dst, table, first_row);
+    else
+        store_rows(i, v, rows, cols, dt, v_dst, table, first_row);
 }

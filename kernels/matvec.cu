@@ -39,12 +39,10 @@ extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int co
     write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
-// f16 rows with cols % 8 == 0: 16-byte loads, two in flight per lane.
-extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const float* x, int n, float* out,
-                                          int stride, int col0) {
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+// One weight row of f16 (cols % 8 == 0) times n tokens: 16-byte loads, two in flight per lane.
+__device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const float* x, int n, float* out, int stride,
+                                        int col0) {
     int lane = threadIdx.x & 31;
-    if (row >= rows) return;
     const uint4* wr = (const uint4*)(w + 2LL * cols * row);
     int vecs = cols / 8;
     float acc[MAX_TOKENS];
@@ -72,13 +70,11 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const
     write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
-// Block formats, up to MAX_QTOKENS tokens per launch (each weight block read once for all).
-// `xq` holds n rows of cols/32 activation blocks.
-extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int cols, const ActBlock* xq, int n,
-                                        float* out, int stride, int col0) {
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+// One weight row of a block format times n tokens' activation blocks (`xq`: n rows of cols/32),
+// each weight block read once for all of them.
+__device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int cols, const ActBlock* xq, int n,
+                                          float* out, int stride, int col0) {
     int lane = threadIdx.x & 31;
-    if (row >= rows) return;
     int nb = cols / 32;
     const u8* wr = w + row_bytes(dtype, cols) * row;
     float acc[MAX_QTOKENS];
@@ -91,6 +87,71 @@ extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int co
             if (t < n) acc[t] += sub_dot(ws, xq + (long long)t * nb + b);
     }
     write_out<MAX_QTOKENS>(acc, n, out, stride, col0, row);
+}
+
+// f16 rows with cols % 8 == 0.
+extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const float* x, int n, float* out,
+                                          int stride, int col0) {
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    f16_row(w, row, cols, x, n, out, stride, col0);
+}
+
+// Block formats, up to MAX_QTOKENS tokens per launch.
+extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int cols, const ActBlock* xq, int n,
+                                        float* out, int stride, int col0) {
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    quant_row(w, dtype, row, cols, xq, n, out, stride, col0);
+}
+
+// Several weights times the same activations in one launch (q, k and v; gate and up): the
+// blocks of part 0's rows, then part 1's, and so on; each row computed as the one-weight
+// kernels compute it. Laid out as `MatvecParts` in src/backend/cuda/mod.rs.
+#define MAX_PARTS 4
+struct MatvecPart {
+    const u8* w;
+    float* out;
+    int dtype;
+    int rows;
+    int stride;
+    int col0;
+};
+struct MatvecParts {
+    MatvecPart part[MAX_PARTS];
+    int count;
+};
+static_assert(sizeof(MatvecPart) == 32 && sizeof(MatvecParts) == 136, "MatvecParts layout (mod.rs)");
+
+// The part block `blockIdx.x` falls in, and its row there (-1: past the part's last row).
+__device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int* row) {
+    int block = blockIdx.x;
+    for (int i = 0; i < ps.count; i++) {
+        int blocks = (ps.part[i].rows + WARPS - 1) / WARPS;
+        if (block < blocks) {
+            int r = block * WARPS + (threadIdx.x >> 5);
+            *row = r < ps.part[i].rows ? r : -1;
+            return &ps.part[i];
+        }
+        block -= blocks;
+    }
+    *row = -1;
+    return 0;
+}
+
+extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
+    int row;
+    const MatvecPart* p = part_row(ps, &row);
+    if (row < 0) return;
+    f16_row(p->w, row, cols, x, n, p->out, p->stride, p->col0);
+}
+
+// Held to matvec_quant's 64 registers (4 blocks per SM), which it reaches without spilling.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts(MatvecParts ps, int cols, const ActBlock* xq, int n) {
+    int row;
+    const MatvecPart* p = part_row(ps, &row);
+    if (row < 0) return;
+    quant_row(p->w, p->dtype, row, cols, xq, n, p->out, p->stride, p->col0);
 }
 
 // Rows row0..row0+tile_rows of a block-format weight decoded to f16 (the reference decode,

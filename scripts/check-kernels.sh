@@ -4,8 +4,9 @@
 # sm_90 with ptxas; then compile them again through NVRTC (the run-time path of builds made
 # without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
 # check them against the reference dequantization (scripts/kernel_host_check.py), the bundle
-# decoders against the store's (kernels/host/bundle_check.cpp), and the flash and split attention
-# kernels against a naive attention (kernels/host/flash_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+# decoders against the store's (kernels/host/bundle_check.cpp), the flash and split attention
+# kernels against a naive attention (kernels/host/flash_check.cpp), and the fused decode kernels
+# against the ones they replace (kernels/host/fused_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
@@ -42,6 +43,11 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/flash_check" kernels/host/flash_check.cpp
 "$OUT/flash_check"
+# The fused decode kernels (several weights per matvec launch, q and k rotated together, k and v
+# stored together, the residual add in the norm) against the kernels they replace, bit for bit.
+"${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
+    -DKERNEL_HOST_SIMT -I kernels -o "$OUT/fused_check" kernels/host/fused_check.cpp
+"$OUT/fused_check"
 LIB="$(dirname "$BIN")/lib"
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
     cargo test --locked --quiet --lib nvrtc_compiles_every_module

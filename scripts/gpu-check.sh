@@ -4,8 +4,9 @@
 #     scripts/gpu-check.sh [tests|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
-#   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity test (recorded logits
-#            equal launched ones, bit for bit), then decode tok/s launched and recorded, side by
+#   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
+#            kernels equal the ones they replace, recorded logits equal launched ones, bit for
+#            bit), then decode tok/s and kernels per decode step, launched and recorded, side by
 #            side, on a synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU)
 #            at 128 and 4000 positions
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
@@ -155,8 +156,8 @@ synthsmol() {
 graphs() {
     synth7b
     synthsmol
-    say "recorded decode steps: parity with launched kernels"
-    .gpu/gpu-tests --test-threads 1 --nocapture recorded_decode 2>&1 | tee -a "$LOG"
+    say "fused decode kernels and recorded decode steps: parity with the launched kernels"
+    .gpu/gpu-tests --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode 2>&1 | tee -a "$LOG"
     record graphs_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "decode launched and recorded (--cuda-graphs), same call, side by side"
     local g name

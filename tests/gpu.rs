@@ -14,7 +14,7 @@ use std::sync::Arc;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::cuda::CudaBackend;
 use gpu_offload::backend::{
-    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, RopePairs, WorkspaceOp,
+    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, RopePairs, WorkspaceOp,
 };
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
@@ -925,6 +925,207 @@ fn scatter_rows_place_each_row_where_listed<B: Backend>(g: &B) {
     }
 }
 
+/// Bits of `v`, so NaN compares equal to itself and -0 differs from 0.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The fused decode ops equal, bit for bit, the ops they stand in for on the same device:
+/// several weights times one input (mixed formats, token counts that share a launch and that do
+/// not, more weights than one launch takes, row blocks of one output), q and k rotated together,
+/// k and v stored together (every cache type, paged and not), the residual add in the norm.
+fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
+    let mut rng = StdRng::seed_from_u64(12);
+    // (formats, rows of each, cols, tokens, one output for all)
+    type Case<'a> = (&'a [DType], &'a [usize], usize, usize, bool);
+    let cases: [Case; 7] = [
+        (
+            &[DType::Q4_1, DType::Q4_1, DType::Q8_0],
+            &[40, 13, 13],
+            256,
+            1,
+            false,
+        ),
+        (&[DType::Q4_1, DType::Q4_1], &[64, 64], 128, 3, false),
+        (
+            &[DType::F16, DType::F16, DType::F16],
+            &[40, 13, 13],
+            256,
+            1,
+            false,
+        ),
+        (&[DType::F16, DType::F16], &[24, 9], 64, 8, true),
+        (
+            &[DType::Q4K, DType::F16, DType::Q6K],
+            &[33, 20, 20],
+            256,
+            2,
+            false,
+        ),
+        (&[DType::Q4_1, DType::Q8_0], &[24, 24], 64, 17, false),
+        (&[DType::Q8_0; 5], &[8, 17, 5, 24, 3], 96, 16, true),
+    ];
+    for (dtypes, rows, cols, n, joined) in cases {
+        let what = format!("{dtypes:?} rows {rows:?}, {n} tokens, one output {joined}");
+        let ws: Vec<B::Weight> = dtypes
+            .iter()
+            .zip(rows)
+            .map(|(&d, &r)| g.upload(&weight(&mut rng, d, r, cols)).unwrap())
+            .collect();
+        let x = put(g, n, cols, &rand_vec(&mut rng, n * cols, 1.0));
+        let total: usize = rows.iter().sum();
+        let width = |i: usize| if joined { total } else { rows[i] };
+        let col0 = |i: usize| if joined { rows[..i].iter().sum() } else { 0 };
+        let out_of = |i: usize| if joined { 0 } else { i };
+        let outputs = || -> Vec<B::Tensor> {
+            (0..if joined { 1 } else { rows.len() })
+                .map(|i| poisoned(g, n, width(i)))
+                .collect()
+        };
+        let need = dtypes
+            .iter()
+            .zip(rows)
+            .map(|(&dtype, &r)| {
+                g.workspace_bytes(&WorkspaceOp::Matmul {
+                    dtype,
+                    tokens: n,
+                    rows: r,
+                    cols,
+                })
+            })
+            .max()
+            .unwrap();
+        g.set_workspace(need).unwrap();
+        let mut want = outputs();
+        for (i, w) in ws.iter().enumerate() {
+            g.matmul_into(w, &x, &mut want[out_of(i)], col0(i)).unwrap();
+        }
+        let parts: Vec<MatmulPart<B::Weight>> = ws
+            .iter()
+            .enumerate()
+            .map(|(i, w)| MatmulPart {
+                w,
+                out: out_of(i),
+                col0: col0(i),
+            })
+            .collect();
+        let mut got = outputs();
+        let mut outs: Vec<&mut B::Tensor> = got.iter_mut().collect();
+        g.matmul_parts(&x, &parts, &mut outs).unwrap();
+        // A part naming an output that is not there is refused.
+        let bad = [MatmulPart {
+            w: &ws[0],
+            out: outs.len(),
+            col0: 0,
+        }];
+        assert!(g.matmul_parts(&x, &bad, &mut outs).is_err(), "{what}");
+        for (a, b) in got.iter().zip(&want) {
+            let (a, b) = (get(g, a), get(g, b));
+            assert!(a.iter().all(|v| v.is_finite()), "{what}: unwritten output");
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "{what}: parts differ from one matmul each"
+            );
+        }
+        g.set_workspace(0).unwrap();
+    }
+
+    let inv: Vec<f32> = (0..32).map(|i| 10000f32.powf(-(i as f32) / 32.0)).collect();
+    let inv = g.upload(&HostTensor::from_f32("inv", 1, 32, inv)).unwrap();
+    for pairs in [RopePairs::Adjacent, RopePairs::Halves] {
+        let (rows, hd) = (3, 64);
+        let qv = rand_vec(&mut rng, rows * 8 * hd, 1.0);
+        let kv = rand_vec(&mut rng, rows * 2 * hd, 1.0);
+        let (mut q1, mut k1) = (put(g, rows, 8 * hd, &qv), put(g, rows, 2 * hd, &kv));
+        g.rope(&mut q1, hd, 64, pairs, &inv, 300).unwrap();
+        g.rope(&mut k1, hd, 64, pairs, &inv, 300).unwrap();
+        let (mut q2, mut k2) = (put(g, rows, 8 * hd, &qv), put(g, rows, 2 * hd, &kv));
+        g.rope_pair(&mut q2, &mut k2, hd, 64, pairs, &inv, 300)
+            .unwrap();
+        assert_eq!(
+            bits(&get(g, &q2)),
+            bits(&get(g, &q1)),
+            "rope_pair {pairs:?}: q"
+        );
+        assert_eq!(
+            bits(&get(g, &k2)),
+            bits(&get(g, &k1)),
+            "rope_pair {pairs:?}: k"
+        );
+    }
+
+    for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+        for paged in [false, true] {
+            let (rows, cols, ctx, at) = (3, 128, 40, 17);
+            let blocks = ctx / KV_BLOCK + 1;
+            let table = paged.then(|| {
+                let ids: Vec<u32> = (0..blocks).map(|i| (2 * (blocks - i) - 1) as u32).collect();
+                let mut t = g.alloc_kv_table(blocks).unwrap();
+                g.write_kv_table(&mut t, &ids).unwrap();
+                t
+            });
+            let cache_rows = if paged { 2 * blocks * KV_BLOCK } else { ctx };
+            let k = put(g, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0));
+            let v = put(g, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0));
+            let caches = || {
+                let mut c = [
+                    g.alloc_kv(cache_rows, cols, ty).unwrap(),
+                    g.alloc_kv(cache_rows, cols, ty).unwrap(),
+                ];
+                let zeros = vec![0u8; ty.dtype().bytes_for(cols) * cache_rows];
+                for kv in &mut c {
+                    g.write_kv_raw(kv, 0, &zeros).unwrap();
+                }
+                c
+            };
+            let [mut k1, mut v1] = caches();
+            g.store_kv(&k, &mut k1, table.as_ref(), at).unwrap();
+            g.store_kv(&v, &mut v1, table.as_ref(), at).unwrap();
+            let [mut k2, mut v2] = caches();
+            g.store_kv_pair((&k, &v), (&mut k2, &mut v2), table.as_ref(), at)
+                .unwrap();
+            let raw = |c: &B::Kv| {
+                let mut b = vec![0u8; ty.dtype().bytes_for(cols) * cache_rows];
+                g.read_kv_raw(c, 0, &mut b).unwrap();
+                b
+            };
+            assert_eq!(
+                raw(&k2),
+                raw(&k1),
+                "store_kv_pair {ty:?} paged {paged}: keys"
+            );
+            assert_eq!(
+                raw(&v2),
+                raw(&v1),
+                "store_kv_pair {ty:?} paged {paged}: values"
+            );
+        }
+    }
+
+    for (rows, cols) in [(1, 576), (3, 200)] {
+        let xv = rand_vec(&mut rng, rows * cols, 3.0);
+        let y = put(g, rows, cols, &rand_vec(&mut rng, rows * cols, 1.0));
+        let w = HostTensor::from_f32("w", 1, cols, rand_vec(&mut rng, cols, 1.5));
+        let w = g.upload(&w).unwrap();
+        let (mut x1, mut o1) = (put(g, rows, cols, &xv), poisoned(g, rows, cols));
+        g.add(&mut x1, &y).unwrap();
+        g.rms_norm(&x1, &w, 1e-5, &mut o1).unwrap();
+        let (mut x2, mut o2) = (put(g, rows, cols, &xv), poisoned(g, rows, cols));
+        g.add_rms_norm(&mut x2, &y, &w, 1e-5, &mut o2).unwrap();
+        assert_eq!(
+            bits(&get(g, &x2)),
+            bits(&get(g, &x1)),
+            "add_rms_norm {rows}x{cols}: sum"
+        );
+        assert_eq!(
+            bits(&get(g, &o2)),
+            bits(&get(g, &o1)),
+            "add_rms_norm {rows}x{cols}: norm"
+        );
+    }
+}
+
 macro_rules! on_devices {
     ($($check:ident),*) => {
         mod cuda_ops {
@@ -952,7 +1153,8 @@ on_devices!(
     kv_store_read_write_equal_cpu,
     bundled_ffn_equals_cpu,
     ffn_sparsity_masks_zero_exactly_what_they_say,
-    bundles_listed_compute_only_the_listed_neurons
+    bundles_listed_compute_only_the_listed_neurons,
+    fused_ops_equal_the_ops_they_replace
 );
 
 #[test]
@@ -1104,22 +1306,27 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                     let e = if pool { e.with_kv_pool(8).unwrap() } else { e };
                     let mut s = e.new_session(64).unwrap();
                     let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
+                    let k0 = e.backend().kernels_run().unwrap();
                     let t0 = std::time::Instant::now();
                     for _ in 0..steps {
                         let t = common::greedy(out.last().unwrap());
                         out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
                     }
-                    (out, t0.elapsed().as_secs_f64(), e.recorded_steps())
+                    let kernels = e.backend().kernels_run().unwrap() - k0;
+                    (out, t0.elapsed().as_secs_f64(), e.recorded_steps(), kernels)
                 };
-                let (want, plain_s, _) = run(false);
-                let (got, rec_s, counts) = run(true);
+                let (want, plain_s, _, launched) = run(false);
+                let (got, rec_s, counts, replayed) = run(true);
                 println!(
                     "{what}: {steps} decode steps launched {:.0} tok/s, recorded {:.0} tok/s; \
-                     recorded/replayed {counts:?}",
+                     recorded/replayed {counts:?}; {:.1} kernels per step",
                     steps as f64 / plain_s,
-                    steps as f64 / rec_s
+                    steps as f64 / rec_s,
+                    launched as f64 / steps as f64
                 );
                 assert_eq!(counts, (1, steps as u64 - 2), "{what}");
+                // A replayed step's graph holds exactly the kernels a launched step launches.
+                assert_eq!(replayed, launched, "{what}: kernels run");
                 let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
                 assert!(
                     first_diff.is_none(),

@@ -624,6 +624,18 @@ pub trait Backend: Send + Sync + 'static {
         table: Option<&Self::KvTable>,
         dst_row: usize,
     ) -> Result<()>;
+    /// [`Backend::store_kv`] of a step's keys `k` into `k_cache` and its values `v` into
+    /// `v_cache` (one launch on CUDA).
+    fn store_kv_pair(
+        &self,
+        (k, v): (&Self::Tensor, &Self::Tensor),
+        (k_cache, v_cache): (&mut Self::Kv, &mut Self::Kv),
+        table: Option<&Self::KvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        self.store_kv(k, k_cache, table, dst_row)?;
+        self.store_kv(v, v_cache, table, dst_row)
+    }
     /// Rows `first..first + out.len() / cols` of `src` as f32 on the host (waits for queued work).
     fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
     /// Write f32 `values` (whole rows) into rows `first..` of `dst`, converted.
@@ -659,6 +671,22 @@ pub trait Backend: Send + Sync + 'static {
         out: &mut Self::Tensor,
         col0: usize,
     ) -> Result<()>;
+    /// Several products of the same `x` (q, k and v; gate and up): part `i` is
+    /// [`Backend::matmul_into`] of `parts[i].w` into columns `col0..` of `outs[parts[i].out]`.
+    /// The parts' columns must not overlap. CUDA quantizes `x` once for block formats and runs
+    /// the parts in one launch where it can; the results are each part's alone, bit for bit.
+    fn matmul_parts(
+        &self,
+        x: &Self::Tensor,
+        parts: &[MatmulPart<'_, Self::Weight>],
+        outs: &mut [&mut Self::Tensor],
+    ) -> Result<()> {
+        check_parts(parts, outs.len())?;
+        for p in parts {
+            self.matmul_into(p.w, x, outs[p.out], p.col0)?;
+        }
+        Ok(())
+    }
     /// First half of a bundled FFN: for each neuron `i` of `bundles`,
     /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`,
     /// masked by `threshold` as [`Backend::gated`] / [`Backend::activate`] are.
@@ -725,6 +753,19 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// `x += y`, then [`Backend::rms_norm`] of `x` into `out`: a residual add and the norm after
+    /// it (one launch on CUDA).
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.add(x, y)?;
+        self.rms_norm(x, w, eps, out)
+    }
     /// Per row: `out = (x - mean) / std * w + b`.
     fn layer_norm(
         &self,
@@ -745,6 +786,21 @@ pub trait Backend: Send + Sync + 'static {
         inv_freq: &Self::Weight,
         first_pos: usize,
     ) -> Result<()>;
+    /// [`Backend::rope`] of a step's queries `q` and keys `k` (one launch on CUDA).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_pair(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        head_dim: usize,
+        rot_dims: usize,
+        pairs: RopePairs,
+        inv_freq: &Self::Weight,
+        first_pos: usize,
+    ) -> Result<()> {
+        self.rope(q, head_dim, rot_dims, pairs, inv_freq, first_pos)?;
+        self.rope(k, head_dim, rot_dims, pairs, inv_freq, first_pos)
+    }
     /// `x = act(x)`, and where `threshold > 0`, 0 wherever `|act(x)| ≤ threshold` (the FFN
     /// sparsity mask; see [`sparse_act`]).
     fn activate(&self, x: &mut Self::Tensor, act: Act, threshold: f32) -> Result<()>;
@@ -792,6 +848,12 @@ pub trait Backend: Send + Sync + 'static {
         })
     }
 
+    /// Device kernels run so far, where the backend counts them (CUDA: each launch, and each
+    /// kernel of a replayed recording); `None` elsewhere.
+    fn kernels_run(&self) -> Option<u64> {
+        None
+    }
+
     // ---- recorded steps -----------------------------------------------------------------
 
     /// Whether this backend records a step's ops once and replays them ([`Backend::record`],
@@ -835,6 +897,24 @@ pub trait Backend: Send + Sync + 'static {
 
 /// Device bytes the position of recorded steps takes (an i32).
 pub const STEP_POSITION_BYTES: usize = 4;
+
+/// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.
+pub struct MatmulPart<'a, W> {
+    pub w: &'a W,
+    pub out: usize,
+    pub col0: usize,
+}
+
+/// Every part of [`Backend::matmul_parts`] names one of `outs` outputs.
+pub fn check_parts<W>(parts: &[MatmulPart<'_, W>], outs: usize) -> Result<()> {
+    match parts.iter().position(|p| p.out >= outs) {
+        Some(i) => Err(BackendError::Shape {
+            op: "matmul_parts",
+            msg: format!("part {i} writes output {} of {outs}", parts[i].out),
+        }),
+        None => Ok(()),
+    }
+}
 
 /// Fail while a step is being recorded (`recording`): `op` is nothing a CUDA graph holds (an
 /// allocation, a copy between host and device, a wait). CUDA and the budgeted device alike.

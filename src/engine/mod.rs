@@ -16,7 +16,7 @@ use thiserror::Error;
 use crate::backend::memory::device_bytes;
 use crate::backend::{
     Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType,
-    Landing, RopePairs, WorkspaceOp, kv_runs,
+    Landing, MatmulPart, RopePairs, WorkspaceOp, kv_runs,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -1542,6 +1542,69 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// `x` through several linears of the same input (q, k, v; up and gate), each into its
+    /// output: one [`Backend::matmul_parts`] (one launch on CUDA), then the biases.
+    fn linears(
+        &self,
+        ls: &[&LinearView<B>],
+        x: &B::Tensor,
+        outs: &mut [&mut B::Tensor],
+    ) -> Result<()> {
+        let parts: Vec<MatmulPart<B::Weight>> = ls
+            .iter()
+            .enumerate()
+            .flat_map(|(out, l)| {
+                l.blocks
+                    .iter()
+                    .map(move |&(col0, w)| MatmulPart { w, out, col0 })
+            })
+            .collect();
+        self.backend.matmul_parts(x, &parts, outs)?;
+        for (l, out) in ls.iter().zip(outs.iter_mut()) {
+            if let Some(b) = l.bias {
+                self.backend.add_bias(out, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The attention block's inputs from `sc.x`: its norm into `sc.h`, then q, k and v.
+    fn attention_inputs(&self, layer: &LayerView<B>, sc: &mut Scratch<B>) -> Result<()> {
+        self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+        let outs: &mut [&mut B::Tensor] = &mut [&mut sc.q, &mut sc.k, &mut sc.v];
+        self.linears(&[&layer.wq, &layer.wk, &layer.wv], &sc.h, outs)
+    }
+
+    /// Rotate a step's queries and keys (rows from position `pos`), where the model rotates.
+    fn rope_qk(&self, q: &mut B::Tensor, k: &mut B::Tensor, pos: usize) -> Result<()> {
+        if let Some((inv_freq, pairs, dims)) = &self.rope {
+            let hd = self.spec.head_dim;
+            self.backend
+                .rope_pair(q, k, hd, *dims, *pairs, inv_freq, pos)?;
+        }
+        Ok(())
+    }
+
+    /// `x += y`, then `x` normed by `n` into `out` (one op for RMSNorm).
+    fn add_norm(
+        &self,
+        x: &mut B::Tensor,
+        y: &B::Tensor,
+        n: &NormView<B>,
+        out: &mut B::Tensor,
+    ) -> Result<()> {
+        match self.spec.norm {
+            NormKind::Rms => {
+                let eps = self.spec.norm_eps;
+                Ok(self.backend.add_rms_norm(x, y, n.weight, eps, out)?)
+            }
+            NormKind::Layer => {
+                self.backend.add(x, y)?;
+                self.norm(x, n, out)
+            }
+        }
+    }
+
     /// The rows of a device tensor on the host.
     fn host_rows(&self, t: &B::Tensor) -> Result<(Vec<f32>, usize)> {
         let (n, cols) = self.backend.shape(t);
@@ -1870,16 +1933,16 @@ impl<B: Backend> Engine<B> {
         };
         match f {
             FfnView::Matrices { gate, up, down } => {
-                self.linear(up, &sc.h, &mut sc.up)?;
                 let hidden = match (gate, &mut sc.gate) {
                     (Some(wg), Some(g)) => {
-                        self.linear(wg, &sc.h, g)?;
+                        self.linears(&[up, wg], &sc.h, &mut [&mut sc.up, g])?;
                         self.show_tap(layer, &sc.h, g)?;
                         b.gated(g, &sc.up, self.act, threshold)?;
                         mask(&sc.h, g)?;
                         &*g
                     }
                     _ => {
+                        self.linear(up, &sc.h, &mut sc.up)?;
                         self.show_tap(layer, &sc.h, &sc.up)?;
                         b.activate(&mut sc.up, self.act, threshold)?;
                         mask(&sc.h, &mut sc.up)?;
@@ -2044,10 +2107,7 @@ impl<B: Backend> Engine<B> {
             for l in 0..spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
-                    self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
-                    self.linear(&layer.wq, &sc.h, &mut sc.q)?;
-                    self.linear(&layer.wk, &sc.h, &mut sc.k)?;
-                    self.linear(&layer.wv, &sc.h, &mut sc.v)?;
+                    self.attention_inputs(&layer, &mut sc)?;
                     // All the calls' attention in one backend call where it can (each call's
                     // rows over its own caches, as alone), else call by call.
                     let together = self.attends_together(calls);
@@ -2065,10 +2125,7 @@ impl<B: Backend> Engine<B> {
                         b.copy_rows(&sc.q, first, qc, 0, k)?;
                         b.copy_rows(&sc.k, first, kc, 0, k)?;
                         b.copy_rows(&sc.v, first, vc, 0, k)?;
-                        if let Some((inv_freq, pairs, dims)) = &self.rope {
-                            b.rope(qc, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-                            b.rope(kc, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-                        }
+                        self.rope_qk(qc, kc, pos)?;
                         let ring_at = s.probe.as_ref().map_or(0, |p| p.next);
                         if let Some(p) = &mut s.probe
                             && let Some(pi) = p.layers.iter().position(|&pl| pl == l)
@@ -2173,18 +2230,11 @@ impl<B: Backend> Engine<B> {
         on_cpu: bool,
     ) -> Result<()> {
         let b = &self.backend;
-        let spec = &self.spec;
         let n = sc.n;
 
         // Attention block.
-        self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
-        self.linear(&layer.wq, &sc.h, &mut sc.q)?;
-        self.linear(&layer.wk, &sc.h, &mut sc.k)?;
-        self.linear(&layer.wv, &sc.h, &mut sc.v)?;
-        if let Some((inv_freq, pairs, dims)) = &self.rope {
-            b.rope(&mut sc.q, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-            b.rope(&mut sc.k, spec.head_dim, *dims, *pairs, inv_freq, pos)?;
-        }
+        self.attention_inputs(layer, sc)?;
+        self.rope_qk(&mut sc.q, &mut sc.k, pos)?;
         if let Some(p) = &mut session.probe
             && let Some(i) = p.layers.iter().position(|&pl| pl == l)
         {
@@ -2286,16 +2336,13 @@ impl<B: Backend> Engine<B> {
                 let mut pool = lock_pool(&p.pool);
                 let pool = &mut *pool;
                 let t = Some(&p.table);
-                b.store_kv(k, &mut pool.k[l], t, pos)?;
-                b.store_kv(v, &mut pool.v[l], t, pos)?;
+                b.store_kv_pair((k, v), (&mut pool.k[l], &mut pool.v[l]), t, pos)?;
             }
             SessionKv::Device { k: kc, v: vc } => {
-                b.store_kv(k, &mut kc[l], None, pos)?;
-                b.store_kv(v, &mut vc[l], None, pos)?;
+                b.store_kv_pair((k, v), (&mut kc[l], &mut vc[l]), None, pos)?;
             }
             SessionKv::Host(h) => {
-                b.store_kv(k, &mut h.work_k, None, pos)?;
-                b.store_kv(v, &mut h.work_v, None, pos)?;
+                b.store_kv_pair((k, v), (&mut h.work_k, &mut h.work_v), None, pos)?;
             }
         }
         Ok(())
@@ -2368,10 +2415,8 @@ impl<B: Backend> Engine<B> {
     fn finish_layer(&self, layer: &mut LayerView<B>, l: usize, sc: &mut Scratch<B>) -> Result<()> {
         let b = &self.backend;
         self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-        b.add(&mut sc.x, &sc.proj)?;
-
-        // Feed-forward block.
-        self.norm(&sc.x, &layer.ffn_norm, &mut sc.h)?;
+        // The residual add, and the feed-forward block's norm.
+        self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
         match layer.unit.as_deref_mut() {
             Some(unit) => self.unit_ffn(l, &layer.ffn, unit, sc)?,
             None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), sc)?,

@@ -33,8 +33,8 @@ pub use meter::DeviceMeter;
 
 use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, Result, RopePairs,
-    STEP_POSITION_BYTES, WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, Result,
+    RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -364,11 +364,15 @@ pub struct CudaBackend {
     /// whether the compute stream is being captured into a graph now.
     step_position: Mutex<Option<DeviceBuf>>,
     recording: std::sync::atomic::AtomicBool,
+    /// Kernels run: each launch (a cuBLAS call counts one), and each node of a replayed
+    /// recording ([`Backend::kernels_run`]).
+    kernels: std::sync::atomic::AtomicU64,
 }
 
-/// A recorded step: a CUDA graph, instantiated.
+/// A recorded step: a CUDA graph, instantiated, and how many kernels it holds.
 pub struct CudaRecording {
     graph: cudarc::driver::CudaGraph,
+    kernels: u64,
 }
 
 // SAFETY: a graph needs its calls serialised, not a thread of its own (CUDA's graph thread-safety
@@ -410,12 +414,141 @@ fn uses_act_blocks(dtype: DType) -> bool {
     dtype.is_quantized()
 }
 
+fn pairs_code(p: RopePairs) -> i32 {
+    match p {
+        RopePairs::Adjacent => 0,
+        RopePairs::Halves => 1,
+    }
+}
+
 fn act_code(a: Act) -> i32 {
     match a {
         Act::Silu => 0,
         Act::Relu => 1,
         Act::Gelu => 2,
         Act::GeluTanh => 3,
+    }
+}
+
+/// `x · wᵀ` fits columns `col0..` of `out`, and `w` is a matrix in a storage format.
+fn check_matmul(w: &CudaWeight, x: &CudaTensor, out: &CudaTensor, col0: usize) -> Result<()> {
+    w.plain("matmul")?;
+    if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
+        return Err(shape_err(
+            "matmul",
+            format!(
+                "{}x{} · ({}: {}x{})ᵀ into columns {col0}.. of {}x{}",
+                x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Rows `src` fit a cache `dst` from `dst_row` (through `table`, if any); the table's address.
+fn check_store(
+    src: &CudaTensor,
+    dst: &CudaKv,
+    table: Option<&CudaKvTable>,
+    dst_row: usize,
+) -> Result<u64> {
+    if src.cols != dst.cols || (table.is_none() && dst_row + src.rows > dst.rows) {
+        return Err(shape_err(
+            "store_kv",
+            format!(
+                "{}x{} at row {dst_row} of a {}x{} cache",
+                src.rows, src.cols, dst.rows, dst.cols
+            ),
+        ));
+    }
+    table_ptr("store_kv", table, dst_row + src.rows, dst.rows)
+}
+
+/// Rotating `x` (`head_dim`-wide heads, the first `rot_dims` of each) by `inv_freq` fits.
+fn check_rope(
+    x: &CudaTensor,
+    head_dim: usize,
+    rot_dims: usize,
+    inv_freq: &CudaWeight,
+) -> Result<()> {
+    inv_freq.plain("rope")?;
+    if head_dim == 0
+        || !x.cols.is_multiple_of(head_dim)
+        || rot_dims > head_dim
+        || !rot_dims.is_multiple_of(2)
+        || inv_freq.rows * inv_freq.cols != rot_dims / 2
+    {
+        return Err(shape_err(
+            "rope",
+            format!(
+                "{} columns, head dim {head_dim}, rotating {rot_dims}",
+                x.cols
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `x` normed by `w` (f32, one value per column) into `out` fits.
+fn check_rms_norm(x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -> Result<()> {
+    w.plain("rms_norm")?;
+    if (x.rows, x.cols) != (out.rows, out.cols)
+        || w.rows * w.cols != x.cols
+        || w.dtype != DType::F32
+    {
+        return Err(shape_err(
+            "rms_norm",
+            format!("{}x{} with `{}`", x.rows, x.cols, w.name),
+        ));
+    }
+    Ok(())
+}
+
+/// Weights one parts launch takes (MAX_PARTS in kernels/matvec.cu).
+const MAX_PARTS: usize = 4;
+
+/// One weight of a parts launch (`MatvecPart` in kernels/matvec.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MatvecPart {
+    w: u64,
+    out: u64,
+    dtype: i32,
+    rows: i32,
+    stride: i32,
+    col0: i32,
+}
+
+/// The weights of one parts launch, passed by value (`MatvecParts` in kernels/matvec.cu).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MatvecParts {
+    part: [MatvecPart; MAX_PARTS],
+    count: i32,
+}
+
+const _: () = assert!(std::mem::size_of::<MatvecPart>() == 32);
+const _: () = assert!(std::mem::size_of::<MatvecParts>() == 136);
+
+// SAFETY: plain `#[repr(C)]` data laid out as the kernels' struct (sizes asserted on both sides).
+unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
+
+/// How a weight of [`Backend::matmul_parts`] runs with `n` tokens: in a parts launch of block
+/// formats (activation blocks shared), of f16 rows, or alone ([`Backend::matmul_into`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum PartLaunch {
+    Blocks,
+    F16,
+    Alone,
+}
+
+fn part_launch(dtype: DType, cols: usize, n: usize) -> PartLaunch {
+    if uses_act_blocks(dtype) && n <= MAX_QTOKENS {
+        PartLaunch::Blocks
+    } else if dtype == DType::F16 && cols.is_multiple_of(8) && n <= MAX_TOKENS {
+        PartLaunch::F16
+    } else {
+        PartLaunch::Alone
     }
 }
 
@@ -448,11 +581,12 @@ macro_rules! launch_on {
     }};
 }
 
-/// Launch `$f` on the compute stream.
+/// Launch `$f` on the compute stream (counted in `kernels`).
 macro_rules! launch {
-    ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {
-        launch_on!($self.compute, $f, $cfg, $($arg),*)
-    };
+    ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        launch_on!($self.compute, $f, $cfg, $($arg),*);
+        $self.kernels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }};
 }
 
 impl CudaBackend {
@@ -530,6 +664,7 @@ impl CudaBackend {
             fixed_bytes: None,
             step_position: Mutex::new(None),
             recording: std::sync::atomic::AtomicBool::new(false),
+            kernels: std::sync::atomic::AtomicU64::new(0),
         };
         for (name, _) in kernels::MODULES {
             me.modules.get(&me.ctx, name)?;
@@ -1102,12 +1237,54 @@ impl CudaBackend {
         if st != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(BackendError::Device(format!("cublasGemmEx: {st:?}")));
         }
+        self.kernels
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
     /// Elementwise launch over `n` values.
     fn elementwise_cfg(n: usize) -> LaunchConfig {
         cfg(blocks(n, 256), 256)
+    }
+
+    /// Elementwise launch over the larger of two tensors' `n` values: blockIdx.y picks the
+    /// tensor (the pair kernels).
+    fn pair_cfg(n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (blocks(n, 256), 2, 1),
+            ..cfg(1, 256)
+        }
+    }
+
+    /// The parts of `parts` that run `how`, `MAX_PARTS` per launch of `kernel` (with `x_arg`:
+    /// the activations as the kernel takes them).
+    fn launch_parts(
+        &self,
+        kernel: &'static str,
+        x_arg: u64,
+        (cols, n): (usize, usize),
+        parts: &[(&CudaWeight, &CudaTensor, usize)],
+    ) -> Result<()> {
+        let f = self.func("matvec", kernel)?;
+        for group in parts.chunks(MAX_PARTS) {
+            let mut ps = MatvecParts::default();
+            let mut grid = 0u32;
+            for (slot, &(w, out, col0)) in ps.part.iter_mut().zip(group) {
+                *slot = MatvecPart {
+                    w: w.buf.ptr,
+                    out: out.buf.ptr,
+                    dtype: dtype_code(w.dtype),
+                    rows: w.rows as i32,
+                    stride: out.cols as i32,
+                    col0: col0 as i32,
+                };
+                grid += blocks(w.rows, WARPS);
+            }
+            ps.count = group.len() as i32;
+            let (c, nt) = (cols as i32, n as i32);
+            launch!(self, f.clone(), cfg(grid, WARPS * 32), ps, c, x_arg, nt);
+        }
+        Ok(())
     }
 }
 
@@ -1570,16 +1747,7 @@ impl Backend for CudaBackend {
         table: Option<&CudaKvTable>,
         dst_row: usize,
     ) -> Result<()> {
-        if src.cols != dst.cols || (table.is_none() && dst_row + src.rows > dst.rows) {
-            return Err(shape_err(
-                "store_kv",
-                format!(
-                    "{}x{} at row {dst_row} of a {}x{} cache",
-                    src.rows, src.cols, dst.rows, dst.cols
-                ),
-            ));
-        }
-        let tp = table_ptr("store_kv", table, dst_row + src.rows, dst.rows)?;
+        let tp = check_store(src, dst, table, dst_row)?;
         let f = self.func("attention", "store_kv")?;
         let n = src.rows * src.cols;
         let (rows, cols, dt) = (src.rows as i64, src.cols as i32, dtype_code(dst.ty.dtype()));
@@ -1594,6 +1762,52 @@ impl Backend for CudaBackend {
             cols,
             dt,
             dp,
+            tp,
+            first,
+            at
+        );
+        Ok(())
+    }
+
+    fn store_kv_pair(
+        &self,
+        (k, v): (&CudaTensor, &CudaTensor),
+        (kc, vc): (&mut CudaKv, &mut CudaKv),
+        table: Option<&CudaKvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        let tp = check_store(k, kc, table, dst_row)?;
+        check_store(v, vc, table, dst_row)?;
+        if (k.rows, k.cols, kc.rows, kc.ty) != (v.rows, v.cols, vc.rows, vc.ty) {
+            return Err(shape_err(
+                "store_kv_pair",
+                format!(
+                    "keys {}x{} into a {} cache of {} rows, values {}x{} into a {} one of {}",
+                    k.rows,
+                    k.cols,
+                    kc.ty.name(),
+                    kc.rows,
+                    v.rows,
+                    v.cols,
+                    vc.ty.name(),
+                    vc.rows
+                ),
+            ));
+        }
+        let f = self.func("attention", "store_kv_pair")?;
+        let (rows, cols, dt) = (k.rows as i64, k.cols as i32, dtype_code(kc.ty.dtype()));
+        let (first, at) = (dst_row as i32, self.position_at()?);
+        launch!(
+            self,
+            f,
+            Self::pair_cfg(k.rows * k.cols),
+            k.buf.ptr,
+            v.buf.ptr,
+            rows,
+            cols,
+            dt,
+            kc.buf.ptr,
+            vc.buf.ptr,
             tp,
             first,
             at
@@ -1807,17 +2021,8 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         col0: usize,
     ) -> Result<()> {
-        w.plain("matmul")?;
+        check_matmul(w, x, out, col0)?;
         self.bind()?;
-        if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
-            return Err(shape_err(
-                "matmul",
-                format!(
-                    "{}x{} · ({}: {}x{})ᵀ into columns {col0}.. of {}x{}",
-                    x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
-                ),
-            ));
-        }
         let n = x.rows;
         let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
             dtype: w.dtype,
@@ -1900,6 +2105,61 @@ impl Backend for CudaBackend {
                         );
                     }
                 }
+            }
+        }
+        Ok(())
+    }
+
+    fn matmul_parts(
+        &self,
+        x: &CudaTensor,
+        parts: &[MatmulPart<'_, CudaWeight>],
+        outs: &mut [&mut CudaTensor],
+    ) -> Result<()> {
+        super::check_parts(parts, outs.len())?;
+        self.bind()?;
+        let n = x.rows;
+        for p in parts {
+            check_matmul(p.w, x, outs[p.out], p.col0)?;
+        }
+        let how: Vec<PartLaunch> = parts
+            .iter()
+            .map(|p| part_launch(p.w.dtype, p.w.cols, n))
+            .collect();
+        // A weight alone of its kind gains nothing from a parts launch.
+        let shares =
+            |k: PartLaunch| k != PartLaunch::Alone && how.iter().filter(|&&h| h == k).count() > 1;
+        for (p, &h) in parts.iter().zip(&how) {
+            if !shares(h) {
+                self.matmul_into(p.w, x, outs[p.out], p.col0)?;
+            }
+        }
+        for (kind, kernel) in [
+            (PartLaunch::Blocks, "matvec_quant_parts"),
+            (PartLaunch::F16, "matvec_f16_parts"),
+        ] {
+            if !shares(kind) {
+                continue;
+            }
+            let group: Vec<(&CudaWeight, &CudaTensor, usize)> = parts
+                .iter()
+                .zip(&how)
+                .filter(|&(_, &h)| h == kind)
+                .map(|(p, _)| (p.w, &*outs[p.out], p.col0))
+                .collect();
+            if kind == PartLaunch::Blocks {
+                // The activations quantized once, into the workspace one matmul of them takes.
+                let w = group[0].0;
+                let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
+                    dtype: w.dtype,
+                    tokens: n,
+                    rows: w.rows,
+                    cols: w.cols,
+                })?;
+                self.quantize(x.buf.ptr, n, x.cols, ws)?;
+                self.launch_parts(kernel, ws, (x.cols, n), &group)?;
+            } else {
+                self.launch_parts(kernel, x.buf.ptr, (x.cols, n), &group)?;
             }
         }
         Ok(())
@@ -2097,16 +2357,7 @@ impl Backend for CudaBackend {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        w.plain("rms_norm")?;
-        if (x.rows, x.cols) != (out.rows, out.cols)
-            || w.rows * w.cols != x.cols
-            || w.dtype != DType::F32
-        {
-            return Err(shape_err(
-                "rms_norm",
-                format!("{}x{} with `{}`", x.rows, x.cols, w.name),
-            ));
-        }
+        check_rms_norm(x, w, out)?;
         let f = self.func("norm", "rms_norm")?;
         let cols = x.cols as i32;
         launch!(
@@ -2114,6 +2365,37 @@ impl Backend for CudaBackend {
             f,
             cfg(x.rows as u32, 256),
             x.buf.ptr,
+            w.buf.ptr,
+            eps,
+            out.buf.ptr,
+            cols
+        );
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        check_rms_norm(x, w, out)?;
+        if (x.rows, x.cols) != (y.rows, y.cols) {
+            return Err(shape_err(
+                "add",
+                format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
+            ));
+        }
+        let f = self.func("norm", "add_rms_norm")?;
+        let cols = x.cols as i32;
+        launch!(
+            self,
+            f,
+            cfg(x.rows as u32, 256),
+            x.buf.ptr,
+            y.buf.ptr,
             w.buf.ptr,
             eps,
             out.buf.ptr,
@@ -2166,21 +2448,7 @@ impl Backend for CudaBackend {
         inv_freq: &CudaWeight,
         first_pos: usize,
     ) -> Result<()> {
-        inv_freq.plain("rope")?;
-        if head_dim == 0
-            || !x.cols.is_multiple_of(head_dim)
-            || rot_dims > head_dim
-            || !rot_dims.is_multiple_of(2)
-            || inv_freq.rows * inv_freq.cols != rot_dims / 2
-        {
-            return Err(shape_err(
-                "rope",
-                format!(
-                    "{} columns, head dim {head_dim}, rotating {rot_dims}",
-                    x.cols
-                ),
-            ));
-        }
+        check_rope(x, head_dim, rot_dims, inv_freq)?;
         let f = self.func("rope", "rope")?;
         let total = x.rows * (x.cols / head_dim) * (rot_dims / 2);
         let (rows, cols, hd, rd) = (
@@ -2189,11 +2457,7 @@ impl Backend for CudaBackend {
             head_dim as i32,
             rot_dims as i32,
         );
-        let p = if pairs == RopePairs::Adjacent {
-            0i32
-        } else {
-            1
-        };
+        let p = pairs_code(pairs);
         let (fp, at) = (first_pos as i32, self.position_at()?);
         launch!(
             self,
@@ -2202,6 +2466,48 @@ impl Backend for CudaBackend {
             x.buf.ptr,
             rows,
             cols,
+            hd,
+            rd,
+            p,
+            inv_freq.buf.ptr,
+            fp,
+            at
+        );
+        Ok(())
+    }
+
+    fn rope_pair(
+        &self,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        head_dim: usize,
+        rot_dims: usize,
+        pairs: RopePairs,
+        inv_freq: &CudaWeight,
+        first_pos: usize,
+    ) -> Result<()> {
+        check_rope(q, head_dim, rot_dims, inv_freq)?;
+        check_rope(k, head_dim, rot_dims, inv_freq)?;
+        if q.rows != k.rows {
+            return Err(shape_err(
+                "rope_pair",
+                format!("{} query rows, {} key rows", q.rows, k.rows),
+            ));
+        }
+        let f = self.func("rope", "rope_pair")?;
+        let most = q.rows * (q.cols.max(k.cols) / head_dim) * (rot_dims / 2);
+        let (qc, kc, rows) = (q.cols as i32, k.cols as i32, q.rows as i32);
+        let (hd, rd, p) = (head_dim as i32, rot_dims as i32, pairs_code(pairs));
+        let (fp, at) = (first_pos as i32, self.position_at()?);
+        launch!(
+            self,
+            f,
+            Self::pair_cfg(most),
+            q.buf.ptr,
+            qc,
+            k.buf.ptr,
+            kc,
+            rows,
             hd,
             rd,
             p,
@@ -2490,9 +2796,21 @@ impl Backend for CudaBackend {
         let graph = graph
             .map_err(dev)?
             .ok_or_else(|| BackendError::Device("a recorded step holds no work".into()))?;
-        // Captured work does not run: this step runs now, as its replays will.
+        let mut nodes = 0usize;
+        // SAFETY: a null node array asks only for the count, written to `nodes`.
+        let r = unsafe {
+            cudarc::driver::sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes)
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(BackendError::Device(format!("cuGraphGetNodes: {r:?}")).into());
+        }
+        // Captured work does not run (the launches counted while capturing stand for this
+        // run): this step runs now, as its replays will.
         graph.launch().map_err(dev)?;
-        Ok(CudaRecording { graph })
+        Ok(CudaRecording {
+            graph,
+            kernels: nodes as u64,
+        })
     }
 
     fn replay<E: From<BackendError>>(
@@ -2503,7 +2821,13 @@ impl Backend for CudaBackend {
         self.outside("replay")?;
         self.step_position_ptr()?;
         rec.graph.launch().map_err(dev)?;
+        self.kernels
+            .fetch_add(rec.kernels, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    fn kernels_run(&self) -> Option<u64> {
+        Some(self.kernels.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 

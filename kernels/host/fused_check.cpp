@@ -1,0 +1,233 @@
+// The fused decode kernels run on the host, each block as threads (kernels/host/simt.h), against
+// the kernels they stand in for, bit for bit (a fused launch must change how many launches a step
+// takes, never its numbers):
+//  - matvec_quant_parts / matvec_f16_parts: several weights times one activation (q, k, v; gate
+//    and up; blocks of one matrix at their column offsets), mixed block formats in one launch,
+//    against matvec_quant / matvec_f16_vec per weight;
+//  - rope_pair against rope of q and of k; store_kv_pair against store_kv of k and of v (every
+//    cache type, paged and not, position in device memory or not);
+//  - add_rms_norm against add_f32 then rms_norm.
+// scripts/check-kernels.sh builds and runs this.
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "matvec.cu"
+#include "elementwise.cu"
+#include "rope.cu"
+#include "attention.cu"
+#include "norm.cu"
+
+static std::mt19937 rng(29);
+
+static std::vector<float> uniform(size_t n, float lo = -1.0f, float hi = 1.0f) {
+    std::uniform_real_distribution<float> u(lo, hi);
+    std::vector<float> v(n);
+    for (auto& x : v) x = u(rng);
+    return v;
+}
+
+static bool same(const char* what, const void* a, const void* b, size_t bytes) {
+    bool eq = std::memcmp(a, b, bytes) == 0;
+    std::printf("fused-check: %s: %s\n", what, eq ? "bit-identical" : "DIFFERENT  FAILED");
+    return eq;
+}
+
+static void put_half(u8* p, float v) {
+    u16 h = f2h(v);
+    std::memcpy(p, &h, 2);
+}
+
+// `rows` rows of `cols` random weights in `dtype` (F16, Q8_0 or Q4_1), with sane block scales.
+static std::vector<u8> weights(int dtype, int rows, int cols) {
+    std::vector<u8> w((size_t)row_bytes(dtype, cols) * rows);
+    std::uniform_int_distribution<int> byte(0, 255);
+    if (dtype == DT_F16) {
+        auto v = uniform((size_t)rows * cols);
+        for (size_t i = 0; i < v.size(); i++) put_half(&w[2 * i], v[i]);
+        return w;
+    }
+    int block = dtype == DT_Q8_0 ? 34 : 20;
+    for (size_t b = 0; b < w.size() / block; b++) {
+        u8* p = &w[b * block];
+        for (int i = 0; i < block; i++) p[i] = (u8)byte(rng);
+        put_half(p, uniform(1, 0.001f, 0.02f)[0]);
+        if (dtype == DT_Q4_1) put_half(p + 2, uniform(1, -0.1f, 0.1f)[0]);
+    }
+    return w;
+}
+
+struct Weight {
+    int dtype, rows;
+    std::vector<u8> data;
+};
+
+// Weights times n tokens of x (cols wide): each weight into its own output at column 0, or (joined)
+// all into one output, each at its offset; once by the per-weight kernels, once in one launch.
+static bool parts(const std::vector<int>& dtypes, const std::vector<int>& rows, int cols, int n, bool joined) {
+    std::vector<Weight> ws;
+    for (size_t i = 0; i < dtypes.size(); i++) ws.push_back({dtypes[i], rows[i], weights(dtypes[i], rows[i], cols)});
+    auto x = uniform((size_t)n * cols);
+    int total = 0;
+    for (auto& w : ws) total += w.rows;
+    auto shape = [&](size_t i, int* stride, int* col0) {
+        int off = 0;
+        for (size_t j = 0; j < i; j++) off += ws[j].rows;
+        *stride = joined ? total : ws[i].rows;
+        *col0 = joined ? off : 0;
+    };
+    bool quant = dtypes[0] != DT_F16;
+    std::vector<ActBlock> xq((size_t)n * cols / 32);
+    if (quant) {
+        long long blocks = (long long)xq.size();
+        host_launch({(unsigned)((blocks * 32 + 255) / 256), 1, 1}, 256,
+                    [&] { quantize_q8(x.data(), blocks, xq.data()); });
+    }
+    auto outputs = [&] {
+        std::vector<std::vector<float>> o;
+        if (joined) o.push_back(std::vector<float>((size_t)n * total, NAN));
+        else
+            for (auto& w : ws) o.push_back(std::vector<float>((size_t)n * w.rows, NAN));
+        return o;
+    };
+    auto one = outputs();
+    for (size_t i = 0; i < ws.size(); i++) {
+        int stride, col0;
+        shape(i, &stride, &col0);
+        float* out = one[joined ? 0 : i].data();
+        unsigned grid = (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
+        host_launch({grid, 1, 1}, WARPS * 32, [&] {
+            if (quant)
+                matvec_quant(ws[i].data.data(), ws[i].dtype, ws[i].rows, cols, xq.data(), n, out, stride, col0);
+            else
+                matvec_f16_vec(ws[i].data.data(), ws[i].rows, cols, x.data(), n, out, stride, col0);
+        });
+    }
+    auto fused = outputs();
+    MatvecParts ps{};
+    unsigned grid = 0;
+    for (size_t i = 0; i < ws.size(); i++) {
+        int stride, col0;
+        shape(i, &stride, &col0);
+        ps.part[i] = {ws[i].data.data(), fused[joined ? 0 : i].data(), ws[i].dtype, ws[i].rows, stride, col0};
+        grid += (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
+    }
+    ps.count = (int)ws.size();
+    host_launch({grid, 1, 1}, WARPS * 32, [&] {
+        if (quant)
+            matvec_quant_parts(ps, cols, xq.data(), n);
+        else
+            matvec_f16_parts(ps, cols, x.data(), n);
+    });
+    bool ok = true;
+    for (size_t i = 0; i < one.size(); i++) {
+        // Every value written (no NaN left), and each the per-weight kernel's.
+        for (float v : fused[i]) ok &= v == v;
+        ok &= std::memcmp(one[i].data(), fused[i].data(), one[i].size() * 4) == 0;
+    }
+    char what[160];
+    int at = std::snprintf(what, sizeof what, "%s parts, %d tokens,%s rows", quant ? "block" : "f16", n,
+                           joined ? " joined" : "");
+    for (size_t i = 0; i < ws.size(); i++)
+        at += std::snprintf(what + at, sizeof what - at, " %d (dtype %d)", ws[i].rows, ws[i].dtype);
+    std::printf("fused-check: matvec %s: %s\n", what, ok ? "bit-identical" : "DIFFERENT  FAILED");
+    return ok;
+}
+
+static bool rope_pairs(int rows, int heads, int kv_heads, int hd, int rot, int pairs, bool at) {
+    auto inv = uniform((size_t)rot / 2, 0.001f, 1.0f);
+    auto q = uniform((size_t)rows * heads * hd), k = uniform((size_t)rows * kv_heads * hd);
+    auto q1 = q, k1 = k;
+    int pos = 37;
+    const int* pos_at = at ? &pos : nullptr;
+    int first = at ? 5 : pos;
+    auto rope_one = [&](std::vector<float>& x, int cols) {
+        long long total = (long long)rows * (cols / hd) * (rot / 2);
+        host_launch({(unsigned)((total + 255) / 256), 1, 1}, 256,
+                    [&] { rope(x.data(), rows, cols, hd, rot, pairs, inv.data(), first, pos_at); });
+    };
+    rope_one(q1, heads * hd);
+    rope_one(k1, kv_heads * hd);
+    long long total = (long long)rows * heads * (rot / 2);
+    host_launch({(unsigned)((total + 255) / 256), 2, 1}, 256, [&] {
+        rope_pair(q.data(), heads * hd, k.data(), kv_heads * hd, rows, hd, rot, pairs, inv.data(), first, pos_at);
+    });
+    char what[120];
+    std::snprintf(what, sizeof what, "rope_pair %d rows, %d/%d heads of %d (%d rotated, pairs %d)%s", rows, heads,
+                  kv_heads, hd, rot, pairs, at ? ", position in memory" : "");
+    bool ok = same((std::string(what) + ", q").c_str(), q.data(), q1.data(), q.size() * 4);
+    return same((std::string(what) + ", k").c_str(), k.data(), k1.data(), k.size() * 4) && ok;
+}
+
+static bool store_pairs(int dt, int rows, int cols, bool page, bool at) {
+    int ctx = 48;
+    long long rb = row_bytes(dt, cols);
+    // Paged: the sequence's block i at pool block 2·(blocks - i) - 1.
+    int blocks = (ctx + KV_BLOCK - 1) / KV_BLOCK;
+    std::vector<unsigned> table;
+    for (int i = 0; i < blocks; i++) table.push_back((unsigned)(2 * (blocks - i) - 1));
+    size_t bytes = (size_t)(page ? 2 * blocks * KV_BLOCK : ctx) * rb;
+    auto k = uniform((size_t)rows * cols), v = uniform((size_t)rows * cols);
+    std::vector<u8> kc(bytes, 0xab), vc(bytes, 0xcd);
+    auto kc1 = kc, vc1 = vc;
+    const unsigned* t = page ? table.data() : nullptr;
+    int pos = 21;
+    const int* pos_at = at ? &pos : nullptr;
+    int first = at ? 3 : pos;
+    long long n = (long long)rows * cols;
+    unsigned grid = (unsigned)((n + 255) / 256);
+    host_launch({grid, 1, 1}, 256, [&] { store_kv(k.data(), rows, cols, dt, kc1.data(), t, first, pos_at); });
+    host_launch({grid, 1, 1}, 256, [&] { store_kv(v.data(), rows, cols, dt, vc1.data(), t, first, pos_at); });
+    host_launch({grid, 2, 1}, 256, [&] {
+        store_kv_pair(k.data(), v.data(), rows, cols, dt, kc.data(), vc.data(), t, first, pos_at);
+    });
+    char what[120];
+    std::snprintf(what, sizeof what, "store_kv_pair dtype %d, %d rows of %d%s%s", dt, rows, cols,
+                  page ? ", paged" : "", at ? ", position in memory" : "");
+    bool ok = same((std::string(what) + ", k").c_str(), kc.data(), kc1.data(), bytes);
+    return same((std::string(what) + ", v").c_str(), vc.data(), vc1.data(), bytes) && ok;
+}
+
+static bool add_norms(int rows, int cols) {
+    auto x = uniform((size_t)rows * cols, -3.0f, 3.0f), y = uniform((size_t)rows * cols);
+    auto w = uniform((size_t)cols, 0.5f, 1.5f);
+    auto x1 = x;
+    std::vector<float> out((size_t)rows * cols, NAN), out1 = out;
+    float eps = 1e-5f;
+    long long n = (long long)rows * cols;
+    host_launch({(unsigned)((n + 255) / 256), 1, 1}, 256, [&] { add_f32(x1.data(), y.data(), n); });
+    host_launch({(unsigned)rows, 1, 1}, 256, [&] { rms_norm(x1.data(), w.data(), eps, out1.data(), cols); });
+    host_launch({(unsigned)rows, 1, 1}, 256,
+                [&] { add_rms_norm(x.data(), y.data(), w.data(), eps, out.data(), cols); });
+    char what[80];
+    std::snprintf(what, sizeof what, "add_rms_norm %d rows of %d (residual)", rows, cols);
+    bool ok = same(what, x.data(), x1.data(), x.size() * 4);
+    std::snprintf(what, sizeof what, "add_rms_norm %d rows of %d (normed)", rows, cols);
+    return same(what, out.data(), out1.data(), out.size() * 4) && ok;
+}
+
+int main() {
+    bool ok = true;
+    // q, k, v (GQA: k and v narrower, rows not a multiple of a block's 8); gate and up; one
+    // matrix's row blocks into one output; mixed block formats; 1, a few and the most tokens.
+    ok &= parts({DT_Q4_1, DT_Q4_1, DT_Q8_0}, {40, 13, 13}, 256, 1, false);
+    ok &= parts({DT_Q4_1, DT_Q8_0}, {72, 72}, 128, 3, false);
+    ok &= parts({DT_Q8_0, DT_Q4_1, DT_Q4_1, DT_Q8_0}, {8, 17, 5, 24}, 96, MAX_QTOKENS, true);
+    ok &= parts({DT_F16, DT_F16, DT_F16}, {40, 13, 13}, 256, 1, false);
+    ok &= parts({DT_F16, DT_F16}, {24, 9}, 64, MAX_TOKENS, true);
+    for (int pairs : {0, 1}) {
+        ok &= rope_pairs(1, 4, 2, 16, 16, pairs, true);
+        ok &= rope_pairs(3, 3, 1, 32, 24, pairs, false);
+    }
+    for (int dt : {DT_F32, DT_F16, DT_Q8_0}) {
+        ok &= store_pairs(dt, 1, 64, dt != DT_F16, true);
+        ok &= store_pairs(dt, 5, 96, dt == DT_F16, false);
+    }
+    ok &= add_norms(1, 576);
+    ok &= add_norms(3, 200);
+    if (!ok) return 1;
+    std::printf("fused-check: every fused kernel equals the kernels it replaces, bit for bit\n");
+    return 0;
+}
