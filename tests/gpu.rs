@@ -1306,27 +1306,27 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                     let e = if pool { e.with_kv_pool(8).unwrap() } else { e };
                     let mut s = e.new_session(64).unwrap();
                     let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
-                    let k0 = e.backend().kernels_run().unwrap();
+                    let k0 = e.backend().device_ops_run().unwrap();
                     let t0 = std::time::Instant::now();
                     for _ in 0..steps {
                         let t = common::greedy(out.last().unwrap());
                         out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
                     }
-                    let kernels = e.backend().kernels_run().unwrap() - k0;
-                    (out, t0.elapsed().as_secs_f64(), e.recorded_steps(), kernels)
+                    let ops = e.backend().device_ops_run().unwrap() - k0;
+                    (out, t0.elapsed().as_secs_f64(), e.recorded_steps(), ops)
                 };
                 let (want, plain_s, _, launched) = run(false);
                 let (got, rec_s, counts, replayed) = run(true);
                 println!(
                     "{what}: {steps} decode steps launched {:.0} tok/s, recorded {:.0} tok/s; \
-                     recorded/replayed {counts:?}; {:.1} kernels per step",
+                     recorded/replayed {counts:?}; {:.1} device operations per step",
                     steps as f64 / plain_s,
                     steps as f64 / rec_s,
                     launched as f64 / steps as f64
                 );
                 assert_eq!(counts, (1, steps as u64 - 2), "{what}");
-                // A replayed step's graph holds exactly the kernels a launched step launches.
-                assert_eq!(replayed, launched, "{what}: kernels run");
+                // A replayed step's graph holds exactly the operations a launched step issues.
+                assert_eq!(replayed, launched, "{what}: device operations run");
                 let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
                 assert!(
                     first_diff.is_none(),

@@ -231,3 +231,49 @@ fn a_probed_session_records_and_remembers_the_same_queries() {
         assert_eq!(rec.recorded_steps(), (1, 22), "pooled {pool}");
     }
 }
+
+/// A recorded decode step of a Llama-shaped model holds per layer exactly these backend calls:
+/// the fused ones (q, k and v in one matmul call, q and k rotated together, k and v stored
+/// together, the residual add inside the FFN's norm; gate and up in one call), 11 where the
+/// unfused layer took 16. On CUDA each is one kernel, but for a block-format matmul's
+/// quantization of its input and attention's split and combine.
+#[test]
+fn a_recorded_decode_step_calls_the_fused_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    let layer = [
+        "rms_norm",
+        "matmul_parts",
+        "rope_pair",
+        "store_kv_pair",
+        "attention",
+        "matmul_into",
+        "add_rms_norm",
+        "matmul_parts",
+        "gated",
+        "matmul_into",
+        "add",
+    ];
+    for (weights, m) in common::recordable_models(&dir) {
+        let e = engine(&m, KvType::F16, false, true);
+        let mut s = e.new_session(CTX).unwrap();
+        decode(&e, &mut s, &prompt(m.spec.vocab_size), 3);
+        assert_eq!(e.recorded_steps().0, 1, "{weights}");
+        let ops = e.backend().recorded_ops().unwrap();
+        let n = m.spec.n_layers;
+        for l in 0..n {
+            assert_eq!(
+                ops[l * layer.len()..(l + 1) * layer.len()],
+                layer,
+                "{weights}: layer {l} of {ops:?}"
+            );
+        }
+        // Then the head: the last row, its norm and the output matmul (reshapes are no device
+        // work).
+        let head: Vec<&str> = ops[n * layer.len()..]
+            .iter()
+            .copied()
+            .filter(|&op| op != "reshape")
+            .collect();
+        assert_eq!(head, ["copy_rows", "rms_norm", "matmul_into"], "{weights}");
+    }
+}

@@ -848,9 +848,10 @@ pub trait Backend: Send + Sync + 'static {
         })
     }
 
-    /// Device kernels run so far, where the backend counts them (CUDA: each launch, and each
-    /// kernel of a replayed recording); `None` elsewhere.
-    fn kernels_run(&self) -> Option<u64> {
+    /// Device operations run so far, where the backend counts them (CUDA: each kernel launch,
+    /// copy or fill within device memory, and each node of a replayed recording, which holds
+    /// exactly those); `None` elsewhere.
+    fn device_ops_run(&self) -> Option<u64> {
         None
     }
 

@@ -14,7 +14,7 @@ use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
 use super::cuda::step_position_word;
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs,
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result, RopePairs,
     STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
@@ -42,6 +42,8 @@ struct Steps {
     position: Option<usize>,
     buf: Option<DeviceAlloc>,
     signing: Option<Vec<Signed>>,
+    /// The ops of the last step recorded, by name ([`SimBackend::recorded_ops`]).
+    last_recorded: Vec<&'static str>,
 }
 
 /// One op of a recorded step: its name and a hash of its arguments (buffers by allocation,
@@ -175,6 +177,13 @@ impl SimBackend {
 
     pub fn ledger(&self) -> &Arc<Ledger> {
         self.mem.ledger()
+    }
+
+    /// The ops of the last step recorded here, in order: one per backend call the engine made
+    /// (each one kernel on CUDA, but for a block-format matmul's quantization of its input and
+    /// attention's split and combine).
+    pub fn recorded_ops(&self) -> Result<Vec<&'static str>> {
+        Ok(self.steps()?.last_recorded.clone())
     }
 
     fn reserve(&self, bytes: usize, what: &str) -> Result<DeviceAlloc> {
@@ -489,6 +498,23 @@ impl Backend for SimBackend {
             .store_kv(&src.t, &mut dst.kv, table.map(|t| &t.t), dst_row)
     }
 
+    fn store_kv_pair(
+        &self,
+        (k, v): (&SimTensor, &SimTensor),
+        (kc, vc): (&mut SimKv, &mut SimKv),
+        table: Option<&SimKvTable>,
+        dst_row: usize,
+    ) -> Result<()> {
+        let (a, b) = (tensor_arg(k), tensor_arg(v));
+        let t = table.map_or(0, |t| t.mem.id);
+        let args = [a[0], a[1], a[2], b[0], b[1], b[2], kc.mem.id, vc.mem.id, t];
+        self.sign("store_kv_pair", &args)?;
+        let dst_row = self.position(dst_row)?;
+        let table = table.map(|t| &t.t);
+        self.cpu.store_kv(&k.t, &mut kc.kv, table, dst_row)?;
+        self.cpu.store_kv(&v.t, &mut vc.kv, table, dst_row)
+    }
+
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
         self.outside("read_kv")?;
         self.cpu.read_kv(&src.kv, first, out)?;
@@ -559,6 +585,36 @@ impl Backend for SimBackend {
             &[w.mem.id, a[0], a[1], a[2], b[0], b[1], b[2], col0 as u64],
         )?;
         self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
+    }
+
+    /// As CUDA: each part takes the workspace one matmul of it takes (block formats share one
+    /// quantization of `x`), signed as one op.
+    fn matmul_parts(
+        &self,
+        x: &SimTensor,
+        parts: &[MatmulPart<'_, SimWeight>],
+        outs: &mut [&mut SimTensor],
+    ) -> Result<()> {
+        super::check_parts(parts, outs.len())?;
+        let mut args = tensor_arg(x).to_vec();
+        for p in parts {
+            if let Some(t) = p.w.w.as_tensor() {
+                self.check_workspace(WorkspaceOp::Matmul {
+                    dtype: t.dtype,
+                    tokens: x.t.rows,
+                    rows: t.rows,
+                    cols: t.cols,
+                })?;
+            }
+            args.extend([p.w.mem.id, p.col0 as u64]);
+            args.extend(tensor_arg(outs[p.out]));
+        }
+        self.sign("matmul_parts", &args)?;
+        for p in parts {
+            self.cpu
+                .matmul_into(&p.w.w, &x.t, &mut outs[p.out].t, p.col0)?;
+        }
+        Ok(())
     }
 
     fn ffn_bundles_up(
@@ -696,6 +752,33 @@ impl Backend for SimBackend {
         self.cpu.rms_norm(&x.t, &w.w, eps, &mut out.t)
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut SimTensor,
+        y: &SimTensor,
+        w: &SimWeight,
+        eps: f32,
+        out: &mut SimTensor,
+    ) -> Result<()> {
+        let (a, b, c) = (tensor_arg(x), tensor_arg(y), tensor_arg(out));
+        let args = [
+            a[0],
+            a[1],
+            a[2],
+            b[0],
+            b[1],
+            b[2],
+            w.mem.id,
+            eps.to_bits().into(),
+            c[0],
+            c[1],
+            c[2],
+        ];
+        self.sign("add_rms_norm", &args)?;
+        self.cpu.add(&mut x.t, &y.t)?;
+        self.cpu.rms_norm(&x.t, &w.w, eps, &mut out.t)
+    }
+
     fn layer_norm(
         &self,
         x: &SimTensor,
@@ -743,6 +826,39 @@ impl Backend for SimBackend {
         let first_pos = self.position(first_pos)?;
         self.cpu
             .rope(&mut x.t, head_dim, rot_dims, pairs, &inv_freq.w, first_pos)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_pair(
+        &self,
+        q: &mut SimTensor,
+        k: &mut SimTensor,
+        head_dim: usize,
+        rot_dims: usize,
+        pairs: RopePairs,
+        inv_freq: &SimWeight,
+        first_pos: usize,
+    ) -> Result<()> {
+        let (a, b) = (tensor_arg(q), tensor_arg(k));
+        let args = [
+            a[0],
+            a[1],
+            a[2],
+            b[0],
+            b[1],
+            b[2],
+            head_dim as u64,
+            rot_dims as u64,
+            pairs as u64,
+            inv_freq.mem.id,
+        ];
+        self.sign("rope_pair", &args)?;
+        let first_pos = self.position(first_pos)?;
+        let f = &inv_freq.w;
+        self.cpu
+            .rope(&mut q.t, head_dim, rot_dims, pairs, f, first_pos)?;
+        self.cpu
+            .rope(&mut k.t, head_dim, rot_dims, pairs, f, first_pos)
     }
 
     fn activate(&self, x: &mut SimTensor, act: Act, threshold: f32) -> Result<()> {
@@ -843,9 +959,9 @@ impl Backend for SimBackend {
         &self,
         ops: impl FnOnce() -> std::result::Result<(), E>,
     ) -> std::result::Result<SimRecording, E> {
-        Ok(SimRecording {
-            ops: self.signed(ops)?,
-        })
+        let ops = self.signed(ops)?;
+        self.steps()?.last_recorded = ops.iter().map(|s| s.op).collect();
+        Ok(SimRecording { ops })
     }
 
     fn replay<E: From<BackendError>>(

@@ -22,9 +22,9 @@ pub struct Measured {
     pub decode_tokens_per_s: f64,
     /// Single-token steps of the last repetition.
     pub decode_steps: usize,
-    /// Device kernels run per decode step (last repetition), where the backend counts them
-    /// (CUDA: launched, or replayed in a recorded step).
-    pub kernels_per_decode_step: Option<f64>,
+    /// Device operations (kernels, on-device copies) run per decode step (last repetition),
+    /// where the backend counts them (CUDA: launched, or replayed in a recorded step).
+    pub device_ops_per_decode_step: Option<f64>,
     pub reps: usize,
     /// The ledger when the first token was chosen, and at the end (last repetition).
     pub after_prefill: LedgerSnapshot,
@@ -49,7 +49,7 @@ pub fn measure<B: Backend>(
             stop_at_eog: false,
         };
         let mut first = None;
-        let mut kernels_at_first = None;
+        let mut ops_at_first = None;
         let mut session = engine.new_session(ctx)?;
         let t0 = Instant::now();
         let g = generate(
@@ -61,18 +61,18 @@ pub fn measure<B: Backend>(
             &mut |_| {
                 if first.is_none() {
                     first = Some((t0.elapsed().as_secs_f64(), snapshot()));
-                    kernels_at_first = engine.backend().kernels_run();
+                    ops_at_first = engine.backend().device_ops_run();
                 }
                 true
             },
         )?;
         let (ttft, after) = first.unwrap_or_default();
         let steps = g.timings.decode_steps;
-        let kernels = match (kernels_at_first, engine.backend().kernels_run()) {
+        let ops = match (ops_at_first, engine.backend().device_ops_run()) {
             (Some(a), Some(b)) if steps > 0 => Some((b - a) as f64 / steps as f64),
             _ => None,
         };
-        Ok::<_, crate::engine::EngineError>((ttft, g.timings, after, snapshot(), kernels))
+        Ok::<_, crate::engine::EngineError>((ttft, g.timings, after, snapshot(), ops))
     };
     let warm = prompt.len().min(WARMUP_PROMPT);
     run(&prompt[..warm], tokens.min(2))?;
@@ -83,12 +83,12 @@ pub fn measure<B: Backend>(
     };
     let (mut ttft, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..reps.max(1) {
-        let (t, timings, after, end, kernels) = run(prompt, tokens)?;
+        let (t, timings, after, end, ops) = run(prompt, tokens)?;
         ttft.push(t);
         prefill.push(timings.prefill_tokens_per_s());
         decode.push(timings.decode_tokens_per_s());
         out.decode_steps = timings.decode_steps;
-        out.kernels_per_decode_step = kernels;
+        out.device_ops_per_decode_step = ops;
         out.after_prefill = after;
         out.end = end;
     }

@@ -741,7 +741,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
         "cuda_graphs": {"on": a.model.cuda_graphs, "recorded": recorded, "replayed": replayed},
-        "kernels_per_decode_step": m.kernels_per_decode_step,
+        "device_ops_per_decode_step": m.device_ops_per_decode_step,
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
         "decode_tokens_per_s": m.decode_tokens_per_s,
         "bound": format!("{} (bytes per token ÷ rate)", bound.limited_by),
@@ -771,8 +771,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
         if a.model.cuda_graphs {
             println!("decode steps recorded {recorded}, replayed {replayed}");
         }
-        if let Some(k) = m.kernels_per_decode_step {
-            println!("{k:.1} device kernels per decode step");
+        if let Some(k) = m.device_ops_per_decode_step {
+            println!("{k:.1} device operations (kernels, on-device copies) per decode step");
         }
     }
     bounds::check("decode (tokens/s)", m.decode_tokens_per_s, &bound, &rates)?;

@@ -364,15 +364,15 @@ pub struct CudaBackend {
     /// whether the compute stream is being captured into a graph now.
     step_position: Mutex<Option<DeviceBuf>>,
     recording: std::sync::atomic::AtomicBool,
-    /// Kernels run: each launch (a cuBLAS call counts one), and each node of a replayed
-    /// recording ([`Backend::kernels_run`]).
-    kernels: std::sync::atomic::AtomicU64,
+    /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within
+    /// device memory, and each node of a replayed recording ([`Backend::device_ops_run`]).
+    device_ops: std::sync::atomic::AtomicU64,
 }
 
-/// A recorded step: a CUDA graph, instantiated, and how many kernels it holds.
+/// A recorded step: a CUDA graph, instantiated, and how many operations (nodes) it holds.
 pub struct CudaRecording {
     graph: cudarc::driver::CudaGraph,
-    kernels: u64,
+    nodes: u64,
 }
 
 // SAFETY: a graph needs its calls serialised, not a thread of its own (CUDA's graph thread-safety
@@ -581,11 +581,11 @@ macro_rules! launch_on {
     }};
 }
 
-/// Launch `$f` on the compute stream (counted in `kernels`).
+/// Launch `$f` on the compute stream (counted in `device_ops`).
 macro_rules! launch {
     ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
         launch_on!($self.compute, $f, $cfg, $($arg),*);
-        $self.kernels.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        $self.counted();
     }};
 }
 
@@ -664,7 +664,7 @@ impl CudaBackend {
             fixed_bytes: None,
             step_position: Mutex::new(None),
             recording: std::sync::atomic::AtomicBool::new(false),
-            kernels: std::sync::atomic::AtomicU64::new(0),
+            device_ops: std::sync::atomic::AtomicU64::new(0),
         };
         for (name, _) in kernels::MODULES {
             me.modules.get(&me.ctx, name)?;
@@ -1237,9 +1237,14 @@ impl CudaBackend {
         if st != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Err(BackendError::Device(format!("cublasGemmEx: {st:?}")));
         }
-        self.kernels
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.counted();
         Ok(())
+    }
+
+    /// One more device operation run ([`Backend::device_ops_run`]).
+    fn counted(&self) {
+        self.device_ops
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Elementwise launch over `n` values.
@@ -1645,7 +1650,9 @@ impl Backend for CudaBackend {
                 self.compute.cu_stream(),
             )
         }
-        .map_err(dev)
+        .map_err(dev)?;
+        self.counted();
+        Ok(())
     }
 
     fn shape(&self, t: &CudaTensor) -> (usize, usize) {
@@ -2305,7 +2312,9 @@ impl Backend for CudaBackend {
                 self.compute.cu_stream(),
             )
         }
-        .map_err(dev)
+        .map_err(dev)?;
+        self.counted();
+        Ok(())
     }
 
     fn add_bias(&self, x: &mut CudaTensor, bias: &CudaWeight) -> Result<()> {
@@ -2804,12 +2813,12 @@ impl Backend for CudaBackend {
         if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
             return Err(BackendError::Device(format!("cuGraphGetNodes: {r:?}")).into());
         }
-        // Captured work does not run (the launches counted while capturing stand for this
+        // Captured work does not run (the operations counted while capturing stand for this
         // run): this step runs now, as its replays will.
         graph.launch().map_err(dev)?;
         Ok(CudaRecording {
             graph,
-            kernels: nodes as u64,
+            nodes: nodes as u64,
         })
     }
 
@@ -2821,13 +2830,13 @@ impl Backend for CudaBackend {
         self.outside("replay")?;
         self.step_position_ptr()?;
         rec.graph.launch().map_err(dev)?;
-        self.kernels
-            .fetch_add(rec.kernels, std::sync::atomic::Ordering::Relaxed);
+        self.device_ops
+            .fetch_add(rec.nodes, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 
-    fn kernels_run(&self) -> Option<u64> {
-        Some(self.kernels.load(std::sync::atomic::Ordering::Relaxed))
+    fn device_ops_run(&self) -> Option<u64> {
+        Some(self.device_ops.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 
