@@ -259,6 +259,27 @@ struct ActBlock {
     int qs[8];  // 32 i8 codes, 4 per int (little-endian bytes)
 };
 
+// One ActBlock from a warp, lane k holding value k, exactly as the CPU quantizer: d =
+// max|x|/127 (stored f16-rounded), q = round-half-even(x·127/max|x|), s = f16(d·Σq).
+__device__ __forceinline__ void quantize_block_warp(float v, ActBlock* o) {
+    int lane = threadIdx.x & 31;
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int q = __float2int_rn(v * id);
+    int isum = warp_sum_i(q);
+    // Gather the 32 codes into 8 little-endian ints: lane k holds byte k % 4 of int k / 4.
+    u32 byte = (u32)(q & 0xff) << (8 * (lane & 3));
+    byte |= __shfl_xor_sync(0xffffffffu, byte, 1);
+    byte |= __shfl_xor_sync(0xffffffffu, byte, 2);
+    if ((lane & 3) == 0) o->qs[lane >> 2] = (int)byte;
+    if (lane == 0) {
+        o->d = h2f(f2h(d));
+        o->isum = isum;
+        o->s = h2f(f2h(d * (float)isum));
+    }
+}
+
 __device__ __forceinline__ float act(float x, int kind) {
     switch (kind) {
         case ACT_SILU: return x / (1.0f + expf(-x));

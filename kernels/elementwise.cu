@@ -38,30 +38,13 @@ extern "C" __global__ void add_table_rows(float* x, const u8* table, int dtype, 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) x[(long long)t * cols + j] += load_elem(row, dtype, j);
 }
 
-// Quantize `blocks` runs of 32 activations to ActBlocks, exactly as the CPU quantizer:
-// d = max|x|/127 (stored f16-rounded), q = round-half-even(x·127/max|x|), s = f16(d·Σq).
-// One warp per block.
+// Quantize `blocks` runs of 32 activations to ActBlocks (quantize_block_warp). One warp per
+// block.
 extern "C" __global__ void quantize_q8(const float* x, long long blocks, ActBlock* out) {
     long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (b >= blocks) return;
-    float v = x[b * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int q = __float2int_rn(v * id);
-    int isum = warp_sum_i(q);
-    // Gather the 32 codes into 8 little-endian ints: lane k holds byte k % 4 of int k / 4.
-    u32 byte = (u32)(q & 0xff) << (8 * (lane & 3));
-    byte |= __shfl_xor_sync(0xffffffffu, byte, 1);
-    byte |= __shfl_xor_sync(0xffffffffu, byte, 2);
-    ActBlock* o = out + b;
-    if ((lane & 3) == 0) o->qs[lane >> 2] = (int)byte;
-    if (lane == 0) {
-        o->d = h2f(f2h(d));
-        o->isum = isum;
-        o->s = h2f(f2h(d * (float)isum));
-    }
+    quantize_block_warp(x[b * 32 + lane], out + b);
 }
 
 extern "C" __global__ void f32_to_f16(const float* x, u16* y, long long n) {

@@ -139,6 +139,26 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
     return 0;
 }
 
+// One token's activations, at most QX_MAX_COLS of them, quantized by the block's own warps into
+// shared memory (quantize_block_warp, as quantize_q8 does): a decode step's block-format matvec
+// needs no quantize launch before it. Wider rows keep the launch: there every block would
+// repeat a quantization worth more than the launch it saves.
+#define QX_MAX_COLS 2048
+__device__ __forceinline__ void quantize_shared(const float* x, int cols, ActBlock* xs) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int b = warp; b < cols / 32; b += WARPS) quantize_block_warp(x[b * 32 + lane], xs + b);
+    __syncthreads();
+}
+
+extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, float* out,
+                                          int stride, int col0) {
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    quantize_shared(x, cols, xs);
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
+}
+
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
     int row;
     const MatvecPart* p = part_row(ps, &row);
@@ -167,4 +187,16 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int til
     for (int k = 0; k < 4; k++)
         packed[k] = (u32)f2h(load_elem(wr, dtype, c + 2 * k)) | ((u32)f2h(load_elem(wr, dtype, c + 2 * k + 1)) << 16);
     *(uint4*)(out + (long long)r * cols + c) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// The parts of one token's block-format products, its activations quantized in each block
+// (quantize_shared). `n` is 1 (taken so every parts kernel takes the same arguments).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x(MatvecParts ps, int cols,
+                                                                                const float* x, int n) {
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    quantize_shared(x, cols, xs);
+    int row;
+    const MatvecPart* p = part_row(ps, &row);
+    if (row < 0) return;
+    quant_row(p->w, p->dtype, row, cols, xs, 1, p->out, p->stride, p->col0);
 }

@@ -932,7 +932,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 /// The fused decode ops equal, bit for bit, the ops they stand in for on the same device:
 /// several weights times one input (mixed formats, token counts that share a launch and that do
-/// not, more weights than one launch takes, row blocks of one output), q and k rotated together,
+/// not, more weights than one launch takes, row blocks of one output), one token quantized
+/// inside its matvec against two quantized by a launch of their own, q and k rotated together,
 /// k and v stored together (every cache type, paged and not), the residual add in the norm.
 fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(12);
@@ -1028,6 +1029,34 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
                 "{what}: parts differ from one matmul each"
             );
         }
+        g.set_workspace(0).unwrap();
+    }
+
+    // One token's block-format matvec quantizes it in its own blocks (rows up to QX_MAX_COLS):
+    // the first of two tokens, quantized by a launch of its own, gets the same bits.
+    for (dtype, cols) in [
+        (DType::Q4_1, 576),
+        (DType::Q8_0, 2048),
+        (DType::Q4K, 1536),
+        (DType::Q6K, 4096),
+    ] {
+        let w = g.upload(&weight(&mut rng, dtype, 70, cols)).unwrap();
+        let xv = rand_vec(&mut rng, cols, 1.0);
+        let one = put(g, 1, cols, &xv);
+        let two = put(g, 2, cols, &[xv.clone(), xv].concat());
+        g.set_workspace(g.workspace_bytes(&WorkspaceOp::Matmul {
+            dtype,
+            tokens: 2,
+            rows: 70,
+            cols,
+        }))
+        .unwrap();
+        let (mut o1, mut o2) = (poisoned(g, 1, 70), poisoned(g, 2, 70));
+        g.matmul_into(&w, &one, &mut o1, 0).unwrap();
+        g.matmul_into(&w, &two, &mut o2, 0).unwrap();
+        let (a, b) = (get(g, &o1), get(g, &o2));
+        assert!(a.iter().all(|v| v.is_finite()), "{dtype} {cols}: unwritten");
+        assert_eq!(bits(&a), bits(&b[..70]), "{dtype} {cols}: one token vs two");
         g.set_workspace(0).unwrap();
     }
 

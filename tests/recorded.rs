@@ -235,8 +235,9 @@ fn a_probed_session_records_and_remembers_the_same_queries() {
 /// A recorded decode step of a Llama-shaped model holds per layer exactly these backend calls:
 /// the fused ones (q, k and v in one matmul call, q and k rotated together, k and v stored
 /// together, the residual add inside the FFN's norm; gate and up in one call), 11 where the
-/// unfused layer took 16. On CUDA each is one kernel, but for a block-format matmul's
-/// quantization of its input and attention's split and combine.
+/// unfused layer took 16. On CUDA each is one kernel but attention (split and combine): 12 a
+/// layer for these models (f16, and Q4_1 rows of up to `QX_MAX_COLS`, quantized inside the
+/// matvec), where the unfused layer launched 18 (f16) and 25 (Q4_1).
 #[test]
 fn a_recorded_decode_step_calls_the_fused_ops() {
     let dir = tempfile::tempdir().unwrap();

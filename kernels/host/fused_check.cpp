@@ -3,7 +3,8 @@
 // takes, never its numbers):
 //  - matvec_quant_parts / matvec_f16_parts: several weights times one activation (q, k, v; gate
 //    and up; blocks of one matrix at their column offsets), mixed block formats in one launch,
-//    against matvec_quant / matvec_f16_vec per weight;
+//    against matvec_quant / matvec_f16_vec per weight; matvec_quant_x / matvec_quant_parts_x
+//    (one token quantized in each block, no quantize launch) against quantize_q8 + matvec_quant;
 //  - rope_pair against rope of q and of k; store_kv_pair against store_kv of k and of v (every
 //    cache type, paged and not, position in device memory or not);
 //  - add_rms_norm against add_f32 then rms_norm.
@@ -105,27 +106,52 @@ static bool parts(const std::vector<int>& dtypes, const std::vector<int>& rows, 
                 matvec_f16_vec(ws[i].data.data(), ws[i].rows, cols, x.data(), n, out, stride, col0);
         });
     }
-    auto fused = outputs();
-    MatvecParts ps{};
-    unsigned grid = 0;
-    for (size_t i = 0; i < ws.size(); i++) {
-        int stride, col0;
-        shape(i, &stride, &col0);
-        ps.part[i] = {ws[i].data.data(), fused[joined ? 0 : i].data(), ws[i].dtype, ws[i].rows, stride, col0};
-        grid += (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
-    }
-    ps.count = (int)ws.size();
-    host_launch({grid, 1, 1}, WARPS * 32, [&] {
-        if (quant)
-            matvec_quant_parts(ps, cols, xq.data(), n);
-        else
-            matvec_f16_parts(ps, cols, x.data(), n);
-    });
-    bool ok = true;
-    for (size_t i = 0; i < one.size(); i++) {
-        // Every value written (no NaN left), and each the per-weight kernel's.
-        for (float v : fused[i]) ok &= v == v;
-        ok &= std::memcmp(one[i].data(), fused[i].data(), one[i].size() * 4) == 0;
+    // Every value written (no NaN left), and each the per-weight kernel's.
+    auto agree = [&](const std::vector<std::vector<float>>& got) {
+        bool same = true;
+        for (size_t i = 0; i < one.size(); i++) {
+            for (float v : got[i]) same &= v == v;
+            same &= std::memcmp(one[i].data(), got[i].data(), one[i].size() * 4) == 0;
+        }
+        return same;
+    };
+    // One launch for all (`in_blocks`: one token's activations quantized in each block).
+    auto launch_parts = [&](bool in_blocks) {
+        auto fused = outputs();
+        MatvecParts ps{};
+        unsigned grid = 0;
+        for (size_t i = 0; i < ws.size(); i++) {
+            int stride, col0;
+            shape(i, &stride, &col0);
+            ps.part[i] = {ws[i].data.data(), fused[joined ? 0 : i].data(), ws[i].dtype, ws[i].rows, stride, col0};
+            grid += (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
+        }
+        ps.count = (int)ws.size();
+        host_launch({grid, 1, 1}, WARPS * 32, [&] {
+            if (in_blocks)
+                matvec_quant_parts_x(ps, cols, x.data(), n);
+            else if (quant)
+                matvec_quant_parts(ps, cols, xq.data(), n);
+            else
+                matvec_f16_parts(ps, cols, x.data(), n);
+        });
+        return fused;
+    };
+    bool ok = agree(launch_parts(false));
+    if (quant && n == 1 && cols <= QX_MAX_COLS) {
+        // No quantize launch: each block quantizes the token itself, alone and in parts.
+        ok &= agree(launch_parts(true));
+        auto alone = outputs();
+        for (size_t i = 0; i < ws.size(); i++) {
+            int stride, col0;
+            shape(i, &stride, &col0);
+            float* out = alone[joined ? 0 : i].data();
+            unsigned grid = (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
+            host_launch({grid, 1, 1}, WARPS * 32, [&] {
+                matvec_quant_x(ws[i].data.data(), ws[i].dtype, ws[i].rows, cols, x.data(), out, stride, col0);
+            });
+        }
+        ok &= agree(alone);
     }
     char what[160];
     int at = std::snprintf(what, sizeof what, "%s parts, %d tokens,%s rows", quant ? "block" : "f16", n,
@@ -213,6 +239,7 @@ int main() {
     // q, k, v (GQA: k and v narrower, rows not a multiple of a block's 8); gate and up; one
     // matrix's row blocks into one output; mixed block formats; 1, a few and the most tokens.
     ok &= parts({DT_Q4_1, DT_Q4_1, DT_Q8_0}, {40, 13, 13}, 256, 1, false);
+    ok &= parts({DT_Q8_0, DT_Q4_1}, {9, 30}, QX_MAX_COLS, 1, true);
     ok &= parts({DT_Q4_1, DT_Q8_0}, {72, 72}, 128, 3, false);
     ok &= parts({DT_Q8_0, DT_Q4_1, DT_Q4_1, DT_Q8_0}, {8, 17, 5, 24}, 96, MAX_QTOKENS, true);
     ok &= parts({DT_F16, DT_F16, DT_F16}, {40, 13, 13}, 256, 1, false);

@@ -180,8 +180,8 @@ impl SimBackend {
     }
 
     /// The ops of the last step recorded here, in order: one per backend call the engine made
-    /// (each one kernel on CUDA, but for a block-format matmul's quantization of its input and
-    /// attention's split and combine).
+    /// (each one kernel on CUDA, but for attention's split and combine, and a quantize launch
+    /// before a block-format matmul of rows wider than `cuda::QX_MAX_COLS`).
     pub fn recorded_ops(&self) -> Result<Vec<&'static str>> {
         Ok(self.steps()?.last_recorded.clone())
     }

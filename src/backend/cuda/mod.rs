@@ -47,6 +47,9 @@ const MAX_TOKENS: usize = 8;
 /// each weight block is read once for all tokens; above it, block formats are decoded to f16
 /// tiles for cuBLAS.
 pub const MAX_QTOKENS: usize = 16;
+/// Widest rows whose one-token block-format matvec quantizes its activations itself, in each
+/// block (QX_MAX_COLS in kernels/matvec.cu): no quantize launch, no workspace.
+pub const QX_MAX_COLS: usize = 2048;
 /// Most bytes of one f16 tile a block-format weight is decoded into for cuBLAS (whole rows; a
 /// matrix smaller than this takes a tile of its own size).
 pub const DEQUANT_TILE_BYTES: usize = 16 << 20;
@@ -108,7 +111,9 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
             rows,
             cols,
         } => {
-            if uses_act_blocks(dtype) {
+            if uses_act_blocks(dtype) && quantizes_in_blocks(tokens, cols) {
+                0
+            } else if uses_act_blocks(dtype) {
                 // Activations quantized to 8-bit blocks for the integer dot products; above
                 // MAX_QTOKENS, the f16 activations and one decoded f16 tile for cuBLAS instead
                 // (the larger of the two is held, so the matvec path can stand in where cuBLAS
@@ -419,6 +424,12 @@ fn pairs_code(p: RopePairs) -> i32 {
         RopePairs::Adjacent => 0,
         RopePairs::Halves => 1,
     }
+}
+
+/// Whether a block-format matvec of `tokens` rows of `cols` activations quantizes them in its
+/// own blocks (`matvec_quant_x`): one token, rows of at most [`QX_MAX_COLS`].
+fn quantizes_in_blocks(tokens: usize, cols: usize) -> bool {
+    tokens == 1 && cols <= QX_MAX_COLS
 }
 
 fn act_code(a: Act) -> i32 {
@@ -2047,6 +2058,25 @@ impl Backend for CudaBackend {
         }
         let (rows, cols, stride, c0) = (w.rows as i32, w.cols as i32, out.cols as i32, col0 as i32);
         let grid = blocks(w.rows, WARPS);
+        if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
+            let f = self.func("matvec", "matvec_quant_x")?;
+            let dt = dtype_code(w.dtype);
+            let (xp, op) = (x.buf.ptr, out.buf.ptr);
+            launch!(
+                self,
+                f,
+                cfg(grid, WARPS * 32),
+                w.buf.ptr,
+                dt,
+                rows,
+                cols,
+                xp,
+                op,
+                stride,
+                c0
+            );
+            return Ok(());
+        }
         let q = if uses_act_blocks(w.dtype) {
             self.quantize(x.buf.ptr, n, w.cols, ws)?;
             Some(ws)
@@ -2154,7 +2184,9 @@ impl Backend for CudaBackend {
                 .filter(|&(_, &h)| h == kind)
                 .map(|(p, _)| (p.w, &*outs[p.out], p.col0))
                 .collect();
-            if kind == PartLaunch::Blocks {
+            if kind == PartLaunch::Blocks && quantizes_in_blocks(n, x.cols) {
+                self.launch_parts("matvec_quant_parts_x", x.buf.ptr, (x.cols, n), &group)?;
+            } else if kind == PartLaunch::Blocks {
                 // The activations quantized once, into the workspace one matmul of them takes.
                 let w = group[0].0;
                 let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
@@ -2883,6 +2915,19 @@ mod tests {
             };
             let blocks = |tokens: u64| device_bytes(tokens * 512 / 32 * ACT_BLOCK_BYTES as u64);
             if dtype.is_quantized() {
+                // One token of rows up to QX_MAX_COLS: quantized in the matvec's own blocks.
+                assert_eq!(workspace_bytes(&op(1)), 0, "{dtype}");
+                let wide = WorkspaceOp::Matmul {
+                    dtype,
+                    tokens: 1,
+                    rows: 1000,
+                    cols: 4096,
+                };
+                assert_eq!(
+                    workspace_bytes(&wide),
+                    device_bytes(4096 / 32 * ACT_BLOCK_BYTES as u64),
+                    "{dtype}"
+                );
                 assert_eq!(workspace_bytes(&op(3)), blocks(3), "{dtype}");
                 assert_eq!(workspace_bytes(&op(MAX_QTOKENS)), blocks(16), "{dtype}");
                 // Above MAX_QTOKENS: f16 activations + one tile (the whole 1000-row matrix,
