@@ -233,16 +233,17 @@ fn a_probed_session_records_and_remembers_the_same_queries() {
 }
 
 /// A recorded decode step of a Llama-shaped model holds per layer exactly these backend calls:
-/// the fused ones (q, k and v in one matmul call, q and k rotated together, k and v stored
-/// together, the residual add inside the FFN's norm; gate and up in one call), 11 where the
-/// unfused layer took 16. On CUDA each is one kernel but attention (split and combine): 12 a
-/// layer for these models (f16, and Q4_1 rows of up to `QX_MAX_COLS`, quantized inside the
-/// matvec), where the unfused layer launched 18 (f16) and 25 (Q4_1).
+/// the fused ones (the last layer's residual added inside this one's norm, q, k and v in one
+/// matmul call, q and k rotated together, k and v stored together, the attention's residual
+/// added inside the FFN's norm, gate and up in one call), 10 where the unfused layer took 16.
+/// On CUDA each is one kernel but attention (split and combine): 11 a layer for these models
+/// (f16, and Q4_1 rows of up to `QX_MAX_COLS`, quantized inside the matvec), where the unfused
+/// layer launched 18 (f16) and 25 (Q4_1).
 #[test]
 fn a_recorded_decode_step_calls_the_fused_ops() {
     let dir = tempfile::tempdir().unwrap();
     let layer = [
-        "rms_norm",
+        "add_rms_norm",
         "matmul_parts",
         "rope_pair",
         "store_kv_pair",
@@ -252,7 +253,6 @@ fn a_recorded_decode_step_calls_the_fused_ops() {
         "matmul_parts",
         "gated",
         "matmul_into",
-        "add",
     ];
     for (weights, m) in common::recordable_models(&dir) {
         let e = engine(&m, KvType::F16, false, true);
@@ -261,20 +261,26 @@ fn a_recorded_decode_step_calls_the_fused_ops() {
         assert_eq!(e.recorded_steps().0, 1, "{weights}");
         let ops = e.backend().recorded_ops().unwrap();
         let n = m.spec.n_layers;
+        // The first layer's norm has no residual before it.
+        assert_eq!(ops[0], "rms_norm", "{weights}: {ops:?}");
         for l in 0..n {
-            assert_eq!(
-                ops[l * layer.len()..(l + 1) * layer.len()],
-                layer,
-                "{weights}: layer {l} of {ops:?}"
-            );
+            let at = &ops[l * layer.len()..(l + 1) * layer.len()];
+            assert_eq!(at[1..], layer[1..], "{weights}: layer {l} of {ops:?}");
+            if l > 0 {
+                assert_eq!(at[0], layer[0], "{weights}: layer {l} of {ops:?}");
+            }
         }
-        // Then the head: the last row, its norm and the output matmul (reshapes are no device
-        // work).
+        // Then the last residual, and the head: the last row, its norm and the output matmul
+        // (reshapes are no device work).
         let head: Vec<&str> = ops[n * layer.len()..]
             .iter()
             .copied()
             .filter(|&op| op != "reshape")
             .collect();
-        assert_eq!(head, ["copy_rows", "rms_norm", "matmul_into"], "{weights}");
+        assert_eq!(
+            head,
+            ["add", "copy_rows", "rms_norm", "matmul_into"],
+            "{weights}"
+        );
     }
 }

@@ -608,6 +608,9 @@ struct Scratch<B: Backend> {
     logits: Option<LogitBuffers<B>>,
     /// Where hybrid layers' FFN inputs land on the host (made at the first hybrid layer).
     stage: Option<HostStage>,
+    /// `proj` holds a layer's last residual, not yet added to `x`: the next layer adds it in
+    /// its norm (one op); before anything else reads `x`, [`Engine::add_residual`].
+    residual: bool,
 }
 
 struct LogitBuffers<B: Backend> {
@@ -1501,6 +1504,7 @@ impl<B: Backend> Engine<B> {
             row: [next()?, next()?, next()?, next()?],
             logits: None,
             stage: None,
+            residual: false,
         })
     }
 
@@ -1568,9 +1572,14 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// The attention block's inputs from `sc.x`: its norm into `sc.h`, then q, k and v.
+    /// The attention block's inputs from `sc.x` (the last layer's residual added first): its
+    /// norm into `sc.h`, then q, k and v.
     fn attention_inputs(&self, layer: &LayerView<B>, sc: &mut Scratch<B>) -> Result<()> {
-        self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+        if std::mem::take(&mut sc.residual) {
+            self.add_norm(&mut sc.x, &sc.proj, &layer.attn_norm, &mut sc.h)?;
+        } else {
+            self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
+        }
         let outs: &mut [&mut B::Tensor] = &mut [&mut sc.q, &mut sc.k, &mut sc.v];
         self.linears(&[&layer.wq, &layer.wk, &layer.wv], &sc.h, outs)
     }
@@ -2162,6 +2171,7 @@ impl<B: Backend> Engine<B> {
                 }
                 source.layer_done(b, l)?;
             }
+            self.add_residual(&mut sc)?;
             self.head_of(source, &mut sc, &lasts)
         })();
         pass.scratch = Some(sc);
@@ -2183,7 +2193,11 @@ impl<B: Backend> Engine<B> {
     fn take_scratch(&self, pass: &mut Pass<B>, n: usize) -> Result<Scratch<B>> {
         match pass.scratch.take() {
             Some(mut sc) if sc.cap >= n => match self.narrow(&mut sc, n) {
-                Ok(()) => Ok(sc),
+                Ok(()) => {
+                    // A step that failed may have left its residual pending.
+                    sc.residual = false;
+                    Ok(sc)
+                }
                 Err(e) => {
                     pass.scratch = Some(sc);
                     Err(e)
@@ -2411,9 +2425,9 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The rest of layer `l` once `sc.attn` holds the attention output: the output projection
-    /// and the FFN, each added to `sc.x`.
+    /// added to `sc.x`, then the FFN, left in `sc.proj` for the next layer's norm to add
+    /// (`sc.residual`).
     fn finish_layer(&self, layer: &mut LayerView<B>, l: usize, sc: &mut Scratch<B>) -> Result<()> {
-        let b = &self.backend;
         self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
         // The residual add, and the feed-forward block's norm.
         self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
@@ -2421,7 +2435,16 @@ impl<B: Backend> Engine<B> {
             Some(unit) => self.unit_ffn(l, &layer.ffn, unit, sc)?,
             None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), sc)?,
         }
-        b.add(&mut sc.x, &sc.proj)?;
+        sc.residual = true;
+        Ok(())
+    }
+
+    /// Add the last layer's residual to `sc.x` if it is pending: before anything but the next
+    /// layer reads `sc.x`.
+    fn add_residual(&self, sc: &mut Scratch<B>) -> Result<()> {
+        if std::mem::take(&mut sc.residual) {
+            self.backend.add(&mut sc.x, &sc.proj)?;
+        }
         Ok(())
     }
 
@@ -2594,6 +2617,8 @@ impl<B: Backend> Engine<B> {
         let placed = b.set_step_position(pos);
         let now = b.allocations();
         let mut ops = |session: &mut Session<B>| -> Result<()> {
+            // From the embedding: a recording that failed ran nothing on CUDA.
+            sc.residual = false;
             for l in 0..self.spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
@@ -2601,6 +2626,7 @@ impl<B: Backend> Engine<B> {
                 }
                 source.layer_done(b, l)?;
             }
+            self.add_residual(sc)?;
             self.head_ops(source, sc, &[sc.n - 1])
         };
         let held = std::mem::replace(&mut session.recorded, Recorded::None);
@@ -2691,6 +2717,7 @@ impl<B: Backend> Engine<B> {
             }
             source.layer_done(b, l)?;
         }
+        self.add_residual(&mut sc)?;
         let next = Self::probe_commit(session, pos, n, ring_at);
         if let Some(p) = &mut session.probe {
             p.next = next;
@@ -2777,6 +2804,7 @@ impl<B: Backend> Engine<B> {
                             Some(ring_at),
                             false,
                         )?;
+                        self.add_residual(&mut sc)?;
                         hidden.put(b, &sc.x, a)?;
                         if let Some(t) = &self.step_tap {
                             t.group_done(l, a, len);
