@@ -39,35 +39,58 @@ extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int co
     write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
-// One weight row of f16 (cols % 8 == 0) times n tokens: 16-byte loads, two in flight per lane.
+// Eight f16 weights (one 16-byte load, the `v`-th of the row) times each token's values there.
+template <int MAXT>
+__device__ __forceinline__ void f16_vec_dot(uint4 q, int v, int cols, const float* x, int n, float* acc) {
+    u32 words[4] = {q.x, q.y, q.z, q.w};
+    float wv[8];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        wv[2 * k] = h2f((u16)(words[k] & 0xffff));
+        wv[2 * k + 1] = h2f((u16)(words[k] >> 16));
+    }
+#pragma unroll
+    for (int t = 0; t < MAXT; t++) {
+        if (t < n) {
+            const float4* xv = (const float4*)(x + (long long)t * cols + 8 * v);
+            float4 a = xv[0], b = xv[1];
+            acc[t] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y +
+                      wv[6] * b.z + wv[7] * b.w;
+        }
+    }
+}
+
+// One weight row of f16 (cols % 8 == 0) times n ≤ MAXT tokens: 16-byte loads, LOADS of them
+// issued before any is used (a lane's loads in flight are what keeps HBM busy), summed in the
+// same order as one at a time, so every MAXT gives the same bits. One token (a decode step)
+// has the registers for four in flight; up to MAX_TOKENS, one.
+template <int MAXT, int LOADS>
 __device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const float* x, int n, float* out, int stride,
                                         int col0) {
     int lane = threadIdx.x & 31;
     const uint4* wr = (const uint4*)(w + 2LL * cols * row);
     int vecs = cols / 8;
-    float acc[MAX_TOKENS];
+    float acc[MAXT];
 #pragma unroll
-    for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.0f;
-    for (int v = lane; v < vecs; v += 32) {
-        uint4 q = __ldg(wr + v);
-        u32 words[4] = {q.x, q.y, q.z, q.w};
-        float wv[8];
+    for (int t = 0; t < MAXT; t++) acc[t] = 0.0f;
+    for (int v = lane; v < vecs; v += 32 * LOADS) {
+        uint4 q[LOADS];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            wv[2 * k] = h2f((u16)(words[k] & 0xffff));
-            wv[2 * k + 1] = h2f((u16)(words[k] >> 16));
-        }
+        for (int k = 0; k < LOADS; k++) q[k] = v + 32 * k < vecs ? __ldg(wr + v + 32 * k) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
-            if (t < n) {
-                const float4* xv = (const float4*)(x + (long long)t * cols + 8 * v);
-                float4 a = xv[0], b = xv[1];
-                acc[t] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y +
-                          wv[6] * b.z + wv[7] * b.w;
-            }
-        }
+        for (int k = 0; k < LOADS; k++)
+            if (v + 32 * k < vecs) f16_vec_dot<MAXT>(q[k], v + 32 * k, cols, x, n, acc);
     }
-    write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
+    write_out<MAXT>(acc, n, out, stride, col0, row);
+}
+
+// f16_row for a launch of n tokens: one (four loads in flight), or up to MAX_TOKENS.
+__device__ __forceinline__ void f16_row_n(const u8* w, int row, int cols, const float* x, int n, float* out,
+                                          int stride, int col0) {
+    if (n == 1)
+        f16_row<1, 4>(w, row, cols, x, n, out, stride, col0);
+    else
+        f16_row<MAX_TOKENS, 1>(w, row, cols, x, n, out, stride, col0);
 }
 
 // One weight row of a block format times n tokens' activation blocks (`xq`: n rows of cols/32),
@@ -94,7 +117,7 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const
                                           int stride, int col0) {
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
-    f16_row(w, row, cols, x, n, out, stride, col0);
+    f16_row_n(w, row, cols, x, n, out, stride, col0);
 }
 
 // Block formats, up to MAX_QTOKENS tokens per launch.
@@ -163,7 +186,7 @@ extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const floa
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;
-    f16_row(p->w, row, cols, x, n, p->out, p->stride, p->col0);
+    f16_row_n(p->w, row, cols, x, n, p->out, p->stride, p->col0);
 }
 
 // Held to matvec_quant's 64 registers (4 blocks per SM), which it reaches without spilling.

@@ -932,9 +932,10 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 /// The fused decode ops equal, bit for bit, the ops they stand in for on the same device:
 /// several weights times one input (mixed formats, token counts that share a launch and that do
-/// not, more weights than one launch takes, row blocks of one output), one token quantized
-/// inside its matvec against two quantized by a launch of their own, q and k rotated together,
-/// k and v stored together (every cache type, paged and not), the residual add in the norm.
+/// not, more weights than one launch takes, row blocks of one output), one token's matvec (block
+/// formats quantized inside it, f16 with more loads in flight) against the first of two, q and
+/// k rotated together, k and v stored together (every cache type, paged and not), the residual
+/// add in the norm.
 fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(12);
     // (formats, rows of each, cols, tokens, one output for all)
@@ -1032,13 +1033,16 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         g.set_workspace(0).unwrap();
     }
 
-    // One token's block-format matvec quantizes it in its own blocks (rows up to QX_MAX_COLS):
-    // the first of two tokens, quantized by a launch of its own, gets the same bits.
+    // One token's block-format matvec quantizes it in its own blocks (rows up to QX_MAX_COLS),
+    // and one token's f16 matvec keeps four loads in flight: the first of two tokens (quantized
+    // by a launch of its own; f16 loads one at a time) gets the same bits.
     for (dtype, cols) in [
         (DType::Q4_1, 576),
         (DType::Q8_0, 2048),
         (DType::Q4K, 1536),
         (DType::Q6K, 4096),
+        (DType::F16, 4096),
+        (DType::F16, 1320),
     ] {
         let w = g.upload(&weight(&mut rng, dtype, 70, cols)).unwrap();
         let xv = rand_vec(&mut rng, cols, 1.0);

@@ -162,6 +162,32 @@ static bool parts(const std::vector<int>& dtypes, const std::vector<int>& rows, 
     return ok;
 }
 
+// One token of f16 rows (four loads in flight per lane) against the first of two (one at a time):
+// the same bits; and both within f32 rounding of the product in double. `cols` past a whole
+// number of rounds leaves some lanes' last loads out.
+static bool f16_one_token(int rows, int cols) {
+    auto w = weights(DT_F16, rows, cols);
+    auto x = uniform((size_t)cols);
+    std::vector<float> x2 = x;
+    x2.insert(x2.end(), x.begin(), x.end());
+    std::vector<float> one((size_t)rows, NAN), two((size_t)2 * rows, NAN);
+    unsigned grid = (unsigned)((rows + WARPS - 1) / WARPS);
+    host_launch({grid, 1, 1}, WARPS * 32, [&] { matvec_f16_vec(w.data(), rows, cols, x.data(), 1, one.data(), rows, 0); });
+    host_launch({grid, 1, 1}, WARPS * 32, [&] { matvec_f16_vec(w.data(), rows, cols, x2.data(), 2, two.data(), rows, 0); });
+    double err = 0.0, scale = 0.0;
+    for (int r = 0; r < rows; r++) {
+        double want = 0.0;
+        for (int c = 0; c < cols; c++) want += (double)h2f(((const u16*)w.data())[(size_t)r * cols + c]) * x[c];
+        err = std::fmax(err, std::fabs(one[r] - want));
+        scale = std::fmax(scale, std::fabs(want));
+    }
+    bool close = err <= 1e-5 * std::fmax(scale, 1.0);
+    bool ok = std::memcmp(one.data(), two.data(), rows * 4) == 0 && std::memcmp(two.data(), two.data() + rows, rows * 4) == 0;
+    std::printf("fused-check: f16 matvec of one token vs two, %d rows of %d: %s, %.1e from the double product%s\n", rows,
+                cols, ok ? "bit-identical" : "DIFFERENT", err / std::fmax(scale, 1.0), ok && close ? "" : "  FAILED");
+    return ok && close;
+}
+
 static bool rope_pairs(int rows, int heads, int kv_heads, int hd, int rot, int pairs, bool at) {
     auto inv = uniform((size_t)rot / 2, 0.001f, 1.0f);
     auto q = uniform((size_t)rows * heads * hd), k = uniform((size_t)rows * kv_heads * hd);
@@ -244,6 +270,8 @@ int main() {
     ok &= parts({DT_Q8_0, DT_Q4_1, DT_Q4_1, DT_Q8_0}, {8, 17, 5, 24}, 96, MAX_QTOKENS, true);
     ok &= parts({DT_F16, DT_F16, DT_F16}, {40, 13, 13}, 256, 1, false);
     ok &= parts({DT_F16, DT_F16}, {24, 9}, 64, MAX_TOKENS, true);
+    ok &= f16_one_token(11, 8 * (32 * 4 + 37));
+    ok &= f16_one_token(9, 64);
     for (int pairs : {0, 1}) {
         ok &= rope_pairs(1, 4, 2, 16, 16, pairs, true);
         ok &= rope_pairs(3, 3, 1, 32, 24, pairs, false);
