@@ -112,9 +112,10 @@ __device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int c
     write_out<MAX_QTOKENS>(acc, n, out, stride, col0, row);
 }
 
-// f16 rows with cols % 8 == 0.
-extern "C" __global__ void matvec_f16_vec(const u8* w, int rows, int cols, const float* x, int n, float* out,
-                                          int stride, int col0) {
+// f16 rows with cols % 8 == 0 (`dtype` is DT_F16; every one-weight matvec kernel takes the same
+// arguments).
+extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int cols, const float* x, int n,
+                                          float* out, int stride, int col0) {
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     f16_row_n(w, row, cols, x, n, out, stride, col0);
@@ -173,8 +174,9 @@ __device__ __forceinline__ void quantize_shared(const float* x, int cols, ActBlo
     __syncthreads();
 }
 
-extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, float* out,
-                                          int stride, int col0) {
+// `n` is 1.
+extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
+                                          float* out, int stride, int col0) {
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(x, cols, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);

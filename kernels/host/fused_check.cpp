@@ -103,7 +103,7 @@ static bool parts(const std::vector<int>& dtypes, const std::vector<int>& rows, 
             if (quant)
                 matvec_quant(ws[i].data.data(), ws[i].dtype, ws[i].rows, cols, xq.data(), n, out, stride, col0);
             else
-                matvec_f16_vec(ws[i].data.data(), ws[i].rows, cols, x.data(), n, out, stride, col0);
+                matvec_f16_vec(ws[i].data.data(), DT_F16, ws[i].rows, cols, x.data(), n, out, stride, col0);
         });
     }
     // Every value written (no NaN left), and each the per-weight kernel's.
@@ -148,7 +148,7 @@ static bool parts(const std::vector<int>& dtypes, const std::vector<int>& rows, 
             float* out = alone[joined ? 0 : i].data();
             unsigned grid = (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
             host_launch({grid, 1, 1}, WARPS * 32, [&] {
-                matvec_quant_x(ws[i].data.data(), ws[i].dtype, ws[i].rows, cols, x.data(), out, stride, col0);
+                matvec_quant_x(ws[i].data.data(), ws[i].dtype, ws[i].rows, cols, x.data(), 1, out, stride, col0);
             });
         }
         ok &= agree(alone);
@@ -172,8 +172,12 @@ static bool f16_one_token(int rows, int cols) {
     x2.insert(x2.end(), x.begin(), x.end());
     std::vector<float> one((size_t)rows, NAN), two((size_t)2 * rows, NAN);
     unsigned grid = (unsigned)((rows + WARPS - 1) / WARPS);
-    host_launch({grid, 1, 1}, WARPS * 32, [&] { matvec_f16_vec(w.data(), rows, cols, x.data(), 1, one.data(), rows, 0); });
-    host_launch({grid, 1, 1}, WARPS * 32, [&] { matvec_f16_vec(w.data(), rows, cols, x2.data(), 2, two.data(), rows, 0); });
+    auto run = [&](const std::vector<float>& xs, int n, std::vector<float>& out) {
+        host_launch({grid, 1, 1}, WARPS * 32,
+                    [&] { matvec_f16_vec(w.data(), DT_F16, rows, cols, xs.data(), n, out.data(), rows, 0); });
+    };
+    run(x, 1, one);
+    run(x2, 2, two);
     double err = 0.0, scale = 0.0;
     for (int r = 0; r < rows; r++) {
         double want = 0.0;

@@ -899,6 +899,27 @@ pub trait Backend: Send + Sync + 'static {
 /// Device bytes the position of recorded steps takes (an i32).
 pub const STEP_POSITION_BYTES: usize = 4;
 
+/// `x` (rows × cols) times weight `name`ᵀ (rows × cols) fits columns `col0..` of `out`
+/// (rows × cols): every backend's matmul check.
+pub fn check_matmul_shape(
+    name: &str,
+    (w_rows, w_cols): (usize, usize),
+    (x_rows, x_cols): (usize, usize),
+    (out_rows, out_cols): (usize, usize),
+    col0: usize,
+) -> Result<()> {
+    if x_cols != w_cols || out_rows != x_rows || col0 + w_rows > out_cols {
+        return Err(BackendError::Shape {
+            op: "matmul",
+            msg: format!(
+                "{x_rows}x{x_cols} · ({name}: {w_rows}x{w_cols})ᵀ into columns {col0}.. of \
+                 {out_rows}x{out_cols}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.
 pub struct MatmulPart<'a, W> {
     pub w: &'a W,

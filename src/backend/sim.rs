@@ -59,6 +59,13 @@ pub struct SimRecording {
     ops: Vec<Signed>,
 }
 
+/// Buffers as a recording names them ([`tensor_arg`] each), then `rest`.
+fn tensors_arg(tensors: &[&SimTensor], rest: &[u64]) -> Vec<u64> {
+    let mut args: Vec<u64> = tensors.iter().flat_map(|t| tensor_arg(t)).collect();
+    args.extend_from_slice(rest);
+    args
+}
+
 /// A buffer as a recording names it: which allocation, and its shape now.
 fn tensor_arg(t: &SimTensor) -> [u64; 3] {
     [t.mem.id, t.t.rows as u64, t.t.cols as u64]
@@ -205,6 +212,20 @@ impl SimBackend {
     }
 
     /// Count a host→device copy of `bytes`, taking as long as the emulated link would.
+    /// The workspace CUDA takes to multiply `tokens` rows by `w` (coded bundles are no matrix:
+    /// the CPU backend refuses them after this).
+    fn check_matmul_workspace(&self, w: &SimWeight, tokens: usize) -> Result<()> {
+        match w.w.as_tensor() {
+            Some(t) => self.check_workspace(WorkspaceOp::Matmul {
+                dtype: t.dtype,
+                tokens,
+                rows: t.rows,
+                cols: t.cols,
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn copied_in(&self, bytes: usize, started: Instant) {
         self.ledger().count_h2d(bytes as u64);
         let Ok(mut pace) = self.pace.lock() else {
@@ -505,9 +526,8 @@ impl Backend for SimBackend {
         table: Option<&SimKvTable>,
         dst_row: usize,
     ) -> Result<()> {
-        let (a, b) = (tensor_arg(k), tensor_arg(v));
         let t = table.map_or(0, |t| t.mem.id);
-        let args = [a[0], a[1], a[2], b[0], b[1], b[2], kc.mem.id, vc.mem.id, t];
+        let args = tensors_arg(&[k, v], &[kc.mem.id, vc.mem.id, t]);
         self.sign("store_kv_pair", &args)?;
         let dst_row = self.position(dst_row)?;
         let table = table.map(|t| &t.t);
@@ -570,15 +590,7 @@ impl Backend for SimBackend {
         out: &mut SimTensor,
         col0: usize,
     ) -> Result<()> {
-        // Coded bundles are no matrix: the CPU backend refuses them below.
-        if let Some(t) = w.w.as_tensor() {
-            self.check_workspace(WorkspaceOp::Matmul {
-                dtype: t.dtype,
-                tokens: x.t.rows,
-                rows: t.rows,
-                cols: t.cols,
-            })?;
-        }
+        self.check_matmul_workspace(w, x.t.rows)?;
         let (a, b) = (tensor_arg(x), tensor_arg(out));
         self.sign(
             "matmul_into",
@@ -596,16 +608,9 @@ impl Backend for SimBackend {
         outs: &mut [&mut SimTensor],
     ) -> Result<()> {
         super::check_parts(parts, outs.len())?;
-        let mut args = tensor_arg(x).to_vec();
+        let mut args = tensors_arg(&[x], &[]);
         for p in parts {
-            if let Some(t) = p.w.w.as_tensor() {
-                self.check_workspace(WorkspaceOp::Matmul {
-                    dtype: t.dtype,
-                    tokens: x.t.rows,
-                    rows: t.rows,
-                    cols: t.cols,
-                })?;
-            }
+            self.check_matmul_workspace(p.w, x.t.rows)?;
             args.extend([p.w.mem.id, p.col0 as u64]);
             args.extend(tensor_arg(outs[p.out]));
         }
@@ -760,20 +765,7 @@ impl Backend for SimBackend {
         eps: f32,
         out: &mut SimTensor,
     ) -> Result<()> {
-        let (a, b, c) = (tensor_arg(x), tensor_arg(y), tensor_arg(out));
-        let args = [
-            a[0],
-            a[1],
-            a[2],
-            b[0],
-            b[1],
-            b[2],
-            w.mem.id,
-            eps.to_bits().into(),
-            c[0],
-            c[1],
-            c[2],
-        ];
+        let args = tensors_arg(&[x, y, out], &[w.mem.id, eps.to_bits().into()]);
         self.sign("add_rms_norm", &args)?;
         self.cpu.add(&mut x.t, &y.t)?;
         self.cpu.rms_norm(&x.t, &w.w, eps, &mut out.t)
@@ -839,19 +831,8 @@ impl Backend for SimBackend {
         inv_freq: &SimWeight,
         first_pos: usize,
     ) -> Result<()> {
-        let (a, b) = (tensor_arg(q), tensor_arg(k));
-        let args = [
-            a[0],
-            a[1],
-            a[2],
-            b[0],
-            b[1],
-            b[2],
-            head_dim as u64,
-            rot_dims as u64,
-            pairs as u64,
-            inv_freq.mem.id,
-        ];
+        let (hd, rd, p) = (head_dim as u64, rot_dims as u64, pairs as u64);
+        let args = tensors_arg(&[q, k], &[hd, rd, p, inv_freq.mem.id]);
         self.sign("rope_pair", &args)?;
         let first_pos = self.position(first_pos)?;
         let f = &inv_freq.w;

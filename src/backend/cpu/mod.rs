@@ -543,15 +543,8 @@ impl Backend for CpuBackend {
         col0: usize,
     ) -> Result<()> {
         let w = w.tensor("matmul")?;
-        if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
-            return Err(shape_err(
-                "matmul",
-                format!(
-                    "{}x{} · ({}: {}x{})ᵀ into columns {col0}.. of {}x{}",
-                    x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
-                ),
-            ));
-        }
+        let (wd, xd, od) = ((w.rows, w.cols), (x.rows, x.cols), (out.rows, out.cols));
+        super::check_matmul_shape(&w.name, wd, xd, od, col0)?;
         let stride = out.cols;
         self.pool.install(|| {
             matmul::matmul_strided(

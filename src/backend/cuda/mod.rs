@@ -444,16 +444,8 @@ fn act_code(a: Act) -> i32 {
 /// `x · wᵀ` fits columns `col0..` of `out`, and `w` is a matrix in a storage format.
 fn check_matmul(w: &CudaWeight, x: &CudaTensor, out: &CudaTensor, col0: usize) -> Result<()> {
     w.plain("matmul")?;
-    if x.cols != w.cols || out.rows != x.rows || col0 + w.rows > out.cols {
-        return Err(shape_err(
-            "matmul",
-            format!(
-                "{}x{} · ({}: {}x{})ᵀ into columns {col0}.. of {}x{}",
-                x.rows, x.cols, w.name, w.rows, w.cols, out.rows, out.cols
-            ),
-        ));
-    }
-    Ok(())
+    let (wd, xd, od) = ((w.rows, w.cols), (x.rows, x.cols), (out.rows, out.cols));
+    super::check_matmul_shape(&w.name, wd, xd, od, col0)
 }
 
 /// Rows `src` fit a cache `dst` from `dst_row` (through `table`, if any); the table's address.
@@ -495,6 +487,17 @@ fn check_rope(
                 "{} columns, head dim {head_dim}, rotating {rot_dims}",
                 x.cols
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// `y` is added to `x` (the same shape).
+fn check_add(x: &CudaTensor, y: &CudaTensor) -> Result<()> {
+    if (x.rows, x.cols) != (y.rows, y.cols) {
+        return Err(shape_err(
+            "add",
+            format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
         ));
     }
     Ok(())
@@ -1261,6 +1264,37 @@ impl CudaBackend {
     /// Elementwise launch over `n` values.
     fn elementwise_cfg(n: usize) -> LaunchConfig {
         cfg(blocks(n, 256), 256)
+    }
+
+    /// One-weight matvec `kernel` (they all take the same arguments): `w` times `n` tokens of
+    /// `x_arg` (the activations as the kernel takes them) into columns `col0..` of the output at
+    /// `out_p`, `stride` wide.
+    fn launch_matvec(
+        &self,
+        kernel: &'static str,
+        w: &CudaWeight,
+        x_arg: u64,
+        n: usize,
+        (out_p, stride, col0): (u64, usize, usize),
+    ) -> Result<()> {
+        let f = self.func("matvec", kernel)?;
+        let (dt, rows, cols) = (dtype_code(w.dtype), w.rows as i32, w.cols as i32);
+        let (nt, stride, c0) = (n as i32, stride as i32, col0 as i32);
+        launch!(
+            self,
+            f,
+            cfg(blocks(w.rows, WARPS), WARPS * 32),
+            w.buf.ptr,
+            dt,
+            rows,
+            cols,
+            x_arg,
+            nt,
+            out_p,
+            stride,
+            c0
+        );
+        Ok(())
     }
 
     /// Elementwise launch over the larger of two tensors' `n` values: blockIdx.y picks the
@@ -2056,91 +2090,27 @@ impl Backend for CudaBackend {
         if n > per_launch && self.gemm(w, x, out, col0, ws)? {
             return Ok(());
         }
-        let (rows, cols, stride, c0) = (w.rows as i32, w.cols as i32, out.cols as i32, col0 as i32);
-        let grid = blocks(w.rows, WARPS);
-        if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
-            let f = self.func("matvec", "matvec_quant_x")?;
-            let dt = dtype_code(w.dtype);
-            let (xp, op) = (x.buf.ptr, out.buf.ptr);
-            launch!(
-                self,
-                f,
-                cfg(grid, WARPS * 32),
-                w.buf.ptr,
-                dt,
-                rows,
-                cols,
-                xp,
-                op,
-                stride,
-                c0
-            );
-            return Ok(());
-        }
-        let q = if uses_act_blocks(w.dtype) {
-            self.quantize(x.buf.ptr, n, w.cols, ws)?;
-            Some(ws)
-        } else {
-            None
-        };
-        for t0 in (0..n).step_by(per_launch) {
-            let nt = (n - t0).min(per_launch) as i32;
+        let matvec = |kernel, x_arg: u64, t0: usize, nt: usize| {
             let out_p = out.buf.ptr + (t0 * out.cols * 4) as u64;
-            match q {
-                Some(qptr) => {
-                    let f = self.func("matvec", "matvec_quant")?;
-                    let xq = qptr + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
-                    let dt = dtype_code(w.dtype);
-                    launch!(
-                        self,
-                        f,
-                        cfg(grid, WARPS * 32),
-                        w.buf.ptr,
-                        dt,
-                        rows,
-                        cols,
-                        xq,
-                        nt,
-                        out_p,
-                        stride,
-                        c0
-                    );
-                }
-                None => {
-                    let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
-                    if w.dtype == DType::F16 && w.cols.is_multiple_of(8) {
-                        let f = self.func("matvec", "matvec_f16_vec")?;
-                        launch!(
-                            self,
-                            f,
-                            cfg(grid, WARPS * 32),
-                            w.buf.ptr,
-                            rows,
-                            cols,
-                            xp,
-                            nt,
-                            out_p,
-                            stride,
-                            c0
-                        );
-                    } else {
-                        let f = self.func("matvec", "matvec_float")?;
-                        let dt = dtype_code(w.dtype);
-                        launch!(
-                            self,
-                            f,
-                            cfg(grid, WARPS * 32),
-                            w.buf.ptr,
-                            dt,
-                            rows,
-                            cols,
-                            xp,
-                            nt,
-                            out_p,
-                            stride,
-                            c0
-                        );
-                    }
+            self.launch_matvec(kernel, w, x_arg, nt, (out_p, out.cols, col0))
+        };
+        if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
+            return matvec("matvec_quant_x", x.buf.ptr, 0, 1);
+        }
+        if uses_act_blocks(w.dtype) {
+            self.quantize(x.buf.ptr, n, w.cols, ws)?;
+        }
+        for t0 in (0..n).step_by(per_launch) {
+            let nt = (n - t0).min(per_launch);
+            if uses_act_blocks(w.dtype) {
+                let xq = ws + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
+                matvec("matvec_quant", xq, t0, nt)?;
+            } else {
+                let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
+                if w.dtype == DType::F16 && w.cols.is_multiple_of(8) {
+                    matvec("matvec_f16_vec", xp, t0, nt)?;
+                } else {
+                    matvec("matvec_float", xp, t0, nt)?;
                 }
             }
         }
@@ -2372,12 +2342,7 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
-        if (x.rows, x.cols) != (y.rows, y.cols) {
-            return Err(shape_err(
-                "add",
-                format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
-            ));
-        }
+        check_add(x, y)?;
         let f = self.func("elementwise", "add_f32")?;
         let n = (x.rows * x.cols) as i64;
         launch!(
@@ -2423,12 +2388,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_rms_norm(x, w, out)?;
-        if (x.rows, x.cols) != (y.rows, y.cols) {
-            return Err(shape_err(
-                "add",
-                format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
-            ));
-        }
+        check_add(x, y)?;
         let f = self.func("norm", "add_rms_norm")?;
         let cols = x.cols as i32;
         launch!(
