@@ -72,36 +72,6 @@ ATTENTION(attention_f32, DT_F32)
 ATTENTION(attention_f16, DT_F16)
 ATTENTION(attention_q8_0, DT_Q8_0)
 
-// Store `rows` rows of `cols` f32 values into the cache `dst` in DT, source row t at position
-// first_row + t (row kv_row(table, first_row + t)), converted as the host's `tensor::encode_row`
-// does, bit for bit. f32/f16: a thread per value; Q8_0: a warp per 32-value block —
-// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer.
-__device__ __forceinline__ void store_rows(long long i, const float* src, long long rows, int cols, int dt, u8* dst,
-                                           const unsigned* table, int first_row) {
-    long long n = rows * cols;
-    const long long rb = row_bytes(dt, cols);
-    if (dt == DT_F32) {
-        if (i < n) ((float*)(dst + kv_row(table, first_row + (int)(i / cols)) * rb))[i % cols] = src[i];
-        return;
-    }
-    if (dt == DT_F16) {
-        if (i < n) ((u16*)(dst + kv_row(table, first_row + (int)(i / cols)) * rb))[i % cols] = f2h(src[i]);
-        return;
-    }
-    // Q8_0: value i of the flattened rows (cols is a multiple of 32, so blocks never straddle rows).
-    long long b = i >> 5;
-    int lane = threadIdx.x & 31;
-    if (b >= n / 32) return;
-    float v = src[i];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const int row_blocks = cols / 32;
-    u8* blk = dst + kv_row(table, first_row + (int)(b / row_blocks)) * rb + (b % row_blocks) * 34;
-    blk[2 + lane] = (u8)(i8)roundf(v * id);
-    if (lane == 0) *(u16*)blk = f2h(d);
-}
-
 // With `pos_at` (a recorded step), the first position is read there instead of first_row.
 extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
                                    const unsigned* table, int first_row, const int* pos_at) {

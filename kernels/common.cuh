@@ -294,3 +294,39 @@ __device__ __forceinline__ float act(float x, int kind) {
 __device__ __forceinline__ float sparse_act(float a, float threshold) {
     return (threshold > 0.0f && fabsf(a) <= threshold) ? 0.0f : a;
 }
+
+// One value of a KV cache row in DT_F32 or DT_F16 (position `pos`, column `col`), converted as
+// store_rows converts it.
+__device__ __forceinline__ void put_kv(u8* dst, int dt, const unsigned* table, int pos, int cols, int col, float v) {
+    u8* row = dst + kv_row(table, pos) * row_bytes(dt, cols);
+    if (dt == DT_F32)
+        ((float*)row)[col] = v;
+    else
+        ((u16*)row)[col] = f2h(v);
+}
+
+// Store `rows` rows of `cols` f32 values into the cache `dst` in DT, source row t at position
+// first_row + t (row kv_row(table, first_row + t)), converted as the host's `tensor::encode_row`
+// does, bit for bit. f32/f16: a thread per value; Q8_0: a warp per 32-value block —
+// d = amax/127, q = round(x·(1/d)), d kept as f16 — as llama.cpp's reference quantizer.
+__device__ __forceinline__ void store_rows(long long i, const float* src, long long rows, int cols, int dt, u8* dst,
+                                           const unsigned* table, int first_row) {
+    long long n = rows * cols;
+    const long long rb = row_bytes(dt, cols);
+    if (dt == DT_F32 || dt == DT_F16) {
+        if (i < n) put_kv(dst, dt, table, first_row + (int)(i / cols), cols, (int)(i % cols), src[i]);
+        return;
+    }
+    // Q8_0: value i of the flattened rows (cols is a multiple of 32, so blocks never straddle rows).
+    long long b = i >> 5;
+    int lane = threadIdx.x & 31;
+    if (b >= n / 32) return;
+    float v = src[i];
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int row_blocks = cols / 32;
+    u8* blk = dst + kv_row(table, first_row + (int)(b / row_blocks)) * rb + (b % row_blocks) * 34;
+    blk[2 + lane] = (u8)(i8)roundf(v * id);
+    if (lane == 0) *(u16*)blk = f2h(d);
+}

@@ -184,6 +184,24 @@ extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int 
     quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
 }
 
+// The down projection of a gated FFN for one token: its input act(g) ⊙ u (masked by
+// `threshold`, as gated_f32 computes it) made and quantized in each block, so neither the gated
+// product nor the quantization takes a launch. `g` is read, not written.
+extern "C" __global__ void matvec_quant_gated_x(const u8* w, int dtype, int rows, int cols, const float* g,
+                                                const float* u, int kind, float threshold, float* out, int stride,
+                                                int col0) {
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int b = warp; b < cols / 32; b += WARPS) {
+        int i = b * 32 + lane;
+        quantize_block_warp(sparse_act(act(g[i], kind), threshold) * u[i], xs + b);
+    }
+    __syncthreads();
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
+}
+
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
     int row;
     const MatvecPart* p = part_row(ps, &row);

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::cuda::CudaBackend;
 use gpu_offload::backend::{
-    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, RopePairs, WorkspaceOp,
+    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, Rope, RopePairs,
+    WorkspaceOp,
 };
 use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
@@ -934,8 +935,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// several weights times one input (mixed formats, token counts that share a launch and that do
 /// not, more weights than one launch takes, row blocks of one output), one token's matvec (block
 /// formats quantized inside it, f16 with more loads in flight) against the first of two, q and
-/// k rotated together, k and v stored together (every cache type, paged and not), the residual
-/// add in the norm.
+/// k rotated together, k and v stored together, both in one op (every cache type, paged and
+/// not), the gated down projection, the residual add in the norm.
 fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(12);
     // (formats, rows of each, cols, tokens, one output for all)
@@ -1064,6 +1065,38 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         g.set_workspace(0).unwrap();
     }
 
+    // The gated down projection: one token of small block-format rows in one kernel (the gated
+    // product made in the matvec), the rest gated and multiplied apart; the same bits either way.
+    for (dtype, cols, n, act, threshold) in [
+        (DType::Q4_1, 1536, 1, Act::Silu, 0.0),
+        (DType::Q4K, 768, 1, Act::GeluTanh, 0.05),
+        (DType::Q8_0, 4096, 1, Act::Silu, 0.0),
+        (DType::Q4_1, 1536, 3, Act::Silu, 0.0),
+        (DType::F16, 1536, 1, Act::Gelu, 0.0),
+    ] {
+        let what = format!("gated_matmul {dtype} {cols} cols, {n} tokens, {act:?} {threshold}");
+        let w = g.upload(&weight(&mut rng, dtype, 50, cols)).unwrap();
+        let gv = rand_vec(&mut rng, n * cols, 3.0);
+        let u = put(g, n, cols, &rand_vec(&mut rng, n * cols, 1.0));
+        g.set_workspace(g.workspace_bytes(&WorkspaceOp::Matmul {
+            dtype,
+            tokens: n,
+            rows: 50,
+            cols,
+        }))
+        .unwrap();
+        let (mut g1, mut o1) = (put(g, n, cols, &gv), poisoned(g, n, 50));
+        g.gated(&mut g1, &u, act, threshold).unwrap();
+        g.matmul_into(&w, &g1, &mut o1, 0).unwrap();
+        let (mut g2, mut o2) = (put(g, n, cols, &gv), poisoned(g, n, 50));
+        g.gated_matmul(&mut g2, &u, (act, threshold), &w, &mut o2, 0)
+            .unwrap();
+        let (a, b) = (get(g, &o2), get(g, &o1));
+        assert!(a.iter().all(|v| v.is_finite()), "{what}: unwritten");
+        assert_eq!(bits(&a), bits(&b), "{what}");
+        g.set_workspace(0).unwrap();
+    }
+
     let inv: Vec<f32> = (0..32).map(|i| 10000f32.powf(-(i as f32) / 32.0)).collect();
     let inv = g.upload(&HostTensor::from_f32("inv", 1, 32, inv)).unwrap();
     for pairs in [RopePairs::Adjacent, RopePairs::Halves] {
@@ -1133,6 +1166,44 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
                 raw(&v1),
                 "store_kv_pair {ty:?} paged {paged}: values"
             );
+
+            // Rotated and stored in one op: q, k and both caches as rope_pair then
+            // store_kv_pair leave them (heads of 32, the first 24 dims rotated: the rest
+            // stored as they are).
+            let (hd, rot) = (32, 24);
+            let inv: Vec<f32> = (0..rot / 2).map(|i| 1.0 / (1.0 + i as f32)).collect();
+            let inv = g
+                .upload(&HostTensor::from_f32("inv", 1, rot / 2, inv))
+                .unwrap();
+            let qv = rand_vec(&mut rng, rows * 2 * cols, 1.0);
+            let kv = rand_vec(&mut rng, rows * cols, 1.0);
+            let rope = Rope {
+                head_dim: hd,
+                rot_dims: rot,
+                pairs: RopePairs::Halves,
+                inv_freq: &inv,
+            };
+            let (mut q1, mut k1) = (put(g, rows, 2 * cols, &qv), put(g, rows, cols, &kv));
+            let [mut kc1, mut vc1] = caches();
+            g.rope_pair(&mut q1, &mut k1, hd, rot, RopePairs::Halves, &inv, at)
+                .unwrap();
+            g.store_kv_pair((&k1, &v), (&mut kc1, &mut vc1), table.as_ref(), at)
+                .unwrap();
+            let (mut q2, mut k2) = (put(g, rows, 2 * cols, &qv), put(g, rows, cols, &kv));
+            let [mut kc2, mut vc2] = caches();
+            g.rope_store_kv(
+                (&mut q2, &mut k2, &v),
+                (&mut kc2, &mut vc2),
+                table.as_ref(),
+                at,
+                rope,
+            )
+            .unwrap();
+            let what = format!("rope_store_kv {ty:?} paged {paged}");
+            assert_eq!(bits(&get(g, &q2)), bits(&get(g, &q1)), "{what}: q");
+            assert_eq!(bits(&get(g, &k2)), bits(&get(g, &k1)), "{what}: k");
+            assert_eq!(raw(&kc2), raw(&kc1), "{what}: key cache");
+            assert_eq!(raw(&vc2), raw(&vc1), "{what}: value cache");
         }
     }
 

@@ -232,27 +232,26 @@ fn a_probed_session_records_and_remembers_the_same_queries() {
     }
 }
 
-/// A recorded decode step of a Llama-shaped model holds per layer exactly these backend calls:
-/// the fused ones (the last layer's residual added inside this one's norm, q, k and v in one
-/// matmul call, q and k rotated together, k and v stored together, the attention's residual
-/// added inside the FFN's norm, gate and up in one call), 10 where the unfused layer took 16.
-/// On CUDA each is one kernel but attention (split and combine): 11 a layer for these models
-/// (f16, and Q4_1 rows of up to `QX_MAX_COLS`, quantized inside the matvec), where the unfused
-/// layer launched 18 (f16) and 25 (Q4_1).
+/// A recorded decode step of a Llama-shaped model (f16 cache) holds per layer exactly these
+/// backend calls: the fused ones (the last layer's residual added inside this one's norm, q, k
+/// and v in one matmul call, q and k rotated and k and v stored in one call, the attention's
+/// residual added inside the FFN's norm, gate and up in one call, the gated product inside the
+/// down projection), 8 where the unfused layer took 16. On CUDA each is one kernel but
+/// attention (split and combine) and, for f16 weights, the gated down projection (gated, then
+/// the matvec): 10 a layer for the f16 model and 9 for Q4_1 (rows of up to `QX_MAX_COLS`,
+/// quantized inside the matvec), where the unfused layer launched 18 and 25.
 #[test]
 fn a_recorded_decode_step_calls_the_fused_ops() {
     let dir = tempfile::tempdir().unwrap();
     let layer = [
         "add_rms_norm",
         "matmul_parts",
-        "rope_pair",
-        "store_kv_pair",
+        "rope_store_kv",
         "attention",
         "matmul_into",
         "add_rms_norm",
         "matmul_parts",
-        "gated",
-        "matmul_into",
+        "gated_matmul",
     ];
     for (weights, m) in common::recordable_models(&dir) {
         let e = engine(&m, KvType::F16, false, true);

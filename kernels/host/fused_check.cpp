@@ -11,6 +11,7 @@
 // scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -246,6 +247,75 @@ static bool store_pairs(int dt, int rows, int cols, bool page, bool at) {
     return same((std::string(what) + ", v").c_str(), vc.data(), vc1.data(), bytes) && ok;
 }
 
+// The gated down projection of one token (act(g) ⊙ u made and quantized in each block) against
+// gated_f32, quantize_q8 and matvec_quant.
+static bool gated_down(int dtype, int rows, int cols, int kind, float threshold) {
+    auto w = weights(dtype, rows, cols);
+    auto g = uniform((size_t)cols, -3.0f, 3.0f), u = uniform((size_t)cols);
+    std::vector<float> want((size_t)rows, NAN), got((size_t)rows, NAN);
+    auto g1 = g;
+    long long n = cols;
+    std::vector<ActBlock> xq((size_t)cols / 32);
+    host_launch({(unsigned)((n + 255) / 256), 1, 1}, 256, [&] { gated_f32(g1.data(), u.data(), n, kind, threshold); });
+    long long blocks = (long long)xq.size();
+    host_launch({(unsigned)((blocks * 32 + 255) / 256), 1, 1}, 256,
+                [&] { quantize_q8(g1.data(), blocks, xq.data()); });
+    unsigned grid = (unsigned)((rows + WARPS - 1) / WARPS);
+    host_launch({grid, 1, 1}, WARPS * 32,
+                [&] { matvec_quant(w.data(), dtype, rows, cols, xq.data(), 1, want.data(), rows, 0); });
+    auto g2 = g;
+    host_launch({grid, 1, 1}, WARPS * 32, [&] {
+        matvec_quant_gated_x(w.data(), dtype, rows, cols, g2.data(), u.data(), kind, threshold, got.data(), rows, 0);
+    });
+    char what[120];
+    std::snprintf(what, sizeof what, "gated down projection, dtype %d, %d rows of %d, act %d, threshold %g", dtype, rows,
+                  cols, kind, threshold);
+    bool ok = same(what, got.data(), want.data(), want.size() * 4);
+    for (float v : got) ok &= v == v;
+    // g is read, not written.
+    return ok && same("gated down projection leaves g", g2.data(), g.data(), g.size() * 4);
+}
+
+// A step's rope and KV store in one launch against rope_pair then store_kv_pair: q, k (rotated in
+// place) and both caches, bit for bit.
+static bool rope_stores(int dt, int rows, int heads, int kv_heads, int hd, int rot, int pairs, bool page, bool at) {
+    int ctx = 40, kv_cols = kv_heads * hd, q_cols = heads * hd;
+    long long rb = row_bytes(dt, kv_cols);
+    int blocks = (ctx + KV_BLOCK - 1) / KV_BLOCK;
+    std::vector<unsigned> table;
+    for (int i = 0; i < blocks; i++) table.push_back((unsigned)(2 * (blocks - i) - 1));
+    size_t bytes = (size_t)(page ? 2 * blocks * KV_BLOCK : ctx) * rb;
+    const unsigned* t = page ? table.data() : nullptr;
+    auto inv = uniform((size_t)rot / 2, 0.001f, 1.0f);
+    auto q = uniform((size_t)rows * q_cols), k = uniform((size_t)rows * kv_cols), v = uniform((size_t)rows * kv_cols);
+    auto q1 = q, k1 = k;
+    std::vector<u8> kc(bytes, 0xab), vc(bytes, 0xcd), kc1 = kc, vc1 = vc;
+    int pos = 13;
+    const int* pos_at = at ? &pos : nullptr;
+    int first = at ? 2 : pos;
+    long long rope_total = (long long)rows * heads * (rot / 2);
+    host_launch({(unsigned)((rope_total + 255) / 256), 2, 1}, 256, [&] {
+        rope_pair(q1.data(), q_cols, k1.data(), kv_cols, rows, hd, rot, pairs, inv.data(), first, pos_at);
+    });
+    long long n = (long long)rows * kv_cols;
+    host_launch({(unsigned)((n + 255) / 256), 2, 1}, 256, [&] {
+        store_kv_pair(k1.data(), v.data(), rows, kv_cols, dt, kc1.data(), vc1.data(), t, first, pos_at);
+    });
+    long long most = std::max(rope_total, n);
+    host_launch({(unsigned)((most + 255) / 256), 3, 1}, 256, [&] {
+        rope_store_kv(q.data(), q_cols, k.data(), v.data(), kv_cols, rows, hd, rot, pairs, inv.data(), dt, kc.data(),
+                      vc.data(), t, first, pos_at);
+    });
+    char what[160];
+    std::snprintf(what, sizeof what, "rope_store_kv dtype %d, %d rows, %d/%d heads of %d (%d rotated, pairs %d)%s%s", dt,
+                  rows, heads, kv_heads, hd, rot, pairs, page ? ", paged" : "", at ? ", position in memory" : "");
+    std::string w(what);
+    bool ok = same((w + ", q").c_str(), q.data(), q1.data(), q.size() * 4);
+    ok &= same((w + ", k").c_str(), k.data(), k1.data(), k.size() * 4);
+    ok &= same((w + ", k cache").c_str(), kc.data(), kc1.data(), bytes);
+    return same((w + ", v cache").c_str(), vc.data(), vc1.data(), bytes) && ok;
+}
+
 static bool add_norms(int rows, int cols) {
     auto x = uniform((size_t)rows * cols, -3.0f, 3.0f), y = uniform((size_t)rows * cols);
     auto w = uniform((size_t)cols, 0.5f, 1.5f);
@@ -284,6 +354,11 @@ int main() {
         ok &= store_pairs(dt, 1, 64, dt != DT_F16, true);
         ok &= store_pairs(dt, 5, 96, dt == DT_F16, false);
     }
+    ok &= rope_stores(DT_F16, 1, 4, 2, 64, 64, 1, true, true);
+    ok &= rope_stores(DT_F32, 3, 3, 1, 32, 24, 0, false, false);
+    ok &= rope_stores(DT_F16, 2, 2, 2, 32, 16, 1, false, true);
+    ok &= gated_down(DT_Q4_1, 40, 1536, ACT_SILU, 0.0f);
+    ok &= gated_down(DT_Q8_0, 17, 64, ACT_GELU, 0.05f);
     ok &= add_norms(1, 576);
     ok &= add_norms(3, 200);
     if (!ok) return 1;

@@ -636,6 +636,21 @@ pub trait Backend: Send + Sync + 'static {
         self.store_kv(k, k_cache, table, dst_row)?;
         self.store_kv(v, v_cache, table, dst_row)
     }
+    /// A step's rotation and KV store: [`Backend::rope_pair`] of `q` and `k` (rows at
+    /// positions `dst_row..`), then [`Backend::store_kv_pair`] of `k` and `v` (one launch on
+    /// CUDA for f32 and f16 caches).
+    fn rope_store_kv(
+        &self,
+        (q, k, v): (&mut Self::Tensor, &mut Self::Tensor, &Self::Tensor),
+        caches: (&mut Self::Kv, &mut Self::Kv),
+        table: Option<&Self::KvTable>,
+        dst_row: usize,
+        rope: Rope<'_, Self::Weight>,
+    ) -> Result<()> {
+        let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
+        self.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
+        self.store_kv_pair((k, v), caches, table, dst_row)
+    }
     /// Rows `first..first + out.len() / cols` of `src` as f32 on the host (waits for queued work).
     fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
     /// Write f32 `values` (whole rows) into rows `first..` of `dst`, converted.
@@ -812,6 +827,23 @@ pub trait Backend: Send + Sync + 'static {
         act: Act,
         threshold: f32,
     ) -> Result<()>;
+    /// The down projection of a gated FFN: [`Backend::gated`] of `gate` and `up`, then
+    /// [`Backend::matmul_into`] of `w` times it into columns `col0..` of `out`. `gate` is left
+    /// gated or as it was (read it no more): CUDA makes one token's gated product inside the
+    /// matvec, for block formats of rows up to `cuda::QX_MAX_COLS` (one launch for three).
+    #[allow(clippy::too_many_arguments)]
+    fn gated_matmul(
+        &self,
+        gate: &mut Self::Tensor,
+        up: &Self::Tensor,
+        (act, threshold): (Act, f32),
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+        col0: usize,
+    ) -> Result<()> {
+        self.gated(gate, up, act, threshold)?;
+        self.matmul_into(w, gate, out, col0)
+    }
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
     /// already hold this step's keys and values; with a `table`, the rows it maps the positions
@@ -918,6 +950,16 @@ pub fn check_matmul_shape(
         });
     }
     Ok(())
+}
+
+/// A model's rotary embedding as the ops take it: heads of `head_dim`, the first `rot_dims` of
+/// each rotated by `inv_freq` (`rot_dims / 2` values), `pairs` paired.
+#[derive(Clone, Copy)]
+pub struct Rope<'a, W> {
+    pub head_dim: usize,
+    pub rot_dims: usize,
+    pub pairs: RopePairs,
+    pub inv_freq: &'a W,
 }
 
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.

@@ -14,8 +14,8 @@ use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
 use super::cuda::step_position_word;
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result, RopePairs,
-    STEP_POSITION_BYTES, WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result, Rope,
+    RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -535,6 +535,34 @@ impl Backend for SimBackend {
         self.cpu.store_kv(&v.t, &mut vc.kv, table, dst_row)
     }
 
+    fn rope_store_kv(
+        &self,
+        (q, k, v): (&mut SimTensor, &mut SimTensor, &SimTensor),
+        (kc, vc): (&mut SimKv, &mut SimKv),
+        table: Option<&SimKvTable>,
+        dst_row: usize,
+        rope: Rope<'_, SimWeight>,
+    ) -> Result<()> {
+        let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
+        let t = table.map_or(0, |t| t.mem.id);
+        let rest = [
+            hd as u64,
+            rd as u64,
+            pairs as u64,
+            f.mem.id,
+            kc.mem.id,
+            vc.mem.id,
+            t,
+        ];
+        self.sign("rope_store_kv", &tensors_arg(&[q, k, v], &rest))?;
+        let pos = self.position(dst_row)?;
+        self.cpu.rope(&mut q.t, hd, rd, pairs, &f.w, pos)?;
+        self.cpu.rope(&mut k.t, hd, rd, pairs, &f.w, pos)?;
+        let table = table.map(|t| &t.t);
+        self.cpu.store_kv(&k.t, &mut kc.kv, table, pos)?;
+        self.cpu.store_kv(&v.t, &mut vc.kv, table, pos)
+    }
+
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
         self.outside("read_kv")?;
         self.cpu.read_kv(&src.kv, first, out)?;
@@ -852,19 +880,31 @@ impl Backend for SimBackend {
     }
 
     fn gated(&self, gate: &mut SimTensor, up: &SimTensor, act: Act, threshold: f32) -> Result<()> {
-        let (g, u) = (tensor_arg(gate), tensor_arg(up));
-        let args = [
-            g[0],
-            g[1],
-            g[2],
-            u[0],
-            u[1],
-            u[2],
-            act as u64,
-            threshold.to_bits().into(),
-        ];
+        let args = tensors_arg(&[gate, up], &[act as u64, threshold.to_bits().into()]);
         self.sign("gated", &args)?;
         self.cpu.gated(&mut gate.t, &up.t, act, threshold)
+    }
+
+    /// As CUDA: the workspace of the matmul, signed as one op.
+    fn gated_matmul(
+        &self,
+        gate: &mut SimTensor,
+        up: &SimTensor,
+        (act, threshold): (Act, f32),
+        w: &SimWeight,
+        out: &mut SimTensor,
+        col0: usize,
+    ) -> Result<()> {
+        self.check_matmul_workspace(w, gate.t.rows)?;
+        let rest = [
+            act as u64,
+            threshold.to_bits().into(),
+            w.mem.id,
+            col0 as u64,
+        ];
+        self.sign("gated_matmul", &tensors_arg(&[gate, up, out], &rest))?;
+        self.cpu.gated(&mut gate.t, &up.t, act, threshold)?;
+        self.cpu.matmul_into(&w.w, &gate.t, &mut out.t, col0)
     }
 
     fn attention(

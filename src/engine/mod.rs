@@ -16,7 +16,7 @@ use thiserror::Error;
 use crate::backend::memory::device_bytes;
 use crate::backend::{
     Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType,
-    Landing, MatmulPart, RopePairs, WorkspaceOp, kv_runs,
+    Landing, MatmulPart, Rope, RopePairs, WorkspaceOp, kv_runs,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -1946,6 +1946,18 @@ impl<B: Backend> Engine<B> {
                     (Some(wg), Some(g)) => {
                         self.linears(&[up, wg], &sc.h, &mut [&mut sc.up, g])?;
                         self.show_tap(layer, &sc.h, g)?;
+                        // Nothing reads the gated product but the down projection: one op
+                        // (one kernel on CUDA, for one token of small block-format rows).
+                        if let (None, None, [(col0, w)]) =
+                            (hybrid, &self.predictor, down.blocks.as_slice())
+                        {
+                            let how = (self.act, threshold);
+                            b.gated_matmul(g, &sc.up, how, w, &mut sc.proj, *col0)?;
+                            if let Some(bias) = down.bias {
+                                b.add_bias(&mut sc.proj, bias)?;
+                            }
+                            return Ok(());
+                        }
                         b.gated(g, &sc.up, self.act, threshold)?;
                         mask(&sc.h, g)?;
                         &*g
@@ -2134,7 +2146,13 @@ impl<B: Backend> Engine<B> {
                         b.copy_rows(&sc.q, first, qc, 0, k)?;
                         b.copy_rows(&sc.k, first, kc, 0, k)?;
                         b.copy_rows(&sc.v, first, vc, 0, k)?;
-                        self.rope_qk(qc, kc, pos)?;
+                        let on_cpu = self.prefill.attends_on_cpu(k);
+                        self.kv_layer_begin(s, l, pos, on_cpu)?;
+                        if Self::attends_on_host(s, on_cpu) {
+                            self.rope_qk(qc, kc, pos)?;
+                        } else {
+                            self.rope_and_store(s, l, pos, (qc, kc, vc))?;
+                        }
                         let ring_at = s.probe.as_ref().map_or(0, |p| p.next);
                         if let Some(p) = &mut s.probe
                             && let Some(pi) = p.layers.iter().position(|&pl| pl == l)
@@ -2146,12 +2164,9 @@ impl<B: Backend> Engine<B> {
                                 b.copy_rows(qc, k - r + j, &mut p.q[pi], row, 1)?;
                             }
                         }
-                        let on_cpu = self.prefill.attends_on_cpu(k);
-                        self.kv_layer_begin(s, l, pos, on_cpu)?;
                         if together {
                             // The rotated queries go back to the step's rows.
                             b.copy_rows(qc, 0, &mut sc.q, first, k)?;
-                            self.store_kv(s, l, pos, kc, vc)?;
                             continue;
                         }
                         self.attend(s, l, pos, (qc, kc, vc), ac, on_cpu)?;
@@ -2246,9 +2261,14 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let n = sc.n;
 
-        // Attention block.
+        // Attention block: q, k and v; q and k rotated, k and v stored (on the host for a
+        // host-kept cache attended on the CPU).
         self.attention_inputs(layer, sc)?;
-        self.rope_qk(&mut sc.q, &mut sc.k, pos)?;
+        if Self::attends_on_host(session, on_cpu) {
+            self.rope_qk(&mut sc.q, &mut sc.k, pos)?;
+        } else {
+            self.rope_and_store(session, l, pos, (&mut sc.q, &mut sc.k, &sc.v))?;
+        }
         if let Some(p) = &mut session.probe
             && let Some(i) = p.layers.iter().position(|&pl| pl == l)
         {
@@ -2269,9 +2289,9 @@ impl<B: Backend> Engine<B> {
         self.finish_layer(layer, l, sc)
     }
 
-    /// Store rows `k`, `v` (positions `pos..`) in the session's layer `l` cache and attend
-    /// `q` over it into `out`: on the device, or (`on_cpu`, a host-kept cache) on the CPU over
-    /// the host copy.
+    /// Attend `q` (positions `pos..`) over the session's layer `l` cache into `out`: on the
+    /// device, over the keys and values [`Engine::rope_and_store`] stored, or (`on_cpu`, a
+    /// host-kept cache) on the CPU over the host copy, storing `k` and `v` there first.
     fn attend(
         &self,
         s: &mut Session<B>,
@@ -2283,7 +2303,9 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let b = &self.backend;
         let n = b.shape(q).0;
-        if on_cpu && let SessionKv::Host(h) = &mut s.kv {
+        if Self::attends_on_host(s, on_cpu)
+            && let SessionKv::Host(h) = &mut s.kv
+        {
             let spec = &self.spec;
             let (qd, kd) = (spec.q_dim(), spec.kv_dim());
             let mut qh = vec![0f32; n * qd];
@@ -2317,7 +2339,6 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         let shape = self.attn_shape();
-        self.store_kv(s, l, pos, k, v)?;
         match &s.kv {
             SessionKv::Paged(p) => {
                 let pool = lock_pool(&p.pool);
@@ -2333,31 +2354,43 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Store rows `k`, `v` (positions `pos..`) in the session's layer `l` cache (a host-kept
-    /// session: in its work buffers, which hold the layer from `kv_layer_begin`).
-    fn store_kv(
+    /// Whether a step's attention runs on the CPU over a host-kept cache (`on_cpu`, the
+    /// prefill layout's choice, where the session keeps its cache on the host).
+    fn attends_on_host(s: &Session<B>, on_cpu: bool) -> bool {
+        on_cpu && matches!(s.kv, SessionKv::Host(_))
+    }
+
+    /// Rotate a step's queries and keys (rows from position `pos`, where the model rotates) and
+    /// store the keys and values in the session's layer `l` cache (a host-kept session: in its
+    /// work buffers, which hold the layer from `kv_layer_begin`): one op (one kernel on CUDA for
+    /// f32 and f16 caches).
+    fn rope_and_store(
         &self,
         s: &mut Session<B>,
         l: usize,
         pos: usize,
-        k: &B::Tensor,
-        v: &B::Tensor,
+        (q, k, v): (&mut B::Tensor, &mut B::Tensor, &B::Tensor),
     ) -> Result<()> {
         let b = &self.backend;
+        let rope = self.rope.as_ref().map(|(inv_freq, pairs, dims)| Rope {
+            head_dim: self.spec.head_dim,
+            rot_dims: *dims,
+            pairs: *pairs,
+            inv_freq,
+        });
+        let store = |caches: (&mut B::Kv, &mut B::Kv), table: Option<&B::KvTable>| match rope {
+            Some(r) => b.rope_store_kv((q, k, v), caches, table, pos, r),
+            None => b.store_kv_pair((k, v), caches, table, pos),
+        };
         match &mut s.kv {
             SessionKv::Paged(p) => {
                 self.sync_table(p)?;
                 let mut pool = lock_pool(&p.pool);
                 let pool = &mut *pool;
-                let t = Some(&p.table);
-                b.store_kv_pair((k, v), (&mut pool.k[l], &mut pool.v[l]), t, pos)?;
+                store((&mut pool.k[l], &mut pool.v[l]), Some(&p.table))?;
             }
-            SessionKv::Device { k: kc, v: vc } => {
-                b.store_kv_pair((k, v), (&mut kc[l], &mut vc[l]), None, pos)?;
-            }
-            SessionKv::Host(h) => {
-                b.store_kv_pair((k, v), (&mut h.work_k, &mut h.work_v), None, pos)?;
-            }
+            SessionKv::Device { k: kc, v: vc } => store((&mut kc[l], &mut vc[l]), None)?,
+            SessionKv::Host(h) => store((&mut h.work_k, &mut h.work_v), None)?,
         }
         Ok(())
     }

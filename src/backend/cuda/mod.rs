@@ -33,7 +33,7 @@ pub use meter::DeviceMeter;
 
 use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, Result,
+    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, Result, Rope,
     RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
@@ -492,11 +492,11 @@ fn check_rope(
     Ok(())
 }
 
-/// `y` is added to `x` (the same shape).
-fn check_add(x: &CudaTensor, y: &CudaTensor) -> Result<()> {
+/// `op` takes `x` and `y` value by value (the same shape).
+fn check_same_shape(op: &'static str, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
     if (x.rows, x.cols) != (y.rows, y.cols) {
         return Err(shape_err(
-            "add",
+            op,
             format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
         ));
     }
@@ -1297,11 +1297,11 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Elementwise launch over the larger of two tensors' `n` values: blockIdx.y picks the
-    /// tensor (the pair kernels).
-    fn pair_cfg(n: usize) -> LaunchConfig {
+    /// Elementwise launch over the largest of `tensors` tensors' `n` values: blockIdx.y picks
+    /// the tensor (the pair kernels).
+    fn pair_cfg(n: usize, tensors: u32) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (blocks(n, 256), 2, 1),
+            grid_dim: (blocks(n, 256), tensors, 1),
             ..cfg(1, 256)
         }
     }
@@ -1852,11 +1852,81 @@ impl Backend for CudaBackend {
         launch!(
             self,
             f,
-            Self::pair_cfg(k.rows * k.cols),
+            Self::pair_cfg(k.rows * k.cols, 2),
             k.buf.ptr,
             v.buf.ptr,
             rows,
             cols,
+            dt,
+            kc.buf.ptr,
+            vc.buf.ptr,
+            tp,
+            first,
+            at
+        );
+        Ok(())
+    }
+
+    fn rope_store_kv(
+        &self,
+        (q, k, v): (&mut CudaTensor, &mut CudaTensor, &CudaTensor),
+        (kc, vc): (&mut CudaKv, &mut CudaKv),
+        table: Option<&CudaKvTable>,
+        dst_row: usize,
+        rope: Rope<'_, CudaWeight>,
+    ) -> Result<()> {
+        // Q8_0 rows quantize 32 values a warp: the rotation and the store stay apart.
+        if !matches!(kc.ty, KvType::F32 | KvType::F16) {
+            let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
+            self.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
+            return self.store_kv_pair((k, v), (kc, vc), table, dst_row);
+        }
+        let (hd, rd) = (rope.head_dim, rope.rot_dims);
+        check_rope(q, hd, rd, rope.inv_freq)?;
+        check_rope(k, hd, rd, rope.inv_freq)?;
+        let tp = check_store(k, kc, table, dst_row)?;
+        check_store(v, vc, table, dst_row)?;
+        if q.rows != k.rows || (k.rows, k.cols, kc.rows, kc.ty) != (v.rows, v.cols, vc.rows, vc.ty)
+        {
+            return Err(shape_err(
+                "rope_store_kv",
+                format!(
+                    "{} query rows; keys {}x{} into a {} cache of {} rows, values {}x{} into a {} one of {}",
+                    q.rows,
+                    k.rows,
+                    k.cols,
+                    kc.ty.name(),
+                    kc.rows,
+                    v.rows,
+                    v.cols,
+                    vc.ty.name(),
+                    vc.rows
+                ),
+            ));
+        }
+        let f = self.func("rope", "rope_store_kv")?;
+        let most = (q.rows * (q.cols / hd) * (rd / 2)).max(k.rows * k.cols);
+        let (qc, kvc, rows) = (q.cols as i32, k.cols as i32, q.rows as i32);
+        let (hd, rd, p) = (hd as i32, rd as i32, pairs_code(rope.pairs));
+        let (dt, first, at) = (
+            dtype_code(kc.ty.dtype()),
+            dst_row as i32,
+            self.position_at()?,
+        );
+        launch!(
+            self,
+            f,
+            Self::pair_cfg(most, 3),
+            q.buf.ptr,
+            qc,
+            k.buf.ptr,
+            v.buf.ptr,
+            kvc,
+            rows,
+            hd,
+            rd,
+            p,
+            rope.inv_freq.buf.ptr,
             dt,
             kc.buf.ptr,
             vc.buf.ptr,
@@ -2342,7 +2412,7 @@ impl Backend for CudaBackend {
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
-        check_add(x, y)?;
+        check_same_shape("add", x, y)?;
         let f = self.func("elementwise", "add_f32")?;
         let n = (x.rows * x.cols) as i64;
         launch!(
@@ -2388,7 +2458,7 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_rms_norm(x, w, out)?;
-        check_add(x, y)?;
+        check_same_shape("add", x, y)?;
         let f = self.func("norm", "add_rms_norm")?;
         let cols = x.cols as i32;
         launch!(
@@ -2503,7 +2573,7 @@ impl Backend for CudaBackend {
         launch!(
             self,
             f,
-            Self::pair_cfg(most),
+            Self::pair_cfg(most, 2),
             q.buf.ptr,
             qc,
             k.buf.ptr,
@@ -2515,6 +2585,44 @@ impl Backend for CudaBackend {
             inv_freq.buf.ptr,
             fp,
             at
+        );
+        Ok(())
+    }
+
+    fn gated_matmul(
+        &self,
+        gate: &mut CudaTensor,
+        up: &CudaTensor,
+        (act, threshold): (Act, f32),
+        w: &CudaWeight,
+        out: &mut CudaTensor,
+        col0: usize,
+    ) -> Result<()> {
+        check_matmul(w, gate, out, col0)?;
+        if !(uses_act_blocks(w.dtype) && quantizes_in_blocks(gate.rows, w.cols)) {
+            self.gated(gate, up, act, threshold)?;
+            return self.matmul_into(w, gate, out, col0);
+        }
+        check_same_shape("gated", gate, up)?;
+        self.bind()?;
+        let f = self.func("matvec", "matvec_quant_gated_x")?;
+        let (dt, rows, cols) = (dtype_code(w.dtype), w.rows as i32, w.cols as i32);
+        let (kind, stride, c0) = (act_code(act), out.cols as i32, col0 as i32);
+        launch!(
+            self,
+            f,
+            cfg(blocks(w.rows, WARPS), WARPS * 32),
+            w.buf.ptr,
+            dt,
+            rows,
+            cols,
+            gate.buf.ptr,
+            up.buf.ptr,
+            kind,
+            threshold,
+            out.buf.ptr,
+            stride,
+            c0
         );
         Ok(())
     }
@@ -2541,12 +2649,7 @@ impl Backend for CudaBackend {
         act: Act,
         threshold: f32,
     ) -> Result<()> {
-        if (gate.rows, gate.cols) != (up.rows, up.cols) {
-            return Err(shape_err(
-                "gated",
-                format!("{}x{} vs {}x{}", gate.rows, gate.cols, up.rows, up.cols),
-            ));
-        }
+        check_same_shape("gated", gate, up)?;
         let f = self.func("elementwise", "gated_f32")?;
         let (n, k) = ((gate.rows * gate.cols) as i64, act_code(act));
         launch!(
