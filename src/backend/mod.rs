@@ -647,9 +647,7 @@ pub trait Backend: Send + Sync + 'static {
         dst_row: usize,
         rope: Rope<'_, Self::Weight>,
     ) -> Result<()> {
-        let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
-        self.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
-        self.store_kv_pair((k, v), caches, table, dst_row)
+        rope_then_store(self, (q, k, v), caches, table, dst_row, rope)
     }
     /// Rows `first..first + out.len() / cols` of `src` as f32 on the host (waits for queued work).
     fn read_kv(&self, src: &Self::Kv, first: usize, out: &mut [f32]) -> Result<()>;
@@ -960,6 +958,21 @@ pub struct Rope<'a, W> {
     pub rot_dims: usize,
     pub pairs: RopePairs,
     pub inv_freq: &'a W,
+}
+
+/// [`Backend::rope_store_kv`] as two ops: [`Backend::rope_pair`], then
+/// [`Backend::store_kv_pair`].
+pub fn rope_then_store<B: Backend + ?Sized>(
+    b: &B,
+    (q, k, v): (&mut B::Tensor, &mut B::Tensor, &B::Tensor),
+    caches: (&mut B::Kv, &mut B::Kv),
+    table: Option<&B::KvTable>,
+    dst_row: usize,
+    rope: Rope<'_, B::Weight>,
+) -> Result<()> {
+    let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
+    b.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
+    b.store_kv_pair((k, v), caches, table, dst_row)
 }
 
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.

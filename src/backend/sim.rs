@@ -832,17 +832,8 @@ impl Backend for SimBackend {
         inv_freq: &SimWeight,
         first_pos: usize,
     ) -> Result<()> {
-        let a = tensor_arg(x);
-        let args = [
-            a[0],
-            a[1],
-            a[2],
-            head_dim as u64,
-            rot_dims as u64,
-            pairs as u64,
-            inv_freq.mem.id,
-        ];
-        self.sign("rope", &args)?;
+        let (hd, rd, p) = (head_dim as u64, rot_dims as u64, pairs as u64);
+        self.sign("rope", &tensors_arg(&[x], &[hd, rd, p, inv_freq.mem.id]))?;
         let first_pos = self.position(first_pos)?;
         self.cpu
             .rope(&mut x.t, head_dim, rot_dims, pairs, &inv_freq.w, first_pos)

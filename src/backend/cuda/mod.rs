@@ -467,6 +467,35 @@ fn check_store(
     table_ptr("store_kv", table, dst_row + src.rows, dst.rows)
 }
 
+/// Keys and values of the same shape fit caches of the same size and type (through `table`, if
+/// any, whose address this returns).
+fn check_store_pair(
+    (k, v): (&CudaTensor, &CudaTensor),
+    (kc, vc): (&CudaKv, &CudaKv),
+    table: Option<&CudaKvTable>,
+    dst_row: usize,
+) -> Result<u64> {
+    let tp = check_store(k, kc, table, dst_row)?;
+    check_store(v, vc, table, dst_row)?;
+    if (k.rows, k.cols, kc.rows, kc.ty) != (v.rows, v.cols, vc.rows, vc.ty) {
+        return Err(shape_err(
+            "store_kv_pair",
+            format!(
+                "keys {}x{} into a {} cache of {} rows, values {}x{} into a {} one of {}",
+                k.rows,
+                k.cols,
+                kc.ty.name(),
+                kc.rows,
+                v.rows,
+                v.cols,
+                vc.ty.name(),
+                vc.rows
+            ),
+        ));
+    }
+    Ok(tp)
+}
+
 /// Rotating `x` (`head_dim`-wide heads, the first `rot_dims` of each) by `inv_freq` fits.
 fn check_rope(
     x: &CudaTensor,
@@ -1828,24 +1857,7 @@ impl Backend for CudaBackend {
         table: Option<&CudaKvTable>,
         dst_row: usize,
     ) -> Result<()> {
-        let tp = check_store(k, kc, table, dst_row)?;
-        check_store(v, vc, table, dst_row)?;
-        if (k.rows, k.cols, kc.rows, kc.ty) != (v.rows, v.cols, vc.rows, vc.ty) {
-            return Err(shape_err(
-                "store_kv_pair",
-                format!(
-                    "keys {}x{} into a {} cache of {} rows, values {}x{} into a {} one of {}",
-                    k.rows,
-                    k.cols,
-                    kc.ty.name(),
-                    kc.rows,
-                    v.rows,
-                    v.cols,
-                    vc.ty.name(),
-                    vc.rows
-                ),
-            ));
-        }
+        let tp = check_store_pair((k, v), (kc, vc), table, dst_row)?;
         let f = self.func("attention", "store_kv_pair")?;
         let (rows, cols, dt) = (k.rows as i64, k.cols as i32, dtype_code(kc.ty.dtype()));
         let (first, at) = (dst_row as i32, self.position_at()?);
@@ -1877,31 +1889,16 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         // Q8_0 rows quantize 32 values a warp: the rotation and the store stay apart.
         if !matches!(kc.ty, KvType::F32 | KvType::F16) {
-            let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
-            self.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
-            return self.store_kv_pair((k, v), (kc, vc), table, dst_row);
+            return super::rope_then_store(self, (q, k, v), (kc, vc), table, dst_row, rope);
         }
         let (hd, rd) = (rope.head_dim, rope.rot_dims);
         check_rope(q, hd, rd, rope.inv_freq)?;
         check_rope(k, hd, rd, rope.inv_freq)?;
-        let tp = check_store(k, kc, table, dst_row)?;
-        check_store(v, vc, table, dst_row)?;
-        if q.rows != k.rows || (k.rows, k.cols, kc.rows, kc.ty) != (v.rows, v.cols, vc.rows, vc.ty)
-        {
+        let tp = check_store_pair((k, v), (kc, vc), table, dst_row)?;
+        if q.rows != k.rows {
             return Err(shape_err(
                 "rope_store_kv",
-                format!(
-                    "{} query rows; keys {}x{} into a {} cache of {} rows, values {}x{} into a {} one of {}",
-                    q.rows,
-                    k.rows,
-                    k.cols,
-                    kc.ty.name(),
-                    kc.rows,
-                    v.rows,
-                    v.cols,
-                    vc.ty.name(),
-                    vc.rows
-                ),
+                format!("{} query rows, {} key rows", q.rows, k.rows),
             ));
         }
         let f = self.func("rope", "rope_store_kv")?;
