@@ -1388,7 +1388,7 @@ fn smollm2_on_gpu_equals_cpu() {
 /// bit, over 48 greedy steps (three 16-position blocks of a pooled session), for f16 and Q8_0
 /// caches, own and pooled, on synthesized 4-layer models with heads of 64 (f16 and Q4_1 weights:
 /// the matvec with 8-bit activations too); the first step runs plainly, the second is recorded,
-/// the rest replayed.
+/// the rest replayed. Each step runs the fused step's device operations, no more.
 #[test]
 fn recorded_decode_on_gpu_equals_launched_decode() {
     if gpu().is_none() {
@@ -1431,6 +1431,18 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                 assert_eq!(counts, (1, steps as u64 - 2), "{what}");
                 // A replayed step's graph holds exactly the operations a launched step issues.
                 assert_eq!(replayed, launched, "{what}: device operations run");
+                // And those are the fused step's: per layer the residual's norm, q/k/v, rope
+                // and store (two launches for a Q8_0 cache), attention's split and combine, o,
+                // the FFN's norm, gate/up, and the gated down projection (two launches for f16
+                // weights, one for Q4_1 rows of up to QX_MAX_COLS); per step the embedding, the
+                // last residual and the head (last row, norm, output).
+                let per_layer = 9 + usize::from(kv == KvType::Q8_0) + usize::from(weights == "f16");
+                let per_step = m.spec.n_layers * per_layer + 5;
+                assert_eq!(
+                    launched,
+                    (steps * per_step) as u64,
+                    "{what}: device operations per decode step"
+                );
                 let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
                 assert!(
                     first_diff.is_none(),
