@@ -167,21 +167,30 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
 // shared memory (quantize_block_warp, as quantize_q8 does): a decode step's block-format matvec
 // needs no quantize launch before it. Wider rows keep the launch: there every block would
 // repeat a quantization worth more than the launch it saves.
+// `value(i)` gives activation i (read, or made from other inputs).
 #define QX_MAX_COLS 2048
-__device__ __forceinline__ void quantize_shared(const float* x, int cols, ActBlock* xs) {
+template <typename Value>
+__device__ __forceinline__ void quantize_shared(int cols, ActBlock* xs, Value value) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int b = warp; b < cols / 32; b += WARPS) quantize_block_warp(x[b * 32 + lane], xs + b);
+    for (int b = warp; b < cols / 32; b += WARPS) quantize_block_warp(value(b * 32 + lane), xs + b);
     __syncthreads();
+}
+
+// One token's block-format rows times the activations quantized in shared memory.
+template <typename Value>
+__device__ __forceinline__ void matvec_quant_in_blocks(const u8* w, int dtype, int rows, int cols, Value value,
+                                                       float* out, int stride, int col0) {
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    quantize_shared(cols, xs, value);
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
 }
 
 // `n` is 1.
 extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                           float* out, int stride, int col0) {
-    __shared__ ActBlock xs[QX_MAX_COLS / 32];
-    quantize_shared(x, cols, xs);
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
+    matvec_quant_in_blocks(w, dtype, rows, cols, [&](int i) { return x[i]; }, out, stride, col0);
 }
 
 // The down projection of a gated FFN for one token: its input act(g) ⊙ u (masked by
@@ -190,16 +199,8 @@ extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int 
 extern "C" __global__ void matvec_quant_gated_x(const u8* w, int dtype, int rows, int cols, const float* g,
                                                 const float* u, int kind, float threshold, float* out, int stride,
                                                 int col0) {
-    __shared__ ActBlock xs[QX_MAX_COLS / 32];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int b = warp; b < cols / 32; b += WARPS) {
-        int i = b * 32 + lane;
-        quantize_block_warp(sparse_act(act(g[i], kind), threshold) * u[i], xs + b);
-    }
-    __syncthreads();
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
+    auto gated = [&](int i) { return sparse_act(act(g[i], kind), threshold) * u[i]; };
+    matvec_quant_in_blocks(w, dtype, rows, cols, gated, out, stride, col0);
 }
 
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
@@ -237,7 +238,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int til
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x(MatvecParts ps, int cols,
                                                                                 const float* x, int n) {
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
-    quantize_shared(x, cols, xs);
+    quantize_shared(cols, xs, [&](int i) { return x[i]; });
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;

@@ -585,10 +585,15 @@ enum PartLaunch {
     Alone,
 }
 
+/// Whether rows of `cols` values in `dtype` are whole 16-byte f16 vectors (the f16 matvec).
+fn f16_vectors(dtype: DType, cols: usize) -> bool {
+    dtype == DType::F16 && cols.is_multiple_of(8)
+}
+
 fn part_launch(dtype: DType, cols: usize, n: usize) -> PartLaunch {
     if uses_act_blocks(dtype) && n <= MAX_QTOKENS {
         PartLaunch::Blocks
-    } else if dtype == DType::F16 && cols.is_multiple_of(8) && n <= MAX_TOKENS {
+    } else if f16_vectors(dtype, cols) && n <= MAX_TOKENS {
         PartLaunch::F16
     } else {
         PartLaunch::Alone
@@ -2174,7 +2179,7 @@ impl Backend for CudaBackend {
                 matvec("matvec_quant", xq, t0, nt)?;
             } else {
                 let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
-                if w.dtype == DType::F16 && w.cols.is_multiple_of(8) {
+                if f16_vectors(w.dtype, w.cols) {
                     matvec("matvec_f16_vec", xp, t0, nt)?;
                 } else {
                     matvec("matvec_float", xp, t0, nt)?;
