@@ -25,6 +25,7 @@
 #define SPLIT_TILE 64  // keys scored per pass of a split block
 #define SPLIT_THREADS 128
 #define SPLIT_MAX_HD 256
+#define SPLIT_LOADS 4  // keys whose loads a lane of the split kernel has in flight
 #define MASKED (-3.0e38f)
 
 // Eight halves, moved as one 16-byte access.
@@ -238,21 +239,57 @@ __device__ inline void split_plan(int keys, int rows, int* chunks, int* chunk) {
     *chunks = (keys + *chunk - 1) / *chunk;
 }
 
+// Lanes that share a key in the split kernel: a lane takes 8 of the head's dims, and the lanes
+// of a key are a power of two, so their sum is a butterfly inside the warp (4 for heads of 32,
+// 16 for 128, 32 for 256).
+__device__ __forceinline__ int split_lanes(int hd) {
+    int lanes = 1;
+    while (lanes * 8 < hd) lanes <<= 1;
+    return lanes;
+}
+
+// Elements c..c+7 of a KV cache row in storage format DT, c a multiple of 8: one 16-byte load
+// for f16, two for f32; a Q8_0 row's 8 codes lie in one block. The values kv_elem gives.
+template <int DT>
+__device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
+    if (DT == DT_F32) {
+        const float4* p = (const float4*)((const float*)row + c);
+        const float4 a = p[0], b = p[1];
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+        x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else if (DT == DT_F16) {
+        const Half8 h = *(const Half8*)((const u16*)row + c);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = h2f((u16)(h.w[e >> 1] >> (16 * (e & 1))));
+    } else {
+        const u8* b = row + (c >> 5) * 34;
+        const float d = h2f(load_u16(b));
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = d * (float)(i8)b[2 + (c & 31) + e];
+    }
+}
+
 // One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
-// caches of any KV type DT, head dims up to SPLIT_MAX_HD. Leaves, per row t, at
-// ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
+// caches of any KV type DT, head dims of 32..SPLIT_MAX_HD in multiples of 8. Leaves, per row t,
+// at ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
 // MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
 // With `pos_at` (a recorded step, replayed at later positions as a CUDA graph) the position is
 // read there and the chunks planned here, as split_chunks plans them on the host; the grid then
 // has room for the most chunks (MAX_SPLITS / n), and blocks past the plan leave nothing.
+//
+// The chunk is read at the memory's pace: a lane takes 8 dims of a key (16 bytes of an f16
+// cache) and has SPLIT_LOADS keys' loads in flight, a group of split_lanes(hd) lanes covers a
+// key, and the block's groups take the tile's keys in turn, for the scores and again for the
+// values. Each lane sums its keys' weighted values; the groups' sums are added at the end, in
+// group order.
 template <int DT>
 __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n,
                            int n_heads, int group,
                            int hd, int kv_cols, int first_pos, float scale, int chunk, const int* pos_at) {
-    __shared__ float qs[SPLIT_ROWS * SPLIT_MAX_HD];
     __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
     __shared__ float alpha[SPLIT_ROWS];
+    __shared__ float sums[SPLIT_ROWS * SPLIT_THREADS * 8];  // each lane's weighted values, per row
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int warps = SPLIT_THREADS / 32;
     const int h = blockIdx.x, part = blockIdx.y, col = (h / group) * hd;
@@ -264,35 +301,50 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
     }
     const long long rb = row_bytes(DT, kv_cols);
     const int k0 = part * chunk, k1 = min(first_pos + n, k0 + chunk);
-    for (int i = tid; i < n * hd; i += SPLIT_THREADS)
-        qs[(i / hd) * SPLIT_MAX_HD + i % hd] = q[(long long)(i / hd) * n_heads * hd + h * hd + i % hd] * scale;
-    // Warp w keeps the running max and sum of rows w and w + warps; thread i accumulates
-    // output dims i and i + SPLIT_THREADS of every row.
-    float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
-    float acc[SPLIT_ROWS][2];
+    // This lane: dims d0..d0+7 (none when d0 ≥ hd: it only joins the sums) of keys kg,
+    // kg + groups, ... of each tile.
+    const int lanes = split_lanes(hd), groups = SPLIT_THREADS / lanes;
+    const int kg = tid / lanes, d0 = (tid % lanes) * 8;
+    const bool dims = d0 < hd;
+    float qr[SPLIT_ROWS][8], acc[SPLIT_ROWS][8];
 #pragma unroll
-    for (int t = 0; t < SPLIT_ROWS; t++) acc[t][0] = acc[t][1] = 0.0f;
-    __syncthreads();
+    for (int t = 0; t < SPLIT_ROWS; t++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            qr[t][e] = t < n && dims ? q[(long long)t * n_heads * hd + h * hd + d0 + e] * scale : 0.0f;
+            acc[t][e] = 0.0f;
+        }
+    // Warp w keeps the running max and sum of rows w and w + warps.
+    float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
 
     for (int j0 = k0; j0 < k1; j0 += SPLIT_TILE) {
         const int tile = min(SPLIT_TILE, k1 - j0);
-        // A warp per key: lanes split the head dims (coalesced), one sum per row.
-        for (int jj = warp; jj < tile; jj += warps) {
-            const u8* krow = kc + kv_row(table, j0 + jj) * rb;
-            float dot[SPLIT_ROWS];
+        // Scores: SPLIT_LOADS keys loaded, then each dotted and summed over its group's lanes
+        // (every lane takes part in the butterfly, keys past the tile with zeros).
+        for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
+            float kx[SPLIT_LOADS][8];
 #pragma unroll
-            for (int t = 0; t < SPLIT_ROWS; t++) dot[t] = 0.0f;
-            for (int d = lane; d < hd; d += 32) {
-                float kv = kv_elem<DT>(krow, col + d);
+            for (int u = 0; u < SPLIT_LOADS; u++) {
+                const int jj = jb + kg + u * groups;
+                if (dims && jj < tile) {
+                    kv_vec8<DT>(kc + kv_row(table, j0 + jj) * rb, col + d0, kx[u]);
+                } else {
 #pragma unroll
-                for (int t = 0; t < SPLIT_ROWS; t++)
-                    if (t < n) dot[t] += qs[t * SPLIT_MAX_HD + d] * kv;
+                    for (int e = 0; e < 8; e++) kx[u][e] = 0.0f;
+                }
             }
 #pragma unroll
-            for (int t = 0; t < SPLIT_ROWS; t++) {
-                if (t >= n) break;
-                float sc = warp_sum(dot[t]);
-                if (lane == 0) p[t * SPLIT_TILE + jj] = j0 + jj <= first_pos + t ? sc : MASKED;
+            for (int u = 0; u < SPLIT_LOADS; u++) {
+                const int jj = jb + kg + u * groups;
+#pragma unroll
+                for (int t = 0; t < SPLIT_ROWS; t++) {
+                    if (t >= n) break;
+                    float dot = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; e++) dot += qr[t][e] * kx[u][e];
+                    for (int o = lanes >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    if (d0 == 0 && jj < tile) p[t * SPLIT_TILE + jj] = j0 + jj <= first_pos + t ? dot : MASKED;
+                }
             }
         }
         __syncthreads();
@@ -315,18 +367,36 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
             if (lane == 0) alpha[t] = a;
         }
         __syncthreads();
+        // Values: the same keys as the scores, each weighted by its row's exp.
 #pragma unroll
-        for (int c = 0; c < 2; c++) {
-            int d = tid + c * SPLIT_THREADS;
-            if (d >= hd) break;
+        for (int t = 0; t < SPLIT_ROWS; t++) {
+            if (t >= n) break;
 #pragma unroll
-            for (int t = 0; t < SPLIT_ROWS; t++)
-                if (t < n) acc[t][c] *= alpha[t];
-            for (int jj = 0; jj < tile; jj++) {
-                float v = kv_elem<DT>(vc + kv_row(table, j0 + jj) * rb, col + d);
+            for (int e = 0; e < 8; e++) acc[t][e] *= alpha[t];
+        }
+        for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
+            float vx[SPLIT_LOADS][8];
 #pragma unroll
-                for (int t = 0; t < SPLIT_ROWS; t++)
-                    if (t < n) acc[t][c] += p[t * SPLIT_TILE + jj] * v;
+            for (int u = 0; u < SPLIT_LOADS; u++) {
+                const int jj = jb + kg + u * groups;
+                if (dims && jj < tile) {
+                    kv_vec8<DT>(vc + kv_row(table, j0 + jj) * rb, col + d0, vx[u]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; e++) vx[u][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SPLIT_LOADS; u++) {
+                const int jj = jb + kg + u * groups;
+                if (!(dims && jj < tile)) continue;
+#pragma unroll
+                for (int t = 0; t < SPLIT_ROWS; t++) {
+                    if (t >= n) break;
+                    const float w = p[t * SPLIT_TILE + jj];
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[t][e] += w * vx[u][e];
+                }
             }
         }
         __syncthreads();  // p and alpha are rewritten by the next tile
@@ -341,13 +411,20 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
             w[1] = l[i];
         }
     }
+    // Output dim d of row t: the sums of the lanes holding it (lane d / 8 of each group), in
+    // group order.
 #pragma unroll
-    for (int c = 0; c < 2; c++) {
-        int d = tid + c * SPLIT_THREADS;
-        if (d >= hd) break;
+    for (int t = 0; t < SPLIT_ROWS; t++) {
+        if (t >= n) break;
 #pragma unroll
-        for (int t = 0; t < SPLIT_ROWS; t++)
-            if (t < n) ws[((long long)h * MAX_SPLITS + t * chunks + part) * width + 2 + d] = acc[t][c];
+        for (int e = 0; e < 8; e++) sums[(t * SPLIT_THREADS + tid) * 8 + e] = acc[t][e];
+    }
+    __syncthreads();
+    for (int i = tid; i < n * hd; i += SPLIT_THREADS) {
+        const int t = i / hd, d = i % hd;
+        float o = 0.0f;
+        for (int g = 0; g < groups; g++) o += sums[(t * SPLIT_THREADS + g * lanes) * 8 + d];
+        ws[((long long)h * MAX_SPLITS + t * chunks + part) * width + 2 + d] = o;
     }
 }
 

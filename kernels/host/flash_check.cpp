@@ -263,7 +263,10 @@ int main() {
         for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
             ok &= flash(rng, c, page);
         // Chunks of one and of several tiles, rows that see none of the last chunk.
-        for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}}) {
+        // Heads whose dims leave lanes of a key idle (80, 96), a key per half warp (128) and per
+        // warp (256); chunks of several tiles.
+        for (Case c : {Case{1, 150, 4, 2, 64}, Case{3, 40, 4, 2, 48}, Case{4, 70, 2, 2, 32}, Case{1, 300, 4, 2, 80},
+                       Case{2, 150, 2, 2, 128}, Case{1, 90, 2, 1, 256}, Case{4, 200, 3, 1, 96}}) {
             ok &= split<DT_F32>(rng, c, 64, page);
             ok &= split<DT_F16>(rng, c, 100, page);
             ok &= split<DT_Q8_0>(rng, c, 37, page);

@@ -137,10 +137,11 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
 }
 
 /// Whether attention with heads of `head_dim` splits the keys of few query rows across blocks:
-/// its warps split a key's dims over their lanes, so heads narrower than a warp stay with the
-/// simple kernel (a thread per key), as do heads wider than it is built for.
+/// a lane of the split kernel reads 8 of a key's dims at once and a key's lanes sum within a
+/// warp, so heads narrower than 32, wider than it is built for or not in whole 8-dim vectors
+/// stay with the simple kernel (a thread per key).
 fn splits_keys(head_dim: usize) -> bool {
-    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
+    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim) && head_dim.is_multiple_of(8)
 }
 
 /// The step position as the recorded kernels read it (an i32), if it is one.
@@ -2964,8 +2965,11 @@ mod tests {
                 );
             }
         }
-        // Narrow heads stay with the simple kernel, which takes none.
+        // Narrow heads, and heads not in whole 8-dim vectors, stay with the simple kernel,
+        // which takes none.
         assert_eq!(workspace_bytes(&op(1, 16)), 0);
+        assert_eq!(workspace_bytes(&op(1, 36)), 0);
+        assert!(workspace_bytes(&op(1, 40)) > 0);
         assert_eq!(workspace_bytes(&op(0, 128)), 0);
     }
 
