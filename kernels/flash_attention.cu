@@ -4,11 +4,12 @@
 //   shared memory once per block; Q·Kᵀ and P·V are m16n8k16 f16 products with f32 accumulation
 //   (mma.sync, sm_80+); softmax is online (running max and sum per row, in registers), so the
 //   score matrix never exists in device memory.
-// - `attention_split_*` + `attention_combine`: decode (few query rows) over a long context of any
-//   cache type. The keys are cut into chunks, one block per (head, chunk), so a single token's
-//   attention fills the GPU; each block leaves its rows' partials (max, sum, unnormalised output)
-//   in the workspace and a second kernel combines the chunks. A head holds MAX_SPLITS partials
-//   whatever the row count (rows × chunks ≤ MAX_SPLITS), so the workspace is fixed per model.
+// - `attention_split_*`: decode (few query rows) over a long context of any cache type. The keys
+//   are cut into chunks, one block per (head, chunk), so a single token's attention fills the
+//   GPU; each block leaves its rows' partials (max, sum, unnormalised output) in the workspace,
+//   and the head's last block to finish combines them (a ticket per head), so attention is one
+//   launch. A head holds MAX_SPLITS partials whatever the row count (rows × chunks ≤
+//   MAX_SPLITS), so the workspace is fixed per model.
 // Both read position j of the caches at row kv_row(table, j) (a paged sequence in the KV pool, or
 // its own cache when table is null) and follow the causal rule of attention.cu: query row t sits at position first_pos + t and
 // sees keys 0..=first_pos + t. kernels/host/flash_check.cpp runs both on the host against a naive
@@ -269,14 +270,34 @@ __device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
     }
 }
 
+// out[t][h·hd + d] of row t and head h from the `chunks` partials the split blocks left: every
+// chunk's sum and outputs rescaled to the largest max. Read past L1: other blocks wrote them.
+__device__ void combine_head(const float* ws, float* out, int t, int h, int n_heads, int hd, int chunks) {
+    const int width = hd + 2;
+    const float* w = ws + ((long long)h * MAX_SPLITS + t * chunks) * width;
+    float mx = MASKED;
+    for (int c = 0; c < chunks; c++) mx = fmaxf(mx, __ldcg(w + c * width));
+    float sum = 0.0f;
+    for (int c = 0; c < chunks; c++) sum += __ldcg(w + c * width + 1) * expf(__ldcg(w + c * width) - mx);
+    const float inv = 1.0f / sum;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int c = 0; c < chunks; c++) o += __ldcg(w + c * width + 2 + d) * expf(__ldcg(w + c * width) - mx);
+        out[(long long)t * n_heads * hd + h * hd + d] = o * inv;
+    }
+}
+
 // One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
 // caches of any KV type DT, head dims of 32..SPLIT_MAX_HD in multiples of 8. Leaves, per row t,
 // at ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
-// MASKED, 0, zeros). Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
+// MASKED, 0, zeros). The head's last block to finish (tickets[h] counts them, and is left at 0
+// for the next launch) then writes the head's rows of `out` from every chunk's partials.
+// Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
 // With `pos_at` (a recorded step, replayed at later positions as a CUDA graph) the position is
 // read there and the chunks planned here, as split_chunks plans them on the host; the grid then
-// has room for the most chunks (MAX_SPLITS / n), and blocks past the plan leave nothing.
+// has room for the most chunks (MAX_SPLITS / n), and blocks past the plan take no ticket and
+// leave nothing.
 //
 // The chunk is read at the memory's pace: a lane takes 8 dims of a key (16 bytes of an f16
 // cache) and has SPLIT_LOADS keys' loads in flight, a group of split_lanes(hd) lanes covers a
@@ -284,12 +305,13 @@ __device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
 // values. Each lane sums its keys' weighted values; the groups' sums are added at the end, in
 // group order.
 template <int DT>
-__device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n,
-                           int n_heads, int group,
-                           int hd, int kv_cols, int first_pos, float scale, int chunk, const int* pos_at) {
+__device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws,
+                           unsigned* tickets, float* out, int n, int n_heads, int group, int hd, int kv_cols,
+                           int first_pos, float scale, int chunk, const int* pos_at) {
     __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
     __shared__ float alpha[SPLIT_ROWS];
     __shared__ float sums[SPLIT_ROWS * SPLIT_THREADS * 8];  // each lane's weighted values, per row
+    __shared__ bool last;  // this block is the head's last to finish
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int warps = SPLIT_THREADS / 32;
     const int h = blockIdx.x, part = blockIdx.y, col = (h / group) * hd;
@@ -426,39 +448,29 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
         for (int g = 0; g < groups; g++) o += sums[(t * SPLIT_THREADS + g * lanes) * 8 + d];
         ws[((long long)h * MAX_SPLITS + t * chunks + part) * width + 2 + d] = o;
     }
+    // This block's partials reach the device (each thread fences its own writes) before its
+    // ticket; the block that draws the head's last ticket sees every chunk's.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        last = atomicAdd(tickets + h, 1u) == (unsigned)(chunks - 1);
+        if (last) tickets[h] = 0;  // every chunk has drawn: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = 0; t < n; t++) combine_head(ws, out, t, h, n_heads, hd, chunks);
 }
 
-#define SPLIT(name, DT)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                              \
-        name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, int n, int n_heads, \
-             int group, int hd, int kv_cols, int first_pos, float scale, int chunk, const int* pos_at) {       \
-        split_impl<DT>(q, kc, vc, table, ws, n, n_heads, group, hd, kv_cols, first_pos, scale, chunk, pos_at); \
+#define SPLIT(name, DT)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                             \
+        name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, unsigned* tickets, \
+             float* out, int n, int n_heads, int group, int hd, int kv_cols, int first_pos, float scale,      \
+             int chunk, const int* pos_at) {                                                                 \
+        split_impl<DT>(q, kc, vc, table, ws, tickets, out, n, n_heads, group, hd, kv_cols, first_pos, scale,  \
+                       chunk, pos_at);                                                                       \
     }
 
 SPLIT(attention_split_f32, DT_F32)
 SPLIT(attention_split_f16, DT_F16)
 SPLIT(attention_split_q8_0, DT_Q8_0)
-
-// out[t][h·hd + d] from the `chunks` partials split_impl left for (t, h): every chunk's sum and
-// outputs rescaled to the largest max. Grid: n·n_heads; block: any multiple of 32. With `pos_at`,
-// the chunks are planned from the position there (as split_impl plans them).
-extern "C" __global__ void attention_combine(const float* ws, float* out, int n_heads, int hd, int chunks,
-                                             const int* pos_at) {
-    const int t = blockIdx.x / n_heads, h = blockIdx.x % n_heads, width = hd + 2;
-    if (pos_at) {
-        const int n = gridDim.x / n_heads;
-        int chunk;
-        split_plan(*pos_at + n, n, &chunks, &chunk);
-    }
-    const float* w = ws + ((long long)h * MAX_SPLITS + t * chunks) * width;
-    float mx = MASKED;
-    for (int c = 0; c < chunks; c++) mx = fmaxf(mx, w[c * width]);
-    float sum = 0.0f;
-    for (int c = 0; c < chunks; c++) sum += w[c * width + 1] * expf(w[c * width] - mx);
-    const float inv = 1.0f / sum;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int c = 0; c < chunks; c++) o += w[c * width + 2 + d] * expf(w[c * width] - mx);
-        out[(long long)t * n_heads * hd + h * hd + d] = o * inv;
-    }
-}

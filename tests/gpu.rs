@@ -1432,11 +1432,11 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                 // A replayed step's graph holds exactly the operations a launched step issues.
                 assert_eq!(replayed, launched, "{what}: device operations run");
                 // And those are the fused step's: per layer the residual's norm, q/k/v, rope
-                // and store (two launches for a Q8_0 cache), attention's split and combine, o,
-                // the FFN's norm, gate/up, and the gated down projection (two launches for f16
-                // weights, one for Q4_1 rows of up to QX_MAX_COLS); per step the embedding, the
-                // last residual and the head (last row, norm, output).
-                let per_layer = 9 + usize::from(kv == KvType::Q8_0) + usize::from(weights == "f16");
+                // and store (two launches for a Q8_0 cache), attention (its last blocks
+                // combine), o, the FFN's norm, gate/up, and the gated down projection (two
+                // launches for f16 weights, one for Q4_1 rows of up to QX_MAX_COLS); per step
+                // the embedding, the last residual and the head (last row, norm, output).
+                let per_layer = 8 + usize::from(kv == KvType::Q8_0) + usize::from(weights == "f16");
                 let per_step = m.spec.n_layers * per_layer + 5;
                 assert_eq!(
                     launched,

@@ -30,6 +30,11 @@ struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+// The L2-only load, the fence and the ticket atomic of a split attention's last block (blocks
+// run one after another here, so the fence has nothing to order).
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 #ifdef KERNEL_HOST_SIMT

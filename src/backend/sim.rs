@@ -187,8 +187,8 @@ impl SimBackend {
     }
 
     /// The ops of the last step recorded here, in order: one per backend call the engine made
-    /// (each one kernel on CUDA, but for attention's split and combine, and a quantize launch
-    /// before a block-format matmul of rows wider than `cuda::QX_MAX_COLS`).
+    /// (each one kernel on CUDA, but for a quantize launch before a block-format matmul of rows
+    /// wider than `cuda::QX_MAX_COLS`).
     pub fn recorded_ops(&self) -> Result<Vec<&'static str>> {
         Ok(self.steps()?.last_recorded.clone())
     }
@@ -931,7 +931,7 @@ impl Backend for SimBackend {
         ];
         self.sign("attention", &args)?;
         if self.steps()?.signing.is_some() {
-            super::cuda::recordable_attention(q.t.rows, shape.head_dim)?;
+            super::cuda::recordable_attention(q.t.rows, shape.n_heads, shape.head_dim)?;
         }
         let first_pos = self.position(first_pos)?;
         self.cpu.attention(

@@ -71,6 +71,9 @@ pub const MAX_SPLITS: usize = 32;
 const SPLIT_MIN_KEYS: usize = 64;
 /// Narrowest heads the split attention takes (see [`splits_keys`]).
 const SPLIT_MIN_HD: usize = 32;
+/// Most heads the split attention takes: one ticket each (`tickets`), counting the chunks of
+/// a head done, so the last combines them.
+const SPLIT_MAX_HEADS: usize = 1024;
 /// Head dims the split kernel takes (SPLIT_MAX_HD in kernels/flash_attention.cu), and the
 /// simple kernel too.
 const MAX_HEAD_DIM: usize = 256;
@@ -99,7 +102,7 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
             n_heads,
             head_dim,
         } => {
-            if tokens > 0 && splits_keys(head_dim) {
+            if tokens > 0 && splits_keys(n_heads, head_dim) {
                 device_bytes((n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
             } else {
                 0
@@ -136,12 +139,15 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
     }
 }
 
-/// Whether attention with heads of `head_dim` splits the keys of few query rows across blocks:
-/// a lane of the split kernel reads 8 of a key's dims at once and a key's lanes sum within a
-/// warp, so heads narrower than 32, wider than it is built for or not in whole 8-dim vectors
-/// stay with the simple kernel (a thread per key).
-fn splits_keys(head_dim: usize) -> bool {
-    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim) && head_dim.is_multiple_of(8)
+/// Whether attention with `n_heads` heads of `head_dim` splits the keys of few query rows across
+/// blocks: a lane of the split kernel reads 8 of a key's dims at once and a key's lanes sum
+/// within a warp, so heads narrower than 32, wider than it is built for or not in whole 8-dim
+/// vectors stay with the simple kernel (a thread per key), as do more heads than it has
+/// tickets for.
+fn splits_keys(n_heads: usize, head_dim: usize) -> bool {
+    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
+        && head_dim.is_multiple_of(8)
+        && n_heads <= SPLIT_MAX_HEADS
 }
 
 /// The step position as the recorded kernels read it (an i32), if it is one.
@@ -157,15 +163,15 @@ pub fn step_position_word(first_pos: usize) -> Result<i32> {
 /// Whether the attention of `rows` query rows with heads of `head_dim` can be recorded, else
 /// why not: only the split kernels read their position from device memory. The budgeted device
 /// refuses what this refuses.
-pub fn recordable_attention(rows: usize, head_dim: usize) -> Result<()> {
-    if (1..=SPLIT_ROWS).contains(&rows) && splits_keys(head_dim) {
+pub fn recordable_attention(rows: usize, n_heads: usize, head_dim: usize) -> Result<()> {
+    if (1..=SPLIT_ROWS).contains(&rows) && splits_keys(n_heads, head_dim) {
         return Ok(());
     }
     Err(shape_err(
         "attention",
         format!(
-            "{rows} rows with heads of {head_dim}: CUDA's kernels for them take their position as \
-             an argument, so this step cannot be recorded"
+            "{rows} rows with {n_heads} heads of {head_dim}: CUDA's kernels for them take their \
+             position as an argument, so this step cannot be recorded"
         ),
     ))
 }
@@ -360,6 +366,9 @@ pub struct CudaBackend {
     /// The pacing stamps, one per stream (copy, compute); allocated with the context so they
     /// are part of the measured fixed cost.
     stamps: CudaSlice<u64>,
+    /// The split attention's ticket per head (zeros; each launch leaves them at zero): with
+    /// the context, as the stamps.
+    tickets: CudaSlice<u32>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: kernels::Modules,
     meter: Option<DeviceMeter>,
@@ -697,6 +706,7 @@ impl CudaBackend {
         let compute = ctx.new_stream().map_err(dev)?;
         let copy = ctx.new_stream().map_err(dev)?;
         let stamps = compute.alloc_zeros::<u64>(2).map_err(dev)?;
+        let tickets = compute.alloc_zeros::<u32>(SPLIT_MAX_HEADS).map_err(dev)?;
         let mut me = CudaBackend {
             ctx,
             compute,
@@ -707,6 +717,7 @@ impl CudaBackend {
             workspace: Workspace::default(),
             pace: Mutex::new(None),
             stamps,
+            tickets,
             functions: Mutex::new(HashMap::new()),
             modules: kernels::Modules::default(),
             meter,
@@ -2718,10 +2729,11 @@ impl Backend for CudaBackend {
         let keys = first_pos + n;
         let at = self.position_at()?;
         if at != 0 {
-            recordable_attention(n, s.head_dim)?;
+            recordable_attention(n, s.n_heads, s.head_dim)?;
         }
-        if n <= SPLIT_ROWS && splits_keys(s.head_dim) {
-            // Few rows (decode): the keys in chunks across blocks, partials in the workspace.
+        if n <= SPLIT_ROWS && splits_keys(s.n_heads, s.head_dim) {
+            // Few rows (decode): the keys in chunks across blocks, partials in the workspace,
+            // combined by each head's last block (one launch).
             let (_ws, wptr) = self.workspace_for(WorkspaceOp::Attention {
                 tokens: n,
                 n_heads: s.n_heads,
@@ -2748,6 +2760,7 @@ impl Backend for CudaBackend {
                 shared_mem_bytes: 0,
             };
             let (rows, chunk_i) = (n as i32, chunk as i32);
+            let tickets = ptr_of(&self.tickets, &self.compute);
             launch!(
                 self,
                 f,
@@ -2757,6 +2770,8 @@ impl Backend for CudaBackend {
                 v_cache.buf.ptr,
                 tp,
                 wptr,
+                tickets,
+                out.buf.ptr,
                 rows,
                 nh,
                 group,
@@ -2765,19 +2780,6 @@ impl Backend for CudaBackend {
                 fp,
                 s.scale,
                 chunk_i,
-                at
-            );
-            let f = self.func("flash_attention", "attention_combine")?;
-            let chunks = chunks as i32;
-            launch!(
-                self,
-                f,
-                cfg((n * s.n_heads) as u32, FLASH_THREADS),
-                wptr,
-                out.buf.ptr,
-                nh,
-                hd,
-                chunks,
                 at
             );
             return Ok(());
