@@ -295,6 +295,11 @@ __device__ __forceinline__ float sparse_act(float a, float threshold) {
     return (threshold > 0.0f && fabsf(a) <= threshold) ? 0.0f : a;
 }
 
+// A gated FFN's hidden activation from its gate and up products: act(g), masked, times u.
+__device__ __forceinline__ float gated_value(float g, float u, int kind, float threshold) {
+    return sparse_act(act(g, kind), threshold) * u;
+}
+
 // One value of a KV cache row in DT_F32 or DT_F16 (position `pos`, column `col`), converted as
 // store_rows converts it.
 __device__ __forceinline__ void put_kv(u8* dst, int dt, const unsigned* table, int pos, int cols, int col, float v) {

@@ -21,7 +21,7 @@ extern "C" __global__ void activate_f32(float* x, long long n, int kind, float t
 // g = act(g) * u, act(g) masked by `threshold` (sparse_act).
 extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int kind, float threshold) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) g[i] = sparse_act(act(g[i], kind), threshold) * u[i];
+    if (i < n) g[i] = gated_value(g[i], u[i], kind, threshold);
 }
 
 // out[t] = table[ids[t]] decoded to f32. Grid: one block per token.

@@ -20,6 +20,21 @@ __device__ __forceinline__ void write_out(float* acc, int n, float* out, int str
     }
 }
 
+// Each token's gated product of a gate row's and an up row's sums (as write_out sums them) to
+// out[t][row]: the value gated_f32 makes of the two products.
+template <int MAXT>
+__device__ __forceinline__ void write_gated(float* g, float* u, int n, int kind, float threshold, float* out,
+                                            int stride, int row) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < MAXT; t++) {
+        if (t < n) {
+            float gv = warp_sum(g[t]), uv = warp_sum(u[t]);
+            if (lane == 0) out[(long long)t * stride + row] = gated_value(gv, uv, kind, threshold);
+        }
+    }
+}
+
 // Any float format, any column count.
 extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                         float* out, int stride, int col0) {
@@ -60,17 +75,15 @@ __device__ __forceinline__ void f16_vec_dot(uint4 q, int v, int cols, const floa
     }
 }
 
-// One weight row of f16 (cols % 8 == 0) times n ≤ MAXT tokens: 16-byte loads, LOADS of them
-// issued before any is used (a lane's loads in flight are what keeps HBM busy), summed in the
-// same order as one at a time, so every MAXT gives the same bits. One token (a decode step)
-// has the registers for four in flight; up to MAX_TOKENS, one.
+// One weight row of f16 (cols % 8 == 0) times n ≤ MAXT tokens, this lane's share of each sum:
+// 16-byte loads, LOADS of them issued before any is used (a lane's loads in flight are what
+// keeps HBM busy), summed in the same order as one at a time, so every MAXT gives the same bits.
+// One token (a decode step) has the registers for four in flight; up to MAX_TOKENS, one.
 template <int MAXT, int LOADS>
-__device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const float* x, int n, float* out, int stride,
-                                        int col0) {
+__device__ __forceinline__ void f16_row_acc(const u8* w, int row, int cols, const float* x, int n, float* acc) {
     int lane = threadIdx.x & 31;
     const uint4* wr = (const uint4*)(w + 2LL * cols * row);
     int vecs = cols / 8;
-    float acc[MAXT];
 #pragma unroll
     for (int t = 0; t < MAXT; t++) acc[t] = 0.0f;
     for (int v = lane; v < vecs; v += 32 * LOADS) {
@@ -81,6 +94,13 @@ __device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const fl
         for (int k = 0; k < LOADS; k++)
             if (v + 32 * k < vecs) f16_vec_dot<MAXT>(q[k], v + 32 * k, cols, x, n, acc);
     }
+}
+
+template <int MAXT, int LOADS>
+__device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const float* x, int n, float* out, int stride,
+                                        int col0) {
+    float acc[MAXT];
+    f16_row_acc<MAXT, LOADS>(w, row, cols, x, n, acc);
     write_out<MAXT>(acc, n, out, stride, col0, row);
 }
 
@@ -94,13 +114,12 @@ __device__ __forceinline__ void f16_row_n(const u8* w, int row, int cols, const 
 }
 
 // One weight row of a block format times n tokens' activation blocks (`xq`: n rows of cols/32),
-// each weight block read once for all of them.
-__device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int cols, const ActBlock* xq, int n,
-                                          float* out, int stride, int col0) {
+// each weight block read once for all of them; this lane's share of each sum.
+__device__ __forceinline__ void quant_row_acc(const u8* w, int dtype, int row, int cols, const ActBlock* xq, int n,
+                                              float* acc) {
     int lane = threadIdx.x & 31;
     int nb = cols / 32;
     const u8* wr = w + row_bytes(dtype, cols) * row;
-    float acc[MAX_QTOKENS];
 #pragma unroll
     for (int t = 0; t < MAX_QTOKENS; t++) acc[t] = 0.0f;
     for (int b = lane; b < nb; b += 32) {
@@ -109,6 +128,12 @@ __device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int c
         for (int t = 0; t < MAX_QTOKENS; t++)
             if (t < n) acc[t] += sub_dot(ws, xq + (long long)t * nb + b);
     }
+}
+
+__device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int cols, const ActBlock* xq, int n,
+                                          float* out, int stride, int col0) {
+    float acc[MAX_QTOKENS];
+    quant_row_acc(w, dtype, row, cols, xq, n, acc);
     write_out<MAX_QTOKENS>(acc, n, out, stride, col0, row);
 }
 
@@ -167,40 +192,73 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
 // shared memory (quantize_block_warp, as quantize_q8 does): a decode step's block-format matvec
 // needs no quantize launch before it. Wider rows keep the launch: there every block would
 // repeat a quantization worth more than the launch it saves.
-// `value(i)` gives activation i (read, or made from other inputs).
 #define QX_MAX_COLS 2048
-template <typename Value>
-__device__ __forceinline__ void quantize_shared(int cols, ActBlock* xs, Value value) {
+__device__ __forceinline__ void quantize_shared(int cols, const float* x, ActBlock* xs) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int b = warp; b < cols / 32; b += WARPS) quantize_block_warp(value(b * 32 + lane), xs + b);
+    for (int b = warp; b < cols / 32; b += WARPS) quantize_block_warp(x[b * 32 + lane], xs + b);
     __syncthreads();
 }
 
-// One token's block-format rows times the activations quantized in shared memory.
-template <typename Value>
-__device__ __forceinline__ void matvec_quant_in_blocks(const u8* w, int dtype, int rows, int cols, Value value,
-                                                       float* out, int stride, int col0) {
+// One token's block-format rows times its activations quantized in shared memory. `n` is 1.
+extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
+                                          float* out, int stride, int col0) {
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
-    quantize_shared(cols, xs, value);
+    quantize_shared(cols, x, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     quant_row(w, dtype, row, cols, xs, 1, out, stride, col0);
 }
 
-// `n` is 1.
-extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
-                                          float* out, int stride, int col0) {
-    matvec_quant_in_blocks(w, dtype, rows, cols, [&](int i) { return x[i]; }, out, stride, col0);
+// The hidden activations of a gated FFN, a row of the gate and the same row of up in one warp:
+// out[t][row] = act(Wg[row]·x[t]) ⊙ (Wu[row]·x[t]), masked by `threshold`. Each product is summed
+// as the one-weight kernels sum it and gated as gated_f32 gates it, so one launch gives what two
+// matvecs and the gated launch give, bit for bit. The three kernels take the same arguments
+// (`x`: the activations as each reads them; `dg`, `du`: the weights' formats).
+// f16 rows (cols % 8 == 0), n ≤ MAX_TOKENS.
+extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
+                                              const float* x, int n, int kind, float threshold, float* out,
+                                              int stride) {
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    if (n == 1) {
+        float g[1], u[1];
+        f16_row_acc<1, 4>(wg, row, cols, x, 1, g);
+        f16_row_acc<1, 4>(wu, row, cols, x, 1, u);
+        write_gated<1>(g, u, 1, kind, threshold, out, stride, row);
+    } else {
+        float g[MAX_TOKENS], u[MAX_TOKENS];
+        f16_row_acc<MAX_TOKENS, 1>(wg, row, cols, x, n, g);
+        f16_row_acc<MAX_TOKENS, 1>(wu, row, cols, x, n, u);
+        write_gated<MAX_TOKENS>(g, u, n, kind, threshold, out, stride, row);
+    }
 }
 
-// The down projection of a gated FFN for one token: its input act(g) ⊙ u (masked by
-// `threshold`, as gated_f32 computes it) made and quantized in each block, so neither the gated
-// product nor the quantization takes a launch. `g` is read, not written.
-extern "C" __global__ void matvec_quant_gated_x(const u8* w, int dtype, int rows, int cols, const float* g,
-                                                const float* u, int kind, float threshold, float* out, int stride,
-                                                int col0) {
-    auto gated = [&](int i) { return sparse_act(act(g[i], kind), threshold) * u[i]; };
-    matvec_quant_in_blocks(w, dtype, rows, cols, gated, out, stride, col0);
+// Block formats, activation blocks quantized by quantize_q8 (n ≤ MAX_QTOKENS). Two rows' sums
+// for 16 tokens: held to 80 registers (3 blocks per SM) without spilling (at 64 it spills).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) matvec_quant_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
+                                                const ActBlock* xq, int n, int kind, float threshold, float* out,
+                                                int stride) {
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float g[MAX_QTOKENS], u[MAX_QTOKENS];
+    quant_row_acc(wg, dg, row, cols, xq, n, g);
+    quant_row_acc(wu, du, row, cols, xq, n, u);
+    write_gated<MAX_QTOKENS>(g, u, n, kind, threshold, out, stride, row);
+}
+
+// Block formats, one token of at most QX_MAX_COLS activations quantized in each block
+// (quantize_shared). `n` is 1.
+extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
+                                                  const float* x, int n, int kind, float threshold, float* out,
+                                                  int stride) {
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    quantize_shared(cols, x, xs);
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float g[MAX_QTOKENS], u[MAX_QTOKENS];
+    quant_row_acc(wg, dg, row, cols, xs, 1, g);
+    quant_row_acc(wu, du, row, cols, xs, 1, u);
+    write_gated<1>(g, u, 1, kind, threshold, out, stride, row);
 }
 
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
@@ -238,7 +296,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int til
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x(MatvecParts ps, int cols,
                                                                                 const float* x, int n) {
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
-    quantize_shared(cols, xs, [&](int i) { return x[i]; });
+    quantize_shared(cols, x, xs);
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;

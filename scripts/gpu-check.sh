@@ -7,7 +7,7 @@
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
 #            kernels equal the ones they replace, recorded logits equal launched ones, bit for
 #            bit), then decode tok/s and device operations per decode step (expected 245 for the
-#            SmolLM2 shape, 293 for the 7B shape), launched and recorded, side by side, on a
+#            SmolLM2 shape, 261 for the 7B shape), launched and recorded, side by side, on a
 #            synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU) at 128 and
 #            4000 positions
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory

@@ -1065,35 +1065,56 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         g.set_workspace(0).unwrap();
     }
 
-    // The gated down projection: one token of small block-format rows in one kernel (the gated
-    // product made in the matvec), the rest gated and multiplied apart; the same bits either way.
-    for (dtype, cols, n, act, threshold) in [
-        (DType::Q4_1, 1536, 1, Act::Silu, 0.0),
-        (DType::Q4K, 768, 1, Act::GeluTanh, 0.05),
-        (DType::Q8_0, 4096, 1, Act::Silu, 0.0),
-        (DType::Q4_1, 1536, 3, Act::Silu, 0.0),
-        (DType::F16, 1536, 1, Act::Gelu, 0.0),
+    // A gated FFN's hidden activations: gate and up in one kernel (f16 and block formats, one
+    // token quantized in blocks or by a launch, several, mixed formats), else their two products
+    // and the gated one apart; the same bits either way.
+    for (dg, du, cols, n, act, threshold) in [
+        (DType::F16, DType::F16, 4096, 1, Act::Silu, 0.0),
+        (DType::F16, DType::F16, 1320, 5, Act::Gelu, 0.05),
+        (DType::Q4_1, DType::Q4_1, 576, 1, Act::Silu, 0.0),
+        (DType::Q4K, DType::Q6K, 2048, 1, Act::GeluTanh, 0.05),
+        (DType::Q4K, DType::Q4K, 4096, 1, Act::Silu, 0.0),
+        (DType::Q8_0, DType::Q4_1, 96, 16, Act::Relu, 0.0),
+        (DType::Q4_1, DType::Q4_1, 256, 17, Act::Silu, 0.0),
+        (DType::F16, DType::Q4_1, 256, 1, Act::Silu, 0.0),
     ] {
-        let what = format!("gated_matmul {dtype} {cols} cols, {n} tokens, {act:?} {threshold}");
-        let w = g.upload(&weight(&mut rng, dtype, 50, cols)).unwrap();
-        let gv = rand_vec(&mut rng, n * cols, 3.0);
-        let u = put(g, n, cols, &rand_vec(&mut rng, n * cols, 1.0));
-        g.set_workspace(g.workspace_bytes(&WorkspaceOp::Matmul {
-            dtype,
-            tokens: n,
-            rows: 50,
-            cols,
-        }))
-        .unwrap();
-        let (mut g1, mut o1) = (put(g, n, cols, &gv), poisoned(g, n, 50));
-        g.gated(&mut g1, &u, act, threshold).unwrap();
-        g.matmul_into(&w, &g1, &mut o1, 0).unwrap();
-        let (mut g2, mut o2) = (put(g, n, cols, &gv), poisoned(g, n, 50));
-        g.gated_matmul(&mut g2, &u, (act, threshold), &w, &mut o2, 0)
+        let what = format!("gate_up {dg}/{du} {cols} cols, {n} tokens, {act:?} {threshold}");
+        let rows = 50;
+        let (wg, wu) = (
+            g.upload(&weight(&mut rng, dg, rows, cols)).unwrap(),
+            g.upload(&weight(&mut rng, du, rows, cols)).unwrap(),
+        );
+        let x = put(g, n, cols, &rand_vec(&mut rng, n * cols, 2.0));
+        let need = [dg, du]
+            .map(|dtype| {
+                g.workspace_bytes(&WorkspaceOp::Matmul {
+                    dtype,
+                    tokens: n,
+                    rows,
+                    cols,
+                })
+            })
+            .into_iter()
+            .max()
             .unwrap();
-        let (a, b) = (get(g, &o2), get(g, &o1));
+        g.set_workspace(need).unwrap();
+        let (mut g1, mut u1) = (poisoned(g, n, rows), poisoned(g, n, rows));
+        g.matmul_into(&wg, &x, &mut g1, 0).unwrap();
+        g.matmul_into(&wu, &x, &mut u1, 0).unwrap();
+        g.gated(&mut g1, &u1, act, threshold).unwrap();
+        let (mut g2, mut u2) = (poisoned(g, n, rows), poisoned(g, n, rows));
+        g.gate_up(&x, (&wg, &wu), (act, threshold), &mut g2, &mut u2)
+            .unwrap();
+        let (a, b) = (get(g, &g2), get(g, &g1));
         assert!(a.iter().all(|v| v.is_finite()), "{what}: unwritten");
         assert_eq!(bits(&a), bits(&b), "{what}");
+        // Outputs of another shape than the products are refused.
+        let mut narrow = poisoned(g, n, rows - 1);
+        assert!(
+            g.gate_up(&x, (&wg, &wu), (act, threshold), &mut narrow, &mut u2)
+                .is_err(),
+            "{what}"
+        );
         g.set_workspace(0).unwrap();
     }
 
@@ -1433,10 +1454,10 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                 assert_eq!(replayed, launched, "{what}: device operations run");
                 // And those are the fused step's: per layer the residual's norm, q/k/v, rope
                 // and store (two launches for a Q8_0 cache), attention (its last blocks
-                // combine), o, the FFN's norm, gate/up, and the gated down projection (two
-                // launches for f16 weights, one for Q4_1 rows of up to QX_MAX_COLS); per step
-                // the embedding, the last residual and the head (last row, norm, output).
-                let per_layer = 8 + usize::from(kv == KvType::Q8_0) + usize::from(weights == "f16");
+                // combine), o, the FFN's norm, gate and up with their gated product, and down;
+                // per step the embedding, the last residual and the head (last row, norm,
+                // output).
+                let per_layer = 8 + usize::from(kv == KvType::Q8_0);
                 let per_step = m.spec.n_layers * per_layer + 5;
                 assert_eq!(
                     launched,

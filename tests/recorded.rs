@@ -235,11 +235,10 @@ fn a_probed_session_records_and_remembers_the_same_queries() {
 /// A recorded decode step of a Llama-shaped model (f16 cache) holds per layer exactly these
 /// backend calls: the fused ones (the last layer's residual added inside this one's norm, q, k
 /// and v in one matmul call, q and k rotated and k and v stored in one call, the attention's
-/// residual added inside the FFN's norm, gate and up in one call, the gated product inside the
-/// down projection), 8 where the unfused layer took 16. On CUDA each is one kernel but, for f16
-/// weights, the gated down projection (gated, then the matvec): 9 a layer for the f16 model and
-/// 8 for Q4_1 (rows of up to `QX_MAX_COLS`, quantized inside the matvec), where the unfused
-/// layer launched 18 and 25.
+/// residual added inside the FFN's norm, gate and up and their gated product in one call), 8
+/// where the unfused layer took 16. On CUDA each is one kernel: 8 a layer for the f16 model and
+/// for Q4_1 (rows of up to `QX_MAX_COLS`, quantized inside the matvecs), where the unfused layer
+/// launched 18 and 25.
 #[test]
 fn a_recorded_decode_step_calls_the_fused_ops() {
     let dir = tempfile::tempdir().unwrap();
@@ -250,8 +249,8 @@ fn a_recorded_decode_step_calls_the_fused_ops() {
         "attention",
         "matmul_into",
         "add_rms_norm",
-        "matmul_parts",
-        "gated_matmul",
+        "gate_up",
+        "matmul_into",
     ];
     for (weights, m) in common::recordable_models(&dir) {
         let e = engine(&m, KvType::F16, false, true);

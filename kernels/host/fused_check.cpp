@@ -7,6 +7,8 @@
 //    (one token quantized in each block, no quantize launch) against quantize_q8 + matvec_quant;
 //  - rope_pair against rope of q and of k; store_kv_pair against store_kv of k and of v (every
 //    cache type, paged and not, position in device memory or not);
+//  - matvec_f16_gate_up / matvec_quant_gate_up(_x): a gated FFN's hidden activations, a row of
+//    the gate and of up in one warp, against a matvec per weight then gated_f32;
 //  - add_rms_norm against add_f32 then rms_norm.
 // scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "matvec.cu"
@@ -247,33 +250,49 @@ static bool store_pairs(int dt, int rows, int cols, bool page, bool at) {
     return same((std::string(what) + ", v").c_str(), vc.data(), vc1.data(), bytes) && ok;
 }
 
-// The gated down projection of one token (act(g) ⊙ u made and quantized in each block) against
-// gated_f32, quantize_q8 and matvec_quant.
-static bool gated_down(int dtype, int rows, int cols, int kind, float threshold) {
-    auto w = weights(dtype, rows, cols);
-    auto g = uniform((size_t)cols, -3.0f, 3.0f), u = uniform((size_t)cols);
-    std::vector<float> want((size_t)rows, NAN), got((size_t)rows, NAN);
-    auto g1 = g;
-    long long n = cols;
-    std::vector<ActBlock> xq((size_t)cols / 32);
-    host_launch({(unsigned)((n + 255) / 256), 1, 1}, 256, [&] { gated_f32(g1.data(), u.data(), n, kind, threshold); });
+// A gated FFN's hidden activations in one launch (matvec_*_gate_up: a row of the gate and of up
+// in one warp) against a matvec per weight, then gated_f32; `dg`, `du` the weights' formats, both
+// F16 or both block formats; block formats of one token take their activations quantized in
+// each block (`in_blocks`) or by a quantize launch, as the per-weight kernels do.
+static bool gate_up(int dg, int du, int rows, int cols, int n, int kind, float threshold, bool in_blocks) {
+    auto wg = weights(dg, rows, cols), wu = weights(du, rows, cols);
+    auto x = uniform((size_t)n * cols, -2.0f, 2.0f);
+    bool quant = dg != DT_F16;
+    std::vector<ActBlock> xq((size_t)n * cols / 32);
     long long blocks = (long long)xq.size();
-    host_launch({(unsigned)((blocks * 32 + 255) / 256), 1, 1}, 256,
-                [&] { quantize_q8(g1.data(), blocks, xq.data()); });
+    if (quant)
+        host_launch({(unsigned)((blocks * 32 + 255) / 256), 1, 1}, 256,
+                    [&] { quantize_q8(x.data(), blocks, xq.data()); });
+    std::vector<float> g((size_t)n * rows, NAN), u((size_t)n * rows, NAN), got((size_t)n * rows, NAN);
     unsigned grid = (unsigned)((rows + WARPS - 1) / WARPS);
-    host_launch({grid, 1, 1}, WARPS * 32,
-                [&] { matvec_quant(w.data(), dtype, rows, cols, xq.data(), 1, want.data(), rows, 0); });
-    auto g2 = g;
+    for (auto [w, dt, out] : {std::tuple{&wg, dg, &g}, std::tuple{&wu, du, &u}}) {
+        host_launch({grid, 1, 1}, WARPS * 32, [&] {
+            if (quant)
+                matvec_quant(w->data(), dt, rows, cols, xq.data(), n, out->data(), rows, 0);
+            else
+                matvec_f16_vec(w->data(), dt, rows, cols, x.data(), n, out->data(), rows, 0);
+        });
+    }
+    long long len = (long long)n * rows;
+    host_launch({(unsigned)((len + 255) / 256), 1, 1}, 256,
+                [&] { gated_f32(g.data(), u.data(), len, kind, threshold); });
     host_launch({grid, 1, 1}, WARPS * 32, [&] {
-        matvec_quant_gated_x(w.data(), dtype, rows, cols, g2.data(), u.data(), kind, threshold, got.data(), rows, 0);
+        if (!quant)
+            matvec_f16_gate_up(wg.data(), dg, wu.data(), du, rows, cols, x.data(), n, kind, threshold, got.data(),
+                               rows);
+        else if (in_blocks)
+            matvec_quant_gate_up_x(wg.data(), dg, wu.data(), du, rows, cols, x.data(), n, kind, threshold,
+                                   got.data(), rows);
+        else
+            matvec_quant_gate_up(wg.data(), dg, wu.data(), du, rows, cols, xq.data(), n, kind, threshold, got.data(),
+                                 rows);
     });
-    char what[120];
-    std::snprintf(what, sizeof what, "gated down projection, dtype %d, %d rows of %d, act %d, threshold %g", dtype, rows,
-                  cols, kind, threshold);
-    bool ok = same(what, got.data(), want.data(), want.size() * 4);
+    char what[160];
+    std::snprintf(what, sizeof what, "gate and up, dtypes %d/%d, %d rows of %d, %d tokens%s, act %d, threshold %g", dg,
+                  du, rows, cols, n, in_blocks ? " quantized in blocks" : "", kind, threshold);
+    bool ok = same(what, got.data(), g.data(), g.size() * 4);
     for (float v : got) ok &= v == v;
-    // g is read, not written.
-    return ok && same("gated down projection leaves g", g2.data(), g.data(), g.size() * 4);
+    return ok;
 }
 
 // A step's rope and KV store in one launch against rope_pair then store_kv_pair: q, k (rotated in
@@ -357,8 +376,14 @@ int main() {
     ok &= rope_stores(DT_F16, 1, 4, 2, 64, 64, 1, true, true);
     ok &= rope_stores(DT_F32, 3, 3, 1, 32, 24, 0, false, false);
     ok &= rope_stores(DT_F16, 2, 2, 2, 32, 16, 1, false, true);
-    ok &= gated_down(DT_Q4_1, 40, 1536, ACT_SILU, 0.0f);
-    ok &= gated_down(DT_Q8_0, 17, 64, ACT_GELU, 0.05f);
+    // Gate and up: one token (four f16 loads in flight; quantized in blocks), a few, the most;
+    // mixed block formats; the mask.
+    ok &= gate_up(DT_F16, DT_F16, 40, 8 * (32 * 4 + 37), 1, ACT_SILU, 0.0f, false);
+    ok &= gate_up(DT_F16, DT_F16, 17, 256, MAX_TOKENS, ACT_GELU, 0.05f, false);
+    ok &= gate_up(DT_Q4_1, DT_Q4_1, 40, 576, 1, ACT_SILU, 0.0f, true);
+    ok &= gate_up(DT_Q4_1, DT_Q8_0, 13, QX_MAX_COLS, 1, ACT_GELU_TANH, 0.05f, true);
+    ok &= gate_up(DT_Q8_0, DT_Q4_1, 24, 4096, 1, ACT_SILU, 0.0f, false);
+    ok &= gate_up(DT_Q4_1, DT_Q4_1, 9, 96, MAX_QTOKENS, ACT_RELU, 0.0f, false);
     ok &= add_norms(1, 576);
     ok &= add_norms(3, 200);
     if (!ok) return 1;

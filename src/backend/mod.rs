@@ -825,22 +825,19 @@ pub trait Backend: Send + Sync + 'static {
         act: Act,
         threshold: f32,
     ) -> Result<()>;
-    /// The down projection of a gated FFN: [`Backend::gated`] of `gate` and `up`, then
-    /// [`Backend::matmul_into`] of `w` times it into columns `col0..` of `out`. `gate` is left
-    /// gated or as it was (read it no more): CUDA makes one token's gated product inside the
-    /// matvec, for block formats of rows up to `cuda::QX_MAX_COLS` (one launch for three).
-    #[allow(clippy::too_many_arguments)]
-    fn gated_matmul(
+    /// The hidden activations of a gated FFN into `gate`: `x · w_gateᵀ` there and `x · w_upᵀ`
+    /// into `up`, then [`Backend::gated`] of the two; `up` is scratch (read it no more). CUDA
+    /// computes a row of both weights in one warp and writes only the gated product (one launch
+    /// for three, the same bits).
+    fn gate_up(
         &self,
-        gate: &mut Self::Tensor,
-        up: &Self::Tensor,
+        x: &Self::Tensor,
+        (w_gate, w_up): (&Self::Weight, &Self::Weight),
         (act, threshold): (Act, f32),
-        w: &Self::Weight,
-        out: &mut Self::Tensor,
-        col0: usize,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
     ) -> Result<()> {
-        self.gated(gate, up, act, threshold)?;
-        self.matmul_into(w, gate, out, col0)
+        gate_then_up(self, x, (w_gate, w_up), (act, threshold), gate, up)
     }
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
@@ -973,6 +970,32 @@ pub fn rope_then_store<B: Backend + ?Sized>(
     let (hd, rd, pairs, f) = (rope.head_dim, rope.rot_dims, rope.pairs, rope.inv_freq);
     b.rope_pair(q, k, hd, rd, pairs, f, dst_row)?;
     b.store_kv_pair((k, v), caches, table, dst_row)
+}
+
+/// [`Backend::gate_up`] as two ops: [`Backend::matmul_parts`] of up and the gate, then
+/// [`Backend::gated`].
+pub fn gate_then_up<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    (w_gate, w_up): (&B::Weight, &B::Weight),
+    (act, threshold): (Act, f32),
+    gate: &mut B::Tensor,
+    up: &mut B::Tensor,
+) -> Result<()> {
+    let parts = [
+        MatmulPart {
+            w: w_up,
+            out: 0,
+            col0: 0,
+        },
+        MatmulPart {
+            w: w_gate,
+            out: 1,
+            col0: 0,
+        },
+    ];
+    b.matmul_parts(x, &parts, &mut [&mut *up, &mut *gate])?;
+    b.gated(gate, up, act, threshold)
 }
 
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.

@@ -876,26 +876,35 @@ impl Backend for SimBackend {
         self.cpu.gated(&mut gate.t, &up.t, act, threshold)
     }
 
-    /// As CUDA: the workspace of the matmul, signed as one op.
-    fn gated_matmul(
+    /// As CUDA: the workspace each weight's matmul takes (block formats share one quantization
+    /// of `x`), signed as one op.
+    fn gate_up(
         &self,
-        gate: &mut SimTensor,
-        up: &SimTensor,
+        x: &SimTensor,
+        (w_gate, w_up): (&SimWeight, &SimWeight),
         (act, threshold): (Act, f32),
-        w: &SimWeight,
-        out: &mut SimTensor,
-        col0: usize,
+        gate: &mut SimTensor,
+        up: &mut SimTensor,
     ) -> Result<()> {
-        self.check_matmul_workspace(w, gate.t.rows)?;
+        for w in [w_gate, w_up] {
+            self.check_matmul_workspace(w, x.t.rows)?;
+        }
         let rest = [
+            w_gate.mem.id,
+            w_up.mem.id,
             act as u64,
             threshold.to_bits().into(),
-            w.mem.id,
-            col0 as u64,
         ];
-        self.sign("gated_matmul", &tensors_arg(&[gate, up, out], &rest))?;
-        self.cpu.gated(&mut gate.t, &up.t, act, threshold)?;
-        self.cpu.matmul_into(&w.w, &gate.t, &mut out.t, col0)
+        self.sign("gate_up", &tensors_arg(&[x, gate, up], &rest))?;
+        let cpu = &self.cpu;
+        super::gate_then_up(
+            cpu,
+            &x.t,
+            (&w_gate.w, &w_up.w),
+            (act, threshold),
+            &mut gate.t,
+            &mut up.t,
+        )
     }
 
     fn attention(

@@ -1944,21 +1944,21 @@ impl<B: Backend> Engine<B> {
             FfnView::Matrices { gate, up, down } => {
                 let hidden = match (gate, &mut sc.gate) {
                     (Some(wg), Some(g)) => {
-                        self.linears(&[up, wg], &sc.h, &mut [&mut sc.up, g])?;
-                        self.show_tap(layer, &sc.h, g)?;
-                        // Nothing reads the gated product but the down projection: one op
-                        // (one kernel on CUDA, for one token of small block-format rows).
-                        if let (None, None, [(col0, w)]) =
-                            (hybrid, &self.predictor, down.blocks.as_slice())
-                        {
-                            let how = (self.act, threshold);
-                            b.gated_matmul(g, &sc.up, how, w, &mut sc.proj, *col0)?;
-                            if let Some(bias) = down.bias {
-                                b.add_bias(&mut sc.proj, bias)?;
+                        // Nothing but the tap reads the products before their gating: one op
+                        // for the two products and the gated one (one kernel on CUDA).
+                        let how = (self.act, threshold);
+                        match (&self.tap, wg.blocks.as_slice(), up.blocks.as_slice()) {
+                            (None, [(0, w_gate)], [(0, w_up)])
+                                if wg.bias.is_none() && up.bias.is_none() =>
+                            {
+                                b.gate_up(&sc.h, (w_gate, w_up), how, g, &mut sc.up)?;
                             }
-                            return Ok(());
+                            _ => {
+                                self.linears(&[up, wg], &sc.h, &mut [&mut sc.up, g])?;
+                                self.show_tap(layer, &sc.h, g)?;
+                                b.gated(g, &sc.up, self.act, threshold)?;
+                            }
                         }
-                        b.gated(g, &sc.up, self.act, threshold)?;
                         mask(&sc.h, g)?;
                         &*g
                     }

@@ -2603,42 +2603,68 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
-    fn gated_matmul(
+    fn gate_up(
         &self,
-        gate: &mut CudaTensor,
-        up: &CudaTensor,
+        x: &CudaTensor,
+        (w_gate, w_up): (&CudaWeight, &CudaWeight),
         (act, threshold): (Act, f32),
-        w: &CudaWeight,
-        out: &mut CudaTensor,
-        col0: usize,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
     ) -> Result<()> {
-        check_matmul(w, gate, out, col0)?;
-        if !(uses_act_blocks(w.dtype) && quantizes_in_blocks(gate.rows, w.cols)) {
-            self.gated(gate, up, act, threshold)?;
-            return self.matmul_into(w, gate, out, col0);
+        check_matmul(w_gate, x, gate, 0)?;
+        check_matmul(w_up, x, up, 0)?;
+        check_same_shape("gate_up", gate, up)?;
+        let n = x.rows;
+        let how = part_launch(w_gate.dtype, w_gate.cols, n);
+        // One launch where a warp can take a row of both (the same kind of matvec, the same
+        // rows) and the gated product covers exactly what the two products write.
+        if how == PartLaunch::Alone
+            || how != part_launch(w_up.dtype, w_up.cols, n)
+            || w_gate.rows != w_up.rows
+            || gate.cols != w_gate.rows
+        {
+            return super::gate_then_up(self, x, (w_gate, w_up), (act, threshold), gate, up);
         }
-        check_same_shape("gated", gate, up)?;
         self.bind()?;
-        let f = self.func("matvec", "matvec_quant_gated_x")?;
-        let (dt, rows, cols) = (dtype_code(w.dtype), w.rows as i32, w.cols as i32);
-        let (kind, stride, c0) = (act_code(act), out.cols as i32, col0 as i32);
-        launch!(
-            self,
-            f,
-            cfg(blocks(w.rows, WARPS), WARPS * 32),
-            w.buf.ptr,
-            dt,
-            rows,
-            cols,
-            gate.buf.ptr,
-            up.buf.ptr,
-            kind,
-            threshold,
-            out.buf.ptr,
-            stride,
-            c0
-        );
-        Ok(())
+        let launch = |kernel: &'static str, x_arg: u64| -> Result<()> {
+            let f = self.func("matvec", kernel)?;
+            let (dg, du) = (dtype_code(w_gate.dtype), dtype_code(w_up.dtype));
+            let (rows, cols, nt) = (w_gate.rows as i32, w_gate.cols as i32, n as i32);
+            let (kind, stride) = (act_code(act), gate.cols as i32);
+            launch!(
+                self,
+                f,
+                cfg(blocks(w_gate.rows, WARPS), WARPS * 32),
+                w_gate.buf.ptr,
+                dg,
+                w_up.buf.ptr,
+                du,
+                rows,
+                cols,
+                x_arg,
+                nt,
+                kind,
+                threshold,
+                gate.buf.ptr,
+                stride
+            );
+            Ok(())
+        };
+        if how == PartLaunch::F16 {
+            return launch("matvec_f16_gate_up", x.buf.ptr);
+        }
+        if quantizes_in_blocks(n, x.cols) {
+            return launch("matvec_quant_gate_up_x", x.buf.ptr);
+        }
+        // The activations quantized once, into the workspace one matmul of them takes.
+        let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
+            dtype: w_gate.dtype,
+            tokens: n,
+            rows: w_gate.rows,
+            cols: w_gate.cols,
+        })?;
+        self.quantize(x.buf.ptr, n, x.cols, ws)?;
+        launch("matvec_quant_gate_up", ws)
     }
 
     fn activate(&self, x: &mut CudaTensor, act: Act, threshold: f32) -> Result<()> {
