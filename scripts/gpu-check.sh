@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
+#   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
+#            timeout): `graphs` then `prefill`, on one synthesized 7B shape (32k context)
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
 #            kernels equal the ones they replace, recorded logits equal launched ones, bit for
 #            bit), then decode tok/s and device operations per decode step (expected 245 for the
@@ -154,19 +156,24 @@ synthsmol() {
     fi
 }
 
+# Decode on the 7B shape `$1` (the 4k one by default).
 graphs() {
-    synth7b
+    local m="${1:-}"
+    if [[ -z "$m" ]]; then
+        synth7b
+        m="$WORK/m7b"
+    fi
     synthsmol
     say "fused decode kernels and recorded decode steps: parity with the launched kernels"
-    .gpu/gpu-tests --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode 2>&1 | tee -a "$LOG"
+    timeout 300 .gpu/gpu-tests --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode 2>&1 | tee -a "$LOG"
     record graphs_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "decode launched and recorded (--cuda-graphs), same call, side by side"
     local g name
     for g in "" --cuda-graphs; do
         name="${g:+graphs}"; name="${name:-launched}"
-        record "decode_smol_q4_1_$name" "$("$B" bench decode --device cuda -m "$WORK/smol-q4_1.gguf" --prompt-tokens 32 -n 256 $g --json 2>>"$LOG")"
-        record "decode_7b_full_gpu_$name" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 32 -n 64 $g --json 2>>"$LOG")"
-        record "decode_7b_full_gpu_4000_$name" "$("$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 $g --json 2>>"$LOG")"
+        record "decode_smol_q4_1_$name" "$(timeout 120 "$B" bench decode --device cuda -m "$WORK/smol-q4_1.gguf" --prompt-tokens 32 -n 256 $g --json 2>>"$LOG")"
+        record "decode_7b_full_gpu_$name" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens 32 -n 64 $g --json 2>>"$LOG")"
+        record "decode_7b_full_gpu_4000_$name" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens 3968 -n 32 --reps 1 $g --json 2>>"$LOG")"
     done
 }
 
@@ -404,13 +411,14 @@ prefill() {
     local m="$WORK/m7b-32k" n
     say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
     for n in 512 2048 4000; do
-        record "prefill_7b_full_gpu_$n" "$("$B" bench decode --device cuda -m "$m" --prompt-tokens "$n" -n 2 --reps 2 --json 2>>"$LOG")"
-        record "prefill_7b_transformers_$n" "$($PY scripts/peer_hf.py "$m" --prompt-tokens "$n" --tokens 1 2>>"$LOG" | tail -n1)"
+        record "prefill_7b_full_gpu_$n" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens "$n" -n 2 --reps 2 --json 2>>"$LOG")"
     done
+    # One load for every length: "prefill" holds each one's TTFT (the best of two).
+    record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"
     for n in 8192 32760; do
         "$B" plan -m "$m" --gpu-mem 4G --prompt-tokens "$n" --json > "$OUT/plan_prefill_$n.json" 2>>"$LOG"
-        with_peak "$WORK/prefill_$n.json" "$B" bench decode --device cuda -m "$m" --gpu-mem 4G \
+        with_peak "$WORK/prefill_$n.json" timeout 240 "$B" bench decode --device cuda -m "$m" --gpu-mem 4G \
             --prompt-tokens "$n" -n 2 --reps 1 --json
         record "prefill_7b_4g_$n" "{\"exit_code\":$?,\"nvidia_smi_peak_mib\":$(cat "$WORK/prefill_$n.json.peak"),\"plan\":$($PY -c 'import json,sys; p=json.load(open(sys.argv[1])); print(json.dumps({"prefill": p["prefill"], "prediction": p["prefill_prediction"]}))' "$OUT/plan_prefill_$n.json" 2>/dev/null || echo null),\"bench\":$(cat "$WORK/prefill_$n.json" || echo null)}"
     done
@@ -473,6 +481,7 @@ batching() {
 case "$MODE" in
     tests) tests ;;
     graphs) graphs ;;
+    issue13) synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
     batching) batching ;;
     prefill) prefill ;;
     bench) bench ;;
@@ -485,6 +494,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|issue13|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"
