@@ -287,6 +287,24 @@ __device__ void combine_head(const float* ws, float* out, int t, int h, int n_he
     }
 }
 
+// The 8 dims at column c of the SPLIT_LOADS cache rows a lane of the split kernel takes next: tile
+// positions first, first + groups, ... of the tile at j0 (zeros past the tile, or for a lane
+// without dims), every load issued before any value is used.
+template <int DT>
+__device__ __forceinline__ void split_loads(const u8* cache, const unsigned* table, long long rb, int j0, int first,
+                                            int groups, int tile, bool dims, int c, float (&x)[SPLIT_LOADS][8]) {
+#pragma unroll
+    for (int u = 0; u < SPLIT_LOADS; u++) {
+        const int jj = first + u * groups;
+        if (dims && jj < tile) {
+            kv_vec8<DT>(cache + kv_row(table, j0 + jj) * rb, c, x[u]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) x[u][e] = 0.0f;
+        }
+    }
+}
+
 // One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
 // caches of any KV type DT, head dims of 32..SPLIT_MAX_HD in multiples of 8. Leaves, per row t,
 // at ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
@@ -345,16 +363,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
         // (every lane takes part in the butterfly, keys past the tile with zeros).
         for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
             float kx[SPLIT_LOADS][8];
-#pragma unroll
-            for (int u = 0; u < SPLIT_LOADS; u++) {
-                const int jj = jb + kg + u * groups;
-                if (dims && jj < tile) {
-                    kv_vec8<DT>(kc + kv_row(table, j0 + jj) * rb, col + d0, kx[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) kx[u][e] = 0.0f;
-                }
-            }
+            split_loads<DT>(kc, table, rb, j0, jb + kg, groups, tile, dims, col + d0, kx);
 #pragma unroll
             for (int u = 0; u < SPLIT_LOADS; u++) {
                 const int jj = jb + kg + u * groups;
@@ -398,16 +407,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
         }
         for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
             float vx[SPLIT_LOADS][8];
-#pragma unroll
-            for (int u = 0; u < SPLIT_LOADS; u++) {
-                const int jj = jb + kg + u * groups;
-                if (dims && jj < tile) {
-                    kv_vec8<DT>(vc + kv_row(table, j0 + jj) * rb, col + d0, vx[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) vx[u][e] = 0.0f;
-                }
-            }
+            split_loads<DT>(vc, table, rb, j0, jb + kg, groups, tile, dims, col + d0, vx);
 #pragma unroll
             for (int u = 0; u < SPLIT_LOADS; u++) {
                 const int jj = jb + kg + u * groups;
