@@ -65,6 +65,7 @@ __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, const
     extern "C" __global__ void name(const float* q, const u8* kc, const u8* vc, const unsigned* table,       \
                                     float* out, int n_heads, int group, int hd, int q_stride, int kv_cols,    \
                                     int first_pos, float scale) {                                             \
+        grid_dependency();                                                                                    \
         attention_impl<DT>(q, kc, vc, table, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale);   \
     }
 
@@ -75,6 +76,7 @@ ATTENTION(attention_q8_0, DT_Q8_0)
 // With `pos_at` (a recorded step), the first position is read there instead of first_row.
 extern "C" __global__ void store_kv(const float* src, long long rows, int cols, int dt, u8* dst,
                                    const unsigned* table, int first_row, const int* pos_at) {
+    grid_dependency();
     if (pos_at) first_row = *pos_at;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     store_rows(i, src, rows, cols, dt, dst, table, first_row);
@@ -85,6 +87,7 @@ extern "C" __global__ void store_kv(const float* src, long long rows, int cols, 
 extern "C" __global__ void store_kv_pair(const float* k, const float* v, long long rows, int cols, int dt,
                                         u8* k_dst, u8* v_dst, const unsigned* table, int first_row,
                                         const int* pos_at) {
+    grid_dependency();
     if (pos_at) first_row = *pos_at;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (blockIdx.y == 0)

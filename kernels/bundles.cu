@@ -90,11 +90,13 @@ __device__ __forceinline__ void bundles_down(const u8* b, long long row_bytes, i
                                                        int d, const float* x, int n, int kind, float threshold,   \
                                                        const float* up_bias, float* h, int h_stride, int col0,    \
                                                        const unsigned* idx) {                                     \
+        grid_dependency();                                                                                        \
         bundles_up<E>(b, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h, h_stride, col0, idx);   \
     }                                                                                                              \
     extern "C" __global__ void ffn_bundles_down_##SUFFIX(const u8* b, long long row_bytes, int neurons, int parts, \
                                                          int d, const float* h, int n, int h_stride, int col0,    \
                                                          float* out, const unsigned* idx) {                       \
+        grid_dependency();                                                                                        \
         bundles_down<E>(b, row_bytes, neurons, parts, d, h, n, h_stride, col0, out, idx);                         \
     }
 

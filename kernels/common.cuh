@@ -57,6 +57,20 @@ __device__ __forceinline__ u16 f2h(float f) {
 #endif
 }
 
+// Every kernel starts here. Launched with programmatic stream serialization (CUDA's programmatic
+// dependent launch, sm_90: `--programmatic-launch`), a kernel's blocks may be scheduled while the
+// kernel before it in the stream still runs: they wait here until that grid has finished and its
+// writes are visible, then let the next kernel's blocks be scheduled as theirs finish, so a
+// launch's start overlaps its predecessor's end. Launched plainly (or built below compute_90,
+// where this is empty) the wait has nothing to wait for. kernels.rs's tests hold every kernel
+// to calling it first.
+__device__ __forceinline__ void grid_dependency() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 __device__ __forceinline__ u16 f2bf(float f) {

@@ -2,30 +2,35 @@
 #include "common.cuh"
 
 extern "C" __global__ void add_f32(float* x, const float* y, long long n) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
 
 // x[r][c] += b[c]
 extern "C" __global__ void add_bias_f32(float* x, const float* b, long long n, int cols) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += b[i % cols];
 }
 
 // x = act(x), masked by `threshold` (sparse_act).
 extern "C" __global__ void activate_f32(float* x, long long n, int kind, float threshold) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = sparse_act(act(x[i], kind), threshold);
 }
 
 // g = act(g) * u, act(g) masked by `threshold` (sparse_act).
 extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int kind, float threshold) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) g[i] = gated_value(g[i], u[i], kind, threshold);
 }
 
 // out[t] = table[ids[t]] decoded to f32. Grid: one block per token.
 extern "C" __global__ void embed_rows(const u8* table, int dtype, int cols, const int* ids, float* out) {
+    grid_dependency();
     int t = blockIdx.x;
     const u8* row = table + row_bytes(dtype, cols) * ids[t];
     for (int j = threadIdx.x; j < cols; j += blockDim.x) out[(long long)t * cols + j] = load_elem(row, dtype, j);
@@ -33,6 +38,7 @@ extern "C" __global__ void embed_rows(const u8* table, int dtype, int cols, cons
 
 // x[t] += table[first_row + t]. Grid: one block per token.
 extern "C" __global__ void add_table_rows(float* x, const u8* table, int dtype, int cols, int first_row) {
+    grid_dependency();
     int t = blockIdx.x;
     const u8* row = table + row_bytes(dtype, cols) * (long long)(first_row + t);
     for (int j = threadIdx.x; j < cols; j += blockDim.x) x[(long long)t * cols + j] += load_elem(row, dtype, j);
@@ -41,6 +47,7 @@ extern "C" __global__ void add_table_rows(float* x, const u8* table, int dtype, 
 // Quantize `blocks` runs of 32 activations to ActBlocks (quantize_block_warp). One warp per
 // block.
 extern "C" __global__ void quantize_q8(const float* x, long long blocks, ActBlock* out) {
+    grid_dependency();
     long long b = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (b >= blocks) return;
@@ -48,16 +55,19 @@ extern "C" __global__ void quantize_q8(const float* x, long long blocks, ActBloc
 }
 
 extern "C" __global__ void f32_to_f16(const float* x, u16* y, long long n) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f2h(x[i]);
 }
 
 extern "C" __global__ void f32_to_bf16(const float* x, u16* y, long long n) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = f2bf(x[i]);
 }
 
 extern "C" __global__ void fill_f32(float* x, long long n, float v) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = v;
 }
@@ -66,6 +76,7 @@ extern "C" __global__ void fill_f32(float* x, long long n, float v) {
 // in by one copy, scattered into their slots. Grid: one block per row; words where rows are whole
 // words (allocations are aligned), else bytes.
 extern "C" __global__ void scatter_rows(const u8* src, long long row_bytes, const unsigned* rows, u8* dst) {
+    grid_dependency();
     long long i = blockIdx.x;
     const u8* s = src + i * row_bytes;
     u8* d = dst + (long long)rows[i] * row_bytes;

@@ -220,6 +220,7 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                               \
         flash_attn_f16_hd##HD(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, \
                               int n, int n_heads, int group, int kv_cols, int first_pos, float scale) {        \
+        grid_dependency();                                                                                     \
         flash_impl<HD>(q, kc, vc, table, out, n, n_heads, group, kv_cols, first_pos, scale);                   \
     }
 
@@ -467,6 +468,7 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
         name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, unsigned* tickets, \
              float* out, int n, int n_heads, int group, int hd, int kv_cols, int first_pos, float scale,      \
              int chunk, const int* pos_at) {                                                                 \
+        grid_dependency();                                                                                   \
         split_impl<DT>(q, kc, vc, table, ws, tickets, out, n, n_heads, group, hd, kv_cols, first_pos, scale,  \
                        chunk, pos_at);                                                                       \
     }

@@ -38,6 +38,7 @@ __device__ __forceinline__ void write_gated(float* g, float* u, int n, int kind,
 // Any float format, any column count.
 extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                         float* out, int stride, int col0) {
+    grid_dependency();
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -141,6 +142,7 @@ __device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int c
 // arguments).
 extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                           float* out, int stride, int col0) {
+    grid_dependency();
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     f16_row_n(w, row, cols, x, n, out, stride, col0);
@@ -149,6 +151,7 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int 
 // Block formats, up to MAX_QTOKENS tokens per launch.
 extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int cols, const ActBlock* xq, int n,
                                         float* out, int stride, int col0) {
+    grid_dependency();
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     quant_row(w, dtype, row, cols, xq, n, out, stride, col0);
@@ -202,6 +205,7 @@ __device__ __forceinline__ void quantize_shared(int cols, const float* x, ActBlo
 // One token's block-format rows times its activations quantized in shared memory. `n` is 1.
 extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                           float* out, int stride, int col0) {
+    grid_dependency();
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -218,6 +222,7 @@ extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int 
 extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                               const float* x, int n, int kind, float threshold, float* out,
                                               int stride) {
+    grid_dependency();
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     if (n == 1) {
@@ -238,6 +243,7 @@ extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) matvec_quant_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                                 const ActBlock* xq, int n, int kind, float threshold, float* out,
                                                 int stride) {
+    grid_dependency();
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     float g[MAX_QTOKENS], u[MAX_QTOKENS];
@@ -251,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) matvec_quant_gate_up
 extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                                   const float* x, int n, int kind, float threshold, float* out,
                                                   int stride) {
+    grid_dependency();
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -262,6 +269,7 @@ extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8
 }
 
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
+    grid_dependency();
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;
@@ -270,6 +278,7 @@ extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const floa
 
 // Held to matvec_quant's 64 registers (4 blocks per SM), which it reaches without spilling.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts(MatvecParts ps, int cols, const ActBlock* xq, int n) {
+    grid_dependency();
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;
@@ -279,6 +288,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts(M
 // Rows row0..row0+tile_rows of a block-format weight decoded to f16 (the reference decode,
 // rounded once), for cuBLAS on tensor cores: each thread writes 8 consecutive values.
 extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int tile_rows, int cols, u16* out) {
+    grid_dependency();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int per_row = cols / 8;
     if (i >= (long long)tile_rows * per_row) return;
@@ -295,6 +305,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int til
 // (quantize_shared). `n` is 1 (taken so every parts kernel takes the same arguments).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x(MatvecParts ps, int cols,
                                                                                 const float* x, int n) {
+    grid_dependency();
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row;

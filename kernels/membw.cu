@@ -4,6 +4,7 @@
 // Read `n4` float4s and keep one sum per block in `out` (so the loads cannot be dropped): the
 // device-memory read bandwidth the HBM bounds divide by. Grid-stride, 256 threads a block.
 extern "C" __global__ void read_sum(const float4* x, long long n4, float* out) {
+    grid_dependency();
     __shared__ float red[32];
     float s = 0.0f;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
@@ -24,9 +25,13 @@ __device__ __forceinline__ unsigned long long global_ns() {
 // Emulating a slower host link (`--emulate`): `pace_stamp` runs on a stream just before a copy,
 // `pace_wait` just after it, spinning until `ns` (the copy's bytes at the emulated rate) have
 // passed since the stamp. A copy then takes max(its real time, bytes / emulated rate).
-extern "C" __global__ void pace_stamp(unsigned long long* stamp) { *stamp = global_ns(); }
+extern "C" __global__ void pace_stamp(unsigned long long* stamp) {
+    grid_dependency();
+    *stamp = global_ns();
+}
 
 extern "C" __global__ void pace_wait(const unsigned long long* stamp, unsigned long long ns) {
+    grid_dependency();
     unsigned long long until = *stamp + ns;
     while (global_ns() < until) __nanosleep(500);
 }

@@ -2,6 +2,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, float* out, int cols) {
+    grid_dependency();
     __shared__ double scratch[32];
     const float* xr = x + (long long)blockIdx.x * cols;
     float* orow = out + (long long)blockIdx.x * cols;
@@ -15,6 +16,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float eps, f
 // x += y, then out = rms_norm(x): the residual add and the next norm in one pass (each value
 // added as add_f32 adds it, the sum as rms_norm takes it).
 extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w, float eps, float* out, int cols) {
+    grid_dependency();
     __shared__ double scratch[32];
     float* xr = x + (long long)blockIdx.x * cols;
     const float* yr = y + (long long)blockIdx.x * cols;
@@ -31,6 +33,7 @@ extern "C" __global__ void add_rms_norm(float* x, const float* y, const float* w
 }
 
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float eps, float* out, int cols) {
+    grid_dependency();
     __shared__ double scratch[32];
     const float* xr = x + (long long)blockIdx.x * cols;
     float* orow = out + (long long)blockIdx.x * cols;

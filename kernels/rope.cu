@@ -29,6 +29,7 @@ __device__ __forceinline__ bool rope_at(float* x, long long idx, int rows, int c
 // positions).
 extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int rot_dims, int pairs,
                                 const float* inv_freq, int first_pos, const int* pos_at) {
+    grid_dependency();
     if (pos_at) first_pos = *pos_at;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int r, a, b;
@@ -39,6 +40,7 @@ extern "C" __global__ void rope(float* x, int rows, int cols, int head_dim, int 
 extern "C" __global__ void rope_pair(float* q, int q_cols, float* k, int k_cols, int rows, int head_dim,
                                      int rot_dims, int pairs, const float* inv_freq, int first_pos,
                                      const int* pos_at) {
+    grid_dependency();
     if (pos_at) first_pos = *pos_at;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int r, a, b;
@@ -56,6 +58,7 @@ extern "C" __global__ void rope_store_kv(float* q, int q_cols, float* k, const f
                                          int head_dim, int rot_dims, int pairs, const float* inv_freq, int dt,
                                          u8* k_dst, u8* v_dst, const unsigned* table, int first_pos,
                                          const int* pos_at) {
+    grid_dependency();
     if (pos_at) first_pos = *pos_at;
     long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int r, a, b;

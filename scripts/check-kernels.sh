@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile every kernels/*.cu to PTX with the pinned CUDA 13.0 nvcc from PyPI (no GPU needed),
 # check the PTX ISA version is at most 9.0 (what the 13.0 driver loads), and assemble each for
-# sm_90 with ptxas; then compile them again through NVRTC (the run-time path of builds made
+# sm_90 with ptxas (built for compute_80 and for compute_90, where every kernel must wait for
+# the grid before it); then compile them again through NVRTC (the run-time path of builds made
 # without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
 # check them against the reference dequantization (scripts/kernel_host_check.py), the bundle
 # decoders against the store's (kernels/host/bundle_check.cpp), the flash and split attention
@@ -29,7 +30,17 @@ for cu in kernels/*.cu; do
         exit 1
     fi
     "$BIN/ptxas" -arch=sm_90 "$OUT/$name.ptx" -o "$OUT/$name.cubin"
-    echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok"
+    # Built for compute_90 (gpu-build.sh's default), every kernel waits for the grid before it
+    # (griddepcontrol.wait: --programmatic-launch relies on it) and assembles for sm_90.
+    "$BIN/nvcc" --ptx -arch=compute_90 -O3 -I kernels "$cu" -o "$OUT/$name.90.ptx"
+    "$BIN/ptxas" -arch=sm_90 "$OUT/$name.90.ptx" -o "$OUT/$name.90.cubin"
+    missing="$(awk '/\.entry /{ if (e != "" && !w) print e; e = $3; w = 0 } /griddepcontrol\.wait/{ w = 1 }
+                    END { if (e != "" && !w) print e }' "$OUT/$name.90.ptx")"
+    if [[ -n "$missing" ]]; then
+        echo "check-kernels: $cu: kernels that do not wait for the grid before them: $missing" >&2
+        exit 1
+    fi
+    echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok; for compute_90 every kernel waits"
 done
 python3 scripts/kernel_host_check.py
 # The bundle decoders (kernels/bundle_codes.cuh) against the store's dequantizers, bit for bit,

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, on this machine, what scripts/gpu-check.sh runs on the GPU machine (which has CUDA but
 # no Rust toolchain): the release binary and the GPU test binary, kernels compiled to PTX by the
-# pinned nvcc (scripts/check-kernels.sh installs it), plus stories260K. Everything goes to
+# pinned nvcc (scripts/check-kernels.sh installs it) for compute_90 (the lent H100 and H200:
+# their kernels then wait for the grid before them, so --programmatic-launch runs there;
+# CUDA_COMPUTE_CAP=80 builds what older cards load), plus stories260K. Everything goes to
 # .gpu/ (git-ignored), which the device call carries:
 #     scripts/gpu-build.sh   # here
 #     device run: carry [".gpu"], command "scripts/gpu-check.sh all"
@@ -14,12 +16,14 @@ scripts/check-kernels.sh >/dev/null
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
 NVCC="$(find "$VENV" -path '*nvidia/cu13/bin/nvcc' | head -n1)"
 export NVCC
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 cargo build --release --locked
 json="$(cargo test --release --locked --test gpu --no-run --message-format=json 2>/dev/null)"
 test_bin="$(printf '%s\n' "$json" | grep -o '"executable":"[^"]*gpu-[^"]*"' | tail -n1 | cut -d'"' -f4)"
 [[ -x "$test_bin" ]] || { echo "gpu-build: no GPU test binary" >&2; exit 1; }
 rm -rf .gpu && mkdir -p .gpu/models
 cp target/release/gpu-offload .gpu/
+echo "compute_$CUDA_COMPUTE_CAP" > .gpu/ptx-arch
 cp "$test_bin" .gpu/gpu-tests
 strip .gpu/gpu-offload .gpu/gpu-tests 2>/dev/null || true
 shared="${GPU_OFFLOAD_SHARED_MODELS:-../shared/models}"

@@ -1475,6 +1475,61 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
     }
 }
 
+/// `--programmatic-launch`: every kernel launched with programmatic stream serialization (its
+/// blocks scheduled while the kernel before it finishes, waiting for that grid's results)
+/// answers exactly as plain launches do: a 40-token prompt (tensor-core attention, GEMMs through
+/// cuBLAS between our kernels) and 32 greedy steps, launched and recorded, the logits bit for
+/// bit, on the recordable models. Refused below compute capability 9.0 or with kernels built for
+/// an older target: the test then says so (GPU_OFFLOAD_REQUIRE_PROGRAMMATIC makes that a
+/// failure; scripts/gpu-check.sh sets it for builds made for compute_90).
+#[test]
+fn programmatic_launch_equals_plain_launch() {
+    let Some(probe) = gpu() else { return };
+    if let Err(e) = probe.set_programmatic_launch(true) {
+        assert!(
+            std::env::var_os("GPU_OFFLOAD_REQUIRE_PROGRAMMATIC").is_none(),
+            "GPU_OFFLOAD_REQUIRE_PROGRAMMATIC is set but programmatic launch was refused: {e}"
+        );
+        println!("skipped: {e}");
+        return;
+    }
+    drop(probe);
+    let dir = tempfile::tempdir().unwrap();
+    for (weights, m) in common::recordable_models(&dir) {
+        let prompt: Vec<u32> = common::varied_prompts(m.spec.vocab_size, 1, 40, 0).remove(0);
+        for record in [false, true] {
+            let run = |programmatic: bool| {
+                let g = gpu().unwrap();
+                g.set_programmatic_launch(programmatic).unwrap();
+                let e = Engine::new(g, m.spec.clone(), &m.weights)
+                    .unwrap()
+                    .with_kv_type(KvType::F16)
+                    .unwrap()
+                    .with_recorded_steps(record);
+                let mut s = e.new_session(96).unwrap();
+                let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
+                let t0 = std::time::Instant::now();
+                for _ in 0..32 {
+                    let t = common::greedy(out.last().unwrap());
+                    out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+                }
+                (out, t0.elapsed().as_secs_f64())
+            };
+            let ((want, plain_s), (got, pdl_s)) = (run(false), run(true));
+            println!(
+                "{weights} weights, recorded {record}: 32 steps plain {:.0} tok/s, programmatic {:.0} tok/s",
+                32.0 / plain_s,
+                32.0 / pdl_s
+            );
+            let first_diff = want.iter().zip(&got).position(|(a, b)| a != b);
+            assert!(
+                first_diff.is_none(),
+                "{weights} weights, recorded {record}: programmatic launch differs from call {first_diff:?}"
+            );
+        }
+    }
+}
+
 /// The CPU engine's logit of token `x` minus that of `y` after `prompt` and then `prefix`.
 fn cpu_margin(model: &Model, prompt: &[u32], prefix: &[u32], x: u32, y: u32) -> f32 {
     let e = Engine::new(cpu(), model.spec.clone(), &model.weights).unwrap();

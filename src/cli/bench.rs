@@ -741,6 +741,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
         "cuda_graphs": {"on": a.model.cuda_graphs, "recorded": recorded, "replayed": replayed},
+        "programmatic_launch": a.model.programmatic_launch,
         "device_ops_per_decode_step": m.device_ops_per_decode_step,
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
         "decode_tokens_per_s": m.decode_tokens_per_s,

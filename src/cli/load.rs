@@ -388,6 +388,9 @@ impl LoadedModel {
                  (recorded steps run on --device cuda, and are checked on --device sim)"
             );
         }
+        if args.programmatic_launch && self.device != Device::Cuda {
+            tracing::warn!("--programmatic-launch: only CUDA launches kernels; ignored here");
+        }
         let emulate = emulated(args)?;
         let gpu_mem = gpu_budget(args, emulate.as_ref())?;
         let kv_type = kv_type_for(args, self.device);
@@ -403,6 +406,7 @@ impl LoadedModel {
             (Weights::Dense(w), Device::Cuda) => {
                 let ledger = Ledger::new(None, None);
                 let cuda = CudaBackend::new(0, ledger.clone())?;
+                cuda.set_programmatic_launch(args.programmatic_launch)?;
                 tracing::info!("{}", cuda.name());
                 let e = Engine::new(cuda, self.spec.clone(), w)?
                     .with_kv_type(kv_type)?
@@ -462,6 +466,7 @@ impl LoadedModel {
                     if gpu_mem.is_none() {
                         budget.gpu_mem = u64::MAX / 4;
                     }
+                    cuda.set_programmatic_launch(args.programmatic_launch)?;
                     pace(&|r| cuda.pace_copies(r))?;
                     let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
                     let OffloadSource {

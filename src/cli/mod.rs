@@ -132,6 +132,13 @@ pub struct ModelArgs {
     /// CUDA would and every replay is checked against its recording.
     #[arg(long, env = "GPU_OFFLOAD_CUDA_GRAPHS")]
     pub cuda_graphs: bool,
+
+    /// Launch each CUDA kernel with programmatic stream serialization (programmatic dependent
+    /// launch): its blocks are scheduled while the kernel before it finishes and wait for its
+    /// results, so launches overlap (recorded steps too). Compute capability 9.0 (Hopper) and
+    /// kernels built for it (`CUDA_COMPUTE_CAP=90` at build time, or NVRTC); refused elsewhere.
+    #[arg(long, env = "GPU_OFFLOAD_PROGRAMMATIC_LAUNCH")]
+    pub programmatic_launch: bool,
 }
 
 /// `--sparsity`.

@@ -37,6 +37,23 @@ pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {
     .map_err(|e| BackendError::Device(format!("NVRTC compiling {name}.cu: {e:?}")))
 }
 
+/// The compute capability (e.g. 80) this build's PTX is for, if the build carries PTX.
+fn ptx_capability() -> Option<u32> {
+    PTX_ARCH.strip_prefix("compute_")?.parse().ok()
+}
+
+/// Whether every kernel this build loads on a device of compute capability `major`.x waits for
+/// the grid before it (`grid_dependency` in kernels/common.cuh does from compute_90 on): only
+/// then may kernels be launched with programmatic stream serialization. PTX built for an older
+/// target compiles the wait away; sources compiled here by NVRTC target the device itself.
+pub fn kernels_wait_for_grids(major: i32) -> bool {
+    major >= 9
+        && MODULES.iter().all(|(_, s)| match s {
+            KernelSource::Ptx(_) => ptx_capability().is_some_and(|c| c >= 90),
+            KernelSource::Cuda(_) => true,
+        })
+}
+
 /// Whether NVRTC can be loaded here.
 pub fn nvrtc_present() -> bool {
     // SAFETY: only dlopens NVRTC.
@@ -111,6 +128,36 @@ impl Modules {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every kernel's body starts with `grid_dependency();`: a kernel launched with programmatic
+    /// stream serialization that did not wait would run beside the kernel before it.
+    #[test]
+    fn every_kernel_waits_for_the_grid_before_it() {
+        let mut kernels = 0;
+        for (name, src) in SOURCES {
+            let mut rest = *src;
+            while let Some(at) = rest.find("extern \"C\" __global__") {
+                let decl = &rest[at..];
+                let open = decl
+                    .find('{')
+                    .unwrap_or_else(|| panic!("{name}: a kernel without a body"));
+                let body =
+                    decl[open + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
+                let head = decl[..open]
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                assert!(
+                    body.starts_with("grid_dependency();"),
+                    "{name}: kernel `{}` does not call grid_dependency() first",
+                    head.chars().take(100).collect::<String>()
+                );
+                kernels += 1;
+                rest = &decl[open..];
+            }
+        }
+        assert!(kernels >= 30, "found only {kernels} kernels");
+    }
 
     /// The run-time compilation path (builds without nvcc) compiles every module. NVRTC needs
     /// no GPU; where it is not installed the test says so and skips.

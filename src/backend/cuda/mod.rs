@@ -379,6 +379,8 @@ pub struct CudaBackend {
     /// whether the compute stream is being captured into a graph now.
     step_position: Mutex<Option<DeviceBuf>>,
     recording: std::sync::atomic::AtomicBool,
+    /// `--programmatic-launch`: kernels launched with programmatic stream serialization.
+    programmatic: std::sync::atomic::AtomicBool,
     /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within
     /// device memory, and each node of a replayed recording ([`Backend::device_ops_run`]).
     device_ops: std::sync::atomic::AtomicU64,
@@ -639,12 +641,24 @@ macro_rules! launch_on {
     }};
 }
 
-/// Launch `$f` on the compute stream (counted in `device_ops`).
+/// Launch `$f` on the compute stream (counted in `device_ops`): plainly, or with programmatic
+/// stream serialization where [`CudaBackend::set_programmatic_launch`] turned it on.
 macro_rules! launch {
     ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        launch_on!($self.compute, $f, $cfg, $($arg),*);
+        if $self.programmatic.load(std::sync::atomic::Ordering::Relaxed) {
+            let f = $f;
+            // The parameters' addresses live until the launch returns (this statement).
+            $self.launch_programmatic(&f, $cfg, &mut [$(kernel_param(&$arg)),*])?;
+        } else {
+            launch_on!($self.compute, $f, $cfg, $($arg),*);
+        }
         $self.counted();
     }};
+}
+
+/// A kernel parameter as the driver takes it: the address of its value.
+fn kernel_param<T: cudarc::driver::DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
 }
 
 impl CudaBackend {
@@ -724,6 +738,7 @@ impl CudaBackend {
             fixed_bytes: None,
             step_position: Mutex::new(None),
             recording: std::sync::atomic::AtomicBool::new(false),
+            programmatic: std::sync::atomic::AtomicBool::new(false),
             device_ops: std::sync::atomic::AtomicU64::new(0),
         };
         for (name, _) in kernels::MODULES {
@@ -811,6 +826,68 @@ impl CudaBackend {
     /// Device bytes this process holds now, from the driver (NVML); `None` where it cannot tell.
     pub fn process_bytes(&self) -> Option<u64> {
         self.meter.as_ref().and_then(|m| m.process_bytes())
+    }
+
+    /// Launch every kernel with programmatic stream serialization (`on`), or plainly: a
+    /// kernel's blocks are then scheduled while the kernel before it finishes, each waiting for
+    /// that grid's results before it reads or writes anything (`grid_dependency` in
+    /// kernels/common.cuh), so a launch's start overlaps its predecessor's end, recorded steps'
+    /// graphs included. Needs a device of compute capability 9.0 or newer and kernels built
+    /// for it (PTX for compute_90, or NVRTC); elsewhere refused, and nothing changes.
+    pub fn set_programmatic_launch(&self, on: bool) -> Result<()> {
+        if on {
+            let (major, minor) = self.ctx.compute_capability().map_err(dev)?;
+            if !kernels::kernels_wait_for_grids(major) {
+                return Err(BackendError::Unavailable(format!(
+                    "programmatic launch needs a device of compute capability 9.0 or newer and \
+                     kernels built for it: this device is {major}.{minor}, the kernels {}",
+                    kernels::build_info()
+                )));
+            }
+        }
+        self.programmatic
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// One kernel launched with programmatic stream serialization on the compute stream.
+    fn launch_programmatic(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.bind()?;
+        // SAFETY: a zeroed attribute is a valid value of the C struct; id and value set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.compute.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as launch_on!: the parameters match the kernel's signature in kernels/*.cu
+        // and point at values that outlive this call; every pointer among them is a live device
+        // allocation sized as the kernel indexes it. The attribute outlives the call.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(dev)
     }
 
     /// The fixed device cost this backend measured (context, modules, cuBLAS and its workspace)
