@@ -54,8 +54,8 @@ pub struct ConvertArgs {
     #[arg(long, env = "GPU_OFFLOAD_QUANTIZE", value_name = "TYPE")]
     pub quantize: Option<String>,
 
-    /// Where --quantize writes the quantized GGUF [default: beside the model, named
-    /// `<model stem>.<TYPE>.gguf`]
+    /// Where --quantize writes the quantized GGUF (default: beside the model, named
+    /// `<model stem>.<TYPE>.gguf`)
     #[arg(long, env = "GPU_OFFLOAD_QUANTIZED_OUT", requires = "quantize")]
     pub quantized_out: Option<PathBuf>,
 

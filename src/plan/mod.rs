@@ -5,7 +5,7 @@
 //! - size-aware caching (HyperGen): the small fragments (norms, biases, the RoPE table) are
 //!   always resident, smallest first;
 //! - the output matrix resident (used every token; streaming it would need a slot its size);
-//! - flexible tensor preservation with balanced locking (FlexInfer, [`preserve`]): the same
+//! - flexible tensor preservation with balanced locking (FlexInfer, [`preserve`](mod@preserve)): the same
 //!   resident share of every layer, the rest streamed through `window` device slots;
 //! - the DRAM two-level cache (M2Cache): the streamed parts of the first layers fixed in DRAM,
 //!   the others cycling through a dynamic area refilled from SSD ahead of use;

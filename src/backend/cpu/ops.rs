@@ -118,7 +118,7 @@ const ROW_TILE: usize = 8;
 /// Causal attention of the rows of `q` (`n_heads · head_dim` each) into the same rows of
 /// `out`: `caches(t)` gives row `t`'s key and value caches and how many of their positions it
 /// attends (`None`: the row is left alone); over the current rayon pool where `parallel`.
-/// Consecutive rows over the same caches go in tiles of [`ROW_TILE`], each key and value row
+/// Consecutive rows over the same caches go in tiles of `ROW_TILE`, each key and value row
 /// read once for the tile's rows and the query heads sharing its KV head; with few tiles, every
 /// (row, KV head, chunk of positions) is a task of its own. A head's arithmetic is the same every
 /// way, so a row's result depends on nothing but its own query and caches.

@@ -1149,8 +1149,8 @@ impl CudaBackend {
         Ok((ws, ptr))
     }
 
-    /// Launch the stamp before a host→device copy on `stream` when pacing (see [`Pacer`]);
-    /// returns the wait to launch after it.
+    /// Launch the stamp before a host→device copy on `stream` when pacing (the `pace` rate,
+    /// `--emulate`); returns the wait to launch after it.
     fn pace_before(&self, stream: &Arc<CudaStream>, slot: u64) -> Result<Option<(f64, u64)>> {
         let pace = self
             .pace

@@ -268,7 +268,7 @@ pub mod x86 {
         _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, idx))
     }
 
-    /// Σ_s scales[s] · bsums[s] over 16 sub-blocks (scales as 16 i8).
+    /// `Σ_s scales[s] · bsums[s]` over 16 sub-blocks (scales as 16 i8).
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn scaled_bsums(scales: __m128i, a: &ActBlockK) -> i32 {
