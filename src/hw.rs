@@ -205,6 +205,8 @@ pub struct GpuProfile {
     pub d2h_pageable_bytes_per_s: f64,
     /// How the kernels ship in this build.
     pub kernels: String,
+    /// Whether `--programmatic-launch` runs here (compute capability 9.0, kernels built for it).
+    pub programmatic_launch: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -345,6 +347,9 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             d2h_pinned_bytes_per_s: b / d2h_p,
             d2h_pageable_bytes_per_s: b / d2h_u,
             kernels: crate::backend::cuda::kernels::build_info(),
+            programmatic_launch: crate::backend::cuda::kernels::kernels_wait_for_grids(
+                info.compute_capability.0,
+            ),
         })
     }
 }

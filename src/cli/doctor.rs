@@ -157,7 +157,16 @@ pub fn run(args: DoctorArgs) -> Result<()> {
                 g.d2h_pinned_bytes_per_s / 1e9,
                 g.d2h_pageable_bytes_per_s / 1e9
             )?;
-            writeln!(out, "kernels: {}", g.kernels)?;
+            writeln!(
+                out,
+                "kernels: {}; --programmatic-launch {}",
+                g.kernels,
+                if g.programmatic_launch {
+                    "runs here"
+                } else {
+                    "does not (compute capability 9.0 and kernels built for it)"
+                }
+            )?;
         }
         Err(e) => writeln!(
             out,
