@@ -941,7 +941,7 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(12);
     // (formats, rows of each, cols, tokens, one output for all)
     type Case<'a> = (&'a [DType], &'a [usize], usize, usize, bool);
-    let cases: [Case; 7] = [
+    let cases: [Case; 9] = [
         (
             &[DType::Q4_1, DType::Q4_1, DType::Q8_0],
             &[40, 13, 13],
@@ -967,6 +967,22 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         ),
         (&[DType::Q4_1, DType::Q8_0], &[24, 24], 64, 17, false),
         (&[DType::Q8_0; 5], &[8, 17, 5, 24, 3], 96, 16, true),
+        // Through cuBLAS, one conversion of x for the parts of each input kind (f16 for f16
+        // and block formats' tiles; f32 and bf16 apart).
+        (
+            &[DType::F16, DType::F16, DType::F16],
+            &[40, 13, 13],
+            256,
+            17,
+            false,
+        ),
+        (
+            &[DType::F16, DType::Q4K, DType::F32, DType::BF16, DType::Q6K],
+            &[24, 20, 8, 16, 12],
+            256,
+            20,
+            true,
+        ),
     ];
     for (dtypes, rows, cols, n, joined) in cases {
         let what = format!("{dtypes:?} rows {rows:?}, {n} tokens, one output {joined}");

@@ -597,6 +597,32 @@ enum PartLaunch {
     Alone,
 }
 
+/// What cuBLAS multiplies weights of a format with: the activations as they are (f32), or
+/// converted to f16 (f16 weights, and block formats' f16 tiles) or to bf16.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum GemmInput {
+    F32,
+    F16,
+    BF16,
+}
+
+fn gemm_input_kind(dtype: DType) -> GemmInput {
+    match dtype {
+        DType::F32 => GemmInput::F32,
+        DType::BF16 => GemmInput::BF16,
+        _ => GemmInput::F16,
+    }
+}
+
+/// Tokens one matvec launch of `dtype` weights takes (more go through cuBLAS where it is).
+fn tokens_per_matvec(dtype: DType) -> usize {
+    if uses_act_blocks(dtype) {
+        MAX_QTOKENS
+    } else {
+        MAX_TOKENS
+    }
+}
+
 /// Whether rows of `cols` values in `dtype` are whole 16-byte f16 vectors (the f16 matvec).
 fn f16_vectors(dtype: DType, cols: usize) -> bool {
     dtype == DType::F16 && cols.is_multiple_of(8)
@@ -1227,7 +1253,7 @@ impl CudaBackend {
 
     /// `out[:, col0..col0+rows] = x · Wᵀ` through cuBLAS (f32 accumulation): float weights
     /// with x converted to the weight's type, block formats decoded tile by tile to f16 (x to
-    /// f16). Returns false where cuBLAS is absent or the format has no GEMM path.
+    /// f16). Returns false where cuBLAS is absent.
     fn gemm(
         &self,
         w: &CudaWeight,
@@ -1236,61 +1262,52 @@ impl CudaBackend {
         col0: usize,
         ws: u64,
     ) -> Result<bool> {
-        let Some(blas) = &self.blas else {
+        if self.blas.is_none() {
             return Ok(false);
+        }
+        let input = self.gemm_input(x, w.dtype, ws)?;
+        self.gemm_from(w, input, x, out, col0, ws)?;
+        Ok(true)
+    }
+
+    /// `x` as cuBLAS multiplies it with weights of `dtype`: f32 as it is, else converted at the
+    /// workspace's start (bf16 for bf16 weights, f16 for the rest); its address. Weights whose
+    /// inputs are alike ([`gemm_input_kind`]) can share one conversion.
+    fn gemm_input(&self, x: &CudaTensor, dtype: DType, ws: u64) -> Result<u64> {
+        let kernel = match gemm_input_kind(dtype) {
+            GemmInput::F32 => return Ok(x.buf.ptr),
+            GemmInput::F16 => "f32_to_f16",
+            GemmInput::BF16 => "f32_to_bf16",
+        };
+        let f = self.func("elementwise", kernel)?;
+        let (len, xp) = ((x.rows * x.cols) as i64, x.buf.ptr);
+        launch!(self, f, cfg(blocks(x.rows * x.cols, 256), 256), xp, ws, len);
+        Ok(ws)
+    }
+
+    /// The GEMM(s) of [`CudaBackend::gemm`] over `input` ([`CudaBackend::gemm_input`] of `x`
+    /// for `w`'s format): block formats' decoded tiles go after the converted input.
+    fn gemm_from(
+        &self,
+        w: &CudaWeight,
+        input: u64,
+        x: &CudaTensor,
+        out: &CudaTensor,
+        col0: usize,
+        ws: u64,
+    ) -> Result<()> {
+        let Some(blas) = &self.blas else {
+            return Err(BackendError::Device("cuBLAS is not loaded".into()));
         };
         use blas_sys::cudaDataType as T;
         let (n, k, m) = (x.rows, x.cols, w.rows);
         let out_at = |row: usize| out.buf.ptr + 4 * (col0 + row) as u64;
-        let to_half = |name: &'static str, dst: u64| -> Result<()> {
-            let f = self.func("elementwise", name)?;
-            let (len, xp) = ((n * k) as i64, x.buf.ptr);
-            launch!(self, f, cfg(blocks(n * k, 256), 256), xp, dst, len);
-            Ok(())
-        };
-        match w.dtype {
-            DType::F32 => self.gemm_call(
-                blas,
-                w.buf.ptr,
-                x.buf.ptr,
-                T::CUDA_R_32F,
-                m,
-                n,
-                k,
-                out_at(0),
-                out.cols,
-            )?,
-            DType::F16 => {
-                to_half("f32_to_f16", ws)?;
-                self.gemm_call(
-                    blas,
-                    w.buf.ptr,
-                    ws,
-                    T::CUDA_R_16F,
-                    m,
-                    n,
-                    k,
-                    out_at(0),
-                    out.cols,
-                )?
-            }
-            DType::BF16 => {
-                to_half("f32_to_bf16", ws)?;
-                self.gemm_call(
-                    blas,
-                    w.buf.ptr,
-                    ws,
-                    T::CUDA_R_16BF,
-                    m,
-                    n,
-                    k,
-                    out_at(0),
-                    out.cols,
-                )?
-            }
+        let ty = match w.dtype {
+            DType::F32 => T::CUDA_R_32F,
+            DType::BF16 => T::CUDA_R_16BF,
+            DType::F16 => T::CUDA_R_16F,
             dtype => {
                 // Workspace: [x in f16][one decoded tile], as workspace_bytes counts them.
-                to_half("f32_to_f16", ws)?;
                 let tile_ptr = ws + device_bytes((n * k * 2) as u64);
                 let tile_rows = dequant_tile_rows(m, k);
                 let f = self.func("matvec", "dequant_f16")?;
@@ -1310,21 +1327,23 @@ impl CudaBackend {
                         cols,
                         tile_ptr
                     );
+                    let c = out_at(r0);
                     self.gemm_call(
                         blas,
                         tile_ptr,
-                        ws,
+                        input,
                         T::CUDA_R_16F,
                         rows,
                         n,
                         k,
-                        out_at(r0),
+                        c,
                         out.cols,
                     )?;
                 }
+                return Ok(());
             }
-        }
-        Ok(true)
+        };
+        self.gemm_call(blas, w.buf.ptr, input, ty, m, n, k, out_at(0), out.cols)
     }
 
     /// One cuBLAS GEMM: C (`m` × `n`, column-major, leading dimension `ldc`) = Aᵀ · B, where A is
@@ -2243,11 +2262,7 @@ impl Backend for CudaBackend {
             rows: w.rows,
             cols: w.cols,
         })?;
-        let per_launch = if uses_act_blocks(w.dtype) {
-            MAX_QTOKENS
-        } else {
-            MAX_TOKENS
-        };
+        let per_launch = tokens_per_matvec(w.dtype);
         if n > per_launch && self.gemm(w, x, out, col0, ws)? {
             return Ok(());
         }
@@ -2297,8 +2312,41 @@ impl Backend for CudaBackend {
         // A weight alone of its kind gains nothing from a parts launch.
         let shares =
             |k: PartLaunch| k != PartLaunch::Alone && how.iter().filter(|&&h| h == k).count() > 1;
+        // The rest go one by one, but those multiplied through cuBLAS (more tokens than a
+        // matvec launch takes) share one conversion of x per kind of input.
+        let by_gemm = |p: &MatmulPart<'_, CudaWeight>| {
+            self.blas.is_some() && n > tokens_per_matvec(p.w.dtype)
+        };
+        for kind in [GemmInput::F32, GemmInput::F16, GemmInput::BF16] {
+            let group: Vec<&MatmulPart<'_, CudaWeight>> = parts
+                .iter()
+                .zip(&how)
+                .filter(|&(p, &h)| !shares(h) && by_gemm(p) && gemm_input_kind(p.w.dtype) == kind)
+                .map(|(p, _)| p)
+                .collect();
+            let Some(first) = group.first() else {
+                continue;
+            };
+            // The workspace the largest of them takes (each alone takes no more).
+            let op = |p: &MatmulPart<'_, CudaWeight>| WorkspaceOp::Matmul {
+                dtype: p.w.dtype,
+                tokens: n,
+                rows: p.w.rows,
+                cols: p.w.cols,
+            };
+            let most = group
+                .iter()
+                .map(|p| op(p))
+                .max_by_key(workspace_bytes)
+                .unwrap_or_else(|| op(first));
+            let (_ws, ws) = self.workspace_for(most)?;
+            let input = self.gemm_input(x, first.w.dtype, ws)?;
+            for p in &group {
+                self.gemm_from(p.w, input, x, outs[p.out], p.col0, ws)?;
+            }
+        }
         for (p, &h) in parts.iter().zip(&how) {
-            if !shares(h) {
+            if !shares(h) && !by_gemm(p) {
                 self.matmul_into(p.w, x, outs[p.out], p.col0)?;
             }
         }
