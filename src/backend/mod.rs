@@ -947,6 +947,21 @@ pub fn check_matmul_shape(
     Ok(())
 }
 
+/// Two operands an op takes value by value: the same shape (`(rows, cols)` each), else why not.
+pub fn check_same_shape(
+    op: &'static str,
+    (a_rows, a_cols): (usize, usize),
+    (b_rows, b_cols): (usize, usize),
+) -> Result<()> {
+    if (a_rows, a_cols) != (b_rows, b_cols) {
+        return Err(BackendError::Shape {
+            op,
+            msg: format!("{a_rows}x{a_cols} vs {b_rows}x{b_cols}"),
+        });
+    }
+    Ok(())
+}
+
 /// A model's rotary embedding as the ops take it: heads of `head_dim`, the first `rot_dims` of
 /// each rotated by `inv_freq` (`rot_dims / 2` values), `pairs` paired.
 #[derive(Clone, Copy)]

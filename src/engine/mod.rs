@@ -1586,12 +1586,21 @@ impl<B: Backend> Engine<B> {
 
     /// Rotate a step's queries and keys (rows from position `pos`), where the model rotates.
     fn rope_qk(&self, q: &mut B::Tensor, k: &mut B::Tensor, pos: usize) -> Result<()> {
-        if let Some((inv_freq, pairs, dims)) = &self.rope {
-            let hd = self.spec.head_dim;
-            self.backend
-                .rope_pair(q, k, hd, *dims, *pairs, inv_freq, pos)?;
+        if let Some(r) = self.rope_args() {
+            let (hd, rd, pairs, f) = (r.head_dim, r.rot_dims, r.pairs, r.inv_freq);
+            self.backend.rope_pair(q, k, hd, rd, pairs, f, pos)?;
         }
         Ok(())
+    }
+
+    /// The model's rotary embedding as the ops take it (none where it does not rotate).
+    fn rope_args(&self) -> Option<Rope<'_, B::Weight>> {
+        self.rope.as_ref().map(|(inv_freq, pairs, dims)| Rope {
+            head_dim: self.spec.head_dim,
+            rot_dims: *dims,
+            pairs: *pairs,
+            inv_freq,
+        })
     }
 
     /// `x += y`, then `x` normed by `n` into `out` (one op for RMSNorm).
@@ -2372,12 +2381,7 @@ impl<B: Backend> Engine<B> {
         (q, k, v): (&mut B::Tensor, &mut B::Tensor, &B::Tensor),
     ) -> Result<()> {
         let b = &self.backend;
-        let rope = self.rope.as_ref().map(|(inv_freq, pairs, dims)| Rope {
-            head_dim: self.spec.head_dim,
-            rot_dims: *dims,
-            pairs: *pairs,
-            inv_freq,
-        });
+        let rope = self.rope_args();
         let store = |caches: (&mut B::Kv, &mut B::Kv), table: Option<&B::KvTable>| match rope {
             Some(r) => b.rope_store_kv((q, k, v), caches, table, pos, r),
             None => b.store_kv_pair((k, v), caches, table, pos),

@@ -74,13 +74,7 @@ fn shape_err(op: &'static str, msg: String) -> BackendError {
 }
 
 fn same_shape(op: &'static str, a: &CpuTensor, b: &CpuTensor) -> Result<()> {
-    if (a.rows, a.cols) != (b.rows, b.cols) {
-        return Err(shape_err(
-            op,
-            format!("{}x{} vs {}x{}", a.rows, a.cols, b.rows, b.cols),
-        ));
-    }
-    Ok(())
+    super::check_same_shape(op, (a.rows, a.cols), (b.rows, b.cols))
 }
 
 fn vector<'a>(op: &'static str, w: &'a CpuWeight, len: usize) -> Result<&'a [f32]> {

@@ -535,13 +535,7 @@ fn check_rope(
 
 /// `op` takes `x` and `y` value by value (the same shape).
 fn check_same_shape(op: &'static str, x: &CudaTensor, y: &CudaTensor) -> Result<()> {
-    if (x.rows, x.cols) != (y.rows, y.cols) {
-        return Err(shape_err(
-            op,
-            format!("{}x{} vs {}x{}", x.rows, x.cols, y.rows, y.cols),
-        ));
-    }
-    Ok(())
+    super::check_same_shape(op, (x.rows, x.cols), (y.rows, y.cols))
 }
 
 /// `x` normed by `w` (f32, one value per column) into `out` fits.
