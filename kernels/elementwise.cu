@@ -66,12 +66,6 @@ extern "C" __global__ void f32_to_bf16(const float* x, u16* y, long long n) {
     if (i < n) y[i] = f2bf(x[i]);
 }
 
-extern "C" __global__ void fill_f32(float* x, long long n, float v) {
-    grid_dependency();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) x[i] = v;
-}
-
 // Row i of src into row rows[i] of dst (row_bytes each): a cache unit's missing neurons, brought
 // in by one copy, scattered into their slots. Grid: one block per row; words where rows are whole
 // words (allocations are aligned), else bytes.

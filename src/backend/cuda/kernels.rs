@@ -127,6 +127,7 @@ impl Modules {
 
 #[cfg(test)]
 mod tests {
+    use super::super::launches::{KERNELS, Param};
     use super::*;
 
     /// Every kernel's body starts with `grid_dependency();`: a kernel launched with programmatic
@@ -171,13 +172,127 @@ mod tests {
             eprintln!("skipped: NVRTC not found (scripts/check-kernels.sh provides it)");
             return;
         }
+        let mut entries = 0;
         for (name, src) in SOURCES {
             let ptx = nvrtc_compile(name, src, "compute_80").unwrap_or_else(|e| panic!("{e}"));
-            assert!(
-                ptx.to_src().contains(".entry"),
-                "{name}: no kernels in the PTX"
-            );
+            let found = ptx_entries(&ptx.to_src());
+            assert!(!found.is_empty(), "{name}: no kernels in the PTX");
+            launches_match_ptx(name, &found);
+            entries += found.len();
         }
         assert_eq!(SOURCES.len(), MODULES.len());
+        // And no launch function is left for a kernel the PTX lacks.
+        assert_eq!(entries, KERNELS.len(), "launch functions without a kernel");
+    }
+
+    #[test]
+    fn the_ptx_check_reads_entries_and_refuses_a_mismatch() {
+        let ptx = ".visible .entry rms_norm(\n\t.param .u64 .ptr .align 1 rms_norm_param_0,\n\t\
+                   .param .u64 .ptr .align 1 rms_norm_param_1,\n\t.param .f32 rms_norm_param_2,\n\t\
+                   .param .u64 .ptr .align 1 rms_norm_param_3,\n\t.param .u32 rms_norm_param_4\n)\n{\n}\n\
+                   .visible .entry matvec_f16_parts(\n\t.param .align 8 .b8 matvec_f16_parts_param_0[136],\n\t\
+                   .param .u32 matvec_f16_parts_param_1,\n\t.param .u64 matvec_f16_parts_param_2,\n\t\
+                   .param .u32 matvec_f16_parts_param_3\n)\n";
+        let entries = ptx_entries(ptx);
+        use PtxParam::*;
+        assert_eq!(entries[0].0, "rms_norm");
+        assert_eq!(entries[0].1, [Int(8), Int(8), Float(4), Int(8), Int(4)]);
+        assert_eq!(entries[1].1, [Aggregate(136), Int(4), Int(8), Int(4)]);
+        launches_match_ptx("norm", &entries[..1]);
+        launches_match_ptx("matvec", &entries[1..]);
+        // A `long long` where the launch passes an `int`, a parameter short, a float for an
+        // int, a kernel of another module, a kernel without a launch: each refused.
+        let wrong: [(&str, &str, Vec<PtxParam>); 5] = [
+            (
+                "norm",
+                "rms_norm",
+                vec![Int(8), Int(8), Float(4), Int(8), Int(8)],
+            ),
+            ("norm", "rms_norm", vec![Int(8), Int(8), Float(4), Int(8)]),
+            (
+                "norm",
+                "rms_norm",
+                vec![Int(8), Int(8), Int(4), Int(8), Int(4)],
+            ),
+            (
+                "rope",
+                "rms_norm",
+                vec![Int(8), Int(8), Float(4), Int(8), Int(4)],
+            ),
+            (
+                "norm",
+                "rms_norm_v2",
+                vec![Int(8), Int(8), Float(4), Int(8), Int(4)],
+            ),
+        ];
+        for (module, name, params) in wrong {
+            let entry = [(name.to_string(), params)];
+            let refused = std::panic::catch_unwind(|| launches_match_ptx(module, &entry));
+            assert!(refused.is_err(), "{module}.{name} {:?} passed", entry[0].1);
+        }
+    }
+
+    /// A PTX parameter: its bytes, and whether it is a float, an integer (pointers included)
+    /// or an aggregate (a struct passed by value).
+    #[derive(Debug, PartialEq, Clone, Copy)]
+    enum PtxParam {
+        Int(usize),
+        Float(usize),
+        Aggregate(usize),
+    }
+
+    /// Every `.entry` of `ptx`: its name and parameters.
+    fn ptx_entries(ptx: &str) -> Vec<(String, Vec<PtxParam>)> {
+        let mut out = Vec::new();
+        for part in ptx.split(".entry ").skip(1) {
+            let open = part.find('(').expect("entry parameters");
+            let close = part.find(')').expect("entry parameters");
+            let name = part[..open].trim().to_string();
+            let params = part[open + 1..close]
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let words: Vec<&str> = p.split_whitespace().collect();
+                    assert_eq!(words[0], ".param", "{name}: {p}");
+                    if let Some(n) = p.rsplit_once('[') {
+                        let bytes = n.1.trim_end_matches(']').parse().expect("array size");
+                        return PtxParam::Aggregate(bytes);
+                    }
+                    let ty = words[1];
+                    let bits: usize = ty[2..].parse().unwrap_or_else(|_| panic!("{name}: {p}"));
+                    match &ty[..2] {
+                        ".f" => PtxParam::Float(bits / 8),
+                        ".u" | ".s" | ".b" => PtxParam::Int(bits / 8),
+                        _ => panic!("{name}: parameter {p}"),
+                    }
+                })
+                .collect();
+            out.push((name, params));
+        }
+        out
+    }
+
+    /// Each of `module`'s PTX entries has a launch function with its parameters, in its order.
+    fn launches_match_ptx(module: &str, entries: &[(String, Vec<PtxParam>)]) {
+        for (name, params) in entries {
+            let (m, _, launched) = KERNELS
+                .iter()
+                .find(|(_, n, _)| n == name)
+                .unwrap_or_else(|| panic!("kernel `{name}` has no launch function"));
+            assert_eq!(*m, module, "{name}");
+            let as_ptx: Vec<PtxParam> = launched
+                .iter()
+                .map(|p| match p {
+                    Param::F32 => PtxParam::Float(4),
+                    Param::MatvecParts => PtxParam::Aggregate(p.bytes()),
+                    _ => PtxParam::Int(p.bytes()),
+                })
+                .collect();
+            assert_eq!(
+                &as_ptx, params,
+                "{module}.{name}: launch parameters against the PTX"
+            );
+        }
     }
 }

@@ -14,10 +14,13 @@
 //!   may reuse an arena range that queued work on either stream still touches, so every
 //!   allocation orders both streams after what was queued before it.
 //! - Kernels: `kernels/*.cu`, PTX built by build.rs or compiled here with NVRTC, loaded at start
-//!   (so their memory is part of the fixed cost measured before the arena is sized).
+//!   (so their memory is part of the fixed cost measured before the arena is sized); launched
+//!   through functions build.rs generates from their signatures (`launches`), so rustc checks
+//!   every launch's arguments.
 //! - Host buffers the copy stream reads from are page-locked with [`CudaBackend::pin_host`].
 
 pub mod kernels;
+mod launches;
 mod meter;
 
 use std::collections::HashMap;
@@ -26,7 +29,6 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
 };
 
 pub use meter::DeviceMeter;
@@ -285,7 +287,7 @@ impl CudaWeight {
         &self,
         op: &'static str,
         shape: BundleShape,
-    ) -> Result<(usize, (&'static str, &'static str))> {
+    ) -> Result<(usize, (launches::BundlesUp, launches::BundlesDown))> {
         let enc = self.encoding();
         let parts_ok = self.coded.is_none_or(|(_, parts)| parts == shape.parts);
         if !parts_ok || self.cols != shape.parts * shape.d {
@@ -308,14 +310,15 @@ impl CudaWeight {
 }
 
 /// The (up, down) kernels of kernels/bundles.cu for bundles in `enc` (one `bundle_bytes` admits).
-fn bundle_kernels(enc: Encoding) -> (&'static str, &'static str) {
+fn bundle_kernels(enc: Encoding) -> (launches::BundlesUp, launches::BundlesDown) {
+    use launches as l;
     match enc {
-        Encoding::Format(DType::F32) => ("ffn_bundles_up_f32", "ffn_bundles_down_f32"),
-        Encoding::Format(DType::BF16) => ("ffn_bundles_up_bf16", "ffn_bundles_down_bf16"),
-        Encoding::Int8 => ("ffn_bundles_up_int8", "ffn_bundles_down_int8"),
-        Encoding::Int4 => ("ffn_bundles_up_int4", "ffn_bundles_down_int4"),
+        Encoding::Format(DType::F32) => (l::ffn_bundles_up_f32, l::ffn_bundles_down_f32),
+        Encoding::Format(DType::BF16) => (l::ffn_bundles_up_bf16, l::ffn_bundles_down_bf16),
+        Encoding::Int8 => (l::ffn_bundles_up_int8, l::ffn_bundles_down_int8),
+        Encoding::Int4 => (l::ffn_bundles_up_int4, l::ffn_bundles_down_int4),
         // f16, and what `bundle_bytes` refuses before a kernel is picked.
-        Encoding::Format(_) => ("ffn_bundles_up_f16", "ffn_bundles_down_f16"),
+        Encoding::Format(_) => (l::ffn_bundles_up_f16, l::ffn_bundles_down_f16),
     }
 }
 
@@ -579,9 +582,6 @@ struct MatvecParts {
 const _: () = assert!(std::mem::size_of::<MatvecPart>() == 32);
 const _: () = assert!(std::mem::size_of::<MatvecParts>() == 136);
 
-// SAFETY: plain `#[repr(C)]` data laid out as the kernels' struct (sizes asserted on both sides).
-unsafe impl cudarc::driver::DeviceRepr for MatvecParts {}
-
 /// How a weight of [`Backend::matmul_parts`] runs with `n` tokens: in a parts launch of block
 /// formats (activation blocks shared), of f16 rows, or alone ([`Backend::matmul_into`]).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -646,39 +646,6 @@ fn cfg(grid: u32, block: u32) -> LaunchConfig {
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
-}
-
-/// Launch `$f` on `$stream` with the given arguments (each a local value).
-macro_rules! launch_on {
-    ($stream:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        let f = $f;
-        let mut b = $stream.launch_builder(&f);
-        $( b.arg(&$arg); )*
-        // SAFETY: argument types and counts match the kernel signatures in kernels/*.cu; every
-        // pointer is a live device allocation sized as the kernel indexes it (checked by the
-        // callers' shape checks).
-        unsafe { b.launch($cfg) }.map_err(dev)?;
-    }};
-}
-
-/// Launch `$f` on the compute stream (counted in `device_ops`): plainly, or with programmatic
-/// stream serialization where [`CudaBackend::set_programmatic_launch`] turned it on.
-macro_rules! launch {
-    ($self:expr, $f:expr, $cfg:expr, $($arg:expr),* $(,)?) => {{
-        if $self.programmatic.load(std::sync::atomic::Ordering::Relaxed) {
-            let f = $f;
-            // The parameters' addresses live until the launch returns (this statement).
-            $self.launch_programmatic(&f, $cfg, &mut [$(kernel_param(&$arg)),*])?;
-        } else {
-            launch_on!($self.compute, $f, $cfg, $($arg),*);
-        }
-        $self.counted();
-    }};
-}
-
-/// A kernel parameter as the driver takes it: the address of its value.
-fn kernel_param<T: cudarc::driver::DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
-    value as *const T as *mut std::ffi::c_void
 }
 
 impl CudaBackend {
@@ -822,14 +789,13 @@ impl CudaBackend {
             ptr_of(&out, &self.compute),
             n4 as i64,
         );
-        let f = self.func("membw", "read_sum")?;
         let mut best = f64::MAX;
         for rep in 0..6 {
             let start = self
                 .compute
                 .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(dev)?;
-            launch!(self, f.clone(), cfg(blocks_n, 256), xp, n, op);
+            launches::read_sum(self.launch(cfg(blocks_n, 256)), xp, n, op)?;
             let end = self
                 .compute
                 .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
@@ -895,8 +861,8 @@ impl CudaBackend {
             attrs: &mut attr,
             numAttrs: 1,
         };
-        // SAFETY: as launch_on!: the parameters match the kernel's signature in kernels/*.cu
-        // and point at values that outlive this call; every pointer among them is a live device
+        // SAFETY: as a plain launch (launches.rs): the parameters are the kernel's, in its order
+        // and types (a generated launch function's), and point at values that outlive this call; every pointer among them is a live device
         // allocation sized as the kernel indexes it. The attribute outlives the call.
         unsafe {
             sys::cuLaunchKernelEx(
@@ -1054,7 +1020,6 @@ impl CudaBackend {
                 ),
             ));
         }
-        let f = self.func("bundles", up)?;
         let row_bytes = row_bytes as i64;
         let count = list.map_or(b.rows, |l| l.1);
         let idx_ptr = list.map_or(0u64, |l| l.0);
@@ -1073,10 +1038,8 @@ impl CudaBackend {
             let nt = (x.rows - t0).min(MAX_TOKENS) as i32;
             let xp = x.buf.ptr + (t0 * shape.d * 4) as u64;
             let hp = h.buf.ptr + (t0 * h.cols * 4) as u64;
-            launch!(
-                self,
-                f.clone(),
-                cfg(blocks(count, WARPS), WARPS * 32),
+            up(
+                self.launch(cfg(blocks(count, WARPS), WARPS * 32)),
                 b.buf.ptr,
                 row_bytes,
                 neurons,
@@ -1090,8 +1053,8 @@ impl CudaBackend {
                 hp,
                 hs,
                 c0,
-                idx_ptr
-            );
+                idx_ptr,
+            )?;
         }
         Ok(())
     }
@@ -1116,7 +1079,6 @@ impl CudaBackend {
                 ),
             ));
         }
-        let f = self.func("bundles", down)?;
         let row_bytes = row_bytes as i64;
         let count = list.map_or(b.rows, |l| l.1);
         let idx_ptr = list.map_or(0u64, |l| l.0);
@@ -1132,10 +1094,8 @@ impl CudaBackend {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            launch!(
-                self,
-                f.clone(),
-                c,
+            down(
+                self.launch(c),
                 b.buf.ptr,
                 row_bytes,
                 neurons,
@@ -1146,8 +1106,8 @@ impl CudaBackend {
                 hs,
                 c0,
                 op,
-                idx_ptr
-            );
+                idx_ptr,
+            )?;
         }
         Ok(())
     }
@@ -1180,8 +1140,7 @@ impl CudaBackend {
             return Ok(None);
         };
         let stamp = ptr_of(&self.stamps, stream) + 8 * slot;
-        let f = self.func("membw", "pace_stamp")?;
-        launch_on!(stream, f, cfg(1, 1), stamp);
+        launches::pace_stamp(self.launch_on(stream, cfg(1, 1)), stamp)?;
         Ok(Some((rate, stamp)))
     }
 
@@ -1193,8 +1152,7 @@ impl CudaBackend {
     ) -> Result<()> {
         if let Some((rate, stamp)) = paced {
             let ns = (bytes as f64 / rate * 1e9) as u64;
-            let f = self.func("membw", "pace_wait")?;
-            launch_on!(stream, f, cfg(1, 1), stamp, ns);
+            launches::pace_wait(self.launch_on(stream, cfg(1, 1)), stamp, ns)?;
         }
         Ok(())
     }
@@ -1232,16 +1190,13 @@ impl CudaBackend {
     /// Quantize `n` rows of `cols` activations at `x` into 8-bit blocks at `out` (workspace).
     fn quantize(&self, x: u64, n: usize, cols: usize, out: u64) -> Result<()> {
         let blocks_total = n * cols / 32;
-        let f = self.func("elementwise", "quantize_q8")?;
         let nb = blocks_total as i64;
-        launch!(
-            self,
-            f,
-            cfg(blocks(blocks_total * 32, 256), 256),
+        launches::quantize_q8(
+            self.launch(cfg(blocks(blocks_total * 32, 256), 256)),
             x,
             nb,
-            out
-        );
+            out,
+        )?;
         Ok(())
     }
 
@@ -1268,14 +1223,18 @@ impl CudaBackend {
     /// workspace's start (bf16 for bf16 weights, f16 for the rest); its address. Weights whose
     /// inputs are alike ([`gemm_input_kind`]) can share one conversion.
     fn gemm_input(&self, x: &CudaTensor, dtype: DType, ws: u64) -> Result<u64> {
-        let kernel = match gemm_input_kind(dtype) {
+        let convert = match gemm_input_kind(dtype) {
             GemmInput::F32 => return Ok(x.buf.ptr),
-            GemmInput::F16 => "f32_to_f16",
-            GemmInput::BF16 => "f32_to_bf16",
+            GemmInput::F16 => launches::f32_to_f16,
+            GemmInput::BF16 => launches::f32_to_bf16,
         };
-        let f = self.func("elementwise", kernel)?;
-        let (len, xp) = ((x.rows * x.cols) as i64, x.buf.ptr);
-        launch!(self, f, cfg(blocks(x.rows * x.cols, 256), 256), xp, ws, len);
+        let len = (x.rows * x.cols) as i64;
+        convert(
+            self.launch(Self::elementwise_cfg(x.rows * x.cols)),
+            x.buf.ptr,
+            ws,
+            len,
+        )?;
         Ok(ws)
     }
 
@@ -1304,23 +1263,20 @@ impl CudaBackend {
                 // Workspace: [x in f16][one decoded tile], as workspace_bytes counts them.
                 let tile_ptr = ws + device_bytes((n * k * 2) as u64);
                 let tile_rows = dequant_tile_rows(m, k);
-                let f = self.func("matvec", "dequant_f16")?;
                 let (dt, cols) = (dtype_code(dtype), k as i32);
                 for r0 in (0..m).step_by(tile_rows) {
                     let rows = tile_rows.min(m - r0);
                     let (row0, nrows) = (r0 as i32, rows as i32);
                     let wp = w.buf.ptr;
-                    launch!(
-                        self,
-                        f.clone(),
-                        cfg(blocks(rows * k / 8, 256), 256),
+                    launches::dequant_f16(
+                        self.launch(cfg(blocks(rows * k / 8, 256), 256)),
                         wp,
                         dt,
                         row0,
                         nrows,
                         cols,
-                        tile_ptr
-                    );
+                        tile_ptr,
+                    )?;
                     let c = out_at(r0);
                     self.gemm_call(
                         blas,
@@ -1407,19 +1363,16 @@ impl CudaBackend {
     /// `out_p`, `stride` wide.
     fn launch_matvec(
         &self,
-        kernel: &'static str,
+        kernel: launches::Matvec,
         w: &CudaWeight,
         x_arg: u64,
         n: usize,
         (out_p, stride, col0): (u64, usize, usize),
     ) -> Result<()> {
-        let f = self.func("matvec", kernel)?;
         let (dt, rows, cols) = (dtype_code(w.dtype), w.rows as i32, w.cols as i32);
         let (nt, stride, c0) = (n as i32, stride as i32, col0 as i32);
-        launch!(
-            self,
-            f,
-            cfg(blocks(w.rows, WARPS), WARPS * 32),
+        kernel(
+            self.launch(cfg(blocks(w.rows, WARPS), WARPS * 32)),
             w.buf.ptr,
             dt,
             rows,
@@ -1428,8 +1381,8 @@ impl CudaBackend {
             nt,
             out_p,
             stride,
-            c0
-        );
+            c0,
+        )?;
         Ok(())
     }
 
@@ -1446,12 +1399,11 @@ impl CudaBackend {
     /// the activations as the kernel takes them).
     fn launch_parts(
         &self,
-        kernel: &'static str,
+        kernel: launches::Parts,
         x_arg: u64,
         (cols, n): (usize, usize),
         parts: &[(&CudaWeight, &CudaTensor, usize)],
     ) -> Result<()> {
-        let f = self.func("matvec", kernel)?;
         for group in parts.chunks(MAX_PARTS) {
             let mut ps = MatvecParts::default();
             let mut grid = 0u32;
@@ -1468,7 +1420,7 @@ impl CudaBackend {
             }
             ps.count = group.len() as i32;
             let (c, nt) = (cols as i32, n as i32);
-            launch!(self, f.clone(), cfg(grid, WARPS * 32), ps, c, x_arg, nt);
+            kernel(self.launch(cfg(grid, WARPS * 32)), ps, c, x_arg, nt)?;
         }
         Ok(())
     }
@@ -1936,15 +1888,12 @@ impl Backend for CudaBackend {
         dst_row: usize,
     ) -> Result<()> {
         let tp = check_store(src, dst, table, dst_row)?;
-        let f = self.func("attention", "store_kv")?;
         let n = src.rows * src.cols;
         let (rows, cols, dt) = (src.rows as i64, src.cols as i32, dtype_code(dst.ty.dtype()));
         let (sp, dp, first) = (src.buf.ptr, dst.buf.ptr, dst_row as i32);
         let at = self.position_at()?;
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(n),
+        launches::store_kv(
+            self.launch(Self::elementwise_cfg(n)),
             sp,
             rows,
             cols,
@@ -1952,8 +1901,8 @@ impl Backend for CudaBackend {
             dp,
             tp,
             first,
-            at
-        );
+            at,
+        )?;
         Ok(())
     }
 
@@ -1965,13 +1914,10 @@ impl Backend for CudaBackend {
         dst_row: usize,
     ) -> Result<()> {
         let tp = check_store_pair((k, v), (kc, vc), table, dst_row)?;
-        let f = self.func("attention", "store_kv_pair")?;
         let (rows, cols, dt) = (k.rows as i64, k.cols as i32, dtype_code(kc.ty.dtype()));
         let (first, at) = (dst_row as i32, self.position_at()?);
-        launch!(
-            self,
-            f,
-            Self::pair_cfg(k.rows * k.cols, 2),
+        launches::store_kv_pair(
+            self.launch(Self::pair_cfg(k.rows * k.cols, 2)),
             k.buf.ptr,
             v.buf.ptr,
             rows,
@@ -1981,8 +1927,8 @@ impl Backend for CudaBackend {
             vc.buf.ptr,
             tp,
             first,
-            at
-        );
+            at,
+        )?;
         Ok(())
     }
 
@@ -2008,7 +1954,6 @@ impl Backend for CudaBackend {
                 format!("{} query rows, {} key rows", q.rows, k.rows),
             ));
         }
-        let f = self.func("rope", "rope_store_kv")?;
         let most = (q.rows * (q.cols / hd) * (rd / 2)).max(k.rows * k.cols);
         let (qc, kvc, rows) = (q.cols as i32, k.cols as i32, q.rows as i32);
         let (hd, rd, p) = (hd as i32, rd as i32, pairs_code(rope.pairs));
@@ -2017,10 +1962,8 @@ impl Backend for CudaBackend {
             dst_row as i32,
             self.position_at()?,
         );
-        launch!(
-            self,
-            f,
-            Self::pair_cfg(most, 3),
+        launches::rope_store_kv(
+            self.launch(Self::pair_cfg(most, 3)),
             q.buf.ptr,
             qc,
             k.buf.ptr,
@@ -2036,8 +1979,8 @@ impl Backend for CudaBackend {
             vc.buf.ptr,
             tp,
             first,
-            at
-        );
+            at,
+        )?;
         Ok(())
     }
 
@@ -2196,18 +2139,15 @@ impl Backend for CudaBackend {
         unsafe { cudarc::driver::result::memcpy_htod_async(iptr, ids, self.compute.cu_stream()) }
             .map_err(dev)?;
         self.ledger().count_h2d(ids.len() as u64 * 4);
-        let f = self.func("elementwise", "embed_rows")?;
         let (dt, cols) = (dtype_code(table.dtype), table.cols as i32);
-        launch!(
-            self,
-            f,
-            cfg(ids.len() as u32, 256),
+        launches::embed_rows(
+            self.launch(cfg(ids.len() as u32, 256)),
             table.buf.ptr,
             dt,
             cols,
             iptr,
-            out.buf.ptr
-        );
+            out.buf.ptr,
+        )?;
         Ok(())
     }
 
@@ -2225,18 +2165,15 @@ impl Backend for CudaBackend {
                 format!("rows {first_row}.. of {}", table.rows),
             ));
         }
-        let f = self.func("elementwise", "add_table_rows")?;
         let (dt, cols, fr) = (dtype_code(table.dtype), table.cols as i32, first_row as i32);
-        launch!(
-            self,
-            f,
-            cfg(x.rows as u32, 256),
+        launches::add_table_rows(
+            self.launch(cfg(x.rows as u32, 256)),
             x.buf.ptr,
             table.buf.ptr,
             dt,
             cols,
-            fr
-        );
+            fr,
+        )?;
         Ok(())
     }
 
@@ -2260,12 +2197,12 @@ impl Backend for CudaBackend {
         if n > per_launch && self.gemm(w, x, out, col0, ws)? {
             return Ok(());
         }
-        let matvec = |kernel, x_arg: u64, t0: usize, nt: usize| {
+        let matvec = |kernel: launches::Matvec, x_arg: u64, t0: usize, nt: usize| {
             let out_p = out.buf.ptr + (t0 * out.cols * 4) as u64;
             self.launch_matvec(kernel, w, x_arg, nt, (out_p, out.cols, col0))
         };
         if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
-            return matvec("matvec_quant_x", x.buf.ptr, 0, 1);
+            return matvec(launches::matvec_quant_x, x.buf.ptr, 0, 1);
         }
         if uses_act_blocks(w.dtype) {
             self.quantize(x.buf.ptr, n, w.cols, ws)?;
@@ -2274,13 +2211,13 @@ impl Backend for CudaBackend {
             let nt = (n - t0).min(per_launch);
             if uses_act_blocks(w.dtype) {
                 let xq = ws + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
-                matvec("matvec_quant", xq, t0, nt)?;
+                matvec(launches::matvec_quant, xq, t0, nt)?;
             } else {
                 let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
                 if f16_vectors(w.dtype, w.cols) {
-                    matvec("matvec_f16_vec", xp, t0, nt)?;
+                    matvec(launches::matvec_f16_vec, xp, t0, nt)?;
                 } else {
-                    matvec("matvec_float", xp, t0, nt)?;
+                    matvec(launches::matvec_float, xp, t0, nt)?;
                 }
             }
         }
@@ -2345,8 +2282,11 @@ impl Backend for CudaBackend {
             }
         }
         for (kind, kernel) in [
-            (PartLaunch::Blocks, "matvec_quant_parts"),
-            (PartLaunch::F16, "matvec_f16_parts"),
+            (
+                PartLaunch::Blocks,
+                launches::matvec_quant_parts as launches::Parts,
+            ),
+            (PartLaunch::F16, launches::matvec_f16_parts),
         ] {
             if !shares(kind) {
                 continue;
@@ -2358,7 +2298,12 @@ impl Backend for CudaBackend {
                 .map(|(p, _)| (p.w, &*outs[p.out], p.col0))
                 .collect();
             if kind == PartLaunch::Blocks && quantizes_in_blocks(n, x.cols) {
-                self.launch_parts("matvec_quant_parts_x", x.buf.ptr, (x.cols, n), &group)?;
+                self.launch_parts(
+                    launches::matvec_quant_parts_x,
+                    x.buf.ptr,
+                    (x.cols, n),
+                    &group,
+                )?;
             } else if kind == PartLaunch::Blocks {
                 // The activations quantized once, into the workspace one matmul of them takes.
                 let w = group[0].0;
@@ -2492,17 +2437,14 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         let (_ws, list) = self.listed(rows)?;
-        let f = self.func("elementwise", "scatter_rows")?;
         let row_bytes = rb as i64;
-        launch!(
-            self,
-            f,
-            cfg(rows.len() as u32, 256),
+        launches::scatter_rows(
+            self.launch(cfg(rows.len() as u32, 256)),
             src.buf.ptr,
             row_bytes,
             list,
-            dst.buf.ptr
-        );
+            dst.buf.ptr,
+        )?;
         Ok(())
     }
 
@@ -2530,32 +2472,26 @@ impl Backend for CudaBackend {
                 format!("`{}` for {} columns", bias.name, x.cols),
             ));
         }
-        let f = self.func("elementwise", "add_bias_f32")?;
         let (n, cols) = ((x.rows * x.cols) as i64, x.cols as i32);
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(x.rows * x.cols),
+        launches::add_bias_f32(
+            self.launch(Self::elementwise_cfg(x.rows * x.cols)),
             x.buf.ptr,
             bias.buf.ptr,
             n,
-            cols
-        );
+            cols,
+        )?;
         Ok(())
     }
 
     fn add(&self, x: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
         check_same_shape("add", x, y)?;
-        let f = self.func("elementwise", "add_f32")?;
         let n = (x.rows * x.cols) as i64;
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(x.rows * x.cols),
+        launches::add_f32(
+            self.launch(Self::elementwise_cfg(x.rows * x.cols)),
             x.buf.ptr,
             y.buf.ptr,
-            n
-        );
+            n,
+        )?;
         Ok(())
     }
 
@@ -2567,18 +2503,15 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         check_rms_norm(x, w, out)?;
-        let f = self.func("norm", "rms_norm")?;
         let cols = x.cols as i32;
-        launch!(
-            self,
-            f,
-            cfg(x.rows as u32, 256),
+        launches::rms_norm(
+            self.launch(cfg(x.rows as u32, 256)),
             x.buf.ptr,
             w.buf.ptr,
             eps,
             out.buf.ptr,
-            cols
-        );
+            cols,
+        )?;
         Ok(())
     }
 
@@ -2592,19 +2525,16 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check_rms_norm(x, w, out)?;
         check_same_shape("add", x, y)?;
-        let f = self.func("norm", "add_rms_norm")?;
         let cols = x.cols as i32;
-        launch!(
-            self,
-            f,
-            cfg(x.rows as u32, 256),
+        launches::add_rms_norm(
+            self.launch(cfg(x.rows as u32, 256)),
             x.buf.ptr,
             y.buf.ptr,
             w.buf.ptr,
             eps,
             out.buf.ptr,
-            cols
-        );
+            cols,
+        )?;
         Ok(())
     }
 
@@ -2627,19 +2557,16 @@ impl Backend for CudaBackend {
                 format!("{}x{} with `{}`", x.rows, x.cols, w.name),
             ));
         }
-        let f = self.func("norm", "layer_norm")?;
         let cols = x.cols as i32;
-        launch!(
-            self,
-            f,
-            cfg(x.rows as u32, 256),
+        launches::layer_norm(
+            self.launch(cfg(x.rows as u32, 256)),
             x.buf.ptr,
             w.buf.ptr,
             b.buf.ptr,
             eps,
             out.buf.ptr,
-            cols
-        );
+            cols,
+        )?;
         Ok(())
     }
 
@@ -2653,7 +2580,6 @@ impl Backend for CudaBackend {
         first_pos: usize,
     ) -> Result<()> {
         check_rope(x, head_dim, rot_dims, inv_freq)?;
-        let f = self.func("rope", "rope")?;
         let total = x.rows * (x.cols / head_dim) * (rot_dims / 2);
         let (rows, cols, hd, rd) = (
             x.rows as i32,
@@ -2663,10 +2589,8 @@ impl Backend for CudaBackend {
         );
         let p = pairs_code(pairs);
         let (fp, at) = (first_pos as i32, self.position_at()?);
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(total),
+        launches::rope(
+            self.launch(Self::elementwise_cfg(total)),
             x.buf.ptr,
             rows,
             cols,
@@ -2675,8 +2599,8 @@ impl Backend for CudaBackend {
             p,
             inv_freq.buf.ptr,
             fp,
-            at
-        );
+            at,
+        )?;
         Ok(())
     }
 
@@ -2698,15 +2622,12 @@ impl Backend for CudaBackend {
                 format!("{} query rows, {} key rows", q.rows, k.rows),
             ));
         }
-        let f = self.func("rope", "rope_pair")?;
         let most = q.rows * (q.cols.max(k.cols) / head_dim) * (rot_dims / 2);
         let (qc, kc, rows) = (q.cols as i32, k.cols as i32, q.rows as i32);
         let (hd, rd, p) = (head_dim as i32, rot_dims as i32, pairs_code(pairs));
         let (fp, at) = (first_pos as i32, self.position_at()?);
-        launch!(
-            self,
-            f,
-            Self::pair_cfg(most, 2),
+        launches::rope_pair(
+            self.launch(Self::pair_cfg(most, 2)),
             q.buf.ptr,
             qc,
             k.buf.ptr,
@@ -2717,8 +2638,8 @@ impl Backend for CudaBackend {
             p,
             inv_freq.buf.ptr,
             fp,
-            at
-        );
+            at,
+        )?;
         Ok(())
     }
 
@@ -2745,15 +2666,12 @@ impl Backend for CudaBackend {
             return super::gate_then_up(self, x, (w_gate, w_up), (act, threshold), gate, up);
         }
         self.bind()?;
-        let launch = |kernel: &'static str, x_arg: u64| -> Result<()> {
-            let f = self.func("matvec", kernel)?;
+        let launch = |kernel: launches::GateUp, x_arg: u64| -> Result<()> {
             let (dg, du) = (dtype_code(w_gate.dtype), dtype_code(w_up.dtype));
             let (rows, cols, nt) = (w_gate.rows as i32, w_gate.cols as i32, n as i32);
             let (kind, stride) = (act_code(act), gate.cols as i32);
-            launch!(
-                self,
-                f,
-                cfg(blocks(w_gate.rows, WARPS), WARPS * 32),
+            kernel(
+                self.launch(cfg(blocks(w_gate.rows, WARPS), WARPS * 32)),
                 w_gate.buf.ptr,
                 dg,
                 w_up.buf.ptr,
@@ -2765,15 +2683,14 @@ impl Backend for CudaBackend {
                 kind,
                 threshold,
                 gate.buf.ptr,
-                stride
-            );
-            Ok(())
+                stride,
+            )
         };
         if how == PartLaunch::F16 {
-            return launch("matvec_f16_gate_up", x.buf.ptr);
+            return launch(launches::matvec_f16_gate_up, x.buf.ptr);
         }
         if quantizes_in_blocks(n, x.cols) {
-            return launch("matvec_quant_gate_up_x", x.buf.ptr);
+            return launch(launches::matvec_quant_gate_up_x, x.buf.ptr);
         }
         // The activations quantized once, into the workspace one matmul of them takes.
         let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
@@ -2783,21 +2700,18 @@ impl Backend for CudaBackend {
             cols: w_gate.cols,
         })?;
         self.quantize(x.buf.ptr, n, x.cols, ws)?;
-        launch("matvec_quant_gate_up", ws)
+        launch(launches::matvec_quant_gate_up, ws)
     }
 
     fn activate(&self, x: &mut CudaTensor, act: Act, threshold: f32) -> Result<()> {
-        let f = self.func("elementwise", "activate_f32")?;
         let (n, k) = ((x.rows * x.cols) as i64, act_code(act));
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(x.rows * x.cols),
+        launches::activate_f32(
+            self.launch(Self::elementwise_cfg(x.rows * x.cols)),
             x.buf.ptr,
             n,
             k,
-            threshold
-        );
+            threshold,
+        )?;
         Ok(())
     }
 
@@ -2809,18 +2723,15 @@ impl Backend for CudaBackend {
         threshold: f32,
     ) -> Result<()> {
         check_same_shape("gated", gate, up)?;
-        let f = self.func("elementwise", "gated_f32")?;
         let (n, k) = ((gate.rows * gate.cols) as i64, act_code(act));
-        launch!(
-            self,
-            f,
-            Self::elementwise_cfg(gate.rows * gate.cols),
+        launches::gated_f32(
+            self.launch(Self::elementwise_cfg(gate.rows * gate.cols)),
             gate.buf.ptr,
             up.buf.ptr,
             n,
             k,
-            threshold
-        );
+            threshold,
+        )?;
         Ok(())
     }
 
@@ -2891,14 +2802,11 @@ impl Backend for CudaBackend {
             } else {
                 split_chunks(keys, n)
             };
-            let f = self.func(
-                "flash_attention",
-                match k_cache.ty {
-                    KvType::F32 => "attention_split_f32",
-                    KvType::F16 => "attention_split_f16",
-                    KvType::Q8_0 => "attention_split_q8_0",
-                },
-            )?;
+            let kernel = match k_cache.ty {
+                KvType::F32 => launches::attention_split_f32,
+                KvType::F16 => launches::attention_split_f16,
+                KvType::Q8_0 => launches::attention_split_q8_0,
+            };
             let c = LaunchConfig {
                 grid_dim: (s.n_heads as u32, chunks as u32, 1),
                 block_dim: (FLASH_THREADS, 1, 1),
@@ -2906,10 +2814,8 @@ impl Backend for CudaBackend {
             };
             let (rows, chunk_i) = (n as i32, chunk as i32);
             let tickets = ptr_of(&self.tickets, &self.compute);
-            launch!(
-                self,
-                f,
-                c,
+            kernel(
+                self.launch(c),
                 q.buf.ptr,
                 k_cache.buf.ptr,
                 v_cache.buf.ptr,
@@ -2925,32 +2831,27 @@ impl Backend for CudaBackend {
                 fp,
                 s.scale,
                 chunk_i,
-                at
-            );
+                at,
+            )?;
             return Ok(());
         }
         if n >= FLASH_MIN_ROWS && k_cache.ty == KvType::F16 && FLASH_HEAD_DIMS.contains(&s.head_dim)
         {
             // Prefill over an f16 cache: tensor-core tiles, the scores never leave the chip.
-            let f = self.func(
-                "flash_attention",
-                match s.head_dim {
-                    64 => "flash_attn_f16_hd64",
-                    80 => "flash_attn_f16_hd80",
-                    96 => "flash_attn_f16_hd96",
-                    _ => "flash_attn_f16_hd128",
-                },
-            )?;
+            let kernel = match s.head_dim {
+                64 => launches::flash_attn_f16_hd64,
+                80 => launches::flash_attn_f16_hd80,
+                96 => launches::flash_attn_f16_hd96,
+                _ => launches::flash_attn_f16_hd128,
+            };
             let c = LaunchConfig {
                 grid_dim: (n.div_ceil(FLASH_ROWS) as u32, s.n_heads as u32, 1),
                 block_dim: (FLASH_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             let rows = n as i32;
-            launch!(
-                self,
-                f,
-                c,
+            kernel(
+                self.launch(c),
                 q.buf.ptr,
                 k_cache.buf.ptr,
                 v_cache.buf.ptr,
@@ -2961,22 +2862,17 @@ impl Backend for CudaBackend {
                 group,
                 kvs,
                 fp,
-                s.scale
-            );
+                s.scale,
+            )?;
             return Ok(());
         }
-        let f = self.func(
-            "attention",
-            match k_cache.ty {
-                KvType::F32 => "attention_f32",
-                KvType::F16 => "attention_f16",
-                KvType::Q8_0 => "attention_q8_0",
-            },
-        )?;
-        launch!(
-            self,
-            f,
-            cfg((n * s.n_heads) as u32, 256),
+        let kernel = match k_cache.ty {
+            KvType::F32 => launches::attention_f32,
+            KvType::F16 => launches::attention_f16,
+            KvType::Q8_0 => launches::attention_q8_0,
+        };
+        kernel(
+            self.launch(cfg((n * s.n_heads) as u32, 256)),
             q.buf.ptr,
             k_cache.buf.ptr,
             v_cache.buf.ptr,
@@ -2988,8 +2884,8 @@ impl Backend for CudaBackend {
             qs,
             kvs,
             fp,
-            s.scale
-        );
+            s.scale,
+        )?;
         Ok(())
     }
 
