@@ -5,9 +5,11 @@
 # the grid before it); then compile them again through NVRTC (the run-time path of builds made
 # without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
 # check them against the reference dequantization (scripts/kernel_host_check.py), the bundle
-# decoders against the store's (kernels/host/bundle_check.cpp), the flash and split attention
-# kernels against a naive attention (kernels/host/flash_check.cpp), and the fused decode kernels
-# against the ones they replace (kernels/host/fused_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+# decoders against the store's (kernels/host/bundle_check.cpp), the flash, split and simple
+# attention kernels against a naive attention (kernels/host/flash_check.cpp), the fused decode
+# kernels against the ones they replace (kernels/host/fused_check.cpp), and the data-movement
+# kernels (f16 tiles for cuBLAS, embedding rows, scattered rows) against plain loops
+# (kernels/host/ops_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
@@ -49,7 +51,7 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
 "${CXX:-g++}" -std=c++17 -O1 -ffp-contract=off -DKERNEL_HOST_CHECK -I kernels -o "$OUT/bundle_check" \
     kernels/host/bundle_check.cpp
 "$OUT/bundle_check" <"$OUT/bundles.txt"
-# The flash prefill and split decode kernels, each block run as host threads (the tensor-core
+# The flash prefill, split decode and simple attention kernels, each block run as host threads (the tensor-core
 # product from the PTX fragment layouts), against a naive attention.
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/flash_check" kernels/host/flash_check.cpp
@@ -59,6 +61,10 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/fused_check" kernels/host/fused_check.cpp
 "$OUT/fused_check"
+# dequant_f16, embed_rows, add_table_rows and scatter_rows against plain loops, bit for bit.
+"${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
+    -DKERNEL_HOST_SIMT -I kernels -o "$OUT/ops_check" kernels/host/ops_check.cpp
+"$OUT/ops_check"
 LIB="$(dirname "$BIN")/lib"
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
     cargo test --locked --quiet --lib nvrtc_compiles_every_module

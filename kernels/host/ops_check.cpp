@@ -1,0 +1,112 @@
+// The data-movement kernels no other check covers, run on the host, each block as threads
+// (kernels/host/simt.h), against plain loops over the same decoding (`load_elem`, which
+// kernels/host/decode_check.cpp holds to gguf-py's), bit for bit:
+//  - dequant_f16: a tile of a block-format weight decoded to f16 for cuBLAS (every block format,
+//    tiles starting past row 0, a last block of threads cut short);
+//  - embed_rows: token ids' rows of an embedding table, in its format;
+//  - add_table_rows: learned positions added from row first_row on;
+//  - scatter_rows: a cache unit's rows copied into their slots, by words and by bytes.
+// The weights are random bytes: what is checked is which bytes land where, and that each value is
+// decoded as the reference decodes it. scripts/check-kernels.sh builds and runs this.
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "matvec.cu"
+#include "elementwise.cu"
+
+static std::mt19937 rng(31);
+
+static std::vector<u8> random_bytes(size_t n) {
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::vector<u8> v(n);
+    for (auto& b : v) b = (u8)byte(rng);
+    return v;
+}
+
+static bool same(const char* what, const void* a, const void* b, size_t bytes) {
+    bool eq = std::memcmp(a, b, bytes) == 0;
+    std::printf("ops-check: %s: %s\n", what, eq ? "bit-identical" : "DIFFERENT  FAILED");
+    return eq;
+}
+
+static unsigned grid_for(long long n, int per) { return (unsigned)((n + per - 1) / per); }
+
+// Rows row0..row0+tile_rows of a `rows` × `cols` weight in `dtype`, decoded to f16.
+static bool dequant(int dtype, int rows, int cols, int row0, int tile_rows) {
+    long long rb = row_bytes(dtype, cols);
+    auto w = random_bytes((size_t)rb * rows);
+    std::vector<u16> got((size_t)tile_rows * cols, 0xdead), want(got.size());
+    host_launch({grid_for((long long)tile_rows * cols / 8, 256), 1, 1}, 256,
+                [&] { dequant_f16(w.data(), dtype, row0, tile_rows, cols, got.data()); });
+    for (int r = 0; r < tile_rows; r++)
+        for (int c = 0; c < cols; c++)
+            want[(size_t)r * cols + c] = f2h(load_elem(w.data() + rb * (row0 + r), dtype, c));
+    char what[96];
+    std::snprintf(what, sizeof what, "dequant_f16 dtype %d, rows %d..%d of %d × %d", dtype, row0, row0 + tile_rows,
+                  rows, cols);
+    return same(what, got.data(), want.data(), got.size() * 2);
+}
+
+// Rows of a `vocab` × `cols` table in `dtype`: by token id, and added from row `first_row` on.
+static bool table_rows(int dtype, int vocab, int cols, int first_row) {
+    long long rb = row_bytes(dtype, cols);
+    auto table = random_bytes((size_t)rb * vocab);
+    std::vector<int> ids = {vocab - 1, 0, 7 % vocab, 3 % vocab, vocab - 1};
+    int n = (int)ids.size();
+    std::vector<float> got((size_t)n * cols, NAN), want(got.size());
+    host_launch({(unsigned)n, 1, 1}, 256, [&] { embed_rows(table.data(), dtype, cols, ids.data(), got.data()); });
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < cols; c++) want[(size_t)t * cols + c] = load_elem(table.data() + rb * ids[t], dtype, c);
+    char what[96];
+    std::snprintf(what, sizeof what, "embed_rows dtype %d, %d tokens of %d", dtype, n, cols);
+    bool ok = same(what, got.data(), want.data(), got.size() * 4);
+
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::vector<float> x((size_t)n * cols);
+    for (auto& v : x) v = u(rng);
+    std::vector<float> added = x;
+    host_launch({(unsigned)n, 1, 1}, 256, [&] { add_table_rows(added.data(), table.data(), dtype, cols, first_row); });
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < cols; c++)
+            x[(size_t)t * cols + c] += load_elem(table.data() + rb * (first_row + t), dtype, c);
+    std::snprintf(what, sizeof what, "add_table_rows dtype %d, %d tokens from row %d", dtype, n, first_row);
+    return same(what, added.data(), x.data(), x.size() * 4) && ok;
+}
+
+// `n` rows of `row_bytes` bytes into slots `rows` of a pool of `slots` rows.
+static bool scatter(long long rb, int n, int slots) {
+    auto src = random_bytes((size_t)rb * n);
+    auto pool = random_bytes((size_t)rb * slots);
+    std::vector<unsigned> rows;
+    for (int i = 0; i < n; i++) rows.push_back((unsigned)((i * 7 + 3) % slots));
+    auto want = pool;
+    for (int i = 0; i < n; i++) std::memcpy(&want[rows[i] * rb], &src[i * rb], rb);
+    host_launch({(unsigned)n, 1, 1}, 256, [&] { scatter_rows(src.data(), rb, rows.data(), pool.data()); });
+    char what[96];
+    std::snprintf(what, sizeof what, "scatter_rows %d rows of %lld bytes into %d slots", n, rb, slots);
+    return same(what, pool.data(), want.data(), pool.size());
+}
+
+int main() {
+    bool ok = true;
+    // Each block format; a tile from row 0 and one from further in, 8 values a thread, the last
+    // block of threads partly past the tile.
+    for (int dtype : {DT_Q8_0, DT_Q4_0, DT_Q4_1, DT_Q5_0, DT_Q5_1}) {
+        ok &= dequant(dtype, 9, 576, 0, 9);
+        ok &= dequant(dtype, 40, 96, 13, 27);
+    }
+    for (int dtype : {DT_Q2_K, DT_Q3_K, DT_Q4_K, DT_Q5_K, DT_Q6_K}) {
+        ok &= dequant(dtype, 6, 512, 0, 6);
+        ok &= dequant(dtype, 20, 256, 7, 11);
+    }
+    for (int dtype : {DT_F32, DT_F16, DT_BF16, DT_Q8_0, DT_Q4_1, DT_Q6_K}) ok &= table_rows(dtype, 11, 768, 4);
+    ok &= table_rows(DT_F16, 9, 300, 2);  // more values than threads, not a multiple of them
+    ok &= scatter(1152, 5, 12);            // whole words
+    ok &= scatter(1154, 5, 12);            // bytes
+    ok &= scatter(36, 12, 12);             // every slot
+    if (!ok) return 1;
+    std::printf("ops-check: dequant_f16, embed_rows, add_table_rows and scatter_rows equal the reference\n");
+    return 0;
+}
