@@ -51,8 +51,8 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
 "${CXX:-g++}" -std=c++17 -O1 -ffp-contract=off -DKERNEL_HOST_CHECK -I kernels -o "$OUT/bundle_check" \
     kernels/host/bundle_check.cpp
 "$OUT/bundle_check" <"$OUT/bundles.txt"
-# The flash prefill, split decode and simple attention kernels, each block run as host threads (the tensor-core
-# product from the PTX fragment layouts), against a naive attention.
+# The flash prefill, split decode and simple attention kernels, each block run as host threads
+# (the tensor-core product from the PTX fragment layouts), against a naive attention.
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/flash_check" kernels/host/flash_check.cpp
 "$OUT/flash_check"
