@@ -9,12 +9,14 @@
 
 // q: n × q_stride f32 (head h at h·hd); caches: ctx rows of `kv_cols` values in DT (KV head g at
 // values g·hd..), position j at row kv_row(table, j); query t sits at position first_pos + t and
-// sees keys 0..=first_pos + t.
+// sees keys 0..=first_pos + t. With `pos_at` (a recorded step), the first position is read there
+// instead of first_pos.
 // Block: 256 threads.
 template <int DT>
 __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out,
                                int n_heads, int group,
-                               int hd, int q_stride, int kv_cols, int first_pos, float scale) {
+                               int hd, int q_stride, int kv_cols, int first_pos, float scale, const int* pos_at) {
+    if (pos_at) first_pos = *pos_at;
     __shared__ float qs[MAX_HEAD_DIM];
     __shared__ float p[TILE];
     __shared__ float red[32];
@@ -64,9 +66,10 @@ __device__ void attention_impl(const float* q, const u8* kc, const u8* vc, const
 #define ATTENTION(name, DT)                                                                                   \
     extern "C" __global__ void name(const float* q, const u8* kc, const u8* vc, const unsigned* table,       \
                                     float* out, int n_heads, int group, int hd, int q_stride, int kv_cols,    \
-                                    int first_pos, float scale) {                                             \
+                                    int first_pos, float scale, const int* pos_at) {                          \
         grid_dependency();                                                                                    \
-        attention_impl<DT>(q, kc, vc, table, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale);   \
+        attention_impl<DT>(q, kc, vc, table, out, n_heads, group, hd, q_stride, kv_cols, first_pos, scale,    \
+                           pos_at);                                                                           \
     }
 
 ATTENTION(attention_f32, DT_F32)

@@ -1491,6 +1491,43 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
     }
 }
 
+/// Heads only the simple attention kernel takes (stories260K's are 8 wide) are recorded too: it
+/// reads a replay's position from device memory as the split kernel does. Recorded logits equal
+/// launched ones bit for bit over 24 greedy steps, f32 and Q8_0 caches (prompt, plain, recorded,
+/// replays).
+#[test]
+fn recorded_decode_through_the_simple_attention_kernel() {
+    if gpu().is_none() {
+        return;
+    }
+    let m = Model::load(&common::stories260k()).unwrap();
+    let prompt = [1u32, 403, 407, 261, 378];
+    let steps = 24;
+    for kv in [KvType::F32, KvType::Q8_0] {
+        let run = |record: bool| {
+            let e = Engine::new(gpu().unwrap(), m.spec.clone(), &m.weights)
+                .unwrap()
+                .with_kv_type(kv)
+                .unwrap()
+                .with_recorded_steps(record);
+            let mut s = e.new_session(64).unwrap();
+            let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
+            for _ in 0..steps {
+                let t = common::greedy(out.last().unwrap());
+                out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+            }
+            (out, e.recorded_steps())
+        };
+        let (want, _) = run(false);
+        let (got, counts) = run(true);
+        assert_eq!(counts, (1, steps as u64 - 2), "{kv:?} cache");
+        assert!(
+            want == got,
+            "{kv:?} cache: recorded logits differ from launched ones"
+        );
+    }
+}
+
 /// `--programmatic-launch`: every kernel launched with programmatic stream serialization (its
 /// blocks scheduled while the kernel before it finishes, waiting for that grid's results)
 /// answers exactly as plain launches do: a 40-token prompt (tensor-core attention, GEMMs through

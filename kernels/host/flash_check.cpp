@@ -11,7 +11,8 @@
 // launch's bit for bit, and the device's chunk plan the host's (split_chunks) at every position.
 // The simple kernel of kernels/attention.cu (one block per query row and head: the heads the
 // other two do not take, and prompts over f32 or Q8_0 caches) is held to the same naive
-// attention, every cache type, paged and not, over more keys than one of its tiles.
+// attention, every cache type, paged and not, over more keys than one of its tiles, and launched
+// as a recorded step launches it (position in device memory) to the same bits.
 // Errors are max |got - want| / max |want|. scripts/check-kernels.sh builds and runs this.
 #include <algorithm>
 #include <cstdio>
@@ -181,21 +182,30 @@ static SplitInputs split_inputs(std::mt19937& rng, const Case& c, bool page) {
     return in;
 }
 
-// The simple kernel: a block of 256 threads per (query row, head).
+// The simple kernel: a block of 256 threads per (query row, head); launched as planned, and as a
+// recorded step launches it (the position read from memory, a stale one passed): bit for bit.
 template <int DT>
 static bool simple(std::mt19937& rng, const Case& c, bool page) {
     SplitInputs in = split_inputs<DT>(rng, c, page);
-    std::vector<float> out(in.q.size(), NAN);
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads, q_stride = c.heads * c.hd;
-    host_launch({(unsigned)(c.n * c.heads), 1, 1}, 256, [&] {
-        attention_impl<DT>(in.q.data(), in.k, in.v, in.t, out.data(), c.heads, g, c.hd, q_stride, in.kv_cols,
-                           c.first_pos, scale);
-    });
+    auto run = [&](int pos_arg, const int* pos_at) {
+        std::vector<float> out(in.q.size(), NAN);
+        host_launch({(unsigned)(c.n * c.heads), 1, 1}, 256, [&] {
+            attention_impl<DT>(in.q.data(), in.k, in.v, in.t, out.data(), c.heads, g, c.hd, q_stride, in.kv_cols,
+                               pos_arg, scale, pos_at);
+        });
+        return out;
+    };
+    auto out = run(c.first_pos, nullptr);
+    int pos = c.first_pos;
+    auto replayed = run(c.first_pos / 2, &pos);
+    bool same = std::memcmp(out.data(), replayed.data(), out.size() * 4) == 0;
     double e = rel(out, naive<DT>(in.q, in.kc.data(), in.vc.data(), c));
-    bool ok = e <= 1e-4;
-    std::printf("flash-check: simple dtype %d n %d from %d heads %d/%d hd %d%s: %.2e%s\n", DT, c.n, c.first_pos,
-                c.heads, c.kv_heads, c.hd, page ? " paged" : "", e, ok ? "" : "  FAILED");
+    bool ok = e <= 1e-4 && same;
+    std::printf("flash-check: simple dtype %d n %d from %d heads %d/%d hd %d%s: %.2e, recorded %s%s\n", DT, c.n,
+                c.first_pos, c.heads, c.kv_heads, c.hd, page ? " paged" : "", e, same ? "bit-identical" : "DIFFERENT",
+                ok ? "" : "  FAILED");
     return ok;
 }
 

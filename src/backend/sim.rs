@@ -940,7 +940,7 @@ impl Backend for SimBackend {
         ];
         self.sign("attention", &args)?;
         if self.steps()?.signing.is_some() {
-            super::cuda::recordable_attention(q.t.rows, shape.n_heads, shape.head_dim)?;
+            super::cuda::recordable_attention(q.t.rows)?;
         }
         let first_pos = self.position(first_pos)?;
         self.cpu.attention(

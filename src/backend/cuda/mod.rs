@@ -162,18 +162,19 @@ pub fn step_position_word(first_pos: usize) -> Result<i32> {
     })
 }
 
-/// Whether the attention of `rows` query rows with heads of `head_dim` can be recorded, else
-/// why not: only the split kernels read their position from device memory. The budgeted device
-/// refuses what this refuses.
-pub fn recordable_attention(rows: usize, n_heads: usize, head_dim: usize) -> Result<()> {
-    if (1..=SPLIT_ROWS).contains(&rows) && splits_keys(n_heads, head_dim) {
+/// Whether the attention of `rows` query rows can be recorded, else why not: the split and the
+/// simple kernels, which take up to [`SPLIT_ROWS`] rows, read their position from device memory;
+/// the flash kernel (prompts) takes it as an argument. The budgeted device refuses what this
+/// refuses.
+pub fn recordable_attention(rows: usize) -> Result<()> {
+    if (1..=SPLIT_ROWS).contains(&rows) {
         return Ok(());
     }
     Err(shape_err(
         "attention",
         format!(
-            "{rows} rows with {n_heads} heads of {head_dim}: CUDA's kernels for them take their \
-             position as an argument, so this step cannot be recorded"
+            "{rows} rows: CUDA's kernels for more than {SPLIT_ROWS} take their position as an \
+             argument, so this step cannot be recorded"
         ),
     ))
 }
@@ -2785,7 +2786,7 @@ impl Backend for CudaBackend {
         let keys = first_pos + n;
         let at = self.position_at()?;
         if at != 0 {
-            recordable_attention(n, s.n_heads, s.head_dim)?;
+            recordable_attention(n)?;
         }
         if n <= SPLIT_ROWS && splits_keys(s.n_heads, s.head_dim) {
             // Few rows (decode): the keys in chunks across blocks, partials in the workspace,
@@ -2885,6 +2886,7 @@ impl Backend for CudaBackend {
             kvs,
             fp,
             s.scale,
+            at,
         )?;
         Ok(())
     }
