@@ -420,6 +420,9 @@ prefill() {
     for n in 512 2048 4000; do
         record "prefill_7b_full_gpu_$n" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens "$n" -n 2 --reps 2 --json 2>>"$LOG")"
     done
+    # The prompt in one step (the default where the device holds it) beside steps of 512 rows
+    # (before 4000-row steps): what the larger GEMMs and fewer launches give.
+    record prefill_7b_full_gpu_4000_steps_512 "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens 4000 -n 2 --reps 2 --prefill-step 512 --json 2>>"$LOG")"
     # One load for every length: "prefill" holds each one's TTFT (the best of two).
     record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"

@@ -291,11 +291,73 @@ fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
 #[test]
 fn bad_layouts_are_refused() {
     let model = gpu_offload::model::Model::load(&common::stories260k()).unwrap();
-    for group in [0, gpu_offload::engine::MAX_BATCH + 1] {
+    for group in [0, gpu_offload::plan::MAX_GROUP + 1] {
         let e = common::cpu_engine(&model, KvType::F32).with_prefill(PrefillLayout {
             group,
             ..PrefillLayout::default()
         });
         assert!(e.is_err(), "group {group} accepted");
     }
+}
+
+#[test]
+fn steps_longer_than_max_batch_give_the_logits_of_max_batch_steps() {
+    // A whole-GPU engine takes a long prompt in one step of up to MAX_GROUP rows where the
+    // device holds it (engine::whole_device_group): every row's logits, the decode after it and
+    // the cache equal those of steps of MAX_BATCH rows (here partitioned) within rounding.
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    let spec = SynthSpec {
+        max_context: 2048,
+        vocab_size: 300,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    synthesize_gguf(&spec, &path, false, None, &mut |_, _| {}).unwrap();
+    let model = gpu_offload::model::Model::load(&path).unwrap();
+    let prompt = gpu_offload::engine::MAX_BATCH * 2 + 300;
+    let toks: Vec<u32> = (0..prompt + DECODE)
+        .map(|i| ((i * 7919 + 13) % (model.spec.vocab_size - 4) + 3) as u32)
+        .collect();
+    let run = |group: usize| {
+        let e = common::cpu_engine(&model, KvType::F32)
+            .with_prefill(PrefillLayout {
+                group,
+                ..PrefillLayout::default()
+            })
+            .unwrap();
+        let mut s = e.new_session(prompt + DECODE).unwrap();
+        let mut out = vec![e.forward(&mut s, &toks[..prompt], Logits::All).unwrap()];
+        for &t in &toks[prompt..] {
+            out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+        }
+        (out, e.read_kv(&mut s, 0, prompt + DECODE).unwrap())
+    };
+    let (want, want_kv) = run(gpu_offload::engine::MAX_BATCH);
+    assert_eq!(want[0].len(), prompt * model.spec.vocab_size);
+    for group in [prompt, gpu_offload::engine::MAX_BATCH + 1] {
+        let (got, kv) = run(group);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            close(g, w, &format!("group {group}: call {i}"));
+        }
+        close(&kv, &want_kv, &format!("group {group}: KV"));
+    }
+}
+
+#[test]
+fn a_whole_device_takes_the_longest_call_in_the_largest_step_that_fits() {
+    use gpu_offload::engine::{MAX_BATCH, whole_device_group};
+    use gpu_offload::plan::MAX_GROUP;
+    let kib = |g: usize| g as u64 * 1024;
+    let any = MAX_GROUP;
+    // The call itself, capped at MAX_GROUP and at the step asked for.
+    assert_eq!(whole_device_group(4000, any, kib(4000), kib), 4000);
+    assert_eq!(whole_device_group(100_000, any, u64::MAX, kib), MAX_GROUP);
+    assert_eq!(whole_device_group(4000, 3000, u64::MAX, kib), 3000);
+    // Halved until it fits; never below MAX_BATCH, which a short call keeps too, unless a
+    // smaller step is asked for.
+    assert_eq!(whole_device_group(4000, any, kib(2500), kib), 2000);
+    assert_eq!(whole_device_group(4000, any, kib(10), kib), MAX_BATCH);
+    assert_eq!(whole_device_group(300, any, u64::MAX, kib), MAX_BATCH);
+    assert_eq!(whole_device_group(4000, 100, u64::MAX, kib), 100);
 }

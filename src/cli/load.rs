@@ -202,12 +202,58 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         kv_pool: job.kv_pool,
         kv_type: kv_type_for(args, device),
         probe: job.probe,
-        batch: job.batch.clamp(1, crate::engine::MAX_BATCH),
+        batch: job
+            .batch
+            .clamp(1, crate::engine::MAX_BATCH)
+            .min(args.budget.max_step()),
         prompt: job.prompt.max(1),
         logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
+        max_step: args.budget.max_step(),
         cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
         hot_reserve: None,
     }
+}
+
+/// A whole-GPU engine (weights loaded, a KV pool allocated where the job asks for one) with
+/// prefill steps as large as the device's free memory holds beside the sessions' KV caches and
+/// a margin for the driver and cuBLAS ([`crate::engine::whole_device_group`]).
+fn whole_gpu_prefill(
+    e: Engine<CudaBackend>,
+    job: &Job,
+    max_step: usize,
+) -> Result<Engine<CudaBackend>> {
+    let info = e.backend().info()?;
+    let kv = match job.kv_pool {
+        Some(_) => 0,
+        None => {
+            job.sessions.max(1) as u64 * crate::engine::kv_bytes(e.spec(), job.ctx, e.kv_type())
+        }
+    };
+    let margin = (256u64 << 20).max(info.total_bytes / 32);
+    let room = info.free_bytes.saturating_sub(kv + margin);
+    let logit_rows = job.logit_rows.max(1);
+    let mut failed = None;
+    let group = crate::engine::whole_device_group(job.prompt, max_step, room, |g| {
+        e.step_memory(g, logit_rows.min(g)).map_or_else(
+            |err| {
+                failed = Some(err);
+                u64::MAX
+            },
+            |m| m.total(),
+        )
+    });
+    if let Some(err) = failed {
+        return Err(err.into());
+    }
+    tracing::info!(
+        "prefill steps of up to {group} rows ({} MiB free on the device, {} MiB for KV caches)",
+        info.free_bytes >> 20,
+        kv >> 20
+    );
+    Ok(e.with_prefill(crate::engine::PrefillLayout {
+        group,
+        ..Default::default()
+    })?)
 }
 
 /// `e` with the job's KV pool, if it asks for one and the plan keeps KV on the device.
@@ -415,6 +461,7 @@ impl LoadedModel {
                 let e = pooled(e, &job, None)?
                     .with_logit_rows(job.logit_rows)
                     .with_recorded_steps(args.cuda_graphs);
+                let e = whole_gpu_prefill(e, &job, args.budget.max_step())?;
                 (
                     AnyEngine::Cuda(e),
                     Some(ledger),
@@ -425,10 +472,16 @@ impl LoadedModel {
             }
             (Weights::Dense(w), _) => {
                 let cpu = CpuBackend::with_kernels(threads, kernels)?;
-                let e = Engine::new(cpu, self.spec.clone(), w)?
+                let mut e = Engine::new(cpu, self.spec.clone(), w)?
                     .with_kv_type(kv_type)?
                     .with_sparsity(thresholds.clone())?
                     .with_predictor(predictor.clone());
+                if let Some(rows) = args.budget.prefill_step {
+                    e = e.with_prefill(crate::engine::PrefillLayout {
+                        group: rows as usize,
+                        ..Default::default()
+                    })?;
+                }
                 let e = pooled(e, &job, None)?
                     .with_logit_rows(job.logit_rows)
                     .with_recorded_steps(args.cuda_graphs);

@@ -42,6 +42,12 @@ pub struct BudgetArgs {
     #[arg(long, env = "GPU_OFFLOAD_NEURON_PRECISION", default_value = "auto")]
     pub neuron_precision: crate::tier::precision::NeuronPrecision,
 
+    /// Most rows one prefill step takes. By default as many as the device holds beside every
+    /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches), else 512; a long prompt
+    /// runs in steps of this many rows, each layer's weights once per prompt.
+    #[arg(long, env = "GPU_OFFLOAD_PREFILL_STEP", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub prefill_step: Option<u32>,
+
     /// Layers streamed ahead of compute.
     #[arg(long, env = "GPU_OFFLOAD_PREFETCH_WINDOW", default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub prefetch_window: u16,
@@ -58,6 +64,12 @@ pub struct BudgetArgs {
 }
 
 impl BudgetArgs {
+    /// Most rows a prefill step takes (`--prefill-step`, else [`crate::plan::MAX_GROUP`]).
+    pub fn max_step(&self) -> usize {
+        self.prefill_step
+            .map_or(crate::plan::MAX_GROUP, |s| s as usize)
+    }
+
     /// The neuron precisions cache units may run at for `store` (`--neuron-precision`): the
     /// one given, or a saved search's good ones (all-f16 without a search, or where the search
     /// was made at another sparsity than `target`).
@@ -244,6 +256,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         anyhow::bail!("--prompt-tokens {p} does not fit --ctx-size {ctx}");
     }
     let batch = a.batch.clamp(1, crate::engine::MAX_BATCH);
+    let batch = a
+        .budget
+        .prefill_step
+        .map_or(batch, |s| batch.min(s as usize));
     let budget = Budget {
         kv_type: a
             .kv_type
@@ -259,6 +275,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let sessions = a.parallel as usize;
     let budget = Budget {
         prompt: prompt.unwrap_or(batch),
+        max_step: a.budget.max_step(),
         sessions,
         logit_rows: sessions,
         kv_pool: a

@@ -120,6 +120,28 @@ impl PrefillLayout {
     }
 }
 
+/// The prefill step of an engine that has its device to itself (no plan: a whole-GPU run): the
+/// longest call (`prompt` tokens) in one step, up to `cap` and [`crate::plan::MAX_GROUP`] rows,
+/// halved until the step's device memory (`step(rows)`) fits in `room`; [`MAX_BATCH`] (or
+/// `cap`, if smaller) where none larger does. Larger steps are larger GEMMs (tensor cores fill
+/// with more rows) and fewer launches.
+pub fn whole_device_group(
+    prompt: usize,
+    cap: usize,
+    room: u64,
+    mut step: impl FnMut(usize) -> u64,
+) -> usize {
+    let cap = cap.clamp(1, crate::plan::MAX_GROUP);
+    let mut g = prompt.min(cap);
+    while g > MAX_BATCH {
+        if step(g) <= room {
+            return g;
+        }
+        g /= 2;
+    }
+    MAX_BATCH.min(cap)
+}
+
 /// Told when a layer has run over a group of rows (`first..first + rows` of the call), while
 /// every buffer of that step is still held: what the budgeted device's per-step peak is
 /// measured by.
@@ -902,9 +924,10 @@ impl<B: Backend> Engine<B> {
                 "a KV pool on the device and KV kept in host memory exclude each other".into(),
             ));
         }
-        if layout.group == 0 || layout.group > MAX_BATCH {
+        let most = crate::plan::MAX_GROUP;
+        if layout.group == 0 || layout.group > most {
             return Err(EngineError::Weights(format!(
-                "a prefill group of {} tokens (1..={MAX_BATCH})",
+                "a prefill group of {} tokens (1..={most})",
                 layout.group
             )));
         }
@@ -920,9 +943,8 @@ impl<B: Backend> Engine<B> {
     /// backend records steps (CUDA: a graph, launched in one call instead of one launch per
     /// kernel; the budgeted device runs the ops and checks each replay against the recording).
     /// Steps that hold anything but kernels run as before: streamed or CPU-side weights,
-    /// host-kept KV, activation taps, predicted masks, and attention the backend cannot record
-    /// (CUDA: heads narrower than 32). A session's density probe takes its query from a fixed
-    /// row the recording writes.
+    /// host-kept KV, activation taps and predicted masks. A session's density probe takes its
+    /// query from a fixed row the recording writes.
     pub fn with_recorded_steps(mut self, on: bool) -> Self {
         self.record_steps = on;
         self

@@ -78,6 +78,9 @@ pub struct Budget {
     pub prompt: usize,
     /// Logit rows one step returns at most.
     pub logit_rows: usize,
+    /// Most rows a prefill step may grow to where every layer stays on the device beside it
+    /// (`--prefill-step`; at most [`MAX_GROUP`]).
+    pub max_step: usize,
     /// Whether the planner may have the CPU compute some of the FFN neurons that do not fit
     /// (bundled FFNs): the CPU+PCIe split (`--cold split`).
     pub cpu_split: bool,
@@ -107,6 +110,7 @@ impl Budget {
             batch,
             prompt: batch,
             logit_rows: 1,
+            max_step: MAX_GROUP,
             cpu_split: false,
             hot_reserve: None,
         }
@@ -562,6 +566,10 @@ fn slot_device_bytes(shape: &LayerShape, r: &Residency) -> u64 {
         .sum()
 }
 
+/// Most rows one prefill step takes: only where every layer stays on the device beside the
+/// larger step's buffers (else the budget's step, at most [`crate::engine::MAX_BATCH`]).
+pub const MAX_GROUP: usize = 4096;
+
 /// Groups at least this long make a partitioned prefill's products efficient enough that the
 /// planner takes a smaller group before it moves the hidden states or the KV cache to the host.
 pub const GOOD_GROUP: usize = 64;
@@ -641,6 +649,7 @@ fn prefill_layout(
         };
         let held = fixed + kv + step.total() + res;
         let fits = held + all_layers <= usable || held + weights_min <= usable;
+        let beside_all_layers = held + all_layers <= usable;
         let l = PrefillLayout {
             group,
             residual_rows: if partitioned && residual_on_device {
@@ -653,9 +662,37 @@ fn prefill_layout(
             cpu_attention: false,
             joins,
         };
-        (fits, (l, kv, step, res))
+        (fits, beside_all_layers, (l, kv, step, res))
     };
     let whole = budget.batch.min(prompt).max(1);
+    // Every layer on the device with room for larger steps as well (a whole-GPU run): a call
+    // longer than the budget's step runs in steps of up to MAX_GROUP rows, the largest that
+    // still leaves every layer resident. Larger GEMMs fill the tensor cores better (a 512-row
+    // product of a 4096-wide weight is ~1 wave of 128×128 tiles on an H100's 114 SMs) and a
+    // call takes fewer launches; nothing the model runs with gives way for it.
+    let grown = prompt.min(budget.max_step.min(MAX_GROUP));
+    if grown > whole && !budget.cpu_split && budget.hot_reserve.is_none() {
+        let all = |g: usize| layout(false, true, g);
+        let largest = if all(grown).1 {
+            Some(grown)
+        } else if all(whole + 1).1 {
+            let (mut lo, mut hi) = (whole + 1, grown - 1);
+            while lo < hi {
+                let mid = (lo + hi).div_ceil(2);
+                if all(mid).1 {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            Some(lo)
+        } else {
+            None
+        };
+        if let Some(g) = largest {
+            return Ok(all(g).2);
+        }
+    }
     let mut best: Option<(PrefillLayout, u64, StepMemory, u64)> = None;
     for (kv_host, residual_on_device) in
         [(false, true), (false, false), (true, true), (true, false)]
@@ -665,8 +702,8 @@ fn prefill_layout(
         let mut found = [budget.batch.max(1), whole]
             .into_iter()
             .map(|g| layout(kv_host, residual_on_device, g))
-            .find(|(fits, _)| *fits)
-            .map(|(_, c)| c);
+            .find(|(fits, _, _)| *fits)
+            .map(|(_, _, c)| c);
         if found.is_none() && whole > 1 && layout(kv_host, residual_on_device, 1).0 {
             let (mut lo, mut hi) = (1, whole - 1);
             while lo < hi {
@@ -677,7 +714,7 @@ fn prefill_layout(
                     hi = mid - 1;
                 }
             }
-            found = Some(layout(kv_host, residual_on_device, lo).1);
+            found = Some(layout(kv_host, residual_on_device, lo).2);
         }
         let Some(c) = found else { continue };
         if c.0.group >= whole.min(GOOD_GROUP) {
@@ -688,7 +725,7 @@ fn prefill_layout(
         }
     }
     // Nothing fits: the least the model runs with, whose shortfall the caller reports.
-    Ok(best.unwrap_or_else(|| layout(true, false, 1).1))
+    Ok(best.unwrap_or_else(|| layout(true, false, 1).2))
 }
 
 /// Page-aligned extent of reading `rows` of a segment: what an SSD read of them costs.
