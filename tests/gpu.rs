@@ -39,6 +39,15 @@ fn gpu() -> Option<CudaBackend> {
     Some(CudaBackend::new(0, Ledger::new(None, None)).expect("CUDA backend"))
 }
 
+/// An engine on `g` over `m`'s weights with a `kv` cache, its decode steps recorded or not.
+fn gpu_engine(g: CudaBackend, m: &Model, kv: KvType, record: bool) -> Engine<CudaBackend> {
+    Engine::new(g, m.spec.clone(), &m.weights)
+        .unwrap()
+        .with_kv_type(kv)
+        .unwrap()
+        .with_recorded_steps(record)
+}
+
 fn cpu() -> CpuBackend {
     CpuBackend::new(2).unwrap()
 }
@@ -1439,11 +1448,7 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
             for pool in [false, true] {
                 let what = format!("{weights} weights, {kv:?} cache, pooled {pool}");
                 let run = |record: bool| {
-                    let e = Engine::new(gpu().unwrap(), m.spec.clone(), &m.weights)
-                        .unwrap()
-                        .with_kv_type(kv)
-                        .unwrap()
-                        .with_recorded_steps(record);
+                    let e = gpu_engine(gpu().unwrap(), &m, kv, record);
                     let e = if pool { e.with_kv_pool(8).unwrap() } else { e };
                     let mut s = e.new_session(64).unwrap();
                     let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
@@ -1505,11 +1510,7 @@ fn recorded_decode_through_the_simple_attention_kernel() {
     let steps = 24;
     for kv in [KvType::F32, KvType::Q8_0] {
         let run = |record: bool| {
-            let e = Engine::new(gpu().unwrap(), m.spec.clone(), &m.weights)
-                .unwrap()
-                .with_kv_type(kv)
-                .unwrap()
-                .with_recorded_steps(record);
+            let e = gpu_engine(gpu().unwrap(), &m, kv, record);
             let mut s = e.new_session(64).unwrap();
             let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
             for _ in 0..steps {
@@ -1554,11 +1555,7 @@ fn programmatic_launch_equals_plain_launch() {
             let run = |programmatic: bool| {
                 let g = gpu().unwrap();
                 g.set_programmatic_launch(programmatic).unwrap();
-                let e = Engine::new(g, m.spec.clone(), &m.weights)
-                    .unwrap()
-                    .with_kv_type(KvType::F16)
-                    .unwrap()
-                    .with_recorded_steps(record);
+                let e = gpu_engine(g, &m, KvType::F16, record);
                 let mut s = e.new_session(96).unwrap();
                 let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
                 let t0 = std::time::Instant::now();
