@@ -416,6 +416,9 @@ prefill() {
     # One model for every run here (a second 7B copy and its store would crowd the 64 GB disk).
     synth7b_long
     local m="$WORK/m7b-32k" n
+    say "a prompt in one large step equals steps of 512 (parity first: the figures after it count only if it passes)"
+    timeout 120 .gpu/gpu-tests --test-threads 1 --nocapture prefill_in_one_large_step 2>&1 | tee -a "$LOG"
+    record prefill_step_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
     for n in 512 2048 4000; do
         record "prefill_7b_full_gpu_$n" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens "$n" -n 2 --reps 2 --json 2>>"$LOG")"

@@ -17,7 +17,9 @@ use gpu_offload::backend::{
     Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, Rope, RopePairs,
     WorkspaceOp,
 };
-use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
+use gpu_offload::engine::{
+    Engine, GenerateParams, Logits, MAX_BATCH, PrefillLayout, SamplerParams, generate,
+};
 use gpu_offload::model::Model;
 use gpu_offload::store::Encoding;
 use gpu_offload::tensor::{Bytes, DType, HostTensor};
@@ -1526,6 +1528,66 @@ fn recorded_decode_through_the_simple_attention_kernel() {
             want == got,
             "{kv:?} cache: recorded logits differ from launched ones"
         );
+    }
+}
+
+/// A whole-GPU engine takes a long prompt in one step where the device holds it (the CLI's
+/// `whole_gpu_prefill`): 1300 rows through cuBLAS and the tensor-core attention at once give
+/// what steps of MAX_BATCH rows give (partitioned, layer by layer), f16 weights and Q4_1 (f16
+/// tiles), within the GEMMs' rounding (their algorithms may differ with the row count); the
+/// decode after it too.
+#[test]
+fn prefill_in_one_large_step_equals_steps_of_max_batch() {
+    if gpu().is_none() {
+        return;
+    }
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SynthSpec {
+        n_layers: 4,
+        d_model: 256,
+        d_ff: 704,
+        n_heads: 4,
+        n_kv_heads: 2,
+        vocab_size: 512,
+        max_context: 2048,
+        ..SynthSpec::preset("tiny").unwrap()
+    };
+    for (name, quant) in [
+        ("f16", None),
+        (
+            "q4_1",
+            Some(gpu_offload::model::quant_mix::QuantMix::Pure(
+                gpu_offload::tensor::DType::Q4_1,
+            )),
+        ),
+    ] {
+        let path = dir.path().join(format!("{name}.gguf"));
+        synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
+        let m = Model::load(&path).unwrap();
+        let prompt: Vec<u32> = (0..1300).map(|i| (i * 7919 + 13) % 509 + 3).collect();
+        let run = |group: usize| {
+            let e = gpu_engine(gpu().unwrap(), &m, KvType::F16, false)
+                .with_prefill(PrefillLayout {
+                    group,
+                    ..PrefillLayout::default()
+                })
+                .unwrap();
+            let mut s = e.new_session(1400).unwrap();
+            let mut out = vec![e.forward(&mut s, &prompt, Logits::Last).unwrap()];
+            // The same tokens after both (a greedy pick could split at a near tie).
+            for t in [5u32, 77, 300, 12, 9, 401, 3, 250] {
+                out.push(e.forward(&mut s, &[t], Logits::Last).unwrap());
+            }
+            out
+        };
+        let want = run(MAX_BATCH);
+        let got = run(prompt.len());
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let e = rel(g, w);
+            println!("{name}: call {i}: one step against steps of {MAX_BATCH}: {e:.2e}");
+            assert!(e < 1e-3, "{name}: call {i}: relative {e:.2e}");
+        }
     }
 }
 

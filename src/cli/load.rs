@@ -519,7 +519,13 @@ impl LoadedModel {
                     if gpu_mem.is_none() {
                         budget.gpu_mem = u64::MAX / 4;
                     }
-                    cuda.set_programmatic_launch(args.programmatic_launch)?;
+                    // Offloaded steps wait on weight copies between their kernels: launches keep
+                    // their full order there (the step is bound by the copies, not the launches).
+                    if args.programmatic_launch {
+                        tracing::warn!(
+                            "--programmatic-launch: whole-GPU runs only (no --gpu-mem); ignored here"
+                        );
+                    }
                     pace(&|r| cuda.pace_copies(r))?;
                     let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
                     let OffloadSource {

@@ -135,8 +135,9 @@ pub struct ModelArgs {
 
     /// Launch each CUDA kernel with programmatic stream serialization (programmatic dependent
     /// launch): its blocks are scheduled while the kernel before it finishes and wait for its
-    /// results, so launches overlap (recorded steps too). Compute capability 9.0 (Hopper) and
-    /// kernels built for it (`CUDA_COMPUTE_CAP=90` at build time, or NVRTC); refused elsewhere.
+    /// results, so launches overlap (recorded steps too). Whole-GPU runs (no --gpu-mem) on
+    /// compute capability 9.0 (Hopper) with kernels built for it (`CUDA_COMPUTE_CAP=90` at build
+    /// time, or NVRTC); refused elsewhere.
     #[arg(long, env = "GPU_OFFLOAD_PROGRAMMATIC_LAUNCH")]
     pub programmatic_launch: bool,
 }
