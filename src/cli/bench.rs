@@ -738,8 +738,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
     });
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
+    // Rows the prompt's steps took (a longer prompt runs layer by layer in groups of this many).
+    let prefill_step = with_engine!(&running.engine, e => e.prefill().group);
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
+        "prefill_step_rows": prefill_step.min(a.prompt_tokens),
         "cuda_graphs": {"on": a.model.cuda_graphs, "recorded": recorded, "replayed": replayed},
         "programmatic_launch": a.model.programmatic_launch,
         "device_ops_per_decode_step": m.device_ops_per_decode_step,
@@ -755,10 +758,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
         println!("{out}");
     } else {
         println!(
-            "{} on {device}: TTFT {:.1} ms ({} prompt tokens, {:.0} tok/s), decode {:.2} tok/s = {:.0}% of the {} bound {:.2} tok/s ({}){}",
+            "{} on {device}: TTFT {:.1} ms ({} prompt tokens in steps of {}, {:.0} tok/s), decode {:.2} tok/s = {:.0}% of the {} bound {:.2} tok/s ({}){}",
             spec.name,
             m.ttft_s * 1e3,
             a.prompt_tokens,
+            prefill_step.min(a.prompt_tokens),
             m.prefill_tokens_per_s,
             m.decode_tokens_per_s,
             100.0 * m.decode_tokens_per_s / bound.tokens_per_s,
