@@ -596,6 +596,8 @@ pub fn step_device_memory(
 /// cache live, as the first of these that leaves room for the least the model runs with
 /// (`weights_min`: one streaming slot; or every layer resident, `all_layers`) beside
 /// `fixed` (small fragments, output matrix):
+/// 0. everything on the device, every layer resident beside a step larger than the budget's
+///    (up to `max_step` and [`MAX_GROUP`] rows): the largest such step;
 /// 1. everything on the device, the step as large as the budget asks;
 /// 2. hidden states in host memory;
 /// 3. the KV cache in host memory, hidden states on the device;
