@@ -43,8 +43,9 @@ pub struct BudgetArgs {
     pub neuron_precision: crate::tier::precision::NeuronPrecision,
 
     /// Most rows one prefill step takes. By default as many as the device holds beside every
-    /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches), else 512; a long prompt
-    /// runs in steps of this many rows, each layer's weights once per prompt.
+    /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches; the CPU: as many as 1 GiB
+    /// of step buffers holds), else 512; a long prompt runs in steps of this many rows, each
+    /// layer's weights once per prompt.
     #[arg(long, env = "GPU_OFFLOAD_PREFILL_STEP", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub prefill_step: Option<u32>,
 

@@ -120,8 +120,8 @@ impl PrefillLayout {
     }
 }
 
-/// The prefill step of an engine that has its device to itself (no plan: a whole-GPU run): the
-/// longest call (`prompt` tokens) in one step, up to `cap` and [`crate::plan::MAX_GROUP`] rows,
+/// The prefill step of an engine that holds its whole model (no plan: a whole-GPU or CPU run):
+/// the longest call (`prompt` tokens) in one step, up to `cap` and [`crate::plan::MAX_GROUP`] rows,
 /// halved until the step's device memory (`step(rows)`) fits in `room`; [`MAX_BATCH`] (or
 /// `cap`, if smaller) where none larger does. Larger steps are larger GEMMs (tensor cores fill
 /// with more rows) and fewer launches.
