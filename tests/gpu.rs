@@ -1541,30 +1541,8 @@ fn prefill_in_one_large_step_equals_steps_of_max_batch() {
     if gpu().is_none() {
         return;
     }
-    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
     let dir = tempfile::tempdir().unwrap();
-    let spec = SynthSpec {
-        n_layers: 4,
-        d_model: 256,
-        d_ff: 704,
-        n_heads: 4,
-        n_kv_heads: 2,
-        vocab_size: 512,
-        max_context: 2048,
-        ..SynthSpec::preset("tiny").unwrap()
-    };
-    for (name, quant) in [
-        ("f16", None),
-        (
-            "q4_1",
-            Some(gpu_offload::model::quant_mix::QuantMix::Pure(
-                gpu_offload::tensor::DType::Q4_1,
-            )),
-        ),
-    ] {
-        let path = dir.path().join(format!("{name}.gguf"));
-        synthesize_gguf(&spec, &path, false, quant, &mut |_, _| {}).unwrap();
-        let m = Model::load(&path).unwrap();
+    for (name, m) in common::recordable_models_of(&dir, 2048) {
         let prompt: Vec<u32> = (0..1300).map(|i| (i * 7919 + 13) % 509 + 3).collect();
         let run = |group: usize| {
             let e = gpu_engine(gpu().unwrap(), &m, KvType::F16, false)

@@ -422,6 +422,14 @@ pub fn decode_batched<B: gpu_offload::backend::Backend>(
 pub fn recordable_models(
     dir: &tempfile::TempDir,
 ) -> Vec<(&'static str, gpu_offload::model::Model)> {
+    recordable_models_of(dir, 128)
+}
+
+/// [`recordable_models`] with contexts of `max_context` positions.
+pub fn recordable_models_of(
+    dir: &tempfile::TempDir,
+    max_context: usize,
+) -> Vec<(&'static str, gpu_offload::model::Model)> {
     use gpu_offload::model::quant_mix::QuantMix;
     use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
     use gpu_offload::tensor::DType;
@@ -432,7 +440,7 @@ pub fn recordable_models(
         n_heads: 4,
         n_kv_heads: 2,
         vocab_size: 512,
-        max_context: 128,
+        max_context,
         ..SynthSpec::preset("tiny").unwrap()
     };
     [("f16", None), ("q4_1", Some(QuantMix::Pure(DType::Q4_1)))]
