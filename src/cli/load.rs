@@ -222,27 +222,14 @@ const HOST_STEP_BYTES: u64 = 1 << 30;
 
 /// A whole-model engine (weights loaded, a KV pool allocated where the job asks for one) with
 /// prefill steps as large as `room` bytes hold, up to `max_step` rows
-/// ([`crate::engine::whole_device_group`]).
+/// ([`Engine::whole_model_group`]).
 fn whole_model_prefill<B: Backend>(
     e: Engine<B>,
     job: &Job,
     max_step: usize,
     room: u64,
 ) -> Result<Engine<B>> {
-    let logit_rows = job.logit_rows.max(1);
-    let mut failed = None;
-    let group = crate::engine::whole_device_group(job.prompt, max_step, room, |g| {
-        e.step_memory(g, logit_rows.min(g)).map_or_else(
-            |err| {
-                failed = Some(err);
-                u64::MAX
-            },
-            |m| m.total(),
-        )
-    });
-    if let Some(err) = failed {
-        return Err(err.into());
-    }
+    let group = e.whole_model_group(job.prompt, max_step, room, job.logit_rows.max(1))?;
     tracing::info!(
         "prefill steps of up to {group} rows ({} MiB for a step)",
         room >> 20

@@ -1014,20 +1014,47 @@ impl<B: Backend> Engine<B> {
         self.kv_type
     }
 
-    /// The device memory a step of `n` tokens returning `logit_rows` logit rows holds.
-    pub fn step_memory(&self, n: usize, logit_rows: usize) -> Result<StepMemory> {
+    /// `f` given the device memory a step of `n` tokens returning `logit_rows` logit rows holds,
+    /// as `(n, logit_rows) -> StepMemory` (the weights' shapes read once).
+    fn with_step_memory<R>(
+        &self,
+        f: impl FnOnce(&dyn Fn(usize, usize) -> StepMemory) -> R,
+    ) -> Result<R> {
         let pass = self
             .pass
             .lock()
             .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
-        Ok(step_memory(
-            &self.spec,
-            n,
-            logit_rows,
-            self.prefill.joins,
-            &pass.source.matmuls(),
-            |op| self.backend.workspace_bytes(op),
-        ))
+        let matmuls = pass.source.matmuls();
+        Ok(f(&|n, logit_rows| {
+            step_memory(
+                &self.spec,
+                n,
+                logit_rows,
+                self.prefill.joins,
+                &matmuls,
+                |op| self.backend.workspace_bytes(op),
+            )
+        }))
+    }
+
+    /// The device memory a step of `n` tokens returning `logit_rows` logit rows holds.
+    pub fn step_memory(&self, n: usize, logit_rows: usize) -> Result<StepMemory> {
+        self.with_step_memory(|step| step(n, logit_rows))
+    }
+
+    /// The prefill step [`whole_device_group`] picks for this engine's own step memory: the
+    /// longest call (`prompt` tokens) in one step of at most `cap` rows whose buffers (with
+    /// `logit_rows` rows of logits) fit in `room` bytes.
+    pub fn whole_model_group(
+        &self,
+        prompt: usize,
+        cap: usize,
+        room: u64,
+        logit_rows: usize,
+    ) -> Result<usize> {
+        self.with_step_memory(|step| {
+            whole_device_group(prompt, cap, room, |g| step(g, logit_rows.min(g)).total())
+        })
     }
 
     pub fn spec(&self) -> &ModelSpec {

@@ -673,27 +673,11 @@ fn prefill_layout(
     // product of a 4096-wide weight is ~1 wave of 128×128 tiles on an H100's 114 SMs) and a
     // call takes fewer launches; nothing the model runs with gives way for it.
     let grown = prompt.min(budget.max_step.min(MAX_GROUP));
-    if grown > whole && !budget.cpu_split && budget.hot_reserve.is_none() {
-        let all = |g: usize| layout(false, true, g);
-        let largest = if all(grown).1 {
-            Some(grown)
-        } else if all(whole + 1).1 {
-            let (mut lo, mut hi) = (whole + 1, grown - 1);
-            while lo < hi {
-                let mid = (lo + hi).div_ceil(2);
-                if all(mid).1 {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            Some(lo)
-        } else {
-            None
-        };
-        if let Some(g) = largest {
-            return Ok(all(g).2);
-        }
+    if !budget.cpu_split
+        && budget.hot_reserve.is_none()
+        && let Some(g) = largest_step(whole + 1, grown, |g| layout(false, true, g).1)
+    {
+        return Ok(layout(false, true, g).2);
     }
     let mut best: Option<(PrefillLayout, u64, StepMemory, u64)> = None;
     for (kv_host, residual_on_device) in
@@ -706,17 +690,9 @@ fn prefill_layout(
             .map(|g| layout(kv_host, residual_on_device, g))
             .find(|(fits, _, _)| *fits)
             .map(|(_, _, c)| c);
-        if found.is_none() && whole > 1 && layout(kv_host, residual_on_device, 1).0 {
-            let (mut lo, mut hi) = (1, whole - 1);
-            while lo < hi {
-                let mid = (lo + hi).div_ceil(2);
-                if layout(kv_host, residual_on_device, mid).0 {
-                    lo = mid;
-                } else {
-                    hi = mid - 1;
-                }
-            }
-            found = Some(layout(kv_host, residual_on_device, lo).2);
+        if found.is_none() && whole > 1 {
+            found = largest_step(1, whole - 1, |g| layout(kv_host, residual_on_device, g).0)
+                .map(|g| layout(kv_host, residual_on_device, g).2);
         }
         let Some(c) = found else { continue };
         if c.0.group >= whole.min(GOOD_GROUP) {
@@ -728,6 +704,24 @@ fn prefill_layout(
     }
     // Nothing fits: the least the model runs with, whose shortfall the caller reports.
     Ok(best.unwrap_or_else(|| layout(true, false, 1).2))
+}
+
+/// The largest step of `lo..=hi` rows that `fits` (the bytes grow with the step: bisect), or
+/// none where even `lo` does not.
+fn largest_step(lo: usize, hi: usize, fits: impl Fn(usize) -> bool) -> Option<usize> {
+    if lo > hi || !fits(lo) {
+        return None;
+    }
+    let (mut lo, mut hi) = (lo, hi);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
 }
 
 /// Page-aligned extent of reading `rows` of a segment: what an SSD read of them costs.
