@@ -47,14 +47,50 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 RES="$OUT/results.jsonl"
 B="$PWD/.gpu/gpu-offload"
+GT="$PWD/.gpu/gpu-tests"
+LB="${GPU_CHECK_LLAMA_BENCH:-/tmp/lbuild/bin/llama-bench}"
 WORK="${GPU_CHECK_WORK:-/tmp/gpu-offload-check}"
 mkdir -p "$WORK"
+PY="${PYTHON:-python3}"
+# GPU_CHECK_DRY=1: every step runs with stand-ins that record what they are given (gpu-offload,
+# the GPU tests, python, llama-bench, the NVIDIA tools) under $OUT/dry. tests/gpu.rs
+# (gpu_check_script_calls_only_what_exists) runs each mode so on any machine and holds the
+# record to the CLI, the test names and the scripts: a wrong flag or a test filter that matches
+# nothing shows in CI, not in a device call.
+if [[ -n "${GPU_CHECK_DRY:-}" ]]; then
+    export GPU_CHECK_DRY_DIR="$OUT/dry"
+    mkdir -p "$GPU_CHECK_DRY_DIR/bin" "$GPU_CHECK_DRY_DIR/calls"
+    stand_in() { # name, what it does after recording its arguments
+        printf '#!/usr/bin/env bash\nprintf "%%s\\0" "$@" > "$(mktemp "$GPU_CHECK_DRY_DIR/calls/%s.XXXXXX")"\n%s\n' \
+            "$1" "$2" > "$GPU_CHECK_DRY_DIR/bin/$1"
+        chmod +x "$GPU_CHECK_DRY_DIR/bin/$1"
+    }
+    # What later steps read: the model synth writes, serve's "listening", a JSON value.
+    stand_in gpu-offload 'o=; p=; for a in "$@"; do [[ "$p" == -o ]] && o="$a"; p="$a"; done
+if [[ "$1" == synth && -n "$o" ]]; then
+    if [[ "$o" == *.gguf ]]; then : > "$o"; else mkdir -p "$o" && echo "{}" > "$o/config.json"; fi
+fi
+[[ "$1" == serve ]] && echo listening
+echo 0'
+    stand_in gpu-tests 'echo "test result: ok (dry run)"'
+    # Inline programs are compiled (not run); a script's flags are checked by the test.
+    stand_in python 'case "$1" in
+    -) python3 -c "import ast, sys; ast.parse(sys.stdin.read())" ;;
+    -c) python3 -c "import ast, sys; ast.parse(sys.argv[1])" "$2" ;;
+esac || echo "python: inline program does not compile: $*" >> "$GPU_CHECK_DRY_DIR/errors"
+echo 0'
+    # Its own options, then the program it checks.
+    stand_in compute-sanitizer 'while [[ "$1" == --* ]]; do shift 2; done; exec "$@"'
+    for t in nvidia-smi llama-bench cmake tar; do stand_in "$t" 'true'; done
+    B="$GPU_CHECK_DRY_DIR/bin/gpu-offload" GT="$GPU_CHECK_DRY_DIR/bin/gpu-tests" PY="$GPU_CHECK_DRY_DIR/bin/python"
+    LB="$GPU_CHECK_DRY_DIR/bin/llama-bench"
+    export PATH="$GPU_CHECK_DRY_DIR/bin:$PATH"
+fi
 export GPU_OFFLOAD_REPO="$PWD" GPU_OFFLOAD_SHARED_MODELS="$PWD/.gpu/models" GPU_OFFLOAD_MODELS="${GPU_OFFLOAD_MODELS:-$WORK/models}"
 export GPU_OFFLOAD_SKIP_MISSING_MODELS="${GPU_OFFLOAD_SKIP_MISSING_MODELS:-1}" GPU_OFFLOAD_REQUIRE_GPU=1
 # Kernels built for compute_90 (gpu-build.sh's default) must take programmatic launch here.
 PTX_ARCH="$(cat .gpu/ptx-arch 2>/dev/null || echo compute_80)"
 [[ "${PTX_ARCH#compute_}" -ge 90 ]] && export GPU_OFFLOAD_REQUIRE_PROGRAMMATIC=1
-PY="${PYTHON:-python3}"
 [[ -x "$B" ]] || { echo "gpu-check: .gpu/gpu-offload missing: run scripts/gpu-build.sh here and carry .gpu" | tee -a "$LOG"; exit 2; }
 
 say() { echo "== $*" | tee -a "$LOG"; }
@@ -100,12 +136,12 @@ PY
 tests() {
     say "nvidia-smi"; nvidia-smi 2>&1 | head -15 | tee -a "$LOG"
     say "GPU parity tests"
-    .gpu/gpu-tests --test-threads 1 --nocapture 2>&1 | tee -a "$LOG"
+    "$GT" --test-threads 1 --nocapture 2>&1 | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     record gpu_tests "{\"exit_code\":$rc}"
     if command -v compute-sanitizer >/dev/null; then
         say "compute-sanitizer memcheck (op tests and engines)"
-        compute-sanitizer --tool memcheck --error-exitcode 9 .gpu/gpu-tests --test-threads 1 cuda_ops stories hf_fixtures offloaded recorded_decode 2>&1 | tail -25 | tee -a "$LOG"
+        compute-sanitizer --tool memcheck --error-exitcode 9 "$GT" --test-threads 1 cuda_ops stories hf_fixtures offloaded recorded_decode 2>&1 | tail -25 | tee -a "$LOG"
         record memcheck "{\"exit_code\":${PIPESTATUS[0]}}"
     else
         record memcheck '{"skipped":"compute-sanitizer not on PATH"}'
@@ -169,7 +205,7 @@ graphs() {
     fi
     synthsmol
     say "fused decode kernels and recorded decode steps: parity with the launched kernels"
-    timeout 300 .gpu/gpu-tests --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode programmatic_launch 2>&1 | tee -a "$LOG"
+    timeout 300 "$GT" --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode programmatic_launch 2>&1 | tee -a "$LOG"
     record graphs_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "decode launched, recorded (--cuda-graphs), and both with --programmatic-launch, same call, side by side"
     local g name
@@ -254,7 +290,7 @@ suite() {
 
 peers() {
     synth7b
-    local src=.gpu/peers/llama.cpp.tgz lb=/tmp/lbuild/bin/llama-bench
+    local src=.gpu/peers/llama.cpp.tgz lb="$LB"
     if [[ ! -x "$lb" ]]; then
         [[ -f "$src" ]] || { record peers '{"skipped":"no .gpu/peers/llama.cpp.tgz (GPU_OFFLOAD_PEERS=1 scripts/gpu-build.sh)"}'; return; }
         say "building llama-bench (CUDA, sm_90) from the llama-cpp-python source package"
@@ -281,7 +317,7 @@ quant() {
             "$B" synth --preset "$m" --dtype q4_k_m -o "$WORK/m$m-q4km.gguf" --force 2>&1 | tee -a "$LOG"
         fi
     done
-    local lb=/tmp/lbuild/bin/llama-bench peer=()
+    local lb="$LB" peer=()
     [[ -x "$lb" ]] && peer=(--llama-bench "$lb")
     say "7B Q4_K_M on the whole GPU and at 2G, beside llama.cpp where built"
     "$B" bench suite --device cuda -m "$WORK/m7b-q4km.gguf" --budgets whole,2G --prompts 512,2048 \
@@ -360,7 +396,7 @@ hybrid() {
         record "decode_7b_4g_$cold" "$("$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold "$cold" \
             --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
     done
-    local lb=/tmp/lbuild/bin/llama-bench
+    local lb="$LB"
     if [[ -x "$lb" && -f "$WORK/m7b.gguf" ]]; then
         say "the split at 4G beside llama.cpp at the largest -ngl that fits (built by \`peers\`)"
         "$B" bench suite --device cuda -m "$WORK/m7b" --budgets 4G --prompts 32 --cold split \
@@ -417,7 +453,7 @@ prefill() {
     synth7b_long
     local m="$WORK/m7b-32k" n
     say "a prompt in one large step equals steps of 512 (parity first: the figures after it count only if it passes)"
-    timeout 120 .gpu/gpu-tests --test-threads 1 --nocapture prefill_in_one_large_step 2>&1 | tee -a "$LOG"
+    timeout 120 "$GT" --test-threads 1 --nocapture prefill_in_one_large_step 2>&1 | tee -a "$LOG"
     record prefill_step_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
     for n in 512 2048 4000; do

@@ -1728,3 +1728,126 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
         }
     }
 }
+
+/// `scripts/gpu-check.sh`, every mode, run dry (`GPU_CHECK_DRY`: stand-ins record what they are
+/// given) on any machine: each gpu-offload call it makes parses, each GPU test filter names a
+/// test of this binary, each python script it runs takes the flags given and each inline
+/// program compiles. A device call is minutes a session may not get again; a typo must not
+/// spend them.
+#[test]
+fn gpu_check_script_calls_only_what_exists() {
+    use clap::Parser;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    // On the device machine gpu-check.sh names the repository; here it is the manifest's.
+    let repo = std::env::var_os("GPU_OFFLOAD_REPO")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    let script = std::fs::read_to_string(repo.join("scripts/gpu-check.sh")).unwrap();
+    let usage = script
+        .lines()
+        .find_map(|l| l.split("usage: scripts/gpu-check.sh [").nth(1))
+        .and_then(|l| l.split(']').next())
+        .expect("gpu-check.sh prints its modes in a usage line");
+    let modes: Vec<&str> = usage.split('|').filter(|m| *m != "all").collect();
+    assert!(modes.len() >= 10, "modes {modes:?}");
+
+    let own = Command::new(std::env::current_exe().unwrap())
+        .args(["--list", "--format", "terse"])
+        .output()
+        .unwrap();
+    let tests: Vec<String> = String::from_utf8_lossy(&own.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test").map(str::to_string))
+        .collect();
+    assert!(
+        tests
+            .iter()
+            .any(|t| t == "gpu_check_script_calls_only_what_exists")
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let (mut calls, mut problems) = (0, Vec::new());
+    let mut filtered = 0;
+    for mode in &modes {
+        let out = tmp.path().join(mode);
+        let run = Command::new("bash")
+            .arg(repo.join("scripts/gpu-check.sh"))
+            .arg(mode)
+            .current_dir(&repo)
+            .env("GPU_CHECK_DRY", "1")
+            .env("OUT", &out)
+            .env("GPU_CHECK_WORK", out.join("work"))
+            .output()
+            .unwrap();
+        let log = std::fs::read_to_string(out.join("log.txt")).unwrap_or_default();
+        assert!(
+            run.status.success() && log.ends_with("== done\n"),
+            "gpu-check.sh {mode} (dry) did not finish: {}\n{}",
+            String::from_utf8_lossy(&run.stderr),
+            log
+        );
+        if let Ok(errors) = std::fs::read_to_string(out.join("dry/errors")) {
+            problems.push(format!("{mode}: {errors}"));
+        }
+        let dir = out.join("dry/calls");
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            let tool = name.rsplit_once('.').unwrap().0.to_string();
+            let raw = std::fs::read(&path).unwrap();
+            let args: Vec<String> = raw
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            calls += 1;
+            let what = format!("{mode}: {tool} {}", args.join(" "));
+            match tool.as_str() {
+                "gpu-offload" => {
+                    let argv = std::iter::once("gpu-offload".to_string()).chain(args.clone());
+                    if let Err(e) = gpu_offload::cli::Cli::try_parse_from(argv) {
+                        problems.push(format!("{what}\n  {}", e.to_string().trim()));
+                    }
+                }
+                "gpu-tests" => {
+                    let mut rest = args.iter();
+                    while let Some(a) = rest.next() {
+                        if a == "--test-threads" {
+                            rest.next();
+                        } else if !a.starts_with("--") {
+                            filtered += 1;
+                            if !tests.iter().any(|t| t.contains(a.as_str())) {
+                                problems.push(format!("{what}\n  filter {a:?} names no test"));
+                            }
+                        }
+                    }
+                }
+                "python" if args.first().is_some_and(|a| a.ends_with(".py")) => {
+                    let file = repo.join(Path::new(&args[0]));
+                    let text = std::fs::read_to_string(&file).unwrap_or_default();
+                    if text.is_empty() {
+                        problems.push(format!("{what}\n  no script {}", file.display()));
+                    }
+                    for flag in args.iter().filter(|a| a.starts_with("--")) {
+                        let flag = flag.split('=').next().unwrap();
+                        if !text.contains(&format!("\"{flag}\"")) {
+                            problems.push(format!("{what}\n  the script takes no {flag}"));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "gpu-check.sh calls what does not exist:\n{}",
+        problems.join("\n")
+    );
+    assert!(
+        calls >= 100 && filtered >= 8,
+        "{calls} calls, {filtered} test filters"
+    );
+}
