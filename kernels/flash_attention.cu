@@ -1,9 +1,12 @@
 // Attention that scales with the context (issue 13), beside the simple kernel of attention.cu:
 // - `flash_attn_f16_hd*`: prefill (many query rows) over an f16 cache on tensor cores. A block
 //   takes 64 query rows of one head (16 per warp); key and value tiles of 64 positions go through
-//   shared memory once per block; Q·Kᵀ and P·V are m16n8k16 f16 products with f32 accumulation
-//   (mma.sync, sm_80+); softmax is online (running max and sum per row, in registers), so the
-//   score matrix never exists in device memory.
+//   shared memory once per block, copied by cp.async so each tile's load overlaps the product
+//   before it (the values of tile j while its scores are computed, the keys of tile j + 1 while
+//   its values are summed); the operands of Q·Kᵀ and P·V come out of shared memory by ldmatrix
+//   (the values, stored as they lie in the cache, transposed by ldmatrix.trans); the products are
+//   m16n8k16 f16 products with f32 accumulation (mma.sync, sm_80+); softmax is online (running
+//   max and sum per row, in registers), so the score matrix never exists in device memory.
 // - `attention_split_*`: decode (few query rows) over a long context of any cache type. The keys
 //   are cut into chunks, one block per (head, chunk), so a single token's attention fills the
 //   GPU; each block leaves its rows' partials (max, sum, unnormalised output) in the workspace,
@@ -52,21 +55,84 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 #endif
 }
 
+// Four 8×8 tiles of halves from shared memory (ldmatrix.x4, sm_75+): lanes 8m .. 8m+7 give the
+// addresses of tile m's rows (16 bytes each, 16-byte aligned); r[m] of lane 4g + t holds tile m's
+// row g, halves 2t and 2t+1 (TRANS: its column g, rows 2t and 2t+1), as an mma fragment takes
+// them. Fragment layouts: kernels/host/simt.h, host_ldmatrix_x4.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
+#ifdef KERNEL_HOST_CHECK
+    host_ldmatrix_x4(r, row, TRANS);
+#else
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+#endif
+}
+
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+);
+// the bytes past `src_bytes` (0 or 16) are zeros. They land once the thread waits for their
+// group (cp_async_wait_all), for the other threads after a barrier behind that.
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, int src_bytes) {
+#ifdef KERNEL_HOST_CHECK
+    host_cp_async16(dst, src, src_bytes);
+#else
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef KERNEL_HOST_CHECK
+    host_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifdef KERNEL_HOST_CHECK
+    host_cp_async_wait(0);
+#else
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Keys j0 .. j0 + FA_KEYS - 1 of a cache (one KV head's HD columns from col) into a shared tile
+// of pitch P halves, as they lie; positions at or past `keys` as zeros (they may be past the
+// cache: their scores are masked, and zeros times a zero probability stay zeros).
+template <int HD, int P>
+__device__ __forceinline__ void load_tile(u16* dst, const u16* cache, const unsigned* table, int kv_cols, int col,
+                                          int j0, int keys) {
+    for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += FA_THREADS) {
+        const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        const bool in = j0 + r < keys;
+        const u16* src = cache + (in ? kv_row(table, j0 + r) * kv_cols + col + c : 0);
+        cp_async16(dst + r * P + c, src, in ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
 // q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols f16 (KV head g at g·HD); out like q.
 // Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
 template <int HD>
 __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, int n,
                            int n_heads,
                            int group, int kv_cols, int first_pos, float scale) {
-    constexpr int KP = HD + FA_PAD;      // pitch (halves) of a key row: the Q tile is staged here too
-    constexpr int VP = FA_KEYS + FA_PAD;  // pitch of a value column: values are stored transposed
+    constexpr int KP = HD + FA_PAD;      // pitch (halves) of a key or value row; the Q tile is staged in the keys'
     constexpr int KSTEPS = HD / 16;       // k-steps of Q·Kᵀ
     constexpr int OTILES = HD / 8;        // 8-wide column tiles of the output
     constexpr int STILES = FA_KEYS / 8;   // 8-wide column tiles of a score tile
     __shared__ Half8 k_raw[FA_KEYS * KP / 8];
-    __shared__ Half8 v_raw[HD * VP / 8];
+    __shared__ Half8 v_raw[FA_KEYS * KP / 8];
     u16* ks = (u16*)k_raw;
-    u16* vt = (u16*)v_raw;  // vt[d·VP + key]: a value fragment is then one 32-bit load
+    u16* vs = (u16*)v_raw;
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, grp = lane >> 2, quad = lane & 3;
     const int h = blockIdx.y, col = (h / group) * HD;
@@ -106,37 +172,34 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
     const float scale2 = scale * 1.4426950408889634f;  // exp(x·scale) = exp2(x·scale2)
     const int keys = first_pos + min(n, q0 + FA_ROWS);  // keys the block's last row sees
 
+    // The rows this lane addresses for ldmatrix: of the keys (two 8-key score tiles, both halves
+    // of a k-step: tile 2p + lane / 16, dims + 8 for lanes 8..15 and 24..31) and of the values
+    // (two 8-dim output tiles over a k-step's 16 keys: keys + 8 for those lanes, tile 2p + lane / 16).
+    const int lr = lane & 7, l8 = ((lane >> 3) & 1) * 8, l16 = lane >> 4;
+    const u16* k_at = ks + (l16 * 8 + lr) * KP + l8;
+    const u16* v_at = vs + (l8 + lr) * KP + l16 * 8;
+
+    __syncthreads();  // every warp has its Q fragments: the key tile is free
+    load_tile<HD, KP>(ks, kc, table, kv_cols, col, 0, keys);
     for (int j0 = 0; j0 < keys; j0 += FA_KEYS) {
-        __syncthreads();  // every warp is done with the previous tile (or the Q staging)
-        // Keys row-major, 16 bytes a thread (a row is read contiguously); positions past the
-        // last one any row sees are zeros (they may be past the cache).
-        for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
-            int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
-            Half8 x = {{0u, 0u, 0u, 0u}};
-            if (j0 + r < keys) x = *(const Half8*)(kc + kv_row(table, j0 + r) * kv_cols + col + c);
-            *(Half8*)&ks[r * KP + c] = x;
-        }
-        // Values transposed; consecutive threads take consecutive keys, so their 2-byte stores
-        // fall in distinct banks.
-        for (int i = tid; i < FA_KEYS * HD / 8; i += FA_THREADS) {
-            int r = i % FA_KEYS, c = (i / FA_KEYS) * 8;
-            Half8 x = {{0u, 0u, 0u, 0u}};
-            if (j0 + r < keys) x = *(const Half8*)(vc + kv_row(table, j0 + r) * kv_cols + col + c);
-#pragma unroll
-            for (int e = 0; e < 8; e++) vt[(c + e) * VP + r] = (u16)(x.w[e >> 1] >> (16 * (e & 1)));
-        }
+        // Keys j0.. have landed (this thread's copies; the barrier: everyone's), and every warp
+        // is done with the values before them.
+        cp_async_wait_all();
         __syncthreads();
+        load_tile<HD, KP>(vs, vc, table, kv_cols, col, j0, keys);
 
         // Scores of this warp's 16 rows against the 64 keys.
         float s[STILES][4];
 #pragma unroll
-        for (int j = 0; j < STILES; j++) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        for (int j = 0; j < STILES; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+        for (int p = 0; p < STILES / 2; p++) {
 #pragma unroll
             for (int k = 0; k < KSTEPS; k++) {
-                const u16* bp = ks + (j * 8 + grp) * KP + k * 16 + quad * 2;
-                u32 b[2] = {ld_u32(bp), ld_u32(bp + 8)};
-                mma_16816(s[j], qf[k], b);
+                u32 b[4];
+                ldmatrix_x4<false>(b, k_at + p * 16 * KP + k * 16);
+                mma_16816(s[2 * p], qf[k], b);
+                mma_16816(s[2 * p + 1], qf[k], b + 2);
             }
         }
         // Causal mask, only on tiles that reach past this warp's first row's position.
@@ -182,6 +245,13 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
             o[j][2] *= alpha[1];
             o[j][3] *= alpha[1];
         }
+
+        // The values have landed, and every warp is done with the keys: the next keys load
+        // while these values are summed.
+        cp_async_wait_all();
+        __syncthreads();
+        if (j0 + FA_KEYS < keys) load_tile<HD, KP>(ks, kc, table, kv_cols, col, j0 + FA_KEYS, keys);
+
         // O += P·V: the score accumulators of tiles 2k, 2k+1 are exactly the A fragment of
         // k-step k (rows grp, grp + 8; keys 16k + 2·quad.. and + 8), rounded to f16.
 #pragma unroll
@@ -189,10 +259,11 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
             u32 a[4] = {pack_h2(s[2 * k][0], s[2 * k][1]), pack_h2(s[2 * k][2], s[2 * k][3]),
                         pack_h2(s[2 * k + 1][0], s[2 * k + 1][1]), pack_h2(s[2 * k + 1][2], s[2 * k + 1][3])};
 #pragma unroll
-            for (int j = 0; j < OTILES; j++) {
-                const u16* bp = vt + (j * 8 + grp) * VP + k * 16 + quad * 2;
-                u32 b[2] = {ld_u32(bp), ld_u32(bp + 8)};
-                mma_16816(o[j], a, b);
+            for (int p = 0; p < OTILES / 2; p++) {
+                u32 b[4];
+                ldmatrix_x4<true>(b, v_at + k * 16 * KP + p * 16);
+                mma_16816(o[2 * p], a, b);
+                mma_16816(o[2 * p + 1], a, b + 2);
             }
         }
     }

@@ -3,7 +3,9 @@
 // layouts), against a naive causal GQA attention in double over the same cache values:
 // the flash prefill kernel (f16 cache: queries and probabilities rounded to f16, so a relative
 // tolerance of 2e-3) and the split decode kernel, whose last block per head combines the
-// chunks (every cache type, f32 math: 1e-4; every ticket left at 0).
+// chunks (every cache type, f32 math: 1e-4; every ticket left at 0). The flash kernel's cp.async
+// copies land only when their thread waits for them (simt.h), so a tile read before its wait and
+// barrier reads the tile before it and fails here; ldmatrix is emulated from its fragment layout.
 // Each runs over the caches as they are and paged: the rows scattered backwards over a pool of
 // twice the blocks and read through a block table (kv_row in common.cuh).
 // A recorded step (a CUDA graph replayed at later positions) launches the split kernels with the

@@ -95,6 +95,59 @@ inline void host_mma_16816(float* d, const unsigned* a, const unsigned* b) {
     std::memcpy(d, out, 16);
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8m .. 8m+7 give the addresses of
+// matrix m's eight rows (8 halves each); register m of lane l = 4·g + t holds matrix m's row g,
+// halves 2t and 2t+1 (low half first), or with .trans its transpose's: rows 2t and 2t+1 of
+// column g.
+inline void host_ldmatrix_x4(unsigned* r, const void* row, bool trans) {
+    unsigned mine[2];
+    std::memcpy(mine, &row, sizeof row);
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned out[4];
+    host_warp_exchange(mine, 2, [&](auto peer) {
+        for (int m = 0; m < 4; m++) {
+            auto at = [&](int rr, int c) {
+                const unsigned char* p;
+                std::memcpy(&p, peer(8 * m + rr), sizeof p);
+                unsigned short h;
+                std::memcpy(&h, p + 2 * c, 2);
+                return (unsigned)h;
+            };
+            unsigned lo = trans ? at(2 * t, g) : at(g, 2 * t), hi = trans ? at(2 * t + 1, g) : at(g, 2 * t + 1);
+            out[m] = lo | (hi << 16);
+        }
+    });
+    std::memcpy(r, out, 16);
+}
+
+// cp.async.cg.shared.global (16 bytes, zero-filled past `src_bytes`), cp.async.commit_group and
+// cp.async.wait_group as late as the PTX rules let them land: a copy reaches shared memory only
+// when its thread waits for its group, so a kernel that reads a tile before waiting (or before
+// the barrier after every thread's wait) reads the previous tile and fails its check.
+struct HostCopy {
+    void* dst;
+    const void* src;
+    int bytes;
+};
+inline thread_local std::vector<HostCopy> host_copies_open;
+inline thread_local std::vector<std::vector<HostCopy>> host_copy_groups;
+inline void host_cp_async16(void* dst, const void* src, int src_bytes) {
+    host_copies_open.push_back({dst, src, src_bytes});
+}
+inline void host_cp_async_commit() {
+    host_copy_groups.push_back(std::move(host_copies_open));
+    host_copies_open.clear();
+}
+inline void host_cp_async_wait(size_t pending) {
+    while (host_copy_groups.size() > pending) {
+        for (const HostCopy& c : host_copy_groups.front()) {
+            std::memset(c.dst, 0, 16);
+            std::memcpy(c.dst, c.src, (size_t)c.bytes);
+        }
+        host_copy_groups.erase(host_copy_groups.begin());
+    }
+}
+
 // Run `kernel` over `grid` blocks of `threads` threads (a multiple of 32), block after block.
 inline void host_launch(HostDim3 grid, unsigned threads, const std::function<void()>& kernel) {
     gridDim = grid;
