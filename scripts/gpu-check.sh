@@ -13,6 +13,9 @@
 #            shape), launched and recorded, each plain and with --programmatic-launch, on a
 #            synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU) at 128
 #            positions, and recorded (plain and programmatic) at 4000
+#   prefill  whole-GPU prefill of the 7B shape (32k context) at 512/2048/4000 tokens beside
+#            transformers, 4000 in one step and in steps of 512, the attention kernels alone
+#            (bench attention), 8k and 32k prompts at --gpu-mem 4G (plan, nvidia-smi peak)
 #   bench    doctor (bandwidths, read kernel, fixed device cost), matvec vs the device-memory
 #            read bound (a fraction above 1.05 fails the bench), full-GPU decode of the 7B shape
 #            (f16 KV) at 128 and 4000 positions vs its HBM bound and vs transformers, its
@@ -462,6 +465,12 @@ prefill() {
     # The prompt in one step (the default where the device holds it) beside steps of 512 rows
     # (before 4000-row steps): what the larger GEMMs and fewer launches give.
     record prefill_7b_full_gpu_4000_steps_512 "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens 4000 -n 2 --reps 2 --prefill-step 512 --json 2>>"$LOG")"
+    # The attention kernels alone (7B heads), beside a matrix product of as many rows, same call:
+    # the prefill kernel at 512 and 4000 rows, the split decode kernel at 4000 and 32000 positions.
+    for n in "512 0" "4000 0" "1 4000" "1 32000"; do
+        set -- $n
+        record "attention_7b_${1}_from_$2" "$(timeout 60 "$B" bench attention --device cuda --rows "$1" --context "$2" --json 2>>"$LOG")"
+    done
     # One load for every length: "prefill" holds each one's TTFT (the best of two).
     record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"

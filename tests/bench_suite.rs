@@ -1,4 +1,4 @@
-//! `bench suite`, `bench decode` and `bench matvec` through the real binary: the report's files
+//! `bench suite`, `bench decode`, `bench matvec` and `bench attention` through the real binary: the report's files
 //! and fields, peers beside ours (fake llama-bench and python written here), emulation, bad
 //! input, and bounds that are wrong. No test asserts a time: only statuses, fields and messages.
 
@@ -566,4 +566,51 @@ fn decode_above_its_bound_fails_naming_the_bound() {
     .unwrap();
     assert_eq!(j["bound_limited_by"], "DRAM");
     assert!(j["bound_tokens_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn attention_reports_the_causal_flops_beside_a_matrix_product() {
+    let args = [
+        "bench",
+        "attention",
+        "--device",
+        "cpu",
+        "--rows",
+        "20",
+        "--context",
+        "30",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+        "--reps",
+        "1",
+    ];
+    for kv in ["f32", "f16", "q8_0"] {
+        let out = ok(bin().args(args).args(["--kv-type", kv, "--json"]));
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        // Rows at positions 30..50 each see 31..=50 keys: 810 in all, 4 FLOPs per dim of 4 heads of 64.
+        assert_eq!(v["flops"].as_f64(), Some(4.0 * 256.0 * 810.0), "{v}");
+        assert_eq!(v["kv_type"], kv, "{v}");
+        let (rate, matmul) = (
+            v["flops_per_s"].as_f64().unwrap(),
+            v["matmul_flops_per_s"].as_f64().unwrap(),
+        );
+        assert!(rate > 0.0 && matmul > 0.0, "{v}");
+        assert!(
+            (v["fraction_of_matmul"].as_f64().unwrap() - rate / matmul).abs() < 1e-9,
+            "{v}"
+        );
+    }
+    let bad = ["bench", "attention", "--rows", "4", "--reps", "1"];
+    let e = fails(
+        bin()
+            .args(bad)
+            .args(["--device", "cpu", "--heads", "4", "--kv-heads", "3"]),
+    );
+    assert!(e.contains("--kv-heads must divide --heads"), "{e}");
+    let e = fails(bin().args(bad).args(["--device", "sim"]));
+    assert!(e.contains("runs on cpu or cuda"), "{e}");
 }

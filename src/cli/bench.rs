@@ -1,5 +1,7 @@
 //! `gpu-offload bench`: measured speed beside its physical bound, in one run.
 //! - `matvec`: one weight matrix times a few vectors; bytes/s against the memory it streams from.
+//! - `attention`: a prompt's causal attention over its cache (the prefill kernel, or the decode
+//!   kernel for a few rows); FLOP/s beside a matrix product's of the same rows, same run.
 //! - `sparse`: the neuron-sparse FFN kernels (`backend::cpu::sparse`) on a 7B-shaped layer at
 //!   several active fractions: bytes/s on the bundles they touch against the DRAM read rate, and
 //!   the speed-up over the dense bundle kernels.
@@ -53,6 +55,10 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Matrix × vector(s): achieved bandwidth against the device's.
     Matvec(MatvecArgs),
+    /// Causal attention of query rows over a KV cache (the prefill kernel for a prompt, the
+    /// decode kernel for a few rows over a long context): FLOP/s beside a matrix product's of
+    /// as many rows in the same run.
+    Attention(AttentionArgs),
     /// Neuron-sparse FFN (PowerInfer-style) on the CPU: bandwidth on the bytes touched and
     /// speed-up over dense, at several active fractions.
     Sparse(SparseArgs),
@@ -111,6 +117,40 @@ pub struct MatvecArgs {
     /// instead of measuring the memory's read rate now.
     #[arg(long, env = "GPU_OFFLOAD_HARDWARE")]
     pub hardware: Option<String>,
+    #[arg(long, env = "GPU_OFFLOAD_JSON")]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct AttentionArgs {
+    /// cpu or cuda.
+    #[arg(long, env = "GPU_OFFLOAD_DEVICE", value_enum, default_value = "auto")]
+    pub device: Device,
+    /// Query rows (a prompt's tokens in one step).
+    #[arg(long, env = "GPU_OFFLOAD_ROWS", default_value_t = 4000)]
+    pub rows: usize,
+    /// Positions in the cache before the rows (the rows sit at positions context.. and see
+    /// every position up to their own).
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT", default_value_t = 0)]
+    pub context: usize,
+    /// Query heads.
+    #[arg(long, env = "GPU_OFFLOAD_HEADS", default_value_t = 32)]
+    pub heads: usize,
+    /// Key/value heads (a divisor of --heads: grouped-query attention below it).
+    #[arg(long, env = "GPU_OFFLOAD_KV_HEADS", default_value_t = 32)]
+    pub kv_heads: usize,
+    /// Dims per head.
+    #[arg(long, env = "GPU_OFFLOAD_HEAD_DIM", default_value_t = 128)]
+    pub head_dim: usize,
+    /// KV cache type.
+    #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum, default_value = "f16")]
+    pub kv_type: super::KvTypeArg,
+    /// Repetitions.
+    #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 5)]
+    pub reps: usize,
+    /// CPU threads.
+    #[arg(long, short = 't', env = "GPU_OFFLOAD_THREADS")]
+    pub threads: Option<usize>,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
 }
@@ -206,6 +246,7 @@ pub struct DecodeArgs {
 pub fn run(a: BenchArgs) -> Result<()> {
     match a.what {
         BenchWhat::Matvec(m) => matvec(m),
+        BenchWhat::Attention(a) => attention(a),
         BenchWhat::Sparse(s) => sparse(s),
         BenchWhat::Decode(d) => decode(d),
         BenchWhat::Suite(s) => suite_cmd(s),
@@ -353,6 +394,118 @@ fn matvec(a: MatvecArgs) -> Result<()> {
             achieved / 1e9,
             achieved / bound,
             bound / 1e9
+        );
+    }
+    Ok(())
+}
+
+/// FLOPs of causal attention: `rows` query rows at positions `context..`, each scoring and
+/// summing (2 FLOPs a multiply-add, both products) every position up to its own.
+pub fn attention_flops(rows: usize, context: usize, heads: usize, head_dim: usize) -> f64 {
+    let keys = rows as f64 * context as f64 + rows as f64 * (rows as f64 + 1.0) / 2.0;
+    4.0 * (heads * head_dim) as f64 * keys
+}
+
+/// Seconds per [`Backend::attention`] of `a.rows` random query rows over a cache of
+/// `a.context + a.rows` random positions (median of 5 timings of `a.reps` calls).
+fn time_attention<B: Backend>(b: &B, a: &AttentionArgs) -> Result<f64> {
+    use crate::backend::{AttnShape, WorkspaceOp};
+    let (qd, kd) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let ctx = a.context + a.rows;
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut random =
+        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+    let ty = a.kv_type.kv_type();
+    let mut caches = [b.alloc_kv(ctx, kd, ty)?, b.alloc_kv(ctx, kd, ty)?];
+    // The cache filled a slice at a time (host memory for 4096 rows, not the context).
+    const SLICE: usize = 4096;
+    for cache in &mut caches {
+        for r0 in (0..ctx).step_by(SLICE) {
+            let rows = SLICE.min(ctx - r0);
+            let mut t = b.alloc(rows, kd)?;
+            b.write(&mut t, &random(rows * kd))?;
+            b.store_kv(&t, cache, None, r0)?;
+        }
+    }
+    let mut q = b.alloc(a.rows, qd)?;
+    b.write(&mut q, &random(a.rows * qd))?;
+    let mut out = b.alloc(a.rows, qd)?;
+    let (mut row, mut sink) = (b.alloc(1, qd)?, vec![0f32; qd]);
+    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Attention {
+        tokens: a.rows,
+        n_heads: a.heads,
+        head_dim: a.head_dim,
+    }))?;
+    let shape = AttnShape {
+        n_heads: a.heads,
+        n_kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        scale: 1.0 / (a.head_dim as f32).sqrt(),
+    };
+    let (reps, context) = (a.reps, a.context);
+    b.enter(move || {
+        let [k, v] = &caches;
+        median_secs(reps, |_| {
+            b.attention(&q, k, v, None, context, shape, &mut out)?;
+            // A read waits for the attention (and costs one row's copy).
+            b.copy_rows(&out, 0, &mut row, 0, 1)?;
+            b.read(&row, &mut sink)?;
+            Ok(())
+        })
+    })
+}
+
+fn attention(a: AttentionArgs) -> Result<()> {
+    if a.rows == 0 || a.reps == 0 || a.head_dim == 0 || a.heads == 0 {
+        bail!("--rows, --reps, --heads and --head-dim must be positive");
+    }
+    if a.kv_heads == 0 || !a.heads.is_multiple_of(a.kv_heads) {
+        bail!("--kv-heads must divide --heads ({})", a.heads);
+    }
+    let cuda = match a.device {
+        Device::Cuda => true,
+        Device::Auto => crate::backend::cuda::device_available(),
+        Device::Cpu => false,
+        Device::Sim => bail!("bench attention runs on cpu or cuda"),
+    };
+    let qd = a.heads * a.head_dim;
+    // The reference: a product of as many rows with a square f16 weight of the queries' width
+    // (an attention layer's output projection), on the same device.
+    let (secs, matmul, device) = if cuda {
+        let be = CudaBackend::new(0, Ledger::new(None, None))?;
+        let secs = time_attention(&be, &a)?;
+        let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
+        (secs, rate, "cuda")
+    } else {
+        let be = CpuBackend::new(a.threads.unwrap_or(0))?;
+        let secs = time_attention(&be, &a)?;
+        let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
+        (secs, rate, "cpu")
+    };
+    let flops = attention_flops(a.rows, a.context, a.heads, a.head_dim);
+    let rate = flops / secs;
+    let kv = format!("{:?}", a.kv_type.kv_type()).to_lowercase();
+    if a.json {
+        println!(
+            "{}",
+            json!({"rows": a.rows, "context": a.context, "heads": a.heads, "kv_heads": a.kv_heads,
+                   "head_dim": a.head_dim, "kv_type": kv, "device": device, "seconds": secs,
+                   "flops": flops, "flops_per_s": rate, "matmul_flops_per_s": matmul,
+                   "fraction_of_matmul": rate / matmul})
+        );
+    } else {
+        println!(
+            "attention of {} rows from position {} ({} heads / {} KV heads of {}, {kv} cache) on {device}: {:.3} ms, {:.2} TFLOP/s = {:.0}% of a {}x{qd}x{qd} f16 matrix product's {:.2} TFLOP/s",
+            a.rows,
+            a.context,
+            a.heads,
+            a.kv_heads,
+            a.head_dim,
+            secs * 1e3,
+            rate / 1e12,
+            100.0 * rate / matmul,
+            a.rows,
+            matmul / 1e12
         );
     }
     Ok(())

@@ -204,7 +204,7 @@ pub fn decode_into(bytes: &[u8], bits: Bits, out: &mut ChunkData) -> bool {
     if bits == Bits::F16 {
         out.values.resize(n, 0.0);
         match bytemuck::try_cast_slice::<u8, f16>(bytes) {
-            Ok(h) => h.convert_to_f32_slice(&mut out.values),
+            Ok(h) => crate::tensor::f16_to_f32_slice(h, &mut out.values),
             // Bytes not aligned for f16: value by value.
             Err(_) => {
                 for (v, x) in out.values.iter_mut().zip(bytes.chunks_exact(2)) {

@@ -263,18 +263,25 @@ fn row_slice<'a>(ty: KvType, row: &'a [u8], col: usize, tmp: &'a mut [f32]) -> &
     match ty {
         KvType::F32 => &bytemuck::cast_slice::<u8, f32>(row)[col..col + tmp.len()],
         KvType::F16 => {
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                &bytemuck::cast_slice::<u8, f16>(row)[col..col + tmp.len()],
+            let n = tmp.len();
+            crate::tensor::f16_to_f32_slice(
+                &bytemuck::cast_slice::<u8, f16>(row)[col..col + n],
                 tmp,
             );
             tmp
         }
         KvType::Q8_0 => {
+            // Each block's scale decoded once; each value d · q, as before.
             let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
-            for (i, o) in tmp.iter_mut().enumerate() {
-                let e = col + i;
-                let b = &blocks[e / QK];
-                *o = b.d.to_f32() * b.qs[e % QK] as f32;
+            let mut i = 0;
+            while i < tmp.len() {
+                let (b, at) = (&blocks[(col + i) / QK], (col + i) % QK);
+                let m = (QK - at).min(tmp.len() - i);
+                let d = b.d.to_f32();
+                for (o, &q) in tmp[i..i + m].iter_mut().zip(&b.qs[at..]) {
+                    *o = d * q as f32;
+                }
+                i += m;
             }
             tmp
         }
@@ -379,6 +386,12 @@ mod tests {
             let mut tmp = vec![0f32; 8];
             let s = kv.slice(2, 40, &mut tmp);
             assert_eq!(s, &back[64 + 40..64 + 48], "{ty:?}");
+            // Across a Q8_0 block's end, and a whole row.
+            let s = kv.slice(2, 28, &mut tmp);
+            assert_eq!(s, &back[64 + 28..64 + 36], "{ty:?}");
+            let mut row = vec![0f32; 64];
+            let s = kv.slice(3, 0, &mut row);
+            assert_eq!(s, &back[128..192], "{ty:?}");
         }
         assert!(CpuKv::new(4, 48, KvType::Q8_0).is_err());
         assert!(CpuKv::new(4, 48, KvType::F16).is_ok());
