@@ -191,53 +191,67 @@ pub fn attend_each<'c, R: KvRows + 'c>(
         }
         return;
     }
-    // Few rows over long contexts: every (row, KV head, chunk) its own task, then each (row,
-    // KV head)'s chunks merged.
-    let mut first = Vec::with_capacity(n * kv_heads + 1);
-    let mut work = Vec::with_capacity(items);
+    // Few rows over long contexts: every (row, chunk, run of KV heads) its own task, the runs as
+    // long as the threads leave them (a block of cache rows then read a run of heads at a time,
+    // in order, where a task per head read it in strips a row apart); then each (row, KV head)'s
+    // chunks merged.
+    let total: usize = (0..n).map(chunks).sum();
+    let runs = (2 * threads).div_ceil(total.max(1)).clamp(1, kv_heads);
+    let run = kv_heads.div_ceil(runs);
+    let runs = kv_heads.div_ceil(run);
+    let slots = run * group;
+    let mut first = Vec::with_capacity(n + 1);
+    let mut work = Vec::new();
     for t in 0..n {
-        for h in 0..kv_heads {
-            first.push(work.len());
-            work.extend((0..chunks(t)).map(|c| (t, h, c)));
-        }
+        first.push(work.len());
+        work.extend((0..chunks(t)).flat_map(|c| (0..runs).map(move |r| (t, c, r * run))));
     }
     first.push(work.len());
-    let mut parts = vec![ChunkPart::default(); work.len() * group];
-    let mut sums = vec![0f32; work.len() * group * hd];
+    let mut parts = vec![ChunkPart::default(); work.len() * slots];
+    let mut sums = vec![0f32; work.len() * slots * hd];
     parts
-        .par_chunks_mut(group)
-        .zip(sums.par_chunks_mut(group * hd))
+        .par_chunks_mut(slots)
+        .zip(sums.par_chunks_mut(slots * hd))
         .zip(work.par_iter())
-        .for_each(|((part, acc), &(t, h, c))| {
+        .for_each(|((part, acc), &(t, c, h0))| {
             if let Some((kc, vc, len)) = caches(t) {
-                let qh = &q[t * q_dim + h * group * hd..][..group * hd];
+                let h1 = (h0 + run).min(kv_heads);
+                let cols: Vec<usize> = (h0..h1).map(|h| h * hd).collect();
+                let qt = &q[t * q_dim + h0 * group * hd..t * q_dim + h1 * group * hd];
+                let used = (h1 - h0) * group;
                 let mut scratch = ChunkScratch::default();
-                let at = (h * hd, c);
                 attend_chunk(
                     k,
-                    &[qh],
+                    &[qt],
                     &[len],
                     (kc, vc),
-                    at,
+                    (&cols, c),
                     hd,
                     s.scale,
-                    part,
-                    acc,
+                    &mut part[..used],
+                    &mut acc[..used * hd],
                     &mut scratch,
                 );
             }
         });
+    // (Row t, KV head h)'s chunks in order, as `merge_chunks` takes them.
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(idx, o)| {
-            let (c0, c1) = (first[idx], first[idx + 1]);
-            if c1 > c0 {
-                merge_chunks(
-                    &parts[c0 * group..c1 * group],
-                    &sums[c0 * group * hd..c1 * group * hd],
-                    o,
-                );
+            let (t, h) = (idx / kv_heads, idx % kv_heads);
+            let n_chunks = (first[t + 1] - first[t]) / runs;
+            if n_chunks == 0 {
+                return;
             }
+            let mut ps = Vec::with_capacity(n_chunks * group);
+            let mut ss = Vec::with_capacity(n_chunks * group * hd);
+            for c in 0..n_chunks {
+                let w = first[t] + c * runs + h / run;
+                let at = w * slots + (h % run) * group;
+                ps.extend_from_slice(&parts[at..at + group]);
+                ss.extend_from_slice(&sums[at * hd..(at + group) * hd]);
+            }
+            merge_chunks(&ps, &ss, o);
         });
 }
 
@@ -366,7 +380,7 @@ fn attend_head<K: KvRows, V: KvRows>(
             &live_qs,
             &ls,
             caches,
-            (col, c),
+            (&[col], c),
             hd,
             scale,
             part,
@@ -390,25 +404,30 @@ fn attend_head<K: KvRows, V: KvRows>(
     }
 }
 
-/// Query rows `qs` (each the `group · hd` values of the heads sharing one KV head) over chunk
-/// `c` of the (key, value) caches' positions, row r up to `lens[r]`, the KV head's columns from
-/// `col`: each (row, head)'s [`ChunkPart`] into `part` and its sum of value rows weighted by
-/// exp(score − max) into `acc` (`hd` values a head), rows one after another. Each key and value
-/// row is read once for all the rows and heads; each (row, head) computes what it would alone.
+/// Query rows `qs` over chunk `c` of the (key, value) caches' positions, row r up to `lens[r]`:
+/// each row holds, for every KV head whose columns start at `cols[h]`, the `group · hd` values of
+/// the query heads sharing it. Each (row, head)'s [`ChunkPart`] goes into `part` and its sum of
+/// value rows weighted by exp(score − max) into `acc` (`hd` values a head), rows one after
+/// another, heads in order. Key and value rows are read a block at a time, every KV head of a
+/// block before the next block (so several heads read a cache row in order, where a task per
+/// head walked it in strips a row apart), once for all the rows and heads; each (row, head)
+/// computes what it would alone.
 #[allow(clippy::too_many_arguments)]
 fn attend_chunk<K: KvRows, V: KvRows>(
     k: &Kernels,
     qs: &[&[f32]],
     lens: &[usize],
     (k_cache, v_cache): (&K, &V),
-    (col, c): (usize, usize),
+    (cols, c): (&[usize], usize),
     hd: usize,
     scale: f32,
     part: &mut [ChunkPart],
     acc: &mut [f32],
     scratch: &mut ChunkScratch,
 ) {
-    let group = qs.first().map_or(0, |q| q.len() / hd);
+    // Query heads a row holds, and how many share each KV head.
+    let heads = qs.first().map_or(0, |q| q.len() / hd);
+    let group = heads / cols.len().max(1);
     let start = c * CHUNK;
     let ends: Vec<usize> = lens
         .iter()
@@ -416,25 +435,28 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         .collect();
     let width = ends.iter().copied().max().unwrap_or(0);
     scratch.block.resize(ROWS * hd, 0.0);
-    scratch.scores.resize(qs.len() * group * CHUNK, 0.0);
+    scratch.scores.resize(qs.len() * heads * CHUNK, 0.0);
     let (block, scores) = (&mut scratch.block, &mut scratch.scores);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
-    // (Row r, head g)'s scores at (r·group + g)·CHUNK. Key rows a block at a time, each block
+    // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
     // scored for every row and head that reaches it.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
-        let block_rows = kv_block(keys, k_cache, start + j0..start + j1, col, block);
-        for (r, q) in qs.iter().enumerate() {
-            let m = ends[r].saturating_sub(j0).min(j1 - j0);
-            for (g, qh) in q.chunks_exact(hd).enumerate().filter(|_| m > 0) {
-                let s = &mut scores[(r * group + g) * CHUNK + j0..][..m];
-                (k.dot_rows)(qh, &block_rows[..m], s);
-                s.iter_mut().for_each(|v| *v *= scale);
+        for (h, &col) in cols.iter().enumerate() {
+            let block_rows = kv_block(keys, k_cache, start + j0..start + j1, col, block);
+            for (r, q) in qs.iter().enumerate() {
+                let m = ends[r].saturating_sub(j0).min(j1 - j0);
+                let sharing = q[h * group * hd..(h + 1) * group * hd].chunks_exact(hd);
+                for (g, qh) in sharing.enumerate().filter(|_| m > 0) {
+                    let s = &mut scores[(r * heads + h * group + g) * CHUNK + j0..][..m];
+                    (k.dot_rows)(qh, &block_rows[..m], s);
+                    s.iter_mut().for_each(|v| *v *= scale);
+                }
             }
         }
     }
     for (i, p) in part.iter_mut().enumerate() {
-        let s = &mut scores[i * CHUNK..][..ends[i / group.max(1)]];
+        let s = &mut scores[i * CHUNK..][..ends[i / heads.max(1)]];
         let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         *p = ChunkPart {
             max,
@@ -445,11 +467,21 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     // Value rows a block at a time, each head's sum held in registers across the block.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
-        let block_rows = kv_block(values, v_cache, start + j0..start + j1, col, block);
-        for (i, o) in acc.chunks_exact_mut(hd).enumerate() {
-            let m = ends[i / group.max(1)].saturating_sub(j0).min(j1 - j0);
-            if m > 0 {
-                (k.axpy_rows)(o, &scores[i * CHUNK + j0..][..m], &block_rows[..m]);
+        for (h, &col) in cols.iter().enumerate() {
+            let block_rows = kv_block(values, v_cache, start + j0..start + j1, col, block);
+            for r in 0..qs.len() {
+                let m = ends[r].saturating_sub(j0).min(j1 - j0);
+                if m == 0 {
+                    continue;
+                }
+                for g in 0..group {
+                    let i = r * heads + h * group + g;
+                    (k.axpy_rows)(
+                        &mut acc[i * hd..(i + 1) * hd],
+                        &scores[i * CHUNK + j0..][..m],
+                        &block_rows[..m],
+                    );
+                }
             }
         }
     }
@@ -565,19 +597,21 @@ mod tests {
     fn chunked_attention_is_the_same_however_the_work_is_shared() {
         use rand::{RngExt, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let s = AttnShape {
-            n_heads: 6,
-            n_kv_heads: 2,
-            head_dim: 32,
-            scale: 0.3,
-        };
-        let (hd, cols, q_dim) = (32, 64, 192);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
             .unwrap();
         let kernels = super::super::kernels::best();
-        for ty in [crate::backend::KvType::F32, crate::backend::KvType::F16] {
+        use crate::backend::KvType;
+        // Three KV heads: a long row's tasks take runs of heads that do not divide them.
+        for (kv_heads, ty) in [(2, KvType::F32), (2, KvType::F16), (3, KvType::Q8_0)] {
+            let s = AttnShape {
+                n_heads: 6,
+                n_kv_heads: kv_heads,
+                head_dim: 32,
+                scale: 0.3,
+            };
+            let (hd, cols, q_dim, group) = (32, 32 * kv_heads, 192, 6 / kv_heads);
             for len in [1usize, CHUNK, CHUNK + 1, 3 * CHUNK + 77] {
                 let mut rand = |n: usize| -> Vec<f32> {
                     (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
@@ -630,7 +664,7 @@ mod tests {
                 // Row 0 against softmax attention in f64 over the cache's own values.
                 let (mut kt, mut vt) = (vec![0f32; hd], vec![0f32; hd]);
                 for h in 0..s.n_heads {
-                    let col = (h / 3) * hd;
+                    let col = (h / group) * hd;
                     let qh = &q[h * hd..(h + 1) * hd];
                     let sc: Vec<f64> = (0..len)
                         .map(|j| {
