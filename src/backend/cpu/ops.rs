@@ -469,8 +469,8 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         let j1 = (j0 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
             let block_rows = kv_block(values, v_cache, start + j0..start + j1, col, block);
-            for r in 0..qs.len() {
-                let m = ends[r].saturating_sub(j0).min(j1 - j0);
+            for (r, &end) in ends.iter().enumerate() {
+                let m = end.saturating_sub(j0).min(j1 - j0);
                 if m == 0 {
                     continue;
                 }
