@@ -12,7 +12,8 @@
 #            operations per decode step (expected 245 for the SmolLM2 shape, 261 for the 7B
 #            shape), launched and recorded, each plain and with --programmatic-launch, on a
 #            synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU) at 128
-#            positions, and recorded (plain and programmatic) at 4000
+#            positions, and recorded (plain and programmatic) at 4000; before them the 7B shape's
+#            f16 matvecs against the HBM read bound
 #   prefill  whole-GPU prefill of the 7B shape (32k context) at 512/2048/4000 tokens beside
 #            transformers, 4000 in one step and in steps of 512, the attention kernels alone
 #            (bench attention), 8k and 32k prompts at --gpu-mem 4G (plan, nvidia-smi peak)
@@ -210,6 +211,11 @@ graphs() {
     say "fused decode kernels and recorded decode steps: parity with the launched kernels"
     timeout 300 "$GT" --test-threads 1 --nocapture cuda_ops::fused_ops recorded_decode programmatic_launch 2>&1 | tee -a "$LOG"
     record graphs_parity "{\"exit_code\":${PIPESTATUS[0]}}"
+    say "the 7B shape's f16 matvecs (o, down, gate/up rows) beside the HBM read bound: a last wave of few blocks shows here"
+    for spec in "4096 4096" "4096 11008" "11008 4096"; do
+        set -- $spec
+        record "matvec_${1}x${2}_f16" "$(timeout 60 "$B" bench matvec --device cuda --rows "$1" --cols "$2" --dtype f16 --json 2>>"$LOG")"
+    done
     say "decode launched, recorded (--cuda-graphs), and both with --programmatic-launch, same call, side by side"
     local g name
     for g in "" --cuda-graphs --programmatic-launch "--cuda-graphs --programmatic-launch"; do
