@@ -63,7 +63,8 @@ __device__ __forceinline__ u16 f2h(float f) {
 // writes are visible, then let the next kernel's blocks be scheduled as theirs finish, so a
 // launch's start overlaps its predecessor's end. Launched plainly (or built below compute_90,
 // where this is empty) the wait has nothing to wait for. kernels.rs's tests hold every kernel
-// to calling it first.
+// to calling it first, or (the matvecs, kernels/matvec.cu) right after asking L2 for the weight
+// rows it will read, which no kernel writes.
 __device__ __forceinline__ void grid_dependency() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -7,6 +7,38 @@
 
 #define WARPS 8  // warps (rows) per block
 
+// Bytes of each weight row a matvec warp asks L2 for before it waits for the grid before it
+// (grid_dependency). Launched with programmatic stream serialization (`--programmatic-launch`),
+// the blocks that become resident while that grid's last blocks still run then stream weights
+// (which no kernel writes) instead of idling, so one launch's tail overlaps the next one's reads.
+// Launched plainly, the loads that follow find the lines on their way. 4 KiB a row keeps what the
+// resident warps ask for (~36 warps × 114 SMs × 4 KiB ≈ 16 MB) well inside an H100's 50 MB L2.
+#define AHEAD_BYTES 4096
+
+__device__ __forceinline__ void prefetch_l2(const u8* p) {
+#ifndef KERNEL_HOST_CHECK
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+// This lane's share (128-byte lines) of the first AHEAD_BYTES of a row of `bytes` bytes.
+__device__ __forceinline__ void row_ahead(const u8* row, long long bytes) {
+    const long long n = bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES;
+    for (long long at = (long long)(threadIdx.x & 31) * 128; at < n; at += 32 * 128) prefetch_l2(row + at);
+}
+
+// grid_dependency, after this warp's row of `w` (and of `w2` where given: the gate/up kernels)
+// has been asked for. The one-weight and gate/up kernels start here.
+__device__ __forceinline__ void grid_dependency_after_row(const u8* w, int dtype, const u8* w2, int dtype2, int rows,
+                                                          int cols) {
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row < rows) {
+        row_ahead(w + row_bytes(dtype, cols) * row, row_bytes(dtype, cols));
+        if (w2) row_ahead(w2 + row_bytes(dtype2, cols) * row, row_bytes(dtype2, cols));
+    }
+    grid_dependency();
+}
+
 // Each token's row sum to out[t][col0 + row] (lane 0 writes); MAXT = the kernel's token limit.
 template <int MAXT>
 __device__ __forceinline__ void write_out(float* acc, int n, float* out, int stride, int col0, int row) {
@@ -38,7 +70,7 @@ __device__ __forceinline__ void write_gated(float* g, float* u, int n, int kind,
 // Any float format, any column count.
 extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                         float* out, int stride, int col0) {
-    grid_dependency();
+    grid_dependency_after_row(w, dtype, 0, 0, rows, cols);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
@@ -142,7 +174,7 @@ __device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int c
 // arguments).
 extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                           float* out, int stride, int col0) {
-    grid_dependency();
+    grid_dependency_after_row(w, dtype, 0, 0, rows, cols);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     f16_row_n(w, row, cols, x, n, out, stride, col0);
@@ -151,7 +183,7 @@ extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int 
 // Block formats, up to MAX_QTOKENS tokens per launch.
 extern "C" __global__ void matvec_quant(const u8* w, int dtype, int rows, int cols, const ActBlock* xq, int n,
                                         float* out, int stride, int col0) {
-    grid_dependency();
+    grid_dependency_after_row(w, dtype, 0, 0, rows, cols);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     quant_row(w, dtype, row, cols, xq, n, out, stride, col0);
@@ -191,6 +223,14 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
     return 0;
 }
 
+// grid_dependency, after this warp's row of its part has been asked for (grid_dependency_after_row).
+__device__ __forceinline__ void grid_dependency_after_part(const MatvecParts& ps, int cols) {
+    int row;
+    const MatvecPart* p = part_row(ps, &row);
+    if (row >= 0) row_ahead(p->w + row_bytes(p->dtype, cols) * row, row_bytes(p->dtype, cols));
+    grid_dependency();
+}
+
 // One token's activations, at most QX_MAX_COLS of them, quantized by the block's own warps into
 // shared memory (quantize_block_warp, as quantize_q8 does): a decode step's block-format matvec
 // needs no quantize launch before it. Wider rows keep the launch: there every block would
@@ -205,7 +245,7 @@ __device__ __forceinline__ void quantize_shared(int cols, const float* x, ActBlo
 // One token's block-format rows times its activations quantized in shared memory. `n` is 1.
 extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int cols, const float* x, int n,
                                           float* out, int stride, int col0) {
-    grid_dependency();
+    grid_dependency_after_row(w, dtype, 0, 0, rows, cols);
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -222,7 +262,7 @@ extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int 
 extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                               const float* x, int n, int kind, float threshold, float* out,
                                               int stride) {
-    grid_dependency();
+    grid_dependency_after_row(wg, dg, wu, du, rows, cols);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     if (n == 1) {
@@ -243,7 +283,7 @@ extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) matvec_quant_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                                 const ActBlock* xq, int n, int kind, float threshold, float* out,
                                                 int stride) {
-    grid_dependency();
+    grid_dependency_after_row(wg, dg, wu, du, rows, cols);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row >= rows) return;
     float g[MAX_QTOKENS], u[MAX_QTOKENS];
@@ -257,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 3) matvec_quant_gate_up
 extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
                                                   const float* x, int n, int kind, float threshold, float* out,
                                                   int stride) {
-    grid_dependency();
+    grid_dependency_after_row(wg, dg, wu, du, rows, cols);
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -269,7 +309,7 @@ extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8
 }
 
 extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
-    grid_dependency();
+    grid_dependency_after_part(ps, cols);
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;
@@ -278,7 +318,7 @@ extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const floa
 
 // Held to matvec_quant's 64 registers (4 blocks per SM), which it reaches without spilling.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts(MatvecParts ps, int cols, const ActBlock* xq, int n) {
-    grid_dependency();
+    grid_dependency_after_part(ps, cols);
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row < 0) return;
@@ -305,7 +345,7 @@ extern "C" __global__ void dequant_f16(const u8* w, int dtype, int row0, int til
 // (quantize_shared). `n` is 1 (taken so every parts kernel takes the same arguments).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x(MatvecParts ps, int cols,
                                                                                 const float* x, int n) {
-    grid_dependency();
+    grid_dependency_after_part(ps, cols);
     __shared__ ActBlock xs[QX_MAX_COLS / 32];
     quantize_shared(cols, x, xs);
     int row;

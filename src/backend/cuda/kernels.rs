@@ -130,12 +130,27 @@ mod tests {
     use super::super::launches::{KERNELS, Param};
     use super::*;
 
-    /// Every kernel's body starts with `grid_dependency();`: a kernel launched with programmatic
-    /// stream serialization that did not wait would run beside the kernel before it.
+    /// Every kernel's body starts with `grid_dependency();`, or with one of the matvec helpers
+    /// `grid_dependency_after_*` that ask L2 for weight rows first and then call it: a kernel
+    /// launched with programmatic stream serialization that did not wait would run beside the
+    /// kernel before it.
     #[test]
     fn every_kernel_waits_for_the_grid_before_it() {
         let mut kernels = 0;
+        let mut helpers = 0;
         for (name, src) in SOURCES {
+            let mut rest = *src;
+            while let Some(at) = rest.find("void grid_dependency_after_") {
+                let def = &rest[at..];
+                let body = &def[..def.find("\n}\n").unwrap_or(def.len())];
+                assert!(
+                    body.contains("grid_dependency();"),
+                    "{name}: {} does not end in grid_dependency()",
+                    &def[..def.find('(').unwrap_or(def.len())]
+                );
+                helpers += 1;
+                rest = &def[body.len()..];
+            }
             let mut rest = *src;
             while let Some(at) = rest.find("extern \"C\" __global__") {
                 let decl = &rest[at..];
@@ -149,7 +164,8 @@ mod tests {
                     .collect::<Vec<_>>()
                     .join(" ");
                 assert!(
-                    body.starts_with("grid_dependency();"),
+                    body.starts_with("grid_dependency();")
+                        || body.starts_with("grid_dependency_after_"),
                     "{name}: kernel `{}` does not call grid_dependency() first",
                     head.chars().take(100).collect::<String>()
                 );
@@ -158,6 +174,10 @@ mod tests {
             }
         }
         assert!(kernels >= 30, "found only {kernels} kernels");
+        assert!(
+            helpers >= 2,
+            "found only {helpers} grid_dependency_after_ helpers"
+        );
     }
 
     /// The run-time compilation path (builds without nvcc) compiles every module. NVRTC needs
