@@ -28,6 +28,15 @@ extern "C" __global__ void gated_f32(float* g, const float* u, long long n, int 
     if (i < n) g[i] = gated_value(g[i], u[i], kind, threshold);
 }
 
+// gated_f32's values rounded to f16 into `out` (the f16 input of a down product through cuBLAS),
+// `g` left as it is: the gated launch and the conversion (f32_to_f16) in one, the same bits.
+extern "C" __global__ void gated_to_f16(const float* g, const float* u, u16* out, long long n, int kind,
+                                        float threshold) {
+    grid_dependency();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2h(gated_value(g[i], u[i], kind, threshold));
+}
+
 // out[t] = table[ids[t]] decoded to f32. Grid: one block per token.
 extern "C" __global__ void embed_rows(const u8* table, int dtype, int cols, const int* ids, float* out) {
     grid_dependency();

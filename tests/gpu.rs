@@ -1145,6 +1145,65 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         g.set_workspace(0).unwrap();
     }
 
+    // A gated FFN to its output: the hidden product then down, in one op; on CUDA, a prompt's
+    // step hands the gated product to cuBLAS as its f16 input (down f16 or a block format's f16
+    // tiles; bf16 and f32 downs, and steps the matvecs take, go the plain way). The same bits.
+    for (dg, dd, n, act, threshold) in [
+        (DType::F16, DType::F16, 40, Act::Silu, 0.0),
+        (DType::F16, DType::Q4K, 33, Act::Gelu, 0.05),
+        (DType::Q4_1, DType::Q4_1, 17, Act::Silu, 0.0),
+        (DType::F16, DType::BF16, 40, Act::Silu, 0.0),
+        (DType::F16, DType::F16, 5, Act::Relu, 0.0),
+    ] {
+        let what = format!("gate_up_down {dg} gate/up, {dd} down, {n} tokens, {act:?} {threshold}");
+        let (d, ff) = (256, 512);
+        let (wg, wu, wd) = (
+            g.upload(&weight(&mut rng, dg, ff, d)).unwrap(),
+            g.upload(&weight(&mut rng, dg, ff, d)).unwrap(),
+            g.upload(&weight(&mut rng, dd, d, ff)).unwrap(),
+        );
+        let x = put(g, n, d, &rand_vec(&mut rng, n * d, 2.0));
+        let op = |dtype, rows, cols| {
+            g.workspace_bytes(&WorkspaceOp::Matmul {
+                dtype,
+                tokens: n,
+                rows,
+                cols,
+            })
+        };
+        g.set_workspace(op(dg, ff, d).max(op(dd, d, ff))).unwrap();
+        let (mut g1, mut u1, mut o1) = (poisoned(g, n, ff), poisoned(g, n, ff), poisoned(g, n, d));
+        g.gate_up(&x, (&wg, &wu), (act, threshold), &mut g1, &mut u1)
+            .unwrap();
+        g.matmul(&wd, &g1, &mut o1).unwrap();
+        let (mut g2, mut u2, mut o2) = (poisoned(g, n, ff), poisoned(g, n, ff), poisoned(g, n, d));
+        g.gate_up_down(
+            &x,
+            (&wg, &wu, &wd),
+            (act, threshold),
+            (&mut g2, &mut u2),
+            &mut o2,
+        )
+        .unwrap();
+        let (a, b) = (get(g, &o2), get(g, &o1));
+        assert!(a.iter().all(|v| v.is_finite()), "{what}: unwritten");
+        assert_eq!(bits(&a), bits(&b), "{what}");
+        // A down of another width than the hidden product is refused.
+        let wrong = g.upload(&weight(&mut rng, dd, d, 2 * ff)).unwrap();
+        assert!(
+            g.gate_up_down(
+                &x,
+                (&wg, &wu, &wrong),
+                (act, threshold),
+                (&mut g2, &mut u2),
+                &mut o2
+            )
+            .is_err(),
+            "{what}"
+        );
+        g.set_workspace(0).unwrap();
+    }
+
     let inv: Vec<f32> = (0..32).map(|i| 10000f32.powf(-(i as f32) / 32.0)).collect();
     let inv = g.upload(&HostTensor::from_f32("inv", 1, 32, inv)).unwrap();
     for pairs in [RopePairs::Adjacent, RopePairs::Halves] {

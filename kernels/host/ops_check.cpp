@@ -5,7 +5,9 @@
 //    tiles starting past row 0, a last block of threads cut short);
 //  - embed_rows: token ids' rows of an embedding table, in its format;
 //  - add_table_rows: learned positions added from row first_row on;
-//  - scatter_rows: a cache unit's rows copied into their slots, by words and by bytes.
+//  - scatter_rows: a cache unit's rows copied into their slots, by words and by bytes;
+//  - gated_to_f16: gated_f32 then f32_to_f16 in one launch (every activation, masked or not),
+//    the gate products left as they were.
 // The weights are random bytes: what is checked is which bytes land where, and that each value is
 // decoded as the reference decodes it. scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
@@ -89,6 +91,24 @@ static bool scatter(long long rb, int n, int slots) {
     return same(what, pool.data(), want.data(), pool.size());
 }
 
+// gated_to_f16 against gated_f32 then f32_to_f16, over `n` random products.
+static bool gated_half(int kind, float threshold, long long n) {
+    std::uniform_real_distribution<float> val(-6.0f, 6.0f);
+    std::vector<float> g(n), u(n);
+    for (auto& v : g) v = val(rng);
+    for (auto& v : u) v = val(rng);
+    std::vector<float> g1 = g, g2 = g;
+    std::vector<u16> want(n), got(n, 0xdead);
+    const unsigned blocks = grid_for(n, 256);
+    host_launch({blocks, 1, 1}, 256, [&] { gated_f32(g1.data(), u.data(), n, kind, threshold); });
+    host_launch({blocks, 1, 1}, 256, [&] { f32_to_f16(g1.data(), want.data(), n); });
+    host_launch({blocks, 1, 1}, 256, [&] { gated_to_f16(g2.data(), u.data(), got.data(), n, kind, threshold); });
+    char what[96];
+    std::snprintf(what, sizeof what, "gated_to_f16 act %d threshold %g, %lld values", kind, threshold, n);
+    return same(what, got.data(), want.data(), (size_t)n * 2) &&
+           same("gated_to_f16 leaves the gate products", g2.data(), g.data(), (size_t)n * 4);
+}
+
 int main() {
     bool ok = true;
     // Each block format; a tile from row 0 and one from further in, 8 values a thread, the last
@@ -106,7 +126,9 @@ int main() {
     ok &= scatter(1152, 5, 12);            // whole words
     ok &= scatter(1154, 5, 12);            // bytes
     ok &= scatter(36, 12, 12);             // every slot
+    for (int kind : {ACT_SILU, ACT_RELU, ACT_GELU, ACT_GELU_TANH}) ok &= gated_half(kind, 0.0f, 1000);
+    ok &= gated_half(ACT_SILU, 0.5f, 777);  // masked, a last block cut short
     if (!ok) return 1;
-    std::printf("ops-check: dequant_f16, embed_rows, add_table_rows and scatter_rows equal the reference\n");
+    std::printf("ops-check: dequant_f16, embed_rows, add_table_rows, scatter_rows and gated_to_f16 equal the reference\n");
     return 0;
 }

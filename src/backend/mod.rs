@@ -839,6 +839,21 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         gate_then_up(self, x, (w_gate, w_up), (act, threshold), gate, up)
     }
+    /// A gated FFN without bias or mask: [`Backend::gate_up`] of `x`, then `out = hidden ·
+    /// w_downᵀ`. `gate` and `up` are scratch (what they hold after is unspecified). A prompt's
+    /// step on CUDA hands the gated product straight to cuBLAS as its f16 input (one launch and
+    /// no f32 copy of it written and converted; the same bits).
+    fn gate_up_down(
+        &self,
+        x: &Self::Tensor,
+        (w_gate, w_up, w_down): (&Self::Weight, &Self::Weight, &Self::Weight),
+        how: (Act, f32),
+        (gate, up): (&mut Self::Tensor, &mut Self::Tensor),
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.gate_up(x, (w_gate, w_up), how, gate, up)?;
+        self.matmul(w_down, gate, out)
+    }
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
     /// already hold this step's keys and values; with a `table`, the rows it maps the positions
@@ -997,6 +1012,18 @@ pub fn gate_then_up<B: Backend + ?Sized>(
     gate: &mut B::Tensor,
     up: &mut B::Tensor,
 ) -> Result<()> {
+    gate_and_up(b, x, (w_gate, w_up), gate, up)?;
+    b.gated(gate, up, act, threshold)
+}
+
+/// `x · w_gateᵀ` into `gate` and `x · w_upᵀ` into `up`, in one [`Backend::matmul_parts`].
+pub fn gate_and_up<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    (w_gate, w_up): (&B::Weight, &B::Weight),
+    gate: &mut B::Tensor,
+    up: &mut B::Tensor,
+) -> Result<()> {
     let parts = [
         MatmulPart {
             w: w_up,
@@ -1009,8 +1036,7 @@ pub fn gate_then_up<B: Backend + ?Sized>(
             col0: 0,
         },
     ];
-    b.matmul_parts(x, &parts, &mut [&mut *up, &mut *gate])?;
-    b.gated(gate, up, act, threshold)
+    b.matmul_parts(x, &parts, &mut [&mut *up, &mut *gate])
 }
 
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.

@@ -2704,6 +2704,50 @@ impl Backend for CudaBackend {
         launch(launches::matvec_quant_gate_up, ws)
     }
 
+    fn gate_up_down(
+        &self,
+        x: &CudaTensor,
+        (w_gate, w_up, w_down): (&CudaWeight, &CudaWeight, &CudaWeight),
+        (act, threshold): (Act, f32),
+        (gate, up): (&mut CudaTensor, &mut CudaTensor),
+        out: &mut CudaTensor,
+    ) -> Result<()> {
+        let n = x.rows;
+        // Every product through cuBLAS, down's input in f16: the gated product goes straight
+        // there (gated_to_f16), where gated_f32 then the conversion would write it twice.
+        let by_gemm = |w: &CudaWeight| n > tokens_per_matvec(w.dtype);
+        if self.blas.is_none()
+            || !(by_gemm(w_gate) && by_gemm(w_up) && by_gemm(w_down))
+            || gemm_input_kind(w_down.dtype) != GemmInput::F16
+        {
+            self.gate_up(x, (w_gate, w_up), (act, threshold), gate, up)?;
+            return self.matmul(w_down, gate, out);
+        }
+        check_same_shape("gate_up_down", gate, up)?;
+        check_matmul(w_down, gate, out, 0)?;
+        super::gate_and_up(self, x, (w_gate, w_up), gate, up)?;
+        self.bind()?;
+        // The workspace down's product takes alone: its f16 input at the start, where
+        // gemm_input would convert it.
+        let (_ws, ws) = self.workspace_for(WorkspaceOp::Matmul {
+            dtype: w_down.dtype,
+            tokens: n,
+            rows: w_down.rows,
+            cols: w_down.cols,
+        })?;
+        let len = gate.rows * gate.cols;
+        launches::gated_to_f16(
+            self.launch(Self::elementwise_cfg(len)),
+            gate.buf.ptr,
+            up.buf.ptr,
+            ws,
+            len as i64,
+            act_code(act),
+            threshold,
+        )?;
+        self.gemm_from(w_down, ws, gate, out, 0, ws)
+    }
+
     fn activate(&self, x: &mut CudaTensor, act: Act, threshold: f32) -> Result<()> {
         let (n, k) = ((x.rows * x.cols) as i64, act_code(act));
         launches::activate_f32(
