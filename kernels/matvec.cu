@@ -33,8 +33,9 @@ __device__ __forceinline__ void grid_dependency_after_row(const u8* w, int dtype
                                                           int cols) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row < rows) {
-        row_ahead(w + row_bytes(dtype, cols) * row, row_bytes(dtype, cols));
-        if (w2) row_ahead(w2 + row_bytes(dtype2, cols) * row, row_bytes(dtype2, cols));
+        const long long rb = row_bytes(dtype, cols), rb2 = row_bytes(dtype2, cols);
+        row_ahead(w + rb * row, rb);
+        if (w2) row_ahead(w2 + rb2 * row, rb2);
     }
     grid_dependency();
 }
@@ -227,7 +228,10 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
 __device__ __forceinline__ void grid_dependency_after_part(const MatvecParts& ps, int cols) {
     int row;
     const MatvecPart* p = part_row(ps, &row);
-    if (row >= 0) row_ahead(p->w + row_bytes(p->dtype, cols) * row, row_bytes(p->dtype, cols));
+    if (row >= 0) {
+        const long long rb = row_bytes(p->dtype, cols);
+        row_ahead(p->w + rb * row, rb);
+    }
     grid_dependency();
 }
 

@@ -851,8 +851,7 @@ pub trait Backend: Send + Sync + 'static {
         (gate, up): (&mut Self::Tensor, &mut Self::Tensor),
         out: &mut Self::Tensor,
     ) -> Result<()> {
-        self.gate_up(x, (w_gate, w_up), how, gate, up)?;
-        self.matmul(w_down, gate, out)
+        gate_up_then_down(self, x, (w_gate, w_up, w_down), how, (gate, up), out)
     }
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
@@ -1014,6 +1013,20 @@ pub fn gate_then_up<B: Backend + ?Sized>(
 ) -> Result<()> {
     gate_and_up(b, x, (w_gate, w_up), gate, up)?;
     b.gated(gate, up, act, threshold)
+}
+
+/// [`Backend::gate_up`], then `out = gate · w_downᵀ`: what [`Backend::gate_up_down`] computes,
+/// op by op.
+pub fn gate_up_then_down<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    (w_gate, w_up, w_down): (&B::Weight, &B::Weight, &B::Weight),
+    how: (Act, f32),
+    (gate, up): (&mut B::Tensor, &mut B::Tensor),
+    out: &mut B::Tensor,
+) -> Result<()> {
+    b.gate_up(x, (w_gate, w_up), how, gate, up)?;
+    b.matmul(w_down, gate, out)
 }
 
 /// `x · w_gateᵀ` into `gate` and `x · w_upᵀ` into `up`, in one [`Backend::matmul_parts`].

@@ -2010,19 +2010,16 @@ impl<B: Backend> Engine<B> {
                         let unmasked = hybrid.is_none() && self.predictor.is_none();
                         match (&self.tap, wg.blocks.as_slice(), up.blocks.as_slice()) {
                             (None, [(0, w_gate)], [(0, w_up)])
-                                if wg.bias.is_none()
-                                    && up.bias.is_none()
-                                    && unmasked
-                                    && down.bias.is_none()
-                                    && let [(0, w_down)] = down.blocks.as_slice() =>
-                            {
-                                let ws = (*w_gate, *w_up, *w_down);
-                                b.gate_up_down(&sc.h, ws, how, (g, &mut sc.up), &mut sc.proj)?;
-                                return Ok(());
-                            }
-                            (None, [(0, w_gate)], [(0, w_up)])
                                 if wg.bias.is_none() && up.bias.is_none() =>
                             {
+                                if unmasked
+                                    && down.bias.is_none()
+                                    && let [(0, w_down)] = down.blocks.as_slice()
+                                {
+                                    let ws = (*w_gate, *w_up, *w_down);
+                                    b.gate_up_down(&sc.h, ws, how, (g, &mut sc.up), &mut sc.proj)?;
+                                    return Ok(());
+                                }
                                 b.gate_up(&sc.h, (w_gate, w_up), how, g, &mut sc.up)?;
                             }
                             _ => {

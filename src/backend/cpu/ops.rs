@@ -195,11 +195,12 @@ pub fn attend_each<'c, R: KvRows + 'c>(
     // long as the threads leave them (a block of cache rows then read a run of heads at a time,
     // in order, where a task per head read it in strips a row apart); then each (row, KV head)'s
     // chunks merged.
-    let total: usize = (0..n).map(chunks).sum();
+    let total = items / kv_heads;
     let runs = (2 * threads).div_ceil(total.max(1)).clamp(1, kv_heads);
     let run = kv_heads.div_ceil(runs);
     let runs = kv_heads.div_ceil(run);
     let slots = run * group;
+    let cols: Vec<usize> = (0..kv_heads).map(|h| h * hd).collect();
     let mut first = Vec::with_capacity(n + 1);
     let mut work = Vec::new();
     for t in 0..n {
@@ -216,7 +217,6 @@ pub fn attend_each<'c, R: KvRows + 'c>(
         .for_each(|((part, acc), &(t, c, h0))| {
             if let Some((kc, vc, len)) = caches(t) {
                 let h1 = (h0 + run).min(kv_heads);
-                let cols: Vec<usize> = (h0..h1).map(|h| h * hd).collect();
                 let qt = &q[t * q_dim + h0 * group * hd..t * q_dim + h1 * group * hd];
                 let used = (h1 - h0) * group;
                 let mut scratch = ChunkScratch::default();
@@ -225,7 +225,7 @@ pub fn attend_each<'c, R: KvRows + 'c>(
                     &[qt],
                     &[len],
                     (kc, vc),
-                    (&cols, c),
+                    (&cols[h0..h1], c),
                     hd,
                     s.scale,
                     &mut part[..used],

@@ -2720,8 +2720,8 @@ impl Backend for CudaBackend {
             || !(by_gemm(w_gate) && by_gemm(w_up) && by_gemm(w_down))
             || gemm_input_kind(w_down.dtype) != GemmInput::F16
         {
-            self.gate_up(x, (w_gate, w_up), (act, threshold), gate, up)?;
-            return self.matmul(w_down, gate, out);
+            let ws = (w_gate, w_up, w_down);
+            return super::gate_up_then_down(self, x, ws, (act, threshold), (gate, up), out);
         }
         check_same_shape("gate_up_down", gate, up)?;
         check_matmul(w_down, gate, out, 0)?;
