@@ -119,12 +119,23 @@ __device__ __forceinline__ void load_tile(u16* dst, const u16* cache, const unsi
     cp_async_commit();
 }
 
+// The flash kernels' products and copies (mma m16n8k16, cp.async) are Ampere's. Compiled for
+// an older device (NVRTC for a Turing card) they are a trap: the backend takes the simple kernel
+// there (FLASH_CAPABILITY in src/backend/cuda/mod.rs), and the module still loads for the split
+// kernel below.
+#if defined(KERNEL_HOST_CHECK) || !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define FLASH_TENSOR_CORES 1
+#endif
+
 // q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols f16 (KV head g at g·HD); out like q.
 // Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
 template <int HD>
 __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, int n,
                            int n_heads,
                            int group, int kv_cols, int first_pos, float scale) {
+#ifndef FLASH_TENSOR_CORES
+    __trap();
+#else
     constexpr int KP = HD + FA_PAD;      // pitch (halves) of a key or value row; the Q tile is staged in the keys'
     constexpr int KSTEPS = HD / 16;       // k-steps of Q·Kᵀ
     constexpr int OTILES = HD / 8;        // 8-wide column tiles of the output
@@ -285,6 +296,7 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
             dst[j * 8 + 1] = o[j][2 * i + 1] * inv;
         }
     }
+#endif
 }
 
 #define FLASH(HD)                                                                                          \

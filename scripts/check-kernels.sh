@@ -2,7 +2,7 @@
 # Compile every kernels/*.cu to PTX with the pinned CUDA 13.0 nvcc from PyPI (no GPU needed),
 # check the PTX ISA version is at most 9.0 (what the 13.0 driver loads), and assemble each for
 # sm_90 with ptxas (built for compute_80 and for compute_90, where every kernel must wait for
-# the grid before it); then compile them again through NVRTC (the run-time path of builds made
+# the grid before it), and for sm_75 (built for compute_75: Turing cards); then compile them again through NVRTC (the run-time path of builds made
 # without nvcc) in the crate's own test; and build the block decoders for the host with g++ and
 # check them against the reference dequantization (scripts/kernel_host_check.py), the bundle
 # decoders against the store's (kernels/host/bundle_check.cpp), the flash, split and simple
@@ -42,7 +42,11 @@ for cu in kernels/*.cu; do
         echo "check-kernels: $cu: kernels that do not wait for the grid before them: $missing" >&2
         exit 1
     fi
-    echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok; for compute_90 every kernel waits"
+    # Built for Turing (compute_75: what NVRTC compiles for such a card at run time), the module
+    # assembles for sm_75: nothing of Ampere's outside the kernels that trap there.
+    "$BIN/nvcc" --ptx -arch=compute_75 -O3 -I kernels "$cu" -o "$OUT/$name.75.ptx"
+    "$BIN/ptxas" -arch=sm_75 "$OUT/$name.75.ptx" -o "$OUT/$name.75.cubin"
+    echo "check-kernels: $cu → PTX $version, ptxas sm_90 ok; for compute_90 every kernel waits; sm_75 ok"
 done
 python3 scripts/kernel_host_check.py
 # The bundle decoders (kernels/bundle_codes.cuh) against the store's dequantizers, bit for bit,

@@ -207,6 +207,9 @@ pub struct GpuProfile {
     pub kernels: String,
     /// Whether `--programmatic-launch` runs here (compute capability 9.0, kernels built for it).
     pub programmatic_launch: bool,
+    /// Whether prompts over an f16 cache take the tensor-core (flash) attention here (compute
+    /// capability 8.0 and newer), not the simple kernel.
+    pub flash_attention: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -330,6 +333,8 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
         let b = bytes as f64;
         let hbm_read = be.read_bandwidth(bytes).map_err(|e| e.to_string())?;
         let matmul = matmul_rate(&be, 512, 4096, 4096)?;
+        let (major, minor) = info.compute_capability;
+        let capability = (major * 10 + minor) as u32;
         Ok(GpuProfile {
             name: info.name,
             compute_capability: info.compute_capability,
@@ -346,10 +351,11 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             h2d_pageable_bytes_per_s: b / h2d_u,
             d2h_pinned_bytes_per_s: b / d2h_p,
             d2h_pageable_bytes_per_s: b / d2h_u,
-            kernels: crate::backend::cuda::kernels::build_info(),
+            kernels: crate::backend::cuda::kernels::build_info_for(capability),
             programmatic_launch: crate::backend::cuda::kernels::kernels_wait_for_grids(
                 info.compute_capability.0,
             ),
+            flash_attention: crate::backend::cuda::flash_attention_runs(capability),
         })
     }
 }

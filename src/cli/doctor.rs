@@ -167,6 +167,15 @@ pub fn run(args: DoctorArgs) -> Result<()> {
                     "does not (compute capability 9.0 and kernels built for it)"
                 }
             )?;
+            writeln!(
+                out,
+                "prompt attention: {}",
+                if g.flash_attention {
+                    "tensor cores (flash)"
+                } else {
+                    "the simple kernel (tensor-core flash attention needs compute capability 8.0)"
+                }
+            )?;
         }
         Err(e) => writeln!(
             out,

@@ -74,6 +74,61 @@ pub fn build_info() -> String {
     }
 }
 
+/// How a module reaches a device of compute capability `device` (major · 10 + minor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModuleLoad {
+    /// The build's PTX, which the driver compiles for the device.
+    Ptx,
+    /// The module's source compiled here by NVRTC for the device itself.
+    Nvrtc,
+}
+
+/// How a module that ships as `source` loads on a device of compute capability `device`, or why
+/// it cannot. PTX loads on devices at least as new as the target it was built for; on an older
+/// one (PTX for compute_80 on a Turing card) the embedded source is compiled by NVRTC instead,
+/// where NVRTC is installed.
+pub fn module_load(
+    is_ptx: bool,
+    ptx_capability: Option<u32>,
+    device: u32,
+    nvrtc: bool,
+) -> Result<ModuleLoad> {
+    if is_ptx && ptx_capability.is_none_or(|c| c <= device) {
+        return Ok(ModuleLoad::Ptx);
+    }
+    if nvrtc {
+        return Ok(ModuleLoad::Nvrtc);
+    }
+    Err(BackendError::Unavailable(
+        if let Some(target) = ptx_capability.filter(|_| is_ptx) {
+            format!(
+                "the kernels are PTX for compute_{target}, which a device of compute capability {}.{} cannot              load: rebuild with CUDA_COMPUTE_CAP={device} (or without nvcc, so they compile at              run time), or install NVRTC to compile them for this device",
+                device / 10,
+                device % 10
+            )
+        } else {
+            "kernels were built without nvcc and NVRTC is not installed: rebuild with NVCC set, or          install NVRTC"
+            .into()
+        },
+    ))
+}
+
+/// How this build's kernels reach a device of compute capability `device` (major · 10 + minor),
+/// for `doctor`.
+pub fn build_info_for(device: u32) -> String {
+    let info = build_info();
+    let is_ptx = MODULES
+        .iter()
+        .any(|(_, s)| matches!(s, KernelSource::Ptx(_)));
+    match module_load(is_ptx, ptx_capability(), device, nvrtc_present()) {
+        Ok(ModuleLoad::Nvrtc) if is_ptx => {
+            format!("{info}, newer than this device: NVRTC compiles them for it")
+        }
+        Ok(_) => info,
+        Err(e) => format!("{info}: {e}"),
+    }
+}
+
 /// Loaded modules by name.
 #[derive(Default)]
 pub struct Modules {
@@ -93,32 +148,33 @@ impl Modules {
             .iter()
             .find(|(n, _)| *n == name)
             .ok_or_else(|| BackendError::Device(format!("no kernel module `{name}`")))?;
-        let ptx = match source {
-            KernelSource::Ptx(text) => Ptx::from_src(*text),
-            KernelSource::Cuda(src) => {
-                if !nvrtc_present() {
-                    return Err(BackendError::Unavailable(
-                        "kernels were built without nvcc and NVRTC is not installed: rebuild with NVCC set, or install NVRTC".into(),
-                    ));
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| BackendError::Device(format!("{e:?}")))?;
+        let device = (major * 10 + minor) as u32;
+        let is_ptx = matches!(source, KernelSource::Ptx(_));
+        let (ptx, built_for) = match (
+            source,
+            module_load(is_ptx, ptx_capability(), device, nvrtc_present())?,
+        ) {
+            (KernelSource::Ptx(text), ModuleLoad::Ptx) => (Ptx::from_src(*text), PTX_ARCH),
+            (_, _) => {
+                let src = SOURCES
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, s)| *s)
+                    .ok_or_else(|| BackendError::Device(format!("no source for `{name}`")))?;
+                if is_ptx {
+                    tracing::info!(
+                        "kernel module {name}: PTX for {PTX_ARCH} is newer than this device                          ({major}.{minor}); compiling it with NVRTC"
+                    );
                 }
-                let (major, minor) = ctx
-                    .compute_capability()
-                    .map_err(|e| BackendError::Device(format!("{e:?}")))?;
-                let arch: &'static str =
-                    Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-                cudarc::nvrtc::compile_ptx_with_opts(
-                    src,
-                    CompileOptions {
-                        arch: Some(arch),
-                        name: Some(format!("{name}.cu")),
-                        ..Default::default()
-                    },
-                )
-                .map_err(|e| BackendError::Device(format!("NVRTC compiling {name}.cu: {e:?}")))?
+                let arch = format!("compute_{device}");
+                (nvrtc_compile(name, src, &arch)?, "NVRTC")
             }
         };
         let module = ctx.load_module(ptx).map_err(|e| {
-            BackendError::Device(format!("loading kernel module {name} ({PTX_ARCH}): {e:?}"))
+            BackendError::Device(format!("loading kernel module {name} ({built_for}): {e:?}"))
         })?;
         loaded.insert(name, module.clone());
         Ok(module)
@@ -192,17 +248,30 @@ mod tests {
             eprintln!("skipped: NVRTC not found (scripts/check-kernels.sh provides it)");
             return;
         }
-        let mut entries = 0;
-        for (name, src) in SOURCES {
-            let ptx = nvrtc_compile(name, src, "compute_80").unwrap_or_else(|e| panic!("{e}"));
-            let found = ptx_entries(&ptx.to_src());
-            assert!(!found.is_empty(), "{name}: no kernels in the PTX");
-            launches_match_ptx(name, &found);
-            entries += found.len();
+        // Ampere and newer, and Turing (what a build's PTX for compute_80 falls back to there:
+        // the flash kernels compile to a trap, everything else as it is).
+        for arch in ["compute_80", "compute_75"] {
+            let mut entries = 0;
+            for (name, src) in SOURCES {
+                let ptx = nvrtc_compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+                let text = ptx.to_src();
+                let found = ptx_entries(&text);
+                assert!(
+                    !found.is_empty(),
+                    "{name}: no kernels in the PTX for {arch}"
+                );
+                launches_match_ptx(name, &found);
+                if arch == "compute_75" {
+                    for ampere in ["cp.async", "m16n8k16"] {
+                        assert!(!text.contains(ampere), "{name}: {ampere} in PTX for {arch}");
+                    }
+                }
+                entries += found.len();
+            }
+            assert_eq!(SOURCES.len(), MODULES.len());
+            // And no launch function is left for a kernel the PTX lacks.
+            assert_eq!(entries, KERNELS.len(), "launch functions without a kernel");
         }
-        assert_eq!(SOURCES.len(), MODULES.len());
-        // And no launch function is left for a kernel the PTX lacks.
-        assert_eq!(entries, KERNELS.len(), "launch functions without a kernel");
     }
 
     #[test]

@@ -82,6 +82,13 @@ const MAX_HEAD_DIM: usize = 256;
 /// Query rows from which a prefill over an f16 cache runs on tensor cores (the flash kernel),
 /// and the head dims it is built for (flash_attn_f16_hd* in kernels/flash_attention.cu).
 const FLASH_MIN_ROWS: usize = 16;
+/// Compute capability (major · 10 + minor) the flash kernel needs: its m16n8k16 products and
+/// cp.async copies are Ampere's (built for an older device it compiles to a trap, which is
+/// never launched). Older devices' prompts take the simple kernel.
+const FLASH_CAPABILITY: u32 = 80;
+/// Oldest compute capability the kernels run on (Turing, 7.5): `ldmatrix` and the integer dot
+/// products, and the oldest target CUDA 13 compiles for.
+pub const MIN_CAPABILITY: u32 = 75;
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
 /// Query rows per flash block (FA_ROWS) and threads per block of both new kernels.
 const FLASH_ROWS: usize = 64;
@@ -150,6 +157,60 @@ fn splits_keys(n_heads: usize, head_dim: usize) -> bool {
     (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
         && head_dim.is_multiple_of(8)
         && n_heads <= SPLIT_MAX_HEADS
+}
+
+/// Which attention kernel a step takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// Few rows: the keys in chunks across blocks, combined by each head's last block.
+    Split,
+    /// Prompts over an f16 cache on tensor cores.
+    Flash,
+    /// A block per (row, head), a thread per key: what is left.
+    Simple,
+}
+
+/// The kernel attention of `rows` query rows over a `kv` cache takes, with `n_heads` heads of
+/// `head_dim`, on a device of compute capability `capability` (major · 10 + minor).
+pub fn attention_kernel(
+    rows: usize,
+    kv: KvType,
+    n_heads: usize,
+    head_dim: usize,
+    capability: u32,
+) -> AttentionKernel {
+    if rows <= SPLIT_ROWS && splits_keys(n_heads, head_dim) {
+        AttentionKernel::Split
+    } else if rows >= FLASH_MIN_ROWS
+        && kv == KvType::F16
+        && FLASH_HEAD_DIMS.contains(&head_dim)
+        && flash_attention_runs(capability)
+    {
+        AttentionKernel::Flash
+    } else {
+        AttentionKernel::Simple
+    }
+}
+
+/// Whether prompts over an f16 cache take the flash kernel on a device of compute capability
+/// `capability` (major · 10 + minor).
+pub fn flash_attention_runs(capability: u32) -> bool {
+    capability >= FLASH_CAPABILITY
+}
+
+/// Whether the kernels run on a device of compute capability `capability` (major · 10 + minor),
+/// else why not.
+pub fn supported_capability(capability: u32) -> Result<()> {
+    if capability >= MIN_CAPABILITY {
+        return Ok(());
+    }
+    Err(BackendError::Unavailable(format!(
+        "compute capability {}.{}: the kernels need {}.{} (Turing) or newer",
+        capability / 10,
+        capability % 10,
+        MIN_CAPABILITY / 10,
+        MIN_CAPABILITY % 10
+    )))
 }
 
 /// The step position as the recorded kernels read it (an i32), if it is one.
@@ -385,6 +446,8 @@ pub struct CudaBackend {
     recording: std::sync::atomic::AtomicBool,
     /// `--programmatic-launch`: kernels launched with programmatic stream serialization.
     programmatic: std::sync::atomic::AtomicBool,
+    /// The device's compute capability, major · 10 + minor.
+    capability: u32,
     /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within
     /// device memory, and each node of a replayed recording ([`Backend::device_ops_run`]).
     device_ops: std::sync::atomic::AtomicU64,
@@ -700,6 +763,9 @@ impl CudaBackend {
         let meter = DeviceMeter::before_context(ordinal);
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| BackendError::Unavailable(format!("CUDA device {ordinal}: {e:?}")))?;
+        let (major, minor) = ctx.compute_capability().map_err(dev)?;
+        let capability = (major * 10 + minor) as u32;
+        supported_capability(capability)?;
         // Ordering between our streams is explicit (events); per-use event tracking would add
         // an event record to every kernel argument.
         // SAFETY: called before any allocation; every cross-stream use is ordered by the
@@ -727,6 +793,7 @@ impl CudaBackend {
             step_position: Mutex::new(None),
             recording: std::sync::atomic::AtomicBool::new(false),
             programmatic: std::sync::atomic::AtomicBool::new(false),
+            capability,
             device_ops: std::sync::atomic::AtomicU64::new(0),
         };
         for (name, _) in kernels::MODULES {
@@ -2832,7 +2899,8 @@ impl Backend for CudaBackend {
         if at != 0 {
             recordable_attention(n)?;
         }
-        if n <= SPLIT_ROWS && splits_keys(s.n_heads, s.head_dim) {
+        let kernel = attention_kernel(n, k_cache.ty, s.n_heads, s.head_dim, self.capability);
+        if kernel == AttentionKernel::Split {
             // Few rows (decode): the keys in chunks across blocks, partials in the workspace,
             // combined by each head's last block (one launch).
             let (_ws, wptr) = self.workspace_for(WorkspaceOp::Attention {
@@ -2880,8 +2948,7 @@ impl Backend for CudaBackend {
             )?;
             return Ok(());
         }
-        if n >= FLASH_MIN_ROWS && k_cache.ty == KvType::F16 && FLASH_HEAD_DIMS.contains(&s.head_dim)
-        {
+        if kernel == AttentionKernel::Flash {
             // Prefill over an f16 cache: tensor-core tiles, the scores never leave the chip.
             let kernel = match s.head_dim {
                 64 => launches::flash_attn_f16_hd64,
@@ -3107,6 +3174,61 @@ mod tests {
                 assert_eq!(workspace_bytes(&op(40)), 0, "{dtype}");
             }
         }
+    }
+
+    #[test]
+    fn prompts_take_tensor_cores_from_ampere_and_the_simple_kernel_before() {
+        use AttentionKernel::*;
+        let k = |rows, kv, hd, cap| attention_kernel(rows, kv, 32, hd, cap);
+        for cap in [80, 86, 89, 90, 120] {
+            assert_eq!(k(4000, KvType::F16, 128, cap), Flash, "{cap}");
+            assert_eq!(k(FLASH_MIN_ROWS, KvType::F16, 64, cap), Flash, "{cap}");
+        }
+        // Turing: same decode kernel, prompts on the simple kernel.
+        assert_eq!(k(4000, KvType::F16, 128, 75), Simple);
+        assert_eq!(k(1, KvType::F16, 128, 75), Split);
+        for cap in [75, 90] {
+            assert_eq!(k(SPLIT_ROWS, KvType::Q8_0, 128, cap), Split);
+            assert_eq!(k(FLASH_MIN_ROWS - 1, KvType::F16, 128, cap), Simple);
+            assert_eq!(k(4000, KvType::F32, 128, cap), Simple);
+            assert_eq!(k(4000, KvType::Q8_0, 128, cap), Simple);
+            // Head dims the flash kernel is not built for; heads the split one does not take.
+            assert_eq!(k(4000, KvType::F16, 112, cap), Simple);
+            assert_eq!(k(1, KvType::F16, 16, cap), Simple);
+        }
+        assert!(supported_capability(75).is_ok() && supported_capability(90).is_ok());
+        let old = supported_capability(61).unwrap_err().to_string();
+        assert!(old.contains("6.1") && old.contains("7.5"), "{old}");
+    }
+
+    #[test]
+    fn ptx_newer_than_the_device_falls_back_to_nvrtc_or_says_how_to_build() {
+        use kernels::{ModuleLoad, module_load};
+        // PTX for compute_80: Ampere and newer load it; Turing compiles the source instead.
+        for device in [80, 86, 90] {
+            assert_eq!(
+                module_load(true, Some(80), device, false).unwrap(),
+                ModuleLoad::Ptx
+            );
+        }
+        assert_eq!(
+            module_load(true, Some(80), 75, true).unwrap(),
+            ModuleLoad::Nvrtc
+        );
+        let e = module_load(true, Some(90), 86, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("8.6") && e.contains("CUDA_COMPUTE_CAP=86") && e.contains("NVRTC"),
+            "{e}"
+        );
+        // Sources compile for the device, where NVRTC is.
+        assert_eq!(
+            module_load(false, Some(80), 75, true).unwrap(),
+            ModuleLoad::Nvrtc
+        );
+        let e = module_load(false, None, 90, false).unwrap_err().to_string();
+        assert!(e.contains("NVRTC is not installed"), "{e}");
     }
 
     #[test]
