@@ -1,5 +1,7 @@
 // Attention that scales with the context (issue 13), beside the simple kernel of attention.cu:
-// - `flash_attn_f16_hd*`: prefill (many query rows) over an f16 cache on tensor cores. A block
+// - `flash_attn_{f16,q8_0}_hd*`: prefill (many query rows) over an f16 or Q8_0 cache on tensor
+//   cores (a Q8_0 tile decoded to f16 as it is loaded; f32 caches keep f32 arithmetic, in the
+//   simple kernel). A block
 //   takes 64 query rows of one head (16 per warp); key and value tiles of 64 positions go through
 //   shared memory once per block, copied by cp.async so each tile's load overlaps the product
 //   before it (the values of tile j while its scores are computed, the keys of tile j + 1 while
@@ -104,17 +106,50 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// Keys j0 .. j0 + FA_KEYS - 1 of a cache (one KV head's HD columns from col) into a shared tile
-// of pitch P halves, as they lie; positions at or past `keys` as zeros (they may be past the
-// cache: their scores are masked, and zeros times a zero probability stay zeros).
-template <int HD, int P>
-__device__ __forceinline__ void load_tile(u16* dst, const u16* cache, const unsigned* table, int kv_cols, int col,
+// Elements c..c+7 of a KV cache row in storage format DT, c a multiple of 8: one 16-byte load
+// for f16, two for f32; a Q8_0 row's 8 codes lie in one block. The values kv_elem gives.
+template <int DT>
+__device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
+    if (DT == DT_F32) {
+        const float4* p = (const float4*)((const float*)row + c);
+        const float4 a = p[0], b = p[1];
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
+        x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else if (DT == DT_F16) {
+        const Half8 h = *(const Half8*)((const u16*)row + c);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = h2f((u16)(h.w[e >> 1] >> (16 * (e & 1))));
+    } else {
+        const u8* b = row + (c >> 5) * 34;
+        const float d = h2f(load_u16(b));
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = d * (float)(i8)b[2 + (c & 31) + e];
+    }
+}
+
+// Keys j0 .. j0 + FA_KEYS - 1 of a cache in format DT (rows of rb bytes; one KV head's HD columns
+// from col) into a shared f16 tile of pitch P halves; positions at or past `keys` as zeros (they
+// may be past the cache: their scores are masked, and zeros times a zero probability stay zeros).
+// An f16 cache's rows are copied as they lie, by cp.async; a Q8_0 cache's are decoded here (d · q,
+// rounded to f16 as the tile holds it), 8 values a thread at a time, and stored before the
+// thread goes on: the barrier that publishes a cp.async tile publishes these too.
+template <int DT, int HD, int P>
+__device__ __forceinline__ void load_tile(u16* dst, const u8* cache, const unsigned* table, int kv_cols, int col,
                                           int j0, int keys) {
     for (int i = threadIdx.x; i < FA_KEYS * HD / 8; i += FA_THREADS) {
         const int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
         const bool in = j0 + r < keys;
-        const u16* src = cache + (in ? kv_row(table, j0 + r) * kv_cols + col + c : 0);
-        cp_async16(dst + r * P + c, src, in ? 16 : 0);
+        if (DT == DT_F16) {
+            const u16* src = (const u16*)cache + (in ? kv_row(table, j0 + r) * kv_cols + col + c : 0);
+            cp_async16(dst + r * P + c, src, in ? 16 : 0);
+        } else {
+            float x[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (in) kv_vec8<DT>(cache + kv_row(table, j0 + r) * row_bytes(DT, kv_cols), col + c, x);
+            Half8 h;
+#pragma unroll
+            for (int e = 0; e < 4; e++) h.w[e] = pack_h2(x[2 * e], x[2 * e + 1]);
+            *(Half8*)(dst + r * P + c) = h;
+        }
     }
     cp_async_commit();
 }
@@ -127,10 +162,10 @@ __device__ __forceinline__ void load_tile(u16* dst, const u16* cache, const unsi
 #define FLASH_TENSOR_CORES 1
 #endif
 
-// q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols f16 (KV head g at g·HD); out like q.
-// Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
-template <int HD>
-__device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, int n,
+// q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols values in DT (f16 or Q8_0; KV head g at
+// g·HD); out like q. Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
+template <int DT, int HD>
+__device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out, int n,
                            int n_heads,
                            int group, int kv_cols, int first_pos, float scale) {
 #ifndef FLASH_TENSOR_CORES
@@ -191,13 +226,13 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
     const u16* v_at = vs + (l8 + lr) * KP + l16 * 8;
 
     __syncthreads();  // every warp has its Q fragments: the key tile is free
-    load_tile<HD, KP>(ks, kc, table, kv_cols, col, 0, keys);
+    load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, 0, keys);
     for (int j0 = 0; j0 < keys; j0 += FA_KEYS) {
         // Keys j0.. have landed (this thread's copies; the barrier: everyone's), and every warp
         // is done with the values before them.
         cp_async_wait_all();
         __syncthreads();
-        load_tile<HD, KP>(vs, vc, table, kv_cols, col, j0, keys);
+        load_tile<DT, HD, KP>(vs, vc, table, kv_cols, col, j0, keys);
 
         // Scores of this warp's 16 rows against the 64 keys.
         float s[STILES][4];
@@ -261,7 +296,7 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
         // while these values are summed.
         cp_async_wait_all();
         __syncthreads();
-        if (j0 + FA_KEYS < keys) load_tile<HD, KP>(ks, kc, table, kv_cols, col, j0 + FA_KEYS, keys);
+        if (j0 + FA_KEYS < keys) load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, j0 + FA_KEYS, keys);
 
         // O += P·V: the score accumulators of tiles 2k, 2k+1 are exactly the A fragment of
         // k-step k (rows grp, grp + 8; keys 16k + 2·quad.. and + 8), rounded to f16.
@@ -299,18 +334,22 @@ __device__ void flash_impl(const float* q, const u16* kc, const u16* vc, const u
 #endif
 }
 
-#define FLASH(HD)                                                                                          \
+#define FLASH(NAME, DT, HD)                                                                                \
     extern "C" __global__ void __launch_bounds__(FA_THREADS)                                               \
-        flash_attn_f16_hd##HD(const float* q, const u16* kc, const u16* vc, const unsigned* table, float* out, \
-                              int n, int n_heads, int group, int kv_cols, int first_pos, float scale) {        \
+        flash_attn_##NAME##_hd##HD(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out, \
+                                   int n, int n_heads, int group, int kv_cols, int first_pos, float scale) {   \
         grid_dependency();                                                                                     \
-        flash_impl<HD>(q, kc, vc, table, out, n, n_heads, group, kv_cols, first_pos, scale);                   \
+        flash_impl<DT, HD>(q, kc, vc, table, out, n, n_heads, group, kv_cols, first_pos, scale);               \
     }
 
-FLASH(64)
-FLASH(80)
-FLASH(96)
-FLASH(128)
+FLASH(f16, DT_F16, 64)
+FLASH(f16, DT_F16, 80)
+FLASH(f16, DT_F16, 96)
+FLASH(f16, DT_F16, 128)
+FLASH(q8_0, DT_Q8_0, 64)
+FLASH(q8_0, DT_Q8_0, 80)
+FLASH(q8_0, DT_Q8_0, 96)
+FLASH(q8_0, DT_Q8_0, 128)
 
 // The chunks a split attention of `rows` query rows over `keys` positions takes: at least
 // SPLIT_MIN_KEYS keys a chunk, rows × chunks at most MAX_SPLITS, every chunk holding a key. The
@@ -331,27 +370,6 @@ __device__ __forceinline__ int split_lanes(int hd) {
     int lanes = 1;
     while (lanes * 8 < hd) lanes <<= 1;
     return lanes;
-}
-
-// Elements c..c+7 of a KV cache row in storage format DT, c a multiple of 8: one 16-byte load
-// for f16, two for f32; a Q8_0 row's 8 codes lie in one block. The values kv_elem gives.
-template <int DT>
-__device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
-    if (DT == DT_F32) {
-        const float4* p = (const float4*)((const float*)row + c);
-        const float4 a = p[0], b = p[1];
-        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
-        x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-    } else if (DT == DT_F16) {
-        const Half8 h = *(const Half8*)((const u16*)row + c);
-#pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = h2f((u16)(h.w[e >> 1] >> (16 * (e & 1))));
-    } else {
-        const u8* b = row + (c >> 5) * 34;
-        const float d = h2f(load_u16(b));
-#pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = d * (float)(i8)b[2 + (c & 31) + e];
-    }
 }
 
 // out[t][h·hd + d] of row t and head h from the `chunks` partials the split blocks left: every

@@ -477,6 +477,8 @@ prefill() {
         set -- $n
         record "attention_7b_${1}_from_$2" "$(timeout 60 "$B" bench attention --device cuda --rows "$1" --context "$2" --json 2>>"$LOG")"
     done
+    # The prefill kernel over a Q8_0 cache (its tiles decoded as they load) beside the f16 one.
+    record attention_7b_4000_from_0_q8_0 "$(timeout 60 "$B" bench attention --device cuda --rows 4000 --context 0 --kv-type q8_0 --json 2>>"$LOG")"
     # One load for every length: "prefill" holds each one's TTFT (the best of two).
     record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"

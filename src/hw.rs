@@ -207,7 +207,7 @@ pub struct GpuProfile {
     pub kernels: String,
     /// Whether `--programmatic-launch` runs here (compute capability 9.0, kernels built for it).
     pub programmatic_launch: bool,
-    /// Whether prompts over an f16 cache take the tensor-core (flash) attention here (compute
+    /// Whether prompts over an f16 or Q8_0 cache take the tensor-core (flash) attention here (compute
     /// capability 8.0 and newer), not the simple kernel.
     pub flash_attention: bool,
 }

@@ -463,11 +463,12 @@ fn attention_decode_and_prefill_with_gqa_equal_cpu<B: Backend>(g: &B) {
     }
 }
 
-/// The kernels that scale with the context against the CPU: prefill over an f16 cache on
-/// tensor cores (at least 16 rows and a head dim of 64, 80, 96 or 128; queries and
-/// probabilities are rounded to f16, hence the looser tolerance), the simple kernel between
-/// them and the split decode (5..16 rows) and for head dims neither takes, and the split-KV
-/// decode (1..=4 rows) of every cache type over 4000 positions, chunked across blocks.
+/// The kernels that scale with the context against the CPU: prefill over an f16 or Q8_0 cache
+/// on tensor cores (at least 16 rows and a head dim of 64, 80, 96 or 128; queries,
+/// probabilities and a Q8_0 tile's values are rounded to f16, hence the looser tolerance), the
+/// simple kernel between them and the split decode (5..16 rows), for head dims neither takes
+/// and for prompts over f32 caches, and the split-KV decode (1..=4 rows) of every cache type
+/// over 4000 positions, chunked across blocks.
 fn long_context_attention_equals_cpu<B: Backend>(g: &B) {
     let c = cpu();
     let mut rng = StdRng::seed_from_u64(13);
@@ -500,13 +501,20 @@ fn long_context_attention_equals_cpu<B: Backend>(g: &B) {
         (1030, 0, shape(4, 1, 128)),
         (100, 300, shape(6, 3, 80)),
         (17, 2000, shape(2, 2, 96)),
+        (33, 150, shape(4, 2, 80)),
     ] {
         check(KvType::F16, n, pos, s, 2e-3);
+        // (Q8_0 rows are whole 32-value blocks.)
+        if (s.n_kv_heads * s.head_dim).is_multiple_of(32) {
+            check(KvType::Q8_0, n, pos, s, 2e-3);
+        }
     }
-    // The simple kernel: between the split and flash row counts, and head dims flash lacks.
+    // The simple kernel: between the split and flash row counts, head dims flash lacks, and
+    // prompts over f32 caches.
     check(KvType::F16, 12, 500, shape(4, 2, 64), 1e-4);
     check(KvType::F16, 40, 700, shape(4, 2, 48), 1e-4);
-    check(KvType::Q8_0, 40, 700, shape(4, 2, 64), 1e-4);
+    check(KvType::Q8_0, 40, 700, shape(4, 2, 48), 1e-4);
+    check(KvType::F32, 40, 700, shape(4, 2, 64), 1e-4);
     // Split-KV decode over 4000 positions.
     for n in 1..=4 {
         check(KvType::F16, n, 4000 - n, shape(8, 2, 128), 1e-4);

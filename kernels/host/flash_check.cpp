@@ -1,8 +1,8 @@
 // The kernels of kernels/flash_attention.cu run on the host, each block as threads
 // (kernels/host/simt.h, which also stands in for the tensor-core product from the PTX fragment
 // layouts), against a naive causal GQA attention in double over the same cache values:
-// the flash prefill kernel (f16 cache: queries and probabilities rounded to f16, so a relative
-// tolerance of 2e-3) and the split decode kernel, whose last block per head combines the
+// the flash prefill kernel (f16 and Q8_0 caches, the latter's tiles decoded to f16: queries,
+// probabilities and values rounded to f16, so a relative tolerance of 2e-3) and the split decode kernel, whose last block per head combines the
 // chunks (every cache type, f32 math: 1e-4; every ticket left at 0). The flash kernel's cp.async
 // copies land only when their thread waits for them (simt.h), so a tile read before its wait and
 // barrier reads the tile before it and fails here; ldmatrix is emulated from its fragment layout.
@@ -12,7 +12,7 @@
 // position in device memory and room for the most chunks: their output must be the host-planned
 // launch's bit for bit, and the device's chunk plan the host's (split_chunks) at every position.
 // The simple kernel of kernels/attention.cu (one block per query row and head: the heads the
-// other two do not take, and prompts over f32 or Q8_0 caches) is held to the same naive
+// other two do not take, prompts over f32 caches, and every prompt before sm_80) is held to the same naive
 // attention, every cache type, paged and not, over more keys than one of its tiles, and launched
 // as a recorded step launches it (position in device memory) to the same bits.
 // Errors are max |got - want| / max |want|. scripts/check-kernels.sh builds and runs this.
@@ -117,31 +117,39 @@ static std::vector<float> queries(std::mt19937& rng, const Case& c) {
     return q;
 }
 
+template <int DT>
 static bool flash(std::mt19937& rng, const Case& c, bool page) {
     int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
     auto q = queries(rng, c);
-    auto kc = cache(rng, DT_F16, ctx, kv_cols), vc = cache(rng, DT_F16, ctx, kv_cols);
-    long long rb = row_bytes(DT_F16, kv_cols);
+    auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
+    long long rb = row_bytes(DT, kv_cols);
     Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
     std::vector<float> out(q.size(), NAN);
     float scale = 1.0f / std::sqrt((float)c.hd);
     auto kernel = [&] {
-        auto k = (const u16*)(page ? pk.pool.data() : kc.data());
-        auto v = (const u16*)(page ? pv.pool.data() : vc.data());
+        const u8* k = page ? pk.pool.data() : kc.data();
+        const u8* v = page ? pv.pool.data() : vc.data();
         const unsigned* t = page ? pk.table.data() : nullptr;
         int g = c.heads / c.kv_heads;
-        switch (c.hd) {
-            case 64: flash_attn_f16_hd64(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            case 80: flash_attn_f16_hd80(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            case 96: flash_attn_f16_hd96(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break;
-            default: flash_attn_f16_hd128(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale);
+#define FLASH_CASES(NAME)                                                                                        \
+    switch (c.hd) {                                                                                              \
+        case 64: flash_attn_##NAME##_hd64(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
+        case 80: flash_attn_##NAME##_hd80(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
+        case 96: flash_attn_##NAME##_hd96(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
+        default: flash_attn_##NAME##_hd128(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); \
+    }
+        if (DT == DT_F16) {
+            FLASH_CASES(f16)
+        } else {
+            FLASH_CASES(q8_0)
         }
+#undef FLASH_CASES
     };
     host_launch({(unsigned)((c.n + FA_ROWS - 1) / FA_ROWS), (unsigned)c.heads, 1}, FA_THREADS, kernel);
-    double e = rel(out, naive<DT_F16>(q, kc.data(), vc.data(), c));
+    double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
     bool ok = e <= 2e-3;
-    std::printf("flash-check: flash f16 n %d from %d heads %d/%d hd %d%s: %.2e%s\n", c.n, c.first_pos, c.heads,
-                c.kv_heads, c.hd, page ? " paged" : "", e, ok ? "" : "  FAILED");
+    std::printf("flash-check: flash %s n %d from %d heads %d/%d hd %d%s: %.2e%s\n", DT == DT_F16 ? "f16" : "q8_0",
+                c.n, c.first_pos, c.heads, c.kv_heads, c.hd, page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
 }
 
@@ -304,8 +312,10 @@ int main() {
     bool ok = true;
     // Query tiles cut short by n, rows past n, diagonal and whole key tiles, GQA.
     for (bool page : {false, true}) {
-        for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}})
-            ok &= flash(rng, c, page);
+        for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}}) {
+            ok &= flash<DT_F16>(rng, c, page);
+            ok &= flash<DT_Q8_0>(rng, c, page);
+        }
         // Chunks of one and of several tiles, rows that see none of the last chunk.
         // Heads whose dims leave lanes of a key idle (80, 96), a key per half warp (128) and per
         // warp (256); chunks of several tiles.

@@ -79,8 +79,10 @@ const SPLIT_MAX_HEADS: usize = 1024;
 /// Head dims the split kernel takes (SPLIT_MAX_HD in kernels/flash_attention.cu), and the
 /// simple kernel too.
 const MAX_HEAD_DIM: usize = 256;
-/// Query rows from which a prefill over an f16 cache runs on tensor cores (the flash kernel),
-/// and the head dims it is built for (flash_attn_f16_hd* in kernels/flash_attention.cu).
+/// Query rows from which a prefill over an f16 or Q8_0 cache runs on tensor cores (the flash
+/// kernel), and the head dims it is built for (flash_attn_*_hd* in kernels/flash_attention.cu).
+/// Prompts over an f32 cache keep f32 arithmetic (the simple kernel): that cache type is chosen
+/// for its precision.
 const FLASH_MIN_ROWS: usize = 16;
 /// Compute capability (major · 10 + minor) the flash kernel needs: its m16n8k16 products and
 /// cp.async copies are Ampere's (built for an older device it compiles to a trap, which is
@@ -164,7 +166,7 @@ fn splits_keys(n_heads: usize, head_dim: usize) -> bool {
 pub enum AttentionKernel {
     /// Few rows: the keys in chunks across blocks, combined by each head's last block.
     Split,
-    /// Prompts over an f16 cache on tensor cores.
+    /// Prompts over an f16 or Q8_0 cache on tensor cores.
     Flash,
     /// A block per (row, head), a thread per key: what is left.
     Simple,
@@ -182,7 +184,7 @@ pub fn attention_kernel(
     if rows <= SPLIT_ROWS && splits_keys(n_heads, head_dim) {
         AttentionKernel::Split
     } else if rows >= FLASH_MIN_ROWS
-        && kv == KvType::F16
+        && matches!(kv, KvType::F16 | KvType::Q8_0)
         && FLASH_HEAD_DIMS.contains(&head_dim)
         && flash_attention_runs(capability)
     {
@@ -2949,11 +2951,16 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         if kernel == AttentionKernel::Flash {
-            // Prefill over an f16 cache: tensor-core tiles, the scores never leave the chip.
-            let kernel = match s.head_dim {
-                64 => launches::flash_attn_f16_hd64,
-                80 => launches::flash_attn_f16_hd80,
-                96 => launches::flash_attn_f16_hd96,
+            // Prefill over an f16 or Q8_0 cache: tensor-core tiles (a Q8_0 tile decoded to f16
+            // as it loads), the scores never leave the chip.
+            let kernel = match (k_cache.ty, s.head_dim) {
+                (KvType::Q8_0, 64) => launches::flash_attn_q8_0_hd64,
+                (KvType::Q8_0, 80) => launches::flash_attn_q8_0_hd80,
+                (KvType::Q8_0, 96) => launches::flash_attn_q8_0_hd96,
+                (KvType::Q8_0, _) => launches::flash_attn_q8_0_hd128,
+                (_, 64) => launches::flash_attn_f16_hd64,
+                (_, 80) => launches::flash_attn_f16_hd80,
+                (_, 96) => launches::flash_attn_f16_hd96,
                 _ => launches::flash_attn_f16_hd128,
             };
             let c = LaunchConfig {
@@ -3181,17 +3188,20 @@ mod tests {
         use AttentionKernel::*;
         let k = |rows, kv, hd, cap| attention_kernel(rows, kv, 32, hd, cap);
         for cap in [80, 86, 89, 90, 120] {
-            assert_eq!(k(4000, KvType::F16, 128, cap), Flash, "{cap}");
-            assert_eq!(k(FLASH_MIN_ROWS, KvType::F16, 64, cap), Flash, "{cap}");
+            for kv in [KvType::F16, KvType::Q8_0] {
+                assert_eq!(k(4000, kv, 128, cap), Flash, "{cap}");
+                assert_eq!(k(FLASH_MIN_ROWS, kv, 64, cap), Flash, "{cap}");
+            }
         }
         // Turing: same decode kernel, prompts on the simple kernel.
         assert_eq!(k(4000, KvType::F16, 128, 75), Simple);
+        assert_eq!(k(4000, KvType::Q8_0, 128, 75), Simple);
         assert_eq!(k(1, KvType::F16, 128, 75), Split);
         for cap in [75, 90] {
             assert_eq!(k(SPLIT_ROWS, KvType::Q8_0, 128, cap), Split);
             assert_eq!(k(FLASH_MIN_ROWS - 1, KvType::F16, 128, cap), Simple);
+            // f32 caches keep f32 arithmetic.
             assert_eq!(k(4000, KvType::F32, 128, cap), Simple);
-            assert_eq!(k(4000, KvType::Q8_0, 128, cap), Simple);
             // Head dims the flash kernel is not built for; heads the split one does not take.
             assert_eq!(k(4000, KvType::F16, 112, cap), Simple);
             assert_eq!(k(1, KvType::F16, 16, cap), Simple);
