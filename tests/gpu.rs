@@ -14,8 +14,8 @@ use std::sync::Arc;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::cuda::CudaBackend;
 use gpu_offload::backend::{
-    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, Rope, RopePairs,
-    WorkspaceOp,
+    Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, ProductInput, Rope,
+    RopePairs, WorkspaceOp,
 };
 use gpu_offload::engine::{
     Engine, GenerateParams, Logits, MAX_BATCH, PrefillLayout, SamplerParams, generate,
@@ -1186,7 +1186,7 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         g.matmul(&wd, &g1, &mut o1).unwrap();
         let (mut g2, mut u2, mut o2) = (poisoned(g, n, ff), poisoned(g, n, ff), poisoned(g, n, d));
         g.gate_up_down(
-            &x,
+            ProductInput::Rows(&x),
             (&wg, &wu, &wd),
             (act, threshold),
             (&mut g2, &mut u2),
@@ -1196,11 +1196,53 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         let (a, b) = (get(g, &o2), get(g, &o1));
         assert!(a.iter().all(|v| v.is_finite()), "{what}: unwritten");
         assert_eq!(bits(&a), bits(&b), "{what}");
+        // The norm before it handed over pending (the residual added first): on CUDA the
+        // norm writes the gate and up products' f16 input itself. The same bits, residual too.
+        let norm = g
+            .upload(&HostTensor::from_f32(
+                "norm",
+                1,
+                d,
+                rand_vec(&mut rng, d, 1.0),
+            ))
+            .unwrap();
+        let (xv, yv) = (
+            rand_vec(&mut rng, n * d, 2.0),
+            rand_vec(&mut rng, n * d, 2.0),
+        );
+        let y = put(g, n, d, &yv);
+        let (mut x1, mut h1) = (put(g, n, d, &xv), poisoned(g, n, d));
+        g.add_rms_norm(&mut x1, &y, &norm, 1e-5, &mut h1).unwrap();
+        g.gate_up(&h1, (&wg, &wu), (act, threshold), &mut g1, &mut u1)
+            .unwrap();
+        g.matmul(&wd, &g1, &mut o1).unwrap();
+        let (mut x2, mut h2) = (put(g, n, d, &xv), poisoned(g, n, d));
+        let input = ProductInput::RmsNorm {
+            x: &mut x2,
+            add: Some(&y),
+            weight: &norm,
+            eps: 1e-5,
+            out: &mut h2,
+        };
+        g.gate_up_down(
+            input,
+            (&wg, &wu, &wd),
+            (act, threshold),
+            (&mut g2, &mut u2),
+            &mut o2,
+        )
+        .unwrap();
+        assert_eq!(
+            bits(&get(g, &o2)),
+            bits(&get(g, &o1)),
+            "{what}, norm pending"
+        );
+        assert_eq!(bits(&get(g, &x2)), bits(&get(g, &x1)), "{what}, residual");
         // A down of another width than the hidden product is refused.
         let wrong = g.upload(&weight(&mut rng, dd, d, 2 * ff)).unwrap();
         assert!(
             g.gate_up_down(
-                &x,
+                ProductInput::Rows(&x),
                 (&wg, &wu, &wrong),
                 (act, threshold),
                 (&mut g2, &mut u2),
@@ -1209,6 +1251,85 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
             .is_err(),
             "{what}"
         );
+        g.set_workspace(0).unwrap();
+    }
+
+    // Products of a pending RMSNorm (q, k and v of a layer), with and without the residual add
+    // before it: on CUDA, where every part goes through cuBLAS with f16 input (f16 and block
+    // formats past the matvecs' tokens), the norm writes that input; elsewhere (bf16, few
+    // tokens) the norm runs first. The same bits as the norm then the products, residual too.
+    for (dtype, n) in [
+        (DType::F16, 40),
+        (DType::Q4K, 33),
+        (DType::Q4_1, 17),
+        (DType::BF16, 40),
+        (DType::F16, 5),
+    ] {
+        let d = 256;
+        let ws = [
+            g.upload(&weight(&mut rng, dtype, 128, d)).unwrap(),
+            g.upload(&weight(&mut rng, dtype, 64, d)).unwrap(),
+        ];
+        let parts = [
+            MatmulPart {
+                w: &ws[0],
+                out: 0,
+                col0: 0,
+            },
+            MatmulPart {
+                w: &ws[1],
+                out: 1,
+                col0: 0,
+            },
+        ];
+        let norm = g
+            .upload(&HostTensor::from_f32(
+                "norm",
+                1,
+                d,
+                rand_vec(&mut rng, d, 1.0),
+            ))
+            .unwrap();
+        let (xv, yv) = (
+            rand_vec(&mut rng, n * d, 2.0),
+            rand_vec(&mut rng, n * d, 2.0),
+        );
+        let y = put(g, n, d, &yv);
+        g.set_workspace(g.workspace_bytes(&WorkspaceOp::Matmul {
+            dtype,
+            tokens: n,
+            rows: 128,
+            cols: d,
+        }))
+        .unwrap();
+        for add in [false, true] {
+            let what = format!("products of a pending norm, {dtype}, {n} tokens, add {add}");
+            let (mut x1, mut h1) = (put(g, n, d, &xv), poisoned(g, n, d));
+            if add {
+                g.add_rms_norm(&mut x1, &y, &norm, 1e-5, &mut h1).unwrap();
+            } else {
+                g.rms_norm(&x1, &norm, 1e-5, &mut h1).unwrap();
+            }
+            let (mut a1, mut b1) = (poisoned(g, n, 128), poisoned(g, n, 64));
+            g.matmul_parts(&h1, &parts, &mut [&mut a1, &mut b1])
+                .unwrap();
+            let (mut x2, mut h2) = (put(g, n, d, &xv), poisoned(g, n, d));
+            let (mut a2, mut b2) = (poisoned(g, n, 128), poisoned(g, n, 64));
+            let input = ProductInput::RmsNorm {
+                x: &mut x2,
+                add: add.then_some(&y),
+                weight: &norm,
+                eps: 1e-5,
+                out: &mut h2,
+            };
+            g.matmul_parts_of(input, &parts, &mut [&mut a2, &mut b2])
+                .unwrap();
+            let got = get(g, &a2);
+            assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten");
+            assert_eq!(bits(&got), bits(&get(g, &a1)), "{what}");
+            assert_eq!(bits(&get(g, &b2)), bits(&get(g, &b1)), "{what}");
+            assert_eq!(bits(&get(g, &x2)), bits(&get(g, &x1)), "{what}: residual");
+        }
         g.set_workspace(0).unwrap();
     }
 

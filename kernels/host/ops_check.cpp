@@ -7,7 +7,9 @@
 //  - add_table_rows: learned positions added from row first_row on;
 //  - scatter_rows: a cache unit's rows copied into their slots, by words and by bytes;
 //  - gated_to_f16: gated_f32 then f32_to_f16 in one launch (every activation, masked or not),
-//    the gate products left as they were.
+//    the gate products left as they were;
+//  - rms_norm_f16 and add_rms_norm_f16: rms_norm (add_rms_norm) then f32_to_f16 in one launch,
+//    the residual added as add_rms_norm adds it.
 // The weights are random bytes: what is checked is which bytes land where, and that each value is
 // decoded as the reference decodes it. scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
@@ -17,6 +19,7 @@
 
 #include "matvec.cu"
 #include "elementwise.cu"
+#include "norm.cu"
 
 static std::mt19937 rng(31);
 
@@ -109,6 +112,34 @@ static bool gated_half(int kind, float threshold, long long n) {
            same("gated_to_f16 leaves the gate products", g2.data(), g.data(), (size_t)n * 4);
 }
 
+// rms_norm_f16 / add_rms_norm_f16 against rms_norm / add_rms_norm then f32_to_f16, `rows` of
+// `cols` (more values than threads, and not a multiple of them).
+static bool norm_half(int rows, int cols) {
+    std::uniform_real_distribution<float> val(-3.0f, 3.0f);
+    const long long n = (long long)rows * cols;
+    std::vector<float> x(n), y(n), w(cols);
+    for (auto* v : {&x, &y, &w})
+        for (auto& e : *v) e = val(rng);
+    const float eps = 1e-5f;
+    std::vector<float> normed(n), x1 = x, x2 = x;
+    std::vector<u16> want(n), got(n, 0xdead), want_add(n), got_add(n, 0xdead);
+    host_launch({(unsigned)rows, 1, 1}, 256, [&] { rms_norm(x.data(), w.data(), eps, normed.data(), cols); });
+    host_launch({grid_for(n, 256), 1, 1}, 256, [&] { f32_to_f16(normed.data(), want.data(), n); });
+    host_launch({(unsigned)rows, 1, 1}, 256, [&] { rms_norm_f16(x.data(), w.data(), eps, got.data(), cols); });
+    host_launch({(unsigned)rows, 1, 1}, 256,
+                [&] { add_rms_norm(x1.data(), y.data(), w.data(), eps, normed.data(), cols); });
+    host_launch({grid_for(n, 256), 1, 1}, 256, [&] { f32_to_f16(normed.data(), want_add.data(), n); });
+    host_launch({(unsigned)rows, 1, 1}, 256,
+                [&] { add_rms_norm_f16(x2.data(), y.data(), w.data(), eps, got_add.data(), cols); });
+    char what[96];
+    std::snprintf(what, sizeof what, "rms_norm_f16 %d rows of %d", rows, cols);
+    bool ok = same(what, got.data(), want.data(), (size_t)n * 2);
+    std::snprintf(what, sizeof what, "add_rms_norm_f16 %d rows of %d (normed)", rows, cols);
+    ok &= same(what, got_add.data(), want_add.data(), (size_t)n * 2);
+    std::snprintf(what, sizeof what, "add_rms_norm_f16 %d rows of %d (residual)", rows, cols);
+    return ok && same(what, x2.data(), x1.data(), (size_t)n * 4);
+}
+
 int main() {
     bool ok = true;
     // Each block format; a tile from row 0 and one from further in, 8 values a thread, the last
@@ -128,7 +159,10 @@ int main() {
     ok &= scatter(36, 12, 12);             // every slot
     for (int kind : {ACT_SILU, ACT_RELU, ACT_GELU, ACT_GELU_TANH}) ok &= gated_half(kind, 0.0f, 1000);
     ok &= gated_half(ACT_SILU, 0.5f, 777);  // masked, a last block cut short
+    ok &= norm_half(5, 576);
+    ok &= norm_half(3, 4096);
     if (!ok) return 1;
-    std::printf("ops-check: dequant_f16, embed_rows, add_table_rows, scatter_rows and gated_to_f16 equal the reference\n");
+    std::printf("ops-check: dequant_f16, embed_rows, add_table_rows, scatter_rows, gated_to_f16 and the f16 norms "
+                "equal the reference\n");
     return 0;
 }

@@ -700,6 +700,17 @@ pub trait Backend: Send + Sync + 'static {
         }
         Ok(())
     }
+    /// [`Backend::matmul_parts`] of `input`'s rows. CUDA writes a pending norm's rows straight
+    /// into the f16 input of its GEMMs, where every part is one (the same bits).
+    fn matmul_parts_of(
+        &self,
+        input: ProductInput<'_, Self>,
+        parts: &[MatmulPart<'_, Self::Weight>],
+        outs: &mut [&mut Self::Tensor],
+    ) -> Result<()> {
+        let x = input.rows(self)?;
+        self.matmul_parts(x, parts, outs)
+    }
     /// First half of a bundled FFN: for each neuron `i` of `bundles`,
     /// `h[:, col0 + i] = act(gate_i·x) ⊙ (up_i·x)` (gated) or `act(up_i·x + up_bias[col0 + i])`,
     /// masked by `threshold` as [`Backend::gated`] / [`Backend::activate`] are.
@@ -839,18 +850,20 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<()> {
         gate_then_up(self, x, (w_gate, w_up), (act, threshold), gate, up)
     }
-    /// A gated FFN without bias or mask: [`Backend::gate_up`] of `x`, then `out = hidden ·
-    /// w_downᵀ`. `gate` and `up` are scratch (what they hold after is unspecified). A prompt's
-    /// step on CUDA hands the gated product straight to cuBLAS as its f16 input (one launch and
-    /// no f32 copy of it written and converted; the same bits).
+    /// A gated FFN without bias or mask: [`Backend::gate_up`] of `input`'s rows, then `out =
+    /// hidden · w_downᵀ`. `gate` and `up` are scratch (what they hold after is unspecified). A
+    /// prompt's step on CUDA hands the gated product straight to cuBLAS as its f16 input (one
+    /// launch and no f32 copy of it written and converted; the same bits), and a pending norm's
+    /// rows too (see [`Backend::matmul_parts_of`]).
     fn gate_up_down(
         &self,
-        x: &Self::Tensor,
+        input: ProductInput<'_, Self>,
         (w_gate, w_up, w_down): (&Self::Weight, &Self::Weight, &Self::Weight),
         how: (Act, f32),
         (gate, up): (&mut Self::Tensor, &mut Self::Tensor),
         out: &mut Self::Tensor,
     ) -> Result<()> {
+        let x = input.rows(self)?;
         gate_up_then_down(self, x, (w_gate, w_up, w_down), how, (gate, up), out)
     }
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
@@ -1011,7 +1024,7 @@ pub fn gate_then_up<B: Backend + ?Sized>(
     gate: &mut B::Tensor,
     up: &mut B::Tensor,
 ) -> Result<()> {
-    gate_and_up(b, x, (w_gate, w_up), gate, up)?;
+    gate_and_up(b, ProductInput::Rows(x), (w_gate, w_up), gate, up)?;
     b.gated(gate, up, act, threshold)
 }
 
@@ -1029,10 +1042,11 @@ pub fn gate_up_then_down<B: Backend + ?Sized>(
     b.matmul(w_down, gate, out)
 }
 
-/// `x · w_gateᵀ` into `gate` and `x · w_upᵀ` into `up`, in one [`Backend::matmul_parts`].
+/// `x · w_gateᵀ` into `gate` and `x · w_upᵀ` into `up` (`x` the input's rows), in one
+/// [`Backend::matmul_parts_of`].
 pub fn gate_and_up<B: Backend + ?Sized>(
     b: &B,
-    x: &B::Tensor,
+    x: ProductInput<'_, B>,
     (w_gate, w_up): (&B::Weight, &B::Weight),
     gate: &mut B::Tensor,
     up: &mut B::Tensor,
@@ -1049,7 +1063,55 @@ pub fn gate_and_up<B: Backend + ?Sized>(
             col0: 0,
         },
     ];
-    b.matmul_parts(x, &parts, &mut [&mut *up, &mut *gate])
+    b.matmul_parts_of(x, &parts, &mut [&mut *up, &mut *gate])
+}
+
+/// The input of a layer's products: rows already computed, or the RMSNorm before them (after a
+/// residual add) not yet computed. Handed to the op that multiplies it, so a backend may write
+/// the normed rows in the products' own input format (CUDA: f16, cuBLAS's input) instead of f32
+/// rows it would read back and convert.
+pub enum ProductInput<'a, B: Backend + ?Sized> {
+    Rows(&'a B::Tensor),
+    /// `x += add` (where given), then [`Backend::rms_norm`] of `x` by `weight` into `out`. A
+    /// backend that hands the normed rows straight to the products need not write `out`: what it
+    /// holds after the op is unspecified.
+    RmsNorm {
+        x: &'a mut B::Tensor,
+        add: Option<&'a B::Tensor>,
+        weight: &'a B::Weight,
+        eps: f32,
+        out: &'a mut B::Tensor,
+    },
+}
+
+impl<'a, B: Backend + ?Sized> ProductInput<'a, B> {
+    /// The rows, the pending norm computed (into `out`) where there is one.
+    pub fn rows(self, b: &B) -> Result<&'a B::Tensor> {
+        match self {
+            ProductInput::Rows(x) => Ok(x),
+            ProductInput::RmsNorm {
+                x,
+                add,
+                weight,
+                eps,
+                out,
+            } => {
+                match add {
+                    Some(y) => b.add_rms_norm(x, y, weight, eps, out)?,
+                    None => b.rms_norm(x, weight, eps, out)?,
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// The tensor whose shape the rows have (`x` of a pending norm).
+    pub fn shaped_as(&self) -> &B::Tensor {
+        match self {
+            ProductInput::Rows(x) => x,
+            ProductInput::RmsNorm { x, .. } => x,
+        }
+    }
 }
 
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.

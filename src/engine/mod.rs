@@ -16,7 +16,7 @@ use thiserror::Error;
 use crate::backend::memory::device_bytes;
 use crate::backend::{
     Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, HostStage, KV_BLOCK, KvType,
-    Landing, MatmulPart, Rope, RopePairs, WorkspaceOp, kv_runs,
+    Landing, MatmulPart, ProductInput, Rope, RopePairs, WorkspaceOp, kv_runs,
 };
 use crate::model::{
     Activation, Arch, ModelSpec, ModelWeights, NormKind, PositionEncoding, RopeStyle,
@@ -1600,7 +1600,7 @@ impl<B: Backend> Engine<B> {
     fn linears(
         &self,
         ls: &[&LinearView<B>],
-        x: &B::Tensor,
+        x: ProductInput<'_, B>,
         outs: &mut [&mut B::Tensor],
     ) -> Result<()> {
         let parts: Vec<MatmulPart<B::Weight>> = ls
@@ -1612,7 +1612,7 @@ impl<B: Backend> Engine<B> {
                     .map(move |&(col0, w)| MatmulPart { w, out, col0 })
             })
             .collect();
-        self.backend.matmul_parts(x, &parts, outs)?;
+        self.backend.matmul_parts_of(x, &parts, outs)?;
         for (l, out) in ls.iter().zip(outs.iter_mut()) {
             if let Some(b) = l.bias {
                 self.backend.add_bias(out, b)?;
@@ -1622,15 +1622,72 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The attention block's inputs from `sc.x` (the last layer's residual added first): its
-    /// norm into `sc.h`, then q, k and v.
+    /// norm (into `sc.h`, where the backend writes it out), then q, k and v.
     fn attention_inputs(&self, layer: &LayerView<B>, sc: &mut Scratch<B>) -> Result<()> {
-        if std::mem::take(&mut sc.residual) {
-            self.add_norm(&mut sc.x, &sc.proj, &layer.attn_norm, &mut sc.h)?;
-        } else {
-            self.norm(&sc.x, &layer.attn_norm, &mut sc.h)?;
-        }
+        let add = std::mem::take(&mut sc.residual).then_some(&sc.proj);
+        let input = self.norm_input(&mut sc.x, add, &layer.attn_norm, &mut sc.h)?;
         let outs: &mut [&mut B::Tensor] = &mut [&mut sc.q, &mut sc.k, &mut sc.v];
-        self.linears(&[&layer.wq, &layer.wk, &layer.wv], &sc.h, outs)
+        self.linears(&[&layer.wq, &layer.wk, &layer.wv], input, outs)
+    }
+
+    /// `x`'s rows (after `x += add`, where given) normed by `n`, as the products after the norm
+    /// take them: an RMSNorm pending (the backend may write its rows straight in the products'
+    /// input format), a LayerNorm computed into `out`.
+    fn norm_input<'a>(
+        &self,
+        x: &'a mut B::Tensor,
+        add: Option<&'a B::Tensor>,
+        n: &'a NormView<B>,
+        out: &'a mut B::Tensor,
+    ) -> Result<ProductInput<'a, B>> {
+        match self.spec.norm {
+            NormKind::Rms => Ok(ProductInput::RmsNorm {
+                x,
+                add,
+                weight: n.weight,
+                eps: self.spec.norm_eps,
+                out,
+            }),
+            NormKind::Layer => {
+                match add {
+                    Some(y) => self.add_norm(x, y, n, out)?,
+                    None => self.norm(x, n, out)?,
+                }
+                Ok(ProductInput::Rows(out))
+            }
+        }
+    }
+
+    /// The gate, up and down weights of an FFN that one [`Backend::gate_up_down`] computes: a
+    /// gated FFN of whole matrices without bias, whose activations nothing observes (the tap)
+    /// or masks (`masked`, or the predictor).
+    fn whole_gated_ffn<'v>(
+        &self,
+        f: &FfnView<'v, B>,
+        masked: bool,
+    ) -> Option<(&'v B::Weight, &'v B::Weight, &'v B::Weight)> {
+        if masked || self.tap.is_some() || self.predictor.is_some() {
+            return None;
+        }
+        let FfnView::Matrices {
+            gate: Some(gate),
+            up,
+            down,
+        } = f
+        else {
+            return None;
+        };
+        if gate.bias.is_some() || up.bias.is_some() || down.bias.is_some() {
+            return None;
+        }
+        match (
+            gate.blocks.as_slice(),
+            up.blocks.as_slice(),
+            down.blocks.as_slice(),
+        ) {
+            ([(0, g)], [(0, u)], [(0, d)]) => Some((*g, *u, *d)),
+            _ => None,
+        }
     }
 
     /// Rotate a step's queries and keys (rows from position `pos`), where the model rotates.
@@ -2007,23 +2064,20 @@ impl<B: Backend> Engine<B> {
                         let how = (self.act, threshold);
                         // Nor, unmasked, does anything but down read the gated product: one op
                         // to the FFN's output.
-                        let unmasked = hybrid.is_none() && self.predictor.is_none();
+                        if let Some(ws) = self.whole_gated_ffn(f, hybrid.is_some()) {
+                            let input = ProductInput::Rows(&sc.h);
+                            b.gate_up_down(input, ws, how, (g, &mut sc.up), &mut sc.proj)?;
+                            return Ok(());
+                        }
                         match (&self.tap, wg.blocks.as_slice(), up.blocks.as_slice()) {
                             (None, [(0, w_gate)], [(0, w_up)])
                                 if wg.bias.is_none() && up.bias.is_none() =>
                             {
-                                if unmasked
-                                    && down.bias.is_none()
-                                    && let [(0, w_down)] = down.blocks.as_slice()
-                                {
-                                    let ws = (*w_gate, *w_up, *w_down);
-                                    b.gate_up_down(&sc.h, ws, how, (g, &mut sc.up), &mut sc.proj)?;
-                                    return Ok(());
-                                }
                                 b.gate_up(&sc.h, (w_gate, w_up), how, g, &mut sc.up)?;
                             }
                             _ => {
-                                self.linears(&[up, wg], &sc.h, &mut [&mut sc.up, g])?;
+                                let input = ProductInput::Rows(&sc.h);
+                                self.linears(&[up, wg], input, &mut [&mut sc.up, g])?;
                                 self.show_tap(layer, &sc.h, g)?;
                                 b.gated(g, &sc.up, self.act, threshold)?;
                             }
@@ -2525,12 +2579,33 @@ impl<B: Backend> Engine<B> {
     /// added to `sc.x`, then the FFN, left in `sc.proj` for the next layer's norm to add
     /// (`sc.residual`).
     fn finish_layer(&self, layer: &mut LayerView<B>, l: usize, sc: &mut Scratch<B>) -> Result<()> {
-        self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-        // The residual add, and the feed-forward block's norm.
-        self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
-        match layer.unit.as_deref_mut() {
-            Some(unit) => self.unit_ffn(l, &layer.ffn, unit, sc)?,
-            None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), sc)?,
+        let device_ffn = layer.unit.is_none() && layer.cold.is_none();
+        match self.whole_gated_ffn(&layer.ffn, !device_ffn) {
+            // One op from the residual add to the FFN's output, so the norm's rows can go
+            // straight into the products' input: the attention's projection goes to `sc.h` (free
+            // once q, k and v are made) for the norm to add, and `sc.attn` (read by then) is the
+            // norm's own scratch, where the backend writes its rows out.
+            Some(ws) if self.spec.q_dim() == self.spec.d_model => {
+                self.linear(&layer.wo, &sc.attn, &mut sc.h)?;
+                let threshold = self.thresholds.get(l).copied().unwrap_or(0.0);
+                let gate = sc.gate.as_mut().ok_or_else(|| {
+                    EngineError::Weights("a gated FFN without its gate buffer".into())
+                })?;
+                let input =
+                    self.norm_input(&mut sc.x, Some(&sc.h), &layer.ffn_norm, &mut sc.attn)?;
+                let how = (self.act, threshold);
+                self.backend
+                    .gate_up_down(input, ws, how, (gate, &mut sc.up), &mut sc.proj)?;
+            }
+            _ => {
+                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
+                // The residual add, and the feed-forward block's norm.
+                self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
+                match layer.unit.as_deref_mut() {
+                    Some(unit) => self.unit_ffn(l, &layer.ffn, unit, sc)?,
+                    None => self.ffn(l, &layer.ffn, layer.cold.as_mut(), sc)?,
+                }
+            }
         }
         sc.residual = true;
         Ok(())

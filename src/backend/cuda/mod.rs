@@ -35,8 +35,8 @@ pub use meter::DeviceMeter;
 
 use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
 use super::{
-    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, Result, Rope,
-    RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
+    Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, ProductInput,
+    Result, Rope, RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -250,6 +250,25 @@ fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
     let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, most);
     let chunk = keys.div_ceil(chunks).max(1);
     (keys.div_ceil(chunk), chunk)
+}
+
+/// The workspace the largest of several products of `n` rows (`weights`, at least one) takes:
+/// each alone takes no more, so one conversion of their input serves them all.
+fn largest_matmul<'a>(n: usize, weights: impl Iterator<Item = &'a CudaWeight>) -> WorkspaceOp {
+    weights
+        .map(|w| WorkspaceOp::Matmul {
+            dtype: w.dtype,
+            tokens: n,
+            rows: w.rows,
+            cols: w.cols,
+        })
+        .max_by_key(workspace_bytes)
+        .unwrap_or(WorkspaceOp::Matmul {
+            dtype: DType::F16,
+            tokens: n,
+            rows: 0,
+            cols: 0,
+        })
 }
 
 /// Rows of a block-format weight (`rows` × `cols`) decoded per f16 tile for cuBLAS.
@@ -1308,6 +1327,37 @@ impl CudaBackend {
         Ok(ws)
     }
 
+    /// Whether every part of a product of `n` rows goes through cuBLAS with f16 input: what a
+    /// pending norm's rows can be written as straight away.
+    fn parts_take_f16_gemms(&self, n: usize, parts: &[MatmulPart<'_, CudaWeight>]) -> bool {
+        self.blas.is_some()
+            && !parts.is_empty()
+            && parts.iter().all(|p| {
+                n > tokens_per_matvec(p.w.dtype) && gemm_input_kind(p.w.dtype) == GemmInput::F16
+            })
+    }
+
+    /// `x += add` (where given), then `x`'s rows normed by `w` and written as f16 at `dst` (the
+    /// GEMMs' input): add_rms_norm (rms_norm) then f32_to_f16 in one launch, the same bits.
+    fn rms_norm_to_f16(
+        &self,
+        x: &mut CudaTensor,
+        add: Option<&CudaTensor>,
+        w: &CudaWeight,
+        eps: f32,
+        dst: u64,
+    ) -> Result<()> {
+        let cols = x.cols as i32;
+        let c = self.launch(cfg(x.rows as u32, 256));
+        match add {
+            Some(y) => {
+                launches::add_rms_norm_f16(c, x.buf.ptr, y.buf.ptr, w.buf.ptr, eps, dst, cols)?
+            }
+            None => launches::rms_norm_f16(c, x.buf.ptr, w.buf.ptr, eps, dst, cols)?,
+        }
+        Ok(())
+    }
+
     /// The GEMM(s) of [`CudaBackend::gemm`] over `input` ([`CudaBackend::gemm_input`] of `x`
     /// for `w`'s format): block formats' decoded tiles go after the converted input.
     fn gemm_from(
@@ -2328,19 +2378,7 @@ impl Backend for CudaBackend {
             let Some(first) = group.first() else {
                 continue;
             };
-            // The workspace the largest of them takes (each alone takes no more).
-            let op = |p: &MatmulPart<'_, CudaWeight>| WorkspaceOp::Matmul {
-                dtype: p.w.dtype,
-                tokens: n,
-                rows: p.w.rows,
-                cols: p.w.cols,
-            };
-            let most = group
-                .iter()
-                .map(|p| op(p))
-                .max_by_key(workspace_bytes)
-                .unwrap_or_else(|| op(first));
-            let (_ws, ws) = self.workspace_for(most)?;
+            let (_ws, ws) = self.workspace_for(largest_matmul(n, group.iter().map(|p| p.w)))?;
             let input = self.gemm_input(x, first.w.dtype, ws)?;
             for p in &group {
                 self.gemm_from(p.w, input, x, outs[p.out], p.col0, ws)?;
@@ -2390,6 +2428,46 @@ impl Backend for CudaBackend {
             }
         }
         Ok(())
+    }
+
+    fn matmul_parts_of(
+        &self,
+        input: ProductInput<'_, Self>,
+        parts: &[MatmulPart<'_, CudaWeight>],
+        outs: &mut [&mut CudaTensor],
+    ) -> Result<()> {
+        match input {
+            // Every part through cuBLAS with f16 input: the norm writes that input, where its
+            // f32 rows would be written, read back and converted.
+            ProductInput::RmsNorm {
+                x,
+                add,
+                weight,
+                eps,
+                out,
+            } if self.parts_take_f16_gemms(x.rows, parts) => {
+                super::check_parts(parts, outs.len())?;
+                check_rms_norm(x, weight, out)?;
+                if let Some(y) = add {
+                    check_same_shape("add", x, y)?;
+                }
+                for p in parts {
+                    check_matmul(p.w, x, outs[p.out], p.col0)?;
+                }
+                self.bind()?;
+                let most = largest_matmul(x.rows, parts.iter().map(|p| p.w));
+                let (_ws, ws) = self.workspace_for(most)?;
+                self.rms_norm_to_f16(x, add, weight, eps, ws)?;
+                for p in parts {
+                    self.gemm_from(p.w, ws, x, outs[p.out], p.col0, ws)?;
+                }
+                Ok(())
+            }
+            input => {
+                let x = input.rows(self)?;
+                self.matmul_parts(x, parts, outs)
+            }
+        }
     }
 
     fn ffn_bundles_up(
@@ -2775,13 +2853,13 @@ impl Backend for CudaBackend {
 
     fn gate_up_down(
         &self,
-        x: &CudaTensor,
+        input: ProductInput<'_, Self>,
         (w_gate, w_up, w_down): (&CudaWeight, &CudaWeight, &CudaWeight),
         (act, threshold): (Act, f32),
         (gate, up): (&mut CudaTensor, &mut CudaTensor),
         out: &mut CudaTensor,
     ) -> Result<()> {
-        let n = x.rows;
+        let n = input.shaped_as().rows;
         // Every product through cuBLAS, down's input in f16: the gated product goes straight
         // there (gated_to_f16), where gated_f32 then the conversion would write it twice.
         let by_gemm = |w: &CudaWeight| n > tokens_per_matvec(w.dtype);
@@ -2790,11 +2868,12 @@ impl Backend for CudaBackend {
             || gemm_input_kind(w_down.dtype) != GemmInput::F16
         {
             let ws = (w_gate, w_up, w_down);
+            let x = input.rows(self)?;
             return super::gate_up_then_down(self, x, ws, (act, threshold), (gate, up), out);
         }
         check_same_shape("gate_up_down", gate, up)?;
         check_matmul(w_down, gate, out, 0)?;
-        super::gate_and_up(self, x, (w_gate, w_up), gate, up)?;
+        super::gate_and_up(self, input, (w_gate, w_up), gate, up)?;
         self.bind()?;
         // The workspace down's product takes alone: its f16 input at the start, where
         // gemm_input would convert it.
