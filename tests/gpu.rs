@@ -956,6 +956,20 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// formats quantized inside it, f16 with more loads in flight) against the first of two, q and
 /// k rotated together, k and v stored together, both in one op (every cache type, paged and
 /// not), the gated down projection, the residual add in the norm.
+/// An RMSNorm's weight (`d` values), `n` rows of its input (on the host) and `n` rows of a
+/// residual to add first (on `g`).
+fn norm_inputs<B: Backend>(
+    g: &B,
+    rng: &mut StdRng,
+    n: usize,
+    d: usize,
+) -> (B::Weight, Vec<f32>, B::Tensor) {
+    let w = HostTensor::from_f32("norm", 1, d, rand_vec(rng, d, 1.0));
+    let x = rand_vec(rng, n * d, 2.0);
+    let y = put(g, n, d, &rand_vec(rng, n * d, 2.0));
+    (g.upload(&w).unwrap(), x, y)
+}
+
 fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     let mut rng = StdRng::seed_from_u64(12);
     // (formats, rows of each, cols, tokens, one output for all)
@@ -1198,19 +1212,7 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
         assert_eq!(bits(&a), bits(&b), "{what}");
         // The norm before it handed over pending (the residual added first): on CUDA the
         // norm writes the gate and up products' f16 input itself. The same bits, residual too.
-        let norm = g
-            .upload(&HostTensor::from_f32(
-                "norm",
-                1,
-                d,
-                rand_vec(&mut rng, d, 1.0),
-            ))
-            .unwrap();
-        let (xv, yv) = (
-            rand_vec(&mut rng, n * d, 2.0),
-            rand_vec(&mut rng, n * d, 2.0),
-        );
-        let y = put(g, n, d, &yv);
+        let (norm, xv, y) = norm_inputs(g, &mut rng, n, d);
         let (mut x1, mut h1) = (put(g, n, d, &xv), poisoned(g, n, d));
         g.add_rms_norm(&mut x1, &y, &norm, 1e-5, &mut h1).unwrap();
         g.gate_up(&h1, (&wg, &wu), (act, threshold), &mut g1, &mut u1)
@@ -1282,19 +1284,7 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
                 col0: 0,
             },
         ];
-        let norm = g
-            .upload(&HostTensor::from_f32(
-                "norm",
-                1,
-                d,
-                rand_vec(&mut rng, d, 1.0),
-            ))
-            .unwrap();
-        let (xv, yv) = (
-            rand_vec(&mut rng, n * d, 2.0),
-            rand_vec(&mut rng, n * d, 2.0),
-        );
-        let y = put(g, n, d, &yv);
+        let (norm, xv, y) = norm_inputs(g, &mut rng, n, d);
         g.set_workspace(g.workspace_bytes(&WorkspaceOp::Matmul {
             dtype,
             tokens: n,
