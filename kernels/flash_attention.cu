@@ -120,10 +120,17 @@ __device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
 #pragma unroll
         for (int e = 0; e < 8; e++) x[e] = h2f((u16)(h.w[e >> 1] >> (16 * (e & 1))));
     } else {
+        // Rows and 34-byte blocks start at even bytes (rows of whole blocks, buffers aligned),
+        // so the scale and the codes load two bytes at a time.
         const u8* b = row + (c >> 5) * 34;
-        const float d = h2f(load_u16(b));
+        const float d = h2f(*(const u16*)b);
+        const u16* codes = (const u16*)(b + 2 + (c & 31));
 #pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = d * (float)(i8)b[2 + (c & 31) + e];
+        for (int e = 0; e < 4; e++) {
+            const u16 two = codes[e];
+            x[2 * e] = d * (float)(i8)(two & 0xff);
+            x[2 * e + 1] = d * (float)(i8)(two >> 8);
+        }
     }
 }
 
