@@ -154,8 +154,12 @@ pub enum SparsityMode {
 /// `--kv-type`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KvTypeArg {
+    /// Half the bytes of f32; on CUDA (Ampere and newer) a prompt's attention runs on tensor cores
     F16,
+    /// Full precision, also in a CUDA prompt's attention (CUDA cores: slower for long prompts)
     F32,
+    /// 8-bit blocks as llama.cpp quantizes them (~0.27 of f32's bytes); on CUDA (Ampere and
+    /// newer) a prompt's attention runs on tensor cores
     #[value(name = "q8_0")]
     Q8_0,
 }
