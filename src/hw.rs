@@ -109,6 +109,122 @@ pub fn probe_host(threads: usize) -> HostProfile {
     }
 }
 
+/// Attention as a probe runs it: `rows` random query rows from position `context` over a random
+/// `kv` cache of `context + rows` positions, `heads` heads (`kv_heads` of them for keys and
+/// values) of `head_dim`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionProbe {
+    pub rows: usize,
+    pub context: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub kv: crate::backend::KvType,
+}
+
+impl AttentionProbe {
+    /// A decode step's attention over 4000 positions of an f16 cache with 7B heads (32 of 128):
+    /// what `doctor` measures the CPU's attention rate on, for a KV cache kept in host memory.
+    pub const DECODE_7B: AttentionProbe = AttentionProbe {
+        rows: 1,
+        context: 4000,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 128,
+        kv: crate::backend::KvType::F16,
+    };
+
+    /// FLOPs of the causal attention: every row scores and sums (2 FLOPs a multiply-add, both
+    /// products) every position up to its own.
+    pub fn flops(&self) -> f64 {
+        let (rows, context) = (self.rows as f64, self.context as f64);
+        let keys = rows * context + rows * (rows + 1.0) / 2.0;
+        4.0 * (self.heads * self.head_dim) as f64 * keys
+    }
+
+    /// Bytes of cache read: the keys and values of every position the last row sees.
+    pub fn kv_bytes(&self) -> f64 {
+        let row = self.kv.row_bytes(self.kv_heads * self.head_dim);
+        2.0 * ((self.context + self.rows) * row) as f64
+    }
+
+    /// Seconds per [`Backend::attention`](crate::backend::Backend::attention) on `b`: the
+    /// median of 5 timings of `reps` calls, after one.
+    pub fn seconds<B: crate::backend::Backend>(
+        &self,
+        b: &B,
+        reps: usize,
+    ) -> Result<f64, crate::backend::BackendError> {
+        use crate::backend::{AttnShape, WorkspaceOp};
+        use rand::{RngExt, SeedableRng};
+        let (qd, kd) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let ctx = self.context + self.rows;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut random =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
+        let mut caches = [b.alloc_kv(ctx, kd, self.kv)?, b.alloc_kv(ctx, kd, self.kv)?];
+        // The cache filled a slice at a time (host memory for 4096 rows, not the context).
+        const SLICE: usize = 4096;
+        for cache in &mut caches {
+            for r0 in (0..ctx).step_by(SLICE) {
+                let rows = SLICE.min(ctx - r0);
+                let mut t = b.alloc(rows, kd)?;
+                b.write(&mut t, &random(rows * kd))?;
+                b.store_kv(&t, cache, None, r0)?;
+            }
+        }
+        let mut q = b.alloc(self.rows, qd)?;
+        b.write(&mut q, &random(self.rows * qd))?;
+        let mut out = b.alloc(self.rows, qd)?;
+        let (mut row, mut sink) = (b.alloc(1, qd)?, vec![0f32; qd]);
+        b.set_workspace(b.workspace_bytes(&WorkspaceOp::Attention {
+            tokens: self.rows,
+            n_heads: self.heads,
+            head_dim: self.head_dim,
+        }))?;
+        let shape = AttnShape {
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        };
+        let context = self.context;
+        let secs = b.enter(move || {
+            let [k, v] = &caches;
+            let mut once = || -> Result<(), crate::backend::BackendError> {
+                b.attention(&q, k, v, None, context, shape, &mut out)?;
+                // A read waits for the attention (and costs one row's copy).
+                b.copy_rows(&out, 0, &mut row, 0, 1)?;
+                b.read(&row, &mut sink)
+            };
+            once()?;
+            let mut times = Vec::with_capacity(5);
+            for _ in 0..5 {
+                let t0 = Instant::now();
+                for _ in 0..reps.max(1) {
+                    once()?;
+                }
+                times.push(t0.elapsed().as_secs_f64() / reps.max(1) as f64);
+            }
+            times.sort_by(f64::total_cmp);
+            Ok::<f64, crate::backend::BackendError>(times[2])
+        })?;
+        b.set_workspace(0)?;
+        Ok(secs)
+    }
+}
+
+/// Bytes of KV cache the CPU attends per second ([`AttentionProbe::DECODE_7B`] on `threads`
+/// threads): what the planner costs a decode step's attention over a KV cache kept in host
+/// memory at, where it would otherwise take the DRAM read rate (which the arithmetic and the
+/// cache rows' decoding keep the CPU well below).
+pub fn cpu_attention_rate(threads: usize) -> Result<f64, String> {
+    let probe = AttentionProbe::DECODE_7B;
+    let err = |e: crate::backend::BackendError| format!("CPU attention probe: {e}");
+    let b = crate::backend::cpu::CpuBackend::new(threads).map_err(err)?;
+    Ok(probe.kv_bytes() / probe.seconds(&b, 4).map_err(err)?)
+}
+
 /// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),
 /// bytes/s copied.
 pub fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {

@@ -361,3 +361,45 @@ fn a_whole_device_takes_the_longest_call_in_the_largest_step_that_fits() {
     assert_eq!(whole_device_group(300, any, u64::MAX, kib), MAX_BATCH);
     assert_eq!(whole_device_group(4000, 100, u64::MAX, kib), 100);
 }
+
+/// Where decode attends over a host-kept cache follows the CPU's attention rate where `doctor`
+/// measured one (else the DRAM read rate): below the link's rate the cache comes to the device,
+/// however fast the DRAM is; above it the CPU attends, and the predicted decode time reads the
+/// cache at that rate.
+#[test]
+fn a_measured_cpu_attention_rate_decides_where_decode_attends() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    assert!(hw.cpu_attention_bytes_per_s.is_none());
+    assert!(hw.dram_read_bytes_per_s > hw.h2d_pinned_bytes_per_s);
+    let (min, _) = common::gpu_range(&store.manifest, &hw, |g| budget(g, 1, 16));
+    let plan_on =
+        |hw: &HardwareProfile| make_plan(&store.manifest, &budget(min, 1, 16), hw).unwrap();
+    let dram = plan_on(&hw);
+    assert!(
+        dram.prefill.kv_host,
+        "the smallest budget keeps the cache in host memory"
+    );
+    assert!(
+        dram.prefill.cpu_attention,
+        "DRAM faster than the link: the CPU attends"
+    );
+    let measured = |rate: f64| HardwareProfile {
+        cpu_attention_bytes_per_s: Some(rate),
+        ..hw.clone()
+    };
+    let slow = plan_on(&measured(hw.h2d_pinned_bytes_per_s / 4.0));
+    assert!(slow.prefill.kv_host && !slow.prefill.cpu_attention);
+    assert_eq!(slow.prediction.cpu_s, 0.0, "nothing left for the CPU");
+    let fast = plan_on(&measured(hw.h2d_pinned_bytes_per_s * 1.5));
+    assert!(fast.prefill.cpu_attention);
+    // The same bytes at 15 GB/s where the DRAM rate was 20.
+    let ratio = fast.prediction.cpu_s / dram.prediction.cpu_s;
+    let want = hw.dram_read_bytes_per_s / (hw.h2d_pinned_bytes_per_s * 1.5);
+    assert!((ratio - want).abs() < 1e-9, "{ratio} vs {want}");
+    assert!(fast.prediction.tokens_per_s <= dram.prediction.tokens_per_s);
+    // A measured rate that is not a rate is refused.
+    assert!(measured(0.0).validate().is_err());
+    assert!(measured(f64::NAN).validate().is_err());
+}

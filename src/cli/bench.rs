@@ -399,62 +399,6 @@ fn matvec(a: MatvecArgs) -> Result<()> {
     Ok(())
 }
 
-/// FLOPs of causal attention: `rows` query rows at positions `context..`, each scoring and
-/// summing (2 FLOPs a multiply-add, both products) every position up to its own.
-pub fn attention_flops(rows: usize, context: usize, heads: usize, head_dim: usize) -> f64 {
-    let keys = rows as f64 * context as f64 + rows as f64 * (rows as f64 + 1.0) / 2.0;
-    4.0 * (heads * head_dim) as f64 * keys
-}
-
-/// Seconds per [`Backend::attention`] of `a.rows` random query rows over a cache of
-/// `a.context + a.rows` random positions (median of 5 timings of `a.reps` calls).
-fn time_attention<B: Backend>(b: &B, a: &AttentionArgs) -> Result<f64> {
-    use crate::backend::{AttnShape, WorkspaceOp};
-    let (qd, kd) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let ctx = a.context + a.rows;
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut random =
-        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
-    let ty = a.kv_type.kv_type();
-    let mut caches = [b.alloc_kv(ctx, kd, ty)?, b.alloc_kv(ctx, kd, ty)?];
-    // The cache filled a slice at a time (host memory for 4096 rows, not the context).
-    const SLICE: usize = 4096;
-    for cache in &mut caches {
-        for r0 in (0..ctx).step_by(SLICE) {
-            let rows = SLICE.min(ctx - r0);
-            let mut t = b.alloc(rows, kd)?;
-            b.write(&mut t, &random(rows * kd))?;
-            b.store_kv(&t, cache, None, r0)?;
-        }
-    }
-    let mut q = b.alloc(a.rows, qd)?;
-    b.write(&mut q, &random(a.rows * qd))?;
-    let mut out = b.alloc(a.rows, qd)?;
-    let (mut row, mut sink) = (b.alloc(1, qd)?, vec![0f32; qd]);
-    b.set_workspace(b.workspace_bytes(&WorkspaceOp::Attention {
-        tokens: a.rows,
-        n_heads: a.heads,
-        head_dim: a.head_dim,
-    }))?;
-    let shape = AttnShape {
-        n_heads: a.heads,
-        n_kv_heads: a.kv_heads,
-        head_dim: a.head_dim,
-        scale: 1.0 / (a.head_dim as f32).sqrt(),
-    };
-    let (reps, context) = (a.reps, a.context);
-    b.enter(move || {
-        let [k, v] = &caches;
-        median_secs(reps, |_| {
-            b.attention(&q, k, v, None, context, shape, &mut out)?;
-            // A read waits for the attention (and costs one row's copy).
-            b.copy_rows(&out, 0, &mut row, 0, 1)?;
-            b.read(&row, &mut sink)?;
-            Ok(())
-        })
-    })
-}
-
 fn attention(a: AttentionArgs) -> Result<()> {
     if a.rows == 0 || a.reps == 0 || a.head_dim == 0 || a.heads == 0 {
         bail!("--rows, --reps, --heads and --head-dim must be positive");
@@ -469,20 +413,28 @@ fn attention(a: AttentionArgs) -> Result<()> {
         Device::Sim => bail!("bench attention runs on cpu or cuda"),
     };
     let qd = a.heads * a.head_dim;
+    let probe = crate::hw::AttentionProbe {
+        rows: a.rows,
+        context: a.context,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        kv: a.kv_type.kv_type(),
+    };
     // The reference: a product of as many rows with a square f16 weight of the queries' width
     // (an attention layer's output projection), on the same device.
     let (secs, matmul, device) = if cuda {
         let be = CudaBackend::new(0, Ledger::new(None, None))?;
-        let secs = time_attention(&be, &a)?;
+        let secs = probe.seconds(&be, a.reps)?;
         let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
         (secs, rate, "cuda")
     } else {
         let be = CpuBackend::new(a.threads.unwrap_or(0))?;
-        let secs = time_attention(&be, &a)?;
+        let secs = probe.seconds(&be, a.reps)?;
         let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
         (secs, rate, "cpu")
     };
-    let flops = attention_flops(a.rows, a.context, a.heads, a.head_dim);
+    let flops = probe.flops();
     let rate = flops / secs;
     let kv = format!("{:?}", a.kv_type.kv_type()).to_lowercase();
     if a.json {

@@ -33,6 +33,12 @@ pub struct HardwareProfile {
     /// FLOP/s: the compute bound of a prefill's time to first token.
     #[serde(default = "default_matmul_flops")]
     pub matmul_flops_per_s: f64,
+    /// Bytes of KV cache the CPU attends per second (`doctor` measures a decode step's
+    /// attention over 4000 positions of an f16 cache): the rate of a decode step's attention
+    /// over a cache kept in host memory. `None`: not measured, and the DRAM read rate is taken
+    /// (the most it could be).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_attention_bytes_per_s: Option<f64>,
 }
 
 /// What a profile that does not state its matrix-product rate is assumed to reach.
@@ -71,6 +77,7 @@ pub fn presets() -> Vec<HardwareProfile> {
         device_bytes: mem_gib << 30,
         device_fixed_bytes: fixed,
         matmul_flops_per_s: tflops * 1e12,
+        cpu_attention_bytes_per_s: None,
     };
     vec![
         // Consumer cards: fixed cost not measured here, so the conservative default applies.
@@ -159,6 +166,12 @@ impl HardwareProfile {
         }
     }
 
+    /// Bytes of KV cache the CPU attends per second (measured, or the DRAM read rate).
+    pub fn cpu_attention_rate(&self) -> f64 {
+        self.cpu_attention_bytes_per_s
+            .unwrap_or(self.dram_read_bytes_per_s)
+    }
+
     /// Device bytes a process holds before placing anything (measured, or the default).
     pub fn fixed_device_bytes(&self) -> u64 {
         self.device_fixed_bytes
@@ -181,6 +194,13 @@ impl HardwareProfile {
             return Err(format!(
                 "matmul_flops_per_s must be positive, is {}",
                 self.matmul_flops_per_s
+            ));
+        }
+        if let Some(v) = self.cpu_attention_bytes_per_s
+            && !(v.is_finite() && v > 0.0)
+        {
+            return Err(format!(
+                "cpu_attention_bytes_per_s must be positive, is {v}"
             ));
         }
         if !(self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0) {

@@ -1046,10 +1046,10 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
     // A KV cache in host memory is read for every token, half the context on average: over
     // PCIe, a layer at a time, or by the CPU from DRAM (the token's q, k, v down and the
-    // attention output up) — whichever link is faster (the bytes are the same).
+    // attention output up) — whichever is faster (the bytes are the same): the CPU at the rate
+    // it attends (measured by `doctor`, else the DRAM read rate).
     let mut prefill = prefill;
-    prefill.cpu_attention =
-        prefill.kv_host && hw.dram_read_bytes_per_s >= hw.h2d_pinned_bytes_per_s;
+    prefill.cpu_attention = prefill.kv_host && hw.cpu_attention_rate() >= hw.h2d_pinned_bytes_per_s;
     let kv_mid = if prefill.kv_host {
         kv_bytes(spec, budget.ctx, budget.kv_type) / 2
     } else {
@@ -1086,7 +1086,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
     let ops_s = ops as f64 * hw.op_overhead_s;
     // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
     // the copies; each layer pays a round trip (the FFN input down, the partial sum up).
-    let cpu_s = kv_cpu as f64 / hw.dram_read_bytes_per_s
+    let cpu_s = kv_cpu as f64 / hw.cpu_attention_rate()
         + if cpu_rows > 0 {
             let vector = (spec.d_model * 4) as f64;
             cpu_rows as f64 / hw.dram_read_bytes_per_s

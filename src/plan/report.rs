@@ -146,11 +146,20 @@ pub fn render(p: &Plan) -> String {
             format!("one step (steps of up to {} rows)", pf.group)
         },
         if pf.kv_host && pf.cpu_attention {
-            "in host memory, a layer at a time on the device for prefill; decode attends on the CPU"
+            format!(
+                "in host memory, a layer at a time on the device for prefill; decode attends on \
+                 the CPU (at {:.1} GB/s of KV cache, {})",
+                p.hardware.cpu_attention_rate() / 1e9,
+                if p.hardware.cpu_attention_bytes_per_s.is_some() {
+                    "measured"
+                } else {
+                    "the DRAM read rate: not measured"
+                }
+            )
         } else if pf.kv_host {
-            "in host memory, a layer at a time on the device"
+            "in host memory, a layer at a time on the device".into()
         } else {
-            "on the device"
+            "on the device".into()
         },
         pp.ttft_s,
         pp.limited_by,
