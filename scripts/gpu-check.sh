@@ -5,7 +5,8 @@
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
-#            timeout): `graphs` then `prefill`, on one synthesized 7B shape (32k context)
+#            timeout): `doctor --save` (the runs after it plan with this card's measured rates),
+#            then `graphs` and `prefill`, on one synthesized 7B shape (32k context)
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
 #            kernels equal the ones they replace, recorded logits equal launched ones, and
 #            programmatic launches plain ones, bit for bit), then decode tok/s and device
@@ -166,10 +167,16 @@ synth1b() {
     fi
 }
 
-bench() {
+# The machine measured and its profile saved where the planner looks first: the runs after it
+# plan with this card's rates (PCIe, GEMM, the CPU's attention over a host-kept cache).
+doctor_save() {
     say "doctor"
     "$B" doctor --save --json --ssd-dir "$WORK" > "$OUT/doctor.json" 2>>"$LOG"
     record doctor "$(cat "$OUT/doctor.json")"
+}
+
+bench() {
+    doctor_save
     say "matvec bandwidth"
     for spec in "11008 4096 f16" "4096 11008 f16" "11008 4096 q4_1" "11008 4096 q8_0" "11008 4096 f16 8"; do
         set -- $spec
@@ -547,7 +554,7 @@ batching() {
 case "$MODE" in
     tests) tests ;;
     graphs) graphs ;;
-    issue13) synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
+    issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
     batching) batching ;;
     prefill) prefill ;;
     bench) bench ;;
