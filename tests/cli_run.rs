@@ -229,6 +229,11 @@ fn doctor_reports_host_figures_without_a_gpu() {
     let json: Value = serde_json::from_str(&out).unwrap();
     assert!(json["host"]["dram_read_bytes_per_s"].as_f64().unwrap() > 1e8);
     assert!(json["host"]["logical_cores"].as_u64().unwrap() >= 1);
+    // The rate the CPU attends a host-kept cache at, for the planner.
+    let attention = json["profile"]["cpu_attention_bytes_per_s"]
+        .as_f64()
+        .unwrap();
+    assert!(attention > 1e6, "{json}");
 }
 
 /// `bench decode --sessions 8` on the budgeted device at about a third of SmolLM2's size: the
