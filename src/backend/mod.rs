@@ -1071,6 +1071,7 @@ pub fn gate_and_up<B: Backend + ?Sized>(
 /// the normed rows in the products' own input format (CUDA: f16, cuBLAS's input) instead of f32
 /// rows it would read back and convert.
 pub enum ProductInput<'a, B: Backend + ?Sized> {
+    /// Rows already computed.
     Rows(&'a B::Tensor),
     /// `x += add` (where given), then [`Backend::rms_norm`] of `x` by `weight` into `out`. A
     /// backend that hands the normed rows straight to the products need not write `out`: what it

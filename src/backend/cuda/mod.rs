@@ -194,8 +194,8 @@ pub fn attention_kernel(
     }
 }
 
-/// Whether prompts over an f16 cache take the flash kernel on a device of compute capability
-/// `capability` (major · 10 + minor).
+/// Whether prompts over an f16 or Q8_0 cache take the flash kernel on a device of compute
+/// capability `capability` (major · 10 + minor).
 pub fn flash_attention_runs(capability: u32) -> bool {
     capability >= FLASH_CAPABILITY
 }
