@@ -9,6 +9,9 @@
 //   (the values, stored as they lie in the cache, transposed by ldmatrix.trans); the products are
 //   m16n8k16 f16 products with f32 accumulation (mma.sync, sm_80+); softmax is online (running
 //   max and sum per row, in registers), so the score matrix never exists in device memory.
+//   A few rows over a long context (a prompt cut into row groups under a budget) would leave
+//   part of the device idle, a block per 64 rows and head: their keys are then split across
+//   blocks too, and `flash_combine` merges the splits (flash_splits in src/backend/cuda/mod.rs).
 // - `attention_split_*`: decode (few query rows) over a long context of any cache type. The keys
 //   are cut into chunks, one block per (head, chunk), so a single token's attention fills the
 //   GPU; each block leaves its rows' partials (max, sum, unnormalised output) in the workspace,
@@ -161,6 +164,12 @@ __device__ __forceinline__ void load_tile(u16* dst, const u8* cache, const unsig
     cp_async_commit();
 }
 
+// Where split z of a split flash attention leaves row t's (max, sum) for head h: after every
+// split's outputs (gridDim.z × n rows like `out`), two floats per (split, row, head).
+__device__ __forceinline__ float* flash_stats(float* ws, int n, int n_heads, int hd, int z, int t, int h) {
+    return ws + (long long)gridDim.z * n * n_heads * hd + (((long long)z * n + t) * n_heads + h) * 2;
+}
+
 // The flash kernels' products and copies (mma m16n8k16, cp.async) are Ampere's. Compiled for
 // an older device (NVRTC for a Turing card) they are a trap: the backend takes the simple kernel
 // there (FLASH_CAPABILITY in src/backend/cuda/mod.rs), and the module still loads for the split
@@ -170,11 +179,17 @@ __device__ __forceinline__ void load_tile(u16* dst, const u8* cache, const unsig
 #endif
 
 // q: n × n_heads·HD f32; kc, vc: cache rows of kv_cols values in DT (f16 or Q8_0; KV head g at
-// g·HD); out like q. Grid: (ceil(n / FA_ROWS), n_heads); block: FA_THREADS.
+// g·HD); out like q. Grid: (ceil(n / FA_ROWS), n_heads, splits); block: FA_THREADS.
+// With one split, a block attends its rows over every key they see and writes `out`. With more
+// (a few rows over a long context, too few blocks to fill the device), block z takes keys
+// z·chunk .. (z + 1)·chunk - 1 only (chunk a multiple of FA_KEYS, so no tile straddles two
+// splits), and leaves in `ws` what flash_combine merges: its rows' unnormalised outputs, laid
+// out like `out`, at split z's n rows (ws + z·n·n_heads·HD), and each (row, head)'s running max
+// (log2 units) and sum after every split's outputs (flash_stats). A row that sees none of a
+// split's keys leaves values there that flash_combine never reads.
 template <int DT, int HD>
-__device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out, int n,
-                           int n_heads,
-                           int group, int kv_cols, int first_pos, float scale) {
+__device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, float* out,
+                           int n, int n_heads, int group, int kv_cols, int first_pos, float scale, int chunk) {
 #ifndef FLASH_TENSOR_CORES
     __trap();
 #else
@@ -192,6 +207,13 @@ __device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const uns
     // The last query tiles see the most keys: they go first, so the short ones fill the tail.
     const int q0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS, r0 = warp * 16;
     const long long q_stride = (long long)n_heads * HD;
+    const int keys = first_pos + min(n, q0 + FA_ROWS);  // keys the block's last row sees
+    // This block's keys: its split's (every key its rows see, unsplit; the host passes a chunk
+    // of at least that). A block whose rows see none of its split's keys runs no tile and leaves
+    // values flash_combine never reads (returning early instead costs the hd-128 kernel seven
+    // registers, and a block per SM).
+    const bool split = gridDim.z > 1;
+    const int kb = (int)blockIdx.z * chunk, ke = min(keys, kb + chunk);
 
     // The block's queries in f16 (rows past n as zeros), then each warp's rows as A fragments.
     for (int i = tid; i < FA_ROWS * HD / 2; i += FA_THREADS) {
@@ -223,7 +245,6 @@ __device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const uns
     // Running max (log2 units) and this lane's share of the running sum, per row.
     float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
     const float scale2 = scale * 1.4426950408889634f;  // exp(x·scale) = exp2(x·scale2)
-    const int keys = first_pos + min(n, q0 + FA_ROWS);  // keys the block's last row sees
 
     // The rows this lane addresses for ldmatrix: of the keys (two 8-key score tiles, both halves
     // of a k-step: tile 2p + lane / 16, dims + 8 for lanes 8..15 and 24..31) and of the values
@@ -233,13 +254,13 @@ __device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const uns
     const u16* v_at = vs + (l8 + lr) * KP + l16 * 8;
 
     __syncthreads();  // every warp has its Q fragments: the key tile is free
-    load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, 0, keys);
-    for (int j0 = 0; j0 < keys; j0 += FA_KEYS) {
+    if (kb < ke) load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, kb, ke);
+    for (int j0 = kb; j0 < ke; j0 += FA_KEYS) {
         // Keys j0.. have landed (this thread's copies; the barrier: everyone's), and every warp
         // is done with the values before them.
         cp_async_wait_all();
         __syncthreads();
-        load_tile<DT, HD, KP>(vs, vc, table, kv_cols, col, j0, keys);
+        load_tile<DT, HD, KP>(vs, vc, table, kv_cols, col, j0, ke);
 
         // Scores of this warp's 16 rows against the 64 keys.
         float s[STILES][4];
@@ -303,7 +324,7 @@ __device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const uns
         // while these values are summed.
         cp_async_wait_all();
         __syncthreads();
-        if (j0 + FA_KEYS < keys) load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, j0 + FA_KEYS, keys);
+        if (j0 + FA_KEYS < ke) load_tile<DT, HD, KP>(ks, kc, table, kv_cols, col, j0 + FA_KEYS, ke);
 
         // O += P·V: the score accumulators of tiles 2k, 2k+1 are exactly the A fragment of
         // k-step k (rows grp, grp + 8; keys 16k + 2·quad.. and + 8), rounded to f16.
@@ -330,23 +351,30 @@ __device__ void flash_impl(const float* q, const u8* kc, const u8* vc, const uns
     for (int i = 0; i < 2; i++) {
         int row = ta + 8 * i;
         if (row >= n) continue;
-        float inv = 1.0f / l[i];
-        float* dst = out + row * q_stride + h * HD + quad * 2;
+        // Split: the unnormalised outputs and the (max, sum) flash_combine merges them by.
+        float inv = split ? 1.0f : 1.0f / l[i];
+        float* dst = (split ? ws + (long long)blockIdx.z * n * q_stride : out) + row * q_stride + h * HD + quad * 2;
 #pragma unroll
         for (int j = 0; j < OTILES; j++) {
             dst[j * 8] = o[j][2 * i] * inv;
             dst[j * 8 + 1] = o[j][2 * i + 1] * inv;
         }
+        if (split && quad == 0) {
+            float* st = flash_stats(ws, n, n_heads, HD, blockIdx.z, row, h);
+            st[0] = m[i];
+            st[1] = l[i];
+        }
     }
 #endif
 }
 
-#define FLASH(NAME, DT, HD)                                                                                \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                               \
-        flash_attn_##NAME##_hd##HD(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* out, \
-                                   int n, int n_heads, int group, int kv_cols, int first_pos, float scale) {   \
-        grid_dependency();                                                                                     \
-        flash_impl<DT, HD>(q, kc, vc, table, out, n, n_heads, group, kv_cols, first_pos, scale);               \
+#define FLASH(NAME, DT, HD)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS)                                                  \
+        flash_attn_##NAME##_hd##HD(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, \
+                                   float* out, int n, int n_heads, int group, int kv_cols, int first_pos,       \
+                                   float scale, int chunk) {                                                    \
+        grid_dependency();                                                                                        \
+        flash_impl<DT, HD>(q, kc, vc, table, ws, out, n, n_heads, group, kv_cols, first_pos, scale, chunk);      \
     }
 
 FLASH(f16, DT_F16, 64)
@@ -357,6 +385,29 @@ FLASH(q8_0, DT_Q8_0, 64)
 FLASH(q8_0, DT_Q8_0, 80)
 FLASH(q8_0, DT_Q8_0, 96)
 FLASH(q8_0, DT_Q8_0, 128)
+
+// out[t][h·hd + d] of a flash attention split `splits` ways into chunks of `chunk` keys, from
+// what its blocks left in `ws` (flash_impl): row t (at position first_pos + t) merges the splits
+// whose first key it sees, each weighted by exp2 of its max less the largest. Grid: (n_heads, n);
+// block: FA_THREADS (a thread per output dim).
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+    flash_combine(float* ws, float* out, int n, int n_heads, int hd, int first_pos, int chunk, int splits) {
+    grid_dependency();
+    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    const int seen = min(splits, (first_pos + t) / chunk + 1);
+    const long long q_stride = (long long)n_heads * hd;
+    const float* stats = ws + (long long)splits * n * q_stride;
+    float mx = MASKED;
+    for (int z = 0; z < seen; z++) mx = fmaxf(mx, stats[(((long long)z * n + t) * n_heads + h) * 2]);
+    float den = 0.0f, o = 0.0f;
+    for (int z = 0; z < seen; z++) {
+        const float* st = stats + (((long long)z * n + t) * n_heads + h) * 2;
+        const float w = exp2f(st[0] - mx);
+        den += st[1] * w;
+        if (d < hd) o += ws[(long long)z * n * q_stride + t * q_stride + h * hd + d] * w;
+    }
+    if (d < hd) out[t * q_stride + h * hd + d] = o / den;
+}
 
 // The chunks a split attention of `rows` query rows over `keys` positions takes: at least
 // SPLIT_MIN_KEYS keys a chunk, rows × chunks at most MAX_SPLITS, every chunk holding a key. The

@@ -468,8 +468,8 @@ prefill() {
     # One model for every run here (a second 7B copy and its store would crowd the 64 GB disk).
     synth7b_long
     local m="$WORK/m7b-32k" n
-    say "a prompt in one large step equals steps of 512 (parity first: the figures after it count only if it passes)"
-    timeout 120 "$GT" --test-threads 1 --nocapture prefill_in_one_large_step 2>&1 | tee -a "$LOG"
+    say "a prompt in one large step equals steps of 512, split prompt attention equals unsplit (parity first: the figures after it count only if they pass)"
+    timeout 120 "$GT" --test-threads 1 --nocapture prefill_in_one_large_step split_prompt_attention 2>&1 | tee -a "$LOG"
     record prefill_step_parity "{\"exit_code\":${PIPESTATUS[0]}}"
     say "whole-GPU prefill, 7B shape: ours beside transformers sdpa (same weights, same call)"
     for n in 512 2048 4000; do
@@ -486,6 +486,10 @@ prefill() {
     done
     # The prefill kernel over a Q8_0 cache (its tiles decoded as they load) beside the f16 one.
     record attention_7b_4000_from_0_q8_0 "$(timeout 60 "$B" bench attention --device cuda --rows 4000 --context 0 --kv-type q8_0 --json 2>>"$LOG")"
+    # A 512-row group late in a 32k prompt (the row groups of --gpu-mem 4G): its keys split as
+    # the device fills (flash_splits), beside unsplit (256 blocks of 7B heads, a wave and less).
+    record attention_7b_512_from_32000 "$(timeout 60 "$B" bench attention --device cuda --rows 512 --context 32000 --json 2>>"$LOG")"
+    record attention_7b_512_from_32000_unsplit "$(timeout 60 "$B" bench attention --device cuda --rows 512 --context 32000 --flash-splits 1 --json 2>>"$LOG")"
     # One load for every length: "prefill" holds each one's TTFT (the best of two).
     record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"

@@ -181,6 +181,7 @@ impl AttentionProbe {
             tokens: self.rows,
             n_heads: self.heads,
             head_dim: self.head_dim,
+            kv: self.kv,
         }))?;
         let shape = AttnShape {
             n_heads: self.heads,

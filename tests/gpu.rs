@@ -423,6 +423,7 @@ fn attention_on<B: Backend>(
         tokens: n,
         n_heads: s.n_heads,
         head_dim: s.head_dim,
+        kv: ty,
     }))
     .unwrap();
     b.attention(&qt, &kc, &vc, table.as_ref(), pos, s, &mut out)
@@ -502,6 +503,10 @@ fn long_context_attention_equals_cpu<B: Backend>(g: &B) {
         (100, 300, shape(6, 3, 80)),
         (17, 2000, shape(2, 2, 96)),
         (33, 150, shape(4, 2, 80)),
+        // Few blocks over long contexts split their keys on a GPU (flash_splits): 4 ways, and
+        // 2 ways with the first rows seeing none of the second split.
+        (100, 5000, shape(4, 2, 128)),
+        (1024, 1000, shape(2, 1, 64)),
     ] {
         check(KvType::F16, n, pos, s, 2e-3);
         // (Q8_0 rows are whole 32-value blocks.)
@@ -1486,6 +1491,54 @@ on_devices!(
     bundles_listed_compute_only_the_listed_neurons,
     fused_ops_equal_the_ops_they_replace
 );
+
+/// A prompt's flash attention with its keys split (as [`flash_splits`] picks on this GPU, and
+/// each count the workspace holds) equals the same attention unsplit, and the naive one on the
+/// CPU: 512 rows of 7B heads over 8000 positions (a row group of a budgeted long prompt), and
+/// rows of which the first see none of the last split.
+#[test]
+fn split_prompt_attention_equals_unsplit() {
+    let Some(g) = gpu() else {
+        return;
+    };
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    for (n, pos, heads, kv_heads, hd) in [(512, 8000, 32, 8, 128), (1000, 1100, 4, 4, 64)] {
+        let s = AttnShape {
+            n_heads: heads,
+            n_kv_heads: kv_heads,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+        };
+        let ctx = pos + n;
+        let q = rand_vec(&mut rng, n * heads * hd, 1.0);
+        let k = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let v = rand_vec(&mut rng, ctx * kv_heads * hd, 1.0);
+        let want = attention_on(&c, &q, &k, &v, n, ctx, pos, s, KvType::F16, false);
+        g.set_flash_splits(Some(1));
+        let whole = attention_on(&g, &q, &k, &v, n, ctx, pos, s, KvType::F16, false);
+        let e = rel(&whole, &want);
+        assert!(e <= 2e-3, "unsplit n {n} pos {pos}: {e}");
+        g.set_flash_splits(None);
+        let picked = g.prompt_splits(n, KvType::F16, heads, hd, ctx).unwrap();
+        println!("{n} rows from {pos}, {heads} heads: flash_splits picks {picked:?}");
+        assert!(
+            picked.is_some_and(|s| s > 1),
+            "{n} rows from {pos}: {picked:?}"
+        );
+        for splits in [None, Some(2), Some(3), Some(4)] {
+            g.set_flash_splits(splits);
+            let paged = splits == Some(3);
+            let got = attention_on(&g, &q, &k, &v, n, ctx, pos, s, KvType::F16, paged);
+            let (e, d) = (rel(&got, &want), rel(&got, &whole));
+            assert!(
+                e <= 2e-3 && d <= 2e-3,
+                "{splits:?} splits, n {n} pos {pos} paged {paged}: {e} from the CPU, {d} from unsplit"
+            );
+        }
+        g.set_flash_splits(None);
+    }
+}
 
 #[test]
 fn device_budget_is_enforced() {

@@ -2,7 +2,9 @@
 // (kernels/host/simt.h, which also stands in for the tensor-core product from the PTX fragment
 // layouts), against a naive causal GQA attention in double over the same cache values:
 // the flash prefill kernel (f16 and Q8_0 caches, the latter's tiles decoded to f16: queries,
-// probabilities and values rounded to f16, so a relative tolerance of 2e-3) and the split decode kernel, whose last block per head combines the
+// probabilities and values rounded to f16, so a relative tolerance of 2e-3), unsplit and with its
+// keys split across blocks and merged by flash_combine (rows that see every split, rows that see
+// none of the last, blocks left with no keys), and the split decode kernel, whose last block per head combines the
 // chunks (every cache type, f32 math: 1e-4; every ticket left at 0). The flash kernel's cp.async
 // copies land only when their thread waits for them (simt.h), so a tile read before its wait and
 // barrier reads the tile before it and fails here; ldmatrix is emulated from its fragment layout.
@@ -117,8 +119,10 @@ static std::vector<float> queries(std::mt19937& rng, const Case& c) {
     return q;
 }
 
+// The flash kernel as launched unsplit (`chunk` 0: no workspace), or with its keys split into
+// chunks of `chunk` (a multiple of FA_KEYS) and the splits merged by flash_combine.
 template <int DT>
-static bool flash(std::mt19937& rng, const Case& c, bool page) {
+static bool flash(std::mt19937& rng, const Case& c, bool page, int chunk = 0) {
     int ctx = c.first_pos + c.n, kv_cols = c.kv_heads * c.hd;
     auto q = queries(rng, c);
     auto kc = cache(rng, DT, ctx, kv_cols), vc = cache(rng, DT, ctx, kv_cols);
@@ -126,6 +130,10 @@ static bool flash(std::mt19937& rng, const Case& c, bool page) {
     Paged pk = paged(kc, ctx, rb), pv = paged(vc, ctx, rb);
     std::vector<float> out(q.size(), NAN);
     float scale = 1.0f / std::sqrt((float)c.hd);
+    int splits = chunk > 0 ? (ctx + chunk - 1) / chunk : 1;
+    std::vector<float> ws(chunk > 0 ? (size_t)splits * c.n * c.heads * (c.hd + 2) : 0, NAN);
+    float* w = chunk > 0 ? ws.data() : nullptr;
+    int keys = chunk > 0 ? chunk : ctx;  // unsplit: a chunk of every key
     auto kernel = [&] {
         const u8* k = page ? pk.pool.data() : kc.data();
         const u8* v = page ? pv.pool.data() : vc.data();
@@ -133,10 +141,10 @@ static bool flash(std::mt19937& rng, const Case& c, bool page) {
         int g = c.heads / c.kv_heads;
 #define FLASH_CASES(NAME)                                                                                        \
     switch (c.hd) {                                                                                              \
-        case 64: flash_attn_##NAME##_hd64(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
-        case 80: flash_attn_##NAME##_hd80(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
-        case 96: flash_attn_##NAME##_hd96(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); break; \
-        default: flash_attn_##NAME##_hd128(q.data(), k, v, t, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale); \
+        case 64: flash_attn_##NAME##_hd64(q.data(), k, v, t, w, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale, keys); break; \
+        case 80: flash_attn_##NAME##_hd80(q.data(), k, v, t, w, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale, keys); break; \
+        case 96: flash_attn_##NAME##_hd96(q.data(), k, v, t, w, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale, keys); break; \
+        default: flash_attn_##NAME##_hd128(q.data(), k, v, t, w, out.data(), c.n, c.heads, g, kv_cols, c.first_pos, scale, keys); \
     }
         if (DT == DT_F16) {
             FLASH_CASES(f16)
@@ -145,11 +153,17 @@ static bool flash(std::mt19937& rng, const Case& c, bool page) {
         }
 #undef FLASH_CASES
     };
-    host_launch({(unsigned)((c.n + FA_ROWS - 1) / FA_ROWS), (unsigned)c.heads, 1}, FA_THREADS, kernel);
+    host_launch({(unsigned)((c.n + FA_ROWS - 1) / FA_ROWS), (unsigned)c.heads, (unsigned)splits}, FA_THREADS, kernel);
+    if (chunk > 0)
+        host_launch({(unsigned)c.heads, (unsigned)c.n, 1}, FA_THREADS, [&] {
+            flash_combine(w, out.data(), c.n, c.heads, c.hd, c.first_pos, chunk, splits);
+        });
     double e = rel(out, naive<DT>(q, kc.data(), vc.data(), c));
     bool ok = e <= 2e-3;
-    std::printf("flash-check: flash %s n %d from %d heads %d/%d hd %d%s: %.2e%s\n", DT == DT_F16 ? "f16" : "q8_0",
-                c.n, c.first_pos, c.heads, c.kv_heads, c.hd, page ? " paged" : "", e, ok ? "" : "  FAILED");
+    char how[48] = "";
+    if (chunk > 0) std::snprintf(how, sizeof how, ", %d splits of %d keys", splits, chunk);
+    std::printf("flash-check: flash %s n %d from %d heads %d/%d hd %d%s%s: %.2e%s\n", DT == DT_F16 ? "f16" : "q8_0",
+                c.n, c.first_pos, c.heads, c.kv_heads, c.hd, how, page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
 }
 
@@ -315,6 +329,14 @@ int main() {
         for (Case c : {Case{90, 70, 4, 2, 64}, Case{64, 0, 2, 1, 128}, Case{17, 130, 2, 2, 80}, Case{20, 5, 3, 1, 96}}) {
             ok &= flash<DT_F16>(rng, c, page);
             ok &= flash<DT_Q8_0>(rng, c, page);
+        }
+        // Keys split across blocks: splits every row sees (a short group late in a long
+        // context), splits some rows of a block see and others not, blocks that see none of the
+        // last splits, one tile a split.
+        for (auto [c, chunk] : {std::pair{Case{90, 700, 4, 2, 64}, 256}, std::pair{Case{130, 20, 2, 1, 128}, 64},
+                                std::pair{Case{40, 300, 2, 2, 80}, 128}, std::pair{Case{33, 200, 3, 1, 96}, 192}}) {
+            ok &= flash<DT_F16>(rng, c, page, chunk);
+            ok &= flash<DT_Q8_0>(rng, c, page, chunk);
         }
         // Chunks of one and of several tiles, rows that see none of the last chunk.
         // Heads whose dims leave lanes of a key idle (80, 96), a key per half warp (128) and per

@@ -118,13 +118,15 @@ pub enum WorkspaceOp {
     },
     /// The neuron-listed bundle ops over a list of `neurons` ids (copied in).
     Listed { neurons: usize },
-    /// [`Backend::attention`] of `tokens` query rows of `n_heads` heads of `head_dim`: few rows
-    /// over a long context split the keys into chunks whose partial results meet in the
-    /// workspace (a fixed most chunks, so the bytes do not depend on the context length).
+    /// [`Backend::attention`] of `tokens` query rows of `n_heads` heads of `head_dim` over a `kv`
+    /// cache: few rows over a long context split the keys into chunks whose partial results
+    /// meet in the workspace (a fixed most chunks, so the bytes do not depend on the context
+    /// length), and so may a prompt's rows on tensor cores.
     Attention {
         tokens: usize,
         n_heads: usize,
         head_dim: usize,
+        kv: KvType,
     },
 }
 

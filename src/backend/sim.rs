@@ -921,6 +921,7 @@ impl Backend for SimBackend {
             tokens: q.t.rows,
             n_heads: shape.n_heads,
             head_dim: shape.head_dim,
+            kv: k_cache.kv.ty(),
         })?;
         let (a, o) = (tensor_arg(q), tensor_arg(out));
         let args = [

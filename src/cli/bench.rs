@@ -145,6 +145,11 @@ pub struct AttentionArgs {
     /// KV cache type.
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum, default_value = "f16")]
     pub kv_type: super::KvTypeArg,
+    /// CUDA: split a prompt's keys this many ways on tensor cores (1: unsplit; at most 4, and
+    /// rows × splits at most 2048), instead of as many as fill the device, to set one beside
+    /// the other.
+    #[arg(long, env = "GPU_OFFLOAD_FLASH_SPLITS", value_parser = clap::value_parser!(u32).range(1..=4))]
+    pub flash_splits: Option<u32>,
     /// Repetitions.
     #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 5)]
     pub reps: usize,
@@ -423,16 +428,22 @@ fn attention(a: AttentionArgs) -> Result<()> {
     };
     // The reference: a product of as many rows with a square f16 weight of the queries' width
     // (an attention layer's output projection), on the same device.
-    let (secs, matmul, device) = if cuda {
+    if a.flash_splits.is_some() && !cuda {
+        bail!("--flash-splits sets the CUDA prompt kernel; this run is on the CPU");
+    }
+    // Where a prompt runs on tensor cores, the ways its keys split.
+    let (secs, matmul, device, splits) = if cuda {
         let be = CudaBackend::new(0, Ledger::new(None, None))?;
+        be.set_flash_splits(a.flash_splits.map(|s| s as usize));
+        let splits = be.prompt_splits(a.rows, probe.kv, a.heads, a.head_dim, a.context + a.rows)?;
         let secs = probe.seconds(&be, a.reps)?;
         let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
-        (secs, rate, "cuda")
+        (secs, rate, "cuda", splits)
     } else {
         let be = CpuBackend::new(a.threads.unwrap_or(0))?;
         let secs = probe.seconds(&be, a.reps)?;
         let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
-        (secs, rate, "cpu")
+        (secs, rate, "cpu", None)
     };
     let flops = probe.flops();
     let rate = flops / secs;
@@ -441,18 +452,20 @@ fn attention(a: AttentionArgs) -> Result<()> {
         println!(
             "{}",
             json!({"rows": a.rows, "context": a.context, "heads": a.heads, "kv_heads": a.kv_heads,
-                   "head_dim": a.head_dim, "kv_type": kv, "device": device, "seconds": secs,
+                   "head_dim": a.head_dim, "kv_type": kv, "device": device,
+                   "flash_splits": splits, "seconds": secs,
                    "flops": flops, "flops_per_s": rate, "matmul_flops_per_s": matmul,
                    "fraction_of_matmul": rate / matmul})
         );
     } else {
         println!(
-            "attention of {} rows from position {} ({} heads / {} KV heads of {}, {kv} cache) on {device}: {:.3} ms, {:.2} TFLOP/s = {:.0}% of a {}x{qd}x{qd} f16 matrix product's {:.2} TFLOP/s",
+            "attention of {} rows from position {} ({} heads / {} KV heads of {}, {kv} cache{}) on {device}: {:.3} ms, {:.2} TFLOP/s = {:.0}% of a {}x{qd}x{qd} f16 matrix product's {:.2} TFLOP/s",
             a.rows,
             a.context,
             a.heads,
             a.kv_heads,
             a.head_dim,
+            splits.map_or(String::new(), |s| format!(", keys split {s} ways")),
             secs * 1e3,
             rate / 1e12,
             100.0 * rate / matmul,

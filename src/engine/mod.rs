@@ -711,6 +711,7 @@ pub fn step_memory(
     n: usize,
     logit_rows: usize,
     joins: bool,
+    kv: KvType,
     matmuls: &MatmulShapes,
     workspace: impl Fn(&WorkspaceOp) -> u64,
 ) -> StepMemory {
@@ -723,6 +724,7 @@ pub fn step_memory(
         tokens: n,
         n_heads: spec.n_heads,
         head_dim: spec.head_dim,
+        kv,
     }));
     if logit_rows > 0 {
         ws = ws.max(workspace(&matmuls.head.op(logit_rows)));
@@ -1031,6 +1033,7 @@ impl<B: Backend> Engine<B> {
                 n,
                 logit_rows,
                 self.prefill.joins,
+                self.kv_type,
                 &matmuls,
                 |op| self.backend.workspace_bytes(op),
             )
@@ -2235,7 +2238,7 @@ impl<B: Backend> Engine<B> {
         }
         let source = &mut *pass.source;
         let joins = self.prefill.joins;
-        let need = step_memory(spec, n, m, joins, &source.matmuls(), |op| {
+        let need = step_memory(spec, n, m, joins, self.kv_type, &source.matmuls(), |op| {
             b.workspace_bytes(op)
         });
         b.set_workspace(need.workspace)?;
@@ -2864,9 +2867,15 @@ impl<B: Backend> Engine<B> {
         let source = &mut *pass.source;
         // The workspace the ops of this step need, by the formula the planner used.
         let joins = self.prefill.joins;
-        let need = step_memory(spec, n, rows, joins, &source.matmuls(), |op| {
-            b.workspace_bytes(op)
-        });
+        let need = step_memory(
+            spec,
+            n,
+            rows,
+            joins,
+            self.kv_type,
+            &source.matmuls(),
+            |op| b.workspace_bytes(op),
+        );
         b.set_workspace(need.workspace)?;
 
         let on_cpu = self.prefill.attends_on_cpu(n);
@@ -2933,6 +2942,7 @@ impl<B: Backend> Engine<B> {
             group,
             rows,
             self.prefill.joins,
+            self.kv_type,
             &source.matmuls(),
             |op| b.workspace_bytes(op),
         );

@@ -586,6 +586,7 @@ pub fn step_device_memory(
         group,
         budget.logit_rows.min(group),
         budget.sessions > 1,
+        budget.kv_type,
         &offload_matmuls(m)?,
         crate::backend::cuda::workspace_bytes,
     ))
@@ -631,6 +632,7 @@ fn prefill_layout(
             group,
             budget.logit_rows.min(group),
             joins,
+            budget.kv_type,
             &matmuls,
             crate::backend::cuda::workspace_bytes,
         );

@@ -130,6 +130,11 @@ pub(super) type Parts = fn(Launch<'_>, MatvecParts, i32, u64, i32) -> Result<()>
 pub(super) type GateUp =
     fn(Launch<'_>, u64, i32, u64, i32, i32, i32, u64, i32, i32, f32, u64, i32) -> Result<()>;
 
+/// `flash_attn_*`: (q, kc, vc, table, ws, out, n, n_heads, group, kv_cols, first_pos, scale,
+/// chunk).
+pub(super) type Flash =
+    fn(Launch<'_>, u64, u64, u64, u64, u64, u64, i32, i32, i32, i32, i32, f32, i32) -> Result<()>;
+
 /// `ffn_bundles_up_*`: (b, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h,
 /// h_stride, col0, idx).
 pub(super) type BundlesUp = fn(

@@ -64,7 +64,7 @@ const BLAS_WORKSPACE: usize = 32 << 20;
 const ACT_BLOCK_BYTES: usize = 44;
 
 /// Query rows the split-KV (flash-decoding) attention takes (SPLIT_ROWS in
-/// kernels/flash_attention.cu); more rows go to the prefill kernels, which need no workspace.
+/// kernels/flash_attention.cu); more rows go to the prefill kernels.
 pub const SPLIT_ROWS: usize = 4;
 /// Partials per head of a split attention (MAX_SPLITS in kernels/flash_attention.cu): rows ×
 /// key chunks at most, whatever the context, so the workspace is fixed per model.
@@ -92,9 +92,22 @@ const FLASH_CAPABILITY: u32 = 80;
 /// products, and the oldest target CUDA 13 compiles for.
 pub const MIN_CAPABILITY: u32 = 75;
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
-/// Query rows per flash block (FA_ROWS) and threads per block of both new kernels.
+/// Query rows per flash block (FA_ROWS) and threads per block of both new kernels; keys per
+/// flash tile (FA_KEYS).
 const FLASH_ROWS: usize = 64;
 const FLASH_THREADS: u32 = 128;
+const FLASH_KEYS: usize = 64;
+/// A prompt's flash attention splits its keys at most this many ways ([`flash_splits`]), and
+/// only while rows × splits stays within FLASH_SPLIT_ROWS (the workspace holds that many rows
+/// of partials, so a budget pays tens of MiB for it, not a prompt's worth) and each split
+/// takes at least FLASH_SPLIT_MIN_KEYS keys (so the partials' writes and the merge stay small
+/// beside the split's products).
+const FLASH_MAX_SPLITS: usize = 4;
+const FLASH_SPLIT_ROWS: usize = 2048;
+const FLASH_SPLIT_MIN_KEYS: usize = 1024;
+/// A split count is taken once its blocks fill the device's waves within this fraction of the
+/// best count's (more splits cost more partials for little).
+const FLASH_SPLIT_FILL: f64 = 0.85;
 
 /// The device workspace `op` takes on the CUDA backend (with cuBLAS): the one formula the
 /// planner, this backend and the budgeted device (which reserves the same) use. Pure: no GPU.
@@ -107,17 +120,28 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
         // MAX_SPLITS partials per head of a split attention (max, sum and head_dim outputs,
         // f32), shared by its rows. Steps of more rows (which do not split) count them too:
         // the plan sizes the workspace once, at its batch, and the decode steps after it must
-        // fit in that.
+        // fit in that. A prompt's flash attention may split its keys too (flash_splits): the
+        // partials of the most splits it can take at this many rows, up to FLASH_SPLIT_ROWS
+        // rows of them, on every device (the formula knows none), never fewer for more rows
+        // (a step's scratch, sized for the largest step, stays while a smaller one runs).
         WorkspaceOp::Attention {
             tokens,
             n_heads,
             head_dim,
+            kv,
         } => {
-            if tokens > 0 && splits_keys(n_heads, head_dim) {
+            let decode = if tokens > 0 && splits_keys(n_heads, head_dim) {
                 device_bytes((n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
             } else {
                 0
-            }
+            };
+            let prompt = if flash_takes(tokens, kv, head_dim) {
+                let rows = (tokens * FLASH_MAX_SPLITS).min(FLASH_SPLIT_ROWS);
+                device_bytes((rows * n_heads * (head_dim + 2) * 4) as u64)
+            } else {
+                0
+            };
+            decode.max(prompt)
         }
         WorkspaceOp::Matmul {
             dtype,
@@ -183,11 +207,7 @@ pub fn attention_kernel(
 ) -> AttentionKernel {
     if rows <= SPLIT_ROWS && splits_keys(n_heads, head_dim) {
         AttentionKernel::Split
-    } else if rows >= FLASH_MIN_ROWS
-        && matches!(kv, KvType::F16 | KvType::Q8_0)
-        && FLASH_HEAD_DIMS.contains(&head_dim)
-        && flash_attention_runs(capability)
-    {
+    } else if flash_takes(rows, kv, head_dim) && flash_attention_runs(capability) {
         AttentionKernel::Flash
     } else {
         AttentionKernel::Simple
@@ -213,6 +233,79 @@ pub fn supported_capability(capability: u32) -> Result<()> {
         MIN_CAPABILITY / 10,
         MIN_CAPABILITY % 10
     )))
+}
+
+/// `(splits, chunk)` a prompt's flash attention of `rows` query rows (`n_heads` heads) over
+/// `keys` positions takes on a device that holds `slots` of its blocks at once (multiprocessors
+/// × blocks each): its keys in `splits` chunks of `chunk` (a multiple of the key tile, every
+/// chunk holding a key), merged after. One split (`chunk` = `keys`) unless a block per 64 rows
+/// and head leaves much of the last wave of blocks idle (a few rows over a long context: a
+/// prompt in row groups under a budget, whose 512 rows of a 7B model are 256 blocks where an
+/// H100 PCIe holds 342) and more splits fill it (4: 1024 blocks, three waves).
+pub fn flash_splits(rows: usize, n_heads: usize, keys: usize, slots: usize) -> (usize, usize) {
+    let tiles = keys.div_ceil(FLASH_KEYS);
+    let most = flash_most_splits(rows).min(tiles / (FLASH_SPLIT_MIN_KEYS / FLASH_KEYS));
+    if most < 2 || slots == 0 {
+        return flash_chunks(keys, 1);
+    }
+    let blocks = rows.div_ceil(FLASH_ROWS) * n_heads;
+    // The share of the waves' slots that `splits` ways fill.
+    let fill = |splits: usize| {
+        let b = blocks * splits;
+        b as f64 / (slots * b.div_ceil(slots)) as f64
+    };
+    let best = (1..=most).map(fill).fold(0.0, f64::max);
+    let splits = (1..=most)
+        .find(|&s| fill(s) >= FLASH_SPLIT_FILL * best)
+        .unwrap_or(1);
+    flash_chunks(keys, splits)
+}
+
+/// [`flash_splits`]' `(splits, chunk)` with `splits` asked for, as far as the workspace holds
+/// it ([`flash_most_splits`]).
+pub fn forced_flash_splits(rows: usize, keys: usize, splits: usize) -> (usize, usize) {
+    flash_chunks(keys, splits.min(flash_most_splits(rows)))
+}
+
+/// The most ways a prompt's flash attention of `rows` rows splits its keys: what the workspace
+/// holds partials for (at most FLASH_MAX_SPLITS, rows × splits at most FLASH_SPLIT_ROWS).
+fn flash_most_splits(rows: usize) -> usize {
+    FLASH_MAX_SPLITS.min(FLASH_SPLIT_ROWS / rows.max(1)).max(1)
+}
+
+/// `keys` positions in about `splits` chunks of whole key tiles: `(chunks, keys per chunk)`,
+/// every chunk holding a key; one chunk of every key where `splits` is 1.
+fn flash_chunks(keys: usize, splits: usize) -> (usize, usize) {
+    let tiles = keys.div_ceil(FLASH_KEYS).max(1);
+    if splits.clamp(1, tiles) == 1 {
+        return (1, keys.max(1));
+    }
+    let chunk = tiles.div_ceil(splits.min(tiles)) * FLASH_KEYS;
+    (keys.div_ceil(chunk), chunk)
+}
+
+/// The flash kernel for a `kv` cache (f16 or Q8_0) and heads of `head_dim` (one of
+/// FLASH_HEAD_DIMS): its name and its launch.
+fn flash_kernel(kv: KvType, head_dim: usize) -> (&'static str, launches::Flash) {
+    match (kv, head_dim) {
+        (KvType::Q8_0, 64) => ("flash_attn_q8_0_hd64", launches::flash_attn_q8_0_hd64),
+        (KvType::Q8_0, 80) => ("flash_attn_q8_0_hd80", launches::flash_attn_q8_0_hd80),
+        (KvType::Q8_0, 96) => ("flash_attn_q8_0_hd96", launches::flash_attn_q8_0_hd96),
+        (KvType::Q8_0, _) => ("flash_attn_q8_0_hd128", launches::flash_attn_q8_0_hd128),
+        (_, 64) => ("flash_attn_f16_hd64", launches::flash_attn_f16_hd64),
+        (_, 80) => ("flash_attn_f16_hd80", launches::flash_attn_f16_hd80),
+        (_, 96) => ("flash_attn_f16_hd96", launches::flash_attn_f16_hd96),
+        _ => ("flash_attn_f16_hd128", launches::flash_attn_f16_hd128),
+    }
+}
+
+/// Whether a prompt of `rows` rows over a `kv` cache with heads of `head_dim` takes the flash
+/// kernel on some device (from compute capability 8.0): what its workspace is sized for,
+/// whatever the device.
+fn flash_takes(rows: usize, kv: KvType, head_dim: usize) -> bool {
+    rows >= FLASH_MIN_ROWS
+        && matches!(kv, KvType::F16 | KvType::Q8_0)
+        && FLASH_HEAD_DIMS.contains(&head_dim)
 }
 
 /// The step position as the recorded kernels read it (an i32), if it is one.
@@ -469,6 +562,12 @@ pub struct CudaBackend {
     programmatic: std::sync::atomic::AtomicBool,
     /// The device's compute capability, major · 10 + minor.
     capability: u32,
+    /// Its multiprocessors: with a kernel's blocks per multiprocessor, the blocks it holds at
+    /// once ([`flash_splits`]).
+    multiprocessors: usize,
+    /// Key splits every prompt's flash attention takes (`bench attention --flash-splits`, to
+    /// set a split beside none in one run); 0: as [`flash_splits`] picks.
+    flash_splits_forced: std::sync::atomic::AtomicUsize,
     /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within
     /// device memory, and each node of a replayed recording ([`Backend::device_ops_run`]).
     device_ops: std::sync::atomic::AtomicU64,
@@ -787,6 +886,12 @@ impl CudaBackend {
         let (major, minor) = ctx.compute_capability().map_err(dev)?;
         let capability = (major * 10 + minor) as u32;
         supported_capability(capability)?;
+        let multiprocessors = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(dev)?
+            .max(1) as usize;
         // Ordering between our streams is explicit (events); per-use event tracking would add
         // an event record to every kernel argument.
         // SAFETY: called before any allocation; every cross-stream use is ordered by the
@@ -815,6 +920,8 @@ impl CudaBackend {
             recording: std::sync::atomic::AtomicBool::new(false),
             programmatic: std::sync::atomic::AtomicBool::new(false),
             capability,
+            multiprocessors,
+            flash_splits_forced: std::sync::atomic::AtomicUsize::new(0),
             device_ops: std::sync::atomic::AtomicU64::new(0),
         };
         for (name, _) in kernels::MODULES {
@@ -923,6 +1030,63 @@ impl CudaBackend {
         self.programmatic
             .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Make every prompt's flash attention split its keys `splits` ways (as far as the
+    /// workspace holds: at most [`FLASH_MAX_SPLITS`], rows × splits at most
+    /// [`FLASH_SPLIT_ROWS`]), or `None`: as [`flash_splits`] picks for the device. For
+    /// benchmarks that set one beside the other.
+    pub fn set_flash_splits(&self, splits: Option<usize>) {
+        self.flash_splits_forced
+            .store(splits.unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The ways attention of `rows` query rows over `keys` positions of a `kv` cache (heads
+    /// of `head_dim`) splits its keys on this device where it runs on tensor cores, else `None`
+    /// (the split decode kernel plans its own chunks; the simple kernel splits none).
+    pub fn prompt_splits(
+        &self,
+        rows: usize,
+        kv: KvType,
+        n_heads: usize,
+        head_dim: usize,
+        keys: usize,
+    ) -> Result<Option<usize>> {
+        if attention_kernel(rows, kv, n_heads, head_dim, self.capability) != AttentionKernel::Flash
+        {
+            return Ok(None);
+        }
+        let (name, _) = flash_kernel(kv, head_dim);
+        Ok(Some(self.flash_splits_of(name, rows, n_heads, keys)?.0))
+    }
+
+    /// `(splits, chunk)` a prompt's flash attention of `rows` rows over `keys` positions takes
+    /// with kernel `name` (one of `flash_attn_*`) and `n_heads` heads on this device.
+    fn flash_splits_of(
+        &self,
+        name: &'static str,
+        rows: usize,
+        n_heads: usize,
+        keys: usize,
+    ) -> Result<(usize, usize)> {
+        match self
+            .flash_splits_forced
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            0 => {
+                let per_sm = self
+                    .func("flash_attention", name)?
+                    .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS, 0, None)
+                    .map_err(dev)? as usize;
+                Ok(flash_splits(
+                    rows,
+                    n_heads,
+                    keys,
+                    per_sm * self.multiprocessors,
+                ))
+            }
+            forced => Ok(forced_flash_splits(rows, keys, forced)),
+        }
     }
 
     /// One kernel launched with programmatic stream serialization on the compute stream.
@@ -2988,6 +3152,7 @@ impl Backend for CudaBackend {
                 tokens: n,
                 n_heads: s.n_heads,
                 head_dim: s.head_dim,
+                kv: k_cache.ty,
             })?;
             // Recorded, the grid has room for the most chunks and the kernels plan them from
             // the position they read (the same plan, at every replay's position).
@@ -3032,28 +3197,37 @@ impl Backend for CudaBackend {
         if kernel == AttentionKernel::Flash {
             // Prefill over an f16 or Q8_0 cache: tensor-core tiles (a Q8_0 tile decoded to f16
             // as it loads), the scores never leave the chip.
-            let kernel = match (k_cache.ty, s.head_dim) {
-                (KvType::Q8_0, 64) => launches::flash_attn_q8_0_hd64,
-                (KvType::Q8_0, 80) => launches::flash_attn_q8_0_hd80,
-                (KvType::Q8_0, 96) => launches::flash_attn_q8_0_hd96,
-                (KvType::Q8_0, _) => launches::flash_attn_q8_0_hd128,
-                (_, 64) => launches::flash_attn_f16_hd64,
-                (_, 80) => launches::flash_attn_f16_hd80,
-                (_, 96) => launches::flash_attn_f16_hd96,
-                _ => launches::flash_attn_f16_hd128,
+            let (name, kernel) = flash_kernel(k_cache.ty, s.head_dim);
+            let (splits, chunk) = self.flash_splits_of(name, n, s.n_heads, keys)?;
+            // Split: the partials meet in the workspace, merged by one more launch.
+            let (_ws, wptr) = if splits > 1 {
+                let (ws, ptr) = self.workspace_for(WorkspaceOp::Attention {
+                    tokens: n,
+                    n_heads: s.n_heads,
+                    head_dim: s.head_dim,
+                    kv: k_cache.ty,
+                })?;
+                (Some(ws), ptr)
+            } else {
+                (None, 0)
             };
             let c = LaunchConfig {
-                grid_dim: (n.div_ceil(FLASH_ROWS) as u32, s.n_heads as u32, 1),
+                grid_dim: (
+                    n.div_ceil(FLASH_ROWS) as u32,
+                    s.n_heads as u32,
+                    splits as u32,
+                ),
                 block_dim: (FLASH_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let rows = n as i32;
+            let (rows, chunk_i) = (n as i32, chunk as i32);
             kernel(
                 self.launch(c),
                 q.buf.ptr,
                 k_cache.buf.ptr,
                 v_cache.buf.ptr,
                 tp,
+                wptr,
                 out.buf.ptr,
                 rows,
                 nh,
@@ -3061,7 +3235,26 @@ impl Backend for CudaBackend {
                 kvs,
                 fp,
                 s.scale,
+                chunk_i,
             )?;
+            if splits > 1 {
+                let c = LaunchConfig {
+                    grid_dim: (s.n_heads as u32, n as u32, 1),
+                    block_dim: (FLASH_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                launches::flash_combine(
+                    self.launch(c),
+                    wptr,
+                    out.buf.ptr,
+                    rows,
+                    nh,
+                    hd,
+                    fp,
+                    chunk_i,
+                    splits as i32,
+                )?;
+            }
             return Ok(());
         }
         let kernel = match k_cache.ty {
@@ -3190,10 +3383,12 @@ mod tests {
             tokens,
             n_heads: 32,
             head_dim,
+            kv: KvType::F32,
         };
         let one = workspace_bytes(&op(1, 128));
         assert_eq!(one, device_bytes((32 * MAX_SPLITS * 130 * 4) as u64));
-        // Any step holds what the decode steps after it need (the plan sizes it once).
+        // Any step holds what the decode steps after it need (the plan sizes it once). Over
+        // an f32 cache prompts take the simple kernel, which splits nothing.
         for tokens in [2, 4, 5, 40, 4000] {
             assert_eq!(workspace_bytes(&op(tokens, 128)), one);
         }
@@ -3213,6 +3408,67 @@ mod tests {
         assert_eq!(workspace_bytes(&op(1, 36)), 0);
         assert!(workspace_bytes(&op(1, 40)) > 0);
         assert_eq!(workspace_bytes(&op(0, 128)), 0);
+    }
+
+    /// A prompt's flash attention splits its keys where its blocks leave the device's last wave
+    /// mostly idle, into chunks of whole key tiles the workspace holds partials for; the
+    /// workspace never shrinks as steps grow.
+    #[test]
+    fn prompts_split_their_keys_where_blocks_leave_the_device_idle() {
+        // H100 PCIe: 114 multiprocessors, 3 blocks of the hd-128 kernel each.
+        let slots = 114 * 3;
+        // A 7B row group of 512 over 32k positions: 256 blocks fill 75% of a wave; 4 splits
+        // fill three waves.
+        assert_eq!(flash_splits(512, 32, 32768, slots), (4, 8192));
+        // 1024 rows: 512 blocks are 1.5 waves; 2 splits make three.
+        assert_eq!(flash_splits(1024, 32, 32768, slots).0, 2);
+        // A whole 4000-token prompt (2016 blocks, 5.9 waves), short contexts, unknown slots.
+        assert_eq!(flash_splits(4000, 32, 4000, slots), (1, 4000));
+        assert_eq!(flash_splits(512, 32, 1500, slots), (1, 1500));
+        assert_eq!(flash_splits(512, 32, 32768, 0), (1, 32768));
+        // H100 SXM (132 × 3): 3 splits fill 97% where 4 fill 86%.
+        assert_eq!(flash_splits(512, 32, 32768, 132 * 3).0, 3);
+        for (rows, heads, hd) in [(16, 9, 64), (100, 32, 128), (512, 32, 128), (1500, 8, 80)] {
+            let op = |tokens| WorkspaceOp::Attention {
+                tokens,
+                n_heads: heads,
+                head_dim: hd,
+                kv: KvType::Q8_0,
+            };
+            let held = workspace_bytes(&op(rows));
+            assert!(held >= workspace_bytes(&op(rows - 1)), "{rows}");
+            for keys in [rows, 1024, 1025, 3000, 4096, 40_000] {
+                for slots in [1, 46, 342, 1000] {
+                    for (splits, chunk) in [
+                        flash_splits(rows, heads, keys, slots),
+                        forced_flash_splits(rows, keys, slots % 7),
+                    ] {
+                        let case = format!("{rows} rows, {keys} keys, {slots} slots");
+                        assert!((1..=FLASH_MAX_SPLITS).contains(&splits), "{case}");
+                        assert!(
+                            splits * chunk >= keys && (splits - 1) * chunk < keys,
+                            "{case}: {splits} × {chunk}"
+                        );
+                        if splits > 1 {
+                            assert!(chunk.is_multiple_of(FLASH_KEYS), "{case}");
+                            let need = (splits * rows * heads * (hd + 2) * 4) as u64;
+                            assert!(need <= held, "{case}: {need} > {held}");
+                        }
+                    }
+                }
+            }
+        }
+        // Decode rows and f32 caches hold no prompt partials.
+        let decode = |tokens, kv| {
+            workspace_bytes(&WorkspaceOp::Attention {
+                tokens,
+                n_heads: 32,
+                head_dim: 128,
+                kv,
+            })
+        };
+        assert_eq!(decode(4, KvType::F16), decode(1, KvType::F16));
+        assert!(decode(16, KvType::F16) > decode(16, KvType::F32));
     }
 
     #[test]
