@@ -134,6 +134,38 @@ impl AttentionProbe {
         kv: crate::backend::KvType::F16,
     };
 
+    /// A row group of a long prompt under a budget: 512 rows over 8192 positions of an f16
+    /// cache with 7B heads (32 of 128), its keys split as the device fills. What `doctor`
+    /// measures a GPU's prompt attention rate on.
+    pub const PROMPT_7B: AttentionProbe = AttentionProbe {
+        rows: 512,
+        context: 7680,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 128,
+        kv: crate::backend::KvType::F16,
+    };
+
+    /// The same heads, 64 rows over 2048 positions: the CPU's prompt attention rate (the
+    /// budgeted device's), in a fraction of a second on two cores.
+    pub const PROMPT_CPU: AttentionProbe = AttentionProbe {
+        rows: 64,
+        context: 1984,
+        heads: 32,
+        kv_heads: 32,
+        head_dim: 128,
+        kv: crate::backend::KvType::F16,
+    };
+
+    /// FLOP/s of this attention on `b` (the median of 5 calls after one): what the planner
+    /// divides a prompt's attention FLOPs by.
+    pub fn flops_per_s<B: crate::backend::Backend>(&self, b: &B) -> Result<f64, String> {
+        let secs = self
+            .seconds(b, 1)
+            .map_err(|e| format!("attention probe: {e}"))?;
+        Ok(self.flops() / secs)
+    }
+
     /// FLOPs of the causal attention: every row scores and sums (2 FLOPs a multiply-add, both
     /// products) every position up to its own.
     pub fn flops(&self) -> f64 {
@@ -316,6 +348,8 @@ pub struct GpuProfile {
     pub fixed_bytes: Option<u64>,
     /// A prefill-sized f16 matrix product's rate (see [`matmul_rate`]), FLOP/s.
     pub matmul_flops_per_s: f64,
+    /// A prompt's attention rate ([`AttentionProbe::PROMPT_7B`]), FLOP/s.
+    pub attention_flops_per_s: f64,
     pub h2d_pinned_bytes_per_s: f64,
     pub h2d_pageable_bytes_per_s: f64,
     pub d2h_pinned_bytes_per_s: f64,
@@ -450,6 +484,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
         let b = bytes as f64;
         let hbm_read = be.read_bandwidth(bytes).map_err(|e| e.to_string())?;
         let matmul = matmul_rate(&be, 512, 4096, 4096)?;
+        let attention = AttentionProbe::PROMPT_7B.flops_per_s(&be)?;
         let (major, minor) = info.compute_capability;
         let capability = (major * 10 + minor) as u32;
         Ok(GpuProfile {
@@ -464,6 +499,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             hbm_read_bytes_per_s: hbm_read,
             fixed_bytes: be.fixed_bytes(),
             matmul_flops_per_s: matmul,
+            attention_flops_per_s: attention,
             h2d_pinned_bytes_per_s: b / h2d_p,
             h2d_pageable_bytes_per_s: b / h2d_u,
             d2h_pinned_bytes_per_s: b / d2h_p,

@@ -234,6 +234,11 @@ fn doctor_reports_host_figures_without_a_gpu() {
         .as_f64()
         .unwrap();
     assert!(attention > 1e6, "{json}");
+    // Without a GPU, the budgeted device's prompt attention rate (on the CPU).
+    if json["gpu"].is_null() {
+        let prompt = json["profile"]["attention_flops_per_s"].as_f64().unwrap();
+        assert!(prompt > 1e6, "{json}");
+    }
 }
 
 /// `bench decode --sessions 8` on the budgeted device at about a third of SmolLM2's size: the

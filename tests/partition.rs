@@ -403,3 +403,44 @@ fn a_measured_cpu_attention_rate_decides_where_decode_attends() {
     assert!(measured(0.0).validate().is_err());
     assert!(measured(f64::NAN).validate().is_err());
 }
+
+/// A measured prompt attention rate costs a prompt's attention FLOPs at that rate and its
+/// products at the matrix-product rate; unmeasured, both at the latter. Long prompts, whose
+/// attention grows with the square of their length, move the most.
+#[test]
+fn a_measured_attention_rate_prices_a_prompts_attention() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
+    let hw = HardwareProfile::load("h100-80g").unwrap();
+    assert!(hw.attention_flops_per_s.is_none());
+    let plan = make_plan(&store.manifest, &budget(8 << 30, 1, 256), &hw).unwrap();
+    let measured = |rate: f64| HardwareProfile {
+        attention_flops_per_s: Some(rate),
+        ..hw.clone()
+    };
+    let slower = make_plan(
+        &store.manifest,
+        &budget(8 << 30, 1, 256),
+        &measured(hw.matmul_flops_per_s / 3.0),
+    )
+    .unwrap();
+    for tokens in [16, 256] {
+        let (a, b) = (
+            plan.prefill_prediction(tokens),
+            slower.prefill_prediction(tokens),
+        );
+        assert_eq!(a.flops, b.flops);
+        assert!(a.attention_flops > 0.0 && a.attention_flops < a.flops);
+        let want = a.compute_s + 2.0 * a.attention_flops / hw.matmul_flops_per_s;
+        assert!(
+            (b.compute_s - want).abs() <= 1e-12 * want,
+            "{tokens}: {} vs {want}",
+            b.compute_s
+        );
+        // Unmeasured is the matrix-product rate for every FLOP.
+        let all = a.flops / hw.matmul_flops_per_s;
+        assert!((a.compute_s - all).abs() <= 1e-12 * all);
+    }
+    assert!(measured(0.0).validate().is_err());
+    assert!(measured(f64::INFINITY).validate().is_err());
+}

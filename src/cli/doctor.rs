@@ -55,6 +55,15 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         )
     };
     let gpu = hw::probe_gpu(256 << 20);
+    // Without a GPU the budgeted device's prompts attend on the CPU.
+    let sim_attention = match &gpu {
+        Ok(_) => None,
+        Err(_) => Some(
+            hw::AttentionProbe::PROMPT_CPU
+                .flops_per_s(&crate::backend::cpu::CpuBackend::new(threads)?)
+                .map_err(anyhow::Error::msg)?,
+        ),
+    };
     let profile = match &gpu {
         Ok(g) => HardwareProfile {
             name: format!("{} (measured)", g.name),
@@ -68,6 +77,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             device_fixed_bytes: g.fixed_bytes,
             matmul_flops_per_s: g.matmul_flops_per_s,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
+            attention_flops_per_s: Some(g.attention_flops_per_s),
         },
         // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
         // memory and its copies are memcpy.
@@ -89,6 +99,7 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             )
             .map_err(anyhow::Error::msg)?,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
+            attention_flops_per_s: sim_attention,
         },
     };
     if args.save {
@@ -172,12 +183,19 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             )?;
             writeln!(
                 out,
-                "prompt attention: {}",
+                "products: {:.1} TFLOP/s (512 × 4096 × 4096, f16, cuBLAS)",
+                g.matmul_flops_per_s / 1e12
+            )?;
+            writeln!(
+                out,
+                "prompt attention: {}, {:.1} TFLOP/s ({:.0}% of the products'; 512 rows over 8192 positions of an f16 cache, 32 heads of 128)",
                 if g.flash_attention {
                     "tensor cores (flash)"
                 } else {
                     "the simple kernel (tensor-core flash attention needs compute capability 8.0)"
-                }
+                },
+                g.attention_flops_per_s / 1e12,
+                100.0 * g.attention_flops_per_s / g.matmul_flops_per_s
             )?;
         }
         Err(e) => writeln!(
@@ -206,6 +224,14 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         "memcpy bandwidth:    {:.1} GB/s (1 thread)",
         memcpy / 1e9
     )?;
+    if let Some(rate) = sim_attention {
+        writeln!(
+            out,
+            "CPU products:        {:.1} GFLOP/s (128 × 1024 × 1024, f16); prompt attention {:.1} GFLOP/s (64 rows over 2048 positions of an f16 cache, 32 heads of 128): the budgeted device's",
+            profile.matmul_flops_per_s / 1e9,
+            rate / 1e9
+        )?;
+    }
     match &cpu_attention {
         Ok(rate) => writeln!(
             out,

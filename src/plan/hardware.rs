@@ -39,6 +39,12 @@ pub struct HardwareProfile {
     /// (the most it could be).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_attention_bytes_per_s: Option<f64>,
+    /// Rate of a prompt's causal attention on the device, FLOP/s (`doctor` measures a row group
+    /// of 512 rows over 8192 positions of an f16 cache with 7B heads on a GPU, the product of
+    /// two 64-row tiles at a time where cuBLAS takes whole matrices). `None`: not measured,
+    /// and the matrix-product rate is taken (the most it could be).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_flops_per_s: Option<f64>,
 }
 
 /// What a profile that does not state its matrix-product rate is assumed to reach.
@@ -78,6 +84,7 @@ pub fn presets() -> Vec<HardwareProfile> {
         device_fixed_bytes: fixed,
         matmul_flops_per_s: tflops * 1e12,
         cpu_attention_bytes_per_s: None,
+        attention_flops_per_s: None,
     };
     vec![
         // Consumer cards: fixed cost not measured here, so the conservative default applies.
@@ -172,6 +179,12 @@ impl HardwareProfile {
             .unwrap_or(self.dram_read_bytes_per_s)
     }
 
+    /// FLOP/s of a prompt's attention on the device (measured, or the matrix-product rate).
+    pub fn attention_rate(&self) -> f64 {
+        self.attention_flops_per_s
+            .unwrap_or(self.matmul_flops_per_s)
+    }
+
     /// Device bytes a process holds before placing anything (measured, or the default).
     pub fn fixed_device_bytes(&self) -> u64 {
         self.device_fixed_bytes
@@ -196,12 +209,15 @@ impl HardwareProfile {
                 self.matmul_flops_per_s
             ));
         }
-        if let Some(v) = self.cpu_attention_bytes_per_s
-            && !(v.is_finite() && v > 0.0)
-        {
-            return Err(format!(
-                "cpu_attention_bytes_per_s must be positive, is {v}"
-            ));
+        for (what, v) in [
+            ("cpu_attention_bytes_per_s", self.cpu_attention_bytes_per_s),
+            ("attention_flops_per_s", self.attention_flops_per_s),
+        ] {
+            if let Some(v) = v
+                && !(v.is_finite() && v > 0.0)
+            {
+                return Err(format!("{what} must be positive, is {v}"));
+            }
         }
         if !(self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0) {
             return Err("op_overhead_s must be ≥ 0".into());

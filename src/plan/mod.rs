@@ -268,8 +268,9 @@ impl Plan {
     }
 
     /// Time to first token of a fresh prompt of `tokens` under this plan: the larger of the
-    /// bytes it moves over PCIe ÷ the link rate and its FLOPs ÷ the device's matrix-product rate,
-    /// plus the ops' fixed cost. A partitioned prompt streams each layer once (layer by layer),
+    /// bytes it moves over PCIe ÷ the link rate and its FLOPs ÷ the device's rates (the
+    /// products' at the matrix-product rate, attention's at the attention rate), plus the ops'
+    /// fixed cost. A partitioned prompt streams each layer once (layer by layer),
     /// as a prompt of one step does; its hidden states cross PCIe twice per layer where they live
     /// in host memory, and its keys and values once where the cache does.
     pub fn prefill_prediction(&self, tokens: usize) -> PrefillPrediction {
@@ -309,11 +310,14 @@ impl Plan {
         let per_layer = (spec.d_model * (2 * spec.q_dim() + 2 * spec.kv_dim())
             + ffn_mats * spec.d_model * spec.d_ff) as f64;
         let pairs = tokens as f64 * (tokens as f64 + 1.0) / 2.0;
+        let attention_flops = 4.0 * pairs * spec.q_dim() as f64 * l as f64;
         let flops = 2.0 * tokens as f64 * per_layer * l as f64
-            + 4.0 * pairs * spec.q_dim() as f64 * l as f64
+            + attention_flops
             + 2.0 * (spec.d_model * spec.vocab_size) as f64;
         let pcie_s = h2d.max(d2h) as f64 / hw.h2d_pinned_bytes_per_s;
-        let compute_s = flops / hw.matmul_flops_per_s;
+        // The products at the matrix-product rate, attention at its own where measured.
+        let compute_s = (flops - attention_flops) / hw.matmul_flops_per_s
+            + attention_flops / hw.attention_rate();
         let ops_s = (groups * spec.n_layers * 14 + 4) as f64 * hw.op_overhead_s;
         PrefillPrediction {
             tokens,
@@ -321,6 +325,7 @@ impl Plan {
             h2d_bytes: h2d,
             d2h_bytes: d2h,
             flops,
+            attention_flops,
             pcie_s,
             compute_s,
             ops_s,
@@ -364,7 +369,10 @@ pub struct PrefillPrediction {
     pub groups: usize,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
+    /// Every FLOP of the prompt, and of them its causal attention's (at the profile's attention
+    /// rate; the rest at the matrix-product rate).
     pub flops: f64,
+    pub attention_flops: f64,
     pub pcie_s: f64,
     pub compute_s: f64,
     pub ops_s: f64,

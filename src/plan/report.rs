@@ -130,7 +130,7 @@ pub fn render(p: &Plan) -> String {
     let pp = p.prefill_prediction(prompt);
     let _ = writeln!(
         o,
-        "prefill of {prompt} tokens: {}, KV cache {}; predicted TTFT {:.3} s ({}: host→device {} MiB, device→host {} MiB, {:.3} s at {:.1} GB/s; {:.2} TFLOP, {:.3} s at {:.1} TFLOP/s; ops {:.3} s)",
+        "prefill of {prompt} tokens: {}, KV cache {}; predicted TTFT {:.3} s ({}: host→device {} MiB, device→host {} MiB, {:.3} s at {:.1} GB/s; {:.2} TFLOP, {:.3} s: products {:.2} TFLOP at {:.1} TFLOP/s, attention {:.2} TFLOP at {:.1} TFLOP/s{}; ops {:.3} s)",
         if pf.partitions(prompt) {
             format!(
                 "{} groups of {} rows per layer, each layer's weights once, hidden states {}",
@@ -169,7 +169,15 @@ pub fn render(p: &Plan) -> String {
         p.hardware.h2d_pinned_bytes_per_s / 1e9,
         pp.flops / 1e12,
         pp.compute_s,
+        (pp.flops - pp.attention_flops) / 1e12,
         p.hardware.matmul_flops_per_s / 1e12,
+        pp.attention_flops / 1e12,
+        p.hardware.attention_rate() / 1e12,
+        if p.hardware.attention_flops_per_s.is_some() {
+            ""
+        } else {
+            " (the products' rate: not measured)"
+        },
         pp.ops_s
     );
     let d = &p.dram;
