@@ -490,6 +490,13 @@ prefill() {
     # the device fills (flash_splits), beside unsplit (256 blocks of 7B heads, a wave and less).
     record attention_7b_512_from_32000 "$(timeout 60 "$B" bench attention --device cuda --rows 512 --context 32000 --json 2>>"$LOG")"
     record attention_7b_512_from_32000_unsplit "$(timeout 60 "$B" bench attention --device cuda --rows 512 --context 32000 --flash-splits 1 --json 2>>"$LOG")"
+    # The f16 GEMMs of a 512-row step (a 512-token prompt, a row group at 4G) alone and as one
+    # merged product (q, k, v: 4096 → 12288 rows; gate, up: 11008 → 22016): whether 512 rows
+    # leave cuBLAS's last wave of tiles idle, so batching a layer's same-shaped products pays.
+    for spec in "4096 4096" "12288 4096" "11008 4096" "22016 4096"; do
+        set -- $spec
+        record "gemm_512x${1}x${2}_f16" "$(timeout 60 "$B" bench matvec --device cuda --rows "$1" --cols "$2" --tokens 512 --dtype f16 --json 2>>"$LOG")"
+    done
     # One load for every length: "prefill" holds each one's TTFT (the best of two).
     record prefill_7b_transformers "$(timeout 240 $PY scripts/peer_hf.py "$m" --prompt-tokens 32 --tokens 8 --prompts 512,2048,4000 2>>"$LOG" | tail -n1)"
     say "7B shape (32k context) at --gpu-mem 4G: the plan of 8k and 32k prompts, then the runs (nvidia-smi peak)"
