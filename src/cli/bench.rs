@@ -145,9 +145,9 @@ pub struct AttentionArgs {
     /// KV cache type.
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum, default_value = "f16")]
     pub kv_type: super::KvTypeArg,
-    /// CUDA: split a prompt's keys this many ways on tensor cores (1: unsplit; at most 4, and
-    /// rows × splits at most 2048), instead of as many as fill the device, to set one beside
-    /// the other.
+    /// CUDA: split a prompt's keys this many ways on tensor cores (1: unsplit; at most 4, as
+    /// far as 32.5 MiB of partials holds: 2048 rows × splits of 7B heads), instead of as many
+    /// as fill the device, to set one beside the other.
     #[arg(long, env = "GPU_OFFLOAD_FLASH_SPLITS", value_parser = clap::value_parser!(u32).range(1..=4))]
     pub flash_splits: Option<u32>,
     /// Repetitions.

@@ -98,12 +98,12 @@ const FLASH_ROWS: usize = 64;
 const FLASH_THREADS: u32 = 128;
 const FLASH_KEYS: usize = 64;
 /// A prompt's flash attention splits its keys at most this many ways ([`flash_splits`]), and
-/// only while rows × splits stays within FLASH_SPLIT_ROWS (the workspace holds that many rows
-/// of partials, so a budget pays tens of MiB for it, not a prompt's worth) and each split
-/// takes at least FLASH_SPLIT_MIN_KEYS keys (so the partials' writes and the merge stay small
-/// beside the split's products).
+/// only while its partials fit in FLASH_SPLIT_BYTES (those of 2048 rows of 7B heads, 32 of
+/// 128: 32.5 MiB; so a budget pays tens of MiB for them, not a prompt's worth, and models
+/// with fewer heads split more rows) and each split takes at least FLASH_SPLIT_MIN_KEYS keys
+/// (so the partials' writes and the merge stay small beside the split's products).
 const FLASH_MAX_SPLITS: usize = 4;
-const FLASH_SPLIT_ROWS: usize = 2048;
+const FLASH_SPLIT_BYTES: usize = 2048 * 32 * (128 + 2) * 4;
 const FLASH_SPLIT_MIN_KEYS: usize = 1024;
 /// A split count is taken once its blocks fill the device's waves within this fraction of the
 /// best count's (more splits cost more partials for little).
@@ -121,9 +121,9 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
         // f32), shared by its rows. Steps of more rows (which do not split) count them too:
         // the plan sizes the workspace once, at its batch, and the decode steps after it must
         // fit in that. A prompt's flash attention may split its keys too (flash_splits): the
-        // partials of the most splits it can take at this many rows, up to FLASH_SPLIT_ROWS
-        // rows of them, on every device (the formula knows none), never fewer for more rows
-        // (a step's scratch, sized for the largest step, stays while a smaller one runs).
+        // partials of the most splits it can take at this many rows, up to FLASH_SPLIT_BYTES
+        // of them, on every device (the formula knows none), never fewer for more rows (a
+        // step's scratch, sized for the largest step, stays while a smaller one runs).
         WorkspaceOp::Attention {
             tokens,
             n_heads,
@@ -136,8 +136,8 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
                 0
             };
             let prompt = if flash_takes(tokens, kv, head_dim) {
-                let rows = (tokens * FLASH_MAX_SPLITS).min(FLASH_SPLIT_ROWS);
-                device_bytes((rows * n_heads * (head_dim + 2) * 4) as u64)
+                let rows = (tokens * FLASH_MAX_SPLITS).min(flash_split_rows(n_heads, head_dim));
+                device_bytes((rows * flash_partial_bytes(n_heads, head_dim)) as u64)
             } else {
                 0
             };
@@ -235,16 +235,23 @@ pub fn supported_capability(capability: u32) -> Result<()> {
     )))
 }
 
-/// `(splits, chunk)` a prompt's flash attention of `rows` query rows (`n_heads` heads) over
-/// `keys` positions takes on a device that holds `slots` of its blocks at once (multiprocessors
+/// `(splits, chunk)` a prompt's flash attention of `rows` query rows (`n_heads` heads of
+/// `head_dim`) over `keys` positions takes on a device that holds `slots` of its blocks at once (multiprocessors
 /// × blocks each): its keys in `splits` chunks of `chunk` (a multiple of the key tile, every
 /// chunk holding a key), merged after. One split (`chunk` = `keys`) unless a block per 64 rows
 /// and head leaves much of the last wave of blocks idle (a few rows over a long context: a
 /// prompt in row groups under a budget, whose 512 rows of a 7B model are 256 blocks where an
 /// H100 PCIe holds 342) and more splits fill it (4: 1024 blocks, three waves).
-pub fn flash_splits(rows: usize, n_heads: usize, keys: usize, slots: usize) -> (usize, usize) {
+pub fn flash_splits(
+    rows: usize,
+    n_heads: usize,
+    head_dim: usize,
+    keys: usize,
+    slots: usize,
+) -> (usize, usize) {
     let tiles = keys.div_ceil(FLASH_KEYS);
-    let most = flash_most_splits(rows).min(tiles / (FLASH_SPLIT_MIN_KEYS / FLASH_KEYS));
+    let most =
+        flash_most_splits(rows, n_heads, head_dim).min(tiles / (FLASH_SPLIT_MIN_KEYS / FLASH_KEYS));
     if most < 2 || slots == 0 {
         return flash_chunks(keys, 1);
     }
@@ -263,14 +270,33 @@ pub fn flash_splits(rows: usize, n_heads: usize, keys: usize, slots: usize) -> (
 
 /// [`flash_splits`]' `(splits, chunk)` with `splits` asked for, as far as the workspace holds
 /// it ([`flash_most_splits`]).
-pub fn forced_flash_splits(rows: usize, keys: usize, splits: usize) -> (usize, usize) {
-    flash_chunks(keys, splits.min(flash_most_splits(rows)))
+pub fn forced_flash_splits(
+    rows: usize,
+    n_heads: usize,
+    head_dim: usize,
+    keys: usize,
+    splits: usize,
+) -> (usize, usize) {
+    flash_chunks(keys, splits.min(flash_most_splits(rows, n_heads, head_dim)))
 }
 
-/// The most ways a prompt's flash attention of `rows` rows splits its keys: what the workspace
-/// holds partials for (at most FLASH_MAX_SPLITS, rows × splits at most FLASH_SPLIT_ROWS).
-fn flash_most_splits(rows: usize) -> usize {
-    FLASH_MAX_SPLITS.min(FLASH_SPLIT_ROWS / rows.max(1)).max(1)
+/// The most ways a prompt's flash attention of `rows` rows (`n_heads` heads of `head_dim`)
+/// splits its keys: what the workspace holds partials for (at most FLASH_MAX_SPLITS, their
+/// bytes at most FLASH_SPLIT_BYTES).
+fn flash_most_splits(rows: usize, n_heads: usize, head_dim: usize) -> usize {
+    FLASH_MAX_SPLITS
+        .min(flash_split_rows(n_heads, head_dim) / rows.max(1))
+        .max(1)
+}
+
+/// Bytes of a split's partials for one row: each head's max, sum and `head_dim` outputs, f32.
+fn flash_partial_bytes(n_heads: usize, head_dim: usize) -> usize {
+    n_heads * (head_dim + 2) * 4
+}
+
+/// Rows × splits whose partials FLASH_SPLIT_BYTES holds.
+fn flash_split_rows(n_heads: usize, head_dim: usize) -> usize {
+    FLASH_SPLIT_BYTES / flash_partial_bytes(n_heads, head_dim).max(1)
 }
 
 /// `keys` positions in about `splits` chunks of whole key tiles: `(chunks, keys per chunk)`,
@@ -1033,8 +1059,8 @@ impl CudaBackend {
     }
 
     /// Make every prompt's flash attention split its keys `splits` ways (as far as the
-    /// workspace holds: at most [`FLASH_MAX_SPLITS`], rows × splits at most
-    /// [`FLASH_SPLIT_ROWS`]), or `None`: as [`flash_splits`] picks for the device. For
+    /// workspace holds: at most [`FLASH_MAX_SPLITS`], their partials at most
+    /// [`FLASH_SPLIT_BYTES`]), or `None`: as [`flash_splits`] picks for the device. For
     /// benchmarks that set one beside the other.
     pub fn set_flash_splits(&self, splits: Option<usize>) {
         self.flash_splits_forced
@@ -1056,17 +1082,20 @@ impl CudaBackend {
         {
             return Ok(None);
         }
-        let (name, _) = flash_kernel(kv, head_dim);
-        Ok(Some(self.flash_splits_of(name, rows, n_heads, keys)?.0))
+        Ok(Some(
+            self.flash_splits_of(rows, kv, n_heads, head_dim, keys)?.0,
+        ))
     }
 
-    /// `(splits, chunk)` a prompt's flash attention of `rows` rows over `keys` positions takes
-    /// with kernel `name` (one of `flash_attn_*`) and `n_heads` heads on this device.
+    /// `(splits, chunk)` a prompt's flash attention of `rows` rows over `keys` positions of a
+    /// `kv` cache (`n_heads` heads of `head_dim`) takes on this device: its kernel's blocks per
+    /// multiprocessor (the driver's occupancy) × the multiprocessors are the slots it fills.
     fn flash_splits_of(
         &self,
-        name: &'static str,
         rows: usize,
+        kv: KvType,
         n_heads: usize,
+        head_dim: usize,
         keys: usize,
     ) -> Result<(usize, usize)> {
         match self
@@ -1074,18 +1103,15 @@ impl CudaBackend {
             .load(std::sync::atomic::Ordering::Relaxed)
         {
             0 => {
+                let (name, _) = flash_kernel(kv, head_dim);
                 let per_sm = self
                     .func("flash_attention", name)?
                     .occupancy_max_active_blocks_per_multiprocessor(FLASH_THREADS, 0, None)
                     .map_err(dev)? as usize;
-                Ok(flash_splits(
-                    rows,
-                    n_heads,
-                    keys,
-                    per_sm * self.multiprocessors,
-                ))
+                let slots = per_sm * self.multiprocessors;
+                Ok(flash_splits(rows, n_heads, head_dim, keys, slots))
             }
-            forced => Ok(forced_flash_splits(rows, keys, forced)),
+            forced => Ok(forced_flash_splits(rows, n_heads, head_dim, keys, forced)),
         }
     }
 
@@ -3197,8 +3223,9 @@ impl Backend for CudaBackend {
         if kernel == AttentionKernel::Flash {
             // Prefill over an f16 or Q8_0 cache: tensor-core tiles (a Q8_0 tile decoded to f16
             // as it loads), the scores never leave the chip.
-            let (name, kernel) = flash_kernel(k_cache.ty, s.head_dim);
-            let (splits, chunk) = self.flash_splits_of(name, n, s.n_heads, keys)?;
+            let (_, kernel) = flash_kernel(k_cache.ty, s.head_dim);
+            let (splits, chunk) =
+                self.flash_splits_of(n, k_cache.ty, s.n_heads, s.head_dim, keys)?;
             // Split: the partials meet in the workspace, merged by one more launch.
             let (_ws, wptr) = if splits > 1 {
                 let (ws, ptr) = self.workspace_for(WorkspaceOp::Attention {
@@ -3419,15 +3446,21 @@ mod tests {
         let slots = 114 * 3;
         // A 7B row group of 512 over 32k positions: 256 blocks fill 75% of a wave; 4 splits
         // fill three waves.
-        assert_eq!(flash_splits(512, 32, 32768, slots), (4, 8192));
+        assert_eq!(flash_splits(512, 32, 128, 32768, slots), (4, 8192));
         // 1024 rows: 512 blocks are 1.5 waves; 2 splits make three.
-        assert_eq!(flash_splits(1024, 32, 32768, slots).0, 2);
+        assert_eq!(flash_splits(1024, 32, 128, 32768, slots).0, 2);
         // A whole 4000-token prompt (2016 blocks, 5.9 waves), short contexts, unknown slots.
-        assert_eq!(flash_splits(4000, 32, 4000, slots), (1, 4000));
-        assert_eq!(flash_splits(512, 32, 1500, slots), (1, 1500));
-        assert_eq!(flash_splits(512, 32, 32768, 0), (1, 32768));
+        assert_eq!(flash_splits(4000, 32, 128, 4000, slots), (1, 4000));
+        assert_eq!(flash_splits(512, 32, 128, 1500, slots), (1, 1500));
+        assert_eq!(flash_splits(512, 32, 128, 32768, 0), (1, 32768));
         // H100 SXM (132 × 3): 3 splits fill 97% where 4 fill 86%.
-        assert_eq!(flash_splits(512, 32, 32768, 132 * 3).0, 3);
+        assert_eq!(flash_splits(512, 32, 128, 32768, 132 * 3).0, 3);
+        // SmolLM2's 9 heads of 64 (the hd-64 kernel holds 4 blocks an SM): a whole 4000-token
+        // prompt is 567 blocks, 1.24 waves (62%); its smaller partials let it split up to 3
+        // ways (93%), and 2 (83%) is within reach of that.
+        assert_eq!(flash_splits(4000, 9, 64, 4000, 114 * 4).0, 2);
+        assert_eq!(forced_flash_splits(4000, 9, 64, 4000, 4).0, 3);
+        assert_eq!(forced_flash_splits(4000, 32, 128, 4000, 4).0, 1);
         for (rows, heads, hd) in [(16, 9, 64), (100, 32, 128), (512, 32, 128), (1500, 8, 80)] {
             let op = |tokens| WorkspaceOp::Attention {
                 tokens,
@@ -3440,8 +3473,8 @@ mod tests {
             for keys in [rows, 1024, 1025, 3000, 4096, 40_000] {
                 for slots in [1, 46, 342, 1000] {
                     for (splits, chunk) in [
-                        flash_splits(rows, heads, keys, slots),
-                        forced_flash_splits(rows, keys, slots % 7),
+                        flash_splits(rows, heads, hd, keys, slots),
+                        forced_flash_splits(rows, heads, hd, keys, slots % 7),
                     ] {
                         let case = format!("{rows} rows, {keys} keys, {slots} slots");
                         assert!((1..=FLASH_MAX_SPLITS).contains(&splits), "{case}");
