@@ -182,6 +182,22 @@ impl CpuKv {
         }
     }
 
+    /// Ask the caches for row `j`'s values `col..col + width` ahead of use (a hint; nothing
+    /// past the row).
+    pub fn prefetch(&self, j: usize, col: usize, width: usize) {
+        if j >= self.rows {
+            return;
+        }
+        let at = |c: usize| match self.ty {
+            KvType::F32 => c * 4,
+            KvType::F16 => c * 2,
+            KvType::Q8_0 => c / QK * std::mem::size_of::<BlockQ8_0>(),
+        };
+        let row = self.raw_rows(j, 1);
+        let end = at(col + width).min(row.len());
+        crate::backend::cpu::kernels::prefetch(&row[at(col).min(end)..end]);
+    }
+
     /// Values `col..col + out.len()` of row `j`, as f32: borrowed from an f32 cache, decoded
     /// into `tmp` otherwise.
     pub fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
@@ -240,6 +256,12 @@ impl super::ops::KvRows for SeqRows<'_> {
             SeqRows::Paged(_) => None,
         }
     }
+    fn prefetch(&self, j: usize, col: usize, width: usize) {
+        match self {
+            SeqRows::Whole(kv) => kv.prefetch(j, col, width),
+            SeqRows::Paged(p) => p.prefetch(j, col, width),
+        }
+    }
 }
 
 /// A paged sequence's rows in a shared cache, through its block table.
@@ -253,6 +275,12 @@ impl super::ops::KvRows for PagedRows<'_> {
         let b = crate::backend::KV_BLOCK;
         self.kv
             .slice(self.blocks[j / b] as usize * b + j % b, col, tmp)
+    }
+    fn prefetch(&self, j: usize, col: usize, width: usize) {
+        let b = crate::backend::KV_BLOCK;
+        if let Some(&block) = self.blocks.get(j / b) {
+            self.kv.prefetch(block as usize * b + j % b, col, width);
+        }
     }
 }
 

@@ -13,6 +13,8 @@ pub trait KvRows: Sync {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         None
     }
+    /// Ask the caches for row `j`'s values `col..col + width` ahead of use (a hint).
+    fn prefetch(&self, _j: usize, _col: usize, _width: usize) {}
 }
 
 impl KvRows for CpuKv {
@@ -22,41 +24,66 @@ impl KvRows for CpuKv {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         self.f32_values().map(|v| (v, self.cols))
     }
+    fn prefetch(&self, j: usize, col: usize, width: usize) {
+        CpuKv::prefetch(self, j, col, width)
+    }
 }
 
 /// Rows of attention's blocks of positions.
 const ROWS: usize = 16;
 
-/// Rows `js` (at most [`ROWS`]) of a cache, their values from `col` on, each `block.len() /
-/// ROWS` long (decoded into `block` where the cache is not f32).
-fn kv_block<'a>(
-    direct: Option<(&'a [f32], usize)>,
-    cache: &'a impl KvRows,
-    js: std::ops::Range<usize>,
-    col: usize,
-    block: &'a mut [f32],
-) -> [&'a [f32]; ROWS] {
-    let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
-    let hd = block.len() / ROWS;
-    for ((r, j), tmp) in rows.iter_mut().zip(js).zip(block.chunks_exact_mut(hd)) {
-        *r = kv_row(direct, cache, j, col, tmp);
-    }
-    rows
+/// Rows `js` (at most [`ROWS`]) of a cache, the columns of a run of KV heads: `width` values
+/// from `col0` on. Straight from `direct` (f32 rows, their stride) where there is one; else
+/// each row's run decoded into `block` in one go, `width` apart, so a decode step reads each
+/// cache row in order, where a head at a time read it in strips a row apart (the reads then
+/// waited on memory: the prefetchers do not follow strips 8 KB apart).
+struct KvRun<'a> {
+    rows: [&'a [f32]; ROWS],
+    col0: usize,
+    /// Rows read in place: the f32 values and the distance between rows, and the block's rows.
+    direct: Option<(&'a [f32], usize, std::ops::Range<usize>)>,
 }
 
-/// Row `j`'s values `col..col + tmp.len()`: straight from `direct` (f32 rows, their stride)
-/// where there is one, else through the cache's decoder.
-#[inline]
-fn kv_row<'a>(
-    direct: Option<(&'a [f32], usize)>,
-    cache: &'a impl KvRows,
-    j: usize,
-    col: usize,
-    tmp: &'a mut [f32],
-) -> &'a [f32] {
-    match direct {
-        Some((v, stride)) => &v[j * stride + col..j * stride + col + tmp.len()],
-        None => cache.slice(j, col, tmp),
+impl<'a> KvRun<'a> {
+    fn of(
+        direct: Option<(&'a [f32], usize)>,
+        cache: &'a impl KvRows,
+        js: std::ops::Range<usize>,
+        (col0, width): (usize, usize),
+        block: &'a mut [f32],
+    ) -> Self {
+        let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+        if direct.is_none() {
+            for ((r, j), tmp) in rows
+                .iter_mut()
+                .zip(js.clone())
+                .zip(block.chunks_exact_mut(width))
+            {
+                *r = cache.slice(j, col0, tmp);
+            }
+        }
+        KvRun {
+            rows,
+            col0,
+            direct: direct.map(|(v, stride)| (v, stride, js)),
+        }
+    }
+
+    /// The block's rows, `hd` values from cache column `col` (within the run).
+    fn head(&self, col: usize, hd: usize) -> [&'a [f32]; ROWS] {
+        match &self.direct {
+            Some((v, stride, js)) => {
+                let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+                for (r, j) in rows.iter_mut().zip(js.clone()) {
+                    *r = &v[j * stride + col..j * stride + col + hd];
+                }
+                rows
+            }
+            None => {
+                let at = col - self.col0;
+                self.rows.map(|r| r.get(at..at + hd).unwrap_or(&[]))
+            }
+        }
     }
 }
 
@@ -434,16 +461,36 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         .map(|&l| l.min(start + CHUNK).saturating_sub(start))
         .collect();
     let width = ends.iter().copied().max().unwrap_or(0);
-    scratch.block.resize(ROWS * hd, 0.0);
+    // The run of KV heads' columns (`cols` ascend, `hd` apart): each block of rows decoded once
+    // for all of them.
+    let run = match (cols.first(), cols.last()) {
+        (Some(&first), Some(&last)) => (first, last + hd - first),
+        _ => return,
+    };
+    scratch.block.resize(ROWS * run.1, 0.0);
     scratch.scores.resize(qs.len() * heads * CHUNK, 0.0);
     let (block, scores) = (&mut scratch.block, &mut scratch.scores);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
+    let streams = qs.len() == 1;
     // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
     // scored for every row and head that reaches it.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
+        let block_run = KvRun::of(keys, k_cache, start + j0..start + j1, run, block);
+        // While this block computes, the next one's rows come in (the keys', then the values'
+        // first block), a head's columns at a time, where one row reads them (a decode step:
+        // little arithmetic per byte) and they are decoded (an f16 cache: the conversion then
+        // waits less on memory). Rows read in place, or by a tile of a prompt's rows, are
+        // slower with the hints.
+        let next = start + j1..start + (j1 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
-            let block_rows = kv_block(keys, k_cache, start + j0..start + j1, col, block);
+            if !streams {
+            } else if next.is_empty() && values.is_none() {
+                (start..start + ROWS.min(width)).for_each(|j| v_cache.prefetch(j, col, hd));
+            } else if keys.is_none() {
+                next.clone().for_each(|j| k_cache.prefetch(j, col, hd));
+            }
+            let block_rows = block_run.head(col, hd);
             for (r, q) in qs.iter().enumerate() {
                 let m = ends[r].saturating_sub(j0).min(j1 - j0);
                 let sharing = q[h * group * hd..(h + 1) * group * hd].chunks_exact(hd);
@@ -467,8 +514,13 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     // Value rows a block at a time, each head's sum held in registers across the block.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
+        let block_run = KvRun::of(values, v_cache, start + j0..start + j1, run, block);
+        let next = start + j1..start + (j1 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
-            let block_rows = kv_block(values, v_cache, start + j0..start + j1, col, block);
+            if streams && values.is_none() {
+                next.clone().for_each(|j| v_cache.prefetch(j, col, hd));
+            }
+            let block_rows = block_run.head(col, hd);
             for (r, &end) in ends.iter().enumerate() {
                 let m = end.saturating_sub(j0).min(j1 - j0);
                 if m == 0 {
