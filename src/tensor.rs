@@ -377,6 +377,46 @@ pub fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     }
 }
 
+/// Whole Q8_0 blocks into f32 (32 values a block, `dst.len()` a multiple of 32 at most the
+/// blocks'): each value d · q, the same bits however it is computed. AVX2 eight values at a
+/// time where the CPU has it: the baseline build's SSE2 unpacking made decoding half the time
+/// of CPU attention over a Q8_0 cache.
+pub fn q8_0_to_f32(blocks: &[BlockQ8_0], dst: &mut [f32]) {
+    let n = blocks.len().min(dst.len() / QK);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: the features were just detected; `n` blocks fit both slices.
+        unsafe { q8_0_to_f32_avx2(&blocks[..n], &mut dst[..n * QK]) };
+        return;
+    }
+    for (b, o) in blocks[..n].iter().zip(dst.chunks_exact_mut(QK)) {
+        let d = b.d.to_f32();
+        for (o, &q) in o.iter_mut().zip(&b.qs) {
+            *o = d * q as f32;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn q8_0_to_f32_avx2(blocks: &[BlockQ8_0], dst: &mut [f32]) {
+    use std::arch::x86_64::{
+        __m128i, _mm_loadl_epi64, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps,
+        _mm256_set1_ps, _mm256_storeu_ps,
+    };
+    for (b, o) in blocks.iter().zip(dst.chunks_exact_mut(QK)) {
+        let d = _mm256_set1_ps(b.d.to_f32());
+        for k in 0..QK / 8 {
+            // SAFETY: 8 codes at 8k < 32 of the block; 8 floats at 8k of the block's 32.
+            unsafe {
+                let q = _mm_loadl_epi64(b.qs.as_ptr().add(8 * k) as *const __m128i);
+                let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * k), _mm256_mul_ps(d, v));
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,f16c")]
 unsafe fn f16c_to_f32(src: &[f16], dst: &mut [f32]) {
@@ -483,6 +523,28 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bulk Q8_0 decoder (AVX2 where the CPU has it) gives what `decode_row` gives, bit
+    /// for bit: d · q for every code, extremes and a zero scale included.
+    #[test]
+    fn q8_0_blocks_decode_in_bulk_as_row_by_row() {
+        let blocks: Vec<BlockQ8_0> = (0..37)
+            .map(|b| BlockQ8_0 {
+                d: f16::from_f32(if b == 5 {
+                    0.0
+                } else {
+                    (b as f32 - 18.0) * 0.013
+                }),
+                qs: std::array::from_fn(|i| (((b * 31 + i * 7) % 256) as i32 - 128) as i8),
+            })
+            .collect();
+        let mut bulk = vec![f32::NAN; 37 * QK];
+        q8_0_to_f32(&blocks, &mut bulk);
+        let mut want = vec![0f32; 37 * QK];
+        decode_row(DType::Q8_0, bytemuck::cast_slice(&blocks), &mut want);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&bulk), bits(&want));
+    }
 
     #[test]
     fn f16_slices_decode_every_value_as_its_own_conversion_does() {

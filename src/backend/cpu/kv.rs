@@ -299,8 +299,13 @@ fn row_slice<'a>(ty: KvType, row: &'a [u8], col: usize, tmp: &'a mut [f32]) -> &
             tmp
         }
         KvType::Q8_0 => {
-            // Each block's scale decoded once; each value d · q, as before.
+            // Each block's scale decoded once; each value d · q, as before. Whole blocks (a
+            // head's columns, a run of heads) in bulk.
             let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
+            if col.is_multiple_of(QK) && tmp.len().is_multiple_of(QK) {
+                crate::tensor::q8_0_to_f32(&blocks[col / QK..(col + tmp.len()) / QK], tmp);
+                return tmp;
+            }
             let mut i = 0;
             while i < tmp.len() {
                 let (b, at) = (&blocks[(col + i) / QK], (col + i) % QK);
