@@ -282,6 +282,13 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
         bin().args(["plan", "-m", s(&store), "--gpu-mem", "lots"]),
         &["--gpu-mem"],
     );
+    // A step larger than the engine takes is refused by name, not cut down unsaid.
+    for batch in ["0", "2048"] {
+        fails(
+            bin().args(["plan", "-m", s(&store), "--gpu-mem", "1G", "--batch", batch]),
+            &["--batch", "between 1 and 512"],
+        );
+    }
     fails(
         bin().args([
             "plan",

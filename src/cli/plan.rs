@@ -144,7 +144,8 @@ pub struct PlanArgs {
     #[arg(long, env = "GPU_OFFLOAD_CTX_SIZE")]
     pub ctx_size: Option<usize>,
 
-    /// Most tokens one step evaluates (prefill batch).
+    /// Most tokens one step evaluates (prefill batch), 1 to 512: a longer prompt runs in steps
+    /// (where the device holds every layer, in steps of up to --prefill-step).
     #[arg(long, env = "GPU_OFFLOAD_BATCH", default_value_t = 512)]
     pub batch: usize,
 
@@ -256,7 +257,15 @@ pub fn run(a: PlanArgs) -> Result<()> {
     {
         anyhow::bail!("--prompt-tokens {p} does not fit --ctx-size {ctx}");
     }
-    let batch = a.batch.clamp(1, crate::engine::MAX_BATCH);
+    if !(1..=crate::engine::MAX_BATCH).contains(&a.batch) {
+        anyhow::bail!(
+            "--batch {} must be between 1 and {} (a longer prompt runs in steps of it; where \
+             the device holds every layer, --prefill-step sets larger ones)",
+            a.batch,
+            crate::engine::MAX_BATCH
+        );
+    }
+    let batch = a.batch;
     let batch = a
         .budget
         .prefill_step
