@@ -34,9 +34,8 @@ const ROWS: usize = 16;
 
 /// Rows `js` (at most [`ROWS`]) of a cache, the columns of a run of KV heads: `width` values
 /// from `col0` on. Straight from `direct` (f32 rows, their stride) where there is one; else
-/// each row's run decoded into `block` in one go, `width` apart, so a decode step reads each
-/// cache row in order, where a head at a time read it in strips a row apart (the reads then
-/// waited on memory: the prefetchers do not follow strips 8 KB apart).
+/// each row's run decoded into `block` in one call, `width` apart (one call a row, not one a
+/// row and head: a Q8_0 row's blocks then go through the bulk decoder together).
 struct KvRun<'a> {
     rows: [&'a [f32]; ROWS],
     col0: usize,
@@ -484,10 +483,9 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         // slower with the hints.
         let next = start + j1..start + (j1 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
-            if !streams {
-            } else if next.is_empty() && values.is_none() {
+            if streams && next.is_empty() && values.is_none() {
                 (start..start + ROWS.min(width)).for_each(|j| v_cache.prefetch(j, col, hd));
-            } else if keys.is_none() {
+            } else if streams && keys.is_none() {
                 next.clone().for_each(|j| k_cache.prefetch(j, col, hd));
             }
             let block_rows = block_run.head(col, hd);

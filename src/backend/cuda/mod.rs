@@ -236,9 +236,9 @@ pub fn supported_capability(capability: u32) -> Result<()> {
 }
 
 /// `(splits, chunk)` a prompt's flash attention of `rows` query rows (`n_heads` heads of
-/// `head_dim`) over `keys` positions takes on a device that holds `slots` of its blocks at once (multiprocessors
-/// × blocks each): its keys in `splits` chunks of `chunk` (a multiple of the key tile, every
-/// chunk holding a key), merged after. One split (`chunk` = `keys`) unless a block per 64 rows
+/// `head_dim`) over `keys` positions takes on a device that holds `slots` of its blocks at
+/// once (multiprocessors × blocks each): its keys in `splits` chunks of `chunk` (a multiple
+/// of the key tile, every chunk holding a key), merged after. One split (`chunk` = `keys`) unless a block per 64 rows
 /// and head leaves much of the last wave of blocks idle (a few rows over a long context: a
 /// prompt in row groups under a budget, whose 512 rows of a 7B model are 256 blocks where an
 /// H100 PCIe holds 342) and more splits fill it (4: 1024 blocks, three waves).
