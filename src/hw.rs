@@ -166,12 +166,9 @@ impl AttentionProbe {
         Ok(self.flops() / secs)
     }
 
-    /// FLOPs of the causal attention: every row scores and sums (2 FLOPs a multiply-add, both
-    /// products) every position up to its own.
+    /// FLOPs of the causal attention ([`crate::plan::causal_attention_flops`]).
     pub fn flops(&self) -> f64 {
-        let (rows, context) = (self.rows as f64, self.context as f64);
-        let keys = rows * context + rows * (rows + 1.0) / 2.0;
-        4.0 * (self.heads * self.head_dim) as f64 * keys
+        crate::plan::causal_attention_flops(self.rows, self.context, self.heads * self.head_dim)
     }
 
     /// Bytes of cache read: the keys and values of every position the last row sees.
@@ -247,15 +244,16 @@ impl AttentionProbe {
     }
 }
 
-/// Bytes of KV cache the CPU attends per second ([`AttentionProbe::DECODE_7B`] on `threads`
-/// threads): what the planner costs a decode step's attention over a KV cache kept in host
+/// Bytes of KV cache the CPU attends per second ([`AttentionProbe::DECODE_7B`] on `b`): what
+/// the planner costs a decode step's attention over a KV cache kept in host
 /// memory at, where it would otherwise take the DRAM read rate (which the arithmetic and the
 /// cache rows' decoding keep the CPU well below).
-pub fn cpu_attention_rate(threads: usize) -> Result<f64, String> {
+pub fn cpu_attention_rate(b: &crate::backend::cpu::CpuBackend) -> Result<f64, String> {
     let probe = AttentionProbe::DECODE_7B;
-    let err = |e: crate::backend::BackendError| format!("CPU attention probe: {e}");
-    let b = crate::backend::cpu::CpuBackend::new(threads).map_err(err)?;
-    Ok(probe.kv_bytes() / probe.seconds(&b, 4).map_err(err)?)
+    let secs = probe
+        .seconds(b, 4)
+        .map_err(|e| format!("CPU attention probe: {e}"))?;
+    Ok(probe.kv_bytes() / secs)
 }
 
 /// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),

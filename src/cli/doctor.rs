@@ -41,7 +41,9 @@ pub fn run(args: DoctorArgs) -> Result<()> {
     );
     let host = hw::probe_host(threads);
     let memcpy = hw::memcpy_bandwidth(256 << 20, 5);
-    let cpu_attention = hw::cpu_attention_rate(threads);
+    // One pool of `threads` for every CPU probe.
+    let cpu = crate::backend::cpu::CpuBackend::new(threads)?;
+    let cpu_attention = hw::cpu_attention_rate(&cpu);
     let ssd_dir = args
         .ssd_dir
         .clone()
@@ -55,15 +57,6 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         )
     };
     let gpu = hw::probe_gpu(256 << 20);
-    // Without a GPU the budgeted device's prompts attend on the CPU.
-    let sim_attention = match &gpu {
-        Ok(_) => None,
-        Err(_) => Some(
-            hw::AttentionProbe::PROMPT_CPU
-                .flops_per_s(&crate::backend::cpu::CpuBackend::new(threads)?)
-                .map_err(anyhow::Error::msg)?,
-        ),
-    };
     let profile = match &gpu {
         Ok(g) => HardwareProfile {
             name: format!("{} (measured)", g.name),
@@ -91,15 +84,15 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             op_overhead_s: 2e-6,
             device_bytes: 0,
             device_fixed_bytes: Some(0),
-            matmul_flops_per_s: hw::matmul_rate(
-                &crate::backend::cpu::CpuBackend::new(threads)?,
-                128,
-                1024,
-                1024,
-            )
-            .map_err(anyhow::Error::msg)?,
+            // Its products and prompts run on the CPU.
+            matmul_flops_per_s: hw::matmul_rate(&cpu, 128, 1024, 1024)
+                .map_err(anyhow::Error::msg)?,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
-            attention_flops_per_s: sim_attention,
+            attention_flops_per_s: Some(
+                hw::AttentionProbe::PROMPT_CPU
+                    .flops_per_s(&cpu)
+                    .map_err(anyhow::Error::msg)?,
+            ),
         },
     };
     if args.save {
@@ -224,12 +217,12 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         "memcpy bandwidth:    {:.1} GB/s (1 thread)",
         memcpy / 1e9
     )?;
-    if let Some(rate) = sim_attention {
+    if let (Err(_), Some(attention)) = (&gpu, profile.attention_flops_per_s) {
         writeln!(
             out,
             "CPU products:        {:.1} GFLOP/s (128 × 1024 × 1024, f16); prompt attention {:.1} GFLOP/s (64 rows over 2048 positions of an f16 cache, 32 heads of 128): the budgeted device's",
             profile.matmul_flops_per_s / 1e9,
-            rate / 1e9
+            attention / 1e9
         )?;
     }
     match &cpu_attention {

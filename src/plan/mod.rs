@@ -309,8 +309,7 @@ impl Plan {
         let ffn_mats = if spec.gated_ffn { 3 } else { 2 };
         let per_layer = (spec.d_model * (2 * spec.q_dim() + 2 * spec.kv_dim())
             + ffn_mats * spec.d_model * spec.d_ff) as f64;
-        let pairs = tokens as f64 * (tokens as f64 + 1.0) / 2.0;
-        let attention_flops = 4.0 * pairs * spec.q_dim() as f64 * l as f64;
+        let attention_flops = causal_attention_flops(tokens, 0, spec.q_dim()) * l as f64;
         let flops = 2.0 * tokens as f64 * per_layer * l as f64
             + attention_flops
             + 2.0 * (spec.d_model * spec.vocab_size) as f64;
@@ -338,6 +337,14 @@ impl Plan {
             .into(),
         }
     }
+}
+
+/// FLOPs of causal attention for one layer: `rows` query rows at positions `context..`, each
+/// scoring and summing (2 FLOPs a multiply-add, both products) every position up to its own,
+/// over `q_dim` query columns (heads × head dim).
+pub fn causal_attention_flops(rows: usize, context: usize, q_dim: usize) -> f64 {
+    let (rows, context) = (rows as f64, context as f64);
+    4.0 * q_dim as f64 * (rows * context + rows * (rows + 1.0) / 2.0)
 }
 
 /// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key

@@ -188,11 +188,7 @@ impl CpuKv {
         if j >= self.rows {
             return;
         }
-        let at = |c: usize| match self.ty {
-            KvType::F32 => c * 4,
-            KvType::F16 => c * 2,
-            KvType::Q8_0 => c / QK * std::mem::size_of::<BlockQ8_0>(),
-        };
+        let at = |c: usize| self.ty.row_bytes(c);
         let row = self.raw_rows(j, 1);
         let end = at(col + width).min(row.len());
         crate::backend::cpu::kernels::prefetch(&row[at(col).min(end)..end]);
