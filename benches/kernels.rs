@@ -1,4 +1,7 @@
-//! CPU matmul kernels per storage format: decode (one token) and prefill (64 tokens) shapes.
+//! CPU matmul kernels per storage format: decode (one token) and prefill (64 tokens) shapes;
+//! and attention's kernels on a block of key and value rows held in the caches (`attention_*`:
+//! the scores of a tile of query heads beside the same products one `dot_f32` each, and the
+//! weighted value sums), in FLOPs a second.
 //! Throughput is reported in weight bytes per second, the figure to hold against DRAM
 //! bandwidth: the bench prints the machine's DRAM read bandwidth at the same thread count first
 //! (`hw::dram_read_bandwidth`, as `gpu-offload doctor` measures it).
@@ -118,5 +121,55 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// Attention's inner kernels over one block of 16 cached rows (in L1, as `attend_chunk` holds
+/// them): decode (one query head of 128), a prompt tile of 7B heads (8 query rows of 128) and
+/// of SmolLM2's (8 rows × 3 heads sharing a KV head, 64).
+fn attention(c: &mut Criterion) {
+    let kernel_set = std::env::var("GPU_OFFLOAD_KERNELS")
+        .ok()
+        .and_then(|n| kernels::by_name(&n))
+        .unwrap_or_else(kernels::best);
+    const KEYS: usize = 16;
+    for (queries, hd) in [(1usize, 128usize), (8, 128), (24, 64)] {
+        let mut g = c.benchmark_group(format!(
+            "attention_{queries}q_{KEYS}k_hd{hd}_{}",
+            kernel_set.name
+        ));
+        let vals = |n: usize, seed: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * 31 + seed) % 97) as f32 - 48.0) / 48.0)
+                .collect()
+        };
+        let q = vals(queries * hd, 1);
+        let kv = vals(KEYS * hd, 2);
+        let qs: Vec<&[f32]> = q.chunks_exact(hd).collect();
+        let rows: Vec<&[f32]> = kv.chunks_exact(hd).collect();
+        let w = vals(KEYS, 3);
+        let mut out = vec![0f32; queries * KEYS];
+        let mut acc = vec![0f32; queries * hd];
+        g.throughput(Throughput::Elements((2 * queries * KEYS * hd) as u64));
+        g.bench_function("scores", |b| {
+            b.iter(|| (kernel_set.scores)(&qs, &rows, &mut out))
+        });
+        g.bench_function("dot_f32_each", |b| {
+            b.iter(|| {
+                for (qh, o) in qs.iter().zip(out.chunks_exact_mut(KEYS)) {
+                    for (o, k) in o.iter_mut().zip(&rows) {
+                        *o = (kernel_set.dot_f32)(qh, k);
+                    }
+                }
+            })
+        });
+        g.bench_function("axpy_rows", |b| {
+            b.iter(|| {
+                for a in acc.chunks_exact_mut(hd) {
+                    (kernel_set.axpy_rows)(a, &w, &rows);
+                }
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench, attention);
 criterion_main!(benches);

@@ -1436,7 +1436,7 @@ impl<B: Backend> Engine<B> {
                                         let j = (j0 + i).min(end - 1);
                                         &k[j * kv + kh..][..hd]
                                     });
-                                    (kern.dot_rows)(qh, &keys[..o.len()], o);
+                                    (kern.scores)(&[qh], &keys[..o.len()], o);
                                 }
                                 for v in out.iter_mut() {
                                     *v *= spec.attn_scale;

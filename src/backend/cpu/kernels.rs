@@ -59,17 +59,26 @@ pub(crate) fn prefetch(bytes: &[u8]) {
     let _ = bytes;
 }
 
+/// [`Kernels::scores`]: query rows, key rows, the products query-major.
+pub type ScoresFn = fn(&[&[f32]], &[&[f32]], &mut [f32]);
+
 /// The kernel set for this machine.
 pub struct Kernels {
     pub name: &'static str,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
-    /// `out[i] += w[j] · rows[j][i]` for each row `j` in order, a multiply then an add (as
-    /// scalar code rounds it, so every set gives the same bits): attention's weighted sum of
-    /// values, `out` held in registers across the rows.
+    /// `out[i] += w[j] · rows[j][i]` for each row `j` in order (a fused multiply-add where the
+    /// set has one): attention's weighted sum of values, `out` held in registers across the
+    /// rows. Each output depends on its own column alone, so a row's sums do not depend on
+    /// the rows beside it.
     pub axpy_rows: fn(&mut [f32], &[f32], &[&[f32]]),
-    /// `out[j] = dot_f32(x, rows[j])`, bit for bit this set's `dot_f32` (attention's scores:
-    /// several key rows against one query).
-    pub dot_rows: fn(&[f32], &[&[f32]], &mut [f32]),
+    /// `out[i · keys.len() + j] = qs[i] · keys[j]`: attention's scores, a tile of query heads
+    /// (a prompt's rows, the heads sharing a KV head) against a block of key rows. Each product
+    /// is summed alike wherever it falls in the tile (eight lanes of multiply-adds over the
+    /// 8-wide steps, the lanes added pairwise, then the values past the last whole step in
+    /// order), so a query's scores do not depend on the queries beside it: a decode step's row
+    /// gives what the same row gives in a prompt, while a tile reads each key row once for two
+    /// queries.
+    pub scores: ScoresFn,
     /// `s[i] = exp(s[i] − max)` for scores at most `max`, returning their sum: a softmax's
     /// numerators. Each value depends on its input alone (not on where it lies in `s`).
     pub exp_sum: fn(&mut [f32], f32) -> f64,
@@ -158,7 +167,7 @@ pub const PORTABLE: Kernels = Kernels {
     name: "portable",
     dot_f32: portable::dot_f32,
     axpy_rows: portable::axpy_rows,
-    dot_rows: portable::dot_rows,
+    scores: portable::scores,
     exp_sum: portable::exp_sum,
     dot_f16: portable::dot_f16,
     dot_bf16: portable::dot_bf16,
@@ -179,6 +188,19 @@ pub const PORTABLE: Kernels = Kernels {
     dots_q4_1: None,
 };
 
+/// Eight lanes added as attention's scores add them: ((0+1)+(2+3))+((4+5)+(6+7)).
+fn pairwise(l: [f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// A score's lanes' `sum` and the products of `q` and `k` from `whole` on, in order.
+fn score_tail(mut sum: f32, q: &[f32], k: &[f32], whole: usize) -> f32 {
+    for t in whole..q.len().min(k.len()) {
+        sum += q[t] * k[t];
+    }
+    sum
+}
+
 fn round_f16(v: f32) -> f32 {
     f16::from_f32(v).to_f32()
 }
@@ -190,10 +212,29 @@ pub mod portable {
         dot_as_f32(w, x, |v| v)
     }
 
-    pub fn dot_rows(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
-        for (o, row) in out.iter_mut().zip(rows) {
-            *o = dot_f32(x, row);
+    pub fn scores(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+        if keys.is_empty() {
+            return;
         }
+        for (q, o) in qs.iter().zip(out.chunks_mut(keys.len())) {
+            for (o, k) in o.iter_mut().zip(keys) {
+                *o = score(q, k);
+            }
+        }
+    }
+
+    /// One of [`scores`]'s products: the lanes' sums (a multiply then an add each, as the
+    /// other portable dots round), added pairwise, then the tail.
+    fn score(q: &[f32], k: &[f32]) -> f32 {
+        let n = q.len().min(k.len());
+        let whole = n / 8 * 8;
+        let mut lanes = [0f32; 8];
+        for (qc, kc) in q[..whole].chunks_exact(8).zip(k[..whole].chunks_exact(8)) {
+            for l in 0..8 {
+                lanes[l] += qc[l] * kc[l];
+            }
+        }
+        super::score_tail(super::pairwise(lanes), q, k, whole)
     }
 
     pub fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
@@ -315,7 +356,7 @@ mod x86 {
         name: "avx2",
         dot_f32,
         axpy_rows,
-        dot_rows,
+        scores,
         exp_sum,
         dot_f16,
         dot_bf16,
@@ -375,9 +416,9 @@ mod x86 {
         // SAFETY: as above.
         unsafe { axpy_rows_avx2(out, w, rows) }
     }
-    fn dot_rows(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    fn scores(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { dot_rows_avx2(x, rows, out) }
+        unsafe { scores_avx2(qs, keys, out) }
     }
     fn exp_sum(s: &mut [f32], max: f32) -> f64 {
         // SAFETY: as above.
@@ -503,57 +544,116 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    /// [`dot_f32_avx2`] of `x` with two rows at a time (each row's accumulators, loop and
-    /// reduction exactly that function's; `x` loaded once for both).
+    /// [`Kernels::scores`]: two queries against four keys at a time (eight accumulators, each
+    /// key loaded once for both), a lone query against eight; whatever the tile, a product is
+    /// one chain of multiply-adds per lane and the same reduction.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_rows_avx2(x: &[f32], rows: &[&[f32]], out: &mut [f32]) {
-        let mut r = 0;
-        while r + 2 <= rows.len().min(out.len()) {
-            let (a, b) = (rows[r], rows[r + 1]);
-            let n = x.len();
-            if a.len() != n || b.len() != n {
-                // SAFETY: AVX2+FMA enabled on this function.
-                unsafe {
-                    out[r] = dot_f32_avx2(a, x);
-                    out[r + 1] = dot_f32_avx2(b, x);
-                }
-                r += 2;
-                continue;
-            }
-            let (ap, bp, xp) = (a.as_ptr(), b.as_ptr(), x.as_ptr());
-            let mut acc_a = [_mm256_setzero_ps(); 4];
-            let mut acc_b = [_mm256_setzero_ps(); 4];
-            let mut i = 0;
-            // SAFETY: every load reads 8 floats below n, as in dot_f32_avx2.
-            unsafe {
-                while i + 32 <= n {
-                    for k in 0..4 {
-                        let o = i + 8 * k;
-                        let xv = _mm256_loadu_ps(xp.add(o));
-                        acc_a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(o)), xv, acc_a[k]);
-                        acc_b[k] = _mm256_fmadd_ps(_mm256_loadu_ps(bp.add(o)), xv, acc_b[k]);
-                    }
-                    i += 32;
-                }
-                while i + 8 <= n {
-                    let xv = _mm256_loadu_ps(xp.add(i));
-                    acc_a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i)), xv, acc_a[0]);
-                    acc_b[0] = _mm256_fmadd_ps(_mm256_loadu_ps(bp.add(i)), xv, acc_b[0]);
-                    i += 8;
-                }
-            }
-            out[r] = dot_f32_finish(acc_a, a, x, i);
-            out[r + 1] = dot_f32_finish(acc_b, b, x, i);
-            r += 2;
+    unsafe fn scores_avx2(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+        let m = keys.len();
+        let n = qs.first().map_or(0, |q| q.len());
+        if m == 0 || out.len() < qs.len() * m {
+            return;
         }
-        for (o, row) in out.iter_mut().zip(rows).skip(r) {
-            // SAFETY: as above.
-            *o = unsafe { dot_f32_avx2(row, x) };
+        if qs.iter().chain(keys).any(|r| r.len() != n) {
+            // Rows of unlike lengths (never in attention): each product alone, as defined.
+            for (q, o) in qs.iter().zip(out.chunks_mut(m)) {
+                for (o, k) in o.iter_mut().zip(keys) {
+                    // SAFETY: AVX2+FMA enabled on this function; the tile reads below `whole`.
+                    *o = unsafe { score_tiles::<1, 1>([q], [k], q.len().min(k.len())) }[0];
+                }
+            }
+            return;
+        }
+        let mut i = 0;
+        // SAFETY (every call below): the rows are `n` long; the tiles read below n / 8 · 8.
+        unsafe {
+            while i + 2 <= qs.len() {
+                let q = [qs[i], qs[i + 1]];
+                let mut j = 0;
+                while j + 4 <= m {
+                    let k = [keys[j], keys[j + 1], keys[j + 2], keys[j + 3]];
+                    let s = score_tiles::<2, 4>(q, k, n);
+                    out[i * m + j..][..4].copy_from_slice(&s[..4]);
+                    out[(i + 1) * m + j..][..4].copy_from_slice(&s[4..]);
+                    j += 4;
+                }
+                for j in j..m {
+                    let s = score_tiles::<2, 1>(q, [keys[j]], n);
+                    (out[i * m + j], out[(i + 1) * m + j]) = (s[0], s[1]);
+                }
+                i += 2;
+            }
+            if let Some(&q) = qs.get(i) {
+                let mut j = 0;
+                while j + 4 <= m {
+                    let k = [keys[j], keys[j + 1], keys[j + 2], keys[j + 3]];
+                    out[i * m + j..][..4].copy_from_slice(&score_tiles::<1, 4>([q], k, n)[..4]);
+                    j += 4;
+                }
+                for j in j..m {
+                    out[i * m + j] = score_tiles::<1, 1>([q], [keys[j]], n)[0];
+                }
+            }
         }
     }
 
-    /// 64 outputs (8 registers) at a time through every row; a multiply and an add, never
-    /// fused, as [`portable::axpy_rows`] rounds.
+    /// The products of `QN` queries and `KN` keys (`QN · KN` ≤ 8) over their first `n` values,
+    /// query-major: a lane chain of multiply-adds per 8-wide step, the lanes added pairwise
+    /// ([`reduce_lanes`]), then the tail ([`score_tail`]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn score_tiles<const QN: usize, const KN: usize>(
+        q: [&[f32]; QN],
+        k: [&[f32]; KN],
+        n: usize,
+    ) -> [f32; 8] {
+        let whole = n / 8 * 8;
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut t = 0;
+        // SAFETY: every load reads 8 floats below `whole` ≤ each row's length.
+        unsafe {
+            while t < whole {
+                let mut qv = [_mm256_setzero_ps(); QN];
+                for a in 0..QN {
+                    qv[a] = _mm256_loadu_ps(q[a].as_ptr().add(t));
+                }
+                for b in 0..KN {
+                    let kv = _mm256_loadu_ps(k[b].as_ptr().add(t));
+                    for a in 0..QN {
+                        acc[a * KN + b] = _mm256_fmadd_ps(qv[a], kv, acc[a * KN + b]);
+                    }
+                }
+                t += 8;
+            }
+        }
+        let mut s = [0f32; 8];
+        // SAFETY: `s` holds the 8 lanes stored.
+        unsafe { _mm256_storeu_ps(s.as_mut_ptr(), reduce_lanes(acc)) };
+        if whole < n {
+            for a in 0..QN {
+                for b in 0..KN {
+                    s[a * KN + b] = score_tail(s[a * KN + b], q[a], k[b], whole);
+                }
+            }
+        }
+        s
+    }
+
+    /// Eight accumulators' lanes each summed as [`pairwise`] sums them, into one register:
+    /// horizontal adds pair lanes 0+1, 2+3 (then those pairs) within each half, and the halves
+    /// meet last.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce_lanes(a: [__m256; 8]) -> __m256 {
+        let t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        let t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(t0, t1),
+            _mm256_permute2f128_ps::<0x31>(t0, t1),
+        )
+    }
+
+    /// 64 outputs (8 registers) at a time through every row, a fused multiply-add per term.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
         let rows = &rows[..w.len().min(rows.len())];
@@ -567,7 +667,7 @@ mod x86 {
                 for (&wj, row) in w.iter().zip(rows) {
                     let (wv, rp) = (_mm256_set1_ps(wj), row.as_ptr().add(i));
                     for (k, ok) in o.iter_mut().enumerate() {
-                        *ok = _mm256_add_ps(*ok, _mm256_mul_ps(wv, _mm256_loadu_ps(rp.add(8 * k))));
+                        *ok = _mm256_fmadd_ps(wv, _mm256_loadu_ps(rp.add(8 * k)), *ok);
                     }
                 }
                 for (k, ok) in o.iter().enumerate() {
@@ -579,7 +679,7 @@ mod x86 {
                 let mut o = _mm256_loadu_ps(op.add(i));
                 for (&wj, row) in w.iter().zip(rows) {
                     let v = _mm256_loadu_ps(row.as_ptr().add(i));
-                    o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(wj), v));
+                    o = _mm256_fmadd_ps(_mm256_set1_ps(wj), v, o);
                 }
                 _mm256_storeu_ps(op.add(i), o);
                 i += 8;
@@ -587,7 +687,7 @@ mod x86 {
         }
         for j in i..n {
             for (&wj, row) in w.iter().zip(rows) {
-                out[j] += wj * row[j];
+                out[j] = wj.mul_add(row[j], out[j]);
             }
         }
     }
@@ -1250,10 +1350,11 @@ mod tests {
         (a - b).abs() / b.abs().max(1.0)
     }
 
-    /// Attention's weighted sum of value rows gives the same bits on every set (a multiply then
-    /// an add per term, in row order), over widths with and without tails.
+    /// Attention's weighted sum of value rows: each output its column's terms in row order,
+    /// fused multiply-adds on the SIMD sets and a multiply then an add on the portable one, bit
+    /// for bit over widths with and without tails (so no output depends on its neighbours).
     #[test]
-    fn axpy_rows_is_bit_for_bit_the_same_on_every_set() {
+    fn axpy_rows_sums_each_column_in_row_order() {
         let mut rng = StdRng::seed_from_u64(17);
         for width in [3usize, 8, 64, 75, 128, 200] {
             for count in [0usize, 1, 5, 16] {
@@ -1261,41 +1362,64 @@ mod tests {
                 let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
                 let w = rand_vec(&mut rng, count);
                 let out0 = rand_vec(&mut rng, width);
-                let mut want = out0.clone();
+                let (mut fused, mut unfused) = (out0.clone(), out0.clone());
                 for (&wj, row) in w.iter().zip(&rows) {
-                    for (o, &v) in want.iter_mut().zip(row) {
-                        *o += wj * v;
+                    for ((f, u), &v) in fused.iter_mut().zip(unfused.iter_mut()).zip(row) {
+                        *f = wj.mul_add(v, *f);
+                        *u += wj * v;
                     }
                 }
                 for k in available() {
+                    let want = if k.name == PORTABLE.name {
+                        &unfused
+                    } else {
+                        &fused
+                    };
                     let mut got = out0.clone();
                     (k.axpy_rows)(&mut got, &w, &refs);
-                    assert!(got == want, "{} width {width}, {count} rows", k.name);
+                    assert!(&got == want, "{} width {width}, {count} rows", k.name);
                 }
             }
         }
     }
 
-    /// A set's scores of several rows are its one-row dot's, bit for bit.
+    /// A set's scores of a tile of queries and keys are each pair's alone, bit for bit,
+    /// whatever the tile's shape (every tile and remainder the kernel takes), and within
+    /// rounding of the portable set's.
     #[test]
-    fn dot_rows_is_each_rows_dot_bit_for_bit() {
+    fn scores_are_each_pairs_alone_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(19);
         for width in [3usize, 8, 40, 64, 75, 128] {
-            for count in [0usize, 1, 2, 5, 16] {
-                let rows: Vec<Vec<f32>> = (0..count).map(|_| rand_vec(&mut rng, width)).collect();
-                let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
-                let x = rand_vec(&mut rng, width);
+            for (nq, nk) in [
+                (1usize, 0usize),
+                (1, 1),
+                (1, 9),
+                (1, 16),
+                (2, 3),
+                (2, 4),
+                (3, 13),
+                (5, 16),
+            ] {
+                let qs: Vec<Vec<f32>> = (0..nq).map(|_| rand_vec(&mut rng, width)).collect();
+                let ks: Vec<Vec<f32>> = (0..nk).map(|_| rand_vec(&mut rng, width)).collect();
+                let qr: Vec<&[f32]> = qs.iter().map(|r| r.as_slice()).collect();
+                let kr: Vec<&[f32]> = ks.iter().map(|r| r.as_slice()).collect();
+                let mut want = vec![0f32; nq * nk];
+                portable::scores(&qr, &kr, &mut want);
                 for k in available() {
-                    let mut got = vec![f32::NAN; count];
-                    (k.dot_rows)(&x, &refs, &mut got);
-                    for (j, row) in rows.iter().enumerate() {
-                        let want = (k.dot_f32)(&x, row);
+                    let mut got = vec![f32::NAN; nq * nk];
+                    (k.scores)(&qr, &kr, &mut got);
+                    for (at, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        let (i, j) = (at / nk, at % nk);
+                        let mut alone = [f32::NAN];
+                        (k.scores)(&qr[i..=i], &kr[j..=j], &mut alone);
                         assert!(
-                            got[j].to_bits() == want.to_bits(),
-                            "{} width {width}, row {j} of {count}: {} vs {want}",
+                            g.to_bits() == alone[0].to_bits(),
+                            "{} width {width}, query {i} key {j} of {nq}x{nk}: {g} vs {}",
                             k.name,
-                            got[j]
+                            alone[0]
                         );
+                        assert!(rel(g, w) < 1e-5, "{} {g} vs portable {w}", k.name);
                     }
                 }
             }

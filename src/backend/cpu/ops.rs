@@ -297,6 +297,8 @@ struct ChunkScratch {
     block: Vec<f32>,
     /// Each (row, head)'s scores over the chunk, [`CHUNK`] apart.
     scores: Vec<f32>,
+    /// A block's scores for the query heads sharing one KV head, as the kernel lays them out.
+    tile: Vec<f32>,
 }
 
 /// The query heads `q` (`group · hd` values: the heads sharing one KV head) against the first
@@ -466,9 +468,19 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         (Some(&first), Some(&last)) => (first, last + hd - first),
         _ => return,
     };
+    // The query heads sharing each KV head of the run, row by row: head h's at
+    // h·per_head.., its (row r, query head g) at r·group + g there.
+    let per_head = qs.len() * group;
+    let mut queries: Vec<&[f32]> = Vec::with_capacity(cols.len() * per_head);
+    for h in 0..cols.len() {
+        for q in qs {
+            queries.extend(q[h * group * hd..(h + 1) * group * hd].chunks_exact(hd));
+        }
+    }
     scratch.block.resize(ROWS * run.1, 0.0);
     scratch.scores.resize(qs.len() * heads * CHUNK, 0.0);
-    let (block, scores) = (&mut scratch.block, &mut scratch.scores);
+    scratch.tile.resize(per_head * ROWS, 0.0);
+    let (block, scores, tile) = (&mut scratch.block, &mut scratch.scores, &mut scratch.tile);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
     let streams = qs.len() == 1;
     // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
@@ -488,14 +500,23 @@ fn attend_chunk<K: KvRows, V: KvRows>(
             } else if streams && keys.is_none() {
                 next.clone().for_each(|j| k_cache.prefetch(j, col, hd));
             }
+            // Every query head sharing this KV head against the whole block (a row that ends
+            // inside it computes a few scores it leaves: only where a tile's rows meet their
+            // own positions), then each row's own scaled into place.
             let block_rows = block_run.head(col, hd);
-            for (r, q) in qs.iter().enumerate() {
-                let m = ends[r].saturating_sub(j0).min(j1 - j0);
-                let sharing = q[h * group * hd..(h + 1) * group * hd].chunks_exact(hd);
-                for (g, qh) in sharing.enumerate().filter(|_| m > 0) {
+            let w = j1 - j0;
+            let tile = &mut tile[..per_head * w];
+            (k.scores)(
+                &queries[h * per_head..(h + 1) * per_head],
+                &block_rows[..w],
+                tile,
+            );
+            for (r, &end) in ends.iter().enumerate() {
+                let m = end.saturating_sub(j0).min(w);
+                for g in 0..group {
+                    let from = &tile[(r * group + g) * w..][..m];
                     let s = &mut scores[(r * heads + h * group + g) * CHUNK + j0..][..m];
-                    (k.dot_rows)(qh, &block_rows[..m], s);
-                    s.iter_mut().for_each(|v| *v *= scale);
+                    s.iter_mut().zip(from).for_each(|(s, &v)| *s = v * scale);
                 }
             }
         }
