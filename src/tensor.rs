@@ -377,39 +377,42 @@ pub fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     }
 }
 
-/// Whole Q8_0 blocks into f32 (32 values a block, `dst.len()` a multiple of 32 at most the
-/// blocks'): each value d · q, the same bits however it is computed. AVX2 eight values at a
-/// time where the CPU has it: the baseline build's SSE2 unpacking made decoding half the time
-/// of CPU attention over a Q8_0 cache.
-pub fn q8_0_to_f32(blocks: &[BlockQ8_0], dst: &mut [f32]) {
-    let n = blocks.len().min(dst.len() / QK);
+/// Q8_0 blocks (their bytes, at any alignment: an f16 scale, 32 codes) into f32, as many
+/// values as both `bytes` and `dst` hold: each value d · q, the same bits however it is
+/// computed. Whole blocks AVX2 eight values at a time where the CPU has it: the baseline
+/// build's SSE2 unpacking made decoding half the time of CPU attention over a Q8_0 cache.
+pub fn q8_0_to_f32(bytes: &[u8], dst: &mut [f32]) {
+    let bb = DType::Q8_0.block_bytes();
+    #[allow(unused_mut)]
+    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
-        // SAFETY: the features were just detected; `n` blocks fit both slices.
-        unsafe { q8_0_to_f32_avx2(&blocks[..n], &mut dst[..n * QK]) };
-        return;
+        done = (bytes.len() / bb).min(dst.len() / QK);
+        // SAFETY: the features were just detected; `done` whole blocks fit both slices.
+        unsafe { q8_0_to_f32_avx2(&bytes[..done * bb], &mut dst[..done * QK]) };
     }
-    for (b, o) in blocks[..n].iter().zip(dst.chunks_exact_mut(QK)) {
-        let d = b.d.to_f32();
-        for (o, &q) in o.iter_mut().zip(&b.qs) {
-            *o = d * q as f32;
+    for (b, o) in bytes.chunks_exact(bb).zip(dst.chunks_mut(QK)).skip(done) {
+        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        for (o, &q) in o.iter_mut().zip(&b[2..]) {
+            *o = d * q as i8 as f32;
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn q8_0_to_f32_avx2(blocks: &[BlockQ8_0], dst: &mut [f32]) {
+unsafe fn q8_0_to_f32_avx2(bytes: &[u8], dst: &mut [f32]) {
     use std::arch::x86_64::{
         __m128i, _mm_loadl_epi64, _mm256_cvtepi8_epi32, _mm256_cvtepi32_ps, _mm256_mul_ps,
         _mm256_set1_ps, _mm256_storeu_ps,
     };
-    for (b, o) in blocks.iter().zip(dst.chunks_exact_mut(QK)) {
-        let d = _mm256_set1_ps(b.d.to_f32());
+    let bb = DType::Q8_0.block_bytes();
+    for (b, o) in bytes.chunks_exact(bb).zip(dst.chunks_exact_mut(QK)) {
+        let d = _mm256_set1_ps(f16::from_le_bytes([b[0], b[1]]).to_f32());
         for k in 0..QK / 8 {
-            // SAFETY: 8 codes at 8k < 32 of the block; 8 floats at 8k of the block's 32.
+            // SAFETY: 8 codes at 2 + 8k ≤ 26 of the block's 34 bytes; 8 floats at 8k of 32.
             unsafe {
-                let q = _mm_loadl_epi64(b.qs.as_ptr().add(8 * k) as *const __m128i);
+                let q = _mm_loadl_epi64(b.as_ptr().add(2 + 8 * k) as *const __m128i);
                 let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
                 _mm256_storeu_ps(o.as_mut_ptr().add(8 * k), _mm256_mul_ps(d, v));
             }
@@ -458,17 +461,7 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
-        DType::Q8_0 => {
-            for (b, o) in bytes
-                .chunks_exact(dtype.block_bytes())
-                .zip(out.chunks_mut(QK))
-            {
-                let d = half(b, 0);
-                for (o, &q) in o.iter_mut().zip(&b[2..]) {
-                    *o = d * q as i8 as f32;
-                }
-            }
-        }
+        DType::Q8_0 => q8_0_to_f32(bytes, out),
         DType::Q4_0 | DType::Q4_1 => {
             let with_min = dtype == DType::Q4_1;
             for (b, o) in bytes
@@ -524,8 +517,8 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 mod tests {
     use super::*;
 
-    /// The bulk Q8_0 decoder (AVX2 where the CPU has it) gives what `decode_row` gives, bit
-    /// for bit: d · q for every code, extremes and a zero scale included.
+    /// The bulk Q8_0 decoder (AVX2 where the CPU has it; `decode_row` too) gives d · q for every
+    /// code, bit for bit, extremes and a zero scale included.
     #[test]
     fn q8_0_blocks_decode_in_bulk_as_row_by_row() {
         let blocks: Vec<BlockQ8_0> = (0..37)
@@ -539,9 +532,11 @@ mod tests {
             })
             .collect();
         let mut bulk = vec![f32::NAN; 37 * QK];
-        q8_0_to_f32(&blocks, &mut bulk);
-        let mut want = vec![0f32; 37 * QK];
-        decode_row(DType::Q8_0, bytemuck::cast_slice(&blocks), &mut want);
+        q8_0_to_f32(bytemuck::cast_slice(&blocks), &mut bulk);
+        let want: Vec<f32> = blocks
+            .iter()
+            .flat_map(|b| b.qs.map(|q| b.d.to_f32() * q as f32))
+            .collect();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&bulk), bits(&want));
     }

@@ -299,7 +299,8 @@ fn row_slice<'a>(ty: KvType, row: &'a [u8], col: usize, tmp: &'a mut [f32]) -> &
             // head's columns, a run of heads) in bulk.
             let blocks: &[BlockQ8_0] = bytemuck::cast_slice(row);
             if col.is_multiple_of(QK) && tmp.len().is_multiple_of(QK) {
-                crate::tensor::q8_0_to_f32(&blocks[col / QK..(col + tmp.len()) / QK], tmp);
+                let bb = std::mem::size_of::<BlockQ8_0>();
+                crate::tensor::q8_0_to_f32(&row[col / QK * bb..(col + tmp.len()) / QK * bb], tmp);
                 return tmp;
             }
             let mut i = 0;
