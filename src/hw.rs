@@ -444,7 +444,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
     if !driver_present() {
         return Err("no GPU found: no CUDA driver (libcuda) on this machine".into());
     }
-    let ledger = crate::tier::Ledger::new(None, None);
+    let ledger = crate::footprint::Ledger::new(None, None);
     let be = CudaBackend::new(0, ledger).map_err(|e| format!("no GPU found: {e}"))?;
     let info = be.info().map_err(|e| e.to_string())?;
     let stream = be.compute_stream().clone();
@@ -506,7 +506,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             programmatic_launch: crate::backend::cuda::kernels::kernels_wait_for_grids(
                 info.compute_capability.0,
             ),
-            flash_attention: crate::backend::cuda::flash_attention_runs(capability),
+            flash_attention: crate::footprint::attention::flash_attention_runs(capability),
         })
     }
 }

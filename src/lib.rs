@@ -7,6 +7,7 @@ pub mod backend;
 pub mod bench;
 pub mod cli;
 pub mod engine;
+pub mod footprint;
 pub mod fsutil;
 pub mod hw;
 pub mod kv;

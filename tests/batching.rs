@@ -10,9 +10,9 @@ use common::greedy as argmax;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::backend::{Backend, KvType};
 use gpu_offload::engine::{Engine, Logits, Session};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
-use gpu_offload::tier::Ledger;
 
 const STEPS: usize = 5;
 

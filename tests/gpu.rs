@@ -17,13 +17,12 @@ use gpu_offload::backend::{
     Act, AttnShape, Backend, BundleShape, KV_BLOCK, KvType, MatmulPart, ProductInput, Rope,
     RopePairs, WorkspaceOp,
 };
-use gpu_offload::engine::{
-    Engine, GenerateParams, Logits, MAX_BATCH, PrefillLayout, SamplerParams, generate,
-};
+use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
+use gpu_offload::footprint::Ledger;
+use gpu_offload::footprint::{MAX_BATCH, PrefillLayout};
 use gpu_offload::model::Model;
 use gpu_offload::store::Encoding;
 use gpu_offload::tensor::{Bytes, DType, HostTensor};
-use gpu_offload::tier::Ledger;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};

@@ -11,10 +11,10 @@ use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::plan::hot::{Cold, HotPlan, LayerRuns, plan_cold, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
 use gpu_offload::store::Store;
-use gpu_offload::tier::Ledger;
 use gpu_offload::tier::hybrid::{ColdTraffic, HybridWeights};
 use gpu_offload::tier::offload::OffloadWeights;
 use rand::rngs::StdRng;
@@ -380,7 +380,7 @@ fn cpu_pcie_split_equals_streaming() {
             // Per decoded token: the plan's CPU bytes of the FFN (the plan's CPU reads also
             // count the host-kept KV cache where decode attends on the CPU).
             let attention = if plan.prefill.cpu_attention {
-                gpu_offload::engine::kv_bytes(&spec, plan.budget.ctx, plan.budget.kv_type) / 2
+                gpu_offload::footprint::kv_bytes(&spec, plan.budget.ctx, plan.budget.kv_type) / 2
             } else {
                 0
             };
@@ -424,7 +424,7 @@ fn hybrid_streams_attention_beside_hot_blocks() {
                 &hw,
                 Cold::Cpu,
                 Some((&profile, 0.5)),
-                &[gpu_offload::tier::precision::Precision::FP16],
+                &[gpu_offload::plan::precision::Precision::FP16],
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
             let hot = chosen.hot.expect("a hybrid plan");

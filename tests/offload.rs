@@ -16,9 +16,9 @@ use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::backend::{Backend, KvType};
 use gpu_offload::engine::{Engine, Logits};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, PlanError, make_plan};
 use gpu_offload::store::{ConvertOptions, Store, convert};
-use gpu_offload::tier::Ledger;
 use gpu_offload::tier::offload::OffloadWeights;
 use proptest::prelude::*;
 

@@ -7,12 +7,11 @@
 mod common;
 
 use gpu_offload::backend::{Backend, KV_BLOCK, KvType};
-use gpu_offload::engine::{
-    Engine, EngineError, Logits, PoolUsage, Session, kv_pool_bytes, kv_table_bytes,
-};
+use gpu_offload::engine::{Engine, EngineError, Logits, PoolUsage, Session};
+use gpu_offload::footprint::Ledger;
+use gpu_offload::footprint::{kv_pool_bytes, kv_table_bytes};
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
-use gpu_offload::tier::Ledger;
 
 const STEPS: usize = 6;
 const CTX: usize = 80;

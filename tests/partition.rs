@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex};
 
 use gpu_offload::backend::KvType;
 use gpu_offload::backend::sim::SimBackend;
-use gpu_offload::engine::{Engine, Logits, PrefillLayout, StepTap};
+use gpu_offload::engine::{Engine, Logits, StepTap};
+use gpu_offload::footprint::Ledger;
+use gpu_offload::footprint::PrefillLayout;
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
 use gpu_offload::store::Store;
-use gpu_offload::tier::Ledger;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -291,7 +292,7 @@ fn forced_layouts_give_one_steps_logits_and_host_kv_the_devices_bits() {
 #[test]
 fn bad_layouts_are_refused() {
     let model = gpu_offload::model::Model::load(&common::stories260k()).unwrap();
-    for group in [0, gpu_offload::plan::MAX_GROUP + 1] {
+    for group in [0, gpu_offload::footprint::MAX_GROUP + 1] {
         let e = common::cpu_engine(&model, KvType::F32).with_prefill(PrefillLayout {
             group,
             ..PrefillLayout::default()
@@ -315,7 +316,7 @@ fn steps_longer_than_max_batch_give_the_logits_of_max_batch_steps() {
     };
     synthesize_gguf(&spec, &path, false, None, &mut |_, _| {}).unwrap();
     let model = gpu_offload::model::Model::load(&path).unwrap();
-    let prompt = gpu_offload::engine::MAX_BATCH * 2 + 300;
+    let prompt = gpu_offload::footprint::MAX_BATCH * 2 + 300;
     let toks: Vec<u32> = (0..prompt + DECODE)
         .map(|i| ((i * 7919 + 13) % (model.spec.vocab_size - 4) + 3) as u32)
         .collect();
@@ -333,9 +334,9 @@ fn steps_longer_than_max_batch_give_the_logits_of_max_batch_steps() {
         }
         (out, e.read_kv(&mut s, 0, prompt + DECODE).unwrap())
     };
-    let (want, want_kv) = run(gpu_offload::engine::MAX_BATCH);
+    let (want, want_kv) = run(gpu_offload::footprint::MAX_BATCH);
     assert_eq!(want[0].len(), prompt * model.spec.vocab_size);
-    for group in [prompt, gpu_offload::engine::MAX_BATCH + 1] {
+    for group in [prompt, gpu_offload::footprint::MAX_BATCH + 1] {
         let (got, kv) = run(group);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             close(g, w, &format!("group {group}: call {i}"));
@@ -346,8 +347,8 @@ fn steps_longer_than_max_batch_give_the_logits_of_max_batch_steps() {
 
 #[test]
 fn a_whole_device_takes_the_longest_call_in_the_largest_step_that_fits() {
-    use gpu_offload::engine::{MAX_BATCH, whole_device_group};
-    use gpu_offload::plan::MAX_GROUP;
+    use gpu_offload::footprint::MAX_GROUP;
+    use gpu_offload::footprint::{MAX_BATCH, whole_device_group};
     let kib = |g: usize| g as u64 * 1024;
     let any = MAX_GROUP;
     // The call itself, capped at MAX_GROUP and at the step asked for.

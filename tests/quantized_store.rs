@@ -12,11 +12,11 @@ use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::model::Model;
 use gpu_offload::model::gguf::GgufFile;
 use gpu_offload::plan::{Budget, HardwareProfile, PlanError, make_plan};
 use gpu_offload::store::{ConvertOptions, Store, convert};
-use gpu_offload::tier::Ledger;
 use gpu_offload::tier::offload::OffloadWeights;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
@@ -618,7 +618,7 @@ fn a_bundled_quantized_ffn_holds_its_blocks_values_in_f16() {
         &plan,
         None,
         0.15,
-        gpu_offload::tier::precision::Precision([25, 25, 50]),
+        gpu_offload::plan::precision::Precision([25, 25, 50]),
     )
     .unwrap();
 }

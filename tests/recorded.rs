@@ -12,8 +12,8 @@ use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, Session};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::model::Model;
-use gpu_offload::tier::Ledger;
 
 const CTX: usize = 96;
 

@@ -11,11 +11,11 @@ use std::sync::{Arc, Mutex};
 use gpu_offload::backend::KvType;
 use gpu_offload::backend::cpu::CpuBackend;
 use gpu_offload::engine::{ActivationTap, Engine};
+use gpu_offload::footprint::Ledger;
 use gpu_offload::model::Model;
 use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
 use gpu_offload::sparsity::{ProfileTap, profile_passes};
 use gpu_offload::store::{ConvertOptions, Store, convert};
-use gpu_offload::tier::Ledger;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 

@@ -8,14 +8,14 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use super::cpu::CpuBackend;
-use super::memory::device_bytes;
 use super::sim::SimBackend;
 use super::{Act, Backend, BackendError, BundleShape, WorkspaceOp, bundle_bytes, sparse_act};
+use crate::footprint::device_bytes;
+use crate::footprint::ledger::Ledger;
 use crate::store::Encoding;
 use crate::store::encode_bundles;
 use crate::store::quant::{INT4_GROUP, dequant_int4_row, dequant_int8_row};
 use crate::tensor::{Bytes, DType, HostTensor, decode_row};
-use crate::tier::ledger::Ledger;
 
 const ENCODINGS: [Encoding; 5] = [
     Encoding::F32,

@@ -13,16 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{BackendError, Result};
-use crate::tier::ledger::{Ledger, Reservation, Tier};
-
-/// Alignment (and granularity) of every device allocation: what cuBLAS and vectorised kernels
-/// want, and what `cudaMalloc` gives.
-pub const DEVICE_ALIGN: u64 = 256;
-
-/// The device bytes an allocation of `bytes` takes (at least one granule).
-pub fn device_bytes(bytes: u64) -> u64 {
-    bytes.max(1).next_multiple_of(DEVICE_ALIGN)
-}
+use crate::footprint::device_bytes;
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
 
 /// A best-fit allocator over offsets `0..size` (no memory of its own). Free ranges are kept
 /// coalesced, so freeing everything always leaves one hole of the whole size.

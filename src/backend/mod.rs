@@ -14,6 +14,8 @@ pub mod sim;
 
 use thiserror::Error;
 
+use crate::footprint::KvColsError;
+pub use crate::footprint::{KV_BLOCK, KvType, WorkspaceOp};
 use crate::store::Encoding;
 use crate::store::quant::INT4_GROUP;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -40,6 +42,15 @@ pub enum BackendError {
 
 pub type Result<T> = std::result::Result<T, BackendError>;
 
+impl From<KvColsError> for BackendError {
+    fn from(e: KvColsError) -> Self {
+        BackendError::Shape {
+            op: "kv cache",
+            msg: e.to_string(),
+        }
+    }
+}
+
 /// Element-wise nonlinearities.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Act {
@@ -54,80 +65,6 @@ pub enum Act {
 pub enum RopePairs {
     Adjacent,
     Halves,
-}
-
-/// Element type of a KV cache on a device. Keys and values are computed in f32 and stored in this
-/// type; attention reads them back in f32.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KvType {
-    F32,
-    F16,
-    /// llama.cpp's Q8_0: per 32 values an f16 scale and 32 `i8` (8.5 bits a value).
-    Q8_0,
-}
-
-impl KvType {
-    pub fn dtype(self) -> DType {
-        match self {
-            KvType::F32 => DType::F32,
-            KvType::F16 => DType::F16,
-            KvType::Q8_0 => DType::Q8_0,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        self.dtype().name()
-    }
-
-    /// Bytes of one cache row of `cols` values.
-    pub fn row_bytes(self, cols: usize) -> usize {
-        self.dtype().bytes_for(cols)
-    }
-
-    /// Whether rows of `cols` values can be stored (Q8_0 needs whole blocks of 32).
-    pub fn check_cols(self, cols: usize) -> Result<()> {
-        if cols.is_multiple_of(self.dtype().block_len()) {
-            Ok(())
-        } else {
-            Err(BackendError::Shape {
-                op: "kv cache",
-                msg: format!(
-                    "a {} KV cache needs rows of whole {}-value blocks; this model's rows have {cols} values (use --kv-type f16)",
-                    self.name(),
-                    self.dtype().block_len()
-                ),
-            })
-        }
-    }
-}
-
-/// An op that takes device workspace (temporaries beyond its operands) while it runs, described
-/// by what sizes it. Backends say how much each needs ([`Backend::workspace_bytes`]); the engine
-/// holds the most any op of a step needs ([`Backend::set_workspace`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WorkspaceOp {
-    /// [`Backend::embed`] of `tokens` ids.
-    Embed { tokens: usize },
-    /// [`Backend::matmul_into`] of `tokens` rows against a weight of `dtype`, `rows` × `cols`.
-    Matmul {
-        dtype: DType,
-        tokens: usize,
-        rows: usize,
-        cols: usize,
-    },
-    /// The neuron-listed bundle ops over a list of `neurons` ids (copied in).
-    Listed { neurons: usize },
-    /// [`Backend::attention`] of `tokens` query rows of `n_heads` heads of `head_dim` over a `kv`
-    /// cache: few rows over a long context split the keys into chunks whose partial results
-    /// meet in the workspace (a fixed most chunks, so the bytes do not depend on the context
-    /// length), and so may a prompt's rows on tensor cores.
-    Attention {
-        tokens: usize,
-        n_heads: usize,
-        head_dim: usize,
-        kv: KvType,
-    },
 }
 
 /// Bytes `rows × cols` values in `dtype` take, if the shape is valid for the format (whole
@@ -399,10 +336,6 @@ pub fn check_scatter(
     }
     Ok(())
 }
-
-/// Positions per block of a paged KV cache: the contexts' chunk length, so a context's chunk is
-/// one block of the pool.
-pub const KV_BLOCK: usize = 16;
 
 /// Where the logical rows `first..first + n` of a cache lie: runs of `(offset from first,
 /// physical row, rows)`. Without a table (`None`) row r is row r; with one, row r is row

@@ -1,7 +1,7 @@
 //! The budgeted device: the CPU standing in for a GPU. It takes device memory exactly as the CUDA
 //! backend does — every buffer through the same [`DeviceMemory`] (ledger budget, aligned sizes,
 //! one arena), and the same workspace for the same ops (the CUDA formula,
-//! [`super::cuda::workspace_bytes`]) — and counts every host→device and device→host copy, so the
+//! [`crate::footprint::workspace_bytes`]) — and counts every host→device and device→host copy, so the
 //! offload policies run in CI with the byte accounting a GPU would show. Weights uploaded here
 //! are real copies, as on a GPU. The math is the CPU backend's.
 
@@ -17,9 +17,9 @@ use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result, Rope,
     RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
+use crate::footprint::ledger::Ledger;
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
-use crate::tier::ledger::Ledger;
 
 pub struct SimBackend {
     cpu: CpuBackend,
@@ -456,7 +456,7 @@ impl Backend for SimBackend {
 
     /// What the CUDA backend takes for the same op.
     fn workspace_bytes(&self, op: &WorkspaceOp) -> u64 {
-        super::cuda::workspace_bytes(op)
+        crate::footprint::workspace_bytes(op)
     }
 
     fn set_workspace(&self, bytes: u64) -> Result<()> {

@@ -28,7 +28,8 @@ use thiserror::Error;
 
 use crate::backend::Backend;
 use crate::engine::sampler::argmax;
-use crate::engine::{Engine, EngineError, Logits, PROBE_QUERIES, Session};
+use crate::engine::{Engine, EngineError, Logits, Session};
+use crate::footprint::PROBE_QUERIES;
 use crate::kv::{self, Bits, Compression, CostModel, KvConfig, KvCounters, KvError, KvManager};
 
 /// `schema` of contexts.json; bumped when a field changes meaning.

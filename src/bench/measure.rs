@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::engine::{Engine, GenerateParams, SamplerParams, generate};
-use crate::tier::LedgerSnapshot;
+use crate::footprint::LedgerSnapshot;
 
 /// Tokens of the warm-up run's prompt (compiles kernels, fills caches, streams every layer once).
 const WARMUP_PROMPT: usize = 64;

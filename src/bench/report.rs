@@ -345,7 +345,7 @@ impl SuiteReport {
         let _ = writeln!(
             s,
             "\n## Time to first token by prompt length\n\nThe TTFT bound counts bytes only (weights streamed over PCIe and read from device memory once per {}-token pass); FLOPs are not in it.\n",
-            crate::engine::MAX_BATCH
+            crate::footprint::MAX_BATCH
         );
         let mut head = "| --gpu-mem | prompt | status | TTFT | prefill tok/s | TTFT bound (limited by) | of bound | ledger peak | process peak |".to_string();
         let mut rule = "|---|---:|---|---:|---:|---:|---:|---:|---:|".to_string();

@@ -172,7 +172,7 @@ pub trait CellRunner {
 }
 
 /// Prompt tokens one prefill pass evaluates.
-pub const PASS_TOKENS: usize = crate::engine::MAX_BATCH;
+pub const PASS_TOKENS: usize = crate::footprint::MAX_BATCH;
 
 /// A measured run as a cell: bound, prediction, fractions, and the bound check.
 pub fn cell_of(budget: &BudgetPoint, job: CellJob, run: &CellRun, rates: &Rates) -> Cell {

@@ -40,10 +40,10 @@ use crate::bench::report::{
 };
 use crate::bench::suite::{self, BudgetChoice, CellJob, CellOutcome, CellRun, CellRunner, Matrix};
 use crate::bench::{measure, plot};
+use crate::footprint::Ledger;
 use crate::plan::{Budget, HardwareProfile, PlanError, make_plan};
 use crate::store::{Encoding, Manifest};
 use crate::tensor::{Bytes, DType, HostTensor};
-use crate::tier::Ledger;
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -1768,7 +1768,7 @@ fn contexts_cmd(a: ContextsArgs) -> Result<()> {
             ctx,
             sessions: resident,
             probe: true,
-            batch: crate::engine::MAX_BATCH.min(ctx),
+            batch: crate::footprint::MAX_BATCH.min(ctx),
             logit_rows: 1,
             // Recompute re-prefills whole conversations.
             prompt: ctx,

@@ -25,12 +25,12 @@ use crate::backend::cuda::{CudaBackend, device_available};
 use crate::backend::sim::SimBackend;
 use crate::backend::{Backend, KvType};
 use crate::engine::{DecodeTraffic, Engine, WeightSource};
+use crate::footprint::{Ledger, LedgerSnapshot};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
 use crate::plan::{Budget, HardwareProfile, Plan};
 use crate::store::Store;
 use crate::tier::hybrid::{ColdTraffic, HybridWeights};
 use crate::tier::offload::OffloadWeights;
-use crate::tier::{Ledger, LedgerSnapshot};
 
 /// An engine on whichever backend the flags chose.
 #[allow(clippy::large_enum_variant)] // one per process; boxing buys nothing
@@ -204,10 +204,10 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         probe: job.probe,
         batch: job
             .batch
-            .clamp(1, crate::engine::MAX_BATCH)
+            .clamp(1, crate::footprint::MAX_BATCH)
             .min(args.budget.max_step()),
         prompt: job.prompt.max(1),
-        logit_rows: job.logit_rows.clamp(1, crate::engine::MAX_BATCH),
+        logit_rows: job.logit_rows.clamp(1, crate::footprint::MAX_BATCH),
         max_step: args.budget.max_step(),
         cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
         hot_reserve: None,
@@ -215,7 +215,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
 }
 
 /// Bytes a whole-model CPU engine's prefill step may hold (its activation buffers): steps of
-/// more rows than [`crate::engine::MAX_BATCH`] are ~10% faster on the CPU too (SmolLM2, 2048
+/// more rows than [`crate::footprint::MAX_BATCH`] are ~10% faster on the CPU too (SmolLM2, 2048
 /// tokens: 4.3–4.4 s in one step, 4.6–4.9 s in steps of 512), and a 7B model's 4096-row step
 /// holds ~0.8 GB.
 const HOST_STEP_BYTES: u64 = 1 << 30;
@@ -234,7 +234,7 @@ fn whole_model_prefill<B: Backend>(
         "prefill steps of up to {group} rows ({} MiB for a step)",
         room >> 20
     );
-    Ok(e.with_prefill(crate::engine::PrefillLayout {
+    Ok(e.with_prefill(crate::footprint::PrefillLayout {
         group,
         ..Default::default()
     })?)
@@ -247,7 +247,7 @@ fn whole_gpu_step_room(e: &Engine<CudaBackend>, job: &Job) -> Result<u64> {
     let kv = match job.kv_pool {
         Some(_) => 0,
         None => {
-            job.sessions.max(1) as u64 * crate::engine::kv_bytes(e.spec(), job.ctx, e.kv_type())
+            job.sessions.max(1) as u64 * crate::footprint::kv_bytes(e.spec(), job.ctx, e.kv_type())
         }
     };
     let margin = (256u64 << 20).max(info.total_bytes / 32);

@@ -40,7 +40,7 @@ pub struct BudgetArgs {
     /// plan of the shares `gpu-offload bench precision` found within its tolerance of fp16's
     /// perplexity (fp16 where no search was saved)
     #[arg(long, env = "GPU_OFFLOAD_NEURON_PRECISION", default_value = "auto")]
-    pub neuron_precision: crate::tier::precision::NeuronPrecision,
+    pub neuron_precision: crate::plan::precision::NeuronPrecision,
 
     /// Most rows one prefill step takes. By default as many as the device holds beside every
     /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches; the CPU: as many as 1 GiB
@@ -65,10 +65,10 @@ pub struct BudgetArgs {
 }
 
 impl BudgetArgs {
-    /// Most rows a prefill step takes (`--prefill-step`, else [`crate::plan::MAX_GROUP`]).
+    /// Most rows a prefill step takes (`--prefill-step`, else [`crate::footprint::MAX_GROUP`]).
     pub fn max_step(&self) -> usize {
         self.prefill_step
-            .map_or(crate::plan::MAX_GROUP, |s| s as usize)
+            .map_or(crate::footprint::MAX_GROUP, |s| s as usize)
     }
 
     /// The neuron precisions cache units may run at for `store` (`--neuron-precision`): the
@@ -78,8 +78,8 @@ impl BudgetArgs {
         &self,
         store: &crate::store::Store,
         target: f64,
-    ) -> Result<Vec<crate::tier::precision::Precision>> {
-        use crate::tier::precision::{NeuronPrecision, Precision, PrecisionSearch};
+    ) -> Result<Vec<crate::plan::precision::Precision>> {
+        use crate::plan::precision::{NeuronPrecision, Precision, PrecisionSearch};
         match self.neuron_precision {
             NeuronPrecision::Fixed(p) => Ok(vec![p]),
             NeuronPrecision::Auto => {
@@ -257,12 +257,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
     {
         anyhow::bail!("--prompt-tokens {p} does not fit --ctx-size {ctx}");
     }
-    if !(1..=crate::engine::MAX_BATCH).contains(&a.batch) {
+    if !(1..=crate::footprint::MAX_BATCH).contains(&a.batch) {
         anyhow::bail!(
             "--batch {} must be between 1 and {} (a longer prompt runs in steps of it; where \
              the device holds every layer, --prefill-step sets larger ones)",
             a.batch,
-            crate::engine::MAX_BATCH
+            crate::footprint::MAX_BATCH
         );
     }
     let batch = a.batch;

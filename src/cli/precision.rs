@@ -17,10 +17,10 @@ use super::load::{DEFAULT_SPARSITY_TARGET, Job, LoadedModel, with_engine};
 use super::profile::read_corpus;
 use crate::engine::perplexity::perplexity;
 use crate::plan::hot::Cold;
-use crate::store::Store;
-use crate::tier::precision::{
+use crate::plan::precision::{
     NeuronPrecision, Precision, PrecisionScore, PrecisionSearch, TIER_ENCODINGS,
 };
+use crate::store::Store;
 
 #[derive(Debug, Args)]
 pub struct PrecisionArgs {

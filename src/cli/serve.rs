@@ -114,7 +114,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             ctx,
             sessions: parallel,
             probe: true,
-            batch: crate::engine::MAX_BATCH.min(ctx),
+            batch: crate::footprint::MAX_BATCH.min(ctx),
             // A batched decode step returns a row for every running sequence.
             logit_rows: parallel,
             // A prompt may fill the context.

@@ -20,7 +20,7 @@ use thiserror::Error;
 
 use crate::backend::Backend;
 use crate::engine::{Engine, EngineError, Logits, Session};
-use crate::tier::ledger::{Ledger, Reservation, Tier};
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
 pub use chunk::{Bits, CHUNK_TOKENS, ChunkData};
 use persist::{ChunkRecord, ContextIndex, PersistError};
 pub use policy::{Compression, CostModel};

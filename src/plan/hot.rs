@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
 use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg, staging_for};
-use crate::backend::memory::{DEVICE_ALIGN, device_bytes};
+use crate::footprint::{DEVICE_ALIGN, device_bytes};
 use crate::sparsity::{SparsityProfile, grid_index, grid_target};
 use crate::store::{Manifest, SegmentKind, names};
 use crate::tensor::{DType, QK};
@@ -303,7 +303,7 @@ pub fn plan_cold(
     hw: &super::HardwareProfile,
     mode: Cold,
     profile: Option<(&SparsityProfile, f64)>,
-    precisions: &[crate::tier::precision::Precision],
+    precisions: &[crate::plan::precision::Precision],
 ) -> Result<ColdChoice, PlanError> {
     let plan_with = |split: bool| {
         super::make_plan(

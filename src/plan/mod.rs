@@ -15,12 +15,13 @@
 //! cuBLAS; from the hardware profile or measured) comes off `--gpu-mem` first, every buffer is
 //! rounded to the allocation granule ([`device_bytes`]), and a step's activations and workspace
 //! come from the engine's and the CUDA backend's own formulas ([`step_memory`],
-//! [`crate::backend::cuda::workspace_bytes`]) — so what the plan accepts, the budgeted device and
+//! [`crate::footprint::workspace_bytes`]) — so what the plan accepts, the budgeted device and
 //! the GPU both run.
 
 pub mod hardware;
 pub mod hot;
 pub mod placement;
+pub mod precision;
 pub mod preserve;
 mod report;
 pub mod units;
@@ -29,8 +30,8 @@ use serde::Serialize;
 use thiserror::Error;
 
 use crate::backend::KvType;
-use crate::backend::memory::device_bytes;
-use crate::engine::{
+use crate::footprint::{GOOD_GROUP, MAX_GROUP, device_bytes};
+use crate::footprint::{
     MatmulShape, MatmulShapes, PrefillLayout, StepMemory, kv_bytes, kv_pool_bytes, kv_table_bytes,
     probe_bytes, step_memory,
 };
@@ -581,14 +582,6 @@ fn slot_device_bytes(shape: &LayerShape, r: &Residency) -> u64 {
         .sum()
 }
 
-/// Most rows one prefill step takes: only where every layer stays on the device beside the
-/// larger step's buffers (else the budget's step, at most [`crate::engine::MAX_BATCH`]).
-pub const MAX_GROUP: usize = 4096;
-
-/// Groups at least this long make a partitioned prefill's products efficient enough that the
-/// planner takes a smaller group before it moves the hidden states or the KV cache to the host.
-pub const GOOD_GROUP: usize = 64;
-
 /// The device memory of one step of `group` tokens on the CUDA backend (which the budgeted device
 /// reserves the same way).
 pub fn step_device_memory(
@@ -603,7 +596,7 @@ pub fn step_device_memory(
         budget.sessions > 1,
         budget.kv_type,
         &offload_matmuls(m)?,
-        crate::backend::cuda::workspace_bytes,
+        crate::footprint::workspace_bytes,
     ))
 }
 
@@ -649,7 +642,7 @@ fn prefill_layout(
             joins,
             budget.kv_type,
             &matmuls,
-            crate::backend::cuda::workspace_bytes,
+            crate::footprint::workspace_bytes,
         );
         // A pool lives on the device: with KV in host memory, each session keeps its own.
         let kv = match budget.kv_pool.filter(|_| !kv_host) {
@@ -893,7 +886,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
                 break r;
             }
             let over = (placed - usable).div_ceil((n_layers - window).max(1) as u64);
-            per_layer = per_layer.saturating_sub(over.max(crate::backend::memory::DEVICE_ALIGN));
+            per_layer = per_layer.saturating_sub(over.max(crate::footprint::DEVICE_ALIGN));
         }
     };
     let (mut residency, window) = if all_resident {

@@ -20,10 +20,10 @@ use serde::Serialize;
 
 use super::hot::{SparsePerToken, base_of};
 use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
-use crate::backend::memory::device_bytes;
+use crate::footprint::device_bytes;
+use crate::plan::precision::{Precision, TIER_ENCODINGS};
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::store::{Encoding, Manifest, names};
-use crate::tier::precision::{Precision, TIER_ENCODINGS};
 
 /// How a layer's FFN runs in a cache-unit plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

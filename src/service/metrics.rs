@@ -5,8 +5,8 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
+use crate::footprint::Ledger;
 use crate::kv::KvCounters;
-use crate::tier::Ledger;
 
 pub struct Metrics {
     registry: Registry,

@@ -15,7 +15,7 @@ pub use http::router;
 use metrics::Metrics;
 use worker::Request;
 
-use crate::tier::Ledger;
+use crate::footprint::Ledger;
 
 /// What the HTTP side and the engine thread share.
 pub struct Shared {

@@ -11,8 +11,8 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use super::ledger::{Ledger, Reservation, Tier};
 use crate::backend::HostPin;
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::plan::{LayerShape, Part, Residency, part_segment_name};
 use crate::store::{Store, StoreError};
 use crate::tensor::AlignedBuf;

@@ -13,7 +13,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::ledger::{Ledger, Reservation, Tier};
 use super::offload::{Embeddings, Head, Loader, Small};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
@@ -21,9 +20,11 @@ use crate::backend::cpu::sparse::{
 };
 use crate::backend::{Act, Backend, BundleShape, sparse_act};
 use crate::engine::{
-    ColdNeurons, ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes,
-    Result, WeightSource,
+    ColdNeurons, ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result,
+    WeightSource,
 };
+use crate::footprint::MatmulShapes;
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::ModelSpec;
 use crate::plan::hot::{ColdCost, HotPlan};
 use crate::plan::{Part, Plan, device_dtype, offload_matmuls, part_segment_name};

@@ -5,10 +5,7 @@
 
 pub mod dram;
 pub mod hybrid;
-pub mod ledger;
 pub mod offload;
 pub mod precision;
 pub mod unit;
 pub mod units;
-
-pub use ledger::{Ledger, LedgerSnapshot, Reservation, Tier};

@@ -10,12 +10,12 @@
 use std::sync::Arc;
 
 use super::dram::{DramCache, LayerData};
-use super::ledger::{Ledger, Reservation, Tier};
 use crate::backend::{Backend, BundleShape};
 use crate::engine::{
-    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, MatmulShapes, NormView,
-    Result, WeightSource,
+    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource,
 };
+use crate::footprint::MatmulShapes;
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::{ModelSpec, PositionEncoding};
 use crate::plan::{
     PARTS, Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,

@@ -14,19 +14,21 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::hybrid::{ColdLayer, CpuSide, HotFfn, Resident, layer_ffn, resident_source};
-use super::ledger::Ledger;
-use super::precision::{Precision, TIER_ENCODINGS, TierSet, split_by_precision};
+use super::precision::split_by_precision;
 use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape, HostStage};
+use crate::engine::TierSet;
 use crate::engine::{
-    ColdView, EngineError, FfnView, HeadView, LayerView, MatmulShapes, NeuronUnit, Result,
-    WeightSource,
+    ColdView, EngineError, FfnView, HeadView, LayerView, NeuronUnit, Result, WeightSource,
 };
+use crate::footprint::MatmulShapes;
+use crate::footprint::ledger::Ledger;
+use crate::footprint::ledger::{Reservation, Tier};
+use crate::plan::precision::{Precision, TIER_ENCODINGS};
 use crate::plan::{Part, Plan, part_segment_name};
 use crate::store::{Store, names};
 use crate::tensor::{AlignedBuf, DType};
-use crate::tier::ledger::{Reservation, Tier};
 
 fn weights_err(msg: impl Into<String>) -> EngineError {
     EngineError::Weights(msg.into())

@@ -217,7 +217,7 @@ pub fn plan_for(store: &gpu_offload::store::Store, toks: usize) -> gpu_offload::
 pub fn offloaded(
     store: &std::sync::Arc<gpu_offload::store::Store>,
     plan: &gpu_offload::plan::Plan,
-    ledger: &std::sync::Arc<gpu_offload::tier::Ledger>,
+    ledger: &std::sync::Arc<gpu_offload::footprint::Ledger>,
     kv: gpu_offload::backend::KvType,
 ) -> gpu_offload::engine::Engine<gpu_offload::backend::sim::SimBackend> {
     use gpu_offload::backend::cpu::CpuBackend;
@@ -240,7 +240,7 @@ pub fn streaming(
     plan: &gpu_offload::plan::Plan,
     thresholds: &[f32],
 ) -> gpu_offload::engine::Engine<gpu_offload::backend::sim::SimBackend> {
-    let ledger = gpu_offload::tier::Ledger::new(None, None);
+    let ledger = gpu_offload::footprint::Ledger::new(None, None);
     offloaded(store, plan, &ledger, gpu_offload::backend::KvType::F16)
         .with_sparsity(thresholds.to_vec())
         .unwrap()

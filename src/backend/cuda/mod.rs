@@ -33,192 +33,35 @@ use cudarc::driver::{
 
 pub use meter::DeviceMeter;
 
-use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace, device_bytes};
+use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, ProductInput,
     Result, Rope, RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
+use crate::footprint::attention::{
+    AttentionKernel, FLASH_ROWS, MAX_HEAD_DIM, MAX_SPLITS, SPLIT_MAX_HEADS, SPLIT_ROWS,
+    attention_kernel, flash_splits, forced_flash_splits, split_chunks,
+};
+use crate::footprint::device_bytes;
+use crate::footprint::ledger::Ledger;
+use crate::footprint::workspace::{
+    ACT_BLOCK_BYTES, MAX_QTOKENS, MAX_TOKENS, dequant_tile_rows, quantizes_in_blocks,
+    uses_act_blocks, workspace_bytes,
+};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
-use crate::tier::ledger::Ledger;
 
-/// Tokens one float-format matvec launch handles (MAX_TOKENS in kernels/common.cuh); above it,
-/// f16/bf16 products go through cuBLAS.
-const MAX_TOKENS: usize = 8;
-/// Tokens one block-format matvec launch handles (MAX_QTOKENS in kernels/common.cuh): up to it,
-/// each weight block is read once for all tokens; above it, block formats are decoded to f16
-/// tiles for cuBLAS.
-pub const MAX_QTOKENS: usize = 16;
-/// Widest rows whose one-token block-format matvec quantizes its activations itself, in each
-/// block (QX_MAX_COLS in kernels/matvec.cu): no quantize launch, no workspace.
-pub const QX_MAX_COLS: usize = 2048;
-/// Most bytes of one f16 tile a block-format weight is decoded into for cuBLAS (whole rows; a
-/// matrix smaller than this takes a tile of its own size).
-pub const DEQUANT_TILE_BYTES: usize = 16 << 20;
 /// Rows (warps) per matvec block (WARPS in kernels/matvec.cu, bundles.cu).
 const WARPS: u32 = 8;
 /// cuBLAS workspace, held for the backend's lifetime (so cuBLAS allocates nothing itself); part
 /// of the fixed cost.
 const BLAS_WORKSPACE: usize = 32 << 20;
-/// Bytes of one 8-bit activation block (`ActBlock` in kernels/common.cuh).
-const ACT_BLOCK_BYTES: usize = 44;
 
-/// Query rows the split-KV (flash-decoding) attention takes (SPLIT_ROWS in
-/// kernels/flash_attention.cu); more rows go to the prefill kernels.
-pub const SPLIT_ROWS: usize = 4;
-/// Partials per head of a split attention (MAX_SPLITS in kernels/flash_attention.cu): rows ×
-/// key chunks at most, whatever the context, so the workspace is fixed per model.
-pub const MAX_SPLITS: usize = 32;
-/// Fewest keys a split-attention chunk takes: shorter contexts take fewer chunks.
-const SPLIT_MIN_KEYS: usize = 64;
-/// Narrowest heads the split attention takes (see [`splits_keys`]).
-const SPLIT_MIN_HD: usize = 32;
-/// Most heads the split attention takes: one ticket each (`tickets`), counting the chunks of
-/// a head done, so the last combines them.
-const SPLIT_MAX_HEADS: usize = 1024;
-/// Head dims the split kernel takes (SPLIT_MAX_HD in kernels/flash_attention.cu), and the
-/// simple kernel too.
-const MAX_HEAD_DIM: usize = 256;
-/// Query rows from which a prefill over an f16 or Q8_0 cache runs on tensor cores (the flash
-/// kernel), and the head dims it is built for (flash_attn_*_hd* in kernels/flash_attention.cu).
-/// Prompts over an f32 cache keep f32 arithmetic (the simple kernel): that cache type is chosen
-/// for its precision.
-const FLASH_MIN_ROWS: usize = 16;
-/// Compute capability (major · 10 + minor) the flash kernel needs: its m16n8k16 products and
-/// cp.async copies are Ampere's (built for an older device it compiles to a trap, which is
-/// never launched). Older devices' prompts take the simple kernel.
-const FLASH_CAPABILITY: u32 = 80;
 /// Oldest compute capability the kernels run on (Turing, 7.5): `ldmatrix` and the integer dot
 /// products, and the oldest target CUDA 13 compiles for.
 pub const MIN_CAPABILITY: u32 = 75;
-const FLASH_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
-/// Query rows per flash block (FA_ROWS) and threads per block of both new kernels; keys per
-/// flash tile (FA_KEYS).
-const FLASH_ROWS: usize = 64;
+/// Threads per flash block (FA_THREADS in kernels/flash_attention.cu).
 const FLASH_THREADS: u32 = 128;
-const FLASH_KEYS: usize = 64;
-/// A prompt's flash attention splits its keys at most this many ways ([`flash_splits`]), and
-/// only while its partials fit in FLASH_SPLIT_BYTES (those of 2048 rows of 7B heads, 32 of
-/// 128: 32.5 MiB; so a budget pays tens of MiB for them, not a prompt's worth, and models
-/// with fewer heads split more rows) and each split takes at least FLASH_SPLIT_MIN_KEYS keys
-/// (so the partials' writes and the merge stay small beside the split's products).
-const FLASH_MAX_SPLITS: usize = 4;
-const FLASH_SPLIT_BYTES: usize = 2048 * 32 * (128 + 2) * 4;
-const FLASH_SPLIT_MIN_KEYS: usize = 1024;
-/// A split count is taken once its blocks fill the device's waves within this fraction of the
-/// best count's (more splits cost more partials for little).
-const FLASH_SPLIT_FILL: f64 = 0.85;
-
-/// The device workspace `op` takes on the CUDA backend (with cuBLAS): the one formula the
-/// planner, this backend and the budgeted device (which reserves the same) use. Pure: no GPU.
-pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
-    match *op {
-        // Token ids copied in for the gather.
-        WorkspaceOp::Embed { tokens } => device_bytes(tokens as u64 * 4),
-        // Neuron ids copied in for the listed bundle kernels.
-        WorkspaceOp::Listed { neurons } => device_bytes(neurons as u64 * 4),
-        // MAX_SPLITS partials per head of a split attention (max, sum and head_dim outputs,
-        // f32), shared by its rows. Steps of more rows (which do not split) count them too:
-        // the plan sizes the workspace once, at its batch, and the decode steps after it must
-        // fit in that. A prompt's flash attention may split its keys too (flash_splits): the
-        // partials of the most splits it can take at this many rows, up to FLASH_SPLIT_BYTES
-        // of them, on every device (the formula knows none), never fewer for more rows (a
-        // step's scratch, sized for the largest step, stays while a smaller one runs).
-        WorkspaceOp::Attention {
-            tokens,
-            n_heads,
-            head_dim,
-            kv,
-        } => {
-            let decode = if tokens > 0 && splits_keys(n_heads, head_dim) {
-                device_bytes((n_heads * MAX_SPLITS * (head_dim + 2) * 4) as u64)
-            } else {
-                0
-            };
-            let prompt = if flash_takes(tokens, kv, head_dim) {
-                let rows = (tokens * FLASH_MAX_SPLITS).min(flash_split_rows(n_heads, head_dim));
-                device_bytes((rows * flash_partial_bytes(n_heads, head_dim)) as u64)
-            } else {
-                0
-            };
-            decode.max(prompt)
-        }
-        WorkspaceOp::Matmul {
-            dtype,
-            tokens,
-            rows,
-            cols,
-        } => {
-            if uses_act_blocks(dtype) && quantizes_in_blocks(tokens, cols) {
-                0
-            } else if uses_act_blocks(dtype) {
-                // Activations quantized to 8-bit blocks for the integer dot products; above
-                // MAX_QTOKENS, the f16 activations and one decoded f16 tile for cuBLAS instead
-                // (the larger of the two is held, so the matvec path can stand in where cuBLAS
-                // is absent).
-                let act_blocks = device_bytes((tokens * cols / 32 * ACT_BLOCK_BYTES) as u64);
-                if tokens <= MAX_QTOKENS {
-                    act_blocks
-                } else {
-                    let tile = dequant_tile_rows(rows, cols) * cols * 2;
-                    act_blocks
-                        .max(device_bytes((tokens * cols * 2) as u64) + device_bytes(tile as u64))
-                }
-            } else if tokens > MAX_TOKENS && matches!(dtype, DType::F16 | DType::BF16) {
-                // Activations converted to the weight's type for cuBLAS.
-                device_bytes((tokens * cols * 2) as u64)
-            } else {
-                0
-            }
-        }
-    }
-}
-
-/// Whether attention with `n_heads` heads of `head_dim` splits the keys of few query rows across
-/// blocks: a lane of the split kernel reads 8 of a key's dims at once and a key's lanes sum
-/// within a warp, so heads narrower than 32, wider than it is built for or not in whole 8-dim
-/// vectors stay with the simple kernel (a thread per key), as do more heads than it has
-/// tickets for.
-fn splits_keys(n_heads: usize, head_dim: usize) -> bool {
-    (SPLIT_MIN_HD..=MAX_HEAD_DIM).contains(&head_dim)
-        && head_dim.is_multiple_of(8)
-        && n_heads <= SPLIT_MAX_HEADS
-}
-
-/// Which attention kernel a step takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttentionKernel {
-    /// Few rows: the keys in chunks across blocks, combined by each head's last block.
-    Split,
-    /// Prompts over an f16 or Q8_0 cache on tensor cores.
-    Flash,
-    /// A block per (row, head), a thread per key: what is left.
-    Simple,
-}
-
-/// The kernel attention of `rows` query rows over a `kv` cache takes, with `n_heads` heads of
-/// `head_dim`, on a device of compute capability `capability` (major · 10 + minor).
-pub fn attention_kernel(
-    rows: usize,
-    kv: KvType,
-    n_heads: usize,
-    head_dim: usize,
-    capability: u32,
-) -> AttentionKernel {
-    if rows <= SPLIT_ROWS && splits_keys(n_heads, head_dim) {
-        AttentionKernel::Split
-    } else if flash_takes(rows, kv, head_dim) && flash_attention_runs(capability) {
-        AttentionKernel::Flash
-    } else {
-        AttentionKernel::Simple
-    }
-}
-
-/// Whether prompts over an f16 or Q8_0 cache take the flash kernel on a device of compute
-/// capability `capability` (major · 10 + minor).
-pub fn flash_attention_runs(capability: u32) -> bool {
-    capability >= FLASH_CAPABILITY
-}
 
 /// Whether the kernels run on a device of compute capability `capability` (major · 10 + minor),
 /// else why not.
@@ -235,81 +78,6 @@ pub fn supported_capability(capability: u32) -> Result<()> {
     )))
 }
 
-/// `(splits, chunk)` a prompt's flash attention of `rows` query rows (`n_heads` heads of
-/// `head_dim`) over `keys` positions takes on a device that holds `slots` of its blocks at
-/// once (multiprocessors × blocks each): its keys in `splits` chunks of `chunk` (a multiple
-/// of the key tile, every chunk holding a key), merged after. One split (`chunk` = `keys`) unless a block per 64 rows
-/// and head leaves much of the last wave of blocks idle (a few rows over a long context: a
-/// prompt in row groups under a budget, whose 512 rows of a 7B model are 256 blocks where an
-/// H100 PCIe holds 342) and more splits fill it (4: 1024 blocks, three waves).
-pub fn flash_splits(
-    rows: usize,
-    n_heads: usize,
-    head_dim: usize,
-    keys: usize,
-    slots: usize,
-) -> (usize, usize) {
-    let tiles = keys.div_ceil(FLASH_KEYS);
-    let most =
-        flash_most_splits(rows, n_heads, head_dim).min(tiles / (FLASH_SPLIT_MIN_KEYS / FLASH_KEYS));
-    if most < 2 || slots == 0 {
-        return flash_chunks(keys, 1);
-    }
-    let blocks = rows.div_ceil(FLASH_ROWS) * n_heads;
-    // The share of the waves' slots that `splits` ways fill.
-    let fill = |splits: usize| {
-        let b = blocks * splits;
-        b as f64 / (slots * b.div_ceil(slots)) as f64
-    };
-    let best = (1..=most).map(fill).fold(0.0, f64::max);
-    let splits = (1..=most)
-        .find(|&s| fill(s) >= FLASH_SPLIT_FILL * best)
-        .unwrap_or(1);
-    flash_chunks(keys, splits)
-}
-
-/// [`flash_splits`]' `(splits, chunk)` with `splits` asked for, as far as the workspace holds
-/// it ([`flash_most_splits`]).
-pub fn forced_flash_splits(
-    rows: usize,
-    n_heads: usize,
-    head_dim: usize,
-    keys: usize,
-    splits: usize,
-) -> (usize, usize) {
-    flash_chunks(keys, splits.min(flash_most_splits(rows, n_heads, head_dim)))
-}
-
-/// The most ways a prompt's flash attention of `rows` rows (`n_heads` heads of `head_dim`)
-/// splits its keys: what the workspace holds partials for (at most FLASH_MAX_SPLITS, their
-/// bytes at most FLASH_SPLIT_BYTES).
-fn flash_most_splits(rows: usize, n_heads: usize, head_dim: usize) -> usize {
-    FLASH_MAX_SPLITS
-        .min(flash_split_rows(n_heads, head_dim) / rows.max(1))
-        .max(1)
-}
-
-/// Bytes of a split's partials for one row: each head's max, sum and `head_dim` outputs, f32.
-fn flash_partial_bytes(n_heads: usize, head_dim: usize) -> usize {
-    n_heads * (head_dim + 2) * 4
-}
-
-/// Rows × splits whose partials FLASH_SPLIT_BYTES holds.
-fn flash_split_rows(n_heads: usize, head_dim: usize) -> usize {
-    FLASH_SPLIT_BYTES / flash_partial_bytes(n_heads, head_dim).max(1)
-}
-
-/// `keys` positions in about `splits` chunks of whole key tiles: `(chunks, keys per chunk)`,
-/// every chunk holding a key; one chunk of every key where `splits` is 1.
-fn flash_chunks(keys: usize, splits: usize) -> (usize, usize) {
-    let tiles = keys.div_ceil(FLASH_KEYS).max(1);
-    if splits.clamp(1, tiles) == 1 {
-        return (1, keys.max(1));
-    }
-    let chunk = tiles.div_ceil(splits.min(tiles)) * FLASH_KEYS;
-    (keys.div_ceil(chunk), chunk)
-}
-
 /// The flash kernel for a `kv` cache (f16 or Q8_0) and heads of `head_dim` (one of
 /// FLASH_HEAD_DIMS): its name and its launch.
 fn flash_kernel(kv: KvType, head_dim: usize) -> (&'static str, launches::Flash) {
@@ -323,15 +91,6 @@ fn flash_kernel(kv: KvType, head_dim: usize) -> (&'static str, launches::Flash) 
         (_, 96) => ("flash_attn_f16_hd96", launches::flash_attn_f16_hd96),
         _ => ("flash_attn_f16_hd128", launches::flash_attn_f16_hd128),
     }
-}
-
-/// Whether a prompt of `rows` rows over a `kv` cache with heads of `head_dim` takes the flash
-/// kernel on some device (from compute capability 8.0): what its workspace is sized for,
-/// whatever the device.
-fn flash_takes(rows: usize, kv: KvType, head_dim: usize) -> bool {
-    rows >= FLASH_MIN_ROWS
-        && matches!(kv, KvType::F16 | KvType::Q8_0)
-        && FLASH_HEAD_DIMS.contains(&head_dim)
 }
 
 /// The step position as the recorded kernels read it (an i32), if it is one.
@@ -361,16 +120,6 @@ pub fn recordable_attention(rows: usize) -> Result<()> {
     ))
 }
 
-/// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
-/// positions takes: chunks of at least SPLIT_MIN_KEYS, rows × chunks at most MAX_SPLITS (the
-/// workspace), each chunk holding at least one key (the kernels assume it).
-fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
-    let most = (MAX_SPLITS / rows.max(1)).max(1);
-    let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, most);
-    let chunk = keys.div_ceil(chunks).max(1);
-    (keys.div_ceil(chunk), chunk)
-}
-
 /// The workspace the largest of several products of `n` rows (`weights`, at least one) takes:
 /// each alone takes no more, so one conversion of their input serves them all.
 fn largest_matmul<'a>(n: usize, weights: impl Iterator<Item = &'a CudaWeight>) -> WorkspaceOp {
@@ -388,11 +137,6 @@ fn largest_matmul<'a>(n: usize, weights: impl Iterator<Item = &'a CudaWeight>) -
             rows: 0,
             cols: 0,
         })
-}
-
-/// Rows of a block-format weight (`rows` × `cols`) decoded per f16 tile for cuBLAS.
-pub fn dequant_tile_rows(rows: usize, cols: usize) -> usize {
-    (DEQUANT_TILE_BYTES / (2 * cols.max(1))).clamp(1, rows.max(1))
 }
 
 fn dev<E: std::fmt::Debug>(e: E) -> BackendError {
@@ -638,23 +382,11 @@ fn dtype_code(d: DType) -> i32 {
     }
 }
 
-/// Whether matmuls with `dtype` weights multiply 8-bit activation blocks (`matvec_quant`, which
-/// needs them in the workspace): every block format.
-fn uses_act_blocks(dtype: DType) -> bool {
-    dtype.is_quantized()
-}
-
 fn pairs_code(p: RopePairs) -> i32 {
     match p {
         RopePairs::Adjacent => 0,
         RopePairs::Halves => 1,
     }
-}
-
-/// Whether a block-format matvec of `tokens` rows of `cols` activations quantizes them in its
-/// own blocks (`matvec_quant_x`): one token, rows of at most [`QX_MAX_COLS`].
-fn quantizes_in_blocks(tokens: usize, cols: usize) -> bool {
-    tokens == 1 && cols <= QX_MAX_COLS
 }
 
 fn act_code(a: Act) -> i32 {
@@ -1059,8 +791,8 @@ impl CudaBackend {
     }
 
     /// Make every prompt's flash attention split its keys `splits` ways (as far as the
-    /// workspace holds: at most [`FLASH_MAX_SPLITS`], their partials at most
-    /// [`FLASH_SPLIT_BYTES`]), or `None`: as [`flash_splits`] picks for the device. For
+    /// workspace holds: at most [`FLASH_MAX_SPLITS`](crate::footprint::attention::FLASH_MAX_SPLITS), their partials at most
+    /// [`FLASH_SPLIT_BYTES`](crate::footprint::attention::FLASH_SPLIT_BYTES)), or `None`: as [`flash_splits`] picks for the device. For
     /// benchmarks that set one beside the other.
     pub fn set_flash_splits(&self, splits: Option<usize>) {
         self.flash_splits_forced
@@ -3403,153 +3135,7 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn attention_workspace_depends_on_neither_context_nor_rows() {
-        let op = |tokens, head_dim| WorkspaceOp::Attention {
-            tokens,
-            n_heads: 32,
-            head_dim,
-            kv: KvType::F32,
-        };
-        let one = workspace_bytes(&op(1, 128));
-        assert_eq!(one, device_bytes((32 * MAX_SPLITS * 130 * 4) as u64));
-        // Any step holds what the decode steps after it need (the plan sizes it once). Over
-        // an f32 cache prompts take the simple kernel, which splits nothing.
-        for tokens in [2, 4, 5, 40, 4000] {
-            assert_eq!(workspace_bytes(&op(tokens, 128)), one);
-        }
-        for rows in 1..=SPLIT_ROWS {
-            for keys in (1..300).chain([4000, 100_000]) {
-                let (chunks, chunk) = split_chunks(keys, rows);
-                assert!(chunks >= 1 && rows * chunks <= MAX_SPLITS, "{rows} {keys}");
-                assert!(
-                    chunks * chunk >= keys && (chunks - 1) * chunk < keys,
-                    "{keys}"
-                );
-            }
-        }
-        // Narrow heads, and heads not in whole 8-dim vectors, stay with the simple kernel,
-        // which takes none.
-        assert_eq!(workspace_bytes(&op(1, 16)), 0);
-        assert_eq!(workspace_bytes(&op(1, 36)), 0);
-        assert!(workspace_bytes(&op(1, 40)) > 0);
-        assert_eq!(workspace_bytes(&op(0, 128)), 0);
-    }
-
-    /// A prompt's flash attention splits its keys where its blocks leave the device's last wave
-    /// mostly idle, into chunks of whole key tiles the workspace holds partials for; the
-    /// workspace never shrinks as steps grow.
-    #[test]
-    fn prompts_split_their_keys_where_blocks_leave_the_device_idle() {
-        // H100 PCIe: 114 multiprocessors, 3 blocks of the hd-128 kernel each.
-        let slots = 114 * 3;
-        // A 7B row group of 512 over 32k positions: 256 blocks fill 75% of a wave; 4 splits
-        // fill three waves.
-        assert_eq!(flash_splits(512, 32, 128, 32768, slots), (4, 8192));
-        // 1024 rows: 512 blocks are 1.5 waves; 2 splits make three.
-        assert_eq!(flash_splits(1024, 32, 128, 32768, slots).0, 2);
-        // A whole 4000-token prompt (2016 blocks, 5.9 waves), short contexts, unknown slots.
-        assert_eq!(flash_splits(4000, 32, 128, 4000, slots), (1, 4000));
-        assert_eq!(flash_splits(512, 32, 128, 1500, slots), (1, 1500));
-        assert_eq!(flash_splits(512, 32, 128, 32768, 0), (1, 32768));
-        // H100 SXM (132 × 3): 3 splits fill 97% where 4 fill 86%.
-        assert_eq!(flash_splits(512, 32, 128, 32768, 132 * 3).0, 3);
-        // SmolLM2's 9 heads of 64 (the hd-64 kernel holds 4 blocks an SM): a whole 4000-token
-        // prompt is 567 blocks, 1.24 waves (62%); its smaller partials let it split up to 3
-        // ways (93%), and 2 (83%) is within reach of that.
-        assert_eq!(flash_splits(4000, 9, 64, 4000, 114 * 4).0, 2);
-        assert_eq!(forced_flash_splits(4000, 9, 64, 4000, 4).0, 3);
-        assert_eq!(forced_flash_splits(4000, 32, 128, 4000, 4).0, 1);
-        for (rows, heads, hd) in [(16, 9, 64), (100, 32, 128), (512, 32, 128), (1500, 8, 80)] {
-            let op = |tokens| WorkspaceOp::Attention {
-                tokens,
-                n_heads: heads,
-                head_dim: hd,
-                kv: KvType::Q8_0,
-            };
-            let held = workspace_bytes(&op(rows));
-            assert!(held >= workspace_bytes(&op(rows - 1)), "{rows}");
-            for keys in [rows, 1024, 1025, 3000, 4096, 40_000] {
-                for slots in [1, 46, 342, 1000] {
-                    for (splits, chunk) in [
-                        flash_splits(rows, heads, hd, keys, slots),
-                        forced_flash_splits(rows, heads, hd, keys, slots % 7),
-                    ] {
-                        let case = format!("{rows} rows, {keys} keys, {slots} slots");
-                        assert!((1..=FLASH_MAX_SPLITS).contains(&splits), "{case}");
-                        assert!(
-                            splits * chunk >= keys && (splits - 1) * chunk < keys,
-                            "{case}: {splits} × {chunk}"
-                        );
-                        if splits > 1 {
-                            assert!(chunk.is_multiple_of(FLASH_KEYS), "{case}");
-                            let need = (splits * rows * heads * (hd + 2) * 4) as u64;
-                            assert!(need <= held, "{case}: {need} > {held}");
-                        }
-                    }
-                }
-            }
-        }
-        // Decode rows and f32 caches hold no prompt partials.
-        let decode = |tokens, kv| {
-            workspace_bytes(&WorkspaceOp::Attention {
-                tokens,
-                n_heads: 32,
-                head_dim: 128,
-                kv,
-            })
-        };
-        assert_eq!(decode(4, KvType::F16), decode(1, KvType::F16));
-        assert!(decode(16, KvType::F16) > decode(16, KvType::F32));
-    }
-
-    #[test]
-    fn block_formats_take_activation_blocks_then_f16_tiles() {
-        for dtype in DType::ALL {
-            let op = |tokens| WorkspaceOp::Matmul {
-                dtype,
-                tokens,
-                rows: 1000,
-                cols: 512,
-            };
-            let blocks = |tokens: u64| device_bytes(tokens * 512 / 32 * ACT_BLOCK_BYTES as u64);
-            if dtype.is_quantized() {
-                // One token of rows up to QX_MAX_COLS: quantized in the matvec's own blocks.
-                assert_eq!(workspace_bytes(&op(1)), 0, "{dtype}");
-                let wide = WorkspaceOp::Matmul {
-                    dtype,
-                    tokens: 1,
-                    rows: 1000,
-                    cols: 4096,
-                };
-                assert_eq!(
-                    workspace_bytes(&wide),
-                    device_bytes(4096 / 32 * ACT_BLOCK_BYTES as u64),
-                    "{dtype}"
-                );
-                assert_eq!(workspace_bytes(&op(3)), blocks(3), "{dtype}");
-                assert_eq!(workspace_bytes(&op(MAX_QTOKENS)), blocks(16), "{dtype}");
-                // Above MAX_QTOKENS: f16 activations + one tile (the whole 1000-row matrix,
-                // being under DEQUANT_TILE_BYTES).
-                assert_eq!(
-                    workspace_bytes(&op(40)),
-                    device_bytes(40 * 512 * 2) + device_bytes(1000 * 512 * 2),
-                    "{dtype}"
-                );
-            } else if matches!(dtype, DType::F16 | DType::BF16) {
-                assert_eq!(workspace_bytes(&op(8)), 0, "{dtype}");
-                assert_eq!(
-                    workspace_bytes(&op(9)),
-                    device_bytes(9 * 512 * 2),
-                    "{dtype}"
-                );
-            } else {
-                // f32 activations read in place.
-                assert_eq!(workspace_bytes(&op(40)), 0, "{dtype}");
-            }
-        }
-    }
+    use crate::footprint::attention::FLASH_MIN_ROWS;
 
     #[test]
     fn prompts_take_tensor_cores_from_ampere_and_the_simple_kernel_before() {
@@ -3607,24 +3193,5 @@ mod tests {
         );
         let e = module_load(false, None, 90, false).unwrap_err().to_string();
         assert!(e.contains("NVRTC is not installed"), "{e}");
-    }
-
-    #[test]
-    fn dequant_tiles_are_whole_rows_under_the_cap() {
-        // 7B FFN down (4096 rows of 11008) and a 70B one (8192 of 28672): tiles stay under the
-        // cap; a small matrix is one tile.
-        for (rows, cols) in [(4096, 11008), (8192, 28672), (576, 1536), (1, 1 << 24)] {
-            let t = dequant_tile_rows(rows, cols);
-            assert!(t >= 1 && t <= rows);
-            assert!(
-                t == 1 || t * cols * 2 <= DEQUANT_TILE_BYTES,
-                "{rows}x{cols}"
-            );
-        }
-        assert_eq!(dequant_tile_rows(576, 1536), 576);
-        assert_eq!(
-            dequant_tile_rows(4096, 11008),
-            DEQUANT_TILE_BYTES / (2 * 11008)
-        );
     }
 }
