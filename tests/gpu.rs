@@ -1881,7 +1881,7 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
     }
     use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
     use gpu_offload::store::{ConvertOptions, Store, convert};
-    use gpu_offload::tier::offload::OffloadWeights;
+    use gpu_offload::tier::stream::StreamWeights;
     let dir = tempfile::tempdir().unwrap();
     for (name, src) in [
         ("stories", common::stories260k()),
@@ -1921,7 +1921,7 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
             g.fixed_bytes().unwrap() <= plan.gpu.fixed,
             "{name}: fixed cost grew"
         );
-        let src = OffloadWeights::new(&g, store.clone(), &plan, ledger.clone()).unwrap();
+        let src = StreamWeights::new(&g, store.clone(), &plan, ledger.clone()).unwrap();
         let e = Engine::with_source(g, spec.clone(), Box::new(src))
             .unwrap()
             .with_prefill(plan.prefill)

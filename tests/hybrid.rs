@@ -12,11 +12,11 @@ use gpu_offload::backend::cpu::{CpuBackend, kernels};
 use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, Logits, NeuronPredictor, backend_act};
 use gpu_offload::footprint::Ledger;
-use gpu_offload::plan::hot::{Cold, HotPlan, LayerRuns, plan_cold, plan_hybrid_with};
+use gpu_offload::plan::hybrid::{Cold, HybridPlan, LayerRuns, plan_cold, plan_hybrid_with};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, make_plan};
 use gpu_offload::store::Store;
 use gpu_offload::tier::hybrid::{ColdTraffic, HybridWeights};
-use gpu_offload::tier::offload::OffloadWeights;
+use gpu_offload::tier::stream::StreamWeights;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -28,7 +28,7 @@ use common::{close, plan_for, store_of, streaming};
 fn hybrid(
     store: &Arc<Store>,
     plan: &Plan,
-    hot: &HotPlan,
+    hot: &HybridPlan,
     thresholds: &[f32],
 ) -> (Engine<SimBackend>, Arc<Ledger>, Arc<ColdTraffic>) {
     let ledger = Ledger::new(Some(hot.device.placed), None);
@@ -39,7 +39,7 @@ fn hybrid(
 fn hybrid_over(
     store: &Arc<Store>,
     plan: &Plan,
-    hot: &HotPlan,
+    hot: &HybridPlan,
     thresholds: &[f32],
     ledger: Arc<Ledger>,
 ) -> (Engine<SimBackend>, Arc<Ledger>, Arc<ColdTraffic>) {
@@ -356,7 +356,7 @@ fn cpu_pcie_split_equals_streaming() {
         split_seen |= c > 0;
         let ledger = Ledger::new(Some(plan.ledger_budget()), None);
         let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-        let src = OffloadWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
+        let src = StreamWeights::new(&sim, store.clone(), &plan, ledger.clone()).unwrap();
         let traffic = src.cpu_traffic();
         assert_eq!(traffic.is_some(), c > 0);
         let e = Engine::with_source(sim, spec.clone(), Box::new(src))
@@ -438,7 +438,7 @@ fn hybrid_streams_attention_beside_hot_blocks() {
             );
             let ledger = Ledger::new(Some(hot.device.placed), None);
             let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-            let src = OffloadWeights::with_cpu_kernels(
+            let src = StreamWeights::with_cpu_kernels(
                 &sim,
                 store.clone(),
                 &chosen.plan,

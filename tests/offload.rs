@@ -19,7 +19,7 @@ use gpu_offload::engine::{Engine, Logits};
 use gpu_offload::footprint::Ledger;
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, PlanError, make_plan};
 use gpu_offload::store::{ConvertOptions, Store, convert};
-use gpu_offload::tier::offload::OffloadWeights;
+use gpu_offload::tier::stream::StreamWeights;
 use proptest::prelude::*;
 
 const PROMPT: usize = 6;
@@ -95,7 +95,7 @@ fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
     let prompt = plan.budget.batch;
     let ledger = Ledger::new(Some(plan.ledger_budget()), plan.budget.dram_mem);
     let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    let src = StreamWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
     let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
         .with_prefill(plan.prefill)

@@ -17,7 +17,7 @@ use gpu_offload::model::Model;
 use gpu_offload::model::gguf::GgufFile;
 use gpu_offload::plan::{Budget, HardwareProfile, PlanError, make_plan};
 use gpu_offload::store::{ConvertOptions, Store, convert};
-use gpu_offload::tier::offload::OffloadWeights;
+use gpu_offload::tier::stream::StreamWeights;
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -164,7 +164,7 @@ fn offloaded(
 ) -> (Engine<SimBackend>, Arc<Ledger>) {
     let ledger = Ledger::new(Some(plan.ledger_budget()), dram);
     let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    let src = StreamWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
     let e = Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
         .with_prefill(plan.prefill)

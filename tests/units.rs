@@ -495,7 +495,7 @@ fn planned_mixed_units_fill_the_budget_exactly() {
 /// the device holds exactly what it counts.
 #[test]
 fn unit_and_hybrid_layers_mix() {
-    use gpu_offload::plan::hot::plan_hot_neurons;
+    use gpu_offload::plan::hybrid::plan_hot_neurons;
     use gpu_offload::plan::units::{HybridLayers, UnitMode, mix_with_hybrid, plan_units};
     use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
     let hw = HardwareProfile::load("cpu-sim").unwrap();

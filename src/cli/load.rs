@@ -30,7 +30,7 @@ use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, defau
 use crate::plan::{Budget, HardwareProfile, Plan};
 use crate::store::Store;
 use crate::tier::hybrid::{ColdTraffic, HybridWeights};
-use crate::tier::offload::OffloadWeights;
+use crate::tier::stream::StreamWeights;
 
 /// An engine on whichever backend the flags chose.
 #[allow(clippy::large_enum_variant)] // one per process; boxing buys nothing
@@ -103,14 +103,14 @@ enum Weights {
 
 /// What a hybrid run placed and what its CPU share reads.
 pub struct Hybrid {
-    pub plan: crate::plan::hot::HotPlan,
+    pub plan: crate::plan::hybrid::HybridPlan,
     pub traffic: Arc<ColdTraffic>,
 }
 
 /// What an offloaded run's plan puts beside streaming, if anything.
 enum NeuronPlan {
     Stream,
-    Hybrid(crate::plan::hot::HotPlan),
+    Hybrid(crate::plan::hybrid::HybridPlan),
     Units(crate::plan::units::UnitPlan),
 }
 
@@ -209,7 +209,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         prompt: job.prompt.max(1),
         logit_rows: job.logit_rows.clamp(1, crate::footprint::MAX_BATCH),
         max_step: args.budget.max_step(),
-        cpu_split: args.budget.cold == crate::plan::hot::Cold::Split,
+        cpu_split: args.budget.cold == crate::plan::hybrid::Cold::Split,
         hot_reserve: None,
     }
 }
@@ -585,7 +585,7 @@ impl LoadedModel {
         Ok(running)
     }
 
-    /// The plan of an offloaded run for `--cold` (see [`crate::plan::hot::plan_cold`]): the
+    /// The plan of an offloaded run for `--cold` (see [`crate::plan::hybrid::plan_cold`]): the
     /// sparsity profile is read where hybrid execution needs it or `auto` may choose it.
     fn offload_plan(
         &self,
@@ -594,7 +594,7 @@ impl LoadedModel {
         budget: &crate::plan::Budget,
         hw: &HardwareProfile,
     ) -> Result<(Plan, NeuronPlan)> {
-        use crate::plan::hot::{Cold, plan_cold};
+        use crate::plan::hybrid::{Cold, plan_cold};
         let cold = args.budget.cold;
         let name = self.path.display().to_string();
         let load = || SparsityProfile::load(store.dir(), &store.manifest.model_id, &name);
@@ -623,7 +623,7 @@ impl LoadedModel {
             (super::SparsityMode::Predicted, Some(t)) => t,
             _ => args.sparsity_target.unwrap_or(DEFAULT_SPARSITY_TARGET),
         };
-        let crate::plan::hot::ColdChoice {
+        let crate::plan::hybrid::ColdChoice {
             plan,
             hot,
             units,
@@ -669,7 +669,7 @@ impl LoadedModel {
         let act = crate::engine::backend_act(self.spec.activation);
         let hot = match neurons {
             NeuronPlan::Stream => {
-                let src = OffloadWeights::with_cpu_kernels(
+                let src = StreamWeights::with_cpu_kernels(
                     b,
                     store.clone(),
                     plan,
@@ -707,7 +707,7 @@ impl LoadedModel {
         };
         let (src, traffic): (Box<dyn WeightSource<B>>, _) = if hot.base_plan.is_some() {
             // Attention streamed beside the hot neurons: the streaming source runs it.
-            let src = OffloadWeights::with_cpu_kernels(
+            let src = StreamWeights::with_cpu_kernels(
                 b,
                 store.clone(),
                 plan,

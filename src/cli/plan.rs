@@ -31,7 +31,7 @@ pub struct BudgetArgs {
     /// (the fastest of these by the plan's prediction, with each layer a cache unit or hybrid,
     /// whichever is faster there; hybrid and units only where a profile exists)
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "auto")]
-    pub cold: crate::plan::hot::Cold,
+    pub cold: crate::plan::hybrid::Cold,
 
     /// Precision of the neurons cache units (--cold gpu) compute: fp16; A/B/C, the percent of
     /// each token's active neurons, ranked by the predictor's score (by the activation's
@@ -297,9 +297,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let profile_path = crate::sparsity::SparsityProfile::path_in(store.dir());
     let cold = a.budget.cold;
     let wants_profile = a.hot_neurons
-        || cold == crate::plan::hot::Cold::Cpu
-        || cold == crate::plan::hot::Cold::Gpu
-        || (cold == crate::plan::hot::Cold::Auto && profile_path.exists());
+        || cold == crate::plan::hybrid::Cold::Cpu
+        || cold == crate::plan::hybrid::Cold::Gpu
+        || (cold == crate::plan::hybrid::Cold::Auto && profile_path.exists());
     if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
         anyhow::bail!(
             "--sparsity-target {} is outside 0.01..=0.99",
@@ -315,12 +315,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
     } else {
         None
     };
-    let crate::plan::hot::ColdChoice {
+    let crate::plan::hybrid::ColdChoice {
         plan,
         hot: chosen_hot,
         units,
         candidates,
-    } = crate::plan::hot::plan_cold(
+    } = crate::plan::hybrid::plan_cold(
         &store.manifest,
         &budget,
         &hw,
@@ -340,7 +340,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     };
     let hot = match (&profile, chosen_hot) {
         (_, Some(h)) => Some(h),
-        (Some(p), None) if a.hot_neurons => Some(crate::plan::hot::plan_hot_neurons(
+        (Some(p), None) if a.hot_neurons => Some(crate::plan::hybrid::plan_hot_neurons(
             &store.manifest,
             &plan,
             p,

@@ -16,7 +16,7 @@ use super::ModelArgs;
 use super::load::{DEFAULT_SPARSITY_TARGET, Job, LoadedModel, with_engine};
 use super::profile::read_corpus;
 use crate::engine::perplexity::perplexity;
-use crate::plan::hot::Cold;
+use crate::plan::hybrid::Cold;
 use crate::plan::precision::{
     NeuronPrecision, Precision, PrecisionScore, PrecisionSearch, TIER_ENCODINGS,
 };

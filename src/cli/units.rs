@@ -17,7 +17,7 @@ use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::{Engine, Logits};
 use crate::sparsity::trace::ActiveSetTap;
 use crate::sparsity::{SparsityProfile, grid_index};
-use crate::tier::unit::{Eviction, Reuse, replay};
+use crate::tier::atu::{Eviction, Reuse, replay};
 
 #[derive(Debug, Args)]
 pub struct UnitsArgs {

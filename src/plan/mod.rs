@@ -19,7 +19,7 @@
 //! the GPU both run.
 
 pub mod hardware;
-pub mod hot;
+pub mod hybrid;
 pub mod placement;
 pub mod precision;
 pub mod preserve;

@@ -18,7 +18,7 @@
 
 use serde::Serialize;
 
-use super::hot::{SparsePerToken, base_of};
+use super::hybrid::{SparsePerToken, base_of};
 use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
 use crate::footprint::device_bytes;
 use crate::plan::precision::{Precision, TIER_ENCODINGS};
@@ -99,7 +99,7 @@ pub struct UnitPlan {
 pub struct HybridLayers {
     /// Per layer, the hot neurons of a hybrid layer (ascending); `None` for a unit layer.
     pub hot_neurons: Vec<Option<Vec<u32>>>,
-    pub cold_cost: Vec<super::hot::ColdCost>,
+    pub cold_cost: Vec<super::hybrid::ColdCost>,
     /// Rows of the merge buffer.
     pub batch: usize,
 }
@@ -220,7 +220,7 @@ fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64,
 struct UnitRoom {
     row: [u64; 3],
     biased: bool,
-    base: super::hot::Base,
+    base: super::hybrid::Base,
     room: u64,
 }
 
@@ -493,7 +493,7 @@ pub fn mix_with_hybrid(
     m: &Manifest,
     plan: &Plan,
     units: UnitPlan,
-    hot: &super::hot::HotPlan,
+    hot: &super::hybrid::HybridPlan,
 ) -> Result<UnitPlan, PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
@@ -513,7 +513,7 @@ pub fn mix_with_hybrid(
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
         let hybrid_s = base.attention_layers[l] as f64 / hw.hbm_bytes_per_s + h.gpu_s.max(h.cpu_s);
-        let hybrid_b = super::hot::hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
+        let hybrid_b = super::hybrid::hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
         opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
     }
     let mut pick: Vec<usize> = opts.iter().map(|o| usize::from(o[1].0 < o[0].0)).collect();

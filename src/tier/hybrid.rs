@@ -1,5 +1,5 @@
 //! Hybrid execution (PowerInfer): every layer's attention, the norms, biases and output matrix
-//! resident on the device; of each FFN, the hot neurons ([`HotPlan`]) resident on the device in
+//! resident on the device; of each FFN, the hot neurons ([`HybridPlan`]) resident on the device in
 //! one contiguous block per layer and the cold ones in DRAM, computed by the CPU for the tokens
 //! that need them. Nothing streams: per layer the FFN input goes down to the host, the CPU's
 //! partial sum comes back and is added on the device (the engine's hybrid step, which queues
@@ -7,13 +7,13 @@
 //!
 //! Hot neurons are gathered at load time: bundles row by row; block-quantized matrices by
 //! rows for gate and up, and by whole blocks of every down row (the placement works in units
-//! of a down block, see [`crate::plan::hot`]). The cold neurons are gathered the same way into
+//! of a down block, see [`crate::plan::hybrid`]). The cold neurons are gathered the same way into
 //! DRAM, reserved in the ledger.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::offload::{Embeddings, Head, Loader, Small};
+use super::stream::{Embeddings, Head, Loader, Small};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
     Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
@@ -26,7 +26,7 @@ use crate::engine::{
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::ModelSpec;
-use crate::plan::hot::{ColdCost, HotPlan};
+use crate::plan::hybrid::{ColdCost, HybridPlan};
 use crate::plan::{Part, Plan, device_dtype, offload_matmuls, part_segment_name};
 use crate::store::{SegmentKind, Store, StoreError, names};
 use crate::tensor::{Bytes, DType, HostTensor, QK};
@@ -823,7 +823,7 @@ impl<B: Backend> HybridWeights<B> {
         b: &B,
         store: Arc<Store>,
         plan: &Plan,
-        hot: &HotPlan,
+        hot: &HybridPlan,
         ledger: Arc<Ledger>,
         kernels: &'static Kernels,
         act: Act,

@@ -3,7 +3,7 @@
 //! bundle slots on the device, which the neuron-listed kernels compute on in place. Each step the
 //! layer's active neurons are decided (the CPU reads each neuron's deciding vector from DRAM and
 //! applies the mask, or the predictor lists them), the unit's slot map (the ATU,
-//! [`super::unit::SlotMap`]) names the ones it lacks, and those are gathered into one host
+//! [`super::atu::SlotMap`]) names the ones it lacks, and those are gathered into one host
 //! buffer, sent in one copy and scattered into the slots they take.
 //!
 //! With mixed precision ([`super::precision`]) a unit has one region per precision tier (f16,
@@ -13,9 +13,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::atu::{Eviction, SlotMap};
 use super::hybrid::{ColdLayer, CpuSide, HotFfn, Resident, layer_ffn, resident_source};
 use super::precision::split_by_precision;
-use super::unit::{Eviction, SlotMap};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::TierSet;
@@ -476,7 +476,7 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
 impl<B: Backend> UnitStep<'_, B> {
     /// Copy `loads` into tier `tier`'s region: gathered into one host buffer, sent in one
     /// copy, scattered into their slots.
-    fn load(&mut self, b: &B, tier: usize, loads: &[super::unit::Load]) -> Result<()> {
+    fn load(&mut self, b: &B, tier: usize, loads: &[super::atu::Load]) -> Result<()> {
         let LayerUnit { neurons, tiers } = &mut *self.layer;
         let Some(unit) = tiers[tier].as_mut() else {
             return Err(weights_err(format!(

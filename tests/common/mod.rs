@@ -223,9 +223,9 @@ pub fn offloaded(
     use gpu_offload::backend::cpu::CpuBackend;
     use gpu_offload::backend::sim::SimBackend;
     use gpu_offload::engine::Engine;
-    use gpu_offload::tier::offload::OffloadWeights;
+    use gpu_offload::tier::stream::StreamWeights;
     let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
-    let src = OffloadWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
+    let src = StreamWeights::new(&sim, store.clone(), plan, ledger.clone()).unwrap();
     Engine::with_source(sim, store.manifest.spec.clone(), Box::new(src))
         .unwrap()
         .with_prefill(plan.prefill)

@@ -109,7 +109,7 @@ pub struct SparsePerToken {
 }
 
 #[derive(Clone, Debug, Serialize)]
-pub struct HotPlan {
+pub struct HybridPlan {
     /// The profile's grid target the frequencies are taken at.
     pub target: f64,
     /// Device bytes left for FFN neurons once everything else is resident.
@@ -286,7 +286,7 @@ pub struct ColdChoice {
     /// The streaming plan (with the split where chosen); hybrid execution's base plan.
     pub plan: Plan,
     /// Hybrid execution's hot-neuron plan, where chosen.
-    pub hot: Option<HotPlan>,
+    pub hot: Option<HybridPlan>,
     /// The cache units, where chosen.
     pub units: Option<super::units::UnitPlan>,
     /// The predicted tokens/s of every candidate considered.
@@ -315,7 +315,7 @@ pub fn plan_cold(
             hw,
         )
     };
-    let hybrid = |plan: &Plan| -> Result<HotPlan, PlanError> {
+    let hybrid = |plan: &Plan| -> Result<HybridPlan, PlanError> {
         let Some((p, target)) = profile else {
             return Err(PlanError::Store(
                 "hybrid execution places hot neurons by their activation frequency: run `gpu-offload profile` first".into(),
@@ -433,7 +433,7 @@ pub fn plan_hot_neurons(
     plan: &Plan,
     profile: &SparsityProfile,
     target: f64,
-) -> Result<HotPlan, PlanError> {
+) -> Result<HybridPlan, PlanError> {
     let k = grid_index(target);
     let spec = &plan.spec;
     let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
@@ -453,7 +453,7 @@ fn place_in(
     layouts: &[FfnLayout],
     profile: &SparsityProfile,
     k: usize,
-) -> Result<HotPlan, PlanError> {
+) -> Result<HybridPlan, PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
     let budget_bytes = base.budget_bytes;
@@ -535,7 +535,7 @@ pub fn plan_hot_streamed(
     profile: &SparsityProfile,
     target: f64,
     reserve: u64,
-) -> Result<HotPlan, PlanError> {
+) -> Result<HybridPlan, PlanError> {
     let plan = super::make_plan(
         m,
         &super::Budget {
@@ -569,7 +569,7 @@ pub fn plan_hot_streamed(
     };
     let k = grid_index(target);
     let hot = place_in(&plan, base, &layouts, profile, k)?;
-    Ok(HotPlan {
+    Ok(HybridPlan {
         base_plan: Some(Box::new(plan)),
         ..hot
     })
@@ -584,7 +584,7 @@ pub fn plan_hybrid_with(
     hot: Vec<Vec<u32>>,
     profile: Option<&SparsityProfile>,
     target: f64,
-) -> Result<HotPlan, PlanError> {
+) -> Result<HybridPlan, PlanError> {
     let k = grid_index(target);
     let (n_layers, d_ff) = (plan.spec.n_layers, plan.spec.d_ff);
     let (base, layouts) = base_of(m, plan, true)?;
@@ -771,7 +771,7 @@ fn finish(
     freqs: &[Vec<f64>],
     hot_neurons: Vec<Vec<u32>>,
     solved: Solved,
-) -> HotPlan {
+) -> HybridPlan {
     let spec = &plan.spec;
     let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
     let hw = &plan.hardware;
@@ -857,7 +857,7 @@ fn finish(
         .map(|l| l.unit_bytes / l.cost.unit as u64)
         .max()
         .unwrap_or(0);
-    HotPlan {
+    HybridPlan {
         target: solved.target,
         budget_bytes: solved.budget_bytes,
         bytes_per_neuron,
@@ -888,7 +888,7 @@ fn finish(
     }
 }
 
-impl HotPlan {
+impl HybridPlan {
     pub fn report(&self) -> String {
         use std::fmt::Write;
         let mut s = String::new();

@@ -190,7 +190,7 @@ impl Embeddings {
     }
 }
 
-pub struct OffloadWeights<B: Backend> {
+pub struct StreamWeights<B: Backend> {
     spec: ModelSpec,
     residency: Residency,
     /// Whether the FFN is neuron bundles (else its matrices).
@@ -306,7 +306,7 @@ fn table(store: &Store, ledger: &Arc<Ledger>, name: &str) -> Result<Table> {
     Ok(Table { t, _hold: hold })
 }
 
-impl<B: Backend> OffloadWeights<B> {
+impl<B: Backend> StreamWeights<B> {
     /// Load what the plan keeps resident, fill the DRAM fixed area, start the preloader and
     /// prefetch the first `window` layers.
     pub fn new(b: &B, store: Arc<Store>, plan: &Plan, ledger: Arc<Ledger>) -> Result<Self> {
@@ -321,7 +321,7 @@ impl<B: Backend> OffloadWeights<B> {
     }
 
     /// As [`Self::new`], with `kernels` for the neurons a split plan has the CPU compute; with
-    /// `hot` (a plan from [`crate::plan::hot::plan_hot_streamed`], whose base plan this is), the
+    /// `hot` (a plan from [`crate::plan::hybrid::plan_hot_streamed`], whose base plan this is), the
     /// FFN runs hybrid: its hot neurons on the device, the others on the CPU, attention as the
     /// plan streams it.
     pub fn with_cpu_kernels(
@@ -330,7 +330,7 @@ impl<B: Backend> OffloadWeights<B> {
         plan: &Plan,
         ledger: Arc<Ledger>,
         kernels: &'static crate::backend::cpu::kernels::Kernels,
-        hot: Option<&crate::plan::hot::HotPlan>,
+        hot: Option<&crate::plan::hybrid::HybridPlan>,
     ) -> Result<Self> {
         let m = &store.manifest;
         if m.model_id != plan.model_id {
@@ -490,7 +490,7 @@ impl<B: Backend> OffloadWeights<B> {
                 })
             }
         };
-        let mut me = OffloadWeights {
+        let mut me = StreamWeights {
             cpu,
             hot_ffn,
             part_formats,
@@ -570,7 +570,7 @@ impl<B: Backend> OffloadWeights<B> {
     }
 }
 
-impl<B: Backend> WeightSource<B> for OffloadWeights<B> {
+impl<B: Backend> WeightSource<B> for StreamWeights<B> {
     fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()> {
         self.embeddings.embed(b, ids, first_pos, out)
     }
