@@ -80,7 +80,7 @@ fn bench(c: &mut Criterion) {
             .collect(),
         Err(_) => DType::ALL.to_vec(),
     };
-    let dram = gpu_offload::hw::dram_read_bandwidth(threads, 1 << 30, 5);
+    let dram = gpu_offload::runtime::probe::dram_read_bandwidth(threads, 1 << 30, 5);
     println!(
         "DRAM read bandwidth, {threads} threads: {:.1} GB/s (the bound for every matmul below)",
         dram / 1e9

@@ -1,7 +1,9 @@
 //! gpu-offload: serve language models larger than GPU memory on one consumer GPU.
 //!
-//! Rooms (see DESIGN.md §3), data flowing downward: `cli` (the command-line edge) → `engine`
-//! (a forward pass) → `backend` (where math runs) and `model` (what a model is) → `tensor`.
+//! Rooms (the README's "Where things are"), data flowing downward, no room importing one above
+//! it (`tests/house.rs` holds the order): `cli`, `service`, `bench` on top; `runtime` (assembling
+//! engines); `kv`, `tier`, `plan`, `sparsity`; `engine` (a forward pass); `backend` (where math
+//! runs); `footprint`, `store`, `model`, `tensor`, `fsutil` at the bottom.
 
 pub mod backend;
 pub mod bench;
@@ -9,10 +11,10 @@ pub mod cli;
 pub mod engine;
 pub mod footprint;
 pub mod fsutil;
-pub mod hw;
 pub mod kv;
 pub mod model;
 pub mod plan;
+pub mod runtime;
 pub mod service;
 pub mod sparsity;
 pub mod store;

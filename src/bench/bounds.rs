@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use thiserror::Error;
 
-use crate::hw::{self, GpuProfile};
 use crate::plan::{HardwareProfile, Plan};
+use crate::runtime::probe::{self as hw, GpuProfile};
 
 /// How far above its bound a measured figure may be before the bound is declared wrong (timer
 /// noise on short runs).

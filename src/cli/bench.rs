@@ -26,10 +26,6 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 use serde_json::{Value, json};
 
-use super::load::{AnyEngine, Job, Running, with_engine};
-use super::plan::parse_bytes;
-use super::store::open_store_for;
-use super::{Device, LoadedModel, ModelArgs};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
@@ -42,6 +38,10 @@ use crate::bench::suite::{self, BudgetChoice, CellJob, CellOutcome, CellRun, Cel
 use crate::bench::{measure, plot};
 use crate::footprint::Ledger;
 use crate::plan::{Budget, HardwareProfile, PlanError, make_plan};
+use crate::runtime::parse_bytes;
+use crate::runtime::store::open_store_for;
+use crate::runtime::{AnyEngine, Job, Running, with_engine};
+use crate::runtime::{Device, LoadedModel, ModelArgs};
 use crate::store::{Encoding, Manifest};
 use crate::tensor::{Bytes, DType, HostTensor};
 
@@ -144,7 +144,7 @@ pub struct AttentionArgs {
     pub head_dim: usize,
     /// KV cache type.
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum, default_value = "f16")]
-    pub kv_type: super::KvTypeArg,
+    pub kv_type: crate::runtime::KvTypeArg,
     /// CUDA: split a prompt's keys this many ways on tensor cores (1: unsplit; at most 4, as
     /// far as 32.5 MiB of partials holds: 2048 rows × splits of 7B heads), instead of as many
     /// as fill the device, to set one beside the other.
@@ -349,7 +349,7 @@ fn matvec(a: MatvecArgs) -> Result<()> {
         let (bw, source) = match &profile {
             Some(p) => (p.hbm_bytes_per_s, format!("profile {}", p.name)),
             None => {
-                let g = crate::hw::probe_gpu(256 << 20).map_err(anyhow::Error::msg)?;
+                let g = crate::runtime::probe::probe_gpu(256 << 20).map_err(anyhow::Error::msg)?;
                 (
                     bounds::hbm_read_rate(&g),
                     format!("measured live ({})", g.name),
@@ -364,7 +364,7 @@ fn matvec(a: MatvecArgs) -> Result<()> {
         let (bw, source) = match &profile {
             Some(p) => (p.dram_read_bytes_per_s, format!("profile {}", p.name)),
             None => (
-                crate::hw::dram_read_bandwidth(be.threads(), 512 << 20, 5),
+                crate::runtime::probe::dram_read_bandwidth(be.threads(), 512 << 20, 5),
                 format!("measured live ({} threads)", be.threads()),
             ),
         };
@@ -418,7 +418,7 @@ fn attention(a: AttentionArgs) -> Result<()> {
         Device::Sim => bail!("bench attention runs on cpu or cuda"),
     };
     let qd = a.heads * a.head_dim;
-    let probe = crate::hw::AttentionProbe {
+    let probe = crate::runtime::probe::AttentionProbe {
         rows: a.rows,
         context: a.context,
         heads: a.heads,
@@ -437,12 +437,14 @@ fn attention(a: AttentionArgs) -> Result<()> {
         be.set_flash_splits(a.flash_splits.map(|s| s as usize));
         let splits = be.prompt_splits(a.rows, probe.kv, a.heads, a.head_dim, a.context + a.rows)?;
         let secs = probe.seconds(&be, a.reps)?;
-        let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
+        let rate =
+            crate::runtime::probe::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
         (secs, rate, "cuda", splits)
     } else {
         let be = CpuBackend::new(a.threads.unwrap_or(0))?;
         let secs = probe.seconds(&be, a.reps)?;
-        let rate = crate::hw::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
+        let rate =
+            crate::runtime::probe::matmul_rate(&be, a.rows, qd, qd).map_err(anyhow::Error::msg)?;
         (secs, rate, "cpu", None)
     };
     let flops = probe.flops();
@@ -552,7 +554,7 @@ fn sparse(a: SparseArgs) -> Result<()> {
     let (bound, source) = match &profile {
         Some(p) => (p.dram_read_bytes_per_s, format!("profile {}", p.name)),
         None => (
-            crate::hw::dram_read_bandwidth(be.threads(), 512 << 20, 5),
+            crate::runtime::probe::dram_read_bandwidth(be.threads(), 512 << 20, 5),
             format!("measured live ({} threads)", be.threads()),
         ),
     };
@@ -1063,7 +1065,7 @@ struct LoaderCells<'a> {
 
 impl LoaderCells<'_> {
     fn budget_for(&self, job: CellJob, gpu_mem: u64) -> Budget {
-        super::load::budget_for(
+        crate::runtime::budget_for(
             self.args,
             Job::single(job.prompt_tokens + job.tokens, job.prompt_tokens, 1),
             gpu_mem,
@@ -1266,7 +1268,7 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
         Device::Cuda => String::from("CUDA device 0"),
         _ => format!(
             "the budgeted CPU device (sim) on {}",
-            crate::hw::cpu_model()
+            crate::runtime::probe::cpu_model()
         ),
     };
     let rates = match &explicit_hw {
@@ -1316,7 +1318,7 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
 
     // The budget axis: what the whole model needs and the least the plan accepts.
     let decode_budget = |gpu_mem| {
-        super::load::budget_for(
+        crate::runtime::budget_for(
             &a.model,
             Job::single(decode_prompt + n, decode_prompt, 1),
             gpu_mem,

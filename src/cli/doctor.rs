@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::Args;
 
-use crate::hw;
 use crate::plan::HardwareProfile;
+use crate::runtime::probe as hw;
 
 #[derive(Debug, Args)]
 pub struct DoctorArgs {

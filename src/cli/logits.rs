@@ -7,9 +7,9 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use super::load::{Job, with_engine};
-use super::{LoadedModel, ModelArgs, PromptArgs};
 use crate::engine::Logits;
+use crate::runtime::{Job, with_engine};
+use crate::runtime::{LoadedModel, ModelArgs, PromptArgs};
 
 #[derive(Debug, Args)]
 pub struct LogitsArgs {

@@ -8,9 +8,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use super::load::{Job, with_engine};
-use super::{LoadedModel, ModelArgs};
 use crate::engine::perplexity::perplexity;
+use crate::runtime::{Job, with_engine};
+use crate::runtime::{LoadedModel, ModelArgs};
 
 #[derive(Debug, Args)]
 pub struct PerplexityArgs {

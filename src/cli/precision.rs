@@ -12,14 +12,14 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde::Serialize;
 
-use super::ModelArgs;
-use super::load::{DEFAULT_SPARSITY_TARGET, Job, LoadedModel, with_engine};
 use super::profile::read_corpus;
 use crate::engine::perplexity::perplexity;
 use crate::plan::hybrid::Cold;
 use crate::plan::precision::{
     NeuronPrecision, Precision, PrecisionScore, PrecisionSearch, TIER_ENCODINGS,
 };
+use crate::runtime::ModelArgs;
+use crate::runtime::{DEFAULT_SPARSITY_TARGET, Job, LoadedModel, with_engine};
 use crate::store::Store;
 
 #[derive(Debug, Args)]

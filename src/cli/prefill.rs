@@ -19,14 +19,14 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Value, json};
 
-use super::load::{Job, with_engine};
-use super::{LoadedModel, ModelArgs};
 use crate::backend::Backend;
 use crate::engine::{Engine, EngineError, Logits, Sampler, SamplerParams, Session};
 use crate::footprint::MAX_BATCH;
 use crate::fsutil::LineLog;
 use crate::model::Tokenizer;
 use crate::model::tokenizer::TextStream;
+use crate::runtime::{Job, with_engine};
+use crate::runtime::{LoadedModel, ModelArgs};
 
 #[derive(Debug, Args)]
 pub struct PrefillArgs {

@@ -9,9 +9,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use super::store::open_store_for;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::Engine;
+use crate::runtime::store::open_store_for;
 use crate::sparsity::predictor::{Predictor, TrainOptions};
 use crate::sparsity::{GRID_TARGETS, ProfileTap, SparsityProfile, profile_passes};
 
@@ -51,7 +51,7 @@ pub struct ProfileArgs {
 
     /// Sparsity the predictors are trained for [default: 0.15, what --sparsity-target
     /// defaults to]
-    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TARGET", default_value_t = super::load::DEFAULT_SPARSITY_TARGET)]
+    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TARGET", default_value_t = crate::runtime::DEFAULT_SPARSITY_TARGET)]
     pub predictor_target: f64,
 
     /// Rank of each predictor's hidden layer.
@@ -93,7 +93,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         None => "random token ids (seed 7)".to_string(),
     };
     let store = open_store_for(&model_path)?;
-    let model = super::store::model_for(&model_path, &store)?;
+    let model = crate::runtime::store::model_for(&model_path, &store)?;
     let all = match (&text, &model.tokenizer) {
         (Some((corpus, text)), Some(tokenizer)) => corpus_tokens(corpus, text, tokenizer, want)?,
         (Some(_), None) => bail!(

@@ -6,10 +6,10 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::json;
 
-use super::load::{Job, with_engine};
-use super::{LoadedModel, ModelArgs, PromptArgs};
 use crate::engine::{GenerateParams, SamplerParams, generate};
 use crate::model::tokenizer::TextStream;
+use crate::runtime::{Job, with_engine};
+use crate::runtime::{LoadedModel, ModelArgs, PromptArgs};
 
 #[derive(Debug, Args)]
 pub struct RunArgs {

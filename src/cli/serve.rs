@@ -9,11 +9,11 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 
-use super::load::{Job, with_engine};
-use super::plan::parse_bytes;
-use super::{LoadedModel, ModelArgs};
 use crate::backend::KV_BLOCK;
 use crate::kv::{self, Compression, CostModel, KvConfig, KvManager};
+use crate::runtime::parse_bytes;
+use crate::runtime::{Job, with_engine};
+use crate::runtime::{LoadedModel, ModelArgs};
 use crate::service::api::Limits;
 use crate::service::worker::{Worker, WorkerConfig};
 use crate::service::{AppState, HttpConfig, Shared, router};

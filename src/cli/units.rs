@@ -12,9 +12,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use super::profile::{corpus_tokens, read_corpus};
-use super::store::open_store_for;
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::{Engine, Logits};
+use crate::runtime::store::open_store_for;
 use crate::sparsity::trace::ActiveSetTap;
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::tier::atu::{Eviction, Reuse, replay};
@@ -145,7 +145,7 @@ pub fn units(args: UnitsArgs) -> Result<()> {
     let name = model_path.display().to_string();
     let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
         .context("the units' eviction and the mask come from the sparsity profile")?;
-    let model = super::store::model_for(&model_path, &store)?;
+    let model = crate::runtime::store::model_for(&model_path, &store)?;
     let Some(tokenizer) = &model.tokenizer else {
         bail!(
             "{} has no tokenizer: the trace decodes text",

@@ -1,6 +1,6 @@
-//! Shared by the commands: find and open the model, turn prompt flags into token ids, then place
-//! the model on the chosen device — all of it on the CPU, or offloaded to the budgeted device
-//! under a plan — once the job's context and batch are known.
+//! Assembling an engine: find and open the model, turn prompt flags into token ids, then place
+//! the model on the chosen device — all of it on the CPU or a GPU, or offloaded to the budgeted
+//! device or a GPU under a plan — once the job's context and batch are known.
 
 use crate::engine::NeuronPredictor;
 
@@ -18,7 +18,6 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
-use super::store::open_store_for;
 use super::{Device, ModelArgs, PromptArgs};
 use crate::backend::cpu::{CpuBackend, kernels};
 use crate::backend::cuda::{CudaBackend, device_available};
@@ -28,6 +27,7 @@ use crate::engine::{DecodeTraffic, Engine, WeightSource};
 use crate::footprint::{Ledger, LedgerSnapshot};
 use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, default_model_path};
 use crate::plan::{Budget, HardwareProfile, Plan};
+use crate::runtime::store::open_store_for;
 use crate::store::Store;
 use crate::tier::hybrid::{ColdTraffic, HybridWeights};
 use crate::tier::stream::StreamWeights;
@@ -44,9 +44,9 @@ pub enum AnyEngine {
 macro_rules! with_engine {
     ($any:expr, $e:ident => $body:expr) => {
         match $any {
-            $crate::cli::load::AnyEngine::Cpu($e) => $body,
-            $crate::cli::load::AnyEngine::Sim($e) => $body,
-            $crate::cli::load::AnyEngine::Cuda($e) => $body,
+            $crate::runtime::AnyEngine::Cpu($e) => $body,
+            $crate::runtime::AnyEngine::Sim($e) => $body,
+            $crate::runtime::AnyEngine::Cuda($e) => $body,
         }
     };
 }
