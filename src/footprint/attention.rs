@@ -127,7 +127,7 @@ pub fn flash_splits(
 }
 
 /// [`flash_splits`]' `(splits, chunk)` with `splits` asked for, as far as the workspace holds
-/// it ([`flash_most_splits`]).
+/// it (`flash_most_splits`).
 pub fn forced_flash_splits(
     rows: usize,
     n_heads: usize,

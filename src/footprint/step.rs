@@ -23,7 +23,7 @@ pub const MAX_BATCH: usize = 512;
 ///   attend on the CPU over the host copy — their queries, keys and values come down, the
 ///   output goes up — instead of bringing each layer's cache to the device: the same bytes read
 ///   from DRAM instead of sent over PCIe, and the link left to the weights.
-/// - `joins`: a batched step ([`Engine::step_many`]) may take a whole prompt beside the other
+/// - `joins`: a batched step ([`Engine::step_many`](crate::engine::Engine::step_many)) may take a whole prompt beside the other
 ///   sequences' tokens (serve), so the step buffers one call's rows at the step's size; without
 ///   it a call in a batched step is one token (decode) and one row is buffered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -157,8 +157,8 @@ pub const PROBE_QUERIES: usize = 16;
 /// Layers probed at most (evenly spaced).
 pub const PROBE_LAYERS: usize = 4;
 
-/// `(rows, cols)` of the activation buffers of a step of `n` tokens, in the order [`Scratch`]
-/// holds them (gate last, for gated FFNs).
+/// `(rows, cols)` of the activation buffers of a step of `n` tokens, in the order the engine's
+/// step buffers hold them (gate last, for gated FFNs).
 pub fn activation_shapes(spec: &ModelSpec, n: usize, joins: bool) -> Vec<(usize, usize)> {
     let mut v = vec![
         (n, spec.d_model),
@@ -173,7 +173,7 @@ pub fn activation_shapes(spec: &ModelSpec, n: usize, joins: bool) -> Vec<(usize,
     if spec.gated_ffn {
         v.push((n, spec.d_ff));
     }
-    // One call's rows of a batched step ([`Engine::step_many`]: a decoded token, or a prompt
+    // One call's rows of a batched step ([`Engine::step_many`](crate::engine::Engine::step_many): a decoded token, or a prompt
     // that joins the step): their queries, keys, values and attention output, at the call's
     // own positions and cache. Where prompts join ([`PrefillLayout::joins`]) up to the whole
     // step may be one call; otherwise a call is one token.
@@ -219,7 +219,7 @@ impl StepMemory {
 }
 
 /// The device memory of a step of `n` tokens returning `logit_rows` rows of logits, with
-/// `workspace` the backend's per-op formula ([`Backend::workspace_bytes`]): the one formula the
+/// `workspace` the backend's per-op formula ([`Backend::workspace_bytes`](crate::backend::Backend::workspace_bytes)): the one formula the
 /// engine allocates by and the planner plans with.
 pub fn step_memory(
     spec: &ModelSpec,
@@ -255,7 +255,7 @@ pub fn step_memory(
     }
 }
 
-/// Device bytes of a session's query probe ([`Engine::enable_probe`]).
+/// Device bytes of a session's query probe ([`Engine::enable_probe`](crate::engine::Engine::enable_probe)).
 pub fn probe_bytes(spec: &ModelSpec) -> u64 {
     let layers = PROBE_LAYERS.min(spec.n_layers) as u64;
     let row = (spec.q_dim() * 4) as u64;

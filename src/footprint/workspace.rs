@@ -8,13 +8,13 @@ use super::{KvType, device_bytes};
 use crate::tensor::DType;
 
 /// An op that takes device workspace (temporaries beyond its operands) while it runs, described
-/// by what sizes it. Backends say how much each needs ([`Backend::workspace_bytes`]); the engine
-/// holds the most any op of a step needs ([`Backend::set_workspace`]).
+/// by what sizes it. Backends say how much each needs ([`Backend::workspace_bytes`](crate::backend::Backend::workspace_bytes)); the engine
+/// holds the most any op of a step needs ([`Backend::set_workspace`](crate::backend::Backend::set_workspace)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WorkspaceOp {
-    /// [`Backend::embed`] of `tokens` ids.
+    /// [`Backend::embed`](crate::backend::Backend::embed) of `tokens` ids.
     Embed { tokens: usize },
-    /// [`Backend::matmul_into`] of `tokens` rows against a weight of `dtype`, `rows` × `cols`.
+    /// [`Backend::matmul_into`](crate::backend::Backend::matmul_into) of `tokens` rows against a weight of `dtype`, `rows` × `cols`.
     Matmul {
         dtype: DType,
         tokens: usize,
@@ -23,7 +23,7 @@ pub enum WorkspaceOp {
     },
     /// The neuron-listed bundle ops over a list of `neurons` ids (copied in).
     Listed { neurons: usize },
-    /// [`Backend::attention`] of `tokens` query rows of `n_heads` heads of `head_dim` over a `kv`
+    /// [`Backend::attention`](crate::backend::Backend::attention) of `tokens` query rows of `n_heads` heads of `head_dim` over a `kv`
     /// cache: few rows over a long context split the keys into chunks whose partial results
     /// meet in the workspace (a fixed most chunks, so the bytes do not depend on the context
     /// length), and so may a prompt's rows on tensor cores.
