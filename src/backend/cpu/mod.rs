@@ -2,14 +2,17 @@
 //! the reference every other backend is checked against. Weights are used in place (borrowed
 //! from the model's memory map), never inflated to f32.
 
+pub mod attention;
 pub mod bundles;
 pub mod kernels;
 mod kv;
 pub mod matmul;
 pub mod ops;
 pub mod sparse;
+mod tensor;
 
 pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
+pub use tensor::CpuTensor;
 
 use rayon::prelude::*;
 
@@ -19,16 +22,6 @@ use super::{
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
-
-/// Activations on the CPU.
-#[derive(Clone, Debug)]
-pub struct CpuTensor {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<f32>,
-    /// Values allocated (what [`Backend::reshape`] may use).
-    pub capacity: usize,
-}
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -966,9 +959,9 @@ impl Backend for CpuBackend {
         let (k, q, out) = (self.kernels, &q.data, &mut out.data);
         if work >= PAR_ELEMS / 2 {
             self.pool
-                .install(|| ops::attend_each(k, q, caches, s, out, true));
+                .install(|| attention::attend_each(k, q, caches, s, out, true));
         } else {
-            ops::attend_each(k, q, caches, s, out, false);
+            attention::attend_each(k, q, caches, s, out, false);
         }
         Ok(())
     }
