@@ -4,7 +4,8 @@
 
 use half::f16;
 
-use super::CpuTensor;
+use super::attention::KvRows;
+use super::tensor::CpuTensor;
 use crate::backend::{BackendError, KvType, Result};
 use crate::tensor::{BlockQ8_0, QK, decode_row, encode_row};
 
@@ -201,6 +202,18 @@ impl CpuKv {
     }
 }
 
+impl KvRows for CpuKv {
+    fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
+        CpuKv::slice(self, j, col, tmp)
+    }
+    fn f32_rows(&self) -> Option<(&[f32], usize)> {
+        self.f32_values().map(|v| (v, self.cols))
+    }
+    fn prefetch(&self, j: usize, col: usize, width: usize) {
+        CpuKv::prefetch(self, j, col, width)
+    }
+}
+
 /// A block table on the CPU: the block ids a paged sequence's positions map to.
 #[derive(Clone, Debug, Default)]
 pub struct CpuKvTable {
@@ -239,7 +252,7 @@ pub(super) enum SeqRows<'a> {
     Paged(PagedRows<'a>),
 }
 
-impl super::ops::KvRows for SeqRows<'_> {
+impl KvRows for SeqRows<'_> {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         match self {
             SeqRows::Whole(kv) => kv.slice(j, col, tmp),
@@ -248,7 +261,7 @@ impl super::ops::KvRows for SeqRows<'_> {
     }
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         match self {
-            SeqRows::Whole(kv) => super::ops::KvRows::f32_rows(*kv),
+            SeqRows::Whole(kv) => KvRows::f32_rows(*kv),
             SeqRows::Paged(_) => None,
         }
     }
@@ -266,7 +279,7 @@ pub(super) struct PagedRows<'a> {
     pub blocks: &'a [u32],
 }
 
-impl super::ops::KvRows for PagedRows<'_> {
+impl KvRows for PagedRows<'_> {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         let b = crate::backend::KV_BLOCK;
         self.kv
@@ -333,7 +346,7 @@ struct RawRows<'a> {
     bytes: &'a [u8],
 }
 
-impl super::ops::KvRows for RawRows<'_> {
+impl KvRows for RawRows<'_> {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         match self.ty {
             // Host memory kept as bytes: direct where the bytes are aligned for f32.
@@ -366,7 +379,7 @@ pub fn attend_rows(
         RawRows { ty, cols, bytes: k },
         RawRows { ty, cols, bytes: v },
     );
-    super::ops::attend_each(
+    super::attention::attend_each(
         super::kernels::best(),
         q,
         |t| Some((&keys, &values, first_pos + t + 1)),

@@ -2,14 +2,17 @@
 //! the reference every other backend is checked against. Weights are used in place (borrowed
 //! from the model's memory map), never inflated to f32.
 
+pub mod attention;
 pub mod bundles;
 pub mod kernels;
 mod kv;
 pub mod matmul;
 pub mod ops;
 pub mod sparse;
+mod tensor;
 
 pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
+pub use tensor::CpuTensor;
 
 use rayon::prelude::*;
 
@@ -19,16 +22,6 @@ use super::{
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
-
-/// Activations on the CPU.
-#[derive(Clone, Debug)]
-pub struct CpuTensor {
-    pub rows: usize,
-    pub cols: usize,
-    pub data: Vec<f32>,
-    /// Values allocated (what [`Backend::reshape`] may use).
-    pub capacity: usize,
-}
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -99,7 +92,15 @@ pub struct CpuWeight {
     /// The bytes as `rows × cols`; `dtype` is their format unless `coded` is set.
     t: HostTensor,
     /// INT8/INT4 bundles: their encoding and part count (a code's row size depends on it).
-    coded: Option<(Encoding, usize)>,
+    coded: Option<CodedBundles>,
+}
+
+/// What a [`CpuWeight`] of INT8/INT4 bundles holds beyond its bytes: no storage format reads
+/// them, so the encoding and the part count say how big a row is.
+#[derive(Clone, Copy, Debug)]
+struct CodedBundles {
+    enc: Encoding,
+    parts: usize,
 }
 
 impl From<HostTensor> for CpuWeight {
@@ -112,7 +113,7 @@ impl CpuWeight {
     /// Bytes of one row (one bundle, for bundles).
     pub fn row_bytes(&self) -> usize {
         match self.coded {
-            Some((enc, parts)) => enc.row_bytes(self.t.cols, parts),
+            Some(CodedBundles { enc, parts }) => enc.row_bytes(self.t.cols, parts),
             None => self.t.row_bytes(),
         }
     }
@@ -123,8 +124,7 @@ impl CpuWeight {
     }
 
     pub fn encoding(&self) -> Encoding {
-        self.coded
-            .map_or(Encoding::Format(self.t.dtype), |(enc, _)| enc)
+        self.coded.map_or(Encoding::Format(self.t.dtype), |c| c.enc)
     }
 
     pub fn name(&self) -> &str {
@@ -140,7 +140,7 @@ impl CpuWeight {
     fn tensor(&self, op: &'static str) -> Result<&HostTensor> {
         match self.coded {
             None => Ok(&self.t),
-            Some((enc, _)) => Err(shape_err(
+            Some(CodedBundles { enc, .. }) => Err(shape_err(
                 op,
                 format!(
                     "`{}` holds {} bundles: only the bundle ops take them",
@@ -158,7 +158,7 @@ impl CpuWeight {
         shape: BundleShape,
         f: impl FnOnce(&sparse::Bundles) -> R,
     ) -> Result<R> {
-        let parts_ok = self.coded.is_none_or(|(_, parts)| parts == shape.parts);
+        let parts_ok = self.coded.is_none_or(|c| c.parts == shape.parts);
         if !parts_ok || self.t.cols != shape.parts * shape.d {
             return Err(shape_err(
                 op,
@@ -197,7 +197,13 @@ fn bundle_weight(
     let (dtype, coded) = match enc {
         Encoding::Format(dtype) => (dtype, None),
         // The dtype of coded bundles is never read (`CpuWeight::tensor` refuses them).
-        Encoding::Int8 | Encoding::Int4 => (DType::F32, Some((enc, shape.parts))),
+        Encoding::Int8 | Encoding::Int4 => {
+            let coded = CodedBundles {
+                enc,
+                parts: shape.parts,
+            };
+            (DType::F32, Some(coded))
+        }
     };
     CpuWeight {
         t: HostTensor {
@@ -966,9 +972,9 @@ impl Backend for CpuBackend {
         let (k, q, out) = (self.kernels, &q.data, &mut out.data);
         if work >= PAR_ELEMS / 2 {
             self.pool
-                .install(|| ops::attend_each(k, q, caches, s, out, true));
+                .install(|| attention::attend_each(k, q, caches, s, out, true));
         } else {
-            ops::attend_each(k, q, caches, s, out, false);
+            attention::attend_each(k, q, caches, s, out, false);
         }
         Ok(())
     }

@@ -1,0 +1,366 @@
+//! AVX-512 VNNI: two 32-value blocks per 512-bit `vpdpbusd` (u8 × i8 → i32 in one op).
+//!
+//! The kernel set: the AVX2 set with its Q8_0/Q4_0/Q4_1 dots replaced (one row, or 16 rows ×
+//! up to 8 tokens a tile: the many-row kernels) and the K-quants' VNNI dots (`kq::x86::vnni`).
+
+use half::f16;
+use std::arch::x86_64::*;
+
+use super::activations::{ActBlock, TokenBlocks};
+use super::kq::ActBlockK;
+use super::set::Kernels;
+use crate::tensor::{
+    BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8_0,
+};
+
+pub fn supported() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+pub const KERNELS: Kernels = Kernels {
+    name: "avx512vnni",
+    dot_q8_0,
+    dot_q4_0,
+    dot_q4_1,
+    dot_q2_k,
+    dot_q3_k,
+    dot_q4_k,
+    dot_q5_k,
+    dot_q6_k,
+    dots_q8_0: Some(dots_q8_0),
+    dots_q4_0: Some(dots_q4_0),
+    dots_q4_1: Some(dots_q4_1),
+    ..super::avx2::KERNELS
+};
+
+fn dots_q8_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
+    // SAFETY: installed only after `supported()`; `dots` checks the bounds.
+    unsafe { dots::<Q8>(rows, x, t0, out, next) }
+}
+fn dots_q4_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
+    // SAFETY: as above.
+    unsafe { dots::<Q40>(rows, x, t0, out, next) }
+}
+fn dots_q4_1(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
+    // SAFETY: as above.
+    unsafe { dots::<Q41>(rows, x, t0, out, next) }
+}
+
+/// Weight formats of these kernels.
+const Q8: u8 = 0;
+const Q40: u8 = 1;
+const Q41: u8 = 2;
+
+const fn block_bytes(kind: u8) -> usize {
+    match kind {
+        Q8 => 34,
+        Q40 => 18,
+        _ => 20,
+    }
+}
+
+/// Weight rows a tile takes at once: one to each 32-bit lane of a register.
+const LANES: usize = 16;
+
+/// Tokens a tile takes at most.
+const MAX_TOKENS: usize = 8;
+
+// Every kernel of these formats, one row or many, computes a result the same way, so
+// that it never depends on the rows or tokens computed beside it: for each block in
+// order, the exact integer sum Σ code·x (with `code_offset`), then
+// acc = fma(d_w·d_x, sum, acc) and, for Q4_1, acc = fma(m_w, s_x, acc).
+
+/// The integer the block's sum of code products needs added.
+#[inline]
+fn code_offset<const KIND: u8>(a: &ActBlock) -> i32 {
+    match KIND {
+        // vpdpbusd multiplies unsigned by signed: (w + 128)·x = w·x + 128·Σx.
+        Q8 => -128 * a.isum,
+        // Codes 0..15 stand for −8..7.
+        Q40 => -8 * a.isum,
+        _ => 0,
+    }
+}
+
+/// Rows in groups of 16, one row to a lane (a group's weight codes transposed once for
+/// the tile's tokens, each token's codes broadcast), tokens in tiles of 8, 4, 2 and 1:
+/// the per-block scaling costs one vector operation for 16 rows, where one row to a
+/// register paid it for every row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dots<const KIND: u8>(
+    rows: &[&[u8]],
+    x: &TokenBlocks,
+    t0: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let n = out.len() / rows.len().max(1);
+    let nb = x.per_token;
+    assert!(
+        rows.iter().all(|r| r.len() == nb * block_bytes(KIND))
+            && out.len() == rows.len() * n
+            && t0 + n <= x.tokens(),
+        "dots: {} rows, {nb} blocks per token, tokens {t0}+{n} of {}",
+        rows.len(),
+        x.tokens()
+    );
+    let groups = rows.len().div_ceil(LANES);
+    let share = next.len().div_ceil(groups.max(1));
+    let mut sums = [0f32; LANES * MAX_TOKENS];
+    for (g, group) in rows.chunks(LANES).enumerate() {
+        // Lanes past the group's last row repeat it (computed, never stored).
+        let rp: [*const u8; LANES] =
+            std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
+        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
+        let mut t = 0;
+        while t < n {
+            let tt = match n - t {
+                8.. => 8,
+                4..=7 => 4,
+                2 | 3 => 2,
+                _ => 1,
+            };
+            let xb = x.blocks[(t0 + t) * nb..].as_ptr();
+            let ahead = if t == 0 { ahead } else { &[] };
+            // SAFETY: whole rows of nb blocks, and tokens t0 + t .. + tt of nb blocks
+            // each (asserted above).
+            unsafe {
+                match tt {
+                    8 => tile::<KIND, 8>(&rp, xb, nb, &mut sums, ahead),
+                    4 => tile::<KIND, 4>(&rp, xb, nb, &mut sums, ahead),
+                    2 => tile::<KIND, 2>(&rp, xb, nb, &mut sums, ahead),
+                    _ => tile::<KIND, 1>(&rp, xb, nb, &mut sums, ahead),
+                }
+            }
+            let r0 = g * LANES;
+            for (i, o) in out[r0 * n..(r0 + group.len()) * n]
+                .chunks_exact_mut(n)
+                .enumerate()
+            {
+                for (j, v) in o[t..t + tt].iter_mut().enumerate() {
+                    *v = sums[j * LANES + i];
+                }
+            }
+            t += tt;
+        }
+    }
+}
+
+/// 16 rows × `T` tokens into `out[t·16 + lane]`. Never inlined: each `T` gets its own
+/// register allocation. The caller checks bounds.
+#[inline(never)]
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile<const KIND: u8, const T: usize>(
+    rp: &[*const u8; LANES],
+    x: *const ActBlock,
+    nb: usize,
+    out: &mut [f32; LANES * MAX_TOKENS],
+    next: &[u8],
+) {
+    let block = block_bytes(KIND);
+    // Each lane's row as a distance from the first: the scales are gathered.
+    let base = rp[0];
+    let dist: [i64; LANES] =
+        std::array::from_fn(|i| (rp[i] as usize).wrapping_sub(base as usize) as i64);
+    // SAFETY: 16 i64.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_si512(dist.as_ptr() as *const __m512i),
+            _mm512_loadu_si512(dist.as_ptr().add(8) as *const __m512i),
+        )
+    };
+    let step = next.len().div_ceil(nb.max(1));
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..nb {
+        let at = b * block;
+        let ahead = (b * step).min(next.len())..((b + 1) * step).min(next.len());
+        super::prefetch(&next[ahead]);
+        // SAFETY: block b lies inside every row; token t's block b inside `x`.
+        unsafe {
+            let codes = codes16::<KIND>(rp, at);
+            let (dw, mw) = scales16::<KIND>(base.add(at), lo, hi);
+            for t in 0..T {
+                let a = &*x.add(t * nb + b);
+                let q = a.qs.as_ptr() as *const i32;
+                // Two chains: integer sums add exactly in any order.
+                let mut s0 = _mm512_set1_epi32(code_offset::<KIND>(a));
+                let mut s1 = _mm512_setzero_si512();
+                for j in 0..4 {
+                    let x0 = _mm512_set1_epi32(q.add(2 * j).read_unaligned());
+                    let x1 = _mm512_set1_epi32(q.add(2 * j + 1).read_unaligned());
+                    s0 = _mm512_dpbusd_epi32(s0, codes[2 * j], x0);
+                    s1 = _mm512_dpbusd_epi32(s1, codes[2 * j + 1], x1);
+                }
+                let f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
+                acc[t] = _mm512_fmadd_ps(scale, f, acc[t]);
+                if KIND == Q41 {
+                    acc[t] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s), acc[t]);
+                }
+            }
+        }
+    }
+    for t in 0..T {
+        // SAFETY: T ≤ 8 rows of 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * LANES), acc[t]) };
+    }
+}
+
+/// The 16 bytes at `at` of 16 rows, transposed: register j holds, in lane r, row r's
+/// bytes 4j .. 4j + 4.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn transpose16(rp: &[*const u8; LANES], at: usize) -> [__m512i; 4] {
+    // z[k]'s 128-bit lane q: row 4q + k.
+    let mut z = [_mm512_setzero_si512(); 4];
+    for (k, zk) in z.iter_mut().enumerate() {
+        // SAFETY: the caller passes 16 readable bytes at `at` in every row.
+        unsafe {
+            let l = |q: usize| _mm_loadu_si128(rp[4 * q + k].add(at) as *const __m128i);
+            let v = _mm512_castsi128_si512(l(0));
+            let v = _mm512_inserti32x4::<1>(v, l(1));
+            let v = _mm512_inserti32x4::<2>(v, l(2));
+            *zk = _mm512_inserti32x4::<3>(v, l(3));
+        }
+    }
+    // A 4×4 transpose of 32-bit words within each 128-bit lane.
+    let a = _mm512_unpacklo_epi32(z[0], z[1]);
+    let b = _mm512_unpackhi_epi32(z[0], z[1]);
+    let c = _mm512_unpacklo_epi32(z[2], z[3]);
+    let d = _mm512_unpackhi_epi32(z[2], z[3]);
+    [
+        _mm512_unpacklo_epi64(a, c),
+        _mm512_unpackhi_epi64(a, c),
+        _mm512_unpacklo_epi64(b, d),
+        _mm512_unpackhi_epi64(b, d),
+    ]
+}
+
+/// Block codes (at `at` in each row) of 16 rows as vpdpbusd's unsigned operand:
+/// register j holds, in lane r, row r's codes 4j .. 4j + 4, matching 32-bit word j of an
+/// activation block.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512i; 8] {
+    // SAFETY: whole blocks at `at` (the caller's promise).
+    unsafe {
+        if KIND == Q8 {
+            let a = transpose16(rp, at + 2);
+            let b = transpose16(rp, at + 18);
+            let flip = _mm512_set1_epi8(-128);
+            std::array::from_fn(|j| _mm512_xor_si512(if j < 4 { a[j] } else { b[j - 4] }, flip))
+        } else {
+            // Byte i holds code i (low nibble) and code i + 16 (high nibble).
+            let t = transpose16(rp, at + block_bytes(KIND) - 16);
+            let mask = _mm512_set1_epi8(0x0f);
+            std::array::from_fn(|j| {
+                if j < 4 {
+                    _mm512_and_si512(t[j], mask)
+                } else {
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
+                }
+            })
+        }
+    }
+}
+
+/// The scales of one block of 16 rows (`p`: the first row's block; `lo`, `hi`: each
+/// lane's row as a distance from it), and the mins (Q4_1; the scales again otherwise).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn scales16<const KIND: u8>(p: *const u8, lo: __m512i, hi: __m512i) -> (__m512, __m512) {
+    // SAFETY: every block starts with 4 readable bytes (the f16 scale, then the min or
+    // codes).
+    let (g0, g1) = unsafe {
+        (
+            _mm512_i64gather_epi32::<1>(lo, p as *const i32),
+            _mm512_i64gather_epi32::<1>(hi, p as *const i32),
+        )
+    };
+    let words = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(g0), g1);
+    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    let m = if KIND == Q41 {
+        _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(words)))
+    } else {
+        d
+    };
+    (d, m)
+}
+
+fn dot_q2_k(w: &[BlockQ2K], x: &[ActBlockK]) -> f32 {
+    // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+    unsafe { super::kq::x86::vnni::dot_q2_k(w, x) }
+}
+fn dot_q3_k(w: &[BlockQ3K], x: &[ActBlockK]) -> f32 {
+    // SAFETY: as above.
+    unsafe { super::kq::x86::vnni::dot_q3_k(w, x) }
+}
+fn dot_q4_k(w: &[BlockQ4K], x: &[ActBlockK]) -> f32 {
+    // SAFETY: as above.
+    unsafe { super::kq::x86::vnni::dot_q4_k(w, x) }
+}
+fn dot_q5_k(w: &[BlockQ5K], x: &[ActBlockK]) -> f32 {
+    // SAFETY: as above.
+    unsafe { super::kq::x86::vnni::dot_q5_k(w, x) }
+}
+fn dot_q6_k(w: &[BlockQ6K], x: &[ActBlockK]) -> f32 {
+    // SAFETY: as above.
+    unsafe { super::kq::x86::vnni::dot_q6_k(w, x) }
+}
+
+fn dot_q8_0(w: &[BlockQ8_0], x: &[ActBlock]) -> f32 {
+    // SAFETY: installed only after `supported()` (and the AVX2 set's check).
+    unsafe { dot_one::<Q8>(bytemuck::cast_slice(w), x) }
+}
+fn dot_q4_0(w: &[BlockQ4_0], x: &[ActBlock]) -> f32 {
+    // SAFETY: as above.
+    unsafe { dot_one::<Q40>(bytemuck::cast_slice(w), x) }
+}
+fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
+    // SAFETY: as above.
+    unsafe { dot_one::<Q41>(bytemuck::cast_slice(w), x) }
+}
+
+/// One row against one token: the tile's arithmetic for a single lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
+    let block = block_bytes(KIND);
+    let nb = (w.len() / block).min(x.len());
+    let mut acc = 0f32;
+    for (b, a) in x[..nb].iter().enumerate() {
+        // SAFETY: block b lies inside `w`; 32 codes in `a`.
+        let sum = unsafe {
+            let p = w.as_ptr().add(b * block);
+            let codes = if KIND == Q8 {
+                _mm256_xor_si256(
+                    _mm256_loadu_si256(p.add(2) as *const __m256i),
+                    _mm256_set1_epi8(-128),
+                )
+            } else {
+                let packed = _mm_loadu_si128(p.add(block - 16) as *const __m128i);
+                let mask = _mm_set1_epi8(0x0f);
+                _mm256_set_m128i(
+                    _mm_and_si128(_mm_srli_epi16::<4>(packed), mask),
+                    _mm_and_si128(packed, mask),
+                )
+            };
+            let xs = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+            let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xs);
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2));
+            _mm_cvtsi128_si32(s1) + code_offset::<KIND>(a)
+        };
+        let at = b * block;
+        let half = |i: usize| f16::from_le_bytes([w[at + i], w[at + i + 1]]).to_f32();
+        acc = (half(0) * a.d).mul_add(sum as f32, acc);
+        if KIND == Q41 {
+            acc = half(2).mul_add(a.s, acc);
+        }
+    }
+    acc
+}

@@ -1,0 +1,58 @@
+//! Row kernels of the CPU backend: dot products of one weight row (in its storage format) with
+//! activations, and the activation quantizer for the integer paths. Each kernel has a portable
+//! version (the reference) and an AVX2/FMA/F16C version chosen once at run time.
+//!
+//! Quantized weights multiply 8-bit activations the way llama.cpp does (Q8_0/Q8_1 activation
+//! blocks with f16-rounded scales), so its results and ours round alike.
+//!
+//! Where things are: the table of a set ([`Kernels`], `set`), the activation blocks
+//! (`activations`), the cache hint (`prefetch`), the sets themselves (`portable`, the reference;
+//! `avx2` with `avx2_attention`; `avx512`, the VNNI many-row dots) and the Q5/K-quant kernels of
+//! every set (`kq`). This file declares them and picks the sets this CPU runs.
+
+mod activations;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx2_attention;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub(crate) mod kq;
+pub mod portable;
+mod prefetch;
+mod set;
+#[cfg(test)]
+mod tests;
+
+pub use activations::{ActBlock, TokenBlocks};
+pub use kq::{ActBlockK, quantize_k};
+pub use portable::PORTABLE;
+pub(crate) use prefetch::prefetch;
+pub use set::{DotsFn, Kernels, ScoresFn};
+
+/// Every kernel set this CPU can run, best first.
+pub fn available() -> Vec<&'static Kernels> {
+    #[allow(unused_mut)]
+    let mut v: Vec<&'static Kernels> = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::supported() {
+            if avx512::supported() {
+                v.push(&avx512::KERNELS);
+            }
+            v.push(&avx2::KERNELS);
+        }
+    }
+    v.push(&PORTABLE);
+    v
+}
+
+/// The kernel set called `name`, if this CPU can run it.
+pub fn by_name(name: &str) -> Option<&'static Kernels> {
+    available().into_iter().find(|k| k.name == name)
+}
+
+/// The best kernel set this CPU supports.
+pub fn best() -> &'static Kernels {
+    available()[0]
+}

@@ -1,0 +1,314 @@
+//! Every kernel set this CPU runs against the portable reference and against itself: dots
+//! and the quantizer within rounding of the reference, attention's kernels and the many-row
+//! dots bit for bit whatever is computed beside a value.
+
+use half::{bf16, f16};
+
+use super::*;
+use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, QK};
+use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+fn rand_vec(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+}
+
+fn rel(a: f32, b: f32) -> f32 {
+    (a - b).abs() / b.abs().max(1.0)
+}
+
+/// Attention's weighted sum of value rows: each output its column's terms in row order,
+/// fused multiply-adds on the SIMD sets and a multiply then an add on the portable one, bit
+/// for bit over widths with and without tails (so no output depends on its neighbours).
+#[test]
+fn axpy_rows_sums_each_column_in_row_order() {
+    let mut rng = StdRng::seed_from_u64(17);
+    for width in [3usize, 8, 64, 75, 128, 200] {
+        for count in [0usize, 1, 5, 16] {
+            let rows: Vec<Vec<f32>> = (0..count).map(|_| rand_vec(&mut rng, width)).collect();
+            let refs: Vec<&[f32]> = rows.iter().map(|r| r.as_slice()).collect();
+            let w = rand_vec(&mut rng, count);
+            let out0 = rand_vec(&mut rng, width);
+            let (mut fused, mut unfused) = (out0.clone(), out0.clone());
+            for (&wj, row) in w.iter().zip(&rows) {
+                for ((f, u), &v) in fused.iter_mut().zip(unfused.iter_mut()).zip(row) {
+                    *f = wj.mul_add(v, *f);
+                    *u += wj * v;
+                }
+            }
+            for k in available() {
+                let want = if k.name == PORTABLE.name {
+                    &unfused
+                } else {
+                    &fused
+                };
+                let mut got = out0.clone();
+                (k.axpy_rows)(&mut got, &w, &refs);
+                assert!(&got == want, "{} width {width}, {count} rows", k.name);
+            }
+        }
+    }
+}
+
+/// A set's scores of a tile of queries and keys are each pair's alone, bit for bit,
+/// whatever the tile's shape (every tile and remainder the kernel takes), and within
+/// rounding of the portable set's.
+#[test]
+fn scores_are_each_pairs_alone_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(19);
+    for width in [3usize, 8, 40, 64, 75, 128] {
+        for (nq, nk) in [
+            (1usize, 0usize),
+            (1, 1),
+            (1, 9),
+            (1, 16),
+            (2, 3),
+            (2, 4),
+            (3, 13),
+            (5, 16),
+        ] {
+            let qs: Vec<Vec<f32>> = (0..nq).map(|_| rand_vec(&mut rng, width)).collect();
+            let ks: Vec<Vec<f32>> = (0..nk).map(|_| rand_vec(&mut rng, width)).collect();
+            let qr: Vec<&[f32]> = qs.iter().map(|r| r.as_slice()).collect();
+            let kr: Vec<&[f32]> = ks.iter().map(|r| r.as_slice()).collect();
+            let mut want = vec![0f32; nq * nk];
+            portable::scores(&qr, &kr, &mut want);
+            for k in available() {
+                let mut got = vec![f32::NAN; nq * nk];
+                (k.scores)(&qr, &kr, &mut got);
+                for (at, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let (i, j) = (at / nk, at % nk);
+                    let mut alone = [f32::NAN];
+                    (k.scores)(&qr[i..=i], &kr[j..=j], &mut alone);
+                    assert!(
+                        g.to_bits() == alone[0].to_bits(),
+                        "{} width {width}, query {i} key {j} of {nq}x{nk}: {g} vs {}",
+                        k.name,
+                        alone[0]
+                    );
+                    assert!(rel(g, w) < 1e-5, "{} {g} vs portable {w}", k.name);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_kernels_equal_portable() {
+    for k in available() {
+        check_against_portable(k);
+    }
+}
+
+fn check_against_portable(k: &Kernels) {
+    let mut rng = StdRng::seed_from_u64(7);
+    for n in [32usize, 64, 96, 576, 1536] {
+        let w = rand_vec(&mut rng, n);
+        let x = rand_vec(&mut rng, n);
+        assert!(rel((k.dot_f32)(&w, &x), portable::dot_f32(&w, &x)) < 1e-5);
+        let wh: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+        assert!(rel((k.dot_f16)(&wh, &x), portable::dot_f16(&wh, &x)) < 1e-5);
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert!(rel((k.dot_bf16)(&wb, &x), portable::dot_bf16(&wb, &x)) < 1e-5);
+
+        let mut qa = vec![ActBlock::default(); n / QK];
+        let mut qb = vec![ActBlock::default(); n / QK];
+        (k.quantize)(&x, &mut qa);
+        portable::quantize(&x, &mut qb);
+        for (a, b) in qa.iter().zip(&qb) {
+            assert_eq!(a.qs, b.qs);
+            assert_eq!((a.d, a.s, a.isum), (b.d, b.s, b.isum));
+        }
+
+        let q8: Vec<BlockQ8_0> = (0..n / QK)
+            .map(|_| BlockQ8_0 {
+                d: f16::from_f32(rng.random_range(0.001f32..0.1)),
+                qs: std::array::from_fn(|_| rng.random_range(-128i32..=127) as i8),
+            })
+            .collect();
+        assert!(rel((k.dot_q8_0)(&q8, &qa), portable::dot_q8_0(&q8, &qa)) < 1e-5);
+        let q40: Vec<BlockQ4_0> = (0..n / QK)
+            .map(|_| BlockQ4_0 {
+                d: f16::from_f32(rng.random_range(-0.1f32..0.1)),
+                qs: std::array::from_fn(|_| rng.random::<u8>()),
+            })
+            .collect();
+        assert!(rel((k.dot_q4_0)(&q40, &qa), portable::dot_q4_0(&q40, &qa)) < 1e-5);
+        let q41: Vec<BlockQ4_1> = (0..n / QK)
+            .map(|_| BlockQ4_1 {
+                d: f16::from_f32(rng.random_range(0.001f32..0.1)),
+                m: f16::from_f32(rng.random_range(-0.5f32..0.5)),
+                qs: std::array::from_fn(|_| rng.random::<u8>()),
+            })
+            .collect();
+        assert!(rel((k.dot_q4_1)(&q41, &qa), portable::dot_q4_1(&q41, &qa)) < 1e-5);
+    }
+}
+
+/// The many-row kernels give each (row, token) exactly what the one-token kernel gives it
+/// (batched requests answer as if alone), whatever rows and tokens are computed beside it:
+/// odd and even block counts, every tile size, groups of rows full and partial.
+#[test]
+fn many_token_dots_equal_one_token_dots_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(19);
+    let mut checked = 0;
+    for k in available() {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let Some(dots) = k.dots(dtype) else {
+                continue;
+            };
+            for (blocks, tokens, n_rows) in [
+                (1usize, 3usize, 1usize),
+                (18, 11, 17),
+                (48, 8, 16),
+                (9, 16, 3),
+            ] {
+                let x = rand_vec(&mut rng, tokens * blocks * QK);
+                let mut qa = vec![ActBlock::default(); tokens * blocks];
+                (k.quantize)(&x, &mut qa);
+                let rows: Vec<Vec<u8>> = (0..n_rows)
+                    .map(|_| {
+                        (0..blocks)
+                            .flat_map(|_| {
+                                let d = f16::from_f32(rng.random_range(0.001f32..0.1));
+                                let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
+                                let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
+                                let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
+                                match dtype {
+                                    DType::Q8_0 => {
+                                        bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec()
+                                    }
+                                    DType::Q4_0 => {
+                                        bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec()
+                                    }
+                                    _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec(),
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+                let x = TokenBlocks {
+                    blocks: &qa,
+                    per_token: blocks,
+                };
+                for t0 in [0, 1] {
+                    let n = tokens - t0;
+                    let mut all = vec![f32::NAN; n_rows * n];
+                    dots(&refs, &x, t0, &mut all, &rows[0]);
+                    for (r, row) in rows.iter().enumerate() {
+                        // One row alone gives what it gives among the others.
+                        let mut alone = vec![f32::NAN; n];
+                        dots(&[row], &x, t0, &mut alone, &[]);
+                        assert_eq!(alone[..], all[r * n..(r + 1) * n]);
+                        for (j, g) in alone.iter().enumerate() {
+                            let xa = &qa[(t0 + j) * blocks..(t0 + j + 1) * blocks];
+                            let one = match dtype {
+                                DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice(row), xa),
+                                DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice(row), xa),
+                                _ => (k.dot_q4_1)(bytemuck::cast_slice(row), xa),
+                            };
+                            assert_eq!(
+                                g.to_bits(),
+                                one.to_bits(),
+                                "{} {dtype} {blocks} blocks, row {r}, token {}: {g} vs {one}",
+                                k.name,
+                                t0 + j
+                            );
+                            // And it is the product the portable kernel computes.
+                            let reference = match dtype {
+                                DType::Q8_0 => portable::dot_q8_0(bytemuck::cast_slice(row), xa),
+                                DType::Q4_0 => portable::dot_q4_0(bytemuck::cast_slice(row), xa),
+                                _ => portable::dot_q4_1(bytemuck::cast_slice(row), xa),
+                            };
+                            assert!(
+                                (g - reference).abs() <= 1e-4 * reference.abs().max(1.0),
+                                "{} {dtype}: {g} vs portable {reference}",
+                                k.name
+                            );
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("{checked} many-row dots checked");
+}
+
+/// Every set's softmax numerators are `exp` to a few ulp, each value whatever its place in
+/// the slice (vector lanes and the scalar tail agree), and their sum is theirs.
+#[test]
+fn exp_sum_is_exp_to_a_few_ulp_wherever_a_value_lies() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut xs: Vec<f32> = (0..1000)
+        .map(|_| rng.random_range(-100.0f32..0.0))
+        .collect();
+    xs.extend([
+        0.0,
+        -0.0,
+        -1e-30,
+        -87.3,
+        -87.4,
+        -88.0,
+        -103.0,
+        f32::NEG_INFINITY,
+        -1e-3,
+    ]);
+    for k in available() {
+        let mut got = xs.clone();
+        let sum = (k.exp_sum)(&mut got, 0.0);
+        let mut want_sum = 0f64;
+        for (&x, &g) in xs.iter().zip(&got) {
+            let want = (x as f64).exp();
+            want_sum += g as f64;
+            let tiny = want < f32::MIN_POSITIVE as f64;
+            assert!(
+                (g as f64 - want).abs() <= 4.0 * f32::EPSILON as f64 * want
+                    || (tiny && g as f64 <= f32::MIN_POSITIVE as f64),
+                "{}: exp({x}) = {g}, want {want}",
+                k.name
+            );
+            let mut one = [x];
+            (k.exp_sum)(&mut one, 0.0);
+            assert_eq!(one[0].to_bits(), g.to_bits(), "{}: exp({x}) alone", k.name);
+        }
+        assert!((sum - want_sum).abs() <= 1e-12 * want_sum, "{}", k.name);
+        // Scores less their maximum: the maximum's numerator is exactly 1.
+        let mut s = [3.0f32, 5.0, 1.0];
+        (k.exp_sum)(&mut s, 5.0);
+        assert_eq!(s[1], 1.0, "{}", k.name);
+        let mut nan = [f32::NAN; 9];
+        (k.exp_sum)(&mut nan, 0.0);
+        assert!(
+            nan.iter().all(|v| v.is_nan()),
+            "{}: a NaN score stays NaN",
+            k.name
+        );
+    }
+}
+
+#[test]
+fn quantized_dot_is_close_to_float_dot() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let x = rand_vec(&mut rng, 256);
+    let w = rand_vec(&mut rng, 256);
+    let q8: Vec<BlockQ8_0> = w
+        .chunks(QK)
+        .map(|c| {
+            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            BlockQ8_0 {
+                d: f16::from_f32(d),
+                qs: std::array::from_fn(|i| (c[i] / d).round() as i8),
+            }
+        })
+        .collect();
+    let mut qa = vec![ActBlock::default(); 8];
+    (best().quantize)(&x, &mut qa);
+    let exact = portable::dot_f32(&w, &x);
+    let approx = (best().dot_q8_0)(&q8, &qa);
+    assert!(
+        (exact - approx).abs() < 0.05 * exact.abs().max(1.0),
+        "{exact} vs {approx}"
+    );
+}

@@ -1,0 +1,147 @@
+//! A layer's FFN bundles borrowed in one encoding ([`Bundles`]): their layout, the vector of a
+//! bundle's part, the checks every bundle operator shares; and one part's dot or axpy (what the
+//! dense bundle kernels use).
+
+use super::vector::{Vector, ops};
+use crate::backend::cpu::kernels::Kernels;
+use crate::backend::{BackendError, BundleShape, Result};
+use crate::store::Encoding;
+use crate::store::quant::INT4_GROUP;
+use crate::tensor::{DType, HostTensor};
+
+pub(super) fn err(op: &'static str, msg: String) -> BackendError {
+    BackendError::Shape { op, msg }
+}
+
+/// A layer's FFN bundles in one encoding, borrowed (from the store's map or a buffer).
+#[derive(Clone, Copy, Debug)]
+pub struct Bundles<'a> {
+    bytes: &'a [u8],
+    enc: Encoding,
+    pub(super) shape: BundleShape,
+    row_bytes: usize,
+    pub(super) neurons: usize,
+}
+
+impl<'a> Bundles<'a> {
+    /// Bundles laid out as the store writes them (see `store::Encoding`): f32/f16/bf16 parts one
+    /// after another; INT8 the part scales (f32) first, then the codes; INT4 all group scales
+    /// (f16) first, then the packed codes.
+    pub fn new(bytes: &'a [u8], enc: Encoding, shape: BundleShape) -> Result<Self> {
+        let op = "sparse bundles";
+        // The shape and encoding rule every backend sizes bundles by.
+        let row_bytes = crate::backend::bundle_bytes("bundles", enc, shape, 1)?;
+        let align = match enc {
+            Encoding::Format(DType::F32) => 4,
+            Encoding::Format(_) => 2,
+            Encoding::Int8 | Encoding::Int4 => 1,
+        };
+        // Float parts are read as typed slices; the store's map and our buffers are aligned.
+        if !(bytes.as_ptr() as usize).is_multiple_of(align) {
+            return Err(err(
+                op,
+                format!("{} bundles not {align}-aligned", enc.name()),
+            ));
+        }
+        if !bytes.len().is_multiple_of(row_bytes) {
+            return Err(err(
+                op,
+                format!(
+                    "{} bytes is not whole {row_bytes}-byte bundles",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(Bundles {
+            bytes,
+            enc,
+            shape,
+            row_bytes,
+            neurons: bytes.len() / row_bytes,
+        })
+    }
+
+    /// Float bundles held as a tensor (`neurons × parts·d`, as the dense kernels take them).
+    pub fn from_host(t: &'a HostTensor, shape: BundleShape) -> Result<Self> {
+        if t.cols != shape.parts * shape.d {
+            return Err(err(
+                "sparse bundles",
+                format!(
+                    "`{}` has {} columns, not {}×{}",
+                    t.name, t.cols, shape.parts, shape.d
+                ),
+            ));
+        }
+        Bundles::new(t.data.as_slice(), Encoding::Format(t.dtype), shape)
+    }
+
+    pub fn neurons(&self) -> usize {
+        self.neurons
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.row_bytes
+    }
+
+    pub fn shape(&self) -> BundleShape {
+        self.shape
+    }
+
+    /// Part `p` of bundle `i` (`i < neurons`, `p < parts`: checked by the callers).
+    pub(super) fn part(&self, i: usize, p: usize) -> Vector<'a> {
+        let BundleShape { parts, d } = self.shape;
+        let row = &self.bytes[i * self.row_bytes..(i + 1) * self.row_bytes];
+        match self.enc {
+            Encoding::Format(DType::F32) => {
+                Vector::F32(bytemuck::cast_slice(&row[p * d * 4..(p + 1) * d * 4]))
+            }
+            Encoding::Format(DType::F16) => {
+                Vector::F16(bytemuck::cast_slice(&row[p * d * 2..(p + 1) * d * 2]))
+            }
+            Encoding::Format(DType::BF16) => {
+                Vector::Bf16(bytemuck::cast_slice(&row[p * d * 2..(p + 1) * d * 2]))
+            }
+            Encoding::Int8 => {
+                let mut s = [0u8; 4];
+                s.copy_from_slice(&row[p * 4..p * 4 + 4]);
+                let at = parts * 4 + p * d;
+                Vector::I8 {
+                    scale: f32::from_le_bytes(s),
+                    q: bytemuck::cast_slice(&row[at..at + d]),
+                }
+            }
+            Encoding::Int4 => {
+                let groups = d / INT4_GROUP;
+                let at = parts * groups * 2 + p * d / 2;
+                Vector::I4 {
+                    scales: &row[p * groups * 2..(p + 1) * groups * 2],
+                    q: &row[at..at + d / 2],
+                }
+            }
+            // `new` admits no other encoding.
+            Encoding::Format(_) => unreachable!("checked in Bundles::new"),
+        }
+    }
+
+    /// Checks shared by the bundle functions: every listed neuron exists.
+    pub(super) fn check_idx(&self, op: &'static str, idx: &[u32]) -> Result<()> {
+        match idx.iter().find(|&&i| i as usize >= self.neurons) {
+            Some(i) => Err(err(
+                op,
+                format!("neuron {i} listed, the bundles hold {}", self.neurons),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `part p of bundle i · x` by the best kernels (no decode to f32 first): the dense bundle
+/// kernels' inner product.
+pub(crate) fn bundle_dot(k: &Kernels, b: &Bundles, i: usize, p: usize, x: &[f32]) -> f32 {
+    b.part(i, p).dot(k, ops(k), x)
+}
+
+/// `out += a · part p of bundle i` by the best kernels.
+pub(crate) fn bundle_axpy(k: &Kernels, b: &Bundles, i: usize, p: usize, a: f32, out: &mut [f32]) {
+    b.part(i, p).axpy(ops(k), a, out)
+}

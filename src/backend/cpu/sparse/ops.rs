@@ -1,0 +1,42 @@
+//! The table of the sparse operators' own inner kernels ([`Ops`]): what `Kernels` lacks (INT8
+//! and INT4 dots with f32 activations, the column axpys, the four-row kernels). `portable` and
+//! `x86` fill it; `vector::ops` picks one to go with a kernel set.
+
+use half::{bf16, f16};
+
+/// The kernels `Kernels` lacks: INT8/INT4 dots with f32 activations and the column axpys.
+pub(super) struct Ops {
+    pub(super) dot_i8: fn(&[i8], &[f32]) -> f32,
+    pub(super) dot_i4: fn(&[u8], &[u8], &[f32]) -> f32,
+    pub(super) axpy_f32: fn(f32, &[f32], &mut [f32]),
+    pub(super) axpy_f16: fn(f32, &[f16], &mut [f32]),
+    pub(super) axpy_bf16: fn(f32, &[bf16], &mut [f32]),
+    pub(super) axpy_i8: fn(f32, &[i8], &mut [f32]),
+    pub(super) axpy_i4: fn(f32, &[u8], &[u8], &mut [f32]),
+    /// Four rows against one `x` in one pass (the loads of `x` shared), prefetching the next
+    /// group's rows ahead of the reads; `None` where the per-row kernels serve (portable).
+    /// INT8 sums come unscaled.
+    pub(super) dot4_f16: Option<Dot4F16>,
+    pub(super) dot4_i8: Option<Dot4I8>,
+    pub(super) dot4_i4: Option<Dot4I4>,
+    /// `out += Σ_r a[r] · col[r]`, in the order of `r` (as four axpys would add), the next
+    /// group's columns prefetched; the output tile is read and written once per four columns.
+    pub(super) axpy4_f16: Option<Axpy4F16>,
+    pub(super) axpy4_i8: Option<Axpy4I8>,
+    pub(super) axpy4_i4: Option<Axpy4I4>,
+}
+
+// The four-row kernels: (rows, next rows, x) and (weights, columns, next columns, out).
+pub(super) type Dot4F16 = fn([&[f16]; 4], [&[f16]; 4], &[f32]) -> [f32; 4];
+pub(super) type Dot4I8 = fn([&[i8]; 4], [&[i8]; 4], &[f32]) -> [f32; 4];
+pub(super) type Dot4I4 = fn([I4Row; 4], [I4Row; 4], &[f32]) -> [f32; 4];
+pub(super) type Axpy4F16 = fn([f32; 4], [&[f16]; 4], [&[f16]; 4], &mut [f32]);
+pub(super) type Axpy4I8 = fn([f32; 4], [&[i8]; 4], [&[i8]; 4], &mut [f32]);
+pub(super) type Axpy4I4 = fn([f32; 4], [I4Row; 4], [I4Row; 4], &mut [f32]);
+
+/// An INT4 vector: its group scales (little-endian f16s) and packed codes.
+pub(super) type I4Row<'a> = (&'a [u8], &'a [u8]);
+
+pub(super) fn i4_scale(scales: &[u8], g: usize) -> f32 {
+    f16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]).to_f32()
+}

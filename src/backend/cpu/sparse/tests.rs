@@ -1,0 +1,363 @@
+//! The bundle operators (up, part dots, down) against the dense bundle kernels on masked
+//! activations and against one vector at a time; bad inputs of every operator; and the helpers
+//! the matrix operators' tests share.
+
+use half::{bf16, f16};
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+use super::super::{bundles, kernels};
+use super::vector::ops;
+use super::*;
+use crate::backend::BundleShape;
+use crate::backend::cpu::kernels::Kernels;
+use crate::store::Encoding;
+use crate::store::quant::{INT4_GROUP, dequant_int4_row, dequant_int8_row, int4_row, int8_row};
+use crate::tensor::{Bytes, DType, HostTensor};
+
+// Tolerance. For float bundles `sparse_up` runs the dense kernel on the same row and
+// activations, so it matches exactly; INT8/INT4 differ from the dequantized-f32 oracle by
+// one rounding per product (`s·(q·x)` against `(s·q)·x`). The down sums add the same terms
+// in another association (per-task partials, runs of blocks): reassociating a sum of N terms
+// moves it by at most about N·ε·Σ|terms| (ε = 2⁻²⁴), and N ≤ 200 here, so every check is
+// `|got − want| ≤ 2e-5 · Σ|terms|`, Σ|terms| computed in f64 from the oracle's values.
+pub(super) const REL: f64 = 2e-5;
+
+pub(super) fn rand_vec(rng: &mut StdRng, n: usize, r: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-r..r)).collect()
+}
+
+/// Zero about half of each token's activations (each token its own), then check that
+/// every token's row of `call` over all `n` tokens is, bit for bit, its row of `call` over
+/// that token alone listing only its non-zero neurons (in the same order). `call(idx, h,
+/// n, out)` adds into `out` (`n × width`, starting from `out0`).
+pub(super) fn each_token_as_alone(
+    rng: &mut StdRng,
+    idx: &[u32],
+    h: &[f32],
+    n: usize,
+    out0: &[f32],
+    what: &str,
+    call: impl Fn(&[u32], &[f32], usize, &mut [f32]),
+) {
+    let (m, width) = (idx.len(), out0.len() / n);
+    let h: Vec<f32> = h
+        .iter()
+        .map(|&v| if rng.random_bool(0.5) { 0.0 } else { v })
+        .collect();
+    let mut all = out0.to_vec();
+    call(idx, &h, n, &mut all);
+    for t in 0..n {
+        let own: Vec<usize> = (0..m).filter(|&j| h[t * m + j] != 0.0).collect();
+        let idx_t: Vec<u32> = own.iter().map(|&j| idx[j]).collect();
+        let h_t: Vec<f32> = own.iter().map(|&j| h[t * m + j]).collect();
+        let mut alone = out0[t * width..(t + 1) * width].to_vec();
+        call(&idx_t, &h_t, 1, &mut alone);
+        assert!(
+            alone == all[t * width..(t + 1) * width],
+            "{what}: token {t} of {n} differs from alone"
+        );
+    }
+}
+
+/// [`each_token_as_alone`] for [`sparse_down_split`].
+fn down_as_alone(
+    rng: &mut StdRng,
+    k: &Kernels,
+    b: &Bundles,
+    (idx, h, n): (&[u32], &[f32], usize),
+    out0: &[f32],
+    what: &str,
+    split: DownSplit,
+) {
+    each_token_as_alone(rng, idx, h, n, out0, what, |i, h, n, o| {
+        sparse_down_split(k, b, i, h, n, o, split).unwrap();
+    });
+}
+
+/// A random list of `frac` of `neurons`, in random order, without duplicates.
+pub(super) fn rand_idx(rng: &mut StdRng, neurons: usize, frac: f64) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..neurons as u32).collect();
+    all.shuffle(rng);
+    all.truncate((neurons as f64 * frac).round() as usize);
+    all
+}
+
+/// What the encoding stores, as f32 (the oracle's weights).
+fn roundtrip(v: &[f32], enc: Encoding) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    match enc {
+        Encoding::Format(DType::F32) => out.copy_from_slice(v),
+        Encoding::Format(DType::F16) => {
+            out.iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = f16::from_f32(*x).to_f32());
+        }
+        Encoding::Format(DType::BF16) => {
+            out.iter_mut()
+                .zip(v)
+                .for_each(|(o, x)| *o = bf16::from_f32(*x).to_f32());
+        }
+        Encoding::Int8 => {
+            let (s, q) = int8_row(v);
+            dequant_int8_row(s, &q, &mut out);
+        }
+        Encoding::Int4 => {
+            let (s, q) = int4_row(v);
+            dequant_int4_row(&s, &q, &mut out);
+        }
+        Encoding::Format(_) => unreachable!(),
+    }
+    out
+}
+
+/// A random layer: the store's bytes in `enc`, and the oracle: the same values as f32
+/// bundles for the dense kernels.
+struct Layer {
+    bytes: Vec<u8>,
+    oracle: HostTensor,
+    /// The oracle's down columns, neuron-major.
+    down: Vec<f32>,
+    shape: BundleShape,
+}
+
+fn layer(rng: &mut StdRng, enc: Encoding, gated: bool, neurons: usize, d: usize) -> Layer {
+    let gate = gated.then(|| rand_vec(rng, neurons * d, 0.5));
+    let up = rand_vec(rng, neurons * d, 0.5);
+    let down = rand_vec(rng, neurons * d, 0.5);
+    let bytes = crate::store::encode_bundles(gate.as_deref(), &up, &down, d, enc);
+    // Per bundle part, as the store quantizes them.
+    let rt = |v: &[f32]| -> Vec<f32> { v.chunks(d).flat_map(|r| roundtrip(r, enc)).collect() };
+    let (gate, up, down) = (gate.as_deref().map(rt), rt(&up), rt(&down));
+    let f = crate::store::encode_bundles(gate.as_deref(), &up, &down, d, Encoding::F32);
+    let parts = if gated { 3 } else { 2 };
+    Layer {
+        bytes,
+        oracle: HostTensor {
+            name: "oracle".into(),
+            rows: neurons,
+            cols: parts * d,
+            dtype: DType::F32,
+            data: Bytes::from_slice(&f),
+        },
+        down,
+        shape: BundleShape { parts, d },
+    }
+}
+
+/// Aligned copy (a `Vec<u8>` promises no alignment; the store's map and `Bytes` do).
+fn aligned(bytes: &[u8]) -> Bytes {
+    Bytes::from_slice(bytes)
+}
+
+pub(super) fn kernel_sets() -> Vec<&'static Kernels> {
+    let mut v = vec![kernels::best()];
+    if v[0].name != kernels::PORTABLE.name {
+        v.push(&kernels::PORTABLE);
+    }
+    v
+}
+
+#[test]
+fn bundles_equal_dense_with_masked_h() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let encs = [
+        Encoding::F32,
+        Encoding::F16,
+        Encoding::Format(DType::BF16),
+        Encoding::Int8,
+        Encoding::Int4,
+    ];
+    let silu: fn(f32) -> f32 = |x| x / (1.0 + (-x).exp());
+    let relu: fn(f32) -> f32 = |x| x.max(0.0);
+    for k in kernel_sets() {
+        for enc in encs {
+            for (gated, neurons, d) in [(true, 173usize, 96usize), (false, 61, 160), (true, 40, 71)]
+            {
+                if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
+                    continue;
+                }
+                let l = layer(&mut rng, enc, gated, neurons, d);
+                let bytes = aligned(&l.bytes);
+                let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+                assert_eq!(b.neurons(), neurons);
+                let act = if gated { silu } else { relu };
+                let bias = rand_vec(&mut rng, neurons, 0.3);
+                let bias = (!gated).then_some(&bias[..]);
+                for n in [1usize, 3] {
+                    let x = rand_vec(&mut rng, n * d, 1.0);
+                    // Dense oracle: every neuron's h.
+                    let mut hd = vec![0f32; n * neurons];
+                    bundles::up(
+                        k, &l.oracle, l.shape, &x, n, act, 0.0, bias, &mut hd, neurons, 0,
+                    );
+                    for frac in [0.0, 0.1, 0.5, 1.0] {
+                        let what = format!("{} {enc:?} gated {gated} n {n} {frac}", k.name);
+                        let idx = rand_idx(&mut rng, neurons, frac);
+                        let m = idx.len();
+                        let mut h = vec![f32::NAN; n * m];
+                        sparse_up(k, &b, &idx, &x, n, act, bias, &mut h).unwrap();
+                        for t in 0..n {
+                            for (j, &i) in idx.iter().enumerate() {
+                                let (got, want) = (h[t * m + j], hd[t * neurons + i as usize]);
+                                let tol = 1e-5 * (1.0 + want.abs());
+                                assert!((got - want).abs() <= tol, "{what}: h {got} vs {want}");
+                            }
+                        }
+                        // Down: the dense kernel on h masked to the listed neurons.
+                        let mut masked = vec![0f32; n * neurons];
+                        for t in 0..n {
+                            for (j, &i) in idx.iter().enumerate() {
+                                masked[t * neurons + i as usize] = h[t * m + j];
+                            }
+                        }
+                        let out0 = rand_vec(&mut rng, n * d, 1.0);
+                        let mut want = out0.clone();
+                        bundles::down(k, &l.oracle, l.shape, &masked, n, neurons, 0, &mut want);
+                        for split in [DownSplit::Output, DownSplit::Partials] {
+                            let w = format!("{what} {split:?}");
+                            down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
+                            let mut got = out0.clone();
+                            sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
+                            for t in 0..n {
+                                for c in 0..d {
+                                    let mag: f64 = out0[t * d + c].abs() as f64
+                                        + idx
+                                            .iter()
+                                            .enumerate()
+                                            .map(|(j, &i)| {
+                                                (h[t * m + j] * l.down[i as usize * d + c]).abs()
+                                                    as f64
+                                            })
+                                            .sum::<f64>();
+                                    let (g, w) = (got[t * d + c], want[t * d + c]);
+                                    assert!(
+                                        ((g - w).abs() as f64) <= REL * mag + 1e-30,
+                                        "{what} {split:?} [{t},{c}]: {g} vs {w}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The grouped (four-row) paths against one row at a time: short lists of every length
+/// around the group size, repeats, zero weights, several tokens, row lengths with tails.
+#[test]
+fn grouped_paths_equal_per_row() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let encs = [
+        Encoding::F32,
+        Encoding::F16,
+        Encoding::Format(DType::BF16),
+        Encoding::Int8,
+        Encoding::Int4,
+    ];
+    let id: fn(f32) -> f32 = |x| x;
+    for k in kernel_sets() {
+        let o = ops(k);
+        for enc in encs {
+            for (gated, d) in [(true, 224usize), (false, 224), (true, 77), (false, 77)] {
+                if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
+                    continue;
+                }
+                let neurons = 23;
+                let l = layer(&mut rng, enc, gated, neurons, d);
+                let bytes = aligned(&l.bytes);
+                let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+                let parts = l.shape.parts;
+                for m in 1..=10usize {
+                    // With repeats: a neuron listed twice counts twice.
+                    let idx: Vec<u32> = (0..m)
+                        .map(|_| rng.random_range(0..neurons as u32))
+                        .collect();
+                    for n in [1usize, 2, 4] {
+                        let what = format!("{} {enc:?} gated {gated} d {d} m {m} n {n}", k.name);
+                        let x = rand_vec(&mut rng, n * d, 1.0);
+                        let row = |i: usize, p: usize, t: usize| {
+                            b.part(i, p).dot(k, o, &x[t * d..(t + 1) * d])
+                        };
+                        let close = |g: f32, w: f32, mag: f32| {
+                            assert!((g - w).abs() <= 1e-5 * (1.0 + mag), "{what}: {g} vs {w}");
+                        };
+                        let mut h = vec![f32::NAN; n * m];
+                        sparse_up(k, &b, &idx, &x, n, id, None, &mut h).unwrap();
+                        for p in 0..parts {
+                            let mut v = vec![f32::NAN; n * m];
+                            sparse_part_dots(k, &b, &idx, p, &x, n, &mut v).unwrap();
+                            for t in 0..n {
+                                for (j, &i) in idx.iter().enumerate() {
+                                    let want = row(i as usize, p, t);
+                                    close(v[t * m + j], want, want.abs());
+                                }
+                            }
+                        }
+                        for t in 0..n {
+                            for (j, &i) in idx.iter().enumerate() {
+                                let i = i as usize;
+                                let want = if gated {
+                                    row(i, 0, t) * row(i, 1, t)
+                                } else {
+                                    row(i, 0, t)
+                                };
+                                close(h[t * m + j], want, want.abs());
+                            }
+                        }
+                        // Zero weights for some neurons (all tokens) and some cells.
+                        for (c, v) in h.iter_mut().enumerate() {
+                            if c % m % 3 == 1 || c % 5 == 2 {
+                                *v = 0.0;
+                            }
+                        }
+                        let out0 = rand_vec(&mut rng, n * d, 1.0);
+                        for split in [DownSplit::Output, DownSplit::Partials] {
+                            let w = format!("{what} {split:?}");
+                            down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
+                            let mut got = out0.clone();
+                            sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
+                            for t in 0..n {
+                                let mut want = out0[t * d..(t + 1) * d].to_vec();
+                                let mut mag = 0f32;
+                                for (j, &i) in idx.iter().enumerate() {
+                                    let a = h[t * m + j];
+                                    b.part(i as usize, parts - 1).axpy(o, a, &mut want);
+                                    mag += a.abs();
+                                }
+                                for c in 0..d {
+                                    close(got[t * d + c], want[c], mag + want[c].abs());
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let shape = BundleShape { parts: 3, d: 64 };
+    let l = layer(&mut rng, Encoding::Int8, true, 10, 64);
+    assert!(Bundles::new(&l.bytes[1..], Encoding::Int8, shape).is_err());
+    assert!(Bundles::new(&l.bytes, Encoding::Format(DType::Q4_0), shape).is_err());
+    let odd = BundleShape { parts: 3, d: 48 };
+    assert!(Bundles::new(&[], Encoding::Int4, odd).is_err());
+    let b = Bundles::new(&l.bytes, Encoding::Int8, shape).unwrap();
+    let k = kernels::best();
+    let x = vec![0f32; 64];
+    let mut h = vec![0f32; 1];
+    let relu: fn(f32) -> f32 = |x| x.max(0.0);
+    assert!(sparse_up(k, &b, &[10], &x, 1, relu, None, &mut h).is_err());
+    assert!(sparse_up(k, &b, &[9], &x[1..], 1, relu, None, &mut h).is_err());
+    let mut out = vec![0f32; 64];
+    assert!(sparse_down(k, &b, &[9, 1], &h, 1, &mut out).is_err());
+    let w = HostTensor::from_f32("w", 4, 8, vec![0.0; 32]);
+    assert!(sparse_rows(k, &w, &[4], &x[..8], 1, &mut h).is_err());
+    assert!(sparse_down_blocks(k, &w, &[8], &h, 1, &mut out[..4]).is_err());
+}

@@ -1,0 +1,126 @@
+//! The up side over bundles: the listed neurons' hidden activations ([`sparse_up`]) and one
+//! part's dots alone ([`sparse_part_dots`], the part that decides which neurons are active).
+
+use super::bundle::{Bundles, err};
+use super::items::{in_fours, per_items};
+use super::vector::{Vector, dot4, ops};
+use crate::backend::cpu::kernels::Kernels;
+use crate::backend::{BundleShape, Result};
+
+/// Hidden activations of the listed neurons for `n` tokens:
+/// `h[t·m + j] = act(gate_i·x_t) · (up_i·x_t)` (gated bundles) or `act(up_i·x_t + bias[i])`
+/// (two-part bundles; `bias` indexed by neuron, ignored when gated, as the dense kernel does),
+/// `i = idx[j]`, `x` is `n × d`.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_up(
+    k: &Kernels,
+    b: &Bundles,
+    idx: &[u32],
+    x: &[f32],
+    n: usize,
+    act: fn(f32) -> f32,
+    bias: Option<&[f32]>,
+    h: &mut [f32],
+) -> Result<()> {
+    let op = "sparse_up";
+    let BundleShape { parts, d } = b.shape;
+    let m = idx.len();
+    if x.len() != n * d || h.len() != n * m {
+        return Err(err(
+            op,
+            format!(
+                "x has {} values, h {}: want {n}×{d} and {n}×{m}",
+                x.len(),
+                h.len()
+            ),
+        ));
+    }
+    if let Some(bb) = bias
+        && bb.len() != b.neurons
+    {
+        return Err(err(
+            op,
+            format!("bias of {} for {} neurons", bb.len(), b.neurons),
+        ));
+    }
+    b.check_idx(op, idx)?;
+    let o = ops(k);
+    let gated = parts == 3;
+    // Gated: two neurons' gate and up rows per group of four; else four neurons' up rows.
+    let per = if gated { 2 } else { 4 };
+    per_items(m, n, h, |js, vals| {
+        let j0 = js.start;
+        let items: Vec<usize> = js.collect();
+        let rows = |g: &[usize; 4]| -> [Vector; 4] {
+            let nr = |q: usize| idx[g[q]] as usize;
+            if gated {
+                [
+                    b.part(nr(0), 0),
+                    b.part(nr(0), 1),
+                    b.part(nr(1), 0),
+                    b.part(nr(1), 1),
+                ]
+            } else {
+                [0, 1, 2, 3].map(|q| b.part(nr(q), 0))
+            }
+        };
+        in_fours(&items, per, rows, |rows, next, group| {
+            let live = if gated { 2 * group.len() } else { group.len() };
+            for t in 0..n {
+                let s = dot4(k, o, rows, next, live, &x[t * d..(t + 1) * d]);
+                for (q, &j) in group.iter().enumerate() {
+                    let i = idx[j] as usize;
+                    vals[(j - j0) * n + t] = if gated {
+                        act(s[2 * q]) * s[2 * q + 1]
+                    } else {
+                        act(s[q] + bias.map_or(0.0, |bb| bb[i]))
+                    };
+                }
+            }
+        });
+    });
+    Ok(())
+}
+
+/// `out[t·m + j] = part p of bundle idx[j] · x_t` for `n` tokens: one part of the listed
+/// neurons (the part that decides whether a neuron is active: the gate, or the up vector of
+/// two-part bundles), so the others are read only for the neurons that turn out active.
+pub fn sparse_part_dots(
+    k: &Kernels,
+    b: &Bundles,
+    idx: &[u32],
+    p: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let op = "sparse_part_dots";
+    let BundleShape { parts, d } = b.shape;
+    let m = idx.len();
+    if p >= parts || x.len() != n * d || out.len() != n * m {
+        return Err(err(
+            op,
+            format!(
+                "part {p} of {parts}, x has {} values, out {}: want {n}×{d} and {n}×{m}",
+                x.len(),
+                out.len()
+            ),
+        ));
+    }
+    b.check_idx(op, idx)?;
+    let o = ops(k);
+    per_items(m, n, out, |js, vals| {
+        let j0 = js.start;
+        let items: Vec<usize> = js.collect();
+        let rows = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, p));
+        in_fours(&items, 4, rows, |rows, next, group| {
+            for t in 0..n {
+                let s = dot4(k, o, rows, next, group.len(), &x[t * d..(t + 1) * d]);
+                for (q, &j) in group.iter().enumerate() {
+                    vals[(j - j0) * n + t] = s[q];
+                }
+            }
+        });
+    });
+    Ok(())
+}

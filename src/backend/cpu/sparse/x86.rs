@@ -1,0 +1,530 @@
+//! The AVX2/FMA/F16C inner kernels of the sparse operators: INT8/INT4 dots, the column axpys,
+//! and the four-row dots and axpys that share the loads of `x` (or of the output tile) and
+//! prefetch the next group's rows, which lie at random places.
+
+use half::{bf16, f16};
+use std::arch::x86_64::*;
+
+use super::ops::{I4Row, Ops, i4_scale};
+use crate::backend::cpu::kernels::kq::x86::hsum;
+use crate::store::quant::INT4_GROUP;
+
+pub static OPS: Ops = Ops {
+    dot_i8,
+    dot_i4,
+    axpy_f32,
+    axpy_f16,
+    axpy_bf16,
+    axpy_i8,
+    axpy_i4,
+    dot4_f16: Some(dot4_f16),
+    dot4_i8: Some(dot4_i8),
+    dot4_i4: Some(dot4_i4),
+    axpy4_f16: Some(axpy4_f16),
+    axpy4_i8: Some(axpy4_i8),
+    axpy4_i4: Some(axpy4_i4),
+};
+
+// The safe wrappers are installed only with a kernel set that required AVX2+FMA+F16C.
+
+fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
+    // SAFETY: AVX2+FMA present (see `ops`).
+    unsafe { dot_i8_avx2(q, x) }
+}
+fn dot_i4(scales: &[u8], q: &[u8], x: &[f32]) -> f32 {
+    // SAFETY: as above.
+    unsafe { dot_i4_avx2(scales, q, x) }
+}
+fn axpy_f32(a: f32, w: &[f32], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { axpy_f32_avx2(a, w, out) }
+}
+fn axpy_f16(a: f32, w: &[f16], out: &mut [f32]) {
+    // SAFETY: as above, plus F16C.
+    unsafe { axpy_f16_avx2(a, w, out) }
+}
+fn axpy_bf16(a: f32, w: &[bf16], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { axpy_bf16_avx2(a, w, out) }
+}
+fn axpy_i8(a: f32, q: &[i8], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { axpy_i8_avx2(a, q, out) }
+}
+fn axpy_i4(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { axpy_i4_avx2(a, scales, q, out) }
+}
+fn dot4_f16(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+    // SAFETY: as above, plus F16C.
+    unsafe { dot4_f16_avx2(w, next, x) }
+}
+fn dot4_i8(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
+    // SAFETY: as above.
+    unsafe { dot4_i8_avx2(q, next, x) }
+}
+fn dot4_i4(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
+    // SAFETY: as above, plus F16C.
+    unsafe { dot4_i4_avx2(w, next, x) }
+}
+fn axpy4_f16(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &mut [f32]) {
+    // SAFETY: as above, plus F16C.
+    unsafe { axpy4_f16_avx2(a, w, next, out) }
+}
+fn axpy4_i8(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { axpy4_i8_avx2(a, q, next, out) }
+}
+fn axpy4_i4(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut [f32]) {
+    // SAFETY: as above, plus F16C.
+    unsafe { axpy4_i4_avx2(a, w, next, out) }
+}
+
+/// 8 signed bytes at `p` as floats.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn i8x8(p: *const i8) -> __m256 {
+    // SAFETY: the caller guarantees 8 readable bytes.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
+/// One INT4 group (16 bytes at `p`) as four vectors of 8 values `nibble − 8`, in order.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn i4x32(p: *const u8) -> [__m256; 4] {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let b = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    let m = _mm_set1_epi8(0x0f);
+    let lo = _mm_and_si128(b, m);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+    // Byte j holds values 2j (low nibble) and 2j+1 (high): interleave to restore order.
+    let eight = _mm_set1_epi8(8);
+    let v0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
+    let v1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+    let cvt = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    [
+        cvt(v0),
+        cvt(_mm_srli_si128::<8>(v0)),
+        cvt(v1),
+        cvt(_mm_srli_si128::<8>(v1)),
+    ]
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_i8_avx2(q: &[i8], x: &[f32]) -> f32 {
+    let n = q.len().min(x.len());
+    let (qp, xp) = (q.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut i = 0;
+    // SAFETY: every load reads 8 values at i + 8 ≤ n (16 for the pair).
+    unsafe {
+        while i + 16 <= n {
+            acc[0] = _mm256_fmadd_ps(i8x8(qp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+            acc[1] = _mm256_fmadd_ps(i8x8(qp.add(i + 8)), _mm256_loadu_ps(xp.add(i + 8)), acc[1]);
+            i += 16;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(i8x8(qp.add(i)), _mm256_loadu_ps(xp.add(i)), acc[0]);
+            i += 8;
+        }
+    }
+    let mut sum = hsum(_mm256_add_ps(acc[0], acc[1]));
+    for j in i..n {
+        sum += q[j] as f32 * x[j];
+    }
+    sum
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_i4_avx2(scales: &[u8], q: &[u8], x: &[f32]) -> f32 {
+    let groups = (q.len() / (INT4_GROUP / 2))
+        .min(x.len() / INT4_GROUP)
+        .min(scales.len() / 2);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for g in 0..groups {
+        // SAFETY: group g < groups: 16 code bytes and 32 activations in bounds.
+        unsafe {
+            let v = i4x32(q.as_ptr().add(g * INT4_GROUP / 2));
+            let xp = x.as_ptr().add(g * INT4_GROUP);
+            let mut s = _mm256_mul_ps(v[0], _mm256_loadu_ps(xp));
+            s = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xp.add(8)), s);
+            let mut t = _mm256_mul_ps(v[2], _mm256_loadu_ps(xp.add(16)));
+            t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xp.add(24)), t);
+            let d = _mm256_set1_ps(i4_scale(scales, g));
+            // Two accumulators so consecutive groups do not wait on one FMA chain.
+            acc[g & 1] = _mm256_fmadd_ps(d, _mm256_add_ps(s, t), acc[g & 1]);
+        }
+    }
+    hsum(_mm256_add_ps(acc[0], acc[1]))
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_f32_avx2(a: f32, w: &[f32], out: &mut [f32]) {
+    let n = w.len().min(out.len());
+    let av = _mm256_set1_ps(a);
+    let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: 8 values at i + 8 ≤ n.
+    unsafe {
+        while i + 8 <= n {
+            let o = _mm256_fmadd_ps(av, _mm256_loadu_ps(wp.add(i)), _mm256_loadu_ps(op.add(i)));
+            _mm256_storeu_ps(op.add(i), o);
+            i += 8;
+        }
+    }
+    for j in i..n {
+        out[j] += a * w[j];
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy_f16_avx2(a: f32, w: &[f16], out: &mut [f32]) {
+    let n = w.len().min(out.len());
+    let av = _mm256_set1_ps(a);
+    let (wp, op) = (w.as_ptr() as *const u16, out.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: 8 values at i + 8 ≤ n.
+    unsafe {
+        while i + 8 <= n {
+            let c = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(i) as *const __m128i));
+            _mm256_storeu_ps(
+                op.add(i),
+                _mm256_fmadd_ps(av, c, _mm256_loadu_ps(op.add(i))),
+            );
+            i += 8;
+        }
+    }
+    for j in i..n {
+        out[j] += a * w[j].to_f32();
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_bf16_avx2(a: f32, w: &[bf16], out: &mut [f32]) {
+    let n = w.len().min(out.len());
+    let av = _mm256_set1_ps(a);
+    let (wp, op) = (w.as_ptr() as *const u16, out.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: 8 values at i + 8 ≤ n.
+    unsafe {
+        while i + 8 <= n {
+            // bf16 is the top half of an f32.
+            let c = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(wp.add(i) as *const __m128i),
+            )));
+            _mm256_storeu_ps(
+                op.add(i),
+                _mm256_fmadd_ps(av, c, _mm256_loadu_ps(op.add(i))),
+            );
+            i += 8;
+        }
+    }
+    for j in i..n {
+        out[j] += a * w[j].to_f32();
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_i8_avx2(a: f32, q: &[i8], out: &mut [f32]) {
+    let n = q.len().min(out.len());
+    let av = _mm256_set1_ps(a);
+    let (qp, op) = (q.as_ptr(), out.as_mut_ptr());
+    let mut i = 0;
+    // SAFETY: 8 values at i + 8 ≤ n.
+    unsafe {
+        while i + 8 <= n {
+            let o = _mm256_fmadd_ps(av, i8x8(qp.add(i)), _mm256_loadu_ps(op.add(i)));
+            _mm256_storeu_ps(op.add(i), o);
+            i += 8;
+        }
+    }
+    for j in i..n {
+        out[j] += a * q[j] as f32;
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_i4_avx2(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
+    let groups = (q.len() / (INT4_GROUP / 2))
+        .min(out.len() / INT4_GROUP)
+        .min(scales.len() / 2);
+    for g in 0..groups {
+        let s = _mm256_set1_ps(a * i4_scale(scales, g));
+        // SAFETY: group g < groups: 16 code bytes and 32 outputs in bounds.
+        unsafe {
+            let v = i4x32(q.as_ptr().add(g * INT4_GROUP / 2));
+            let op = out.as_mut_ptr().add(g * INT4_GROUP);
+            for (k, vk) in v.iter().enumerate() {
+                let p = op.add(8 * k);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(s, *vk, _mm256_loadu_ps(p)));
+            }
+        }
+    }
+}
+
+/// How far ahead of its reads each row is prefetched, bytes. Listed neurons' rows are
+/// short runs at random places: the hardware prefetchers restart at every row and every
+/// 4 KiB page, so we ask for the lines ourselves (measured: 256–1024 B all help, 512 best).
+const PREFETCH: usize = 512;
+
+/// Prefetch the line `PREFETCH` bytes past byte `at` of `row` (`len` bytes), or, past its
+/// end, the corresponding line of `next` (the row read after it).
+#[inline(always)]
+fn prefetch_ahead(row: *const u8, len: usize, next: *const u8, at: usize) {
+    let a = at + PREFETCH;
+    prefetch(if a < len {
+        row.wrapping_add(a)
+    } else {
+        next.wrapping_add(a - len)
+    });
+}
+
+#[inline(always)]
+fn prefetch(p: *const u8) {
+    // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
+/// Every line of the next rows' INT4 scales, which sit apart from their codes.
+#[inline(always)]
+fn prefetch_scales(next: &[I4Row; 4]) {
+    for (s, _) in next {
+        for at in (0..s.len()).step_by(64) {
+            prefetch(s.as_ptr().wrapping_add(at));
+        }
+    }
+}
+
+/// The f16 at `s[2g..2g + 2]` (little-endian) by F16C (`half`'s software path is slow).
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn scale_at(s: &[u8], g: usize) -> f32 {
+    let v = u16::from_le_bytes([s[2 * g], s[2 * g + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v as i32)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_f16_avx2(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+    let n = w.iter().map(|r| r.len()).fold(x.len(), usize::min);
+    let p = w.map(|r| r.as_ptr() as *const u16);
+    let nx = next.map(|r| r.as_ptr() as *const u8);
+    let xp = x.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: loads of 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
+    unsafe {
+        while i + 32 <= n {
+            // 32 halves: one line of each row.
+            for r in 0..4 {
+                prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
+            }
+            for o in (i..i + 32).step_by(8) {
+                let xv = _mm256_loadu_ps(xp.add(o));
+                for r in 0..4 {
+                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
+                    acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+                }
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            let xv = _mm256_loadu_ps(xp.add(i));
+            for r in 0..4 {
+                let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
+                acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+            }
+            i += 8;
+        }
+    }
+    let mut s = acc.map(|a| hsum(a));
+    for j in i..n {
+        for r in 0..4 {
+            s[r] += w[r][j].to_f32() * x[j];
+        }
+    }
+    s
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_i8_avx2(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
+    let n = q.iter().map(|r| r.len()).fold(x.len(), usize::min);
+    let p = q.map(|r| r.as_ptr());
+    let nx = next.map(|r| r.as_ptr() as *const u8);
+    let xp = x.as_ptr();
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY: loads of 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
+    unsafe {
+        while i + 64 <= n {
+            for r in 0..4 {
+                prefetch_ahead(p[r] as *const u8, n, nx[r], i);
+            }
+            for o in (i..i + 64).step_by(8) {
+                let xv = _mm256_loadu_ps(xp.add(o));
+                for r in 0..4 {
+                    acc[r] = _mm256_fmadd_ps(i8x8(p[r].add(o)), xv, acc[r]);
+                }
+            }
+            i += 64;
+        }
+        while i + 8 <= n {
+            let xv = _mm256_loadu_ps(xp.add(i));
+            for r in 0..4 {
+                acc[r] = _mm256_fmadd_ps(i8x8(p[r].add(i)), xv, acc[r]);
+            }
+            i += 8;
+        }
+    }
+    let mut s = acc.map(|a| hsum(a));
+    for j in i..n {
+        for r in 0..4 {
+            s[r] += q[r][j] as f32 * x[j];
+        }
+    }
+    s
+}
+
+/// Whole groups in all four INT4 rows and `x`.
+fn i4_groups(w: &[I4Row; 4], len: usize) -> usize {
+    w.iter()
+        .map(|(s, q)| (s.len() / 2).min(q.len() / (INT4_GROUP / 2)))
+        .fold(len / INT4_GROUP, usize::min)
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_i4_avx2(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
+    let groups = i4_groups(&w, x.len());
+    let nx = next.map(|(_, q)| q.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    prefetch_scales(&next);
+    for g in 0..groups {
+        // 16 code bytes per group: one line of each row per 4 groups.
+        if g % 4 == 0 {
+            for r in 0..4 {
+                prefetch_ahead(w[r].1.as_ptr(), groups * 16, nx[r], g * 16);
+            }
+        }
+        // SAFETY: group g < groups: 16 code bytes of every row and 32 activations in bounds.
+        unsafe {
+            let xp = x.as_ptr().add(g * INT4_GROUP);
+            let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xp.add(o)));
+            for r in 0..4 {
+                let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
+                let s = _mm256_fmadd_ps(v[1], xv[1], _mm256_mul_ps(v[0], xv[0]));
+                let t = _mm256_fmadd_ps(v[3], xv[3], _mm256_mul_ps(v[2], xv[2]));
+                let d = _mm256_set1_ps(scale_at(w[r].0, g));
+                acc[r] = _mm256_fmadd_ps(d, _mm256_add_ps(s, t), acc[r]);
+            }
+        }
+    }
+    acc.map(|a| hsum(a))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy4_f16_avx2(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &mut [f32]) {
+    let n = w.iter().map(|r| r.len()).fold(out.len(), usize::min);
+    let av = a.map(|v| _mm256_set1_ps(v));
+    let p = w.map(|r| r.as_ptr() as *const u16);
+    let nx = next.map(|r| r.as_ptr() as *const u8);
+    let op = out.as_mut_ptr();
+    let mut i = 0;
+    // SAFETY: 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
+    unsafe {
+        while i + 32 <= n {
+            for r in 0..4 {
+                prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
+            }
+            for o in (i..i + 32).step_by(8) {
+                let mut v = _mm256_loadu_ps(op.add(o));
+                for r in 0..4 {
+                    let c = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
+                    v = _mm256_fmadd_ps(av[r], c, v);
+                }
+                _mm256_storeu_ps(op.add(o), v);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            let mut v = _mm256_loadu_ps(op.add(i));
+            for r in 0..4 {
+                let c = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
+                v = _mm256_fmadd_ps(av[r], c, v);
+            }
+            _mm256_storeu_ps(op.add(i), v);
+            i += 8;
+        }
+    }
+    for j in i..n {
+        for r in 0..4 {
+            out[j] += a[r] * w[r][j].to_f32();
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy4_i8_avx2(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut [f32]) {
+    let n = q.iter().map(|r| r.len()).fold(out.len(), usize::min);
+    let av = a.map(|v| _mm256_set1_ps(v));
+    let p = q.map(|r| r.as_ptr());
+    let nx = next.map(|r| r.as_ptr() as *const u8);
+    let op = out.as_mut_ptr();
+    let mut i = 0;
+    // SAFETY: 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
+    unsafe {
+        while i + 64 <= n {
+            for r in 0..4 {
+                prefetch_ahead(p[r] as *const u8, n, nx[r], i);
+            }
+            for o in (i..i + 64).step_by(8) {
+                let mut v = _mm256_loadu_ps(op.add(o));
+                for r in 0..4 {
+                    v = _mm256_fmadd_ps(av[r], i8x8(p[r].add(o)), v);
+                }
+                _mm256_storeu_ps(op.add(o), v);
+            }
+            i += 64;
+        }
+        while i + 8 <= n {
+            let mut v = _mm256_loadu_ps(op.add(i));
+            for r in 0..4 {
+                v = _mm256_fmadd_ps(av[r], i8x8(p[r].add(i)), v);
+            }
+            _mm256_storeu_ps(op.add(i), v);
+            i += 8;
+        }
+    }
+    for j in i..n {
+        for r in 0..4 {
+            out[j] += a[r] * q[r][j] as f32;
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut [f32]) {
+    let groups = i4_groups(&w, out.len());
+    let nx = next.map(|(_, q)| q.as_ptr());
+    prefetch_scales(&next);
+    for g in 0..groups {
+        if g % 4 == 0 {
+            for r in 0..4 {
+                prefetch_ahead(w[r].1.as_ptr(), groups * 16, nx[r], g * 16);
+            }
+        }
+        // SAFETY: group g < groups: 16 code bytes of every row and 32 outputs in bounds.
+        unsafe {
+            let op = out.as_mut_ptr().add(g * INT4_GROUP);
+            let mut o = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(op.add(k)));
+            for r in 0..4 {
+                let s = _mm256_set1_ps(a[r] * scale_at(w[r].0, g));
+                let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
+                for k in 0..4 {
+                    o[k] = _mm256_fmadd_ps(s, v[k], o[k]);
+                }
+            }
+            for (k, ok) in o.iter().enumerate() {
+                _mm256_storeu_ps(op.add(8 * k), *ok);
+            }
+        }
+    }
+}
