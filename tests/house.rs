@@ -2,10 +2,11 @@
 //! files of `src/` import each other round a circle, no file is over 1,200 lines and no function
 //! over 150 (README, "Where things are").
 //!
-//! Imports are read from the text: every `use crate::…` (braces expanded), `super::`/`self::`
-//! path and inline `crate::a::b` path outside comments, strings and `#[cfg(test)]` modules (tests
-//! may drive anything). A path is followed through `pub use` re-exports to the file that defines
-//! its item, so a `mod.rs` that only declares and re-exports its children is no hub of circles.
+//! Imports are read from the text: every `use` tree (braces expanded) and inline path that starts
+//! with `crate::`, `super::`, `self::` or a child module's name, outside comments, strings and
+//! `#[cfg(test)]` code (tests may drive anything). A path is followed through `pub use`
+//! re-exports to the file that defines its item, and a re-export is no import of its own, so a
+//! `mod.rs` that declares and re-exports its children is no hub of circles.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -303,8 +304,70 @@ fn absolute(at: &[String], path: &str) -> Option<ModPath> {
     Some(base)
 }
 
-/// Every path module `at` names: its `use` trees and inline `crate::`/`super::`/`self::` paths.
+/// The modules `code` declares in files of their own (`mod x;`, `pub mod x;`): paths may start
+/// with their names (`use x::Item`, `x::f()`).
+fn child_modules(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(p) = code[i..].find("mod ") {
+        let s = i + p;
+        i = s + 4;
+        if s > 0 && code[..s].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let name: String = code[i..]
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() && code[i + name.len()..].trim_start().starts_with(';') {
+            out.push(name);
+        }
+    }
+    out
+}
+
+/// `code` with its re-exports (`pub use …;`, `pub(crate) use …;`) blanked: a re-export is no
+/// import (paths through it are followed to the defining file).
+fn without_reexports(code: &str) -> String {
+    let mut out = code.to_string();
+    let mut i = 0;
+    while let Some(p) = out[i..].find("pub") {
+        let s = i + p;
+        i = s + 3;
+        if s > 0 && out[..s].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &out[i..];
+        let after_vis = match rest.strip_prefix('(') {
+            Some(r) => r.find(')').map_or(0, |k| k + 2),
+            None => 0,
+        };
+        let tail = &out[i + after_vis..];
+        if !tail.trim_start().starts_with("use ") {
+            continue;
+        }
+        let Some(end) = out[s..].find(';') else { break };
+        let blanked: String = out[s..=s + end]
+            .chars()
+            .map(|c| if c == '\n' { '\n' } else { ' ' })
+            .collect();
+        out.replace_range(s..=s + end, &blanked);
+        i = s + end + 1;
+    }
+    out
+}
+
+/// Every path module `at` names: its `use` trees and inline `crate::`/`super::`/`self::` paths,
+/// and paths that start with one of its child modules (re-exports left out).
 fn paths_named(at: &[String], code: &str) -> Vec<ModPath> {
+    let children = child_modules(code);
+    let code = &without_reexports(code);
+    let relative = |path: &str| -> String {
+        match path.split("::").next() {
+            Some(first) if children.iter().any(|c| c == first) => format!("self::{path}"),
+            _ => path.to_string(),
+        }
+    };
     let mut out = Vec::new();
     let mut i = 0;
     while let Some(p) = code[i..].find("use ") {
@@ -318,25 +381,35 @@ fn paths_named(at: &[String], code: &str) -> Vec<ModPath> {
             break;
         };
         for (path, _) in expand_use(&code[i..i + end]) {
-            out.extend(absolute(at, &path));
+            out.extend(absolute(at, &relative(&path)));
         }
     }
-    for start in ["crate::", "super::", "self::"] {
+    let starts = ["crate::", "super::", "self::"]
+        .map(str::to_string)
+        .into_iter()
+        .chain(children.iter().map(|c| format!("{c}::")));
+    for start in starts {
         let mut i = 0;
-        while let Some(p) = code[i..].find(start) {
+        while let Some(p) = code[i..].find(&start) {
             let s = i + p;
             i = s + start.len();
             if s > 0 && code[..s].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == ':') {
                 continue;
             }
+            // `crate::{…}`, `super::*`: a `use` tree, read above.
+            if !code[i..].starts_with(|c: char| c.is_alphabetic() || c == '_') {
+                continue;
+            }
             let len = code[s..]
                 .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
                 .unwrap_or(code.len() - s);
-            out.extend(
-                absolute(at, code[s..s + len].trim_end_matches(':')).filter(|p| !p.is_empty()),
-            );
+            let path = relative(code[s..s + len].trim_end_matches(':'));
+            out.extend(absolute(at, &path).filter(|p| !p.is_empty()));
         }
     }
+    // A `use` line is also read as an inline path: keep each path once.
+    let mut seen = BTreeSet::new();
+    out.retain(|p| seen.insert(p.clone()));
     out
 }
 
@@ -519,7 +592,13 @@ fn rooms_import_only_rooms_below_them() {
 #[test]
 fn no_files_import_each_other_round_a_circle() {
     let house = House::read();
-    let g = house.imports();
+    // A module's files may use what an enclosing module defines (its error type, the core struct
+    // its children share): that arrow points at the room's own hub and is what `super::` is for.
+    // Circles among siblings and across the tree are what this looks for.
+    let mut g = house.imports();
+    for (m, edges) in g.iter_mut() {
+        edges.retain(|t, _| !(t.len() < m.len() && m.starts_with(t)));
+    }
     // Tarjan's strongly connected components.
     struct Walk<'a> {
         g: &'a BTreeMap<ModPath, BTreeMap<ModPath, String>>,
@@ -675,11 +754,21 @@ fn the_checks_see_what_they_check() {
     let named = paths_named(&at, &code);
     let named: Vec<String> = named.iter().map(|p| p.join("::")).collect();
     assert_eq!(named, ["a::B", "c::d", "c::e"]);
+    // Paths through a child module declared here are the child's.
+    let code = blank("mod kv;\nuse kv::Rows;\nfn f() { kv::g(); }\n");
+    let named: Vec<String> = paths_named(&at, &code)
+        .iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(named, ["engine::kv::Rows", "engine::kv::g"]);
     let fns = functions(&blank(
         "fn a() {\n    let c = '{';\n}\nfn b();\nfn c(x: [u8; 2]) { }\nfn d<'a>(s: &'a str) {\n}\n",
     ));
     let want = [("a", 1, 3), ("c", 5, 1), ("d", 6, 2)].map(|(n, l, c)| (n.to_string(), l, c));
     assert_eq!(fns, want);
+    let reexported = without_reexports("pub use a::B;\npub(crate) use c::D;\nuse e::F;\n");
+    assert!(!reexported.contains("a::B") && !reexported.contains("c::D"));
+    assert!(reexported.contains("use e::F;"));
     let (no_tests, test_mods) = without_tests(
         "fn x() {}\n#[cfg(test)]\nmod tests {\n use crate::y;\n}\n#[cfg(test)]\nmod more;\nfn f(a: [u8; 4]) {}\n",
     );
