@@ -44,3 +44,45 @@ pub struct PoolUsage {
     pub free: usize,
     pub total: usize,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+
+    /// A pool of `blocks` free blocks, as the engine makes it (its caches play no part here).
+    fn pool(blocks: u32) -> KvPool<CpuBackend> {
+        KvPool {
+            k: Vec::new(),
+            v: Vec::new(),
+            free: (0..blocks).rev().collect(),
+            total: blocks as usize,
+        }
+    }
+
+    #[test]
+    fn a_fresh_pool_hands_out_its_lowest_blocks_first_in_ascending_order() {
+        let mut p = pool(6);
+        assert_eq!(p.take_lowest(2).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(p.take_lowest(3).collect::<Vec<_>>(), [2, 3, 4]);
+        assert_eq!(p.free, [5]);
+    }
+
+    #[test]
+    fn blocks_given_back_are_handed_out_again_lowest_first() {
+        let mut p = pool(8);
+        let taken: Vec<u32> = p.take_lowest(6).collect();
+        assert_eq!(taken, [0, 1, 2, 3, 4, 5]);
+        p.give_back(&[4, 1]);
+        assert_eq!(
+            p.free,
+            [7, 6, 4, 1],
+            "the lowest last, where it is taken first"
+        );
+        assert_eq!(p.take_lowest(3).collect::<Vec<_>>(), [1, 4, 6]);
+        p.give_back(&[0, 5, 3]);
+        assert_eq!(p.take_lowest(4).collect::<Vec<_>>(), [0, 3, 5, 7]);
+        assert!(p.free.is_empty());
+        assert_eq!(p.total, 8);
+    }
+}

@@ -25,6 +25,8 @@ pub mod sampler;
 mod scratch;
 mod session;
 mod step;
+#[cfg(test)]
+mod testing;
 mod traffic;
 
 use std::sync::{Arc, Mutex};

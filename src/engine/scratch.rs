@@ -125,3 +125,51 @@ impl<B: Backend> LogitBuffers<B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::engine::testing::Tiny;
+
+    #[test]
+    fn narrowing_views_every_step_buffer_as_fewer_rows_and_back() {
+        let tiny = Tiny::new();
+        let (b, spec) = (CpuBackend::new(1).unwrap(), &tiny.model.spec);
+        let mut sc = Scratch::new(&b, spec, 8, false).unwrap();
+        let cols = |sc: &Scratch<CpuBackend>| -> Vec<(usize, usize)> {
+            let mut t = vec![
+                &sc.x, &sc.h, &sc.q, &sc.k, &sc.v, &sc.attn, &sc.proj, &sc.up,
+            ];
+            t.extend(sc.gate.as_ref());
+            t.into_iter().map(|t| b.shape(t)).collect()
+        };
+        let full = cols(&sc);
+        assert!(sc.gate.is_some(), "the tiny model's FFN is gated");
+        assert!(full.iter().all(|&(rows, _)| rows == 8), "{full:?}");
+        sc.narrow(&b, 3).unwrap();
+        assert_eq!((sc.n, sc.cap), (3, 8));
+        let narrow = cols(&sc);
+        for (f, n) in full.iter().zip(&narrow) {
+            assert_eq!(*n, (3, f.1));
+        }
+        sc.narrow(&b, 8).unwrap();
+        assert_eq!((sc.n, cols(&sc)), (8, full));
+    }
+
+    #[test]
+    fn logits_buffers_are_viewed_as_fewer_rows_and_back() {
+        let tiny = Tiny::new();
+        let (b, spec) = (CpuBackend::new(1).unwrap(), &tiny.model.spec);
+        let mut lb = LogitBuffers::new(&b, spec, 4).unwrap();
+        let shapes = |lb: &LogitBuffers<CpuBackend>| {
+            [b.shape(&lb.last), b.shape(&lb.normed), b.shape(&lb.logits)]
+        };
+        let (d, vocab) = (spec.d_model, spec.vocab_size);
+        assert_eq!(shapes(&lb), [(4, d), (4, d), (4, vocab)]);
+        lb.view(&b, spec, 1).unwrap();
+        assert_eq!(shapes(&lb), [(1, d), (1, d), (1, vocab)]);
+        lb.view(&b, spec, 4).unwrap();
+        assert_eq!((lb.rows, shapes(&lb)), (4, [(4, d), (4, d), (4, vocab)]));
+    }
+}

@@ -249,3 +249,67 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::KV_BLOCK;
+    use crate::engine::testing::Tiny;
+    use crate::engine::{EngineError, Logits, PoolUsage};
+
+    fn usage(free: usize, total: usize) -> Option<PoolUsage> {
+        Some(PoolUsage { free, total })
+    }
+
+    #[test]
+    fn truncating_and_releasing_a_paged_session_give_its_blocks_back() {
+        let tiny = Tiny::new();
+        let e = tiny.engine().with_kv_pool(8).unwrap();
+        let mut s = e.new_session(128).unwrap();
+        let tokens: Vec<u32> = (0..40).collect();
+        e.forward(&mut s, &tokens, Logits::None).unwrap();
+        assert_eq!((s.kv_blocks(), e.pool_usage()), (3, usage(5, 8)));
+        s.truncate(KV_BLOCK + 1);
+        assert_eq!((s.position(), s.kv_blocks()), (KV_BLOCK + 1, 2));
+        assert_eq!(e.pool_usage(), usage(6, 8));
+        // Truncating past the position keeps it.
+        s.truncate(40);
+        assert_eq!((s.position(), s.kv_blocks()), (KV_BLOCK + 1, 2));
+        s.release();
+        assert_eq!((s.position(), s.kv_blocks()), (0, 0));
+        assert_eq!(e.pool_usage(), usage(8, 8));
+        // Growing again takes the lowest blocks; dropping the session gives them back.
+        e.forward(&mut s, &tokens[..20], Logits::Last).unwrap();
+        assert_eq!((s.kv_blocks(), e.pool_usage()), (2, usage(6, 8)));
+        drop(s);
+        assert_eq!(e.pool_usage(), usage(8, 8));
+    }
+
+    #[test]
+    fn a_step_the_pool_cannot_hold_takes_no_block_for_any_session() {
+        let tiny = Tiny::new();
+        let e = tiny.engine().with_kv_pool(3).unwrap();
+        let mut a = e.new_session(64).unwrap();
+        let tokens: Vec<u32> = (0..2 * KV_BLOCK as u32).collect();
+        e.forward(&mut a, &tokens, Logits::None).unwrap();
+        assert_eq!(e.pool_usage(), usage(1, 3));
+        // Two sessions each needing a block, one free: neither takes it.
+        let (mut b, mut c) = (e.new_session(64).unwrap(), e.new_session(64).unwrap());
+        let err = e.decode_many(&mut [(&mut b, 1), (&mut c, 2)]).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::KvPoolFull {
+                    needed: 2,
+                    free: 1,
+                    total: 3
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!((b.kv_blocks(), c.kv_blocks(), b.position()), (0, 0, 0));
+        assert_eq!(e.pool_usage(), usage(1, 3));
+        // One of them alone fits.
+        e.decode_many(&mut [(&mut b, 1)]).unwrap();
+        assert_eq!((b.kv_blocks(), e.pool_usage()), (1, usage(0, 3)));
+    }
+}

@@ -300,3 +300,17 @@ impl<B: Backend> Engine<B> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Logits;
+
+    #[test]
+    fn logits_rows_are_none_the_last_or_every_row() {
+        for n in [1, 7, 512] {
+            assert_eq!(Logits::None.rows(n), 0);
+            assert_eq!(Logits::Last.rows(n), 1);
+            assert_eq!(Logits::All.rows(n), n);
+        }
+    }
+}
