@@ -7,6 +7,8 @@ use super::{Engine, EngineError, Result};
 use crate::backend::Backend;
 
 impl<B: Backend> Engine<B> {
+    /// Fresh logits buffers for `rows` rows, and at least for the rows the plan holds
+    /// ([`Engine::with_logit_rows`], at most a step's).
     fn logit_buffers(&self, rows: usize) -> Result<LogitBuffers<B>> {
         let rows = rows.max(self.logit_rows.min(self.prefill.group));
         LogitBuffers::new(&self.backend, &self.spec, rows)

@@ -2,6 +2,18 @@
 //! prefill and single-token decode, sampling, generation. Where each weight lives is a
 //! [`WeightSource`]'s business: all resident ([`resident::ResidentWeights`]) or streamed through
 //! the tiers (`tier`); the pass asks it for one layer at a time. Knows nothing about HTTP or files.
+//!
+//! Where things are: `mod.rs` holds the [`Engine`] (its constructor and builders);
+//! - below it, what it holds and what other rooms implement: `error`, `ports` (the traits and
+//!   views), `kv_pool` (the paged pool's blocks), `scratch` (a step's buffers);
+//! - sessions: `session` (a sequence's state, its blocks), `kv_rows` (its cache rows read and
+//!   written), `probe` (the attention density of its context);
+//! - a layer: `ops` (norms, linears), `attention`, `ffn` (where the FFN runs; the device's part),
+//!   `ffn_hybrid`, `ffn_unit`, `activations` (the tap, the predictor's masks);
+//! - a pass: `step` (one session's step, the layer, the step's memory), `head`, `batch` (several
+//!   sessions in one step), `recorded` (recorded decode steps), `prefill` (layer-major calls);
+//! - on top: `generate`, `perplexity`, `sampler`; `resident` (all weights on the device),
+//!   `traffic` (what a decode step reads).
 
 mod activations;
 mod attention;

@@ -7,6 +7,7 @@ use crate::backend::{Backend, BackendError, MatmulPart, ProductInput};
 use crate::model::NormKind;
 
 impl<B: Backend> Engine<B> {
+    /// `x` normed by `n` into `out` (the model's norm: RMSNorm, or LayerNorm with its bias).
     pub(super) fn norm(&self, x: &B::Tensor, n: &NormView<B>, out: &mut B::Tensor) -> Result<()> {
         let eps = self.spec.norm_eps;
         match (self.spec.norm, n.bias) {
@@ -23,6 +24,8 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// `out = l(x)`: the product of each block of `l`'s rows (its outputs from the block's first
+    /// row on), then the bias.
     pub(super) fn linear(
         &self,
         l: &LinearView<B>,

@@ -9,7 +9,8 @@ use crate::backend::{Backend, HostStage};
 use crate::footprint::step_memory;
 
 impl<B: Backend> Engine<B> {
-    /// A call longer than a group, layer by layer (see [`PrefillLayout`]): each layer's weights
+    /// A call longer than a group, layer by layer (see
+    /// [`PrefillLayout`](crate::footprint::PrefillLayout)): each layer's weights
     /// once, over the call's rows in groups; the hidden states between layers on the device or
     /// in host memory. The same rows, positions and ops as one step over all of them.
     pub(super) fn layer_major(
