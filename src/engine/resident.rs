@@ -1,7 +1,8 @@
 //! Every weight placed on the device once, in its file format: the dense engine (the CPU engine
 //! uses the weights straight from the memory map; a GPU holds a copy).
 
-use super::{FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource};
+use super::error::Result;
+use super::ports::{FfnView, HeadView, LayerView, LinearView, NormView, WeightSource};
 use crate::backend::Backend;
 use crate::footprint::MatmulShapes;
 use crate::model::{LayerWeights, Linear, ModelSpec, ModelWeights, NormWeights, PositionEncoding};

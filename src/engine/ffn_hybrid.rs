@@ -1,0 +1,114 @@
+//! The FFN of a hybrid layer (PowerInfer): the hot neurons on the device, the cold ones on the CPU
+//! from DRAM, merged on the device; one host wait per layer.
+
+use super::ffn::DeviceNeurons;
+use super::ports::{ColdView, FfnView};
+use super::scratch::Scratch;
+use super::{Engine, EngineError, Result};
+use crate::backend::{Backend, HostStage, Landing};
+
+impl<B: Backend> Engine<B> {
+    /// `proj = FFN(h)` of a hybrid layer `layer`: the hot neurons on the device and the cold ones
+    /// on the CPU, merged on the device; the FFN input lands in the scratch's host stage.
+    pub(super) fn hybrid_ffn(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        cold: &mut ColdView<B>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
+        if self.tap.is_some() {
+            return Err(EngineError::Weights(
+                "activations are observed on a model loaded whole, not in hybrid execution".into(),
+            ));
+        }
+        let mut stage = self.take_stage(sc)?;
+        let done = self.hybrid_graph(layer, f, threshold, cold, &mut stage, sc);
+        sc.stage = Some(stage);
+        done
+    }
+
+    /// One layer's hybrid FFN as its graph of device ops, CPU ops and copies, issued in this
+    /// order, with one host wait:
+    /// 1. copy device→host: the FFN input, queued behind the attention (event `input`);
+    /// 2. device: the hot neurons, queued at once where no predictor decides them;
+    /// 3. host: wait for `input` (a blocking event, never a spin); the predictor, if any;
+    /// 4. device: the hot neurons, queued here where the predictor decides them;
+    /// 5. CPU: the cold neurons into the partial sum, while the device runs 2 or 4;
+    /// 6. copy host→device: the partial sum (staged by the driver; the host does not wait);
+    /// 7. device: `proj += partial`, the one merge, after 2/4 and 6 in stream order.
+    fn hybrid_graph(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        threshold: f32,
+        cold: &mut ColdView<B>,
+        stage: &mut HostStage,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let (n, d) = b.shape(&sc.h);
+        let input = Landing::start(b, &sc.h, stage)?;
+        let early = self.predictor.is_none();
+        if early {
+            self.queue_hot(layer, f, threshold, None, cold.hot, sc)?;
+        }
+        let x = input.wait()?;
+        let keep = self.predict(layer, x, n)?;
+        if !early {
+            self.queue_hot(layer, f, threshold, keep.as_deref(), cold.hot, sc)?;
+        }
+        let mut part = vec![0f32; n * d];
+        cold.neurons
+            .add_ffn(x, n, threshold, keep.as_deref(), &mut part)?;
+        b.reshape(cold.partial, n, d)?;
+        b.write(cold.partial, &part)?;
+        b.add(&mut sc.proj, cold.partial)?;
+        Ok(())
+    }
+
+    /// Queue the hot neurons `hot` of a hybrid layer on the device (`proj` = their FFN
+    /// output; the bias where there are none).
+    fn queue_hot(
+        &self,
+        layer: usize,
+        f: &FfnView<B>,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        hot: &[u32],
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let n = sc.n;
+        if hot.is_empty() {
+            b.zero(&mut sc.proj)?;
+            let bias = match f {
+                FfnView::Matrices { down, .. } => down.bias,
+                FfnView::Bundles { down_bias, .. } => *down_bias,
+            };
+            if let Some(bias) = bias {
+                b.add_bias(&mut sc.proj, bias)?;
+            }
+            return Ok(());
+        }
+        // Hot matrices have `hot` rows (gate, up) and columns (down): the hidden buffers
+        // narrow to match. Hot bundles fill the first `hot` columns as they are.
+        let narrow = matches!(f, FfnView::Matrices { .. });
+        let d_ff = self.spec.d_ff;
+        if narrow {
+            b.reshape(&mut sc.up, n, hot.len())?;
+            if let Some(g) = &mut sc.gate {
+                b.reshape(g, n, hot.len())?;
+            }
+        }
+        let done = self.device_ffn(layer, f, threshold, DeviceNeurons::hot(hot, keep), sc);
+        if narrow {
+            b.reshape(&mut sc.up, n, d_ff)?;
+            if let Some(g) = &mut sc.gate {
+                b.reshape(g, n, d_ff)?;
+            }
+        }
+        done
+    }
+}

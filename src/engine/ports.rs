@@ -1,0 +1,175 @@
+//! The engine's ports: the traits other rooms implement for it (weight sources, cache units, cold
+//! neurons, predictors, taps) and the views of one layer's weights a pass computes with. Shapes
+//! and contracts only: no pass logic here, and nothing here knows the `Engine`.
+
+use super::error::Result;
+use crate::backend::{Backend, BundleShape};
+use crate::footprint::MatmulShapes;
+
+/// Told when a layer has run over a group of rows (`first..first + rows` of the call), while
+/// every buffer of that step is still held: what the budgeted device's per-step peak is
+/// measured by.
+pub trait StepTap: Send + Sync {
+    fn group_done(&self, layer: usize, first: usize, rows: usize);
+}
+
+/// The neurons one precision tier computes in a step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TierSet {
+    /// Neurons some token computes in this tier, ascending.
+    pub ids: Vec<u32>,
+    /// `n × d_ff` flags by neuron id: token `t` computes neuron `j` in this tier. `None` where
+    /// every token computes all of `ids` here or the kernels' own mask decides (one tier, no
+    /// predictor).
+    pub keep: Option<Vec<bool>>,
+}
+
+/// A linear layer on the device: its rows may be split into blocks that live in different
+/// places (a resident block and a streamed one); `(first_row, block)` pairs cover all rows.
+pub struct LinearView<'a, B: Backend> {
+    pub blocks: Vec<(usize, &'a B::Weight)>,
+    pub bias: Option<&'a B::Weight>,
+}
+
+pub struct NormView<'a, B: Backend> {
+    pub weight: &'a B::Weight,
+    pub bias: Option<&'a B::Weight>,
+}
+
+/// The FFN of one layer: separate matrices, or neuron bundles in runs `(first_neuron, run)`.
+pub enum FfnView<'a, B: Backend> {
+    Matrices {
+        gate: Option<LinearView<'a, B>>,
+        up: LinearView<'a, B>,
+        down: LinearView<'a, B>,
+    },
+    Bundles {
+        runs: Vec<(usize, &'a B::Weight)>,
+        shape: BundleShape,
+        up_bias: Option<&'a B::Weight>,
+        down_bias: Option<&'a B::Weight>,
+    },
+}
+
+/// Everything one layer computes with, wherever it lives.
+pub struct LayerView<'a, B: Backend> {
+    pub attn_norm: NormView<'a, B>,
+    pub wq: LinearView<'a, B>,
+    pub wk: LinearView<'a, B>,
+    pub wv: LinearView<'a, B>,
+    pub wo: LinearView<'a, B>,
+    pub ffn_norm: NormView<'a, B>,
+    /// The FFN on the device: all of it, or in hybrid execution only the hot neurons (their
+    /// hidden activations in columns `0..hot.len()`).
+    pub ffn: FfnView<'a, B>,
+    /// Hybrid execution: the neurons the CPU computes, and how they merge.
+    pub cold: Option<ColdView<'a, B>>,
+    /// The GPU-centric sparse FFN: a cache unit the neurons each step needs are brought into
+    /// (`ffn` then gives only the down bias).
+    pub unit: Option<Box<dyn NeuronUnit<B> + 'a>>,
+}
+
+/// A layer's HBM cache unit (M2Cache): device slots for FFN neuron bundles, filled with the
+/// neurons each step needs by the adjacent-token update, computed in place by the neuron-listed
+/// kernels.
+pub trait NeuronUnit<B: Backend>: Send {
+    /// The neurons the `n` rows of `x` (the FFN input) need — those the mask (`threshold`, as
+    /// [`crate::backend::sparse_act`]) leaves on, or with a predictor those its flags `keep`
+    /// (`n × d_ff`) list — split among the unit's precision tiers
+    /// (mixed precision), ranked by `scores` (the predictor's, `n × d_ff`) or by
+    /// the activations' magnitudes.
+    fn active(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        scores: Option<&[f32]>,
+    ) -> Result<[TierSet; 3]>;
+    /// Whether the unit has more than one precision tier (a predictor's scores rank them).
+    fn mixed(&self) -> bool;
+    /// Slots in the unit's region for precision tier `tier`.
+    fn slots(&self, tier: usize) -> usize;
+    /// Bring `neurons` (distinct, at most [`NeuronUnit::slots`]) into tier `tier`'s region,
+    /// moving only those it does not hold; their slots, in the same order.
+    fn bring(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>>;
+    /// Tier `tier`'s region (one bundle per slot, in its encoding) and its up bias by slot, if
+    /// the model has one.
+    fn unit(&self, tier: usize) -> Result<(&B::Weight, Option<&B::Weight>)>;
+}
+
+/// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons).
+pub trait ColdNeurons: Send + Sync {
+    /// Add to `out` (`n × d_model`) the FFN output of this layer's cold neurons for the `n`
+    /// input rows `x`. A neuron the mask leaves out (`threshold`, as
+    /// [`crate::backend::sparse_act`]) or `keep` does not list (`n × d_ff` flags by neuron id,
+    /// from a predictor) contributes nothing, and the parts it would need beyond the one that
+    /// decides are not read.
+    fn add_ffn(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<()>;
+}
+
+/// The CPU's share of a hybrid layer.
+pub struct ColdView<'a, B: Backend> {
+    pub neurons: &'a dyn ColdNeurons,
+    /// Ids of the hot neurons, in the order of the device FFN's hidden columns.
+    pub hot: &'a [u32],
+    /// Device buffer the CPU's partial sum is copied into (room for the step's `n × d_model`).
+    pub partial: &'a mut B::Tensor,
+}
+
+/// The final norm and the output matrix.
+pub struct HeadView<'a, B: Backend> {
+    pub norm: NormView<'a, B>,
+    pub output: LinearView<'a, B>,
+}
+
+/// Provides the weights of a forward pass, one layer at a time, in order: `layer(0)`,
+/// `layer_done(0)`, `layer(1)`, ..., `head()`, `head_done()`. A streaming source uses the calls
+/// to move weights in ahead of use and free them after.
+pub trait WeightSource<B: Backend>: Send {
+    /// Token embeddings (plus learned positions from `first_pos`) of `ids` into `out`.
+    fn embed(&mut self, b: &B, ids: &[u32], first_pos: usize, out: &mut B::Tensor) -> Result<()>;
+    /// Per-pair RoPE frequency divisors shipped with the weights (Llama 3.1 GGUF files).
+    fn rope_freq_factors(&self) -> Option<Vec<f32>>;
+    fn layer(&mut self, b: &B, l: usize) -> Result<LayerView<'_, B>>;
+    fn layer_done(&mut self, b: &B, l: usize) -> Result<()>;
+    fn head(&mut self, b: &B) -> Result<HeadView<'_, B>>;
+    fn head_done(&mut self, b: &B) -> Result<()>;
+    /// Wait for background transfers (read-ahead) to finish, so traffic counters are stable.
+    fn settle(&mut self) {}
+    /// Whether every weight stays where it is on the device, and `layer`, `layer_done`,
+    /// `head` and `head_done` issue nothing to it: what a recorded step needs.
+    fn fixed(&self) -> bool {
+        false
+    }
+    /// The weight formats and widths this source's matrices multiply with (what sizes the
+    /// device workspace of a step).
+    fn matmuls(&self) -> MatmulShapes;
+}
+
+/// Receives each layer's FFN input (`n` rows of `d_model`) and activations `act(gate·x)` (or
+/// `act(up·x)` without a gate) before any mask (`n` rows of `d_ff`).
+pub trait ActivationTap: Send + Sync {
+    fn observe(&self, layer: usize, input: &[f32], acts: &[f32], n: usize);
+}
+
+/// Decides, per layer, which FFN neurons each token computes (activation predictors): the
+/// others contribute nothing.
+pub trait NeuronPredictor: Send + Sync {
+    /// For `n` rows of the layer's FFN input, `n × d_ff` flags: true = compute.
+    fn active(&self, layer: usize, input: &[f32], n: usize) -> Vec<bool>;
+    /// The flags and a score per flag (higher = more surely active: what mixed precision
+    /// ranks by). Without scores of its own a predictor scores its flags 1 and 0.
+    fn scored(&self, layer: usize, input: &[f32], n: usize) -> (Vec<bool>, Vec<f32>) {
+        let keep = self.active(layer, input, n);
+        let scores = keep.iter().map(|&k| k as u8 as f32).collect();
+        (keep, scores)
+    }
+}
