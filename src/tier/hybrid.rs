@@ -26,7 +26,8 @@ use crate::engine::{
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::ModelSpec;
-use crate::plan::hybrid::{ColdCost, HybridPlan};
+use crate::plan::cold::ColdCost;
+use crate::plan::hybrid::HybridPlan;
 use crate::plan::{Part, Plan, device_dtype, offload_matmuls, part_segment_name};
 use crate::store::{SegmentKind, Store, StoreError, names};
 use crate::tensor::{Bytes, DType, HostTensor, QK};
