@@ -29,7 +29,8 @@ use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, defau
 use crate::plan::{Budget, HardwareProfile, Plan};
 use crate::runtime::store::open_store_for;
 use crate::store::Store;
-use crate::tier::hybrid::{ColdTraffic, HybridWeights};
+use crate::tier::cold::ColdTraffic;
+use crate::tier::hybrid::HybridWeights;
 use crate::tier::stream::StreamWeights;
 
 /// An engine on whichever backend the flags chose.
