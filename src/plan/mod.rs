@@ -18,7 +18,7 @@
 //! ([`crate::footprint::step_memory`], [`crate::footprint::workspace_bytes`]) — so what the plan
 //! accepts, the budgeted device and the GPU both run.
 //!
-//! The rooms, from the bottom up (each imports only those before it):
+//! The files, from the bottom up (each imports only those before it):
 //! - [`budget`]: what a plan must fit in ([`Budget`]) and how it refuses ([`PlanError`]);
 //!   [`hardware`]: the rates and fixed costs of a machine;
 //! - [`manifest`]: the store's segments as the planner reads them; [`preserve`]: which rows of a

@@ -205,3 +205,17 @@ fn largest_step(lo: usize, hi: usize, fits: impl Fn(usize) -> bool) -> Option<us
     }
     Some(lo)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::largest_step;
+
+    #[test]
+    fn largest_step_is_the_last_that_fits() {
+        assert_eq!(largest_step(1, 100, |g| g <= 37), Some(37));
+        assert_eq!(largest_step(1, 100, |_| true), Some(100));
+        assert_eq!(largest_step(1, 1, |_| true), Some(1));
+        assert_eq!(largest_step(5, 100, |g| g <= 4), None);
+        assert_eq!(largest_step(10, 9, |_| true), None);
+    }
+}

@@ -62,3 +62,70 @@ pub(super) fn cpu_rows_dram(
     }
     Ok(cpu_rows_dram)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+    use crate::plan::hardware::presets;
+    use crate::plan::preserve::PARTS;
+
+    /// A layer of bundled FFN neurons only, none resident: what streams is the FFN's rest.
+    fn ffn_only(rows: usize, row_bytes: u64) -> LayerShape {
+        let mut shape = LayerShape {
+            rows: [0; PARTS],
+            row_bytes: [0; PARTS],
+        };
+        shape.rows[Part::Ffn.index()] = rows;
+        shape.row_bytes[Part::Ffn.index()] = row_bytes;
+        shape
+    }
+
+    #[test]
+    fn the_cpu_takes_as_long_as_the_copies_of_the_rest() {
+        let shape = ffn_only(1024, 1000);
+        // Where the refit changes nothing else, the balance settles in the second round.
+        let fit = |c: usize| Residency {
+            cpu_rows: c,
+            ..Residency::default()
+        };
+        for (dram_per_pcie, want) in [(1.0, 512), (3.0, 768), (700.0 / 324.0, 640)] {
+            let mut hw = presets().remove(0);
+            hw.h2d_pinned_bytes_per_s = 1.0;
+            hw.dram_read_bytes_per_s = dram_per_pcie;
+            let rounds = Cell::new(0);
+            let r = balance(&shape, &hw, Residency::default(), |c| {
+                rounds.set(rounds.get() + 1);
+                fit(c)
+            });
+            assert_eq!(r.cpu_rows, want, "DRAM at {dram_per_pcie}× PCIe");
+            // What still streams ends on a checksum group.
+            assert_eq!((1024 - r.cpu_rows) % GROUP_ROWS, 0);
+            assert_eq!(rounds.get(), 1, "settled after one refit");
+        }
+    }
+
+    #[test]
+    fn resident_rows_are_never_given_to_the_cpu() {
+        let shape = ffn_only(1024, 1000);
+        let mut hw = presets().remove(0);
+        // The CPU far faster than PCIe would take every neuron off the device.
+        hw.h2d_pinned_bytes_per_s = 1.0;
+        hw.dram_read_bytes_per_s = 1e6;
+        let mut start = Residency::default();
+        start.rows[Part::Ffn.index()] = 256;
+        let r = balance(&shape, &hw, start, |c| {
+            let mut r = start;
+            r.cpu_rows = c;
+            r
+        });
+        assert!(r.cpu_rows + 256 <= 1024, "{} rows to the CPU", r.cpu_rows);
+        assert!(
+            r.cpu_rows + 256 + GROUP_ROWS >= 1024,
+            "{} rows to the CPU",
+            r.cpu_rows
+        );
+        assert_eq!((1024 - r.cpu_rows) % GROUP_ROWS, 0);
+    }
+}

@@ -15,6 +15,10 @@
 //!
 //! Where `bench units` has measured the ATU's hit ratio for the layer at that size (kept in the
 //! profile), a single-precision unit's loads are the measured misses instead.
+//!
+//! Sizing bisects one scale for every layer's unit (60 rounds of the units' bytes). Fails where
+//! the FFN is not stored as bundles, the store lacks a tier's encoding, the profile is not the
+//! model's, or units of one slot do not fit beside everything else.
 
 use serde::Serialize;
 
