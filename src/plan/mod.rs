@@ -21,14 +21,14 @@
 //! The files, from the bottom up (each imports only those before it):
 //! - [`budget`]: what a plan must fit in ([`Budget`]) and how it refuses ([`PlanError`]);
 //!   [`hardware`]: the rates and fixed costs of a machine;
-//! - [`manifest`]: the store's segments as the planner reads them; [`preserve`]: which rows of a
-//!   layer stay resident for a per-layer share;
+//! - [`manifest`]: the store's segments as the planner reads them;
+//!   [`preserve`](mod@preserve): which rows of a layer stay resident for a per-layer share;
 //! - [`prefill`]: how a long call runs (step, hidden states, KV cache);
 //! - this file: the [`Plan`] itself, as data;
 //! - [`split`]: how many FFN neurons the CPU computes; [`dram`]: the DRAM plan; [`cost`]: what a
 //!   token moves and how fast it runs;
 //! - [`stream`]: the streaming plan, [`make_plan`] (with the split where asked);
-//! - [`report`]: the plan as a table;
+//! - `report`: the plan as a table;
 //! - the sparse modes by the sparsity profile: [`placement`] (the exact hot-neuron ILP),
 //!   [`cold`] (what a layer's FFN neurons cost hot and cold), [`resident`] (everything but the
 //!   FFN resident), [`hybrid`] (hot neurons on the device, the CPU computing the rest),

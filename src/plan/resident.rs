@@ -1,7 +1,7 @@
 //! What the sparse modes (hybrid execution, cache units) keep whole on the device: every
 //! layer's attention, the small fragments, the output matrix, the KV cache and step memory
-//! ([`Base`]), the FFN neurons placed in what the budget leaves; and the per-token record both
-//! report ([`SparsePerToken`]). What [`crate::tier::resident::Resident`] loads.
+//! (`Base`), the FFN neurons placed in what the budget leaves; and the per-token record both
+//! report ([`SparsePerToken`]). What `Resident` of [`crate::tier::resident`] loads.
 //!
 //! Fails with [`PlanError::GpuTooSmall`] where not even that and the hot tensors' rounding fit.
 

@@ -2,7 +2,7 @@
 //! stream through `window` device slots, for a budget.
 //!
 //! Problem. Beside what the device holds whatever the residency (the process's fixed cost,
-//! small fragments, output matrix, KV cache, one step's buffers: [`DeviceFrame`]), give every
+//! small fragments, output matrix, KV cache, one step's buffers: `DeviceFrame`), give every
 //! layer the same resident share (FlexInfer's balanced locking, [`preserve`]) as large as fits
 //! with `window` slots for the streamed rest; with the split, the CPU computes the last FFN
 //! neurons instead ([`super::split`]); with a hot reserve (hybrid execution over streamed

@@ -8,7 +8,7 @@
 //! Hot neurons are gathered at load time: bundles row by row; block-quantized matrices by
 //! rows for gate and up, and by whole blocks of every down row (the placement works in units
 //! of a down block, see [`crate::plan::hybrid`]). The cold neurons are gathered the same way into
-//! DRAM, reserved in the ledger ([`super::cold`] computes them). [`layer_ffn`] is the split of
+//! DRAM, reserved in the ledger ([`super::cold`] computes them). `layer_ffn` is the split of
 //! one layer, which the streaming source (hybrid over streamed attention) and cache units'
 //! hybrid layers use as well.
 

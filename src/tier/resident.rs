@@ -1,7 +1,7 @@
 //! What every offloaded weight source holds for good, whatever its mode: each layer's norms and
-//! biases ([`Small`]) and the end of a pass ([`Head`]: final norm, output matrix, RoPE factors)
-//! on the device, the embedding tables in DRAM ([`Embeddings`]), and the [`Loader`] that reads
-//! store segments through one staging buffer at start-up. [`Resident`] adds every layer's
+//! biases (`Small`) and the end of a pass (`Head`: final norm, output matrix, RoPE factors)
+//! on the device, the embedding tables in DRAM (`Embeddings`), and the `Loader` that reads
+//! store segments through one staging buffer at start-up. `Resident` adds every layer's
 //! attention on the device: what hybrid execution and cache units keep whole (the plan's side
 //! is [`crate::plan::resident`]).
 //!

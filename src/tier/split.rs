@@ -2,7 +2,7 @@
 //! [`crate::plan::split`]), the last neurons of every layer read into DRAM and computed by the
 //! CPU beside the copies of the rest — the neurons PCIe would be slowest to bring; with hybrid
 //! over streamed attention, the cold neurons of a hot-neuron plan, the hot ones gathered onto
-//! the device ([`super::hybrid::layer_ffn`]). Either way the CPU's partial sums come back into
+//! the device (`layer_ffn` of [`super::hybrid`]). Either way the CPU's partial sums come back into
 //! one buffer the device adds.
 //!
 //! Refuses a hot-neuron plan that does not match the plan's FFN (the FFN must be off the
