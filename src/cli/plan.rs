@@ -137,9 +137,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let profile_path = crate::sparsity::SparsityProfile::path_in(store.dir());
     let cold = a.budget.cold;
     let wants_profile = a.hot_neurons
-        || cold == crate::plan::hybrid::Cold::Cpu
-        || cold == crate::plan::hybrid::Cold::Gpu
-        || (cold == crate::plan::hybrid::Cold::Auto && profile_path.exists());
+        || cold == crate::plan::choice::Cold::Cpu
+        || cold == crate::plan::choice::Cold::Gpu
+        || (cold == crate::plan::choice::Cold::Auto && profile_path.exists());
     if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
         anyhow::bail!(
             "--sparsity-target {} is outside 0.01..=0.99",
@@ -155,12 +155,12 @@ pub fn run(a: PlanArgs) -> Result<()> {
     } else {
         None
     };
-    let crate::plan::hybrid::ColdChoice {
+    let crate::plan::choice::ColdChoice {
         plan,
         hot: chosen_hot,
         units,
         candidates,
-    } = crate::plan::hybrid::plan_cold(
+    } = crate::plan::choice::plan_cold(
         &store.manifest,
         &budget,
         &hw,

@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::profile::read_corpus;
 use crate::engine::perplexity::perplexity;
-use crate::plan::hybrid::Cold;
+use crate::plan::choice::Cold;
 use crate::plan::precision::{
     NeuronPrecision, Precision, PrecisionScore, PrecisionSearch, TIER_ENCODINGS,
 };

@@ -1,24 +1,32 @@
 //! Hot-neuron placement for a profiled model (PowerInfer §6) and the plan of hybrid execution:
 //! everything but the FFN stays on the device (every layer's attention, the output head, KV,
-//! step memory), what the budget leaves holds the FFN neurons that fire most often, chosen by the
-//! exact ILP ([`super::placement`]) from the profile's activation frequencies, and the CPU
-//! computes the other (cold) neurons from DRAM. What `plan --hot-neurons` prints and
-//! [`crate::tier::hybrid::HybridWeights`] runs: its device bytes are counted here the way the
-//! source allocates them, buffer by buffer. Where every layer's attention does not fit,
-//! [`plan_hot_streamed`] streams it beside the hot neurons instead (the streaming source runs it).
+//! step memory: [`super::resident`]), what the budget leaves holds the FFN neurons that fire
+//! most often, chosen by the exact ILP ([`super::placement`]) from the profile's activation
+//! frequencies, and the CPU computes the other (cold) neurons from DRAM ([`super::cold`]). What
+//! `plan --hot-neurons` prints and [`crate::tier::hybrid::HybridWeights`] runs: its device bytes
+//! are counted here the way the source allocates them, buffer by buffer. Where every layer's
+//! attention does not fit, [`plan_hot_streamed`] streams it beside the hot neurons instead (the
+//! streaming source runs it).
 //!
 //! A block-quantized FFN keeps its matrices, and a neuron's share of the down matrix is a column
 //! inside blocks of 32 (or 256) neurons: such layers place whole blocks ("units"), so the hot
 //! and cold down matrices are whole blocks gathered row by row. Bundled FFNs place neurons.
+//!
+//! Fails where the profile is not the model's, the placement is not whole blocks, or the ILP's
+//! table would be too fine ([`super::placement::PlacementError`]).
 
 use serde::Serialize;
 
-use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
-use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg, staging_for};
-use crate::footprint::{DEVICE_ALIGN, device_bytes};
 use crate::sparsity::{SparsityProfile, grid_index, grid_target};
-use crate::store::{Manifest, SegmentKind, names};
-use crate::tensor::{DType, QK};
+use crate::store::Manifest;
+
+use super::Plan;
+use super::budget::{Budget, PlanError, human_bytes};
+use super::cold::{ColdCost, FfnLayout, hot_rounding};
+use super::hardware::HardwareProfile;
+use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
+use super::resident::{Base, BaseFor, SparsePerToken, base_of, layers_of};
+use super::stream::make_plan;
 
 /// One layer's share of the placement.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -57,27 +65,6 @@ impl LayerRuns {
     }
 }
 
-/// What the CPU reads for a layer's cold neurons, per token: every candidate neuron's deciding
-/// vector (the gate, or the up row without a gate), the rest of each neuron that turns out active
-/// and, for block-format down matrices, every down block (a unit, all `d_model` rows) holding an
-/// active neuron.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct ColdCost {
-    pub decide_bytes: u64,
-    pub active_bytes: u64,
-    pub unit_bytes: u64,
-    /// Neurons per unit (1 for bundles).
-    pub unit: usize,
-}
-
-impl ColdCost {
-    /// Bytes read for `candidates` neurons examined, `active` of them computed, `units` down
-    /// blocks touched.
-    pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
-        self.decide_bytes * candidates + self.active_bytes * active + self.unit_bytes * units
-    }
-}
-
 /// Device bytes of hybrid execution, as the source allocates them (each buffer rounded).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct HybridDevice {
@@ -92,20 +79,6 @@ pub struct HybridDevice {
     pub placed: u64,
     /// `fixed + placed`.
     pub total: u64,
-}
-
-/// Bytes per decoded token by resource of a sparse plan (hybrid or cache units), expected at
-/// the profile's frequencies.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct SparsePerToken {
-    /// What the device reads: attention, the neurons it computes (hot, or in their units),
-    /// head, half the KV cache.
-    pub hbm_bytes: u64,
-    /// What the CPU reads from DRAM: the cold neurons (hybrid), the deciding vectors (units).
-    pub cpu_bytes: u64,
-    /// Host→device and back: the FFN input and partial sums or the units' loads, every layer;
-    /// logits out.
-    pub pcie_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -142,290 +115,6 @@ pub struct HybridPlan {
     pub base_plan: Option<Box<Plan>>,
 }
 
-/// A layer's FFN as stored, for placement.
-pub(super) struct FfnLayout {
-    /// Bytes of one unit of neurons on the device.
-    unit_bytes: u64,
-    cost: ColdCost,
-    /// Device tensors its hot share takes (each rounded to the granule).
-    tensors: u64,
-    /// Bundles: bytes of one neuron; matrices: (gate row, up row, down format, up bias).
-    kind: FfnKind,
-}
-
-enum FfnKind {
-    Bundles {
-        row_bytes: u64,
-    },
-    Matrices {
-        gate_row: u64,
-        up_row: u64,
-        down: DType,
-        d_model: usize,
-        up_bias: bool,
-    },
-}
-
-impl FfnLayout {
-    fn of(m: &Manifest, l: usize) -> Result<Self, PlanError> {
-        let spec = &m.spec;
-        let (d, d_ff) = (spec.d_model, spec.d_ff);
-        if let Some(s) = m.segment(&part_segment_name(l, Part::Ffn)) {
-            let SegmentKind::Bundles { parts } = s.kind else {
-                return Err(PlanError::Store(format!("`{}` is not bundles", s.name)));
-            };
-            let row = s.row_bytes() as u64;
-            let part = row / parts as u64;
-            return Ok(FfnLayout {
-                unit_bytes: row,
-                cost: ColdCost {
-                    decide_bytes: part,
-                    active_bytes: row - part,
-                    unit_bytes: 0,
-                    unit: 1,
-                },
-                tensors: 1,
-                kind: FfnKind::Bundles { row_bytes: row },
-            });
-        }
-        let up = seg(m, &part_segment_name(l, Part::Up))?;
-        let down = seg(m, &part_segment_name(l, Part::Down))?;
-        let gate = if spec.gated_ffn {
-            Some(seg(m, &part_segment_name(l, Part::Gate))?)
-        } else {
-            None
-        };
-        let Some(down_dtype) = down.encoding.dtype() else {
-            return Err(PlanError::Store(format!("`{}` is not a matrix", down.name)));
-        };
-        let unit = down_dtype.block_len().max(QK);
-        if !d_ff.is_multiple_of(unit) {
-            return Err(PlanError::Store(format!(
-                "d_ff {d_ff} is not a multiple of the {unit}-neuron blocks of `{}`",
-                down.name
-            )));
-        }
-        let (gate_row, up_row) = (
-            gate.map_or(0, |g| g.row_bytes() as u64),
-            up.row_bytes() as u64,
-        );
-        let down_unit = (d * down_dtype.bytes_for(unit)) as u64;
-        let up_bias = m.segment(&names::layer(l, "ffn_up.bias")).is_some();
-        Ok(FfnLayout {
-            unit_bytes: unit as u64 * (gate_row + up_row) + down_unit,
-            cost: ColdCost {
-                decide_bytes: if gate.is_some() { gate_row } else { up_row },
-                active_bytes: if gate.is_some() { up_row } else { 0 },
-                unit_bytes: down_unit,
-                unit,
-            },
-            tensors: 2 + gate.is_some() as u64 + up_bias as u64,
-            kind: FfnKind::Matrices {
-                gate_row,
-                up_row,
-                down: down_dtype,
-                d_model: d,
-                up_bias,
-            },
-        })
-    }
-
-    /// Device bytes of `hot` neurons' tensors, as the hybrid source allocates them.
-    fn device_bytes(&self, hot: usize) -> u64 {
-        if hot == 0 {
-            return 0;
-        }
-        let h = hot as u64;
-        match self.kind {
-            FfnKind::Bundles { row_bytes } => device_bytes(h * row_bytes),
-            FfnKind::Matrices {
-                gate_row,
-                up_row,
-                down,
-                d_model,
-                up_bias,
-            } => {
-                (if gate_row > 0 {
-                    device_bytes(h * gate_row)
-                } else {
-                    0
-                }) + device_bytes(h * up_row)
-                    + device_bytes((d_model * down.bytes_for(hot)) as u64)
-                    + if up_bias { device_bytes(h * 4) } else { 0 }
-            }
-        }
-    }
-}
-
-/// Device bytes of layer `l`'s `hot` neurons as the hybrid source allocates them.
-pub(super) fn hot_device_bytes(m: &Manifest, l: usize, hot: usize) -> Result<u64, PlanError> {
-    Ok(FfnLayout::of(m, l)?.device_bytes(hot))
-}
-
-/// Where an offloaded run's FFN neurons that do not fit the device run (`--cold`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Cold {
-    /// Streamed in per token, all computed on the device.
-    Stream,
-    /// Bundled FFNs: the CPU computes the last neurons of every layer from DRAM, as many as
-    /// balance the copies of the rest.
-    Split,
-    /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others.
-    Cpu,
-    /// Cache units (bundled FFNs): the device computes every active neuron from a unit per
-    /// layer that only the neurons it lacks are copied into (by the sparsity profile).
-    Gpu,
-    /// The fastest of the above by the plan's prediction (hybrid and cache units only where a
-    /// profile exists).
-    Auto,
-}
-
-/// What [`plan_cold`] chose.
-pub struct ColdChoice {
-    /// The streaming plan (with the split where chosen); hybrid execution's base plan.
-    pub plan: Plan,
-    /// Hybrid execution's hot-neuron plan, where chosen.
-    pub hot: Option<HybridPlan>,
-    /// The cache units, where chosen.
-    pub units: Option<super::units::UnitPlan>,
-    /// The predicted tokens/s of every candidate considered.
-    pub candidates: Vec<(Cold, f64)>,
-}
-
-/// The plan of an offloaded run for `mode`: the streaming plan (with or without the split) and,
-/// for hybrid execution, the hot-neuron plan; `profile` at its target, where one exists (hybrid
-/// needs it); cache units at the fastest of the neuron `precisions`. For `auto`, the
-/// candidate predicted fastest, and the predictions of all of them.
-pub fn plan_cold(
-    m: &Manifest,
-    budget: &super::Budget,
-    hw: &super::HardwareProfile,
-    mode: Cold,
-    profile: Option<(&SparsityProfile, f64)>,
-    precisions: &[crate::plan::precision::Precision],
-) -> Result<ColdChoice, PlanError> {
-    let plan_with = |split: bool| {
-        super::make_plan(
-            m,
-            &super::Budget {
-                cpu_split: split,
-                ..budget.clone()
-            },
-            hw,
-        )
-    };
-    let hybrid = |plan: &Plan| -> Result<HybridPlan, PlanError> {
-        let Some((p, target)) = profile else {
-            return Err(PlanError::Store(
-                "hybrid execution places hot neurons by their activation frequency: run `gpu-offload profile` first".into(),
-            ));
-        };
-        match plan_hot_neurons(m, plan, p, target) {
-            // Attention does not all fit: stream it, beside hot neurons in a share of the room.
-            Err(e @ PlanError::GpuTooSmall { .. }) => {
-                let room = super::make_plan(
-                    m,
-                    &super::Budget {
-                        hot_reserve: Some(0),
-                        cpu_split: false,
-                        ..budget.clone()
-                    },
-                    hw,
-                )?
-                .gpu
-                .resident_layers;
-                [0.25, 0.5, 0.75, 1.0]
-                    .iter()
-                    .filter_map(|f| {
-                        plan_hot_streamed(m, budget, hw, p, target, (room as f64 * f) as u64).ok()
-                    })
-                    .max_by(|a, b| {
-                        a.predicted_tokens_per_s
-                            .total_cmp(&b.predicted_tokens_per_s)
-                    })
-                    .ok_or(e)
-            }
-            r => r,
-        }
-    };
-    let units = |plan: &Plan| -> Result<super::units::UnitPlan, PlanError> {
-        let Some((p, target)) = profile else {
-            return Err(PlanError::Store(
-                "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
-            ));
-        };
-        super::units::plan_units_fastest(m, plan, Some(p), target, precisions)
-    };
-    let (plan, hot, units, candidates) = match mode {
-        Cold::Stream | Cold::Split => {
-            let plan = plan_with(mode == Cold::Split)?;
-            let t = plan.prediction.tokens_per_s;
-            (plan, None, None, vec![(mode, t)])
-        }
-        Cold::Cpu => {
-            let plan = plan_with(false)?;
-            let hot = hybrid(&plan)?;
-            let t = hot.predicted_tokens_per_s;
-            let plan = hot.base_plan.as_deref().cloned().unwrap_or(plan);
-            (plan, Some(hot), None, vec![(Cold::Cpu, t)])
-        }
-        Cold::Gpu => {
-            let plan = plan_with(false)?;
-            let u = units(&plan)?;
-            let t = u.predicted_tokens_per_s;
-            (plan, None, Some(u), vec![(Cold::Gpu, t)])
-        }
-        Cold::Auto => {
-            let stream = plan_with(false)?;
-            let split = plan_with(true)?;
-            let mut seen = vec![(Cold::Stream, stream.prediction.tokens_per_s)];
-            if split.residency.cpu_rows > 0 {
-                seen.push((Cold::Split, split.prediction.tokens_per_s));
-            }
-            // Hybrid where it fits (it keeps all attention resident) and a profile exists.
-            let hot = match profile {
-                Some(_) if stream.streams() => hybrid(&stream).ok(),
-                _ => None,
-            };
-            if let Some(h) = &hot {
-                seen.push((Cold::Cpu, h.predicted_tokens_per_s));
-            }
-            // Cache units, each layer hybrid instead where that is faster.
-            let unit_plan = match profile {
-                Some(_) if stream.streams() => units(&stream).ok().map(|u| match &hot {
-                    Some(h) => super::units::mix_with_hybrid(m, &stream, u.clone(), h).unwrap_or(u),
-                    None => u,
-                }),
-                _ => None,
-            };
-            if let Some(u) = &unit_plan {
-                seen.push((Cold::Gpu, u.predicted_tokens_per_s));
-            }
-            let best = seen
-                .iter()
-                .copied()
-                .fold((Cold::Stream, 0.0), |b, c| if c.1 > b.1 { c } else { b })
-                .0;
-            match best {
-                Cold::Split => (split, None, None, seen),
-                Cold::Cpu => {
-                    let base = hot.as_ref().and_then(|h| h.base_plan.as_deref().cloned());
-                    (base.unwrap_or(stream), hot, None, seen)
-                }
-                Cold::Gpu => (stream, None, unit_plan, seen),
-                _ => (stream, None, None, seen),
-            }
-        }
-    };
-    Ok(ColdChoice {
-        plan,
-        hot,
-        units,
-        candidates,
-    })
-}
-
 /// The placement for `plan`'s budget and hardware from `profile` at `target` sparsity, and what
 /// hybrid execution of it holds and moves.
 pub fn plan_hot_neurons(
@@ -442,7 +131,7 @@ pub fn plan_hot_neurons(
             "the sparsity profile's shape is not this model's".into(),
         ));
     }
-    let (base, layouts) = base_of(m, plan, true)?;
+    let (base, layouts) = base_of(m, plan, BaseFor::Hybrid)?;
     place_in(plan, base, &layouts, profile, k)
 }
 
@@ -530,15 +219,15 @@ fn place_in(
 /// ILP places the hot neurons; attention is resident as far as it fits and streams beyond.
 pub fn plan_hot_streamed(
     m: &Manifest,
-    budget: &super::Budget,
-    hw: &super::HardwareProfile,
+    budget: &Budget,
+    hw: &HardwareProfile,
     profile: &SparsityProfile,
     target: f64,
     reserve: u64,
 ) -> Result<HybridPlan, PlanError> {
-    let plan = super::make_plan(
+    let plan = make_plan(
         m,
-        &super::Budget {
+        &Budget {
             hot_reserve: Some(reserve),
             cpu_split: false,
             ..budget.clone()
@@ -587,7 +276,7 @@ pub fn plan_hybrid_with(
 ) -> Result<HybridPlan, PlanError> {
     let k = grid_index(target);
     let (n_layers, d_ff) = (plan.spec.n_layers, plan.spec.d_ff);
-    let (base, layouts) = base_of(m, plan, true)?;
+    let (base, layouts) = base_of(m, plan, BaseFor::Hybrid)?;
     if hot.len() != n_layers {
         return Err(PlanError::Budget(format!(
             "a placement of {} layers for {n_layers}",
@@ -652,115 +341,6 @@ struct Solved {
     min_neurons: usize,
     bytes: u64,
     solve_seconds: f64,
-}
-
-/// Everything hybrid execution holds besides the hot neurons.
-pub(super) struct Base {
-    pub(super) attention: u64,
-    /// Per layer, the attention matrices' bytes (what the device reads of them per token).
-    pub(super) attention_layers: Vec<u64>,
-    pub(super) staging: u64,
-    pub(super) merge: u64,
-    pub(super) everything_else: u64,
-    /// What the ILP may place (raw bytes), with room for each hot tensor's rounding.
-    pub(super) budget_bytes: u64,
-    /// Bytes streamed per token (attention that does not fit), 0 when all of it is resident.
-    pub(super) streamed: u64,
-}
-
-/// Each layer's FFN layout and attention bytes.
-fn layers_of(m: &Manifest, n_layers: usize) -> Result<(Vec<FfnLayout>, Vec<u64>), PlanError> {
-    let layouts = (0..n_layers)
-        .map(|l| FfnLayout::of(m, l))
-        .collect::<Result<Vec<_>, _>>()?;
-    let attention = (0..n_layers)
-        .map(|l| {
-            attention_parts(l)
-                .iter()
-                .map(|&(l, p)| seg(m, &part_segment_name(l, p)).map(|s| s.bytes))
-                .sum::<Result<u64, _>>()
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok((layouts, attention))
-}
-
-/// Room kept for the hot tensors' rounding to the granule, so the ILP's raw bytes always fit
-/// once rounded.
-fn hot_rounding(layouts: &[FfnLayout]) -> u64 {
-    layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum()
-}
-
-/// The hybrid device bytes besides the hot neurons, and each layer's FFN layout.
-/// What everything but the FFN neurons takes on the device when every layer's attention is
-/// resident: with the merge buffer of hybrid execution (`merge`), or without (cache units).
-pub(super) fn base_of(
-    m: &Manifest,
-    plan: &Plan,
-    merge: bool,
-) -> Result<(Base, Vec<FfnLayout>), PlanError> {
-    let spec = &plan.spec;
-    let n_layers = spec.n_layers;
-    let (layouts, attention_layers) = layers_of(m, n_layers)?;
-    let mut attention = 0;
-    let mut staging = 0;
-    for (l, p) in (0..n_layers).flat_map(attention_parts) {
-        let s = seg(m, &part_segment_name(l, p))?;
-        attention += device_bytes(s.bytes);
-        staging = staging.max(staging_for(s, s.rows));
-    }
-    let head = super::head_segment(m)?;
-    staging = staging.max(staging_for(head, head.rows));
-    for (name, _) in super::small_fragments(m) {
-        if let Some(s) = m.segment(&name) {
-            staging = staging.max(staging_for(s, s.rows));
-        }
-    }
-    let merge = if merge {
-        device_bytes((plan.budget.batch * spec.d_model * 4) as u64)
-    } else {
-        0
-    };
-    let g = &plan.gpu;
-    let everything_else = g.small + g.head + g.kv + g.scratch + g.workspace + attention + merge;
-    let usable = plan.budget.gpu_mem.saturating_sub(g.fixed);
-    let rounding = hot_rounding(&layouts);
-    if usable < everything_else + rounding {
-        return Err(PlanError::GpuTooSmall {
-            budget: plan.budget.gpu_mem,
-            minimum: g.fixed + everything_else + rounding,
-            breakdown: format!(
-                "{} keeps every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
-                if merge > 0 {
-                    "hybrid execution"
-                } else {
-                    "cache units"
-                },
-                human_bytes(attention),
-                human_bytes(g.small),
-                human_bytes(g.head),
-                human_bytes(g.kv),
-                human_bytes(g.scratch),
-                human_bytes(g.workspace),
-                human_bytes(merge)
-            ),
-        });
-    }
-    Ok((
-        Base {
-            attention,
-            attention_layers,
-            staging,
-            merge,
-            everything_else,
-            budget_bytes: usable - everything_else - rounding,
-            streamed: 0,
-        },
-        layouts,
-    ))
-}
-
-fn attention_parts(l: usize) -> [(usize, Part); 4] {
-    [Part::Q, Part::K, Part::V, Part::O].map(move |p| (l, p))
 }
 
 /// The plan of a placement: device bytes, cold costs, expected traffic and speed.

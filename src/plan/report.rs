@@ -1,16 +1,38 @@
 //! The plan as a table: per layer where its bytes live, then totals against the budgets and the
 //! predicted speed with the bound behind it.
+//!
+//! Formatting only: every figure comes from the [`Plan`] (and its
+//! [`Plan::prefill_prediction`]); nothing is decided here.
 
 use std::fmt::Write;
 
-use super::{Part, Plan};
+use super::Plan;
+use super::preserve::Part;
+
+impl Plan {
+    /// The per-layer table and totals, for people.
+    pub fn report(&self) -> String {
+        render(self)
+    }
+}
 
 fn mib(b: u64) -> String {
     format!("{:.1}", b as f64 / (1u64 << 20) as f64)
 }
 
-pub fn render(p: &Plan) -> String {
+fn render(p: &Plan) -> String {
     let mut o = String::new();
+    write_header(&mut o, p);
+    write_layers(&mut o, p);
+    write_gpu(&mut o, p);
+    write_prefill(&mut o, p);
+    write_dram(&mut o, p);
+    write_decode(&mut o, p);
+    o
+}
+
+/// The model, the budget and the hardware; the rows every layer keeps resident.
+fn write_header(o: &mut String, p: &Plan) {
     let spec = &p.spec;
     let _ = writeln!(
         o,
@@ -63,6 +85,11 @@ pub fn render(p: &Plan) -> String {
         kept.join(", ")
     );
     let _ = writeln!(o);
+}
+
+/// Per layer: how it runs, its resident, streamed and CPU bytes, its DRAM area and SSD reads.
+fn write_layers(o: &mut String, p: &Plan) {
+    let spec = &p.spec;
     let _ = writeln!(
         o,
         "{:>5}  {:>9}  {:>13}  {:>13}  {:>8}  {:>8}  {:>14}",
@@ -98,6 +125,10 @@ pub fn render(p: &Plan) -> String {
             mib(ssd)
         );
     }
+}
+
+/// Device memory by use against `--gpu-mem`.
+fn write_gpu(o: &mut String, p: &Plan) {
     let g = &p.gpu;
     let _ = writeln!(o);
     let _ = writeln!(
@@ -125,6 +156,10 @@ pub fn render(p: &Plan) -> String {
         mib(g.scratch),
         mib(g.workspace)
     );
+}
+
+/// How the longest prompt runs and its predicted time to first token.
+fn write_prefill(o: &mut String, p: &Plan) {
     let pf = p.prefill;
     let prompt = p.budget.prompt.max(1);
     let pp = p.prefill_prediction(prompt);
@@ -180,6 +215,10 @@ pub fn render(p: &Plan) -> String {
         },
         pp.ops_s
     );
+}
+
+/// Host memory by use.
+fn write_dram(o: &mut String, p: &Plan) {
     let d = &p.dram;
     let _ = writeln!(
         o,
@@ -194,6 +233,11 @@ pub fn render(p: &Plan) -> String {
         mib(d.layer_bytes),
         mib(d.staging)
     );
+}
+
+/// What a decoded token moves, the hybrid or split share, and the predicted speed.
+fn write_decode(o: &mut String, p: &Plan) {
+    let g = &p.gpu;
     let t = &p.per_token;
     let pr = &p.prediction;
     let _ = writeln!(
@@ -232,5 +276,4 @@ pub fn render(p: &Plan) -> String {
         "predicted decode: {:.2} tokens/s (bound by {})",
         pr.tokens_per_s, pr.limited_by
     );
-    o
 }

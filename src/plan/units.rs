@@ -15,15 +15,25 @@
 //!
 //! Where `bench units` has measured the ATU's hit ratio for the layer at that size (kept in the
 //! profile), a single-precision unit's loads are the measured misses instead.
+//!
+//! Sizing bisects one scale for every layer's unit (60 rounds of the units' bytes). Fails where
+//! the FFN is not stored as bundles, the store lacks a tier's encoding, the profile is not the
+//! model's, or units of one slot do not fit beside everything else.
 
 use serde::Serialize;
 
-use super::hybrid::{SparsePerToken, base_of};
-use super::{Part, Plan, PlanError, human_bytes, part_segment_name, seg};
 use crate::footprint::device_bytes;
-use crate::plan::precision::{Precision, TIER_ENCODINGS};
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::store::{Encoding, Manifest, names};
+
+use super::Plan;
+use super::budget::{PlanError, human_bytes};
+use super::cold::{ColdCost, hot_device_bytes};
+use super::hybrid::HybridPlan;
+use super::manifest::{part_segment_name, seg};
+use super::precision::{Precision, TIER_ENCODINGS};
+use super::preserve::Part;
+use super::resident::{Base, BaseFor, SparsePerToken, base_of};
 
 /// How a layer's FFN runs in a cache-unit plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -99,7 +109,7 @@ pub struct UnitPlan {
 pub struct HybridLayers {
     /// Per layer, the hot neurons of a hybrid layer (ascending); `None` for a unit layer.
     pub hot_neurons: Vec<Option<Vec<u32>>>,
-    pub cold_cost: Vec<super::hybrid::ColdCost>,
+    pub cold_cost: Vec<ColdCost>,
     /// Rows of the merge buffer.
     pub batch: usize,
 }
@@ -220,14 +230,14 @@ fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64,
 struct UnitRoom {
     row: [u64; 3],
     biased: bool,
-    base: super::hybrid::Base,
+    base: Base,
     room: u64,
 }
 
 fn unit_room(m: &Manifest, plan: &Plan) -> Result<UnitRoom, PlanError> {
     let spec = &plan.spec;
     let parts = if spec.gated_ffn { 3 } else { 2 };
-    let (base, _) = base_of(m, plan, false)?;
+    let (base, _) = base_of(m, plan, BaseFor::Units)?;
     let g = &plan.gpu;
     // One step's buffers are left free beside the units: steps of another size (prefill,
     // then decode) reallocate them, and a budget filled exactly has its free bytes in pieces
@@ -258,40 +268,10 @@ pub fn plan_units(
 ) -> Result<UnitPlan, PlanError> {
     let spec = &plan.spec;
     let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
-    if m.bundle_encodings.is_empty() {
-        return Err(PlanError::Budget(
-            "cache units hold neuron bundles: this model's FFN is stored as matrices (--cold cpu runs it sparse; convert --bundle-ffn bundles it)".into(),
-        ));
-    }
-    for i in precision.tiers() {
-        let enc = TIER_ENCODINGS[i];
-        if !m.bundle_encodings.contains(&enc) {
-            return Err(PlanError::Store(format!(
-                "neuron precision {precision} computes neurons in {} but the store holds no {} bundles (convert with --encodings int8,int4)",
-                enc.name(),
-                enc.name()
-            )));
-        }
-    }
-    if let Some(p) = profile
-        && (p.d_ff != d_ff || p.n_layers != n_layers)
-    {
-        return Err(PlanError::Store(
-            "the sparsity profile's shape is not this model's".into(),
-        ));
-    }
+    check_units(m, plan, profile, precision)?;
     let parts = if spec.gated_ffn { 3 } else { 2 };
-    let UnitRoom {
-        row,
-        biased,
-        base,
-        room,
-    } = unit_room(m, plan)?;
-    let neuron_bytes = row.map(|r| r + if biased { 4 } else { 0 });
+    let unit_room = unit_room(m, plan)?;
     let share = precision.0.map(|p| p as f64 / 100.0);
-    let everything_else = base.everything_else;
-    let g = &plan.gpu;
-    let slack = g.scratch;
     let k = grid_index(target);
     let freqs: Vec<Vec<f64>> = (0..n_layers)
         .map(|l| match profile {
@@ -300,62 +280,14 @@ pub fn plan_units(
         })
         .collect();
     let means: Vec<f64> = freqs.iter().map(|f| f.iter().sum::<f64>()).collect();
-    let slots_at = |scale: f64| -> Vec<[usize; 3]> {
-        means
-            .iter()
-            .map(|&mu| {
-                [0, 1, 2].map(|i| {
-                    if share[i] > 0.0 {
-                        ((scale * share[i] * mu).ceil() as usize).clamp(1, d_ff)
-                    } else {
-                        0
-                    }
-                })
-            })
-            .collect()
-    };
-    let smallest =
-        || -> Vec<[usize; 3]> { vec![[0, 1, 2].map(|i| usize::from(share[i] > 0.0)); n_layers] };
-    let fits = |slots: &[[usize; 3]]| {
-        let (u, st) = unit_device_bytes(slots, row, biased);
-        u + st <= room
-    };
-    if !fits(&smallest()) {
-        let (u, st) = unit_device_bytes(&smallest(), row, biased);
-        return Err(PlanError::GpuTooSmall {
-            budget: plan.budget.gpu_mem,
-            minimum: g.fixed + everything_else + slack + u + st,
-            breakdown: format!(
-                "cache units keep every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
-                human_bytes(base.attention),
-                human_bytes(g.small),
-                human_bytes(g.head),
-                human_bytes(g.kv),
-                human_bytes(g.scratch),
-                human_bytes(g.workspace)
-            ),
-        });
-    }
-    // The largest scale that fits (all neurons at most).
-    let smallest_mean = means
-        .iter()
-        .copied()
-        .fold(f64::INFINITY, f64::min)
-        .max(1e-9);
-    let (mut lo, mut hi) = (0.0, d_ff as f64 / smallest_mean + 1.0);
-    if fits(&slots_at(hi)) {
-        lo = hi;
-    } else {
-        for _ in 0..60 {
-            let mid = 0.5 * (lo + hi);
-            if fits(&slots_at(mid)) {
-                lo = mid;
-            } else {
-                hi = mid;
-            }
-        }
-    }
-    let slots = slots_at(lo);
+    let lo = largest_scale(plan, &unit_room, &means, share)?;
+    let UnitRoom {
+        row, biased, base, ..
+    } = unit_room;
+    let neuron_bytes = row.map(|r| r + if biased { 4 } else { 0 });
+    let everything_else = base.everything_else;
+    let g = &plan.gpu;
+    let slots = slots_at(&means, share, d_ff, lo);
     let (units, staging) = unit_device_bytes(&slots, row, biased);
 
     let reuse = profile.and_then(|p| p.unit_reuse.as_ref());
@@ -414,15 +346,7 @@ pub fn plan_units(
     // About 16 ops a layer (norms, projections, rope, attention, the listed FFN, scatter).
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
     pcie += (spec.d_model + spec.vocab_size) as u64 * 4;
-    let mut dram_neurons = 0;
-    for l in 0..n_layers {
-        let s = seg(m, &part_segment_name(l, Part::Ffn))?;
-        dram_neurons += s.read_extent(0..s.rows).1;
-        for i in precision.tiers().filter(|&i| i > 0) {
-            let s = seg(m, &names::bundles(l, TIER_ENCODINGS[i]))?;
-            dram_neurons += s.read_extent(0..s.rows).1;
-        }
-    }
+    let dram_neurons = dram_neurons(m, precision, n_layers)?;
     let placed = everything_else + units + staging;
     Ok(UnitPlan {
         target,
@@ -451,6 +375,135 @@ pub fn plan_units(
             .collect(),
         hybrid: None,
     })
+}
+
+/// What a store and profile must be for cache units at `precision`: bundles, in every encoding
+/// the precision computes in, and a profile of the model's shape.
+fn check_units(
+    m: &Manifest,
+    plan: &Plan,
+    profile: Option<&SparsityProfile>,
+    precision: Precision,
+) -> Result<(), PlanError> {
+    let spec = &plan.spec;
+    let (n_layers, d_ff) = (spec.n_layers, spec.d_ff);
+    if m.bundle_encodings.is_empty() {
+        return Err(PlanError::Budget(
+            "cache units hold neuron bundles: this model's FFN is stored as matrices (--cold cpu runs it sparse; convert --bundle-ffn bundles it)".into(),
+        ));
+    }
+    for i in precision.tiers() {
+        let enc = TIER_ENCODINGS[i];
+        if !m.bundle_encodings.contains(&enc) {
+            return Err(PlanError::Store(format!(
+                "neuron precision {precision} computes neurons in {} but the store holds no {} bundles (convert with --encodings int8,int4)",
+                enc.name(),
+                enc.name()
+            )));
+        }
+    }
+    if let Some(p) = profile
+        && (p.d_ff != d_ff || p.n_layers != n_layers)
+    {
+        return Err(PlanError::Store(
+            "the sparsity profile's shape is not this model's".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Slots of each layer's unit, per tier, at `scale` × the layer's mean active count (`means`)
+/// × the tier's `share`: at least one in a used tier, at most every neuron.
+fn slots_at(means: &[f64], share: [f64; 3], d_ff: usize, scale: f64) -> Vec<[usize; 3]> {
+    means
+        .iter()
+        .map(|&mu| {
+            [0, 1, 2].map(|i| {
+                if share[i] > 0.0 {
+                    ((scale * share[i] * mu).ceil() as usize).clamp(1, d_ff)
+                } else {
+                    0
+                }
+            })
+        })
+        .collect()
+}
+
+/// The largest scale of the units (× each layer's mean active count, `means`) whose units
+/// and staging fit the room (all neurons at most), by bisection; refused where units of one
+/// slot do not fit.
+fn largest_scale(
+    plan: &Plan,
+    unit_room: &UnitRoom,
+    means: &[f64],
+    share: [f64; 3],
+) -> Result<f64, PlanError> {
+    let (n_layers, d_ff) = (plan.spec.n_layers, plan.spec.d_ff);
+    let UnitRoom {
+        row,
+        biased,
+        ref base,
+        room,
+    } = *unit_room;
+    let everything_else = base.everything_else;
+    let g = &plan.gpu;
+    let slack = g.scratch;
+    let smallest =
+        || -> Vec<[usize; 3]> { vec![[0, 1, 2].map(|i| usize::from(share[i] > 0.0)); n_layers] };
+    let fits = |slots: &[[usize; 3]]| {
+        let (u, st) = unit_device_bytes(slots, row, biased);
+        u + st <= room
+    };
+    if !fits(&smallest()) {
+        let (u, st) = unit_device_bytes(&smallest(), row, biased);
+        return Err(PlanError::GpuTooSmall {
+            budget: plan.budget.gpu_mem,
+            minimum: g.fixed + everything_else + slack + u + st,
+            breakdown: format!(
+                "cache units keep every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
+                human_bytes(base.attention),
+                human_bytes(g.small),
+                human_bytes(g.head),
+                human_bytes(g.kv),
+                human_bytes(g.scratch),
+                human_bytes(g.workspace)
+            ),
+        });
+    }
+    // The largest scale that fits (all neurons at most).
+    let smallest_mean = means
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-9);
+    let (mut lo, mut hi) = (0.0, d_ff as f64 / smallest_mean + 1.0);
+    if fits(&slots_at(means, share, d_ff, hi)) {
+        lo = hi;
+    } else {
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if fits(&slots_at(means, share, d_ff, mid)) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+    }
+    Ok(lo)
+}
+
+/// DRAM the neurons take: every layer's bundles in each encoding `precision` uses, as read.
+fn dram_neurons(m: &Manifest, precision: Precision, n_layers: usize) -> Result<u64, PlanError> {
+    let mut dram_neurons = 0;
+    for l in 0..n_layers {
+        let s = seg(m, &part_segment_name(l, Part::Ffn))?;
+        dram_neurons += s.read_extent(0..s.rows).1;
+        for i in precision.tiers().filter(|&i| i > 0) {
+            let s = seg(m, &names::bundles(l, TIER_ENCODINGS[i]))?;
+            dram_neurons += s.read_extent(0..s.rows).1;
+        }
+    }
+    Ok(dram_neurons)
 }
 
 /// Cache units at the fastest of the precisions `candidates` by the plan's prediction (the
@@ -493,7 +546,7 @@ pub fn mix_with_hybrid(
     m: &Manifest,
     plan: &Plan,
     units: UnitPlan,
-    hot: &super::hybrid::HybridPlan,
+    hot: &HybridPlan,
 ) -> Result<UnitPlan, PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
@@ -513,7 +566,7 @@ pub fn mix_with_hybrid(
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
         let hybrid_s = base.attention_layers[l] as f64 / hw.hbm_bytes_per_s + h.gpu_s.max(h.cpu_s);
-        let hybrid_b = super::hybrid::hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
+        let hybrid_b = hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
         opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
     }
     let mut pick: Vec<usize> = opts.iter().map(|o| usize::from(o[1].0 < o[0].0)).collect();

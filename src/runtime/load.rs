@@ -29,7 +29,8 @@ use crate::model::{ChatMessage, Model, ModelSpec, ModelWeights, Tokenizer, defau
 use crate::plan::{Budget, HardwareProfile, Plan};
 use crate::runtime::store::open_store_for;
 use crate::store::Store;
-use crate::tier::hybrid::{ColdTraffic, HybridWeights};
+use crate::tier::cold::ColdTraffic;
+use crate::tier::hybrid::HybridWeights;
 use crate::tier::stream::StreamWeights;
 
 /// An engine on whichever backend the flags chose.
@@ -209,7 +210,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         prompt: job.prompt.max(1),
         logit_rows: job.logit_rows.clamp(1, crate::footprint::MAX_BATCH),
         max_step: args.budget.max_step(),
-        cpu_split: args.budget.cold == crate::plan::hybrid::Cold::Split,
+        cpu_split: args.budget.cold == crate::plan::choice::Cold::Split,
         hot_reserve: None,
     }
 }
@@ -585,7 +586,7 @@ impl LoadedModel {
         Ok(running)
     }
 
-    /// The plan of an offloaded run for `--cold` (see [`crate::plan::hybrid::plan_cold`]): the
+    /// The plan of an offloaded run for `--cold` (see [`crate::plan::choice::plan_cold`]): the
     /// sparsity profile is read where hybrid execution needs it or `auto` may choose it.
     fn offload_plan(
         &self,
@@ -594,7 +595,7 @@ impl LoadedModel {
         budget: &crate::plan::Budget,
         hw: &HardwareProfile,
     ) -> Result<(Plan, NeuronPlan)> {
-        use crate::plan::hybrid::{Cold, plan_cold};
+        use crate::plan::choice::{Cold, plan_cold};
         let cold = args.budget.cold;
         let name = self.path.display().to_string();
         let load = || SparsityProfile::load(store.dir(), &store.manifest.model_id, &name);
@@ -623,7 +624,7 @@ impl LoadedModel {
             (super::SparsityMode::Predicted, Some(t)) => t,
             _ => args.sparsity_target.unwrap_or(DEFAULT_SPARSITY_TARGET),
         };
-        let crate::plan::hybrid::ColdChoice {
+        let crate::plan::choice::ColdChoice {
             plan,
             hot,
             units,

@@ -156,7 +156,7 @@ pub struct BudgetArgs {
     /// (the fastest of these by the plan's prediction, with each layer a cache unit or hybrid,
     /// whichever is faster there; hybrid and units only where a profile exists)
     #[arg(long, env = "GPU_OFFLOAD_COLD", value_enum, default_value = "auto")]
-    pub cold: crate::plan::hybrid::Cold,
+    pub cold: crate::plan::choice::Cold,
 
     /// Precision of the neurons cache units (--cold gpu) compute: fp16; A/B/C, the percent of
     /// each token's active neurons, ranked by the predictor's score (by the activation's

@@ -2,8 +2,9 @@
 //! mode, named as the planner names the mode (`plan/X.rs` decides it, `tier/X.rs` holds its
 //! bytes):
 //! - [`stream`]: resident shares on the device, the rest streamed SSD → DRAM → device a window
-//!   of layers ahead of compute (FlexInfer), and with the split the CPU computing the FFN
-//!   neurons the link would be slowest to bring;
+//!   of layers ahead of compute (FlexInfer);
+//! - [`split`]: with the split, the CPU computing the FFN neurons the link would be slowest to
+//!   bring (or, hybrid over streamed attention, the cold ones), beside the streaming source;
 //! - [`hybrid`]: hot neurons resident on the device, cold ones in DRAM computed by the CPU
 //!   (PowerInfer);
 //! - [`units`]: per-layer HBM cache units filled by the adjacent-token update ([`atu`]), in
@@ -11,11 +12,19 @@
 //! - [`dram`]: the DRAM cache of the store's segments all of them read through (a fixed area
 //!   for the first layers, a dynamic area refilled from SSD ahead of use by a preloader).
 //!
+//! The pieces the modes share: [`resident`] (norms, biases, head, embeddings, the start-up
+//! loader; every layer's attention where nothing streams) and [`cold`] (neurons the CPU
+//! computes from DRAM). Arrows run one way: `resident`, `cold` ← `hybrid` ← `split` ← `stream`;
+//! `units` uses `resident`, `cold` and `hybrid`.
+//!
 //! Every byte they hold is reserved in the [`crate::footprint::Ledger`].
 
 pub mod atu;
+pub mod cold;
 pub mod dram;
 pub mod hybrid;
 pub mod precision;
+pub mod resident;
+pub mod split;
 pub mod stream;
 pub mod units;

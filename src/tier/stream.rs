@@ -2,82 +2,35 @@
 //! matrix and every layer's resident share live on the device for good; each layer's streamed
 //! share goes SSD → DRAM (the [`DramCache`]) → one of `window` device slots, copied in while the
 //! layers before it compute (FlexInfer's prefetch window), the compute stream waiting on the copy
-//! event and the slot refilled as soon as its layer is done.
+//! event and the slot refilled as soon as its layer is done. With the split, or hybrid over
+//! streamed attention, part of the FFN is the CPU's ([`super::split`]).
 //!
 //! Weights come from the store in its encodings (the model's own; a float model's FFN as f16
 //! neuron bundles, a block-quantized model's as its matrices); embeddings are looked up in DRAM.
 
 use std::sync::Arc;
 
+use super::cold::ColdTraffic;
 use super::dram::{DramCache, LayerData};
+use super::hybrid::HotFfn;
+use super::resident::{Embeddings, Head, Loader, Small};
+use super::split::{CpuShare, FfnShares};
 use crate::backend::{Backend, BundleShape};
 use crate::engine::{
-    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, NormView, Result, WeightSource,
+    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result, WeightSource,
 };
 use crate::footprint::MatmulShapes;
-use crate::footprint::ledger::{Ledger, Reservation, Tier};
-use crate::model::{ModelSpec, PositionEncoding};
+use crate::footprint::ledger::Ledger;
+use crate::model::ModelSpec;
+use crate::plan::hybrid::HybridPlan;
 use crate::plan::{
-    PARTS, Part, Plan, Residency, device_dtype, head_segment, offload_matmuls, part_segment_name,
-    staging_chunks, widest_dtype,
+    PARTS, Part, Plan, Residency, device_dtype, offload_matmuls, part_segment_name, widest_dtype,
 };
-use crate::store::{Segment, SegmentKind, Store, StoreError, names};
-use crate::tensor::{AlignedBuf, DType, HostTensor};
+use crate::store::{Manifest, Store, StoreError};
+use crate::tensor::{AlignedBuf, DType};
 
 fn store_err(e: StoreError) -> EngineError {
     EngineError::Weights(e.to_string())
-}
-
-/// Norms and biases of one layer (always resident).
-pub(super) struct Small<B: Backend> {
-    pub(super) attn_norm: (B::Weight, Option<B::Weight>),
-    pub(super) ffn_norm: (B::Weight, Option<B::Weight>),
-    /// q, k, v, o biases.
-    pub(super) attn_bias: [Option<B::Weight>; 4],
-    pub(super) up_bias: Option<B::Weight>,
-    pub(super) down_bias: Option<B::Weight>,
-}
-
-impl<B: Backend> Small<B> {
-    /// Layer `l`'s norms and biases, loaded to the device.
-    pub(super) fn load(loader: &mut Loader, b: &B, l: usize) -> Result<Self> {
-        let mut norm = |what: &str| -> Result<(B::Weight, Option<B::Weight>)> {
-            Ok((
-                loader.vector(b, &names::layer(l, &format!("{what}.weight")))?,
-                loader.opt_vector(b, &names::layer(l, &format!("{what}.bias")))?,
-            ))
-        };
-        let attn_norm = norm("attn_norm")?;
-        let ffn_norm = norm("ffn_norm")?;
-        let mut attn_bias: [Option<B::Weight>; 4] = Default::default();
-        for (i, t) in ["attn_q", "attn_k", "attn_v", "attn_output"]
-            .iter()
-            .enumerate()
-        {
-            attn_bias[i] = loader.opt_vector(b, &names::layer(l, &format!("{t}.bias")))?;
-        }
-        Ok(Small {
-            attn_norm,
-            ffn_norm,
-            attn_bias,
-            up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
-            down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
-        })
-    }
-
-    pub(super) fn attn_norm(&self) -> NormView<'_, B> {
-        NormView {
-            weight: &self.attn_norm.0,
-            bias: self.attn_norm.1.as_ref(),
-        }
-    }
-
-    pub(super) fn ffn_norm(&self) -> NormView<'_, B> {
-        NormView {
-            weight: &self.ffn_norm.0,
-            bias: self.ffn_norm.1.as_ref(),
-        }
-    }
 }
 
 /// Device buffers one streamed layer passes through.
@@ -85,109 +38,6 @@ struct Slot<B: Backend> {
     parts: [Option<B::Weight>; PARTS],
     layer: Option<usize>,
     ready: Option<B::Event>,
-}
-
-/// A host table in DRAM (embeddings), read one row per token.
-struct Table {
-    t: HostTensor,
-    _hold: Reservation,
-}
-
-/// What every offloaded source holds for the end of a pass: the final norm and the output
-/// matrix on the device, and the RoPE frequency factors (host).
-pub(super) struct Head<B: Backend> {
-    output: B::Weight,
-    norm: (B::Weight, Option<B::Weight>),
-    rope_freq_factors: Option<Vec<f32>>,
-}
-
-impl<B: Backend> Head<B> {
-    pub(super) fn load(loader: &mut Loader, b: &B, store: &Store) -> Result<Self> {
-        let seg = head_segment(&store.manifest).map_err(|e| EngineError::Weights(e.to_string()))?;
-        Ok(Head {
-            output: loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?,
-            norm: (
-                loader.vector(b, names::OUTPUT_NORM)?,
-                loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
-            ),
-            rope_freq_factors: match store.segment(names::ROPE_FREQS) {
-                Some(_) => Some(store.tensor(names::ROPE_FREQS).map_err(store_err)?.to_f32()),
-                None => None,
-            },
-        })
-    }
-
-    pub(super) fn view(&self) -> HeadView<'_, B> {
-        HeadView {
-            norm: NormView {
-                weight: &self.norm.0,
-                bias: self.norm.1.as_ref(),
-            },
-            output: LinearView {
-                blocks: vec![(0, &self.output)],
-                bias: None,
-            },
-        }
-    }
-
-    pub(super) fn rope_freq_factors(&self) -> Option<Vec<f32>> {
-        self.rope_freq_factors.clone()
-    }
-}
-
-/// The embedding tables in DRAM, looked up on the host: a step's input rows are built there and
-/// copied in once.
-pub(super) struct Embeddings {
-    token: Table,
-    pos: Option<(Table, usize)>,
-    d: usize,
-    x_host: Vec<f32>,
-}
-
-impl Embeddings {
-    pub(super) fn load(store: &Store, ledger: &Arc<Ledger>, spec: &ModelSpec) -> Result<Self> {
-        Ok(Embeddings {
-            token: table(store, ledger, names::TOKEN_EMBD)?,
-            pos: match &spec.position {
-                PositionEncoding::Learned { offset } => {
-                    Some((table(store, ledger, names::POS_EMBD)?, *offset))
-                }
-                PositionEncoding::Rope(_) => None,
-            },
-            d: spec.d_model,
-            x_host: Vec::new(),
-        })
-    }
-
-    /// Token embeddings (plus learned positions from `first_pos`) of `ids` into `out`.
-    pub(super) fn embed<B: Backend>(
-        &mut self,
-        b: &B,
-        ids: &[u32],
-        first_pos: usize,
-        out: &mut B::Tensor,
-    ) -> Result<()> {
-        let d = self.d;
-        self.x_host.resize(ids.len() * d, 0.0);
-        let mut row = vec![0f32; d];
-        for (i, &id) in ids.iter().enumerate() {
-            let x = &mut self.x_host[i * d..(i + 1) * d];
-            self.token.t.row_f32(id as usize, x);
-            if let Some((table, offset)) = &self.pos {
-                let r = first_pos + i + offset;
-                if r >= table.t.rows {
-                    return Err(EngineError::ContextFull {
-                        needed: first_pos + i + 1,
-                        ctx: table.t.rows - offset,
-                    });
-                }
-                table.t.row_f32(r, &mut row);
-                x.iter_mut().zip(&row).for_each(|(a, p)| *a += p);
-            }
-        }
-        b.write(out, &self.x_host)?;
-        Ok(())
-    }
 }
 
 pub struct StreamWeights<B: Backend> {
@@ -213,97 +63,7 @@ pub struct StreamWeights<B: Backend> {
     cpu: Option<CpuShare<B>>,
     /// Hybrid with streamed attention: per layer the hot neurons' block (the FFN's only device
     /// part); empty otherwise.
-    hot_ffn: Vec<super::hybrid::HotFfn<B>>,
-}
-
-struct CpuShare<B: Backend> {
-    layers: Vec<super::hybrid::ColdLayer>,
-    /// Per layer, the ids of the FFN neurons the device computes, in column order.
-    device_ids: Vec<Vec<u32>>,
-    partial: B::Tensor,
-    traffic: Arc<super::hybrid::ColdTraffic>,
-}
-
-/// Reads store segments into one reusable page-aligned buffer (reserved in DRAM) and copies
-/// them to the device in chunks of whole checksum groups.
-pub(super) struct Loader<'a> {
-    store: &'a Store,
-    ledger: &'a Arc<Ledger>,
-    staging: AlignedBuf,
-    _hold: Reservation,
-}
-
-impl<'a> Loader<'a> {
-    /// A loader with a staging buffer of `bytes` (at least a page), reserved in DRAM.
-    pub(super) fn new(store: &'a Store, ledger: &'a Arc<Ledger>, bytes: u64) -> Result<Self> {
-        let bytes = bytes.max(4096);
-        Ok(Loader {
-            store,
-            ledger,
-            staging: AlignedBuf::zeroed(bytes as usize),
-            _hold: ledger
-                .reserve(Tier::Dram, bytes, "start-up staging")
-                .map_err(|e| EngineError::Weights(e.to_string()))?,
-        })
-    }
-
-    /// Rows `rows` of `seg` into a new device weight of `dtype`.
-    pub(super) fn load_to_device<B: Backend>(
-        &mut self,
-        b: &B,
-        seg: &Segment,
-        rows: std::ops::Range<usize>,
-        dtype: DType,
-    ) -> Result<B::Weight> {
-        let mut w = b.alloc_weight(&seg.name, dtype, rows.len(), seg.cols)?;
-        for chunk in staging_chunks(seg, rows.clone()) {
-            let (first, read) = self
-                .store
-                .read_rows_into(seg, chunk.clone(), &mut self.staging)
-                .map_err(store_err)?;
-            self.ledger.count_ssd(read);
-            let len = chunk.len() * seg.row_bytes();
-            b.upload_into(
-                &mut w,
-                chunk.start - rows.start,
-                &self.staging.as_slice()[first..first + len],
-            )?;
-            // The copy reads from staging: finish it before the next read overwrites it.
-            let ev = b.copies_done()?;
-            b.host_waits(&ev)?;
-        }
-        Ok(w)
-    }
-
-    pub(super) fn vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<B::Weight> {
-        let seg = self.store.require(name).map_err(store_err)?;
-        self.load_to_device(b, seg, 0..seg.rows, DType::F32)
-    }
-
-    pub(super) fn opt_vector<B: Backend>(
-        &mut self,
-        b: &B,
-        name: &str,
-    ) -> Result<Option<B::Weight>> {
-        match self.store.segment(name) {
-            Some(_) => self.vector(b, name).map(Some),
-            None => Ok(None),
-        }
-    }
-}
-
-/// A whole tensor segment in a DRAM buffer (reserved), as a host tensor.
-fn table(store: &Store, ledger: &Arc<Ledger>, name: &str) -> Result<Table> {
-    let seg = store.require(name).map_err(store_err)?;
-    if seg.kind != SegmentKind::Tensor {
-        return Err(EngineError::Weights(format!("`{name}` is not a tensor")));
-    }
-    let hold = ledger
-        .reserve(Tier::Dram, seg.bytes.next_multiple_of(4096), name)
-        .map_err(|e| EngineError::Weights(e.to_string()))?;
-    let t = store.tensor(name).map_err(store_err)?;
-    ledger.count_ssd(seg.read_extent(0..seg.rows).1);
-    Ok(Table { t, _hold: hold })
+    hot_ffn: Vec<HotFfn<B>>,
 }
 
 impl<B: Backend> StreamWeights<B> {
@@ -330,7 +90,7 @@ impl<B: Backend> StreamWeights<B> {
         plan: &Plan,
         ledger: Arc<Ledger>,
         kernels: &'static crate::backend::cpu::kernels::Kernels,
-        hot: Option<&crate::plan::hybrid::HybridPlan>,
+        hot: Option<&HybridPlan>,
     ) -> Result<Self> {
         let m = &store.manifest;
         if m.model_id != plan.model_id {
@@ -341,155 +101,18 @@ impl<B: Backend> StreamWeights<B> {
         let spec = m.spec.clone();
         let (shape, residency) = (plan.shape, plan.residency);
         let n_layers = spec.n_layers;
-
-        // Tables first: they stay in DRAM for the whole run.
-        let embeddings = Embeddings::load(&store, &ledger, &spec)?;
-        let mut loader = Loader::new(&store, &ledger, plan.dram.staging)?;
-        let mut small = Vec::with_capacity(n_layers);
-        let mut resident = Vec::with_capacity(n_layers);
-        for l in 0..n_layers {
-            small.push(Small::load(&mut loader, b, l)?);
-            let mut parts: [Option<B::Weight>; PARTS] = Default::default();
-            for p in Part::ALL {
-                let r = residency.rows[p.index()];
-                if r > 0 {
-                    let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                    parts[p.index()] =
-                        Some(loader.load_to_device(b, seg, 0..r, device_dtype(seg))?);
-                }
-            }
-            resident.push(parts);
-        }
-        let head = Head::load(&mut loader, b, &store)?;
-        drop(loader);
-
-        let mut part_formats = vec![[(DType::F32, 0); PARTS]; n_layers];
-        for (l, formats) in part_formats.iter_mut().enumerate() {
-            for p in Part::ALL {
-                if shape.rows[p.index()] > 0 {
-                    let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                    formats[p.index()] = (device_dtype(seg), seg.cols);
-                }
-            }
-        }
-        let mut slots = Vec::with_capacity(plan.window);
-        for i in 0..plan.window {
-            let mut parts: [Option<B::Weight>; PARTS] = Default::default();
-            for p in Part::ALL {
-                let rows = residency.streamed_rows(&shape, p);
-                if !rows.is_empty() {
-                    // Sized for the layer whose rows of this part are widest.
-                    let widest =
-                        widest_dtype(m, p).map_err(|e| EngineError::Weights(e.to_string()))?;
-                    parts[p.index()] = Some(b.alloc_weight(
-                        &format!("slot {i} {}", p.name()),
-                        widest,
-                        rows.len(),
-                        part_formats[0][p.index()].1,
-                    )?);
-                }
-            }
-            slots.push(Slot {
-                parts,
-                layer: None,
-                ready: None,
-            });
-        }
-        let dram = DramCache::new(
-            store.clone(),
-            ledger.clone(),
-            shape,
-            residency,
-            n_layers,
-            if plan.window == 0 {
-                0
-            } else {
-                plan.dram.fixed_layers
-            },
-            plan.dram.dynamic_buffers,
-            &|buf: &AlignedBuf| match b.pin_host(buf.as_slice()) {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(
-                        "cannot page-lock a DRAM buffer ({e}); copies from it will be slower"
-                    );
-                    None
-                }
-            },
-        )
-        .map_err(store_err)?;
+        let ResidentShare {
+            embeddings,
+            mut small,
+            resident,
+            head,
+        } = ResidentShare::load(b, &store, &ledger, plan)?;
+        let part_formats = part_formats(&store, &shape, n_layers)?;
+        let slots = alloc_slots(b, m, plan, &part_formats)?;
+        let dram = dram_cache(b, &store, &ledger, plan)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
-        let cpu_rows = residency.cpu_rows_of(&shape, Part::Ffn);
-        let act = crate::backend::cpu::ops::activation(crate::engine::backend_act(spec.activation));
-        let traffic = Arc::new(super::hybrid::ColdTraffic::default());
-        let cpu_side = || super::hybrid::CpuSide {
-            kernels,
-            act,
-            traffic: traffic.clone(),
-        };
-        let mut hot_ffn = Vec::new();
-        let cpu = match hot {
-            _ if cpu_rows.is_empty() && !residency.ffn_off => {
-                if hot.is_some() {
-                    return Err(EngineError::Weights(
-                        "a hot-neuron plan needs a plan with the FFN off the device".into(),
-                    ));
-                }
-                None
-            }
-            Some(h) => {
-                if !residency.ffn_off || h.hot_neurons.len() != n_layers {
-                    return Err(EngineError::Weights(
-                        "the hot-neuron plan does not match this plan's FFN".into(),
-                    ));
-                }
-                let mut layers = Vec::new();
-                for (l, sm) in small.iter_mut().enumerate() {
-                    let (part, cold) = super::hybrid::layer_ffn(
-                        b,
-                        &store,
-                        &ledger,
-                        l,
-                        &h.hot_neurons[l],
-                        h.cold_cost[l],
-                        &mut sm.up_bias,
-                        cpu_side(),
-                    )?;
-                    layers.push(cold);
-                    hot_ffn.push(part);
-                }
-                Some(CpuShare {
-                    layers,
-                    device_ids: h.hot_neurons.clone(),
-                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
-                    traffic,
-                })
-            }
-            None if residency.ffn_off => {
-                return Err(EngineError::Weights(
-                    "a plan with the FFN off the device runs with its hot-neuron plan".into(),
-                ));
-            }
-            None => {
-                let layers = (0..n_layers)
-                    .map(|l| {
-                        super::hybrid::ColdLayer::bundle_rows(
-                            &store,
-                            &ledger,
-                            l,
-                            cpu_rows.clone(),
-                            cpu_side(),
-                        )
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                Some(CpuShare {
-                    layers,
-                    device_ids: vec![(0..cpu_rows.start as u32).collect(); n_layers],
-                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
-                    traffic,
-                })
-            }
-        };
+        let FfnShares { cpu, hot_ffn } =
+            CpuShare::for_plan(b, &store, &ledger, plan, &mut small, kernels, hot)?;
         let mut me = StreamWeights {
             cpu,
             hot_ffn,
@@ -517,7 +140,7 @@ impl<B: Backend> StreamWeights<B> {
     }
 
     /// What the CPU has read for the FFN neurons of a split plan (none without a split).
-    pub fn cpu_traffic(&self) -> Option<Arc<super::hybrid::ColdTraffic>> {
+    pub fn cpu_traffic(&self) -> Option<Arc<ColdTraffic>> {
         self.cpu.as_ref().map(|c| c.traffic.clone())
     }
 
@@ -568,6 +191,137 @@ impl<B: Backend> StreamWeights<B> {
         }
         LinearView { blocks, bias }
     }
+}
+
+/// What a streaming source loads to stay: the embedding tables in DRAM, and on the device each
+/// layer's norms and biases, each layer's resident row prefix of every part, and the head.
+struct ResidentShare<B: Backend> {
+    embeddings: Embeddings,
+    small: Vec<Small<B>>,
+    resident: Vec<[Option<B::Weight>; PARTS]>,
+    head: Head<B>,
+}
+
+impl<B: Backend> ResidentShare<B> {
+    /// Load what `plan` keeps resident, through a staging buffer of the plan's size.
+    fn load(b: &B, store: &Arc<Store>, ledger: &Arc<Ledger>, plan: &Plan) -> Result<Self> {
+        let residency = plan.residency;
+        let n_layers = store.manifest.spec.n_layers;
+        // Tables first: they stay in DRAM for the whole run.
+        let embeddings = Embeddings::load(store, ledger, &store.manifest.spec)?;
+        let mut loader = Loader::new(store, ledger, plan.dram.staging)?;
+        let mut small = Vec::with_capacity(n_layers);
+        let mut resident = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            small.push(Small::load(&mut loader, b, l)?);
+            let mut parts: [Option<B::Weight>; PARTS] = Default::default();
+            for p in Part::ALL {
+                let r = residency.rows[p.index()];
+                if r > 0 {
+                    let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                    parts[p.index()] =
+                        Some(loader.load_to_device(b, seg, 0..r, device_dtype(seg))?);
+                }
+            }
+            resident.push(parts);
+        }
+        let head = Head::load(&mut loader, b, store)?;
+        drop(loader);
+        Ok(ResidentShare {
+            embeddings,
+            small,
+            resident,
+            head,
+        })
+    }
+}
+
+/// Per layer, each streamed part's device format and columns (layers may differ, as in K-quant
+/// mixes).
+fn part_formats(
+    store: &Store,
+    shape: &crate::plan::LayerShape,
+    n_layers: usize,
+) -> Result<Vec<[(DType, usize); PARTS]>> {
+    let mut part_formats = vec![[(DType::F32, 0); PARTS]; n_layers];
+    for (l, formats) in part_formats.iter_mut().enumerate() {
+        for p in Part::ALL {
+            if shape.rows[p.index()] > 0 {
+                let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
+                formats[p.index()] = (device_dtype(seg), seg.cols);
+            }
+        }
+    }
+    Ok(part_formats)
+}
+
+/// The `plan.window` device slots streamed layers pass through, each part sized for the layer
+/// whose rows of it are widest.
+fn alloc_slots<B: Backend>(
+    b: &B,
+    m: &Manifest,
+    plan: &Plan,
+    part_formats: &[[(DType, usize); PARTS]],
+) -> Result<Vec<Slot<B>>> {
+    let (shape, residency) = (plan.shape, plan.residency);
+    let mut slots = Vec::with_capacity(plan.window);
+    for i in 0..plan.window {
+        let mut parts: [Option<B::Weight>; PARTS] = Default::default();
+        for p in Part::ALL {
+            let rows = residency.streamed_rows(&shape, p);
+            if !rows.is_empty() {
+                // Sized for the layer whose rows of this part are widest.
+                let widest = widest_dtype(m, p).map_err(|e| EngineError::Weights(e.to_string()))?;
+                parts[p.index()] = Some(b.alloc_weight(
+                    &format!("slot {i} {}", p.name()),
+                    widest,
+                    rows.len(),
+                    part_formats[0][p.index()].1,
+                )?);
+            }
+        }
+        slots.push(Slot {
+            parts,
+            layer: None,
+            ready: None,
+        });
+    }
+    Ok(slots)
+}
+
+/// The DRAM cache of the streamed parts (the plan's fixed area, where anything streams, and
+/// dynamic buffers), its buffers page-locked where the backend can.
+fn dram_cache<B: Backend>(
+    b: &B,
+    store: &Arc<Store>,
+    ledger: &Arc<Ledger>,
+    plan: &Plan,
+) -> Result<DramCache> {
+    let n_layers = store.manifest.spec.n_layers;
+    let (shape, residency) = (plan.shape, plan.residency);
+    DramCache::new(
+        store.clone(),
+        ledger.clone(),
+        shape,
+        residency,
+        n_layers,
+        if plan.window == 0 {
+            0
+        } else {
+            plan.dram.fixed_layers
+        },
+        plan.dram.dynamic_buffers,
+        &|buf: &AlignedBuf| match b.pin_host(buf.as_slice()) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(
+                    "cannot page-lock a DRAM buffer ({e}); copies from it will be slower"
+                );
+                None
+            }
+        },
+    )
+    .map_err(store_err)
 }
 
 impl<B: Backend> WeightSource<B> for StreamWeights<B> {

@@ -14,8 +14,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::atu::{Eviction, SlotMap};
-use super::hybrid::{ColdLayer, CpuSide, HotFfn, Resident, layer_ffn, resident_source};
+use super::cold::{ColdLayer, ColdTraffic, CpuSide};
+use super::hybrid::{HotFfn, layer_ffn};
 use super::precision::split_by_precision;
+use super::resident::{Resident, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::TierSet;
@@ -26,6 +28,7 @@ use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::Ledger;
 use crate::footprint::ledger::{Reservation, Tier};
 use crate::plan::precision::{Precision, TIER_ENCODINGS};
+use crate::plan::units::HybridLayers;
 use crate::plan::{Part, Plan, part_segment_name};
 use crate::store::{Store, names};
 use crate::tensor::{AlignedBuf, DType};
@@ -209,7 +212,7 @@ impl<B: Backend> UnitWeights<B> {
         slots: &[[usize; 3]],
         precision: Precision,
         score: Option<&[Vec<f32>]>,
-        hybrid: Option<&crate::plan::units::HybridLayers>,
+        hybrid: Option<&HybridLayers>,
         ledger: Arc<Ledger>,
         kernels: &'static Kernels,
         act: Act,
@@ -220,46 +223,19 @@ impl<B: Backend> UnitWeights<B> {
         }
         let spec = m.spec.clone();
         let (n_layers, d, d_ff) = (spec.n_layers, spec.d_model, spec.d_ff);
-        if !store.ffn_bundled() {
-            return Err(weights_err(
-                "cache units hold neuron bundles: this model's FFN is stored as matrices (convert it with --bundle-ffn)",
-            ));
-        }
-        let sized = |k: &[usize; 3]| {
-            (0..3).all(|i| {
-                if precision.0[i] > 0 {
-                    (1..=d_ff).contains(&k[i])
-                } else {
-                    k[i] == 0
-                }
-            })
-        };
-        let hot_of = |l: usize| {
-            hybrid
-                .and_then(|h| h.hot_neurons.get(l))
-                .and_then(Option::as_ref)
-        };
-        if hybrid.is_some_and(|h| h.hot_neurons.len() != n_layers || h.cold_cost.len() != n_layers)
-        {
-            return Err(weights_err(
-                "the hybrid layers' plan has another number of layers",
-            ));
-        }
-        if slots.len() != n_layers
-            || !(0..n_layers).all(|l| match hot_of(l) {
-                Some(_) => slots[l] == [0; 3],
-                None => sized(&slots[l]),
-            })
-        {
-            return Err(weights_err(format!(
-                "cache units at precision {precision} need 1..={d_ff} slots in each used tier (none in the others) for each of the {n_layers} layers"
-            )));
-        }
+        check_slots(&store, slots, precision, hybrid)?;
         let bundle = BundleShape {
             parts: if spec.gated_ffn { 3 } else { 2 },
             d,
         };
-        let traffic = Arc::new(super::hybrid::ColdTraffic::default());
+        let units = UnitShape {
+            slots,
+            precision,
+            score,
+            bundle,
+            d_ff,
+        };
+        let traffic = Arc::new(ColdTraffic::default());
         let act_fn = crate::backend::cpu::ops::activation(act);
         let mut layers = Vec::with_capacity(n_layers);
         let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, sm| {
@@ -268,7 +244,7 @@ impl<B: Backend> UnitWeights<B> {
                 act: act_fn,
                 traffic: traffic.clone(),
             };
-            if let (Some(ids), Some(h)) = (hot_of(l), hybrid) {
+            if let (Some(ids), Some(h)) = (hot_of(hybrid, l), hybrid) {
                 let (hot, cold) = layer_ffn(
                     b,
                     &store,
@@ -286,43 +262,161 @@ impl<B: Backend> UnitWeights<B> {
                 });
                 return Ok(());
             }
-            let neurons = ColdLayer::bundle_rows(&store, &ledger, l, 0..d_ff, cpu)?;
-            let eviction = match score {
-                Some(s) => s
-                    .get(l)
-                    .cloned()
-                    .ok_or_else(|| weights_err("a score for every layer"))?,
-                None => vec![0.0; d_ff],
-            };
-            let seg = part_segment_name(l, Part::Ffn);
-            let mut tiers: [Option<TierUnit<B>>; 3] = Default::default();
-            for tier in precision.tiers() {
-                let k = slots[l][tier];
-                let enc = TIER_ENCODINGS[tier];
-                let name = format!("{seg} unit {}", enc.name());
-                tiers[tier] = Some(TierUnit {
-                    dram: if tier == 0 {
-                        None
-                    } else {
-                        Some(DramBundles::read(&store, &ledger, l, tier)?)
-                    },
-                    map: SlotMap::new(d_ff, k, Eviction::Frequency(eviction.clone()))
-                        .map_err(|e| weights_err(e.to_string()))?,
-                    unit: b.alloc_bundles(&name, enc, bundle, k)?,
-                    slot_bias: if neurons.has_up_bias() {
-                        Some(b.alloc_weight(&format!("{name} up bias"), DType::F32, k, 1)?)
-                    } else {
-                        None
-                    },
-                });
-            }
-            layers.push(LayerFfn::Unit(LayerUnit { neurons, tiers }));
+            let unit = LayerUnit::load(b, &store, &ledger, l, &units, cpu)?;
+            layers.push(LayerFfn::Unit(unit));
             Ok(())
         })?;
         let biased = layers.iter().any(|u| match u {
             LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
             LayerFfn::Hybrid { .. } => false,
         });
+        let staging = Staging::alloc(b, &ledger, &units, biased)?;
+        let partial = match hybrid {
+            Some(h) if (0..n_layers).any(|l| hot_of(hybrid, l).is_some()) => {
+                Some(b.alloc(h.batch.max(1), d)?)
+            }
+            _ => None,
+        };
+        Ok(UnitWeights {
+            resident,
+            layers,
+            staging,
+            partial,
+            bundle,
+            gated: spec.gated_ffn,
+            precision,
+            traffic: Arc::new(UnitTraffic::default()),
+        })
+    }
+
+    /// What the units have moved so far.
+    pub fn traffic(&self) -> Arc<UnitTraffic> {
+        self.traffic.clone()
+    }
+}
+
+/// The hot neurons of layer `l` where `hybrid` runs it hybrid.
+fn hot_of(hybrid: Option<&HybridLayers>, l: usize) -> Option<&Vec<u32>> {
+    hybrid
+        .and_then(|h| h.hot_neurons.get(l))
+        .and_then(Option::as_ref)
+}
+
+/// Cache units need bundles, and per layer 1..=d_ff slots in each tier `precision` uses and
+/// none in the others (none at all in a layer `hybrid` runs hybrid).
+fn check_slots(
+    store: &Store,
+    slots: &[[usize; 3]],
+    precision: Precision,
+    hybrid: Option<&HybridLayers>,
+) -> Result<()> {
+    let spec = &store.manifest.spec;
+    let (n_layers, d_ff) = (spec.n_layers, spec.d_ff);
+    if !store.ffn_bundled() {
+        return Err(weights_err(
+            "cache units hold neuron bundles: this model's FFN is stored as matrices (convert it with --bundle-ffn)",
+        ));
+    }
+    let sized = |k: &[usize; 3]| {
+        (0..3).all(|i| {
+            if precision.0[i] > 0 {
+                (1..=d_ff).contains(&k[i])
+            } else {
+                k[i] == 0
+            }
+        })
+    };
+    if hybrid.is_some_and(|h| h.hot_neurons.len() != n_layers || h.cold_cost.len() != n_layers) {
+        return Err(weights_err(
+            "the hybrid layers' plan has another number of layers",
+        ));
+    }
+    if slots.len() != n_layers
+        || !(0..n_layers).all(|l| match hot_of(hybrid, l) {
+            Some(_) => slots[l] == [0; 3],
+            None => sized(&slots[l]),
+        })
+    {
+        return Err(weights_err(format!(
+            "cache units at precision {precision} need 1..={d_ff} slots in each used tier (none in the others) for each of the {n_layers} layers"
+        )));
+    }
+    Ok(())
+}
+
+/// What every layer's unit is made of: its slots per tier, its precision, what stale neurons
+/// give way by, and the bundles' shape.
+struct UnitShape<'a> {
+    slots: &'a [[usize; 3]],
+    precision: Precision,
+    score: Option<&'a [Vec<f32>]>,
+    bundle: BundleShape,
+    d_ff: usize,
+}
+
+impl<B: Backend> LayerUnit<B> {
+    /// Layer `l`'s neurons read into DRAM for `cpu` (f16, and the store's bundles of each other
+    /// tier used), and its empty unit of `units.slots[l]` slots per tier.
+    fn load(
+        b: &B,
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        l: usize,
+        units: &UnitShape,
+        cpu: CpuSide,
+    ) -> Result<Self> {
+        let UnitShape {
+            slots,
+            precision,
+            score,
+            bundle,
+            d_ff,
+        } = *units;
+        let neurons = ColdLayer::bundle_rows(store, ledger, l, 0..d_ff, cpu)?;
+        let eviction = match score {
+            Some(s) => s
+                .get(l)
+                .cloned()
+                .ok_or_else(|| weights_err("a score for every layer"))?,
+            None => vec![0.0; d_ff],
+        };
+        let seg = part_segment_name(l, Part::Ffn);
+        let mut tiers: [Option<TierUnit<B>>; 3] = Default::default();
+        for tier in precision.tiers() {
+            let k = slots[l][tier];
+            let enc = TIER_ENCODINGS[tier];
+            let name = format!("{seg} unit {}", enc.name());
+            tiers[tier] = Some(TierUnit {
+                dram: if tier == 0 {
+                    None
+                } else {
+                    Some(DramBundles::read(store, ledger, l, tier)?)
+                },
+                map: SlotMap::new(d_ff, k, Eviction::Frequency(eviction.clone()))
+                    .map_err(|e| weights_err(e.to_string()))?,
+                unit: b.alloc_bundles(&name, enc, bundle, k)?,
+                slot_bias: if neurons.has_up_bias() {
+                    Some(b.alloc_weight(&format!("{name} up bias"), DType::F32, k, 1)?)
+                } else {
+                    None
+                },
+            });
+        }
+        Ok(LayerUnit { neurons, tiers })
+    }
+}
+
+impl<B: Backend> Staging<B> {
+    /// Per tier used, a device buffer of as many bundles as that tier's largest region (with
+    /// their up biases where `biased`), and the host buffers misses are gathered into.
+    fn alloc(b: &B, ledger: &Arc<Ledger>, units: &UnitShape, biased: bool) -> Result<Self> {
+        let UnitShape {
+            slots,
+            precision,
+            bundle,
+            ..
+        } = *units;
+        let d = bundle.d;
         let mut tiers: [Option<StagingTier<B>>; 3] = Default::default();
         let (mut host_bytes, mut host_rows) = (0, 0);
         for tier in precision.tiers() {
@@ -343,37 +437,16 @@ impl<B: Backend> UnitWeights<B> {
                 },
             ));
         }
-        let staging = Staging {
+        Ok(Staging {
             tiers,
-            host: HostStaging::new(b, &ledger, host_bytes, "unit staging (host)")?,
+            host: HostStaging::new(b, ledger, host_bytes, "unit staging (host)")?,
             host_bias: HostStaging::new(
                 b,
-                &ledger,
+                ledger,
                 if biased { host_rows * 4 } else { 0 },
                 "unit staging up bias (host)",
             )?,
-        };
-        let partial = match hybrid {
-            Some(h) if (0..n_layers).any(|l| hot_of(l).is_some()) => {
-                Some(b.alloc(h.batch.max(1), d)?)
-            }
-            _ => None,
-        };
-        Ok(UnitWeights {
-            resident,
-            layers,
-            staging,
-            partial,
-            bundle,
-            gated: spec.gated_ffn,
-            precision,
-            traffic: Arc::new(UnitTraffic::default()),
         })
-    }
-
-    /// What the units have moved so far.
-    pub fn traffic(&self) -> Arc<UnitTraffic> {
-        self.traffic.clone()
     }
 }
 

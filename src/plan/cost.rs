@@ -1,0 +1,274 @@
+//! The cost model: what each resource moves for a decoded token under a streaming plan and the
+//! tokens/s that predicts (the slowest of PCIe, SSD, device memory and the CPU's share bounds
+//! it, plus each op's fixed cost), and a prompt's time to first token
+//! ([`Plan::prefill_prediction`]).
+//!
+//! Closed-form arithmetic on the plan's bytes and the hardware profile's rates: no search, no
+//! failure. Where the KV cache lives in host memory, decode attends on the CPU when the CPU
+//! reads it faster than PCIe brings it.
+
+use serde::Serialize;
+
+use crate::footprint::{PrefillLayout, kv_bytes};
+use crate::model::ModelSpec;
+
+use super::budget::Budget;
+use super::hardware::HardwareProfile;
+use super::preserve::{LayerShape, Part, Residency};
+use super::{PerToken, Plan, Prediction};
+
+/// What a decoded token's cost follows from: the placement a streaming plan chose.
+pub(super) struct DecodeInputs<'a> {
+    /// Every layer's row shape, and the widest.
+    pub(super) shapes: &'a [LayerShape],
+    pub(super) shape: LayerShape,
+    pub(super) residency: Residency,
+    pub(super) prefill: PrefillLayout,
+    /// Device bytes of the small fragments and of the output matrix.
+    pub(super) small: u64,
+    pub(super) head: u64,
+    /// One session's KV cache on the device.
+    pub(super) per_session: u64,
+    /// Bytes read from SSD per token (the dynamic layers' streamed rows).
+    pub(super) ssd_bytes: u64,
+    /// Bytes of every layer's FFN rows the CPU computes (the split; 0 without).
+    pub(super) cpu_rows: u64,
+}
+
+/// [`decode_cost`]: the prefill layout with where decode attends decided, and what a token
+/// moves and takes.
+pub(super) struct DecodeCost {
+    pub(super) prefill: PrefillLayout,
+    pub(super) per_token: PerToken,
+    pub(super) prediction: Prediction,
+}
+
+/// Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
+/// from SSD; device compute reads every weight and half the KV cache on average.
+pub(super) fn decode_cost(
+    spec: &ModelSpec,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    placed: &DecodeInputs,
+) -> DecodeCost {
+    let DecodeInputs {
+        shapes,
+        shape,
+        residency,
+        prefill,
+        small,
+        head,
+        per_session,
+        ssd_bytes,
+        cpu_rows,
+    } = *placed;
+    let n_layers = spec.n_layers;
+    let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
+    // A KV cache in host memory is read for every token, half the context on average: over
+    // PCIe, a layer at a time, or by the CPU from DRAM (the token's q, k, v down and the
+    // attention output up) — whichever is faster (the bytes are the same): the CPU at the rate
+    // it attends (measured by `doctor`, else the DRAM read rate).
+    let mut prefill = prefill;
+    prefill.cpu_attention = prefill.kv_host && hw.cpu_attention_rate() >= hw.h2d_pinned_bytes_per_s;
+    let kv_mid = if prefill.kv_host {
+        kv_bytes(spec, budget.ctx, budget.kv_type) / 2
+    } else {
+        0
+    };
+    let (kv_in, kv_cpu) = if prefill.cpu_attention {
+        (0, kv_mid)
+    } else {
+        (kv_mid, 0)
+    };
+    let (rows_in, rows_out) = cpu_attention_rows(spec, prefill);
+    let per_token = PerToken {
+        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in + rows_in,
+        d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill) + rows_out,
+        ssd_bytes,
+        hbm_read_bytes: small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows
+            + per_session / 2,
+        cpu_read_bytes: cpu_rows + kv_cpu,
+    };
+    // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
+    // plus one per streamed block.
+    let streamed_blocks = Part::ALL
+        .iter()
+        .filter(|&&p| !residency.streamed_rows(&shape, p).is_empty())
+        .count();
+    let ops = n_layers * (14 + streamed_blocks) + 4;
+    let pcie_s = per_token.h2d_bytes as f64 / hw.h2d_pinned_bytes_per_s;
+    let ssd_s = per_token.ssd_bytes as f64 / hw.ssd_read_bytes_per_s;
+    let hbm_s = per_token.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
+    let ops_s = ops as f64 * hw.op_overhead_s;
+    // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
+    // the copies; each layer pays a round trip (the FFN input down, the partial sum up).
+    let cpu_s = kv_cpu as f64 / hw.cpu_attention_rate()
+        + if cpu_rows > 0 {
+            let vector = (spec.d_model * 4) as f64;
+            cpu_rows as f64 / hw.dram_read_bytes_per_s
+                + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
+        } else {
+            0.0
+        };
+    let (limited_by, bound) = [
+        ("PCIe", pcie_s),
+        ("SSD", ssd_s),
+        ("HBM", hbm_s),
+        ("HBM+CPU", hbm_s + cpu_s),
+    ]
+    .into_iter()
+    .fold(
+        ("HBM", 0.0),
+        |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
+    );
+    let prediction = Prediction {
+        tokens_per_s: 1.0 / (bound + ops_s),
+        limited_by: limited_by.to_string(),
+        pcie_s,
+        ssd_s,
+        hbm_s,
+        cpu_s,
+        ops_s,
+    };
+    DecodeCost {
+        prefill,
+        per_token,
+        prediction,
+    }
+}
+
+/// FLOPs of causal attention for one layer: `rows` query rows at positions `context..`, each
+/// scoring and summing (2 FLOPs a multiply-add, both products) every position up to its own,
+/// over `q_dim` query columns (heads × head dim).
+pub fn causal_attention_flops(rows: usize, context: usize, q_dim: usize) -> f64 {
+    let (rows, context) = (rows as f64, context as f64);
+    4.0 * q_dim as f64 * (rows * context + rows * (rows + 1.0) / 2.0)
+}
+
+/// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key
+/// and value rows of every layer.
+fn kv_row_out(spec: &ModelSpec, budget: &Budget, prefill: PrefillLayout) -> u64 {
+    if prefill.kv_host && !prefill.cpu_attention {
+        2 * spec.n_layers as u64 * budget.kv_type.row_bytes(spec.kv_dim()) as u64
+    } else {
+        0
+    }
+}
+
+/// (Host→device, device→host) bytes of a decoded token attending on the CPU: per layer the
+/// attention output up; its query, key and value down.
+fn cpu_attention_rows(spec: &ModelSpec, prefill: PrefillLayout) -> (u64, u64) {
+    if !prefill.cpu_attention {
+        return (0, 0);
+    }
+    let l = spec.n_layers as u64;
+    let (q, kv) = (spec.q_dim() as u64 * 4, spec.kv_dim() as u64 * 4);
+    (l * q, l * (q + 2 * kv))
+}
+
+/// [`Plan::prefill_prediction`]: a prompt's time to first token and what bounds it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PrefillPrediction {
+    pub tokens: usize,
+    /// Row groups per layer (1: the prompt is one step).
+    pub groups: usize,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    /// Every FLOP of the prompt, and of them its causal attention's (at the profile's attention
+    /// rate; the rest at the matrix-product rate).
+    pub flops: f64,
+    pub attention_flops: f64,
+    pub pcie_s: f64,
+    pub compute_s: f64,
+    pub ops_s: f64,
+    pub ttft_s: f64,
+    pub limited_by: String,
+}
+
+impl Plan {
+    /// Host→device and device→host bytes of the token decoded at position `pos` (the
+    /// per-token figures are at mid context): a KV cache in host memory comes back to the
+    /// device for each layer, the `pos` rows before the token.
+    pub fn decode_bytes_at(&self, pos: usize) -> (u64, u64) {
+        let pt = &self.per_token;
+        if !self.prefill.kv_host || self.prefill.cpu_attention {
+            return (pt.h2d_bytes, pt.d2h_bytes);
+        }
+        let spec = &self.spec;
+        let mid = kv_bytes(spec, self.budget.ctx, self.budget.kv_type) / 2;
+        let rows = 2 * spec.n_layers as u64 * pos as u64;
+        let at = rows * self.budget.kv_type.row_bytes(spec.kv_dim()) as u64;
+        (pt.h2d_bytes - mid + at, pt.d2h_bytes)
+    }
+
+    /// Time to first token of a fresh prompt of `tokens` under this plan: the larger of the
+    /// bytes it moves over PCIe ÷ the link rate and its FLOPs ÷ the device's rates (the
+    /// products' at the matrix-product rate, attention's at the attention rate), plus the ops'
+    /// fixed cost. A partitioned prompt streams each layer once (layer by layer),
+    /// as a prompt of one step does; its hidden states cross PCIe twice per layer where they live
+    /// in host memory, and its keys and values once where the cache does.
+    pub fn prefill_prediction(&self, tokens: usize) -> PrefillPrediction {
+        let spec = &self.spec;
+        let hw = &self.hardware;
+        let tokens = tokens.max(1);
+        let l = spec.n_layers as u64;
+        let t = tokens as u64;
+        let d = spec.d_model as u64;
+        let layout = self.prefill;
+        let partitioned = layout.partitions(tokens);
+        let groups = tokens.div_ceil(layout.group.max(1));
+        let kv_in = if layout.kv_host && !layout.cpu_attention {
+            kv_bytes(spec, self.budget.ctx, self.budget.kv_type) / 2
+        } else {
+            0
+        };
+        let weights = self
+            .per_token
+            .h2d_bytes
+            .saturating_sub(kv_in + cpu_attention_rows(spec, layout).0 + d * 4);
+        let hidden = if partitioned && !layout.residual_on_device(tokens) {
+            2 * l * t * d * 4
+        } else {
+            0
+        };
+        let kv_out = if layout.kv_host {
+            2 * l * t * self.budget.kv_type.row_bytes(spec.kv_dim()) as u64
+        } else {
+            0
+        };
+        let h2d = weights + hidden / 2 + t * d * 4;
+        let d2h = hidden / 2 + kv_out + spec.vocab_size as u64 * 4;
+        // Products: 2 FLOPs per weight per token, the head for the last token; attention
+        // 2·2·q_dim per (query, key) pair, causal (half the square).
+        let ffn_mats = if spec.gated_ffn { 3 } else { 2 };
+        let per_layer = (spec.d_model * (2 * spec.q_dim() + 2 * spec.kv_dim())
+            + ffn_mats * spec.d_model * spec.d_ff) as f64;
+        let attention_flops = causal_attention_flops(tokens, 0, spec.q_dim()) * l as f64;
+        let flops = 2.0 * tokens as f64 * per_layer * l as f64
+            + attention_flops
+            + 2.0 * (spec.d_model * spec.vocab_size) as f64;
+        let pcie_s = h2d.max(d2h) as f64 / hw.h2d_pinned_bytes_per_s;
+        // The products at the matrix-product rate, attention at its own where measured.
+        let compute_s = (flops - attention_flops) / hw.matmul_flops_per_s
+            + attention_flops / hw.attention_rate();
+        let ops_s = (groups * spec.n_layers * 14 + 4) as f64 * hw.op_overhead_s;
+        PrefillPrediction {
+            tokens,
+            groups,
+            h2d_bytes: h2d,
+            d2h_bytes: d2h,
+            flops,
+            attention_flops,
+            pcie_s,
+            compute_s,
+            ops_s,
+            ttft_s: pcie_s.max(compute_s) + ops_s,
+            limited_by: if pcie_s >= compute_s {
+                "PCIe"
+            } else {
+                "compute"
+            }
+            .into(),
+        }
+    }
+}

@@ -1,0 +1,562 @@
+//! Cold neurons: a layer's FFN neurons held in DRAM and computed by the CPU for the tokens that
+//! need them ([`ColdLayer`]), as the split, hybrid execution and the hybrid layers of cache units
+//! all run them; and what the CPU has read for them ([`ColdTraffic`]), counted as the plan's
+//! cost model counts it ([`ColdCost`]).
+//!
+//! Per call the CPU reads each candidate neuron's deciding vector (the gate, or the up row of a
+//! two-part FFN), applies the activation and the mask, and reads the rest only of the neurons
+//! left on; a block-quantized down matrix is read in whole blocks. Bundles also serve cache
+//! units as the DRAM copy their misses are gathered from.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::backend::BundleShape;
+use crate::backend::cpu::kernels::Kernels;
+use crate::backend::cpu::sparse::{
+    Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
+};
+use crate::backend::sparse_act;
+use crate::engine::{ColdNeurons, EngineError, Result};
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
+use crate::plan::cold::ColdCost;
+use crate::plan::{Part, device_dtype, part_segment_name};
+use crate::store::{SegmentKind, Store, StoreError, names};
+use crate::tensor::{Bytes, HostTensor};
+
+fn store_err(e: StoreError) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+fn weights_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+/// What the CPU has read for cold neurons, summed over every layer and call.
+#[derive(Debug, Default)]
+pub struct ColdTraffic {
+    pub bytes: AtomicU64,
+    /// Neurons examined (their deciding vector read).
+    pub candidates: AtomicU64,
+    /// Neurons computed.
+    pub active: AtomicU64,
+    /// Down blocks read (block-format FFNs).
+    pub units: AtomicU64,
+}
+
+impl ColdTraffic {
+    fn add(&self, cost: &ColdCost, candidates: usize, active: usize, units: usize) {
+        let (c, a, u) = (candidates as u64, active as u64, units as u64);
+        self.bytes.fetch_add(cost.bytes(c, a, u), Ordering::Relaxed);
+        self.candidates.fetch_add(c, Ordering::Relaxed);
+        self.active.fetch_add(a, Ordering::Relaxed);
+        self.units.fetch_add(u, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> [u64; 4] {
+        [
+            self.bytes.load(Ordering::Relaxed),
+            self.candidates.load(Ordering::Relaxed),
+            self.active.load(Ordering::Relaxed),
+            self.units.load(Ordering::Relaxed),
+        ]
+    }
+}
+
+/// The parts of a layer's cold FFN.
+pub(super) enum ColdData {
+    /// Gathered bundles (f16), `ids.len()` rows.
+    Bundles { t: HostTensor, shape: BundleShape },
+    /// Gathered gate and up rows; the down matrix's blocks of the cold units, row by row.
+    Matrices {
+        gate: Option<HostTensor>,
+        up: HostTensor,
+        down: HostTensor,
+    },
+}
+
+/// One layer's cold neurons in DRAM and how the CPU computes them.
+pub struct ColdLayer {
+    data: ColdData,
+    /// Neuron id of each cold position.
+    ids: Vec<u32>,
+    /// The up bias of each cold position (two-part bundles and biased up matrices).
+    up_bias: Option<Vec<f32>>,
+    d_ff: usize,
+    act: fn(f32) -> f32,
+    kernels: &'static Kernels,
+    cost: ColdCost,
+    traffic: Arc<ColdTraffic>,
+    _hold: Option<Reservation>,
+}
+
+impl ColdLayer {
+    /// The cold neurons `ids` of a layer of `d_ff` gathered into `data` (held by `hold`), with
+    /// their up biases, computed by `cpu` at `cost` per neuron.
+    pub(super) fn gathered(
+        data: ColdData,
+        up_bias: Option<Vec<f32>>,
+        ids: Vec<u32>,
+        d_ff: usize,
+        cost: ColdCost,
+        cpu: CpuSide,
+        hold: Option<Reservation>,
+    ) -> Self {
+        ColdLayer {
+            data,
+            up_bias,
+            ids,
+            d_ff,
+            act: cpu.act,
+            kernels: cpu.kernels,
+            cost,
+            traffic: cpu.traffic,
+            _hold: hold,
+        }
+    }
+
+    /// The FFN bundles `rows` (whole checksum groups from the first, to the last row) of layer
+    /// `l`, read into DRAM (reserved) for the CPU: the neurons a split plan computes there.
+    pub(super) fn bundle_rows(
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        l: usize,
+        rows: std::ops::Range<usize>,
+        cpu: CpuSide,
+    ) -> Result<Self> {
+        let s = store
+            .require(&part_segment_name(l, Part::Ffn))
+            .map_err(store_err)?;
+        let SegmentKind::Bundles { parts } = s.kind else {
+            return Err(weights_err(format!("`{}` is not bundles", s.name)));
+        };
+        let (_, extent) = s.read_extent(rows.clone());
+        let hold = ledger
+            .reserve(Tier::Dram, extent, &format!("CPU neurons of layer {l}"))
+            .map_err(weights_err)?;
+        let mut buf = crate::tensor::AlignedBuf::zeroed(extent as usize);
+        let (first, _) = store
+            .read_rows_into(s, rows.clone(), &mut buf)
+            .map_err(store_err)?;
+        let rb = s.row_bytes();
+        let bytes = &buf.as_slice()[first..first + rows.len() * rb];
+        let up_bias = store
+            .opt_tensor(&names::layer(l, "ffn_up.bias"))
+            .map_err(store_err)?
+            .map(|t| t.to_f32()[rows.clone()].to_vec());
+        let row = rb as u64;
+        let part = row / parts as u64;
+        Ok(ColdLayer {
+            data: ColdData::Bundles {
+                t: HostTensor {
+                    name: format!("{} cpu", s.name),
+                    rows: rows.len(),
+                    cols: s.cols,
+                    dtype: device_dtype(s),
+                    data: Bytes::from_slice(bytes),
+                },
+                shape: BundleShape {
+                    parts,
+                    d: store.manifest.spec.d_model,
+                },
+            },
+            ids: (rows.start as u32..rows.end as u32).collect(),
+            up_bias,
+            d_ff: store.manifest.spec.d_ff,
+            act: cpu.act,
+            kernels: cpu.kernels,
+            cost: ColdCost {
+                decide_bytes: part,
+                active_bytes: row - part,
+                unit_bytes: 0,
+                unit: 1,
+            },
+            traffic: cpu.traffic,
+            _hold: Some(hold),
+        })
+    }
+
+    /// Cold positions some token may need (all without a predictor).
+    fn candidates(&self, n: usize, keep: Option<&[bool]>) -> Vec<u32> {
+        let d_ff = self.d_ff;
+        (0..self.ids.len() as u32)
+            .filter(|&j| {
+                keep.is_none_or(|k| {
+                    let id = self.ids[j as usize] as usize;
+                    (0..n).any(|t| k[t * d_ff + id])
+                })
+            })
+            .collect()
+    }
+
+    /// The neuron ids any of the `n` rows of `x` activates (as [`ColdNeurons::add_ffn`]
+    /// decides: the deciding vector read for every candidate `keep` lists, the mask applied),
+    /// ascending; bundled layers only. Counted as candidates examined, none computed.
+    pub(super) fn active_ids(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+    ) -> Result<Vec<u32>> {
+        let ColdData::Bundles { t, shape } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let b = Bundles::from_host(t, *shape)?;
+        let cand = self.candidates(n, keep);
+        let mut dec = vec![0f32; n * cand.len()];
+        sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
+        let pos = self.activate(&cand, n, shape.parts == 3, threshold, keep, &mut dec);
+        self.traffic.add(&self.cost, cand.len(), 0, 0);
+        Ok(pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect())
+    }
+
+    /// As [`ColdLayer::active_ids`] without a predictor, with the masked activations of the
+    /// neurons found (`n × ids.len()`, zero where a token leaves one off): what ranks them.
+    pub(super) fn active_scored(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+    ) -> Result<(Vec<u32>, Vec<f32>)> {
+        let ColdData::Bundles { t, shape } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let b = Bundles::from_host(t, *shape)?;
+        let cand = self.candidates(n, None);
+        let c = cand.len();
+        let mut dec = vec![0f32; n * c];
+        sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
+        let pos = self.activate(&cand, n, shape.parts == 3, threshold, None, &mut dec);
+        self.traffic.add(&self.cost, c, 0, 0);
+        let ids = pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect();
+        Ok((ids, select_cols(&dec, n, c, &pos)))
+    }
+
+    /// The stored bundles of neurons `ids` (held here), one after another at the start of
+    /// `out`, and their up biases (two-part bundles with one) at the start of `bias`; the
+    /// bytes and biases written.
+    pub(super) fn gather(
+        &self,
+        ids: &[u32],
+        out: &mut [u8],
+        bias: &mut [f32],
+    ) -> Result<(usize, usize)> {
+        let ColdData::Bundles { t, .. } = &self.data else {
+            return Err(weights_err(
+                "cache units hold neuron bundles: this FFN is stored as matrices",
+            ));
+        };
+        let rb = t.row_bytes();
+        let data = t.data.as_slice();
+        if out.len() < ids.len() * rb {
+            return Err(weights_err(
+                "the staging buffer is smaller than the neurons",
+            ));
+        }
+        for (k, &id) in ids.iter().enumerate() {
+            let j = self.position(id)?;
+            out[k * rb..(k + 1) * rb].copy_from_slice(&data[j * rb..(j + 1) * rb]);
+        }
+        Ok((ids.len() * rb, self.gather_bias(ids, bias)?))
+    }
+
+    /// The up biases of neurons `ids` (held here) at the start of `bias`; how many (none
+    /// without an up bias).
+    pub(super) fn gather_bias(&self, ids: &[u32], bias: &mut [f32]) -> Result<usize> {
+        let Some(b) = &self.up_bias else {
+            return Ok(0);
+        };
+        if bias.len() < ids.len() {
+            return Err(weights_err(
+                "the staging buffer is smaller than the neurons",
+            ));
+        }
+        for (k, &id) in ids.iter().enumerate() {
+            bias[k] = b[self.position(id)?];
+        }
+        Ok(ids.len())
+    }
+
+    fn position(&self, id: u32) -> Result<usize> {
+        self.ids
+            .binary_search(&id)
+            .map_err(|_| weights_err(format!("neuron {id} is not held in DRAM")))
+    }
+
+    /// Neurons in the layer (held here or not).
+    pub(super) fn d_ff(&self) -> usize {
+        self.d_ff
+    }
+
+    /// Whether two-part bundles here carry an up bias.
+    pub(super) fn has_up_bias(&self) -> bool {
+        self.up_bias.is_some()
+    }
+
+    /// `dec[t·c + j]` (the deciding dot products of the candidates) turned into the masked
+    /// activations, as the dense kernels compute them; returns the positions in `cand` that
+    /// are non-zero for some token.
+    fn activate(
+        &self,
+        cand: &[u32],
+        n: usize,
+        gated: bool,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        dec: &mut [f32],
+    ) -> Vec<usize> {
+        let c = cand.len();
+        let mut live = vec![false; c];
+        for (jj, &j) in cand.iter().enumerate() {
+            let id = self.ids[j as usize] as usize;
+            let bias = if gated {
+                0.0
+            } else {
+                self.up_bias.as_ref().map_or(0.0, |b| b[j as usize])
+            };
+            for t in 0..n {
+                let v = &mut dec[t * c + jj];
+                *v = sparse_act((self.act)(*v + bias), threshold);
+                if keep.is_some_and(|k| !k[t * self.d_ff + id]) {
+                    *v = 0.0;
+                }
+                live[jj] |= *v != 0.0;
+            }
+        }
+        (0..c).filter(|&jj| live[jj]).collect()
+    }
+}
+
+/// The columns `pos` of `src` (`n × c`), as `n × pos.len()`.
+fn select_cols(src: &[f32], n: usize, c: usize, pos: &[usize]) -> Vec<f32> {
+    let a = pos.len();
+    let mut out = vec![0f32; n * a];
+    for t in 0..n {
+        for (aa, &jj) in pos.iter().enumerate() {
+            out[t * a + aa] = src[t * c + jj];
+        }
+    }
+    out
+}
+
+impl ColdNeurons for ColdLayer {
+    fn add_ffn(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        let k = self.kernels;
+        let cand = self.candidates(n, keep);
+        let c = cand.len();
+        let mut dec = vec![0f32; n * c];
+        match &self.data {
+            ColdData::Bundles { t, shape } => {
+                let b = Bundles::from_host(t, *shape)?;
+                let gated = shape.parts == 3;
+                // The gate (or the up vector of two-part bundles) decides; the rest is read
+                // only for the neurons it leaves on.
+                sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
+                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
+                let mut h = select_cols(&dec, n, c, &pos);
+                if gated {
+                    let mut u = vec![0f32; h.len()];
+                    sparse_part_dots(k, &b, &active, 1, x, n, &mut u)?;
+                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
+                }
+                sparse_down(k, &b, &active, &h, n, out)?;
+                self.traffic.add(&self.cost, c, active.len(), 0);
+            }
+            ColdData::Matrices { gate, up, down } => {
+                let gated = gate.is_some();
+                sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
+                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
+                let mut h = select_cols(&dec, n, c, &pos);
+                if gated {
+                    let a = active.len();
+                    let mut u = vec![0f32; h.len()];
+                    sparse_rows(k, up, &active, x, n, &mut u)?;
+                    if let Some(bias) = &self.up_bias {
+                        for t in 0..n {
+                            for (aa, &j) in active.iter().enumerate() {
+                                u[t * a + aa] += bias[j as usize];
+                            }
+                        }
+                    }
+                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
+                }
+                let units = sparse_down_blocks(k, down, &active, &h, n, out)?;
+                self.traffic.add(&self.cost, c, active.len(), units);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How the CPU computes a layer's cold neurons.
+pub(super) struct CpuSide {
+    pub(super) kernels: &'static Kernels,
+    pub(super) act: fn(f32) -> f32,
+    pub(super) traffic: Arc<ColdTraffic>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Act;
+    use crate::backend::cpu::{kernels, matmul::matmul};
+    use crate::tensor::quantize::quantize_row;
+    use crate::tensor::{DType, QK};
+    use crate::tier::hybrid::{gather_blocks, gather_rows};
+    use rand::{RngExt, SeedableRng, rngs::StdRng};
+
+    fn quantized(
+        rng: &mut StdRng,
+        name: &str,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+    ) -> HostTensor {
+        let mut bytes = vec![0u8; rows * dtype.bytes_for(cols)];
+        for r in bytes.chunks_mut(dtype.bytes_for(cols)) {
+            let v: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+            quantize_row(dtype, &v, r);
+        }
+        HostTensor {
+            name: name.into(),
+            rows,
+            cols,
+            dtype,
+            data: Bytes::from_slice(&bytes),
+        }
+    }
+
+    fn gathered(t: &HostTensor, rows: usize, cols: usize, bytes: Vec<u8>) -> HostTensor {
+        HostTensor {
+            name: t.name.clone(),
+            rows,
+            cols,
+            dtype: t.dtype,
+            data: Bytes::from_slice(&bytes),
+        }
+    }
+
+    /// One gated layer of Q4_1 matrices (Q6_K down, 256-neuron units, in the second case) split
+    /// into hot blocks (dense products on the gathered matrices, as the device runs them) and
+    /// cold blocks (the CPU's [`ColdLayer`]): their sum is the dense FFN to float reassociation,
+    /// for every token, with and without a mask; the CPU's reads are the cost model's.
+    #[test]
+    fn hot_plus_cold_blocks_are_the_dense_ffn() {
+        let k = kernels::best();
+        let mut rng = StdRng::seed_from_u64(3);
+        let (d, n) = (256, 3);
+        for (down_dtype, d_ff, threshold) in [
+            (DType::Q4_1, 512, 0.0),
+            (DType::Q6K, 1024, 0.0),
+            (DType::Q4_1, 512, 0.3),
+        ] {
+            let unit = down_dtype.block_len().max(QK);
+            let gate = quantized(&mut rng, "gate", DType::Q4_1, d_ff, d);
+            let up = quantized(&mut rng, "up", DType::Q4_1, d_ff, d);
+            let down = quantized(&mut rng, "down", down_dtype, d, d_ff);
+            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let silu = crate::backend::cpu::ops::activation(Act::Silu);
+            let ffn = |g: &HostTensor, u: &HostTensor, dn: &HostTensor| {
+                let m = g.rows;
+                let (mut gv, mut uv) = (vec![0f32; n * m], vec![0f32; n * m]);
+                matmul(k, g, &x, n, &mut gv);
+                matmul(k, u, &x, n, &mut uv);
+                let h: Vec<f32> = gv
+                    .iter()
+                    .zip(&uv)
+                    .map(|(g, u)| sparse_act(silu(*g), threshold) * u)
+                    .collect();
+                let mut out = vec![0f32; n * d];
+                matmul(k, dn, &h, n, &mut out);
+                out
+            };
+            let want = ffn(&gate, &up, &down);
+            let units = d_ff / unit;
+            let hot_units: Vec<usize> = (0..units).filter(|_| rng.random_bool(0.5)).collect();
+            let cold_units: Vec<usize> = (0..units).filter(|u| !hot_units.contains(u)).collect();
+            let ids = |us: &[usize]| -> Vec<u32> {
+                us.iter()
+                    .flat_map(|&u| (u * unit) as u32..((u + 1) * unit) as u32)
+                    .collect()
+            };
+            let (hot_ids, cold_ids) = (ids(&hot_units), ids(&cold_units));
+            let rows = |t: &HostTensor, ids: &[u32]| {
+                gathered(
+                    t,
+                    ids.len(),
+                    d,
+                    gather_rows(t.data.as_slice(), t.row_bytes(), ids),
+                )
+            };
+            let blocks = |us: &[usize]| {
+                let ub = down_dtype.bytes_for(unit);
+                let b = gather_blocks(down.data.as_slice(), d, down.row_bytes(), ub, us);
+                gathered(&down, d, us.len() * unit, b)
+            };
+            let mut got = if hot_ids.is_empty() {
+                vec![0f32; n * d]
+            } else {
+                ffn(
+                    &rows(&gate, &hot_ids),
+                    &rows(&up, &hot_ids),
+                    &blocks(&hot_units),
+                )
+            };
+            let traffic = Arc::new(ColdTraffic::default());
+            let cost = ColdCost {
+                decide_bytes: gate.row_bytes() as u64,
+                active_bytes: up.row_bytes() as u64,
+                unit_bytes: (d * down_dtype.bytes_for(unit)) as u64,
+                unit,
+            };
+            let cold = ColdLayer {
+                data: ColdData::Matrices {
+                    gate: Some(rows(&gate, &cold_ids)),
+                    up: rows(&up, &cold_ids),
+                    down: blocks(&cold_units),
+                },
+                ids: cold_ids.clone(),
+                up_bias: None,
+                d_ff,
+                act: silu,
+                kernels: k,
+                cost,
+                traffic: traffic.clone(),
+                _hold: None,
+            };
+            cold.add_ffn(&x, n, threshold, None, &mut got).unwrap();
+            for (t, (g, w)) in got.chunks(d).zip(want.chunks(d)).enumerate() {
+                let scale: f32 = w.iter().map(|v| v.abs()).sum::<f32>() / d as f32;
+                for (a, b) in g.iter().zip(w) {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * scale * d as f32,
+                        "{down_dtype} token {t}: {a} vs {b}"
+                    );
+                }
+            }
+            let [bytes, candidates, active, touched] = traffic.snapshot();
+            assert_eq!(candidates, cold_ids.len() as u64);
+            assert_eq!(bytes, cost.bytes(candidates, active, touched));
+            if threshold > 0.0 {
+                assert!(active < candidates, "the mask leaves some cold neurons out");
+            }
+        }
+    }
+}
