@@ -34,13 +34,14 @@ use cudarc::driver::{
 pub use meter::DeviceMeter;
 
 use super::memory::{DeviceAlloc, DeviceMemory, Holds, Workspace};
+use super::recording::{recordable_attention, step_position_word};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, HostPin, KvType, MatmulPart, ProductInput,
     Result, Rope, RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
 };
 use crate::footprint::attention::{
-    AttentionKernel, FLASH_ROWS, MAX_HEAD_DIM, MAX_SPLITS, SPLIT_MAX_HEADS, SPLIT_ROWS,
-    attention_kernel, flash_splits, forced_flash_splits, split_chunks,
+    AttentionKernel, FLASH_ROWS, MAX_HEAD_DIM, MAX_SPLITS, SPLIT_MAX_HEADS, attention_kernel,
+    flash_splits, forced_flash_splits, split_chunks,
 };
 use crate::footprint::device_bytes;
 use crate::footprint::ledger::Ledger;
@@ -91,33 +92,6 @@ fn flash_kernel(kv: KvType, head_dim: usize) -> (&'static str, launches::Flash) 
         (_, 96) => ("flash_attn_f16_hd96", launches::flash_attn_f16_hd96),
         _ => ("flash_attn_f16_hd128", launches::flash_attn_f16_hd128),
     }
-}
-
-/// The step position as the recorded kernels read it (an i32), if it is one.
-pub fn step_position_word(first_pos: usize) -> Result<i32> {
-    i32::try_from(first_pos).map_err(|_| {
-        shape_err(
-            "set_step_position",
-            format!("position {first_pos}: a recorded step's is below 2³¹"),
-        )
-    })
-}
-
-/// Whether the attention of `rows` query rows can be recorded, else why not: the split and the
-/// simple kernels, which take up to [`SPLIT_ROWS`] rows, read their position from device memory;
-/// the flash kernel (prompts) takes it as an argument. The budgeted device refuses what this
-/// refuses.
-pub fn recordable_attention(rows: usize) -> Result<()> {
-    if (1..=SPLIT_ROWS).contains(&rows) {
-        return Ok(());
-    }
-    Err(shape_err(
-        "attention",
-        format!(
-            "{rows} rows: CUDA's kernels for more than {SPLIT_ROWS} take their position as an \
-             argument, so this step cannot be recorded"
-        ),
-    ))
 }
 
 /// The workspace the largest of several products of `n` rows (`weights`, at least one) takes:
@@ -942,7 +916,7 @@ impl CudaBackend {
     /// Fail while a step is being captured: `op` is nothing a CUDA graph holds (an allocation,
     /// a copy between host and device, a wait), and would end the capture in an error.
     fn outside(&self, op: &'static str) -> Result<()> {
-        super::outside_recording(op, self.recording())
+        super::recording::outside_recording(op, self.recording())
     }
 
     /// The step position's buffer: set (what a recording reads), else an error.
@@ -951,7 +925,9 @@ impl CudaBackend {
             .step_position
             .lock()
             .map_err(|_| BackendError::Device("step position poisoned".into()))?;
-        at.as_ref().map(|b| b.ptr).ok_or_else(super::position_unset)
+        at.as_ref()
+            .map(|b| b.ptr)
+            .ok_or_else(super::recording::position_unset)
     }
 
     /// While recording, the device address of the step's position (the kernels read it there
@@ -3135,7 +3111,7 @@ impl Backend for CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::footprint::attention::FLASH_MIN_ROWS;
+    use crate::footprint::attention::{FLASH_MIN_ROWS, SPLIT_ROWS};
 
     #[test]
     fn prompts_take_tensor_cores_from_ampere_and_the_simple_kernel_before() {
