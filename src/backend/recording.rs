@@ -75,7 +75,8 @@ pub(super) fn outside_recording(op: &'static str, recording: bool) -> Result<()>
     Ok(())
 }
 
-/// A step recorded or replayed before [`Backend::set_step_position`](super::Backend::set_step_position).
+/// A step recorded or replayed before
+/// [`Backend::set_step_position`](super::Backend::set_step_position).
 pub(super) fn position_unset() -> BackendError {
     BackendError::Device("a step recorded or replayed before its position was set".into())
 }
