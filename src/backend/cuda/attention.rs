@@ -93,16 +93,40 @@ impl CudaBackend {
     }
 }
 
-#[allow(clippy::too_many_arguments)] // the trait's arguments, as it takes them
-pub(super) fn attention(
-    cuda: &CudaBackend,
+/// One attention call as its kernels take it: the tensors, the block table's address (0: none),
+/// the geometry in the kernels' integer types, and where a recorded step's position is read
+/// (`at`; 0: the kernels take `fp`).
+#[derive(Clone, Copy)]
+struct AttentionCall<'a> {
+    q: &'a CudaTensor,
+    k_cache: &'a CudaKv,
+    v_cache: &'a CudaKv,
+    out: &'a CudaTensor,
+    s: AttnShape,
+    /// Query rows.
+    n: usize,
+    /// Positions the last row attends to: `first_pos + n`.
+    keys: usize,
+    tp: u64,
+    at: u64,
+    nh: i32,
+    group: i32,
+    hd: i32,
+    qs: i32,
+    kvs: i32,
+    fp: i32,
+}
+
+/// `q` attending over `first_pos + q.rows` rows of the caches (through `table`, if any) into
+/// `out` fits: the heads' geometry, the caches' widths and type, the rows they hold.
+fn check_attention(
     q: &CudaTensor,
     k_cache: &CudaKv,
     v_cache: &CudaKv,
     table: Option<&CudaKvTable>,
     first_pos: usize,
     s: AttnShape,
-    out: &mut CudaTensor,
+    out: &CudaTensor,
 ) -> Result<()> {
     let kv_dim = s.n_kv_heads * s.head_dim;
     let q_dim = s.n_heads * s.head_dim;
@@ -126,6 +150,26 @@ pub(super) fn attention(
             ),
         ));
     }
+    Ok(())
+}
+
+/// [`Backend::attention`](crate::backend::Backend::attention) on the device: the call checked,
+/// then the kernel [`attention_kernel`] picks, launched.
+#[allow(clippy::too_many_arguments)] // the trait's arguments, as it takes them
+pub(super) fn attention(
+    cuda: &CudaBackend,
+    q: &CudaTensor,
+    k_cache: &CudaKv,
+    v_cache: &CudaKv,
+    table: Option<&CudaKvTable>,
+    first_pos: usize,
+    s: AttnShape,
+    out: &mut CudaTensor,
+) -> Result<()> {
+    check_attention(q, k_cache, v_cache, table, first_pos, s, out)?;
+    let kv_dim = s.n_kv_heads * s.head_dim;
+    let q_dim = s.n_heads * s.head_dim;
+    let n = q.rows;
     if n == 0 {
         return Ok(());
     }
@@ -146,119 +190,199 @@ pub(super) fn attention(
     if at != 0 {
         recordable_attention(n)?;
     }
-    let kernel = attention_kernel(n, k_cache.ty, s.n_heads, s.head_dim, cuda.capability);
-    if kernel == AttentionKernel::Split {
-        // Few rows (decode): the keys in chunks across blocks, partials in the workspace,
-        // combined by each head's last block (one launch).
-        let (_ws, wptr) = cuda.workspace_for(WorkspaceOp::Attention {
+    let call = AttentionCall {
+        q,
+        k_cache,
+        v_cache,
+        out,
+        s,
+        n,
+        keys,
+        tp,
+        at,
+        nh,
+        group,
+        hd,
+        qs,
+        kvs,
+        fp,
+    };
+    match attention_kernel(n, k_cache.ty, s.n_heads, s.head_dim, cuda.capability) {
+        AttentionKernel::Split => split(cuda, &call),
+        AttentionKernel::Flash => flash(cuda, &call),
+        AttentionKernel::Simple => simple(cuda, &call),
+    }
+}
+
+/// [`AttentionKernel::Split`]: one launch.
+fn split(cuda: &CudaBackend, call: &AttentionCall<'_>) -> Result<()> {
+    let AttentionCall {
+        q,
+        k_cache,
+        v_cache,
+        out,
+        s,
+        n,
+        keys,
+        tp,
+        at,
+        nh,
+        group,
+        hd,
+        kvs,
+        fp,
+        ..
+    } = *call;
+    // Few rows (decode): the keys in chunks across blocks, partials in the workspace,
+    // combined by each head's last block (one launch).
+    let (_ws, wptr) = cuda.workspace_for(WorkspaceOp::Attention {
+        tokens: n,
+        n_heads: s.n_heads,
+        head_dim: s.head_dim,
+        kv: k_cache.ty,
+    })?;
+    // Recorded, the grid has room for the most chunks and the kernels plan them from
+    // the position they read (the same plan, at every replay's position).
+    let (chunks, chunk) = if at != 0 {
+        ((MAX_SPLITS / n).max(1), 0)
+    } else {
+        split_chunks(keys, n)
+    };
+    let kernel = match k_cache.ty {
+        KvType::F32 => launches::attention_split_f32,
+        KvType::F16 => launches::attention_split_f16,
+        KvType::Q8_0 => launches::attention_split_q8_0,
+    };
+    let c = LaunchConfig {
+        grid_dim: (s.n_heads as u32, chunks as u32, 1),
+        block_dim: (FLASH_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows, chunk_i) = (n as i32, chunk as i32);
+    let tickets = ptr_of(&cuda.tickets, &cuda.compute);
+    kernel(
+        cuda.launch(c),
+        q.buf.ptr,
+        k_cache.buf.ptr,
+        v_cache.buf.ptr,
+        tp,
+        wptr,
+        tickets,
+        out.buf.ptr,
+        rows,
+        nh,
+        group,
+        hd,
+        kvs,
+        fp,
+        s.scale,
+        chunk_i,
+        at,
+    )?;
+    Ok(())
+}
+
+/// [`AttentionKernel::Flash`]: one launch, and one more to merge its key splits where there are
+/// several.
+fn flash(cuda: &CudaBackend, call: &AttentionCall<'_>) -> Result<()> {
+    let AttentionCall {
+        q,
+        k_cache,
+        v_cache,
+        out,
+        s,
+        n,
+        keys,
+        tp,
+        nh,
+        group,
+        hd,
+        kvs,
+        fp,
+        ..
+    } = *call;
+    // Prefill over an f16 or Q8_0 cache: tensor-core tiles (a Q8_0 tile decoded to f16
+    // as it loads), the scores never leave the chip.
+    let (_, kernel) = flash_kernel(k_cache.ty, s.head_dim);
+    let (splits, chunk) = cuda.flash_splits_of(n, k_cache.ty, s.n_heads, s.head_dim, keys)?;
+    // Split: the partials meet in the workspace, merged by one more launch.
+    let (_ws, wptr) = if splits > 1 {
+        let (ws, ptr) = cuda.workspace_for(WorkspaceOp::Attention {
             tokens: n,
             n_heads: s.n_heads,
             head_dim: s.head_dim,
             kv: k_cache.ty,
         })?;
-        // Recorded, the grid has room for the most chunks and the kernels plan them from
-        // the position they read (the same plan, at every replay's position).
-        let (chunks, chunk) = if at != 0 {
-            ((MAX_SPLITS / n).max(1), 0)
-        } else {
-            split_chunks(keys, n)
-        };
-        let kernel = match k_cache.ty {
-            KvType::F32 => launches::attention_split_f32,
-            KvType::F16 => launches::attention_split_f16,
-            KvType::Q8_0 => launches::attention_split_q8_0,
-        };
+        (Some(ws), ptr)
+    } else {
+        (None, 0)
+    };
+    let c = LaunchConfig {
+        grid_dim: (
+            n.div_ceil(FLASH_ROWS) as u32,
+            s.n_heads as u32,
+            splits as u32,
+        ),
+        block_dim: (FLASH_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (rows, chunk_i) = (n as i32, chunk as i32);
+    kernel(
+        cuda.launch(c),
+        q.buf.ptr,
+        k_cache.buf.ptr,
+        v_cache.buf.ptr,
+        tp,
+        wptr,
+        out.buf.ptr,
+        rows,
+        nh,
+        group,
+        kvs,
+        fp,
+        s.scale,
+        chunk_i,
+    )?;
+    if splits > 1 {
         let c = LaunchConfig {
-            grid_dim: (s.n_heads as u32, chunks as u32, 1),
+            grid_dim: (s.n_heads as u32, n as u32, 1),
             block_dim: (FLASH_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (rows, chunk_i) = (n as i32, chunk as i32);
-        let tickets = ptr_of(&cuda.tickets, &cuda.compute);
-        kernel(
+        launches::flash_combine(
             cuda.launch(c),
-            q.buf.ptr,
-            k_cache.buf.ptr,
-            v_cache.buf.ptr,
-            tp,
             wptr,
-            tickets,
             out.buf.ptr,
             rows,
             nh,
-            group,
             hd,
-            kvs,
             fp,
-            s.scale,
             chunk_i,
-            at,
+            splits as i32,
         )?;
-        return Ok(());
     }
-    if kernel == AttentionKernel::Flash {
-        // Prefill over an f16 or Q8_0 cache: tensor-core tiles (a Q8_0 tile decoded to f16
-        // as it loads), the scores never leave the chip.
-        let (_, kernel) = flash_kernel(k_cache.ty, s.head_dim);
-        let (splits, chunk) = cuda.flash_splits_of(n, k_cache.ty, s.n_heads, s.head_dim, keys)?;
-        // Split: the partials meet in the workspace, merged by one more launch.
-        let (_ws, wptr) = if splits > 1 {
-            let (ws, ptr) = cuda.workspace_for(WorkspaceOp::Attention {
-                tokens: n,
-                n_heads: s.n_heads,
-                head_dim: s.head_dim,
-                kv: k_cache.ty,
-            })?;
-            (Some(ws), ptr)
-        } else {
-            (None, 0)
-        };
-        let c = LaunchConfig {
-            grid_dim: (
-                n.div_ceil(FLASH_ROWS) as u32,
-                s.n_heads as u32,
-                splits as u32,
-            ),
-            block_dim: (FLASH_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (rows, chunk_i) = (n as i32, chunk as i32);
-        kernel(
-            cuda.launch(c),
-            q.buf.ptr,
-            k_cache.buf.ptr,
-            v_cache.buf.ptr,
-            tp,
-            wptr,
-            out.buf.ptr,
-            rows,
-            nh,
-            group,
-            kvs,
-            fp,
-            s.scale,
-            chunk_i,
-        )?;
-        if splits > 1 {
-            let c = LaunchConfig {
-                grid_dim: (s.n_heads as u32, n as u32, 1),
-                block_dim: (FLASH_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            launches::flash_combine(
-                cuda.launch(c),
-                wptr,
-                out.buf.ptr,
-                rows,
-                nh,
-                hd,
-                fp,
-                chunk_i,
-                splits as i32,
-            )?;
-        }
-        return Ok(());
-    }
+    Ok(())
+}
+
+/// [`AttentionKernel::Simple`]: one launch, a block per (row, head).
+fn simple(cuda: &CudaBackend, call: &AttentionCall<'_>) -> Result<()> {
+    let AttentionCall {
+        q,
+        k_cache,
+        v_cache,
+        out,
+        s,
+        n,
+        tp,
+        at,
+        nh,
+        group,
+        hd,
+        qs,
+        kvs,
+        fp,
+        ..
+    } = *call;
     let kernel = match k_cache.ty {
         KvType::F32 => launches::attention_f32,
         KvType::F16 => launches::attention_f16,
