@@ -6,8 +6,8 @@
 use super::args::ptr_of;
 use super::device::{CudaBackend, dev};
 use super::types::{CudaTensor, CudaWeight, DeviceBuf, shape_err};
-use crate::backend::{BackendError, BundleShape, Result, WorkspaceOp};
-use crate::footprint::workspace_bytes;
+use crate::backend::memory::check_workspace;
+use crate::backend::{BundleShape, Result, WorkspaceOp};
 use crate::store::Encoding;
 use crate::tensor::DType;
 
@@ -47,16 +47,9 @@ impl CudaBackend {
         &self,
         op: WorkspaceOp,
     ) -> Result<(std::sync::MutexGuard<'_, Option<DeviceBuf>>, u64)> {
-        let need = workspace_bytes(&op);
         let ws = self.workspace.lock()?;
         let (held, ptr) = ws.as_ref().map_or((0, 0), |b| (b.mem.bytes, b.ptr));
-        if need > held {
-            return Err(BackendError::Workspace {
-                op: format!("{op:?}"),
-                needed: need,
-                held,
-            });
-        }
+        check_workspace(&op, held)?;
         Ok((ws, ptr))
     }
 

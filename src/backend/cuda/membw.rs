@@ -9,7 +9,7 @@ use cudarc::driver::CudaStream;
 use super::args::{cfg, ptr_of};
 use super::device::{CudaBackend, dev};
 use super::launches;
-use crate::backend::{BackendError, Result};
+use crate::backend::{BackendError, Result, check_pace_rate};
 
 impl CudaBackend {
     /// Device-memory read bandwidth, bytes/s: the `read_sum` kernel over a `bytes` buffer (far
@@ -83,11 +83,7 @@ impl CudaBackend {
 }
 
 pub(super) fn pace_copies(cuda: &CudaBackend, bytes_per_s: f64) -> Result<()> {
-    if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
-        return Err(BackendError::Device(format!(
-            "copy pacing needs a positive rate, not {bytes_per_s}"
-        )));
-    }
+    check_pace_rate(bytes_per_s)?;
     let mut pace = cuda
         .pace
         .lock()
