@@ -146,12 +146,13 @@ pub(super) fn alloc_bundles(
 }
 
 pub(super) fn retype_weight(
-    _cuda: &CudaBackend,
+    cuda: &CudaBackend,
     w: &mut CudaWeight,
     dtype: DType,
     rows: usize,
     cols: usize,
 ) -> Result<()> {
+    cuda.outside("retype_weight")?;
     crate::backend::retyped_bytes(&w.name, dtype, rows, cols, w.buf.mem.bytes)?;
     // A slot that held coded bundles becomes a plain tensor again.
     w.coded = None;

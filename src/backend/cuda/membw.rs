@@ -83,6 +83,7 @@ impl CudaBackend {
 }
 
 pub(super) fn pace_copies(cuda: &CudaBackend, bytes_per_s: f64) -> Result<()> {
+    cuda.outside("pace_copies")?;
     check_pace_rate(bytes_per_s)?;
     let mut pace = cuda
         .pace
