@@ -1,6 +1,7 @@
 //! FFN neuron bundles as every backend sizes and checks them: their shape, the bytes `rows`
 //! bundles take in an encoding (the one size CUDA allocates and the budgeted device reserves),
-//! how many whole bundles a byte range holds, and the checks of scattering rows into a slot.
+//! how many whole bundles a byte range holds, the checks of a weight read as bundles (or, coded,
+//! refused as a tensor), and of scattering rows into a slot.
 
 use super::{BackendError, Result};
 use crate::store::Encoding;
@@ -69,6 +70,47 @@ pub fn bundle_rows(name: &str, enc: Encoding, shape: BundleShape, len: usize) ->
     Ok(len / row_bytes)
 }
 
+/// Refuse weight `name` for `op`, which reads a tensor in its storage format, where it holds
+/// INT8/INT4 bundles (`coded`: their encoding; `None` for a tensor): every backend's words.
+pub fn check_not_coded(op: &'static str, name: &str, coded: Option<Encoding>) -> Result<()> {
+    match coded {
+        None => Ok(()),
+        Some(enc) => Err(BackendError::Shape {
+            op,
+            msg: format!(
+                "`{name}` holds {} bundles: only the bundle ops take them",
+                enc.name()
+            ),
+        }),
+    }
+}
+
+/// Weight `name` (`rows` of `cols` values in `enc`; `coded_parts`: the part count of its INT8/
+/// INT4 code, where it is one) is bundles of `shape`, else the error naming `op`: what every
+/// backend checks before a bundle op reads a weight as bundles.
+pub fn check_bundle_weight(
+    op: &'static str,
+    name: &str,
+    (rows, cols): (usize, usize),
+    enc: Encoding,
+    coded_parts: Option<usize>,
+    shape: BundleShape,
+) -> Result<()> {
+    let parts_ok = coded_parts.is_none_or(|parts| parts == shape.parts);
+    if !parts_ok || cols != shape.parts * shape.d {
+        return Err(BackendError::Shape {
+            op,
+            msg: format!(
+                "`{name}` ({rows} rows of {cols} {} values) is not {}-part bundles of {}",
+                enc.name(),
+                shape.parts,
+                shape.d
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The checks of [`Backend::scatter_rows`] for weights of `rows` × `row_bytes` each (`src`,
 /// `dst`, named): an error unless the formats match and `rows` are distinct rows of `dst`, one
 /// per row of `src` at most.
@@ -106,4 +148,24 @@ pub fn check_scatter(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_read_as_bundles_or_tensors_are_checked_by_their_coding() {
+        let shape = BundleShape { parts: 3, d: 64 };
+        assert!(check_not_coded("matmul", "w", None).is_ok());
+        let e = check_not_coded("matmul", "w", Some(Encoding::Int8)).unwrap_err();
+        assert!(e.to_string().contains("`w` holds int8 bundles"), "{e}");
+        let ok =
+            |cols, coded| check_bundle_weight("up", "b", (4, cols), Encoding::F16, coded, shape);
+        assert!(ok(192, None).is_ok() && ok(192, Some(3)).is_ok());
+        for (cols, coded) in [(128, None), (192, Some(2))] {
+            let e = ok(cols, coded).unwrap_err().to_string();
+            assert!(e.contains("is not 3-part bundles of 64"), "{e}");
+        }
+    }
 }

@@ -8,7 +8,7 @@ use super::args::{WARPS, act_code, blocks, cfg};
 use super::device::CudaBackend;
 use super::launches;
 use super::types::{CudaTensor, CudaWeight, shape_err};
-use crate::backend::{Act, BundleShape, Result};
+use crate::backend::{Act, BundleShape, Result, check_bundle_weight};
 use crate::footprint::workspace::MAX_TOKENS;
 use crate::store::Encoding;
 use crate::tensor::DType;
@@ -22,21 +22,8 @@ impl CudaWeight {
         shape: BundleShape,
     ) -> Result<(usize, (launches::BundlesUp, launches::BundlesDown))> {
         let enc = self.encoding();
-        let parts_ok = self.coded.is_none_or(|(_, parts)| parts == shape.parts);
-        if !parts_ok || self.cols != shape.parts * shape.d {
-            return Err(shape_err(
-                op,
-                format!(
-                    "`{}` ({} rows of {} {} values) is not {}-part bundles of {}",
-                    self.name,
-                    self.rows,
-                    self.cols,
-                    enc.name(),
-                    shape.parts,
-                    shape.d
-                ),
-            ));
-        }
+        let (dims, parts) = ((self.rows, self.cols), self.coded.map(|(_, parts)| parts));
+        check_bundle_weight(op, &self.name, dims, enc, parts, shape)?;
         let row_bytes = crate::backend::bundle_bytes(&self.name, enc, shape, 1)?;
         Ok((row_bytes, bundle_kernels(enc)))
     }

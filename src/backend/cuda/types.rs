@@ -60,17 +60,7 @@ impl CudaWeight {
 
     /// Refuse coded bundles for `op`, which reads a tensor in its storage format.
     pub(super) fn plain(&self, op: &'static str) -> Result<()> {
-        match self.coded {
-            None => Ok(()),
-            Some((enc, _)) => Err(shape_err(
-                op,
-                format!(
-                    "`{}` holds {} bundles: only the bundle ops take them",
-                    self.name,
-                    enc.name()
-                ),
-            )),
-        }
+        crate::backend::check_not_coded(op, &self.name, self.coded.map(|(enc, _)| enc))
     }
 }
 
