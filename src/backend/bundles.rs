@@ -52,8 +52,9 @@ pub fn bundle_bytes(name: &str, enc: Encoding, shape: BundleShape, rows: usize) 
         .ok_or_else(|| bad(format!("{rows} bundles of {parts}×{d} overflow")))
 }
 
-/// How many `shape` bundles in `enc` the `len` bytes handed to [`Backend::upload_bundles`]
-/// hold: an error naming `name` unless they are whole bundles.
+/// How many `shape` bundles in `enc` the `len` bytes handed to
+/// [`Backend::upload_bundles`](super::Backend::upload_bundles) hold: an error naming `name` unless
+/// they are whole bundles.
 pub fn bundle_rows(name: &str, enc: Encoding, shape: BundleShape, len: usize) -> Result<usize> {
     let row_bytes = bundle_bytes(name, enc, shape, 1)?;
     if !len.is_multiple_of(row_bytes) {
@@ -111,9 +112,9 @@ pub fn check_bundle_weight(
     Ok(())
 }
 
-/// The checks of [`Backend::scatter_rows`] for weights of `rows` × `row_bytes` each (`src`,
-/// `dst`, named): an error unless the formats match and `rows` are distinct rows of `dst`, one
-/// per row of `src` at most.
+/// The checks of [`Backend::scatter_rows`](super::Backend::scatter_rows) for weights of `rows` ×
+/// `row_bytes` each (`src`, `dst`, named): an error unless the formats match and `rows` are
+/// distinct rows of `dst`, one per row of `src` at most.
 pub fn check_scatter(
     (src_name, src_rows, src_row_bytes, src_enc): (&str, usize, usize, Encoding),
     (dst_name, dst_rows, dst_row_bytes, dst_enc): (&str, usize, usize, Encoding),

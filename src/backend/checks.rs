@@ -6,16 +6,18 @@ use super::args::MatmulPart;
 use super::{BackendError, Result};
 use crate::tensor::DType;
 
-/// Bytes `rows × cols` values in `dtype` take, if the shape is valid for the format (whole
-/// blocks per row): what [`Backend::retype_weight`] checks against a buffer's size.
+/// Bytes `rows × cols` values in `dtype` take, if the shape is valid for the format (whole blocks
+/// per row): what [`Backend::retype_weight`](super::Backend::retype_weight) checks against a
+/// buffer's size.
 pub fn weight_bytes(dtype: DType, rows: usize, cols: usize) -> Option<usize> {
     cols.is_multiple_of(dtype.block_len())
         .then(|| rows.checked_mul(dtype.bytes_for(cols)))
         .flatten()
 }
 
-/// The bytes [`Backend::retype_weight`] gives `name` as `rows × cols` in `dtype`, if the shape
-/// is valid for the format and fits its `capacity`; else the error naming both.
+/// The bytes [`Backend::retype_weight`](super::Backend::retype_weight) gives `name` as `rows ×
+/// cols` in `dtype`, if the shape is valid for the format and fits its `capacity`; else the error
+/// naming both.
 pub fn retyped_bytes(
     name: &str,
     dtype: DType,
@@ -67,7 +69,8 @@ pub fn check_same_shape(
     Ok(())
 }
 
-/// Every part of [`Backend::matmul_parts`] names one of `outs` outputs.
+/// Every part of [`Backend::matmul_parts`](super::Backend::matmul_parts) names one of `outs`
+/// outputs.
 pub fn check_parts<W>(parts: &[MatmulPart<'_, W>], outs: usize) -> Result<()> {
     match parts.iter().position(|p| p.out >= outs) {
         Some(i) => Err(BackendError::Shape {

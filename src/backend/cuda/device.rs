@@ -93,8 +93,9 @@ pub struct CudaBackend {
     /// Device bytes the process held once context, modules and cuBLAS were up (before any
     /// buffer), as measured; `None` where NVML could not tell.
     pub(super) fixed_bytes: Option<u64>,
-    /// Recorded steps: where the step position lives ([`Backend::set_step_position`]);
-    /// whether the compute stream is being captured into a graph now.
+    /// Recorded steps: where the step position lives
+    /// ([`Backend::set_step_position`](crate::backend::Backend::set_step_position)); whether the
+    /// compute stream is being captured into a graph now.
     pub(super) step_position: Mutex<Option<DeviceBuf>>,
     pub(super) recording: std::sync::atomic::AtomicBool,
     /// `--programmatic-launch`: kernels launched with programmatic stream serialization.
@@ -102,13 +103,15 @@ pub struct CudaBackend {
     /// The device's compute capability, major · 10 + minor.
     pub(super) capability: u32,
     /// Its multiprocessors: with a kernel's blocks per multiprocessor, the blocks it holds at
-    /// once ([`flash_splits`]).
+    /// once ([`flash_splits`](crate::footprint::attention::flash_splits)).
     pub(super) multiprocessors: usize,
-    /// Key splits every prompt's flash attention takes (`bench attention --flash-splits`, to
-    /// set a split beside none in one run); 0: as [`flash_splits`] picks.
+    /// Key splits every prompt's flash attention takes (`bench attention --flash-splits`, to set a
+    /// split beside none in one run); 0: as
+    /// [`flash_splits`](crate::footprint::attention::flash_splits) picks.
     pub(super) flash_splits_forced: std::sync::atomic::AtomicUsize,
-    /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within
-    /// device memory, and each node of a replayed recording ([`Backend::device_ops_run`]).
+    /// Device operations run: each launch (a cuBLAS call counts one), copy or fill within device
+    /// memory, and each node of a replayed recording
+    /// ([`Backend::device_ops_run`](crate::backend::Backend::device_ops_run)).
     pub(super) device_ops: std::sync::atomic::AtomicU64,
 }
 
@@ -394,7 +397,8 @@ impl CudaBackend {
         Ok(f)
     }
 
-    /// One more device operation run ([`Backend::device_ops_run`]).
+    /// One more device operation run
+    /// ([`Backend::device_ops_run`](crate::backend::Backend::device_ops_run)).
     pub(super) fn counted(&self) {
         self.device_ops
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

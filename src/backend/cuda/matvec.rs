@@ -11,8 +11,9 @@ use crate::backend::Result;
 use crate::footprint::workspace::{MAX_QTOKENS, MAX_TOKENS, uses_act_blocks};
 use crate::tensor::DType;
 
-/// How a weight of [`Backend::matmul_parts`] runs with `n` tokens: in a parts launch of block
-/// formats (activation blocks shared), of f16 rows, or alone ([`Backend::matmul_into`]).
+/// How a weight of [`Backend::matmul_parts`](crate::backend::Backend::matmul_parts) runs with `n`
+/// tokens: in a parts launch of block formats (activation blocks shared), of f16 rows, or alone
+/// ([`Backend::matmul_into`](crate::backend::Backend::matmul_into)).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(super) enum PartLaunch {
     Blocks,
