@@ -128,7 +128,8 @@ impl SimBackend {
         Ok(())
     }
 
-    /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds.
+    /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds (one of
+    /// [`REFUSED_WHILE_RECORDING`](super::recording::REFUSED_WHILE_RECORDING), as on CUDA).
     fn outside(&self, op: &'static str) -> Result<()> {
         outside_recording(op, self.steps()?.signing.is_some())
     }
@@ -190,7 +191,7 @@ impl SimBackend {
 
     /// The ops of the last step recorded here, in order: one per backend call the engine made
     /// (each one kernel on CUDA, but for a quantize launch before a block-format matmul of rows
-    /// wider than `cuda::QX_MAX_COLS`).
+    /// wider than `footprint::workspace::QX_MAX_COLS`).
     pub fn recorded_ops(&self) -> Result<Vec<&'static str>> {
         Ok(self.steps()?.last_recorded.clone())
     }

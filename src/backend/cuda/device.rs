@@ -376,7 +376,9 @@ impl CudaBackend {
     }
 
     /// Fail while a step is being captured: `op` is nothing a CUDA graph holds (an allocation,
-    /// a copy between host and device, a wait), and would end the capture in an error.
+    /// a copy between host and device, a wait), and would end the capture in an error. `op` is
+    /// one of [`REFUSED_WHILE_RECORDING`](crate::backend::recording::REFUSED_WHILE_RECORDING),
+    /// the rule the budgeted device follows too.
     pub(super) fn outside(&self, op: &'static str) -> Result<()> {
         outside_recording(op, self.recording())
     }
