@@ -1,6 +1,7 @@
 //! Device memory as a budget sees it, the same for every device: one size rule for every
 //! allocation ([`device_bytes`]), the byte ledger that refuses a reservation past the budget, and —
-//! when there is a budget — one arena every buffer is carved from ([`Arena`]).
+//! when there is a budget — one arena every buffer is carved from ([`Arena`]); and the workspace
+//! a backend holds for its ops, with the one check of an op against it ([`check_workspace`]).
 //!
 //! The CUDA backend maps arena offsets onto one `cuMemAlloc` of the whole budget, so the process
 //! never holds more device memory than the budget plus its fixed cost, however the stream-ordered
@@ -13,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::{BackendError, Result};
-use crate::footprint::device_bytes;
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
+use crate::footprint::{WorkspaceOp, device_bytes, workspace_bytes};
 
 /// A best-fit allocator over offsets `0..size` (no memory of its own). Free ranges are kept
 /// coalesced, so freeing everything always leaves one hole of the whole size.
@@ -173,6 +174,20 @@ impl<T: Holds> Workspace<T> {
             .lock()
             .map_err(|_| BackendError::Device("workspace poisoned".into()))
     }
+}
+
+/// `op`'s workspace ([`workspace_bytes`]) fits the `held` bytes, else the error every device
+/// gives when the step's workspace formula missed an op (CUDA and the budgeted device alike).
+pub fn check_workspace(op: &WorkspaceOp, held: u64) -> Result<()> {
+    let need = workspace_bytes(op);
+    if need > held {
+        return Err(BackendError::Workspace {
+            op: format!("{op:?}"),
+            needed: need,
+            held,
+        });
+    }
+    Ok(())
 }
 
 impl DeviceMemory {

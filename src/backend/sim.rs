@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
-use super::cuda::step_position_word;
-use super::memory::{DeviceAlloc, DeviceMemory, Workspace};
+use super::memory::{DeviceAlloc, DeviceMemory, Workspace, check_workspace};
+use super::recording::{
+    outside_recording, position_unset, recordable_attention, step_position_word,
+};
 use super::{
     Act, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result, Rope,
     RopePairs, STEP_POSITION_BYTES, WorkspaceOp,
@@ -126,9 +128,10 @@ impl SimBackend {
         Ok(())
     }
 
-    /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds.
+    /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds (one of
+    /// [`REFUSED_WHILE_RECORDING`](super::recording::REFUSED_WHILE_RECORDING), as on CUDA).
     fn outside(&self, op: &'static str) -> Result<()> {
-        super::outside_recording(op, self.steps()?.signing.is_some())
+        outside_recording(op, self.steps()?.signing.is_some())
     }
 
     /// The position an op recorded now reads: the step's, not its argument.
@@ -161,7 +164,7 @@ impl SimBackend {
             ));
         }
         if steps.position.is_none() {
-            return Err(super::position_unset());
+            return Err(position_unset());
         }
         steps.signing = Some(Vec::new());
         Ok(())
@@ -188,7 +191,7 @@ impl SimBackend {
 
     /// The ops of the last step recorded here, in order: one per backend call the engine made
     /// (each one kernel on CUDA, but for a quantize launch before a block-format matmul of rows
-    /// wider than `cuda::QX_MAX_COLS`).
+    /// wider than `footprint::workspace::QX_MAX_COLS`).
     pub fn recorded_ops(&self) -> Result<Vec<&'static str>> {
         Ok(self.steps()?.last_recorded.clone())
     }
@@ -199,16 +202,7 @@ impl SimBackend {
 
     /// Fail as the CUDA backend would when `op` needs more workspace than is held.
     fn check_workspace(&self, op: WorkspaceOp) -> Result<()> {
-        let need = self.workspace_bytes(&op);
-        let held = self.workspace_held();
-        if need > 0 && need > held {
-            return Err(BackendError::Workspace {
-                op: format!("{op:?}"),
-                needed: need,
-                held,
-            });
-        }
-        Ok(())
+        check_workspace(&op, self.workspace_held())
     }
 
     /// Count a host→device copy of `bytes`, taking as long as the emulated link would.
@@ -372,11 +366,7 @@ impl Backend for SimBackend {
 
     fn pace_copies(&self, bytes_per_s: f64) -> Result<()> {
         self.outside("pace_copies")?;
-        if !(bytes_per_s.is_finite() && bytes_per_s > 0.0) {
-            return Err(BackendError::Device(format!(
-                "copy pacing needs a positive rate, not {bytes_per_s}"
-            )));
-        }
+        super::check_pace_rate(bytes_per_s)?;
         let mut p = self
             .pace
             .lock()
@@ -941,7 +931,7 @@ impl Backend for SimBackend {
         ];
         self.sign("attention", &args)?;
         if self.steps()?.signing.is_some() {
-            super::cuda::recordable_attention(q.t.rows)?;
+            recordable_attention(q.t.rows)?;
         }
         let first_pos = self.position(first_pos)?;
         self.cpu.attention(

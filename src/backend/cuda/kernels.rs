@@ -384,4 +384,33 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn ptx_newer_than_the_device_falls_back_to_nvrtc_or_says_how_to_build() {
+        // PTX for compute_80: Ampere and newer load it; Turing compiles the source instead.
+        for device in [80, 86, 90] {
+            assert_eq!(
+                module_load(true, Some(80), device, false).unwrap(),
+                ModuleLoad::Ptx
+            );
+        }
+        assert_eq!(
+            module_load(true, Some(80), 75, true).unwrap(),
+            ModuleLoad::Nvrtc
+        );
+        let e = module_load(true, Some(90), 86, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("8.6") && e.contains("CUDA_COMPUTE_CAP=86") && e.contains("NVRTC"),
+            "{e}"
+        );
+        // Sources compile for the device, where NVRTC is.
+        assert_eq!(
+            module_load(false, Some(80), 75, true).unwrap(),
+            ModuleLoad::Nvrtc
+        );
+        let e = module_load(false, None, 90, false).unwrap_err().to_string();
+        assert!(e.contains("NVRTC is not installed"), "{e}");
+    }
 }

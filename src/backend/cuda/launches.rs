@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, LaunchConfig};
 
-use super::{CudaBackend, MatvecParts, dev};
+use super::args::MatvecParts;
+use super::device::{CudaBackend, dev};
 use crate::backend::Result;
 
 /// A kernel parameter's type as a launch passes it (build.rs's `Param`): pointers are device
