@@ -80,3 +80,26 @@ pub fn check_parts<W>(parts: &[MatmulPart<'_, W>], outs: usize) -> Result<()> {
         None => Ok(()),
     }
 }
+
+/// A RoPE over rows of `cols` values in heads of `head_dim`, rotating the first `rot_dims` of each
+/// head, with `freqs` inverse frequencies where the backend checks them here: else the error
+/// every backend names.
+pub fn check_rope(
+    cols: usize,
+    head_dim: usize,
+    rot_dims: usize,
+    freqs: Option<usize>,
+) -> Result<()> {
+    if head_dim == 0
+        || !cols.is_multiple_of(head_dim)
+        || rot_dims > head_dim
+        || !rot_dims.is_multiple_of(2)
+        || freqs.is_some_and(|f| f != rot_dims / 2)
+    {
+        return Err(BackendError::Shape {
+            op: "rope",
+            msg: format!("{cols} columns, head dim {head_dim}, rotating {rot_dims}"),
+        });
+    }
+    Ok(())
+}

@@ -40,7 +40,9 @@ pub use args::{Act, AttnSeq, AttnShape, MatmulPart, Rope, RopePairs, sparse_act}
 pub use bundles::{
     BundleShape, bundle_bytes, bundle_rows, check_bundle_weight, check_not_coded, check_scatter,
 };
-pub use checks::{check_matmul_shape, check_parts, check_same_shape, retyped_bytes, weight_bytes};
+pub use checks::{
+    check_matmul_shape, check_parts, check_rope, check_same_shape, retyped_bytes, weight_bytes,
+};
 pub use fused::{ProductInput, gate_and_up, gate_then_up, gate_up_then_down, rope_then_store};
 pub use kv_table::{check_kv_table, kv_runs};
 pub use recording::STEP_POSITION_BYTES;

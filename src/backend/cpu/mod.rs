@@ -138,17 +138,8 @@ impl CpuWeight {
 
     /// The weight as a tensor for `op`, which reads one in its storage format.
     fn tensor(&self, op: &'static str) -> Result<&HostTensor> {
-        match self.coded {
-            None => Ok(&self.t),
-            Some(CodedBundles { enc, .. }) => Err(shape_err(
-                op,
-                format!(
-                    "`{}` holds {} bundles: only the bundle ops take them",
-                    self.t.name,
-                    enc.name()
-                ),
-            )),
-        }
+        super::check_not_coded(op, &self.t.name, self.coded.map(|c| c.enc))?;
+        Ok(&self.t)
     }
 
     /// `f` of the weight viewed as bundles of `shape` in its encoding.
@@ -158,21 +149,14 @@ impl CpuWeight {
         shape: BundleShape,
         f: impl FnOnce(&sparse::Bundles) -> R,
     ) -> Result<R> {
-        let parts_ok = self.coded.is_none_or(|c| c.parts == shape.parts);
-        if !parts_ok || self.t.cols != shape.parts * shape.d {
-            return Err(shape_err(
-                op,
-                format!(
-                    "`{}` ({} rows of {} {} values) is not {}-part bundles of {}",
-                    self.t.name,
-                    self.t.rows,
-                    self.t.cols,
-                    self.encoding().name(),
-                    shape.parts,
-                    shape.d
-                ),
-            ));
-        }
+        super::check_bundle_weight(
+            op,
+            &self.t.name,
+            (self.t.rows, self.t.cols),
+            self.encoding(),
+            self.coded.map(|c| c.parts),
+            shape,
+        )?;
         bundles::with_view(self.t.data.as_slice(), self.encoding(), shape, f)
     }
 }
@@ -797,19 +781,7 @@ impl Backend for CpuBackend {
         inv_freq: &CpuWeight,
         first_pos: usize,
     ) -> Result<()> {
-        if head_dim == 0
-            || !x.cols.is_multiple_of(head_dim)
-            || rot_dims > head_dim
-            || !rot_dims.is_multiple_of(2)
-        {
-            return Err(shape_err(
-                "rope",
-                format!(
-                    "{} columns, head dim {head_dim}, rotating {rot_dims}",
-                    x.cols
-                ),
-            ));
-        }
+        super::check_rope(x.cols, head_dim, rot_dims, None)?;
         let inv_freq = vector("rope", inv_freq, rot_dims / 2)?;
         let mut cos_sin = vec![(0f32, 0f32); rot_dims / 2];
         for (i, row) in x.data.chunks_mut(x.cols).enumerate() {

@@ -164,21 +164,12 @@ pub(super) fn check_rope(
     inv_freq: &CudaWeight,
 ) -> Result<()> {
     inv_freq.plain("rope")?;
-    if head_dim == 0
-        || !x.cols.is_multiple_of(head_dim)
-        || rot_dims > head_dim
-        || !rot_dims.is_multiple_of(2)
-        || inv_freq.rows * inv_freq.cols != rot_dims / 2
-    {
-        return Err(shape_err(
-            "rope",
-            format!(
-                "{} columns, head dim {head_dim}, rotating {rot_dims}",
-                x.cols
-            ),
-        ));
-    }
-    Ok(())
+    crate::backend::check_rope(
+        x.cols,
+        head_dim,
+        rot_dims,
+        Some(inv_freq.rows * inv_freq.cols),
+    )
 }
 
 /// `op` takes `x` and `y` value by value (the same shape).
