@@ -1,8 +1,10 @@
 //! `gpu-offload serve`: an OpenAI-compatible HTTP server (tokio + axum) in front of one engine
 //! thread ([`worker`]) that owns the device, the sequences and the persistent contexts.
 
+mod answer;
 pub mod api;
 mod http;
+pub mod messages;
 pub mod metrics;
 pub mod worker;
 
@@ -12,8 +14,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use http::router;
+use messages::Request;
 use metrics::Metrics;
-use worker::Request;
 
 use crate::footprint::Ledger;
 

@@ -1,0 +1,22 @@
+//! How the contexts' and the engine's errors reach the client: as the API error each stands for.
+
+use crate::engine::EngineError;
+use crate::kv::KvError;
+use crate::service::api::ApiError;
+
+pub(super) fn kv_error(e: KvError) -> ApiError {
+    match e {
+        KvError::NotFound(id) => ApiError::not_found(format!("no context '{id}'")),
+        e @ KvError::OtherModel { .. } => ApiError::conflict(e.to_string()),
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+pub(super) fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        e @ (EngineError::ContextFull { .. }
+        | EngineError::InvalidToken { .. }
+        | EngineError::Empty) => ApiError::bad_request(e.to_string(), None),
+        e => ApiError::internal(e.to_string()),
+    }
+}
