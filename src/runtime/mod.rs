@@ -2,17 +2,29 @@
 //! on the chosen backend, turn prompt flags into token ids, and probe the machine for the rates
 //! the planner prices by. `cli`, `service` and `bench` all start their engines here; this room
 //! knows no HTTP and prints nothing.
+//!
+//! One file per concern: the flags ([`options`]), the job ([`job`]), the device and budget
+//! ([`device`]), opening a model ([`model`]), placing it ([`start`], with an offloaded run's
+//! plan and weights in [`offload`]), the engine on its backend ([`engine`]) and what a placed
+//! model reports ([`running`]).
 
-mod load;
+mod device;
+mod engine;
+mod job;
+mod model;
+mod offload;
 mod options;
 pub mod probe;
+mod running;
+mod start;
 pub mod store;
 
-pub(crate) use load::with_engine;
-pub use load::{
-    AnyEngine, DEFAULT_SPARSITY_TARGET, Hybrid, Job, LoadedModel, Running, Units, budget_for,
-    kv_type_for,
-};
+pub use device::{budget_for, kv_type_for};
+pub use engine::AnyEngine;
+pub(crate) use engine::with_engine;
+pub use job::Job;
+pub use model::{DEFAULT_SPARSITY_TARGET, LoadedModel};
 pub use options::{
     BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes,
 };
+pub use running::{Hybrid, Running, Units};
