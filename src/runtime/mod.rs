@@ -6,15 +6,18 @@
 //! One file per concern: the flags ([`options`]), the job ([`job`]), the device and budget
 //! ([`device`]), opening a model ([`model`]), placing it ([`start`], with an offloaded run's
 //! plan and weights in [`offload`]), the engine on its backend ([`engine`]) and what a placed
-//! model reports ([`running`]).
+//! model reports ([`running`]); the machine measured for `doctor` ([`machine`], with the probes in
+//! [`probe`]); a model's sparsity profiled ([`profiling`]).
 
 mod device;
 mod engine;
 mod job;
+pub mod machine;
 mod model;
 mod offload;
 mod options;
 pub mod probe;
+pub mod profiling;
 mod running;
 mod start;
 pub mod store;
