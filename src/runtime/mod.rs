@@ -7,7 +7,8 @@
 //! ([`device`]), opening a model ([`model`]), placing it ([`start`], with an offloaded run's
 //! plan and weights in [`offload`]), the engine on its backend ([`engine`]) and what a placed
 //! model reports ([`running`]); the machine measured for `doctor` ([`machine`], with the probes in
-//! [`probe`]); a model's sparsity profiled ([`profiling`]).
+//! [`probe`]); a model's sparsity profiled ([`profiling`]); a store's plan for `plan`
+//! ([`planning`]).
 
 mod device;
 mod engine;
@@ -16,6 +17,7 @@ pub mod machine;
 mod model;
 mod offload;
 mod options;
+pub mod planning;
 pub mod probe;
 pub mod profiling;
 mod running;
