@@ -92,7 +92,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         a.hot_neurons,
         a.sparsity_target,
     )?;
-    print_plan(&a, &planned, &budget)
+    print_plan(&a, planned, &budget)
 }
 
 /// The budget the flags ask to plan for a model of `spec` on a device of `gpu_mem` bytes.
@@ -160,7 +160,7 @@ fn budget_of(a: &PlanArgs, spec: &ModelSpec, gpu_mem: u64) -> Result<Budget> {
 }
 
 /// The plan (with its hot neurons and cache units), as JSON or as the report.
-fn print_plan(a: &PlanArgs, planned: &StorePlan, budget: &Budget) -> Result<()> {
+fn print_plan(a: &PlanArgs, planned: StorePlan, budget: &Budget) -> Result<()> {
     let StorePlan {
         plan,
         hot,
@@ -168,7 +168,6 @@ fn print_plan(a: &PlanArgs, planned: &StorePlan, budget: &Budget) -> Result<()> 
         candidates,
         chosen,
     } = planned;
-    let chosen = *chosen;
     if a.json {
         let mut v = serde_json::to_value(&plan)?;
         if let Some(h) = &hot {
