@@ -7,8 +7,8 @@
 //! recomputing others from their tokens, the split chosen by measured cost models.
 //!
 //! One file per concern: the chunk codes ([`chunk`]), the files ([`persist`]), widths and costs
-//! ([`policy`]), one context ([`context`]), all of them ([`manager`]), writing chunks
-//! ([`swap_out`]), bringing them back ([`swap_in`]) and measuring the cost models ([`costs`]).
+//! ([`policy`]), one context (`context`), all of them (`manager`), writing chunks
+//! (`swap_out`), bringing them back (`swap_in`) and measuring the cost models (`costs`).
 
 pub mod chunk;
 mod context;

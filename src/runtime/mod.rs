@@ -3,10 +3,10 @@
 //! the planner prices by. `cli`, `service` and `bench` all start their engines here; this room
 //! knows no HTTP and prints nothing.
 //!
-//! One file per concern: the flags ([`options`]), the job ([`job`]), the device and budget
-//! ([`device`]), opening a model ([`model`]), placing it ([`start`], with an offloaded run's
-//! plan and weights in [`offload`]), the engine on its backend ([`engine`]) and what a placed
-//! model reports ([`running`]); the machine measured for `doctor` ([`machine`], with the probes in
+//! One file per concern: the flags (`options`), the job (`job`), the device and budget
+//! (`device`), opening a model (`model`), placing it (`start`, with an offloaded run's
+//! plan and weights in `offload`), the engine on its backend (`engine`) and what a placed
+//! model reports (`running`); the machine measured for `doctor` ([`machine`], with the probes in
 //! [`probe`]); a model's sparsity profiled ([`profiling`]); a store's plan for `plan`
 //! ([`planning`]).
 

@@ -4,6 +4,8 @@ use crate::engine::EngineError;
 use crate::kv::KvError;
 use crate::service::api::ApiError;
 
+/// A context's error as the client hears it: not found, another model's (a conflict), else
+/// the server's.
 pub(super) fn kv_error(e: KvError) -> ApiError {
     match e {
         KvError::NotFound(id) => ApiError::not_found(format!("no context '{id}'")),
@@ -12,6 +14,8 @@ pub(super) fn kv_error(e: KvError) -> ApiError {
     }
 }
 
+/// The engine's error as the client hears it: the request's fault where it asked for what
+/// cannot be, else the server's.
 pub(super) fn engine_error(e: EngineError) -> ApiError {
     match e {
         e @ (EngineError::ContextFull { .. }

@@ -3,10 +3,10 @@
 //! Nothing here knows HTTP: requests come in and events go out over channels
 //! ([`crate::service::messages`]).
 //!
-//! [`Worker`] is the thread's state; its work is one file per concern: the loop ([`run`]),
-//! admission ([`admit`]) with the prompt ([`prompt`]) and the slots and KV pool ([`pool`]), the
-//! batched step ([`step`]), what a sequence sends ([`stream`]) and how it ends ([`finish`]), and
-//! the contexts' API ([`contexts`]).
+//! [`Worker`] is the thread's state; its work is one file per concern: the loop (`run`),
+//! admission (`admit`) with the prompt (`prompt`) and the slots and KV pool (`pool`), the
+//! batched step (`step`), what a sequence sends (`stream`) and how it ends (`finish`), and
+//! the contexts' API (`contexts`).
 
 mod admit;
 mod contexts;
@@ -33,6 +33,7 @@ use crate::model::Tokenizer;
 use crate::service::Shared;
 use crate::service::messages::Generate;
 
+/// Settings of the engine thread.
 pub struct WorkerConfig {
     pub parallel: usize,
     pub ctx: usize,
@@ -40,6 +41,7 @@ pub struct WorkerConfig {
     pub shutdown_grace: Duration,
 }
 
+/// The engine thread's state: the engine, its slots, the running and waiting calls.
 pub struct Worker<B: Backend> {
     engine: Engine<B>,
     tok: Option<Arc<Tokenizer>>,

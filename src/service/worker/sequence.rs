@@ -22,6 +22,7 @@ pub(super) enum Next {
     Eval(u32),
 }
 
+/// One running generation.
 pub(super) struct Sequence {
     pub(super) slot: usize,
     /// Blocks of the KV pool this sequence may come to hold (its prompt and every token it may

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::engine::Session;
 
+/// Who holds a slot's session.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) enum Holder {
     Free,
@@ -14,6 +15,7 @@ pub(super) enum Holder {
     Context(String),
 }
 
+/// One device session of the engine thread, and who holds it.
 pub(super) struct Slot<B: Backend> {
     pub(super) session: Session<B>,
     pub(super) holder: Holder,
