@@ -42,3 +42,41 @@ pub(super) fn eviction_rank(h: &Holder, last_use: u64) -> (u8, u64) {
 pub(super) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_slots_give_up_free_then_prefixes_then_contexts_least_recent_first() {
+        let mut slots = [
+            (Holder::Context("a".into()), 1),
+            (Holder::Anon(vec![1]), 5),
+            (Holder::Free, 9),
+            (Holder::Anon(vec![2]), 2),
+            (Holder::Context("b".into()), 0),
+            (Holder::Free, 3),
+        ];
+        slots.sort_by_key(|(h, last_use)| eviction_rank(h, *last_use));
+        let order: Vec<(&Holder, u64)> = slots.iter().map(|(h, t)| (h, *t)).collect();
+        assert_eq!(
+            order,
+            [
+                (&Holder::Free, 3),
+                (&Holder::Free, 9),
+                (&Holder::Anon(vec![2]), 2),
+                (&Holder::Anon(vec![1]), 5),
+                (&Holder::Context("b".into()), 0),
+                (&Holder::Context("a".into()), 1),
+            ]
+        );
+    }
+
+    #[test]
+    fn common_prefix_stops_at_the_first_difference() {
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2, 4, 5]), 2);
+        assert_eq!(common_prefix(&[1, 2], &[1, 2, 3]), 2);
+        assert_eq!(common_prefix(&[], &[1]), 0);
+        assert_eq!(common_prefix(&[7, 1], &[1, 7]), 0);
+    }
+}
