@@ -4,11 +4,12 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 
 use crate::plan::HardwareProfile;
-use crate::runtime::probe as hw;
+use crate::runtime::machine::{Machine, measure_machine, save_profile};
+use crate::runtime::probe::GpuProfile;
 
 #[derive(Debug, Args)]
 pub struct DoctorArgs {
@@ -39,84 +40,41 @@ pub fn run(args: DoctorArgs) -> Result<()> {
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
         usize::from,
     );
-    let host = hw::probe_host(threads);
-    let memcpy = hw::memcpy_bandwidth(256 << 20, 5);
-    // One pool of `threads` for every CPU probe.
-    let cpu = crate::backend::cpu::CpuBackend::new(threads)?;
-    let cpu_attention = hw::cpu_attention_rate(&cpu);
     let ssd_dir = args
         .ssd_dir
         .clone()
         .unwrap_or_else(crate::model::models_dir);
-    let ssd = if args.ssd_test_mib == 0 {
-        None
-    } else {
-        Some(
-            hw::ssd_read_bandwidth(&ssd_dir, args.ssd_test_mib << 20)
-                .with_context(|| format!("SSD test in {}", ssd_dir.display()))?,
-        )
-    };
-    let gpu = hw::probe_gpu(256 << 20);
-    let profile = match &gpu {
-        Ok(g) => HardwareProfile {
-            name: format!("{} (measured)", g.name),
-            hbm_bytes_per_s: g.hbm_read_bytes_per_s,
-            h2d_pinned_bytes_per_s: g.h2d_pinned_bytes_per_s,
-            h2d_pageable_bytes_per_s: g.h2d_pageable_bytes_per_s,
-            dram_read_bytes_per_s: host.dram_read_bytes_per_s,
-            ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
-            op_overhead_s: 4e-6,
-            device_bytes: g.total_bytes,
-            device_fixed_bytes: g.fixed_bytes,
-            matmul_flops_per_s: g.matmul_flops_per_s,
-            cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
-            attention_flops_per_s: Some(g.attention_flops_per_s),
-        },
-        // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
-        // memory and its copies are memcpy.
-        Err(_) => HardwareProfile {
-            name: "cpu-sim (measured)".into(),
-            hbm_bytes_per_s: host.dram_read_bytes_per_s,
-            h2d_pinned_bytes_per_s: memcpy,
-            h2d_pageable_bytes_per_s: memcpy,
-            dram_read_bytes_per_s: host.dram_read_bytes_per_s,
-            ssd_read_bytes_per_s: ssd.unwrap_or(1e9),
-            op_overhead_s: 2e-6,
-            device_bytes: 0,
-            device_fixed_bytes: Some(0),
-            // Its products and prompts run on the CPU.
-            matmul_flops_per_s: hw::matmul_rate(&cpu, 128, 1024, 1024)
-                .map_err(anyhow::Error::msg)?,
-            cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
-            attention_flops_per_s: Some(
-                hw::AttentionProbe::PROMPT_CPU
-                    .flops_per_s(&cpu)
-                    .map_err(anyhow::Error::msg)?,
-            ),
-        },
-    };
+    let m = measure_machine(threads, ssd_dir, args.ssd_test_mib)?;
     if args.save {
-        let path = HardwareProfile::saved_path();
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .with_context(|| format!("cannot create {}", dir.display()))?;
-        }
-        crate::fsutil::write_atomic(&path, serde_json::to_string_pretty(&profile)?.as_bytes())
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        save_profile(&m.profile)?;
     }
     let mut out = std::io::stdout().lock();
     if args.json {
         let v = serde_json::json!({
-            "host": host,
-            "memcpy_bytes_per_s": memcpy,
-            "ssd_read_bytes_per_s": ssd,
-            "gpu": gpu.as_ref().ok(),
-            "gpu_status": match &gpu { Ok(g) => format!("{} found", g.name), Err(e) => e.clone() },
-            "profile": profile,
+            "host": m.host,
+            "memcpy_bytes_per_s": m.memcpy_bytes_per_s,
+            "ssd_read_bytes_per_s": m.ssd_read_bytes_per_s,
+            "gpu": m.gpu.as_ref().ok(),
+            "gpu_status": match &m.gpu { Ok(g) => format!("{} found", g.name), Err(e) => e.clone() },
+            "profile": m.profile,
         });
         writeln!(out, "{v}")?;
         return Ok(());
     }
+    print_gpu(&mut out, &m.gpu)?;
+    print_host(&mut out, &m)?;
+    if args.save {
+        writeln!(
+            out,
+            "profile saved to {}",
+            HardwareProfile::saved_path().display()
+        )?;
+    }
+    Ok(())
+}
+
+/// The GPU's lines of the report (or why there is none).
+fn print_gpu(out: &mut impl Write, gpu: &Result<GpuProfile, String>) -> Result<()> {
     match &gpu {
         Ok(g) => {
             let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
@@ -196,6 +154,20 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             "GPU:   {e} (this build still runs on the CPU, and on the budgeted CPU device, --device sim)"
         )?,
     }
+    Ok(())
+}
+
+/// The host's lines of the report: CPU, DRAM, memcpy, the budgeted device's CPU rates, SSD.
+fn print_host(out: &mut impl Write, m: &Machine) -> Result<()> {
+    let Machine {
+        host,
+        memcpy_bytes_per_s: memcpy,
+        cpu_attention,
+        ssd_dir,
+        ssd_read_bytes_per_s: ssd,
+        gpu,
+        profile,
+    } = m;
     writeln!(
         out,
         "CPU:   {} ({} logical cores; {})",
@@ -243,13 +215,6 @@ pub fn run(args: DoctorArgs) -> Result<()> {
             ssd_dir.display()
         )?,
         None => writeln!(out, "SSD read bandwidth:  not measured")?,
-    }
-    if args.save {
-        writeln!(
-            out,
-            "profile saved to {}",
-            HardwareProfile::saved_path().display()
-        )?;
     }
     Ok(())
 }

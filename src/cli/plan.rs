@@ -6,8 +6,10 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
+use crate::model::ModelSpec;
 use crate::plan::Budget;
 use crate::runtime::BudgetArgs;
+use crate::runtime::planning::{StorePlan, plan_store};
 use crate::runtime::store::open_store_for;
 
 #[derive(Debug, Args)]
@@ -73,7 +75,28 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     };
     let store = open_store_for(&a.model)?;
-    let spec = &store.manifest.spec;
+    let budget = budget_of(&a, &store.manifest.spec, gpu_mem)?;
+    let name = a.model.display().to_string();
+    if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
+        anyhow::bail!(
+            "--sparsity-target {} is outside 0.01..=0.99",
+            a.sparsity_target
+        );
+    }
+    let planned = plan_store(
+        &store,
+        &name,
+        &budget,
+        &hw,
+        &a.budget,
+        a.hot_neurons,
+        a.sparsity_target,
+    )?;
+    print_plan(&a, planned, &budget)
+}
+
+/// The budget the flags ask to plan for a model of `spec` on a device of `gpu_mem` bytes.
+fn budget_of(a: &PlanArgs, spec: &ModelSpec, gpu_mem: u64) -> Result<Budget> {
     let prompt = a.prompt_tokens.map(|p| p as usize);
     if let Some(p) = prompt
         && p > spec.max_context
@@ -133,61 +156,18 @@ pub fn run(a: PlanArgs) -> Result<()> {
             .map(|t| (t as usize).div_ceil(crate::backend::KV_BLOCK)),
         ..budget
     };
-    let name = a.model.display().to_string();
-    let profile_path = crate::sparsity::SparsityProfile::path_in(store.dir());
-    let cold = a.budget.cold;
-    let wants_profile = a.hot_neurons
-        || cold == crate::plan::choice::Cold::Cpu
-        || cold == crate::plan::choice::Cold::Gpu
-        || (cold == crate::plan::choice::Cold::Auto && profile_path.exists());
-    if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
-        anyhow::bail!(
-            "--sparsity-target {} is outside 0.01..=0.99",
-            a.sparsity_target
-        );
-    }
-    let profile = if wants_profile {
-        Some(crate::sparsity::SparsityProfile::load(
-            store.dir(),
-            &store.manifest.model_id,
-            &name,
-        )?)
-    } else {
-        None
-    };
-    let crate::plan::choice::ColdChoice {
+    Ok(budget)
+}
+
+/// The plan (with its hot neurons and cache units), as JSON or as the report.
+fn print_plan(a: &PlanArgs, planned: StorePlan, budget: &Budget) -> Result<()> {
+    let StorePlan {
         plan,
-        hot: chosen_hot,
+        hot,
         units,
         candidates,
-    } = crate::plan::choice::plan_cold(
-        &store.manifest,
-        &budget,
-        &hw,
-        cold,
-        profile.as_ref().map(|p| (p, a.sparsity_target)),
-        &a.budget.precisions(&store, a.sparsity_target)?,
-    )?;
-    // What runs the neurons that do not fit.
-    let chosen = if chosen_hot.is_some() {
-        "cpu"
-    } else if units.is_some() {
-        "gpu"
-    } else if plan.residency.cpu_rows > 0 {
-        "split"
-    } else {
-        "stream"
-    };
-    let hot = match (&profile, chosen_hot) {
-        (_, Some(h)) => Some(h),
-        (Some(p), None) if a.hot_neurons => Some(crate::plan::hybrid::plan_hot_neurons(
-            &store.manifest,
-            &plan,
-            p,
-            a.sparsity_target,
-        )?),
-        _ => None,
-    };
+        chosen,
+    } = planned;
     if a.json {
         let mut v = serde_json::to_value(&plan)?;
         if let Some(h) = &hot {

@@ -2,18 +2,15 @@
 //! store (see `crate::sparsity`).
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::backend::cpu::{CpuBackend, kernels};
-use crate::engine::Engine;
+use crate::runtime::profiling::{ProfileRun, ProfileSettings, SparsityProfiler, hot_shares};
 use crate::runtime::store::open_store_for;
-use crate::sparsity::predictor::{Predictor, TrainOptions};
-use crate::sparsity::{GRID_TARGETS, ProfileTap, SparsityProfile, profile_passes};
+use crate::sparsity::{GRID_TARGETS, SparsityProfile};
+use crate::store::Store;
 
 #[derive(Debug, Args)]
 pub struct ProfileArgs {
@@ -109,95 +106,60 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     };
     let window = (args.window as usize).min(model.spec.max_context);
     let tokens = &all[..want];
-    let spec = model.spec.clone();
-    let d_ff = spec.d_ff;
     if !(0.01..=0.99).contains(&args.predictor_target) {
         bail!(
             "--predictor-target {} is outside 0.01..=0.99",
             args.predictor_target
         );
     }
-    let mut tap = ProfileTap::new(spec.n_layers, d_ff);
-    if !args.no_predictors {
-        tap = tap.with_predictor_data(
-            spec.d_model,
-            args.predictor_target,
-            args.predictor_tokens as usize,
-        );
-    }
-    let tap = Arc::new(tap);
-    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
-    let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
-    // Every weight's values, for the predictors' share of the model.
-    let model_parameters: u64 = model
-        .weights
-        .tensors()
-        .iter()
-        .map(|t| (t.rows * t.cols) as u64)
-        .sum();
-    drop(model.weights);
-    let t0 = Instant::now();
+    let settings = ProfileSettings {
+        threads: args.threads.map_or(0, usize::from),
+        predictors: !args.no_predictors,
+        predictor_target: args.predictor_target,
+        predictor_tokens: args.predictor_tokens as usize,
+        predictor_rank: args.predictor_rank as usize,
+    };
+    let profiler = SparsityProfiler::new(&model.spec, model.weights, settings)?;
     let pb = ProgressBar::new(0);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} windows ({msg})")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let (thresholds, measured, frequency) =
-        profile_passes(&engine, &tap, tokens, window, &mut |done, total| {
-            pb.set_length(total as u64);
-            pb.set_position(done as u64);
-            pb.set_message(if done * 2 <= total {
-                "pass 1: thresholds"
-            } else {
-                "pass 2: frequencies"
-            });
-        })?;
+    let passes = profiler.passes(tokens, window, &mut |done, total| {
+        pb.set_length(total as u64);
+        pb.set_position(done as u64);
+        pb.set_message(if done * 2 <= total {
+            "pass 1: thresholds"
+        } else {
+            "pass 2: frequencies"
+        });
+    })?;
     pb.finish_and_clear();
-    let t_train = Instant::now();
-    let trained = tap.train_predictors(TrainOptions {
-        rank: args.predictor_rank as usize,
-        ..Default::default()
-    });
-    let train_s = t_train.elapsed().as_secs_f64();
-    let (predictors, predictor_quality): (Vec<_>, Vec<_>) = trained.into_iter().unzip();
-    let params: usize = predictors.iter().map(|p: &Predictor| p.parameters()).sum();
-    let model_params = model_parameters;
-    let profile = SparsityProfile {
-        model_id: store.manifest.model_id.clone(),
-        corpus: corpus_name.clone(),
-        tokens: tokens.len(),
-        window,
-        n_layers: spec.n_layers,
-        d_ff,
-        thresholds,
-        measured,
-        frequency,
-        predictor_target: (!predictors.is_empty()).then_some(args.predictor_target),
-        predictors,
-        predictor_quality,
-        unit_reuse: None,
-    };
-    profile.save(store.dir())?;
-    let secs = t0.elapsed().as_secs_f64();
+    let run = profiler.finish(passes, &store, corpus_name.clone())?;
+    print_summary(&args, &model_path, &store, &corpus_name, &run);
+    Ok(())
+}
+
+/// The summary: as JSON, or a table per layer (and the predictors' quality where trained).
+fn print_summary(
+    args: &ProfileArgs,
+    model_path: &Path,
+    store: &Store,
+    corpus_name: &str,
+    run: &ProfileRun,
+) {
+    let profile = &run.profile;
+    let window = profile.window;
+    let (secs, params, model_params, train_s) = (
+        run.seconds,
+        run.predictor_parameters,
+        run.model_parameters,
+        run.train_seconds,
+    );
     // How skewed the layers are: the share of neurons holding 80% of the activations at 50%.
     // 50%: grid target 9 (5% steps), fine target 49 (1% steps).
     let (k50, f50) = (GRID_TARGETS / 2, 49);
-    let skew: Vec<f64> = (0..spec.n_layers)
-        .map(|l| {
-            let mut f = profile.frequencies(l, k50);
-            f.sort_by(|a, b| b.total_cmp(a));
-            let total: f64 = f.iter().sum();
-            let mut acc = 0.0;
-            let hot = f
-                .iter()
-                .take_while(|&&v| {
-                    acc += v;
-                    acc - v < 0.8 * total
-                })
-                .count();
-            hot as f64 / d_ff as f64
-        })
-        .collect();
+    let skew = hot_shares(profile, k50);
     if args.json {
         let v = serde_json::json!({
             "store": store.dir(),
@@ -254,7 +216,6 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             }
         }
     }
-    Ok(())
 }
 
 /// The text of `given`, or of `default_file` in the models directory: an error naming the fix

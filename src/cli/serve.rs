@@ -10,13 +10,14 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::backend::KV_BLOCK;
-use crate::kv::{self, Compression, CostModel, KvConfig, KvManager};
+use crate::kv::{self, Compression, CostModel, KvConfig};
+use crate::runtime::Job;
 use crate::runtime::parse_bytes;
-use crate::runtime::{Job, with_engine};
 use crate::runtime::{LoadedModel, ModelArgs};
 use crate::service::api::Limits;
-use crate::service::worker::{Worker, WorkerConfig};
-use crate::service::{AppState, HttpConfig, Shared, router};
+use crate::service::server::{EngineThread, serve_http};
+use crate::service::worker::WorkerConfig;
+use crate::service::{AppState, HttpConfig, Shared};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -137,7 +138,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let shared = Shared::new(running.ledger.clone()).context("metrics")?;
     let tok = loaded.tokenizer.clone().map(Arc::new);
     let (tx, rx) = std::sync::mpsc::channel();
-    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<()>>();
     let worker_cfg = WorkerConfig {
         parallel,
         ctx,
@@ -145,7 +145,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         shutdown_grace: Duration::from_secs_f64(a.shutdown_grace),
     };
     // The cost models are measured on the engine thread, once the engine is there.
-    let mut kv_cfg = KvConfig {
+    let kv_cfg = KvConfig {
         compression: a.kv_compression,
         dram_budget: a.kv_dram_mem,
         dir: a.kv_dir.clone(),
@@ -157,38 +157,16 @@ pub fn run(a: ServeArgs) -> Result<()> {
             decode_s_per_value: 0.0,
         },
     };
-    let ledger = running.ledger.clone();
-    let shared_w = shared.clone();
-    let engine = running.engine;
-    let worker = std::thread::Builder::new()
-        .name("engine".into())
-        .spawn(move || {
-            with_engine!(engine, e => {
-                let start = || -> Result<_> {
-                    kv_cfg.costs = kv::measure_costs(&e, kv_cfg.dir.as_deref())?;
-                    tracing::info!("KV cost model: {:?}", kv_cfg.costs);
-                    let (kv, warnings) = KvManager::open(kv_cfg, ledger)?;
-                    for w in warnings {
-                        tracing::warn!("{w}");
-                        eprintln!("warning: {w}");
-                    }
-                    Ok(kv)
-                };
-                match start().and_then(|kv| Ok(Worker::new(e, tok, kv, shared_w, worker_cfg)?)) {
-                    Ok(w) => {
-                        ready_tx.send(Ok(())).ok();
-                        w.run(rx);
-                    }
-                    Err(err) => {
-                        ready_tx.send(Err(err)).ok();
-                    }
-                }
-            })
-        })
-        .context("cannot start the engine thread")?;
-    ready_rx
-        .recv()
-        .context("the engine thread stopped while starting")??;
+    let worker = EngineThread {
+        engine: running.engine,
+        tok,
+        kv: kv_cfg,
+        ledger: running.ledger.clone(),
+        shared: shared.clone(),
+        worker: worker_cfg,
+        rx,
+    }
+    .spawn(|w| eprintln!("warning: {w}"))?;
 
     let cfg = HttpConfig {
         addr: SocketAddr::new(a.host, a.port),
@@ -210,7 +188,6 @@ pub fn run(a: ServeArgs) -> Result<()> {
         shared: shared.clone(),
         cfg: Arc::new(cfg.clone()),
     };
-    let shared_http = shared.clone();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.addr)
             .await
@@ -225,41 +202,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 "warning: listening on {addr} without --api-key: anyone who can reach it can use it"
             );
         }
-        let app = router(state);
-        let sd = shared_http;
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                eprintln!("shutting down: finishing requests, flushing contexts");
-                sd.shutdown.store(true, Ordering::SeqCst);
-            })
-            .await
-            .context("server error")
+        serve_http(listener, state, || {
+            eprintln!("shutting down: finishing requests, flushing contexts")
+        })
+        .await
+        .context("server error")
     })?;
     shared.shutdown.store(true, Ordering::SeqCst);
     if worker.join().is_err() {
         bail!("the engine thread panicked");
     }
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        tokio::signal::ctrl_c().await.ok();
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
-    }
 }

@@ -2,17 +2,34 @@
 //! on the chosen backend, turn prompt flags into token ids, and probe the machine for the rates
 //! the planner prices by. `cli`, `service` and `bench` all start their engines here; this room
 //! knows no HTTP and prints nothing.
+//!
+//! One file per concern: the flags (`options`), the job (`job`), the device and budget
+//! (`device`), opening a model (`model`), placing it (`start`, with an offloaded run's
+//! plan and weights in `offload`), the engine on its backend (`engine`) and what a placed
+//! model reports (`running`); the machine measured for `doctor` ([`machine`], with the probes in
+//! [`probe`]); a model's sparsity profiled ([`profiling`]); a store's plan for `plan`
+//! ([`planning`]).
 
-mod load;
+mod device;
+mod engine;
+mod job;
+pub mod machine;
+mod model;
+mod offload;
 mod options;
+pub mod planning;
 pub mod probe;
+pub mod profiling;
+mod running;
+mod start;
 pub mod store;
 
-pub(crate) use load::with_engine;
-pub use load::{
-    AnyEngine, DEFAULT_SPARSITY_TARGET, Hybrid, Job, LoadedModel, Running, Units, budget_for,
-    kv_type_for,
-};
+pub use device::{budget_for, kv_type_for};
+pub use engine::AnyEngine;
+pub(crate) use engine::with_engine;
+pub use job::Job;
+pub use model::{DEFAULT_SPARSITY_TARGET, LoadedModel};
 pub use options::{
     BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes,
 };
+pub use running::{Hybrid, Running, Units};

@@ -18,8 +18,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+use super::answer::{AnswerHead, AnswerShape, Choice, PromptUsage, logprobs_json, usage};
 use super::api::{self, ApiError, GenerationRequest};
-use super::worker::{Event, Generate, Request, TokenLogprob};
+use super::messages::{Event, Generate, Request};
 use super::{AppState, owner_of};
 use crate::kv::unix_now;
 
@@ -219,48 +220,21 @@ async fn generate(
     request: GenerationRequest,
     chat: bool,
 ) -> Response {
-    if let Some(m) = &request.model
-        && m != &st.cfg.model_name
-    {
-        return ApiError::not_found(format!(
-            "model '{m}' is not served here (this server serves '{}')",
-            st.cfg.model_name
-        ))
-        .into_response();
-    }
-    if st.shared.shutdown.load(Ordering::SeqCst) {
-        return ApiError::unavailable("the server is shutting down").into_response();
-    }
-    // Reserve a queue place first, so concurrent requests cannot overshoot the bound.
-    let prev = st.shared.waiting.fetch_add(1, Ordering::SeqCst);
-    if prev >= st.cfg.queue {
-        st.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-        return ApiError::too_many(format!(
-            "the request queue is full ({} waiting); retry later",
-            st.cfg.queue
-        ))
-        .into_response();
-    }
-    let (etx, mut erx) = mpsc::unbounded_channel();
     let stream = request.stream;
     let n = request.n;
     let logprobs = request.logprobs.is_some();
-    let job = Generate {
-        request,
-        context: context.clone(),
-        owner,
-        events: etx,
-        received: Instant::now(),
+    let mut erx = match queue(&st, owner, context.clone(), request) {
+        Ok(erx) => erx,
+        Err(e) => return e.into_response(),
     };
-    if st.tx.send(Request::Generate(Box::new(job))).is_err() {
-        st.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-        return ApiError::unavailable("the engine has stopped").into_response();
-    }
-    let (prompt_tokens, cached) = match erx.recv().await {
+    let prompt = match erx.recv().await {
         Some(Event::Start {
             prompt_tokens,
             cached_tokens,
-        }) => (prompt_tokens, cached_tokens),
+        }) => PromptUsage {
+            prompt_tokens,
+            cached: cached_tokens,
+        },
         Some(Event::Error(e)) => return e.into_response(),
         _ => return ApiError::internal("the engine dropped the request").into_response(),
     };
@@ -271,73 +245,145 @@ async fn generate(
     );
     let model = st.cfg.model_name.clone();
     let created = unix_now();
+    let header = AnswerHead {
+        id,
+        model,
+        created,
+        chat,
+        context,
+    };
+    let shape = AnswerShape { n, logprobs };
     if stream {
-        let header = Chunk {
-            id,
-            model,
-            created,
-            chat,
-            context,
-        };
-        let head: Vec<Value> = if chat {
-            (0..n)
-                .map(|i| {
-                    header.wrap(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // Characters sent so far per choice: where the next token's text starts.
-        let mut offsets = vec![0usize; n];
-        let mut last_finish = None;
-        let events = UnboundedReceiverStream::new(erx).filter_map(move |ev| {
-            let v = match ev {
-                Event::Token {
-                    index,
-                    text,
-                    logprobs: lps,
-                } => {
-                    let at = offsets.get(index).copied().unwrap_or(0);
-                    if let Some(o) = offsets.get_mut(index) {
-                        *o += text.chars().count();
-                    }
-                    let lp = logprobs.then(|| logprobs_json(chat, &lps, at));
-                    header.token(index, &text, lp)
-                }
-                Event::Finish {
-                    index,
-                    finish_reason,
-                } => {
-                    if index + 1 == n {
-                        // The last choice's finish goes out with the usage.
-                        last_finish = Some((index, finish_reason));
-                        return None;
-                    }
-                    header.finish(index, finish_reason)
-                }
-                Event::Done {
-                    completion_tokens, ..
-                } => {
-                    let (index, reason) = last_finish.take().unwrap_or((n - 1, "stop"));
-                    let mut v = header.finish(index, reason);
-                    v["usage"] = usage(prompt_tokens, completion_tokens, cached);
-                    v
-                }
-                Event::Error(e) => e.body(),
-                Event::Start { .. } => return None,
-            };
-            Some(Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
-        });
-        let head = tokio_stream::iter(
-            head.into_iter()
-                .map(|v| Ok(SseEvent::default().data(v.to_string()))),
-        );
-        let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
-        return Sse::new(head.chain(events).chain(done))
-            .keep_alive(KeepAlive::default())
-            .into_response();
+        return stream_answer(header, shape, prompt, erx);
     }
+    collect_answer(header, shape, prompt, erx).await
+}
+
+/// The generation sent to the engine thread, once the model is the one served, the server is
+/// not shutting down and the queue has a place: the receiver of its events.
+fn queue(
+    st: &AppState,
+    owner: Option<String>,
+    context: Option<String>,
+    request: GenerationRequest,
+) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+    if let Some(m) = &request.model
+        && m != &st.cfg.model_name
+    {
+        return Err(ApiError::not_found(format!(
+            "model '{m}' is not served here (this server serves '{}')",
+            st.cfg.model_name
+        )));
+    }
+    if st.shared.shutdown.load(Ordering::SeqCst) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    // Reserve a queue place first, so concurrent requests cannot overshoot the bound.
+    let prev = st.shared.waiting.fetch_add(1, Ordering::SeqCst);
+    if prev >= st.cfg.queue {
+        st.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::too_many(format!(
+            "the request queue is full ({} waiting); retry later",
+            st.cfg.queue
+        )));
+    }
+    let (etx, erx) = mpsc::unbounded_channel();
+    let job = Generate {
+        request,
+        context,
+        owner,
+        events: etx,
+        received: Instant::now(),
+    };
+    if st.tx.send(Request::Generate(Box::new(job))).is_err() {
+        st.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        return Err(ApiError::unavailable("the engine has stopped"));
+    }
+    Ok(erx)
+}
+
+/// The answer as an SSE stream: the chat's role chunks first, a chunk per token and per
+/// finished choice (the last one's with the usage), then `[DONE]`.
+fn stream_answer(
+    header: AnswerHead,
+    shape: AnswerShape,
+    prompt: PromptUsage,
+    erx: mpsc::UnboundedReceiver<Event>,
+) -> Response {
+    let AnswerShape { n, logprobs } = shape;
+    let PromptUsage {
+        prompt_tokens,
+        cached,
+    } = prompt;
+    let chat = header.chat;
+    let head: Vec<Value> = if chat {
+        (0..n)
+            .map(|i| {
+                header.wrap(json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    // Characters sent so far per choice: where the next token's text starts.
+    let mut offsets = vec![0usize; n];
+    let mut last_finish = None;
+    let events = UnboundedReceiverStream::new(erx).filter_map(move |ev| {
+        let v = match ev {
+            Event::Token {
+                index,
+                text,
+                logprobs: lps,
+            } => {
+                let at = offsets.get(index).copied().unwrap_or(0);
+                if let Some(o) = offsets.get_mut(index) {
+                    *o += text.chars().count();
+                }
+                let lp = logprobs.then(|| logprobs_json(chat, &lps, at));
+                header.token(index, &text, lp)
+            }
+            Event::Finish {
+                index,
+                finish_reason,
+            } => {
+                if index + 1 == n {
+                    // The last choice's finish goes out with the usage.
+                    last_finish = Some((index, finish_reason));
+                    return None;
+                }
+                header.finish(index, finish_reason)
+            }
+            Event::Done {
+                completion_tokens, ..
+            } => {
+                let (index, reason) = last_finish.take().unwrap_or((n - 1, "stop"));
+                let mut v = header.finish(index, reason);
+                v["usage"] = usage(prompt_tokens, completion_tokens, cached);
+                v
+            }
+            Event::Error(e) => e.body(),
+            Event::Start { .. } => return None,
+        };
+        Some(Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
+    });
+    let head = tokio_stream::iter(
+        head.into_iter()
+            .map(|v| Ok(SseEvent::default().data(v.to_string()))),
+    );
+    let done = tokio_stream::once(Ok(SseEvent::default().data("[DONE]")));
+    Sse::new(head.chain(events).chain(done))
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// The answer as one JSON object, once every choice has finished.
+async fn collect_answer(
+    header: AnswerHead,
+    shape: AnswerShape,
+    prompt: PromptUsage,
+    mut erx: mpsc::UnboundedReceiver<Event>,
+) -> Response {
+    let AnswerShape { n, logprobs } = shape;
     let mut choices: Vec<Choice> = (0..n).map(|_| Choice::default()).collect();
     while let Some(ev) = erx.recv().await {
         match ev {
@@ -366,146 +412,11 @@ async fn generate(
             Event::Done {
                 completion_tokens, ..
             } => {
-                let choices: Vec<Value> = choices
-                    .iter()
-                    .enumerate()
-                    .map(|(i, c)| {
-                        let lp = if logprobs {
-                            if chat {
-                                json!({"content": c.logprobs.iter().map(chat_logprob).collect::<Vec<_>>(), "refusal": null})
-                            } else {
-                                completion_logprobs(&c.logprobs, &c.offsets)
-                            }
-                        } else {
-                            Value::Null
-                        };
-                        let reason = c.finish.unwrap_or("stop");
-                        if chat {
-                            json!({"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": reason, "logprobs": lp})
-                        } else {
-                            json!({"index": i, "text": c.text, "finish_reason": reason, "logprobs": lp})
-                        }
-                    })
-                    .collect();
-                let mut v = json!({
-                    "id": id,
-                    "object": if chat { "chat.completion" } else { "text_completion" },
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    "usage": usage(prompt_tokens, completion_tokens, cached),
-                });
-                if let Some(c) = context {
-                    v["context"] = c.into();
-                }
+                let usage = usage(prompt.prompt_tokens, completion_tokens, prompt.cached);
+                let v = header.whole(&choices, logprobs, usage);
                 return axum::Json(v).into_response();
             }
         }
     }
     ApiError::internal("the engine stopped before the request finished").into_response()
-}
-
-/// One choice of a non-streamed answer, as it arrives.
-#[derive(Default)]
-struct Choice {
-    text: String,
-    logprobs: Vec<TokenLogprob>,
-    /// Per token: the character offset of its text in `text`.
-    offsets: Vec<usize>,
-    finish: Option<&'static str>,
-}
-
-/// Chat's `{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}`.
-fn chat_logprob(t: &TokenLogprob) -> Value {
-    let top: Vec<Value> = t
-        .top
-        .iter()
-        .map(|(p, lp)| json!({"token": p.text, "logprob": lp, "bytes": p.bytes}))
-        .collect();
-    json!({"token": t.token.text, "logprob": t.logprob, "bytes": t.token.bytes, "top_logprobs": top})
-}
-
-/// Completions' `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`;
-/// `text_offset` counts characters from the start of the completion's text.
-fn completion_logprobs(lps: &[TokenLogprob], offsets: &[usize]) -> Value {
-    let top: Vec<Value> = lps
-        .iter()
-        .map(|t| {
-            let m: serde_json::Map<String, Value> = t
-                .top
-                .iter()
-                .map(|(p, lp)| (p.text.clone(), json!(lp)))
-                .collect();
-            Value::Object(m)
-        })
-        .collect();
-    json!({
-        "tokens": lps.iter().map(|t| t.token.text.clone()).collect::<Vec<_>>(),
-        "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-        "top_logprobs": top,
-        "text_offset": offsets,
-    })
-}
-
-/// The `logprobs` of one streamed chunk whose tokens' text starts at character `at`.
-fn logprobs_json(chat: bool, lps: &[TokenLogprob], at: usize) -> Value {
-    if chat {
-        json!({"content": lps.iter().map(chat_logprob).collect::<Vec<_>>(), "refusal": null})
-    } else {
-        completion_logprobs(lps, &vec![at; lps.len()])
-    }
-}
-
-fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
-}
-
-struct Chunk {
-    id: String,
-    model: String,
-    created: u64,
-    chat: bool,
-    context: Option<String>,
-}
-
-impl Chunk {
-    fn wrap(&self, choice: Value) -> Value {
-        let mut v = json!({
-            "id": self.id,
-            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        });
-        if let Some(c) = &self.context {
-            v["context"] = c.clone().into();
-        }
-        v
-    }
-
-    fn token(&self, index: usize, text: &str, logprobs: Option<Value>) -> Value {
-        let lp = logprobs.unwrap_or(Value::Null);
-        if self.chat {
-            self.wrap(json!({"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}))
-        } else {
-            self.wrap(json!({"index": index, "text": text, "logprobs": lp, "finish_reason": null}))
-        }
-    }
-
-    fn finish(&self, index: usize, reason: &str) -> Value {
-        if self.chat {
-            self.wrap(
-                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason}),
-            )
-        } else {
-            self.wrap(
-                json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason}),
-            )
-        }
-    }
 }

@@ -1,9 +1,17 @@
 //! `gpu-offload serve`: an OpenAI-compatible HTTP server (tokio + axum) in front of one engine
 //! thread ([`worker`]) that owns the device, the sequences and the persistent contexts.
+//!
+//! The request bodies and errors are [`api`], the routes `http` with the answer bodies in
+//! `answer`, what the two sides send each other [`messages`], the gauges and counters
+//! [`metrics`], and starting both sides [`server`]. The service knows HTTP and the engine's
+//! interface, never the kernels, and never the command line.
 
+mod answer;
 pub mod api;
 mod http;
+pub mod messages;
 pub mod metrics;
+pub mod server;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -12,8 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use http::router;
+use messages::Request;
 use metrics::Metrics;
-use worker::Request;
 
 use crate::footprint::Ledger;
 

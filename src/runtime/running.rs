@@ -1,0 +1,124 @@
+//! A model placed on a device for one job: its engine, load time, ledger and plan, what a
+//! sparse run (hybrid, cache units) or the CPU engine reports, and the device memory the
+//! process holds — and the `memory` object of `run --json` made of them.
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+
+use super::AnyEngine;
+use crate::engine::DecodeTraffic;
+use crate::footprint::{Ledger, LedgerSnapshot};
+use crate::plan::{HardwareProfile, Plan};
+use crate::tier::cold::ColdTraffic;
+
+/// What a hybrid run placed and what its CPU share reads.
+pub struct Hybrid {
+    pub plan: crate::plan::hybrid::HybridPlan,
+    pub traffic: Arc<ColdTraffic>,
+}
+
+/// A cache-unit run's plan and what its units moved.
+pub struct Units {
+    pub plan: crate::plan::units::UnitPlan,
+    pub traffic: Arc<crate::tier::units::UnitTraffic>,
+}
+
+/// A model placed on a device for one job.
+pub struct Running {
+    pub engine: AnyEngine,
+    /// Seconds from the start of loading until the engine was ready.
+    pub load_s: f64,
+    /// The byte ledger of a device run (offloaded or whole-GPU).
+    pub ledger: Option<Arc<Ledger>>,
+    /// For offloaded runs: the plan.
+    pub plan: Option<Plan>,
+    /// For hybrid runs (`--cold cpu`): the hot-neuron plan and the CPU's cold-neuron reads.
+    pub hybrid: Option<Hybrid>,
+    /// For cache-unit runs (`--cold gpu`): their plan and what they moved.
+    pub units: Option<Units>,
+    /// For the dense CPU engine: what a decode step reads from DRAM.
+    pub traffic: Option<DecodeTraffic>,
+    /// The preset a run emulates (`--emulate`).
+    pub emulated: Option<HardwareProfile>,
+    /// Most device memory the process was seen to hold (driver figures, CUDA only).
+    pub(super) process_peak: std::sync::atomic::AtomicU64,
+}
+
+impl Running {
+    pub fn ledger(&self) -> Option<&Arc<Ledger>> {
+        self.ledger.as_ref()
+    }
+
+    /// The ledger's figures now (and a sample of the process's device memory).
+    pub fn snapshot(&self) -> LedgerSnapshot {
+        self.sample_process();
+        self.ledger().map(|l| l.snapshot()).unwrap_or_default()
+    }
+
+    /// Device memory this process holds now, from the driver (CUDA only).
+    pub fn process_bytes(&self) -> Option<u64> {
+        match &self.engine {
+            AnyEngine::Cuda(e) => e.backend().process_bytes(),
+            _ => None,
+        }
+    }
+
+    pub(super) fn sample_process(&self) {
+        if let Some(b) = self.process_bytes() {
+            self.process_peak
+                .fetch_max(b, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The most device memory the process was seen to hold (driver figures; CUDA only).
+    pub fn process_peak_bytes(&self) -> Option<u64> {
+        match self.process_peak.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            b => Some(b),
+        }
+    }
+
+    /// The `memory` object of `run --json`: peaks from the ledger and per-token traffic of the
+    /// decode steps between `after_prefill` and `end` (the bytes read from DRAM per step for the
+    /// CPU engine).
+    pub fn memory_json(
+        &self,
+        after_prefill: LedgerSnapshot,
+        end: LedgerSnapshot,
+        first_pos: usize,
+        steps: usize,
+    ) -> Value {
+        let per = |a: u64, b: u64| {
+            if steps == 0 {
+                0.0
+            } else {
+                (b - a) as f64 / steps as f64
+            }
+        };
+        let mut v = json!({
+            "gpu_peak_bytes": end.hbm_peak,
+            "gpu_process_peak_bytes": self.process_peak_bytes(),
+            "dram_peak_bytes": end.dram_total_peak,
+            "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
+            "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
+        });
+        if let Some(t) = &self.traffic {
+            v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();
+        }
+        if let Some(p) = &self.emulated {
+            v["emulated"] = p.name.clone().into();
+        }
+        if let Some(plan) = &self.plan {
+            v["planned"] = json!({
+                "gpu_bytes": plan.gpu.total,
+                "gpu_fixed_bytes": plan.gpu.fixed,
+                "gpu_placed_bytes": plan.gpu.placed,
+                "h2d_bytes_per_token": plan.per_token.h2d_bytes,
+                "ssd_bytes_per_token": plan.per_token.ssd_bytes,
+                "predicted_tokens_per_s": plan.prediction.tokens_per_s,
+            });
+        }
+        v
+    }
+}
