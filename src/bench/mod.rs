@@ -6,9 +6,7 @@
 pub mod bounds;
 pub mod contexts;
 pub mod measure;
-pub mod peers;
 pub mod plot;
-pub mod report;
 pub mod suite;
 
 pub use bounds::{AboveBound, Bound, Rates, Traffic, hbm_read_rate};

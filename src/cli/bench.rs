@@ -30,9 +30,10 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::CudaBackend;
 use crate::bench::bounds::{self, Bound, Rates, Traffic};
-use crate::bench::peers::{LlamaBench, PeerHf, PeerJob};
-use crate::bench::report::{
-    BudgetPoint, DeviceInfo, Emulation, ModelInfo, SCHEMA, Settings, SuiteReport,
+use crate::bench::suite::BudgetPoint;
+use crate::bench::suite::peers::{LlamaBench, PeerHf, PeerJob};
+use crate::bench::suite::report::{
+    DeviceInfo, Emulation, ModelInfo, SCHEMA, Settings, SuiteReport,
 };
 use crate::bench::suite::{self, BudgetChoice, CellJob, CellOutcome, CellRun, CellRunner, Matrix};
 use crate::bench::{measure, plot};
@@ -1407,7 +1408,7 @@ fn suite_cmd(mut a: SuiteArgs) -> Result<()> {
     pb.finish_and_clear();
     // A peer that failed is reported beside ours; it is not a failure of this benchmark.
     for p in [&llama, &hf] {
-        if p.status == crate::bench::peers::PeerStatus::Failed {
+        if p.status == crate::bench::suite::peers::PeerStatus::Failed {
             eprintln!(
                 "warning: peer {} failed: {}",
                 p.name,
