@@ -21,6 +21,7 @@
 mod error;
 pub mod replay;
 pub mod report;
+pub mod runner;
 pub mod strategies;
 pub mod trace;
 

@@ -7,9 +7,11 @@
 //! - `report`: `suite.json`'s schema and its Markdown.
 
 pub mod axes;
+mod cells;
 pub mod matrix;
 pub mod peers;
 pub mod report;
+pub mod runner;
 
 pub use axes::{
     BudgetChoice, BudgetPoint, DEFAULT_BUDGETS, parse_budget_list, parse_prompt_list,
