@@ -16,7 +16,11 @@
 //!
 //! The queue is computed, not slept: one engine thread serves calls in arrival order, busy for
 //! the measured time of each (switch, prefill, answer, and the ahead-of-time swap-out where a
-//! strategy does one), as `serve`'s engine thread is. Nothing here parses flags or prints.
+//! strategy does one), as `serve`'s engine thread is.
+//!
+//! `trace`: the calls; `strategies`: how a context leaves the device and comes back; `replay`:
+//! the queue; `report`: contexts.json and its Markdown; `runner`: the benchmark end to end,
+//! with its flags. Nothing here prints but progress on stderr.
 
 mod error;
 pub mod replay;

@@ -554,3 +554,37 @@ pub fn run<B: Backend>(
         costs: set.costs,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_call_takes_its_context_s_slot_else_an_empty_one_else_the_least_recently_used() {
+        let mut slots = Slots::new(2);
+        assert_eq!(slots.pick(7, 0), 0);
+        slots.holder[0] = Some(7);
+        assert_eq!(slots.pick(8, 1), 1, "the empty slot");
+        slots.holder[1] = Some(8);
+        assert_eq!(slots.pick(7, 2), 0, "the slot holding the context");
+        assert_eq!(slots.pick(9, 3), 1, "the least recently used");
+        assert_eq!(slots.last_use, [3, 4]);
+    }
+
+    #[test]
+    fn the_check_counts_agreement_and_calls_a_nan_difference_infinite() {
+        let mut chk = CheckResult {
+            calls: 0,
+            top1_agree: 0,
+            max_abs_logit_diff: 0.0,
+            exact: true,
+        };
+        compare_logits(&mut chk, &[0.0, 1.0], &[0.0, 1.0]);
+        assert!(chk.exact && chk.top1_agree == 1 && chk.max_abs_logit_diff == 0.0);
+        compare_logits(&mut chk, &[0.0, 1.0], &[2.0, 1.5]);
+        assert_eq!((chk.calls, chk.top1_agree, chk.exact), (2, 1, false));
+        assert_eq!(chk.max_abs_logit_diff, 2.0);
+        compare_logits(&mut chk, &[0.0, 1.0], &[0.0, f32::NAN]);
+        assert_eq!(chk.max_abs_logit_diff, f32::INFINITY);
+    }
+}

@@ -404,3 +404,32 @@ fn write_report(report: &ContextsReport, a: &ContextsArgs) -> Result<ContextsRun
         plot,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ranges_counts_and_strategies_parse_or_say_why_not() {
+        assert_eq!(parse_token_range("30-200"), Ok((30, 200)));
+        assert_eq!(parse_token_range("12"), Ok((12, 12)));
+        for bad in ["0-4", "9-3", "x", "4-"] {
+            assert!(parse_token_range(bad).is_err(), "{bad}");
+        }
+        assert!(parse_counts("").unwrap().0.is_empty());
+        assert!(parse_counts("none").unwrap().0.is_empty());
+        assert_eq!(parse_counts("2, 8").unwrap().0, [2, 8]);
+        assert!(parse_counts("2,0").is_err());
+        assert_eq!(parse_strategies("all").unwrap().0, Strategy::ALL);
+        assert_eq!(
+            parse_strategies("ours,recompute,ours").unwrap().0,
+            [Strategy::Ours, Strategy::Recompute]
+        );
+        assert!(
+            parse_strategies("fast")
+                .unwrap_err()
+                .contains("not a strategy")
+        );
+        assert!(parse_probability("1.5").is_err() && parse_positive("0").is_err());
+    }
+}

@@ -4,7 +4,9 @@
 //! - `axes`: the budgets and prompt lengths to run;
 //! - `matrix`: running each cell and turning it into a figure beside its bound;
 //! - `peers`: llama.cpp's `llama-bench` and HF transformers, measured in the same run;
-//! - `report`: `suite.json`'s schema and its Markdown.
+//! - `report`: `suite.json`'s schema and its Markdown;
+//! - `cells`: each cell loaded through the runtime and measured;
+//! - `runner`: the benchmark end to end, with its flags.
 
 pub mod axes;
 mod cells;
