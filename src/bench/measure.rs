@@ -4,6 +4,9 @@
 
 use std::time::Instant;
 
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
 use crate::backend::Backend;
 use crate::engine::{Engine, GenerateParams, SamplerParams, generate};
 use crate::footprint::LedgerSnapshot;
@@ -105,4 +108,16 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// Random prompt ids (seeded, so every run and every cell sees the same prompt).
+pub fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    random_prompt_seeded(n, vocab, 1)
+}
+
+/// Random prompt ids from `seed` (ids 3.. : clear of the usual BOS/EOS/unknown).
+pub fn random_prompt_seeded(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let hi = (vocab as u32).max(4);
+    (0..n).map(|_| rng.random_range(3..hi)).collect()
 }

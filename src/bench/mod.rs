@@ -1,15 +1,27 @@
-//! End-to-end benchmark harness (DESIGN §3 `bench/`): measuring a model's speed, the physical
-//! bound beside every figure, the suite's matrix of budgets and prompt lengths, peers run in the
-//! same process tree, and the report (JSON, Markdown, SVG plots). The CLI (`cli/bench.rs`) loads
-//! models and drives it; nothing here parses flags or knows how a model is loaded.
+//! End-to-end benchmark harness (DESIGN §3 `bench/`): one file or folder per benchmark of
+//! `gpu-offload bench` (`matvec`, `attention`, `sparse`, `decode`, `suite/`, `contexts/`,
+//! `units`, `precision`), each with its flags (clap structs beside the code that reads them, as
+//! `runtime::ModelArgs`), loading models through `crate::runtime` and returning what it
+//! measured. Beside them what they share: the physical bound beside every figure (`bounds`),
+//! the one place a model's speed is measured (`measure`), what they read off a started model
+//! (`running`), the report directory (`output`), the corpus they are handed (`corpus`) and the
+//! SVG plots (`plot`). The CLI (`cli/bench.rs`) dispatches and prints the results; nothing here
+//! imports `cli` or prints a result (progress and warnings go to stderr).
 
+pub mod attention;
 pub mod bounds;
 pub mod contexts;
+pub mod corpus;
+pub mod decode;
+pub mod matvec;
 pub mod measure;
-pub mod peers;
+pub mod output;
 pub mod plot;
-pub mod report;
+pub mod precision;
+pub mod running;
+pub mod sparse;
 pub mod suite;
+pub mod units;
 
 pub use bounds::{AboveBound, Bound, Rates, Traffic, hbm_read_rate};
 pub use measure::{Measured, measure};

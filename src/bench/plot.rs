@@ -8,8 +8,9 @@
 
 use plotters::prelude::*;
 
-use super::peers::{PeerReport, PeerStatus};
-use super::report::{BudgetPoint, Cell, Status, SuiteReport};
+use super::suite::axes::BudgetPoint;
+use super::suite::peers::{PeerReport, PeerStatus};
+use super::suite::report::{Cell, Status, SuiteReport};
 
 const SIZE: (u32, u32) = (960, 600);
 const PALETTE: [RGBColor; 8] = [

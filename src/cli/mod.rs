@@ -7,13 +7,11 @@ mod doctor;
 mod logits;
 mod perplexity;
 mod plan;
-mod precision;
 mod prefill;
 mod profile;
 mod run;
 mod serve;
 mod synth;
-mod units;
 
 use clap::{Parser, Subcommand};
 

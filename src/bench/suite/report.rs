@@ -7,8 +7,9 @@ use std::fmt::Write as _;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::bounds::Rates;
+use super::axes::BudgetPoint;
 use super::peers::PeerReport;
+use crate::bench::bounds::Rates;
 use crate::plan::human_bytes;
 
 /// `schema` of suite.json; bumped when a field changes meaning.
@@ -80,28 +81,6 @@ pub struct Settings {
     pub reps: usize,
     /// The hardware profile the planner used for its predictions.
     pub planner_profile: String,
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct BudgetPoint {
-    /// "whole", "24.0 GiB", "min 420.3 KiB", …
-    pub label: String,
-    /// `None`: no budget, everything resident.
-    pub gpu_mem_bytes: Option<u64>,
-}
-
-impl BudgetPoint {
-    pub fn whole() -> Self {
-        BudgetPoint {
-            label: "whole".into(),
-            gpu_mem_bytes: None,
-        }
-    }
-
-    /// Where the point sits on a memory axis: its budget, or what the whole model needs.
-    pub fn axis_bytes(&self, whole_need: u64) -> u64 {
-        self.gpu_mem_bytes.unwrap_or(whole_need)
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -251,6 +230,16 @@ impl SuiteReport {
     /// The report for people: Markdown tables, bounds and predictions beside every figure.
     pub fn markdown(&self, plots: &[(&str, &str)]) -> String {
         let mut s = String::new();
+        self.write_header(&mut s);
+        let peer_cols: Vec<&PeerReport> = self.peers.iter().filter(|p| p.ran()).collect();
+        self.write_decode_table(&mut s, &peer_cols);
+        self.write_prefill_table(&mut s, &peer_cols);
+        self.write_peers_plots_problems_notes(&mut s, plots);
+        s
+    }
+
+    /// The title, the emulation warning and what ran: model, bounds' rates, settings.
+    fn write_header(&self, s: &mut String) {
         let m = &self.model;
         let _ = writeln!(
             s,
@@ -311,12 +300,14 @@ impl SuiteReport {
             "- gpu-offload {}, schema {}\n",
             self.gpu_offload_version, self.schema
         );
+    }
 
+    /// Decode tokens/s by budget, peers' beside ours.
+    fn write_decode_table(&self, s: &mut String, peer_cols: &[&PeerReport]) {
         let _ = writeln!(s, "## Decode tokens/s by --gpu-mem\n");
-        let peer_cols: Vec<&PeerReport> = self.peers.iter().filter(|p| p.ran()).collect();
         let mut head = "| --gpu-mem | status | tok/s | bound (limited by) | of bound | plan predicts | of prediction | ledger peak | process peak |".to_string();
         let mut rule = "|---|---|---:|---:|---:|---:|---:|---:|---:|".to_string();
-        for p in &peer_cols {
+        for p in peer_cols {
             let _ = write!(head, " {} tok/s |", md(&p.name));
             rule.push_str("---:|");
         }
@@ -336,12 +327,15 @@ impl SuiteReport {
                 bytes(c.gpu_peak_bytes),
                 bytes(c.gpu_process_peak_bytes)
             );
-            for p in &peer_cols {
+            for p in peer_cols {
                 let _ = write!(s, " {} |", md(&p.decode_cell(&c.budget)));
             }
             s.push('\n');
         }
+    }
 
+    /// TTFT and prefill tokens/s by budget and prompt length, peers' beside ours.
+    fn write_prefill_table(&self, s: &mut String, peer_cols: &[&PeerReport]) {
         let _ = writeln!(
             s,
             "\n## Time to first token by prompt length\n\nThe TTFT bound counts bytes only (weights streamed over PCIe and read from device memory once per {}-token pass); FLOPs are not in it.\n",
@@ -349,7 +343,7 @@ impl SuiteReport {
         );
         let mut head = "| --gpu-mem | prompt | status | TTFT | prefill tok/s | TTFT bound (limited by) | of bound | ledger peak | process peak |".to_string();
         let mut rule = "|---|---:|---|---:|---:|---:|---:|---:|---:|".to_string();
-        for p in &peer_cols {
+        for p in peer_cols {
             let _ = write!(head, " {} TTFT |", md(&p.name));
             rule.push_str("---:|");
         }
@@ -369,12 +363,15 @@ impl SuiteReport {
                 bytes(c.gpu_peak_bytes),
                 bytes(c.gpu_process_peak_bytes)
             );
-            for p in &peer_cols {
+            for p in peer_cols {
                 let _ = write!(s, " {} |", md(&p.ttft_cell(&c.budget, c.prompt_tokens)));
             }
             s.push('\n');
         }
+    }
 
+    /// Each peer's section, the plots, the problems and the notes.
+    fn write_peers_plots_problems_notes(&self, s: &mut String, plots: &[(&str, &str)]) {
         let _ = writeln!(s, "\n## Peers\n");
         if self.peers.is_empty() {
             let _ = writeln!(s, "No peers configured.");
@@ -401,6 +398,5 @@ impl SuiteReport {
                 let _ = writeln!(s, "- {n}");
             }
         }
-        s
     }
 }

@@ -11,8 +11,8 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::profile::{corpus_tokens, read_corpus};
 use crate::backend::cpu::{CpuBackend, kernels};
+use crate::bench::corpus::CorpusReader;
 use crate::engine::{Engine, Logits};
 use crate::runtime::store::open_store_for;
 use crate::sparsity::trace::ActiveSetTap;
@@ -65,35 +65,35 @@ pub struct UnitsArgs {
 
 /// One layer at one unit size.
 #[derive(Debug, Serialize)]
-struct LayerReuse {
-    layer: usize,
-    slots: usize,
+pub struct LayerReuse {
+    pub layer: usize,
+    pub slots: usize,
     /// Mean active neurons per token, and the share of them the previous token had active.
-    mean_active: f64,
-    adjacent_overlap: f64,
-    atu: Reuse,
-    lru: Reuse,
+    pub mean_active: f64,
+    pub adjacent_overlap: f64,
+    pub atu: Reuse,
+    pub lru: Reuse,
 }
 
 #[derive(Debug, Serialize)]
-struct SizeReuse {
+pub struct SizeReuse {
     /// Multiple of each layer's largest active set.
-    factor: f64,
-    layers: Vec<LayerReuse>,
-    atu: Reuse,
-    lru: Reuse,
+    pub factor: f64,
+    pub layers: Vec<LayerReuse>,
+    pub atu: Reuse,
+    pub lru: Reuse,
     /// Neurons reloading every token's whole active set moves (no reuse).
-    reload_loads: u64,
+    pub reload_loads: u64,
 }
 
 #[derive(Debug, Serialize)]
-struct UnitsReport {
-    model: String,
-    corpus: String,
-    tokens: usize,
-    sparsity_target: f64,
-    d_ff: usize,
-    sizes: Vec<SizeReuse>,
+pub struct UnitsReport {
+    pub model: String,
+    pub corpus: String,
+    pub tokens: usize,
+    pub sparsity_target: f64,
+    pub d_ff: usize,
+    pub sizes: Vec<SizeReuse>,
 }
 
 /// The share of each token's set (after the first) its predecessor shared.
@@ -118,7 +118,56 @@ fn add(a: Reuse, b: Reuse) -> Reuse {
     }
 }
 
-pub fn units(args: UnitsArgs) -> Result<()> {
+/// Decode the held-out text of `args` one token at a time on the CPU engine with the profile's
+/// mask, and replay each layer's active sets through units of each size.
+pub fn run(args: &UnitsArgs, reader: &CorpusReader) -> Result<UnitsReport> {
+    let model_path = checked_model_path(args)?;
+    let (corpus, text) = (reader.read)(args.corpus.as_deref(), "moby-dick-eval.txt")?;
+    let store = open_store_for(&model_path)?;
+    let name = model_path.display().to_string();
+    let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
+        .context("the units' eviction and the mask come from the sparsity profile")?;
+    let model = crate::runtime::store::model_for(&model_path, &store)?;
+    let Some(tokenizer) = &model.tokenizer else {
+        bail!(
+            "{} has no tokenizer: the trace decodes text",
+            model_path.display()
+        );
+    };
+    let want = args.tokens as usize;
+    if want > model.spec.max_context {
+        bail!(
+            "--tokens {want} exceeds the model's context of {}",
+            model.spec.max_context
+        );
+    }
+    let tokens = (reader.tokens)(&corpus, &text, tokenizer, want)?;
+    let tokens = &tokens[..want];
+    let spec = model.spec.clone();
+    let d_ff = spec.d_ff;
+    let thresholds = profile.thresholds_for(args.sparsity_target)?;
+    let k = grid_index(args.sparsity_target);
+    let tap = Arc::new(ActiveSetTap::new(thresholds, d_ff));
+    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
+    let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
+    drop(model.weights);
+    let trace = decode_trace(&engine, &tap, tokens)?;
+    let sizes = reuse_by_size(&trace, &profile, &args.slots, d_ff, k)?;
+    if !args.no_save {
+        save_unit_reuse(profile, &sizes, args, want, spec.n_layers, store.dir())?;
+    }
+    Ok(UnitsReport {
+        model: name,
+        corpus: corpus.display().to_string(),
+        tokens: want,
+        sparsity_target: args.sparsity_target,
+        d_ff,
+        sizes,
+    })
+}
+
+/// `--model` (or the default model), which must exist; the other flags checked.
+fn checked_model_path(args: &UnitsArgs) -> Result<PathBuf> {
     let model_path = args
         .model
         .clone()
@@ -140,35 +189,16 @@ pub fn units(args: UnitsArgs) -> Result<()> {
             "--slots takes multiples of the largest active set, each at least 1 (a unit holds a token's whole set)"
         );
     }
-    let (corpus, text) = read_corpus(args.corpus.as_deref(), "moby-dick-eval.txt")?;
-    let store = open_store_for(&model_path)?;
-    let name = model_path.display().to_string();
-    let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
-        .context("the units' eviction and the mask come from the sparsity profile")?;
-    let model = crate::runtime::store::model_for(&model_path, &store)?;
-    let Some(tokenizer) = &model.tokenizer else {
-        bail!(
-            "{} has no tokenizer: the trace decodes text",
-            model_path.display()
-        );
-    };
-    let want = args.tokens as usize;
-    if want > model.spec.max_context {
-        bail!(
-            "--tokens {want} exceeds the model's context of {}",
-            model.spec.max_context
-        );
-    }
-    let tokens = corpus_tokens(&corpus, &text, tokenizer, want)?;
-    let tokens = &tokens[..want];
-    let spec = model.spec.clone();
-    let d_ff = spec.d_ff;
-    let thresholds = profile.thresholds_for(args.sparsity_target)?;
-    let k = grid_index(args.sparsity_target);
-    let tap = Arc::new(ActiveSetTap::new(thresholds, d_ff));
-    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
-    let engine = Engine::new(cpu, spec.clone(), &model.weights)?.with_activation_tap(tap.clone());
-    drop(model.weights);
+    Ok(model_path)
+}
+
+/// Each layer's active set at each token of `tokens`, decoded one by one.
+fn decode_trace(
+    engine: &Engine<CpuBackend>,
+    tap: &ActiveSetTap,
+    tokens: &[u32],
+) -> Result<Vec<Vec<Vec<u32>>>> {
+    let want = tokens.len();
     let pb = ProgressBar::new(want as u64);
     pb.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} tokens decoded")
@@ -181,8 +211,20 @@ pub fn units(args: UnitsArgs) -> Result<()> {
     }
     pb.finish_and_clear();
     let trace = tap.take();
+    Ok(trace)
+}
+
+/// For each unit size (a multiple of each layer's largest active set), every layer's reuse
+/// under the ATU (the profile's frequencies decide evictions) and under an LRU.
+fn reuse_by_size(
+    trace: &[Vec<Vec<u32>>],
+    profile: &SparsityProfile,
+    factors: &[f64],
+    d_ff: usize,
+    k: usize,
+) -> Result<Vec<SizeReuse>> {
     let mut sizes = Vec::new();
-    for &factor in &args.slots {
+    for &factor in factors {
         let mut layers = Vec::new();
         let (mut atu, mut lru, mut reload) = (Reuse::default(), Reuse::default(), 0u64);
         for (l, sets) in trace.iter().enumerate() {
@@ -215,67 +257,35 @@ pub fn units(args: UnitsArgs) -> Result<()> {
             reload_loads: reload,
         });
     }
-    if !args.no_save {
-        let mut layers: Vec<Vec<(usize, f64)>> = vec![Vec::new(); spec.n_layers];
-        for size in &sizes {
-            for r in &size.layers {
-                layers[r.layer].push((r.slots, r.atu.hit_ratio()));
-            }
+    Ok(sizes)
+}
+
+/// Keep the measured hit ratios in the profile (each layer's points by unit size), where the
+/// plan of `--cold gpu` takes its expected loads from.
+fn save_unit_reuse(
+    profile: SparsityProfile,
+    sizes: &[SizeReuse],
+    args: &UnitsArgs,
+    want: usize,
+    n_layers: usize,
+    store_dir: &std::path::Path,
+) -> Result<()> {
+    let mut layers: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n_layers];
+    for size in sizes {
+        for r in &size.layers {
+            layers[r.layer].push((r.slots, r.atu.hit_ratio()));
         }
-        for pts in &mut layers {
-            pts.sort_by_key(|p| p.0);
-            pts.dedup_by_key(|p| p.0);
-        }
-        let mut profile = profile;
-        profile.unit_reuse = Some(crate::sparsity::UnitReuse {
-            target: args.sparsity_target,
-            tokens: want,
-            layers,
-        });
-        profile.save(store.dir())?;
     }
-    let report = UnitsReport {
-        model: name,
-        corpus: corpus.display().to_string(),
+    for pts in &mut layers {
+        pts.sort_by_key(|p| p.0);
+        pts.dedup_by_key(|p| p.0);
+    }
+    let mut profile = profile;
+    profile.unit_reuse = Some(crate::sparsity::UnitReuse {
+        target: args.sparsity_target,
         tokens: want,
-        sparsity_target: args.sparsity_target,
-        d_ff,
-        sizes,
-    };
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
-    }
-    println!(
-        "{}: {} tokens of {} decoded one by one, FFN mask at {:.0}% sparsity ({} neurons per layer)",
-        report.model,
-        report.tokens,
-        report.corpus,
-        100.0 * report.sparsity_target,
-        d_ff
-    );
-    for s in &report.sizes {
-        println!(
-            "\nunits of {:.2}× the layer's largest active set: ATU hit ratio {:.1}%, LRU {:.1}%; neurons loaded per token: ATU {:.0}, LRU {:.0}, reloading the active set {:.0}",
-            s.factor,
-            100.0 * s.atu.hit_ratio(),
-            100.0 * s.lru.hit_ratio(),
-            s.atu.loads() as f64 / want as f64,
-            s.lru.loads() as f64 / want as f64,
-            s.reload_loads as f64 / want as f64
-        );
-        println!("layer  slots  mean active  adjacent overlap  ATU hits  LRU hits");
-        for l in &s.layers {
-            println!(
-                "{:>5}  {:>5}  {:>11.0}  {:>15.1}%  {:>7.1}%  {:>7.1}%",
-                l.layer,
-                l.slots,
-                l.mean_active,
-                100.0 * l.adjacent_overlap,
-                100.0 * l.atu.hit_ratio(),
-                100.0 * l.lru.hit_ratio()
-            );
-        }
-    }
+        layers,
+    });
+    profile.save(store_dir)?;
     Ok(())
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::report::BudgetPoint;
+use super::axes::BudgetPoint;
 use crate::plan::human_bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -680,7 +680,7 @@ fn tail(s: &str, n: usize) -> String {
 // ---------------------------------------------------------------- transformers / accelerate
 
 /// `scripts/peer_hf.py`, carried in the binary so the suite runs from anywhere.
-const PEER_HF_SCRIPT: &str = include_str!("../../scripts/peer_hf.py");
+const PEER_HF_SCRIPT: &str = include_str!("../../../scripts/peer_hf.py");
 
 /// Where and how to run the transformers peer.
 #[derive(Clone, Debug)]
