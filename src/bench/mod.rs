@@ -4,14 +4,13 @@
 //! `runtime::ModelArgs`), loading models through `crate::runtime` and returning what it
 //! measured. Beside them what they share: the physical bound beside every figure (`bounds`),
 //! the one place a model's speed is measured (`measure`), what they read off a started model
-//! (`running`), the report directory (`output`), the corpus they are handed (`corpus`) and the
-//! SVG plots (`plot`). The CLI (`cli/bench.rs`) dispatches and prints the results; nothing here
+//! (`running`), the report directory (`output`) and the SVG plots (`plot`); corpora are read by
+//! `runtime::corpus`, as `profile` reads them. The CLI (`cli/bench.rs`) dispatches and prints the results; nothing here
 //! imports `cli` or prints a result (progress and warnings go to stderr).
 
 pub mod attention;
 pub mod bounds;
 pub mod contexts;
-pub mod corpus;
 pub mod decode;
 pub mod matvec;
 pub mod measure;

@@ -11,12 +11,12 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde::Serialize;
 
-use crate::bench::corpus::CorpusReader;
 use crate::engine::perplexity::perplexity;
 use crate::model::tokenizer::Tokenizer;
 use crate::plan::choice::Cold;
 use crate::plan::precision::{NeuronPrecision, Precision, PrecisionScore, PrecisionSearch};
 use crate::runtime::ModelArgs;
+use crate::runtime::corpus::read_corpus;
 use crate::runtime::{DEFAULT_SPARSITY_TARGET, Job, LoadedModel, with_engine};
 use crate::store::Store;
 
@@ -81,9 +81,9 @@ pub struct PrecisionRun {
 
 /// Score every candidate of `args` on its calibration text; save the search unless
 /// `--no-save`. Sets `--cold gpu` and each candidate's `--neuron-precision` on `args.model`.
-pub fn run(args: &mut PrecisionArgs, reader: &CorpusReader) -> Result<PrecisionRun> {
+pub fn run(args: &mut PrecisionArgs) -> Result<PrecisionRun> {
     let candidates = candidates(args)?;
-    let (corpus, text) = (reader.read)(args.corpus.as_deref(), "moby-dick-profile.txt")?;
+    let (corpus, text) = read_corpus(args.corpus.as_deref(), "moby-dick-profile.txt")?;
     let loaded = LoadedModel::load(&args.model)?;
     let tok = loaded.tokenizer()?;
     let ctx = args.ctx as usize;

@@ -12,8 +12,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::backend::cpu::{CpuBackend, kernels};
-use crate::bench::corpus::CorpusReader;
 use crate::engine::{Engine, Logits};
+use crate::runtime::corpus::{corpus_tokens, read_corpus};
 use crate::runtime::store::open_store_for;
 use crate::sparsity::trace::ActiveSetTap;
 use crate::sparsity::{SparsityProfile, grid_index};
@@ -120,9 +120,9 @@ fn add(a: Reuse, b: Reuse) -> Reuse {
 
 /// Decode the held-out text of `args` one token at a time on the CPU engine with the profile's
 /// mask, and replay each layer's active sets through units of each size.
-pub fn run(args: &UnitsArgs, reader: &CorpusReader) -> Result<UnitsReport> {
+pub fn run(args: &UnitsArgs) -> Result<UnitsReport> {
     let model_path = checked_model_path(args)?;
-    let (corpus, text) = (reader.read)(args.corpus.as_deref(), "moby-dick-eval.txt")?;
+    let (corpus, text) = read_corpus(args.corpus.as_deref(), "moby-dick-eval.txt")?;
     let store = open_store_for(&model_path)?;
     let name = model_path.display().to_string();
     let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
@@ -141,7 +141,7 @@ pub fn run(args: &UnitsArgs, reader: &CorpusReader) -> Result<UnitsReport> {
             model.spec.max_context
         );
     }
-    let tokens = (reader.tokens)(&corpus, &text, tokenizer, want)?;
+    let tokens = corpus_tokens(&corpus, &text, tokenizer, want)?;
     let tokens = &tokens[..want];
     let spec = model.spec.clone();
     let d_ff = spec.d_ff;

@@ -26,9 +26,7 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use super::profile::{corpus_tokens, read_corpus};
 use crate::bench;
-use crate::bench::corpus::CorpusReader;
 use crate::bench::decode::DecodeOutcome;
 use crate::bench::precision::PrecisionRun;
 use crate::plan::precision::{PrecisionSearch, TIER_ENCODINGS};
@@ -69,12 +67,6 @@ pub enum BenchWhat {
     /// contexts.json, contexts.md and contexts.svg.
     Contexts(bench::contexts::runner::ContextsArgs),
 }
-
-/// How the benchmarks read `--corpus`: as `profile` does.
-const CORPUS: CorpusReader = CorpusReader {
-    read: read_corpus,
-    tokens: corpus_tokens,
-};
 
 pub fn run(a: BenchArgs) -> Result<()> {
     match a.what {
@@ -283,7 +275,7 @@ fn suite(a: bench::suite::runner::SuiteArgs) -> Result<()> {
 }
 
 fn contexts(a: bench::contexts::runner::ContextsArgs) -> Result<()> {
-    let run = bench::contexts::runner::run(&a, &CORPUS)?;
+    let run = bench::contexts::runner::run(&a)?;
     let (json, md, plot) = (&run.json, &run.markdown, run.plot);
     if a.json {
         println!("{json}");
@@ -303,7 +295,7 @@ fn contexts(a: bench::contexts::runner::ContextsArgs) -> Result<()> {
 }
 
 fn units(a: bench::units::UnitsArgs) -> Result<()> {
-    let report = bench::units::run(&a, &CORPUS)?;
+    let report = bench::units::run(&a)?;
     let (args, d_ff, want) = (&a, report.d_ff, report.tokens);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -351,7 +343,7 @@ fn precision(mut a: bench::precision::PrecisionArgs) -> Result<()> {
         ctx,
         rows,
         search,
-    } = bench::precision::run(&mut a, &CORPUS)?;
+    } = bench::precision::run(&mut a)?;
     let args = &a;
     let mut out = std::io::stdout().lock();
     if args.json {

@@ -10,6 +10,7 @@
 //! [`probe`]); a model's sparsity profiled ([`profiling`]); a store's plan for `plan`
 //! ([`planning`]).
 
+pub mod corpus;
 mod device;
 mod engine;
 mod job;

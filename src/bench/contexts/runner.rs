@@ -15,10 +15,10 @@ use super::report::{
 };
 use super::strategies::{RunSettings, Strategy};
 use super::trace::{TokenSource, Trace, TraceConfig};
-use crate::bench::corpus::CorpusReader;
 use crate::bench::output::{unix_now, writable_dir};
 use crate::bench::plot;
 use crate::bench::running::{device_of, threads_of};
+use crate::runtime::corpus::read_corpus;
 use crate::runtime::parse_bytes;
 use crate::runtime::{Job, LoadedModel, ModelArgs, with_engine};
 
@@ -189,14 +189,14 @@ pub struct ContextsRun {
     pub plot: Option<&'static str>,
 }
 
-/// Run the benchmark of `a`, reading its corpus with `corpus`.
-pub fn run(a: &ContextsArgs, corpus: &CorpusReader) -> Result<ContextsRun> {
+/// Run the benchmark of `a`.
+pub fn run(a: &ContextsArgs) -> Result<ContextsRun> {
     check_flags(a)?;
     let kv_dir = a.kv_dir.clone().unwrap_or_else(|| a.out.join("kv-scratch"));
 
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
-    let (source, source_name) = token_source(a, &loaded, corpus)?;
+    let (source, source_name) = token_source(a, &loaded)?;
     let (job, counts) = traces(a, &source);
     let ctx = job.ctx_size();
     if ctx > spec.max_context {
@@ -307,11 +307,7 @@ fn check_flags(a: &ContextsArgs) -> Result<()> {
 
 /// Where the conversations' tokens come from (`--random-corpus`, `--corpus`, the default
 /// corpus when the model has a tokenizer, else seeded random ids) and its name in the report.
-fn token_source(
-    a: &ContextsArgs,
-    loaded: &LoadedModel,
-    corpus: &CorpusReader,
-) -> Result<(TokenSource, String)> {
+fn token_source(a: &ContextsArgs, loaded: &LoadedModel) -> Result<(TokenSource, String)> {
     let spec = loaded.spec();
     let (source, source_name) = if a.random_corpus {
         (
@@ -341,7 +337,7 @@ fn token_source(
                 format!("seeded random ids ({} is missing)", default.display()),
             ),
             (given, Some(tok)) => {
-                let (path, text) = (corpus.read)(given.as_deref(), "moby-dick-eval.txt")?;
+                let (path, text) = read_corpus(given.as_deref(), "moby-dick-eval.txt")?;
                 let ids = tok
                     .encode(&text, false, false)
                     .with_context(|| format!("cannot tokenize {}", path.display()))?;
