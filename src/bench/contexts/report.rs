@@ -57,7 +57,7 @@ pub struct CallRecord {
     pub prefill_s: f64,
     pub answer_s: f64,
     /// The same two as timed once for every strategy, in a run that never switches: what the
-    /// queue and TTFT use (see [`NoSwitch`]).
+    /// queue and TTFT use (see [`NoSwitch`](super::replay::NoSwitch)).
     pub shared_prefill_s: f64,
     pub shared_answer_s: f64,
     /// Work after the answer on the engine thread (ours: the ahead-of-time swap-out, when the

@@ -1,5 +1,5 @@
 //! The five ways to keep a context ([`Strategy`]) and what each does when a context leaves the
-//! device and comes back: the [`Mover`] of each (`Recompute`, `WholeSwap`, `Chunked` over
+//! device and comes back: the `Mover` of each (`Recompute`, `WholeSwap`, `Chunked` over
 //! `KvManager` for the chunked baselines and ours), the settings they run under and what their
 //! stores held and moved. Knows no trace and no queue.
 

@@ -1,5 +1,5 @@
 //! The trace every strategy replays: its shape ([`TraceConfig`]), where its tokens come from
-//! ([`TokenSource`]), each context's deterministic token [`Stream`], and the calls (Poisson
+//! ([`TokenSource`]), each context's deterministic token `Stream`, and the calls (Poisson
 //! arrivals, a sticky or random choice of context, user turns and fixed answers). Pure data:
 //! runs no engine.
 
