@@ -268,6 +268,8 @@ budgets() {
     with_peak "$WORK/l1b_full.json" "$B" logits --device cuda -m "$WORK/m1b" --tokens "$toks" --all-positions --json
     local fixed
     fixed="$("$B" doctor --json --ssd-test-mib 0 2>>"$LOG" | $PY -c 'import json,sys; print(json.load(sys.stdin)["profile"].get("device_fixed_bytes") or 805306368)')"
+    # No figure (or none measured: the dry run's stand-in prints 0): the fixed cost seen so far.
+    [[ "$fixed" =~ ^[0-9]+$ && "$fixed" -gt 0 ]] || fixed=805306368
     local quarter=$(( fixed + $(du -sb "$WORK/m1b" | cut -f1) / 4 ))
     with_peak "$WORK/l1b_quarter.json" "$B" logits --device cuda -m "$WORK/m1b" --gpu-mem "$quarter" --tokens "$toks" --all-positions --json
     local rc=$?
