@@ -4,8 +4,9 @@
 Both engines get the same model file, the same prompt token ids, the same thread count, greedy
 decoding of the same number of tokens, and run alternately (ours, llama.cpp, ours, ...) so
 background noise hits both. llama.cpp is the `llama-cpp-python` package (built from source on
-this machine, GGML_NATIVE). The bound is measured DRAM read bandwidth (`gpu-offload doctor`)
-divided by the bytes one decode step reads (weights + KV cache, `run --json` memory field).
+this machine with the vector extensions it enables, never AMX: scripts/setup-pyref.sh). The
+bound is measured DRAM read bandwidth (`gpu-offload doctor`) divided by the bytes one decode step
+reads (weights + KV cache, `run --json` memory field).
 
 Usage (from the repository root, after `cargo build --release` and scripts/fetch-models.sh):
     scripts/setup-pyref.sh; PY=~/.cache/gpu-offload/pyref/bin/python
