@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|issue13|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|issue36|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
 #            timeout): `doctor --save` (the runs after it plan with this card's measured rates),
 #            then `graphs` and `prefill`, on one synthesized 7B shape (32k context)
+#   issue36  what issue 36 asks of the GPU, sized for one device call (≤ 8 min; each run under its
+#            own timeout, results as JSON lines): the GPU tests; the whole GPU's memory.used
+#            (nvidia-smi --query-gpu, not the per-process figure) against --gpu-mem at 2G/4G/8G
+#            on the 7B shape; whole-GPU decode at 128 and 4000 positions (recorded steps, the
+#            default, and launched); 7B Q4_K_M on the whole GPU and at 2G; stream and split at 4G
+#            planned with rates measured at start (no saved profile) and after `doctor --save`,
+#            prediction beside measurement; 1, 4 and 16 sequences at 4G under --cold auto
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
 #            kernels equal the ones they replace, recorded logits equal launched ones, and
 #            programmatic launches plain ones, bit for bit), then decode tok/s and device
@@ -115,6 +122,26 @@ with_peak() {
     done
     wait "$pid"; local rc=$?
     echo "$peak" > "$out.peak"
+    return $rc
+}
+# Like with_peak, but the whole GPU's figure (nvidia-smi --query-gpu=memory.used, what a card
+# of --gpu-mem must hold): the peak (MiB) to $1.peak, the idle figure before the run to $1.idle.
+with_device_peak() {
+    local out="$1"; shift
+    local idle peak m
+    idle="$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -n1)"
+    idle="${idle//[^0-9]/}"; idle="${idle:-0}"; peak="$idle"
+    "$@" > "$out" 2>>"$LOG" &
+    local pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        m="$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0 2>/dev/null | head -n1)"
+        m="${m//[^0-9]/}"
+        [[ -n "$m" && "$m" -gt "$peak" ]] && peak="$m"
+        sleep 0.1
+    done
+    wait "$pid"; local rc=$?
+    echo "$peak" > "$out.peak"
+    echo "$idle" > "$out.idle"
     return $rc
 }
 record() { # name, json
@@ -564,8 +591,66 @@ batching() {
     record contexts_1b_cuda "{\"exit_code\":$?,\"files\":\"$(ls "$OUT/contexts-1b" 2>/dev/null | tr '\n' ' ')\"}"
 }
 
+# MiB in a size flag (2G → 2048).
+mib_of() { local v="${1%[GgMm]}"; [[ "$1" == *[Gg] ]] && echo $(( v * 1024 )) || echo "$v"; }
+
+issue36() {
+    say "GPU tests (the process budget, fused kernels, recorded = launched)"
+    timeout 150 "$GT" --test-threads 1 2>&1 | tail -n 30 | tee -a "$LOG"
+    record i36_gpu_tests "{\"exit_code\":${PIPESTATUS[0]}}"
+    synth7b
+    # No saved profile and no cached rates: the first runs plan with rates measured at start.
+    rm -f "$WORK/hardware.json"; rm -rf "$WORK/rates"
+    say "the whole GPU's memory.used against --gpu-mem, 7B shape (the device figure is the fixed cost)"
+    local g name
+    for g in 2G 4G 8G; do
+        name="i36_budget_7b_$g"
+        with_device_peak "$WORK/$name.json" timeout 90 "$B" bench decode --device cuda -m "$WORK/m7b" \
+            --gpu-mem "$g" --prompt-tokens 32 -n 8 --reps 1 --json
+        local rc=$? peak idle
+        peak="$(cat "$WORK/$name.json.peak")"; idle="$(cat "$WORK/$name.json.idle")"
+        record "$name" "{\"exit_code\":$rc,\"gpu_mem_mib\":$(mib_of "$g"),\"memory_used_peak_mib\":$peak,\"memory_used_idle_mib\":$idle,\"within_budget\":$([[ "$peak" -le "$(mib_of "$g")" ]] && echo true || echo false),\"bench\":$(cat "$WORK/$name.json" 2>/dev/null || echo null)}"
+    done
+    say "whole-GPU decode, 7B f16: recorded steps (default) and launched, 128 and 4000 positions"
+    record i36_decode_7b_whole_128 "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --json 2>>"$LOG")"
+    record i36_decode_7b_whole_128_launched "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --cuda-graphs false --json 2>>"$LOG")"
+    record i36_decode_7b_whole_4000 "$(timeout 90 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 --json 2>>"$LOG")"
+    say "stream and split at 4G, rates measured at start (no saved profile): prediction beside measurement"
+    local cold
+    for cold in stream split; do
+        record "i36_decode_7b_4g_${cold}_measured_rates" "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold "$cold" --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+    done
+    record i36_plan_7b_4g_rates "$(timeout 30 "$B" plan -m "$WORK/m7b" --gpu-mem 4G --ctx-size 1024 --json 2>>"$LOG" | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"rates_source": p["hardware"].get("rates_source"), "prediction": p["prediction"]}))' 2>>"$LOG" || echo null)"
+    say "1, 4 and 16 sequences at 4G, --cold auto (the plan costs each mode for the batch)"
+    local n
+    for n in 1 4 16; do
+        record "i36_batch_7b_4g_$n" "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold auto --sessions "$n" --prompt-tokens 32 -n 16 --reps 1 --json 2>>"$LOG")"
+    done
+    doctor_save
+    say "stream and split at 4G after doctor --save"
+    for cold in stream split; do
+        record "i36_decode_7b_4g_${cold}_saved_profile" "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold "$cold" --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
+    done
+    if [[ ! -f "$WORK/m7b-q4km.gguf" ]]; then
+        say "synthesizing the 7B shape as Q4_K_M"
+        timeout 240 "$B" synth --preset 7b --dtype q4_k_m -o "$WORK/m7b-q4km.gguf" --force 2>&1 | tail -n 2 | tee -a "$LOG"
+    fi
+    say "7B Q4_K_M: whole GPU and at --gpu-mem 2G"
+    record i36_decode_7b_q4km_whole "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b-q4km.gguf" --prompt-tokens 128 -n 64 --json 2>>"$LOG")"
+    with_device_peak "$WORK/i36_q4km_2g.json" timeout 90 "$B" bench decode --device cuda -m "$WORK/m7b-q4km.gguf" \
+        --gpu-mem 2G --prompt-tokens 32 -n 16 --reps 1 --json
+    record i36_decode_7b_q4km_2g "{\"exit_code\":$?,\"memory_used_peak_mib\":$(cat "$WORK/i36_q4km_2g.json.peak"),\"bench\":$(cat "$WORK/i36_q4km_2g.json" 2>/dev/null || echo null)}"
+    if [[ -x "$LB" ]]; then
+        say "llama.cpp on the same Q4_K_M file (built by \`peers\`)"
+        record i36_llamacpp_7b_q4km "$(timeout 90 "$LB" -m "$WORK/m7b-q4km.gguf" -ngl 99 -fa 1 -p 0 -n 64 -o json 2>>"$LOG" | tr -d '\n' || echo null)"
+    else
+        record i36_llamacpp_7b_q4km '{"skipped":"llama-bench not built: run `scripts/gpu-check.sh peers` first"}'
+    fi
+}
+
 case "$MODE" in
     tests) tests ;;
+    issue36) issue36 ;;
     graphs) graphs ;;
     issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
     batching) batching ;;
@@ -580,6 +665,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|issue13|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"

@@ -1573,12 +1573,27 @@ fn process_budget_holds_as_the_driver_counts() {
     if let Some(h) = held {
         assert!(h <= gpu_mem, "process holds {h} > --gpu-mem {gpu_mem}");
     }
-    // Fill the arena to the last granule: still within the budget.
+    // Fill the arena to the last granule: still within the budget, by this process's entry and
+    // by the device's used memory (what a card of `gpu_mem` must hold, ~600 MiB above the
+    // former on an H100).
     let left = ledger.hbm_budget().unwrap() / 4;
     let _t = g.alloc(1, left as usize).unwrap();
     assert!(g.alloc(1, 64).is_err());
     if let Some(h) = g.process_bytes() {
         assert!(h <= gpu_mem, "process holds {h} > --gpu-mem {gpu_mem}");
+    }
+    let cost = g.fixed_cost().unwrap();
+    println!("fixed cost {cost:?}");
+    if let Some(d) = g.device_used_bytes() {
+        assert!(
+            d <= gpu_mem,
+            "the device holds {d} more than before > --gpu-mem {gpu_mem}"
+        );
+        assert_eq!(
+            cost.source,
+            gpu_offload::footprint::FixedCostSource::Device,
+            "nothing else runs here: the device figure is taken"
+        );
     }
 }
 

@@ -175,8 +175,9 @@ fn emulated_cards_cap_memory_and_count_their_fixed_cost() {
     let mem = &out["memory"];
     assert_eq!(mem["emulated"], "rtx3060-12g", "{mem}");
     // No stated fixed cost in the preset: the conservative default comes off its 12 GiB.
-    assert_eq!(mem["planned"]["gpu_fixed_bytes"].as_u64(), Some(768 << 20));
-    assert!(mem["gpu_peak_bytes"].as_u64().unwrap() <= (12u64 << 30) - (768 << 20));
+    let fixed = gpu_offload::plan::hardware::DEFAULT_DEVICE_FIXED_BYTES;
+    assert_eq!(mem["planned"]["gpu_fixed_bytes"].as_u64(), Some(fixed));
+    assert!(mem["gpu_peak_bytes"].as_u64().unwrap() <= (12u64 << 30) - fixed);
     assert_eq!(out["token_ids"].as_array().unwrap().len(), 6);
     fails(
         &mut sim_run(&store, &["--emulate", "rtx3060-12g", "--gpu-mem", "13G"]),
@@ -259,7 +260,7 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
             "--hardware",
             "rtx3060-12g",
         ]),
-        &["too small", "fixed device cost 768.0 MiB"],
+        &["too small", "fixed device cost 1280.0 MiB"],
     );
     let err = fails(
         bin().args([

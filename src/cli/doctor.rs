@@ -102,12 +102,20 @@ fn print_gpu(out: &mut impl Write, gpu: &Result<GpuProfile, String>) -> Result<(
                 g.hbm_read_bytes_per_s / 1e9,
                 g.d2d_bytes_per_s / 1e9
             )?;
-            match g.fixed_bytes {
-                Some(f) => writeln!(
-                    out,
-                    "fixed device cost: {:.0} MiB (CUDA context, kernels, cuBLAS + workspace): --gpu-mem covers it",
-                    f as f64 / (1u64 << 20) as f64
-                )?,
+            match g.fixed_cost {
+                Some(c) => {
+                    let mib = |b: Option<u64>| {
+                        b.map_or_else(|| "unreadable".to_string(), |b| format!("{} MiB", b >> 20))
+                    };
+                    writeln!(
+                        out,
+                        "fixed device cost: {} MiB (CUDA context, kernels, cuBLAS + workspace), from {}: by this process's figure {}, by the device's used memory {}; --gpu-mem covers it",
+                        c.bytes >> 20,
+                        c.source,
+                        mib(c.process_bytes),
+                        mib(c.device_bytes)
+                    )?
+                }
                 None => writeln!(
                     out,
                     "fixed device cost: not measurable here (NVML); the planner assumes {} MiB",

@@ -10,6 +10,7 @@ use crate::model::ModelSpec;
 use crate::plan::Budget;
 use crate::runtime::BudgetArgs;
 use crate::runtime::planning::{StorePlan, plan_store};
+use crate::runtime::rates::RatesDevice;
 use crate::runtime::store::open_store_for;
 
 #[derive(Debug, Args)]
@@ -66,7 +67,12 @@ pub struct PlanArgs {
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
-    let hw = a.budget.hardware_profile("gpu-4g")?;
+    // The device a run would take: the GPU where there is one, else the budgeted CPU device.
+    let hw = if crate::backend::cuda::device_available() {
+        a.budget.hardware_profile(RatesDevice::Cuda, "gpu-4g", 0)?
+    } else {
+        a.budget.hardware_profile(RatesDevice::Sim, "cpu-sim", 0)?
+    };
     let gpu_mem = match (a.budget.gpu_mem, &a.budget.emulate) {
         (Some(g), _) => g,
         (None, Some(_)) => hw.device_bytes,

@@ -110,11 +110,19 @@ pub(super) fn decode_cost(
         } else {
             0.0
         };
+    // Where copies and device reads share one memory they take turns (see
+    // `HardwareProfile::copies_share_memory`).
+    let shared_s = if hw.copies_share_memory {
+        pcie_s + hbm_s
+    } else {
+        0.0
+    };
     let (limited_by, bound) = [
         ("PCIe", pcie_s),
         ("SSD", ssd_s),
         ("HBM", hbm_s),
         ("HBM+CPU", hbm_s + cpu_s),
+        ("PCIe+HBM", shared_s),
     ]
     .into_iter()
     .fold(

@@ -45,6 +45,17 @@ pub struct HardwareProfile {
     /// and the matrix-product rate is taken (the most it could be).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_flops_per_s: Option<f64>,
+    /// Whether the device's copies and its reads draw on one memory, so a token's copies and
+    /// its device reads take turns rather than overlap: the budgeted CPU device, whose memcpy
+    /// and kernels share host memory (a third of SmolLM2 on it: the overlapped figure predicted
+    /// 57 tok/s where 29–34 ran; their sum, 34). A GPU's copy engine and HBM are apart.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub copies_share_memory: bool,
+    /// Where these rates came from (`--hardware`, the saved profile, measured at start or read
+    /// from the cache of an earlier measurement, a preset): said by `plan` and in its JSON.
+    /// `None` for a profile as loaded, before a run chose it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rates_source: Option<String>,
 }
 
 /// What a profile that does not state its matrix-product rate is assumed to reach.
@@ -54,10 +65,11 @@ fn default_matmul_flops() -> f64 {
     DEFAULT_MATMUL_FLOPS
 }
 
-/// What a profile that does not state its fixed device cost is assumed to have: above the 626 MiB
-/// an H100 (132 SMs, whose per-SM context reservations are among the largest) was seen to hold
-/// with our modules and cuBLAS, so a card that holds less is never over-committed.
-pub const DEFAULT_DEVICE_FIXED_BYTES: u64 = 768 << 20;
+/// What a profile that does not state its fixed device cost is assumed to have: above the ~1.21
+/// GiB an H100 (132 SMs, whose per-SM context reservations are among the largest) was seen to
+/// take with our modules and cuBLAS by the device's used memory (626 MiB of it shown by pid;
+/// [`crate::footprint::fixed`]), so a card that holds less is never over-committed.
+pub const DEFAULT_DEVICE_FIXED_BYTES: u64 = 1280 << 20;
 
 const GB: f64 = 1e9;
 
@@ -85,6 +97,8 @@ pub fn presets() -> Vec<HardwareProfile> {
         matmul_flops_per_s: tflops * 1e12,
         cpu_attention_bytes_per_s: None,
         attention_flops_per_s: None,
+        copies_share_memory: false,
+        rates_source: None,
     };
     vec![
         // Consumer cards: fixed cost not measured here, so the conservative default applies.
@@ -121,18 +135,21 @@ pub fn presets() -> Vec<HardwareProfile> {
         // The budgeted CPU device: copies are memcpy, "HBM" is host memory, and there is no
         // context to pay for (emulate a card with --hardware or --emulate to include one); its
         // products run on two CPU cores.
-        p(
-            "cpu-sim",
-            20.0,
-            10.0,
-            10.0,
-            20.0,
-            1.0,
-            2e-6,
-            0,
-            Some(0),
-            0.05,
-        ),
+        HardwareProfile {
+            copies_share_memory: true,
+            ..p(
+                "cpu-sim",
+                20.0,
+                10.0,
+                10.0,
+                20.0,
+                1.0,
+                2e-6,
+                0,
+                Some(0),
+                0.05,
+            )
+        },
     ]
 }
 

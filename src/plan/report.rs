@@ -64,7 +64,10 @@ fn write_header(o: &mut String, p: &Plan) {
         },
         p.budget.ctx,
         p.budget.batch,
-        p.hardware.name
+        match &p.hardware.rates_source {
+            Some(src) => format!("{} (rates {src})", p.hardware.name),
+            None => p.hardware.name.clone(),
+        }
     );
     let kept: Vec<String> = Part::ALL
         .iter()

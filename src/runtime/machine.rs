@@ -78,6 +78,8 @@ fn profile_of(
             matmul_flops_per_s: g.matmul_flops_per_s,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
             attention_flops_per_s: Some(g.attention_flops_per_s),
+            copies_share_memory: false,
+            rates_source: None,
         },
         // Without a GPU the profile describes the budgeted CPU device: its "HBM" is host
         // memory and its copies are memcpy.
@@ -100,6 +102,8 @@ fn profile_of(
                     .flops_per_s(cpu)
                     .map_err(anyhow::Error::msg)?,
             ),
+            copies_share_memory: true,
+            rates_source: None,
         },
     })
 }

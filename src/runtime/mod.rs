@@ -7,7 +7,8 @@
 //! (`device`), opening a model (`model`), placing it (`start`, with an offloaded run's
 //! plan and weights in `offload`), the engine on its backend (`engine`) and what a placed
 //! model reports (`running`); the machine measured for `doctor` ([`machine`], with the probes in
-//! [`probe`]); a model's sparsity profiled ([`profiling`]); a store's plan for `plan`
+//! [`probe`]); the rates a plan prices by, measured at start and cached ([`rates`]); a model's
+//! sparsity profiled ([`profiling`]); a store's plan for `plan`
 //! ([`planning`]).
 
 pub mod corpus;
@@ -21,6 +22,7 @@ mod options;
 pub mod planning;
 pub mod probe;
 pub mod profiling;
+pub mod rates;
 mod running;
 mod start;
 pub mod store;

@@ -239,14 +239,18 @@ impl BudgetArgs {
         }
     }
 
-    /// The cost model's profile: `--hardware`, else the measured profile, else `default` — as
-    /// the `--emulate`d card would run on it (its memory, fixed cost and PCIe rate).
-    pub fn hardware_profile(&self, default: &str) -> Result<HardwareProfile> {
-        let base = match &self.hardware {
-            Some(h) => HardwareProfile::load(h),
-            None => HardwareProfile::saved_or(default),
-        }
-        .map_err(anyhow::Error::msg)?;
+    /// The cost model's profile for `device`: `--hardware`, else the saved profile, else this
+    /// machine's rates measured at start (cached; `default` names the preset their unmeasured
+    /// figures come from) — as the `--emulate`d card would run on it (its memory, fixed cost
+    /// and PCIe rate). See [`super::rates`].
+    pub fn hardware_profile(
+        &self,
+        device: super::rates::RatesDevice,
+        default: &str,
+        threads: usize,
+    ) -> Result<HardwareProfile> {
+        let base =
+            super::rates::planner_profile(self.hardware.as_deref(), device, default, threads)?;
         match &self.emulate {
             Some(card) => Ok(base.emulating(
                 &HardwareProfile::load(card).map_err(|e| anyhow::anyhow!("--emulate: {e}"))?,

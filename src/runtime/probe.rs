@@ -342,8 +342,11 @@ pub struct GpuProfile {
     /// stream weights at, the HBM bound's denominator.
     pub hbm_read_bytes_per_s: f64,
     /// Device memory a process holds with our context, kernel modules, cuBLAS and its workspace
-    /// up (NVML), before placing anything; `None` where NVML cannot tell.
+    /// up (NVML), before placing anything, as the card counts it; `None` where NVML cannot tell.
     pub fixed_bytes: Option<u64>,
+    /// The same with both of the driver's figures (per process, and the device's used memory)
+    /// and which was taken ([`crate::footprint::fixed`]).
+    pub fixed_cost: Option<crate::footprint::FixedCost>,
     /// A prefill-sized f16 matrix product's rate (see [`matmul_rate`]), FLOP/s.
     pub matmul_flops_per_s: f64,
     /// A prompt's attention rate ([`AttentionProbe::PROMPT_7B`]), FLOP/s.
@@ -496,6 +499,7 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             d2d_bytes_per_s: 2.0 * b / d2d,
             hbm_read_bytes_per_s: hbm_read,
             fixed_bytes: be.fixed_bytes(),
+            fixed_cost: be.fixed_cost(),
             matmul_flops_per_s: matmul,
             attention_flops_per_s: attention,
             h2d_pinned_bytes_per_s: b / h2d_p,

@@ -41,8 +41,10 @@ pub struct Running {
     pub traffic: Option<DecodeTraffic>,
     /// The preset a run emulates (`--emulate`).
     pub emulated: Option<HardwareProfile>,
-    /// Most device memory the process was seen to hold (driver figures, CUDA only).
+    /// Most device memory the process was seen to hold (driver figures, CUDA only): by its
+    /// own entry, and by the device's used memory beyond what was used before it started.
     pub(super) process_peak: std::sync::atomic::AtomicU64,
+    pub(super) device_peak: std::sync::atomic::AtomicU64,
 }
 
 impl Running {
@@ -64,18 +66,48 @@ impl Running {
         }
     }
 
-    pub(super) fn sample_process(&self) {
-        if let Some(b) = self.process_bytes() {
-            self.process_peak
-                .fetch_max(b, std::sync::atomic::Ordering::Relaxed);
+    /// Device memory used now beyond what was used before this process's context: what
+    /// `--gpu-mem` is held to as the card counts it (CUDA only).
+    pub fn device_used_bytes(&self) -> Option<u64> {
+        match &self.engine {
+            AnyEngine::Cuda(e) => e.backend().device_used_bytes(),
+            _ => None,
         }
     }
 
-    /// The most device memory the process was seen to hold (driver figures; CUDA only).
+    pub(super) fn sample_process(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(b) = self.process_bytes() {
+            self.process_peak.fetch_max(b, Relaxed);
+        }
+        if let Some(b) = self.device_used_bytes() {
+            self.device_peak.fetch_max(b, Relaxed);
+        }
+    }
+
+    /// The most device memory the process was seen to hold by its own entry (driver figures;
+    /// CUDA only).
     pub fn process_peak_bytes(&self) -> Option<u64> {
         match self.process_peak.load(std::sync::atomic::Ordering::Relaxed) {
             0 => None,
             b => Some(b),
+        }
+    }
+
+    /// The most device memory seen used beyond the device's figure before this process
+    /// started (nvidia-smi's `memory.used` less its idle figure; CUDA only).
+    pub fn device_peak_bytes(&self) -> Option<u64> {
+        match self.device_peak.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            b => Some(b),
+        }
+    }
+
+    /// The fixed device cost this run's budget was carved after, with both driver figures.
+    pub fn fixed_cost(&self) -> Option<crate::footprint::FixedCost> {
+        match &self.engine {
+            AnyEngine::Cuda(e) => e.backend().fixed_cost(),
+            _ => None,
         }
     }
 
@@ -99,6 +131,8 @@ impl Running {
         let mut v = json!({
             "gpu_peak_bytes": end.hbm_peak,
             "gpu_process_peak_bytes": self.process_peak_bytes(),
+            "gpu_device_used_peak_bytes": self.device_peak_bytes(),
+            "gpu_fixed_cost": self.fixed_cost(),
             "dram_peak_bytes": end.dram_total_peak,
             "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
             "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),

@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use super::device::{budget_for, emulated, gpu_budget, kv_type_for};
 use super::model::{LoadedModel, SharedPredictor, Weights};
 use super::offload::OffloadSource;
+use super::rates::RatesDevice;
 use super::running::{Hybrid, Units};
 use super::{AnyEngine, Device, Job, ModelArgs, Running};
 use crate::backend::cpu::{CpuBackend, kernels};
@@ -151,6 +152,7 @@ impl LoadedModel {
             traffic,
             emulated: settings.emulate,
             process_peak: std::sync::atomic::AtomicU64::new(0),
+            device_peak: std::sync::atomic::AtomicU64::new(0),
         };
         running.sample_process();
         Ok(running)
@@ -249,7 +251,9 @@ impl LoadedModel {
     fn start_offloaded_cuda(&self, s: &StartSettings, store: &Arc<Store>) -> Result<Placed> {
         let (args, job, kv_type, gpu_mem) = (s.args, s.job, s.kv_type, s.gpu_mem);
         let mut budget = budget_for(args, job, gpu_mem.unwrap_or(u64::MAX / 4), self.device);
-        let mut hw = args.budget.hardware_profile("gpu-4g")?;
+        let mut hw = args
+            .budget
+            .hardware_profile(RatesDevice::Cuda, "gpu-4g", s.threads)?;
         // The whole process within the budget: the fixed cost this process measures
         // comes off it (the profile's figure where the driver cannot tell).
         let (cuda, ledger) = match gpu_mem {
@@ -305,7 +309,9 @@ impl LoadedModel {
     fn start_offloaded_sim(&self, s: &StartSettings, store: &Arc<Store>) -> Result<Placed> {
         let (args, job, kv_type, gpu_mem) = (s.args, s.job, s.kv_type, s.gpu_mem);
         let budget = budget_for(args, job, gpu_mem.unwrap_or(u64::MAX / 4), self.device);
-        let hw = args.budget.hardware_profile("cpu-sim")?;
+        let hw = args
+            .budget
+            .hardware_profile(RatesDevice::Sim, "cpu-sim", s.threads)?;
         let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
         let ledger = Ledger::new(gpu_mem.map(|_| plan.ledger_budget()), args.budget.dram_mem);
         let sim = SimBackend::new(

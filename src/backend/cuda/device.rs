@@ -19,6 +19,7 @@ use crate::backend::recording::outside_recording;
 use crate::backend::{BackendError, Result};
 use crate::footprint::attention::SPLIT_MAX_HEADS;
 use crate::footprint::ledger::Ledger;
+use crate::footprint::{FixedCost, FixedCostReading, FixedCostSource};
 
 /// cuBLAS workspace, held for the backend's lifetime (so cuBLAS allocates nothing itself); part
 /// of the fixed cost.
@@ -90,9 +91,10 @@ pub struct CudaBackend {
     pub(super) functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     pub(super) modules: kernels::Modules,
     pub(super) meter: Option<DeviceMeter>,
-    /// Device bytes the process held once context, modules and cuBLAS were up (before any
-    /// buffer), as measured; `None` where NVML could not tell.
-    pub(super) fixed_bytes: Option<u64>,
+    /// The fixed cost: the device bytes the process held once context, modules and cuBLAS
+    /// were up (before any buffer), as the card counts them ([`crate::footprint::fixed`]);
+    /// `None` where NVML could not tell (outside a process budget).
+    pub(super) fixed: Option<FixedCost>,
     /// Recorded steps: where the step position lives
     /// ([`Backend::set_step_position`](crate::backend::Backend::set_step_position)); whether the
     /// compute stream is being captured into a graph now.
@@ -143,7 +145,20 @@ impl CudaBackend {
         // The ledger's budget is only known once the fixed cost is: open with an unlimited one,
         // then replace it before any buffer exists.
         let mut me = Self::open(ordinal, Ledger::new(None, dram_mem))?;
-        let fixed = me.fixed_bytes.unwrap_or(assumed_fixed);
+        let cost = me.reading().fixed_cost(assumed_fixed);
+        let fixed = cost.bytes;
+        match cost.source {
+            FixedCostSource::Device => {}
+            FixedCostSource::ProcessWithMargin => tracing::warn!(
+                "another process's device memory moved while this one started (the device is shared, or its figure unreadable): the fixed cost is this process's {} MiB plus a {} MiB margin",
+                cost.process_bytes.unwrap_or(0) >> 20,
+                crate::footprint::fixed::SHARED_DEVICE_MARGIN >> 20
+            ),
+            FixedCostSource::Assumed => tracing::warn!(
+                "the driver's memory figures cannot be read (NVML): the fixed cost is assumed to be {} MiB",
+                fixed >> 20
+            ),
+        }
         if gpu_mem <= fixed {
             return Err(BackendError::OutOfMemory {
                 what: format!(
@@ -155,7 +170,7 @@ impl CudaBackend {
             });
         }
         let ledger = Ledger::new(Some(gpu_mem - fixed), dram_mem);
-        me.fixed_bytes = Some(fixed);
+        me.fixed = Some(cost);
         me.mem = DeviceMemory::new(ledger.clone());
         me.make_arena()?;
         Ok((me, ledger))
@@ -203,7 +218,7 @@ impl CudaBackend {
             functions: Mutex::new(HashMap::new()),
             modules: kernels::Modules::default(),
             meter,
-            fixed_bytes: None,
+            fixed: None,
             step_position: Mutex::new(None),
             recording: std::sync::atomic::AtomicBool::new(false),
             programmatic: std::sync::atomic::AtomicBool::new(false),
@@ -212,8 +227,11 @@ impl CudaBackend {
             flash_splits_forced: std::sync::atomic::AtomicUsize::new(0),
             device_ops: std::sync::atomic::AtomicU64::new(0),
         };
-        for (name, _) in kernels::MODULES {
-            me.modules.get(&me.ctx, name)?;
+        // Every kernel resolved now: under lazy loading (the driver's default) a kernel's code
+        // reaches the device when it is first resolved, and it belongs in the fixed cost, not in
+        // memory that appears beside the arena during the first step.
+        for (module, name) in super::launches::KERNEL_NAMES {
+            me.func(module, name)?;
         }
         // SAFETY: only dlopens cuBLAS.
         if unsafe { blas_sys::is_culib_present() } {
@@ -236,7 +254,8 @@ impl CudaBackend {
             tracing::warn!("cuBLAS not found: prefill runs on the matvec kernels");
         }
         me.synchronize()?;
-        me.fixed_bytes = me.process_bytes();
+        let measured = me.reading().fixed_cost(0);
+        me.fixed = (measured.source != FixedCostSource::Assumed).then_some(measured);
         Ok(me)
     }
 
@@ -259,6 +278,13 @@ impl CudaBackend {
     /// Device bytes this process holds now, from the driver (NVML); `None` where it cannot tell.
     pub fn process_bytes(&self) -> Option<u64> {
         self.meter.as_ref().and_then(|m| m.process_bytes())
+    }
+
+    /// Device bytes used now beyond those used before this process's context (nvidia-smi's
+    /// `memory.used`, less the device's idle figure): what `--gpu-mem` is held to as the card
+    /// counts it. `None` where NVML cannot tell.
+    pub fn device_used_bytes(&self) -> Option<u64> {
+        self.meter.as_ref().and_then(|m| m.device_bytes())
     }
 
     /// Launch every kernel with programmatic stream serialization (`on`), or plainly: a
@@ -326,7 +352,19 @@ impl CudaBackend {
     /// The fixed device cost this backend measured (context, modules, cuBLAS and its workspace)
     /// or, under [`CudaBackend::with_process_budget`], the figure it used.
     pub fn fixed_bytes(&self) -> Option<u64> {
-        self.fixed_bytes
+        self.fixed.map(|c| c.bytes)
+    }
+
+    /// The fixed cost with the figures it came from (see [`CudaBackend::fixed_bytes`]).
+    pub fn fixed_cost(&self) -> Option<FixedCost> {
+        self.fixed
+    }
+
+    /// The driver's figures now (none where NVML cannot tell).
+    fn reading(&self) -> FixedCostReading {
+        self.meter
+            .as_ref()
+            .map_or_else(FixedCostReading::default, DeviceMeter::reading)
     }
 
     pub fn info(&self) -> Result<DeviceInfo> {

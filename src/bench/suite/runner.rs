@@ -23,6 +23,7 @@ use crate::bench::running::threads_of;
 use crate::footprint::Ledger;
 use crate::plan::{HardwareProfile, PlanError, make_plan};
 use crate::runtime::parse_bytes;
+use crate::runtime::rates::RatesDevice;
 use crate::runtime::store::open_store_for;
 use crate::runtime::{Device, Job, ModelArgs};
 use crate::store::Manifest;
@@ -193,11 +194,16 @@ pub fn run(mut a: SuiteArgs) -> Result<SuiteRun> {
         Some(card) => rates.emulating(card),
         None => rates,
     };
-    let planner = a.model.budget.hardware_profile(if device == Device::Cuda {
-        "gpu-4g"
-    } else {
-        "cpu-sim"
-    })?;
+    let planner = match device {
+        Device::Cuda => a
+            .model
+            .budget
+            .hardware_profile(RatesDevice::Cuda, "gpu-4g", threads)?,
+        _ => a
+            .model
+            .budget
+            .hardware_profile(RatesDevice::Sim, "cpu-sim", threads)?,
+    };
 
     let axis = budget_axis(
         &a,
