@@ -65,7 +65,7 @@ fn write_header(o: &mut String, p: &Plan) {
         p.budget.ctx,
         p.budget.batch,
         match &p.hardware.rates_source {
-            Some(src) => format!("{} (rates {src})", p.hardware.name),
+            Some(src) => format!("{}; rates {src}", p.hardware.name),
             None => p.hardware.name.clone(),
         }
     );

@@ -46,13 +46,13 @@ impl std::fmt::Display for RatesSource {
             RatesSource::Measured(p) => {
                 write!(
                     f,
-                    "measured on this machine at start (cached in {})",
+                    "measured on this machine at start, cached in {}",
                     p.display()
                 )
             }
             RatesSource::Cached(p) => write!(
                 f,
-                "measured on this machine by an earlier start (cached in {})",
+                "measured on this machine by an earlier start, cached in {}",
                 p.display()
             ),
             RatesSource::Preset { name, why } => {
@@ -240,6 +240,14 @@ fn effective_threads(threads: usize) -> usize {
 /// Host memory read and copy probes: far beyond any cache, a fraction of a second.
 const PROBE_BYTES: usize = 128 << 20;
 
+/// The CPU's prompt attention at a start: `doctor`'s shape (7B heads over an f16 cache) with
+/// half its rows and positions (a few tenths of a second on two cores).
+const QUICK_PROMPT_CPU: AttentionProbe = AttentionProbe {
+    rows: 32,
+    context: 992,
+    ..AttentionProbe::PROMPT_CPU
+};
+
 /// `base` with this machine's rates measured on `device`: what the plan's cost model divides
 /// by. The SSD rate stays `base`'s (measuring it means writing a file where the store lives).
 pub fn measure(
@@ -249,7 +257,9 @@ pub fn measure(
 ) -> Result<HardwareProfile> {
     let dram = hw::dram_read_bandwidth(threads, PROBE_BYTES, 3);
     let cpu = CpuBackend::new(threads)?;
-    let cpu_attention = hw::cpu_attention_rate(&cpu).ok();
+    // `doctor`'s probes, each timed fewer times (a start pays for these once per machine).
+    let decode = AttentionProbe::DECODE_7B;
+    let cpu_attention = decode.seconds(&cpu, 1).ok().map(|s| decode.kv_bytes() / s);
     let p = match device {
         RatesDevice::Cuda => {
             let g = hw::probe_gpu(64 << 20).map_err(anyhow::Error::msg)?;
@@ -282,7 +292,7 @@ pub fn measure(
                     .map_err(anyhow::Error::msg)?,
                 cpu_attention_bytes_per_s: cpu_attention,
                 attention_flops_per_s: Some(
-                    AttentionProbe::PROMPT_CPU
+                    QUICK_PROMPT_CPU
                         .flops_per_s(&cpu)
                         .map_err(anyhow::Error::msg)?,
                 ),
