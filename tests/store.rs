@@ -260,7 +260,7 @@ fn plan_prints_a_table_and_refuses_a_budget_too_small() {
             "--hardware",
             "rtx3060-12g",
         ]),
-        &["too small", "fixed device cost 1280.0 MiB"],
+        &["too small", "fixed device cost 768.0 MiB"],
     );
     let err = fails(
         bin().args([

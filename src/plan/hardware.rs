@@ -65,11 +65,12 @@ fn default_matmul_flops() -> f64 {
     DEFAULT_MATMUL_FLOPS
 }
 
-/// What a profile that does not state its fixed device cost is assumed to have: above the ~1.21
-/// GiB an H100 (132 SMs, whose per-SM context reservations are among the largest) was seen to
-/// take with our modules and cuBLAS by the device's used memory (626 MiB of it shown by pid;
-/// [`crate::footprint::fixed`]), so a card that holds less is never over-committed.
-pub const DEFAULT_DEVICE_FIXED_BYTES: u64 = 1280 << 20;
+/// What a profile that does not state its fixed device cost is assumed to have: above the 626 MiB
+/// an H100 (132 SMs, whose per-SM context reservations are among the largest) was seen to hold
+/// with our modules and cuBLAS by its process entry. By the device's used memory the same H100
+/// took ~1.21 GiB ([`crate::footprint::fixed`]); a run on a GPU measures that figure and plans
+/// after it, so this default only prices plans made without the card (a named preset).
+pub const DEFAULT_DEVICE_FIXED_BYTES: u64 = 768 << 20;
 
 const GB: f64 = 1e9;
 

@@ -230,7 +230,7 @@ impl CudaBackend {
         // Every kernel resolved now: under lazy loading (the driver's default) a kernel's code
         // reaches the device when it is first resolved, and it belongs in the fixed cost, not in
         // memory that appears beside the arena during the first step.
-        for (module, name) in super::launches::KERNEL_NAMES {
+        for (module, name) in kernels::KERNEL_NAMES {
             me.func(module, name)?;
         }
         // SAFETY: only dlopens cuBLAS.

@@ -22,6 +22,8 @@ mod generated {
 
 pub use generated::{COMPILED_WITH_NVCC, MODULES, PTX_ARCH, SOURCES};
 
+include!(concat!(env!("OUT_DIR"), "/kernel_names.rs"));
+
 /// Compile one module's source with NVRTC for `arch` (e.g. `compute_90`).
 pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {
     // NVRTC wants a 'static arch string; there are only a few distinct ones per process.
