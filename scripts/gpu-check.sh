@@ -613,7 +613,7 @@ issue36() {
     done
     say "whole-GPU decode, 7B f16: recorded steps (default) and launched, 128 and 4000 positions"
     record i36_decode_7b_whole_128 "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --json 2>>"$LOG")"
-    record i36_decode_7b_whole_128_launched "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --cuda-graphs false --json 2>>"$LOG")"
+    record i36_decode_7b_whole_128_launched "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --no-cuda-graphs --json 2>>"$LOG")"
     record i36_decode_7b_whole_4000 "$(timeout 90 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 --json 2>>"$LOG")"
     say "stream and split at 4G, rates measured at start (no saved profile): prediction beside measurement"
     local cold

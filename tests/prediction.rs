@@ -55,6 +55,8 @@ fn predictions_without_a_saved_profile_come_from_measured_rates() {
         &third,
         "--ctx-size",
         "64",
+        "--batch",
+        "16",
         "--json",
     ]));
     let source = warm["hardware"]["rates_source"]
@@ -72,6 +74,8 @@ fn predictions_without_a_saved_profile_come_from_measured_rates() {
         &third,
         "--ctx-size",
         "64",
+        "--batch",
+        "16",
         "--json",
     ]));
     let source = again["hardware"]["rates_source"]
