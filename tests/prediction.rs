@@ -47,18 +47,21 @@ fn predictions_without_a_saved_profile_come_from_measured_rates() {
     let m = model.to_string_lossy().into_owned();
     // A short warm-up converts the model into the isolated cache, so the measured run below
     // starts from the same page cache as any later run; it measures the rates first.
-    let warm = json_of(isolated(dir.path()).args([
-        "plan",
-        "-m",
-        &m,
-        "--gpu-mem",
-        &third,
-        "--ctx-size",
-        "64",
-        "--batch",
-        "16",
-        "--json",
-    ]));
+    let plan = || {
+        json_of(isolated(dir.path()).args([
+            "plan",
+            "-m",
+            &m,
+            "--gpu-mem",
+            &third,
+            "--ctx-size",
+            "64",
+            "--batch",
+            "16",
+            "--json",
+        ]))
+    };
+    let warm = plan();
     let source = warm["hardware"]["rates_source"]
         .as_str()
         .unwrap_or_default();
@@ -66,18 +69,7 @@ fn predictions_without_a_saved_profile_come_from_measured_rates() {
         source.contains("measured on this machine at start"),
         "{source}"
     );
-    let again = json_of(isolated(dir.path()).args([
-        "plan",
-        "-m",
-        &m,
-        "--gpu-mem",
-        &third,
-        "--ctx-size",
-        "64",
-        "--batch",
-        "16",
-        "--json",
-    ]));
+    let again = plan();
     let source = again["hardware"]["rates_source"]
         .as_str()
         .unwrap_or_default();
