@@ -348,6 +348,48 @@ struct Solved {
     solve_seconds: f64,
 }
 
+/// A layer's expected cold work in a decode step.
+struct ColdWork {
+    /// Cold neurons (each examined).
+    neurons: usize,
+    /// Expected cold neurons some row of the step needs (computed for every row).
+    active: f64,
+    /// Expected bytes the CPU reads.
+    bytes: f64,
+}
+
+/// The cold work of a layer with frequencies `f` and `hot` neurons on the device, in a step of
+/// `rows` sequences: every cold neuron examined, each needed where active for some row (with its
+/// frequency, rows and neurons taken as independent), a down block touched unless all its
+/// neurons are off for every row.
+fn cold_work(f: &[f64], hot: &[u32], lay: &FfnLayout, rows: usize) -> ColdWork {
+    let mut is_hot = vec![false; f.len()];
+    hot.iter().for_each(|&j| is_hot[j as usize] = true);
+    let cold: Vec<usize> = (0..f.len()).filter(|&j| !is_hot[j]).collect();
+    let active: f64 = cold.iter().map(|&j| batch::union_share(f[j], rows)).sum();
+    let touched: f64 = f
+        .chunks(lay.cost.unit)
+        .enumerate()
+        .filter(|(u, _)| !is_hot[u * lay.cost.unit])
+        .map(|(_, c)| {
+            let none = c.iter().map(|p| 1.0 - p).product::<f64>();
+            1.0 - if rows > 1 {
+                none.powi(rows as i32)
+            } else {
+                none
+            }
+        })
+        .sum();
+    let c = lay.cost;
+    ColdWork {
+        neurons: cold.len(),
+        active,
+        bytes: c.decide_bytes as f64 * cold.len() as f64
+            + c.active_bytes as f64 * active
+            + c.unit_bytes as f64 * touched,
+    }
+}
+
 /// The plan of a placement: device bytes, cold costs, expected traffic and speed.
 fn finish(
     plan: &Plan,
@@ -390,29 +432,11 @@ fn finish(
         hbm += hot_raw;
         let total_units = d_ff / lay.cost.unit;
         cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
-        // Expected cold work: every cold neuron examined, each active with its frequency, a
-        // down block touched unless all its neurons are off (taken as independent).
-        let mut is_hot = vec![false; d_ff];
-        ids.iter().for_each(|&j| is_hot[j as usize] = true);
-        let cold: Vec<usize> = (0..d_ff).filter(|&j| !is_hot[j]).collect();
-        let active: f64 = cold.iter().map(|&j| batch::union_share(f[j], rows)).sum();
-        let touched: f64 = f
-            .chunks(lay.cost.unit)
-            .enumerate()
-            .filter(|(u, _)| !is_hot[u * lay.cost.unit])
-            .map(|(_, c)| {
-                let none = c.iter().map(|p| 1.0 - p).product::<f64>();
-                1.0 - if rows > 1 {
-                    none.powi(rows as i32)
-                } else {
-                    none
-                }
-            })
-            .sum();
-        let c = lay.cost;
-        let cold_bytes = c.decide_bytes as f64 * cold.len() as f64
-            + c.active_bytes as f64 * active
-            + c.unit_bytes as f64 * touched;
+        let ColdWork {
+            neurons: cold,
+            active,
+            bytes: cold_bytes,
+        } = cold_work(f, ids, lay, rows);
         cpu += cold_bytes as u64;
         let layer_attention = base.attention_layers[l];
         let gpu_s = batch::bounded(
@@ -423,9 +447,8 @@ fn finish(
             device_rate,
         );
         // Every cold neuron's deciding vector, the rest of those any row needs, for every row.
-        let cold_row =
-            decide_row * cold.len() as f64 + (batch::neuron_flops(spec) - decide_row) * active;
-        let cpu_s = if cold.is_empty() {
+        let cold_row = decide_row * cold as f64 + (batch::neuron_flops(spec) - decide_row) * active;
+        let cpu_s = if cold == 0 {
             0.0
         } else {
             batch::bounded(
@@ -451,7 +474,7 @@ fn finish(
             } else {
                 0.0
             },
-            runs: match (ids.len(), cold.len()) {
+            runs: match (ids.len(), cold) {
                 (_, 0) => LayerRuns::Gpu,
                 (0, _) => LayerRuns::Cpu,
                 _ => LayerRuns::Hybrid,
