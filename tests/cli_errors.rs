@@ -218,6 +218,40 @@ fn invalid_flag_values_name_the_flag() {
         &["run", "-m", m, "--tokens", "1", "--prompt", "both"],
         &["--prompt"],
     );
+    // Batch sizes: at least one sequence, a list of whole numbers, modes by name.
+    for bad in ["0", "1,0,4", "1,x", "4,,16"] {
+        fails_with(
+            &[
+                "bench",
+                "decode",
+                "-m",
+                m,
+                "--device",
+                "sim",
+                "--sessions",
+                bad,
+            ],
+            &["--sessions"],
+        );
+    }
+    fails_with(
+        &[
+            "bench",
+            "decode",
+            "-m",
+            m,
+            "--device",
+            "sim",
+            "--modes",
+            "stream,fast",
+        ],
+        &["--modes"],
+    );
+    fails_with(
+        &["plan", "-m", m, "--gpu-mem", "1M", "--parallel", "0"],
+        &["--parallel"],
+    );
+    fails_with(&["serve", "-m", m, "--parallel", "0"], &["--parallel"]);
 }
 
 #[test]

@@ -267,3 +267,55 @@ fn batched_decode_bench_runs_at_a_third_of_the_model() {
     ]));
     assert!(out.contains("8 sequences together"), "{out}");
 }
+
+/// `bench decode --sessions 1,4,16 --modes stream,split,auto` on SmolLM2 on the budgeted
+/// device: a row for every mode and count, each run under the plan for that count, with its
+/// measured aggregate tokens/s beside the plan's prediction for that many sequences (a store
+/// whose FFN is not bundled has no split: `--cold split` streams and says so).
+#[test]
+fn batch_aware_bench_reports_each_mode_at_each_count() {
+    let Some(model) = smollm2() else {
+        eprintln!("skipped: SmolLM2 not fetched (scripts/fetch-models.sh)");
+        return;
+    };
+    let out = ok(bin().args(["bench", "decode", "-m"]).arg(&model).args([
+        "--device",
+        "sim",
+        "--gpu-mem",
+        "60M",
+        "--sessions",
+        "1,4,16",
+        "--modes",
+        "stream,split,auto",
+        "--prompt-tokens",
+        "16",
+        "-n",
+        "3",
+        "--reps",
+        "1",
+        "--json",
+    ]));
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 9, "{v}");
+    for (row, (mode, n)) in rows.iter().zip(
+        ["stream", "split", "auto"]
+            .iter()
+            .flat_map(|m| [1, 4, 16].map(|n| (*m, n))),
+    ) {
+        assert_eq!(row["mode"], mode, "{row}");
+        assert_eq!(row["sessions"], n, "{row}");
+        assert!(row["error"].is_null(), "{row}");
+        assert!(
+            row["aggregate_decode_tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{row}"
+        );
+        assert!(
+            row["predicted_aggregate_tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{row}"
+        );
+        if mode != "auto" {
+            assert_eq!(row["runs"], "stream", "matrices have no split: {row}");
+        }
+    }
+}

@@ -1,6 +1,8 @@
 //! `bench decode`: a model end to end (TTFT, prefill and decode tokens/s) against the bound of
 //! the resource it must move bytes through (device memory, PCIe, DRAM or SSD) and the plan's
-//! prediction; with `--sessions N`, N sequences decoded together against one alone.
+//! prediction; with `--sessions N`, N sequences decoded together against one alone; with a list
+//! (`--sessions 1,4,16`) or `--modes`, each count under each `--cold` mode, each run under the
+//! plan for that count: measured aggregate tokens/s beside the plan's prediction.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -9,10 +11,13 @@ use anyhow::{Result, bail};
 use clap::Args;
 use serde_json::{Value, json};
 
+use crate::backend::Backend;
 use crate::bench::bounds::{self, AboveBound, Bound, Rates};
 use crate::bench::measure::{self, Measured, measure, random_prompt, random_prompt_seeded};
 use crate::bench::running::{device_of, threads_of, traffic_of};
+use crate::engine::Engine;
 use crate::plan::HardwareProfile;
+use crate::plan::choice::Cold;
 use crate::runtime::{Job, LoadedModel, ModelArgs, with_engine};
 
 #[derive(Debug, Args)]
@@ -29,9 +34,17 @@ pub struct DecodeArgs {
     #[arg(long, env = "GPU_OFFLOAD_REPS", default_value_t = 3)]
     pub reps: usize,
     /// Decode this many sequences at once (continuous batching: one step evaluates a token of
-    /// each), beside one sequence alone in the same run: aggregate tokens/s of both.
-    #[arg(long, env = "GPU_OFFLOAD_SESSIONS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=512))]
-    pub sessions: u16,
+    /// each), beside one sequence alone in the same run: aggregate tokens/s of both. A list
+    /// (e.g. 1,4,16) runs each count in turn, each under the plan made for that many
+    /// sequences: measured aggregate tokens/s beside the plan's prediction.
+    #[arg(long, env = "GPU_OFFLOAD_SESSIONS", value_delimiter = ',', default_value = "1", value_parser = clap::value_parser!(u16).range(1..=512))]
+    pub sessions: Vec<u16>,
+    /// Run each of these --cold modes in turn at every --sessions count (comma-separated:
+    /// stream, split, cpu, gpu, auto; cpu and gpu need `gpu-offload profile`): each one's
+    /// measured aggregate tokens/s beside its plan's prediction, a mode that cannot run at the
+    /// budget reported as such [default: --cold alone]
+    #[arg(long, env = "GPU_OFFLOAD_MODES", value_delimiter = ',', value_enum)]
+    pub modes: Vec<Cold>,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
 }
@@ -71,10 +84,12 @@ fn store_dir_for(model: &Path) -> PathBuf {
     }
 }
 
-/// What `bench decode` measured: one sequence, or `--sessions N` together beside one alone.
+/// What `bench decode` measured: one sequence, `--sessions N` together beside one alone, or
+/// each count of a list under each mode.
 pub enum DecodeOutcome {
     Single(Box<DecodeRun>),
     Sessions(SessionsRun),
+    Batches(BatchesRun),
 }
 
 /// One sequence decoded, beside its bound and the plan's prediction.
@@ -103,6 +118,8 @@ pub struct SessionsRun {
     /// Decode tokens/s of one sequence alone, and of all of them together.
     pub single_tokens_per_s: f64,
     pub aggregate_tokens_per_s: f64,
+    /// The plan's predicted aggregate tokens/s of the sessions together (offloaded runs).
+    pub predicted_tokens_per_s: Option<f64>,
     /// Everything, as `--json` prints it.
     pub json: Value,
 }
@@ -112,10 +129,12 @@ pub fn run(a: &DecodeArgs) -> Result<DecodeOutcome> {
     if a.tokens < 2 || a.prompt_tokens == 0 || a.reps == 0 {
         bail!("--tokens must be at least 2; --prompt-tokens and --reps at least 1");
     }
-    if a.sessions > 1 {
-        return run_sessions(a).map(DecodeOutcome::Sessions);
+    match (a.sessions.as_slice(), a.modes.is_empty()) {
+        ([], _) => bail!("--sessions: give at least one count, e.g. 1,4,16"),
+        ([1], true) => run_single(a).map(|r| DecodeOutcome::Single(Box::new(r))),
+        ([_], true) => run_sessions(a).map(DecodeOutcome::Sessions),
+        _ => run_batches(a).map(DecodeOutcome::Batches),
     }
-    run_single(a).map(|r| DecodeOutcome::Single(Box::new(r)))
 }
 
 /// One sequence: TTFT, prefill and decode tokens/s, the bound and what the tiers moved.
@@ -146,11 +165,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         ssd_dir.as_deref(),
     )?;
     let bound = Bound::of(&traffic, &rates);
-    let predicted = match (&running.hybrid, &running.units) {
-        (Some(h), _) => Some(h.plan.predicted_tokens_per_s),
-        (_, Some(u)) => Some(u.plan.predicted_tokens_per_s),
-        _ => running.plan.as_ref().map(|p| p.prediction.tokens_per_s),
-    };
+    let predicted = running.predicted_tokens_per_s();
     // What the cache units moved, against what the plan expected per token.
     let units = running.units.as_ref().map(|u| {
         let [needed, loads, bytes] = u.traffic.snapshot();
@@ -217,23 +232,10 @@ impl DecodeRun {
 fn run_sessions(a: &DecodeArgs) -> Result<SessionsRun> {
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
-    let n = a.sessions as usize;
-    let ctx = a.prompt_tokens + a.tokens + 1;
-    if ctx > spec.max_context {
-        bail!(
-            "{ctx} positions exceed the model's maximum of {}",
-            spec.max_context
-        );
-    }
-    let job = Job {
-        sessions: n,
-        logit_rows: n,
-        ..Job::single(ctx, a.prompt_tokens.max(n), 1)
-    };
-    let running = loaded.start(&a.model, job)?;
-    let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| random_prompt_seeded(a.prompt_tokens, spec.vocab_size, 100 + i as u64))
-        .collect();
+    let n = a.sessions[0] as usize;
+    let ctx = sessions_ctx(a, spec.max_context)?;
+    let running = loaded.start(&a.model, sessions_job(a, n))?;
+    let prompts = sessions_prompts(a, n, spec.vocab_size);
     let argmax = crate::engine::sampler::argmax;
     let (one, many) = with_engine!(&running.engine, e => {
         let mut one = Vec::new();
@@ -249,33 +251,18 @@ fn run_sessions(a: &DecodeArgs) -> Result<SessionsRun> {
             one.push(a.tokens as f64 / t0.elapsed().as_secs_f64());
             drop(s);
             // All of them together.
-            let mut ss = Vec::with_capacity(n);
-            let mut last = Vec::with_capacity(n);
-            for p in &prompts {
-                let mut s = e.new_session(ctx)?;
-                last.push(argmax(&e.forward(&mut s, p, crate::engine::Logits::Last)?));
-                ss.push(s);
-            }
-            let group = e.prefill().group;
-            let t0 = Instant::now();
-            for _ in 0..a.tokens {
-                let mut calls: Vec<_> = ss.iter_mut().zip(&last).map(|(s, &t)| (s, t)).collect();
-                let mut out = Vec::with_capacity(n);
-                for c in calls.chunks_mut(group) {
-                    out.extend(e.decode_many(c)?);
-                }
-                last = out.iter().map(|l| argmax(l)).collect();
-            }
-            many.push((n * a.tokens) as f64 / t0.elapsed().as_secs_f64());
+            many.push(decode_together(e, &prompts, ctx, a.tokens)?);
         }
         (one, many)
     });
     let (one, many) = (measure::median(one), measure::median(many));
+    let predicted = running.predicted_tokens_per_s();
     let out = json!({
         "model": spec.name, "device": device_of(&running), "sessions": n,
         "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens, "reps": a.reps,
         "single_decode_tokens_per_s": one, "aggregate_decode_tokens_per_s": many,
-        "speedup": many / one,
+        "speedup": many / one, "cold": running.cold_mode(),
+        "predicted_aggregate_tokens_per_s": predicted,
         "prefill_layout": running.plan.as_ref().map(|p| p.prefill),
     });
     Ok(SessionsRun {
@@ -284,6 +271,153 @@ fn run_sessions(a: &DecodeArgs) -> Result<SessionsRun> {
         sessions: n,
         single_tokens_per_s: one,
         aggregate_tokens_per_s: many,
+        predicted_tokens_per_s: predicted,
+        json: out,
+    })
+}
+
+/// Positions each of the sequences needs: the prompt, the tokens decoded, one more.
+fn sessions_ctx(a: &DecodeArgs, max_context: usize) -> Result<usize> {
+    let ctx = a.prompt_tokens + a.tokens + 1;
+    if ctx > max_context {
+        bail!("{ctx} positions exceed the model's maximum of {max_context}");
+    }
+    Ok(ctx)
+}
+
+/// The job of `n` sequences decoded together: a KV cache and a logits row each.
+fn sessions_job(a: &DecodeArgs, n: usize) -> Job {
+    let ctx = a.prompt_tokens + a.tokens + 1;
+    Job {
+        sessions: n,
+        logit_rows: n,
+        ..Job::single(ctx, a.prompt_tokens.max(n), 1)
+    }
+}
+
+/// A different random prompt for each of `n` sequences.
+fn sessions_prompts(a: &DecodeArgs, n: usize, vocab: usize) -> Vec<Vec<u32>> {
+    (0..n)
+        .map(|i| random_prompt_seeded(a.prompt_tokens, vocab, 100 + i as u64))
+        .collect()
+}
+
+/// Aggregate decode tokens/s of `prompts.len()` sequences decoded together, `tokens` each, in
+/// batched steps of as many as a step holds (one step per token of each where all fit).
+fn decode_together<B: Backend>(
+    e: &Engine<B>,
+    prompts: &[Vec<u32>],
+    ctx: usize,
+    tokens: usize,
+) -> Result<f64> {
+    let argmax = crate::engine::sampler::argmax;
+    let mut ss = Vec::with_capacity(prompts.len());
+    let mut last = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let mut s = e.new_session(ctx)?;
+        last.push(argmax(&e.forward(
+            &mut s,
+            p,
+            crate::engine::Logits::Last,
+        )?));
+        ss.push(s);
+    }
+    let group = e.prefill().group.max(1);
+    let t0 = Instant::now();
+    for _ in 0..tokens {
+        let mut calls: Vec<_> = ss.iter_mut().zip(&last).map(|(s, &t)| (s, t)).collect();
+        let mut out = Vec::with_capacity(prompts.len());
+        for c in calls.chunks_mut(group) {
+            out.extend(e.decode_many(c)?);
+        }
+        last = out.iter().map(|l| argmax(l)).collect();
+    }
+    Ok((prompts.len() * tokens) as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// One count of sequences under one `--cold` mode.
+pub struct BatchRow {
+    pub mode: Cold,
+    pub sessions: usize,
+    /// What ran the neurons that do not fit (the choice of `auto`).
+    pub runs: Option<&'static str>,
+    pub predicted_tokens_per_s: Option<f64>,
+    /// Measured aggregate decode tokens/s, or why the mode could not run.
+    pub measured: std::result::Result<f64, String>,
+}
+
+/// `bench decode --sessions 1,4,16 [--modes …]`: every count under every mode.
+pub struct BatchesRun {
+    pub model: String,
+    pub device: &'static str,
+    pub rows: Vec<BatchRow>,
+    /// Everything, as `--json` prints it.
+    pub json: Value,
+}
+
+/// Each count of `--sessions` under each of `--modes` (or `--cold`): a fresh engine under the
+/// plan for that many sequences, its decode steps timed with all of them together.
+fn run_batches(a: &DecodeArgs) -> Result<BatchesRun> {
+    let loaded = LoadedModel::load(&a.model)?;
+    let spec = loaded.spec().clone();
+    let modes = if a.modes.is_empty() {
+        vec![a.model.budget.cold]
+    } else {
+        a.modes.clone()
+    };
+    let most = a.sessions.iter().copied().max().unwrap_or(1) as usize;
+    let ctx = sessions_ctx(a, spec.max_context)?;
+    let prompts = sessions_prompts(a, most, spec.vocab_size);
+    let mut rows = Vec::new();
+    let mut device = "";
+    for &mode in &modes {
+        let mut args = a.model.clone();
+        args.budget.cold = mode;
+        for &n in &a.sessions {
+            let n = n as usize;
+            let row = match loaded.start(&args, sessions_job(a, n)) {
+                Ok(running) => {
+                    device = device_of(&running);
+                    let measured = with_engine!(&running.engine, e => {
+                        let mut runs = Vec::with_capacity(a.reps);
+                        for _ in 0..a.reps {
+                            runs.push(decode_together(e, &prompts[..n], ctx, a.tokens));
+                        }
+                        runs.into_iter().collect::<Result<Vec<f64>>>()
+                    });
+                    BatchRow {
+                        mode,
+                        sessions: n,
+                        runs: running.cold_mode(),
+                        predicted_tokens_per_s: running.predicted_tokens_per_s(),
+                        measured: measured.map(measure::median).map_err(|e| format!("{e:#}")),
+                    }
+                }
+                Err(e) => BatchRow {
+                    mode,
+                    sessions: n,
+                    runs: None,
+                    predicted_tokens_per_s: None,
+                    measured: Err(format!("{e:#}")),
+                },
+            };
+            rows.push(row);
+        }
+    }
+    let out = json!({
+        "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens,
+        "decode_tokens": a.tokens, "reps": a.reps,
+        "rows": rows.iter().map(|r| json!({
+            "mode": r.mode, "sessions": r.sessions, "runs": r.runs,
+            "predicted_aggregate_tokens_per_s": r.predicted_tokens_per_s,
+            "aggregate_decode_tokens_per_s": r.measured.as_ref().ok(),
+            "error": r.measured.as_ref().err(),
+        })).collect::<Vec<_>>(),
+    });
+    Ok(BatchesRun {
+        model: spec.name,
+        device,
+        rows,
         json: out,
     })
 }

@@ -203,6 +203,7 @@ fn decode(a: bench::decode::DecodeArgs) -> Result<()> {
     match bench::decode::run(&a)? {
         DecodeOutcome::Single(r) => decode_single(&a, &r),
         DecodeOutcome::Sessions(r) => decode_sessions(&a, &r),
+        DecodeOutcome::Batches(r) => decode_batches(&a, &r),
     }
 }
 
@@ -249,13 +250,58 @@ fn decode_sessions(a: &bench::decode::DecodeArgs, r: &bench::decode::SessionsRun
         println!("{out}");
     } else {
         println!(
-            "{} on {}: {n} sequences together {:.1} tok/s in all, one alone {:.1} tok/s ({:.2}×)",
+            "{} on {}: {n} sequences together {:.1} tok/s in all, one alone {:.1} tok/s ({:.2}×){}",
             spec_name,
             device,
             many,
             one,
-            many / one
+            many / one,
+            r.predicted_tokens_per_s.map_or(String::new(), |p| format!(
+                "; the plan for {n} predicted {p:.1} tok/s in all"
+            ))
         );
+    }
+    Ok(())
+}
+
+/// `bench decode --sessions 1,4,16 [--modes …]`: a row per mode and count, the measured
+/// aggregate beside the plan's prediction; a mode that could not run says why.
+fn decode_batches(a: &bench::decode::DecodeArgs, r: &bench::decode::BatchesRun) -> Result<()> {
+    if a.json {
+        println!("{}", r.json);
+        return Ok(());
+    }
+    println!(
+        "{} on {}: aggregate decode tokens/s of N sequences decoded together ({} tokens each after a {}-token prompt, median of {}), each under the plan for N",
+        r.model, r.device, a.tokens, a.prompt_tokens, a.reps
+    );
+    println!(
+        "{:<7} {:>8} {:<7} {:>10} {:>10} {:>9} {:>9}",
+        "--cold", "sessions", "runs", "predicted", "measured", "÷predict", "÷1 alone"
+    );
+    for row in &r.rows {
+        let mode = format!("{:?}", row.mode).to_lowercase();
+        match &row.measured {
+            Ok(m) => {
+                let alone = r
+                    .rows
+                    .iter()
+                    .find(|o| o.mode == row.mode && o.sessions == 1)
+                    .and_then(|o| o.measured.as_ref().ok());
+                let cell = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("-".into(), f);
+                println!(
+                    "{:<7} {:>8} {:<7} {:>10} {:>10.1} {:>9} {:>9}",
+                    mode,
+                    row.sessions,
+                    row.runs.unwrap_or("whole"),
+                    cell(row.predicted_tokens_per_s, &|p| format!("{p:.1}")),
+                    m,
+                    cell(row.predicted_tokens_per_s, &|p| format!("{:.2}", m / p)),
+                    cell(alone.copied(), &|o| format!("{:.2}×", m / o)),
+                );
+            }
+            Err(e) => println!("{mode:<7} {:>8} could not run: {e}", row.sessions),
+        }
     }
     Ok(())
 }

@@ -41,8 +41,10 @@ pub struct PlanArgs {
     #[arg(long, env = "GPU_OFFLOAD_KV_TYPE", value_enum)]
     pub kv_type: Option<crate::runtime::KvTypeArg>,
 
-    /// Sequences at once (as `serve --parallel`): one step returns logits of each, and each
-    /// holds a cache of --ctx-size, or a block table into --kv-pool-tokens.
+    /// Sequences at once (as `serve --parallel`): one decode step evaluates a token of each and
+    /// returns logits of each, and each holds a cache of --ctx-size, or a block table into
+    /// --kv-pool-tokens. Each mode (stream, split, hybrid, cache units) is costed for steps of
+    /// this many sequences and its predicted tokens/s is their aggregate.
     #[arg(long, env = "GPU_OFFLOAD_PARALLEL", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub parallel: u16,
 
@@ -156,6 +158,7 @@ fn budget_of(a: &PlanArgs, spec: &ModelSpec, gpu_mem: u64) -> Result<Budget> {
         prompt: prompt.unwrap_or(batch),
         max_step: a.budget.max_step(),
         sessions,
+        sequences: sessions,
         logit_rows: sessions,
         kv_pool: a
             .kv_pool_tokens
@@ -182,7 +185,9 @@ fn print_plan(a: &PlanArgs, planned: StorePlan, budget: &Budget) -> Result<()> {
         if let Some(u) = &units {
             v["cache_units"] = serde_json::to_value(u)?;
         }
+        // Each candidate's predicted aggregate tokens/s for --parallel sequences a step.
         v["cold_candidates"] = serde_json::to_value(&candidates)?;
+        v["sequences"] = plan.prediction.step.sequences.into();
         v["cold"] = chosen.into();
         v["prefill_prediction"] = serde_json::to_value(plan.prefill_prediction(budget.prompt))?;
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -199,8 +204,12 @@ fn print_plan(a: &PlanArgs, planned: StorePlan, budget: &Budget) -> Result<()> {
                 .iter()
                 .map(|(c, t)| format!("{c:?} {t:.2} tok/s").to_lowercase())
                 .collect();
+            let of = match plan.prediction.step.sequences {
+                1 => String::new(),
+                n => format!(", in all for steps of {n} sequences"),
+            };
             println!(
-                "--cold auto chose {chosen} (predicted: {})",
+                "--cold auto chose {chosen} (predicted{of}: {})",
                 list.join(", ")
             );
         }

@@ -37,7 +37,9 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_OFFLOAD_API_KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
 
-    /// Sequences generated at once (their KV caches grow in the pool, --kv-pool-tokens).
+    /// Sequences generated at once (their KV caches grow in the pool, --kv-pool-tokens). An
+    /// offload plan (--gpu-mem) is costed for decode steps of this many sequences, --cold auto
+    /// choosing the mode fastest for them, and kept for the run.
     #[arg(long, env = "GPU_OFFLOAD_PARALLEL", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub parallel: u16,
 
@@ -123,6 +125,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
             kv_pool: Some(pool_tokens.div_ceil(KV_BLOCK)),
         },
     )?;
+    // The offload plan is costed for steps of every slot's sequence (the modes differ most in
+    // how they scale with the batch) and kept as the running count varies.
+    if let (Some(mode), Some(t)) = (running.cold_mode(), running.predicted_tokens_per_s()) {
+        eprintln!(
+            "plan: --cold {mode}, costed for decode steps of --parallel {parallel} sequences: predicted {t:.1} tok/s in all; kept for the whole run (not re-planned while fewer sequences run)"
+        );
+    }
     let model_id = loaded.model_id()?;
     let model_name = a.model_name.clone().unwrap_or_else(|| {
         loaded

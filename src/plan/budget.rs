@@ -1,5 +1,6 @@
 //! What a plan must fit in and how it refuses: the [`Budget`] (device and host memory, the
-//! prefetch window, contexts, sessions, step sizes, the execution mode's switches) and
+//! prefetch window, contexts, sessions and the sequences a decode step takes, step sizes, the
+//! execution mode's switches) and
 //! [`PlanError`], whose messages state the least that would do, in [`human_bytes`].
 //!
 //! Pure data: no planning here (that is [`super::stream`] and the modes above it).
@@ -23,6 +24,10 @@ pub struct Budget {
     pub ctx: usize,
     /// Sessions holding a KV cache at once (`serve --parallel`).
     pub sessions: usize,
+    /// Sequences one decode step evaluates a token of (continuous batching; usually every
+    /// session): what decode is costed for, each mode's prediction being the aggregate tokens/s
+    /// of all of them ([`super::batch`]). 1: one sequence alone.
+    pub sequences: usize,
     /// A paged KV pool of this many blocks ([`crate::backend::KV_BLOCK`] positions each) shared
     /// by the sessions, in place of a cache of `ctx` positions per session (serve). Where only
     /// KV in host memory fits
@@ -71,6 +76,7 @@ impl Budget {
             window,
             ctx,
             sessions: 1,
+            sequences: 1,
             kv_pool: None,
             kv_type: KvType::F16,
             probe: false,

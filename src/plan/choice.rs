@@ -1,7 +1,9 @@
 //! Which mode runs the FFN neurons an offloaded run cannot keep on the device (`--cold`):
 //! streamed in ([`super::stream`]), split with the CPU ([`super::split`]), hybrid
 //! ([`super::hybrid`]) or cache units ([`super::units`]); for `auto`, every candidate the model
-//! and profile allow, planned and compared by its predicted tokens/s.
+//! and profile allow, planned and compared by its predicted tokens/s — the aggregate of a decode
+//! step of the budget's sequences ([`super::batch`]): the fastest mode for one sequence need
+//! not be the fastest for many.
 //!
 //! Fails as the chosen mode's planner does; `auto` falls back to streaming, which always plans
 //! where anything does.
@@ -46,7 +48,8 @@ pub struct ColdChoice {
     pub hot: Option<HybridPlan>,
     /// The cache units, where chosen.
     pub units: Option<UnitPlan>,
-    /// The predicted tokens/s of every candidate considered.
+    /// The predicted tokens/s of every candidate considered (aggregate, all the budget's
+    /// sequences together).
     pub candidates: Vec<(Cold, f64)>,
 }
 

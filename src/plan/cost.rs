@@ -12,10 +12,11 @@ use serde::Serialize;
 use crate::footprint::{PrefillLayout, kv_bytes};
 use crate::model::ModelSpec;
 
+use super::batch;
 use super::budget::Budget;
 use super::hardware::HardwareProfile;
 use super::preserve::{LayerShape, Part, Residency};
-use super::{PerToken, Plan, Prediction};
+use super::{DecodeStep, PerToken, Plan, Prediction};
 
 /// What a decoded token's cost follows from: the placement a streaming plan chose.
 pub(super) struct DecodeInputs<'a> {
@@ -44,7 +45,9 @@ pub(super) struct DecodeCost {
 }
 
 /// Per decoded token: streamed layers + the input row in; logits out; the dynamic layers
-/// from SSD; device compute reads every weight and half the KV cache on average.
+/// from SSD; device compute reads every weight and half the KV cache on average. A step of the
+/// budget's sequences reads the weights (and the CPU its rows) once for all of them, and every
+/// sequence's input, KV cache and FLOPs ([`super::batch`]); the prediction is their aggregate.
 pub(super) fn decode_cost(
     spec: &ModelSpec,
     budget: &Budget,
@@ -75,53 +78,91 @@ pub(super) fn decode_cost(
     } else {
         0
     };
-    let (kv_in, kv_cpu) = if prefill.cpu_attention {
-        (0, kv_mid)
-    } else {
-        (kv_mid, 0)
+    // Where one row of a step of `rows` attends: the KV it brings in, the KV the CPU reads, the
+    // rows crossing for CPU attention.
+    let attention_of = |rows: usize| {
+        let on_cpu = batch::attends_on_cpu(&prefill, rows);
+        let layout = PrefillLayout {
+            cpu_attention: on_cpu,
+            ..prefill
+        };
+        let (kv_in, kv_cpu) = if on_cpu { (0, kv_mid) } else { (kv_mid, 0) };
+        (kv_in, kv_cpu, cpu_attention_rows(spec, layout))
     };
-    let (rows_in, rows_out) = cpu_attention_rows(spec, prefill);
+    let (kv_in, kv_cpu, (rows_in, rows_out)) = attention_of(1);
+    let device_weights =
+        small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows;
     let per_token = PerToken {
         h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in + rows_in,
         d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill) + rows_out,
         ssd_bytes,
-        hbm_read_bytes: small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows
-            + per_session / 2,
+        hbm_read_bytes: device_weights + per_session / 2,
         cpu_read_bytes: cpu_rows + kv_cpu,
     };
     // Ops per token: per layer about 14 (norms, 4 projections, rope, attention, FFN, adds)
-    // plus one per streamed block.
+    // plus one per streamed block; one op runs every row of a step.
     let streamed_blocks = Part::ALL
         .iter()
         .filter(|&&p| !residency.streamed_rows(&shape, p).is_empty())
         .count();
     let ops = n_layers * (14 + streamed_blocks) + 4;
-    let pcie_s = per_token.h2d_bytes as f64 / hw.h2d_pinned_bytes_per_s;
+    let rows = batch::step_rows(budget, &prefill);
+    let (kv_in_r, kv_cpu_r, (rows_in_r, _)) = attention_of(rows);
+    let r = rows as u64;
+    let h2d = streamed_all + r * (spec.d_model as u64 * 4 + kv_in_r + rows_in_r);
+    let step = decode_step(
+        spec,
+        budget,
+        hw,
+        (placed, &prefill),
+        rows,
+        (h2d, device_weights),
+    );
+    let pcie_s = h2d as f64 / hw.h2d_pinned_bytes_per_s;
     let ssd_s = per_token.ssd_bytes as f64 / hw.ssd_read_bytes_per_s;
-    let hbm_s = per_token.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
+    let hbm_s = step.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
     let ops_s = ops as f64 * hw.op_overhead_s;
     // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
-    // the copies; each layer pays a round trip (the FFN input down, the partial sum up).
-    let cpu_s = kv_cpu as f64 / hw.cpu_attention_rate()
+    // the copies; each layer pays a round trip (the FFN input down, the partial sum up, a row
+    // of each per sequence). Its rows are read once a step and computed for every sequence.
+    let cpu_s = r as f64 * kv_cpu_r as f64 / hw.cpu_attention_rate()
         + if cpu_rows > 0 {
-            let vector = (spec.d_model * 4) as f64;
-            cpu_rows as f64 / hw.dram_read_bytes_per_s
-                + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
+            let vector = (rows * spec.d_model * 4) as f64;
+            batch::bounded(
+                cpu_rows as f64,
+                hw.dram_read_bytes_per_s,
+                rows,
+                step.cpu_flops / rows as f64,
+                batch::cpu_flops_per_s(hw),
+            ) + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
         } else {
             0.0
         };
+    let device_s = hbm_s.max(step.compute_s);
+    let device = if step.compute_s > hbm_s {
+        "compute"
+    } else {
+        "HBM"
+    };
     // Where copies and device reads share one memory they take turns (see
     // `HardwareProfile::copies_share_memory`).
     let shared_s = if hw.copies_share_memory {
-        pcie_s + hbm_s
+        pcie_s + device_s
     } else {
         0.0
     };
     let (limited_by, bound) = [
         ("PCIe", pcie_s),
         ("SSD", ssd_s),
-        ("HBM", hbm_s),
-        ("HBM+CPU", hbm_s + cpu_s),
+        (device, device_s),
+        (
+            if device == "HBM" {
+                "HBM+CPU"
+            } else {
+                "compute+CPU"
+            },
+            device_s + cpu_s,
+        ),
         ("PCIe+HBM", shared_s),
     ]
     .into_iter()
@@ -130,18 +171,72 @@ pub(super) fn decode_cost(
         |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
     );
     let prediction = Prediction {
-        tokens_per_s: 1.0 / (bound + ops_s),
+        tokens_per_s: rows as f64 / (bound + ops_s),
         limited_by: limited_by.to_string(),
         pcie_s,
         ssd_s,
         hbm_s,
         cpu_s,
         ops_s,
+        step,
     };
     DecodeCost {
         prefill,
         per_token,
         prediction,
+    }
+}
+
+/// A decode step of `rows` rows under a streaming plan (`placed`, with the prefill layout where
+/// decode attends decided): the device reads its weights once and each row's KV (half the
+/// context on average); FLOPs of every row, the device's (the products of what it holds or
+/// streams, and attention) and the CPU's (its FFN rows). `bytes`: (host→device, weights the
+/// device reads) of the step.
+fn decode_step(
+    spec: &ModelSpec,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    (placed, prefill): (&DecodeInputs, &PrefillLayout),
+    rows: usize,
+    bytes: (u64, u64),
+) -> DecodeStep {
+    let n_layers = spec.n_layers as f64;
+    let cpu_neurons = if placed.cpu_rows > 0 {
+        placed.residency.cpu_rows
+    } else {
+        0
+    };
+    let device_neurons = spec.d_ff.saturating_sub(cpu_neurons) as f64;
+    let on_cpu = batch::attends_on_cpu(prefill, rows);
+    let attention = if on_cpu {
+        0.0
+    } else {
+        batch::attention_flops(spec, budget.ctx / 2)
+    };
+    let device_row = n_layers
+        * (batch::projection_flops(spec) + attention + device_neurons * batch::neuron_flops(spec))
+        + batch::head_flops(spec);
+    let cpu_row = n_layers * cpu_neurons as f64 * batch::neuron_flops(spec);
+    let r = rows as u64;
+    let hbm_read_bytes = bytes.1 + r * placed.per_session / 2;
+    let compute_s = if rows > 1 {
+        rows as f64 * device_row / hw.matmul_flops_per_s
+    } else {
+        0.0
+    };
+    let kv_cpu = if on_cpu {
+        kv_bytes(spec, budget.ctx, budget.kv_type) / 2
+    } else {
+        0
+    };
+    DecodeStep {
+        sequences: rows,
+        h2d_bytes: bytes.0,
+        hbm_read_bytes,
+        cpu_read_bytes: placed.cpu_rows + r * kv_cpu,
+        device_flops: rows as f64 * device_row,
+        cpu_flops: rows as f64 * cpu_row,
+        compute_s,
     }
 }
 

@@ -21,6 +21,7 @@ use crate::sparsity::{SparsityProfile, grid_index, grid_target};
 use crate::store::Manifest;
 
 use super::Plan;
+use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, FfnLayout, hot_rounding};
 use super::hardware::HardwareProfile;
@@ -107,6 +108,10 @@ pub struct HybridPlan {
     pub staging: u64,
     /// Rows of the merge buffer (the most tokens a step evaluates).
     pub batch: usize,
+    /// Sequences a decode step evaluates a token of: the layers' seconds and bytes and
+    /// `per_token` are of one such step (of one token where a sequence decodes alone), the
+    /// prediction their aggregate tokens/s.
+    pub sequences: usize,
     pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
     /// With streamed attention: the streaming plan it runs on (attention residency, slots,
@@ -343,6 +348,48 @@ struct Solved {
     solve_seconds: f64,
 }
 
+/// A layer's expected cold work in a decode step.
+struct ColdWork {
+    /// Cold neurons (each examined).
+    neurons: usize,
+    /// Expected cold neurons some row of the step needs (computed for every row).
+    active: f64,
+    /// Expected bytes the CPU reads.
+    bytes: f64,
+}
+
+/// The cold work of a layer with frequencies `f` and `hot` neurons on the device, in a step of
+/// `rows` sequences: every cold neuron examined, each needed where active for some row (with its
+/// frequency, rows and neurons taken as independent), a down block touched unless all its
+/// neurons are off for every row.
+fn cold_work(f: &[f64], hot: &[u32], lay: &FfnLayout, rows: usize) -> ColdWork {
+    let mut is_hot = vec![false; f.len()];
+    hot.iter().for_each(|&j| is_hot[j as usize] = true);
+    let cold: Vec<usize> = (0..f.len()).filter(|&j| !is_hot[j]).collect();
+    let active: f64 = cold.iter().map(|&j| batch::union_share(f[j], rows)).sum();
+    let touched: f64 = f
+        .chunks(lay.cost.unit)
+        .enumerate()
+        .filter(|(u, _)| !is_hot[u * lay.cost.unit])
+        .map(|(_, c)| {
+            let none = c.iter().map(|p| 1.0 - p).product::<f64>();
+            1.0 - if rows > 1 {
+                none.powi(rows as i32)
+            } else {
+                none
+            }
+        })
+        .sum();
+    let c = lay.cost;
+    ColdWork {
+        neurons: cold.len(),
+        active,
+        bytes: c.decide_bytes as f64 * cold.len() as f64
+            + c.active_bytes as f64 * active
+            + c.unit_bytes as f64 * touched,
+    }
+}
+
 /// The plan of a placement: device bytes, cold costs, expected traffic and speed.
 fn finish(
     plan: &Plan,
@@ -356,8 +403,16 @@ fn finish(
     let (d_ff, n_layers) = (spec.d_ff, spec.n_layers);
     let hw = &plan.hardware;
     let g = &plan.gpu;
-    let vector = (spec.d_model * 4) as f64;
+    // A decode step of `rows` sequences: weights read once, every row computed; the cold
+    // neurons any of them needs read and computed for all ([`super::batch`]).
+    let rows = batch::step_rows(&plan.budget, &plan.prefill);
+    let r = rows as u64;
+    let (cpu_rate, device_rate) = (batch::cpu_flops_per_s(hw), hw.matmul_flops_per_s);
+    let vector = (rows * spec.d_model * 4) as f64;
     let sync = 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s);
+    let attention_row =
+        batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
+    let decide_row = 2.0 * spec.d_model as f64;
     let total: f64 = freqs.iter().flatten().sum();
     let mut layers = Vec::with_capacity(n_layers);
     let mut hot_device = 0;
@@ -377,31 +432,41 @@ fn finish(
         hbm += hot_raw;
         let total_units = d_ff / lay.cost.unit;
         cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
-        // Expected cold work: every cold neuron examined, each active with its frequency, a
-        // down block touched unless all its neurons are off (taken as independent).
-        let mut is_hot = vec![false; d_ff];
-        ids.iter().for_each(|&j| is_hot[j as usize] = true);
-        let cold: Vec<usize> = (0..d_ff).filter(|&j| !is_hot[j]).collect();
-        let active: f64 = cold.iter().map(|&j| f[j]).sum();
-        let touched: f64 = f
-            .chunks(lay.cost.unit)
-            .enumerate()
-            .filter(|(u, _)| !is_hot[u * lay.cost.unit])
-            .map(|(_, c)| 1.0 - c.iter().map(|p| 1.0 - p).product::<f64>())
-            .sum();
-        let c = lay.cost;
-        let cold_bytes = c.decide_bytes as f64 * cold.len() as f64
-            + c.active_bytes as f64 * active
-            + c.unit_bytes as f64 * touched;
+        let ColdWork {
+            neurons: cold,
+            active,
+            bytes: cold_bytes,
+        } = cold_work(f, ids, lay, rows);
         cpu += cold_bytes as u64;
         let layer_attention = base.attention_layers[l];
-        let gpu_s = hot_raw as f64 / hw.hbm_bytes_per_s;
-        let cpu_s = if cold.is_empty() {
+        let gpu_s = batch::bounded(
+            hot_raw as f64,
+            hw.hbm_bytes_per_s,
+            rows,
+            ids.len() as f64 * batch::neuron_flops(spec),
+            device_rate,
+        );
+        // Every cold neuron's deciding vector, the rest of those any row needs, for every row.
+        let cold_row = decide_row * cold as f64 + (batch::neuron_flops(spec) - decide_row) * active;
+        let cpu_s = if cold == 0 {
             0.0
         } else {
-            cold_bytes / hw.dram_read_bytes_per_s + sync
+            batch::bounded(
+                cold_bytes,
+                hw.dram_read_bytes_per_s,
+                rows,
+                cold_row,
+                cpu_rate,
+            ) + sync
         };
-        seconds += layer_attention as f64 / hw.hbm_bytes_per_s + gpu_s.max(cpu_s);
+        let attention_s = batch::bounded(
+            layer_attention as f64,
+            hw.hbm_bytes_per_s,
+            rows,
+            attention_row,
+            device_rate,
+        );
+        seconds += attention_s + gpu_s.max(cpu_s);
         layers.push(HotLayer {
             neurons: ids.len(),
             activation_share: if layer_total > 0.0 {
@@ -409,7 +474,7 @@ fn finish(
             } else {
                 0.0
             },
-            runs: match (ids.len(), cold.len()) {
+            runs: match (ids.len(), cold) {
                 (_, 0) => LayerRuns::Gpu,
                 (0, _) => LayerRuns::Cpu,
                 _ => LayerRuns::Hybrid,
@@ -421,13 +486,20 @@ fn finish(
         });
     }
     let per_session = g.kv / plan.budget.sessions.max(1) as u64;
-    hbm += per_session / 2;
-    seconds += (g.head + per_session / 2) as f64 / hw.hbm_bytes_per_s;
+    hbm += r * per_session / 2;
+    seconds += batch::bounded(
+        (g.head + r * per_session / 2) as f64,
+        hw.hbm_bytes_per_s,
+        rows,
+        batch::head_flops(spec),
+        device_rate,
+    );
     // About 16 ops a layer (norms, projections, rope, attention, FFN, merge, adds).
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
-    let pcie = 2 * n_layers as u64 * spec.d_model as u64 * 4
-        + spec.d_model as u64 * 4
-        + spec.vocab_size as u64 * 4
+    let pcie = r
+        * (2 * n_layers as u64 * spec.d_model as u64 * 4
+            + spec.d_model as u64 * 4
+            + spec.vocab_size as u64 * 4)
         + base.streamed;
     // Streamed attention comes in beside the compute (the prefetch window).
     let seconds = seconds.max(base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
@@ -458,13 +530,23 @@ fn finish(
         dram_cold_bytes: cold_dram,
         staging: base.staging,
         batch: plan.budget.batch,
+        sequences: rows,
         per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
             pcie_bytes: pcie,
         },
-        predicted_tokens_per_s: 1.0 / seconds,
+        predicted_tokens_per_s: rows as f64 / seconds,
         base_plan: None,
+    }
+}
+
+/// What a sparse plan's per-token figures are of: a token, or a step of several sequences.
+pub(super) fn step_of(sequences: usize) -> String {
+    if sequences > 1 {
+        format!("step of {sequences} sequences")
+    } else {
+        "token".into()
     }
 }
 
@@ -519,11 +601,12 @@ impl HybridPlan {
         let p = &self.per_token;
         let _ = writeln!(
             s,
-            "per token: device reads {}, CPU reads {} from DRAM, PCIe {}; predicted {:.1} tok/s",
+            "per {}: device reads {}, CPU reads {} from DRAM, PCIe {}; predicted {}",
+            step_of(self.sequences),
             h(p.hbm_bytes),
             h(p.cpu_bytes),
             h(p.pcie_bytes),
-            self.predicted_tokens_per_s
+            batch::speed(self.predicted_tokens_per_s, self.sequences)
         );
         s
     }

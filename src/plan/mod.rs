@@ -25,8 +25,9 @@
 //!   [`preserve`](mod@preserve): which rows of a layer stay resident for a per-layer share;
 //! - [`prefill`]: how a long call runs (step, hidden states, KV cache);
 //! - this file: the [`Plan`] itself, as data;
+//! - [`batch`]: what a decode step of several sequences shares and what grows with them;
 //! - [`split`]: how many FFN neurons the CPU computes; [`dram`]: the DRAM plan; [`cost`]: what a
-//!   token moves and how fast it runs;
+//!   token moves and how fast it runs, for one sequence or a step of several;
 //! - [`stream`]: the streaming plan, [`make_plan`] (with the split where asked);
 //! - `report`: the plan as a table;
 //! - the sparse modes by the sparsity profile: [`placement`] (the exact hot-neuron ILP),
@@ -38,6 +39,7 @@
 //! A mode is named alike here and in [`crate::tier`]: `plan/X.rs` decides it, `tier/X.rs` holds
 //! its bytes.
 
+pub mod batch;
 pub mod budget;
 pub mod choice;
 pub mod cold;
@@ -130,6 +132,9 @@ pub struct PerToken {
     pub cpu_read_bytes: u64,
 }
 
+/// Predicted decode speed. The seconds are of one decode step of `step.sequences` rows (a token
+/// of each sequence; of one token where a sequence decodes alone), `tokens_per_s` the aggregate
+/// of all of them ([`batch`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Prediction {
     pub tokens_per_s: f64,
@@ -143,6 +148,25 @@ pub struct Prediction {
     #[serde(default)]
     pub cpu_s: f64,
     pub ops_s: f64,
+    /// What one step of several sequences moves and computes.
+    pub step: DecodeStep,
+}
+
+/// One decode step of several sequences: bytes read once for all of them, bytes and FLOPs of
+/// every row ([`batch`]). With one sequence the bytes are [`PerToken`]'s and the FLOPs bound
+/// nothing.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DecodeStep {
+    /// Rows the step evaluates: a token of each sequence.
+    pub sequences: usize,
+    pub h2d_bytes: u64,
+    pub hbm_read_bytes: u64,
+    pub cpu_read_bytes: u64,
+    /// FLOPs of the device's products and attention, and of the CPU's FFN rows.
+    pub device_flops: f64,
+    pub cpu_flops: f64,
+    /// The device's FLOPs at its product rate (0 for one row: its bytes bound it).
+    pub compute_s: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]

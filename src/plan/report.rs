@@ -240,7 +240,24 @@ fn write_dram(o: &mut String, p: &Plan) {
 
 /// What a decoded token moves, the hybrid or split share, and the predicted speed.
 fn write_decode(o: &mut String, p: &Plan) {
-    let g = &p.gpu;
+    let t = &p.per_token;
+    if p.prediction.step.sequences > 1 {
+        let _ = writeln!(
+            o,
+            "per token of one sequence alone: host→device {} MiB, SSD {} MiB, device reads {} MiB",
+            mib(t.h2d_bytes),
+            mib(t.ssd_bytes),
+            mib(t.hbm_read_bytes),
+        );
+    } else {
+        write_token(o, p);
+    }
+    write_cpu_share(o, p);
+    write_prediction(o, p);
+}
+
+/// What one token moves and takes (a sequence decoding alone).
+fn write_token(o: &mut String, p: &Plan) {
     let t = &p.per_token;
     let pr = &p.prediction;
     let _ = writeln!(
@@ -257,6 +274,13 @@ fn write_decode(o: &mut String, p: &Plan) {
         p.hardware.hbm_bytes_per_s / 1e9,
         pr.ops_s * 1e3
     );
+}
+
+/// The hybrid or split share of the FFN.
+fn write_cpu_share(o: &mut String, p: &Plan) {
+    let g = &p.gpu;
+    let t = &p.per_token;
+    let pr = &p.prediction;
     if p.residency.ffn_off {
         let _ = writeln!(
             o,
@@ -265,14 +289,51 @@ fn write_decode(o: &mut String, p: &Plan) {
     } else if t.cpu_read_bytes > 0 {
         let _ = writeln!(
             o,
-            "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per token ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",
+            "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per {} ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",
             p.residency.cpu_rows,
             mib(p.dram.cpu_rows),
-            mib(t.cpu_read_bytes),
+            mib(pr.step.cpu_read_bytes),
+            if pr.step.sequences > 1 {
+                "step"
+            } else {
+                "token"
+            },
             pr.cpu_s * 1e3,
             p.hardware.dram_read_bytes_per_s / 1e9,
             mib(g.merge)
         );
+    }
+}
+
+/// The predicted decode speed: one sequence's, or the aggregate of a step of several.
+fn write_prediction(o: &mut String, p: &Plan) {
+    let pr = &p.prediction;
+    let st = &pr.step;
+    if st.sequences > 1 {
+        let _ = writeln!(
+            o,
+            "per decode step of {} sequences (a token of each; weights read once, every row computed): host→device {} MiB ({:.2} ms), device reads {} MiB ({:.2} ms), device {:.2} GFLOP ({:.2} ms at {:.2} TFLOP/s), CPU {:.2} GFLOP, {:.2} ms in all (at {:.2} TFLOP/s)",
+            st.sequences,
+            mib(st.h2d_bytes),
+            pr.pcie_s * 1e3,
+            mib(st.hbm_read_bytes),
+            pr.hbm_s * 1e3,
+            st.device_flops / 1e9,
+            st.compute_s * 1e3,
+            p.hardware.matmul_flops_per_s / 1e12,
+            st.cpu_flops / 1e9,
+            pr.cpu_s * 1e3,
+            crate::plan::batch::cpu_flops_per_s(&p.hardware) / 1e12
+        );
+        let _ = writeln!(
+            o,
+            "predicted decode: {:.2} tokens/s in all for {} sequences, {:.2} each (bound by {})",
+            pr.tokens_per_s,
+            st.sequences,
+            pr.tokens_per_s / st.sequences as f64,
+            pr.limited_by
+        );
+        return;
     }
     let _ = writeln!(
         o,

@@ -4,7 +4,11 @@
 //! still streams. What [`crate::tier::split`] carries out.
 //!
 //! Problem. With `a` other streamed bytes, `n` neurons off the device of `b` bytes, PCIe rate
-//! `p` and DRAM rate `d`, find `c` with `(a + (n − c)·b)/p = c·b/d`.
+//! `p` and the rate `d` at which the CPU gets through its neurons' bytes, find `c` with
+//! `(a + (n − c)·b)/p = c·b/d`. For one sequence `d` is the DRAM read rate; a step of `N`
+//! sequences reads the neurons once but computes `N` rows of `f` FLOPs each at the CPU's rate
+//! `F`, so `d = min(DRAM, F·b/(N·f))` ([`super::batch::cpu_neuron_rate`]): the CPU's share
+//! shrinks as the batch grows, while the streamed bytes serve every sequence alike.
 //!
 //! Algorithm. Solve for `c`, round what still streams to whole checksum groups, refit the
 //! residency around it (the slots shrink, which leaves room for more resident rows, which
@@ -19,17 +23,19 @@ use super::manifest::{extent, holds, part_segment_name, seg};
 use super::preserve::{LayerShape, Part, Residency};
 
 /// The residency balancing the CPU's share of the FFN against the copies, from `start` (no
-/// split) on `hw`; `fit(c)` is the residency that fits with the last `c` neurons of every layer
-/// on the CPU.
+/// split) on `hw`, the CPU getting through its neurons' bytes at `cpu_bytes_per_s` (the DRAM
+/// rate for one sequence); `fit(c)` is the residency that fits with the last `c` neurons of
+/// every layer on the CPU.
 pub(super) fn balance(
     shape: &LayerShape,
     hw: &HardwareProfile,
+    cpu_bytes_per_s: f64,
     start: Residency,
     fit: impl Fn(usize) -> Residency,
 ) -> Residency {
     let f = Part::Ffn.index();
     let (rows, b) = (shape.rows[f], shape.row_bytes[f]);
-    let (p, d) = (hw.h2d_pinned_bytes_per_s, hw.dram_read_bytes_per_s);
+    let (p, d) = (hw.h2d_pinned_bytes_per_s, cpu_bytes_per_s);
     let mut cur = start;
     for _ in 0..4 {
         let n = rows - cur.rows[f];
@@ -95,7 +101,7 @@ mod tests {
             hw.h2d_pinned_bytes_per_s = 1.0;
             hw.dram_read_bytes_per_s = dram_per_pcie;
             let rounds = Cell::new(0);
-            let r = balance(&shape, &hw, Residency::default(), |c| {
+            let r = balance(&shape, &hw, dram_per_pcie, Residency::default(), |c| {
                 rounds.set(rounds.get() + 1);
                 fit(c)
             });
@@ -115,7 +121,7 @@ mod tests {
         hw.dram_read_bytes_per_s = 1e6;
         let mut start = Residency::default();
         start.rows[Part::Ffn.index()] = 256;
-        let r = balance(&shape, &hw, start, |c| {
+        let r = balance(&shape, &hw, hw.dram_read_bytes_per_s, start, |c| {
             let mut r = start;
             r.cpu_rows = c;
             r

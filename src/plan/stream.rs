@@ -22,6 +22,7 @@ use crate::footprint::{PrefillLayout, StepMemory, device_bytes};
 use crate::model::ModelSpec;
 use crate::store::Manifest;
 
+use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cost::{DecodeInputs, decode_cost};
 use super::dram::plan_dram;
@@ -314,7 +315,15 @@ impl<'a> DeviceFrame<'a> {
             // The CPU+PCIe split: see `split::balance`; the first round's merge buffer must
             // fit too.
             let with_merge = device_bytes((budget.batch * self.d_model * 4) as u64);
-            let cur = split::balance(&self.shape, hw, residency, |c| {
+            // The CPU computes its neurons for every sequence of a decode step.
+            let f = Part::Ffn.index();
+            let cpu_rate = batch::cpu_neuron_rate(
+                hw,
+                batch::neuron_flops(&m.spec),
+                self.shape.row_bytes[f],
+                batch::step_rows(budget, &self.prefill),
+            );
+            let cur = split::balance(&self.shape, hw, cpu_rate, residency, |c| {
                 self.fit(c, false, with_merge)
             });
             if cur.cpu_rows > 0 && self.placed_with(&cur, window) + with_merge <= self.usable {

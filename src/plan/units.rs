@@ -27,9 +27,10 @@ use crate::sparsity::{SparsityProfile, grid_index};
 use crate::store::{Encoding, Manifest, names};
 
 use super::Plan;
+use super::batch;
 use super::budget::{PlanError, human_bytes};
 use super::cold::{ColdCost, hot_device_bytes};
-use super::hybrid::HybridPlan;
+use super::hybrid::{HybridPlan, step_of};
 use super::manifest::{part_segment_name, seg};
 use super::precision::{Precision, TIER_ENCODINGS};
 use super::preserve::Part;
@@ -59,9 +60,9 @@ pub struct UnitLayer {
     /// Expected bytes per token the layer's FFN reads on the device, reads from DRAM on the
     /// CPU, and moves over PCIe.
     pub ffn_bytes: [u64; 3],
-    /// Mean neurons active per token.
+    /// Mean neurons active per token (per step: the union of its sequences').
     pub mean_active: f64,
-    /// Expected neurons brought in per token.
+    /// Expected neurons brought in per token (per step).
     pub expected_loads: f64,
 }
 
@@ -94,6 +95,10 @@ pub struct UnitPlan {
     pub device: UnitDevice,
     /// DRAM the neurons take (every layer's bundles in each encoding used).
     pub dram_neurons: u64,
+    /// Sequences a decode step evaluates a token of: the layers' figures and `per_token` are of
+    /// one such step (of one token where a sequence decodes alone), the prediction their
+    /// aggregate tokens/s.
+    pub sequences: usize,
     pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
     /// Per layer, what a stale neuron's stay is worth (its frequency; what the ATU evicts by).
@@ -189,11 +194,12 @@ impl UnitPlan {
         let p = &self.per_token;
         let _ = writeln!(
             s,
-            "per token: device reads {}, CPU reads {} from DRAM (deciding vectors), PCIe {}; predicted {:.1} tok/s",
+            "per {}: device reads {}, CPU reads {} from DRAM (deciding vectors), PCIe {}; predicted {}",
+            step_of(self.sequences),
             h(p.hbm_bytes),
             h(p.cpu_bytes),
             h(p.pcie_bytes),
-            self.predicted_tokens_per_s
+            batch::speed(self.predicted_tokens_per_s, self.sequences)
         );
         s
     }
@@ -279,7 +285,14 @@ pub fn plan_units(
             None => vec![1.0 - target; d_ff],
         })
         .collect();
-    let means: Vec<f64> = freqs.iter().map(|f| f.iter().sum::<f64>()).collect();
+    // A decode step of `rows` sequences needs the union of their active sets: a neuron with
+    // frequency f is in it with 1 − (1 − f)^rows ([`super::batch`]). Units are sized for it.
+    let rows = batch::step_rows(&plan.budget, &plan.prefill);
+    let needed: Vec<Vec<f64>> = freqs
+        .iter()
+        .map(|f| f.iter().map(|&p| batch::union_share(p, rows)).collect())
+        .collect();
+    let means: Vec<f64> = needed.iter().map(|f| f.iter().sum::<f64>()).collect();
     let lo = largest_scale(plan, &unit_room, &means, share)?;
     let UnitRoom {
         row, biased, base, ..
@@ -290,14 +303,22 @@ pub fn plan_units(
     let slots = slots_at(&means, share, d_ff, lo);
     let (units, staging) = unit_device_bytes(&slots, row, biased);
 
-    let reuse = profile.and_then(|p| p.unit_reuse.as_ref());
+    // The measured reuse is of one sequence's trace: a step of several keeps the independent
+    // estimate of its union.
+    let reuse = profile
+        .and_then(|p| p.unit_reuse.as_ref())
+        .filter(|_| rows == 1);
     let hw = &plan.hardware;
     let decide = Encoding::F16.row_bytes(parts * d, parts) as u64 / parts as u64;
-    let sync = hw.op_overhead_s + (d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
+    let r = rows as u64;
+    let sync = hw.op_overhead_s + (rows * d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
+    let (cpu_rate, device_rate) = (batch::cpu_flops_per_s(hw), hw.matmul_flops_per_s);
+    let attention_row =
+        batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
     let mut layers = Vec::with_capacity(n_layers);
     let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + base.attention, 0u64, 0u64);
     let mut seconds = 0.0;
-    for (l, (f, &mu)) in freqs.iter().zip(&means).enumerate() {
+    for (l, (f, &mu)) in needed.iter().zip(&means).enumerate() {
         let k = slots[l];
         let (mut loads, mut active, mut moved) = (0.0, 0.0, 0.0);
         for i in precision.tiers() {
@@ -323,10 +344,21 @@ pub fn plan_units(
         let decided = d_ff as u64 * decide;
         hbm += active;
         cpu += decided;
-        pcie += moved + (d * 4) as u64;
-        let layer_s = (base.attention_layers[l] + active) as f64 / hw.hbm_bytes_per_s
-            + decided as f64 / hw.dram_read_bytes_per_s
-            + moved as f64 / hw.h2d_pinned_bytes_per_s
+        pcie += moved + r * (d * 4) as u64;
+        // The device computes the step's union for every row; the CPU every deciding vector.
+        let layer_s = batch::bounded(
+            (base.attention_layers[l] + active) as f64,
+            hw.hbm_bytes_per_s,
+            rows,
+            attention_row + mu * batch::neuron_flops(spec),
+            device_rate,
+        ) + batch::bounded(
+            decided as f64,
+            hw.dram_read_bytes_per_s,
+            rows,
+            d_ff as f64 * 2.0 * d as f64,
+            cpu_rate,
+        ) + moved as f64 / hw.h2d_pinned_bytes_per_s
             + 2.0 * sync;
         seconds += layer_s;
         layers.push(UnitLayer {
@@ -335,17 +367,23 @@ pub fn plan_units(
             hot: 0,
             device_bytes: unit_device_bytes(&[k], row, biased).0,
             seconds: layer_s,
-            ffn_bytes: [active, decided, moved + (d * 4) as u64],
+            ffn_bytes: [active, decided, moved + r * (d * 4) as u64],
             mean_active: mu,
             expected_loads: loads,
         });
     }
     let per_session = g.kv / plan.budget.sessions.max(1) as u64;
-    hbm += per_session / 2;
-    seconds += (g.head + per_session / 2) as f64 / hw.hbm_bytes_per_s;
+    hbm += r * per_session / 2;
+    seconds += batch::bounded(
+        (g.head + r * per_session / 2) as f64,
+        hw.hbm_bytes_per_s,
+        rows,
+        batch::head_flops(spec),
+        device_rate,
+    );
     // About 16 ops a layer (norms, projections, rope, attention, the listed FFN, scatter).
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
-    pcie += (spec.d_model + spec.vocab_size) as u64 * 4;
+    pcie += r * (spec.d_model + spec.vocab_size) as u64 * 4;
     let dram_neurons = dram_neurons(m, precision, n_layers)?;
     let placed = everything_else + units + staging;
     Ok(UnitPlan {
@@ -363,12 +401,13 @@ pub fn plan_units(
             total: g.fixed + placed,
         },
         dram_neurons,
+        sequences: rows,
         per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
             pcie_bytes: pcie,
         },
-        predicted_tokens_per_s: 1.0 / seconds,
+        predicted_tokens_per_s: rows as f64 / seconds,
         scores: freqs
             .iter()
             .map(|f| f.iter().map(|&p| p as f32).collect())
@@ -562,10 +601,20 @@ pub fn mix_with_hybrid(
         room,
     } = unit_room(m, plan)?;
     let merge = device_bytes((hot.batch.max(1) * spec.d_model * 4) as u64);
+    let rows = units.sequences;
+    let attention_row =
+        batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
     // Per layer: (seconds, device bytes) as a unit and as hybrid.
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
-        let hybrid_s = base.attention_layers[l] as f64 / hw.hbm_bytes_per_s + h.gpu_s.max(h.cpu_s);
+        let attention_s = batch::bounded(
+            base.attention_layers[l] as f64,
+            hw.hbm_bytes_per_s,
+            rows,
+            attention_row,
+            hw.matmul_flops_per_s,
+        );
+        let hybrid_s = attention_s + h.gpu_s.max(h.cpu_s);
         let hybrid_b = hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
         opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
     }
@@ -606,7 +655,7 @@ pub fn mix_with_hybrid(
         return Ok(units);
     }
     let mut out = units;
-    let mut seconds = 1.0 / out.predicted_tokens_per_s;
+    let mut seconds = rows as f64 / out.predicted_tokens_per_s;
     let (mut hbm, mut cpu) = (out.per_token.hbm_bytes, out.per_token.cpu_bytes);
     let mut pcie = out.per_token.pcie_bytes;
     let mut hot_neurons = vec![None; n_layers];
@@ -619,7 +668,7 @@ pub fn mix_with_hybrid(
         let ffn = [
             h.device_bytes.saturating_sub(base.attention_layers[l]),
             h.cpu_bytes,
-            (2 * spec.d_model * 4) as u64,
+            (rows * 2 * spec.d_model * 4) as u64,
         ];
         hbm = hbm - u.ffn_bytes[0] + ffn[0];
         cpu = cpu - u.ffn_bytes[1] + ffn[1];
@@ -649,7 +698,7 @@ pub fn mix_with_hybrid(
         cpu_bytes: cpu,
         pcie_bytes: pcie,
     };
-    out.predicted_tokens_per_s = 1.0 / seconds;
+    out.predicted_tokens_per_s = rows as f64 / seconds;
     out.hybrid = Some(HybridLayers {
         hot_neurons,
         cold_cost: hot.cold_cost.clone(),

@@ -51,6 +51,8 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         window: args.budget.prefetch_window as usize,
         ctx: job.ctx,
         sessions: job.sessions.max(1),
+        // Every session decodes in the same steps (serve, bench --sessions).
+        sequences: job.sessions.max(1),
         kv_pool: job.kv_pool,
         kv_type: kv_type_for(args, device),
         probe: job.probe,

@@ -26,7 +26,7 @@ pub enum Device {
 }
 
 /// Flags shared by every command that loads a model.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct ModelArgs {
     /// GGUF file or Hugging Face model directory [default: the model scripts/fetch-models.sh
     /// downloads, SmolLM2-135M-Instruct Q4_1, in $GPU_OFFLOAD_MODELS or ~/.cache/gpu-offload/models]
@@ -135,7 +135,7 @@ pub struct PromptArgs {
 }
 
 /// Flags shared by everything that runs under a memory budget.
-#[derive(Debug, Args)]
+#[derive(Clone, Debug, Args)]
 pub struct BudgetArgs {
     /// Device memory budget, e.g. 4G, 512M, 4GiB.
     #[arg(long, env = "GPU_OFFLOAD_GPU_MEM", value_parser = parse_bytes)]

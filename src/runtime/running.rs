@@ -85,6 +85,32 @@ impl Running {
         }
     }
 
+    /// What runs the FFN neurons that do not fit the device, as `--cold` names it: `cpu`
+    /// (hybrid), `gpu` (cache units), `split` or `stream`; `None` without a plan (the whole
+    /// model on its device).
+    pub fn cold_mode(&self) -> Option<&'static str> {
+        let plan = self.plan.as_ref()?;
+        Some(if self.hybrid.is_some() {
+            "cpu"
+        } else if self.units.is_some() {
+            "gpu"
+        } else if plan.residency.cpu_rows > 0 {
+            "split"
+        } else {
+            "stream"
+        })
+    }
+
+    /// The plan's predicted decode tokens/s for the mode it runs: the aggregate of a step of
+    /// the job's sessions, each decoding a token ([`crate::plan::batch`]); `None` without a plan.
+    pub fn predicted_tokens_per_s(&self) -> Option<f64> {
+        match (&self.hybrid, &self.units) {
+            (Some(h), _) => Some(h.plan.predicted_tokens_per_s),
+            (_, Some(u)) => Some(u.plan.predicted_tokens_per_s),
+            _ => self.plan.as_ref().map(|p| p.prediction.tokens_per_s),
+        }
+    }
+
     /// The most device memory the process was seen to hold by its own entry (driver figures;
     /// CUDA only).
     pub fn process_peak_bytes(&self) -> Option<u64> {
