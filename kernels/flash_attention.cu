@@ -31,10 +31,9 @@
 #define SPLIT_ROWS 4   // query rows the split kernel takes (SPLIT_ROWS in src/backend/cuda/mod.rs)
 #define MAX_SPLITS 32  // partials per head: rows × chunks at most (MAX_SPLITS there)
 #define SPLIT_MIN_KEYS 64  // keys a chunk takes at least (SPLIT_MIN_KEYS there)
-#define SPLIT_TILE 64  // keys scored per pass of a split block
 #define SPLIT_THREADS 128
 #define SPLIT_MAX_HD 256
-#define SPLIT_LOADS 4  // keys whose loads a lane of the split kernel has in flight
+#define SPLIT_LOADS 4  // keys whose key and value loads a lane of the split kernel has in flight (one row)
 #define MASKED (-3.0e38f)
 
 // Eight halves, moved as one 16-byte access.
@@ -109,32 +108,59 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// Elements c..c+7 of a KV cache row in storage format DT, c a multiple of 8: one 16-byte load
-// for f16, two for f32; a Q8_0 row's 8 codes lie in one block. The values kv_elem gives.
+// Elements c..c+7 of a KV cache row in storage format DT, c a multiple of 8, as loaded (kv_load8)
+// and then converted (kv_cvt8): one 16-byte load for f16, two for f32; a Q8_0 row's 8 codes lie in
+// one block. Split so a lane can have several rows' loads in flight before it converts any; the
+// words a format does not use are never set (nor kept in registers).
+struct KvRaw {
+    u32 w[8];
+};
+
 template <int DT>
-__device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
+__device__ __forceinline__ KvRaw kv_load8(const u8* row, int c) {
+    KvRaw r;
     if (DT == DT_F32) {
-        const float4* p = (const float4*)((const float*)row + c);
-        const float4 a = p[0], b = p[1];
-        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w;
-        x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+        const uint4* p = (const uint4*)((const float*)row + c);
+        const uint4 a = p[0], b = p[1];
+        r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
+        r.w[4] = b.x, r.w[5] = b.y, r.w[6] = b.z, r.w[7] = b.w;
     } else if (DT == DT_F16) {
-        const Half8 h = *(const Half8*)((const u16*)row + c);
-#pragma unroll
-        for (int e = 0; e < 8; e++) x[e] = h2f((u16)(h.w[e >> 1] >> (16 * (e & 1))));
+        const uint4 h = *(const uint4*)((const u16*)row + c);
+        r.w[0] = h.x, r.w[1] = h.y, r.w[2] = h.z, r.w[3] = h.w;
     } else {
         // Rows and 34-byte blocks start at even bytes (rows of whole blocks, buffers aligned),
         // so the scale and the codes load two bytes at a time.
         const u8* b = row + (c >> 5) * 34;
-        const float d = h2f(*(const u16*)b);
+        r.w[0] = *(const u16*)b;
         const u16* codes = (const u16*)(b + 2 + (c & 31));
 #pragma unroll
+        for (int e = 0; e < 4; e++) r.w[1 + e] = codes[e];
+    }
+    return r;
+}
+
+// The values kv_elem gives for the 8 elements kv_load8 loaded.
+template <int DT>
+__device__ __forceinline__ void kv_cvt8(const KvRaw& r, float* x) {
+    if (DT == DT_F32) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = __uint_as_float(r.w[e]);
+    } else if (DT == DT_F16) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = h2f((u16)(r.w[e >> 1] >> (16 * (e & 1))));
+    } else {
+        const float d = h2f((u16)r.w[0]);
+#pragma unroll
         for (int e = 0; e < 4; e++) {
-            const u16 two = codes[e];
-            x[2 * e] = d * (float)(i8)(two & 0xff);
-            x[2 * e + 1] = d * (float)(i8)(two >> 8);
+            x[2 * e] = d * (float)(i8)(r.w[1 + e] & 0xff);
+            x[2 * e + 1] = d * (float)(i8)(r.w[1 + e] >> 8);
         }
     }
+}
+
+template <int DT>
+__device__ __forceinline__ void kv_vec8(const u8* row, int c, float* x) {
+    kv_cvt8<DT>(kv_load8<DT>(row, c), x);
 }
 
 // Keys j0 .. j0 + FA_KEYS - 1 of a cache in format DT (rows of rb bytes; one KV head's HD columns
@@ -409,11 +435,13 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
     if (d < hd) out[t * q_stride + h * hd + d] = o / den;
 }
 
-// The chunks a split attention of `rows` query rows over `keys` positions takes: at least
-// SPLIT_MIN_KEYS keys a chunk, rows × chunks at most MAX_SPLITS, every chunk holding a key. The
-// host's split_chunks (src/backend/cuda/mod.rs), step for step.
-__device__ inline void split_plan(int keys, int rows, int* chunks, int* chunk) {
-    const int most = rows > 1 ? (MAX_SPLITS / rows > 1 ? MAX_SPLITS / rows : 1) : MAX_SPLITS;
+// The chunks a split attention of `rows` query rows over `keys` positions takes, given `most`
+// (the host's split_most_chunks, from the device's size): at least SPLIT_MIN_KEYS keys a chunk,
+// at most `most` chunks and rows × chunks at most MAX_SPLITS (the workspace), every chunk
+// holding a key. The host's split_chunks (src/footprint/attention.rs), step for step.
+__device__ inline void split_plan(int keys, int rows, int most, int* chunks, int* chunk) {
+    const int cap = rows > 1 ? (MAX_SPLITS / rows > 1 ? MAX_SPLITS / rows : 1) : MAX_SPLITS;
+    most = most < 1 ? 1 : (most > cap ? cap : most);
     int c = (keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
     c = c < 1 ? 1 : (c > most ? most : c);
     const int k = (keys + c - 1) / c;
@@ -447,166 +475,154 @@ __device__ void combine_head(const float* ws, float* out, int t, int h, int n_he
     }
 }
 
-// The 8 dims at column c of the SPLIT_LOADS cache rows a lane of the split kernel takes next: tile
-// positions first, first + groups, ... of the tile at j0 (zeros past the tile, or for a lane
-// without dims), every load issued before any value is used.
-template <int DT>
-__device__ __forceinline__ void split_loads(const u8* cache, const unsigned* table, long long rb, int j0, int first,
-                                            int groups, int tile, bool dims, int c, float (&x)[SPLIT_LOADS][8]) {
+// The 8 dims at column c of the LOADS cache rows a lane of the split kernel takes next: chunk
+// positions first, first + groups, ... of the chunk at k0, loaded (kv_load8). Keys past the
+// chunk's `len` load its last key (their scores are masked): no load has a branch, so every one
+// is issued before any value is used.
+template <int DT, int LOADS>
+__device__ __forceinline__ void split_loads(const u8* cache, const unsigned* table, long long rb, int k0, int first,
+                                            int groups, int len, int c, KvRaw (&x)[LOADS]) {
 #pragma unroll
-    for (int u = 0; u < SPLIT_LOADS; u++) {
-        const int jj = first + u * groups;
-        if (dims && jj < tile) {
-            kv_vec8<DT>(cache + kv_row(table, j0 + jj) * rb, c, x[u]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) x[u][e] = 0.0f;
-        }
+    for (int u = 0; u < LOADS; u++) {
+        const int jj = min(first + u * groups, len - 1);
+        x[u] = kv_load8<DT>(cache + kv_row(table, k0 + jj) * rb, c);
     }
 }
 
-// One chunk of keys (chunk·blockIdx.y ..) for the n ≤ SPLIT_ROWS query rows of head blockIdx.x;
-// caches of any KV type DT, head dims of 32..SPLIT_MAX_HD in multiples of 8. Leaves, per row t,
-// at ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
+// One chunk of keys (chunk·blockIdx.y ..) for the n ≤ ROWS query rows of head blockIdx.x (ROWS:
+// 1 for a decode step, SPLIT_ROWS else; the registers a row takes are held either way); caches
+// of any KV type DT, head dims of 32..SPLIT_MAX_HD in multiples of 8. Leaves, per row t, at
+// ws[(h·MAX_SPLITS + t·chunks + chunk)·(hd + 2)]: the chunk's max score m, its sum of
 // exp(score - m), and hd outputs weighted by those exps (a row that sees none of the chunk:
 // MASKED, 0, zeros). The head's last block to finish (tickets[h] counts them, and is left at 0
 // for the next launch) then writes the head's rows of `out` from every chunk's partials.
-// Grid: (n_heads, chunks) with n·chunks ≤ MAX_SPLITS; block: SPLIT_THREADS.
+// Grid: (n_heads, chunks) with chunks ≤ most ≤ MAX_SPLITS / n; block: SPLIT_THREADS.
 // With `pos_at` (a recorded step, replayed at later positions as a CUDA graph) the position is
 // read there and the chunks planned here, as split_chunks plans them on the host; the grid then
-// has room for the most chunks (MAX_SPLITS / n), and blocks past the plan take no ticket and
-// leave nothing.
+// has room for the most chunks (`most`), and blocks past the plan take no ticket and leave
+// nothing.
 //
-// The chunk is read at the memory's pace: a lane takes 8 dims of a key (16 bytes of an f16
-// cache) and has SPLIT_LOADS keys' loads in flight, a group of split_lanes(hd) lanes covers a
-// key, and the block's groups take the tile's keys in turn, for the scores and again for the
-// values. Each lane sums its keys' weighted values; the groups' sums are added at the end, in
-// group order.
-template <int DT>
+// The chunk is read at the memory's pace, with no barrier until its keys are done: a lane takes
+// 8 dims of a key (16 bytes of an f16 cache), a group of split_lanes(hd) lanes covers a key, and
+// group g takes keys g, g + groups, ... of the chunk, LOADS at a time, their keys' and values'
+// loads all in flight together (for heads of 128: 32 keys a block, 16 KiB of an f16 cache, each
+// round trip to memory). Each group keeps its own running max and sum per row (online softmax:
+// a batch of keys rescales what it holds once), and at the end the block merges its groups'
+// partials in group order, each weighted by exp(its max - the largest).
+template <int DT, int ROWS>
 __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws,
                            unsigned* tickets, float* out, int n, int n_heads, int group, int hd, int kv_cols,
-                           int first_pos, float scale, int chunk, const int* pos_at) {
-    __shared__ float p[SPLIT_ROWS * SPLIT_TILE];
-    __shared__ float alpha[SPLIT_ROWS];
-    __shared__ float sums[SPLIT_ROWS * SPLIT_THREADS * 8];  // each lane's weighted values, per row
+                           int first_pos, float scale, int chunk, int most, const int* pos_at) {
+    constexpr int LOADS = ROWS == 1 ? SPLIT_LOADS : 1;
+    // Per row t and group g: the group's max and sum at stats[2 (t·groups + g)], its weighted
+    // values at vals[(t·groups + g)·hd + d] (groups·hd ≤ SPLIT_THREADS·8: lanes·8 ≥ hd).
+    __shared__ float stats[ROWS * SPLIT_THREADS / 4 * 2];
+    __shared__ float vals[ROWS * SPLIT_THREADS * 8];
     __shared__ bool last;  // this block is the head's last to finish
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int warps = SPLIT_THREADS / 32;
+    const int tid = threadIdx.x;
     const int h = blockIdx.x, part = blockIdx.y, col = (h / group) * hd;
     int chunks = gridDim.y;
     if (pos_at) {
         first_pos = *pos_at;
-        split_plan(first_pos + n, n, &chunks, &chunk);
+        split_plan(first_pos + n, n, most, &chunks, &chunk);
         if (part >= chunks) return;  // the whole block: no barrier is reached
     }
     const long long rb = row_bytes(DT, kv_cols);
-    const int k0 = part * chunk, k1 = min(first_pos + n, k0 + chunk);
-    // This lane: dims d0..d0+7 (none when d0 ≥ hd: it only joins the sums) of keys kg,
-    // kg + groups, ... of each tile.
+    const int k0 = part * chunk, len = min(first_pos + n, k0 + chunk) - k0;
+    // This lane: dims d0..d0+7 (none when d0 ≥ hd: it only joins the sums, its query zeros,
+    // loading dims 0..7 where it loads) of keys kg, kg + groups, ... of the chunk.
     const int lanes = split_lanes(hd), groups = SPLIT_THREADS / lanes;
     const int kg = tid / lanes, d0 = (tid % lanes) * 8;
     const bool dims = d0 < hd;
-    float qr[SPLIT_ROWS][8], acc[SPLIT_ROWS][8];
+    const int c = col + (dims ? d0 : 0);
+    float qr[ROWS][8], acc[ROWS][8], m[ROWS], l[ROWS];
 #pragma unroll
-    for (int t = 0; t < SPLIT_ROWS; t++)
+    for (int t = 0; t < ROWS; t++) {
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             qr[t][e] = t < n && dims ? q[(long long)t * n_heads * hd + h * hd + d0 + e] * scale : 0.0f;
             acc[t][e] = 0.0f;
         }
-    // Warp w keeps the running max and sum of rows w and w + warps.
-    float m[2] = {MASKED, MASKED}, l[2] = {0.0f, 0.0f};
-
-    for (int j0 = k0; j0 < k1; j0 += SPLIT_TILE) {
-        const int tile = min(SPLIT_TILE, k1 - j0);
-        // Scores: SPLIT_LOADS keys loaded, then each dotted and summed over its group's lanes
-        // (every lane takes part in the butterfly, keys past the tile with zeros).
-        for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
-            float kx[SPLIT_LOADS][8];
-            split_loads<DT>(kc, table, rb, j0, jb + kg, groups, tile, dims, col + d0, kx);
-#pragma unroll
-            for (int u = 0; u < SPLIT_LOADS; u++) {
-                const int jj = jb + kg + u * groups;
-#pragma unroll
-                for (int t = 0; t < SPLIT_ROWS; t++) {
-                    if (t >= n) break;
-                    float dot = 0.0f;
-#pragma unroll
-                    for (int e = 0; e < 8; e++) dot += qr[t][e] * kx[u][e];
-                    for (int o = lanes >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    if (d0 == 0 && jj < tile) p[t * SPLIT_TILE + jj] = j0 + jj <= first_pos + t ? dot : MASKED;
-                }
-            }
-        }
-        __syncthreads();
-        // Online softmax, a warp per row.
-        for (int i = 0; i < 2; i++) {
-            int t = warp + i * warps;
-            if (t >= n) break;
-            float* pr = p + t * SPLIT_TILE;
-            float x0 = lane < tile ? pr[lane] : MASKED;
-            float x1 = lane + 32 < tile ? pr[lane + 32] : MASKED;
-            float mn = fmaxf(m[i], warp_max(fmaxf(x0, x1)));
-            // Masked scores weigh 0 even while the row has seen no key of the chunk (mn masked).
-            float e0 = x0 > MASKED ? expf(x0 - mn) : 0.0f;
-            float e1 = x1 > MASKED ? expf(x1 - mn) : 0.0f;
-            if (lane < tile) pr[lane] = e0;
-            if (lane + 32 < tile) pr[lane + 32] = e1;
-            float a = expf(m[i] - mn);
-            l[i] = l[i] * a + warp_sum(e0 + e1);
-            m[i] = mn;
-            if (lane == 0) alpha[t] = a;
-        }
-        __syncthreads();
-        // Values: the same keys as the scores, each weighted by its row's exp.
-#pragma unroll
-        for (int t = 0; t < SPLIT_ROWS; t++) {
-            if (t >= n) break;
-#pragma unroll
-            for (int e = 0; e < 8; e++) acc[t][e] *= alpha[t];
-        }
-        for (int jb = 0; jb < tile; jb += groups * SPLIT_LOADS) {
-            float vx[SPLIT_LOADS][8];
-            split_loads<DT>(vc, table, rb, j0, jb + kg, groups, tile, dims, col + d0, vx);
-#pragma unroll
-            for (int u = 0; u < SPLIT_LOADS; u++) {
-                const int jj = jb + kg + u * groups;
-                if (!(dims && jj < tile)) continue;
-#pragma unroll
-                for (int t = 0; t < SPLIT_ROWS; t++) {
-                    if (t >= n) break;
-                    const float w = p[t * SPLIT_TILE + jj];
-#pragma unroll
-                    for (int e = 0; e < 8; e++) acc[t][e] += w * vx[u][e];
-                }
-            }
-        }
-        __syncthreads();  // p and alpha are rewritten by the next tile
+        m[t] = MASKED;
+        l[t] = 0.0f;
     }
 
-    const int width = hd + 2;
-    for (int i = 0; i < 2; i++) {
-        int t = warp + i * warps;
-        if (t < n && lane == 0) {
-            float* w = ws + ((long long)h * MAX_SPLITS + t * chunks + part) * width;
-            w[0] = m[i];
-            w[1] = l[i];
+    // Every lane runs every batch (the butterflies take the whole warp); keys past the chunk
+    // score as masked.
+    for (int jb = 0; jb < len; jb += groups * LOADS) {
+        KvRaw kr[LOADS], vr[LOADS];
+        split_loads<DT, LOADS>(kc, table, rb, k0, jb + kg, groups, len, c, kr);
+        split_loads<DT, LOADS>(vc, table, rb, k0, jb + kg, groups, len, c, vr);
+        float kx[LOADS][8], vx[LOADS][8];
+#pragma unroll
+        for (int u = 0; u < LOADS; u++) {
+            kv_cvt8<DT>(kr[u], kx[u]);
+            kv_cvt8<DT>(vr[u], vx[u]);
+        }
+#pragma unroll
+        for (int t = 0; t < ROWS; t++) {
+            if (t >= n) break;
+            float sc[LOADS];
+            float mx = m[t];
+#pragma unroll
+            for (int u = 0; u < LOADS; u++) {
+                const int jj = jb + kg + u * groups;
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; e++) dot += qr[t][e] * kx[u][e];
+                for (int o = lanes >> 1; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                sc[u] = jj < len && k0 + jj <= first_pos + t ? dot : MASKED;
+                mx = fmaxf(mx, sc[u]);
+            }
+            // What the group holds, rescaled to the new max (1 while both are masked: it holds
+            // nothing then); masked scores weigh 0.
+            const float a = expf(m[t] - mx);
+            float sum = 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc[t][e] *= a;
+#pragma unroll
+            for (int u = 0; u < LOADS; u++) {
+                const float w = sc[u] > MASKED ? expf(sc[u] - mx) : 0.0f;
+                sum += w;
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[t][e] += w * vx[u][e];
+            }
+            l[t] = l[t] * a + sum;
+            m[t] = mx;
         }
     }
-    // Output dim d of row t: the sums of the lanes holding it (lane d / 8 of each group), in
-    // group order.
+
+    // The groups' partials, then the block's: per row and dim, the groups in order.
 #pragma unroll
-    for (int t = 0; t < SPLIT_ROWS; t++) {
+    for (int t = 0; t < ROWS; t++) {
         if (t >= n) break;
+        if (tid % lanes == 0) {
+            stats[2 * (t * groups + kg)] = m[t];
+            stats[2 * (t * groups + kg) + 1] = l[t];
+        }
+        if (dims)
 #pragma unroll
-        for (int e = 0; e < 8; e++) sums[(t * SPLIT_THREADS + tid) * 8 + e] = acc[t][e];
+            for (int e = 0; e < 8; e++) vals[(t * groups + kg) * hd + d0 + e] = acc[t][e];
     }
     __syncthreads();
+    const int width = hd + 2;
     for (int i = tid; i < n * hd; i += SPLIT_THREADS) {
         const int t = i / hd, d = i % hd;
-        float o = 0.0f;
-        for (int g = 0; g < groups; g++) o += sums[(t * SPLIT_THREADS + g * lanes) * 8 + d];
-        ws[((long long)h * MAX_SPLITS + t * chunks + part) * width + 2 + d] = o;
+        const float* st = stats + 2 * t * groups;
+        float mx = MASKED;
+        for (int g = 0; g < groups; g++) mx = fmaxf(mx, st[2 * g]);
+        float sum = 0.0f, o = 0.0f;
+        for (int g = 0; g < groups; g++) {
+            const float w = expf(st[2 * g] - mx);
+            sum += st[2 * g + 1] * w;
+            o += vals[(t * groups + g) * hd + d] * w;
+        }
+        float* wp = ws + ((long long)h * MAX_SPLITS + t * chunks + part) * width;
+        if (d == 0) {
+            wp[0] = mx;
+            wp[1] = sum;
+        }
+        wp[2 + d] = o;
     }
     // This block's partials reach the device (each thread fences its own writes) before its
     // ticket; the block that draws the head's last ticket sees every chunk's.
@@ -622,16 +638,21 @@ __device__ void split_impl(const float* q, const u8* kc, const u8* vc, const uns
     for (int t = 0; t < n; t++) combine_head(ws, out, t, h, n_heads, hd, chunks);
 }
 
-#define SPLIT(name, DT)                                                                                     \
+// attention_split_*: up to SPLIT_ROWS query rows; attention_split1_*: one (a decode step), in
+// fewer registers, so more blocks fit an SM.
+#define SPLIT(name, DT, ROWS)                                                                               \
     extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)                                             \
         name(const float* q, const u8* kc, const u8* vc, const unsigned* table, float* ws, unsigned* tickets, \
              float* out, int n, int n_heads, int group, int hd, int kv_cols, int first_pos, float scale,      \
-             int chunk, const int* pos_at) {                                                                 \
+             int chunk, int most, const int* pos_at) {                                                       \
         grid_dependency();                                                                                   \
-        split_impl<DT>(q, kc, vc, table, ws, tickets, out, n, n_heads, group, hd, kv_cols, first_pos, scale,  \
-                       chunk, pos_at);                                                                       \
+        split_impl<DT, ROWS>(q, kc, vc, table, ws, tickets, out, n, n_heads, group, hd, kv_cols, first_pos,  \
+                             scale, chunk, most, pos_at);                                                    \
     }
 
-SPLIT(attention_split_f32, DT_F32)
-SPLIT(attention_split_f16, DT_F16)
-SPLIT(attention_split_q8_0, DT_Q8_0)
+SPLIT(attention_split_f32, DT_F32, SPLIT_ROWS)
+SPLIT(attention_split_f16, DT_F16, SPLIT_ROWS)
+SPLIT(attention_split_q8_0, DT_Q8_0, SPLIT_ROWS)
+SPLIT(attention_split1_f32, DT_F32, 1)
+SPLIT(attention_split1_f16, DT_F16, 1)
+SPLIT(attention_split1_q8_0, DT_Q8_0, 1)

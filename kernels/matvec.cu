@@ -15,27 +15,36 @@
 // resident warps ask for (~36 warps × 114 SMs × 4 KiB ≈ 16 MB) well inside an H100's 50 MB L2.
 #define AHEAD_BYTES 4096
 
+// One token's f16 matvec (a decode step): each lane has F16_LOADS 16-byte weight loads in flight
+// (8 KiB a warp: a 4096-wide row in one round trip to memory), and the first round of them is
+// asked of L2 ahead (F16_AHEAD) while the block stages the activations (stage_x); rows of up to
+// F16_X_COLS activations (44 KiB: the 4096-wide rows and the 11008-wide down rows of a 7B model)
+// are staged in shared memory.
+#define F16_LOADS 16
+#define F16_AHEAD (F16_LOADS * 32 * 16)
+#define F16_X_COLS 11264
+
 __device__ __forceinline__ void prefetch_l2(const u8* p) {
 #ifndef KERNEL_HOST_CHECK
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
 }
 
-// This lane's share (128-byte lines) of the first AHEAD_BYTES of a row of `bytes` bytes.
-__device__ __forceinline__ void row_ahead(const u8* row, long long bytes) {
-    const long long n = bytes < AHEAD_BYTES ? bytes : AHEAD_BYTES;
+// This lane's share (128-byte lines) of the first `ahead` bytes of a row of `bytes` bytes.
+__device__ __forceinline__ void row_ahead(const u8* row, long long bytes, int ahead) {
+    const long long n = bytes < ahead ? bytes : ahead;
     for (long long at = (long long)(threadIdx.x & 31) * 128; at < n; at += 32 * 128) prefetch_l2(row + at);
 }
 
-// grid_dependency, after this warp's row of `w` (and of `w2` where given: the gate/up kernels)
-// has been asked for. The one-weight and gate/up kernels start here.
+// grid_dependency, after the first `ahead` bytes of this warp's row of `w` (and of `w2` where
+// given: the gate/up kernels) have been asked for. The one-weight and gate/up kernels start here.
 __device__ __forceinline__ void grid_dependency_after_row(const u8* w, int dtype, const u8* w2, int dtype2, int rows,
-                                                          int cols) {
+                                                          int cols, int ahead = AHEAD_BYTES) {
     const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (row < rows) {
         const long long rb = row_bytes(dtype, cols), rb2 = row_bytes(dtype2, cols);
-        row_ahead(w + rb * row, rb);
-        if (w2) row_ahead(w2 + rb2 * row, rb2);
+        row_ahead(w + rb * row, rb, ahead);
+        if (w2) row_ahead(w2 + rb2 * row, rb2, ahead);
     }
     grid_dependency();
 }
@@ -88,57 +97,120 @@ extern "C" __global__ void matvec_float(const u8* w, int dtype, int rows, int co
     write_out<MAX_TOKENS>(acc, n, out, stride, col0, row);
 }
 
-// Eight f16 weights (one 16-byte load, the `v`-th of the row) times each token's values there.
-template <int MAXT>
-__device__ __forceinline__ void f16_vec_dot(uint4 q, int v, int cols, const float* x, int n, float* acc) {
-    u32 words[4] = {q.x, q.y, q.z, q.w};
-    float wv[8];
+// A 16-byte load of weights, which are read once: it leaves L1 to what every warp of the SM
+// reads again (the activations), so weight lines streaming through never evict them.
+__device__ __forceinline__ uint4 ld_weights(const uint4* p) {
+#ifdef KERNEL_HOST_CHECK
+    return *p;
+#else
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+#endif
+}
+
+// Eight f16 weights of each of R rows (one 16-byte load each, the `v`-th of its row) times each
+// token's values there, read once for the R rows; row r's sums into acc[r].
+template <int MAXT, int R>
+__device__ __forceinline__ void f16_vec_dot(const uint4* q, int v, int cols, const float* x, int n,
+                                            float (*acc)[MAXT]) {
+    float wv[R][8];
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        wv[2 * k] = h2f((u16)(words[k] & 0xffff));
-        wv[2 * k + 1] = h2f((u16)(words[k] >> 16));
+    for (int r = 0; r < R; r++) {
+        const u32 words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            wv[r][2 * k] = h2f((u16)(words[k] & 0xffff));
+            wv[r][2 * k + 1] = h2f((u16)(words[k] >> 16));
+        }
     }
 #pragma unroll
     for (int t = 0; t < MAXT; t++) {
         if (t < n) {
             const float4* xv = (const float4*)(x + (long long)t * cols + 8 * v);
             float4 a = xv[0], b = xv[1];
-            acc[t] += wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w + wv[4] * b.x + wv[5] * b.y +
-                      wv[6] * b.z + wv[7] * b.w;
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                acc[r][t] += wv[r][0] * a.x + wv[r][1] * a.y + wv[r][2] * a.z + wv[r][3] * a.w + wv[r][4] * b.x +
+                             wv[r][5] * b.y + wv[r][6] * b.z + wv[r][7] * b.w;
         }
     }
 }
 
-// One weight row of f16 (cols % 8 == 0) times n ≤ MAXT tokens, this lane's share of each sum:
-// 16-byte loads, LOADS of them issued before any is used (a lane's loads in flight are what
-// keeps HBM busy), summed in the same order as one at a time, so every MAXT gives the same bits.
-// One token (a decode step) has the registers for four in flight; up to MAX_TOKENS, one.
-template <int MAXT, int LOADS>
-__device__ __forceinline__ void f16_row_acc(const u8* w, int row, int cols, const float* x, int n, float* acc) {
-    int lane = threadIdx.x & 31;
-    const uint4* wr = (const uint4*)(w + 2LL * cols * row);
-    int vecs = cols / 8;
+// R weight rows of f16 (`wr[r]`: row r's first 16-byte vector; cols % 8 == 0, vecs = cols / 8)
+// times n ≤ MAXT tokens, this lane's share of each row's sums. The arithmetic order, whatever
+// MAXT, LOADS and R: lane l takes vectors l, l + 32, l + 64, … of each row and adds each one's
+// eight products (left to right) to its sum in that order; write_out then adds the 32 lanes'
+// sums by the butterfly of warp_sum. So one token, many, and a row alone or beside another give
+// the same bits. What changes is only how many loads are in flight: LOADS vectors of each row,
+// every one issued before any is used (a decode step's one token: 16 in all, 8 KiB a warp,
+// a 4096-wide row in one round trip to memory; up to MAX_TOKENS tokens, one a row, their
+// accumulators taking the registers).
+template <int MAXT, int LOADS, int R>
+__device__ __forceinline__ void f16_rows_acc(const uint4* const* wr, int vecs, int cols, const float* x, int n,
+                                             float (*acc)[MAXT]) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int t = 0; t < MAXT; t++) acc[t] = 0.0f;
-    for (int v = lane; v < vecs; v += 32 * LOADS) {
-        uint4 q[LOADS];
+    for (int r = 0; r < R; r++)
 #pragma unroll
-        for (int k = 0; k < LOADS; k++) q[k] = v + 32 * k < vecs ? __ldg(wr + v + 32 * k) : make_uint4(0, 0, 0, 0);
+        for (int t = 0; t < MAXT; t++) acc[r][t] = 0.0f;
+    int v = lane;
+    // Whole rounds: every load unconditional, so all are issued before the first use.
+    for (; v + 32 * (LOADS - 1) < vecs; v += 32 * LOADS) {
+        uint4 q[LOADS][R];
 #pragma unroll
         for (int k = 0; k < LOADS; k++)
-            if (v + 32 * k < vecs) f16_vec_dot<MAXT>(q[k], v + 32 * k, cols, x, n, acc);
+#pragma unroll
+            for (int r = 0; r < R; r++) q[k][r] = ld_weights(wr[r] + v + 32 * k);
+#pragma unroll
+        for (int k = 0; k < LOADS; k++) f16_vec_dot<MAXT, R>(q[k], v + 32 * k, cols, x, n, acc);
     }
+    // The rest of the row: fewer than LOADS vectors this lane, in the same order.
+    if (v < vecs) {
+        uint4 q[LOADS][R];
+#pragma unroll
+        for (int k = 0; k < LOADS; k++)
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                q[k][r] = v + 32 * k < vecs ? ld_weights(wr[r] + v + 32 * k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int k = 0; k < LOADS; k++)
+            if (v + 32 * k < vecs) f16_vec_dot<MAXT, R>(q[k], v + 32 * k, cols, x, n, acc);
+    }
+}
+
+// Row `row` of f16 weights `w` (cols % 8 == 0) as f16_rows_acc's one row.
+__device__ __forceinline__ const uint4* f16_row_start(const u8* w, int row, int cols) {
+    return (const uint4*)(w + 2LL * cols * row);
 }
 
 template <int MAXT, int LOADS>
 __device__ __forceinline__ void f16_row(const u8* w, int row, int cols, const float* x, int n, float* out, int stride,
                                         int col0) {
-    float acc[MAXT];
-    f16_row_acc<MAXT, LOADS>(w, row, cols, x, n, acc);
-    write_out<MAXT>(acc, n, out, stride, col0, row);
+    float acc[1][MAXT];
+    const uint4* wr[1] = {f16_row_start(w, row, cols)};
+    f16_rows_acc<MAXT, LOADS, 1>(wr, cols / 8, cols, x, n, acc);
+    write_out<MAXT>(acc[0], n, out, stride, col0, row);
 }
 
-// f16_row for a launch of n tokens: one (four loads in flight), or up to MAX_TOKENS.
+// One token's activations staged in shared memory by the whole block (then a barrier: every
+// thread of the block must come here), where a row of them fits in F16_X_COLS: the f16 matvecs
+// then read them from shared memory, a few cycles from their use, so the registers hold weight
+// loads in flight instead of activations fetched early; wider rows read them from global memory
+// (L1). The values and the order they are used in are the same either way.
+
+__device__ __forceinline__ void stage_x(const float* x, int cols, float* xs) {
+    for (int i = 4 * (int)threadIdx.x; i < cols; i += 4 * (int)blockDim.x) *(float4*)(xs + i) = *(const float4*)(x + i);
+    __syncthreads();
+}
+
+// Whether a launch of n tokens of rows of `cols` reads them staged (stage_x).
+__device__ __forceinline__ bool x_staged(int n, int cols) { return n == 1 && cols <= F16_X_COLS; }
+
+// f16_row for a launch of n tokens of `x` as global memory holds them: one token (four loads
+// in flight: the activations take registers too), or up to MAX_TOKENS.
 __device__ __forceinline__ void f16_row_n(const u8* w, int row, int cols, const float* x, int n, float* out,
                                           int stride, int col0) {
     if (n == 1)
@@ -172,13 +244,20 @@ __device__ __forceinline__ void quant_row(const u8* w, int dtype, int row, int c
 }
 
 // f16 rows with cols % 8 == 0 (`dtype` is DT_F16; every one-weight matvec kernel takes the same
-// arguments).
-extern "C" __global__ void matvec_f16_vec(const u8* w, int dtype, int rows, int cols, const float* x, int n,
-                                          float* out, int stride, int col0) {
-    grid_dependency_after_row(w, dtype, 0, 0, rows, cols);
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= rows) return;
-    f16_row_n(w, row, cols, x, n, out, stride, col0);
+// arguments). Two blocks an SM: 128 registers a thread hold a decode step's 16 loads in flight.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+    matvec_f16_vec(const u8* w, int dtype, int rows, int cols, const float* x, int n, float* out, int stride,
+                   int col0) {
+    grid_dependency_after_row(w, dtype, 0, 0, rows, cols, x_staged(n, cols) ? F16_AHEAD : AHEAD_BYTES);
+    __shared__ float4 xs4[F16_X_COLS / 4];  // float4s: 16-byte aligned
+    float* xs = (float*)xs4;
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (x_staged(n, cols)) {
+        stage_x(x, cols, xs);
+        if (row < rows) f16_row<1, F16_LOADS>(w, row, cols, xs, 1, out, stride, col0);
+    } else if (row < rows) {
+        f16_row_n(w, row, cols, x, n, out, stride, col0);
+    }
 }
 
 // Block formats, up to MAX_QTOKENS tokens per launch.
@@ -225,12 +304,12 @@ __device__ __forceinline__ const MatvecPart* part_row(const MatvecParts& ps, int
 }
 
 // grid_dependency, after this warp's row of its part has been asked for (grid_dependency_after_row).
-__device__ __forceinline__ void grid_dependency_after_part(const MatvecParts& ps, int cols) {
+__device__ __forceinline__ void grid_dependency_after_part(const MatvecParts& ps, int cols, int ahead = AHEAD_BYTES) {
     int row;
     const MatvecPart* p = part_row(ps, &row);
     if (row >= 0) {
         const long long rb = row_bytes(p->dtype, cols);
-        row_ahead(p->w + rb * row, rb);
+        row_ahead(p->w + rb * row, rb, ahead);
     }
     grid_dependency();
 }
@@ -262,23 +341,32 @@ extern "C" __global__ void matvec_quant_x(const u8* w, int dtype, int rows, int 
 // as the one-weight kernels sum it and gated as gated_f32 gates it, so one launch gives what two
 // matvecs and the gated launch give, bit for bit. The three kernels take the same arguments
 // (`x`: the activations as each reads them; `dg`, `du`: the weights' formats).
-// f16 rows (cols % 8 == 0), n ≤ MAX_TOKENS.
-extern "C" __global__ void matvec_f16_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
-                                              const float* x, int n, int kind, float threshold, float* out,
-                                              int stride) {
+// f16 rows (cols % 8 == 0), n ≤ MAX_TOKENS. The gate's row and up's side by side: each row's
+// loads in flight beside the other's, each activation read once for both, each row summed as
+// alone.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+    matvec_f16_gate_up(const u8* wg, int dg, const u8* wu, int du, int rows, int cols, const float* x, int n,
+                       int kind, float threshold, float* out, int stride) {
     grid_dependency_after_row(wg, dg, wu, du, rows, cols);
-    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    __shared__ float4 xs4[F16_X_COLS / 4];  // float4s: 16-byte aligned
+    float* xs = (float*)xs4;
+    const int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const bool staged = x_staged(n, cols);
+    if (staged) stage_x(x, cols, xs);
     if (row >= rows) return;
-    if (n == 1) {
-        float g[1], u[1];
-        f16_row_acc<1, 4>(wg, row, cols, x, 1, g);
-        f16_row_acc<1, 4>(wu, row, cols, x, 1, u);
-        write_gated<1>(g, u, 1, kind, threshold, out, stride, row);
+    const uint4* wr[2] = {f16_row_start(wg, row, cols), f16_row_start(wu, row, cols)};
+    if (staged) {
+        float gu[2][1];
+        f16_rows_acc<1, F16_LOADS / 2, 2>(wr, cols / 8, cols, xs, 1, gu);
+        write_gated<1>(gu[0], gu[1], 1, kind, threshold, out, stride, row);
+    } else if (n == 1) {
+        float gu[2][1];
+        f16_rows_acc<1, 2, 2>(wr, cols / 8, cols, x, 1, gu);
+        write_gated<1>(gu[0], gu[1], 1, kind, threshold, out, stride, row);
     } else {
-        float g[MAX_TOKENS], u[MAX_TOKENS];
-        f16_row_acc<MAX_TOKENS, 1>(wg, row, cols, x, n, g);
-        f16_row_acc<MAX_TOKENS, 1>(wu, row, cols, x, n, u);
-        write_gated<MAX_TOKENS>(g, u, n, kind, threshold, out, stride, row);
+        float gu[2][MAX_TOKENS];
+        f16_rows_acc<MAX_TOKENS, 1, 2>(wr, cols / 8, cols, x, n, gu);
+        write_gated<MAX_TOKENS>(gu[0], gu[1], n, kind, threshold, out, stride, row);
     }
 }
 
@@ -312,12 +400,19 @@ extern "C" __global__ void matvec_quant_gate_up_x(const u8* wg, int dg, const u8
     write_gated<1>(g, u, 1, kind, threshold, out, stride, row);
 }
 
-extern "C" __global__ void matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
-    grid_dependency_after_part(ps, cols);
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
+    matvec_f16_parts(MatvecParts ps, int cols, const float* x, int n) {
+    grid_dependency_after_part(ps, cols, x_staged(n, cols) ? F16_AHEAD : AHEAD_BYTES);
+    __shared__ float4 xs4[F16_X_COLS / 4];  // float4s: 16-byte aligned
+    float* xs = (float*)xs4;
     int row;
     const MatvecPart* p = part_row(ps, &row);
-    if (row < 0) return;
-    f16_row_n(p->w, row, cols, x, n, p->out, p->stride, p->col0);
+    if (x_staged(n, cols)) {
+        stage_x(x, cols, xs);
+        if (row >= 0) f16_row<1, F16_LOADS>(p->w, row, cols, xs, 1, p->out, p->stride, p->col0);
+    } else if (row >= 0) {
+        f16_row_n(p->w, row, cols, x, n, p->out, p->stride, p->col0);
+    }
 }
 
 // Held to matvec_quant's 64 registers (4 blocks per SM), which it reaches without spilling.

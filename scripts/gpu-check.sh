@@ -263,6 +263,28 @@ graphs() {
     done
 }
 
+# Dense (whole-GPU) decode against the HBM bound, one JSON line a measurement: the 7B shape's f16
+# matvecs (q/k/v/o 4096×4096, down 4096×11008, gate/up 11008×4096) beside the device-memory read
+# bound, then its decode (f16 weights and KV) from 64 to 128 positions and from 3968 to 4000,
+# recorded (CUDA's default) and launched (--no-cuda-graphs), in one call. For the coordinator to
+# call from a mode (e.g. `dense) decode_dense ;;`).
+decode_dense() {
+    synth7b
+    say "dense decode: the 7B shape's f16 matvecs beside the HBM read bound"
+    local spec g name
+    for spec in "4096 4096" "4096 11008" "11008 4096"; do
+        set -- $spec
+        record "dense_matvec_${1}x${2}_f16" "$(timeout 60 "$B" bench matvec --device cuda --rows "$1" --cols "$2" --dtype f16 --json 2>>"$LOG")"
+    done
+    say "dense decode: 7B shape whole GPU at 128 and 4000 positions, recorded and launched"
+    for g in "" --no-cuda-graphs; do
+        name="${g:+launched}"
+        name="${name:-recorded}"
+        record "dense_decode_7b_128_$name" "$(timeout 150 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 64 -n 64 $g --json 2>>"$LOG")"
+        record "dense_decode_7b_4000_$name" "$(timeout 200 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 $g --json 2>>"$LOG")"
+    done
+}
+
 offload() {
     synth7b
     say "plan, 7B shape at 4G"

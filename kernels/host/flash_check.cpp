@@ -233,8 +233,10 @@ static bool simple(std::mt19937& rng, const Case& c, bool page) {
     return ok;
 }
 
+// The split kernel launched as planned on the host (chunks of `chunk` keys): ROWS 1 (the
+// decode kernels) for one row, SPLIT_ROWS else, or (`wide`) SPLIT_ROWS for one row too.
 template <int DT>
-static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
+static bool split(std::mt19937& rng, const Case& c, int chunk, bool page, bool wide = false) {
     SplitInputs in = split_inputs<DT>(rng, c, page);
     auto& q = in.q;
     int kv_cols = in.kv_cols, chunks = (in.ctx + chunk - 1) / chunk;
@@ -249,19 +251,25 @@ static bool split(std::mt19937& rng, const Case& c, int chunk, bool page) {
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads;
     host_launch({(unsigned)c.heads, (unsigned)chunks, 1}, SPLIT_THREADS, [&] {
-        split_impl<DT>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g, c.hd, kv_cols,
-                       c.first_pos, scale, chunk, nullptr);
+        if (c.n == 1 && !wide)
+            split_impl<DT, 1>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g, c.hd,
+                              kv_cols, c.first_pos, scale, chunk, chunks, nullptr);
+        else
+            split_impl<DT, SPLIT_ROWS>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g,
+                                       c.hd, kv_cols, c.first_pos, scale, chunk, chunks, nullptr);
     });
     double e = rel(out, naive<DT>(q, in.kc.data(), in.vc.data(), c));
     bool ok = e <= 1e-4 && tickets_ready(tickets);
-    std::printf("flash-check: split dtype %d n %d from %d heads %d/%d hd %d, %d chunks%s: %.2e%s\n", DT, c.n,
-                c.first_pos, c.heads, c.kv_heads, c.hd, chunks, page ? " paged" : "", e, ok ? "" : "  FAILED");
+    std::printf("flash-check: split%s dtype %d n %d from %d heads %d/%d hd %d, %d chunks%s: %.2e%s\n",
+                c.n == 1 && !wide ? "1" : "", DT, c.n, c.first_pos, c.heads, c.kv_heads, c.hd, chunks,
+                page ? " paged" : "", e, ok ? "" : "  FAILED");
     return ok;
 }
 
-// split_chunks of src/backend/cuda/mod.rs, as written there: the plan the host launches with.
-static void host_split_chunks(int keys, int rows, int* chunks, int* chunk) {
-    int most = std::max(MAX_SPLITS / std::max(rows, 1), 1);
+// split_chunks of src/footprint/attention.rs, as written there: the plan the host launches with,
+// at most `most` chunks (split_most_chunks).
+static void host_split_chunks(int keys, int rows, int most, int* chunks, int* chunk) {
+    most = std::clamp(most, 1, std::max(MAX_SPLITS / std::max(rows, 1), 1));
     int c = std::clamp((keys + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS, 1, most);
     *chunk = std::max((keys + c - 1) / c, 1);
     *chunks = (keys + *chunk - 1) / *chunk;
@@ -269,9 +277,9 @@ static void host_split_chunks(int keys, int rows, int* chunks, int* chunk) {
 
 // A recorded step (replayed as a CUDA graph at later positions): the split kernels read the
 // position from device memory and plan their chunks themselves, on a grid with room for the most
-// chunks. Their output must be the host-planned launch's, bit for bit, at every position.
+// chunks (`most`). Their output must be the host-planned launch's, bit for bit, at every position.
 template <int DT>
-static bool recorded(std::mt19937& rng, const Case& c, bool page) {
+static bool recorded(std::mt19937& rng, const Case& c, bool page, int most) {
     SplitInputs in = split_inputs<DT>(rng, c, page);
     auto& q = in.q;
     int ctx = in.ctx, kv_cols = in.kv_cols;
@@ -279,45 +287,55 @@ static bool recorded(std::mt19937& rng, const Case& c, bool page) {
     const unsigned* t = in.t;
     float scale = 1.0f / std::sqrt((float)c.hd);
     int g = c.heads / c.kv_heads, chunks, chunk;
-    host_split_chunks(ctx, c.n, &chunks, &chunk);
+    host_split_chunks(ctx, c.n, most, &chunks, &chunk);
+    const int grid = std::clamp(most, 1, std::max(MAX_SPLITS / c.n, 1));
     // One set of tickets for both runs, as one buffer serves every launch on the device.
     std::vector<unsigned> tickets(c.heads, 0);
     auto run = [&](unsigned grid_chunks, int pos_arg, int chunk_arg, const int* pos_at) {
         std::vector<float> ws((size_t)c.heads * MAX_SPLITS * (c.hd + 2), NAN), out(q.size(), NAN);
         host_launch({(unsigned)c.heads, grid_chunks, 1}, SPLIT_THREADS, [&] {
-            split_impl<DT>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g, c.hd, kv_cols,
-                           pos_arg, scale, chunk_arg, pos_at);
+            if (c.n == 1)
+                split_impl<DT, 1>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g, c.hd,
+                                  kv_cols, pos_arg, scale, chunk_arg, most, pos_at);
+            else
+                split_impl<DT, SPLIT_ROWS>(q.data(), k, v, t, ws.data(), tickets.data(), out.data(), c.n, c.heads, g,
+                                           c.hd, kv_cols, pos_arg, scale, chunk_arg, most, pos_at);
         });
         return out;
     };
     auto planned = run((unsigned)chunks, c.first_pos, chunk, nullptr);
     // The recorded launch's scalars are those of the step it was recorded at (stale here).
     int pos = c.first_pos;
-    auto replayed = run((unsigned)std::max(MAX_SPLITS / c.n, 1), 3, 1, &pos);
+    auto replayed = run((unsigned)grid, 3, 1, &pos);
     bool same = std::memcmp(planned.data(), replayed.data(), planned.size() * 4) == 0;
     double e = rel(replayed, naive<DT>(q, in.kc.data(), in.vc.data(), c));
     bool ok = same && e <= 1e-4 && tickets_ready(tickets);
-    std::printf("flash-check: recorded split dtype %d n %d at %d (%d chunks of %d)%s: %s, %.2e%s\n", DT, c.n,
-                c.first_pos, chunks, chunk, page ? " paged" : "", same ? "bit-identical" : "DIFFERENT", e,
+    std::printf("flash-check: recorded split dtype %d n %d at %d (%d chunks of %d, most %d)%s: %s, %.2e%s\n", DT,
+                c.n, c.first_pos, chunks, chunk, most, page ? " paged" : "", same ? "bit-identical" : "DIFFERENT", e,
                 ok ? "" : "  FAILED");
     return ok;
 }
 
-// The device's chunk plan equals the host's for every position and row count a split takes.
+// The device's chunk plan equals the host's for every position, row count and most chunks a
+// split takes.
 static bool plans_agree() {
     int plan[2];
     for (int rows = 1; rows <= SPLIT_ROWS; rows++)
-        for (int keys = 1; keys <= 40000; keys++) {
-            int hc, hk;
-            host_split_chunks(keys, rows, &hc, &hk);
-            split_plan(keys, rows, &plan[0], &plan[1]);
-            if (plan[0] != hc || plan[1] != hk || hc * rows > MAX_SPLITS || (long long)hc * hk < keys) {
-                std::printf("flash-check: split plan of %d keys, %d rows: device %d × %d, host %d × %d  FAILED\n",
-                            keys, rows, plan[0], plan[1], hc, hk);
-                return false;
+        for (int most : {1, 3, 16, 24, MAX_SPLITS / rows, MAX_SPLITS})
+            for (int keys = 1; keys <= 40000; keys++) {
+                int hc, hk;
+                host_split_chunks(keys, rows, most, &hc, &hk);
+                split_plan(keys, rows, most, &plan[0], &plan[1]);
+                if (plan[0] != hc || plan[1] != hk || hc * rows > MAX_SPLITS || hc > std::max(most, 1) ||
+                    (long long)hc * hk < keys || (long long)(hc - 1) * hk >= keys) {
+                    std::printf(
+                        "flash-check: split plan of %d keys, %d rows, most %d: device %d × %d, host %d × %d  FAILED\n",
+                        keys, rows, most, plan[0], plan[1], hc, hk);
+                    return false;
+                }
             }
-        }
-    std::printf("flash-check: device and host split plans agree for 1..40000 keys, 1..%d rows\n", SPLIT_ROWS);
+    std::printf("flash-check: device and host split plans agree for 1..40000 keys, 1..%d rows, most 1..%d\n",
+                SPLIT_ROWS, MAX_SPLITS);
     return true;
 }
 
@@ -346,7 +364,15 @@ int main() {
             ok &= split<DT_F32>(rng, c, 64, page);
             ok &= split<DT_F16>(rng, c, 100, page);
             ok &= split<DT_Q8_0>(rng, c, 37, page);
+            // One row through the SPLIT_ROWS kernels too (what a row takes beside others).
+            if (c.n == 1) ok &= split<DT_F16>(rng, c, 64, page, true);
         }
+        // A decode step over 4000 positions of 7B heads (128 wide, f16, 32 heads cut to 2 here)
+        // at chunk counts the device's size gives (split_most_chunks), and a chunk with a
+        // partial last batch.
+        const int chunks = page ? 16 : 24;
+        ok &= split<DT_F16>(rng, Case{1, 3999, 2, 2, 128}, (4000 + chunks - 1) / chunks, page);
+        ok &= split<DT_Q8_0>(rng, Case{1, 1000, 2, 1, 64}, 1001 / 3 + 1, page);
     }
     ok &= plans_agree();
     // Heads of 36 and 16 (not whole 8-dim vectors: only this kernel takes them), 64; more keys
@@ -361,12 +387,14 @@ int main() {
     // as host threads), the cache types and paging taking turns.
     int i = 0;
     for (Case c : {Case{1, 0, 2, 1, 64}, Case{1, 63, 2, 2, 64}, Case{1, 64, 2, 1, 64}, Case{1, 777, 2, 1, 64},
-                   Case{1, 2100, 1, 1, 128}, Case{2, 300, 4, 2, 48}, Case{4, 90, 2, 2, 32}}) {
+                   Case{1, 2100, 1, 1, 128}, Case{2, 300, 4, 2, 48}, Case{4, 90, 2, 2, 32}, Case{1, 3999, 1, 1, 128}}) {
         bool page = i % 2 == 1;
+        // The most chunks a device of this size takes (split_most_chunks), or the workspace's.
+        const int most = i % 4 == 3 ? 5 : (i % 4 == 1 ? 24 : MAX_SPLITS);
         switch (i++ % 3) {
-            case 0: ok &= recorded<DT_F16>(rng, c, page); break;
-            case 1: ok &= recorded<DT_F32>(rng, c, page); break;
-            default: ok &= recorded<DT_Q8_0>(rng, c, page);
+            case 0: ok &= recorded<DT_F16>(rng, c, page, most); break;
+            case 1: ok &= recorded<DT_F32>(rng, c, page, most); break;
+            default: ok &= recorded<DT_Q8_0>(rng, c, page, most);
         }
     }
     if (!ok) return 1;

@@ -363,8 +363,15 @@ int main() {
     ok &= parts({DT_Q8_0, DT_Q4_1, DT_Q4_1, DT_Q8_0}, {8, 17, 5, 24}, 96, MAX_QTOKENS, true);
     ok &= parts({DT_F16, DT_F16, DT_F16}, {40, 13, 13}, 256, 1, false);
     ok &= parts({DT_F16, DT_F16}, {24, 9}, 64, MAX_TOKENS, true);
+    ok &= parts({DT_F16, DT_F16, DT_F16}, {16, 5, 5}, 8 * (32 * F16_LOADS + 3), 1, true);
+    ok &= parts({DT_F16, DT_F16}, {9, 4}, F16_X_COLS + 16, 1, false);
     ok &= f16_one_token(11, 8 * (32 * 4 + 37));
     ok &= f16_one_token(9, 64);
+    // Activations staged in shared memory: whole rounds of F16_LOADS and a partial one, and the
+    // widest staged row; then rows too wide to stage (global activations, fewer loads in flight).
+    ok &= f16_one_token(10, 8 * (32 * F16_LOADS * 2 + 37));
+    ok &= f16_one_token(3, F16_X_COLS);
+    ok &= f16_one_token(5, F16_X_COLS + 8 * 5);
     for (int pairs : {0, 1}) {
         ok &= rope_pairs(1, 4, 2, 16, 16, pairs, true);
         ok &= rope_pairs(3, 3, 1, 32, 24, pairs, false);
@@ -380,6 +387,8 @@ int main() {
     // mixed block formats; the mask.
     ok &= gate_up(DT_F16, DT_F16, 40, 8 * (32 * 4 + 37), 1, ACT_SILU, 0.0f, false);
     ok &= gate_up(DT_F16, DT_F16, 17, 256, MAX_TOKENS, ACT_GELU, 0.05f, false);
+    ok &= gate_up(DT_F16, DT_F16, 9, 8 * (32 * F16_LOADS + 13), 1, ACT_SILU, 0.0f, false);
+    ok &= gate_up(DT_F16, DT_F16, 11, F16_X_COLS + 8 * 3, 1, ACT_SILU, 0.0f, false);
     ok &= gate_up(DT_Q4_1, DT_Q4_1, 40, 576, 1, ACT_SILU, 0.0f, true);
     ok &= gate_up(DT_Q4_1, DT_Q8_0, 13, QX_MAX_COLS, 1, ACT_GELU_TANH, 0.05f, true);
     ok &= gate_up(DT_Q8_0, DT_Q4_1, 24, 4096, 1, ACT_SILU, 0.0f, false);

@@ -103,7 +103,9 @@ pub struct DecodeRun {
     pub bound: Bound,
     pub rates: Rates,
     pub predicted: Option<f64>,
-    /// Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
+    /// Whether decode steps are recorded (`--cuda-graphs`, on by default on CUDA), and how many
+    /// were recorded and replayed over all repetitions.
+    pub cuda_graphs: bool,
     pub recorded: u64,
     pub replayed: u64,
     /// Everything, as `--json` prints it.
@@ -184,12 +186,14 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     });
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
+    // On by default on CUDA: whether this engine records, not whether the flag was given.
+    let cuda_graphs = with_engine!(&running.engine, e => e.records_decode_steps());
     // Rows the prompt's steps took (a longer prompt runs layer by layer in groups of this many).
     let prefill_step = with_engine!(&running.engine, e => e.prefill().group);
     let out = json!({
         "model": spec.name, "device": device, "prompt_tokens": a.prompt_tokens, "decode_tokens": a.tokens,
         "prefill_step_rows": prefill_step.min(a.prompt_tokens),
-        "cuda_graphs": {"on": a.model.cuda_graphs, "recorded": recorded, "replayed": replayed},
+        "cuda_graphs": {"on": cuda_graphs, "recorded": recorded, "replayed": replayed},
         "programmatic_launch": a.model.programmatic_launch,
         "device_ops_per_decode_step": m.device_ops_per_decode_step,
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
@@ -208,6 +212,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         bound,
         rates,
         predicted,
+        cuda_graphs,
         recorded,
         replayed,
         json: out,

@@ -230,7 +230,7 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
                 "; the plan predicted {p:.2} tok/s"
             ))
         );
-        if a.model.cuda_graphs {
+        if r.cuda_graphs {
             println!("decode steps recorded {recorded}, replayed {replayed}");
         }
         if let Some(k) = m.device_ops_per_decode_step {

@@ -20,6 +20,11 @@ impl<B: Backend> Engine<B> {
         self
     }
 
+    /// Whether one-token decode steps are recorded ([`Engine::with_recorded_steps`]).
+    pub fn records_decode_steps(&self) -> bool {
+        self.record_steps
+    }
+
     /// Decode steps recorded, and replayed, so far.
     pub fn recorded_steps(&self) -> (u64, u64) {
         use std::sync::atomic::Ordering;

@@ -177,11 +177,42 @@ pub fn flash_takes(rows: usize, kv: KvType, head_dim: usize) -> bool {
         && FLASH_HEAD_DIMS.contains(&head_dim)
 }
 
+/// Blocks a split attention's grid gives each multiprocessor at least (where keys and the
+/// workspace allow): two, so one finishing early leaves its multiprocessor another to run.
+const SPLIT_MIN_BLOCKS_PER_SM: usize = 2;
+
+/// The most key chunks a split attention of `rows` query rows with `n_heads` heads takes on a
+/// device of `multiprocessors`, each holding `per_sm` of its blocks at once (the kernel's
+/// occupancy; 0 multiprocessors: unknown): as many as fill those slots once with a block per
+/// head and chunk (no more, so a long context's blocks all run at once, each reading its chunk
+/// at the memory's pace, and no last, nearly empty wave is left), but at least
+/// SPLIT_MIN_BLOCKS_PER_SM a multiprocessor; at most MAX_SPLITS / rows (the workspace), and all
+/// of that where the device is unknown. An H100 SXM (132 multiprocessors, 5 blocks each of the one-row f16 kernel
+/// at 95 registers) and a 7B model's 32 heads: 20 chunks, 640 blocks (4.8 a multiprocessor) at
+/// 4000 positions.
+pub fn split_most_chunks(
+    rows: usize,
+    n_heads: usize,
+    multiprocessors: usize,
+    per_sm: usize,
+) -> usize {
+    let cap = (MAX_SPLITS / rows.max(1)).max(1);
+    if multiprocessors == 0 {
+        return cap;
+    }
+    let heads = n_heads.max(1);
+    let fill = multiprocessors * per_sm / heads;
+    let least = (multiprocessors * SPLIT_MIN_BLOCKS_PER_SM).div_ceil(heads);
+    fill.max(least).clamp(1, cap)
+}
+
 /// `(chunks, keys per chunk)` a split attention of `rows` (1..=SPLIT_ROWS) over `keys` (> 0)
-/// positions takes: chunks of at least SPLIT_MIN_KEYS, rows × chunks at most MAX_SPLITS (the
-/// workspace), each chunk holding at least one key (the kernels assume it).
-pub fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
-    let most = (MAX_SPLITS / rows.max(1)).max(1);
+/// positions takes with at most `most` chunks ([`split_most_chunks`]): chunks of at least
+/// SPLIT_MIN_KEYS, rows × chunks at most MAX_SPLITS (the workspace), each chunk holding at least
+/// one key (the kernels assume it). split_plan in kernels/flash_attention.cu, step for step (a
+/// recorded step plans there, from the position it reads).
+pub fn split_chunks(keys: usize, rows: usize, most: usize) -> (usize, usize) {
+    let most = most.clamp(1, (MAX_SPLITS / rows.max(1)).max(1));
     let chunks = keys.div_ceil(SPLIT_MIN_KEYS).clamp(1, most);
     let chunk = keys.div_ceil(chunks).max(1);
     (keys.div_ceil(chunk), chunk)
@@ -190,6 +221,62 @@ pub fn split_chunks(keys: usize, rows: usize) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A decode step's split attention fills the device once at a long context: at 4000
+    /// positions a 7B model's 32 heads take at least two blocks a multiprocessor on an H100
+    /// (132 multiprocessors) whatever the kernel's occupancy, and no more than it holds at once
+    /// where that is more; the chunks never exceed the workspace (rows × chunks ≤ MAX_SPLITS)
+    /// and always cover the keys; short contexts keep chunks of SPLIT_MIN_KEYS; an unknown
+    /// device takes the workspace's most.
+    #[test]
+    fn split_attention_fills_the_device_at_long_contexts() {
+        let sms = 132;
+        for per_sm in 0..=16 {
+            let most = split_most_chunks(1, 32, sms, per_sm);
+            let (chunks, chunk) = split_chunks(4000, 1, most);
+            let blocks = 32 * chunks;
+            let slots = sms * per_sm.max(2);
+            assert!(
+                blocks >= 2 * sms,
+                "{per_sm} a multiprocessor: {blocks} blocks"
+            );
+            assert!(
+                blocks < slots + 32,
+                "{per_sm}: {blocks} blocks, {slots} slots"
+            );
+            assert!(chunks * chunk >= 4000 && (chunks - 1) * chunk < 4000);
+            if per_sm > 2 {
+                assert!(blocks <= slots, "{per_sm}: {blocks} blocks, {slots} slots");
+            }
+        }
+        // The one-row f16 kernel's 5 blocks a multiprocessor (95 registers): one wave.
+        assert_eq!(split_most_chunks(1, 32, sms, 5), 20);
+        assert_eq!(split_chunks(4000, 1, 20), (20, 200));
+        // SmolLM2's 9 heads take the workspace's most; four rows share it.
+        assert_eq!(split_most_chunks(1, 9, sms, 5), MAX_SPLITS);
+        assert_eq!(split_most_chunks(4, 9, sms, 5), MAX_SPLITS / 4);
+        assert_eq!(split_most_chunks(1, 32, 0, 5), MAX_SPLITS);
+        // More heads than slots: one chunk a head.
+        assert_eq!(split_most_chunks(1, 64, 20, 1), 1);
+        // Short contexts: chunks of at least SPLIT_MIN_KEYS keys.
+        assert_eq!(split_chunks(128, 1, 20), (2, 64));
+        assert_eq!(split_chunks(1, 1, 20), (1, 1));
+        for rows in 1..=SPLIT_ROWS {
+            for most in [0, 1, 3, 20, MAX_SPLITS, 100] {
+                for keys in (1..5000).step_by(7) {
+                    let (chunks, chunk) = split_chunks(keys, rows, most);
+                    assert!(
+                        rows * chunks <= MAX_SPLITS && chunks <= most.max(1),
+                        "{rows} {most} {keys}"
+                    );
+                    assert!(
+                        chunks * chunk >= keys && (chunks - 1) * chunk < keys,
+                        "{rows} {most} {keys}"
+                    );
+                }
+            }
+        }
+    }
     use crate::footprint::WorkspaceOp;
     use crate::footprint::attention::{
         FLASH_KEYS, FLASH_MAX_SPLITS, flash_splits, forced_flash_splits,

@@ -137,7 +137,7 @@ pub fn quantizes_in_blocks(tokens: usize, cols: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::footprint::attention::{SPLIT_ROWS, split_chunks};
+    use crate::footprint::attention::{SPLIT_ROWS, split_chunks, split_most_chunks};
 
     #[test]
     fn attention_workspace_depends_on_neither_context_nor_rows() {
@@ -154,9 +154,11 @@ mod tests {
         for tokens in [2, 4, 5, 40, 4000] {
             assert_eq!(workspace_bytes(&op(tokens, 128)), one);
         }
+        // Whatever the device's size gives as the most chunks, the workspace holds them.
         for rows in 1..=SPLIT_ROWS {
             for keys in (1..300).chain([4000, 100_000]) {
-                let (chunks, chunk) = split_chunks(keys, rows);
+                let most = split_most_chunks(rows, 32, keys, 3);
+                let (chunks, chunk) = split_chunks(keys, rows, most);
                 assert!(chunks >= 1 && rows * chunks <= MAX_SPLITS, "{rows} {keys}");
                 assert!(
                     chunks * chunk >= keys && (chunks - 1) * chunk < keys,

@@ -72,9 +72,17 @@ pub struct ModelArgs {
     /// Record each sequence's one-token decode step as a CUDA graph once and replay it (one
     /// launch a token instead of one a kernel). Steps with weights resident on the device only;
     /// others run as before. On the budgeted device (`--device sim`) the steps are recorded as
-    /// CUDA would and every replay is checked against its recording.
-    #[arg(long, env = "GPU_OFFLOAD_CUDA_GRAPHS")]
-    pub cuda_graphs: bool,
+    /// CUDA would and every replay is checked against its recording. [default: on for CUDA
+    /// (a replay equals the launched kernels bit for bit), off elsewhere; `--cuda-graphs=false`
+    /// or GPU_OFFLOAD_CUDA_GRAPHS=false turns it off]
+    #[arg(long, env = "GPU_OFFLOAD_CUDA_GRAPHS", num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new(),
+          overrides_with = "no_cuda_graphs")]
+    pub cuda_graphs: Option<bool>,
+
+    /// Launch every kernel of a decode step, recording none (`--cuda-graphs=false`).
+    #[arg(long, overrides_with = "cuda_graphs")]
+    pub no_cuda_graphs: bool,
 
     /// Launch each CUDA kernel with programmatic stream serialization (programmatic dependent
     /// launch): its blocks are scheduled while the kernel before it finishes and wait for its
@@ -83,6 +91,17 @@ pub struct ModelArgs {
     /// time, or NVRTC); refused elsewhere.
     #[arg(long, env = "GPU_OFFLOAD_PROGRAMMATIC_LAUNCH")]
     pub programmatic_launch: bool,
+}
+
+impl ModelArgs {
+    /// Whether decode steps are recorded (`--cuda-graphs`) on `device` (the one the model runs
+    /// on): as asked, else on CUDA only.
+    pub fn cuda_graphs_on(&self, device: Device) -> bool {
+        if self.no_cuda_graphs {
+            return false;
+        }
+        self.cuda_graphs.unwrap_or(device == Device::Cuda)
+    }
 }
 
 /// `--sparsity`.
@@ -301,7 +320,38 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{Device, ModelArgs, parse_bytes};
+
+    /// Recorded decode steps are CUDA's default; `--cuda-graphs` asks for them anywhere,
+    /// `--no-cuda-graphs` and `--cuda-graphs=false` turn them off, the last flag given winning.
+    #[test]
+    fn cuda_graphs_are_on_by_default_on_cuda_only() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            m: ModelArgs,
+        }
+        let parse = |args: &[&str]| {
+            <Cli as clap::Parser>::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+                .unwrap()
+                .m
+        };
+        if std::env::var_os("GPU_OFFLOAD_CUDA_GRAPHS").is_none() {
+            let plain = parse(&[]);
+            assert!(plain.cuda_graphs_on(Device::Cuda));
+            assert!(!plain.cuda_graphs_on(Device::Sim) && !plain.cuda_graphs_on(Device::Cpu));
+        }
+        let on = parse(&["--cuda-graphs"]);
+        assert!(on.cuda_graphs_on(Device::Sim) && on.cuda_graphs_on(Device::Cuda));
+        for off in [
+            &["--no-cuda-graphs"][..],
+            &["--cuda-graphs=false"],
+            &["--cuda-graphs", "--no-cuda-graphs"],
+        ] {
+            assert!(!parse(off).cuda_graphs_on(Device::Cuda), "{off:?}");
+        }
+        assert!(parse(&["--no-cuda-graphs", "--cuda-graphs"]).cuda_graphs_on(Device::Cuda));
+    }
 
     #[test]
     fn sizes_parse_in_binary_units() {

@@ -172,7 +172,7 @@ impl LoadedModel {
             })?,
         };
         let threads = args.threads.map_or(0, usize::from);
-        if args.cuda_graphs && self.device == Device::Cpu {
+        if args.cuda_graphs_on(self.device) && self.device == Device::Cpu {
             tracing::warn!(
                 "--cuda-graphs: the CPU backend runs each op as it comes; nothing is recorded \
                  (recorded steps run on --device cuda, and are checked on --device sim)"
@@ -211,7 +211,7 @@ impl LoadedModel {
             .with_predictor(s.predictor.clone());
         let e = pooled(e, &job, None)?
             .with_logit_rows(job.logit_rows)
-            .with_recorded_steps(args.cuda_graphs);
+            .with_recorded_steps(args.cuda_graphs_on(self.device));
         let room = whole_gpu_step_room(&e, &job)?;
         let e = whole_model_prefill(e, &job, args.budget.max_step(), room)?;
         Ok(Placed {
@@ -234,7 +234,7 @@ impl LoadedModel {
             .with_predictor(s.predictor.clone());
         let e = pooled(e, &job, None)?
             .with_logit_rows(job.logit_rows)
-            .with_recorded_steps(args.cuda_graphs);
+            .with_recorded_steps(args.cuda_graphs_on(self.device));
         let e = whole_model_prefill(e, &job, args.budget.max_step(), HOST_STEP_BYTES)?;
         Ok(Placed {
             engine: AnyEngine::Cpu(e),
@@ -294,7 +294,7 @@ impl LoadedModel {
             .with_prefill(plan.prefill)?;
         let e = pooled(e, &job, &plan)?
             .with_logit_rows(plan.budget.logit_rows)
-            .with_recorded_steps(args.cuda_graphs);
+            .with_recorded_steps(args.cuda_graphs_on(self.device));
         Ok(Placed {
             engine: AnyEngine::Cuda(e),
             ledger: Some(ledger),
@@ -328,7 +328,7 @@ impl LoadedModel {
             .with_prefill(plan.prefill)?;
         let e = pooled(e, &job, &plan)?
             .with_logit_rows(plan.budget.logit_rows)
-            .with_recorded_steps(args.cuda_graphs);
+            .with_recorded_steps(args.cuda_graphs_on(self.device));
         Ok(Placed {
             engine: AnyEngine::Sim(e),
             ledger: Some(ledger),

@@ -12,8 +12,8 @@ use super::types::{CudaKv, CudaKvTable, CudaTensor, shape_err, table_ptr};
 use crate::backend::recording::recordable_attention;
 use crate::backend::{AttnShape, KvType, Result, WorkspaceOp};
 use crate::footprint::attention::{
-    AttentionKernel, FLASH_ROWS, MAX_HEAD_DIM, MAX_SPLITS, attention_kernel, flash_splits,
-    forced_flash_splits, split_chunks,
+    AttentionKernel, FLASH_ROWS, MAX_HEAD_DIM, attention_kernel, flash_splits, forced_flash_splits,
+    split_chunks, split_most_chunks,
 };
 
 /// Threads per flash block (FA_THREADS in kernels/flash_attention.cu).
@@ -241,24 +241,31 @@ fn split(cuda: &CudaBackend, call: &AttentionCall<'_>) -> Result<()> {
         head_dim: s.head_dim,
         kv: k_cache.ty,
     })?;
+    // A decode step's one row takes the one-row kernels (fewer registers: more blocks an SM).
+    let (name, kernel): (_, launches::Split) = match (k_cache.ty, n) {
+        (KvType::F32, 1) => ("attention_split1_f32", launches::attention_split1_f32),
+        (KvType::F16, 1) => ("attention_split1_f16", launches::attention_split1_f16),
+        (KvType::Q8_0, 1) => ("attention_split1_q8_0", launches::attention_split1_q8_0),
+        (KvType::F32, _) => ("attention_split_f32", launches::attention_split_f32),
+        (KvType::F16, _) => ("attention_split_f16", launches::attention_split_f16),
+        (KvType::Q8_0, _) => ("attention_split_q8_0", launches::attention_split_q8_0),
+    };
+    // As many chunks as fill the device's slots for this kernel once (split_most_chunks).
+    let per_sm = cuda.blocks_per_sm("flash_attention", name, FLASH_THREADS)?;
+    let most = split_most_chunks(n, s.n_heads, cuda.multiprocessors, per_sm);
     // Recorded, the grid has room for the most chunks and the kernels plan them from
     // the position they read (the same plan, at every replay's position).
     let (chunks, chunk) = if at != 0 {
-        ((MAX_SPLITS / n).max(1), 0)
+        (most, 0)
     } else {
-        split_chunks(keys, n)
-    };
-    let kernel = match k_cache.ty {
-        KvType::F32 => launches::attention_split_f32,
-        KvType::F16 => launches::attention_split_f16,
-        KvType::Q8_0 => launches::attention_split_q8_0,
+        split_chunks(keys, n, most)
     };
     let c = LaunchConfig {
         grid_dim: (s.n_heads as u32, chunks as u32, 1),
         block_dim: (FLASH_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (rows, chunk_i) = (n as i32, chunk as i32);
+    let (rows, chunk_i, most_i) = (n as i32, chunk as i32, most as i32);
     let tickets = ptr_of(&cuda.tickets, &cuda.compute);
     kernel(
         cuda.launch(c),
@@ -277,6 +284,7 @@ fn split(cuda: &CudaBackend, call: &AttentionCall<'_>) -> Result<()> {
         fp,
         s.scale,
         chunk_i,
+        most_i,
         at,
     )?;
     Ok(())

@@ -89,6 +89,8 @@ pub struct CudaBackend {
     /// the context, as the stamps.
     pub(super) tickets: CudaSlice<u32>,
     pub(super) functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Each kernel's blocks per multiprocessor ([`CudaBackend::blocks_per_sm`]), once asked.
+    pub(super) slots: Mutex<HashMap<(&'static str, &'static str), usize>>,
     pub(super) modules: kernels::Modules,
     pub(super) meter: Option<DeviceMeter>,
     /// The fixed cost: the device bytes the process held once context, modules and cuBLAS
@@ -216,6 +218,7 @@ impl CudaBackend {
             stamps,
             tickets,
             functions: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
             modules: kernels::Modules::default(),
             meter,
             fixed: None,
@@ -419,6 +422,34 @@ impl CudaBackend {
     /// the rule the budgeted device follows too.
     pub(super) fn outside(&self, op: &'static str) -> Result<()> {
         outside_recording(op, self.recording())
+    }
+
+    /// The blocks of `threads` threads of kernel `name` a multiprocessor holds at once (the
+    /// driver's occupancy); asked once per kernel.
+    pub(super) fn blocks_per_sm(
+        &self,
+        module: &'static str,
+        name: &'static str,
+        threads: u32,
+    ) -> Result<usize> {
+        let key = (module, name);
+        if let Some(&n) = self.lock_slots()?.get(&key) {
+            return Ok(n);
+        }
+        let per_sm = self
+            .func(module, name)?
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .map_err(dev)? as usize;
+        self.lock_slots()?.insert(key, per_sm);
+        Ok(per_sm)
+    }
+
+    fn lock_slots(
+        &self,
+    ) -> Result<std::sync::MutexGuard<'_, HashMap<(&'static str, &'static str), usize>>> {
+        self.slots
+            .lock()
+            .map_err(|_| BackendError::Device("occupancy cache poisoned".into()))
     }
 
     pub(super) fn func(&self, module: &'static str, name: &'static str) -> Result<CudaFunction> {

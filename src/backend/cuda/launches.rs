@@ -136,6 +136,29 @@ pub(super) type GateUp =
 pub(super) type Flash =
     fn(Launch<'_>, u64, u64, u64, u64, u64, u64, i32, i32, i32, i32, i32, f32, i32) -> Result<()>;
 
+/// `attention_split_*`, `attention_split1_*`: (q, kc, vc, table, ws, tickets, out, n, n_heads,
+/// group, hd, kv_cols, first_pos, scale, chunk, most, pos_at).
+pub(super) type Split = fn(
+    Launch<'_>,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    u64,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    i32,
+    i32,
+    u64,
+) -> Result<()>;
+
 /// `ffn_bundles_up_*`: (b, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h,
 /// h_stride, col0, idx).
 pub(super) type BundlesUp = fn(
