@@ -633,21 +633,16 @@ issue36() {
         peak="$(cat "$WORK/$name.json.peak")"; idle="$(cat "$WORK/$name.json.idle")"
         record "$name" "{\"exit_code\":$rc,\"gpu_mem_mib\":$(mib_of "$g"),\"memory_used_peak_mib\":$peak,\"memory_used_idle_mib\":$idle,\"within_budget\":$([[ "$peak" -le "$(mib_of "$g")" ]] && echo true || echo false),\"bench\":$(cat "$WORK/$name.json" 2>/dev/null || echo null)}"
     done
-    say "whole-GPU decode, 7B f16: recorded steps (default) and launched, 128 and 4000 positions"
-    record i36_decode_7b_whole_128 "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --json 2>>"$LOG")"
-    record i36_decode_7b_whole_128_launched "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 128 -n 64 --no-cuda-graphs --json 2>>"$LOG")"
-    record i36_decode_7b_whole_4000 "$(timeout 90 "$B" bench decode --device cuda -m "$WORK/m7b" --prompt-tokens 3968 -n 32 --reps 1 --json 2>>"$LOG")"
+    decode_dense
     say "stream and split at 4G, rates measured at start (no saved profile): prediction beside measurement"
     local cold
     for cold in stream split; do
         record "i36_decode_7b_4g_${cold}_measured_rates" "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold "$cold" --prompt-tokens 32 -n 16 --reps 2 --json 2>>"$LOG")"
     done
     record i36_plan_7b_4g_rates "$(timeout 30 "$B" plan -m "$WORK/m7b" --gpu-mem 4G --ctx-size 1024 --json 2>>"$LOG" | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"rates_source": p["hardware"].get("rates_source"), "prediction": p["prediction"]}))' 2>>"$LOG" || echo null)"
-    say "1, 4 and 16 sequences at 4G, --cold auto (the plan costs each mode for the batch)"
-    local n
-    for n in 1 4 16; do
-        record "i36_batch_7b_4g_$n" "$(timeout 60 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --cold auto --sessions "$n" --prompt-tokens 32 -n 16 --reps 1 --json 2>>"$LOG")"
-    done
+    say "1, 4 and 16 sequences at 4G: stream, split and the auto choice for each count (the plan costs each mode for the batch)"
+    record i36_batch_7b_4g "$(timeout 240 "$B" bench decode --device cuda -m "$WORK/m7b" --gpu-mem 4G --sessions 1,4,16 \
+        --modes stream,split,auto --prompt-tokens 32 -n 16 --reps 1 --json 2>>"$LOG")"
     doctor_save
     say "stream and split at 4G after doctor --save"
     for cold in stream split; do
