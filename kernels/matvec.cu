@@ -452,3 +452,79 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) matvec_quant_parts_x
     if (row < 0) return;
     quant_row(p->w, p->dtype, row, cols, xs, 1, p->out, p->stride, p->col0);
 }
+
+// The RMSNorm before a decode step's products, inside them (one token, rows of at most
+// QX_MAX_COLS: where each block quantizes its activations itself, it norms them first): no norm
+// launch. Every block norms the token's residual row x (after x + add, where `add` is given) into
+// shared memory exactly as add_rms_norm (rms_norm) does, 256 threads summing the same squares in
+// the same order, so the values are its values bit for bit; the grid's last block to have read x
+// then writes the sum back (residual_once).
+__device__ __forceinline__ void norm_shared(const float* x, const float* add, const float* nw, float eps, int cols,
+                                            float* xn) {
+    __shared__ double scratch[32];
+    double ss = 0.0;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = x[j];
+        if (add) v += add[j];
+        xn[j] = v;
+        ss += (double)v * (double)v;
+    }
+    ss = block_sum_d(ss, scratch);
+    const float scale = 1.0f / sqrtf((float)(ss / cols) + eps);
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) xn[j] = xn[j] * scale * nw[j];
+    __syncthreads();
+}
+
+// add_rms_norm's residual, x += add, written once by the grid's last block to take a ticket
+// (left at 0 for the next launch). A block takes its ticket only after its norm_shared, whose
+// values depend on every x it read, so when the last ticket is drawn no block reads x any more.
+__device__ __forceinline__ void residual_once(float* x, const float* add, int cols, unsigned* ticket) {
+    __shared__ bool last;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        if (last) *ticket = 0;
+    }
+    __syncthreads();
+    if (last)
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) x[j] = x[j] + add[j];
+}
+
+// The token normed (norm_shared), quantized (quantize_shared) and the residual written
+// (residual_once, where `add` is given): what a block of the normed products starts with.
+__device__ __forceinline__ void norm_quantize_shared(float* x, const float* add, const float* nw, float eps, int cols,
+                                                     unsigned* ticket, ActBlock* xs) {
+    __shared__ float xn[QX_MAX_COLS];
+    norm_shared(x, add, nw, eps, cols, xn);
+    quantize_shared(cols, xn, xs);
+    if (add) residual_once(x, add, cols, ticket);
+}
+
+// add_rms_norm (rms_norm where `add` is null) then matvec_quant_parts_x, one launch, the same bits
+// (the residual too). One token of at most QX_MAX_COLS values.
+extern "C" __global__ void __launch_bounds__(WARPS * 32, 4)
+    matvec_quant_parts_norm(MatvecParts ps, int cols, float* x, const float* add, const float* nw, float eps,
+                            unsigned* ticket) {
+    grid_dependency_after_part(ps, cols);
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    norm_quantize_shared(x, add, nw, eps, cols, ticket, xs);
+    int row;
+    const MatvecPart* p = part_row(ps, &row);
+    if (row < 0) return;
+    quant_row(p->w, p->dtype, row, cols, xs, 1, p->out, p->stride, p->col0);
+}
+
+// add_rms_norm (rms_norm where `add` is null) then matvec_quant_gate_up_x, one launch, the same
+// bits (the residual too). One token of at most QX_MAX_COLS values.
+extern "C" __global__ void matvec_quant_gate_up_norm(const u8* wg, int dg, const u8* wu, int du, int rows, int cols,
+                                                     float* x, const float* add, const float* nw, float eps, int kind,
+                                                     float threshold, float* out, int stride, unsigned* ticket) {
+    grid_dependency_after_row(wg, dg, wu, du, rows, cols);
+    __shared__ ActBlock xs[QX_MAX_COLS / 32];
+    norm_quantize_shared(x, add, nw, eps, cols, ticket, xs);
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (row >= rows) return;
+    float g[MAX_QTOKENS], u[MAX_QTOKENS];
+    quant_row_acc(wg, dg, row, cols, xs, 1, g);
+    quant_row_acc(wu, du, row, cols, xs, 1, u);
+    write_gated<1>(g, u, 1, kind, threshold, out, stride, row);
+}

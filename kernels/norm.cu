@@ -52,6 +52,46 @@ extern "C" __global__ void add_rms_norm_f16(float* x, const float* y, const floa
     rms_norm_row<true>(x, y, w, eps, out, cols);
 }
 
+// rms_norm and add_rms_norm writing the normed rows as 8-bit activation blocks (`out`: cols / 32
+// ActBlocks a row), as quantize_q8 makes them from the f32 rows rms_norm writes, bit for bit: the
+// block-format matvecs' input, where a row too wide to quantize inside their blocks would take a
+// launch of its own. Each warp takes 32-value blocks of the row in turn, its lane k value k.
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_q8_row(float* x, const float* y, const float* w, float eps, ActBlock* out,
+                                                int cols) {
+    __shared__ double scratch[32];
+    float* xr = x + (long long)blockIdx.x * cols;
+    const float* yr = ADD ? y + (long long)blockIdx.x * cols : nullptr;
+    double ss = 0.0;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = xr[j];
+        if (ADD) {
+            v += yr[j];
+            xr[j] = v;
+        }
+        ss += (double)v * (double)v;
+    }
+    ss = block_sum_d(ss, scratch);  // ends with a barrier: the sums written above are seen
+    const float scale = 1.0f / sqrtf((float)(ss / cols) + eps);
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    ActBlock* orow = out + (long long)blockIdx.x * (cols / 32);
+    for (int b = threadIdx.x >> 5; b < cols / 32; b += warps) {
+        const int j = 32 * b + lane;
+        quantize_block_warp(xr[j] * scale * w[j], orow + b);
+    }
+}
+
+extern "C" __global__ void rms_norm_q8(const float* x, const float* w, float eps, ActBlock* out, int cols) {
+    grid_dependency();
+    rms_norm_q8_row<false>((float*)x, nullptr, w, eps, out, cols);
+}
+
+extern "C" __global__ void add_rms_norm_q8(float* x, const float* y, const float* w, float eps, ActBlock* out,
+                                           int cols) {
+    grid_dependency();
+    rms_norm_q8_row<true>(x, y, w, eps, out, cols);
+}
+
 extern "C" __global__ void layer_norm(const float* x, const float* w, const float* b, float eps, float* out, int cols) {
     grid_dependency();
     __shared__ double scratch[32];

@@ -61,7 +61,8 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/flash_check" kernels/host/flash_check.cpp
 "$OUT/flash_check"
 # The fused decode kernels (several weights per matvec launch, q and k rotated together, k and v
-# stored together, the residual add in the norm) against the kernels they replace, bit for bit.
+# stored together, the residual add in the norm, the norm inside the block-format products or
+# writing their 8-bit activations) against the kernels they replace, bit for bit.
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/fused_check" kernels/host/fused_check.cpp
 "$OUT/fused_check"

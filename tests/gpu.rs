@@ -959,7 +959,8 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// not, more weights than one launch takes, row blocks of one output), one token's matvec (block
 /// formats quantized inside it, f16 with more loads in flight) against the first of two, q and
 /// k rotated together, k and v stored together, both in one op (every cache type, paged and
-/// not), the gated down projection, the residual add in the norm.
+/// not), the gated down projection, the residual add in the norm, the norm inside the
+/// block-format products after it (or writing their 8-bit activations).
 /// An RMSNorm's weight (`d` values), `n` rows of its input (on the host) and `n` rows of a
 /// residual to add first (on `g`).
 fn norm_inputs<B: Backend>(
@@ -1174,12 +1175,16 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     // A gated FFN to its output: the hidden product then down, in one op; on CUDA, a prompt's
     // step hands the gated product to cuBLAS as its f16 input (down f16 or a block format's f16
     // tiles; bf16 and f32 downs, and steps the matvecs take, go the plain way). The same bits.
+    // One token of block formats takes the pending norm inside its gate/up kernel, a few tokens
+    // the norm writing their 8-bit activations.
     for (dg, dd, n, act, threshold) in [
         (DType::F16, DType::F16, 40, Act::Silu, 0.0),
         (DType::F16, DType::Q4K, 33, Act::Gelu, 0.05),
         (DType::Q4_1, DType::Q4_1, 17, Act::Silu, 0.0),
         (DType::F16, DType::BF16, 40, Act::Silu, 0.0),
         (DType::F16, DType::F16, 5, Act::Relu, 0.0),
+        (DType::Q4_1, DType::Q4_1, 1, Act::Silu, 0.0),
+        (DType::Q4K, DType::Q8_0, 3, Act::Gelu, 0.05),
     ] {
         let what = format!("gate_up_down {dg} gate/up, {dd} down, {n} tokens, {act:?} {threshold}");
         let (d, ff) = (256, 512);
@@ -1264,14 +1269,18 @@ fn fused_ops_equal_the_ops_they_replace<B: Backend>(g: &B) {
     // before it: on CUDA, where every part goes through cuBLAS with f16 input (f16 and block
     // formats past the matvecs' tokens), the norm writes that input; elsewhere (bf16, few
     // tokens) the norm runs first. The same bits as the norm then the products, residual too.
-    for (dtype, n) in [
-        (DType::F16, 40),
-        (DType::Q4K, 33),
-        (DType::Q4_1, 17),
-        (DType::BF16, 40),
-        (DType::F16, 5),
+    // Block formats through the matvecs take the norm inside them (one token of rows their
+    // blocks quantize) or have it write their 8-bit activations (a few tokens, wider rows).
+    for (dtype, n, d) in [
+        (DType::F16, 40, 256),
+        (DType::Q4K, 33, 256),
+        (DType::Q4_1, 17, 256),
+        (DType::BF16, 40, 256),
+        (DType::F16, 5, 256),
+        (DType::Q4_1, 1, 576),
+        (DType::Q8_0, 3, 256),
+        (DType::Q4K, 1, 4096),
     ] {
-        let d = 256;
         let ws = [
             g.upload(&weight(&mut rng, dtype, 128, d)).unwrap(),
             g.upload(&weight(&mut rng, dtype, 64, d)).unwrap(),
@@ -1724,8 +1733,10 @@ fn recorded_decode_on_gpu_equals_launched_decode() {
                 // and store (two launches for a Q8_0 cache), attention (its last blocks
                 // combine), o, the FFN's norm, gate and up with their gated product, and down;
                 // per step the embedding, the last residual and the head (last row, norm,
-                // output).
-                let per_layer = 8 + usize::from(kv == KvType::Q8_0);
+                // output). Block formats of rows the matvec's blocks quantize (these 256) take
+                // both norms inside the products after them: two launches fewer a layer.
+                let norms = if weights == "f16" { 2 } else { 0 };
+                let per_layer = 6 + norms + usize::from(kv == KvType::Q8_0);
                 let per_step = m.spec.n_layers * per_layer + 5;
                 assert_eq!(
                     launched,

@@ -9,7 +9,10 @@
 //    cache type, paged and not, position in device memory or not);
 //  - matvec_f16_gate_up / matvec_quant_gate_up(_x): a gated FFN's hidden activations, a row of
 //    the gate and of up in one warp, against a matvec per weight then gated_f32;
-//  - add_rms_norm against add_f32 then rms_norm.
+//  - add_rms_norm against add_f32 then rms_norm;
+//  - the norm inside one token's block-format products (matvec_quant_parts_norm,
+//    matvec_quant_gate_up_norm) against add_rms_norm then the in-block kernels, residual too;
+//    add_rms_norm_q8 / rms_norm_q8 against the norm then quantize_q8.
 // scripts/check-kernels.sh builds and runs this.
 #include <cstdio>
 #include <cstring>
@@ -353,6 +356,106 @@ static bool add_norms(int rows, int cols) {
     return same(what, out.data(), out1.data(), out.size() * 4) && ok;
 }
 
+// The RMSNorm inside the products of one token (matvec_quant_parts_norm,
+// matvec_quant_gate_up_norm: each block norms and quantizes the row itself, the last block to
+// read the residual writes it) against add_rms_norm (rms_norm without the add) then the kernels
+// quantizing in blocks: products, residual and the ticket left at 0, bit for bit.
+static bool norm_products(const std::vector<int>& dtypes, const std::vector<int>& rows, int cols, bool add, bool gated) {
+    std::vector<Weight> ws;
+    for (size_t i = 0; i < dtypes.size(); i++) ws.push_back({dtypes[i], rows[i], weights(dtypes[i], rows[i], cols)});
+    auto x = uniform((size_t)cols, -3.0f, 3.0f), y = uniform((size_t)cols), nw = uniform((size_t)cols, 0.5f, 1.5f);
+    const float eps = 1e-5f;
+    auto x1 = x, x2 = x;
+    std::vector<float> normed((size_t)cols, NAN);
+    host_launch({1, 1, 1}, 256, [&] {
+        if (add)
+            add_rms_norm(x1.data(), y.data(), nw.data(), eps, normed.data(), cols);
+        else
+            rms_norm(x1.data(), nw.data(), eps, normed.data(), cols);
+    });
+    unsigned ticket = 0;
+    const float* a = add ? y.data() : nullptr;
+    bool ok = true;
+    if (gated) {
+        int r = ws[0].rows;
+        unsigned grid = (unsigned)((r + WARPS - 1) / WARPS);
+        std::vector<float> want((size_t)r, NAN), got((size_t)r, NAN);
+        host_launch({grid, 1, 1}, WARPS * 32, [&] {
+            matvec_quant_gate_up_x(ws[0].data.data(), ws[0].dtype, ws[1].data.data(), ws[1].dtype, r, cols,
+                                   normed.data(), 1, ACT_SILU, 0.0f, want.data(), r);
+        });
+        host_launch({grid, 1, 1}, WARPS * 32, [&] {
+            matvec_quant_gate_up_norm(ws[0].data.data(), ws[0].dtype, ws[1].data.data(), ws[1].dtype, r, cols,
+                                      x2.data(), a, nw.data(), eps, ACT_SILU, 0.0f, got.data(), r, &ticket);
+        });
+        for (float v : got) ok &= v == v;
+        ok &= std::memcmp(want.data(), got.data(), want.size() * 4) == 0;
+    } else {
+        std::vector<std::vector<float>> want, got;
+        MatvecParts pw{}, pg{};
+        unsigned grid = 0;
+        for (size_t i = 0; i < ws.size(); i++) {
+            want.emplace_back((size_t)ws[i].rows, NAN);
+            got.emplace_back((size_t)ws[i].rows, NAN);
+        }
+        for (size_t i = 0; i < ws.size(); i++) {
+            pw.part[i] = {ws[i].data.data(), want[i].data(), ws[i].dtype, ws[i].rows, ws[i].rows, 0};
+            pg.part[i] = {ws[i].data.data(), got[i].data(), ws[i].dtype, ws[i].rows, ws[i].rows, 0};
+            grid += (unsigned)((ws[i].rows + WARPS - 1) / WARPS);
+        }
+        pw.count = pg.count = (int)ws.size();
+        host_launch({grid, 1, 1}, WARPS * 32, [&] { matvec_quant_parts_x(pw, cols, normed.data(), 1); });
+        host_launch({grid, 1, 1}, WARPS * 32,
+                    [&] { matvec_quant_parts_norm(pg, cols, x2.data(), a, nw.data(), eps, &ticket); });
+        for (size_t i = 0; i < ws.size(); i++) {
+            for (float v : got[i]) ok &= v == v;
+            ok &= std::memcmp(want[i].data(), got[i].data(), want[i].size() * 4) == 0;
+        }
+    }
+    ok &= std::memcmp(x1.data(), x2.data(), x1.size() * 4) == 0 && ticket == 0;
+    char what[160];
+    int at = std::snprintf(what, sizeof what, "%s of a pending norm%s, %d cols, rows", gated ? "gate/up" : "parts",
+                           add ? " after the residual add" : "", cols);
+    for (size_t i = 0; i < ws.size(); i++)
+        at += std::snprintf(what + at, sizeof what - at, " %d (dtype %d)", ws[i].rows, ws[i].dtype);
+    std::printf("fused-check: %s: %s\n", what, ok ? "bit-identical, residual too" : "DIFFERENT  FAILED");
+    return ok;
+}
+
+// add_rms_norm_q8 / rms_norm_q8 (the norm writing 8-bit activation blocks) against the norm then
+// quantize_q8: blocks and residual, bit for bit.
+static bool norm_q8(int rows, int cols, bool add) {
+    auto x = uniform((size_t)rows * cols, -3.0f, 3.0f), y = uniform((size_t)rows * cols);
+    auto w = uniform((size_t)cols, 0.5f, 1.5f);
+    auto x1 = x;
+    std::vector<float> normed((size_t)rows * cols, NAN);
+    const float eps = 1e-5f;
+    long long blocks = (long long)rows * cols / 32;
+    std::vector<ActBlock> want((size_t)blocks), got((size_t)blocks);
+    std::memset(want.data(), 0xab, want.size() * sizeof(ActBlock));
+    std::memset(got.data(), 0xcd, got.size() * sizeof(ActBlock));
+    host_launch({(unsigned)rows, 1, 1}, 256, [&] {
+        if (add)
+            add_rms_norm(x1.data(), y.data(), w.data(), eps, normed.data(), cols);
+        else
+            rms_norm(x1.data(), w.data(), eps, normed.data(), cols);
+    });
+    host_launch({(unsigned)((blocks * 32 + 255) / 256), 1, 1}, 256,
+                [&] { quantize_q8(normed.data(), blocks, want.data()); });
+    host_launch({(unsigned)rows, 1, 1}, 256, [&] {
+        if (add)
+            add_rms_norm_q8(x.data(), y.data(), w.data(), eps, got.data(), cols);
+        else
+            rms_norm_q8(x.data(), w.data(), eps, got.data(), cols);
+    });
+    char what[80];
+    std::snprintf(what, sizeof what, "%s %d rows of %d (activation blocks)", add ? "add_rms_norm_q8" : "rms_norm_q8",
+                  rows, cols);
+    bool ok = same(what, got.data(), want.data(), want.size() * sizeof(ActBlock));
+    std::snprintf(what, sizeof what, "%s %d rows of %d (residual)", add ? "add_rms_norm_q8" : "rms_norm_q8", rows, cols);
+    return same(what, x.data(), x1.data(), x.size() * 4) && ok;
+}
+
 int main() {
     bool ok = true;
     // q, k, v (GQA: k and v narrower, rows not a multiple of a block's 8); gate and up; one
@@ -395,6 +498,17 @@ int main() {
     ok &= gate_up(DT_Q4_1, DT_Q4_1, 9, 96, MAX_QTOKENS, ACT_RELU, 0.0f, false);
     ok &= add_norms(1, 576);
     ok &= add_norms(3, 200);
+    // The norm inside one token's block-format products: q/k/v of a SmolLM2 layer (576 wide,
+    // GQA), mixed formats, the widest row a block quantizes; gate and up; with and without the
+    // residual add.
+    ok &= norm_products({DT_Q4_1, DT_Q4_1, DT_Q4_1}, {72, 24, 24}, 576, true, false);
+    ok &= norm_products({DT_Q8_0, DT_Q4_1}, {9, 30}, QX_MAX_COLS, false, false);
+    ok &= norm_products({DT_Q4_1, DT_Q4_1}, {40, 40}, 576, true, true);
+    ok &= norm_products({DT_Q4_1, DT_Q8_0}, {13, 13}, 256, false, true);
+    // The norm writing activation blocks (rows too wide for the matvec's blocks): one and a few.
+    ok &= norm_q8(1, 4096, true);
+    ok &= norm_q8(3, 2080, true);
+    ok &= norm_q8(2, 4096, false);
     if (!ok) return 1;
     std::printf("fused-check: every fused kernel equals the kernels it replaces, bit for bit\n");
     return 0;

@@ -85,8 +85,9 @@ pub struct CudaBackend {
     /// The pacing stamps, one per stream (copy, compute); allocated with the context so they
     /// are part of the measured fixed cost.
     pub(super) stamps: CudaSlice<u64>,
-    /// The split attention's ticket per head (zeros; each launch leaves them at zero): with
-    /// the context, as the stamps.
+    /// The split attention's ticket per head, then the normed products' ticket
+    /// ([`CudaBackend::norm_ticket`]) (zeros; each launch leaves them at zero): with the
+    /// context, as the stamps.
     pub(super) tickets: CudaSlice<u32>,
     pub(super) functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     /// Each kernel's blocks per multiprocessor ([`CudaBackend::blocks_per_sm`]), once asked.
@@ -205,7 +206,9 @@ impl CudaBackend {
         let compute = ctx.new_stream().map_err(dev)?;
         let copy = ctx.new_stream().map_err(dev)?;
         let stamps = compute.alloc_zeros::<u64>(2).map_err(dev)?;
-        let tickets = compute.alloc_zeros::<u32>(SPLIT_MAX_HEADS).map_err(dev)?;
+        let tickets = compute
+            .alloc_zeros::<u32>(SPLIT_MAX_HEADS + 1)
+            .map_err(dev)?;
         let mut me = CudaBackend {
             ctx,
             compute,
@@ -466,6 +469,12 @@ impl CudaBackend {
             .map_err(|e| BackendError::Device(format!("{module}.{name}: {e:?}")))?;
         cache.insert((module, name), f.clone());
         Ok(f)
+    }
+
+    /// The ticket of a launch of products with the RMSNorm before them inside (the grid's last
+    /// block to have read the residual writes it): after the split attention's.
+    pub(super) fn norm_ticket(&self) -> u64 {
+        ptr_of(&self.tickets, &self.compute) + (SPLIT_MAX_HEADS * 4) as u64
     }
 
     /// One more device operation run

@@ -2,11 +2,12 @@
 //! up (one launch where a warp can take a row of both) and its down — each through the matvec
 //! kernels or cuBLAS, as the tokens and the weights' formats decide.
 
+use super::args::MAX_PARTS;
 use super::args::{WARPS, act_code, blocks, cfg, dtype_code, elementwise_cfg};
 use super::device::CudaBackend;
 use super::gemm::{GemmInput, gemm_input_kind, largest_matmul};
 use super::launches;
-use super::matvec::{PartLaunch, f16_vectors, part_launch, tokens_per_matvec};
+use super::matvec::{PartLaunch, f16_vectors, matvec_parts, part_launch, tokens_per_matvec};
 use super::types::{CudaTensor, CudaWeight, check_matmul, check_rms_norm, check_same_shape};
 use crate::backend::{Act, Backend, MatmulPart, ProductInput, Result, WorkspaceOp};
 use crate::footprint::workspace::{ACT_BLOCK_BYTES, quantizes_in_blocks, uses_act_blocks};
@@ -176,11 +177,102 @@ pub(super) fn matmul_parts_of(
             }
             Ok(())
         }
+        // Block formats through the matvecs: the norm writes their 8-bit input, or runs
+        // inside them.
+        ProductInput::RmsNorm {
+            x,
+            add,
+            weight,
+            eps,
+            out,
+        } if normed_blocks(x, parts.iter().map(|p| p.w)) => {
+            crate::backend::check_parts(parts, outs.len())?;
+            for p in parts {
+                check_matmul(p.w, x, outs[p.out], p.col0)?;
+            }
+            let group: Vec<(&CudaWeight, &CudaTensor, usize)> =
+                parts.iter().map(|p| (p.w, &*outs[p.out], p.col0)).collect();
+            normed_block_parts(cuda, (x, add, weight, eps, out), &group)
+        }
         input => {
             let x = input.rows(cuda)?;
             cuda.matmul_parts(x, parts, outs)
         }
     }
+}
+
+/// A pending RMSNorm as [`normed_block_parts`] and [`gate_up_down`] take it apart: the residual
+/// `x`, what is added to it first, the norm's weight and epsilon, and its (unwritten) output.
+type PendingNorm<'a> = (
+    &'a mut CudaTensor,
+    Option<&'a CudaTensor>,
+    &'a CudaWeight,
+    f32,
+    &'a mut CudaTensor,
+);
+
+/// Whether products of a pending RMSNorm of `x` by `weights` take it into their matvecs: some
+/// weights, every one a block format whose matvec takes this many tokens (8-bit activations).
+fn normed_blocks<'a>(x: &CudaTensor, weights: impl Iterator<Item = &'a CudaWeight>) -> bool {
+    let mut any = false;
+    for w in weights {
+        if part_launch(w.dtype, w.cols, x.rows) != PartLaunch::Blocks {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
+/// The norm checked and, where the products' blocks quantize one token themselves (rows up to
+/// QX_MAX_COLS), left to them (`Ok(true)`: the kernel norms, quantizes and writes the residual
+/// once); else run, writing the products' 8-bit activations at `ws` (`Ok(false)`): either way
+/// one launch fewer than the norm, then a quantize launch or the in-block quantization.
+fn pending_norm_to_q8(cuda: &CudaBackend, norm: &mut PendingNorm<'_>, ws: u64) -> Result<bool> {
+    let (x, add, weight, eps, out) = norm;
+    check_rms_norm(x, weight, out)?;
+    if let Some(y) = add {
+        check_same_shape("add", x, y)?;
+    }
+    cuda.bind()?;
+    if quantizes_in_blocks(x.rows, x.cols) {
+        return Ok(true);
+    }
+    cuda.rms_norm_to_q8(x, *add, weight, *eps, ws)?;
+    Ok(false)
+}
+
+/// The products of a pending RMSNorm of `x` by block-format weights (`group`: weight, output,
+/// first column), each part computed as `matmul_parts` computes it from the normed rows, the
+/// residual written as add_rms_norm writes it.
+fn normed_block_parts(
+    cuda: &CudaBackend,
+    mut norm: PendingNorm<'_>,
+    group: &[(&CudaWeight, &CudaTensor, usize)],
+) -> Result<()> {
+    let (n, cols) = (norm.0.rows, norm.0.cols);
+    let (_ws, ws) = cuda.workspace_for(largest_matmul(n, group.iter().map(|g| g.0)))?;
+    let in_blocks = pending_norm_to_q8(cuda, &mut norm, ws)?;
+    if !in_blocks {
+        return cuda.launch_parts(launches::matvec_quant_parts, ws, (cols, n), group);
+    }
+    let (x, add, weight, eps, _) = norm;
+    for (i, chunk) in group.chunks(MAX_PARTS).enumerate() {
+        let (ps, grid) = matvec_parts(chunk);
+        // The first launch adds the residual (written once); the rest norm it as written.
+        let add_p = add.filter(|_| i == 0).map_or(0, |y| y.buf.ptr);
+        launches::matvec_quant_parts_norm(
+            cuda.launch(cfg(grid, WARPS * 32)),
+            ps,
+            cols as i32,
+            x.buf.ptr,
+            add_p,
+            weight.buf.ptr,
+            eps,
+            cuda.norm_ticket(),
+        )?;
+    }
+    Ok(())
 }
 
 pub(super) fn gate_up(
@@ -252,6 +344,33 @@ pub(super) fn gate_up_down(
     out: &mut CudaTensor,
 ) -> Result<()> {
     let n = input.shaped_as().rows;
+    // Gate and up of block formats through the matvecs: the norm writes their 8-bit input, or
+    // runs inside them; then down.
+    let input = match input {
+        ProductInput::RmsNorm {
+            x,
+            add,
+            weight,
+            eps,
+            out: normed,
+        } if normed_blocks(x, [w_gate, w_up].into_iter())
+            && w_gate.rows == w_up.rows
+            && gate.cols == w_gate.rows =>
+        {
+            check_matmul(w_gate, x, gate, 0)?;
+            check_matmul(w_up, x, up, 0)?;
+            check_same_shape("gate_up", gate, up)?;
+            normed_gate_up(
+                cuda,
+                (x, add, weight, eps, normed),
+                (w_gate, w_up),
+                (act, threshold),
+                gate,
+            )?;
+            return cuda.matmul(w_down, gate, out);
+        }
+        input => input,
+    };
     // Every product through cuBLAS, down's input in f16: the gated product goes straight
     // there (gated_to_f16), where gated_f32 then the conversion would write it twice.
     let by_gemm = |w: &CudaWeight| n > tokens_per_matvec(w.dtype);
@@ -286,4 +405,65 @@ pub(super) fn gate_up_down(
         threshold,
     )?;
     cuda.gemm_from(w_down, ws, gate, out, 0, ws)
+}
+
+/// A gated FFN's hidden activations (into `gate`) from a pending RMSNorm of `x` by block-format
+/// gate and up weights of the same rows: as `gate_up` computes them from the normed rows, the
+/// residual written as add_rms_norm writes it.
+fn normed_gate_up(
+    cuda: &CudaBackend,
+    mut norm: PendingNorm<'_>,
+    (w_gate, w_up): (&CudaWeight, &CudaWeight),
+    (act, threshold): (Act, f32),
+    gate: &mut CudaTensor,
+) -> Result<()> {
+    let (n, cols) = (norm.0.rows, norm.0.cols);
+    let (_ws, ws) = cuda.workspace_for(largest_matmul(n, [w_gate, w_up].into_iter()))?;
+    let in_blocks = pending_norm_to_q8(cuda, &mut norm, ws)?;
+    let (dg, du) = (dtype_code(w_gate.dtype), dtype_code(w_up.dtype));
+    let (rows, c, kind, stride) = (
+        w_gate.rows as i32,
+        cols as i32,
+        act_code(act),
+        gate.cols as i32,
+    );
+    let launch = cuda.launch(cfg(blocks(w_gate.rows, WARPS), WARPS * 32));
+    let (wg, wu) = (w_gate.buf.ptr, w_up.buf.ptr);
+    if !in_blocks {
+        let nt = n as i32;
+        return launches::matvec_quant_gate_up(
+            launch,
+            wg,
+            dg,
+            wu,
+            du,
+            rows,
+            c,
+            ws,
+            nt,
+            kind,
+            threshold,
+            gate.buf.ptr,
+            stride,
+        );
+    }
+    let (x, add, weight, eps, _) = norm;
+    launches::matvec_quant_gate_up_norm(
+        launch,
+        wg,
+        dg,
+        wu,
+        du,
+        rows,
+        c,
+        x.buf.ptr,
+        add.map_or(0, |y| y.buf.ptr),
+        weight.buf.ptr,
+        eps,
+        kind,
+        threshold,
+        gate.buf.ptr,
+        stride,
+        cuda.norm_ticket(),
+    )
 }

@@ -97,23 +97,30 @@ impl CudaBackend {
         parts: &[(&CudaWeight, &CudaTensor, usize)],
     ) -> Result<()> {
         for group in parts.chunks(MAX_PARTS) {
-            let mut ps = MatvecParts::default();
-            let mut grid = 0u32;
-            for (slot, &(w, out, col0)) in ps.part.iter_mut().zip(group) {
-                *slot = MatvecPart {
-                    w: w.buf.ptr,
-                    out: out.buf.ptr,
-                    dtype: dtype_code(w.dtype),
-                    rows: w.rows as i32,
-                    stride: out.cols as i32,
-                    col0: col0 as i32,
-                };
-                grid += blocks(w.rows, WARPS);
-            }
-            ps.count = group.len() as i32;
+            let (ps, grid) = matvec_parts(group);
             let (c, nt) = (cols as i32, n as i32);
             kernel(self.launch(cfg(grid, WARPS * 32)), ps, c, x_arg, nt)?;
         }
         Ok(())
     }
+}
+
+/// At most MAX_PARTS `(weight, output, first column)` as one parts launch takes them, and its
+/// grid (the blocks of every part's rows).
+pub(super) fn matvec_parts(group: &[(&CudaWeight, &CudaTensor, usize)]) -> (MatvecParts, u32) {
+    let mut ps = MatvecParts::default();
+    let mut grid = 0u32;
+    for (slot, &(w, out, col0)) in ps.part.iter_mut().zip(group) {
+        *slot = MatvecPart {
+            w: w.buf.ptr,
+            out: out.buf.ptr,
+            dtype: dtype_code(w.dtype),
+            rows: w.rows as i32,
+            stride: out.cols as i32,
+            col0: col0 as i32,
+        };
+        grid += blocks(w.rows, WARPS);
+    }
+    ps.count = group.len().min(MAX_PARTS) as i32;
+    (ps, grid)
 }

@@ -28,6 +28,28 @@ impl CudaBackend {
         }
         Ok(())
     }
+
+    /// `x += add` (where given), then `x`'s rows normed by `w` and written as 8-bit activation
+    /// blocks at `dst` (the block-format matvecs' input): add_rms_norm (rms_norm) then
+    /// quantize_q8 in one launch, the same bits.
+    pub(super) fn rms_norm_to_q8(
+        &self,
+        x: &mut CudaTensor,
+        add: Option<&CudaTensor>,
+        w: &CudaWeight,
+        eps: f32,
+        dst: u64,
+    ) -> Result<()> {
+        let cols = x.cols as i32;
+        let c = self.launch(cfg(x.rows as u32, 256));
+        match add {
+            Some(y) => {
+                launches::add_rms_norm_q8(c, x.buf.ptr, y.buf.ptr, w.buf.ptr, eps, dst, cols)?
+            }
+            None => launches::rms_norm_q8(c, x.buf.ptr, w.buf.ptr, eps, dst, cols)?,
+        }
+        Ok(())
+    }
 }
 
 pub(super) fn rms_norm(
