@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|issue13|issue36|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|issue36|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
@@ -14,10 +14,12 @@
 #            default, and launched); 7B Q4_K_M on the whole GPU and at 2G; stream and split at 4G
 #            planned with rates measured at start (no saved profile) and after `doctor --save`,
 #            prediction beside measurement; 1, 4 and 16 sequences at 4G under --cold auto
+#   dense    whole-GPU decode of the 7B shape: its three f16 matvec shapes beside the HBM read
+#            bound, decode at 128 and 4000 positions, recorded (CUDA's default) and launched
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
 #            kernels equal the ones they replace, recorded logits equal launched ones, and
 #            programmatic launches plain ones, bit for bit), then decode tok/s and device
-#            operations per decode step (expected 245 for the SmolLM2 shape, 261 for the 7B
+#            operations per decode step (expected 185 for the SmolLM2 shape, 261 for the 7B
 #            shape), launched and recorded, each plain and with --programmatic-launch, on a
 #            synthesized SmolLM2-135M-shaped Q4_1 GGUF and on the 7B shape (whole GPU) at 128
 #            positions, and recorded (plain and programmatic) at 4000; before them the 7B shape's
@@ -252,8 +254,9 @@ graphs() {
     done
     say "decode launched, recorded (--cuda-graphs), and both with --programmatic-launch, same call, side by side"
     local g name
-    for g in "" --cuda-graphs --programmatic-launch "--cuda-graphs --programmatic-launch"; do
-        name="${g//--/}"; name="${name// /_}"; name="${name:-launched}"
+    # Recorded steps are CUDA's default: "launched" asks for every kernel launched.
+    for g in --no-cuda-graphs --cuda-graphs "--no-cuda-graphs --programmatic-launch" "--cuda-graphs --programmatic-launch"; do
+        name="${g//--no-cuda-graphs/launched}"; name="${name//--/}"; name="${name// /_}"
         record "decode_smol_q4_1_$name" "$(timeout 120 "$B" bench decode --device cuda -m "$WORK/smol-q4_1.gguf" --prompt-tokens 32 -n 256 $g --json 2>>"$LOG")"
         record "decode_7b_full_gpu_$name" "$(timeout 150 "$B" bench decode --device cuda -m "$m" --prompt-tokens 32 -n 64 $g --json 2>>"$LOG")"
         # At 4000 positions, recorded steps only (the fastest way, beside the same with
@@ -668,6 +671,7 @@ issue36() {
 case "$MODE" in
     tests) tests ;;
     issue36) issue36 ;;
+    dense) decode_dense ;;
     graphs) graphs ;;
     issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
     batching) batching ;;
@@ -682,6 +686,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"
