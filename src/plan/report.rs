@@ -279,14 +279,13 @@ fn write_token(o: &mut String, p: &Plan) {
 /// The hybrid or split share of the FFN.
 fn write_cpu_share(o: &mut String, p: &Plan) {
     let g = &p.gpu;
-    let t = &p.per_token;
     let pr = &p.prediction;
     if p.residency.ffn_off {
         let _ = writeln!(
             o,
             "hybrid: every FFN neuron off the device but for the hot ones placed below; the CPU computes the others from DRAM"
         );
-    } else if t.cpu_read_bytes > 0 {
+    } else if p.residency.cpu_rows > 0 {
         let _ = writeln!(
             o,
             "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per {} ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",
