@@ -441,6 +441,42 @@ pub fn matmul_rate<B: crate::backend::Backend>(
     Ok(2.0 * (tokens * rows * cols) as f64 / best)
 }
 
+/// Seconds one small device op costs on `b` beyond its bytes: the median of 101 one-token
+/// products of a 16 × 256 f16 weight (8 KiB, cache-resident), each waited for. On the budgeted
+/// device this is the thread pool's fork and join, ~10–20 µs on two cores where a GPU launch
+/// is a few µs; what the cost model charges every op of a step.
+pub fn op_overhead_s<B: crate::backend::Backend>(b: &B) -> Result<f64, String> {
+    use crate::tensor::{Bytes, DType, HostTensor};
+    let err = |e: crate::backend::BackendError| format!("op overhead probe: {e}");
+    let (rows, cols) = (16, 256);
+    let half: Vec<u16> = (0..rows * cols)
+        .map(|i| half::f16::from_f32((i % 13) as f32 * 0.01).to_bits())
+        .collect();
+    let w = b
+        .upload(&HostTensor {
+            name: "probe".into(),
+            rows,
+            cols,
+            dtype: DType::F16,
+            data: Bytes::from_slice(bytemuck::cast_slice(&half)),
+        })
+        .map_err(err)?;
+    let mut x = b.alloc(1, cols).map_err(err)?;
+    b.write(&mut x, &vec![0.5f32; cols]).map_err(err)?;
+    let mut out = b.alloc(1, rows).map_err(err)?;
+    let mut sink = vec![0f32; rows];
+    let mut times = Vec::with_capacity(101);
+    for _ in 0..102 {
+        let t0 = std::time::Instant::now();
+        b.matmul(&w, &x, &mut out).map_err(err)?;
+        b.read(&out, &mut sink).map_err(err)?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.remove(0);
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
 pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
     use crate::backend::cuda::{CudaBackend, driver_present};
     use cudarc::driver::result as r;

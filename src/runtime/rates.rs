@@ -297,6 +297,7 @@ pub fn measure(
                         .map_err(anyhow::Error::msg)?,
                 ),
                 copies_share_memory: true,
+                op_overhead_s: hw::op_overhead_s(&cpu).map_err(anyhow::Error::msg)?,
                 ..base.clone()
             }
         }
