@@ -249,7 +249,7 @@ impl LoadedModel {
     /// The store offloaded to the GPU under a plan: the whole process within `--gpu-mem` where
     /// one is given.
     fn start_offloaded_cuda(&self, s: &StartSettings, store: &Arc<Store>) -> Result<Placed> {
-        let (args, job, kv_type, gpu_mem) = (s.args, s.job, s.kv_type, s.gpu_mem);
+        let (args, job, gpu_mem) = (s.args, s.job, s.gpu_mem);
         let mut budget = budget_for(args, job, gpu_mem.unwrap_or(u64::MAX / 4), self.device);
         let mut hw = args
             .budget
@@ -285,29 +285,12 @@ impl LoadedModel {
         }
         s.pace(&|r| cuda.pace_copies(r))?;
         let (plan, neurons) = self.offload_plan(args, store, &budget, &hw)?;
-        let OffloadSource { src, hybrid, units } =
-            self.offload_source(&cuda, store, &plan, neurons, &ledger, s.kernels)?;
-        let e = Engine::with_source(cuda, self.spec.clone(), src)?
-            .with_kv_type(kv_type)?
-            .with_sparsity(s.thresholds.clone())?
-            .with_predictor(s.predictor.clone())
-            .with_prefill(plan.prefill)?;
-        let e = pooled(e, &job, &plan)?
-            .with_logit_rows(plan.budget.logit_rows)
-            .with_recorded_steps(args.cuda_graphs_on(self.device));
-        Ok(Placed {
-            engine: AnyEngine::Cuda(e),
-            ledger: Some(ledger),
-            plan: Some(plan),
-            traffic: None,
-            hybrid,
-            units,
-        })
+        self.offloaded_engine(s, cuda, store, plan, neurons, ledger, AnyEngine::Cuda)
     }
 
     /// The store offloaded to the budgeted CPU device under a plan.
     fn start_offloaded_sim(&self, s: &StartSettings, store: &Arc<Store>) -> Result<Placed> {
-        let (args, job, kv_type, gpu_mem) = (s.args, s.job, s.kv_type, s.gpu_mem);
+        let (args, job, gpu_mem) = (s.args, s.job, s.gpu_mem);
         let budget = budget_for(args, job, gpu_mem.unwrap_or(u64::MAX / 4), self.device);
         let hw = args
             .budget
@@ -319,18 +302,35 @@ impl LoadedModel {
             ledger.clone(),
         );
         s.pace(&|r| sim.pace_copies(r))?;
+        self.offloaded_engine(s, sim, store, plan, neurons, ledger, AnyEngine::Sim)
+    }
+
+    /// An offloaded engine on `b` under `plan`: the store's weights as the plan places them, the
+    /// run's KV type, sparsity, prefill layout, KV pool, logit rows and recorded steps (what
+    /// every offloaded device shares), wrapped by `wrap`.
+    #[allow(clippy::too_many_arguments)]
+    fn offloaded_engine<B: Backend>(
+        &self,
+        s: &StartSettings,
+        b: B,
+        store: &Arc<Store>,
+        plan: Plan,
+        neurons: super::offload::NeuronPlan,
+        ledger: Arc<Ledger>,
+        wrap: fn(Engine<B>) -> AnyEngine,
+    ) -> Result<Placed> {
         let OffloadSource { src, hybrid, units } =
-            self.offload_source(&sim, store, &plan, neurons, &ledger, s.kernels)?;
-        let e = Engine::with_source(sim, self.spec.clone(), src)?
-            .with_kv_type(kv_type)?
+            self.offload_source(&b, store, &plan, neurons, &ledger, s.kernels)?;
+        let e = Engine::with_source(b, self.spec.clone(), src)?
+            .with_kv_type(s.kv_type)?
             .with_sparsity(s.thresholds.clone())?
             .with_predictor(s.predictor.clone())
             .with_prefill(plan.prefill)?;
-        let e = pooled(e, &job, &plan)?
+        let e = pooled(e, &s.job, &plan)?
             .with_logit_rows(plan.budget.logit_rows)
-            .with_recorded_steps(args.cuda_graphs_on(self.device));
+            .with_recorded_steps(s.args.cuda_graphs_on(self.device));
         Ok(Placed {
-            engine: AnyEngine::Sim(e),
+            engine: wrap(e),
             ledger: Some(ledger),
             plan: Some(plan),
             traffic: None,
