@@ -161,7 +161,10 @@ proptest! {
     }
 
     /// The split's CPU rows never grow with the batch, and fall somewhere between one
-    /// sequence and 64 where the split takes rows for one.
+    /// sequence and 64 where the split takes rows for one and a step holds at least four
+    /// sequences. Near the least budget that runs, the scratch holds one or two sequences a
+    /// step (more take several steps), and two cannot move a whole 64-row checksum group off
+    /// the CPU on these small models (stories260K at the floor: 172 rows at every batch).
     #[test]
     fn split_cpu_rows_fall_as_the_batch_grows(smol: bool, at in 0.0f64..1.0) {
         let f = fixture(smol);
@@ -176,7 +179,8 @@ proptest! {
                 f.name, g, w[0], n + 1, w[1], n + 2, rows
             );
         }
-        if rows[0] > 0 {
+        let step_holds = f.plan(g, 64, Cold::Split).unwrap().plan.prediction.step.sequences;
+        if rows[0] > 0 && step_holds >= 4 {
             prop_assert!(rows[63] < rows[0], "{} at {} bytes: {:?}", f.name, g, rows);
         }
     }
