@@ -3,28 +3,11 @@
 //! weighted down columns to the output. Every bundle encoding (f32, f16, bf16, INT8, INT4; the
 //! decoders are `sparse`'s); each bundle is read once.
 
-use rayon::prelude::*;
-
 use super::kernels::Kernels;
-use super::sparse::{Bundles, bundle_axpy, bundle_dot};
+use super::sparse::{Bundles, DownSplit, sparse_down_split, sparse_part_dots};
 use crate::backend::{BundleShape, Result, sparse_act};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, HostTensor};
-
-/// Neurons per parallel task.
-const NEURONS_PER_TASK: usize = 64;
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint cells (see the callers).
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
 
 /// `f` of `bytes` viewed as bundles of `shape` in `enc`, multiplied in their encoding by the
 /// best kernels (decoding rows to f32 first ran at ~1.4 GB/s). Bytes that cannot be viewed in
@@ -88,7 +71,7 @@ pub fn down(
 }
 
 /// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`
-/// for every neuron `i` of `view`, in any bundle encoding.
+/// for every neuron `i` of `view`, in any bundle encoding: [`listed_acts`] over all of them.
 #[allow(clippy::too_many_arguments)]
 pub fn up_view(
     k: &Kernels,
@@ -103,36 +86,62 @@ pub fn up_view(
     col0: usize,
 ) {
     let neurons = view.neurons();
-    let shape = view.shape();
-    let d = shape.d;
+    let d = view.shape().d;
     assert!(x.len() == n * d && h.len() == n * stride && col0 + neurons <= stride);
-    let gated = shape.parts == 3;
-    let ptr = OutPtr(h.as_mut_ptr());
-    let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    let task = |task: usize| {
-        let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
-        for i in task * NEURONS_PER_TASK..i1 {
-            for t in 0..n {
-                let xt = &x[t * d..(t + 1) * d];
-                let u = bundle_dot(k, view, i, if gated { 1 } else { 0 }, xt);
-                let v = if gated {
-                    sparse_act(act(bundle_dot(k, view, i, 0, xt)), threshold) * u
-                } else {
-                    sparse_act(act(u + bias.map_or(0.0, |bb| bb[col0 + i])), threshold)
-                };
-                // SAFETY: neuron i belongs to this task only; index < n·stride (asserted).
-                unsafe { *ptr.at(t * stride + col0 + i) = v };
-            }
-        }
-    };
-    if tasks <= 1 {
-        (0..tasks).for_each(task);
-    } else {
-        (0..tasks).into_par_iter().for_each(task);
+    let idx: Vec<u32> = (0..neurons as u32).collect();
+    let bias = |i: u32| bias.map_or(0.0, |bb| bb[col0 + i as usize]);
+    let v = listed_acts(k, view, &idx, x, n, act, threshold, bias)
+        .expect("every neuron of the view, x sized to it (asserted)");
+    for t in 0..n {
+        h[t * stride + col0..t * stride + col0 + neurons]
+            .copy_from_slice(&v[t * neurons..(t + 1) * neurons]);
     }
 }
 
-/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`.
+/// The hidden activations of the neurons `idx` of `view` for the `n` tokens of `x` (`n × m`,
+/// token-major): `act(gate·x)` masked by `threshold` ([`sparse_act`]) times `up·x`, or, without
+/// a gate, `act(up·x + bias(i))` masked. The whole FFN's op and the listed ops (cache units,
+/// hot neurons) all compute them here with the same kernels, and the host decides a unit's
+/// active set with the same gate dots: a neuron's activation, and so whether the mask keeps it,
+/// is the same bit for bit whichever op computes it and whatever it is listed with.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn listed_acts(
+    k: &Kernels,
+    view: &Bundles,
+    idx: &[u32],
+    x: &[f32],
+    n: usize,
+    act: fn(f32) -> f32,
+    threshold: f32,
+    bias: impl Fn(u32) -> f32,
+) -> Result<Vec<f32>> {
+    let m = idx.len();
+    let gated = view.shape().parts == 3;
+    // The deciding part (gate, or up without a gate) of every listed neuron, then the up part
+    // of gated bundles.
+    let mut v = vec![0f32; n * m];
+    sparse_part_dots(k, view, idx, 0, x, n, &mut v)?;
+    if gated {
+        let mut u = vec![0f32; n * m];
+        sparse_part_dots(k, view, idx, 1, x, n, &mut u)?;
+        v.iter_mut()
+            .zip(&u)
+            .for_each(|(g, u)| *g = sparse_act(act(*g), threshold) * u);
+    } else {
+        for (at, g) in v.iter_mut().enumerate() {
+            *g = sparse_act(act(*g + bias(idx[at % m])), threshold);
+        }
+    }
+    Ok(v)
+}
+
+/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`:
+/// [`sparse_down`]'s split by output columns over all the neurons, so each token's result is one
+/// chain of multiply-adds from `out` in neuron order, the same bit for bit whatever the threads
+/// do, and the same as a cache unit's rounds over the neurons a token needs (a neuron whose
+/// activation is zero leaves the chain as it was). Per-thread partial sums added in the order
+/// work-stealing finished them made two runs of one command differ (SmolLM2 bundled: 1.5e-2 of
+/// the logit scale over 9 tokens, its 8-bit activations amplifying the last bits).
 pub fn down_view(
     k: &Kernels,
     view: &Bundles,
@@ -143,41 +152,18 @@ pub fn down_view(
     out: &mut [f32],
 ) {
     let neurons = view.neurons();
-    let shape = view.shape();
-    let d = shape.d;
+    let d = view.shape().d;
     assert!(h.len() == n * stride && col0 + neurons <= stride && out.len() == n * d);
-    let down_part = shape.parts - 1;
-    // Each task sums a run of neurons into its own accumulator; the accumulators are added at
-    // the end (cheap next to reading the bundles, which each task streams contiguously).
-    let tasks = neurons.div_ceil(NEURONS_PER_TASK);
-    let partial = |task: usize, acc: &mut [f32]| {
-        let i1 = ((task + 1) * NEURONS_PER_TASK).min(neurons);
-        for i in task * NEURONS_PER_TASK..i1 {
-            for t in 0..n {
-                let w = h[t * stride + col0 + i];
-                if w != 0.0 {
-                    bundle_axpy(k, view, i, down_part, w, &mut acc[t * d..(t + 1) * d]);
-                }
-            }
-        }
-    };
-    let sum = (0..tasks)
-        .into_par_iter()
-        .fold(
-            || vec![0f32; n * d],
-            |mut acc, t| {
-                partial(t, &mut acc);
-                acc
-            },
-        )
-        .reduce(
-            || vec![0f32; n * d],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        );
-    out.iter_mut().zip(&sum).for_each(|(o, s)| *o += s);
+    let idx: Vec<u32> = (0..neurons as u32).collect();
+    let compact: Vec<f32> = (0..n)
+        .flat_map(|t| {
+            h[t * stride + col0..t * stride + col0 + neurons]
+                .iter()
+                .copied()
+        })
+        .collect();
+    sparse_down_split(k, view, &idx, &compact, n, out, DownSplit::Output)
+        .expect("every neuron of the view, h and out sized to it (asserted)");
 }
 
 /// Reference f16 bundle builder for tests: gate/up rows and down columns → bundle bytes.

@@ -644,30 +644,12 @@ impl Backend for CpuBackend {
         }
         let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
         let f = ops::activation(act);
-        let gated = shape.parts == 3;
-        // The deciding part (gate, or up without a gate) of every listed neuron, then the up
-        // part for gated bundles.
-        let mut v = vec![0f32; n * m];
-        let mut u = vec![0f32; if gated { n * m } else { 0 }];
-        b.with_bundles(op, shape, |view| {
+        let bias = |i: u32| bias.map_or(0.0, |bb| bb[i as usize]);
+        let v = b.with_bundles(op, shape, |view| {
             self.pool.install(|| {
-                sparse::sparse_part_dots(self.kernels, view, idx, 0, &x.data, n, &mut v)?;
-                if gated {
-                    sparse::sparse_part_dots(self.kernels, view, idx, 1, &x.data, n, &mut u)?;
-                }
-                Ok::<_, BackendError>(())
+                bundles::listed_acts(self.kernels, view, idx, &x.data, n, f, threshold, bias)
             })
         })??;
-        if gated {
-            v.iter_mut()
-                .zip(&u)
-                .for_each(|(g, u)| *g = sparse_act(f(*g), threshold) * u);
-        } else {
-            for (k, g) in v.iter_mut().enumerate() {
-                let add = bias.map_or(0.0, |bb| bb[idx[k % m] as usize]);
-                *g = sparse_act(f(*g + add), threshold);
-            }
-        }
         let stride = h.cols;
         for t in 0..n {
             h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);

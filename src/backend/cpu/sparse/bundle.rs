@@ -2,8 +2,7 @@
 //! bundle's part, the checks every bundle operator shares; and one part's dot or axpy (what the
 //! dense bundle kernels use).
 
-use super::vector::{Vector, ops};
-use crate::backend::cpu::kernels::Kernels;
+use super::vector::Vector;
 use crate::backend::{BackendError, BundleShape, Result};
 use crate::store::Encoding;
 use crate::store::quant::INT4_GROUP;
@@ -133,15 +132,4 @@ impl<'a> Bundles<'a> {
             None => Ok(()),
         }
     }
-}
-
-/// `part p of bundle i · x` by the best kernels (no decode to f32 first): the dense bundle
-/// kernels' inner product.
-pub(crate) fn bundle_dot(k: &Kernels, b: &Bundles, i: usize, p: usize, x: &[f32]) -> f32 {
-    b.part(i, p).dot(k, ops(k), x)
-}
-
-/// `out += a · part p of bundle i` by the best kernels.
-pub(crate) fn bundle_axpy(k: &Kernels, b: &Bundles, i: usize, p: usize, a: f32, out: &mut [f32]) {
-    b.part(i, p).axpy(ops(k), a, out)
 }

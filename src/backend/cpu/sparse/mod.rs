@@ -30,7 +30,6 @@ mod vector;
 mod x86;
 
 pub use bundle::Bundles;
-pub(crate) use bundle::{bundle_axpy, bundle_dot};
 pub use down::{DownSplit, sparse_down, sparse_down_split};
 pub use matrix::{sparse_down_blocks, sparse_rows};
 pub use up::{sparse_part_dots, sparse_up};
