@@ -154,7 +154,7 @@ fn every_mode_traces_its_own_phases() {
         ),
         (
             "cpu",
-            "64M",
+            "320K",
             &[
                 "landing",
                 "host_wait",
@@ -171,7 +171,7 @@ fn every_mode_traces_its_own_phases() {
         ),
         (
             "gpu",
-            "64M",
+            "500K",
             &[
                 "landing",
                 "decide",

@@ -30,16 +30,37 @@ fn span_event(s: &Span) -> Value {
                     "d2h_bytes": s.bytes.d2h, "cpu_bytes": s.bytes.cpu}})
 }
 
+/// Where the device has a clock, the span's time on the device's compute stream (track 2) and
+/// copy stream (track 3): how far each advanced between the span's ends.
+fn device_events(s: &Span) -> impl Iterator<Item = Value> + '_ {
+    s.device.into_iter().flat_map(move |d| {
+        [(2, d.compute), (3, d.copy)]
+            .into_iter()
+            .filter(|(_, dur)| !dur.is_zero())
+            .map(move |(tid, dur)| {
+                json!({"name": s.phase.name(), "cat": "device", "ph": "X", "pid": 1, "tid": tid,
+                       "ts": us(d.at), "dur": us(dur),
+                       "args": {"step": s.step, "layer": s.layer}})
+            })
+    })
+}
+
 /// The log as Chrome trace-event JSON: a complete event (`"ph": "X"`, microseconds) per step and
-/// per phase span inside it, on the host's one track.
+/// per phase span inside it on the host's track, and where the device has a clock each span's
+/// time on its compute and copy streams on tracks of their own.
 pub fn chrome_trace(log: &TraceLog, model: &str, device: &str) -> Value {
-    let mut events: Vec<Value> = Vec::with_capacity(log.steps.len() + log.spans.len() + 2);
+    let mut events: Vec<Value> = Vec::with_capacity(log.steps.len() + log.spans.len() + 4);
     events.push(json!({"name": "process_name", "ph": "M", "pid": 1,
                        "args": {"name": format!("gpu-offload {model} on {device}")}}));
-    events.push(json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 1,
-                       "args": {"name": "host"}}));
+    for (tid, name) in [(1, "host"), (2, "device compute"), (3, "device copies")] {
+        events.push(
+            json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                           "args": {"name": name}}),
+        );
+    }
     events.extend(log.steps.iter().map(step_event));
     events.extend(log.spans.iter().map(span_event));
+    events.extend(log.spans.iter().flat_map(device_events));
     json!({"traceEvents": events, "displayTimeUnit": "ms"})
 }
 
@@ -99,6 +120,8 @@ pub fn per_token_json(
                 "bound_seconds": bound, "bound_by": if by.is_empty() { None } else { Some(by.join("+")) },
                 "fraction_of_bound": bound.map(|b| b / (s.seconds / n)),
                 "spans": s.spans as f64 / n,
+                "device_compute_seconds": s.device.map(|d| d[0] / n),
+                "device_copy_seconds": s.device.map(|d| d[1] / n),
             });
             (p.name().to_string(), v)
         })

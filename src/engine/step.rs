@@ -144,6 +144,8 @@ impl<B: Backend> Engine<B> {
             pass.scratch = Some(sc);
             return out;
         }
+        // The device's streams timed from here (not in a recorded step: captured, not run).
+        trace::device_clock(|| b.device_clock());
         {
             let _s = trace::span(Phase::Embed);
             source.embed(b, tokens, pos, &mut sc.x)?;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::backend::clock::DeviceClock;
 use crate::footprint::Ledger;
 
 /// A phase of a step.
@@ -105,6 +106,17 @@ impl SpanBytes {
     }
 }
 
+/// What the device's streams did during a span, where the backend has a clock
+/// ([`crate::backend::Backend::device_clock`]): how far its compute and copy streams advanced
+/// between the span's ends, and where the compute stream's part begins (from the trace's
+/// origin, the device's time aligned with the host's at the step's first mark).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct DeviceTime {
+    pub at: Duration,
+    pub compute: Duration,
+    pub copy: Duration,
+}
+
 /// One span of a step: a phase of a layer (or of none: the embedding, the head) from `start`
 /// for `dur`, both from the trace's origin.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -115,6 +127,7 @@ pub struct Span {
     pub start: Duration,
     pub dur: Duration,
     pub bytes: SpanBytes,
+    pub device: Option<DeviceTime>,
 }
 
 /// One traced step: `rows` tokens from `start` for `dur`.
@@ -140,6 +153,8 @@ struct Open {
     h2d: u64,
     d2h: u64,
     cpu: u64,
+    /// The device clock's mark at the start, where the step has a clock.
+    mark: Option<usize>,
 }
 
 #[derive(Default)]
@@ -154,6 +169,10 @@ struct State {
     next_step: u32,
     /// CPU bytes reported so far (spans take differences, as of the ledger's counters).
     cpu: u64,
+    /// The step's device clock, where it has one, and when its first mark was made.
+    clock: Option<(Arc<dyn DeviceClock>, Instant)>,
+    /// Spans whose ends the clock marked: (span, start mark, end mark).
+    marked: Vec<(usize, usize, usize)>,
 }
 
 /// The recorder: steps and their phase spans, with the ledger whose counts give their bytes.
@@ -188,6 +207,8 @@ impl StepTrace {
     /// Close the open span at `now` and open `phase` there.
     fn switch(&self, s: &mut State, phase: Option<Phase>, now: Instant) {
         let (h2d, d2h) = self.copies();
+        // A clock that fails gives no device times, never a failed step.
+        let mark = s.clock.as_ref().and_then(|(c, _)| c.mark().ok());
         if let (Some(o), Some((step, _, _))) = (s.open.take(), s.step) {
             let bytes = SpanBytes {
                 h2d: h2d - o.h2d,
@@ -196,6 +217,9 @@ impl StepTrace {
             };
             let dur = now.saturating_duration_since(o.start);
             if dur > Duration::ZERO || bytes != SpanBytes::default() {
+                if let (Some(a), Some(b)) = (o.mark, mark) {
+                    s.marked.push((s.log.spans.len(), a, b));
+                }
                 s.log.spans.push(Span {
                     step,
                     phase: o.phase,
@@ -203,6 +227,7 @@ impl StepTrace {
                     start: o.start.saturating_duration_since(self.origin),
                     dur,
                     bytes,
+                    device: None,
                 });
             }
         }
@@ -212,6 +237,7 @@ impl StepTrace {
             h2d,
             d2h,
             cpu: s.cpu,
+            mark,
         });
     }
 
@@ -234,6 +260,7 @@ impl StepTrace {
         self.switch(s, None, now);
         s.stack.clear();
         s.layer = None;
+        self.device_times(s);
         if let Some((step, rows, start)) = s.step.take() {
             s.log.steps.push(StepSpan {
                 step,
@@ -242,6 +269,44 @@ impl StepTrace {
                 dur: now.saturating_duration_since(start),
             });
         }
+    }
+
+    /// The marked spans' device times, once the device has passed the step's marks.
+    fn device_times(&self, s: &mut State) {
+        let marked = std::mem::take(&mut s.marked);
+        let Some((clock, first)) = s.clock.take() else {
+            return;
+        };
+        let Ok(times) = clock.take() else {
+            return;
+        };
+        let secs = |x: f64| Duration::from_secs_f64(x.max(0.0));
+        let origin = first.saturating_duration_since(self.origin);
+        for (i, a, b) in marked {
+            if let (Some(sp), Some(ta), Some(tb)) =
+                (s.log.spans.get_mut(i), times.get(a), times.get(b))
+            {
+                sp.device = Some(DeviceTime {
+                    at: origin + secs(ta[0]),
+                    compute: secs(tb[0] - ta[0]),
+                    copy: secs(tb[1] - ta[1]),
+                });
+            }
+        }
+    }
+
+    /// Time the device's streams in this step from now on with `clock`.
+    fn set_clock(&self, clock: Arc<dyn DeviceClock>) {
+        let mut s = self.lock();
+        let s = &mut *s;
+        if s.step.is_none() || s.clock.is_some() {
+            return;
+        }
+        let phase = s.open.as_ref().map_or(Phase::Other, |o| o.phase);
+        let now = Instant::now();
+        s.clock = Some((clock, now));
+        s.marked.clear();
+        self.switch(s, Some(phase), now);
     }
 
     fn enter(self: &Arc<Self>, phase: Phase) -> SpanGuard {
@@ -336,6 +401,19 @@ pub fn set_layer(layer: Option<usize>) {
     });
 }
 
+/// Time the device's streams in the thread's traced step with the clock `clock` makes (called
+/// only when a step is traced; nothing where the backend has no clock). Not in a recorded step:
+/// its ops are captured, not run.
+pub fn device_clock(clock: impl FnOnce() -> Option<Arc<dyn DeviceClock>>) {
+    ACTIVE.with_borrow(|a| {
+        if let Some(t) = a
+            && let Some(c) = clock()
+        {
+            t.set_clock(c);
+        }
+    });
+}
+
 /// The CPU read `bytes` for neurons in the phase open now.
 pub fn add_cpu_bytes(bytes: u64) {
     ACTIVE.with_borrow(|a| {
@@ -368,6 +446,11 @@ pub fn totals(log: &TraceLog, pick: impl Fn(&StepSpan) -> bool) -> PhaseTotals {
         e.seconds += sp.dur.as_secs_f64();
         e.bytes.add(&sp.bytes);
         e.spans += 1;
+        if let Some(d) = &sp.device {
+            let [c, k] = e.device.get_or_insert([0.0; 2]);
+            *c += d.compute.as_secs_f64();
+            *k += d.copy.as_secs_f64();
+        }
     }
     t
 }
@@ -378,6 +461,9 @@ pub struct PhaseSum {
     pub seconds: f64,
     pub bytes: SpanBytes,
     pub spans: usize,
+    /// Seconds the device's compute and copy streams advanced during the phase (backends with
+    /// a clock).
+    pub device: Option<[f64; 2]>,
 }
 
 /// Sums per phase over some steps, and those steps' own time.
@@ -441,6 +527,45 @@ mod tests {
                 .iter()
                 .all(|s| s.phase == Phase::Other || s.layer == Some(0))
         );
+    }
+
+    /// A clock whose streams advance 1 ms (compute) and 2 ms (copies) from one mark to the next.
+    struct Ticks(Mutex<usize>);
+
+    impl DeviceClock for Ticks {
+        fn mark(&self) -> crate::backend::Result<usize> {
+            let mut n = self.0.lock().unwrap();
+            *n += 1;
+            Ok(*n - 1)
+        }
+        fn take(&self) -> crate::backend::Result<Vec<[f64; 2]>> {
+            let n = std::mem::take(&mut *self.0.lock().unwrap());
+            Ok((0..n).map(|i| [i as f64 * 1e-3, i as f64 * 2e-3]).collect())
+        }
+    }
+
+    #[test]
+    fn a_device_clock_times_each_span_between_its_marks() {
+        let t = StepTrace::new(None);
+        let _on = t.activate();
+        t.begin_step(1, Instant::now());
+        device_clock(|| Some(Arc::new(Ticks(Mutex::new(0)))));
+        for p in [Phase::Attention, Phase::DeviceNeurons] {
+            let _s = span(p);
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        t.end_step();
+        let log = t.log();
+        let timed: Vec<&Span> = log.spans.iter().filter(|s| s.device.is_some()).collect();
+        assert!(timed.len() >= 2, "{log:?}");
+        for s in timed {
+            let d = s.device.unwrap();
+            // Every span is between consecutive marks here.
+            assert_eq!(d.compute, Duration::from_millis(1), "{s:?}");
+            assert_eq!(d.copy, Duration::from_millis(2), "{s:?}");
+        }
+        let all = totals(&log, |_| true);
+        assert!(all.phases[&Phase::Attention].device.is_some());
     }
 
     #[test]
