@@ -87,6 +87,15 @@ fn phases_tile_the_steps_and_carry_the_ledgers_bytes() {
     assert_eq!(trace.log().steps.len(), toks.len() + 1);
 }
 
+/// A `--cold` mode, the budget it runs at, the phases that must take time in it, and the
+/// phases that must move bytes (phase, which bytes).
+type Case = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+);
+
 fn bin(models: &std::path::Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_gpu-offload"));
     for (k, _) in std::env::vars() {
@@ -139,7 +148,7 @@ fn every_mode_traces_its_own_phases() {
         "--no-predictors",
     ]));
     // Characteristic phases: those that must have time, and those that must move bytes.
-    let cases: [(&str, &str, &[&str], &[(&str, &str)]); 4] = [
+    let cases: [Case; 4] = [
         (
             "stream",
             "320K",
