@@ -14,13 +14,15 @@
 //! - `checks.rs`, `bundles.rs`, `kv_table.rs`: the checks and sizes every backend shares (shapes,
 //!   bundle bytes, block tables);
 //! - `fused.rs`: fused ops as the plain ops they equal (defaults and fallbacks);
-//! - `transfer.rs`: host stages device→host copies land in.
+//! - `transfer.rs`: host stages device→host copies land in;
+//! - `clock.rs`: timing marks on a device's streams (the device time of a trace's spans).
 
 mod args;
 #[cfg(test)]
 mod bundle_tests;
 mod bundles;
 mod checks;
+pub mod clock;
 pub mod cpu;
 pub mod cuda;
 mod fused;
@@ -518,6 +520,12 @@ pub trait Backend: Send + Sync + 'static {
     /// copy or fill within device memory, and each node of a replayed recording, which holds
     /// exactly those); `None` elsewhere.
     fn device_ops_run(&self) -> Option<u64> {
+        None
+    }
+
+    /// A clock on the device's streams for traces, where the device runs apart from the host
+    /// (CUDA); `None` where its time is the host's.
+    fn device_clock(&self) -> Option<std::sync::Arc<dyn clock::DeviceClock>> {
         None
     }
 

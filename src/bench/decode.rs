@@ -14,8 +14,10 @@ use serde_json::{Value, json};
 use crate::backend::Backend;
 use crate::bench::bounds::{self, AboveBound, Bound, Rates};
 use crate::bench::measure::{self, Measured, measure, random_prompt, random_prompt_seeded};
+use crate::bench::phases;
 use crate::bench::running::{device_of, threads_of, traffic_of};
 use crate::engine::Engine;
+use crate::engine::trace::StepTrace;
 use crate::plan::HardwareProfile;
 use crate::plan::choice::Cold;
 use crate::runtime::{Job, LoadedModel, ModelArgs, with_engine};
@@ -47,6 +49,11 @@ pub struct DecodeArgs {
     pub modes: Vec<Cold>,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
+    /// Write the per-phase trace of the last repetition's steps here (Chrome trace-event JSON:
+    /// open it in Perfetto or chrome://tracing); one sequence only. With --json, the phases'
+    /// totals per token are printed either way.
+    #[arg(long, env = "GPU_OFFLOAD_TRACE")]
+    pub trace: Option<PathBuf>,
 }
 
 /// The rates bounds divide by: `hardware`'s figures when given, else measured now on
@@ -134,6 +141,9 @@ pub fn run(a: &DecodeArgs) -> Result<DecodeOutcome> {
     match (a.sessions.as_slice(), a.modes.is_empty()) {
         ([], _) => bail!("--sessions: give at least one count, e.g. 1,4,16"),
         ([1], true) => run_single(a).map(|r| DecodeOutcome::Single(Box::new(r))),
+        _ if a.trace.is_some() => {
+            bail!("--trace traces one sequence: leave out --sessions N and --modes")
+        }
         ([_], true) => run_sessions(a).map(DecodeOutcome::Sessions),
         _ => run_batches(a).map(DecodeOutcome::Batches),
     }
@@ -152,9 +162,13 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     }
     let prompt = random_prompt(a.prompt_tokens, spec.vocab_size);
     let running = loaded.start(&a.model, Job::single(ctx, a.prompt_tokens, 1))?;
+    // Phases are traced for --trace and --json (the last repetition's steps).
+    let trace = (a.json || a.trace.is_some()).then(|| StepTrace::new(running.ledger.clone()));
     let m = with_engine!(&running.engine, e => {
+        e.set_trace(trace.clone())?;
         measure(e, ctx, &prompt, a.tokens, a.reps, &|| running.snapshot())?
     });
+    let log = trace.as_ref().map(|t| t.log());
     let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
     let device = device_of(&running);
     let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
@@ -168,6 +182,13 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     )?;
     let bound = Bound::of(&traffic, &rates);
     let predicted = running.predicted_tokens_per_s();
+    if let (Some(path), Some(log)) = (&a.trace, &log) {
+        phases::write_trace(path, &phases::chrome_trace(log, &spec.name, device))?;
+    }
+    let phase_totals = log.as_ref().map(|log| {
+        let t = phases::decode_totals(log);
+        phases::per_token_json(&t, &rates, (m.after_prefill, m.end))
+    });
     // What the cache units moved, against what the plan expected per token.
     let units = running.units.as_ref().map(|u| {
         let [needed, loads, bytes] = u.traffic.snapshot();
@@ -203,6 +224,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
         "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units,
+        "phases_per_token": phase_totals,
     });
     Ok(DecodeRun {
         model: spec.name,

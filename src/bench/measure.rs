@@ -54,6 +54,10 @@ pub fn measure<B: Backend>(
         let mut first = None;
         let mut ops_at_first = None;
         let mut session = engine.new_session(ctx)?;
+        // A traced engine keeps the last run's steps.
+        if let Some(t) = engine.trace() {
+            t.clear();
+        }
         let t0 = Instant::now();
         let g = generate(
             engine,

@@ -4,7 +4,8 @@
 //! `runtime::ModelArgs`), loading models through `crate::runtime` and returning what it
 //! measured. Beside them what they share: the physical bound beside every figure (`bounds`),
 //! the one place a model's speed is measured (`measure`), what they read off a started model
-//! (`running`), the report directory (`output`) and the SVG plots (`plot`); corpora are read by
+//! (`running`), the report directory (`output`), the SVG plots (`plot`) and where a decode
+//! step's time goes (`phases`, from the engine's trace); corpora are read by
 //! `runtime::corpus`, as `profile` reads them. The CLI (`cli/bench.rs`) dispatches and prints the results; nothing here
 //! imports `cli` or prints a result (progress and warnings go to stderr).
 
@@ -15,6 +16,7 @@ pub mod decode;
 pub mod matvec;
 pub mod measure;
 pub mod output;
+pub mod phases;
 pub mod plot;
 pub mod precision;
 pub mod running;

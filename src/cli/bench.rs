@@ -236,9 +236,31 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
         if let Some(k) = m.device_ops_per_decode_step {
             println!("{k:.1} device operations (kernels, on-device copies) per decode step");
         }
+        if let Some(path) = &a.trace {
+            print_phases(&out["phases_per_token"]);
+            println!("trace of the last repetition written to {}", path.display());
+        }
     }
     r.check_bound()?;
     Ok(())
+}
+
+/// Per decoded token, each phase's time, its share of the step and its bound.
+fn print_phases(p: &serde_json::Value) {
+    let step = p["step_seconds"].as_f64().unwrap_or(f64::NAN);
+    println!("per decoded token ({:.3} ms a step):", step * 1e3);
+    for (name, v) in p["phases"].as_object().into_iter().flatten() {
+        let s = v["seconds"].as_f64().unwrap_or(f64::NAN);
+        let bound = match (v["bound_seconds"].as_f64(), v["bound_by"].as_str()) {
+            (Some(b), Some(by)) => format!(", bound {:.3} ms ({by})", b * 1e3),
+            _ => String::new(),
+        };
+        println!(
+            "  {name:<15}{:9.3} ms {:5.1}%{bound}",
+            s * 1e3,
+            100.0 * s / step
+        );
+    }
 }
 
 /// `bench decode --sessions N`: N sequences decoded together (one batched step per token of

@@ -4,6 +4,7 @@
 
 use super::ports::{ColdView, FfnView, NeuronUnit};
 use super::scratch::Scratch;
+use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
 use crate::backend::{Backend, HostStage, ProductInput};
 
@@ -69,6 +70,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         match site {
             FfnSite::Device => {
+                let _s = trace::span(Phase::DeviceNeurons);
                 let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
                 self.device_ffn(layer, f, threshold, DeviceNeurons::All, sc)
             }

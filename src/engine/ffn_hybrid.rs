@@ -4,6 +4,7 @@
 use super::ffn::DeviceNeurons;
 use super::ports::{ColdView, FfnView};
 use super::scratch::Scratch;
+use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
 use crate::backend::{Backend, HostStage, Landing};
 
@@ -49,21 +50,36 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let b = &self.backend;
         let (n, d) = b.shape(&sc.h);
+        let landing = trace::span(Phase::Landing);
         let input = Landing::start(b, &sc.h, stage)?;
+        drop(landing);
         let early = self.predictor.is_none();
         if early {
+            let _s = trace::span(Phase::DeviceNeurons);
             self.queue_hot(layer, f, threshold, None, cold.hot, sc)?;
         }
+        let wait = trace::span(Phase::HostWait);
         let x = input.wait()?;
+        drop(wait);
+        let decide = trace::span(Phase::Decide);
         let keep = self.predict(layer, x, n)?;
+        drop(decide);
         if !early {
+            let _s = trace::span(Phase::DeviceNeurons);
             self.queue_hot(layer, f, threshold, keep.as_deref(), cold.hot, sc)?;
         }
         let mut part = vec![0f32; n * d];
-        cold.neurons
-            .add_ffn(x, n, threshold, keep.as_deref(), &mut part)?;
+        {
+            let _s = trace::span(Phase::CpuNeurons);
+            cold.neurons
+                .add_ffn(x, n, threshold, keep.as_deref(), &mut part)?;
+        }
         b.reshape(cold.partial, n, d)?;
-        b.write(cold.partial, &part)?;
+        {
+            let _s = trace::span(Phase::H2d);
+            b.write(cold.partial, &part)?;
+        }
+        let _s = trace::span(Phase::Merge);
         b.add(&mut sc.proj, cold.partial)?;
         Ok(())
     }

@@ -3,6 +3,7 @@
 
 use super::ports::{FfnView, NeuronUnit};
 use super::scratch::Scratch;
+use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
 use crate::backend::{Backend, Landing};
 
@@ -35,7 +36,13 @@ impl<B: Backend> Engine<B> {
         let n = sc.n;
         let mut stage = self.take_stage(sc)?;
         let decided = (|| {
-            let x = Landing::start(b, &sc.h, &mut stage)?.wait()?;
+            let landing = trace::span(Phase::Landing);
+            let input = Landing::start(b, &sc.h, &mut stage)?;
+            drop(landing);
+            let wait = trace::span(Phase::HostWait);
+            let x = input.wait()?;
+            drop(wait);
+            let _s = trace::span(Phase::Decide);
             let predicted = self.predict_scored(layer, x, n, unit.mixed())?;
             let (keep, scores) = match &predicted {
                 Some(p) => (Some(p.keep.as_slice()), p.scores.as_deref()),
@@ -45,6 +52,7 @@ impl<B: Backend> Engine<B> {
         })();
         sc.stage = Some(stage);
         let tiers = decided?;
+        let device = trace::span(Phase::DeviceNeurons);
         b.zero(&mut sc.proj)?;
         if let Some(bias) = down_bias {
             b.add_bias(&mut sc.proj, bias)?;
@@ -52,7 +60,9 @@ impl<B: Backend> Engine<B> {
         for (tier, set) in tiers.iter().enumerate() {
             let slots = unit.slots(tier).max(1);
             for chunk in set.ids.chunks(slots) {
+                let gather = trace::span(Phase::Gather);
                 let at = unit.bring(b, tier, chunk)?;
+                drop(gather);
                 let (w, up_bias) = unit.unit(tier)?;
                 b.ffn_bundles_up_listed(
                     w, *shape, &sc.h, self.act, threshold, up_bias, &at, &mut sc.up,
@@ -66,6 +76,7 @@ impl<B: Backend> Engine<B> {
                 b.ffn_bundles_down_listed(w, *shape, &sc.up, &at, &mut sc.proj)?;
             }
         }
+        drop(device);
         Ok(())
     }
 }

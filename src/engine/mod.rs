@@ -13,7 +13,7 @@
 //! - a pass: `step` (one session's step, the layer, the step's memory), `head`, `batch` (several
 //!   sessions in one step), `recorded` (recorded decode steps), `prefill` (layer-major calls);
 //! - on top: `generate`, `perplexity`, `sampler`; `resident` (all weights on the device),
-//!   `traffic` (what a decode step reads).
+//!   `traffic` (what a decode step reads), `trace` (where a step's time goes, phase by phase).
 
 mod activations;
 mod attention;
@@ -39,6 +39,7 @@ mod session;
 mod step;
 #[cfg(test)]
 mod testing;
+pub mod trace;
 mod traffic;
 
 use std::sync::{Arc, Mutex};
@@ -139,6 +140,7 @@ impl<B: Backend> Engine<B> {
             pass: Mutex::new(Pass {
                 source,
                 scratch: None,
+                trace: None,
             }),
             rope,
             kv_type: KvType::F32,
@@ -293,6 +295,21 @@ impl<B: Backend> Engine<B> {
     /// Which architecture family this engine runs.
     pub fn arch(&self) -> Arch {
         self.spec.arch
+    }
+
+    /// Record the phases of every step from now on in `trace` (none: stop recording).
+    pub fn set_trace(&self, trace: Option<Arc<trace::StepTrace>>) -> Result<()> {
+        let mut pass = self
+            .pass
+            .lock()
+            .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
+        pass.trace = trace;
+        Ok(())
+    }
+
+    /// The recorder steps report their phases to, if any.
+    pub fn trace(&self) -> Option<Arc<trace::StepTrace>> {
+        self.pass.lock().ok().and_then(|p| p.trace.clone())
     }
 
     /// Wait for the weight source's background transfers to finish (before reading counters).

@@ -66,6 +66,7 @@ impl<B: Backend> Engine<B> {
                 hidden.put(b, &sc.x, a)?;
             }
             for l in 0..spec.n_layers {
+                super::trace::set_layer(Some(l));
                 {
                     let mut layer = source.layer(b, l)?;
                     // A partitioned call is a prefill: its groups attend on the device.
@@ -92,6 +93,7 @@ impl<B: Backend> Engine<B> {
                 }
                 source.layer_done(b, l)?;
             }
+            super::trace::set_layer(None);
             let mut out = Vec::new();
             match logits {
                 Logits::None => {}

@@ -15,6 +15,8 @@ pub(super) struct Pass<B: Backend> {
     pub(super) source: Box<dyn WeightSource<B>>,
     /// The buffers of the last step, reused while steps keep their size.
     pub(super) scratch: Option<Scratch<B>>,
+    /// Where steps report their phases ([`crate::engine::Engine::set_trace`]); none: untraced.
+    pub(super) trace: Option<std::sync::Arc<super::trace::StepTrace>>,
 }
 
 /// Activation buffers for one forward step of `n` tokens, and the logits buffers of its last

@@ -7,6 +7,7 @@ use super::ffn::FfnSite;
 use super::ports::LayerView;
 use super::scratch::{Pass, Scratch};
 use super::session::Session;
+use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
 use crate::backend::Backend;
 use crate::footprint::{PROBE_QUERIES, StepMemory, step_memory, whole_device_group};
@@ -42,6 +43,7 @@ impl<B: Backend> Engine<B> {
         tokens: &[u32],
         logits: Logits,
     ) -> Result<Vec<f32>> {
+        let t0 = std::time::Instant::now();
         if tokens.is_empty() {
             return Err(EngineError::Empty);
         }
@@ -64,13 +66,23 @@ impl<B: Backend> Engine<B> {
             .lock()
             .map_err(|_| EngineError::Weights("an earlier pass panicked".into()))?;
         let pass: &mut Pass<B> = &mut guard;
-        self.backend.enter(|| {
+        // Checked once a step: the step's thread reports its phases only when traced.
+        let trace = pass.trace.clone();
+        if let Some(t) = &trace {
+            t.begin_step(tokens.len(), t0);
+        }
+        let out = self.backend.enter(|| {
+            let _on = trace.as_ref().map(|t| t.activate());
             if self.prefill.partitions(tokens.len()) {
                 self.layer_major(pass, session, tokens, logits)
             } else {
                 self.step(pass, session, tokens, logits)
             }
-        })
+        });
+        if let Some(t) = &trace {
+            t.end_step();
+        }
+        out
     }
 
     /// The step buffers viewed as `n` rows: the last step's where they hold that many (a
@@ -132,13 +144,23 @@ impl<B: Backend> Engine<B> {
             pass.scratch = Some(sc);
             return out;
         }
-        source.embed(b, tokens, pos, &mut sc.x)?;
+        // The device's streams timed from here (not in a recorded step: captured, not run).
+        trace::device_clock(|| b.device_clock());
+        {
+            let _s = trace::span(Phase::Embed);
+            source.embed(b, tokens, pos, &mut sc.x)?;
+        }
         let ring_at = session.probe.as_ref().map_or(0, |p| p.next);
         for l in 0..spec.n_layers {
+            trace::set_layer(Some(l));
             {
                 let mut layer = source.layer(b, l)?;
-                self.kv_layer_begin(session, l, pos, on_cpu)?;
+                {
+                    let _s = trace::span(Phase::Attention);
+                    self.kv_layer_begin(session, l, pos, on_cpu)?;
+                }
                 self.run_layer(&mut layer, l, session, &mut sc, pos, Some(ring_at), on_cpu)?;
+                let _s = trace::span(Phase::Attention);
                 self.kv_layer_end(session, l, pos, n, on_cpu)?;
                 if let Some(t) = &self.step_tap {
                     t.group_done(l, 0, n);
@@ -146,6 +168,7 @@ impl<B: Backend> Engine<B> {
             }
             source.layer_done(b, l)?;
         }
+        trace::set_layer(None);
         self.add_residual(&mut sc)?;
         let next = Self::probe_commit(session, pos, n, ring_at);
         if let Some(p) = &mut session.probe {
@@ -156,6 +179,7 @@ impl<B: Backend> Engine<B> {
         let out = if rows == 0 {
             Ok(Vec::new())
         } else {
+            let _s = trace::span(Phase::Head);
             self.head_rows(source, &mut sc, rows)
         };
         pass.scratch = Some(sc);
@@ -179,6 +203,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let b = &self.backend;
         let n = sc.n;
+        let attention = trace::span(Phase::Attention);
 
         // Attention block: q, k and v; q and k rotated, k and v stored (on the host for a
         // host-kept cache attended on the CPU).
@@ -205,6 +230,7 @@ impl<B: Backend> Engine<B> {
             }
         }
         self.attend(session, l, pos, (&sc.q, &sc.k, &sc.v), &mut sc.attn, on_cpu)?;
+        drop(attention);
         self.finish_layer(layer, l, sc)
     }
 
@@ -225,7 +251,11 @@ impl<B: Backend> Engine<B> {
             // once q, k and v are made) for the norm to add, and `sc.attn` (read by then) is the
             // norm's own scratch, where the backend writes its rows out.
             Some(ws) if self.spec.q_dim() == self.spec.d_model => {
-                self.linear(&layer.wo, &sc.attn, &mut sc.h)?;
+                {
+                    let _s = trace::span(Phase::Attention);
+                    self.linear(&layer.wo, &sc.attn, &mut sc.h)?;
+                }
+                let _s = trace::span(Phase::DeviceNeurons);
                 let threshold = self.thresholds.get(l).copied().unwrap_or(0.0);
                 let gate = sc.gate.as_mut().ok_or_else(|| {
                     EngineError::Weights("a gated FFN without its gate buffer".into())
@@ -237,9 +267,12 @@ impl<B: Backend> Engine<B> {
                     .gate_up_down(input, ws, how, (gate, &mut sc.up), &mut sc.proj)?;
             }
             _ => {
-                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-                // The residual add, and the feed-forward block's norm.
-                self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
+                {
+                    let _s = trace::span(Phase::Attention);
+                    self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
+                    // The residual add, and the feed-forward block's norm.
+                    self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
+                }
                 self.ffn(l, &layer.ffn, site, sc)?;
             }
         }

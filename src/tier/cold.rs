@@ -17,6 +17,7 @@ use crate::backend::cpu::sparse::{
     Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
 };
 use crate::backend::sparse_act;
+use crate::engine::trace::{self, Phase, span};
 use crate::engine::{ColdNeurons, EngineError, Result};
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::plan::cold::ColdCost;
@@ -47,7 +48,9 @@ pub struct ColdTraffic {
 impl ColdTraffic {
     fn add(&self, cost: &ColdCost, candidates: usize, active: usize, units: usize) {
         let (c, a, u) = (candidates as u64, active as u64, units as u64);
-        self.bytes.fetch_add(cost.bytes(c, a, u), Ordering::Relaxed);
+        let bytes = cost.bytes(c, a, u);
+        trace::add_cpu_bytes(bytes);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
         self.candidates.fetch_add(c, Ordering::Relaxed);
         self.active.fetch_add(a, Ordering::Relaxed);
         self.units.fetch_add(u, Ordering::Relaxed);
@@ -366,8 +369,11 @@ impl ColdNeurons for ColdLayer {
                 let gated = shape.parts == 3;
                 // The gate (or the up vector of two-part bundles) decides; the rest is read
                 // only for the neurons it leaves on.
+                let decide = span(Phase::Decide);
                 sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
                 let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                self.traffic.add(&self.cost, c, 0, 0);
+                drop(decide);
                 let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
                 let mut h = select_cols(&dec, n, c, &pos);
                 if gated {
@@ -376,12 +382,15 @@ impl ColdNeurons for ColdLayer {
                     h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
                 }
                 sparse_down(k, &b, &active, &h, n, out)?;
-                self.traffic.add(&self.cost, c, active.len(), 0);
+                self.traffic.add(&self.cost, 0, active.len(), 0);
             }
             ColdData::Matrices { gate, up, down } => {
                 let gated = gate.is_some();
+                let decide = span(Phase::Decide);
                 sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
                 let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
+                self.traffic.add(&self.cost, c, 0, 0);
+                drop(decide);
                 let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
                 let mut h = select_cols(&dec, n, c, &pos);
                 if gated {
@@ -398,7 +407,7 @@ impl ColdNeurons for ColdLayer {
                     h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
                 }
                 let units = sparse_down_blocks(k, down, &active, &h, n, out)?;
-                self.traffic.add(&self.cost, c, active.len(), units);
+                self.traffic.add(&self.cost, 0, active.len(), units);
             }
         }
         Ok(())

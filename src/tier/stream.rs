@@ -16,6 +16,7 @@ use super::hybrid::HotFfn;
 use super::resident::{Embeddings, Head, Loader, Small};
 use super::split::{CpuShare, FfnShares};
 use crate::backend::{Backend, BundleShape};
+use crate::engine::trace::{Phase, span};
 use crate::engine::{
     ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result, WeightSource,
 };
@@ -147,15 +148,19 @@ impl<B: Backend> StreamWeights<B> {
     /// Copy layer `layer`'s streamed share into slot `slot`.
     fn fill(&mut self, b: &B, slot: usize, layer: usize) -> Result<()> {
         // The previous fill's DRAM buffer can go back to the preloader once its copy is done.
+        let wait = span(Phase::HostWait);
         if let Some((ev, data)) = self.pending.take() {
             b.host_waits(&ev)?;
             drop(data);
         }
+        // The preloader may still be reading the layer into DRAM.
         let data = self.dram.get(layer).map_err(store_err)?;
+        drop(wait);
         // Compute may still be reading the slot's previous layer.
         let freed = b.compute_done()?;
         b.copies_wait(&freed)?;
         let s = &mut self.slots[slot];
+        let _copy = span(Phase::H2d);
         for pd in &data.parts {
             let w = s.parts[pd.part.index()].as_mut().ok_or_else(|| {
                 EngineError::Weights(format!("slot {slot} has no {} buffer", pd.part.name()))

@@ -21,6 +21,7 @@ use super::resident::{Resident, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::TierSet;
+use crate::engine::trace::{Phase, span};
 use crate::engine::{
     ColdView, EngineError, FfnView, HeadView, LayerView, NeuronUnit, Result, WeightSource,
 };
@@ -568,10 +569,12 @@ impl<B: Backend> UnitStep<'_, B> {
             Some(d) => (d.gather(&ids, host)?, neurons.gather_bias(&ids, host_bias)?),
             None => neurons.gather(&ids, host, host_bias)?,
         };
+        crate::engine::trace::add_cpu_bytes(n_bytes as u64);
         // The staging buffers are free once the compute queued so far (the last scatter out
         // of them) is done.
         let free = b.compute_done()?;
         b.copies_wait(&free)?;
+        let copy = span(Phase::H2d);
         b.upload_into(st_bundles, 0, &st.host.stage.bytes()[..n_bytes])?;
         let mut bytes = n_bytes;
         if let (Some(sb), Some(_)) = (st_bias.as_mut(), &unit.slot_bias) {
@@ -580,12 +583,16 @@ impl<B: Backend> UnitStep<'_, B> {
             bytes += values.len();
         }
         let landed = b.copies_done()?;
+        drop(copy);
         b.compute_waits(&landed)?;
+        let scatter = span(Phase::Scatter);
         b.scatter_rows(st_bundles, &slots, &mut unit.unit)?;
         if let (Some(sb), Some(dst)) = (st_bias.as_ref(), &mut unit.slot_bias) {
             b.scatter_rows(sb, &slots, dst)?;
         }
+        drop(scatter);
         // The host buffer is refilled by the next load: the copy must have read it.
+        let _wait = span(Phase::HostWait);
         b.host_waits(&landed)?;
         let n = loads.len() as u64;
         self.traffic.loads.fetch_add(n, Ordering::Relaxed);

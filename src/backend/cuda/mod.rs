@@ -28,7 +28,8 @@
 //!   pinned memory; `membw.rs`: bandwidth and copy pacing; `graph.rs`: recorded steps;
 //! - the ops: `norm.rs`, `rope.rs`, `elementwise.rs`, `kv.rs`, `matvec.rs`, `gemm.rs`
 //!   (cuBLAS), `matmul.rs` (which of the two a product takes), `bundles.rs`, `attention.rs`;
-//! - `meter.rs`: the process's device memory as the driver sees it.
+//! - `meter.rs`: the process's device memory as the driver sees it; `clock.rs`: timing events
+//!   on both streams (the device time of a trace's spans).
 //!
 //! This file declares them and dispatches [`Backend`] to them.
 
@@ -36,6 +37,7 @@ mod args;
 mod attention;
 mod buffers;
 mod bundles;
+mod clock;
 mod copies;
 mod device;
 mod elementwise;
@@ -518,5 +520,9 @@ impl Backend for CudaBackend {
 
     fn device_ops_run(&self) -> Option<u64> {
         Some(self.device_ops.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    fn device_clock(&self) -> Option<std::sync::Arc<dyn super::clock::DeviceClock>> {
+        Some(std::sync::Arc::new(clock::CudaClock::of(self)))
     }
 }

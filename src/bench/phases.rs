@@ -1,0 +1,140 @@
+//! Where a decode step's time goes, from the engine's per-phase trace
+//! ([`crate::engine::trace`]): the trace as Chrome trace-event JSON (`bench decode --trace
+//! FILE`, viewable in Perfetto or chrome://tracing), and per decoded token each phase's seconds
+//! and bytes beside the bound those bytes set (`--json`): host↔device bytes ÷ the PCIe rate,
+//! the bytes the CPU reads ÷ the DRAM rate.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde_json::{Value, json};
+
+use crate::bench::bounds::Rates;
+use crate::engine::trace::{Phase, PhaseTotals, Span, StepSpan, TraceLog, totals};
+use crate::footprint::LedgerSnapshot;
+
+/// Microseconds, as trace events count time.
+fn us(d: std::time::Duration) -> f64 {
+    d.as_nanos() as f64 / 1e3
+}
+
+fn step_event(s: &StepSpan) -> Value {
+    json!({"name": "step", "cat": "step", "ph": "X", "pid": 1, "tid": 1,
+           "ts": us(s.start), "dur": us(s.dur), "args": {"step": s.step, "rows": s.rows}})
+}
+
+fn span_event(s: &Span) -> Value {
+    json!({"name": s.phase.name(), "cat": "phase", "ph": "X", "pid": 1, "tid": 1,
+           "ts": us(s.start), "dur": us(s.dur),
+           "args": {"step": s.step, "layer": s.layer, "h2d_bytes": s.bytes.h2d,
+                    "d2h_bytes": s.bytes.d2h, "cpu_bytes": s.bytes.cpu}})
+}
+
+/// Where the device has a clock, the span's time on the device's compute stream (track 2) and
+/// copy stream (track 3): how far each advanced between the span's ends.
+fn device_events(s: &Span) -> impl Iterator<Item = Value> + '_ {
+    s.device.into_iter().flat_map(move |d| {
+        [(2, d.compute), (3, d.copy)]
+            .into_iter()
+            .filter(|(_, dur)| !dur.is_zero())
+            .map(move |(tid, dur)| {
+                json!({"name": s.phase.name(), "cat": "device", "ph": "X", "pid": 1, "tid": tid,
+                       "ts": us(d.at), "dur": us(dur),
+                       "args": {"step": s.step, "layer": s.layer}})
+            })
+    })
+}
+
+/// The log as Chrome trace-event JSON: a complete event (`"ph": "X"`, microseconds) per step and
+/// per phase span inside it on the host's track, and where the device has a clock each span's
+/// time on its compute and copy streams on tracks of their own.
+pub fn chrome_trace(log: &TraceLog, model: &str, device: &str) -> Value {
+    let mut events: Vec<Value> = Vec::with_capacity(log.steps.len() + log.spans.len() + 4);
+    events.push(json!({"name": "process_name", "ph": "M", "pid": 1,
+                       "args": {"name": format!("gpu-offload {model} on {device}")}}));
+    for (tid, name) in [(1, "host"), (2, "device compute"), (3, "device copies")] {
+        events.push(
+            json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+                           "args": {"name": name}}),
+        );
+    }
+    events.extend(log.steps.iter().map(step_event));
+    events.extend(log.spans.iter().map(span_event));
+    events.extend(log.spans.iter().flat_map(device_events));
+    json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
+
+/// Write `trace` to `path` atomically.
+pub fn write_trace(path: &Path, trace: &Value) -> Result<()> {
+    let bytes = serde_json::to_vec(trace)?;
+    crate::fsutil::write_atomic(path, &bytes)
+        .with_context(|| format!("--trace {}: cannot write the trace", path.display()))
+}
+
+/// The decode steps of a log holding one generation: every step after its first (the prompt's).
+pub fn decode_totals(log: &TraceLog) -> PhaseTotals {
+    let first = log.steps.first().map(|s| s.step);
+    totals(log, |s| Some(s.step) != first)
+}
+
+/// Seconds `bytes` take at `rate` (none where nothing moves or the rate is unknown).
+fn at_rate(bytes: f64, rate: f64) -> Option<f64> {
+    (bytes > 0.0 && rate.is_finite() && rate > 0.0).then(|| bytes / rate)
+}
+
+/// Per decoded token, each phase's seconds and bytes beside its bound (the time its bytes take
+/// at the rates: host↔device over PCIe, CPU reads from DRAM; the device's reads of its own
+/// memory are not counted per phase, so no phase is bounded by HBM here); the steps' own time;
+/// and the ledger's host↔device bytes over the same steps (`decode` = the snapshots after the
+/// prompt and at the end), which the phases' bytes equal.
+pub fn per_token_json(
+    t: &PhaseTotals,
+    rates: &Rates,
+    decode: (LedgerSnapshot, LedgerSnapshot),
+) -> Value {
+    let n = t.steps.max(1) as f64;
+    let phases: serde_json::Map<String, Value> = Phase::ALL
+        .iter()
+        .filter_map(|p| t.phases.get(p).map(|s| (p, s)))
+        .map(|(p, s)| {
+            let (h2d, d2h, cpu) = (
+                s.bytes.h2d as f64 / n,
+                s.bytes.d2h as f64 / n,
+                s.bytes.cpu as f64 / n,
+            );
+            let parts = [
+                ("PCIe", at_rate(h2d + d2h, rates.h2d_bytes_per_s)),
+                ("DRAM", at_rate(cpu, rates.dram_read_bytes_per_s)),
+            ];
+            let bound: Option<f64> = parts
+                .iter()
+                .filter_map(|(_, s)| *s)
+                .reduce(|a, b| a + b);
+            let by: Vec<&str> = parts
+                .iter()
+                .filter(|(_, s)| s.is_some())
+                .map(|(n, _)| *n)
+                .collect();
+            let v = json!({
+                "seconds": s.seconds / n, "h2d_bytes": h2d, "d2h_bytes": d2h, "cpu_bytes": cpu,
+                "bound_seconds": bound, "bound_by": if by.is_empty() { None } else { Some(by.join("+")) },
+                "fraction_of_bound": bound.map(|b| b / (s.seconds / n)),
+                "spans": s.spans as f64 / n,
+                "device_compute_seconds": s.device.map(|d| d[0] / n),
+                "device_copy_seconds": s.device.map(|d| d[1] / n),
+            });
+            (p.name().to_string(), v)
+        })
+        .collect();
+    let bytes = t.bytes();
+    let (a, b) = decode;
+    json!({
+        "decode_steps": t.steps,
+        "step_seconds": t.step_seconds / n,
+        "phase_seconds": t.phase_seconds() / n,
+        "phases": phases,
+        "bytes": {"h2d": bytes.h2d as f64 / n, "d2h": bytes.d2h as f64 / n, "cpu": bytes.cpu as f64 / n},
+        "ledger_bytes": {"h2d": (b.h2d_bytes - a.h2d_bytes) as f64 / n,
+                         "d2h": (b.d2h_bytes - a.d2h_bytes) as f64 / n},
+    })
+}

@@ -1,0 +1,295 @@
+//! The per-phase trace of a step (`engine::trace`, `bench decode --trace`): its phases tile each
+//! step (they add up to the step's time measured outside it), carry exactly the host↔device
+//! bytes the ledger counts, come out as valid Chrome trace-event JSON, and show each offload
+//! mode's own phases: streamed layers' copies, the split's and hybrid's CPU neurons and merge,
+//! the cache units' decisions, gathers, copies and scatters. No wall-clock speed is asserted.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpu_offload::backend::KvType;
+use gpu_offload::engine::Logits;
+use gpu_offload::engine::trace::{Phase, StepTrace, totals};
+use gpu_offload::footprint::Ledger;
+use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+use serde_json::Value;
+
+/// stories260K streamed on the budgeted device at the smallest budget its plan takes: the
+/// phases of each decode step add up to the time measured around its `forward` (within 5%,
+/// summed over the steps), the host↔device bytes of the phases are the ledger's over the same
+/// steps, and none of them fall outside a named phase.
+#[test]
+fn phases_tile_the_steps_and_carry_the_ledgers_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let toks: Vec<u32> = (0..8).map(|i| (i * 37 + 11) % 500).collect();
+    let ctx = toks.len() + 16;
+    let budget = |g| Budget::new(g, None, 2, ctx, toks.len());
+    let (min, _) = common::gpu_range(&store.manifest, &hw, budget);
+    let plan = make_plan(&store.manifest, &budget(min), &hw).unwrap();
+    assert!(plan.window > 0, "the smallest budget streams layers");
+    let ledger = Ledger::new(Some(plan.ledger_budget()), None);
+    let e = common::offloaded(&store, &plan, &ledger, KvType::F16);
+    let trace = StepTrace::new(Some(ledger.clone()));
+    e.set_trace(Some(trace.clone())).unwrap();
+    let mut s = e.new_session(ctx).unwrap();
+    e.forward(&mut s, &toks, Logits::Last).unwrap();
+    let before = ledger.snapshot();
+    let mut outside = Duration::ZERO;
+    for &t in &toks {
+        let t0 = Instant::now();
+        e.forward(&mut s, &[t], Logits::Last).unwrap();
+        outside += t0.elapsed();
+    }
+    let after = ledger.snapshot();
+    let log = trace.log();
+    assert_eq!(log.steps.len(), toks.len() + 1);
+    let decode = totals(&log, |st| st.step > 0);
+    assert_eq!(decode.steps, toks.len());
+    let (phases, outside) = (decode.phase_seconds(), outside.as_secs_f64());
+    assert!(
+        (phases - outside).abs() <= 0.05 * outside,
+        "phases {phases} s against {outside} s measured around the steps"
+    );
+    let bytes = decode.bytes();
+    assert_eq!(bytes.h2d, after.h2d_bytes - before.h2d_bytes);
+    assert_eq!(bytes.d2h, after.d2h_bytes - before.d2h_bytes);
+    let sum = |p: Phase| decode.phases.get(&p).copied().unwrap_or_default();
+    assert!(
+        sum(Phase::H2d).bytes.h2d > 0,
+        "streamed layers are copied in"
+    );
+    assert!(sum(Phase::Attention).seconds > 0.0);
+    assert!(sum(Phase::Head).bytes.d2h > 0, "the logits come back");
+    let other = sum(Phase::Other).bytes;
+    assert_eq!(
+        (other.h2d, other.d2h),
+        (0, 0),
+        "every copy is in a named phase"
+    );
+    // Every span of a layer names it; those of the embedding and the head none.
+    let layers = store.manifest.spec.n_layers as u32;
+    for sp in &log.spans {
+        match sp.phase {
+            Phase::Embed | Phase::Head => assert_eq!(sp.layer, None, "{sp:?}"),
+            Phase::Attention | Phase::H2d | Phase::DeviceNeurons => {
+                assert!(sp.layer.is_some_and(|l| l < layers), "{sp:?}")
+            }
+            _ => {}
+        }
+    }
+    // Untraced, nothing more is recorded.
+    e.set_trace(None).unwrap();
+    e.forward(&mut s, &[toks[0]], Logits::Last).unwrap();
+    assert_eq!(trace.log().steps.len(), toks.len() + 1);
+}
+
+/// A `--cold` mode, the budget it runs at, the phases that must take time in it, and the
+/// phases that must move bytes (phase, which bytes).
+type Case = (
+    &'static str,
+    &'static str,
+    &'static [&'static str],
+    &'static [(&'static str, &'static str)],
+);
+
+fn bin(models: &std::path::Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_gpu-offload"));
+    for (k, _) in std::env::vars() {
+        if k.starts_with("GPU_OFFLOAD_") {
+            c.env_remove(k);
+        }
+    }
+    c.env("GPU_OFFLOAD_MODELS", models);
+    c
+}
+
+fn succeeds(c: &mut Command) -> Value {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+/// Each `--cold` mode's decode on the budgeted device, stories260K profiled with oracle masks:
+/// `--json` gives per-phase totals per token whose host↔device bytes are the ledger's, `--trace`
+/// writes a Chrome trace of the same steps, and each mode shows its own phases.
+#[test]
+fn every_mode_traces_its_own_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let m = dir.path().join("stories.gguf");
+    std::fs::copy(common::stories260k(), &m).unwrap();
+    let ms = m.to_str().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(
+        &corpus,
+        "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+            .repeat(20),
+    )
+    .unwrap();
+    let cs = corpus.to_str().unwrap();
+    succeeds(bin(&models).args([
+        "profile",
+        "-m",
+        ms,
+        "--corpus",
+        cs,
+        "--tokens",
+        "64",
+        "--window",
+        "32",
+        "--no-predictors",
+    ]));
+    // Characteristic phases: those that must have time, and those that must move bytes.
+    let cases: [Case; 4] = [
+        (
+            "stream",
+            "320K",
+            &["attention", "h2d", "device_neurons", "head"],
+            &[("h2d", "h2d_bytes")],
+        ),
+        (
+            "split",
+            "320K",
+            &["landing", "host_wait", "cpu_neurons", "merge", "h2d"],
+            &[("landing", "d2h_bytes"), ("cpu_neurons", "cpu_bytes")],
+        ),
+        (
+            "cpu",
+            "320K",
+            &[
+                "landing",
+                "host_wait",
+                "decide",
+                "cpu_neurons",
+                "device_neurons",
+                "merge",
+            ],
+            &[
+                ("landing", "d2h_bytes"),
+                ("decide", "cpu_bytes"),
+                ("h2d", "h2d_bytes"),
+            ],
+        ),
+        (
+            "gpu",
+            "500K",
+            &[
+                "landing",
+                "decide",
+                "gather",
+                "h2d",
+                "scatter",
+                "device_neurons",
+            ],
+            &[
+                ("landing", "d2h_bytes"),
+                ("decide", "cpu_bytes"),
+                ("gather", "cpu_bytes"),
+                ("h2d", "h2d_bytes"),
+            ],
+        ),
+    ];
+    let tokens = 6;
+    for (mode, gpu_mem, timed, moving) in cases {
+        let path = dir.path().join(format!("{mode}.json"));
+        let v = succeeds(bin(&models).args([
+            "bench",
+            "decode",
+            "-m",
+            ms,
+            "--device",
+            "sim",
+            "--gpu-mem",
+            gpu_mem,
+            "--cold",
+            mode,
+            "--sparsity",
+            "oracle",
+            "--prompt-tokens",
+            "4",
+            "-n",
+            &tokens.to_string(),
+            "--reps",
+            "1",
+            "--json",
+            "--trace",
+            path.to_str().unwrap(),
+        ]));
+        let p = &v["phases_per_token"];
+        assert_eq!(p["decode_steps"], tokens - 1, "{mode}: {p}");
+        for k in ["h2d", "d2h"] {
+            assert_eq!(
+                p["bytes"][k], p["ledger_bytes"][k],
+                "{mode}: {k} bytes: {p}"
+            );
+        }
+        let ph = &p["phases"];
+        for name in timed {
+            assert!(
+                ph[name]["seconds"].as_f64().is_some_and(|s| s > 0.0),
+                "{mode}: no {name} phase: {p}"
+            );
+        }
+        for (name, bytes) in moving {
+            assert!(
+                ph[name][bytes].as_f64().is_some_and(|b| b > 0.0),
+                "{mode}: {name} moves no {bytes}: {p}"
+            );
+            assert!(
+                ph[name]["bound_seconds"].as_f64().is_some_and(|b| b > 0.0),
+                "{mode}: {name} has no bound: {p}"
+            );
+        }
+        let step = p["step_seconds"].as_f64().unwrap();
+        let sum = p["phase_seconds"].as_f64().unwrap();
+        assert!((sum - step).abs() <= 0.05 * step, "{mode}: {p}");
+        check_trace_file(&path, tokens, mode);
+    }
+}
+
+/// The trace file: Chrome trace-event JSON, a complete event per step (the prompt's and each
+/// decode step's) and per phase span, the spans inside their steps.
+fn check_trace_file(path: &std::path::Path, tokens: u64, mode: &str) {
+    let t: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let events = t["traceEvents"].as_array().expect("a traceEvents array");
+    let complete: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &complete {
+        for k in ["name", "cat", "pid", "tid", "args"] {
+            assert!(!e[k].is_null(), "{mode}: {k} missing in {e}");
+        }
+        for k in ["ts", "dur"] {
+            assert!(e[k].as_f64().is_some_and(|x| x >= 0.0), "{mode}: {e}");
+        }
+    }
+    let steps: Vec<&&Value> = complete.iter().filter(|e| e["cat"] == "step").collect();
+    assert_eq!(
+        steps.len() as u64,
+        tokens,
+        "{mode}: the prompt's step and each decode step"
+    );
+    let spans: Vec<&&Value> = complete.iter().filter(|e| e["cat"] == "phase").collect();
+    assert!(spans.len() > steps.len(), "{mode}");
+    for s in &spans {
+        for k in ["step", "layer", "h2d_bytes", "d2h_bytes", "cpu_bytes"] {
+            assert!(s["args"].get(k).is_some(), "{mode}: {k} missing in {s}");
+        }
+        let step = steps
+            .iter()
+            .find(|st| st["args"]["step"] == s["args"]["step"])
+            .expect("a span's step is traced");
+        let (a, b) = (step["ts"].as_f64().unwrap(), s["ts"].as_f64().unwrap());
+        let end = |e: &Value| e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap();
+        assert!(
+            b >= a - 1e-3 && end(s) <= end(step) + 1e-3,
+            "{mode}: {s} outside {step}"
+        );
+    }
+}
