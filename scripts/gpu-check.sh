@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|issue13|issue36|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|issue36|issue37|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
@@ -14,6 +14,12 @@
 #            default, and launched); 7B Q4_K_M on the whole GPU and at 2G; stream and split at 4G
 #            planned with rates measured at start (no saved profile) and after `doctor --save`,
 #            prediction beside measurement; 1, 4 and 16 sequences at 4G under --cold auto
+#   issue37  what issue 37 asks of the GPU, one device call (≤ 8 min; each run under its own
+#            timeout): after `doctor --save`, the 7B ReLU power-law shape at 4G and the 1B one at
+#            1600M, --cold stream/cpu/gpu with oracle masks, each traced (--trace: Chrome
+#            trace-event JSON under $OUT, per-phase totals beside each phase's bound in the
+#            JSON) beside the plan's prediction; hybrid and units with predictors on the 1B;
+#            cache units (attention streamed at 4G) vs the whole GPU
 #   dense    whole-GPU decode of the 7B shape: its three f16 matvec shapes beside the HBM read
 #            bound, decode at 128 and 4000 positions, recorded (CUDA's default) and launched
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
@@ -668,9 +674,51 @@ issue36() {
     fi
 }
 
+issue37() {
+    # Sparse offloading at its bounds: after `doctor --save`, the 7B ReLU power-law shape at 4G
+    # and the 1B one at 1600M, dense stream, hybrid (--cold cpu) and cache units (--cold gpu)
+    # with oracle masks, each with --trace (Chrome trace-event JSON under $OUT) and its per-phase
+    # totals in the JSON beside each phase's bound; the plan's prediction of each; hybrid and
+    # units with predictors on the 1B shape (its profile trains them); units vs the whole GPU.
+    doctor_save
+    local m7="$WORK/m7b-relu" m1="$WORK/m1b-relu"
+    if [[ ! -f "$m7/config.json" ]]; then
+        say "synthesizing the 7B shape with ReLU and power-law 0.8 hot neurons (f16)"
+        timeout 120 "$B" synth --preset 7b --activation relu --power-law 0.8 -o "$m7" --force 2>&1 | tail -n 1 | tee -a "$LOG"
+    fi
+    if [[ ! -f "$m1/config.json" ]]; then
+        say "synthesizing the 1B shape with ReLU and power-law 0.8 hot neurons (f16)"
+        timeout 60 "$B" synth --preset 1b --activation relu --power-law 0.8 -o "$m1" --force 2>&1 | tail -n 1 | tee -a "$LOG"
+    fi
+    say "profiles: the 7B on 48 random tokens (no predictors), the 1B on 256 with predictors"
+    record i37_profile_7b "$(timeout 120 "$B" profile -m "$m7" --random-corpus --tokens 48 --no-predictors --json 2>>"$LOG")"
+    record i37_profile_1b "$(timeout 120 "$B" profile -m "$m1" --random-corpus --tokens 256 --json 2>>"$LOG")"
+    local spec path budget tag cold
+    for spec in "$m7:4G:7b" "$m1:1600M:1b"; do
+        IFS=: read -r path budget tag <<< "$spec"
+        for cold in stream cpu gpu; do
+            say "$tag ReLU at --gpu-mem $budget, --cold $cold, oracle masks, traced"
+            record "i37_plan_${tag}_$cold" "$(timeout 60 "$B" plan -m "$path" --gpu-mem "$budget" --ctx-size 1024 --cold "$cold" --json 2>>"$LOG" \
+                | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"prediction": p.get("prediction"), "candidates": p.get("cold_candidates"), "hybrid": (p.get("hot_neurons") or {}).get("predicted_tokens_per_s"), "units": (p.get("cache_units") or {}).get("predicted_tokens_per_s")}))' 2>>"$LOG" || echo null)"
+            record "i37_decode_${tag}_$cold" "$(timeout 90 "$B" bench decode --device cuda -m "$path" --gpu-mem "$budget" --cold "$cold" \
+                --sparsity oracle --prompt-tokens 32 -n 16 --reps 2 --trace "$OUT/trace-${tag}-$cold.json" --json 2>>"$LOG")"
+        done
+        if [[ "$tag" == 1b ]]; then
+            for cold in cpu gpu; do
+                say "1b at 1600M, --cold $cold, predicted masks (recall in the JSON), traced"
+                record "i37_decode_1b_${cold}_predicted" "$(timeout 90 "$B" bench decode --device cuda -m "$path" --gpu-mem "$budget" --cold "$cold" \
+                    --sparsity predicted --prompt-tokens 32 -n 16 --reps 2 --trace "$OUT/trace-1b-$cold-predicted.json" --json 2>>"$LOG")"
+            done
+        fi
+    done
+    say "parity: cache units (7B ReLU at 4G, attention streamed) vs the whole GPU, oracle masks"
+    parity_vs_whole i37_parity_7b_units "$m7" --gpu-mem 4G --cold gpu
+}
+
 case "$MODE" in
     tests) tests ;;
     issue36) issue36 ;;
+    issue37) issue37 ;;
     dense) decode_dense ;;
     graphs) graphs ;;
     issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
@@ -686,6 +734,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|issue37|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"

@@ -251,7 +251,49 @@ fn every_mode_traces_its_own_phases() {
         let step = p["step_seconds"].as_f64().unwrap();
         let sum = p["phase_seconds"].as_f64().unwrap();
         assert!((sum - step).abs() <= 0.05 * step, "{mode}: {p}");
+        check_plan_against_trace(&v["plan_vs_trace_per_token"], mode);
         check_trace_file(&path, tokens, mode);
+    }
+}
+
+/// The cost model beside the trace (`plan_vs_trace_per_token`): where what moves is decided by
+/// the plan alone (stream, split, hybrid) the link's bytes per token are the plan's exactly;
+/// the cache units' loads are the plan's expectation from the profile (within 25%), and so are
+/// the CPU's bytes (the unit's deciding rows and the misses it gathers; hybrid's cold neurons,
+/// within 25%); the split's CPU rows are read only where the masks leave a neuron on, so at
+/// most the plan's. Every resource has a predicted and a measured time (not compared: no
+/// wall-clock is asserted).
+fn check_plan_against_trace(c: &Value, mode: &str) {
+    let f = |r: &str, k: &str| {
+        c[r][k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{mode}: no {r}.{k} in {c}"))
+    };
+    let within = |r: &str, tol: f64| {
+        let (want, got) = (f(r, "predicted_bytes"), f(r, "measured_bytes"));
+        assert!(
+            (got - want).abs() <= tol * want,
+            "{mode}: {r} bytes {got} against the plan's {want}: {c}"
+        );
+    };
+    match mode {
+        "gpu" => {
+            within("link", 0.25);
+            within("cpu", 0.25);
+        }
+        _ => within("link", 0.0),
+    }
+    match mode {
+        "split" => {
+            let (want, got) = (f("cpu", "predicted_bytes"), f("cpu", "measured_bytes"));
+            assert!(got > 0.0 && got <= want, "{mode}: {c}");
+        }
+        "cpu" => within("cpu", 0.25),
+        _ => {}
+    }
+    for r in ["link", "cpu", "device"] {
+        f(r, "predicted_seconds");
+        f(r, "measured_seconds");
     }
 }
 

@@ -185,10 +185,22 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     if let (Some(path), Some(log)) = (&a.trace, &log) {
         phases::write_trace(path, &phases::chrome_trace(log, &spec.name, device))?;
     }
-    let phase_totals = log.as_ref().map(|log| {
-        let t = phases::decode_totals(log);
-        phases::per_token_json(&t, &rates, (m.after_prefill, m.end))
-    });
+    let decode_totals = log.as_ref().map(phases::decode_totals);
+    let phase_totals = decode_totals
+        .as_ref()
+        .map(|t| phases::per_token_json(t, &rates, (m.after_prefill, m.end)));
+    // The running mode's plan, resource by resource, beside the traced phases.
+    let sparse_per_token = match (&running.hybrid, &running.units) {
+        (Some(h), _) => Some(&h.plan.per_token),
+        (_, Some(u)) => Some(&u.plan.per_token),
+        _ => None,
+    };
+    let plan_vs_trace = decode_totals
+        .as_ref()
+        .zip(running.plan.as_ref())
+        .map(|(t, p)| {
+            phases::plan_vs_trace_json(t, &phases::PlannedCosts::of(p, sparse_per_token))
+        });
     // What the cache units moved, against what the plan expected per token.
     let units = running.units.as_ref().map(|u| {
         let [needed, loads, bytes] = u.traffic.snapshot();
@@ -224,7 +236,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
         "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units,
-        "phases_per_token": phase_totals,
+        "phases_per_token": phase_totals, "plan_vs_trace_per_token": plan_vs_trace,
     });
     Ok(DecodeRun {
         model: spec.name,

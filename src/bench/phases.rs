@@ -138,3 +138,89 @@ pub fn per_token_json(
                          "d2h": (b.d2h_bytes - a.d2h_bytes) as f64 / n},
     })
 }
+
+/// What the plan of the running mode predicted one decode token to cost, by resource: bytes over
+/// the link (host↔device), bytes the CPU reads, bytes the device reads, and the seconds each
+/// takes at the plan's rates.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PlannedCosts {
+    pub link_bytes: f64,
+    pub cpu_bytes: f64,
+    pub device_bytes: f64,
+    pub link_seconds: f64,
+    pub cpu_seconds: f64,
+    pub device_seconds: f64,
+}
+
+impl PlannedCosts {
+    /// The costs of a plan: the dense plan's own figures, or hybrid's or the cache units' bytes
+    /// per token at the plan's rates where one of those runs.
+    pub fn of(
+        plan: &crate::plan::Plan,
+        sparse: Option<&crate::plan::resident::SparsePerToken>,
+    ) -> Self {
+        let hw = &plan.hardware;
+        match sparse {
+            Some(s) => PlannedCosts {
+                link_bytes: s.pcie_bytes as f64,
+                cpu_bytes: s.cpu_bytes as f64,
+                device_bytes: s.hbm_bytes as f64,
+                link_seconds: s.pcie_bytes as f64 / hw.h2d_pinned_bytes_per_s,
+                cpu_seconds: s.cpu_bytes as f64 / hw.dram_read_bytes_per_s,
+                device_seconds: s.hbm_bytes as f64 / hw.hbm_bytes_per_s,
+            },
+            None => {
+                let (t, p) = (&plan.per_token, &plan.prediction);
+                PlannedCosts {
+                    link_bytes: (t.h2d_bytes + t.d2h_bytes) as f64,
+                    cpu_bytes: t.cpu_read_bytes as f64,
+                    device_bytes: t.hbm_read_bytes as f64,
+                    link_seconds: p.pcie_s,
+                    cpu_seconds: p.cpu_s,
+                    device_seconds: p.hbm_s,
+                }
+            }
+        }
+    }
+}
+
+/// The resource a phase's time is spent on: the link (copies between host and device), the CPU
+/// (deciding, cold neurons, gathering misses), the device (its kernels), or the host waiting and
+/// its bookkeeping.
+fn resource(p: Phase) -> &'static str {
+    match p {
+        Phase::Landing | Phase::H2d => "link",
+        Phase::Decide | Phase::CpuNeurons | Phase::Gather => "cpu",
+        Phase::Embed
+        | Phase::Attention
+        | Phase::Scatter
+        | Phase::DeviceNeurons
+        | Phase::Merge
+        | Phase::Head => "device",
+        Phase::HostWait | Phase::Other => "host",
+    }
+}
+
+/// The cost model beside the trace, per decoded token: for the link, the CPU and the device,
+/// what the plan predicted (bytes, and seconds at its rates) and what the traced phases on
+/// that resource measured (their seconds; the link's and the CPU's bytes, which the trace
+/// counts — the device's reads of its own memory it does not). The host's waits and
+/// bookkeeping are measured only.
+pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts) -> Value {
+    let n = t.steps.max(1) as f64;
+    let mut seconds: std::collections::BTreeMap<&str, f64> = Default::default();
+    for (p, s) in &t.phases {
+        *seconds.entry(resource(*p)).or_default() += s.seconds / n;
+    }
+    let b = t.bytes();
+    let measured = |r: &str| seconds.get(r).copied().unwrap_or(0.0);
+    json!({
+        "link": {"predicted_seconds": planned.link_seconds, "measured_seconds": measured("link"),
+                 "predicted_bytes": planned.link_bytes, "measured_bytes": (b.h2d + b.d2h) as f64 / n},
+        "cpu": {"predicted_seconds": planned.cpu_seconds, "measured_seconds": measured("cpu"),
+                "predicted_bytes": planned.cpu_bytes, "measured_bytes": b.cpu as f64 / n},
+        "device": {"predicted_seconds": planned.device_seconds, "measured_seconds": measured("device"),
+                   "predicted_bytes": planned.device_bytes, "measured_bytes": null},
+        "host": {"measured_seconds": measured("host")},
+    })
+}

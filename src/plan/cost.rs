@@ -36,6 +36,17 @@ pub(super) struct DecodeInputs<'a> {
     pub(super) cpu_rows: u64,
 }
 
+/// The split's round trip of one decode token where the CPU computes FFN rows (`cpu_rows`
+/// bytes of them): every layer's FFN input down, and its partial sum up, `n_layers × d_model`
+/// f32 each way.
+pub(super) fn split_trip_bytes(spec: &ModelSpec, cpu_rows: u64) -> u64 {
+    if cpu_rows > 0 {
+        (spec.n_layers * spec.d_model * 4) as u64
+    } else {
+        0
+    }
+}
+
 /// [`decode_cost`]: the prefill layout with where decode attends decided, and what a token
 /// moves and takes.
 pub(super) struct DecodeCost {
@@ -92,9 +103,13 @@ pub(super) fn decode_cost(
     let (kv_in, kv_cpu, (rows_in, rows_out)) = attention_of(1);
     let device_weights =
         small + head + shapes.iter().map(LayerShape::total).sum::<u64>() - cpu_rows;
+    let split_trip = split_trip_bytes(spec, cpu_rows);
     let per_token = PerToken {
-        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in + rows_in,
-        d2h_bytes: spec.vocab_size as u64 * 4 + kv_row_out(spec, budget, prefill) + rows_out,
+        h2d_bytes: streamed_all + spec.d_model as u64 * 4 + kv_in + rows_in + split_trip,
+        d2h_bytes: spec.vocab_size as u64 * 4
+            + kv_row_out(spec, budget, prefill)
+            + rows_out
+            + split_trip,
         ssd_bytes,
         hbm_read_bytes: device_weights + per_session / 2,
         cpu_read_bytes: cpu_rows + kv_cpu,

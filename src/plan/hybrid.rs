@@ -24,6 +24,7 @@ use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, FfnLayout, hot_rounding};
+use super::cost::split_trip_bytes;
 use super::hardware::HardwareProfile;
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
 use super::resident::{Base, BaseFor, SparsePerToken, base_of, layers_of};
@@ -259,7 +260,11 @@ pub fn plan_hot_streamed(
         merge: g.merge,
         everything_else: g.placed,
         budget_bytes: reserve.saturating_sub(hot_rounding(&layouts)),
-        streamed: plan.per_token.h2d_bytes,
+        // What the slots bring per token: the plan's host→device bytes less the token's input
+        // row and the split's partial sums, which hybrid's own figure counts.
+        streamed: plan.per_token.h2d_bytes
+            - spec.d_model as u64 * 4
+            - split_trip_bytes(spec, plan.residency.cpu_bytes(&plan.shape)),
     };
     let k = grid_index(target);
     let hot = place_in(&plan, base, &layouts, profile, k)?;
