@@ -202,14 +202,14 @@ fn units_beside_streamed_attention_equal_streaming_and_fill_the_plan() {
     }
 }
 
-/// A mix beside streamed attention (every other layer hybrid, with hot neurons the ILP placed
-/// in the same reserve; the others cache units): the streaming engine's logits, and the device
+/// A mix beside streamed attention (every other layer hybrid, every other neuron of it hot;
+/// the others cache units): the streaming engine's logits, and the device
 /// holds exactly what the units, the hybrid layers and their merge buffer take beside the base
 /// plan. Where the planner mixes by itself (`--cold auto`), its plan fits and holds what it
 /// counts.
 #[test]
 fn unit_and_hybrid_layers_mix_beside_streamed_attention() {
-    use gpu_offload::plan::hybrid::plan_hot_streamed;
+    use gpu_offload::plan::hybrid::plan_hot_neurons;
     use gpu_offload::plan::units::plan_units_streamed;
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let mut rng = StdRng::seed_from_u64(59);
@@ -233,13 +233,24 @@ fn unit_and_hybrid_layers_mix_beside_streamed_attention() {
         let what = format!("{} at {g} bytes", model.display());
         let (plan, units) = units_at(&store, &b, &profile).unwrap();
         let reserve = plan.budget.unit_reserve.expect("a reserve");
-        let hot = plan_hot_streamed(&store.manifest, &b, &hw, &profile, 0.5, reserve)
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert!(
+            reserve >= units.device.units + units.device.staging,
+            "{what}"
+        );
+        // Every other layer hybrid, every other neuron of it hot; the rest cache units.
+        let cost = plan_hot_neurons(
+            &store.manifest,
+            &plan_for(&store, toks.len()),
+            &profile,
+            0.5,
+        )
+        .unwrap()
+        .cold_cost;
         let mix = HybridLayers {
             hot_neurons: (0..spec.n_layers)
-                .map(|l| (l % 2 == 0).then(|| hot.hot_neurons[l].clone()))
+                .map(|l| (l % 2 == 0).then(|| (0..spec.d_ff as u32).step_by(2).collect()))
                 .collect(),
-            cold_cost: hot.cold_cost.clone(),
+            cold_cost: cost,
             batch: toks.len(),
         };
         let layout = UnitLayout {

@@ -163,10 +163,10 @@ impl<'a> DeviceFrame<'a> {
             .map(|&(_, b)| device_bytes(b))
             .sum();
         let head = device_bytes(head_segment(m)?.bytes);
-        // The least a streamed layer takes: nothing resident (with the FFN off the device,
-        // hybrid's hot neurons or cache units beside streamed attention, no FFN row either).
+        // The least a streamed layer takes: nothing resident (cache units beside streamed
+        // attention: no FFN row either, the units hold it).
         let none = Residency {
-            ffn_off: budget.unit_reserve.is_some() || budget.hot_reserve.is_some(),
+            ffn_off: budget.unit_reserve.is_some(),
             ..Residency::default()
         };
         let all = Residency::all(&shape);

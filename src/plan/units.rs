@@ -979,13 +979,16 @@ pub fn plan_units_streamed(
     if let Some(e) = refused.filter(|_| precisions.is_empty()) {
         return Err(e);
     }
-    // The attention rows resident beside the least reserve: what a larger one takes from.
-    let attention_room = open.gpu.resident_layers;
+    // What a larger reserve takes from: the attention rows resident beside the least one,
+    // the bytes it leaves free, and the step's buffers (a smaller prefill step).
+    let g = &open.gpu;
+    let spare =
+        g.resident_layers + g.scratch + budget.gpu_mem.saturating_sub(g.total + g.scratch + least);
     let mut best: Option<UnitPlan> = None;
     let mut first_err = None;
     for eighth in 0..=8u64 {
-        let reserve = least + attention_room * eighth / 8;
-        if eighth > 0 && attention_room == 0 {
+        let reserve = least + spare * eighth / 8;
+        if eighth > 0 && spare == 0 {
             break;
         }
         let planned = with_reserve(reserve).and_then(|base| {
