@@ -109,21 +109,7 @@ pub fn plan_cold(
             r => r,
         }
     };
-    // Cache units beside every layer's attention resident, or, where that does not fit,
-    // beside streamed attention (each layer hybrid instead where faster, where `mix`).
-    let units = |plan: &Plan, mix: bool| -> Result<UnitPlan, PlanError> {
-        let Some((p, target)) = profile else {
-            return Err(PlanError::Store(
-                "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
-            ));
-        };
-        match plan_units_fastest(m, plan, Some(p), target, precisions) {
-            Err(PlanError::GpuTooSmall { .. }) => {
-                plan_units_streamed(m, budget, hw, p, target, precisions, mix)
-            }
-            r => r,
-        }
-    };
+    let units = |plan: &Plan, mix: bool| units_of(m, budget, hw, plan, profile, precisions, mix);
     let (plan, hot, units, candidates) = match mode {
         Cold::Stream | Cold::Split => {
             let plan = plan_with(mode == Cold::Split)?;
@@ -210,4 +196,30 @@ pub fn plan_cold(
         units,
         candidates,
     })
+}
+
+/// Cache units for `budget` beside every layer's attention resident (`plan`, the streaming
+/// plan, sizes them), or, where that does not fit, beside streamed attention (each layer hybrid
+/// instead where faster, where `mix`).
+#[allow(clippy::too_many_arguments)]
+fn units_of(
+    m: &Manifest,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    plan: &Plan,
+    profile: Option<(&SparsityProfile, f64)>,
+    precisions: &[Precision],
+    mix: bool,
+) -> Result<UnitPlan, PlanError> {
+    let Some((p, target)) = profile else {
+        return Err(PlanError::Store(
+            "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
+        ));
+    };
+    match plan_units_fastest(m, plan, Some(p), target, precisions) {
+        Err(PlanError::GpuTooSmall { .. }) => {
+            plan_units_streamed(m, budget, hw, p, target, precisions, mix)
+        }
+        r => r,
+    }
 }
