@@ -59,6 +59,10 @@ pub struct Budget {
     /// neurons to be placed in this many bytes kept free (see
     /// [`plan_cold`](super::choice::plan_cold)).
     pub hot_reserve: Option<u64>,
+    /// Cache units with streamed attention: the FFN off the device, the units, their staging
+    /// (and any hybrid layers with their merge buffer) to be placed in this many bytes kept
+    /// free; no merge buffer beside (see [`plan_units_streamed`](super::units::plan_units_streamed)).
+    pub unit_reserve: Option<u64>,
 }
 
 impl Budget {
@@ -86,6 +90,7 @@ impl Budget {
             max_step: MAX_GROUP,
             cpu_split: false,
             hot_reserve: None,
+            unit_reserve: None,
         }
     }
 }

@@ -19,7 +19,7 @@ use super::hardware::HardwareProfile;
 use super::hybrid::{HybridPlan, plan_hot_neurons, plan_hot_streamed};
 use super::precision::Precision;
 use super::stream::make_plan;
-use super::units::{UnitPlan, mix_with_hybrid, plan_units_fastest};
+use super::units::{UnitPlan, mix_with_hybrid, plan_units_fastest, plan_units_streamed};
 
 /// Where an offloaded run's FFN neurons that do not fit the device run (`--cold`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
@@ -109,14 +109,7 @@ pub fn plan_cold(
             r => r,
         }
     };
-    let units = |plan: &Plan| -> Result<UnitPlan, PlanError> {
-        let Some((p, target)) = profile else {
-            return Err(PlanError::Store(
-                "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
-            ));
-        };
-        plan_units_fastest(m, plan, Some(p), target, precisions)
-    };
+    let units = |plan: &Plan, mix: bool| units_of(m, budget, hw, plan, profile, precisions, mix);
     let (plan, hot, units, candidates) = match mode {
         Cold::Stream | Cold::Split => {
             let plan = plan_with(mode == Cold::Split)?;
@@ -131,9 +124,19 @@ pub fn plan_cold(
             (plan, Some(hot), None, vec![(Cold::Cpu, t)])
         }
         Cold::Gpu => {
-            let plan = plan_with(false)?;
-            let u = units(&plan)?;
+            let u = match (plan_with(false), profile) {
+                // Streaming needs a slot of a whole layer; units beside streamed attention
+                // only one of its attention.
+                (Err(PlanError::GpuTooSmall { .. }), Some((p, target))) => {
+                    plan_units_streamed(m, budget, hw, p, target, precisions, false)?
+                }
+                (r, _) => units(&r?, false)?,
+            };
             let t = u.predicted_tokens_per_s;
+            let plan = match u.base_plan.as_deref() {
+                Some(base) => base.clone(),
+                None => plan_with(false)?,
+            };
             (plan, None, Some(u), vec![(Cold::Gpu, t)])
         }
         Cold::Auto => {
@@ -143,7 +146,7 @@ pub fn plan_cold(
             if split.residency.cpu_rows > 0 {
                 seen.push((Cold::Split, split.prediction.tokens_per_s));
             }
-            // Hybrid where it fits (it keeps all attention resident) and a profile exists.
+            // Hybrid where a profile exists (attention resident, or streamed beside).
             let hot = match profile {
                 Some(_) if stream.streams() => hybrid(&stream).ok(),
                 _ => None,
@@ -152,10 +155,14 @@ pub fn plan_cold(
                 seen.push((Cold::Cpu, h.predicted_tokens_per_s));
             }
             // Cache units, each layer hybrid instead where that is faster.
+            // (Beside streamed attention the units' own planning mixes them, in the same
+            // reserve.)
             let unit_plan = match profile {
-                Some(_) if stream.streams() => units(&stream).ok().map(|u| match &hot {
-                    Some(h) => mix_with_hybrid(m, &stream, u.clone(), h).unwrap_or(u),
-                    None => u,
+                Some(_) if stream.streams() => units(&stream, true).ok().map(|u| match &hot {
+                    Some(h) if u.base_plan.is_none() => {
+                        mix_with_hybrid(m, &stream, u.clone(), h).unwrap_or(u)
+                    }
+                    _ => u,
                 }),
                 _ => None,
             };
@@ -173,7 +180,12 @@ pub fn plan_cold(
                     let base = hot.as_ref().and_then(|h| h.base_plan.as_deref().cloned());
                     (base.unwrap_or(stream), hot, None, seen)
                 }
-                Cold::Gpu => (stream, None, unit_plan, seen),
+                Cold::Gpu => {
+                    let base = unit_plan
+                        .as_ref()
+                        .and_then(|u| u.base_plan.as_deref().cloned());
+                    (base.unwrap_or(stream), None, unit_plan, seen)
+                }
                 _ => (stream, None, None, seen),
             }
         }
@@ -184,4 +196,30 @@ pub fn plan_cold(
         units,
         candidates,
     })
+}
+
+/// Cache units for `budget` beside every layer's attention resident (`plan`, the streaming
+/// plan, sizes them), or, where that does not fit, beside streamed attention (each layer hybrid
+/// instead where faster, where `mix`).
+#[allow(clippy::too_many_arguments)]
+fn units_of(
+    m: &Manifest,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    plan: &Plan,
+    profile: Option<(&SparsityProfile, f64)>,
+    precisions: &[Precision],
+    mix: bool,
+) -> Result<UnitPlan, PlanError> {
+    let Some((p, target)) = profile else {
+        return Err(PlanError::Store(
+            "cache units are sized and kept by the neurons' activation frequencies: run `gpu-offload profile` first".into(),
+        ));
+    };
+    match plan_units_fastest(m, plan, Some(p), target, precisions) {
+        Err(PlanError::GpuTooSmall { .. }) => {
+            plan_units_streamed(m, budget, hw, p, target, precisions, mix)
+        }
+        r => r,
+    }
 }

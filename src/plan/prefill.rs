@@ -115,7 +115,12 @@ pub(super) fn prefill_layout(
         } else {
             0
         };
-        let held = fixed + kv + step.total() + res;
+        // Cache units beside streamed attention keep their reserve free, and one step's
+        // buffers beside it ([`super::stream`]).
+        let kept = budget
+            .unit_reserve
+            .map_or(0, |r| r + step.activations + step.logits + res);
+        let held = fixed + kv + step.total() + res + kept;
         let fits = held + all_layers <= usable || held + weights_min <= usable;
         let beside_all_layers = held + all_layers <= usable;
         let l = PrefillLayout {
@@ -150,6 +155,7 @@ pub(super) fn prefill_layout(
     let grown = prompt.min(budget.max_step.min(MAX_GROUP));
     if !budget.cpu_split
         && budget.hot_reserve.is_none()
+        && budget.unit_reserve.is_none()
         && let Some(g) = largest_step(whole + 1, grown, |g| {
             layout(false, true, g).beside_all_layers
         })

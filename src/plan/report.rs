@@ -103,6 +103,7 @@ fn write_layers(o: &mut String, p: &Plan) {
     // What each layer's weights do per token: read where they rest, copied in, or (the split's
     // FFN rows) computed by the CPU beside the copies.
     let runs = match (streamed > 0, cpu > 0) {
+        _ if p.residency.ffn_off && p.budget.unit_reserve.is_some() => "units",
         _ if p.residency.ffn_off => "hybrid",
         (false, false) => "resident",
         (true, false) => "streamed",
@@ -280,7 +281,12 @@ fn write_token(o: &mut String, p: &Plan) {
 fn write_cpu_share(o: &mut String, p: &Plan) {
     let g = &p.gpu;
     let pr = &p.prediction;
-    if p.residency.ffn_off {
+    if p.residency.ffn_off && p.budget.unit_reserve.is_some() {
+        let _ = writeln!(
+            o,
+            "cache units: every FFN neuron off the device but in the units below; attention resident and streamed as above, beside them"
+        );
+    } else if p.residency.ffn_off {
         let _ = writeln!(
             o,
             "hybrid: every FFN neuron off the device but for the hot ones placed below; the CPU computes the others from DRAM"

@@ -163,7 +163,12 @@ impl<'a> DeviceFrame<'a> {
             .map(|&(_, b)| device_bytes(b))
             .sum();
         let head = device_bytes(head_segment(m)?.bytes);
-        let none = Residency::default();
+        // The least a streamed layer takes: nothing resident (cache units beside streamed
+        // attention: no FFN row either, the units hold it).
+        let none = Residency {
+            ffn_off: budget.unit_reserve.is_some(),
+            ..Residency::default()
+        };
         let all = Residency::all(&shape);
         let usable = budget.gpu_mem.saturating_sub(fixed_cost);
         let resident_all_layers = resident_all_layers(&shapes, &all);
@@ -183,7 +188,10 @@ impl<'a> DeviceFrame<'a> {
         // A partitioned prompt's hidden states count with the step's buffers.
         let scratch = step.activations + step.logits + residual;
         let fixed = small + head + kv + scratch + step.workspace;
-        let minimum_with = |w: usize| fixed + w as u64 * slot_device_bytes(&shape, &none);
+        // Cache units with streamed attention keep their reserve free whatever the window, and
+        // one step's buffers beside it (see `ffn_off`).
+        let kept = budget.unit_reserve.map_or(0, |r| r + scratch);
+        let minimum_with = |w: usize| fixed + kept + w as u64 * slot_device_bytes(&shape, &none);
         // The prefetch window asked for, or the widest narrower one the budget holds (a window
         // of one layer is the least that runs).
         let asked = budget.window.min(n_layers);
@@ -226,10 +234,18 @@ impl<'a> DeviceFrame<'a> {
             kv_what,
         };
         if !all_resident && usable < minimum {
+            let breakdown = frame.breakdown(minimum - fixed - kept);
             return Err(PlanError::GpuTooSmall {
                 budget: budget.gpu_mem,
                 minimum: fixed_cost + minimum,
-                breakdown: frame.breakdown(minimum - fixed),
+                breakdown: if kept > 0 {
+                    format!(
+                        "{} kept for cache units and their staging (and one step's buffers free beside them) beside {breakdown}",
+                        human_bytes(kept)
+                    )
+                } else {
+                    breakdown
+                },
             });
         }
         Ok(frame)
@@ -306,10 +322,16 @@ impl<'a> DeviceFrame<'a> {
             (self.fit(0, false, 0), self.window)
         };
         let mut merge = 0;
-        if let Some(reserve) = budget.hot_reserve
+        // Hybrid's hot neurons, or cache units, in a reserve beside streamed attention.
+        let reserve = match (budget.hot_reserve, budget.unit_reserve) {
+            (Some(r), _) => Some((r, true)),
+            (None, Some(r)) => Some((r, false)),
+            (None, None) => None,
+        };
+        if let Some((reserve, with_merge)) = reserve
             && window > 0
         {
-            (residency, merge) = self.ffn_off(reserve)?;
+            (residency, merge) = self.ffn_off(reserve, with_merge)?;
         } else if budget.cpu_split && window > 0 && budget.dram_mem.is_none() && holds(m, Part::Ffn)
         {
             // The CPU+PCIe split: see `split::balance`; the first round's merge buffer must
@@ -339,11 +361,22 @@ impl<'a> DeviceFrame<'a> {
     }
 
     /// Every FFN neuron off the device (the CPU's, less the hot ones placed later in
-    /// `reserve`); attention resident and streamed in what is left. The residency and the merge
-    /// buffer, or the refusal where `reserve` does not fit beside them.
-    fn ffn_off(&self, reserve: u64) -> Result<(Residency, u64), PlanError> {
+    /// `reserve`; or cache units' in `reserve`); attention resident and streamed in what is
+    /// left. The residency and the merge buffer (hybrid's, where `merge`), or the refusal where
+    /// `reserve` does not fit beside them.
+    fn ffn_off(&self, reserve: u64, merge: bool) -> Result<(Residency, u64), PlanError> {
         let (budget, window) = (self.budget, self.window);
-        let with_merge = device_bytes((budget.batch * self.d_model * 4) as u64);
+        // Hybrid's CPU sums come back into a merge buffer; cache units leave one step's
+        // buffers free beside theirs instead (steps of another size reallocate them, and a
+        // budget filled exactly has its free bytes in pieces too small for them).
+        let (with_merge, reserve) = if merge {
+            (
+                device_bytes((budget.batch * self.d_model * 4) as u64),
+                reserve,
+            )
+        } else {
+            (0, reserve + self.scratch)
+        };
         let r = self.fit(0, true, with_merge + reserve);
         let placed = self.placed_with(&r, window) + with_merge + reserve;
         if placed > self.usable {
@@ -351,8 +384,13 @@ impl<'a> DeviceFrame<'a> {
                 budget: budget.gpu_mem,
                 minimum: self.fixed_cost + placed,
                 breakdown: format!(
-                    "{} kept for hot neurons beside {}",
+                    "{} kept for {} beside {}",
                     human_bytes(reserve),
+                    if merge {
+                        "hot neurons"
+                    } else {
+                        "cache units and their staging (and one step's buffers free)"
+                    },
                     self.breakdown(window as u64 * slot_device_bytes(&self.shape, &r))
                 ),
             });

@@ -16,9 +16,17 @@
 //! Where `bench units` has measured the ATU's hit ratio for the layer at that size (kept in the
 //! profile), a single-precision unit's loads are the measured misses instead.
 //!
+//! Where every layer's attention does not fit beside units of one slot,
+//! [`plan_units_streamed`] places the units in a reserve of the streaming plan instead:
+//! attention resident by rows as far as the rest allows and streamed through the window's slots
+//! beyond, the reserve chosen by the prediction, in which a layer's time takes the larger of its
+//! compute (its loads waiting behind the streamed attention on the link) and the link's bytes
+//! (its attention's streamed rows and its loads).
+//!
 //! Sizing bisects one scale for every layer's unit (60 rounds of the units' bytes). Fails where
 //! the FFN is not stored as bundles, the store lacks a tier's encoding, the profile is not the
-//! model's, or units of one slot do not fit beside everything else.
+//! model's, or units of one slot do not fit beside everything else (streamed attention: beside
+//! one streaming slot and what every plan holds).
 
 use serde::Serialize;
 
@@ -28,13 +36,15 @@ use crate::store::{Encoding, Manifest, names};
 
 use super::Plan;
 use super::batch;
-use super::budget::{PlanError, human_bytes};
+use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, hot_device_bytes};
-use super::hybrid::{HybridPlan, step_of};
+use super::hardware::HardwareProfile;
+use super::hybrid::{HybridPlan, plan_hot_streamed, step_of};
 use super::manifest::{part_segment_name, seg};
 use super::precision::{Precision, TIER_ENCODINGS};
 use super::preserve::Part;
-use super::resident::{Base, BaseFor, SparsePerToken, base_of};
+use super::resident::{BaseFor, SparsePerToken, base_of, layers_of};
+use super::stream::make_plan;
 
 /// How a layer's FFN runs in a cache-unit plan.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -57,9 +67,12 @@ pub struct UnitLayer {
     pub device_bytes: u64,
     /// Predicted seconds per token of the layer (attention and FFN).
     pub seconds: f64,
-    /// Expected bytes per token the layer's FFN reads on the device, reads from DRAM on the
-    /// CPU, and moves over PCIe.
+    /// Expected bytes per token the layer's FFN reads on the device (a unit's: its active
+    /// neurons and the loads it scatters), reads from DRAM on the CPU (its deciding vectors and
+    /// the misses it gathers), and moves over PCIe.
     pub ffn_bytes: [u64; 3],
+    /// Bytes of the layer's attention streamed in per token (0: resident).
+    pub attention_streamed: u64,
     /// Mean neurons active per token (per step: the union of its sequences').
     pub mean_active: f64,
     /// Expected neurons brought in per token (per step).
@@ -68,7 +81,8 @@ pub struct UnitLayer {
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct UnitDevice {
-    /// Every layer's attention matrices, whole.
+    /// Every layer's attention matrices, whole; or, streamed, every layer's resident rows
+    /// and the streaming slots.
     pub attention: u64,
     /// The units and their slot-ordered up biases.
     pub units: u64,
@@ -107,6 +121,10 @@ pub struct UnitPlan {
     /// The hybrid layers' placement, where some layers run hybrid.
     #[serde(skip)]
     pub hybrid: Option<HybridLayers>,
+    /// With streamed attention: the streaming plan it runs on (attention residency, slots,
+    /// the reserve the units and their staging take).
+    #[serde(skip)]
+    pub base_plan: Option<Box<Plan>>,
 }
 
 /// What the hybrid layers of a mixed plan hold.
@@ -148,7 +166,7 @@ impl UnitPlan {
             .collect();
         let _ = writeln!(
             s,
-            "layer  runs    {}  hot  mean active  expected loads/token  device  ms/token",
+            "layer  runs    {}  hot  mean active  expected loads/token  device  attention  ms/token",
             head.join(" ")
         );
         for (l, x) in self.layers.iter().enumerate() {
@@ -157,9 +175,13 @@ impl UnitPlan {
                 UnitMode::Unit => "unit",
                 UnitMode::Hybrid => "hybrid",
             };
+            let attention = match x.attention_streamed {
+                0 => "resident".to_string(),
+                b => format!("streams {}", h(b)),
+            };
             let _ = writeln!(
                 s,
-                "{l:>5}  {runs:<6}  {}  {:>3}  {:>11.1}  {:>19.1}  {:>6}  {:>8.3}",
+                "{l:>5}  {runs:<6}  {}  {:>3}  {:>11.1}  {:>19.1}  {:>6}  {attention:>9}  {:>8.3}",
                 k.join(" "),
                 x.hot,
                 x.mean_active,
@@ -179,6 +201,23 @@ impl UnitPlan {
                 s,
                 "{hybrid_layers} of {} layers hybrid (hot neurons resident, the CPU computes the rest): faster than a unit there",
                 self.layers.len()
+            );
+        }
+        if let Some(base) = &self.base_plan {
+            let streaming = self
+                .layers
+                .iter()
+                .filter(|l| l.attention_streamed > 0)
+                .count();
+            let _ = writeln!(
+                s,
+                "attention streams beside the units in {streaming} of {} layers: {} of each layer resident, {} streamed per token through {} slots ({}); {} kept for the units",
+                self.layers.len(),
+                h(base.resident_bytes_per_layer),
+                h(base.streamed_bytes_per_layer),
+                base.window,
+                h(base.gpu.slots),
+                h(base.budget.unit_reserve.unwrap_or(0))
             );
         }
         let _ = writeln!(
@@ -231,18 +270,39 @@ fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64,
 }
 
 /// What sizes the units of a plan: a neuron's bundle bytes in each tier's encoding (without
-/// its up bias), whether neurons carry an up bias, everything else resident, and the device
-/// bytes left for units and their staging.
+/// its up bias), whether neurons carry an up bias, where attention is held, everything else on
+/// the device, and the device bytes left for units and their staging.
 struct UnitRoom {
     row: [u64; 3],
     biased: bool,
-    base: Base,
+    /// Everything placed beside the units, their staging and any hybrid layers.
+    everything_else: u64,
+    /// Device bytes attention takes: every layer's matrices, or (streamed) every layer's
+    /// resident rows and the streaming slots.
+    attention: u64,
+    /// Per layer, the attention matrices' bytes (what the device reads of them per token).
+    attention_layers: Vec<u64>,
+    /// Attention bytes each layer streams in per token (0: all resident).
+    streamed: u64,
+    /// Device bytes left for the units and their staging (and hybrid layers, their merge).
     room: u64,
+    /// The streaming plan attention streams by, where it does.
+    base_plan: Option<Box<Plan>>,
 }
 
-fn unit_room(m: &Manifest, plan: &Plan) -> Result<UnitRoom, PlanError> {
-    let spec = &plan.spec;
+/// A neuron's bundle bytes in each tier's encoding (without its up bias), and whether neurons
+/// carry an up bias.
+fn neuron_rows(m: &Manifest) -> ([u64; 3], bool) {
+    let spec = &m.spec;
     let parts = if spec.gated_ffn { 3 } else { 2 };
+    (
+        TIER_ENCODINGS.map(|e| e.row_bytes(parts * spec.d_model, parts) as u64),
+        m.segment(&names::layer(0, "ffn_up.bias")).is_some(),
+    )
+}
+
+/// The room of units beside every layer's attention resident.
+fn unit_room(m: &Manifest, plan: &Plan) -> Result<UnitRoom, PlanError> {
     let (base, _) = base_of(m, plan, BaseFor::Units)?;
     let g = &plan.gpu;
     // One step's buffers are left free beside the units: steps of another size (prefill,
@@ -254,11 +314,45 @@ fn unit_room(m: &Manifest, plan: &Plan) -> Result<UnitRoom, PlanError> {
         .saturating_sub(g.fixed)
         .saturating_sub(base.everything_else)
         .saturating_sub(g.scratch);
+    let (row, biased) = neuron_rows(m);
     Ok(UnitRoom {
-        row: TIER_ENCODINGS.map(|e| e.row_bytes(parts * spec.d_model, parts) as u64),
-        biased: m.segment(&names::layer(0, "ffn_up.bias")).is_some(),
-        base,
+        row,
+        biased,
+        everything_else: base.everything_else,
+        attention: base.attention,
+        attention_layers: base.attention_layers,
+        streamed: 0,
         room,
+        base_plan: None,
+    })
+}
+
+/// The room of units in the reserve of `base`, a streaming plan with the FFN off the device
+/// (`Budget::unit_reserve`): attention resident by rows as far as it fits and streamed beyond
+/// (the plan leaves one step's buffers free beside the reserve, as beside resident attention).
+fn streamed_room(m: &Manifest, base: Plan) -> Result<UnitRoom, PlanError> {
+    let Some(reserve) = base.budget.unit_reserve else {
+        return Err(PlanError::Budget(
+            "cache units with streamed attention need a plan with a reserve for them".into(),
+        ));
+    };
+    if !base.residency.ffn_off {
+        return Err(PlanError::Budget(
+            "the budget holds every layer: cache units keep attention resident".into(),
+        ));
+    }
+    let (_, attention_layers) = layers_of(m, base.spec.n_layers)?;
+    let g = &base.gpu;
+    let (row, biased) = neuron_rows(m);
+    Ok(UnitRoom {
+        row,
+        biased,
+        everything_else: g.placed,
+        attention: g.resident_layers + g.slots,
+        attention_layers,
+        streamed: base.streamed_bytes_per_layer,
+        room: reserve,
+        base_plan: Some(Box::new(base)),
     })
 }
 
@@ -272,33 +366,53 @@ pub fn plan_units(
     target: f64,
     precision: Precision,
 ) -> Result<UnitPlan, PlanError> {
-    let spec = &plan.spec;
-    let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
     check_units(m, plan, profile, precision)?;
-    let parts = if spec.gated_ffn { 3 } else { 2 };
-    let unit_room = unit_room(m, plan)?;
-    let share = precision.0.map(|p| p as f64 / 100.0);
+    let room = unit_room(m, plan)?;
+    plan_units_in(m, plan, room, profile, target, precision)
+}
+
+/// Each layer's neurons as a step needs them: the profile's frequencies at `target` (every
+/// neuron at `1 − target` without one), and the share of a step of `rows` sequences' union.
+fn step_frequencies(
+    spec: &crate::model::ModelSpec,
+    profile: Option<&SparsityProfile>,
+    target: f64,
+    rows: usize,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let k = grid_index(target);
-    let freqs: Vec<Vec<f64>> = (0..n_layers)
+    let freqs: Vec<Vec<f64>> = (0..spec.n_layers)
         .map(|l| match profile {
             Some(p) => p.frequencies(l, k),
-            None => vec![1.0 - target; d_ff],
+            None => vec![1.0 - target; spec.d_ff],
         })
         .collect();
     // A decode step of `rows` sequences needs the union of their active sets: a neuron with
     // frequency f is in it with 1 − (1 − f)^rows ([`super::batch`]). Units are sized for it.
-    let rows = batch::step_rows(&plan.budget, &plan.prefill);
-    let needed: Vec<Vec<f64>> = freqs
+    let needed = freqs
         .iter()
         .map(|f| f.iter().map(|&p| batch::union_share(p, rows)).collect())
         .collect();
+    (freqs, needed)
+}
+
+/// Cache units in `room` (attention resident or streamed as it says) for `plan`'s budget.
+fn plan_units_in(
+    m: &Manifest,
+    plan: &Plan,
+    room: UnitRoom,
+    profile: Option<&SparsityProfile>,
+    target: f64,
+    precision: Precision,
+) -> Result<UnitPlan, PlanError> {
+    let spec = &plan.spec;
+    let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
+    let share = precision.0.map(|p| p as f64 / 100.0);
+    let rows = batch::step_rows(&plan.budget, &plan.prefill);
+    let (freqs, needed) = step_frequencies(spec, profile, target, rows);
     let means: Vec<f64> = needed.iter().map(|f| f.iter().sum::<f64>()).collect();
-    let lo = largest_scale(plan, &unit_room, &means, share)?;
-    let UnitRoom {
-        row, biased, base, ..
-    } = unit_room;
+    let lo = largest_scale(plan, &room, &means, share)?;
+    let (row, biased) = (room.row, room.biased);
     let neuron_bytes = row.map(|r| r + if biased { 4 } else { 0 });
-    let everything_else = base.everything_else;
     let g = &plan.gpu;
     let slots = slots_at(&means, share, d_ff, lo);
     let (units, staging) = unit_device_bytes(&slots, row, biased);
@@ -309,14 +423,15 @@ pub fn plan_units(
         .and_then(|p| p.unit_reuse.as_ref())
         .filter(|_| rows == 1);
     let hw = &plan.hardware;
-    let decide = Encoding::F16.row_bytes(parts * d, parts) as u64 / parts as u64;
     let r = rows as u64;
-    let sync = hw.op_overhead_s + (rows * d * 4) as f64 / hw.h2d_pinned_bytes_per_s;
-    let (cpu_rate, device_rate) = (batch::cpu_flops_per_s(hw), hw.matmul_flops_per_s);
-    let attention_row =
-        batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
+    let costs = LayerCosts::new(plan, &room, rows);
     let mut layers = Vec::with_capacity(n_layers);
-    let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + base.attention, 0u64, 0u64);
+    // The device reads every layer's attention, from where it rests or from a slot.
+    let attention_read = match room.base_plan {
+        Some(_) => room.attention_layers.iter().sum(),
+        None => room.attention,
+    };
+    let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + attention_read, 0u64, 0u64);
     let mut seconds = 0.0;
     for (l, (f, &mu)) in needed.iter().zip(&means).enumerate() {
         let k = slots[l];
@@ -341,25 +456,18 @@ pub fn plan_units(
             moved += tier_loads * neuron_bytes[i] as f64;
         }
         let (active, moved) = (active as u64, moved as u64);
-        let decided = d_ff as u64 * decide;
-        hbm += active;
-        cpu += decided;
-        pcie += moved + r * (d * 4) as u64;
-        // The device computes the step's union for every row; the CPU every deciding vector.
-        let layer_s = batch::bounded(
-            (base.attention_layers[l] + active) as f64,
-            hw.hbm_bytes_per_s,
-            rows,
-            attention_row + mu * batch::neuron_flops(spec),
-            device_rate,
-        ) + batch::bounded(
-            decided as f64,
-            hw.dram_read_bytes_per_s,
-            rows,
-            d_ff as f64 * 2.0 * d as f64,
-            cpu_rate,
-        ) + moved as f64 / hw.h2d_pinned_bytes_per_s
-            + 2.0 * sync;
+        // A step's set comes in as many rounds as its tiers' regions take to hold it.
+        let rounds: f64 = precision
+            .tiers()
+            .map(|i| (share[i] * mu / k[i].max(1) as f64).ceil().max(1.0))
+            .sum();
+        let layer_s = costs.unit_layer(l, active, moved, mu, rounds);
+        let decided = d_ff as u64 * costs.decide;
+        // The misses are gathered from DRAM into the staging buffer, then scattered from it
+        // into their slots on the device.
+        hbm += active + moved;
+        cpu += decided + moved;
+        pcie += moved + r * (d * 4) as u64 + room.streamed;
         seconds += layer_s;
         layers.push(UnitLayer {
             mode: UnitMode::Unit,
@@ -367,7 +475,8 @@ pub fn plan_units(
             hot: 0,
             device_bytes: unit_device_bytes(&[k], row, biased).0,
             seconds: layer_s,
-            ffn_bytes: [active, decided, moved + r * (d * 4) as u64],
+            ffn_bytes: [active + moved, decided + moved, moved + r * (d * 4) as u64],
+            attention_streamed: room.streamed,
             mean_active: mu,
             expected_loads: loads,
         });
@@ -379,13 +488,13 @@ pub fn plan_units(
         hw.hbm_bytes_per_s,
         rows,
         batch::head_flops(spec),
-        device_rate,
+        hw.matmul_flops_per_s,
     );
     // About 16 ops a layer (norms, projections, rope, attention, the listed FFN, scatter).
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
     pcie += r * (spec.d_model + spec.vocab_size) as u64 * 4;
     let dram_neurons = dram_neurons(m, precision, n_layers)?;
-    let placed = everything_else + units + staging;
+    let placed = room.everything_else + units + staging;
     Ok(UnitPlan {
         target,
         precision,
@@ -393,7 +502,7 @@ pub fn plan_units(
         layers,
         neuron_bytes,
         device: UnitDevice {
-            attention: base.attention,
+            attention: room.attention,
             units,
             hybrid: 0,
             staging,
@@ -413,7 +522,102 @@ pub fn plan_units(
             .map(|f| f.iter().map(|&p| p as f32).collect())
             .collect(),
         hybrid: None,
+        base_plan: room.base_plan,
     })
+}
+
+/// What a layer's time is made of in a decode step of `rows` sequences: attention on the device
+/// (read from where it rests), the FFN's neurons, the CPU's deciding vectors, the round trip,
+/// and the copy link, which streamed attention shares with the units' loads.
+struct LayerCosts<'a> {
+    plan: &'a Plan,
+    attention_layers: &'a [u64],
+    streamed: u64,
+    rows: usize,
+    /// Bytes of a neuron's deciding vector (its gate or up row in f16).
+    decide: u64,
+    attention_row: f64,
+    sync: f64,
+}
+
+impl<'a> LayerCosts<'a> {
+    fn new(plan: &'a Plan, room: &'a UnitRoom, rows: usize) -> Self {
+        let spec = &plan.spec;
+        let hw = &plan.hardware;
+        let parts = if spec.gated_ffn { 3 } else { 2 };
+        LayerCosts {
+            plan,
+            attention_layers: &room.attention_layers,
+            streamed: room.streamed,
+            rows,
+            decide: Encoding::F16.row_bytes(parts * spec.d_model, parts) as u64 / parts as u64,
+            attention_row: batch::projection_flops(spec)
+                + batch::attention_flops(spec, plan.budget.ctx / 2),
+            sync: hw.op_overhead_s + (rows * spec.d_model * 4) as f64 / hw.h2d_pinned_bytes_per_s,
+        }
+    }
+
+    /// Seconds of layer `l`'s attention on the device.
+    fn attention(&self, l: usize) -> f64 {
+        let hw = &self.plan.hardware;
+        batch::bounded(
+            self.attention_layers[l] as f64,
+            hw.hbm_bytes_per_s,
+            self.rows,
+            self.attention_row,
+            hw.matmul_flops_per_s,
+        )
+    }
+
+    /// Seconds the copy link needs for layer `l`: its streamed attention and `moved` bytes
+    /// beside (a step's the layers take in turn, so a layer takes at least its share).
+    fn link(&self, moved: u64) -> f64 {
+        (self.streamed + moved) as f64 / self.plan.hardware.h2d_pinned_bytes_per_s
+    }
+
+    /// Seconds of layer `l` as a cache unit reading `active` bytes of neurons (`mu` of them) on
+    /// the device, `moved` bytes of loads over the link in `rounds` (one per tier, more where a
+    /// region is smaller than its share of the set): the device computes the step's union for
+    /// every row, the CPU every deciding vector; each round past the first waits for its copy
+    /// and runs its scatter and two listed kernels; the loads wait behind streamed attention.
+    fn unit_layer(&self, l: usize, active: u64, moved: u64, mu: f64, rounds: f64) -> f64 {
+        let spec = &self.plan.spec;
+        let hw = &self.plan.hardware;
+        let (rows, d_ff, d) = (self.rows, spec.d_ff, spec.d_model);
+        // The scatter reads the loads from the staging buffer and writes them into their slots.
+        let device = batch::bounded(
+            (self.attention_layers[l] + active) as f64,
+            hw.hbm_bytes_per_s,
+            rows,
+            self.attention_row + mu * batch::neuron_flops(spec),
+            hw.matmul_flops_per_s,
+        ) + 2.0 * moved as f64 / hw.hbm_bytes_per_s;
+        let decided = (d_ff as u64 * self.decide) as f64;
+        // The CPU decides, then gathers the misses from DRAM into the staging buffer (the
+        // trace's gather: on the budgeted device it took longer than their copy).
+        let cpu = batch::bounded(
+            decided,
+            hw.dram_read_bytes_per_s,
+            rows,
+            d_ff as f64 * 2.0 * d as f64,
+            batch::cpu_flops_per_s(hw),
+        ) + moved as f64 / hw.dram_read_bytes_per_s;
+        let extra_rounds = (rounds - 1.0).max(0.0) * (self.sync + 3.0 * hw.op_overhead_s);
+        let compute = device
+            + cpu
+            + moved as f64 / hw.h2d_pinned_bytes_per_s
+            + 2.0 * self.sync
+            + extra_rounds;
+        compute.max(self.link(moved))
+    }
+
+    /// Seconds of layer `l` run hybrid, its FFN's device and CPU shares taking `ffn_s` together:
+    /// its attention and FFN, or the link carrying its streamed attention and the FFN's input
+    /// and partial sum.
+    fn hybrid_layer(&self, l: usize, ffn_s: f64) -> f64 {
+        let vectors = (self.rows * 2 * self.plan.spec.d_model * 4) as u64;
+        (self.attention(l) + ffn_s).max(self.link(vectors))
+    }
 }
 
 /// What a store and profile must be for cache units at `precision`: bundles, in every encoding
@@ -481,10 +685,11 @@ fn largest_scale(
     let UnitRoom {
         row,
         biased,
-        ref base,
+        everything_else,
+        attention,
         room,
+        ..
     } = *unit_room;
-    let everything_else = base.everything_else;
     let g = &plan.gpu;
     let slack = g.scratch;
     let smallest =
@@ -495,12 +700,21 @@ fn largest_scale(
     };
     if !fits(&smallest()) {
         let (u, st) = unit_device_bytes(&smallest(), row, biased);
+        let held = match unit_room.base_plan {
+            Some(_) => format!(
+                "cache units beside streamed attention (its resident rows and slots {})",
+                human_bytes(attention)
+            ),
+            None => format!(
+                "cache units keep every layer's attention resident ({})",
+                human_bytes(attention)
+            ),
+        };
         return Err(PlanError::GpuTooSmall {
             budget: plan.budget.gpu_mem,
             minimum: g.fixed + everything_else + slack + u + st,
             breakdown: format!(
-                "cache units keep every layer's attention resident ({}), with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
-                human_bytes(base.attention),
+                "{held}, with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {}, and units of one slot",
                 human_bytes(g.small),
                 human_bytes(g.head),
                 human_bytes(g.kv),
@@ -579,47 +793,43 @@ pub fn plan_units_fastest(
 /// Per layer, the faster of `units`' cache unit and `hot`'s hybrid layer (hot neurons resident,
 /// the CPU computing the rest) by the plans' predicted seconds, within the device room both
 /// plans share: where the faster choices together exceed it, layers go back to their smaller
-/// choice, least time lost per byte first. `units` as it is where no layer is faster hybrid,
-/// or where hybrid streams attention (its layers then do not hold theirs).
+/// choice, least time lost per byte first. Where the units stream attention (a base plan), each
+/// layer's choice is weighed with it: both choices read the layer's attention from where it
+/// rests, and the copy link carries its streamed rows beside a unit's loads or hybrid's round
+/// trip. `units` as it is where no layer is faster hybrid, or where only one of the two streams
+/// attention (their layers then do not hold the same).
 pub fn mix_with_hybrid(
     m: &Manifest,
     plan: &Plan,
     units: UnitPlan,
     hot: &HybridPlan,
 ) -> Result<UnitPlan, PlanError> {
-    let spec = &plan.spec;
-    let n_layers = spec.n_layers;
-    if hot.base_plan.is_some() || hot.layers.len() != n_layers || units.layers.len() != n_layers {
+    let n_layers = plan.spec.n_layers;
+    if hot.base_plan.is_some() != units.base_plan.is_some()
+        || hot.layers.len() != n_layers
+        || units.layers.len() != n_layers
+    {
         return Ok(units);
     }
-    let hw = &plan.hardware;
+    let room = match &units.base_plan {
+        Some(base) => streamed_room(m, base.as_ref().clone())?,
+        None => unit_room(m, plan)?,
+    };
+    let plan = room.base_plan.as_deref().unwrap_or(plan);
+    let spec = &plan.spec;
     let g = &plan.gpu;
-    let UnitRoom {
-        row,
-        biased,
-        base,
-        room,
-    } = unit_room(m, plan)?;
+    let (row, biased) = (room.row, room.biased);
     let merge = device_bytes((hot.batch.max(1) * spec.d_model * 4) as u64);
     let rows = units.sequences;
-    let attention_row =
-        batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
+    let costs = LayerCosts::new(plan, &room, rows);
     // Per layer: (seconds, device bytes) as a unit and as hybrid.
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
-        let attention_s = batch::bounded(
-            base.attention_layers[l] as f64,
-            hw.hbm_bytes_per_s,
-            rows,
-            attention_row,
-            hw.matmul_flops_per_s,
-        );
-        let hybrid_s = attention_s + h.gpu_s.max(h.cpu_s);
+        let hybrid_s = costs.hybrid_layer(l, h.gpu_s.max(h.cpu_s));
         let hybrid_b = hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
         opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
     }
-    let mut pick: Vec<usize> = opts.iter().map(|o| usize::from(o[1].0 < o[0].0)).collect();
-    let total = |pick: &[usize]| -> u64 {
+    let Some(pick) = pick_modes(&opts, |pick| {
         let slots: Vec<[usize; 3]> = (0..n_layers)
             .map(|l| {
                 if pick[l] == 0 {
@@ -634,26 +844,10 @@ pub fn mix_with_hybrid(
             .filter(|&l| pick[l] == 1)
             .map(|l| opts[l][1].1)
             .sum();
-        u + st + h + if pick.contains(&1) { merge } else { 0 }
-    };
-    while total(&pick) > room {
-        let back = (0..n_layers)
-            .filter(|&l| opts[l][pick[l]].1 > opts[l][1 - pick[l]].1)
-            .min_by(|&a, &b| {
-                let cost = |l: usize| {
-                    (opts[l][1 - pick[l]].0 - opts[l][pick[l]].0)
-                        / (opts[l][pick[l]].1 - opts[l][1 - pick[l]].1) as f64
-                };
-                cost(a).total_cmp(&cost(b))
-            });
-        match back {
-            Some(l) => pick[l] = 1 - pick[l],
-            None => return Ok(units),
-        }
-    }
-    if !pick.contains(&1) {
+        u + st + h + if pick.contains(&1) { merge } else { 0 } <= room.room
+    }) else {
         return Ok(units);
-    }
+    };
     let mut out = units;
     let mut seconds = rows as f64 / out.predicted_tokens_per_s;
     let (mut hbm, mut cpu) = (out.per_token.hbm_bytes, out.per_token.cpu_bytes);
@@ -666,7 +860,7 @@ pub fn mix_with_hybrid(
         // The hybrid layer's FFN: its hot neurons on the device (its device bytes count the
         // attention too), its cold ones on the CPU, the input down and the partial sum up.
         let ffn = [
-            h.device_bytes.saturating_sub(base.attention_layers[l]),
+            h.device_bytes.saturating_sub(room.attention_layers[l]),
             h.cpu_bytes,
             (rows * 2 * spec.d_model * 4) as u64,
         ];
@@ -682,6 +876,7 @@ pub fn mix_with_hybrid(
             device_bytes: opts[l][1].1,
             seconds: opts[l][1].0,
             ffn_bytes: ffn,
+            attention_streamed: u.attention_streamed,
             mean_active: u.mean_active,
             expected_loads: 0.0,
         };
@@ -691,7 +886,7 @@ pub fn mix_with_hybrid(
     d.units = units_b;
     d.staging = staging;
     d.hybrid = hybrid_bytes;
-    d.placed = base.everything_else + units_b + staging + hybrid_bytes;
+    d.placed = room.everything_else + units_b + staging + hybrid_bytes;
     d.total = g.fixed + d.placed;
     out.per_token = SparsePerToken {
         hbm_bytes: hbm,
@@ -705,4 +900,145 @@ pub fn mix_with_hybrid(
         batch: hot.batch,
     });
     Ok(out)
+}
+
+/// Per layer, the faster of its two options `opts[l]` (seconds, device bytes), as far as
+/// `fits` allows: where the faster choices do not fit, layers go back to their smaller choice,
+/// least time lost per byte first. `None` where no layer takes its second option.
+fn pick_modes(opts: &[[(f64, u64); 2]], fits: impl Fn(&[usize]) -> bool) -> Option<Vec<usize>> {
+    let n_layers = opts.len();
+    let mut pick: Vec<usize> = opts.iter().map(|o| usize::from(o[1].0 < o[0].0)).collect();
+    while !fits(&pick) {
+        let back = (0..n_layers)
+            .filter(|&l| opts[l][pick[l]].1 > opts[l][1 - pick[l]].1)
+            .min_by(|&a, &b| {
+                let cost = |l: usize| {
+                    (opts[l][1 - pick[l]].0 - opts[l][pick[l]].0)
+                        / (opts[l][pick[l]].1 - opts[l][1 - pick[l]].1) as f64
+                };
+                cost(a).total_cmp(&cost(b))
+            });
+        let l = back?;
+        pick[l] = 1 - pick[l];
+    }
+    pick.contains(&1).then_some(pick)
+}
+
+/// Cache units beside streamed attention, for a budget whose every layer's attention does not
+/// fit beside units of one slot: the streaming plan with the FFN off the device and a reserve
+/// kept free for the units and their staging (`Budget::unit_reserve`), attention resident by
+/// rows as far as the rest allows and streamed through the window's slots beyond. The reserve
+/// trades attention's copies for the units' own: from the least that holds units of one slot
+/// (and one step's buffers free) up to every attention row streamed, in eighths, the fastest
+/// by the plan's prediction at the fastest of `precisions`; where `mix`, each layer hybrid
+/// instead where that is faster ([`mix_with_hybrid`], the hot neurons placed in the same
+/// reserve). Refused with the least budget that holds units of one slot beside one streaming
+/// slot where none fits.
+#[allow(clippy::too_many_arguments)]
+pub fn plan_units_streamed(
+    m: &Manifest,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    profile: &SparsityProfile,
+    target: f64,
+    precisions: &[Precision],
+    mix: bool,
+) -> Result<UnitPlan, PlanError> {
+    let with_reserve = |reserve: u64| {
+        make_plan(
+            m,
+            &Budget {
+                unit_reserve: Some(reserve),
+                hot_reserve: None,
+                cpu_split: false,
+                ..budget.clone()
+            },
+            hw,
+        )
+    };
+    let (row, biased) = neuron_rows(m);
+    let n_layers = m.spec.n_layers;
+    // The least reserve: units of one slot at the precision that takes fewest bytes.
+    let least = precisions
+        .iter()
+        .map(|p| {
+            let one = vec![[0, 1, 2].map(|i| usize::from(p.0[i] > 0)); n_layers];
+            let (u, st) = unit_device_bytes(&one, row, biased);
+            u + st
+        })
+        .min()
+        .ok_or_else(|| PlanError::Budget("no neuron precision to plan for".into()))?;
+    // Refused here with the least budget that runs: units of one slot, one streaming slot.
+    let open = with_reserve(least)?;
+    let mut refused = None;
+    let precisions: Vec<Precision> = precisions
+        .iter()
+        .copied()
+        .filter(|&p| match check_units(m, &open, Some(profile), p) {
+            Ok(()) => true,
+            Err(e) => {
+                refused.get_or_insert(e);
+                false
+            }
+        })
+        .collect();
+    if let Some(e) = refused.filter(|_| precisions.is_empty()) {
+        return Err(e);
+    }
+    // What a larger reserve takes from: the attention rows resident beside the least one,
+    // the bytes it leaves free, and the step's buffers (a smaller prefill step).
+    let g = &open.gpu;
+    let spare =
+        g.resident_layers + g.scratch + budget.gpu_mem.saturating_sub(g.total + g.scratch + least);
+    let mut best: Option<UnitPlan> = None;
+    let mut first_err = None;
+    for eighth in 0..=8u64 {
+        let reserve = least + spare * eighth / 8;
+        if eighth > 0 && spare == 0 {
+            break;
+        }
+        let planned = with_reserve(reserve).and_then(|base| {
+            // Hybrid layers' hot neurons placed in the same reserve.
+            let hot = mix
+                .then(|| plan_hot_streamed(m, budget, hw, profile, target, reserve).ok())
+                .flatten();
+            let mut fastest: Option<UnitPlan> = None;
+            for &p in &precisions {
+                let room = streamed_room(m, base.clone())?;
+                let Ok(u) = plan_units_in(m, &base, room, Some(profile), target, p) else {
+                    continue;
+                };
+                let u = match &hot {
+                    Some(h) => mix_with_hybrid(m, &base, u.clone(), h).unwrap_or(u),
+                    None => u,
+                };
+                if fastest
+                    .as_ref()
+                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
+                {
+                    fastest = Some(u);
+                }
+            }
+            fastest.ok_or_else(|| {
+                PlanError::Budget(format!(
+                    "no cache units fit the {} kept for them",
+                    human_bytes(reserve)
+                ))
+            })
+        });
+        match planned {
+            Ok(u) => {
+                if best
+                    .as_ref()
+                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
+                {
+                    best = Some(u);
+                }
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    best.ok_or_else(|| first_err.unwrap_or_else(|| PlanError::Budget("no reserve to plan".into())))
 }

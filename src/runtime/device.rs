@@ -65,6 +65,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         max_step: args.budget.max_step(),
         cpu_split: args.budget.cold == crate::plan::choice::Cold::Split,
         hot_reserve: None,
+        unit_reserve: None,
     }
 }
 

@@ -145,21 +145,39 @@ impl LoadedModel {
                 });
             }
             NeuronPlan::Units(u) => {
-                let src = crate::tier::units::UnitWeights::new(
-                    b,
-                    store.clone(),
-                    plan,
-                    &u.slots(),
-                    u.precision,
-                    Some(&u.scores),
-                    u.hybrid.as_ref(),
-                    ledger.clone(),
-                    kernels,
-                    act,
-                )?;
-                let traffic = src.traffic();
+                let (src, traffic): (Box<dyn WeightSource<B>>, _) = if u.base_plan.is_some() {
+                    // Attention streamed beside the units: the streaming source runs it.
+                    let src = StreamWeights::with_units(
+                        b,
+                        store.clone(),
+                        plan,
+                        ledger.clone(),
+                        kernels,
+                        &crate::tier::units::UnitLayout::of(&u),
+                        act,
+                    )?;
+                    let traffic = src
+                        .unit_traffic()
+                        .ok_or_else(|| anyhow::anyhow!("a unit plan without units"))?;
+                    (Box::new(src), traffic)
+                } else {
+                    let src = crate::tier::units::UnitWeights::new(
+                        b,
+                        store.clone(),
+                        plan,
+                        &u.slots(),
+                        u.precision,
+                        Some(&u.scores),
+                        u.hybrid.as_ref(),
+                        ledger.clone(),
+                        kernels,
+                        act,
+                    )?;
+                    let traffic = src.traffic();
+                    (Box::new(src), traffic)
+                };
                 return Ok(OffloadSource {
-                    src: Box::new(src),
+                    src,
                     hybrid: None,
                     units: Some(Units { plan: u, traffic }),
                 });

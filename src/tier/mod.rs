@@ -15,7 +15,8 @@
 //! The pieces the modes share: [`resident`] (norms, biases, head, embeddings, the start-up
 //! loader; every layer's attention where nothing streams) and [`cold`] (neurons the CPU
 //! computes from DRAM). Arrows run one way: `resident`, `cold` ← `hybrid` ← `split` ← `stream`;
-//! `units` uses `resident`, `cold` and `hybrid`.
+//! `units` uses `resident`, `cold` and `hybrid`, and `stream` uses `units` (cache units beside
+//! streamed attention).
 //!
 //! Every byte they hold is reserved in the [`crate::footprint::Ledger`].
 

@@ -15,7 +15,8 @@ use super::dram::{DramCache, LayerData};
 use super::hybrid::HotFfn;
 use super::resident::{Embeddings, Head, Loader, Small};
 use super::split::{CpuShare, FfnShares};
-use crate::backend::{Backend, BundleShape};
+use super::units::{UnitFfns, UnitFfnsLoader, UnitLayout, UnitTraffic};
+use crate::backend::{Act, Backend, BundleShape};
 use crate::engine::trace::{Phase, span};
 use crate::engine::{
     ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result, WeightSource,
@@ -65,6 +66,16 @@ pub struct StreamWeights<B: Backend> {
     /// Hybrid with streamed attention: per layer the hot neurons' block (the FFN's only device
     /// part); empty otherwise.
     hot_ffn: Vec<HotFfn<B>>,
+    /// Cache units with streamed attention: every layer's unit (or hybrid layer); none
+    /// otherwise.
+    units: Option<UnitFfns<B>>,
+}
+
+/// What runs a streamed plan's FFN beside (or instead of) the slots: the CPU (the split's rows,
+/// or hybrid's cold neurons with `Some` hot-neuron plan), or cache units.
+enum Beside<'a> {
+    Cpu(Option<&'a HybridPlan>),
+    Units(&'a UnitLayout<'a>, Act),
 }
 
 impl<B: Backend> StreamWeights<B> {
@@ -93,6 +104,44 @@ impl<B: Backend> StreamWeights<B> {
         kernels: &'static crate::backend::cpu::kernels::Kernels,
         hot: Option<&HybridPlan>,
     ) -> Result<Self> {
+        Self::build(b, store, plan, ledger, kernels, Beside::Cpu(hot))
+    }
+
+    /// Cache units beside streamed attention: `plan` (from
+    /// [`crate::plan::units::plan_units_streamed`], the units' base plan) streams attention and
+    /// keeps the FFN off the device; each layer's FFN runs from its unit of `units` (or hybrid,
+    /// where the layout says, with `kernels` and `act` for the CPU's neurons).
+    pub fn with_units(
+        b: &B,
+        store: Arc<Store>,
+        plan: &Plan,
+        ledger: Arc<Ledger>,
+        kernels: &'static crate::backend::cpu::kernels::Kernels,
+        units: &UnitLayout,
+        act: Act,
+    ) -> Result<Self> {
+        if !plan.residency.ffn_off {
+            return Err(EngineError::Weights(
+                "cache units beside streamed attention need a plan with the FFN off the device"
+                    .into(),
+            ));
+        }
+        Self::build(b, store, plan, ledger, kernels, Beside::Units(units, act))
+    }
+
+    /// What the cache units have moved so far (none without units).
+    pub fn unit_traffic(&self) -> Option<Arc<UnitTraffic>> {
+        self.units.as_ref().map(|u| u.traffic())
+    }
+
+    fn build(
+        b: &B,
+        store: Arc<Store>,
+        plan: &Plan,
+        ledger: Arc<Ledger>,
+        kernels: &'static crate::backend::cpu::kernels::Kernels,
+        beside: Beside,
+    ) -> Result<Self> {
         let m = &store.manifest;
         if m.model_id != plan.model_id {
             return Err(EngineError::Weights(
@@ -112,11 +161,25 @@ impl<B: Backend> StreamWeights<B> {
         let slots = alloc_slots(b, m, plan, &part_formats)?;
         let dram = dram_cache(b, &store, &ledger, plan)?;
         let matmuls = offload_matmuls(m).map_err(|e| EngineError::Weights(e.to_string()))?;
-        let FfnShares { cpu, hot_ffn } =
-            CpuShare::for_plan(b, &store, &ledger, plan, &mut small, kernels, hot)?;
+        let (FfnShares { cpu, hot_ffn }, units) = match beside {
+            Beside::Cpu(hot) => (
+                CpuShare::for_plan(b, &store, &ledger, plan, &mut small, kernels, hot)?,
+                None,
+            ),
+            Beside::Units(layout, act) => {
+                let loader = UnitFfnsLoader::new(&store, layout, kernels, act)?;
+                let units = loader.load_all(b, &store, &ledger, &mut small)?;
+                let none = FfnShares {
+                    cpu: None,
+                    hot_ffn: Vec::new(),
+                };
+                (none, Some(units))
+            }
+        };
         let mut me = StreamWeights {
             cpu,
             hot_ffn,
+            units,
             part_formats,
             matmuls,
             bundled: store.ffn_bundled(),
@@ -360,6 +423,14 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
         let rows = self.residency.rows;
         let res = &self.resident[l];
         let sm = &self.small[l];
+        // Cache units: the layer's unit (or hybrid layer) in place of the FFN's rows.
+        let (unit_ffn, unit_cold, unit) = match self.units.as_mut() {
+            Some(u) => {
+                let (f, c, n) = u.layer(l, sm)?;
+                (Some(f), c, n)
+            }
+            None => (None, None, None),
+        };
         let ffn_runs = {
             let mut runs = Vec::with_capacity(2);
             if let Some(w) = &res[Part::Ffn.index()] {
@@ -401,7 +472,9 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 sm.attn_bias[3].as_ref(),
             ),
             ffn_norm: sm.ffn_norm(),
-            ffn: if let Some(hot) = self.hot_ffn.get(l) {
+            ffn: if let Some(u) = unit_ffn {
+                u
+            } else if let Some(hot) = self.hot_ffn.get(l) {
                 hot.view(sm, self.bundle, self.spec.gated_ffn)
             } else if self.bundled {
                 FfnView::Bundles {
@@ -418,12 +491,15 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                     down: part(Part::Down, sm.down_bias.as_ref()),
                 }
             },
-            cold: self.cpu.as_mut().map(|c| ColdView {
-                neurons: &c.layers[l],
-                hot: &c.device_ids[l],
-                partial: &mut c.partial,
-            }),
-            unit: None,
+            cold: match unit_cold {
+                Some(c) => Some(c),
+                None => self.cpu.as_mut().map(|c| ColdView {
+                    neurons: &c.layers[l],
+                    hot: &c.device_ids[l],
+                    partial: &mut c.partial,
+                }),
+            },
+            unit,
         })
     }
 
@@ -457,6 +533,6 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
     /// No streaming slots and no CPU-side neurons: every layer is resident, and the passes
     /// issue nothing but the ops.
     fn fixed(&self) -> bool {
-        self.slots.is_empty() && self.cpu.is_none()
+        self.slots.is_empty() && self.cpu.is_none() && self.units.is_none()
     }
 }

@@ -9,6 +9,10 @@
 //! With mixed precision ([`super::precision`]) a unit has one region per precision tier (f16,
 //! INT8, INT4), each with its slot map and its DRAM copy of the neurons in that encoding (the
 //! store's bundles); a neuron a token ranks in a tier is brought into that tier's region.
+//!
+//! Where every layer's attention does not fit beside the units, the streaming source holds the
+//! same units ([`UnitFfns`]) beside attention resident by rows and streamed through its slots
+//! ([`super::stream`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +21,7 @@ use super::atu::{Eviction, SlotMap};
 use super::cold::{ColdLayer, ColdTraffic, CpuSide};
 use super::hybrid::{HotFfn, layer_ffn};
 use super::precision::split_by_precision;
-use super::resident::{Resident, resident_source};
+use super::resident::{Resident, Small, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::TierSet;
@@ -187,6 +191,35 @@ struct Staging<B: Backend> {
 
 pub struct UnitWeights<B: Backend> {
     resident: Resident<B>,
+    ffns: UnitFfns<B>,
+}
+
+/// What a cache-unit source holds per layer: `slots[l][tier]` bundles in each tier's encoding
+/// at `precision`, stale neurons giving way by `score[l]` (e.g. the profile's activation
+/// frequencies; all equal without); the layers `hybrid` names run hybrid instead (no slots).
+pub struct UnitLayout<'a> {
+    pub slots: Vec<[usize; 3]>,
+    pub precision: Precision,
+    pub score: Option<&'a [Vec<f32>]>,
+    pub hybrid: Option<&'a HybridLayers>,
+}
+
+impl<'a> UnitLayout<'a> {
+    /// The layout of a cache-unit plan.
+    pub fn of(plan: &'a crate::plan::units::UnitPlan) -> Self {
+        UnitLayout {
+            slots: plan.slots(),
+            precision: plan.precision,
+            score: Some(&plan.scores),
+            hybrid: plan.hybrid.as_ref(),
+        }
+    }
+}
+
+/// Every layer's FFN of a cache-unit plan (its unit, or a mixed plan's hybrid layer), the
+/// staging misses come in by and the merge buffer of hybrid layers: what [`UnitWeights`] holds
+/// beside resident attention, and the streaming source beside streamed attention.
+pub(super) struct UnitFfns<B: Backend> {
     layers: Vec<LayerFfn<B>>,
     staging: Staging<B>,
     /// The buffer hybrid layers' CPU sums come back into (where there are any).
@@ -195,6 +228,137 @@ pub struct UnitWeights<B: Backend> {
     gated: bool,
     precision: Precision,
     traffic: Arc<UnitTraffic>,
+}
+
+/// Loads a [`UnitFfns`] layer by layer, each after its layer's norms and biases.
+pub(super) struct UnitFfnsLoader<'a> {
+    layout: &'a UnitLayout<'a>,
+    bundle: BundleShape,
+    d_ff: usize,
+    gated: bool,
+    kernels: &'static Kernels,
+    act: fn(f32) -> f32,
+    traffic: Arc<ColdTraffic>,
+}
+
+impl<'a> UnitFfnsLoader<'a> {
+    /// Checks `layout` against `store` (bundles, slots in range).
+    pub(super) fn new(
+        store: &Store,
+        layout: &'a UnitLayout<'a>,
+        kernels: &'static Kernels,
+        act: Act,
+    ) -> Result<Self> {
+        let spec = &store.manifest.spec;
+        check_slots(store, &layout.slots, layout.precision, layout.hybrid)?;
+        Ok(UnitFfnsLoader {
+            layout,
+            bundle: BundleShape {
+                parts: if spec.gated_ffn { 3 } else { 2 },
+                d: spec.d_model,
+            },
+            d_ff: spec.d_ff,
+            gated: spec.gated_ffn,
+            kernels,
+            act: crate::backend::cpu::ops::activation(act),
+            traffic: Arc::new(ColdTraffic::default()),
+        })
+    }
+
+    fn shape(&self) -> UnitShape<'_> {
+        UnitShape {
+            slots: &self.layout.slots,
+            precision: self.layout.precision,
+            score: self.layout.score,
+            bundle: self.bundle,
+            d_ff: self.d_ff,
+        }
+    }
+
+    /// Layer `l`'s FFN into `layers`: its empty unit (its neurons read into DRAM), or, hybrid,
+    /// its hot neurons gathered onto the device (the device's up bias in `sm` rewritten in
+    /// their order) and the others into DRAM for the CPU.
+    fn layer<B: Backend>(
+        &self,
+        b: &B,
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        l: usize,
+        sm: &mut Small<B>,
+    ) -> Result<LayerFfn<B>> {
+        let cpu = CpuSide {
+            kernels: self.kernels,
+            act: self.act,
+            traffic: self.traffic.clone(),
+        };
+        let hybrid = self.layout.hybrid;
+        if let (Some(ids), Some(h)) = (hot_of(hybrid, l), hybrid) {
+            let (hot, cold) = layer_ffn(
+                b,
+                store,
+                ledger,
+                l,
+                ids,
+                h.cold_cost[l],
+                &mut sm.up_bias,
+                cpu,
+            )?;
+            return Ok(LayerFfn::Hybrid {
+                hot,
+                hot_ids: ids.clone(),
+                cold,
+            });
+        }
+        let unit = LayerUnit::load(b, store, ledger, l, &self.shape(), cpu)?;
+        Ok(LayerFfn::Unit(unit))
+    }
+
+    /// Every layer's FFN loaded, each after `small[l]` (the layers' norms and biases).
+    pub(super) fn load_all<B: Backend>(
+        &self,
+        b: &B,
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        small: &mut [Small<B>],
+    ) -> Result<UnitFfns<B>> {
+        let layers = small
+            .iter_mut()
+            .enumerate()
+            .map(|(l, sm)| self.layer(b, store, ledger, l, sm))
+            .collect::<Result<Vec<_>>>()?;
+        self.finish(b, ledger, layers)
+    }
+
+    /// The FFNs of `layers` with the staging buffers and, where a layer runs hybrid, the merge
+    /// buffer.
+    fn finish<B: Backend>(
+        &self,
+        b: &B,
+        ledger: &Arc<Ledger>,
+        layers: Vec<LayerFfn<B>>,
+    ) -> Result<UnitFfns<B>> {
+        let hybrid = self.layout.hybrid;
+        let biased = layers.iter().any(|u| match u {
+            LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
+            LayerFfn::Hybrid { .. } => false,
+        });
+        let staging = Staging::alloc(b, ledger, &self.shape(), biased)?;
+        let partial = match hybrid {
+            Some(h) if (0..layers.len()).any(|l| hot_of(hybrid, l).is_some()) => {
+                Some(b.alloc(h.batch.max(1), self.bundle.d)?)
+            }
+            _ => None,
+        };
+        Ok(UnitFfns {
+            layers,
+            staging,
+            partial,
+            bundle: self.bundle,
+            gated: self.gated,
+            precision: self.layout.precision,
+            traffic: Arc::new(UnitTraffic::default()),
+        })
+    }
 }
 
 impl<B: Backend> UnitWeights<B> {
@@ -222,77 +386,86 @@ impl<B: Backend> UnitWeights<B> {
         if m.model_id != plan.model_id {
             return Err(weights_err("the plan was made for another model"));
         }
-        let spec = m.spec.clone();
-        let (n_layers, d, d_ff) = (spec.n_layers, spec.d_model, spec.d_ff);
-        check_slots(&store, slots, precision, hybrid)?;
-        let bundle = BundleShape {
-            parts: if spec.gated_ffn { 3 } else { 2 },
-            d,
-        };
-        let units = UnitShape {
-            slots,
+        let layout = UnitLayout {
+            slots: slots.to_vec(),
             precision,
             score,
-            bundle,
-            d_ff,
+            hybrid,
         };
-        let traffic = Arc::new(ColdTraffic::default());
-        let act_fn = crate::backend::cpu::ops::activation(act);
-        let mut layers = Vec::with_capacity(n_layers);
+        let loader = UnitFfnsLoader::new(&store, &layout, kernels, act)?;
+        let mut layers = Vec::with_capacity(m.spec.n_layers);
         let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, sm| {
-            let cpu = CpuSide {
-                kernels,
-                act: act_fn,
-                traffic: traffic.clone(),
-            };
-            if let (Some(ids), Some(h)) = (hot_of(hybrid, l), hybrid) {
-                let (hot, cold) = layer_ffn(
-                    b,
-                    &store,
-                    &ledger,
-                    l,
-                    ids,
-                    h.cold_cost[l],
-                    &mut sm.up_bias,
-                    cpu,
-                )?;
-                layers.push(LayerFfn::Hybrid {
-                    hot,
-                    hot_ids: ids.clone(),
-                    cold,
-                });
-                return Ok(());
-            }
-            let unit = LayerUnit::load(b, &store, &ledger, l, &units, cpu)?;
-            layers.push(LayerFfn::Unit(unit));
+            layers.push(loader.layer(b, &store, &ledger, l, sm)?);
             Ok(())
         })?;
-        let biased = layers.iter().any(|u| match u {
-            LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
-            LayerFfn::Hybrid { .. } => false,
-        });
-        let staging = Staging::alloc(b, &ledger, &units, biased)?;
-        let partial = match hybrid {
-            Some(h) if (0..n_layers).any(|l| hot_of(hybrid, l).is_some()) => {
-                Some(b.alloc(h.batch.max(1), d)?)
-            }
-            _ => None,
-        };
-        Ok(UnitWeights {
-            resident,
-            layers,
-            staging,
-            partial,
-            bundle,
-            gated: spec.gated_ffn,
-            precision,
-            traffic: Arc::new(UnitTraffic::default()),
-        })
+        let ffns = loader.finish(b, &ledger, layers)?;
+        Ok(UnitWeights { resident, ffns })
     }
 
     /// What the units have moved so far.
     pub fn traffic(&self) -> Arc<UnitTraffic> {
+        self.ffns.traffic()
+    }
+}
+
+/// Layer `l`'s FFN as a layer view takes it: the device's share, the CPU's (a hybrid layer),
+/// and the unit the engine brings neurons into (a unit layer).
+pub(super) type UnitLayerFfn<'a, B> = (
+    FfnView<'a, B>,
+    Option<ColdView<'a, B>>,
+    Option<Box<dyn NeuronUnit<B> + 'a>>,
+);
+
+impl<B: Backend> UnitFfns<B> {
+    /// What the units have moved so far.
+    pub(super) fn traffic(&self) -> Arc<UnitTraffic> {
         self.traffic.clone()
+    }
+
+    /// Layer `l`'s FFN for one step, its norms and biases in `sm`.
+    pub(super) fn layer<'a>(
+        &'a mut self,
+        l: usize,
+        sm: &'a Small<B>,
+    ) -> Result<UnitLayerFfn<'a, B>> {
+        let UnitFfns {
+            layers,
+            staging,
+            partial,
+            bundle,
+            gated,
+            precision,
+            traffic,
+        } = self;
+        match &mut layers[l] {
+            LayerFfn::Hybrid { hot, hot_ids, cold } => {
+                let partial = partial
+                    .as_mut()
+                    .ok_or_else(|| weights_err("a hybrid layer without its merge buffer"))?;
+                let ffn = hot.view(sm, *bundle, *gated);
+                let cold = ColdView {
+                    neurons: &*cold,
+                    hot: hot_ids,
+                    partial,
+                };
+                Ok((ffn, Some(cold), None))
+            }
+            LayerFfn::Unit(layer) => {
+                let ffn = FfnView::Bundles {
+                    runs: Vec::new(),
+                    shape: *bundle,
+                    up_bias: None,
+                    down_bias: sm.down_bias.as_ref(),
+                };
+                let unit = Box::new(UnitStep {
+                    layer,
+                    staging,
+                    precision: *precision,
+                    traffic,
+                });
+                Ok((ffn, None, Some(unit)))
+            }
+        }
     }
 }
 
@@ -608,44 +781,8 @@ impl<B: Backend> WeightSource<B> for UnitWeights<B> {
     resident_source!();
 
     fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
-        let UnitWeights {
-            resident,
-            layers,
-            staging,
-            partial,
-            bundle,
-            gated,
-            precision,
-            traffic,
-        } = self;
-        match &mut layers[l] {
-            LayerFfn::Hybrid { hot, hot_ids, cold } => {
-                let partial = partial
-                    .as_mut()
-                    .ok_or_else(|| weights_err("a hybrid layer without its merge buffer"))?;
-                let ffn = hot.view(resident.small(l), *bundle, *gated);
-                let cold = ColdView {
-                    neurons: &*cold,
-                    hot: hot_ids,
-                    partial,
-                };
-                Ok(resident.layer(l, ffn, Some(cold), None))
-            }
-            LayerFfn::Unit(layer) => {
-                let ffn = FfnView::Bundles {
-                    runs: Vec::new(),
-                    shape: *bundle,
-                    up_bias: None,
-                    down_bias: resident.small(l).down_bias.as_ref(),
-                };
-                let unit = Box::new(UnitStep {
-                    layer,
-                    staging,
-                    precision: *precision,
-                    traffic,
-                });
-                Ok(resident.layer(l, ffn, None, Some(unit)))
-            }
-        }
+        let UnitWeights { resident, ffns } = self;
+        let (ffn, cold, unit) = ffns.layer(l, resident.small(l))?;
+        Ok(resident.layer(l, ffn, cold, unit))
     }
 }
