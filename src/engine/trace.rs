@@ -6,7 +6,7 @@
 //!
 //! One recorder ([`StepTrace`]) per engine, off unless given ([`super::Engine::set_trace`]).
 //! During a traced step it is the thread's active trace, and the engine and the tiers report
-//! into it through [`span`], [`set_layer`] and [`add_bytes`], which do nothing when no step is
+//! into it through [`span`], [`set_layer`] and [`add_cpu_bytes`], which do nothing when no step is
 //! traced (one thread-local check). Host↔device bytes are the ledger's own counts, read at
 //! every span's ends (exact where copies are issued by the stepping thread, as on the budgeted
 //! device); the bytes the CPU reads for neurons are reported by the code that reads them.

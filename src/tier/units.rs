@@ -11,7 +11,7 @@
 //! store's bundles); a neuron a token ranks in a tier is brought into that tier's region.
 //!
 //! Where every layer's attention does not fit beside the units, the streaming source holds the
-//! same units ([`UnitFfns`]) beside attention resident by rows and streamed through its slots
+//! same units (`UnitFfns`) beside attention resident by rows and streamed through its slots
 //! ([`super::stream`]).
 
 use std::sync::Arc;

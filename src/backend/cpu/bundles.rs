@@ -71,7 +71,7 @@ pub fn down(
 }
 
 /// `h[t·stride + col0 + i] = act(gate_i·x_t) · (up_i·x_t)` or `act(up_i·x_t + bias[col0 + i])`
-/// for every neuron `i` of `view`, in any bundle encoding: [`listed_acts`] over all of them.
+/// for every neuron `i` of `view`, in any bundle encoding: `listed_acts` over all of them.
 #[allow(clippy::too_many_arguments)]
 pub fn up_view(
     k: &Kernels,
@@ -136,7 +136,7 @@ pub(crate) fn listed_acts(
 }
 
 /// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`:
-/// [`sparse_down`]'s split by output columns over all the neurons, so each token's result is one
+/// [`sparse_down`](super::sparse::sparse_down)'s split by output columns over all the neurons, so each token's result is one
 /// chain of multiply-adds from `out` in neuron order, the same bit for bit whatever the threads
 /// do, and the same as a cache unit's rounds over the neurons a token needs (a neuron whose
 /// activation is zero leaves the chain as it was). Per-thread partial sums added in the order
