@@ -272,6 +272,7 @@ fn unit_device_bytes(slots: &[[usize; 3]], row: [u64; 3], biased: bool) -> (u64,
 /// What sizes the units of a plan: a neuron's bundle bytes in each tier's encoding (without
 /// its up bias), whether neurons carry an up bias, where attention is held, everything else on
 /// the device, and the device bytes left for units and their staging.
+#[derive(Clone)]
 struct UnitRoom {
     row: [u64; 3],
     biased: bool,
@@ -768,26 +769,12 @@ pub fn plan_units_fastest(
     target: f64,
     candidates: &[Precision],
 ) -> Result<UnitPlan, PlanError> {
-    let mut best: Option<UnitPlan> = None;
-    let mut first_err = None;
-    for &p in candidates {
-        match plan_units(m, plan, profile, target, p) {
-            Ok(u) => {
-                if best
-                    .as_ref()
-                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
-                {
-                    best = Some(u);
-                }
-            }
-            Err(e) => {
-                first_err.get_or_insert(e);
-            }
-        }
-    }
-    best.ok_or_else(|| {
-        first_err.unwrap_or_else(|| PlanError::Budget("no neuron precision to plan for".into()))
-    })
+    fastest_of(
+        candidates
+            .iter()
+            .map(|&p| plan_units(m, plan, profile, target, p)),
+        || PlanError::Budget("no neuron precision to plan for".into()),
+    )
 }
 
 /// Per layer, the faster of `units`' cache unit and `hot`'s hybrid layer (hot neurons resident,
@@ -990,55 +977,55 @@ pub fn plan_units_streamed(
     let g = &open.gpu;
     let spare =
         g.resident_layers + g.scratch + budget.gpu_mem.saturating_sub(g.total + g.scratch + least);
+    let reserves = (0..=8u64)
+        .take_while(|&eighth| eighth == 0 || spare > 0)
+        .map(|eighth| least + spare * eighth / 8);
+    let planned = reserves.map(|reserve| {
+        let base = with_reserve(reserve)?;
+        // Hybrid layers' hot neurons placed in the same reserve.
+        let hot = mix
+            .then(|| plan_hot_streamed(m, budget, hw, profile, target, reserve).ok())
+            .flatten();
+        let room = streamed_room(m, base.clone())?;
+        let units = precisions.iter().filter_map(|&p| {
+            let u = plan_units_in(m, &base, room.clone(), Some(profile), target, p).ok()?;
+            Some(Ok(match &hot {
+                Some(h) => mix_with_hybrid(m, &base, u.clone(), h).unwrap_or(u),
+                None => u,
+            }))
+        });
+        fastest_of(units, || {
+            PlanError::Budget(format!(
+                "no cache units fit the {} kept for them",
+                human_bytes(reserve)
+            ))
+        })
+    });
+    fastest_of(planned, || PlanError::Budget("no reserve to plan".into()))
+}
+
+/// The fastest of `plans` by predicted tokens/s; where none planned, the first refusal, else
+/// `none`.
+fn fastest_of(
+    plans: impl IntoIterator<Item = Result<UnitPlan, PlanError>>,
+    none: impl FnOnce() -> PlanError,
+) -> Result<UnitPlan, PlanError> {
     let mut best: Option<UnitPlan> = None;
     let mut first_err = None;
-    for eighth in 0..=8u64 {
-        let reserve = least + spare * eighth / 8;
-        if eighth > 0 && spare == 0 {
-            break;
-        }
-        let planned = with_reserve(reserve).and_then(|base| {
-            // Hybrid layers' hot neurons placed in the same reserve.
-            let hot = mix
-                .then(|| plan_hot_streamed(m, budget, hw, profile, target, reserve).ok())
-                .flatten();
-            let mut fastest: Option<UnitPlan> = None;
-            for &p in &precisions {
-                let room = streamed_room(m, base.clone())?;
-                let Ok(u) = plan_units_in(m, &base, room, Some(profile), target, p) else {
-                    continue;
-                };
-                let u = match &hot {
-                    Some(h) => mix_with_hybrid(m, &base, u.clone(), h).unwrap_or(u),
-                    None => u,
-                };
-                if fastest
-                    .as_ref()
-                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
-                {
-                    fastest = Some(u);
-                }
-            }
-            fastest.ok_or_else(|| {
-                PlanError::Budget(format!(
-                    "no cache units fit the {} kept for them",
-                    human_bytes(reserve)
-                ))
-            })
-        });
+    for planned in plans {
         match planned {
-            Ok(u) => {
+            Ok(u)
                 if best
                     .as_ref()
-                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s)
-                {
-                    best = Some(u);
-                }
+                    .is_none_or(|b| u.predicted_tokens_per_s > b.predicted_tokens_per_s) =>
+            {
+                best = Some(u)
             }
+            Ok(_) => {}
             Err(e) => {
                 first_err.get_or_insert(e);
             }
         }
     }
-    best.ok_or_else(|| first_err.unwrap_or_else(|| PlanError::Budget("no reserve to plan".into())))
+    best.ok_or_else(|| first_err.unwrap_or_else(none))
 }
