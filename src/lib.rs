@@ -3,7 +3,7 @@
 //! Rooms (the README's "Where things are"), data flowing downward, no room importing one above
 //! it (`tests/house.rs` holds the order): `cli`, `service`, `bench` on top; `runtime` (assembling
 //! engines); `kv`, `tier`, `plan`, `sparsity`; `engine` (a forward pass); `backend` (where math
-//! runs); `footprint`, `store`, `model`, `tensor`, `fsutil` at the bottom.
+//! runs); `footprint`, `store`, `model`, `tensor`, `fsutil`, `limits` at the bottom.
 
 pub mod backend;
 pub mod bench;
@@ -12,6 +12,7 @@ pub mod engine;
 pub mod footprint;
 pub mod fsutil;
 pub mod kv;
+pub mod limits;
 pub mod model;
 pub mod plan;
 pub mod runtime;

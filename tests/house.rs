@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 /// Rooms from the bottom up: a room may import only rooms of a lower rank.
 const ROOMS: &[(&str, u32)] = &[
     ("fsutil", 0),
+    ("limits", 0),
     ("tensor", 0),
     ("model", 1),
     ("store", 2),

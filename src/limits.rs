@@ -1,0 +1,152 @@
+//! Every size and count a loader, the store or the server accepts, in one place (issue 39).
+//!
+//! Each limit is data: a name that errors quote, its value and what it bounds. Loaders and the
+//! server check against these constants and name the limit when refusing
+//! ([`Limit::refuse`]); `gpu-offload --help`'s reference and the README's "Limits" table list
+//! [`ALL`]. The values are far above any real model (a 1T-parameter model has ~128 layers, a
+//! 256K vocabulary, hidden 16K) and low enough that what they admit fits this machine's memory:
+//! a file may not make us allocate more than its own size times a small factor.
+
+/// One accepted bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit {
+    /// The name errors and the README quote (`max_layers`).
+    pub name: &'static str,
+    /// The largest accepted value.
+    pub value: u64,
+    /// What it bounds, for the README's table.
+    pub what: &'static str,
+}
+
+impl Limit {
+    /// Whether `n` is within the limit.
+    pub fn admits(&self, n: u64) -> bool {
+        n <= self.value
+    }
+
+    /// The sentence an error carries when `what` (a count or size of `n`) exceeds this limit.
+    pub fn refuse(&self, what: &str, n: u64) -> String {
+        format!(
+            "{what} is {n}, over the limit `{}` of {} ({})",
+            self.name, self.value, self.what
+        )
+    }
+}
+
+/// Transformer layers of a model (GGUF, HF config.json, store spec).
+pub const MAX_LAYERS: Limit = Limit {
+    name: "max_layers",
+    value: 4096,
+    what: "transformer layers in a model",
+};
+
+/// Any one dimension of a model: hidden size, FFN width, heads × head size, context length.
+pub const MAX_DIM: Limit = Limit {
+    name: "max_dim",
+    value: 1 << 20,
+    what: "a model dimension (hidden, FFN, heads x head size, positions)",
+};
+
+/// Attention heads (query or key/value) of a layer.
+pub const MAX_HEADS: Limit = Limit {
+    name: "max_heads",
+    value: 4096,
+    what: "attention heads of a layer",
+};
+
+/// Tokens of a vocabulary.
+pub const MAX_VOCAB: Limit = Limit {
+    name: "max_vocab",
+    value: 1 << 22,
+    what: "tokens in a vocabulary",
+};
+
+/// Tensors in one GGUF or safetensors file.
+pub const MAX_TENSORS: Limit = Limit {
+    name: "max_tensors",
+    value: 1 << 16,
+    what: "tensors in one model file",
+};
+
+/// Bytes GGUF metadata arrays kept by the loader may take in memory, all arrays together
+/// (arrays the runtime does not read are skipped, not expanded).
+pub const MAX_METADATA_ARRAY_BYTES: Limit = Limit {
+    name: "max_metadata_array_bytes",
+    value: 256 << 20,
+    what: "bytes of GGUF metadata arrays held in memory",
+};
+
+/// Bytes of a file read whole into memory (config.json, tokenizer.json, a store manifest, a
+/// context index, a prompt file).
+pub const MAX_FILE_READ_BYTES: Limit = Limit {
+    name: "max_file_read_bytes",
+    value: 256 << 20,
+    what: "bytes of a file read whole (configs, tokenizers, manifests, indexes, prompt files)",
+};
+
+/// Bytes of one HTTP request body.
+pub const MAX_REQUEST_BODY_BYTES: Limit = Limit {
+    name: "max_request_body_bytes",
+    value: 2 << 20,
+    what: "bytes of one HTTP request body",
+};
+
+/// Bytes of one prompt (text before tokenization), over HTTP and in prefill records.
+pub const MAX_PROMPT_BYTES: Limit = Limit {
+    name: "max_prompt_bytes",
+    value: 2 << 20,
+    what: "bytes of one prompt's text",
+};
+
+/// Stop strings of one request (OpenAI accepts up to 4).
+pub const MAX_STOP_STRINGS: Limit = Limit {
+    name: "max_stop_strings",
+    value: 4,
+    what: "stop strings of one request",
+};
+
+/// Bytes of one stop string.
+pub const MAX_STOP_BYTES: Limit = Limit {
+    name: "max_stop_bytes",
+    value: 1024,
+    what: "bytes of one stop string",
+};
+
+/// Keys of one request's `logit_bias` (OpenAI accepts up to 300).
+pub const MAX_LOGIT_BIAS_KEYS: Limit = Limit {
+    name: "max_logit_bias_keys",
+    value: 300,
+    what: "keys of one request's logit_bias",
+};
+
+/// Every limit, in the order the README lists them.
+pub const ALL: &[Limit] = &[
+    MAX_LAYERS,
+    MAX_DIM,
+    MAX_HEADS,
+    MAX_VOCAB,
+    MAX_TENSORS,
+    MAX_METADATA_ARRAY_BYTES,
+    MAX_FILE_READ_BYTES,
+    MAX_REQUEST_BODY_BYTES,
+    MAX_PROMPT_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_BYTES,
+    MAX_LOGIT_BIAS_KEYS,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_errors_quote_them() {
+        let mut names: Vec<_> = ALL.iter().map(|l| l.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), ALL.len());
+        let e = MAX_LAYERS.refuse("num_hidden_layers", 1_000_000_000);
+        assert!(e.contains("max_layers") && e.contains("4096"), "{e}");
+        assert!(MAX_LAYERS.admits(4096) && !MAX_LAYERS.admits(4097));
+    }
+}
