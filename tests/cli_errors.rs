@@ -252,6 +252,39 @@ fn invalid_flag_values_name_the_flag() {
         &["--parallel"],
     );
     fails_with(&["serve", "-m", m, "--parallel", "0"], &["--parallel"]);
+    // Shares of neurons: NaN once ran with every threshold NaN (exit 0, issue 39).
+    for bad in ["NaN", "inf", "2", "0"] {
+        fails_with(
+            &[
+                "run",
+                "-m",
+                m,
+                "--tokens",
+                "1",
+                "--sparsity",
+                "oracle",
+                "--sparsity-target",
+                bad,
+            ],
+            &["--sparsity-target", "0.01..=0.99"],
+        );
+        fails_with(
+            &[
+                "plan",
+                "-m",
+                m,
+                "--gpu-mem",
+                "1G",
+                "--sparsity-target",
+                bad,
+            ],
+            &["--sparsity-target"],
+        );
+        fails_with(
+            &["profile", "-m", m, "--predictor-target", bad],
+            &["--predictor-target"],
+        );
+    }
 }
 
 #[test]

@@ -60,7 +60,8 @@ pub struct PlanArgs {
     pub hot_neurons: bool,
 
     /// Sparsity the hot-neuron placement takes the activation frequencies at.
-    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET", default_value_t = crate::runtime::DEFAULT_SPARSITY_TARGET)]
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET", default_value_t = crate::runtime::DEFAULT_SPARSITY_TARGET,
+          value_parser = crate::runtime::parse_share)]
     pub sparsity_target: f64,
 
     /// Print the plan as JSON.
@@ -85,12 +86,6 @@ pub fn run(a: PlanArgs) -> Result<()> {
     let store = open_store_for(&a.model)?;
     let budget = budget_of(&a, &store.manifest.spec, gpu_mem)?;
     let name = a.model.display().to_string();
-    if a.hot_neurons && !(0.01..=0.99).contains(&a.sparsity_target) {
-        anyhow::bail!(
-            "--sparsity-target {} is outside 0.01..=0.99",
-            a.sparsity_target
-        );
-    }
     let planned = plan_store(
         &store,
         &name,

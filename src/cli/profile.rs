@@ -49,7 +49,8 @@ pub struct ProfileArgs {
 
     /// Sparsity the predictors are trained for [default: 0.15, what --sparsity-target
     /// defaults to]
-    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TARGET", default_value_t = crate::runtime::DEFAULT_SPARSITY_TARGET)]
+    #[arg(long, env = "GPU_OFFLOAD_PREDICTOR_TARGET", default_value_t = crate::runtime::DEFAULT_SPARSITY_TARGET,
+          value_parser = crate::runtime::parse_share)]
     pub predictor_target: f64,
 
     /// Rank of each predictor's hidden layer.
@@ -107,12 +108,6 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     };
     let window = (args.window as usize).min(model.spec.max_context);
     let tokens = &all[..want];
-    if !(0.01..=0.99).contains(&args.predictor_target) {
-        bail!(
-            "--predictor-target {} is outside 0.01..=0.99",
-            args.predictor_target
-        );
-    }
     let settings = ProfileSettings {
         threads: args.threads.map_or(0, usize::from),
         predictors: !args.no_predictors,

@@ -33,6 +33,6 @@ pub(crate) use engine::with_engine;
 pub use job::Job;
 pub use model::{DEFAULT_SPARSITY_TARGET, LoadedModel};
 pub use options::{
-    BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes,
+    BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes, parse_share,
 };
 pub use running::{Hybrid, Running, Units};

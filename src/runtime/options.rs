@@ -66,7 +66,7 @@ pub struct ModelArgs {
 
     /// Share of FFN neurons to skip, 0.01–0.99 [default: 0 for ReLU models (their natural
     /// sparsity, exact), else 0.15, what SmolLM2-135M tolerates within 1% perplexity]
-    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET")]
+    #[arg(long, env = "GPU_OFFLOAD_SPARSITY_TARGET", value_parser = parse_share)]
     pub sparsity_target: Option<f64>,
 
     /// Record each sequence's one-token decode step as a CUDA graph once and replay it (one
@@ -279,6 +279,20 @@ impl BudgetArgs {
     }
 }
 
+/// A share of FFN neurons (`--sparsity-target`, `--predictor-target`): a finite number in
+/// 0.01..=0.99, refused at parse time so NaN or 2 never reaches a threshold search.
+pub fn parse_share(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number (a share of neurons, 0.01..=0.99)"))?;
+    if (0.01..=0.99).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{s} is outside 0.01..=0.99 (a share of neurons)"))
+    }
+}
+
 /// "4G", "4GiB", "512M", "1.5g", "1048576" → bytes (binary units).
 pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     let t = s.trim();
@@ -358,6 +372,10 @@ mod tests {
         assert_eq!(parse_bytes("4G").unwrap(), 4 << 30);
         assert_eq!(parse_bytes("4GiB").unwrap(), 4 << 30);
         assert_eq!(parse_bytes("512m").unwrap(), 512 << 20);
+        assert_eq!(parse_share("0.15"), Ok(0.15));
+        for bad in ["NaN", "inf", "-0.1", "0", "1", "2", "x", ""] {
+            assert!(parse_share(bad).is_err(), "{bad}");
+        }
         assert_eq!(parse_bytes("1.5G").unwrap(), 3 << 29);
         assert_eq!(parse_bytes("1000").unwrap(), 1000);
         assert!(parse_bytes("-1G").is_err());
