@@ -31,23 +31,35 @@ pub struct Stats {
     pub panics: Vec<(Vec<u8>, String)>,
 }
 
-/// An outcome's signature: the message with digit runs replaced, cut to 160 characters, so
-/// "offset 4096" and "offset 8192" are one path.
+/// An outcome's signature: the message with digit runs and quoted text (`…`, '…') masked, cut to
+/// 160 characters, so "offset 4096" and "offset 8192", or two mangled key names, are one path.
 pub fn signature(outcome: &Result<(), String>) -> String {
     let Err(msg) = outcome else {
         return "ok".into();
     };
     let mut out = String::new();
-    let mut in_digits = false;
+    let mut quote: Option<char> = None;
     for c in msg.chars() {
-        if c.is_ascii_digit() {
-            if !in_digits {
-                out.push('#');
+        match quote {
+            Some(q) if c == q => {
+                out.push(c);
+                quote = None;
             }
-            in_digits = true;
-        } else {
-            in_digits = false;
-            out.push(c);
+            Some(_) => {}
+            // An apostrophe inside a word ("model's") opens no quote.
+            None if c == '`'
+                || (c == '\'' && (out.is_empty() || out.ends_with([' ', '(', '[']))) =>
+            {
+                out.push(c);
+                out.push('_');
+                quote = Some(c);
+            }
+            None if c.is_ascii_digit() => {
+                if !out.ends_with('#') {
+                    out.push('#');
+                }
+            }
+            None => out.push(c),
         }
     }
     out.chars().take(160).collect()
@@ -150,7 +162,7 @@ impl Runner<'_> {
             let (_, new) = self.run(&input);
             if new {
                 if let Some(dir) = keep {
-                    let name = format!("{:016x}", xxh(&input));
+                    let name = format!("{:016x}", fnv1a(&input));
                     let _ = std::fs::write(dir.join(name), &input);
                 }
                 corpus.push(input);
@@ -161,7 +173,7 @@ impl Runner<'_> {
 }
 
 /// A stable name for an input (FNV-1a 64).
-pub fn xxh(data: &[u8]) -> u64 {
+pub fn fnv1a(data: &[u8]) -> u64 {
     data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
     })

@@ -82,6 +82,7 @@ fn run(target: &str, rest: &[String]) -> Result<(), String> {
     }
     let mut h = targets::Harness::new(target)?;
     let mut corpus = h.seeds();
+    corpus.extend(engine::regressions(target).into_iter().map(|(_, d)| d));
     corpus.extend(read_dir(&corpus_dir).into_iter().map(|(_, d)| d));
     let current = crash_dir.join(".current");
     let watchdog = engine::Watchdog::start(current.clone());
@@ -107,7 +108,7 @@ fn run(target: &str, rest: &[String]) -> Result<(), String> {
         now < end
     });
     for (input, msg) in &runner.stats.panics {
-        let name = crash_dir.join(format!("panic-{:016x}", engine::xxh(input)));
+        let name = crash_dir.join(format!("panic-{:016x}", engine::fnv1a(input)));
         let _ = std::fs::write(&name, input);
         eprintln!("{target}: PANIC {msg}: {}", name.display());
         saved += 1;
