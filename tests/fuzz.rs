@@ -93,7 +93,7 @@ fn fuzz_child() {
         let (sig, _) = runner.run(input);
         println!("fuzz: {target}: regression {}: {sig}", path.display());
     }
-    let mut rng = mutate::Rng::new(engine::xxh(target.as_bytes()));
+    let mut rng = mutate::Rng::new(engine::fnv1a(target.as_bytes()));
     let before = runner.stats.execs;
     runner.fuzz(&mut corpus, &mut rng, None, |n| {
         n < before + SHORT_RUN_INPUTS
@@ -110,7 +110,7 @@ fn fuzz_child() {
     );
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("fuzz");
     for (input, msg) in &s.panics {
-        let kept = dir.join(format!("{target}-panic-{:016x}", engine::xxh(input)));
+        let kept = dir.join(format!("{target}-panic-{:016x}", engine::fnv1a(input)));
         let _ = std::fs::write(&kept, input);
         println!("fuzz: {target}: PANIC {msg}; the input: {}", kept.display());
     }
