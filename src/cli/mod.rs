@@ -13,6 +13,10 @@ mod run;
 mod serve;
 mod synth;
 
+/// The prefill JSONL reader, for the fuzz harness (tests/fuzz.rs).
+#[doc(hidden)]
+pub use prefill::fuzz_read_records;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]

@@ -647,3 +647,25 @@ pub fn run(args: PrefillArgs) -> Result<()> {
         }),
     }
 }
+
+/// The fuzz harness's entry (tests/fuzz.rs, scripts/fuzz.sh): read `path` as `prefill -i` reads a
+/// JSONL file, then each record's context id and prompt tokens without a model (prompt files
+/// are not opened); per record, its error or the kind of its prompt.
+#[doc(hidden)]
+pub fn fuzz_read_records(path: &Path) -> Result<Vec<String>> {
+    let records = read_jsonl(path)?;
+    Ok(records
+        .iter()
+        .map(|r| {
+            let _ = context_id(&r.id);
+            match &r.source {
+                Ok(s @ (Source::Text(_) | Source::Tokens(_))) => match tokens_of(s, None, 512) {
+                    Ok(_) => "tokens".to_string(),
+                    Err(e) => e,
+                },
+                Ok(Source::File(_)) => "file".to_string(),
+                Err(e) => e.clone(),
+            }
+        })
+        .collect())
+}
