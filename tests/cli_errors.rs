@@ -269,15 +269,7 @@ fn invalid_flag_values_name_the_flag() {
             &["--sparsity-target", "0.01..=0.99"],
         );
         fails_with(
-            &[
-                "plan",
-                "-m",
-                m,
-                "--gpu-mem",
-                "1G",
-                "--sparsity-target",
-                bad,
-            ],
+            &["plan", "-m", m, "--gpu-mem", "1G", "--sparsity-target", bad],
             &["--sparsity-target"],
         );
         fails_with(

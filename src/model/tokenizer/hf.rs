@@ -149,8 +149,9 @@ impl HfTokenizer {
         let Some(json) = read_json(&path)? else {
             return Ok(None);
         };
-        let parsing =
-            tokenizers::Tokenizer::from_file(&path).map_err(|e| error(&path, e.to_string()))?;
+        let parsing = shielded("reading it", || tokenizers::Tokenizer::from_file(&path))
+            .map_err(|e| error(&path, e))?
+            .map_err(|e| error(&path, e.to_string()))?;
         let mut literal = parsing.clone();
         literal.set_encode_special_tokens(true);
 
@@ -227,15 +228,16 @@ impl HfTokenizer {
         } else {
             &self.literal
         };
-        let enc = tok
-            .encode(text, add_special)
+        let enc = shielded("encoding", || tok.encode(text, add_special))
+            .map_err(TokenizeError)?
             .map_err(|e| TokenizeError(e.to_string()))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special && let (Some(bos), Some(want)) = (self.bos, self.add_bos) {
             let plain_starts_with_bos = || {
-                tok.encode(text, false)
-                    .map(|e| e.get_ids().first() == Some(&bos))
-                    .unwrap_or(false)
+                shielded("encoding", || tok.encode(text, false))
+                    .ok()
+                    .and_then(Result::ok)
+                    .is_some_and(|e| e.get_ids().first() == Some(&bos))
             };
             let has = ids.first() == Some(&bos);
             if want && !has {
@@ -280,7 +282,8 @@ impl HfTokenizer {
 
     /// The tokenizer's own decoder, without special tokens.
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.parsing.decode(ids, true).unwrap_or_else(|_| {
+        let decoded = shielded("decoding", || self.parsing.decode(ids, true));
+        decoded.ok().and_then(Result::ok).unwrap_or_else(|| {
             let bytes: Vec<u8> = ids
                 .iter()
                 .flat_map(|&id| self.token_bytes(id, false))
@@ -288,6 +291,39 @@ impl HfTokenizer {
             String::from_utf8_lossy(&bytes).into_owned()
         })
     }
+}
+
+/// Runs a call into the `tokenizers` crate, turning its panics into errors: a hostile
+/// `tokenizer.json` reaches `panic!`s inside the crate (a BPE `continuing_subword_prefix` longer
+/// than a merge's token; a post-processor template naming an undefined special token — the
+/// fuzz regressions in tests/fuzz_regressions/tokenizer_json). The panic message is kept for
+/// the error and not printed by the panic hook.
+fn shielded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, String> {
+    use std::cell::Cell;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    thread_local! {
+        static SHIELDED: Cell<bool> = const { Cell::new(false) };
+    }
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !SHIELDED.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was = SHIELDED.with(|s| s.replace(true));
+    let result = catch_unwind(AssertUnwindSafe(f));
+    SHIELDED.with(|s| s.set(was));
+    result.map_err(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        format!("the tokenizers library failed while {what}: {msg}")
+    })
 }
 
 /// `<0xXX>` → the byte.
