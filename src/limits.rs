@@ -26,10 +26,44 @@ impl Limit {
 
     /// The sentence an error carries when `what` (a count or size of `n`) exceeds this limit.
     pub fn refuse(&self, what: &str, n: u64) -> String {
+        format!("{what} {}", self.over(n))
+    }
+
+    /// [`Limit::refuse`] without its subject, for errors that name it first: "is N, over the
+    /// limit `name` of V (what)".
+    pub fn over(&self, n: u64) -> String {
         format!(
-            "{what} is {n}, over the limit `{}` of {} ({})",
+            "is {n}, over the limit `{}` of {} ({})",
             self.name, self.value, self.what
         )
+    }
+}
+
+impl Limit {
+    /// All of the file at `path`, refused with [`std::io::ErrorKind::FileTooLarge`] (the
+    /// message naming this limit) when it holds more than `self.value` bytes. The size is
+    /// checked before reading and the read stops one byte past the limit, so an endless file
+    /// (`/dev/zero`, a FIFO) is refused, not read until memory runs out.
+    pub fn read_file(&self, path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+        use std::io::Read;
+        let file = std::fs::File::open(path)?;
+        let too_large = |n: u64| {
+            std::io::Error::new(
+                std::io::ErrorKind::FileTooLarge,
+                self.refuse("its length in bytes", n),
+            )
+        };
+        let len = file.metadata()?.len();
+        if !self.admits(len) {
+            return Err(too_large(len));
+        }
+        let mut bytes = Vec::with_capacity(len as usize);
+        file.take(self.value.saturating_add(1))
+            .read_to_end(&mut bytes)?;
+        if !self.admits(bytes.len() as u64) {
+            return Err(too_large(bytes.len() as u64));
+        }
+        Ok(bytes)
     }
 }
 
@@ -135,9 +169,54 @@ pub const ALL: &[Limit] = &[
     MAX_LOGIT_BIAS_KEYS,
 ];
 
+/// The README's "Limits" table: one row a limit of [`ALL`], in order.
+pub fn markdown_table() -> String {
+    let mut t = String::from("| Limit | Value | What it bounds |\n|---|---|---|\n");
+    for l in ALL {
+        let value = if l.value >= 1 << 20 && l.value % (1 << 20) == 0 && l.name.ends_with("bytes") {
+            format!("{} MiB", l.value >> 20)
+        } else {
+            l.value.to_string()
+        };
+        t.push_str(&format!("| `{}` | {value} | {} |\n", l.name, l.what));
+    }
+    t
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The README's table is [`markdown_table`]'s, so the two cannot drift.
+    #[test]
+    fn the_readme_lists_every_limit() {
+        let readme = include_str!("../README.md");
+        let table = markdown_table();
+        assert!(
+            readme.contains(&table),
+            "README.md's \"Limits\" table differs from limits::ALL; it should read:\n{table}"
+        );
+    }
+
+    #[test]
+    fn an_endless_file_is_refused_not_read() {
+        let small = Limit {
+            name: "max_test_bytes",
+            value: 1000,
+            what: "a test",
+        };
+        let e = small
+            .read_file(std::path::Path::new("/dev/zero"))
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge);
+        assert!(e.to_string().contains("max_test_bytes"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![7u8; 1000]).unwrap();
+        assert_eq!(small.read_file(&p).unwrap().len(), 1000);
+        std::fs::write(&p, vec![7u8; 1001]).unwrap();
+        assert!(small.read_file(&p).is_err());
+    }
 
     #[test]
     fn names_are_unique_and_errors_quote_them() {

@@ -19,6 +19,13 @@ pub enum EngineError {
     ContextTooLarge { requested: usize, max: usize },
     #[error("weights: {0}")]
     Weights(String),
+    /// The forward pass produced NaN or infinity: weights or settings no model has. The run
+    /// stops here rather than sample from them.
+    #[error(
+        "non-finite values (NaN or infinity) {0}: the model's weights or settings are not a \
+         working model's"
+    )]
+    NonFinite(NonFiniteAt),
     #[error(
         "the KV pool is full: {needed} more blocks of {KV_BLOCK} positions needed, {free} free of {total}"
     )]
@@ -27,6 +34,31 @@ pub enum EngineError {
         free: usize,
         total: usize,
     },
+}
+
+/// Where a forward pass first produced non-finite values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NonFiniteAt {
+    /// In the logits; where in the pass is not known (yet).
+    Logits,
+    /// In the hidden state after layer `0` (counted from 0).
+    Layer(usize),
+    /// In the head (output norm or output matrix): every layer's output was finite.
+    Head,
+}
+
+impl std::fmt::Display for NonFiniteAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NonFiniteAt::Logits => write!(f, "in the logits"),
+            NonFiniteAt::Layer(l) => write!(f, "in the hidden state after layer {l}"),
+            NonFiniteAt::Head => write!(
+                f,
+                "in the logits, from the head (output norm or output matrix): every layer's \
+                 output was finite"
+            ),
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, EngineError>;

@@ -3,7 +3,7 @@
 
 use super::ports::WeightSource;
 use super::scratch::{LogitBuffers, Scratch};
-use super::{Engine, EngineError, Result};
+use super::{Engine, EngineError, NonFiniteAt, Result};
 use crate::backend::Backend;
 
 impl<B: Backend> Engine<B> {
@@ -111,6 +111,20 @@ impl<B: Backend> Engine<B> {
         let full = lb.rows;
         lb.view(&self.backend, &self.spec, full)?;
         read?;
+        // Vocab values a row: cheap next to the head's matmul, and NaN would otherwise be
+        // sampled from as if it were a distribution.
+        if host.iter().any(|v| !v.is_finite()) {
+            return Err(EngineError::NonFinite(NonFiniteAt::Logits));
+        }
         Ok(host)
+    }
+
+    /// Whether every value of the hidden state `x` is finite (read back to the host: for
+    /// locating a non-finite pass only).
+    pub(super) fn all_finite(&self, x: &B::Tensor) -> Result<bool> {
+        let (rows, d) = self.backend.shape(x);
+        let mut host = vec![0f32; rows * d];
+        self.backend.read(x, &mut host)?;
+        Ok(host.iter().all(|v| v.is_finite()))
     }
 }

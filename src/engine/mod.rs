@@ -51,7 +51,7 @@ use crate::footprint::{MAX_BATCH, PrefillLayout};
 use crate::model::{Activation, Arch, ModelSpec, ModelWeights, PositionEncoding, RopeStyle};
 use crate::tensor::HostTensor;
 
-pub use error::{EngineError, Result};
+pub use error::{EngineError, NonFiniteAt, Result};
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use kv_pool::PoolUsage;
 pub use ports::{
@@ -141,6 +141,7 @@ impl<B: Backend> Engine<B> {
                 source,
                 scratch: None,
                 trace: None,
+                check_layers: false,
             }),
             rope,
             kv_type: KvType::F32,

@@ -4,7 +4,7 @@
 use super::scratch::Pass;
 use super::session::Session;
 use super::step::Logits;
-use super::{Engine, Result};
+use super::{Engine, EngineError, NonFiniteAt, Result};
 use crate::backend::{Backend, HostStage};
 use crate::footprint::step_memory;
 
@@ -59,7 +59,9 @@ impl<B: Backend> Engine<B> {
             ring.push(at);
             at = Self::probe_commit(session, pos + a, len, at);
         }
+        let check_layers = pass.check_layers;
         let run = (|| -> Result<Vec<f32>> {
+            let mut non_finite = None;
             for &(a, len) in &groups {
                 sc.narrow(b, len)?;
                 source.embed(b, &tokens[a..a + len], pos + a, &mut sc.x)?;
@@ -84,6 +86,9 @@ impl<B: Backend> Engine<B> {
                             false,
                         )?;
                         self.add_residual(&mut sc)?;
+                        if check_layers && non_finite.is_none() && !self.all_finite(&sc.x)? {
+                            non_finite = Some(l);
+                        }
                         hidden.put(b, &sc.x, a)?;
                         if let Some(t) = &self.step_tap {
                             t.group_done(l, a, len);
@@ -94,6 +99,9 @@ impl<B: Backend> Engine<B> {
                 source.layer_done(b, l)?;
             }
             super::trace::set_layer(None);
+            if let Some(l) = non_finite {
+                return Err(EngineError::NonFinite(NonFiniteAt::Layer(l)));
+            }
             let mut out = Vec::new();
             match logits {
                 Logits::None => {}

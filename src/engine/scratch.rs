@@ -17,6 +17,9 @@ pub(super) struct Pass<B: Backend> {
     pub(super) scratch: Option<Scratch<B>>,
     /// Where steps report their phases ([`crate::engine::Engine::set_trace`]); none: untraced.
     pub(super) trace: Option<std::sync::Arc<super::trace::StepTrace>>,
+    /// Check the hidden state after every layer for non-finite values (only while locating
+    /// where a pass whose logits were non-finite went wrong: it reads the state back).
+    pub(super) check_layers: bool,
 }
 
 /// Activation buffers for one forward step of `n` tokens, and the logits buffers of its last

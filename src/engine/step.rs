@@ -8,7 +8,7 @@ use super::ports::LayerView;
 use super::scratch::{Pass, Scratch};
 use super::session::Session;
 use super::trace::{self, Phase};
-use super::{Engine, EngineError, Result};
+use super::{Engine, EngineError, NonFiniteAt, Result};
 use crate::backend::Backend;
 use crate::footprint::{PROBE_QUERIES, StepMemory, step_memory, whole_device_group};
 
@@ -71,16 +71,42 @@ impl<B: Backend> Engine<B> {
         if let Some(t) = &trace {
             t.begin_step(tokens.len(), t0);
         }
-        let out = self.backend.enter(|| {
-            let _on = trace.as_ref().map(|t| t.activate());
-            if self.prefill.partitions(tokens.len()) {
-                self.layer_major(pass, session, tokens, logits)
-            } else {
-                self.step(pass, session, tokens, logits)
-            }
-        });
+        let (pos, ring_next) = (session.pos, session.probe.as_ref().map(|p| p.next));
+        let run = |pass: &mut Pass<B>, session: &mut Session<B>, traced: bool| {
+            self.backend.enter(|| {
+                let _on = trace.as_ref().filter(|_| traced).map(|t| t.activate());
+                if self.prefill.partitions(tokens.len()) {
+                    self.layer_major(pass, session, tokens, logits)
+                } else {
+                    self.step(pass, session, tokens, logits)
+                }
+            })
+        };
+        let mut out = run(pass, session, true);
         if let Some(t) = &trace {
             t.end_step();
+        }
+        if let Err(EngineError::NonFinite(NonFiniteAt::Logits)) = out {
+            // Locate it: the same call again from the same position (same values, the same KV
+            // rows rewritten), the hidden state checked after every layer.
+            let rewind = |session: &mut Session<B>| {
+                session.pos = pos;
+                if let (Some(p), Some(next)) = (&mut session.probe, ring_next) {
+                    p.next = next;
+                }
+            };
+            rewind(session);
+            pass.check_layers = true;
+            let again = run(pass, session, false);
+            pass.check_layers = false;
+            rewind(session);
+            let at = match again {
+                Err(EngineError::NonFinite(NonFiniteAt::Layer(l))) => NonFiniteAt::Layer(l),
+                Err(EngineError::NonFinite(_)) => NonFiniteAt::Head,
+                // Not reproduced: where is not known.
+                _ => NonFiniteAt::Logits,
+            };
+            out = Err(EngineError::NonFinite(at));
         }
         out
     }
@@ -139,7 +165,9 @@ impl<B: Backend> Engine<B> {
         b.set_workspace(need.workspace)?;
 
         let on_cpu = self.prefill.attends_on_cpu(n);
-        if self.records(session, &*source, n, rows, on_cpu) {
+        let check_layers = pass.check_layers;
+        let mut non_finite = None;
+        if !check_layers && self.records(session, &*source, n, rows, on_cpu) {
             let out = self.recorded_step(source, session, &mut sc, tokens);
             pass.scratch = Some(sc);
             return out;
@@ -167,9 +195,19 @@ impl<B: Backend> Engine<B> {
                 }
             }
             source.layer_done(b, l)?;
+            if check_layers && non_finite.is_none() {
+                self.add_residual(&mut sc)?;
+                if !self.all_finite(&sc.x)? {
+                    non_finite = Some(l);
+                }
+            }
         }
         trace::set_layer(None);
         self.add_residual(&mut sc)?;
+        if let Some(l) = non_finite {
+            pass.scratch = Some(sc);
+            return Err(EngineError::NonFinite(NonFiniteAt::Layer(l)));
+        }
         let next = Self::probe_commit(session, pos, n, ring_at);
         if let Some(p) = &mut session.probe {
             p.next = next;

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::ModelError;
 use super::spec::*;
+use crate::limits::{Limit, MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
 
 /// A parsed `config.json`: the spec, plus the facts the loader needs about tensor naming.
 #[derive(Clone, Debug)]
@@ -36,6 +37,27 @@ impl Reader<'_> {
     fn usize(&self, key: &str) -> Result<usize, ModelError> {
         self.opt_usize(key)?
             .ok_or_else(|| self.err(format!("`{key}` is missing")))
+    }
+
+    /// A required size held to `limit` as it is read, so no later arithmetic or allocation
+    /// sees a size over it.
+    fn size(&self, key: &str, limit: &Limit) -> Result<usize, ModelError> {
+        let v = self.usize(key)?;
+        self.within(key, v, limit)
+    }
+
+    fn opt_size(&self, key: &str, limit: &Limit) -> Result<Option<usize>, ModelError> {
+        self.opt_usize(key)?
+            .map(|v| self.within(key, v, limit))
+            .transpose()
+    }
+
+    fn within(&self, key: &str, v: usize, limit: &Limit) -> Result<usize, ModelError> {
+        if limit.admits(v as u64) {
+            Ok(v)
+        } else {
+            Err(self.err(format!("`{key}` {}", limit.over(v as u64))))
+        }
     }
 
     fn opt_usize(&self, key: &str) -> Result<Option<usize>, ModelError> {
@@ -142,7 +164,8 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
             )));
         }
     };
-    spec.validate().map_err(|m| r.err(m))?;
+    spec.check()
+        .map_err(|e| r.err(e.naming(hf_key(&model_type, e.field))))?;
     Ok(HfConfig {
         spec,
         model_type,
@@ -150,6 +173,30 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
         bos_token_id: r.ids("bos_token_id")?.first().copied(),
         eos_token_ids: r.ids("eos_token_id")?,
     })
+}
+
+/// The config.json key a [`ModelSpec`] field comes from, for errors.
+fn hf_key(model_type: &str, field: &str) -> &'static str {
+    let opt = model_type == "opt";
+    match field {
+        "n_layers" => "num_hidden_layers",
+        "d_model" => "hidden_size",
+        "n_heads" => "num_attention_heads",
+        "n_kv_heads" if opt => "num_attention_heads",
+        "n_kv_heads" => "num_key_value_heads",
+        "head_dim" | "rope.dims" | "attn_scale" => "head_dim",
+        "d_ff" if opt => "ffn_dim",
+        "d_ff" => "intermediate_size",
+        "vocab_size" => "vocab_size",
+        "max_context" => "max_position_embeddings",
+        "norm_eps" => "rms_norm_eps",
+        "rope.theta" => "rope_theta",
+        "factor" => "rope_scaling.factor",
+        "low_freq_factor" => "rope_scaling.low_freq_factor",
+        "high_freq_factor" => "rope_scaling.high_freq_factor",
+        "original_max_position" => "rope_scaling.original_max_position_embeddings",
+        _ => "config",
+    }
 }
 
 fn name_of(path: &Path) -> String {
@@ -160,15 +207,18 @@ fn name_of(path: &Path) -> String {
 }
 
 fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
-    let d_model = r.usize("hidden_size")?;
-    let n_heads = r.usize("num_attention_heads")?;
-    if n_heads == 0 || d_model % n_heads != 0 && r.opt_usize("head_dim")?.is_none() {
+    let d_model = r.size("hidden_size", &MAX_DIM)?;
+    let n_heads = r.size("num_attention_heads", &MAX_HEADS)?;
+    let explicit_head_dim = r.opt_size("head_dim", &MAX_DIM)?;
+    if n_heads == 0 || d_model % n_heads != 0 && explicit_head_dim.is_none() {
         return Err(r.err(format!(
             "hidden_size {d_model} is not divisible by num_attention_heads {n_heads}"
         )));
     }
-    let head_dim = r.opt_usize("head_dim")?.unwrap_or(d_model / n_heads);
-    let n_kv_heads = r.opt_usize("num_key_value_heads")?.unwrap_or(n_heads);
+    let head_dim = explicit_head_dim.unwrap_or(d_model / n_heads);
+    let n_kv_heads = r
+        .opt_size("num_key_value_heads", &MAX_HEADS)?
+        .unwrap_or(n_heads);
     let act_name = r.opt_str("hidden_act")?.unwrap_or("silu");
     let activation = Activation::from_hf(act_name)
         .ok_or_else(|| r.err(format!("unsupported activation `{act_name}`")))?;
@@ -177,7 +227,9 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
     if r.opt_bool("mlp_bias")?.unwrap_or(false) {
         return Err(r.err("`mlp_bias: true` is not supported".into()));
     }
-    let max_context = r.opt_usize("max_position_embeddings")?.unwrap_or(2048);
+    let max_context = r
+        .opt_size("max_position_embeddings", &MAX_DIM)?
+        .unwrap_or(2048);
     if let Some(w) = r.opt_usize("sliding_window")? {
         let used = r.opt_bool("use_sliding_window")?.unwrap_or(!qwen);
         if used && w < max_context {
@@ -191,13 +243,13 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
     Ok(ModelSpec {
         arch: Arch::Llama,
         name: name_of(r.path),
-        n_layers: r.usize("num_hidden_layers")?,
+        n_layers: r.size("num_hidden_layers", &MAX_LAYERS)?,
         d_model,
         n_heads,
         n_kv_heads,
         head_dim,
-        d_ff: r.usize("intermediate_size")?,
-        vocab_size: r.usize("vocab_size")?,
+        d_ff: r.size("intermediate_size", &MAX_DIM)?,
+        vocab_size: r.size("vocab_size", &MAX_VOCAB)?,
         max_context,
         norm: NormKind::Rms,
         norm_eps: r.opt_f32("rms_norm_eps")?.unwrap_or(1e-6),
@@ -263,8 +315,8 @@ fn rope_params(r: &Reader) -> Result<(f32, RopeScaling), ModelError> {
 }
 
 fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
-    let d_model = r.usize("hidden_size")?;
-    let n_heads = r.usize("num_attention_heads")?;
+    let d_model = r.size("hidden_size", &MAX_DIM)?;
+    let n_heads = r.size("num_attention_heads", &MAX_HEADS)?;
     if n_heads == 0 || d_model % n_heads != 0 {
         return Err(r.err(format!(
             "hidden_size {d_model} is not divisible by num_attention_heads {n_heads}"
@@ -297,14 +349,14 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
     Ok(ModelSpec {
         arch: Arch::Opt,
         name: name_of(r.path),
-        n_layers: r.usize("num_hidden_layers")?,
+        n_layers: r.size("num_hidden_layers", &MAX_LAYERS)?,
         d_model,
         n_heads,
         n_kv_heads: n_heads,
         head_dim,
-        d_ff: r.usize("ffn_dim")?,
-        vocab_size: r.usize("vocab_size")?,
-        max_context: r.usize("max_position_embeddings")?,
+        d_ff: r.size("ffn_dim", &MAX_DIM)?,
+        vocab_size: r.size("vocab_size", &MAX_VOCAB)?,
+        max_context: r.size("max_position_embeddings", &MAX_DIM)?,
         norm: NormKind::Layer,
         norm_eps: 1e-5,
         activation,
@@ -355,6 +407,67 @@ mod tests {
             e.to_string().contains("unknown architecture `mamba`"),
             "{e}"
         );
+    }
+
+    /// Sizes over their limits and numbers no model has are refused naming the key (a
+    /// billion layers aborted the loader; a scaling factor of 0 made every logit NaN).
+    #[test]
+    fn impossible_values_are_refused_naming_the_key() {
+        let p = Path::new("c.json");
+        for (from, to, needles) in [
+            (
+                "\"num_hidden_layers\":2",
+                "\"num_hidden_layers\":1000000000",
+                &["`num_hidden_layers`", "max_layers"][..],
+            ),
+            (
+                "\"vocab_size\":256",
+                "\"vocab_size\":4294967296",
+                &["`vocab_size`", "max_vocab"],
+            ),
+            (
+                "\"num_attention_heads\":4",
+                "\"num_attention_heads\":1000000",
+                &["`num_attention_heads`", "max_heads"],
+            ),
+            (
+                "\"rms_norm_eps\":1e-5",
+                "\"rms_norm_eps\":-1e-5",
+                &["`rms_norm_eps`"],
+            ),
+            (
+                "\"rms_norm_eps\":1e-5",
+                "\"rms_norm_eps\":0",
+                &["`rms_norm_eps`"],
+            ),
+            (
+                "\"rope_theta\":500000.0",
+                "\"rope_theta\":0",
+                &["`rope_theta`"],
+            ),
+            (
+                "\"rope_theta\":500000.0",
+                "\"rope_theta\":5e5,\"rope_scaling\":{\"type\":\"linear\",\"factor\":0}",
+                &["`rope_scaling.factor`", "positive"],
+            ),
+            (
+                "\"num_key_value_heads\":2",
+                "\"num_key_value_heads\":3",
+                &["`num_key_value_heads`"],
+            ),
+            (
+                "\"num_hidden_layers\":2",
+                "\"num_hidden_layers\":0",
+                &["`num_hidden_layers`"],
+            ),
+        ] {
+            let text = OLD.replace(from, to);
+            assert_ne!(text, OLD, "{to}");
+            let e = parse_config(p, &text).unwrap_err().to_string();
+            for n in needles {
+                assert!(e.contains(n), "{to}: {e}");
+            }
+        }
     }
 
     #[test]

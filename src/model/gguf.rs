@@ -11,10 +11,40 @@ use memmap2::Mmap;
 
 use super::ModelError;
 use super::ggml::GgmlType;
+use crate::limits::{MAX_METADATA_ARRAY_BYTES, MAX_TENSORS};
 use crate::tensor::{Bytes, DType, HostTensor};
 
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// The metadata arrays the runtime reads (the tokenizer's), expanded into [`MetaValue`]s; every
+/// other array is kept as its bytes in the map ([`MetaValue::Raw`]): expanded, an array takes
+/// 32 bytes of memory per element whatever its size on disk.
+pub const EXPANDED_ARRAYS: &[&str] = &[
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+];
+
+/// A metadata array the runtime does not read: its element type, length and encoded elements,
+/// borrowed from the file's map, so writers can copy it through unchanged.
+#[derive(Clone, Debug)]
+pub struct RawArray {
+    /// GGUF value type id of the elements.
+    pub elem: u32,
+    pub len: u64,
+    /// The elements as the file encodes them.
+    pub bytes: Bytes,
+}
+
+impl PartialEq for RawArray {
+    fn eq(&self, other: &Self) -> bool {
+        self.elem == other.elem
+            && self.len == other.len
+            && self.bytes.as_slice() == other.bytes.as_slice()
+    }
+}
 
 /// One metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,6 +62,8 @@ pub enum MetaValue {
     Bool(bool),
     String(String),
     Array(Vec<MetaValue>),
+    /// An array not in [`EXPANDED_ARRAYS`], unexpanded.
+    Raw(RawArray),
 }
 
 impl MetaValue {
@@ -246,8 +278,12 @@ impl std::fmt::Debug for GgufFile {
 
 struct Cursor<'a> {
     data: &'a [u8],
+    map: &'a Arc<Mmap>,
     pos: usize,
     path: &'a Path,
+    /// Bytes of memory the expanded arrays take so far (held to
+    /// [`MAX_METADATA_ARRAY_BYTES`]).
+    kept: u64,
 }
 
 impl<'a> Cursor<'a> {
@@ -314,6 +350,67 @@ impl<'a> Cursor<'a> {
         })
     }
 
+    /// An array's element type and length (which must fit in the rest of the file).
+    fn array_header(&mut self, key: &str, depth: u32) -> Result<(u32, usize), ModelError> {
+        if depth > 2 {
+            return Err(ModelError::Format {
+                path: self.path.to_path_buf(),
+                msg: format!("metadata `{key}` nests arrays too deeply"),
+            });
+        }
+        let what = format!("value of `{key}`");
+        let elem = self.u32(&what)?;
+        let n = self.len(&what, elem_min_bytes(elem))?;
+        Ok((elem, n))
+    }
+
+    /// Count `bytes` more of expanded arrays against [`MAX_METADATA_ARRAY_BYTES`].
+    fn keep(&mut self, key: &str, bytes: u64) -> Result<(), ModelError> {
+        self.kept = self.kept.saturating_add(bytes);
+        if !MAX_METADATA_ARRAY_BYTES.admits(self.kept) {
+            return Err(ModelError::Format {
+                path: self.path.to_path_buf(),
+                msg: MAX_METADATA_ARRAY_BYTES.refuse(
+                    &format!("the memory metadata arrays take with `{key}`"),
+                    self.kept,
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Step over `n` values of type `ty` without building them.
+    fn skip(&mut self, ty: u32, n: usize, key: &str, depth: u32) -> Result<(), ModelError> {
+        if let Some(size) = fixed_size(ty) {
+            // One step: the length was checked to fit in the file at its smallest.
+            let bytes = n
+                .checked_mul(size)
+                .ok_or_else(|| self.truncated(&format!("value of `{key}`")))?;
+            self.take(bytes, &format!("value of `{key}`"))?;
+            return Ok(());
+        }
+        let what = format!("value of `{key}`");
+        for _ in 0..n {
+            match ty {
+                8 => {
+                    let len = self.len(&what, 1)?;
+                    self.take(len, &what)?;
+                }
+                9 => {
+                    let (elem, items) = self.array_header(key, depth)?;
+                    self.skip(elem, items, key, depth + 1)?;
+                }
+                _ => {
+                    return Err(ModelError::Format {
+                        path: self.path.to_path_buf(),
+                        msg: format!("metadata `{key}` has unknown value type {ty}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<MetaValue, ModelError> {
         let what = format!("value of `{key}`");
         Ok(match ty {
@@ -325,24 +422,28 @@ impl<'a> Cursor<'a> {
             5 => MetaValue::I32(i32::from_le_bytes(self.array(&what)?)),
             6 => MetaValue::F32(f32::from_le_bytes(self.array(&what)?)),
             7 => MetaValue::Bool(self.array::<1>(&what)?[0] != 0),
-            8 => MetaValue::String(self.string(&what)?),
-            9 => {
-                if depth > 2 {
-                    return Err(ModelError::Format {
-                        path: self.path.to_path_buf(),
-                        msg: format!("metadata `{key}` nests arrays too deeply"),
-                    });
+            8 => {
+                let text = self.string(&what)?;
+                if depth > 0 {
+                    self.keep(key, text.len() as u64)?;
                 }
-                let elem = self.u32(&what)?;
-                let min_item = match elem {
-                    0 | 1 | 7 => 1,
-                    2 | 3 => 2,
-                    4..=6 => 4,
-                    8 | 10..=12 => 8,
-                    9 => 12,
-                    _ => 1,
-                };
-                let n = self.len(&what, min_item)?;
+                MetaValue::String(text)
+            }
+            9 => {
+                let (elem, n) = self.array_header(key, depth)?;
+                if depth == 0 && !EXPANDED_ARRAYS.contains(&key) {
+                    let start = self.pos;
+                    self.skip(elem, n, key, depth + 1)?;
+                    return Ok(MetaValue::Raw(RawArray {
+                        elem,
+                        len: n as u64,
+                        bytes: Bytes::mapped(self.map.clone(), start..self.pos),
+                    }));
+                }
+                self.keep(
+                    key,
+                    (n as u64).saturating_mul(size_of::<MetaValue>() as u64),
+                )?;
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
                     items.push(self.value(elem, key, depth + 1)?);
@@ -362,6 +463,26 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Bytes of one value of fixed-size type `ty` (`None` for strings, arrays and unknown types).
+fn fixed_size(ty: u32) -> Option<usize> {
+    match ty {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
+/// The fewest bytes one array element of type `elem` takes in the file.
+fn elem_min_bytes(elem: u32) -> usize {
+    match elem {
+        8 => 8,
+        9 => 12,
+        other => fixed_size(other).unwrap_or(1),
+    }
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self, ModelError> {
         let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
@@ -374,8 +495,10 @@ impl GgufFile {
     fn parse(path: &Path, map: Arc<Mmap>) -> Result<Self, ModelError> {
         let mut c = Cursor {
             data: &map,
+            map: &map,
             pos: 0,
             path,
+            kept: 0,
         };
         let magic = c.array::<4>("magic")?;
         if &magic != GGUF_MAGIC {
@@ -394,6 +517,12 @@ impl GgufFile {
         // A tensor info is at least 8 (name len) + 4 (n_dims) + 4 (type) + 8 (offset) bytes,
         // a key-value pair at least 8 + 4.
         let n_tensors = c.len("tensor count", 24)?;
+        if !MAX_TENSORS.admits(n_tensors as u64) {
+            return Err(ModelError::Format {
+                path: path.to_path_buf(),
+                msg: MAX_TENSORS.refuse("the tensor count", n_tensors as u64),
+            });
+        }
         let n_kv = c.len("metadata count", 12)?;
 
         let mut entries = BTreeMap::new();
@@ -622,7 +751,7 @@ fn value_type(v: &MetaValue) -> u32 {
         MetaValue::F32(_) => 6,
         MetaValue::Bool(_) => 7,
         MetaValue::String(_) => 8,
-        MetaValue::Array(_) => 9,
+        MetaValue::Array(_) | MetaValue::Raw(_) => 9,
         MetaValue::U64(_) => 10,
         MetaValue::I64(_) => 11,
         MetaValue::F64(_) => 12,
@@ -650,6 +779,11 @@ fn put_value(b: &mut Vec<u8>, v: &MetaValue) {
             for i in items {
                 put_value(b, i);
             }
+        }
+        MetaValue::Raw(raw) => {
+            b.extend(raw.elem.to_le_bytes());
+            b.extend(raw.len.to_le_bytes());
+            b.extend(raw.bytes.as_slice());
         }
     }
 }
@@ -799,6 +933,100 @@ mod tests {
             std::fs::write(&q, &full[..len]).unwrap();
             assert!(GgufFile::open(&q).is_err(), "length {len} accepted");
         }
+    }
+
+    /// A GGUF header (v3, no tensors) with `kv` pairs already encoded.
+    fn raw_header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend(b"GGUF");
+        b.extend(3u32.to_le_bytes());
+        b.extend(n_tensors.to_le_bytes());
+        b.extend(n_kv.to_le_bytes());
+        b
+    }
+
+    fn put_u8_array(b: &mut Vec<u8>, key: &str, len: u64) {
+        put_str(b, key);
+        b.extend(9u32.to_le_bytes());
+        b.extend(0u32.to_le_bytes());
+        b.extend(len.to_le_bytes());
+        b.resize(b.len() + len as usize, 1);
+    }
+
+    #[test]
+    fn arrays_the_runtime_does_not_read_stay_raw_and_copy_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        let strings = MetaValue::Array(vec![
+            MetaValue::String("ab".into()),
+            MetaValue::String("c".into()),
+        ]);
+        let nested = MetaValue::Array(vec![MetaValue::Array(vec![MetaValue::I32(-3)])]);
+        let tokens = MetaValue::Array(vec![MetaValue::String("x".into())]);
+        write_gguf(
+            &p,
+            &[
+                ("a.strings", strings.clone()),
+                ("a.nested", nested),
+                ("a.floats", MetaValue::Array(vec![MetaValue::F32(0.5); 3])),
+                ("tokenizer.ggml.tokens", tokens.clone()),
+            ],
+            &[("w", vec![2], vec![1., 2.])],
+        );
+        let f = GgufFile::open(&p).unwrap();
+        let raw = |k: &str| match f.metadata.get(k) {
+            Some(MetaValue::Raw(r)) => r.clone(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!((raw("a.strings").elem, raw("a.strings").len), (8, 2));
+        assert_eq!(raw("a.floats").bytes.len(), 12);
+        assert!(raw("a.nested").bytes.is_mapped());
+        assert_eq!(f.metadata.get("tokenizer.ggml.tokens"), Some(&tokens));
+        // Written back, the file is the same file.
+        let meta: Vec<(&str, MetaValue)> = f
+            .metadata
+            .entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        let q = dir.path().join("copy.gguf");
+        let t = RawTensor::f32("w", &[2], &[1., 2.]);
+        write(&q, &meta, &[t]).unwrap();
+        let g = GgufFile::open(&q).unwrap();
+        assert_eq!(g.metadata.entries, f.metadata.entries);
+    }
+
+    #[test]
+    fn kept_arrays_over_the_memory_limit_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        // 32 bytes of memory an element: this many u8 elements are one over the limit.
+        let n = MAX_METADATA_ARRAY_BYTES.value / size_of::<MetaValue>() as u64 + 1;
+        let mut b = raw_header(0, 1);
+        put_u8_array(&mut b, "tokenizer.ggml.merges", n);
+        std::fs::write(&p, &b).unwrap();
+        let err = GgufFile::open(&p).unwrap_err().to_string();
+        assert!(err.contains("max_metadata_array_bytes"), "{err}");
+        // The same array under a key the runtime does not read costs no memory.
+        let mut b = raw_header(0, 1);
+        put_u8_array(&mut b, "general.unused", n);
+        std::fs::write(&p, &b).unwrap();
+        assert!(matches!(
+            GgufFile::open(&p).unwrap().metadata.get("general.unused"),
+            Some(MetaValue::Raw(_))
+        ));
+    }
+
+    #[test]
+    fn tensor_counts_over_the_limit_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.gguf");
+        let n = MAX_TENSORS.value + 1;
+        let mut b = raw_header(n, 0);
+        b.resize(b.len() + n as usize * 24, 0);
+        std::fs::write(&p, &b).unwrap();
+        let err = GgufFile::open(&p).unwrap_err().to_string();
+        assert!(err.contains("max_tensors"), "{err}");
     }
 
     #[test]

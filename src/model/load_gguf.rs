@@ -7,6 +7,7 @@ use super::gguf::GgufFile;
 use super::spec::*;
 use super::tokenizer::Tokenizer;
 use super::{LayerWeights, Linear, Model, ModelError, ModelWeights, NormWeights};
+use crate::limits::{Limit, MAX_DIM, MAX_HEADS, MAX_LAYERS};
 use crate::tensor::HostTensor;
 
 pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
@@ -23,34 +24,7 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
             });
         }
     };
-    let key = |k: &str| format!("{arch}.{k}");
     let token_embd = file.load("token_embd.weight")?;
-    let d_model = meta.usize(&key("embedding_length"))?;
-    let n_heads = meta.usize(&key("attention.head_count"))?;
-    if n_heads == 0 {
-        return Err(format_err(path, "attention.head_count is 0"));
-    }
-    let n_kv_heads = meta
-        .opt_usize(&key("attention.head_count_kv"))?
-        .unwrap_or(n_heads);
-    let head_dim = meta
-        .opt_usize(&key("attention.key_length"))?
-        .unwrap_or(d_model / n_heads);
-    let rope_dims = meta
-        .opt_usize(&key("rope.dimension_count"))?
-        .unwrap_or(head_dim);
-    let scaling = match meta.opt_str(&key("rope.scaling.type"))? {
-        None | Some("none") => RopeScaling::None,
-        Some("linear") => RopeScaling::Linear {
-            factor: meta.f32(&key("rope.scaling.factor"))?,
-        },
-        Some(other) => {
-            return Err(ModelError::Unsupported {
-                path: path.to_path_buf(),
-                msg: format!("RoPE scaling `{other}` (supported: none, linear)"),
-            });
-        }
-    };
     let output = match file.tensor_info("output.weight") {
         Some(_) => Some(file.load("output.weight")?),
         None => None,
@@ -59,42 +33,21 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
         Some(_) => Some(file.load("rope_freqs.weight")?.to_f32()),
         None => None,
     };
-    let n_layers = meta.usize(&key("block_count"))?;
-    let spec = ModelSpec {
-        arch: Arch::Llama,
-        name: meta
-            .opt_str("general.name")?
-            .map(str::to_string)
-            .unwrap_or_else(|| file_stem(path)),
-        n_layers,
-        d_model,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        d_ff: meta.usize(&key("feed_forward_length"))?,
-        vocab_size: token_embd.rows,
-        max_context: meta.opt_usize(&key("context_length"))?.unwrap_or(2048),
-        norm: NormKind::Rms,
-        norm_eps: meta
-            .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5),
-        activation: Activation::Silu,
-        gated_ffn: true,
-        qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
-        out_bias: file.tensor_info("blk.0.attn_output.bias").is_some(),
-        ffn_bias: false,
-        position: PositionEncoding::Rope(RopeSpec {
-            theta: meta.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
-            style,
-            dims: rope_dims,
-            scaling,
-        }),
-        tied_output: output.is_none(),
-        attn_scale: 1.0 / (head_dim as f32).sqrt(),
-    };
-    spec.validate().map_err(|m| format_err(path, &m))?;
-    if n_layers > 4096 {
-        return Err(format_err(path, "block_count is implausibly large"));
+    let spec = read_spec(&file, path, &arch, style, token_embd.rows, output.is_none())?;
+    let n_layers = spec.n_layers;
+    // A block the metadata does not count would be silently left out of every token.
+    if file
+        .tensors
+        .keys()
+        .any(|name| name.starts_with(&format!("blk.{n_layers}.")))
+    {
+        return Err(format_err(
+            path,
+            &format!(
+                "the file holds tensors of layer {n_layers} (`blk.{n_layers}.*`) but \
+                 `{arch}.block_count` says {n_layers} layers"
+            ),
+        ));
     }
 
     let norm = |name: String| -> Result<NormWeights, ModelError> {
@@ -137,12 +90,151 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
         rope_freq_factors,
     };
     let tokenizer = Tokenizer::from_gguf(meta)?;
+    // Ids past the embedding would be refused mid-run, rows past the vocabulary sampled into
+    // nothing: llama.cpp refuses such a file, and so do we.
+    if let Some(t) = &tokenizer
+        && t.vocab_size() != spec.vocab_size
+    {
+        return Err(format_err(
+            path,
+            &format!(
+                "`tokenizer.ggml.tokens` has {} tokens but `token_embd.weight` has {} rows",
+                t.vocab_size(),
+                spec.vocab_size
+            ),
+        ));
+    }
     Ok(Model {
         spec,
         weights,
         tokenizer,
         source: path.to_path_buf(),
     })
+}
+
+/// The spec the metadata states (sizes held to their limits as they are read, so nothing
+/// computes or allocates by a size over them), checked as every loader's is.
+fn read_spec(
+    file: &GgufFile,
+    path: &Path,
+    arch: &str,
+    style: RopeStyle,
+    vocab_size: usize,
+    tied_output: bool,
+) -> Result<ModelSpec, ModelError> {
+    let meta = &file.metadata;
+    let key = |k: &str| format!("{arch}.{k}");
+    let size = |k: &str, limit: &Limit| -> Result<Option<usize>, ModelError> {
+        let k = key(k);
+        match meta.opt_usize(&k)? {
+            Some(v) if !limit.admits(v as u64) => {
+                Err(format_err(path, &format!("`{k}` {}", limit.over(v as u64))))
+            }
+            v => Ok(v),
+        }
+    };
+    let required = |k: &str, limit: &Limit| -> Result<usize, ModelError> {
+        size(k, limit)?.ok_or_else(|| meta_missing(path, &key(k)))
+    };
+    let d_model = required("embedding_length", &MAX_DIM)?;
+    let n_heads = required("attention.head_count", &MAX_HEADS)?;
+    if n_heads == 0 {
+        return Err(format_err(
+            path,
+            &format!("`{}` is 0", key("attention.head_count")),
+        ));
+    }
+    let n_kv_heads = size("attention.head_count_kv", &MAX_HEADS)?.unwrap_or(n_heads);
+    let head_dim = match size("attention.key_length", &MAX_DIM)? {
+        Some(d) => d,
+        None if d_model.is_multiple_of(n_heads) => d_model / n_heads,
+        None => {
+            return Err(format_err(
+                path,
+                &format!(
+                    "`{}` {d_model} is not divisible by `{}` {n_heads} (and no `{}` says the \
+                     head size)",
+                    key("embedding_length"),
+                    key("attention.head_count"),
+                    key("attention.key_length")
+                ),
+            ));
+        }
+    };
+    let rope_dims = size("rope.dimension_count", &MAX_DIM)?.unwrap_or(head_dim);
+    let scaling = match meta.opt_str(&key("rope.scaling.type"))? {
+        None | Some("none") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear {
+            factor: meta.f32(&key("rope.scaling.factor"))?,
+        },
+        Some(other) => {
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                msg: format!("RoPE scaling `{other}` (supported: none, linear)"),
+            });
+        }
+    };
+    let n_layers = required("block_count", &MAX_LAYERS)?;
+    let spec = ModelSpec {
+        arch: Arch::Llama,
+        name: meta
+            .opt_str("general.name")?
+            .map(str::to_string)
+            .unwrap_or_else(|| file_stem(path)),
+        n_layers,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        d_ff: required("feed_forward_length", &MAX_DIM)?,
+        vocab_size,
+        max_context: size("context_length", &MAX_DIM)?.unwrap_or(2048),
+        norm: NormKind::Rms,
+        norm_eps: meta
+            .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5),
+        activation: Activation::Silu,
+        gated_ffn: true,
+        qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
+        out_bias: file.tensor_info("blk.0.attn_output.bias").is_some(),
+        ffn_bias: false,
+        position: PositionEncoding::Rope(RopeSpec {
+            theta: meta.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
+            style,
+            dims: rope_dims,
+            scaling,
+        }),
+        tied_output,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    spec.check()
+        .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;
+    Ok(spec)
+}
+
+/// The GGUF metadata key a [`ModelSpec`] field comes from, for errors.
+fn gguf_key(arch: &str, field: &str) -> String {
+    let k = match field {
+        "n_layers" => "block_count",
+        "d_model" => "embedding_length",
+        "n_heads" => "attention.head_count",
+        "n_kv_heads" => "attention.head_count_kv",
+        "head_dim" | "attn_scale" => "attention.key_length",
+        "d_ff" => "feed_forward_length",
+        // The vocabulary is the embedding's rows.
+        "vocab_size" => return "token_embd.weight".into(),
+        "max_context" => "context_length",
+        "norm_eps" => "attention.layer_norm_rms_epsilon",
+        "rope.theta" => "rope.freq_base",
+        "rope.dims" => "rope.dimension_count",
+        "factor" => "rope.scaling.factor",
+        other => return other.into(),
+    };
+    format!("{arch}.{k}")
+}
+
+fn meta_missing(path: &Path, key: &str) -> ModelError {
+    format_err(path, &format!("metadata key `{key}` is missing"))
 }
 
 fn format_err(path: &Path, msg: &str) -> ModelError {

@@ -36,7 +36,7 @@ impl Checkpoint {
     fn open(dir: &Path) -> Result<Self, ModelError> {
         let index = dir.join("model.safetensors.index.json");
         let file_names: Vec<String> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::io(&index, e))?;
+            let text = super::read_whole_string(&index)?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| ModelError::Format {
                     path: index.clone(),
@@ -86,7 +86,15 @@ impl Checkpoint {
                 })?;
             let data_start = header_len + 8;
             let file_idx = files.len();
-            for (tname, info) in meta.tensors() {
+            let infos = meta.tensors();
+            let count = entries.len() as u64 + infos.len() as u64;
+            if !crate::limits::MAX_TENSORS.admits(count) {
+                return Err(ModelError::Format {
+                    path: path.clone(),
+                    msg: crate::limits::MAX_TENSORS.refuse("the checkpoint's tensor count", count),
+                });
+            }
+            for (tname, info) in infos {
                 let (s, e) = info.data_offsets;
                 let (start, end) = (data_start + s, data_start + e);
                 if end > map.len() || start > end {
@@ -173,8 +181,7 @@ impl Checkpoint {
 
 pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
     let config_path = dir.join("config.json");
-    let text =
-        std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+    let text = super::read_whole_string(&config_path)?;
     let config = parse_config(&config_path, &text)?;
     let spec = config.spec.clone();
     let ckpt = Checkpoint::open(dir)?;

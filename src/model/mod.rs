@@ -61,6 +61,28 @@ impl ModelError {
     }
 }
 
+/// All of a file read whole (config.json, tokenizer.json, a safetensors index), held to
+/// [`crate::limits::MAX_FILE_READ_BYTES`] before and while reading.
+pub fn read_whole(path: &Path) -> Result<Vec<u8>, ModelError> {
+    crate::limits::MAX_FILE_READ_BYTES
+        .read_file(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::FileTooLarge => ModelError::Format {
+                path: path.to_path_buf(),
+                msg: e.to_string(),
+            },
+            _ => ModelError::io(path, e),
+        })
+}
+
+/// [`read_whole`] as UTF-8 text.
+pub fn read_whole_string(path: &Path) -> Result<String, ModelError> {
+    String::from_utf8(read_whole(path)?).map_err(|_| ModelError::Format {
+        path: path.to_path_buf(),
+        msg: "is not valid UTF-8".into(),
+    })
+}
+
 /// The weights of one norm: scale, and a bias for LayerNorm.
 #[derive(Clone, Debug)]
 pub struct NormWeights {

@@ -3,6 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::limits;
+
 /// Model families with one forward pass each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -168,49 +170,357 @@ impl ModelSpec {
         self.n_kv_heads * self.head_dim
     }
 
-    /// Check the numbers agree with each other; `what` names the source in errors.
-    pub fn validate(&self) -> Result<(), String> {
-        let positive = [
-            ("layers", self.n_layers),
-            ("hidden size", self.d_model),
-            ("attention heads", self.n_heads),
-            ("KV heads", self.n_kv_heads),
-            ("head dim", self.head_dim),
-            ("FFN size", self.d_ff),
-            ("vocabulary size", self.vocab_size),
+    /// Check the spec could be a model's, whatever file it came from (GGUF, config.json, a
+    /// store's manifest): every count and dimension positive and within [`crate::limits`],
+    /// head sizes that divide, and numerics (epsilon, RoPE base and scaling, attention scale)
+    /// finite and positive. Loaders call it before allocating anything by the spec's sizes.
+    /// The error names the spec's field ([`SpecError::field`]) so a loader can name its key.
+    pub fn check(&self) -> Result<(), SpecError> {
+        let err = |field: &'static str, msg: String| Err(SpecError { field, msg });
+        let counts = [
+            ("n_layers", self.n_layers, &limits::MAX_LAYERS),
+            ("d_model", self.d_model, &limits::MAX_DIM),
+            ("n_heads", self.n_heads, &limits::MAX_HEADS),
+            ("n_kv_heads", self.n_kv_heads, &limits::MAX_HEADS),
+            ("head_dim", self.head_dim, &limits::MAX_DIM),
+            ("d_ff", self.d_ff, &limits::MAX_DIM),
+            ("vocab_size", self.vocab_size, &limits::MAX_VOCAB),
+            ("max_context", self.max_context, &limits::MAX_DIM),
         ];
-        for (what, v) in positive {
+        for (field, v, limit) in counts {
             if v == 0 {
-                return Err(format!("{what} is 0"));
+                return err(field, "is 0".into());
+            }
+            if !limit.admits(v as u64) {
+                return err(field, limit.over(v as u64));
+            }
+        }
+        // Both factors are bounded above, so these products cannot overflow.
+        for (field, v) in [("n_heads", self.q_dim()), ("n_kv_heads", self.kv_dim())] {
+            if !limits::MAX_DIM.admits(v as u64) {
+                return err(
+                    field,
+                    format!(
+                        "times head_dim {} {}",
+                        self.head_dim,
+                        limits::MAX_DIM.over(v as u64)
+                    ),
+                );
             }
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
-            return Err(format!(
-                "{} attention heads are not a multiple of {} KV heads",
-                self.n_heads, self.n_kv_heads
-            ));
+            return err(
+                "n_kv_heads",
+                format!(
+                    "is {}, which does not divide the {} attention heads",
+                    self.n_kv_heads, self.n_heads
+                ),
+            );
         }
-        if let PositionEncoding::Rope(r) = &self.position {
-            if r.dims == 0 || r.dims > self.head_dim || r.dims % 2 != 0 {
-                return Err(format!(
-                    "RoPE dimension {} does not fit head dim {}",
-                    r.dims, self.head_dim
-                ));
+        match &self.position {
+            PositionEncoding::Rope(r) => {
+                if r.dims == 0 || r.dims > self.head_dim || r.dims % 2 != 0 {
+                    return err(
+                        "rope.dims",
+                        format!(
+                            "is {}: RoPE rotates an even number of dimensions, at most the \
+                             head dim {}",
+                            r.dims, self.head_dim
+                        ),
+                    );
+                }
+                if !(r.theta.is_finite() && r.theta > 1.0) {
+                    return err(
+                        "rope.theta",
+                        format!("is {}: the RoPE base must be finite and above 1", r.theta),
+                    );
+                }
+                r.scaling.check()?;
             }
-            if !(r.theta.is_finite() && r.theta > 1.0) {
-                return Err(format!("RoPE theta {} is not valid", r.theta));
+            PositionEncoding::Learned { offset } => {
+                if !limits::MAX_DIM.admits(*offset as u64) {
+                    return err("position.offset", limits::MAX_DIM.over(*offset as u64));
+                }
             }
         }
-        if !(self.norm_eps.is_finite() && self.norm_eps >= 0.0) {
-            return Err(format!("norm epsilon {} is not valid", self.norm_eps));
+        if !(self.norm_eps.is_finite() && self.norm_eps > 0.0) {
+            return err(
+                "norm_eps",
+                format!(
+                    "is {}: a norm epsilon must be finite and positive",
+                    self.norm_eps
+                ),
+            );
+        }
+        if !(self.attn_scale.is_finite() && self.attn_scale > 0.0) {
+            return err(
+                "attn_scale",
+                format!(
+                    "is {}: the attention scale must be finite and positive",
+                    self.attn_scale
+                ),
+            );
         }
         Ok(())
+    }
+
+    /// [`ModelSpec::check`] as a sentence naming the spec's field.
+    pub fn validate(&self) -> Result<(), String> {
+        self.check().map_err(|e| e.to_string())
+    }
+}
+
+impl RopeScaling {
+    /// Every factor finite and positive (0 or NaN made every logit NaN), a Llama 3 band that is
+    /// a band.
+    fn check(&self) -> Result<(), SpecError> {
+        let positive = |field: &'static str, v: f32| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(SpecError {
+                    field,
+                    msg: format!("is {v}: a RoPE scaling factor must be finite and positive"),
+                })
+            }
+        };
+        match *self {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } => positive("factor", factor),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(SpecError {
+                        field: "high_freq_factor",
+                        msg: format!(
+                            "is {high_freq_factor}, not above low_freq_factor {low_freq_factor}"
+                        ),
+                    });
+                }
+                if original_max_position == 0
+                    || !limits::MAX_DIM.admits(original_max_position as u64)
+                {
+                    return Err(SpecError {
+                        field: "original_max_position",
+                        msg: format!(
+                            "is {original_max_position}, not in 1..={}",
+                            limits::MAX_DIM.value
+                        ),
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Why a [`ModelSpec`] cannot be a model's: the field (`norm_eps`, `rope.theta`, a RoPE
+/// scaling factor's name...) and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    pub field: &'static str,
+    pub msg: String,
+}
+
+impl SpecError {
+    /// The sentence with the field called by the name the file gives it (`key`), the spec's
+    /// field in parentheses.
+    pub fn naming(&self, key: &str) -> String {
+        if key == self.field {
+            return self.to_string();
+        }
+        format!("`{key}` ({}) {}", self.field, self.msg)
+    }
+}
+
+impl std::fmt::Display for SpecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}` {}", self.field, self.msg)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiny() -> ModelSpec {
+        ModelSpec {
+            arch: Arch::Llama,
+            name: "t".into(),
+            n_layers: 2,
+            d_model: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            d_ff: 128,
+            vocab_size: 256,
+            max_context: 128,
+            norm: NormKind::Rms,
+            norm_eps: 1e-5,
+            activation: Activation::Silu,
+            gated_ffn: true,
+            qkv_bias: false,
+            out_bias: false,
+            ffn_bias: false,
+            position: PositionEncoding::Rope(RopeSpec {
+                theta: 10000.0,
+                style: RopeStyle::Halves,
+                dims: 16,
+                scaling: RopeScaling::None,
+            }),
+            tied_output: false,
+            attn_scale: 0.25,
+        }
+    }
+
+    /// Every field a spec can hold that no model has is refused, naming the field.
+    #[test]
+    fn impossible_specs_are_refused_naming_the_field() {
+        assert_eq!(tiny().check(), Ok(()));
+        let rope = |f: &dyn Fn(&mut RopeSpec)| {
+            let mut s = tiny();
+            if let PositionEncoding::Rope(r) = &mut s.position {
+                f(r);
+            }
+            s
+        };
+        let cases: Vec<(ModelSpec, &str, &str)> = vec![
+            (
+                ModelSpec {
+                    n_layers: 0,
+                    ..tiny()
+                },
+                "n_layers",
+                "is 0",
+            ),
+            (
+                ModelSpec {
+                    n_layers: 1_000_000_000,
+                    ..tiny()
+                },
+                "n_layers",
+                "max_layers",
+            ),
+            (
+                ModelSpec {
+                    d_model: 1 << 30,
+                    ..tiny()
+                },
+                "d_model",
+                "max_dim",
+            ),
+            (
+                ModelSpec {
+                    n_heads: 5000,
+                    ..tiny()
+                },
+                "n_heads",
+                "max_heads",
+            ),
+            (
+                ModelSpec {
+                    vocab_size: 1 << 30,
+                    ..tiny()
+                },
+                "vocab_size",
+                "max_vocab",
+            ),
+            (
+                ModelSpec {
+                    max_context: 0,
+                    ..tiny()
+                },
+                "max_context",
+                "is 0",
+            ),
+            (
+                ModelSpec {
+                    n_heads: 4096,
+                    head_dim: 1 << 20,
+                    ..tiny()
+                },
+                "n_heads",
+                "max_dim",
+            ),
+            (
+                ModelSpec {
+                    n_kv_heads: 3,
+                    ..tiny()
+                },
+                "n_kv_heads",
+                "does not divide",
+            ),
+            (
+                ModelSpec {
+                    norm_eps: f32::NAN,
+                    ..tiny()
+                },
+                "norm_eps",
+                "finite",
+            ),
+            (
+                ModelSpec {
+                    norm_eps: 0.0,
+                    ..tiny()
+                },
+                "norm_eps",
+                "positive",
+            ),
+            (
+                ModelSpec {
+                    norm_eps: -1e-5,
+                    ..tiny()
+                },
+                "norm_eps",
+                "positive",
+            ),
+            (
+                ModelSpec {
+                    attn_scale: f32::INFINITY,
+                    ..tiny()
+                },
+                "attn_scale",
+                "finite",
+            ),
+            (rope(&|r| r.theta = f32::NAN), "rope.theta", "finite"),
+            (rope(&|r| r.dims = 15), "rope.dims", "even"),
+            (rope(&|r| r.dims = 32), "rope.dims", "head dim"),
+            (
+                rope(&|r| r.scaling = RopeScaling::Linear { factor: 0.0 }),
+                "factor",
+                "positive",
+            ),
+            (
+                rope(&|r| r.scaling = RopeScaling::Linear { factor: f32::NAN }),
+                "factor",
+                "finite",
+            ),
+            (
+                rope(&|r| {
+                    r.scaling = RopeScaling::Llama3 {
+                        factor: 8.0,
+                        low_freq_factor: 4.0,
+                        high_freq_factor: 4.0,
+                        original_max_position: 8192,
+                    }
+                }),
+                "high_freq_factor",
+                "not above",
+            ),
+        ];
+        for (spec, field, needle) in cases {
+            let e = spec.check().unwrap_err();
+            assert_eq!(e.field, field, "{e}");
+            assert!(e.to_string().contains(needle), "{e}");
+        }
+    }
 
     #[test]
     fn llama3_scaling_keeps_high_frequencies() {

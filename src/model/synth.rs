@@ -19,6 +19,7 @@ use serde_json::json;
 
 use super::ModelError;
 use super::spec::Arch;
+use crate::limits;
 
 /// Values generated per parallel chunk (each chunk has its own generator state).
 const CHUNK: usize = 1 << 16;
@@ -98,6 +99,22 @@ impl SynthSpec {
         if let Some((what, _)) = dims.iter().find(|(_, v)| *v == 0) {
             return Err(format!("{what} must be positive"));
         }
+        // Held to the limits every loader holds a model to, before anything is computed or
+        // created from them.
+        let limited = [
+            ("layers", self.n_layers, &limits::MAX_LAYERS),
+            ("hidden size", self.d_model, &limits::MAX_DIM),
+            ("FFN size", self.d_ff, &limits::MAX_DIM),
+            ("heads", self.n_heads, &limits::MAX_HEADS),
+            ("KV heads", self.n_kv_heads, &limits::MAX_HEADS),
+            ("vocabulary", self.vocab_size, &limits::MAX_VOCAB),
+            ("context", self.max_context, &limits::MAX_DIM),
+        ];
+        for (what, v, limit) in limited {
+            if !limit.admits(v as u64) {
+                return Err(limit.refuse(what, v as u64));
+            }
+        }
         if !self.d_model.is_multiple_of(self.n_heads) {
             return Err(format!(
                 "hidden size {} is not divisible by {} heads",
@@ -118,6 +135,24 @@ impl SynthSpec {
         }
         if self.power_law.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
             return Err("the power-law exponent must be positive".into());
+        }
+        // A tensor is generated whole in memory (f32, then its 2-byte encoding): one larger
+        // than the host's memory would abort the process halfway through writing.
+        let largest = self
+            .tensors()
+            .iter()
+            .map(|t| (t.rows as u64).saturating_mul(t.cols as u64))
+            .max()
+            .unwrap_or(0);
+        if let Some(mem) = host_memory_bytes()
+            && largest.saturating_mul(6) > mem
+        {
+            return Err(format!(
+                "the largest tensor has {largest} values, {} GiB to generate, more than this \
+                 host's {} GiB of memory",
+                largest.saturating_mul(6) >> 30,
+                mem >> 30
+            ));
         }
         Ok(())
     }
@@ -513,6 +548,14 @@ impl View for SynthTensor<'_> {
     fn data_len(&self) -> usize {
         self.plan.rows * self.plan.cols * 2
     }
+}
+
+/// The host's memory (`MemTotal` of /proc/meminfo), where known.
+fn host_memory_bytes() -> Option<u64> {
+    let text = fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 fn io(path: &Path, e: std::io::Error) -> ModelError {

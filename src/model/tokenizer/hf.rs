@@ -63,16 +63,27 @@ fn error(path: &Path, msg: impl Into<String>) -> ModelError {
     }
 }
 
+/// A text file of the directory (held to `max_file_read_bytes`), `None` when absent.
+fn read_text(path: &Path) -> Result<Option<String>, ModelError> {
+    match crate::model::read_whole_string(path) {
+        Ok(t) => Ok(Some(t)),
+        Err(ModelError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Ok(None)
+        }
+        Err(ModelError::Io { source, .. }) => Err(error(path, format!("cannot read: {source}"))),
+        Err(e) => Err(e),
+    }
+}
+
+fn parse_json(path: &Path, text: &str) -> Result<Value, ModelError> {
+    serde_json::from_str(text).map_err(|e| error(path, format!("not valid JSON: {e}")))
+}
+
 /// A JSON file of the directory, `None` when absent.
 fn read_json(path: &Path) -> Result<Option<Value>, ModelError> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(error(path, format!("cannot read: {e}"))),
-    };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| error(path, format!("not valid JSON: {e}")))
+    read_text(path)?
+        .map(|text| parse_json(path, &text))
+        .transpose()
 }
 
 /// A special-token entry of tokenizer_config.json: a string or `{"content": ...}`.
@@ -118,12 +129,7 @@ fn chat_template(dir: &Path, config: Option<&Value>) -> Result<Option<String>, M
         }
         _ => {}
     }
-    let jinja = dir.join("chat_template.jinja");
-    match std::fs::read_to_string(&jinja) {
-        Ok(t) => Ok(Some(t)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(error(&jinja, format!("cannot read: {e}"))),
-    }
+    read_text(&dir.join("chat_template.jinja"))
 }
 
 /// The decoder's style; a `Sequence` counts as the style of any member that decides it.
@@ -146,12 +152,13 @@ fn piece_style(tokenizer_json: &Value) -> PieceStyle {
 impl HfTokenizer {
     pub fn load(dir: &Path) -> Result<Option<HfTokenizer>, ModelError> {
         let path = dir.join("tokenizer.json");
-        let Some(json) = read_json(&path)? else {
+        let Some(text) = read_text(&path)? else {
             return Ok(None);
         };
-        let parsing = shielded("reading it", || tokenizers::Tokenizer::from_file(&path))
+        let json = parse_json(&path, &text)?;
+        let parsing: tokenizers::Tokenizer = shielded("reading it", || text.parse())
             .map_err(|e| error(&path, e))?
-            .map_err(|e| error(&path, e.to_string()))?;
+            .map_err(|e: tokenizers::Error| error(&path, e.to_string()))?;
         let mut literal = parsing.clone();
         literal.set_encode_special_tokens(true);
 
