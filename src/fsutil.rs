@@ -25,6 +25,8 @@ pub fn write_atomic_with(
     let name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    // A writer killed before its rename left its temporary behind; its name says whose it was.
+    remove_stale_temps(dir, Some(name.to_string_lossy().as_ref()));
     let tmp = dir.join(format!(
         ".{}.tmp.{}",
         name.to_string_lossy(),
@@ -46,6 +48,63 @@ pub fn write_atomic_with(
         fs::remove_file(&tmp).ok();
     }
     result
+}
+
+/// Remove the temporaries in `dir` that writers killed mid-write left behind: `.{name}.tmp.{pid}`
+/// (a file of [`write_atomic`] or a directory written whole, then renamed) and `.{name}.old.{pid}`
+/// (a directory being replaced), whose process `pid` is gone. `name`: only those of that target.
+/// Returns how many were removed. Best effort: an unreadable directory or a temporary that cannot
+/// be removed is left as it is (it is never read as data).
+pub fn remove_stale_temps(dir: &Path, name: Option<&str>) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let fname = e.file_name().to_string_lossy().into_owned();
+        let Some((target, pid)) = temp_owner(&fname) else {
+            continue;
+        };
+        if name.is_some_and(|n| n != target) || process_alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        let gone = match e.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        if gone.is_ok() {
+            tracing::info!(
+                "removed {}, left by process {pid}, which is gone",
+                path.display()
+            );
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// `.{name}.tmp.{pid}` or `.{name}.old.{pid}` → (name, pid).
+fn temp_owner(file_name: &str) -> Option<(&str, u32)> {
+    let rest = file_name.strip_prefix('.')?;
+    let (head, pid) = rest.rsplit_once('.')?;
+    let pid = pid.parse::<u32>().ok()?;
+    let target = head
+        .strip_suffix(".tmp")
+        .or_else(|| head.strip_suffix(".old"))?;
+    (!target.is_empty()).then_some((target, pid))
+}
+
+/// Whether process `pid` runs (on Linux: has a `/proc` entry). Where that cannot be told, every
+/// process counts as alive, so nothing is removed.
+fn process_alive(pid: u32) -> bool {
+    if pid == std::process::id() {
+        return true;
+    }
+    if cfg!(target_os = "linux") && Path::new("/proc/self").exists() {
+        return Path::new(&format!("/proc/{pid}")).exists();
+    }
+    true
 }
 
 /// An append-only file of newline-terminated lines (JSONL) that a job appends one record at a
@@ -180,6 +239,44 @@ mod tests {
         write_atomic(&p, b"two").unwrap();
         assert_eq!(fs::read(&p).unwrap(), b"two");
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn temporaries_of_dead_writers_are_removed_and_others_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // No process has id 999999999 (Linux ids stop at 2^22); process 1 always runs.
+        for n in [
+            ".a.bin.tmp.999999999",
+            ".a.bin.tmp.1",
+            ".b.bin.tmp.999999999",
+            ".a.bin.tmp.x",
+            "a.bin.tmp.999999999",
+        ] {
+            fs::write(d.join(n), b"partial").unwrap();
+        }
+        fs::create_dir(d.join(".store.old.999999999")).unwrap();
+        write_atomic(&d.join("a.bin"), b"whole").unwrap();
+        let mut left: Vec<String> = fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        // Only a.bin's own dead temporary went; the rest is another target's or not a temporary.
+        assert_eq!(
+            left,
+            [
+                ".a.bin.tmp.1",
+                ".a.bin.tmp.x",
+                ".b.bin.tmp.999999999",
+                ".store.old.999999999",
+                "a.bin",
+                "a.bin.tmp.999999999"
+            ]
+        );
+        assert_eq!(remove_stale_temps(d, None), 2);
+        assert!(!d.join(".store.old.999999999").exists());
+        assert!(d.join(".a.bin.tmp.1").exists());
     }
 
     #[test]

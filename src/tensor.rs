@@ -330,25 +330,48 @@ impl HostTensor {
         self.dtype.bytes_for(self.cols)
     }
 
-    /// The raw bytes of row `r`.
-    pub fn row(&self, r: usize) -> &[u8] {
+    /// The raw bytes of row `r`. A row past the tensor (a token id past the embedding's
+    /// vocabulary) is an error, never an out-of-bounds slice.
+    pub fn row(&self, r: usize) -> Result<&[u8], RowOutOfRange> {
         let rb = self.row_bytes();
-        &self.data.as_slice()[r * rb..(r + 1) * rb]
+        let bytes = (r < self.rows)
+            .then(|| r.checked_mul(rb))
+            .flatten()
+            .and_then(|start| self.data.as_slice().get(start..start.checked_add(rb)?));
+        bytes.ok_or_else(|| RowOutOfRange {
+            name: self.name.clone(),
+            row: r,
+            rows: self.rows,
+        })
     }
 
     /// Row `r` as f32 values, whatever the format.
-    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        decode_row(self.dtype, self.row(r), out);
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) -> Result<(), RowOutOfRange> {
+        decode_row(self.dtype, self.row(r)?, out);
+        Ok(())
     }
 
     /// The whole tensor as f32 values.
     pub fn to_f32(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.len()];
-        for (r, chunk) in out.chunks_mut(self.cols.max(1)).enumerate() {
-            self.row_f32(r, chunk);
+        let rb = self.row_bytes();
+        if rb > 0 {
+            let rows = self.data.as_slice().chunks_exact(rb);
+            for (bytes, chunk) in rows.zip(out.chunks_mut(self.cols.max(1))) {
+                decode_row(self.dtype, bytes, chunk);
+            }
         }
         out
     }
+}
+
+/// A row asked of a tensor that does not have it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("row {row} of `{name}`, which has {rows} rows")]
+pub struct RowOutOfRange {
+    pub name: String,
+    pub row: usize,
+    pub rows: usize,
 }
 
 /// Encode f32 values into one row of `dtype` bytes (`out.len() == dtype.bytes_for(x.len())`):
@@ -516,6 +539,32 @@ pub fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row past the tensor — a token id past a vocabulary that claims more rows than the
+    /// embedding has (issue 39) — is an error naming the tensor, not a slice panic.
+    #[test]
+    fn a_row_past_the_tensor_is_an_error() {
+        let t = HostTensor::from_f32(
+            "token_embd.weight",
+            3,
+            2,
+            (0..6).map(|i| i as f32).collect(),
+        );
+        let mut out = [0f32; 2];
+        t.row_f32(2, &mut out).unwrap();
+        assert_eq!(out, [4.0, 5.0]);
+        let e = t.row_f32(3, &mut out).unwrap_err();
+        assert_eq!((e.row, e.rows), (3, 3));
+        assert!(e.to_string().contains("token_embd.weight"), "{e}");
+        assert!(t.row(usize::MAX).is_err());
+        // Rows claimed beyond the bytes held.
+        let short = HostTensor {
+            rows: 5,
+            ..t.clone()
+        };
+        assert!(short.row(4).is_err());
+        assert_eq!(short.to_f32().len(), 10);
+    }
 
     /// The bulk Q8_0 decoder (AVX2 where the CPU has it; `decode_row` too) gives d · q for every
     /// code, bit for bit, extremes and a zero scale included.

@@ -59,7 +59,10 @@ pub struct ConvertArgs {
     #[arg(long, env = "GPU_OFFLOAD_QUANTIZED_OUT", requires = "quantize")]
     pub quantized_out: Option<PathBuf>,
 
-    /// Check every segment of an existing store against its checksum instead of converting.
+    /// Check an existing store instead of converting: the manifest against its checksums, every
+    /// tensor the spec needs present in its shape, no segment overlapping another or past the
+    /// data, every segment's bytes against its whole and per-group checksums, and the tokenizer
+    /// files against theirs.
     #[arg(long, env = "GPU_OFFLOAD_VERIFY", conflicts_with_all = ["model", "encodings", "force", "copy", "quantize", "bundle_ffn"])]
     pub verify: Option<PathBuf>,
 }
@@ -79,10 +82,12 @@ pub fn run(args: ConvertArgs) -> Result<()> {
             Store::open(dir).with_context(|| format!("cannot open store {}", dir.display()))?;
         let total: u64 = store.manifest.segments.iter().map(|s| s.bytes).sum();
         let pb = bar(total >> 20, "MiB");
-        store.verify_all(&mut |done, _| pb.set_position(done >> 20))?;
+        store
+            .verify(&mut |done, _| pb.set_position(done >> 20))
+            .with_context(|| format!("store {} fails verification", dir.display()))?;
         pb.finish_and_clear();
         println!(
-            "{}: {} segments, {:.1} MiB, all checksums match (model {})",
+            "{}: manifest, {} segments ({:.1} MiB, whole and per group) and tokenizer files: all checksums match; every tensor of the spec present in its shape (model {})",
             dir.display(),
             store.manifest.segments.len(),
             total as f64 / (1u64 << 20) as f64,

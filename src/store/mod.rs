@@ -24,6 +24,7 @@
 //! checked against its checksum, so a truncated or bit-flipped segment is named, never used.
 //! Owns the format; knows nothing about devices.
 
+mod check;
 pub mod quant;
 mod read;
 mod write;
@@ -41,8 +42,10 @@ pub use write::bundles as encode_bundles;
 pub use write::{ConvertOptions, cached_store_for, convert};
 
 /// Store format version this build reads and writes (2: matrices in the model's own encoding,
-/// FFN matrices for block-quantized models).
-pub const FORMAT_VERSION: u32 = 2;
+/// FFN matrices for block-quantized models; 3: the manifest checksummed whole, tokenizer files
+/// checksummed). Older stores are refused with "convert the model again"; `run` converts its
+/// cached store again by itself.
+pub const FORMAT_VERSION: u32 = 3;
 /// Segments start on this boundary (direct I/O).
 pub const ALIGN: u64 = 4096;
 /// Rows per checksum group: a read of any run of whole groups can be verified on its own
@@ -236,6 +239,35 @@ pub struct Manifest {
     pub segments: Vec<Segment>,
     /// Tokenizer files in the store directory (`tokenizer.gguf` or HF files), if any.
     pub tokenizer: Option<TokenizerFiles>,
+    /// Every file of the tokenizer (and the HF configs copied with it), checksummed.
+    pub tokenizer_files: Vec<FileChecksum>,
+    /// Checksums of the manifest itself: checked at every open, so an edited or damaged manifest
+    /// is refused before any of it is used ([`Manifest::seal`]).
+    pub checksums: ManifestChecksums,
+}
+
+/// A file of the store directory other than `data.bin`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FileChecksum {
+    /// File name in the store directory.
+    pub name: String,
+    pub bytes: u64,
+    /// xxh3-64 of the file, 16 hex digits.
+    pub xxh3: String,
+}
+
+/// xxh3-64 (16 hex digits) of the canonical serialization (compact JSON, fields in declaration
+/// order) of each part of the manifest, and of the whole manifest with `manifest` itself empty.
+/// A part's own checksum names what differs when only it was edited; the whole one covers the
+/// rest (format, version, model id, encodings, data size) and the parts' checksums.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ManifestChecksums {
+    pub spec: String,
+    pub source: String,
+    pub segments: String,
+    /// `tokenizer` and `tokenizer_files` together.
+    pub tokenizer: String,
+    pub manifest: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -17,8 +17,13 @@ use crate::model::{
 };
 use crate::tensor::{AlignedBuf, Bytes, DType, HostTensor};
 
-/// Manifests larger than this are refused (a real one is a few hundred KiB).
-const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+/// The first fields of a manifest, read before the rest: a store of another format or version
+/// is refused as such, not as a manifest missing this version's fields.
+#[derive(serde::Deserialize)]
+struct Header {
+    format: String,
+    version: u32,
+}
 
 /// A file segments are read from, opened for direct I/O where the filesystem allows it.
 struct DataFile {
@@ -62,39 +67,40 @@ impl Store {
         dir.join(MANIFEST).is_file()
     }
 
-    /// Open and check the structure: manifest readable and of this format, every segment inside
-    /// the data file and inside the bounds its shape implies. Checksums are checked on each read.
+    /// Open and check the structure: manifest readable, of this format and as it was written
+    /// (its checksums), its spec valid and every tensor the spec needs there in the shape it
+    /// implies, every segment inside its file, no two over the same bytes, the tokenizer files
+    /// there. Data checksums are checked on each read. Temporaries that dead writers left
+    /// beside the store are removed.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
         let mpath = dir.join(MANIFEST);
-        let meta = std::fs::metadata(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
-        if meta.len() > MAX_MANIFEST_BYTES {
-            return Err(format_err(
-                &mpath,
-                format!("{} bytes is too large for a manifest", meta.len()),
-            ));
-        }
-        let text = std::fs::read(&mpath).map_err(|e| StoreError::io(&mpath, e))?;
-        let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| format_err(&mpath, format!("not a valid store manifest: {e}")))?;
-        if manifest.format != FORMAT_NAME {
-            return Err(format_err(
-                &mpath,
-                format!("format `{}` is not a gpu-offload store", manifest.format),
-            ));
-        }
-        if manifest.version != FORMAT_VERSION {
-            return Err(format_err(
-                &mpath,
-                format!(
-                    "store format version {} (this build reads {FORMAT_VERSION}); convert the model again",
-                    manifest.version
-                ),
-            ));
-        }
+        let manifest = read_manifest(&mpath)?;
+        manifest
+            .check_sealed()
+            .map_err(|e| format_err(&mpath, e.to_string()))?;
+        // LEAD: call the shared spec validation of src/model/spec.rs here (helper "lim"), if it
+        // is other than `ModelSpec::validate`.
         manifest
             .spec
             .validate()
             .map_err(|m| format_err(&mpath, format!("model spec: {m}")))?;
+        super::check::check_layout(&manifest).map_err(|m| format_err(&mpath, m))?;
+        remove_stale_temps_around(dir);
+        for f in &manifest.tokenizer_files {
+            let path = dir.join(&f.name);
+            let len = std::fs::metadata(&path)
+                .map_err(|e| StoreError::io(&path, e))?
+                .len();
+            if len != f.bytes {
+                return Err(format_err(
+                    &path,
+                    format!(
+                        "{len} bytes, the manifest says {}: the store is damaged; convert the model again",
+                        f.bytes
+                    ),
+                ));
+            }
+        }
 
         let data = open_data(&dir.join(DATA))?;
         let source = if manifest.segments.iter().any(|s| s.in_source) {
@@ -300,7 +306,20 @@ impl Store {
         Ok((buf, first..first + seg.bytes as usize))
     }
 
-    /// Read every segment once (a full integrity check); `progress(done, total)` in bytes.
+    /// The full integrity check of `convert --verify`: every segment read once, its group
+    /// checksums and its whole-tensor checksum checked, and every tokenizer file against its
+    /// checksum (the manifest's own checksums and layout were checked at open).
+    /// `progress(done, total)` in bytes of segments.
+    pub fn verify(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), StoreError> {
+        self.verify_all(progress)?;
+        for f in &self.manifest.tokenizer_files {
+            super::check::check_file(&self.dir, f)?;
+        }
+        Ok(())
+    }
+
+    /// Read every segment once, checking its group checksums and its whole-tensor checksum;
+    /// `progress(done, total)` in bytes.
     pub fn verify_all(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<(), StoreError> {
         let total: u64 = self.manifest.segments.iter().map(|s| s.bytes).sum();
         let mut done = 0;
@@ -313,7 +332,17 @@ impl Store {
             .unwrap_or(0);
         let mut buf = AlignedBuf::zeroed(biggest as usize);
         for s in &self.manifest.segments {
-            self.read_rows_into(s, 0..s.rows, &mut buf)?;
+            let (first, _) = self.read_rows_into(s, 0..s.rows, &mut buf)?;
+            let whole = &buf.as_slice()[first..first + s.bytes as usize];
+            let actual = format!("{:016x}", xxh3_64(whole));
+            if actual != s.xxh3 {
+                return Err(StoreError::Checksum {
+                    path: self.file_of(s).path.clone(),
+                    segment: s.name.clone(),
+                    expected: s.xxh3.clone(),
+                    actual,
+                });
+            }
             done += s.bytes;
             progress(done, total);
         }
@@ -354,6 +383,10 @@ impl Store {
 
     /// The model's tokenizer, if the store carries one.
     pub fn tokenizer(&self) -> Result<Option<Tokenizer>, StoreError> {
+        // The files are read whole to be parsed anyway: checking them first costs one hash.
+        for f in &self.manifest.tokenizer_files {
+            super::check::check_file(&self.dir, f)?;
+        }
         Ok(match self.manifest.tokenizer {
             None => None,
             Some(TokenizerFiles::HuggingFace) => Tokenizer::from_hf_dir(&self.dir)?,
@@ -471,6 +504,57 @@ impl Store {
                 bias: self.opt_tensor(&names::layer(l, "ffn_down.bias"))?,
             },
         ))
+    }
+}
+
+/// The manifest at `mpath`: of this format and version, within the size limit, parsed.
+fn read_manifest(mpath: &Path) -> Result<Manifest, StoreError> {
+    let meta = std::fs::metadata(mpath).map_err(|e| StoreError::io(mpath, e))?;
+    let limit = crate::limits::MAX_FILE_READ_BYTES;
+    if !limit.admits(meta.len()) {
+        return Err(format_err(
+            mpath,
+            limit.refuse("the manifest's size", meta.len()),
+        ));
+    }
+    let text = std::fs::read(mpath).map_err(|e| StoreError::io(mpath, e))?;
+    let header: Header = serde_json::from_slice(&text)
+        .map_err(|e| format_err(mpath, format!("not a valid store manifest: {e}")))?;
+    if header.format != FORMAT_NAME {
+        return Err(format_err(
+            mpath,
+            format!("format `{}` is not a gpu-offload store", header.format),
+        ));
+    }
+    if header.version != FORMAT_VERSION {
+        let why = if header.version < FORMAT_VERSION {
+            " (written before manifests were checksummed)"
+        } else {
+            ""
+        };
+        return Err(format_err(
+            mpath,
+            format!(
+                "store format version {}{why}; this build reads version {FORMAT_VERSION}: convert the model again",
+                header.version
+            ),
+        ));
+    }
+    serde_json::from_slice(&text)
+        .map_err(|e| format_err(mpath, format!("not a valid store manifest: {e}")))
+}
+
+/// Remove what writers killed mid-write left: temporaries inside the store directory and the
+/// temporary or replaced directories of this store beside it (their processes gone).
+fn remove_stale_temps_around(dir: &Path) {
+    crate::fsutil::remove_stale_temps(dir, None);
+    if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        crate::fsutil::remove_stale_temps(parent, Some(name.to_string_lossy().as_ref()));
     }
 }
 

@@ -275,9 +275,14 @@ pub fn cached_store_for(source: &Path) -> Result<PathBuf, StoreError> {
         .join(format!("{key:016x}")))
 }
 
-fn write_tokenizer(source: &Path, tmp: &Path) -> Result<Option<TokenizerFiles>, StoreError> {
+/// Copy or extract the tokenizer into `tmp`: what kind it is and the files written.
+fn write_tokenizer(
+    source: &Path,
+    tmp: &Path,
+) -> Result<(Option<TokenizerFiles>, Vec<&'static str>), StoreError> {
     if source.is_dir() {
         let mut any = false;
+        let mut written = Vec::new();
         for name in [
             "tokenizer.json",
             "tokenizer_config.json",
@@ -290,9 +295,10 @@ fn write_tokenizer(source: &Path, tmp: &Path) -> Result<Option<TokenizerFiles>, 
             if from.exists() {
                 fs::copy(&from, tmp.join(name)).map_err(|e| StoreError::io(&from, e))?;
                 any |= name == "tokenizer.json";
+                written.push(name);
             }
         }
-        return Ok(any.then_some(TokenizerFiles::HuggingFace));
+        return Ok((any.then_some(TokenizerFiles::HuggingFace), written));
     }
     let gguf = GgufFile::open(source)?;
     let entries: Vec<(&str, MetaValue)> = gguf
@@ -303,11 +309,11 @@ fn write_tokenizer(source: &Path, tmp: &Path) -> Result<Option<TokenizerFiles>, 
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     if entries.is_empty() {
-        return Ok(None);
+        return Ok((None, Vec::new()));
     }
     let path = tmp.join("tokenizer.gguf");
     crate::model::gguf::write(&path, &entries, &[]).map_err(|e| StoreError::io(&path, e))?;
-    Ok(Some(TokenizerFiles::Gguf))
+    Ok((Some(TokenizerFiles::Gguf), vec!["tokenizer.gguf"]))
 }
 
 /// Convert `source` (GGUF file or HF directory) into a store at `out`. `progress(done, total)`
@@ -351,7 +357,9 @@ pub fn convert(
         })?
         .to_string_lossy()
         .into_owned();
-    remove_abandoned(parent, &name);
+    // Temporaries of earlier conversions to the same target whose process is gone (a crash or
+    // kill mid-write leaves one behind; it never becomes a store).
+    crate::fsutil::remove_stale_temps(parent, Some(name.as_str()));
     let tmp = parent.join(format!(".{name}.tmp.{}", std::process::id()));
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| StoreError::io(&tmp, e))?;
@@ -365,28 +373,6 @@ pub fn convert(
         fs::remove_dir_all(&tmp).ok();
     }
     result
-}
-
-/// Remove temporary directories of earlier conversions to the same target whose process is
-/// gone (a crash or kill mid-write leaves one behind; it never becomes a store).
-fn remove_abandoned(parent: &Path, name: &str) {
-    let prefixes = [format!(".{name}.tmp."), format!(".{name}.old.")];
-    let Ok(entries) = fs::read_dir(parent) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let fname = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = prefixes.iter().find_map(|p| fname.strip_prefix(p.as_str())) else {
-            continue;
-        };
-        let alive = pid
-            .parse::<u32>()
-            .is_ok_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
-        if !alive {
-            tracing::info!("removing abandoned {}", e.path().display());
-            fs::remove_dir_all(e.path()).ok();
-        }
-    }
 }
 
 /// Move the finished temporary directory to `out`, replacing what was there.
@@ -527,7 +513,11 @@ fn write_store(
     }
     let (data_bytes, segments) = dw.finish()?;
 
-    let tokenizer = write_tokenizer(source, tmp)?;
+    let (tokenizer, tokenizer_names) = write_tokenizer(source, tmp)?;
+    let tokenizer_files = tokenizer_names
+        .iter()
+        .map(|n| super::check::file_checksum(tmp, n))
+        .collect::<Result<Vec<_>, _>>()?;
     let spec_json =
         serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
     let mut id = Xxh3::new();
@@ -536,7 +526,7 @@ fn write_store(
         id.update(s.name.as_bytes());
         id.update(s.xxh3.as_bytes());
     }
-    let manifest = Manifest {
+    let mut manifest = Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         model_id: format!("{:016x}", id.digest()),
@@ -546,7 +536,15 @@ fn write_store(
         data_bytes,
         segments,
         tokenizer,
+        tokenizer_files,
+        checksums: ManifestChecksums::default(),
     };
+    manifest.seal()?;
+    // What the reader will check: a writer whose manifest fails its own checks (a model the
+    // layout has no place for) fails here, not at every later open.
+    super::check::check_layout(&manifest).map_err(|m| {
+        StoreError::Unsupported(format!("the converted store would be refused: {m}"))
+    })?;
     let text =
         serde_json::to_vec_pretty(&manifest).map_err(|e| StoreError::Unsupported(e.to_string()))?;
     let mpath = tmp.join(MANIFEST);

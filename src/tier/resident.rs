@@ -167,7 +167,10 @@ impl Embeddings {
         let mut row = vec![0f32; d];
         for (i, &id) in ids.iter().enumerate() {
             let x = &mut self.x_host[i * d..(i + 1) * d];
-            self.token.t.row_f32(id as usize, x);
+            self.token
+                .t
+                .row_f32(id as usize, x)
+                .map_err(|e| EngineError::InvalidToken { id, vocab: e.rows })?;
             if let Some((table, offset)) = &self.pos {
                 let r = first_pos + i + offset;
                 if r >= table.t.rows {
@@ -176,7 +179,10 @@ impl Embeddings {
                         ctx: table.t.rows - offset,
                     });
                 }
-                table.t.row_f32(r, &mut row);
+                table
+                    .t
+                    .row_f32(r, &mut row)
+                    .map_err(|e| EngineError::Weights(e.to_string()))?;
                 x.iter_mut().zip(&row).for_each(|(a, p)| *a += p);
             }
         }

@@ -494,7 +494,9 @@ impl Backend for CpuBackend {
                     format!("token id {id} ≥ vocabulary {}", table.rows),
                 ));
             }
-            table.row_f32(id as usize, o);
+            table
+                .row_f32(id as usize, o)
+                .map_err(|e| shape_err("embed", e.to_string()))?;
         }
         Ok(())
     }
@@ -513,7 +515,9 @@ impl Backend for CpuBackend {
         }
         let mut row = vec![0f32; x.cols];
         for (i, xr) in x.data.chunks_mut(x.cols).enumerate() {
-            table.row_f32(first_row + i, &mut row);
+            table
+                .row_f32(first_row + i, &mut row)
+                .map_err(|e| shape_err("add_table_rows", e.to_string()))?;
             xr.iter_mut().zip(&row).for_each(|(a, b)| *a += b);
         }
         Ok(())
