@@ -357,7 +357,9 @@ fn impossible_numbers_in_gguf_metadata_are_refused_by_key() {
     let dir = tempfile::tempdir().unwrap();
     let eps = "llama.attention.layer_norm_rms_epsilon";
     let theta = "llama.rope.freq_base";
-    let cases: Vec<(&str, Vec<(&str, MetaValue)>, &str)> = vec![
+    // (file name, metadata edits, what the error must name)
+    type Case<'a> = (&'a str, Vec<(&'a str, MetaValue)>, &'a str);
+    let cases: Vec<Case> = vec![
         ("eps-nan", vec![(eps, MetaValue::F32(f32::NAN))], eps),
         ("eps-neg", vec![(eps, MetaValue::F32(-1e-5))], eps),
         ("eps-zero", vec![(eps, MetaValue::F32(0.0))], eps),
@@ -504,7 +506,9 @@ fn a_vocabulary_unlike_the_embedding_is_refused() {
                 }
             };
             let extras: [(&str, &dyn Fn(usize) -> MetaValue); 3] = [
-                ("tokenizer.ggml.tokens", &|i| MetaValue::String(format!("x{i}"))),
+                ("tokenizer.ggml.tokens", &|i| {
+                    MetaValue::String(format!("x{i}"))
+                }),
                 ("tokenizer.ggml.scores", &|_| MetaValue::F32(0.0)),
                 ("tokenizer.ggml.token_type", &|_| MetaValue::I32(1)),
             ];

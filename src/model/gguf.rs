@@ -437,7 +437,11 @@ impl<'a> Cursor<'a> {
                     return Ok(MetaValue::Raw(RawArray {
                         elem,
                         len: n as u64,
-                        bytes: Bytes::mapped(self.map.clone(), start..self.pos),
+                        // Mapped even when unaligned: only read as bytes, never typed.
+                        bytes: Bytes::Mapped {
+                            map: self.map.clone(),
+                            range: start..self.pos,
+                        },
                     }));
                 }
                 self.keep(
