@@ -518,18 +518,10 @@ fn write_store(
         .iter()
         .map(|n| super::check::file_checksum(tmp, n))
         .collect::<Result<Vec<_>, _>>()?;
-    let spec_json =
-        serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
-    let mut id = Xxh3::new();
-    id.update(spec_json.as_bytes());
-    for s in &segments {
-        id.update(s.name.as_bytes());
-        id.update(s.xxh3.as_bytes());
-    }
     let mut manifest = Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
-        model_id: format!("{:016x}", id.digest()),
+        model_id: model_id(spec, &segments)?,
         spec: spec.clone(),
         source: source_info(source)?,
         bundle_encodings: encodings,
@@ -550,6 +542,19 @@ fn write_store(
     let mpath = tmp.join(MANIFEST);
     crate::fsutil::write_atomic(&mpath, &text).map_err(|e| StoreError::io(&mpath, e))?;
     Ok(manifest)
+}
+
+/// Identity of the converted weights: xxh3-64 over the spec and every segment's checksum.
+fn model_id(spec: &crate::model::ModelSpec, segments: &[Segment]) -> Result<String, StoreError> {
+    let spec_json =
+        serde_json::to_string(spec).map_err(|e| StoreError::Unsupported(e.to_string()))?;
+    let mut id = Xxh3::new();
+    id.update(spec_json.as_bytes());
+    for s in segments {
+        id.update(s.name.as_bytes());
+        id.update(s.xxh3.as_bytes());
+    }
+    Ok(format!("{:016x}", id.digest()))
 }
 
 #[cfg(test)]
