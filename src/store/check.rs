@@ -115,36 +115,6 @@ fn diff_values(at: &str, a: &Value, b: &Value, out: &mut Vec<(String, String, St
     }
 }
 
-/// The spec's sizes within the limits every loader holds a model to, so that the shapes
-/// computed from them do not overflow (a sealed manifest may still come from a hostile writer).
-fn check_limits(s: &crate::model::ModelSpec) -> Result<(), String> {
-    use crate::limits::{MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
-    let checks = [
-        (MAX_LAYERS, "n_layers", s.n_layers),
-        (MAX_VOCAB, "vocab_size", s.vocab_size),
-        (MAX_HEADS, "n_heads", s.n_heads),
-        (MAX_HEADS, "n_kv_heads", s.n_kv_heads),
-        (MAX_DIM, "d_model", s.d_model),
-        (MAX_DIM, "d_ff", s.d_ff),
-        (MAX_DIM, "head_dim", s.head_dim),
-        (MAX_DIM, "max_context", s.max_context),
-    ];
-    for (limit, what, n) in checks {
-        if !limit.admits(n as u64) {
-            return Err(format!("model spec: {}", limit.refuse(what, n as u64)));
-        }
-    }
-    for (what, n) in [
-        ("n_heads × head_dim", s.q_dim()),
-        ("n_kv_heads × head_dim", s.kv_dim()),
-    ] {
-        if !MAX_DIM.admits(n as u64) {
-            return Err(format!("model spec: {}", MAX_DIM.refuse(what, n as u64)));
-        }
-    }
-    Ok(())
-}
-
 /// How many rows the spec allows a tensor.
 #[derive(Clone, Copy, Debug)]
 enum Rows {
@@ -273,7 +243,8 @@ fn required_in_layer(m: &Manifest, l: usize) -> Vec<String> {
 /// Every segment has a place in the spec and the shape and encoding of that place; every
 /// tensor the spec needs is there; no two segments share bytes. Errors name the segment.
 pub(super) fn check_layout(m: &Manifest) -> Result<(), String> {
-    check_limits(&m.spec)?;
+    // The one validation every loader runs (counts, limits, numbers no model has).
+    m.spec.validate().map_err(|e| format!("model spec: {e}"))?;
     check_bundle_encodings(m)?;
     let s = &m.spec;
     for seg in &m.segments {

@@ -78,12 +78,6 @@ impl Store {
         manifest
             .check_sealed()
             .map_err(|e| format_err(&mpath, e.to_string()))?;
-        // LEAD: call the shared spec validation of src/model/spec.rs here (helper "lim"), if it
-        // is other than `ModelSpec::validate`.
-        manifest
-            .spec
-            .validate()
-            .map_err(|m| format_err(&mpath, format!("model spec: {m}")))?;
         super::check::check_layout(&manifest).map_err(|m| format_err(&mpath, m))?;
         remove_stale_temps_around(dir);
         for f in &manifest.tokenizer_files {
