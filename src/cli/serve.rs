@@ -102,8 +102,8 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_OFFLOAD_BODY_TIMEOUT", default_value_t = 30.0)]
     pub body_timeout: f64,
 
-    /// Prompts of one client (API key, or address without keys) encoded at once; more get 429
-    /// until they finish.
+    /// Prompts of one client (API key, or address without keys) encoded at once; more wait
+    /// their turn (64 at most, then 429), never holding up other clients'.
     #[arg(long, env = "GPU_OFFLOAD_TOKENIZE_PER_KEY", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
     pub tokenize_per_key: u16,
 

@@ -6,8 +6,8 @@
 //! out ASCII whitespace, which a special token's strip may swallow), so a prompt of `B` such
 //! bytes is at least `B / longest` tokens and is refused at once when that is over the limit.
 //! What passes is at most the limit times the longest token's bytes: it is encoded on the
-//! blocking pool, at most `tokenize_per_key` of one client's at a time (more: 429) and at most
-//! one per CPU in all.
+//! blocking pool, at most `tokenize_per_key` of one client's at a time (more wait their turn, up to
+//! a bound, then 429) and at most one per CPU in all.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -27,9 +27,13 @@ pub struct Encoder {
     prompt_limit: usize,
     ctx: usize,
     per_key: usize,
-    running: Mutex<HashMap<String, usize>>,
+    /// Per client: its encodings' permits, and how many run or wait.
+    running: Mutex<HashMap<String, (Arc<Semaphore>, usize)>>,
     pool: Semaphore,
 }
+
+/// Encodings of one client that may wait for their turn; beyond, 429.
+const WAITING_PER_KEY: usize = 64;
 
 /// One client's encoding counted until dropped.
 struct Pass<'a> {
@@ -44,7 +48,7 @@ impl Drop for Pass<'_> {
             .running
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = running.get_mut(&self.key) {
+        if let Some((_, n)) = running.get_mut(&self.key) {
             *n -= 1;
             if *n == 0 {
                 running.remove(&self.key);
@@ -132,21 +136,28 @@ impl Encoder {
         Ok(())
     }
 
-    /// Count one encoding of `key`'s: refused while it has `per_key` running or waiting.
-    fn enter(&self, key: &str) -> Result<Pass<'_>, ApiError> {
+    /// Count one encoding of `key`'s and the permits it waits on (`per_key` of them): refused
+    /// while the client has that many running and [`WAITING_PER_KEY`] more waiting.
+    fn enter(&self, key: &str) -> Result<(Pass<'_>, Arc<Semaphore>), ApiError> {
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let n = running.entry(key.to_string()).or_insert(0);
-        if *n >= self.per_key {
+        let (permits, n) = running
+            .entry(key.to_string())
+            .or_insert_with(|| (Arc::new(Semaphore::new(self.per_key)), 0));
+        if *n >= self.per_key + WAITING_PER_KEY {
             return Err(ApiError::too_many(format!(
-                "{} prompts of this client are being encoded already (--tokenize-per-key); retry when they finish",
-                self.per_key
+                "{} prompts of this client are being encoded or waiting to be (--tokenize-per-key {}); retry when they finish",
+                *n, self.per_key
             )));
         }
         *n += 1;
-        Ok(Pass {
-            encoder: self,
-            key: key.to_string(),
-        })
+        let permits = permits.clone();
+        Ok((
+            Pass {
+                encoder: self,
+                key: key.to_string(),
+            },
+            permits,
+        ))
     }
 
     /// Run `work` on the blocking pool as one encoding of `key`'s.
@@ -161,12 +172,11 @@ impl Encoder {
                 Some("prompt"),
             )
         })?;
-        let _pass = self.enter(key)?;
-        let _permit = self
-            .pool
-            .acquire()
-            .await
-            .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+        let (_pass, permits) = self.enter(key)?;
+        let closed = |_| ApiError::unavailable("the server is shutting down");
+        // The client's turn first, then a CPU's: one client's backlog waits on its own permits.
+        let _turn = permits.acquire().await.map_err(closed)?;
+        let _permit = self.pool.acquire().await.map_err(closed)?;
         tokio::task::spawn_blocking(move || work(&tok))
             .await
             .map_err(|e| ApiError::internal(format!("encoding the prompt failed: {e}")))?
@@ -248,13 +258,17 @@ mod tests {
     #[test]
     fn a_client_gets_its_share_of_encodings() {
         let e = Encoder::new(None, 100, 100, 2);
-        let a1 = e.enter("a").unwrap();
-        let _a2 = e.enter("a").unwrap();
+        let mut a: Vec<_> = (0..2 + WAITING_PER_KEY)
+            .map(|_| e.enter("a").unwrap())
+            .collect();
+        // Its own permits: two run at once, the rest wait.
+        assert_eq!(a[0].1.available_permits(), 2);
         let err = e.enter("a").err().unwrap();
         assert_eq!(err.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
         // Another client is not held up by the first's.
-        let _b = e.enter("b").unwrap();
-        drop(a1);
+        let (_b, permits) = e.enter("b").unwrap();
+        assert_eq!(permits.available_permits(), 2);
+        a.pop();
         assert!(e.enter("a").is_ok());
     }
 
