@@ -195,6 +195,16 @@ fn lock_exclusive(_file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Read `path` whole, but never more than `max + 1` bytes: a result longer than `max` means the
+/// file is over it (and `/dev/zero` or a huge file costs `max` bytes, not all memory).
+pub fn read_at_most(path: &Path, max: u64) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    File::open(path)?
+        .take(max.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

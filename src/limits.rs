@@ -153,6 +153,14 @@ pub const MAX_LOGIT_BIAS_KEYS: Limit = Limit {
     what: "keys of one request's logit_bias",
 };
 
+/// Bytes of one line of a `prefill` JSONL input (a record: its prompt JSON-escaped, or its
+/// token ids), read line by line so the file itself may be of any size.
+pub const MAX_JSONL_LINE_BYTES: Limit = Limit {
+    name: "max_jsonl_line_bytes",
+    value: 16 << 20,
+    what: "bytes of one line of a prefill JSONL input",
+};
+
 /// Every limit, in the order the README lists them.
 pub const ALL: &[Limit] = &[
     MAX_LAYERS,
@@ -167,6 +175,7 @@ pub const ALL: &[Limit] = &[
     MAX_STOP_STRINGS,
     MAX_STOP_BYTES,
     MAX_LOGIT_BIAS_KEYS,
+    MAX_JSONL_LINE_BYTES,
 ];
 
 /// The README's "Limits" table: one row a limit of [`ALL`], in order.

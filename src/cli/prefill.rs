@@ -9,7 +9,7 @@
 //! job writes what an uninterrupted one would have.
 
 use std::collections::{HashMap, HashSet};
-use std::io::IsTerminal;
+use std::io::{BufRead, IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -23,10 +23,11 @@ use crate::backend::Backend;
 use crate::engine::{Engine, EngineError, Logits, Sampler, SamplerParams, Session};
 use crate::footprint::MAX_BATCH;
 use crate::fsutil::LineLog;
+use crate::limits::{MAX_JSONL_LINE_BYTES, MAX_PROMPT_BYTES};
 use crate::model::Tokenizer;
 use crate::model::tokenizer::TextStream;
 use crate::runtime::{Job, with_engine};
-use crate::runtime::{LoadedModel, ModelArgs};
+use crate::runtime::{LoadedModel, ModelArgs, read_prompt_file};
 
 #[derive(Debug, Args)]
 pub struct PrefillArgs {
@@ -90,20 +91,86 @@ struct Record {
     source: std::result::Result<Source, String>,
 }
 
-/// The records of a JSONL file. A line without a usable id is named `line:N` (1-based); a
+/// One line of a JSONL input, read no further than `max` bytes: None at the end, Some(false)
+/// for a line over `max` (skipped to its end), Some(true) with the line in `buf` (no newline).
+fn next_line(r: &mut impl BufRead, max: usize, buf: &mut Vec<u8>) -> std::io::Result<Option<bool>> {
+    buf.clear();
+    if r.by_ref().take(max as u64 + 1).read_until(b'\n', buf)? == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+        return Ok(Some(true));
+    }
+    if buf.len() <= max {
+        return Ok(Some(true));
+    }
+    loop {
+        let avail = r.fill_buf()?;
+        if avail.is_empty() {
+            break;
+        }
+        match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                r.consume(i + 1);
+                break;
+            }
+            None => {
+                let n = avail.len();
+                r.consume(n);
+            }
+        }
+    }
+    Ok(Some(false))
+}
+
+/// The records of a JSONL file, read line by line (each line at most `max_jsonl_line_bytes`).
+/// A line without a usable id (not UTF-8, not JSON, too long) is named `line:N` (1-based); a
 /// repeated id is an error record named by its line, so ids in the output stay unique.
 fn read_jsonl(path: &Path) -> Result<Vec<Record>> {
-    let text = std::fs::read_to_string(path)
+    let file = std::fs::File::open(path)
         .with_context(|| format!("cannot read input {}", path.display()))?;
+    let mut reader = std::io::BufReader::new(file);
     let base = path.parent().unwrap_or(Path::new("."));
     let mut first_line: HashMap<String, usize> = HashMap::new();
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let n = i + 1;
+    let mut buf = Vec::new();
+    let limit = MAX_JSONL_LINE_BYTES;
+    for n in 1.. {
+        let whole = next_line(&mut reader, limit.value as usize, &mut buf)
+            .with_context(|| format!("cannot read input {} at line {n}", path.display()))?;
+        let line_id = format!("line:{n}");
+        let line = match whole {
+            None => break,
+            Some(false) => {
+                out.push(Record {
+                    id: line_id,
+                    source: Err(
+                        limit.refuse("the line's length in bytes (read so far)", limit.value + 1)
+                    ),
+                });
+                continue;
+            }
+            Some(true) => match std::str::from_utf8(&buf) {
+                Ok(l) => l,
+                Err(e) => {
+                    out.push(Record {
+                        id: line_id,
+                        source: Err(format!(
+                            "line {n} is not UTF-8 (invalid byte at column {})",
+                            e.valid_up_to() + 1
+                        )),
+                    });
+                    continue;
+                }
+            },
+        };
         if line.trim().is_empty() {
             continue;
         }
-        let line_id = format!("line:{n}");
         let v: Value = match serde_json::from_str(line) {
             Ok(v @ Value::Object(_)) => v,
             Ok(_) => {
@@ -165,6 +232,9 @@ fn source_of(v: &Value, base: &Path) -> std::result::Result<Source, String> {
     }
     match given[0] {
         "prompt" => match &v["prompt"] {
+            Value::String(s) if !MAX_PROMPT_BYTES.admits(s.len() as u64) => {
+                Err(MAX_PROMPT_BYTES.refuse("the prompt's text in bytes", s.len() as u64))
+            }
             Value::String(s) => Ok(Source::Text(s.clone())),
             _ => Err("prompt must be a string".into()),
         },
@@ -225,8 +295,7 @@ fn tokens_of(
             return Ok(ids.clone());
         }
         Source::Text(t) => t.clone(),
-        Source::File(p) => std::fs::read_to_string(p)
-            .map_err(|e| format!("cannot read prompt file {}: {e}", p.display()))?,
+        Source::File(p) => read_prompt_file(p).map_err(|e| format!("{e:#}"))?,
     };
     if text.trim().is_empty() {
         return Err("empty prompt".into());
@@ -502,10 +571,34 @@ fn drive<B: Backend>(
     Ok(())
 }
 
+/// The input is a file or a directory (not a device or a pipe: a job reads it again to
+/// resume), and the output is not the input (it would be taken for a finished job's output).
+fn check_paths(input: &Path, meta: &std::fs::Metadata, output: &Path) -> Result<()> {
+    if !meta.is_file() && !meta.is_dir() {
+        bail!(
+            "input {} is neither a regular file nor a directory (a job reads its input again to resume)",
+            input.display()
+        );
+    }
+    #[cfg(unix)]
+    if let Ok(out) = std::fs::metadata(output) {
+        use std::os::unix::fs::MetadataExt;
+        if (out.dev(), out.ino()) == (meta.dev(), meta.ino()) {
+            bail!(
+                "--output {} is the input {}: the results would be appended to the prompts (and every record taken as done)",
+                output.display(),
+                input.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 pub fn run(args: PrefillArgs) -> Result<()> {
     let sampler = args.sampling.params(0.0, || 0)?;
     let meta = std::fs::metadata(&args.input)
         .with_context(|| format!("input {} is not readable", args.input.display()))?;
+    check_paths(&args.input, &meta, &args.output)?;
     let records = if meta.is_dir() {
         read_dir(&args.input)?
     } else {

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
 
@@ -111,7 +111,16 @@ pub fn run(args: RunArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty (and the model adds no BOS token): nothing to continue from");
     }
-    let ctx = loaded.context_for(&args.model, prompt.len() + args.max_tokens)?;
+    // Checked: `-n 18446744073709551615` once wrapped to a context of 2.
+    let needed = prompt.len().checked_add(args.max_tokens).with_context(|| {
+        format!(
+            "-n {}: the prompt's {} tokens and that many new ones overflow a count; ask for at most the model's context of {} tokens",
+            args.max_tokens,
+            prompt.len(),
+            loaded.spec().max_context
+        )
+    })?;
+    let ctx = loaded.context_for(&args.model, needed)?;
     if prompt.len() > ctx {
         bail!(
             "the prompt has {} tokens but the context holds {ctx} (the model's maximum is {}; see --ctx-size)",

@@ -15,7 +15,9 @@ use crate::runtime::Job;
 use crate::runtime::parse_bytes;
 use crate::runtime::{LoadedModel, ModelArgs};
 use crate::service::api::Limits;
+use crate::service::conn::Timeouts;
 use crate::service::server::{EngineThread, serve_http};
+use crate::service::tokenize::Encoder;
 use crate::service::worker::WorkerConfig;
 use crate::service::{AppState, HttpConfig, Shared};
 
@@ -86,6 +88,25 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_OFFLOAD_SHUTDOWN_GRACE", default_value_t = 10.0)]
     pub shutdown_grace: f64,
 
+    /// Seconds a request head may take, from a connection's opening or the head's first byte
+    /// to its end; a client slower than that (or silent) is closed, with a 408 once it began.
+    #[arg(long, env = "GPU_OFFLOAD_HEADER_TIMEOUT", default_value_t = 10.0)]
+    pub header_timeout: f64,
+
+    /// Seconds a kept-alive connection may wait for its next request, and a client may leave
+    /// its answer unread (a write without progress), before the connection is closed.
+    #[arg(long, env = "GPU_OFFLOAD_IDLE_TIMEOUT", default_value_t = 60.0)]
+    pub idle_timeout: f64,
+
+    /// Seconds a request body may take to arrive whole; beyond, 408.
+    #[arg(long, env = "GPU_OFFLOAD_BODY_TIMEOUT", default_value_t = 30.0)]
+    pub body_timeout: f64,
+
+    /// Prompts of one client (API key, or address without keys) encoded at once; more wait
+    /// their turn (64 at most, then 429), never holding up other clients'.
+    #[arg(long, env = "GPU_OFFLOAD_TOKENIZE_PER_KEY", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
+    pub tokenize_per_key: u16,
+
     /// Model name reported by /v1/models and expected in requests [default: the file name]
     #[arg(long, env = "GPU_OFFLOAD_MODEL_NAME")]
     pub model_name: Option<String>,
@@ -101,6 +122,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.queue == 0 {
         bail!("--queue must be at least 1");
     }
+    if a.default_max_tokens == 0 {
+        bail!("--default-max-tokens must be at least 1 (a request generates at least one token)");
+    }
+    let seconds = |flag: &str, v: f64| -> Result<Duration> {
+        if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+            bail!("--{flag} must be a number of seconds above 0 and at most 86400, got {v}");
+        }
+        Ok(Duration::from_secs_f64(v))
+    };
+    let timeouts = Timeouts {
+        header: seconds("header-timeout", a.header_timeout)?,
+        idle: seconds("idle-timeout", a.idle_timeout)?,
+        body: seconds("body-timeout", a.body_timeout)?,
+    };
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
     let ctx = loaded.context_for(&a.model, spec.max_context.min(2048))?;
@@ -147,10 +182,17 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let shared = Shared::new(running.ledger.clone()).context("metrics")?;
     let tok = loaded.tokenizer.clone().map(Arc::new);
     let (tx, rx) = std::sync::mpsc::channel();
+    let max_prompt_tokens = a.max_prompt_tokens.unwrap_or(ctx);
+    let encoder = Arc::new(Encoder::new(
+        tok.clone(),
+        max_prompt_tokens,
+        ctx,
+        a.tokenize_per_key as usize,
+    ));
     let worker_cfg = WorkerConfig {
         parallel,
         ctx,
-        max_prompt_tokens: a.max_prompt_tokens.unwrap_or(ctx),
+        max_prompt_tokens,
         shutdown_grace: Duration::from_secs_f64(a.shutdown_grace),
     };
     // The cost models are measured on the engine thread, once the engine is there.
@@ -186,6 +228,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             max_tokens: a.max_tokens_limit,
             default_max_tokens: a.default_max_tokens.min(a.max_tokens_limit),
         },
+        timeouts,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -196,6 +239,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         tx,
         shared: shared.clone(),
         cfg: Arc::new(cfg.clone()),
+        encoder,
     };
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.addr)

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::chunk::Bits;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{read_at_most, write_atomic};
 use crate::model::ChatMessage;
 
 const FORMAT: &str = "gpu-offload-context";
@@ -130,7 +130,14 @@ fn load_index(path: &Path) -> Result<ContextIndex, PersistError> {
         path: path.to_path_buf(),
         msg,
     };
-    let bytes = fs::read(path).map_err(io_err(path))?;
+    // Bounded: an index replaced by a link to /dev/zero is refused, not read until memory ends.
+    let limit = crate::limits::MAX_FILE_READ_BYTES;
+    let bytes = read_at_most(path, limit.value).map_err(io_err(path))?;
+    if !limit.admits(bytes.len() as u64) {
+        return Err(corrupt(
+            limit.refuse("its length in bytes (read so far)", bytes.len() as u64),
+        ));
+    }
     let sealed: Sealed = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
     let text = serde_json::to_vec(&sealed.body).unwrap_or_default();
     if format!("{:016x}", xxh3_64(&text)) != sealed.xxh3 {
@@ -199,7 +206,20 @@ pub fn write_chunk(
 /// Read a chunk and check its length and checksum.
 pub fn read_chunk(kv_dir: &Path, id: &str, rec: &ChunkRecord) -> Result<Vec<u8>, PersistError> {
     let path = context_dir(kv_dir, id).join(&rec.file);
-    let bytes = fs::read(&path).map_err(io_err(&path))?;
+    // The size the index records is checked before reading: a chunk replaced by a larger file
+    // (or a link to a device) is refused without reading it.
+    let meta = fs::metadata(&path).map_err(io_err(&path))?;
+    if !meta.is_file() || meta.len() != rec.bytes {
+        return Err(PersistError::Corrupt {
+            path,
+            msg: if meta.is_file() {
+                format!("{} bytes, expected {}", meta.len(), rec.bytes)
+            } else {
+                "not a regular file".into()
+            },
+        });
+    }
+    let bytes = read_at_most(&path, rec.bytes).map_err(io_err(&path))?;
     if bytes.len() as u64 != rec.bytes {
         return Err(PersistError::Corrupt {
             path,
@@ -247,6 +267,36 @@ pub fn remove_context(kv_dir: &Path, id: &str) -> Result<(), PersistError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 39: an index or a chunk replaced by a link to /dev/zero was read until allocation
+    /// failed (the process aborted); now each is a named error and the other contexts load.
+    #[cfg(unix)]
+    #[test]
+    fn files_linked_to_dev_zero_are_refused_not_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        prepare(dir.path()).unwrap();
+        let mut idx = ContextIndex::new("m1", "ctx-a", None, 7);
+        idx.tokens = vec![1, 2, 3];
+        let rec = write_chunk(dir.path(), "ctx-a", 0, 3, Bits::F32, b"abcdefgh").unwrap();
+        idx.chunks.push(Some(rec.clone()));
+        save_index(dir.path(), &idx).unwrap();
+        let chunk = context_dir(dir.path(), "ctx-a").join(&rec.file);
+        fs::remove_file(&chunk).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &chunk).unwrap();
+        let e = read_chunk(dir.path(), "ctx-a", &rec).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        fs::remove_file(&chunk).unwrap();
+        fs::write(&chunk, vec![0u8; 1 << 20]).unwrap();
+        let e = read_chunk(dir.path(), "ctx-a", &rec).unwrap_err();
+        assert!(e.to_string().contains("expected 8"), "{e}");
+
+        let ip = context_dir(dir.path(), "ctx-a").join("index.json");
+        fs::remove_file(&ip).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &ip).unwrap();
+        let all = load_all(dir.path()).unwrap();
+        let e = all[0].as_ref().unwrap_err();
+        assert!(e.to_string().contains("max_file_read_bytes"), "{e}");
+    }
 
     #[test]
     fn index_and_chunks_roundtrip_and_corruption_is_named() {

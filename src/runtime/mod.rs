@@ -31,7 +31,7 @@ pub use device::{budget_for, kv_type_for};
 pub use engine::AnyEngine;
 pub(crate) use engine::with_engine;
 pub use job::Job;
-pub use model::{DEFAULT_SPARSITY_TARGET, LoadedModel};
+pub use model::{DEFAULT_SPARSITY_TARGET, LoadedModel, read_prompt_file};
 pub use options::{
     BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes, parse_share,
 };

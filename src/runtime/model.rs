@@ -3,7 +3,7 @@
 //! identity, tokenizer, the prompt flags as token ids, the context a job gets, and the
 //! thresholds or predictors `--sparsity` asks for.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -217,8 +217,7 @@ impl LoadedModel {
         }
         let text = match (&p.prompt, &p.prompt_file) {
             (Some(t), _) => t.clone(),
-            (None, Some(f)) => std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read prompt file {}", f.display()))?,
+            (None, Some(f)) => read_prompt_file(f)?,
             (None, None) => bail!("give a prompt with --prompt, --prompt-file or --tokens"),
         };
         let tok = self.tokenizer()?;
@@ -260,4 +259,26 @@ impl LoadedModel {
         };
         Ok(ctx.max(1))
     }
+}
+
+/// A prompt file's text, read no further than `max_file_read_bytes` (so `/dev/zero` or a huge
+/// file is refused, not read until memory runs out).
+pub fn read_prompt_file(path: &Path) -> Result<String> {
+    let limit = crate::limits::MAX_FILE_READ_BYTES;
+    let bytes = crate::fsutil::read_at_most(path, limit.value)
+        .with_context(|| format!("cannot read prompt file {}", path.display()))?;
+    if !limit.admits(bytes.len() as u64) {
+        bail!(
+            "prompt file {}: {}",
+            path.display(),
+            limit.refuse("its length in bytes (read so far)", bytes.len() as u64)
+        );
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "prompt file {} is not UTF-8 text (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
 }

@@ -6,6 +6,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 
 use crate::engine::{Penalties, SamplerParams};
+use crate::limits::{MAX_LOGIT_BIAS_KEYS, MAX_STOP_BYTES, MAX_STOP_STRINGS};
 use crate::model::ChatMessage;
 
 /// An error as OpenAI's API returns it: `{"error": {"message", "type", "param", "code"}}`.
@@ -63,6 +64,28 @@ impl ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }
 
+    /// A request (head or body) that did not arrive in time.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        let mut e = Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        );
+        e.code = Some("request_timeout");
+        e
+    }
+
+    /// A body over [`crate::limits::MAX_REQUEST_BODY_BYTES`].
+    pub fn too_large(message: impl Into<String>) -> Self {
+        let mut e = Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            message,
+        );
+        e.code = Some("request_too_large");
+        e
+    }
+
     pub fn method_not_allowed() -> Self {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -93,6 +116,23 @@ pub enum Input {
     Text(String),
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>),
+    /// Text or chat the HTTP side already encoded (off the engine thread), and the field it came
+    /// from for errors.
+    Encoded {
+        tokens: Vec<u32>,
+        param: &'static str,
+    },
+}
+
+impl Input {
+    /// The request field errors about the prompt name.
+    pub fn param(&self) -> &'static str {
+        match self {
+            Input::Chat(_) => "messages",
+            Input::Encoded { param, .. } => param,
+            Input::Text(_) | Input::Tokens(_) => "prompt",
+        }
+    }
 }
 
 /// A checked generation request.
@@ -295,6 +335,12 @@ fn penalties(o: &Map<String, Value>) -> Result<Penalties, ApiError> {
     let bias = match o.get(key) {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(m)) => {
+            if !MAX_LOGIT_BIAS_KEYS.admits(m.len() as u64) {
+                return Err(ApiError::bad_request(
+                    MAX_LOGIT_BIAS_KEYS.refuse("the number of 'logit_bias' keys", m.len() as u64),
+                    Some(key),
+                ));
+            }
             let mut bias = Vec::with_capacity(m.len());
             for (id, v) in m {
                 let Ok(t) = id.parse::<u32>() else {
@@ -357,6 +403,17 @@ fn common(
     };
     let max_tokens = match count(o, key)? {
         None => limits.default_max_tokens,
+        // As OpenAI's API: a request generates at least one token (the CLI's `-n 0` prefills only).
+        Some(0) => {
+            let mut e = ApiError::bad_request(
+                format!(
+                    "Invalid '{key}': integer below minimum value. Expected a value >= 1, but got 0 instead."
+                ),
+                Some(key),
+            );
+            e.code = Some("integer_below_min_value");
+            return Err(e);
+        }
         Some(n) if n as usize > limits.max_tokens || n > u32::MAX as u64 => {
             return Err(ApiError::bad_request(
                 format!(
@@ -389,13 +446,23 @@ fn common(
     let stop = match o.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(|s| s.is_string()) => a
+        Some(Value::Array(a)) if !MAX_STOP_STRINGS.admits(a.len() as u64) => {
+            return Err(ApiError::bad_request(
+                MAX_STOP_STRINGS.refuse("the number of 'stop' strings", a.len() as u64),
+                Some("stop"),
+            ));
+        }
+        Some(Value::Array(a)) if a.iter().all(|s| s.is_string()) => a
             .iter()
             .filter_map(|s| s.as_str().map(str::to_string))
             .collect(),
         Some(v) => {
             return Err(ApiError::bad_request(
-                format!("'stop' must be a string or up to 4 strings, got {v}"),
+                format!(
+                    "'stop' must be a string or up to {} strings, got {}",
+                    MAX_STOP_STRINGS.value,
+                    short(v)
+                ),
                 Some("stop"),
             ));
         }
@@ -403,6 +470,12 @@ fn common(
     if stop.iter().any(|s| s.is_empty()) {
         return Err(ApiError::bad_request(
             "'stop' strings must not be empty",
+            Some("stop"),
+        ));
+    }
+    if let Some(s) = stop.iter().find(|s| !MAX_STOP_BYTES.admits(s.len() as u64)) {
+        return Err(ApiError::bad_request(
+            MAX_STOP_BYTES.refuse("a 'stop' string's length in bytes", s.len() as u64),
             Some("stop"),
         ));
     }
@@ -662,6 +735,11 @@ mod tests {
             (br#"{"prompt":5}"#, "prompt"),
             (br#"{"max_tokens":5}"#, "prompt"),
             (br#"{"prompt":"a","stream":"yes"}"#, "stream"),
+            (br#"{"prompt":"a","max_tokens":0}"#, ">= 1, but got 0"),
+            (
+                br#"{"prompt":"a","stop":["a","b","c","d","e"]}"#,
+                "max_stop_strings",
+            ),
         ];
         for (body, needle) in cases {
             let e = parse_completion(body, L).unwrap_err();
@@ -696,5 +774,38 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(&needle[1..needle.len() - 1]));
         }
         assert!(parse_chat(br#"{"messages":[]}"#, L, false).is_err());
+    }
+
+    #[test]
+    fn stop_strings_and_logit_bias_are_bounded_by_the_limits() {
+        let long = "x".repeat(MAX_STOP_BYTES.value as usize + 1);
+        let body = json!({"prompt": "a", "stop": [long]}).to_string();
+        let e = parse_completion(body.as_bytes(), L).unwrap_err();
+        assert!(e.message.contains("max_stop_bytes"), "{}", e.message);
+        let ok = "x".repeat(MAX_STOP_BYTES.value as usize);
+        let body = json!({"prompt": "a", "stop": [ok]}).to_string();
+        assert!(parse_completion(body.as_bytes(), L).is_ok());
+        let keys = MAX_LOGIT_BIAS_KEYS.value as usize;
+        let bias: Map<String, Value> = (0..=keys).map(|i| (i.to_string(), json!(1))).collect();
+        let body = json!({"prompt": "a", "logit_bias": bias}).to_string();
+        let e = parse_completion(body.as_bytes(), L).unwrap_err();
+        assert!(e.message.contains("max_logit_bias_keys"), "{}", e.message);
+        let bias: Map<String, Value> = (0..keys).map(|i| (i.to_string(), json!(1))).collect();
+        let body = json!({"prompt": "a", "logit_bias": bias}).to_string();
+        assert_eq!(
+            parse_completion(body.as_bytes(), L)
+                .unwrap()
+                .penalties
+                .bias
+                .len(),
+            keys
+        );
+        let e = parse_chat(
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":0}"#,
+            L,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
     }
 }

@@ -6,7 +6,8 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
+use axum::extract::DefaultBodyLimit;
 use axum::extract::{Path, Request as HttpRequest, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
@@ -20,9 +21,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::answer::{AnswerHead, AnswerShape, Choice, PromptUsage, logprobs_json, usage};
 use super::api::{self, ApiError, GenerationRequest};
+use super::conn::Peer;
 use super::messages::{Event, Generate, Request};
 use super::{AppState, owner_of};
 use crate::kv::unix_now;
+use crate::limits::MAX_REQUEST_BODY_BYTES;
 
 /// The router over `state`.
 pub fn router(state: AppState) -> Router {
@@ -38,6 +41,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/contexts/{id}/chat/completions", post(context_chat))
         .fallback(|| async { ApiError::not_found("no such route") })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        // Bodies are read whole (and bounded) by `read_body`, after authentication.
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES.value as usize))
+        .layer(middleware::from_fn_with_state(state.clone(), read_body))
         .layer(middleware::from_fn_with_state(state.clone(), authenticate))
         .with_state(state)
 }
@@ -88,6 +94,68 @@ fn owner(req: &axum::http::Extensions) -> Option<String> {
     req.get::<Owner>().and_then(|o| o.0.clone())
 }
 
+/// The caller's owner id and the client its encoding work is counted as.
+fn who(ext: &axum::http::Extensions) -> (Option<String>, String) {
+    let o = owner(ext);
+    let key = client(o.as_deref(), ext);
+    (o, key)
+}
+
+/// Whose encoding work a request is counted as: its API key's owner, else its address.
+fn client(owner: Option<&str>, ext: &axum::http::Extensions) -> String {
+    match (owner, ext.get::<Peer>()) {
+        (Some(o), _) => o.to_string(),
+        (None, Some(p)) => p.0.ip().to_string(),
+        (None, None) => String::new(),
+    }
+}
+
+/// Read the request's body whole within `--body-timeout` and `max_request_body_bytes`, so that
+/// a slow, over-long or malformed body gets OpenAI's error shape like every other mistake.
+async fn read_body(State(st): State<AppState>, req: HttpRequest, next: Next) -> Response {
+    let limit = MAX_REQUEST_BODY_BYTES.value as usize;
+    let too_large = |n: u64| {
+        ApiError::too_large(MAX_REQUEST_BODY_BYTES.refuse("the request body in bytes", n))
+            .into_response()
+    };
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| !MAX_REQUEST_BODY_BYTES.admits(n)) {
+        return too_large(n);
+    }
+    let (parts, body) = req.into_parts();
+    let mut stream = body.into_data_stream();
+    let mut bytes = Vec::new();
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| {
+                ApiError::bad_request(format!("the request body is malformed: {e}"), None)
+                    .into_response()
+            })?;
+            if bytes.len() + chunk.len() > limit {
+                return Err(too_large((bytes.len() + chunk.len()) as u64));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(st.cfg.timeouts.body, read).await {
+        Ok(Ok(())) => {
+            next.run(HttpRequest::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Ok(Err(resp)) => resp,
+        Err(_) => ApiError::timeout(format!(
+            "the request body did not arrive within {} s (--body-timeout)",
+            st.cfg.timeouts.body.as_secs_f64()
+        ))
+        .into_response(),
+    }
+}
+
 async fn health() -> impl IntoResponse {
     axum::Json(json!({"status": "ok"}))
 }
@@ -110,14 +178,14 @@ async fn completions(
     body: Bytes,
 ) -> Response {
     match api::parse_completion(&body, st.cfg.limits) {
-        Ok(r) => generate(st, owner(&ext), None, r, false).await,
+        Ok(r) => generate(st, who(&ext), None, r, false).await,
         Err(e) => e.into_response(),
     }
 }
 
 async fn chat(State(st): State<AppState>, ext: axum::http::Extensions, body: Bytes) -> Response {
     match api::parse_chat(&body, st.cfg.limits, false) {
-        Ok(r) => generate(st, owner(&ext), None, r, true).await,
+        Ok(r) => generate(st, who(&ext), None, r, true).await,
         Err(e) => e.into_response(),
     }
 }
@@ -129,7 +197,7 @@ async fn context_completions(
     body: Bytes,
 ) -> Response {
     match api::parse_completion(&body, st.cfg.limits) {
-        Ok(r) => generate(st, owner(&ext), Some(id), r, false).await,
+        Ok(r) => generate(st, who(&ext), Some(id), r, false).await,
         Err(e) => e.into_response(),
     }
 }
@@ -141,7 +209,7 @@ async fn context_chat(
     body: Bytes,
 ) -> Response {
     match api::parse_chat(&body, st.cfg.limits, false) {
-        Ok(r) => generate(st, owner(&ext), Some(id), r, true).await,
+        Ok(r) => generate(st, who(&ext), Some(id), r, true).await,
         Err(e) => e.into_response(),
     }
 }
@@ -171,7 +239,14 @@ async fn create_context(
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
-    let owner = owner(&ext);
+    let (owner, key) = who(&ext);
+    if let Err(e) = st
+        .encoder
+        .check_system_prompt(&key, system_prompt.as_deref())
+        .await
+    {
+        return e.into_response();
+    }
     ask(
         &st,
         |reply| Request::CreateContext {
@@ -215,7 +290,7 @@ async fn delete_context(
 /// Queue a generation and answer with one JSON object or an SSE stream.
 async fn generate(
     st: AppState,
-    owner: Option<String>,
+    (owner, key): (Option<String>, String),
     context: Option<String>,
     request: GenerationRequest,
     chat: bool,
@@ -223,6 +298,15 @@ async fn generate(
     let stream = request.stream;
     let n = request.n;
     let logprobs = request.logprobs.is_some();
+    let mut request = request;
+    request.input = match st
+        .encoder
+        .prepare(&key, request.input, context.is_some())
+        .await
+    {
+        Ok(i) => i,
+        Err(e) => return e.into_response(),
+    };
     let mut erx = match queue(&st, owner, context.clone(), request) {
         Ok(erx) => erx,
         Err(e) => return e.into_response(),

@@ -2,16 +2,19 @@
 //! thread ([`worker`]) that owns the device, the sequences and the persistent contexts.
 //!
 //! The request bodies and errors are [`api`], the routes `http` with the answer bodies in
-//! `answer`, what the two sides send each other [`messages`], the gauges and counters
+//! `answer`, the connections and their deadlines [`conn`], prompts encoded off the engine
+//! thread [`tokenize`], what the two sides send each other [`messages`], the gauges and counters
 //! [`metrics`], and starting both sides [`server`]. The service knows HTTP and the engine's
 //! interface, never the kernels, and never the command line.
 
 mod answer;
 pub mod api;
+pub mod conn;
 mod http;
 pub mod messages;
 pub mod metrics;
 pub mod server;
+pub mod tokenize;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -71,6 +74,7 @@ pub struct HttpConfig {
     /// Requests waiting at most before 429.
     pub queue: usize,
     pub limits: api::Limits,
+    pub timeouts: conn::Timeouts,
 }
 
 /// The owner id of an API key (contexts are stored with this, never the key).
@@ -84,4 +88,6 @@ pub struct AppState {
     pub tx: std::sync::mpsc::Sender<Request>,
     pub shared: Arc<Shared>,
     pub cfg: Arc<HttpConfig>,
+    /// Prompts sized and encoded on this side, off the engine thread.
+    pub encoder: Arc<tokenize::Encoder>,
 }

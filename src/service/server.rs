@@ -86,14 +86,14 @@ pub async fn serve_http(
     on_signal: fn(),
 ) -> std::io::Result<()> {
     let sd = state.shared.clone();
+    let timeouts = state.cfg.timeouts;
     let app = router(state);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown_signal().await;
-            on_signal();
-            sd.shutdown.store(true, Ordering::SeqCst);
-        })
-        .await
+    super::conn::serve(listener, app, timeouts, async move {
+        shutdown_signal().await;
+        on_signal();
+        sd.shutdown.store(true, Ordering::SeqCst);
+    })
+    .await
 }
 
 async fn shutdown_signal() {

@@ -15,7 +15,7 @@ use crate::engine::{EngineError, Logits};
 use crate::kv::KvError;
 use crate::model::ChatMessage;
 use crate::model::tokenizer::TextStream;
-use crate::service::api::{ApiError, Input};
+use crate::service::api::ApiError;
 use crate::service::messages::{Event, Generate};
 
 /// Why a request did not start.
@@ -217,11 +217,7 @@ impl<B: Backend> Worker<B> {
                     tokens.len(),
                     self.cfg.ctx
                 ),
-                Some(if matches!(g.request.input, Input::Chat(_)) {
-                    "messages"
-                } else {
-                    "prompt"
-                }),
+                Some(g.request.input.param()),
             ));
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= vocab) {

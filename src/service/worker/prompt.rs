@@ -9,6 +9,7 @@ use crate::backend::Backend;
 use crate::model::{ChatMessage, Tokenizer};
 use crate::service::api::{ApiError, Input};
 use crate::service::messages::Generate;
+use crate::service::tokenize::{encode_text, render_chat};
 
 impl<B: Backend> Worker<B> {
     fn tokenizer(&self) -> Result<Arc<Tokenizer>, ApiError> {
@@ -20,23 +21,14 @@ impl<B: Backend> Worker<B> {
         })
     }
 
-    /// The conversation in the model's chat template, or ChatML when it has none (as llama.cpp).
     fn render_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
         let tok = self.tokenizer()?;
-        let (text, chatml) = tok
-            .apply_chat_template_or_chatml(messages, true)
-            .map_err(|e| ApiError::bad_request(format!("chat: {e}"), Some("messages")))?;
-        // A model's own template writes the BOS text itself when the model wants one; ChatML
-        // does not, so the tokenizer adds it.
-        tok.encode(&text, chatml, true)
-            .map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+        render_chat(&tok, messages)
     }
 
-    /// The sampler of choice `index`: seeded with `seed + index`.
     fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, ApiError> {
-        self.tokenizer()?
-            .encode(text, add_special, true)
-            .map_err(|e| ApiError::bad_request(e.to_string(), Some("prompt")))
+        let tok = self.tokenizer()?;
+        encode_text(&tok, text, add_special)
     }
 
     /// The tokens the request continues, and for a chat on a context its messages.
@@ -48,7 +40,7 @@ impl<B: Backend> Worker<B> {
         let Some(id) = &g.context else {
             return Ok(match input {
                 Input::Text(t) => (self.encode(t, true)?, None),
-                Input::Tokens(t) => (t.clone(), None),
+                Input::Tokens(t) | Input::Encoded { tokens: t, .. } => (t.clone(), None),
                 Input::Chat(m) => (self.render_chat(m)?, None),
             });
         };
@@ -78,7 +70,8 @@ impl<B: Backend> Worker<B> {
                 }
                 (tokens, None)
             }
-            Input::Tokens(t) => {
+            // The HTTP side encodes no input of a context's call: taken as ids if it did.
+            Input::Tokens(t) | Input::Encoded { tokens: t, .. } => {
                 let mut tokens = idx.tokens.clone();
                 tokens.extend(t);
                 (tokens, None)
