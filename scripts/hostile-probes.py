@@ -196,7 +196,8 @@ def crafted_ggufs():
         ("rope theta 0", kv(a + "rope.freq_base", gg.F32, 0.0), False),
         ("rope theta NaN", kv(a + "rope.freq_base", gg.F32, math.nan), False),
         ("rope theta -inf", kv(a + "rope.freq_base", gg.F32, -math.inf), False),
-        ("rope scale factor 0", kv(a + "rope.scaling.factor", gg.F32, 0.0), False),
+        # A factor without a scaling type is unused; 0 is llama.cpp's "no scaling".
+        ("rope scale factor 0 (no type)", kv(a + "rope.scaling.factor", gg.F32, 0.0), True),
         ("rope scale factor NaN", kv(a + "rope.scaling.factor", gg.F32, math.nan), False),
         ("rope scale linear factor 0", lambda g: (g.set(a + "rope.scaling.type", gg.STRING,
                                                         "linear"),
@@ -218,8 +219,9 @@ def crafted_ggufs():
         ("scores shorter than tokens", lambda g: g.set("tokenizer.ggml.scores", gg.ARRAY,
                                                       (gg.F32, g.get("tokenizer.ggml.scores")[1][:10])),
          False),
-        ("bos id 99999", kv("tokenizer.ggml.bos_token_id", gg.U32, 99999), False),
-        ("eos id 99999", kv("tokenizer.ggml.eos_token_id", gg.U32, 99999), False),
+        # Out-of-range special ids are ignored for the defaults, as llama.cpp does.
+        ("bos id 99999", kv("tokenizer.ggml.bos_token_id", gg.U32, 99999), True),
+        ("eos id 99999", kv("tokenizer.ggml.eos_token_id", gg.U32, 99999), True),
         ("tokenizer model bogus", kv("tokenizer.ggml.model", gg.STRING, "bogus"), False),
         ("unused metadata array of 40 MB (u8)", big_array(40 << 20), True),
         ("unused metadata array of 10M i64", big_array(10 << 20, gg.I64), True),
@@ -236,7 +238,8 @@ def crafted_ggufs():
         ("tensor duplicated", dup_tensor("blk.0.ffn_up.weight"), False),
         ("norm weight NaN", nan_in("blk.0.attn_norm.weight", math.nan), False),
         ("embedding weight inf", nan_in("token_embd.weight", math.inf), False),
-        ("ffn_down weight 1e38", nan_in("blk.2.ffn_down.weight", 1e38), False),
+        # A finite weight is a weight: its output is the model's, whatever it is.
+        ("ffn_down weight 1e38", nan_in("blk.2.ffn_down.weight", 1e38), True),
         ("output_norm NaN", nan_in("output_norm.weight", math.nan), False),
     ]
     for name, edit, valid in cases:

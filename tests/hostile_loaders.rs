@@ -389,6 +389,11 @@ fn impossible_numbers_in_gguf_metadata_are_refused_by_key() {
             "llama.rope.scaling.factor",
         ),
         (
+            "scale-nan-untyped",
+            vec![("llama.rope.scaling.factor", MetaValue::F32(f32::NAN))],
+            "llama.rope.scaling.factor",
+        ),
+        (
             "kv-heads-3",
             vec![("llama.attention.head_count_kv", MetaValue::U32(3))],
             "llama.attention.head_count_kv",

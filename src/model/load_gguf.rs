@@ -162,6 +162,19 @@ fn read_spec(
         }
     };
     let rope_dims = size("rope.dimension_count", &MAX_DIM)?.unwrap_or(head_dim);
+    // A factor without a type is unused (no scaling), but a number no model has is still a
+    // broken file: refused like the factor of a linear scaling (0 is llama.cpp's "none").
+    if let Some(f) = meta.opt_f32(&key("rope.scaling.factor"))?
+        && !(f.is_finite() && f >= 0.0)
+    {
+        return Err(format_err(
+            path,
+            &format!(
+                "`{}` is {f}: a RoPE scaling factor must be a finite positive number",
+                key("rope.scaling.factor")
+            ),
+        ));
+    }
     let scaling = match meta.opt_str(&key("rope.scaling.type"))? {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear {

@@ -334,7 +334,7 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Device, ModelArgs, parse_bytes};
+    use super::{Device, ModelArgs, parse_bytes, parse_share};
 
     /// Recorded decode steps are CUDA's default; `--cuda-graphs` asks for them anywhere,
     /// `--no-cuda-graphs` and `--cuda-graphs=false` turn them off, the last flag given winning.
