@@ -172,22 +172,58 @@ async fn models(State(st): State<AppState>) -> impl IntoResponse {
     }]}))
 }
 
+/// Bodies longer than this are parsed on the blocking pool as the client's work (a flood of
+/// 2 MB bodies then waits on its own client's turn, not on the runtime's threads).
+const PARSE_INLINE_BYTES: usize = 64 << 10;
+
+type Parser = fn(&[u8], api::Limits) -> Result<GenerationRequest, ApiError>;
+
+async fn parse(
+    st: &AppState,
+    key: &str,
+    body: Bytes,
+    f: Parser,
+) -> Result<GenerationRequest, ApiError> {
+    let limits = st.cfg.limits;
+    if body.len() <= PARSE_INLINE_BYTES {
+        return f(&body, limits);
+    }
+    st.encoder.off_thread(key, move || f(&body, limits)).await
+}
+
+fn parse_chat(body: &[u8], limits: api::Limits) -> Result<GenerationRequest, ApiError> {
+    api::parse_chat(body, limits, false)
+}
+
+async fn parse_and_generate(
+    st: AppState,
+    ext: axum::http::Extensions,
+    context: Option<String>,
+    body: Bytes,
+    chat: bool,
+) -> Response {
+    let who = who(&ext);
+    let f: Parser = if chat {
+        parse_chat
+    } else {
+        api::parse_completion
+    };
+    match parse(&st, &who.1, body, f).await {
+        Ok(r) => generate(st, who, context, r, chat).await,
+        Err(e) => e.into_response(),
+    }
+}
+
 async fn completions(
     State(st): State<AppState>,
     ext: axum::http::Extensions,
     body: Bytes,
 ) -> Response {
-    match api::parse_completion(&body, st.cfg.limits) {
-        Ok(r) => generate(st, who(&ext), None, r, false).await,
-        Err(e) => e.into_response(),
-    }
+    parse_and_generate(st, ext, None, body, false).await
 }
 
 async fn chat(State(st): State<AppState>, ext: axum::http::Extensions, body: Bytes) -> Response {
-    match api::parse_chat(&body, st.cfg.limits, false) {
-        Ok(r) => generate(st, who(&ext), None, r, true).await,
-        Err(e) => e.into_response(),
-    }
+    parse_and_generate(st, ext, None, body, true).await
 }
 
 async fn context_completions(
@@ -196,10 +232,7 @@ async fn context_completions(
     ext: axum::http::Extensions,
     body: Bytes,
 ) -> Response {
-    match api::parse_completion(&body, st.cfg.limits) {
-        Ok(r) => generate(st, who(&ext), Some(id), r, false).await,
-        Err(e) => e.into_response(),
-    }
+    parse_and_generate(st, ext, Some(id), body, false).await
 }
 
 async fn context_chat(
@@ -208,10 +241,7 @@ async fn context_chat(
     ext: axum::http::Extensions,
     body: Bytes,
 ) -> Response {
-    match api::parse_chat(&body, st.cfg.limits, false) {
-        Ok(r) => generate(st, who(&ext), Some(id), r, true).await,
-        Err(e) => e.into_response(),
-    }
+    parse_and_generate(st, ext, Some(id), body, true).await
 }
 
 async fn ask(

@@ -160,7 +160,24 @@ impl Encoder {
         ))
     }
 
-    /// Run `work` on the blocking pool as one encoding of `key`'s.
+    /// Run `work` on the blocking pool as one piece of `key`'s work (an encoding, or the parse
+    /// of a long body): the client's turn first, then a CPU's.
+    pub async fn off_thread<T: Send + 'static>(
+        self: &Arc<Self>,
+        key: &str,
+        work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let (_pass, permits) = self.enter(key)?;
+        let closed = |_| ApiError::unavailable("the server is shutting down");
+        // One client's backlog waits on its own permits, not on everyone's.
+        let _turn = permits.acquire().await.map_err(closed)?;
+        let _permit = self.pool.acquire().await.map_err(closed)?;
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| ApiError::internal(format!("a blocking task failed: {e}")))?
+    }
+
+    /// Run `work` with the tokenizer on the blocking pool as one encoding of `key`'s.
     async fn run<T: Send + 'static>(
         self: &Arc<Self>,
         key: &str,
@@ -172,14 +189,7 @@ impl Encoder {
                 Some("prompt"),
             )
         })?;
-        let (_pass, permits) = self.enter(key)?;
-        let closed = |_| ApiError::unavailable("the server is shutting down");
-        // The client's turn first, then a CPU's: one client's backlog waits on its own permits.
-        let _turn = permits.acquire().await.map_err(closed)?;
-        let _permit = self.pool.acquire().await.map_err(closed)?;
-        tokio::task::spawn_blocking(move || work(&tok))
-            .await
-            .map_err(|e| ApiError::internal(format!("encoding the prompt failed: {e}")))?
+        self.off_thread(key, move || work(&tok)).await
     }
 
     /// Check `input`'s size, and encode it unless it continues a context (whose conversation
