@@ -131,13 +131,12 @@ fn load_index(path: &Path) -> Result<ContextIndex, PersistError> {
         msg,
     };
     // Bounded: an index replaced by a link to /dev/zero is refused, not read until memory ends.
-    let limit = crate::limits::MAX_FILE_READ_BYTES;
-    let bytes = read_at_most(path, limit.value).map_err(io_err(path))?;
-    if !limit.admits(bytes.len() as u64) {
-        return Err(corrupt(
-            limit.refuse("its length in bytes (read so far)", bytes.len() as u64),
-        ));
-    }
+    let bytes = crate::limits::MAX_FILE_READ_BYTES
+        .read_file(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::FileTooLarge => corrupt(e.to_string()),
+            _ => io_err(path)(e),
+        })?;
     let sealed: Sealed = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
     let text = serde_json::to_vec(&sealed.body).unwrap_or_default();
     if format!("{:016x}", xxh3_64(&text)) != sealed.xxh3 {

@@ -264,16 +264,9 @@ impl LoadedModel {
 /// A prompt file's text, read no further than `max_file_read_bytes` (so `/dev/zero` or a huge
 /// file is refused, not read until memory runs out).
 pub fn read_prompt_file(path: &Path) -> Result<String> {
-    let limit = crate::limits::MAX_FILE_READ_BYTES;
-    let bytes = crate::fsutil::read_at_most(path, limit.value)
+    let bytes = crate::limits::MAX_FILE_READ_BYTES
+        .read_file(path)
         .with_context(|| format!("cannot read prompt file {}", path.display()))?;
-    if !limit.admits(bytes.len() as u64) {
-        bail!(
-            "prompt file {}: {}",
-            path.display(),
-            limit.refuse("its length in bytes (read so far)", bytes.len() as u64)
-        );
-    }
     String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "prompt file {} is not UTF-8 text (invalid byte at offset {})",
