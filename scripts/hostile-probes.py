@@ -517,7 +517,31 @@ def http(port, method, path, body=None, headers=None, timeout=15):
     except urllib.error.HTTPError as e:
         return e.code, e.headers.get("Content-Type", ""), e.read()
     except Exception as e:  # noqa: BLE001 — a probe records whatever happened
+        if body is not None and "Broken pipe" in repr(e):
+            # The server answered before reading the whole body and closed (an over-limit
+            # Content-Length): read that answer as curl does, headers sent and the body held.
+            return early_answer(port, method, path, len(body))
         return None, "", repr(e).encode()
+
+
+def early_answer(port, method, path, length):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {length}\r\n\r\n".encode())
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    s.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    if not lines or len(lines[0].split()) < 2:
+        return None, "", b"no answer before the body: " + data[:100]
+    ctype = next((l.split(":", 1)[1].strip() for l in lines[1:]
+                  if l.lower().startswith("content-type:")), "")
+    return int(lines[0].split()[1]), ctype, rest
 
 
 def http_probes():

@@ -195,8 +195,7 @@ impl Harness {
             exercise_tokenizer(&tok);
         }
         let model = Model::load(&path).map_err(err)?;
-        exercise_model(&model);
-        Ok(())
+        exercise_model(&model)
     }
 
     /// A Hugging Face directory: `config.json`, then `model.safetensors`.
@@ -208,8 +207,7 @@ impl Harness {
             std::fs::write(dir.join("model.safetensors"), st).map_err(err)?;
         }
         let model = Model::load(&dir).map_err(err)?;
-        exercise_model(&model);
-        Ok(())
+        exercise_model(&model)
     }
 
     /// A store's `manifest.json` beside the micro store's data and tokenizer: open (what every
@@ -230,10 +228,10 @@ impl Harness {
         // What the first decode step reads: the embedding and output rows of the vocabulary.
         let last = spec.vocab_size.saturating_sub(1);
         let mut row = vec![0f32; weights.token_embd.cols];
-        weights.token_embd.row_f32(last, &mut row);
+        weights.token_embd.row_f32(last, &mut row).map_err(err)?;
         if let Some(out) = &weights.output {
             let mut row = vec![0f32; out.cols];
-            out.row_f32(last, &mut row);
+            out.row_f32(last, &mut row).map_err(err)?;
         }
         Ok(())
     }
@@ -341,18 +339,19 @@ fn exercise_tokenizer(tok: &Tokenizer) {
 
 /// What a run touches first in a loaded model: the embedding and output rows of every declared
 /// token id at the vocabulary's ends, and the tokenizer.
-fn exercise_model(model: &Model) {
+fn exercise_model(model: &Model) -> Result<(), String> {
     let w = &model.weights;
     let last = model.spec.vocab_size.saturating_sub(1);
     let mut row = vec![0f32; w.token_embd.cols];
-    w.token_embd.row_f32(0, &mut row);
-    w.token_embd.row_f32(last, &mut row);
+    w.token_embd.row_f32(0, &mut row).map_err(err)?;
+    w.token_embd.row_f32(last, &mut row).map_err(err)?;
     let out = w.output.as_ref().unwrap_or(&w.token_embd);
     let mut row = vec![0f32; out.cols];
-    out.row_f32(last, &mut row);
+    out.row_f32(last, &mut row).map_err(err)?;
     if let Some(tok) = &model.tokenizer {
         exercise_tokenizer(tok);
     }
+    Ok(())
 }
 
 fn default_messages() -> Vec<ChatMessage> {
