@@ -5,8 +5,8 @@
 //! reading its answer is dropped after the idle timeout without progress. (The body's own
 //! deadline is the routes': `http::read_body`.)
 //!
-//! The deadlines live in the socket wrapper [`Guarded`]: it knows what hyper is waiting for
-//! from [`ConnState`], which the service side updates as requests come in and answers finish.
+//! The deadlines live in the socket wrapper `Guarded`: it knows what hyper is waiting for
+//! from `ConnState`, which the service side updates as requests come in and answers finish.
 
 use std::future::Future;
 use std::io;
