@@ -112,7 +112,8 @@ pub struct ServeArgs {
     pub model_name: Option<String>,
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+/// The flags no model is needed to judge, checked before loading one; the connection deadlines.
+fn check_flags(a: &ServeArgs) -> Result<Timeouts> {
     if !(a.shutdown_grace.is_finite() && a.shutdown_grace >= 0.0) {
         bail!("--shutdown-grace must be a non-negative number of seconds");
     }
@@ -131,11 +132,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
         }
         Ok(Duration::from_secs_f64(v))
     };
-    let timeouts = Timeouts {
+    Ok(Timeouts {
         header: seconds("header-timeout", a.header_timeout)?,
         idle: seconds("idle-timeout", a.idle_timeout)?,
         body: seconds("body-timeout", a.body_timeout)?,
-    };
+    })
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let timeouts = check_flags(&a)?;
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
     let ctx = loaded.context_for(&a.model, spec.max_context.min(2048))?;
