@@ -178,6 +178,25 @@ impl Guarded {
         })
     }
 
+    /// A write's poll through the stall deadline: pending past it is an error; progress
+    /// clears the timer.
+    fn written(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match polled {
+            Poll::Pending if self.write_stalled(cx) => {
+                Poll::Ready(Err(timed_out("the client stopped reading")))
+            }
+            Poll::Pending => Poll::Pending,
+            ready => {
+                self.write_timer = None;
+                ready
+            }
+        }
+    }
+
     fn write_stalled(&mut self, cx: &mut Context<'_>) -> bool {
         if self.write_timer.is_none() {
             self.write_timer = Some(Box::pin(tokio::time::sleep(self.timeouts.idle)));
@@ -243,16 +262,8 @@ impl AsyncWrite for Guarded {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_write(cx, buf) {
-            Poll::Pending if this.write_stalled(cx) => {
-                Poll::Ready(Err(timed_out("the client stopped reading")))
-            }
-            Poll::Pending => Poll::Pending,
-            ready => {
-                this.write_timer = None;
-                ready
-            }
-        }
+        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.written(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -261,16 +272,8 @@ impl AsyncWrite for Guarded {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_write_vectored(cx, bufs) {
-            Poll::Pending if this.write_stalled(cx) => {
-                Poll::Ready(Err(timed_out("the client stopped reading")))
-            }
-            Poll::Pending => Poll::Pending,
-            ready => {
-                this.write_timer = None;
-                ready
-            }
-        }
+        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.written(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {
