@@ -188,12 +188,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let tok = loaded.tokenizer.clone().map(Arc::new);
     let (tx, rx) = std::sync::mpsc::channel();
     let max_prompt_tokens = a.max_prompt_tokens.unwrap_or(ctx);
-    let encoder = Arc::new(Encoder::new(
-        tok.clone(),
-        max_prompt_tokens,
-        ctx,
-        a.tokenize_per_key as usize,
-    ));
+    let encoder = Arc::new(
+        Encoder::new(
+            tok.clone(),
+            max_prompt_tokens,
+            ctx,
+            a.tokenize_per_key as usize,
+        )
+        .context("starting the threads that parse long requests")?,
+    );
     let worker_cfg = WorkerConfig {
         parallel,
         ctx,

@@ -266,7 +266,7 @@ pub fn chatml(messages: &[ChatMessage], add_generation_prompt: bool) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::gguf::MetaValue;
 
@@ -275,7 +275,7 @@ mod tests {
     }
 
     /// A tiny SPM vocabulary with byte tokens, in the shape llama.cpp's converters write.
-    fn spm_tokenizer() -> Tokenizer {
+    pub(crate) fn spm_tokenizer() -> Tokenizer {
         let mut tokens = vec!["<unk>".to_string(), "<s>".into(), "</s>".into()];
         tokens.extend((0..=255u32).map(|b| format!("<0x{b:02X}>")));
         tokens.extend(["▁", "h", "i", "▁h", "▁hi", "中"].map(String::from));
