@@ -429,6 +429,40 @@ def build_qwen2_bias(torch):
     )
 
 
+def build_qwen3(torch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        max_window_layers=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    ids = seeded_ids(2004, PROMPT_LEN, cfg.vocab_size, {0, 1, 2})
+    build_hf_model(
+        "qwen3", Qwen3ForCausalLM, cfg, seed0=4000, prepare=lambda m: None,
+        input_ids=ids, greedy_prompt=ids[:GREEDY_PROMPT_LEN], stop_ids={1, 2},
+        dtype_name="float32",
+        notes="Qwen3ForCausalLM: RMSNorm over each head of q and of k (q_norm, k_norm, weights "
+        "head_dim long) before the rotation, head_dim 32 with hidden 64 and 4 heads / 2 KV heads "
+        "(q is 128 wide, not hidden), no biases, untied lm_head, 2 layers, intermediate 96, "
+        "rope_theta 1e6 (rotate-halves / NEOX rope), rms_norm_eps 1e-6, stored float32.",
+    )
+
+
 def build_opt(torch):
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -633,6 +667,7 @@ def run_hf():
     build_llama_gqa(torch)
     build_relu_llama(torch)
     build_qwen2_bias(torch)
+    build_qwen3(torch)
     build_opt(torch)
     build_llama_tok(torch)
 
@@ -721,6 +756,48 @@ def gguf_qwen2_tensors(sd: dict[str, np.ndarray], cfg: dict) -> list[tuple[str, 
     out.append(("output_norm.weight", sd["model.norm.weight"]))
     assert "lm_head.weight" not in sd  # tied: llama.cpp reuses token_embd
     return out
+
+
+def gguf_qwen3_tensors(sd: dict[str, np.ndarray], cfg: dict) -> list[tuple[str, np.ndarray]]:
+    """HF qwen3 tensor names -> GGUF names (arch `qwen3`: NEOX rope, no permutation, the
+    per-head norms as `attn_q_norm` / `attn_k_norm`)."""
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        b = f"blk.{i}."
+        out += [
+            (b + "attn_norm.weight", sd[p + "input_layernorm.weight"]),
+            (b + "attn_q.weight", sd[p + "self_attn.q_proj.weight"]),
+            (b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]),
+            (b + "attn_k.weight", sd[p + "self_attn.k_proj.weight"]),
+            (b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"]),
+            (b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
+            (b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
+            (b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
+            (b + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"]),
+            (b + "ffn_up.weight", sd[p + "mlp.up_proj.weight"]),
+            (b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"]),
+        ]
+    out.append(("output_norm.weight", sd["model.norm.weight"]))
+    out.append(("output.weight", sd["lm_head.weight"]))
+    return out
+
+
+def write_qwen3_gguf():
+    from gguf import GGMLQuantizationType as T
+
+    cfg = json.loads((HF_DIR / "qwen3" / "config.json").read_text())
+    tensors = gguf_qwen3_tensors(hf_tensors("qwen3"), cfg)
+    write_gguf(GGUF_DIR / "qwen3-f32.gguf", "qwen3", "qwen3", cfg, tensors, T.F32)
+
+
+def run_qwen3():
+    """Only the Qwen3 fixtures (hf/qwen3, gguf/qwen3-f32.gguf): the others stay as they are."""
+    torch = torch_setup()
+    HF_DIR.mkdir(parents=True, exist_ok=True)
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    build_qwen3(torch)
+    write_qwen3_gguf()
 
 
 def write_gguf(path: Path, arch: str, name: str, cfg: dict, tensors, qtype) -> dict:
@@ -829,6 +906,7 @@ def run_gguf():
     qcfg = json.loads((HF_DIR / "qwen2-bias" / "config.json").read_text())
     qtensors = gguf_qwen2_tensors(hf_tensors("qwen2-bias"), qcfg)
     write_gguf(GGUF_DIR / "qwen2-bias-f16.gguf", "qwen2", "qwen2-bias", qcfg, qtensors, T.F16)
+    write_qwen3_gguf()
 
 
 # --------------------------------------------------------------------------------------------
@@ -989,9 +1067,9 @@ def run_check_llamacpp():
 def main(argv: list[str]) -> None:
     parts = argv or ["hf", "gguf", "quant"]
     for p in parts:
-        {"hf": run_hf, "gguf": run_gguf, "quant": run_quant,
+        {"hf": run_hf, "gguf": run_gguf, "quant": run_quant, "qwen3": run_qwen3,
          "check-llamacpp": run_check_llamacpp}[p]()
-    if "hf" in parts or "gguf" in parts or "quant" in parts:
+    if {"hf", "gguf", "quant", "qwen3"} & set(parts):
         total = sum(f.stat().st_size for d in (HF_DIR, GGUF_DIR, QUANT_DIR) if d.exists()
                     for f in d.rglob("*") if f.is_file())
         print(f"fixtures: {total / 1e6:.2f} MB under hf/ gguf/ quant/")

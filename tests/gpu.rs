@@ -1890,7 +1890,14 @@ fn hf_fixtures_on_gpu_equal_cpu() {
     if gpu().is_none() {
         return;
     }
-    for name in ["llama-gqa", "relu-llama", "qwen2-bias", "opt", "llama-tok"] {
+    for name in [
+        "llama-gqa",
+        "relu-llama",
+        "qwen2-bias",
+        "qwen3",
+        "opt",
+        "llama-tok",
+    ] {
         let m = Model::load(&common::fixtures().join("hf").join(name)).unwrap();
         let (e, agree, a, b) = engine_parity(&m, &[5, 17, 99, 3, 42, 8], 24, 1e-3);
         println!("{name}: logits relative error {e:.2e}, greedy agreement {agree}/24");

@@ -144,6 +144,11 @@ fn qwen2_with_qkv_bias_bf16_tied_matches_transformers() {
 }
 
 #[test]
+fn qwen3_with_per_head_qk_norm_matches_transformers() {
+    hf("qwen3");
+}
+
+#[test]
 fn opt_f16_matches_transformers() {
     hf("opt");
 }
@@ -169,6 +174,16 @@ fn gguf_qwen2_f16_halves_rope_matches_transformers() {
     check(
         &f.join("gguf/qwen2-bias-f16.gguf"),
         &f.join("hf/qwen2-bias/reference.json"),
+        1e-3,
+    );
+}
+
+#[test]
+fn gguf_qwen3_f32_qk_norm_matches_transformers() {
+    let f = fixtures();
+    check(
+        &f.join("gguf/qwen3-f32.gguf"),
+        &f.join("hf/qwen3/reference.json"),
         1e-3,
     );
 }

@@ -217,6 +217,11 @@ proptest! {
     }
 
     #[test]
+    fn qwen3_qk_norm_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
+        case("qwen3", hf("qwen3"), gpu, window, dram);
+    }
+
+    #[test]
     fn relu_llama_any_budget(gpu in 0.0f64..1.0, window in 1usize..4, dram in proptest::option::of(0.0f64..1.0)) {
         case("relu-llama", hf("relu-llama"), gpu, window, dram);
     }

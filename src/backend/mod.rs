@@ -391,6 +391,15 @@ pub trait Backend: Send + Sync + 'static {
         eps: f32,
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// [`Backend::rms_norm`] of every `head_dim`-wide head of every row of `x`, in place, by
+    /// the one weight vector `w` (`head_dim` long): Qwen3's norm of q and k before the rotation.
+    fn rms_norm_heads(
+        &self,
+        x: &mut Self::Tensor,
+        w: &Self::Weight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()>;
     /// `x += y`, then [`Backend::rms_norm`] of `x` into `out`: a residual add and the norm after
     /// it (one launch on CUDA).
     fn add_rms_norm(

@@ -813,6 +813,18 @@ impl Backend for SimBackend {
         self.cpu.layer_norm(&x.t, &w.w, &b.w, eps, &mut out.t)
     }
 
+    fn rms_norm_heads(
+        &self,
+        x: &mut SimTensor,
+        w: &SimWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let args = tensors_arg(&[x], &[w.mem.id, head_dim as u64, eps.to_bits().into()]);
+        self.sign("rms_norm_heads", &args)?;
+        self.cpu.rms_norm_heads(&mut x.t, &w.w, head_dim, eps)
+    }
+
     fn rope(
         &self,
         x: &mut SimTensor,

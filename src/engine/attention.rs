@@ -13,12 +13,19 @@ use crate::backend::{AttnSeq, AttnShape, Backend, Rope};
 
 impl<B: Backend> Engine<B> {
     /// The attention block's inputs from `sc.x` (the last layer's residual added first): its
-    /// norm (into `sc.h`, where the backend writes it out), then q, k and v.
+    /// norm (into `sc.h`, where the backend writes it out), then q, k and v, and where the
+    /// model norms each head of q and k (Qwen3), those norms.
     pub(super) fn attention_inputs(&self, layer: &LayerView<B>, sc: &mut Scratch<B>) -> Result<()> {
         let add = std::mem::take(&mut sc.residual).then_some(&sc.proj);
         let input = self.norm_input(&mut sc.x, add, &layer.attn_norm, &mut sc.h)?;
         let outs: &mut [&mut B::Tensor] = &mut [&mut sc.q, &mut sc.k, &mut sc.v];
-        self.linears(&[&layer.wq, &layer.wk, &layer.wv], input, outs)
+        self.linears(&[&layer.wq, &layer.wk, &layer.wv], input, outs)?;
+        if let Some([qn, kn]) = layer.qk_norm {
+            let (hd, eps) = (self.spec.head_dim, self.spec.norm_eps);
+            self.backend.rms_norm_heads(&mut sc.q, qn, hd, eps)?;
+            self.backend.rms_norm_heads(&mut sc.k, kn, hd, eps)?;
+        }
+        Ok(())
     }
 
     /// Rotate a step's queries and keys (rows from position `pos`), where the model rotates.

@@ -58,6 +58,8 @@ pub struct LayerView<'a, B: Backend> {
     pub wk: LinearView<'a, B>,
     pub wv: LinearView<'a, B>,
     pub wo: LinearView<'a, B>,
+    /// The per-head norms of q and of k before the rotation (Qwen3).
+    pub qk_norm: Option<[&'a B::Weight; 2]>,
     pub ffn_norm: NormView<'a, B>,
     /// The FFN on the device: all of it, or in hybrid execution only the hot neurons (their
     /// hidden activations in columns `0..hot.len()`).

@@ -24,6 +24,7 @@ struct Layer<B: Backend> {
     wk: Lin<B>,
     wv: Lin<B>,
     wo: Lin<B>,
+    qk_norm: Option<[B::Weight; 2]>,
     ffn_norm: Norm<B>,
     gate: Option<Lin<B>>,
     up: Lin<B>,
@@ -82,6 +83,10 @@ impl<B: Backend> ResidentWeights<B> {
                 wk: lin(&l.wk)?,
                 wv: lin(&l.wv)?,
                 wo: lin(&l.wo)?,
+                qk_norm: match (&l.q_norm, &l.k_norm) {
+                    (Some(q), Some(k)) => Some([up(&q.weight)?, up(&k.weight)?]),
+                    _ => None,
+                },
                 ffn_norm: norm(&l.ffn_norm)?,
                 gate: l.w_gate.as_ref().map(lin).transpose()?,
                 up: lin(&l.w_up)?,
@@ -125,6 +130,7 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
             wk: layer.wk.view(),
             wv: layer.wv.view(),
             wo: layer.wo.view(),
+            qk_norm: layer.qk_norm.as_ref().map(|[q, k]| [q, k]),
             ffn_norm: layer.ffn_norm.view(),
             ffn: FfnView::Matrices {
                 gate: layer.gate.as_ref().map(Lin::view),

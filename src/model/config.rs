@@ -13,7 +13,7 @@ use crate::limits::{Limit, MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
 #[derive(Clone, Debug)]
 pub struct HfConfig {
     pub spec: ModelSpec,
-    /// `model_type` as written (llama, mistral, qwen2, opt).
+    /// `model_type` as written (llama, mistral, qwen2, qwen3, opt).
     pub model_type: String,
     /// The dtype the checkpoint says it is stored in (informational).
     pub dtype: Option<String>,
@@ -156,11 +156,11 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
         .or(r.opt_str("torch_dtype")?)
         .map(str::to_string);
     let spec = match model_type.as_str() {
-        "llama" | "mistral" | "qwen2" => llama_spec(&r, &model_type)?,
+        "llama" | "mistral" | "qwen2" | "qwen3" => llama_spec(&r, &model_type)?,
         "opt" => opt_spec(&r)?,
         other => {
             return Err(r.err(format!(
-                "unknown architecture `{other}` (supported: llama, mistral, qwen2, opt)"
+                "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, opt)"
             )));
         }
     };
@@ -266,6 +266,7 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         }),
         tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(false),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        qk_norm: model_type == "qwen3",
     })
 }
 
@@ -367,6 +368,7 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
         position: PositionEncoding::Learned { offset: 2 },
         tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(true),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        qk_norm: false,
     })
 }
 

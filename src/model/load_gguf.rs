@@ -1,5 +1,5 @@
-//! GGUF file → [`Model`]: llama.cpp's `llama` and `qwen2` architectures (and `mistral`, which
-//! llama.cpp writes as `llama`).
+//! GGUF file → [`Model`]: llama.cpp's `llama`, `qwen2` and `qwen3` architectures (and `mistral`,
+//! which llama.cpp writes as `llama`).
 
 use std::path::Path;
 
@@ -16,11 +16,13 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
     let arch = meta.str("general.architecture")?.to_string();
     let style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Adjacent,
-        "qwen2" => RopeStyle::Halves,
+        "qwen2" | "qwen3" => RopeStyle::Halves,
         other => {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),
-                msg: format!("unknown architecture `{other}` (supported: llama, mistral, qwen2)"),
+                msg: format!(
+                    "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3)"
+                ),
             });
         }
     };
@@ -66,6 +68,7 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
             },
         })
     };
+    let head_norm = |name: String| spec.qk_norm.then(|| norm(name)).transpose();
     let mut layers = Vec::with_capacity(n_layers);
     for i in 0..n_layers {
         let b = format!("blk.{i}");
@@ -75,6 +78,8 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
             wk: linear(format!("{b}.attn_k"), spec.qkv_bias)?,
             wv: linear(format!("{b}.attn_v"), spec.qkv_bias)?,
             wo: linear(format!("{b}.attn_output"), spec.out_bias)?,
+            q_norm: head_norm(format!("{b}.attn_q_norm.weight"))?,
+            k_norm: head_norm(format!("{b}.attn_k_norm.weight"))?,
             ffn_norm: norm(format!("{b}.ffn_norm.weight"))?,
             w_gate: Some(linear(format!("{b}.ffn_gate"), false)?),
             w_up: linear(format!("{b}.ffn_up"), false)?,
@@ -219,6 +224,7 @@ fn read_spec(
         }),
         tied_output,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
     };
     spec.check()
         .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;

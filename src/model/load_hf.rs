@@ -205,6 +205,7 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                     bias: None,
                 })
             };
+            let head_norm = |name: String| spec.qk_norm.then(|| norm(name)).transpose();
             let mut layers = Vec::with_capacity(spec.n_layers);
             for i in 0..spec.n_layers {
                 let p = format!("model.layers.{i}");
@@ -214,6 +215,8 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                     wk: linear(format!("{p}.self_attn.k_proj"), spec.qkv_bias)?,
                     wv: linear(format!("{p}.self_attn.v_proj"), spec.qkv_bias)?,
                     wo: linear(format!("{p}.self_attn.o_proj"), spec.out_bias)?,
+                    q_norm: head_norm(format!("{p}.self_attn.q_norm.weight"))?,
+                    k_norm: head_norm(format!("{p}.self_attn.k_norm.weight"))?,
                     ffn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
                     w_gate: Some(linear(format!("{p}.mlp.gate_proj"), false)?),
                     w_up: linear(format!("{p}.mlp.up_proj"), false)?,
@@ -263,6 +266,8 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                     wk: linear(format!("{p}.self_attn.k_proj"))?,
                     wv: linear(format!("{p}.self_attn.v_proj"))?,
                     wo: linear(format!("{p}.self_attn.out_proj"))?,
+                    q_norm: None,
+                    k_norm: None,
                     ffn_norm: norm(format!("{p}.final_layer_norm"))?,
                     w_gate: None,
                     w_up: linear(format!("{p}.fc1"))?,

@@ -104,6 +104,9 @@ pub struct LayerWeights {
     pub wk: Linear,
     pub wv: Linear,
     pub wo: Linear,
+    /// Per-head RMSNorm of q and of k before the rotation ([`ModelSpec::qk_norm`]).
+    pub q_norm: Option<NormWeights>,
+    pub k_norm: Option<NormWeights>,
     pub ffn_norm: NormWeights,
     /// Present for gated FFNs.
     pub w_gate: Option<Linear>,
@@ -139,6 +142,9 @@ impl ModelWeights {
             v.extend(norm_tensors(&l.attn_norm));
             for lin in [&l.wq, &l.wk, &l.wv, &l.wo] {
                 v.extend(linear_tensors(lin));
+            }
+            for n in [&l.q_norm, &l.k_norm].into_iter().flatten() {
+                v.extend(norm_tensors(n));
             }
             v.extend(norm_tensors(&l.ffn_norm));
             if let Some(g) = &l.w_gate {
@@ -243,6 +249,20 @@ impl Model {
         for l in &w.layers {
             check_norm(&l.attn_norm)?;
             check_norm(&l.ffn_norm)?;
+            let head_norms = [&l.q_norm, &l.k_norm];
+            if head_norms.iter().any(|n| n.is_some() != s.qk_norm) {
+                return Err(ModelError::Format {
+                    path: self.source.clone(),
+                    msg: format!(
+                        "the spec says the model {} norm each head of q and k, but a layer has {} of the two norms",
+                        if s.qk_norm { "does" } else { "does not" },
+                        head_norms.iter().filter(|n| n.is_some()).count()
+                    ),
+                });
+            }
+            for n in head_norms.into_iter().flatten() {
+                check(&n.weight, 1, s.head_dim)?;
+            }
             check_lin(&l.wq, s.q_dim(), s.d_model)?;
             check_lin(&l.wk, s.kv_dim(), s.d_model)?;
             check_lin(&l.wv, s.kv_dim(), s.d_model)?;

@@ -153,6 +153,11 @@ pub struct ModelSpec {
     /// `down(act(gate·x) ⊙ up·x)` when true, `down(act(up·x))` otherwise.
     pub gated_ffn: bool,
     pub qkv_bias: bool,
+    /// RMSNorm over each head of q and k (weights `head_dim` long, the model's epsilon) before
+    /// the rotation (Qwen3). Left out of the manifest when false, so stores written before it
+    /// keep their checksums.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
     pub out_bias: bool,
     pub ffn_bias: bool,
     pub position: PositionEncoding,
@@ -377,6 +382,7 @@ mod tests {
             }),
             tied_output: false,
             attn_scale: 0.25,
+            qk_norm: false,
         }
     }
 

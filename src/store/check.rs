@@ -200,6 +200,7 @@ fn place_of(m: &Manifest, name: &str) -> Option<Place> {
         "attn_q.bias" => vector(q),
         "attn_k.bias" | "attn_v.bias" => vector(kv),
         "attn_output.bias" | "ffn_down.bias" => vector(d),
+        "attn_q_norm.weight" | "attn_k_norm.weight" if s.qk_norm => vector(s.head_dim),
         "ffn_up.bias" => vector(ff),
         "ffn_gate.weight" if !bundled && s.gated_ffn => matrix(ff, d),
         "ffn_up.weight" if !bundled => matrix(ff, d),
@@ -228,6 +229,10 @@ fn required_in_layer(m: &Manifest, l: usize) -> Vec<String> {
     .iter()
     .map(|w| names::layer(l, w))
     .collect();
+    if m.spec.qk_norm {
+        out.push(names::layer(l, "attn_q_norm.weight"));
+        out.push(names::layer(l, "attn_k_norm.weight"));
+    }
     if m.bundle_encodings.is_empty() {
         if m.spec.gated_ffn {
             out.push(names::layer(l, "ffn_gate.weight"));

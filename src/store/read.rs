@@ -413,6 +413,7 @@ impl Store {
                 bias: self.opt_tensor(&format!("{base}.bias"))?,
             })
         };
+        let head_norm = |base: String| spec.qk_norm.then(|| norm(base)).transpose();
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
             let (w_gate, w_up, w_down) = if self.ffn_bundled() {
@@ -432,6 +433,8 @@ impl Store {
                 wk: linear(names::layer(l, "attn_k"))?,
                 wv: linear(names::layer(l, "attn_v"))?,
                 wo: linear(names::layer(l, "attn_output"))?,
+                q_norm: head_norm(names::layer(l, "attn_q_norm"))?,
+                k_norm: head_norm(names::layer(l, "attn_k_norm"))?,
                 ffn_norm: norm(names::layer(l, "ffn_norm"))?,
                 w_gate,
                 w_up,

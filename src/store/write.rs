@@ -473,6 +473,14 @@ fn write_store(
         linear(&mut dw, names::layer(l, "attn_k"), &layer.wk)?;
         linear(&mut dw, names::layer(l, "attn_v"), &layer.wv)?;
         linear(&mut dw, names::layer(l, "attn_output"), &layer.wo)?;
+        for (what, n) in [
+            ("attn_q_norm", &layer.q_norm),
+            ("attn_k_norm", &layer.k_norm),
+        ] {
+            if let Some(n) = n {
+                norm(&mut dw, names::layer(l, what), n)?;
+            }
+        }
         norm(&mut dw, names::layer(l, "ffn_norm"), &layer.ffn_norm)?;
         if let Some(b) = &layer.w_up.bias {
             dw.vector(names::layer(l, "ffn_up.bias"), b)?;

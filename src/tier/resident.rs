@@ -38,6 +38,8 @@ pub(super) struct Small<B: Backend> {
     pub(super) attn_bias: [Option<B::Weight>; 4],
     pub(super) up_bias: Option<B::Weight>,
     pub(super) down_bias: Option<B::Weight>,
+    /// The per-head norms of q and k (Qwen3).
+    pub(super) qk_norm: Option<[B::Weight; 2]>,
 }
 
 impl<B: Backend> Small<B> {
@@ -58,13 +60,29 @@ impl<B: Backend> Small<B> {
         {
             attn_bias[i] = loader.opt_vector(b, &names::layer(l, &format!("{t}.bias")))?;
         }
+        let q_norm = loader.opt_vector(b, &names::layer(l, "attn_q_norm.weight"))?;
+        let k_norm = loader.opt_vector(b, &names::layer(l, "attn_k_norm.weight"))?;
+        let qk_norm = match (q_norm, k_norm) {
+            (Some(q), Some(k)) => Some([q, k]),
+            (None, None) => None,
+            _ => {
+                return Err(weights_err(format!(
+                    "layer {l} has one of attn_q_norm and attn_k_norm without the other"
+                )));
+            }
+        };
         Ok(Small {
             attn_norm,
             ffn_norm,
             attn_bias,
+            qk_norm,
             up_bias: loader.opt_vector(b, &names::layer(l, "ffn_up.bias"))?,
             down_bias: loader.opt_vector(b, &names::layer(l, "ffn_down.bias"))?,
         })
+    }
+
+    pub(super) fn qk_norm(&self) -> Option<[&B::Weight; 2]> {
+        self.qk_norm.as_ref().map(|[q, k]| [q, k])
     }
 
     pub(super) fn attn_norm(&self) -> NormView<'_, B> {
@@ -346,6 +364,7 @@ impl<B: Backend> Resident<B> {
             wk: linear(Some(k), sm.attn_bias[1].as_ref()),
             wv: linear(Some(v), sm.attn_bias[2].as_ref()),
             wo: linear(Some(o), sm.attn_bias[3].as_ref()),
+            qk_norm: sm.qk_norm(),
             ffn_norm: sm.ffn_norm(),
             ffn,
             cold,

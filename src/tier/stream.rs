@@ -471,6 +471,7 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 rows[Part::O.index()],
                 sm.attn_bias[3].as_ref(),
             ),
+            qk_norm: sm.qk_norm(),
             ffn_norm: sm.ffn_norm(),
             ffn: if let Some(u) = unit_ffn {
                 u

@@ -741,6 +741,26 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn rms_norm_heads(
+        &self,
+        x: &mut CpuTensor,
+        w: &CpuWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let w = vector("rms_norm_heads", w, head_dim)?;
+        if head_dim == 0 || !x.cols.is_multiple_of(head_dim) {
+            return Err(shape_err(
+                "rms_norm_heads",
+                format!("rows of {} values are not heads of {head_dim}", x.cols),
+            ));
+        }
+        for head in x.data.chunks_mut(head_dim) {
+            ops::rms_norm_in_place(head, w, eps);
+        }
+        Ok(())
+    }
+
     fn layer_norm(
         &self,
         x: &CpuTensor,

@@ -3,11 +3,24 @@
 
 use crate::backend::{Act, RopePairs};
 
-pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+/// `1 / rms(x)` as every RMSNorm here takes it (the squares summed in f64, as the kernels do).
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
     let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt()
+}
+
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let scale = rms_scale(x, eps);
     for ((o, &v), &g) in out.iter_mut().zip(x).zip(w) {
         *o = v * scale * g;
+    }
+}
+
+/// [`rms_norm`] of `x` into itself.
+pub fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let scale = rms_scale(x, eps);
+    for (v, &g) in x.iter_mut().zip(w) {
+        *v = *v * scale * g;
     }
 }
 

@@ -410,6 +410,16 @@ impl Backend for CudaBackend {
         norm::layer_norm(self, x, w, b, eps, out)
     }
 
+    fn rms_norm_heads(
+        &self,
+        x: &mut CudaTensor,
+        w: &CudaWeight,
+        head_dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        norm::rms_norm_heads(self, x, w, head_dim, eps)
+    }
+
     fn rope(
         &self,
         x: &mut CudaTensor,

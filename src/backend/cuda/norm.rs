@@ -72,6 +72,42 @@ pub(super) fn rms_norm(
     Ok(())
 }
 
+/// Every `head_dim`-wide head of `x` normed in place: the rms_norm kernel with one block per
+/// head, reading and writing the same rows (each value is read and then written by one thread,
+/// after the block's sum).
+pub(super) fn rms_norm_heads(
+    cuda: &CudaBackend,
+    x: &mut CudaTensor,
+    w: &CudaWeight,
+    head_dim: usize,
+    eps: f32,
+) -> Result<()> {
+    w.plain("rms_norm_heads")?;
+    if head_dim == 0
+        || !x.cols.is_multiple_of(head_dim)
+        || w.rows * w.cols != head_dim
+        || w.dtype != crate::tensor::DType::F32
+    {
+        return Err(shape_err(
+            "rms_norm_heads",
+            format!(
+                "{}x{} in heads of {head_dim} with `{}`",
+                x.rows, x.cols, w.name
+            ),
+        ));
+    }
+    let heads = x.rows * (x.cols / head_dim);
+    launches::rms_norm(
+        cuda.launch(cfg(heads as u32, 256)),
+        x.buf.ptr,
+        w.buf.ptr,
+        eps,
+        x.buf.ptr,
+        head_dim as i32,
+    )?;
+    Ok(())
+}
+
 pub(super) fn add_rms_norm(
     cuda: &CudaBackend,
     x: &mut CudaTensor,
