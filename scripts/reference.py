@@ -463,6 +463,87 @@ def build_qwen3(torch):
     )
 
 
+def routed_experts(model, input_ids, k: int) -> list[list[list[int]]]:
+    """The experts transformers' router picks, per layer and position: the top `k` of the
+    softmax over the router's logits, in ascending id order."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([input_ids]), output_router_logits=True)
+    layers = []
+    for logits in out.router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = torch.topk(probs, k, dim=-1)
+        layers.append([sorted(int(e) for e in row) for row in top.indices])
+        # Ties would make the choice depend on the kernel; the fixture must not have any.
+        kth = top.values[:, -1]
+        rest = probs.masked_fill(torch.zeros_like(probs, dtype=torch.bool).scatter(1, top.indices, True), -1)
+        assert bool((kth - rest.max(dim=-1).values > 1e-4).all()), "near tie in the routing"
+    return layers
+
+
+def build_moe(torch, name, cls, cfg, seed0, id_seed, k, notes):
+    ids = seeded_ids(id_seed, PROMPT_LEN, cfg.vocab_size, {0, 1, 2})
+    m = build_hf_model(
+        name, cls, cfg, seed0=seed0, prepare=lambda m: None,
+        input_ids=ids, greedy_prompt=ids[:GREEDY_PROMPT_LEN], stop_ids={1, 2},
+        dtype_name="float32", notes=notes,
+    )
+    ref_path = HF_DIR / name / "reference.json"
+    ref = json.loads(ref_path.read_text())
+    ref = {"experts": routed_experts(m, ids, k), **ref}
+    ref = {key: ref[key] for key in [key for key in ref if key != "logits"] + ["logits"]}
+    write_json(ref_path, ref)
+
+
+def build_qwen3_moe(torch):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu",
+        tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+        bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    build_moe(
+        torch, "qwen3-moe", Qwen3MoeForCausalLM, cfg, 5000, 2005, 2,
+        "Qwen3MoeForCausalLM: 8 experts of 32 neurons, top 2, norm_topk_prob (the two weights "
+        "renormalised), per-head q/k norm, head_dim 32 with hidden 64 and 4 heads / 2 KV heads, "
+        "2 layers, untied lm_head, rope_theta 1e6, rms_norm_eps 1e-6, stored float32. "
+        "`experts`: the top-2 expert ids per layer and input position, ascending.",
+    )
+
+
+def build_mixtral(torch):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu",
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    build_moe(
+        torch, "mixtral", MixtralForCausalLM, cfg, 6000, 2006, 2,
+        "MixtralForCausalLM: 4 experts (w1 gate, w3 up, w2 down) of 64 neurons, top 2, always "
+        "renormalised, 2 layers, hidden 64, 4 heads / 2 KV heads, head_dim 16, untied lm_head, "
+        "rope_theta 1e6, rms_norm_eps 1e-5, stored float32. `experts`: the top-2 expert ids per "
+        "layer and input position, ascending.",
+    )
+
+
+def run_moe():
+    """Only the mixture-of-experts fixtures (hf/qwen3-moe, hf/mixtral)."""
+    torch = torch_setup()
+    HF_DIR.mkdir(parents=True, exist_ok=True)
+    build_qwen3_moe(torch)
+    build_mixtral(torch)
+
+
 def build_opt(torch):
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -668,6 +749,8 @@ def run_hf():
     build_relu_llama(torch)
     build_qwen2_bias(torch)
     build_qwen3(torch)
+    build_qwen3_moe(torch)
+    build_mixtral(torch)
     build_opt(torch)
     build_llama_tok(torch)
 
@@ -1067,9 +1150,9 @@ def run_check_llamacpp():
 def main(argv: list[str]) -> None:
     parts = argv or ["hf", "gguf", "quant"]
     for p in parts:
-        {"hf": run_hf, "gguf": run_gguf, "quant": run_quant, "qwen3": run_qwen3,
+        {"hf": run_hf, "gguf": run_gguf, "quant": run_quant, "qwen3": run_qwen3, "moe": run_moe,
          "check-llamacpp": run_check_llamacpp}[p]()
-    if {"hf", "gguf", "quant", "qwen3"} & set(parts):
+    if {"hf", "gguf", "quant", "qwen3", "moe"} & set(parts):
         total = sum(f.stat().st_size for d in (HF_DIR, GGUF_DIR, QUANT_DIR) if d.exists()
                     for f in d.rglob("*") if f.is_file())
         print(f"fixtures: {total / 1e6:.2f} MB under hf/ gguf/ quant/")

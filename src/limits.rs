@@ -88,6 +88,13 @@ pub const MAX_HEADS: Limit = Limit {
     what: "attention heads of a layer",
 };
 
+/// Experts of a mixture-of-experts layer.
+pub const MAX_EXPERTS: Limit = Limit {
+    name: "max_experts",
+    value: 4096,
+    what: "experts of a mixture-of-experts layer",
+};
+
 /// Tokens of a vocabulary.
 pub const MAX_VOCAB: Limit = Limit {
     name: "max_vocab",
@@ -166,6 +173,7 @@ pub const ALL: &[Limit] = &[
     MAX_LAYERS,
     MAX_DIM,
     MAX_HEADS,
+    MAX_EXPERTS,
     MAX_VOCAB,
     MAX_TENSORS,
     MAX_METADATA_ARRAY_BYTES,

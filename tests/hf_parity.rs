@@ -4,11 +4,13 @@
 mod common;
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use common::{fixtures, ids};
 
+use gpu_offload::backend::Route;
 use gpu_offload::backend::cpu::CpuBackend;
-use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
+use gpu_offload::engine::{Engine, GenerateParams, Logits, RouteTap, SamplerParams, generate};
 use gpu_offload::model::Model;
 use serde_json::Value;
 
@@ -146,6 +148,66 @@ fn qwen2_with_qkv_bias_bf16_tied_matches_transformers() {
 #[test]
 fn qwen3_with_per_head_qk_norm_matches_transformers() {
     hf("qwen3");
+}
+
+/// Records each layer's experts per token, ascending, as the fixtures list them.
+#[derive(Default)]
+struct Routes(Mutex<Vec<Vec<Vec<u32>>>>);
+
+impl RouteTap for Routes {
+    fn routed(&self, layer: usize, rows: usize, routes: &[Route]) {
+        let mut all = self.0.lock().unwrap();
+        if all.len() <= layer {
+            all.resize(layer + 1, Vec::new());
+        }
+        let mut per_token = vec![Vec::new(); rows];
+        for r in routes {
+            per_token[r.token as usize].push(r.expert);
+        }
+        for mut ids in per_token {
+            ids.sort_unstable();
+            all[layer].push(ids);
+        }
+    }
+}
+
+/// A mixture-of-experts fixture: logits within 1e-4 of transformers' at every position, the
+/// same experts in every layer at every position, the same greedy continuation.
+fn moe(name: &str) {
+    let dir = fixtures().join("hf").join(name);
+    let refpath = dir.join("reference.json");
+    check(&dir, &refpath, 1e-4);
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&refpath).unwrap()).unwrap();
+    let want: Vec<Vec<Vec<u32>>> = serde_json::from_value(v["experts"].clone()).unwrap();
+    let r = reference(&refpath);
+    let model = Model::load(&dir).unwrap();
+    let tap = Arc::new(Routes::default());
+    let engine = Engine::new(
+        CpuBackend::new(2).unwrap(),
+        model.spec.clone(),
+        &model.weights,
+    )
+    .unwrap()
+    .with_route_tap(tap.clone());
+    let mut session = engine.new_session(r.input_ids.len()).unwrap();
+    engine
+        .forward(&mut session, &r.input_ids, Logits::All)
+        .unwrap();
+    let got = tap.0.lock().unwrap().clone();
+    assert_eq!(got.len(), want.len(), "{name}: layers routed");
+    for (l, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "{name}: layer {l}'s experts by position");
+    }
+}
+
+#[test]
+fn qwen3_moe_matches_transformers_expert_for_expert() {
+    moe("qwen3-moe");
+}
+
+#[test]
+fn mixtral_matches_transformers_expert_for_expert() {
+    moe("mixtral");
 }
 
 #[test]

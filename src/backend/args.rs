@@ -64,6 +64,23 @@ pub struct AttnSeq<'a, B: Backend + ?Sized> {
     pub table: Option<&'a B::KvTable>,
 }
 
+/// One token's use of one expert in a mixture-of-experts layer, with the router's weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Route {
+    pub token: u32,
+    pub expert: u32,
+    pub weight: f32,
+}
+
+/// A mixture-of-experts layer's routed experts as its FFN matrices hold them side by side:
+/// expert `e` is neurons `e·width .. (e+1)·width` — rows of `gate` and `up`, columns of `down`.
+pub struct Experts<'a, W> {
+    pub gate: Option<&'a W>,
+    pub up: &'a W,
+    pub down: &'a W,
+    pub width: usize,
+}
+
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.
 pub struct MatmulPart<'a, W> {
     pub w: &'a W,

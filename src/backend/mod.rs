@@ -38,7 +38,7 @@ use crate::footprint::KvColsError;
 pub use crate::footprint::{KV_BLOCK, KvType, WorkspaceOp};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
-pub use args::{Act, AttnSeq, AttnShape, MatmulPart, Rope, RopePairs, sparse_act};
+pub use args::{Act, AttnSeq, AttnShape, Experts, MatmulPart, Rope, RopePairs, Route, sparse_act};
 pub use bundles::{
     BundleShape, bundle_bytes, bundle_rows, check_bundle_weight, check_not_coded, check_scatter,
 };
@@ -371,6 +371,17 @@ pub trait Backend: Send + Sync + 'static {
         shape: BundleShape,
         h: &Self::Tensor,
         idx: &[u32],
+        out: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// A mixture-of-experts FFN: `out[t] = Σ w · down_e(act(gate_e·x[t]) ⊙ up_e·x[t])` over the
+    /// routes `(t, e, w)`, each expert's tokens in one product (llama.cpp's `mul_mat_id`), the
+    /// terms added in expert order (as transformers adds them).
+    fn moe_ffn(
+        &self,
+        experts: Experts<'_, Self::Weight>,
+        x: &Self::Tensor,
+        routes: &[Route],
+        act: Act,
         out: &mut Self::Tensor,
     ) -> Result<()>;
     /// Row `i` of `src` into row `rows[i]` of `dst` (the same format and columns), for every

@@ -5,6 +5,7 @@
 //! offload policies run in CI with the byte accounting a GPU would show. Weights uploaded here
 //! are real copies, as on a GPU. The math is the CPU backend's.
 
+use crate::backend::{Experts, Route};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -811,6 +812,36 @@ impl Backend for SimBackend {
         ];
         self.sign("layer_norm", &args)?;
         self.cpu.layer_norm(&x.t, &w.w, &b.w, eps, &mut out.t)
+    }
+
+    fn moe_ffn(
+        &self,
+        experts: Experts<'_, SimWeight>,
+        x: &SimTensor,
+        routes: &[Route],
+        act: Act,
+        out: &mut SimTensor,
+    ) -> Result<()> {
+        let mut rest = vec![
+            experts.gate.map_or(0, |g| g.mem.id),
+            experts.up.mem.id,
+            experts.down.mem.id,
+            experts.width as u64,
+            act as u64,
+        ];
+        rest.extend(
+            routes
+                .iter()
+                .flat_map(|r| [r.token as u64, r.expert as u64, r.weight.to_bits().into()]),
+        );
+        self.sign("moe_ffn", &tensors_arg(&[x, out], &rest))?;
+        let cpu_experts = Experts {
+            gate: experts.gate.map(|g| &g.w),
+            up: &experts.up.w,
+            down: &experts.down.w,
+            width: experts.width,
+        };
+        self.cpu.moe_ffn(cpu_experts, &x.t, routes, act, &mut out.t)
     }
 
     fn rms_norm_heads(

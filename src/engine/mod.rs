@@ -26,6 +26,7 @@ pub mod generate;
 mod head;
 mod kv_pool;
 mod kv_rows;
+pub mod moe;
 mod ops;
 pub mod perplexity;
 mod ports;
@@ -56,7 +57,7 @@ pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use kv_pool::PoolUsage;
 pub use ports::{
     ActivationTap, ColdNeurons, ColdView, FfnView, HeadView, LayerView, LinearView,
-    NeuronPredictor, NeuronUnit, NormView, StepTap, TierSet, WeightSource,
+    NeuronPredictor, NeuronUnit, NormView, RouteTap, StepTap, TierSet, WeightSource,
 };
 pub use probe::{DENSITY_READ_BYTES, DENSITY_READ_ROWS};
 pub use resident::ResidentWeights;
@@ -85,6 +86,8 @@ pub struct Engine<B: Backend> {
     predictor: Option<Arc<dyn NeuronPredictor>>,
     prefill: PrefillLayout,
     step_tap: Option<Arc<dyn StepTap>>,
+    /// Where mixture-of-experts layers show their routes ([`Engine::with_route_tap`]).
+    route_tap: Option<Arc<dyn RouteTap>>,
     /// The paged KV pool sessions take their blocks from ([`Engine::with_kv_pool`]); without
     /// one, each session holds a cache of its whole context.
     pool: Option<SharedPool<B>>,
@@ -150,6 +153,7 @@ impl<B: Backend> Engine<B> {
             predictor: None,
             prefill: PrefillLayout::default(),
             step_tap: None,
+            route_tap: None,
             pool: None,
             record_steps: false,
             steps_recorded: Default::default(),
@@ -227,6 +231,12 @@ impl<B: Backend> Engine<B> {
 
     pub fn prefill(&self) -> PrefillLayout {
         self.prefill
+    }
+
+    /// Show `tap` the experts every mixture-of-experts layer routes each step's rows to.
+    pub fn with_route_tap(mut self, tap: Arc<dyn RouteTap>) -> Self {
+        self.route_tap = Some(tap);
+        self
     }
 
     /// Tell `tap` each time a layer has run over a group of rows.

@@ -13,6 +13,14 @@ pub trait StepTap: Send + Sync {
     fn group_done(&self, layer: usize, first: usize, rows: usize);
 }
 
+/// Shown each mixture-of-experts layer's routes as steps choose them (tests; the routing
+/// profile).
+pub trait RouteTap: Send + Sync {
+    /// The `rows` rows of a step through layer `layer` take `routes` (tokens counted from the
+    /// step's first row).
+    fn routed(&self, layer: usize, rows: usize, routes: &[crate::backend::Route]);
+}
+
 /// The neurons one precision tier computes in a step.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TierSet {
@@ -61,6 +69,8 @@ pub struct LayerView<'a, B: Backend> {
     /// The per-head norms of q and of k before the rotation (Qwen3).
     pub qk_norm: Option<[&'a B::Weight; 2]>,
     pub ffn_norm: NormView<'a, B>,
+    /// A mixture-of-experts layer's router: `ffn` then holds its experts side by side.
+    pub router: Option<&'a B::Weight>,
     /// The FFN on the device: all of it, or in hybrid execution only the hot neurons (their
     /// hidden activations in columns `0..hot.len()`).
     pub ffn: FfnView<'a, B>,

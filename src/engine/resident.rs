@@ -26,6 +26,7 @@ struct Layer<B: Backend> {
     wo: Lin<B>,
     qk_norm: Option<[B::Weight; 2]>,
     ffn_norm: Norm<B>,
+    router: Option<B::Weight>,
     gate: Option<Lin<B>>,
     up: Lin<B>,
     down: Lin<B>,
@@ -88,6 +89,7 @@ impl<B: Backend> ResidentWeights<B> {
                     _ => None,
                 },
                 ffn_norm: norm(&l.ffn_norm)?,
+                router: l.router.as_ref().map(up).transpose()?,
                 gate: l.w_gate.as_ref().map(lin).transpose()?,
                 up: lin(&l.w_up)?,
                 down: lin(&l.w_down)?,
@@ -132,6 +134,7 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
             wo: layer.wo.view(),
             qk_norm: layer.qk_norm.as_ref().map(|[q, k]| [q, k]),
             ffn_norm: layer.ffn_norm.view(),
+            router: layer.router.as_ref(),
             ffn: FfnView::Matrices {
                 gate: layer.gate.as_ref().map(Lin::view),
                 up: layer.up.view(),

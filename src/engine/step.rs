@@ -281,6 +281,22 @@ impl<B: Backend> Engine<B> {
         l: usize,
         sc: &mut Scratch<B>,
     ) -> Result<()> {
+        if layer.router.is_none() && self.spec.moe.is_some() {
+            return Err(EngineError::Weights(format!(
+                "layer {l} of a mixture-of-experts model came without its router"
+            )));
+        }
+        if let Some(router) = layer.router {
+            {
+                let _s = trace::span(Phase::Attention);
+                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
+                self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
+            }
+            let _s = trace::span(Phase::DeviceNeurons);
+            self.moe_ffn(l, &layer.ffn, router, sc)?;
+            sc.residual = true;
+            return Ok(());
+        }
         let site = FfnSite::of(&mut layer.cold, &mut layer.unit);
         let on_device = matches!(site, FfnSite::Device);
         match self.whole_gated_ffn(&layer.ffn, !on_device) {

@@ -7,13 +7,13 @@ use serde_json::Value;
 
 use super::ModelError;
 use super::spec::*;
-use crate::limits::{Limit, MAX_DIM, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
+use crate::limits::{Limit, MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
 
 /// A parsed `config.json`: the spec, plus the facts the loader needs about tensor naming.
 #[derive(Clone, Debug)]
 pub struct HfConfig {
     pub spec: ModelSpec,
-    /// `model_type` as written (llama, mistral, qwen2, qwen3, opt).
+    /// `model_type` as written (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, opt).
     pub model_type: String,
     /// The dtype the checkpoint says it is stored in (informational).
     pub dtype: Option<String>,
@@ -156,12 +156,29 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
         .or(r.opt_str("torch_dtype")?)
         .map(str::to_string);
     let spec = match model_type.as_str() {
-        "llama" | "mistral" | "qwen2" | "qwen3" => llama_spec(&r, &model_type)?,
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" => {
+            llama_spec(&r, &model_type)?
+        }
         "opt" => opt_spec(&r)?,
         other => {
-            return Err(r.err(format!(
-                "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, opt)"
-            )));
+            let missing = match other {
+                "qwen2_moe" => Some("its shared expert (sigmoid-gated, beside the routed ones)"),
+                "gpt_oss" => Some(
+                    "its router bias, softmax over the top-k, attention sinks, sliding window, \
+                     MXFP4 experts and clamped SwiGLU",
+                ),
+                "deepseek_v2" | "deepseek_v3" => {
+                    Some("multi-head latent attention and sigmoid, group-limited routing")
+                }
+                _ => None,
+            };
+            return Err(r.err(match missing {
+                Some(m) => format!("`{other}` is not supported yet: {m} are not built"),
+                None => format!(
+                    "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, \
+                     qwen3_moe, mixtral, opt)"
+                ),
+            }));
         }
     };
     spec.check()
@@ -186,6 +203,9 @@ fn hf_key(model_type: &str, field: &str) -> &'static str {
         "n_kv_heads" => "num_key_value_heads",
         "head_dim" | "rope.dims" | "attn_scale" => "head_dim",
         "d_ff" if opt => "ffn_dim",
+        "moe.experts" => "num_local_experts",
+        "moe.used" => "num_experts_per_tok",
+        "moe.d_expert" | "d_ff" if model_type == "qwen3_moe" => "moe_intermediate_size",
         "d_ff" => "intermediate_size",
         "vocab_size" => "vocab_size",
         "max_context" => "max_position_embeddings",
@@ -223,6 +243,7 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
     let activation = Activation::from_hf(act_name)
         .ok_or_else(|| r.err(format!("unsupported activation `{act_name}`")))?;
     let qwen = model_type == "qwen2";
+    let moe = moe_spec(r, model_type)?;
     let attention_bias = r.opt_bool("attention_bias")?.unwrap_or(false);
     if r.opt_bool("mlp_bias")?.unwrap_or(false) {
         return Err(r.err("`mlp_bias: true` is not supported".into()));
@@ -231,7 +252,9 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         .opt_size("max_position_embeddings", &MAX_DIM)?
         .unwrap_or(2048);
     if let Some(w) = r.opt_usize("sliding_window")? {
-        let used = r.opt_bool("use_sliding_window")?.unwrap_or(!qwen);
+        let used = r
+            .opt_bool("use_sliding_window")?
+            .unwrap_or(!model_type.starts_with("qwen"));
         if used && w < max_context {
             tracing::warn!(
                 "config sets a sliding window of {w} tokens; attention here is full, which is \
@@ -248,7 +271,12 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         n_heads,
         n_kv_heads,
         head_dim,
-        d_ff: r.size("intermediate_size", &MAX_DIM)?,
+        d_ff: match &moe {
+            // Both factors are within their limits: the product fits; the spec's check holds
+            // it to max_dim.
+            Some(m) => m.experts * m.d_expert,
+            None => r.size("intermediate_size", &MAX_DIM)?,
+        },
         vocab_size: r.size("vocab_size", &MAX_VOCAB)?,
         max_context,
         norm: NormKind::Rms,
@@ -266,8 +294,47 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         }),
         tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(false),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
-        qk_norm: model_type == "qwen3",
+        qk_norm: model_type.starts_with("qwen3"),
+        moe,
     })
+}
+
+/// The experts of a mixture-of-experts `model_type` (none for dense ones). Every layer must be
+/// one: Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` above 1) are refused.
+fn moe_spec(r: &Reader, model_type: &str) -> Result<Option<MoeSpec>, ModelError> {
+    let (count_key, width_key) = match model_type {
+        // Configs written before transformers 5 say `num_experts`, since then `num_local_experts`.
+        "qwen3_moe" if r.v.get("num_experts").is_some() => ("num_experts", "moe_intermediate_size"),
+        "qwen3_moe" => ("num_local_experts", "moe_intermediate_size"),
+        "mixtral" => ("num_local_experts", "intermediate_size"),
+        _ => return Ok(None),
+    };
+    if model_type == "qwen3_moe" {
+        if r.opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
+            return Err(r.err(
+                "`decoder_sparse_step` above 1 (dense FFN layers between the expert ones) is not \
+                 supported yet"
+                    .into(),
+            ));
+        }
+        if r.v
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty())
+        {
+            return Err(r.err(
+                "`mlp_only_layers` (dense FFN layers among the expert ones) is not supported yet"
+                    .into(),
+            ));
+        }
+    }
+    Ok(Some(MoeSpec {
+        experts: r.size(count_key, &MAX_EXPERTS)?,
+        used: r.size("num_experts_per_tok", &MAX_EXPERTS)?,
+        d_expert: r.size(width_key, &MAX_DIM)?,
+        // Mixtral always renormalises; Qwen3-MoE where the config says (its default: not).
+        norm_top_k: model_type == "mixtral" || r.opt_bool("norm_topk_prob")?.unwrap_or(false),
+    }))
 }
 
 /// RoPE base and scaling from either `rope_parameters` (new) or `rope_theta` + `rope_scaling`.
@@ -369,6 +436,7 @@ fn opt_spec(r: &Reader) -> Result<ModelSpec, ModelError> {
         tied_output: r.opt_bool("tie_word_embeddings")?.unwrap_or(true),
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
         qk_norm: false,
+        moe: None,
     })
 }
 

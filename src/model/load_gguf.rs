@@ -81,6 +81,7 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
             q_norm: head_norm(format!("{b}.attn_q_norm.weight"))?,
             k_norm: head_norm(format!("{b}.attn_k_norm.weight"))?,
             ffn_norm: norm(format!("{b}.ffn_norm.weight"))?,
+            router: None,
             w_gate: Some(linear(format!("{b}.ffn_gate"), false)?),
             w_up: linear(format!("{b}.ffn_up"), false)?,
             w_down: linear(format!("{b}.ffn_down"), false)?,
@@ -225,6 +226,7 @@ fn read_spec(
         tied_output,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
         qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+        moe: None,
     };
     spec.check()
         .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;

@@ -10,6 +10,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
 use super::config::parse_config;
+use super::experts;
 use super::load_gguf::as_f32;
 use super::spec::Arch;
 use super::tokenizer::Tokenizer;
@@ -179,6 +180,36 @@ impl Checkpoint {
     }
 }
 
+/// A mixture-of-experts layer's router and its experts' gate, up and down as the FFN's
+/// matrices ([`super::experts`]), from the per-expert tensors transformers writes.
+fn expert_ffn(
+    ckpt: &Checkpoint,
+    model_type: &str,
+    layer: &str,
+    count: usize,
+) -> Result<(HostTensor, [Linear; 3]), ModelError> {
+    let (block, names) = match model_type {
+        "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let router = as_f32(ckpt.load(&format!("{layer}.{block}.gate.weight"))?);
+    let part = |which: usize| -> Result<Vec<HostTensor>, ModelError> {
+        (0..count)
+            .map(|e| {
+                ckpt.load(&format!(
+                    "{layer}.{block}.experts.{e}.{}.weight",
+                    names[which]
+                ))
+            })
+            .collect()
+    };
+    let linear = |weight: HostTensor| Linear { weight, bias: None };
+    let gate = experts::stack_rows(&format!("{layer}.{block}.experts.gate"), &part(0)?)?;
+    let up = experts::stack_rows(&format!("{layer}.{block}.experts.up"), &part(1)?)?;
+    let down = experts::stack_columns(&format!("{layer}.{block}.experts.down"), &part(2)?)?;
+    Ok((router, [linear(gate), linear(up), linear(down)]))
+}
+
 pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
     let config_path = dir.join("config.json");
     let text = super::read_whole_string(&config_path)?;
@@ -209,6 +240,18 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
             let mut layers = Vec::with_capacity(spec.n_layers);
             for i in 0..spec.n_layers {
                 let p = format!("model.layers.{i}");
+                let (router, [gate, up, down]) = match &spec.moe {
+                    None => (
+                        None,
+                        ["gate_proj", "up_proj", "down_proj"]
+                            .map(|w| linear(format!("{p}.mlp.{w}"), false)),
+                    ),
+                    Some(m) => {
+                        let (router, ffn) = expert_ffn(&ckpt, &config.model_type, &p, m.experts)?;
+                        (Some(router), ffn.map(Ok))
+                    }
+                };
+                let [gate, up, down] = [gate?, up?, down?];
                 layers.push(LayerWeights {
                     attn_norm: norm(format!("{p}.input_layernorm.weight"))?,
                     wq: linear(format!("{p}.self_attn.q_proj"), spec.qkv_bias)?,
@@ -218,9 +261,10 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                     q_norm: head_norm(format!("{p}.self_attn.q_norm.weight"))?,
                     k_norm: head_norm(format!("{p}.self_attn.k_norm.weight"))?,
                     ffn_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
-                    w_gate: Some(linear(format!("{p}.mlp.gate_proj"), false)?),
-                    w_up: linear(format!("{p}.mlp.up_proj"), false)?,
-                    w_down: linear(format!("{p}.mlp.down_proj"), false)?,
+                    router,
+                    w_gate: Some(gate),
+                    w_up: up,
+                    w_down: down,
                 });
             }
             let token_embd = ckpt.load("model.embed_tokens.weight")?;
@@ -269,6 +313,7 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                     q_norm: None,
                     k_norm: None,
                     ffn_norm: norm(format!("{p}.final_layer_norm"))?,
+                    router: None,
                     w_gate: None,
                     w_up: linear(format!("{p}.fc1"))?,
                     w_down: linear(format!("{p}.fc2"))?,

@@ -2,6 +2,7 @@
 //! a GGUF file or a Hugging Face directory. Knows nothing about devices or execution.
 
 pub mod config;
+pub mod experts;
 pub mod ggml;
 pub mod gguf;
 mod load_gguf;
@@ -108,6 +109,9 @@ pub struct LayerWeights {
     pub q_norm: Option<NormWeights>,
     pub k_norm: Option<NormWeights>,
     pub ffn_norm: NormWeights,
+    /// A mixture-of-experts layer's router (`experts × d_model`); its experts are the FFN
+    /// matrices below, side by side ([`spec::MoeSpec`]).
+    pub router: Option<HostTensor>,
     /// Present for gated FFNs.
     pub w_gate: Option<Linear>,
     pub w_up: Linear,
@@ -147,6 +151,7 @@ impl ModelWeights {
                 v.extend(norm_tensors(n));
             }
             v.extend(norm_tensors(&l.ffn_norm));
+            v.extend(l.router.as_ref());
             if let Some(g) = &l.w_gate {
                 v.extend(linear_tensors(g));
             }
@@ -262,6 +267,22 @@ impl Model {
             }
             for n in head_norms.into_iter().flatten() {
                 check(&n.weight, 1, s.head_dim)?;
+            }
+            match (&s.moe, &l.router) {
+                (Some(m), Some(r)) => check(r, m.experts, s.d_model)?,
+                (None, None) => {}
+                (Some(_), None) => {
+                    return Err(ModelError::Format {
+                        path: self.source.clone(),
+                        msg: "a mixture-of-experts layer has no router".into(),
+                    });
+                }
+                (None, Some(r)) => {
+                    return Err(ModelError::Format {
+                        path: self.source.clone(),
+                        msg: format!("`{}` is a router, but the model has no experts", r.name),
+                    });
+                }
             }
             check_lin(&l.wq, s.q_dim(), s.d_model)?;
             check_lin(&l.wk, s.kv_dim(), s.d_model)?;

@@ -132,6 +132,20 @@ pub enum PositionEncoding {
     },
 }
 
+/// A mixture-of-experts FFN: `experts` gated FFNs of `d_expert` neurons side by side in the
+/// layer's FFN matrices (so `d_ff` = `experts × d_expert`: expert `e` is neurons
+/// `e·d_expert ..`), `used` of them a token, chosen as transformers chooses them: the router's
+/// logits, a softmax over all experts in f32, the top `used` (ties to the lower index), their
+/// weights renormalised to sum to 1 where `norm_top_k`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeSpec {
+    pub experts: usize,
+    pub used: usize,
+    pub d_expert: usize,
+    /// Mixtral always; Qwen's `norm_topk_prob`.
+    pub norm_top_k: bool,
+}
+
 /// The shape and numerics of one model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
@@ -158,6 +172,9 @@ pub struct ModelSpec {
     /// keep their checksums.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm: bool,
+    /// A mixture-of-experts FFN in every layer (none: dense). Left out of the manifest when none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeSpec>,
     pub out_bias: bool,
     pub ffn_bias: bool,
     pub position: PositionEncoding,
@@ -211,6 +228,36 @@ impl ModelSpec {
                         limits::MAX_DIM.over(v as u64)
                     ),
                 );
+            }
+        }
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || !limits::MAX_EXPERTS.admits(m.experts as u64) {
+                let msg = match m.experts {
+                    0 => "is 0".into(),
+                    n => limits::MAX_EXPERTS.over(n as u64),
+                };
+                return err("moe.experts", msg);
+            }
+            if m.used == 0 || m.used > m.experts {
+                return err(
+                    "moe.used",
+                    format!(
+                        "is {}: a token uses at least one and at most all {} experts",
+                        m.used, m.experts
+                    ),
+                );
+            }
+            if m.d_expert == 0 || m.experts.checked_mul(m.d_expert) != Some(self.d_ff) {
+                return err(
+                    "moe.d_expert",
+                    format!(
+                        "is {}: {} experts of it must make the FFN's {} neurons",
+                        m.d_expert, m.experts, self.d_ff
+                    ),
+                );
+            }
+            if !self.gated_ffn {
+                return err("moe", "experts are gated FFNs (SwiGLU) here".into());
             }
         }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
@@ -383,6 +430,7 @@ mod tests {
             tied_output: false,
             attn_scale: 0.25,
             qk_norm: false,
+            moe: None,
         }
     }
 

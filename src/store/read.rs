@@ -436,6 +436,7 @@ impl Store {
                 q_norm: head_norm(names::layer(l, "attn_q_norm"))?,
                 k_norm: head_norm(names::layer(l, "attn_k_norm"))?,
                 ffn_norm: norm(names::layer(l, "ffn_norm"))?,
+                router: None,
                 w_gate,
                 w_up,
                 w_down,

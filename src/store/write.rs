@@ -331,6 +331,15 @@ pub fn convert(
     }
     let model = Model::load(source)?;
     let spec = model.spec.clone();
+    if let Some(m) = &spec.moe {
+        return Err(StoreError::Unsupported(format!(
+            "{}: a mixture-of-experts model ({} experts, {} a token) is not offloaded yet: run it \
+             whole on the CPU (--device cpu)",
+            source.display(),
+            m.experts,
+            m.used
+        )));
+    }
     for &e in &opts.extra_encodings {
         if e == Encoding::Int4 && !spec.d_model.is_multiple_of(INT4_GROUP) {
             return Err(StoreError::Unsupported(format!(

@@ -365,6 +365,7 @@ impl<B: Backend> Resident<B> {
             wv: linear(Some(v), sm.attn_bias[2].as_ref()),
             wo: linear(Some(o), sm.attn_bias[3].as_ref()),
             qk_norm: sm.qk_norm(),
+            router: None,
             ffn_norm: sm.ffn_norm(),
             ffn,
             cold,

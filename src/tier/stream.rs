@@ -472,6 +472,7 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 sm.attn_bias[3].as_ref(),
             ),
             qk_norm: sm.qk_norm(),
+            router: None,
             ffn_norm: sm.ffn_norm(),
             ffn: if let Some(u) = unit_ffn {
                 u

@@ -79,7 +79,31 @@ pub fn matmul_strided(
     stride: usize,
     col0: usize,
 ) {
-    let (rows, cols) = (w.rows, w.cols);
+    matmul_block(k, w, (0..w.rows, 0..w.cols), x, n, out, stride, col0)
+}
+
+/// As [`matmul_strided`] with the block `rows × cols` of `w` for the weight (a mixture-of-experts
+/// layer's expert: a row range of its gate and up, a column range of its down). The column range
+/// starts and ends on the format's block boundaries.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_block(
+    k: &Kernels,
+    w: &HostTensor,
+    (row_range, col_range): (std::ops::Range<usize>, std::ops::Range<usize>),
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    stride: usize,
+    col0: usize,
+) {
+    let (rows, cols) = (row_range.len(), col_range.len());
+    let block = w.dtype.block_len();
+    assert!(
+        row_range.end <= w.rows
+            && col_range.end <= w.cols
+            && col_range.start.is_multiple_of(block)
+            && cols.is_multiple_of(block)
+    );
     assert!(x.len() == n * cols && out.len() == n * stride && col0 + rows <= stride);
     let prepared = if w.dtype.is_k_quant() {
         Prepared::QuantK(quantize_rows(x, n, cols, QK_K, k.quantize_k))
@@ -101,8 +125,13 @@ pub fn matmul_strided(
     let rows_per_task = rows.div_ceil(threads * 4).max(8);
     let n_tasks = rows.div_ceil(rows_per_task);
     let ptr = OutPtr(out.as_mut_ptr());
-    let data = w.data.as_slice();
+    // Row r of the block: `sub_bytes` bytes from `first + r * row_bytes` of the weight's data.
     let row_bytes = w.row_bytes();
+    let sub_bytes = w.dtype.bytes_for(cols);
+    let first = row_range.start * row_bytes + w.dtype.bytes_for(col_range.start);
+    let all = w.data.as_slice();
+    let data = &all[first..];
+    let row_at = |r: usize| &data[r * row_bytes..r * row_bytes + sub_bytes];
     let task = |task: usize| {
         let r0 = task * rows_per_task;
         let r1 = (r0 + rows_per_task).min(rows);
@@ -116,10 +145,8 @@ pub fn matmul_strided(
                 let nt = t1 - t0;
                 for ra in (r0..r1).step_by(ROW_TILE) {
                     let rb = (ra + ROW_TILE).min(r1);
-                    let rows: [&[u8]; ROW_TILE] = std::array::from_fn(|i| {
-                        let r = (ra + i).min(rb - 1);
-                        &data[r * row_bytes..(r + 1) * row_bytes]
-                    });
+                    let rows: [&[u8]; ROW_TILE] =
+                        std::array::from_fn(|i| row_at((ra + i).min(rb - 1)));
                     // The next rows stream in from DRAM while these compute (the kernel spreads
                     // the prefetches: a tile's lines at once filled the miss buffers).
                     let next = (rb * row_bytes).min(data.len())
@@ -136,7 +163,7 @@ pub fn matmul_strided(
                 continue;
             }
             for r in r0..r1 {
-                let mut wrow = &data[r * row_bytes..(r + 1) * row_bytes];
+                let mut wrow = row_at(r);
                 let mut dtype = w.dtype;
                 if decode_rows {
                     crate::tensor::decode_row(dtype, wrow, &mut row_f32);

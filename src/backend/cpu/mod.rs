@@ -14,6 +14,7 @@ mod tensor;
 pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
 pub use tensor::CpuTensor;
 
+use crate::backend::{Experts, Route};
 use rayon::prelude::*;
 
 use super::{
@@ -812,6 +813,84 @@ impl Backend for CpuBackend {
         } else {
             apply(&mut x.data);
         }
+        Ok(())
+    }
+
+    fn moe_ffn(
+        &self,
+        experts: Experts<'_, CpuWeight>,
+        x: &CpuTensor,
+        routes: &[Route],
+        act: Act,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        let op = "moe_ffn";
+        let up = experts.up.tensor(op)?;
+        let down = experts.down.tensor(op)?;
+        let gate = experts.gate.map(|g| g.tensor(op)).transpose()?;
+        same_shape(op, x, out)?;
+        let (d, f) = (x.cols, experts.width);
+        let count = up.rows.checked_div(f).unwrap_or(0);
+        let fits = |w: &HostTensor, rows: usize, cols: usize| w.rows == rows && w.cols == cols;
+        if count == 0
+            || !fits(up, count * f, d)
+            || !fits(down, d, count * f)
+            || gate.is_some_and(|g| !fits(g, count * f, d))
+            || !f.is_multiple_of(down.dtype.block_len())
+        {
+            return Err(shape_err(
+                op,
+                format!(
+                    "experts of {f} neurons over {}x{} up and {}x{} down, rows of {d}",
+                    up.rows, up.cols, down.rows, down.cols
+                ),
+            ));
+        }
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
+        for r in routes {
+            let (t, e) = (r.token as usize, r.expert as usize);
+            if t >= x.rows || e >= count {
+                return Err(shape_err(
+                    op,
+                    format!("route to expert {e} of {count} for row {t} of {}", x.rows),
+                ));
+            }
+            by_expert[e].push((t, r.weight));
+        }
+        let f_act = ops::activation(act);
+        out.data.fill(0.0);
+        self.pool.install(|| {
+            for (e, tokens) in by_expert.iter().enumerate() {
+                if tokens.is_empty() {
+                    continue;
+                }
+                let m = tokens.len();
+                let xe: Vec<f32> = tokens
+                    .iter()
+                    .flat_map(|&(t, _)| x.data[t * d..(t + 1) * d].iter().copied())
+                    .collect();
+                let neurons = e * f..(e + 1) * f;
+                let mut h = vec![0f32; m * f];
+                let k = self.kernels;
+                matmul::matmul_block(k, up, (neurons.clone(), 0..d), &xe, m, &mut h, f, 0);
+                match gate {
+                    Some(g) => {
+                        let mut gv = vec![0f32; m * f];
+                        matmul::matmul_block(k, g, (neurons.clone(), 0..d), &xe, m, &mut gv, f, 0);
+                        h.iter_mut().zip(&gv).for_each(|(u, g)| *u *= f_act(*g));
+                    }
+                    None => h.iter_mut().for_each(|u| *u = f_act(*u)),
+                }
+                let mut y = vec![0f32; m * d];
+                matmul::matmul_block(k, down, (0..d, neurons), &h, m, &mut y, d, 0);
+                for (i, &(t, w)) in tokens.iter().enumerate() {
+                    let row = &mut out.data[t * d..(t + 1) * d];
+                    row.iter_mut()
+                        .zip(&y[i * d..(i + 1) * d])
+                        .for_each(|(o, v)| *o += v * w);
+                }
+            }
+        });
         Ok(())
     }
 

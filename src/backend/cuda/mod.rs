@@ -54,6 +54,7 @@ mod norm;
 mod rope;
 mod types;
 
+use crate::backend::{Experts, Route};
 use cudarc::driver::CudaEvent;
 
 pub use copies::PinnedRegion;
@@ -408,6 +409,19 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
     ) -> Result<()> {
         norm::layer_norm(self, x, w, b, eps, out)
+    }
+
+    fn moe_ffn(
+        &self,
+        _: Experts<'_, CudaWeight>,
+        _: &CudaTensor,
+        _: &[Route],
+        _: Act,
+        _: &mut CudaTensor,
+    ) -> Result<()> {
+        Err(BackendError::Unavailable(
+            "mixture-of-experts layers run on the CPU backend only for now (--device cpu)".into(),
+        ))
     }
 
     fn rms_norm_heads(

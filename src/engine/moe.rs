@@ -1,0 +1,125 @@
+//! A mixture-of-experts layer's FFN: the router's logits on the device, read back; the experts
+//! chosen on the host as transformers chooses them ([`route`]); the chosen experts computed by
+//! [`Backend::moe_ffn`], each expert's tokens in one product.
+
+use super::ports::{FfnView, LinearView};
+use super::scratch::Scratch;
+use super::{Engine, EngineError, Result};
+use crate::backend::{Backend, Experts, Route};
+use crate::model::spec::MoeSpec;
+
+/// The routes of `n` tokens from their router logits (`n × experts`): per token a softmax over
+/// all experts in f32, the top `used` (ties to the lower expert id), their probabilities as
+/// weights, renormalised to sum to 1 where `norm_top_k`. Routes come token by token, each
+/// token's in descending weight.
+pub fn route(logits: &[f32], n: usize, moe: &MoeSpec) -> Vec<Route> {
+    let e = moe.experts;
+    let mut routes = Vec::with_capacity(n * moe.used);
+    let mut order: Vec<usize> = Vec::with_capacity(e);
+    let mut probs = vec![0f32; e];
+    for (t, row) in logits.chunks(e).take(n).enumerate() {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for (p, &l) in probs.iter_mut().zip(row) {
+            *p = (l - max).exp();
+            sum += *p;
+        }
+        probs.iter_mut().for_each(|p| *p /= sum);
+        order.clear();
+        order.extend(0..e);
+        // Descending probability; a stable sort keeps the lower id first among equals.
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let top = &order[..moe.used];
+        let total: f32 = if moe.norm_top_k {
+            top.iter().map(|&i| probs[i]).sum()
+        } else {
+            1.0
+        };
+        routes.extend(top.iter().map(|&i| Route {
+            token: t as u32,
+            expert: i as u32,
+            weight: probs[i] / total,
+        }));
+    }
+    routes
+}
+
+/// The one weight of a whole, unbiased FFN matrix.
+fn whole<'a, B: Backend>(v: &LinearView<'a, B>, what: &str) -> Result<&'a B::Weight> {
+    match (v.blocks.as_slice(), v.bias) {
+        ([(0, w)], None) => Ok(*w),
+        _ => Err(EngineError::Weights(format!(
+            "a mixture-of-experts layer's {what} must be one whole matrix without bias here"
+        ))),
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// `sc.proj` = the experts' FFN of `sc.h` (the normed rows) in layer `l`.
+    pub(super) fn moe_ffn(
+        &self,
+        l: usize,
+        f: &FfnView<B>,
+        router: &B::Weight,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let moe = self.spec.moe.as_ref().ok_or_else(|| {
+            EngineError::Weights(format!("layer {l} has a router, but the model no experts"))
+        })?;
+        let FfnView::Matrices { gate, up, down } = f else {
+            return Err(EngineError::Weights(
+                "mixture-of-experts layers are computed from whole matrices only (no offloading \
+                 of experts yet: run with --device cpu)"
+                    .into(),
+            ));
+        };
+        let experts = Experts {
+            gate: gate.as_ref().map(|g| whole(g, "gate")).transpose()?,
+            up: whole(up, "up")?,
+            down: whole(down, "down")?,
+            width: moe.d_expert,
+        };
+        let n = sc.n;
+        let mut logits = self.backend.alloc(n, moe.experts)?;
+        self.backend.matmul(router, &sc.h, &mut logits)?;
+        let mut host = vec![0f32; n * moe.experts];
+        self.backend.read(&logits, &mut host)?;
+        let routes = route(&host, n, moe);
+        if let Some(tap) = &self.route_tap {
+            tap.routed(l, n, &routes);
+        }
+        self.backend
+            .moe_ffn(experts, &sc.h, &routes, self.act, &mut sc.proj)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(experts: usize, used: usize, norm_top_k: bool) -> MoeSpec {
+        MoeSpec {
+            experts,
+            used,
+            d_expert: 1,
+            norm_top_k,
+        }
+    }
+
+    #[test]
+    fn top_k_of_the_softmax_ties_to_the_lower_id() {
+        // Token 0: experts 1 and 3 lead; token 1: 0, 2 and 3 tie for first.
+        let logits = [0.0, 2.0, -1.0, 1.0, 5.0, -3.0, 5.0, 5.0];
+        let r = route(&logits, 2, &spec(4, 2, false));
+        let ids: Vec<(u32, u32)> = r.iter().map(|r| (r.token, r.expert)).collect();
+        assert_eq!(ids, [(0, 1), (0, 3), (1, 0), (1, 2)]);
+        // Without renormalising, the weights are the softmax's probabilities.
+        let p: Vec<f32> = logits[..4].iter().map(|l| l.exp()).collect();
+        let s: f32 = p.iter().sum();
+        assert!((r[0].weight - p[1] / s).abs() < 1e-6);
+        let r = route(&logits, 2, &spec(4, 2, true));
+        assert!((r[0].weight + r[1].weight - 1.0).abs() < 1e-6);
+        assert!((r[2].weight - 0.5).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,118 @@
+//! A mixture-of-experts layer's experts as one FFN: expert `e`'s gate and up rows stacked after
+//! expert `e − 1`'s, its down columns beside them, so expert `e` is neurons
+//! `e·d_expert .. (e+1)·d_expert` of FFN matrices `d_ff = experts × d_expert` wide (see
+//! [`super::spec::MoeSpec`]). Bytes are copied as they are: any format whose blocks the expert
+//! width is a whole number of.
+
+use super::ModelError;
+use crate::tensor::{Bytes, HostTensor};
+
+/// `parts` (each `rows × cols`, one format) one under the other: `Σ rows × cols`.
+pub fn stack_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
+    let first = same_shapes(name, parts)?;
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+    for p in parts {
+        bytes.extend_from_slice(p.data.as_slice());
+    }
+    Ok(HostTensor {
+        name: name.to_string(),
+        rows: first.rows * parts.len(),
+        cols: first.cols,
+        dtype: first.dtype,
+        data: Bytes::from_slice(&bytes),
+    })
+}
+
+/// `parts` (each `rows × cols`, one format) side by side: `rows × Σ cols`, row `r` the parts'
+/// rows `r` one after the other.
+pub fn stack_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
+    let first = same_shapes(name, parts)?;
+    if !first.cols.is_multiple_of(first.dtype.block_len()) {
+        return Err(format_err(
+            name,
+            format!(
+                "rows of {} values are not whole {} blocks",
+                first.cols, first.dtype
+            ),
+        ));
+    }
+    let row_bytes = first.row_bytes();
+    let mut bytes = Vec::with_capacity(row_bytes * first.rows * parts.len());
+    for r in 0..first.rows {
+        for p in parts {
+            bytes.extend_from_slice(&p.data.as_slice()[r * row_bytes..(r + 1) * row_bytes]);
+        }
+    }
+    Ok(HostTensor {
+        name: name.to_string(),
+        rows: first.rows,
+        cols: first.cols * parts.len(),
+        dtype: first.dtype,
+        data: Bytes::from_slice(&bytes),
+    })
+}
+
+fn same_shapes<'a>(name: &str, parts: &'a [HostTensor]) -> Result<&'a HostTensor, ModelError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| format_err(name, "no experts".into()))?;
+    for p in parts {
+        if (p.rows, p.cols, p.dtype) != (first.rows, first.cols, first.dtype) {
+            return Err(format_err(
+                name,
+                format!(
+                    "expert tensor `{}` is {}x{} {}, `{}` {}x{} {}: every expert has one shape and format",
+                    p.name,
+                    p.rows,
+                    p.cols,
+                    p.dtype,
+                    first.name,
+                    first.rows,
+                    first.cols,
+                    first.dtype
+                ),
+            ));
+        }
+    }
+    Ok(first)
+}
+
+fn format_err(name: &str, msg: String) -> ModelError {
+    ModelError::Format {
+        path: name.into(),
+        msg,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str, rows: usize, cols: usize, base: f32) -> HostTensor {
+        let v = (0..rows * cols).map(|i| base + i as f32).collect();
+        HostTensor::from_f32(name, rows, cols, v)
+    }
+
+    #[test]
+    fn experts_stack_as_neurons() {
+        let (a, b) = (t("a", 2, 3, 0.0), t("b", 2, 3, 100.0));
+        let rows = stack_rows("up", &[a.clone(), b.clone()]).unwrap();
+        assert_eq!((rows.rows, rows.cols), (4, 3));
+        assert_eq!(
+            rows.to_f32(),
+            [0., 1., 2., 3., 4., 5., 100., 101., 102., 103., 104., 105.]
+        );
+        let cols = stack_columns("down", &[a, b]).unwrap();
+        assert_eq!((cols.rows, cols.cols), (2, 6));
+        assert_eq!(
+            cols.to_f32(),
+            [0., 1., 2., 100., 101., 102., 3., 4., 5., 103., 104., 105.]
+        );
+    }
+
+    #[test]
+    fn experts_of_different_shapes_are_refused() {
+        let e = stack_rows("up", &[t("a", 2, 3, 0.0), t("b", 3, 3, 0.0)]).unwrap_err();
+        assert!(e.to_string().contains("every expert has one shape"), "{e}");
+    }
+}
