@@ -542,6 +542,8 @@ def run_moe():
     HF_DIR.mkdir(parents=True, exist_ok=True)
     build_qwen3_moe(torch)
     build_mixtral(torch)
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    write_moe_ggufs()
 
 
 def build_opt(torch):
@@ -874,6 +876,50 @@ def write_qwen3_gguf():
     write_gguf(GGUF_DIR / "qwen3-f32.gguf", "qwen3", "qwen3", cfg, tensors, T.F32)
 
 
+def gguf_moe_tensors(sd, cfg, arch: str) -> list[tuple[str, np.ndarray]]:
+    """A mixture-of-experts checkpoint's tensors under llama.cpp's names: each layer's experts as
+    3-D `ffn_{gate,up,down}_exps` (expert-major), the router as `ffn_gate_inp`. Arch `qwen3moe`
+    keeps HF's rope layout and has the per-head q/k norms; Mixtral (arch `llama`) permutes Q/K."""
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
+    qwen = arch == "qwen3moe"
+    block, (g, u, d) = ("mlp", ("gate_proj", "up_proj", "down_proj")) if qwen else (
+        "block_sparse_moe", ("w1", "w3", "w2"))
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        b = f"blk.{i}."
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if not qwen:
+            q, k = rope_halves_to_pairs(q, n_head), rope_halves_to_pairs(k, n_kv)
+        out += [(b + "attn_norm.weight", sd[p + "input_layernorm.weight"]),
+                (b + "attn_q.weight", q), (b + "attn_k.weight", k)]
+        if qwen:
+            out += [(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]),
+                    (b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])]
+        out += [
+            (b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"]),
+            (b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"]),
+            (b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"]),
+            (b + "ffn_gate_inp.weight", sd[p + f"{block}.gate.weight"]),
+        ]
+        for name, hf in (("ffn_gate_exps", g), ("ffn_up_exps", u), ("ffn_down_exps", d)):
+            out.append((b + name + ".weight", np.stack(
+                [sd[p + f"{block}.experts.{e}.{hf}.weight"] for e in range(n_exp)])))
+    out.append(("output_norm.weight", sd["model.norm.weight"]))
+    out.append(("output.weight", sd["lm_head.weight"]))
+    return out
+
+
+def write_moe_ggufs():
+    from gguf import GGMLQuantizationType as T
+
+    for name, arch in (("qwen3-moe", "qwen3moe"), ("mixtral", "llama")):
+        cfg = json.loads((HF_DIR / name / "config.json").read_text())
+        tensors = gguf_moe_tensors(hf_tensors(name), cfg, arch)
+        write_gguf(GGUF_DIR / f"{name}-f32.gguf", arch, name, cfg, tensors, T.F32)
+
+
 def run_qwen3():
     """Only the Qwen3 fixtures (hf/qwen3, gguf/qwen3-f32.gguf): the others stay as they are."""
     torch = torch_setup()
@@ -881,6 +927,7 @@ def run_qwen3():
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
     build_qwen3(torch)
     write_qwen3_gguf()
+    write_moe_ggufs()
 
 
 def write_gguf(path: Path, arch: str, name: str, cfg: dict, tensors, qtype) -> dict:
@@ -910,6 +957,12 @@ def write_gguf(path: Path, arch: str, name: str, cfg: dict, tensors, qtype) -> d
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(rope["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if n_exp:
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     # No vocabulary: the model is driven by token ids. llama.cpp refuses a file without
     # tokenizer.ggml.model; "none" is its marker for a vocab-less model (LLAMA_VOCAB_TYPE_NONE,
     # size from {arch}.vocab_size).

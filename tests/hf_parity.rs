@@ -171,16 +171,17 @@ impl RouteTap for Routes {
     }
 }
 
-/// A mixture-of-experts fixture: logits within 1e-4 of transformers' at every position, the
-/// same experts in every layer at every position, the same greedy continuation.
-fn moe(name: &str) {
-    let dir = fixtures().join("hf").join(name);
-    let refpath = dir.join("reference.json");
-    check(&dir, &refpath, 1e-4);
+/// A mixture-of-experts fixture (`model`: its HF directory or a GGUF of it): logits within 1e-4
+/// of transformers' at every position, the same experts in every layer at every position, the
+/// same greedy continuation.
+fn moe(name: &str, model: &Path) {
+    let dir = model;
+    let refpath = fixtures().join("hf").join(name).join("reference.json");
+    check(dir, &refpath, 1e-4);
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&refpath).unwrap()).unwrap();
     let want: Vec<Vec<Vec<u32>>> = serde_json::from_value(v["experts"].clone()).unwrap();
     let r = reference(&refpath);
-    let model = Model::load(&dir).unwrap();
+    let model = Model::load(dir).unwrap();
     let tap = Arc::new(Routes::default());
     let engine = Engine::new(
         CpuBackend::new(2).unwrap(),
@@ -202,12 +203,22 @@ fn moe(name: &str) {
 
 #[test]
 fn qwen3_moe_matches_transformers_expert_for_expert() {
-    moe("qwen3-moe");
+    moe("qwen3-moe", &fixtures().join("hf/qwen3-moe"));
 }
 
 #[test]
 fn mixtral_matches_transformers_expert_for_expert() {
-    moe("mixtral");
+    moe("mixtral", &fixtures().join("hf/mixtral"));
+}
+
+#[test]
+fn gguf_qwen3moe_f32_matches_transformers_expert_for_expert() {
+    moe("qwen3-moe", &fixtures().join("gguf/qwen3-moe-f32.gguf"));
+}
+
+#[test]
+fn gguf_mixtral_f32_3d_experts_matches_transformers_expert_for_expert() {
+    moe("mixtral", &fixtures().join("gguf/mixtral-f32.gguf"));
 }
 
 #[test]

@@ -304,7 +304,17 @@ fn stories_with_meta(
     name: &str,
     edit: impl FnOnce(&mut BTreeMap<String, MetaValue>),
 ) -> PathBuf {
-    let f = GgufFile::open(&stories260k()).unwrap();
+    gguf_with_meta(&stories260k(), dir, name, edit)
+}
+
+/// The f32 GGUF `src` rewritten with its metadata edited by `edit` (tensors unchanged).
+fn gguf_with_meta(
+    src: &Path,
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut BTreeMap<String, MetaValue>),
+) -> PathBuf {
+    let f = GgufFile::open(src).unwrap();
     let mut entries = f.metadata.entries.clone();
     edit(&mut entries);
     let meta: Vec<(&str, MetaValue)> = entries
@@ -349,6 +359,71 @@ fn stories_with_weight(
     let p = dir.join(format!("{name}.gguf"));
     std::fs::write(&p, bytes).unwrap();
     p
+}
+
+/// A mixture-of-experts file whose expert counts disagree with its tensors or with each other
+/// is refused naming the key or the tensor (issue 38).
+#[test]
+fn expert_counts_that_disagree_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join("gguf/qwen3-moe-f32.gguf");
+    succeeded(&run(&as_strs(&run_args(&src))));
+    let set = |k: &'static str, v: u32| {
+        move |m: &mut BTreeMap<String, MetaValue>| {
+            m.insert(k.into(), MetaValue::U32(v));
+        }
+    };
+    let count = "qwen3moe.expert_count";
+    let used = "qwen3moe.expert_used_count";
+    let cases: [(&str, PathBuf, &[&str]); 4] = [
+        (
+            "fewer experts than the tensors hold",
+            gguf_with_meta(&src, dir.path(), "count4", set(count, 4)),
+            &["blk.0.ffn_gate_exps.weight", "4 expert matrices"],
+        ),
+        (
+            "more used than there are",
+            gguf_with_meta(&src, dir.path(), "used9", set(used, 9)),
+            &[used, "at most all 8 experts"],
+        ),
+        (
+            "none used",
+            gguf_with_meta(&src, dir.path(), "used0", set(used, 0)),
+            &[used],
+        ),
+        (
+            "over the limit",
+            gguf_with_meta(&src, dir.path(), "count5000", set(count, 5000)),
+            &[count, "max_experts"],
+        ),
+    ];
+    for (what, model, needles) in cases {
+        let o = run(&as_strs(&run_args(&model)));
+        println!("{what}: {}", clean_error(&o, needles));
+    }
+    // The HF config the same way.
+    let hf = tiny_moe_hf(dir.path());
+    succeeded(&run(&as_strs(&run_args(&hf))));
+    edit_config(&hf, |c| c["num_experts_per_tok"] = 0.into());
+    clean_error(&run(&as_strs(&run_args(&hf))), &["num_experts_per_tok"]);
+    edit_config(&hf, |c| {
+        c["num_experts_per_tok"] = 2.into();
+        c["model_type"] = "qwen2_moe".into();
+    });
+    clean_error(
+        &run(&as_strs(&run_args(&hf))),
+        &["qwen2_moe", "shared expert"],
+    );
+}
+
+/// The Qwen3-MoE fixture copied into `dir` (config edits then stay there).
+fn tiny_moe_hf(dir: &Path) -> PathBuf {
+    let out = dir.join("qwen3-moe");
+    std::fs::create_dir_all(&out).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixtures().join("hf/qwen3-moe").join(f), out.join(f)).unwrap();
+    }
+    out
 }
 
 /// Defect 4: numbers that cannot be weights' settings are refused at load, naming the key.

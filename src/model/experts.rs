@@ -52,6 +52,39 @@ pub fn stack_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, Mod
     })
 }
 
+/// `experts` matrices one under the other (`experts·rows × cols`, as a GGUF's `ffn_down_exps`
+/// holds them) side by side: [`stack_columns`] of them.
+pub fn columns_of_stacked(t: &HostTensor, experts: usize) -> Result<HostTensor, ModelError> {
+    if experts == 0 || !t.rows.is_multiple_of(experts) {
+        return Err(format_err(
+            &t.name,
+            format!("{} rows are not {experts} experts' matrices", t.rows),
+        ));
+    }
+    let rows = t.rows / experts;
+    if !t.cols.is_multiple_of(t.dtype.block_len()) {
+        return Err(format_err(
+            &t.name,
+            format!("rows of {} values are not whole {} blocks", t.cols, t.dtype),
+        ));
+    }
+    let (row_bytes, src) = (t.row_bytes(), t.data.as_slice());
+    let mut bytes = Vec::with_capacity(src.len());
+    for r in 0..rows {
+        for e in 0..experts {
+            let at = (e * rows + r) * row_bytes;
+            bytes.extend_from_slice(&src[at..at + row_bytes]);
+        }
+    }
+    Ok(HostTensor {
+        name: t.name.clone(),
+        rows,
+        cols: t.cols * experts,
+        dtype: t.dtype,
+        data: Bytes::from_slice(&bytes),
+    })
+}
+
 fn same_shapes<'a>(name: &str, parts: &'a [HostTensor]) -> Result<&'a HostTensor, ModelError> {
     let first = parts
         .first()
@@ -108,6 +141,17 @@ mod tests {
             cols.to_f32(),
             [0., 1., 2., 100., 101., 102., 3., 4., 5., 103., 104., 105.]
         );
+    }
+
+    #[test]
+    fn stacked_matrices_side_by_side_equal_their_stacked_columns() {
+        let (a, b) = (t("a", 2, 3, 0.0), t("b", 2, 3, 100.0));
+        let stacked = stack_rows("s", &[a.clone(), b.clone()]).unwrap();
+        let want = stack_columns("down", &[a, b]).unwrap();
+        let got = columns_of_stacked(&stacked, 2).unwrap();
+        assert_eq!((got.rows, got.cols), (want.rows, want.cols));
+        assert_eq!(got.to_f32(), want.to_f32());
+        assert!(columns_of_stacked(&stacked, 3).is_err());
     }
 
     #[test]

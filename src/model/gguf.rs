@@ -657,6 +657,18 @@ impl GgufFile {
     /// Load a tensor as a `rows × cols` host tensor, its bytes borrowed from the map in the file's
     /// own format ([`GgmlType::host_dtype`]); a type no backend computes is refused.
     pub fn load(&self, name: &str) -> Result<HostTensor, ModelError> {
+        self.load_as(name, 1)
+    }
+
+    /// A 3-D tensor of `experts` matrices (llama.cpp's `ffn_*_exps`: GGML dims `[cols, rows,
+    /// experts]`, expert-major) as one matrix of `experts × rows` rows.
+    pub fn load_experts(&self, name: &str, experts: usize) -> Result<HostTensor, ModelError> {
+        self.load_as(name, experts)
+    }
+
+    /// The tensor `name` whose third GGML dimension is `stacked` (1: a matrix or vector), its
+    /// matrices one under the other.
+    fn load_as(&self, name: &str, stacked: usize) -> Result<HostTensor, ModelError> {
         let info = self
             .tensors
             .get(name)
@@ -665,16 +677,23 @@ impl GgufFile {
                 name: name.to_string(),
             })?;
         let cols = info.dims[0] as usize;
-        if info.dims.iter().skip(2).any(|&d| d != 1) {
+        let third = info.dims.get(2).copied().unwrap_or(1);
+        if third != stacked as u64 || info.dims.iter().skip(3).any(|&d| d != 1) {
+            let expected = match stacked {
+                1 => "a matrix".to_string(),
+                n => format!("{n} expert matrices (the expert count)"),
+            };
             return Err(ModelError::Format {
                 path: self.path.clone(),
                 msg: format!(
-                    "tensor `{name}` has shape {:?}; expected a matrix",
+                    "tensor `{name}` has shape {:?}; expected {expected}",
                     info.dims
                 ),
             });
         }
-        let rows = info.dims.get(1).copied().unwrap_or(1) as usize;
+        // The tensor infos' sizes were checked against the file as it was read: these products
+        // are its bytes' counts.
+        let rows = info.dims.get(1).copied().unwrap_or(1) as usize * stacked;
         let dtype = info
             .ggml_type
             .host_dtype()

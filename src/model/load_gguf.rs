@@ -1,5 +1,5 @@
-//! GGUF file → [`Model`]: llama.cpp's `llama`, `qwen2` and `qwen3` architectures (and `mistral`,
-//! which llama.cpp writes as `llama`).
+//! GGUF file → [`Model`]: llama.cpp's `llama` (with experts: Mixtral), `qwen2`, `qwen3` and
+//! `qwen3moe` architectures (and `mistral`, which llama.cpp writes as `llama`).
 
 use std::path::Path;
 
@@ -7,7 +7,7 @@ use super::gguf::GgufFile;
 use super::spec::*;
 use super::tokenizer::Tokenizer;
 use super::{LayerWeights, Linear, Model, ModelError, ModelWeights, NormWeights};
-use crate::limits::{Limit, MAX_DIM, MAX_HEADS, MAX_LAYERS};
+use crate::limits::{Limit, MAX_DIM, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS};
 use crate::tensor::HostTensor;
 
 pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
@@ -16,13 +16,29 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
     let arch = meta.str("general.architecture")?.to_string();
     let style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Adjacent,
-        "qwen2" | "qwen3" => RopeStyle::Halves,
+        "qwen2" | "qwen3" | "qwen3moe" => RopeStyle::Halves,
         other => {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),
-                msg: format!(
-                    "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3)"
-                ),
+                msg: match other {
+                    "qwen2moe" => format!(
+                        "`{other}` is not supported yet: its shared expert (sigmoid-gated, beside \
+                         the routed ones) is not built"
+                    ),
+                    "gpt-oss" => format!(
+                        "`{other}` is not supported yet: its router bias, softmax over the top-k, \
+                         attention sinks, sliding window, MXFP4 experts and clamped SwiGLU are not \
+                         built"
+                    ),
+                    "deepseek2" => format!(
+                        "`{other}` is not supported yet: multi-head latent attention and sigmoid, \
+                         group-limited routing are not built"
+                    ),
+                    _ => format!(
+                        "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, \
+                         qwen3moe)"
+                    ),
+                },
             });
         }
     };
@@ -72,6 +88,17 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
     let mut layers = Vec::with_capacity(n_layers);
     for i in 0..n_layers {
         let b = format!("blk.{i}");
+        let (router, [gate, up, down]) = match &spec.moe {
+            None => (
+                None,
+                ["ffn_gate", "ffn_up", "ffn_down"].map(|w| linear(format!("{b}.{w}"), false)),
+            ),
+            Some(m) => {
+                let (router, ffn) = expert_ffn(&file, &b, m.experts)?;
+                (Some(router), ffn.map(Ok))
+            }
+        };
+        let [gate, up, down] = [gate?, up?, down?];
         layers.push(LayerWeights {
             attn_norm: norm(format!("{b}.attn_norm.weight"))?,
             wq: linear(format!("{b}.attn_q"), spec.qkv_bias)?,
@@ -81,10 +108,10 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
             q_norm: head_norm(format!("{b}.attn_q_norm.weight"))?,
             k_norm: head_norm(format!("{b}.attn_k_norm.weight"))?,
             ffn_norm: norm(format!("{b}.ffn_norm.weight"))?,
-            router: None,
-            w_gate: Some(linear(format!("{b}.ffn_gate"), false)?),
-            w_up: linear(format!("{b}.ffn_up"), false)?,
-            w_down: linear(format!("{b}.ffn_down"), false)?,
+            router,
+            w_gate: Some(gate),
+            w_up: up,
+            w_down: down,
         });
     }
     let weights = ModelWeights {
@@ -116,6 +143,41 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
         tokenizer,
         source: path.to_path_buf(),
     })
+}
+
+/// A mixture-of-experts layer's router and its experts as the FFN's matrices
+/// ([`super::experts`]): llama.cpp's 3-D `ffn_*_exps`, or older files' per-expert
+/// `ffn_{gate,up,down}.E`.
+fn expert_ffn(
+    file: &GgufFile,
+    b: &str,
+    experts: usize,
+) -> Result<(HostTensor, [Linear; 3]), ModelError> {
+    let router = as_f32(file.load(&format!("{b}.ffn_gate_inp.weight"))?);
+    let linear = |weight: HostTensor| Linear { weight, bias: None };
+    let [gate, up, down] = if file
+        .tensor_info(&format!("{b}.ffn_gate_exps.weight"))
+        .is_some()
+    {
+        let load = |w: &str| file.load_experts(&format!("{b}.{w}.weight"), experts);
+        [
+            load("ffn_gate_exps")?,
+            load("ffn_up_exps")?,
+            super::experts::columns_of_stacked(&load("ffn_down_exps")?, experts)?,
+        ]
+    } else {
+        let parts = |w: &str| -> Result<Vec<HostTensor>, ModelError> {
+            (0..experts)
+                .map(|e| file.load(&format!("{b}.{w}.{e}.weight")))
+                .collect()
+        };
+        [
+            super::experts::stack_rows(&format!("{b}.ffn_gate_exps"), &parts("ffn_gate")?)?,
+            super::experts::stack_rows(&format!("{b}.ffn_up_exps"), &parts("ffn_up")?)?,
+            super::experts::stack_columns(&format!("{b}.ffn_down_exps"), &parts("ffn_down")?)?,
+        ]
+    };
+    Ok((router, [linear(gate), linear(up), linear(down)]))
 }
 
 /// The spec the metadata states (sizes held to their limits as they are read, so nothing
@@ -194,6 +256,21 @@ fn read_spec(
         }
     };
     let n_layers = required("block_count", &MAX_LAYERS)?;
+    // `expert_count` 0 (or none) is a dense model.
+    let moe = match size("expert_count", &MAX_EXPERTS)? {
+        None | Some(0) => None,
+        Some(experts) => Some(MoeSpec {
+            experts,
+            used: required("expert_used_count", &MAX_EXPERTS)?,
+            d_expert: match size("expert_feed_forward_length", &MAX_DIM)? {
+                Some(w) => w,
+                None => required("feed_forward_length", &MAX_DIM)?,
+            },
+            // Mixtral always renormalises the chosen experts' weights, and so do the Qwen3-MoE
+            // releases (`norm_topk_prob`); a file may say otherwise.
+            norm_top_k: meta.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true),
+        }),
+    };
     let spec = ModelSpec {
         arch: Arch::Llama,
         name: meta
@@ -205,7 +282,11 @@ fn read_spec(
         n_heads,
         n_kv_heads,
         head_dim,
-        d_ff: required("feed_forward_length", &MAX_DIM)?,
+        // Both factors are within their limits; the spec's check holds the product to max_dim.
+        d_ff: match &moe {
+            Some(m) => m.experts * m.d_expert,
+            None => required("feed_forward_length", &MAX_DIM)?,
+        },
         vocab_size,
         max_context: size("context_length", &MAX_DIM)?.unwrap_or(2048),
         norm: NormKind::Rms,
@@ -226,7 +307,7 @@ fn read_spec(
         tied_output,
         attn_scale: 1.0 / (head_dim as f32).sqrt(),
         qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
-        moe: None,
+        moe,
     };
     spec.check()
         .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;
@@ -241,7 +322,10 @@ fn gguf_key(arch: &str, field: &str) -> String {
         "n_heads" => "attention.head_count",
         "n_kv_heads" => "attention.head_count_kv",
         "head_dim" | "attn_scale" => "attention.key_length",
-        "d_ff" => "feed_forward_length",
+        "d_ff" | "moe.d_expert" if arch == "qwen3moe" => "expert_feed_forward_length",
+        "d_ff" | "moe.d_expert" => "feed_forward_length",
+        "moe.experts" => "expert_count",
+        "moe.used" => "expert_used_count",
         // The vocabulary is the embedding's rows.
         "vocab_size" => return "token_embd.weight".into(),
         "max_context" => "context_length",
