@@ -11,7 +11,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 use super::quant::{INT4_GROUP, int4_row, int8_row};
 use super::*;
 use crate::model::gguf::{GgufFile, MetaValue};
-use crate::model::{Linear, Model, NormWeights};
+use crate::model::{LayerWeights, Linear, Model, NormWeights};
 use crate::tensor::HostTensor;
 
 #[derive(Clone, Debug, Default)]
@@ -407,6 +407,40 @@ fn install(tmp: &Path, out: &Path, name: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+fn write_norm(dw: &mut DataWriter, base: String, n: &NormWeights) -> Result<(), StoreError> {
+    dw.vector(format!("{base}.weight"), &n.weight)?;
+    if let Some(b) = &n.bias {
+        dw.vector(format!("{base}.bias"), b)?;
+    }
+    Ok(())
+}
+
+fn write_linear(dw: &mut DataWriter, base: String, l: &Linear) -> Result<(), StoreError> {
+    dw.matrix(format!("{base}.weight"), &l.weight)?;
+    if let Some(b) = &l.bias {
+        dw.vector(format!("{base}.bias"), b)?;
+    }
+    Ok(())
+}
+
+/// Layer `l`'s attention: its norm, q, k, v and output projections, and q's and k's head norms.
+fn write_attention(dw: &mut DataWriter, l: usize, layer: &LayerWeights) -> Result<(), StoreError> {
+    write_norm(dw, names::layer(l, "attn_norm"), &layer.attn_norm)?;
+    write_linear(dw, names::layer(l, "attn_q"), &layer.wq)?;
+    write_linear(dw, names::layer(l, "attn_k"), &layer.wk)?;
+    write_linear(dw, names::layer(l, "attn_v"), &layer.wv)?;
+    write_linear(dw, names::layer(l, "attn_output"), &layer.wo)?;
+    for (what, n) in [
+        ("attn_q_norm", &layer.q_norm),
+        ("attn_k_norm", &layer.k_norm),
+    ] {
+        if let Some(n) = n {
+            write_norm(dw, names::layer(l, what), n)?;
+        }
+    }
+    Ok(())
+}
+
 fn write_store(
     source: &Path,
     model: &Model,
@@ -452,21 +486,6 @@ fn write_store(
         }
     }
 
-    let norm = |dw: &mut DataWriter, base: String, n: &NormWeights| -> Result<(), StoreError> {
-        dw.vector(format!("{base}.weight"), &n.weight)?;
-        if let Some(b) = &n.bias {
-            dw.vector(format!("{base}.bias"), b)?;
-        }
-        Ok(())
-    };
-    let linear = |dw: &mut DataWriter, base: String, l: &Linear| -> Result<(), StoreError> {
-        dw.matrix(format!("{base}.weight"), &l.weight)?;
-        if let Some(b) = &l.bias {
-            dw.vector(format!("{base}.bias"), b)?;
-        }
-        Ok(())
-    };
-
     dw.matrix(names::TOKEN_EMBD.into(), &w.token_embd)?;
     if let Some(p) = &w.pos_embd {
         dw.matrix(names::POS_EMBD.into(), p)?;
@@ -477,20 +496,8 @@ fn write_store(
     }
     let n_layers = w.layers.len();
     for (l, layer) in w.layers.iter().enumerate() {
-        norm(&mut dw, names::layer(l, "attn_norm"), &layer.attn_norm)?;
-        linear(&mut dw, names::layer(l, "attn_q"), &layer.wq)?;
-        linear(&mut dw, names::layer(l, "attn_k"), &layer.wk)?;
-        linear(&mut dw, names::layer(l, "attn_v"), &layer.wv)?;
-        linear(&mut dw, names::layer(l, "attn_output"), &layer.wo)?;
-        for (what, n) in [
-            ("attn_q_norm", &layer.q_norm),
-            ("attn_k_norm", &layer.k_norm),
-        ] {
-            if let Some(n) = n {
-                norm(&mut dw, names::layer(l, what), n)?;
-            }
-        }
-        norm(&mut dw, names::layer(l, "ffn_norm"), &layer.ffn_norm)?;
+        write_attention(&mut dw, l, layer)?;
+        write_norm(&mut dw, names::layer(l, "ffn_norm"), &layer.ffn_norm)?;
         if let Some(b) = &layer.w_up.bias {
             dw.vector(names::layer(l, "ffn_up.bias"), b)?;
         }
@@ -524,7 +531,7 @@ fn write_store(
         }
         progress(l + 1, n_layers);
     }
-    norm(&mut dw, "output_norm".into(), &w.output_norm)?;
+    write_norm(&mut dw, "output_norm".into(), &w.output_norm)?;
     if let Some(o) = &w.output {
         dw.matrix(names::OUTPUT.into(), o)?;
     }
