@@ -67,7 +67,43 @@ fn environment() -> Result<Environment<'static>, TokenizeError> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    env.add_filter("string", |v: Value| -> Result<String, Error> {
+        within_depth(&v, 0)?;
+        Ok(v.to_string())
+    });
+    // A value shown is walked first: a namespace set into itself (`{% set ns.n = ns %}`, found
+    // by the fuzzer) would otherwise recurse until the stack overflows and abort the process.
+    env.set_formatter(|out, state, value| {
+        within_depth(value, 0)?;
+        minijinja::escape_formatter(out, state, value)
+    });
     Ok(env)
+}
+
+/// Deepest nesting of lists and maps a template may show or serialise.
+const MAX_VALUE_DEPTH: usize = 64;
+
+/// `v` (at nesting `depth`) holds no list or map nested deeper than [`MAX_VALUE_DEPTH`].
+fn within_depth(v: &Value, depth: usize) -> Result<(), Error> {
+    if !matches!(v.kind(), ValueKind::Seq | ValueKind::Map) {
+        return Ok(());
+    }
+    if depth >= MAX_VALUE_DEPTH {
+        return Err(too_deep());
+    }
+    let map = v.kind() == ValueKind::Map;
+    for item in v.try_iter()? {
+        let inner = if map { v.get_item(&item)? } else { item };
+        within_depth(&inner, depth + 1)?;
+    }
+    Ok(())
+}
+
+fn too_deep() -> Error {
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!("a value nested deeper than {MAX_VALUE_DEPTH} levels (one that holds itself?)"),
+    )
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -92,6 +128,9 @@ fn write_json(
     depth: usize,
     out: &mut String,
 ) -> Result<(), Error> {
+    if depth > MAX_VALUE_DEPTH {
+        return Err(too_deep());
+    }
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -111,7 +150,10 @@ fn write_json(
                 write_json(&v.get_item(key)?, indent, depth + 1, out)
             })?;
         }
-        _ => write_json_string(&v.to_string(), out),
+        _ => {
+            within_depth(v, depth)?;
+            write_json_string(&v.to_string(), out)
+        }
     }
     Ok(())
 }
@@ -253,6 +295,25 @@ mod tests {
                  {% if add_generation_prompt %}<assistant>{% endif %}";
         let out = render(t, &[msg("user", "  hi  ")], true, "<s>", "</s>").unwrap();
         assert_eq!(out, "SYS\n<user>hi\n<assistant>");
+    }
+
+    /// Found by the fuzzer: a namespace set into itself, then shown or serialised, recursed
+    /// until the stack overflowed (the process aborted).
+    #[test]
+    fn a_value_that_holds_itself_is_an_error() {
+        let set = "{% set ns = namespace(n=0) %}{% set ns.n = ns %}";
+        for show in [
+            "{{ ns }}",
+            "{{ ns.n }}",
+            "{{ ns | tojson }}",
+            "{{ ns | string }}",
+        ] {
+            let err = render(&format!("{set}{show}"), &[], false, "", "").unwrap_err();
+            assert!(err.0.contains("nested deeper than"), "{show}: {err}");
+        }
+        // Deep but finite values are shown.
+        let out = render("{{ [[[1]]] | tojson }}{{ [[2]] }}", &[], false, "", "").unwrap();
+        assert_eq!(out, "[[[1]]][[2]]");
     }
 
     #[test]
