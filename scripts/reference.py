@@ -1183,6 +1183,9 @@ def run_check_llamacpp():
             (GGUF_DIR / "llama-gqa-q4_1.gguf", GGUF_DIR / "llama-gqa-q4_1.reference.json", None),
             (GGUF_DIR / "qwen2-bias-f16.gguf", HF_DIR / "qwen2-bias" / "reference.json", 1e-3),
             (q32, HF_DIR / "qwen2-bias" / "reference.json", 1e-3),
+            (GGUF_DIR / "qwen3-f32.gguf", HF_DIR / "qwen3" / "reference.json", 1e-3),
+            (GGUF_DIR / "qwen3-moe-f32.gguf", HF_DIR / "qwen3-moe" / "reference.json", 1e-3),
+            (GGUF_DIR / "mixtral-f32.gguf", HF_DIR / "mixtral" / "reference.json", 1e-3),
         ]
         ok = True
         for path, ref_path, tol in cases:
