@@ -19,8 +19,9 @@ pub(crate) fn render(
     eos_token: &str,
 ) -> Result<String, TokenizeError> {
     let env = environment()?;
+    let guarded = guard_namespace_sets(template);
     let tmpl = env
-        .template_from_str(template)
+        .template_from_str(&guarded)
         .map_err(|e| TokenizeError(format!("chat template does not parse: {e:#}")))?;
     let messages: Vec<Value> = messages
         .iter()
@@ -67,6 +68,7 @@ fn environment() -> Result<Environment<'static>, TokenizeError> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
+    env.add_filter(NAMESPACE_VALUE_FILTER, namespace_value);
     env.add_filter("string", |v: Value| -> Result<String, Error> {
         within_depth(&v, 0)?;
         Ok(v.to_string())
@@ -78,6 +80,138 @@ fn environment() -> Result<Environment<'static>, TokenizeError> {
         minijinja::escape_formatter(out, state, value)
     });
     Ok(env)
+}
+
+/// The filter every value a template stores in a namespace goes through
+/// ([`guard_namespace_sets`]).
+const NAMESPACE_VALUE_FILTER: &str = "__gpu_offload_namespace_value";
+
+/// `template` with the value of every `{% set NS.attr = VALUE %}` passed through
+/// [`namespace_value`]: a namespace is the only value a template can change, so one that
+/// holds no map (no namespace) can never hold itself. A namespace set into itself
+/// (`{% set ns.n = ns %}`, found by the fuzzer) made showing, comparing or joining it recurse
+/// until the stack overflowed and aborted the process; minijinja has no hook on the
+/// assignment. Tags inside `{{ }}`, comments and raw blocks are left alone.
+fn guard_namespace_sets(template: &str) -> String {
+    let mut out = String::with_capacity(template.len() + 64);
+    let mut rest = template;
+    loop {
+        let Some(open) = rest.find('{') else {
+            out.push_str(rest);
+            return out;
+        };
+        out.push_str(&rest[..open]);
+        rest = &rest[open..];
+        let (end, rewritten) = match rest.as_bytes().get(1) {
+            Some(b'{') => (tag_end(rest, 2, "}}"), None),
+            Some(b'#') => (rest[2..].find("#}").map(|i| i + 4), None),
+            Some(b'%') => statement(rest),
+            _ => (Some(1), None),
+        };
+        let Some(end) = end else {
+            // Unterminated: the parser says what is wrong.
+            out.push_str(rest);
+            return out;
+        };
+        match rewritten {
+            Some(s) => out.push_str(&s),
+            None => out.push_str(&rest[..end]),
+        }
+        rest = &rest[end..];
+    }
+}
+
+/// The byte just past the `close` that ends the tag opened at `rest[0]`, from `from`, outside
+/// string literals.
+fn tag_end(rest: &str, from: usize, close: &str) -> Option<usize> {
+    let b = rest.as_bytes();
+    let mut i = from;
+    let mut quote = None;
+    while i < b.len() {
+        match (quote, b[i]) {
+            (Some(_), b'\\') => i += 1,
+            (Some(q), c) if c == q => quote = None,
+            (None, c @ (b'\'' | b'"')) => quote = Some(c),
+            (None, _) if rest[i..].starts_with(close) => return Some(i + close.len()),
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
+/// A `{% … %}` statement at `rest[0]`: its length, and its rewrite where it sets a namespace's
+/// attribute (a raw block is passed through whole).
+fn statement(rest: &str) -> (Option<usize>, Option<String>) {
+    let Some(end) = tag_end(rest, 2, "%}") else {
+        return (None, None);
+    };
+    let inner = rest[2..end - 2].trim_start_matches(['-', '+']);
+    let body = inner.trim_start();
+    if body.starts_with("raw")
+        && body[3..]
+            .trim_matches(['-', '+', ' ', '\t', '\n', '\r'])
+            .is_empty()
+    {
+        let close = rest[end..]
+            .find("endraw")
+            .and_then(|i| tag_end(rest, end + i, "%}"));
+        return (close.or(Some(end)), None);
+    }
+    let Some(after_set) = body.strip_prefix("set") else {
+        return (Some(end), None);
+    };
+    if !after_set.starts_with(char::is_whitespace) {
+        return (Some(end), None);
+    }
+    let Some(eq) = after_set.find('=') else {
+        return (Some(end), None);
+    };
+    if !after_set[..eq].contains('.') {
+        return (Some(end), None);
+    }
+    // The value runs from after `=` to the closing marker (`%}`, `-%}` or `+%}`).
+    let value_start = end - 2 - inner.len() + (inner.len() - body.len()) + 3 + eq + 1;
+    let mut value_end = end - 2;
+    if matches!(rest.as_bytes()[value_end - 1], b'-' | b'+') && value_end - 1 > value_start {
+        value_end -= 1;
+    }
+    let rewritten = format!(
+        "{}({}) | {NAMESPACE_VALUE_FILTER} {}",
+        &rest[..value_start],
+        &rest[value_start..value_end],
+        &rest[value_end..end]
+    );
+    (Some(end), Some(rewritten))
+}
+
+/// A value a template stores in a namespace, refused when it is or holds a map (a namespace
+/// among them), or is nested deeper than [`MAX_VALUE_DEPTH`].
+fn namespace_value(v: Value) -> Result<Value, Error> {
+    within_depth(&v, 0)?;
+    if holds_map(&v)? {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "a namespace may hold strings, numbers, booleans and lists of them here, not maps \
+             or namespaces (one that held itself would never end)",
+        ));
+    }
+    Ok(v)
+}
+
+fn holds_map(v: &Value) -> Result<bool, Error> {
+    match v.kind() {
+        ValueKind::Map => Ok(v.downcast_object_ref::<Message>().is_none()),
+        ValueKind::Seq => {
+            for item in v.try_iter()? {
+                if holds_map(&item)? {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        }
+        _ => Ok(false),
+    }
 }
 
 /// Deepest nesting of lists and maps a template may show or serialise.
@@ -298,9 +432,16 @@ mod tests {
     }
 
     /// Found by the fuzzer: a namespace set into itself, then shown or serialised, recursed
-    /// until the stack overflowed (the process aborted).
+    /// until the stack overflowed (the process aborted). The assignment is refused now, and a
+    /// value too deep to show is an error of its own.
     #[test]
     fn a_value_that_holds_itself_is_an_error() {
+        let deep = format!("{}1{}", "[".repeat(70), "]".repeat(70));
+        for show in ["{{ x }}", "{{ x | tojson }}", "{{ x | string }}"] {
+            let t = format!("{{% set x = {deep} %}}{show}");
+            let err = render(&t, &[], false, "", "").unwrap_err();
+            assert!(err.0.contains("nested deeper than"), "{show}: {err}");
+        }
         let set = "{% set ns = namespace(n=0) %}{% set ns.n = ns %}";
         for show in [
             "{{ ns }}",
@@ -309,11 +450,41 @@ mod tests {
             "{{ ns | string }}",
         ] {
             let err = render(&format!("{set}{show}"), &[], false, "", "").unwrap_err();
-            assert!(err.0.contains("nested deeper than"), "{show}: {err}");
+            assert!(err.0.contains("may hold strings"), "{show}: {err}");
         }
         // Deep but finite values are shown.
         let out = render("{{ [[[1]]] | tojson }}{{ [[2]] }}", &[], false, "", "").unwrap();
         assert_eq!(out, "[[[1]]][[2]]");
+        // Nor can a namespace come to hold itself, however it is then used.
+        for (set, then) in [
+            ("{% set ns.n = ns %}", "{{ 'a' ~ ns }}"),
+            ("{%- set ns.n = [1, ns] -%}", "{{ ns == ns.n }}"),
+            ("{% set m = ns %}{% set ns.n = m %}", "{{ ns.n == m }}"),
+            ("{% set ns.a, ns.b = [ns, 1] %}", "{{ ns ~ '' }}"),
+        ] {
+            let t = format!("{{% set ns = namespace(n=0) %}}{set}{then}");
+            let err = render(&t, &[], false, "", "").unwrap_err();
+            assert!(err.0.contains("may hold strings"), "{t}: {err}");
+        }
+    }
+
+    #[test]
+    fn namespaces_keep_working_as_templates_use_them() {
+        let t = "{%- set ns = namespace(found=false, n=0, last='', ids=[]) -%}\
+                 {%- for m in messages -%}{%- set ns.n = ns.n + 1 -%}\
+                 {%- if m.role == 'user' %}{% set ns.found = true %}{% set ns.last = m.content %}\
+                 {%- set ns.ids = ns.ids + [loop.index0] %}{% endif -%}{%- endfor -%}\
+                 {{ ns.found }} {{ ns.n }} {{ ns.last }} {{ ns.ids }} {{ '{% set a.b = c %}' }}\
+                 {# {% set ns.n = ns %} #}{% raw %}{% set x.y = z %}{% endraw %}";
+        let out = render(
+            t,
+            &[msg("user", "a"), msg("assistant", "b"), msg("user", "c=d")],
+            false,
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(out, "True 3 c=d [0, 2] {% set a.b = c %}{% set x.y = z %}");
     }
 
     #[test]
