@@ -132,7 +132,8 @@ fn tag_end(rest: &str, from: usize, close: &str) -> Option<usize> {
             (Some(_), b'\\') => i += 1,
             (Some(q), c) if c == q => quote = None,
             (None, c @ (b'\'' | b'"')) => quote = Some(c),
-            (None, _) if rest[i..].starts_with(close) => return Some(i + close.len()),
+            // Bytes, not `rest[i..]`: `i` may fall inside a character.
+            (None, _) if b[i..].starts_with(close.as_bytes()) => return Some(i + close.len()),
             _ => {}
         }
         i += 1;
@@ -465,6 +466,18 @@ mod tests {
             let t = format!("{{% set ns = namespace(n=0) %}}{set}{then}");
             let err = render(&t, &[], false, "", "").unwrap_err();
             assert!(err.0.contains("may hold strings"), "{t}: {err}");
+        }
+    }
+
+    /// Found by the CI fuzz run of the first version of the rewrite: a multi-byte character
+    /// inside a tag made it slice through the character.
+    #[test]
+    fn tags_with_multibyte_characters_are_scanned_by_bytes() {
+        let t =
+            "{{ 'é' ~ '%}' }}{% set ns = namespace(a='ü') %}{% set ns.a = 'ß→' %}{{ ns.a }}{# ☃ #}";
+        assert_eq!(render(t, &[], false, "", "").unwrap(), "é%}ß→");
+        for t in ["{{ '€", "{% set ns.a = '€ %}", "{# ☃"] {
+            assert!(render(t, &[], false, "", "").is_err(), "{t}");
         }
     }
 
