@@ -215,6 +215,9 @@ fn holds_map(v: &Value) -> Result<bool, Error> {
     }
 }
 
+/// The widest `tojson(indent=…)` a template may ask for.
+const MAX_JSON_INDENT: usize = 64;
+
 /// Deepest nesting of lists and maps a template may show or serialise.
 const MAX_VALUE_DEPTH: usize = 64;
 
@@ -249,6 +252,13 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 /// does): `", "` and `": "` separators without indent, newlines with it.
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    // Found by the fuzzer: `indent=222222222222` asked for that many spaces a line.
+    if let Some(n) = indent.filter(|&n| n > MAX_JSON_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson indent {n} is over {MAX_JSON_INDENT}"),
+        ));
+    }
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
@@ -471,6 +481,26 @@ mod tests {
 
     /// Found by the CI fuzz run of the first version of the rewrite: a multi-byte character
     /// inside a tag made it slice through the character.
+    /// Found by the long fuzz run: an indent of 222222222222 aborted on the allocation.
+    #[test]
+    fn a_huge_tojson_indent_is_an_error() {
+        let err = render(
+            "{{ [1] | tojson(indent=222222222222) }}",
+            &[],
+            false,
+            "",
+            "",
+        )
+        .unwrap_err();
+        assert!(err.0.contains("indent 222222222222 is over 64"), "{err}");
+        assert_eq!(
+            render("{{ [1] | tojson(indent=64) }}", &[], false, "", "")
+                .unwrap()
+                .len(),
+            69
+        );
+    }
+
     #[test]
     fn tags_with_multibyte_characters_are_scanned_by_bytes() {
         let t =
