@@ -286,20 +286,13 @@ impl<B: Backend> Engine<B> {
                 "layer {l} of a mixture-of-experts model came without its router"
             )));
         }
-        if let Some(router) = layer.router {
-            {
-                let _s = trace::span(Phase::Attention);
-                self.linear(&layer.wo, &sc.attn, &mut sc.proj)?;
-                self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
-            }
-            let _s = trace::span(Phase::DeviceNeurons);
-            self.moe_ffn(l, &layer.ffn, router, sc)?;
-            sc.residual = true;
-            return Ok(());
-        }
         let site = FfnSite::of(&mut layer.cold, &mut layer.unit);
         let on_device = matches!(site, FfnSite::Device);
-        match self.whole_gated_ffn(&layer.ffn, !on_device) {
+        // A mixture-of-experts layer's matrices hold every expert: never one dense product.
+        let fused = self
+            .whole_gated_ffn(&layer.ffn, !on_device)
+            .filter(|_| layer.router.is_none());
+        match fused {
             // One op from the residual add to the FFN's output, so the norm's rows can go
             // straight into the products' input: the attention's projection goes to `sc.h` (free
             // once q, k and v are made) for the norm to add, and `sc.attn` (read by then) is the
@@ -327,7 +320,13 @@ impl<B: Backend> Engine<B> {
                     // The residual add, and the feed-forward block's norm.
                     self.add_norm(&mut sc.x, &sc.proj, &layer.ffn_norm, &mut sc.h)?;
                 }
-                self.ffn(l, &layer.ffn, site, sc)?;
+                match layer.router {
+                    Some(router) => {
+                        let _s = trace::span(Phase::DeviceNeurons);
+                        self.moe_ffn(l, &layer.ffn, router, sc)?;
+                    }
+                    None => self.ffn(l, &layer.ffn, site, sc)?,
+                }
             }
         }
         sc.residual = true;

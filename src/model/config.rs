@@ -272,9 +272,7 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
         n_kv_heads,
         head_dim,
         d_ff: match &moe {
-            // Both factors are within their limits: the product fits; the spec's check holds
-            // it to max_dim.
-            Some(m) => m.experts * m.d_expert,
+            Some(m) => m.neurons(),
             None => r.size("intermediate_size", &MAX_DIM)?,
         },
         vocab_size: r.size("vocab_size", &MAX_VOCAB)?,

@@ -7,6 +7,19 @@
 use super::ModelError;
 use crate::tensor::{Bytes, HostTensor};
 
+/// A layer's experts, each as its own gate, up and down matrix, as the FFN's gate, up and down
+/// (named `{base}.gate` …).
+pub fn ffn_of_experts(
+    base: &str,
+    [gate, up, down]: [Vec<HostTensor>; 3],
+) -> Result<[HostTensor; 3], ModelError> {
+    Ok([
+        stack_rows(&format!("{base}.gate"), &gate)?,
+        stack_rows(&format!("{base}.up"), &up)?,
+        stack_columns(&format!("{base}.down"), &down)?,
+    ])
+}
+
 /// `parts` (each `rows × cols`, one format) one under the other: `Σ rows × cols`.
 pub fn stack_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
     let first = same_shapes(name, parts)?;

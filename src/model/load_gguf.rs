@@ -171,11 +171,8 @@ fn expert_ffn(
                 .map(|e| file.load(&format!("{b}.{w}.{e}.weight")))
                 .collect()
         };
-        [
-            super::experts::stack_rows(&format!("{b}.ffn_gate_exps"), &parts("ffn_gate")?)?,
-            super::experts::stack_rows(&format!("{b}.ffn_up_exps"), &parts("ffn_up")?)?,
-            super::experts::stack_columns(&format!("{b}.ffn_down_exps"), &parts("ffn_down")?)?,
-        ]
+        let parts = [parts("ffn_gate")?, parts("ffn_up")?, parts("ffn_down")?];
+        super::experts::ffn_of_experts(&format!("{b}.ffn_exps"), parts)?
     };
     Ok((router, [linear(gate), linear(up), linear(down)]))
 }
@@ -282,9 +279,8 @@ fn read_spec(
         n_heads,
         n_kv_heads,
         head_dim,
-        // Both factors are within their limits; the spec's check holds the product to max_dim.
         d_ff: match &moe {
-            Some(m) => m.experts * m.d_expert,
+            Some(m) => m.neurons(),
             None => required("feed_forward_length", &MAX_DIM)?,
         },
         vocab_size,

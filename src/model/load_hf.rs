@@ -204,10 +204,9 @@ fn expert_ffn(
             .collect()
     };
     let linear = |weight: HostTensor| Linear { weight, bias: None };
-    let gate = experts::stack_rows(&format!("{layer}.{block}.experts.gate"), &part(0)?)?;
-    let up = experts::stack_rows(&format!("{layer}.{block}.experts.up"), &part(1)?)?;
-    let down = experts::stack_columns(&format!("{layer}.{block}.experts.down"), &part(2)?)?;
-    Ok((router, [linear(gate), linear(up), linear(down)]))
+    let base = format!("{layer}.{block}.experts");
+    let ffn = experts::ffn_of_experts(&base, [part(0)?, part(1)?, part(2)?])?;
+    Ok((router, ffn.map(linear)))
 }
 
 pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {

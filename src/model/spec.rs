@@ -146,6 +146,14 @@ pub struct MoeSpec {
     pub norm_top_k: bool,
 }
 
+impl MoeSpec {
+    /// The FFN's neurons: every expert's, side by side (the spec's `d_ff`). Loaders hold both
+    /// factors to their limits first, so the product fits; the spec's check holds it to max_dim.
+    pub fn neurons(&self) -> usize {
+        self.experts * self.d_expert
+    }
+}
+
 /// The shape and numerics of one model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
