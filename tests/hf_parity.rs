@@ -4,14 +4,14 @@
 mod common;
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::{fixtures, ids};
 
-use gpu_offload::backend::Route;
 use gpu_offload::backend::cpu::CpuBackend;
-use gpu_offload::engine::{Engine, GenerateParams, Logits, RouteTap, SamplerParams, generate};
+use gpu_offload::engine::{Engine, GenerateParams, Logits, SamplerParams, generate};
 use gpu_offload::model::Model;
+use gpu_offload::sparsity::routing::RouteTrace;
 use serde_json::Value;
 
 struct Reference {
@@ -150,27 +150,6 @@ fn qwen3_with_per_head_qk_norm_matches_transformers() {
     hf("qwen3");
 }
 
-/// Records each layer's experts per token, ascending, as the fixtures list them.
-#[derive(Default)]
-struct Routes(Mutex<Vec<Vec<Vec<u32>>>>);
-
-impl RouteTap for Routes {
-    fn routed(&self, layer: usize, rows: usize, routes: &[Route]) {
-        let mut all = self.0.lock().unwrap();
-        if all.len() <= layer {
-            all.resize(layer + 1, Vec::new());
-        }
-        let mut per_token = vec![Vec::new(); rows];
-        for r in routes {
-            per_token[r.token as usize].push(r.expert);
-        }
-        for mut ids in per_token {
-            ids.sort_unstable();
-            all[layer].push(ids);
-        }
-    }
-}
-
 /// A mixture-of-experts fixture (`model`: its HF directory or a GGUF of it): logits within 1e-4
 /// of transformers' at every position, the same experts in every layer at every position, the
 /// same greedy continuation.
@@ -182,7 +161,7 @@ fn moe(name: &str, model: &Path) {
     let want: Vec<Vec<Vec<u32>>> = serde_json::from_value(v["experts"].clone()).unwrap();
     let r = reference(&refpath);
     let model = Model::load(dir).unwrap();
-    let tap = Arc::new(Routes::default());
+    let tap = Arc::new(RouteTrace::new(model.spec.n_layers));
     let engine = Engine::new(
         CpuBackend::new(2).unwrap(),
         model.spec.clone(),
@@ -194,7 +173,9 @@ fn moe(name: &str, model: &Path) {
     engine
         .forward(&mut session, &r.input_ids, Logits::All)
         .unwrap();
-    let got = tap.0.lock().unwrap().clone();
+    // The fixtures list each token's experts ascending; the trace, by weight.
+    let mut got = tap.take();
+    got.iter_mut().flatten().for_each(|e| e.sort_unstable());
     assert_eq!(got.len(), want.len(), "{name}: layers routed");
     for (l, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "{name}: layer {l}'s experts by position");
@@ -219,6 +200,89 @@ fn gguf_qwen3moe_f32_matches_transformers_expert_for_expert() {
 #[test]
 fn gguf_mixtral_f32_3d_experts_matches_transformers_expert_for_expert() {
     moe("mixtral", &fixtures().join("gguf/mixtral-f32.gguf"));
+}
+
+/// `bench experts` on the tiny Qwen3-MoE: the trace it replays is the engine's routing of the
+/// tokens it decodes (one by one), and its counts follow from the cache sizes: a cache of every
+/// expert misses each only once; a static set of every expert never misses.
+#[test]
+fn bench_experts_replays_the_models_own_routing() {
+    use gpu_offload::bench::experts::{ExpertsArgs, TraceSource, run};
+    let model = fixtures().join("hf/qwen3-moe");
+    let args = |random_tokens: bool, sizes: Vec<f64>| ExpertsArgs {
+        model: Some(model.clone()),
+        synthetic: None,
+        popularity: 0.8,
+        locality: 0.5,
+        seed: 5,
+        corpus: None,
+        calibration: None,
+        random_tokens,
+        tokens: 40,
+        calibration_tokens: 30,
+        sizes,
+        max_copies: None,
+        threads: Some(1),
+        json: false,
+    };
+    let r = run(&args(true, vec![1.0, 4.0])).unwrap();
+    assert!(matches!(r.source, TraceSource::Decoded { .. }));
+    assert_eq!((r.layers, r.experts, r.used, r.max_copies), (2, 8, 2, 2));
+    let (one, all) = (&r.sizes[0], &r.sizes[1]);
+    assert_eq!(one.layers[0].slots, 2);
+    assert_eq!(all.layers[0].slots, 8);
+    for s in &r.sizes {
+        assert_eq!(
+            s.atu.needed,
+            2 * 40 * 2,
+            "every token's experts in every layer"
+        );
+    }
+    for l in &all.layers {
+        assert!(
+            l.atu.needed - l.atu.hits <= 8,
+            "each expert misses at most once"
+        );
+        assert_eq!(l.atu.copies, l.atu.needed - l.atu.hits);
+        assert_eq!(l.static_top.hits, l.static_top.needed);
+    }
+    // The same tokens decoded by hand route the same way: the adjacent overlap the report
+    // states is the engine's.
+    let m = Model::load(&model).unwrap();
+    let tap = Arc::new(RouteTrace::new(2));
+    let engine = Engine::new(CpuBackend::new(1).unwrap(), m.spec.clone(), &m.weights)
+        .unwrap()
+        .with_route_tap(tap.clone());
+    let ids: Vec<u32> = {
+        use rand::{RngExt, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        (0..40)
+            .map(|_| rng.random_range(0..m.spec.vocab_size as u32))
+            .collect()
+    };
+    let mut session = engine.new_session(40).unwrap();
+    for &t in &ids {
+        engine.forward(&mut session, &[t], Logits::None).unwrap();
+    }
+    let trace = tap.take();
+    for (l, layer) in one.layers.iter().enumerate() {
+        let want = gpu_offload::sparsity::routing::adjacent_overlap(&trace[l]);
+        assert_eq!(layer.adjacent_overlap, want, "layer {l}");
+    }
+    // Text needs a tokenizer; a dense model has no experts.
+    let e = run(&args(false, vec![1.0])).unwrap_err().to_string();
+    assert!(
+        e.contains("no tokenizer") && e.contains("--random-tokens"),
+        "{e}"
+    );
+    let dense = ExpertsArgs {
+        model: Some(fixtures().join("hf/qwen3")),
+        ..args(true, vec![1.0])
+    };
+    let e = run(&dense).unwrap_err().to_string();
+    assert!(e.contains("has no experts"), "{e}");
+    let e = run(&args(true, vec![0.0])).unwrap_err().to_string();
+    assert!(e.contains("--sizes"), "{e}");
 }
 
 #[test]

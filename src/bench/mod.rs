@@ -13,6 +13,7 @@ pub mod attention;
 pub mod bounds;
 pub mod contexts;
 pub mod decode;
+pub mod experts;
 pub mod matvec;
 pub mod measure;
 pub mod output;

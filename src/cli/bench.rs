@@ -57,6 +57,11 @@ pub enum BenchWhat {
     /// active neurons already in the unit under the adjacent-token update, against an LRU of the
     /// same size and against reloading the whole active set.
     Units(bench::units::UnitsArgs),
+    /// Expert caches for mixture-of-experts models: on a decode trace (the model's routing, or
+    /// one drawn with stated statistics), each layer's share of routed experts already on the
+    /// device under the ATU, an LRU and a static set of the most frequent experts, at cache
+    /// sizes of 1×, 2× and 4× the experts a token uses.
+    Experts(bench::experts::ExpertsArgs),
     /// Mixed-precision neurons (M2Cache): the cache-unit engine's perplexity on calibration
     /// text at each candidate share of f16 / INT8 / INT4 neurons, against all-f16, and what
     /// each saves per token; saved in the store for --neuron-precision auto.
@@ -76,6 +81,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         BenchWhat::Decode(d) => decode(d),
         BenchWhat::Suite(s) => suite(s),
         BenchWhat::Units(u) => units(u),
+        BenchWhat::Experts(e) => experts(e),
         BenchWhat::Precision(p) => precision(p),
         BenchWhat::Contexts(c) => contexts(c),
     }
@@ -358,6 +364,63 @@ fn contexts(a: bench::contexts::runner::ContextsArgs) -> Result<()> {
                 ""
             }
         );
+    }
+    Ok(())
+}
+
+fn experts(a: bench::experts::ExpertsArgs) -> Result<()> {
+    use bench::experts::TraceSource;
+    let r = bench::experts::run(&a)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(());
+    }
+    match &r.source {
+        TraceSource::Decoded {
+            model,
+            corpus,
+            calibration,
+        } => println!(
+            "{model}: routing of {} tokens of {corpus} decoded one by one, experts ranked on {} tokens of {calibration}",
+            r.tokens, r.calibration_tokens
+        ),
+        TraceSource::Synthetic { shape, statistics } => println!(
+            "SYNTHETIC routing trace (not a model's): {shape} shape, popularity {}, locality {}, seed {}; {} tokens evaluated after {} ranking the experts",
+            statistics.popularity,
+            statistics.locality,
+            statistics.seed,
+            r.tokens,
+            r.calibration_tokens
+        ),
+    }
+    println!(
+        "{} layers of {} experts, {} a token; at most {} copies a layer per token",
+        r.layers, r.experts, r.used, r.max_copies
+    );
+    let per_token = |c: u64| c as f64 / r.tokens as f64;
+    for s in &r.sizes {
+        println!(
+            "\n{:.2}× the experts a token uses ({} slots a layer): hit ratio ATU {:.1}%, LRU {:.1}%, static top {:.1}%; copies per token ATU {:.1}, LRU {:.1}",
+            s.factor,
+            s.layers.first().map_or(0, |l| l.slots),
+            100.0 * s.atu.hit_ratio(),
+            100.0 * s.lru.hit_ratio(),
+            100.0 * s.static_top.hit_ratio(),
+            per_token(s.atu.copies),
+            per_token(s.lru.copies),
+        );
+        println!("layer  adjacent overlap  experts for 90%  ATU hits  LRU hits  static hits");
+        for l in &s.layers {
+            println!(
+                "{:>5}  {:>15.1}%  {:>15}  {:>7.1}%  {:>7.1}%  {:>10.1}%",
+                l.layer,
+                100.0 * l.adjacent_overlap,
+                l.experts_for_90pct,
+                100.0 * l.atu.hit_ratio(),
+                100.0 * l.lru.hit_ratio(),
+                100.0 * l.static_top.hit_ratio()
+            );
+        }
     }
     Ok(())
 }

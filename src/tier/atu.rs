@@ -103,13 +103,30 @@ impl SlotMap {
     /// (distinct ids, at most `slots` of them). Returns the neurons to load, in slot order;
     /// nothing else moves.
     pub fn update(&mut self, active: &[u32]) -> Result<Vec<Load>, UnitError> {
-        let neurons = self.slot_of.len();
         if active.len() > self.slots() {
             return Err(UnitError::TooMany {
                 active: active.len(),
                 slots: self.slots(),
             });
         }
+        Ok(self.step(active, usize::MAX)?.1)
+    }
+
+    /// One step of a unit whose misses are computed elsewhere and never waited for (an expert
+    /// cache: the CPU computes a missed expert while its copy, if any, goes in behind): of
+    /// `active` (distinct ids, most wanted first) the held ones are hits; at most `max_loads` of
+    /// the misses, the first ones, go into free slots, then into stale ones in the policy's
+    /// order, as many as there are. Returns the hits and the loads (in slot order).
+    pub fn admit(
+        &mut self,
+        active: &[u32],
+        max_loads: usize,
+    ) -> Result<(usize, Vec<Load>), UnitError> {
+        self.step(active, max_loads)
+    }
+
+    fn step(&mut self, active: &[u32], max_loads: usize) -> Result<(usize, Vec<Load>), UnitError> {
+        let neurons = self.slot_of.len();
         self.updates += 1;
         let now = self.updates;
         let mut misses = Vec::new();
@@ -124,8 +141,10 @@ impl SlotMap {
                 s => self.last_used[s as usize] = now,
             }
         }
+        let hits = active.len() - misses.len();
+        misses.truncate(max_loads);
         if misses.is_empty() {
-            return Ok(Vec::new());
+            return Ok((hits, Vec::new()));
         }
         // Free slots first, then the stale ones in the policy's order.
         let mut free: Vec<u32> = Vec::new();
@@ -166,7 +185,7 @@ impl SlotMap {
             self.slot_of[l.neuron as usize] = l.slot;
             self.last_used[l.slot as usize] = now;
         }
-        Ok(loads)
+        Ok((hits, loads))
     }
 
     /// Empty the slots of `loads` (an update whose copies failed): the unit must not claim
@@ -227,6 +246,95 @@ pub fn replay(
         r.hits += (active.len() - loads.len()) as u64;
     }
     Ok(r)
+}
+
+/// How an expert cache did over a trace: hits among the routed experts, and the copies its
+/// admissions made (each one expert's weights over the bus).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Admission {
+    /// Routed experts over the trace.
+    pub needed: u64,
+    /// Of them, on the device when routed.
+    pub hits: u64,
+    /// Experts copied in.
+    pub copies: u64,
+}
+
+impl Admission {
+    pub fn hit_ratio(&self) -> f64 {
+        Reuse {
+            needed: self.needed,
+            hits: self.hits,
+        }
+        .hit_ratio()
+    }
+}
+
+impl std::ops::AddAssign for Admission {
+    fn add_assign(&mut self, o: Admission) {
+        self.needed += o.needed;
+        self.hits += o.hits;
+        self.copies += o.copies;
+    }
+}
+
+/// Replay `trace` (one routed set per token, most wanted first) through an expert cache of
+/// `slots` slots under `eviction`, admitting at most `max_loads` misses a token
+/// ([`SlotMap::admit`]). The cache starts empty.
+pub fn replay_admit(
+    trace: &[Vec<u32>],
+    experts: usize,
+    slots: usize,
+    eviction: Eviction,
+    max_loads: usize,
+) -> Result<Admission, UnitError> {
+    let mut unit = SlotMap::new(experts, slots, eviction)?;
+    let mut a = Admission::default();
+    for active in trace {
+        let (hits, loads) = unit.admit(active, max_loads)?;
+        a.needed += active.len() as u64;
+        a.hits += hits as u64;
+        a.copies += loads.len() as u64;
+    }
+    Ok(a)
+}
+
+/// Replay `trace` through a static set: the `slots` experts `score` ranks highest (ties to the
+/// lower id), loaded once before the trace and never changed (PowerInfer's hot set, with
+/// experts for neurons).
+pub fn replay_static(
+    trace: &[Vec<u32>],
+    score: &[f32],
+    slots: usize,
+) -> Result<Admission, UnitError> {
+    let experts = score.len();
+    if slots == 0 || slots > experts {
+        return Err(UnitError::BadSize {
+            slots,
+            neurons: experts,
+        });
+    }
+    let mut order: Vec<usize> = (0..experts).collect();
+    order.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(a.cmp(&b)));
+    let mut held = vec![false; experts];
+    for &e in &order[..slots] {
+        held[e] = true;
+    }
+    let mut a = Admission {
+        copies: slots as u64,
+        ..Admission::default()
+    };
+    for active in trace {
+        for &e in active {
+            let h = held.get(e as usize).ok_or(UnitError::BadList {
+                neuron: e,
+                neurons: experts,
+            })?;
+            a.needed += 1;
+            a.hits += u64::from(*h);
+        }
+    }
+    Ok(a)
 }
 
 #[cfg(test)]
@@ -348,5 +456,90 @@ mod tests {
         let r = replay(&trace, 6, 4, Eviction::Recency).unwrap();
         assert_eq!(r, Reuse { needed: 9, hits: 5 });
         assert!((r.hit_ratio() - 5.0 / 9.0).abs() < 1e-12);
+    }
+
+    /// `admit` against a model of the cache as a set: hits are the held ones; the first
+    /// `max_loads` misses go in while free or stale slots last; nothing routed this token is
+    /// evicted; the unit never exceeds its slots.
+    fn check_admit(
+        experts: usize,
+        slots: usize,
+        trace: &[Vec<u32>],
+        max_loads: usize,
+        ev: Eviction,
+    ) {
+        let mut u = SlotMap::new(experts, slots, ev).unwrap();
+        for active in trace {
+            let before: Vec<bool> = (0..experts as u32)
+                .map(|e| u.slot_of(e).is_some())
+                .collect();
+            let (hits, loads) = u.admit(active, max_loads).unwrap();
+            let misses: Vec<u32> = active
+                .iter()
+                .copied()
+                .filter(|&e| !before[e as usize])
+                .collect();
+            assert_eq!(hits, active.len() - misses.len());
+            let room = slots - active.iter().filter(|&&e| before[e as usize]).count();
+            let want = misses.len().min(max_loads).min(room);
+            let mut loaded: Vec<u32> = loads.iter().map(|l| l.neuron).collect();
+            loaded.sort_unstable();
+            let mut first: Vec<u32> = misses[..want].to_vec();
+            first.sort_unstable();
+            assert_eq!(loaded, first, "the first misses, as many as fit");
+            for &e in active {
+                if before[e as usize] {
+                    assert!(u.slot_of(e).is_some(), "a routed expert is never evicted");
+                }
+            }
+            assert!(u.held() <= slots);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn admissions_take_the_first_misses_that_fit(
+            (experts, slots, trace) in trace_strategy(),
+            max_loads in 0usize..6,
+        ) {
+            check_admit(experts, slots, &trace, max_loads, Eviction::Recency);
+            let score = (0..experts).map(|i| ((i * 3) % 7) as f32).collect();
+            check_admit(experts, slots, &trace, max_loads, Eviction::Frequency(score));
+        }
+    }
+
+    #[test]
+    fn capped_admission_and_the_static_set_count_as_a_hand_replay_does() {
+        // 6 experts, 2 slots, 1 copy a token, LRU. Token 1 routes {0, 1}: both miss, 0 goes in.
+        // Token 2 {0, 2}: 0 hits, 2 takes the free slot. Token 3 {3, 0}: 0 hits; 3 replaces the
+        // stale 2. Token 4 {2}: a miss; 0 and 3 were both last used at token 3, so the lower
+        // slot (0's) gives way.
+        let trace = vec![vec![0, 1], vec![0, 2], vec![3, 0], vec![2]];
+        let a = replay_admit(&trace, 6, 2, Eviction::Recency, 1).unwrap();
+        assert_eq!(
+            a,
+            Admission {
+                needed: 7,
+                hits: 2,
+                copies: 4
+            }
+        );
+        // The static pair {0, 2} by score: 0, 0, 0, 2 and 2 hit.
+        let score = [5.0, 1.0, 4.0, 3.0, 0.0, 0.0];
+        let s = replay_static(&trace, &score, 2).unwrap();
+        assert_eq!(
+            s,
+            Admission {
+                needed: 7,
+                hits: 5,
+                copies: 2
+            }
+        );
+        assert!(replay_static(&trace, &score, 7).is_err());
+        assert!(replay_static(&[vec![9]], &score, 2).is_err());
+        // Uncapped admission into a cache as large as the routed set is the plain ATU.
+        let r = replay(&trace, 6, 2, Eviction::Recency).unwrap();
+        let u = replay_admit(&trace, 6, 2, Eviction::Recency, usize::MAX).unwrap();
+        assert_eq!((u.needed, u.hits), (r.needed, r.hits));
     }
 }
