@@ -35,7 +35,9 @@ pub struct SynthArgs {
     #[arg(long, env = "GPU_OFFLOAD_FORMAT", value_enum)]
     pub format: Option<SynthFormat>,
 
-    /// Named shape: tiny, 1b, 7b, 13b, 70b (other flags override its fields).
+    /// Named shape: tiny, 1b, 7b, 13b, 70b; mixture-of-experts (GGUF only): tiny-moe,
+    /// qwen3-30b-a3b, mixtral-8x7b (other flags override its fields; --ffn is then each
+    /// expert's width).
     #[arg(long, env = "GPU_OFFLOAD_PRESET", default_value = "tiny")]
     pub preset: String,
 
@@ -71,6 +73,11 @@ pub struct SynthArgs {
     /// Plant hot/cold FFN neurons with this power-law exponent (e.g. 0.8).
     #[arg(long, env = "GPU_OFFLOAD_POWER_LAW")]
     pub power_law: Option<f64>,
+    /// Mixture-of-experts shapes: plant expert popularity P (the router logit of each layer's
+    /// expert of rank r biased by about −P·ln(1 + r); 0 = none). Temporal locality is not
+    /// plantable by weights: `bench experts --synthetic` draws traces with it.
+    #[arg(long, env = "GPU_OFFLOAD_POPULARITY")]
+    pub popularity: Option<f64>,
     /// GiB per safetensors shard.
     #[arg(long, env = "GPU_OFFLOAD_SHARD_GIB", default_value_t = 4.0)]
     pub shard_gib: f64,
@@ -81,7 +88,10 @@ pub struct SynthArgs {
 
 pub fn run(a: SynthArgs) -> Result<()> {
     let Some(mut s) = SynthSpec::preset(&a.preset) else {
-        bail!("--preset {}: unknown (tiny, 1b, 7b, 13b, 70b)", a.preset);
+        bail!(
+            "--preset {}: unknown (tiny, 1b, 7b, 13b, 70b, tiny-moe, qwen3-30b-a3b, mixtral-8x7b)",
+            a.preset
+        );
     };
     if let Some(arch) = a.arch {
         s.arch = match arch {
@@ -120,6 +130,17 @@ pub fn run(a: SynthArgs) -> Result<()> {
         }
     }
     s.tied_output |= a.tied;
+    match (&mut s.moe, a.popularity) {
+        (Some(m), Some(p)) => m.popularity = p,
+        (Some(_), None) => {}
+        (None, Some(_)) => bail!(
+            "--popularity is for mixture-of-experts presets (tiny-moe, qwen3-30b-a3b, mixtral-8x7b)"
+        ),
+        (None, None) => {}
+    }
+    if let Some(m) = &mut s.moe {
+        m.d_expert = s.d_ff;
+    }
     s.seed = a.seed;
     s.power_law = a.power_law;
     if !(a.shard_gib.is_finite() && a.shard_gib > 0.0) {
@@ -169,6 +190,12 @@ pub fn run(a: SynthArgs) -> Result<()> {
     } else {
         format!("{:.2}M", params as f64 / 1e6)
     };
+    if let Some(m) = &s.moe {
+        println!(
+            "{} experts a layer, {} a token, each {} wide; planted popularity {} (locality: none planted)",
+            m.experts, m.used, m.d_expert, m.popularity
+        );
+    }
     println!(
         "{}: {count} parameters, {:.1} MiB in {:.1} s ({:.0} MiB/s)",
         a.out.display(),

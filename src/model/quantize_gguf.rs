@@ -26,7 +26,8 @@ pub struct QuantizeReport {
 
 /// Whether tensor `name` with GGML dims `dims` is a matrix `llama-quantize` would quantize.
 fn is_matrix(name: &str, dims: &[u64]) -> bool {
-    name.ends_with(".weight") && dims.len() == 2 && dims[1] > 1
+    // A stack of experts' matrices (3-D) is quantized row by row like one matrix.
+    name.ends_with(".weight") && dims.len() >= 2 && dims[1..].iter().product::<u64>() > 1
 }
 
 /// Quantize `src` (a GGUF whose matrices are f32, f16 or bf16) into `out` with `mix`. A model
@@ -55,6 +56,10 @@ pub fn quantize_gguf(
     let file = GgufFile::open(src)?;
     let arch = file.metadata.str("general.architecture")?.to_string();
     let n_layers = file.metadata.usize(&format!("{arch}.block_count"))?;
+    let experts = file
+        .metadata
+        .opt_usize(&format!("{arch}.expert_count"))?
+        .unwrap_or(0);
     // Tensors in file order, each with the format it is written in.
     let mut infos: Vec<_> = file.tensors.values().collect();
     infos.sort_by_key(|t| t.offset);
@@ -80,7 +85,8 @@ pub fn quantize_gguf(
                     ),
                 ));
             }
-            mix.format(&t.name, t.dims[0] as usize, n_layers)
+            mix.format(&t.name, t.dims[0] as usize, n_layers, experts)
+                .unwrap_or(from)
         } else {
             from
         };

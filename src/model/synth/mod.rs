@@ -19,7 +19,10 @@ use serde_json::json;
 
 use super::ModelError;
 use super::spec::Arch;
+
+mod moe;
 use crate::limits;
+pub use moe::SynthMoe;
 
 /// Values generated per parallel chunk (each chunk has its own generator state).
 const CHUNK: usize = 1 << 16;
@@ -52,11 +55,17 @@ pub struct SynthSpec {
     pub power_law: Option<f64>,
     /// Bytes per safetensors shard.
     pub shard_bytes: u64,
+    /// Experts in place of the dense FFN (`d_ff` is then each expert's width; GGUF only).
+    pub moe: Option<SynthMoe>,
 }
 
 impl SynthSpec {
-    /// Named shapes: `tiny` (CI), `1b` (TinyLlama-like), `7b` (Llama-2-7B), `13b`.
+    /// Named shapes: `tiny` (CI), `1b` (TinyLlama-like), `7b` (Llama-2-7B), `13b`, `70b`; with
+    /// experts `tiny-moe` (CI), `qwen3-30b-a3b`, `mixtral-8x7b`.
     pub fn preset(name: &str) -> Option<Self> {
+        if let Some(s) = moe::preset(name) {
+            return Some(s);
+        }
         let base = |n_layers, d_model, d_ff, n_heads, n_kv_heads, vocab_size| SynthSpec {
             arch: Arch::Llama,
             n_layers,
@@ -72,6 +81,7 @@ impl SynthSpec {
             seed: 0,
             power_law: None,
             shard_bytes: 4 << 30,
+            moe: None,
         };
         Some(match name {
             "tiny" => SynthSpec {
@@ -133,6 +143,9 @@ impl SynthSpec {
         if !matches!(self.activation.as_str(), "silu" | "relu") {
             return Err(format!("activation `{}` (silu or relu)", self.activation));
         }
+        if let Some(m) = &self.moe {
+            m.validate(self)?;
+        }
         if self.power_law.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
             return Err("the power-law exponent must be positive".into());
         }
@@ -158,7 +171,10 @@ impl SynthSpec {
     }
 
     fn head_dim(&self) -> usize {
-        self.d_model / self.n_heads
+        match &self.moe {
+            Some(m) => m.head_dim,
+            None => self.d_model / self.n_heads,
+        }
     }
 
     /// Parameters of the model.
@@ -195,19 +211,26 @@ impl SynthSpec {
             fill: Fill::Uniform { std: 0.02 },
         };
         let planted = self.power_law.map(|exponent| exponent as f32);
+        // Embeddings share a direction where neurons or routers are planted along it.
+        let shared_direction =
+            planted.is_some() || self.moe.as_ref().is_some_and(|m| m.popularity > 0.0);
         match self.arch {
             Arch::Llama => {
                 v.push(TensorPlan {
                     name: "model.embed_tokens.weight".into(),
                     rows: self.vocab_size,
                     cols: d,
-                    fill: if planted.is_some() {
+                    fill: if shared_direction {
                         Fill::Embedding
                     } else {
                         Fill::Uniform { std: 1.0 }
                     },
                 });
                 for l in 0..self.n_layers {
+                    if let Some(m) = &self.moe {
+                        m.layer_tensors(self, l, &mut v);
+                        continue;
+                    }
                     let p = format!("model.layers.{l}");
                     v.push(norm(format!("{p}.input_layernorm.weight")));
                     v.push(lin(format!("{p}.self_attn.q_proj.weight"), d, d));
@@ -345,6 +368,9 @@ enum Fill {
     /// FFN input rows: noise plus a per-neuron offset along the common direction, sized so the
     /// neuron of rank r fires with the power-law frequency.
     Planted { exponent: f32 },
+    /// A router: noise plus a per-expert offset along the common direction (planted
+    /// popularity, [`moe::router_offsets`]).
+    Router { popularity: f32 },
 }
 
 #[derive(Clone, Debug)]
@@ -458,6 +484,16 @@ impl SynthTensor<'_> {
         let mut out = vec![0f32; n];
         let sqrt3 = 3f32.sqrt();
         let cols = self.plan.cols;
+        let router = match self.plan.fill {
+            Fill::Router { popularity } => moe::router_offsets(
+                self.spec.seed,
+                &self.plan.name,
+                self.plan.rows,
+                popularity,
+                cols,
+            ),
+            _ => Vec::new(),
+        };
         out.par_chunks_mut(CHUNK)
             .enumerate()
             .for_each(|(c, chunk)| {
@@ -468,6 +504,14 @@ impl SynthTensor<'_> {
                         chunk.iter_mut().for_each(|v| *v = a * g.next());
                     }
                     Fill::NearOne => chunk.iter_mut().for_each(|v| *v = 1.0 + 0.05 * g.next()),
+                    Fill::Router { .. } => {
+                        let a = sqrt3 / (cols as f32).sqrt();
+                        for (k, v) in chunk.iter_mut().enumerate() {
+                            let idx = c * CHUNK + k;
+                            let (row, j) = (idx / cols, idx % cols);
+                            *v = a * g.next() + router[row] * self.direction[j];
+                        }
+                    }
                     Fill::Embedding => {
                         for (k, v) in chunk.iter_mut().enumerate() {
                             let j = (c * CHUNK + k) % cols;
@@ -574,6 +618,13 @@ pub fn synthesize(
         path: out.to_path_buf(),
         msg,
     })?;
+    if spec.moe.is_some() {
+        return Err(ModelError::Config {
+            path: out.to_path_buf(),
+            msg: "mixture-of-experts shapes are written as GGUF (--format gguf, or -o NAME.gguf)"
+                .into(),
+        });
+    }
     if out.exists() && !force {
         return Err(ModelError::Config {
             path: out.to_path_buf(),
@@ -701,6 +752,12 @@ fn gguf_name(hf: &str) -> Option<String> {
                 "self_attn.k_proj.weight" => "attn_k.weight",
                 "self_attn.v_proj.weight" => "attn_v.weight",
                 "self_attn.o_proj.weight" => "attn_output.weight",
+                "self_attn.q_norm.weight" => "attn_q_norm.weight",
+                "self_attn.k_norm.weight" => "attn_k_norm.weight",
+                "mlp.gate.weight" => "ffn_gate_inp.weight",
+                "mlp.experts.gate_proj.weight" => "ffn_gate_exps.weight",
+                "mlp.experts.up_proj.weight" => "ffn_up_exps.weight",
+                "mlp.experts.down_proj.weight" => "ffn_down_exps.weight",
                 "mlp.gate_proj.weight" => "ffn_gate.weight",
                 "mlp.up_proj.weight" => "ffn_up.weight",
                 "mlp.down_proj.weight" => "ffn_down.weight",
@@ -748,6 +805,9 @@ pub fn synthesize_gguf(
         msg,
     };
     spec.validate().map_err(bad)?;
+    // llama.cpp's architecture: `llama` (Mixtral's experts too) or `qwen3moe`.
+    let arch = spec.moe.as_ref().map_or("llama", SynthMoe::arch);
+    let experts = spec.moe.as_ref().map_or(0, |m| m.experts);
     if spec.arch != Arch::Llama || spec.activation != "silu" {
         return Err(bad(
             "GGUF output is for LLaMA shapes with SwiGLU (llama.cpp's llama architecture)".into(),
@@ -788,24 +848,47 @@ pub fn synthesize_gguf(
         types.push(M::I32(1));
     }
     let n = spec.vocab_size;
-    let metadata: Vec<(&str, M)> = vec![
-        ("general.architecture", M::String("llama".into())),
-        (
-            "general.name",
-            M::String(format!("gpu-offload synth seed {}", spec.seed)),
+    let hd = spec.head_dim();
+    let mut arch_keys: Vec<(&str, M)> = vec![
+        ("context_length", M::U32(spec.max_context as u32)),
+        ("embedding_length", M::U32(spec.d_model as u32)),
+        ("block_count", M::U32(spec.n_layers as u32)),
+        ("feed_forward_length", M::U32(spec.d_ff as u32)),
+        ("attention.head_count", M::U32(spec.n_heads as u32)),
+        ("attention.head_count_kv", M::U32(spec.n_kv_heads as u32)),
+        ("attention.layer_norm_rms_epsilon", M::F32(1e-5)),
+    ];
+    match &spec.moe {
+        None => arch_keys.push(("rope.freq_base", M::F32(10000.0))),
+        Some(m) => arch_keys.extend([
+            // Qwen3-MoE and Mixtral both rotate with base 1e6.
+            ("rope.freq_base", M::F32(1e6)),
+            ("attention.key_length", M::U32(hd as u32)),
+            ("attention.value_length", M::U32(hd as u32)),
+            ("rope.dimension_count", M::U32(hd as u32)),
+            ("expert_count", M::U32(m.experts as u32)),
+            ("expert_used_count", M::U32(m.used as u32)),
+            ("expert_feed_forward_length", M::U32(m.d_expert as u32)),
+        ]),
+    }
+    let arch_keys: Vec<(String, M)> = arch_keys
+        .into_iter()
+        .map(|(k, v)| (format!("{arch}.{k}"), v))
+        .collect();
+    let name = match &spec.moe {
+        Some(m) => format!(
+            "gpu-offload synth seed {} (planted expert popularity {})",
+            spec.seed, m.popularity
         ),
+        None => format!("gpu-offload synth seed {}", spec.seed),
+    };
+    let mut metadata: Vec<(&str, M)> = vec![
+        ("general.architecture", M::String(arch.into())),
+        ("general.name", M::String(name)),
         ("general.file_type", M::U32(file_type)),
-        ("llama.context_length", M::U32(spec.max_context as u32)),
-        ("llama.embedding_length", M::U32(spec.d_model as u32)),
-        ("llama.block_count", M::U32(spec.n_layers as u32)),
-        ("llama.feed_forward_length", M::U32(spec.d_ff as u32)),
-        ("llama.attention.head_count", M::U32(spec.n_heads as u32)),
-        (
-            "llama.attention.head_count_kv",
-            M::U32(spec.n_kv_heads as u32),
-        ),
-        ("llama.rope.freq_base", M::F32(10000.0)),
-        ("llama.attention.layer_norm_rms_epsilon", M::F32(1e-5)),
+    ];
+    metadata.extend(arch_keys.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    metadata.extend([
         ("tokenizer.ggml.model", M::String("llama".into())),
         ("tokenizer.ggml.tokens", M::Array(tokens)),
         ("tokenizer.ggml.scores", M::Array(vec![M::F32(0.0); n])),
@@ -813,7 +896,7 @@ pub fn synthesize_gguf(
         ("tokenizer.ggml.bos_token_id", M::U32(1)),
         ("tokenizer.ggml.eos_token_id", M::U32(2)),
         ("tokenizer.ggml.unknown_token_id", M::U32(0)),
-    ];
+    ]);
     let plans: Vec<TensorPlan> = spec.tensors();
     // Each tensor's format: f32 vectors, matrices in the float type or the mix's format.
     let mut formats = Vec::with_capacity(plans.len());
@@ -823,19 +906,28 @@ pub fn synthesize_gguf(
             let name =
                 gguf_name(&p.name).ok_or_else(|| bad(format!("no GGUF name for {}", p.name)))?;
             let vector = p.rows == 1;
-            let dtype = match (vector, quant) {
+            // Vectors and the router in f32 (llama.cpp's converter keeps them so, and its
+            // quantizer never touches a router).
+            let router = name.contains("ffn_gate_inp");
+            let dtype = match (vector || router, quant) {
                 (true, _) => crate::tensor::DType::F32,
-                (false, Some(q)) => q.format(&name, p.cols, spec.n_layers),
+                (false, Some(q)) => q
+                    .format(&name, p.cols, spec.n_layers, experts)
+                    .unwrap_or(crate::tensor::DType::F32),
                 (false, None) => float,
             };
             formats.push(dtype);
+            let dims = if vector {
+                vec![p.cols as u64]
+            } else if name.ends_with("_exps.weight") {
+                // Expert-major 3-D: (cols, rows of one expert, experts).
+                vec![p.cols as u64, (p.rows / experts) as u64, experts as u64]
+            } else {
+                vec![p.cols as u64, p.rows as u64]
+            };
             Ok(TensorSpec {
                 name,
-                dims: if vector {
-                    vec![p.cols as u64]
-                } else {
-                    vec![p.cols as u64, p.rows as u64]
-                },
+                dims,
                 ggml_type: super::ggml::GgmlType::of_dtype(dtype).1,
                 bytes: (p.rows * dtype.bytes_for(p.cols)) as u64,
             })
@@ -855,9 +947,10 @@ pub fn synthesize_gguf(
             direction: &direction,
         };
         let mut v = t.values();
-        if name.ends_with("q_proj.weight") {
+        // llama's converter permutes Q/K rows to its pairwise RoPE; qwen3moe rotates halves.
+        if arch == "llama" && name.ends_with("q_proj.weight") {
             v = rope_pairs_adjacent(&v, spec.n_heads, cols);
-        } else if name.ends_with("k_proj.weight") {
+        } else if arch == "llama" && name.ends_with("k_proj.weight") {
             v = rope_pairs_adjacent(&v, spec.n_kv_heads, cols);
         }
         // The model's numbers are its f16/bf16 values (what the HF directory holds); vectors are
