@@ -12,7 +12,8 @@ Usage (the venv holds torch, transformers, safetensors, tokenizers, numpy, gguf-
     /root/.cache/gpu-offload/pyref/bin/python scripts/reference.py hf gguf   # some parts
     /root/.cache/gpu-offload/pyref/bin/python scripts/reference.py check-llamacpp
 
-Parts: `hf` (tests/fixtures/hf/*), `gguf` (tests/fixtures/gguf/*, needs hf), `quant`
+Parts: `hf` (tests/fixtures/hf/*), `gguf` (tests/fixtures/gguf/*, needs hf), `qwen3`, `moe`, `qwen2-moe`
+(one family each, HF and GGUF), `quant`
 (tests/fixtures/quant/*), `check-llamacpp` (not a fixture: runs llama-cpp-python on the GGUF files
 and compares with the references; needs the llama_cpp package).
 
@@ -536,6 +537,41 @@ def build_mixtral(torch):
     )
 
 
+def build_qwen2_moe(torch):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=128,
+        rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
+        use_sliding_window=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    build_moe(
+        torch, "qwen2-moe", Qwen2MoeForCausalLM, cfg, 7000, 2007, 2,
+        "Qwen2MoeForCausalLM: 8 routed experts of 32 neurons, top 2, not renormalised "
+        "(norm_topk_prob false), and a shared expert of 64 neurons weighted by the sigmoid of "
+        "its own gate; q/k/v with bias, hidden 64, 4 heads / 2 KV heads, head_dim 16, 2 layers, "
+        "untied lm_head, rope_theta 1e6, rms_norm_eps 1e-6, stored float32. `experts`: the "
+        "top-2 routed expert ids per layer and input position, ascending.",
+    )
+
+
+def run_qwen2_moe():
+    """Only the Qwen2-MoE fixtures (hf/qwen2-moe, gguf/qwen2-moe-f32.gguf)."""
+    from gguf import GGMLQuantizationType as T
+
+    torch = torch_setup()
+    HF_DIR.mkdir(parents=True, exist_ok=True)
+    build_qwen2_moe(torch)
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((HF_DIR / "qwen2-moe" / "config.json").read_text())
+    tensors = gguf_moe_tensors(hf_tensors("qwen2-moe"), cfg, "qwen2moe")
+    write_gguf(GGUF_DIR / "qwen2-moe-f32.gguf", "qwen2moe", "qwen2-moe", cfg, tensors, T.F32)
+
+
 def run_moe():
     """Only the mixture-of-experts fixtures (hf/qwen3-moe, hf/mixtral)."""
     torch = torch_setup()
@@ -879,10 +915,12 @@ def write_qwen3_gguf():
 def gguf_moe_tensors(sd, cfg, arch: str) -> list[tuple[str, np.ndarray]]:
     """A mixture-of-experts checkpoint's tensors under llama.cpp's names: each layer's experts as
     3-D `ffn_{gate,up,down}_exps` (expert-major), the router as `ffn_gate_inp`. Arch `qwen3moe`
-    keeps HF's rope layout and has the per-head q/k norms; Mixtral (arch `llama`) permutes Q/K."""
+    keeps HF's rope layout and has the per-head q/k norms; `qwen2moe` keeps the layout, has q/k/v
+    biases and the shared expert (`ffn_*_shexp`, its gate the vector `ffn_gate_inp_shexp`);
+    Mixtral (arch `llama`) permutes Q/K."""
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
-    qwen = arch == "qwen3moe"
+    qwen = arch in ("qwen3moe", "qwen2moe")
     block, (g, u, d) = ("mlp", ("gate_proj", "up_proj", "down_proj")) if qwen else (
         "block_sparse_moe", ("w1", "w3", "w2"))
     out = [("token_embd.weight", sd["model.embed_tokens.weight"])]
@@ -894,7 +932,9 @@ def gguf_moe_tensors(sd, cfg, arch: str) -> list[tuple[str, np.ndarray]]:
             q, k = rope_halves_to_pairs(q, n_head), rope_halves_to_pairs(k, n_kv)
         out += [(b + "attn_norm.weight", sd[p + "input_layernorm.weight"]),
                 (b + "attn_q.weight", q), (b + "attn_k.weight", k)]
-        if qwen:
+        if arch == "qwen2moe":
+            out += [(b + f"attn_{x}.bias", sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"]
+        if arch == "qwen3moe":
             out += [(b + "attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"]),
                     (b + "attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])]
         out += [
@@ -906,6 +946,11 @@ def gguf_moe_tensors(sd, cfg, arch: str) -> list[tuple[str, np.ndarray]]:
         for name, hf in (("ffn_gate_exps", g), ("ffn_up_exps", u), ("ffn_down_exps", d)):
             out.append((b + name + ".weight", np.stack(
                 [sd[p + f"{block}.experts.{e}.{hf}.weight"] for e in range(n_exp)])))
+        if arch == "qwen2moe":
+            out.append((b + "ffn_gate_inp_shexp.weight",
+                        sd[p + "mlp.shared_expert_gate.weight"].reshape(-1)))
+            for name, hf in (("ffn_gate_shexp", g), ("ffn_up_shexp", u), ("ffn_down_shexp", d)):
+                out.append((b + name + ".weight", sd[p + f"mlp.shared_expert.{hf}.weight"]))
     out.append(("output_norm.weight", sd["model.norm.weight"]))
     out.append(("output.weight", sd["lm_head.weight"]))
     return out
@@ -963,6 +1008,8 @@ def write_gguf(path: Path, arch: str, name: str, cfg: dict, tensors, qtype) -> d
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     # No vocabulary: the model is driven by token ids. llama.cpp refuses a file without
     # tokenizer.ggml.model; "none" is its marker for a vocab-less model (LLAMA_VOCAB_TYPE_NONE,
     # size from {arch}.vocab_size).
@@ -1186,6 +1233,7 @@ def run_check_llamacpp():
             (GGUF_DIR / "qwen3-f32.gguf", HF_DIR / "qwen3" / "reference.json", 1e-3),
             (GGUF_DIR / "qwen3-moe-f32.gguf", HF_DIR / "qwen3-moe" / "reference.json", 1e-3),
             (GGUF_DIR / "mixtral-f32.gguf", HF_DIR / "mixtral" / "reference.json", 1e-3),
+            (GGUF_DIR / "qwen2-moe-f32.gguf", HF_DIR / "qwen2-moe" / "reference.json", 1e-3),
         ]
         ok = True
         for path, ref_path, tol in cases:
@@ -1207,8 +1255,9 @@ def main(argv: list[str]) -> None:
     parts = argv or ["hf", "gguf", "quant"]
     for p in parts:
         {"hf": run_hf, "gguf": run_gguf, "quant": run_quant, "qwen3": run_qwen3, "moe": run_moe,
+         "qwen2-moe": run_qwen2_moe,
          "check-llamacpp": run_check_llamacpp}[p]()
-    if {"hf", "gguf", "quant", "qwen3", "moe"} & set(parts):
+    if {"hf", "gguf", "quant", "qwen3", "moe", "qwen2-moe"} & set(parts):
         total = sum(f.stat().st_size for d in (HF_DIR, GGUF_DIR, QUANT_DIR) if d.exists()
                     for f in d.rglob("*") if f.is_file())
         print(f"fixtures: {total / 1e6:.2f} MB under hf/ gguf/ quant/")

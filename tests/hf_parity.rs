@@ -193,6 +193,16 @@ fn mixtral_matches_transformers_expert_for_expert() {
 }
 
 #[test]
+fn qwen2_moe_with_its_shared_expert_matches_transformers_expert_for_expert() {
+    moe("qwen2-moe", &fixtures().join("hf/qwen2-moe"));
+}
+
+#[test]
+fn gguf_qwen2moe_f32_matches_transformers_expert_for_expert() {
+    moe("qwen2-moe", &fixtures().join("gguf/qwen2-moe-f32.gguf"));
+}
+
+#[test]
 fn gguf_qwen3moe_f32_matches_transformers_expert_for_expert() {
     moe("qwen3-moe", &fixtures().join("gguf/qwen3-moe-f32.gguf"));
 }

@@ -406,13 +406,24 @@ fn expert_counts_that_disagree_are_refused_by_name() {
     succeeded(&run(&as_strs(&run_args(&hf))));
     edit_config(&hf, |c| c["num_experts_per_tok"] = 0.into());
     clean_error(&run(&as_strs(&run_args(&hf))), &["num_experts_per_tok"]);
+    // Qwen2-MoE needs its shared expert's width, a whole number of experts' widths.
     edit_config(&hf, |c| {
         c["num_experts_per_tok"] = 2.into();
         c["model_type"] = "qwen2_moe".into();
     });
     clean_error(
         &run(&as_strs(&run_args(&hf))),
-        &["qwen2_moe", "shared expert"],
+        &["shared_expert_intermediate_size"],
+    );
+    edit_config(&hf, |c| c["shared_expert_intermediate_size"] = 48.into());
+    clean_error(
+        &run(&as_strs(&run_args(&hf))),
+        &["shared_expert_intermediate_size", "not a multiple"],
+    );
+    edit_config(&hf, |c| c["model_type"] = "gpt_oss".into());
+    clean_error(
+        &run(&as_strs(&run_args(&hf))),
+        &["gpt_oss", "attention sinks"],
     );
 }
 

@@ -8,16 +8,18 @@ use super::{Engine, EngineError, Result};
 use crate::backend::{Backend, Experts, Route};
 use crate::model::spec::MoeSpec;
 
-/// The routes of `n` tokens from their router logits (`n × experts`): per token a softmax over
-/// all experts in f32, the top `used` (ties to the lower expert id), their probabilities as
-/// weights, renormalised to sum to 1 where `norm_top_k`. Routes come token by token, each
-/// token's in descending weight.
+/// The routes of `n` tokens from their router logits (`n × router_rows`): per token a softmax
+/// over all routed experts in f32, the top `used` (ties to the lower expert id), their
+/// probabilities as weights, renormalised to sum to 1 where `norm_top_k`; then a shared
+/// expert's parts (ids `experts ..`), each weighted by the sigmoid of the row's last logit.
+/// Routes come token by token, each token's routed experts in descending weight first.
 pub fn route(logits: &[f32], n: usize, moe: &MoeSpec) -> Vec<Route> {
     let e = moe.experts;
-    let mut routes = Vec::with_capacity(n * moe.used);
+    let mut routes = Vec::with_capacity(n * (moe.used + moe.shared));
     let mut order: Vec<usize> = Vec::with_capacity(e);
     let mut probs = vec![0f32; e];
-    for (t, row) in logits.chunks(e).take(n).enumerate() {
+    for (t, full) in logits.chunks(moe.router_rows()).take(n).enumerate() {
+        let row = &full[..e];
         let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
         for (p, &l) in probs.iter_mut().zip(row) {
@@ -40,6 +42,14 @@ pub fn route(logits: &[f32], n: usize, moe: &MoeSpec) -> Vec<Route> {
             expert: i as u32,
             weight: probs[i] / total,
         }));
+        if moe.shared > 0 {
+            let gate = 1.0 / (1.0 + (-full[e]).exp());
+            routes.extend((e..e + moe.shared).map(|i| Route {
+                token: t as u32,
+                expert: i as u32,
+                weight: gate,
+            }));
+        }
     }
     routes
 }
@@ -80,13 +90,20 @@ impl<B: Backend> Engine<B> {
             width: moe.d_expert,
         };
         let n = sc.n;
-        let mut logits = self.backend.alloc(n, moe.experts)?;
+        let rows = moe.router_rows();
+        let mut logits = self.backend.alloc(n, rows)?;
         self.backend.matmul(router, &sc.h, &mut logits)?;
-        let mut host = vec![0f32; n * moe.experts];
+        let mut host = vec![0f32; n * rows];
         self.backend.read(&logits, &mut host)?;
         let routes = route(&host, n, moe);
         if let Some(tap) = &self.route_tap {
-            tap.routed(l, n, &routes);
+            // The router's choices; a shared expert is every token's.
+            let routed: Vec<Route> = routes
+                .iter()
+                .filter(|r| (r.expert as usize) < moe.experts)
+                .copied()
+                .collect();
+            tap.routed(l, n, &routed);
         }
         self.backend
             .moe_ffn(experts, &sc.h, &routes, self.act, &mut sc.proj)?;
@@ -104,6 +121,7 @@ mod tests {
             used,
             d_expert: 1,
             norm_top_k,
+            shared: 0,
         }
     }
 
@@ -121,5 +139,22 @@ mod tests {
         let r = route(&logits, 2, &spec(4, 2, true));
         assert!((r[0].weight + r[1].weight - 1.0).abs() < 1e-6);
         assert!((r[2].weight - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_shared_expert_is_every_tokens_by_the_sigmoid_of_its_gate() {
+        // 3 routed experts, top 1, and a shared expert in 2 parts; its gate is the 4th logit.
+        let moe = MoeSpec {
+            shared: 2,
+            ..spec(3, 1, false)
+        };
+        assert_eq!((moe.router_rows(), moe.neurons()), (4, 5));
+        let logits = [0.0, 3.0, 1.0, 0.0, 2.0, 0.0, 0.0, -1.5];
+        let r = route(&logits, 2, &moe);
+        let ids: Vec<(u32, u32)> = r.iter().map(|r| (r.token, r.expert)).collect();
+        assert_eq!(ids, [(0, 1), (0, 3), (0, 4), (1, 0), (1, 3), (1, 4)]);
+        assert!((r[1].weight - 0.5).abs() < 1e-7 && r[1].weight == r[2].weight);
+        let s = 1.0 / (1.0 + 1.5f32.exp());
+        assert!((r[4].weight - s).abs() < 1e-7);
     }
 }

@@ -156,13 +156,12 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
         .or(r.opt_str("torch_dtype")?)
         .map(str::to_string);
     let spec = match model_type.as_str() {
-        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" => {
+        "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral" => {
             llama_spec(&r, &model_type)?
         }
         "opt" => opt_spec(&r)?,
         other => {
             let missing = match other {
-                "qwen2_moe" => Some("its shared expert (sigmoid-gated, beside the routed ones)"),
                 "gpt_oss" => Some(
                     "its router bias, softmax over the top-k, attention sinks, sliding window, \
                      MXFP4 experts and clamped SwiGLU",
@@ -176,7 +175,7 @@ pub fn parse_config(path: &Path, text: &str) -> Result<HfConfig, ModelError> {
                 Some(m) => format!("`{other}` is not supported yet: {m} are not built"),
                 None => format!(
                     "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, \
-                     qwen3_moe, mixtral, opt)"
+                     qwen2_moe, qwen3_moe, mixtral, opt)"
                 ),
             }));
         }
@@ -205,7 +204,8 @@ fn hf_key(model_type: &str, field: &str) -> &'static str {
         "d_ff" if opt => "ffn_dim",
         "moe.experts" => "num_local_experts",
         "moe.used" => "num_experts_per_tok",
-        "moe.d_expert" | "d_ff" if model_type == "qwen3_moe" => "moe_intermediate_size",
+        "moe.d_expert" | "d_ff" if model_type.ends_with("_moe") => "moe_intermediate_size",
+        "moe.shared" => "shared_expert_intermediate_size",
         "d_ff" => "intermediate_size",
         "vocab_size" => "vocab_size",
         "max_context" => "max_position_embeddings",
@@ -242,7 +242,8 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
     let act_name = r.opt_str("hidden_act")?.unwrap_or("silu");
     let activation = Activation::from_hf(act_name)
         .ok_or_else(|| r.err(format!("unsupported activation `{act_name}`")))?;
-    let qwen = model_type == "qwen2";
+    // Qwen2 and Qwen2-MoE: q, k and v with bias, the output without.
+    let qwen = model_type == "qwen2" || model_type == "qwen2_moe";
     let moe = moe_spec(r, model_type)?;
     let attention_bias = r.opt_bool("attention_bias")?.unwrap_or(false);
     if r.opt_bool("mlp_bias")?.unwrap_or(false) {
@@ -302,12 +303,14 @@ fn llama_spec(r: &Reader, model_type: &str) -> Result<ModelSpec, ModelError> {
 fn moe_spec(r: &Reader, model_type: &str) -> Result<Option<MoeSpec>, ModelError> {
     let (count_key, width_key) = match model_type {
         // Configs written before transformers 5 say `num_experts`, since then `num_local_experts`.
-        "qwen3_moe" if r.v.get("num_experts").is_some() => ("num_experts", "moe_intermediate_size"),
-        "qwen3_moe" => ("num_local_experts", "moe_intermediate_size"),
+        "qwen3_moe" | "qwen2_moe" if r.v.get("num_experts").is_some() => {
+            ("num_experts", "moe_intermediate_size")
+        }
+        "qwen3_moe" | "qwen2_moe" => ("num_local_experts", "moe_intermediate_size"),
         "mixtral" => ("num_local_experts", "intermediate_size"),
         _ => return Ok(None),
     };
-    if model_type == "qwen3_moe" {
+    if model_type != "mixtral" {
         if r.opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
             return Err(r.err(
                 "`decoder_sparse_step` above 1 (dense FFN layers between the expert ones) is not \
@@ -326,12 +329,29 @@ fn moe_spec(r: &Reader, model_type: &str) -> Result<Option<MoeSpec>, ModelError>
             ));
         }
     }
+    let d_expert = r.size(width_key, &MAX_DIM)?;
+    // Qwen2-MoE's shared expert, as parts of `d_expert` neurons (see MoeSpec).
+    let shared = match model_type {
+        "qwen2_moe" => {
+            let width = r.size("shared_expert_intermediate_size", &MAX_DIM)?;
+            if !width.is_multiple_of(d_expert) {
+                return Err(r.err(format!(
+                    "`shared_expert_intermediate_size` {width} is not a multiple of \
+                     `moe_intermediate_size` {d_expert} (the shared expert is computed as \
+                     experts of that width)"
+                )));
+            }
+            width / d_expert
+        }
+        _ => 0,
+    };
     Ok(Some(MoeSpec {
         experts: r.size(count_key, &MAX_EXPERTS)?,
         used: r.size("num_experts_per_tok", &MAX_EXPERTS)?,
-        d_expert: r.size(width_key, &MAX_DIM)?,
-        // Mixtral always renormalises; Qwen3-MoE where the config says (its default: not).
+        d_expert,
+        // Mixtral always renormalises; Qwen where the config says (its default: not).
         norm_top_k: model_type == "mixtral" || r.opt_bool("norm_topk_prob")?.unwrap_or(false),
+        shared,
     }))
 }
 

@@ -22,44 +22,135 @@ pub fn ffn_of_experts(
 
 /// `parts` (each `rows × cols`, one format) one under the other: `Σ rows × cols`.
 pub fn stack_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
-    let first = same_shapes(name, parts)?;
+    same_shapes(name, parts)?;
+    concat_rows(name, parts)
+}
+
+/// `parts` of any row counts but one width and format, one under the other.
+pub fn concat_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| format_err(name, "no parts".into()))?;
+    if let Some(p) = parts
+        .iter()
+        .find(|p| (p.cols, p.dtype) != (first.cols, first.dtype))
+    {
+        return Err(format_err(
+            name,
+            format!(
+                "`{}` has rows of {} {} values, `{}` of {} {}",
+                p.name, p.cols, p.dtype, first.name, first.cols, first.dtype
+            ),
+        ));
+    }
     let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
     for p in parts {
         bytes.extend_from_slice(p.data.as_slice());
     }
     Ok(HostTensor {
         name: name.to_string(),
-        rows: first.rows * parts.len(),
+        rows: parts.iter().map(|p| p.rows).sum(),
         cols: first.cols,
         dtype: first.dtype,
         data: Bytes::from_slice(&bytes),
     })
 }
 
-/// `parts` (each `rows × cols`, one format) side by side: `rows × Σ cols`, row `r` the parts'
-/// rows `r` one after the other.
-pub fn stack_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
-    let first = same_shapes(name, parts)?;
-    if !first.cols.is_multiple_of(first.dtype.block_len()) {
+/// `t` cut into `n` equal matrices of consecutive rows (a wide FFN's gate or up as `n`
+/// narrower ones).
+pub fn split_rows(t: &HostTensor, n: usize) -> Result<Vec<HostTensor>, ModelError> {
+    if n == 0 || !t.rows.is_multiple_of(n) {
         return Err(format_err(
-            name,
+            &t.name,
+            format!("{} rows are not {n} equal parts", t.rows),
+        ));
+    }
+    let (rows, rb) = (t.rows / n, t.row_bytes());
+    Ok((0..n)
+        .map(|i| HostTensor {
+            name: format!("{}.part{i}", t.name),
+            rows,
+            cols: t.cols,
+            dtype: t.dtype,
+            data: Bytes::from_slice(&t.data.as_slice()[i * rows * rb..(i + 1) * rows * rb]),
+        })
+        .collect())
+}
+
+/// `t` cut into `n` equal matrices of consecutive columns (a wide FFN's down as `n` narrower
+/// ones); each part's rows must be whole blocks of its format.
+pub fn split_columns(t: &HostTensor, n: usize) -> Result<Vec<HostTensor>, ModelError> {
+    let block = t.dtype.block_len();
+    if n == 0 || !t.cols.is_multiple_of(n) || !(t.cols / n).is_multiple_of(block) {
+        return Err(format_err(
+            &t.name,
             format!(
-                "rows of {} values are not whole {} blocks",
-                first.cols, first.dtype
+                "{} columns are not {n} equal parts of whole {} blocks",
+                t.cols, t.dtype
             ),
         ));
     }
-    let row_bytes = first.row_bytes();
-    let mut bytes = Vec::with_capacity(row_bytes * first.rows * parts.len());
+    let cols = t.cols / n;
+    let (rb, part_rb) = (t.row_bytes(), t.dtype.bytes_for(cols));
+    let src = t.data.as_slice();
+    Ok((0..n)
+        .map(|i| {
+            let mut bytes = Vec::with_capacity(part_rb * t.rows);
+            for r in 0..t.rows {
+                let at = r * rb + i * part_rb;
+                bytes.extend_from_slice(&src[at..at + part_rb]);
+            }
+            HostTensor {
+                name: format!("{}.part{i}", t.name),
+                rows: t.rows,
+                cols,
+                dtype: t.dtype,
+                data: Bytes::from_slice(&bytes),
+            }
+        })
+        .collect())
+}
+
+/// `parts` (each `rows × cols`, one format) side by side: `rows × Σ cols`, row `r` the parts'
+/// rows `r` one after the other.
+pub fn stack_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
+    same_shapes(name, parts)?;
+    concat_columns(name, parts)
+}
+
+/// `parts` of one height and format but any widths (each whole blocks), side by side.
+pub fn concat_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| format_err(name, "no parts".into()))?;
+    for p in parts {
+        if (p.rows, p.dtype) != (first.rows, first.dtype) {
+            return Err(format_err(
+                name,
+                format!(
+                    "`{}` is {} rows of {}, `{}` {} rows of {}",
+                    p.name, p.rows, p.dtype, first.name, first.rows, first.dtype
+                ),
+            ));
+        }
+        if !p.cols.is_multiple_of(p.dtype.block_len()) {
+            return Err(format_err(
+                name,
+                format!("rows of {} values are not whole {} blocks", p.cols, p.dtype),
+            ));
+        }
+    }
+    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
     for r in 0..first.rows {
         for p in parts {
-            bytes.extend_from_slice(&p.data.as_slice()[r * row_bytes..(r + 1) * row_bytes]);
+            let rb = p.row_bytes();
+            bytes.extend_from_slice(&p.data.as_slice()[r * rb..(r + 1) * rb]);
         }
     }
     Ok(HostTensor {
         name: name.to_string(),
         rows: first.rows,
-        cols: first.cols * parts.len(),
+        cols: parts.iter().map(|p| p.cols).sum(),
         dtype: first.dtype,
         data: Bytes::from_slice(&bytes),
     })
@@ -171,5 +262,28 @@ mod tests {
     fn experts_of_different_shapes_are_refused() {
         let e = stack_rows("up", &[t("a", 2, 3, 0.0), t("b", 3, 3, 0.0)]).unwrap_err();
         assert!(e.to_string().contains("every expert has one shape"), "{e}");
+    }
+
+    #[test]
+    fn a_wide_ffn_splits_into_parts_that_stack_back() {
+        let gate = t("g", 6, 4, 0.0);
+        let down = t("d", 4, 6, 100.0);
+        let g = split_rows(&gate, 3).unwrap();
+        assert_eq!((g.len(), g[1].rows, g[1].cols), (3, 2, 4));
+        assert_eq!(
+            stack_rows("g", &g).unwrap().data.as_slice(),
+            gate.data.as_slice()
+        );
+        let d = split_columns(&down, 3).unwrap();
+        assert_eq!((d[2].rows, d[2].cols), (4, 2));
+        assert_eq!(d[2].to_f32()[..2], [104.0, 105.0]);
+        assert_eq!(
+            stack_columns("d", &d).unwrap().data.as_slice(),
+            down.data.as_slice()
+        );
+        assert!(split_rows(&gate, 4).is_err() && split_columns(&down, 4).is_err());
+        let r = concat_rows("r", &[t("a", 3, 4, 0.0), t("b", 1, 4, 9.0)]).unwrap();
+        assert_eq!((r.rows, r.to_f32()[12]), (4, 9.0));
+        assert!(concat_rows("r", &[t("a", 3, 4, 0.0), t("b", 1, 5, 9.0)]).is_err());
     }
 }

@@ -16,15 +16,11 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
     let arch = meta.str("general.architecture")?.to_string();
     let style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Adjacent,
-        "qwen2" | "qwen3" | "qwen3moe" => RopeStyle::Halves,
+        "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" => RopeStyle::Halves,
         other => {
             return Err(ModelError::Unsupported {
                 path: path.to_path_buf(),
                 msg: match other {
-                    "qwen2moe" => format!(
-                        "`{other}` is not supported yet: its shared expert (sigmoid-gated, beside \
-                         the routed ones) is not built"
-                    ),
                     "gpt-oss" => format!(
                         "`{other}` is not supported yet: its router bias, softmax over the top-k, \
                          attention sinks, sliding window, MXFP4 experts and clamped SwiGLU are not \
@@ -36,7 +32,7 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
                     ),
                     _ => format!(
                         "unknown architecture `{other}` (supported: llama, mistral, qwen2, qwen3, \
-                         qwen3moe)"
+                         qwen2moe, qwen3moe)"
                     ),
                 },
             });
@@ -94,7 +90,7 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
                 ["ffn_gate", "ffn_up", "ffn_down"].map(|w| linear(format!("{b}.{w}"), false)),
             ),
             Some(m) => {
-                let (router, ffn) = expert_ffn(&file, &b, m.experts)?;
+                let (router, ffn) = expert_ffn(&file, &b, m)?;
                 (Some(router), ffn.map(Ok))
             }
         };
@@ -151,9 +147,10 @@ pub(super) fn load(path: &Path) -> Result<Model, ModelError> {
 fn expert_ffn(
     file: &GgufFile,
     b: &str,
-    experts: usize,
+    moe: &MoeSpec,
 ) -> Result<(HostTensor, [Linear; 3]), ModelError> {
-    let router = as_f32(file.load(&format!("{b}.ffn_gate_inp.weight"))?);
+    let experts = moe.experts;
+    let mut router = as_f32(file.load(&format!("{b}.ffn_gate_inp.weight"))?);
     let linear = |weight: HostTensor| Linear { weight, bias: None };
     let [gate, up, down] = if file
         .tensor_info(&format!("{b}.ffn_gate_exps.weight"))
@@ -173,6 +170,27 @@ fn expert_ffn(
         };
         let parts = [parts("ffn_gate")?, parts("ffn_up")?, parts("ffn_down")?];
         super::experts::ffn_of_experts(&format!("{b}.ffn_exps"), parts)?
+    };
+    let [gate, up, down] = if moe.shared > 0 {
+        // Qwen2-MoE's shared expert: `moe.shared` more experts after the routed ones, its gate
+        // (a vector) the router's last row.
+        use super::experts::{concat_columns, concat_rows, split_columns, split_rows};
+        let shexp = |w: &str| file.load(&format!("{b}.{w}_shexp.weight"));
+        let mut sg = as_f32(file.load(&format!("{b}.ffn_gate_inp_shexp.weight"))?);
+        (sg.rows, sg.cols) = (1, sg.rows * sg.cols);
+        router = concat_rows(&router.name.clone(), &[router, sg])?;
+        let rows = |routed: HostTensor, w: &str| -> Result<HostTensor, ModelError> {
+            let mut all = vec![routed];
+            all.extend(split_rows(&shexp(w)?, moe.shared)?);
+            concat_rows(&all[0].name.clone(), &all)
+        };
+        let mut cols = vec![down];
+        cols.extend(split_columns(&shexp("ffn_down")?, moe.shared)?);
+        // The routed experts' down is one `d × E·d_expert` block: its columns stack as one part.
+        let down = concat_columns(&cols[0].name.clone(), &cols)?;
+        [rows(gate, "ffn_gate")?, rows(up, "ffn_up")?, down]
+    } else {
+        [gate, up, down]
     };
     Ok((router, [linear(gate), linear(up), linear(down)]))
 }
@@ -256,17 +274,39 @@ fn read_spec(
     // `expert_count` 0 (or none) is a dense model.
     let moe = match size("expert_count", &MAX_EXPERTS)? {
         None | Some(0) => None,
-        Some(experts) => Some(MoeSpec {
-            experts,
-            used: required("expert_used_count", &MAX_EXPERTS)?,
-            d_expert: match size("expert_feed_forward_length", &MAX_DIM)? {
+        Some(experts) => {
+            let d_expert = match size("expert_feed_forward_length", &MAX_DIM)? {
                 Some(w) => w,
                 None => required("feed_forward_length", &MAX_DIM)?,
-            },
-            // Mixtral always renormalises the chosen experts' weights, and so do the Qwen3-MoE
-            // releases (`norm_topk_prob`); a file may say otherwise.
-            norm_top_k: meta.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true),
-        }),
+            };
+            // Qwen2-MoE's shared expert, as parts of `d_expert` neurons (see MoeSpec).
+            let shared = match size("expert_shared_feed_forward_length", &MAX_DIM)? {
+                None | Some(0) => 0,
+                Some(w) if w.is_multiple_of(d_expert) => w / d_expert,
+                Some(w) => {
+                    return Err(ModelError::Format {
+                        path: path.to_path_buf(),
+                        msg: format!(
+                            "`{}` {w} is not a multiple of the experts' width {d_expert} (the \
+                             shared expert is computed as experts of that width)",
+                            key("expert_shared_feed_forward_length")
+                        ),
+                    });
+                }
+            };
+            Some(MoeSpec {
+                experts,
+                used: required("expert_used_count", &MAX_EXPERTS)?,
+                d_expert,
+                // Mixtral always renormalises the chosen experts' weights, and so do the
+                // Qwen3-MoE releases (`norm_topk_prob`); Qwen2-MoE does not; a file may say
+                // otherwise.
+                norm_top_k: meta
+                    .opt_bool(&key("expert_weights_norm"))?
+                    .unwrap_or(arch != "qwen2moe"),
+                shared,
+            })
+        }
     };
     let spec = ModelSpec {
         arch: Arch::Llama,
@@ -318,7 +358,8 @@ fn gguf_key(arch: &str, field: &str) -> String {
         "n_heads" => "attention.head_count",
         "n_kv_heads" => "attention.head_count_kv",
         "head_dim" | "attn_scale" => "attention.key_length",
-        "d_ff" | "moe.d_expert" if arch == "qwen3moe" => "expert_feed_forward_length",
+        "d_ff" | "moe.d_expert" if arch.ends_with("moe") => "expert_feed_forward_length",
+        "moe.shared" => "expert_shared_feed_forward_length",
         "d_ff" | "moe.d_expert" => "feed_forward_length",
         "moe.experts" => "expert_count",
         "moe.used" => "expert_used_count",

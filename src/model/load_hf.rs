@@ -181,31 +181,40 @@ impl Checkpoint {
 }
 
 /// A mixture-of-experts layer's router and its experts' gate, up and down as the FFN's
-/// matrices ([`super::experts`]), from the per-expert tensors transformers writes.
+/// matrices ([`super::experts`]), from the per-expert tensors transformers writes; a shared
+/// expert (Qwen2-MoE) split into `moe.shared` more experts after them, its gate the router's
+/// last row.
 fn expert_ffn(
     ckpt: &Checkpoint,
     model_type: &str,
     layer: &str,
-    count: usize,
+    moe: &crate::model::spec::MoeSpec,
 ) -> Result<(HostTensor, [Linear; 3]), ModelError> {
     let (block, names) = match model_type {
         "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
-    let router = as_f32(ckpt.load(&format!("{layer}.{block}.gate.weight"))?);
-    let part = |which: usize| -> Result<Vec<HostTensor>, ModelError> {
-        (0..count)
-            .map(|e| {
-                ckpt.load(&format!(
-                    "{layer}.{block}.experts.{e}.{}.weight",
-                    names[which]
-                ))
-            })
-            .collect()
-    };
+    let mut router = as_f32(ckpt.load(&format!("{layer}.{block}.gate.weight"))?);
+    let mut parts = [0, 1, 2].map(|_| Vec::new());
+    for (which, part) in parts.iter_mut().enumerate() {
+        for e in 0..moe.experts {
+            part.push(ckpt.load(&format!(
+                "{layer}.{block}.experts.{e}.{}.weight",
+                names[which]
+            ))?);
+        }
+    }
+    if moe.shared > 0 {
+        let shared = |w: &str| ckpt.load(&format!("{layer}.{block}.shared_expert.{w}.weight"));
+        parts[0].extend(experts::split_rows(&shared("gate_proj")?, moe.shared)?);
+        parts[1].extend(experts::split_rows(&shared("up_proj")?, moe.shared)?);
+        parts[2].extend(experts::split_columns(&shared("down_proj")?, moe.shared)?);
+        let gate = as_f32(ckpt.load(&format!("{layer}.{block}.shared_expert_gate.weight"))?);
+        router = experts::concat_rows(&router.name.clone(), &[router, gate])?;
+    }
     let linear = |weight: HostTensor| Linear { weight, bias: None };
     let base = format!("{layer}.{block}.experts");
-    let ffn = experts::ffn_of_experts(&base, [part(0)?, part(1)?, part(2)?])?;
+    let ffn = experts::ffn_of_experts(&base, parts)?;
     Ok((router, ffn.map(linear)))
 }
 
@@ -246,7 +255,7 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
                             .map(|w| linear(format!("{p}.mlp.{w}"), false)),
                     ),
                     Some(m) => {
-                        let (router, ffn) = expert_ffn(&ckpt, &config.model_type, &p, m.experts)?;
+                        let (router, ffn) = expert_ffn(&ckpt, &config.model_type, &p, m)?;
                         (Some(router), ffn.map(Ok))
                     }
                 };

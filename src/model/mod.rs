@@ -269,7 +269,7 @@ impl Model {
                 check(&n.weight, 1, s.head_dim)?;
             }
             match (&s.moe, &l.router) {
-                (Some(m), Some(r)) => check(r, m.experts, s.d_model)?,
+                (Some(m), Some(r)) => check(r, m.router_rows(), s.d_model)?,
                 (None, None) => {}
                 (Some(_), None) => {
                     return Err(ModelError::Format {

@@ -137,6 +137,11 @@ pub enum PositionEncoding {
 /// `e·d_expert ..`), `used` of them a token, chosen as transformers chooses them: the router's
 /// logits, a softmax over all experts in f32, the top `used` (ties to the lower index), their
 /// weights renormalised to sum to 1 where `norm_top_k`.
+///
+/// A shared expert (Qwen2-MoE's, every token's, weighted by the sigmoid of its own gate) is
+/// `shared` more experts of `d_expert` neurons after the routed ones — an FFN is a sum over its
+/// neurons, so a wide one split into equal parts is exact — and its gate is the router's last
+/// row.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MoeSpec {
     pub experts: usize,
@@ -144,13 +149,25 @@ pub struct MoeSpec {
     pub d_expert: usize,
     /// Mixtral always; Qwen's `norm_topk_prob`.
     pub norm_top_k: bool,
+    /// The shared expert's width in `d_expert` parts (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub shared: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl MoeSpec {
     /// The FFN's neurons: every expert's, side by side (the spec's `d_ff`). Loaders hold both
     /// factors to their limits first, so the product fits; the spec's check holds it to max_dim.
     pub fn neurons(&self) -> usize {
-        self.experts * self.d_expert
+        (self.experts + self.shared) * self.d_expert
+    }
+
+    /// The router's rows: one per routed expert, and the shared expert's gate.
+    pub fn router_rows(&self) -> usize {
+        self.experts + usize::from(self.shared > 0)
     }
 }
 
@@ -255,12 +272,16 @@ impl ModelSpec {
                     ),
                 );
             }
-            if m.d_expert == 0 || m.experts.checked_mul(m.d_expert) != Some(self.d_ff) {
+            if !limits::MAX_EXPERTS.admits(m.shared as u64) {
+                return err("moe.shared", limits::MAX_EXPERTS.over(m.shared as u64));
+            }
+            let parts = m.experts + m.shared;
+            if m.d_expert == 0 || parts.checked_mul(m.d_expert) != Some(self.d_ff) {
                 return err(
                     "moe.d_expert",
                     format!(
-                        "is {}: {} experts of it must make the FFN's {} neurons",
-                        m.d_expert, m.experts, self.d_ff
+                        "is {}: {parts} experts of it must make the FFN's {} neurons",
+                        m.d_expert, self.d_ff
                     ),
                 );
             }
