@@ -470,3 +470,87 @@ fn dram_budget_below_the_minimum_is_refused_with_the_minimum() {
         &["--device sim"],
     );
 }
+
+/// A mixture-of-experts model is stored as its router and expert stacks (an expert one slice of
+/// each) and comes back exactly: the CPU engine on the store's weights computes the logits it
+/// computes on the source's, bit for bit; a flipped bit in an expert is named; offloaded runs
+/// say experts are not offloaded yet; bundling is refused.
+#[test]
+fn experts_are_stored_as_slices_and_come_back_exact() {
+    use gpu_offload::backend::cpu::CpuBackend;
+    use gpu_offload::engine::{Engine, Logits};
+    use gpu_offload::model::Model;
+    let dir = tempfile::tempdir().unwrap();
+    let f = fixtures();
+    for (i, src) in [
+        f.join("hf/qwen2-moe"),
+        f.join("gguf/qwen3-moe-f32.gguf"),
+        f.join("gguf/mixtral-f32.gguf"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let out = dir.path().join(format!("store{i}"));
+        ok(bin().args(["convert", "-m", s(src), "-o", s(&out)]));
+        ok(bin().args(["convert", "--verify", s(&out)]));
+        let store = Store::open(&out).unwrap();
+        let spec = store.manifest.spec.clone();
+        let moe = spec.moe.clone().unwrap();
+        let seg = |w: &str| {
+            store
+                .manifest
+                .segment(&format!("blk.1.{w}"))
+                .unwrap()
+                .clone()
+        };
+        assert_eq!(seg("ffn_gate_inp.weight").rows, moe.router_rows());
+        assert_eq!(
+            (
+                seg("ffn_down_exps.weight").rows,
+                seg("ffn_down_exps.weight").cols
+            ),
+            ((moe.experts + moe.shared) * spec.d_model, moe.d_expert)
+        );
+        assert!(store.manifest.segment("blk.1.ffn_up.weight").is_none());
+        let logits = |m: &gpu_offload::model::ModelWeights| {
+            let e = Engine::new(CpuBackend::new(1).unwrap(), spec.clone(), m).unwrap();
+            let mut sess = e.new_session(8).unwrap();
+            e.forward(&mut sess, &[3, 17, 99, 5, 250, 7], Logits::All)
+                .unwrap()
+        };
+        let direct = Model::load(src).unwrap();
+        assert_eq!(
+            logits(&store.dense_weights().unwrap()),
+            logits(&direct.weights),
+            "{}",
+            src.display()
+        );
+        fails(
+            &mut sim_run(&out, &[]),
+            &["mixture-of-experts", "not offloaded yet", "--device cpu"],
+        );
+        if i == 0 {
+            // An expert's flipped bit is named by the verifier.
+            let s1 = seg("ffn_up_exps.weight");
+            let data = out.join("data.bin");
+            let mut bytes = std::fs::read(&data).unwrap();
+            bytes[(s1.offset + s1.bytes / 3) as usize] ^= 0x10;
+            std::fs::write(&data, &bytes).unwrap();
+            fails(
+                bin().args(["convert", "--verify", s(&out)]),
+                &["blk.1.ffn_up_exps.weight", "checksum"],
+            );
+            fails(
+                bin().args([
+                    "convert",
+                    "-m",
+                    s(src),
+                    "-o",
+                    s(&dir.path().join("bundled")),
+                    "--bundle-ffn",
+                ]),
+                &["mixture-of-experts", "--bundle-ffn"],
+            );
+        }
+    }
+}

@@ -124,6 +124,7 @@ pub fn run(args: &UnitsArgs) -> Result<UnitsReport> {
     let model_path = checked_model_path(args)?;
     let (corpus, text) = read_corpus(args.corpus.as_deref(), "moby-dick-eval.txt")?;
     let store = open_store_for(&model_path)?;
+    crate::runtime::refuse_experts(&store.manifest.spec, "`bench units`")?;
     let name = model_path.display().to_string();
     let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, &name)
         .context("the units' eviction and the mask come from the sparsity profile")?;

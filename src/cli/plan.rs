@@ -84,6 +84,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     };
     let store = open_store_for(&a.model)?;
+    crate::runtime::refuse_experts(&store.manifest.spec, "`plan`")?;
     let budget = budget_of(&a, &store.manifest.spec, gpu_mem)?;
     let name = a.model.display().to_string();
     let planned = plan_store(

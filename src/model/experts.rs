@@ -189,6 +189,13 @@ pub fn columns_of_stacked(t: &HostTensor, experts: usize) -> Result<HostTensor, 
     })
 }
 
+/// A `rows × parts·cols` matrix's `parts` column blocks one under the other (`parts·rows ×
+/// cols`): the inverse of [`columns_of_stacked`], each expert's down contiguous as a GGUF's
+/// `ffn_down_exps` holds it.
+pub fn stacked_of_columns(t: &HostTensor, parts: usize) -> Result<HostTensor, ModelError> {
+    concat_rows(&t.name, &split_columns(t, parts)?)
+}
+
 fn same_shapes<'a>(name: &str, parts: &'a [HostTensor]) -> Result<&'a HostTensor, ModelError> {
     let first = parts
         .first()

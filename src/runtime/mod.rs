@@ -36,3 +36,18 @@ pub use options::{
     BudgetArgs, Device, KvTypeArg, ModelArgs, PromptArgs, SparsityMode, parse_bytes, parse_share,
 };
 pub use running::{Hybrid, Running, Units};
+
+/// Refuse `what` (a neuron-level tool: profiles, cache units of neurons, the neuron planner) on
+/// a mixture-of-experts model, whose FFN is its experts.
+pub fn refuse_experts(spec: &crate::model::ModelSpec, what: &str) -> anyhow::Result<()> {
+    match &spec.moe {
+        Some(m) => anyhow::bail!(
+            "{what} works on dense FFN neurons; this is a mixture-of-experts model ({} experts, {} \
+             a token), run on the CPU for now (--device cpu); `bench experts` studies its expert \
+             caches",
+            m.experts,
+            m.used
+        ),
+        None => Ok(()),
+    }
+}

@@ -65,6 +65,7 @@ pub struct ProfileRun {
 impl SparsityProfiler {
     /// The tapped CPU engine over `weights` (dropped once the engine holds them).
     pub fn new(spec: &ModelSpec, weights: ModelWeights, settings: ProfileSettings) -> Result<Self> {
+        super::refuse_experts(spec, "`profile`")?;
         let spec = spec.clone();
         let d_ff = spec.d_ff;
         let mut tap = ProfileTap::new(spec.n_layers, d_ff);

@@ -126,13 +126,22 @@ impl LoadedModel {
     /// Place the model on its device for `job`.
     pub fn start(&self, args: &ModelArgs, job: Job) -> Result<Running> {
         let settings = self.start_settings(args, job)?;
-        if let (Some(m), Device::Cuda) = (&self.spec.moe, self.device) {
-            anyhow::bail!(
-                "a mixture-of-experts model ({} experts, {} a token) runs on the CPU only for now \
-                 (--device cpu): no CUDA kernel computes its experts yet",
-                m.experts,
-                m.used
-            );
+        if let Some(m) = &self.spec.moe {
+            let why = match (&self.weights, self.device) {
+                (_, Device::Cuda) => Some("no CUDA kernel computes its experts yet"),
+                (Weights::Stored(_), _) => {
+                    Some("its experts are not offloaded yet (per-layer expert caches are coming)")
+                }
+                _ => None,
+            };
+            if let Some(why) = why {
+                anyhow::bail!(
+                    "a mixture-of-experts model ({} experts, {} a token) runs on the CPU only for \
+                     now (--device cpu): {why}",
+                    m.experts,
+                    m.used
+                );
+            }
         }
         let placed = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => self.start_whole_gpu(&settings, w)?,

@@ -192,6 +192,21 @@ fn place_of(m: &Manifest, name: &str) -> Option<Place> {
     }
     let (q, kv, ff) = (s.q_dim(), s.kv_dim(), s.d_ff);
     let parts = if s.gated_ffn { 3 } else { 2 };
+    if let Some(moe) = &s.moe {
+        // Experts (see the writer's `write_experts`); no dense FFN names, no bundles.
+        match what {
+            "ffn_gate_inp.weight" => return matrix(moe.router_rows(), d),
+            "ffn_gate_exps.weight" | "ffn_up_exps.weight" => return matrix(ff, d),
+            "ffn_down_exps.weight" => {
+                return matrix((moe.experts + moe.shared) * d, moe.d_expert);
+            }
+            "ffn_gate.weight" | "ffn_up.weight" | "ffn_down.weight" | "ffn_up.bias" => {
+                return None;
+            }
+            w if w.starts_with("ffn_bundles.") => return None,
+            _ => {}
+        }
+    }
     match what {
         "attn_norm.weight" | "attn_norm.bias" | "ffn_norm.weight" | "ffn_norm.bias" => vector(d),
         "attn_q.weight" => matrix(q, d),
@@ -233,7 +248,16 @@ fn required_in_layer(m: &Manifest, l: usize) -> Vec<String> {
         out.push(names::layer(l, "attn_q_norm.weight"));
         out.push(names::layer(l, "attn_k_norm.weight"));
     }
-    if m.bundle_encodings.is_empty() {
+    if m.spec.moe.is_some() {
+        for w in [
+            "ffn_gate_inp.weight",
+            "ffn_gate_exps.weight",
+            "ffn_up_exps.weight",
+            "ffn_down_exps.weight",
+        ] {
+            out.push(names::layer(l, w));
+        }
+    } else if m.bundle_encodings.is_empty() {
         if m.spec.gated_ffn {
             out.push(names::layer(l, "ffn_gate.weight"));
         }

@@ -416,7 +416,27 @@ impl Store {
         let head_norm = |base: String| spec.qk_norm.then(|| norm(base)).transpose();
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
-            let (w_gate, w_up, w_down) = if self.ffn_bundled() {
+            let mut router = None;
+            let (w_gate, w_up, w_down) = if let Some(m) = &spec.moe {
+                // The stored experts back in the FFN's layout (each expert's down as columns).
+                let whole = |w: &str| -> Result<Linear, StoreError> {
+                    Ok(Linear {
+                        weight: self.tensor(&names::layer(l, w))?,
+                        bias: None,
+                    })
+                };
+                router = Some(self.tensor(&names::layer(l, "ffn_gate_inp.weight"))?);
+                let down = self.tensor(&names::layer(l, "ffn_down_exps.weight"))?;
+                let down = crate::model::experts::columns_of_stacked(&down, m.experts + m.shared)?;
+                (
+                    Some(whole("ffn_gate_exps.weight")?),
+                    whole("ffn_up_exps.weight")?,
+                    Linear {
+                        weight: down,
+                        bias: None,
+                    },
+                )
+            } else if self.ffn_bundled() {
                 self.ffn_from_bundles(l)?
             } else {
                 (
@@ -436,7 +456,7 @@ impl Store {
                 q_norm: head_norm(names::layer(l, "attn_q_norm"))?,
                 k_norm: head_norm(names::layer(l, "attn_k_norm"))?,
                 ffn_norm: norm(names::layer(l, "ffn_norm"))?,
-                router: None,
+                router,
                 w_gate,
                 w_up,
                 w_down,

@@ -331,14 +331,12 @@ pub fn convert(
     }
     let model = Model::load(source)?;
     let spec = model.spec.clone();
-    if let Some(m) = &spec.moe {
-        return Err(StoreError::Unsupported(format!(
-            "{}: a mixture-of-experts model ({} experts, {} a token) is not offloaded yet: run it \
-             whole on the CPU (--device cpu)",
-            source.display(),
-            m.experts,
-            m.used
-        )));
+    if spec.moe.is_some() && (opts.bundle_quantized || !opts.extra_encodings.is_empty()) {
+        return Err(StoreError::Unsupported(
+            "a mixture-of-experts model's FFN is stored as its experts (each one slice of \
+             ffn_{gate,up,down}_exps), not as neuron bundles: drop --bundle-ffn and --encodings"
+                .into(),
+        ));
     }
     for &e in &opts.extra_encodings {
         if e == Encoding::Int4 && !spec.d_model.is_multiple_of(INT4_GROUP) {
@@ -441,6 +439,34 @@ fn write_attention(dw: &mut DataWriter, l: usize, layer: &LayerWeights) -> Resul
     Ok(())
 }
 
+/// Layer `l`'s router and experts: `ffn_gate_inp` (f32, a row per routed expert and the shared
+/// expert's gate), `ffn_gate_exps` and `ffn_up_exps` (expert `e`'s rows after `e − 1`'s) and
+/// `ffn_down_exps` (expert `e`'s `d_model × d_expert` down after `e − 1`'s, as a GGUF holds it),
+/// so an expert is one slice of each.
+fn write_experts(
+    dw: &mut DataWriter,
+    l: usize,
+    layer: &LayerWeights,
+    moe: &crate::model::spec::MoeSpec,
+) -> Result<(), StoreError> {
+    let router = layer.router.as_ref().ok_or_else(|| {
+        StoreError::Unsupported(format!(
+            "layer {l} of a mixture-of-experts model has no router"
+        ))
+    })?;
+    let gate = layer.w_gate.as_ref().ok_or_else(|| {
+        StoreError::Unsupported(format!(
+            "layer {l}'s experts have no gate (SwiGLU experts only)"
+        ))
+    })?;
+    dw.matrix(names::layer(l, "ffn_gate_inp.weight"), router)?;
+    dw.matrix(names::layer(l, "ffn_gate_exps.weight"), &gate.weight)?;
+    dw.matrix(names::layer(l, "ffn_up_exps.weight"), &layer.w_up.weight)?;
+    let parts = moe.experts + moe.shared;
+    let down = crate::model::experts::stacked_of_columns(&layer.w_down.weight, parts)?;
+    dw.matrix(names::layer(l, "ffn_down_exps.weight"), &down)
+}
+
 fn write_store(
     source: &Path,
     model: &Model,
@@ -470,7 +496,8 @@ fn write_store(
                 .map(|lin| lin.weight.dtype)
         })
         .collect();
-    let bundled = opts.bundle_quantized || names::ffn_bundled(&ffn_dtypes);
+    // Experts stay whole, in their formats: one expert is one slice of each matrix.
+    let bundled = spec.moe.is_none() && (opts.bundle_quantized || names::ffn_bundled(&ffn_dtypes));
     if !bundled && !opts.extra_encodings.is_empty() {
         return Err(StoreError::Unsupported(
             "INT8/INT4 bundles are made from float models; this model's FFN is block-quantized and is stored in its own formats (bundle it first with --bundle-ffn)".into(),
@@ -503,6 +530,11 @@ fn write_store(
         }
         if let Some(b) = &layer.w_down.bias {
             dw.vector(names::layer(l, "ffn_down.bias"), b)?;
+        }
+        if let Some(m) = &spec.moe {
+            write_experts(&mut dw, l, layer, m)?;
+            progress(l + 1, n_layers);
+            continue;
         }
         if !bundled {
             // Block formats: the FFN matrices as the file holds them.
