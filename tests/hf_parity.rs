@@ -295,6 +295,55 @@ fn bench_experts_replays_the_models_own_routing() {
     assert!(e.contains("--sizes"), "{e}");
 }
 
+/// Older Mixtral GGUFs hold each expert as its own 2-D `ffn_{gate,up,down}.E`: the same model.
+#[test]
+fn gguf_mixtral_f32_per_expert_tensors_match_transformers_expert_for_expert() {
+    use gpu_offload::model::gguf::{GgufFile, MetaValue, RawTensor, write};
+    let src = fixtures().join("gguf/mixtral-f32.gguf");
+    let f = GgufFile::open(&src).unwrap();
+    let meta: Vec<(&str, MetaValue)> = f
+        .metadata
+        .entries
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let mut tensors = Vec::new();
+    for t in f.tensors.values() {
+        let bytes = f.tensor_bytes(t);
+        match t.name.strip_suffix("_exps.weight") {
+            Some(base) => {
+                // GGML dims [cols, rows, experts]: expert e is the e-th slice.
+                let experts = t.dims[2] as usize;
+                let per = bytes.len() / experts;
+                for e in 0..experts {
+                    tensors.push(RawTensor {
+                        name: format!("{base}.{e}.weight"),
+                        dims: t.dims[..2].to_vec(),
+                        ggml_type: 0,
+                        bytes: bytes[e * per..(e + 1) * per].to_vec(),
+                    });
+                }
+            }
+            None => tensors.push(RawTensor {
+                name: t.name.clone(),
+                dims: t.dims.clone(),
+                ggml_type: 0,
+                bytes: bytes.to_vec(),
+            }),
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mixtral-2d.gguf");
+    write(&path, &meta, &tensors).unwrap();
+    assert!(
+        GgufFile::open(&path)
+            .unwrap()
+            .tensor_info("blk.1.ffn_down.3.weight")
+            .is_some()
+    );
+    moe("mixtral", &path);
+}
+
 #[test]
 fn opt_f16_matches_transformers() {
     hf("opt");

@@ -72,8 +72,9 @@ pub struct Route {
     pub weight: f32,
 }
 
-/// A mixture-of-experts layer's routed experts as its FFN matrices hold them side by side:
-/// expert `e` is neurons `e·width .. (e+1)·width` — rows of `gate` and `up`, columns of `down`.
+/// A mixture-of-experts layer's experts, stacked (see [`crate::model::experts`]): expert `e` is
+/// rows `e·width .. (e+1)·width` of `gate` and `up` (`E·width × d`) and its own `d × width` down,
+/// rows `e·d .. (e+1)·d` of `down` (`E·d × width`).
 pub struct Experts<'a, W> {
     pub gate: Option<&'a W>,
     pub up: &'a W,

@@ -1,14 +1,16 @@
-//! A mixture-of-experts layer's experts as one FFN: expert `e`'s gate and up rows stacked after
-//! expert `e − 1`'s, its down columns beside them, so expert `e` is neurons
-//! `e·d_expert .. (e+1)·d_expert` of FFN matrices `d_ff = experts × d_expert` wide (see
-//! [`super::spec::MoeSpec`]). Bytes are copied as they are: any format whose blocks the expert
-//! width is a whole number of.
+//! A mixture-of-experts layer's experts as one FFN, each expert's matrices stacked after the
+//! last expert's as llama.cpp's 3-D `ffn_*_exps` hold them: gate and up `E·d_expert × d_model`
+//! (expert `e` is rows `e·d_expert ..`), down `E·d_model × d_expert` (expert `e`'s own
+//! `d_model × d_expert` matrix is rows `e·d_model ..`). So expert `e` is one contiguous slice of
+//! each (a GGUF's tensors are used in place), and neurons `e·d_expert .. (e+1)·d_expert` of an
+//! FFN of `d_ff = E × d_expert` (see [`super::spec::MoeSpec`]). Bytes are copied as they are
+//! where parts are stacked: any format whose blocks tile the rows.
 
 use super::ModelError;
 use crate::tensor::{Bytes, HostTensor};
 
-/// A layer's experts, each as its own gate, up and down matrix, as the FFN's gate, up and down
-/// (named `{base}.gate` …).
+/// A layer's experts, each as its own gate, up and down matrix, as the stacked gate, up and
+/// down (named `{base}.gate` …).
 pub fn ffn_of_experts(
     base: &str,
     [gate, up, down]: [Vec<HostTensor>; 3],
@@ -16,7 +18,7 @@ pub fn ffn_of_experts(
     Ok([
         stack_rows(&format!("{base}.gate"), &gate)?,
         stack_rows(&format!("{base}.up"), &up)?,
-        stack_columns(&format!("{base}.down"), &down)?,
+        stack_rows(&format!("{base}.down"), &down)?,
     ])
 }
 
@@ -111,91 +113,6 @@ pub fn split_columns(t: &HostTensor, n: usize) -> Result<Vec<HostTensor>, ModelE
         .collect())
 }
 
-/// `parts` (each `rows × cols`, one format) side by side: `rows × Σ cols`, row `r` the parts'
-/// rows `r` one after the other.
-pub fn stack_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
-    same_shapes(name, parts)?;
-    concat_columns(name, parts)
-}
-
-/// `parts` of one height and format but any widths (each whole blocks), side by side.
-pub fn concat_columns(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
-    let first = parts
-        .first()
-        .ok_or_else(|| format_err(name, "no parts".into()))?;
-    for p in parts {
-        if (p.rows, p.dtype) != (first.rows, first.dtype) {
-            return Err(format_err(
-                name,
-                format!(
-                    "`{}` is {} rows of {}, `{}` {} rows of {}",
-                    p.name, p.rows, p.dtype, first.name, first.rows, first.dtype
-                ),
-            ));
-        }
-        if !p.cols.is_multiple_of(p.dtype.block_len()) {
-            return Err(format_err(
-                name,
-                format!("rows of {} values are not whole {} blocks", p.cols, p.dtype),
-            ));
-        }
-    }
-    let mut bytes = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
-    for r in 0..first.rows {
-        for p in parts {
-            let rb = p.row_bytes();
-            bytes.extend_from_slice(&p.data.as_slice()[r * rb..(r + 1) * rb]);
-        }
-    }
-    Ok(HostTensor {
-        name: name.to_string(),
-        rows: first.rows,
-        cols: parts.iter().map(|p| p.cols).sum(),
-        dtype: first.dtype,
-        data: Bytes::from_slice(&bytes),
-    })
-}
-
-/// `experts` matrices one under the other (`experts·rows × cols`, as a GGUF's `ffn_down_exps`
-/// holds them) side by side: [`stack_columns`] of them.
-pub fn columns_of_stacked(t: &HostTensor, experts: usize) -> Result<HostTensor, ModelError> {
-    if experts == 0 || !t.rows.is_multiple_of(experts) {
-        return Err(format_err(
-            &t.name,
-            format!("{} rows are not {experts} experts' matrices", t.rows),
-        ));
-    }
-    let rows = t.rows / experts;
-    if !t.cols.is_multiple_of(t.dtype.block_len()) {
-        return Err(format_err(
-            &t.name,
-            format!("rows of {} values are not whole {} blocks", t.cols, t.dtype),
-        ));
-    }
-    let (row_bytes, src) = (t.row_bytes(), t.data.as_slice());
-    let mut bytes = Vec::with_capacity(src.len());
-    for r in 0..rows {
-        for e in 0..experts {
-            let at = (e * rows + r) * row_bytes;
-            bytes.extend_from_slice(&src[at..at + row_bytes]);
-        }
-    }
-    Ok(HostTensor {
-        name: t.name.clone(),
-        rows,
-        cols: t.cols * experts,
-        dtype: t.dtype,
-        data: Bytes::from_slice(&bytes),
-    })
-}
-
-/// A `rows × parts·cols` matrix's `parts` column blocks one under the other (`parts·rows ×
-/// cols`): the inverse of [`columns_of_stacked`], each expert's down contiguous as a GGUF's
-/// `ffn_down_exps` holds it.
-pub fn stacked_of_columns(t: &HostTensor, parts: usize) -> Result<HostTensor, ModelError> {
-    concat_rows(&t.name, &split_columns(t, parts)?)
-}
-
 fn same_shapes<'a>(name: &str, parts: &'a [HostTensor]) -> Result<&'a HostTensor, ModelError> {
     let first = parts
         .first()
@@ -240,29 +157,12 @@ mod tests {
     #[test]
     fn experts_stack_as_neurons() {
         let (a, b) = (t("a", 2, 3, 0.0), t("b", 2, 3, 100.0));
-        let rows = stack_rows("up", &[a.clone(), b.clone()]).unwrap();
+        let rows = stack_rows("up", &[a, b]).unwrap();
         assert_eq!((rows.rows, rows.cols), (4, 3));
         assert_eq!(
             rows.to_f32(),
             [0., 1., 2., 3., 4., 5., 100., 101., 102., 103., 104., 105.]
         );
-        let cols = stack_columns("down", &[a, b]).unwrap();
-        assert_eq!((cols.rows, cols.cols), (2, 6));
-        assert_eq!(
-            cols.to_f32(),
-            [0., 1., 2., 100., 101., 102., 3., 4., 5., 103., 104., 105.]
-        );
-    }
-
-    #[test]
-    fn stacked_matrices_side_by_side_equal_their_stacked_columns() {
-        let (a, b) = (t("a", 2, 3, 0.0), t("b", 2, 3, 100.0));
-        let stacked = stack_rows("s", &[a.clone(), b.clone()]).unwrap();
-        let want = stack_columns("down", &[a, b]).unwrap();
-        let got = columns_of_stacked(&stacked, 2).unwrap();
-        assert_eq!((got.rows, got.cols), (want.rows, want.cols));
-        assert_eq!(got.to_f32(), want.to_f32());
-        assert!(columns_of_stacked(&stacked, 3).is_err());
     }
 
     #[test]
@@ -285,8 +185,9 @@ mod tests {
         assert_eq!((d[2].rows, d[2].cols), (4, 2));
         assert_eq!(d[2].to_f32()[..2], [104.0, 105.0]);
         assert_eq!(
-            stack_columns("d", &d).unwrap().data.as_slice(),
-            down.data.as_slice()
+            d[0].to_f32()[2..4],
+            [106.0, 107.0],
+            "row 1 of the first part"
         );
         assert!(split_rows(&gate, 4).is_err() && split_columns(&down, 4).is_err());
         let r = concat_rows("r", &[t("a", 3, 4, 0.0), t("b", 1, 4, 9.0)]).unwrap();

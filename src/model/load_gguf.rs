@@ -160,7 +160,7 @@ fn expert_ffn(
         [
             load("ffn_gate_exps")?,
             load("ffn_up_exps")?,
-            super::experts::columns_of_stacked(&load("ffn_down_exps")?, experts)?,
+            load("ffn_down_exps")?,
         ]
     } else {
         let parts = |w: &str| -> Result<Vec<HostTensor>, ModelError> {
@@ -174,21 +174,20 @@ fn expert_ffn(
     let [gate, up, down] = if moe.shared > 0 {
         // Qwen2-MoE's shared expert: `moe.shared` more experts after the routed ones, its gate
         // (a vector) the router's last row.
-        use super::experts::{concat_columns, concat_rows, split_columns, split_rows};
+        use super::experts::{concat_rows, split_columns, split_rows};
         let shexp = |w: &str| file.load(&format!("{b}.{w}_shexp.weight"));
         let mut sg = as_f32(file.load(&format!("{b}.ffn_gate_inp_shexp.weight"))?);
         (sg.rows, sg.cols) = (1, sg.rows * sg.cols);
         router = concat_rows(&router.name.clone(), &[router, sg])?;
-        let rows = |routed: HostTensor, w: &str| -> Result<HostTensor, ModelError> {
+        let stack = |routed: HostTensor, parts: Vec<HostTensor>| {
             let mut all = vec![routed];
-            all.extend(split_rows(&shexp(w)?, moe.shared)?);
+            all.extend(parts);
             concat_rows(&all[0].name.clone(), &all)
         };
-        let mut cols = vec![down];
-        cols.extend(split_columns(&shexp("ffn_down")?, moe.shared)?);
-        // The routed experts' down is one `d × E·d_expert` block: its columns stack as one part.
-        let down = concat_columns(&cols[0].name.clone(), &cols)?;
-        [rows(gate, "ffn_gate")?, rows(up, "ffn_up")?, down]
+        let gate = stack(gate, split_rows(&shexp("ffn_gate")?, moe.shared)?)?;
+        let up = stack(up, split_rows(&shexp("ffn_up")?, moe.shared)?)?;
+        let down = stack(down, split_columns(&shexp("ffn_down")?, moe.shared)?)?;
+        [gate, up, down]
     } else {
         [gate, up, down]
     };

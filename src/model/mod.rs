@@ -292,7 +292,11 @@ impl Model {
                 check_lin(g, s.d_ff, s.d_model)?;
             }
             check_lin(&l.w_up, s.d_ff, s.d_model)?;
-            check_lin(&l.w_down, s.d_model, s.d_ff)?;
+            match &s.moe {
+                // Each expert's down after the last's (see `experts`).
+                Some(m) => check_lin(&l.w_down, (m.experts + m.shared) * s.d_model, m.d_expert)?,
+                None => check_lin(&l.w_down, s.d_model, s.d_ff)?,
+            }
         }
         if let (Some(f), PositionEncoding::Rope(r)) = (&w.rope_freq_factors, &s.position)
             && f.len() != r.dims / 2

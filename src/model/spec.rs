@@ -132,8 +132,8 @@ pub enum PositionEncoding {
     },
 }
 
-/// A mixture-of-experts FFN: `experts` gated FFNs of `d_expert` neurons side by side in the
-/// layer's FFN matrices (so `d_ff` = `experts × d_expert`: expert `e` is neurons
+/// A mixture-of-experts FFN: `experts` gated FFNs of `d_expert` neurons, stacked in the layer's
+/// FFN matrices ([`super::experts`]; so `d_ff` = `experts × d_expert`: expert `e` is neurons
 /// `e·d_expert ..`), `used` of them a token, chosen as transformers chooses them: the router's
 /// logits, a softmax over all experts in f32, the top `used` (ties to the lower index), their
 /// weights renormalised to sum to 1 where `norm_top_k`.

@@ -417,8 +417,8 @@ impl Store {
         let mut layers = Vec::with_capacity(spec.n_layers);
         for l in 0..spec.n_layers {
             let mut router = None;
-            let (w_gate, w_up, w_down) = if let Some(m) = &spec.moe {
-                // The stored experts back in the FFN's layout (each expert's down as columns).
+            let (w_gate, w_up, w_down) = if spec.moe.is_some() {
+                // The stored expert stacks are the model's own layout.
                 let whole = |w: &str| -> Result<Linear, StoreError> {
                     Ok(Linear {
                         weight: self.tensor(&names::layer(l, w))?,
@@ -426,15 +426,10 @@ impl Store {
                     })
                 };
                 router = Some(self.tensor(&names::layer(l, "ffn_gate_inp.weight"))?);
-                let down = self.tensor(&names::layer(l, "ffn_down_exps.weight"))?;
-                let down = crate::model::experts::columns_of_stacked(&down, m.experts + m.shared)?;
                 (
                     Some(whole("ffn_gate_exps.weight")?),
                     whole("ffn_up_exps.weight")?,
-                    Linear {
-                        weight: down,
-                        bias: None,
-                    },
+                    whole("ffn_down_exps.weight")?,
                 )
             } else if self.ffn_bundled() {
                 self.ffn_from_bundles(l)?

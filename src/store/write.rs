@@ -443,12 +443,7 @@ fn write_attention(dw: &mut DataWriter, l: usize, layer: &LayerWeights) -> Resul
 /// expert's gate), `ffn_gate_exps` and `ffn_up_exps` (expert `e`'s rows after `e − 1`'s) and
 /// `ffn_down_exps` (expert `e`'s `d_model × d_expert` down after `e − 1`'s, as a GGUF holds it),
 /// so an expert is one slice of each.
-fn write_experts(
-    dw: &mut DataWriter,
-    l: usize,
-    layer: &LayerWeights,
-    moe: &crate::model::spec::MoeSpec,
-) -> Result<(), StoreError> {
+fn write_experts(dw: &mut DataWriter, l: usize, layer: &LayerWeights) -> Result<(), StoreError> {
     let router = layer.router.as_ref().ok_or_else(|| {
         StoreError::Unsupported(format!(
             "layer {l} of a mixture-of-experts model has no router"
@@ -462,9 +457,10 @@ fn write_experts(
     dw.matrix(names::layer(l, "ffn_gate_inp.weight"), router)?;
     dw.matrix(names::layer(l, "ffn_gate_exps.weight"), &gate.weight)?;
     dw.matrix(names::layer(l, "ffn_up_exps.weight"), &layer.w_up.weight)?;
-    let parts = moe.experts + moe.shared;
-    let down = crate::model::experts::stacked_of_columns(&layer.w_down.weight, parts)?;
-    dw.matrix(names::layer(l, "ffn_down_exps.weight"), &down)
+    dw.matrix(
+        names::layer(l, "ffn_down_exps.weight"),
+        &layer.w_down.weight,
+    )
 }
 
 fn write_store(
@@ -531,8 +527,8 @@ fn write_store(
         if let Some(b) = &layer.w_down.bias {
             dw.vector(names::layer(l, "ffn_down.bias"), b)?;
         }
-        if let Some(m) = &spec.moe {
-            write_experts(&mut dw, l, layer, m)?;
+        if spec.moe.is_some() {
+            write_experts(&mut dw, l, layer)?;
             progress(l + 1, n_layers);
             continue;
         }

@@ -83,8 +83,8 @@ pub fn matmul_strided(
 }
 
 /// As [`matmul_strided`] with the block `rows × cols` of `w` for the weight (a mixture-of-experts
-/// layer's expert: a row range of its gate and up, a column range of its down). The column range
-/// starts and ends on the format's block boundaries.
+/// layer's expert: a row range of each of its stacked matrices). The column range starts and
+/// ends on the format's block boundaries.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_block(
     k: &Kernels,

@@ -834,7 +834,7 @@ impl Backend for CpuBackend {
         let fits = |w: &HostTensor, rows: usize, cols: usize| w.rows == rows && w.cols == cols;
         if count == 0
             || !fits(up, count * f, d)
-            || !fits(down, d, count * f)
+            || !fits(down, count * d, f)
             || gate.is_some_and(|g| !fits(g, count * f, d))
             || !f.is_multiple_of(down.dtype.block_len())
         {
@@ -882,7 +882,7 @@ impl Backend for CpuBackend {
                     None => h.iter_mut().for_each(|u| *u = f_act(*u)),
                 }
                 let mut y = vec![0f32; m * d];
-                matmul::matmul_block(k, down, (0..d, neurons), &h, m, &mut y, d, 0);
+                matmul::matmul_block(k, down, (e * d..(e + 1) * d, 0..f), &h, m, &mut y, d, 0);
                 for (i, &(t, w)) in tokens.iter().enumerate() {
                     let row = &mut out.data[t * d..(t + 1) * d];
                     row.iter_mut()
