@@ -7,7 +7,8 @@ use crate::model::{ModelSpec, ModelWeights};
 use crate::tensor::HostTensor;
 
 /// What one decode step must read from memory: every weight once (one embedding row when the
-/// table is not also the output matrix; one position row) and the KV cache so far. The
+/// table is not also the output matrix; one position row; of a mixture-of-experts layer's
+/// experts only the ones a token uses) and the KV cache so far. The
 /// numerator of the memory-bandwidth bound on decode speed.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct DecodeTraffic {
@@ -27,12 +28,30 @@ impl DecodeTraffic {
                     .as_ref()
                     .is_some_and(|p| std::ptr::eq(t, p))
         };
+        // A mixture-of-experts layer's token reads only its experts' share: `used` routed
+        // ones and any shared expert's parts, of all the stacks hold.
+        let experts: Vec<&HostTensor> = match &spec.moe {
+            Some(_) => weights
+                .layers
+                .iter()
+                .flat_map(|l| [l.w_gate.as_ref(), Some(&l.w_up), Some(&l.w_down)])
+                .flatten()
+                .map(|lin| &lin.weight)
+                .collect(),
+            None => Vec::new(),
+        };
+        let is_expert = |t: &HostTensor| experts.iter().any(|e| std::ptr::eq(*e, t));
         let mut weight_bytes: u64 = weights
             .tensors()
             .into_iter()
-            .filter(|t| !row_table(t))
+            .filter(|t| !row_table(t) && !is_expert(t))
             .map(|t| t.data.len() as u64)
             .sum();
+        if let Some(m) = &spec.moe {
+            let all: u64 = experts.iter().map(|t| t.data.len() as u64).sum();
+            let parts = (m.experts + m.shared) as u64;
+            weight_bytes += all * (m.used + m.shared) as u64 / parts;
+        }
         if !spec.tied_output {
             weight_bytes += weights.token_embd.row_bytes() as u64;
         }
@@ -57,5 +76,31 @@ impl DecodeTraffic {
         }
         let mid = first as f64 + (steps as f64 - 1.0) / 2.0;
         self.weight_bytes as f64 + self.kv_bytes_per_position as f64 * (mid + 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A token of the tiny MoE reads its 2 of 8 experts a layer, not all of them.
+    #[test]
+    fn a_moe_token_reads_its_experts_share() {
+        let mut s = crate::model::synth::SynthSpec::preset("tiny-moe").unwrap();
+        s.n_layers = 1;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        crate::model::synth::synthesize_gguf(&s, &p, false, None, &mut |_, _| {}).unwrap();
+        let m = crate::model::Model::load(&p).unwrap();
+        let t = DecodeTraffic::of(&m.spec, &m.weights, KvType::F32);
+        let w = &m.weights;
+        let l = &w.layers[0];
+        let experts = [l.w_gate.as_ref().unwrap(), &l.w_up, &l.w_down]
+            .iter()
+            .map(|x| x.weight.data.len() as u64)
+            .sum::<u64>();
+        let all = w.tensors().iter().map(|x| x.data.len() as u64).sum::<u64>();
+        let embd = w.token_embd.data.len() as u64 - w.token_embd.row_bytes() as u64;
+        assert_eq!(t.weight_bytes, all - embd - experts + experts * 2 / 8);
     }
 }
