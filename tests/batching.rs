@@ -232,3 +232,24 @@ fn prompts_join_decode_steps_and_answer_as_alone() {
     }
     assert!(ran >= 2, "the budgeted device ran {ran} budgets");
 }
+
+/// Mixture-of-experts models batch as dense ones do: a step's tokens are grouped by expert (one
+/// product per expert), and every session's logits are its own alone, bit for bit — the f32
+/// Qwen2-MoE with its shared expert, and the tiny synthetic Qwen3-MoE in Q4_K_M.
+#[test]
+fn mixture_of_experts_models_batch_bit_for_bit() {
+    let m = Model::load(&common::fixtures().join("hf/qwen2-moe")).unwrap();
+    let e = common::cpu_engine(&m, KvType::F32);
+    same(&e, "Qwen2-MoE f32");
+    prompts_join_decode_steps(&e, "Qwen2-MoE f32");
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("tiny-moe-q4_k_m.gguf");
+    let spec = gpu_offload::model::synth::SynthSpec::preset("tiny-moe").unwrap();
+    let q = gpu_offload::model::quant_mix::QuantMix::Q4KM;
+    gpu_offload::model::synth::synthesize_gguf(&spec, &p, false, Some(q), &mut |_, _| {})
+        .unwrap();
+    let m = Model::load(&p).unwrap();
+    let e = common::cpu_engine(&m, KvType::F16);
+    same(&e, "tiny MoE Q4_K_M");
+    prompts_join_decode_steps(&e, "tiny MoE Q4_K_M");
+}
