@@ -246,8 +246,7 @@ fn mixture_of_experts_models_batch_bit_for_bit() {
     let p = dir.path().join("tiny-moe-q4_k_m.gguf");
     let spec = gpu_offload::model::synth::SynthSpec::preset("tiny-moe").unwrap();
     let q = gpu_offload::model::quant_mix::QuantMix::Q4KM;
-    gpu_offload::model::synth::synthesize_gguf(&spec, &p, false, Some(q), &mut |_, _| {})
-        .unwrap();
+    gpu_offload::model::synth::synthesize_gguf(&spec, &p, false, Some(q), &mut |_, _| {}).unwrap();
     let m = Model::load(&p).unwrap();
     let e = common::cpu_engine(&m, KvType::F16);
     same(&e, "tiny MoE Q4_K_M");

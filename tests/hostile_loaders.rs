@@ -406,6 +406,32 @@ fn expert_counts_that_disagree_are_refused_by_name() {
     succeeded(&run(&as_strs(&run_args(&hf))));
     edit_config(&hf, |c| c["num_experts_per_tok"] = 0.into());
     clean_error(&run(&as_strs(&run_args(&hf))), &["num_experts_per_tok"]);
+    // A routing function other than the softmax is refused, not computed as one.
+    edit_config(&hf, |c| {
+        c["num_experts_per_tok"] = 2.into();
+        c["scoring_func"] = "sigmoid".into();
+    });
+    clean_error(&run(&as_strs(&run_args(&hf))), &["scoring_func", "sigmoid"]);
+    edit_config(&hf, |c| {
+        c.as_object_mut().unwrap().remove("scoring_func");
+    });
+    let sigmoid = gguf_with_meta(
+        &src,
+        dir.path(),
+        "gating2",
+        set("qwen3moe.expert_gating_func", 2),
+    );
+    clean_error(
+        &run(&as_strs(&run_args(&sigmoid))),
+        &["qwen3moe.expert_gating_func", "sigmoid"],
+    );
+    let softmax = gguf_with_meta(
+        &src,
+        dir.path(),
+        "gating1",
+        set("qwen3moe.expert_gating_func", 1),
+    );
+    succeeded(&run(&as_strs(&run_args(&softmax))));
     // Qwen2-MoE needs its shared expert's width, a whole number of experts' widths.
     edit_config(&hf, |c| {
         c["num_experts_per_tok"] = 2.into();

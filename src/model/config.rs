@@ -310,6 +310,14 @@ fn moe_spec(r: &Reader, model_type: &str) -> Result<Option<MoeSpec>, ModelError>
         "mixtral" => ("num_local_experts", "intermediate_size"),
         _ => return Ok(None),
     };
+    // Routing is a softmax over the experts; a config naming another function is refused.
+    if let Some(f) = r.opt_str("scoring_func")?
+        && f != "softmax"
+    {
+        return Err(r.err(format!(
+            "`scoring_func` \"{f}\": only softmax routing is built"
+        )));
+    }
     if model_type != "mixtral" {
         if r.opt_usize("decoder_sparse_step")?.unwrap_or(1) != 1 {
             return Err(r.err(

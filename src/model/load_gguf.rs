@@ -274,6 +274,21 @@ fn read_spec(
     let moe = match size("expert_count", &MAX_EXPERTS)? {
         None | Some(0) => None,
         Some(experts) => {
+            // llama.cpp's gating: 1 softmax (the only one built), 2 sigmoid (DeepSeek-V3's).
+            let gating = key("expert_gating_func");
+            match meta.opt_usize(&gating)? {
+                None | Some(1) => {}
+                Some(g) => {
+                    return Err(ModelError::Unsupported {
+                        path: path.to_path_buf(),
+                        msg: format!(
+                            "`{gating}` is {g}: {} routing is not built (softmax over the \
+                             experts, 1, is)",
+                            if g == 2 { "sigmoid" } else { "this" }
+                        ),
+                    });
+                }
+            }
             let d_expert = match size("expert_feed_forward_length", &MAX_DIM)? {
                 Some(w) => w,
                 None => required("feed_forward_length", &MAX_DIM)?,
