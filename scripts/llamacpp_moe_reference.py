@@ -22,13 +22,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from llama_cpp import Llama
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference import llamacpp_run  # noqa: E402  (f32 KV cache, no flash attention, 24 greedy)
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = "tiny-moe"
 POSITIONS = 16      # logits recorded at every one of the first POSITIONS ids
-GREEDY_TOKENS = 24
 
 
 def sig6(x: float) -> float:
@@ -38,23 +39,6 @@ def sig6(x: float) -> float:
 def ids(n: int, mul: int, add: int, vocab: int) -> list[int]:
     """Fixed, spread-out token ids (no tokenizer involved)."""
     return [(i * mul + add) % vocab for i in range(n)]
-
-
-def run(path: Path, input_ids: list[int], prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    # f32 KV cache and no flash attention: the engine's KV is f32 in the test.
-    llm = Llama(model_path=str(path), logits_all=True, n_ctx=128, n_threads=2, n_batch=128,
-                verbose=False, seed=0, type_k=0, type_v=0, flash_attn=False)
-    llm.eval(input_ids)
-    logits = np.array(llm.scores[: len(input_ids)], dtype=np.float64)
-    llm.reset()
-    llm.eval(prompt)
-    gen = []
-    for _ in range(GREEDY_TOKENS):
-        t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        gen.append(t)
-        llm.eval([t])
-    llm.close()
-    return logits, gen
 
 
 def main() -> None:
@@ -74,7 +58,7 @@ def main() -> None:
             vocab = 320
             input_ids = ids(POSITIONS, 37, 5, vocab)
             prompt = ids(8, 53, 11, vocab)
-            logits, gen = run(path, input_ids, prompt)
+            logits, gen = llamacpp_run(path, input_ids, prompt)
             models.append({
                 "dtype": dtype,
                 "synth_args": args[:-2],

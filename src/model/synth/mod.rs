@@ -190,20 +190,8 @@ impl SynthSpec {
         let (d, ff, hd) = (self.d_model, self.d_ff, self.head_dim());
         let kv = self.n_kv_heads * hd;
         let mut v = Vec::new();
-        let lin = |name: String, rows: usize, cols: usize| TensorPlan {
-            name,
-            rows,
-            cols,
-            fill: Fill::Uniform {
-                std: 1.0 / (cols as f64).sqrt(),
-            },
-        };
-        let norm = |name: String| TensorPlan {
-            name,
-            rows: 1,
-            cols: d,
-            fill: Fill::NearOne,
-        };
+        let lin = TensorPlan::linear;
+        let norm = |name: String| TensorPlan::norm(name, d);
         let bias = |name: String, cols: usize| TensorPlan {
             name,
             rows: 1,
@@ -379,6 +367,30 @@ struct TensorPlan {
     rows: usize,
     cols: usize,
     fill: Fill,
+}
+
+impl TensorPlan {
+    /// A matrix of unit-variance outputs for unit-variance inputs.
+    fn linear(name: String, rows: usize, cols: usize) -> Self {
+        TensorPlan {
+            name,
+            rows,
+            cols,
+            fill: Fill::Uniform {
+                std: 1.0 / (cols as f64).sqrt(),
+            },
+        }
+    }
+
+    /// A norm's scale vector.
+    fn norm(name: String, cols: usize) -> Self {
+        TensorPlan {
+            name,
+            rows: 1,
+            cols,
+            fill: Fill::NearOne,
+        }
+    }
 }
 
 /// splitmix64: seeds independent per-chunk generators from (seed, tensor, chunk).

@@ -143,20 +143,7 @@ impl SynthMoe {
     pub(super) fn layer_tensors(&self, spec: &SynthSpec, l: usize, v: &mut Vec<TensorPlan>) {
         let (d, hd, de, e) = (spec.d_model, self.head_dim, self.d_expert, self.experts);
         let (q, kv) = (spec.n_heads * hd, spec.n_kv_heads * hd);
-        let lin = |name: String, rows: usize, cols: usize| TensorPlan {
-            name,
-            rows,
-            cols,
-            fill: Fill::Uniform {
-                std: 1.0 / (cols as f64).sqrt(),
-            },
-        };
-        let norm = |name: String, cols: usize| TensorPlan {
-            name,
-            rows: 1,
-            cols,
-            fill: Fill::NearOne,
-        };
+        let (lin, norm) = (TensorPlan::linear, TensorPlan::norm);
         let p = format!("model.layers.{l}");
         v.push(norm(format!("{p}.input_layernorm.weight"), d));
         v.push(lin(format!("{p}.self_attn.q_proj.weight"), q, d));
