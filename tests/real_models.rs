@@ -22,6 +22,26 @@ fn fixture(name: &str) -> Value {
     common::json_fixture(&format!("llamacpp/{name}.json"))
 }
 
+/// `n` greedy tokens after `prompt`, not stopping at end-of-generation.
+fn greedy(engine: &Engine<CpuBackend>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut session = engine.new_session(prompt.len() + n).unwrap();
+    let params = GenerateParams {
+        max_tokens: n,
+        sampler: SamplerParams::greedy(),
+        stop_at_eog: false,
+    };
+    generate(
+        engine,
+        &mut session,
+        prompt,
+        &params,
+        &|_| false,
+        &mut |_| true,
+    )
+    .unwrap()
+    .tokens
+}
+
 struct Run {
     prompt: String,
     agree: usize,
@@ -54,27 +74,8 @@ fn greedy_runs(model_path: &Path, fx: &Value) -> Vec<(&'static str, Vec<Run>)> {
                 "prompt ids of {prompt:?}"
             );
             let want = ids(&case["greedy_ids"]);
-            let mut session = engine.new_session(prompt_ids.len() + want.len()).unwrap();
-            let params = GenerateParams {
-                max_tokens: want.len(),
-                sampler: SamplerParams::greedy(),
-                stop_at_eog: false,
-            };
-            let g = generate(
-                &engine,
-                &mut session,
-                &prompt_ids,
-                &params,
-                &|_| false,
-                &mut |_| true,
-            )
-            .unwrap();
-            let agree = g
-                .tokens
-                .iter()
-                .zip(&want)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let tokens = greedy(&engine, &prompt_ids, want.len());
+            let agree = tokens.iter().zip(&want).take_while(|(a, b)| a == b).count();
             let gap = (agree < want.len()).then(|| {
                 let top = &case["top5"][agree];
                 top[0][1].as_f64().unwrap() - top[1][1].as_f64().unwrap()
@@ -245,21 +246,10 @@ fn synth_tiny_moe_matches_llama_cpp() {
         assert!(rel < tol, "{dtype}: {rel:.2e} ≥ {tol:.0e}");
         let prompt = ids(&m["greedy"]["prompt_ids"]);
         let want = ids(&m["greedy"]["generated_ids"]);
-        let mut session = engine.new_session(prompt.len() + want.len()).unwrap();
-        let params = GenerateParams {
-            max_tokens: want.len(),
-            sampler: SamplerParams::greedy(),
-            stop_at_eog: false,
-        };
-        let g = generate(
-            &engine,
-            &mut session,
-            &prompt,
-            &params,
-            &|_| false,
-            &mut |_| true,
-        )
-        .unwrap();
-        assert_eq!(g.tokens, want, "{dtype}: greedy tokens");
+        assert_eq!(
+            greedy(&engine, &prompt, want.len()),
+            want,
+            "{dtype}: greedy tokens"
+        );
     }
 }
