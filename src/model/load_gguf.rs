@@ -270,8 +270,63 @@ fn read_spec(
         }
     };
     let n_layers = required("block_count", &MAX_LAYERS)?;
+    let moe = moe_of(path, arch, meta, &size)?;
+    let spec = ModelSpec {
+        arch: Arch::Llama,
+        name: meta
+            .opt_str("general.name")?
+            .map(str::to_string)
+            .unwrap_or_else(|| file_stem(path)),
+        n_layers,
+        d_model,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        d_ff: match &moe {
+            Some(m) => m.neurons(),
+            None => required("feed_forward_length", &MAX_DIM)?,
+        },
+        vocab_size,
+        max_context: size("context_length", &MAX_DIM)?.unwrap_or(2048),
+        norm: NormKind::Rms,
+        norm_eps: meta
+            .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5),
+        activation: Activation::Silu,
+        gated_ffn: true,
+        qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
+        out_bias: file.tensor_info("blk.0.attn_output.bias").is_some(),
+        ffn_bias: false,
+        position: PositionEncoding::Rope(RopeSpec {
+            theta: meta.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
+            style,
+            dims: rope_dims,
+            scaling,
+        }),
+        tied_output,
+        attn_scale: 1.0 / (head_dim as f32).sqrt(),
+        qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
+        moe,
+    };
+    spec.check()
+        .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;
+    Ok(spec)
+}
+
+/// The experts the metadata states (none for a dense model), each size held to its limit by
+/// `size` as it is read.
+fn moe_of(
+    path: &Path,
+    arch: &str,
+    meta: &super::gguf::GgufMetadata,
+    size: &dyn Fn(&str, &Limit) -> Result<Option<usize>, ModelError>,
+) -> Result<Option<MoeSpec>, ModelError> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let required = |k: &str, limit: &Limit| -> Result<usize, ModelError> {
+        size(k, limit)?.ok_or_else(|| meta_missing(path, &key(k)))
+    };
     // `expert_count` 0 (or none) is a dense model.
-    let moe = match size("expert_count", &MAX_EXPERTS)? {
+    Ok(match size("expert_count", &MAX_EXPERTS)? {
         None | Some(0) => None,
         Some(experts) => {
             // llama.cpp's gating: 1 softmax (the only one built), 2 sigmoid (DeepSeek-V3's).
@@ -321,47 +376,7 @@ fn read_spec(
                 shared,
             })
         }
-    };
-    let spec = ModelSpec {
-        arch: Arch::Llama,
-        name: meta
-            .opt_str("general.name")?
-            .map(str::to_string)
-            .unwrap_or_else(|| file_stem(path)),
-        n_layers,
-        d_model,
-        n_heads,
-        n_kv_heads,
-        head_dim,
-        d_ff: match &moe {
-            Some(m) => m.neurons(),
-            None => required("feed_forward_length", &MAX_DIM)?,
-        },
-        vocab_size,
-        max_context: size("context_length", &MAX_DIM)?.unwrap_or(2048),
-        norm: NormKind::Rms,
-        norm_eps: meta
-            .opt_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5),
-        activation: Activation::Silu,
-        gated_ffn: true,
-        qkv_bias: file.tensor_info("blk.0.attn_q.bias").is_some(),
-        out_bias: file.tensor_info("blk.0.attn_output.bias").is_some(),
-        ffn_bias: false,
-        position: PositionEncoding::Rope(RopeSpec {
-            theta: meta.opt_f32(&key("rope.freq_base"))?.unwrap_or(10000.0),
-            style,
-            dims: rope_dims,
-            scaling,
-        }),
-        tied_output,
-        attn_scale: 1.0 / (head_dim as f32).sqrt(),
-        qk_norm: file.tensor_info("blk.0.attn_q_norm.weight").is_some(),
-        moe,
-    };
-    spec.check()
-        .map_err(|e| format_err(path, &e.naming(&gguf_key(arch, e.field))))?;
-    Ok(spec)
+    })
 }
 
 /// The GGUF metadata key a [`ModelSpec`] field comes from, for errors.

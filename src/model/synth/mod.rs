@@ -839,76 +839,8 @@ pub fn synthesize_gguf(
         Some(q) => q.file_type(),
         None => super::quant_mix::QuantMix::Pure(float).file_type(),
     };
-    // Placeholder vocabulary: unknown, BOS, EOS, the 256 byte tokens, then `▁t{i}`.
-    let mut tokens: Vec<M> = ["<unk>", "<s>", "</s>"]
-        .iter()
-        .map(|t| M::String(t.to_string()))
-        .collect();
-    let mut types: Vec<M> = vec![M::I32(2), M::I32(3), M::I32(3)];
-    for b in 0..256 {
-        tokens.push(M::String(format!("<0x{b:02X}>")));
-        types.push(M::I32(6));
-    }
-    if spec.vocab_size < tokens.len() {
-        return Err(bad(format!(
-            "a GGUF vocabulary needs at least {} tokens (the byte tokens)",
-            tokens.len()
-        )));
-    }
-    for i in tokens.len()..spec.vocab_size {
-        tokens.push(M::String(format!("\u{2581}t{i}")));
-        types.push(M::I32(1));
-    }
-    let n = spec.vocab_size;
-    let hd = spec.head_dim();
-    let mut arch_keys: Vec<(&str, M)> = vec![
-        ("context_length", M::U32(spec.max_context as u32)),
-        ("embedding_length", M::U32(spec.d_model as u32)),
-        ("block_count", M::U32(spec.n_layers as u32)),
-        ("feed_forward_length", M::U32(spec.d_ff as u32)),
-        ("attention.head_count", M::U32(spec.n_heads as u32)),
-        ("attention.head_count_kv", M::U32(spec.n_kv_heads as u32)),
-        ("attention.layer_norm_rms_epsilon", M::F32(1e-5)),
-    ];
-    match &spec.moe {
-        None => arch_keys.push(("rope.freq_base", M::F32(10000.0))),
-        Some(m) => arch_keys.extend([
-            // Qwen3-MoE and Mixtral both rotate with base 1e6.
-            ("rope.freq_base", M::F32(1e6)),
-            ("attention.key_length", M::U32(hd as u32)),
-            ("attention.value_length", M::U32(hd as u32)),
-            ("rope.dimension_count", M::U32(hd as u32)),
-            ("expert_count", M::U32(m.experts as u32)),
-            ("expert_used_count", M::U32(m.used as u32)),
-            ("expert_feed_forward_length", M::U32(m.d_expert as u32)),
-        ]),
-    }
-    let arch_keys: Vec<(String, M)> = arch_keys
-        .into_iter()
-        .map(|(k, v)| (format!("{arch}.{k}"), v))
-        .collect();
-    let name = match &spec.moe {
-        Some(m) => format!(
-            "gpu-offload synth seed {} (planted expert popularity {})",
-            spec.seed, m.popularity
-        ),
-        None => format!("gpu-offload synth seed {}", spec.seed),
-    };
-    let mut metadata: Vec<(&str, M)> = vec![
-        ("general.architecture", M::String(arch.into())),
-        ("general.name", M::String(name)),
-        ("general.file_type", M::U32(file_type)),
-    ];
-    metadata.extend(arch_keys.iter().map(|(k, v)| (k.as_str(), v.clone())));
-    metadata.extend([
-        ("tokenizer.ggml.model", M::String("llama".into())),
-        ("tokenizer.ggml.tokens", M::Array(tokens)),
-        ("tokenizer.ggml.scores", M::Array(vec![M::F32(0.0); n])),
-        ("tokenizer.ggml.token_type", M::Array(types)),
-        ("tokenizer.ggml.bos_token_id", M::U32(1)),
-        ("tokenizer.ggml.eos_token_id", M::U32(2)),
-        ("tokenizer.ggml.unknown_token_id", M::U32(0)),
-    ]);
+    let owned = gguf_metadata(spec, arch, file_type).map_err(bad)?;
+    let metadata: Vec<(&str, M)> = owned.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     let plans: Vec<TensorPlan> = spec.tensors();
     // Each tensor's format: f32 vectors, matrices in the float type or the mix's format.
     let mut formats = Vec::with_capacity(plans.len());
@@ -985,6 +917,90 @@ pub fn synthesize_gguf(
         Ok(bytes)
     })
     .map_err(|e| io(out, e))
+}
+
+/// A synthetic model's GGUF metadata: llama.cpp's keys for `arch`, and a byte-fallback
+/// vocabulary of placeholder tokens.
+fn gguf_metadata(
+    spec: &SynthSpec,
+    arch: &str,
+    file_type: u32,
+) -> Result<Vec<(String, super::gguf::MetaValue)>, String> {
+    use super::gguf::MetaValue as M;
+    // Placeholder vocabulary: unknown, BOS, EOS, the 256 byte tokens, then `▁t{i}`.
+    let mut tokens: Vec<M> = ["<unk>", "<s>", "</s>"]
+        .iter()
+        .map(|t| M::String(t.to_string()))
+        .collect();
+    let mut types: Vec<M> = vec![M::I32(2), M::I32(3), M::I32(3)];
+    for b in 0..256 {
+        tokens.push(M::String(format!("<0x{b:02X}>")));
+        types.push(M::I32(6));
+    }
+    if spec.vocab_size < tokens.len() {
+        return Err(format!(
+            "a GGUF vocabulary needs at least {} tokens (the byte tokens)",
+            tokens.len()
+        ));
+    }
+    for i in tokens.len()..spec.vocab_size {
+        tokens.push(M::String(format!("\u{2581}t{i}")));
+        types.push(M::I32(1));
+    }
+    let n = spec.vocab_size;
+    let hd = spec.head_dim();
+    let mut arch_keys: Vec<(&str, M)> = vec![
+        ("context_length", M::U32(spec.max_context as u32)),
+        ("embedding_length", M::U32(spec.d_model as u32)),
+        ("block_count", M::U32(spec.n_layers as u32)),
+        ("feed_forward_length", M::U32(spec.d_ff as u32)),
+        ("attention.head_count", M::U32(spec.n_heads as u32)),
+        ("attention.head_count_kv", M::U32(spec.n_kv_heads as u32)),
+        ("attention.layer_norm_rms_epsilon", M::F32(1e-5)),
+    ];
+    match &spec.moe {
+        None => arch_keys.push(("rope.freq_base", M::F32(10000.0))),
+        Some(m) => arch_keys.extend([
+            // Qwen3-MoE and Mixtral both rotate with base 1e6.
+            ("rope.freq_base", M::F32(1e6)),
+            ("attention.key_length", M::U32(hd as u32)),
+            ("attention.value_length", M::U32(hd as u32)),
+            ("rope.dimension_count", M::U32(hd as u32)),
+            ("expert_count", M::U32(m.experts as u32)),
+            ("expert_used_count", M::U32(m.used as u32)),
+            ("expert_feed_forward_length", M::U32(m.d_expert as u32)),
+        ]),
+    }
+    let arch_keys: Vec<(String, M)> = arch_keys
+        .into_iter()
+        .map(|(k, v)| (format!("{arch}.{k}"), v))
+        .collect();
+    let name = match &spec.moe {
+        Some(m) => format!(
+            "gpu-offload synth seed {} (planted expert popularity {})",
+            spec.seed, m.popularity
+        ),
+        None => format!("gpu-offload synth seed {}", spec.seed),
+    };
+    let mut metadata: Vec<(String, M)> = vec![
+        ("general.architecture".into(), M::String(arch.into())),
+        ("general.name".into(), M::String(name)),
+        ("general.file_type".into(), M::U32(file_type)),
+    ];
+    metadata.extend(arch_keys);
+    metadata.extend(
+        [
+            ("tokenizer.ggml.model", M::String("llama".into())),
+            ("tokenizer.ggml.tokens", M::Array(tokens)),
+            ("tokenizer.ggml.scores", M::Array(vec![M::F32(0.0); n])),
+            ("tokenizer.ggml.token_type", M::Array(types)),
+            ("tokenizer.ggml.bos_token_id", M::U32(1)),
+            ("tokenizer.ggml.eos_token_id", M::U32(2)),
+            ("tokenizer.ggml.unknown_token_id", M::U32(0)),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    Ok(metadata)
 }
 
 #[cfg(test)]
