@@ -313,13 +313,16 @@ fn read_spec(
     Ok(spec)
 }
 
+/// Reads an `{arch}.` size key, held to a limit (absent: `None`).
+type SizeOf<'a> = dyn Fn(&str, &Limit) -> Result<Option<usize>, ModelError> + 'a;
+
 /// The experts the metadata states (none for a dense model), each size held to its limit by
 /// `size` as it is read.
 fn moe_of(
     path: &Path,
     arch: &str,
     meta: &super::gguf::GgufMetadata,
-    size: &dyn Fn(&str, &Limit) -> Result<Option<usize>, ModelError>,
+    size: &SizeOf,
 ) -> Result<Option<MoeSpec>, ModelError> {
     let key = |k: &str| format!("{arch}.{k}");
     let required = |k: &str, limit: &Limit| -> Result<usize, ModelError> {
