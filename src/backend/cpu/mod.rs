@@ -858,39 +858,49 @@ impl Backend for CpuBackend {
             by_expert[e].push((t, r.weight));
         }
         let f_act = ops::activation(act);
-        out.data.fill(0.0);
-        self.pool.install(|| {
-            for (e, tokens) in by_expert.iter().enumerate() {
-                if tokens.is_empty() {
-                    continue;
+        let k = self.kernels;
+        // One expert's output rows for its tokens.
+        let expert = |e: usize, tokens: &[(usize, f32)]| -> Vec<f32> {
+            let m = tokens.len();
+            let xe: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&(t, _)| x.data[t * d..(t + 1) * d].iter().copied())
+                .collect();
+            let neurons = e * f..(e + 1) * f;
+            let mut h = vec![0f32; m * f];
+            matmul::matmul_block(k, up, (neurons.clone(), 0..d), &xe, m, &mut h, f, 0);
+            match gate {
+                Some(g) => {
+                    let mut gv = vec![0f32; m * f];
+                    matmul::matmul_block(k, g, (neurons, 0..d), &xe, m, &mut gv, f, 0);
+                    h.iter_mut().zip(&gv).for_each(|(u, g)| *u *= f_act(*g));
                 }
-                let m = tokens.len();
-                let xe: Vec<f32> = tokens
-                    .iter()
-                    .flat_map(|&(t, _)| x.data[t * d..(t + 1) * d].iter().copied())
-                    .collect();
-                let neurons = e * f..(e + 1) * f;
-                let mut h = vec![0f32; m * f];
-                let k = self.kernels;
-                matmul::matmul_block(k, up, (neurons.clone(), 0..d), &xe, m, &mut h, f, 0);
-                match gate {
-                    Some(g) => {
-                        let mut gv = vec![0f32; m * f];
-                        matmul::matmul_block(k, g, (neurons.clone(), 0..d), &xe, m, &mut gv, f, 0);
-                        h.iter_mut().zip(&gv).for_each(|(u, g)| *u *= f_act(*g));
-                    }
-                    None => h.iter_mut().for_each(|u| *u = f_act(*u)),
-                }
-                let mut y = vec![0f32; m * d];
-                matmul::matmul_block(k, down, (e * d..(e + 1) * d, 0..f), &h, m, &mut y, d, 0);
-                for (i, &(t, w)) in tokens.iter().enumerate() {
-                    let row = &mut out.data[t * d..(t + 1) * d];
-                    row.iter_mut()
-                        .zip(&y[i * d..(i + 1) * d])
-                        .for_each(|(o, v)| *o += v * w);
-                }
+                None => h.iter_mut().for_each(|u| *u = f_act(*u)),
             }
+            let mut y = vec![0f32; m * d];
+            matmul::matmul_block(k, down, (e * d..(e + 1) * d, 0..f), &h, m, &mut y, d, 0);
+            y
+        };
+        // The experts run side by side (a decode step's few small products would otherwise
+        // each be split across the threads); their outputs are summed in expert order, so the
+        // result does not depend on the thread count.
+        let ys: Vec<(usize, Vec<f32>)> = self.pool.install(|| {
+            by_expert
+                .par_iter()
+                .enumerate()
+                .filter(|(_, tokens)| !tokens.is_empty())
+                .map(|(e, tokens)| (e, expert(e, tokens)))
+                .collect()
         });
+        out.data.fill(0.0);
+        for (e, y) in &ys {
+            for (i, &(t, w)) in by_expert[*e].iter().enumerate() {
+                let row = &mut out.data[t * d..(t + 1) * d];
+                row.iter_mut()
+                    .zip(&y[i * d..(i + 1) * d])
+                    .for_each(|(o, v)| *o += v * w);
+            }
+        }
         Ok(())
     }
 
