@@ -90,11 +90,12 @@ impl<B: Backend> Engine<B> {
             width: moe.d_expert,
         };
         let n = sc.n;
+        // The step's FFN activation buffer holds a MoE layer's router logits
+        // (`footprint::activation_shapes`).
         let rows = moe.router_rows();
-        let mut logits = self.backend.alloc(n, rows)?;
-        self.backend.matmul(router, &sc.h, &mut logits)?;
+        self.backend.matmul(router, &sc.h, &mut sc.up)?;
         let mut host = vec![0f32; n * rows];
-        self.backend.read(&logits, &mut host)?;
+        self.backend.read(&sc.up, &mut host)?;
         let routes = route(&host, n, moe);
         if let Some(tap) = &self.route_tap {
             // The router's choices; a shared expert is every token's.

@@ -78,7 +78,11 @@ impl<B: Backend> Scratch<B> {
             attn: next()?,
             proj: next()?,
             up: next()?,
-            gate: if spec.gated_ffn { Some(next()?) } else { None },
+            gate: if spec.gated_ffn && spec.moe.is_none() {
+                Some(next()?)
+            } else {
+                None
+            },
             row: [next()?, next()?, next()?, next()?],
             logits: None,
             stage: None,

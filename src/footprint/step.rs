@@ -168,9 +168,11 @@ pub fn activation_shapes(spec: &ModelSpec, n: usize, joins: bool) -> Vec<(usize,
         (n, spec.kv_dim()),
         (n, spec.q_dim()),
         (n, spec.d_model),
-        (n, spec.d_ff),
+        // The FFN's hidden activations; a mixture-of-experts layer's are its router's logits
+        // (each expert's hidden rows live only inside its product).
+        (n, spec.moe.as_ref().map_or(spec.d_ff, |m| m.router_rows())),
     ];
-    if spec.gated_ffn {
+    if spec.gated_ffn && spec.moe.is_none() {
         v.push((n, spec.d_ff));
     }
     // One call's rows of a batched step ([`Engine::step_many`](crate::engine::Engine::step_many): a decoded token, or a prompt
