@@ -637,4 +637,27 @@ fn a_vocabulary_unlike_the_embedding_is_refused() {
         let out = run_capped(2048, &as_strs(&args));
         clean_error(&out, &["tokenizer.ggml.tokens", "token_embd.weight"]);
     }
+    // An HF directory whose tokenizer.json names an id past the embedding.
+    let hf = dir.path().join("llama-tok");
+    std::fs::create_dir_all(&hf).unwrap();
+    for f in std::fs::read_dir(fixtures().join("hf/llama-tok")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, hf.join(f.file_name().unwrap())).unwrap();
+    }
+    succeeded(&run(&as_strs(&run_args(&hf))));
+    let tj = hf.join("tokenizer.json");
+    let mut t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tj).unwrap()).unwrap();
+    t["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 384, "content": "<past>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    std::fs::write(&tj, t.to_string()).unwrap();
+    clean_error(
+        &run(&as_strs(&run_args(&hf))),
+        &["tokenizer.json", "token id 384", "384 rows"],
+    );
 }

@@ -343,6 +343,19 @@ pub(super) fn load(dir: &Path) -> Result<Model, ModelError> {
         }
     };
     let tokenizer = Tokenizer::from_hf_dir(dir)?;
+    // An id past the embedding would be refused mid-run (an HF embedding may have more rows
+    // than the tokenizer has tokens: padding; never fewer).
+    if let Some(max) = tokenizer.as_ref().and_then(Tokenizer::max_id)
+        && max as usize >= spec.vocab_size
+    {
+        return Err(ModelError::Format {
+            path: dir.join("tokenizer.json"),
+            msg: format!(
+                "token id {max} is past the embedding's {} rows (`vocab_size` in config.json)",
+                spec.vocab_size
+            ),
+        });
+    }
     Ok(Model {
         spec,
         weights,

@@ -218,6 +218,11 @@ impl HfTokenizer {
         self.parsing.get_vocab_size(true)
     }
 
+    /// The largest token id, added tokens included.
+    pub fn max_id(&self) -> Option<u32> {
+        self.parsing.get_vocab(true).into_values().max()
+    }
+
     pub fn is_eog(&self, id: u32) -> bool {
         self.eog.contains(&id)
     }

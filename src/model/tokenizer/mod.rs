@@ -84,6 +84,14 @@ impl Tokenizer {
         }
     }
 
+    /// The largest id a text can encode to.
+    pub fn max_id(&self) -> Option<u32> {
+        match &self.backend {
+            Backend::Gguf(v) => v.len().checked_sub(1).map(|n| n as u32),
+            Backend::Hf(t) => t.max_id(),
+        }
+    }
+
     /// Text to ids. `add_special`: add BOS (and EOS) as the model's metadata says (llama.cpp's
     /// `add_special`); `parse_special`: text like `<|im_start|>` becomes that control token
     /// (llama.cpp's `parse_special`). User-defined tokens are always recognised.
