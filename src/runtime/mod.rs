@@ -43,8 +43,8 @@ pub fn refuse_experts(spec: &crate::model::ModelSpec, what: &str) -> anyhow::Res
     match &spec.moe {
         Some(m) => anyhow::bail!(
             "{what} works on dense FFN neurons; this is a mixture-of-experts model ({} experts, {} \
-             a token), run on the CPU for now (--device cpu); `bench experts` studies its expert \
-             caches",
+             a token), whose routing is its sparsity: such models run whole on the CPU for now \
+             (--device cpu, --sparsity off), and `bench experts` studies their expert caches",
             m.experts,
             m.used
         ),

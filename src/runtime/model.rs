@@ -151,6 +151,8 @@ impl LoadedModel {
         if args.sparsity == SparsityMode::Off {
             return Ok((Vec::new(), None));
         }
+        // A MoE model's sparsity is its routing: no neuron masks (and no store to convert).
+        super::refuse_experts(&self.spec, "`--sparsity`")?;
         let relu = matches!(self.spec.activation, crate::model::Activation::Relu);
         if args.sparsity == SparsityMode::Oracle && relu && args.sparsity_target.is_none() {
             return Ok((vec![0.0; self.spec.n_layers], None));
