@@ -434,6 +434,12 @@ fn concurrent_clients_queue_limits_and_disconnects() {
 #[test]
 fn eight_clients_share_decode_steps_and_answer_as_alone() {
     let mut models = vec![(common::stories260k(), vec!["--device", "cpu"], 32)];
+    // A mixture-of-experts model serves as a dense one does (the tiny synthetic Qwen3-MoE).
+    let dir = tempfile::tempdir().unwrap();
+    let moe = dir.path().join("tiny-moe.gguf");
+    let spec = gpu_offload::model::synth::SynthSpec::preset("tiny-moe").unwrap();
+    gpu_offload::model::synth::synthesize_gguf(&spec, &moe, false, None, &mut |_, _| {}).unwrap();
+    models.push((moe, vec!["--device", "cpu"], 16));
     if let Some(p) = common::smollm2() {
         models.push((p.clone(), vec!["--device", "cpu"], 16));
         models.push((p, vec!["--device", "sim", "--gpu-mem", "60M"], 16));
