@@ -151,16 +151,17 @@ pub struct ExpertsReport {
     pub sizes: Vec<SizeExperts>,
 }
 
-/// The shape of a named synthetic trace: (layers, experts, used).
+/// The shape of a named synthetic trace, `synth`'s preset of that name (`tiny`: `tiny-moe`):
+/// (layers, experts, used).
 fn shape(name: &str) -> Result<(usize, usize, usize)> {
-    Ok(match name {
-        "qwen3-30b-a3b" => (48, 128, 8),
-        "mixtral-8x7b" => (32, 8, 2),
-        "tiny" => (2, 8, 2),
-        other => bail!(
-            "no synthetic shape {other:?}: qwen3-30b-a3b, mixtral-8x7b or tiny (or pass --model)"
-        ),
-    })
+    let preset = if name == "tiny" { "tiny-moe" } else { name };
+    crate::model::synth::SynthSpec::preset(preset)
+        .and_then(|s| s.moe.map(|m| (s.n_layers, m.experts, m.used)))
+        .with_context(|| {
+            format!(
+                "no synthetic shape {name:?}: qwen3-30b-a3b, mixtral-8x7b or tiny (or pass --model)"
+            )
+        })
 }
 
 pub fn run(args: &ExpertsArgs) -> Result<ExpertsReport> {
@@ -194,10 +195,11 @@ pub fn run(args: &ExpertsArgs) -> Result<ExpertsReport> {
         (None, None) => bail!("pass --model (a mixture-of-experts model) or --synthetic SHAPE"),
     };
     let max_copies = args.max_copies.unwrap_or(used);
+    let layers = layer_stats(&calibration, &eval, experts);
     let sizes = args
         .sizes
         .iter()
-        .map(|&factor| by_size(&calibration, &eval, experts, used, factor, max_copies))
+        .map(|&factor| by_size(&layers, &eval, experts, used, factor, max_copies))
         .collect::<Result<Vec<_>>>()?;
     Ok(ExpertsReport {
         source,
@@ -289,10 +291,34 @@ fn decoded(
     Ok((source, moe.experts, moe.used, calibration_trace, eval))
 }
 
+/// What a layer's trace is, whatever the cache size: its experts' calibration frequencies, its
+/// adjacent overlap and the experts carrying 90% of its routings.
+struct LayerStats {
+    score: Vec<f32>,
+    adjacent_overlap: f64,
+    experts_for_90pct: usize,
+}
+
+fn layer_stats(
+    calibration: &[Vec<Vec<u32>>],
+    eval: &[Vec<Vec<u32>>],
+    experts: usize,
+) -> Vec<LayerStats> {
+    calibration
+        .iter()
+        .zip(eval)
+        .map(|(calib, sets)| LayerStats {
+            score: frequencies(calib, experts),
+            adjacent_overlap: adjacent_overlap(sets),
+            experts_for_90pct: experts_for_share(sets, experts, 0.9),
+        })
+        .collect()
+}
+
 /// Every layer's hits at one cache size under the three policies: the ATU and the static set
 /// ranked by the calibration trace's frequencies, the LRU by recency.
 fn by_size(
-    calibration: &[Vec<Vec<u32>>],
+    stats: &[LayerStats],
     eval: &[Vec<Vec<u32>>],
     experts: usize,
     used: usize,
@@ -306,8 +332,8 @@ fn by_size(
         Admission::default(),
         Admission::default(),
     );
-    for (l, (calib, sets)) in calibration.iter().zip(eval).enumerate() {
-        let score = frequencies(calib, experts);
+    for (l, (st, sets)) in stats.iter().zip(eval).enumerate() {
+        let score = &st.score;
         let a = replay_admit(
             sets,
             experts,
@@ -316,15 +342,15 @@ fn by_size(
             max_copies,
         )?;
         let r = replay_admit(sets, experts, slots, Eviction::Recency, max_copies)?;
-        let s = replay_static(sets, &score, slots)?;
+        let s = replay_static(sets, score, slots)?;
         atu += a;
         lru += r;
         static_top += s;
         layers.push(LayerExperts {
             layer: l,
             slots,
-            adjacent_overlap: adjacent_overlap(sets),
-            experts_for_90pct: experts_for_share(sets, experts, 0.9),
+            adjacent_overlap: st.adjacent_overlap,
+            experts_for_90pct: st.experts_for_90pct,
             atu: a,
             lru: r,
             static_top: s,
@@ -356,8 +382,9 @@ mod tests {
         };
         let mut calibration = synthetic(&stats).unwrap();
         let eval: Trace = calibration.iter_mut().map(|s| s.split_off(500)).collect();
-        let small = by_size(&calibration, &eval, 32, 4, 1.0, 4).unwrap();
-        let large = by_size(&calibration, &eval, 32, 4, 4.0, 4).unwrap();
+        let stats = layer_stats(&calibration, &eval, 32);
+        let small = by_size(&stats, &eval, 32, 4, 1.0, 4).unwrap();
+        let large = by_size(&stats, &eval, 32, 4, 4.0, 4).unwrap();
         assert_eq!(large.layers[0].slots, 16);
         for s in [&small, &large] {
             assert_eq!(s.atu.needed, 3 * 1000 * 4);
@@ -369,7 +396,7 @@ mod tests {
         // fixed set of the same size.
         assert!(small.atu.hit_ratio() > small.static_top.hit_ratio() + 0.2);
         // A cache of every expert misses each expert once, then never.
-        let all = by_size(&calibration, &eval, 32, 4, 8.0, 4).unwrap();
+        let all = by_size(&stats, &eval, 32, 4, 8.0, 4).unwrap();
         assert_eq!(all.layers[0].slots, 32);
         assert!(all.atu.needed - all.atu.hits <= 3 * 32);
         assert_eq!(all.static_top.hits, all.static_top.needed);

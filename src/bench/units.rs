@@ -15,7 +15,7 @@ use crate::backend::cpu::{CpuBackend, kernels};
 use crate::engine::{Engine, Logits};
 use crate::runtime::corpus::{corpus_tokens, read_corpus};
 use crate::runtime::store::open_store_for;
-use crate::sparsity::trace::ActiveSetTap;
+use crate::sparsity::trace::{ActiveSetTap, adjacent_overlap};
 use crate::sparsity::{SparsityProfile, grid_index};
 use crate::tier::atu::{Eviction, Reuse, replay};
 
@@ -94,21 +94,6 @@ pub struct UnitsReport {
     pub sparsity_target: f64,
     pub d_ff: usize,
     pub sizes: Vec<SizeReuse>,
-}
-
-/// The share of each token's set (after the first) its predecessor shared.
-fn adjacent_overlap(trace: &[Vec<u32>]) -> f64 {
-    let (mut shared, mut total) = (0u64, 0u64);
-    for w in trace.windows(2) {
-        let prev: std::collections::HashSet<u32> = w[0].iter().copied().collect();
-        shared += w[1].iter().filter(|n| prev.contains(n)).count() as u64;
-        total += w[1].len() as u64;
-    }
-    if total == 0 {
-        1.0
-    } else {
-        shared as f64 / total as f64
-    }
 }
 
 fn add(a: Reuse, b: Reuse) -> Reuse {

@@ -22,6 +22,31 @@ pub fn ffn_of_experts(
     ])
 }
 
+/// A layer's stacked experts `[gate, up, down]` and router with a shared expert (Qwen2-MoE)
+/// appended as `parts` more experts (its wide gate and up cut by rows, its down by columns)
+/// and its gate vector as the router's last row (see [`super::spec::MoeSpec`]).
+pub fn with_shared_expert(
+    [gate, up, down]: [HostTensor; 3],
+    router: HostTensor,
+    [s_gate, s_up, s_down, s_router]: [HostTensor; 4],
+    parts: usize,
+) -> Result<([HostTensor; 3], HostTensor), ModelError> {
+    let after = |t: HostTensor, more: Vec<HostTensor>| {
+        let name = t.name.clone();
+        concat_rows(&name, &[vec![t], more].concat())
+    };
+    let mut s_router = s_router;
+    (s_router.rows, s_router.cols) = (1, s_router.rows * s_router.cols);
+    Ok((
+        [
+            after(gate, split_rows(&s_gate, parts)?)?,
+            after(up, split_rows(&s_up, parts)?)?,
+            after(down, split_columns(&s_down, parts)?)?,
+        ],
+        after(router, vec![s_router])?,
+    ))
+}
+
 /// `parts` (each `rows × cols`, one format) one under the other: `Σ rows × cols`.
 pub fn stack_rows(name: &str, parts: &[HostTensor]) -> Result<HostTensor, ModelError> {
     same_shapes(name, parts)?;

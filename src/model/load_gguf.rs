@@ -172,22 +172,19 @@ fn expert_ffn(
         super::experts::ffn_of_experts(&format!("{b}.ffn_exps"), parts)?
     };
     let [gate, up, down] = if moe.shared > 0 {
-        // Qwen2-MoE's shared expert: `moe.shared` more experts after the routed ones, its gate
-        // (a vector) the router's last row.
-        use super::experts::{concat_rows, split_columns, split_rows};
+        // Qwen2-MoE's shared expert; its gate is a vector.
         let shexp = |w: &str| file.load(&format!("{b}.{w}_shexp.weight"));
-        let mut sg = as_f32(file.load(&format!("{b}.ffn_gate_inp_shexp.weight"))?);
-        (sg.rows, sg.cols) = (1, sg.rows * sg.cols);
-        router = concat_rows(&router.name.clone(), &[router, sg])?;
-        let stack = |routed: HostTensor, parts: Vec<HostTensor>| {
-            let mut all = vec![routed];
-            all.extend(parts);
-            concat_rows(&all[0].name.clone(), &all)
-        };
-        let gate = stack(gate, split_rows(&shexp("ffn_gate")?, moe.shared)?)?;
-        let up = stack(up, split_rows(&shexp("ffn_up")?, moe.shared)?)?;
-        let down = stack(down, split_columns(&shexp("ffn_down")?, moe.shared)?)?;
-        [gate, up, down]
+        let s_router = as_f32(file.load(&format!("{b}.ffn_gate_inp_shexp.weight"))?);
+        let parts = [
+            shexp("ffn_gate")?,
+            shexp("ffn_up")?,
+            shexp("ffn_down")?,
+            s_router,
+        ];
+        let ffn;
+        (ffn, router) =
+            super::experts::with_shared_expert([gate, up, down], router, parts, moe.shared)?;
+        ffn
     } else {
         [gate, up, down]
     };

@@ -194,7 +194,7 @@ fn expert_ffn(
         "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"]),
         _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
     };
-    let mut router = as_f32(ckpt.load(&format!("{layer}.{block}.gate.weight"))?);
+    let router = as_f32(ckpt.load(&format!("{layer}.{block}.gate.weight"))?);
     let mut parts = [0, 1, 2].map(|_| Vec::new());
     for (which, part) in parts.iter_mut().enumerate() {
         for e in 0..moe.experts {
@@ -204,17 +204,21 @@ fn expert_ffn(
             ))?);
         }
     }
+    let base = format!("{layer}.{block}.experts");
+    let mut ffn = experts::ffn_of_experts(&base, parts)?;
+    let mut router = router;
     if moe.shared > 0 {
         let shared = |w: &str| ckpt.load(&format!("{layer}.{block}.shared_expert.{w}.weight"));
-        parts[0].extend(experts::split_rows(&shared("gate_proj")?, moe.shared)?);
-        parts[1].extend(experts::split_rows(&shared("up_proj")?, moe.shared)?);
-        parts[2].extend(experts::split_columns(&shared("down_proj")?, moe.shared)?);
         let gate = as_f32(ckpt.load(&format!("{layer}.{block}.shared_expert_gate.weight"))?);
-        router = experts::concat_rows(&router.name.clone(), &[router, gate])?;
+        let parts = [
+            shared("gate_proj")?,
+            shared("up_proj")?,
+            shared("down_proj")?,
+            gate,
+        ];
+        (ffn, router) = experts::with_shared_expert(ffn, router, parts, moe.shared)?;
     }
     let linear = |weight: HostTensor| Linear { weight, bias: None };
-    let base = format!("{layer}.{block}.experts");
-    let ffn = experts::ffn_of_experts(&base, parts)?;
     Ok((router, ffn.map(linear)))
 }
 

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+pub use super::trace::adjacent_overlap;
 use crate::backend::Route;
 use crate::engine::RouteTap;
 
@@ -76,20 +77,6 @@ pub fn experts_for_share(sets: &[Vec<u32>], experts: usize, share: f64) -> usize
         }
     }
     experts
-}
-
-/// The share of each token's experts (after the first token) its predecessor was routed to too.
-pub fn adjacent_overlap(sets: &[Vec<u32>]) -> f64 {
-    let (mut shared, mut total) = (0u64, 0u64);
-    for w in sets.windows(2) {
-        shared += w[1].iter().filter(|e| w[0].contains(e)).count() as u64;
-        total += w[1].len() as u64;
-    }
-    if total == 0 {
-        1.0
-    } else {
-        shared as f64 / total as f64
-    }
 }
 
 /// The longest synthetic trace (a trace is held in memory: layers × tokens × used ids).

@@ -33,6 +33,22 @@ impl ActiveSetTap {
     }
 }
 
+/// The share of each token's set (after the first) its predecessor shared: neurons (`bench
+/// units`) or routed experts (`bench experts`).
+pub fn adjacent_overlap(trace: &[Vec<u32>]) -> f64 {
+    let (mut shared, mut total) = (0u64, 0u64);
+    for w in trace.windows(2) {
+        let prev: std::collections::HashSet<u32> = w[0].iter().copied().collect();
+        shared += w[1].iter().filter(|n| prev.contains(n)).count() as u64;
+        total += w[1].len() as u64;
+    }
+    if total == 0 {
+        1.0
+    } else {
+        shared as f64 / total as f64
+    }
+}
+
 /// Whether an activation counts as active under `threshold` (what the mask keeps; see
 /// [`crate::backend::sparse_act`]): nonzero, and above the threshold in magnitude.
 pub fn is_active(a: f32, threshold: f32) -> bool {

@@ -419,17 +419,11 @@ impl Store {
             let mut router = None;
             let (w_gate, w_up, w_down) = if spec.moe.is_some() {
                 // The stored expert stacks are the model's own layout.
-                let whole = |w: &str| -> Result<Linear, StoreError> {
-                    Ok(Linear {
-                        weight: self.tensor(&names::layer(l, w))?,
-                        bias: None,
-                    })
-                };
                 router = Some(self.tensor(&names::layer(l, "ffn_gate_inp.weight"))?);
                 (
-                    Some(whole("ffn_gate_exps.weight")?),
-                    whole("ffn_up_exps.weight")?,
-                    whole("ffn_down_exps.weight")?,
+                    Some(linear(names::layer(l, "ffn_gate_exps"))?),
+                    linear(names::layer(l, "ffn_up_exps"))?,
+                    linear(names::layer(l, "ffn_down_exps"))?,
                 )
             } else if self.ffn_bundled() {
                 self.ffn_from_bundles(l)?

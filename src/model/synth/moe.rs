@@ -25,7 +25,7 @@ pub struct SynthMoe {
     pub popularity: f64,
 }
 
-/// `(name, layers, hidden, heads, kv heads, vocab, context, experts)`.
+/// The named mixture-of-experts shapes (see [`SynthSpec::preset`]).
 pub(super) fn preset(name: &str) -> Option<SynthSpec> {
     let (n_layers, d_model, n_heads, n_kv_heads, vocab_size, max_context, moe) = match name {
         // Every matrix in rows of 256 (K-quant super-blocks), 8 experts as Mixtral, and Qwen3's
