@@ -1,11 +1,14 @@
 //! A mixture-of-experts layer's FFN: the router's logits on the device, read back; the experts
 //! chosen on the host as transformers chooses them ([`route`]); the chosen experts computed by
-//! [`Backend::moe_ffn`], each expert's tokens in one product.
+//! [`Backend::moe_ffn`], each expert's tokens in one product — all on the device, or, where the
+//! experts are offloaded ([`ExpertsView`]), those its unit holds on the device and the others
+//! on the CPU at the same time, merged on the device.
 
-use super::ports::{FfnView, LinearView};
+use super::ports::{ExpertsView, FfnView, LinearView};
 use super::scratch::Scratch;
+use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
-use crate::backend::{Backend, Experts, Route};
+use crate::backend::{Backend, Experts, Landing, Route};
 use crate::model::spec::MoeSpec;
 
 /// The routes of `n` tokens from their router logits (`n × router_rows`): per token a softmax
@@ -65,22 +68,30 @@ fn whole<'a, B: Backend>(v: &LinearView<'a, B>, what: &str) -> Result<&'a B::Wei
 }
 
 impl<B: Backend> Engine<B> {
-    /// `sc.proj` = the experts' FFN of `sc.h` (the normed rows) in layer `l`.
+    /// `sc.proj` = the experts' FFN of `sc.h` (the normed rows) in layer `l`: from `f`, every
+    /// expert on the device, or through `offloaded` (its unit and the CPU).
     pub(super) fn moe_ffn(
         &self,
         l: usize,
         f: &FfnView<B>,
         router: &B::Weight,
+        offloaded: Option<&mut ExpertsView<B>>,
         sc: &mut Scratch<B>,
     ) -> Result<()> {
         let moe = self.spec.moe.as_ref().ok_or_else(|| {
             EngineError::Weights(format!("layer {l} has a router, but the model no experts"))
         })?;
+        let n = sc.n;
+        // The step's FFN activation buffer holds a MoE layer's router logits
+        // (`footprint::activation_shapes`).
+        let rows = moe.router_rows();
+        self.backend.matmul(router, &sc.h, &mut sc.up)?;
+        if let Some(x) = offloaded {
+            return self.offloaded_moe(l, x, sc);
+        }
         let FfnView::Matrices { gate, up, down } = f else {
             return Err(EngineError::Weights(
-                "mixture-of-experts layers are computed from whole matrices only (no offloading \
-                 of experts yet: run with --device cpu)"
-                    .into(),
+                "mixture-of-experts layers are computed from whole matrices of experts".into(),
             ));
         };
         let experts = Experts {
@@ -89,14 +100,20 @@ impl<B: Backend> Engine<B> {
             down: whole(down, "down")?,
             width: moe.d_expert,
         };
-        let n = sc.n;
-        // The step's FFN activation buffer holds a MoE layer's router logits
-        // (`footprint::activation_shapes`).
-        let rows = moe.router_rows();
-        self.backend.matmul(router, &sc.h, &mut sc.up)?;
         let mut host = vec![0f32; n * rows];
         self.backend.read(&sc.up, &mut host)?;
-        let routes = route(&host, n, moe);
+        let routes = self.routes(l, &host, n)?;
+        self.backend
+            .moe_ffn(experts, &sc.h, &routes, self.act, &mut sc.proj)?;
+        Ok(())
+    }
+
+    /// The routes of a step's `n` rows from their router logits, shown to the route tap.
+    fn routes(&self, l: usize, logits: &[f32], n: usize) -> Result<Vec<Route>> {
+        let moe = self.spec.moe.as_ref().ok_or_else(|| {
+            EngineError::Weights(format!("layer {l} has a router, but the model no experts"))
+        })?;
+        let routes = route(logits, n, moe);
         if let Some(tap) = &self.route_tap {
             // The router's choices; a shared expert is every token's.
             let routed: Vec<Route> = routes
@@ -106,9 +123,63 @@ impl<B: Backend> Engine<B> {
                 .collect();
             tap.routed(l, n, &routed);
         }
-        self.backend
-            .moe_ffn(experts, &sc.h, &routes, self.act, &mut sc.proj)?;
-        Ok(())
+        Ok(routes)
+    }
+
+    /// An offloaded layer's experts, the router's logits in `sc.up`, as one graph with one host
+    /// wait:
+    /// 1. copy device→host: the FFN input, queued (it lands while the logits are read);
+    /// 2. host: the logits (the wait), the routes, split between the unit and the CPU;
+    /// 3. device: the unit's experts into `proj`, queued;
+    /// 4. CPU: the other experts into the partial sum, while the device runs 3;
+    /// 5. copy host→device: the partial sum; device: `proj += partial`, the merge;
+    /// 6. the unit takes in what the policy admits of the misses, copies queued behind.
+    fn offloaded_moe(&self, l: usize, x: &mut ExpertsView<B>, sc: &mut Scratch<B>) -> Result<()> {
+        let b = &self.backend;
+        let (n, d) = b.shape(&sc.h);
+        let rows = b.shape(&sc.up).1;
+        let mut stage = self.take_stage(sc)?;
+        let done = (|| {
+            let landing = trace::span(Phase::Landing);
+            let input = Landing::start(b, &sc.h, &mut stage)?;
+            drop(landing);
+            let wait = trace::span(Phase::HostWait);
+            let mut logits = vec![0f32; n * rows];
+            b.read(&sc.up, &mut logits)?;
+            let h = input.wait()?;
+            drop(wait);
+            let decide = trace::span(Phase::Decide);
+            let routes = self.routes(l, &logits, n)?;
+            let (device, cpu) = x.cache.split(b, &routes)?;
+            drop(decide);
+            {
+                let _s = trace::span(Phase::DeviceNeurons);
+                match x.cache.unit() {
+                    Some(unit) if !device.is_empty() => {
+                        b.moe_ffn(unit, &sc.h, &device, self.act, &mut sc.proj)?
+                    }
+                    _ => b.zero(&mut sc.proj)?,
+                }
+            }
+            if !cpu.is_empty() {
+                let mut part = vec![0f32; n * d];
+                {
+                    let _s = trace::span(Phase::CpuNeurons);
+                    x.cache.cpu_ffn(h, n, &cpu, &mut part)?;
+                }
+                b.reshape(x.partial, n, d)?;
+                {
+                    let _s = trace::span(Phase::H2d);
+                    b.write(x.partial, &part)?;
+                }
+                let _s = trace::span(Phase::Merge);
+                b.add(&mut sc.proj, x.partial)?;
+            }
+            let _s = trace::span(Phase::Gather);
+            x.cache.admit(b, &routes)
+        })();
+        sc.stage = Some(stage);
+        done
     }
 }
 

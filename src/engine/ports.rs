@@ -79,6 +79,43 @@ pub struct LayerView<'a, B: Backend> {
     /// The GPU-centric sparse FFN: a cache unit the neurons each step needs are brought into
     /// (`ffn` then gives only the down bias).
     pub unit: Option<Box<dyn NeuronUnit<B> + 'a>>,
+    /// A mixture-of-experts layer whose routed experts are not all on the device: its unit of
+    /// expert slots and the CPU's share (`ffn` is then not read).
+    pub experts: Option<ExpertsView<'a, B>>,
+}
+
+/// A mixture-of-experts layer's routed experts, offloaded: a unit of expert slots on the device
+/// (the shared expert's parts pinned in it), the other experts computed by the CPU from DRAM.
+pub trait ExpertCache<B: Backend>: Send {
+    /// Of a step's `routes` (expert ids as the router numbers them, the shared expert's parts
+    /// after the routed ones), those the device computes, renumbered to their slots in
+    /// [`ExpertCache::unit`] (the device waits here for copies still going into it), and those
+    /// the CPU computes.
+    fn split(
+        &mut self,
+        b: &B,
+        routes: &[crate::backend::Route],
+    ) -> Result<(Vec<crate::backend::Route>, Vec<crate::backend::Route>)>;
+    /// The unit's slots as a stack of experts, where it has any.
+    fn unit(&self) -> Option<crate::backend::Experts<'_, B::Weight>>;
+    /// `out` (`n × d_model`) = the experts' FFN output of `routes` for the rows `x`, on the CPU.
+    fn cpu_ffn(
+        &self,
+        x: &[f32],
+        n: usize,
+        routes: &[crate::backend::Route],
+        out: &mut [f32],
+    ) -> Result<()>;
+    /// After the step's compute is queued: take in what the policy admits of the step's missed
+    /// experts, the copies queued behind that compute (never waited for here).
+    fn admit(&mut self, b: &B, routes: &[crate::backend::Route]) -> Result<()>;
+}
+
+/// The offloaded experts of one layer, and where the CPU's partial sum comes back.
+pub struct ExpertsView<'a, B: Backend> {
+    pub cache: Box<dyn ExpertCache<B> + 'a>,
+    /// Device buffer the CPU's partial sum is copied into (room for the step's `n × d_model`).
+    pub partial: &'a mut B::Tensor,
 }
 
 /// A layer's HBM cache unit (M2Cache): device slots for FFN neuron bundles, filled with the

@@ -142,6 +142,7 @@ impl<B: Backend> WeightSource<B> for ResidentWeights<B> {
             },
             cold: None,
             unit: None,
+            experts: None,
         })
     }
 

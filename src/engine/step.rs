@@ -323,7 +323,7 @@ impl<B: Backend> Engine<B> {
                 match layer.router {
                     Some(router) => {
                         let _s = trace::span(Phase::DeviceNeurons);
-                        self.moe_ffn(l, &layer.ffn, router, sc)?;
+                        self.moe_ffn(l, &layer.ffn, router, layer.experts.as_mut(), sc)?;
                     }
                     None => self.ffn(l, &layer.ffn, site, sc)?,
                 }

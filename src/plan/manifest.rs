@@ -39,10 +39,22 @@ pub fn part_segment_name(l: usize, p: Part) -> String {
     }
 }
 
-/// Whether the store holds part `p` (the FFN is bundles or matrices; a gate only when gated).
+/// Layer `l`'s router (a mixture-of-experts layer).
+pub fn router_segment_name(l: usize) -> String {
+    names::layer(l, "ffn_gate_inp.weight")
+}
+
+/// Layer `l`'s stack of every expert's gate, up or down matrix (`which`: "gate", "up", "down").
+pub fn experts_segment_name(l: usize, which: &str) -> String {
+    names::layer(l, &format!("ffn_{which}_exps.weight"))
+}
+
+/// Whether the store holds part `p` (the FFN is bundles or matrices; a gate only when gated). A
+/// mixture-of-experts model's FFN is its experts ([`super::experts`]): no dense FFN part.
 pub(super) fn holds(m: &Manifest, p: Part) -> bool {
     let bundled = !m.bundle_encodings.is_empty();
     match p {
+        Part::Ffn | Part::Gate | Part::Up | Part::Down if m.spec.moe.is_some() => false,
         Part::Ffn => bundled,
         Part::Gate => !bundled && m.spec.gated_ffn,
         Part::Up | Part::Down => !bundled,
@@ -141,10 +153,21 @@ pub fn device_dtype(s: &Segment) -> DType {
 
 /// The matrices an offloaded step multiplies, in their formats: the attention projections and,
 /// for a block-quantized model, the FFN matrices of every layer (a bundled FFN runs on neuron
-/// bundles, no matrix product), and the output matrix.
+/// bundles, no matrix product), a mixture-of-experts layer's router, and the output matrix.
 pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
     let mut layer = Vec::new();
     for l in 0..m.spec.n_layers {
+        if m.spec.moe.is_some() {
+            let s = seg(m, &router_segment_name(l))?;
+            let k = MatmulShape {
+                dtype: device_dtype(s),
+                rows: s.rows,
+                cols: s.cols,
+            };
+            if !layer.contains(&k) {
+                layer.push(k);
+            }
+        }
         for p in Part::ALL
             .into_iter()
             .filter(|&p| p != Part::Ffn && holds(m, p))

@@ -34,7 +34,9 @@
 //!   [`cold`] (what a layer's FFN neurons cost hot and cold), [`resident`] (everything but the
 //!   FFN resident), [`hybrid`] (hot neurons on the device, the CPU computing the rest),
 //!   [`precision`] and [`units`] (cache units in mixed precision);
-//! - [`choice`]: which mode runs the neurons that do not fit (`--cold`).
+//! - [`choice`]: which mode runs the neurons that do not fit (`--cold`);
+//! - [`experts`]: a mixture-of-experts model's expert cache units (or all its experts on the
+//!   CPU) beside everything else resident.
 //!
 //! A mode is named alike here and in [`crate::tier`]: `plan/X.rs` decides it, `tier/X.rs` holds
 //! its bytes.
@@ -45,6 +47,7 @@ pub mod choice;
 pub mod cold;
 pub mod cost;
 pub mod dram;
+pub mod experts;
 pub mod hardware;
 pub mod hybrid;
 pub mod manifest;

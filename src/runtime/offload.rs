@@ -24,6 +24,8 @@ pub(super) enum NeuronPlan {
     Stream,
     Hybrid(crate::plan::hybrid::HybridPlan),
     Units(crate::plan::units::UnitPlan),
+    /// A mixture-of-experts model: expert units (or every routed expert on the CPU).
+    Experts(Box<crate::plan::experts::ExpertPlan>),
 }
 
 /// An offloaded run's weight source, and what its sparse execution reports.
@@ -31,6 +33,7 @@ pub(super) struct OffloadSource<B: Backend> {
     pub(super) src: Box<dyn WeightSource<B>>,
     pub(super) hybrid: Option<Hybrid>,
     pub(super) units: Option<Units>,
+    pub(super) experts: Option<super::running::ExpertsRun>,
 }
 
 /// Log the plan, and say so when the budget narrowed the prefetch window.
@@ -57,6 +60,9 @@ impl LoadedModel {
     ) -> Result<(Plan, NeuronPlan)> {
         use crate::plan::choice::{Cold, plan_cold};
         let cold = args.budget.cold;
+        if store.manifest.spec.moe.is_some() {
+            return self.expert_plan(store, budget, hw, cold);
+        }
         let name = self.path.display().to_string();
         let load = || SparsityProfile::load(store.dir(), &store.manifest.model_id, &name);
         let profile =
@@ -115,6 +121,61 @@ impl LoadedModel {
         Ok((plan, neurons))
     }
 
+    /// The plan of an offloaded mixture-of-experts model: `--cold cpu` keeps every routed
+    /// expert on the CPU, `gpu` gives the room to expert units, `auto` takes the faster.
+    fn expert_plan(
+        &self,
+        store: &Store,
+        budget: &crate::plan::Budget,
+        hw: &HardwareProfile,
+        cold: crate::plan::choice::Cold,
+    ) -> Result<(Plan, NeuronPlan)> {
+        use crate::plan::choice::Cold;
+        use crate::plan::experts::{ExpertMode, plan_experts};
+        let mode = match cold {
+            Cold::Cpu => Some(ExpertMode::Cpu),
+            Cold::Gpu => Some(ExpertMode::Units),
+            Cold::Auto => None,
+            Cold::Stream | Cold::Split => anyhow::bail!(
+                "--cold {}: a mixture-of-experts model's experts are not streamed or split by \
+                 neurons; --cold cpu computes the routed experts on the CPU, --cold gpu keeps \
+                 expert cache units on the device (their misses on the CPU), auto chooses",
+                if cold == Cold::Stream {
+                    "stream"
+                } else {
+                    "split"
+                }
+            ),
+        };
+        // No CUDA kernel computes experts on the device yet: there the routed experts run on the
+        // CPU, and a shared expert (resident on the device) cannot run at all.
+        let mode = match (self.device, mode) {
+            (super::Device::Cuda, Some(ExpertMode::Units)) => anyhow::bail!(
+                "--cold gpu: expert cache units need the CUDA expert kernel, not built yet \
+                 (they run on --device sim); --cold cpu runs the routed experts on the CPU"
+            ),
+            (super::Device::Cuda, _) => {
+                if store
+                    .manifest
+                    .spec
+                    .moe
+                    .as_ref()
+                    .is_some_and(|m| m.shared > 0)
+                {
+                    anyhow::bail!(
+                        "this model's shared expert stays on the device, and no CUDA kernel \
+                         computes experts yet: run it with --device sim or --device cpu"
+                    );
+                }
+                Some(ExpertMode::Cpu)
+            }
+            (_, m) => m,
+        };
+        let ep = plan_experts(&store.manifest, budget, hw, mode)?;
+        tracing::info!("expert plan:\n{}", ep.report());
+        Ok((ep.plan.clone(), NeuronPlan::Experts(Box::new(ep))))
+    }
+
     /// The weight source of an offloaded run: streaming (the plan may split the FFN with the
     /// CPU), hybrid (a hot-neuron plan: hot neurons on the device, cold ones on the CPU) or
     /// cache units (every active neuron on the device, copied in as the units lack them).
@@ -125,10 +186,28 @@ impl LoadedModel {
         plan: &Plan,
         neurons: NeuronPlan,
         ledger: &Arc<Ledger>,
-        kernels: &'static kernels::Kernels,
+        (kernels, threads): (&'static kernels::Kernels, usize),
     ) -> Result<OffloadSource<B>> {
         let act = crate::engine::backend_act(self.spec.activation);
         let hot = match neurons {
+            NeuronPlan::Experts(ep) => {
+                let src = crate::tier::experts::ExpertWeights::new(
+                    b,
+                    store.clone(),
+                    &ep,
+                    ledger.clone(),
+                    kernels,
+                    threads,
+                    act,
+                )?;
+                let traffic = src.traffic();
+                return Ok(OffloadSource {
+                    src: Box::new(src),
+                    hybrid: None,
+                    units: None,
+                    experts: Some(super::running::ExpertsRun { plan: *ep, traffic }),
+                });
+            }
             NeuronPlan::Stream => {
                 let src = StreamWeights::with_cpu_kernels(
                     b,
@@ -142,6 +221,7 @@ impl LoadedModel {
                     src: Box::new(src),
                     hybrid: None,
                     units: None,
+                    experts: None,
                 });
             }
             NeuronPlan::Units(u) => {
@@ -180,6 +260,7 @@ impl LoadedModel {
                     src,
                     hybrid: None,
                     units: Some(Units { plan: u, traffic }),
+                    experts: None,
                 });
             }
             NeuronPlan::Hybrid(h) => h,
@@ -208,6 +289,7 @@ impl LoadedModel {
             src,
             hybrid: Some(Hybrid { plan: hot, traffic }),
             units: None,
+            experts: None,
         })
     }
 }

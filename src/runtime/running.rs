@@ -24,6 +24,12 @@ pub struct Units {
     pub traffic: Arc<crate::tier::units::UnitTraffic>,
 }
 
+/// An offloaded mixture-of-experts run's plan and what its units and the CPU did.
+pub struct ExpertsRun {
+    pub plan: crate::plan::experts::ExpertPlan,
+    pub traffic: Arc<crate::tier::experts::ExpertTraffic>,
+}
+
 /// A model placed on a device for one job.
 pub struct Running {
     pub engine: AnyEngine,
@@ -37,6 +43,8 @@ pub struct Running {
     pub hybrid: Option<Hybrid>,
     /// For cache-unit runs (`--cold gpu`): their plan and what they moved.
     pub units: Option<Units>,
+    /// For offloaded mixture-of-experts runs: the expert plan and what it moved.
+    pub experts: Option<ExpertsRun>,
     /// For the dense CPU engine: what a decode step reads from DRAM.
     pub traffic: Option<DecodeTraffic>,
     /// The preset a run emulates (`--emulate`).
@@ -90,7 +98,12 @@ impl Running {
     /// model on its device).
     pub fn cold_mode(&self) -> Option<&'static str> {
         let plan = self.plan.as_ref()?;
-        Some(if self.hybrid.is_some() {
+        Some(if let Some(x) = &self.experts {
+            match x.plan.mode {
+                crate::plan::experts::ExpertMode::Cpu => "cpu",
+                crate::plan::experts::ExpertMode::Units => "gpu",
+            }
+        } else if self.hybrid.is_some() {
             "cpu"
         } else if self.units.is_some() {
             "gpu"

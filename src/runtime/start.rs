@@ -57,6 +57,7 @@ struct Placed {
     traffic: Option<DecodeTraffic>,
     hybrid: Option<Hybrid>,
     units: Option<Units>,
+    experts: Option<super::running::ExpertsRun>,
 }
 
 /// Bytes a whole-model CPU engine's prefill step may hold (its activation buffers): steps of
@@ -126,22 +127,16 @@ impl LoadedModel {
     /// Place the model on its device for `job`.
     pub fn start(&self, args: &ModelArgs, job: Job) -> Result<Running> {
         let settings = self.start_settings(args, job)?;
-        if let Some(m) = &self.spec.moe {
-            let why = match (&self.weights, self.device) {
-                (_, Device::Cuda) => Some("no CUDA kernel computes its experts yet"),
-                (Weights::Stored(_), _) => {
-                    Some("its experts are not offloaded yet (per-layer expert caches are coming)")
-                }
-                _ => None,
-            };
-            if let Some(why) = why {
-                anyhow::bail!(
-                    "a mixture-of-experts model ({} experts, {} a token) runs on the CPU only for \
-                     now (--device cpu): {why}",
-                    m.experts,
-                    m.used
-                );
-            }
+        if let (Some(m), Weights::Dense(_), Device::Cuda) =
+            (&self.spec.moe, &self.weights, self.device)
+        {
+            anyhow::bail!(
+                "a mixture-of-experts model ({} experts, {} a token) runs on a GPU offloaded \
+                 (give --gpu-mem): no CUDA kernel computes experts on the device yet, so its \
+                 routed experts run on the CPU (--cold cpu), attention and routers on the GPU",
+                m.experts,
+                m.used
+            );
         }
         let placed = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => self.start_whole_gpu(&settings, w)?,
@@ -158,6 +153,7 @@ impl LoadedModel {
             traffic,
             hybrid,
             units,
+            experts,
         } = placed;
         let running = Running {
             engine,
@@ -166,6 +162,7 @@ impl LoadedModel {
             plan,
             hybrid,
             units,
+            experts,
             traffic,
             emulated: settings.emulate,
             process_peak: std::sync::atomic::AtomicU64::new(0),
@@ -238,6 +235,7 @@ impl LoadedModel {
             traffic: Some(DecodeTraffic::of(&self.spec, w, kv_type)),
             hybrid: None,
             units: None,
+            experts: None,
         })
     }
 
@@ -260,6 +258,7 @@ impl LoadedModel {
             traffic: Some(DecodeTraffic::of(&self.spec, w, kv_type)),
             hybrid: None,
             units: None,
+            experts: None,
         })
     }
 
@@ -336,8 +335,12 @@ impl LoadedModel {
         ledger: Arc<Ledger>,
         wrap: fn(Engine<B>) -> AnyEngine,
     ) -> Result<Placed> {
-        let OffloadSource { src, hybrid, units } =
-            self.offload_source(&b, store, &plan, neurons, &ledger, s.kernels)?;
+        let OffloadSource {
+            src,
+            hybrid,
+            units,
+            experts,
+        } = self.offload_source(&b, store, &plan, neurons, &ledger, (s.kernels, s.threads))?;
         let e = Engine::with_source(b, self.spec.clone(), src)?
             .with_kv_type(s.kv_type)?
             .with_sparsity(s.thresholds.clone())?
@@ -353,6 +356,7 @@ impl LoadedModel {
             traffic: None,
             hybrid,
             units,
+            experts,
         })
     }
 }

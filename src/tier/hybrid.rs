@@ -116,7 +116,7 @@ impl<B: Backend> HybridWeights<B> {
         let act_fn = crate::backend::cpu::ops::activation(act);
         let mut hot_ffn = Vec::with_capacity(n_layers);
         let mut cold = Vec::with_capacity(n_layers);
-        let resident = Resident::load(b, &store, &ledger, hot.staging, |l, sm| {
+        let resident = Resident::load(b, &store, &ledger, hot.staging, |l, sm, _| {
             let (hot_part, cold_layer) = layer_ffn(
                 b,
                 &store,

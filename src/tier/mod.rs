@@ -9,6 +9,8 @@
 //!   (PowerInfer);
 //! - [`units`]: per-layer HBM cache units filled by the adjacent-token update ([`atu`]), in
 //!   mixed precision ([`precision`]) (M2Cache);
+//! - [`experts`]: a mixture-of-experts model's routed experts in DRAM, per-layer units of
+//!   expert slots on the device, the CPU computing the experts a unit lacks;
 //! - [`dram`]: the DRAM cache of the store's segments all of them read through (a fixed area
 //!   for the first layers, a dynamic area refilled from SSD ahead of use by a preloader).
 //!
@@ -23,6 +25,7 @@
 pub mod atu;
 pub mod cold;
 pub mod dram;
+pub mod experts;
 pub mod hybrid;
 pub mod precision;
 pub mod resident;

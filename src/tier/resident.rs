@@ -304,15 +304,15 @@ pub(super) struct Resident<B: Backend> {
 }
 
 impl<B: Backend> Resident<B> {
-    /// Load it through a staging buffer of `staging` bytes, calling `ffn(l, small)` after each
-    /// layer's norms and biases are on the device (the FFN's own loading, which may rewrite the
-    /// up bias).
+    /// Load it through a staging buffer of `staging` bytes, calling `ffn(l, small, loader)`
+    /// after each layer's norms and biases are on the device (the FFN's own loading, which may
+    /// rewrite the up bias, or load more of the layer through the same staging).
     pub(super) fn load(
         b: &B,
         store: &Arc<Store>,
         ledger: &Arc<Ledger>,
         staging: u64,
-        mut ffn: impl FnMut(usize, &mut Small<B>) -> Result<()>,
+        mut ffn: impl FnMut(usize, &mut Small<B>, &mut Loader) -> Result<()>,
     ) -> Result<Self> {
         let n_layers = store.manifest.spec.n_layers;
         let embeddings = Embeddings::load(store, ledger, &store.manifest.spec)?;
@@ -329,7 +329,7 @@ impl<B: Backend> Resident<B> {
             let att: [B::Weight; 4] = att
                 .try_into()
                 .map_err(|_| weights_err("four attention matrices"))?;
-            ffn(l, &mut sm)?;
+            ffn(l, &mut sm, &mut loader)?;
             attention.push(att);
             small.push(sm);
         }
@@ -370,6 +370,7 @@ impl<B: Backend> Resident<B> {
             ffn,
             cold,
             unit,
+            experts: None,
         }
     }
 }

@@ -502,6 +502,7 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 }),
             },
             unit,
+            experts: None,
         })
     }
 

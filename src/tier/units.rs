@@ -394,7 +394,7 @@ impl<B: Backend> UnitWeights<B> {
         };
         let loader = UnitFfnsLoader::new(&store, &layout, kernels, act)?;
         let mut layers = Vec::with_capacity(m.spec.n_layers);
-        let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, sm| {
+        let resident = Resident::load(b, &store, &ledger, plan.dram.staging, |l, sm, _| {
             layers.push(loader.layer(b, &store, &ledger, l, sm)?);
             Ok(())
         })?;

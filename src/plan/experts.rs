@@ -1,0 +1,585 @@
+//! A mixture-of-experts model offloaded (the DESIGN's "experts as the unit of every tier"):
+//! everything but the routed experts resident on the device — every layer's attention, router,
+//! norms and shared expert, the output matrix, KV and step memory (the streaming plan of the
+//! model without its experts, [`make_plan`], all of it resident) — and, in what the budget
+//! leaves, per layer a cache unit of whole-expert slots ([`crate::tier::experts`]). The experts
+//! a step routes to that the unit holds run on the device; the CPU computes the others from DRAM
+//! at the same time (Fiddler: the activations travel, not the experts), and the unit takes in a
+//! few of the missed experts after the step (the ATU, [`crate::tier::atu::SlotMap::admit`]), at
+//! most [`ExpertPlan::max_copies`] a layer a step: as many as the bus moves in the step's
+//! predicted time, so a refill never holds a token up.
+//!
+//! Slots are shared out evenly over the layers (balanced, as FlexInfer locks memory), the
+//! remainder to the layers whose experts are smallest. With no routing profile, experts are
+//! taken as equally likely: a unit of `s` slots of `E` experts expects a hit ratio of `s / E`
+//! (an ATU cache with temporal locality does better; `bench experts` measures it on a trace).
+//! `--cold cpu` keeps every routed expert on the CPU (llama.cpp's `-ot exps=CPU`); `--cold gpu`
+//! gives the slots to the units; `auto` takes the faster by the prediction.
+//!
+//! Device bytes are counted as [`crate::tier::experts::ExpertWeights`] allocates them, buffer by
+//! buffer, each rounded to the granule: what the plan accepts, the ledger holds to the byte.
+//!
+//! Fails with [`PlanError::GpuTooSmall`] where not even every layer's attention, router and
+//! shared expert fit beside KV and step memory.
+
+use serde::Serialize;
+
+use crate::footprint::device_bytes;
+use crate::store::Manifest;
+
+use super::Plan;
+use super::batch;
+use super::budget::{Budget, PlanError, human_bytes};
+use super::hardware::HardwareProfile;
+use super::manifest::{
+    experts_segment_name, part_segment_name, router_segment_name, seg, staging_for,
+};
+use super::preserve::Part;
+use super::resident::SparsePerToken;
+use super::stream::make_plan;
+
+/// Where the routed experts a device does not hold run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpertMode {
+    /// Every routed expert on the CPU, from DRAM (llama.cpp's `-ot exps=CPU`).
+    Cpu,
+    /// A cache unit of expert slots per layer, updated by the ATU; misses on the CPU.
+    Units,
+}
+
+impl ExpertMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertMode::Cpu => "all routed experts on the CPU",
+            ExpertMode::Units => "expert cache units (ATU), misses on the CPU",
+        }
+    }
+}
+
+/// One layer's stored experts, as the planner reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ExpertShape {
+    /// Bytes of one expert's gate rows, up rows and down rows, as stored.
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    /// Shared-expert parts every token takes (resident in their own slots).
+    pub shared: usize,
+    /// The router's bytes (f32).
+    pub router: u64,
+}
+
+impl ExpertShape {
+    /// Bytes of one expert (gate, up and down).
+    pub fn bytes(&self) -> u64 {
+        self.gate + self.up + self.down
+    }
+
+    /// Device bytes of a unit of `slots` routed slots and the shared parts: one tensor per
+    /// matrix, each rounded (none where there is no slot at all).
+    pub fn unit_device_bytes(&self, slots: usize) -> u64 {
+        let n = (slots + self.shared) as u64;
+        if n == 0 {
+            return 0;
+        }
+        device_bytes(n * self.gate) + device_bytes(n * self.up) + device_bytes(n * self.down)
+    }
+
+    fn of(m: &Manifest, l: usize) -> Result<Self, PlanError> {
+        let moe =
+            m.spec.moe.as_ref().ok_or_else(|| {
+                PlanError::Store("an expert plan for a model without experts".into())
+            })?;
+        let all = moe.experts + moe.shared;
+        let per_expert = |which: &str| -> Result<u64, PlanError> {
+            let s = seg(m, &experts_segment_name(l, which))?;
+            if all == 0 || s.rows % all != 0 {
+                return Err(PlanError::Store(format!(
+                    "`{}` has {} rows: not {all} experts of equal rows",
+                    s.name, s.rows
+                )));
+            }
+            Ok((s.rows / all * s.row_bytes()) as u64)
+        };
+        Ok(ExpertShape {
+            gate: per_expert("gate")?,
+            up: per_expert("up")?,
+            down: per_expert("down")?,
+            shared: moe.shared,
+            router: seg(m, &router_segment_name(l))?.bytes,
+        })
+    }
+}
+
+/// One layer's share of the plan.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertLayer {
+    /// Routed-expert slots on the device.
+    pub slots: usize,
+    /// Device bytes of its unit (slots and shared parts) and router.
+    pub device_bytes: u64,
+    /// Expected share of the routed experts the unit holds when routed.
+    pub hit_ratio: f64,
+    /// Expected bytes per token: the device's reads (attention, router, experts it computes),
+    /// the CPU's (missed experts), the bus's (the ATU's copies).
+    pub hbm_bytes: u64,
+    pub cpu_bytes: u64,
+    pub copy_bytes: u64,
+    /// Predicted seconds per token of the layer's device work and of the CPU's (with the round
+    /// trip); the layer takes the longer, after its attention.
+    pub device_s: f64,
+    pub cpu_s: f64,
+}
+
+/// Device bytes of the plan, as the source allocates them.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExpertDevice {
+    /// Every layer's attention matrices.
+    pub attention: u64,
+    /// Every layer's router.
+    pub routers: u64,
+    /// Every layer's unit (routed slots and shared parts).
+    pub units: u64,
+    /// The buffer the CPU's partial sums come back into.
+    pub merge: u64,
+    /// Everything the byte ledger holds at the peak (small fragments, head, KV, step memory
+    /// and the above).
+    pub placed: u64,
+    /// `fixed + placed`.
+    pub total: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertPlan {
+    pub mode: ExpertMode,
+    pub experts: usize,
+    pub used: usize,
+    pub layers: Vec<ExpertLayer>,
+    /// Each layer's experts as stored.
+    pub shapes: Vec<ExpertShape>,
+    /// Most experts a layer's unit takes in after a step.
+    pub max_copies: usize,
+    pub device: ExpertDevice,
+    /// Host memory the experts' stacks take (every expert of every layer, read whole).
+    pub dram_expert_bytes: u64,
+    /// Start-up staging buffer (attention, routers, head).
+    pub staging: u64,
+    /// Rows of the merge buffer (the most tokens a step evaluates).
+    pub batch: usize,
+    pub per_token: SparsePerToken,
+    pub predicted_tokens_per_s: f64,
+    /// What the prediction assumes of the routing.
+    pub routing: String,
+    /// The plan as the rest of the runtime reads it: the streaming plan of everything but the
+    /// experts (all of it resident: small fragments, head, KV, step memory, prefill layout),
+    /// its device bytes, per-token bytes and prediction this plan's.
+    #[serde(skip)]
+    pub plan: Plan,
+}
+
+impl ExpertPlan {
+    /// Per layer, its routed slots.
+    pub fn slots(&self) -> Vec<usize> {
+        self.layers.iter().map(|l| l.slots).collect()
+    }
+
+    /// The ledger's device budget: what the plan places.
+    pub fn ledger_budget(&self) -> u64 {
+        self.device.placed
+    }
+
+    /// The plan as a table, for people.
+    pub fn report(&self) -> String {
+        use std::fmt::Write;
+        let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "experts: {} ({} experts, {} a token, at most {} copied in a layer a step); routing: {}",
+            self.mode.name(),
+            self.experts,
+            self.used,
+            self.max_copies,
+            self.routing
+        );
+        let _ = writeln!(
+            o,
+            "{:>5} {:>6} {:>10} {:>6} {:>10} {:>10} {:>10}",
+            "layer", "slots", "dev MiB", "hit", "HBM B/tok", "CPU B/tok", "copy B/tok"
+        );
+        for (l, x) in self.layers.iter().enumerate() {
+            let _ = writeln!(
+                o,
+                "{l:>5} {:>6} {:>10} {:>6.3} {:>10} {:>10} {:>10}",
+                x.slots,
+                mib(x.device_bytes),
+                x.hit_ratio,
+                x.hbm_bytes,
+                x.cpu_bytes,
+                x.copy_bytes
+            );
+        }
+        let d = &self.device;
+        let _ = writeln!(
+            o,
+            "device: attention {} MiB, routers {} MiB, expert units {} MiB, merge {} MiB; placed {} MiB, total {} MiB of {} MiB",
+            mib(d.attention),
+            mib(d.routers),
+            mib(d.units),
+            mib(d.merge),
+            mib(d.placed),
+            mib(d.total),
+            mib(self.plan.budget.gpu_mem)
+        );
+        let p = &self.per_token;
+        let _ = writeln!(
+            o,
+            "per token: HBM {} MiB, CPU {} MiB, PCIe {} MiB; DRAM for experts {} MiB; predicted {:.1} tokens/s",
+            mib(p.hbm_bytes),
+            mib(p.cpu_bytes),
+            mib(p.pcie_bytes),
+            mib(self.dram_expert_bytes),
+            self.predicted_tokens_per_s
+        );
+        o
+    }
+}
+
+/// The plan of a mixture-of-experts model for `budget` on `hw`: `mode` `None` takes the faster
+/// of the two by the prediction.
+pub fn plan_experts(
+    m: &Manifest,
+    budget: &Budget,
+    hw: &HardwareProfile,
+    mode: Option<ExpertMode>,
+) -> Result<ExpertPlan, PlanError> {
+    let moe = m
+        .spec
+        .moe
+        .clone()
+        .ok_or_else(|| PlanError::Store("an expert plan for a model without experts".into()))?;
+    let base = make_plan(m, budget, hw)?;
+    let spec = &base.spec;
+    let n_layers = spec.n_layers;
+    let shapes = (0..n_layers)
+        .map(|l| ExpertShape::of(m, l))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut attention = 0;
+    let mut attention_layers = Vec::with_capacity(n_layers);
+    let mut staging = 0;
+    for l in 0..n_layers {
+        let mut layer = 0;
+        for p in [Part::Q, Part::K, Part::V, Part::O] {
+            let s = seg(m, &part_segment_name(l, p))?;
+            attention += device_bytes(s.bytes);
+            layer += s.bytes;
+            staging = staging.max(staging_for(s, s.rows));
+        }
+        let r = seg(m, &router_segment_name(l))?;
+        staging = staging.max(staging_for(r, r.rows));
+        attention_layers.push(layer);
+    }
+    let head = super::manifest::head_segment(m)?;
+    staging = staging.max(staging_for(head, head.rows));
+    for (name, _) in super::manifest::small_fragments(m) {
+        if let Some(s) = m.segment(&name) {
+            staging = staging.max(staging_for(s, s.rows));
+        }
+    }
+    let routers: u64 = shapes.iter().map(|s| device_bytes(s.router)).sum();
+    let batch = budget.batch.max(1);
+    let merge = device_bytes((batch * spec.d_model * 4) as u64);
+    let g = &base.gpu;
+    let everything_else =
+        g.small + g.head + g.kv + g.scratch + g.workspace + attention + routers + merge;
+    let shared: u64 = shapes.iter().map(|s| s.unit_device_bytes(0)).sum();
+    let usable = budget.gpu_mem.saturating_sub(g.fixed);
+    if usable < everything_else + shared {
+        return Err(PlanError::GpuTooSmall {
+            budget: budget.gpu_mem,
+            minimum: g.fixed + everything_else + shared,
+            breakdown: format!(
+                "a mixture-of-experts model keeps every layer's attention ({}), router ({}) and shared expert ({}) resident, with the small fragments {}, output matrix {}, KV cache {}, step buffers {}, workspace {} and the merge buffer {}",
+                human_bytes(attention),
+                human_bytes(routers),
+                human_bytes(shared),
+                human_bytes(g.small),
+                human_bytes(g.head),
+                human_bytes(g.kv),
+                human_bytes(g.scratch),
+                human_bytes(g.workspace),
+                human_bytes(merge)
+            ),
+        });
+    }
+    let room = usable - everything_else;
+    let fixed = Fixed {
+        base: &base,
+        shapes: &shapes,
+        attention_layers: &attention_layers,
+        experts: moe.experts,
+        used: moe.used,
+        everything_else,
+        attention,
+        routers,
+        merge,
+        staging,
+        batch,
+    };
+    let units = || fixed.finish(ExpertMode::Units, share_slots(&shapes, moe.experts, room));
+    let cpu = || fixed.finish(ExpertMode::Cpu, vec![0; n_layers]);
+    Ok(match mode {
+        Some(ExpertMode::Cpu) => cpu(),
+        Some(ExpertMode::Units) => units(),
+        None => {
+            let (u, c) = (units(), cpu());
+            if u.predicted_tokens_per_s >= c.predicted_tokens_per_s {
+                u
+            } else {
+                c
+            }
+        }
+    })
+}
+
+/// Slots per layer in `room` bytes: the same number in every layer, as many as fit (at most
+/// every expert), then one more for the layers whose experts take least, as long as room is
+/// left.
+pub fn share_slots(shapes: &[ExpertShape], experts: usize, room: u64) -> Vec<usize> {
+    let cost = |slots: &[usize]| -> u64 {
+        shapes
+            .iter()
+            .zip(slots)
+            .map(|(s, &k)| s.unit_device_bytes(k))
+            .sum()
+    };
+    let n = shapes.len();
+    let even = (0..=experts)
+        .rev()
+        .find(|&k| cost(&vec![k; n]) <= room)
+        .unwrap_or(0);
+    let mut slots = vec![even; n];
+    if even == experts {
+        return slots;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&l| (shapes[l].bytes(), l));
+    for l in order {
+        slots[l] += 1;
+        if cost(&slots) > room {
+            slots[l] -= 1;
+        }
+    }
+    slots
+}
+
+/// What every mode of one budget shares.
+struct Fixed<'a> {
+    base: &'a Plan,
+    shapes: &'a [ExpertShape],
+    attention_layers: &'a [u64],
+    experts: usize,
+    used: usize,
+    everything_else: u64,
+    attention: u64,
+    routers: u64,
+    merge: u64,
+    staging: u64,
+    batch: usize,
+}
+
+impl Fixed<'_> {
+    /// The plan with `slots` routed slots per layer: per layer the expected hits at uniform
+    /// routing, the bytes each resource moves, the predicted seconds; the copies the bus moves
+    /// within the step's time.
+    fn finish(&self, mode: ExpertMode, slots: Vec<usize>) -> ExpertPlan {
+        let base = self.base;
+        let spec = &base.spec;
+        let hw = &base.hardware;
+        let g = &base.gpu;
+        let (d, k) = (spec.d_model, self.used as f64);
+        let moe_rows = spec.moe.as_ref().map_or(0, |m| m.router_rows());
+        let device_rate = hw.matmul_flops_per_s;
+        let cpu_rate = batch::cpu_flops_per_s(hw);
+        let expert_flops = 2.0 * 3.0 * (d * spec.moe.as_ref().map_or(0, |m| m.d_expert)) as f64;
+        // One host wait a layer: the FFN input and the router's logits down, the CPU's partial
+        // sum up.
+        let trip = |bytes: usize| hw.op_overhead_s + bytes as f64 / hw.h2d_pinned_bytes_per_s;
+        let attention_row =
+            batch::projection_flops(spec) + batch::attention_flops(spec, base.budget.ctx / 2);
+        let mut layers = Vec::with_capacity(slots.len());
+        let (mut hbm, mut cpu, mut copies) = (g.small + g.head, 0u64, 0u64);
+        let mut seconds = 0.0;
+        let mut units = 0;
+        for (l, (&s, shape)) in slots.iter().zip(self.shapes).enumerate() {
+            let eb = shape.bytes();
+            let hit = if self.experts == 0 {
+                0.0
+            } else {
+                s as f64 / self.experts as f64
+            };
+            let on_device = hit * k + shape.shared as f64;
+            let missed = (1.0 - hit) * k;
+            let layer_hbm =
+                self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
+            let layer_cpu = (missed * eb as f64) as u64;
+            let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s + trip((d + moe_rows) * 4);
+            let cpu_s = if missed > 0.0 {
+                batch::bounded(
+                    layer_cpu as f64,
+                    hw.dram_read_bytes_per_s,
+                    1,
+                    missed * expert_flops,
+                    cpu_rate,
+                ) + trip(d * 4)
+            } else {
+                0.0
+            };
+            let attention_s = batch::bounded(
+                self.attention_layers[l] as f64,
+                hw.hbm_bytes_per_s,
+                1,
+                attention_row,
+                device_rate,
+            );
+            seconds += attention_s + device_s.max(cpu_s);
+            hbm += layer_hbm;
+            cpu += layer_cpu;
+            let device_bytes =
+                shape.unit_device_bytes(s) + crate::footprint::device_bytes(shape.router);
+            units += shape.unit_device_bytes(s);
+            layers.push(ExpertLayer {
+                slots: s,
+                device_bytes,
+                hit_ratio: hit,
+                hbm_bytes: layer_hbm,
+                cpu_bytes: layer_cpu,
+                copy_bytes: 0,
+                device_s,
+                cpu_s,
+            });
+        }
+        let per_session = g.kv / base.budget.sessions.max(1) as u64;
+        hbm += per_session / 2;
+        seconds += batch::bounded(
+            (g.head + per_session / 2) as f64,
+            hw.hbm_bytes_per_s,
+            1,
+            batch::head_flops(spec),
+            device_rate,
+        );
+        // About 16 ops a layer (norms, projections, rope, attention, router, experts, merge).
+        seconds += (spec.n_layers * 16 + 4) as f64 * hw.op_overhead_s;
+        // The ATU's copies go in beside the compute: as many a layer a step as the bus moves in
+        // the step's time (at least one where a unit can take any).
+        let widest = self
+            .shapes
+            .iter()
+            .map(|s| s.bytes())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let in_time =
+            seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * spec.n_layers.max(1) as f64);
+        let max_copies = (in_time as usize).clamp(1, self.used.max(1));
+        for (x, shape) in layers.iter_mut().zip(self.shapes) {
+            if x.slots > 0 && x.slots < self.experts {
+                let missed = (1.0 - x.hit_ratio) * k;
+                x.copy_bytes = (missed.min(max_copies as f64) * shape.bytes() as f64) as u64;
+                copies += x.copy_bytes;
+            }
+        }
+        let seconds = seconds.max(copies as f64 / hw.h2d_pinned_bytes_per_s);
+        let trips = spec.n_layers as u64 * ((2 * d + moe_rows) * 4) as u64;
+        let pcie = copies + trips + (d * 4 + spec.vocab_size * 4) as u64;
+        let placed = self.everything_else + units;
+        let dram_expert_bytes = self
+            .shapes
+            .iter()
+            .map(|s| (self.experts + s.shared) as u64 * s.bytes())
+            .sum();
+        let mut plan = base.clone();
+        plan.gpu.resident_layers = self.attention + self.routers + units;
+        plan.gpu.merge = self.merge;
+        plan.gpu.placed = placed;
+        plan.gpu.total = g.fixed + placed;
+        let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
+        plan.per_token = super::PerToken {
+            h2d_bytes: pcie - d2h,
+            d2h_bytes: d2h,
+            ssd_bytes: 0,
+            hbm_read_bytes: hbm,
+            cpu_read_bytes: cpu,
+        };
+        plan.prediction.tokens_per_s = if seconds > 0.0 { 1.0 / seconds } else { 0.0 };
+        plan.prediction.limited_by = format!("experts: {}", mode.name());
+        ExpertPlan {
+            mode,
+            experts: self.experts,
+            used: self.used,
+            layers,
+            shapes: self.shapes.to_vec(),
+            max_copies,
+            device: ExpertDevice {
+                attention: self.attention,
+                routers: self.routers,
+                units,
+                merge: self.merge,
+                placed,
+                total: g.fixed + placed,
+            },
+            dram_expert_bytes,
+            staging: self.staging,
+            batch: self.batch,
+            per_token: SparsePerToken {
+                hbm_bytes: hbm,
+                cpu_bytes: cpu,
+                pcie_bytes: pcie,
+            },
+            predicted_tokens_per_s: if seconds > 0.0 { 1.0 / seconds } else { 0.0 },
+            routing: "uniform (no routing profile): a unit of s slots of E experts hits s/E".into(),
+            plan,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(bytes: u64, shared: usize) -> ExpertShape {
+        ExpertShape {
+            gate: bytes,
+            up: bytes,
+            down: bytes,
+            shared,
+            router: 0,
+        }
+    }
+
+    #[test]
+    fn slots_are_shared_evenly_then_to_the_smallest_experts() {
+        let g = crate::footprint::DEVICE_ALIGN;
+        // One slot of layer 0 takes 3 granules, of layer 1 6 granules.
+        let shapes = [shape(g, 0), shape(2 * g, 0)];
+        let cost = |s: &[usize]| -> u64 {
+            shapes
+                .iter()
+                .zip(s)
+                .map(|(x, &k)| x.unit_device_bytes(k))
+                .sum()
+        };
+        assert_eq!(share_slots(&shapes, 8, 0), [0, 0]);
+        // Two of each (18 granules), and one more for layer 0 (3 more).
+        assert_eq!(share_slots(&shapes, 8, 21 * g), [3, 2]);
+        assert_eq!(cost(&[3, 2]), 21 * g);
+        // Never more than every expert.
+        assert_eq!(share_slots(&shapes, 8, u64::MAX / 4), [8, 8]);
+        // A shared expert's parts take their slots first.
+        let shared = [shape(g, 1), shape(g, 1)];
+        assert_eq!(shared[0].unit_device_bytes(0), 3 * g);
+        assert_eq!(share_slots(&shared, 8, 6 * g), [0, 0]);
+        assert_eq!(share_slots(&shared, 8, 9 * g), [1, 0]);
+    }
+}

@@ -1,0 +1,508 @@
+//! A mixture-of-experts model's experts offloaded ([`crate::plan::experts`]): every layer's
+//! attention, router, norms and shared expert resident on the device with the head; each
+//! layer's routed experts in DRAM, read whole from the store (each expert one slice of each
+//! stack, as the GGUF holds it), and on the device a unit of whole-expert slots.
+//!
+//! A step's routes split between the unit (the experts it holds, and the shared expert's parts
+//! pinned after the routed slots) and the CPU (the others, computed from DRAM while the device
+//! computes its share: the engine's offloaded MoE step). After the step the unit takes in the
+//! missed experts the ATU admits ([`SlotMap::admit`], least recently routed out first), at most
+//! the plan's number a step, each one copy of its gate, up and down rows queued behind the
+//! step's compute; the next step that computes from the unit waits for them on the device, the
+//! host never does. A unit as large as the layer's experts is filled at start-up.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+use super::atu::{Eviction, Load, SlotMap};
+use super::resident::{Resident, Small, resident_source};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::kernels::Kernels;
+use crate::backend::{Act, Backend, Experts, Route};
+use crate::engine::{
+    EngineError, ExpertCache, ExpertsView, FfnView, HeadView, LayerView, Result, WeightSource,
+};
+use crate::footprint::MatmulShapes;
+use crate::footprint::ledger::{Ledger, Reservation, Tier};
+use crate::model::ModelSpec;
+use crate::plan::device_dtype;
+use crate::plan::experts::ExpertPlan;
+use crate::plan::manifest::{experts_segment_name, router_segment_name};
+use crate::store::{Store, StoreError};
+use crate::tensor::HostTensor;
+
+fn store_err(e: StoreError) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+fn weights_err(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Weights(e.to_string())
+}
+
+/// What the expert units and the CPU have done so far, summed over layers and steps.
+#[derive(Default)]
+pub struct ExpertTraffic {
+    needed: AtomicU64,
+    hits: AtomicU64,
+    copies: AtomicU64,
+    copy_bytes: AtomicU64,
+    cpu_experts: AtomicU64,
+    cpu_bytes: AtomicU64,
+}
+
+/// A snapshot of [`ExpertTraffic`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ExpertCounts {
+    /// Distinct routed experts a layer's step needed, summed over layers and steps.
+    pub needed: u64,
+    /// Of them, on the device when needed.
+    pub hits: u64,
+    /// Experts copied into units (after start-up), and their bytes.
+    pub copies: u64,
+    pub copy_bytes: u64,
+    /// Experts the CPU computed (each read once a step), and their bytes.
+    pub cpu_experts: u64,
+    pub cpu_bytes: u64,
+}
+
+impl ExpertCounts {
+    pub fn hit_ratio(&self) -> f64 {
+        if self.needed == 0 {
+            1.0
+        } else {
+            self.hits as f64 / self.needed as f64
+        }
+    }
+}
+
+impl ExpertTraffic {
+    pub fn snapshot(&self) -> ExpertCounts {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ExpertCounts {
+            needed: get(&self.needed),
+            hits: get(&self.hits),
+            copies: get(&self.copies),
+            copy_bytes: get(&self.copy_bytes),
+            cpu_experts: get(&self.cpu_experts),
+            cpu_bytes: get(&self.cpu_bytes),
+        }
+    }
+}
+
+/// The distinct routed experts (ids below `experts`) of a step's routes, most wanted first: by
+/// the sum of their weights over the step's rows, ties to the lower id. What a unit's ATU takes
+/// a step at a time (and the reference simulation replays).
+pub fn active_experts(routes: &[Route], experts: usize) -> Vec<u32> {
+    let mut want: Vec<(u32, f32)> = Vec::new();
+    for r in routes.iter().filter(|r| (r.expert as usize) < experts) {
+        match want.iter_mut().find(|(e, _)| *e == r.expert) {
+            Some((_, w)) => *w += r.weight,
+            None => want.push((r.expert, r.weight)),
+        }
+    }
+    want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    want.into_iter().map(|(e, _)| e).collect()
+}
+
+/// One of a layer's three expert stacks in DRAM: its bytes (what a copy into a slot reads) and
+/// the CPU's weight over the same bytes.
+struct Stack {
+    host: HostTensor,
+    cpu: <CpuBackend as Backend>::Weight,
+    /// Rows of one expert.
+    rows: usize,
+    _hold: Reservation,
+}
+
+impl Stack {
+    fn load(
+        store: &Store,
+        ledger: &Arc<Ledger>,
+        cpu: &CpuBackend,
+        name: &str,
+        experts: usize,
+    ) -> Result<Self> {
+        let seg = store.require(name).map_err(store_err)?;
+        if experts == 0 || !seg.rows.is_multiple_of(experts) {
+            return Err(weights_err(format!(
+                "`{name}` has {} rows: not {experts} experts of equal rows",
+                seg.rows
+            )));
+        }
+        let hold = ledger
+            .reserve(Tier::Dram, seg.bytes.next_multiple_of(4096), name)
+            .map_err(weights_err)?;
+        let host = store.tensor(name).map_err(store_err)?;
+        ledger.count_ssd(seg.read_extent(0..seg.rows).1);
+        Ok(Stack {
+            cpu: cpu.upload(&host)?,
+            rows: seg.rows / experts,
+            host,
+            _hold: hold,
+        })
+    }
+
+    /// Expert `e`'s rows, as stored.
+    fn expert(&self, e: usize) -> &[u8] {
+        let rb = self.host.data.len() / self.host.rows.max(1);
+        &self.host.data.as_slice()[e * self.rows * rb..(e + 1) * self.rows * rb]
+    }
+}
+
+/// One layer's experts: the stacks in DRAM, the unit on the device and its slot map.
+struct LayerExperts<B: Backend> {
+    /// Gate, up and down stacks.
+    stacks: [Stack; 3],
+    /// The unit's gate, up and down: the routed slots, then the shared expert's parts.
+    unit: Option<[B::Weight; 3]>,
+    /// The routed slots' map (none without routed slots).
+    map: Option<SlotMap>,
+    slots: usize,
+    /// The copies last queued into the unit.
+    landed: Option<B::Event>,
+}
+
+impl<B: Backend> LayerExperts<B> {
+    /// Copy expert `e` into slot `slot` of the unit, on the copy queue.
+    fn copy_in(&mut self, b: &B, e: usize, slot: usize) -> Result<u64> {
+        let unit = self
+            .unit
+            .as_mut()
+            .ok_or_else(|| weights_err("a copy into a layer without a unit"))?;
+        let mut bytes = 0;
+        for (w, s) in unit.iter_mut().zip(&self.stacks) {
+            let src = s.expert(e);
+            b.upload_into(w, slot * s.rows, src)?;
+            bytes += src.len() as u64;
+        }
+        Ok(bytes)
+    }
+}
+
+/// The CPU's side: its backend and the experts' activation.
+struct CpuSide {
+    backend: CpuBackend,
+    act: Act,
+    width: usize,
+    d: usize,
+}
+
+pub struct ExpertWeights<B: Backend> {
+    resident: Resident<B>,
+    routers: Vec<B::Weight>,
+    layers: Vec<LayerExperts<B>>,
+    partial: B::Tensor,
+    cpu: CpuSide,
+    experts: usize,
+    max_copies: usize,
+    traffic: Arc<ExpertTraffic>,
+}
+
+impl<B: Backend> ExpertWeights<B> {
+    /// Load what `plan` places: everything but the routed experts on the device, each layer's
+    /// unit of `plan`'s slots (the shared expert's parts copied in, and every expert where the
+    /// unit holds them all), the experts' stacks in DRAM; the CPU computes with `kernels` on
+    /// `threads` threads (0: all).
+    pub fn new(
+        b: &B,
+        store: Arc<Store>,
+        plan: &ExpertPlan,
+        ledger: Arc<Ledger>,
+        kernels: &'static Kernels,
+        threads: usize,
+        act: Act,
+    ) -> Result<Self> {
+        let m = &store.manifest;
+        if m.model_id != plan.plan.model_id {
+            return Err(weights_err("the expert plan was made for another model"));
+        }
+        let spec: &ModelSpec = &m.spec;
+        let moe = spec
+            .moe
+            .clone()
+            .ok_or_else(|| weights_err("an expert plan for a model without experts"))?;
+        if plan.layers.len() != spec.n_layers {
+            return Err(weights_err("the expert plan has another number of layers"));
+        }
+        let all = moe.experts + moe.shared;
+        let cpu = CpuBackend::with_kernels(threads, kernels)?;
+        let mut routers = Vec::with_capacity(spec.n_layers);
+        let mut layers = Vec::with_capacity(spec.n_layers);
+        let resident = Resident::load(
+            b,
+            &store,
+            &ledger,
+            plan.staging,
+            |l, _: &mut Small<B>, loader| {
+                let seg = store.require(&router_segment_name(l)).map_err(store_err)?;
+                routers.push(loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?);
+                let stacks = ["gate", "up", "down"]
+                    .map(|w| Stack::load(&store, &ledger, &cpu, &experts_segment_name(l, w), all));
+                let [g, u, d] = stacks;
+                let stacks = [g?, u?, d?];
+                let slots = plan.layers[l].slots.min(moe.experts);
+                let mut layer = LayerExperts {
+                    unit: None,
+                    map: None,
+                    slots,
+                    landed: None,
+                    stacks,
+                };
+                if slots + moe.shared > 0 {
+                    let mut unit = Vec::with_capacity(3);
+                    for (w, s) in ["gate", "up", "down"].iter().zip(&layer.stacks) {
+                        let name = experts_segment_name(l, w);
+                        let seg = store.require(&name).map_err(store_err)?;
+                        unit.push(b.alloc_weight(
+                            &format!("{name} unit"),
+                            device_dtype(seg),
+                            (slots + moe.shared) * s.rows,
+                            seg.cols,
+                        )?);
+                    }
+                    layer.unit = Some(
+                        unit.try_into()
+                            .map_err(|_| weights_err("three expert matrices"))?,
+                    );
+                    // The shared expert's parts, pinned after the routed slots; every routed expert
+                    // where the unit holds them all.
+                    let mut fill: Vec<(usize, usize)> = (0..moe.shared)
+                        .map(|i| (moe.experts + i, slots + i))
+                        .collect();
+                    if slots == moe.experts {
+                        fill.extend((0..slots).map(|e| (e, e)));
+                    }
+                    for (e, slot) in fill {
+                        layer.copy_in(b, e, slot)?;
+                    }
+                    let ev = b.copies_done()?;
+                    b.host_waits(&ev)?;
+                }
+                if slots > 0 {
+                    let mut map =
+                        SlotMap::new(moe.experts, slots, Eviction::Recency).map_err(weights_err)?;
+                    if slots == moe.experts {
+                        let every: Vec<u32> = (0..slots as u32).collect();
+                        map.admit(&every, slots).map_err(weights_err)?;
+                    }
+                    layer.map = Some(map);
+                }
+                layers.push(layer);
+                Ok(())
+            },
+        )?;
+        let partial = b.alloc(plan.batch.max(1), spec.d_model)?;
+        Ok(ExpertWeights {
+            resident,
+            routers,
+            layers,
+            partial,
+            cpu: CpuSide {
+                backend: cpu,
+                act,
+                width: moe.d_expert,
+                d: spec.d_model,
+            },
+            experts: moe.experts,
+            max_copies: plan.max_copies,
+            traffic: Arc::new(ExpertTraffic::default()),
+        })
+    }
+
+    /// What the units and the CPU have done so far.
+    pub fn traffic(&self) -> Arc<ExpertTraffic> {
+        self.traffic.clone()
+    }
+}
+
+/// One layer's experts for one step.
+struct ExpertStep<'a, B: Backend> {
+    layer: &'a mut LayerExperts<B>,
+    cpu: &'a CpuSide,
+    experts: usize,
+    max_copies: usize,
+    traffic: &'a ExpertTraffic,
+}
+
+impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
+    fn split(&mut self, b: &B, routes: &[Route]) -> Result<(Vec<Route>, Vec<Route>)> {
+        let (mut device, mut cpu) = (Vec::new(), Vec::new());
+        for r in routes {
+            let e = r.expert as usize;
+            let slot = if e >= self.experts {
+                // A shared expert's part: pinned after the routed slots.
+                Some((self.layer.slots + e - self.experts) as u32)
+            } else {
+                self.layer.map.as_ref().and_then(|m| m.slot_of(r.expert))
+            };
+            match slot {
+                Some(s) => device.push(Route { expert: s, ..*r }),
+                None => cpu.push(*r),
+            }
+        }
+        if !device.is_empty()
+            && let Some(ev) = self.layer.landed.take()
+        {
+            b.compute_waits(&ev)?;
+        }
+        Ok((device, cpu))
+    }
+
+    fn unit(&self) -> Option<Experts<'_, B::Weight>> {
+        self.layer.unit.as_ref().map(|[g, u, d]| Experts {
+            gate: Some(g),
+            up: u,
+            down: d,
+            width: self.cpu.width,
+        })
+    }
+
+    fn cpu_ffn(&self, x: &[f32], n: usize, routes: &[Route], out: &mut [f32]) -> Result<()> {
+        let c = &self.cpu;
+        let b = &c.backend;
+        let mut xt = b.alloc(n, c.d)?;
+        b.write(&mut xt, x)?;
+        let mut ot = b.alloc(n, c.d)?;
+        let [g, u, d] = &self.layer.stacks;
+        let experts = Experts {
+            gate: Some(&g.cpu),
+            up: &u.cpu,
+            down: &d.cpu,
+            width: c.width,
+        };
+        b.moe_ffn(experts, &xt, routes, c.act, &mut ot)?;
+        b.read(&ot, out)?;
+        let mut ids: Vec<u32> = routes.iter().map(|r| r.expert).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let bytes: u64 = ids
+            .iter()
+            .map(|&e| {
+                self.layer
+                    .stacks
+                    .iter()
+                    .map(|s| s.expert(e as usize).len() as u64)
+                    .sum::<u64>()
+            })
+            .sum();
+        self.traffic
+            .cpu_experts
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.traffic.cpu_bytes.fetch_add(bytes, Ordering::Relaxed);
+        crate::engine::trace::add_cpu_bytes(bytes);
+        Ok(())
+    }
+
+    fn admit(&mut self, b: &B, routes: &[Route]) -> Result<()> {
+        let active = active_experts(routes, self.experts);
+        self.traffic
+            .needed
+            .fetch_add(active.len() as u64, Ordering::Relaxed);
+        let Some(map) = self.layer.map.as_mut() else {
+            return Ok(());
+        };
+        let (hits, loads) = map.admit(&active, self.max_copies).map_err(weights_err)?;
+        self.traffic.hits.fetch_add(hits as u64, Ordering::Relaxed);
+        if loads.is_empty() {
+            return Ok(());
+        }
+        match self.copy_loads(b, &loads) {
+            Ok(bytes) => {
+                self.traffic
+                    .copies
+                    .fetch_add(loads.len() as u64, Ordering::Relaxed);
+                self.traffic.copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                // The unit must not claim experts it never received.
+                if let Some(map) = self.layer.map.as_mut() {
+                    map.forget(&loads);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl<B: Backend> ExpertStep<'_, B> {
+    /// Copy `loads` into their slots behind the compute queued so far (the step's reads of the
+    /// slots they overwrite); the unit's next use waits for them.
+    fn copy_loads(&mut self, b: &B, loads: &[Load]) -> Result<u64> {
+        let free = b.compute_done()?;
+        b.copies_wait(&free)?;
+        let mut bytes = 0;
+        for l in loads {
+            bytes += self.layer.copy_in(b, l.neuron as usize, l.slot as usize)?;
+        }
+        self.layer.landed = Some(b.copies_done()?);
+        Ok(bytes)
+    }
+}
+
+impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
+    resident_source!();
+
+    fn layer(&mut self, _: &B, l: usize) -> Result<LayerView<'_, B>> {
+        let ExpertWeights {
+            resident,
+            routers,
+            layers,
+            partial,
+            cpu,
+            experts,
+            max_copies,
+            traffic,
+        } = self;
+        let layer = layers
+            .get_mut(l)
+            .ok_or_else(|| weights_err(format!("no layer {l}")))?;
+        let cache = ExpertStep {
+            layer,
+            cpu,
+            experts: *experts,
+            max_copies: *max_copies,
+            traffic,
+        };
+        let ffn = FfnView::Matrices {
+            gate: None,
+            up: crate::tier::resident::linear(None, None),
+            down: crate::tier::resident::linear(None, None),
+        };
+        let mut view = resident.layer(l, ffn, None, None);
+        view.router = Some(&routers[l]);
+        view.experts = Some(ExpertsView {
+            cache: Box::new(cache),
+            partial,
+        });
+        Ok(view)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_steps_experts_come_most_wanted_first() {
+        let r = |token, expert, weight| Route {
+            token,
+            expert,
+            weight,
+        };
+        // Expert 3 is wanted by both rows (0.5 + 0.25), then 1 (0.5), then 2 and 5 tie at 0.25
+        // (the lower id first); the shared part (id 8, after the 8 routed) is no routed expert.
+        let routes = [
+            r(0, 3, 0.5),
+            r(0, 1, 0.5),
+            r(0, 8, 0.9),
+            r(1, 2, 0.25),
+            r(1, 3, 0.25),
+            r(1, 5, 0.25),
+        ];
+        assert_eq!(active_experts(&routes, 8), [3, 1, 2, 5]);
+        assert!(active_experts(&[], 8).is_empty());
+    }
+}

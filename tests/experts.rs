@@ -1,0 +1,254 @@
+//! Mixture-of-experts models offloaded to the budgeted device (`--cold gpu|cpu` on a MoE
+//! model): at budgets from "only attention, routers and shared expert resident" to "every expert
+//! resident", the logits are the dense CPU engine's; the ledger peaks at exactly the expert
+//! plan's bytes; the units' hits and copies are a reference simulation's of the ATU on the same
+//! routing trace; the CPU reads exactly the missed experts; the bus moves exactly the copies and
+//! the partial sums beyond what every budget moves.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use gpu_offload::backend::cpu::{CpuBackend, kernels};
+use gpu_offload::backend::sim::SimBackend;
+use gpu_offload::backend::{KvType, Route};
+use gpu_offload::engine::{Engine, RouteTap, backend_act};
+use gpu_offload::footprint::Ledger;
+use gpu_offload::model::Model;
+use gpu_offload::plan::experts::{ExpertMode, ExpertPlan, plan_experts};
+use gpu_offload::plan::{Budget, HardwareProfile, PlanError};
+use gpu_offload::store::Store;
+use gpu_offload::tier::atu::{Eviction, SlotMap};
+use gpu_offload::tier::experts::{ExpertCounts, ExpertWeights, active_experts};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+use common::close;
+use common::prefill_and_decode_logits as logits;
+
+/// Every layer's routes, step by step.
+#[derive(Default)]
+struct Trace(Mutex<Vec<(usize, usize, Vec<Route>)>>);
+
+impl RouteTap for Trace {
+    fn routed(&self, layer: usize, rows: usize, routes: &[Route]) {
+        self.0.lock().unwrap().push((layer, rows, routes.to_vec()));
+    }
+}
+
+fn budget(gpu_mem: u64, toks: usize) -> Budget {
+    Budget::new(gpu_mem, None, 2, toks + 4, toks)
+}
+
+fn hw() -> HardwareProfile {
+    HardwareProfile::load("cpu-sim").unwrap()
+}
+
+/// The offloaded engine of `plan`, its ledger budgeted at exactly what the plan places.
+fn offloaded(
+    store: &Arc<Store>,
+    plan: &ExpertPlan,
+) -> (
+    Engine<SimBackend>,
+    Arc<Ledger>,
+    Arc<gpu_offload::tier::experts::ExpertTraffic>,
+    Arc<Trace>,
+) {
+    let ledger = Ledger::new(Some(plan.device.placed), None);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let spec = store.manifest.spec.clone();
+    let src = ExpertWeights::new(
+        &sim,
+        store.clone(),
+        plan,
+        ledger.clone(),
+        kernels::best(),
+        2,
+        backend_act(spec.activation),
+    )
+    .unwrap();
+    let traffic = src.traffic();
+    let trace = Arc::new(Trace::default());
+    let e = Engine::with_source(sim, spec, Box::new(src))
+        .unwrap()
+        .with_prefill(plan.plan.prefill)
+        .unwrap()
+        .with_kv_type(KvType::F16)
+        .unwrap()
+        .with_route_tap(trace.clone());
+    (e, ledger, traffic, trace)
+}
+
+/// What the units should have done over `trace`: each layer's unit replayed step by step
+/// through its own slot map (filled at start where it holds every expert), with the CPU's
+/// experts and bytes and the partial sums' bytes (`n × d_model` f32 a step that leaves the CPU
+/// any expert).
+fn reference(
+    plan: &ExpertPlan,
+    trace: &[(usize, usize, Vec<Route>)],
+    d: usize,
+) -> (ExpertCounts, u64) {
+    let e = plan.experts;
+    let mut maps: Vec<Option<SlotMap>> = plan
+        .layers
+        .iter()
+        .map(|l| {
+            (l.slots > 0).then(|| {
+                let mut m = SlotMap::new(e, l.slots, Eviction::Recency).unwrap();
+                if l.slots == e {
+                    let all: Vec<u32> = (0..e as u32).collect();
+                    m.admit(&all, e).unwrap();
+                }
+                m
+            })
+        })
+        .collect();
+    let mut c = ExpertCounts::default();
+    let mut partials = 0;
+    for (layer, rows, routes) in trace {
+        let active = active_experts(routes, e);
+        let eb = plan.shapes[*layer].bytes();
+        let hits = match &mut maps[*layer] {
+            Some(m) => {
+                let (hits, loads) = m.admit(&active, plan.max_copies).unwrap();
+                c.copies += loads.len() as u64;
+                c.copy_bytes += loads.len() as u64 * eb;
+                hits
+            }
+            None => 0,
+        };
+        let missed = (active.len() - hits) as u64;
+        c.needed += active.len() as u64;
+        c.hits += hits as u64;
+        c.cpu_experts += missed;
+        c.cpu_bytes += missed * eb;
+        if missed > 0 {
+            partials += (rows * d * 4) as u64;
+        }
+    }
+    (c, partials)
+}
+
+/// The tiny synthetic Qwen3-MoE (8 experts, top 2) in f16 and Q4_K_M, and the Qwen2-MoE fixture
+/// (a shared expert beside the routed ones).
+fn models(dir: &tempfile::TempDir) -> Vec<std::path::PathBuf> {
+    use gpu_offload::model::quant_mix::QuantMix;
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    let spec = SynthSpec::preset("tiny-moe").unwrap();
+    let f16 = dir.path().join("tiny-moe.gguf");
+    synthesize_gguf(&spec, &f16, false, None, &mut |_, _| {}).unwrap();
+    let q = dir.path().join("tiny-moe-q4_k_m.gguf");
+    synthesize_gguf(&spec, &q, false, Some(QuantMix::Q4KM), &mut |_, _| {}).unwrap();
+    vec![f16, q, common::fixtures().join("hf/qwen2-moe")]
+}
+
+#[test]
+fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = StdRng::seed_from_u64(38);
+    for model in models(&dir) {
+        let sdir = tempfile::tempdir().unwrap();
+        let store = common::store_of(&model, &sdir);
+        let spec = store.manifest.spec.clone();
+        let moe = spec.moe.clone().unwrap();
+        let toks: Vec<u32> = (0..9)
+            .map(|i| (i * 37 + 11) % spec.vocab_size as u32)
+            .collect();
+        let dense = Model::load(&model).unwrap();
+        let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
+        // The largest budget plans every expert in every layer; the least (found by bisection)
+        // no slot.
+        let plans = |gpu_mem: u64| {
+            plan_experts(
+                &store.manifest,
+                &budget(gpu_mem, toks.len()),
+                &hw(),
+                Some(ExpertMode::Units),
+            )
+        };
+        let most = plans(u64::MAX / 4).unwrap().device.total;
+        let (mut lo, mut least) = (4096u64, most);
+        let r = plans(lo);
+        assert!(
+            matches!(r, Err(PlanError::GpuTooSmall { .. })),
+            "{:?}",
+            r.map(|p| p.device)
+        );
+        while least - lo > 1 {
+            let mid = lo + (least - lo) / 2;
+            match plans(mid) {
+                Ok(_) => least = mid,
+                Err(PlanError::GpuTooSmall { .. }) => lo = mid,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let mut budgets = vec![most, least];
+        budgets.extend((0..3).map(|_| rng.random_range(least..most)));
+        let mut base: Option<(u64, u64)> = None;
+        for (i, &gpu_mem) in budgets.iter().enumerate() {
+            let plan = plan_experts(
+                &store.manifest,
+                &budget(gpu_mem, toks.len()),
+                &hw(),
+                Some(ExpertMode::Units),
+            )
+            .unwrap();
+            let slots = plan.slots();
+            let what = format!("{} at {gpu_mem} bytes, slots {slots:?}", model.display());
+            assert!(plan.device.total <= gpu_mem, "{what}");
+            match i {
+                0 => assert!(slots.iter().all(|&s| s == moe.experts), "{what}"),
+                1 => assert!(slots.iter().all(|&s| s == 0), "{what}"),
+                _ => {}
+            }
+            let (e, ledger, traffic, trace) = offloaded(&store, &plan);
+            let at_load = ledger.snapshot();
+            let got = logits(&e, &toks);
+            close(&got, &want, &what);
+            let end = ledger.snapshot();
+            assert_eq!(end.hbm_peak, plan.device.placed, "{what}: ledger peak");
+            let trace = trace.0.lock().unwrap();
+            // One prefill step and 4 decode steps through every layer.
+            assert_eq!(trace.len(), 5 * spec.n_layers, "{what}");
+            let (want_counts, partials) = reference(&plan, &trace, spec.d_model);
+            assert_eq!(
+                traffic.snapshot(),
+                want_counts,
+                "{what}: units against the reference"
+            );
+            if i == 0 {
+                assert_eq!(
+                    want_counts.hits, want_counts.needed,
+                    "{what}: every expert resident"
+                );
+            }
+            // Beyond what every budget moves (the budget holding every expert: no copy, no
+            // partial sum), the bus carries exactly the copies and the partial sums; nothing
+            // else comes back.
+            let h2d = end.h2d_bytes - at_load.h2d_bytes;
+            let d2h = end.d2h_bytes - at_load.d2h_bytes;
+            let (h2d_base, d2h_base) = *base.get_or_insert((h2d, d2h));
+            assert_eq!(
+                h2d,
+                h2d_base + want_counts.copy_bytes + partials,
+                "{what}: h2d"
+            );
+            assert_eq!(d2h, d2h_base, "{what}: d2h");
+        }
+        // Every routed expert on the CPU (llama.cpp's `-ot exps=CPU`): the same logits, no
+        // slot, no copy.
+        let plan = plan_experts(
+            &store.manifest,
+            &budget(most, toks.len()),
+            &hw(),
+            Some(ExpertMode::Cpu),
+        )
+        .unwrap();
+        assert!(plan.slots().iter().all(|&s| s == 0));
+        let (e, ledger, traffic, _) = offloaded(&store, &plan);
+        close(&logits(&e, &toks), &want, "all experts on the CPU");
+        assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed);
+        let t = traffic.snapshot();
+        assert_eq!((t.hits, t.copies, t.cpu_experts), (0, 0, t.needed));
+    }
+}
