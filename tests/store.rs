@@ -474,7 +474,8 @@ fn dram_budget_below_the_minimum_is_refused_with_the_minimum() {
 /// A mixture-of-experts model is stored as its router and expert stacks (an expert one slice of
 /// each) and comes back exactly: the CPU engine on the store's weights computes the logits it
 /// computes on the source's, bit for bit; a flipped bit in an expert is named; offloaded runs
-/// say experts are not offloaded yet; bundling is refused.
+/// (every expert resident, or every routed expert on the CPU) decode what the CPU engine
+/// decodes; bundling is refused.
 #[test]
 fn experts_are_stored_as_slices_and_come_back_exact() {
     use gpu_offload::backend::cpu::CpuBackend;
@@ -525,9 +526,37 @@ fn experts_are_stored_as_slices_and_come_back_exact() {
             "{}",
             src.display()
         );
+        let dense: Value = serde_json::from_str(&ok(bin().args([
+            "run",
+            "--device",
+            "cpu",
+            "-m",
+            s(src),
+            "--tokens",
+            "5,17,99,3",
+            "-n",
+            "6",
+            "--temperature",
+            "0",
+            "--json",
+            "--ignore-eos",
+            "--kv-type",
+            "f32",
+        ])))
+        .unwrap();
+        for cold in ["gpu", "cpu"] {
+            let run = ok(&mut sim_run(&out, &["--kv-type", "f32", "--cold", cold]));
+            let offloaded: Value = serde_json::from_str(&run).unwrap();
+            assert_eq!(
+                offloaded["token_ids"],
+                dense["token_ids"],
+                "{} --cold {cold}",
+                src.display()
+            );
+        }
         fails(
-            &mut sim_run(&out, &[]),
-            &["mixture-of-experts", "not offloaded yet", "--device cpu"],
+            &mut sim_run(&out, &["--cold", "stream"]),
+            &["--cold stream", "mixture-of-experts", "--cold cpu"],
         );
         if i == 0 {
             // An expert's flipped bit is named by the verifier.

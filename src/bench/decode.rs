@@ -190,9 +190,10 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         .as_ref()
         .map(|t| phases::per_token_json(t, &rates, (m.after_prefill, m.end)));
     // The running mode's plan, resource by resource, beside the traced phases.
-    let sparse_per_token = match (&running.hybrid, &running.units) {
-        (Some(h), _) => Some(&h.plan.per_token),
-        (_, Some(u)) => Some(&u.plan.per_token),
+    let sparse_per_token = match (&running.hybrid, &running.units, &running.experts) {
+        (Some(h), _, _) => Some(&h.plan.per_token),
+        (_, Some(u), _) => Some(&u.plan.per_token),
+        (_, _, Some(x)) => Some(&x.plan.per_token),
         _ => None,
     };
     let plan_vs_trace = decode_totals
@@ -217,6 +218,17 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
                "hot_neurons": h.plan.layers.iter().map(|l| l.neurons).sum::<usize>(),
                "device_bytes": h.plan.device.total})
     });
+    // What the expert units and the CPU did over the bench's calls (prompts and decode), against
+    // what the plan expected per token.
+    let experts = running.experts.as_ref().map(|x| {
+        let c = x.traffic.snapshot();
+        json!({"mode": x.plan.mode, "slots": x.plan.slots(), "max_copies": x.plan.max_copies,
+               "totals": c, "hit_ratio": c.hit_ratio(),
+               "expected_hit_ratio": x.plan.layers.iter().map(|l| l.hit_ratio).sum::<f64>()
+                   / x.plan.layers.len().max(1) as f64,
+               "expected_per_token": x.plan.per_token, "device_bytes": x.plan.device.total,
+               "routing": x.plan.routing})
+    });
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
     // On by default on CUDA: whether this engine records, not whether the flag was given.
@@ -235,7 +247,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         "bound_limited_by": bound.limited_by, "bound_tokens_per_s": bound.tokens_per_s,
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
-        "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units,
+        "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units, "experts": experts,
         "phases_per_token": phase_totals, "plan_vs_trace_per_token": plan_vs_trace,
     });
     Ok(DecodeRun {

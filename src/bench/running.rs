@@ -29,12 +29,15 @@ pub fn traffic_of(r: &Running, first: usize, steps: usize) -> Traffic {
     // Hybrid: the device reads attention and hot neurons, the CPU the cold ones, PCIe carries
     // two vectors a layer. Cache units: the device reads attention and the active neurons in
     // their units, PCIe carries the loads, the CPU reads the deciding vectors (oracle masks).
-    // Both expected at the profile's frequencies.
+    // Both expected at the profile's frequencies. Experts: the device reads attention, routers
+    // and the experts its units hold, the CPU the missed ones, PCIe the copies and two vectors a
+    // layer.
     let sparse = r
         .hybrid
         .as_ref()
         .map(|h| &h.plan.per_token)
-        .or(r.units.as_ref().map(|u| &u.plan.per_token));
+        .or(r.units.as_ref().map(|u| &u.plan.per_token))
+        .or(r.experts.as_ref().map(|x| &x.plan.per_token));
     if let Some(p) = sparse {
         return Traffic {
             hbm_read_bytes: p.hbm_bytes as f64,

@@ -84,8 +84,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
         }
     };
     let store = open_store_for(&a.model)?;
-    crate::runtime::refuse_experts(&store.manifest.spec, "`plan`")?;
     let budget = budget_of(&a, &store.manifest.spec, gpu_mem)?;
+    if store.manifest.spec.moe.is_some() {
+        return print_expert_plan(&a, &store, &budget, &hw);
+    }
     let name = a.model.display().to_string();
     let planned = plan_store(
         &store,
@@ -97,6 +99,39 @@ pub fn run(a: PlanArgs) -> Result<()> {
         a.sparsity_target,
     )?;
     print_plan(&a, planned, &budget)
+}
+
+/// A mixture-of-experts model's plan: the expert units (or every routed expert on the CPU) for
+/// `--cold`, as JSON or as the report.
+fn print_expert_plan(
+    a: &PlanArgs,
+    store: &crate::store::Store,
+    budget: &Budget,
+    hw: &crate::plan::HardwareProfile,
+) -> Result<()> {
+    use crate::plan::experts::{ExpertMode, plan_experts};
+    if a.hot_neurons {
+        anyhow::bail!(
+            "--hot-neurons places FFN neurons; a mixture-of-experts model's unit is the expert \
+             (its plan shows the expert slots per layer)"
+        );
+    }
+    let mode = ExpertMode::for_cold(a.budget.cold)?;
+    let ep = plan_experts(&store.manifest, budget, hw, mode)?;
+    if a.json {
+        let mut v = serde_json::to_value(&ep.plan)?;
+        v["experts"] = serde_json::to_value(&ep)?;
+        v["cold"] = match ep.mode {
+            ExpertMode::Cpu => "cpu",
+            ExpertMode::Units => "gpu",
+        }
+        .into();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", ep.plan.report());
+        print!("{}", ep.report());
+    }
+    Ok(())
 }
 
 /// The budget the flags ask to plan for a model of `spec` on a device of `gpu_mem` bytes.

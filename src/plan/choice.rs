@@ -30,10 +30,14 @@ pub enum Cold {
     /// Bundled FFNs: the CPU computes the last neurons of every layer from DRAM, as many as
     /// balance the copies of the rest.
     Split,
-    /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others.
+    /// Hybrid: hot neurons (by the sparsity profile) resident, the CPU computes the others. A
+    /// mixture-of-experts model: every routed expert computed by the CPU from DRAM, the rest on
+    /// the device (llama.cpp's `-ot exps=CPU`).
     Cpu,
     /// Cache units (bundled FFNs): the device computes every active neuron from a unit per
-    /// layer that only the neurons it lacks are copied into (by the sparsity profile).
+    /// layer that only the neurons it lacks are copied into (by the sparsity profile). A
+    /// mixture-of-experts model: a unit of expert slots per layer in what the budget leaves,
+    /// updated by the ATU; the experts it lacks computed by the CPU meanwhile.
     Gpu,
     /// The fastest of the above by the plan's prediction (hybrid and cache units only where a
     /// profile exists).

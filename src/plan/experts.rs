@@ -49,6 +49,27 @@ pub enum ExpertMode {
 }
 
 impl ExpertMode {
+    /// The mode `--cold` asks of a mixture-of-experts model: `cpu` every routed expert on the
+    /// CPU, `gpu` expert units, `auto` (`None`) the faster; experts are not streamed or split.
+    pub fn for_cold(cold: super::choice::Cold) -> Result<Option<Self>, PlanError> {
+        use super::choice::Cold;
+        match cold {
+            Cold::Cpu => Ok(Some(ExpertMode::Cpu)),
+            Cold::Gpu => Ok(Some(ExpertMode::Units)),
+            Cold::Auto => Ok(None),
+            Cold::Stream | Cold::Split => Err(PlanError::Budget(format!(
+                "--cold {}: a mixture-of-experts model's experts are not streamed or split by \
+                 neurons; --cold cpu computes the routed experts on the CPU, --cold gpu keeps \
+                 expert cache units on the device (their misses on the CPU), auto chooses",
+                if cold == Cold::Stream {
+                    "stream"
+                } else {
+                    "split"
+                }
+            ))),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ExpertMode::Cpu => "all routed experts on the CPU",
@@ -126,8 +147,9 @@ pub struct ExpertLayer {
     pub hbm_bytes: u64,
     pub cpu_bytes: u64,
     pub copy_bytes: u64,
-    /// Predicted seconds per token of the layer's device work and of the CPU's (with the round
-    /// trip); the layer takes the longer, after its attention.
+    /// Predicted seconds per token of the layer's device experts and of the CPU's (with the
+    /// partial sum's trip back); the layer takes the longer, after its attention and the
+    /// landing of its FFN input and router logits.
     pub device_s: f64,
     pub cpu_s: f64,
 }
@@ -259,7 +281,25 @@ pub fn plan_experts(
         .moe
         .clone()
         .ok_or_else(|| PlanError::Store("an expert plan for a model without experts".into()))?;
-    let base = make_plan(m, budget, hw)?;
+    // Steps no larger than the budget's: the room beyond goes to the experts (a reserve keeps
+    // the streaming plan from growing its prefill steps into it).
+    let base_for = |gpu_mem: u64| {
+        make_plan(
+            m,
+            &Budget {
+                hot_reserve: Some(0),
+                gpu_mem,
+                ..budget.clone()
+            },
+            hw,
+        )
+    };
+    let (base, fits) = match base_for(budget.gpu_mem) {
+        Ok(p) => (p, true),
+        // Not even attention streamed fits: what the experts' plan needs, said as its own.
+        Err(PlanError::GpuTooSmall { .. }) => (base_for(u64::MAX / 4)?, false),
+        Err(e) => return Err(e),
+    };
     let spec = &base.spec;
     let n_layers = spec.n_layers;
     let shapes = (0..n_layers)
@@ -295,7 +335,7 @@ pub fn plan_experts(
         g.small + g.head + g.kv + g.scratch + g.workspace + attention + routers + merge;
     let shared: u64 = shapes.iter().map(|s| s.unit_device_bytes(0)).sum();
     let usable = budget.gpu_mem.saturating_sub(g.fixed);
-    if usable < everything_else + shared {
+    if !fits || usable < everything_else + shared {
         return Err(PlanError::GpuTooSmall {
             budget: budget.gpu_mem,
             minimum: g.fixed + everything_else + shared,
@@ -424,7 +464,9 @@ impl Fixed<'_> {
             let layer_hbm =
                 self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
             let layer_cpu = (missed * eb as f64) as u64;
-            let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s + trip((d + moe_rows) * 4);
+            // Both sides start once the FFN input and the logits have landed (one wait); the
+            // CPU's share comes back before the merge.
+            let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s;
             let cpu_s = if missed > 0.0 {
                 batch::bounded(
                     layer_cpu as f64,
@@ -443,7 +485,7 @@ impl Fixed<'_> {
                 attention_row,
                 device_rate,
             );
-            seconds += attention_s + device_s.max(cpu_s);
+            seconds += attention_s + trip((d + moe_rows) * 4) + device_s.max(cpu_s);
             hbm += layer_hbm;
             cpu += layer_cpu;
             let device_bytes =
@@ -491,8 +533,12 @@ impl Fixed<'_> {
             }
         }
         let seconds = seconds.max(copies as f64 / hw.h2d_pinned_bytes_per_s);
-        let trips = spec.n_layers as u64 * ((2 * d + moe_rows) * 4) as u64;
-        let pcie = copies + trips + (d * 4 + spec.vocab_size * 4) as u64;
+        // Down: every layer's FFN input and router logits, and the logits; up: the token's
+        // embedding, the CPU's partial sums where it computes any expert, and the copies.
+        let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
+        let partials = layers.iter().filter(|x| x.cpu_bytes > 0).count() as u64 * (d * 4) as u64;
+        let h2d = (d * 4) as u64 + partials + copies;
+        let pcie = h2d + d2h;
         let placed = self.everything_else + units;
         let dram_expert_bytes = self
             .shapes
@@ -504,9 +550,8 @@ impl Fixed<'_> {
         plan.gpu.merge = self.merge;
         plan.gpu.placed = placed;
         plan.gpu.total = g.fixed + placed;
-        let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
         plan.per_token = super::PerToken {
-            h2d_bytes: pcie - d2h,
+            h2d_bytes: h2d,
             d2h_bytes: d2h,
             ssd_bytes: 0,
             hbm_read_bytes: hbm,

@@ -43,8 +43,9 @@ pub fn refuse_experts(spec: &crate::model::ModelSpec, what: &str) -> anyhow::Res
     match &spec.moe {
         Some(m) => anyhow::bail!(
             "{what} works on dense FFN neurons; this is a mixture-of-experts model ({} experts, {} \
-             a token), whose routing is its sparsity: such models run whole on the CPU for now \
-             (--device cpu, --sparsity off), and `bench experts` studies their expert caches",
+             a token), whose routing is its sparsity (--sparsity off): offloaded, its experts go \
+             to per-layer expert units (`plan` shows them), and `bench experts` studies their \
+             caches",
             m.experts,
             m.used
         ),

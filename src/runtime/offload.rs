@@ -130,23 +130,8 @@ impl LoadedModel {
         hw: &HardwareProfile,
         cold: crate::plan::choice::Cold,
     ) -> Result<(Plan, NeuronPlan)> {
-        use crate::plan::choice::Cold;
         use crate::plan::experts::{ExpertMode, plan_experts};
-        let mode = match cold {
-            Cold::Cpu => Some(ExpertMode::Cpu),
-            Cold::Gpu => Some(ExpertMode::Units),
-            Cold::Auto => None,
-            Cold::Stream | Cold::Split => anyhow::bail!(
-                "--cold {}: a mixture-of-experts model's experts are not streamed or split by \
-                 neurons; --cold cpu computes the routed experts on the CPU, --cold gpu keeps \
-                 expert cache units on the device (their misses on the CPU), auto chooses",
-                if cold == Cold::Stream {
-                    "stream"
-                } else {
-                    "split"
-                }
-            ),
-        };
+        let mode = ExpertMode::for_cold(cold)?;
         // No CUDA kernel computes experts on the device yet: there the routed experts run on the
         // CPU, and a shared expert (resident on the device) cannot run at all.
         let mode = match (self.device, mode) {
