@@ -7,6 +7,14 @@ extern "C" __global__ void add_f32(float* x, const float* y, long long n) {
     if (i < n) x[i] += y[i];
 }
 
+// x[i] += a * y[i] over one row of `cols` values: an expert's output row, weighted by its route,
+// added into its token's row (moe_ffn).
+extern "C" __global__ void add_scaled_f32(float* x, const float* y, float a, int cols) {
+    grid_dependency();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < cols) x[i] += a * y[i];
+}
+
 // x[r][c] += b[c]
 extern "C" __global__ void add_bias_f32(float* x, const float* b, long long n, int cols) {
     grid_dependency();

@@ -1992,6 +1992,191 @@ fn offloaded_on_gpu_equals_dense_and_keeps_the_budget() {
     }
 }
 
+/// The device's expert products ([`Backend::moe_ffn`]) equal the CPU's: every storage format,
+/// gated and not, one token (each expert in one pass) and 20 (experts in passes of
+/// EXPERT_PASS_TOKENS), routes to any expert with any weight.
+#[test]
+fn moe_ffn_on_gpu_equals_cpu() {
+    let Some(g) = gpu() else { return };
+    use gpu_offload::backend::{Act, Experts, Route};
+    let c = cpu();
+    let mut rng = StdRng::seed_from_u64(38);
+    let (d, f, count) = (256, 512, 4);
+    for dtype in DType::ALL {
+        for gated in [true, false] {
+            let gate = weight(&mut rng, dtype, count * f, d);
+            let up = weight(&mut rng, dtype, count * f, d);
+            let down = weight(&mut rng, dtype, count * d, f);
+            for n in [1, 3, 20] {
+                let x = rand_vec(&mut rng, n * d, 1.0);
+                let routes: Vec<Route> = (0..n as u32)
+                    .flat_map(|t| {
+                        let a = rng.random_range(0..count as u32);
+                        let b = (a + rng.random_range(1..count as u32)) % count as u32;
+                        [(t, a, 0.7f32), (t, b, 0.3)]
+                    })
+                    .map(|(token, expert, weight)| Route {
+                        token,
+                        expert,
+                        weight,
+                    })
+                    .collect();
+                let on_cpu = {
+                    let (gw, uw, dw) = (
+                        c.upload(&gate).unwrap(),
+                        c.upload(&up).unwrap(),
+                        c.upload(&down).unwrap(),
+                    );
+                    let mut xt = c.alloc(n, d).unwrap();
+                    c.write(&mut xt, &x).unwrap();
+                    let mut out = c.alloc(n, d).unwrap();
+                    let e = Experts {
+                        gate: gated.then_some(&gw),
+                        up: &uw,
+                        down: &dw,
+                        width: f,
+                    };
+                    c.moe_ffn(e, &xt, &routes, Act::Silu, &mut out).unwrap();
+                    let mut v = vec![0f32; n * d];
+                    c.read(&out, &mut v).unwrap();
+                    v
+                };
+                let on_gpu = {
+                    let (gw, uw, dw) = (
+                        g.upload(&gate).unwrap(),
+                        g.upload(&up).unwrap(),
+                        g.upload(&down).unwrap(),
+                    );
+                    g.set_workspace(g.workspace_bytes(&WorkspaceOp::Experts {
+                        tokens: n,
+                        d_model: d,
+                        width: f,
+                        gate: dtype,
+                        down: dtype,
+                    }))
+                    .unwrap();
+                    let mut xt = g.alloc(n, d).unwrap();
+                    g.write(&mut xt, &x).unwrap();
+                    let mut out = g.alloc(n, d).unwrap();
+                    let e = Experts {
+                        gate: gated.then_some(&gw),
+                        up: &uw,
+                        down: &dw,
+                        width: f,
+                    };
+                    g.moe_ffn(e, &xt, &routes, Act::Silu, &mut out).unwrap();
+                    let mut v = vec![0f32; n * d];
+                    g.read(&out, &mut v).unwrap();
+                    v
+                };
+                let err = rel(&on_gpu, &on_cpu);
+                assert!(
+                    err <= 2e-3,
+                    "{dtype} gated {gated}, {n} tokens: the device's experts differ by {err}"
+                );
+            }
+        }
+    }
+}
+
+/// A mixture-of-experts model offloaded to the GPU (the tiny synthetic Qwen3-MoE in f16 and
+/// Q4_K_M): at budgets from no expert slot to every expert resident, and with every routed
+/// expert on the CPU, the logits equal the dense CPU engine's and the ledger peaks at the
+/// expert plan's bytes; the whole model on the GPU equals it too.
+#[test]
+fn offloaded_experts_on_gpu_equal_dense() {
+    if gpu().is_none() {
+        return;
+    }
+    use gpu_offload::backend::cpu::kernels;
+    use gpu_offload::model::quant_mix::QuantMix;
+    use gpu_offload::model::synth::{SynthSpec, synthesize_gguf};
+    use gpu_offload::plan::experts::{ExpertMode, plan_experts};
+    use gpu_offload::plan::{Budget, HardwareProfile};
+    use gpu_offload::store::{ConvertOptions, Store, convert};
+    use gpu_offload::tier::experts::ExpertWeights;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SynthSpec::preset("tiny-moe").unwrap();
+    for (name, quant) in [("f16", None), ("q4_k_m", Some(QuantMix::Q4KM))] {
+        let src = dir.path().join(format!("tiny-moe-{name}.gguf"));
+        synthesize_gguf(&spec, &src, false, quant, &mut |_, _| {}).unwrap();
+        let model = Model::load(&src).unwrap();
+        let toks: Vec<u32> = (0..9).map(|i| (i * 37 + 11) % 300).collect();
+        let want = common::prefill_and_decode_logits(
+            &gpu_engine(gpu().unwrap(), &model, KvType::F32, false),
+            &toks,
+        );
+        let on_cpu =
+            common::prefill_and_decode_logits(&common::cpu_engine(&model, KvType::F32), &toks);
+        let err = rel(&want, &on_cpu);
+        assert!(
+            err <= 2e-3,
+            "{name}: the whole model on the GPU differs by {err}"
+        );
+        let out = dir.path().join(format!("store-{name}"));
+        convert(&src, &out, &ConvertOptions::default(), &mut |_, _| {}).unwrap();
+        let store = Arc::new(Store::open(&out).unwrap());
+        let mut hw = HardwareProfile::load("h100-80g").unwrap();
+        let measured = gpu().unwrap().fixed_bytes().unwrap_or(768 << 20);
+        hw.device_fixed_bytes = Some(measured + (16 << 20));
+        let budget = |gpu_mem| Budget {
+            kv_type: KvType::F32,
+            ..Budget::new(gpu_mem, None, 2, toks.len() + 4, toks.len())
+        };
+        let most = plan_experts(
+            &store.manifest,
+            &budget(u64::MAX / 4),
+            &hw,
+            Some(ExpertMode::Units),
+        )
+        .unwrap()
+        .device
+        .total;
+        let least = plan_experts(&store.manifest, &budget(most), &hw, Some(ExpertMode::Cpu))
+            .unwrap()
+            .device
+            .total;
+        for (gpu_mem, mode) in [
+            (least, ExpertMode::Units),
+            ((least + most) / 2, ExpertMode::Units),
+            (most, ExpertMode::Units),
+            (most, ExpertMode::Cpu),
+        ] {
+            let plan = plan_experts(&store.manifest, &budget(gpu_mem), &hw, Some(mode)).unwrap();
+            let what = format!(
+                "{name} at {gpu_mem} bytes, {mode:?}, slots {:?}",
+                plan.slots()
+            );
+            let (g, ledger) = CudaBackend::with_process_budget(0, gpu_mem, None, measured).unwrap();
+            let src = ExpertWeights::new(
+                &g,
+                store.clone(),
+                &plan,
+                ledger.clone(),
+                kernels::best(),
+                2,
+                gpu_offload::engine::backend_act(model.spec.activation),
+            )
+            .unwrap();
+            let e = Engine::with_source(g, model.spec.clone(), Box::new(src))
+                .unwrap()
+                .with_prefill(plan.plan.prefill)
+                .unwrap()
+                .with_kv_type(KvType::F32)
+                .unwrap();
+            let got = common::prefill_and_decode_logits(&e, &toks);
+            let err = rel(&got, &want);
+            assert!(err <= 2e-3, "{what}: logits differ by {err}");
+            let peak = ledger.snapshot().hbm_peak;
+            assert!(
+                peak <= plan.device.placed,
+                "{what}: peak {peak} > {}",
+                plan.device.placed
+            );
+        }
+    }
+}
+
 /// `scripts/gpu-check.sh`, every mode, run dry (`GPU_CHECK_DRY`: stand-ins record what they are
 /// given) on any machine: each gpu-offload call it makes parses, each GPU test filter names a
 /// test of this binary, each python script it runs takes the flags given and each inline

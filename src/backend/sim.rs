@@ -835,6 +835,20 @@ impl Backend for SimBackend {
                 .flat_map(|r| [r.token as u64, r.expert as u64, r.weight.to_bits().into()]),
         );
         self.sign("moe_ffn", &tensors_arg(&[x, out], &rest))?;
+        // As CUDA: each expert's tokens in passes through buffers in the workspace.
+        let dtype = |w: &SimWeight| w.w.as_tensor().map(|t| t.dtype);
+        if let (Some(gate), Some(down)) = (
+            dtype(experts.gate.unwrap_or(experts.up)),
+            dtype(experts.down),
+        ) {
+            self.check_workspace(WorkspaceOp::Experts {
+                tokens: x.t.rows,
+                d_model: x.t.cols,
+                width: experts.width,
+                gate,
+                down,
+            })?;
+        }
         let cpu_experts = Experts {
             gate: experts.gate.map(|g| &g.w),
             up: &experts.up.w,

@@ -222,7 +222,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     // what the plan expected per token.
     let experts = running.experts.as_ref().map(|x| {
         let c = x.traffic.snapshot();
-        json!({"mode": x.plan.mode, "slots": x.plan.slots(), "max_copies": x.plan.max_copies,
+        json!({"mode": x.plan.mode, "slots": x.plan.slots(), "copies_per_step": x.plan.copies_per_step,
                "totals": c, "hit_ratio": c.hit_ratio(),
                "expected_hit_ratio": x.plan.layers.iter().map(|l| l.hit_ratio).sum::<f64>()
                    / x.plan.layers.len().max(1) as f64,

@@ -20,7 +20,7 @@ pub use fixed::{FixedCost, FixedCostReading, FixedCostSource};
 pub use kv::{KV_BLOCK, KvColsError, KvType, kv_bytes, kv_pool_bytes, kv_table_bytes};
 pub use ledger::{Ledger, LedgerSnapshot, OverBudget, Reservation, Tier};
 pub use step::{
-    CPU_ATTENTION_ROWS, GOOD_GROUP, MAX_BATCH, MAX_GROUP, MatmulShape, MatmulShapes, PROBE_QUERIES,
-    PrefillLayout, StepMemory, probe_bytes, step_memory, whole_device_group,
+    CPU_ATTENTION_ROWS, ExpertsShape, GOOD_GROUP, MAX_BATCH, MAX_GROUP, MatmulShape, MatmulShapes,
+    PROBE_QUERIES, PrefillLayout, StepMemory, probe_bytes, step_memory, whole_device_group,
 };
 pub use workspace::{WorkspaceOp, workspace_bytes};

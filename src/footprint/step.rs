@@ -107,6 +107,18 @@ pub struct MatmulShape {
 pub struct MatmulShapes {
     pub layer: Vec<MatmulShape>,
     pub head: MatmulShape,
+    /// A mixture-of-experts model's experts on the device: the distinct formats of their
+    /// layers (none where no expert is computed on the device from these shapes).
+    pub experts: Vec<ExpertsShape>,
+}
+
+/// The experts of a mixture-of-experts layer as the device computes them: gate and up format,
+/// down format, neurons of one expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertsShape {
+    pub gate: DType,
+    pub down: DType,
+    pub width: usize,
 }
 
 impl MatmulShape {
@@ -147,6 +159,7 @@ impl MatmulShapes {
         MatmulShapes {
             layer,
             head: MatmulShape::of(w.output.as_ref().unwrap_or(&w.token_embd)),
+            experts: Vec::new(),
         }
     }
 }
@@ -236,6 +249,15 @@ pub fn step_memory(
         .max(workspace(&WorkspaceOp::Listed { neurons: spec.d_ff }));
     for m in &matmuls.layer {
         ws = ws.max(workspace(&m.op(n)));
+    }
+    for e in &matmuls.experts {
+        ws = ws.max(workspace(&WorkspaceOp::Experts {
+            tokens: n,
+            d_model: spec.d_model,
+            width: e.width,
+            gate: e.gate,
+            down: e.down,
+        }));
     }
     ws = ws.max(workspace(&WorkspaceOp::Attention {
         tokens: n,

@@ -33,6 +33,36 @@ pub enum WorkspaceOp {
         head_dim: usize,
         kv: KvType,
     },
+    /// [`Backend::moe_ffn`](crate::backend::Backend::moe_ffn) over `tokens` rows of `d_model`:
+    /// experts of `width` neurons whose gate and up are `gate`, whose down is `down`. Each
+    /// expert's tokens run in passes of at most [`EXPERT_PASS_TOKENS`], through buffers in the
+    /// workspace.
+    Experts {
+        tokens: usize,
+        d_model: usize,
+        width: usize,
+        gate: DType,
+        down: DType,
+    },
+}
+
+/// Most tokens of one expert a pass of the device's expert products takes (a matvec launch's
+/// for every format); an expert with more runs in several passes.
+pub const EXPERT_PASS_TOKENS: usize = MAX_TOKENS;
+
+/// Byte offsets into an [`WorkspaceOp::Experts`] workspace: a pass's gathered input rows, gate
+/// and up activations, output rows, and the products' own workspace after them.
+pub fn experts_layout(tokens: usize, d_model: usize, width: usize) -> [u64; 5] {
+    let t = tokens.min(EXPERT_PASS_TOKENS) as u64;
+    let rows = device_bytes(t * d_model as u64 * 4);
+    let hidden = device_bytes(t * width as u64 * 4);
+    [
+        0,
+        rows,
+        rows + hidden,
+        rows + 2 * hidden,
+        2 * rows + 2 * hidden,
+    ]
 }
 
 /// Tokens one float-format matvec launch handles (MAX_TOKENS in kernels/common.cuh); above it,
@@ -85,6 +115,28 @@ pub fn workspace_bytes(op: &WorkspaceOp) -> u64 {
                 0
             };
             decode.max(prompt)
+        }
+        WorkspaceOp::Experts {
+            tokens,
+            d_model,
+            width,
+            gate,
+            down,
+        } => {
+            if tokens == 0 {
+                return 0;
+            }
+            let t = tokens.min(EXPERT_PASS_TOKENS);
+            let products = |dtype, rows, cols| {
+                workspace_bytes(&WorkspaceOp::Matmul {
+                    dtype,
+                    tokens: t,
+                    rows,
+                    cols,
+                })
+            };
+            experts_layout(tokens, d_model, width)[4]
+                + products(gate, width, d_model).max(products(down, d_model, width))
         }
         WorkspaceOp::Matmul {
             dtype,

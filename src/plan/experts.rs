@@ -5,9 +5,10 @@
 //! leaves, per layer a cache unit of whole-expert slots ([`crate::tier::experts`]). The experts
 //! a step routes to that the unit holds run on the device; the CPU computes the others from DRAM
 //! at the same time (Fiddler: the activations travel, not the experts), and the unit takes in a
-//! few of the missed experts after the step (the ATU, [`crate::tier::atu::SlotMap::admit`]), at
-//! most [`ExpertPlan::max_copies`] a layer a step: as many as the bus moves in the step's
-//! predicted time, so a refill never holds a token up.
+//! few of the missed experts after the step (the ATU, [`crate::tier::atu::SlotMap::admit`]),
+//! [`ExpertPlan::copies_per_step`] a layer a step on average ([`crate::tier::atu::CopyBudget`]):
+//! as many as the bus moves in the step's predicted time — a fraction is one copy every few
+//! steps — so a refill never holds a token up.
 //!
 //! Slots are shared out evenly over the layers (balanced, as FlexInfer locks memory), the
 //! remainder to the layers whose experts are smallest. With no routing profile, experts are
@@ -180,8 +181,9 @@ pub struct ExpertPlan {
     pub layers: Vec<ExpertLayer>,
     /// Each layer's experts as stored.
     pub shapes: Vec<ExpertShape>,
-    /// Most experts a layer's unit takes in after a step.
-    pub max_copies: usize,
+    /// Experts a layer's unit takes in after a step, on average (a fraction: one every few
+    /// steps); at most a token's experts.
+    pub copies_per_step: f64,
     pub device: ExpertDevice,
     /// Host memory the experts' stacks take (every expert of every layer, read whole).
     pub dram_expert_bytes: u64,
@@ -218,11 +220,11 @@ impl ExpertPlan {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "experts: {} ({} experts, {} a token, at most {} copied in a layer a step); routing: {}",
+            "experts: {} ({} experts, {} a token, {:.2} copied in a layer a step); routing: {}",
             self.mode.name(),
             self.experts,
             self.used,
-            self.max_copies,
+            self.copies_per_step,
             self.routing
         );
         let _ = writeln!(
@@ -514,7 +516,7 @@ impl Fixed<'_> {
         // About 16 ops a layer (norms, projections, rope, attention, router, experts, merge).
         seconds += (spec.n_layers * 16 + 4) as f64 * hw.op_overhead_s;
         // The ATU's copies go in beside the compute: as many a layer a step as the bus moves in
-        // the step's time (at least one where a unit can take any).
+        // the step's time.
         let widest = self
             .shapes
             .iter()
@@ -524,15 +526,25 @@ impl Fixed<'_> {
             .max(1);
         let in_time =
             seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * spec.n_layers.max(1) as f64);
-        let max_copies = (in_time as usize).clamp(1, self.used.max(1));
+        let copies_per_step = match mode {
+            ExpertMode::Units => in_time.clamp(0.0, self.used.max(1) as f64),
+            ExpertMode::Cpu => 0.0,
+        };
         for (x, shape) in layers.iter_mut().zip(self.shapes) {
             if x.slots > 0 && x.slots < self.experts {
                 let missed = (1.0 - x.hit_ratio) * k;
-                x.copy_bytes = (missed.min(max_copies as f64) * shape.bytes() as f64) as u64;
+                x.copy_bytes = (missed.min(copies_per_step) * shape.bytes() as f64) as u64;
                 copies += x.copy_bytes;
             }
         }
-        let seconds = seconds.max(copies as f64 / hw.h2d_pinned_bytes_per_s);
+        // A GPU's copy engine moves them while it computes; where copies and compute share
+        // memory (the budgeted CPU device) they take turns.
+        let copy_s = copies as f64 / hw.h2d_pinned_bytes_per_s;
+        let seconds = if hw.copies_share_memory {
+            seconds + copy_s
+        } else {
+            seconds.max(copy_s)
+        };
         // Down: every layer's FFN input and router logits, and the logits; up: the token's
         // embedding, the CPU's partial sums where it computes any expert, and the copies.
         let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
@@ -565,7 +577,7 @@ impl Fixed<'_> {
             used: self.used,
             layers,
             shapes: self.shapes.to_vec(),
-            max_copies,
+            copies_per_step,
             device: ExpertDevice {
                 attention: self.attention,
                 routers: self.routers,

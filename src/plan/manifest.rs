@@ -156,8 +156,17 @@ pub fn device_dtype(s: &Segment) -> DType {
 /// bundles, no matrix product), a mixture-of-experts layer's router, and the output matrix.
 pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
     let mut layer = Vec::new();
+    let mut experts = Vec::new();
     for l in 0..m.spec.n_layers {
-        if m.spec.moe.is_some() {
+        if let Some(moe) = &m.spec.moe {
+            let e = crate::footprint::ExpertsShape {
+                gate: device_dtype(seg(m, &experts_segment_name(l, "gate"))?),
+                down: device_dtype(seg(m, &experts_segment_name(l, "down"))?),
+                width: moe.d_expert,
+            };
+            if !experts.contains(&e) {
+                experts.push(e);
+            }
             let s = seg(m, &router_segment_name(l))?;
             let k = MatmulShape {
                 dtype: device_dtype(s),
@@ -191,6 +200,7 @@ pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
             rows: h.rows,
             cols: h.cols,
         },
+        experts,
     })
 }
 

@@ -132,30 +132,6 @@ impl LoadedModel {
     ) -> Result<(Plan, NeuronPlan)> {
         use crate::plan::experts::{ExpertMode, plan_experts};
         let mode = ExpertMode::for_cold(cold)?;
-        // No CUDA kernel computes experts on the device yet: there the routed experts run on the
-        // CPU, and a shared expert (resident on the device) cannot run at all.
-        let mode = match (self.device, mode) {
-            (super::Device::Cuda, Some(ExpertMode::Units)) => anyhow::bail!(
-                "--cold gpu: expert cache units need the CUDA expert kernel, not built yet \
-                 (they run on --device sim); --cold cpu runs the routed experts on the CPU"
-            ),
-            (super::Device::Cuda, _) => {
-                if store
-                    .manifest
-                    .spec
-                    .moe
-                    .as_ref()
-                    .is_some_and(|m| m.shared > 0)
-                {
-                    anyhow::bail!(
-                        "this model's shared expert stays on the device, and no CUDA kernel \
-                         computes experts yet: run it with --device sim or --device cpu"
-                    );
-                }
-                Some(ExpertMode::Cpu)
-            }
-            (_, m) => m,
-        };
         let ep = plan_experts(&store.manifest, budget, hw, mode)?;
         tracing::info!("expert plan:\n{}", ep.report());
         Ok((ep.plan.clone(), NeuronPlan::Experts(Box::new(ep))))

@@ -127,17 +127,6 @@ impl LoadedModel {
     /// Place the model on its device for `job`.
     pub fn start(&self, args: &ModelArgs, job: Job) -> Result<Running> {
         let settings = self.start_settings(args, job)?;
-        if let (Some(m), Weights::Dense(_), Device::Cuda) =
-            (&self.spec.moe, &self.weights, self.device)
-        {
-            anyhow::bail!(
-                "a mixture-of-experts model ({} experts, {} a token) runs on a GPU offloaded \
-                 (give --gpu-mem): no CUDA kernel computes experts on the device yet, so its \
-                 routed experts run on the CPU (--cold cpu), attention and routers on the GPU",
-                m.experts,
-                m.used
-            );
-        }
         let placed = match (&self.weights, self.device) {
             (Weights::Dense(w), Device::Cuda) => self.start_whole_gpu(&settings, w)?,
             (Weights::Dense(w), _) => self.start_whole_cpu(&settings, w)?,

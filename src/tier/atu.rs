@@ -207,6 +207,39 @@ impl SlotMap {
     }
 }
 
+/// How many copies an expert unit may start a step: `per_step` on average — a fraction is one
+/// copy every few steps — with at most one step's worth (or one copy) banked, so the copies
+/// never outrun the bus the plan gave them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CopyBudget {
+    per_step: f64,
+    credit: f64,
+}
+
+impl CopyBudget {
+    pub fn new(per_step: f64) -> Self {
+        CopyBudget {
+            per_step: if per_step.is_finite() {
+                per_step.max(0.0)
+            } else {
+                0.0
+            },
+            credit: 0.0,
+        }
+    }
+
+    /// The copies this step may start (its share added to what is banked).
+    pub fn allow(&mut self) -> usize {
+        self.credit = (self.credit + self.per_step).min(self.per_step.max(1.0));
+        self.credit.floor() as usize
+    }
+
+    /// `n` copies started (at most what [`CopyBudget::allow`] gave).
+    pub fn spend(&mut self, n: usize) {
+        self.credit = (self.credit - n as f64).max(0.0);
+    }
+}
+
 /// How a unit policy did over a trace of active sets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Reuse {
@@ -335,6 +368,32 @@ pub fn replay_static(
         }
     }
     Ok(a)
+}
+
+#[cfg(test)]
+mod copy_budget_tests {
+    use super::CopyBudget;
+
+    #[test]
+    fn a_fraction_of_a_copy_a_step_is_one_copy_every_few_steps() {
+        let mut b = CopyBudget::new(0.25);
+        let got: Vec<usize> = (0..8)
+            .map(|_| {
+                let n = b.allow();
+                b.spend(n);
+                n
+            })
+            .collect();
+        assert_eq!(got, [0, 0, 0, 1, 0, 0, 0, 1]);
+        // Unspent credit banks up to one copy, not more.
+        let mut b = CopyBudget::new(0.5);
+        assert_eq!((b.allow(), b.allow(), b.allow()), (0, 1, 1));
+        let mut b = CopyBudget::new(2.0);
+        assert_eq!(b.allow(), 2);
+        b.spend(1);
+        assert_eq!(b.allow(), 2);
+        assert_eq!(CopyBudget::new(f64::NAN).allow(), 0);
+    }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
-use super::atu::{Eviction, Load, SlotMap};
+use super::atu::{CopyBudget, Eviction, Load, SlotMap};
 use super::resident::{Resident, Small, resident_source};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::kernels::Kernels;
@@ -159,6 +159,8 @@ struct LayerExperts<B: Backend> {
     unit: Option<[B::Weight; 3]>,
     /// The routed slots' map (none without routed slots).
     map: Option<SlotMap>,
+    /// The copies the unit may start a step.
+    copies: CopyBudget,
     slots: usize,
     /// The copies last queued into the unit.
     landed: Option<B::Event>,
@@ -196,7 +198,6 @@ pub struct ExpertWeights<B: Backend> {
     partial: B::Tensor,
     cpu: CpuSide,
     experts: usize,
-    max_copies: usize,
     traffic: Arc<ExpertTraffic>,
 }
 
@@ -246,6 +247,7 @@ impl<B: Backend> ExpertWeights<B> {
                 let mut layer = LayerExperts {
                     unit: None,
                     map: None,
+                    copies: CopyBudget::new(plan.copies_per_step),
                     slots,
                     landed: None,
                     stacks,
@@ -306,7 +308,6 @@ impl<B: Backend> ExpertWeights<B> {
                 d: spec.d_model,
             },
             experts: moe.experts,
-            max_copies: plan.max_copies,
             traffic: Arc::new(ExpertTraffic::default()),
         })
     }
@@ -322,7 +323,6 @@ struct ExpertStep<'a, B: Backend> {
     layer: &'a mut LayerExperts<B>,
     cpu: &'a CpuSide,
     experts: usize,
-    max_copies: usize,
     traffic: &'a ExpertTraffic,
 }
 
@@ -403,7 +403,9 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         let Some(map) = self.layer.map.as_mut() else {
             return Ok(());
         };
-        let (hits, loads) = map.admit(&active, self.max_copies).map_err(weights_err)?;
+        let allowed = self.layer.copies.allow();
+        let (hits, loads) = map.admit(&active, allowed).map_err(weights_err)?;
+        self.layer.copies.spend(loads.len());
         self.traffic.hits.fetch_add(hits as u64, Ordering::Relaxed);
         if loads.is_empty() {
             return Ok(());
@@ -453,7 +455,6 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             partial,
             cpu,
             experts,
-            max_copies,
             traffic,
         } = self;
         let layer = layers
@@ -463,7 +464,6 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             layer,
             cpu,
             experts: *experts,
-            max_copies: *max_copies,
             traffic,
         };
         let ffn = FfnView::Matrices {

@@ -7,10 +7,10 @@ use super::args::{WARPS, act_code, blocks, cfg, dtype_code, elementwise_cfg};
 use super::device::CudaBackend;
 use super::gemm::{GemmInput, gemm_input_kind, largest_matmul};
 use super::launches;
-use super::matvec::{PartLaunch, f16_vectors, matvec_parts, part_launch, tokens_per_matvec};
+use super::matvec::{PartLaunch, matvec_parts, part_launch, tokens_per_matvec};
 use super::types::{CudaTensor, CudaWeight, check_matmul, check_rms_norm, check_same_shape};
 use crate::backend::{Act, Backend, MatmulPart, ProductInput, Result, WorkspaceOp};
-use crate::footprint::workspace::{ACT_BLOCK_BYTES, quantizes_in_blocks, uses_act_blocks};
+use crate::footprint::workspace::quantizes_in_blocks;
 
 pub(super) fn matmul_into(
     cuda: &CudaBackend,
@@ -32,31 +32,13 @@ pub(super) fn matmul_into(
     if n > per_launch && cuda.gemm(w, x, out, col0, ws)? {
         return Ok(());
     }
-    let matvec = |kernel: launches::Matvec, x_arg: u64, t0: usize, nt: usize| {
-        let out_p = out.buf.ptr + (t0 * out.cols * 4) as u64;
-        cuda.launch_matvec(kernel, w, x_arg, nt, (out_p, out.cols, col0))
-    };
-    if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
-        return matvec(launches::matvec_quant_x, x.buf.ptr, 0, 1);
-    }
-    if uses_act_blocks(w.dtype) {
-        cuda.quantize(x.buf.ptr, n, w.cols, ws)?;
-    }
-    for t0 in (0..n).step_by(per_launch) {
-        let nt = (n - t0).min(per_launch);
-        if uses_act_blocks(w.dtype) {
-            let xq = ws + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
-            matvec(launches::matvec_quant, xq, t0, nt)?;
-        } else {
-            let xp = x.buf.ptr + (t0 * w.cols * 4) as u64;
-            if f16_vectors(w.dtype, w.cols) {
-                matvec(launches::matvec_f16_vec, xp, t0, nt)?;
-            } else {
-                matvec(launches::matvec_float, xp, t0, nt)?;
-            }
-        }
-    }
-    Ok(())
+    cuda.matvec_rows(
+        w.all_rows(),
+        x.buf.ptr,
+        n,
+        (out.buf.ptr, out.cols, col0),
+        ws,
+    )
 }
 
 pub(super) fn matmul_parts(

@@ -6,9 +6,11 @@
 use super::args::{MAX_PARTS, MatvecPart, MatvecParts, WARPS, blocks, cfg, dtype_code};
 use super::device::CudaBackend;
 use super::launches;
-use super::types::{CudaTensor, CudaWeight};
+use super::types::{CudaTensor, CudaWeight, WeightRows};
 use crate::backend::Result;
-use crate::footprint::workspace::{MAX_QTOKENS, MAX_TOKENS, uses_act_blocks};
+use crate::footprint::workspace::{
+    ACT_BLOCK_BYTES, MAX_QTOKENS, MAX_TOKENS, quantizes_in_blocks, uses_act_blocks,
+};
 use crate::tensor::DType;
 
 /// How a weight of [`Backend::matmul_parts`](crate::backend::Backend::matmul_parts) runs with `n`
@@ -59,13 +61,54 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `w` times `n` tokens of the f32 activations at `x` (rows of `w.cols`) into columns
+    /// `col0..` of the output at `out_p`, `stride` wide, through matvec launches only (as many
+    /// tokens a launch as the format takes); block formats quantize the activations into the
+    /// workspace at `ws` (the [`WorkspaceOp::Matmul`](crate::footprint::WorkspaceOp) bytes of
+    /// this product) unless the one-token kernel does it itself.
+    pub(super) fn matvec_rows(
+        &self,
+        w: WeightRows,
+        x: u64,
+        n: usize,
+        (out_p, stride, col0): (u64, usize, usize),
+        ws: u64,
+    ) -> Result<()> {
+        let per_launch = tokens_per_matvec(w.dtype);
+        let matvec = |kernel: launches::Matvec, x_arg: u64, t0: usize, nt: usize| {
+            let out = out_p + (t0 * stride * 4) as u64;
+            self.launch_matvec(kernel, w, x_arg, nt, (out, stride, col0))
+        };
+        if uses_act_blocks(w.dtype) && quantizes_in_blocks(n, w.cols) {
+            return matvec(launches::matvec_quant_x, x, 0, 1);
+        }
+        if uses_act_blocks(w.dtype) {
+            self.quantize(x, n, w.cols, ws)?;
+        }
+        for t0 in (0..n).step_by(per_launch) {
+            let nt = (n - t0).min(per_launch);
+            if uses_act_blocks(w.dtype) {
+                let xq = ws + (t0 * (w.cols / 32) * ACT_BLOCK_BYTES) as u64;
+                matvec(launches::matvec_quant, xq, t0, nt)?;
+            } else {
+                let xp = x + (t0 * w.cols * 4) as u64;
+                if f16_vectors(w.dtype, w.cols) {
+                    matvec(launches::matvec_f16_vec, xp, t0, nt)?;
+                } else {
+                    matvec(launches::matvec_float, xp, t0, nt)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// One-weight matvec `kernel` (they all take the same arguments): `w` times `n` tokens of
     /// `x_arg` (the activations as the kernel takes them) into columns `col0..` of the output at
     /// `out_p`, `stride` wide.
     pub(super) fn launch_matvec(
         &self,
         kernel: launches::Matvec,
-        w: &CudaWeight,
+        w: WeightRows,
         x_arg: u64,
         n: usize,
         (out_p, stride, col0): (u64, usize, usize),
@@ -74,7 +117,7 @@ impl CudaBackend {
         let (nt, stride, c0) = (n as i32, stride as i32, col0 as i32);
         kernel(
             self.launch(cfg(blocks(w.rows, WARPS), WARPS * 32)),
-            w.buf.ptr,
+            w.ptr,
             dt,
             rows,
             cols,

@@ -41,6 +41,7 @@ mod clock;
 mod copies;
 mod device;
 mod elementwise;
+mod experts;
 mod gemm;
 mod graph;
 pub mod kernels;
@@ -413,15 +414,13 @@ impl Backend for CudaBackend {
 
     fn moe_ffn(
         &self,
-        _: Experts<'_, CudaWeight>,
-        _: &CudaTensor,
-        _: &[Route],
-        _: Act,
-        _: &mut CudaTensor,
+        e: Experts<'_, CudaWeight>,
+        x: &CudaTensor,
+        routes: &[Route],
+        act: Act,
+        out: &mut CudaTensor,
     ) -> Result<()> {
-        Err(BackendError::Unavailable(
-            "mixture-of-experts layers run on the CPU backend only for now (--device cpu)".into(),
-        ))
+        experts::moe_ffn(self, e, x, routes, act, out)
     }
 
     fn rms_norm_heads(

@@ -44,7 +44,37 @@ pub struct CudaWeight {
     pub(super) coded: Option<(Encoding, usize)>,
 }
 
+/// Rows of a weight as the matvec kernels read them: where they start, their format, how many
+/// and how wide (a whole weight, or one expert's rows of a stack).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct WeightRows {
+    pub(super) ptr: u64,
+    pub(super) dtype: DType,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
 impl CudaWeight {
+    /// All its rows.
+    pub(super) fn all_rows(&self) -> WeightRows {
+        WeightRows {
+            ptr: self.buf.ptr,
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+
+    /// Rows `first .. first + n` (a matrix in a storage format, not coded bundles).
+    pub(super) fn row_range(&self, first: usize, n: usize) -> Option<WeightRows> {
+        (self.coded.is_none() && first + n <= self.rows).then(|| WeightRows {
+            ptr: self.buf.ptr + (first * self.row_bytes()) as u64,
+            dtype: self.dtype,
+            rows: n,
+            cols: self.cols,
+        })
+    }
+
     /// Bytes of one row (one bundle, for bundles).
     pub(super) fn row_bytes(&self) -> usize {
         match self.coded {
