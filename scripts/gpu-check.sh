@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|issue13|issue36|issue37|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|issue36|issue37|issue38|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
@@ -20,6 +20,15 @@
 #            trace-event JSON under $OUT, per-phase totals beside each phase's bound in the
 #            JSON) beside the plan's prediction; hybrid and units with predictors on the 1B;
 #            cache units (attention streamed at 4G) vs the whole GPU
+#   issue38  mixture-of-experts models (issue 38), one device call (≤ 8 min at I38_LAYERS=48; each
+#            run under its own timeout): the expert GPU tests (moe_ffn in every format, offloaded
+#            tiny MoE vs the dense run), `doctor --save`, the Qwen3-30B-A3B shape in Q4_K_M
+#            (I38_LAYERS of its 48 layers; ~18 GB whole) planned and decoded at 8G and 4G with
+#            expert units (--cold gpu), every routed expert on the CPU (--cold cpu) and the plan's
+#            choice, each with nvidia-smi's memory.used peak and the units' hit ratio beside the
+#            bound; prefill of 512 and 2048 tokens at 8G; llama.cpp (built by `peers`) on the same
+#            file: -ngl 99 -ot exps=CPU and --n-cpu-moe N for N down from all layers while its
+#            process fits 8G. I38_MIXTRAL=1 adds the Mixtral-8x7B shape at 8G (synthesis ~5 min)
 #   dense    whole-GPU decode of the 7B shape: its three f16 matvec shapes beside the HBM read
 #            bound, decode at 128 and 4000 positions, recorded (CUDA's default) and launched
 #   graphs   recorded decode steps (--cuda-graphs, issue 13): the parity tests (the fused decode
@@ -715,10 +724,74 @@ issue37() {
     parity_vs_whole i37_parity_7b_units "$m7" --gpu-mem 4G --cold gpu
 }
 
+issue38() {
+    say "expert GPU tests (moe_ffn in every format; offloaded tiny MoE vs the dense run)"
+    timeout 120 "$GT" --test-threads 1 moe_ffn_on_gpu offloaded_experts_on_gpu 2>&1 | tail -n 20 | tee -a "$LOG"
+    record i38_gpu_tests "{\"exit_code\":${PIPESTATUS[0]}}"
+    doctor_save
+    local layers="${I38_LAYERS:-48}" m="$WORK/qwen3moe-q4km.gguf"
+    if [[ ! -f "$m" ]]; then
+        say "synthesizing the Qwen3-30B-A3B shape ($layers layers) in Q4_K_M"
+        timeout 300 "$B" synth --preset qwen3-30b-a3b --layers "$layers" --dtype q4_k_m -o "$m" --force 2>&1 | tail -n 2 | tee -a "$LOG"
+    fi
+    MOE_LAYERS="$layers" moe_runs i38_qwen3moe "$m" 8G 4G
+    if [[ -n "${I38_MIXTRAL:-}" ]]; then
+        local mx="$WORK/mixtral-q4km.gguf"
+        if [[ ! -f "$mx" ]]; then
+            say "synthesizing the Mixtral-8x7B shape in Q4_K_M"
+            timeout 420 "$B" synth --preset mixtral-8x7b --dtype q4_k_m -o "$mx" --force 2>&1 | tail -n 2 | tee -a "$LOG"
+        fi
+        MOE_LAYERS=32 moe_runs i38_mixtral "$mx" 8G
+    fi
+}
+
+# A MoE model at each budget: the plan, decode with units / all experts on the CPU / the plan's
+# choice (memory.used peak beside the budget), prefill at the first budget, then llama.cpp's
+# expert offload on the same file (--n-cpu-moe down from 5/6 of MOE_LAYERS, the model's layers).
+# Args: record prefix, model, budgets.
+moe_runs() {
+    local tag=$1 m=$2 g cold name rc
+    shift 2
+    local first=$1
+    for g in "$@"; do
+        record "${tag}_plan_$g" "$(timeout 60 "$B" plan -m "$m" --gpu-mem "$g" --ctx-size 4096 --json 2>>"$LOG" \
+            | $PY -c 'import json,sys; p=json.load(sys.stdin); x=p["experts"]; print(json.dumps({k: x[k] for k in ("mode","copies_per_step","predicted_tokens_per_s","per_token","device")} | {"slots": [l["slots"] for l in x["layers"]]}))' 2>>"$LOG" || echo null)"
+        for cold in gpu cpu auto; do
+            name="${tag}_decode_${g}_$cold"
+            say "$name"
+            with_device_peak "$WORK/$name.json" timeout 120 "$B" bench decode --device cuda -m "$m" --gpu-mem "$g" \
+                --ctx-size 4096 --cold "$cold" --prompt-tokens 32 -n 32 --reps 2 --json
+            rc=$?
+            record "$name" "{\"exit_code\":$rc,\"gpu_mem_mib\":$(mib_of "$g"),\"memory_used_peak_mib\":$(cat "$WORK/$name.json.peak"),\"memory_used_idle_mib\":$(cat "$WORK/$name.json.idle"),\"bench\":$(cat "$WORK/$name.json" 2>/dev/null || echo null)}"
+        done
+    done
+    local p
+    for p in 512 2048; do
+        record "${tag}_prefill_${first}_$p" "$(timeout 120 "$B" bench decode --device cuda -m "$m" --gpu-mem "$first" --ctx-size 4096 \
+            --prompt-tokens "$p" -n 4 --reps 1 --json 2>>"$LOG")"
+    done
+    if [[ -x "$LB" ]]; then
+        say "llama.cpp on the same file: every routed expert on the CPU, then --n-cpu-moe N"
+        record "${tag}_llamacpp_exps_cpu" "$(timeout 120 "$LB" -m "$m" -ngl 99 -ot exps=CPU -fa 1 -t 16 -p 512,2048 -n 32 -o json 2>>"$LOG" | tr -d '\n' || echo null)"
+        local n
+        for n in $(( MOE_LAYERS * 5 / 6 )) $(( MOE_LAYERS * 2 / 3 )) $(( MOE_LAYERS / 2 )) $(( MOE_LAYERS / 3 )) $(( MOE_LAYERS / 6 )); do
+            name="${tag}_llamacpp_ncmoe_$n"
+            with_peak "$WORK/$name.json" timeout 90 "$LB" -m "$m" -ngl 99 --n-cpu-moe "$n" -fa 1 -t 16 -p 0 -n 32 -o json
+            rc=$?
+            record "$name" "{\"exit_code\":$rc,\"process_peak_mib\":$(cat "$WORK/$name.json.peak"),\"bench\":$(tr -d '\n' < "$WORK/$name.json" 2>/dev/null || echo null)}"
+            # Fewer CPU layers only take more memory: stop past the budget.
+            [[ "$(cat "$WORK/$name.json.peak")" -gt "$(mib_of "$first")" ]] && break
+        done
+    else
+        record "${tag}_llamacpp" '{"skipped":"llama-bench not built: run `scripts/gpu-check.sh peers` first"}'
+    fi
+}
+
 case "$MODE" in
     tests) tests ;;
     issue36) issue36 ;;
     issue37) issue37 ;;
+    issue38) issue38 ;;
     dense) decode_dense ;;
     graphs) graphs ;;
     issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
@@ -734,6 +807,6 @@ case "$MODE" in
     hybrid) hybrid ;;
     units) units ;;
     all) tests; bench; budgets; offload; suite; serve ;;
-    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|issue37|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
+    *) echo "usage: scripts/gpu-check.sh [tests|issue13|issue36|issue37|issue38|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]"; exit 2 ;;
 esac
 say "done"

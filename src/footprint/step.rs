@@ -156,10 +156,22 @@ impl MatmulShapes {
                 }
             }
         }
+        // A mixture-of-experts layer's stacks: expert by expert on the device.
+        let mut experts = Vec::new();
+        for l in w.layers.iter().filter(|l| l.router.is_some()) {
+            let e = ExpertsShape {
+                gate: l.w_gate.as_ref().unwrap_or(&l.w_up).weight.dtype,
+                down: l.w_down.weight.dtype,
+                width: l.w_down.weight.cols,
+            };
+            if !experts.contains(&e) {
+                experts.push(e);
+            }
+        }
         MatmulShapes {
             layer,
             head: MatmulShape::of(w.output.as_ref().unwrap_or(&w.token_embd)),
-            experts: Vec::new(),
+            experts,
         }
     }
 }
