@@ -1,9 +1,11 @@
 //! Mixture-of-experts models offloaded to the budgeted device (`--cold gpu|cpu` on a MoE
 //! model): at budgets from "only attention, routers and shared expert resident" to "every expert
-//! resident", the logits are the dense CPU engine's; the ledger peaks at exactly the expert
-//! plan's bytes; the units' hits and copies are a reference simulation's of the ATU on the same
-//! routing trace; the CPU reads exactly the missed experts; the bus moves exactly the copies and
-//! the partial sums beyond what every budget moves.
+//! resident", planned with this device's rates (prompts leave missed experts to the CPU) and an
+//! H100's (a 64-token prompt streams them through the device), the logits are the dense CPU
+//! engine's; the ledger peaks at exactly the expert plan's bytes; the units' hits and copies and
+//! the streamed experts are a reference simulation's of the ATU on the same routing trace; the
+//! CPU reads exactly the missed experts; the bus moves exactly the copies, the streamed experts
+//! and the partial sums beyond what every budget moves.
 
 mod common;
 
@@ -44,6 +46,12 @@ fn hw() -> HardwareProfile {
     HardwareProfile::load("cpu-sim").unwrap()
 }
 
+/// The plans of an H100: prompts stream the experts the units lack (the budgeted device's own
+/// rates leave them to the CPU).
+fn h100() -> HardwareProfile {
+    HardwareProfile::load("h100-80g").unwrap()
+}
+
 /// The offloaded engine of `plan`, its ledger budgeted at exactly what the plan places.
 fn offloaded(
     store: &Arc<Store>,
@@ -80,9 +88,9 @@ fn offloaded(
 }
 
 /// What the units should have done over `trace`: each layer's unit replayed step by step
-/// through its own slot map (filled at start where it holds every expert), with the CPU's
-/// experts and bytes and the partial sums' bytes (`n × d_model` f32 a step that leaves the CPU
-/// any expert).
+/// through its own slot map (filled at start where it holds every expert), with the experts a
+/// prompt's steps stream, the CPU's experts and bytes and the partial sums' bytes (`n ×
+/// d_model` f32 a step that leaves the CPU any expert).
 fn reference(
     plan: &ExpertPlan,
     trace: &[(usize, usize, Vec<Route>)],
@@ -123,10 +131,16 @@ fn reference(
         let missed = (active.len() - hits) as u64;
         c.needed += active.len() as u64;
         c.hits += hits as u64;
-        c.cpu_experts += missed;
-        c.cpu_bytes += missed * eb;
-        if missed > 0 {
-            partials += (rows * d * 4) as u64;
+        if plan.stream_rows.is_some_and(|r| *rows >= r) {
+            // A prompt's step: the misses through the stream area.
+            c.streamed += missed;
+            c.stream_bytes += missed * eb;
+        } else {
+            c.cpu_experts += missed;
+            c.cpu_bytes += missed * eb;
+            if missed > 0 {
+                partials += (rows * d * 4) as u64;
+            }
         }
     }
     (c, partials)
@@ -154,100 +168,115 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
         let store = common::store_of(&model, &sdir);
         let spec = store.manifest.spec.clone();
         let moe = spec.moe.clone().unwrap();
-        let toks: Vec<u32> = (0..9)
+        let toks: Vec<u32> = (0..64)
             .map(|i| (i * 37 + 11) % spec.vocab_size as u32)
             .collect();
         let dense = Model::load(&model).unwrap();
         let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
-        // The largest budget plans every expert in every layer; the least (found by bisection)
-        // no slot.
-        let plans = |gpu_mem: u64| {
-            plan_experts(
-                &store.manifest,
-                &budget(gpu_mem, toks.len()),
-                &hw(),
-                Some(ExpertMode::Units),
-            )
-        };
-        let most = plans(u64::MAX / 4).unwrap().device.total;
-        let (mut lo, mut least) = (4096u64, most);
-        let r = plans(lo);
-        assert!(
-            matches!(r, Err(PlanError::GpuTooSmall { .. })),
-            "{:?}",
-            r.map(|p| p.device)
-        );
-        while least - lo > 1 {
-            let mid = lo + (least - lo) / 2;
-            match plans(mid) {
-                Ok(_) => least = mid,
-                Err(PlanError::GpuTooSmall { .. }) => lo = mid,
-                Err(e) => panic!("{e}"),
-            }
-        }
-        let mut budgets = vec![most, least];
-        budgets.extend((0..3).map(|_| rng.random_range(least..most)));
-        let mut base: Option<(u64, u64)> = None;
-        for (i, &gpu_mem) in budgets.iter().enumerate() {
-            let mut plan = plan_experts(
-                &store.manifest,
-                &budget(gpu_mem, toks.len()),
-                &hw(),
-                Some(ExpertMode::Units),
-            )
-            .unwrap();
-            if i == 2 {
-                // One copy every few steps (a bus slower than the step): the same logits, and
-                // the reference with the same budget.
-                plan.copies_per_step = 0.4;
-            }
-            let slots = plan.slots();
-            let what = format!("{} at {gpu_mem} bytes, slots {slots:?}", model.display());
-            assert!(plan.device.total <= gpu_mem, "{what}");
-            match i {
-                0 => assert!(slots.iter().all(|&s| s == moe.experts), "{what}"),
-                1 => assert!(slots.iter().all(|&s| s == 0), "{what}"),
-                _ => {}
-            }
-            let (e, ledger, traffic, trace) = offloaded(&store, &plan);
-            let at_load = ledger.snapshot();
-            let got = logits(&e, &toks);
-            close(&got, &want, &what);
-            let end = ledger.snapshot();
-            assert_eq!(end.hbm_peak, plan.device.placed, "{what}: ledger peak");
-            let trace = trace.0.lock().unwrap();
-            // One prefill step and 4 decode steps through every layer.
-            assert_eq!(trace.len(), 5 * spec.n_layers, "{what}");
-            let (want_counts, partials) = reference(&plan, &trace, spec.d_model);
-            assert_eq!(
-                traffic.snapshot(),
-                want_counts,
-                "{what}: units against the reference"
+        let mut streamed = 0;
+        for hw in [hw(), h100()] {
+            // The largest budget plans every expert in every layer; the least (found by bisection)
+            // no slot.
+            let plans = |gpu_mem: u64| {
+                plan_experts(
+                    &store.manifest,
+                    &budget(gpu_mem, toks.len()),
+                    &hw,
+                    Some(ExpertMode::Units),
+                )
+            };
+            let most = plans(u64::MAX / 4).unwrap().device.total;
+            let (mut lo, mut least) = (4096u64, most);
+            let r = plans(lo);
+            assert!(
+                matches!(r, Err(PlanError::GpuTooSmall { .. })),
+                "{:?}",
+                r.map(|p| p.device)
             );
-            if i == 0 {
-                assert_eq!(
-                    want_counts.hits, want_counts.needed,
-                    "{what}: every expert resident"
+            while least - lo > 1 {
+                let mid = lo + (least - lo) / 2;
+                match plans(mid) {
+                    Ok(_) => least = mid,
+                    Err(PlanError::GpuTooSmall { .. }) => lo = mid,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let mut budgets = vec![most, least];
+            budgets.extend((0..3).map(|_| rng.random_range(least..most)));
+            let mut base: Option<(u64, u64)> = None;
+            for (i, &gpu_mem) in budgets.iter().enumerate() {
+                let mut plan = plan_experts(
+                    &store.manifest,
+                    &budget(gpu_mem, toks.len()),
+                    &hw,
+                    Some(ExpertMode::Units),
+                )
+                .unwrap();
+                if i == 2 {
+                    // One copy every few steps (a bus slower than the step): the same logits, and
+                    // the reference with the same budget.
+                    plan.copies_per_step = 0.4;
+                }
+                let slots = plan.slots();
+                let what = format!(
+                    "{} at {gpu_mem} bytes on {}, slots {slots:?}, prompts stream from {:?} rows",
+                    model.display(),
+                    hw.name,
+                    plan.stream_rows
                 );
+                assert!(plan.device.total <= gpu_mem, "{what}");
+                match i {
+                    0 => assert!(slots.iter().all(|&s| s == moe.experts), "{what}"),
+                    1 => assert!(slots.iter().all(|&s| s == 0), "{what}"),
+                    _ => {}
+                }
+                let (e, ledger, traffic, trace) = offloaded(&store, &plan);
+                let at_load = ledger.snapshot();
+                let got = logits(&e, &toks);
+                close(&got, &want, &what);
+                let end = ledger.snapshot();
+                assert_eq!(end.hbm_peak, plan.device.placed, "{what}: ledger peak");
+                let trace = trace.0.lock().unwrap();
+                // One prefill step and 4 decode steps through every layer.
+                assert_eq!(trace.len(), 5 * spec.n_layers, "{what}");
+                let (want_counts, partials) = reference(&plan, &trace, spec.d_model);
+                streamed += want_counts.streamed;
+                assert_eq!(
+                    traffic.snapshot(),
+                    want_counts,
+                    "{what}: units against the reference"
+                );
+                if i == 0 {
+                    assert_eq!(
+                        want_counts.hits, want_counts.needed,
+                        "{what}: every expert resident"
+                    );
+                }
+                // Beyond what every budget moves (the budget holding every expert: no copy, no
+                // partial sum), the bus carries exactly the copies and the partial sums; nothing
+                // else comes back.
+                let h2d = end.h2d_bytes - at_load.h2d_bytes;
+                let d2h = end.d2h_bytes - at_load.d2h_bytes;
+                let (h2d_base, d2h_base) = *base.get_or_insert((h2d, d2h));
+                assert_eq!(
+                    h2d,
+                    h2d_base + want_counts.copy_bytes + want_counts.stream_bytes + partials,
+                    "{what}: h2d"
+                );
+                assert_eq!(d2h, d2h_base, "{what}: d2h");
             }
-            // Beyond what every budget moves (the budget holding every expert: no copy, no
-            // partial sum), the bus carries exactly the copies and the partial sums; nothing
-            // else comes back.
-            let h2d = end.h2d_bytes - at_load.h2d_bytes;
-            let d2h = end.d2h_bytes - at_load.d2h_bytes;
-            let (h2d_base, d2h_base) = *base.get_or_insert((h2d, d2h));
-            assert_eq!(
-                h2d,
-                h2d_base + want_counts.copy_bytes + partials,
-                "{what}: h2d"
-            );
-            assert_eq!(d2h, d2h_base, "{what}: d2h");
         }
+        // (The HF fixture's experts are too small for streaming to pay at 64 rows.)
+        assert!(
+            streamed > 0 || model.is_dir(),
+            "{}: no prompt streamed its experts",
+            model.display()
+        );
         // Every routed expert on the CPU (llama.cpp's `-ot exps=CPU`): the same logits, no
         // slot, no copy.
         let plan = plan_experts(
             &store.manifest,
-            &budget(most, toks.len()),
+            &budget(u64::MAX / 4, toks.len()),
             &hw(),
             Some(ExpertMode::Cpu),
         )

@@ -129,10 +129,12 @@ impl<B: Backend> Engine<B> {
     /// An offloaded layer's experts, the router's logits in `sc.up`, as one graph with one host
     /// wait:
     /// 1. copy device→host: the FFN input, queued (it lands while the logits are read);
-    /// 2. host: the logits (the wait), the routes, split between the unit and the CPU;
+    /// 2. host: the logits (the wait), the routes, split between the unit and the rest;
     /// 3. device: the unit's experts into `proj`, queued;
-    /// 4. CPU: the other experts into the partial sum, while the device runs 3;
-    /// 5. copy host→device: the partial sum; device: `proj += partial`, the merge;
+    /// 4. the rest: a prompt's step brings those experts through the stream area and the device
+    ///    computes them into the partial sum; otherwise the CPU computes them into it while the
+    ///    device runs 3, and the partial sum is copied host→device;
+    /// 5. device: `proj += partial`, the merge;
     /// 6. the unit takes in what the policy admits of the misses, copies queued behind.
     fn offloaded_moe(&self, l: usize, x: &mut ExpertsView<B>, sc: &mut Scratch<B>) -> Result<()> {
         let b = &self.backend;
@@ -150,7 +152,7 @@ impl<B: Backend> Engine<B> {
             drop(wait);
             let decide = trace::span(Phase::Decide);
             let routes = self.routes(l, &logits, n)?;
-            let (device, cpu) = x.cache.split(b, &routes)?;
+            let (device, rest) = x.cache.split(b, &routes)?;
             drop(decide);
             {
                 let _s = trace::span(Phase::DeviceNeurons);
@@ -161,14 +163,20 @@ impl<B: Backend> Engine<B> {
                     _ => b.zero(&mut sc.proj)?,
                 }
             }
-            if !cpu.is_empty() {
-                let mut part = vec![0f32; n * d];
-                {
-                    let _s = trace::span(Phase::CpuNeurons);
-                    x.cache.cpu_ffn(h, n, &cpu, &mut part)?;
-                }
+            if !rest.is_empty() {
                 b.reshape(x.partial, n, d)?;
-                {
+                if x.cache.streams(n) {
+                    let copy = trace::span(Phase::H2d);
+                    let area = x.cache.stream_in(b, &rest)?;
+                    drop(copy);
+                    let _s = trace::span(Phase::DeviceNeurons);
+                    b.moe_ffn(area, &sc.h, &rest, self.act, x.partial)?;
+                } else {
+                    let mut part = vec![0f32; n * d];
+                    {
+                        let _s = trace::span(Phase::CpuNeurons);
+                        x.cache.cpu_ffn(h, n, &rest, &mut part)?;
+                    }
                     let _s = trace::span(Phase::H2d);
                     b.write(x.partial, &part)?;
                 }

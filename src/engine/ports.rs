@@ -109,6 +109,16 @@ pub trait ExpertCache<B: Backend>: Send {
     /// After the step's compute is queued: take in what the policy admits of the step's missed
     /// experts, the copies queued behind that compute (never waited for here).
     fn admit(&mut self, b: &B, routes: &[crate::backend::Route]) -> Result<()>;
+    /// Whether a step of `n` rows brings the experts the unit lacks through the stream area
+    /// for the device to compute (a prompt's), rather than the CPU computing them.
+    fn streams(&self, n: usize) -> bool;
+    /// Bring the experts of `routes` (routed ids) into the stream area, the device waiting for
+    /// them: the area as a stack of every routed expert, the routes' ids as they are.
+    fn stream_in(
+        &mut self,
+        b: &B,
+        routes: &[crate::backend::Route],
+    ) -> Result<crate::backend::Experts<'_, B::Weight>>;
 }
 
 /// The offloaded experts of one layer, and where the CPU's partial sum comes back.

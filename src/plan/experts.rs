@@ -98,6 +98,13 @@ impl ExpertShape {
         self.gate + self.up + self.down
     }
 
+    /// Bytes of every routed expert's gate, up and down rows (a layer's stacks without the
+    /// shared expert).
+    pub fn routed_stacks(&self, experts: usize) -> [u64; 3] {
+        let e = experts as u64;
+        [e * self.gate, e * self.up, e * self.down]
+    }
+
     /// Device bytes of a unit of `slots` routed slots and the shared parts: one tensor per
     /// matrix, each rounded (none where there is no slot at all).
     pub fn unit_device_bytes(&self, slots: usize) -> u64 {
@@ -164,6 +171,9 @@ pub struct ExpertDevice {
     pub routers: u64,
     /// Every layer's unit (routed slots and shared parts).
     pub units: u64,
+    /// The stream area a prompt's missed experts pass through (one layer's routed stacks; 0
+    /// where prompts leave them to the CPU).
+    pub stream: u64,
     /// The buffer the CPU's partial sums come back into.
     pub merge: u64,
     /// Everything the byte ledger holds at the peak (small fragments, head, KV, step memory
@@ -191,6 +201,11 @@ pub struct ExpertPlan {
     pub staging: u64,
     /// Rows of the merge buffer (the most tokens a step evaluates).
     pub batch: usize,
+    /// Steps of at least this many rows (a prompt's) bring the experts the units lack through
+    /// the stream area and compute them on the device, as llama.cpp streams a prompt's
+    /// experts, instead of the CPU computing them; `None`: the CPU always does (no area, or the
+    /// CPU is faster at every step the budget takes).
+    pub stream_rows: Option<usize>,
     pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
     /// What the prediction assumes of the routing.
@@ -247,10 +262,22 @@ impl ExpertPlan {
         let d = &self.device;
         let _ = writeln!(
             o,
-            "device: attention {} MiB, routers {} MiB, expert units {} MiB, merge {} MiB; placed {} MiB, total {} MiB of {} MiB",
+            "prompts: {}",
+            match self.stream_rows {
+                Some(r) => format!(
+                    "steps of {r} rows or more stream the experts the units lack through the device ({} MiB area)",
+                    mib(d.stream)
+                ),
+                None => "the CPU computes the experts the units lack".into(),
+            }
+        );
+        let _ = writeln!(
+            o,
+            "device: attention {} MiB, routers {} MiB, expert units {} MiB, stream area {} MiB, merge {} MiB; placed {} MiB, total {} MiB of {} MiB",
             mib(d.attention),
             mib(d.routers),
             mib(d.units),
+            mib(d.stream),
             mib(d.merge),
             mib(d.placed),
             mib(d.total),
@@ -355,8 +382,20 @@ pub fn plan_experts(
             ),
         });
     }
-    let room = usable - everything_else;
-    let fixed = Fixed {
+    let mut room = usable - everything_else;
+    // The stream area: one layer's routed stacks, each matrix as wide as its widest layer's.
+    let area: u64 = (0..3)
+        .map(|i| {
+            device_bytes(
+                shapes
+                    .iter()
+                    .map(|s| s.routed_stacks(moe.experts)[i])
+                    .max()
+                    .unwrap_or(0),
+            )
+        })
+        .sum();
+    let mut fixed = Fixed {
         base: &base,
         shapes: &shapes,
         attention_layers: &attention_layers,
@@ -368,7 +407,15 @@ pub fn plan_experts(
         merge,
         staging,
         batch,
+        stream: None,
     };
+    if room >= area
+        && let Some(rows) = fixed.stream_rows()
+    {
+        fixed.stream = Some((rows, area));
+        room -= area;
+    }
+    let fixed = fixed;
     let units = || fixed.finish(ExpertMode::Units, share_slots(&shapes, moe.experts, room));
     let cpu = || fixed.finish(ExpertMode::Cpu, vec![0; n_layers]);
     Ok(match mode {
@@ -429,9 +476,107 @@ struct Fixed<'a> {
     merge: u64,
     staging: u64,
     batch: usize,
+    /// The rows from which prompts stream, and the stream area's bytes.
+    stream: Option<(usize, u64)>,
 }
 
 impl Fixed<'_> {
+    /// The fewest rows (2 up to the budget's step) from which bringing a step's missed experts
+    /// through the device beats the CPU computing them (the units taken empty: a prompt
+    /// misses most): per layer, the distinct experts `n` rows route to (uniformly, `E·(1 −
+    /// (1 − k/E)ⁿ)`) copied in and computed on the device, against the CPU reading them and
+    /// computing every row's; where copies and compute share memory they take turns.
+    fn stream_rows(&self) -> Option<usize> {
+        let spec = &self.base.spec;
+        let hw = &self.base.hardware;
+        let (e, k) = (self.experts as f64, self.used as f64);
+        if e == 0.0 {
+            return None;
+        }
+        let expert_flops =
+            2.0 * 3.0 * (spec.d_model * spec.moe.as_ref().map_or(0, |m| m.d_expert)) as f64;
+        let cpu_rate = batch::cpu_flops_per_s(hw);
+        (2..=self.batch).find(|&n| {
+            let distinct = e * (1.0 - (1.0 - k / e).powi(n as i32));
+            let (mut cpu_s, mut stream_s) = (0.0, 0.0);
+            for s in self.shapes {
+                let bytes = distinct * s.bytes() as f64;
+                let flops = n as f64 * k * expert_flops;
+                cpu_s += (bytes / hw.dram_read_bytes_per_s).max(flops / cpu_rate);
+                let copy = bytes / hw.h2d_pinned_bytes_per_s;
+                let compute = flops / hw.matmul_flops_per_s;
+                stream_s += if hw.copies_share_memory {
+                    copy + compute
+                } else {
+                    copy.max(compute)
+                };
+            }
+            stream_s < cpu_s
+        })
+    }
+    /// Layer `l` with `slots` routed slots: the expected hits at uniform routing, the bytes
+    /// each resource reads a token, the device's and the CPU's seconds; and the layer's seconds
+    /// (attention, the landing of its input and logits, the longer side).
+    fn layer(&self, l: usize, slots: usize) -> (ExpertLayer, f64) {
+        let base = self.base;
+        let spec = &base.spec;
+        let hw = &base.hardware;
+        let shape = &self.shapes[l];
+        let (d, k) = (spec.d_model, self.used as f64);
+        let moe_rows = spec.moe.as_ref().map_or(0, |m| m.router_rows());
+        let expert_flops = 2.0 * 3.0 * (d * spec.moe.as_ref().map_or(0, |m| m.d_expert)) as f64;
+        // One host wait a layer: the FFN input and the router's logits down, the CPU's partial
+        // sum up.
+        let trip = |bytes: usize| hw.op_overhead_s + bytes as f64 / hw.h2d_pinned_bytes_per_s;
+        let attention_row =
+            batch::projection_flops(spec) + batch::attention_flops(spec, base.budget.ctx / 2);
+        let eb = shape.bytes();
+        let hit = if self.experts == 0 {
+            0.0
+        } else {
+            slots as f64 / self.experts as f64
+        };
+        let on_device = hit * k + shape.shared as f64;
+        let missed = (1.0 - hit) * k;
+        let hbm_bytes = self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
+        let cpu_bytes = (missed * eb as f64) as u64;
+        // Both sides start once the FFN input and the logits have landed (one wait); the CPU's
+        // share comes back before the merge.
+        let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s;
+        let cpu_s = if missed > 0.0 {
+            batch::bounded(
+                cpu_bytes as f64,
+                hw.dram_read_bytes_per_s,
+                1,
+                missed * expert_flops,
+                batch::cpu_flops_per_s(hw),
+            ) + trip(d * 4)
+        } else {
+            0.0
+        };
+        let attention_s = batch::bounded(
+            self.attention_layers[l] as f64,
+            hw.hbm_bytes_per_s,
+            1,
+            attention_row,
+            hw.matmul_flops_per_s,
+        );
+        let layer = ExpertLayer {
+            slots,
+            device_bytes: shape.unit_device_bytes(slots) + device_bytes(shape.router),
+            hit_ratio: hit,
+            hbm_bytes,
+            cpu_bytes,
+            copy_bytes: 0,
+            device_s,
+            cpu_s,
+        };
+        (
+            layer,
+            attention_s + trip((d + moe_rows) * 4) + device_s.max(cpu_s),
+        )
+    }
+
     /// The plan with `slots` routed slots per layer: per layer the expected hits at uniform
     /// routing, the bytes each resource moves, the predicted seconds; the copies the bus moves
     /// within the step's time.
@@ -442,67 +587,17 @@ impl Fixed<'_> {
         let g = &base.gpu;
         let (d, k) = (spec.d_model, self.used as f64);
         let moe_rows = spec.moe.as_ref().map_or(0, |m| m.router_rows());
-        let device_rate = hw.matmul_flops_per_s;
-        let cpu_rate = batch::cpu_flops_per_s(hw);
-        let expert_flops = 2.0 * 3.0 * (d * spec.moe.as_ref().map_or(0, |m| m.d_expert)) as f64;
-        // One host wait a layer: the FFN input and the router's logits down, the CPU's partial
-        // sum up.
-        let trip = |bytes: usize| hw.op_overhead_s + bytes as f64 / hw.h2d_pinned_bytes_per_s;
-        let attention_row =
-            batch::projection_flops(spec) + batch::attention_flops(spec, base.budget.ctx / 2);
         let mut layers = Vec::with_capacity(slots.len());
         let (mut hbm, mut cpu, mut copies) = (g.small + g.head, 0u64, 0u64);
         let mut seconds = 0.0;
         let mut units = 0;
-        for (l, (&s, shape)) in slots.iter().zip(self.shapes).enumerate() {
-            let eb = shape.bytes();
-            let hit = if self.experts == 0 {
-                0.0
-            } else {
-                s as f64 / self.experts as f64
-            };
-            let on_device = hit * k + shape.shared as f64;
-            let missed = (1.0 - hit) * k;
-            let layer_hbm =
-                self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
-            let layer_cpu = (missed * eb as f64) as u64;
-            // Both sides start once the FFN input and the logits have landed (one wait); the
-            // CPU's share comes back before the merge.
-            let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s;
-            let cpu_s = if missed > 0.0 {
-                batch::bounded(
-                    layer_cpu as f64,
-                    hw.dram_read_bytes_per_s,
-                    1,
-                    missed * expert_flops,
-                    cpu_rate,
-                ) + trip(d * 4)
-            } else {
-                0.0
-            };
-            let attention_s = batch::bounded(
-                self.attention_layers[l] as f64,
-                hw.hbm_bytes_per_s,
-                1,
-                attention_row,
-                device_rate,
-            );
-            seconds += attention_s + trip((d + moe_rows) * 4) + device_s.max(cpu_s);
-            hbm += layer_hbm;
-            cpu += layer_cpu;
-            let device_bytes =
-                shape.unit_device_bytes(s) + crate::footprint::device_bytes(shape.router);
-            units += shape.unit_device_bytes(s);
-            layers.push(ExpertLayer {
-                slots: s,
-                device_bytes,
-                hit_ratio: hit,
-                hbm_bytes: layer_hbm,
-                cpu_bytes: layer_cpu,
-                copy_bytes: 0,
-                device_s,
-                cpu_s,
-            });
+        for (l, &s) in slots.iter().enumerate() {
+            let (layer, layer_s) = self.layer(l, s);
+            seconds += layer_s;
+            hbm += layer.hbm_bytes;
+            cpu += layer.cpu_bytes;
+            units += self.shapes[l].unit_device_bytes(s);
+            layers.push(layer);
         }
         let per_session = g.kv / base.budget.sessions.max(1) as u64;
         hbm += per_session / 2;
@@ -511,7 +606,7 @@ impl Fixed<'_> {
             hw.hbm_bytes_per_s,
             1,
             batch::head_flops(spec),
-            device_rate,
+            hw.matmul_flops_per_s,
         );
         // About 16 ops a layer (norms, projections, rope, attention, router, experts, merge).
         seconds += (spec.n_layers * 16 + 4) as f64 * hw.op_overhead_s;
@@ -551,14 +646,15 @@ impl Fixed<'_> {
         let partials = layers.iter().filter(|x| x.cpu_bytes > 0).count() as u64 * (d * 4) as u64;
         let h2d = (d * 4) as u64 + partials + copies;
         let pcie = h2d + d2h;
-        let placed = self.everything_else + units;
+        let stream = self.stream.map_or(0, |(_, b)| b);
+        let placed = self.everything_else + units + stream;
         let dram_expert_bytes = self
             .shapes
             .iter()
             .map(|s| (self.experts + s.shared) as u64 * s.bytes())
             .sum();
         let mut plan = base.clone();
-        plan.gpu.resident_layers = self.attention + self.routers + units;
+        plan.gpu.resident_layers = self.attention + self.routers + units + stream;
         plan.gpu.merge = self.merge;
         plan.gpu.placed = placed;
         plan.gpu.total = g.fixed + placed;
@@ -582,6 +678,7 @@ impl Fixed<'_> {
                 attention: self.attention,
                 routers: self.routers,
                 units,
+                stream,
                 merge: self.merge,
                 placed,
                 total: g.fixed + placed,
@@ -589,6 +686,7 @@ impl Fixed<'_> {
             dram_expert_bytes,
             staging: self.staging,
             batch: self.batch,
+            stream_rows: self.stream.map(|(r, _)| r),
             per_token: SparsePerToken {
                 hbm_bytes: hbm,
                 cpu_bytes: cpu,

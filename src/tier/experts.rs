@@ -50,6 +50,8 @@ pub struct ExpertTraffic {
     copy_bytes: AtomicU64,
     cpu_experts: AtomicU64,
     cpu_bytes: AtomicU64,
+    streamed: AtomicU64,
+    stream_bytes: AtomicU64,
 }
 
 /// A snapshot of [`ExpertTraffic`].
@@ -65,6 +67,9 @@ pub struct ExpertCounts {
     /// Experts the CPU computed (each read once a step), and their bytes.
     pub cpu_experts: u64,
     pub cpu_bytes: u64,
+    /// Experts a prompt's steps brought through the stream area, and their bytes.
+    pub streamed: u64,
+    pub stream_bytes: u64,
 }
 
 impl ExpertCounts {
@@ -87,6 +92,8 @@ impl ExpertTraffic {
             copy_bytes: get(&self.copy_bytes),
             cpu_experts: get(&self.cpu_experts),
             cpu_bytes: get(&self.cpu_bytes),
+            streamed: get(&self.streamed),
+            stream_bytes: get(&self.stream_bytes),
         }
     }
 }
@@ -183,6 +190,22 @@ impl<B: Backend> LayerExperts<B> {
     }
 }
 
+/// Where a prompt's missed experts pass through: one layer's routed stacks, each matrix
+/// allocated as wide as its widest layer's and re-typed for the layer it holds.
+struct StreamArea<B: Backend> {
+    stacks: [B::Weight; 3],
+    /// Steps of at least this many rows stream.
+    rows: usize,
+}
+
+/// The distinct experts of `routes`, ascending.
+fn distinct_experts(routes: &[Route]) -> Vec<u32> {
+    let mut ids: Vec<u32> = routes.iter().map(|r| r.expert).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
 /// The CPU's side: its backend and the experts' activation.
 struct CpuSide {
     backend: CpuBackend,
@@ -196,6 +219,7 @@ pub struct ExpertWeights<B: Backend> {
     routers: Vec<B::Weight>,
     layers: Vec<LayerExperts<B>>,
     partial: B::Tensor,
+    stream: Option<StreamArea<B>>,
     cpu: CpuSide,
     experts: usize,
     traffic: Arc<ExpertTraffic>,
@@ -296,11 +320,19 @@ impl<B: Backend> ExpertWeights<B> {
             },
         )?;
         let partial = b.alloc(plan.batch.max(1), spec.d_model)?;
+        let stream = match plan.stream_rows {
+            Some(rows) => Some(StreamArea {
+                stacks: stream_area(b, &store, &layers, moe.experts)?,
+                rows,
+            }),
+            None => None,
+        };
         Ok(ExpertWeights {
             resident,
             routers,
             layers,
             partial,
+            stream,
             cpu: CpuSide {
                 backend: cpu,
                 act,
@@ -318,9 +350,37 @@ impl<B: Backend> ExpertWeights<B> {
     }
 }
 
+/// The stream area on the device: per matrix, the routed stack of the layer whose stack takes
+/// most bytes, in that layer's format.
+fn stream_area<B: Backend>(
+    b: &B,
+    store: &Store,
+    layers: &[LayerExperts<B>],
+    experts: usize,
+) -> Result<[B::Weight; 3]> {
+    let mut area = Vec::with_capacity(3);
+    for (i, which) in ["gate", "up", "down"].iter().enumerate() {
+        let widest = (0..layers.len())
+            .max_by_key(|&l| (layers[l].stacks[i].expert(0).len(), std::cmp::Reverse(l)))
+            .ok_or_else(|| weights_err("a model without layers"))?;
+        let name = experts_segment_name(widest, which);
+        let seg = store.require(&name).map_err(store_err)?;
+        let rows = experts * layers[widest].stacks[i].rows;
+        area.push(b.alloc_weight(
+            &format!("{which} stream area"),
+            device_dtype(seg),
+            rows,
+            seg.cols,
+        )?);
+    }
+    area.try_into()
+        .map_err(|_| weights_err("three expert matrices"))
+}
+
 /// One layer's experts for one step.
 struct ExpertStep<'a, B: Backend> {
     layer: &'a mut LayerExperts<B>,
+    stream: Option<&'a mut StreamArea<B>>,
     cpu: &'a CpuSide,
     experts: usize,
     traffic: &'a ExpertTraffic,
@@ -374,9 +434,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         };
         b.moe_ffn(experts, &xt, routes, c.act, &mut ot)?;
         b.read(&ot, out)?;
-        let mut ids: Vec<u32> = routes.iter().map(|r| r.expert).collect();
-        ids.sort_unstable();
-        ids.dedup();
+        let ids = distinct_experts(routes);
         let bytes: u64 = ids
             .iter()
             .map(|&e| {
@@ -393,6 +451,51 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         self.traffic.cpu_bytes.fetch_add(bytes, Ordering::Relaxed);
         crate::engine::trace::add_cpu_bytes(bytes);
         Ok(())
+    }
+
+    fn streams(&self, n: usize) -> bool {
+        self.stream.as_ref().is_some_and(|s| n >= s.rows)
+    }
+
+    /// Copies `routes`' experts into the stream area, re-typed for this layer, behind the
+    /// compute queued so far (the area's last reader); the device waits for them.
+    fn stream_in(&mut self, b: &B, routes: &[Route]) -> Result<Experts<'_, B::Weight>> {
+        let area = self
+            .stream
+            .as_deref_mut()
+            .ok_or_else(|| weights_err("no stream area for a prompt's experts"))?;
+        let ids = distinct_experts(routes);
+        if ids.iter().any(|&e| e as usize >= self.experts) {
+            return Err(weights_err(
+                "a shared expert's part routed to the stream area",
+            ));
+        }
+        let free = b.compute_done()?;
+        b.copies_wait(&free)?;
+        let mut bytes = 0u64;
+        for (w, s) in area.stacks.iter_mut().zip(&self.layer.stacks) {
+            b.retype_weight(w, s.host.dtype, self.experts * s.rows, s.host.cols)?;
+            for &e in &ids {
+                let src = s.expert(e as usize);
+                b.upload_into(w, e as usize * s.rows, src)?;
+                bytes += src.len() as u64;
+            }
+        }
+        let landed = b.copies_done()?;
+        b.compute_waits(&landed)?;
+        self.traffic
+            .streamed
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.traffic
+            .stream_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        let [g, u, d] = &area.stacks;
+        Ok(Experts {
+            gate: Some(g),
+            up: u,
+            down: d,
+            width: self.cpu.width,
+        })
     }
 
     fn admit(&mut self, b: &B, routes: &[Route]) -> Result<()> {
@@ -453,6 +556,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             routers,
             layers,
             partial,
+            stream,
             cpu,
             experts,
             traffic,
@@ -462,6 +566,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             .ok_or_else(|| weights_err(format!("no layer {l}")))?;
         let cache = ExpertStep {
             layer,
+            stream: stream.as_mut(),
             cpu,
             experts: *experts,
             traffic,
