@@ -66,13 +66,18 @@ fn converted(dir: &Path) -> std::path::PathBuf {
 }
 
 fn sim_run(store: &Path, extra: &[&str]) -> Command {
+    run_on("sim", store, extra)
+}
+
+/// `run` of `model` on `device`: 6 greedy tokens after 4 given ids, as JSON.
+fn run_on(device: &str, model: &Path, extra: &[&str]) -> Command {
     let mut c = bin();
     c.args([
         "run",
         "--device",
-        "sim",
+        device,
         "-m",
-        s(store),
+        s(model),
         "--tokens",
         "5,17,99,3",
         "-n",
@@ -526,24 +531,8 @@ fn experts_are_stored_as_slices_and_come_back_exact() {
             "{}",
             src.display()
         );
-        let dense: Value = serde_json::from_str(&ok(bin().args([
-            "run",
-            "--device",
-            "cpu",
-            "-m",
-            s(src),
-            "--tokens",
-            "5,17,99,3",
-            "-n",
-            "6",
-            "--temperature",
-            "0",
-            "--json",
-            "--ignore-eos",
-            "--kv-type",
-            "f32",
-        ])))
-        .unwrap();
+        let dense: Value =
+            serde_json::from_str(&ok(&mut run_on("cpu", src, &["--kv-type", "f32"]))).unwrap();
         for cold in ["gpu", "cpu"] {
             let run = ok(&mut sim_run(&out, &["--kv-type", "f32", "--cold", cold]));
             let offloaded: Value = serde_json::from_str(&run).unwrap();

@@ -155,9 +155,19 @@ pub fn device_dtype(s: &Segment) -> DType {
 /// for a block-quantized model, the FFN matrices of every layer (a bundled FFN runs on neuron
 /// bundles, no matrix product), a mixture-of-experts layer's router, and the output matrix.
 pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
-    let mut layer = Vec::new();
+    let shape = |s: &Segment| MatmulShape {
+        dtype: device_dtype(s),
+        rows: s.rows,
+        cols: s.cols,
+    };
+    let mut layer: Vec<MatmulShape> = Vec::new();
     let mut experts = Vec::new();
     for l in 0..m.spec.n_layers {
+        let mut names: Vec<String> = Part::ALL
+            .into_iter()
+            .filter(|&p| p != Part::Ffn && holds(m, p))
+            .map(|p| part_segment_name(l, p))
+            .collect();
         if let Some(moe) = &m.spec.moe {
             let e = crate::footprint::ExpertsShape {
                 gate: device_dtype(seg(m, &experts_segment_name(l, "gate"))?),
@@ -167,39 +177,18 @@ pub fn offload_matmuls(m: &Manifest) -> Result<MatmulShapes, PlanError> {
             if !experts.contains(&e) {
                 experts.push(e);
             }
-            let s = seg(m, &router_segment_name(l))?;
-            let k = MatmulShape {
-                dtype: device_dtype(s),
-                rows: s.rows,
-                cols: s.cols,
-            };
-            if !layer.contains(&k) {
-                layer.push(k);
-            }
+            names.push(router_segment_name(l));
         }
-        for p in Part::ALL
-            .into_iter()
-            .filter(|&p| p != Part::Ffn && holds(m, p))
-        {
-            let s = seg(m, &part_segment_name(l, p))?;
-            let k = MatmulShape {
-                dtype: device_dtype(s),
-                rows: s.rows,
-                cols: s.cols,
-            };
+        for name in names {
+            let k = shape(seg(m, &name)?);
             if !layer.contains(&k) {
                 layer.push(k);
             }
         }
     }
-    let h = head_segment(m)?;
     Ok(MatmulShapes {
         layer,
-        head: MatmulShape {
-            dtype: device_dtype(h),
-            rows: h.rows,
-            cols: h.cols,
-        },
+        head: shape(head_segment(m)?),
         experts,
     })
 }
