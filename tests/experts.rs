@@ -98,16 +98,25 @@ fn reference(
 ) -> (ExpertCounts, u64) {
     let e = plan.experts;
     let mut budgets = vec![CopyBudget::new(plan.copies_per_step); plan.layers.len()];
+    // Each unit as the source makes it: by the profile's ranking or least recently routed,
+    // starting with every expert where it holds them all, else with the profile's seeds.
     let mut maps: Vec<Option<SlotMap>> = plan
         .layers
         .iter()
-        .map(|l| {
+        .enumerate()
+        .map(|(i, l)| {
             (l.slots > 0).then(|| {
-                let mut m = SlotMap::new(e, l.slots, Eviction::Recency).unwrap();
-                if l.slots == e {
-                    let all: Vec<u32> = (0..e as u32).collect();
-                    m.admit(&all, e).unwrap();
-                }
+                let eviction = match plan.scores.get(i) {
+                    Some(s) => Eviction::Frequency(s.clone()),
+                    None => Eviction::Recency,
+                };
+                let mut m = SlotMap::new(e, l.slots, eviction).unwrap();
+                let seed: Vec<u32> = if l.slots == e {
+                    (0..e as u32).collect()
+                } else {
+                    plan.seeds.get(i).cloned().unwrap_or_default()
+                };
+                m.admit(&seed, seed.len()).unwrap();
                 m
             })
         })
@@ -174,7 +183,23 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
         let dense = Model::load(&model).unwrap();
         let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
         let mut streamed = 0;
-        for hw in [hw(), h100()] {
+        // The model's routing on its own prompt's tokens and more: what `profile` saves.
+        let routing = gpu_offload::runtime::profiling::profile_routing(
+            &spec,
+            dense.weights.clone(),
+            &store,
+            (
+                &(0..256)
+                    .map(|i| (i * 7 + 3) % spec.vocab_size as u32)
+                    .collect::<Vec<_>>(),
+                64,
+                "test",
+            ),
+            2,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        for (hw, routing) in [(hw(), None), (h100(), None), (hw(), Some(&routing))] {
             // The largest budget plans every expert in every layer; the least (found by bisection)
             // no slot.
             let plans = |gpu_mem: u64| {
@@ -183,6 +208,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                     &budget(gpu_mem, toks.len()),
                     &hw,
                     Some(ExpertMode::Units),
+                    routing,
                 )
             };
             let most = plans(u64::MAX / 4).unwrap().device.total;
@@ -210,6 +236,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                     &budget(gpu_mem, toks.len()),
                     &hw,
                     Some(ExpertMode::Units),
+                    routing,
                 )
                 .unwrap();
                 if i == 2 {
@@ -279,6 +306,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             &budget(u64::MAX / 4, toks.len()),
             &hw(),
             Some(ExpertMode::Cpu),
+            None,
         )
         .unwrap();
         assert!(plan.slots().iter().all(|&s| s == 0));

@@ -2128,21 +2128,29 @@ fn offloaded_experts_on_gpu_equal_dense() {
             &budget(u64::MAX / 4),
             &hw,
             Some(ExpertMode::Units),
+            None,
         )
         .unwrap()
         .device
         .total;
-        let least = plan_experts(&store.manifest, &budget(most), &hw, Some(ExpertMode::Cpu))
-            .unwrap()
-            .device
-            .total;
+        let least = plan_experts(
+            &store.manifest,
+            &budget(most),
+            &hw,
+            Some(ExpertMode::Cpu),
+            None,
+        )
+        .unwrap()
+        .device
+        .total;
         for (gpu_mem, mode) in [
             (least, ExpertMode::Units),
             ((least + most) / 2, ExpertMode::Units),
             (most, ExpertMode::Units),
             (most, ExpertMode::Cpu),
         ] {
-            let plan = plan_experts(&store.manifest, &budget(gpu_mem), &hw, Some(mode)).unwrap();
+            let plan =
+                plan_experts(&store.manifest, &budget(gpu_mem), &hw, Some(mode), None).unwrap();
             let what = format!(
                 "{name} at {gpu_mem} bytes, {mode:?}, slots {:?}",
                 plan.slots()

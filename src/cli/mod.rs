@@ -59,7 +59,8 @@ pub enum Command {
     /// one JSON line each; resumable, and can save each prompt as a context `serve` continues.
     Prefill(prefill::PrefillArgs),
     /// Measure a model's FFN activation sparsity on a corpus (thresholds per target sparsity,
-    /// activation frequency per neuron) and save it in the model's store.
+    /// activation frequency per neuron) and save it in the model's store; for a
+    /// mixture-of-experts model, its routing (tokens per expert per layer).
     Profile(profile::ProfileArgs),
 }
 

@@ -117,7 +117,8 @@ fn print_expert_plan(
         );
     }
     let mode = ExpertMode::for_cold(a.budget.cold)?;
-    let ep = plan_experts(&store.manifest, budget, hw, mode)?;
+    let routing = crate::runtime::planning::routing_profile(store, &a.model.display().to_string())?;
+    let ep = plan_experts(&store.manifest, budget, hw, mode, routing.as_ref())?;
     if a.json {
         let mut v = serde_json::to_value(&ep.plan)?;
         v["experts"] = serde_json::to_value(&ep)?;

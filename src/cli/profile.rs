@@ -1,5 +1,6 @@
 //! `gpu-offload profile`: a model's FFN activation sparsity on a calibration corpus, saved in its
-//! store (see `crate::sparsity`).
+//! store (see `crate::sparsity`); for a mixture-of-experts model, its routing
+//! ([`crate::sparsity::routing::RoutingProfile`]).
 
 use std::path::{Path, PathBuf};
 
@@ -115,6 +116,15 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         predictor_tokens: args.predictor_tokens as usize,
         predictor_rank: args.predictor_rank as usize,
     };
+    if let Some(moe) = model.spec.moe.clone() {
+        return profile_experts(
+            &args,
+            (&model_path, &store),
+            model,
+            (tokens, window, &corpus_name),
+            moe.experts,
+        );
+    }
     let profiler = SparsityProfiler::new(&model.spec, model.weights, settings)?;
     let pb = ProgressBar::new(0);
     pb.set_style(
@@ -133,6 +143,71 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     pb.finish_and_clear();
     let run = profiler.finish(passes, &store, corpus_name.clone())?;
     print_summary(&args, &model_path, &store, &corpus_name, &run);
+    Ok(())
+}
+
+/// A mixture-of-experts model: its routing profile (per layer, how many tokens each expert
+/// took), saved in the store; the summary says how concentrated each layer's routing is.
+fn profile_experts(
+    args: &ProfileArgs,
+    (model_path, store): (&Path, &Store),
+    model: crate::model::Model,
+    (tokens, window, corpus): (&[u32], usize, &str),
+    experts: usize,
+) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let pb = ProgressBar::new(0);
+    let p = crate::runtime::profiling::profile_routing(
+        &model.spec,
+        model.weights,
+        store,
+        (tokens, window, corpus),
+        args.threads.map_or(0, usize::from),
+        &mut |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        },
+    )?;
+    pb.finish_and_clear();
+    // Per layer: experts holding 90% of the routings, and the top `used`'s share.
+    let used = model.spec.moe.as_ref().map_or(1, |m| m.used);
+    let layers: Vec<(usize, f64)> = (0..p.counts.len())
+        .map(|l| {
+            let (_, shares) = p.ranked(l);
+            let mut acc = 0.0;
+            let for_90 = shares
+                .iter()
+                .position(|s| {
+                    acc += s;
+                    acc >= 0.9 - 1e-9
+                })
+                .map_or(experts, |i| i + 1);
+            (for_90, shares.iter().take(used).sum())
+        })
+        .collect();
+    let path = crate::sparsity::routing::RoutingProfile::path_in(store.dir());
+    if args.json {
+        let v = serde_json::json!({
+            "store": store.dir(), "model_id": p.model_id, "corpus": p.corpus,
+            "tokens": p.tokens, "experts": experts, "seconds": t0.elapsed().as_secs_f64(),
+            "experts_for_90pct_of_routings": layers.iter().map(|l| l.0).collect::<Vec<_>>(),
+            "top_k_share": layers.iter().map(|l| l.1).collect::<Vec<_>>(),
+            "profile": path,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "routing of {} on {} tokens of {corpus} in {:.1} s → {}",
+            model_path.display(),
+            p.tokens,
+            t0.elapsed().as_secs_f64(),
+            path.display()
+        );
+        println!("layer  experts for 90% of routings (of {experts})  top-{used} share");
+        for (l, (n, top)) in layers.iter().enumerate() {
+            println!("{l:>5}  {n:>36}  {:>10.1}%", 100.0 * top);
+        }
+    }
     Ok(())
 }
 

@@ -38,6 +38,7 @@ use super::manifest::{
 use super::preserve::Part;
 use super::resident::SparsePerToken;
 use super::stream::make_plan;
+use crate::sparsity::routing::RoutingProfile;
 
 /// Where the routed experts a device does not hold run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -210,6 +211,12 @@ pub struct ExpertPlan {
     pub predicted_tokens_per_s: f64,
     /// What the prediction assumes of the routing.
     pub routing: String,
+    /// With a routing profile: per layer the experts its unit starts with (its most routed),
+    /// and each expert's share of the routings (what the ATU keeps when a stale expert must
+    /// give way); without, units start empty and give way to the least recently routed.
+    pub seeds: Vec<Vec<u32>>,
+    #[serde(skip)]
+    pub scores: Vec<Vec<f32>>,
     /// The plan as the rest of the runtime reads it: the streaming plan of everything but the
     /// experts (all of it resident: small fragments, head, KV, step memory, prefill layout),
     /// its device bytes, per-token bytes and prediction this plan's.
@@ -304,6 +311,7 @@ pub fn plan_experts(
     budget: &Budget,
     hw: &HardwareProfile,
     mode: Option<ExpertMode>,
+    routing: Option<&RoutingProfile>,
 ) -> Result<ExpertPlan, PlanError> {
     let moe = m
         .spec
@@ -408,6 +416,14 @@ pub fn plan_experts(
         staging,
         batch,
         stream: None,
+        ranks: routing.map(|r| (0..n_layers).map(|l| r.ranked(l)).collect()),
+        routing: match routing {
+            Some(r) => format!(
+                "profiled on {} tokens of {}: a unit of s slots holds its layer's s most routed experts' share",
+                r.tokens, r.corpus
+            ),
+            None => "uniform (no routing profile): a unit of s slots of E experts hits s/E".into(),
+        },
     };
     if room >= area
         && let Some(rows) = fixed.stream_rows()
@@ -416,7 +432,11 @@ pub fn plan_experts(
         room -= area;
     }
     let fixed = fixed;
-    let units = || fixed.finish(ExpertMode::Units, share_slots(&shapes, moe.experts, room));
+    let slots = match &fixed.ranks {
+        Some(ranks) => slots_by_share(&shapes, ranks, room),
+        None => share_slots(&shapes, moe.experts, room),
+    };
+    let units = || fixed.finish(ExpertMode::Units, slots.clone());
     let cpu = || fixed.finish(ExpertMode::Cpu, vec![0; n_layers]);
     Ok(match mode {
         Some(ExpertMode::Cpu) => cpu(),
@@ -463,6 +483,36 @@ pub fn share_slots(shapes: &[ExpertShape], experts: usize, room: u64) -> Vec<usi
     slots
 }
 
+/// Slots per layer in `room` bytes by a routing profile: one slot at a time to the layer whose
+/// next most routed expert adds the largest share of its routings per byte (each layer's shares
+/// fall with its rank, so taking the best next slot is the best placement of whole slots up to
+/// the last one's rounding: the ILP over experts as a greedy), at most every expert.
+pub fn slots_by_share(
+    shapes: &[ExpertShape],
+    ranks: &[(Vec<u32>, Vec<f64>)],
+    room: u64,
+) -> Vec<usize> {
+    let mut slots = vec![0usize; shapes.len()];
+    let mut used: u64 = shapes.iter().map(|s| s.unit_device_bytes(0)).sum();
+    loop {
+        let best = (0..shapes.len())
+            .filter_map(|l| {
+                let share = *ranks[l].1.get(slots[l])?;
+                let more = shapes[l].unit_device_bytes(slots[l] + 1)
+                    - shapes[l].unit_device_bytes(slots[l]);
+                (used + more <= room).then_some((l, share / more.max(1) as f64, more))
+            })
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+        match best {
+            Some((l, _, more)) => {
+                slots[l] += 1;
+                used += more;
+            }
+            None => return slots,
+        }
+    }
+}
+
 /// What every mode of one budget shares.
 struct Fixed<'a> {
     base: &'a Plan,
@@ -478,6 +528,10 @@ struct Fixed<'a> {
     batch: usize,
     /// The rows from which prompts stream, and the stream area's bytes.
     stream: Option<(usize, u64)>,
+    /// With a routing profile: per layer its experts, most routed first, and their shares.
+    ranks: Option<Vec<(Vec<u32>, Vec<f64>)>>,
+    /// What the expected hits assume.
+    routing: String,
 }
 
 impl Fixed<'_> {
@@ -531,10 +585,11 @@ impl Fixed<'_> {
         let attention_row =
             batch::projection_flops(spec) + batch::attention_flops(spec, base.budget.ctx / 2);
         let eb = shape.bytes();
-        let hit = if self.experts == 0 {
-            0.0
-        } else {
-            slots as f64 / self.experts as f64
+        let hit = match &self.ranks {
+            // (+ 0.0: an empty float sum is -0.0.)
+            Some(r) => (r[l].1.iter().take(slots).sum::<f64>() + 0.0).min(1.0),
+            None if self.experts == 0 => 0.0,
+            None => slots as f64 / self.experts as f64,
         };
         let on_device = hit * k + shape.shared as f64;
         let missed = (1.0 - hit) * k;
@@ -693,7 +748,28 @@ impl Fixed<'_> {
                 pcie_bytes: pcie,
             },
             predicted_tokens_per_s: if seconds > 0.0 { 1.0 / seconds } else { 0.0 },
-            routing: "uniform (no routing profile): a unit of s slots of E experts hits s/E".into(),
+            routing: self.routing.clone(),
+            seeds: match (&self.ranks, mode) {
+                (Some(r), ExpertMode::Units) => slots
+                    .iter()
+                    .zip(r)
+                    .map(|(&s, (ids, _))| ids[..s.min(ids.len())].to_vec())
+                    .collect(),
+                _ => Vec::new(),
+            },
+            scores: match &self.ranks {
+                Some(r) => r
+                    .iter()
+                    .map(|(ids, shares)| {
+                        let mut score = vec![0f32; ids.len()];
+                        for (&e, &sh) in ids.iter().zip(shares) {
+                            score[e as usize] = sh as f32;
+                        }
+                        score
+                    })
+                    .collect(),
+                None => Vec::new(),
+            },
             plan,
         }
     }

@@ -44,8 +44,8 @@ pub fn refuse_experts(spec: &crate::model::ModelSpec, what: &str) -> anyhow::Res
         Some(m) => anyhow::bail!(
             "{what} works on dense FFN neurons; this is a mixture-of-experts model ({} experts, {} \
              a token), whose routing is its sparsity (--sparsity off): offloaded, its experts go \
-             to per-layer expert units (`plan` shows them), and `bench experts` studies their \
-             caches",
+             to per-layer expert units (`plan` shows them, `profile` records the routing they \
+             are ranked by), and `bench experts` studies their caches",
             m.experts,
             m.used
         ),

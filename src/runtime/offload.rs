@@ -132,7 +132,8 @@ impl LoadedModel {
     ) -> Result<(Plan, NeuronPlan)> {
         use crate::plan::experts::{ExpertMode, plan_experts};
         let mode = ExpertMode::for_cold(cold)?;
-        let ep = plan_experts(&store.manifest, budget, hw, mode)?;
+        let routing = super::planning::routing_profile(store, &self.path.display().to_string())?;
+        let ep = plan_experts(&store.manifest, budget, hw, mode, routing.as_ref())?;
         tracing::info!("expert plan:\n{}", ep.report());
         Ok((ep.plan.clone(), NeuronPlan::Experts(Box::new(ep))))
     }

@@ -92,3 +92,19 @@ pub fn plan_store(
         chosen,
     })
 }
+
+/// The routing profile of a mixture-of-experts store, if `profile` made one (`name` names the
+/// model in the errors' advice): refused where it is another model's or corrupt.
+pub fn routing_profile(
+    store: &Store,
+    name: &str,
+) -> Result<Option<crate::sparsity::routing::RoutingProfile>> {
+    let spec = &store.manifest.spec;
+    let experts = spec.moe.as_ref().map_or(0, |m| m.experts);
+    Ok(crate::sparsity::routing::RoutingProfile::load(
+        store.dir(),
+        &store.manifest.model_id,
+        (spec.n_layers, experts),
+        name,
+    )?)
+}

@@ -180,3 +180,34 @@ pub fn hot_shares(profile: &SparsityProfile, k: usize) -> Vec<f64> {
         })
         .collect()
 }
+
+/// A mixture-of-experts model's routing on `tokens` (`profile` on such a model): the CPU engine
+/// over its dense weights, windows of `window` tokens each a fresh context, every layer's routes
+/// recorded; the profile saved in `store`. `progress` hears (windows done, windows in all).
+pub fn profile_routing(
+    spec: &ModelSpec,
+    weights: ModelWeights,
+    store: &Store,
+    (tokens, window, corpus): (&[u32], usize, &str),
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<crate::sparsity::routing::RoutingProfile> {
+    use crate::sparsity::routing::{RouteTrace, RoutingProfile};
+    let moe = spec
+        .moe
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("a routing profile of a model without experts"))?;
+    let tap = Arc::new(RouteTrace::new(spec.n_layers));
+    let cpu = CpuBackend::with_kernels(threads, kernels::best())?;
+    let engine = Engine::new(cpu, spec.clone(), &weights)?.with_route_tap(tap.clone());
+    drop(weights);
+    let windows: Vec<&[u32]> = tokens.chunks(window.max(1)).collect();
+    for (i, w) in windows.iter().enumerate() {
+        let mut s = engine.new_session(w.len())?;
+        engine.forward(&mut s, w, crate::engine::Logits::Last)?;
+        progress(i + 1, windows.len());
+    }
+    let profile = RoutingProfile::of(&store.manifest.model_id, corpus, moe.experts, &tap.take());
+    profile.save(store.dir())?;
+    Ok(profile)
+}

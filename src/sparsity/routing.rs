@@ -51,6 +51,130 @@ impl RouteTap for RouteTrace {
     }
 }
 
+/// A mixture-of-experts model's routing on a calibration corpus (`profile` on such a model): per
+/// layer how many of the corpus's tokens each routed expert took. What the expert plan ranks
+/// experts by (a unit of `s` slots is expected to hold the top `s` experts' share), what seeds
+/// the units, and what their ATU keeps when a stale expert must give way. Saved in the model's
+/// store as one checksummed file tied to the store's model identity.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RoutingProfile {
+    pub model_id: String,
+    pub corpus: String,
+    pub tokens: usize,
+    pub experts: usize,
+    /// `[layer][expert]`: tokens routed to the expert.
+    pub counts: Vec<Vec<u64>>,
+}
+
+const ROUTING_MAGIC: &[u8; 8] = b"GOROUTE1";
+const ROUTING_FILE: &str = "routing-profile.bin";
+
+impl RoutingProfile {
+    /// The profile of `trace` (every layer's tokens, as [`RouteTrace`] records them).
+    pub fn of(model_id: &str, corpus: &str, experts: usize, trace: &Trace) -> Self {
+        let counts: Vec<Vec<u64>> = trace
+            .iter()
+            .map(|layer| {
+                let mut c = vec![0u64; experts];
+                for &e in layer.iter().flatten() {
+                    if let Some(n) = c.get_mut(e as usize) {
+                        *n += 1;
+                    }
+                }
+                c
+            })
+            .collect();
+        RoutingProfile {
+            model_id: model_id.into(),
+            corpus: corpus.into(),
+            tokens: trace.first().map_or(0, |l| l.len()),
+            experts,
+            counts,
+        }
+    }
+
+    pub fn path_in(store_dir: &std::path::Path) -> std::path::PathBuf {
+        store_dir.join(ROUTING_FILE)
+    }
+
+    /// Layer `l`'s experts, most routed first (ties to the lower id), and each one's share of
+    /// the layer's routings.
+    pub fn ranked(&self, l: usize) -> (Vec<u32>, Vec<f64>) {
+        let c = &self.counts[l];
+        let total = c.iter().sum::<u64>().max(1) as f64;
+        let mut ids: Vec<u32> = (0..c.len() as u32).collect();
+        ids.sort_by(|&a, &b| c[b as usize].cmp(&c[a as usize]).then(a.cmp(&b)));
+        let shares = ids.iter().map(|&e| c[e as usize] as f64 / total).collect();
+        (ids, shares)
+    }
+
+    /// Write into `store_dir` atomically: magic, the JSON, then xxh3 of everything before it.
+    pub fn save(&self, store_dir: &std::path::Path) -> Result<(), super::SparsityError> {
+        let path = Self::path_in(store_dir);
+        let mut b = ROUTING_MAGIC.to_vec();
+        b.extend(
+            serde_json::to_vec(self).map_err(|e| super::SparsityError::Io {
+                path: path.clone(),
+                source: std::io::Error::other(e),
+            })?,
+        );
+        let sum = xxhash_rust::xxh3::xxh3_64(&b);
+        b.extend(sum.to_le_bytes());
+        crate::fsutil::write_atomic(&path, &b)
+            .map_err(|source| super::SparsityError::Io { path, source })
+    }
+
+    /// The routing profile in `store_dir`, if there is one; it must belong to `model_id`, with a
+    /// row of `experts` counts for each of `layers` layers (`model` names the model in the
+    /// errors' advice).
+    pub fn load(
+        store_dir: &std::path::Path,
+        model_id: &str,
+        (layers, experts): (usize, usize),
+        model: &str,
+    ) -> Result<Option<Self>, super::SparsityError> {
+        let path = Self::path_in(store_dir);
+        let b = match crate::fsutil::read_at_most(&path, crate::limits::MAX_FILE_READ_BYTES.value) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(super::SparsityError::Io { path, source }),
+        };
+        let corrupt = |why: &str| super::SparsityError::Corrupt {
+            path: path.clone(),
+            why: why.into(),
+            model: model.into(),
+        };
+        if b.len() < 16 || &b[..8] != ROUTING_MAGIC {
+            return Err(corrupt("not a routing profile"));
+        }
+        let (body, tail) = b.split_at(b.len() - 8);
+        if xxhash_rust::xxh3::xxh3_64(body).to_le_bytes() != tail {
+            return Err(corrupt("checksum mismatch"));
+        }
+        let p: RoutingProfile =
+            serde_json::from_slice(&body[8..]).map_err(|e| corrupt(&e.to_string()))?;
+        if p.model_id != model_id {
+            return Err(super::SparsityError::OtherModel {
+                path,
+                found: p.model_id,
+                want: model_id.into(),
+                model: model.into(),
+            });
+        }
+        if p.experts != experts
+            || p.counts.len() != layers
+            || p.counts.iter().any(|c| c.len() != experts)
+        {
+            return Err(corrupt(&format!(
+                "{} layers of {} experts, not the model's {layers} of {experts}",
+                p.counts.len(),
+                p.experts
+            )));
+        }
+        Ok(Some(p))
+    }
+}
+
 /// How often each of `experts` experts is routed to in `sets` (a layer's trace), as shares of
 /// all routings.
 pub fn frequencies(sets: &[Vec<u32>], experts: usize) -> Vec<f32> {
@@ -192,6 +316,40 @@ fn draw(rng: &mut StdRng, weight: &[f64], taken: &[u32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_routing_profile_comes_back_only_as_its_models_and_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let trace: Trace = vec![vec![vec![2, 0], vec![2, 1]], vec![vec![3, 1], vec![1, 0]]];
+        let p = RoutingProfile::of("m1", "text", 4, &trace);
+        assert_eq!(p.counts, [vec![1, 1, 2, 0], vec![1, 2, 0, 1]]);
+        assert_eq!(p.ranked(0).0, [2, 0, 1, 3]);
+        assert_eq!(
+            RoutingProfile::load(dir.path(), "m1", (2, 4), "m").unwrap(),
+            None
+        );
+        p.save(dir.path()).unwrap();
+        assert_eq!(
+            RoutingProfile::load(dir.path(), "m1", (2, 4), "m").unwrap(),
+            Some(p.clone())
+        );
+        let err = |id, shape| {
+            RoutingProfile::load(dir.path(), id, shape, "m")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(
+            err("m2", (2, 4)).contains("another model"),
+            "{}",
+            err("m2", (2, 4))
+        );
+        assert!(err("m1", (3, 4)).contains("not the model's 3 of 4"));
+        let path = RoutingProfile::path_in(dir.path());
+        let mut b = std::fs::read(&path).unwrap();
+        b[12] ^= 1;
+        std::fs::write(&path, &b).unwrap();
+        assert!(err("m1", (2, 4)).contains("checksum"));
+    }
 
     fn stats(popularity: f64, locality: f64) -> SyntheticRouting {
         SyntheticRouting {

@@ -6,10 +6,13 @@
 //! A step's routes split between the unit (the experts it holds, and the shared expert's parts
 //! pinned after the routed slots) and the CPU (the others, computed from DRAM while the device
 //! computes its share: the engine's offloaded MoE step). After the step the unit takes in the
-//! missed experts the ATU admits ([`SlotMap::admit`], least recently routed out first), at most
-//! the plan's number a step, each one copy of its gate, up and down rows queued behind the
-//! step's compute; the next step that computes from the unit waits for them on the device, the
-//! host never does. A unit as large as the layer's experts is filled at start-up.
+//! missed experts the ATU admits ([`SlotMap::admit`]: with a routing profile the stale expert it
+//! ranks lowest gives way, else the least recently routed), as many as the plan's copy budget
+//! allows, each one copy of its gate, up and down rows queued behind the step's compute; the
+//! next step that computes from the unit waits for them on the device, the host never does. A
+//! unit starts with every expert where it holds them all, else with the profile's most routed
+//! (empty without a profile). A prompt's step may bring the experts its unit lacks through a
+//! stream area instead, for the device to compute.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -292,29 +295,34 @@ impl<B: Backend> ExpertWeights<B> {
                         unit.try_into()
                             .map_err(|_| weights_err("three expert matrices"))?,
                     );
-                    // The shared expert's parts, pinned after the routed slots; every routed expert
-                    // where the unit holds them all.
-                    let mut fill: Vec<(usize, usize)> = (0..moe.shared)
-                        .map(|i| (moe.experts + i, slots + i))
-                        .collect();
-                    if slots == moe.experts {
-                        fill.extend((0..slots).map(|e| (e, e)));
+                    // The shared expert's parts, pinned after the routed slots.
+                    for i in 0..moe.shared {
+                        layer.copy_in(b, moe.experts + i, slots + i)?;
                     }
-                    for (e, slot) in fill {
-                        layer.copy_in(b, e, slot)?;
-                    }
-                    let ev = b.copies_done()?;
-                    b.host_waits(&ev)?;
                 }
                 if slots > 0 {
+                    // Stale experts give way by the profile's ranking, or least recently routed
+                    // first; the unit starts with every expert where it holds them all, else with
+                    // the profile's most routed (empty without one).
+                    let eviction = match plan.scores.get(l) {
+                        Some(score) => Eviction::Frequency(score.clone()),
+                        None => Eviction::Recency,
+                    };
                     let mut map =
-                        SlotMap::new(moe.experts, slots, Eviction::Recency).map_err(weights_err)?;
-                    if slots == moe.experts {
-                        let every: Vec<u32> = (0..slots as u32).collect();
-                        map.admit(&every, slots).map_err(weights_err)?;
+                        SlotMap::new(moe.experts, slots, eviction).map_err(weights_err)?;
+                    let seed: Vec<u32> = if slots == moe.experts {
+                        (0..slots as u32).collect()
+                    } else {
+                        plan.seeds.get(l).cloned().unwrap_or_default()
+                    };
+                    let (_, loads) = map.admit(&seed, seed.len()).map_err(weights_err)?;
+                    for ld in &loads {
+                        layer.copy_in(b, ld.neuron as usize, ld.slot as usize)?;
                     }
                     layer.map = Some(map);
                 }
+                let ev = b.copies_done()?;
+                b.host_waits(&ev)?;
                 layers.push(layer);
                 Ok(())
             },
