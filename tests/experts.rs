@@ -299,6 +299,29 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             "{}: no prompt streamed its experts",
             model.display()
         );
+        // Host memory below the experts' stacks is refused up front, naming them.
+        let need = plan_experts(
+            &store.manifest,
+            &budget(u64::MAX / 4, toks.len()),
+            &hw(),
+            None,
+            None,
+        )
+        .unwrap()
+        .dram_expert_bytes;
+        let short = Budget {
+            dram_mem: Some(need - 1),
+            ..budget(u64::MAX / 4, toks.len())
+        };
+        match plan_experts(&store.manifest, &short, &hw(), None, None) {
+            Err(e @ PlanError::DramTooSmall { .. }) => {
+                assert!(e.to_string().contains("every expert's weights"), "{e}")
+            }
+            other => panic!(
+                "DRAM below the experts: {:?}",
+                other.map(|p| p.dram_expert_bytes)
+            ),
+        }
         // Every routed expert on the CPU (llama.cpp's `-ot exps=CPU`): the same logits, no
         // slot, no copy.
         let plan = plan_experts(

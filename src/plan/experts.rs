@@ -342,28 +342,7 @@ pub fn plan_experts(
     let shapes = (0..n_layers)
         .map(|l| ExpertShape::of(m, l))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut attention = 0;
-    let mut attention_layers = Vec::with_capacity(n_layers);
-    let mut staging = 0;
-    for l in 0..n_layers {
-        let mut layer = 0;
-        for p in [Part::Q, Part::K, Part::V, Part::O] {
-            let s = seg(m, &part_segment_name(l, p))?;
-            attention += device_bytes(s.bytes);
-            layer += s.bytes;
-            staging = staging.max(staging_for(s, s.rows));
-        }
-        let r = seg(m, &router_segment_name(l))?;
-        staging = staging.max(staging_for(r, r.rows));
-        attention_layers.push(layer);
-    }
-    let head = super::manifest::head_segment(m)?;
-    staging = staging.max(staging_for(head, head.rows));
-    for (name, _) in super::manifest::small_fragments(m) {
-        if let Some(s) = m.segment(&name) {
-            staging = staging.max(staging_for(s, s.rows));
-        }
-    }
+    let (attention, attention_layers, staging) = resident_reads(m)?;
     let routers: u64 = shapes.iter().map(|s| device_bytes(s.router)).sum();
     let batch = budget.batch.max(1);
     let merge = device_bytes((batch * spec.d_model * 4) as u64);
@@ -432,6 +411,30 @@ pub fn plan_experts(
         room -= area;
     }
     let fixed = fixed;
+    // Every expert's stacks stay in DRAM (the CPU computes from them, copies come from them):
+    // no SSD tier for experts yet.
+    let dram_experts: u64 = shapes
+        .iter()
+        .flat_map(|s| {
+            let all = (moe.experts + s.shared) as u64;
+            [s.gate, s.up, s.down].map(|b| (all * b).next_multiple_of(4096))
+        })
+        .sum();
+    let dram_least = dram_experts + base.dram.tables + staging;
+    if let Some(dram) = budget.dram_mem
+        && dram < dram_least
+    {
+        return Err(PlanError::DramTooSmall {
+            budget: dram,
+            minimum: dram_least,
+            breakdown: format!(
+                "every expert's weights stay in host memory ({}; experts are not read from the SSD yet), with the embedding tables {} and the start-up staging {}",
+                human_bytes(dram_experts),
+                human_bytes(base.dram.tables),
+                human_bytes(staging)
+            ),
+        });
+    }
     let slots = match &fixed.ranks {
         Some(ranks) => slots_by_share(&shapes, ranks, room),
         None => share_slots(&shapes, moe.experts, room),
@@ -450,6 +453,35 @@ pub fn plan_experts(
             }
         }
     })
+}
+
+/// Every layer's attention matrices on the device (rounded), each layer's bytes of them, and
+/// the start-up staging that loads them, the routers, the head and the small fragments.
+fn resident_reads(m: &Manifest) -> Result<(u64, Vec<u64>, u64), PlanError> {
+    let n_layers = m.spec.n_layers;
+    let mut attention = 0;
+    let mut attention_layers = Vec::with_capacity(n_layers);
+    let mut staging = 0;
+    for l in 0..n_layers {
+        let mut layer = 0;
+        for p in [Part::Q, Part::K, Part::V, Part::O] {
+            let s = seg(m, &part_segment_name(l, p))?;
+            attention += device_bytes(s.bytes);
+            layer += s.bytes;
+            staging = staging.max(staging_for(s, s.rows));
+        }
+        let r = seg(m, &router_segment_name(l))?;
+        staging = staging.max(staging_for(r, r.rows));
+        attention_layers.push(layer);
+    }
+    let head = super::manifest::head_segment(m)?;
+    staging = staging.max(staging_for(head, head.rows));
+    for (name, _) in super::manifest::small_fragments(m) {
+        if let Some(s) = m.segment(&name) {
+            staging = staging.max(staging_for(s, s.rows));
+        }
+    }
+    Ok((attention, attention_layers, staging))
 }
 
 /// Slots per layer in `room` bytes: the same number in every layer, as many as fit (at most
