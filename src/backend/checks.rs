@@ -33,6 +33,50 @@ pub fn retyped_bytes(
         })
 }
 
+/// A mixture-of-experts FFN's shapes, each as `(rows, cols)`: `x` and `out` rows of `d`, the
+/// experts' stacks `up` (and `gate`: `E·width × d`) and `down` (`E·d × width`); and `routes` to
+/// those experts for those rows. Every backend's `moe_ffn` check: the routes grouped by expert,
+/// in expert order, each expert's `(row, weight)` in route order.
+pub fn moe_routes(
+    (x, out): ((usize, usize), (usize, usize)),
+    experts: super::Experts<'_, (usize, usize)>,
+    routes: &[super::Route],
+) -> Result<Vec<Vec<(usize, f32)>>> {
+    let (gate, up, down, width) = (
+        experts.gate.copied(),
+        *experts.up,
+        *experts.down,
+        experts.width,
+    );
+    let err = |msg: String| BackendError::Shape { op: "moe_ffn", msg };
+    let d = x.1;
+    let count = up.0.checked_div(width).unwrap_or(0);
+    let fits = |w: (usize, usize), r: usize, c: usize| w == (r, c);
+    if x != out
+        || count == 0
+        || !fits(up, count * width, d)
+        || !fits(down, count * d, width)
+        || gate.is_some_and(|g| !fits(g, count * width, d))
+    {
+        return Err(err(format!(
+            "experts of {width} neurons over {}x{} up and {}x{} down, {}x{d} rows into {}x{}",
+            up.0, up.1, down.0, down.1, x.0, out.0, out.1
+        )));
+    }
+    let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
+    for r in routes {
+        let (t, e) = (r.token as usize, r.expert as usize);
+        if t >= x.0 || e >= count {
+            return Err(err(format!(
+                "route to expert {e} of {count} for row {t} of {}",
+                x.0
+            )));
+        }
+        by_expert[e].push((t, r.weight));
+    }
+    Ok(by_expert)
+}
+
 /// `x` (rows × cols) times weight `name`ᵀ (rows × cols) fits columns `col0..` of `out`
 /// (rows × cols): every backend's matmul check.
 pub fn check_matmul_shape(

@@ -828,34 +828,27 @@ impl Backend for CpuBackend {
         let up = experts.up.tensor(op)?;
         let down = experts.down.tensor(op)?;
         let gate = experts.gate.map(|g| g.tensor(op)).transpose()?;
-        same_shape(op, x, out)?;
         let (d, f) = (x.cols, experts.width);
-        let count = up.rows.checked_div(f).unwrap_or(0);
-        let fits = |w: &HostTensor, rows: usize, cols: usize| w.rows == rows && w.cols == cols;
-        if count == 0
-            || !fits(up, count * f, d)
-            || !fits(down, count * d, f)
-            || gate.is_some_and(|g| !fits(g, count * f, d))
-            || !f.is_multiple_of(down.dtype.block_len())
-        {
+        let (g, u, dn) = (
+            gate.map(|g| (g.rows, g.cols)),
+            (up.rows, up.cols),
+            (down.rows, down.cols),
+        );
+        let by_expert = crate::backend::checks::moe_routes(
+            ((x.rows, x.cols), (out.rows, out.cols)),
+            Experts {
+                gate: g.as_ref(),
+                up: &u,
+                down: &dn,
+                width: f,
+            },
+            routes,
+        )?;
+        if !f.is_multiple_of(down.dtype.block_len()) {
             return Err(shape_err(
                 op,
-                format!(
-                    "experts of {f} neurons over {}x{} up and {}x{} down, rows of {d}",
-                    up.rows, up.cols, down.rows, down.cols
-                ),
+                format!("experts of {f} neurons: not whole {} blocks", down.dtype),
             ));
-        }
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
-        for r in routes {
-            let (t, e) = (r.token as usize, r.expert as usize);
-            if t >= x.rows || e >= count {
-                return Err(shape_err(
-                    op,
-                    format!("route to expert {e} of {count} for row {t} of {}", x.rows),
-                ));
-            }
-            by_expert[e].push((t, r.weight));
         }
         let f_act = ops::activation(act);
         let k = self.kernels;

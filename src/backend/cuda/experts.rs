@@ -37,31 +37,21 @@ pub(super) fn moe_ffn(
 ) -> Result<()> {
     let (d, f) = (x.cols, experts.width);
     let (up, down) = (experts.up, experts.down);
-    let count = up.rows.checked_div(f).unwrap_or(0);
-    let fits = |w: &CudaWeight, r: usize, c: usize| w.rows == r && w.cols == c;
-    if x.rows != out.rows
-        || x.cols != out.cols
-        || count == 0
-        || !fits(up, count * f, d)
-        || !fits(down, count * d, f)
-        || experts.gate.is_some_and(|g| !fits(g, count * f, d))
-    {
-        return Err(shape_err(format!(
-            "experts of {f} neurons over {}x{} up and {}x{} down, {}x{d} rows into {}x{}",
-            up.rows, up.cols, down.rows, down.cols, x.rows, out.rows, out.cols
-        )));
-    }
-    let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); count];
-    for r in routes {
-        let (t, e) = (r.token as usize, r.expert as usize);
-        if t >= x.rows || e >= count {
-            return Err(shape_err(format!(
-                "route to expert {e} of {count} for row {t} of {}",
-                x.rows
-            )));
-        }
-        by_expert[e].push((t, r.weight));
-    }
+    let (g, u, dn) = (
+        experts.gate.map(|g| (g.rows, g.cols)),
+        (up.rows, up.cols),
+        (down.rows, down.cols),
+    );
+    let by_expert = crate::backend::checks::moe_routes(
+        ((x.rows, x.cols), (out.rows, out.cols)),
+        Experts {
+            gate: g.as_ref(),
+            up: &u,
+            down: &dn,
+            width: f,
+        },
+        routes,
+    )?;
     cuda.bind()?;
     let (_ws, ws) = cuda.workspace_for(WorkspaceOp::Experts {
         tokens: x.rows,
