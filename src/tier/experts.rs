@@ -119,6 +119,9 @@ pub fn active_experts(routes: &[Route], experts: usize) -> Vec<u32> {
 /// One of a layer's three expert stacks in DRAM: its bytes (what a copy into a slot reads) and
 /// the CPU's weight over the same bytes.
 struct Stack {
+    /// The page lock of `host` (on a GPU: the copies out of it run asynchronously), released
+    /// before the memory (fields drop in order).
+    _pin: Option<crate::backend::HostPin>,
     host: HostTensor,
     cpu: <CpuBackend as Backend>::Weight,
     /// Rows of one expert.
@@ -127,9 +130,9 @@ struct Stack {
 }
 
 impl Stack {
-    fn load(
-        store: &Store,
-        ledger: &Arc<Ledger>,
+    fn load<B: Backend>(
+        b: &B,
+        (store, ledger): (&Store, &Arc<Ledger>),
         cpu: &CpuBackend,
         name: &str,
         experts: usize,
@@ -147,6 +150,7 @@ impl Stack {
         let host = store.tensor(name).map_err(store_err)?;
         ledger.count_ssd(seg.read_extent(0..seg.rows).1);
         Ok(Stack {
+            _pin: b.pin_host(host.data.as_slice())?,
             cpu: cpu.upload(&host)?,
             rows: seg.rows / experts,
             host,
@@ -266,8 +270,9 @@ impl<B: Backend> ExpertWeights<B> {
             |l, _: &mut Small<B>, loader| {
                 let seg = store.require(&router_segment_name(l)).map_err(store_err)?;
                 routers.push(loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?);
-                let stacks = ["gate", "up", "down"]
-                    .map(|w| Stack::load(&store, &ledger, &cpu, &experts_segment_name(l, w), all));
+                let stacks = ["gate", "up", "down"].map(|w| {
+                    Stack::load(b, (&store, &ledger), &cpu, &experts_segment_name(l, w), all)
+                });
                 let [g, u, d] = stacks;
                 let stacks = [g?, u?, d?];
                 let slots = plan.layers[l].slots.min(moe.experts);
