@@ -33,19 +33,21 @@ pub fn retyped_bytes(
         })
 }
 
-/// A mixture-of-experts FFN's shapes, each as `(rows, cols)`: `x` and `out` rows of `d`, the
-/// experts' stacks `up` (and `gate`: `E·width × d`) and `down` (`E·d × width`); and `routes` to
-/// those experts for those rows. Every backend's `moe_ffn` check: the routes grouped by expert,
-/// in expert order, each expert's `(row, weight)` in route order.
-pub fn moe_routes(
+/// A mixture-of-experts FFN's shapes, each as `(rows, cols)` (`shape` reads a backend's
+/// weight): `x` and `out` rows of `d`, the experts' stacks `up` (and `gate`: `E·width × d`) and
+/// `down` (`E·d × width`); and `routes` to those experts for those rows. Every backend's
+/// `moe_ffn` check: the routes grouped by expert, in expert order, each expert's `(row, weight)`
+/// in route order.
+pub fn moe_routes<W>(
     (x, out): ((usize, usize), (usize, usize)),
-    experts: super::Experts<'_, (usize, usize)>,
+    experts: &super::Experts<'_, W>,
+    shape: impl Fn(&W) -> (usize, usize),
     routes: &[super::Route],
 ) -> Result<Vec<Vec<(usize, f32)>>> {
     let (gate, up, down, width) = (
-        experts.gate.copied(),
-        *experts.up,
-        *experts.down,
+        experts.gate.map(&shape),
+        shape(experts.up),
+        shape(experts.down),
         experts.width,
     );
     let err = |msg: String| BackendError::Shape { op: "moe_ffn", msg };

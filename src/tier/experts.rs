@@ -171,11 +171,10 @@ struct LayerExperts<B: Backend> {
     stacks: [Stack; 3],
     /// The unit's gate, up and down: the routed slots, then the shared expert's parts.
     unit: Option<[B::Weight; 3]>,
-    /// The routed slots' map (none without routed slots).
+    /// The routed slots' map (none without routed slots: the shared parts start at slot 0).
     map: Option<SlotMap>,
     /// The copies the unit may start a step.
     copies: CopyBudget,
-    slots: usize,
     /// The copies last queued into the unit.
     landed: Option<B::Event>,
 }
@@ -280,7 +279,6 @@ impl<B: Backend> ExpertWeights<B> {
                     unit: None,
                     map: None,
                     copies: CopyBudget::new(plan.copies_per_step),
-                    slots,
                     landed: None,
                     stacks,
                 };
@@ -406,7 +404,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
             let e = r.expert as usize;
             let slot = if e >= self.experts {
                 // A shared expert's part: pinned after the routed slots.
-                Some((self.layer.slots + e - self.experts) as u32)
+                Some((self.layer.map.as_ref().map_or(0, SlotMap::slots) + e - self.experts) as u32)
             } else {
                 self.layer.map.as_ref().and_then(|m| m.slot_of(r.expert))
             };

@@ -829,19 +829,16 @@ impl Backend for CpuBackend {
         let down = experts.down.tensor(op)?;
         let gate = experts.gate.map(|g| g.tensor(op)).transpose()?;
         let (d, f) = (x.cols, experts.width);
-        let (g, u, dn) = (
-            gate.map(|g| (g.rows, g.cols)),
-            (up.rows, up.cols),
-            (down.rows, down.cols),
-        );
+        let shapes = Experts {
+            gate,
+            up,
+            down,
+            width: f,
+        };
         let by_expert = crate::backend::checks::moe_routes(
             ((x.rows, x.cols), (out.rows, out.cols)),
-            Experts {
-                gate: g.as_ref(),
-                up: &u,
-                down: &dn,
-                width: f,
-            },
+            &shapes,
+            |w| (w.rows, w.cols),
             routes,
         )?;
         if !f.is_multiple_of(down.dtype.block_len()) {

@@ -37,19 +37,10 @@ pub(super) fn moe_ffn(
 ) -> Result<()> {
     let (d, f) = (x.cols, experts.width);
     let (up, down) = (experts.up, experts.down);
-    let (g, u, dn) = (
-        experts.gate.map(|g| (g.rows, g.cols)),
-        (up.rows, up.cols),
-        (down.rows, down.cols),
-    );
     let by_expert = crate::backend::checks::moe_routes(
         ((x.rows, x.cols), (out.rows, out.cols)),
-        Experts {
-            gate: g.as_ref(),
-            up: &u,
-            down: &dn,
-            width: f,
-        },
+        &experts,
+        |w| (w.rows, w.cols),
         routes,
     )?;
     cuda.bind()?;
