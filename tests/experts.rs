@@ -28,13 +28,36 @@ use rand::{RngExt, SeedableRng};
 use common::close;
 use common::prefill_and_decode_logits as logits;
 
-/// Every layer's routes, step by step.
+/// One layer's routes in a step, or (`guess`) those the previous layer guessed for it.
+struct Routed {
+    layer: usize,
+    rows: usize,
+    routes: Vec<Route>,
+    guess: bool,
+}
+
+/// Every layer's routes and guesses, step by step.
 #[derive(Default)]
-struct Trace(Mutex<Vec<(usize, usize, Vec<Route>)>>);
+struct Trace(Mutex<Vec<Routed>>);
+
+impl Trace {
+    fn push(&self, layer: usize, rows: usize, routes: &[Route], guess: bool) {
+        self.0.lock().unwrap().push(Routed {
+            layer,
+            rows,
+            routes: routes.to_vec(),
+            guess,
+        });
+    }
+}
 
 impl RouteTap for Trace {
     fn routed(&self, layer: usize, rows: usize, routes: &[Route]) {
-        self.0.lock().unwrap().push((layer, rows, routes.to_vec()));
+        self.push(layer, rows, routes, false);
+    }
+
+    fn guessed(&self, layer: usize, rows: usize, routes: &[Route]) {
+        self.push(layer, rows, routes, true);
     }
 }
 
@@ -88,14 +111,11 @@ fn offloaded(
 }
 
 /// What the units should have done over `trace`: each layer's unit replayed step by step
-/// through its own slot map (filled at start where it holds every expert), with the experts a
+/// through its own slot map (filled at start where it holds every expert), a guess for a layer
+/// taken in first within the step's copy budget (next-layer prefetch), with the experts a
 /// prompt's steps stream, the CPU's experts and bytes and the partial sums' bytes (`n ×
 /// d_model` f32 a step that leaves the CPU any expert).
-fn reference(
-    plan: &ExpertPlan,
-    trace: &[(usize, usize, Vec<Route>)],
-    d: usize,
-) -> (ExpertCounts, u64) {
+fn reference(plan: &ExpertPlan, trace: &[Routed], d: usize) -> (ExpertCounts, u64) {
     let e = plan.experts;
     let mut budgets = vec![CopyBudget::new(plan.copies_per_step); plan.layers.len()];
     // Each unit as the source makes it: by the profile's ranking or least recently routed,
@@ -123,12 +143,42 @@ fn reference(
         .collect();
     let mut c = ExpertCounts::default();
     let mut partials = 0;
-    for (layer, rows, routes) in trace {
+    let mut guesses: Vec<Option<Vec<u32>>> = vec![None; plan.layers.len()];
+    let mut opened = vec![false; plan.layers.len()];
+    for Routed {
+        layer,
+        rows,
+        routes,
+        guess,
+    } in trace
+    {
         let active = active_experts(routes, e);
         let eb = plan.shapes[*layer].bytes();
+        if *guess {
+            assert!(plan.prefetches(*layer), "a guess for layer {layer}");
+            if let Some(m) = &mut maps[*layer] {
+                let allowed = budgets[*layer].allow();
+                opened[*layer] = true;
+                let (_, loads) = m.admit(&active, allowed).unwrap();
+                budgets[*layer].spend(loads.len());
+                c.copies += loads.len() as u64;
+                c.prefetched += loads.len() as u64;
+                c.copy_bytes += loads.len() as u64 * eb;
+            }
+            guesses[*layer] = Some(active);
+            continue;
+        }
+        if let Some(g) = guesses[*layer].take() {
+            c.guessed += g.len() as u64;
+            c.guessed_right += g.iter().filter(|x| active.contains(x)).count() as u64;
+        }
+        let allowed = if std::mem::take(&mut opened[*layer]) {
+            budgets[*layer].left()
+        } else {
+            budgets[*layer].allow()
+        };
         let hits = match &mut maps[*layer] {
             Some(m) => {
-                let allowed = budgets[*layer].allow();
                 let (hits, loads) = m.admit(&active, allowed).unwrap();
                 budgets[*layer].spend(loads.len());
                 c.copies += loads.len() as u64;
@@ -182,7 +232,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             .collect();
         let dense = Model::load(&model).unwrap();
         let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
-        let mut streamed = 0;
+        let (mut streamed, mut guessed) = (0, 0);
         // The model's routing on its own prompt's tokens and more: what `profile` saves.
         let routing = gpu_offload::runtime::profiling::profile_routing(
             &spec,
@@ -231,14 +281,14 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             budgets.extend((0..3).map(|_| rng.random_range(least..most)));
             let mut base: Option<(u64, u64)> = None;
             for (i, &gpu_mem) in budgets.iter().enumerate() {
-                let mut plan = plan_experts(
-                    &store.manifest,
-                    &budget(gpu_mem, toks.len()),
-                    &hw,
-                    Some(ExpertMode::Units),
-                    routing,
-                )
-                .unwrap();
+                // One budget without next-layer prefetch.
+                let b = Budget {
+                    expert_prefetch: i != 3,
+                    ..budget(gpu_mem, toks.len())
+                };
+                let mut plan =
+                    plan_experts(&store.manifest, &b, &hw, Some(ExpertMode::Units), routing)
+                        .unwrap();
                 if i == 2 {
                     // One copy every few steps (a bus slower than the step): the same logits, and
                     // the reference with the same budget.
@@ -265,9 +315,14 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 assert_eq!(end.hbm_peak, plan.device.placed, "{what}: ledger peak");
                 let trace = trace.0.lock().unwrap();
                 // One prefill step and 4 decode steps through every layer.
-                assert_eq!(trace.len(), 5 * spec.n_layers, "{what}");
+                let steps = trace.iter().filter(|r| !r.guess).count();
+                assert_eq!(steps, 5 * spec.n_layers, "{what}");
                 let (want_counts, partials) = reference(&plan, &trace, spec.d_model);
                 streamed += want_counts.streamed;
+                guessed += want_counts.guessed;
+                if !plan.prefetch {
+                    assert_eq!(want_counts.guessed, 0, "{what}: prefetch off");
+                }
                 assert_eq!(
                     traffic.snapshot(),
                     want_counts,
@@ -299,6 +354,8 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             "{}: no prompt streamed its experts",
             model.display()
         );
+        // The partial units had their experts guessed a layer ahead.
+        assert!(guessed > 0, "{}: nothing guessed", model.display());
         // Host memory below the experts' stacks is refused up front, naming them.
         let need = plan_experts(
             &store.manifest,

@@ -223,7 +223,8 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     let experts = running.experts.as_ref().map(|x| {
         let c = x.traffic.snapshot();
         json!({"mode": x.plan.mode, "slots": x.plan.slots(), "copies_per_step": x.plan.copies_per_step,
-               "totals": c, "hit_ratio": c.hit_ratio(),
+               "totals": c, "hit_ratio": c.hit_ratio(), "prefetch": x.plan.prefetch,
+               "guess_precision": c.guess_precision(),
                "expected_hit_ratio": x.plan.layers.iter().map(|l| l.hit_ratio).sum::<f64>()
                    / x.plan.layers.len().max(1) as f64,
                "expected_per_token": x.plan.per_token, "device_bytes": x.plan.device.total,

@@ -21,10 +21,10 @@ use crate::engine::{Engine, Logits};
 use crate::model::Model;
 use crate::runtime::corpus::{corpus_tokens, read_corpus};
 use crate::sparsity::routing::{
-    RouteTrace, SyntheticRouting, Trace, adjacent_overlap, experts_for_share, frequencies,
-    synthetic,
+    NextRouter, RouteTrace, SyntheticRouting, Trace, adjacent_overlap, experts_for_share,
+    frequencies, synthetic,
 };
-use crate::tier::atu::{Admission, Eviction, replay_admit, replay_static};
+use crate::tier::atu::{Admission, Eviction, replay_admit, replay_prefetched, replay_static};
 
 #[derive(Debug, Args)]
 pub struct ExpertsArgs {
@@ -127,6 +127,11 @@ pub struct LayerExperts {
     pub atu: Admission,
     pub lru: Admission,
     pub static_top: Admission,
+    /// Of the experts guessed for this layer from the previous layer's FFN input (next-layer
+    /// prefetch; decoded traces only), the share it then routed to.
+    pub guess_precision: Option<f64>,
+    /// The ATU with those guesses admitted first each token, from the same copies.
+    pub atu_prefetch: Option<Admission>,
 }
 
 #[derive(Debug, Serialize)]
@@ -137,6 +142,7 @@ pub struct SizeExperts {
     pub atu: Admission,
     pub lru: Admission,
     pub static_top: Admission,
+    pub atu_prefetch: Option<Admission>,
 }
 
 #[derive(Debug, Serialize)]
@@ -148,6 +154,8 @@ pub struct ExpertsReport {
     pub tokens: usize,
     pub calibration_tokens: usize,
     pub max_copies: usize,
+    /// Of every guessed expert (layers after the first), the share routed to (decoded traces).
+    pub guess_precision: Option<f64>,
     pub sizes: Vec<SizeExperts>,
 }
 
@@ -170,7 +178,7 @@ pub fn run(args: &ExpertsArgs) -> Result<ExpertsReport> {
     }
     let calib = args.calibration_tokens as usize;
     let want = args.tokens as usize;
-    let (source, experts, used, calibration, eval) = match (&args.synthetic, &args.model) {
+    let (source, experts, used, calibration, eval, guesses) = match (&args.synthetic, &args.model) {
         (Some(name), _) => {
             let (layers, experts, used) = shape(name)?;
             let statistics = SyntheticRouting {
@@ -189,18 +197,31 @@ pub fn run(args: &ExpertsArgs) -> Result<ExpertsReport> {
                 shape: name.clone(),
                 statistics,
             };
-            (source, experts, used, trace, eval)
+            (source, experts, used, trace, eval, None)
         }
         (None, Some(path)) => decoded(args, path, calib, want)?,
         (None, None) => bail!("pass --model (a mixture-of-experts model) or --synthetic SHAPE"),
     };
     let max_copies = args.max_copies.unwrap_or(used);
-    let layers = layer_stats(&calibration, &eval, experts);
+    let layers = layer_stats(&calibration, &eval, guesses.as_ref(), experts);
     let sizes = args
         .sizes
         .iter()
-        .map(|&factor| by_size(&layers, &eval, experts, used, factor, max_copies))
+        .map(|&factor| {
+            by_size(
+                &layers,
+                (&eval, guesses.as_ref()),
+                experts,
+                used,
+                factor,
+                max_copies,
+            )
+        })
         .collect::<Result<Vec<_>>>()?;
+    let (guessed, right) = layers
+        .iter()
+        .filter_map(|l| l.guesses)
+        .fold((0, 0), |(g, r), (a, b)| (g + a, r + b));
     Ok(ExpertsReport {
         source,
         layers: eval.len(),
@@ -209,6 +230,7 @@ pub fn run(args: &ExpertsArgs) -> Result<ExpertsReport> {
         tokens: want,
         calibration_tokens: calib,
         max_copies,
+        guess_precision: (guessed > 0).then(|| right as f64 / guessed as f64),
         sizes,
     })
 }
@@ -220,7 +242,7 @@ fn decoded(
     path: &std::path::Path,
     calib: usize,
     want: usize,
-) -> Result<(TraceSource, usize, usize, Trace, Trace)> {
+) -> Result<(TraceSource, usize, usize, Trace, Trace, Option<Trace>)> {
     let model = Model::load(path).with_context(|| format!("cannot load {}", path.display()))?;
     let Some(moe) = model.spec.moe.clone() else {
         bail!(
@@ -270,25 +292,57 @@ fn decoded(
         )
     };
     let layers = model.spec.n_layers;
-    let tap = Arc::new(RouteTrace::new(layers));
-    let cpu = CpuBackend::with_kernels(args.threads.map_or(0, usize::from), kernels::best())?;
+    let threads = args.threads.map_or(0, usize::from);
+    // Each layer's experts guessed from the previous layer's FFN input, as an offloaded run
+    // prefetches them.
+    let guesser = CpuBackend::with_kernels(threads, kernels::best())?;
+    let w = &model.weights.layers;
+    let next = (0..layers)
+        .map(|l| match (w.get(l), w.get(l + 1)) {
+            (Some(here), Some(next)) => {
+                let router = next
+                    .router
+                    .as_ref()
+                    .with_context(|| format!("layer {} has no router", l + 1))?;
+                NextRouter::new(
+                    &guesser,
+                    router,
+                    &here.ffn_norm.weight,
+                    &next.ffn_norm.weight,
+                    moe.experts,
+                )
+                .map(Some)
+                .map_err(anyhow::Error::msg)
+            }
+            _ => Ok(None),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let tap = Arc::new(RouteTrace::with_guesses(layers, next, guesser, moe.clone()));
+    let cpu = CpuBackend::with_kernels(threads, kernels::best())?;
     let engine = Engine::new(cpu, model.spec.clone(), &model.weights)?.with_route_tap(tap.clone());
     drop(model.weights);
-    let decode = |ids: &[u32]| -> Result<Trace> {
+    let decode = |ids: &[u32]| -> Result<(Trace, Trace)> {
         let mut session = engine.new_session(ids.len())?;
         for &t in ids {
             engine.forward(&mut session, &[t], Logits::None)?;
         }
-        Ok(tap.take())
+        Ok((tap.take(), tap.take_guesses()))
     };
-    let calibration_trace = decode(&calib_ids)?;
-    let eval = decode(&eval_ids)?;
+    let (calibration_trace, _) = decode(&calib_ids)?;
+    let (eval, guesses) = decode(&eval_ids)?;
     let source = TraceSource::Decoded {
         model: path.display().to_string(),
         corpus,
         calibration,
     };
-    Ok((source, moe.experts, moe.used, calibration_trace, eval))
+    Ok((
+        source,
+        moe.experts,
+        moe.used,
+        calibration_trace,
+        eval,
+        Some(guesses),
+    ))
 }
 
 /// What a layer's trace is, whatever the cache size: its experts' calibration frequencies, its
@@ -297,20 +351,33 @@ struct LayerStats {
     score: Vec<f32>,
     adjacent_overlap: f64,
     experts_for_90pct: usize,
+    /// Experts guessed for the layer's tokens, and of them those routed to.
+    guesses: Option<(u64, u64)>,
 }
 
 fn layer_stats(
     calibration: &[Vec<Vec<u32>>],
     eval: &[Vec<Vec<u32>>],
+    guesses: Option<&Trace>,
     experts: usize,
 ) -> Vec<LayerStats> {
     calibration
         .iter()
         .zip(eval)
-        .map(|(calib, sets)| LayerStats {
+        .enumerate()
+        .map(|(l, (calib, sets))| LayerStats {
             score: frequencies(calib, experts),
             adjacent_overlap: adjacent_overlap(sets),
             experts_for_90pct: experts_for_share(sets, experts, 0.9),
+            guesses: guesses
+                .and_then(|g| g.get(l))
+                .filter(|g| !g.is_empty())
+                .map(|g| {
+                    g.iter().zip(sets).fold((0, 0), |(n, r), (guess, routed)| {
+                        let right = guess.iter().filter(|e| routed.contains(e)).count();
+                        (n + guess.len() as u64, r + right as u64)
+                    })
+                }),
         })
         .collect()
 }
@@ -319,7 +386,7 @@ fn layer_stats(
 /// ranked by the calibration trace's frequencies, the LRU by recency.
 fn by_size(
     stats: &[LayerStats],
-    eval: &[Vec<Vec<u32>>],
+    (eval, guesses): (&[Vec<Vec<u32>>], Option<&Trace>),
     experts: usize,
     used: usize,
     factor: f64,
@@ -332,6 +399,7 @@ fn by_size(
         Admission::default(),
         Admission::default(),
     );
+    let mut atu_prefetch = guesses.map(|_| Admission::default());
     for (l, (st, sets)) in stats.iter().zip(eval).enumerate() {
         let score = &st.score;
         let a = replay_admit(
@@ -343,6 +411,21 @@ fn by_size(
         )?;
         let r = replay_admit(sets, experts, slots, Eviction::Recency, max_copies)?;
         let s = replay_static(sets, score, slots)?;
+        // The first layer has no guesses: its ATU is the same with or without prefetch.
+        let p = match guesses.and_then(|g| g.get(l)) {
+            Some(g) => Some(replay_prefetched(
+                sets,
+                g,
+                experts,
+                slots,
+                Eviction::Frequency(score.clone()),
+                max_copies,
+            )?),
+            None => None,
+        };
+        if let (Some(total), Some(p)) = (atu_prefetch.as_mut(), p) {
+            *total += p;
+        }
         atu += a;
         lru += r;
         static_top += s;
@@ -354,6 +437,11 @@ fn by_size(
             atu: a,
             lru: r,
             static_top: s,
+            guess_precision: st
+                .guesses
+                .filter(|g| g.0 > 0)
+                .map(|(n, r)| r as f64 / n as f64),
+            atu_prefetch: p,
         });
     }
     Ok(SizeExperts {
@@ -362,6 +450,7 @@ fn by_size(
         atu,
         lru,
         static_top,
+        atu_prefetch,
     })
 }
 
@@ -382,9 +471,9 @@ mod tests {
         };
         let mut calibration = synthetic(&stats).unwrap();
         let eval: Trace = calibration.iter_mut().map(|s| s.split_off(500)).collect();
-        let stats = layer_stats(&calibration, &eval, 32);
-        let small = by_size(&stats, &eval, 32, 4, 1.0, 4).unwrap();
-        let large = by_size(&stats, &eval, 32, 4, 4.0, 4).unwrap();
+        let stats = layer_stats(&calibration, &eval, None, 32);
+        let small = by_size(&stats, (&eval, None), 32, 4, 1.0, 4).unwrap();
+        let large = by_size(&stats, (&eval, None), 32, 4, 4.0, 4).unwrap();
         assert_eq!(large.layers[0].slots, 16);
         for s in [&small, &large] {
             assert_eq!(s.atu.needed, 3 * 1000 * 4);
@@ -396,10 +485,44 @@ mod tests {
         // fixed set of the same size.
         assert!(small.atu.hit_ratio() > small.static_top.hit_ratio() + 0.2);
         // A cache of every expert misses each expert once, then never.
-        let all = by_size(&stats, &eval, 32, 4, 8.0, 4).unwrap();
+        let all = by_size(&stats, (&eval, None), 32, 4, 8.0, 4).unwrap();
         assert_eq!(all.layers[0].slots, 32);
         assert!(all.atu.needed - all.atu.hits <= 3 * 32);
         assert_eq!(all.static_top.hits, all.static_top.needed);
+    }
+
+    #[test]
+    fn right_guesses_admitted_first_make_every_routed_expert_a_hit() {
+        let stats = SyntheticRouting {
+            layers: 2,
+            experts: 16,
+            used: 2,
+            tokens: 400,
+            popularity: 0.3,
+            locality: 0.2,
+            seed: 5,
+        };
+        let calibration = synthetic(&stats).unwrap();
+        let eval = synthetic(&SyntheticRouting { seed: 6, ..stats }).unwrap();
+        // Layer 1 guessed exactly, no guess for layer 0.
+        let right: Trace = vec![Vec::new(), eval[1].clone()];
+        let st = layer_stats(&calibration, &eval, Some(&right), 16);
+        assert_eq!(st[1].guesses, Some((800, 800)));
+        assert_eq!(st[0].guesses, None);
+        let s = by_size(&st, (&eval, Some(&right)), 16, 2, 1.0, 2).unwrap();
+        let layer1 = s.layers[1].atu_prefetch.unwrap();
+        assert_eq!((layer1.hits, layer1.needed), (800, 800));
+        assert!(s.layers[1].atu.hits < 800);
+        assert_eq!(s.layers[1].guess_precision, Some(1.0));
+        // Layer 0 is the same with or without prefetch.
+        assert_eq!(s.layers[0].atu_prefetch, Some(s.layers[0].atu));
+        // Guesses that are never routed (another draw) are mostly wrong and cost copies.
+        let wrong: Trace = vec![Vec::new(), calibration[1].clone()];
+        let st = layer_stats(&calibration, &eval, Some(&wrong), 16);
+        let (n, r) = st[1].guesses.unwrap();
+        assert!(r * 3 < n, "{r} of {n} right");
+        let s = by_size(&st, (&eval, Some(&wrong)), 16, 2, 1.0, 2).unwrap();
+        assert!(s.layers[1].atu_prefetch.unwrap().copies > s.layers[1].atu.copies);
     }
 
     #[test]

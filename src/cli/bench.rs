@@ -397,6 +397,15 @@ fn experts(a: bench::experts::ExpertsArgs) -> Result<()> {
         "{} layers of {} experts, {} a token; at most {} copies a layer per token",
         r.layers, r.experts, r.used, r.max_copies
     );
+    if let Some(p) = r.guess_precision {
+        println!(
+            "next-layer guess (the next router on this layer's FFN input): {:.1}% of guessed experts routed",
+            100.0 * p
+        );
+    }
+    let pct = |a: Option<crate::tier::atu::Admission>| {
+        a.map_or_else(|| "-".into(), |a| format!("{:.1}%", 100.0 * a.hit_ratio()))
+    };
     let per_token = |c: u64| c as f64 / r.tokens as f64;
     for s in &r.sizes {
         println!(
@@ -409,16 +418,28 @@ fn experts(a: bench::experts::ExpertsArgs) -> Result<()> {
             per_token(s.atu.copies),
             per_token(s.lru.copies),
         );
-        println!("layer  adjacent overlap  experts for 90%  ATU hits  LRU hits  static hits");
+        if let Some(p) = s.atu_prefetch {
+            println!(
+                "  ATU with next-layer prefetch: hit ratio {:.1}%, copies per token {:.1}",
+                100.0 * p.hit_ratio(),
+                per_token(p.copies)
+            );
+        }
+        println!(
+            "layer  adjacent overlap  experts for 90%  ATU hits  LRU hits  static hits  guess right  ATU+prefetch"
+        );
         for l in &s.layers {
             println!(
-                "{:>5}  {:>15.1}%  {:>15}  {:>7.1}%  {:>7.1}%  {:>10.1}%",
+                "{:>5}  {:>15.1}%  {:>15}  {:>7.1}%  {:>7.1}%  {:>10.1}%  {:>11}  {:>12}",
                 l.layer,
                 100.0 * l.adjacent_overlap,
                 l.experts_for_90pct,
                 100.0 * l.atu.hit_ratio(),
                 100.0 * l.lru.hit_ratio(),
-                100.0 * l.static_top.hit_ratio()
+                100.0 * l.static_top.hit_ratio(),
+                l.guess_precision
+                    .map_or_else(|| "-".into(), |g| format!("{:.1}%", 100.0 * g)),
+                pct(l.atu_prefetch)
             );
         }
     }

@@ -103,6 +103,11 @@ impl<B: Backend> Engine<B> {
         let mut host = vec![0f32; n * rows];
         self.backend.read(&sc.up, &mut host)?;
         let routes = self.routes(l, &host, n)?;
+        if let Some(tap) = self.route_tap.as_ref().filter(|t| t.wants_ffn_input()) {
+            let mut x = vec![0f32; n * self.spec.d_model];
+            self.backend.read(&sc.h, &mut x)?;
+            tap.ffn_input(l, n, &x);
+        }
         self.backend
             .moe_ffn(experts, &sc.h, &routes, self.act, &mut sc.proj)?;
         Ok(())
@@ -130,6 +135,8 @@ impl<B: Backend> Engine<B> {
     /// wait:
     /// 1. copy device→host: the FFN input, queued (it lands while the logits are read);
     /// 2. host: the logits (the wait), the routes, split between the unit and the rest;
+    /// 3. host: the next layer's experts guessed from this input, copies of those its unit lacks
+    ///    queued (next-layer prefetch);
     /// 3. device: the unit's experts into `proj`, queued;
     /// 4. the rest: a prompt's step brings those experts through the stream area and the device
     ///    computes them into the partial sum; otherwise the CPU computes them into it while the
@@ -154,6 +161,16 @@ impl<B: Backend> Engine<B> {
             let routes = self.routes(l, &logits, n)?;
             let (device, rest) = x.cache.split(b, &routes)?;
             drop(decide);
+            {
+                // The next layer's experts guessed from this input: their copies start now,
+                // beside this layer's work and the next attention.
+                let _s = trace::span(Phase::Decide);
+                if let Some(guess) = x.cache.prefetch(b, h, n)?
+                    && let Some(tap) = &self.route_tap
+                {
+                    tap.guessed(l + 1, n, &guess);
+                }
+            }
             {
                 let _s = trace::span(Phase::DeviceNeurons);
                 match x.cache.unit() {

@@ -19,6 +19,15 @@ pub trait RouteTap: Send + Sync {
     /// The `rows` rows of a step through layer `layer` take `routes` (tokens counted from the
     /// step's first row).
     fn routed(&self, layer: usize, rows: usize, routes: &[crate::backend::Route]);
+    /// Layer `layer`'s routes for the step's `rows` rows as guessed from the previous layer's
+    /// FFN input (an offloaded run's next-layer prefetch), before the layer runs.
+    fn guessed(&self, _layer: usize, _rows: usize, _routes: &[crate::backend::Route]) {}
+    /// Whether the tap wants each MoE layer's FFN input ([`RouteTap::ffn_input`]).
+    fn wants_ffn_input(&self) -> bool {
+        false
+    }
+    /// The FFN input (the normed rows the router reads, `rows × d_model`) of layer `layer`.
+    fn ffn_input(&self, _layer: usize, _rows: usize, _x: &[f32]) {}
 }
 
 /// The neurons one precision tier computes in a step.
@@ -106,6 +115,16 @@ pub trait ExpertCache<B: Backend>: Send {
         routes: &[crate::backend::Route],
         out: &mut [f32],
     ) -> Result<()>;
+    /// The next layer's experts guessed from this layer's FFN input `x` (`n` rows, on the host),
+    /// and copies queued of those the next layer's unit lacks, as its copy budget allows
+    /// (next-layer prefetch); the guessed routes, or `None` where nothing is guessed (prefetch
+    /// off, the last layer, a step too large to guess for).
+    fn prefetch(
+        &mut self,
+        b: &B,
+        x: &[f32],
+        n: usize,
+    ) -> Result<Option<Vec<crate::backend::Route>>>;
     /// After the step's compute is queued: take in what the policy admits of the step's missed
     /// experts, the copies queued behind that compute (never waited for here).
     fn admit(&mut self, b: &B, routes: &[crate::backend::Route]) -> Result<()>;

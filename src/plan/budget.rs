@@ -63,6 +63,9 @@ pub struct Budget {
     /// (and any hybrid layers with their merge buffer) to be placed in this many bytes kept
     /// free; no merge buffer beside (see [`plan_units_streamed`](super::units::plan_units_streamed)).
     pub unit_reserve: Option<u64>,
+    /// Mixture-of-experts units: guess each layer's experts from the previous layer's FFN input
+    /// and start their copies early (next-layer prefetch).
+    pub expert_prefetch: bool,
 }
 
 impl Budget {
@@ -91,6 +94,7 @@ impl Budget {
             cpu_split: false,
             hot_reserve: None,
             unit_reserve: None,
+            expert_prefetch: true,
         }
     }
 }

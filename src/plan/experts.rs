@@ -211,6 +211,14 @@ pub struct ExpertPlan {
     pub predicted_tokens_per_s: f64,
     /// What the prediction assumes of the routing.
     pub routing: String,
+    /// Next-layer prefetch: a layer with a partial unit has its experts guessed from the
+    /// previous layer's FFN input and the copies of those it lacks started then, within its
+    /// copy budget ([`crate::sparsity::routing::NextRouter`]). Its expected gain is not in the
+    /// prediction (`bench decode` and `bench experts` measure how often the guess is right).
+    pub prefetch: bool,
+    /// Host memory of the guess routers (f16, one per prefetching layer); the CPU reads them
+    /// once a decode step (counted in the per-token CPU bytes and time).
+    pub guess_router_bytes: u64,
     /// With a routing profile: per layer the experts its unit starts with (its most routed),
     /// and each expert's share of the routings (what the ATU keeps when a stale expert must
     /// give way); without, units start empty and give way to the least recently routed.
@@ -230,6 +238,17 @@ impl ExpertPlan {
         self.layers.iter().map(|l| l.slots).collect()
     }
 
+    /// Whether layer `l`'s experts are guessed from layer `l - 1`'s input and prefetched: with
+    /// prefetch on, a layer after the first whose unit holds some experts but not all.
+    pub fn prefetches(&self, l: usize) -> bool {
+        self.prefetch
+            && l > 0
+            && self
+                .layers
+                .get(l)
+                .is_some_and(|x| x.slots > 0 && x.slots < self.experts)
+    }
+
     /// The ledger's device budget: what the plan places.
     pub fn ledger_budget(&self) -> u64 {
         self.device.placed
@@ -242,11 +261,16 @@ impl ExpertPlan {
         let mut o = String::new();
         let _ = writeln!(
             o,
-            "experts: {} ({} experts, {} a token, {:.2} copied in a layer a step); routing: {}",
+            "experts: {} ({} experts, {} a token, {:.2} copied in a layer a step{}); routing: {}",
             self.mode.name(),
             self.experts,
             self.used,
             self.copies_per_step,
+            if self.prefetch {
+                ", next layer's experts guessed and prefetched"
+            } else {
+                ""
+            },
             self.routing
         );
         let _ = writeln!(
@@ -420,7 +444,14 @@ pub fn plan_experts(
             [s.gate, s.up, s.down].map(|b| (all * b).next_multiple_of(4096))
         })
         .sum();
-    let dram_least = dram_experts + base.dram.tables + staging;
+    // With prefetch, each layer after the first may hold the next router's guess copy.
+    let guess_least = if budget.expert_prefetch {
+        n_layers.saturating_sub(1) as u64
+            * crate::sparsity::routing::NextRouter::bytes_for(moe.experts, spec.d_model)
+    } else {
+        0
+    };
+    let dram_least = dram_experts + guess_least + base.dram.tables + staging;
     if let Some(dram) = budget.dram_mem
         && dram < dram_least
     {
@@ -428,8 +459,9 @@ pub fn plan_experts(
             budget: dram,
             minimum: dram_least,
             breakdown: format!(
-                "every expert's weights stay in host memory ({}; experts are not read from the SSD yet), with the embedding tables {} and the start-up staging {}",
+                "every expert's weights stay in host memory ({}; experts are not read from the SSD yet), with the next-layer guess routers {}, the embedding tables {} and the start-up staging {}",
                 human_bytes(dram_experts),
+                human_bytes(guess_least),
                 human_bytes(base.dram.tables),
                 human_bytes(staging)
             ),
@@ -686,6 +718,21 @@ impl Fixed<'_> {
             units += self.shapes[l].unit_device_bytes(s);
             layers.push(layer);
         }
+        // Next-layer prefetch: the host reads each prefetching layer's guess router before the
+        // previous layer's experts (on the step's path).
+        let prefetch = base.budget.expert_prefetch
+            && mode == ExpertMode::Units
+            && (1..slots.len()).any(|l| slots[l] > 0 && slots[l] < self.experts);
+        let guess_router_bytes = if prefetch {
+            (1..slots.len())
+                .filter(|&l| slots[l] > 0 && slots[l] < self.experts)
+                .count() as u64
+                * crate::sparsity::routing::NextRouter::bytes_for(self.experts, d)
+        } else {
+            0
+        };
+        cpu += guess_router_bytes;
+        seconds += guess_router_bytes as f64 / hw.dram_read_bytes_per_s;
         let per_session = g.kv / base.budget.sessions.max(1) as u64;
         hbm += per_session / 2;
         seconds += batch::bounded(
@@ -781,6 +828,8 @@ impl Fixed<'_> {
             },
             predicted_tokens_per_s: if seconds > 0.0 { 1.0 / seconds } else { 0.0 },
             routing: self.routing.clone(),
+            prefetch,
+            guess_router_bytes,
             seeds: match (&self.ranks, mode) {
                 (Some(r), ExpertMode::Units) => slots
                     .iter()

@@ -66,6 +66,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         cpu_split: args.budget.cold == crate::plan::choice::Cold::Split,
         hot_reserve: None,
         unit_reserve: None,
+        expert_prefetch: !args.budget.no_expert_prefetch,
     }
 }
 

@@ -186,6 +186,12 @@ pub struct BudgetArgs {
     #[arg(long, env = "GPU_OFFLOAD_NEURON_PRECISION", default_value = "auto")]
     pub neuron_precision: crate::plan::precision::NeuronPrecision,
 
+    /// Mixture-of-experts models with expert cache units: do not guess each layer's experts from
+    /// the previous layer's FFN input (its router applied early) to start their copies before
+    /// the layer runs
+    #[arg(long, env = "GPU_OFFLOAD_NO_EXPERT_PREFETCH")]
+    pub no_expert_prefetch: bool,
+
     /// Most rows one prefill step takes. By default as many as the device holds beside every
     /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches; the CPU: as many as 1 GiB
     /// of step buffers holds), else 512; a long prompt runs in steps of this many rows, each

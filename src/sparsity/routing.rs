@@ -9,45 +9,211 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 pub use super::trace::adjacent_overlap;
+use crate::backend::Backend;
 use crate::backend::Route;
+use crate::backend::cpu::CpuBackend;
 use crate::engine::RouteTap;
+use crate::model::spec::MoeSpec;
+use crate::tensor::{DType, HostTensor};
 
 /// `[layer][token]`: the token's experts, most weight first.
 pub type Trace = Vec<Vec<Vec<u32>>>;
 
-/// Records each layer's routed experts, a list per token, in the order the tokens run.
+/// Records each layer's routed experts, a list per token, in the order the tokens run; and
+/// the next layer's experts guessed from each layer's FFN input ([`NextRouter`]), where it is
+/// given the routers to guess with or an offloaded run shows its guesses.
 pub struct RouteTrace {
     sets: Mutex<Trace>,
+    guesses: Mutex<Trace>,
+    /// Per layer, the next layer's router as it guesses from this layer's input, and the CPU
+    /// that computes the guesses.
+    next: Vec<Option<NextRouter>>,
+    guesser: Option<(CpuBackend, MoeSpec)>,
+}
+
+/// Each token's experts of `routes` (token by token, each token's in descending weight).
+fn per_token(rows: usize, routes: &[Route]) -> Vec<Vec<u32>> {
+    let mut per_token = vec![Vec::new(); rows];
+    for r in routes {
+        if let Some(t) = per_token.get_mut(r.token as usize) {
+            t.push(r.expert);
+        }
+    }
+    per_token
+}
+
+fn record(trace: &Mutex<Trace>, layer: usize, rows: usize, routes: &[Route]) {
+    let tokens = per_token(rows, routes);
+    let mut sets = trace.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(l) = sets.get_mut(layer) {
+        l.extend(tokens);
+    }
+}
+
+fn take(trace: &Mutex<Trace>) -> Trace {
+    let mut sets = trace.lock().unwrap_or_else(|p| p.into_inner());
+    let layers = sets.len();
+    std::mem::replace(&mut *sets, vec![Vec::new(); layers])
 }
 
 impl RouteTrace {
     pub fn new(layers: usize) -> Self {
         RouteTrace {
             sets: Mutex::new(vec![Vec::new(); layers]),
+            guesses: Mutex::new(vec![Vec::new(); layers]),
+            next: Vec::new(),
+            guesser: None,
+        }
+    }
+
+    /// A trace that also guesses every layer's experts from the previous layer's FFN input
+    /// with `next` (per layer, the next layer's router; `None` for the last).
+    pub fn with_guesses(
+        layers: usize,
+        next: Vec<Option<NextRouter>>,
+        cpu: CpuBackend,
+        moe: MoeSpec,
+    ) -> Self {
+        RouteTrace {
+            next,
+            guesser: Some((cpu, moe)),
+            ..RouteTrace::new(layers)
         }
     }
 
     /// The trace so far, leaving the tap empty.
     pub fn take(&self) -> Trace {
-        let mut sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
-        let layers = sets.len();
-        std::mem::replace(&mut *sets, vec![Vec::new(); layers])
+        take(&self.sets)
+    }
+
+    /// The guesses so far (`[layer][token]`, none for the first layer), leaving them empty.
+    pub fn take_guesses(&self) -> Trace {
+        take(&self.guesses)
     }
 }
 
 impl RouteTap for RouteTrace {
     fn routed(&self, layer: usize, rows: usize, routes: &[Route]) {
-        let mut per_token = vec![Vec::new(); rows];
-        // Routes come token by token, each token's in descending weight.
-        for r in routes {
-            if let Some(t) = per_token.get_mut(r.token as usize) {
-                t.push(r.expert);
+        record(&self.sets, layer, rows, routes);
+    }
+
+    fn guessed(&self, layer: usize, rows: usize, routes: &[Route]) {
+        record(&self.guesses, layer, rows, routes);
+    }
+
+    fn wants_ffn_input(&self) -> bool {
+        !self.next.is_empty()
+    }
+
+    fn ffn_input(&self, layer: usize, rows: usize, x: &[f32]) {
+        if let (Some(Some(next)), Some((cpu, moe))) = (self.next.get(layer), &self.guesser) {
+            match next.guess(cpu, x, rows, moe) {
+                Ok(g) => self.guessed(layer + 1, rows, &g),
+                Err(e) => tracing::warn!("layer {}: no guess: {e}", layer + 1),
             }
         }
-        let mut sets = self.sets.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(l) = sets.get_mut(layer) {
-            l.extend(per_token);
+    }
+}
+
+/// Layer `l + 1`'s router applied to layer `l`'s FFN input (Eliseev & Mazur's guess, ProMoE's
+/// prefetch): the next layer's experts guessed before its attention runs, so their copies can
+/// start early. The input is layer `l`'s FFN norm output, while the next layer's router reads
+/// its own norm's: the router's columns are scaled by the ratio of the two norms' weights (the
+/// RMS factor scales every logit alike, which leaves the top k as they are); what the guess
+/// misses is the next attention's and this FFN's contribution to the residual. Held in f16 on
+/// the CPU (half the bytes a guess reads; it is a guess), computed by the CPU's kernels.
+pub struct NextRouter {
+    /// `experts × d`, f16.
+    weight: <CpuBackend as Backend>::Weight,
+    bytes: u64,
+    d: usize,
+    experts: usize,
+}
+
+impl NextRouter {
+    /// From the next layer's router (its first `experts` rows are the routed experts'), this
+    /// layer's FFN norm weights and the next layer's.
+    pub fn new(
+        cpu: &CpuBackend,
+        router: &HostTensor,
+        norm_here: &HostTensor,
+        norm_next: &HostTensor,
+        experts: usize,
+    ) -> Result<Self, String> {
+        let d = router.cols;
+        if router.rows < experts || norm_here.len() != d || norm_next.len() != d {
+            return Err(format!(
+                "`{}` ({} × {d}) does not route {experts} experts from norms `{}` and `{}` of {} and {} weights",
+                router.name,
+                router.rows,
+                norm_here.name,
+                norm_next.name,
+                norm_here.len(),
+                norm_next.len()
+            ));
         }
+        let (here, next) = (norm_here.to_f32(), norm_next.to_f32());
+        let scale: Vec<f32> = here
+            .iter()
+            .zip(&next)
+            .map(|(&h, &n)| if h == 0.0 { 0.0 } else { n / h })
+            .collect();
+        let w = router.to_f32();
+        let row_bytes = DType::F16.bytes_for(d);
+        let mut data = vec![0u8; experts * row_bytes];
+        let mut row = vec![0f32; d];
+        for (src, out) in w.chunks(d).zip(data.chunks_mut(row_bytes)) {
+            row.iter_mut()
+                .zip(src.iter().zip(&scale))
+                .for_each(|(r, (v, s))| *r = v * s);
+            crate::tensor::encode_row(DType::F16, &row, out);
+        }
+        let host = HostTensor {
+            name: format!("{} (next-layer guess)", router.name),
+            rows: experts,
+            cols: d,
+            dtype: DType::F16,
+            data: crate::tensor::Bytes::from_slice(&data),
+        };
+        Ok(NextRouter {
+            weight: cpu.upload(&host).map_err(|e| e.to_string())?,
+            bytes: data.len() as u64,
+            d,
+            experts,
+        })
+    }
+
+    /// Host bytes of a guess router of `experts` experts over `d` columns.
+    pub fn bytes_for(experts: usize, d: usize) -> u64 {
+        (experts * DType::F16.bytes_for(d)) as u64
+    }
+
+    /// Host bytes it holds.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The guessed routes (routed experts only, as [`crate::engine::moe::route`] routes them)
+    /// of the `n` rows of `x`.
+    pub fn guess(
+        &self,
+        cpu: &CpuBackend,
+        x: &[f32],
+        n: usize,
+        moe: &MoeSpec,
+    ) -> Result<Vec<Route>, String> {
+        let e = |e: crate::backend::BackendError| e.to_string();
+        let mut xt = cpu.alloc(n, self.d).map_err(e)?;
+        cpu.write(&mut xt, &x[..n * self.d]).map_err(e)?;
+        let mut lt = cpu.alloc(n, self.experts).map_err(e)?;
+        cpu.matmul(&self.weight, &xt, &mut lt).map_err(e)?;
+        let mut logits = vec![0f32; n * self.experts];
+        cpu.read(&lt, &mut logits).map_err(e)?;
+        let routed = MoeSpec {
+            shared: 0,
+            ..moe.clone()
+        };
+        Ok(crate::engine::moe::route(&logits, n, &routed))
     }
 }
 

@@ -234,6 +234,11 @@ impl CopyBudget {
         self.credit.floor() as usize
     }
 
+    /// The copies left this step after [`CopyBudget::allow`] and what was spent since.
+    pub fn left(&self) -> usize {
+        self.credit.floor() as usize
+    }
+
     /// `n` copies started (at most what [`CopyBudget::allow`] gave).
     pub fn spend(&mut self, n: usize) {
         self.credit = (self.credit - n as f64).max(0.0);
@@ -321,10 +326,29 @@ pub fn replay_admit(
     eviction: Eviction,
     max_loads: usize,
 ) -> Result<Admission, UnitError> {
+    replay_prefetched(trace, &[], experts, slots, eviction, max_loads)
+}
+
+/// [`replay_admit`] with next-layer prefetch: before token `t` is routed, its guessed experts
+/// `guesses[t]` (where given) are admitted first, from the same `max_loads` a token.
+pub fn replay_prefetched(
+    trace: &[Vec<u32>],
+    guesses: &[Vec<u32>],
+    experts: usize,
+    slots: usize,
+    eviction: Eviction,
+    max_loads: usize,
+) -> Result<Admission, UnitError> {
     let mut unit = SlotMap::new(experts, slots, eviction)?;
     let mut a = Admission::default();
-    for active in trace {
-        let (hits, loads) = unit.admit(active, max_loads)?;
+    for (t, active) in trace.iter().enumerate() {
+        let mut left = max_loads;
+        if let Some(guess) = guesses.get(t) {
+            let (_, loads) = unit.admit(guess, left)?;
+            left -= loads.len();
+            a.copies += loads.len() as u64;
+        }
+        let (hits, loads) = unit.admit(active, left)?;
         a.needed += active.len() as u64;
         a.hits += hits as u64;
         a.copies += loads.len() as u64;

@@ -30,9 +30,12 @@ use crate::engine::{
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::ModelSpec;
+use crate::model::spec::MoeSpec;
 use crate::plan::device_dtype;
 use crate::plan::experts::ExpertPlan;
 use crate::plan::manifest::{experts_segment_name, router_segment_name};
+use crate::sparsity::routing::NextRouter;
+use crate::store::names;
 use crate::store::{Store, StoreError};
 use crate::tensor::HostTensor;
 
@@ -55,6 +58,9 @@ pub struct ExpertTraffic {
     cpu_bytes: AtomicU64,
     streamed: AtomicU64,
     stream_bytes: AtomicU64,
+    guessed: AtomicU64,
+    guessed_right: AtomicU64,
+    prefetched: AtomicU64,
 }
 
 /// A snapshot of [`ExpertTraffic`].
@@ -73,6 +79,12 @@ pub struct ExpertCounts {
     /// Experts a prompt's steps brought through the stream area, and their bytes.
     pub streamed: u64,
     pub stream_bytes: u64,
+    /// Next-layer prefetch: the distinct experts guessed for a layer from the previous layer's
+    /// FFN input, of them those the layer then routed to, and the copies the guesses started
+    /// (counted in `copies` too).
+    pub guessed: u64,
+    pub guessed_right: u64,
+    pub prefetched: u64,
 }
 
 impl ExpertCounts {
@@ -82,6 +94,11 @@ impl ExpertCounts {
         } else {
             self.hits as f64 / self.needed as f64
         }
+    }
+
+    /// The share of guessed experts the layer then routed to (`None`: nothing guessed).
+    pub fn guess_precision(&self) -> Option<f64> {
+        (self.guessed > 0).then(|| self.guessed_right as f64 / self.guessed as f64)
     }
 }
 
@@ -97,6 +114,9 @@ impl ExpertTraffic {
             cpu_bytes: get(&self.cpu_bytes),
             streamed: get(&self.streamed),
             stream_bytes: get(&self.stream_bytes),
+            guessed: get(&self.guessed),
+            guessed_right: get(&self.guessed_right),
+            prefetched: get(&self.prefetched),
         }
     }
 }
@@ -177,6 +197,10 @@ struct LayerExperts<B: Backend> {
     copies: CopyBudget,
     /// The copies last queued into the unit.
     landed: Option<B::Event>,
+    /// This step's copy budget was opened by the previous layer's prefetch.
+    opened: bool,
+    /// The experts the previous layer guessed for this step (compared with the routed ones).
+    guess: Option<Vec<u32>>,
 }
 
 impl<B: Backend> LayerExperts<B> {
@@ -194,7 +218,44 @@ impl<B: Backend> LayerExperts<B> {
         }
         Ok(bytes)
     }
+
+    /// The copies this step may still start: its budget opened here, or by the previous layer's
+    /// prefetch.
+    fn allowed(&mut self) -> usize {
+        if std::mem::take(&mut self.opened) {
+            self.copies.left()
+        } else {
+            self.copies.allow()
+        }
+    }
+
+    /// Copy `loads` into their slots behind the compute queued so far (the reads of the slots
+    /// they overwrite); the unit's next use waits for them. On failure the map forgets them:
+    /// the unit must not claim experts it never received.
+    fn copy_loads(&mut self, b: &B, loads: &[Load]) -> Result<u64> {
+        let copied = (|| {
+            let free = b.compute_done()?;
+            b.copies_wait(&free)?;
+            let mut bytes = 0;
+            for l in loads {
+                bytes += self.copy_in(b, l.neuron as usize, l.slot as usize)?;
+            }
+            self.landed = Some(b.copies_done()?);
+            Ok(bytes)
+        })();
+        if copied.is_err()
+            && let Some(map) = self.map.as_mut()
+        {
+            map.forget(loads);
+        }
+        copied
+    }
 }
+
+/// Steps of at most this many rows guess the next layer's experts: a guess costs the CPU
+/// `rows × experts × d_model` multiply-adds before the layer's own work, and beyond a few rows
+/// the copy budget takes only a small part of what is guessed.
+pub const PREFETCH_ROWS: usize = 8;
 
 /// Where a prompt's missed experts pass through: one layer's routed stacks, each matrix
 /// allocated as wide as its widest layer's and re-typed for the layer it holds.
@@ -229,6 +290,11 @@ pub struct ExpertWeights<B: Backend> {
     cpu: CpuSide,
     experts: usize,
     traffic: Arc<ExpertTraffic>,
+    /// Per layer, the next layer's router as it guesses from this layer's FFN input (where the
+    /// plan prefetches into the next layer's unit), and their host memory.
+    next: Vec<Option<NextRouter>>,
+    _next_hold: Option<Reservation>,
+    moe: MoeSpec,
 }
 
 impl<B: Backend> ExpertWeights<B> {
@@ -280,6 +346,8 @@ impl<B: Backend> ExpertWeights<B> {
                     map: None,
                     copies: CopyBudget::new(plan.copies_per_step),
                     landed: None,
+                    opened: false,
+                    guess: None,
                     stacks,
                 };
                 if slots + moe.shared > 0 {
@@ -330,6 +398,7 @@ impl<B: Backend> ExpertWeights<B> {
                 Ok(())
             },
         )?;
+        let (next, next_hold) = next_routers(&store, plan, &ledger, &cpu)?;
         let partial = b.alloc(plan.batch.max(1), spec.d_model)?;
         let stream = match plan.stream_rows {
             Some(rows) => Some(StreamArea {
@@ -352,6 +421,9 @@ impl<B: Backend> ExpertWeights<B> {
             },
             experts: moe.experts,
             traffic: Arc::new(ExpertTraffic::default()),
+            next,
+            _next_hold: next_hold,
+            moe,
         })
     }
 
@@ -359,6 +431,41 @@ impl<B: Backend> ExpertWeights<B> {
     pub fn traffic(&self) -> Arc<ExpertTraffic> {
         self.traffic.clone()
     }
+}
+
+/// Per layer, the guess router of the next layer where the plan prefetches into its unit
+/// ([`ExpertPlan::prefetches`]), built from the store's routers and FFN norms, and the host
+/// memory they hold, reserved in the ledger.
+fn next_routers(
+    store: &Store,
+    plan: &ExpertPlan,
+    ledger: &Arc<Ledger>,
+    cpu: &CpuBackend,
+) -> Result<(Vec<Option<NextRouter>>, Option<Reservation>)> {
+    let layers = plan.layers.len();
+    let mut next: Vec<Option<NextRouter>> = (0..layers).map(|_| None).collect();
+    let want: Vec<usize> = (1..layers).filter(|&l| plan.prefetches(l)).collect();
+    if want.is_empty() {
+        return Ok((next, None));
+    }
+    let d = store.manifest.spec.d_model;
+    let bytes = want.len() as u64 * NextRouter::bytes_for(plan.experts, d);
+    let hold = ledger
+        .reserve(Tier::Dram, bytes, "next-layer guess routers")
+        .map_err(weights_err)?;
+    let norm = |l: usize| {
+        store
+            .tensor(&names::layer(l, "ffn_norm.weight"))
+            .map_err(store_err)
+    };
+    for l in want {
+        let router = store.tensor(&router_segment_name(l)).map_err(store_err)?;
+        next[l - 1] = Some(
+            NextRouter::new(cpu, &router, &norm(l - 1)?, &norm(l)?, plan.experts)
+                .map_err(weights_err)?,
+        );
+    }
+    Ok((next, Some(hold)))
 }
 
 /// The stream area on the device: per matrix, the routed stack of the layer whose stack takes
@@ -391,9 +498,13 @@ fn stream_area<B: Backend>(
 /// One layer's experts for one step.
 struct ExpertStep<'a, B: Backend> {
     layer: &'a mut LayerExperts<B>,
+    /// The next layer's experts and the router that guesses them from this layer's input,
+    /// where the plan prefetches into them.
+    next: Option<(&'a mut LayerExperts<B>, &'a NextRouter)>,
     stream: Option<&'a mut StreamArea<B>>,
     cpu: &'a CpuSide,
     experts: usize,
+    moe: &'a MoeSpec,
     traffic: &'a ExpertTraffic,
 }
 
@@ -509,52 +620,58 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         })
     }
 
+    fn prefetch(&mut self, b: &B, x: &[f32], n: usize) -> Result<Option<Vec<Route>>> {
+        if n > PREFETCH_ROWS {
+            return Ok(None);
+        }
+        let Some((next, router)) = self.next.as_mut() else {
+            return Ok(None);
+        };
+        let guess = router
+            .guess(&self.cpu.backend, x, n, self.moe)
+            .map_err(weights_err)?;
+        let active = active_experts(&guess, self.experts);
+        next.guess = Some(active.clone());
+        if let Some(map) = next.map.as_mut() {
+            let allowed = next.copies.allow();
+            next.opened = true;
+            let (_, loads) = map.admit(&active, allowed).map_err(weights_err)?;
+            next.copies.spend(loads.len());
+            if !loads.is_empty() {
+                let bytes = next.copy_loads(b, &loads)?;
+                let t = self.traffic;
+                t.copies.fetch_add(loads.len() as u64, Ordering::Relaxed);
+                t.prefetched
+                    .fetch_add(loads.len() as u64, Ordering::Relaxed);
+                t.copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+            }
+        }
+        Ok(Some(guess))
+    }
+
     fn admit(&mut self, b: &B, routes: &[Route]) -> Result<()> {
         let active = active_experts(routes, self.experts);
-        self.traffic
-            .needed
-            .fetch_add(active.len() as u64, Ordering::Relaxed);
+        let t = self.traffic;
+        t.needed.fetch_add(active.len() as u64, Ordering::Relaxed);
+        if let Some(guess) = self.layer.guess.take() {
+            let right = guess.iter().filter(|e| active.contains(e)).count();
+            t.guessed.fetch_add(guess.len() as u64, Ordering::Relaxed);
+            t.guessed_right.fetch_add(right as u64, Ordering::Relaxed);
+        }
+        let allowed = self.layer.allowed();
         let Some(map) = self.layer.map.as_mut() else {
             return Ok(());
         };
-        let allowed = self.layer.copies.allow();
         let (hits, loads) = map.admit(&active, allowed).map_err(weights_err)?;
         self.layer.copies.spend(loads.len());
-        self.traffic.hits.fetch_add(hits as u64, Ordering::Relaxed);
+        t.hits.fetch_add(hits as u64, Ordering::Relaxed);
         if loads.is_empty() {
             return Ok(());
         }
-        match self.copy_loads(b, &loads) {
-            Ok(bytes) => {
-                self.traffic
-                    .copies
-                    .fetch_add(loads.len() as u64, Ordering::Relaxed);
-                self.traffic.copy_bytes.fetch_add(bytes, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => {
-                // The unit must not claim experts it never received.
-                if let Some(map) = self.layer.map.as_mut() {
-                    map.forget(&loads);
-                }
-                Err(e)
-            }
-        }
-    }
-}
-
-impl<B: Backend> ExpertStep<'_, B> {
-    /// Copy `loads` into their slots behind the compute queued so far (the step's reads of the
-    /// slots they overwrite); the unit's next use waits for them.
-    fn copy_loads(&mut self, b: &B, loads: &[Load]) -> Result<u64> {
-        let free = b.compute_done()?;
-        b.copies_wait(&free)?;
-        let mut bytes = 0;
-        for l in loads {
-            bytes += self.layer.copy_in(b, l.neuron as usize, l.slot as usize)?;
-        }
-        self.layer.landed = Some(b.copies_done()?);
-        Ok(bytes)
+        let bytes = self.layer.copy_loads(b, &loads)?;
+        t.copies.fetch_add(loads.len() as u64, Ordering::Relaxed);
+        t.copy_bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -571,15 +688,25 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             cpu,
             experts,
             traffic,
+            next,
+            _next_hold: _,
+            moe,
         } = self;
-        let layer = layers
-            .get_mut(l)
-            .ok_or_else(|| weights_err(format!("no layer {l}")))?;
+        if l >= layers.len() {
+            return Err(weights_err(format!("no layer {l}")));
+        }
+        let (here, after) = layers.split_at_mut(l + 1);
+        let next = match (after.first_mut(), next.get(l)) {
+            (Some(layer), Some(Some(router))) => Some((layer, router)),
+            _ => None,
+        };
         let cache = ExpertStep {
-            layer,
+            layer: &mut here[l],
+            next,
             stream: stream.as_mut(),
             cpu,
             experts: *experts,
+            moe,
             traffic,
         };
         let ffn = FfnView::Matrices {
