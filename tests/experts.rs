@@ -75,7 +75,8 @@ fn h100() -> HardwareProfile {
     HardwareProfile::load("h100-80g").unwrap()
 }
 
-/// The offloaded engine of `plan`, its ledger budgeted at exactly what the plan places.
+/// The offloaded engine of `plan`, its ledger budgeted at exactly what the plan places on the
+/// device, and at the budget's host memory.
 fn offloaded(
     store: &Arc<Store>,
     plan: &ExpertPlan,
@@ -85,7 +86,7 @@ fn offloaded(
     Arc<gpu_offload::tier::experts::ExpertTraffic>,
     Arc<Trace>,
 ) {
-    let ledger = Ledger::new(Some(plan.device.placed), None);
+    let ledger = Ledger::new(Some(plan.device.placed), plan.plan.budget.dram_mem);
     let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
     let spec = store.manifest.spec.clone();
     let src = ExpertWeights::new(
@@ -141,6 +142,20 @@ fn reference(plan: &ExpertPlan, trace: &[Routed], d: usize) -> (ExpertCounts, u6
             })
         })
         .collect();
+    // With the SSD tier, each layer's DRAM cache as the source makes it (empty at start).
+    let mut dram: Vec<Option<SlotMap>> = (0..plan.layers.len())
+        .map(|i| {
+            let ds = plan.host.dram_slots.as_ref()?;
+            let eviction = match plan.scores.get(i) {
+                Some(s) => Eviction::Frequency(s.clone()),
+                None => Eviction::Recency,
+            };
+            Some(SlotMap::new(e, ds[i], eviction).unwrap())
+        })
+        .collect();
+    // An expert copied or streamed from DRAM where its cache holds it, else read from the store.
+    let read =
+        |cache: &Option<SlotMap>, e: u32| cache.as_ref().is_some_and(|m| m.slot_of(e).is_none());
     let mut c = ExpertCounts::default();
     let mut partials = 0;
     let mut guesses: Vec<Option<Vec<u32>>> = vec![None; plan.layers.len()];
@@ -164,6 +179,12 @@ fn reference(plan: &ExpertPlan, trace: &[Routed], d: usize) -> (ExpertCounts, u6
                 c.copies += loads.len() as u64;
                 c.prefetched += loads.len() as u64;
                 c.copy_bytes += loads.len() as u64 * eb;
+                let reads = loads
+                    .iter()
+                    .filter(|l| read(&dram[*layer], l.neuron))
+                    .count() as u64;
+                c.ssd_experts += reads;
+                c.ssd_bytes += reads * eb;
             }
             guesses[*layer] = Some(active);
             continue;
@@ -177,16 +198,37 @@ fn reference(plan: &ExpertPlan, trace: &[Routed], d: usize) -> (ExpertCounts, u6
         } else {
             budgets[*layer].allow()
         };
+        // What the device lacks: streamed, or computed by the CPU through its DRAM cache.
+        let mut lacking: Vec<u32> = active
+            .iter()
+            .copied()
+            .filter(|&x| maps[*layer].as_ref().is_none_or(|m| m.slot_of(x).is_none()))
+            .collect();
+        lacking.sort_unstable();
+        let mut reads = 0;
+        if plan.stream_rows.is_some_and(|r| *rows >= r) {
+            reads += lacking.iter().filter(|&&x| read(&dram[*layer], x)).count() as u64;
+        } else if let Some(cache) = &mut dram[*layer] {
+            for group in lacking.chunks(cache.slots()) {
+                reads += cache.admit(group, usize::MAX).unwrap().1.len() as u64;
+            }
+        }
         let hits = match &mut maps[*layer] {
             Some(m) => {
                 let (hits, loads) = m.admit(&active, allowed).unwrap();
                 budgets[*layer].spend(loads.len());
                 c.copies += loads.len() as u64;
                 c.copy_bytes += loads.len() as u64 * eb;
+                reads += loads
+                    .iter()
+                    .filter(|l| read(&dram[*layer], l.neuron))
+                    .count() as u64;
                 hits
             }
             None => 0,
         };
+        c.ssd_experts += reads;
+        c.ssd_bytes += reads * eb;
         let missed = (active.len() - hits) as u64;
         c.needed += active.len() as u64;
         c.hits += hits as u64;
@@ -232,7 +274,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             .collect();
         let dense = Model::load(&model).unwrap();
         let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
-        let (mut streamed, mut guessed) = (0, 0);
+        let (mut streamed, mut guessed, mut ssd) = (0, 0, 0);
         // The model's routing on its own prompt's tokens and more: what `profile` saves.
         let routing = gpu_offload::runtime::profiling::profile_routing(
             &spec,
@@ -279,11 +321,40 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             }
             let mut budgets = vec![most, least];
             budgets.extend((0..3).map(|_| rng.random_range(least..most)));
+            // The SSD tier: host memory from the least it takes (a token's experts a layer in
+            // DRAM) to below every expert's stacks.
+            let stacks = plans(most).unwrap().dram_expert_bytes;
+            // Each refusal names the least it needs (the plan without experts first, then the
+            // SSD tier's): the least host memory that plans.
+            let least_dram = |gpu_mem: u64| {
+                let mut dram = 1;
+                loop {
+                    let short = Budget {
+                        dram_mem: Some(dram),
+                        ..budget(gpu_mem, toks.len())
+                    };
+                    match plan_experts(
+                        &store.manifest,
+                        &short,
+                        &hw,
+                        Some(ExpertMode::Units),
+                        routing,
+                    ) {
+                        Err(PlanError::DramTooSmall { minimum, .. }) if minimum > dram => {
+                            dram = minimum
+                        }
+                        Ok(_) => return dram,
+                        Err(e) => panic!("{dram} bytes of host memory: {e}"),
+                    }
+                }
+            };
             let mut base: Option<(u64, u64)> = None;
             for (i, &gpu_mem) in budgets.iter().enumerate() {
-                // One budget without next-layer prefetch.
+                // One budget without next-layer prefetch, one with the SSD tier.
                 let b = Budget {
                     expert_prefetch: i != 3,
+                    dram_mem: (i == 4)
+                        .then(|| least_dram(gpu_mem) + rng.random_range(0..stacks / 2)),
                     ..budget(gpu_mem, toks.len())
                 };
                 let mut plan =
@@ -296,11 +367,13 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 }
                 let slots = plan.slots();
                 let what = format!(
-                    "{} at {gpu_mem} bytes on {}, slots {slots:?}, prompts stream from {:?} rows",
+                    "{} at {gpu_mem} bytes on {}, slots {slots:?}, prompts stream from {:?} rows, DRAM caches {:?}",
                     model.display(),
                     hw.name,
-                    plan.stream_rows
+                    plan.stream_rows,
+                    plan.host.dram_slots
                 );
+                assert_eq!(plan.host.dram_slots.is_some(), i == 4, "{what}");
                 assert!(plan.device.total <= gpu_mem, "{what}");
                 match i {
                     0 => assert!(slots.iter().all(|&s| s == moe.experts), "{what}"),
@@ -320,6 +393,7 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 let (want_counts, partials) = reference(&plan, &trace, spec.d_model);
                 streamed += want_counts.streamed;
                 guessed += want_counts.guessed;
+                ssd += want_counts.ssd_experts;
                 if !plan.prefetch {
                     assert_eq!(want_counts.guessed, 0, "{what}: prefetch off");
                 }
@@ -354,9 +428,11 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
             "{}: no prompt streamed its experts",
             model.display()
         );
-        // The partial units had their experts guessed a layer ahead.
+        // The partial units had their experts guessed a layer ahead; the SSD tier read experts.
         assert!(guessed > 0, "{}: nothing guessed", model.display());
-        // Host memory below the experts' stacks is refused up front, naming them.
+        assert!(ssd > 0, "{}: nothing read from the store", model.display());
+        // Host memory below every expert's stacks takes the SSD tier; below a token's experts
+        // a layer it is refused up front, saying so.
         let need = plan_experts(
             &store.manifest,
             &budget(u64::MAX / 4, toks.len()),
@@ -366,16 +442,26 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
         )
         .unwrap()
         .dram_expert_bytes;
-        let short = Budget {
-            dram_mem: Some(need - 1),
-            ..budget(u64::MAX / 4, toks.len())
+        let with_dram = |dram: u64| {
+            let b = Budget {
+                dram_mem: Some(dram),
+                ..budget(u64::MAX / 4, toks.len())
+            };
+            plan_experts(&store.manifest, &b, &hw(), None, None)
         };
-        match plan_experts(&store.manifest, &short, &hw(), None, None) {
+        let p = with_dram(need - 1).unwrap();
+        assert!(p.host.dram_slots.is_some() && p.dram_expert_bytes < need);
+        // (The plan without its experts refuses 1 byte first, naming its own least.)
+        let tables = match with_dram(1) {
+            Err(PlanError::DramTooSmall { minimum, .. }) => minimum,
+            other => panic!("1 byte: {:?}", other.map(|p| p.dram_expert_bytes)),
+        };
+        match with_dram(tables) {
             Err(e @ PlanError::DramTooSmall { .. }) => {
-                assert!(e.to_string().contains("every expert's weights"), "{e}")
+                assert!(e.to_string().contains("the SSD tier keeps at least"), "{e}")
             }
             other => panic!(
-                "DRAM below the experts: {:?}",
+                "DRAM below the SSD tier: {:?}",
                 other.map(|p| p.dram_expert_bytes)
             ),
         }

@@ -109,7 +109,7 @@ pub trait ExpertCache<B: Backend>: Send {
     fn unit(&self) -> Option<crate::backend::Experts<'_, B::Weight>>;
     /// `out` (`n × d_model`) = the experts' FFN output of `routes` for the rows `x`, on the CPU.
     fn cpu_ffn(
-        &self,
+        &mut self,
         x: &[f32],
         n: usize,
         routes: &[crate::backend::Route],

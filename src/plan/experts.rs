@@ -31,6 +31,8 @@ use crate::store::Manifest;
 use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
+pub use super::expert_host::HostExperts;
+use super::expert_host::plan_host;
 use super::hardware::HardwareProfile;
 use super::manifest::{
     experts_segment_name, part_segment_name, router_segment_name, seg, staging_for,
@@ -91,6 +93,8 @@ pub struct ExpertShape {
     pub shared: usize,
     /// The router's bytes (f32).
     pub router: u64,
+    /// The largest read of one expert's matrix from the store (whole checksum groups).
+    pub read_extent: u64,
 }
 
 impl ExpertShape {
@@ -132,14 +136,32 @@ impl ExpertShape {
             }
             Ok((s.rows / all * s.row_bytes()) as u64)
         };
+        let mut read_extent = 0;
+        for which in ["gate", "up", "down"] {
+            let s = seg(m, &experts_segment_name(l, which))?;
+            let rows = s.rows / all;
+            for e in 0..all {
+                let (_, len) = s.read_extent(expert_read_rows(e, rows, s.rows));
+                read_extent = read_extent.max(len);
+            }
+        }
         Ok(ExpertShape {
             gate: per_expert("gate")?,
             up: per_expert("up")?,
             down: per_expert("down")?,
             shared: moe.shared,
             router: seg(m, &router_segment_name(l))?.bytes,
+            read_extent,
         })
     }
+}
+
+/// The rows the store reads for expert `e` of a stack of `total` rows, `rows` an expert: its own
+/// widened to whole checksum groups.
+pub fn expert_read_rows(e: usize, rows: usize, total: usize) -> std::ops::Range<usize> {
+    use crate::store::GROUP_ROWS;
+    let (a, b) = (e * rows, (e + 1) * rows);
+    (a / GROUP_ROWS * GROUP_ROWS)..b.next_multiple_of(GROUP_ROWS).min(total)
 }
 
 /// One layer's share of the plan.
@@ -156,6 +178,9 @@ pub struct ExpertLayer {
     pub hbm_bytes: u64,
     pub cpu_bytes: u64,
     pub copy_bytes: u64,
+    /// With the SSD tier: expected bytes a token the store reads for the CPU's experts its
+    /// DRAM cache lacks.
+    pub ssd_bytes: u64,
     /// Predicted seconds per token of the layer's device experts and of the CPU's (with the
     /// partial sum's trip back); the layer takes the longer, after its attention and the
     /// landing of its FFN input and router logits.
@@ -196,8 +221,10 @@ pub struct ExpertPlan {
     /// steps); at most a token's experts.
     pub copies_per_step: f64,
     pub device: ExpertDevice,
-    /// Host memory the experts' stacks take (every expert of every layer, read whole).
+    /// Host memory the experts take: every expert of every layer read whole, or with the SSD
+    /// tier the DRAM caches and the read buffer ([`HostExperts`]).
     pub dram_expert_bytes: u64,
+    pub host: HostExperts,
     /// Start-up staging buffer (attention, routers, head).
     pub staging: u64,
     /// Rows of the merge buffer (the most tokens a step evaluates).
@@ -317,13 +344,23 @@ impl ExpertPlan {
         let p = &self.per_token;
         let _ = writeln!(
             o,
-            "per token: HBM {} MiB, CPU {} MiB, PCIe {} MiB; DRAM for experts {} MiB; predicted {:.1} tokens/s",
+            "per token: HBM {} MiB, CPU {} MiB, PCIe {} MiB, SSD {} MiB; DRAM for experts {} MiB; predicted {:.1} tokens/s",
             mib(p.hbm_bytes),
             mib(p.cpu_bytes),
             mib(p.pcie_bytes),
+            mib(self.plan.per_token.ssd_bytes),
             mib(self.dram_expert_bytes),
             self.predicted_tokens_per_s
         );
+        if let Some(ds) = &self.host.dram_slots {
+            let _ = writeln!(
+                o,
+                "host: the SSD tier — every expert's stacks do not fit host memory; DRAM caches of {}..={} experts a layer (and a {} MiB read buffer), the others read from the store when the CPU needs them",
+                ds.iter().min().unwrap_or(&0),
+                ds.iter().max().unwrap_or(&0),
+                mib(self.host.read_buffer)
+            );
+        }
         o
     }
 }
@@ -419,6 +456,11 @@ pub fn plan_experts(
         staging,
         batch,
         stream: None,
+        host: HostExperts {
+            dram_slots: None,
+            bytes: 0,
+            read_buffer: 0,
+        },
         ranks: routing.map(|r| (0..n_layers).map(|l| r.ranked(l)).collect()),
         routing: match routing {
             Some(r) => format!(
@@ -434,16 +476,6 @@ pub fn plan_experts(
         fixed.stream = Some((rows, area));
         room -= area;
     }
-    let fixed = fixed;
-    // Every expert's stacks stay in DRAM (the CPU computes from them, copies come from them):
-    // no SSD tier for experts yet.
-    let dram_experts: u64 = shapes
-        .iter()
-        .flat_map(|s| {
-            let all = (moe.experts + s.shared) as u64;
-            [s.gate, s.up, s.down].map(|b| (all * b).next_multiple_of(4096))
-        })
-        .sum();
     // With prefetch, each layer after the first may hold the next router's guess copy.
     let guess_least = if budget.expert_prefetch {
         n_layers.saturating_sub(1) as u64
@@ -451,22 +483,23 @@ pub fn plan_experts(
     } else {
         0
     };
-    let dram_least = dram_experts + guess_least + base.dram.tables + staging;
-    if let Some(dram) = budget.dram_mem
-        && dram < dram_least
-    {
-        return Err(PlanError::DramTooSmall {
-            budget: dram,
-            minimum: dram_least,
-            breakdown: format!(
-                "every expert's weights stay in host memory ({}; experts are not read from the SSD yet), with the next-layer guess routers {}, the embedding tables {} and the start-up staging {}",
-                human_bytes(dram_experts),
+    // Every expert's stacks in DRAM where they fit, else the SSD tier's caches.
+    let host = plan_host(
+        &shapes,
+        (moe.experts, moe.used),
+        budget.dram_mem,
+        (
+            guess_least + base.dram.tables + staging,
+            &format!(
+                "the next-layer guess routers {}, the embedding tables {} and the start-up staging {}",
                 human_bytes(guess_least),
                 human_bytes(base.dram.tables),
                 human_bytes(staging)
             ),
-        });
-    }
+        ),
+    )?;
+    fixed.host = host;
+    let fixed = fixed;
     let slots = match &fixed.ranks {
         Some(ranks) => slots_by_share(&shapes, ranks, room),
         None => share_slots(&shapes, moe.experts, room),
@@ -596,6 +629,8 @@ struct Fixed<'a> {
     ranks: Option<Vec<(Vec<u32>, Vec<f64>)>>,
     /// What the expected hits assume.
     routing: String,
+    /// The experts on the host: every stack, or the SSD tier's DRAM caches.
+    host: HostExperts,
 }
 
 impl Fixed<'_> {
@@ -659,17 +694,29 @@ impl Fixed<'_> {
         let missed = (1.0 - hit) * k;
         let hbm_bytes = self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
         let cpu_bytes = (missed * eb as f64) as u64;
+        // The SSD tier: the CPU's experts its DRAM cache holds as the top ranks' share (taken
+        // as independent of the device's unit), the others read from the store first.
+        let in_dram = match &self.host.dram_slots {
+            None => 1.0,
+            Some(ds) => match &self.ranks {
+                Some(r) => (r[l].1.iter().take(ds[l]).sum::<f64>() + 0.0).min(1.0),
+                None => ds[l] as f64 / self.experts.max(1) as f64,
+            },
+        };
+        let ssd_bytes = (missed * (1.0 - in_dram) * eb as f64) as u64;
         // Both sides start once the FFN input and the logits have landed (one wait); the CPU's
         // share comes back before the merge.
         let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s;
         let cpu_s = if missed > 0.0 {
-            batch::bounded(
-                cpu_bytes as f64,
-                hw.dram_read_bytes_per_s,
-                1,
-                missed * expert_flops,
-                batch::cpu_flops_per_s(hw),
-            ) + trip(d * 4)
+            ssd_bytes as f64 / hw.ssd_read_bytes_per_s
+                + batch::bounded(
+                    cpu_bytes as f64,
+                    hw.dram_read_bytes_per_s,
+                    1,
+                    missed * expert_flops,
+                    batch::cpu_flops_per_s(hw),
+                )
+                + trip(d * 4)
         } else {
             0.0
         };
@@ -687,6 +734,7 @@ impl Fixed<'_> {
             hbm_bytes,
             cpu_bytes,
             copy_bytes: 0,
+            ssd_bytes,
             device_s,
             cpu_s,
         };
@@ -782,11 +830,7 @@ impl Fixed<'_> {
         let pcie = h2d + d2h;
         let stream = self.stream.map_or(0, |(_, b)| b);
         let placed = self.everything_else + units + stream;
-        let dram_expert_bytes = self
-            .shapes
-            .iter()
-            .map(|s| (self.experts + s.shared) as u64 * s.bytes())
-            .sum();
+        let dram_expert_bytes = self.host.bytes;
         let mut plan = base.clone();
         plan.gpu.resident_layers = self.attention + self.routers + units + stream;
         plan.gpu.merge = self.merge;
@@ -795,7 +839,7 @@ impl Fixed<'_> {
         plan.per_token = super::PerToken {
             h2d_bytes: h2d,
             d2h_bytes: d2h,
-            ssd_bytes: 0,
+            ssd_bytes: layers.iter().map(|x| x.ssd_bytes).sum(),
             hbm_read_bytes: hbm,
             cpu_read_bytes: cpu,
         };
@@ -818,6 +862,7 @@ impl Fixed<'_> {
                 total: g.fixed + placed,
             },
             dram_expert_bytes,
+            host: self.host.clone(),
             staging: self.staging,
             batch: self.batch,
             stream_rows: self.stream.map(|(r, _)| r),
@@ -867,6 +912,7 @@ mod tests {
             down: bytes,
             shared,
             router: 0,
+            read_extent: bytes,
         }
     }
 

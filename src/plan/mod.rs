@@ -47,6 +47,7 @@ pub mod choice;
 pub mod cold;
 pub mod cost;
 pub mod dram;
+pub mod expert_host;
 pub mod experts;
 pub mod hardware;
 pub mod hybrid;

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::Serialize;
 
 use super::atu::{CopyBudget, Eviction, Load, SlotMap};
+use super::expert_host::{HostExperts, MATRICES, Reader, distinct_experts};
 use super::resident::{Resident, Small, resident_source};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::kernels::Kernels;
@@ -33,11 +34,10 @@ use crate::model::ModelSpec;
 use crate::model::spec::MoeSpec;
 use crate::plan::device_dtype;
 use crate::plan::experts::ExpertPlan;
-use crate::plan::manifest::{experts_segment_name, router_segment_name};
+use crate::plan::manifest::router_segment_name;
 use crate::sparsity::routing::NextRouter;
 use crate::store::names;
 use crate::store::{Store, StoreError};
-use crate::tensor::HostTensor;
 
 fn store_err(e: StoreError) -> EngineError {
     EngineError::Weights(e.to_string())
@@ -61,6 +61,8 @@ pub struct ExpertTraffic {
     guessed: AtomicU64,
     guessed_right: AtomicU64,
     prefetched: AtomicU64,
+    ssd_experts: AtomicU64,
+    ssd_bytes: AtomicU64,
 }
 
 /// A snapshot of [`ExpertTraffic`].
@@ -85,6 +87,10 @@ pub struct ExpertCounts {
     pub guessed: u64,
     pub guessed_right: u64,
     pub prefetched: u64,
+    /// The SSD tier: experts read from the store (for the CPU, a copy or the stream area),
+    /// and their bytes as stored.
+    pub ssd_experts: u64,
+    pub ssd_bytes: u64,
 }
 
 impl ExpertCounts {
@@ -117,6 +123,8 @@ impl ExpertTraffic {
             guessed: get(&self.guessed),
             guessed_right: get(&self.guessed_right),
             prefetched: get(&self.prefetched),
+            ssd_experts: get(&self.ssd_experts),
+            ssd_bytes: get(&self.ssd_bytes),
         }
     }
 }
@@ -136,59 +144,10 @@ pub fn active_experts(routes: &[Route], experts: usize) -> Vec<u32> {
     want.into_iter().map(|(e, _)| e).collect()
 }
 
-/// One of a layer's three expert stacks in DRAM: its bytes (what a copy into a slot reads) and
-/// the CPU's weight over the same bytes.
-struct Stack {
-    /// The page lock of `host` (on a GPU: the copies out of it run asynchronously), released
-    /// before the memory (fields drop in order).
-    _pin: Option<crate::backend::HostPin>,
-    host: HostTensor,
-    cpu: <CpuBackend as Backend>::Weight,
-    /// Rows of one expert.
-    rows: usize,
-    _hold: Reservation,
-}
-
-impl Stack {
-    fn load<B: Backend>(
-        b: &B,
-        (store, ledger): (&Store, &Arc<Ledger>),
-        cpu: &CpuBackend,
-        name: &str,
-        experts: usize,
-    ) -> Result<Self> {
-        let seg = store.require(name).map_err(store_err)?;
-        if experts == 0 || !seg.rows.is_multiple_of(experts) {
-            return Err(weights_err(format!(
-                "`{name}` has {} rows: not {experts} experts of equal rows",
-                seg.rows
-            )));
-        }
-        let hold = ledger
-            .reserve(Tier::Dram, seg.bytes.next_multiple_of(4096), name)
-            .map_err(weights_err)?;
-        let host = store.tensor(name).map_err(store_err)?;
-        ledger.count_ssd(seg.read_extent(0..seg.rows).1);
-        Ok(Stack {
-            _pin: b.pin_host(host.data.as_slice())?,
-            cpu: cpu.upload(&host)?,
-            rows: seg.rows / experts,
-            host,
-            _hold: hold,
-        })
-    }
-
-    /// Expert `e`'s rows, as stored.
-    fn expert(&self, e: usize) -> &[u8] {
-        let rb = self.host.data.len() / self.host.rows.max(1);
-        &self.host.data.as_slice()[e * self.rows * rb..(e + 1) * self.rows * rb]
-    }
-}
-
-/// One layer's experts: the stacks in DRAM, the unit on the device and its slot map.
+/// One layer's experts: on the host (the stacks in DRAM, or the SSD tier's cache), the unit
+/// on the device and its slot map.
 struct LayerExperts<B: Backend> {
-    /// Gate, up and down stacks.
-    stacks: [Stack; 3],
+    host: HostExperts,
     /// The unit's gate, up and down: the routed slots, then the shared expert's parts.
     unit: Option<[B::Weight; 3]>,
     /// The routed slots' map (none without routed slots: the shared parts start at slot 0).
@@ -204,19 +163,27 @@ struct LayerExperts<B: Backend> {
 }
 
 impl<B: Backend> LayerExperts<B> {
-    /// Copy expert `e` into slot `slot` of the unit, on the copy queue.
-    fn copy_in(&mut self, b: &B, e: usize, slot: usize) -> Result<u64> {
+    /// Copy expert `e` into slot `slot` of the unit, on the copy queue, from DRAM or (the SSD
+    /// tier, where DRAM lacks it) a read of the store; its bytes and whether it was read.
+    fn copy_in(
+        &mut self,
+        b: &B,
+        e: usize,
+        slot: usize,
+        reader: &mut Reader,
+    ) -> Result<(u64, bool)> {
         let unit = self
             .unit
             .as_mut()
             .ok_or_else(|| weights_err("a copy into a layer without a unit"))?;
-        let mut bytes = 0;
-        for (w, s) in unit.iter_mut().zip(&self.stacks) {
-            let src = s.expert(e);
-            b.upload_into(w, slot * s.rows, src)?;
+        let (mut bytes, mut read) = (0, false);
+        for (i, w) in unit.iter_mut().enumerate() {
+            let (src, from_store) = self.host.expert(i, e, reader)?;
+            b.upload_into(w, slot * self.host.rows(i), src)?;
             bytes += src.len() as u64;
+            read |= from_store;
         }
-        Ok(bytes)
+        Ok((bytes, read))
     }
 
     /// The copies this step may still start: its budget opened here, or by the previous layer's
@@ -232,13 +199,24 @@ impl<B: Backend> LayerExperts<B> {
     /// Copy `loads` into their slots behind the compute queued so far (the reads of the slots
     /// they overwrite); the unit's next use waits for them. On failure the map forgets them:
     /// the unit must not claim experts it never received.
-    fn copy_loads(&mut self, b: &B, loads: &[Load]) -> Result<u64> {
+    fn copy_loads(
+        &mut self,
+        b: &B,
+        loads: &[Load],
+        reader: &mut Reader,
+        traffic: &ExpertTraffic,
+    ) -> Result<u64> {
         let copied = (|| {
             let free = b.compute_done()?;
             b.copies_wait(&free)?;
             let mut bytes = 0;
             for l in loads {
-                bytes += self.copy_in(b, l.neuron as usize, l.slot as usize)?;
+                let (n, read) = self.copy_in(b, l.neuron as usize, l.slot as usize, reader)?;
+                bytes += n;
+                if read {
+                    traffic.ssd_experts.fetch_add(1, Ordering::Relaxed);
+                    traffic.ssd_bytes.fetch_add(n, Ordering::Relaxed);
+                }
             }
             self.landed = Some(b.copies_done()?);
             Ok(bytes)
@@ -265,14 +243,6 @@ struct StreamArea<B: Backend> {
     rows: usize,
 }
 
-/// The distinct experts of `routes`, ascending.
-fn distinct_experts(routes: &[Route]) -> Vec<u32> {
-    let mut ids: Vec<u32> = routes.iter().map(|r| r.expert).collect();
-    ids.sort_unstable();
-    ids.dedup();
-    ids
-}
-
 /// The CPU's side: its backend and the experts' activation.
 struct CpuSide {
     backend: CpuBackend,
@@ -295,6 +265,8 @@ pub struct ExpertWeights<B: Backend> {
     next: Vec<Option<NextRouter>>,
     _next_hold: Option<Reservation>,
     moe: MoeSpec,
+    /// The SSD tier's reads of the store.
+    reader: Reader,
 }
 
 impl<B: Backend> ExpertWeights<B> {
@@ -323,8 +295,8 @@ impl<B: Backend> ExpertWeights<B> {
         if plan.layers.len() != spec.n_layers {
             return Err(weights_err("the expert plan has another number of layers"));
         }
-        let all = moe.experts + moe.shared;
         let cpu = CpuBackend::with_kernels(threads, kernels)?;
+        let mut reader = Reader::new(store.clone(), ledger.clone(), plan.host.read_buffer)?;
         let mut routers = Vec::with_capacity(spec.n_layers);
         let mut layers = Vec::with_capacity(spec.n_layers);
         let resident = Resident::load(
@@ -335,66 +307,13 @@ impl<B: Backend> ExpertWeights<B> {
             |l, _: &mut Small<B>, loader| {
                 let seg = store.require(&router_segment_name(l)).map_err(store_err)?;
                 routers.push(loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?);
-                let stacks = ["gate", "up", "down"].map(|w| {
-                    Stack::load(b, (&store, &ledger), &cpu, &experts_segment_name(l, w), all)
-                });
-                let [g, u, d] = stacks;
-                let stacks = [g?, u?, d?];
-                let slots = plan.layers[l].slots.min(moe.experts);
-                let mut layer = LayerExperts {
-                    unit: None,
-                    map: None,
-                    copies: CopyBudget::new(plan.copies_per_step),
-                    landed: None,
-                    opened: false,
-                    guess: None,
-                    stacks,
-                };
-                if slots + moe.shared > 0 {
-                    let mut unit = Vec::with_capacity(3);
-                    for (w, s) in ["gate", "up", "down"].iter().zip(&layer.stacks) {
-                        let name = experts_segment_name(l, w);
-                        let seg = store.require(&name).map_err(store_err)?;
-                        unit.push(b.alloc_weight(
-                            &format!("{name} unit"),
-                            device_dtype(seg),
-                            (slots + moe.shared) * s.rows,
-                            seg.cols,
-                        )?);
-                    }
-                    layer.unit = Some(
-                        unit.try_into()
-                            .map_err(|_| weights_err("three expert matrices"))?,
-                    );
-                    // The shared expert's parts, pinned after the routed slots.
-                    for i in 0..moe.shared {
-                        layer.copy_in(b, moe.experts + i, slots + i)?;
-                    }
-                }
-                if slots > 0 {
-                    // Stale experts give way by the profile's ranking, or least recently routed
-                    // first; the unit starts with every expert where it holds them all, else with
-                    // the profile's most routed (empty without one).
-                    let eviction = match plan.scores.get(l) {
-                        Some(score) => Eviction::Frequency(score.clone()),
-                        None => Eviction::Recency,
-                    };
-                    let mut map =
-                        SlotMap::new(moe.experts, slots, eviction).map_err(weights_err)?;
-                    let seed: Vec<u32> = if slots == moe.experts {
-                        (0..slots as u32).collect()
-                    } else {
-                        plan.seeds.get(l).cloned().unwrap_or_default()
-                    };
-                    let (_, loads) = map.admit(&seed, seed.len()).map_err(weights_err)?;
-                    for ld in &loads {
-                        layer.copy_in(b, ld.neuron as usize, ld.slot as usize)?;
-                    }
-                    layer.map = Some(map);
-                }
-                let ev = b.copies_done()?;
-                b.host_waits(&ev)?;
-                layers.push(layer);
+                layers.push(load_layer(
+                    b,
+                    (&store, &ledger, &cpu),
+                    plan,
+                    (l, &moe),
+                    &mut reader,
+                )?);
                 Ok(())
             },
         )?;
@@ -402,7 +321,7 @@ impl<B: Backend> ExpertWeights<B> {
         let partial = b.alloc(plan.batch.max(1), spec.d_model)?;
         let stream = match plan.stream_rows {
             Some(rows) => Some(StreamArea {
-                stacks: stream_area(b, &store, &layers, moe.experts)?,
+                stacks: stream_area(b, &layers, moe.experts)?,
                 rows,
             }),
             None => None,
@@ -424,6 +343,7 @@ impl<B: Backend> ExpertWeights<B> {
             next,
             _next_hold: next_hold,
             moe,
+            reader,
         })
     }
 
@@ -431,6 +351,82 @@ impl<B: Backend> ExpertWeights<B> {
     pub fn traffic(&self) -> Arc<ExpertTraffic> {
         self.traffic.clone()
     }
+}
+
+/// The eviction of layer `l`'s caches (its unit and, with the SSD tier, its DRAM cache): stale
+/// experts give way by the profile's ranking, or least recently routed first.
+fn eviction_of(plan: &ExpertPlan, l: usize) -> Eviction {
+    match plan.scores.get(l) {
+        Some(score) => Eviction::Frequency(score.clone()),
+        None => Eviction::Recency,
+    }
+}
+
+/// Layer `l`'s experts as `plan` places them: on the host (every stack, or the SSD tier's
+/// cache), on the device a unit of the plan's slots with the shared expert's parts copied in,
+/// starting with every expert where it holds them all, else with the profile's most routed
+/// (empty without one).
+fn load_layer<B: Backend>(
+    b: &B,
+    (store, ledger, cpu): (&Store, &Arc<Ledger>, &CpuBackend),
+    plan: &ExpertPlan,
+    (l, moe): (usize, &MoeSpec),
+    reader: &mut Reader,
+) -> Result<LayerExperts<B>> {
+    let all = moe.experts + moe.shared;
+    let cache = plan
+        .host
+        .dram_slots
+        .as_ref()
+        .map(|ds| (ds[l].min(moe.experts), eviction_of(plan, l)));
+    let host = HostExperts::load(b, (store, ledger), cpu, (l, moe.experts, all), cache)?;
+    let slots = plan.layers[l].slots.min(moe.experts);
+    let mut layer = LayerExperts {
+        unit: None,
+        map: None,
+        copies: CopyBudget::new(plan.copies_per_step),
+        landed: None,
+        opened: false,
+        guess: None,
+        host,
+    };
+    if slots + moe.shared > 0 {
+        let mut unit = Vec::with_capacity(3);
+        for i in 0..3 {
+            let seg = layer.host.segment(i);
+            unit.push(b.alloc_weight(
+                &format!("{} unit", seg.name),
+                device_dtype(seg),
+                (slots + moe.shared) * layer.host.rows(i),
+                seg.cols,
+            )?);
+        }
+        layer.unit = Some(
+            unit.try_into()
+                .map_err(|_| weights_err("three expert matrices"))?,
+        );
+        // The shared expert's parts, pinned after the routed slots.
+        for i in 0..moe.shared {
+            layer.copy_in(b, moe.experts + i, slots + i, reader)?;
+        }
+    }
+    if slots > 0 {
+        let mut map =
+            SlotMap::new(moe.experts, slots, eviction_of(plan, l)).map_err(weights_err)?;
+        let seed: Vec<u32> = if slots == moe.experts {
+            (0..slots as u32).collect()
+        } else {
+            plan.seeds.get(l).cloned().unwrap_or_default()
+        };
+        let (_, loads) = map.admit(&seed, seed.len()).map_err(weights_err)?;
+        for ld in &loads {
+            layer.copy_in(b, ld.neuron as usize, ld.slot as usize, reader)?;
+        }
+        layer.map = Some(map);
+    }
+    let ev = b.copies_done()?;
+    b.host_waits(&ev)?;
+    Ok(layer)
 }
 
 /// Per layer, the guess router of the next layer where the plan prefetches into its unit
@@ -472,18 +468,17 @@ fn next_routers(
 /// most bytes, in that layer's format.
 fn stream_area<B: Backend>(
     b: &B,
-    store: &Store,
     layers: &[LayerExperts<B>],
     experts: usize,
 ) -> Result<[B::Weight; 3]> {
     let mut area = Vec::with_capacity(3);
-    for (i, which) in ["gate", "up", "down"].iter().enumerate() {
+    for (i, which) in MATRICES.iter().enumerate() {
+        let bytes = |l: usize| layers[l].host.rows(i) * layers[l].host.segment(i).row_bytes();
         let widest = (0..layers.len())
-            .max_by_key(|&l| (layers[l].stacks[i].expert(0).len(), std::cmp::Reverse(l)))
+            .max_by_key(|&l| (bytes(l), std::cmp::Reverse(l)))
             .ok_or_else(|| weights_err("a model without layers"))?;
-        let name = experts_segment_name(widest, which);
-        let seg = store.require(&name).map_err(store_err)?;
-        let rows = experts * layers[widest].stacks[i].rows;
+        let seg = layers[widest].host.segment(i);
+        let rows = experts * layers[widest].host.rows(i);
         area.push(b.alloc_weight(
             &format!("{which} stream area"),
             device_dtype(seg),
@@ -506,6 +501,7 @@ struct ExpertStep<'a, B: Backend> {
     experts: usize,
     moe: &'a MoeSpec,
     traffic: &'a ExpertTraffic,
+    reader: &'a mut Reader,
 }
 
 impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
@@ -541,37 +537,21 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         })
     }
 
-    fn cpu_ffn(&self, x: &[f32], n: usize, routes: &[Route], out: &mut [f32]) -> Result<()> {
-        let c = &self.cpu;
-        let b = &c.backend;
-        let mut xt = b.alloc(n, c.d)?;
-        b.write(&mut xt, x)?;
-        let mut ot = b.alloc(n, c.d)?;
-        let [g, u, d] = &self.layer.stacks;
-        let experts = Experts {
-            gate: Some(&g.cpu),
-            up: &u.cpu,
-            down: &d.cpu,
-            width: c.width,
-        };
-        b.moe_ffn(experts, &xt, routes, c.act, &mut ot)?;
-        b.read(&ot, out)?;
-        let ids = distinct_experts(routes);
-        let bytes: u64 = ids
-            .iter()
-            .map(|&e| {
-                self.layer
-                    .stacks
-                    .iter()
-                    .map(|s| s.expert(e as usize).len() as u64)
-                    .sum::<u64>()
-            })
-            .sum();
-        self.traffic
-            .cpu_experts
-            .fetch_add(ids.len() as u64, Ordering::Relaxed);
-        self.traffic.cpu_bytes.fetch_add(bytes, Ordering::Relaxed);
-        crate::engine::trace::add_cpu_bytes(bytes);
+    fn cpu_ffn(&mut self, x: &[f32], n: usize, routes: &[Route], out: &mut [f32]) -> Result<()> {
+        let c = self.cpu;
+        let w = self.layer.host.cpu_ffn(
+            (&c.backend, c.act, c.width),
+            (x, n, c.d),
+            routes,
+            self.reader,
+            out,
+        )?;
+        let t = self.traffic;
+        t.cpu_experts.fetch_add(w.cpu_experts, Ordering::Relaxed);
+        t.cpu_bytes.fetch_add(w.cpu_bytes, Ordering::Relaxed);
+        t.ssd_experts.fetch_add(w.ssd_experts, Ordering::Relaxed);
+        t.ssd_bytes.fetch_add(w.ssd_bytes, Ordering::Relaxed);
+        crate::engine::trace::add_cpu_bytes(w.cpu_bytes);
         Ok(())
     }
 
@@ -595,14 +575,23 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         let free = b.compute_done()?;
         b.copies_wait(&free)?;
         let mut bytes = 0u64;
-        for (w, s) in area.stacks.iter_mut().zip(&self.layer.stacks) {
-            b.retype_weight(w, s.host.dtype, self.experts * s.rows, s.host.cols)?;
-            for &e in &ids {
-                let src = s.expert(e as usize);
-                b.upload_into(w, e as usize * s.rows, src)?;
+        let host = &self.layer.host;
+        let mut read = vec![false; ids.len()];
+        for (i, w) in area.stacks.iter_mut().enumerate() {
+            let (seg, rows) = (host.segment(i), host.rows(i));
+            b.retype_weight(w, device_dtype(seg), self.experts * rows, seg.cols)?;
+            for (&e, was_read) in ids.iter().zip(read.iter_mut()) {
+                let (src, from_store) = host.expert(i, e as usize, self.reader)?;
+                b.upload_into(w, e as usize * rows, src)?;
                 bytes += src.len() as u64;
+                *was_read |= from_store;
             }
         }
+        let reads = read.iter().filter(|&&r| r).count() as u64;
+        self.traffic.ssd_experts.fetch_add(reads, Ordering::Relaxed);
+        self.traffic
+            .ssd_bytes
+            .fetch_add(reads * host.expert_bytes(), Ordering::Relaxed);
         let landed = b.copies_done()?;
         b.compute_waits(&landed)?;
         self.traffic
@@ -638,7 +627,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
             let (_, loads) = map.admit(&active, allowed).map_err(weights_err)?;
             next.copies.spend(loads.len());
             if !loads.is_empty() {
-                let bytes = next.copy_loads(b, &loads)?;
+                let bytes = next.copy_loads(b, &loads, self.reader, self.traffic)?;
                 let t = self.traffic;
                 t.copies.fetch_add(loads.len() as u64, Ordering::Relaxed);
                 t.prefetched
@@ -668,7 +657,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         if loads.is_empty() {
             return Ok(());
         }
-        let bytes = self.layer.copy_loads(b, &loads)?;
+        let bytes = self.layer.copy_loads(b, &loads, self.reader, t)?;
         t.copies.fetch_add(loads.len() as u64, Ordering::Relaxed);
         t.copy_bytes.fetch_add(bytes, Ordering::Relaxed);
         Ok(())
@@ -691,6 +680,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             next,
             _next_hold: _,
             moe,
+            reader,
         } = self;
         if l >= layers.len() {
             return Err(weights_err(format!("no layer {l}")));
@@ -708,6 +698,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             experts: *experts,
             moe,
             traffic,
+            reader,
         };
         let ffn = FfnView::Matrices {
             gate: None,

@@ -25,6 +25,7 @@
 pub mod atu;
 pub mod cold;
 pub mod dram;
+pub mod expert_host;
 pub mod experts;
 pub mod hybrid;
 pub mod precision;
