@@ -375,9 +375,20 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 );
                 assert_eq!(plan.host.dram_slots.is_some(), i == 4, "{what}");
                 assert!(plan.device.total <= gpu_mem, "{what}");
+                // A prompt's prediction: nothing for the CPU or the bus where every expert is
+                // resident; the CPU or the stream where none is.
+                let pp = plan.prefill_prediction(toks.len());
+                assert!(pp.ttft_s > 0.0 && pp.ttft_s.is_finite(), "{what}: {pp:?}");
                 match i {
-                    0 => assert!(slots.iter().all(|&s| s == moe.experts), "{what}"),
-                    1 => assert!(slots.iter().all(|&s| s == 0), "{what}"),
+                    0 => {
+                        assert!(slots.iter().all(|&s| s == moe.experts), "{what}");
+                        assert_eq!((pp.cpu_s, pp.pcie_s), (0.0, 0.0), "{what}");
+                    }
+                    1 => {
+                        assert!(slots.iter().all(|&s| s == 0), "{what}");
+                        assert!(pp.cpu_s + pp.pcie_s > 0.0, "{what}: {pp:?}");
+                        assert!(plan.prefill_prediction(4 * toks.len()).ttft_s > pp.ttft_s);
+                    }
                     _ => {}
                 }
                 let (e, ledger, traffic, trace) = offloaded(&store, &plan);

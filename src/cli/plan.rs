@@ -122,6 +122,7 @@ fn print_expert_plan(
     if a.json {
         let mut v = serde_json::to_value(&ep.plan)?;
         v["experts"] = serde_json::to_value(&ep)?;
+        v["prefill_prediction"] = serde_json::to_value(ep.prefill_prediction(budget.prompt))?;
         v["cold"] = match ep.mode {
             ExpertMode::Cpu => "cpu",
             ExpertMode::Units => "gpu",

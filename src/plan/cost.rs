@@ -298,6 +298,8 @@ pub struct PrefillPrediction {
     pub attention_flops: f64,
     pub pcie_s: f64,
     pub compute_s: f64,
+    /// The CPU's share (a mixture-of-experts prompt's missed experts), beside the device's.
+    pub cpu_s: f64,
     pub ops_s: f64,
     pub ttft_s: f64,
     pub limited_by: String,
@@ -379,6 +381,7 @@ impl Plan {
             attention_flops,
             pcie_s,
             compute_s,
+            cpu_s: 0.0,
             ops_s,
             ttft_s: pcie_s.max(compute_s) + ops_s,
             limited_by: if pcie_s >= compute_s {

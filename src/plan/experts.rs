@@ -352,6 +352,21 @@ impl ExpertPlan {
             mib(self.dram_expert_bytes),
             self.predicted_tokens_per_s
         );
+        let prompt = self.plan.budget.prompt.max(1);
+        let pp = self.prefill_prediction(prompt);
+        let _ = writeln!(
+            o,
+            "prefill of {prompt} tokens: {} steps of up to {} rows; predicted TTFT {:.3} s, bound by {} (device compute {:.3} s, streamed experts' copies {:.3} s, host→device {} MiB, the CPU's experts {:.3} s; {:.2} TFLOP)",
+            pp.groups,
+            self.plan.prefill.group.clamp(1, self.batch.max(1)),
+            pp.ttft_s,
+            pp.limited_by,
+            pp.compute_s,
+            pp.pcie_s,
+            mib(pp.h2d_bytes),
+            pp.cpu_s,
+            pp.flops / 1e12
+        );
         if let Some(ds) = &self.host.dram_slots {
             let _ = writeln!(
                 o,

@@ -48,6 +48,7 @@ pub mod cold;
 pub mod cost;
 pub mod dram;
 pub mod expert_host;
+mod expert_prefill;
 pub mod experts;
 pub mod hardware;
 pub mod hybrid;

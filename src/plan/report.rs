@@ -164,6 +164,10 @@ fn write_gpu(o: &mut String, p: &Plan) {
 
 /// How the longest prompt runs and its predicted time to first token.
 fn write_prefill(o: &mut String, p: &Plan) {
+    if p.spec.moe.is_some() {
+        // Its experts' plan predicts a MoE prompt (`ExpertPlan::prefill_prediction`).
+        return;
+    }
     let pf = p.prefill;
     let prompt = p.budget.prompt.max(1);
     let pp = p.prefill_prediction(prompt);
