@@ -43,6 +43,13 @@ pub enum DType {
     Q6K,
 }
 
+/// A format serializes as its name (`f16`, `q4_k`, ...).
+impl serde::Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
 impl DType {
     /// Every storage format, in a stable order.
     pub const ALL: [DType; 13] = [

@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use gpu_offload::backend::cpu::{CpuBackend, kernels};
@@ -17,6 +18,7 @@ use gpu_offload::backend::{KvType, Route};
 use gpu_offload::engine::{Engine, RouteTap, backend_act};
 use gpu_offload::footprint::Ledger;
 use gpu_offload::model::Model;
+use gpu_offload::plan::expert_low_bit::LOW_BIT_ROWS;
 use gpu_offload::plan::experts::{ExpertMode, ExpertPlan, plan_experts};
 use gpu_offload::plan::{Budget, HardwareProfile, PlanError};
 use gpu_offload::store::Store;
@@ -237,9 +239,31 @@ fn reference(plan: &ExpertPlan, trace: &[Routed], d: usize) -> (ExpertCounts, u6
             c.streamed += missed;
             c.stream_bytes += missed * eb;
         } else {
-            c.cpu_experts += missed;
-            c.cpu_bytes += missed * eb;
-            if missed > 0 {
+            // Mixed precision: a decode step's routes the unit lacks that are not their token's
+            // most weighted run on the device from low-bit copies; the CPU computes the rest.
+            let cpu = match &plan.low_bit {
+                Some(lb) if *rows <= LOW_BIT_ROWS => {
+                    let mut top: std::collections::HashMap<u32, u32> = Default::default();
+                    let (mut cpu, mut low) = (BTreeSet::new(), BTreeSet::new());
+                    for r in routes.iter().filter(|r| (r.expert as usize) < e) {
+                        let first = *top.entry(r.token).or_insert(r.expert);
+                        if lacking.contains(&r.expert) {
+                            if first == r.expert {
+                                cpu.insert(r.expert);
+                            } else {
+                                low.insert(r.expert);
+                            }
+                        }
+                    }
+                    c.low_bit_experts += low.len() as u64;
+                    c.low_bit_bytes += low.len() as u64 * lb.expert_bytes[*layer];
+                    cpu.len() as u64
+                }
+                _ => missed,
+            };
+            c.cpu_experts += cpu;
+            c.cpu_bytes += cpu * eb;
+            if cpu > 0 {
                 partials += (rows * d * 4) as u64;
             }
         }
@@ -427,7 +451,11 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 let (h2d_base, d2h_base) = *base.get_or_insert((h2d, d2h));
                 assert_eq!(
                     h2d,
-                    h2d_base + want_counts.copy_bytes + want_counts.stream_bytes + partials,
+                    h2d_base
+                        + want_counts.copy_bytes
+                        + want_counts.stream_bytes
+                        + want_counts.low_bit_bytes
+                        + partials,
                     "{what}: h2d"
                 );
                 assert_eq!(d2h, d2h_base, "{what}: d2h");
@@ -492,5 +520,91 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
         assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed);
         let t = traffic.snapshot();
         assert_eq!((t.hits, t.copies, t.cpu_experts), (0, 0, t.needed));
+    }
+}
+
+/// Mixed precision (`--expert-low-bit`): a decode step's low-ranked misses computed on the device
+/// from Q4_0 copies of the tiny MoE's experts, the CPU computing each token's top miss. The
+/// logits move by about Q4_0's error and no more; the ledger peaks at the plan (the low-bit area
+/// and its output included); the low-bit experts and their bytes are the reference's; with the
+/// SSD tier it is refused.
+#[test]
+fn low_ranked_misses_run_on_the_device_from_low_bit_copies() {
+    use gpu_offload::tensor::DType;
+    let dir = tempfile::tempdir().unwrap();
+    let model = &models(&dir)[0];
+    let sdir = tempfile::tempdir().unwrap();
+    let store = common::store_of(model, &sdir);
+    let spec = store.manifest.spec.clone();
+    let toks: Vec<u32> = (0..64)
+        .map(|i| (i * 37 + 11) % spec.vocab_size as u32)
+        .collect();
+    let dense = Model::load(model).unwrap();
+    let want = logits(&common::cpu_engine(&dense, KvType::F16), &toks);
+    let low = |gpu_mem: u64| {
+        let b = Budget {
+            expert_low_bit: Some(DType::Q4_0),
+            ..budget(gpu_mem, toks.len())
+        };
+        plan_experts(&store.manifest, &b, &hw(), Some(ExpertMode::Units), None)
+    };
+    let most = low(u64::MAX / 4).unwrap().device.total;
+    let (mut lo, mut least) = (4096u64, most);
+    while least - lo > 1 {
+        let mid = lo + (least - lo) / 2;
+        match low(mid) {
+            Ok(_) => least = mid,
+            Err(PlanError::GpuTooSmall { .. }) => lo = mid,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let mut served = 0;
+    for gpu_mem in [least, least + (most - least) / 3] {
+        let plan = low(gpu_mem).unwrap();
+        let what = format!("low-bit Q4_0 at {gpu_mem} bytes, slots {:?}", plan.slots());
+        let lb = plan.low_bit.as_ref().unwrap();
+        assert_eq!(plan.device.low_bit, lb.device_bytes());
+        let (e, ledger, traffic, trace) = offloaded(&store, &plan);
+        let got = logits(&e, &toks);
+        // Q4_0 of the experts: off the dense logits by a few percent of their scale at most.
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= 0.05 * scale, "{what}: {worst} of {scale}");
+        assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed, "{what}");
+        let trace = trace.0.lock().unwrap();
+        let (counts, _) = reference(&plan, &trace, spec.d_model);
+        assert_eq!(traffic.snapshot(), counts, "{what}: against the reference");
+        served += counts.low_bit_experts;
+    }
+    assert!(served > 0, "no low-ranked miss served from a low-bit copy");
+    // Quantized from the stacks in host memory: not with the SSD tier.
+    let b = Budget {
+        expert_low_bit: Some(DType::Q4_0),
+        dram_mem: Some(least_host(&store, toks.len()) + low(most).unwrap().low_bit.unwrap().dram),
+        ..budget(most, toks.len())
+    };
+    match plan_experts(&store.manifest, &b, &hw(), Some(ExpertMode::Units), None) {
+        Err(e) => assert!(e.to_string().contains("--expert-low-bit"), "{e}"),
+        Ok(p) => panic!("low-bit with the SSD tier: {:?}", p.host),
+    }
+}
+
+/// The least host memory a plan of the tiny MoE takes without low-bit copies (the SSD tier).
+fn least_host(store: &Store, toks: usize) -> u64 {
+    let mut dram = 1;
+    loop {
+        let b = Budget {
+            dram_mem: Some(dram),
+            ..budget(u64::MAX / 4, toks)
+        };
+        match plan_experts(&store.manifest, &b, &hw(), Some(ExpertMode::Units), None) {
+            Err(PlanError::DramTooSmall { minimum, .. }) if minimum > dram => dram = minimum,
+            Ok(_) => return dram,
+            Err(e) => panic!("{e}"),
+        }
     }
 }

@@ -137,7 +137,8 @@ impl<B: Backend> Engine<B> {
     /// 2. host: the logits (the wait), the routes, split between the unit and the rest;
     /// 3. host: the next layer's experts guessed from this input, copies of those its unit lacks
     ///    queued (next-layer prefetch);
-    /// 3. device: the unit's experts into `proj`, queued;
+    /// 3. device: the unit's experts into `proj`, queued; with mixed precision, the low-ranked
+    ///    misses' low-bit copies in, computed and added;
     /// 4. the rest: a prompt's step brings those experts through the stream area and the device
     ///    computes them into the partial sum; otherwise the CPU computes them into it while the
     ///    device runs 3, and the partial sum is copied host→device;
@@ -178,6 +179,13 @@ impl<B: Backend> Engine<B> {
                         b.moe_ffn(unit, &sc.h, &device, self.act, &mut sc.proj)?
                     }
                     _ => b.zero(&mut sc.proj)?,
+                }
+            }
+            let mut rest = rest;
+            if !rest.is_empty() && !x.cache.streams(n) {
+                let _s = trace::span(Phase::DeviceNeurons);
+                if let Some(low) = x.cache.low_bit(b, &routes, &mut rest, &sc.h, self.act)? {
+                    b.add(&mut sc.proj, low)?;
                 }
             }
             if !rest.is_empty() {

@@ -125,6 +125,19 @@ pub trait ExpertCache<B: Backend>: Send {
         x: &[f32],
         n: usize,
     ) -> Result<Option<Vec<crate::backend::Route>>>;
+    /// Mixed precision: of `rest` (the routes the unit lacks), those that are not their token's
+    /// most weighted routed expert in `routes` are copied in low-bit and computed on the device
+    /// from the step's FFN input `x` with `act` (the device waits for the copies); their sum, for
+    /// the merge, or `None` where none goes (no low-bit copies, a step too large); `rest` keeps
+    /// the others.
+    fn low_bit(
+        &mut self,
+        b: &B,
+        routes: &[crate::backend::Route],
+        rest: &mut Vec<crate::backend::Route>,
+        x: &B::Tensor,
+        act: crate::backend::Act,
+    ) -> Result<Option<&B::Tensor>>;
     /// After the step's compute is queued: take in what the policy admits of the step's missed
     /// experts, the copies queued behind that compute (never waited for here).
     fn admit(&mut self, b: &B, routes: &[crate::backend::Route]) -> Result<()>;

@@ -66,6 +66,9 @@ pub struct Budget {
     /// Mixture-of-experts units: guess each layer's experts from the previous layer's FFN input
     /// and start their copies early (next-layer prefetch).
     pub expert_prefetch: bool,
+    /// Mixture-of-experts: a decode step's low-ranked misses computed on the device from copies
+    /// in this block format (`--expert-low-bit`; `None`: every expert at full precision).
+    pub expert_low_bit: Option<crate::tensor::DType>,
 }
 
 impl Budget {
@@ -95,6 +98,7 @@ impl Budget {
             hot_reserve: None,
             unit_reserve: None,
             expert_prefetch: true,
+            expert_low_bit: None,
         }
     }
 }

@@ -9,7 +9,7 @@
 use serde::Serialize;
 
 use super::budget::{PlanError, human_bytes};
-use super::experts::ExpertShape;
+use super::expert_shape::ExpertShape;
 
 /// Host bytes of `n` bytes of one allocation, as the ledger reserves them (pages).
 pub fn host_bytes(n: u64) -> u64 {
@@ -120,6 +120,7 @@ mod tests {
             shared: 0,
             router: 0,
             read_extent: bytes + 8192,
+            dims: [(1, 1); 3],
         }
     }
 

@@ -33,10 +33,11 @@ use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 pub use super::expert_host::HostExperts;
 use super::expert_host::plan_host;
+pub use super::expert_low_bit::LowBitExperts;
+use super::expert_low_bit::{low_ranked_share, plan_low_bit};
+pub use super::expert_shape::{ExpertShape, expert_read_rows};
 use super::hardware::HardwareProfile;
-use super::manifest::{
-    experts_segment_name, part_segment_name, router_segment_name, seg, staging_for,
-};
+use super::manifest::{part_segment_name, router_segment_name, seg, staging_for};
 use super::preserve::Part;
 use super::resident::SparsePerToken;
 use super::stream::make_plan;
@@ -82,88 +83,6 @@ impl ExpertMode {
     }
 }
 
-/// One layer's stored experts, as the planner reads them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct ExpertShape {
-    /// Bytes of one expert's gate rows, up rows and down rows, as stored.
-    pub gate: u64,
-    pub up: u64,
-    pub down: u64,
-    /// Shared-expert parts every token takes (resident in their own slots).
-    pub shared: usize,
-    /// The router's bytes (f32).
-    pub router: u64,
-    /// The largest read of one expert's matrix from the store (whole checksum groups).
-    pub read_extent: u64,
-}
-
-impl ExpertShape {
-    /// Bytes of one expert (gate, up and down).
-    pub fn bytes(&self) -> u64 {
-        self.gate + self.up + self.down
-    }
-
-    /// Bytes of every routed expert's gate, up and down rows (a layer's stacks without the
-    /// shared expert).
-    pub fn routed_stacks(&self, experts: usize) -> [u64; 3] {
-        let e = experts as u64;
-        [e * self.gate, e * self.up, e * self.down]
-    }
-
-    /// Device bytes of a unit of `slots` routed slots and the shared parts: one tensor per
-    /// matrix, each rounded (none where there is no slot at all).
-    pub fn unit_device_bytes(&self, slots: usize) -> u64 {
-        let n = (slots + self.shared) as u64;
-        if n == 0 {
-            return 0;
-        }
-        device_bytes(n * self.gate) + device_bytes(n * self.up) + device_bytes(n * self.down)
-    }
-
-    fn of(m: &Manifest, l: usize) -> Result<Self, PlanError> {
-        let moe =
-            m.spec.moe.as_ref().ok_or_else(|| {
-                PlanError::Store("an expert plan for a model without experts".into())
-            })?;
-        let all = moe.experts + moe.shared;
-        let per_expert = |which: &str| -> Result<u64, PlanError> {
-            let s = seg(m, &experts_segment_name(l, which))?;
-            if all == 0 || s.rows % all != 0 {
-                return Err(PlanError::Store(format!(
-                    "`{}` has {} rows: not {all} experts of equal rows",
-                    s.name, s.rows
-                )));
-            }
-            Ok((s.rows / all * s.row_bytes()) as u64)
-        };
-        let mut read_extent = 0;
-        for which in ["gate", "up", "down"] {
-            let s = seg(m, &experts_segment_name(l, which))?;
-            let rows = s.rows / all;
-            for e in 0..all {
-                let (_, len) = s.read_extent(expert_read_rows(e, rows, s.rows));
-                read_extent = read_extent.max(len);
-            }
-        }
-        Ok(ExpertShape {
-            gate: per_expert("gate")?,
-            up: per_expert("up")?,
-            down: per_expert("down")?,
-            shared: moe.shared,
-            router: seg(m, &router_segment_name(l))?.bytes,
-            read_extent,
-        })
-    }
-}
-
-/// The rows the store reads for expert `e` of a stack of `total` rows, `rows` an expert: its own
-/// widened to whole checksum groups.
-pub fn expert_read_rows(e: usize, rows: usize, total: usize) -> std::ops::Range<usize> {
-    use crate::store::GROUP_ROWS;
-    let (a, b) = (e * rows, (e + 1) * rows);
-    (a / GROUP_ROWS * GROUP_ROWS)..b.next_multiple_of(GROUP_ROWS).min(total)
-}
-
 /// One layer's share of the plan.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ExpertLayer {
@@ -181,6 +100,8 @@ pub struct ExpertLayer {
     /// With the SSD tier: expected bytes a token the store reads for the CPU's experts its
     /// DRAM cache lacks.
     pub ssd_bytes: u64,
+    /// Mixed precision: expected low-bit bytes a token copied in for the device.
+    pub low_bit_bytes: u64,
     /// Predicted seconds per token of the layer's device experts and of the CPU's (with the
     /// partial sum's trip back); the layer takes the longer, after its attention and the
     /// landing of its FFN input and router logits.
@@ -200,6 +121,8 @@ pub struct ExpertDevice {
     /// The stream area a prompt's missed experts pass through (one layer's routed stacks; 0
     /// where prompts leave them to the CPU).
     pub stream: u64,
+    /// Mixed precision: the low-bit area and its output buffer (0 without).
+    pub low_bit: u64,
     /// The buffer the CPU's partial sums come back into.
     pub merge: u64,
     /// Everything the byte ledger holds at the peak (small fragments, head, KV, step memory
@@ -243,6 +166,9 @@ pub struct ExpertPlan {
     /// copy budget ([`crate::sparsity::routing::NextRouter`]). Its expected gain is not in the
     /// prediction (`bench decode` and `bench experts` measure how often the guess is right).
     pub prefetch: bool,
+    /// Mixed precision (`--expert-low-bit`): a decode step's low-ranked misses run on the
+    /// device from low-bit copies.
+    pub low_bit: Option<LowBitExperts>,
     /// Host memory of the guess routers (f16, one per prefetching layer); the CPU reads them
     /// once a decode step (counted in the per-token CPU bytes and time).
     pub guess_router_bytes: u64,
@@ -367,6 +293,16 @@ impl ExpertPlan {
             pp.cpu_s,
             pp.flops / 1e12
         );
+        if let Some(lb) = &self.low_bit {
+            let _ = writeln!(
+                o,
+                "mixed precision: a decode step's misses that are not their token's top expert run on the device from {} copies ({} MiB area of {} experts and output; {} MiB in host memory, quantized at load); the rest on the CPU at full precision",
+                lb.dtype.name(),
+                mib(lb.device_bytes()),
+                lb.slots,
+                mib(lb.dram)
+            );
+        }
         if let Some(ds) = &self.host.dram_slots {
             let _ = writeln!(
                 o,
@@ -445,19 +381,7 @@ pub fn plan_experts(
             ),
         });
     }
-    let mut room = usable - everything_else;
-    // The stream area: one layer's routed stacks, each matrix as wide as its widest layer's.
-    let area: u64 = (0..3)
-        .map(|i| {
-            device_bytes(
-                shapes
-                    .iter()
-                    .map(|s| s.routed_stacks(moe.experts)[i])
-                    .max()
-                    .unwrap_or(0),
-            )
-        })
-        .sum();
+    let room = usable - everything_else;
     let mut fixed = Fixed {
         base: &base,
         shapes: &shapes,
@@ -476,6 +400,7 @@ pub fn plan_experts(
             bytes: 0,
             read_buffer: 0,
         },
+        low: None,
         ranks: routing.map(|r| (0..n_layers).map(|l| r.ranked(l)).collect()),
         routing: match routing {
             Some(r) => format!(
@@ -485,35 +410,8 @@ pub fn plan_experts(
             None => "uniform (no routing profile): a unit of s slots of E experts hits s/E".into(),
         },
     };
-    if room >= area
-        && let Some(rows) = fixed.stream_rows()
-    {
-        fixed.stream = Some((rows, area));
-        room -= area;
-    }
-    // With prefetch, each layer after the first may hold the next router's guess copy.
-    let guess_least = if budget.expert_prefetch {
-        n_layers.saturating_sub(1) as u64
-            * crate::sparsity::routing::NextRouter::bytes_for(moe.experts, spec.d_model)
-    } else {
-        0
-    };
-    // Every expert's stacks in DRAM where they fit, else the SSD tier's caches.
-    let host = plan_host(
-        &shapes,
-        (moe.experts, moe.used),
-        budget.dram_mem,
-        (
-            guess_least + base.dram.tables + staging,
-            &format!(
-                "the next-layer guess routers {}, the embedding tables {} and the start-up staging {}",
-                human_bytes(guess_least),
-                human_bytes(base.dram.tables),
-                human_bytes(staging)
-            ),
-        ),
-    )?;
-    fixed.host = host;
+    let room = fixed.place_areas(budget, room)?;
+    fixed.place_host(budget)?;
     let fixed = fixed;
     let slots = match &fixed.ranks {
         Some(ranks) => slots_by_share(&shapes, ranks, room),
@@ -646,9 +544,95 @@ struct Fixed<'a> {
     routing: String,
     /// The experts on the host: every stack, or the SSD tier's DRAM caches.
     host: HostExperts,
+    /// Mixed precision's low-bit copies.
+    low: Option<LowBitExperts>,
 }
 
 impl Fixed<'_> {
+    /// Of `room` device bytes, the stream area's (one layer's routed stacks, each matrix as wide
+    /// as its widest layer's, where prompts gain by streaming) and the low-bit area's (with
+    /// `--expert-low-bit`); the room left for the units.
+    fn place_areas(&mut self, budget: &Budget, mut room: u64) -> Result<u64, PlanError> {
+        let area: u64 = (0..3)
+            .map(|i| {
+                device_bytes(
+                    self.shapes
+                        .iter()
+                        .map(|s| s.routed_stacks(self.experts)[i])
+                        .max()
+                        .unwrap_or(0),
+                )
+            })
+            .sum();
+        if room >= area
+            && let Some(rows) = self.stream_rows()
+        {
+            self.stream = Some((rows, area));
+            room -= area;
+        }
+        if let Some(dtype) = budget.expert_low_bit {
+            let low = plan_low_bit(
+                self.shapes,
+                (self.experts, self.used),
+                (self.batch, self.base.spec.d_model),
+                dtype,
+            )?;
+            if room < low.device_bytes() {
+                return Err(PlanError::GpuTooSmall {
+                    budget: budget.gpu_mem,
+                    minimum: budget.gpu_mem - room + low.device_bytes(),
+                    breakdown: format!(
+                        "--expert-low-bit's area for {} low-bit experts and its output ({}) beside everything a mixture-of-experts model keeps resident",
+                        low.slots,
+                        human_bytes(low.device_bytes())
+                    ),
+                });
+            }
+            room -= low.device_bytes();
+            self.low = Some(low);
+        }
+        Ok(room)
+    }
+
+    /// The experts' host memory: every stack where `--dram-mem` holds them beside the guess
+    /// routers (with prefetch), the low-bit copies, the tables and the staging; else the SSD
+    /// tier's caches (not with low-bit copies, which are quantized from the stacks).
+    fn place_host(&mut self, budget: &Budget) -> Result<(), PlanError> {
+        let spec = &self.base.spec;
+        let guess = if budget.expert_prefetch {
+            spec.n_layers.saturating_sub(1) as u64
+                * crate::sparsity::routing::NextRouter::bytes_for(self.experts, spec.d_model)
+        } else {
+            0
+        };
+        let low = self.low.as_ref().map_or(0, |l| l.dram);
+        let tables = self.base.dram.tables;
+        let host = plan_host(
+            self.shapes,
+            (self.experts, self.used),
+            budget.dram_mem,
+            (
+                guess + low + tables + self.staging,
+                &format!(
+                    "the next-layer guess routers {}, the low-bit experts {}, the embedding tables {} and the start-up staging {}",
+                    human_bytes(guess),
+                    human_bytes(low),
+                    human_bytes(tables),
+                    human_bytes(self.staging)
+                ),
+            ),
+        )?;
+        if self.low.is_some() && host.dram_slots.is_some() {
+            return Err(PlanError::Budget(
+                "--expert-low-bit quantizes the experts from their stacks in host memory: it needs \
+                 --dram-mem to hold every expert (the SSD tier does not)"
+                    .into(),
+            ));
+        }
+        self.host = host;
+        Ok(())
+    }
+
     /// The fewest rows (2 up to the budget's step) from which bringing a step's missed experts
     /// through the device beats the CPU computing them (the units taken empty: a prompt
     /// misses most): per layer, the distinct experts `n` rows route to (uniformly, `E·(1 −
@@ -706,8 +690,21 @@ impl Fixed<'_> {
             None => slots as f64 / self.experts as f64,
         };
         let on_device = hit * k + shape.shared as f64;
-        let missed = (1.0 - hit) * k;
-        let hbm_bytes = self.attention_layers[l] + shape.router + (on_device * eb as f64) as u64;
+        // Mixed precision: a miss that is not its token's top expert comes as a low-bit copy
+        // and runs on the device; the CPU computes the rest.
+        let (missed, low, low_eb) = match &self.low {
+            Some(lb) => {
+                let all = (1.0 - hit) * k;
+                let low = all * low_ranked_share(self.used);
+                (all - low, low, lb.expert_bytes[l] as f64)
+            }
+            None => ((1.0 - hit) * k, 0.0, 0.0),
+        };
+        let low_bit_bytes = (low * low_eb) as u64;
+        let hbm_bytes = self.attention_layers[l]
+            + shape.router
+            + (on_device * eb as f64) as u64
+            + low_bit_bytes;
         let cpu_bytes = (missed * eb as f64) as u64;
         // The SSD tier: the CPU's experts its DRAM cache holds as the top ranks' share (taken
         // as independent of the device's unit), the others read from the store first.
@@ -721,7 +718,9 @@ impl Fixed<'_> {
         let ssd_bytes = (missed * (1.0 - in_dram) * eb as f64) as u64;
         // Both sides start once the FFN input and the logits have landed (one wait); the CPU's
         // share comes back before the merge.
-        let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s;
+        let device_s = on_device * eb as f64 / hw.hbm_bytes_per_s
+            + low_bit_bytes as f64 / hw.h2d_pinned_bytes_per_s
+            + low_bit_bytes as f64 / hw.hbm_bytes_per_s;
         let cpu_s = if missed > 0.0 {
             ssd_bytes as f64 / hw.ssd_read_bytes_per_s
                 + batch::bounded(
@@ -750,6 +749,7 @@ impl Fixed<'_> {
             cpu_bytes,
             copy_bytes: 0,
             ssd_bytes,
+            low_bit_bytes,
             device_s,
             cpu_s,
         };
@@ -762,15 +762,62 @@ impl Fixed<'_> {
     /// The plan with `slots` routed slots per layer: per layer the expected hits at uniform
     /// routing, the bytes each resource moves, the predicted seconds; the copies the bus moves
     /// within the step's time.
+    /// Whether a plan of `mode` with `slots` prefetches (a partial unit after the first layer)
+    /// and the host bytes of its guess routers.
+    fn guess_routers(&self, mode: ExpertMode, slots: &[usize]) -> (bool, u64) {
+        let partial = |l: &usize| slots[*l] > 0 && slots[*l] < self.experts;
+        let prefetch = self.base.budget.expert_prefetch
+            && mode == ExpertMode::Units
+            && (1..slots.len()).any(|l| partial(&l));
+        if !prefetch {
+            return (false, 0);
+        }
+        let layers = (1..slots.len()).filter(partial).count() as u64;
+        let d = self.base.spec.d_model;
+        (
+            true,
+            layers * crate::sparsity::routing::NextRouter::bytes_for(self.experts, d),
+        )
+    }
+
+    /// The ATU's copies, in beside the compute: as many a layer a step as the bus moves in the
+    /// step's `seconds` (at most a token's experts); each partial layer's copy bytes a token
+    /// set in `layers`. The copies a step and their bytes a token.
+    fn copies(&self, mode: ExpertMode, seconds: f64, layers: &mut [ExpertLayer]) -> (f64, u64) {
+        let hw = &self.base.hardware;
+        let n_layers = self.base.spec.n_layers.max(1) as f64;
+        let widest = self
+            .shapes
+            .iter()
+            .map(|s| s.bytes())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let in_time = seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * n_layers);
+        let copies_per_step = match mode {
+            ExpertMode::Units => in_time.clamp(0.0, self.used.max(1) as f64),
+            ExpertMode::Cpu => 0.0,
+        };
+        let mut copies = 0;
+        for (x, shape) in layers.iter_mut().zip(self.shapes) {
+            if x.slots > 0 && x.slots < self.experts {
+                let missed = (1.0 - x.hit_ratio) * self.used as f64;
+                x.copy_bytes = (missed.min(copies_per_step) * shape.bytes() as f64) as u64;
+                copies += x.copy_bytes;
+            }
+        }
+        (copies_per_step, copies)
+    }
+
     fn finish(&self, mode: ExpertMode, slots: Vec<usize>) -> ExpertPlan {
         let base = self.base;
         let spec = &base.spec;
         let hw = &base.hardware;
         let g = &base.gpu;
-        let (d, k) = (spec.d_model, self.used as f64);
+        let d = spec.d_model;
         let moe_rows = spec.moe.as_ref().map_or(0, |m| m.router_rows());
         let mut layers = Vec::with_capacity(slots.len());
-        let (mut hbm, mut cpu, mut copies) = (g.small + g.head, 0u64, 0u64);
+        let (mut hbm, mut cpu) = (g.small + g.head, 0u64);
         let mut seconds = 0.0;
         let mut units = 0;
         for (l, &s) in slots.iter().enumerate() {
@@ -783,17 +830,7 @@ impl Fixed<'_> {
         }
         // Next-layer prefetch: the host reads each prefetching layer's guess router before the
         // previous layer's experts (on the step's path).
-        let prefetch = base.budget.expert_prefetch
-            && mode == ExpertMode::Units
-            && (1..slots.len()).any(|l| slots[l] > 0 && slots[l] < self.experts);
-        let guess_router_bytes = if prefetch {
-            (1..slots.len())
-                .filter(|&l| slots[l] > 0 && slots[l] < self.experts)
-                .count() as u64
-                * crate::sparsity::routing::NextRouter::bytes_for(self.experts, d)
-        } else {
-            0
-        };
+        let (prefetch, guess_router_bytes) = self.guess_routers(mode, &slots);
         cpu += guess_router_bytes;
         seconds += guess_router_bytes as f64 / hw.dram_read_bytes_per_s;
         let per_session = g.kv / base.budget.sessions.max(1) as u64;
@@ -807,28 +844,7 @@ impl Fixed<'_> {
         );
         // About 16 ops a layer (norms, projections, rope, attention, router, experts, merge).
         seconds += (spec.n_layers * 16 + 4) as f64 * hw.op_overhead_s;
-        // The ATU's copies go in beside the compute: as many a layer a step as the bus moves in
-        // the step's time.
-        let widest = self
-            .shapes
-            .iter()
-            .map(|s| s.bytes())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let in_time =
-            seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * spec.n_layers.max(1) as f64);
-        let copies_per_step = match mode {
-            ExpertMode::Units => in_time.clamp(0.0, self.used.max(1) as f64),
-            ExpertMode::Cpu => 0.0,
-        };
-        for (x, shape) in layers.iter_mut().zip(self.shapes) {
-            if x.slots > 0 && x.slots < self.experts {
-                let missed = (1.0 - x.hit_ratio) * k;
-                x.copy_bytes = (missed.min(copies_per_step) * shape.bytes() as f64) as u64;
-                copies += x.copy_bytes;
-            }
-        }
+        let (copies_per_step, copies) = self.copies(mode, seconds, &mut layers);
         // A GPU's copy engine moves them while it computes; where copies and compute share
         // memory (the budgeted CPU device) they take turns.
         let copy_s = copies as f64 / hw.h2d_pinned_bytes_per_s;
@@ -841,13 +857,15 @@ impl Fixed<'_> {
         // embedding, the CPU's partial sums where it computes any expert, and the copies.
         let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
         let partials = layers.iter().filter(|x| x.cpu_bytes > 0).count() as u64 * (d * 4) as u64;
-        let h2d = (d * 4) as u64 + partials + copies;
+        let low_bit_bytes: u64 = layers.iter().map(|x| x.low_bit_bytes).sum();
+        let h2d = (d * 4) as u64 + partials + copies + low_bit_bytes;
         let pcie = h2d + d2h;
         let stream = self.stream.map_or(0, |(_, b)| b);
-        let placed = self.everything_else + units + stream;
+        let low_bit = self.low.as_ref().map_or(0, LowBitExperts::device_bytes);
+        let placed = self.everything_else + units + stream + low_bit;
         let dram_expert_bytes = self.host.bytes;
         let mut plan = base.clone();
-        plan.gpu.resident_layers = self.attention + self.routers + units + stream;
+        plan.gpu.resident_layers = self.attention + self.routers + units + stream + low_bit;
         plan.gpu.merge = self.merge;
         plan.gpu.placed = placed;
         plan.gpu.total = g.fixed + placed;
@@ -872,6 +890,7 @@ impl Fixed<'_> {
                 routers: self.routers,
                 units,
                 stream,
+                low_bit,
                 merge: self.merge,
                 placed,
                 total: g.fixed + placed,
@@ -890,6 +909,7 @@ impl Fixed<'_> {
             routing: self.routing.clone(),
             prefetch,
             guess_router_bytes,
+            low_bit: self.low.clone(),
             seeds: match (&self.ranks, mode) {
                 (Some(r), ExpertMode::Units) => slots
                     .iter()
@@ -928,6 +948,7 @@ mod tests {
             shared,
             router: 0,
             read_extent: bytes,
+            dims: [(1, 1); 3],
         }
     }
 

@@ -67,6 +67,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         hot_reserve: None,
         unit_reserve: None,
         expert_prefetch: !args.budget.no_expert_prefetch,
+        expert_low_bit: args.budget.expert_low_bit,
     }
 }
 

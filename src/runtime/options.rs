@@ -192,6 +192,14 @@ pub struct BudgetArgs {
     #[arg(long, env = "GPU_OFFLOAD_NO_EXPERT_PREFETCH")]
     pub no_expert_prefetch: bool,
 
+    /// Mixture-of-experts models: in a decode step, compute the routed experts the device lacks
+    /// that are not their token's most weighted on the device from low-bit copies in this block
+    /// format (q4_0, q3_k, q2_k, ...; quantized at load, kept in host memory), the CPU computing
+    /// the rest at full precision (HOBBIT). Off by default: it changes the results (`perplexity
+    /// --expert-low-bit` measures by how much)
+    #[arg(long, env = "GPU_OFFLOAD_EXPERT_LOW_BIT", value_parser = parse_low_bit)]
+    pub expert_low_bit: Option<crate::tensor::DType>,
+
     /// Most rows one prefill step takes. By default as many as the device holds beside every
     /// layer, up to 4096 (a whole GPU: larger GEMMs, fewer launches; the CPU: as many as 1 GiB
     /// of step buffers holds), else 512; a long prompt runs in steps of this many rows, each
@@ -336,6 +344,16 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
         return Err(format!("`{s}` is too large"));
     }
     Ok(bytes as u64)
+}
+
+/// A block format for `--expert-low-bit`.
+fn parse_low_bit(s: &str) -> Result<crate::tensor::DType, String> {
+    match crate::tensor::DType::parse(s) {
+        Some(d) if d.is_quantized() => Ok(d),
+        _ => Err(format!(
+            "{s:?} is not a block format (q4_0, q4_1, q5_0, q8_0, q2_k, q3_k, q4_k, ...)"
+        )),
+    }
 }
 
 #[cfg(test)]

@@ -214,6 +214,14 @@ impl HostExperts {
         Ok(HostExperts { segs, rows, place })
     }
 
+    /// Matrix `i`'s stack of every expert, where every stack is in DRAM.
+    pub(super) fn stack(&self, i: usize) -> Option<&HostTensor> {
+        match &self.place {
+            Place::Stacks(s) => Some(&s[i].host),
+            Place::Cached(_) => None,
+        }
+    }
+
     /// Rows of one expert of matrix `i`.
     pub(super) fn rows(&self, i: usize) -> usize {
         self.rows[i]

@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use super::atu::{CopyBudget, Eviction, Load, SlotMap};
 use super::expert_host::{HostExperts, MATRICES, Reader, distinct_experts};
+use super::expert_low_bit::LowBitArea;
 use super::resident::{Resident, Small, resident_source};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::kernels::Kernels;
@@ -33,6 +34,7 @@ use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::model::ModelSpec;
 use crate::model::spec::MoeSpec;
 use crate::plan::device_dtype;
+use crate::plan::expert_low_bit::LOW_BIT_ROWS;
 use crate::plan::experts::ExpertPlan;
 use crate::plan::manifest::router_segment_name;
 use crate::sparsity::routing::NextRouter;
@@ -63,6 +65,8 @@ pub struct ExpertTraffic {
     prefetched: AtomicU64,
     ssd_experts: AtomicU64,
     ssd_bytes: AtomicU64,
+    low_bit_experts: AtomicU64,
+    low_bit_bytes: AtomicU64,
 }
 
 /// A snapshot of [`ExpertTraffic`].
@@ -91,6 +95,10 @@ pub struct ExpertCounts {
     /// and their bytes as stored.
     pub ssd_experts: u64,
     pub ssd_bytes: u64,
+    /// Mixed precision: low-ranked misses computed on the device from low-bit copies (counted
+    /// a step a layer, distinct), and the copies' bytes.
+    pub low_bit_experts: u64,
+    pub low_bit_bytes: u64,
 }
 
 impl ExpertCounts {
@@ -125,6 +133,8 @@ impl ExpertTraffic {
             prefetched: get(&self.prefetched),
             ssd_experts: get(&self.ssd_experts),
             ssd_bytes: get(&self.ssd_bytes),
+            low_bit_experts: get(&self.low_bit_experts),
+            low_bit_bytes: get(&self.low_bit_bytes),
         }
     }
 }
@@ -267,6 +277,8 @@ pub struct ExpertWeights<B: Backend> {
     moe: MoeSpec,
     /// The SSD tier's reads of the store.
     reader: Reader,
+    /// Mixed precision's low-bit copies and device area.
+    low: Option<LowBitArea<B>>,
 }
 
 impl<B: Backend> ExpertWeights<B> {
@@ -318,6 +330,29 @@ impl<B: Backend> ExpertWeights<B> {
             },
         )?;
         let (next, next_hold) = next_routers(&store, plan, &ledger, &cpu)?;
+        let low = match &plan.low_bit {
+            Some(lb) => {
+                let stacks = layers
+                    .iter()
+                    .map(|x: &LayerExperts<B>| {
+                        let s = |i| {
+                            x.host.stack(i).ok_or_else(|| {
+                                weights_err("low-bit experts need every expert's stacks in DRAM")
+                            })
+                        };
+                        Ok([s(0)?, s(1)?, s(2)?])
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Some(LowBitArea::new(
+                    b,
+                    lb,
+                    &stacks,
+                    (moe.experts, moe.experts + moe.shared),
+                    (&ledger, spec.d_model),
+                )?)
+            }
+            None => None,
+        };
         let partial = b.alloc(plan.batch.max(1), spec.d_model)?;
         let stream = match plan.stream_rows {
             Some(rows) => Some(StreamArea {
@@ -344,6 +379,7 @@ impl<B: Backend> ExpertWeights<B> {
             _next_hold: next_hold,
             moe,
             reader,
+            low,
         })
     }
 
@@ -502,6 +538,8 @@ struct ExpertStep<'a, B: Backend> {
     moe: &'a MoeSpec,
     traffic: &'a ExpertTraffic,
     reader: &'a mut Reader,
+    /// Mixed precision's area, and this layer's index into it.
+    low: Option<(&'a mut LowBitArea<B>, usize)>,
 }
 
 impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
@@ -609,6 +647,35 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         })
     }
 
+    fn low_bit(
+        &mut self,
+        b: &B,
+        routes: &[Route],
+        rest: &mut Vec<Route>,
+        x: &B::Tensor,
+        act: Act,
+    ) -> Result<Option<&B::Tensor>> {
+        let n = b.shape(x).0;
+        let Some((area, l)) = self.low.as_mut() else {
+            return Ok(None);
+        };
+        if n > LOW_BIT_ROWS {
+            return Ok(None);
+        }
+        let served = area.serve(
+            b,
+            (*l, self.experts, self.cpu.width),
+            (routes, rest),
+            (x, act),
+        )?;
+        Ok(served.map(|(out, work)| {
+            let t = self.traffic;
+            t.low_bit_experts.fetch_add(work.experts, Ordering::Relaxed);
+            t.low_bit_bytes.fetch_add(work.bytes, Ordering::Relaxed);
+            out
+        }))
+    }
+
     fn prefetch(&mut self, b: &B, x: &[f32], n: usize) -> Result<Option<Vec<Route>>> {
         if n > PREFETCH_ROWS {
             return Ok(None);
@@ -681,6 +748,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             _next_hold: _,
             moe,
             reader,
+            low,
         } = self;
         if l >= layers.len() {
             return Err(weights_err(format!("no layer {l}")));
@@ -699,6 +767,7 @@ impl<B: Backend> WeightSource<B> for ExpertWeights<B> {
             moe,
             traffic,
             reader,
+            low: low.as_mut().map(|a| (a, l)),
         };
         let ffn = FfnView::Matrices {
             gate: None,

@@ -26,6 +26,7 @@ pub mod atu;
 pub mod cold;
 pub mod dram;
 pub mod expert_host;
+mod expert_low_bit;
 pub mod experts;
 pub mod hybrid;
 pub mod precision;
