@@ -26,7 +26,8 @@
 #            (I38_LAYERS of its 48 layers; ~18 GB whole) planned and decoded at 8G and 4G with
 #            expert units (--cold gpu), every routed expert on the CPU (--cold cpu) and the plan's
 #            choice, each with nvidia-smi's memory.used peak and the units' hit ratio beside the
-#            bound; prefill of 512 and 2048 tokens at 8G; llama.cpp (built by `peers`) on the same
+#            bound; at 8G also every expert streamed (--cold stream), units without next-layer
+#            prefetch and units with Q4_0 low-bit misses (I38_EXTRA=0: not these); prefill of 512 and 2048 tokens at 8G; llama.cpp (built by `peers`) on the same
 #            file: -ngl 99 -ot exps=CPU and --n-cpu-moe N for N down from all layers while its
 #            process fits 8G. I38_MIXTRAL=1 adds the Mixtral-8x7B shape at 8G (synthesis ~5 min)
 #   dense    whole-GPU decode of the 7B shape: its three f16 matvec shapes beside the HBM read
@@ -756,11 +757,19 @@ moe_runs() {
     for g in "$@"; do
         record "${tag}_plan_$g" "$(timeout 60 "$B" plan -m "$m" --gpu-mem "$g" --ctx-size 4096 --json 2>>"$LOG" \
             | $PY -c 'import json,sys; p=json.load(sys.stdin); x=p["experts"]; print(json.dumps({k: x[k] for k in ("mode","copies_per_step","predicted_tokens_per_s","per_token","device")} | {"slots": [l["slots"] for l in x["layers"]]}))' 2>>"$LOG" || echo null)"
-        for cold in gpu cpu auto; do
-            name="${tag}_decode_${g}_$cold"
+        local runs=(gpu cpu auto)
+        # At the first budget also: every expert streamed, units without next-layer prefetch,
+        # and units with Q4_0 low-bit misses (I38_EXTRA=0 leaves them out).
+        [[ "$g" == "$first" && "${I38_EXTRA:-1}" != 0 ]] && runs+=(stream gpu:--no-expert-prefetch gpu:--expert-low-bit=q4_0)
+        local run extra
+        for run in "${runs[@]}"; do
+            cold="${run%%:*}"
+            extra=()
+            [[ "$run" == *:* ]] && extra=("${run#*:}")
+            name="${tag}_decode_${g}_$(echo "$run" | tr -c 'a-z0-9_\n' _)"
             say "$name"
             with_device_peak "$WORK/$name.json" timeout 120 "$B" bench decode --device cuda -m "$m" --gpu-mem "$g" \
-                --ctx-size 4096 --cold "$cold" --prompt-tokens 32 -n 32 --reps 2 --json
+                --ctx-size 4096 --cold "$cold" "${extra[@]}" --prompt-tokens 32 -n 32 --reps 2 --json
             rc=$?
             record "$name" "{\"exit_code\":$rc,\"gpu_mem_mib\":$(mib_of "$g"),\"memory_used_peak_mib\":$(cat "$WORK/$name.json.peak"),\"memory_used_idle_mib\":$(cat "$WORK/$name.json.idle"),\"bench\":$(cat "$WORK/$name.json" 2>/dev/null || echo null)}"
         done

@@ -520,6 +520,24 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
         assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed);
         let t = traffic.snapshot();
         assert_eq!((t.hits, t.copies, t.cpu_experts), (0, 0, t.needed));
+        // Every routed expert streamed through the device each step (`--cold stream`): the same
+        // logits, every expert a step needs copied in, none on the CPU.
+        let plan = plan_experts(
+            &store.manifest,
+            &budget(u64::MAX / 4, toks.len()),
+            &hw(),
+            Some(ExpertMode::Stream),
+            None,
+        )
+        .unwrap();
+        assert_eq!(plan.stream_rows, Some(1));
+        let (e, ledger, traffic, trace) = offloaded(&store, &plan);
+        close(&logits(&e, &toks), &want, "every expert streamed");
+        assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed);
+        let t = traffic.snapshot();
+        assert_eq!((t.hits, t.cpu_experts, t.streamed), (0, 0, t.needed));
+        let (counts, _) = reference(&plan, &trace.0.lock().unwrap(), spec.d_model);
+        assert_eq!(t, counts, "streaming against the reference");
     }
 }
 

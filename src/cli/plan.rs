@@ -126,6 +126,7 @@ fn print_expert_plan(
         v["cold"] = match ep.mode {
             ExpertMode::Cpu => "cpu",
             ExpertMode::Units => "gpu",
+            ExpertMode::Stream => "stream",
         }
         .into();
         println!("{}", serde_json::to_string_pretty(&v)?);

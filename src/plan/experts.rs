@@ -51,27 +51,29 @@ pub enum ExpertMode {
     Cpu,
     /// A cache unit of expert slots per layer, updated by the ATU; misses on the CPU.
     Units,
+    /// Every routed expert a step needs copied through the device's stream area and computed
+    /// there, every step (nothing of them kept; the CPU computes none).
+    Stream,
 }
 
 impl ExpertMode {
     /// The mode `--cold` asks of a mixture-of-experts model: `cpu` every routed expert on the
-    /// CPU, `gpu` expert units, `auto` (`None`) the faster; experts are not streamed or split.
+    /// CPU, `gpu` expert units, `stream` every routed expert through the device each step,
+    /// `auto` (`None`) the fastest; experts are not split by neurons.
     pub fn for_cold(cold: super::choice::Cold) -> Result<Option<Self>, PlanError> {
         use super::choice::Cold;
         match cold {
             Cold::Cpu => Ok(Some(ExpertMode::Cpu)),
             Cold::Gpu => Ok(Some(ExpertMode::Units)),
             Cold::Auto => Ok(None),
-            Cold::Stream | Cold::Split => Err(PlanError::Budget(format!(
-                "--cold {}: a mixture-of-experts model's experts are not streamed or split by \
-                 neurons; --cold cpu computes the routed experts on the CPU, --cold gpu keeps \
-                 expert cache units on the device (their misses on the CPU), auto chooses",
-                if cold == Cold::Stream {
-                    "stream"
-                } else {
-                    "split"
-                }
-            ))),
+            Cold::Stream => Ok(Some(ExpertMode::Stream)),
+            Cold::Split => Err(PlanError::Budget(
+                "--cold split: a mixture-of-experts model's experts are not split by neurons; \
+                 --cold cpu computes the routed experts on the CPU, --cold gpu keeps expert cache \
+                 units on the device (their misses on the CPU), --cold stream copies each step's \
+                 experts through the device, auto chooses"
+                    .into(),
+            )),
         }
     }
 
@@ -79,6 +81,7 @@ impl ExpertMode {
         match self {
             ExpertMode::Cpu => "all routed experts on the CPU",
             ExpertMode::Units => "expert cache units (ATU), misses on the CPU",
+            ExpertMode::Stream => "every routed expert streamed through the device each step",
         }
     }
 }
@@ -410,6 +413,13 @@ pub fn plan_experts(
             None => "uniform (no routing profile): a unit of s slots of E experts hits s/E".into(),
         },
     };
+    // Streaming every step's experts: the area for every step, nothing for units.
+    let streaming = {
+        let mut f = fixed.clone();
+        f.stream_every_step(budget, room)
+            .and_then(|()| f.place_host(budget))
+            .map(|()| f.finish(ExpertMode::Stream, vec![0; n_layers]))
+    };
     let room = fixed.place_areas(budget, room)?;
     fixed.place_host(budget)?;
     let fixed = fixed;
@@ -422,14 +432,18 @@ pub fn plan_experts(
     Ok(match mode {
         Some(ExpertMode::Cpu) => cpu(),
         Some(ExpertMode::Units) => units(),
-        None => {
-            let (u, c) = (units(), cpu());
-            if u.predicted_tokens_per_s >= c.predicted_tokens_per_s {
-                u
-            } else {
-                c
-            }
-        }
+        Some(ExpertMode::Stream) => streaming?,
+        None => [Some(units()), Some(cpu()), streaming.ok()]
+            .into_iter()
+            .flatten()
+            .reduce(|a, b| {
+                if b.predicted_tokens_per_s > a.predicted_tokens_per_s {
+                    b
+                } else {
+                    a
+                }
+            })
+            .ok_or_else(|| PlanError::Store("no expert plan".into()))?,
     })
 }
 
@@ -524,6 +538,7 @@ pub fn slots_by_share(
 }
 
 /// What every mode of one budget shares.
+#[derive(Clone)]
 struct Fixed<'a> {
     base: &'a Plan,
     shapes: &'a [ExpertShape],
@@ -549,11 +564,27 @@ struct Fixed<'a> {
 }
 
 impl Fixed<'_> {
-    /// Of `room` device bytes, the stream area's (one layer's routed stacks, each matrix as wide
-    /// as its widest layer's, where prompts gain by streaming) and the low-bit area's (with
-    /// `--expert-low-bit`); the room left for the units.
-    fn place_areas(&mut self, budget: &Budget, mut room: u64) -> Result<u64, PlanError> {
-        let area: u64 = (0..3)
+    /// The stream area for every step (`--cold stream`): refused where `room` does not hold it.
+    fn stream_every_step(&mut self, budget: &Budget, room: u64) -> Result<(), PlanError> {
+        let area = self.stream_area();
+        if room < area {
+            return Err(PlanError::GpuTooSmall {
+                budget: budget.gpu_mem,
+                minimum: budget.gpu_mem - room + area,
+                breakdown: format!(
+                    "streaming every routed expert takes a stream area of one layer's experts ({}) beside everything a mixture-of-experts model keeps resident",
+                    human_bytes(area)
+                ),
+            });
+        }
+        self.stream = Some((1, area));
+        Ok(())
+    }
+
+    /// Device bytes of the stream area: one layer's routed stacks, each matrix as wide as its
+    /// widest layer's.
+    fn stream_area(&self) -> u64 {
+        (0..3)
             .map(|i| {
                 device_bytes(
                     self.shapes
@@ -563,7 +594,14 @@ impl Fixed<'_> {
                         .unwrap_or(0),
                 )
             })
-            .sum();
+            .sum()
+    }
+
+    /// Of `room` device bytes, the stream area's (one layer's routed stacks, each matrix as wide
+    /// as its widest layer's, where prompts gain by streaming) and the low-bit area's (with
+    /// `--expert-low-bit`); the room left for the units.
+    fn place_areas(&mut self, budget: &Budget, mut room: u64) -> Result<u64, PlanError> {
+        let area = self.stream_area();
         if room >= area
             && let Some(rows) = self.stream_rows()
         {
@@ -669,7 +707,7 @@ impl Fixed<'_> {
     /// Layer `l` with `slots` routed slots: the expected hits at uniform routing, the bytes
     /// each resource reads a token, the device's and the CPU's seconds; and the layer's seconds
     /// (attention, the landing of its input and logits, the longer side).
-    fn layer(&self, l: usize, slots: usize) -> (ExpertLayer, f64) {
+    fn layer(&self, mode: ExpertMode, l: usize, slots: usize) -> (ExpertLayer, f64) {
         let base = self.base;
         let spec = &base.spec;
         let hw = &base.hardware;
@@ -741,6 +779,36 @@ impl Fixed<'_> {
             attention_row,
             hw.matmul_flops_per_s,
         );
+        if mode == ExpertMode::Stream {
+            // Every routed expert copied in (from DRAM, or with the SSD tier from the store:
+            // the stream never fills the DRAM cache) and computed, the copies waited for.
+            let streamed = k * eb as f64;
+            let device_s = streamed / hw.h2d_pinned_bytes_per_s
+                + (streamed + shape.shared as f64 * eb as f64) / hw.hbm_bytes_per_s;
+            let layer = ExpertLayer {
+                slots: 0,
+                device_bytes: shape.unit_device_bytes(0) + device_bytes(shape.router),
+                hit_ratio: 0.0,
+                hbm_bytes: self.attention_layers[l]
+                    + shape.router
+                    + ((k + shape.shared as f64) * eb as f64) as u64,
+                cpu_bytes: 0,
+                copy_bytes: streamed as u64,
+                ssd_bytes: if self.host.dram_slots.is_some() {
+                    streamed as u64
+                } else {
+                    0
+                },
+                low_bit_bytes: 0,
+                device_s,
+                cpu_s: 0.0,
+            };
+            let ssd_s = layer.ssd_bytes as f64 / hw.ssd_read_bytes_per_s;
+            return (
+                layer,
+                attention_s + trip((d + moe_rows) * 4) + ssd_s + device_s,
+            );
+        }
         let layer = ExpertLayer {
             slots,
             device_bytes: shape.unit_device_bytes(slots) + device_bytes(shape.router),
@@ -796,7 +864,7 @@ impl Fixed<'_> {
         let in_time = seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * n_layers);
         let copies_per_step = match mode {
             ExpertMode::Units => in_time.clamp(0.0, self.used.max(1) as f64),
-            ExpertMode::Cpu => 0.0,
+            ExpertMode::Cpu | ExpertMode::Stream => 0.0,
         };
         let mut copies = 0;
         for (x, shape) in layers.iter_mut().zip(self.shapes) {
@@ -821,7 +889,7 @@ impl Fixed<'_> {
         let mut seconds = 0.0;
         let mut units = 0;
         for (l, &s) in slots.iter().enumerate() {
-            let (layer, layer_s) = self.layer(l, s);
+            let (layer, layer_s) = self.layer(mode, l, s);
             seconds += layer_s;
             hbm += layer.hbm_bytes;
             cpu += layer.cpu_bytes;
@@ -858,7 +926,13 @@ impl Fixed<'_> {
         let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;
         let partials = layers.iter().filter(|x| x.cpu_bytes > 0).count() as u64 * (d * 4) as u64;
         let low_bit_bytes: u64 = layers.iter().map(|x| x.low_bit_bytes).sum();
-        let h2d = (d * 4) as u64 + partials + copies + low_bit_bytes;
+        // Streamed experts (their time is in each layer's).
+        let streamed: u64 = if mode == ExpertMode::Stream {
+            layers.iter().map(|x| x.copy_bytes).sum()
+        } else {
+            0
+        };
+        let h2d = (d * 4) as u64 + partials + copies + low_bit_bytes + streamed;
         let pcie = h2d + d2h;
         let stream = self.stream.map_or(0, |(_, b)| b);
         let low_bit = self.low.as_ref().map_or(0, LowBitExperts::device_bytes);

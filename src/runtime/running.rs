@@ -102,6 +102,7 @@ impl Running {
             match x.plan.mode {
                 crate::plan::experts::ExpertMode::Cpu => "cpu",
                 crate::plan::experts::ExpertMode::Units => "gpu",
+                crate::plan::experts::ExpertMode::Stream => "stream",
             }
         } else if self.hybrid.is_some() {
             "cpu"
