@@ -242,6 +242,7 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
         if let Some(k) = m.device_ops_per_decode_step {
             println!("{k:.1} device operations (kernels, on-device copies) per decode step");
         }
+        print_experts(&out["experts"]);
         if let Some(path) = &a.trace {
             print_phases(&out["phases_per_token"]);
             println!("trace of the last repetition written to {}", path.display());
@@ -249,6 +250,34 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
     }
     r.check_bound()?;
     Ok(())
+}
+
+/// A mixture-of-experts run's experts over the bench (prompts and decode): where they ran, the
+/// units' hits beside the plan's expectation, the next-layer guesses, the SSD tier's reads.
+fn print_experts(x: &serde_json::Value) {
+    let Some(t) = x.get("totals") else {
+        return;
+    };
+    let n = |k: &str| t[k].as_u64().unwrap_or(0);
+    let pct = |v: &serde_json::Value| {
+        v.as_f64()
+            .map_or("-".into(), |f| format!("{:.1}%", 100.0 * f))
+    };
+    println!(
+        "experts ({}): {} needed (distinct a layer a step, summed), {} on the device (hit ratio {}, expected {}), {} on the CPU, {} streamed, {} from low-bit copies; {} copied in ({} by next-layer prefetch, guesses right {}); {} read from the store",
+        x["mode"].as_str().unwrap_or("?"),
+        n("needed"),
+        n("hits"),
+        pct(&x["hit_ratio"]),
+        pct(&x["expected_hit_ratio"]),
+        n("cpu_experts"),
+        n("streamed"),
+        n("low_bit_experts"),
+        n("copies"),
+        n("prefetched"),
+        pct(&x["guess_precision"]),
+        n("ssd_experts")
+    );
 }
 
 /// Per decoded token, each phase's time, its share of the step and its bound.
