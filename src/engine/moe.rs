@@ -137,13 +137,13 @@ impl<B: Backend> Engine<B> {
     /// 2. host: the logits (the wait), the routes, split between the unit and the rest;
     /// 3. host: the next layer's experts guessed from this input, copies of those its unit lacks
     ///    queued (next-layer prefetch);
-    /// 3. device: the unit's experts into `proj`, queued; with mixed precision, the low-ranked
+    /// 4. device: the unit's experts into `proj`, queued; with mixed precision, the low-ranked
     ///    misses' low-bit copies in, computed and added;
-    /// 4. the rest: a prompt's step brings those experts through the stream area and the device
+    /// 5. the rest: a prompt's step brings those experts through the stream area and the device
     ///    computes them into the partial sum; otherwise the CPU computes them into it while the
-    ///    device runs 3, and the partial sum is copied host→device;
-    /// 5. device: `proj += partial`, the merge;
-    /// 6. the unit takes in what the policy admits of the misses, copies queued behind.
+    ///    device runs 4, and the partial sum is copied host→device;
+    /// 6. device: `proj += partial`, the merge;
+    /// 7. the unit takes in what the policy admits of the misses, copies queued behind.
     fn offloaded_moe(&self, l: usize, x: &mut ExpertsView<B>, sc: &mut Scratch<B>) -> Result<()> {
         let b = &self.backend;
         let (n, d) = b.shape(&sc.h);
