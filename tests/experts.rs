@@ -460,6 +460,25 @@ fn offloaded_experts_equal_the_dense_run_at_random_budgets() {
                 );
                 assert_eq!(d2h, d2h_base, "{what}: d2h");
             }
+            // Static hot experts (the profile's most routed, never replaced): the same logits,
+            // no copy; `auto` weighs them beside the units, the CPU and streaming.
+            let b = budget(budgets[2], toks.len());
+            let hot = plan_experts(&store.manifest, &b, &hw, Some(ExpertMode::Static), routing);
+            match routing {
+                None => assert!(hot.is_err(), "static hot experts without a profile"),
+                Some(_) => {
+                    let plan = hot.unwrap();
+                    let (e, ledger, traffic, trace) = offloaded(&store, &plan);
+                    close(&logits(&e, &toks), &want, "static hot experts");
+                    assert_eq!(ledger.snapshot().hbm_peak, plan.device.placed);
+                    let (counts, _) = reference(&plan, &trace.0.lock().unwrap(), spec.d_model);
+                    assert_eq!(traffic.snapshot(), counts, "static hot experts");
+                    assert_eq!(counts.copies, 0);
+                    let auto = plan_experts(&store.manifest, &b, &hw, None, routing).unwrap();
+                    let weighed: Vec<ExpertMode> = auto.alternatives.iter().map(|a| a.0).collect();
+                    assert!(weighed.contains(&ExpertMode::Static), "{weighed:?}");
+                }
+            }
         }
         // (The HF fixture's experts are too small for streaming to pay at 64 rows.)
         assert!(

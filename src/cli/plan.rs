@@ -127,6 +127,7 @@ fn print_expert_plan(
             ExpertMode::Cpu => "cpu",
             ExpertMode::Units => "gpu",
             ExpertMode::Stream => "stream",
+            ExpertMode::Static => "static",
         }
         .into();
         println!("{}", serde_json::to_string_pretty(&v)?);

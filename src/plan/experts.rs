@@ -54,6 +54,10 @@ pub enum ExpertMode {
     /// Every routed expert a step needs copied through the device's stream area and computed
     /// there, every step (nothing of them kept; the CPU computes none).
     Stream,
+    /// Static hot experts (PowerInfer's placement with experts for neurons): each layer's slots
+    /// hold the routing profile's most routed experts, placed by share per byte, never
+    /// replaced; misses on the CPU. Needs a routing profile.
+    Static,
 }
 
 impl ExpertMode {
@@ -82,6 +86,9 @@ impl ExpertMode {
             ExpertMode::Cpu => "all routed experts on the CPU",
             ExpertMode::Units => "expert cache units (ATU), misses on the CPU",
             ExpertMode::Stream => "every routed expert streamed through the device each step",
+            ExpertMode::Static => {
+                "static hot experts (the profile's most routed), misses on the CPU"
+            }
         }
     }
 }
@@ -172,6 +179,9 @@ pub struct ExpertPlan {
     /// Mixed precision (`--expert-low-bit`): a decode step's low-ranked misses run on the
     /// device from low-bit copies.
     pub low_bit: Option<LowBitExperts>,
+    /// The modes `--cold auto` weighed, with their predicted tokens/s (the chosen one alone
+    /// where a mode was asked for).
+    pub alternatives: Vec<(ExpertMode, f64)>,
     /// Host memory of the guess routers (f16, one per prefetching layer); the CPU reads them
     /// once a decode step (counted in the per-token CPU bytes and time).
     pub guess_router_bytes: u64,
@@ -281,6 +291,17 @@ impl ExpertPlan {
             mib(self.dram_expert_bytes),
             self.predicted_tokens_per_s
         );
+        if self.alternatives.len() > 1 {
+            let _ = writeln!(
+                o,
+                "--cold auto weighed: {}",
+                self.alternatives
+                    .iter()
+                    .map(|(m, t)| format!("{} {t:.1} tokens/s", m.name()))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            );
+        }
         let prompt = self.plan.budget.prompt.max(1);
         let pp = self.prefill_prediction(prompt);
         let _ = writeln!(
@@ -404,6 +425,7 @@ pub fn plan_experts(
             read_buffer: 0,
         },
         low: None,
+        profile: routing,
         ranks: routing.map(|r| (0..n_layers).map(|l| r.ranked(l)).collect()),
         routing: match routing {
             Some(r) => format!(
@@ -429,22 +451,46 @@ pub fn plan_experts(
     };
     let units = || fixed.finish(ExpertMode::Units, slots.clone());
     let cpu = || fixed.finish(ExpertMode::Cpu, vec![0; n_layers]);
-    Ok(match mode {
+    let hot = || match routing {
+        Some(_) => Ok(fixed.finish(ExpertMode::Static, slots.clone())),
+        None => Err(PlanError::Budget(
+            "static hot experts are the routing profile's most routed: run `gpu-offload profile` \
+             on the model first"
+                .into(),
+        )),
+    };
+    let mut plan = match mode {
         Some(ExpertMode::Cpu) => cpu(),
         Some(ExpertMode::Units) => units(),
         Some(ExpertMode::Stream) => streaming?,
-        None => [Some(units()), Some(cpu()), streaming.ok()]
-            .into_iter()
-            .flatten()
-            .reduce(|a, b| {
-                if b.predicted_tokens_per_s > a.predicted_tokens_per_s {
-                    b
-                } else {
-                    a
-                }
-            })
-            .ok_or_else(|| PlanError::Store("no expert plan".into()))?,
-    })
+        Some(ExpertMode::Static) => hot()?,
+        None => {
+            let all: Vec<ExpertPlan> = [Some(units()), hot().ok(), Some(cpu()), streaming.ok()]
+                .into_iter()
+                .flatten()
+                .collect();
+            let alternatives = all
+                .iter()
+                .map(|p| (p.mode, p.predicted_tokens_per_s))
+                .collect();
+            let mut best = all
+                .into_iter()
+                .reduce(|a, b| {
+                    if b.predicted_tokens_per_s > a.predicted_tokens_per_s {
+                        b
+                    } else {
+                        a
+                    }
+                })
+                .ok_or_else(|| PlanError::Store("no expert plan".into()))?;
+            best.alternatives = alternatives;
+            best
+        }
+    };
+    if plan.alternatives.is_empty() {
+        plan.alternatives = vec![(plan.mode, plan.predicted_tokens_per_s)];
+    }
+    Ok(plan)
 }
 
 /// Every layer's attention matrices on the device (rounded), each layer's bytes of them, and
@@ -557,6 +603,8 @@ struct Fixed<'a> {
     ranks: Option<Vec<(Vec<u32>, Vec<f64>)>>,
     /// What the expected hits assume.
     routing: String,
+    /// The routing profile, where there is one (its ATU replay gives the units' hit ratios).
+    profile: Option<&'a RoutingProfile>,
     /// The experts on the host: every stack, or the SSD tier's DRAM caches.
     host: HostExperts,
     /// Mixed precision's low-bit copies.
@@ -721,11 +769,16 @@ impl Fixed<'_> {
         let attention_row =
             batch::projection_flops(spec) + batch::attention_flops(spec, base.budget.ctx / 2);
         let eb = shape.bytes();
-        let hit = match &self.ranks {
+        let static_share = match &self.ranks {
             // (+ 0.0: an empty float sum is -0.0.)
             Some(r) => (r[l].1.iter().take(slots).sum::<f64>() + 0.0).min(1.0),
             None if self.experts == 0 => 0.0,
             None => slots as f64 / self.experts as f64,
+        };
+        // Units follow the routing: the profile's ATU replay says how well at this size.
+        let hit = match (mode, self.profile.and_then(|p| p.atu_hit(l, slots))) {
+            (ExpertMode::Units, Some(h)) if slots < self.experts => h.clamp(0.0, 1.0),
+            _ => static_share,
         };
         let on_device = hit * k + shape.shared as f64;
         // Mixed precision: a miss that is not its token's top expert comes as a low-bit copy
@@ -864,7 +917,7 @@ impl Fixed<'_> {
         let in_time = seconds * hw.h2d_pinned_bytes_per_s / (widest as f64 * n_layers);
         let copies_per_step = match mode {
             ExpertMode::Units => in_time.clamp(0.0, self.used.max(1) as f64),
-            ExpertMode::Cpu | ExpertMode::Stream => 0.0,
+            ExpertMode::Cpu | ExpertMode::Stream | ExpertMode::Static => 0.0,
         };
         let mut copies = 0;
         for (x, shape) in layers.iter_mut().zip(self.shapes) {
@@ -984,8 +1037,9 @@ impl Fixed<'_> {
             prefetch,
             guess_router_bytes,
             low_bit: self.low.clone(),
+            alternatives: Vec::new(),
             seeds: match (&self.ranks, mode) {
-                (Some(r), ExpertMode::Units) => slots
+                (Some(r), ExpertMode::Units | ExpertMode::Static) => slots
                     .iter()
                     .zip(r)
                     .map(|(&s, (ids, _))| ids[..s.min(ids.len())].to_vec())

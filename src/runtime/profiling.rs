@@ -207,7 +207,14 @@ pub fn profile_routing(
         engine.forward(&mut s, w, crate::engine::Logits::Last)?;
         progress(i + 1, windows.len());
     }
-    let profile = RoutingProfile::of(&store.manifest.model_id, corpus, moe.experts, &tap.take());
+    let trace = tap.take();
+    let mut profile = RoutingProfile::of(&store.manifest.model_id, corpus, moe.experts, &trace);
+    // What temporal locality adds: the ATU replayed over the profiled trace, per layer.
+    profile.atu = trace
+        .iter()
+        .zip(&profile.counts)
+        .map(|(sets, c)| crate::tier::atu::atu_curve(sets, c, moe.experts))
+        .collect();
     profile.save(store.dir())?;
     Ok(profile)
 }

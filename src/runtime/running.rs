@@ -103,6 +103,7 @@ impl Running {
                 crate::plan::experts::ExpertMode::Cpu => "cpu",
                 crate::plan::experts::ExpertMode::Units => "gpu",
                 crate::plan::experts::ExpertMode::Stream => "stream",
+                crate::plan::experts::ExpertMode::Static => "static",
             }
         } else if self.hybrid.is_some() {
             "cpu"

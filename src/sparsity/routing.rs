@@ -230,6 +230,12 @@ pub struct RoutingProfile {
     pub experts: usize,
     /// `[layer][expert]`: tokens routed to the expert.
     pub counts: Vec<Vec<u64>>,
+    /// `[layer]`: `(slots, hit ratio)` of an ATU unit of that many slots replayed over the
+    /// profiled trace ([`crate::tier::atu::atu_curve`], set by `profile`) (stale experts giving way by these counts, at most a token's experts
+    /// copied in a token): what temporal locality adds to the static share. Empty in profiles
+    /// written before it was recorded (the plan then expects the static share).
+    #[serde(default)]
+    pub atu: Vec<Vec<(u32, f32)>>,
 }
 
 const ROUTING_MAGIC: &[u8; 8] = b"GOROUTE1";
@@ -256,7 +262,23 @@ impl RoutingProfile {
             tokens: trace.first().map_or(0, |l| l.len()),
             experts,
             counts,
+            atu: Vec::new(),
         }
+    }
+
+    /// Layer `l`'s expected ATU hit ratio with `slots` slots, interpolated between the replayed
+    /// sizes (`None`: not recorded).
+    pub fn atu_hit(&self, l: usize, slots: usize) -> Option<f64> {
+        let curve = self.atu.get(l).filter(|c| !c.is_empty())?;
+        let (mut s0, mut h0) = (0f64, 0f64);
+        for &(s, h) in curve {
+            let (s, h) = (f64::from(s), f64::from(h));
+            if slots as f64 <= s {
+                return Some(h0 + (h - h0) * (slots as f64 - s0) / (s - s0).max(1.0));
+            }
+            (s0, h0) = (s, h);
+        }
+        Some(h0)
     }
 
     pub fn path_in(store_dir: &std::path::Path) -> std::path::PathBuf {
@@ -330,6 +352,10 @@ impl RoutingProfile {
         if p.experts != experts
             || p.counts.len() != layers
             || p.counts.iter().any(|c| c.len() != experts)
+            || !(p.atu.is_empty() || p.atu.len() == layers)
+            || p.atu.iter().flatten().any(|&(slots, hit)| {
+                slots == 0 || slots as usize > experts || !(0.0..=1.0).contains(&hit)
+            })
         {
             return Err(corrupt(&format!(
                 "{} layers of {} experts, not the model's {layers} of {experts}",
@@ -575,6 +601,23 @@ mod tests {
             })
             .is_err()
         );
+    }
+
+    #[test]
+    fn the_units_expected_hits_interpolate_between_the_replayed_sizes() {
+        let mut p = RoutingProfile::of("m", "c", 32, &vec![vec![vec![1, 2]]]);
+        p.atu = vec![vec![(2, 0.2), (4, 0.6), (32, 0.9)]];
+        // Between replayed sizes a straight line, from none at 0 slots; the last beyond.
+        assert!((p.atu_hit(0, 1).unwrap() - 0.1).abs() < 1e-6);
+        assert!((p.atu_hit(0, 3).unwrap() - 0.4).abs() < 1e-6);
+        assert_eq!(p.atu_hit(0, 0), Some(0.0));
+        assert!((p.atu_hit(0, 40).unwrap() - 0.9).abs() < 1e-6);
+        assert_eq!(p.atu_hit(1, 3), None);
+        // A profile written before the replay was recorded still reads (without it).
+        let mut v = serde_json::to_value(&p).unwrap();
+        v.as_object_mut().unwrap().remove("atu");
+        let old: RoutingProfile = serde_json::from_value(v).unwrap();
+        assert!(old.atu.is_empty() && old.atu_hit(0, 3).is_none());
     }
 
     #[test]

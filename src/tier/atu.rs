@@ -394,6 +394,73 @@ pub fn replay_static(
     Ok(a)
 }
 
+/// Unit sizes a routing profile replays the ATU at (the rest interpolated): this many, evenly
+/// spaced.
+const ATU_SIZES: usize = 16;
+
+/// The ATU's hit ratio over `sets` (a layer's routing trace: each token's experts) at evenly
+/// spaced unit sizes, stale experts giving way by `counts` (how often each was routed), at most
+/// a token's experts copied in a token: what a routing profile records of temporal locality.
+pub fn atu_curve(sets: &[Vec<u32>], counts: &[u64], experts: usize) -> Vec<(u32, f32)> {
+    let used = sets.iter().map(Vec::len).max().unwrap_or(0);
+    if experts == 0 || used == 0 {
+        return Vec::new();
+    }
+    let score: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+    let mut sizes: Vec<usize> = (1..=ATU_SIZES)
+        .map(|j| (j * experts).div_ceil(ATU_SIZES).max(1))
+        .collect();
+    sizes.dedup();
+    sizes
+        .into_iter()
+        .filter_map(|slots| {
+            let a = replay_admit(
+                sets,
+                experts,
+                slots,
+                Eviction::Frequency(score.clone()),
+                used,
+            );
+            a.ok().map(|a| (slots as u32, a.hit_ratio() as f32))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod curve_tests {
+    use super::atu_curve;
+    use crate::sparsity::routing::{SyntheticRouting, synthetic};
+
+    #[test]
+    fn a_profile_replays_the_atu_at_evenly_spaced_sizes() {
+        let stats = SyntheticRouting {
+            layers: 1,
+            experts: 32,
+            used: 4,
+            tokens: 600,
+            popularity: 0.5,
+            locality: 0.6,
+            seed: 9,
+        };
+        let trace = synthetic(&stats).unwrap();
+        let mut counts = vec![0u64; 32];
+        trace[0]
+            .iter()
+            .flatten()
+            .for_each(|&e| counts[e as usize] += 1);
+        let curve = atu_curve(&trace[0], &counts, 32);
+        assert_eq!(curve.len(), 16);
+        assert_eq!((curve[0].0, curve[15].0), (2, 32));
+        // Larger units hit more; a unit of every expert misses each at most once.
+        assert!(
+            curve.windows(2).all(|w| w[1].1 >= w[0].1 - 1e-6),
+            "{curve:?}"
+        );
+        assert!(curve[15].1 > 0.9);
+        assert!(atu_curve(&[], &counts, 32).is_empty());
+    }
+}
+
 #[cfg(test)]
 mod copy_budget_tests {
     use super::CopyBudget;
