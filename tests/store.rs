@@ -533,7 +533,7 @@ fn experts_are_stored_as_slices_and_come_back_exact() {
         );
         let dense: Value =
             serde_json::from_str(&ok(&mut run_on("cpu", src, &["--kv-type", "f32"]))).unwrap();
-        for cold in ["gpu", "cpu"] {
+        for cold in ["gpu", "cpu", "stream"] {
             let run = ok(&mut sim_run(&out, &["--kv-type", "f32", "--cold", cold]));
             let offloaded: Value = serde_json::from_str(&run).unwrap();
             assert_eq!(
@@ -544,8 +544,8 @@ fn experts_are_stored_as_slices_and_come_back_exact() {
             );
         }
         fails(
-            &mut sim_run(&out, &["--cold", "stream"]),
-            &["--cold stream", "mixture-of-experts", "--cold cpu"],
+            &mut sim_run(&out, &["--cold", "split"]),
+            &["--cold split", "mixture-of-experts", "--cold cpu"],
         );
         if i == 0 {
             // An expert's flipped bit is named by the verifier.
