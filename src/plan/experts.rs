@@ -775,9 +775,12 @@ impl Fixed<'_> {
             None if self.experts == 0 => 0.0,
             None => slots as f64 / self.experts as f64,
         };
-        // Units follow the routing: the profile's ATU replay says how well at this size.
-        let hit = match (mode, self.profile.and_then(|p| p.atu_hit(l, slots))) {
-            (ExpertMode::Units, Some(h)) if slots < self.experts => h.clamp(0.0, 1.0),
+        // The profile's held-out replay says how units (which follow the routing) and static
+        // hot experts do at this size; without it, the in-sample top share.
+        let hit = match (mode, self.profile.and_then(|p| p.held_out_hits(l, slots))) {
+            _ if slots >= self.experts => static_share,
+            (ExpertMode::Units, Some((atu, _))) => atu.clamp(0.0, 1.0),
+            (ExpertMode::Static, Some((_, hot))) => hot.clamp(0.0, 1.0),
             _ => static_share,
         };
         let on_device = hit * k + shape.shared as f64;

@@ -209,11 +209,14 @@ pub fn profile_routing(
     }
     let trace = tap.take();
     let mut profile = RoutingProfile::of(&store.manifest.model_id, corpus, moe.experts, &trace);
-    // What temporal locality adds: the ATU replayed over the profiled trace, per layer.
+    // Units and static hot experts on held-out routing: each layer's experts ranked on the
+    // first half of the trace, the second half replayed.
     profile.atu = trace
         .iter()
-        .zip(&profile.counts)
-        .map(|(sets, c)| crate::tier::atu::atu_curve(sets, c, moe.experts))
+        .map(|sets| {
+            let (calib, eval) = sets.split_at(sets.len() / 2);
+            crate::tier::atu::atu_curve(calib, eval, moe.experts)
+        })
         .collect();
     profile.save(store.dir())?;
     Ok(profile)

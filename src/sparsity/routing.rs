@@ -230,12 +230,13 @@ pub struct RoutingProfile {
     pub experts: usize,
     /// `[layer][expert]`: tokens routed to the expert.
     pub counts: Vec<Vec<u64>>,
-    /// `[layer]`: `(slots, hit ratio)` of an ATU unit of that many slots replayed over the
-    /// profiled trace ([`crate::tier::atu::atu_curve`], set by `profile`) (stale experts giving way by these counts, at most a token's experts
-    /// copied in a token): what temporal locality adds to the static share. Empty in profiles
-    /// written before it was recorded (the plan then expects the static share).
+    /// `[layer]`: `(slots, ATU hit ratio, static hit ratio)` of a unit of that many slots on the
+    /// second half of the profiled trace, its experts ranked on the first half
+    /// ([`crate::tier::atu::atu_curve`], set by `profile`): what the plan expects of units and of
+    /// static hot experts. Empty in profiles written before it was recorded (the plan then
+    /// expects the in-sample top share of both).
     #[serde(default)]
-    pub atu: Vec<Vec<(u32, f32)>>,
+    pub atu: Vec<Vec<(u32, f32, f32)>>,
 }
 
 const ROUTING_MAGIC: &[u8; 8] = b"GOROUTE1";
@@ -266,19 +267,20 @@ impl RoutingProfile {
         }
     }
 
-    /// Layer `l`'s expected ATU hit ratio with `slots` slots, interpolated between the replayed
-    /// sizes (`None`: not recorded).
-    pub fn atu_hit(&self, l: usize, slots: usize) -> Option<f64> {
+    /// Layer `l`'s expected hit ratios with `slots` slots, of an ATU unit and of static hot
+    /// experts, interpolated between the replayed sizes (`None`: not recorded).
+    pub fn held_out_hits(&self, l: usize, slots: usize) -> Option<(f64, f64)> {
         let curve = self.atu.get(l).filter(|c| !c.is_empty())?;
-        let (mut s0, mut h0) = (0f64, 0f64);
-        for &(s, h) in curve {
-            let (s, h) = (f64::from(s), f64::from(h));
+        let (mut s0, mut a0, mut t0) = (0f64, 0f64, 0f64);
+        for &(s, a, t) in curve {
+            let (s, a, t) = (f64::from(s), f64::from(a), f64::from(t));
             if slots as f64 <= s {
-                return Some(h0 + (h - h0) * (slots as f64 - s0) / (s - s0).max(1.0));
+                let f = (slots as f64 - s0) / (s - s0).max(1.0);
+                return Some((a0 + (a - a0) * f, t0 + (t - t0) * f));
             }
-            (s0, h0) = (s, h);
+            (s0, a0, t0) = (s, a, t);
         }
-        Some(h0)
+        Some((a0, t0))
     }
 
     pub fn path_in(store_dir: &std::path::Path) -> std::path::PathBuf {
@@ -353,8 +355,11 @@ impl RoutingProfile {
             || p.counts.len() != layers
             || p.counts.iter().any(|c| c.len() != experts)
             || !(p.atu.is_empty() || p.atu.len() == layers)
-            || p.atu.iter().flatten().any(|&(slots, hit)| {
-                slots == 0 || slots as usize > experts || !(0.0..=1.0).contains(&hit)
+            || p.atu.iter().flatten().any(|&(slots, atu, hot)| {
+                slots == 0
+                    || slots as usize > experts
+                    || !(0.0..=1.0).contains(&atu)
+                    || !(0.0..=1.0).contains(&hot)
             })
         {
             return Err(corrupt(&format!(
@@ -606,18 +611,25 @@ mod tests {
     #[test]
     fn the_units_expected_hits_interpolate_between_the_replayed_sizes() {
         let mut p = RoutingProfile::of("m", "c", 32, &vec![vec![vec![1, 2]]]);
-        p.atu = vec![vec![(2, 0.2), (4, 0.6), (32, 0.9)]];
+        p.atu = vec![vec![(2, 0.2, 0.1), (4, 0.6, 0.3), (32, 0.9, 1.0)]];
         // Between replayed sizes a straight line, from none at 0 slots; the last beyond.
-        assert!((p.atu_hit(0, 1).unwrap() - 0.1).abs() < 1e-6);
-        assert!((p.atu_hit(0, 3).unwrap() - 0.4).abs() < 1e-6);
-        assert_eq!(p.atu_hit(0, 0), Some(0.0));
-        assert!((p.atu_hit(0, 40).unwrap() - 0.9).abs() < 1e-6);
-        assert_eq!(p.atu_hit(1, 3), None);
+        let near = |got: Option<(f64, f64)>, want: (f64, f64)| {
+            let g = got.unwrap();
+            assert!(
+                (g.0 - want.0).abs() < 1e-6 && (g.1 - want.1).abs() < 1e-6,
+                "{g:?}"
+            );
+        };
+        near(p.held_out_hits(0, 1), (0.1, 0.05));
+        near(p.held_out_hits(0, 3), (0.4, 0.2));
+        near(p.held_out_hits(0, 0), (0.0, 0.0));
+        near(p.held_out_hits(0, 40), (0.9, 1.0));
+        assert_eq!(p.held_out_hits(1, 3), None);
         // A profile written before the replay was recorded still reads (without it).
         let mut v = serde_json::to_value(&p).unwrap();
         v.as_object_mut().unwrap().remove("atu");
         let old: RoutingProfile = serde_json::from_value(v).unwrap();
-        assert!(old.atu.is_empty() && old.atu_hit(0, 3).is_none());
+        assert!(old.atu.is_empty() && old.held_out_hits(0, 3).is_none());
     }
 
     #[test]

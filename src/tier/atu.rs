@@ -398,15 +398,23 @@ pub fn replay_static(
 /// spaced.
 const ATU_SIZES: usize = 16;
 
-/// The ATU's hit ratio over `sets` (a layer's routing trace: each token's experts) at evenly
-/// spaced unit sizes, stale experts giving way by `counts` (how often each was routed), at most
-/// a token's experts copied in a token: what a routing profile records of temporal locality.
-pub fn atu_curve(sets: &[Vec<u32>], counts: &[u64], experts: usize) -> Vec<(u32, f32)> {
-    let used = sets.iter().map(Vec::len).max().unwrap_or(0);
-    if experts == 0 || used == 0 {
+/// How an expert cache of a layer does on held-out routing, at evenly spaced unit sizes: the
+/// experts ranked by how often `calib` (the first part of a layer's routing trace: each token's
+/// experts) routed to them, then `eval` (the rest) replayed through an ATU unit (stale experts
+/// giving way by that ranking, at most a token's experts copied in a token) and through the
+/// static set of the top-ranked: `(slots, ATU hit ratio, static hit ratio)`. What a routing
+/// profile records, so the plan expects neither in-sample.
+pub fn atu_curve(calib: &[Vec<u32>], eval: &[Vec<u32>], experts: usize) -> Vec<(u32, f32, f32)> {
+    let used = eval.iter().map(Vec::len).max().unwrap_or(0);
+    if experts == 0 || used == 0 || calib.is_empty() {
         return Vec::new();
     }
-    let score: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+    let mut score = vec![0f32; experts];
+    for &e in calib.iter().flatten() {
+        if let Some(c) = score.get_mut(e as usize) {
+            *c += 1.0;
+        }
+    }
     let mut sizes: Vec<usize> = (1..=ATU_SIZES)
         .map(|j| (j * experts).div_ceil(ATU_SIZES).max(1))
         .collect();
@@ -414,14 +422,10 @@ pub fn atu_curve(sets: &[Vec<u32>], counts: &[u64], experts: usize) -> Vec<(u32,
     sizes
         .into_iter()
         .filter_map(|slots| {
-            let a = replay_admit(
-                sets,
-                experts,
-                slots,
-                Eviction::Frequency(score.clone()),
-                used,
-            );
-            a.ok().map(|a| (slots as u32, a.hit_ratio() as f32))
+            let eviction = Eviction::Frequency(score.clone());
+            let a = replay_admit(eval, experts, slots, eviction, used).ok()?;
+            let s = replay_static(eval, &score, slots).ok()?;
+            Some((slots as u32, a.hit_ratio() as f32, s.hit_ratio() as f32))
         })
         .collect()
 }
@@ -443,21 +447,20 @@ mod curve_tests {
             seed: 9,
         };
         let trace = synthetic(&stats).unwrap();
-        let mut counts = vec![0u64; 32];
-        trace[0]
-            .iter()
-            .flatten()
-            .for_each(|&e| counts[e as usize] += 1);
-        let curve = atu_curve(&trace[0], &counts, 32);
+        let (calib, eval) = trace[0].split_at(300);
+        let curve = atu_curve(calib, eval, 32);
         assert_eq!(curve.len(), 16);
         assert_eq!((curve[0].0, curve[15].0), (2, 32));
-        // Larger units hit more; a unit of every expert misses each at most once.
+        // Larger units hit more; a unit of every expert misses each at most once, a static set
+        // of every expert never.
         assert!(
             curve.windows(2).all(|w| w[1].1 >= w[0].1 - 1e-6),
             "{curve:?}"
         );
-        assert!(curve[15].1 > 0.9);
-        assert!(atu_curve(&[], &counts, 32).is_empty());
+        assert!(curve[15].1 > 0.9 && curve[15].2 == 1.0);
+        // 60% of a token's experts repeat: the ATU beats the static set at a token's size.
+        assert!(curve[1].1 > curve[1].2 + 0.2, "{:?}", curve[1]);
+        assert!(atu_curve(&[], eval, 32).is_empty());
     }
 }
 
