@@ -618,6 +618,15 @@ fn low_ranked_misses_run_on_the_device_from_low_bit_copies() {
         served += counts.low_bit_experts;
     }
     assert!(served > 0, "no low-ranked miss served from a low-bit copy");
+    // Not with every expert streamed at full precision.
+    let b = Budget {
+        expert_low_bit: Some(DType::Q4_0),
+        ..budget(most, toks.len())
+    };
+    match plan_experts(&store.manifest, &b, &hw(), Some(ExpertMode::Stream), None) {
+        Err(e) => assert!(e.to_string().contains("--cold stream"), "{e}"),
+        Ok(p) => panic!("low-bit with every expert streamed: {:?}", p.mode),
+    }
     // Quantized from the stacks in host memory: not with the SSD tier.
     let b = Budget {
         expert_low_bit: Some(DType::Q4_0),

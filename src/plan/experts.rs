@@ -459,38 +459,49 @@ pub fn plan_experts(
                 .into(),
         )),
     };
+    if mode == Some(ExpertMode::Stream) && budget.expert_low_bit.is_some() {
+        return Err(PlanError::Budget(
+            "--expert-low-bit serves the misses the CPU would compute; --cold stream computes \
+             every routed expert on the device at full precision (use --cold gpu, cpu or auto)"
+                .into(),
+        ));
+    }
     let mut plan = match mode {
         Some(ExpertMode::Cpu) => cpu(),
         Some(ExpertMode::Units) => units(),
         Some(ExpertMode::Stream) => streaming?,
         Some(ExpertMode::Static) => hot()?,
-        None => {
-            let all: Vec<ExpertPlan> = [Some(units()), hot().ok(), Some(cpu()), streaming.ok()]
+        None => fastest(
+            [Some(units()), hot().ok(), Some(cpu()), streaming.ok()]
                 .into_iter()
                 .flatten()
-                .collect();
-            let alternatives = all
-                .iter()
-                .map(|p| (p.mode, p.predicted_tokens_per_s))
-                .collect();
-            let mut best = all
-                .into_iter()
-                .reduce(|a, b| {
-                    if b.predicted_tokens_per_s > a.predicted_tokens_per_s {
-                        b
-                    } else {
-                        a
-                    }
-                })
-                .ok_or_else(|| PlanError::Store("no expert plan".into()))?;
-            best.alternatives = alternatives;
-            best
-        }
+                .collect(),
+        )?,
     };
     if plan.alternatives.is_empty() {
         plan.alternatives = vec![(plan.mode, plan.predicted_tokens_per_s)];
     }
     Ok(plan)
+}
+
+/// The fastest of `all` by its prediction (the first of equals), with what was weighed.
+fn fastest(all: Vec<ExpertPlan>) -> Result<ExpertPlan, PlanError> {
+    let alternatives = all
+        .iter()
+        .map(|p| (p.mode, p.predicted_tokens_per_s))
+        .collect();
+    let mut best = all
+        .into_iter()
+        .reduce(|a, b| {
+            if b.predicted_tokens_per_s > a.predicted_tokens_per_s {
+                b
+            } else {
+                a
+            }
+        })
+        .ok_or_else(|| PlanError::Store("no expert plan".into()))?;
+    best.alternatives = alternatives;
+    Ok(best)
 }
 
 /// Every layer's attention matrices on the device (rounded), each layer's bytes of them, and
