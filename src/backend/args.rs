@@ -82,6 +82,18 @@ pub struct Experts<'a, W> {
     pub width: usize,
 }
 
+impl<'a, W> Experts<'a, W> {
+    /// Gated experts of `width` neurons from their gate, up and down stacks.
+    pub fn gated([gate, up, down]: &'a [W; 3], width: usize) -> Self {
+        Experts {
+            gate: Some(gate),
+            up,
+            down,
+            width,
+        }
+    }
+}
+
 /// One weight of [`Backend::matmul_parts`]: `x · wᵀ` into columns `col0..` of output `out`.
 pub struct MatmulPart<'a, W> {
     pub w: &'a W,

@@ -31,6 +31,31 @@ use crate::engine::ActivationTap;
 pub const PROFILE_FILE: &str = "sparsity.profile";
 const MAGIC: &[u8; 8] = b"GOSPARS1";
 
+/// A profile file's bytes sealed: followed by the xxh3 of everything before it.
+fn sealed(mut b: Vec<u8>) -> Vec<u8> {
+    let sum = xxh3_64(&b);
+    b.extend(sum.to_le_bytes());
+    b
+}
+
+/// A sealed profile file's bytes without their seal, checked: at least `least` bytes in all,
+/// starting with `magic` (else "not a `what`"), the seal matching.
+fn unsealed<'a>(
+    b: &'a [u8],
+    magic: &[u8; 8],
+    least: usize,
+    what: &str,
+) -> Result<&'a [u8], String> {
+    if b.len() < least.max(16) || &b[..8] != magic {
+        return Err(format!("not a {what}"));
+    }
+    let (body, tail) = b.split_at(b.len() - 8);
+    if xxh3_64(body).to_le_bytes() != tail {
+        return Err("checksum mismatch".into());
+    }
+    Ok(body)
+}
+
 /// Histogram bins per layer: bin 0 holds exact zeros, bins 1..=LOG_BINS split
 /// [MIN_ABS, MAX_ABS) logarithmically (≈0.6% wide), the last also takes anything larger.
 const LOG_BINS: usize = 4096;
@@ -226,9 +251,8 @@ impl SparsityProfile {
                 }
             }
         }
-        let sum = xxh3_64(&b);
-        b.extend(sum.to_le_bytes());
-        crate::fsutil::write_atomic(&path, &b).map_err(|source| SparsityError::Io { path, source })
+        crate::fsutil::write_atomic(&path, &sealed(b))
+            .map_err(|source| SparsityError::Io { path, source })
     }
 
     /// The profile in `store_dir`, which must belong to `model_id`; `model` names the model in
@@ -250,13 +274,7 @@ impl SparsityProfile {
             why: why.into(),
             model: model.into(),
         };
-        if b.len() < 24 || &b[..8] != MAGIC {
-            return Err(corrupt("not a sparsity profile"));
-        }
-        let (body, tail) = b.split_at(b.len() - 8);
-        if xxh3_64(body).to_le_bytes() != tail {
-            return Err(corrupt("checksum mismatch"));
-        }
+        let body = unsealed(&b, MAGIC, 24, "sparsity profile").map_err(|why| corrupt(&why))?;
         let hlen = u64::from_le_bytes(body[8..16].try_into().map_err(|_| corrupt("header"))?);
         let hend = 16usize
             .checked_add(hlen as usize)

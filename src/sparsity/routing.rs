@@ -308,9 +308,7 @@ impl RoutingProfile {
                 source: std::io::Error::other(e),
             })?,
         );
-        let sum = xxhash_rust::xxh3::xxh3_64(&b);
-        b.extend(sum.to_le_bytes());
-        crate::fsutil::write_atomic(&path, &b)
+        crate::fsutil::write_atomic(&path, &super::sealed(b))
             .map_err(|source| super::SparsityError::Io { path, source })
     }
 
@@ -334,13 +332,8 @@ impl RoutingProfile {
             why: why.into(),
             model: model.into(),
         };
-        if b.len() < 16 || &b[..8] != ROUTING_MAGIC {
-            return Err(corrupt("not a routing profile"));
-        }
-        let (body, tail) = b.split_at(b.len() - 8);
-        if xxhash_rust::xxh3::xxh3_64(body).to_le_bytes() != tail {
-            return Err(corrupt("checksum mismatch"));
-        }
+        let body = super::unsealed(&b, ROUTING_MAGIC, 16, "routing profile")
+            .map_err(|why| corrupt(&why))?;
         let p: RoutingProfile =
             serde_json::from_slice(&body[8..]).map_err(|e| corrupt(&e.to_string()))?;
         if p.model_id != model_id {

@@ -325,13 +325,7 @@ impl HostExperts {
                         })?;
                         local.push(Route { expert: slot, ..*r });
                     }
-                    let [g, u, dn] = &c.matrices;
-                    let experts = Experts {
-                        gate: Some(g),
-                        up: u,
-                        down: dn,
-                        width,
-                    };
+                    let experts = Experts::gated(&c.matrices, width);
                     cpu.moe_ffn(experts, &xt, &local, act, &mut ot)?;
                     cpu.read(&ot, &mut part)?;
                     out.iter_mut().zip(&part).for_each(|(o, p)| *o += p);

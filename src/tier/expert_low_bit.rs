@@ -168,13 +168,7 @@ impl<B: Backend> LowBitArea<B> {
             .collect();
         let (n, d) = b.shape(x);
         b.reshape(&mut self.out, n, d)?;
-        let [g, u, dn] = &self.area;
-        let area = Experts {
-            gate: Some(g),
-            up: u,
-            down: dn,
-            width,
-        };
+        let area = Experts::gated(&self.area, width);
         b.moe_ffn(area, x, &local, act, &mut self.out)?;
         *rest = cpu;
         Ok(Some((

@@ -567,12 +567,8 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
     }
 
     fn unit(&self) -> Option<Experts<'_, B::Weight>> {
-        self.layer.unit.as_ref().map(|[g, u, d]| Experts {
-            gate: Some(g),
-            up: u,
-            down: d,
-            width: self.cpu.width,
-        })
+        let width = self.cpu.width;
+        self.layer.unit.as_ref().map(|u| Experts::gated(u, width))
     }
 
     fn cpu_ffn(&mut self, x: &[f32], n: usize, routes: &[Route], out: &mut [f32]) -> Result<()> {
@@ -638,13 +634,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         self.traffic
             .stream_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        let [g, u, d] = &area.stacks;
-        Ok(Experts {
-            gate: Some(g),
-            up: u,
-            down: d,
-            width: self.cpu.width,
-        })
+        Ok(Experts::gated(&area.stacks, self.cpu.width))
     }
 
     fn low_bit(
