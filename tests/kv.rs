@@ -23,6 +23,7 @@ fn engine(path: &Path, kv: KvType) -> (Engine<CpuBackend>, Model) {
 
 fn manager(dir: Option<&Path>, compression: Compression, dram: u64, costs: CostModel) -> KvManager {
     let cfg = KvConfig {
+        shared: None,
         compression,
         dram_budget: dram,
         dir: dir.map(Path::to_path_buf),

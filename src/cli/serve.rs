@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::backend::KV_BLOCK;
-use crate::kv::{self, Compression, CostModel, KvConfig};
+use crate::kv::{self, Compression, CostModel, KvConfig, SharedConfig, SharedStore};
 use crate::runtime::Job;
 use crate::runtime::parse_bytes;
 use crate::runtime::{LoadedModel, ModelArgs};
@@ -107,6 +107,36 @@ pub struct ServeArgs {
     #[arg(long, env = "GPU_OFFLOAD_TOKENIZE_PER_KEY", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..))]
     pub tokenize_per_key: u16,
 
+    /// A store of contexts shared by replicas of this server, `redis://[user:password@]host:port[/db]`
+    /// (Redis or Valkey; `rediss://` for TLS): every context's index and chunks live there,
+    /// this server's tiers (device, DRAM, --kv-dir) a cache in front of it, so that a
+    /// conversation continues on any replica. One call on a context at a time, everywhere.
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE")]
+    pub context_store: Option<String>,
+
+    /// The context store's password, where the URL carries none.
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_CONTEXT_STORE_PASSWORD",
+        hide_env_values = true
+    )]
+    pub context_store_password: Option<String>,
+
+    /// Chunk bytes the context store may hold; beyond, the least recently used chunks are
+    /// dropped (their contexts recompute them from their tokens) [default: no bound]
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE_MAX_BYTES", value_parser = parse_bytes)]
+    pub context_store_max_bytes: Option<u64>,
+
+    /// Seconds a context's lease lives without renewal: a replica that dies mid-call frees its
+    /// context after this (renewed every third of it while the call runs).
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_LEASE_TTL", default_value_t = 30.0)]
+    pub context_lease_ttl: f64,
+
+    /// Seconds a call on a context that another call holds (on any replica) waits for it;
+    /// beyond, 409.
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_WAIT", default_value_t = 30.0)]
+    pub context_wait: f64,
+
     /// Model name reported by /v1/models and expected in requests [default: the file name]
     #[arg(long, env = "GPU_OFFLOAD_MODEL_NAME")]
     pub model_name: Option<String>,
@@ -132,6 +162,18 @@ fn check_flags(a: &ServeArgs) -> Result<Timeouts> {
         }
         Ok(Duration::from_secs_f64(v))
     };
+    if !(a.context_wait.is_finite() && (0.0..=86_400.0).contains(&a.context_wait)) {
+        bail!("--context-wait must be a number of seconds from 0 to 86400");
+    }
+    seconds("context-lease-ttl", a.context_lease_ttl)?;
+    if a.context_lease_ttl < 0.3 {
+        bail!("--context-lease-ttl must be at least 0.3 seconds (it is renewed every third)");
+    }
+    if a.context_store.is_none()
+        && (a.context_store_password.is_some() || a.context_store_max_bytes.is_some())
+    {
+        bail!("--context-store-password and --context-store-max-bytes need --context-store");
+    }
     Ok(Timeouts {
         header: seconds("header-timeout", a.header_timeout)?,
         idle: seconds("idle-timeout", a.idle_timeout)?,
@@ -139,8 +181,28 @@ fn check_flags(a: &ServeArgs) -> Result<Timeouts> {
     })
 }
 
+/// The shared context store, connected before the model loads (a wrong URL, an unreachable
+/// store or a refused password fails at once).
+fn open_store(a: &ServeArgs) -> Result<Option<Arc<SharedStore>>> {
+    let Some(url) = &a.context_store else {
+        return Ok(None);
+    };
+    let store = SharedStore::open(SharedConfig {
+        url: url.clone(),
+        password: a.context_store_password.clone(),
+        max_bytes: a.context_store_max_bytes,
+        lease_ttl: Duration::from_secs_f64(a.context_lease_ttl),
+    })?;
+    eprintln!(
+        "context store: {} (contexts shared with every replica using it)",
+        store.url()
+    );
+    Ok(Some(store))
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
     let timeouts = check_flags(&a)?;
+    let store = open_store(&a)?;
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
     let ctx = loaded.context_for(&a.model, spec.max_context.min(2048))?;
@@ -184,7 +246,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         kv::persist::prepare(dir)
             .with_context(|| format!("--kv-dir {} is not usable", dir.display()))?;
     }
-    let shared = Shared::new(running.ledger.clone()).context("metrics")?;
+    let shared = Shared::new(running.ledger.clone(), store.is_some()).context("metrics")?;
     let tok = loaded.tokenizer.clone().map(Arc::new);
     let (tx, rx) = std::sync::mpsc::channel();
     let max_prompt_tokens = a.max_prompt_tokens.unwrap_or(ctx);
@@ -215,6 +277,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             load_s_per_byte: 0.0,
             decode_s_per_value: 0.0,
         },
+        shared: store.clone(),
     };
     let worker = EngineThread {
         engine: running.engine,
@@ -237,6 +300,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             default_max_tokens: a.default_max_tokens.min(a.max_tokens_limit),
         },
         timeouts,
+        context_wait: Duration::from_secs_f64(a.context_wait),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -248,6 +312,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         shared: shared.clone(),
         cfg: Arc::new(cfg.clone()),
         encoder,
+        contexts: store,
     };
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(cfg.addr)

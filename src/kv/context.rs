@@ -20,6 +20,8 @@ pub(super) struct DramChunk {
 pub struct RestoreStats {
     pub chunks_from_dram: usize,
     pub chunks_from_disk: usize,
+    /// From the shared context store (`--context-store`).
+    pub chunks_from_store: usize,
     /// Recomputed by choice (the cost model) or because no copy existed.
     pub chunks_recomputed: usize,
     /// Copies that failed their checksum (recomputed, never used).

@@ -12,6 +12,7 @@ use super::chunk::CHUNK_TOKENS;
 use super::context::Context;
 use super::persist::{self, ContextIndex};
 use super::policy::{Compression, CostModel};
+use super::shared::SharedStore;
 use super::{KvError, Result};
 use crate::footprint::ledger::Ledger;
 
@@ -26,6 +27,9 @@ pub struct KvConfig {
     /// Identity of the model the contexts belong to.
     pub model_id: String,
     pub costs: CostModel,
+    /// The store replicas share (`--context-store`): the index and chunks of every context,
+    /// this manager's tiers a cache in front of it.
+    pub shared: Option<Arc<SharedStore>>,
 }
 
 /// Counters for /metrics.
@@ -36,6 +40,7 @@ pub struct KvCounters {
     pub chunks_written: u64,
     pub chunks_from_dram: u64,
     pub chunks_from_disk: u64,
+    pub chunks_from_store: u64,
     pub chunks_recomputed: u64,
     pub chunks_corrupt: u64,
     pub dram_evictions: u64,
@@ -201,6 +206,60 @@ impl KvManager {
 
     pub fn delete(&mut self, id: &str, owner: Option<&str>) -> Result<()> {
         self.check(id, owner)?;
+        if let Some(dir) = &self.cfg.dir {
+            persist::remove_context(dir, id)?;
+        }
+        self.forget(id);
+        Ok(())
+    }
+
+    /// Make the shared store's copy of a context this manager's (`remote`): kept as it is
+    /// where the local copy is the same revision by the same writer, else replaced (its DRAM
+    /// chunks dropped; chunks named by content come back from the local disk where it has them,
+    /// else from the store). Returns whether the local copy was replaced: a session holding
+    /// it holds a stale cache then. Another model's context is refused.
+    pub fn adopt(&mut self, remote: ContextIndex) -> Result<bool> {
+        if remote.model_id != self.cfg.model_id {
+            return Err(KvError::OtherModel {
+                id: remote.id,
+                model_id: remote.model_id,
+            });
+        }
+        if let Some(c) = self.contexts.get(&remote.id)
+            && c.index.stamp() == remote.stamp()
+        {
+            return Ok(false);
+        }
+        let id = remote.id.clone();
+        if let Some(old) = self.contexts.remove(&id) {
+            self.dram_used -= old
+                .dram
+                .iter()
+                .flatten()
+                .map(|d| d.bytes.len() as u64)
+                .sum::<u64>();
+        }
+        if let Some(dir) = &self.cfg.dir {
+            persist::save_index(dir, &remote)?;
+        }
+        let n = remote.evaluated.div_ceil(CHUNK_TOKENS);
+        self.clock += 1;
+        self.contexts.insert(
+            id,
+            Context {
+                clean: remote.evaluated,
+                index: remote,
+                dram: (0..n).map(|_| None).collect(),
+                last_use: self.clock,
+                last_restore: None,
+                lost_at_load: 0,
+            },
+        );
+        Ok(true)
+    }
+
+    /// Forget context `id` here only (the shared store no longer has it).
+    pub fn forget(&mut self, id: &str) {
         if let Some(c) = self.contexts.remove(id) {
             self.dram_used -= c
                 .dram
@@ -209,10 +268,15 @@ impl KvManager {
                 .map(|d| d.bytes.len() as u64)
                 .sum::<u64>();
         }
-        if let Some(dir) = &self.cfg.dir {
-            persist::remove_context(dir, id)?;
+        if let Some(dir) = &self.cfg.dir
+            && let Err(e) = persist::remove_context(dir, id)
+        {
+            tracing::warn!("{e}");
         }
-        Ok(())
+    }
+
+    pub fn shared(&self) -> Option<&Arc<SharedStore>> {
+        self.cfg.shared.as_ref()
     }
 
     /// Persist the conversation (tokens, messages) now: chunks not yet written are recomputed

@@ -16,6 +16,7 @@ mod costs;
 mod manager;
 pub mod persist;
 pub mod policy;
+pub mod shared;
 mod swap_in;
 mod swap_out;
 
@@ -28,6 +29,9 @@ pub use costs::measure_costs;
 pub use manager::{KvConfig, KvCounters, KvManager, unix_now};
 use persist::PersistError;
 pub use policy::{Compression, CostModel};
+pub use shared::{
+    Claim, Lease, SharedConfig, SharedError, SharedHealth, SharedStore, WriteBackCounters,
+};
 pub use swap_out::save_session;
 
 #[derive(Debug, Error)]
@@ -42,6 +46,8 @@ pub enum KvError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Persist(#[from] PersistError),
+    #[error(transparent)]
+    Shared(#[from] shared::SharedError),
 }
 
 pub type Result<T> = std::result::Result<T, KvError>;

@@ -47,6 +47,13 @@ pub struct ContextIndex {
     pub evaluated: usize,
     /// Chunk records of the evaluated tokens; None: not written yet (recompute).
     pub chunks: Vec<Option<ChunkRecord>>,
+    /// Completed calls on the context (a shared store's version: one more per call).
+    #[serde(default)]
+    pub revision: u64,
+    /// The lease of the call that wrote this revision (shared store; None before the first
+    /// call): two replicas' revisions of one number are told apart by it.
+    #[serde(default)]
+    pub writer: Option<String>,
 }
 
 impl ContextIndex {
@@ -63,7 +70,19 @@ impl ContextIndex {
             tokens: Vec::new(),
             evaluated: 0,
             chunks: Vec::new(),
+            revision: 0,
+            writer: None,
         }
+    }
+
+    /// What tells this revision from every other one: its number and its writer.
+    pub fn stamp(&self) -> String {
+        format!("{}:{}", self.revision, self.writer.as_deref().unwrap_or(""))
+    }
+
+    /// The chunk names (files, keys) the index refers to.
+    pub fn chunk_files(&self) -> impl Iterator<Item = &str> {
+        self.chunks.iter().flatten().map(|r| r.file.as_str())
     }
 }
 
@@ -107,22 +126,40 @@ pub fn prepare(kv_dir: &Path) -> Result<(), PersistError> {
     Ok(())
 }
 
-/// Write the index atomically (sealed with its checksum).
-pub fn save_index(kv_dir: &Path, index: &ContextIndex) -> Result<(), PersistError> {
-    let dir = context_dir(kv_dir, &index.id);
-    fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let path = dir.join("index.json");
-    let body = serde_json::to_value(index).map_err(|e| PersistError::Corrupt {
-        path: path.clone(),
-        msg: e.to_string(),
-    })?;
+/// The index as stored: its JSON with the JSON's checksum beside it.
+pub fn seal(index: &ContextIndex) -> Vec<u8> {
+    let body = serde_json::to_value(index).unwrap_or_default();
     let text = serde_json::to_vec(&body).unwrap_or_default();
     let sealed = Sealed {
         xxh3: format!("{:016x}", xxh3_64(&text)),
         body,
     };
-    let bytes = serde_json::to_vec(&sealed).unwrap_or_default();
-    write_atomic(&path, &bytes).map_err(io_err(&path))
+    serde_json::to_vec(&sealed).unwrap_or_default()
+}
+
+/// An index from what [`seal`] wrote, its checksum and format checked; the error's message.
+pub fn unseal(bytes: &[u8]) -> Result<ContextIndex, String> {
+    let sealed: Sealed = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let text = serde_json::to_vec(&sealed.body).unwrap_or_default();
+    if format!("{:016x}", xxh3_64(&text)) != sealed.xxh3 {
+        return Err("checksum mismatch".into());
+    }
+    let index: ContextIndex = serde_json::from_value(sealed.body).map_err(|e| e.to_string())?;
+    if index.format != FORMAT || index.version != VERSION {
+        return Err(format!(
+            "format {} v{} is not {FORMAT} v{VERSION}",
+            index.format, index.version
+        ));
+    }
+    Ok(index)
+}
+
+/// Write the index atomically (sealed with its checksum).
+pub fn save_index(kv_dir: &Path, index: &ContextIndex) -> Result<(), PersistError> {
+    let dir = context_dir(kv_dir, &index.id);
+    fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let path = dir.join("index.json");
+    write_atomic(&path, &seal(index)).map_err(io_err(&path))
 }
 
 fn load_index(path: &Path) -> Result<ContextIndex, PersistError> {
@@ -137,20 +174,7 @@ fn load_index(path: &Path) -> Result<ContextIndex, PersistError> {
             std::io::ErrorKind::FileTooLarge => corrupt(e.to_string()),
             _ => io_err(path)(e),
         })?;
-    let sealed: Sealed = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let text = serde_json::to_vec(&sealed.body).unwrap_or_default();
-    if format!("{:016x}", xxh3_64(&text)) != sealed.xxh3 {
-        return Err(corrupt("checksum mismatch".into()));
-    }
-    let index: ContextIndex =
-        serde_json::from_value(sealed.body).map_err(|e| corrupt(e.to_string()))?;
-    if index.format != FORMAT || index.version != VERSION {
-        return Err(corrupt(format!(
-            "format {} v{} is not {FORMAT} v{VERSION}",
-            index.format, index.version
-        )));
-    }
-    Ok(index)
+    unseal(&bytes).map_err(corrupt)
 }
 
 /// Every context index under `kv_dir`; unreadable ones come back as errors (named).
@@ -177,8 +201,20 @@ pub fn load_all(kv_dir: &Path) -> Result<Vec<Result<ContextIndex, PersistError>>
     Ok(out)
 }
 
-/// Write one encoded chunk; its file name carries its index and checksum, so a rewrite never
-/// replaces a file an older index still names.
+/// The record of one encoded chunk: its name carries its index and checksum, so a rewrite
+/// never replaces a chunk an older index still names.
+pub fn chunk_record(chunk: usize, len: usize, bits: Bits, bytes: &[u8]) -> ChunkRecord {
+    let sum = format!("{:016x}", xxh3_64(bytes));
+    ChunkRecord {
+        len,
+        bits,
+        bytes: bytes.len() as u64,
+        file: format!("{chunk:06}-{sum}.kv"),
+        xxh3: sum,
+    }
+}
+
+/// Write one encoded chunk under its record's name.
 pub fn write_chunk(
     kv_dir: &Path,
     id: &str,
@@ -189,17 +225,21 @@ pub fn write_chunk(
 ) -> Result<ChunkRecord, PersistError> {
     let dir = context_dir(kv_dir, id);
     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-    let sum = format!("{:016x}", xxh3_64(bytes));
-    let file = format!("{chunk:06}-{sum}.kv");
-    let path = dir.join(&file);
+    let rec = chunk_record(chunk, len, bits, bytes);
+    let path = dir.join(&rec.file);
     write_atomic(&path, bytes).map_err(io_err(&path))?;
-    Ok(ChunkRecord {
-        len,
-        bits,
-        bytes: bytes.len() as u64,
-        xxh3: sum,
-        file,
-    })
+    Ok(rec)
+}
+
+/// Whether `bytes` are the chunk `rec` names (length and checksum); the mismatch otherwise.
+pub fn check_chunk(rec: &ChunkRecord, bytes: &[u8]) -> Result<(), String> {
+    if bytes.len() as u64 != rec.bytes {
+        return Err(format!("{} bytes, expected {}", bytes.len(), rec.bytes));
+    }
+    if format!("{:016x}", xxh3_64(bytes)) != rec.xxh3 {
+        return Err("checksum mismatch".into());
+    }
+    Ok(())
 }
 
 /// Read a chunk and check its length and checksum.
@@ -219,30 +259,14 @@ pub fn read_chunk(kv_dir: &Path, id: &str, rec: &ChunkRecord) -> Result<Vec<u8>,
         });
     }
     let bytes = read_at_most(&path, rec.bytes).map_err(io_err(&path))?;
-    if bytes.len() as u64 != rec.bytes {
-        return Err(PersistError::Corrupt {
-            path,
-            msg: format!("{} bytes, expected {}", bytes.len(), rec.bytes),
-        });
-    }
-    if format!("{:016x}", xxh3_64(&bytes)) != rec.xxh3 {
-        return Err(PersistError::Corrupt {
-            path,
-            msg: "checksum mismatch".into(),
-        });
-    }
+    check_chunk(rec, &bytes).map_err(|msg| PersistError::Corrupt { path, msg })?;
     Ok(bytes)
 }
 
 /// Remove chunk files the index no longer names (after the index was saved).
 pub fn remove_unreferenced(kv_dir: &Path, index: &ContextIndex) {
     let dir = context_dir(kv_dir, &index.id);
-    let keep: std::collections::HashSet<&str> = index
-        .chunks
-        .iter()
-        .flatten()
-        .map(|r| r.file.as_str())
-        .collect();
+    let keep: std::collections::HashSet<&str> = index.chunk_files().collect();
     if let Ok(entries) = fs::read_dir(&dir) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();

@@ -2,7 +2,7 @@
 //! chunks on disk loaded on an I/O thread while a prefix of chunks is recomputed (the split the
 //! cost model chooses), chunks without a usable copy recomputed from their tokens.
 
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
@@ -11,6 +11,7 @@ use super::chunk::{self, Bits, CHUNK_TOKENS, ChunkData};
 use super::context::{Context, RestoreStats};
 use super::manager::KvManager;
 use super::persist::{self, ChunkRecord};
+use super::shared::SharedStore;
 use super::{KvError, Result};
 use crate::backend::Backend;
 use crate::engine::{Engine, Logits, Session};
@@ -70,21 +71,24 @@ impl KvManager {
         let mut stats = RestoreStats::default();
         session.truncate(0);
         let mut redo: Vec<usize> = Vec::new();
-        let dir = self.cfg.dir.clone();
+        let copies = ChunkCopies {
+            dir: self.cfg.dir.clone(),
+            shared: self.cfg.shared.clone(),
+        };
         let shape = ChunkShape {
             n_layers,
             kv_dim,
             raw_bits: Bits::cache_bytes(engine.kv_type()),
         };
         std::thread::scope(|scope| -> Result<()> {
-            let (tx, rx) = mpsc::channel::<(usize, Option<Loaded>)>();
+            let (tx, rx) = mpsc::channel::<(usize, Option<(Loaded, Source)>)>();
             let io_jobs: Vec<(usize, ChunkRecord)> = (prefix..n)
                 .filter(|&i| sources.on_disk[i].is_some())
                 .filter_map(|i| sources.disk[i].clone().map(|r| (i, r)))
                 .collect();
-            if let Some(dir) = dir.clone() {
+            if copies.dir.is_some() || copies.shared.is_some() {
                 let id = id.to_string();
-                scope.spawn(move || read_disk_chunks(&dir, &id, io_jobs, shape, tx));
+                scope.spawn(move || read_disk_chunks(&copies, &id, io_jobs, shape, tx));
             } else {
                 drop(tx);
             }
@@ -131,12 +135,9 @@ impl KvManager {
             .collect();
         let disk: Vec<Option<ChunkRecord>> = (0..n)
             .map(|i| {
-                c.index
-                    .chunks
-                    .get(i)
-                    .cloned()
-                    .flatten()
-                    .filter(|r| r.len == lens[i] && self.cfg.dir.is_some())
+                c.index.chunks.get(i).cloned().flatten().filter(|r| {
+                    r.len == lens[i] && (self.cfg.dir.is_some() || self.cfg.shared.is_some())
+                })
             })
             .collect();
         let on_disk: Vec<Option<u64>> = (0..n)
@@ -159,6 +160,7 @@ impl KvManager {
         self.counters.swap_ins += 1;
         self.counters.chunks_from_dram += stats.chunks_from_dram as u64;
         self.counters.chunks_from_disk += stats.chunks_from_disk as u64;
+        self.counters.chunks_from_store += stats.chunks_from_store as u64;
         self.counters.chunks_recomputed += stats.chunks_recomputed as u64;
         self.counters.chunks_corrupt += stats.chunks_corrupt as u64;
         if let Some(c) = self.contexts.get_mut(id) {
@@ -171,14 +173,48 @@ impl KvManager {
     }
 }
 
-/// The I/O thread: read each chunk of `jobs` from disk and send it decoded (or `None` where
-/// its copy is unusable: it is recomputed), until the receiver hangs up.
+/// Where a loaded chunk came from.
+#[derive(Clone, Copy)]
+enum Source {
+    Disk,
+    Store,
+}
+
+/// Where written chunks are: the local disk (`--kv-dir`), in front of the shared store.
+struct ChunkCopies {
+    dir: Option<PathBuf>,
+    shared: Option<Arc<SharedStore>>,
+}
+
+impl ChunkCopies {
+    /// Chunk `r` of `id`: the local disk's copy where it has a good one, else the store's.
+    fn read(&self, id: &str, r: &ChunkRecord) -> Option<(Vec<u8>, Source)> {
+        let local = self.dir.as_ref().map(|d| persist::read_chunk(d, id, r));
+        match (local, &self.shared) {
+            (Some(Ok(b)), _) => Some((b, Source::Disk)),
+            (_, Some(s)) => s
+                .read_chunk(id, r)
+                .map_err(|e| tracing::warn!("{e}: recomputing"))
+                .ok()
+                .map(|b| (b, Source::Store)),
+            (Some(Err(e)), None) => {
+                tracing::warn!("{e}: recomputing");
+                None
+            }
+            (None, None) => None,
+        }
+    }
+}
+
+/// The I/O thread: read each chunk of `jobs` (local disk, else the shared store) and send it
+/// decoded (or `None` where its copy is unusable: it is recomputed), until the receiver hangs
+/// up.
 fn read_disk_chunks(
-    dir: &Path,
+    copies: &ChunkCopies,
     id: &str,
     jobs: Vec<(usize, ChunkRecord)>,
     shape: ChunkShape,
-    tx: mpsc::Sender<(usize, Option<Loaded>)>,
+    tx: mpsc::Sender<(usize, Option<(Loaded, Source)>)>,
 ) {
     let ChunkShape {
         n_layers,
@@ -186,19 +222,17 @@ fn read_disk_chunks(
         raw_bits,
     } = shape;
     for (i, r) in jobs {
-        let data = persist::read_chunk(dir, id, &r)
-            .map_err(|e| tracing::warn!("{e}: recomputing"))
-            .ok()
-            .and_then(|b| {
-                if Some(r.bits) == raw_bits {
-                    // The cache's own bytes: written as they are.
-                    let ok = b.len()
-                        == chunk::encoded_len_rows(r.bits, 2 * n_layers * r.len * kv_dim, kv_dim);
-                    ok.then_some(Loaded::Raw(b))
-                } else {
-                    chunk::decode(&b, r.bits, n_layers, kv_dim, r.len).map(Loaded::Values)
-                }
-            });
+        let data = copies.read(id, &r).and_then(|(b, source)| {
+            if Some(r.bits) == raw_bits {
+                // The cache's own bytes: written as they are.
+                let ok = b.len()
+                    == chunk::encoded_len_rows(r.bits, 2 * n_layers * r.len * kv_dim, kv_dim);
+                ok.then_some(Loaded::Raw(b))
+            } else {
+                chunk::decode(&b, r.bits, n_layers, kv_dim, r.len).map(Loaded::Values)
+            }
+            .map(|l| (l, source))
+        });
         if tx.send((i, data)).is_err() {
             return;
         }
@@ -266,19 +300,22 @@ fn write_loaded_chunks<B: Backend>(
     engine: &Engine<B>,
     session: &mut Session<B>,
     lens: &[usize],
-    rx: mpsc::Receiver<(usize, Option<Loaded>)>,
+    rx: mpsc::Receiver<(usize, Option<(Loaded, Source)>)>,
     stats: &mut RestoreStats,
     redo: &mut Vec<usize>,
 ) -> Result<()> {
     for (i, data) in rx {
         match data {
-            Some(d) => {
+            Some((d, source)) => {
                 let at = i * CHUNK_TOKENS;
                 match d {
                     Loaded::Raw(b) => engine.write_kv_raw(session, at, lens[i], &b)?,
                     Loaded::Values(d) => engine.write_kv(session, at, lens[i], &d.values)?,
                 }
-                stats.chunks_from_disk += 1;
+                match source {
+                    Source::Disk => stats.chunks_from_disk += 1,
+                    Source::Store => stats.chunks_from_store += 1,
+                }
             }
             None => {
                 stats.chunks_corrupt += 1;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::chunk::{self, Bits, CHUNK_TOKENS, ChunkData};
 use super::context::DramChunk;
 use super::manager::{KvManager, unix_now};
-use super::persist::{self, ContextIndex};
+use super::persist::{self, ChunkRecord, ContextIndex};
 use super::policy::{self, Compression};
 use super::{KvError, Result};
 use crate::backend::Backend;
@@ -17,13 +17,13 @@ use crate::footprint::ledger::Tier;
 
 impl KvManager {
     /// Write the chunks the session changed since the last swap-out (ahead of time: the
-    /// context may stay on the device). Returns the number of chunks written.
+    /// context may stay on the device). Returns the chunks written (for a shared store).
     pub fn swap_out<B: Backend>(
         &mut self,
         engine: &Engine<B>,
         session: &mut Session<B>,
         id: &str,
-    ) -> Result<usize> {
+    ) -> Result<Vec<(ChunkRecord, Arc<Vec<u8>>)>> {
         let pos = session.position();
         let exact = Bits::exact_for(engine.kv_type());
         // With a disk tier, exact is kept wherever decoding costs more than the bytes it saves
@@ -97,14 +97,17 @@ impl KvManager {
                 std::thread::sleep(d);
             }
             let bytes = read_chunk_bytes(engine, session, start, len, bits)?;
-            c.index.chunks[ci] = match &self.cfg.dir {
-                Some(dir) => Some(persist::write_chunk(dir, id, ci, len, bits, &bytes)?),
-                None => None,
+            let record = match &self.cfg.dir {
+                Some(dir) => persist::write_chunk(dir, id, ci, len, bits, &bytes)?,
+                None => persist::chunk_record(ci, len, bits, &bytes),
             };
+            // Without a disk or a shared store nothing is written: the record would name nothing.
+            c.index.chunks[ci] =
+                (self.cfg.dir.is_some() || self.cfg.shared.is_some()).then(|| record.clone());
             if let Some(old) = c.dram[ci].take() {
                 self.dram_used -= old.bytes.len() as u64;
             }
-            written.push((ci, len, bits, bytes));
+            written.push((ci, record, Arc::new(bytes)));
         }
         let count = written.len();
         c.clean = pos;
@@ -112,17 +115,17 @@ impl KvManager {
             persist::save_index(dir, &c.index)?;
             persist::remove_unreferenced(dir, &c.index);
         }
-        for (ci, len, bits, bytes) in written {
-            self.cache_in_dram(id, ci, len, bits, bytes);
+        for (ci, record, bytes) in &written {
+            self.cache_in_dram(id, *ci, record.len, record.bits, bytes.clone());
         }
         self.counters.swap_outs += 1;
         self.counters.chunks_written += count as u64;
-        Ok(count)
+        Ok(written.into_iter().map(|(_, r, b)| (r, b)).collect())
     }
 
     /// Keep a chunk in DRAM, evicting others in LCTRU order to make room; when nothing can be
     /// evicted the chunk is not cached (it is on disk, or will be recomputed).
-    fn cache_in_dram(&mut self, id: &str, ci: usize, len: usize, bits: Bits, bytes: Vec<u8>) {
+    fn cache_in_dram(&mut self, id: &str, ci: usize, len: usize, bits: Bits, bytes: Arc<Vec<u8>>) {
         let need = bytes.len() as u64;
         if need > self.cfg.dram_budget {
             return;
@@ -139,7 +142,7 @@ impl KvManager {
                     && ci < c.dram.len()
                 {
                     c.dram[ci] = Some(DramChunk {
-                        bytes: Arc::new(bytes),
+                        bytes,
                         bits,
                         len,
                         _reservation: reservation,

@@ -23,9 +23,12 @@ use super::answer::{AnswerHead, AnswerShape, Choice, PromptUsage, logprobs_json,
 use super::api::{self, ApiError, GenerationRequest};
 use super::conn::Peer;
 use super::messages::{Event, Generate, Request};
+use super::worker::errors::shared_error;
 use super::{AppState, owner_of};
-use crate::kv::unix_now;
+use crate::kv::{Claim, SharedStore, unix_now};
 use crate::limits::MAX_REQUEST_BODY_BYTES;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// The router over `state`.
 pub fn router(state: AppState) -> Router {
@@ -156,11 +159,24 @@ async fn read_body(State(st): State<AppState>, req: HttpRequest, next: Next) -> 
     }
 }
 
-async fn health() -> impl IntoResponse {
-    axum::Json(json!({"status": "ok"}))
+/// The server's health; with a shared context store, the store's too (the server is
+/// "degraded" while the store is: calls on contexts wait for it, others are served).
+async fn health(State(st): State<AppState>) -> impl IntoResponse {
+    match &st.contexts {
+        None => axum::Json(json!({"status": "ok"})),
+        Some(store) => {
+            let h = store.health();
+            axum::Json(json!({"status": h.state, "context_store": h}))
+        }
+    }
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {
+    if let Some(store) = &st.contexts {
+        st.shared
+            .metrics
+            .set_store(&store.health(), &store.writeback_counters());
+    }
     let rate = st.shared.tokens_per_s();
     let text = st.shared.metrics.render(st.shared.ledger.as_deref(), rate);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
@@ -337,7 +353,14 @@ async fn generate(
         Ok(i) => i,
         Err(e) => return e.into_response(),
     };
-    let mut erx = match queue(&st, owner, context.clone(), request) {
+    let claim = match (&context, &st.contexts) {
+        (Some(id), Some(store)) => match claim(store, id, st.cfg.context_wait).await {
+            Ok(c) => Some(c),
+            Err(e) => return e.into_response(),
+        },
+        _ => None,
+    };
+    let mut erx = match queue(&st, owner, context.clone(), claim, request) {
         Ok(erx) => erx,
         Err(e) => return e.into_response(),
     };
@@ -373,12 +396,25 @@ async fn generate(
     collect_answer(header, shape, prompt, erx).await
 }
 
+/// Context `id`'s lease from the shared store, waiting up to `wait` while another call holds
+/// it (off the async threads: the store's client blocks).
+async fn claim(store: &Arc<SharedStore>, id: &str, wait: Duration) -> Result<Claim, ApiError> {
+    let (store, id) = (store.clone(), id.to_string());
+    match tokio::task::spawn_blocking(move || store.claim(&id, wait)).await {
+        Ok(r) => r.map_err(shared_error),
+        Err(e) => Err(ApiError::internal(format!(
+            "taking the context's lease: {e}"
+        ))),
+    }
+}
+
 /// The generation sent to the engine thread, once the model is the one served, the server is
 /// not shutting down and the queue has a place: the receiver of its events.
 fn queue(
     st: &AppState,
     owner: Option<String>,
     context: Option<String>,
+    claim: Option<Claim>,
     request: GenerationRequest,
 ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
     if let Some(m) = &request.model
@@ -405,6 +441,7 @@ fn queue(
     let job = Generate {
         request,
         context,
+        claim,
         owner,
         events: etx,
         received: Instant::now(),

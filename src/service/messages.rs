@@ -8,6 +8,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 use super::api::{ApiError, GenerationRequest};
+use crate::kv::Claim;
 
 /// What the HTTP side asks of the engine thread.
 pub enum Request {
@@ -32,6 +33,9 @@ pub enum Request {
 pub struct Generate {
     pub request: GenerationRequest,
     pub context: Option<String>,
+    /// With a shared context store: the call's lease on its context and the context as the
+    /// store had it when the lease was taken (dropped unused, the lease is given back).
+    pub claim: Option<Claim>,
     pub owner: Option<String>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,

@@ -6,7 +6,7 @@ use prometheus::{
 };
 
 use crate::footprint::Ledger;
-use crate::kv::KvCounters;
+use crate::kv::{KvCounters, SharedHealth, WriteBackCounters};
 
 pub struct Metrics {
     registry: Registry,
@@ -34,6 +34,10 @@ pub struct Metrics {
     pub decode_steps_recorded: IntGaugeVec,
     kv_events: IntGaugeVec,
     ledger: IntGaugeVec,
+    /// The shared context store (`--context-store`): 1 answering, 0 degraded.
+    store_up: IntGauge,
+    store_pending: IntGauge,
+    store_events: IntGaugeVec,
 }
 
 fn latency_buckets() -> Vec<f64> {
@@ -119,6 +123,21 @@ impl Metrics {
                 ),
                 &["tier", "kind"],
             )?,
+            store_up: IntGauge::new(
+                "context_store_up",
+                "1 while the shared context store answers, 0 while it is degraded (unreachable)",
+            )?,
+            store_pending: IntGauge::new(
+                "context_store_pending_writebacks",
+                "Completed calls on contexts not yet written to the shared store",
+            )?,
+            store_events: IntGaugeVec::new(
+                Opts::new(
+                    "context_store_events_total",
+                    "Shared context store: write-backs committed, refused (conflict), retried; chunks put and evicted; leases lost",
+                ),
+                &["event"],
+            )?,
             registry,
         };
         let r = &m.registry;
@@ -144,6 +163,28 @@ impl Metrics {
         Ok(m)
     }
 
+    /// Register the shared store's figures (only a server with a store shows them).
+    pub fn with_store(self) -> Result<Self, prometheus::Error> {
+        self.registry.register(Box::new(self.store_up.clone()))?;
+        self.registry
+            .register(Box::new(self.store_pending.clone()))?;
+        self.registry
+            .register(Box::new(self.store_events.clone()))?;
+        Ok(self)
+    }
+
+    pub fn set_store(&self, h: &SharedHealth, w: &WriteBackCounters) {
+        self.store_up.set((h.state == "ok") as i64);
+        self.store_pending.set(h.pending_writebacks as i64);
+        let set = |name: &str, v: u64| self.store_events.with_label_values(&[name]).set(v as i64);
+        set("committed", w.committed);
+        set("conflict", w.conflicts);
+        set("retry", w.retries);
+        set("chunk_put", w.chunks_put);
+        set("chunk_evicted", w.chunks_evicted);
+        set("lease_lost", w.leases_lost);
+    }
+
     pub fn set_kv_counters(&self, k: &KvCounters) {
         let set = |name: &str, v: u64| self.kv_events.with_label_values(&[name]).set(v as i64);
         set("swap_out", k.swap_outs);
@@ -151,6 +192,7 @@ impl Metrics {
         set("chunks_written", k.chunks_written);
         set("chunk_hit_dram", k.chunks_from_dram);
         set("chunk_hit_disk", k.chunks_from_disk);
+        set("chunk_hit_store", k.chunks_from_store);
         set("chunk_recomputed", k.chunks_recomputed);
         set("chunk_corrupt", k.chunks_corrupt);
         set("dram_eviction", k.dram_evictions);

@@ -27,6 +27,7 @@ use messages::Request;
 use metrics::Metrics;
 
 use crate::footprint::Ledger;
+use crate::kv::SharedStore;
 
 /// What the HTTP side and the engine thread share.
 pub struct Shared {
@@ -39,9 +40,15 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(ledger: Option<Arc<Ledger>>) -> Result<Arc<Self>, prometheus::Error> {
+    /// `store`: the server has a shared context store (its figures are shown).
+    pub fn new(ledger: Option<Arc<Ledger>>, store: bool) -> Result<Arc<Self>, prometheus::Error> {
+        let metrics = Metrics::new()?;
         Ok(Arc::new(Shared {
-            metrics: Metrics::new()?,
+            metrics: if store {
+                metrics.with_store()?
+            } else {
+                metrics
+            },
             waiting: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             ledger,
@@ -75,6 +82,8 @@ pub struct HttpConfig {
     pub queue: usize,
     pub limits: api::Limits,
     pub timeouts: conn::Timeouts,
+    /// How long a call on a context another call holds waits for it (shared store) before 409.
+    pub context_wait: std::time::Duration,
 }
 
 /// The owner id of an API key (contexts are stored with this, never the key).
@@ -90,4 +99,6 @@ pub struct AppState {
     pub cfg: Arc<HttpConfig>,
     /// Prompts sized and encoded on this side, off the engine thread.
     pub encoder: Arc<tokenize::Encoder>,
+    /// The context store replicas share (`--context-store`), if any.
+    pub contexts: Option<Arc<SharedStore>>,
 }

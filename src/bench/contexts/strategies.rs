@@ -407,6 +407,7 @@ pub(super) fn mover<B: Backend>(
     };
     let chunked = |compression, costs, ahead_of_time| -> Result<Box<dyn Mover<B>>> {
         let cfg = KvConfig {
+            shared: None,
             compression,
             dram_budget: set.dram_budget,
             dir: Some(dir.to_path_buf()),

@@ -130,6 +130,10 @@ impl<B: Backend> Worker<B> {
     fn try_start(&mut self, g: &Generate) -> Result<Started, NotStarted> {
         let vocab = self.engine.spec().vocab_size;
         Self::check_request(g, vocab)?;
+        if let (Some(id), Some(claim)) = (&g.context, &g.claim) {
+            // The context as the store has it, before anything here reads or writes it.
+            self.sync_context(id, &claim.index)?;
+        }
         let (tokens, messages) = self.prompt(g)?;
         self.check_prompt(g, &tokens, vocab)?;
         let pool_blocks = self.reserve_pool(g, &tokens)?;

@@ -4,35 +4,150 @@
 use serde_json::{Value, json};
 
 use super::Worker;
-use super::errors::kv_error;
+use super::errors::{kv_error, shared_error};
 use super::slot::Holder;
 use crate::backend::Backend;
-use crate::kv::Bits;
+use crate::kv::persist::ContextIndex;
+use crate::kv::{Bits, Claim, SharedError};
 use crate::service::api::ApiError;
 
 impl<B: Backend> Worker<B> {
-    /// A new context of `owner`, as the API shows it.
+    /// A new context of `owner`, as the API shows it (with a shared store, stored there first:
+    /// not created where the store cannot take it).
     pub(super) fn create_context(
         &mut self,
         owner: Option<String>,
         system_prompt: Option<String>,
     ) -> Result<Value, ApiError> {
-        self.kv
+        let id = self
+            .kv
             .create(owner.clone(), system_prompt)
-            .map_err(kv_error)
-            .and_then(|id| self.context_json(&id, owner.as_deref()))
+            .map_err(kv_error)?;
+        if let Some(store) = self.kv.shared().cloned() {
+            let stored = self
+                .kv
+                .get(&id, owner.as_deref())
+                .map_err(kv_error)
+                .and_then(|c| store.create(&c.index).map_err(shared_error));
+            if let Err(e) = stored {
+                self.kv.forget(&id);
+                return Err(e);
+            }
+        }
+        self.context_json(&id, owner.as_deref())
     }
 
-    /// Delete context `id` of `owner`: refused while a call runs on it.
+    /// Make the store's copy of context `id` (`remote`) this replica's; sessions holding a
+    /// stale copy give it up.
+    pub(super) fn sync_context(&mut self, id: &str, remote: &ContextIndex) -> Result<(), ApiError> {
+        if self.kv.adopt(remote.clone()).map_err(kv_error)? {
+            self.release_holders(id);
+        }
+        Ok(())
+    }
+
+    /// Slots holding context `id` hold it no more (their copy is stale or gone).
+    fn release_holders(&mut self, id: &str) {
+        for s in &mut self.slots {
+            if s.holder == Holder::Context(id.to_string()) {
+                s.holder = Holder::Free;
+                s.unwritten = false;
+            }
+        }
+    }
+
+    /// With a shared store and no call running on it here: context `id` as the store has it
+    /// now (gone from here where the store no longer has it; as it is here while the store
+    /// cannot be reached).
+    fn refresh_context(&mut self, id: &str) -> Result<(), ApiError> {
+        let Some(store) = self.kv.shared().cloned() else {
+            return Ok(());
+        };
+        // A call running here, or one not yet written back: this replica's copy is the newer.
+        if self.running(id) || store.pending(id) > 0 {
+            return Ok(());
+        }
+        match store.index(id) {
+            Ok(Some(remote)) => self.sync_context(id, &remote),
+            Ok(None) => {
+                self.kv.forget(id);
+                self.release_holders(id);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!("context {id}: {e}; showing this replica's copy");
+                Ok(())
+            }
+        }
+    }
+
+    fn running(&self, id: &str) -> bool {
+        self.active
+            .iter()
+            .any(|s| s.job.context.as_deref() == Some(id))
+    }
+
+    /// A context's call finished (`completed` or not): with a shared store, its result goes to
+    /// the write-back with the call's lease (chunks written here first); a call that did not
+    /// complete only gives its lease back.
+    /// `done` runs once the store has the result (or at once where there is nothing to write,
+    /// or when the store cannot be reached: the write-back retries behind it).
+    pub(super) fn write_back(
+        &mut self,
+        slot: usize,
+        id: &str,
+        claim: Option<Claim>,
+        completed: bool,
+        done: Box<dyn FnOnce() + Send>,
+    ) {
+        let Some(Claim { lease, index: base }) = claim.filter(|_| completed) else {
+            return done();
+        };
+        let written = self
+            .kv
+            .swap_out(&self.engine, &mut self.slots[slot].session, id);
+        let c = match (written, self.kv.get_mut(id, base.owner.as_deref())) {
+            (Ok(w), Ok(c)) => {
+                c.index.revision = base.revision + 1;
+                c.index.writer = Some(lease.token.clone());
+                (w, c.index.clone())
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                // Not written: this replica's copy is dropped, the store keeps the context as it
+                // was before the call (the lease goes back unused).
+                tracing::warn!("context {id}: its call's chunks were not written: {e}");
+                self.kv.forget(id);
+                self.release_holders(id);
+                return done();
+            }
+        };
+        if let Err(e) = self.kv.save_conversation(id) {
+            tracing::warn!("saving context {id}: {e}");
+        }
+        self.slots[slot].unwritten = false;
+        lease.commit(&base, c.1, c.0, done);
+    }
+
+    /// Delete context `id` of `owner`: refused while a call runs on it (here, or with a
+    /// shared store anywhere: its lease is taken first, without waiting).
     pub(super) fn delete_context(
         &mut self,
         id: String,
         owner: Option<String>,
     ) -> Result<Value, ApiError> {
-        let busy = self
-            .active
-            .iter()
-            .any(|s| s.job.context.as_deref() == Some(id.as_str()));
+        let busy = self.running(&id);
+        if !busy && let Some(store) = self.kv.shared().cloned() {
+            let claim = match store.claim(&id, std::time::Duration::ZERO) {
+                Err(SharedError::NotFound { .. }) => {
+                    self.kv.forget(&id);
+                    return Err(ApiError::not_found(format!("no context '{id}'")));
+                }
+                r => r.map_err(shared_error)?,
+            };
+            self.sync_context(&id, &claim.index)?;
+            self.kv.get(&id, owner.as_deref()).map_err(kv_error)?;
+            store.delete(&claim).map_err(shared_error)?;
+        }
         if busy {
             // The caller owns it (else 404 below); refuse while a call runs on it.
             self.kv
@@ -74,7 +189,13 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    pub(super) fn context_json(&self, id: &str, owner: Option<&str>) -> Result<Value, ApiError> {
+    /// Context `id` as the API shows it (with a shared store, as the store has it now).
+    pub(super) fn get_context(&mut self, id: &str, owner: Option<&str>) -> Result<Value, ApiError> {
+        self.refresh_context(id)?;
+        self.context_json(id, owner)
+    }
+
+    fn context_json(&self, id: &str, owner: Option<&str>) -> Result<Value, ApiError> {
         let c = self.kv.get(id, owner).map_err(kv_error)?;
         let bits = c.chunk_bits();
         let count = |b: Bits| bits.iter().filter(|x| **x == Some(b)).count();
@@ -99,6 +220,7 @@ impl<B: Backend> Worker<B> {
                 "bits": {"8": count(Bits::Q8), "4": count(Bits::Q4), "2": count(Bits::Q2), "16": count(Bits::F16), "32": count(Bits::F32)},
             },
             "lost_chunks_at_load": c.lost_at_load,
+            "revision": c.index.revision,
             "last_restore": c.last_restore,
         }))
     }

@@ -66,15 +66,30 @@ impl<B: Backend> Worker<B> {
                     finish_reason: reason,
                 })
                 .ok();
-            seq.job
-                .events
-                .send(Event::Done {
-                    prompt_tokens: seq.prompt_tokens,
-                    completion_tokens: seq.generated_total,
-                })
-                .ok();
         }
+        let events = seq.job.events.clone();
+        let (prompt_tokens, completion_tokens) = (seq.prompt_tokens, seq.generated_total);
+        let done: Box<dyn FnOnce() + Send> = Box::new(move || {
+            if reason != "error" {
+                events
+                    .send(Event::Done {
+                        prompt_tokens,
+                        completion_tokens,
+                    })
+                    .ok();
+            }
+        });
         drop(seq.job.events);
+        if let Some(id) = seq.job.context.clone()
+            && self.kv.shared().is_some()
+        {
+            // Shared store: written now, and the call is done for its client once the store has
+            // it, so that whatever the client does next (on any replica) finds it.
+            let claim = seq.job.claim.take();
+            self.write_back(seq.slot, &id, claim, completed, done);
+            return;
+        }
+        done();
         if seq.job.context.is_some() {
             // Ahead-of-time swap-out of the chunks this call changed: when the engine falls
             // idle (the run loop), so that calls already waiting do not wait for it too; before

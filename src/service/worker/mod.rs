@@ -10,7 +10,7 @@
 
 mod admit;
 mod contexts;
-mod errors;
+pub(crate) mod errors;
 mod finish;
 mod pool;
 mod prompt;

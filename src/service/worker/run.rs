@@ -88,7 +88,7 @@ impl<B: Backend> Worker<B> {
                 reply.send(self.create_context(owner, system_prompt)).ok();
             }
             Request::GetContext { id, owner, reply } => {
-                reply.send(self.context_json(&id, owner.as_deref())).ok();
+                reply.send(self.get_context(&id, owner.as_deref())).ok();
             }
             Request::DeleteContext { id, owner, reply } => {
                 reply.send(self.delete_context(id, owner)).ok();
