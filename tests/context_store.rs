@@ -61,6 +61,40 @@ impl Redis {
         Some(r)
     }
 
+    /// A store that speaks TLS only, with the certificate `certs` holds (`srv.pem`, `srv.key`).
+    fn start_tls(certs: &Path) -> Option<Redis> {
+        let bin = redis_binary()?;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let child = Command::new(bin)
+            .args(["--port", "0", "--bind", "127.0.0.1", "--save", ""])
+            .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+            .arg("--tls-cert-file")
+            .arg(certs.join("srv.pem"))
+            .arg("--tls-key-file")
+            .arg(certs.join("srv.key"))
+            .arg("--tls-ca-cert-file")
+            .arg(certs.join("ca.pem"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        let t = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Redis {
+            child,
+            port,
+            dir,
+            password: None,
+        })
+    }
+
     fn spawn(bin: &Path, port: u16, dir: &Path, password: Option<&str>) -> Child {
         let mut cmd = Command::new(bin);
         cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
@@ -478,6 +512,8 @@ fn the_store_killed_mid_write_back_and_restarted() {
     assert_eq!(st, 503, "a call on a context while the store is down: {v}");
     let (st, v) = post(&b.url("/v1/completions"), greedy(json!(FIRST), 4));
     assert_eq!(st, 200, "a stateless call while the store is down: {v}");
+    let (st, v) = post(&b.url("/v1/contexts"), json!({}));
+    assert_eq!(st, 503, "a context created while the store is down: {v}");
     let (_, m) = call("GET", &a.url("/metrics"), None);
     let m = m.as_str().unwrap_or_default().to_string();
     assert!(m.contains("gpu_offload_context_store_up 0"), "{m}");
@@ -600,4 +636,153 @@ fn bad_stores_are_refused_with_the_reason() {
     assert_eq!(st, 409, "{v}");
     // The owner's replica still has it, unchanged.
     assert_eq!(token_ids(&a, &id).len(), FIRST.len() + 4);
+}
+
+/// `--context-store-max-bytes`: the store keeps at most that many chunk bytes (the least
+/// recently used dropped), and a context whose chunks were dropped still continues exactly on
+/// another replica (they are recomputed from its tokens).
+#[test]
+fn the_store_keeps_its_budget_and_dropped_chunks_are_recomputed() {
+    let Some(redis) = Redis::start(None) else {
+        return;
+    };
+    let model = common::stories260k();
+    let budget = 64 * 1024;
+    let extra = [
+        "--kv-compression",
+        "off",
+        "--context-store-max-bytes",
+        "64K",
+    ];
+    let a = Server::start(&model, &redis.url(), &extra, &[]);
+    let b = Server::start(&model, &redis.url(), &extra, &[]);
+    let ids: Vec<String> = (0..3).map(|_| new_context(&a)).collect();
+    for id in &ids {
+        assert_eq!(turn(&a, id, &FIRST, 100).0, 200);
+    }
+    let h = wait_health(&a, "ok", true);
+    let held = h["context_store"]["chunk_bytes"]
+        .as_u64()
+        .expect("chunk bytes");
+    assert!(
+        held <= budget,
+        "the store holds {held} chunk bytes, over {budget}: {h}"
+    );
+    let (_, m) = call("GET", &a.url("/metrics"), None);
+    let evicted: u64 = m
+        .as_str()
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("gpu_offload_context_store_events_total{event=\"chunk_evicted\"} ")
+        })
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the evicted chunks' count");
+    assert!(evicted > 0, "nothing was evicted");
+    // The least recently written context lost its chunks: B recomputes them.
+    let mut whole = token_ids(&b, &ids[0]);
+    whole.extend(SECOND);
+    let (st, v) = turn(&b, &ids[0], &SECOND, 12);
+    assert_eq!(st, 200, "{v}");
+    let (_, info) = context(&b, &ids[0]);
+    assert!(
+        info["last_restore"]["chunks_recomputed"].as_u64().unwrap() > 0,
+        "nothing was recomputed: {info}"
+    );
+    let (_, reference) = post(&a.url("/v1/completions"), greedy(json!(whole), 12));
+    assert_eq!(text_of(&v), text_of(&reference));
+    eprintln!("store: {held} chunk bytes of {budget}, {evicted} chunks evicted; {info}");
+}
+
+/// A private CA and a certificate for 127.0.0.1 signed by it (`openssl` CLI), or None.
+fn tls_certificates(dir: &Path) -> Option<()> {
+    let openssl = |args: &[&str]| {
+        Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").ok()?;
+    let ok = openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=gpu-offload test CA",
+    ]) && openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]) && openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "srv.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    ok.then_some(())
+}
+
+/// `rediss://`: a store behind TLS with a private CA is used with `--context-store-ca` (a
+/// conversation continues on a second replica through it) and refused without it (the
+/// certificate's issuer is unknown).
+#[test]
+fn a_tls_store_with_a_private_ca() {
+    if redis_binary().is_none() {
+        eprintln!("skipped: no redis-server on PATH");
+        return;
+    }
+    let certs = tempfile::tempdir().expect("tempdir");
+    if tls_certificates(certs.path()).is_none() {
+        eprintln!("skipped: the openssl CLI could not make a test CA");
+        return;
+    }
+    let Some(redis) = Redis::start_tls(certs.path()) else {
+        return;
+    };
+    let model = common::stories260k();
+    let url = format!("rediss://127.0.0.1:{}", redis.port);
+    let e = serve_fails(&model, &url, &[]);
+    assert!(e.contains("certificate"), "{e}");
+    let ca = certs.path().join("ca.pem");
+    let ca = ca.to_string_lossy();
+    let extra = ["--kv-compression", "off", "--context-store-ca", &ca];
+    let a = Server::start(&model, &url, &extra, &[]);
+    let b = Server::start(&model, &url, &extra, &[]);
+    let id = new_context(&a);
+    assert_eq!(turn(&a, &id, &FIRST, 20).0, 200);
+    let mut whole = token_ids(&b, &id);
+    whole.extend(SECOND);
+    let (st, v) = turn(&b, &id, &SECOND, 10);
+    assert_eq!(st, 200, "{v}");
+    let (_, reference) = post(&a.url("/v1/completions"), greedy(json!(whole), 10));
+    assert_eq!(text_of(&v), text_of(&reference));
 }

@@ -122,6 +122,11 @@ pub struct ServeArgs {
     )]
     pub context_store_password: Option<String>,
 
+    /// PEM file of the certificates to trust for a `rediss://` context store (a private CA)
+    /// [default: the system's roots]
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE_CA")]
+    pub context_store_ca: Option<PathBuf>,
+
     /// Chunk bytes the context store may hold; beyond, the least recently used chunks are
     /// dropped (their contexts recompute them from their tokens) [default: no bound]
     #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE_MAX_BYTES", value_parser = parse_bytes)]
@@ -170,9 +175,13 @@ fn check_flags(a: &ServeArgs) -> Result<Timeouts> {
         bail!("--context-lease-ttl must be at least 0.3 seconds (it is renewed every third)");
     }
     if a.context_store.is_none()
-        && (a.context_store_password.is_some() || a.context_store_max_bytes.is_some())
+        && (a.context_store_password.is_some()
+            || a.context_store_max_bytes.is_some()
+            || a.context_store_ca.is_some())
     {
-        bail!("--context-store-password and --context-store-max-bytes need --context-store");
+        bail!(
+            "--context-store-password, --context-store-ca and --context-store-max-bytes need --context-store"
+        );
     }
     Ok(Timeouts {
         header: seconds("header-timeout", a.header_timeout)?,
@@ -187,9 +196,18 @@ fn open_store(a: &ServeArgs) -> Result<Option<Arc<SharedStore>>> {
     let Some(url) = &a.context_store else {
         return Ok(None);
     };
+    let ca_pem = match &a.context_store_ca {
+        Some(p) => Some(
+            crate::limits::MAX_FILE_READ_BYTES
+                .read_file(p)
+                .with_context(|| format!("--context-store-ca {}", p.display()))?,
+        ),
+        None => None,
+    };
     let store = SharedStore::open(SharedConfig {
         url: url.clone(),
         password: a.context_store_password.clone(),
+        ca_pem,
         max_bytes: a.context_store_max_bytes,
         lease_ttl: Duration::from_secs_f64(a.context_lease_ttl),
     })?;

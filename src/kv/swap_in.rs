@@ -11,7 +11,7 @@ use super::chunk::{self, Bits, CHUNK_TOKENS, ChunkData};
 use super::context::{Context, RestoreStats};
 use super::manager::KvManager;
 use super::persist::{self, ChunkRecord};
-use super::shared::SharedStore;
+use super::shared::{SharedError, SharedStore};
 use super::{KvError, Result};
 use crate::backend::Backend;
 use crate::engine::{Engine, Logits, Session};
@@ -194,7 +194,11 @@ impl ChunkCopies {
             (Some(Ok(b)), _) => Some((b, Source::Disk)),
             (_, Some(s)) => s
                 .read_chunk(id, r)
-                .map_err(|e| tracing::warn!("{e}: recomputing"))
+                .map_err(|e| match e {
+                    // The store's budget at work, not a fault.
+                    SharedError::Evicted { .. } => tracing::debug!("{e}: recomputing"),
+                    e => tracing::warn!("{e}: recomputing"),
+                })
                 .ok()
                 .map(|b| (b, Source::Store)),
             (Some(Err(e)), None) => {

@@ -37,6 +37,7 @@ pub struct Metrics {
     /// The shared context store (`--context-store`): 1 answering, 0 degraded.
     store_up: IntGauge,
     store_pending: IntGauge,
+    store_bytes: IntGauge,
     store_events: IntGaugeVec,
 }
 
@@ -131,6 +132,10 @@ impl Metrics {
                 "context_store_pending_writebacks",
                 "Completed calls on contexts not yet written to the shared store",
             )?,
+            store_bytes: IntGauge::new(
+                "context_store_chunk_bytes",
+                "Chunk bytes in the shared context store after this replica's last write",
+            )?,
             store_events: IntGaugeVec::new(
                 Opts::new(
                     "context_store_events_total",
@@ -170,12 +175,14 @@ impl Metrics {
             .register(Box::new(self.store_pending.clone()))?;
         self.registry
             .register(Box::new(self.store_events.clone()))?;
+        self.registry.register(Box::new(self.store_bytes.clone()))?;
         Ok(self)
     }
 
     pub fn set_store(&self, h: &SharedHealth, w: &WriteBackCounters) {
         self.store_up.set((h.state == "ok") as i64);
         self.store_pending.set(h.pending_writebacks as i64);
+        self.store_bytes.set(h.chunk_bytes.unwrap_or(0) as i64);
         let set = |name: &str, v: u64| self.store_events.with_label_values(&[name]).set(v as i64);
         set("committed", w.committed);
         set("conflict", w.conflicts);

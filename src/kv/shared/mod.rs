@@ -40,6 +40,8 @@ pub struct SharedConfig {
     pub url: String,
     /// Used where the URL carries none.
     pub password: Option<String>,
+    /// PEM certificates to trust for `rediss://` (a private CA); None: the system's roots.
+    pub ca_pem: Option<Vec<u8>>,
     /// Chunk bytes the store may hold; beyond, the least recently used chunks are dropped (their
     /// contexts recompute them). None: no bound.
     pub max_bytes: Option<u64>,
@@ -59,6 +61,10 @@ pub enum SharedError {
     NotFound { id: String },
     #[error("context '{id}' is in use by another call (on this or another replica); retry later")]
     Busy { id: String },
+    #[error(
+        "chunk {file} of context '{id}' was dropped from the store (--context-store-max-bytes)"
+    )]
+    Evicted { id: String, file: String },
     #[error("context '{id}' in the store is unusable: {msg}")]
     Corrupt { id: String, msg: String },
 }
@@ -72,6 +78,7 @@ pub struct SharedHealth {
     pub last_error: Option<String>,
     /// Completed calls whose write to the store has not gone through yet.
     pub pending_writebacks: usize,
+    /// Chunk bytes the store held after this replica's last write (None: none yet).
     pub chunk_bytes: Option<u64>,
 }
 
@@ -205,7 +212,18 @@ impl SharedStore {
             let r = info.redis_settings().clone().set_password(p);
             info = info.set_redis_settings(r);
         }
-        let client = Client::open(info).map_err(|e| bad(e.to_string()))?;
+        let client = match &cfg.ca_pem {
+            Some(pem) if cfg.url.starts_with("rediss://") => Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                },
+            ),
+            Some(_) => return Err(bad("a CA certificate is for rediss:// (TLS) only".into())),
+            None => Client::open(info),
+        }
+        .map_err(|e| bad(e.to_string()))?;
         // One connection first, so that the error names what failed.
         let mut first = client
             .get_connection_with_timeout(IO_TIMEOUT)
@@ -291,7 +309,7 @@ impl SharedStore {
             },
             last_error,
             pending_writebacks: self.writeback.pending_total(),
-            chunk_bytes: None,
+            chunk_bytes: self.writeback.chunk_bytes(),
         }
     }
 
@@ -604,7 +622,10 @@ impl SharedStore {
             id: id.into(),
             msg: format!("chunk {}: {msg}", rec.file),
         };
-        let bytes = bytes.ok_or_else(|| corrupt("not in the store (evicted)".into()))?;
+        let bytes = bytes.ok_or_else(|| SharedError::Evicted {
+            id: id.into(),
+            file: rec.file.clone(),
+        })?;
         persist::check_chunk(rec, &bytes).map_err(corrupt)?;
         Ok(bytes)
     }

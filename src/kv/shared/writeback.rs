@@ -53,6 +53,8 @@ struct State {
     /// Held leases: token → context.
     held: HashMap<String, String>,
     counters: WriteBackCounters,
+    /// Chunk bytes in the store after this replica's last write.
+    chunk_bytes: Option<u64>,
 }
 
 pub(super) struct WriteBack {
@@ -120,6 +122,10 @@ impl WriteBack {
 
     pub(super) fn counters(&self) -> WriteBackCounters {
         self.lock().counters
+    }
+
+    pub(super) fn chunk_bytes(&self) -> Option<u64> {
+        self.lock().chunk_bytes
     }
 }
 
@@ -249,9 +255,11 @@ fn write(store: &SharedStore, c: &Commit, state: &Mutex<State>) -> Result<(), Sh
     if store.switch_index(&c.token, &c.base_stamp, &index)? {
         store.drop_chunks(&c.id, &c.old_files)?;
         let evicted = store.evict()?;
+        let bytes = store.chunk_bytes()?;
         let mut s = lock(state);
         s.counters.committed += 1;
         s.counters.chunks_evicted += evicted as u64;
+        s.chunk_bytes = Some(bytes);
     } else {
         tracing::warn!(
             "context {}: this replica's call (revision {}) was not written: another call wrote \
