@@ -786,3 +786,67 @@ fn a_tls_store_with_a_private_ca() {
     let (_, reference) = post(&a.url("/v1/completions"), greedy(json!(whole), 10));
     assert_eq!(text_of(&v), text_of(&reference));
 }
+
+/// One call per context: a replica that does not wait (`--context-wait 0`) gets 409 while
+/// another call holds the context. A call whose write-back stalls past its lease (the store
+/// stalled or the replica did) loses the context to a call on the other replica: its client
+/// gets 409 saying its answer is not part of the conversation, which is exactly the other
+/// call's — never a mix of both.
+#[test]
+fn busy_contexts_get_409_and_a_call_that_lost_its_lease_is_refused() {
+    let Some(redis) = Redis::start(None) else {
+        return;
+    };
+    let model = common::stories260k();
+    let extra = ["--kv-compression", "off", "--context-lease-ttl", "1"];
+    // A's write-back holds 4 s between its chunks and its index, renewing nothing meanwhile.
+    let stall = [("GPU_OFFLOAD_TEST_STORE_DELAY_MS", "4000")];
+    let a = Server::start(&model, &redis.url(), &extra, &stall);
+    let b = Server::start(&model, &redis.url(), &extra, &[]);
+    let mut impatient = extra.to_vec();
+    impatient.extend(["--context-wait", "0"]);
+    let c = Server::start(&model, &redis.url(), &impatient, &[]);
+    let id = new_context(&b);
+    assert_eq!(turn(&b, &id, &FIRST, 20).0, 200);
+    let before = token_ids(&b, &id);
+    let url = a.url(&format!("/v1/contexts/{id}/completions"));
+    let on_a = std::thread::spawn(move || post(&url, greedy(json!(SECOND), 20)));
+    std::thread::sleep(Duration::from_millis(300));
+    let (st, v) = turn(&c, &id, &[13], 4);
+    assert_eq!(st, 409, "a call on a busy context without waiting: {v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("in use")),
+        "{v}"
+    );
+    // A's lease expires while its write-back stalls; B takes the context and writes it.
+    std::thread::sleep(Duration::from_millis(1200));
+    let (st, v) = turn(&b, &id, &[13], 4);
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = on_a.join().expect("A's call");
+    assert_eq!(st, 409, "A's call lost its lease and was kept anyway: {v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not kept")),
+        "{v}"
+    );
+    let mut want = before.clone();
+    want.push(13);
+    let now = token_ids(&b, &id);
+    assert_eq!(
+        now.len(),
+        want.len() + 4,
+        "the context is not B's call on the old one"
+    );
+    assert!(now.starts_with(&want));
+    assert_eq!(token_ids(&a, &id), now, "A's copy forked from the store's");
+    let (_, m) = call("GET", &a.url("/metrics"), None);
+    assert!(
+        m.as_str()
+            .unwrap_or_default()
+            .contains("gpu_offload_context_store_events_total{event=\"conflict\"} 1"),
+        "{m}"
+    );
+}

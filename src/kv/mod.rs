@@ -31,6 +31,7 @@ use persist::PersistError;
 pub use policy::{Compression, CostModel};
 pub use shared::{
     Claim, Lease, SharedConfig, SharedError, SharedHealth, SharedStore, WriteBackCounters,
+    WriteOutcome,
 };
 pub use swap_out::save_session;
 

@@ -82,6 +82,19 @@ pub struct SharedHealth {
     pub chunk_bytes: Option<u64>,
 }
 
+/// What became of a call's result in the store, as its client hears it.
+#[derive(Clone, Debug)]
+pub enum WriteOutcome {
+    /// The store has it (or there was nothing to write).
+    Stored,
+    /// The store could not be reached: the call completes from this replica's copy, the
+    /// write-back retrying behind it.
+    Retrying,
+    /// Refused: another call wrote the context after this call's lease expired, or the store's
+    /// copy is unusable; the conversation is as the store has it, without this call.
+    Refused(String),
+}
+
 /// A context's lease: while held, only its call writes the context. Dropped, it is given back
 /// (by the write-back thread, never blocking the caller).
 pub struct Lease {
@@ -102,7 +115,7 @@ impl Lease {
         base: &ContextIndex,
         index: ContextIndex,
         chunks: Vec<(ChunkRecord, Arc<Vec<u8>>)>,
-        written: Box<dyn FnOnce() + Send>,
+        written: Box<dyn FnOnce(WriteOutcome) + Send>,
     ) {
         self.given_back = true;
         let old: Vec<String> = base

@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::{SharedError, SharedStore};
+use super::{SharedError, SharedStore, WriteOutcome};
 use crate::kv::persist::{ChunkRecord, ContextIndex};
 
 /// A completed call's result, for the store.
@@ -24,7 +24,7 @@ pub(super) struct Commit {
     /// Chunks of the base revision the new one no longer names.
     pub(super) old_files: Vec<String>,
     /// Run once written, refused, or at the first failure to reach the store.
-    pub(super) written: Option<Box<dyn FnOnce() + Send>>,
+    pub(super) written: Option<Box<dyn FnOnce(WriteOutcome) + Send>>,
 }
 
 enum Job {
@@ -95,7 +95,9 @@ impl WriteBack {
             if let Job::Commit(mut c) = job
                 && let Some(w) = c.written.take()
             {
-                w();
+                w(WriteOutcome::Refused(
+                    "the write-back thread has stopped".into(),
+                ));
             }
             settle(&self.state, &id, None);
         }
@@ -149,7 +151,8 @@ fn run(
     state: Arc<Mutex<State>>,
     tick: Duration,
 ) {
-    let tick = tick.max(Duration::from_millis(50));
+    // Leases renewed and the store's health checked at least every second.
+    let tick = tick.clamp(Duration::from_millis(50), Duration::from_secs(1));
     loop {
         let job = match rx.recv_timeout(tick) {
             Ok(j) => Some(j),
@@ -179,10 +182,16 @@ fn run(
                     // The caller hears of it now, whatever happened: written, refused, or the
                     // store unreachable (then this keeps trying behind the answer).
                     if let Some(w) = written.take() {
-                        w();
+                        w(match &r {
+                            Ok(o) => o.clone(),
+                            Err(SharedError::Unreachable { .. } | SharedError::Auth { .. }) => {
+                                WriteOutcome::Retrying
+                            }
+                            Err(e) => WriteOutcome::Refused(e.to_string()),
+                        });
                     }
                     match r {
-                        Ok(()) => break,
+                        Ok(_) => break,
                         Err(e @ (SharedError::Unreachable { .. } | SharedError::Auth { .. })) => {
                             tracing::warn!("context {}: writing back: {e}; retrying", c.id);
                             lock(&state).counters.retries += 1;
@@ -229,8 +238,13 @@ fn renew_all(store: &SharedStore, state: &Mutex<State>) {
     }
 }
 
-/// One attempt at writing `c` (every step may be repeated: chunks are named by content).
-fn write(store: &SharedStore, c: &Commit, state: &Mutex<State>) -> Result<(), SharedError> {
+/// One attempt at writing `c` (every step may be repeated: chunks are named by content):
+/// stored, or refused because another call wrote the context meanwhile.
+fn write(
+    store: &SharedStore,
+    c: &Commit,
+    state: &Mutex<State>,
+) -> Result<WriteOutcome, SharedError> {
     store.put_chunks(&c.id, &c.chunks)?;
     lock(state).counters.chunks_put += c.chunks.len() as u64;
     // Chunks the call did not write must already be in the store; any that is not (evicted)
@@ -252,7 +266,7 @@ fn write(store: &SharedStore, c: &Commit, state: &Mutex<State>) -> Result<(), Sh
     if let Some(d) = test_delay() {
         std::thread::sleep(d);
     }
-    if store.switch_index(&c.token, &c.base_stamp, &index)? {
+    let outcome = if store.switch_index(&c.token, &c.base_stamp, &index)? {
         store.drop_chunks(&c.id, &c.old_files)?;
         let evicted = store.evict()?;
         let bytes = store.chunk_bytes()?;
@@ -260,6 +274,7 @@ fn write(store: &SharedStore, c: &Commit, state: &Mutex<State>) -> Result<(), Sh
         s.counters.committed += 1;
         s.counters.chunks_evicted += evicted as u64;
         s.chunk_bytes = Some(bytes);
+        WriteOutcome::Stored
     } else {
         tracing::warn!(
             "context {}: this replica's call (revision {}) was not written: another call wrote \
@@ -281,8 +296,14 @@ fn write(store: &SharedStore, c: &Commit, state: &Mutex<State>) -> Result<(), Sh
             })
             .collect();
         store.drop_chunks(&c.id, &orphans)?;
-    }
-    store.release(&c.id, &c.token)
+        WriteOutcome::Refused(format!(
+            "this call's result was not kept: context '{}' was written by another call after \
+             this call's lease expired; the conversation is as that call left it",
+            c.id
+        ))
+    };
+    store.release(&c.id, &c.token)?;
+    Ok(outcome)
 }
 
 /// Fault injection for tests: `GPU_OFFLOAD_TEST_STORE_DELAY_MS` holds every write-back between

@@ -8,7 +8,7 @@ use super::errors::{kv_error, shared_error};
 use super::slot::Holder;
 use crate::backend::Backend;
 use crate::kv::persist::ContextIndex;
-use crate::kv::{Bits, Claim, SharedError};
+use crate::kv::{Bits, Claim, SharedError, WriteOutcome};
 use crate::service::api::ApiError;
 
 impl<B: Backend> Worker<B> {
@@ -92,18 +92,18 @@ impl<B: Backend> Worker<B> {
     /// A context's call finished (`completed` or not): with a shared store, its result goes to
     /// the write-back with the call's lease (chunks written here first); a call that did not
     /// complete only gives its lease back.
-    /// `done` runs once the store has the result (or at once where there is nothing to write,
-    /// or when the store cannot be reached: the write-back retries behind it).
+    /// `done` runs once the store has the result or refused it (or at once where there is
+    /// nothing to write, or when the store cannot be reached: the write-back retries behind it).
     pub(super) fn write_back(
         &mut self,
         slot: usize,
         id: &str,
         claim: Option<Claim>,
         completed: bool,
-        done: Box<dyn FnOnce() + Send>,
+        done: Box<dyn FnOnce(WriteOutcome) + Send>,
     ) {
         let Some(Claim { lease, index: base }) = claim.filter(|_| completed) else {
-            return done();
+            return done(WriteOutcome::Stored);
         };
         let written = self
             .kv
@@ -120,7 +120,9 @@ impl<B: Backend> Worker<B> {
                 tracing::warn!("context {id}: its call's chunks were not written: {e}");
                 self.kv.forget(id);
                 self.release_holders(id);
-                return done();
+                return done(WriteOutcome::Refused(format!(
+                    "this call's result was not kept: its chunks could not be written ({e})"
+                )));
             }
         };
         if let Err(e) = self.kv.save_conversation(id) {

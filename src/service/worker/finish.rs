@@ -6,7 +6,9 @@ use super::Worker;
 use super::sequence::Sequence;
 use super::slot::Holder;
 use crate::backend::Backend;
+use crate::kv::WriteOutcome;
 use crate::model::ChatMessage;
+use crate::service::api::ApiError;
 use crate::service::messages::Event;
 
 impl<B: Backend> Worker<B> {
@@ -69,15 +71,17 @@ impl<B: Backend> Worker<B> {
         }
         let events = seq.job.events.clone();
         let (prompt_tokens, completion_tokens) = (seq.prompt_tokens, seq.generated_total);
-        let done: Box<dyn FnOnce() + Send> = Box::new(move || {
-            if reason != "error" {
-                events
-                    .send(Event::Done {
-                        prompt_tokens,
-                        completion_tokens,
-                    })
-                    .ok();
-            }
+        let done: Box<dyn FnOnce(WriteOutcome) + Send> = Box::new(move |outcome| {
+            let ev = match outcome {
+                // The answer is not part of the conversation: the client hears so.
+                WriteOutcome::Refused(why) => Event::Error(ApiError::conflict(why)),
+                _ if reason == "error" => return,
+                WriteOutcome::Stored | WriteOutcome::Retrying => Event::Done {
+                    prompt_tokens,
+                    completion_tokens,
+                },
+            };
+            events.send(ev).ok();
         });
         drop(seq.job.events);
         if let Some(id) = seq.job.context.clone()
@@ -89,7 +93,7 @@ impl<B: Backend> Worker<B> {
             self.write_back(seq.slot, &id, claim, completed, done);
             return;
         }
-        done();
+        done(WriteOutcome::Stored);
         if seq.job.context.is_some() {
             // Ahead-of-time swap-out of the chunks this call changed: when the engine falls
             // idle (the run loop), so that calls already waiting do not wait for it too; before
