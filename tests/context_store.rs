@@ -484,7 +484,8 @@ fn a_replica_killed_mid_call_leaves_the_context_before_or_after_it() {
 }
 
 /// The store killed while a replica writes a call back (between its chunks and its index),
-/// and started again: meanwhile /health says degraded, calls on contexts get 503 (never served
+/// and started again: the call completes from the replica's copy; meanwhile /health says
+/// degraded with the write-back pending, calls on contexts get 503 (never served
 /// from a copy that may be stale) while stateless ones are served; then the write-back goes
 /// through, the context is after the call on both replicas, and nothing else is lost.
 #[test]
@@ -503,11 +504,20 @@ fn the_store_killed_mid_write_back_and_restarted() {
     assert_eq!(turn(&b, &other, &SECOND, 20).0, 200);
     let before = token_ids(&b, &id);
     let other_before = token_ids(&b, &other);
-    let (st, v) = turn(&a, &id, &SECOND, 30);
-    assert_eq!(st, 200, "{v}");
-    // A holds its write-back between chunks and index for 1.5 s: the store dies now.
+    let url = a.url(&format!("/v1/contexts/{id}/completions"));
+    let on_a = std::thread::spawn(move || post(&url, greedy(json!(SECOND), 30)));
+    // A's 30 tokens take well under 700 ms; its write-back then holds 1.5 s between its chunks
+    // and its index: the store dies in between.
+    std::thread::sleep(Duration::from_millis(700));
     redis.kill9();
-    wait_health(&a, "degraded", false);
+    // The call completes from A's copy; the write-back goes on trying behind it.
+    let (st, v) = on_a.join().expect("A's call");
+    assert_eq!(st, 200, "{v}");
+    let h = wait_health(&a, "degraded", false);
+    assert!(
+        h["context_store"]["pending_writebacks"].as_u64() == Some(1),
+        "A's write-back is not pending: {h}"
+    );
     let (st, v) = turn(&b, &other, &[13], 4);
     assert_eq!(st, 503, "a call on a context while the store is down: {v}");
     let (st, v) = post(&b.url("/v1/completions"), greedy(json!(FIRST), 4));
@@ -544,6 +554,10 @@ fn the_store_killed_mid_write_back_and_restarted() {
     let (_, m) = call("GET", &a.url("/metrics"), None);
     let m = m.as_str().unwrap_or_default().to_string();
     assert!(m.contains("gpu_offload_context_store_up 1"), "{m}");
+    assert!(
+        !m.contains("gpu_offload_context_store_events_total{event=\"retry\"} 0"),
+        "the write-back was not retried: {m}"
+    );
     let mut whole = after.clone();
     whole.extend([13]);
     let (st, v) = turn(&b, &id, &[13], 8);
