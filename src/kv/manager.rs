@@ -231,14 +231,7 @@ impl KvManager {
             return Ok(false);
         }
         let id = remote.id.clone();
-        if let Some(old) = self.contexts.remove(&id) {
-            self.dram_used -= old
-                .dram
-                .iter()
-                .flatten()
-                .map(|d| d.bytes.len() as u64)
-                .sum::<u64>();
-        }
+        self.remove_here(&id);
         if let Some(dir) = &self.cfg.dir {
             persist::save_index(dir, &remote)?;
         }
@@ -258,8 +251,8 @@ impl KvManager {
         Ok(true)
     }
 
-    /// Forget context `id` here only (the shared store no longer has it).
-    pub fn forget(&mut self, id: &str) {
+    /// Drop context `id` from this manager and its DRAM chunks from the DRAM count.
+    fn remove_here(&mut self, id: &str) {
         if let Some(c) = self.contexts.remove(id) {
             self.dram_used -= c
                 .dram
@@ -268,6 +261,11 @@ impl KvManager {
                 .map(|d| d.bytes.len() as u64)
                 .sum::<u64>();
         }
+    }
+
+    /// Forget context `id` here only, its local files too (the shared store no longer has it).
+    pub fn forget(&mut self, id: &str) {
+        self.remove_here(id);
         if let Some(dir) = &self.cfg.dir
             && let Err(e) = persist::remove_context(dir, id)
         {
