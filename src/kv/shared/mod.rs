@@ -370,6 +370,9 @@ impl SharedStore {
     /// The context as the store has it (None: no such context), its stamp checked against the
     /// index it belongs with.
     pub fn index(&self, id: &str) -> Result<Option<ContextIndex>, SharedError> {
+        if !plausible_id(id) {
+            return Ok(None);
+        }
         let (stamp, body): (Option<String>, Option<Vec<u8>>) = self.run(|c| {
             redis::cmd("MGET")
                 .arg(self.key("stamp", id))
@@ -400,6 +403,9 @@ impl SharedStore {
     /// Take context `id`'s lease, waiting up to `wait` while another call holds it (or this
     /// replica is still writing its last call back), and read the context as the store has it.
     pub fn claim(self: &Arc<Self>, id: &str, wait: Duration) -> Result<Claim, SharedError> {
+        if !plausible_id(id) {
+            return Err(SharedError::NotFound { id: id.into() });
+        }
         let deadline = Instant::now() + wait;
         let token = self.token();
         let key = self.key("lease", id);
@@ -658,6 +664,15 @@ impl SharedStore {
     }
 }
 
+/// Whether `id` could name a context (ids are made here: `ctx-` and hex): anything else from a
+/// request's path is not looked up, so no key is ever built from arbitrary bytes.
+fn plausible_id(id: &str) -> bool {
+    (1..=64).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
 /// A client error as the store's: refused credentials, else unreachable (connection, timeout,
 /// or anything else the store answered instead of the command's reply).
 fn classify(url: &str, e: RedisError) -> SharedError {
@@ -676,5 +691,29 @@ fn classify(url: &str, e: RedisError) -> SharedError {
             url: url.into(),
             msg: text,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_ids_like_ours_are_looked_up() {
+        assert!(plausible_id("ctx-0123456789abcdef"));
+        assert!(plausible_id("saved_prompt-1"));
+        for bad in ["", "a:b", "ctx-*", "x y", "ä", &"a".repeat(65)] {
+            assert!(!plausible_id(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn messages_never_show_the_password() {
+        assert_eq!(
+            shown("redis://user:s3cret@host:6379/2"),
+            "redis://user:***@host:6379/2"
+        );
+        assert_eq!(shown("redis://host:6379"), "redis://host:6379");
+        assert!(!shown("rediss://:pw@h:1").contains("pw"));
     }
 }
