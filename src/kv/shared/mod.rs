@@ -245,9 +245,12 @@ impl SharedStore {
             .query::<String>(&mut first)
             .map_err(|e| classify(&url, e))?;
         let pool = r2d2::Pool::builder()
-            .max_size(8)
+            .max_size(16)
             .min_idle(Some(1))
             .connection_timeout(IO_TIMEOUT)
+            // No PING before every command: a broken connection fails its command, is dropped,
+            // and the command's caller retries (the write-back) or answers 503.
+            .test_on_check_out(false)
             .connection_customizer(Box::new(Timeouts))
             .build_unchecked(client);
         let store = Arc::new_cyclic(|weak| SharedStore {
@@ -283,14 +286,27 @@ impl SharedStore {
     /// marks it degraded, a success ok again.
     fn run<T>(
         &self,
-        f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>,
+        f: impl Fn(&mut Connection) -> redis::RedisResult<T>,
     ) -> Result<T, SharedError> {
+        let unreachable = |e: r2d2::Error| SharedError::Unreachable {
+            url: self.url.clone(),
+            msg: e.to_string(),
+        };
         let r = match self.pool.get() {
-            Ok(mut c) => f(&mut c).map_err(|e| classify(&self.url, e)),
-            Err(e) => Err(SharedError::Unreachable {
-                url: self.url.clone(),
-                msg: e.to_string(),
-            }),
+            Err(e) => Err(unreachable(e)),
+            Ok(mut c) => match f(&mut c) {
+                // A pooled connection the store dropped (it restarted) fails once and is
+                // discarded: the command goes again on a fresh one (every command here may be
+                // repeated).
+                Err(e) if e.is_io_error() || e.is_connection_dropped() => {
+                    drop(c);
+                    match self.pool.get() {
+                        Ok(mut c) => f(&mut c).map_err(|e| classify(&self.url, e)),
+                        Err(e) => Err(unreachable(e)),
+                    }
+                }
+                r => r.map_err(|e| classify(&self.url, e)),
+            },
         };
         let mut h = self.health.lock().unwrap_or_else(|e| e.into_inner());
         match &r {
