@@ -365,6 +365,14 @@ fn a_conversation_continues_on_another_replica() {
                 "A's turn after B's differs"
             );
         }
+        // A kept the chunks B's revision still names in its DRAM and read only B's new ones.
+        let (_, info) = context(&a, &id);
+        let restore = &info["last_restore"];
+        assert!(
+            restore["chunks_from_dram"].as_u64().unwrap() > 0
+                && restore["chunks_from_store"].as_u64().unwrap() > 0,
+            "A's restore of B's revision: {info}"
+        );
         let (_, info) = context(&b, &id);
         assert_eq!(info["revision"], 3, "{info}");
         assert_eq!(info["tokens"], whole.len() + 12, "{info}");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::chunk::CHUNK_TOKENS;
-use super::context::Context;
+use super::context::{Context, DramChunk};
 use super::persist::{self, ContextIndex};
 use super::policy::{Compression, CostModel};
 use super::shared::SharedStore;
@@ -214,9 +214,9 @@ impl KvManager {
     }
 
     /// Make the shared store's copy of a context this manager's (`remote`): kept as it is
-    /// where the local copy is the same revision by the same writer, else replaced (its DRAM
-    /// chunks dropped; chunks named by content come back from the local disk where it has them,
-    /// else from the store). Returns whether the local copy was replaced: a session holding
+    /// where the local copy is the same revision by the same writer, else replaced (DRAM copies
+    /// of chunks it still names kept, the others dropped; chunks named by content come back
+    /// from the local disk where it has them, else from the store). Returns whether the local copy was replaced: a session holding
     /// it holds a stale cache then. Another model's context is refused.
     pub fn adopt(&mut self, remote: ContextIndex) -> Result<bool> {
         if remote.model_id != self.cfg.model_id {
@@ -231,18 +231,39 @@ impl KvManager {
             return Ok(false);
         }
         let id = remote.id.clone();
-        self.remove_here(&id);
+        let n = remote.evaluated.div_ceil(CHUNK_TOKENS);
+        // DRAM copies of chunks the new revision still names (same content) are kept.
+        let mut dram: Vec<Option<DramChunk>> = (0..n).map(|_| None).collect();
+        if let Some(mut old) = self.contexts.remove(&id) {
+            for (i, slot) in old.dram.iter_mut().enumerate() {
+                let Some(d) = slot.take() else { continue };
+                let same = remote
+                    .chunks
+                    .get(i)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|r| {
+                        i < n
+                            && r.len == d.len
+                            && r.bits == d.bits
+                            && persist::check_chunk(r, &d.bytes).is_ok()
+                    });
+                if same {
+                    dram[i] = Some(d);
+                } else {
+                    self.dram_used -= d.bytes.len() as u64;
+                }
+            }
+        }
         if let Some(dir) = &self.cfg.dir {
             persist::save_index(dir, &remote)?;
         }
-        let n = remote.evaluated.div_ceil(CHUNK_TOKENS);
         self.clock += 1;
         self.contexts.insert(
             id,
             Context {
                 clean: remote.evaluated,
                 index: remote,
-                dram: (0..n).map(|_| None).collect(),
+                dram,
                 last_use: self.clock,
                 last_restore: None,
                 lost_at_load: 0,

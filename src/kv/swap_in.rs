@@ -18,7 +18,7 @@ use crate::engine::{Engine, Logits, Session};
 
 /// A chunk loaded from disk: the cache's own bytes, or values decoded from a code.
 enum Loaded {
-    Raw(Vec<u8>),
+    Raw(Arc<Vec<u8>>),
     Values(ChunkData),
 }
 
@@ -71,6 +71,7 @@ impl KvManager {
         let mut stats = RestoreStats::default();
         session.truncate(0);
         let mut redo: Vec<usize> = Vec::new();
+        let mut from_store = Vec::new();
         let copies = ChunkCopies {
             dir: self.cfg.dir.clone(),
             shared: self.cfg.shared.clone(),
@@ -100,8 +101,23 @@ impl KvManager {
             write_dram_chunks(
                 engine, session, &sources, prefix, shape, &mut stats, &mut redo,
             )?;
-            write_loaded_chunks(engine, session, lens, rx, &mut stats, &mut redo)
+            write_loaded_chunks(
+                engine,
+                session,
+                lens,
+                rx,
+                &mut stats,
+                &mut redo,
+                &mut from_store,
+            )
         })?;
+        // What came from the shared store stays in this replica's DRAM (under its budget): the
+        // next restore of this revision here reads none of it again.
+        for (i, bytes) in from_store {
+            if let Some(r) = &sources.disk[i] {
+                self.cache_in_dram(id, i, r.len, r.bits, bytes);
+            }
+        }
         // Recompute what has no usable copy, in order: every earlier position is in place.
         redo.sort_unstable();
         for &i in &redo {
@@ -173,11 +189,11 @@ impl KvManager {
     }
 }
 
-/// Where a loaded chunk came from.
-#[derive(Clone, Copy)]
+/// Where a loaded chunk came from: the local disk, or the shared store (its encoded bytes
+/// kept for this replica's DRAM, a cache in front of the store).
 enum Source {
     Disk,
-    Store,
+    Store(Arc<Vec<u8>>),
 }
 
 /// Where written chunks are: the local disk (`--kv-dir`), in front of the shared store.
@@ -188,10 +204,10 @@ struct ChunkCopies {
 
 impl ChunkCopies {
     /// Chunk `r` of `id`: the local disk's copy where it has a good one, else the store's.
-    fn read(&self, id: &str, r: &ChunkRecord) -> Option<(Vec<u8>, Source)> {
+    fn read(&self, id: &str, r: &ChunkRecord) -> Option<(Arc<Vec<u8>>, Source)> {
         let local = self.dir.as_ref().map(|d| persist::read_chunk(d, id, r));
         match (local, &self.shared) {
-            (Some(Ok(b)), _) => Some((b, Source::Disk)),
+            (Some(Ok(b)), _) => Some((Arc::new(b), Source::Disk)),
             (_, Some(s)) => s
                 .read_chunk(id, r)
                 .map_err(|e| match e {
@@ -200,7 +216,10 @@ impl ChunkCopies {
                     e => tracing::warn!("{e}: recomputing"),
                 })
                 .ok()
-                .map(|b| (b, Source::Store)),
+                .map(|b| {
+                    let b = Arc::new(b);
+                    (b.clone(), Source::Store(b))
+                }),
             (Some(Err(e)), None) => {
                 tracing::warn!("{e}: recomputing");
                 None
@@ -307,6 +326,7 @@ fn write_loaded_chunks<B: Backend>(
     rx: mpsc::Receiver<(usize, Option<(Loaded, Source)>)>,
     stats: &mut RestoreStats,
     redo: &mut Vec<usize>,
+    from_store: &mut Vec<(usize, Arc<Vec<u8>>)>,
 ) -> Result<()> {
     for (i, data) in rx {
         match data {
@@ -318,7 +338,10 @@ fn write_loaded_chunks<B: Backend>(
                 }
                 match source {
                     Source::Disk => stats.chunks_from_disk += 1,
-                    Source::Store => stats.chunks_from_store += 1,
+                    Source::Store(bytes) => {
+                        stats.chunks_from_store += 1;
+                        from_store.push((i, bytes));
+                    }
                 }
             }
             None => {

@@ -125,7 +125,14 @@ impl KvManager {
 
     /// Keep a chunk in DRAM, evicting others in LCTRU order to make room; when nothing can be
     /// evicted the chunk is not cached (it is on disk, or will be recomputed).
-    fn cache_in_dram(&mut self, id: &str, ci: usize, len: usize, bits: Bits, bytes: Arc<Vec<u8>>) {
+    pub(super) fn cache_in_dram(
+        &mut self,
+        id: &str,
+        ci: usize,
+        len: usize,
+        bits: Bits,
+        bytes: Arc<Vec<u8>>,
+    ) {
         let need = bytes.len() as u64;
         if need > self.cfg.dram_budget {
             return;
