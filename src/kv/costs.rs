@@ -7,14 +7,18 @@ use super::Result;
 use super::chunk::{self, Bits, CHUNK_TOKENS, ChunkData};
 use super::persist::{self, PersistError};
 use super::policy::CostModel;
+use super::shared::SharedStore;
 use crate::backend::Backend;
 use crate::engine::{Engine, Logits};
 
 /// Measure the cost models on this engine: recompute time per token from a forward pass over
-/// a few chunks, load time per chunk and per byte from writing and reading chunk-sized files.
+/// a few chunks, load time per chunk and per byte from writing and reading chunk-sized files
+/// (in `dir`), or, with no local disk, chunk-sized values in the shared store (`shared`: its
+/// chunks are what a restore then loads).
 pub fn measure_costs<B: Backend>(
     engine: &Engine<B>,
     dir: Option<&std::path::Path>,
+    shared: Option<&SharedStore>,
 ) -> Result<CostModel> {
     let spec = engine.spec();
     let tokens = (4 * CHUNK_TOKENS).min(spec.max_context).max(1);
@@ -29,9 +33,16 @@ pub fn measure_costs<B: Backend>(
     engine.forward(&mut session, &ids, Logits::None)?;
     let recompute = t.elapsed().as_secs_f64() / tokens as f64;
     let chunk_bytes = 2 * spec.n_layers * CHUNK_TOKENS * spec.kv_dim() * 4;
-    let (per_chunk, per_byte) = match dir {
-        None => (0.0, 0.0),
-        Some(dir) => {
+    let large_bytes = chunk_bytes.max(8192) * 4;
+    let (per_chunk, per_byte) = match (dir, shared) {
+        (None, None) => (0.0, 0.0),
+        (None, Some(store)) => {
+            let small = store.time_read(4096)?;
+            let large = store.time_read(large_bytes)?;
+            let per_byte = ((large - small) / (large_bytes - 4096) as f64).max(0.0);
+            (small.max(0.0), per_byte)
+        }
+        (Some(dir), _) => {
             let probe = dir.join(".cost-probe");
             std::fs::create_dir_all(&probe).map_err(|e| PersistError::Io {
                 path: probe.clone(),
@@ -50,9 +61,9 @@ pub fn measure_costs<B: Backend>(
                 Ok(best)
             };
             let small = time_read(4096)?;
-            let large = time_read(chunk_bytes.max(8192) * 4)?;
+            let large = time_read(large_bytes)?;
             std::fs::remove_dir_all(&probe).ok();
-            let per_byte = ((large - small) / (chunk_bytes.max(8192) * 4 - 4096) as f64).max(0.0);
+            let per_byte = ((large - small) / (large_bytes - 4096) as f64).max(0.0);
             (small.max(0.0), per_byte)
         }
     };

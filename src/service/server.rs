@@ -50,7 +50,7 @@ impl EngineThread {
             .spawn(move || {
                 with_engine!(engine, e => {
                     let start = || -> Result<_> {
-                        kv_cfg.costs = kv::measure_costs(&e, kv_cfg.dir.as_deref())?;
+                        kv_cfg.costs = kv::measure_costs(&e, kv_cfg.dir.as_deref(), kv_cfg.shared.as_deref())?;
                         tracing::info!("KV cost model: {:?}", kv_cfg.costs);
                         let (kv, warnings) = KvManager::open(kv_cfg, ledger)?;
                         for w in warnings {

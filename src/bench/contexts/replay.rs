@@ -477,7 +477,7 @@ pub fn run<B: Backend>(
     std::fs::create_dir_all(&set.kv_dir).map_err(io_err(&set.kv_dir))?;
     if job.strategies.contains(&Strategy::Ours) {
         let probe = set.kv_dir.join("cost-probe");
-        set.costs = kv::measure_costs(e, Some(&probe))?;
+        set.costs = kv::measure_costs(e, Some(&probe), None)?;
         std::fs::remove_dir_all(&probe).ok();
         progress(&format!("ours' cost model: {:?}", set.costs));
     }

@@ -637,6 +637,29 @@ impl SharedStore {
         Ok(n as usize)
     }
 
+    /// Seconds to read `bytes` from the store (best of a few, as the cost model's disk probe):
+    /// a probe value of this replica's, gone after a minute.
+    pub fn time_read(&self, bytes: usize) -> Result<f64, SharedError> {
+        let key = self.key("probe", &self.replica);
+        let value = vec![7u8; bytes];
+        self.run(|c| {
+            redis::cmd("SET")
+                .arg(&key)
+                .arg(value.as_slice())
+                .arg("PX")
+                .arg(60_000)
+                .query::<()>(c)
+        })?;
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t = Instant::now();
+            self.run(|c| redis::cmd("GET").arg(&key).query::<Vec<u8>>(c))?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        self.run(|c| redis::cmd("DEL").arg(&key).query::<i64>(c))?;
+        Ok(best)
+    }
+
     /// Read chunk `rec` of `id` (its length and checksum checked) and mark it used.
     pub fn read_chunk(&self, id: &str, rec: &ChunkRecord) -> Result<Vec<u8>, SharedError> {
         let key = self.chunk_key(id, &rec.file);
