@@ -276,12 +276,6 @@ fn write(
         s.chunk_bytes = Some(bytes);
         WriteOutcome::Stored
     } else {
-        tracing::warn!(
-            "context {}: this replica's call (revision {}) was not written: another call wrote \
-             the context after this call's lease was lost; the store keeps that call's",
-            c.id,
-            c.index.revision
-        );
         lock(state).counters.conflicts += 1;
         // The chunks only this call named are dropped; the other call's are kept.
         let current = store.index(&c.id)?;
@@ -296,11 +290,20 @@ fn write(
             })
             .collect();
         store.drop_chunks(&c.id, &orphans)?;
-        WriteOutcome::Refused(format!(
-            "this call's result was not kept: context '{}' was written by another call after \
-             this call's lease expired; the conversation is as that call left it",
-            c.id
-        ))
+        let why = match current {
+            Some(_) => format!(
+                "this call's result was not kept: context '{}' was written by another call \
+                 after this call's lease expired; the conversation is as that call left it",
+                c.id
+            ),
+            None => format!(
+                "this call's result was not kept: context '{}' is no longer in the store \
+                 (deleted, or the store lost it)",
+                c.id
+            ),
+        };
+        tracing::warn!("context {} (revision {}): {why}", c.id, c.index.revision);
+        WriteOutcome::Refused(why)
     };
     store.release(&c.id, &c.token)?;
     Ok(outcome)
