@@ -111,7 +111,8 @@ pub struct ServeArgs {
     /// (Redis or Valkey; `rediss://` for TLS): every context's index and chunks live there,
     /// this server's tiers (device, DRAM, --kv-dir) a cache in front of it, so that a
     /// conversation continues on any replica. One call on a context at a time, everywhere.
-    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE")]
+    /// (Its value is not shown by --help: a URL may carry a password.)
+    #[arg(long, env = "GPU_OFFLOAD_CONTEXT_STORE", hide_env_values = true)]
     pub context_store: Option<String>,
 
     /// The context store's password, where the URL carries none.
@@ -133,7 +134,8 @@ pub struct ServeArgs {
     pub context_store_max_bytes: Option<u64>,
 
     /// Seconds a context's lease lives without renewal: a replica that dies mid-call frees its
-    /// context after this (renewed every third of it while the call runs).
+    /// context after this (renewed every third of it, at most a second apart, while the call
+    /// runs).
     #[arg(long, env = "GPU_OFFLOAD_CONTEXT_LEASE_TTL", default_value_t = 30.0)]
     pub context_lease_ttl: f64,
 
