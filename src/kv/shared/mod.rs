@@ -30,6 +30,8 @@ pub use writeback::WriteBackCounters;
 
 /// How long one command may take before the store counts as unreachable.
 const IO_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long taking a pooled connection may wait (a new one's connect included).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a call waiting for a context's lease asks again.
 const LEASE_POLL: Duration = Duration::from_millis(25);
 
@@ -247,7 +249,9 @@ impl SharedStore {
         let pool = r2d2::Pool::builder()
             .max_size(16)
             .min_idle(Some(1))
-            .connection_timeout(IO_TIMEOUT)
+            // A store that is down is found out within a second (the engine thread's create, get
+            // and delete wait no longer before their 503).
+            .connection_timeout(CONNECT_TIMEOUT)
             // No PING before every command: a broken connection fails its command, is dropped,
             // and the command's caller retries (the write-back) or answers 503.
             .test_on_check_out(false)
