@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 const ROOMS: &[(&str, u32)] = &[
     ("fsutil", 0),
     ("limits", 0),
+    ("fault", 0),
     ("tensor", 0),
     ("model", 1),
     ("store", 2),

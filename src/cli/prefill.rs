@@ -12,7 +12,7 @@ use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, IsTerminal, Read};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 
 use crate::backend::Backend;
 use crate::engine::{Engine, EngineError, Logits, Sampler, SamplerParams, Session};
+use crate::fault::TestDelay;
 use crate::footprint::MAX_BATCH;
 use crate::fsutil::LineLog;
 use crate::limits::{MAX_JSONL_LINE_BYTES, MAX_PROMPT_BYTES};
@@ -345,20 +346,9 @@ fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
-/// Fault injection for tests: `GPU_OFFLOAD_TEST_PREFILL_DELAY_MS` sleeps before every forward
-/// pass, so a test can kill the job in the middle of a run.
-fn test_delay() {
-    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    let d = DELAY.get_or_init(|| {
-        std::env::var("GPU_OFFLOAD_TEST_PREFILL_DELAY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis)
-    });
-    if let Some(d) = d {
-        std::thread::sleep(*d);
-    }
-}
+/// Fault injection for tests: sleeps before every forward pass, so a test can kill the job in
+/// the middle of a run.
+static TEST_DELAY: TestDelay = TestDelay::new("GPU_OFFLOAD_TEST_PREFILL_DELAY_MS");
 
 /// Why a record stopped short.
 enum Stop {
@@ -416,7 +406,7 @@ fn one<B: Backend>(
     let args = c.args;
     session.truncate(0);
     let t0 = Instant::now();
-    test_delay();
+    TEST_DELAY.pause();
     let last = e.forward(session, prompt, Logits::Last)?;
     let prefill_s = t0.elapsed().as_secs_f64();
     let mut sampler = Sampler::new(SamplerParams {
@@ -454,7 +444,7 @@ fn one<B: Backend>(
         if interrupted() {
             return Err(Stop::Interrupted);
         }
-        test_delay();
+        TEST_DELAY.pause();
         logits = e.forward(session, &[next], Logits::Last)?;
     }
     if let Some(s) = &mut stream {

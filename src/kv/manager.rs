@@ -32,6 +32,14 @@ pub struct KvConfig {
     pub shared: Option<Arc<SharedStore>>,
 }
 
+impl KvConfig {
+    /// Whether written chunks are kept anywhere but DRAM (a local disk, the shared store): only
+    /// then do chunk records name something a restore can load.
+    pub fn keeps_chunks(&self) -> bool {
+        self.dir.is_some() || self.shared.is_some()
+    }
+}
+
 /// Counters for /metrics.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvCounters {
@@ -209,15 +217,21 @@ impl KvManager {
         if let Some(dir) = &self.cfg.dir {
             persist::remove_context(dir, id)?;
         }
-        self.forget(id);
+        self.remove_here(id);
         Ok(())
+    }
+
+    /// Whether this manager holds context `id` (whoever owns it).
+    pub fn has(&self, id: &str) -> bool {
+        self.contexts.contains_key(id)
     }
 
     /// Make the shared store's copy of a context this manager's (`remote`): kept as it is
     /// where the local copy is the same revision by the same writer, else replaced (DRAM copies
     /// of chunks it still names kept, the others dropped; chunks named by content come back
-    /// from the local disk where it has them, else from the store). Returns whether the local copy was replaced: a session holding
-    /// it holds a stale cache then. Another model's context is refused.
+    /// from the local disk where it has them, else from the store). Returns whether the local
+    /// copy was replaced: a session holding it holds a stale cache then. Another model's
+    /// context is refused.
     pub fn adopt(&mut self, remote: ContextIndex) -> Result<bool> {
         if remote.model_id != self.cfg.model_id {
             return Err(KvError::OtherModel {

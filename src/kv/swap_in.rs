@@ -37,9 +37,10 @@ struct ChunkSources {
     lens: Vec<usize>,
     /// Its copy in DRAM (bytes and width), where one of its length is there.
     dram: Vec<Option<(Arc<Vec<u8>>, Bits)>>,
-    /// Its record on disk, where the store has a disk tier and one of its length is there.
+    /// Its record, where chunks are kept beyond DRAM (a local disk, the shared store) and one of
+    /// its length is there.
     disk: Vec<Option<ChunkRecord>>,
-    /// Bytes to load from disk, for the chunks with a copy there and none in DRAM.
+    /// Bytes to load (local disk or store), for the chunks with a copy there and none in DRAM.
     on_disk: Vec<Option<u64>>,
 }
 
@@ -87,9 +88,9 @@ impl KvManager {
                 .filter(|&i| sources.on_disk[i].is_some())
                 .filter_map(|i| sources.disk[i].clone().map(|r| (i, r)))
                 .collect();
-            if copies.dir.is_some() || copies.shared.is_some() {
+            if self.cfg.keeps_chunks() {
                 let id = id.to_string();
-                scope.spawn(move || read_disk_chunks(&copies, &id, io_jobs, shape, tx));
+                scope.spawn(move || read_chunk_copies(&copies, &id, io_jobs, shape, tx));
             } else {
                 drop(tx);
             }
@@ -151,9 +152,12 @@ impl KvManager {
             .collect();
         let disk: Vec<Option<ChunkRecord>> = (0..n)
             .map(|i| {
-                c.index.chunks.get(i).cloned().flatten().filter(|r| {
-                    r.len == lens[i] && (self.cfg.dir.is_some() || self.cfg.shared.is_some())
-                })
+                c.index
+                    .chunks
+                    .get(i)
+                    .cloned()
+                    .flatten()
+                    .filter(|r| r.len == lens[i] && self.cfg.keeps_chunks())
             })
             .collect();
         let on_disk: Vec<Option<u64>> = (0..n)
@@ -232,7 +236,7 @@ impl ChunkCopies {
 /// The I/O thread: read each chunk of `jobs` (local disk, else the shared store) and send it
 /// decoded (or `None` where its copy is unusable: it is recomputed), until the receiver hangs
 /// up.
-fn read_disk_chunks(
+fn read_chunk_copies(
     copies: &ChunkCopies,
     id: &str,
     jobs: Vec<(usize, ChunkRecord)>,

@@ -13,6 +13,7 @@ use super::policy::{self, Compression};
 use super::{KvError, Result};
 use crate::backend::Backend;
 use crate::engine::{Engine, Session};
+use crate::fault::TestDelay;
 use crate::footprint::ledger::Tier;
 
 impl KvManager {
@@ -93,17 +94,14 @@ impl KvManager {
                 Some(&w) if len == CHUNK_TOKENS => w,
                 _ => exact,
             };
-            if let Some(d) = test_swap_delay() {
-                std::thread::sleep(d);
-            }
+            TEST_SWAP_DELAY.pause();
             let bytes = read_chunk_bytes(engine, session, start, len, bits)?;
             let record = match &self.cfg.dir {
                 Some(dir) => persist::write_chunk(dir, id, ci, len, bits, &bytes)?,
                 None => persist::chunk_record(ci, len, bits, &bytes),
             };
             // Without a disk or a shared store nothing is written: the record would name nothing.
-            c.index.chunks[ci] =
-                (self.cfg.dir.is_some() || self.cfg.shared.is_some()).then(|| record.clone());
+            c.index.chunks[ci] = self.cfg.keeps_chunks().then(|| record.clone());
             if let Some(old) = c.dram[ci].take() {
                 self.dram_used -= old.bytes.len() as u64;
             }
@@ -245,14 +243,6 @@ fn read_chunk_bytes<B: Backend>(
     Ok(chunk::encode(&data, bits))
 }
 
-/// Fault injection for tests: `GPU_OFFLOAD_TEST_SWAP_DELAY_MS` slows every chunk write of a
-/// swap-out, so a test can kill the server while one is under way.
-fn test_swap_delay() -> Option<std::time::Duration> {
-    static DELAY: std::sync::OnceLock<Option<std::time::Duration>> = std::sync::OnceLock::new();
-    *DELAY.get_or_init(|| {
-        std::env::var("GPU_OFFLOAD_TEST_SWAP_DELAY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(std::time::Duration::from_millis)
-    })
-}
+/// Fault injection for tests: slows every chunk write of a swap-out, so a test can kill the
+/// server while one is under way.
+static TEST_SWAP_DELAY: TestDelay = TestDelay::new("GPU_OFFLOAD_TEST_SWAP_DELAY_MS");

@@ -16,7 +16,7 @@
 //! another call is refused and counted, never merged (no silent fork).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use redis::{Client, Connection, RedisError, Script};
@@ -34,6 +34,89 @@ const IO_TIMEOUT: Duration = Duration::from_secs(3);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often a call waiting for a context's lease asks again.
 const LEASE_POLL: Duration = Duration::from_millis(25);
+
+/// Lua run by the store, each one step done atomically there. Chunk scripts take the budget's
+/// keys ([`SharedStore::budget_keys`]) first.
+static CREATE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('exists', KEYS[1]) == 1 then return 0 end
+          redis.call('set', KEYS[1], ARGV[1])
+          redis.call('set', KEYS[2], ARGV[2])
+          return 1",
+    )
+});
+static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('get', KEYS[1]) == ARGV[1] then
+            return redis.call('pexpire', KEYS[1], ARGV[2]) end
+          return 0",
+    )
+});
+static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('get', KEYS[1]) == ARGV[1] then
+            return redis.call('del', KEYS[1]) end
+          return 0",
+    )
+});
+/// KEYS[4] the chunk; ARGV its bytes, the time, its size. One already there is only touched.
+static PUT_CHUNK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"if redis.call('exists', KEYS[4]) == 0 then
+            redis.call('set', KEYS[4], ARGV[1])
+            redis.call('hset', KEYS[2], KEYS[4], ARGV[3])
+            redis.call('incrby', KEYS[3], ARGV[3])
+          end
+          redis.call('zadd', KEYS[1], ARGV[2], KEYS[4])
+          return 1",
+    )
+});
+/// KEYS: lease, index, stamp; ARGV: token, base stamp, sealed index, its stamp.
+static SWITCH_INDEX: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"local stamp = redis.call('get', KEYS[3])
+          if stamp == ARGV[4] then return 1 end
+          local holder = redis.call('get', KEYS[1])
+          if holder and holder ~= ARGV[1] then return -1 end
+          if stamp ~= ARGV[2] then return -2 end
+          redis.call('set', KEYS[2], ARGV[3])
+          redis.call('set', KEYS[3], ARGV[4])
+          return 1",
+    )
+});
+/// A chunk key forgotten: out of the budget's count and order, deleted (shared by the scripts
+/// that drop chunks).
+const FORGET_CHUNK: &str = r"local function forget(k)
+    local s = redis.call('hget', KEYS[2], k)
+    if s then
+      redis.call('decrby', KEYS[3], s)
+      redis.call('hdel', KEYS[2], k)
+    end
+    redis.call('zrem', KEYS[1], k)
+    redis.call('del', k)
+  end
+";
+/// ARGV: the chunk keys to drop.
+static DROP_CHUNKS: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{FORGET_CHUNK}for _, k in ipairs(ARGV) do forget(k) end
+         return #ARGV"
+    ))
+});
+/// ARGV[1]: the budget (-1: none). Returns {dropped, bytes held}.
+static EVICT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(&format!(
+        "{FORGET_CHUNK}local n = 0
+         local max = tonumber(ARGV[1])
+         while max >= 0 and tonumber(redis.call('get', KEYS[3]) or '0') > max do
+           local m = redis.call('zpopmin', KEYS[1])
+           if #m == 0 then break end
+           forget(m[1])
+           n = n + 1
+         end
+         return {{n, tonumber(redis.call('get', KEYS[3]) or '0')}}"
+    ))
+});
 
 /// Settings of the shared store.
 #[derive(Clone, Debug)]
@@ -274,10 +357,6 @@ impl SharedStore {
         &self.url
     }
 
-    pub fn lease_ttl(&self) -> Duration {
-        self.cfg.lease_ttl
-    }
-
     fn key(&self, kind: &str, id: &str) -> String {
         format!("{}:{kind}:{id}", self.prefix)
     }
@@ -355,23 +434,10 @@ impl SharedStore {
         self.writeback.counters()
     }
 
-    /// Chunk bytes the store holds (the budget's count).
-    pub fn chunk_bytes(&self) -> Result<u64, SharedError> {
-        let k = self.key("chunks", "bytes");
-        self.run(|c| redis::cmd("GET").arg(&k).query::<Option<u64>>(c))
-            .map(|v| v.unwrap_or(0))
-    }
-
     /// Store a new context's index (revision 0); an id already there is refused.
     pub fn create(&self, index: &ContextIndex) -> Result<(), SharedError> {
-        let script = Script::new(
-            r"if redis.call('exists', KEYS[1]) == 1 then return 0 end
-              redis.call('set', KEYS[1], ARGV[1])
-              redis.call('set', KEYS[2], ARGV[2])
-              return 1",
-        );
         let ok: i64 = self.run(|c| {
-            script
+            CREATE
                 .key(self.key("ctx", &index.id))
                 .key(self.key("stamp", &index.id))
                 .arg(persist::seal(index))
@@ -468,13 +534,8 @@ impl SharedStore {
 
     /// Keep lease `token` of `id` alive; false when it is no longer this call's.
     pub(super) fn renew(&self, id: &str, token: &str) -> Result<bool, SharedError> {
-        let script = Script::new(
-            r"if redis.call('get', KEYS[1]) == ARGV[1] then
-                return redis.call('pexpire', KEYS[1], ARGV[2]) end
-              return 0",
-        );
         let r: i64 = self.run(|c| {
-            script
+            RENEW
                 .key(self.key("lease", id))
                 .arg(token)
                 .arg(self.cfg.lease_ttl.as_millis() as u64)
@@ -485,13 +546,8 @@ impl SharedStore {
 
     /// Give lease `token` of `id` back (nothing if it expired or is another's).
     pub(super) fn release(&self, id: &str, token: &str) -> Result<(), SharedError> {
-        let script = Script::new(
-            r"if redis.call('get', KEYS[1]) == ARGV[1] then
-                return redis.call('del', KEYS[1]) end
-              return 0",
-        );
         self.run(|c| {
-            script
+            RELEASE
                 .key(self.key("lease", id))
                 .arg(token)
                 .invoke::<i64>(c)
@@ -500,29 +556,18 @@ impl SharedStore {
     }
 
     /// Put chunks of `id` in the store (counted in the budget; one already there is only
-    /// touched).
+    /// touched). One script a chunk: each carries a chunk's bytes.
     pub(super) fn put_chunks(
         &self,
         id: &str,
         chunks: &[(ChunkRecord, Arc<Vec<u8>>)],
     ) -> Result<(), SharedError> {
-        let script = Script::new(
-            r"if redis.call('exists', KEYS[1]) == 0 then
-                redis.call('set', KEYS[1], ARGV[1])
-                redis.call('hset', KEYS[3], KEYS[1], ARGV[3])
-                redis.call('incrby', KEYS[4], ARGV[3])
-              end
-              redis.call('zadd', KEYS[2], ARGV[2], KEYS[1])
-              return 1",
-        );
         let now = now_ms();
         for (rec, bytes) in chunks {
             self.run(|c| {
-                script
-                    .key(self.chunk_key(id, &rec.file))
-                    .key(self.key("chunks", "lru"))
-                    .key(self.key("chunks", "size"))
-                    .key(self.key("chunks", "bytes"))
+                let mut call = PUT_CHUNK.prepare_invoke();
+                self.budget_keys(&mut call);
+                call.key(self.chunk_key(id, &rec.file))
                     .arg(bytes.as_slice())
                     .arg(now)
                     .arg(bytes.len() as u64)
@@ -556,18 +601,8 @@ impl SharedStore {
         base_stamp: &str,
         index: &ContextIndex,
     ) -> Result<bool, SharedError> {
-        let script = Script::new(
-            r"local stamp = redis.call('get', KEYS[3])
-              if stamp == ARGV[4] then return 1 end
-              local holder = redis.call('get', KEYS[1])
-              if holder and holder ~= ARGV[1] then return -1 end
-              if stamp ~= ARGV[2] then return -2 end
-              redis.call('set', KEYS[2], ARGV[3])
-              redis.call('set', KEYS[3], ARGV[4])
-              return 1",
-        );
         let r: i64 = self.run(|c| {
-            script
+            SWITCH_INDEX
                 .key(self.key("lease", &index.id))
                 .key(self.key("ctx", &index.id))
                 .key(self.key("stamp", &index.id))
@@ -580,65 +615,44 @@ impl SharedStore {
         Ok(r == 1)
     }
 
-    /// Drop chunks of `id` (and their count in the budget).
+    /// Drop chunks of `id` (and their count in the budget), in one script.
     pub(super) fn drop_chunks(&self, id: &str, files: &[String]) -> Result<(), SharedError> {
-        let keys: Vec<String> = files.iter().map(|f| self.chunk_key(id, f)).collect();
-        self.drop_chunk_keys(&keys)
-    }
-
-    fn drop_chunk_keys(&self, keys: &[String]) -> Result<(), SharedError> {
-        let script = Script::new(
-            r"local s = redis.call('hget', KEYS[3], KEYS[1])
-              if s then
-                redis.call('decrby', KEYS[4], s)
-                redis.call('hdel', KEYS[3], KEYS[1])
-              end
-              redis.call('zrem', KEYS[2], KEYS[1])
-              return redis.call('del', KEYS[1])",
-        );
-        for k in keys {
-            self.run(|c| {
-                script
-                    .key(k)
-                    .key(self.key("chunks", "lru"))
-                    .key(self.key("chunks", "size"))
-                    .key(self.key("chunks", "bytes"))
-                    .invoke::<i64>(c)
-            })?;
+        if files.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        self.run(|c| {
+            let mut call = DROP_CHUNKS.prepare_invoke();
+            self.budget_keys(&mut call);
+            for f in files {
+                call.arg(self.chunk_key(id, f));
+            }
+            call.invoke::<i64>(c)
+        })
+        .map(|_| ())
     }
 
-    /// Drop the least recently used chunks until the store holds at most the budget; returns
-    /// how many were dropped.
-    pub(super) fn evict(&self) -> Result<usize, SharedError> {
-        let Some(max) = self.cfg.max_bytes else {
-            return Ok(0);
-        };
-        let script = Script::new(
-            r"local n = 0
-              while tonumber(redis.call('get', KEYS[3]) or '0') > tonumber(ARGV[1]) do
-                local m = redis.call('zpopmin', KEYS[1])
-                if #m == 0 then break end
-                local s = redis.call('hget', KEYS[2], m[1])
-                if s then
-                  redis.call('decrby', KEYS[3], s)
-                  redis.call('hdel', KEYS[2], m[1])
-                end
-                redis.call('del', m[1])
-                n = n + 1
-              end
-              return n",
-        );
-        let n: i64 = self.run(|c| {
-            script
-                .key(self.key("chunks", "lru"))
-                .key(self.key("chunks", "size"))
-                .key(self.key("chunks", "bytes"))
-                .arg(max)
-                .invoke(c)
+    /// Drop the least recently used chunks until the store holds at most the budget (none
+    /// without one): how many were dropped, and the chunk bytes the store then holds.
+    pub(super) fn evict(&self) -> Result<(usize, u64), SharedError> {
+        // -1: no budget, only the count is read.
+        let max = self
+            .cfg
+            .max_bytes
+            .map_or(-1, |m| m.min(i64::MAX as u64) as i64);
+        let (n, bytes): (i64, i64) = self.run(|c| {
+            let mut call = EVICT.prepare_invoke();
+            self.budget_keys(&mut call);
+            call.arg(max).invoke(c)
         })?;
-        Ok(n as usize)
+        Ok((n as usize, bytes.max(0) as u64))
+    }
+
+    /// The budget's keys, as the chunk scripts take them: KEYS[1] the LRU order, KEYS[2] each
+    /// chunk's size, KEYS[3] the total.
+    fn budget_keys(&self, call: &mut redis::ScriptInvocation<'_>) {
+        call.key(self.key("chunks", "lru"))
+            .key(self.key("chunks", "size"))
+            .key(self.key("chunks", "bytes"));
     }
 
     /// Seconds to read `bytes` from the store (best of a few, as the cost model's disk probe):

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use super::{SharedError, SharedStore, WriteOutcome};
+use crate::fault::TestDelay;
 use crate::kv::persist::{ChunkRecord, ContextIndex};
 
 /// A completed call's result, for the store.
@@ -80,7 +81,7 @@ impl WriteBack {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     pub(super) fn hold(&self, id: &str, token: &str) {
@@ -133,7 +134,7 @@ impl WriteBack {
 
 /// A commit of `id` is done: no longer pending, its lease (`token`) no longer renewed.
 fn settle(state: &Mutex<State>, id: &str, token: Option<&str>) {
-    let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut s = lock(state);
     if let Some(n) = s.pending.get_mut(id) {
         *n -= 1;
         if *n == 0 {
@@ -191,7 +192,14 @@ fn run(
                         });
                     }
                     match r {
-                        Ok(_) => break,
+                        Ok(outcome) => {
+                            let mut s = lock(&state);
+                            match outcome {
+                                WriteOutcome::Refused(_) => s.counters.conflicts += 1,
+                                _ => s.counters.committed += 1,
+                            }
+                            break;
+                        }
                         Err(e @ (SharedError::Unreachable { .. } | SharedError::Auth { .. })) => {
                             tracing::warn!("context {}: writing back: {e}; retrying", c.id);
                             lock(&state).counters.retries += 1;
@@ -239,7 +247,8 @@ fn renew_all(store: &SharedStore, state: &Mutex<State>) {
 }
 
 /// One attempt at writing `c` (every step may be repeated: chunks are named by content):
-/// stored, or refused because another call wrote the context meanwhile.
+/// stored, or refused because another call wrote the context meanwhile (counted by the caller
+/// once the outcome is final).
 fn write(
     store: &SharedStore,
     c: &Commit,
@@ -263,20 +272,15 @@ fn write(
             index.chunks[*i] = None;
         }
     }
-    if let Some(d) = test_delay() {
-        std::thread::sleep(d);
-    }
+    TEST_STORE_DELAY.pause();
     let outcome = if store.switch_index(&c.token, &c.base_stamp, &index)? {
         store.drop_chunks(&c.id, &c.old_files)?;
-        let evicted = store.evict()?;
-        let bytes = store.chunk_bytes()?;
+        let (evicted, bytes) = store.evict()?;
         let mut s = lock(state);
-        s.counters.committed += 1;
         s.counters.chunks_evicted += evicted as u64;
         s.chunk_bytes = Some(bytes);
         WriteOutcome::Stored
     } else {
-        lock(state).counters.conflicts += 1;
         // The chunks only this call named are dropped; the other call's are kept.
         let current = store.index(&c.id)?;
         let orphans: Vec<String> = c
@@ -309,14 +313,6 @@ fn write(
     Ok(outcome)
 }
 
-/// Fault injection for tests: `GPU_OFFLOAD_TEST_STORE_DELAY_MS` holds every write-back between
-/// its chunks and its index switch, so a test can stop the store in the middle of one.
-fn test_delay() -> Option<Duration> {
-    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *DELAY.get_or_init(|| {
-        std::env::var("GPU_OFFLOAD_TEST_STORE_DELAY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis)
-    })
-}
+/// Fault injection for tests: holds every write-back between its chunks and its index switch,
+/// so a test can stop the store in the middle of one.
+static TEST_STORE_DELAY: TestDelay = TestDelay::new("GPU_OFFLOAD_TEST_STORE_DELAY_MS");

@@ -75,7 +75,7 @@ impl<B: Backend> Worker<B> {
                 Ok(())
             }
             // Unreachable: this replica's copy is shown where it has one.
-            Err(e) if self.kv.contexts().any(|c| c.id() == id) => {
+            Err(e) if self.kv.has(id) => {
                 tracing::warn!("context {id}: {e}; showing this replica's copy");
                 Ok(())
             }
@@ -108,11 +108,11 @@ impl<B: Backend> Worker<B> {
         let written = self
             .kv
             .swap_out(&self.engine, &mut self.slots[slot].session, id);
-        let c = match (written, self.kv.get_mut(id, base.owner.as_deref())) {
-            (Ok(w), Ok(c)) => {
+        let (chunks, index) = match (written, self.kv.get_mut(id, base.owner.as_deref())) {
+            (Ok(chunks), Ok(c)) => {
                 c.index.revision = base.revision + 1;
                 c.index.writer = Some(lease.token.clone());
-                (w, c.index.clone())
+                (chunks, c.index.clone())
             }
             (Err(e), _) | (_, Err(e)) => {
                 // Not written: this replica's copy is dropped, the store keeps the context as it
@@ -129,7 +129,7 @@ impl<B: Backend> Worker<B> {
             tracing::warn!("saving context {id}: {e}");
         }
         self.slots[slot].unwritten = false;
-        lease.commit(&base, c.1, c.0, done);
+        lease.commit(&base, index, chunks, done);
     }
 
     /// Delete context `id` of `owner`: refused while a call runs on it (here, or with a

@@ -69,7 +69,7 @@ impl<B: Backend> Worker<B> {
                 })
                 .ok();
         }
-        let events = seq.job.events.clone();
+        let events = seq.job.events;
         let (prompt_tokens, completion_tokens) = (seq.prompt_tokens, seq.generated_total);
         let done: Box<dyn FnOnce(WriteOutcome) + Send> = Box::new(move |outcome| {
             let ev = match outcome {
@@ -83,7 +83,6 @@ impl<B: Backend> Worker<B> {
             };
             events.send(ev).ok();
         });
-        drop(seq.job.events);
         if let Some(id) = seq.job.context.clone()
             && self.kv.shared().is_some()
         {

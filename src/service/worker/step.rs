@@ -2,27 +2,18 @@
 //! calls cut into batched steps of the engine's step rows, the logits handed back, the finished
 //! sequences ended or started on their next choice.
 
-use std::time::Duration;
-
 use super::Worker;
 use super::errors::engine_error;
 use super::sequence::{Next, Sequence};
 use crate::backend::Backend;
 use crate::engine::{EngineError, Session};
+use crate::fault::TestDelay;
 use crate::service::Shared;
 use crate::service::messages::Event;
 
-/// Fault injection for tests: `GPU_OFFLOAD_TEST_STEP_DELAY_MS` slows every decode step, so a
-/// test can hang up while a call is surely under way.
-fn test_step_delay() -> Option<Duration> {
-    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *DELAY.get_or_init(|| {
-        std::env::var("GPU_OFFLOAD_TEST_STEP_DELAY_MS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map(Duration::from_millis)
-    })
-}
+/// Fault injection for tests: slows every decode step, so a test can hang up while a call is
+/// surely under way.
+static TEST_STEP_DELAY: TestDelay = TestDelay::new("GPU_OFFLOAD_TEST_STEP_DELAY_MS");
 
 impl<B: Backend> Worker<B> {
     /// One engine step for every running sequence (continuous batching): each samples its
@@ -31,9 +22,7 @@ impl<B: Backend> Worker<B> {
     /// once for all of them, each call attends over its own cache, and each gets the logits it
     /// would get alone.
     pub(super) fn step_all(&mut self, stop_now: bool) {
-        if let Some(d) = test_step_delay() {
-            std::thread::sleep(d);
-        }
+        TEST_STEP_DELAY.pause();
         let mut finish: Vec<Option<&'static str>> = Vec::with_capacity(self.active.len());
         let mut eval: Vec<(usize, Vec<u32>)> = Vec::new();
         for i in 0..self.active.len() {
