@@ -1,7 +1,7 @@
 //! The per-phase trace of a step (`engine::trace`, `bench decode --trace`): its phases tile each
 //! step (they add up to the step's time measured outside it), carry exactly the host↔device
 //! bytes the ledger counts, come out as valid Chrome trace-event JSON, and show each offload
-//! mode's own phases: streamed layers' copies, the split's and hybrid's CPU neurons and merge,
+//! mode's own phases: streamed layers' copies, the split's and hybrid's CPU neurons, hybrid's merge,
 //! the cache units' decisions, gathers, copies and scatters. No wall-clock speed is asserted.
 
 mod common;
@@ -158,7 +158,7 @@ fn every_mode_traces_its_own_phases() {
         (
             "split",
             "320K",
-            &["landing", "host_wait", "cpu_neurons", "merge", "h2d"],
+            &["landing", "host_wait", "cpu_neurons", "h2d"],
             &[("landing", "d2h_bytes"), ("cpu_neurons", "cpu_bytes")],
         ),
         (

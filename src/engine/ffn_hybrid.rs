@@ -1,8 +1,9 @@
 //! The FFN of a hybrid layer (PowerInfer): the hot neurons on the device, the cold ones on the CPU
-//! from DRAM, merged on the device; one host wait per layer.
+//! from DRAM, merged on the device; one host wait per layer (two for the split, whose CPU sum
+//! continues the device's).
 
 use super::ffn::DeviceNeurons;
-use super::ports::{ColdView, FfnView};
+use super::ports::{ColdMerge, ColdView, FfnView};
 use super::scratch::Scratch;
 use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
@@ -36,9 +37,12 @@ impl<B: Backend> Engine<B> {
     /// 2. device: the hot neurons, queued at once where no predictor decides them;
     /// 3. host: wait for `input` (a blocking event, never a spin); the predictor, if any;
     /// 4. device: the hot neurons, queued here where the predictor decides them;
-    /// 5. CPU: the cold neurons into the partial sum, while the device runs 2 or 4;
-    /// 6. copy host→device: the partial sum (staged by the driver; the host does not wait);
-    /// 7. device: `proj += partial`, the one merge, after 2/4 and 6 in stream order.
+    /// 5. CPU: the cold neurons' activations, while the device runs 2 or 4;
+    /// 6. merging, as the view's [`ColdMerge`] says: hybrid's CPU sums its down products from
+    ///    zero, copies the partial sum host→device (staged by the driver; the host does not
+    ///    wait) and the device adds it, `proj += partial`, after 2/4 in stream order; the
+    ///    split's CPU waits for the device's sum (copied device→host behind 2/4), adds its
+    ///    terms after the device's and copies the sum back in place of the device's.
     fn hybrid_graph(
         &self,
         layer: usize,
@@ -68,19 +72,41 @@ impl<B: Backend> Engine<B> {
             let _s = trace::span(Phase::DeviceNeurons);
             self.queue_hot(layer, f, threshold, keep.as_deref(), cold.hot, sc)?;
         }
-        let mut part = vec![0f32; n * d];
-        {
+        let active = {
             let _s = trace::span(Phase::CpuNeurons);
-            cold.neurons
-                .add_ffn(x, n, threshold, keep.as_deref(), &mut part)?;
+            cold.neurons.activate(x, n, threshold, keep.as_deref())?
+        };
+        match &mut cold.merge {
+            ColdMerge::Add(partial) => {
+                let mut part = vec![0f32; n * d];
+                {
+                    let _s = trace::span(Phase::CpuNeurons);
+                    cold.neurons.add_down(&active, n, &mut part)?;
+                }
+                b.reshape(partial, n, d)?;
+                {
+                    let _s = trace::span(Phase::H2d);
+                    b.write(partial, &part)?;
+                }
+                let _s = trace::span(Phase::Merge);
+                b.add(&mut sc.proj, partial)?;
+            }
+            ColdMerge::Continue => {
+                let landing = trace::span(Phase::Landing);
+                let device_sum = Landing::start(b, &sc.proj, stage)?;
+                drop(landing);
+                let mut sum = {
+                    let _s = trace::span(Phase::HostWait);
+                    device_sum.wait()?.to_vec()
+                };
+                {
+                    let _s = trace::span(Phase::CpuNeurons);
+                    cold.neurons.add_down(&active, n, &mut sum)?;
+                }
+                let _s = trace::span(Phase::H2d);
+                b.write(&mut sc.proj, &sum)?;
+            }
         }
-        b.reshape(cold.partial, n, d)?;
-        {
-            let _s = trace::span(Phase::H2d);
-            b.write(cold.partial, &part)?;
-        }
-        let _s = trace::span(Phase::Merge);
-        b.add(&mut sc.proj, cold.partial)?;
         Ok(())
     }
 

@@ -56,8 +56,9 @@ pub use error::{EngineError, NonFiniteAt, Result};
 pub use generate::{GenerateParams, Generation, StopReason, Timings, generate};
 pub use kv_pool::PoolUsage;
 pub use ports::{
-    ActivationTap, ColdNeurons, ColdView, ExpertCache, ExpertsView, FfnView, HeadView, LayerView,
-    LinearView, NeuronPredictor, NeuronUnit, NormView, RouteTap, StepTap, TierSet, WeightSource,
+    ActivationTap, ColdActive, ColdMerge, ColdNeurons, ColdView, ExpertCache, ExpertsView, FfnView,
+    HeadView, LayerView, LinearView, NeuronPredictor, NeuronUnit, NormView, RouteTap, StepTap,
+    TierSet, WeightSource,
 };
 pub use probe::{DENSITY_READ_BYTES, DENSITY_READ_ROWS};
 pub use resident::ResidentWeights;

@@ -189,13 +189,27 @@ pub trait NeuronUnit<B: Backend>: Send {
     fn unit(&self, tier: usize) -> Result<(&B::Weight, Option<&B::Weight>)>;
 }
 
-/// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons).
+/// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons), in two
+/// steps so that the sum the second adds to may arrive between them (the split's: the
+/// device's partial sum, which the CPU's terms continue).
 pub trait ColdNeurons: Send + Sync {
-    /// Add to `out` (`n × d_model`) the FFN output of this layer's cold neurons for the `n`
-    /// input rows `x`. A neuron the mask leaves out (`threshold`, as
+    /// Which of this layer's cold neurons the `n` input rows `x` activate, and their
+    /// activations. A neuron the mask leaves out (`threshold`, as
     /// [`crate::backend::sparse_act`]) or `keep` does not list (`n × d_ff` flags by neuron id,
-    /// from a predictor) contributes nothing, and the parts it would need beyond the one that
-    /// decides are not read.
+    /// from a predictor) is not active, and the parts it would need beyond the one that decides
+    /// are not read.
+    fn activate(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+    ) -> Result<ColdActive>;
+    /// Add to `out` (`n × d_model`) the down products of `active`, each token's terms in
+    /// neuron order after what `out` holds.
+    fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()>;
+    /// Add to `out` the FFN output of this layer's cold neurons: [`Self::activate`] then
+    /// [`Self::add_down`].
     fn add_ffn(
         &self,
         x: &[f32],
@@ -203,7 +217,18 @@ pub trait ColdNeurons: Send + Sync {
         threshold: f32,
         keep: Option<&[bool]>,
         out: &mut [f32],
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let active = self.activate(x, n, threshold, keep)?;
+        self.add_down(&active, n, out)
+    }
+}
+
+/// The cold neurons a step activates ([`ColdNeurons::activate`]).
+pub struct ColdActive {
+    /// Their positions among the neurons the layer holds, ascending.
+    pub positions: Vec<u32>,
+    /// Their activations, `n × positions.len()`.
+    pub values: Vec<f32>,
 }
 
 /// The CPU's share of a hybrid layer.
@@ -211,8 +236,21 @@ pub struct ColdView<'a, B: Backend> {
     pub neurons: &'a dyn ColdNeurons,
     /// Ids of the hot neurons, in the order of the device FFN's hidden columns.
     pub hot: &'a [u32],
-    /// Device buffer the CPU's partial sum is copied into (room for the step's `n × d_model`).
-    pub partial: &'a mut B::Tensor,
+    /// How the CPU's sum joins the device's.
+    pub merge: ColdMerge<'a, B>,
+}
+
+/// How the CPU's share of a layer's FFN joins the device's.
+pub enum ColdMerge<'a, B: Backend> {
+    /// The CPU's partial sum is copied into this device buffer (room for the step's
+    /// `n × d_model`) and added to the device's: hybrid, whose hot and cold neurons interleave.
+    Add(&'a mut B::Tensor),
+    /// Every CPU neuron follows every device neuron in the down sum's order (the split: the
+    /// device's first rows, the CPU's last ones), so the CPU's terms continue the device's sum
+    /// landed on the host and the result goes back in its place: one chain, as where the device
+    /// holds the whole FFN (bit for bit on the budgeted device, whose sums are chains), and no
+    /// merge buffer.
+    Continue,
 }
 
 /// The final norm and the output matrix.

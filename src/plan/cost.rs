@@ -36,9 +36,14 @@ pub(super) struct DecodeInputs<'a> {
     pub(super) cpu_rows: u64,
 }
 
-/// The split's round trip of one decode token where the CPU computes FFN rows (`cpu_rows`
-/// bytes of them): every layer's FFN input down, and its partial sum up, `n_layers × d_model`
-/// f32 each way.
+/// The split's copies up of one decode token where the CPU computes FFN rows (`cpu_rows` bytes
+/// of them): every layer's sum, which the CPU continued, back to the device, `n_layers ×
+/// d_model` f32. Down go twice as many: the FFN input and the device's sum
+/// ([`SPLIT_DOWN_VECTORS`]).
+/// Vectors the split copies device→host per layer and token (the FFN input, the device's sum)
+/// for every one it copies back.
+pub(super) const SPLIT_DOWN_VECTORS: u64 = 2;
+
 pub(super) fn split_trip_bytes(spec: &ModelSpec, cpu_rows: u64) -> u64 {
     if cpu_rows > 0 {
         (spec.n_layers * spec.d_model * 4) as u64
@@ -109,7 +114,7 @@ pub(super) fn decode_cost(
         d2h_bytes: spec.vocab_size as u64 * 4
             + kv_row_out(spec, budget, prefill)
             + rows_out
-            + split_trip,
+            + SPLIT_DOWN_VECTORS * split_trip,
         ssd_bytes,
         hbm_read_bytes: device_weights + per_session / 2,
         cpu_read_bytes: cpu_rows + kv_cpu,
@@ -138,8 +143,9 @@ pub(super) fn decode_cost(
     let hbm_s = step.hbm_read_bytes as f64 / hw.hbm_bytes_per_s;
     let ops_s = ops as f64 * hw.op_overhead_s;
     // The CPU's share runs between the device's ops of its layer: serial with them, overlapping
-    // the copies; each layer pays a round trip (the FFN input down, the partial sum up, a row
-    // of each per sequence). Its rows are read once a step and computed for every sequence.
+    // the copies; each layer pays three copies (the FFN input and the device's sum down, the
+    // continued sum up, a row of each per sequence). Its rows are read once a step and
+    // computed for every sequence.
     let cpu_s = r as f64 * kv_cpu_r as f64 / hw.cpu_attention_rate()
         + if cpu_rows > 0 {
             let vector = (rows * spec.d_model * 4) as f64;
@@ -149,7 +155,9 @@ pub(super) fn decode_cost(
                 rows,
                 step.cpu_flops / rows as f64,
                 batch::cpu_flops_per_s(hw),
-            ) + n_layers as f64 * 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
+            ) + n_layers as f64
+                * (1 + SPLIT_DOWN_VECTORS) as f64
+                * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s)
         } else {
             0.0
         };

@@ -97,7 +97,8 @@ pub struct GpuBytes {
     pub scratch: u64,
     /// One step's backend workspace.
     pub workspace: u64,
-    /// Where the CPU's share of a split FFN comes back to (0 without a split).
+    /// Where the CPU's partial sums come back to, hybrid's over streamed attention (0
+    /// without; the split's CPU rows continue the device's sum and need none).
     #[serde(default)]
     pub merge: u64,
     /// Everything but `fixed`: what the byte ledger holds at the peak.

@@ -283,7 +283,6 @@ fn write_token(o: &mut String, p: &Plan) {
 
 /// The hybrid or split share of the FFN.
 fn write_cpu_share(o: &mut String, p: &Plan) {
-    let g = &p.gpu;
     let pr = &p.prediction;
     if p.residency.ffn_off && p.budget.unit_reserve.is_some() {
         let _ = writeln!(
@@ -298,7 +297,7 @@ fn write_cpu_share(o: &mut String, p: &Plan) {
     } else if p.residency.cpu_rows > 0 {
         let _ = writeln!(
             o,
-            "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per {} ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest; merge buffer {} MiB on the device",
+            "CPU+PCIe split: the last {} FFN neurons of every layer computed by the CPU from DRAM ({} MiB held), {} MiB read per {} ({:.2} ms with the round trips, at {:.1} GB/s), beside the copies of the rest, continuing the device's sum",
             p.residency.cpu_rows,
             mib(p.dram.cpu_rows),
             mib(pr.step.cpu_read_bytes),
@@ -309,7 +308,6 @@ fn write_cpu_share(o: &mut String, p: &Plan) {
             },
             pr.cpu_s * 1e3,
             p.hardware.dram_read_bytes_per_s / 1e9,
-            mib(g.merge)
         );
     }
 }

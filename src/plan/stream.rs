@@ -142,7 +142,7 @@ struct DeviceFrame<'a> {
 }
 
 /// The residency a streaming plan settles on, the slots it streams through (0: all resident)
-/// and the merge buffer the CPU's partial sums come back to (0 without).
+/// and the merge buffer hybrid's partial sums come back to (0 without).
 struct FittedLayers {
     residency: Residency,
     window: usize,
@@ -334,9 +334,8 @@ impl<'a> DeviceFrame<'a> {
             (residency, merge) = self.ffn_off(reserve, with_merge)?;
         } else if budget.cpu_split && window > 0 && budget.dram_mem.is_none() && holds(m, Part::Ffn)
         {
-            // The CPU+PCIe split: see `split::balance`; the first round's merge buffer must
-            // fit too.
-            let with_merge = device_bytes((budget.batch * self.d_model * 4) as u64);
+            // The CPU+PCIe split: see `split::balance`. No merge buffer: the CPU's rows
+            // continue the device's sum (`engine::ColdMerge::Continue`).
             // The CPU computes its neurons for every sequence of a decode step.
             let f = Part::Ffn.index();
             let cpu_rate = batch::cpu_neuron_rate(
@@ -346,11 +345,10 @@ impl<'a> DeviceFrame<'a> {
                 batch::step_rows(budget, &self.prefill),
             );
             let cur = split::balance(&self.shape, hw, cpu_rate, residency, |c| {
-                self.fit(c, false, with_merge)
+                self.fit(c, false, 0)
             });
-            if cur.cpu_rows > 0 && self.placed_with(&cur, window) + with_merge <= self.usable {
+            if cur.cpu_rows > 0 && self.placed_with(&cur, window) <= self.usable {
                 residency = cur;
-                merge = with_merge;
             }
         }
         Ok(FittedLayers {

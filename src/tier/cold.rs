@@ -18,7 +18,7 @@ use crate::backend::cpu::sparse::{
 };
 use crate::backend::sparse_act;
 use crate::engine::trace::{self, Phase, span};
-use crate::engine::{ColdNeurons, EngineError, Result};
+use crate::engine::{ColdActive, ColdNeurons, EngineError, Result};
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::plan::cold::ColdCost;
 use crate::plan::{Part, device_dtype, part_segment_name};
@@ -211,7 +211,7 @@ impl ColdLayer {
         let cand = self.candidates(n, keep);
         let mut dec = vec![0f32; n * cand.len()];
         sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
-        let pos = self.activate(&cand, n, shape.parts == 3, threshold, keep, &mut dec);
+        let pos = self.mask_activations(&cand, n, shape.parts == 3, threshold, keep, &mut dec);
         self.traffic.add(&self.cost, cand.len(), 0, 0);
         Ok(pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect())
     }
@@ -234,7 +234,7 @@ impl ColdLayer {
         let c = cand.len();
         let mut dec = vec![0f32; n * c];
         sparse_part_dots(self.kernels, &b, &cand, 0, x, n, &mut dec)?;
-        let pos = self.activate(&cand, n, shape.parts == 3, threshold, None, &mut dec);
+        let pos = self.mask_activations(&cand, n, shape.parts == 3, threshold, None, &mut dec);
         self.traffic.add(&self.cost, c, 0, 0);
         let ids = pos.iter().map(|&jj| self.ids[cand[jj] as usize]).collect();
         Ok((ids, select_cols(&dec, n, c, &pos)))
@@ -304,7 +304,7 @@ impl ColdLayer {
     /// `dec[t·c + j]` (the deciding dot products of the candidates) turned into the masked
     /// activations, as the dense kernels compute them; returns the positions in `cand` that
     /// are non-zero for some token.
-    fn activate(
+    fn mask_activations(
         &self,
         cand: &[u32],
         n: usize,
@@ -348,68 +348,84 @@ fn select_cols(src: &[f32], n: usize, c: usize, pos: &[usize]) -> Vec<f32> {
 }
 
 impl ColdNeurons for ColdLayer {
-    fn add_ffn(
+    fn activate(
         &self,
         x: &[f32],
         n: usize,
         threshold: f32,
         keep: Option<&[bool]>,
-        out: &mut [f32],
-    ) -> Result<()> {
+    ) -> Result<ColdActive> {
         if self.ids.is_empty() {
-            return Ok(());
+            return Ok(ColdActive {
+                positions: Vec::new(),
+                values: Vec::new(),
+            });
         }
         let k = self.kernels;
         let cand = self.candidates(n, keep);
         let c = cand.len();
         let mut dec = vec![0f32; n * c];
-        match &self.data {
-            ColdData::Bundles { t, shape } => {
-                let b = Bundles::from_host(t, *shape)?;
-                let gated = shape.parts == 3;
-                // The gate (or the up vector of two-part bundles) decides; the rest is read
-                // only for the neurons it leaves on.
-                let decide = span(Phase::Decide);
-                sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
-                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
-                self.traffic.add(&self.cost, c, 0, 0);
-                drop(decide);
-                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
-                let mut h = select_cols(&dec, n, c, &pos);
-                if gated {
-                    let mut u = vec![0f32; h.len()];
-                    sparse_part_dots(k, &b, &active, 1, x, n, &mut u)?;
-                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
+        // The gate (or the up vector of two-part bundles) decides; the rest is read only for
+        // the neurons it leaves on.
+        let (gated, pos) = {
+            let _decide = span(Phase::Decide);
+            let gated = match &self.data {
+                ColdData::Bundles { t, shape } => {
+                    let b = Bundles::from_host(t, *shape)?;
+                    sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
+                    shape.parts == 3
                 }
-                sparse_down(k, &b, &active, &h, n, out)?;
-                self.traffic.add(&self.cost, 0, active.len(), 0);
-            }
-            ColdData::Matrices { gate, up, down } => {
-                let gated = gate.is_some();
-                let decide = span(Phase::Decide);
-                sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
-                let pos = self.activate(&cand, n, gated, threshold, keep, &mut dec);
-                self.traffic.add(&self.cost, c, 0, 0);
-                drop(decide);
-                let active: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
-                let mut h = select_cols(&dec, n, c, &pos);
-                if gated {
-                    let a = active.len();
-                    let mut u = vec![0f32; h.len()];
-                    sparse_rows(k, up, &active, x, n, &mut u)?;
+                ColdData::Matrices { gate, up, .. } => {
+                    sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
+                    gate.is_some()
+                }
+            };
+            let pos = self.mask_activations(&cand, n, gated, threshold, keep, &mut dec);
+            self.traffic.add(&self.cost, c, 0, 0);
+            (gated, pos)
+        };
+        let positions: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
+        let mut values = select_cols(&dec, n, c, &pos);
+        if gated {
+            let mut u = vec![0f32; values.len()];
+            match &self.data {
+                ColdData::Bundles { t, shape } => {
+                    let b = Bundles::from_host(t, *shape)?;
+                    sparse_part_dots(k, &b, &positions, 1, x, n, &mut u)?;
+                }
+                ColdData::Matrices { up, .. } => {
+                    sparse_rows(k, up, &positions, x, n, &mut u)?;
                     if let Some(bias) = &self.up_bias {
+                        let a = positions.len();
                         for t in 0..n {
-                            for (aa, &j) in active.iter().enumerate() {
+                            for (aa, &j) in positions.iter().enumerate() {
                                 u[t * a + aa] += bias[j as usize];
                             }
                         }
                     }
-                    h.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
                 }
-                let units = sparse_down_blocks(k, down, &active, &h, n, out)?;
-                self.traffic.add(&self.cost, 0, active.len(), units);
             }
+            values.iter_mut().zip(&u).for_each(|(h, u)| *h *= u);
         }
+        Ok(ColdActive { positions, values })
+    }
+
+    fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()> {
+        let ColdActive { positions, values } = active;
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let units = match &self.data {
+            ColdData::Bundles { t, shape } => {
+                let b = Bundles::from_host(t, *shape)?;
+                sparse_down(self.kernels, &b, positions, values, n, out)?;
+                0
+            }
+            ColdData::Matrices { down, .. } => {
+                sparse_down_blocks(self.kernels, down, positions, values, n, out)?
+            }
+        };
+        self.traffic.add(&self.cost, 0, positions.len(), units);
         Ok(())
     }
 }

@@ -18,7 +18,9 @@ use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide};
 use super::resident::{Resident, Small, linear, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
-use crate::engine::{ColdView, EngineError, FfnView, HeadView, LayerView, Result, WeightSource};
+use crate::engine::{
+    ColdMerge, ColdView, EngineError, FfnView, HeadView, LayerView, Result, WeightSource,
+};
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::{Ledger, Tier};
 use crate::model::ModelSpec;
@@ -183,7 +185,7 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
         let cold = ColdView {
             neurons: &cold[l],
             hot: &hot_ids[l],
-            partial,
+            merge: ColdMerge::Add(partial),
         };
         Ok(resident.layer(l, ffn, Some(cold), None))
     }

@@ -2,8 +2,8 @@
 //! [`crate::plan::split`]), the last neurons of every layer read into DRAM and computed by the
 //! CPU beside the copies of the rest — the neurons PCIe would be slowest to bring; with hybrid
 //! over streamed attention, the cold neurons of a hot-neuron plan, the hot ones gathered onto
-//! the device (`layer_ffn` of [`super::hybrid`]). Either way the CPU's partial sums come back into
-//! one buffer the device adds.
+//! the device (`layer_ffn` of [`super::hybrid`]). Hybrid's partial sums come back into one
+//! buffer the device adds; the split's CPU rows, the last, continue the device's sum.
 //!
 //! Refuses a hot-neuron plan that does not match the plan's FFN (the FFN must be off the
 //! device, one hot list per layer), and a plan with the FFN off the device without one.
@@ -26,7 +26,9 @@ pub(super) struct CpuShare<B: Backend> {
     pub(super) layers: Vec<ColdLayer>,
     /// Per layer, the ids of the FFN neurons the device computes, in column order.
     pub(super) device_ids: Vec<Vec<u32>>,
-    pub(super) partial: B::Tensor,
+    /// The merge buffer of hybrid's partial sums; none for the split, whose CPU rows continue
+    /// the device's sum ([`crate::engine::ColdMerge::Continue`]).
+    pub(super) partial: Option<B::Tensor>,
     pub(super) traffic: Arc<ColdTraffic>,
 }
 
@@ -96,7 +98,7 @@ impl<B: Backend> CpuShare<B> {
                 Some(CpuShare {
                     layers,
                     device_ids: h.hot_neurons.clone(),
-                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
+                    partial: Some(b.alloc(plan.budget.batch.max(1), spec.d_model)?),
                     traffic,
                 })
             }
@@ -112,7 +114,7 @@ impl<B: Backend> CpuShare<B> {
                 Some(CpuShare {
                     layers,
                     device_ids: vec![(0..cpu_rows.start as u32).collect(); n_layers],
-                    partial: b.alloc(plan.budget.batch.max(1), spec.d_model)?,
+                    partial: None,
                     traffic,
                 })
             }

@@ -19,7 +19,8 @@ use super::units::{UnitFfns, UnitFfnsLoader, UnitLayout, UnitTraffic};
 use crate::backend::{Act, Backend, BundleShape};
 use crate::engine::trace::{Phase, span};
 use crate::engine::{
-    ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result, WeightSource,
+    ColdMerge, ColdView, EngineError, FfnView, HeadView, LayerView, LinearView, Result,
+    WeightSource,
 };
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::Ledger;
@@ -498,7 +499,10 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 None => self.cpu.as_mut().map(|c| ColdView {
                     neurons: &c.layers[l],
                     hot: &c.device_ids[l],
-                    partial: &mut c.partial,
+                    merge: match c.partial.as_mut() {
+                        Some(partial) => ColdMerge::Add(partial),
+                        None => ColdMerge::Continue,
+                    },
                 }),
             },
             unit,

@@ -27,7 +27,8 @@ use crate::backend::{Act, Backend, BundleShape, HostStage};
 use crate::engine::TierSet;
 use crate::engine::trace::{Phase, span};
 use crate::engine::{
-    ColdView, EngineError, FfnView, HeadView, LayerView, NeuronUnit, Result, WeightSource,
+    ColdMerge, ColdView, EngineError, FfnView, HeadView, LayerView, NeuronUnit, Result,
+    WeightSource,
 };
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::Ledger;
@@ -446,7 +447,7 @@ impl<B: Backend> UnitFfns<B> {
                 let cold = ColdView {
                     neurons: &*cold,
                     hot: hot_ids,
-                    partial,
+                    merge: ColdMerge::Add(partial),
                 };
                 Ok((ffn, Some(cold), None))
             }
