@@ -335,3 +335,95 @@ fn check_trace_file(path: &std::path::Path, tokens: u64, mode: &str) {
         );
     }
 }
+
+/// `--sparsity predicted` on hybrid and cache units: the plan costs the predictors (their
+/// weights read by the host every step, the neurons they name examined and computed or
+/// brought in) and the trace agrees — the CPU's bytes per token within 25% of the plan's, the
+/// units' loads too; `--json` reports the predictors' held-out recall and share, and the plan
+/// says what they cost.
+#[test]
+fn predictors_are_costed_in_the_plan_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let m = dir.path().join("stories.gguf");
+    std::fs::copy(common::stories260k(), &m).unwrap();
+    let ms = m.to_str().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(
+        &corpus,
+        "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+            .repeat(20),
+    )
+    .unwrap();
+    succeeds(bin(&models).args([
+        "profile",
+        "-m",
+        ms,
+        "--corpus",
+        corpus.to_str().unwrap(),
+        "--tokens",
+        "64",
+        "--window",
+        "32",
+    ]));
+    for (mode, gpu_mem) in [("cpu", "320K"), ("gpu", "500K")] {
+        let run = |json: bool| {
+            let mut c = bin(&models);
+            c.args([
+                "bench",
+                "decode",
+                "-m",
+                ms,
+                "--device",
+                "sim",
+                "--gpu-mem",
+                gpu_mem,
+                "--cold",
+                mode,
+                "--sparsity",
+                "predicted",
+                "--prompt-tokens",
+                "4",
+                "-n",
+                "6",
+                "--reps",
+                "1",
+            ]);
+            if json {
+                c.arg("--json");
+            } else {
+                c.args(["--log", "info"]);
+            }
+            c
+        };
+        let v = succeeds(&mut run(true));
+        let p = &v["predictors"];
+        let recall = p["recall_held_out"].as_f64().unwrap_or(-1.0);
+        assert!((0.0..=1.0).contains(&recall) && recall > 0.5, "{mode}: {p}");
+        assert!(
+            p["weight_bytes_per_step"].as_u64().is_some_and(|b| b > 0),
+            "{mode}: {p}"
+        );
+        let c = &v["plan_vs_trace_per_token"];
+        let f = |r: &str, k: &str| c[r][k].as_f64().unwrap_or(f64::NAN);
+        let (want, got) = (f("cpu", "predicted_bytes"), f("cpu", "measured_bytes"));
+        assert!(
+            (got - want).abs() <= 0.25 * want,
+            "{mode}: CPU bytes {got} against the plan's {want}: {c}"
+        );
+        if mode == "gpu" {
+            let (want, got) = (f("link", "predicted_bytes"), f("link", "measured_bytes"));
+            assert!(
+                (got - want).abs() <= 0.25 * want,
+                "{mode}: link bytes {got} against the plan's {want}: {c}"
+            );
+        }
+        let out = run(false).output().unwrap();
+        assert!(out.status.success());
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            log.contains("predictors (--sparsity predicted)"),
+            "{mode}: the plan says what the predictors cost: {log}"
+        );
+    }
+}

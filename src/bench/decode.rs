@@ -230,6 +230,24 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
                "expected_per_token": x.plan.per_token, "device_bytes": x.plan.device.total,
                "routing": x.plan.routing})
     });
+    // The predictors naming the neurons (`--sparsity predicted`), as the plan costs them:
+    // their recall and share named on the profile's held-out tokens, their weights per step.
+    let predictors = running
+        .hybrid
+        .as_ref()
+        .and_then(|h| h.plan.predictors.as_deref())
+        .or(running
+            .units
+            .as_ref()
+            .and_then(|u| u.plan.predictors.as_deref()))
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let n = p.len() as f64;
+            json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
+                   "predicted_share_held_out": p.iter().map(|x| x.predicted_share).sum::<f64>() / n,
+                   "weight_bytes_per_step": p.iter().map(|x| x.weight_bytes).sum::<u64>(),
+                   "layers": p})
+        });
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
     // On by default on CUDA: whether this engine records, not whether the flag was given.
@@ -249,7 +267,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,
         "predicted_tokens_per_s": predicted, "rates": rates,
         "load_s": running.load_s, "memory": memory, "hybrid": cold, "cache_units": units, "experts": experts,
-        "phases_per_token": phase_totals, "plan_vs_trace_per_token": plan_vs_trace,
+        "predictors": predictors, "phases_per_token": phase_totals, "plan_vs_trace_per_token": plan_vs_trace,
     });
     Ok(DecodeRun {
         model: spec.name,

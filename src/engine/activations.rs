@@ -54,6 +54,7 @@ impl<B: Backend> Engine<B> {
         let Some(p) = &self.predictor else {
             return Ok(None);
         };
+        super::trace::add_cpu_bytes(p.weight_bytes(layer));
         let (keep, scores) = if scored {
             let (k, s) = p.scored(layer, x, n);
             (k, Some(s))

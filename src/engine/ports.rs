@@ -301,4 +301,9 @@ pub trait NeuronPredictor: Send + Sync {
         let scores = keep.iter().map(|&k| k as u8 as f32).collect();
         (keep, scores)
     }
+    /// Bytes of layer `layer`'s weights the host reads per call (what the trace and the plan
+    /// count as the CPU's); none for a predictor without weights of its own.
+    fn weight_bytes(&self, _layer: usize) -> u64 {
+        0
+    }
 }

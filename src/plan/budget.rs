@@ -69,6 +69,10 @@ pub struct Budget {
     /// Mixture-of-experts: a decode step's low-ranked misses computed on the device from copies
     /// in this block format (`--expert-low-bit`; `None`: every expert at full precision).
     pub expert_low_bit: Option<crate::tensor::DType>,
+    /// `--sparsity predicted`: the profile's predictors name each step's neurons; the sparse
+    /// plans cost them (their weights on the host, the neurons they name) in place of the
+    /// deciding reads.
+    pub predicted: bool,
 }
 
 impl Budget {
@@ -97,6 +101,7 @@ impl Budget {
             cpu_split: false,
             hot_reserve: None,
             unit_reserve: None,
+            predicted: false,
             expert_prefetch: true,
             expert_low_bit: None,
         }

@@ -164,3 +164,132 @@ pub(super) fn hot_device_bytes(m: &Manifest, l: usize, hot: usize) -> Result<u64
 pub(super) fn hot_rounding(layouts: &[FfnLayout]) -> u64 {
     layouts.iter().map(|f| f.tensors * DEVICE_ALIGN).sum()
 }
+
+/// What a layer's activation predictor costs and decides (`--sparsity predicted`): the host
+/// reads its f32 weights and multiplies them every step, and the neurons it names are the ones
+/// examined and computed, in place of every neuron's deciding vector and the threshold's mask.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct PredictorCost {
+    /// Bytes of its weights, read once a step.
+    pub weight_bytes: u64,
+    /// Its multiply-adds ×2 per row.
+    pub flops: f64,
+    /// Share of the truly active neurons it names, on the profile's held-out tokens.
+    pub recall: f64,
+    /// Share of the inactive neurons it names all the same.
+    pub false_on: f64,
+    /// Share of all neurons it names.
+    pub predicted_share: f64,
+}
+
+impl PredictorCost {
+    /// Layer `l`'s predictor in `profile`, if it has one.
+    pub fn of(profile: &crate::sparsity::SparsityProfile, l: usize) -> Option<Self> {
+        let p = profile.predictors.get(l)?;
+        let q = profile
+            .predictor_quality
+            .get(l)
+            .copied()
+            .unwrap_or_default();
+        let params = (p.rank * p.d + p.rank + p.neurons * p.rank + p.neurons) as u64;
+        // Of the neurons it names, those active are recall × active; the rest were off.
+        let off = 1.0 - q.active_share;
+        let false_on = if off > 0.0 {
+            ((q.predicted_share - q.recall * q.active_share) / off).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        Some(PredictorCost {
+            weight_bytes: params * 4,
+            flops: 2.0 * params as f64,
+            recall: q.recall,
+            false_on,
+            predicted_share: q.predicted_share,
+        })
+    }
+
+    /// Every layer's, where the profile has a predictor for each (else none).
+    pub fn all(profile: &crate::sparsity::SparsityProfile) -> Option<Vec<Self>> {
+        (0..profile.n_layers)
+            .map(|l| Self::of(profile, l))
+            .collect()
+    }
+
+    /// The chance it names a neuron active with frequency `f`.
+    pub fn names(&self, f: f64) -> f64 {
+        (self.recall * f + self.false_on * (1.0 - f)).clamp(0.0, 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sparsity::SparsityProfile;
+    use crate::sparsity::predictor::{Predictor, PredictorQuality};
+
+    /// A predictor's cost from the profile: its weights' bytes and products from its shape, the
+    /// neurons it names from its held-out quality (all the active ones it recalls, and of the
+    /// inactive ones as many as make up its predicted share); none without predictors.
+    #[test]
+    fn a_predictor_costs_its_weights_and_names_what_it_predicts() {
+        let mut p = SparsityProfile {
+            model_id: "m".into(),
+            corpus: "test".into(),
+            tokens: 0,
+            window: 0,
+            n_layers: 2,
+            d_ff: 100,
+            thresholds: Vec::new(),
+            measured: Vec::new(),
+            frequency: Vec::new(),
+            predictor_target: None,
+            predictors: Vec::new(),
+            predictor_quality: Vec::new(),
+            unit_reuse: None,
+        };
+        assert_eq!(PredictorCost::all(&p), None);
+        let (d, rank, neurons) = (16, 4, 100);
+        p.predictors = vec![
+            Predictor {
+                d,
+                rank,
+                neurons,
+                w1: Vec::new(),
+                b1: Vec::new(),
+                w2: Vec::new(),
+                b2: Vec::new(),
+                cutoff: 0.0,
+            };
+            2
+        ];
+        p.predictor_quality = vec![
+            PredictorQuality {
+                recall: 0.9,
+                precision: 0.5,
+                predicted_share: 0.36,
+                active_share: 0.2,
+                epochs: 3,
+            };
+            2
+        ];
+        let all = PredictorCost::all(&p).unwrap();
+        assert_eq!(all.len(), 2);
+        let c = all[0];
+        let params = (rank * d + rank + neurons * rank + neurons) as u64;
+        assert_eq!(c.weight_bytes, 4 * params);
+        assert_eq!(c.flops, 2.0 * params as f64);
+        // 0.36 named = 0.9 × 0.2 recalled + false_on × 0.8.
+        assert!((c.false_on - 0.225).abs() < 1e-12, "{c:?}");
+        assert!((c.names(1.0) - 0.9).abs() < 1e-12);
+        assert!((c.names(0.0) - 0.225).abs() < 1e-12);
+        // Over neurons whose frequencies average the active share, the named share is the
+        // predicted share.
+        let f = [0.0, 0.2, 0.4, 0.2];
+        let named: f64 = f.iter().map(|&x| c.names(x)).sum::<f64>() / f.len() as f64;
+        assert!((named - 0.36).abs() < 1e-12, "{named}");
+        // A predictor that names every neuron.
+        p.predictor_quality[1].predicted_share = 1.0;
+        p.predictor_quality[1].recall = 1.0;
+        assert_eq!(PredictorCost::all(&p).unwrap()[1].names(0.0), 1.0);
+    }
+}

@@ -23,7 +23,7 @@ use crate::store::Manifest;
 use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
-use super::cold::{ColdCost, FfnLayout, hot_rounding};
+use super::cold::{ColdCost, FfnLayout, PredictorCost, hot_rounding};
 use super::cost::split_trip_bytes;
 use super::hardware::HardwareProfile;
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
@@ -115,6 +115,9 @@ pub struct HybridPlan {
     pub sequences: usize,
     pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
+    /// Per layer, the predictor that names each step's neurons and what it costs
+    /// (`--sparsity predicted`; none with the threshold's mask).
+    pub predictors: Option<Vec<PredictorCost>>,
     /// With streamed attention: the streaming plan it runs on (attention residency, slots,
     /// the reserve), where the hot neurons go into the reserve.
     #[serde(skip)]
@@ -208,7 +211,7 @@ fn place_in(
         plan,
         &base,
         layouts,
-        &freqs,
+        (&freqs, predictors_for(plan, Some(profile)).as_deref()),
         hot_neurons,
         Solved {
             target: grid_target(k),
@@ -320,7 +323,7 @@ pub fn plan_hybrid_with(
         plan,
         &base,
         &layouts,
-        &freqs,
+        (&freqs, predictors_for(plan, profile).as_deref()),
         hot,
         Solved {
             target,
@@ -353,10 +356,21 @@ struct Solved {
     solve_seconds: f64,
 }
 
+/// Every layer's predictor cost where the plan's budget runs them (`--sparsity predicted`) and
+/// the profile has them.
+pub(super) fn predictors_for(
+    plan: &Plan,
+    profile: Option<&SparsityProfile>,
+) -> Option<Vec<PredictorCost>> {
+    profile
+        .filter(|_| plan.budget.predicted)
+        .and_then(PredictorCost::all)
+}
+
 /// A layer's expected cold work in a decode step.
 struct ColdWork {
-    /// Cold neurons (each examined).
-    neurons: usize,
+    /// Cold neurons each row of the step examines (every one, or those its predictor names).
+    examined: f64,
     /// Expected cold neurons some row of the step needs (computed for every row).
     active: f64,
     /// Expected bytes the CPU reads.
@@ -366,18 +380,32 @@ struct ColdWork {
 /// The cold work of a layer with frequencies `f` and `hot` neurons on the device, in a step of
 /// `rows` sequences: every cold neuron examined, each needed where active for some row (with its
 /// frequency, rows and neurons taken as independent), a down block touched unless all its
-/// neurons are off for every row.
-fn cold_work(f: &[f64], hot: &[u32], lay: &FfnLayout, rows: usize) -> ColdWork {
+/// neurons are off for every row. With a `predictor` the neurons it names for some row are
+/// examined and computed (named with [`PredictorCost::names`]), and its weights read.
+fn cold_work(
+    f: &[f64],
+    hot: &[u32],
+    lay: &FfnLayout,
+    rows: usize,
+    predictor: Option<&PredictorCost>,
+) -> ColdWork {
     let mut is_hot = vec![false; f.len()];
     hot.iter().for_each(|&j| is_hot[j as usize] = true);
     let cold: Vec<usize> = (0..f.len()).filter(|&j| !is_hot[j]).collect();
-    let active: f64 = cold.iter().map(|&j| batch::union_share(f[j], rows)).sum();
+    let needed = |p: f64| match predictor {
+        Some(pc) => pc.names(p),
+        None => p,
+    };
+    let active: f64 = cold
+        .iter()
+        .map(|&j| batch::union_share(needed(f[j]), rows))
+        .sum();
     let touched: f64 = f
         .chunks(lay.cost.unit)
         .enumerate()
         .filter(|(u, _)| !is_hot[u * lay.cost.unit])
         .map(|(_, c)| {
-            let none = c.iter().map(|p| 1.0 - p).product::<f64>();
+            let none = c.iter().map(|&p| 1.0 - needed(p)).product::<f64>();
             1.0 - if rows > 1 {
                 none.powi(rows as i32)
             } else {
@@ -385,13 +413,18 @@ fn cold_work(f: &[f64], hot: &[u32], lay: &FfnLayout, rows: usize) -> ColdWork {
             }
         })
         .sum();
+    let examined = match predictor {
+        Some(_) => active,
+        None => cold.len() as f64,
+    };
     let c = lay.cost;
     ColdWork {
-        neurons: cold.len(),
+        examined,
         active,
-        bytes: c.decide_bytes as f64 * cold.len() as f64
+        bytes: c.decide_bytes as f64 * examined
             + c.active_bytes as f64 * active
-            + c.unit_bytes as f64 * touched,
+            + c.unit_bytes as f64 * touched
+            + predictor.map_or(0.0, |p| p.weight_bytes as f64),
     }
 }
 
@@ -400,7 +433,7 @@ fn finish(
     plan: &Plan,
     base: &Base,
     layouts: &[FfnLayout],
-    freqs: &[Vec<f64>],
+    (freqs, predictors): (&[Vec<f64>], Option<&[PredictorCost]>),
     hot_neurons: Vec<Vec<u32>>,
     solved: Solved,
 ) -> HybridPlan {
@@ -437,11 +470,13 @@ fn finish(
         hbm += hot_raw;
         let total_units = d_ff / lay.cost.unit;
         cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
+        let predictor = predictors.and_then(|p| p.get(l));
         let ColdWork {
-            neurons: cold,
+            examined,
             active,
             bytes: cold_bytes,
-        } = cold_work(f, ids, lay, rows);
+        } = cold_work(f, ids, lay, rows, predictor);
+        let cold = d_ff - ids.len();
         cpu += cold_bytes as u64;
         let layer_attention = base.attention_layers[l];
         let gpu_s = batch::bounded(
@@ -451,9 +486,12 @@ fn finish(
             ids.len() as f64 * batch::neuron_flops(spec),
             device_rate,
         );
-        // Every cold neuron's deciding vector, the rest of those any row needs, for every row.
-        let cold_row = decide_row * cold as f64 + (batch::neuron_flops(spec) - decide_row) * active;
-        let cpu_s = if cold == 0 {
+        // The deciding vector of every cold neuron examined, the rest of those any row needs,
+        // for every row; the predictor's products, where it runs.
+        let cold_row = decide_row * examined
+            + (batch::neuron_flops(spec) - decide_row) * active
+            + predictor.map_or(0.0, |p| p.flops);
+        let cpu_s = if cold == 0 && predictor.is_none() {
             0.0
         } else {
             batch::bounded(
@@ -542,8 +580,22 @@ fn finish(
             pcie_bytes: pcie,
         },
         predicted_tokens_per_s: rows as f64 / seconds,
+        predictors: predictors.map(<[PredictorCost]>::to_vec),
         base_plan: None,
     }
+}
+
+/// The report's line on the predictors of a sparse plan, if it runs them.
+pub(super) fn predictors_line(predictors: Option<&[PredictorCost]>) -> Option<String> {
+    let p = predictors.filter(|p| !p.is_empty())?;
+    let n = p.len() as f64;
+    let mean = |f: fn(&PredictorCost) -> f64| p.iter().map(f).sum::<f64>() / n;
+    Some(format!(
+        "predictors (--sparsity predicted): {} of weights read by the host per step, {:.1}% of the neurons named on average, recall {:.3} on the profile's held-out tokens",
+        human_bytes(p.iter().map(|x| x.weight_bytes).sum()),
+        100.0 * mean(|x| x.predicted_share),
+        mean(|x| x.recall)
+    ))
 }
 
 /// What a sparse plan's per-token figures are of: a token, or a step of several sequences.
@@ -603,6 +655,9 @@ impl HybridPlan {
             h(d.merge),
             h(self.dram_cold_bytes)
         );
+        if let Some(line) = predictors_line(self.predictors.as_deref()) {
+            let _ = writeln!(s, "{line}");
+        }
         let p = &self.per_token;
         let _ = writeln!(
             s,

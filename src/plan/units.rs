@@ -37,9 +37,9 @@ use crate::store::{Encoding, Manifest, names};
 use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
-use super::cold::{ColdCost, hot_device_bytes};
+use super::cold::{ColdCost, PredictorCost, hot_device_bytes};
 use super::hardware::HardwareProfile;
-use super::hybrid::{HybridPlan, plan_hot_streamed, step_of};
+use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for, predictors_line, step_of};
 use super::manifest::{part_segment_name, seg};
 use super::precision::{Precision, TIER_ENCODINGS};
 use super::preserve::Part;
@@ -115,6 +115,9 @@ pub struct UnitPlan {
     pub sequences: usize,
     pub per_token: SparsePerToken,
     pub predicted_tokens_per_s: f64,
+    /// Per layer, the predictor that names each step's neurons and what it costs
+    /// (`--sparsity predicted`; none with the threshold's mask).
+    pub predictors: Option<Vec<PredictorCost>>,
     /// Per layer, what a stale neuron's stay is worth (its frequency; what the ATU evicts by).
     #[serde(skip)]
     pub scores: Vec<Vec<f32>>,
@@ -189,6 +192,9 @@ impl UnitPlan {
                 h(x.device_bytes),
                 x.seconds * 1e3
             );
+        }
+        if let Some(line) = predictors_line(self.predictors.as_deref()) {
+            let _ = writeln!(s, "{line}");
         }
         let d = &self.device;
         let hybrid_layers = self
@@ -373,12 +379,14 @@ pub fn plan_units(
 }
 
 /// Each layer's neurons as a step needs them: the profile's frequencies at `target` (every
-/// neuron at `1 − target` without one), and the share of a step of `rows` sequences' union.
+/// neuron at `1 − target` without one), and the share of a step of `rows` sequences' union (of
+/// the sets the `predictors` name, where they decide).
 fn step_frequencies(
     spec: &crate::model::ModelSpec,
     profile: Option<&SparsityProfile>,
     target: f64,
     rows: usize,
+    predictors: Option<&[PredictorCost]>,
 ) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let k = grid_index(target);
     let freqs: Vec<Vec<f64>> = (0..spec.n_layers)
@@ -389,9 +397,16 @@ fn step_frequencies(
         .collect();
     // A decode step of `rows` sequences needs the union of their active sets: a neuron with
     // frequency f is in it with 1 − (1 − f)^rows ([`super::batch`]). Units are sized for it.
+    // With predictors, the sets are the neurons they name.
     let needed = freqs
         .iter()
-        .map(|f| f.iter().map(|&p| batch::union_share(p, rows)).collect())
+        .enumerate()
+        .map(|(l, f)| {
+            let pc = predictors.and_then(|p| p.get(l));
+            f.iter()
+                .map(|&p| batch::union_share(pc.map_or(p, |pc| pc.names(p)), rows))
+                .collect()
+        })
         .collect();
     (freqs, needed)
 }
@@ -409,7 +424,8 @@ fn plan_units_in(
     let (n_layers, d_ff, d) = (spec.n_layers, spec.d_ff, spec.d_model);
     let share = precision.0.map(|p| p as f64 / 100.0);
     let rows = batch::step_rows(&plan.budget, &plan.prefill);
-    let (freqs, needed) = step_frequencies(spec, profile, target, rows);
+    let predictors = predictors_for(plan, profile);
+    let (freqs, needed) = step_frequencies(spec, profile, target, rows, predictors.as_deref());
     let means: Vec<f64> = needed.iter().map(|f| f.iter().sum::<f64>()).collect();
     let lo = largest_scale(plan, &room, &means, share)?;
     let (row, biased) = (room.row, room.biased);
@@ -422,10 +438,10 @@ fn plan_units_in(
     // estimate of its union.
     let reuse = profile
         .and_then(|p| p.unit_reuse.as_ref())
-        .filter(|_| rows == 1);
+        .filter(|_| rows == 1 && predictors.is_none());
     let hw = &plan.hardware;
     let r = rows as u64;
-    let costs = LayerCosts::new(plan, &room, rows);
+    let costs = LayerCosts::new(plan, &room, rows, predictors.clone());
     let mut layers = Vec::with_capacity(n_layers);
     // The device reads every layer's attention, from where it rests or from a slot.
     let attention_read = match room.base_plan {
@@ -463,7 +479,7 @@ fn plan_units_in(
             .map(|i| (share[i] * mu / k[i].max(1) as f64).ceil().max(1.0))
             .sum();
         let layer_s = costs.unit_layer(l, active, moved, mu, rounds);
-        let decided = d_ff as u64 * costs.decide;
+        let decided = costs.deciding(l).0 as u64;
         // The misses are gathered from DRAM into the staging buffer, then scattered from it
         // into their slots on the device.
         hbm += active + moved;
@@ -523,6 +539,7 @@ fn plan_units_in(
             .map(|f| f.iter().map(|&p| p as f32).collect())
             .collect(),
         hybrid: None,
+        predictors,
         base_plan: room.base_plan,
     })
 }
@@ -537,12 +554,20 @@ struct LayerCosts<'a> {
     rows: usize,
     /// Bytes of a neuron's deciding vector (its gate or up row in f16).
     decide: u64,
+    /// Per layer, the predictor that names the step's neurons in place of the deciding
+    /// vectors (`--sparsity predicted`).
+    predictors: Option<Vec<PredictorCost>>,
     attention_row: f64,
     sync: f64,
 }
 
 impl<'a> LayerCosts<'a> {
-    fn new(plan: &'a Plan, room: &'a UnitRoom, rows: usize) -> Self {
+    fn new(
+        plan: &'a Plan,
+        room: &'a UnitRoom,
+        rows: usize,
+        predictors: Option<Vec<PredictorCost>>,
+    ) -> Self {
         let spec = &plan.spec;
         let hw = &plan.hardware;
         let parts = if spec.gated_ffn { 3 } else { 2 };
@@ -552,9 +577,23 @@ impl<'a> LayerCosts<'a> {
             streamed: room.streamed,
             rows,
             decide: Encoding::F16.row_bytes(parts * spec.d_model, parts) as u64 / parts as u64,
+            predictors,
             attention_row: batch::projection_flops(spec)
                 + batch::attention_flops(spec, plan.budget.ctx / 2),
             sync: hw.op_overhead_s + (rows * spec.d_model * 4) as f64 / hw.h2d_pinned_bytes_per_s,
+        }
+    }
+
+    /// What the host reads and computes to decide layer `l`'s set, a step: every neuron's
+    /// deciding vector (bytes, and FLOPs per row), or its predictor's weights and products.
+    fn deciding(&self, l: usize) -> (f64, f64) {
+        let spec = &self.plan.spec;
+        match self.predictors.as_ref().and_then(|p| p.get(l)) {
+            Some(p) => (p.weight_bytes as f64, p.flops),
+            None => (
+                (spec.d_ff as u64 * self.decide) as f64,
+                spec.d_ff as f64 * 2.0 * spec.d_model as f64,
+            ),
         }
     }
 
@@ -584,7 +623,7 @@ impl<'a> LayerCosts<'a> {
     fn unit_layer(&self, l: usize, active: u64, moved: u64, mu: f64, rounds: f64) -> f64 {
         let spec = &self.plan.spec;
         let hw = &self.plan.hardware;
-        let (rows, d_ff, d) = (self.rows, spec.d_ff, spec.d_model);
+        let rows = self.rows;
         // The scatter reads the loads from the staging buffer and writes them into their slots.
         let device = batch::bounded(
             (self.attention_layers[l] + active) as f64,
@@ -593,14 +632,14 @@ impl<'a> LayerCosts<'a> {
             self.attention_row + mu * batch::neuron_flops(spec),
             hw.matmul_flops_per_s,
         ) + 2.0 * moved as f64 / hw.hbm_bytes_per_s;
-        let decided = (d_ff as u64 * self.decide) as f64;
+        let (decided, decide_flops) = self.deciding(l);
         // The CPU decides, then gathers the misses from DRAM into the staging buffer (the
         // trace's gather: on the budgeted device it took longer than their copy).
         let cpu = batch::bounded(
             decided,
             hw.dram_read_bytes_per_s,
             rows,
-            d_ff as f64 * 2.0 * d as f64,
+            decide_flops,
             batch::cpu_flops_per_s(hw),
         ) + moved as f64 / hw.dram_read_bytes_per_s;
         let extra_rounds = (rounds - 1.0).max(0.0) * (self.sync + 3.0 * hw.op_overhead_s);
@@ -808,7 +847,7 @@ pub fn mix_with_hybrid(
     let (row, biased) = (room.row, room.biased);
     let merge = device_bytes((hot.batch.max(1) * spec.d_model * 4) as u64);
     let rows = units.sequences;
-    let costs = LayerCosts::new(plan, &room, rows);
+    let costs = LayerCosts::new(plan, &room, rows, None);
     // Per layer: (seconds, device bytes) as a unit and as hybrid.
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {

@@ -68,6 +68,7 @@ pub fn budget_for(args: &ModelArgs, job: Job, gpu_mem: u64, device: Device) -> B
         unit_reserve: None,
         expert_prefetch: !args.budget.no_expert_prefetch,
         expert_low_bit: args.budget.expert_low_bit,
+        predicted: args.sparsity == super::SparsityMode::Predicted,
     }
 }
 

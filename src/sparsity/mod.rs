@@ -196,6 +196,10 @@ impl crate::engine::NeuronPredictor for Predictors {
     fn scored(&self, layer: usize, input: &[f32], n: usize) -> (Vec<bool>, Vec<f32>) {
         self.0[layer].scored(input, n)
     }
+
+    fn weight_bytes(&self, layer: usize) -> u64 {
+        self.0.get(layer).map_or(0, |p| p.parameters() as u64 * 4)
+    }
 }
 
 impl SparsityProfile {
