@@ -147,6 +147,24 @@ fn every_mode_traces_its_own_phases() {
         "32",
         "--no-predictors",
     ]));
+    // Without predictors, a plan with them is refused, saying how to make them.
+    let out = bin(&models)
+        .args(["plan", "-m", ms, "--gpu-mem", "320K", "--cold", "cpu"])
+        .args([
+            "--ctx-size",
+            "64",
+            "--batch",
+            "4",
+            "--sparsity",
+            "predicted",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("has no predictors"),
+        "{err}"
+    );
     // Characteristic phases: those that must have time, and those that must move bytes.
     let cases: [Case; 4] = [
         (
@@ -425,5 +443,17 @@ fn predictors_are_costed_in_the_plan_and_reported() {
             log.contains("predictors (--sparsity predicted)"),
             "{mode}: the plan says what the predictors cost: {log}"
         );
+        // `plan` costs them where asked, and only there.
+        let plan = |sparsity: &str| {
+            let out = bin(&models)
+                .args(["plan", "-m", ms, "--gpu-mem", gpu_mem, "--cold", mode])
+                .args(["--ctx-size", "64", "--batch", "4", "--sparsity", sparsity])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{mode} {sparsity}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        assert!(plan("predicted").contains("predictors (--sparsity predicted)"));
+        assert!(!plan("oracle").contains("predictors"));
     }
 }

@@ -64,6 +64,18 @@ pub struct PlanArgs {
           value_parser = crate::runtime::parse_share)]
     pub sparsity_target: f64,
 
+    /// How the planned run decides each step's neurons, as `run --sparsity` (off plans as
+    /// oracle): oracle (the threshold's mask: every deciding vector read) or predicted (the
+    /// profile's predictors: their weights read, the neurons they name examined; the frequencies
+    /// of the target they were trained for).
+    #[arg(
+        long,
+        env = "GPU_OFFLOAD_SPARSITY",
+        value_enum,
+        default_value = "oracle"
+    )]
+    pub sparsity: crate::runtime::SparsityMode,
+
     /// Print the plan as JSON.
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
@@ -198,6 +210,7 @@ fn budget_of(a: &PlanArgs, spec: &ModelSpec, gpu_mem: u64) -> Result<Budget> {
         kv_pool: a
             .kv_pool_tokens
             .map(|t| (t as usize).div_ceil(crate::backend::KV_BLOCK)),
+        predicted: a.sparsity == crate::runtime::SparsityMode::Predicted,
         ..budget
     };
     Ok(budget)

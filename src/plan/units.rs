@@ -239,10 +239,15 @@ impl UnitPlan {
         let p = &self.per_token;
         let _ = writeln!(
             s,
-            "per {}: device reads {}, CPU reads {} from DRAM (deciding vectors), PCIe {}; predicted {}",
+            "per {}: device reads {}, CPU reads {} from DRAM ({}, the misses gathered), PCIe {}; predicted {}",
             step_of(self.sequences),
             h(p.hbm_bytes),
             h(p.cpu_bytes),
+            if self.predictors.is_some() {
+                "the predictors"
+            } else {
+                "deciding vectors"
+            },
             h(p.pcie_bytes),
             batch::speed(self.predicted_tokens_per_s, self.sequences)
         );

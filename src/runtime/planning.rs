@@ -51,6 +51,16 @@ pub fn plan_store(
     } else {
         None
     };
+    // With predictors (`--sparsity predicted`) the frequencies are those of the target they
+    // were trained for.
+    let sparsity_target = match (budget.predicted, &profile) {
+        (false, _) | (true, None) => sparsity_target,
+        (true, Some(p)) => p.predictor_target.ok_or_else(|| {
+            anyhow::anyhow!(
+                "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
+            )
+        })?,
+    };
     let ColdChoice {
         plan,
         hot: chosen_hot,
