@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -117,36 +118,73 @@ fn succeeds(c: &mut Command) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
-/// Each `--cold` mode's decode on the budgeted device, stories260K profiled with oracle masks:
-/// `--json` gives per-phase totals per token whose host↔device bytes are the ledger's, `--trace`
-/// writes a Chrome trace of the same steps, and each mode shows its own phases.
-#[test]
-fn every_mode_traces_its_own_phases() {
-    let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("cache");
-    let m = dir.path().join("stories.gguf");
+/// stories260K copied into `dir` and profiled on a short corpus (with its predictors where
+/// `predictors`): the model cache the runs use, and the model.
+fn profiled_stories(dir: &Path, predictors: bool) -> (PathBuf, PathBuf) {
+    let models = dir.join("cache");
+    let m = dir.join("stories.gguf");
     std::fs::copy(common::stories260k(), &m).unwrap();
-    let ms = m.to_str().unwrap();
-    let corpus = dir.path().join("corpus.txt");
+    let corpus = dir.join("corpus.txt");
     std::fs::write(
         &corpus,
         "Once upon a time, there was a little girl named Lily. She loved to play outside. "
             .repeat(20),
     )
     .unwrap();
-    let cs = corpus.to_str().unwrap();
-    succeeds(bin(&models).args([
-        "profile",
+    let mut c = bin(&models);
+    c.args(["profile", "-m"])
+        .arg(&m)
+        .arg("--corpus")
+        .arg(&corpus);
+    c.args(["--tokens", "64", "--window", "32"]);
+    if !predictors {
+        c.arg("--no-predictors");
+    }
+    succeeds(&mut c);
+    (models, m)
+}
+
+/// `bench decode` of `m` on the budgeted device at `gpu_mem` under `--cold mode` with
+/// `--sparsity sparsity`: a prompt of 4 tokens, `tokens` decoded, one repetition.
+fn bench_decode(
+    models: &Path,
+    m: &str,
+    gpu_mem: &str,
+    mode: &str,
+    sparsity: &str,
+    tokens: u64,
+) -> Command {
+    let mut c = bin(models);
+    c.args([
+        "bench",
+        "decode",
         "-m",
-        ms,
-        "--corpus",
-        cs,
-        "--tokens",
-        "64",
-        "--window",
-        "32",
-        "--no-predictors",
-    ]));
+        m,
+        "--device",
+        "sim",
+        "--gpu-mem",
+        gpu_mem,
+    ])
+    .args([
+        "--cold",
+        mode,
+        "--sparsity",
+        sparsity,
+        "--prompt-tokens",
+        "4",
+    ])
+    .args(["-n", &tokens.to_string(), "--reps", "1"]);
+    c
+}
+
+/// Each `--cold` mode's decode on the budgeted device, stories260K profiled with oracle masks:
+/// `--json` gives per-phase totals per token whose host↔device bytes are the ledger's, `--trace`
+/// writes a Chrome trace of the same steps, and each mode shows its own phases.
+#[test]
+fn every_mode_traces_its_own_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, m) = profiled_stories(dir.path(), false);
+    let ms = m.to_str().unwrap();
     // Without predictors, a plan with them is refused, saying how to make them.
     let out = bin(&models)
         .args(["plan", "-m", ms, "--gpu-mem", "320K", "--cold", "cpu"])
@@ -218,29 +256,13 @@ fn every_mode_traces_its_own_phases() {
     let tokens = 6;
     for (mode, gpu_mem, timed, moving) in cases {
         let path = dir.path().join(format!("{mode}.json"));
-        let v = succeeds(bin(&models).args([
-            "bench",
-            "decode",
-            "-m",
-            ms,
-            "--device",
-            "sim",
-            "--gpu-mem",
-            gpu_mem,
-            "--cold",
-            mode,
-            "--sparsity",
-            "oracle",
-            "--prompt-tokens",
-            "4",
-            "-n",
-            &tokens.to_string(),
-            "--reps",
-            "1",
-            "--json",
-            "--trace",
-            path.to_str().unwrap(),
-        ]));
+        let v = succeeds(
+            bench_decode(&models, ms, gpu_mem, mode, "oracle", tokens).args([
+                "--json",
+                "--trace",
+                path.to_str().unwrap(),
+            ]),
+        );
         let p = &v["phases_per_token"];
         assert_eq!(p["decode_steps"], tokens - 1, "{mode}: {p}");
         for k in ["h2d", "d2h"] {
@@ -362,51 +384,11 @@ fn check_trace_file(path: &std::path::Path, tokens: u64, mode: &str) {
 #[test]
 fn predictors_are_costed_in_the_plan_and_reported() {
     let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("cache");
-    let m = dir.path().join("stories.gguf");
-    std::fs::copy(common::stories260k(), &m).unwrap();
+    let (models, m) = profiled_stories(dir.path(), true);
     let ms = m.to_str().unwrap();
-    let corpus = dir.path().join("corpus.txt");
-    std::fs::write(
-        &corpus,
-        "Once upon a time, there was a little girl named Lily. She loved to play outside. "
-            .repeat(20),
-    )
-    .unwrap();
-    succeeds(bin(&models).args([
-        "profile",
-        "-m",
-        ms,
-        "--corpus",
-        corpus.to_str().unwrap(),
-        "--tokens",
-        "64",
-        "--window",
-        "32",
-    ]));
     for (mode, gpu_mem) in [("cpu", "320K"), ("gpu", "500K")] {
         let run = |json: bool| {
-            let mut c = bin(&models);
-            c.args([
-                "bench",
-                "decode",
-                "-m",
-                ms,
-                "--device",
-                "sim",
-                "--gpu-mem",
-                gpu_mem,
-                "--cold",
-                mode,
-                "--sparsity",
-                "predicted",
-                "--prompt-tokens",
-                "4",
-                "-n",
-                "6",
-                "--reps",
-                "1",
-            ]);
+            let mut c = bench_decode(&models, ms, gpu_mem, mode, "predicted", 6);
             if json {
                 c.arg("--json");
             } else {
