@@ -438,4 +438,26 @@ fn predictors_are_costed_in_the_plan_and_reported() {
         assert!(plan("predicted").contains("predictors (--sparsity predicted)"));
         assert!(!plan("oracle").contains("predictors"));
     }
+    // Their recall on the run's own tokens: the prompt and what follows it, every layer.
+    let v = succeeds(
+        bench_decode(&models, ms, "320K", "cpu", "predicted", 6).args(["--json", "--recall"]),
+    );
+    let r = &v["predictors"]["measured"];
+    assert_eq!(r["tokens"], 4 + 6, "{r}");
+    assert_eq!(r["layers"].as_array().map(Vec::len), Some(5), "{r}");
+    for k in ["recall", "named_share", "active_share"] {
+        assert!(
+            r[k].as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)),
+            "{k}: {r}"
+        );
+    }
+    let out = bench_decode(&models, ms, "320K", "cpu", "oracle", 6)
+        .arg("--recall")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--sparsity predicted"),
+        "{err}"
+    );
 }

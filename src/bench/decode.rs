@@ -49,6 +49,12 @@ pub struct DecodeArgs {
     pub modes: Vec<Cold>,
     #[arg(long, env = "GPU_OFFLOAD_JSON")]
     pub json: bool,
+    /// With --sparsity predicted: also measure the predictors' recall on this run's prompt and
+    /// the tokens a CPU engine over the model loaded whole decodes after it (the oracle mask at
+    /// the target they were trained for beside what they name, per layer), after the timed
+    /// runs; in the JSON's `predictors.measured`.
+    #[arg(long, env = "GPU_OFFLOAD_RECALL")]
+    pub recall: bool,
     /// Write the per-phase trace of the last repetition's steps here (Chrome trace-event JSON:
     /// open it in Perfetto or chrome://tracing); one sequence only. With --json, the phases'
     /// totals per token are printed either way.
@@ -151,6 +157,9 @@ pub fn run(a: &DecodeArgs) -> Result<DecodeOutcome> {
 
 /// One sequence: TTFT, prefill and decode tokens/s, the bound and what the tiers moved.
 fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
+    if a.recall && a.model.sparsity != crate::runtime::SparsityMode::Predicted {
+        bail!("--recall measures the predictors' recall: run with --sparsity predicted");
+    }
     let loaded = LoadedModel::load(&a.model)?;
     let spec = loaded.spec().clone();
     let ctx = a.prompt_tokens + a.tokens;
@@ -230,9 +239,25 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
                "expected_per_token": x.plan.per_token, "device_bytes": x.plan.device.total,
                "routing": x.plan.routing})
     });
+    // The predictors' recall on this run's tokens (`--recall`), after the timed runs.
+    let measured = if a.recall {
+        let store = crate::runtime::store::open_store_for(&loaded.path)?;
+        let name = loaded.path.display().to_string();
+        let threads = a.model.threads.map_or(0, usize::from);
+        Some(crate::runtime::profiling::measure_recall(
+            &loaded.path,
+            &store,
+            &name,
+            &prompt,
+            a.tokens,
+            threads,
+        )?)
+    } else {
+        None
+    };
     // The predictors naming the neurons (`--sparsity predicted`), as the plan costs them:
     // their recall and share named on the profile's held-out tokens, their weights per step.
-    let predictors = running
+    let planned = running
         .hybrid
         .as_ref()
         .and_then(|h| h.plan.predictors.as_deref())
@@ -240,14 +265,20 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
             .units
             .as_ref()
             .and_then(|u| u.plan.predictors.as_deref()))
-        .filter(|p| !p.is_empty())
-        .map(|p| {
+        .filter(|p| !p.is_empty());
+    let predictors = match (planned, &measured) {
+        (Some(p), _) => {
             let n = p.len() as f64;
-            json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
+            Some(
+                json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
                    "predicted_share_held_out": p.iter().map(|x| x.predicted_share).sum::<f64>() / n,
                    "weight_bytes_per_step": p.iter().map(|x| x.weight_bytes).sum::<u64>(),
-                   "layers": p})
-        });
+                   "layers": p, "measured": measured}),
+            )
+        }
+        (None, Some(m)) => Some(json!({ "measured": m })),
+        (None, None) => None,
+    };
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
     // On by default on CUDA: whether this engine records, not whether the flag was given.

@@ -221,3 +221,37 @@ pub fn profile_routing(
     profile.save(store.dir())?;
     Ok(profile)
 }
+
+/// The recall of the predictors in `store`'s profile (`name` in errors) on `prompt` and the
+/// `continuation` tokens a CPU engine over the model loaded whole decodes greedily after it:
+/// each layer's true active set (the threshold's mask at their target) beside what its
+/// predictor names, counted by a [`RecallTap`](crate::sparsity::recall::RecallTap).
+pub fn measure_recall(
+    model: &std::path::Path,
+    store: &Store,
+    name: &str,
+    prompt: &[u32],
+    continuation: usize,
+    threads: usize,
+) -> Result<crate::sparsity::recall::Recall> {
+    use crate::engine::{Logits, sampler::argmax};
+    use crate::sparsity::recall::RecallTap;
+    let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, name)?;
+    let Some(target) = profile.predictor_target else {
+        anyhow::bail!(
+            "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
+        );
+    };
+    let thresholds = profile.thresholds_for(target)?;
+    let m = super::store::model_for(model, store)?;
+    let tap = Arc::new(RecallTap::new(profile.predictors, thresholds, m.spec.d_ff));
+    let cpu = CpuBackend::with_kernels(threads, kernels::best())?;
+    let engine = Engine::new(cpu, m.spec.clone(), &m.weights)?.with_activation_tap(tap.clone());
+    let mut session = engine.new_session(prompt.len() + continuation)?;
+    let mut logits = engine.forward(&mut session, prompt, Logits::Last)?;
+    for _ in 0..continuation {
+        let next = argmax(&logits);
+        logits = engine.forward(&mut session, &[next], Logits::Last)?;
+    }
+    Ok(tap.recall())
+}

@@ -12,6 +12,7 @@
 //! saved in the model's store as one checksummed file tied to the store's model identity.
 
 pub mod predictor;
+pub mod recall;
 pub mod routing;
 pub mod trace;
 
