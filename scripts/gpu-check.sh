@@ -717,7 +717,7 @@ issue37() {
             for cold in cpu gpu; do
                 say "1b at 1600M, --cold $cold, predicted masks (recall in the JSON), traced"
                 record "i37_decode_1b_${cold}_predicted" "$(timeout 90 "$B" bench decode --device cuda -m "$path" --gpu-mem "$budget" --cold "$cold" \
-                    --sparsity predicted --prompt-tokens 32 -n 16 --reps 2 --trace "$OUT/trace-1b-$cold-predicted.json" --json 2>>"$LOG")"
+                    --sparsity predicted --recall --prompt-tokens 32 -n 16 --reps 2 --trace "$OUT/trace-1b-$cold-predicted.json" --json 2>>"$LOG")"
             done
         fi
     done
