@@ -420,6 +420,8 @@ fn predictors_are_costed_in_the_plan_and_reported() {
         }
         let out = run(false).output().unwrap();
         assert!(out.status.success());
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(printed.contains("predictors: recall"), "{mode}: {printed}");
         let log = String::from_utf8_lossy(&out.stderr);
         assert!(
             log.contains("predictors (--sparsity predicted)"),

@@ -243,6 +243,7 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
             println!("{k:.1} device operations (kernels, on-device copies) per decode step");
         }
         print_experts(&out["experts"]);
+        print_predictors(&out["predictors"]);
         if let Some(path) = &a.trace {
             print_phases(&out["phases_per_token"]);
             println!("trace of the last repetition written to {}", path.display());
@@ -250,6 +251,29 @@ fn decode_single(a: &bench::decode::DecodeArgs, r: &bench::decode::DecodeRun) ->
     }
     r.check_bound()?;
     Ok(())
+}
+
+/// The predictors of a `--sparsity predicted` run: their held-out recall and share (as the
+/// plan costs them) and, with `--recall`, the same on the run's own tokens.
+fn print_predictors(p: &serde_json::Value) {
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64();
+    if let (Some(r), Some(s)) = (f(p, "recall_held_out"), f(p, "predicted_share_held_out")) {
+        println!(
+            "predictors: recall {r:.3}, {:.1}% of the neurons named, on the profile's held-out tokens",
+            100.0 * s
+        );
+    }
+    let m = &p["measured"];
+    if let (Some(r), Some(named), Some(active)) =
+        (f(m, "recall"), f(m, "named_share"), f(m, "active_share"))
+    {
+        println!(
+            "predictors on this run's {} tokens: recall {r:.3}, {:.1}% of the neurons named, {:.1}% active",
+            m["tokens"],
+            100.0 * named,
+            100.0 * active
+        );
+    }
 }
 
 /// A mixture-of-experts run's experts over the bench (prompts and decode): where they ran, the
