@@ -127,6 +127,12 @@ impl FfnLayout {
         })
     }
 
+    /// Whether the device's kernels can read a listed subset of its hot neurons (bundles: one
+    /// neuron a unit), rather than every one of them masked (matrices).
+    pub(super) fn reads_listed(&self) -> bool {
+        matches!(self.kind, FfnKind::Bundles { .. })
+    }
+
     /// Device bytes of `hot` neurons' tensors, as the hybrid source allocates them.
     pub(super) fn device_bytes(&self, hot: usize) -> u64 {
         if hot == 0 {

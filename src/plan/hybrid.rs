@@ -466,11 +466,22 @@ fn finish(
         on_total += on;
         hot_device += lay.device_bytes(ids.len());
         let hot_units = ids.len() / lay.cost.unit;
-        let hot_raw = hot_units as u64 * lay.unit_bytes;
+        let predictor = predictors.and_then(|p| p.get(l));
+        // The device reads its hot neurons; over bundles with a predictor, only those it names
+        // for some row (the neuron-listed kernels), else all of them.
+        let hot_raw = match predictor {
+            Some(pc) if lay.reads_listed() => {
+                let named: f64 = ids
+                    .iter()
+                    .map(|&j| batch::union_share(pc.names(f[j as usize]), rows))
+                    .sum();
+                (named * lay.unit_bytes as f64) as u64
+            }
+            _ => hot_units as u64 * lay.unit_bytes,
+        };
         hbm += hot_raw;
         let total_units = d_ff / lay.cost.unit;
         cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
-        let predictor = predictors.and_then(|p| p.get(l));
         let ColdWork {
             examined,
             active,
