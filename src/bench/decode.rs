@@ -155,6 +155,54 @@ pub fn run(a: &DecodeArgs) -> Result<DecodeOutcome> {
     }
 }
 
+/// The predictors naming the neurons (`--sparsity predicted`), as the plan costs them: their
+/// recall and share named on the profile's held-out tokens, their weights per step; with
+/// `--recall`, their recall on this run's tokens, measured after the timed runs. None without.
+fn predictors_json(
+    a: &DecodeArgs,
+    loaded: &LoadedModel,
+    running: &crate::runtime::Running,
+    prompt: &[u32],
+) -> Result<Option<Value>> {
+    let measured = if a.recall {
+        let store = crate::runtime::store::open_store_for(&loaded.path)?;
+        let name = loaded.path.display().to_string();
+        let threads = a.model.threads.map_or(0, usize::from);
+        Some(crate::runtime::profiling::measure_recall(
+            &loaded.path,
+            &store,
+            &name,
+            prompt,
+            a.tokens,
+            threads,
+        )?)
+    } else {
+        None
+    };
+    let planned = running
+        .hybrid
+        .as_ref()
+        .and_then(|h| h.plan.predictors.as_deref())
+        .or(running
+            .units
+            .as_ref()
+            .and_then(|u| u.plan.predictors.as_deref()))
+        .filter(|p| !p.is_empty());
+    Ok(match (planned, &measured) {
+        (Some(p), _) => {
+            let n = p.len() as f64;
+            Some(
+                json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
+                   "predicted_share_held_out": p.iter().map(|x| x.predicted_share).sum::<f64>() / n,
+                   "weight_bytes_per_step": p.iter().map(|x| x.weight_bytes).sum::<u64>(),
+                   "layers": p, "measured": measured}),
+            )
+        }
+        (None, Some(m)) => Some(json!({ "measured": m })),
+        (None, None) => None,
+    })
+}
+
 /// One sequence: TTFT, prefill and decode tokens/s, the bound and what the tiers moved.
 fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     if a.recall && a.model.sparsity != crate::runtime::SparsityMode::Predicted {
@@ -239,46 +287,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
                "expected_per_token": x.plan.per_token, "device_bytes": x.plan.device.total,
                "routing": x.plan.routing})
     });
-    // The predictors' recall on this run's tokens (`--recall`), after the timed runs.
-    let measured = if a.recall {
-        let store = crate::runtime::store::open_store_for(&loaded.path)?;
-        let name = loaded.path.display().to_string();
-        let threads = a.model.threads.map_or(0, usize::from);
-        Some(crate::runtime::profiling::measure_recall(
-            &loaded.path,
-            &store,
-            &name,
-            &prompt,
-            a.tokens,
-            threads,
-        )?)
-    } else {
-        None
-    };
-    // The predictors naming the neurons (`--sparsity predicted`), as the plan costs them:
-    // their recall and share named on the profile's held-out tokens, their weights per step.
-    let planned = running
-        .hybrid
-        .as_ref()
-        .and_then(|h| h.plan.predictors.as_deref())
-        .or(running
-            .units
-            .as_ref()
-            .and_then(|u| u.plan.predictors.as_deref()))
-        .filter(|p| !p.is_empty());
-    let predictors = match (planned, &measured) {
-        (Some(p), _) => {
-            let n = p.len() as f64;
-            Some(
-                json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
-                   "predicted_share_held_out": p.iter().map(|x| x.predicted_share).sum::<f64>() / n,
-                   "weight_bytes_per_step": p.iter().map(|x| x.weight_bytes).sum::<u64>(),
-                   "layers": p, "measured": measured}),
-            )
-        }
-        (None, Some(m)) => Some(json!({ "measured": m })),
-        (None, None) => None,
-    };
+    let predictors = predictors_json(a, &loaded, &running, &prompt)?;
     // Decode steps recorded (`--cuda-graphs`) and replayed over all repetitions.
     let (recorded, replayed) = with_engine!(&running.engine, e => e.recorded_steps());
     // On by default on CUDA: whether this engine records, not whether the flag was given.

@@ -58,6 +58,15 @@ pub enum LayerRuns {
 }
 
 impl LayerRuns {
+    /// A layer with `hot` neurons on the device and `cold` on the CPU.
+    fn of(hot: usize, cold: usize) -> Self {
+        match (hot, cold) {
+            (_, 0) => LayerRuns::Gpu,
+            (0, _) => LayerRuns::Cpu,
+            _ => LayerRuns::Hybrid,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             LayerRuns::Gpu => "GPU",
@@ -369,10 +378,10 @@ pub(super) fn predictors_for(
 
 /// A layer's expected cold work in a decode step.
 struct ColdWork {
-    /// Cold neurons each row of the step examines (every one, or those its predictor names).
-    examined: f64,
-    /// Expected cold neurons some row of the step needs (computed for every row).
-    active: f64,
+    /// FLOPs per row of the step: the deciding vector of every cold neuron examined (every one,
+    /// or those its predictor names), the rest of those some row needs (computed for every
+    /// row), the predictor's products where it runs.
+    flops: f64,
     /// Expected bytes the CPU reads.
     bytes: f64,
 }
@@ -381,13 +390,15 @@ struct ColdWork {
 /// `rows` sequences: every cold neuron examined, each needed where active for some row (with its
 /// frequency, rows and neurons taken as independent), a down block touched unless all its
 /// neurons are off for every row. With a `predictor` the neurons it names for some row are
-/// examined and computed (named with [`PredictorCost::names`]), and its weights read.
+/// examined and computed (named with [`PredictorCost::names`]), and its weights read. A
+/// neuron's deciding vector and the whole neuron take `(decide, neuron)` FLOPs.
 fn cold_work(
     f: &[f64],
     hot: &[u32],
     lay: &FfnLayout,
     rows: usize,
     predictor: Option<&PredictorCost>,
+    (decide, neuron): (f64, f64),
 ) -> ColdWork {
     let mut is_hot = vec![false; f.len()];
     hot.iter().for_each(|&j| is_hot[j as usize] = true);
@@ -419,12 +430,33 @@ fn cold_work(
     };
     let c = lay.cost;
     ColdWork {
-        examined,
-        active,
+        flops: decide * examined + (neuron - decide) * active + predictor.map_or(0.0, |p| p.flops),
         bytes: c.decide_bytes as f64 * examined
             + c.active_bytes as f64 * active
             + c.unit_bytes as f64 * touched
             + predictor.map_or(0.0, |p| p.weight_bytes as f64),
+    }
+}
+
+/// The bytes the device reads of a layer's `hot` neurons (frequencies `f`) in a step of `rows`
+/// sequences: over bundles with a `predictor`, only those it names for some row (the
+/// neuron-listed kernels), else all of them.
+fn hot_read(
+    f: &[f64],
+    hot: &[u32],
+    lay: &FfnLayout,
+    rows: usize,
+    predictor: Option<&PredictorCost>,
+) -> u64 {
+    match predictor {
+        Some(pc) if lay.reads_listed() => {
+            let named: f64 = hot
+                .iter()
+                .map(|&j| batch::union_share(pc.names(f[j as usize]), rows))
+                .sum();
+            (named * lay.unit_bytes as f64) as u64
+        }
+        _ => (hot.len() / lay.cost.unit) as u64 * lay.unit_bytes,
     }
 }
 
@@ -450,7 +482,7 @@ fn finish(
     let sync = 2.0 * (hw.op_overhead_s + vector / hw.h2d_pinned_bytes_per_s);
     let attention_row =
         batch::projection_flops(spec) + batch::attention_flops(spec, plan.budget.ctx / 2);
-    let decide_row = 2.0 * spec.d_model as f64;
+    let neuron_flops = (2.0 * spec.d_model as f64, batch::neuron_flops(spec));
     let total: f64 = freqs.iter().flatten().sum();
     let mut layers = Vec::with_capacity(n_layers);
     let mut hot_device = 0;
@@ -467,26 +499,14 @@ fn finish(
         hot_device += lay.device_bytes(ids.len());
         let hot_units = ids.len() / lay.cost.unit;
         let predictor = predictors.and_then(|p| p.get(l));
-        // The device reads its hot neurons; over bundles with a predictor, only those it names
-        // for some row (the neuron-listed kernels), else all of them.
-        let hot_raw = match predictor {
-            Some(pc) if lay.reads_listed() => {
-                let named: f64 = ids
-                    .iter()
-                    .map(|&j| batch::union_share(pc.names(f[j as usize]), rows))
-                    .sum();
-                (named * lay.unit_bytes as f64) as u64
-            }
-            _ => hot_units as u64 * lay.unit_bytes,
-        };
+        let hot_raw = hot_read(f, ids, lay, rows, predictor);
         hbm += hot_raw;
         let total_units = d_ff / lay.cost.unit;
         cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
         let ColdWork {
-            examined,
-            active,
+            flops: cold_row,
             bytes: cold_bytes,
-        } = cold_work(f, ids, lay, rows, predictor);
+        } = cold_work(f, ids, lay, rows, predictor, neuron_flops);
         let cold = d_ff - ids.len();
         cpu += cold_bytes as u64;
         let layer_attention = base.attention_layers[l];
@@ -497,11 +517,6 @@ fn finish(
             ids.len() as f64 * batch::neuron_flops(spec),
             device_rate,
         );
-        // The deciding vector of every cold neuron examined, the rest of those any row needs,
-        // for every row; the predictor's products, where it runs.
-        let cold_row = decide_row * examined
-            + (batch::neuron_flops(spec) - decide_row) * active
-            + predictor.map_or(0.0, |p| p.flops);
         let cpu_s = if cold == 0 && predictor.is_none() {
             0.0
         } else {
@@ -528,11 +543,7 @@ fn finish(
             } else {
                 0.0
             },
-            runs: match (ids.len(), cold) {
-                (_, 0) => LayerRuns::Gpu,
-                (0, _) => LayerRuns::Cpu,
-                _ => LayerRuns::Hybrid,
-            },
+            runs: LayerRuns::of(ids.len(), cold),
             device_bytes: layer_attention + hot_raw,
             cpu_bytes: cold_bytes as u64,
             gpu_s,
