@@ -208,19 +208,6 @@ pub trait ColdNeurons: Send + Sync {
     /// Add to `out` (`n × d_model`) the down products of `active`, each token's terms in
     /// neuron order after what `out` holds.
     fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()>;
-    /// Add to `out` the FFN output of this layer's cold neurons: [`Self::activate`] then
-    /// [`Self::add_down`].
-    fn add_ffn(
-        &self,
-        x: &[f32],
-        n: usize,
-        threshold: f32,
-        keep: Option<&[bool]>,
-        out: &mut [f32],
-    ) -> Result<()> {
-        let active = self.activate(x, n, threshold, keep)?;
-        self.add_down(&active, n, out)
-    }
 }
 
 /// The cold neurons a step activates ([`ColdNeurons::activate`]).

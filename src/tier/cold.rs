@@ -192,7 +192,7 @@ impl ColdLayer {
             .collect()
     }
 
-    /// The neuron ids any of the `n` rows of `x` activates (as [`ColdNeurons::add_ffn`]
+    /// The neuron ids any of the `n` rows of `x` activates (as [`ColdNeurons::activate`]
     /// decides: the deciding vector read for every candidate `keep` lists, the mask applied),
     /// ascending; bundled layers only. Counted as candidates examined, none computed.
     pub(super) fn active_ids(
@@ -566,7 +566,8 @@ mod tests {
                 traffic: traffic.clone(),
                 _hold: None,
             };
-            cold.add_ffn(&x, n, threshold, None, &mut got).unwrap();
+            let active = cold.activate(&x, n, threshold, None).unwrap();
+            cold.add_down(&active, n, &mut got).unwrap();
             for (t, (g, w)) in got.chunks(d).zip(want.chunks(d)).enumerate() {
                 let scale: f32 = w.iter().map(|v| v.abs()).sum::<f32>() / d as f32;
                 for (a, b) in g.iter().zip(w) {
