@@ -118,6 +118,13 @@ fn succeeds(c: &mut Command) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
 
+/// Runs `c`, which must fail saying `why`.
+fn fails(c: &mut Command, why: &str) {
+    let out = c.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains(why), "{c:?}: {err}");
+}
+
 /// stories260K copied into `dir` and profiled on a short corpus (with its predictors where
 /// `predictors`): the model cache the runs use, and the model.
 fn profiled_stories(dir: &Path, predictors: bool) -> (PathBuf, PathBuf) {
@@ -186,22 +193,18 @@ fn every_mode_traces_its_own_phases() {
     let (models, m) = profiled_stories(dir.path(), false);
     let ms = m.to_str().unwrap();
     // Without predictors, a plan with them is refused, saying how to make them.
-    let out = bin(&models)
-        .args(["plan", "-m", ms, "--gpu-mem", "320K", "--cold", "cpu"])
-        .args([
-            "--ctx-size",
-            "64",
-            "--batch",
-            "4",
-            "--sparsity",
-            "predicted",
-        ])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("has no predictors"),
-        "{err}"
+    fails(
+        bin(&models)
+            .args(["plan", "-m", ms, "--gpu-mem", "320K", "--cold", "cpu"])
+            .args([
+                "--ctx-size",
+                "64",
+                "--batch",
+                "4",
+                "--sparsity",
+                "predicted",
+            ]),
+        "has no predictors",
     );
     // Characteristic phases: those that must have time, and those that must move bytes.
     let cases: [Case; 4] = [
@@ -453,13 +456,8 @@ fn predictors_are_costed_in_the_plan_and_reported() {
             "{k}: {r}"
         );
     }
-    let out = bench_decode(&models, ms, "320K", "cpu", "oracle", 6)
-        .arg("--recall")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("--sparsity predicted"),
-        "{err}"
+    fails(
+        bench_decode(&models, ms, "320K", "cpu", "oracle", 6).arg("--recall"),
+        "--sparsity predicted",
     );
 }

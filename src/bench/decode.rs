@@ -186,18 +186,13 @@ fn predictors_json(
         .or(running
             .units
             .as_ref()
-            .and_then(|u| u.plan.predictors.as_deref()))
-        .filter(|p| !p.is_empty());
-    Ok(match (planned, &measured) {
-        (Some(p), _) => {
-            let n = p.len() as f64;
-            Some(
-                json!({"recall_held_out": p.iter().map(|x| x.recall).sum::<f64>() / n,
-                   "predicted_share_held_out": p.iter().map(|x| x.predicted_share).sum::<f64>() / n,
-                   "weight_bytes_per_step": p.iter().map(|x| x.weight_bytes).sum::<u64>(),
-                   "layers": p, "measured": measured}),
-            )
-        }
+            .and_then(|u| u.plan.predictors.as_deref()));
+    let summary = planned.and_then(crate::plan::cold::PredictorCost::summary);
+    Ok(match (planned.zip(summary), &measured) {
+        (Some((p, (weight_bytes, share, recall))), _) => Some(
+            json!({"recall_held_out": recall, "predicted_share_held_out": share,
+                   "weight_bytes_per_step": weight_bytes, "layers": p, "measured": measured}),
+        ),
         (None, Some(m)) => Some(json!({ "measured": m })),
         (None, None) => None,
     })

@@ -34,14 +34,14 @@ pub fn measure_costs<B: Backend>(
     let recompute = t.elapsed().as_secs_f64() / tokens as f64;
     let chunk_bytes = 2 * spec.n_layers * CHUNK_TOKENS * spec.kv_dim() * 4;
     let large_bytes = chunk_bytes.max(8192) * 4;
+    // Per read and per byte from the times of a 4 KiB read and a `large_bytes` one.
+    let fit = |small: f64, large: f64| {
+        let per_byte = ((large - small) / (large_bytes - 4096) as f64).max(0.0);
+        (small.max(0.0), per_byte)
+    };
     let (per_chunk, per_byte) = match (dir, shared) {
         (None, None) => (0.0, 0.0),
-        (None, Some(store)) => {
-            let small = store.time_read(4096)?;
-            let large = store.time_read(large_bytes)?;
-            let per_byte = ((large - small) / (large_bytes - 4096) as f64).max(0.0);
-            (small.max(0.0), per_byte)
-        }
+        (None, Some(store)) => fit(store.time_read(4096)?, store.time_read(large_bytes)?),
         (Some(dir), _) => {
             let probe = dir.join(".cost-probe");
             std::fs::create_dir_all(&probe).map_err(|e| PersistError::Io {
@@ -60,11 +60,9 @@ pub fn measure_costs<B: Backend>(
                 }
                 Ok(best)
             };
-            let small = time_read(4096)?;
-            let large = time_read(large_bytes)?;
+            let (small, large) = (time_read(4096)?, time_read(large_bytes)?);
             std::fs::remove_dir_all(&probe).ok();
-            let per_byte = ((large - small) / (large_bytes - 4096) as f64).max(0.0);
-            (small.max(0.0), per_byte)
+            fit(small, large)
         }
     };
     // Decoding a compressed chunk of this shape beyond copying an exact one (warm, best of a

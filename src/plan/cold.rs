@@ -197,7 +197,7 @@ impl PredictorCost {
             .get(l)
             .copied()
             .unwrap_or_default();
-        let params = (p.rank * p.d + p.rank + p.neurons * p.rank + p.neurons) as u64;
+        let params = p.parameters() as u64;
         // Of the neurons it names, those active are recall × active; the rest were off.
         let off = 1.0 - q.active_share;
         let false_on = if off > 0.0 {
@@ -219,6 +219,21 @@ impl PredictorCost {
         (0..profile.n_layers)
             .map(|l| Self::of(profile, l))
             .collect()
+    }
+
+    /// Every layer's predictors together (none where there are none): all their weights'
+    /// bytes, the mean share of neurons they name and their mean held-out recall.
+    pub fn summary(p: &[Self]) -> Option<(u64, f64, f64)> {
+        if p.is_empty() {
+            return None;
+        }
+        let n = p.len() as f64;
+        let mean = |f: fn(&Self) -> f64| p.iter().map(f).sum::<f64>() / n;
+        Some((
+            p.iter().map(|x| x.weight_bytes).sum(),
+            mean(|x| x.predicted_share),
+            mean(|x| x.recall),
+        ))
     }
 
     /// The chance it names a neuron active with frequency `f`.

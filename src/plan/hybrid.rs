@@ -609,14 +609,11 @@ fn finish(
 
 /// The report's line on the predictors of a sparse plan, if it runs them.
 pub(super) fn predictors_line(predictors: Option<&[PredictorCost]>) -> Option<String> {
-    let p = predictors.filter(|p| !p.is_empty())?;
-    let n = p.len() as f64;
-    let mean = |f: fn(&PredictorCost) -> f64| p.iter().map(f).sum::<f64>() / n;
+    let (weight_bytes, share, recall) = PredictorCost::summary(predictors?)?;
     Some(format!(
-        "predictors (--sparsity predicted): {} of weights read by the host per step, {:.1}% of the neurons named on average, recall {:.3} on the profile's held-out tokens",
-        human_bytes(p.iter().map(|x| x.weight_bytes).sum()),
-        100.0 * mean(|x| x.predicted_share),
-        mean(|x| x.recall)
+        "predictors (--sparsity predicted): {} of weights read by the host per step, {:.1}% of the neurons named on average, recall {recall:.3} on the profile's held-out tokens",
+        human_bytes(weight_bytes),
+        100.0 * share,
     ))
 }
 

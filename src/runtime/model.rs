@@ -168,11 +168,7 @@ impl LoadedModel {
             }
         };
         if args.sparsity == SparsityMode::Predicted {
-            let Some(trained) = profile.predictor_target else {
-                bail!(
-                    "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
-                );
-            };
+            let trained = profile.predictor_target_of(&name)?;
             if let Some(t) = args.sparsity_target
                 && (t - trained).abs() > 1e-9
             {

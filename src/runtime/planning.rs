@@ -55,11 +55,7 @@ pub fn plan_store(
     // were trained for.
     let sparsity_target = match (budget.predicted, &profile) {
         (false, _) | (true, None) => sparsity_target,
-        (true, Some(p)) => p.predictor_target.ok_or_else(|| {
-            anyhow::anyhow!(
-                "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
-            )
-        })?,
+        (true, Some(p)) => p.predictor_target_of(name)?,
     };
     let ColdChoice {
         plan,

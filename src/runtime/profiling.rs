@@ -237,11 +237,7 @@ pub fn measure_recall(
     use crate::engine::{Logits, sampler::argmax};
     use crate::sparsity::recall::RecallTap;
     let profile = SparsityProfile::load(store.dir(), &store.manifest.model_id, name)?;
-    let Some(target) = profile.predictor_target else {
-        anyhow::bail!(
-            "the sparsity profile of {name} has no predictors: run `gpu-offload profile -m {name}` (without --no-predictors)"
-        );
-    };
+    let target = profile.predictor_target_of(name)?;
     let thresholds = profile.thresholds_for(target)?;
     let m = super::store::model_for(model, store)?;
     let tap = Arc::new(RecallTap::new(profile.predictors, thresholds, m.spec.d_ff));

@@ -106,6 +106,10 @@ pub enum SparsityError {
     },
     #[error("--sparsity-target {0} is outside 0.01..=0.99")]
     Target(f64),
+    #[error(
+        "the sparsity profile of {model} has no predictors: run `gpu-offload profile -m {model}` (without --no-predictors)"
+    )]
+    NoPredictors { model: String },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -204,6 +208,15 @@ impl crate::engine::NeuronPredictor for Predictors {
 }
 
 impl SparsityProfile {
+    /// The sparsity its predictors were trained for; refused, saying how to make them, where it
+    /// has none (`model` names the model in the advice).
+    pub fn predictor_target_of(&self, model: &str) -> Result<f64, SparsityError> {
+        self.predictor_target
+            .ok_or_else(|| SparsityError::NoPredictors {
+                model: model.to_string(),
+            })
+    }
+
     /// Per layer, the threshold for `target` sparsity (interpolated between whole percents).
     pub fn thresholds_for(&self, target: f64) -> Result<Vec<f32>, SparsityError> {
         if !(0.01..=0.99).contains(&target) {

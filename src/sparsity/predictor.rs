@@ -117,7 +117,8 @@ impl Predictor {
 
     /// Parameters (for the size report).
     pub fn parameters(&self) -> usize {
-        self.w1.len() + self.b1.len() + self.w2.len() + self.b2.len()
+        // w1, b1, w2, b2 by their shapes.
+        self.rank * self.d + self.rank + self.neurons * self.rank + self.neurons
     }
 
     /// Hidden activations (`t × rank`, after relu) and logits (`t × neurons`) of `t` inputs.
