@@ -86,6 +86,19 @@ impl<'a> Bundles<'a> {
         self.shape
     }
 
+    /// Part `p` of f16 bundle `i` ([`Bundles::is_f16`]; `i`, `p` checked by the callers).
+    pub(super) fn part_f16(&self, i: usize, p: usize) -> &'a [half::f16] {
+        debug_assert!(self.is_f16());
+        let d = self.shape.d;
+        let at = i * self.row_bytes + p * d * 2;
+        bytemuck::cast_slice(&self.bytes[at..at + d * 2])
+    }
+
+    /// Whether the bundles are f16.
+    pub(super) fn is_f16(&self) -> bool {
+        self.enc == Encoding::Format(DType::F16)
+    }
+
     /// Part `p` of bundle `i` (`i < neurons`, `p < parts`: checked by the callers).
     pub(super) fn part(&self, i: usize, p: usize) -> Vector<'a> {
         let BundleShape { parts, d } = self.shape;

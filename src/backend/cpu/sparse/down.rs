@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::bundle::{Bundles, err};
 use super::items::in_fours;
-use super::vector::{axpy4, ops};
+use super::vector::{axpy4, f16_fast, ops};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{BundleShape, Result};
 
@@ -72,6 +72,7 @@ pub fn sparse_down_split(
         return Ok(());
     }
     let o = ops(k);
+    let fast = f16_fast(o, b);
     let down = parts - 1;
     // Sum the columns of the neurons at positions `js` over `c0..c1` into `acc`
     // (`n × (c1 − c0)`). Four columns at a time, so each pass reads and writes the output tile
@@ -86,14 +87,29 @@ pub fn sparse_down_split(
             .copied()
             .filter(|&j| (0..n).any(|t| h[t * m + j] != 0.0))
             .collect();
-        let cols = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, down).slice(c0, c1));
-        in_fours(&live, 4, cols, |cols, next, group| {
-            for t in 0..n {
-                // Padding columns (repeats) get weight zero.
-                let a = [0, 1, 2, 3].map(|q| group.get(q).map_or(0.0, |&j| h[t * m + j]));
-                axpy4(o, a, cols, next, group.len(), &mut acc[t * w..(t + 1) * w]);
+        // Padding columns (repeats) get weight zero.
+        let a = |group: &[usize], t: usize| {
+            [0, 1, 2, 3].map(|q| group.get(q).map_or(0.0, |&j| h[t * m + j]))
+        };
+        match fast {
+            Some(f) => {
+                let cols = |g: &[usize; 4]| g.map(|j| &b.part_f16(idx[j] as usize, down)[c0..c1]);
+                in_fours(&live, 4, cols, |cols, next, group| {
+                    for t in 0..n {
+                        (f.axpy4)(a(group, t), cols, next, &mut acc[t * w..(t + 1) * w]);
+                    }
+                });
             }
-        });
+            None => {
+                let cols = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, down).slice(c0, c1));
+                in_fours(&live, 4, cols, |cols, next, group| {
+                    for t in 0..n {
+                        let out = &mut acc[t * w..(t + 1) * w];
+                        axpy4(o, a(group, t), cols, next, group.len(), out);
+                    }
+                });
+            }
+        }
     };
     let threads = rayon::current_num_threads().max(1);
     match split {

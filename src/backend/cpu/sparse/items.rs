@@ -4,8 +4,6 @@
 
 use rayon::prelude::*;
 
-use super::vector::Vector;
-
 /// Listed neurons per parallel task of the row-wise functions.
 const NEURONS_PER_TASK: usize = 32;
 
@@ -45,13 +43,14 @@ pub(super) fn per_items(
 }
 
 /// Groups of four vectors over a run of items (the last group padded with repeats of its last
-/// item): `group(items)` picks the vectors. Calls `f(vectors, next group's vectors, items)`;
+/// item): `group(items)` picks the vectors (a [`super::vector::Vector`] of any encoding, or a plain f16 slice
+/// for the f16 kernels: see [`super::vector::F16Fast`]). Calls `f(vectors, next group's vectors, items)`;
 /// the last group's `next` is itself (nothing further to prefetch).
-pub(super) fn in_fours<'a>(
+pub(super) fn in_fours<V: Copy>(
     items: &[usize],
     per: usize,
-    group: impl Fn(&[usize; 4]) -> [Vector<'a>; 4],
-    mut f: impl FnMut([Vector<'a>; 4], [Vector<'a>; 4], &[usize]),
+    group: impl Fn(&[usize; 4]) -> [V; 4],
+    mut f: impl FnMut([V; 4], [V; 4], &[usize]),
 ) {
     let pad = |c: &[usize]| -> [usize; 4] { [0, 1, 2, 3].map(|q| c[q.min(c.len() - 1)]) };
     let mut chunks = items.chunks(per).peekable();
