@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide};
+use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide, copy_rows};
 use super::resident::{Resident, Small, linear, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
@@ -193,11 +193,8 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
 
 /// Rows `ids` of a row-major byte matrix with rows of `rb` bytes, one after another.
 pub(super) fn gather_rows(bytes: &[u8], rb: usize, ids: &[u32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(ids.len() * rb);
-    for &i in ids {
-        let i = i as usize;
-        out.extend_from_slice(&bytes[i * rb..(i + 1) * rb]);
-    }
+    let mut out = vec![0u8; ids.len() * rb];
+    copy_rows(bytes, rb, ids.iter().map(|&i| i as usize), &mut out);
     out
 }
 

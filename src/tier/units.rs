@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::atu::{Eviction, SlotMap};
-use super::cold::{ColdLayer, ColdTraffic, CpuSide};
+use super::cold::{ColdLayer, ColdTraffic, CpuSide, copy_rows};
 use super::hybrid::{HotFfn, layer_ffn};
 use super::precision::split_by_precision;
 use super::resident::{Resident, Small, resident_source};
@@ -118,10 +118,10 @@ impl DramBundles {
                 "the staging buffer is smaller than the neurons",
             ));
         }
-        for (k, &id) in ids.iter().enumerate() {
-            let j = id as usize;
-            out[k * rb..(k + 1) * rb].copy_from_slice(&data[j * rb..(j + 1) * rb]);
+        if let Some(&id) = ids.iter().find(|&&id| (id as usize + 1) * rb > data.len()) {
+            return Err(weights_err(format!("neuron {id} is not held in DRAM")));
         }
+        copy_rows(data, rb, ids.iter().map(|&id| id as usize), out);
         Ok(ids.len() * rb)
     }
 }
