@@ -72,7 +72,7 @@ pub fn sparse_down_split(
         return Ok(());
     }
     let o = ops(k);
-    let fast = f16_fast(o, b);
+    let fast = f16_fast(o, b.is_f16());
     let down = parts - 1;
     // Sum the columns of the neurons at positions `js` over `c0..c1` into `acc`
     // (`n × (c1 − c0)`). Four columns at a time, so each pass reads and writes the output tile

@@ -53,7 +53,7 @@ pub fn sparse_up(
         act,
         bias,
     };
-    match f16_fast(o, b) {
+    match f16_fast(o, b.is_f16()) {
         Some(f) => up.walk(
             h,
             |i, p| b.part_f16(i, p),
@@ -157,7 +157,7 @@ pub fn sparse_part_dots(
     b.check_idx(op, idx)?;
     let o = ops(k);
     let xt = |t: usize| &x[t * d..(t + 1) * d];
-    match f16_fast(o, b) {
+    match f16_fast(o, b.is_f16()) {
         Some(f) => part_dots(
             m,
             n,

@@ -5,7 +5,6 @@
 
 use half::{bf16, f16};
 
-use super::bundle::Bundles;
 use super::ops::{Axpy4F16, Dot4F16, I4Row, Ops};
 use crate::backend::cpu::kernels::Kernels;
 use crate::store::quant::INT4_GROUP;
@@ -81,9 +80,9 @@ pub(super) struct F16Fast {
     pub(super) axpy4: Axpy4F16,
 }
 
-/// [`F16Fast`] for bundles `b` with the kernels `o`, if both allow.
-pub(super) fn f16_fast(o: &Ops, b: &Bundles) -> Option<F16Fast> {
-    match (b.is_f16(), o.dot4_f16, o.axpy4_f16) {
+/// [`F16Fast`] with the kernels `o` for bundles that are f16 (`f16`), if both allow.
+pub(super) fn f16_fast(o: &Ops, f16: bool) -> Option<F16Fast> {
+    match (f16, o.dot4_f16, o.axpy4_f16) {
         (true, Some(dot4), Some(axpy4)) => Some(F16Fast { dot4, axpy4 }),
         _ => None,
     }
