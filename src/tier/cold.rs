@@ -265,7 +265,7 @@ impl ColdLayer {
             .iter()
             .map(|&id| self.position(id))
             .collect::<Result<Vec<usize>>>()?;
-        copy_rows(data, rb, rows.into_iter(), out);
+        copy_rows(data, rb, &rows, out);
         Ok((ids.len() * rb, self.gather_bias(ids, bias)?))
     }
 
@@ -434,16 +434,10 @@ impl ColdNeurons for ColdLayer {
 /// Rows `rows` (of `rb` bytes) of `bytes`, one after another at the start of `out` (which
 /// holds them), copied by the threads together: a cache unit's misses, a thousand bundles a
 /// layer on SmolLM2, were its largest phase copied by one thread.
-pub(super) fn copy_rows(
-    bytes: &[u8],
-    rb: usize,
-    rows: impl ExactSizeIterator<Item = usize>,
-    out: &mut [u8],
-) {
+pub(super) fn copy_rows(bytes: &[u8], rb: usize, rows: &[usize], out: &mut [u8]) {
     use rayon::prelude::*;
     // Enough rows a task that each moves at least 64 KiB.
     const TASK_BYTES: usize = 64 << 10;
-    let rows: Vec<usize> = rows.collect();
     let per = TASK_BYTES.div_ceil(rb.max(1)).max(1);
     out[..rows.len() * rb]
         .par_chunks_mut(per * rb)
@@ -503,10 +497,6 @@ mod tests {
         }
     }
 
-    /// One gated layer of Q4_1 matrices (Q6_K down, 256-neuron units, in the second case) split
-    /// into hot blocks (dense products on the gathered matrices, as the device runs them) and
-    /// cold blocks (the CPU's [`ColdLayer`]): their sum is the dense FFN to float reassociation,
-    /// for every token, with and without a mask; the CPU's reads are the cost model's.
     /// Rows copied by several tasks land where one thread would put them, repeats included.
     #[test]
     fn copy_rows_is_the_rows_in_order() {
@@ -517,7 +507,7 @@ mod tests {
             .chain([5, 5])
             .collect();
         let mut out = vec![0u8; rows.len() * rb + 3];
-        copy_rows(&bytes, rb, rows.iter().copied(), &mut out);
+        copy_rows(&bytes, rb, &rows, &mut out);
         for (k, &r) in rows.iter().enumerate() {
             assert_eq!(
                 out[k * rb..(k + 1) * rb],
@@ -528,6 +518,10 @@ mod tests {
         assert_eq!(out[rows.len() * rb..], [0, 0, 0]);
     }
 
+    /// One gated layer of Q4_1 matrices (Q6_K down, 256-neuron units, in the second case) split
+    /// into hot blocks (dense products on the gathered matrices, as the device runs them) and
+    /// cold blocks (the CPU's [`ColdLayer`]): their sum is the dense FFN to float reassociation,
+    /// for every token, with and without a mask; the CPU's reads are the cost model's.
     #[test]
     fn hot_plus_cold_blocks_are_the_dense_ffn() {
         let k = kernels::best();

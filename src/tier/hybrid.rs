@@ -194,7 +194,8 @@ impl<B: Backend> WeightSource<B> for HybridWeights<B> {
 /// Rows `ids` of a row-major byte matrix with rows of `rb` bytes, one after another.
 pub(super) fn gather_rows(bytes: &[u8], rb: usize, ids: &[u32]) -> Vec<u8> {
     let mut out = vec![0u8; ids.len() * rb];
-    copy_rows(bytes, rb, ids.iter().map(|&i| i as usize), &mut out);
+    let rows: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+    copy_rows(bytes, rb, &rows, &mut out);
     out
 }
 

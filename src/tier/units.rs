@@ -118,10 +118,11 @@ impl DramBundles {
                 "the staging buffer is smaller than the neurons",
             ));
         }
-        if let Some(&id) = ids.iter().find(|&&id| (id as usize + 1) * rb > data.len()) {
-            return Err(weights_err(format!("neuron {id} is not held in DRAM")));
+        let rows: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        if let Some(&r) = rows.iter().find(|&&r| (r + 1) * rb > data.len()) {
+            return Err(weights_err(format!("neuron {r} is not held in DRAM")));
         }
-        copy_rows(data, rb, ids.iter().map(|&id| id as usize), out);
+        copy_rows(data, rb, &rows, out);
         Ok(ids.len() * rb)
     }
 }

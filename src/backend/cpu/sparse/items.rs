@@ -43,9 +43,10 @@ pub(super) fn per_items(
 }
 
 /// Groups of four vectors over a run of items (the last group padded with repeats of its last
-/// item): `group(items)` picks the vectors (a [`super::vector::Vector`] of any encoding, or a plain f16 slice
-/// for the f16 kernels: see [`super::vector::F16Fast`]). Calls `f(vectors, next group's vectors, items)`;
-/// the last group's `next` is itself (nothing further to prefetch).
+/// item): `group(items)` picks the vectors (a [`super::vector::Vector`] of any encoding, or a
+/// plain f16 slice for the f16 kernels: see [`super::vector::F16Fast`]). Calls
+/// `f(vectors, next group's vectors, items)`; the last group's `next` is itself (nothing
+/// further to prefetch).
 pub(super) fn in_fours<V: Copy>(
     items: &[usize],
     per: usize,
