@@ -634,11 +634,16 @@ impl Backend for SimBackend {
             args.extend(tensor_arg(outs[p.out]));
         }
         self.sign("matmul_parts", &args)?;
-        for p in parts {
-            self.cpu
-                .matmul_into(&p.w.w, &x.t, &mut outs[p.out].t, p.col0)?;
-        }
-        Ok(())
+        let cpu_parts: Vec<MatmulPart<'_, CpuWeight>> = parts
+            .iter()
+            .map(|p| MatmulPart {
+                w: &p.w.w,
+                out: p.out,
+                col0: p.col0,
+            })
+            .collect();
+        let mut cpu_outs: Vec<&mut CpuTensor> = outs.iter_mut().map(|o| &mut o.t).collect();
+        self.cpu.matmul_parts(&x.t, &cpu_parts, &mut cpu_outs)
     }
 
     fn ffn_bundles_up(

@@ -32,8 +32,17 @@ impl<B: Backend> Engine<B> {
         x: &B::Tensor,
         out: &mut B::Tensor,
     ) -> Result<()> {
-        for &(row0, w) in &l.blocks {
-            self.backend.matmul_into(w, x, out, row0)?;
+        match l.blocks.as_slice() {
+            &[(row0, w)] => self.backend.matmul_into(w, x, out, row0)?,
+            // A linear held in blocks (resident rows and streamed ones): one product of its
+            // parts, where a product each paid the pool's wake-up and idle tail again.
+            blocks => {
+                let parts: Vec<MatmulPart<B::Weight>> = blocks
+                    .iter()
+                    .map(|&(col0, w)| MatmulPart { w, out: 0, col0 })
+                    .collect();
+                self.backend.matmul_parts(x, &parts, &mut [out])?;
+            }
         }
         if let Some(b) = l.bias {
             self.backend.add_bias(out, b)?;

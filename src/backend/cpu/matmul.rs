@@ -97,92 +97,203 @@ pub fn matmul_block(
     col0: usize,
 ) {
     let (rows, cols) = (row_range.len(), col_range.len());
-    let block = w.dtype.block_len();
-    assert!(
-        row_range.end <= w.rows
-            && col_range.end <= w.cols
-            && col_range.start.is_multiple_of(block)
-            && cols.is_multiple_of(block)
-    );
-    assert!(x.len() == n * cols && out.len() == n * stride && col0 + rows <= stride);
-    let prepared = if w.dtype.is_k_quant() {
+    assert!(out.len() == n * stride && col0 + rows <= stride);
+    let part = Part::new(w, (row_range, col_range), x, n);
+    let prepared = [prepare(k, w.dtype, x, n, cols)];
+    let ptr = OutPtr(out.as_mut_ptr());
+    run_parts(k, &[(part, &prepared[0], ptr, stride, col0)], n);
+}
+
+/// `outs[i][t·stride_i + col0_i + r] = W_i[r] · x[t]` for every part `i` (whole weights of the
+/// same `x`: q, k and v), the parts' rows over the pool in one parallel loop, the activations
+/// quantized once per kind of block: three small products each paid the pool's wake-up and
+/// an idle tail. Each result is [`matmul_strided`]'s bit for bit.
+///
+/// # Panics
+/// Where an output is not `n × stride` with room for its columns, or two parts writing one
+/// output overlap (the caller checks both).
+pub fn matmul_parts(
+    k: &Kernels,
+    parts: &[(&HostTensor, usize, usize)],
+    x: &[f32],
+    n: usize,
+    outs: &mut [&mut [f32]],
+    strides: &[usize],
+) {
+    for (i, &(w, o, col0)) in parts.iter().enumerate() {
+        assert!(outs[o].len() == n * strides[o] && col0 + w.rows <= strides[o]);
+        for &(w2, o2, c2) in &parts[..i] {
+            assert!(o2 != o || c2 + w2.rows <= col0 || col0 + w.rows <= c2);
+        }
+    }
+    // One preparation of `x` per kind of activation block the parts' formats take.
+    let kind = |d: DType| (d.is_k_quant(), d.is_quantized());
+    let mut kinds: Vec<(DType, Prepared)> = Vec::new();
+    for &(w, _, _) in parts {
+        if !kinds.iter().any(|(d, _)| kind(*d) == kind(w.dtype)) {
+            kinds.push((w.dtype, prepare(k, w.dtype, x, n, w.cols)));
+        }
+    }
+    let ptrs: Vec<OutPtr> = outs.iter_mut().map(|o| OutPtr(o.as_mut_ptr())).collect();
+    let jobs: Vec<_> = parts
+        .iter()
+        .map(|&(w, o, col0)| {
+            let prepared = &kinds
+                .iter()
+                .find(|(d, _)| kind(*d) == kind(w.dtype))
+                .expect("prepared above")
+                .1;
+            let part = Part::new(w, (0..w.rows, 0..w.cols), x, n);
+            (part, prepared, ptrs[o], strides[o], col0)
+        })
+        .collect();
+    run_parts(k, &jobs, n);
+}
+
+/// `x` as `dtype`'s kernels take it.
+fn prepare<'a>(k: &Kernels, dtype: DType, x: &'a [f32], n: usize, cols: usize) -> Prepared<'a> {
+    if dtype.is_k_quant() {
         Prepared::QuantK(quantize_rows(x, n, cols, QK_K, k.quantize_k))
-    } else if w.dtype.is_quantized() {
+    } else if dtype.is_quantized() {
         Prepared::Quant(quantize_rows(x, n, cols, QK, k.quantize))
     } else {
         Prepared::Float(x)
-    };
+    }
+}
 
+/// The rows of one product: a block of a weight's rows and columns.
+struct Part<'a> {
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    sub_bytes: usize,
+    /// From the block's first byte to the end of the weight's data.
+    data: &'a [u8],
+}
+
+impl<'a> Part<'a> {
+    fn new(
+        w: &'a HostTensor,
+        (row_range, col_range): (std::ops::Range<usize>, std::ops::Range<usize>),
+        x: &[f32],
+        n: usize,
+    ) -> Self {
+        let (rows, cols) = (row_range.len(), col_range.len());
+        let block = w.dtype.block_len();
+        assert!(
+            row_range.end <= w.rows
+                && col_range.end <= w.cols
+                && col_range.start.is_multiple_of(block)
+                && cols.is_multiple_of(block)
+        );
+        assert!(x.len() == n * cols);
+        // Row r of the block: `sub_bytes` bytes from `first + r * row_bytes` of the data.
+        let row_bytes = w.row_bytes();
+        let first = row_range.start * row_bytes + w.dtype.bytes_for(col_range.start);
+        Part {
+            dtype: w.dtype,
+            rows,
+            cols,
+            row_bytes,
+            sub_bytes: w.dtype.bytes_for(cols),
+            data: &w.data.as_slice()[first..],
+        }
+    }
+
+    fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..r * self.row_bytes + self.sub_bytes]
+    }
+}
+
+/// Every part's rows, split into tasks over the pool together: part, prepared `x`, output,
+/// its stride and first column.
+fn run_parts(k: &Kernels, jobs: &[(Part<'_>, &Prepared<'_>, OutPtr, usize, usize)], n: usize) {
+    let threads = rayon::current_num_threads().max(1);
+    let total: usize = jobs.iter().map(|j| j.0.rows).sum();
+    // Enough tasks to balance, few enough that scheduling stays cheap for small matrices.
+    let rows_per_task = total.div_ceil(threads * 4).max(8);
+    // (job, first row, end row) of each task; no task spans two parts.
+    let tasks: Vec<(usize, usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(j, job)| {
+            let rows = job.0.rows;
+            (0..rows.div_ceil(rows_per_task))
+                .map(move |t| (j, t * rows_per_task, ((t + 1) * rows_per_task).min(rows)))
+        })
+        .collect();
+    let task = |&(j, r0, r1): &(usize, usize, usize)| {
+        let (part, prepared, ptr, stride, col0) = &jobs[j];
+        part_rows(k, part, prepared, n, (*ptr, *stride, *col0), r0..r1);
+    };
+    if tasks.len() == 1 {
+        task(&tasks[0]);
+    } else {
+        tasks.par_iter().for_each(task);
+    }
+}
+
+/// Rows `r0..r1` of `part` against the `n` tokens of `prepared` into `out` (pointer, stride,
+/// first column).
+fn part_rows(
+    k: &Kernels,
+    part: &Part<'_>,
+    prepared: &Prepared<'_>,
+    n: usize,
+    (ptr, stride, col0): (OutPtr, usize, usize),
+    std::ops::Range { start: r0, end: r1 }: std::ops::Range<usize>,
+) {
+    let (dtype, cols, row_bytes, data) = (part.dtype, part.cols, part.row_bytes, part.data);
     // A many-row kernel unpacks each weight block once for all the tokens and scales 16 rows'
     // blocks in one vector operation, each result bit for bit the one-row kernel's.
-    let many = match &prepared {
-        Prepared::Quant(q) => k.many_rows(w.dtype, q, cols / QK),
+    let many = match prepared {
+        Prepared::Quant(q) => k.many_rows(dtype, q, cols / QK),
         _ => None,
     };
-
-    let threads = rayon::current_num_threads().max(1);
-    // Enough tasks to balance, few enough that scheduling stays cheap for small matrices.
-    let rows_per_task = rows.div_ceil(threads * 4).max(8);
-    let n_tasks = rows.div_ceil(rows_per_task);
-    let ptr = OutPtr(out.as_mut_ptr());
-    // Row r of the block: `sub_bytes` bytes from `first + r * row_bytes` of the weight's data.
-    let row_bytes = w.row_bytes();
-    let sub_bytes = w.dtype.bytes_for(cols);
-    let first = row_range.start * row_bytes + w.dtype.bytes_for(col_range.start);
-    let all = w.data.as_slice();
-    let data = &all[first..];
-    let row_at = |r: usize| &data[r * row_bytes..r * row_bytes + sub_bytes];
-    let task = |task: usize| {
-        let r0 = task * rows_per_task;
-        let r1 = (r0 + rows_per_task).min(rows);
-        // Float rows used by several tokens are decoded to f32 once per tile.
-        let decode_rows = !w.dtype.is_quantized() && w.dtype != DType::F32 && n >= 4;
-        let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
-        for t0 in (0..n).step_by(TOKEN_TILE) {
-            let t1 = (t0 + TOKEN_TILE).min(n);
-            if let Some((blocks, dots)) = &many {
-                let mut sums = [0f32; ROW_TILE * TOKEN_TILE];
-                let nt = t1 - t0;
-                for ra in (r0..r1).step_by(ROW_TILE) {
-                    let rb = (ra + ROW_TILE).min(r1);
-                    let rows: [&[u8]; ROW_TILE] =
-                        std::array::from_fn(|i| row_at((ra + i).min(rb - 1)));
-                    // The next rows stream in from DRAM while these compute (the kernel spreads
-                    // the prefetches: a tile's lines at once filled the miss buffers).
-                    let next = (rb * row_bytes).min(data.len())
-                        ..((rb + ROW_TILE) * row_bytes).min(data.len());
-                    let rows = &rows[..rb - ra];
-                    dots(rows, blocks, t0, &mut sums[..rows.len() * nt], &data[next]);
-                    for (i, r) in (ra..rb).enumerate() {
-                        for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
-                            // SAFETY: as below.
-                            unsafe { *ptr.at(t * stride + col0 + r) = *v };
-                        }
+    // Float rows used by several tokens are decoded to f32 once per tile.
+    let decode_rows = !dtype.is_quantized() && dtype != DType::F32 && n >= 4;
+    let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
+    for t0 in (0..n).step_by(TOKEN_TILE) {
+        let t1 = (t0 + TOKEN_TILE).min(n);
+        if let Some((blocks, dots)) = &many {
+            let mut sums = [0f32; ROW_TILE * TOKEN_TILE];
+            let nt = t1 - t0;
+            for ra in (r0..r1).step_by(ROW_TILE) {
+                let rb = (ra + ROW_TILE).min(r1);
+                let rows: [&[u8]; ROW_TILE] =
+                    std::array::from_fn(|i| part.row((ra + i).min(rb - 1)));
+                // The next rows stream in from DRAM while these compute (the kernel spreads
+                // the prefetches: a tile's lines at once filled the miss buffers).
+                let next =
+                    (rb * row_bytes).min(data.len())..((rb + ROW_TILE) * row_bytes).min(data.len());
+                let rows = &rows[..rb - ra];
+                dots(rows, blocks, t0, &mut sums[..rows.len() * nt], &data[next]);
+                for (i, r) in (ra..rb).enumerate() {
+                    for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
+                        // SAFETY: as below.
+                        unsafe { *ptr.at(t * stride + col0 + r) = *v };
                     }
                 }
-                continue;
             }
-            for r in r0..r1 {
-                let mut wrow = row_at(r);
-                let mut dtype = w.dtype;
-                if decode_rows {
-                    crate::tensor::decode_row(dtype, wrow, &mut row_f32);
-                    wrow = bytemuck::cast_slice(&row_f32);
-                    dtype = DType::F32;
-                }
-                for t in t0..t1 {
-                    let v = dot_row(k, dtype, wrow, &prepared, t, cols);
-                    // SAFETY: (t, r) is written by exactly one task (r in this task's rows),
-                    // and t * stride + col0 + r < n * stride = out.len() (asserted above).
-                    unsafe { *ptr.at(t * stride + col0 + r) = v };
-                }
+            continue;
+        }
+        for r in r0..r1 {
+            let mut wrow = part.row(r);
+            let mut dtype = dtype;
+            if decode_rows {
+                crate::tensor::decode_row(dtype, wrow, &mut row_f32);
+                wrow = bytemuck::cast_slice(&row_f32);
+                dtype = DType::F32;
+            }
+            for t in t0..t1 {
+                let v = dot_row(k, dtype, wrow, prepared, t, cols);
+                // SAFETY: (t, r) is written by exactly one task (r in this task's rows; parts
+                // writing one output own disjoint columns), and t * stride + col0 + r lies in
+                // the output (asserted by the callers).
+                unsafe { *ptr.at(t * stride + col0 + r) = v };
             }
         }
-    };
-    if n_tasks == 1 {
-        task(0);
-    } else {
-        (0..n_tasks).into_par_iter().for_each(task);
     }
 }
 
@@ -335,6 +446,97 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Several weights of one input (formats of every kind of activation block, two of them
+    /// into one output side by side) in one `matmul_parts`: each part's columns what
+    /// `matmul_strided` writes alone, bit for bit, every kernel set, one token and many; the
+    /// columns no part owns untouched.
+    #[test]
+    fn parts_in_one_call_are_each_product_alone_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(31);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let cols = 256;
+        let ws = [
+            tensor(DType::Q4_1, 70, cols, &mut rng),
+            tensor(DType::Q8_0, 19, cols, &mut rng),
+            tensor(DType::F16, 33, cols, &mut rng),
+            tensor(DType::Q4K, 40, cols, &mut rng),
+        ];
+        // (weight, output, first column): outputs of 3 + 70 + 19 and 33 + 40 + 1 columns.
+        let parts: Vec<(&HostTensor, usize, usize)> = vec![
+            (&ws[0], 0, 3),
+            (&ws[1], 0, 73),
+            (&ws[2], 1, 0),
+            (&ws[3], 1, 33),
+        ];
+        let strides = [92, 74];
+        for k in super::super::kernels::available() {
+            for n in [1, 5] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                let mut o0 = vec![f32::NAN; n * strides[0]];
+                let mut o1 = vec![f32::NAN; n * strides[1]];
+                pool.install(|| matmul_parts(k, &parts, &x, n, &mut [&mut o0, &mut o1], &strides));
+                let mut want = [
+                    vec![f32::NAN; n * strides[0]],
+                    vec![f32::NAN; n * strides[1]],
+                ];
+                for &(w, o, col0) in &parts {
+                    matmul_strided(k, w, &x, n, &mut want[o], strides[o], col0);
+                }
+                for (o, (got, want)) in [o0, o1].iter().zip(&want).enumerate() {
+                    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{} n={n} output {o} [{i}]",
+                            k.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The backend's op refuses parts that would write the same columns of one output (its
+    /// tasks write through one pointer per output), leaving the outputs as they were, and
+    /// computes parts side by side.
+    #[test]
+    fn backend_parts_writing_the_same_columns_are_refused() {
+        use crate::backend::{Backend, MatmulPart};
+        let b = super::super::CpuBackend::new(2).unwrap();
+        let mut rng = StdRng::seed_from_u64(5);
+        let (wa, wb) = (
+            tensor(DType::Q8_0, 8, 64, &mut rng),
+            tensor(DType::Q8_0, 8, 64, &mut rng),
+        );
+        let (wa, wb) = (b.upload(&wa).unwrap(), b.upload(&wb).unwrap());
+        let mut x = b.alloc(1, 64).unwrap();
+        b.write(&mut x, &[0.5; 64]).unwrap();
+        let mut out = b.alloc(1, 16).unwrap();
+        b.write(&mut out, &[7.0; 16]).unwrap();
+        let part = |w, col0| MatmulPart { w, out: 0, col0 };
+        let err = b
+            .matmul_parts(&x, &[part(&wa, 0), part(&wb, 7)], &mut [&mut out])
+            .unwrap_err();
+        assert!(err.to_string().contains("same columns"), "{err}");
+        let mut host = vec![0f32; 16];
+        b.read(&out, &mut host).unwrap();
+        assert!(host.iter().all(|&v| v == 7.0), "{host:?}");
+        b.matmul_parts(&x, &[part(&wa, 0), part(&wb, 8)], &mut [&mut out])
+            .unwrap();
+        let mut alone = b.alloc(1, 16).unwrap();
+        b.matmul_into(&wa, &x, &mut alone, 0).unwrap();
+        b.matmul_into(&wb, &x, &mut alone, 8).unwrap();
+        let mut want = vec![0f32; 16];
+        b.read(&out, &mut host).unwrap();
+        b.read(&alone, &mut want).unwrap();
+        assert_eq!(host, want);
     }
 
     /// A token's outputs do not depend on the tokens beside it (batched requests answer as if

@@ -18,8 +18,8 @@ use crate::backend::{Experts, Route};
 use rayon::prelude::*;
 
 use super::{
-    Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, KvType, Result, RopePairs,
-    WorkspaceOp, sparse_act,
+    Act, AttnSeq, AttnShape, Backend, BackendError, BundleShape, KvType, MatmulPart, Result,
+    RopePairs, WorkspaceOp, sparse_act,
 };
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
@@ -546,6 +546,42 @@ impl Backend for CpuBackend {
                 col0,
             )
         });
+        Ok(())
+    }
+
+    /// One parallel loop over every part's rows (`matmul::matmul_parts`), `x` quantized once.
+    fn matmul_parts(
+        &self,
+        x: &CpuTensor,
+        parts: &[MatmulPart<'_, CpuWeight>],
+        outs: &mut [&mut CpuTensor],
+    ) -> Result<()> {
+        super::check_parts(parts, outs.len())?;
+        let mut ws: Vec<(&HostTensor, usize, usize)> = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            let w = p.w.tensor("matmul_parts")?;
+            let (o, cols) = (&outs[p.out], p.col0..p.col0 + w.rows);
+            let od = (o.rows, o.cols);
+            super::check_matmul_shape(&w.name, (w.rows, w.cols), (x.rows, x.cols), od, p.col0)?;
+            // The tasks write their columns through one pointer per output.
+            if let Some(j) = ws.iter().position(|&(w2, out, col0)| {
+                out == p.out && col0 < cols.end && cols.start < col0 + w2.rows
+            }) {
+                return Err(shape_err(
+                    "matmul_parts",
+                    format!(
+                        "parts {j} and {i} write the same columns of output {}",
+                        p.out
+                    ),
+                ));
+            }
+            ws.push((w, p.out, p.col0));
+        }
+        let strides: Vec<usize> = outs.iter().map(|o| o.cols).collect();
+        let mut data: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.data.as_mut_slice()).collect();
+        let k = self.kernels;
+        self.pool
+            .install(|| matmul::matmul_parts(k, &ws, &x.data, x.rows, &mut data, &strides));
         Ok(())
     }
 
