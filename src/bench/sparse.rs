@@ -310,15 +310,19 @@ impl<'a> SparseBench<'a> {
         let (shape, k, be, x) = (self.shape, self.k, &self.be, &self.x);
         let silu: fn(f32) -> f32 = |x| x / (1.0 + (-x).exp());
         // The dense bundle kernels take f32/f16 bundles only.
+        // A tensor over each copy: a clone would share one buffer (an `Arc`), which the last
+        // level cache then held (the dense figures came out above the DRAM bound).
         let dense = matches!(enc.dtype(), Some(DType::F16 | DType::F32)).then(|| {
-            let t = HostTensor {
-                name: "dense".into(),
-                rows: neurons,
-                cols: shape.parts * d,
-                dtype: enc.dtype().unwrap_or(DType::F16),
-                data: Bytes::from_slice(&bytemuck::cast_slice(&bufs[0])[..layer_bytes]),
-            };
-            (0..copies).map(|_| t.clone()).collect::<Vec<_>>()
+            bufs[..copies]
+                .iter()
+                .map(|buf| HostTensor {
+                    name: "dense".into(),
+                    rows: neurons,
+                    cols: shape.parts * d,
+                    dtype: enc.dtype().unwrap_or(DType::F16),
+                    data: Bytes::from_slice(&bytemuck::cast_slice(buf)[..layer_bytes]),
+                })
+                .collect::<Vec<_>>()
         });
         let dense_secs = match &dense {
             Some(ts) => {
