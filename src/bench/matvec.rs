@@ -85,8 +85,15 @@ pub const MATVEC_WORKING_SET: usize = 256 << 20;
 /// of `w` that together exceed [`MATVEC_WORKING_SET`].
 fn time_matvec<B: Backend>(b: &B, w: &HostTensor, tokens: usize, reps: usize) -> Result<f64> {
     let copies = MATVEC_WORKING_SET.div_ceil(w.data.len().max(1)).max(1);
+    // Each copy its own bytes: the CPU backend's upload keeps the tensor's (shared) buffer, so
+    // clones of one tensor were one matrix that the last-level cache held.
     let dws = (0..copies)
-        .map(|_| b.upload(w))
+        .map(|_| {
+            b.upload(&HostTensor {
+                data: Bytes::from_slice(w.data.as_slice()),
+                ..w.clone()
+            })
+        })
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let mut x = b.alloc(tokens, w.cols)?;
     b.write(&mut x, &vec![0.01; tokens * w.cols])?;
