@@ -178,7 +178,7 @@ unsafe fn tile<const KIND: u8, const T: usize>(
     for b in 0..nb {
         let at = b * block;
         let ahead = (b * step).min(next.len())..((b + 1) * step).min(next.len());
-        super::prefetch(&next[ahead]);
+        super::prefetch_far(&next[ahead]);
         // SAFETY: block b lies inside every row; token t's block b inside `x`.
         unsafe {
             let codes = codes16::<KIND>(rp, at);

@@ -27,7 +27,7 @@ mod tests;
 pub use activations::{ActBlock, TokenBlocks};
 pub use kq::{ActBlockK, quantize_k};
 pub use portable::PORTABLE;
-pub(crate) use prefetch::prefetch;
+pub(crate) use prefetch::{prefetch, prefetch_far};
 pub use set::{DotsFn, Kernels, ScoresFn};
 
 /// Every kernel set this CPU can run, best first.

@@ -1,4 +1,5 @@
-//! A cache hint: ask for bytes ahead of their use (the many-row kernels, the KV cache's rows).
+//! Cache hints: ask for bytes ahead of their use (the KV cache's rows into L1; the many-row
+//! kernels' next rows, streamed from DRAM, into L2).
 
 /// Ask the caches for `bytes` ahead of use (one hint per 64-byte line; a hint never faults).
 #[inline]
@@ -9,6 +10,25 @@ pub(crate) fn prefetch(bytes: &[u8]) {
         unsafe {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
             _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// Ask L2 for `bytes`, read from DRAM a tile or more ahead of use (the many-row kernels' next
+/// rows). A hint into L1 holds one of L1's few line-fill buffers until the line arrives, which
+/// capped a core's stream: `bench matvec` on this project's 2-core machine, from DRAM,
+/// 11008×4096 Q4_1 18.5–21.0 GB/s into L1 and 25.3–26.7 into L2, 49152×576 Q8_0 18.0–18.8 and
+/// 23.8–26.4 (the hardware prefetcher brings the lines on from L2 to L1).
+#[inline]
+pub(crate) fn prefetch_far(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: as in `prefetch`.
+        unsafe {
+            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
