@@ -137,14 +137,16 @@ pub fn attend_each<'c, R: KvRows + 'c>(
         * kv_heads;
     // Split where there are few tiles and some row's context spans several chunks.
     if !parallel || tiles.len() >= 2 * threads || items <= rows * kv_heads {
-        // Each task a tile of rows, all their heads.
+        // Each task a tile of rows, all their heads; a tile alone (a decode step's row) spreads
+        // its KV heads over the threads instead of leaving all but one idle.
+        let heads_parallel = parallel && tiles.len() < threads;
         let tile = |(r, o): (&std::ops::Range<usize>, &mut [f32])| {
             let lens: Vec<usize> = r.clone().map(|t| caches(t).map_or(0, |c| c.2)).collect();
             let Some((kc, vc, _)) = caches(r.start) else {
                 return;
             };
             let qr = &q[r.start * q_dim..r.end * q_dim];
-            attend_tile(k, qr, &lens, (kc, vc), s, o);
+            attend_tile(k, qr, &lens, (kc, vc), s, o, heads_parallel);
         };
         let mut slices = Vec::with_capacity(tiles.len());
         let (mut rest, mut at) = (out, 0);
@@ -279,26 +281,32 @@ pub fn attend(
 /// A tile of rows `q` (all heads of each) attending the first `lens[r]` positions of the same
 /// caches, into `out` (as many values): chunk by chunk for each KV head, then each row's chunks
 /// merged.
-fn attend_tile<K: KvRows, V: KvRows>(
+fn attend_tile<K: KvRows + Sync, V: KvRows + Sync>(
     k: &Kernels,
     q: &[f32],
     lens: &[usize],
     caches: (&K, &V),
     s: AttnShape,
     out: &mut [f32],
+    heads_parallel: bool,
 ) {
+    use rayon::prelude::*;
     let hd = s.head_dim;
     let q_dim = s.n_heads * hd;
     let kv_heads = s.n_kv_heads.max(1);
     let group = (s.n_heads / kv_heads).max(1);
-    let mut scratch = ChunkScratch::default();
-    for h in 0..kv_heads {
+    // Each KV head's columns of every row of `out`: head h's slices at `per_head[h]`.
+    let mut per_head: Vec<Vec<&mut [f32]>> = (0..kv_heads).map(|_| Vec::new()).collect();
+    for row in out.chunks_exact_mut(q_dim) {
+        for (h, o) in row.chunks_exact_mut(group * hd).enumerate() {
+            per_head[h].push(o);
+        }
+    }
+    // Each head on its own: the same results whichever thread computes it.
+    let head = |(h, outs): (usize, &mut Vec<&mut [f32]>)| {
         let heads = h * group * hd..(h + 1) * group * hd;
         let qs: Vec<&[f32]> = q.chunks_exact(q_dim).map(|r| &r[heads.clone()]).collect();
-        let mut outs: Vec<&mut [f32]> = out
-            .chunks_exact_mut(q_dim)
-            .map(|r| &mut r[heads.clone()])
-            .collect();
+        let mut scratch = ChunkScratch::default();
         attend_head(
             k,
             &qs,
@@ -307,9 +315,14 @@ fn attend_tile<K: KvRows, V: KvRows>(
             h * hd,
             hd,
             s.scale,
-            &mut outs,
+            outs,
             &mut scratch,
         );
+    };
+    if heads_parallel && kv_heads > 1 {
+        per_head.par_iter_mut().enumerate().for_each(head);
+    } else {
+        per_head.iter_mut().enumerate().for_each(head);
     }
 }
 
