@@ -302,27 +302,21 @@ fn attend_tile<K: KvRows + Sync, V: KvRows + Sync>(
             per_head[h].push(o);
         }
     }
-    // Each head on its own: the same results whichever thread computes it.
-    let head = |(h, outs): (usize, &mut Vec<&mut [f32]>)| {
+    // Each head on its own: the same results whichever thread computes it (a scratch per
+    // thread, reused over its heads).
+    let head = |scratch: &mut ChunkScratch, (h, outs): (usize, &mut Vec<&mut [f32]>)| {
         let heads = h * group * hd..(h + 1) * group * hd;
         let qs: Vec<&[f32]> = q.chunks_exact(q_dim).map(|r| &r[heads.clone()]).collect();
-        let mut scratch = ChunkScratch::default();
-        attend_head(
-            k,
-            &qs,
-            lens,
-            caches,
-            h * hd,
-            hd,
-            s.scale,
-            outs,
-            &mut scratch,
-        );
+        attend_head(k, &qs, lens, caches, h * hd, hd, s.scale, outs, scratch);
     };
     if heads_parallel && kv_heads > 1 {
-        per_head.par_iter_mut().enumerate().for_each(head);
+        let heads = per_head.par_iter_mut().enumerate();
+        heads.for_each_init(ChunkScratch::default, head);
     } else {
-        per_head.iter_mut().enumerate().for_each(head);
+        let mut scratch = ChunkScratch::default();
+        for h in per_head.iter_mut().enumerate() {
+            head(&mut scratch, h);
+        }
     }
 }
 

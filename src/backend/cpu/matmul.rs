@@ -99,9 +99,9 @@ pub fn matmul_block(
     let (rows, cols) = (row_range.len(), col_range.len());
     assert!(out.len() == n * stride && col0 + rows <= stride);
     let part = Part::new(w, (row_range, col_range), x, n);
-    let prepared = [prepare(k, w.dtype, x, n, cols)];
+    let prepared = prepare(k, w.dtype, x, n, cols);
     let ptr = OutPtr(out.as_mut_ptr());
-    run_parts(k, &[(part, &prepared[0], ptr, stride, col0)], n);
+    run_parts(k, &[(part, &prepared, ptr, stride, col0)], n);
 }
 
 /// `outs[i][t·stride_i + col0_i + r] = W_i[r] · x[t]` for every part `i` (whole weights of the

@@ -5,13 +5,7 @@
 #[inline]
 pub(crate) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and cannot fault.
-        unsafe {
-            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8);
-        }
-    }
+    lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
 }
@@ -24,13 +18,17 @@ pub(crate) fn prefetch(bytes: &[u8]) {
 #[inline]
 pub(crate) fn prefetch_far(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for line in bytes.chunks(64) {
-        // SAFETY: as in `prefetch`.
-        unsafe {
-            use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-            _mm_prefetch::<_MM_HINT_T1>(line.as_ptr() as *const i8);
-        }
-    }
+    lines::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
+}
+
+/// One hint of kind `HINT` per 64-byte line of `bytes`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn lines<const HINT: i32>(bytes: &[u8]) {
+    for line in bytes.chunks(64) {
+        // SAFETY: SSE is part of x86-64; a prefetch reads nothing and cannot fault.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(line.as_ptr() as *const i8) };
+    }
 }
