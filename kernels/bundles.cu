@@ -2,10 +2,14 @@
 // every bundle encoding: f32, f16, bf16, INT8 (per part an f32 scale, then d i8 codes) and INT4
 // (per group of 32 an f16 scale, then the codes two per byte); each bundle is `row_bytes` long.
 // `up` computes the hidden activations of a run of neurons, one warp per neuron for up to
-// MAX_TOKENS tokens; `down` adds their weighted down columns to the output, each block a run of
-// neurons and a tile of output columns, accumulated with atomics. With `idx` (device neuron
+// MAX_TOKENS tokens, reading a gated neuron's up part only where the mask leaves it on; `down`
+// adds their weighted down columns to the output (skipping neurons off for every token), each
+// block a run of neurons and a tile of output columns, accumulated with atomics. With `idx` (device neuron
 // ids, else null) both run over the listed neurons only: neuron idx[i] of the run, its hidden
 // value in column col0 + i (compact), its up bias at col0 + idx[i].
+// With `rest` too (else null), a listed entry with IN_REST (the top bit) set is that row of
+// `rest`: a cache unit's slots and the neurons where they rest in host memory (mapped, read in
+// place over the link) in one list, so each token's sum stays one chain in list order.
 // One kernel pair per encoding (`ffn_bundles_up_<enc>`), from one template: the decode of one
 // element (`Part::at`, kernels/bundle_codes.cuh) is the only thing that differs.
 #include "bundle_codes.cuh"
@@ -13,51 +17,77 @@
 #define WARPS 8
 #define DOWN_TILE 256
 #define DOWN_NEURONS 64
+#define IN_REST 0x80000000u
+
+// The bundle entry `i` of a run names: row i of `b`, or the listed row of `b` or of `rest`.
+__device__ __forceinline__ const u8* listed_bundle(const u8* b, const u8* rest, long long row_bytes,
+                                                   const unsigned* idx, int i) {
+    if (!idx) return b + (long long)i * row_bytes;
+    unsigned e = idx[i];
+    return (e & IN_REST) ? rest + (long long)(e & ~IN_REST) * row_bytes : b + (long long)e * row_bytes;
+}
 
 template <int E>
-__device__ __forceinline__ void bundles_up(const u8* b, long long row_bytes, int neurons, int parts, int d,
+__device__ __forceinline__ void bundles_up(const u8* b, const u8* rest, long long row_bytes, int neurons, int parts, int d,
                                            const float* x, int n, int kind, float threshold, const float* up_bias,
                                            float* h, int h_stride, int col0, const unsigned* idx) {
     int i = blockIdx.x * WARPS + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (i >= neurons) return;
-    int row = idx ? (int)idx[i] : i;
-    const u8* bundle = b + (long long)row * row_bytes;
+    // The up bias goes by row of `b` (none is given with a rest).
+    int row = idx ? (int)(idx[i] & ~IN_REST) : i;
+    const u8* bundle = listed_bundle(b, rest, row_bytes, idx, i);
     bool gated = parts == 3;
-    Part<E> up(bundle, parts, d, gated ? 1 : 0);
-    Part<E> gate(bundle, parts, d, 0);
     float ga[MAX_TOKENS], ua[MAX_TOKENS];
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; t++) ga[t] = ua[t] = 0.0f;
+    // The deciding part first (the gate, or the up part without one).
+    Part<E> decide(bundle, parts, d, 0);
     for (int j = lane; j < d; j += 32) {
-        float u = up.at(j);
-        float gv = gated ? gate.at(j) : 0.0f;
+        float g = decide.at(j);
 #pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++) {
-            if (t < n) {
-                float xv = x[(long long)t * d + j];
-                ua[t] += u * xv;
-                ga[t] += gv * xv;
-            }
-        }
+        for (int t = 0; t < MAX_TOKENS; t++)
+            if (t < n) ga[t] += g * x[(long long)t * d + j];
     }
+    float a[MAX_TOKENS];
+    bool on = false;
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; t++) {
+        a[t] = 0.0f;
         if (t < n) {
-            float u = warp_sum(ua[t]);
             float g = warp_sum(ga[t]);
-            if (lane == 0) {
-                float v = gated ? sparse_act(act(g, kind), threshold) * u
-                                : sparse_act(act(u + (up_bias ? up_bias[col0 + row] : 0.0f), kind), threshold);
-                h[(long long)t * h_stride + col0 + i] = v;
-            }
+            a[t] = gated ? sparse_act(act(g, kind), threshold)
+                         : sparse_act(act(g + (up_bias ? up_bias[col0 + row] : 0.0f), kind), threshold);
+            on = on || a[t] != 0.0f;
         }
+    }
+    // A gated neuron the mask leaves off for every token reads no more (every lane agrees:
+    // the sums are the warp's).
+    if (gated && on) {
+        Part<E> up(bundle, parts, d, 1);
+        for (int j = lane; j < d; j += 32) {
+            float u = up.at(j);
+#pragma unroll
+            for (int t = 0; t < MAX_TOKENS; t++)
+                if (t < n) ua[t] += u * x[(long long)t * d + j];
+        }
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++)
+            if (t < n) a[t] *= warp_sum(ua[t]);
+    } else if (gated) {
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++) a[t] = 0.0f;
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++)
+            if (t < n) h[(long long)t * h_stride + col0 + i] = a[t];
     }
 }
 
 // Grid: (ceil(d / DOWN_TILE), ceil(neurons / DOWN_NEURONS)); block DOWN_TILE threads.
 template <int E>
-__device__ __forceinline__ void bundles_down(const u8* b, long long row_bytes, int neurons, int parts, int d,
+__device__ __forceinline__ void bundles_down(const u8* b, const u8* rest, long long row_bytes, int neurons, int parts, int d,
                                              const float* h, int n, int h_stride, int col0, float* out,
                                              const unsigned* idx) {
     int j = blockIdx.x * DOWN_TILE + threadIdx.x;
@@ -74,8 +104,12 @@ __device__ __forceinline__ void bundles_down(const u8* b, long long row_bytes, i
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; t++) acc[t] = 0.0f;
     for (int i = i0; i < i1; i++) {
-        long long row = idx ? (long long)idx[i] : i;
-        float c = Part<E>(b + row * row_bytes, parts, d, parts - 1).at(j);
+        // A neuron off for every token reads nothing (hs is the block's: all threads agree).
+        bool on = false;
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++) on = on || (t < n && hs[t][i - i0] != 0.0f);
+        if (!on) continue;
+        float c = Part<E>(listed_bundle(b, rest, row_bytes, idx, i), parts, d, parts - 1).at(j);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; t++)
             if (t < n) acc[t] += hs[t][i - i0] * c;
@@ -86,18 +120,21 @@ __device__ __forceinline__ void bundles_down(const u8* b, long long row_bytes, i
 }
 
 #define BUNDLE_KERNELS(SUFFIX, E)                                                                                  \
-    extern "C" __global__ void ffn_bundles_up_##SUFFIX(const u8* b, long long row_bytes, int neurons, int parts,  \
+    extern "C" __global__ void ffn_bundles_up_##SUFFIX(const u8* b, const u8* rest, long long row_bytes,          \
+                                                       int neurons, int parts,                                    \
                                                        int d, const float* x, int n, int kind, float threshold,   \
                                                        const float* up_bias, float* h, int h_stride, int col0,    \
                                                        const unsigned* idx) {                                     \
         grid_dependency();                                                                                        \
-        bundles_up<E>(b, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h, h_stride, col0, idx);   \
+        bundles_up<E>(b, rest, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h, h_stride, col0,   \
+                      idx);                                                                                       \
     }                                                                                                              \
-    extern "C" __global__ void ffn_bundles_down_##SUFFIX(const u8* b, long long row_bytes, int neurons, int parts, \
+    extern "C" __global__ void ffn_bundles_down_##SUFFIX(const u8* b, const u8* rest, long long row_bytes,        \
+                                                         int neurons, int parts,                                  \
                                                          int d, const float* h, int n, int h_stride, int col0,    \
                                                          float* out, const unsigned* idx) {                       \
         grid_dependency();                                                                                        \
-        bundles_down<E>(b, row_bytes, neurons, parts, d, h, n, h_stride, col0, out, idx);                         \
+        bundles_down<E>(b, rest, row_bytes, neurons, parts, d, h, n, h_stride, col0, out, idx);                   \
     }
 
 BUNDLE_KERNELS(f32, BE_F32)

@@ -428,3 +428,146 @@ fn bundle_decode_fixture() {
         std::fs::write(&path, text).expect("write the bundle fixture");
     }
 }
+
+/// `bytes` in a page-aligned buffer of their own, as the store's reads leave them (what can be
+/// mapped for the device).
+fn aligned(bytes: &[u8]) -> Bytes {
+    let mut buf = crate::tensor::AlignedBuf::zeroed(bytes.len());
+    buf.as_mut_slice().copy_from_slice(bytes);
+    Bytes::Aligned {
+        buf: std::sync::Arc::new(buf),
+        range: 0..bytes.len(),
+    }
+}
+
+/// Bundles read in place from host memory beside a unit's slots: one list over both computes
+/// what one list over the whole layer does, bit for bit (each token's sum one chain in list
+/// order), in every encoding, with and without a gate, one token and several; the mapped bundles
+/// take no device memory; the link bytes counted are exactly what was read of them (every listed
+/// neuron's deciding part, the rest of those the mask leaves on); what cannot be mapped or read
+/// so is refused.
+#[test]
+fn bundles_read_in_place_beside_slots_compute_as_one_layer() {
+    let mut rng = StdRng::seed_from_u64(59);
+    let ledger = Ledger::new(Some(64 << 20), None);
+    let sim = SimBackend::new(CpuBackend::new(2).unwrap(), ledger.clone());
+    let (d, neurons) = (64, 40);
+    sim.set_workspace(sim.workspace_bytes(&WorkspaceOp::Listed { neurons }))
+        .unwrap();
+    for enc in ENCODINGS {
+        for (parts, threshold, n) in [(3, 0.05f32, 1), (3, 0.0, 3), (2, 0.0, 2), (3, 0.3, 2)] {
+            let what = format!(
+                "{} {parts} parts, threshold {threshold}, {n} tokens",
+                enc.name()
+            );
+            let shape = BundleShape { parts, d };
+            let l = layer(&mut rng, enc, shape, neurons);
+            let rb = enc.row_bytes(parts * d, parts);
+            let act = if parts == 3 { Act::Silu } else { Act::Relu };
+            let whole = sim
+                .upload_bundles("layer", enc, shape, &Bytes::from_slice(&l.bytes))
+                .unwrap();
+            let used = ledger.snapshot().hbm_used;
+            let host = sim
+                .map_bundles("host", enc, shape, &aligned(&l.bytes))
+                .unwrap();
+            assert_eq!(
+                ledger.snapshot().hbm_used,
+                used,
+                "{what}: mapping takes no device memory"
+            );
+            // Every third neuron in a slot (in reverse order), the others in host memory.
+            let held: Vec<usize> = (0..neurons).filter(|i| i % 3 == 0).rev().collect();
+            let mut slots = sim.alloc_bundles("slots", enc, shape, held.len()).unwrap();
+            for (s, &i) in held.iter().enumerate() {
+                sim.upload_into(&mut slots, s, &l.bytes[i * rb..(i + 1) * rb])
+                    .unwrap();
+            }
+            let ids: Vec<u32> = (0..neurons as u32)
+                .filter(|_| rng.random_bool(0.7))
+                .collect();
+            let entries: Vec<u32> = ids
+                .iter()
+                .map(|&i| match held.iter().position(|&k| k == i as usize) {
+                    Some(s) => s as u32,
+                    None => i | super::IN_REST,
+                })
+                .collect();
+            let rest = entries.iter().filter(|&&e| e & super::IN_REST != 0).count();
+            let m = ids.len();
+            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1f32..1.0)).collect();
+            let xt = put(&sim, n, d, &x);
+            let (mut h1, mut h2) = (sim.alloc(n, m).unwrap(), sim.alloc(n, m).unwrap());
+            sim.ffn_bundles_up_listed(&whole, shape, &xt, act, threshold, None, &ids, &mut h1)
+                .unwrap();
+            let before = ledger.snapshot().h2d_bytes;
+            let pair = (&slots, Some(&host));
+            sim.ffn_bundles_up_listed_from(
+                pair, shape, &xt, act, threshold, None, &entries, &mut h2,
+            )
+            .unwrap();
+            let up_bytes = ledger.snapshot().h2d_bytes - before;
+            let (hv, hv2) = (get(&sim, &h1), get(&sim, &h2));
+            assert_eq!(hv, hv2, "{what}: up");
+            // A neuron the mask leaves on for some token (its activation is not 0 for it).
+            let on = |j: usize| (0..n).any(|t| hv[t * m + j] != 0.0);
+            let rest_on = (0..m)
+                .filter(|&j| entries[j] & super::IN_REST != 0 && on(j))
+                .count();
+            let want = super::in_place_read_bytes(rb, parts, rest, rest_on, true);
+            assert_eq!(up_bytes, want, "{what}: up's link bytes");
+            let (mut o1, mut o2) = (
+                put(&sim, n, d, &vec![0.5; n * d]),
+                put(&sim, n, d, &vec![0.5; n * d]),
+            );
+            sim.ffn_bundles_down_listed(&whole, shape, &h1, &ids, &mut o1)
+                .unwrap();
+            let before = ledger.snapshot().h2d_bytes;
+            sim.ffn_bundles_down_listed_from(pair, shape, &h2, &entries, &mut o2)
+                .unwrap();
+            let down_bytes = ledger.snapshot().h2d_bytes - before;
+            assert_eq!(get(&sim, &o1), get(&sim, &o2), "{what}: down");
+            let want = super::in_place_read_bytes(rb, parts, rest, rest_on, false);
+            assert_eq!(down_bytes, want, "{what}: down's link bytes");
+            // Refused: a whole-layer op on bundles read in place, an up bias with a rest, an
+            // entry past the rest, bytes not in a buffer of their own.
+            let e = shape_error(
+                sim.ffn_bundles_up(&host, shape, &xt, act, 0.0, None, &mut h1, 0),
+                &what,
+            );
+            assert!(e.contains("read in place"), "{e}");
+            let bias = sim
+                .upload(&HostTensor::from_f32(
+                    "bias",
+                    1,
+                    neurons,
+                    vec![0.0; neurons],
+                ))
+                .unwrap();
+            let e = shape_error(
+                sim.ffn_bundles_up_listed_from(
+                    pair,
+                    shape,
+                    &xt,
+                    act,
+                    0.0,
+                    Some(&bias),
+                    &entries,
+                    &mut h2,
+                ),
+                &what,
+            );
+            assert!(e.contains("up bias"), "{e}");
+            let past = [neurons as u32 | super::IN_REST];
+            let r =
+                sim.ffn_bundles_up_listed_from(pair, shape, &xt, act, 0.0, None, &past, &mut h2);
+            assert!(r.is_err(), "{what}: an entry past the rest");
+            let e = shape_error(
+                sim.map_bundles("h", enc, shape, &Bytes::from_slice(&l.bytes)),
+                &what,
+            );
+            assert!(e.contains("page-aligned"), "{e}");
+        }
+    }
+    sim.set_workspace(0).unwrap();
+}

@@ -6,7 +6,7 @@
 use super::{BackendError, Result};
 use crate::store::Encoding;
 use crate::store::quant::INT4_GROUP;
-use crate::tensor::DType;
+use crate::tensor::{Bytes, DType};
 
 /// FFN neuron bundles (see `store`): `rows` neurons, each `parts` vectors of `d` values —
 /// `[gate | up | down]` (3 parts, gated) or `[up | down]` (2 parts).
@@ -50,6 +50,45 @@ pub fn bundle_bytes(name: &str, enc: Encoding, shape: BundleShape, rows: usize) 
     }
     rows.checked_mul(enc.row_bytes(parts * d, parts))
         .ok_or_else(|| bad(format!("{rows} bundles of {parts}×{d} overflow")))
+}
+
+/// Bytes a listed bundle op reads of bundles of `row_bytes` (`parts` parts) read in place from
+/// host memory, `listed` of them listed and `live` of those left on by the mask: the up side
+/// reads each listed one's deciding part (its gate, or its up part without a gate) and, gated,
+/// the live ones' up parts; the down side the live ones' down parts. One formula for every
+/// backend, so the link bytes the budgeted device counts are the ones CUDA's kernels move.
+pub fn in_place_read_bytes(
+    row_bytes: usize,
+    parts: usize,
+    listed: usize,
+    live: usize,
+    up: bool,
+) -> u64 {
+    let part = row_bytes / parts.max(1);
+    let rows = match (up, parts) {
+        (true, 3) => listed + live,
+        (true, _) => listed,
+        (false, _) => live,
+    };
+    (rows * part) as u64
+}
+
+/// A listed entry with this bit set names a row of the second set of bundles a listed op is
+/// given (`rest`: the neurons where they rest in host memory), not of the first (the slots).
+pub const IN_REST: u32 = 1 << 31;
+
+/// Refuse `data` as host memory to map for the device (`name`) unless it is a page-aligned
+/// buffer of its own (what CUDA page-locks whole).
+pub fn check_mappable(name: &str, data: &Bytes) -> Result<()> {
+    match data {
+        Bytes::Aligned { .. } => Ok(()),
+        _ => Err(BackendError::Shape {
+            op: "map_bundles",
+            msg: format!(
+                "`{name}`: only a page-aligned buffer read from the store can be mapped for the device"
+            ),
+        }),
+    }
 }
 
 /// How many `shape` bundles in `enc` the `len` bytes handed to

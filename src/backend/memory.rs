@@ -100,6 +100,9 @@ pub struct DeviceAlloc {
     pub offset: Option<u64>,
     /// Device bytes taken ([`device_bytes`] of the request).
     pub bytes: u64,
+    /// Host memory the device reads in place over the link (mapped), no device memory: what
+    /// its ops read of it crosses the link.
+    pub in_host: bool,
     arena: Option<Arc<Mutex<Arena>>>,
     _hold: Reservation,
 }
@@ -258,7 +261,25 @@ impl DeviceMemory {
             id: self.takes.fetch_add(1, Ordering::SeqCst) + 1,
             offset,
             bytes,
+            in_host: false,
             arena: self.arena.clone(),
+            _hold: hold,
+        })
+    }
+
+    /// The handle of host memory mapped for the device to read in place (`what`): an id like
+    /// any allocation's, no device bytes (the host memory is its owner's, already counted).
+    pub fn in_host(&self, what: &str) -> Result<DeviceAlloc> {
+        let hold = self
+            .ledger
+            .reserve(Tier::PinnedDram, 0, what)
+            .map_err(|e| BackendError::Device(e.to_string()))?;
+        Ok(DeviceAlloc {
+            id: self.takes.fetch_add(1, Ordering::SeqCst) + 1,
+            offset: None,
+            bytes: 0,
+            in_host: true,
+            arena: None,
             _hold: hold,
         })
     }

@@ -40,7 +40,8 @@ use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
 pub use args::{Act, AttnSeq, AttnShape, Experts, MatmulPart, Rope, RopePairs, Route, sparse_act};
 pub use bundles::{
-    BundleShape, bundle_bytes, bundle_rows, check_bundle_weight, check_not_coded, check_scatter,
+    BundleShape, IN_REST, bundle_bytes, bundle_rows, check_bundle_weight, check_mappable,
+    check_not_coded, check_scatter, in_place_read_bytes,
 };
 pub use checks::{
     check_matmul_shape, check_parts, check_rope, check_same_shape, retyped_bytes, weight_bytes,
@@ -152,6 +153,19 @@ pub trait Backend: Send + Sync + 'static {
     /// Copy `src` (whole rows of `dst`'s format) into `dst` from row `first_row`, on the copy
     /// stream. `src` must stay unchanged until an event recorded after this call completes.
     fn upload_into(&self, dst: &mut Self::Weight, first_row: usize, src: &[u8]) -> Result<()>;
+    /// `data` (whole bundles of `shape` in `enc`) as a bundle weight the device reads in place
+    /// from host memory over the link — page-locked and mapped into its address space, no
+    /// device memory taken, nothing copied. The bundle ops compute on it as on device bundles;
+    /// every byte they read of it crosses the link ([`in_place_read_bytes`], counted as
+    /// host→device); only the listed ops take it. `data` must be a page-aligned buffer of its own (read from the store) and
+    /// is shared, not copied. The CPU backend computes on it as on any bundles.
+    fn map_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<Self::Weight>;
     /// An event that completes when every copy issued so far is done.
     fn copies_done(&self) -> Result<Self::Event>;
     /// An event that completes when all compute issued so far is done.
@@ -363,11 +377,41 @@ pub trait Backend: Send + Sync + 'static {
         up_bias: Option<&Self::Weight>,
         idx: &[u32],
         h: &mut Self::Tensor,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let listed = (bundles, None);
+        self.ffn_bundles_up_listed_from(listed, shape, x, act, threshold, up_bias, idx, h)
+    }
     /// `out += Σ_j h[:, j] · down_{idx[j]}`: the down columns of the listed neurons only.
     fn ffn_bundles_down_listed(
         &self,
         bundles: &Self::Weight,
+        shape: BundleShape,
+        h: &Self::Tensor,
+        idx: &[u32],
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.ffn_bundles_down_listed_from((bundles, None), shape, h, idx, out)
+    }
+    /// [`Backend::ffn_bundles_up_listed`] over two sets of bundles of one shape and encoding
+    /// (`listed.1`: the rest, a unit's neurons where they rest in host memory): an entry with
+    /// [`IN_REST`] set is that row of the rest. No up bias with a rest (the bias goes by slot).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_bundles_up_listed_from(
+        &self,
+        listed: (&Self::Weight, Option<&Self::Weight>),
+        shape: BundleShape,
+        x: &Self::Tensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&Self::Weight>,
+        idx: &[u32],
+        h: &mut Self::Tensor,
+    ) -> Result<()>;
+    /// [`Backend::ffn_bundles_down_listed`] over two sets of bundles, as
+    /// [`Backend::ffn_bundles_up_listed_from`]: each token's sum still one chain in list order.
+    fn ffn_bundles_down_listed_from(
+        &self,
+        listed: (&Self::Weight, Option<&Self::Weight>),
         shape: BundleShape,
         h: &Self::Tensor,
         idx: &[u32],

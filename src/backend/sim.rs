@@ -237,6 +237,49 @@ impl SimBackend {
     }
 }
 
+impl SimBackend {
+    /// Refuse `b` for `op` (a whole-bundle op) where it is host memory read in place: only the
+    /// listed ops count what they read of it.
+    fn whole(&self, op: &'static str, b: &SimWeight) -> Result<()> {
+        if b.mem.in_host {
+            return Err(BackendError::Shape {
+                op,
+                msg: format!(
+                    "`{}` is read in place: only the listed ops take it",
+                    b.w.name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Count (paced as a copy from `t0`) the link bytes a listed op read of the sets it was
+    /// given that rest in host memory: entry `j` of `idx` read its up or down part where
+    /// `live(j)`.
+    fn listed_in_place(
+        &self,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
+        shape: BundleShape,
+        idx: &[u32],
+        (up, live): (bool, &dyn Fn(usize) -> bool),
+        t0: Instant,
+    ) {
+        let mut bytes = 0;
+        for (w, in_rest) in [(Some(b), false), (rest, true)] {
+            let Some(w) = w.filter(|w| w.mem.in_host) else {
+                continue;
+            };
+            let mine = |j: &usize| (idx[*j] & super::IN_REST != 0) == in_rest;
+            let listed = (0..idx.len()).filter(mine).count();
+            let on = (0..idx.len()).filter(mine).filter(|&j| live(j)).count();
+            bytes += super::in_place_read_bytes(w.w.row_bytes(), shape.parts, listed, on, up);
+        }
+        if bytes > 0 {
+            self.copied_in(bytes as usize, t0);
+        }
+    }
+}
+
 impl Backend for SimBackend {
     type Tensor = SimTensor;
     type Weight = SimWeight;
@@ -301,6 +344,21 @@ impl Backend for SimBackend {
         Ok(SimWeight {
             w: self.cpu.alloc_bundles(name, enc, shape, rows)?,
             mem: hold,
+        })
+    }
+
+    fn map_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<SimWeight> {
+        self.outside("map_bundles")?;
+        super::check_mappable(name, data)?;
+        Ok(SimWeight {
+            w: self.cpu.upload_bundles(name, enc, shape, data)?,
+            mem: self.mem.in_host(name)?,
         })
     }
 
@@ -672,6 +730,7 @@ impl Backend for SimBackend {
         ];
         self.sign("ffn_bundles_up", &args)?;
         self.sign_act(act, threshold, shape)?;
+        self.whole("ffn_bundles_up", b)?;
         self.cpu.ffn_bundles_up(
             &b.w,
             shape,
@@ -696,13 +755,14 @@ impl Backend for SimBackend {
         let args = [b.mem.id, a[0], a[1], a[2], o[0], o[1], o[2], col0 as u64];
         self.sign("ffn_bundles_down", &args)?;
         self.sign_act(Act::Relu, 0.0, shape)?;
+        self.whole("ffn_bundles_down", b)?;
         self.cpu
             .ffn_bundles_down(&b.w, shape, &h.t, col0, &mut out.t)
     }
 
-    fn ffn_bundles_up_listed(
+    fn ffn_bundles_up_listed_from(
         &self,
-        b: &SimWeight,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         x: &SimTensor,
         act: Act,
@@ -714,8 +774,9 @@ impl Backend for SimBackend {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
         // The neuron list is copied from the host: nothing a recording holds.
         self.outside("ffn_bundles_up_listed")?;
-        self.cpu.ffn_bundles_up_listed(
-            &b.w,
+        let t0 = Instant::now();
+        let read = self.cpu.up_listed_reading(
+            (&b.w, rest.map(|r| &r.w)),
             shape,
             &x.t,
             act,
@@ -723,12 +784,16 @@ impl Backend for SimBackend {
             up_bias.map(|w| &w.w),
             idx,
             &mut h.t,
-        )
+        )?;
+        let mut up = vec![false; idx.len()];
+        read.iter().for_each(|&j| up[j] = true);
+        self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
+        Ok(())
     }
 
-    fn ffn_bundles_down_listed(
+    fn ffn_bundles_down_listed_from(
         &self,
-        b: &SimWeight,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         h: &SimTensor,
         idx: &[u32],
@@ -736,8 +801,19 @@ impl Backend for SimBackend {
     ) -> Result<()> {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
         self.outside("ffn_bundles_down_listed")?;
-        self.cpu
-            .ffn_bundles_down_listed(&b.w, shape, &h.t, idx, &mut out.t)
+        let t0 = Instant::now();
+        self.cpu.ffn_bundles_down_listed_from(
+            (&b.w, rest.map(|r| &r.w)),
+            shape,
+            &h.t,
+            idx,
+            &mut out.t,
+        )?;
+        // The down side reads the neurons with an activation for some token.
+        let (rows, stride) = (h.t.rows, h.t.cols);
+        let live = |j: usize| (0..rows).any(|t| h.t.data[t * stride + j] != 0.0);
+        self.listed_in_place((b, rest), shape, idx, (false, &live), t0);
+        Ok(())
     }
 
     fn scatter_rows(&self, src: &SimWeight, rows: &[u32], dst: &mut SimWeight) -> Result<()> {
@@ -1066,126 +1142,5 @@ impl Backend for SimBackend {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_memory_is_budgeted_and_copies_counted() {
-        let ledger = Ledger::new(Some(1024), None);
-        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
-        let w = HostTensor::from_f32("w", 10, 10, vec![1.0; 100]);
-        let dw = sim.upload(&w).unwrap(); // 400 bytes, 512 on the device
-        let mut t = sim.alloc(2, 50).unwrap(); // 400 bytes, 512 on the device
-        assert!(matches!(
-            sim.alloc(1, 1),
-            Err(BackendError::OutOfMemory { .. })
-        ));
-        sim.write(&mut t, &[0.5; 100]).unwrap();
-        let mut back = vec![0f32; 100];
-        sim.read(&t, &mut back).unwrap();
-        let s = ledger.snapshot();
-        assert_eq!((s.hbm_used, s.h2d_bytes, s.d2h_bytes), (1024, 800, 400));
-        drop((dw, t));
-        assert_eq!(ledger.snapshot().hbm_used, 0);
-        assert_eq!(ledger.snapshot().hbm_peak, 1024);
-    }
-
-    #[test]
-    fn a_recorded_step_holds_kernels_only_and_reads_the_step_position() {
-        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), Ledger::new(None, None));
-        let inv = sim
-            .upload(&HostTensor::from_f32("inv", 1, 2, vec![1.0, 0.25]))
-            .unwrap();
-        let row = [1.0, 2.0, 3.0, 4.0];
-        let fresh = |v: &[f32]| {
-            let mut t = sim.alloc(1, 4).unwrap();
-            sim.write(&mut t, v).unwrap();
-            t
-        };
-        let read = |t: &SimTensor| {
-            let mut v = vec![0f32; 4];
-            sim.read(t, &mut v).unwrap();
-            v
-        };
-        let none = || Ok::<(), BackendError>(());
-        let err = sim.record(none).err().unwrap().to_string();
-        assert!(err.contains("before its position was set"), "{err}");
-        sim.set_step_position(7).unwrap();
-        // Nothing but kernels: an allocation fails the recording, and the next one starts clean.
-        let err = sim.record(|| sim.alloc(1, 1).map(|_| ())).err().unwrap();
-        assert!(err.to_string().contains("inside a recorded step"), "{err}");
-        // Recorded with a stale position argument, the rotation is the step position's.
-        let mut want = fresh(&row);
-        sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 7)
-            .unwrap();
-        let mut x = fresh(&row);
-        let rec = sim
-            .record(|| sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 123))
-            .unwrap();
-        assert_eq!(read(&x), read(&want));
-        // Replayed at another position over the same buffer: that position's rotation.
-        sim.write(&mut x, &row).unwrap();
-        sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 0)
-            .unwrap();
-        let mut want9 = fresh(&row);
-        sim.rope(&mut want9, 4, 4, RopePairs::Adjacent, &inv, 9)
-            .unwrap();
-        sim.set_step_position(9).unwrap();
-        sim.replay(&rec, || {
-            sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 7)
-        })
-        .unwrap();
-        assert_eq!(read(&x), read(&want9));
-        // Over another buffer, or with another op, a graph would have run the recording: refused.
-        let mut y = fresh(&row);
-        let err = sim
-            .replay(&rec, || {
-                sim.rope(&mut y, 4, 4, RopePairs::Adjacent, &inv, 9)
-            })
-            .err()
-            .unwrap();
-        assert!(err.to_string().contains("not its recording"), "{err}");
-        let err = sim.replay(&rec, || sim.zero(&mut x)).err().unwrap();
-        assert!(err.to_string().contains("not its recording"), "{err}");
-    }
-
-    #[test]
-    fn ops_fail_without_the_workspace_cuda_would_take() {
-        let ledger = Ledger::new(None, None);
-        let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
-        let w = sim
-            .upload(&HostTensor::from_f32("w", 4, 64, vec![0.5; 256]))
-            .unwrap();
-        let x = sim.alloc(16, 64).unwrap();
-        let mut out = sim.alloc(16, 4).unwrap();
-        // An f32 weight needs no workspace: cuBLAS reads the activations in place.
-        sim.matmul_into(&w, &x, &mut out, 0).unwrap();
-        let halves: Vec<u8> = (0..256)
-            .flat_map(|_| half::f16::from_f32(0.5).to_le_bytes())
-            .collect();
-        let w16 = sim
-            .upload(&HostTensor {
-                name: "w16".into(),
-                rows: 4,
-                cols: 64,
-                dtype: DType::F16,
-                data: Bytes::from_slice(&halves),
-            })
-            .unwrap();
-        let need = sim.workspace_bytes(&WorkspaceOp::Matmul {
-            dtype: DType::F16,
-            tokens: 16,
-            rows: 4,
-            cols: 64,
-        });
-        assert!(need > 0);
-        let err = sim.matmul_into(&w16, &x, &mut out, 0).unwrap_err();
-        assert!(matches!(err, BackendError::Workspace { .. }), "{err}");
-        sim.set_workspace(need).unwrap();
-        assert_eq!(sim.workspace_held(), need);
-        let before = ledger.snapshot().hbm_used;
-        sim.matmul_into(&w16, &x, &mut out, 0).unwrap();
-        sim.set_workspace(0).unwrap();
-        assert_eq!(ledger.snapshot().hbm_used, before - need);
-    }
-}
+#[path = "sim_tests.rs"]
+mod tests;

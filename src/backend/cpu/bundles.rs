@@ -5,7 +5,8 @@
 
 use super::kernels::Kernels;
 use super::sparse::{Bundles, DownSplit, sparse_down_split, sparse_part_dots};
-use crate::backend::{BundleShape, Result, sparse_act};
+use super::{CpuTensor, CpuWeight, ops, shape_err, vector};
+use crate::backend::{Act, BundleShape, Result, sparse_act};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, HostTensor};
 
@@ -90,7 +91,7 @@ pub fn up_view(
     assert!(x.len() == n * d && h.len() == n * stride && col0 + neurons <= stride);
     let idx: Vec<u32> = (0..neurons as u32).collect();
     let bias = |i: u32| bias.map_or(0.0, |bb| bb[col0 + i as usize]);
-    let v = listed_acts(k, view, &idx, x, n, act, threshold, bias)
+    let (v, _) = listed_acts(k, view, &idx, x, n, act, threshold, bias)
         .expect("every neuron of the view, x sized to it (asserted)");
     for t in 0..n {
         h[t * stride + col0..t * stride + col0 + neurons]
@@ -100,10 +101,12 @@ pub fn up_view(
 
 /// The hidden activations of the neurons `idx` of `view` for the `n` tokens of `x` (`n × m`,
 /// token-major): `act(gate·x)` masked by `threshold` ([`sparse_act`]) times `up·x`, or, without
-/// a gate, `act(up·x + bias(i))` masked. The whole FFN's op and the listed ops (cache units,
-/// hot neurons) all compute them here with the same kernels, and the host decides a unit's
-/// active set with the same gate dots: a neuron's activation, and so whether the mask keeps it,
-/// is the same bit for bit whichever op computes it and whatever it is listed with.
+/// a gate, `act(up·x + bias(i))` masked; and the positions in `idx` whose up parts were read
+/// (gated: those the mask leaves on for some token; without a gate: every one, it decides). The
+/// whole FFN's op and the listed ops (cache units, hot neurons) all compute them here with the
+/// same kernels, and the host decides a unit's active set with the same gate dots: a neuron's
+/// activation, and so whether the mask keeps it, is the same bit for bit whichever op computes
+/// it and whatever it is listed with.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn listed_acts(
     k: &Kernels,
@@ -114,25 +117,89 @@ pub(crate) fn listed_acts(
     act: fn(f32) -> f32,
     threshold: f32,
     bias: impl Fn(u32) -> f32,
-) -> Result<Vec<f32>> {
+) -> Result<(Vec<f32>, Vec<usize>)> {
     let m = idx.len();
     let gated = view.shape().parts == 3;
-    // The deciding part (gate, or up without a gate) of every listed neuron, then the up part
-    // of gated bundles.
+    // The deciding part (gate, or up without a gate) of every listed neuron.
     let mut v = vec![0f32; n * m];
     sparse_part_dots(k, view, idx, 0, x, n, &mut v)?;
-    if gated {
-        let mut u = vec![0f32; n * m];
-        sparse_part_dots(k, view, idx, 1, x, n, &mut u)?;
-        v.iter_mut()
-            .zip(&u)
-            .for_each(|(g, u)| *g = sparse_act(act(*g), threshold) * u);
-    } else {
+    if !gated {
         for (at, g) in v.iter_mut().enumerate() {
             *g = sparse_act(act(*g + bias(idx[at % m])), threshold);
         }
+        return Ok((v, (0..m).collect()));
     }
-    Ok(v)
+    v.iter_mut()
+        .for_each(|g| *g = sparse_act(act(*g), threshold));
+    // The up part of the neurons the mask leaves on for some token only: a neuron off for
+    // every token is not read further (the device decides by reading the gate alone).
+    let live: Vec<usize> = (0..m)
+        .filter(|&j| (0..n).any(|t| v[t * m + j] != 0.0))
+        .collect();
+    let ids: Vec<u32> = live.iter().map(|&j| idx[j]).collect();
+    let l = live.len();
+    let mut u = vec![0f32; n * l];
+    sparse_part_dots(k, view, &ids, 1, x, n, &mut u)?;
+    for t in 0..n {
+        let row = &mut v[t * m..(t + 1) * m];
+        let mut next = 0;
+        for (j, a) in row.iter_mut().enumerate() {
+            if live.get(next) == Some(&j) {
+                *a *= u[t * l + next];
+                next += 1;
+            } else {
+                *a = 0.0;
+            }
+        }
+    }
+    Ok((v, live))
+}
+
+impl super::CpuBackend {
+    /// [`Backend::ffn_bundles_up_listed_from`], giving the positions in `idx` whose up parts it
+    /// read (what the budgeted device counts crossing the link for neurons read in place).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn up_listed_reading(
+        &self,
+        (b, rest): (&CpuWeight, Option<&CpuWeight>),
+        shape: BundleShape,
+        x: &CpuTensor,
+        act: Act,
+        threshold: f32,
+        up_bias: Option<&CpuWeight>,
+        idx: &[u32],
+        h: &mut CpuTensor,
+    ) -> Result<Vec<usize>> {
+        let op = "ffn_bundles_up_listed";
+        let (n, m) = (x.rows, idx.len());
+        if x.cols != shape.d || h.rows != n || m > h.cols {
+            return Err(shape_err(
+                op,
+                format!(
+                    "x {}x{}, {m} neurons into h {}x{}",
+                    n, x.cols, h.rows, h.cols
+                ),
+            ));
+        }
+        if rest.is_some() && up_bias.is_some() {
+            return Err(shape_err(
+                op,
+                "an up bias goes by slot: none with a rest".into(),
+            ));
+        }
+        let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
+        let f = ops::activation(act);
+        let bias = |i: u32| bias.map_or(0.0, |bb| bb[i as usize]);
+        let (v, live) = b.with_listed(op, shape, rest, |view| {
+            self.pool
+                .install(|| listed_acts(self.kernels, view, idx, &x.data, n, f, threshold, bias))
+        })??;
+        let stride = h.cols;
+        for t in 0..n {
+            h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);
+        }
+        Ok(live)
+    }
 }
 
 /// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`:

@@ -160,6 +160,23 @@ impl CpuWeight {
         )?;
         bundles::with_view(self.t.data.as_slice(), self.encoding(), shape, f)
     }
+
+    /// `f` of the weight viewed as bundles of `shape`, with `rest` beside it where given (a
+    /// listed entry with [`super::IN_REST`] reads a row of `rest`).
+    fn with_listed<R>(
+        &self,
+        op: &'static str,
+        shape: BundleShape,
+        rest: Option<&CpuWeight>,
+        f: impl FnOnce(&sparse::Bundles) -> R,
+    ) -> Result<R> {
+        let Some(rest) = rest else {
+            return self.with_bundles(op, shape, f);
+        };
+        self.with_bundles(op, shape, |a| {
+            rest.with_bundles(op, shape, |r| Ok(f(&(*a).with_rest(*r)?)))?
+        })?
+    }
 }
 
 /// `bytes` zeroed bytes, word-backed (owned, so a slot can be filled in place).
@@ -237,6 +254,16 @@ impl Backend for CpuBackend {
     ) -> Result<CpuWeight> {
         let rows = super::bundle_rows(name, enc, shape, data.len())?;
         Ok(bundle_weight(name, enc, shape, rows, data.clone()))
+    }
+
+    fn map_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<CpuWeight> {
+        self.upload_bundles(name, enc, shape, data)
     }
 
     fn alloc_bundles(
@@ -661,9 +688,9 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn ffn_bundles_up_listed(
+    fn ffn_bundles_up_listed_from(
         &self,
-        b: &CpuWeight,
+        listed: (&CpuWeight, Option<&CpuWeight>),
         shape: BundleShape,
         x: &CpuTensor,
         act: Act,
@@ -672,35 +699,13 @@ impl Backend for CpuBackend {
         idx: &[u32],
         h: &mut CpuTensor,
     ) -> Result<()> {
-        let op = "ffn_bundles_up_listed";
-        let (n, m) = (x.rows, idx.len());
-        if x.cols != shape.d || h.rows != n || m > h.cols {
-            return Err(shape_err(
-                op,
-                format!(
-                    "x {}x{}, {m} neurons into h {}x{}",
-                    n, x.cols, h.rows, h.cols
-                ),
-            ));
-        }
-        let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
-        let f = ops::activation(act);
-        let bias = |i: u32| bias.map_or(0.0, |bb| bb[i as usize]);
-        let v = b.with_bundles(op, shape, |view| {
-            self.pool.install(|| {
-                bundles::listed_acts(self.kernels, view, idx, &x.data, n, f, threshold, bias)
-            })
-        })??;
-        let stride = h.cols;
-        for t in 0..n {
-            h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);
-        }
+        self.up_listed_reading(listed, shape, x, act, threshold, up_bias, idx, h)?;
         Ok(())
     }
 
-    fn ffn_bundles_down_listed(
+    fn ffn_bundles_down_listed_from(
         &self,
-        b: &CpuWeight,
+        (b, rest): (&CpuWeight, Option<&CpuWeight>),
         shape: BundleShape,
         h: &CpuTensor,
         idx: &[u32],
@@ -721,7 +726,7 @@ impl Backend for CpuBackend {
         for t in 0..n {
             compact[t * m..(t + 1) * m].copy_from_slice(&h.data[t * h.cols..t * h.cols + m]);
         }
-        b.with_bundles(op, shape, |view| {
+        b.with_listed(op, shape, rest, |view| {
             self.pool.install(|| {
                 sparse::sparse_down(self.kernels, view, idx, &compact, n, &mut out.data)
             })

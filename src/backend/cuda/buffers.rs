@@ -117,6 +117,7 @@ pub(super) fn alloc_weight(
         rows,
         cols,
         coded: None,
+        host: None,
     })
 }
 
@@ -128,21 +129,33 @@ pub(super) fn alloc_bundles(
     rows: usize,
 ) -> Result<CudaWeight> {
     let bytes = crate::backend::bundle_bytes(name, enc, shape, rows)?;
+    // Filled by upload_into before use; `take` orders the copy stream after the allocation.
+    let buf = cuda.take(bytes, name)?;
+    Ok(bundle_weight(buf, name, enc, shape, rows))
+}
+
+/// `rows` bundles of `shape` in `enc` at `buf`.
+pub(super) fn bundle_weight(
+    buf: DeviceBuf,
+    name: &str,
+    enc: Encoding,
+    shape: BundleShape,
+    rows: usize,
+) -> CudaWeight {
     let (dtype, coded) = match enc {
         Encoding::Format(dtype) => (dtype, None),
         // The dtype of coded bundles is never read (`CudaWeight::plain` refuses them).
         Encoding::Int8 | Encoding::Int4 => (DType::F32, Some((enc, shape.parts))),
     };
-    // Filled by upload_into before use; `take` orders the copy stream after the allocation.
-    let buf = cuda.take(bytes, name)?;
-    Ok(CudaWeight {
+    CudaWeight {
         buf,
         name: name.to_string(),
         dtype,
         rows,
         cols: shape.parts * shape.d,
         coded,
-    })
+        host: None,
+    }
 }
 
 pub(super) fn retype_weight(

@@ -8,10 +8,19 @@ use super::args::{WARPS, act_code, blocks, cfg};
 use super::device::CudaBackend;
 use super::launches;
 use super::types::{CudaTensor, CudaWeight, shape_err};
-use crate::backend::{Act, BundleShape, Result, check_bundle_weight};
+use crate::backend::{Act, BundleShape, IN_REST, Result, check_bundle_weight};
 use crate::footprint::workspace::MAX_TOKENS;
 use crate::store::Encoding;
 use crate::tensor::DType;
+
+/// A list of neurons in the workspace: its device address, how many, and the rest its entries
+/// with [`IN_REST`] name rows of (and how many do).
+#[derive(Clone, Copy)]
+struct Listed<'a> {
+    ptr: u64,
+    count: usize,
+    rest: Option<(&'a CudaWeight, usize)>,
+}
 
 impl CudaWeight {
     /// Bytes of one bundle, once `self` is checked to hold bundles of `shape` in an encoding
@@ -29,6 +38,23 @@ impl CudaWeight {
     }
 }
 
+impl CudaWeight {
+    /// Refuse `self` for `op` (a whole-bundle op) where it is host memory read in place: only
+    /// the listed ops count what they read of it.
+    fn whole(&self, op: &'static str) -> Result<()> {
+        match self.host {
+            Some(_) => Err(shape_err(
+                op,
+                format!(
+                    "`{}` is read in place: only the listed ops take it",
+                    self.name
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The (up, down) kernels of kernels/bundles.cu for bundles in `enc` (one `bundle_bytes` admits).
 fn bundle_kernels(enc: Encoding) -> (launches::BundlesUp, launches::BundlesDown) {
     use launches as l;
@@ -43,6 +69,44 @@ fn bundle_kernels(enc: Encoding) -> (launches::BundlesUp, launches::BundlesDown)
 }
 
 impl CudaBackend {
+    /// Count the link bytes the kernels read of `rows` listed bundles of `b` where `b` is host
+    /// memory they read in place (the up side or the down one). The kernels skip the parts of
+    /// neurons the mask leaves off, which the host does not see: counted as if every listed
+    /// neuron were on (the budgeted device counts the exact bytes).
+    fn count_in_place(&self, b: &CudaWeight, shape: BundleShape, rows: usize, up: bool) {
+        if b.host.is_some() {
+            let bytes =
+                crate::backend::in_place_read_bytes(b.row_bytes(), shape.parts, rows, rows, up);
+            self.ledger().count_h2d(bytes);
+        }
+    }
+
+    /// The address of `list`'s rest (0 without), checked to be bundles as `b` is, with the
+    /// link bytes the side (`up` or down) reads of each set counted.
+    fn listed_rest(
+        &self,
+        b: &CudaWeight,
+        shape: BundleShape,
+        list: Option<Listed<'_>>,
+        up: bool,
+    ) -> Result<u64> {
+        let (count, rest) = list.map_or((b.rows, None), |l| (l.count, l.rest));
+        let Some((r, in_rest)) = rest else {
+            self.count_in_place(b, shape, count, up);
+            return Ok(0);
+        };
+        r.bundles("ffn_bundles listed", shape)?;
+        if r.encoding() != b.encoding() {
+            return Err(shape_err(
+                "ffn_bundles listed",
+                format!("`{}` and its rest `{}` differ in encoding", b.name, r.name),
+            ));
+        }
+        self.count_in_place(b, shape, count - in_rest, up);
+        self.count_in_place(r, shape, in_rest, up);
+        Ok(r.buf.ptr)
+    }
+
     /// The first half of the bundled FFN over all neurons of `b` (`list` none) or the `list.1`
     /// neurons listed at device address `list.0` (h compact from column `col0`).
     #[allow(clippy::too_many_arguments)]
@@ -56,9 +120,10 @@ impl CudaBackend {
         up_bias: Option<&CudaWeight>,
         h: &mut CudaTensor,
         col0: usize,
-        list: Option<(u64, usize)>,
+        list: Option<Listed<'_>>,
     ) -> Result<()> {
         let (row_bytes, (up, _)) = b.bundles("ffn_bundles_up", shape)?;
+        let rest = self.listed_rest(b, shape, list, true)?;
         if x.cols != shape.d || h.rows != x.rows {
             return Err(shape_err(
                 "ffn_bundles_up",
@@ -69,8 +134,8 @@ impl CudaBackend {
             ));
         }
         let row_bytes = row_bytes as i64;
-        let count = list.map_or(b.rows, |l| l.1);
-        let idx_ptr = list.map_or(0u64, |l| l.0);
+        let count = list.map_or(b.rows, |l| l.count);
+        let idx_ptr = list.map_or(0u64, |l| l.ptr);
         let (neurons, parts, d, kind) = (
             count as i32,
             shape.parts as i32,
@@ -89,6 +154,7 @@ impl CudaBackend {
             up(
                 self.launch(cfg(blocks(count, WARPS), WARPS * 32)),
                 b.buf.ptr,
+                rest,
                 row_bytes,
                 neurons,
                 parts,
@@ -115,9 +181,10 @@ impl CudaBackend {
         h: &CudaTensor,
         col0: usize,
         out: &mut CudaTensor,
-        list: Option<(u64, usize)>,
+        list: Option<Listed<'_>>,
     ) -> Result<()> {
         let (row_bytes, (_, down)) = b.bundles("ffn_bundles_down", shape)?;
+        let rest = self.listed_rest(b, shape, list, false)?;
         if out.cols != shape.d || h.rows != out.rows {
             return Err(shape_err(
                 "ffn_bundles_down",
@@ -128,8 +195,8 @@ impl CudaBackend {
             ));
         }
         let row_bytes = row_bytes as i64;
-        let count = list.map_or(b.rows, |l| l.1);
-        let idx_ptr = list.map_or(0u64, |l| l.0);
+        let count = list.map_or(b.rows, |l| l.count);
+        let idx_ptr = list.map_or(0u64, |l| l.ptr);
         let (neurons, parts, d) = (count as i32, shape.parts as i32, shape.d as i32);
         let (hs, c0) = (h.cols as i32, col0 as i32);
         let grid = (blocks(shape.d, 256), blocks(count, 64), 1);
@@ -145,6 +212,7 @@ impl CudaBackend {
             down(
                 self.launch(c),
                 b.buf.ptr,
+                rest,
                 row_bytes,
                 neurons,
                 parts,
@@ -173,6 +241,7 @@ pub(super) fn ffn_bundles_up(
     h: &mut CudaTensor,
     col0: usize,
 ) -> Result<()> {
+    b.whole("ffn_bundles_up")?;
     if col0 + b.rows > h.cols {
         return Err(shape_err(
             "ffn_bundles_up",
@@ -190,6 +259,7 @@ pub(super) fn ffn_bundles_down(
     col0: usize,
     out: &mut CudaTensor,
 ) -> Result<()> {
+    b.whole("ffn_bundles_down")?;
     if col0 + b.rows > h.cols {
         return Err(shape_err(
             "ffn_bundles_down",
@@ -199,10 +269,44 @@ pub(super) fn ffn_bundles_down(
     cuda.bundles_down(b, shape, h, col0, out, None)
 }
 
+/// The list `idx` over `b` and `rest` checked (an entry with [`IN_REST`] names a row of
+/// `rest`) against the `width` columns it fills; how many entries name rows of `rest`.
+fn check_listed(
+    op: &'static str,
+    (b, rest): (&CudaWeight, Option<&CudaWeight>),
+    idx: &[u32],
+    width: usize,
+) -> Result<usize> {
+    let mut in_rest = 0;
+    for &i in idx {
+        let (rows, row) = match (i & IN_REST, rest) {
+            (0, _) => (b.rows, i as usize),
+            (_, Some(r)) => {
+                in_rest += 1;
+                (r.rows, (i & !IN_REST) as usize)
+            }
+            (_, None) => (0, 0),
+        };
+        if row >= rows {
+            return Err(shape_err(
+                op,
+                format!("entry {i:#x} of the list: `{}` has no such neuron", b.name),
+            ));
+        }
+    }
+    if idx.len() > width {
+        return Err(shape_err(
+            op,
+            format!("{} listed neurons into {width} columns", idx.len()),
+        ));
+    }
+    Ok(in_rest)
+}
+
 #[allow(clippy::too_many_arguments)] // the trait's arguments, as it takes them
 pub(super) fn ffn_bundles_up_listed(
     cuda: &CudaBackend,
-    b: &CudaWeight,
+    (b, rest): (&CudaWeight, Option<&CudaWeight>),
     shape: BundleShape,
     x: &CudaTensor,
     act: Act,
@@ -211,58 +315,43 @@ pub(super) fn ffn_bundles_up_listed(
     idx: &[u32],
     h: &mut CudaTensor,
 ) -> Result<()> {
-    if idx.len() > h.cols || idx.iter().any(|&i| i as usize >= b.rows) {
+    let op = "ffn_bundles_up_listed";
+    let in_rest = check_listed(op, (b, rest), idx, h.cols)?;
+    if rest.is_some() && up_bias.is_some() {
         return Err(shape_err(
-            "ffn_bundles_up_listed",
-            format!(
-                "{} listed of {} neurons into h {}x{}",
-                idx.len(),
-                b.rows,
-                h.rows,
-                h.cols
-            ),
+            op,
+            "an up bias goes by slot: none with a rest".into(),
         ));
     }
     if idx.is_empty() {
         return Ok(());
     }
-    let (_ws, list) = cuda.listed(idx)?;
-    cuda.bundles_up(
-        b,
-        shape,
-        x,
-        act,
-        threshold,
-        up_bias,
-        h,
-        0,
-        Some((list, idx.len())),
-    )
+    let (_ws, ptr) = cuda.listed(idx)?;
+    let list = Listed {
+        ptr,
+        count: idx.len(),
+        rest: rest.map(|r| (r, in_rest)),
+    };
+    cuda.bundles_up(b, shape, x, act, threshold, up_bias, h, 0, Some(list))
 }
 
 pub(super) fn ffn_bundles_down_listed(
     cuda: &CudaBackend,
-    b: &CudaWeight,
+    (b, rest): (&CudaWeight, Option<&CudaWeight>),
     shape: BundleShape,
     h: &CudaTensor,
     idx: &[u32],
     out: &mut CudaTensor,
 ) -> Result<()> {
-    if idx.len() > h.cols || idx.iter().any(|&i| i as usize >= b.rows) {
-        return Err(shape_err(
-            "ffn_bundles_down_listed",
-            format!(
-                "{} listed of {} neurons, h {}x{}",
-                idx.len(),
-                b.rows,
-                h.rows,
-                h.cols
-            ),
-        ));
-    }
+    let in_rest = check_listed("ffn_bundles_down_listed", (b, rest), idx, h.cols)?;
     if idx.is_empty() {
         return Ok(());
     }
-    let (_ws, list) = cuda.listed(idx)?;
-    cuda.bundles_down(b, shape, h, 0, out, Some((list, idx.len())))
+    let (_ws, ptr) = cuda.listed(idx)?;
+    let list = Listed {
+        ptr,
+        count: idx.len(),
+        rest: rest.map(|r| (r, in_rest)),
+    };
+    cuda.bundles_down(b, shape, h, 0, out, Some(list))
 }

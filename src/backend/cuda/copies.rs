@@ -6,7 +6,7 @@
 use cudarc::driver::CudaEvent;
 
 use super::device::{CudaBackend, dev};
-use super::types::{CudaTensor, CudaWeight, shape_err};
+use super::types::{CudaTensor, CudaWeight, PinnedRegion, shape_err};
 use crate::backend::{Backend, BackendError, BundleShape, HostPin, Result};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, HostTensor};
@@ -27,19 +27,58 @@ impl CudaBackend {
     }
 }
 
-/// A page-locked host range; unlocked on drop.
-pub struct PinnedRegion {
-    ptr: usize,
-}
-
-impl Drop for PinnedRegion {
-    fn drop(&mut self) {
-        // SAFETY: the range was registered by pin_host and is still allocated (guards drop
-        // before their buffers).
-        unsafe {
-            cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _);
-        }
+/// `data` (whole bundles, a page-aligned buffer of its own) page-locked and mapped, as a
+/// bundle weight whose kernels read it in place over the link.
+pub(super) fn map_bundles(
+    cuda: &CudaBackend,
+    name: &str,
+    enc: Encoding,
+    shape: BundleShape,
+    data: &Bytes,
+) -> Result<CudaWeight> {
+    cuda.outside("map_bundles")?;
+    crate::backend::check_mappable(name, data)?;
+    let rows = crate::backend::bundle_rows(name, enc, shape, data.len())?;
+    let Bytes::Aligned { buf, range } = data else {
+        return Err(BackendError::Device(format!(
+            "`{name}` is not page-aligned"
+        )));
+    };
+    cuda.bind()?;
+    let base = buf.as_slice().as_ptr();
+    let flags = cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: registers the buffer's own whole pages; `MappedHost` keeps the buffer alive and
+    // unregisters it first.
+    let r =
+        unsafe { cudarc::driver::sys::cuMemHostRegister_v2(base as *mut _, buf.capacity(), flags) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(BackendError::Device(format!(
+            "mapping `{name}` ({} bytes) for the device: cuMemHostRegister: {r:?}",
+            buf.capacity()
+        )));
     }
+    let pin = PinnedRegion { ptr: base as usize };
+    let mut device = 0u64;
+    // SAFETY: `base` was just registered with DEVICEMAP.
+    let r = unsafe {
+        cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut device, base as *mut _, 0)
+    };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(BackendError::Device(format!(
+            "the device address of `{name}`: cuMemHostGetDevicePointer: {r:?}"
+        )));
+    }
+    let dbuf = super::types::DeviceBuf {
+        ptr: device + range.start as u64,
+        _pool: None,
+        mem: cuda.mem.in_host(name)?,
+    };
+    let mut w = super::buffers::bundle_weight(dbuf, name, enc, shape, rows);
+    w.host = Some(super::types::MappedHost {
+        _pin: pin,
+        _bytes: data.clone(),
+    });
+    Ok(w)
 }
 
 pub(super) fn upload(cuda: &CudaBackend, w: &HostTensor) -> Result<CudaWeight> {

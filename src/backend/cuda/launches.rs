@@ -159,10 +159,11 @@ pub(super) type Split = fn(
     u64,
 ) -> Result<()>;
 
-/// `ffn_bundles_up_*`: (b, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias, h,
-/// h_stride, col0, idx).
+/// `ffn_bundles_up_*`: (b, rest, row_bytes, neurons, parts, d, x, n, kind, threshold, up_bias,
+/// h, h_stride, col0, idx).
 pub(super) type BundlesUp = fn(
     Launch<'_>,
+    u64,
     u64,
     i64,
     i32,
@@ -179,9 +180,10 @@ pub(super) type BundlesUp = fn(
     u64,
 ) -> Result<()>;
 
-/// `ffn_bundles_down_*`: (b, row_bytes, neurons, parts, d, h, n, h_stride, col0, out, idx).
+/// `ffn_bundles_down_*`: (b, rest, row_bytes, neurons, parts, d, h, n, h_stride, col0, out,
+/// idx).
 pub(super) type BundlesDown =
-    fn(Launch<'_>, u64, i64, i32, i32, i32, u64, i32, i32, i32, u64, u64) -> Result<()>;
+    fn(Launch<'_>, u64, u64, i64, i32, i32, i32, u64, i32, i32, i32, u64, u64) -> Result<()>;
 
 /// A kernel parameter as the driver takes it: the address of its value.
 fn param<T>(value: &T) -> *mut std::ffi::c_void {

@@ -58,12 +58,12 @@ mod types;
 use crate::backend::{Experts, Route};
 use cudarc::driver::CudaEvent;
 
-pub use copies::PinnedRegion;
 pub use device::{
     CudaBackend, DeviceInfo, MIN_CAPABILITY, device_available, driver_present, supported_capability,
 };
 pub use graph::CudaRecording;
 pub use meter::DeviceMeter;
+pub use types::PinnedRegion;
 pub use types::{CudaKv, CudaKvTable, CudaTensor, CudaWeight};
 
 use super::{
@@ -118,6 +118,16 @@ impl Backend for CudaBackend {
         rows: usize,
     ) -> Result<CudaWeight> {
         buffers::alloc_bundles(self, name, enc, shape, rows)
+    }
+
+    fn map_bundles(
+        &self,
+        name: &str,
+        enc: Encoding,
+        shape: BundleShape,
+        data: &Bytes,
+    ) -> Result<CudaWeight> {
+        copies::map_bundles(self, name, enc, shape, data)
     }
 
     fn retype_weight(
@@ -339,9 +349,9 @@ impl Backend for CudaBackend {
         bundles::ffn_bundles_down(self, b, shape, h, col0, out)
     }
 
-    fn ffn_bundles_up_listed(
+    fn ffn_bundles_up_listed_from(
         &self,
-        b: &CudaWeight,
+        listed: (&CudaWeight, Option<&CudaWeight>),
         shape: BundleShape,
         x: &CudaTensor,
         act: Act,
@@ -350,18 +360,18 @@ impl Backend for CudaBackend {
         idx: &[u32],
         h: &mut CudaTensor,
     ) -> Result<()> {
-        bundles::ffn_bundles_up_listed(self, b, shape, x, act, threshold, up_bias, idx, h)
+        bundles::ffn_bundles_up_listed(self, listed, shape, x, act, threshold, up_bias, idx, h)
     }
 
-    fn ffn_bundles_down_listed(
+    fn ffn_bundles_down_listed_from(
         &self,
-        b: &CudaWeight,
+        listed: (&CudaWeight, Option<&CudaWeight>),
         shape: BundleShape,
         h: &CudaTensor,
         idx: &[u32],
         out: &mut CudaTensor,
     ) -> Result<()> {
-        bundles::ffn_bundles_down_listed(self, b, shape, h, idx, out)
+        bundles::ffn_bundles_down_listed(self, listed, shape, h, idx, out)
     }
 
     fn scatter_rows(&self, src: &CudaWeight, rows: &[u32], dst: &mut CudaWeight) -> Result<()> {

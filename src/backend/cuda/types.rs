@@ -42,6 +42,15 @@ pub struct CudaWeight {
     /// INT8/INT4 bundles: their encoding and part count (`dtype` is then a placeholder, and
     /// only the bundle ops take the weight).
     pub(super) coded: Option<(Encoding, usize)>,
+    /// Host memory the device reads in place (`buf.ptr` is its mapped address), kept
+    /// page-locked while the weight lives ([`crate::backend::Backend::map_bundles`]).
+    pub(super) host: Option<MappedHost>,
+}
+
+/// Host bytes page-locked and mapped for the device: unlocked (first) before they are freed.
+pub(super) struct MappedHost {
+    pub(super) _pin: PinnedRegion,
+    pub(super) _bytes: crate::tensor::Bytes,
 }
 
 /// Rows of a weight as the matvec kernels read them: where they start, their format, how many
@@ -224,4 +233,19 @@ pub(super) fn check_rms_norm(x: &CudaTensor, w: &CudaWeight, out: &CudaTensor) -
 
 pub(super) fn shape_err(op: &'static str, msg: String) -> BackendError {
     BackendError::Shape { op, msg }
+}
+
+/// A page-locked host range; unlocked on drop.
+pub struct PinnedRegion {
+    pub(super) ptr: usize,
+}
+
+impl Drop for PinnedRegion {
+    fn drop(&mut self) {
+        // SAFETY: the range was registered by pin_host and is still allocated (guards drop
+        // before their buffers).
+        unsafe {
+            cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _);
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! dense bundle kernels use).
 
 use super::vector::Vector;
-use crate::backend::{BackendError, BundleShape, Result};
+use crate::backend::{BackendError, BundleShape, IN_REST, Result};
 use crate::store::Encoding;
 use crate::store::quant::INT4_GROUP;
 use crate::tensor::{DType, HostTensor};
@@ -20,6 +20,9 @@ pub struct Bundles<'a> {
     pub(super) shape: BundleShape,
     row_bytes: usize,
     pub(super) neurons: usize,
+    /// Bundles of the same shape and encoding elsewhere: a listed entry with
+    /// [`IN_REST`] set is that row of these ([`Bundles::with_rest`]).
+    rest: &'a [u8],
 }
 
 impl<'a> Bundles<'a> {
@@ -57,7 +60,37 @@ impl<'a> Bundles<'a> {
             shape,
             row_bytes,
             neurons: bytes.len() / row_bytes,
+            rest: &[],
         })
+    }
+
+    /// These bundles with `rest` beside them: a listed entry with [`IN_REST`] set reads that
+    /// row of `rest` (a cache unit's slots and the neurons where they rest in host memory, in
+    /// one list).
+    pub fn with_rest(self, rest: Bundles<'a>) -> Result<Self> {
+        if rest.enc != self.enc
+            || rest.shape.parts != self.shape.parts
+            || rest.shape.d != self.shape.d
+        {
+            return Err(err(
+                "sparse bundles",
+                "the two sets of bundles differ in shape or encoding".into(),
+            ));
+        }
+        Ok(Bundles {
+            rest: rest.bytes,
+            ..self
+        })
+    }
+
+    /// The bytes entry `i` of a list reads, and its row there.
+    fn source(&self, i: usize) -> (&'a [u8], usize) {
+        let flag = IN_REST as usize;
+        if i & flag != 0 {
+            (self.rest, i & !flag)
+        } else {
+            (self.bytes, i)
+        }
     }
 
     /// Float bundles held as a tensor (`neurons × parts·d`, as the dense kernels take them).
@@ -90,8 +123,9 @@ impl<'a> Bundles<'a> {
     pub(super) fn part_f16(&self, i: usize, p: usize) -> &'a [half::f16] {
         debug_assert!(self.is_f16());
         let d = self.shape.d;
+        let (bytes, i) = self.source(i);
         let at = i * self.row_bytes + p * d * 2;
-        bytemuck::cast_slice(&self.bytes[at..at + d * 2])
+        bytemuck::cast_slice(&bytes[at..at + d * 2])
     }
 
     /// Whether the bundles are f16.
@@ -102,7 +136,8 @@ impl<'a> Bundles<'a> {
     /// Part `p` of bundle `i` (`i < neurons`, `p < parts`: checked by the callers).
     pub(super) fn part(&self, i: usize, p: usize) -> Vector<'a> {
         let BundleShape { parts, d } = self.shape;
-        let row = &self.bytes[i * self.row_bytes..(i + 1) * self.row_bytes];
+        let (bytes, i) = self.source(i);
+        let row = &bytes[i * self.row_bytes..(i + 1) * self.row_bytes];
         match self.enc {
             Encoding::Format(DType::F32) => {
                 Vector::F32(bytemuck::cast_slice(&row[p * d * 4..(p + 1) * d * 4]))
@@ -137,7 +172,19 @@ impl<'a> Bundles<'a> {
 
     /// Checks shared by the bundle functions: every listed neuron exists.
     pub(super) fn check_idx(&self, op: &'static str, idx: &[u32]) -> Result<()> {
-        match idx.iter().find(|&&i| i as usize >= self.neurons) {
+        let rest = self.rest.len() / self.row_bytes;
+        let bad = |&&i: &&u32| match i & IN_REST {
+            0 => i as usize >= self.neurons,
+            _ => (i & !IN_REST) as usize >= rest,
+        };
+        match idx.iter().find(bad) {
+            Some(&i) if i & IN_REST != 0 => Err(err(
+                op,
+                format!(
+                    "neuron {} of the rest listed, it holds {rest}",
+                    i & !IN_REST
+                ),
+            )),
             Some(i) => Err(err(
                 op,
                 format!("neuron {i} listed, the bundles hold {}", self.neurons),

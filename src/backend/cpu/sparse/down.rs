@@ -151,7 +151,8 @@ pub fn sparse_down_split(
             let per = b.neurons.div_ceil(threads * 4).max(16);
             let mut tasks: Vec<Vec<usize>> = vec![Vec::new(); b.neurons.div_ceil(per)];
             for (j, &i) in idx.iter().enumerate() {
-                tasks[i as usize / per].push(j);
+                let at = ((i & !crate::backend::IN_REST) as usize / per).min(tasks.len() - 1);
+                tasks[at].push(j);
             }
             let sums: Vec<Vec<f32>> = tasks
                 .par_iter()

@@ -1,0 +1,122 @@
+//! Tests of the budgeted device (a child module of `sim`, kept in its own file).
+use super::*;
+
+#[test]
+fn device_memory_is_budgeted_and_copies_counted() {
+    let ledger = Ledger::new(Some(1024), None);
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+    let w = HostTensor::from_f32("w", 10, 10, vec![1.0; 100]);
+    let dw = sim.upload(&w).unwrap(); // 400 bytes, 512 on the device
+    let mut t = sim.alloc(2, 50).unwrap(); // 400 bytes, 512 on the device
+    assert!(matches!(
+        sim.alloc(1, 1),
+        Err(BackendError::OutOfMemory { .. })
+    ));
+    sim.write(&mut t, &[0.5; 100]).unwrap();
+    let mut back = vec![0f32; 100];
+    sim.read(&t, &mut back).unwrap();
+    let s = ledger.snapshot();
+    assert_eq!((s.hbm_used, s.h2d_bytes, s.d2h_bytes), (1024, 800, 400));
+    drop((dw, t));
+    assert_eq!(ledger.snapshot().hbm_used, 0);
+    assert_eq!(ledger.snapshot().hbm_peak, 1024);
+}
+
+#[test]
+fn a_recorded_step_holds_kernels_only_and_reads_the_step_position() {
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), Ledger::new(None, None));
+    let inv = sim
+        .upload(&HostTensor::from_f32("inv", 1, 2, vec![1.0, 0.25]))
+        .unwrap();
+    let row = [1.0, 2.0, 3.0, 4.0];
+    let fresh = |v: &[f32]| {
+        let mut t = sim.alloc(1, 4).unwrap();
+        sim.write(&mut t, v).unwrap();
+        t
+    };
+    let read = |t: &SimTensor| {
+        let mut v = vec![0f32; 4];
+        sim.read(t, &mut v).unwrap();
+        v
+    };
+    let none = || Ok::<(), BackendError>(());
+    let err = sim.record(none).err().unwrap().to_string();
+    assert!(err.contains("before its position was set"), "{err}");
+    sim.set_step_position(7).unwrap();
+    // Nothing but kernels: an allocation fails the recording, and the next one starts clean.
+    let err = sim.record(|| sim.alloc(1, 1).map(|_| ())).err().unwrap();
+    assert!(err.to_string().contains("inside a recorded step"), "{err}");
+    // Recorded with a stale position argument, the rotation is the step position's.
+    let mut want = fresh(&row);
+    sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 7)
+        .unwrap();
+    let mut x = fresh(&row);
+    let rec = sim
+        .record(|| sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 123))
+        .unwrap();
+    assert_eq!(read(&x), read(&want));
+    // Replayed at another position over the same buffer: that position's rotation.
+    sim.write(&mut x, &row).unwrap();
+    sim.rope(&mut want, 4, 4, RopePairs::Adjacent, &inv, 0)
+        .unwrap();
+    let mut want9 = fresh(&row);
+    sim.rope(&mut want9, 4, 4, RopePairs::Adjacent, &inv, 9)
+        .unwrap();
+    sim.set_step_position(9).unwrap();
+    sim.replay(&rec, || {
+        sim.rope(&mut x, 4, 4, RopePairs::Adjacent, &inv, 7)
+    })
+    .unwrap();
+    assert_eq!(read(&x), read(&want9));
+    // Over another buffer, or with another op, a graph would have run the recording: refused.
+    let mut y = fresh(&row);
+    let err = sim
+        .replay(&rec, || {
+            sim.rope(&mut y, 4, 4, RopePairs::Adjacent, &inv, 9)
+        })
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("not its recording"), "{err}");
+    let err = sim.replay(&rec, || sim.zero(&mut x)).err().unwrap();
+    assert!(err.to_string().contains("not its recording"), "{err}");
+}
+
+#[test]
+fn ops_fail_without_the_workspace_cuda_would_take() {
+    let ledger = Ledger::new(None, None);
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+    let w = sim
+        .upload(&HostTensor::from_f32("w", 4, 64, vec![0.5; 256]))
+        .unwrap();
+    let x = sim.alloc(16, 64).unwrap();
+    let mut out = sim.alloc(16, 4).unwrap();
+    // An f32 weight needs no workspace: cuBLAS reads the activations in place.
+    sim.matmul_into(&w, &x, &mut out, 0).unwrap();
+    let halves: Vec<u8> = (0..256)
+        .flat_map(|_| half::f16::from_f32(0.5).to_le_bytes())
+        .collect();
+    let w16 = sim
+        .upload(&HostTensor {
+            name: "w16".into(),
+            rows: 4,
+            cols: 64,
+            dtype: DType::F16,
+            data: Bytes::from_slice(&halves),
+        })
+        .unwrap();
+    let need = sim.workspace_bytes(&WorkspaceOp::Matmul {
+        dtype: DType::F16,
+        tokens: 16,
+        rows: 4,
+        cols: 64,
+    });
+    assert!(need > 0);
+    let err = sim.matmul_into(&w16, &x, &mut out, 0).unwrap_err();
+    assert!(matches!(err, BackendError::Workspace { .. }), "{err}");
+    sim.set_workspace(need).unwrap();
+    assert_eq!(sim.workspace_held(), need);
+    let before = ledger.snapshot().hbm_used;
+    sim.matmul_into(&w16, &x, &mut out, 0).unwrap();
+    sim.set_workspace(0).unwrap();
+    assert_eq!(ledger.snapshot().hbm_used, before - need);
+}
