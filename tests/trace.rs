@@ -240,20 +240,11 @@ fn every_mode_traces_its_own_phases() {
         (
             "gpu",
             "500K",
-            &[
-                "landing",
-                "decide",
-                "gather",
-                "h2d",
-                "scatter",
-                "device_neurons",
-            ],
-            &[
-                ("landing", "d2h_bytes"),
-                ("decide", "cpu_bytes"),
-                ("gather", "cpu_bytes"),
-                ("h2d", "h2d_bytes"),
-            ],
+            // With oracle masks the device decides (no landing, no decision on the host) and
+            // reads the neurons a unit does not hold in place over the link (no gather, copy
+            // or scatter once the slots are full).
+            &["gather", "device_neurons"],
+            &[("device_neurons", "h2d_bytes")],
         ),
     ];
     let tokens = 6;

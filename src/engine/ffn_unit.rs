@@ -1,16 +1,20 @@
-//! The FFN of a layer with a cache unit (M2Cache): the neurons each step needs brought into the
-//! unit's device slots and computed there by the neuron-listed kernels.
+//! The FFN of a layer with a cache unit (M2Cache): the neurons each step needs computed by the
+//! neuron-listed kernels from the unit's device slots, or where they rest in host memory, or
+//! brought into the slots first.
 
 use super::ports::{FfnView, NeuronUnit};
 use super::scratch::Scratch;
 use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
-use crate::backend::{Backend, Landing};
+use crate::backend::{Backend, BundleShape, Landing};
 
 impl<B: Backend> Engine<B> {
-    /// The FFN of a layer with a cache unit: the input lands on the host (the one wait), the
-    /// unit decides the active neurons (or the predictor does) and brings them in, as many as
-    /// its slots hold at a time, and the listed kernels compute them from their slots.
+    /// The FFN of a layer with a cache unit. Where the device decides (oracle masks, one
+    /// precision tier, neurons readable in place) every neuron is listed and nothing comes back
+    /// to the host; otherwise the input lands on the host (the one wait), the unit decides the
+    /// active neurons (or the predictor does), and the listed kernels compute them, each from
+    /// its slot or where it rests in host memory, or, a unit that cannot read in place, after
+    /// bringing them in as many as its slots hold at a time.
     pub(super) fn unit_ffn(
         &self,
         layer: usize,
@@ -33,6 +37,22 @@ impl<B: Backend> Engine<B> {
             ));
         }
         let threshold = self.thresholds.get(layer).copied().unwrap_or(0.0);
+        // Oracle masks on one precision tier whose neurons rest in host memory for the device
+        // to read: the device decides. Every neuron is listed, from its slot or where it
+        // rests, and the kernels' mask stops an inactive one after its deciding part: no
+        // landing, no decision on the host, no wait.
+        let on_device = (0..3).find(|&t| unit.slots(t) > 0 && unit.in_place(t).is_some());
+        if let Some(tier) = on_device.filter(|_| self.predictor.is_none() && !unit.mixed()) {
+            let all: Vec<u32> = (0..self.spec.d_ff as u32).collect();
+            let device = trace::span(Phase::DeviceNeurons);
+            b.zero(&mut sc.proj)?;
+            if let Some(bias) = down_bias {
+                b.add_bias(&mut sc.proj, bias)?;
+            }
+            self.held_neurons(unit, (tier, &all), (*shape, threshold), None, sc)?;
+            drop(device);
+            return Ok(());
+        }
         let n = sc.n;
         let mut stage = self.take_stage(sc)?;
         let decided = (|| {
@@ -58,25 +78,69 @@ impl<B: Backend> Engine<B> {
             b.add_bias(&mut sc.proj, bias)?;
         }
         for (tier, set) in tiers.iter().enumerate() {
+            let keep = set.keep.as_deref().filter(|_| n > 1);
             let slots = unit.slots(tier).max(1);
+            if unit.in_place(tier).is_some() {
+                self.held_neurons(unit, (tier, &set.ids), (*shape, threshold), keep, sc)?;
+                continue;
+            }
             for chunk in set.ids.chunks(slots) {
                 let gather = trace::span(Phase::Gather);
                 let at = unit.bring(b, tier, chunk)?;
                 drop(gather);
                 let (w, up_bias) = unit.unit(tier)?;
-                b.ffn_bundles_up_listed(
-                    w, *shape, &sc.h, self.act, threshold, up_bias, &at, &mut sc.up,
-                )?;
-                if let Some(keep) = &set.keep
-                    && n > 1
-                {
-                    // A neuron one token needs (in this precision) may be off for another.
-                    self.mask_hidden(keep, Some(chunk), &mut sc.up)?;
-                }
-                b.ffn_bundles_down_listed(w, *shape, &sc.up, &at, &mut sc.proj)?;
+                self.listed_neurons((w, None, *shape, threshold), up_bias, &at, chunk, keep, sc)?;
             }
         }
         drop(device);
+        Ok(())
+    }
+
+    /// Neurons `ids` of tier `tier` computed, each from its slot in the unit or where it rests
+    /// in host memory, in one list in their order: each token's sum stays the one chain the
+    /// whole FFN adds. `keep`: which tokens need each (a step of several computes the union).
+    fn held_neurons(
+        &self,
+        unit: &mut dyn NeuronUnit<B>,
+        (tier, ids): (usize, &[u32]),
+        (shape, threshold): (BundleShape, f32),
+        keep: Option<&[bool]>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let slots = unit.slots(tier).max(1);
+        let gather = trace::span(Phase::Gather);
+        let entries = unit.hold(&self.backend, tier, ids)?;
+        drop(gather);
+        let (w, _) = unit.unit(tier)?;
+        let rest = unit.in_place(tier);
+        for (at, chunk) in entries.chunks(slots).zip(ids.chunks(slots)) {
+            self.listed_neurons((w, rest, shape, threshold), None, at, chunk, keep, sc)?;
+        }
+        Ok(())
+    }
+
+    /// Neurons `ids` of the step computed from rows `at` of `w` (slots, or neuron ids where
+    /// they rest) and added to the step's FFN output; `keep`: which tokens need each (a step
+    /// of several tokens computes the union).
+    fn listed_neurons(
+        &self,
+        (w, rest, shape, threshold): (&B::Weight, Option<&B::Weight>, BundleShape, f32),
+        up_bias: Option<&B::Weight>,
+        at: &[u32],
+        ids: &[u32],
+        keep: Option<&[bool]>,
+        sc: &mut Scratch<B>,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let listed = (w, rest);
+        b.ffn_bundles_up_listed_from(
+            listed, shape, &sc.h, self.act, threshold, up_bias, at, &mut sc.up,
+        )?;
+        if let Some(keep) = keep {
+            // A neuron one token needs (in this precision) may be off for another.
+            self.mask_hidden(keep, Some(ids), &mut sc.up)?;
+        }
+        b.ffn_bundles_down_listed_from(listed, shape, &sc.up, at, &mut sc.proj)?;
         Ok(())
     }
 }

@@ -187,6 +187,15 @@ pub trait NeuronUnit<B: Backend>: Send {
     /// Tier `tier`'s region (one bundle per slot, in its encoding) and its up bias by slot, if
     /// the model has one.
     fn unit(&self, tier: usize) -> Result<(&B::Weight, Option<&B::Weight>)>;
+    /// Every neuron of tier `tier` where it rests in host memory, mapped for the device to
+    /// read in place (row = neuron id): where there is one, the unit computes the neurons it
+    /// does not hold there ([`NeuronUnit::hold`]) instead of bringing them in.
+    fn in_place(&self, tier: usize) -> Option<&B::Weight>;
+    /// Of `neurons` (distinct), bring into tier `tier`'s region the ones it lacks that it
+    /// has free slots for (the most valued first); then where each is, in the same order: its
+    /// slot, or, one the region does not hold, its id with [`crate::backend::IN_REST`] set
+    /// (a row of [`NeuronUnit::in_place`]).
+    fn hold(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>>;
 }
 
 /// The FFN neurons of a layer the CPU computes from DRAM (PowerInfer's cold neurons), in two

@@ -64,6 +64,7 @@ pub mod resident;
 pub mod split;
 pub mod stream;
 pub mod units;
+mod units_report;
 
 use serde::Serialize;
 

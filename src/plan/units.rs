@@ -39,7 +39,7 @@ use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, PredictorCost, hot_device_bytes};
 use super::hardware::HardwareProfile;
-use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for, predictors_line, step_of};
+use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for};
 use super::manifest::{part_segment_name, seg};
 use super::precision::{Precision, TIER_ENCODINGS};
 use super::preserve::Part;
@@ -77,6 +77,9 @@ pub struct UnitLayer {
     pub mean_active: f64,
     /// Expected neurons brought in per token (per step).
     pub expected_loads: f64,
+    /// Expected neurons computed where they rest in host memory, read in place over the link,
+    /// per token (per step).
+    pub expected_in_place: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -144,114 +147,6 @@ impl UnitPlan {
     /// Slots of each layer's unit, by precision tier.
     pub fn slots(&self) -> Vec<[usize; 3]> {
         self.layers.iter().map(|l| l.slots).collect()
-    }
-
-    pub fn report(&self) -> String {
-        use std::fmt::Write;
-        let mut s = String::new();
-        let h = human_bytes;
-        let used: Vec<usize> = self.precision.tiers().collect();
-        let per: Vec<String> = used
-            .iter()
-            .map(|&i| format!("{} {}", TIER_ENCODINGS[i].name(), h(self.neuron_bytes[i])))
-            .collect();
-        let _ = writeln!(
-            s,
-            "cache units (--cold gpu) at {:.0}% sparsity, neuron precision {}: units of {:.2}× each layer's mean active neurons, per neuron {}",
-            self.target * 100.0,
-            self.precision,
-            self.scale,
-            per.join(", ")
-        );
-        let head: Vec<String> = used
-            .iter()
-            .map(|&i| format!("{:>6}", TIER_ENCODINGS[i].name()))
-            .collect();
-        let _ = writeln!(
-            s,
-            "layer  runs    {}  hot  mean active  expected loads/token  device  attention  ms/token",
-            head.join(" ")
-        );
-        for (l, x) in self.layers.iter().enumerate() {
-            let k: Vec<String> = used.iter().map(|&i| format!("{:>6}", x.slots[i])).collect();
-            let runs = match x.mode {
-                UnitMode::Unit => "unit",
-                UnitMode::Hybrid => "hybrid",
-            };
-            let attention = match x.attention_streamed {
-                0 => "resident".to_string(),
-                b => format!("streams {}", h(b)),
-            };
-            let _ = writeln!(
-                s,
-                "{l:>5}  {runs:<6}  {}  {:>3}  {:>11.1}  {:>19.1}  {:>6}  {attention:>9}  {:>8.3}",
-                k.join(" "),
-                x.hot,
-                x.mean_active,
-                x.expected_loads,
-                h(x.device_bytes),
-                x.seconds * 1e3
-            );
-        }
-        if let Some(line) = predictors_line(self.predictors.as_deref()) {
-            let _ = writeln!(s, "{line}");
-        }
-        let d = &self.device;
-        let hybrid_layers = self
-            .layers
-            .iter()
-            .filter(|l| l.mode == UnitMode::Hybrid)
-            .count();
-        if hybrid_layers > 0 {
-            let _ = writeln!(
-                s,
-                "{hybrid_layers} of {} layers hybrid (hot neurons resident, the CPU computes the rest): faster than a unit there",
-                self.layers.len()
-            );
-        }
-        if let Some(base) = &self.base_plan {
-            let streaming = self
-                .layers
-                .iter()
-                .filter(|l| l.attention_streamed > 0)
-                .count();
-            let _ = writeln!(
-                s,
-                "attention streams beside the units in {streaming} of {} layers: {} of each layer resident, {} streamed per token through {} slots ({}); {} kept for the units",
-                self.layers.len(),
-                h(base.resident_bytes_per_layer),
-                h(base.streamed_bytes_per_layer),
-                base.window,
-                h(base.gpu.slots),
-                h(base.budget.unit_reserve.unwrap_or(0))
-            );
-        }
-        let _ = writeln!(
-            s,
-            "device {} (attention {}, units {}, staging {}, hybrid layers {}), neurons in DRAM {}",
-            h(d.total),
-            h(d.attention),
-            h(d.units),
-            h(d.staging),
-            h(d.hybrid),
-            h(self.dram_neurons)
-        );
-        let p = &self.per_token;
-        let _ = writeln!(
-            s,
-            "per {}: device reads {}, CPU reads {} from DRAM ({}, the misses gathered), PCIe {}; predicted {}",
-            step_of(self.sequences),
-            h(p.hbm_bytes),
-            h(p.cpu_bytes),
-            if self.predictors.is_some() {
-                "the predictors"
-            } else {
-                "deciding vectors"
-            },
-            h(p.pcie_bytes),
-            batch::speed(self.predicted_tokens_per_s, self.sequences)
-        );
-        s
     }
 }
 
@@ -455,8 +350,26 @@ fn plan_units_in(
     };
     let (mut hbm, mut cpu, mut pcie) = (g.small + g.head + attention_read, 0u64, 0u64);
     let mut seconds = 0.0;
+    // Without an up bias (whose values go by slot) a unit computes the neurons it does not
+    // hold where they rest in host memory, read in place over the link; its free slots fill
+    // with the most valued neurons and nothing held is evicted.
+    let in_place = !biased;
     for (l, (f, &mu)) in needed.iter().zip(&means).enumerate() {
         let k = slots[l];
+        if in_place {
+            let u = in_place_unit(
+                &costs,
+                (l, f, mu, k),
+                (precision, row, biased),
+                room.streamed,
+            );
+            hbm += u.ffn_bytes[0];
+            cpu += u.ffn_bytes[1];
+            pcie += u.ffn_bytes[2] + room.streamed;
+            seconds += u.seconds;
+            layers.push(u);
+            continue;
+        }
         let (mut loads, mut active, mut moved) = (0.0, 0.0, 0.0);
         for i in precision.tiers() {
             let s = share[i];
@@ -501,6 +414,7 @@ fn plan_units_in(
             attention_streamed: room.streamed,
             mean_active: mu,
             expected_loads: loads,
+            expected_in_place: 0.0,
         });
     }
     let per_session = g.kv / plan.budget.sessions.max(1) as u64;
@@ -549,6 +463,71 @@ fn plan_units_in(
     })
 }
 
+/// Layer `l` as a cache unit of `k` slots per tier that reads the neurons it does not hold in
+/// place over the link (`f`: each neuron's share of the steps, `mu` their sum): its slots keep
+/// the most valued neurons, the rest of each step's set is read where it rests. With oracle
+/// masks on one tier the device decides: every neuron is listed and read up to its deciding
+/// part (the host decides nothing); otherwise the host decides and only the active are listed.
+fn in_place_unit(
+    costs: &LayerCosts,
+    (l, f, mu, k): (usize, &[f64], f64, [usize; 3]),
+    (precision, row, biased): (Precision, [u64; 3], bool),
+    streamed: u64,
+) -> UnitLayer {
+    let share = precision.0.map(|p| p as f64 / 100.0);
+    let on_device = costs.predictors.is_none() && !precision.mixed();
+    let parts = costs.parts as f64;
+    let mut by_value = f.to_vec();
+    by_value.sort_by(|a, b| b.total_cmp(a));
+    let d_ff = by_value.len();
+    let (mut held, mut read, mut missed, mut calls) = (0.0, 0.0, 0.0, 0.0);
+    for i in precision.tiers() {
+        let s = share[i];
+        let kept = k[i].min(d_ff);
+        let hits = by_value.iter().take(kept).sum::<f64>() * s;
+        let misses = match kept == d_ff {
+            true => 0.0,
+            false => (s * mu - hits).max(0.0),
+        };
+        let part = row[i] as f64 / parts;
+        // Listed: every neuron (the device decides) or the active ones.
+        let (listed_held, listed_rest) = match on_device {
+            true => (kept as f64, (d_ff - kept) as f64),
+            false => (hits, misses),
+        };
+        // The deciding part of each listed, the others of each active.
+        held += listed_held * part + hits * (parts - 1.0) * part;
+        read += listed_rest * part + misses * (parts - 1.0) * part;
+        missed += misses;
+        let per_call = k[i].max(1) as f64;
+        calls += (listed_held / per_call).ceil() + (listed_rest / per_call).ceil();
+    }
+    let (held, read) = (held as u64, read as u64);
+    let seconds = costs.in_place_layer(l, (held, read), mu, calls, on_device);
+    let decided = if on_device {
+        0
+    } else {
+        costs.deciding(l).0 as u64
+    };
+    let input = if on_device {
+        0
+    } else {
+        (costs.rows * costs.plan.spec.d_model * 4) as u64
+    };
+    UnitLayer {
+        mode: UnitMode::Unit,
+        slots: k,
+        hot: 0,
+        device_bytes: unit_device_bytes(&[k], row, biased).0,
+        seconds,
+        ffn_bytes: [held, decided, read + input],
+        attention_streamed: streamed,
+        mean_active: mu,
+        expected_loads: 0.0,
+        expected_in_place: missed,
+    }
+}
+
 /// What a layer's time is made of in a decode step of `rows` sequences: attention on the device
 /// (read from where it rests), the FFN's neurons, the CPU's deciding vectors, the round trip,
 /// and the copy link, which streamed attention shares with the units' loads.
@@ -559,6 +538,8 @@ struct LayerCosts<'a> {
     rows: usize,
     /// Bytes of a neuron's deciding vector (its gate or up row in f16).
     decide: u64,
+    /// Parts of a bundle (3 gated, else 2).
+    parts: usize,
     /// Per layer, the predictor that names the step's neurons in place of the deciding
     /// vectors (`--sparsity predicted`).
     predictors: Option<Vec<PredictorCost>>,
@@ -582,6 +563,7 @@ impl<'a> LayerCosts<'a> {
             streamed: room.streamed,
             rows,
             decide: Encoding::F16.row_bytes(parts * spec.d_model, parts) as u64 / parts as u64,
+            parts,
             predictors,
             attention_row: batch::projection_flops(spec)
                 + batch::attention_flops(spec, plan.budget.ctx / 2),
@@ -654,6 +636,44 @@ impl<'a> LayerCosts<'a> {
             + 2.0 * self.sync
             + extra_rounds;
         compute.max(self.link(moved))
+    }
+
+    /// Seconds of layer `l` as a cache unit computing `held` bytes of neurons from its slots
+    /// and reading `read` bytes of the others in place over the link (`mu` neurons in all), in
+    /// `calls` pairs of listed kernels: the CPU decides (unless the device does, `on_device`:
+    /// no round trip), then the device computes; the reads share the link with streamed
+    /// attention.
+    fn in_place_layer(
+        &self,
+        l: usize,
+        (held, read): (u64, u64),
+        mu: f64,
+        calls: f64,
+        on_device: bool,
+    ) -> f64 {
+        let spec = &self.plan.spec;
+        let hw = &self.plan.hardware;
+        let device = batch::bounded(
+            (self.attention_layers[l] + held) as f64,
+            hw.hbm_bytes_per_s,
+            self.rows,
+            self.attention_row + mu * batch::neuron_flops(spec),
+            hw.matmul_flops_per_s,
+        ) + read as f64 / hw.h2d_pinned_bytes_per_s;
+        let launches = 2.0 * calls * hw.op_overhead_s;
+        if on_device {
+            return (device + launches).max(self.link(read));
+        }
+        let (decided, decide_flops) = self.deciding(l);
+        let cpu = batch::bounded(
+            decided,
+            hw.dram_read_bytes_per_s,
+            self.rows,
+            decide_flops,
+            batch::cpu_flops_per_s(hw),
+        );
+        let compute = device + cpu + 2.0 * self.sync + launches;
+        compute.max(self.link(read))
     }
 
     /// Seconds of layer `l` run hybrid, its FFN's device and CPU shares taking `ffn_s` together:
@@ -910,6 +930,7 @@ pub fn mix_with_hybrid(
             attention_streamed: u.attention_streamed,
             mean_active: u.mean_active,
             expected_loads: 0.0,
+            expected_in_place: 0.0,
         };
     }
     let (units_b, staging) = unit_device_bytes(&out.slots(), row, biased);

@@ -142,7 +142,12 @@ impl ColdLayer {
             .read_rows_into(s, rows.clone(), &mut buf)
             .map_err(store_err)?;
         let rb = s.row_bytes();
-        let bytes = &buf.as_slice()[first..first + rows.len() * rb];
+        // Kept in its page-aligned buffer, not copied: the device may map it to read in place
+        // (a cache unit's misses).
+        let bytes = Bytes::Aligned {
+            buf: Arc::new(buf),
+            range: first..first + rows.len() * rb,
+        };
         let up_bias = store
             .opt_tensor(&names::layer(l, "ffn_up.bias"))
             .map_err(store_err)?
@@ -156,7 +161,7 @@ impl ColdLayer {
                     rows: rows.len(),
                     cols: s.cols,
                     dtype: device_dtype(s),
-                    data: Bytes::from_slice(bytes),
+                    data: bytes,
                 },
                 shape: BundleShape {
                     parts,
@@ -290,6 +295,14 @@ impl ColdLayer {
         self.ids
             .binary_search(&id)
             .map_err(|_| weights_err(format!("neuron {id} is not held in DRAM")))
+    }
+
+    /// The bundles held here (row `j` = neuron `ids[j]`), where the layer holds bundles.
+    pub(super) fn bundles(&self) -> Option<&HostTensor> {
+        match &self.data {
+            ColdData::Bundles { t, .. } => Some(t),
+            ColdData::Matrices { .. } => None,
+        }
     }
 
     /// Neurons in the layer (held here or not).

@@ -1,10 +1,22 @@
 //! The GPU-centric sparse FFN (M2Cache): every layer's attention, norms and biases resident and
 //! the output head, as in hybrid execution; the FFN neurons in DRAM; per layer one cache unit of
-//! bundle slots on the device, which the neuron-listed kernels compute on in place. Each step the
-//! layer's active neurons are decided (the CPU reads each neuron's deciding vector from DRAM and
-//! applies the mask, or the predictor lists them), the unit's slot map (the ATU,
-//! [`super::atu::SlotMap`]) names the ones it lacks, and those are gathered into one host
-//! buffer, sent in one copy and scattered into the slots they take.
+//! bundle slots on the device, which the neuron-listed kernels compute on in place.
+//!
+//! Where a layer has no up bias, its neurons in DRAM are also mapped for the device to read in
+//! place over the link ([`Backend::map_bundles`]): a step lists its neurons once, each from its
+//! slot or where it rests, so a miss crosses the link once and is never gathered, copied or
+//! scattered. Free slots fill with the most valued neurons (the profile's frequencies) and
+//! nothing held is evicted: with misses read in place, bringing one in pays only if it comes
+//! back before it gives way. With oracle masks on one precision tier the device decides: every
+//! neuron is listed and the kernels' mask stops an inactive one after its deciding part (no
+//! landing, no decision on the host). With a predictor or mixed precision the host decides and
+//! only the set is listed.
+//!
+//! With an up bias (it goes by slot), each step's active neurons are decided on the host (the CPU
+//! reads each neuron's deciding vector from DRAM and applies the mask, or the predictor lists
+//! them), the unit's slot map (the ATU, [`super::atu::SlotMap`]) names the ones it lacks, and
+//! those are gathered into one host buffer, sent in one copy and scattered into the slots they
+//! take.
 //!
 //! With mixed precision ([`super::precision`]) a unit has one region per precision tier (f16,
 //! INT8, INT4), each with its slot map and its DRAM copy of the neurons in that encoding (the
@@ -23,7 +35,7 @@ use super::hybrid::{HotFfn, layer_ffn};
 use super::precision::split_by_precision;
 use super::resident::{Resident, Small, resident_source};
 use crate::backend::cpu::kernels::Kernels;
-use crate::backend::{Act, Backend, BundleShape, HostStage};
+use crate::backend::{Act, Backend, BundleShape, HostStage, IN_REST};
 use crate::engine::TierSet;
 use crate::engine::trace::{Phase, span};
 use crate::engine::{
@@ -37,7 +49,7 @@ use crate::plan::precision::{Precision, TIER_ENCODINGS};
 use crate::plan::units::HybridLayers;
 use crate::plan::{Part, Plan, part_segment_name};
 use crate::store::{Store, names};
-use crate::tensor::{AlignedBuf, DType};
+use crate::tensor::{AlignedBuf, Bytes, DType};
 
 fn weights_err(msg: impl Into<String>) -> EngineError {
     EngineError::Weights(msg.into())
@@ -54,6 +66,9 @@ pub struct UnitTraffic {
     pub bytes: AtomicU64,
     /// Loads by precision tier (f16, INT8, INT4).
     pub tier_loads: [AtomicU64; 3],
+    /// Of the needed, listed where they rest in host memory (read in place over the link: the
+    /// deciding part of each, the rest of those the mask leaves on).
+    pub in_place: AtomicU64,
 }
 
 impl UnitTraffic {
@@ -66,6 +81,11 @@ impl UnitTraffic {
         ]
     }
 
+    /// Neurons listed where they rest in host memory.
+    pub fn in_place(&self) -> u64 {
+        self.in_place.load(Ordering::Relaxed)
+    }
+
     /// Loads by precision tier.
     pub fn tier_loads(&self) -> [u64; 3] {
         [0, 1, 2].map(|i| self.tier_loads[i].load(Ordering::Relaxed))
@@ -74,8 +94,8 @@ impl UnitTraffic {
 
 /// A layer's neurons in DRAM in one encoding (the store's bundles, row `j` = neuron `j`).
 struct DramBundles {
-    buf: AlignedBuf,
-    first: usize,
+    /// Every neuron's bundle, in a page-aligned buffer of its own (so it can be mapped).
+    bytes: Bytes,
     row_bytes: usize,
     _hold: Reservation,
 }
@@ -103,8 +123,10 @@ impl DramBundles {
             .read_rows_into(s, 0..s.rows, &mut buf)
             .map_err(|e| weights_err(e.to_string()))?;
         Ok(DramBundles {
-            buf,
-            first,
+            bytes: Bytes::Aligned {
+                buf: Arc::new(buf),
+                range: first..first + s.rows * s.row_bytes(),
+            },
             row_bytes: s.row_bytes(),
             _hold: hold,
         })
@@ -112,7 +134,7 @@ impl DramBundles {
 
     /// The bundles of `ids` at the start of `out`; the bytes written.
     fn gather(&self, ids: &[u32], out: &mut [u8]) -> Result<usize> {
-        let (rb, data) = (self.row_bytes, &self.buf.as_slice()[self.first..]);
+        let (rb, data) = (self.row_bytes, self.bytes.as_slice());
         if out.len() < ids.len() * rb {
             return Err(weights_err(
                 "the staging buffer is smaller than the neurons",
@@ -155,6 +177,10 @@ struct TierUnit<B: Backend> {
     map: SlotMap,
     /// One bundle per slot.
     unit: B::Weight,
+    /// Every neuron of the layer in this tier's encoding where it rests in host memory, mapped
+    /// for the device to read in place: the misses are computed there (none with an up bias,
+    /// whose values go by slot).
+    in_place: Option<B::Weight>,
     /// The up bias of the neuron in each slot (two-part bundles with one).
     slot_bias: Option<B::Weight>,
 }
@@ -177,6 +203,9 @@ struct LayerUnit<B: Backend> {
     /// source.
     neurons: ColdLayer,
     tiers: [Option<TierUnit<B>>; 3],
+    /// What a neuron is worth holding (stale ones give way by it; free slots go to the
+    /// highest first).
+    score: Vec<f32>,
 }
 
 type StagingTier<B> = (<B as Backend>::Weight, Option<<B as Backend>::Weight>);
@@ -562,12 +591,28 @@ impl<B: Backend> LayerUnit<B> {
             let k = slots[l][tier];
             let enc = TIER_ENCODINGS[tier];
             let name = format!("{seg} unit {}", enc.name());
+            let dram = if tier == 0 {
+                None
+            } else {
+                Some(DramBundles::read(store, ledger, l, tier)?)
+            };
+            // Every neuron from 0 where it rests: the f16 copy or this tier's.
+            let host = match &dram {
+                Some(d) => Some(&d.bytes),
+                None => neurons.bundles().map(|t| &t.data),
+            };
+            let in_place = match host {
+                Some(bytes) if !neurons.has_up_bias() => Some(b.map_bundles(
+                    &format!("{seg} {} in host memory", enc.name()),
+                    enc,
+                    bundle,
+                    bytes,
+                )?),
+                _ => None,
+            };
             tiers[tier] = Some(TierUnit {
-                dram: if tier == 0 {
-                    None
-                } else {
-                    Some(DramBundles::read(store, ledger, l, tier)?)
-                },
+                dram,
+                in_place,
                 map: SlotMap::new(d_ff, k, Eviction::Frequency(eviction.clone()))
                     .map_err(|e| weights_err(e.to_string()))?,
                 unit: b.alloc_bundles(&name, enc, bundle, k)?,
@@ -578,7 +623,11 @@ impl<B: Backend> LayerUnit<B> {
                 },
             });
         }
-        Ok(LayerUnit { neurons, tiers })
+        Ok(LayerUnit {
+            neurons,
+            tiers,
+            score: eviction,
+        })
     }
 }
 
@@ -720,13 +769,62 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
         let t = self.tier(tier)?;
         Ok((&t.unit, t.slot_bias.as_ref()))
     }
+
+    fn in_place(&self, tier: usize) -> Option<&B::Weight> {
+        self.layer.tiers[tier].as_ref()?.in_place.as_ref()
+    }
+
+    fn hold(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>> {
+        let LayerUnit { tiers, score, .. } = &mut *self.layer;
+        let Some(unit) = tiers[tier].as_mut() else {
+            return Err(weights_err(format!(
+                "this unit has no precision tier {tier}"
+            )));
+        };
+        if unit.in_place.is_none() {
+            return Err(weights_err("this unit computes no neuron in place"));
+        }
+        // Free slots go to the most valued of the misses; nothing held is evicted: a miss is
+        // read once in place, where bringing it in would read it and write it again.
+        let free = unit.map.slots() - unit.map.held();
+        let loads = if free == 0 {
+            Vec::new()
+        } else {
+            let mut wanted = neurons.to_vec();
+            let value = |j: u32| score.get(j as usize).copied().unwrap_or(0.0);
+            wanted.sort_by(|&a, &c| value(c).total_cmp(&value(a)).then(a.cmp(&c)));
+            unit.map
+                .admit(&wanted, free)
+                .map_err(|e| weights_err(e.to_string()))?
+                .1
+        };
+        self.traffic
+            .needed
+            .fetch_add(neurons.len() as u64, Ordering::Relaxed);
+        if !loads.is_empty()
+            && let Err(e) = self.load(b, tier, &loads)
+        {
+            if let Some(unit) = self.layer.tiers[tier].as_mut() {
+                unit.map.forget(&loads);
+            }
+            return Err(e);
+        }
+        let map = &self.tier(tier)?.map;
+        let entries: Vec<u32> = neurons
+            .iter()
+            .map(|&j| map.slot_of(j).unwrap_or(j | IN_REST))
+            .collect();
+        let n = entries.iter().filter(|&&e| e & IN_REST != 0).count() as u64;
+        self.traffic.in_place.fetch_add(n, Ordering::Relaxed);
+        Ok(entries)
+    }
 }
 
 impl<B: Backend> UnitStep<'_, B> {
     /// Copy `loads` into tier `tier`'s region: gathered into one host buffer, sent in one
     /// copy, scattered into their slots.
     fn load(&mut self, b: &B, tier: usize, loads: &[super::atu::Load]) -> Result<()> {
-        let LayerUnit { neurons, tiers } = &mut *self.layer;
+        let LayerUnit { neurons, tiers, .. } = &mut *self.layer;
         let Some(unit) = tiers[tier].as_mut() else {
             return Err(weights_err(format!(
                 "this unit has no precision tier {tier}"
