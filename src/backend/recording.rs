@@ -29,6 +29,7 @@ pub const REFUSED_WHILE_RECORDING: &[&str] = &[
     // Copies between host and device, and their pace.
     "upload",
     "upload_bundles",
+    "map_bundles",
     "upload_into",
     "pace_copies",
     "write",
@@ -203,6 +204,16 @@ mod tests {
                 refusal(&sim, || {
                     sim.upload_bundles("s", Encoding::F32, shape, &raw)
                         .map(drop)
+                }),
+            ),
+            (
+                "map_bundles",
+                refusal(&sim, || {
+                    let page = Bytes::Aligned {
+                        buf: std::sync::Arc::new(crate::tensor::AlignedBuf::zeroed(256)),
+                        range: 0..256,
+                    };
+                    sim.map_bundles("m", Encoding::F32, shape, &page).map(drop)
                 }),
             ),
             (

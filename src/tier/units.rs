@@ -748,17 +748,7 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
             .map
             .update(neurons)
             .map_err(|e| weights_err(e.to_string()))?;
-        self.traffic
-            .needed
-            .fetch_add(neurons.len() as u64, Ordering::Relaxed);
-        if !loads.is_empty()
-            && let Err(e) = self.load(b, tier, &loads)
-        {
-            if let Some(unit) = self.layer.tiers[tier].as_mut() {
-                unit.map.forget(&loads);
-            }
-            return Err(e);
-        }
+        self.bring_in(b, tier, neurons.len(), &loads)?;
         self.tier(tier)?
             .map
             .slots_of(neurons)
@@ -798,17 +788,7 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
                 .map_err(|e| weights_err(e.to_string()))?
                 .1
         };
-        self.traffic
-            .needed
-            .fetch_add(neurons.len() as u64, Ordering::Relaxed);
-        if !loads.is_empty()
-            && let Err(e) = self.load(b, tier, &loads)
-        {
-            if let Some(unit) = self.layer.tiers[tier].as_mut() {
-                unit.map.forget(&loads);
-            }
-            return Err(e);
-        }
+        self.bring_in(b, tier, neurons.len(), &loads)?;
         let map = &self.tier(tier)?.map;
         let entries: Vec<u32> = neurons
             .iter()
@@ -821,6 +801,28 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
 }
 
 impl<B: Backend> UnitStep<'_, B> {
+    /// Count `needed` neurons and copy `loads` into tier `tier`'s region; where the copy fails
+    /// the unit forgets them (it must not claim neurons it never received).
+    fn bring_in(
+        &mut self,
+        b: &B,
+        tier: usize,
+        needed: usize,
+        loads: &[super::atu::Load],
+    ) -> Result<()> {
+        self.traffic
+            .needed
+            .fetch_add(needed as u64, Ordering::Relaxed);
+        if loads.is_empty() {
+            return Ok(());
+        }
+        self.load(b, tier, loads).inspect_err(|_| {
+            if let Some(unit) = self.layer.tiers[tier].as_mut() {
+                unit.map.forget(loads);
+            }
+        })
+    }
+
     /// Copy `loads` into tier `tier`'s region: gathered into one host buffer, sent in one
     /// copy, scattered into their slots.
     fn load(&mut self, b: &B, tier: usize, loads: &[super::atu::Load]) -> Result<()> {
