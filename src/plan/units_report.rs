@@ -107,10 +107,10 @@ impl UnitPlan {
             step_of(self.sequences),
             h(p.hbm_bytes),
             h(p.cpu_bytes),
-            if self.predictors.is_some() {
-                "the predictors"
-            } else {
-                "deciding vectors"
+            match (self.predictors.is_some(), p.cpu_bytes) {
+                (true, _) => "the predictors",
+                (false, 0) => "none: the device decides",
+                (false, _) => "deciding vectors",
             },
             h(p.pcie_bytes),
             batch::speed(self.predicted_tokens_per_s, self.sequences)
