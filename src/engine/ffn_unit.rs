@@ -45,10 +45,7 @@ impl<B: Backend> Engine<B> {
         if let Some(tier) = on_device.filter(|_| self.predictor.is_none() && !unit.mixed()) {
             let all: Vec<u32> = (0..self.spec.d_ff as u32).collect();
             let device = trace::span(Phase::DeviceNeurons);
-            b.zero(&mut sc.proj)?;
-            if let Some(bias) = down_bias {
-                b.add_bias(&mut sc.proj, bias)?;
-            }
+            self.start_output(*down_bias, sc)?;
             self.held_neurons(unit, (tier, &all), (*shape, threshold), None, sc)?;
             drop(device);
             return Ok(());
@@ -73,10 +70,7 @@ impl<B: Backend> Engine<B> {
         sc.stage = Some(stage);
         let tiers = decided?;
         let device = trace::span(Phase::DeviceNeurons);
-        b.zero(&mut sc.proj)?;
-        if let Some(bias) = down_bias {
-            b.add_bias(&mut sc.proj, bias)?;
-        }
+        self.start_output(*down_bias, sc)?;
         for (tier, set) in tiers.iter().enumerate() {
             let keep = set.keep.as_deref().filter(|_| n > 1);
             let slots = unit.slots(tier).max(1);
@@ -93,6 +87,15 @@ impl<B: Backend> Engine<B> {
             }
         }
         drop(device);
+        Ok(())
+    }
+
+    /// The step's FFN output before any neuron is added: its down bias, or zero.
+    fn start_output(&self, down_bias: Option<&B::Weight>, sc: &mut Scratch<B>) -> Result<()> {
+        self.backend.zero(&mut sc.proj)?;
+        if let Some(bias) = down_bias {
+            self.backend.add_bias(&mut sc.proj, bias)?;
+        }
         Ok(())
     }
 

@@ -99,6 +99,14 @@ impl SlotMap {
         self.neuron_in.iter().filter(|&&n| n != EMPTY).count()
     }
 
+    /// How much neuron `n` is worth holding: its score under [`Eviction::Frequency`], else 0.
+    pub fn value(&self, n: u32) -> f32 {
+        match &self.eviction {
+            Eviction::Frequency(score) => score.get(n as usize).copied().unwrap_or(0.0),
+            Eviction::Recency => 0.0,
+        }
+    }
+
     /// The ATU for one token (or step): afterwards the unit holds every neuron of `active`
     /// (distinct ids, at most `slots` of them). Returns the neurons to load, in slot order;
     /// nothing else moves.

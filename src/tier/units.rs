@@ -203,9 +203,6 @@ struct LayerUnit<B: Backend> {
     /// source.
     neurons: ColdLayer,
     tiers: [Option<TierUnit<B>>; 3],
-    /// What a neuron is worth holding (stale ones give way by it; free slots go to the
-    /// highest first).
-    score: Vec<f32>,
 }
 
 type StagingTier<B> = (<B as Backend>::Weight, Option<<B as Backend>::Weight>);
@@ -623,11 +620,7 @@ impl<B: Backend> LayerUnit<B> {
                 },
             });
         }
-        Ok(LayerUnit {
-            neurons,
-            tiers,
-            score: eviction,
-        })
+        Ok(LayerUnit { neurons, tiers })
     }
 }
 
@@ -765,8 +758,7 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
     }
 
     fn hold(&mut self, b: &B, tier: usize, neurons: &[u32]) -> Result<Vec<u32>> {
-        let LayerUnit { tiers, score, .. } = &mut *self.layer;
-        let Some(unit) = tiers[tier].as_mut() else {
+        let Some(unit) = self.layer.tiers[tier].as_mut() else {
             return Err(weights_err(format!(
                 "this unit has no precision tier {tier}"
             )));
@@ -781,8 +773,8 @@ impl<B: Backend> NeuronUnit<B> for UnitStep<'_, B> {
             Vec::new()
         } else {
             let mut wanted = neurons.to_vec();
-            let value = |j: u32| score.get(j as usize).copied().unwrap_or(0.0);
-            wanted.sort_by(|&a, &c| value(c).total_cmp(&value(a)).then(a.cmp(&c)));
+            let map = &unit.map;
+            wanted.sort_by(|&a, &c| map.value(c).total_cmp(&map.value(a)).then(a.cmp(&c)));
             unit.map
                 .admit(&wanted, free)
                 .map_err(|e| weights_err(e.to_string()))?
@@ -826,7 +818,7 @@ impl<B: Backend> UnitStep<'_, B> {
     /// Copy `loads` into tier `tier`'s region: gathered into one host buffer, sent in one
     /// copy, scattered into their slots.
     fn load(&mut self, b: &B, tier: usize, loads: &[super::atu::Load]) -> Result<()> {
-        let LayerUnit { neurons, tiers, .. } = &mut *self.layer;
+        let LayerUnit { neurons, tiers } = &mut *self.layer;
         let Some(unit) = tiers[tier].as_mut() else {
             return Err(weights_err(format!(
                 "this unit has no precision tier {tier}"
