@@ -23,7 +23,7 @@ use crate::footprint::ledger::{Ledger, Reservation, Tier};
 use crate::plan::cold::ColdCost;
 use crate::plan::{Part, device_dtype, part_segment_name};
 use crate::store::{SegmentKind, Store, StoreError, names};
-use crate::tensor::{Bytes, HostTensor};
+use crate::tensor::{Bytes, DType, HostTensor};
 
 fn store_err(e: StoreError) -> EngineError {
     EngineError::Weights(e.to_string())
@@ -70,6 +70,12 @@ impl ColdTraffic {
 pub(super) enum ColdData {
     /// Gathered bundles (f16), `ids.len()` rows.
     Bundles { t: HostTensor, shape: BundleShape },
+    /// Gathered gated bundles taken apart (hybrid's cold neurons), `ids.len()` rows each: every
+    /// gate in one matrix and the rest of each bundle (up, then down) as two-part bundles. The
+    /// gates are read for every candidate, so as one run a thread; read out of whole bundles
+    /// they came at half the rate (1,152 of every 3,456 bytes on SmolLM2: the hardware
+    /// prefetchers restart at every row).
+    Parted { gates: HostTensor, rest: HostTensor },
     /// Gathered gate and up rows; the down matrix's blocks of the cold units, row by row.
     Matrices {
         gate: Option<HostTensor>,
@@ -301,7 +307,7 @@ impl ColdLayer {
     pub(super) fn bundles(&self) -> Option<&HostTensor> {
         match &self.data {
             ColdData::Bundles { t, .. } => Some(t),
-            ColdData::Matrices { .. } => None,
+            ColdData::Parted { .. } | ColdData::Matrices { .. } => None,
         }
     }
 
@@ -349,6 +355,44 @@ impl ColdLayer {
     }
 }
 
+/// The shape of [`ColdData::Parted`]'s rest: up and down, side by side.
+fn rest_shape(rest: &HostTensor) -> BundleShape {
+    BundleShape {
+        parts: 2,
+        d: rest.cols / 2,
+    }
+}
+
+/// Gated float bundles `rows` (of `bytes`, `rb` bytes each, `d` wide) taken apart as
+/// [`ColdData::Parted`] holds them (named after `name`): the same bytes, in another order.
+pub(super) fn parted(
+    name: &str,
+    dtype: DType,
+    d: usize,
+    (bytes, rb): (&[u8], usize),
+    rows: &[u32],
+) -> ColdData {
+    let part = rb / 3;
+    let mut gates = Vec::with_capacity(rows.len() * part);
+    let mut rest = Vec::with_capacity(rows.len() * (rb - part));
+    for &r in rows {
+        let row = &bytes[r as usize * rb..(r as usize + 1) * rb];
+        gates.extend_from_slice(&row[..part]);
+        rest.extend_from_slice(&row[part..]);
+    }
+    let tensor = |what: &str, cols: usize, data: &[u8]| HostTensor {
+        name: format!("{name} {what}"),
+        rows: rows.len(),
+        cols,
+        dtype,
+        data: Bytes::from_slice(data),
+    };
+    ColdData::Parted {
+        gates: tensor("gates", d, &gates),
+        rest: tensor("ups and downs", 2 * d, &rest),
+    }
+}
+
 /// The columns `pos` of `src` (`n × c`), as `n × pos.len()`.
 fn select_cols(src: &[f32], n: usize, c: usize, pos: &[usize]) -> Vec<f32> {
     let a = pos.len();
@@ -389,6 +433,11 @@ impl ColdNeurons for ColdLayer {
                     sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
                     shape.parts == 3
                 }
+                // The same dots as the bundles' (the f16 kernels sum a row alike).
+                ColdData::Parted { gates, .. } => {
+                    sparse_rows(k, gates, &cand, x, n, &mut dec)?;
+                    true
+                }
                 ColdData::Matrices { gate, up, .. } => {
                     sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
                     gate.is_some()
@@ -406,6 +455,10 @@ impl ColdNeurons for ColdLayer {
                 ColdData::Bundles { t, shape } => {
                     let b = Bundles::from_host(t, *shape)?;
                     sparse_part_dots(k, &b, &positions, 1, x, n, &mut u)?;
+                }
+                ColdData::Parted { rest, .. } => {
+                    let b = Bundles::from_host(rest, rest_shape(rest))?;
+                    sparse_part_dots(k, &b, &positions, 0, x, n, &mut u)?;
                 }
                 ColdData::Matrices { up, .. } => {
                     sparse_rows(k, up, &positions, x, n, &mut u)?;
@@ -432,6 +485,11 @@ impl ColdNeurons for ColdLayer {
         let units = match &self.data {
             ColdData::Bundles { t, shape } => {
                 let b = Bundles::from_host(t, *shape)?;
+                sparse_down(self.kernels, &b, positions, values, n, out)?;
+                0
+            }
+            ColdData::Parted { rest, .. } => {
+                let b = Bundles::from_host(rest, rest_shape(rest))?;
                 sparse_down(self.kernels, &b, positions, values, n, out)?;
                 0
             }
@@ -637,5 +695,78 @@ mod tests {
                 assert!(active < candidates, "the mask leaves some cold neurons out");
             }
         }
+    }
+
+    /// Gated f16 bundles taken apart (hybrid's cold neurons: the gates one matrix, up and down
+    /// beside each other) decide, activate and sum exactly what the whole bundles do, bit for
+    /// bit, with and without a threshold and a predictor's flags, for 1 and 3 tokens; the
+    /// CPU's reads are the same.
+    #[test]
+    fn parted_bundles_compute_what_whole_bundles_do() {
+        let k = kernels::best();
+        let mut rng = StdRng::seed_from_u64(5);
+        let (d, d_ff) = (96, 200);
+        let silu = crate::backend::cpu::ops::activation(Act::Silu);
+        let halves: Vec<half::f16> = (0..d_ff * 3 * d)
+            .map(|_| half::f16::from_f32(rng.random_range(-0.5..0.5)))
+            .collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&halves);
+        let rb = 3 * d * 2;
+        let cold_ids: Vec<u32> = (0..d_ff as u32).filter(|i| i % 3 != 1).collect();
+        let shape = BundleShape { parts: 3, d };
+        let layer = |data: ColdData| ColdLayer {
+            data,
+            ids: cold_ids.clone(),
+            up_bias: None,
+            d_ff,
+            act: silu,
+            kernels: k,
+            cost: ColdCost {
+                decide_bytes: (d * 2) as u64,
+                active_bytes: (2 * d * 2) as u64,
+                unit_bytes: 0,
+                unit: 1,
+            },
+            traffic: Arc::new(ColdTraffic::default()),
+            _hold: None,
+        };
+        let whole = layer(ColdData::Bundles {
+            t: HostTensor {
+                name: "whole".into(),
+                rows: cold_ids.len(),
+                cols: 3 * d,
+                dtype: DType::F16,
+                data: Bytes::from_slice(&gather_rows(bytes, rb, &cold_ids)),
+            },
+            shape,
+        });
+        let parted = layer(parted("parted", DType::F16, d, (bytes, rb), &cold_ids));
+        for n in [1usize, 3] {
+            let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let keep: Vec<bool> = (0..n * d_ff).map(|_| rng.random_bool(0.7)).collect();
+            for (threshold, keep) in [(0.0, None), (0.3, None), (0.3, Some(&keep[..]))] {
+                let a = whole.activate(&x, n, threshold, keep).unwrap();
+                let b = parted.activate(&x, n, threshold, keep).unwrap();
+                assert_eq!(a.positions, b.positions, "n {n} threshold {threshold}");
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&a.values),
+                    bits(&b.values),
+                    "n {n} threshold {threshold}"
+                );
+                let start: Vec<f32> = (0..n * d).map(|i| i as f32 * 0.01).collect();
+                let (mut oa, mut ob) = (start.clone(), start);
+                whole.add_down(&a, n, &mut oa).unwrap();
+                parted.add_down(&b, n, &mut ob).unwrap();
+                assert_eq!(bits(&oa), bits(&ob), "n {n} threshold {threshold}");
+                if threshold > 0.0 {
+                    assert!(
+                        a.positions.len() < cold_ids.len(),
+                        "the mask leaves some out"
+                    );
+                }
+            }
+        }
+        assert_eq!(whole.traffic.snapshot(), parted.traffic.snapshot());
     }
 }

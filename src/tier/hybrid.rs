@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide, copy_rows};
+use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide, copy_rows, parted};
 use super::resident::{Resident, Small, linear, resident_source};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{Act, Backend, BundleShape};
@@ -351,21 +351,27 @@ fn gather_bundles<B: Backend>(
         v.resize(d_ff, 0.0);
         upload(b, dev, bytemuck::cast_slice(&v))?;
     }
-    let t = HostTensor {
-        name: format!("{} cold", s.name),
-        rows: cold_ids.len(),
-        cols: s.cols,
-        dtype,
-        data: Bytes::from_slice(&gather_rows(bytes, rb, cold_ids)),
+    let name = format!("{} cold", s.name);
+    let cold_bytes = (cold_ids.len() * rb) as u64;
+    // Gated float bundles are taken apart (the gates read as one run): the same bytes.
+    let cold = if parts == 3 && !dtype.is_quantized() {
+        parted(&name, dtype, d, (bytes, rb), cold_ids)
+    } else {
+        ColdData::Bundles {
+            t: HostTensor {
+                name,
+                rows: cold_ids.len(),
+                cols: s.cols,
+                dtype,
+                data: Bytes::from_slice(&gather_rows(bytes, rb, cold_ids)),
+            },
+            shape: BundleShape { parts, d },
+        }
     };
-    let n = t.data.len() as u64;
     Ok(Gathered {
         hot: HotFfn::Bundles(w),
-        cold: ColdData::Bundles {
-            t,
-            shape: BundleShape { parts, d },
-        },
-        cold_bytes: n,
+        cold,
+        cold_bytes,
     })
 }
 

@@ -247,6 +247,43 @@ fn bundles_equal_dense_with_masked_h() {
 
 /// The grouped (four-row) paths against one row at a time: short lists of every length
 /// around the group size, repeats, zero weights, several tokens, row lengths with tails.
+/// f16 bundles' part dots equal the dense kernel's dot of the same row bit for bit (lengths
+/// with and without tails): a neuron's deciding dot, and so whether the mask keeps it, is the
+/// same from four interleaved bundle rows (the listed and sparse operators) as from one row of
+/// a contiguous matrix (hybrid's deciding rows).
+#[test]
+fn f16_part_dots_equal_the_dense_dot_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for k in kernel_sets() {
+        let o = ops(k);
+        for d in [8usize, 40, 77, 224, 576] {
+            let neurons = 11;
+            let l = layer(&mut rng, Encoding::F16, true, neurons, d);
+            let bytes = aligned(&l.bytes);
+            let b = Bundles::new(bytes.as_slice(), Encoding::F16, l.shape).unwrap();
+            let idx: Vec<u32> = (0..neurons as u32).rev().collect();
+            for n in [1usize, 3] {
+                let x = rand_vec(&mut rng, n * d, 1.0);
+                for p in 0..l.shape.parts {
+                    let mut v = vec![f32::NAN; n * neurons];
+                    sparse_part_dots(k, &b, &idx, p, &x, n, &mut v).unwrap();
+                    for t in 0..n {
+                        for (j, &i) in idx.iter().enumerate() {
+                            let want = b.part(i as usize, p).dot(k, o, &x[t * d..(t + 1) * d]);
+                            assert_eq!(
+                                v[t * neurons + j].to_bits(),
+                                want.to_bits(),
+                                "{} d {d} part {p} neuron {i} token {t}",
+                                k.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn grouped_paths_equal_per_row() {
     let mut rng = StdRng::seed_from_u64(17);

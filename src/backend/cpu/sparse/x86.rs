@@ -56,8 +56,14 @@ fn axpy_i4(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
     unsafe { axpy_i4_avx2(a, scales, q, out) }
 }
 fn dot4_f16(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
-    // SAFETY: as above, plus F16C.
-    unsafe { dot4_f16_avx2(w, next, x) }
+    // SAFETY: as above, plus F16C; AVX-512 where the CPU has it (the same sums).
+    unsafe {
+        if std::arch::is_x86_feature_detected!("avx512vl") {
+            dot4_f16_avx512(w, next, x)
+        } else {
+            dot4_f16_avx2(w, next, x)
+        }
+    }
 }
 fn dot4_i8(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
     // SAFETY: as above.
@@ -303,47 +309,68 @@ fn scale_at(s: &[u8], g: usize) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v as i32)))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4_f16_avx2(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
-    let n = w.iter().map(|r| r.len()).fold(x.len(), usize::min);
-    let p = w.map(|r| r.as_ptr() as *const u16);
-    let nx = next.map(|r| r.as_ptr() as *const u8);
-    let xp = x.as_ptr();
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut i = 0;
-    // SAFETY: loads of 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
-    unsafe {
-        while i + 32 <= n {
-            // 32 halves: one line of each row.
-            for r in 0..4 {
-                prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
-            }
-            for o in (i..i + 32).step_by(8) {
-                let xv = _mm256_loadu_ps(xp.add(o));
-                for r in 0..4 {
-                    let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
-                    acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+/// Four f16 rows' dots with `x`, each summed exactly as the dense kernel's
+/// (`kernels::avx2::dot_f16_avx2`) sums one row: four accumulators over runs of 32 (run `k`
+/// of 8 into accumulator `k`), then `(a0 + a1) + (a2 + a3)`. So a neuron's deciding dot is
+/// the same bits whether four interleaved rows of bundles (the rows lie at random places: this
+/// kernel keeps four streams in flight) or one row of a contiguous matrix (where one stream
+/// runs fastest) computes it. Sixteen accumulators need AVX-512's 32 registers to stay in
+/// registers ([`dot4_f16_avx512`]); the AVX2 build of the same code spills some.
+macro_rules! dot4_f16_body {
+    ($name:ident, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+            let n = w.iter().map(|r| r.len()).fold(x.len(), usize::min);
+            let p = w.map(|r| r.as_ptr() as *const u16);
+            let nx = next.map(|r| r.as_ptr() as *const u8);
+            let xp = x.as_ptr();
+            let mut acc = [[_mm256_setzero_ps(); 4]; 4];
+            let mut i = 0;
+            // SAFETY: loads of 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
+            unsafe {
+                while i + 32 <= n {
+                    // 32 halves: one line of each row.
+                    for r in 0..4 {
+                        prefetch_ahead(p[r] as *const u8, 2 * n, nx[r], 2 * i);
+                    }
+                    for k in 0..4 {
+                        let o = i + 8 * k;
+                        let xv = _mm256_loadu_ps(xp.add(o));
+                        for r in 0..4 {
+                            let wv =
+                                _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(o) as *const __m128i));
+                            acc[r][k] = _mm256_fmadd_ps(wv, xv, acc[r][k]);
+                        }
+                    }
+                    i += 32;
+                }
+                while i + 8 <= n {
+                    let xv = _mm256_loadu_ps(xp.add(i));
+                    for r in 0..4 {
+                        let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
+                        acc[r][0] = _mm256_fmadd_ps(wv, xv, acc[r][0]);
+                    }
+                    i += 8;
                 }
             }
-            i += 32;
-        }
-        while i + 8 <= n {
-            let xv = _mm256_loadu_ps(xp.add(i));
-            for r in 0..4 {
-                let wv = _mm256_cvtph_ps(_mm_loadu_si128(p[r].add(i) as *const __m128i));
-                acc[r] = _mm256_fmadd_ps(wv, xv, acc[r]);
+            let mut s = acc.map(|a| {
+                hsum(_mm256_add_ps(
+                    _mm256_add_ps(a[0], a[1]),
+                    _mm256_add_ps(a[2], a[3]),
+                ))
+            });
+            for j in i..n {
+                for r in 0..4 {
+                    s[r] += w[r][j].to_f32() * x[j];
+                }
             }
-            i += 8;
+            s
         }
-    }
-    let mut s = acc.map(|a| hsum(a));
-    for j in i..n {
-        for r in 0..4 {
-            s[r] += w[r][j].to_f32() * x[j];
-        }
-    }
-    s
+    };
 }
+
+dot4_f16_body!(dot4_f16_avx2, "avx2,fma,f16c");
+dot4_f16_body!(dot4_f16_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot4_i8_avx2(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
