@@ -7,6 +7,7 @@ use std::arch::x86_64::*;
 
 use super::activations::ActBlock;
 use super::avx2_attention::{axpy_rows_avx2, exp_sum_avx2, scores_avx2};
+use super::kq::x86::hsum;
 use super::kq::{ActBlockK, quantize_k};
 use super::portable::round_f16;
 use super::set::Kernels;
@@ -116,17 +117,6 @@ fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
 fn quantize(x: &[f32], out: &mut [ActBlock]) {
     // SAFETY: as above.
     unsafe { quantize_avx2(x, out) }
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps::<1>(v);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-    _mm_cvtss_f32(s)
 }
 
 #[target_feature(enable = "avx2,fma")]
