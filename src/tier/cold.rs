@@ -355,12 +355,13 @@ impl ColdLayer {
     }
 }
 
-/// The shape of [`ColdData::Parted`]'s rest: up and down, side by side.
-fn rest_shape(rest: &HostTensor) -> BundleShape {
-    BundleShape {
+/// [`ColdData::Parted`]'s rest as the bundle operators take it: up and down, side by side.
+fn rest_bundles(rest: &HostTensor) -> Result<Bundles<'_>> {
+    let shape = BundleShape {
         parts: 2,
         d: rest.cols / 2,
-    }
+    };
+    Ok(Bundles::from_host(rest, shape)?)
 }
 
 /// Gated float bundles `rows` (of `bytes`, `rb` bytes each, `d` wide) taken apart as
@@ -457,8 +458,7 @@ impl ColdNeurons for ColdLayer {
                     sparse_part_dots(k, &b, &positions, 1, x, n, &mut u)?;
                 }
                 ColdData::Parted { rest, .. } => {
-                    let b = Bundles::from_host(rest, rest_shape(rest))?;
-                    sparse_part_dots(k, &b, &positions, 0, x, n, &mut u)?;
+                    sparse_part_dots(k, &rest_bundles(rest)?, &positions, 0, x, n, &mut u)?;
                 }
                 ColdData::Matrices { up, .. } => {
                     sparse_rows(k, up, &positions, x, n, &mut u)?;
@@ -489,8 +489,14 @@ impl ColdNeurons for ColdLayer {
                 0
             }
             ColdData::Parted { rest, .. } => {
-                let b = Bundles::from_host(rest, rest_shape(rest))?;
-                sparse_down(self.kernels, &b, positions, values, n, out)?;
+                sparse_down(
+                    self.kernels,
+                    &rest_bundles(rest)?,
+                    positions,
+                    values,
+                    n,
+                    out,
+                )?;
                 0
             }
             ColdData::Matrices { down, .. } => {

@@ -30,6 +30,10 @@ pub use portable::PORTABLE;
 pub(crate) use prefetch::{prefetch, prefetch_far};
 pub use set::{DotsFn, Kernels, ScoresFn};
 
+/// The AVX-512 kernel set's name (its sparse operators take AVX-512 four-row kernels).
+#[cfg(target_arch = "x86_64")]
+pub const AVX512_NAME: &str = avx512::KERNELS.name;
+
 /// Every kernel set this CPU can run, best first.
 pub fn available() -> Vec<&'static Kernels> {
     #[allow(unused_mut)]

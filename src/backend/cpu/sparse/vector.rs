@@ -188,8 +188,14 @@ impl<'a> Vector<'a> {
 /// `kernels::available`), so the choice follows it, and a test forcing portable gets portable.
 pub(super) fn ops(k: &Kernels) -> &'static Ops {
     #[cfg(target_arch = "x86_64")]
-    if k.name != crate::backend::cpu::kernels::PORTABLE.name {
-        return &super::x86::OPS;
+    {
+        use crate::backend::cpu::kernels::{AVX512_NAME, PORTABLE};
+        if k.name == AVX512_NAME {
+            return &super::x86::OPS_AVX512;
+        }
+        if k.name != PORTABLE.name {
+            return &super::x86::OPS;
+        }
     }
     let _ = k;
     &super::portable::OPS

@@ -9,7 +9,7 @@ use super::ops::{I4Row, Ops, i4_scale};
 use crate::backend::cpu::kernels::kq::x86::hsum;
 use crate::store::quant::INT4_GROUP;
 
-pub static OPS: Ops = Ops {
+const AVX2: Ops = Ops {
     dot_i8,
     dot_i4,
     axpy_f32,
@@ -23,6 +23,16 @@ pub static OPS: Ops = Ops {
     axpy4_f16: Some(axpy4_f16),
     axpy4_i8: Some(axpy4_i8),
     axpy4_i4: Some(axpy4_i4),
+};
+
+/// The kernels for the AVX2 kernel set.
+pub static OPS: Ops = AVX2;
+
+/// The kernels for the AVX-512 kernel set: the f16 four-row dot in AVX-512's registers (the
+/// same sums as the AVX2 one).
+pub static OPS_AVX512: Ops = Ops {
+    dot4_f16: Some(dot4_f16_512),
+    ..AVX2
 };
 
 // The safe wrappers are installed only with a kernel set that required AVX2+FMA+F16C.
@@ -56,14 +66,12 @@ fn axpy_i4(a: f32, scales: &[u8], q: &[u8], out: &mut [f32]) {
     unsafe { axpy_i4_avx2(a, scales, q, out) }
 }
 fn dot4_f16(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
-    // SAFETY: as above, plus F16C; AVX-512 where the CPU has it (the same sums).
-    unsafe {
-        if std::arch::is_x86_feature_detected!("avx512vl") {
-            dot4_f16_avx512(w, next, x)
-        } else {
-            dot4_f16_avx2(w, next, x)
-        }
-    }
+    // SAFETY: as above, plus F16C.
+    unsafe { dot4_f16_avx2(w, next, x) }
+}
+fn dot4_f16_512(w: [&[f16]; 4], next: [&[f16]; 4], x: &[f32]) -> [f32; 4] {
+    // SAFETY: installed only with the AVX-512 kernel set (which requires AVX-512F/VL).
+    unsafe { dot4_f16_avx512(w, next, x) }
 }
 fn dot4_i8(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
     // SAFETY: as above.
