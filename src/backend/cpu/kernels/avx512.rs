@@ -3,11 +3,12 @@
 //! The kernel set: the AVX2 set with its Q8_0/Q4_0/Q4_1 dots replaced (one row, or 16 rows ×
 //! up to 8 tokens a tile: the many-row kernels) and the K-quants' VNNI dots (`kq::x86::vnni`).
 
-use half::f16;
 use std::arch::x86_64::*;
 
 use super::activations::{ActBlock, TokenBlocks};
+use super::avx2_qdots::{half_at, hsum_epi32};
 use super::kq::ActBlockK;
+use super::qdots::{self, Q8, Q40, Q41, block_bytes};
 use super::set::Kernels;
 use crate::tensor::{
     BlockQ2K, BlockQ3K, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8_0,
@@ -37,43 +38,44 @@ pub const KERNELS: Kernels = Kernels {
 };
 
 fn dots_q8_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: installed only after `supported()`; `dots` checks the bounds.
-    unsafe { dots::<Q8>(rows, x, t0, out, next) }
+    // SAFETY: installed only after `supported()`; the driver checks the bounds.
+    unsafe { qdots::dots(&Q8_TILES, rows, x, t0, out, next) }
 }
 fn dots_q4_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
     // SAFETY: as above.
-    unsafe { dots::<Q40>(rows, x, t0, out, next) }
+    unsafe { qdots::dots(&Q40_TILES, rows, x, t0, out, next) }
 }
 fn dots_q4_1(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
     // SAFETY: as above.
-    unsafe { dots::<Q41>(rows, x, t0, out, next) }
+    unsafe { qdots::dots(&Q41_TILES, rows, x, t0, out, next) }
 }
 
-/// Weight formats of these kernels.
-const Q8: u8 = 0;
-const Q40: u8 = 1;
-const Q41: u8 = 2;
-
-const fn block_bytes(kind: u8) -> usize {
-    match kind {
-        Q8 => 34,
-        Q40 => 18,
-        _ => 20,
-    }
-}
-
-/// Weight rows a tile takes at once: one to each 32-bit lane of a register.
+/// Weight rows a tile takes at once: one to each 32-bit lane of a register. Rows go in groups
+/// of 16, one row to a lane (a group's weight codes transposed once for the tile's tokens,
+/// each token's codes broadcast): the per-block scaling costs one vector operation for 16
+/// rows, where one row to a register paid it for every row.
 const LANES: usize = 16;
 
-/// Tokens a tile takes at most.
-const MAX_TOKENS: usize = 8;
+/// Token tiles, largest first.
+const TILES: [usize; 4] = [8, 4, 2, 1];
 
-// Every kernel of these formats, one row or many, computes a result the same way, so
-// that it never depends on the rows or tokens computed beside it: for each block in
-// order, the exact integer sum Σ code·x (with `code_offset`), then
-// acc = fma(d_w·d_x, sum, acc) and, for Q4_1, acc = fma(m_w, s_x, acc).
+const Q8_TILES: qdots::Tiles<LANES> = qdots::Tiles {
+    kind: Q8,
+    tokens: &TILES,
+    tile: tile::<Q8>,
+};
+const Q40_TILES: qdots::Tiles<LANES> = qdots::Tiles {
+    kind: Q40,
+    tokens: &TILES,
+    tile: tile::<Q40>,
+};
+const Q41_TILES: qdots::Tiles<LANES> = qdots::Tiles {
+    kind: Q41,
+    tokens: &TILES,
+    tile: tile::<Q41>,
+};
 
-/// The integer the block's sum of code products needs added.
+/// The integer the block's sum of code products needs added (the arithmetic is `qdots`').
 #[inline]
 fn code_offset<const KIND: u8>(a: &ActBlock) -> i32 {
     match KIND {
@@ -85,66 +87,26 @@ fn code_offset<const KIND: u8>(a: &ActBlock) -> i32 {
     }
 }
 
-/// Rows in groups of 16, one row to a lane (a group's weight codes transposed once for
-/// the tile's tokens, each token's codes broadcast), tokens in tiles of 8, 4, 2 and 1:
-/// the per-block scaling costs one vector operation for 16 rows, where one row to a
-/// register paid it for every row.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn dots<const KIND: u8>(
-    rows: &[&[u8]],
-    x: &TokenBlocks,
-    t0: usize,
+/// 16 rows × `tokens` tokens (8, 4, 2 or 1) into `out[t·16 + lane]`.
+///
+/// # Safety
+/// AVX-512 (this set's features); whole rows of `nb` blocks and `tokens` tokens of `nb` blocks
+/// at `x`; `out` holds `tokens` × 16.
+unsafe fn tile<const KIND: u8>(
+    rp: &[*const u8; LANES],
+    x: *const ActBlock,
+    nb: usize,
+    tokens: usize,
     out: &mut [f32],
     next: &[u8],
 ) {
-    let n = out.len() / rows.len().max(1);
-    let nb = x.per_token;
-    assert!(
-        rows.iter().all(|r| r.len() == nb * block_bytes(KIND))
-            && out.len() == rows.len() * n
-            && t0 + n <= x.tokens(),
-        "dots: {} rows, {nb} blocks per token, tokens {t0}+{n} of {}",
-        rows.len(),
-        x.tokens()
-    );
-    let groups = rows.len().div_ceil(LANES);
-    let share = next.len().div_ceil(groups.max(1));
-    let mut sums = [0f32; LANES * MAX_TOKENS];
-    for (g, group) in rows.chunks(LANES).enumerate() {
-        // Lanes past the group's last row repeat it (computed, never stored).
-        let rp: [*const u8; LANES] =
-            std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
-        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
-        let mut t = 0;
-        while t < n {
-            let tt = match n - t {
-                8.. => 8,
-                4..=7 => 4,
-                2 | 3 => 2,
-                _ => 1,
-            };
-            let xb = x.blocks[(t0 + t) * nb..].as_ptr();
-            let ahead = if t == 0 { ahead } else { &[] };
-            // SAFETY: whole rows of nb blocks, and tokens t0 + t .. + tt of nb blocks
-            // each (asserted above).
-            unsafe {
-                match tt {
-                    8 => tile::<KIND, 8>(&rp, xb, nb, &mut sums, ahead),
-                    4 => tile::<KIND, 4>(&rp, xb, nb, &mut sums, ahead),
-                    2 => tile::<KIND, 2>(&rp, xb, nb, &mut sums, ahead),
-                    _ => tile::<KIND, 1>(&rp, xb, nb, &mut sums, ahead),
-                }
-            }
-            let r0 = g * LANES;
-            for (i, o) in out[r0 * n..(r0 + group.len()) * n]
-                .chunks_exact_mut(n)
-                .enumerate()
-            {
-                for (j, v) in o[t..t + tt].iter_mut().enumerate() {
-                    *v = sums[j * LANES + i];
-                }
-            }
-            t += tt;
+    // SAFETY: the caller's promise, passed on.
+    unsafe {
+        match tokens {
+            8 => tile_t::<KIND, 8>(rp, x, nb, out, next),
+            4 => tile_t::<KIND, 4>(rp, x, nb, out, next),
+            2 => tile_t::<KIND, 2>(rp, x, nb, out, next),
+            _ => tile_t::<KIND, 1>(rp, x, nb, out, next),
         }
     }
 }
@@ -154,13 +116,14 @@ unsafe fn dots<const KIND: u8>(
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<const KIND: u8, const T: usize>(
+unsafe fn tile_t<const KIND: u8, const T: usize>(
     rp: &[*const u8; LANES],
     x: *const ActBlock,
     nb: usize,
-    out: &mut [f32; LANES * MAX_TOKENS],
+    out: &mut [f32],
     next: &[u8],
 ) {
+    assert!(out.len() >= T * LANES);
     let block = block_bytes(KIND);
     // Each lane's row as a distance from the first: the scales are gathered.
     let base = rp[0];
@@ -333,7 +296,7 @@ unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
     let mut acc = 0f32;
     for (b, a) in x[..nb].iter().enumerate() {
         // SAFETY: block b lies inside `w`; 32 codes in `a`.
-        let sum = unsafe {
+        acc = unsafe {
             let p = w.as_ptr().add(b * block);
             let codes = if KIND == Q8 {
                 _mm256_xor_si256(
@@ -350,17 +313,9 @@ unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
             };
             let xs = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
             let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xs);
-            let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2));
-            _mm_cvtsi128_si32(s1) + code_offset::<KIND>(a)
+            let sum = hsum_epi32(s) + code_offset::<KIND>(a);
+            qdots::block_step::<KIND>(acc, p, sum, a, half_at)
         };
-        let at = b * block;
-        let half = |i: usize| f16::from_le_bytes([w[at + i], w[at + i + 1]]).to_f32();
-        acc = (half(0) * a.d).mul_add(sum as f32, acc);
-        if KIND == Q41 {
-            acc = half(2).mul_add(a.s, acc);
-        }
     }
     acc
 }

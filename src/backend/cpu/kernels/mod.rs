@@ -7,8 +7,10 @@
 //!
 //! Where things are: the table of a set ([`Kernels`], `set`), the activation blocks
 //! (`activations`), the cache hint (`prefetch`), the sets themselves (`portable`, the reference;
-//! `avx2` with `avx2_attention`; `avx512`, the VNNI many-row dots) and the Q5/K-quant kernels of
-//! every set (`kq`). This file declares them and picks the sets this CPU runs.
+//! `avx2` with `avx2_attention` and `avx2_qdots`, its Q4 dots of many rows; `avx512`, the VNNI
+//! many-row dots), what the many-row Q8_0/Q4 dots of both share (`qdots`: their arithmetic and
+//! driver) and the Q5/K-quant kernels of every set (`kq`). This file declares them and picks
+//! the sets this CPU runs.
 
 mod activations;
 #[cfg(target_arch = "x86_64")]
@@ -16,10 +18,14 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx2_attention;
 #[cfg(target_arch = "x86_64")]
+mod avx2_qdots;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod kq;
 pub mod portable;
 mod prefetch;
+#[cfg(target_arch = "x86_64")]
+mod qdots;
 mod set;
 #[cfg(test)]
 mod tests;

@@ -144,6 +144,123 @@ fn check_against_portable(k: &Kernels) {
     }
 }
 
+/// `n_rows` random rows of `blocks` blocks of `dtype` (Q8_0, Q4_0 or Q4_1), every code value
+/// possible (Q8_0's −128 too).
+fn random_rows(rng: &mut StdRng, dtype: DType, n_rows: usize, blocks: usize) -> Vec<Vec<u8>> {
+    (0..n_rows)
+        .map(|_| {
+            (0..blocks)
+                .flat_map(|_| {
+                    let d = f16::from_f32(rng.random_range(0.001f32..0.1));
+                    let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
+                    let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
+                    let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
+                    match dtype {
+                        DType::Q8_0 => bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec(),
+                        DType::Q4_0 => bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec(),
+                        _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec(),
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// What every SIMD set's Q8_0/Q4_0/Q4_1 dot computes (`qdots`' arithmetic), in plain Rust:
+/// block by block, the exact integer sum Σ code·x, then `acc = fma(d_w·d_x, sum, acc)` and,
+/// for Q4_1, `acc = fma(m_w, s_x, acc)`.
+fn shared_arithmetic(dtype: DType, row: &[u8], xa: &[ActBlock]) -> f32 {
+    let bb = row.len() / xa.len();
+    let half = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    let nibbles = |qs: &[u8], a: &ActBlock| -> i32 {
+        (0..16)
+            .map(|i| {
+                (qs[i] & 15) as i32 * a.qs[i] as i32 + (qs[i] >> 4) as i32 * a.qs[i + 16] as i32
+            })
+            .sum()
+    };
+    let mut acc = 0f32;
+    for (b, a) in row.chunks_exact(bb).zip(xa) {
+        let sum = match dtype {
+            DType::Q8_0 => (0..QK)
+                .map(|i| b[2 + i] as i8 as i32 * a.qs[i] as i32)
+                .sum(),
+            DType::Q4_0 => nibbles(&b[2..], a) - 8 * a.isum,
+            _ => nibbles(&b[4..], a),
+        };
+        acc = (half(b, 0) * a.d).mul_add(sum as f32, acc);
+        if dtype == DType::Q4_1 {
+            acc = half(b, 2).mul_add(a.s, acc);
+        }
+    }
+    acc
+}
+
+/// Every SIMD set's Q4_0/Q4_1 dot, one row and many, is `shared_arithmetic` bit for bit (and
+/// AVX-512's Q8_0 too; AVX2's Q8_0 keeps llama.cpp's association): so Q4_0 and Q4_1 give the
+/// same bits on the AVX2 set and the AVX-512 one (a model's logits do not depend on which of
+/// them the CPU has).
+#[test]
+fn q_dots_are_the_shared_arithmetic_on_every_simd_set() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let sets: Vec<_> = available()
+        .into_iter()
+        .filter(|k| k.name != PORTABLE.name)
+        .collect();
+    if sets.is_empty() {
+        println!("skipped: this CPU runs no SIMD kernel set");
+        return;
+    }
+    for k in sets {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            if dtype == DType::Q8_0 && k.dots(dtype).is_none() {
+                continue;
+            }
+            for blocks in [1usize, 2, 18, 128] {
+                let x = rand_vec(&mut rng, 3 * blocks * QK);
+                let mut qa = vec![ActBlock::default(); 3 * blocks];
+                (k.quantize)(&x, &mut qa);
+                let rows = random_rows(&mut rng, dtype, 11, blocks);
+                let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+                let mut many = vec![f32::NAN; rows.len() * 3];
+                if let Some(dots) = k.dots(dtype) {
+                    let x = TokenBlocks {
+                        blocks: &qa,
+                        per_token: blocks,
+                    };
+                    dots(&refs, &x, 0, &mut many, &[]);
+                }
+                for (r, row) in rows.iter().enumerate() {
+                    for t in 0..3 {
+                        let xa = &qa[t * blocks..(t + 1) * blocks];
+                        let want = shared_arithmetic(dtype, row, xa);
+                        let one = match dtype {
+                            DType::Q8_0 => (k.dot_q8_0)(bytemuck::cast_slice(row), xa),
+                            DType::Q4_0 => (k.dot_q4_0)(bytemuck::cast_slice(row), xa),
+                            _ => (k.dot_q4_1)(bytemuck::cast_slice(row), xa),
+                        };
+                        let what =
+                            format!("{} {dtype} {blocks} blocks, row {r}, token {t}", k.name);
+                        assert_eq!(one.to_bits(), want.to_bits(), "{what}: {one} vs {want}");
+                        if k.dots(dtype).is_some() {
+                            let m = many[r * 3 + t];
+                            assert_eq!(
+                                m.to_bits(),
+                                want.to_bits(),
+                                "{what} (many rows): {m} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        println!(
+            "{}: its Q4_0/Q4_1 (and many-row Q8_0) dots are the shared arithmetic",
+            k.name
+        );
+    }
+}
+
 /// The many-row kernels give each (row, token) exactly what the one-token kernel gives it
 /// (batched requests answer as if alone), whatever rows and tokens are computed beside it:
 /// odd and even block counts, every tile size, groups of rows full and partial.
@@ -165,27 +282,7 @@ fn many_token_dots_equal_one_token_dots_bit_for_bit() {
                 let x = rand_vec(&mut rng, tokens * blocks * QK);
                 let mut qa = vec![ActBlock::default(); tokens * blocks];
                 (k.quantize)(&x, &mut qa);
-                let rows: Vec<Vec<u8>> = (0..n_rows)
-                    .map(|_| {
-                        (0..blocks)
-                            .flat_map(|_| {
-                                let d = f16::from_f32(rng.random_range(0.001f32..0.1));
-                                let m = f16::from_f32(rng.random_range(-0.5f32..0.5));
-                                let q4: [u8; 16] = std::array::from_fn(|_| rng.random::<u8>());
-                                let q8: [i8; QK] = std::array::from_fn(|_| rng.random::<i8>());
-                                match dtype {
-                                    DType::Q8_0 => {
-                                        bytemuck::bytes_of(&BlockQ8_0 { d, qs: q8 }).to_vec()
-                                    }
-                                    DType::Q4_0 => {
-                                        bytemuck::bytes_of(&BlockQ4_0 { d, qs: q4 }).to_vec()
-                                    }
-                                    _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: q4 }).to_vec(),
-                                }
-                            })
-                            .collect()
-                    })
-                    .collect();
+                let rows = random_rows(&mut rng, dtype, n_rows, blocks);
                 let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
                 let x = TokenBlocks {
                     blocks: &qa,

@@ -1,0 +1,119 @@
+//! What the Q8_0/Q4_0/Q4_1 dots of every SIMD set share: the formats' block sizes, the
+//! arithmetic each result follows, and the many-row driver (rows in groups of a register's
+//! lanes, tokens in tiles).
+//!
+//! Every kernel of these formats, one row or many, on either set, computes a result the same
+//! way, so that it never depends on the rows or tokens computed beside it, nor on the CPU: for
+//! each block in order, the exact integer sum Σ code·x (codes as the format means them), then
+//! `acc = fma(d_w·d_x, sum, acc)` and, for Q4_1, `acc = fma(m_w, s_x, acc)`.
+
+use super::activations::{ActBlock, TokenBlocks};
+
+/// Weight formats of these kernels.
+pub(super) const Q8: u8 = 0;
+pub(super) const Q40: u8 = 1;
+pub(super) const Q41: u8 = 2;
+
+pub(super) const fn block_bytes(kind: u8) -> usize {
+    match kind {
+        Q8 => 34,
+        Q40 => 18,
+        _ => 20,
+    }
+}
+
+/// The f16 at `p` (little-endian), read by the caller's own means (`half`'s software path is
+/// slow where F16C is at hand).
+pub(super) type F16At = unsafe fn(*const u8) -> f32;
+
+/// One block's step of a one-row dot: `sum` (the block's exact Σ code·x) scaled into `acc`.
+///
+/// # Safety
+/// `p` points at a whole block of `KIND`; `half` may be called on it.
+#[inline(always)]
+pub(super) unsafe fn block_step<const KIND: u8>(
+    acc: f32,
+    p: *const u8,
+    sum: i32,
+    a: &ActBlock,
+    half: F16At,
+) -> f32 {
+    // SAFETY: the block's scale (and Q4_1's min) are its first bytes.
+    let (d, m) = unsafe { (half(p), if KIND == Q41 { half(p.add(2)) } else { 0.0 }) };
+    let acc = (d * a.d).mul_add(sum as f32, acc);
+    if KIND == Q41 {
+        m.mul_add(a.s, acc)
+    } else {
+        acc
+    }
+}
+
+/// The tile a many-row kernel computes: `LANES` rows (pointers to their first block), `tokens`
+/// tokens of `nb` blocks each from `x`, into `out[t·LANES + lane]`; `next` is prefetched on
+/// the way.
+pub(super) type Tile<const LANES: usize> =
+    unsafe fn(&[*const u8; LANES], *const ActBlock, usize, usize, &mut [f32], &[u8]);
+
+/// A set's many-row kernel for one format: the format, the token counts its tile takes
+/// (descending, ending in 1), and the tile.
+pub(super) struct Tiles<const LANES: usize> {
+    pub(super) kind: u8,
+    pub(super) tokens: &'static [usize],
+    pub(super) tile: Tile<LANES>,
+}
+
+/// The many-row driver: `out[r·n + j] = rows[r] · x[t0 + j]`, rows in groups of `LANES`
+/// (lanes past a group's last row repeat it: computed, never stored), tokens in tiles of the
+/// largest count `k` takes that fits, each through `k`'s tile. `next` is shared out among the
+/// groups to prefetch.
+///
+/// # Safety
+/// `k.tile` must be safe to call on this CPU; it is given whole rows and tokens (asserted
+/// here).
+pub(super) unsafe fn dots<const LANES: usize>(
+    k: &Tiles<LANES>,
+    rows: &[&[u8]],
+    x: &TokenBlocks,
+    t0: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let (kind, tiles, tile) = (k.kind, k.tokens, k.tile);
+    let n = out.len() / rows.len().max(1);
+    let nb = x.per_token;
+    assert!(
+        rows.iter().all(|r| r.len() == nb * block_bytes(kind))
+            && out.len() == rows.len() * n
+            && t0 + n <= x.tokens(),
+        "dots: {} rows, {nb} blocks per token, tokens {t0}+{n} of {}",
+        rows.len(),
+        x.tokens()
+    );
+    let groups = rows.len().div_ceil(LANES);
+    let share = next.len().div_ceil(groups.max(1));
+    let mut sums = vec![0f32; LANES * tiles[0]];
+    for (g, group) in rows.chunks(LANES).enumerate() {
+        let rp: [*const u8; LANES] =
+            std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
+        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
+        let mut t = 0;
+        while t < n {
+            let tt = tiles.iter().copied().find(|&s| s <= n - t).unwrap_or(1);
+            let xb = x.blocks[(t0 + t) * nb..].as_ptr();
+            let ahead = if t == 0 { ahead } else { &[] };
+            // SAFETY: whole rows of nb blocks, and tokens t0 + t .. + tt of nb blocks each
+            // (asserted above); `sums` holds the largest tile.
+            unsafe { tile(&rp, xb, nb, tt, &mut sums, ahead) };
+            let r0 = g * LANES;
+            for (i, o) in out[r0 * n..(r0 + group.len()) * n]
+                .chunks_exact_mut(n)
+                .enumerate()
+            {
+                for (j, v) in o[t..t + tt].iter_mut().enumerate() {
+                    *v = sums[j * LANES + i];
+                }
+            }
+            t += tt;
+        }
+    }
+}
