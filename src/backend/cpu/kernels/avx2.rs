@@ -7,10 +7,11 @@ use std::arch::x86_64::*;
 
 use super::activations::ActBlock;
 use super::avx2_attention::{axpy_rows_avx2, exp_sum_avx2, scores_avx2};
-use super::avx2_qdots as qdots;
+use super::avx2_qdots::{self, dots};
 use super::kq::x86::hsum;
 use super::kq::{ActBlockK, quantize_k};
 use super::portable::round_f16;
+use super::qdots::{Q40, Q41};
 use super::set::Kernels;
 use crate::tensor::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ5K, BlockQ6K, BlockQ8_0, QK,
@@ -31,8 +32,8 @@ pub const KERNELS: Kernels = Kernels {
     dot_f16,
     dot_bf16,
     dot_q8_0,
-    dot_q4_0: qdots::dot_q4_0,
-    dot_q4_1: qdots::dot_q4_1,
+    dot_q4_0: avx2_qdots::dot_q4_0,
+    dot_q4_1: avx2_qdots::dot_q4_1,
     dot_q5_0,
     dot_q5_1,
     dot_q2_k,
@@ -45,8 +46,8 @@ pub const KERNELS: Kernels = Kernels {
     // Q8_0 keeps llama.cpp's AVX2 association (eight lanes of block products, then one sum):
     // see `dot_q8_0_avx2`.
     dots_q8_0: None,
-    dots_q4_0: Some(qdots::dots_q4_0),
-    dots_q4_1: Some(qdots::dots_q4_1),
+    dots_q4_0: Some(dots::<Q40>),
+    dots_q4_1: Some(dots::<Q41>),
 };
 
 fn dot_q5_0(w: &[BlockQ5_0], x: &[ActBlock]) -> f32 {

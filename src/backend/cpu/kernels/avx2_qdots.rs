@@ -12,6 +12,7 @@
 use std::arch::x86_64::*;
 
 use super::activations::{ActBlock, TokenBlocks};
+use super::kq::x86::hsum_i32;
 use super::prefetch_far;
 use super::qdots::{self, Q40, Q41, block_bytes};
 use crate::tensor::{BlockQ4_0, BlockQ4_1};
@@ -26,14 +27,6 @@ pub(super) fn dot_q4_1(w: &[BlockQ4_1], x: &[ActBlock]) -> f32 {
     // SAFETY: as above.
     unsafe { dot_one::<Q41>(bytemuck::cast_slice(w), x) }
 }
-pub(super) fn dots_q4_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: as above; the driver checks the bounds.
-    unsafe { qdots::dots(&Q40_TILES, rows, x, t0, out, next) }
-}
-pub(super) fn dots_q4_1(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: as above.
-    unsafe { qdots::dots(&Q41_TILES, rows, x, t0, out, next) }
-}
 
 /// Weight rows a tile takes at once: one to each 32-bit lane of a register.
 const LANES: usize = 8;
@@ -41,16 +34,22 @@ const LANES: usize = 8;
 /// Token tiles, largest first: sixteen registers hold four tokens' sums beside a block's codes.
 const TILES: [usize; 3] = [4, 2, 1];
 
-const Q40_TILES: qdots::Tiles<LANES> = qdots::Tiles {
-    kind: Q40,
-    tokens: &TILES,
-    tile: tile::<Q40>,
-};
-const Q41_TILES: qdots::Tiles<LANES> = qdots::Tiles {
-    kind: Q41,
-    tokens: &TILES,
-    tile: tile::<Q41>,
-};
+/// This set's many-row kernel for `KIND` (the driver checks the bounds).
+pub(super) fn dots<const KIND: u8>(
+    rows: &[&[u8]],
+    x: &TokenBlocks,
+    t0: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let k = qdots::Tiles {
+        kind: KIND,
+        tokens: &TILES,
+        tile: tile::<KIND>,
+    };
+    // SAFETY: AVX2+FMA+F16C present (the set was installed after its check).
+    unsafe { qdots::dots(&k, rows, x, t0, out, next) }
+}
 
 /// The f16 at `p` by F16C.
 #[inline]
@@ -93,21 +92,11 @@ unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
             let xv = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
             let pairs = _mm256_maddubs_epi16(codes::<KIND>(p), xv);
             let s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-            let sum = hsum_epi32(s) + code_offset::<KIND>(a);
+            let sum = hsum_i32(s) + code_offset::<KIND>(a);
             acc = qdots::block_step::<KIND>(acc, p, sum, a, half_at);
         }
     }
     acc
-}
-
-/// The sum of eight i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(super) fn hsum_epi32(s: __m256i) -> i32 {
-    let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-    let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
-    let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2));
-    _mm_cvtsi128_si32(s1)
 }
 
 /// Each of eight rows' code products (maddubs's sixteen i16 pairs a row) summed into one

@@ -6,8 +6,9 @@
 use std::arch::x86_64::*;
 
 use super::activations::{ActBlock, TokenBlocks};
-use super::avx2_qdots::{half_at, hsum_epi32};
+use super::avx2_qdots::half_at;
 use super::kq::ActBlockK;
+use super::kq::x86::hsum_i32;
 use super::qdots::{self, Q8, Q40, Q41, block_bytes};
 use super::set::Kernels;
 use crate::tensor::{
@@ -31,24 +32,11 @@ pub const KERNELS: Kernels = Kernels {
     dot_q4_k,
     dot_q5_k,
     dot_q6_k,
-    dots_q8_0: Some(dots_q8_0),
-    dots_q4_0: Some(dots_q4_0),
-    dots_q4_1: Some(dots_q4_1),
+    dots_q8_0: Some(dots::<Q8>),
+    dots_q4_0: Some(dots::<Q40>),
+    dots_q4_1: Some(dots::<Q41>),
     ..super::avx2::KERNELS
 };
-
-fn dots_q8_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: installed only after `supported()`; the driver checks the bounds.
-    unsafe { qdots::dots(&Q8_TILES, rows, x, t0, out, next) }
-}
-fn dots_q4_0(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: as above.
-    unsafe { qdots::dots(&Q40_TILES, rows, x, t0, out, next) }
-}
-fn dots_q4_1(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
-    // SAFETY: as above.
-    unsafe { qdots::dots(&Q41_TILES, rows, x, t0, out, next) }
-}
 
 /// Weight rows a tile takes at once: one to each 32-bit lane of a register. Rows go in groups
 /// of 16, one row to a lane (a group's weight codes transposed once for the tile's tokens,
@@ -59,21 +47,16 @@ const LANES: usize = 16;
 /// Token tiles, largest first.
 const TILES: [usize; 4] = [8, 4, 2, 1];
 
-const Q8_TILES: qdots::Tiles<LANES> = qdots::Tiles {
-    kind: Q8,
-    tokens: &TILES,
-    tile: tile::<Q8>,
-};
-const Q40_TILES: qdots::Tiles<LANES> = qdots::Tiles {
-    kind: Q40,
-    tokens: &TILES,
-    tile: tile::<Q40>,
-};
-const Q41_TILES: qdots::Tiles<LANES> = qdots::Tiles {
-    kind: Q41,
-    tokens: &TILES,
-    tile: tile::<Q41>,
-};
+/// This set's many-row kernel for `KIND` (the driver checks the bounds).
+fn dots<const KIND: u8>(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]) {
+    let k = qdots::Tiles {
+        kind: KIND,
+        tokens: &TILES,
+        tile: tile::<KIND>,
+    };
+    // SAFETY: installed only after `supported()`.
+    unsafe { qdots::dots(&k, rows, x, t0, out, next) }
+}
 
 /// The integer the block's sum of code products needs added (the arithmetic is `qdots`').
 #[inline]
@@ -313,7 +296,7 @@ unsafe fn dot_one<const KIND: u8>(w: &[u8], x: &[ActBlock]) -> f32 {
             };
             let xs = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
             let s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xs);
-            let sum = hsum_epi32(s) + code_offset::<KIND>(a);
+            let sum = hsum_i32(s) + code_offset::<KIND>(a);
             qdots::block_step::<KIND>(acc, p, sum, a, half_at)
         };
     }

@@ -237,7 +237,7 @@ pub mod x86 {
     /// Horizontal sum of 8 i32 lanes.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn hsum_i32(v: __m256i) -> i32 {
+    pub(in crate::backend::cpu::kernels) fn hsum_i32(v: __m256i) -> i32 {
         let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
         let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
