@@ -54,6 +54,9 @@ pub(super) unsafe fn block_step<const KIND: u8>(
 pub(super) type Tile<const LANES: usize> =
     unsafe fn(&[*const u8; LANES], *const ActBlock, usize, usize, &mut [f32], &[u8]);
 
+/// The most sums a tile writes (AVX-512: 16 rows × 8 tokens).
+const MAX_TILE_SUMS: usize = 128;
+
 /// A set's many-row kernel for one format: the format, the token counts its tile takes
 /// (descending, ending in 1), and the tile.
 pub(super) struct Tiles<const LANES: usize> {
@@ -91,7 +94,13 @@ pub(super) unsafe fn dots<const LANES: usize>(
     );
     let groups = rows.len().div_ceil(LANES);
     let share = next.len().div_ceil(groups.max(1));
-    let mut sums = vec![0f32; LANES * tiles[0]];
+    // On the stack: this runs for every tile of rows of every product.
+    let mut sums = [0f32; MAX_TILE_SUMS];
+    assert!(
+        LANES * tiles[0] <= MAX_TILE_SUMS,
+        "a tile of {LANES} × {} sums",
+        tiles[0]
+    );
     for (g, group) in rows.chunks(LANES).enumerate() {
         let rp: [*const u8; LANES] =
             std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
