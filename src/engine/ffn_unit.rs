@@ -102,6 +102,9 @@ impl<B: Backend> Engine<B> {
     /// Neurons `ids` of tier `tier` computed, each from its slot in the unit or where it rests
     /// in host memory, in one list in their order: each token's sum stays the one chain the
     /// whole FFN adds. `keep`: which tokens need each (a step of several computes the union).
+    /// One call for the whole list (the list's workspace holds a layer's neurons): calls of
+    /// `slots` neurons each made SmolLM2 at 48M eleven a layer, each a fork and join of the
+    /// threads and a restart of the walk, for the same sums.
     fn held_neurons(
         &self,
         unit: &mut dyn NeuronUnit<B>,
@@ -110,16 +113,12 @@ impl<B: Backend> Engine<B> {
         keep: Option<&[bool]>,
         sc: &mut Scratch<B>,
     ) -> Result<()> {
-        let slots = unit.slots(tier).max(1);
         let gather = trace::span(Phase::Gather);
         let entries = unit.hold(&self.backend, tier, ids)?;
         drop(gather);
         let (w, _) = unit.unit(tier)?;
         let rest = unit.in_place(tier);
-        for (at, chunk) in entries.chunks(slots).zip(ids.chunks(slots)) {
-            self.listed_neurons((w, rest, shape, threshold), None, at, chunk, keep, sc)?;
-        }
-        Ok(())
+        self.listed_neurons((w, rest, shape, threshold), None, &entries, ids, keep, sc)
     }
 
     /// Neurons `ids` of the step computed from rows `at` of `w` (slots, or neuron ids where
