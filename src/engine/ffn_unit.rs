@@ -104,7 +104,7 @@ impl<B: Backend> Engine<B> {
     /// whole FFN adds. `keep`: which tokens need each (a step of several computes the union).
     /// One call for the whole list (the list's workspace holds a layer's neurons): calls of
     /// `slots` neurons each made SmolLM2 at 48M eleven a layer, each a fork and join of the
-    /// threads and a restart of the walk, for the same sums.
+    /// threads with its in-place reads paced on their own, for the same sums.
     fn held_neurons(
         &self,
         unit: &mut dyn NeuronUnit<B>,
