@@ -71,11 +71,16 @@ pub(super) enum ColdData {
     /// Gathered bundles (f16), `ids.len()` rows.
     Bundles { t: HostTensor, shape: BundleShape },
     /// Gathered gated bundles taken apart (hybrid's cold neurons), `ids.len()` rows each: every
-    /// gate in one matrix and the rest of each bundle (up, then down) as two-part bundles. The
-    /// gates are read for every candidate, so as one run a thread; read out of whole bundles
-    /// they came at half the rate (1,152 of every 3,456 bytes on SmolLM2: the hardware
-    /// prefetchers restart at every row).
-    Parted { gates: HostTensor, rest: HostTensor },
+    /// gate in one matrix, every up in another, every down in a third. Each pass then reads
+    /// runs of whole rows: out of whole bundles the gates came at half the rate (1,152 of
+    /// every 3,456 bytes on SmolLM2: the hardware prefetchers restart at every row), and each
+    /// thread's half of a down row sat 2,304 bytes from the next while up and down were kept
+    /// side by side.
+    Parted {
+        gates: HostTensor,
+        ups: HostTensor,
+        downs: HostTensor,
+    },
     /// Gathered gate and up rows; the down matrix's blocks of the cold units, row by row.
     Matrices {
         gate: Option<HostTensor>,
@@ -355,15 +360,6 @@ impl ColdLayer {
     }
 }
 
-/// [`ColdData::Parted`]'s rest as the bundle operators take it: up and down, side by side.
-fn rest_bundles(rest: &HostTensor) -> Result<Bundles<'_>> {
-    let shape = BundleShape {
-        parts: 2,
-        d: rest.cols / 2,
-    };
-    Ok(Bundles::from_host(rest, shape)?)
-}
-
 /// Gated float bundles `rows` (of `bytes`, `rb` bytes each, `d` wide) taken apart as
 /// [`ColdData::Parted`] holds them (named after `name`): the same bytes, in another order.
 pub(super) fn parted(
@@ -374,12 +370,12 @@ pub(super) fn parted(
     rows: &[u32],
 ) -> ColdData {
     let part = rb / 3;
-    let mut gates = Vec::with_capacity(rows.len() * part);
-    let mut rest = Vec::with_capacity(rows.len() * (rb - part));
+    let mut parts: [Vec<u8>; 3] = std::array::from_fn(|_| Vec::with_capacity(rows.len() * part));
     for &r in rows {
         let row = &bytes[r as usize * rb..(r as usize + 1) * rb];
-        gates.extend_from_slice(&row[..part]);
-        rest.extend_from_slice(&row[part..]);
+        for (p, out) in parts.iter_mut().enumerate() {
+            out.extend_from_slice(&row[p * part..(p + 1) * part]);
+        }
     }
     let tensor = |what: &str, cols: usize, data: &[u8]| HostTensor {
         name: format!("{name} {what}"),
@@ -388,9 +384,11 @@ pub(super) fn parted(
         dtype,
         data: Bytes::from_slice(data),
     };
+    let [gates, ups, downs] = parts;
     ColdData::Parted {
         gates: tensor("gates", d, &gates),
-        rest: tensor("ups and downs", 2 * d, &rest),
+        ups: tensor("ups", d, &ups),
+        downs: tensor("downs", d, &downs),
     }
 }
 
@@ -457,8 +455,8 @@ impl ColdNeurons for ColdLayer {
                     let b = Bundles::from_host(t, *shape)?;
                     sparse_part_dots(k, &b, &positions, 1, x, n, &mut u)?;
                 }
-                ColdData::Parted { rest, .. } => {
-                    sparse_part_dots(k, &rest_bundles(rest)?, &positions, 0, x, n, &mut u)?;
+                ColdData::Parted { ups, .. } => {
+                    sparse_part_dots(k, &Bundles::of_rows(ups)?, &positions, 0, x, n, &mut u)?;
                 }
                 ColdData::Matrices { up, .. } => {
                     sparse_rows(k, up, &positions, x, n, &mut u)?;
@@ -488,15 +486,9 @@ impl ColdNeurons for ColdLayer {
                 sparse_down(self.kernels, &b, positions, values, n, out)?;
                 0
             }
-            ColdData::Parted { rest, .. } => {
-                sparse_down(
-                    self.kernels,
-                    &rest_bundles(rest)?,
-                    positions,
-                    values,
-                    n,
-                    out,
-                )?;
+            ColdData::Parted { downs, .. } => {
+                let downs = Bundles::of_rows(downs)?;
+                sparse_down(self.kernels, &downs, positions, values, n, out)?;
                 0
             }
             ColdData::Matrices { down, .. } => {

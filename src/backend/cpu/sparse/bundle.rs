@@ -107,6 +107,41 @@ impl<'a> Bundles<'a> {
         Bundles::new(t.data.as_slice(), Encoding::Format(t.dtype), shape)
     }
 
+    /// The rows of a float matrix as one-part vectors (row `i` = part 0 of entry `i`): what
+    /// the bundle operators read of bundles taken apart, a part of every neuron in one matrix.
+    pub fn of_rows(t: &'a HostTensor) -> Result<Self> {
+        let op = "sparse rows";
+        if !matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(err(op, format!("`{}` is {}, not floats", t.name, t.dtype)));
+        }
+        let row_bytes = t.dtype.bytes_for(t.cols);
+        let bytes = t.data.as_slice();
+        let align = t.dtype.bytes_for(1);
+        if row_bytes == 0
+            || bytes.len() != t.rows * row_bytes
+            || !(bytes.as_ptr() as usize).is_multiple_of(align)
+        {
+            return Err(err(
+                op,
+                format!(
+                    "`{}` is not {} aligned rows of {row_bytes} bytes",
+                    t.name, t.rows
+                ),
+            ));
+        }
+        Ok(Bundles {
+            bytes,
+            enc: Encoding::Format(t.dtype),
+            shape: BundleShape {
+                parts: 1,
+                d: t.cols,
+            },
+            row_bytes,
+            neurons: t.rows,
+            rest: &[],
+        })
+    }
+
     pub fn neurons(&self) -> usize {
         self.neurons
     }

@@ -284,6 +284,74 @@ fn f16_part_dots_equal_the_dense_dot_bit_for_bit() {
     }
 }
 
+/// A float layer's bundles taken apart into one matrix per part (hybrid's cold neurons) compute
+/// as the bundles did, bit for bit: each part's dots, and the down sums, through
+/// [`Bundles::of_rows`]; other formats and ragged data are refused.
+#[test]
+fn rows_taken_apart_compute_as_their_bundles() {
+    let mut rng = StdRng::seed_from_u64(29);
+    for k in kernel_sets() {
+        for (enc, dtype) in [(Encoding::F16, DType::F16), (Encoding::F32, DType::F32)] {
+            let (neurons, d) = (37usize, 77usize);
+            let l = layer(&mut rng, enc, true, neurons, d);
+            let bytes = aligned(&l.bytes);
+            let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+            let part = l.bytes.len() / neurons / 3;
+            let matrix = |p: usize| HostTensor {
+                name: format!("part {p}"),
+                rows: neurons,
+                cols: d,
+                dtype,
+                data: aligned(
+                    &l.bytes
+                        .chunks(3 * part)
+                        .flat_map(|row| &row[p * part..(p + 1) * part])
+                        .copied()
+                        .collect::<Vec<u8>>(),
+                ),
+            };
+            let idx = rand_idx(&mut rng, neurons, 0.7);
+            let m = idx.len();
+            for n in [1usize, 3] {
+                let x = rand_vec(&mut rng, n * d, 1.0);
+                for p in 0..3 {
+                    let rows = matrix(p);
+                    let apart = Bundles::of_rows(&rows).unwrap();
+                    let (mut want, mut got) = (vec![0f32; n * m], vec![1f32; n * m]);
+                    sparse_part_dots(k, &b, &idx, p, &x, n, &mut want).unwrap();
+                    sparse_part_dots(k, &apart, &idx, 0, &x, n, &mut got).unwrap();
+                    assert_eq!(want, got, "{} {dtype} part {p}, {n} tokens", k.name);
+                }
+                let h = rand_vec(&mut rng, n * m, 1.0);
+                let out0 = rand_vec(&mut rng, n * d, 1.0);
+                let (mut want, mut got) = (out0.clone(), out0);
+                sparse_down(k, &b, &idx, &h, n, &mut want).unwrap();
+                let downs = matrix(2);
+                sparse_down(k, &Bundles::of_rows(&downs).unwrap(), &idx, &h, n, &mut got).unwrap();
+                assert_eq!(want, got, "{} {dtype} down, {n} tokens", k.name);
+            }
+        }
+    }
+    let q = HostTensor {
+        name: "q8".into(),
+        rows: 1,
+        cols: 32,
+        dtype: DType::Q8_0,
+        data: aligned(&[0u8; 34]),
+    };
+    let e = Bundles::of_rows(&q).unwrap_err().to_string();
+    assert!(e.contains("not floats"), "{e}");
+    let ragged = HostTensor {
+        name: "ragged".into(),
+        rows: 2,
+        cols: 8,
+        dtype: DType::F16,
+        data: aligned(&[0u8; 30]),
+    };
+    let e = Bundles::of_rows(&ragged).unwrap_err().to_string();
+    assert!(e.contains("aligned rows"), "{e}");
+}
+
 #[test]
 fn grouped_paths_equal_per_row() {
     let mut rng = StdRng::seed_from_u64(17);
