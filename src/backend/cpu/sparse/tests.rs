@@ -332,24 +332,21 @@ fn rows_taken_apart_compute_as_their_bundles() {
             }
         }
     }
-    let q = HostTensor {
-        name: "q8".into(),
-        rows: 1,
-        cols: 32,
-        dtype: DType::Q8_0,
-        data: aligned(&[0u8; 34]),
-    };
-    let e = Bundles::of_rows(&q).unwrap_err().to_string();
-    assert!(e.contains("not floats"), "{e}");
-    let ragged = HostTensor {
-        name: "ragged".into(),
-        rows: 2,
-        cols: 8,
-        dtype: DType::F16,
-        data: aligned(&[0u8; 30]),
-    };
-    let e = Bundles::of_rows(&ragged).unwrap_err().to_string();
-    assert!(e.contains("aligned rows"), "{e}");
+    // Blocks are not floats; 30 bytes are not two rows of eight f16.
+    for (dtype, cols, len, why) in [
+        (DType::Q8_0, 32usize, 34usize, "not floats"),
+        (DType::F16, 8, 30, "aligned rows"),
+    ] {
+        let t = HostTensor {
+            name: "refused".into(),
+            rows: len.div_ceil(cols),
+            cols,
+            dtype,
+            data: aligned(&vec![0u8; len]),
+        };
+        let e = Bundles::of_rows(&t).unwrap_err().to_string();
+        assert!(e.contains(why), "{e}");
+    }
 }
 
 #[test]
