@@ -440,6 +440,58 @@ fn aligned(bytes: &[u8]) -> Bytes {
     }
 }
 
+/// A paced link carries what the listed ops read in place as it carries copies: the op
+/// returns no earlier than the bytes it counted could cross at the link's rate, and the link
+/// is busy until then (what `bench decode` relies on to hold the budgeted device to the rate
+/// its bound divides by).
+#[test]
+fn in_place_reads_take_the_paced_link_as_copies_do() {
+    let mut rng = StdRng::seed_from_u64(61);
+    let ledger = Ledger::new(None, None);
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+    let (d, neurons, enc) = (64, 40, Encoding::F16);
+    let shape = BundleShape { parts: 3, d };
+    sim.set_workspace(sim.workspace_bytes(&WorkspaceOp::Listed { neurons }))
+        .unwrap();
+    let l = layer(&mut rng, enc, shape, neurons);
+    let host = sim
+        .map_bundles("host", enc, shape, &aligned(&l.bytes))
+        .unwrap();
+    let slots = sim.alloc_bundles("slots", enc, shape, 1).unwrap();
+    let x: Vec<f32> = (0..d).map(|_| rng.random_range(-1f32..1.0)).collect();
+    let xt = put(&sim, 1, d, &x);
+    let mut h = sim.alloc(1, neurons).unwrap();
+    let entries: Vec<u32> = (0..neurons as u32).map(|i| i | super::IN_REST).collect();
+    assert!(sim.link_free_at().is_none(), "nothing paces the link yet");
+    // A byte a microsecond: the reads below (some 10 KB) take milliseconds.
+    let rate = 1e6;
+    sim.pace_copies(rate).unwrap();
+    let (t0, before) = (std::time::Instant::now(), ledger.snapshot().h2d_bytes);
+    sim.ffn_bundles_up_listed_from(
+        (&slots, Some(&host)),
+        shape,
+        &xt,
+        Act::Silu,
+        0.0,
+        None,
+        &entries,
+        &mut h,
+    )
+    .unwrap();
+    let bytes = ledger.snapshot().h2d_bytes - before;
+    assert!(
+        bytes as usize >= neurons * 2 * d,
+        "every gate read in place: {bytes}"
+    );
+    let free = sim.link_free_at().unwrap();
+    let crossing = std::time::Duration::from_secs_f64(bytes as f64 / rate);
+    assert!(free >= t0 + crossing, "the link carried {bytes} bytes");
+    assert!(
+        std::time::Instant::now() >= free,
+        "the op waited for its reads"
+    );
+}
+
 /// Bundles read in place from host memory beside a unit's slots: one list over both computes
 /// what one list over the whole layer does, bit for bit (each token's sum one chain in list
 /// order), in every encoding, with and without a gate, one token and several; the mapped bundles

@@ -221,6 +221,16 @@ impl SimBackend {
         }
     }
 
+    /// When the paced link is free again: the end of the last paced copy or in-place read
+    /// (`None` while nothing paces it).
+    #[cfg(test)]
+    pub(super) fn link_free_at(&self) -> Option<Instant> {
+        self.pace
+            .lock()
+            .ok()
+            .and_then(|p| p.map(|(_, until)| until))
+    }
+
     fn copied_in(&self, bytes: usize, started: Instant) {
         self.ledger().count_h2d(bytes as u64);
         let Ok(mut pace) = self.pace.lock() else {

@@ -104,6 +104,11 @@ fn host_rates(threads: usize, ssd_dir: Option<&std::path::Path>) -> (f64, f64) {
     (dram, ssd)
 }
 
+/// The budgeted CPU device's link, measured now: its copy engine is one memcpy thread.
+pub fn sim_link_rate() -> f64 {
+    hw::memcpy_bandwidth(PROBE_BYTES, 3)
+}
+
 /// The budgeted CPU device's rates, measured now: its "device memory" is host memory read by
 /// `threads` threads, its copy engine one memcpy thread, its SSD the filesystem under `ssd_dir`.
 pub fn measure_sim(threads: usize, ssd_dir: Option<&std::path::Path>) -> Rates {
@@ -111,7 +116,7 @@ pub fn measure_sim(threads: usize, ssd_dir: Option<&std::path::Path>) -> Rates {
     Rates {
         source: format!("measured live (budgeted CPU device, {threads} threads)"),
         hbm_read_bytes_per_s: dram,
-        h2d_bytes_per_s: hw::memcpy_bandwidth(PROBE_BYTES, 3),
+        h2d_bytes_per_s: sim_link_rate(),
         dram_read_bytes_per_s: dram,
         ssd_read_bytes_per_s: ssd,
     }

@@ -198,6 +198,24 @@ fn predictors_json(
     })
 }
 
+/// The budgeted device's link, where the run's rates are measured (no `--hardware`, no
+/// `--emulate`, which paces from the start): its copy engine's rate (one memcpy thread, as
+/// [`bounds::measure_sim`] takes it), measured before the run, and the device held to it. Its
+/// copies take that long by themselves; what its listed ops read in place crosses the same
+/// link, and a CPU that reads faster than one thread copies would otherwise beat the bound the
+/// run is checked against. `None` on the other devices.
+fn hold_sim_link(running: &crate::runtime::Running, args: &ModelArgs) -> Result<Option<f64>> {
+    let crate::runtime::AnyEngine::Sim(e) = &running.engine else {
+        return Ok(None);
+    };
+    if args.budget.hardware.is_some() || args.budget.emulate.is_some() {
+        return Ok(None);
+    }
+    let rate = bounds::sim_link_rate();
+    e.backend().pace_copies(rate)?;
+    Ok(Some(rate))
+}
+
 /// One sequence: TTFT, prefill and decode tokens/s, the bound and what the tiers moved.
 fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     if a.recall && a.model.sparsity != crate::runtime::SparsityMode::Predicted {
@@ -214,6 +232,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     }
     let prompt = random_prompt(a.prompt_tokens, spec.vocab_size);
     let running = loaded.start(&a.model, Job::single(ctx, a.prompt_tokens, 1))?;
+    let link = hold_sim_link(&running, &a.model)?;
     // Phases are traced for --trace and --json (the last repetition's steps).
     let trace = (a.json || a.trace.is_some()).then(|| StepTrace::new(running.ledger.clone()));
     let m = with_engine!(&running.engine, e => {
@@ -225,13 +244,16 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     let device = device_of(&running);
     let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
     let ssd_dir = (traffic.ssd_read_bytes > 0.0).then(|| store_dir_for(&loaded.path));
-    let rates = rates_for(
+    let mut rates = rates_for(
         a.model.budget.hardware.as_deref(),
         a.model.budget.emulate.as_deref(),
         device,
         threads_of(&a.model),
         ssd_dir.as_deref(),
     )?;
+    if let Some(r) = link {
+        rates.h2d_bytes_per_s = r;
+    }
     let bound = Bound::of(&traffic, &rates);
     let predicted = running.predicted_tokens_per_s();
     if let (Some(path), Some(log)) = (&a.trace, &log) {
