@@ -165,9 +165,9 @@ pub const PAGE: usize = 4096;
 /// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
 const HUGE_PAGE: usize = 2 << 20;
 
-/// Ask the kernel to back the whole 2 MiB pages inside `len` bytes at `start` with transparent huge pages
-/// (`madvise(MADV_HUGEPAGE)`; a hint, its failure changes nothing), before they are first
-/// touched. Weights are read in runs scattered over the whole buffer (a layer's listed
+/// Ask the kernel to back the whole 2 MiB pages inside `len` bytes at `start` with transparent
+/// huge pages (`madvise(MADV_HUGEPAGE)`; a hint, its failure changes nothing), before they are
+/// first touched. Weights are read in runs scattered over the whole buffer (a layer's listed
 /// neurons, a third of each bundle): with 4 KiB pages nearly every run begins with a TLB
 /// miss. The buffers of less than two huge pages are left alone.
 fn advise_huge_pages(start: *mut u8, len: usize) {
