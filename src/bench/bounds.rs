@@ -110,13 +110,14 @@ pub fn sim_link_rate() -> f64 {
 }
 
 /// The budgeted CPU device's rates, measured now: its "device memory" is host memory read by
-/// `threads` threads, its copy engine one memcpy thread, its SSD the filesystem under `ssd_dir`.
-pub fn measure_sim(threads: usize, ssd_dir: Option<&std::path::Path>) -> Rates {
+/// `threads` threads, its copy engine one memcpy thread ([`sim_link_rate`], or `link` where
+/// the caller measured it already), its SSD the filesystem under `ssd_dir`.
+pub fn measure_sim(threads: usize, ssd_dir: Option<&std::path::Path>, link: Option<f64>) -> Rates {
     let (dram, ssd) = host_rates(threads, ssd_dir);
     Rates {
         source: format!("measured live (budgeted CPU device, {threads} threads)"),
         hbm_read_bytes_per_s: dram,
-        h2d_bytes_per_s: sim_link_rate(),
+        h2d_bytes_per_s: link.unwrap_or_else(sim_link_rate),
         dram_read_bytes_per_s: dram,
         ssd_read_bytes_per_s: ssd,
     }

@@ -63,13 +63,14 @@ pub struct DecodeArgs {
 }
 
 /// The rates bounds divide by: `hardware`'s figures when given, else measured now on
-/// `device` (SSD only when `ssd_dir` is given).
+/// `device` (SSD only when `ssd_dir` is given; the budgeted device's `link` where it was
+/// measured before the run).
 fn rates_for(
     hardware: Option<&str>,
     emulate: Option<&str>,
     device: &str,
     threads: usize,
-    ssd_dir: Option<&Path>,
+    (ssd_dir, link): (Option<&Path>, Option<f64>),
 ) -> Result<Rates> {
     let rates = match hardware {
         Some(h) => Rates::from_profile(&HardwareProfile::load(h).map_err(anyhow::Error::msg)?),
@@ -79,7 +80,7 @@ fn rates_for(
                     .map_err(anyhow::Error::msg)?
                     .0
             }
-            _ => bounds::measure_sim(threads, ssd_dir),
+            _ => bounds::measure_sim(threads, ssd_dir, link),
         },
     };
     Ok(match emulate {
@@ -244,16 +245,13 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     let device = device_of(&running);
     let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
     let ssd_dir = (traffic.ssd_read_bytes > 0.0).then(|| store_dir_for(&loaded.path));
-    let mut rates = rates_for(
+    let rates = rates_for(
         a.model.budget.hardware.as_deref(),
         a.model.budget.emulate.as_deref(),
         device,
         threads_of(&a.model),
-        ssd_dir.as_deref(),
+        (ssd_dir.as_deref(), link),
     )?;
-    if let Some(r) = link {
-        rates.h2d_bytes_per_s = r;
-    }
     let bound = Bound::of(&traffic, &rates);
     let predicted = running.predicted_tokens_per_s();
     if let (Some(path), Some(log)) = (&a.trace, &log) {

@@ -390,7 +390,7 @@ fn machine_rates(
                 (r, base)
             } else {
                 let base = HardwareProfile::load("cpu-sim").map_err(anyhow::Error::msg)?;
-                (bounds::measure_sim(threads, Some(&ssd)), base)
+                (bounds::measure_sim(threads, Some(&ssd), None), base)
             };
             let profile = rates.into_profile(&base, "measured");
             let path = a.out.join("hardware-measured.json");
