@@ -261,6 +261,73 @@ fn q_dots_are_the_shared_arithmetic_on_every_simd_set() {
     }
 }
 
+/// The many-row Q4_0/Q4_1 kernels sum a block's code products in 16-bit lanes before they
+/// widen: at the extremes (every code 15 against activations all +127 or all −127, and codes
+/// 0 and 15 alternating against alternating signs) nothing saturates or wraps, so each row is
+/// still the shared arithmetic bit for bit.
+#[test]
+fn q4_many_row_sums_hold_at_the_extremes() {
+    let sets: Vec<_> = available()
+        .into_iter()
+        .filter(|k| k.name != PORTABLE.name)
+        .collect();
+    if sets.is_empty() {
+        println!("skipped: this CPU runs no SIMD kernel set");
+        return;
+    }
+    let blocks = 4;
+    let d = f16::from_f32(0.05);
+    let m = f16::from_f32(-0.25);
+    let row = |codes: [u8; 16], dtype: DType| -> Vec<u8> {
+        (0..blocks)
+            .flat_map(|_| match dtype {
+                DType::Q4_0 => bytemuck::bytes_of(&BlockQ4_0 { d, qs: codes }).to_vec(),
+                _ => bytemuck::bytes_of(&BlockQ4_1 { d, m, qs: codes }).to_vec(),
+            })
+            .collect()
+    };
+    // Activations that quantize to ±127 everywhere, or to alternating signs.
+    let tokens: [Vec<f32>; 3] = [
+        vec![1.0; blocks * QK],
+        vec![-1.0; blocks * QK],
+        (0..blocks * QK)
+            .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+            .collect(),
+    ];
+    for k in sets {
+        for dtype in [DType::Q4_0, DType::Q4_1] {
+            let Some(dots) = k.dots(dtype) else { continue };
+            // Eight rows of all 15s and eight of 15/0 alternating: two full register groups.
+            let rows: Vec<Vec<u8>> = (0..16)
+                .map(|r| row(if r < 8 { [0xff; 16] } else { [0x0f; 16] }, dtype))
+                .collect();
+            let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+            let x: Vec<f32> = tokens.concat();
+            let mut qa = vec![ActBlock::default(); tokens.len() * blocks];
+            (k.quantize)(&x, &mut qa);
+            assert!(qa.iter().all(|a| a.qs.iter().all(|&q| q.abs() == 127)));
+            let mut many = vec![f32::NAN; rows.len() * tokens.len()];
+            let tb = TokenBlocks {
+                blocks: &qa,
+                per_token: blocks,
+            };
+            dots(&refs, &tb, 0, &mut many, &[]);
+            for (r, row) in rows.iter().enumerate() {
+                for t in 0..tokens.len() {
+                    let want = shared_arithmetic(dtype, row, &qa[t * blocks..(t + 1) * blocks]);
+                    let got = many[r * tokens.len() + t];
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{} {dtype} row {r} token {t}: {got} vs {want}",
+                        k.name
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The many-row kernels give each (row, token) exactly what the one-token kernel gives it
 /// (batched requests answer as if alone), whatever rows and tokens are computed beside it:
 /// odd and even block counts, every tile size, groups of rows full and partial.
