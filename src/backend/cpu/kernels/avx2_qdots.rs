@@ -163,16 +163,25 @@ fn zip32(a: __m128i, b: __m128i) -> __m128i {
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn scales8<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> (__m256, __m256) {
-    // SAFETY: every block starts with its f16 scale (then Q4_1's f16 min).
-    let half = |off: usize| -> __m256 {
-        let h: [u16; LANES] = std::array::from_fn(|r| unsafe {
-            (rp[r].add(at + off) as *const u16).read_unaligned()
-        });
-        // SAFETY: eight u16.
-        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr() as *const __m128i) })
-    };
-    let d = half(0);
-    (d, if KIND == Q41 { half(2) } else { d })
+    if KIND == Q41 {
+        // A Q4_1 block starts with its scale and min side by side: one 32-bit load a row, then
+        // the scales and the mins sorted apart (fewer inserts than a 16-bit load each).
+        // SAFETY: every block's first four bytes.
+        let pair = |r: usize| unsafe { (rp[r].add(at) as *const i32).read_unaligned() };
+        let apart = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+        let low = _mm_shuffle_epi8(_mm_setr_epi32(pair(0), pair(1), pair(2), pair(3)), apart);
+        let high = _mm_shuffle_epi8(_mm_setr_epi32(pair(4), pair(5), pair(6), pair(7)), apart);
+        return (
+            _mm256_cvtph_ps(_mm_unpacklo_epi64(low, high)),
+            _mm256_cvtph_ps(_mm_unpackhi_epi64(low, high)),
+        );
+    }
+    // SAFETY: every block starts with its f16 scale.
+    let h: [u16; LANES] =
+        std::array::from_fn(|r| unsafe { (rp[r].add(at) as *const u16).read_unaligned() });
+    // SAFETY: eight u16.
+    let d = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(h.as_ptr() as *const __m128i) });
+    (d, d)
 }
 
 /// Eight rows × `tokens` tokens (4, 2 or 1) into `out[t·8 + lane]` (Q4_0 or Q4_1).
