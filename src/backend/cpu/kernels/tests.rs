@@ -166,6 +166,19 @@ fn random_rows(rng: &mut StdRng, dtype: DType, n_rows: usize, blocks: usize) -> 
         .collect()
 }
 
+/// The SIMD kernel sets this CPU runs (not the portable one); where it runs none, the skip is
+/// printed and the list is empty.
+fn simd_sets() -> Vec<&'static Kernels> {
+    let sets: Vec<_> = available()
+        .into_iter()
+        .filter(|k| k.name != PORTABLE.name)
+        .collect();
+    if sets.is_empty() {
+        println!("skipped: this CPU runs no SIMD kernel set");
+    }
+    sets
+}
+
 /// What every SIMD set's Q8_0/Q4_0/Q4_1 dot computes (`qdots`' arithmetic), in plain Rust:
 /// block by block, the exact integer sum Σ code·x, then `acc = fma(d_w·d_x, sum, acc)` and,
 /// for Q4_1, `acc = fma(m_w, s_x, acc)`.
@@ -203,14 +216,7 @@ fn shared_arithmetic(dtype: DType, row: &[u8], xa: &[ActBlock]) -> f32 {
 #[test]
 fn q_dots_are_the_shared_arithmetic_on_every_simd_set() {
     let mut rng = StdRng::seed_from_u64(23);
-    let sets: Vec<_> = available()
-        .into_iter()
-        .filter(|k| k.name != PORTABLE.name)
-        .collect();
-    if sets.is_empty() {
-        println!("skipped: this CPU runs no SIMD kernel set");
-        return;
-    }
+    let sets = simd_sets();
     for k in sets {
         for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
             if dtype == DType::Q8_0 && k.dots(dtype).is_none() {
@@ -267,14 +273,7 @@ fn q_dots_are_the_shared_arithmetic_on_every_simd_set() {
 /// still the shared arithmetic bit for bit.
 #[test]
 fn q4_many_row_sums_hold_at_the_extremes() {
-    let sets: Vec<_> = available()
-        .into_iter()
-        .filter(|k| k.name != PORTABLE.name)
-        .collect();
-    if sets.is_empty() {
-        println!("skipped: this CPU runs no SIMD kernel set");
-        return;
-    }
+    let sets = simd_sets();
     let blocks = 4;
     let d = f16::from_f32(0.05);
     let m = f16::from_f32(-0.25);
