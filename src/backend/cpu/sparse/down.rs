@@ -9,6 +9,7 @@ use super::items::in_fours;
 use super::vector::{axpy4, f16_fast, ops};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{BundleShape, Result};
+use crate::store::quant::INT4_GROUP;
 
 /// How [`sparse_down_split`] spreads its work over threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -22,9 +23,14 @@ pub enum DownSplit {
     Partials,
 }
 
-/// Output columns per task at least (and a multiple of the INT4 group), so each task still
-/// reads runs long enough for the prefetchers.
+/// Output columns per task at least, so each task still reads runs long enough for the
+/// prefetchers.
 const MIN_COLS_PER_TASK: usize = 256;
+
+/// Tasks' columns start at multiples of this: the INT4 group, and the f16/f32 kernels' 32-wide
+/// steps (so no task ends in a column tail they would sum another way). No coarser, so the
+/// threads share the columns evenly: at 64, SmolLM2's 576 split 320/256 over two threads.
+const COLS_ALIGN: usize = INT4_GROUP;
 
 /// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), split over
 /// output columns ([`DownSplit::Output`]): each token's result is one chain of multiply-adds
@@ -118,10 +124,7 @@ pub fn sparse_down_split(
             // result is one chain of multiply-adds from `out` in list order, the same however
             // the list is cut into calls (a unit's rounds) or which slots hold the neurons.
             let all: Vec<usize> = (0..m).collect();
-            let per = d
-                .div_ceil(threads)
-                .next_multiple_of(64)
-                .max(MIN_COLS_PER_TASK);
+            let per = columns_per_task(d, threads);
             let tasks = d.div_ceil(per);
             let cols = |task: usize| (task * per, ((task + 1) * per).min(d));
             let sums: Vec<Vec<f32>> = (0..tasks)
@@ -174,4 +177,28 @@ pub fn sparse_down_split(
         }
     }
     Ok(())
+}
+
+/// Output columns per task of the [`DownSplit::Output`] split of `d` columns over `threads`:
+/// an even share, rounded up to [`COLS_ALIGN`], at least [`MIN_COLS_PER_TASK`].
+fn columns_per_task(d: usize, threads: usize) -> usize {
+    d.div_ceil(threads.max(1))
+        .next_multiple_of(COLS_ALIGN)
+        .max(MIN_COLS_PER_TASK)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tasks start on the INT4 group and the kernels' steps, and two threads share a
+    /// SmolLM2-wide (576) or Llama-wide (4096) output evenly; narrow outputs stay one task.
+    #[test]
+    fn output_columns_are_shared_evenly_on_aligned_starts() {
+        for (d, threads, want) in [(576, 2, 288), (4096, 2, 2048), (576, 3, 256), (224, 2, 256)] {
+            let per = columns_per_task(d, threads);
+            assert_eq!(per, want, "d {d}, {threads} threads");
+            assert!(per.is_multiple_of(INT4_GROUP) && per.is_multiple_of(32));
+        }
+    }
 }

@@ -441,6 +441,48 @@ fn grouped_paths_equal_per_row() {
     }
 }
 
+/// The output-column split gives the same bits on any number of threads: each output is one
+/// chain of multiply-adds in list order whichever task owns its column (576 columns: one task,
+/// two of 288, three of 256/256/64), f16 and INT4, 1 and 3 tokens.
+#[test]
+fn down_split_by_columns_is_the_same_on_any_threads() {
+    let mut rng = StdRng::seed_from_u64(29);
+    let (neurons, d) = (40, 576);
+    for k in kernel_sets() {
+        for enc in [Encoding::F16, Encoding::Int4] {
+            let l = layer(&mut rng, enc, true, neurons, d);
+            let bytes = aligned(&l.bytes);
+            let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+            let idx = rand_idx(&mut rng, neurons, 0.8);
+            for n in [1usize, 3] {
+                let h = rand_vec(&mut rng, n * idx.len(), 1.0);
+                let out0 = rand_vec(&mut rng, n * d, 1.0);
+                let on = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    let mut out = out0.clone();
+                    pool.install(|| sparse_down(k, &b, &idx, &h, n, &mut out))
+                        .unwrap();
+                    out
+                };
+                let one = on(1);
+                for threads in [2, 3] {
+                    let got = on(threads);
+                    assert!(
+                        got.iter()
+                            .zip(&one)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{} {enc:?} {n} tokens: {threads} threads differ from one",
+                        k.name
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_inputs_are_errors() {
     let mut rng = StdRng::seed_from_u64(3);
