@@ -137,7 +137,7 @@ fn write_gpu(o: &mut String, p: &Plan) {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "GPU  {} MiB of {} MiB: fixed cost {} (context, kernels, cuBLAS), resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {} ({}, {}), step buffers {}, workspace {}",
+        "GPU  {} MiB of {} MiB: fixed cost {} (context, kernels, cuBLAS), resident layers {}, streaming slots {} ({} × {}), output matrix {}, small fragments {}, KV cache {} ({}, {}), step buffers {}, workspace {}{}",
         mib(g.total),
         mib(p.budget.gpu_mem),
         mib(g.fixed),
@@ -158,7 +158,22 @@ fn write_gpu(o: &mut String, p: &Plan) {
         },
         p.budget.kv_type.name(),
         mib(g.scratch),
-        mib(g.workspace)
+        mib(g.workspace),
+        // Streamed attention's reserve is not in the total: what is placed in it is listed
+        // below, and without it the budget would read as partly unused.
+        match (p.budget.unit_reserve, p.budget.hot_reserve) {
+            (Some(r), _) if r > 0 => format!(
+                "; beside these, {} MiB kept free for the cache units and their staging (below)",
+                mib(r)
+            ),
+            (_, Some(r)) if r > 0 => {
+                format!(
+                    "; beside these, {} MiB kept free for the hot neurons (below)",
+                    mib(r)
+                )
+            }
+            _ => String::new(),
+        }
     );
 }
 
