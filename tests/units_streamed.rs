@@ -181,6 +181,21 @@ fn units_beside_streamed_attention_equal_streaming_and_fill_the_plan() {
                 "{what}: attention streams"
             );
             assert!(units.device.total <= g, "{what}");
+            // The plan's GPU line accounts for the whole budget: what it places, the units'
+            // reserve and the second step's buffers it keeps free beside them.
+            let (reserve, scratch) = (plan.budget.unit_reserve.unwrap(), plan.gpu.scratch);
+            assert!(plan.gpu.total + reserve + scratch <= g, "{what}");
+            let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+            let report = plan.report();
+            let line = report.lines().find(|l| l.starts_with("GPU")).unwrap();
+            assert!(
+                line.contains(&format!(
+                    "beside these, {} kept free for the cache units and their staging (below) and {} for step buffers of another size",
+                    mib(reserve),
+                    mib(scratch)
+                )),
+                "{what}: {line}"
+            );
             let ledger = Ledger::new(Some(units.device.placed), None);
             let (e, traffic) = streamed_units_engine(
                 &store,

@@ -160,11 +160,14 @@ fn write_gpu(o: &mut String, p: &Plan) {
         mib(g.scratch),
         mib(g.workspace),
         // Streamed attention's reserve is not in the total: what is placed in it is listed
-        // below, and without it the budget would read as partly unused.
+        // below, and without it the budget would read as partly unused. Cache units also keep
+        // a second step's buffers free (`units::unit_room`: steps of another size reallocate
+        // theirs, and an exactly filled budget has its free bytes in pieces too small).
         match (p.budget.unit_reserve, p.budget.hot_reserve) {
             (Some(r), _) if r > 0 => format!(
-                "; beside these, {} MiB kept free for the cache units and their staging (below)",
-                mib(r)
+                "; beside these, {} MiB kept free for the cache units and their staging (below) and {} MiB for step buffers of another size",
+                mib(r),
+                mib(g.scratch)
             ),
             (_, Some(r)) if r > 0 => {
                 format!(
