@@ -272,7 +272,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         .as_ref()
         .zip(running.plan.as_ref())
         .map(|(t, p)| {
-            phases::plan_vs_trace_json(t, &phases::PlannedCosts::of(p, sparse_per_token))
+            phases::plan_vs_trace_json(t, &phases::PlannedCosts::of(p, sparse_per_token), &rates)
         });
     // What the cache units moved, against what the plan expected per token.
     let units = running.units.as_ref().map(|u| {

@@ -205,12 +205,23 @@ fn resource(p: Phase) -> &'static str {
 /// what the plan predicted (bytes, and seconds at its rates) and what the traced phases on
 /// that resource measured (their seconds; the link's and the CPU's bytes, which the trace
 /// counts — the device's reads of its own memory it does not). The host's waits and
-/// bookkeeping are measured only.
-pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts) -> Value {
+/// bookkeeping are measured only. A device phase that reads host memory in place over the
+/// link (cache units' misses) counts towards the link for as long as its bytes need at the
+/// measured link rate (`rates`), the rest towards the device: its kernels wait on the link
+/// there, and the plan counts those bytes as the link's.
+pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts, rates: &Rates) -> Value {
     let n = t.steps.max(1) as f64;
     let mut seconds: std::collections::BTreeMap<&str, f64> = Default::default();
     for (p, s) in &t.phases {
-        *seconds.entry(resource(*p)).or_default() += s.seconds / n;
+        let (secs, r) = (s.seconds / n, resource(*p));
+        let link_rate = rates.h2d_bytes_per_s;
+        let on_link = if r == "device" && s.bytes.h2d > 0 && link_rate > 0.0 {
+            (s.bytes.h2d as f64 / n / link_rate).min(secs)
+        } else {
+            0.0
+        };
+        *seconds.entry("link").or_default() += on_link;
+        *seconds.entry(r).or_default() += secs - on_link;
     }
     let b = t.bytes();
     let measured = |r: &str| seconds.get(r).copied().unwrap_or(0.0);
@@ -223,4 +234,55 @@ pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts) -> Value {
                    "predicted_bytes": planned.device_bytes, "measured_bytes": null},
         "host": {"measured_seconds": measured("host")},
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::trace::{PhaseSum, SpanBytes};
+
+    /// A device phase reading host memory in place counts towards the link for as long as its
+    /// bytes need at the link's rate (all of it where they need longer), the rest towards the
+    /// device; the link's own phases and the CPU's stay where they are.
+    #[test]
+    fn in_place_reads_count_towards_the_link() {
+        let rates = Rates {
+            source: "test".into(),
+            hbm_read_bytes_per_s: 20e9,
+            h2d_bytes_per_s: 10e9,
+            dram_read_bytes_per_s: 20e9,
+            ssd_read_bytes_per_s: f64::NAN,
+        };
+        let sum = |seconds: f64, h2d: u64| PhaseSum {
+            seconds,
+            bytes: SpanBytes {
+                h2d,
+                ..Default::default()
+            },
+            spans: 1,
+            device: None,
+        };
+        let mut t = PhaseTotals {
+            steps: 2,
+            step_seconds: 0.06,
+            ..Default::default()
+        };
+        // Per token: 10 ms of units whose 60 MB need 6 ms at 10 GB/s; 2 ms of attention
+        // reading 40 MB in place (4 ms: longer than the phase); 4 ms of copies; 6 ms of CPU.
+        t.phases
+            .insert(Phase::DeviceNeurons, sum(0.02, 120_000_000));
+        t.phases.insert(Phase::Attention, sum(0.004, 80_000_000));
+        t.phases.insert(Phase::H2d, sum(0.008, 80_000_000));
+        t.phases.insert(Phase::CpuNeurons, sum(0.012, 0));
+        let v = plan_vs_trace_json(&t, &PlannedCosts::default(), &rates);
+        let got = |r: &str| v[r]["measured_seconds"].as_f64().unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(got("link"), 0.006 + 0.002 + 0.004), "{v}");
+        assert!(close(got("device"), 0.004), "{v}");
+        assert!(close(got("cpu"), 0.006), "{v}");
+        assert!(
+            close(got("link") + got("device") + got("cpu"), 0.022),
+            "{v}"
+        );
+    }
 }
