@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 use super::activations::ActBlock;
 use super::avx2_attention::{axpy_rows_avx2, exp_sum_avx2, scores_avx2};
 use super::avx2_qdots::{self, dots};
-use super::kq::x86::hsum;
+use super::kq::x86::{h2f8, hsum};
 use super::kq::{ActBlockK, quantize_k};
 use super::portable::round_f16;
 use super::qdots::{Q40, Q41};
@@ -227,14 +227,6 @@ unsafe fn dot_bf16_avx2(w: &[bf16], x: &[f32]) -> f32 {
 fn mul_sum_u8_i8(a: __m256i, b: __m256i) -> __m256i {
     let p16 = _mm256_maddubs_epi16(a, b);
     _mm256_madd_epi16(p16, _mm256_set1_epi16(1))
-}
-
-/// Eight copies of an f16 as f32. (A scalar conversion compiles to an insert that depends on
-/// whatever register it merges into, which chained the blocks of the loops below.)
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn h2f8(bits: u16) -> __m256 {
-    _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
 }
 
 /// Integer dot product of one Q8_0 weight block with one activation block, as 8 f32 lanes.

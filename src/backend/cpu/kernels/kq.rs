@@ -306,7 +306,7 @@ pub mod x86 {
     /// accumulator), which chains every block to the one before.
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
-    fn h2f8(bits: u16) -> __m256 {
+    pub(in crate::backend::cpu::kernels) fn h2f8(bits: u16) -> __m256 {
         _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
     }
 
