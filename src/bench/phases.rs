@@ -211,10 +211,10 @@ fn resource(p: Phase) -> &'static str {
 /// there, and the plan counts those bytes as the link's.
 pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts, rates: &Rates) -> Value {
     let n = t.steps.max(1) as f64;
+    let link_rate = rates.h2d_bytes_per_s;
     let mut seconds: std::collections::BTreeMap<&str, f64> = Default::default();
     for (p, s) in &t.phases {
         let (secs, r) = (s.seconds / n, resource(*p));
-        let link_rate = rates.h2d_bytes_per_s;
         let on_link = if r == "device" && s.bytes.h2d > 0 && link_rate > 0.0 {
             (s.bytes.h2d as f64 / n / link_rate).min(secs)
         } else {

@@ -12,9 +12,9 @@
 //! threads (sgemm packs every weight anew for each call and runs on one thread: ten times the
 //! weights' read time for one token).
 
+use crate::backend::cpu::sparse::per_items;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Recall the cutoff is chosen for, on held-out tokens.
@@ -189,39 +189,22 @@ impl Predictor {
     }
 }
 
-/// Rows of a weight matrix per parallel task of [`rows_dot`] (a 576-wide f32 row is 2.3 KB).
-const ROWS_PER_TASK: usize = 64;
-
 /// `out[i·rows + j] = w[j]·x_i + b[j]` (`t × rows`) for the rows of `w` (`rows × cols`,
 /// row-major, `rows = b.len()`) and the `t` inputs of `x` (`t × cols`): each row read once for
-/// all inputs, by the CPU's dot kernel, rows split over rayon tasks.
+/// all inputs, by the CPU's dot kernel, rows split over rayon tasks as the sparse operators
+/// split their neurons.
 fn rows_dot(w: &[f32], b: &[f32], cols: usize, x: &[f32], t: usize) -> Vec<f32> {
     let rows = b.len();
     let dot = crate::backend::cpu::kernels::best().dot_f32;
-    // Row-major by weight row (each task's rows together), transposed after for t > 1.
-    let mut by_row = vec![0f32; rows * t];
-    by_row
-        .par_chunks_mut(ROWS_PER_TASK * t.max(1))
-        .enumerate()
-        .for_each(|(c, o)| {
-            let j0 = c * ROWS_PER_TASK;
-            for (jj, oj) in o.chunks_mut(t.max(1)).enumerate() {
-                let j = j0 + jj;
-                let wj = &w[j * cols..(j + 1) * cols];
-                for (i, v) in oj.iter_mut().enumerate() {
-                    *v = dot(wj, &x[i * cols..(i + 1) * cols]) + b[j];
-                }
-            }
-        });
-    if t <= 1 {
-        return by_row;
-    }
     let mut out = vec![0f32; t * rows];
-    for (j, v) in by_row.chunks(t).enumerate() {
-        for (i, &x) in v.iter().enumerate() {
-            out[i * rows + j] = x;
+    per_items(rows, t, &mut out, |js, vals| {
+        for (j, vj) in js.zip(vals.chunks_mut(t.max(1))) {
+            let wj = &w[j * cols..(j + 1) * cols];
+            for (i, v) in vj.iter_mut().enumerate() {
+                *v = dot(wj, &x[i * cols..(i + 1) * cols]) + b[j];
+            }
         }
-    }
+    });
     out
 }
 

@@ -10,7 +10,7 @@ const NEURONS_PER_TASK: usize = 32;
 /// `out[t·m + j] = f(j, t)` for `m` items and `n` tokens, items split over rayon tasks.
 /// `f(js, vals)` fills a run of items `js`, item-major (`vals[(j − js.start)·n + t]`); for
 /// `n > 1` the runs are transposed into `out` afterwards.
-pub(super) fn per_items(
+pub(crate) fn per_items(
     m: usize,
     n: usize,
     out: &mut [f32],

@@ -31,5 +31,6 @@ mod x86;
 
 pub use bundle::Bundles;
 pub use down::{DownSplit, sparse_down, sparse_down_split};
+pub(crate) use items::per_items;
 pub use matrix::{sparse_down_blocks, sparse_rows};
 pub use up::{sparse_part_dots, sparse_up};
