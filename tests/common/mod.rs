@@ -155,6 +155,46 @@ pub fn cpu_engine(
     .unwrap()
 }
 
+/// `weights` with every tensor stored in a block format replaced by its reference decode in f32:
+/// the exact product that engines multiplying quantized activations (each in its own block
+/// size) are each measured against.
+pub fn dequantized(
+    weights: &gpu_offload::model::ModelWeights,
+) -> gpu_offload::model::ModelWeights {
+    use gpu_offload::model::{Linear, NormWeights};
+    use gpu_offload::tensor::HostTensor;
+    fn decode(t: &mut HostTensor) {
+        if t.dtype.is_quantized() {
+            *t = HostTensor::from_f32(t.name.clone(), t.rows, t.cols, t.to_f32());
+        }
+    }
+    fn linear(l: &mut Linear) {
+        decode(&mut l.weight);
+        l.bias.iter_mut().for_each(decode);
+    }
+    fn norm(n: &mut NormWeights) {
+        decode(&mut n.weight);
+        n.bias.iter_mut().for_each(decode);
+    }
+    let mut w = weights.clone();
+    decode(&mut w.token_embd);
+    w.pos_embd.iter_mut().for_each(decode);
+    w.output.iter_mut().for_each(decode);
+    norm(&mut w.output_norm);
+    for l in &mut w.layers {
+        for lin in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_up, &mut l.w_down] {
+            linear(lin);
+        }
+        l.w_gate.iter_mut().for_each(linear);
+        l.router.iter_mut().for_each(decode);
+        for n in [&mut l.attn_norm, &mut l.ffn_norm] {
+            norm(n);
+        }
+        l.q_norm.iter_mut().chain(l.k_norm.iter_mut()).for_each(norm);
+    }
+    w
+}
+
 /// Logits of a prefill of `toks` (last position), then of 4 decode steps of its first tokens.
 pub fn prefill_and_decode_logits<B: gpu_offload::backend::Backend>(
     e: &gpu_offload::engine::Engine<B>,
