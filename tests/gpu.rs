@@ -2098,8 +2098,9 @@ fn moe_ffn_on_gpu_equals_cpu() {
 
 /// A mixture-of-experts model offloaded to the GPU (the tiny synthetic Qwen3-MoE in f16 and
 /// Q4_K_M): at budgets from no expert slot to every expert resident, and with every routed
-/// expert on the CPU, the logits equal the dense CPU engine's and the ledger peaks at the
-/// expert plan's bytes; the whole model on the GPU equals it too.
+/// expert on the CPU, the logits equal the whole model's on the GPU (in Q4_K_M: are as near
+/// the reference decode's as the CPU's, see below) and the ledger peaks at the expert plan's
+/// bytes; the whole model on the GPU equals the dense CPU engine's in the same sense.
 #[test]
 fn offloaded_experts_on_gpu_equal_dense() {
     if gpu().is_none() {
@@ -2128,7 +2129,7 @@ fn offloaded_experts_on_gpu_equal_dense() {
         // In block formats the device and the CPU each multiply 8-bit activation blocks of
         // their own size (32 values; the CPU's K-quant kernels 256): each is held to the
         // reference decode's logits, the device no further than twice the CPU's error (or
-        // 2e-3). The same for the runs whose routed experts the CPU computes.
+        // 2e-3). The same for every offloaded run: the CPU computes the experts a unit misses.
         let exact = quant.is_some().then(|| {
             let weights = common::dequantized(&model.weights);
             let e = Engine::new(CpuBackend::new(2).unwrap(), model.spec.clone(), &weights)
@@ -2216,12 +2217,12 @@ fn offloaded_experts_on_gpu_equal_dense() {
                 .with_kv_type(KvType::F32)
                 .unwrap();
             let got = common::prefill_and_decode_logits(&e, &toks);
-            match (mode, to_exact(&got)) {
-                (ExpertMode::Cpu, Some((mine, cpus, ok))) => assert!(
+            match to_exact(&got) {
+                Some((mine, cpus, ok)) => assert!(
                     ok,
                     "{what}: logits are {mine} from the reference decode's (the CPU's: {cpus})"
                 ),
-                _ => {
+                None => {
                     let err = rel(&got, &want);
                     assert!(err <= 2e-3, "{what}: logits differ by {err}");
                 }

@@ -158,9 +158,7 @@ pub fn cpu_engine(
 /// `weights` with every tensor stored in a block format replaced by its reference decode in f32:
 /// the exact product that engines multiplying quantized activations (each in its own block
 /// size) are each measured against.
-pub fn dequantized(
-    weights: &gpu_offload::model::ModelWeights,
-) -> gpu_offload::model::ModelWeights {
+pub fn dequantized(weights: &gpu_offload::model::ModelWeights) -> gpu_offload::model::ModelWeights {
     use gpu_offload::model::{Linear, NormWeights};
     use gpu_offload::tensor::HostTensor;
     fn decode(t: &mut HostTensor) {
@@ -182,7 +180,14 @@ pub fn dequantized(
     w.output.iter_mut().for_each(decode);
     norm(&mut w.output_norm);
     for l in &mut w.layers {
-        for lin in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_up, &mut l.w_down] {
+        for lin in [
+            &mut l.wq,
+            &mut l.wk,
+            &mut l.wv,
+            &mut l.wo,
+            &mut l.w_up,
+            &mut l.w_down,
+        ] {
             linear(lin);
         }
         l.w_gate.iter_mut().for_each(linear);
@@ -190,7 +195,10 @@ pub fn dequantized(
         for n in [&mut l.attn_norm, &mut l.ffn_norm] {
             norm(n);
         }
-        l.q_norm.iter_mut().chain(l.k_norm.iter_mut()).for_each(norm);
+        l.q_norm
+            .iter_mut()
+            .chain(l.k_norm.iter_mut())
+            .for_each(norm);
     }
     w
 }
