@@ -27,6 +27,36 @@ __device__ __forceinline__ const u8* listed_bundle(const u8* b, const u8* rest, 
     return (e & IN_REST) ? rest + (long long)(e & ~IN_REST) * row_bytes : b + (long long)e * row_bytes;
 }
 
+// A lane's share of one part times the n tokens of `x`, added to acc: eight elements a load
+// with `vec` (vector_parts: lane l takes j = 8l .. 8l + 8, then 256 on), else one (j = l, then
+// 32 on). The warp sums the lanes' shares.
+template <int E>
+__device__ __forceinline__ void part_dot(const Part<E>& p, bool vec, int d, const float* x, int n, int lane,
+                                         float* acc) {
+    if (vec) {
+        for (int j = lane * 8; j < d; j += 256) {
+            float w[8];
+            p.at8(j, w);
+#pragma unroll
+            for (int t = 0; t < MAX_TOKENS; t++) {
+                if (t >= n) continue;
+                const float* xt = x + (long long)t * d + j;
+                float s = 0.0f;
+#pragma unroll
+                for (int k = 0; k < 8; k++) s += w[k] * xt[k];
+                acc[t] += s;
+            }
+        }
+        return;
+    }
+    for (int j = lane; j < d; j += 32) {
+        float w = p.at(j);
+#pragma unroll
+        for (int t = 0; t < MAX_TOKENS; t++)
+            if (t < n) acc[t] += w * x[(long long)t * d + j];
+    }
+}
+
 template <int E>
 __device__ __forceinline__ void bundles_up(const u8* b, const u8* rest, long long row_bytes, int neurons, int parts, int d,
                                            const float* x, int n, int kind, float threshold, const float* up_bias,
@@ -42,13 +72,8 @@ __device__ __forceinline__ void bundles_up(const u8* b, const u8* rest, long lon
 #pragma unroll
     for (int t = 0; t < MAX_TOKENS; t++) ga[t] = ua[t] = 0.0f;
     // The deciding part first (the gate, or the up part without one).
-    Part<E> decide(bundle, parts, d, 0);
-    for (int j = lane; j < d; j += 32) {
-        float g = decide.at(j);
-#pragma unroll
-        for (int t = 0; t < MAX_TOKENS; t++)
-            if (t < n) ga[t] += g * x[(long long)t * d + j];
-    }
+    bool vec = vector_parts<E>(d, b, rest);
+    part_dot<E>(Part<E>(bundle, parts, d, 0), vec, d, x, n, lane, ga);
     float a[MAX_TOKENS];
     bool on = false;
 #pragma unroll
@@ -64,13 +89,7 @@ __device__ __forceinline__ void bundles_up(const u8* b, const u8* rest, long lon
     // A gated neuron the mask leaves off for every token reads no more (every lane agrees:
     // the sums are the warp's).
     if (gated && on) {
-        Part<E> up(bundle, parts, d, 1);
-        for (int j = lane; j < d; j += 32) {
-            float u = up.at(j);
-#pragma unroll
-            for (int t = 0; t < MAX_TOKENS; t++)
-                if (t < n) ua[t] += u * x[(long long)t * d + j];
-        }
+        part_dot<E>(Part<E>(bundle, parts, d, 1), vec, d, x, n, lane, ua);
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; t++)
             if (t < n) a[t] *= warp_sum(ua[t]);
@@ -82,6 +101,55 @@ __device__ __forceinline__ void bundles_up(const u8* b, const u8* rest, long lon
 #pragma unroll
         for (int t = 0; t < MAX_TOKENS; t++)
             if (t < n) h[(long long)t * h_stride + col0 + i] = a[t];
+    }
+}
+
+// bundles_down where vector_parts: the block's DOWN_TILE columns are a warp's, eight a
+// lane (one 16-byte load per neuron), and its warps take every (DOWN_TILE / 32)th of the
+// block's neurons; their sums meet in shared memory before the one atomic add per column.
+template <int E>
+__device__ __forceinline__ void bundles_down_vec(const u8* b, const u8* rest, long long row_bytes, int parts, int d,
+                                                 int n, int i0, int i1, const float (*hs)[DOWN_NEURONS], float* out,
+                                                 const unsigned* idx) {
+    const int warps = DOWN_TILE / 32;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.x * DOWN_TILE + lane * 8;
+    float acc[MAX_TOKENS][8];
+#pragma unroll
+    for (int t = 0; t < MAX_TOKENS; t++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[t][k] = 0.0f;
+    if (c < d) {
+        for (int i = i0 + warp; i < i1; i += warps) {
+            bool on = false;
+#pragma unroll
+            for (int t = 0; t < MAX_TOKENS; t++) on = on || (t < n && hs[t][i - i0] != 0.0f);
+            if (!on) continue;
+            float w[8];
+            Part<E>(listed_bundle(b, rest, row_bytes, idx, i), parts, d, parts - 1).at8(c, w);
+#pragma unroll
+            for (int t = 0; t < MAX_TOKENS; t++) {
+                if (t >= n) continue;
+                float h = hs[t][i - i0];
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[t][k] += h * w[k];
+            }
+        }
+    }
+    __shared__ float red[DOWN_TILE / 32][DOWN_TILE];
+    int col = blockIdx.x * DOWN_TILE + threadIdx.x;
+    // Unrolled so acc stays in registers; n is the block's, so every thread meets each barrier.
+#pragma unroll
+    for (int t = 0; t < MAX_TOKENS; t++) {
+        if (t >= n) break;
+#pragma unroll
+        for (int k = 0; k < 8; k++) red[warp][lane * 8 + k] = acc[t][k];
+        __syncthreads();
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < warps; w++) s += red[w][threadIdx.x];
+        if (col < d) atomicAdd(out + (long long)t * d + col, s);
+        __syncthreads();
     }
 }
 
@@ -99,6 +167,10 @@ __device__ __forceinline__ void bundles_down(const u8* b, const u8* rest, long l
         hs[t][k % DOWN_NEURONS] = (t < n && i < i1) ? h[(long long)t * h_stride + col0 + i] : 0.0f;
     }
     __syncthreads();
+    if (vector_parts<E>(d, b, rest)) {
+        bundles_down_vec<E>(b, rest, row_bytes, parts, d, n, i0, i1, hs, out, idx);
+        return;
+    }
     if (j >= d) return;
     float acc[MAX_TOKENS];
 #pragma unroll

@@ -9,7 +9,8 @@
 # attention kernels against a naive attention (kernels/host/flash_check.cpp), the fused decode
 # kernels against the ones they replace (kernels/host/fused_check.cpp), and the data-movement
 # kernels (f16 tiles for cuBLAS, embedding rows, scattered rows) against plain loops
-# (kernels/host/ops_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
+# (kernels/host/ops_check.cpp), and the bundle kernels against sums in double
+# (kernels/host/bundles_check.cpp). The nvcc venv is cached in ${GPU_OFFLOAD_NVCC_VENV:-~/.cache/gpu-offload/nvcc-venv}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${GPU_OFFLOAD_NVCC_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-offload/nvcc-venv}"
@@ -70,6 +71,12 @@ GPU_OFFLOAD_BUNDLE_FIXTURE="$OUT/bundles.txt" cargo test --locked --quiet --lib 
 "${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
     -DKERNEL_HOST_SIMT -I kernels -o "$OUT/ops_check" kernels/host/ops_check.cpp
 "$OUT/ops_check"
+# The bundle kernels (eight elements a lane in the float encodings, one otherwise) against the
+# same sums in double.
+"${CXX:-g++}" -std=c++20 -O1 -pthread -fno-strict-aliasing -ffp-contract=off -DKERNEL_HOST_CHECK \
+    -DKERNEL_HOST_SIMT -I kernels -o "$OUT/bundles_check" kernels/host/bundles_check.cpp
+"$OUT/bundles_check" >"$OUT/bundles_check.log" || { cat "$OUT/bundles_check.log"; exit 1; }
+tail -n 1 "$OUT/bundles_check.log"
 LIB="$(dirname "$BIN")/lib"
 LD_LIBRARY_PATH="$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" GPU_OFFLOAD_REQUIRE_NVRTC=1 \
     cargo test --locked --quiet --lib nvrtc_compiles_every_module
