@@ -161,6 +161,18 @@ fn bench_decode(
     sparsity: &str,
     tokens: u64,
 ) -> Command {
+    bench_decode_reps(models, m, gpu_mem, (mode, sparsity), tokens, 1)
+}
+
+/// [`bench_decode`] with `reps` repetitions.
+fn bench_decode_reps(
+    models: &Path,
+    m: &str,
+    gpu_mem: &str,
+    (mode, sparsity): (&str, &str),
+    tokens: u64,
+    reps: u32,
+) -> Command {
     let mut c = bin(models);
     c.args([
         "bench",
@@ -180,7 +192,7 @@ fn bench_decode(
         "--prompt-tokens",
         "4",
     ])
-    .args(["-n", &tokens.to_string(), "--reps", "1"]);
+    .args(["-n", &tokens.to_string(), "--reps", &reps.to_string()]);
     c
 }
 
@@ -287,6 +299,38 @@ fn every_mode_traces_its_own_phases() {
         assert!((sum - step).abs() <= 0.05 * step, "{mode}: {p}");
         check_plan_against_trace(&v["plan_vs_trace_per_token"], mode);
         check_trace_file(&path, tokens, mode);
+    }
+}
+
+/// `bench decode --json` times its steps untraced where it can: with two repetitions the last
+/// one is traced (its phases, checked against the ledger's counts over that repetition) and the
+/// tokens/s are the other's, the traced repetition's beside them; with one, that one is both.
+#[test]
+fn timings_leave_the_traced_repetition_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, m) = profiled_stories(dir.path(), false);
+    let ms = m.to_str().unwrap();
+    let tokens = 5;
+    for reps in [2, 1] {
+        let v = succeeds(
+            bench_decode_reps(&models, ms, "320K", ("cpu", "oracle"), tokens, reps).arg("--json"),
+        );
+        let (timed, traced) = (
+            v["decode_tokens_per_s"].as_f64().unwrap(),
+            v["traced_decode_tokens_per_s"].as_f64().unwrap(),
+        );
+        assert!(timed > 0.0 && traced > 0.0, "--reps {reps}: {v}");
+        if reps == 1 {
+            assert_eq!(timed, traced, "one repetition is the traced one");
+        }
+        let p = &v["phases_per_token"];
+        assert_eq!(p["decode_steps"], tokens - 1, "--reps {reps}: {p}");
+        for k in ["h2d", "d2h"] {
+            assert_eq!(
+                p["bytes"][k], p["ledger_bytes"][k],
+                "--reps {reps}: {k} bytes: {p}"
+            );
+        }
     }
 }
 

@@ -234,11 +234,11 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     let prompt = random_prompt(a.prompt_tokens, spec.vocab_size);
     let running = loaded.start(&a.model, Job::single(ctx, a.prompt_tokens, 1))?;
     let link = hold_sim_link(&running, &a.model)?;
-    // Phases are traced for --trace and --json (the last repetition's steps).
+    // Phases are traced for --trace and --json: the last repetition's steps (the timings are
+    // the other repetitions' where there are two or more).
     let trace = (a.json || a.trace.is_some()).then(|| StepTrace::new(running.ledger.clone()));
     let m = with_engine!(&running.engine, e => {
-        e.set_trace(trace.clone())?;
-        measure(e, ctx, &prompt, a.tokens, a.reps, &|| running.snapshot())?
+        measure(e, ctx, &prompt, a.tokens, a.reps, &|| running.snapshot(), trace.clone())?
     });
     let log = trace.as_ref().map(|t| t.log());
     let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
@@ -316,7 +316,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         "programmatic_launch": a.model.programmatic_launch,
         "device_ops_per_decode_step": m.device_ops_per_decode_step,
         "reps": a.reps, "ttft_s": m.ttft_s, "prefill_tokens_per_s": m.prefill_tokens_per_s,
-        "decode_tokens_per_s": m.decode_tokens_per_s,
+        "decode_tokens_per_s": m.decode_tokens_per_s, "traced_decode_tokens_per_s": m.traced_decode_tokens_per_s,
         "bound": format!("{} (bytes per token ÷ rate)", bound.limited_by),
         "bound_limited_by": bound.limited_by, "bound_tokens_per_s": bound.tokens_per_s,
         "bound_seconds": bound.seconds, "fraction_of_bound": m.decode_tokens_per_s / bound.tokens_per_s,

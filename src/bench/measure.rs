@@ -2,12 +2,14 @@
 //! of an engine on a prompt, with the ledger snapshots that give bytes moved per token. Used by
 //! `bench decode` and every cell of `bench suite`. Knows nothing of bounds or reports.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 use crate::backend::Backend;
+use crate::engine::trace::StepTrace;
 use crate::engine::{Engine, GenerateParams, SamplerParams, generate};
 use crate::footprint::LedgerSnapshot;
 
@@ -32,11 +34,17 @@ pub struct Measured {
     /// The ledger when the first token was chosen, and at the end (last repetition).
     pub after_prefill: LedgerSnapshot,
     pub end: LedgerSnapshot,
+    /// Decode tokens/s of the traced repetition (with a trace).
+    pub traced_decode_tokens_per_s: Option<f64>,
 }
 
 /// Generate `tokens` greedy tokens after `prompt` in a fresh session of `ctx` positions,
 /// `reps` times after one short warm-up run; medians of the timings. `snapshot` reads the
-/// device's ledger.
+/// device's ledger. With `trace`, the last repetition's steps are traced into it and, where
+/// there are two or more, the timings are the medians of the others: tracing marks every phase
+/// (on CUDA two timing events each, driver calls inside the step they time), so a traced step
+/// is slower than the step it explains ([`Measured::traced_decode_tokens_per_s`] says by how
+/// much).
 pub fn measure<B: Backend>(
     engine: &Engine<B>,
     ctx: usize,
@@ -44,6 +52,7 @@ pub fn measure<B: Backend>(
     tokens: usize,
     reps: usize,
     snapshot: &dyn Fn() -> LedgerSnapshot,
+    trace: Option<Arc<StepTrace>>,
 ) -> crate::engine::Result<Measured> {
     let run = |prompt: &[u32], tokens: usize| {
         let params = GenerateParams {
@@ -54,7 +63,7 @@ pub fn measure<B: Backend>(
         let mut first = None;
         let mut ops_at_first = None;
         let mut session = engine.new_session(ctx)?;
-        // A traced engine keeps the last run's steps.
+        // A traced run keeps its own steps only.
         if let Some(t) = engine.trace() {
             t.clear();
         }
@@ -81,19 +90,34 @@ pub fn measure<B: Backend>(
         };
         Ok::<_, crate::engine::EngineError>((ttft, g.timings, after, snapshot(), ops))
     };
+    let reps = reps.max(1);
+    let traced = trace.is_some();
+    engine.set_trace(None)?;
     let warm = prompt.len().min(WARMUP_PROMPT);
     run(&prompt[..warm], tokens.min(2))?;
     let mut out = Measured {
         prompt_tokens: prompt.len(),
-        reps: reps.max(1),
+        reps,
         ..Default::default()
     };
     let (mut ttft, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..reps.max(1) {
+    for rep in 0..reps {
+        let last = rep + 1 == reps;
+        if last && traced {
+            engine.set_trace(trace.clone())?;
+        }
         let (t, timings, after, end, ops) = run(prompt, tokens)?;
-        ttft.push(t);
-        prefill.push(timings.prefill_tokens_per_s());
-        decode.push(timings.decode_tokens_per_s());
+        if last && traced {
+            engine.set_trace(None)?;
+            out.traced_decode_tokens_per_s = Some(timings.decode_tokens_per_s());
+        }
+        // The ledger's snapshots are the last repetition's: the traced one's phases are
+        // checked against them.
+        if !(last && traced && reps > 1) {
+            ttft.push(t);
+            prefill.push(timings.prefill_tokens_per_s());
+            decode.push(timings.decode_tokens_per_s());
+        }
         out.decode_steps = timings.decode_steps;
         out.device_ops_per_decode_step = ops;
         out.after_prefill = after;
