@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, with .gpu/ carried (scripts/gpu-build.sh made it
 # on the development machine: that machine has the Rust toolchain, this one has CUDA):
-#     scripts/gpu-check.sh [tests|issue13|issue36|issue37|issue38|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
+#     scripts/gpu-check.sh [tests|issue13|issue36|issue37|hybridcpu|issue38|dense|graphs|bench|offload|budgets|suite|peers|quant|serve|hybrid|units|prefill|batching|all]
 #   tests    every GPU parity test (ops with f32/f16/q8_0 KV, the process budget as the driver
 #            counts it, engines), then compute-sanitizer memcheck over the op tests
 #   issue13  what issue 13 asks of the GPU, sized for one device call (~8 min; each run under a
@@ -20,6 +20,9 @@
 #            trace-event JSON under $OUT, per-phase totals beside each phase's bound in the
 #            JSON) beside the plan's prediction; hybrid and units with predictors on the 1B;
 #            cache units (attention streamed at 4G) vs the whole GPU
+#   hybridcpu  hybrid's CPU side on this host (issue 37, ~2 min): the f16 sparse kernels at the
+#            1B shape's layer with 8 and 16 threads, then the 1B ReLU shape's hybrid decode at
+#            1600M with 8, 12 and 16 CPU threads
 #   issue38  mixture-of-experts models (issue 38), one device call (≤ 8 min at I38_LAYERS=48; each
 #            run under its own timeout): the expert GPU tests (moe_ffn in every format, offloaded
 #            tiny MoE vs the dense run), `doctor --save`, the Qwen3-30B-A3B shape in Q4_K_M
@@ -725,6 +728,30 @@ issue37() {
     parity_vs_whole i37_parity_7b_units "$m7" --gpu-mem 4G --cold gpu
 }
 
+# Where hybrid's CPU side goes on this host (issue 37): the f16 sparse kernels alone (bench
+# sparse at the 1B shape's layer, 8 and 16 threads) beside the DRAM bound, then hybrid decode of
+# the 1B ReLU shape at 1600M with 8, 12 and 16 CPU threads (oracle masks; --json times the
+# untraced repetitions, the traced one beside them). About two minutes.
+hybridcpu() {
+    local m1="$WORK/m1b-relu" t
+    if [[ ! -f "$m1/config.json" ]]; then
+        say "synthesizing the 1B shape with ReLU and power-law 0.8 hot neurons (f16)"
+        timeout 60 "$B" synth --preset 1b --activation relu --power-law 0.8 -o "$m1" --force 2>&1 | tail -n 1 | tee -a "$LOG"
+    fi
+    say "profile of the 1B on 48 random tokens (no predictors)"
+    timeout 120 "$B" profile -m "$m1" --random-corpus --tokens 48 --no-predictors --json > "$WORK/hybridcpu-profile.json" 2>>"$LOG"
+    record hybridcpu_profile "{\"exit_code\":$?}"
+    for t in 8 16; do
+        say "bench sparse, f16, the 1B layer (d 2048, 5632 neurons), $t threads"
+        record "hybridcpu_sparse_t$t" "$(timeout 60 "$B" bench sparse --d 2048 --neurons 5632 --encodings f16 --active 30,100 -t "$t" --json 2>>"$LOG")"
+    done
+    for t in 8 12 16; do
+        say "1b hybrid at 1600M, $t CPU threads"
+        record "hybridcpu_decode_1b_t$t" "$(timeout 60 "$B" bench decode --device cuda -m "$m1" --gpu-mem 1600M --cold cpu \
+            --sparsity oracle -t "$t" --prompt-tokens 32 -n 16 --reps 3 --json 2>>"$LOG")"
+    done
+}
+
 issue38() {
     say "expert GPU tests (moe_ffn in every format; offloaded tiny MoE vs the dense run)"
     timeout 120 "$GT" --test-threads 1 moe_ffn_on_gpu offloaded_experts_on_gpu 2>&1 | tail -n 20 | tee -a "$LOG"
@@ -801,6 +828,7 @@ case "$MODE" in
     issue36) issue36 ;;
     issue37) issue37 ;;
     issue38) issue38 ;;
+    hybridcpu) hybridcpu ;;
     dense) decode_dense ;;
     graphs) graphs ;;
     issue13) doctor_save; synth7b_long; graphs "$WORK/m7b-32k"; prefill ;;
