@@ -208,13 +208,20 @@ fn resource(p: Phase) -> &'static str {
 /// bookkeeping are measured only. A device phase that reads host memory in place over the
 /// link (cache units' misses) counts towards the link for as long as its bytes need at the
 /// measured link rate (`rates`), the rest towards the device: its kernels wait on the link
-/// there, and the plan counts those bytes as the link's.
+/// there, and the plan counts those bytes as the link's. Where the device has a clock (CUDA),
+/// a device phase lasts as long as its compute stream advanced and a link phase as long as its
+/// copy stream did, where longer than the host's seconds: the host only queues that work.
 pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts, rates: &Rates) -> Value {
     let n = t.steps.max(1) as f64;
     let link_rate = rates.h2d_bytes_per_s;
     let mut seconds: std::collections::BTreeMap<&str, f64> = Default::default();
     for (p, s) in &t.phases {
-        let (secs, r) = (s.seconds / n, resource(*p));
+        let r = resource(*p);
+        let secs = match (r, s.device) {
+            ("device", Some([compute, _])) => s.seconds.max(compute),
+            ("link", Some([_, copy])) => s.seconds.max(copy),
+            _ => s.seconds,
+        } / n;
         let on_link = if r == "device" && s.bytes.h2d > 0 && link_rate > 0.0 {
             (s.bytes.h2d as f64 / n / link_rate).min(secs)
         } else {
@@ -284,5 +291,28 @@ mod tests {
             close(got("link") + got("device") + got("cpu"), 0.022),
             "{v}"
         );
+        // With a device clock: the copies' stream ran 30 ms of the 4 ms the host spent queuing
+        // them, the units' compute stream 40 ms of their 10 (24 ms of it for their bytes at 10
+        // GB/s: now 240 MB), attention's 1 ms (its host's 2 stay); the CPU's phase keeps its
+        // host seconds.
+        let with_clock = |seconds: f64, h2d: u64, device: [f64; 2]| PhaseSum {
+            device: Some(device),
+            ..sum(seconds, h2d)
+        };
+        t.phases.insert(
+            Phase::DeviceNeurons,
+            with_clock(0.02, 480_000_000, [0.08, 0.0]),
+        );
+        t.phases
+            .insert(Phase::Attention, with_clock(0.004, 0, [0.002, 0.0]));
+        t.phases
+            .insert(Phase::H2d, with_clock(0.008, 80_000_000, [0.0, 0.06]));
+        t.phases
+            .insert(Phase::CpuNeurons, with_clock(0.012, 0, [0.5, 0.5]));
+        let v = plan_vs_trace_json(&t, &PlannedCosts::default(), &rates);
+        let got = |r: &str| v[r]["measured_seconds"].as_f64().unwrap();
+        assert!(close(got("link"), 0.024 + 0.03), "{v}");
+        assert!(close(got("device"), 0.016 + 0.002), "{v}");
+        assert!(close(got("cpu"), 0.006), "{v}");
     }
 }
