@@ -270,13 +270,7 @@ fn every_mode_traces_its_own_phases() {
             ]),
         );
         let p = &v["phases_per_token"];
-        assert_eq!(p["decode_steps"], tokens - 1, "{mode}: {p}");
-        for k in ["h2d", "d2h"] {
-            assert_eq!(
-                p["bytes"][k], p["ledger_bytes"][k],
-                "{mode}: {k} bytes: {p}"
-            );
-        }
+        phases_match_the_ledger(p, tokens, mode);
         let ph = &p["phases"];
         for name in timed {
             assert!(
@@ -323,14 +317,19 @@ fn timings_leave_the_traced_repetition_out() {
         if reps == 1 {
             assert_eq!(timed, traced, "one repetition is the traced one");
         }
-        let p = &v["phases_per_token"];
-        assert_eq!(p["decode_steps"], tokens - 1, "--reps {reps}: {p}");
-        for k in ["h2d", "d2h"] {
-            assert_eq!(
-                p["bytes"][k], p["ledger_bytes"][k],
-                "--reps {reps}: {k} bytes: {p}"
-            );
-        }
+        phases_match_the_ledger(&v["phases_per_token"], tokens, &format!("--reps {reps}"));
+    }
+}
+
+/// The traced steps' per-token phases (`phases_per_token`) are `tokens - 1` decode steps and
+/// their host↔device bytes are the ledger's over the same steps.
+fn phases_match_the_ledger(p: &Value, tokens: u64, what: &str) {
+    assert_eq!(p["decode_steps"], tokens - 1, "{what}: {p}");
+    for k in ["h2d", "d2h"] {
+        assert_eq!(
+            p["bytes"][k], p["ledger_bytes"][k],
+            "{what}: {k} bytes: {p}"
+        );
     }
 }
 
