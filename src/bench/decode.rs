@@ -57,7 +57,8 @@ pub struct DecodeArgs {
     pub recall: bool,
     /// Write the per-phase trace of the last repetition's steps here (Chrome trace-event JSON:
     /// open it in Perfetto or chrome://tracing); one sequence only. With --json, the phases'
-    /// totals per token are printed either way.
+    /// totals per token are printed either way. With --reps 2 or more the traced repetition is
+    /// left out of the tokens/s (tracing slows the steps it times).
     #[arg(long, env = "GPU_OFFLOAD_TRACE")]
     pub trace: Option<PathBuf>,
 }
