@@ -716,6 +716,9 @@ issue37() {
             record "i37_decode_${tag}_$cold" "$(timeout 90 "$B" bench decode --device cuda -m "$path" --gpu-mem "$budget" --cold "$cold" \
                 --sparsity oracle --prompt-tokens 32 -n 16 --reps 2 --trace "$OUT/trace-${tag}-$cold.json" --json 2>>"$LOG")"
         done
+        # What --cold auto picks here, with every candidate's prediction (beside the runs above).
+        record "i37_plan_${tag}_auto" "$(timeout 60 "$B" plan -m "$path" --gpu-mem "$budget" --ctx-size 1024 --cold auto --json 2>>"$LOG" \
+            | $PY -c 'import json,sys; p=json.load(sys.stdin); print(json.dumps({"cold": p.get("cold"), "candidates": p.get("cold_candidates")}))' 2>>"$LOG" || echo null)"
         if [[ "$tag" == 1b ]]; then
             for cold in cpu gpu; do
                 say "1b at 1600M, --cold $cold, predicted masks (recall in the JSON), traced"
