@@ -2075,9 +2075,7 @@ fn moe_ffn_on_gpu_equals_cpu() {
                     // the CPU's K-quant kernels in 256-value ones: each is held to the product
                     // of the reference decode, the device no further from it than twice the
                     // CPU's error (or 2e-3), as the dense products are.
-                    let decoded = |t: &HostTensor| {
-                        HostTensor::from_f32(t.name.clone(), t.rows, t.cols, t.to_f32())
-                    };
+                    let decoded = common::decoded;
                     let exact = on_cpu(&decoded(&gate), &decoded(&up), &decoded(&down));
                     let (mine, cpu_err) = (rel(&on_gpu, &exact), rel(&cpus, &exact));
                     assert!(

@@ -102,22 +102,22 @@ pub fn measure<B: Backend>(
     };
     let (mut ttft, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..reps {
-        let last = rep + 1 == reps;
-        if last && traced {
+        let traced_rep = traced && rep + 1 == reps;
+        if traced_rep {
             engine.set_trace(trace.clone())?;
         }
         let (t, timings, after, end, ops) = run(prompt, tokens)?;
-        if last && traced {
+        if traced_rep {
             engine.set_trace(None)?;
             out.traced_decode_tokens_per_s = Some(timings.decode_tokens_per_s());
         }
-        // The ledger's snapshots are the last repetition's: the traced one's phases are
-        // checked against them.
-        if !(last && traced && reps > 1) {
+        if !traced_rep || reps == 1 {
             ttft.push(t);
             prefill.push(timings.prefill_tokens_per_s());
             decode.push(timings.decode_tokens_per_s());
         }
+        // The ledger's snapshots are the last repetition's: the traced one's phases are
+        // checked against them.
         out.decode_steps = timings.decode_steps;
         out.device_ops_per_decode_step = ops;
         out.after_prefill = after;

@@ -155,6 +155,11 @@ pub fn cpu_engine(
     .unwrap()
 }
 
+/// `t`'s reference decode, as an f32 tensor of the same name and shape.
+pub fn decoded(t: &gpu_offload::tensor::HostTensor) -> gpu_offload::tensor::HostTensor {
+    gpu_offload::tensor::HostTensor::from_f32(t.name.clone(), t.rows, t.cols, t.to_f32())
+}
+
 /// `weights` with every tensor stored in a block format replaced by its reference decode in f32:
 /// the exact product that engines multiplying quantized activations (each in its own block
 /// size) are each measured against.
@@ -163,7 +168,7 @@ pub fn dequantized(weights: &gpu_offload::model::ModelWeights) -> gpu_offload::m
     use gpu_offload::tensor::HostTensor;
     fn decode(t: &mut HostTensor) {
         if t.dtype.is_quantized() {
-            *t = HostTensor::from_f32(t.name.clone(), t.rows, t.cols, t.to_f32());
+            *t = decoded(t);
         }
     }
     fn linear(l: &mut Linear) {
