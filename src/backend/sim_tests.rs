@@ -120,3 +120,14 @@ fn ops_fail_without_the_workspace_cuda_would_take() {
     sim.set_workspace(0).unwrap();
     assert_eq!(ledger.snapshot().hbm_used, before - need);
 }
+
+/// The link's pacing never ends a copy early: waits of a few microseconds (spun) and longer
+/// ones (slept, then spun) return at or after their end.
+#[test]
+fn paced_waits_end_no_earlier_than_asked() {
+    for us in [0u64, 3, 25, 300, 2000] {
+        let end = Instant::now() + Duration::from_micros(us);
+        wait_until(end);
+        assert!(Instant::now() >= end, "{us} µs");
+    }
+}
