@@ -235,17 +235,18 @@ fn every_mode_traces_its_own_phases() {
         (
             "cpu",
             "320K",
+            // With oracle masks over float bundles the CPU decides in its neurons' pass (each
+            // gate row, then the up row where the gate leaves the neuron on).
             &[
                 "landing",
                 "host_wait",
-                "decide",
                 "cpu_neurons",
                 "device_neurons",
                 "merge",
             ],
             &[
                 ("landing", "d2h_bytes"),
-                ("decide", "cpu_bytes"),
+                ("cpu_neurons", "cpu_bytes"),
                 ("h2d", "h2d_bytes"),
             ],
         ),

@@ -31,7 +31,8 @@ pub enum Phase {
     Attention,
     /// Queuing the FFN input's device→host copy (hybrid, split, cache units).
     Landing,
-    /// Deciding the active neurons (the predictor, or the deciding rows read on the host).
+    /// Deciding the active neurons (the predictor, or the deciding rows read on the host; the
+    /// CPU's float cold neurons decide within their own pass, [`Phase::CpuNeurons`]).
     Decide,
     /// The CPU's neurons: hybrid's cold ones, the split's CPU rows.
     CpuNeurons,

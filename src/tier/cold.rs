@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::backend::BundleShape;
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
-    Bundles, sparse_down, sparse_down_blocks, sparse_part_dots, sparse_rows,
+    Bundles, FfnParts, sparse_decide_up, sparse_down, sparse_down_blocks, sparse_part_dots,
+    sparse_rows,
 };
 use crate::backend::sparse_act;
 use crate::engine::trace::{self, Phase, span};
@@ -341,22 +342,71 @@ impl ColdLayer {
         let c = cand.len();
         let mut live = vec![false; c];
         for (jj, &j) in cand.iter().enumerate() {
-            let id = self.ids[j as usize] as usize;
-            let bias = if gated {
-                0.0
-            } else {
-                self.up_bias.as_ref().map_or(0.0, |b| b[j as usize])
-            };
             for t in 0..n {
                 let v = &mut dec[t * c + jj];
-                *v = sparse_act((self.act)(*v + bias), threshold);
-                if keep.is_some_and(|k| !k[t * self.d_ff + id]) {
-                    *v = 0.0;
-                }
+                *v = self.masked(j, t, *v, (gated, threshold), keep);
                 live[jj] |= *v != 0.0;
             }
         }
         (0..c).filter(|&jj| live[jj]).collect()
+    }
+
+    /// The activation of held neuron `j` for token `t` from its deciding dot `v`, masked: zero
+    /// where the threshold or `keep` leaves it off. Gated bundles' gate takes no bias.
+    fn masked(
+        &self,
+        j: u32,
+        t: usize,
+        v: f32,
+        (gated, threshold): (bool, f32),
+        keep: Option<&[bool]>,
+    ) -> f32 {
+        let id = self.ids[j as usize] as usize;
+        if keep.is_some_and(|k| !k[t * self.d_ff + id]) {
+            return 0.0;
+        }
+        let bias = if gated {
+            0.0
+        } else {
+            self.up_bias.as_ref().map_or(0.0, |b| b[j as usize])
+        };
+        sparse_act((self.act)(v + bias), threshold)
+    }
+
+    /// [`ColdNeurons::activate`] over float bundles or their parts taken apart: the decision
+    /// and the up side in one pass over the candidates `cand` (the same bits as deciding over
+    /// all, then reading the ups of the neurons left on).
+    fn activate_parts(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        cand: &[u32],
+    ) -> Result<ColdActive> {
+        let parts = match &self.data {
+            ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
+            ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
+                decide: Bundles::of_rows(gates)?,
+                up: Some(Bundles::of_rows(ups)?),
+                down: Bundles::of_rows(downs)?,
+            },
+            ColdData::Matrices { .. } => {
+                return Err(weights_err("the FFN is stored as matrices, not bundles"));
+            }
+        };
+        let gated = parts.gated();
+        let decide =
+            |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (gated, threshold), keep);
+        let c = cand.len();
+        let mut h = vec![0f32; n * c];
+        let on = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
+        self.traffic.add(&self.cost, c, 0, 0);
+        let pos: Vec<usize> = on.iter().map(|&jj| jj as usize).collect();
+        Ok(ColdActive {
+            positions: pos.iter().map(|&jj| cand[jj]).collect(),
+            values: select_cols(&h, n, c, &pos),
+        })
     }
 }
 
@@ -421,52 +471,29 @@ impl ColdNeurons for ColdLayer {
         let k = self.kernels;
         let cand = self.candidates(n, keep);
         let c = cand.len();
-        let mut dec = vec![0f32; n * c];
         // The gate (or the up vector of two-part bundles) decides; the rest is read only for
         // the neurons it leaves on.
-        let (gated, pos) = {
+        let ColdData::Matrices { gate, up, .. } = &self.data else {
+            return self.activate_parts(x, n, threshold, keep, &cand);
+        };
+        let mut dec = vec![0f32; n * c];
+        let pos = {
             let _decide = span(Phase::Decide);
-            let gated = match &self.data {
-                ColdData::Bundles { t, shape } => {
-                    let b = Bundles::from_host(t, *shape)?;
-                    sparse_part_dots(k, &b, &cand, 0, x, n, &mut dec)?;
-                    shape.parts == 3
-                }
-                // The same dots as the bundles' (the f16 kernels sum a row alike).
-                ColdData::Parted { gates, .. } => {
-                    sparse_rows(k, gates, &cand, x, n, &mut dec)?;
-                    true
-                }
-                ColdData::Matrices { gate, up, .. } => {
-                    sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
-                    gate.is_some()
-                }
-            };
-            let pos = self.mask_activations(&cand, n, gated, threshold, keep, &mut dec);
+            sparse_rows(k, gate.as_ref().unwrap_or(up), &cand, x, n, &mut dec)?;
+            let pos = self.mask_activations(&cand, n, gate.is_some(), threshold, keep, &mut dec);
             self.traffic.add(&self.cost, c, 0, 0);
-            (gated, pos)
+            pos
         };
         let positions: Vec<u32> = pos.iter().map(|&jj| cand[jj]).collect();
         let mut values = select_cols(&dec, n, c, &pos);
-        if gated {
+        if gate.is_some() {
             let mut u = vec![0f32; values.len()];
-            match &self.data {
-                ColdData::Bundles { t, shape } => {
-                    let b = Bundles::from_host(t, *shape)?;
-                    sparse_part_dots(k, &b, &positions, 1, x, n, &mut u)?;
-                }
-                ColdData::Parted { ups, .. } => {
-                    sparse_part_dots(k, &Bundles::of_rows(ups)?, &positions, 0, x, n, &mut u)?;
-                }
-                ColdData::Matrices { up, .. } => {
-                    sparse_rows(k, up, &positions, x, n, &mut u)?;
-                    if let Some(bias) = &self.up_bias {
-                        let a = positions.len();
-                        for t in 0..n {
-                            for (aa, &j) in positions.iter().enumerate() {
-                                u[t * a + aa] += bias[j as usize];
-                            }
-                        }
+            sparse_rows(k, up, &positions, x, n, &mut u)?;
+            if let Some(bias) = &self.up_bias {
+                let a = positions.len();
+                for t in 0..n {
+                    for (aa, &j) in positions.iter().enumerate() {
+                        u[t * a + aa] += bias[j as usize];
                     }
                 }
             }

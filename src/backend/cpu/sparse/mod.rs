@@ -5,6 +5,9 @@
 //! - [`sparse_up`] / [`sparse_down`]: over FFN bundles ([`Bundles`]: neuron i's gate row, up row
 //!   and down column side by side) in f32, f16, bf16, INT8 or INT4; `h` is compact, one value
 //!   per listed neuron: `h[t·m + j]` belongs to neuron `idx[j]` (`m = idx.len()`).
+//! - [`sparse_decide_up`]: the up side with its decision in one pass (each listed neuron's
+//!   deciding part, then its up part where the decision leaves it on), over bundles or their
+//!   parts taken apart ([`FfnParts`]).
 //! - [`sparse_rows`] / [`sparse_down_blocks`]: over weight matrices in their storage format
 //!   (GGUF blocks or floats), for models whose FFN is not bundled.
 //!
@@ -18,6 +21,7 @@
 
 mod bundle;
 mod down;
+mod ffn;
 mod items;
 mod matrix;
 mod ops;
@@ -31,6 +35,7 @@ mod x86;
 
 pub use bundle::Bundles;
 pub use down::{DownSplit, sparse_down, sparse_down_split};
+pub use ffn::{FfnParts, sparse_decide_up};
 pub(crate) use items::per_items;
 pub use matrix::{sparse_down_blocks, sparse_rows};
 pub use up::{sparse_part_dots, sparse_up};

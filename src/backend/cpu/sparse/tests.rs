@@ -505,3 +505,106 @@ fn bad_inputs_are_errors() {
     assert!(sparse_rows(k, &w, &[4], &x[..8], 1, &mut h).is_err());
     assert!(sparse_down_blocks(k, &w, &[8], &h, 1, &mut out[..4]).is_err());
 }
+
+/// The decision and the up side in one pass ([`sparse_decide_up`]) against the two it replaces
+/// (the deciding part's dots, then the up dots of what the decision leaves on), in every
+/// encoding, gated or not, whole bundles or taken apart, lists in random order, 1 and 3 tokens,
+/// each token its own mask: the same values bit for bit, the same neurons on. (The modes' parity
+/// on profiled SwiGLU models rests on those bits: a threshold flips neurons on a rounding.)
+#[test]
+fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(31);
+    let encs = [
+        Encoding::F32,
+        Encoding::F16,
+        Encoding::Format(DType::BF16),
+        Encoding::Int8,
+        Encoding::Int4,
+    ];
+    let silu: fn(f32) -> f32 = |x| x / (1.0 + (-x).exp());
+    for k in kernel_sets() {
+        for enc in encs {
+            for (gated, neurons, d) in [(true, 173usize, 96usize), (false, 61, 160), (true, 40, 71)]
+            {
+                if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
+                    continue;
+                }
+                let l = layer(&mut rng, enc, gated, neurons, d);
+                let bytes = aligned(&l.bytes);
+                let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+                // Each part in rows of its own (floats only: INT8/INT4 parts carry their
+                // scales in the bundle's head).
+                let part = l.bytes.len() / neurons / l.shape.parts;
+                let apart: Vec<HostTensor> = (0..l.shape.parts)
+                    .map(|p| HostTensor {
+                        name: format!("part {p}"),
+                        rows: neurons,
+                        cols: d,
+                        dtype: enc.dtype().unwrap_or(DType::F32),
+                        data: aligned(
+                            &l.bytes
+                                .chunks(l.shape.parts * part)
+                                .flat_map(|row| &row[p * part..(p + 1) * part])
+                                .copied()
+                                .collect::<Vec<u8>>(),
+                        ),
+                    })
+                    .collect();
+                let mut layouts = vec![("whole bundles", FfnParts::Bundles(b))];
+                if matches!(enc, Encoding::Format(_)) {
+                    let r = |p: usize| Bundles::of_rows(&apart[p]).unwrap();
+                    let parts = FfnParts::Apart {
+                        decide: r(0),
+                        up: gated.then(|| r(1)),
+                        down: r(l.shape.parts - 1),
+                    };
+                    layouts.push(("apart", parts));
+                }
+                for n in [1usize, 3] {
+                    let x = rand_vec(&mut rng, n * d, 1.0);
+                    let idx = rand_idx(&mut rng, neurons, 0.8);
+                    let m = idx.len();
+                    let on: Vec<bool> = (0..n * m).map(|_| rng.random_bool(0.3)).collect();
+                    let bias = rand_vec(&mut rng, neurons, 0.3);
+                    // The decision: the activation (the ungated up row with its bias), zero
+                    // where the token's mask leaves the neuron off.
+                    let decide = |j: usize, t: usize, v: f32| {
+                        let v = if gated { v } else { v + bias[idx[j] as usize] };
+                        if on[t * m + j] { silu(v) } else { 0.0 }
+                    };
+                    // The two passes.
+                    let mut want = vec![0f32; n * m];
+                    sparse_part_dots(k, &b, &idx, 0, &x, n, &mut want).unwrap();
+                    for t in 0..n {
+                        for j in 0..m {
+                            want[t * m + j] = decide(j, t, want[t * m + j]);
+                        }
+                    }
+                    let live: Vec<u32> = (0..m as u32)
+                        .filter(|&j| (0..n).any(|t| want[t * m + j as usize] != 0.0))
+                        .collect();
+                    assert!(!live.is_empty() && live.len() < m, "some on, some off");
+                    if gated {
+                        let listed: Vec<u32> = live.iter().map(|&j| idx[j as usize]).collect();
+                        let mut u = vec![0f32; n * live.len()];
+                        sparse_part_dots(k, &b, &listed, 1, &x, n, &mut u).unwrap();
+                        for t in 0..n {
+                            for (a, &j) in live.iter().enumerate() {
+                                want[t * m + j as usize] *= u[t * live.len() + a];
+                            }
+                        }
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    for (layout, parts) in &layouts {
+                        let what = format!("{} {enc:?} gated {gated} n {n} {layout}", k.name);
+                        let mut got = vec![f32::NAN; n * m];
+                        let got_on =
+                            sparse_decide_up(k, *parts, &idx, &x, n, decide, &mut got).unwrap();
+                        assert_eq!(got_on, live, "{what}");
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                    }
+                }
+            }
+        }
+    }
+}

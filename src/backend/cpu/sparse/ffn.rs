@@ -1,0 +1,262 @@
+//! The up side of listed neurons with its decision, in one pass ([`sparse_decide_up`]): each
+//! group of four neurons' deciding parts, then the up parts of those the decision leaves on,
+//! while their lines are still coming in. Hybrid's cold neurons took this in two passes (every
+//! deciding part, then the ups of the active), each a parallel call and a walk through the
+//! layer of its own.
+
+use rayon::prelude::*;
+
+use super::bundle::{Bundles, err};
+use super::items::NEURONS_PER_TASK;
+use super::vector::{Vector, dot4, f16_fast, ops};
+use crate::backend::Result;
+use crate::backend::cpu::kernels::Kernels;
+
+/// Where a layer's FFN parts are: whole bundles (gate, up, down or up, down side by side), or
+/// each part in rows of its own (the same neuron at the same row of each; the down rows are
+/// checked beside the others, for the down operators that follow).
+#[derive(Clone, Copy, Debug)]
+pub enum FfnParts<'a> {
+    Bundles(Bundles<'a>),
+    Apart {
+        /// The part that decides: the gate, or the up rows of an ungated FFN.
+        decide: Bundles<'a>,
+        /// The up rows of a gated FFN.
+        up: Option<Bundles<'a>>,
+        down: Bundles<'a>,
+    },
+}
+
+/// A part's role in a neuron's FFN.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Decide,
+    Up,
+}
+
+impl<'a> FfnParts<'a> {
+    /// Whether a gate decides and an up row follows (else the up row decides and is all).
+    pub fn gated(&self) -> bool {
+        match self {
+            FfnParts::Bundles(b) => b.shape.parts == 3,
+            FfnParts::Apart { up, .. } => up.is_some(),
+        }
+    }
+
+    fn d(&self) -> usize {
+        match self {
+            FfnParts::Bundles(b) => b.shape.d,
+            FfnParts::Apart { down, .. } => down.shape.d,
+        }
+    }
+
+    fn is_f16(&self) -> bool {
+        match self {
+            FfnParts::Bundles(b) => b.is_f16(),
+            FfnParts::Apart { decide, up, down } => {
+                decide.is_f16() && down.is_f16() && up.is_none_or(|u| u.is_f16())
+            }
+        }
+    }
+
+    /// Where `role` of a neuron is: the bundles and the part within each.
+    fn at(&self, role: Role) -> (&Bundles<'a>, usize) {
+        match (self, role) {
+            (FfnParts::Bundles(b), Role::Decide) => (b, 0),
+            (FfnParts::Bundles(b), Role::Up) => (b, 1),
+            (FfnParts::Apart { decide, .. }, Role::Decide) => (decide, 0),
+            (FfnParts::Apart { up, decide, .. }, Role::Up) => (up.as_ref().unwrap_or(decide), 0),
+        }
+    }
+
+    fn part(&self, i: usize, role: Role) -> Vector<'a> {
+        let (b, p) = self.at(role);
+        b.part(i, p)
+    }
+
+    fn part_f16(&self, i: usize, role: Role) -> &'a [half::f16] {
+        let (b, p) = self.at(role);
+        b.part_f16(i, p)
+    }
+
+    /// The pieces agree (one width, one encoding, as many neurons) and hold every listed one.
+    fn check(&self, op: &'static str, idx: &[u32]) -> Result<()> {
+        match self {
+            FfnParts::Bundles(b) => {
+                if b.shape.parts < 2 {
+                    return Err(err(op, "bundles of one part have no down column".into()));
+                }
+                b.check_idx(op, idx)
+            }
+            FfnParts::Apart { decide, up, down } => {
+                for b in [Some(decide), up.as_ref(), Some(down)]
+                    .into_iter()
+                    .flatten()
+                {
+                    if b.shape.parts != 1
+                        || b.shape.d != down.shape.d
+                        || b.neurons != down.neurons
+                        || b.is_f16() != down.is_f16()
+                    {
+                        return Err(err(
+                            op,
+                            "the parts taken apart differ in width, encoding or neurons".into(),
+                        ));
+                    }
+                    b.check_idx(op, idx)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The hidden activations of the listed neurons (`i = idx[j]`) for `n` tokens (`x` is
+/// `n × d`): `h[t·m + j] = decide(j, t, dec_i·x_t) · (up_i·x_t)` (gated; `dec` is the gate) or
+/// `decide(j, t, dec_i·x_t)` (ungated; `dec` is the up row, and `decide` adds any bias), where
+/// `decide` is the activation with its mask (zero where the neuron is off for the token). A
+/// neuron's up part is read only where `decide` is non-zero for some token. Returns the list
+/// positions `decide` left on for some token, ascending.
+///
+/// The deciding dots are the same bits as [`super::sparse_part_dots`]' (and so as the dense
+/// kernel's dot of the same row), the up dots too: `h` is bit for bit what the two passes give.
+pub fn sparse_decide_up(
+    k: &Kernels,
+    parts: FfnParts,
+    idx: &[u32],
+    x: &[f32],
+    n: usize,
+    decide: impl Fn(usize, usize, f32) -> f32 + Sync,
+    h: &mut [f32],
+) -> Result<Vec<u32>> {
+    let op = "sparse_decide_up";
+    let (d, m) = (parts.d(), idx.len());
+    if x.len() != n * d || h.len() != n * m {
+        return Err(err(
+            op,
+            format!(
+                "x has {} values, h {}: want {n}×{d} and {n}×{m}",
+                x.len(),
+                h.len()
+            ),
+        ));
+    }
+    parts.check(op, idx)?;
+    if m == 0 || n == 0 {
+        return Ok(Vec::new());
+    }
+    let o = ops(k);
+    let xt = |t: usize| &x[t * d..(t + 1) * d];
+    let walk = Walk {
+        idx,
+        n,
+        gated: parts.gated(),
+        decide: &decide,
+    };
+    // Runs of positions over tasks, each filling its values item-major and its flags.
+    let mut items = vec![0f32; m * n];
+    let mut on = vec![false; m];
+    let run = |(c, (vals, live)): (usize, (&mut [f32], &mut [bool]))| {
+        let js = c * NEURONS_PER_TASK..c * NEURONS_PER_TASK + live.len();
+        match f16_fast(o, parts.is_f16()) {
+            Some(f) => walk.run(
+                js,
+                (vals, live),
+                |i, r| parts.part_f16(i, r),
+                |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
+            ),
+            None => walk.run(
+                js,
+                (vals, live),
+                |i, r| parts.part(i, r),
+                |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
+            ),
+        }
+    };
+    let chunks = items
+        .chunks_mut(NEURONS_PER_TASK * n)
+        .zip(on.chunks_mut(NEURONS_PER_TASK));
+    if m <= NEURONS_PER_TASK {
+        chunks.enumerate().for_each(run);
+    } else {
+        items
+            .par_chunks_mut(NEURONS_PER_TASK * n)
+            .zip(on.par_chunks_mut(NEURONS_PER_TASK))
+            .enumerate()
+            .for_each(run);
+    }
+    for (j, v) in items.chunks(n).enumerate() {
+        for (t, &x) in v.iter().enumerate() {
+            h[t * m + j] = x;
+        }
+    }
+    Ok((0..m as u32).filter(|&j| on[j as usize]).collect())
+}
+
+/// What one task of [`sparse_decide_up`] walks.
+struct Walk<'a, D> {
+    idx: &'a [u32],
+    n: usize,
+    gated: bool,
+    decide: &'a D,
+}
+
+impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
+    /// The list positions `js` in groups of four: their values item-major into `vals`
+    /// (`vals[(j − js.start)·n + t]`), whether each is on into `live`. `part(i, role)` is a
+    /// part of neuron `i`, `dots(rows, next, live, t)` four rows against token `t`, the
+    /// `next` rows fetched ahead.
+    fn run<V: Copy>(
+        &self,
+        js: std::ops::Range<usize>,
+        (vals, live): (&mut [f32], &mut [bool]),
+        part: impl Fn(usize, Role) -> V,
+        dots: impl Fn([V; 4], [V; 4], usize, usize) -> [f32; 4],
+    ) {
+        let n = self.n;
+        let j0 = js.start;
+        let items: Vec<usize> = js.collect();
+        let groups: Vec<&[usize]> = items.chunks(4).collect();
+        let neuron = |j: usize| self.idx[j] as usize;
+        // Padded to four with repeats of the last (their results unused).
+        let pad = |g: &[usize]| -> [usize; 4] { [0, 1, 2, 3].map(|q| g[q.min(g.len() - 1)]) };
+        let deciding = |g: &[usize]| pad(g).map(|j| part(neuron(j), Role::Decide));
+        for (gi, group) in groups.iter().enumerate() {
+            let dec = deciding(group);
+            let next = groups.get(gi + 1).map(|g| deciding(g));
+            // While the deciding rows are summed, the up rows (gated) or the next group's
+            // deciding rows come in.
+            let ahead = if self.gated {
+                pad(group).map(|j| part(neuron(j), Role::Up))
+            } else {
+                next.unwrap_or(dec)
+            };
+            for t in 0..n {
+                let s = dots(dec, ahead, group.len(), t);
+                for (q, &j) in group.iter().enumerate() {
+                    vals[(j - j0) * n + t] = (self.decide)(j, t, s[q]);
+                }
+            }
+            let mut on = [0usize; 4];
+            let mut nl = 0;
+            for &j in group.iter() {
+                let v = &vals[(j - j0) * n..(j - j0 + 1) * n];
+                if v.iter().any(|&v| v != 0.0) {
+                    live[j - j0] = true;
+                    on[nl] = j;
+                    nl += 1;
+                }
+            }
+            if !self.gated || nl == 0 {
+                continue;
+            }
+            let ups = [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up));
+            for t in 0..n {
+                let u = dots(ups, next.unwrap_or(ups), nl, t);
+                for (r, &j) in on[..nl].iter().enumerate() {
+                    vals[(j - j0) * n + t] *= u[r];
+                }
+            }
+        }
+    }
+}
