@@ -4,7 +4,9 @@
 //! decoders are `sparse`'s); each bundle is read once.
 
 use super::kernels::Kernels;
-use super::sparse::{Bundles, DownSplit, sparse_down_split, sparse_part_dots};
+use super::sparse::{
+    Bundles, DownSplit, FfnParts, sparse_decide_up, sparse_down_split, sparse_part_dots,
+};
 use super::{CpuTensor, CpuWeight, ops, shape_err, vector};
 use crate::backend::{Act, BundleShape, Result, sparse_act};
 use crate::store::Encoding;
@@ -120,39 +122,21 @@ pub(crate) fn listed_acts(
 ) -> Result<(Vec<f32>, Vec<usize>)> {
     let m = idx.len();
     let gated = view.shape().parts == 3;
-    // The deciding part (gate, or up without a gate) of every listed neuron.
     let mut v = vec![0f32; n * m];
+    if gated {
+        // The gate of every listed neuron, and in the same pass the up part of those the mask
+        // leaves on for some token only: a neuron off for every token is not read further (the
+        // device decides by reading the gate alone).
+        let decide = |_: usize, _: usize, g: f32| sparse_act(act(g), threshold);
+        let on = sparse_decide_up(k, FfnParts::Bundles(*view), idx, x, n, decide, &mut v)?;
+        return Ok((v, on.into_iter().map(|j| j as usize).collect()));
+    }
+    // The up part decides (and is all) without a gate: every listed neuron's.
     sparse_part_dots(k, view, idx, 0, x, n, &mut v)?;
-    if !gated {
-        for (at, g) in v.iter_mut().enumerate() {
-            *g = sparse_act(act(*g + bias(idx[at % m])), threshold);
-        }
-        return Ok((v, (0..m).collect()));
+    for (at, g) in v.iter_mut().enumerate() {
+        *g = sparse_act(act(*g + bias(idx[at % m])), threshold);
     }
-    v.iter_mut()
-        .for_each(|g| *g = sparse_act(act(*g), threshold));
-    // The up part of the neurons the mask leaves on for some token only: a neuron off for
-    // every token is not read further (the device decides by reading the gate alone).
-    let live: Vec<usize> = (0..m)
-        .filter(|&j| (0..n).any(|t| v[t * m + j] != 0.0))
-        .collect();
-    let ids: Vec<u32> = live.iter().map(|&j| idx[j]).collect();
-    let l = live.len();
-    let mut u = vec![0f32; n * l];
-    sparse_part_dots(k, view, &ids, 1, x, n, &mut u)?;
-    for t in 0..n {
-        let row = &mut v[t * m..(t + 1) * m];
-        let mut next = 0;
-        for (j, a) in row.iter_mut().enumerate() {
-            if live.get(next) == Some(&j) {
-                *a *= u[t * l + next];
-                next += 1;
-            } else {
-                *a = 0.0;
-            }
-        }
-    }
-    Ok((v, live))
+    Ok((v, (0..m).collect()))
 }
 
 impl super::CpuBackend {
