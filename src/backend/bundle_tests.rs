@@ -17,7 +17,8 @@ use crate::store::encode_bundles;
 use crate::store::quant::{INT4_GROUP, dequant_int4_row, dequant_int8_row};
 use crate::tensor::{Bytes, DType, HostTensor, decode_row};
 
-const ENCODINGS: [Encoding; 5] = [
+/// Every bundle encoding (the sparse operators' tests check each too).
+pub(crate) const ENCODINGS: [Encoding; 5] = [
     Encoding::F32,
     Encoding::F16,
     Encoding::Format(DType::BF16),

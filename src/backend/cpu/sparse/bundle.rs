@@ -12,6 +12,26 @@ pub(super) fn err(op: &'static str, msg: String) -> BackendError {
     BackendError::Shape { op, msg }
 }
 
+/// The up side's sizes: `x` is `n × d`, `h` is `n × m`.
+pub(super) fn check_x_h(
+    op: &'static str,
+    (x, h): (&[f32], &[f32]),
+    n: usize,
+    (d, m): (usize, usize),
+) -> Result<()> {
+    if x.len() != n * d || h.len() != n * m {
+        return Err(err(
+            op,
+            format!(
+                "x has {} values, h {}: want {n}×{d} and {n}×{m}",
+                x.len(),
+                h.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A layer's FFN bundles in one encoding, borrowed (from the store's map or a buffer).
 #[derive(Clone, Copy, Debug)]
 pub struct Bundles<'a> {

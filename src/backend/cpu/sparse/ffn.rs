@@ -6,7 +6,7 @@
 
 use rayon::prelude::*;
 
-use super::bundle::{Bundles, err};
+use super::bundle::{Bundles, check_x_h, err};
 use super::items::NEURONS_PER_TASK;
 use super::vector::{Vector, dot4, f16_fast, ops};
 use crate::backend::Result;
@@ -131,16 +131,7 @@ pub fn sparse_decide_up(
 ) -> Result<Vec<u32>> {
     let op = "sparse_decide_up";
     let (d, m) = (parts.d(), idx.len());
-    if x.len() != n * d || h.len() != n * m {
-        return Err(err(
-            op,
-            format!(
-                "x has {} values, h {}: want {n}×{d} and {n}×{m}",
-                x.len(),
-                h.len()
-            ),
-        ));
-    }
+    check_x_h(op, (x, h), n, (d, m))?;
     parts.check(op, idx)?;
     if m == 0 || n == 0 {
         return Ok(Vec::new());

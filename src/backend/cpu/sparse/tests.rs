@@ -10,6 +10,7 @@ use super::super::{bundles, kernels};
 use super::vector::ops;
 use super::*;
 use crate::backend::BundleShape;
+use crate::backend::bundle_tests::ENCODINGS;
 use crate::backend::cpu::kernels::Kernels;
 use crate::store::Encoding;
 use crate::store::quant::{INT4_GROUP, dequant_int4_row, dequant_int8_row, int4_row, int8_row};
@@ -145,6 +146,34 @@ fn layer(rng: &mut StdRng, enc: Encoding, gated: bool, neurons: usize, d: usize)
     }
 }
 
+impl Layer {
+    /// Part `p` of every bundle, one row a neuron (a float layer's parts taken apart, as
+    /// hybrid's cold neurons hold them).
+    fn part_rows(&self, p: usize, dtype: DType) -> HostTensor {
+        let (parts, d) = (self.shape.parts, self.shape.d);
+        let neurons = self.oracle.rows;
+        let part = self.bytes.len() / neurons / parts;
+        HostTensor {
+            name: format!("part {p}"),
+            rows: neurons,
+            cols: d,
+            dtype,
+            data: aligned(
+                &self
+                    .bytes
+                    .chunks(parts * part)
+                    .flat_map(|row| &row[p * part..(p + 1) * part])
+                    .copied()
+                    .collect::<Vec<u8>>(),
+            ),
+        }
+    }
+}
+
+/// The layer shapes (gated, neurons, d) the operators are checked on: a tail of rows past the
+/// groups of four, an ungated layer, a width with a column tail.
+const SHAPES: [(bool, usize, usize); 3] = [(true, 173, 96), (false, 61, 160), (true, 40, 71)];
+
 /// Aligned copy (a `Vec<u8>` promises no alignment; the store's map and `Bytes` do).
 fn aligned(bytes: &[u8]) -> Bytes {
     Bytes::from_slice(bytes)
@@ -161,19 +190,11 @@ pub(super) fn kernel_sets() -> Vec<&'static Kernels> {
 #[test]
 fn bundles_equal_dense_with_masked_h() {
     let mut rng = StdRng::seed_from_u64(11);
-    let encs = [
-        Encoding::F32,
-        Encoding::F16,
-        Encoding::Format(DType::BF16),
-        Encoding::Int8,
-        Encoding::Int4,
-    ];
     let silu: fn(f32) -> f32 = |x| x / (1.0 + (-x).exp());
     let relu: fn(f32) -> f32 = |x| x.max(0.0);
     for k in kernel_sets() {
-        for enc in encs {
-            for (gated, neurons, d) in [(true, 173usize, 96usize), (false, 61, 160), (true, 40, 71)]
-            {
+        for enc in ENCODINGS {
+            for (gated, neurons, d) in SHAPES {
                 if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
                     continue;
                 }
@@ -296,20 +317,7 @@ fn rows_taken_apart_compute_as_their_bundles() {
             let l = layer(&mut rng, enc, true, neurons, d);
             let bytes = aligned(&l.bytes);
             let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
-            let part = l.bytes.len() / neurons / 3;
-            let matrix = |p: usize| HostTensor {
-                name: format!("part {p}"),
-                rows: neurons,
-                cols: d,
-                dtype,
-                data: aligned(
-                    &l.bytes
-                        .chunks(3 * part)
-                        .flat_map(|row| &row[p * part..(p + 1) * part])
-                        .copied()
-                        .collect::<Vec<u8>>(),
-                ),
-            };
+            let matrix = |p: usize| l.part_rows(p, dtype);
             let idx = rand_idx(&mut rng, neurons, 0.7);
             let m = idx.len();
             for n in [1usize, 3] {
@@ -352,17 +360,10 @@ fn rows_taken_apart_compute_as_their_bundles() {
 #[test]
 fn grouped_paths_equal_per_row() {
     let mut rng = StdRng::seed_from_u64(17);
-    let encs = [
-        Encoding::F32,
-        Encoding::F16,
-        Encoding::Format(DType::BF16),
-        Encoding::Int8,
-        Encoding::Int4,
-    ];
     let id: fn(f32) -> f32 = |x| x;
     for k in kernel_sets() {
         let o = ops(k);
-        for enc in encs {
+        for enc in ENCODINGS {
             for (gated, d) in [(true, 224usize), (false, 224), (true, 77), (false, 77)] {
                 if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
                     continue;
@@ -514,18 +515,10 @@ fn bad_inputs_are_errors() {
 #[test]
 fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(31);
-    let encs = [
-        Encoding::F32,
-        Encoding::F16,
-        Encoding::Format(DType::BF16),
-        Encoding::Int8,
-        Encoding::Int4,
-    ];
     let silu: fn(f32) -> f32 = |x| x / (1.0 + (-x).exp());
     for k in kernel_sets() {
-        for enc in encs {
-            for (gated, neurons, d) in [(true, 173usize, 96usize), (false, 61, 160), (true, 40, 71)]
-            {
+        for enc in ENCODINGS {
+            for (gated, neurons, d) in SHAPES {
                 if enc == Encoding::Int4 && !d.is_multiple_of(INT4_GROUP) {
                     continue;
                 }
@@ -534,24 +527,12 @@ fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
                 let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
                 // Each part in rows of its own (floats only: INT8/INT4 parts carry their
                 // scales in the bundle's head).
-                let part = l.bytes.len() / neurons / l.shape.parts;
-                let apart: Vec<HostTensor> = (0..l.shape.parts)
-                    .map(|p| HostTensor {
-                        name: format!("part {p}"),
-                        rows: neurons,
-                        cols: d,
-                        dtype: enc.dtype().unwrap_or(DType::F32),
-                        data: aligned(
-                            &l.bytes
-                                .chunks(l.shape.parts * part)
-                                .flat_map(|row| &row[p * part..(p + 1) * part])
-                                .copied()
-                                .collect::<Vec<u8>>(),
-                        ),
-                    })
-                    .collect();
+                let apart: Vec<HostTensor> = match enc.dtype() {
+                    Some(dtype) => (0..l.shape.parts).map(|p| l.part_rows(p, dtype)).collect(),
+                    None => Vec::new(),
+                };
                 let mut layouts = vec![("whole bundles", FfnParts::Bundles(b))];
-                if matches!(enc, Encoding::Format(_)) {
+                if !apart.is_empty() {
                     let r = |p: usize| Bundles::of_rows(&apart[p]).unwrap();
                     let parts = FfnParts::Apart {
                         decide: r(0),

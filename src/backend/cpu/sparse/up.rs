@@ -1,7 +1,7 @@
 //! The up side over bundles: the listed neurons' hidden activations ([`sparse_up`]) and one
 //! part's dots alone ([`sparse_part_dots`], the part that decides which neurons are active).
 
-use super::bundle::{Bundles, err};
+use super::bundle::{Bundles, check_x_h, err};
 use super::items::{in_fours, per_items};
 use super::vector::{dot4, f16_fast, ops};
 use crate::backend::cpu::kernels::Kernels;
@@ -25,16 +25,7 @@ pub fn sparse_up(
     let op = "sparse_up";
     let BundleShape { parts, d } = b.shape;
     let m = idx.len();
-    if x.len() != n * d || h.len() != n * m {
-        return Err(err(
-            op,
-            format!(
-                "x has {} values, h {}: want {n}×{d} and {n}×{m}",
-                x.len(),
-                h.len()
-            ),
-        ));
-    }
+    check_x_h(op, (x, h), n, (d, m))?;
     if let Some(bb) = bias
         && bb.len() != b.neurons
     {
