@@ -386,10 +386,9 @@ impl ColdLayer {
     ) -> Result<ColdActive> {
         let parts = match &self.data {
             ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
-            ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
+            ColdData::Parted { gates, ups, .. } => FfnParts::Apart {
                 decide: Bundles::of_rows(gates)?,
                 up: Some(Bundles::of_rows(ups)?),
-                down: Bundles::of_rows(downs)?,
             },
             ColdData::Matrices { .. } => {
                 return Err(weights_err("the FFN is stored as matrices, not bundles"));
@@ -400,9 +399,8 @@ impl ColdLayer {
             |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (gated, threshold), keep);
         let c = cand.len();
         let mut h = vec![0f32; n * c];
-        let on = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
+        let pos = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
         self.traffic.add(&self.cost, c, 0, 0);
-        let pos: Vec<usize> = on.iter().map(|&jj| jj as usize).collect();
         Ok(ColdActive {
             positions: pos.iter().map(|&jj| cand[jj]).collect(),
             values: select_cols(&h, n, c, &pos),

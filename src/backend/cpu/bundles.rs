@@ -129,7 +129,7 @@ pub(crate) fn listed_acts(
         // device decides by reading the gate alone).
         let decide = |_: usize, _: usize, g: f32| sparse_act(act(g), threshold);
         let on = sparse_decide_up(k, FfnParts::Bundles(*view), idx, x, n, decide, &mut v)?;
-        return Ok((v, on.into_iter().map(|j| j as usize).collect()));
+        return Ok((v, on));
     }
     // The up part decides (and is all) without a gate: every listed neuron's.
     sparse_part_dots(k, view, idx, 0, x, n, &mut v)?;

@@ -36,7 +36,7 @@ pub(super) fn check_x_h(
 #[derive(Clone, Copy, Debug)]
 pub struct Bundles<'a> {
     bytes: &'a [u8],
-    enc: Encoding,
+    pub(super) enc: Encoding,
     pub(super) shape: BundleShape,
     row_bytes: usize,
     pub(super) neurons: usize,

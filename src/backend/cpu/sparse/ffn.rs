@@ -4,17 +4,16 @@
 //! deciding part, then the ups of the active), each a parallel call and a walk through the
 //! layer of its own.
 
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::bundle::{Bundles, check_x_h, err};
-use super::items::NEURONS_PER_TASK;
+use super::items::per_items;
 use super::vector::{Vector, dot4, f16_fast, ops};
 use crate::backend::Result;
 use crate::backend::cpu::kernels::Kernels;
 
-/// Where a layer's FFN parts are: whole bundles (gate, up, down or up, down side by side), or
-/// each part in rows of its own (the same neuron at the same row of each; the down rows are
-/// checked beside the others, for the down operators that follow).
+/// Where a layer's up side is: whole bundles (gate, up, down or up, down side by side), or
+/// each part in rows of its own (the same neuron at the same row of each).
 #[derive(Clone, Copy, Debug)]
 pub enum FfnParts<'a> {
     Bundles(Bundles<'a>),
@@ -23,7 +22,6 @@ pub enum FfnParts<'a> {
         decide: Bundles<'a>,
         /// The up rows of a gated FFN.
         up: Option<Bundles<'a>>,
-        down: Bundles<'a>,
     },
 }
 
@@ -46,16 +44,14 @@ impl<'a> FfnParts<'a> {
     fn d(&self) -> usize {
         match self {
             FfnParts::Bundles(b) => b.shape.d,
-            FfnParts::Apart { down, .. } => down.shape.d,
+            FfnParts::Apart { decide, .. } => decide.shape.d,
         }
     }
 
     fn is_f16(&self) -> bool {
         match self {
             FfnParts::Bundles(b) => b.is_f16(),
-            FfnParts::Apart { decide, up, down } => {
-                decide.is_f16() && down.is_f16() && up.is_none_or(|u| u.is_f16())
-            }
+            FfnParts::Apart { decide, up } => decide.is_f16() && up.is_none_or(|u| u.is_f16()),
         }
     }
 
@@ -88,15 +84,12 @@ impl<'a> FfnParts<'a> {
                 }
                 b.check_idx(op, idx)
             }
-            FfnParts::Apart { decide, up, down } => {
-                for b in [Some(decide), up.as_ref(), Some(down)]
-                    .into_iter()
-                    .flatten()
-                {
+            FfnParts::Apart { decide, up } => {
+                for b in [Some(decide), up.as_ref()].into_iter().flatten() {
                     if b.shape.parts != 1
-                        || b.shape.d != down.shape.d
-                        || b.neurons != down.neurons
-                        || b.is_f16() != down.is_f16()
+                        || b.shape.d != decide.shape.d
+                        || b.neurons != decide.neurons
+                        || b.enc != decide.enc
                     {
                         return Err(err(
                             op,
@@ -128,7 +121,7 @@ pub fn sparse_decide_up(
     n: usize,
     decide: impl Fn(usize, usize, f32) -> f32 + Sync,
     h: &mut [f32],
-) -> Result<Vec<u32>> {
+) -> Result<Vec<usize>> {
     let op = "sparse_decide_up";
     let (d, m) = (parts.d(), idx.len());
     check_x_h(op, (x, h), n, (d, m))?;
@@ -144,44 +137,23 @@ pub fn sparse_decide_up(
         gated: parts.gated(),
         decide: &decide,
     };
-    // Runs of positions over tasks, each filling its values item-major and its flags.
-    let mut items = vec![0f32; m * n];
-    let mut on = vec![false; m];
-    let run = |(c, (vals, live)): (usize, (&mut [f32], &mut [bool]))| {
-        let js = c * NEURONS_PER_TASK..c * NEURONS_PER_TASK + live.len();
-        match f16_fast(o, parts.is_f16()) {
-            Some(f) => walk.run(
-                js,
-                (vals, live),
-                |i, r| parts.part_f16(i, r),
-                |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
-            ),
-            None => walk.run(
-                js,
-                (vals, live),
-                |i, r| parts.part(i, r),
-                |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
-            ),
-        }
-    };
-    let chunks = items
-        .chunks_mut(NEURONS_PER_TASK * n)
-        .zip(on.chunks_mut(NEURONS_PER_TASK));
-    if m <= NEURONS_PER_TASK {
-        chunks.enumerate().for_each(run);
-    } else {
-        items
-            .par_chunks_mut(NEURONS_PER_TASK * n)
-            .zip(on.par_chunks_mut(NEURONS_PER_TASK))
-            .enumerate()
-            .for_each(run);
-    }
-    for (j, v) in items.chunks(n).enumerate() {
-        for (t, &x) in v.iter().enumerate() {
-            h[t * m + j] = x;
-        }
-    }
-    Ok((0..m as u32).filter(|&j| on[j as usize]).collect())
+    // Runs of positions over tasks, each filling its values and flagging those on.
+    let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
+    per_items(m, n, h, |js, vals| match f16_fast(o, parts.is_f16()) {
+        Some(f) => walk.run(
+            js,
+            (vals, &on),
+            |i, r| parts.part_f16(i, r),
+            |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
+        ),
+        None => walk.run(
+            js,
+            (vals, &on),
+            |i, r| parts.part(i, r),
+            |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
+        ),
+    });
+    Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
 }
 
 /// What one task of [`sparse_decide_up`] walks.
@@ -194,13 +166,13 @@ struct Walk<'a, D> {
 
 impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
     /// The list positions `js` in groups of four: their values item-major into `vals`
-    /// (`vals[(j − js.start)·n + t]`), whether each is on into `live`. `part(i, role)` is a
+    /// (`vals[(j − js.start)·n + t]`), those on flagged in `live` (by position). `part(i, role)` is a
     /// part of neuron `i`, `dots(rows, next, live, t)` four rows against token `t`, the
     /// `next` rows fetched ahead.
     fn run<V: Copy>(
         &self,
         js: std::ops::Range<usize>,
-        (vals, live): (&mut [f32], &mut [bool]),
+        (vals, live): (&mut [f32], &[AtomicBool]),
         part: impl Fn(usize, Role) -> V,
         dots: impl Fn([V; 4], [V; 4], usize, usize) -> [f32; 4],
     ) {
@@ -233,7 +205,7 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
             for &j in group.iter() {
                 let v = &vals[(j - j0) * n..(j - j0 + 1) * n];
                 if v.iter().any(|&v| v != 0.0) {
-                    live[j - j0] = true;
+                    live[j].store(true, Ordering::Relaxed);
                     on[nl] = j;
                     nl += 1;
                 }

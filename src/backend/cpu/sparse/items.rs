@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 /// Listed neurons per parallel task of the row-wise functions.
-pub(super) const NEURONS_PER_TASK: usize = 32;
+const NEURONS_PER_TASK: usize = 32;
 
 /// `out[t·m + j] = f(j, t)` for `m` items and `n` tokens, items split over rayon tasks.
 /// `f(js, vals)` fills a run of items `js`, item-major (`vals[(j − js.start)·n + t]`); for

@@ -537,7 +537,6 @@ fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
                     let parts = FfnParts::Apart {
                         decide: r(0),
                         up: gated.then(|| r(1)),
-                        down: r(l.shape.parts - 1),
                     };
                     layouts.push(("apart", parts));
                 }
@@ -561,17 +560,17 @@ fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
                             want[t * m + j] = decide(j, t, want[t * m + j]);
                         }
                     }
-                    let live: Vec<u32> = (0..m as u32)
-                        .filter(|&j| (0..n).any(|t| want[t * m + j as usize] != 0.0))
+                    let live: Vec<usize> = (0..m)
+                        .filter(|&j| (0..n).any(|t| want[t * m + j] != 0.0))
                         .collect();
                     assert!(!live.is_empty() && live.len() < m, "some on, some off");
                     if gated {
-                        let listed: Vec<u32> = live.iter().map(|&j| idx[j as usize]).collect();
+                        let listed: Vec<u32> = live.iter().map(|&j| idx[j]).collect();
                         let mut u = vec![0f32; n * live.len()];
                         sparse_part_dots(k, &b, &listed, 1, &x, n, &mut u).unwrap();
                         for t in 0..n {
                             for (a, &j) in live.iter().enumerate() {
-                                want[t * m + j as usize] *= u[t * live.len() + a];
+                                want[t * m + j] *= u[t * live.len() + a];
                             }
                         }
                     }
