@@ -293,7 +293,45 @@ fn every_mode_traces_its_own_phases() {
         let sum = p["phase_seconds"].as_f64().unwrap();
         assert!((sum - step).abs() <= 0.05 * step, "{mode}: {p}");
         check_plan_against_trace(&v["plan_vs_trace_per_token"], mode);
+        check_planned_memory(&v, mode);
         check_trace_file(&path, tokens, mode);
+    }
+}
+
+/// `memory.planned` is the plan of the mode that ran (the streaming plan hybrid and the cache
+/// units start from holds less than they do: their peaks were above its device bytes): the
+/// device's peak within its device bytes, its prediction; stream and split move the
+/// host→device bytes their plan says, exactly; hybrid and the cache units give their PCIe
+/// bytes both ways, the figure the cost model beside the trace takes.
+fn check_planned_memory(v: &Value, mode: &str) {
+    let (mem, planned) = (&v["memory"], &v["memory"]["planned"]);
+    let f = |x: &Value, k: &str| {
+        x[k].as_f64()
+            .unwrap_or_else(|| panic!("{mode}: no {k} in {x}"))
+    };
+    let peak = f(mem, "gpu_peak_bytes");
+    assert!(
+        peak > 0.0 && peak <= f(planned, "gpu_bytes"),
+        "{mode}: peak {peak} beyond the plan's device bytes: {mem}"
+    );
+    assert_eq!(
+        planned["predicted_tokens_per_s"], v["predicted_tokens_per_s"],
+        "{mode}: {mem}"
+    );
+    match mode {
+        "cpu" | "gpu" => {
+            assert!(planned["h2d_bytes_per_token"].is_null(), "{mode}: {mem}");
+            assert_eq!(
+                f(planned, "pcie_bytes_per_token"),
+                f(&v["plan_vs_trace_per_token"]["link"], "predicted_bytes"),
+                "{mode}: {mem}"
+            );
+        }
+        _ => assert_eq!(
+            f(planned, "h2d_bytes_per_token"),
+            f(mem, "h2d_bytes_per_token"),
+            "{mode}: {mem}"
+        ),
     }
 }
 

@@ -263,12 +263,7 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         .as_ref()
         .map(|t| phases::per_token_json(t, &rates, (m.after_prefill, m.end)));
     // The running mode's plan, resource by resource, beside the traced phases.
-    let sparse_per_token = match (&running.hybrid, &running.units, &running.experts) {
-        (Some(h), _, _) => Some(&h.plan.per_token),
-        (_, Some(u), _) => Some(&u.plan.per_token),
-        (_, _, Some(x)) => Some(&x.plan.per_token),
-        _ => None,
-    };
+    let sparse_per_token = running.sparse_plan().map(|s| s.per_token);
     let plan_vs_trace = decode_totals
         .as_ref()
         .zip(running.plan.as_ref())

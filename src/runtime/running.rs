@@ -18,6 +18,14 @@ pub struct Hybrid {
     pub traffic: Arc<ColdTraffic>,
 }
 
+/// What a sparse mode's plan holds on the device (`fixed + placed`, and placed) and moves
+/// per token ([`Running::sparse_plan`]).
+pub struct SparsePlanned<'a> {
+    pub per_token: &'a crate::plan::resident::SparsePerToken,
+    pub gpu_bytes: u64,
+    pub gpu_placed_bytes: u64,
+}
+
 /// A cache-unit run's plan and what its units moved.
 pub struct Units {
     pub plan: crate::plan::units::UnitPlan,
@@ -116,6 +124,23 @@ impl Running {
         })
     }
 
+    /// The plan of the sparse mode that runs (hybrid, cache units, or a mixture-of-experts
+    /// model's experts), where one does: what it holds on the device and moves per token.
+    pub fn sparse_plan(&self) -> Option<SparsePlanned<'_>> {
+        let (per_token, gpu_bytes, gpu_placed_bytes) =
+            match (&self.hybrid, &self.units, &self.experts) {
+                (Some(h), _, _) => (&h.plan.per_token, h.plan.device.total, h.plan.device.placed),
+                (_, Some(u), _) => (&u.plan.per_token, u.plan.device.total, u.plan.device.placed),
+                (_, _, Some(x)) => (&x.plan.per_token, x.plan.device.total, x.plan.device.placed),
+                _ => return None,
+            };
+        Some(SparsePlanned {
+            per_token,
+            gpu_bytes,
+            gpu_placed_bytes,
+        })
+    }
+
     /// The plan's predicted decode tokens/s for the mode it runs: the aggregate of a step of
     /// the job's sessions, each decoding a token ([`crate::plan::batch`]); `None` without a plan.
     pub fn predicted_tokens_per_s(&self) -> Option<f64> {
@@ -191,8 +216,18 @@ impl Running {
                 "gpu_placed_bytes": plan.gpu.placed,
                 "h2d_bytes_per_token": plan.per_token.h2d_bytes,
                 "ssd_bytes_per_token": plan.per_token.ssd_bytes,
-                "predicted_tokens_per_s": plan.prediction.tokens_per_s,
+                "predicted_tokens_per_s": self.predicted_tokens_per_s(),
             });
+            // A sparse mode holds and moves what its own plan says, not the streaming plan it
+            // starts from: its device bytes, and its PCIe bytes both ways (the FFN input out
+            // and the partial sums in, or the units' loads; logits).
+            if let Some(sp) = self.sparse_plan() {
+                let p = &mut v["planned"];
+                p["gpu_bytes"] = sp.gpu_bytes.into();
+                p["gpu_placed_bytes"] = sp.gpu_placed_bytes.into();
+                p["h2d_bytes_per_token"] = Value::Null;
+                p["pcie_bytes_per_token"] = sp.per_token.pcie_bytes.into();
+            }
         }
         v
     }
