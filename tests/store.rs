@@ -543,6 +543,27 @@ fn experts_are_stored_as_slices_and_come_back_exact() {
                 src.display()
             );
         }
+        // Under a budget, `memory.planned` is the expert plan's: the device's peak within its
+        // device bytes, its host→device bytes the measured ones, its PCIe bytes both ways.
+        for cold in ["gpu", "cpu"] {
+            let args = ["--kv-type", "f32", "--cold", cold, "--gpu-mem", "3M"];
+            let run: Value = serde_json::from_str(&ok(&mut sim_run(&out, &args))).unwrap();
+            let (mem, what) = (&run["memory"], format!("{} --cold {cold}", src.display()));
+            let (planned, f) = (&mem["planned"], |v: &Value| v.as_f64().unwrap());
+            assert!(
+                f(&mem["gpu_peak_bytes"]) <= f(&planned["gpu_bytes"]),
+                "{what}: {mem}"
+            );
+            assert_eq!(
+                f(&planned["h2d_bytes_per_token"]),
+                f(&mem["h2d_bytes_per_token"]),
+                "{what}: {mem}"
+            );
+            assert!(
+                f(&planned["pcie_bytes_per_token"]) > f(&planned["h2d_bytes_per_token"]),
+                "{what}: {mem}"
+            );
+        }
         fails(
             &mut sim_run(&out, &["--cold", "split"]),
             &["--cold split", "mixture-of-experts", "--cold cpu"],

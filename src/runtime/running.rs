@@ -218,15 +218,19 @@ impl Running {
                 "ssd_bytes_per_token": plan.per_token.ssd_bytes,
                 "predicted_tokens_per_s": self.predicted_tokens_per_s(),
             });
-            // A sparse mode holds and moves what its own plan says, not the streaming plan it
-            // starts from: its device bytes, and its PCIe bytes both ways (the FFN input out
-            // and the partial sums in, or the units' loads; logits).
+            // A sparse mode holds and moves what its own plan says: its device bytes, and its
+            // PCIe bytes both ways (the FFN input out and the partial sums in, or the units'
+            // loads; logits). Hybrid and the cache units start from a streaming plan whose
+            // host→device bytes are not theirs; an expert plan is written into its streaming
+            // plan, host→device bytes too.
             if let Some(sp) = self.sparse_plan() {
                 let p = &mut v["planned"];
                 p["gpu_bytes"] = sp.gpu_bytes.into();
                 p["gpu_placed_bytes"] = sp.gpu_placed_bytes.into();
-                p["h2d_bytes_per_token"] = Value::Null;
                 p["pcie_bytes_per_token"] = sp.per_token.pcie_bytes.into();
+                if self.experts.is_none() {
+                    p["h2d_bytes_per_token"] = Value::Null;
+                }
             }
         }
         v
