@@ -222,6 +222,51 @@ fn planned_units_fill_the_budget_exactly() {
     }
 }
 
+/// A unit that reads the neurons it does not hold in place lists them all in one pair of
+/// kernels a layer, whatever its slot count (`Engine::held_neurons`), and the plan prices it
+/// so: each microsecond more a launch costs adds 2 launches a layer to the predicted step,
+/// beside the other ops' 16 a layer and 4 a step. (It priced a call per slot-count of
+/// neurons: at SmolLM2's 48M, eleven a layer where the step makes one.)
+#[test]
+fn in_place_units_pay_one_pair_of_launches_a_layer() {
+    use gpu_offload::plan::units::plan_units;
+    use gpu_offload::plan::{Budget, HardwareProfile, make_plan};
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    let full = plan_units(
+        &store.manifest,
+        &plan_for(&store, 4),
+        None,
+        0.5,
+        Precision::FP16,
+    )
+    .unwrap();
+    let rest = full.device.placed - full.device.units - full.device.staging;
+    let g = rest + (full.device.units + full.device.staging) / 10;
+    let step = |overhead: f64| {
+        let mut hw = HardwareProfile::load("cpu-sim").unwrap();
+        hw.op_overhead_s = overhead;
+        let plan = make_plan(&store.manifest, &Budget::new(g, None, 2, 8, 4), &hw).unwrap();
+        let u = plan_units(&store.manifest, &plan, None, 0.5, Precision::FP16).unwrap();
+        let k = u.slots()[0][0];
+        assert!(
+            k > 0 && 2 * k < spec.d_ff,
+            "units of {k} slots of {}",
+            spec.d_ff
+        );
+        1.0 / u.predicted_tokens_per_s
+    };
+    // Launches large enough to outweigh every layer's link time.
+    let (a, b) = (step(1e-3), step(2e-3));
+    let launches = (b - a) / 1e-3;
+    let want = (spec.n_layers * (2 + 16) + 4) as f64;
+    assert!(
+        (launches - want).abs() < 1e-6 * want,
+        "{launches} launches a step, want {want}"
+    );
+}
+
 /// Cache units hold neuron bundles: a block-quantized FFN (SmolLM2's matrices) is refused with
 /// what runs it sparse instead, and so is a unit size out of range.
 #[test]

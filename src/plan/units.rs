@@ -499,8 +499,11 @@ fn in_place_unit(
         held += listed_held * part + hits * (parts - 1.0) * part;
         read += listed_rest * part + misses * (parts - 1.0) * part;
         missed += misses;
-        let per_call = k[i].max(1) as f64;
-        calls += (listed_held / per_call).ceil() + (listed_rest / per_call).ceil();
+        // One pair of listed kernels for the tier's whole list, slots and host memory alike
+        // (`Engine::held_neurons`).
+        if listed_held + listed_rest > 0.0 {
+            calls += 1.0;
+        }
     }
     let (held, read) = (held as u64, read as u64);
     let seconds = costs.in_place_layer(l, (held, read), mu, calls, on_device);
