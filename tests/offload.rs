@@ -124,11 +124,12 @@ fn check(store: &Arc<Store>, plan: &Plan, want: &[Vec<f32>], toks: &[u32]) {
                 snap.dram_total_peak
             );
         }
-        // The workspace held is exactly what the formula says this step needs, and no more
-        // than the plan allowed for.
+        // The workspace held covers what the formula says this step needs, and is no more
+        // than the plan allowed for (it stays at the largest step's size: `Workspace::set`).
         let formula = e.step_memory(n, 1).unwrap().workspace;
-        assert_eq!(e.backend().workspace_held(), formula, "{when}: workspace");
-        assert!(formula <= plan.gpu.workspace, "{when}: workspace over plan");
+        let held = e.backend().workspace_held();
+        assert!(held >= formula, "{when}: workspace {held} under {formula}");
+        assert!(held <= plan.gpu.workspace, "{when}: workspace over plan");
     };
     let close = |got: &[f32], want: &[f32], when: &str| {
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
