@@ -552,3 +552,48 @@ fn batched_hybrid_decode_equals_each_session_alone() {
         }
     }
 }
+
+/// A measured read-start cost (`cpu_read_start_s`, what `doctor` and a start's rates measure)
+/// prices each read of the CPU's cold pass: the same placement costs each layer's CPU exactly
+/// that much more per read, where a layer's reads are a deciding row per cold neuron and, per
+/// one left on, its up and down parts (gated bundles); bytes and reads are the same either way,
+/// and the plan's decode prediction falls.
+#[test]
+fn the_cpus_cold_pass_pays_each_reads_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    assert!(spec.gated_ffn);
+    let plan = plan_for(&store, 4);
+    assert!(
+        plan.hardware.cpu_read_start_s.is_none(),
+        "the preset measures none"
+    );
+    let start = 1e-6;
+    let mut priced = plan.clone();
+    priced.hardware.cpu_read_start_s = Some(start);
+    let hot_n = spec.d_ff / 4;
+    let hot: Vec<Vec<u32>> = vec![(0..hot_n as u32).collect(); spec.n_layers];
+    let free = plan_hybrid_with(&store.manifest, &plan, hot.clone(), None, 0.5).unwrap();
+    let paid = plan_hybrid_with(&store.manifest, &priced, hot, None, 0.5).unwrap();
+    assert_eq!(free.per_token, paid.per_token);
+    assert_eq!(paid.sequences, 1, "a decode step of one sequence");
+    // No profile: every neuron on half the time.
+    let cold = (spec.d_ff - hot_n) as f64;
+    let reads = cold + 2.0 * 0.5 * cold;
+    for (l, (a, b)) in free.layers.iter().zip(&paid.layers).enumerate() {
+        assert_eq!(b.cpu_reads, reads, "layer {l}");
+        let extra = b.cpu_s - a.cpu_s;
+        assert!(
+            (extra - start * reads).abs() <= 1e-9 * extra,
+            "layer {l}: {extra} s more for {reads} reads"
+        );
+    }
+    assert_eq!(paid.per_token.cpu_reads, reads * spec.n_layers as f64);
+    assert!(paid.predicted_tokens_per_s < free.predicted_tokens_per_s);
+    // A cost that is not a time is refused.
+    for bad in [-1e-9, f64::NAN, f64::INFINITY] {
+        priced.hardware.cpu_read_start_s = Some(bad);
+        assert!(priced.hardware.validate().is_err(), "{bad}");
+    }
+}

@@ -166,7 +166,7 @@ impl PlannedCosts {
                 cpu_bytes: s.cpu_bytes as f64,
                 device_bytes: s.hbm_bytes as f64,
                 link_seconds: s.pcie_bytes as f64 / hw.h2d_pinned_bytes_per_s,
-                cpu_seconds: s.cpu_bytes as f64 / hw.dram_read_bytes_per_s,
+                cpu_seconds: hw.cpu_sparse_seconds(s.cpu_bytes as f64, s.cpu_reads),
                 device_seconds: s.hbm_bytes as f64 / hw.hbm_bytes_per_s,
             },
             None => {

@@ -9,7 +9,7 @@ use clap::Args;
 
 use crate::plan::HardwareProfile;
 use crate::runtime::machine::{Machine, measure_machine, save_profile};
-use crate::runtime::probe::GpuProfile;
+use crate::runtime::probe::{GpuProfile, READ_PROBE_WIDTH};
 
 #[derive(Debug, Args)]
 pub struct DoctorArgs {
@@ -171,6 +171,7 @@ fn print_host(out: &mut impl Write, m: &Machine) -> Result<()> {
         host,
         memcpy_bytes_per_s: memcpy,
         cpu_attention,
+        cpu_read_start,
         ssd_dir,
         ssd_read_bytes_per_s: ssd,
         gpu,
@@ -214,6 +215,18 @@ fn print_host(out: &mut impl Write, m: &Machine) -> Result<()> {
             100.0 * rate / host.dram_read_bytes_per_s
         )?,
         Err(e) => writeln!(out, "CPU attention:       not measured ({e})")?,
+    }
+    let w = READ_PROBE_WIDTH;
+    match &cpu_read_start {
+        Ok(s) => writeln!(
+            out,
+            "CPU read starts:     {:.0} ns a read beyond its bytes (hybrid's cold pass over f16 \
+             bundles of width {w}, where a read's {} bytes take {:.0} ns at the DRAM read rate)",
+            s * 1e9,
+            2 * w,
+            (2 * w) as f64 / host.dram_read_bytes_per_s * 1e9
+        )?,
+        Err(e) => writeln!(out, "CPU read starts:     not measured ({e})")?,
     }
     match ssd {
         Some(b) => writeln!(

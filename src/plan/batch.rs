@@ -66,7 +66,11 @@ pub fn bounded(
     flops_per_row: f64,
     flops_per_s: f64,
 ) -> f64 {
-    let read = bytes / bytes_per_s;
+    bounded_read(bytes / bytes_per_s, rows, flops_per_row, flops_per_s)
+}
+
+/// [`bounded`] for a resource whose reads take `read` seconds.
+pub fn bounded_read(read: f64, rows: usize, flops_per_row: f64, flops_per_s: f64) -> f64 {
     if rows > 1 {
         read.max(rows as f64 * flops_per_row / flops_per_s)
     } else {

@@ -36,6 +36,19 @@ impl ColdCost {
     pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
         self.decide_bytes * candidates + self.active_bytes * active + self.unit_bytes * units
     }
+
+    /// Reads (each of one place: [`super::HardwareProfile::cpu_read_start_s`]) the same work
+    /// takes: a deciding row per candidate; per active neuron its parts after the deciding one
+    /// (bundles: as many as the bytes hold deciding rows) or its up row (matrices); a read per
+    /// down block.
+    pub fn reads(&self, candidates: f64, active: f64, units: f64) -> f64 {
+        let per_active = match (self.active_bytes, self.unit_bytes) {
+            (0, _) => 0,
+            (a, 0) => a / self.decide_bytes.max(1),
+            _ => 1,
+        };
+        candidates + per_active as f64 * active + if self.unit_bytes > 0 { units } else { 0.0 }
+    }
 }
 
 /// A layer's FFN as stored, for placement.

@@ -1044,6 +1044,7 @@ impl Fixed<'_> {
             per_token: SparsePerToken {
                 hbm_bytes: hbm,
                 cpu_bytes: cpu,
+                cpu_reads: 0.0,
                 pcie_bytes: pcie,
             },
             predicted_tokens_per_s: if seconds > 0.0 { 1.0 / seconds } else { 0.0 },

@@ -45,6 +45,15 @@ pub struct HardwareProfile {
     /// and the matrix-product rate is taken (the most it could be).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_flops_per_s: Option<f64>,
+    /// Seconds the CPU's neuron-sparse pass spends on each read (a listed neuron's gate, up
+    /// or down part, or a matrix's row or block: a short run of bytes at a scattered place)
+    /// beyond its bytes at the DRAM read rate: the start of each, which neither the
+    /// prefetchers nor the kernels' own prefetches hide. `doctor` measures it on the f16 pass
+    /// over bundles beyond the last-level cache (two cores of an EPYC CI machine: 35–55 ns a
+    /// read, where a read of SmolLM2's 1152 bytes takes 37 ns at the DRAM rate). `None`: not
+    /// measured, and a read costs only its bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_read_start_s: Option<f64>,
     /// Whether the device's copies and its reads draw on one memory, so a token's copies and
     /// its device reads take turns rather than overlap: the budgeted CPU device, whose memcpy
     /// and kernels share host memory (a third of SmolLM2 on it: the overlapped figure predicted
@@ -98,6 +107,7 @@ pub fn presets() -> Vec<HardwareProfile> {
         matmul_flops_per_s: tflops * 1e12,
         cpu_attention_bytes_per_s: None,
         attention_flops_per_s: None,
+        cpu_read_start_s: None,
         copies_share_memory: false,
         rates_source: None,
     };
@@ -197,6 +207,12 @@ impl HardwareProfile {
             .unwrap_or(self.dram_read_bytes_per_s)
     }
 
+    /// Seconds the CPU's neuron-sparse pass takes to read `bytes` in `reads` reads: the bytes
+    /// at the DRAM read rate and each read's start ([`Self::cpu_read_start_s`]).
+    pub fn cpu_sparse_seconds(&self, bytes: f64, reads: f64) -> f64 {
+        bytes / self.dram_read_bytes_per_s + reads * self.cpu_read_start_s.unwrap_or(0.0)
+    }
+
     /// FLOP/s of a prompt's attention on the device (measured, or the matrix-product rate).
     pub fn attention_rate(&self) -> f64 {
         self.attention_flops_per_s
@@ -239,6 +255,11 @@ impl HardwareProfile {
         }
         if !(self.op_overhead_s.is_finite() && self.op_overhead_s >= 0.0) {
             return Err("op_overhead_s must be ≥ 0".into());
+        }
+        if let Some(v) = self.cpu_read_start_s
+            && !(v.is_finite() && v >= 0.0)
+        {
+            return Err(format!("cpu_read_start_s must be ≥ 0, is {v}"));
         }
         Ok(())
     }

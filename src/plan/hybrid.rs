@@ -42,6 +42,8 @@ pub struct HotLayer {
     pub device_bytes: u64,
     /// Expected bytes per token the CPU reads for its cold neurons.
     pub cpu_bytes: u64,
+    /// The reads they come in ([`ColdCost::reads`]).
+    pub cpu_reads: f64,
     /// Predicted seconds per token of the device's FFN share and the CPU's (with its round
     /// trip); the layer takes the longer.
     pub gpu_s: f64,
@@ -188,7 +190,11 @@ fn place_in(
             impacts: impacts.clone(),
             bytes_per_neuron: lay.unit_bytes,
             min_neurons: min_gpu_neurons(
-                lay.unit_bytes as f64 / hw.dram_read_bytes_per_s,
+                hw.cpu_sparse_seconds(
+                    lay.unit_bytes as f64,
+                    lay.cost
+                        .reads(lay.cost.unit as f64, lay.cost.unit as f64, 1.0),
+                ),
                 lay.unit_bytes as f64 / hw.hbm_bytes_per_s,
                 sync,
                 impacts.len(),
@@ -384,6 +390,8 @@ struct ColdWork {
     flops: f64,
     /// Expected bytes the CPU reads.
     bytes: f64,
+    /// Expected reads they come in ([`ColdCost::reads`]).
+    reads: f64,
 }
 
 /// The cold work of a layer with frequencies `f` and `hot` neurons on the device, in a step of
@@ -435,6 +443,7 @@ fn cold_work(
             + c.active_bytes as f64 * active
             + c.unit_bytes as f64 * touched
             + predictor.map_or(0.0, |p| p.weight_bytes as f64),
+        reads: c.reads(examined, active, touched),
     }
 }
 
@@ -506,6 +515,7 @@ fn finish(
         let ColdWork {
             flops: cold_row,
             bytes: cold_bytes,
+            reads: cold_reads,
         } = cold_work(f, ids, lay, rows, predictor, neuron_flops);
         let cold = d_ff - ids.len();
         cpu += cold_bytes as u64;
@@ -520,9 +530,8 @@ fn finish(
         let cpu_s = if cold == 0 && predictor.is_none() {
             0.0
         } else {
-            batch::bounded(
-                cold_bytes,
-                hw.dram_read_bytes_per_s,
+            batch::bounded_read(
+                hw.cpu_sparse_seconds(cold_bytes, cold_reads),
                 rows,
                 cold_row,
                 cpu_rate,
@@ -546,6 +555,7 @@ fn finish(
             runs: LayerRuns::of(ids.len(), cold),
             device_bytes: layer_attention + hot_raw,
             cpu_bytes: cold_bytes as u64,
+            cpu_reads: cold_reads,
             gpu_s,
             cpu_s,
         });
@@ -569,6 +579,7 @@ fn finish(
     // Streamed attention comes in beside the compute (the prefetch window).
     let seconds = seconds.max(base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
     let placed_bytes = base.everything_else + hot_device;
+    let cpu_reads = layers.iter().map(|l| l.cpu_reads).sum();
     let bytes_per_neuron = layouts
         .iter()
         .map(|l| l.unit_bytes / l.cost.unit as u64)
@@ -599,6 +610,7 @@ fn finish(
         per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
+            cpu_reads,
             pcie_bytes: pcie,
         },
         predicted_tokens_per_s: rows as f64 / seconds,
@@ -680,10 +692,11 @@ impl HybridPlan {
         let p = &self.per_token;
         let _ = writeln!(
             s,
-            "per {}: device reads {}, CPU reads {} from DRAM, PCIe {}; predicted {}",
+            "per {}: device reads {}, CPU reads {} from DRAM in {:.0} reads, PCIe {}; predicted {}",
             step_of(self.sequences),
             h(p.hbm_bytes),
             h(p.cpu_bytes),
+            p.cpu_reads,
             h(p.pcie_bytes),
             batch::speed(self.predicted_tokens_per_s, self.sequences)
         );

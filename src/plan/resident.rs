@@ -25,6 +25,9 @@ pub struct SparsePerToken {
     pub hbm_bytes: u64,
     /// What the CPU reads from DRAM: the cold neurons (hybrid), the deciding vectors (units).
     pub cpu_bytes: u64,
+    /// The reads the CPU's neuron-sparse pass takes them in (hybrid's cold neurons; 0 where
+    /// nothing is priced by its reads): [`super::HardwareProfile::cpu_sparse_seconds`].
+    pub cpu_reads: f64,
     /// Host→device and back: the FFN input and partial sums or the units' loads, every layer;
     /// logits out.
     pub pcie_bytes: u64,

@@ -450,6 +450,7 @@ fn plan_units_in(
         per_token: SparsePerToken {
             hbm_bytes: hbm,
             cpu_bytes: cpu,
+            cpu_reads: 0.0,
             pcie_bytes: pcie,
         },
         predicted_tokens_per_s: rows as f64 / seconds,
@@ -905,6 +906,7 @@ pub fn mix_with_hybrid(
     let mut out = units;
     let mut seconds = rows as f64 / out.predicted_tokens_per_s;
     let (mut hbm, mut cpu) = (out.per_token.hbm_bytes, out.per_token.cpu_bytes);
+    let mut cpu_reads = out.per_token.cpu_reads;
     let mut pcie = out.per_token.pcie_bytes;
     let mut hot_neurons = vec![None; n_layers];
     let mut hybrid_bytes = merge;
@@ -920,6 +922,7 @@ pub fn mix_with_hybrid(
         ];
         hbm = hbm - u.ffn_bytes[0] + ffn[0];
         cpu = cpu - u.ffn_bytes[1] + ffn[1];
+        cpu_reads += h.cpu_reads;
         pcie = pcie - u.ffn_bytes[2] + ffn[2];
         hybrid_bytes += opts[l][1].1;
         hot_neurons[l] = Some(hot.hot_neurons[l].clone());
@@ -946,6 +949,7 @@ pub fn mix_with_hybrid(
     out.per_token = SparsePerToken {
         hbm_bytes: hbm,
         cpu_bytes: cpu,
+        cpu_reads,
         pcie_bytes: pcie,
     };
     out.predicted_tokens_per_s = rows as f64 / seconds;

@@ -17,6 +17,9 @@ pub struct Machine {
     pub memcpy_bytes_per_s: f64,
     /// The CPU's decode attention rate, bytes of KV cache/s, or why it was not measured.
     pub cpu_attention: Result<f64, String>,
+    /// The CPU's neuron-sparse pass: seconds a read costs beyond its bytes, or why it was not
+    /// measured.
+    pub cpu_read_start: Result<f64, String>,
     /// Where the SSD was read, and its rate (None: not measured).
     pub ssd_dir: PathBuf,
     pub ssd_read_bytes_per_s: Option<f64>,
@@ -33,6 +36,7 @@ pub fn measure_machine(threads: usize, ssd_dir: PathBuf, ssd_test_mib: usize) ->
     // One pool of `threads` for every CPU probe.
     let cpu = CpuBackend::new(threads)?;
     let cpu_attention = hw::cpu_attention_rate(&cpu);
+    let cpu_read_start = hw::cpu_read_start_s(&cpu, 256 << 20, host.dram_read_bytes_per_s);
     let ssd = if ssd_test_mib == 0 {
         None
     } else {
@@ -42,11 +46,19 @@ pub fn measure_machine(threads: usize, ssd_dir: PathBuf, ssd_test_mib: usize) ->
         )
     };
     let gpu = hw::probe_gpu(256 << 20);
-    let profile = profile_of(&gpu, &host, memcpy, ssd, &cpu_attention, &cpu)?;
+    let profile = profile_of(
+        &gpu,
+        &host,
+        memcpy,
+        ssd,
+        (&cpu_attention, &cpu_read_start),
+        &cpu,
+    )?;
     Ok(Machine {
         host,
         memcpy_bytes_per_s: memcpy,
         cpu_attention,
+        cpu_read_start,
         ssd_dir,
         ssd_read_bytes_per_s: ssd,
         gpu,
@@ -61,7 +73,7 @@ fn profile_of(
     host: &HostProfile,
     memcpy: f64,
     ssd: Option<f64>,
-    cpu_attention: &Result<f64, String>,
+    (cpu_attention, cpu_read_start): (&Result<f64, String>, &Result<f64, String>),
     cpu: &CpuBackend,
 ) -> Result<HardwareProfile> {
     Ok(match gpu {
@@ -77,6 +89,7 @@ fn profile_of(
             device_fixed_bytes: g.fixed_bytes,
             matmul_flops_per_s: g.matmul_flops_per_s,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
+            cpu_read_start_s: cpu_read_start.as_ref().ok().copied(),
             attention_flops_per_s: Some(g.attention_flops_per_s),
             copies_share_memory: false,
             rates_source: None,
@@ -97,6 +110,7 @@ fn profile_of(
             matmul_flops_per_s: hw::matmul_rate(cpu, 128, 1024, 1024)
                 .map_err(anyhow::Error::msg)?,
             cpu_attention_bytes_per_s: cpu_attention.as_ref().ok().copied(),
+            cpu_read_start_s: cpu_read_start.as_ref().ok().copied(),
             attention_flops_per_s: Some(
                 hw::AttentionProbe::PROMPT_CPU
                     .flops_per_s(cpu)

@@ -256,6 +256,71 @@ pub fn cpu_attention_rate(b: &crate::backend::cpu::CpuBackend) -> Result<f64, St
     Ok(probe.kv_bytes() / secs)
 }
 
+/// Width of the bundles [`cpu_read_start_s`] reads: SmolLM2's, the shortest rows of the models
+/// we serve, where a read's start weighs most beside its bytes.
+pub const READ_PROBE_WIDTH: usize = 576;
+
+/// Seconds the CPU's neuron-sparse pass spends on each read beyond its bytes at
+/// `dram` bytes/s ([`crate::plan::HardwareProfile::cpu_read_start_s`]). The pass is hybrid's
+/// cold pass as the engine runs it on `b`'s pool: over `bytes` of f16 bundles (gate, up, down)
+/// half the neurons listed, each listed one's gate read to decide, half of those left on and
+/// their up and down parts read; the median of five passes.
+pub fn cpu_read_start_s(
+    b: &crate::backend::cpu::CpuBackend,
+    bytes: usize,
+    dram: f64,
+) -> Result<f64, String> {
+    use crate::backend::cpu::sparse::{Bundles, FfnParts, sparse_decide_up, sparse_down};
+    use crate::backend::{Backend, BundleShape};
+    let err = |e: crate::backend::BackendError| format!("CPU read-start probe: {e}");
+    let d = READ_PROBE_WIDTH;
+    let shape = BundleShape { parts: 3, d };
+    let neurons = (bytes / (3 * d * 2)).max(64);
+    let halves: Vec<half::f16> = (0..neurons * 3 * d)
+        .map(|i| half::f16::from_f32(((i % 29) as f32 - 14.0) * 0.01))
+        .collect();
+    let layer = Bundles::new(
+        bytemuck::cast_slice(&halves),
+        crate::store::Encoding::Format(crate::tensor::DType::F16),
+        shape,
+    )
+    .map_err(err)?;
+    // Two independent bits of a hash of the neuron: listed, and left on where listed.
+    let bits = |j: usize| (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62;
+    let listed: Vec<u32> = (0..neurons as u32)
+        .filter(|&j| bits(j as usize) & 1 == 1)
+        .collect();
+    let on_of = |j: usize| bits(listed[j] as usize) & 2 == 2;
+    let x: Vec<f32> = (0..d).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
+    let k = crate::backend::cpu::kernels::best();
+    let mut h = vec![0f32; listed.len()];
+    let mut out = vec![0f32; d];
+    let mut pass = || -> Result<(f64, usize), String> {
+        let t0 = Instant::now();
+        let on = sparse_decide_up(
+            k,
+            FfnParts::Bundles(layer),
+            &listed,
+            &x,
+            1,
+            |j, _, v| if on_of(j) { v } else { 0.0 },
+            &mut h,
+        )
+        .map_err(err)?;
+        let idx: Vec<u32> = on.iter().map(|&j| listed[j]).collect();
+        let hs: Vec<f32> = on.iter().map(|&j| h[j]).collect();
+        sparse_down(k, &layer, &idx, &hs, 1, &mut out).map_err(err)?;
+        std::hint::black_box(&out);
+        Ok((t0.elapsed().as_secs_f64(), on.len()))
+    };
+    let mut times = b.enter(|| (0..5).map(|_| pass()).collect::<Result<Vec<_>, _>>())?;
+    times.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (secs, on) = times[2];
+    let reads = listed.len() + 2 * on;
+    let bytes_s = (reads * d * 2) as f64 / dram;
+    Ok(((secs - bytes_s) / reads as f64).max(0.0))
+}
+
 /// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),
 /// bytes/s copied.
 pub fn memcpy_bandwidth(bytes: usize, reps: usize) -> f64 {
@@ -442,9 +507,11 @@ pub fn matmul_rate<B: crate::backend::Backend>(
 }
 
 /// Seconds one small device op costs on `b` beyond its bytes: the median of 101 one-token
-/// products of a 16 × 256 f16 weight (8 KiB, cache-resident), each waited for. On the budgeted
-/// device this is the thread pool's fork and join, ~10–20 µs on two cores where a GPU launch
-/// is a few µs; what the cost model charges every op of a step.
+/// products of a 16 × 256 f16 weight (8 KiB, cache-resident), each waited for, inside the
+/// backend's context as a step's ops run. On the budgeted device this is the pool's fork and
+/// join, about 0.5–1 µs on two cores (timed from outside the pool, where each op also entered
+/// it, 21 µs: a third of SmolLM2's predicted step on ops the step never paid for); what the
+/// cost model charges every op of a step.
 pub fn op_overhead_s<B: crate::backend::Backend>(b: &B) -> Result<f64, String> {
     use crate::tensor::{Bytes, DType, HostTensor};
     let err = |e: crate::backend::BackendError| format!("op overhead probe: {e}");
@@ -465,13 +532,20 @@ pub fn op_overhead_s<B: crate::backend::Backend>(b: &B) -> Result<f64, String> {
     b.write(&mut x, &vec![0.5f32; cols]).map_err(err)?;
     let mut out = b.alloc(1, rows).map_err(err)?;
     let mut sink = vec![0f32; rows];
-    let mut times = Vec::with_capacity(101);
-    for _ in 0..102 {
-        let t0 = std::time::Instant::now();
-        b.matmul(&w, &x, &mut out).map_err(err)?;
-        b.read(&out, &mut sink).map_err(err)?;
-        times.push(t0.elapsed().as_secs_f64());
-    }
+    // Inside the backend's context, as a step's ops run (the engine enters it once a step):
+    // from outside, each op on the CPU pool would also pay its own entry into the pool.
+    let mut times = b
+        .enter(move || {
+            let mut times = Vec::with_capacity(102);
+            for _ in 0..102 {
+                let t0 = std::time::Instant::now();
+                b.matmul(&w, &x, &mut out)?;
+                b.read(&out, &mut sink)?;
+                times.push(t0.elapsed().as_secs_f64());
+            }
+            Ok::<_, crate::backend::BackendError>(times)
+        })
+        .map_err(err)?;
     times.remove(0);
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
@@ -548,5 +622,22 @@ pub fn probe_gpu(bytes: usize) -> Result<GpuProfile, String> {
             ),
             flash_attention: crate::footprint::attention::flash_attention_runs(capability),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The read-start probe runs hybrid's cold pass on a pool and gives a time (the cold pass's
+    /// own arguments checked by the kernels it calls): finite, not negative.
+    #[test]
+    fn the_read_start_probe_runs_the_cold_pass() {
+        let cpu = crate::backend::cpu::CpuBackend::new(2).unwrap();
+        let s = cpu_read_start_s(&cpu, 4 << 20, 20e9).unwrap();
+        assert!(s.is_finite() && s >= 0.0, "{s}");
+        // Far faster DRAM than any: the bytes explain none of the time, every read its start.
+        let slow = cpu_read_start_s(&cpu, 4 << 20, 1e15).unwrap();
+        assert!(slow > 0.0, "{slow}");
     }
 }

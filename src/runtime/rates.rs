@@ -120,7 +120,15 @@ struct CacheKey {
     gpu: Option<String>,
     driver: Option<String>,
     build: String,
+    /// [`PROBES`] when measured (0 before it was kept).
+    #[serde(default)]
+    probes: u32,
 }
+
+/// What the probes measure, numbered: a cache of other probes is measured again. 2: the op
+/// overhead timed inside the backend's pool (it had been 21 µs a step's op on the budgeted
+/// device, where the step pays about 1), and the CPU's read starts.
+const PROBES: u32 = 2;
 
 /// A cache file: the key, the measured profile, and a checksum of both.
 #[derive(Serialize, Deserialize)]
@@ -148,6 +156,7 @@ fn cache_key(device: RatesDevice, threads: usize) -> CacheKey {
         gpu,
         driver,
         build: env!("CARGO_PKG_VERSION").to_string(),
+        probes: PROBES,
     }
 }
 
@@ -260,6 +269,7 @@ pub fn measure(
     // `doctor`'s probes, each timed fewer times (a start pays for these once per machine).
     let decode = AttentionProbe::DECODE_7B;
     let cpu_attention = decode.seconds(&cpu, 1).ok().map(|s| decode.kv_bytes() / s);
+    let cpu_read_start = hw::cpu_read_start_s(&cpu, PROBE_BYTES, dram).ok();
     let p = match device {
         RatesDevice::Cuda => {
             let g = hw::probe_gpu(64 << 20).map_err(anyhow::Error::msg)?;
@@ -273,6 +283,7 @@ pub fn measure(
                 device_fixed_bytes: g.fixed_bytes.or(base.device_fixed_bytes),
                 matmul_flops_per_s: g.matmul_flops_per_s,
                 cpu_attention_bytes_per_s: cpu_attention,
+                cpu_read_start_s: cpu_read_start,
                 attention_flops_per_s: Some(g.attention_flops_per_s),
                 copies_share_memory: false,
                 ..base.clone()
@@ -291,6 +302,7 @@ pub fn measure(
                 matmul_flops_per_s: hw::matmul_rate(&cpu, 128, 1024, 1024)
                     .map_err(anyhow::Error::msg)?,
                 cpu_attention_bytes_per_s: cpu_attention,
+                cpu_read_start_s: cpu_read_start,
                 attention_flops_per_s: Some(
                     QUICK_PROMPT_CPU
                         .flops_per_s(&cpu)
@@ -334,6 +346,23 @@ mod tests {
             ..k.clone()
         };
         assert_eq!(read_cache(&path, &other), None);
+        // Rates of earlier probes (a file from before their number was kept has none) are
+        // measured again.
+        let mut older = serde_json::to_value(&entry).unwrap();
+        older["key"].as_object_mut().unwrap().remove("probes");
+        older["checksum"] = serde_json::json!(
+            checksum(
+                &CacheKey {
+                    probes: 0,
+                    ..k.clone()
+                },
+                &profile
+            )
+            .unwrap()
+        );
+        std::fs::write(&path, older.to_string()).unwrap();
+        assert_eq!(read_cache(&path, &k), None);
+        std::fs::write(&path, serde_json::to_string(&entry).unwrap()).unwrap();
         // A damaged figure fails the checksum.
         let mut bad = entry;
         bad.profile.dram_read_bytes_per_s *= 2.0;
