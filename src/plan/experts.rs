@@ -1041,12 +1041,7 @@ impl Fixed<'_> {
             staging: self.staging,
             batch: self.batch,
             stream_rows: self.stream.map(|(r, _)| r),
-            per_token: SparsePerToken {
-                hbm_bytes: hbm,
-                cpu_bytes: cpu,
-                cpu_reads: 0.0,
-                pcie_bytes: pcie,
-            },
+            per_token: SparsePerToken::of_bytes(hbm, cpu, pcie),
             predicted_tokens_per_s: if seconds > 0.0 { 1.0 / seconds } else { 0.0 },
             routing: self.routing.clone(),
             prefetch,

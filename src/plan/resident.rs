@@ -33,6 +33,18 @@ pub struct SparsePerToken {
     pub pcie_bytes: u64,
 }
 
+impl SparsePerToken {
+    /// Bytes by resource, with none of them priced by its reads.
+    pub fn of_bytes(hbm_bytes: u64, cpu_bytes: u64, pcie_bytes: u64) -> Self {
+        SparsePerToken {
+            hbm_bytes,
+            cpu_bytes,
+            cpu_reads: 0.0,
+            pcie_bytes,
+        }
+    }
+}
+
 /// Which sparse mode a [`Base`] is for: hybrid execution brings the CPU's partial sums back
 /// into a merge buffer; cache units compute every neuron on the device and need none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

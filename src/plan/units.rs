@@ -447,12 +447,7 @@ fn plan_units_in(
         },
         dram_neurons,
         sequences: rows,
-        per_token: SparsePerToken {
-            hbm_bytes: hbm,
-            cpu_bytes: cpu,
-            cpu_reads: 0.0,
-            pcie_bytes: pcie,
-        },
+        per_token: SparsePerToken::of_bytes(hbm, cpu, pcie),
         predicted_tokens_per_s: rows as f64 / seconds,
         scores: freqs
             .iter()
