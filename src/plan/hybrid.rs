@@ -189,12 +189,13 @@ fn place_in(
         .map(|(impacts, lay)| PlacementLayer {
             impacts: impacts.clone(),
             bytes_per_neuron: lay.unit_bytes,
+            // A unit at its bytes alone on either side, not the CPU's read starts: where the
+            // device's memory is the CPU's (the budgeted device) no split then pays and each
+            // layer stays whole, its down sum one chain in neuron order. A split layer adds
+            // the device's sum and the CPU's: a reassociation SmolLM2 bundled amplifies from
+            // an ulp at layer 0 to 1.4e-2 of the logit scale (`tests/mode_parity.rs`).
             min_neurons: min_gpu_neurons(
-                hw.cpu_sparse_seconds(
-                    lay.unit_bytes as f64,
-                    lay.cost
-                        .reads(lay.cost.unit as f64, lay.cost.unit as f64, 1.0),
-                ),
+                lay.unit_bytes as f64 / hw.dram_read_bytes_per_s,
                 lay.unit_bytes as f64 / hw.hbm_bytes_per_s,
                 sync,
                 impacts.len(),
