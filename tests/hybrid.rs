@@ -555,9 +555,9 @@ fn batched_hybrid_decode_equals_each_session_alone() {
 
 /// A measured read-start cost (`cpu_read_start_s`, what `doctor` and a start's rates measure)
 /// prices each read of the CPU's cold pass: the same placement costs each layer's CPU exactly
-/// that much more per read, where a layer's reads are a deciding row per cold neuron and, per
-/// one left on, its up and down parts (gated bundles); bytes and reads are the same either way,
-/// and the plan's decode prediction falls.
+/// that much more per read, where a layer's reads are, per cold neuron left on, its up and
+/// down rows (gated float bundles, taken apart: the gates are one run); bytes and reads are
+/// the same either way, and the plan's decode prediction falls.
 #[test]
 fn the_cpus_cold_pass_pays_each_reads_start() {
     let dir = tempfile::tempdir().unwrap();
@@ -578,9 +578,10 @@ fn the_cpus_cold_pass_pays_each_reads_start() {
     let paid = plan_hybrid_with(&store.manifest, &priced, hot, None, 0.5).unwrap();
     assert_eq!(free.per_token, paid.per_token);
     assert_eq!(paid.sequences, 1, "a decode step of one sequence");
-    // No profile: every neuron on half the time.
+    // No profile: every neuron on half the time. Gated float bundles are taken apart on the
+    // CPU: the gates one run, an up and a down row per neuron on.
     let cold = (spec.d_ff - hot_n) as f64;
-    let reads = cold + 2.0 * 0.5 * cold;
+    let reads = 2.0 * 0.5 * cold;
     for (l, (a, b)) in free.layers.iter().zip(&paid.layers).enumerate() {
         assert_eq!(b.cpu_reads, reads, "layer {l}");
         let extra = b.cpu_s - a.cpu_s;
@@ -591,6 +592,26 @@ fn the_cpus_cold_pass_pays_each_reads_start() {
     }
     assert_eq!(paid.per_token.cpu_reads, reads * spec.n_layers as f64);
     assert!(paid.predicted_tokens_per_s < free.predicted_tokens_per_s);
+    // The budgeted device's kernels run on the CPU: a split layer's shares take turns there
+    // (their sum), where a GPU's run beside the CPU's (the longer).
+    assert!(plan.hardware.copies_share_memory);
+    let mut gpu = plan.clone();
+    gpu.hardware.copies_share_memory = false;
+    let beside = plan_hybrid_with(
+        &store.manifest,
+        &gpu,
+        vec![(0..hot_n as u32).collect(); spec.n_layers],
+        None,
+        0.5,
+    )
+    .unwrap();
+    let turns: f64 = free.layers.iter().map(|l| l.gpu_s.min(l.cpu_s)).sum();
+    assert!(turns > 0.0);
+    let gained = 1.0 / free.predicted_tokens_per_s - 1.0 / beside.predicted_tokens_per_s;
+    assert!(
+        (gained - turns).abs() <= 1e-9 * turns,
+        "{gained} s a token beside, {turns} s the shorter shares"
+    );
     // A cost that is not a time is refused.
     for bad in [-1e-9, f64::NAN, f64::INFINITY] {
         priced.hardware.cpu_read_start_s = Some(bad);

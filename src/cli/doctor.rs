@@ -220,8 +220,9 @@ fn print_host(out: &mut impl Write, m: &Machine) -> Result<()> {
     match &cpu_read_start {
         Ok(s) => writeln!(
             out,
-            "CPU read starts:     {:.0} ns a read beyond its bytes (hybrid's cold pass over f16 \
-             bundles of width {w}, where a read's {} bytes take {:.0} ns at the DRAM read rate)",
+            "CPU read starts:     {:.0} ns a read beyond its bytes (hybrid's cold pass over gated f16 \
+             neurons of width {w} taken apart, where a read's {} bytes take {:.0} ns at the DRAM \
+             read rate)",
             s * 1e9,
             2 * w,
             (2 * w) as f64 / host.dram_read_bytes_per_s * 1e9

@@ -10,7 +10,7 @@
 use serde::Serialize;
 
 use crate::footprint::{DEVICE_ALIGN, device_bytes};
-use crate::store::{Manifest, SegmentKind, names};
+use crate::store::{Encoding, Manifest, SegmentKind, names};
 use crate::tensor::{DType, QK};
 
 use super::budget::PlanError;
@@ -36,19 +36,6 @@ impl ColdCost {
     pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
         self.decide_bytes * candidates + self.active_bytes * active + self.unit_bytes * units
     }
-
-    /// Reads (each of one place: [`super::HardwareProfile::cpu_read_start_s`]) the same work
-    /// takes: a deciding row per candidate; per active neuron its parts after the deciding one
-    /// (bundles: as many as the bytes hold deciding rows) or its up row (matrices); a read per
-    /// down block.
-    pub fn reads(&self, candidates: f64, active: f64, units: f64) -> f64 {
-        let per_active = match (self.active_bytes, self.unit_bytes) {
-            (0, _) => 0,
-            (a, 0) => a / self.decide_bytes.max(1),
-            _ => 1,
-        };
-        candidates + per_active as f64 * active + if self.unit_bytes > 0 { units } else { 0.0 }
-    }
 }
 
 /// A layer's FFN as stored, for placement.
@@ -65,6 +52,9 @@ pub(super) struct FfnLayout {
 enum FfnKind {
     Bundles {
         row_bytes: u64,
+        /// Gated float bundles, which the hybrid source takes apart on the CPU (every gate in
+        /// one matrix, every up in another, every down in a third).
+        parted: bool,
     },
     Matrices {
         gate_row: u64,
@@ -95,7 +85,11 @@ impl FfnLayout {
                     unit: 1,
                 },
                 tensors: 1,
-                kind: FfnKind::Bundles { row_bytes: row },
+                kind: FfnKind::Bundles {
+                    row_bytes: row,
+                    parted: parts == 3
+                        && matches!(s.encoding, Encoding::Format(dt) if !dt.is_quantized()),
+                },
             });
         }
         let up = seg(m, &part_segment_name(l, Part::Up))?;
@@ -140,6 +134,30 @@ impl FfnLayout {
         })
     }
 
+    /// Reads (each of one place: [`super::HardwareProfile::cpu_read_start_s`]) of the CPU's
+    /// cold pass over `candidates` neurons examined (`all`: every cold neuron, else those a
+    /// predictor names), `active` of them computed and `units` down blocks, as the hybrid
+    /// source lays the cold neurons out: gated float bundles taken apart (every gate one run
+    /// where all are examined, else a read each; an up and a down row per active neuron),
+    /// other bundles whole (a read per candidate, its up following; its down again per active
+    /// neuron), matrices gathered (the deciding rows likewise; an up row per active neuron
+    /// where gated; a read per down block).
+    pub(super) fn cold_reads(
+        &self,
+        (candidates, all): (f64, bool),
+        active: f64,
+        units: f64,
+    ) -> f64 {
+        let deciding = if all { 0.0 } else { candidates };
+        match self.kind {
+            FfnKind::Bundles { parted: true, .. } => deciding + 2.0 * active,
+            FfnKind::Bundles { parted: false, .. } => candidates + active,
+            FfnKind::Matrices { gate_row, .. } => {
+                deciding + if gate_row > 0 { active } else { 0.0 } + units
+            }
+        }
+    }
+
     /// Whether the device's kernels can read a listed subset of its hot neurons (bundles: one
     /// neuron a unit), rather than every one of them masked (matrices).
     pub(super) fn reads_listed(&self) -> bool {
@@ -153,7 +171,7 @@ impl FfnLayout {
         }
         let h = hot as u64;
         match self.kind {
-            FfnKind::Bundles { row_bytes } => device_bytes(h * row_bytes),
+            FfnKind::Bundles { row_bytes, .. } => device_bytes(h * row_bytes),
             FfnKind::Matrices {
                 gate_row,
                 up_row,

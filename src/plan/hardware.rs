@@ -45,12 +45,12 @@ pub struct HardwareProfile {
     /// and the matrix-product rate is taken (the most it could be).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_flops_per_s: Option<f64>,
-    /// Seconds the CPU's neuron-sparse pass spends on each read (a listed neuron's gate, up
-    /// or down part, or a matrix's row or block: a short run of bytes at a scattered place)
-    /// beyond its bytes at the DRAM read rate: the start of each, which neither the
-    /// prefetchers nor the kernels' own prefetches hide. `doctor` measures it on the f16 pass
-    /// over bundles beyond the last-level cache (two cores of an EPYC CI machine: 35–55 ns a
-    /// read, where a read of SmolLM2's 1152 bytes takes 37 ns at the DRAM rate). `None`: not
+    /// Seconds the CPU's neuron-sparse pass spends on each read (an active neuron's up or
+    /// down row, a matrix's block: a short run of bytes at a scattered place) beyond its bytes
+    /// at the DRAM read rate: the start of each, which neither the prefetchers nor the
+    /// kernels' own prefetches hide. `doctor` measures it on hybrid's cold pass over gated f16
+    /// neurons beyond the last-level cache (two cores of an EPYC CI machine: 55–100 ns a read,
+    /// where a read of SmolLM2's 1152 bytes takes 37 ns at the DRAM rate). `None`: not
     /// measured, and a read costs only its bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_read_start_s: Option<f64>,

@@ -260,46 +260,52 @@ pub fn cpu_attention_rate(b: &crate::backend::cpu::CpuBackend) -> Result<f64, St
 /// we serve, where a read's start weighs most beside its bytes.
 pub const READ_PROBE_WIDTH: usize = 576;
 
-/// Seconds the CPU's neuron-sparse pass spends on each read beyond its bytes at
-/// `dram` bytes/s ([`crate::plan::HardwareProfile::cpu_read_start_s`]). The pass is hybrid's
-/// cold pass as the engine runs it on `b`'s pool: over `bytes` of f16 bundles (gate, up, down)
-/// half the neurons listed, each listed one's gate read to decide, half of those left on and
-/// their up and down parts read; the median of five passes.
+/// Seconds the CPU's neuron-sparse pass spends on each read beyond its bytes at `dram` bytes/s
+/// ([`crate::plan::HardwareProfile::cpu_read_start_s`]). The pass is hybrid's cold pass over
+/// gated f16 neurons taken apart, as the engine runs it on `b`'s pool: `bytes` of neurons,
+/// every gate (one run) read to decide, half the neurons left on and their up and down rows
+/// read (a read each); the median of five passes.
 pub fn cpu_read_start_s(
     b: &crate::backend::cpu::CpuBackend,
     bytes: usize,
     dram: f64,
 ) -> Result<f64, String> {
+    use crate::backend::Backend;
     use crate::backend::cpu::sparse::{Bundles, FfnParts, sparse_decide_up, sparse_down};
-    use crate::backend::{Backend, BundleShape};
     let err = |e: crate::backend::BackendError| format!("CPU read-start probe: {e}");
     let d = READ_PROBE_WIDTH;
-    let shape = BundleShape { parts: 3, d };
     let neurons = (bytes / (3 * d * 2)).max(64);
-    let halves: Vec<half::f16> = (0..neurons * 3 * d)
-        .map(|i| half::f16::from_f32(((i % 29) as f32 - 14.0) * 0.01))
-        .collect();
-    let layer = Bundles::new(
-        bytemuck::cast_slice(&halves),
-        crate::store::Encoding::Format(crate::tensor::DType::F16),
-        shape,
-    )
-    .map_err(err)?;
-    // Two independent bits of a hash of the neuron: listed, and left on where listed.
-    let bits = |j: usize| (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 62;
-    let listed: Vec<u32> = (0..neurons as u32)
-        .filter(|&j| bits(j as usize) & 1 == 1)
-        .collect();
-    let on_of = |j: usize| bits(listed[j] as usize) & 2 == 2;
+    let part = |what: &str, seed: usize| {
+        let h: Vec<half::f16> = (0..neurons * d)
+            .map(|i| half::f16::from_f32((((i + seed) % 29) as f32 - 14.0) * 0.01))
+            .collect();
+        crate::tensor::HostTensor {
+            name: format!("probe {what}"),
+            rows: neurons,
+            cols: d,
+            dtype: crate::tensor::DType::F16,
+            data: crate::tensor::Bytes::from_slice(bytemuck::cast_slice(&h)),
+        }
+    };
+    let (gates, ups, downs) = (part("gates", 0), part("ups", 7), part("downs", 13));
+    let parts = FfnParts::Apart {
+        decide: Bundles::of_rows(&gates).map_err(err)?,
+        up: Some(Bundles::of_rows(&ups).map_err(err)?),
+    };
+    let downs = Bundles::of_rows(&downs).map_err(err)?;
+    // Every neuron examined (the cold list is all of a layer's cold neurons), half left on by
+    // a bit of a hash of its id.
+    let listed: Vec<u32> = (0..neurons as u32).collect();
+    let on_of = |j: usize| (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 63 == 1;
     let x: Vec<f32> = (0..d).map(|i| ((i % 7) as f32 - 3.0) * 0.1).collect();
     let k = crate::backend::cpu::kernels::best();
-    let mut h = vec![0f32; listed.len()];
+    let mut h = vec![0f32; neurons];
     let mut out = vec![0f32; d];
     let mut pass = || -> Result<(f64, usize), String> {
         let t0 = Instant::now();
         let on = sparse_decide_up(
             k,
-            FfnParts::Bundles(layer),
+            parts,
             &listed,
             &x,
             1,
@@ -307,18 +313,18 @@ pub fn cpu_read_start_s(
             &mut h,
         )
         .map_err(err)?;
-        let idx: Vec<u32> = on.iter().map(|&j| listed[j]).collect();
+        let idx: Vec<u32> = on.iter().map(|&j| j as u32).collect();
         let hs: Vec<f32> = on.iter().map(|&j| h[j]).collect();
-        sparse_down(k, &layer, &idx, &hs, 1, &mut out).map_err(err)?;
+        sparse_down(k, &downs, &idx, &hs, 1, &mut out).map_err(err)?;
         std::hint::black_box(&out);
         Ok((t0.elapsed().as_secs_f64(), on.len()))
     };
     let mut times = b.enter(|| (0..5).map(|_| pass()).collect::<Result<Vec<_>, _>>())?;
     times.sort_by(|a, b| a.0.total_cmp(&b.0));
     let (secs, on) = times[2];
-    let reads = listed.len() + 2 * on;
-    let bytes_s = (reads * d * 2) as f64 / dram;
-    Ok(((secs - bytes_s) / reads as f64).max(0.0))
+    let reads = 2 * on;
+    let bytes_s = ((neurons + reads) * d * 2) as f64 / dram;
+    Ok(((secs - bytes_s) / reads.max(1) as f64).max(0.0))
 }
 
 /// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),
