@@ -45,7 +45,7 @@ pub struct HotLayer {
     /// The reads they come in (`FfnLayout::cold_reads`).
     pub cpu_reads: f64,
     /// Predicted seconds per token of the device's FFN share and the CPU's (with its round
-    /// trip); the layer takes the longer.
+    /// trip); the layer takes the longer, or on the budgeted device their sum (`ffn_seconds`).
     pub gpu_s: f64,
     pub cpu_s: f64,
 }
