@@ -167,16 +167,42 @@ pub(super) fn decode_cost(
     } else {
         "HBM"
     };
-    // Where copies and device reads share one memory they take turns (see
-    // `HardwareProfile::copies_share_memory`), and so does the CPU's share there: the budgeted
-    // device's kernels and copies run on the CPU that computes it (SmolLM2's split at 48M: link
-    // 4.3, CPU 6.1 and device 4.7 ms of a 15.2 ms step).
+    let (limited_by, bound) = decode_bound(hw, (pcie_s, ssd_s, cpu_s), (device, device_s));
+    let prediction = Prediction {
+        tokens_per_s: rows as f64 / (bound + ops_s),
+        limited_by: limited_by.to_string(),
+        pcie_s,
+        ssd_s,
+        hbm_s,
+        cpu_s,
+        ops_s,
+        step,
+    };
+    DecodeCost {
+        prefill,
+        per_token,
+        prediction,
+    }
+}
+
+/// What bounds a decode step whose link, SSD and CPU take `pcie_s`, `ssd_s` and `cpu_s` and
+/// whose device takes `device_s` (limited by `device`: its memory or its compute), and for
+/// how long: the longest of them, the device with the CPU's share serial with it, and where
+/// copies and device reads share one memory they take turns (see
+/// `HardwareProfile::copies_share_memory`), and so does the CPU's share there: the budgeted
+/// device's kernels and copies run on the CPU that computes it (SmolLM2's split at 48M: link
+/// 4.3, CPU 6.1 and device 4.7 ms of a 15.2 ms step).
+fn decode_bound(
+    hw: &HardwareProfile,
+    (pcie_s, ssd_s, cpu_s): (f64, f64, f64),
+    (device, device_s): (&'static str, f64),
+) -> (&'static str, f64) {
     let shared_s = if hw.copies_share_memory {
         pcie_s + device_s + cpu_s
     } else {
         0.0
     };
-    let (limited_by, bound) = [
+    [
         ("PCIe", pcie_s),
         ("SSD", ssd_s),
         (device, device_s),
@@ -201,22 +227,7 @@ pub(super) fn decode_cost(
     .fold(
         ("HBM", 0.0),
         |acc, (n, t)| if t > acc.1 { (n, t) } else { acc },
-    );
-    let prediction = Prediction {
-        tokens_per_s: rows as f64 / (bound + ops_s),
-        limited_by: limited_by.to_string(),
-        pcie_s,
-        ssd_s,
-        hbm_s,
-        cpu_s,
-        ops_s,
-        step,
-    };
-    DecodeCost {
-        prefill,
-        per_token,
-        prediction,
-    }
+    )
 }
 
 /// A decode step of `rows` rows under a streaming plan (`placed`, with the prefill layout where
