@@ -10,11 +10,11 @@
 use serde::Serialize;
 
 use crate::footprint::{DEVICE_ALIGN, device_bytes};
-use crate::store::{Encoding, Manifest, SegmentKind, names};
+use crate::store::{Manifest, Segment, SegmentKind, names};
 use crate::tensor::{DType, QK};
 
 use super::budget::PlanError;
-use super::manifest::{part_segment_name, seg};
+use super::manifest::{device_dtype, part_segment_name, seg};
 use super::preserve::Part;
 
 /// What the CPU reads for a layer's cold neurons, per token: every candidate neuron's deciding
@@ -36,6 +36,13 @@ impl ColdCost {
     pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
         self.decide_bytes * candidates + self.active_bytes * active + self.unit_bytes * units
     }
+}
+
+/// Whether the hybrid source takes a layer's cold bundles `s` (of `parts` parts) apart on the
+/// CPU: gated bundles in a float format, every gate then in one matrix, every up in another,
+/// every down in a third.
+pub fn cold_taken_apart(s: &Segment, parts: usize) -> bool {
+    parts == 3 && !device_dtype(s).is_quantized()
 }
 
 /// A layer's FFN as stored, for placement.
@@ -87,8 +94,7 @@ impl FfnLayout {
                 tensors: 1,
                 kind: FfnKind::Bundles {
                     row_bytes: row,
-                    parted: parts == 3
-                        && matches!(s.encoding, Encoding::Format(dt) if !dt.is_quantized()),
+                    parted: cold_taken_apart(s, parts),
                 },
             });
         }

@@ -68,11 +68,7 @@ impl ExpertPlan {
                     let copy = bytes / hw.h2d_pinned_bytes_per_s;
                     pcie_s += copy;
                     let compute = routed / hw.matmul_flops_per_s;
-                    if hw.copies_share_memory {
-                        copy + compute
-                    } else {
-                        copy.max(compute)
-                    }
+                    hw.together_s(copy, compute)
                 } else {
                     let in_dram = match &self.host.dram_slots {
                         None => 1.0,

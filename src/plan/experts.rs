@@ -754,11 +754,7 @@ impl Fixed<'_> {
                 cpu_s += (bytes / hw.dram_read_bytes_per_s).max(flops / cpu_rate);
                 let copy = bytes / hw.h2d_pinned_bytes_per_s;
                 let compute = flops / hw.matmul_flops_per_s;
-                stream_s += if hw.copies_share_memory {
-                    copy + compute
-                } else {
-                    copy.max(compute)
-                };
+                stream_s += hw.together_s(copy, compute);
             }
             stream_s < cpu_s
         })
@@ -983,11 +979,7 @@ impl Fixed<'_> {
         // A GPU's copy engine moves them while it computes; where copies and compute share
         // memory (the budgeted CPU device) they take turns.
         let copy_s = copies as f64 / hw.h2d_pinned_bytes_per_s;
-        let seconds = if hw.copies_share_memory {
-            seconds + copy_s
-        } else {
-            seconds.max(copy_s)
-        };
+        let seconds = hw.together_s(seconds, copy_s);
         // Down: every layer's FFN input and router logits, and the logits; up: the token's
         // embedding, the CPU's partial sums where it computes any expert, and the copies.
         let d2h = spec.n_layers as u64 * ((d + moe_rows) * 4) as u64 + (spec.vocab_size * 4) as u64;

@@ -213,6 +213,17 @@ impl HardwareProfile {
         bytes / self.dram_read_bytes_per_s + reads * self.cpu_read_start_s.unwrap_or(0.0)
     }
 
+    /// Seconds two parts of a step's work take together: the longer where a GPU runs one
+    /// beside the other, their sum where they take turns (the budgeted device, whose kernels,
+    /// copies and CPU share one memory and one CPU: [`Self::copies_share_memory`]).
+    pub fn together_s(&self, a: f64, b: f64) -> f64 {
+        if self.copies_share_memory {
+            a + b
+        } else {
+            a.max(b)
+        }
+    }
+
     /// FLOP/s of a prompt's attention on the device (measured, or the matrix-product rate).
     pub fn attention_rate(&self) -> f64 {
         self.attention_flops_per_s

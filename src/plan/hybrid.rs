@@ -45,7 +45,8 @@ pub struct HotLayer {
     /// The reads they come in (`FfnLayout::cold_reads`).
     pub cpu_reads: f64,
     /// Predicted seconds per token of the device's FFN share and the CPU's (with its round
-    /// trip); the layer takes the longer, or on the budgeted device their sum (`ffn_seconds`).
+    /// trip); the layer takes the longer, or on the budgeted device their sum
+    /// (`HardwareProfile::together_s`).
     pub gpu_s: f64,
     pub cpu_s: f64,
 }
@@ -383,18 +384,6 @@ pub(super) fn predictors_for(
         .and_then(PredictorCost::all)
 }
 
-/// Seconds of a hybrid layer's FFN whose device share takes `gpu_s` and CPU share `cpu_s`: the
-/// longer, as a GPU runs its share beside the CPU; their sum where the device's kernels run on
-/// the CPU that computes the cold neurons (the budgeted device: its hot neurons, then the
-/// cold ones, took 0.5 and 8.3 ms of SmolLM2's step at 48M, one after the other).
-pub(super) fn ffn_seconds(hw: &HardwareProfile, gpu_s: f64, cpu_s: f64) -> f64 {
-    if hw.copies_share_memory {
-        gpu_s + cpu_s
-    } else {
-        gpu_s.max(cpu_s)
-    }
-}
-
 /// A layer's expected cold work in a decode step.
 struct ColdWork {
     /// FLOPs per row of the step: the deciding vector of every cold neuron examined (every one,
@@ -557,7 +546,9 @@ fn finish(
             attention_row,
             device_rate,
         );
-        seconds += attention_s + ffn_seconds(hw, gpu_s, cpu_s);
+        // The device's share beside the CPU's, or in turn on the budgeted device (its hot
+        // neurons, then the cold ones, took 0.5 and 8.3 ms of SmolLM2's step at 48M).
+        seconds += attention_s + hw.together_s(gpu_s, cpu_s);
         layers.push(HotLayer {
             neurons: ids.len(),
             activation_share: if layer_total > 0.0 {

@@ -39,7 +39,7 @@ use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, PredictorCost, hot_device_bytes};
 use super::hardware::HardwareProfile;
-use super::hybrid::{HybridPlan, ffn_seconds, plan_hot_streamed, predictors_for};
+use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for};
 use super::manifest::{part_segment_name, seg};
 use super::precision::{Precision, TIER_ENCODINGS};
 use super::preserve::Part;
@@ -875,7 +875,7 @@ pub fn mix_with_hybrid(
     // Per layer: (seconds, device bytes) as a unit and as hybrid.
     let mut opts = Vec::with_capacity(n_layers);
     for (l, (u, h)) in units.layers.iter().zip(&hot.layers).enumerate() {
-        let hybrid_s = costs.hybrid_layer(l, ffn_seconds(&plan.hardware, h.gpu_s, h.cpu_s));
+        let hybrid_s = costs.hybrid_layer(l, plan.hardware.together_s(h.gpu_s, h.cpu_s));
         let hybrid_b = hot_device_bytes(m, l, hot.hot_neurons[l].len())?;
         opts.push([(u.seconds, u.device_bytes), (hybrid_s, hybrid_b)]);
     }

@@ -24,7 +24,7 @@ use crate::engine::{
 use crate::footprint::MatmulShapes;
 use crate::footprint::ledger::{Ledger, Tier};
 use crate::model::ModelSpec;
-use crate::plan::cold::ColdCost;
+use crate::plan::cold::{ColdCost, cold_taken_apart};
 use crate::plan::hybrid::HybridPlan;
 use crate::plan::{Part, Plan, device_dtype, part_segment_name};
 use crate::store::{SegmentKind, Store, StoreError, names};
@@ -354,7 +354,7 @@ fn gather_bundles<B: Backend>(
     let name = format!("{} cold", s.name);
     let cold_bytes = (cold_ids.len() * rb) as u64;
     // Gated float bundles are taken apart (the gates read as one run): the same bytes.
-    let cold = if parts == 3 && !dtype.is_quantized() {
+    let cold = if cold_taken_apart(s, parts) {
         parted(&name, dtype, d, (bytes, rb), cold_ids)
     } else {
         ColdData::Bundles {
