@@ -328,8 +328,8 @@ macro_rules! dot4_f16_body {
             unsafe {
                 while i + 32 <= n {
                     // 32 halves: one line of each row.
-                    for r in 0..4 {
-                        prefetch_next(nx[r], 2 * i);
+                    for &q in &nx {
+                        prefetch_next(q, 2 * i);
                     }
                     for k in 0..4 {
                         let o = i + 8 * k;
@@ -381,8 +381,8 @@ unsafe fn dot4_i8_avx2(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
     // SAFETY: loads of 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
     unsafe {
         while i + 64 <= n {
-            for r in 0..4 {
-                prefetch_next(nx[r], i);
+            for &q in &nx {
+                prefetch_next(q, i);
             }
             for o in (i..i + 64).step_by(8) {
                 let xv = _mm256_loadu_ps(xp.add(o));
@@ -425,8 +425,8 @@ unsafe fn dot4_i4_avx2(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
     for g in 0..groups {
         // 16 code bytes per group: one line of each row per 4 groups.
         if g % 4 == 0 {
-            for r in 0..4 {
-                prefetch_next(nx[r], g * 16);
+            for &q in &nx {
+                prefetch_next(q, g * 16);
             }
         }
         // SAFETY: group g < groups: 16 code bytes of every row and 32 activations in bounds.
@@ -456,8 +456,8 @@ unsafe fn axpy4_f16_avx2(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &m
     // SAFETY: 8 values at o + 8 ≤ i + 32 ≤ n (8 for the second loop).
     unsafe {
         while i + 32 <= n {
-            for r in 0..4 {
-                prefetch_next(nx[r], 2 * i);
+            for &q in &nx {
+                prefetch_next(q, 2 * i);
             }
             for o in (i..i + 32).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
@@ -497,8 +497,8 @@ unsafe fn axpy4_i8_avx2(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut 
     // SAFETY: 8 values at o + 8 ≤ i + 64 ≤ n (8 for the second loop).
     unsafe {
         while i + 64 <= n {
-            for r in 0..4 {
-                prefetch_next(nx[r], i);
+            for &q in &nx {
+                prefetch_next(q, i);
             }
             for o in (i..i + 64).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
@@ -532,8 +532,8 @@ unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut 
     prefetch_scales(&next);
     for g in 0..groups {
         if g % 4 == 0 {
-            for r in 0..4 {
-                prefetch_next(nx[r], g * 16);
+            for &q in &nx {
+                prefetch_next(q, g * 16);
             }
         }
         // SAFETY: group g < groups: 16 code bytes of every row and 32 outputs in bounds.
