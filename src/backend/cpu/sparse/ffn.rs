@@ -184,16 +184,12 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
         // Padded to four with repeats of the last (their results unused).
         let pad = |g: &[usize]| -> [usize; 4] { [0, 1, 2, 3].map(|q| g[q.min(g.len() - 1)]) };
         let deciding = |g: &[usize]| pad(g).map(|j| part(neuron(j), Role::Decide));
-        for (gi, group) in groups.iter().enumerate() {
+        // Group `gi`'s deciding dots (the next group's deciding rows fetched behind them), its
+        // values into `vals`, those on flagged: the positions on and their number.
+        let decide_group = |gi: usize, vals: &mut [f32]| -> ([usize; 4], usize) {
+            let group = groups[gi];
             let dec = deciding(group);
-            let next = groups.get(gi + 1);
-            // Each part's rows are fetched while the same part of the group before is summed:
-            // the next group's deciding rows behind these deciding dots, its up rows behind
-            // these up dots. Where most neurons are on that is two dots ahead: a gate/up walk
-            // read 22–29 GB/s so against 18–21 with the deciding dots fetching their own
-            // group's ups (Zen 4, 2 threads), which also asked for the ups of groups with none
-            // on (three in four at 10% on).
-            let ahead = next.map(|g| deciding(g)).unwrap_or(dec);
+            let ahead = groups.get(gi + 1).map(|g| deciding(g)).unwrap_or(dec);
             for t in 0..n {
                 let s = dots(dec, ahead, group.len(), t);
                 for (q, &j) in group.iter().enumerate() {
@@ -210,17 +206,40 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
                     nl += 1;
                 }
             }
-            if !self.gated || nl == 0 {
-                continue;
+            (on, nl)
+        };
+        if !self.gated {
+            for gi in 0..groups.len() {
+                decide_group(gi, vals);
             }
-            let ups = [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up));
-            let ups_ahead = next.map(|g| pad(g).map(|j| part(neuron(j), Role::Up)));
-            for t in 0..n {
-                let u = dots(ups, ups_ahead.unwrap_or(ups), nl, t);
-                for (r, &j) in on[..nl].iter().enumerate() {
-                    vals[(j - j0) * n + t] *= u[r];
+            return;
+        }
+        // Gated: each group decided one group ahead of its ups, so the up dots fetch behind
+        // them exactly the next group's ups that are on. Each part's rows then come in two
+        // dots ahead (a gate/up walk read 22–29 GB/s so against 18–21 one dot ahead, Zen 4,
+        // 2 threads), and no up row is asked for that is not read: the deciding dots used to
+        // fetch all four ups of their group, three in four of them off at 27% on.
+        let ups_of = |(on, nl): ([usize; 4], usize)| {
+            [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up))
+        };
+        let mut cur = (!groups.is_empty()).then(|| decide_group(0, vals));
+        for gi in 0..groups.len() {
+            let Some((on, nl)) = cur else { break };
+            let next = (gi + 1 < groups.len()).then(|| decide_group(gi + 1, vals));
+            if nl > 0 {
+                let ups = ups_of((on, nl));
+                let ahead = match next {
+                    Some(g) if g.1 > 0 => ups_of(g),
+                    _ => ups,
+                };
+                for t in 0..n {
+                    let u = dots(ups, ahead, nl, t);
+                    for (r, &j) in on[..nl].iter().enumerate() {
+                        vals[(j - j0) * n + t] *= u[r];
+                    }
                 }
             }
+            cur = next;
         }
     }
 }
