@@ -534,3 +534,46 @@ fn predictors_are_costed_in_the_plan_and_reported() {
         "--sparsity predicted",
     );
 }
+
+/// The device reads a bound divides: on the budgeted device, the plan's less what the FFN's
+/// bundle kernels left unread. A synthesized ReLU model whole on the device leaves most of its
+/// neurons' up and down parts unread (a synthesized 1B shape ran at 1.1–1.2× a bound that
+/// counted them); stories260K's SiLU leaves none (no threshold without a profile).
+#[test]
+fn the_bound_takes_off_what_the_bundle_kernels_leave_unread() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("cache");
+    let relu = dir.path().join("relu");
+    succeeds(
+        bin(&models)
+            .args(["synth", "--preset", "tiny", "--activation", "relu", "-o"])
+            .arg(&relu),
+    );
+    let stories = dir.path().join("stories.gguf");
+    std::fs::copy(common::stories260k(), &stories).unwrap();
+    for (m, relu) in [(&relu, true), (&stories, false)] {
+        let mut c = bench_decode(&models, m.to_str().unwrap(), "64M", "stream", "off", 8);
+        let v = succeeds(c.arg("--json"));
+        let what = m.display();
+        let skipped = v["memory"]["device_reads_skipped_per_token"]
+            .as_f64()
+            .unwrap();
+        assert_eq!(
+            skipped > 0.0,
+            relu,
+            "{what}: {skipped} bytes a token unread"
+        );
+        let planned = v["plan_vs_trace_per_token"]["device"]["predicted_bytes"]
+            .as_f64()
+            .unwrap();
+        let bounded = v["bound_seconds"]["HBM"].as_f64().unwrap()
+            * v["rates"]["hbm_read_bytes_per_s"].as_f64().unwrap();
+        assert!(
+            (bounded + skipped - planned).abs() <= 1e-6 * planned,
+            "{what}: the bound divides {bounded} bytes, the plan counts {planned}, {skipped} unread"
+        );
+        if relu {
+            assert!(skipped > 0.1 * planned, "{what}: {skipped} of {planned}");
+        }
+    }
+}

@@ -624,3 +624,50 @@ fn bundles_read_in_place_beside_slots_compute_as_one_layer() {
     }
     sim.set_workspace(0).unwrap();
 }
+
+/// The budgeted device counts what its whole-run bundle ops leave unread, as its kernels (and
+/// CUDA's) skip it: the up part of a gated neuron its gate leaves off for every token, and the
+/// down part of every neuron off for every token. A bound on the device's reads takes these
+/// bytes off what the plan counts whole.
+#[test]
+fn sim_counts_the_parts_whole_runs_leave_unread() {
+    let mut rng = StdRng::seed_from_u64(11);
+    let ledger = Ledger::new(None, None);
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+    for enc in ENCODINGS {
+        for parts in [2, 3] {
+            let (shape, neurons, n) = (BundleShape { parts, d: 64 }, 40, 2);
+            let l = layer(&mut rng, enc, shape, neurons);
+            let w = sim
+                .upload_bundles("b", enc, shape, &Bytes::from_slice(&l.bytes))
+                .unwrap();
+            let xs: Vec<f32> = (0..n * 64)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let x = put(&sim, n, 64, &xs);
+            // Room beside the run's columns, which stay zero (not the run's to count).
+            let (col0, cols) = (3, neurons + 5);
+            let mut h = put(&sim, n, cols, &vec![0.0; n * cols]);
+            let mut out = put(&sim, n, 64, &vec![0.0; n * 64]);
+            let before = ledger.snapshot().device_reads_skipped;
+            sim.ffn_bundles_up(&w, shape, &x, Act::Relu, 0.0, None, &mut h, col0)
+                .unwrap();
+            let after_up = ledger.snapshot().device_reads_skipped;
+            sim.ffn_bundles_down(&w, shape, &h, col0, &mut out).unwrap();
+            let after_down = ledger.snapshot().device_reads_skipped;
+            let hv = get(&sim, &h);
+            let off = (col0..col0 + neurons)
+                .filter(|&c| (0..n).all(|t| hv[t * cols + c] == 0.0))
+                .count() as u64;
+            let what = format!("{} in {parts} parts", enc.name());
+            assert!(
+                off > 0 && off < neurons as u64,
+                "{what}: {off} of {neurons} off"
+            );
+            let part = (l.bytes.len() / neurons / parts) as u64;
+            let up_part = if parts == 3 { part } else { 0 };
+            assert_eq!(after_up - before, off * up_part, "{what}: up side");
+            assert_eq!(after_down - after_up, off * part, "{what}: down side");
+        }
+    }
+}

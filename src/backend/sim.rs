@@ -282,49 +282,6 @@ fn fine_timer_slack() {
     });
 }
 
-impl SimBackend {
-    /// Refuse `b` for `op` (a whole-bundle op) where it is host memory read in place: only the
-    /// listed ops count what they read of it.
-    fn whole(&self, op: &'static str, b: &SimWeight) -> Result<()> {
-        if b.mem.in_host {
-            return Err(BackendError::Shape {
-                op,
-                msg: format!(
-                    "`{}` is read in place: only the listed ops take it",
-                    b.w.name()
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// Count (paced as a copy from `t0`) the link bytes a listed op read of the sets it was
-    /// given that rest in host memory: entry `j` of `idx` read its up or down part where
-    /// `live(j)`.
-    fn listed_in_place(
-        &self,
-        (b, rest): (&SimWeight, Option<&SimWeight>),
-        shape: BundleShape,
-        idx: &[u32],
-        (up, live): (bool, &dyn Fn(usize) -> bool),
-        t0: Instant,
-    ) {
-        let mut bytes = 0;
-        for (w, in_rest) in [(Some(b), false), (rest, true)] {
-            let Some(w) = w.filter(|w| w.mem.in_host) else {
-                continue;
-            };
-            let mine = |j: &usize| (idx[*j] & super::IN_REST != 0) == in_rest;
-            let listed = (0..idx.len()).filter(mine).count();
-            let on = (0..idx.len()).filter(mine).filter(|&j| live(j)).count();
-            bytes += super::in_place_read_bytes(w.w.row_bytes(), shape.parts, listed, on, up);
-        }
-        if bytes > 0 {
-            self.copied_in(bytes as usize, t0);
-        }
-    }
-}
-
 impl Backend for SimBackend {
     type Tensor = SimTensor;
     type Weight = SimWeight;
@@ -785,7 +742,9 @@ impl Backend for SimBackend {
             up_bias.map(|w| &w.w),
             &mut h.t,
             col0,
-        )
+        )?;
+        self.count_skipped(b, shape, &h.t, col0, true);
+        Ok(())
     }
 
     fn ffn_bundles_down(
@@ -802,7 +761,9 @@ impl Backend for SimBackend {
         self.sign_act(Act::Relu, 0.0, shape)?;
         self.whole("ffn_bundles_down", b)?;
         self.cpu
-            .ffn_bundles_down(&b.w, shape, &h.t, col0, &mut out.t)
+            .ffn_bundles_down(&b.w, shape, &h.t, col0, &mut out.t)?;
+        self.count_skipped(b, shape, &h.t, col0, false);
+        Ok(())
     }
 
     fn ffn_bundles_up_listed_from(
@@ -1185,6 +1146,9 @@ impl Backend for SimBackend {
         Ok(())
     }
 }
+
+#[path = "sim_bundles.rs"]
+mod bundles;
 
 #[cfg(test)]
 #[path = "sim_tests.rs"]

@@ -244,7 +244,12 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     let log = trace.as_ref().map(|t| t.log());
     let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
     let device = device_of(&running);
-    let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
+    let traffic = traffic_of(
+        &running,
+        prompt.len(),
+        m.decode_steps,
+        (&m.after_prefill, &m.end),
+    );
     let ssd_dir = (traffic.ssd_read_bytes > 0.0).then(|| store_dir_for(&loaded.path));
     let rates = rates_for(
         a.model.budget.hardware.as_deref(),

@@ -68,6 +68,7 @@ pub struct Ledger {
     d2h: AtomicU64,
     waits: AtomicU64,
     ssd: AtomicU64,
+    skipped: AtomicU64,
 }
 
 /// Bytes held in one tier until dropped.
@@ -110,6 +111,9 @@ pub struct LedgerSnapshot {
     pub ssd_read_bytes: u64,
     /// Times the host waited for the device (see [`Ledger::count_host_wait`]).
     pub host_waits: u64,
+    /// Device memory the FFN's bundle kernels did not read: the parts of neurons off for every
+    /// token ([`Ledger::count_reads_skipped`]).
+    pub device_reads_skipped: u64,
 }
 
 impl Ledger {
@@ -123,6 +127,7 @@ impl Ledger {
             d2h: AtomicU64::new(0),
             waits: AtomicU64::new(0),
             ssd: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
         })
     }
 
@@ -197,6 +202,13 @@ impl Ledger {
         self.ssd.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// Device memory a whole layer's bundle kernels left unread: the up and down parts of
+    /// neurons the activation left off for every token (a ReLU model's most). The plan counts
+    /// every bundle whole; a bound on the device's reads takes these off.
+    pub fn count_reads_skipped(&self, bytes: u64) {
+        self.skipped.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// Forget the peaks (usage stays): to measure the steady state after start-up.
     pub fn reset_peaks(&self) {
         let mut s = self.lock();
@@ -218,6 +230,7 @@ impl Ledger {
             d2h_bytes: self.d2h.load(Ordering::Relaxed),
             ssd_read_bytes: self.ssd.load(Ordering::Relaxed),
             host_waits: self.waits.load(Ordering::Relaxed),
+            device_reads_skipped: self.skipped.load(Ordering::Relaxed),
         }
     }
 }

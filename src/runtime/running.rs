@@ -202,6 +202,11 @@ impl Running {
             "dram_peak_bytes": end.dram_total_peak,
             "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
             "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
+            // What the FFN's bundle kernels left unread (the budgeted device counts it).
+            "device_reads_skipped_per_token": per(
+                after_prefill.device_reads_skipped,
+                end.device_reads_skipped
+            ),
         });
         if let Some(t) = &self.traffic {
             v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();

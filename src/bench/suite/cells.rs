@@ -50,7 +50,12 @@ impl LoaderCells<'_> {
             measure(e, ctx, &prompt, job.tokens, self.reps, &|| running.snapshot(), None)?
         });
         let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
-        let traffic = traffic_of(&running, prompt.len(), m.decode_steps);
+        let traffic = traffic_of(
+            &running,
+            prompt.len(),
+            m.decode_steps,
+            (&m.after_prefill, &m.end),
+        );
         // The whole model on CUDA runs without a plan: the all-resident plan predicts it.
         let whole_plan;
         let plan = match &running.plan {
