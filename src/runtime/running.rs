@@ -202,11 +202,12 @@ impl Running {
             "dram_peak_bytes": end.dram_total_peak,
             "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
             "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
-            // What the FFN's bundle kernels left unread (the budgeted device counts it).
-            "device_reads_skipped_per_token": per(
+            // What the FFN's bundle kernels left unread: the budgeted device counts it; CUDA's
+            // kernels skip the same, unseen by the host (null there, not a count of none).
+            "device_reads_skipped_per_token": matches!(self.engine, AnyEngine::Sim(_)).then(|| per(
                 after_prefill.device_reads_skipped,
                 end.device_reads_skipped
-            ),
+            )),
         });
         if let Some(t) = &self.traffic {
             v["dram_read_bytes_per_token"] = t.mean(first_pos, steps).into();
