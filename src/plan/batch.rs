@@ -78,12 +78,22 @@ pub fn bounded_read(read: f64, rows: usize, flops_per_row: f64, flops_per_s: f64
     }
 }
 
-/// Bytes per second the CPU gets through FFN neurons of `neuron_bytes` bytes and `flops` FLOPs a
-/// row ([`neuron_flops`]) in a step of `rows` rows: the DRAM rate, or less where computing every
-/// row takes longer than reading.
+/// Reads the CPU starts for each whole bundle it computes: the gate and up parts, side by side,
+/// in one; the down part, read by the down pass, in another.
+pub const BUNDLE_READS: f64 = 2.0;
+
+/// Bytes per second the CPU gets through whole FFN bundles of `neuron_bytes` bytes and `flops`
+/// FLOPs a row ([`neuron_flops`]) in a step of `rows` rows: their bytes at the DRAM rate and
+/// [`BUNDLE_READS`] read starts each ([`HardwareProfile::cpu_sparse_seconds`]: the split's rows
+/// run hybrid's kernels, which measured 0.4–0.5 of the DRAM rate on SmolLM2's 3,456-byte
+/// bundles), or less where computing every row takes longer than reading.
 pub fn cpu_neuron_rate(hw: &HardwareProfile, flops: f64, neuron_bytes: u64, rows: usize) -> f64 {
-    let d = hw.dram_read_bytes_per_s;
-    if rows <= 1 || neuron_bytes == 0 {
+    if neuron_bytes == 0 {
+        return hw.dram_read_bytes_per_s;
+    }
+    let b = neuron_bytes as f64;
+    let d = b / hw.cpu_sparse_seconds(b, BUNDLE_READS);
+    if rows <= 1 {
         return d;
     }
     let per_neuron_s = rows as f64 * flops / cpu_flops_per_s(hw);
