@@ -86,7 +86,8 @@ pub fn plan_cold(
             ));
         };
         match plan_hot_neurons(m, plan, p, target) {
-            // Attention does not all fit: stream it, beside hot neurons in a share of the room.
+            // Attention does not all fit: stream it, beside hot neurons in a share of the room
+            // (none: as much attention resident as fits, every neuron cold).
             Err(e @ PlanError::GpuTooSmall { .. }) => {
                 let room = make_plan(
                     m,
@@ -99,7 +100,7 @@ pub fn plan_cold(
                 )?
                 .gpu
                 .resident_layers;
-                [0.25, 0.5, 0.75, 1.0]
+                [0.0, 0.25, 0.5, 0.75, 1.0]
                     .iter()
                     .filter_map(|f| {
                         plan_hot_streamed(m, budget, hw, p, target, (room as f64 * f) as u64).ok()

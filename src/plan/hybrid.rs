@@ -580,8 +580,8 @@ fn finish(
             + spec.d_model as u64 * 4
             + spec.vocab_size as u64 * 4)
         + base.streamed;
-    // Streamed attention comes in beside the compute (the prefetch window).
-    let seconds = seconds.max(base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
+    // Streamed attention comes in beside the compute, or in turn on the budgeted device.
+    let seconds = hw.together_s(seconds, base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
     let placed_bytes = base.everything_else + hot_device;
     let cpu_reads = layers.iter().map(|l| l.cpu_reads).sum();
     let bytes_per_neuron = layouts
