@@ -79,21 +79,28 @@ pub fn bounded_read(read: f64, rows: usize, flops_per_row: f64, flops_per_s: f64
 }
 
 /// Reads the CPU starts for each whole bundle it computes: the gate and up parts, side by side,
-/// in one; the down part, read by the down pass, in another.
+/// in one; the down part, read by the down pass, in another (hybrid's whole cold bundles are
+/// counted so too: a read per candidate, another per active neuron).
 pub const BUNDLE_READS: f64 = 2.0;
 
-/// Bytes per second the CPU gets through whole FFN bundles of `neuron_bytes` bytes and `flops`
-/// FLOPs a row ([`neuron_flops`]) in a step of `rows` rows: their bytes at the DRAM rate and
-/// [`BUNDLE_READS`] read starts each ([`HardwareProfile::cpu_sparse_seconds`]: the split's rows
-/// run hybrid's kernels, which measured 0.4–0.5 of the DRAM rate on SmolLM2's 3,456-byte
-/// bundles), or less where computing every row takes longer than reading.
-pub fn cpu_neuron_rate(hw: &HardwareProfile, flops: f64, neuron_bytes: u64, rows: usize) -> f64 {
+/// Bytes per second the CPU reads whole FFN bundles of `neuron_bytes` bytes at: their bytes at
+/// the DRAM rate and [`BUNDLE_READS`] read starts each
+/// ([`HardwareProfile::cpu_sparse_seconds`]: the split's rows run hybrid's kernels, which
+/// measured 0.4–0.5 of the DRAM rate on SmolLM2's 3,456-byte bundles).
+pub fn bundle_read_rate(hw: &HardwareProfile, neuron_bytes: u64) -> f64 {
     if neuron_bytes == 0 {
         return hw.dram_read_bytes_per_s;
     }
     let b = neuron_bytes as f64;
-    let d = b / hw.cpu_sparse_seconds(b, BUNDLE_READS);
-    if rows <= 1 {
+    b / hw.cpu_sparse_seconds(b, BUNDLE_READS)
+}
+
+/// Bytes per second the CPU gets through whole FFN bundles of `neuron_bytes` bytes and `flops`
+/// FLOPs a row ([`neuron_flops`]) in a step of `rows` rows: [`bundle_read_rate`], or less where
+/// computing every row takes longer than reading.
+pub fn cpu_neuron_rate(hw: &HardwareProfile, flops: f64, neuron_bytes: u64, rows: usize) -> f64 {
+    let d = bundle_read_rate(hw, neuron_bytes);
+    if rows <= 1 || neuron_bytes == 0 {
         return d;
     }
     let per_neuron_s = rows as f64 * flops / cpu_flops_per_s(hw);

@@ -151,7 +151,7 @@ pub(super) fn decode_cost(
             let vector = (rows * spec.d_model * 4) as f64;
             batch::bounded(
                 cpu_rows as f64,
-                batch::cpu_neuron_rate(hw, 0.0, shape.row_bytes[Part::Ffn.index()], 1),
+                batch::bundle_read_rate(hw, shape.row_bytes[Part::Ffn.index()]),
                 rows,
                 step.cpu_flops / rows as f64,
                 batch::cpu_flops_per_s(hw),

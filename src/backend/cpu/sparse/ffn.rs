@@ -216,15 +216,18 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
         }
         // Gated: each group decided one group ahead of its ups, so the up dots fetch behind
         // them exactly the next group's ups that are on. Each part's rows then come in two
-        // dots ahead (a gate/up walk read 22–29 GB/s so against 18–21 one dot ahead, Zen 4,
+        // dots ahead (a gate/up walk read 20–29 GB/s against 18–21 one dot ahead, Zen 4,
         // 2 threads), and no up row is asked for that is not read: the deciding dots used to
         // fetch all four ups of their group, three in four of them off at 27% on.
         let ups_of = |(on, nl): ([usize; 4], usize)| {
             [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up))
         };
-        let mut cur = (!groups.is_empty()).then(|| decide_group(0, vals));
+        if groups.is_empty() {
+            return;
+        }
+        let mut cur = decide_group(0, vals);
         for gi in 0..groups.len() {
-            let Some((on, nl)) = cur else { break };
+            let (on, nl) = cur;
             let next = (gi + 1 < groups.len()).then(|| decide_group(gi + 1, vals));
             if nl > 0 {
                 let ups = ups_of((on, nl));
@@ -239,7 +242,9 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
                     }
                 }
             }
-            cur = next;
+            if let Some(g) = next {
+                cur = g;
+            }
         }
     }
 }
