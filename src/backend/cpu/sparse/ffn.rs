@@ -208,6 +208,9 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
             }
             (on, nl)
         };
+        if groups.is_empty() {
+            return;
+        }
         if !self.gated {
             for gi in 0..groups.len() {
                 decide_group(gi, vals);
@@ -222,15 +225,12 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
         let ups_of = |(on, nl): ([usize; 4], usize)| {
             [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up))
         };
-        if groups.is_empty() {
-            return;
-        }
         let mut cur = decide_group(0, vals);
         for gi in 0..groups.len() {
             let (on, nl) = cur;
             let next = (gi + 1 < groups.len()).then(|| decide_group(gi + 1, vals));
             if nl > 0 {
-                let ups = ups_of((on, nl));
+                let ups = ups_of(cur);
                 let ahead = match next {
                     Some(g) if g.1 > 0 => ups_of(g),
                     _ => ups,
