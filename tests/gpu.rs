@@ -761,7 +761,7 @@ fn listed_on<B: Backend>(
     b.ffn_bundles_up_listed(&w, shape, &xt, act, 0.0, db.as_ref(), idx, &mut h)
         .unwrap();
     let mut out = put(b, n, shape.d, &vec![0.0; n * shape.d]);
-    b.ffn_bundles_down_listed(&w, shape, &put(b, n, idx.len(), hv), idx, &mut out)
+    b.ffn_bundles_down_listed(&w, shape, &put(b, n, idx.len(), hv), (idx, idx), &mut out)
         .unwrap();
     let mut v = get(b, &h);
     v.extend(get(b, &out));
@@ -821,8 +821,14 @@ fn bundles_listed_compute_only_the_listed_neurons<B: Backend>(g: &B) {
         g.ffn_bundles_down(&bundles, shape, &put(g, n, neurons, &full), 0, &mut want)
             .unwrap();
         let mut got = put(g, n, d, &vec![0.0; n * d]);
-        g.ffn_bundles_down_listed(&bundles, shape, &put(g, n, idx.len(), &hv), &idx, &mut got)
-            .unwrap();
+        g.ffn_bundles_down_listed(
+            &bundles,
+            shape,
+            &put(g, n, idx.len(), &hv),
+            (&idx, &idx),
+            &mut got,
+        )
+        .unwrap();
         for (a, b) in get(g, &got).iter().zip(get(g, &want)) {
             assert!(
                 (a - b).abs() <= 1e-4 * b.abs().max(1.0),

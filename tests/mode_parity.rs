@@ -4,10 +4,12 @@
 //! user runs it (`logits --all-positions --sparsity oracle`).
 //!
 //! A neuron's activation is computed by one kernel whichever op computes it (the whole FFN, a
-//! cache unit's listed neurons, the host deciding a unit's set, the CPU's cold neurons), and a
-//! token's down sum is one chain of multiply-adds in neuron order (neurons a mask leaves off add
-//! nothing; the split's CPU rows, the last, continue the device's sum), so stream, the split,
-//! cache units and hybrid give the same logits bit for bit. On SmolLM2 (Q4_1) the 8-bit
+//! cache unit's listed neurons, the host deciding a unit's set, the CPU's cold neurons, in two
+//! passes or in one), and a token's down sum goes in one order (`DOWN_BLOCK`: each block of 64
+//! neuron ids summed from zero, the blocks added in order; neurons a mask leaves off add
+//! nothing; the resident rows and the split's CPU rows start on block boundaries, the CPU's
+//! continuing the device's sum), so stream, the split, cache units and hybrid give the same
+//! logits bit for bit. On SmolLM2 (Q4_1) the 8-bit
 //! activations of the next matmuls amplify a last-bit difference about 10⁵-fold (two runs of one
 //! command once differed by 1.5e-2 of the logit scale when the down sum's order followed the
 //! threads, and the split by 2e-2 while it added the CPU's sum to the device's in a merge).

@@ -219,8 +219,14 @@ fn bundle_ops_equal_the_reference<B: Backend>(b: &B) {
                     .map(|_| rng.random_range(-1f32..1.0))
                     .collect();
                 let mut out = put(b, n, d, &vec![0.0; n * d]);
-                b.ffn_bundles_down_listed(&whole, shape, &put(b, n, m + 2, &hc), &idx, &mut out)
-                    .unwrap();
+                b.ffn_bundles_down_listed(
+                    &whole,
+                    shape,
+                    &put(b, n, m + 2, &hc),
+                    (&idx, &idx),
+                    &mut out,
+                )
+                .unwrap();
                 let want = want_down(&|t, i| {
                     idx.iter()
                         .position(|&k| k as usize == i)
@@ -494,8 +500,8 @@ fn in_place_reads_take_the_paced_link_as_copies_do() {
 }
 
 /// Bundles read in place from host memory beside a unit's slots: one list over both computes
-/// what one list over the whole layer does, bit for bit (each token's sum one chain in list
-/// order), in every encoding, with and without a gate, one token and several; the mapped bundles
+/// what one list over the whole layer does, bit for bit (the entries' ids order each token's
+/// sum), in every encoding, with and without a gate, one token and several; the mapped bundles
 /// take no device memory; the link bytes counted are exactly what was read of them (every listed
 /// neuron's deciding part, the rest of those the mask leaves on); what cannot be mapped or read
 /// so is refused.
@@ -573,10 +579,10 @@ fn bundles_read_in_place_beside_slots_compute_as_one_layer() {
                 put(&sim, n, d, &vec![0.5; n * d]),
                 put(&sim, n, d, &vec![0.5; n * d]),
             );
-            sim.ffn_bundles_down_listed(&whole, shape, &h1, &ids, &mut o1)
+            sim.ffn_bundles_down_listed(&whole, shape, &h1, (&ids, &ids), &mut o1)
                 .unwrap();
             let before = ledger.snapshot().h2d_bytes;
-            sim.ffn_bundles_down_listed_from(pair, shape, &h2, &entries, &mut o2)
+            sim.ffn_bundles_down_listed_from(pair, shape, &h2, (&entries, &ids), &mut o2)
                 .unwrap();
             let down_bytes = ledger.snapshot().h2d_bytes - before;
             assert_eq!(get(&sim, &o1), get(&sim, &o2), "{what}: down");

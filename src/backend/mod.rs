@@ -382,15 +382,18 @@ pub trait Backend: Send + Sync + 'static {
         self.ffn_bundles_up_listed_from(listed, shape, x, act, threshold, up_bias, idx, h)
     }
     /// `out += Σ_j h[:, j] · down_{idx[j]}`: the down columns of the listed neurons only.
+    /// `ids[j]` is the neuron id of entry `idx[j]` (a unit's entries are slots): on the CPU and
+    /// the budgeted device it places the term in the one order every FFN sums in
+    /// ([`cpu::sparse::DOWN_BLOCK`]); CUDA sums in its own.
     fn ffn_bundles_down_listed(
         &self,
         bundles: &Self::Weight,
         shape: BundleShape,
         h: &Self::Tensor,
-        idx: &[u32],
+        listed: (&[u32], &[u32]),
         out: &mut Self::Tensor,
     ) -> Result<()> {
-        self.ffn_bundles_down_listed_from((bundles, None), shape, h, idx, out)
+        self.ffn_bundles_down_listed_from((bundles, None), shape, h, listed, out)
     }
     /// [`Backend::ffn_bundles_up_listed`] over two sets of bundles of one shape and encoding
     /// (`listed.1`: the rest, a unit's neurons where they rest in host memory): an entry with
@@ -408,13 +411,14 @@ pub trait Backend: Send + Sync + 'static {
         h: &mut Self::Tensor,
     ) -> Result<()>;
     /// [`Backend::ffn_bundles_down_listed`] over two sets of bundles, as
-    /// [`Backend::ffn_bundles_up_listed_from`]: each token's sum still one chain in list order.
+    /// [`Backend::ffn_bundles_up_listed_from`] (`(idx, ids)`: the entries and their neurons'
+    /// ids, as [`Backend::ffn_bundles_down_listed`] takes them).
     fn ffn_bundles_down_listed_from(
         &self,
-        listed: (&Self::Weight, Option<&Self::Weight>),
+        bundles: (&Self::Weight, Option<&Self::Weight>),
         shape: BundleShape,
         h: &Self::Tensor,
-        idx: &[u32],
+        listed: (&[u32], &[u32]),
         out: &mut Self::Tensor,
     ) -> Result<()>;
     /// A mixture-of-experts FFN: `out[t] = Σ w · down_e(act(gate_e·x[t]) ⊙ up_e·x[t])` over the

@@ -258,7 +258,7 @@ mod tests {
             (
                 "ffn_bundles_down_listed",
                 refusal(&sim, || {
-                    sim.ffn_bundles_down_listed(&b, shape, &h, &[0], &mut x)
+                    sim.ffn_bundles_down_listed(&b, shape, &h, (&[0], &[0]), &mut x)
                 }),
             ),
             (

@@ -802,7 +802,7 @@ impl Backend for SimBackend {
         (b, rest): (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         h: &SimTensor,
-        idx: &[u32],
+        (idx, ids): (&[u32], &[u32]),
         out: &mut SimTensor,
     ) -> Result<()> {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
@@ -812,7 +812,7 @@ impl Backend for SimBackend {
             (&b.w, rest.map(|r| &r.w)),
             shape,
             &h.t,
-            idx,
+            (idx, ids),
             &mut out.t,
         )?;
         // The down side reads the neurons with an activation for some token.

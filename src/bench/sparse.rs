@@ -261,7 +261,7 @@ impl<'a> SparseBench<'a> {
                     median_secs(a.reps, |i| {
                         let (b, idx) = (&views[i % copies], &lists[i % LISTS]);
                         sparse_up(k, b, idx, x, n, silu, None, &mut h)?;
-                        sparse_down_split(k, b, idx, &h, n, &mut out, split)?;
+                        sparse_down_split(k, b, (idx, idx), &h, n, &mut out, split)?;
                         Ok(())
                     })
                 })

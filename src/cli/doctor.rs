@@ -220,8 +220,8 @@ fn print_host(out: &mut impl Write, m: &Machine) -> Result<()> {
     match &cpu_read_start {
         Ok(s) => writeln!(
             out,
-            "CPU read starts:     {:.0} ns a read beyond its bytes (hybrid's cold pass over gated f16 \
-             neurons of width {w} taken apart, where a read's {} bytes take {:.0} ns at the DRAM \
+            "CPU read starts:     {:.0} ns a read beyond its bytes (hybrid's cold pass over whole \
+             gated f16 bundles of width {w}, where a part's {} bytes take {:.0} ns at the DRAM \
              read rate)",
             s * 1e9,
             2 * w,

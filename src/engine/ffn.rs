@@ -174,13 +174,14 @@ impl<B: Backend> Engine<B> {
             b.ffn_bundles_up_listed(
                 run, *shape, &sc.h, self.act, threshold, *up_bias, &listed, &mut sc.up,
             )?;
+            let listed_ids: Vec<u32> = listed.iter().map(|&j| ids[j as usize]).collect();
             if n > 1 {
                 // A neuron listed for one token may be off for another.
-                let listed_ids: Vec<u32> = listed.iter().map(|&j| ids[j as usize]).collect();
                 self.mask_hidden(keep, Some(&listed_ids), &mut sc.up)?;
             }
             b.zero(&mut sc.proj)?;
-            b.ffn_bundles_down_listed(run, *shape, &sc.up, &listed, &mut sc.proj)?;
+            let down = (listed.as_slice(), listed_ids.as_slice());
+            b.ffn_bundles_down_listed(run, *shape, &sc.up, down, &mut sc.proj)?;
             if let Some(bias) = down_bias {
                 b.add_bias(&mut sc.proj, bias)?;
             }

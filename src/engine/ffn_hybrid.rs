@@ -72,16 +72,14 @@ impl<B: Backend> Engine<B> {
             let _s = trace::span(Phase::DeviceNeurons);
             self.queue_hot(layer, f, threshold, keep.as_deref(), cold.hot, sc)?;
         }
-        let active = {
-            let _s = trace::span(Phase::CpuNeurons);
-            cold.neurons.activate(x, n, threshold, keep.as_deref())?
-        };
+        let keep = keep.as_deref();
         match &mut cold.merge {
             ColdMerge::Add(partial) => {
                 let mut part = vec![0f32; n * d];
                 {
                     let _s = trace::span(Phase::CpuNeurons);
-                    cold.neurons.add_down(&active, n, &mut part)?;
+                    cold.neurons
+                        .activate_down(x, n, threshold, keep, &mut part)?;
                 }
                 b.reshape(partial, n, d)?;
                 {
@@ -92,6 +90,10 @@ impl<B: Backend> Engine<B> {
                 b.add(&mut sc.proj, partial)?;
             }
             ColdMerge::Continue => {
+                let active = {
+                    let _s = trace::span(Phase::CpuNeurons);
+                    cold.neurons.activate(x, n, threshold, keep)?
+                };
                 let landing = trace::span(Phase::Landing);
                 let device_sum = Landing::start(b, &sc.proj, stage)?;
                 drop(landing);

@@ -6,6 +6,7 @@ use super::ports::{FfnView, NeuronUnit};
 use super::scratch::Scratch;
 use super::trace::{self, Phase};
 use super::{Engine, EngineError, Result};
+use crate::backend::cpu::sparse::DOWN_BLOCK;
 use crate::backend::{Backend, BundleShape, Landing};
 
 impl<B: Backend> Engine<B> {
@@ -78,7 +79,7 @@ impl<B: Backend> Engine<B> {
                 self.held_neurons(unit, (tier, &set.ids), (*shape, threshold), keep, sc)?;
                 continue;
             }
-            for chunk in set.ids.chunks(slots) {
+            for chunk in rounds(&set.ids, slots) {
                 let gather = trace::span(Phase::Gather);
                 let at = unit.bring(b, tier, chunk)?;
                 drop(gather);
@@ -100,8 +101,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Neurons `ids` of tier `tier` computed, each from its slot in the unit or where it rests
-    /// in host memory, in one list in their order: each token's sum stays the one chain the
-    /// whole FFN adds. `keep`: which tokens need each (a step of several computes the union).
+    /// in host memory, in one list in their order: each token's sum is the one the whole FFN
+    /// adds (their ids place each term in the one order of [`DOWN_BLOCK`]s). `keep`: which tokens need each (a step of several computes the union).
     /// One call for the whole list (the list's workspace holds a layer's neurons): calls of
     /// `slots` neurons each made SmolLM2 at 48M eleven a layer, each a fork and join of the
     /// threads with its in-place reads paced on their own, for the same sums.
@@ -142,7 +143,63 @@ impl<B: Backend> Engine<B> {
             // A neuron one token needs (in this precision) may be off for another.
             self.mask_hidden(keep, Some(ids), &mut sc.up)?;
         }
-        b.ffn_bundles_down_listed_from(listed, shape, &sc.up, at, &mut sc.proj)?;
+        b.ffn_bundles_down_listed_from(listed, shape, &sc.up, (at, ids), &mut sc.proj)?;
         Ok(())
+    }
+}
+
+/// `ids` (ascending) cut into rounds of at most `slots` neurons, each cut on a
+/// [`DOWN_BLOCK`] boundary where a block fits the slots: the rounds' down sums then add up to
+/// what one call over the whole list sums, in the one order (a block larger than the slots is
+/// cut where they end, and its sum is then two).
+fn rounds(ids: &[u32], slots: usize) -> Vec<&[u32]> {
+    let slots = slots.max(1);
+    let mut out = Vec::new();
+    let mut rest = ids;
+    while !rest.is_empty() {
+        let mut end = rest.len().min(slots);
+        if end < rest.len() {
+            // Back to the start of the block the cut would fall in, unless that empties the round.
+            let block = rest[end] / DOWN_BLOCK;
+            let start = rest[..end].partition_point(|&i| i / DOWN_BLOCK < block);
+            if start > 0 {
+                end = start;
+            }
+        }
+        let (round, next) = rest.split_at(end);
+        out.push(round);
+        rest = next;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounds cut on block boundaries where a block fits, cover the list in order, and never
+    /// exceed the slots.
+    #[test]
+    fn rounds_cut_on_block_boundaries() {
+        let b = DOWN_BLOCK;
+        // Blocks of 40, 30 and 50 listed neurons.
+        let ids: Vec<u32> = (0..40).chain(b..b + 30).chain(3 * b..3 * b + 50).collect();
+        let cuts = |slots| {
+            rounds(&ids, slots)
+                .iter()
+                .map(|r| r.len())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(cuts(1000), vec![120]);
+        assert_eq!(cuts(80), vec![70, 50]);
+        assert_eq!(cuts(60), vec![40, 30, 50]);
+        // A block larger than the slots is cut where they end.
+        assert_eq!(cuts(35), vec![35, 35, 35, 15]);
+        for slots in [1, 7, 35, 64, 1000] {
+            let rs = rounds(&ids, slots);
+            assert!(rs.iter().all(|r| !r.is_empty() && r.len() <= slots));
+            assert_eq!(rs.concat(), ids);
+        }
+        assert!(rounds(&[], 8).is_empty());
     }
 }

@@ -217,6 +217,18 @@ pub trait ColdNeurons: Send + Sync {
     /// Add to `out` (`n × d_model`) the down products of `active`, each token's terms in
     /// neuron order after what `out` holds.
     fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()>;
+    /// [`ColdNeurons::activate`] and [`ColdNeurons::add_down`] of what it activates, where the
+    /// sum need not wait: over bundles, in one pass that reads an active neuron's bundle in
+    /// one run (its terms then summed in runs of neurons, added to `out` in order: within
+    /// rounding of the two steps).
+    fn activate_down(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<ColdActive>;
 }
 
 /// The cold neurons a step activates ([`ColdNeurons::activate`]).
@@ -242,10 +254,10 @@ pub enum ColdMerge<'a, B: Backend> {
     /// `n × d_model`) and added to the device's: hybrid, whose hot and cold neurons interleave.
     Add(&'a mut B::Tensor),
     /// Every CPU neuron follows every device neuron in the down sum's order (the split: the
-    /// device's first rows, the CPU's last ones), so the CPU's terms continue the device's sum
-    /// landed on the host and the result goes back in its place: one chain, as where the device
-    /// holds the whole FFN (bit for bit on the budgeted device, whose sums are chains), and no
-    /// merge buffer.
+    /// device's first rows, the CPU's last ones, from a block boundary), so the CPU's terms
+    /// continue the device's sum landed on the host and the result goes back in its place: the
+    /// sum where the device holds the whole FFN (bit for bit on the budgeted device, whose sums
+    /// go in one order: `backend::cpu::sparse::DOWN_BLOCK`), and no merge buffer.
     Continue,
 }
 

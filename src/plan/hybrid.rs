@@ -192,8 +192,8 @@ fn place_in(
             bytes_per_neuron: lay.unit_bytes,
             // A unit at its bytes alone on either side, not the CPU's read starts: where the
             // device's memory is the CPU's (the budgeted device) no split then pays and each
-            // layer stays whole, its down sum one chain in neuron order. A split layer adds
-            // the device's sum and the CPU's: a reassociation SmolLM2 bundled amplifies from
+            // layer stays whole, its down sum in the one order of blocks of ids. A split layer
+            // adds the device's sum and the CPU's: a reassociation SmolLM2 bundled amplifies from
             // an ulp at layer 0 to 1.4e-2 of the logit scale (`tests/mode_parity.rs`).
             min_neurons: min_gpu_neurons(
                 lay.unit_bytes as f64 / hw.dram_read_bytes_per_s,

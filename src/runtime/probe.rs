@@ -262,38 +262,28 @@ pub const READ_PROBE_WIDTH: usize = 576;
 
 /// Seconds the CPU's neuron-sparse pass spends on each read beyond its bytes at `dram` bytes/s
 /// ([`crate::plan::HardwareProfile::cpu_read_start_s`]). The pass is hybrid's cold pass over
-/// gated f16 neurons taken apart, as the engine runs it on `b`'s pool: `bytes` of neurons,
-/// every gate (one run) read to decide, half the neurons left on and their up and down rows
-/// read (a read each); the fastest of seven passes, as the DRAM rate beside it is the best of
-/// its (a median moved 56–195 ns between starts on the shared 2-core machine).
+/// whole gated f16 bundles of [`READ_PROBE_WIDTH`] (narrow parts stay whole:
+/// [`crate::plan::cold::APART_FROM_PART_BYTES`]), as the engine runs it on `b`'s pool: `bytes`
+/// of neurons, every one examined (a read each), half of them left on and read whole in the
+/// same run; the fastest of seven passes, as the DRAM rate beside it is the best of its (a
+/// median moved 56–195 ns between starts on the shared 2-core machine).
 pub fn cpu_read_start_s(
     b: &crate::backend::cpu::CpuBackend,
     bytes: usize,
     dram: f64,
 ) -> Result<f64, String> {
-    use crate::backend::Backend;
-    use crate::backend::cpu::sparse::{Bundles, FfnParts, sparse_decide_up, sparse_down};
+    use crate::backend::cpu::sparse::{Bundles, FfnParts, sparse_ffn};
+    use crate::backend::{Backend, BundleShape};
     let err = |e: crate::backend::BackendError| format!("CPU read-start probe: {e}");
     let d = READ_PROBE_WIDTH;
-    let neurons = (bytes / (3 * d * 2)).max(64);
-    let part = |what: &str, seed: usize| {
-        let h: Vec<half::f16> = (0..neurons * d)
-            .map(|i| half::f16::from_f32((((i + seed) % 29) as f32 - 14.0) * 0.01))
-            .collect();
-        crate::tensor::HostTensor {
-            name: format!("probe {what}"),
-            rows: neurons,
-            cols: d,
-            dtype: crate::tensor::DType::F16,
-            data: crate::tensor::Bytes::from_slice(bytemuck::cast_slice(&h)),
-        }
-    };
-    let (gates, ups, downs) = (part("gates", 0), part("ups", 7), part("downs", 13));
-    let parts = FfnParts::Apart {
-        decide: Bundles::of_rows(&gates).map_err(err)?,
-        up: Some(Bundles::of_rows(&ups).map_err(err)?),
-    };
-    let downs = Bundles::of_rows(&downs).map_err(err)?;
+    let part = d * 2;
+    let neurons = (bytes / (3 * part)).max(64);
+    let w: Vec<half::f16> = (0..neurons * 3 * d)
+        .map(|i| half::f16::from_f32(((i % 29) as f32 - 14.0) * 0.01))
+        .collect();
+    let shape = BundleShape { parts: 3, d };
+    let bundles =
+        Bundles::new(bytemuck::cast_slice(&w), crate::store::Encoding::F16, shape).map_err(err)?;
     // Every neuron examined (the cold list is all of a layer's cold neurons), half left on by
     // a bit of a hash of its id.
     let listed: Vec<u32> = (0..neurons as u32).collect();
@@ -304,28 +294,25 @@ pub fn cpu_read_start_s(
     let mut out = vec![0f32; d];
     let mut pass = || -> Result<(f64, usize), String> {
         let t0 = Instant::now();
-        let on = sparse_decide_up(
+        let on = sparse_ffn(
             k,
-            parts,
-            &listed,
+            FfnParts::Bundles(bundles),
+            (&listed, &listed),
             &x,
             1,
             |j, _, v| if on_of(j) { v } else { 0.0 },
             &mut h,
+            &mut out,
         )
         .map_err(err)?;
-        let idx: Vec<u32> = on.iter().map(|&j| j as u32).collect();
-        let hs: Vec<f32> = on.iter().map(|&j| h[j]).collect();
-        sparse_down(k, &downs, &idx, &hs, 1, &mut out).map_err(err)?;
         std::hint::black_box(&out);
         Ok((t0.elapsed().as_secs_f64(), on.len()))
     };
     let mut times = b.enter(|| (0..7).map(|_| pass()).collect::<Result<Vec<_>, _>>())?;
     times.sort_by(|a, b| a.0.total_cmp(&b.0));
     let (secs, on) = times[0];
-    let reads = 2 * on;
-    let bytes_s = ((neurons + reads) * d * 2) as f64 / dram;
-    Ok(((secs - bytes_s) / reads.max(1) as f64).max(0.0))
+    let bytes_s = ((neurons + 2 * on) * part) as f64 / dram;
+    Ok(((secs - bytes_s) / neurons as f64).max(0.0))
 }
 
 /// Host memory copy bandwidth with one thread (what the budgeted device's "copy engine" does),

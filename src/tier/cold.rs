@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::backend::BundleShape;
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
-    Bundles, FfnParts, sparse_decide_up, sparse_down, sparse_down_blocks, sparse_part_dots,
-    sparse_rows,
+    Bundles, FfnParts, sparse_decide_up, sparse_down, sparse_down_blocks, sparse_ffn,
+    sparse_part_dots, sparse_rows,
 };
 use crate::backend::sparse_act;
 use crate::engine::trace::{self, Phase, span};
@@ -194,6 +194,11 @@ impl ColdLayer {
             traffic: cpu.traffic,
             _hold: Some(hold),
         })
+    }
+
+    /// The neuron ids of cold positions `positions`.
+    fn ids_of(&self, positions: &[u32]) -> Vec<u32> {
+        positions.iter().map(|&p| self.ids[p as usize]).collect()
     }
 
     /// Cold positions some token may need (all without a predictor).
@@ -375,7 +380,8 @@ impl ColdLayer {
 
     /// [`ColdNeurons::activate`] over float bundles or their parts taken apart: the decision
     /// and the up side in one pass over the candidates `cand` (the same bits as deciding over
-    /// all, then reading the ups of the neurons left on).
+    /// all, then reading the ups of the neurons left on); with `out`, the down side too, added
+    /// into it in the same pass ([`ColdNeurons::activate_down`]).
     fn activate_parts(
         &self,
         x: &[f32],
@@ -383,12 +389,14 @@ impl ColdLayer {
         threshold: f32,
         keep: Option<&[bool]>,
         cand: &[u32],
+        out: Option<&mut [f32]>,
     ) -> Result<ColdActive> {
         let parts = match &self.data {
             ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
-            ColdData::Parted { gates, ups, .. } => FfnParts::Apart {
+            ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
                 decide: Bundles::of_rows(gates)?,
                 up: Some(Bundles::of_rows(ups)?),
+                down: Some(Bundles::of_rows(downs)?),
             },
             ColdData::Matrices { .. } => {
                 return Err(weights_err("the FFN is stored as matrices, not bundles"));
@@ -399,8 +407,19 @@ impl ColdLayer {
             |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (gated, threshold), keep);
         let c = cand.len();
         let mut h = vec![0f32; n * c];
-        let pos = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
-        self.traffic.add(&self.cost, c, 0, 0);
+        let pos = match out {
+            Some(out) => {
+                let listed = (cand, &self.ids_of(cand)[..]);
+                let pos = sparse_ffn(self.kernels, parts, listed, x, n, decide, &mut h, out)?;
+                self.traffic.add(&self.cost, c, pos.len(), 0);
+                pos
+            }
+            None => {
+                let pos = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
+                self.traffic.add(&self.cost, c, 0, 0);
+                pos
+            }
+        };
         Ok(ColdActive {
             positions: pos.iter().map(|&jj| cand[jj]).collect(),
             values: select_cols(&h, n, c, &pos),
@@ -472,7 +491,7 @@ impl ColdNeurons for ColdLayer {
         // The gate (or the up vector of two-part bundles) decides; the rest is read only for
         // the neurons it leaves on.
         let ColdData::Matrices { gate, up, .. } = &self.data else {
-            return self.activate_parts(x, n, threshold, keep, &cand);
+            return self.activate_parts(x, n, threshold, keep, &cand, None);
         };
         let mut dec = vec![0f32; n * c];
         let pos = {
@@ -500,20 +519,38 @@ impl ColdNeurons for ColdLayer {
         Ok(ColdActive { positions, values })
     }
 
+    fn activate_down(
+        &self,
+        x: &[f32],
+        n: usize,
+        threshold: f32,
+        keep: Option<&[bool]>,
+        out: &mut [f32],
+    ) -> Result<ColdActive> {
+        if self.ids.is_empty() || matches!(self.data, ColdData::Matrices { .. }) {
+            let active = self.activate(x, n, threshold, keep)?;
+            self.add_down(&active, n, out)?;
+            return Ok(active);
+        }
+        let cand = self.candidates(n, keep);
+        self.activate_parts(x, n, threshold, keep, &cand, Some(out))
+    }
+
     fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()> {
         let ColdActive { positions, values } = active;
         if positions.is_empty() {
             return Ok(());
         }
+        let listed = (positions.as_slice(), &self.ids_of(positions)[..]);
         let units = match &self.data {
             ColdData::Bundles { t, shape } => {
                 let b = Bundles::from_host(t, *shape)?;
-                sparse_down(self.kernels, &b, positions, values, n, out)?;
+                sparse_down(self.kernels, &b, listed, values, n, out)?;
                 0
             }
             ColdData::Parted { downs, .. } => {
                 let downs = Bundles::of_rows(downs)?;
-                sparse_down(self.kernels, &downs, positions, values, n, out)?;
+                sparse_down(self.kernels, &downs, listed, values, n, out)?;
                 0
             }
             ColdData::Matrices { down, .. } => {
@@ -720,10 +757,11 @@ mod tests {
         }
     }
 
-    /// Gated f16 bundles taken apart (hybrid's cold neurons: the gates one matrix, up and down
-    /// beside each other) decide, activate and sum exactly what the whole bundles do, bit for
-    /// bit, with and without a threshold and a predictor's flags, for 1 and 3 tokens; the
-    /// CPU's reads are the same.
+    /// Gated f16 bundles taken apart (hybrid's cold neurons with wide parts: the gates one
+    /// matrix, the ups another, the downs a third) decide, activate and sum exactly what the
+    /// whole bundles do, bit for bit, with and without a threshold and a predictor's flags, for
+    /// 1 and 3 tokens, in two steps and in one pass ([`ColdNeurons::activate_down`], within
+    /// rounding of the two); the CPU's reads are the same.
     #[test]
     fn parted_bundles_compute_what_whole_bundles_do() {
         let k = kernels::best();
@@ -782,6 +820,38 @@ mod tests {
                 whole.add_down(&a, n, &mut oa).unwrap();
                 parted.add_down(&b, n, &mut ob).unwrap();
                 assert_eq!(bits(&oa), bits(&ob), "n {n} threshold {threshold}");
+                // Both steps in one pass: the same neurons, the same sum bit for bit (the one
+                // order of blocks of ids), the same bytes counted.
+                let since = |before: [u64; 4]| {
+                    let now = whole.traffic.snapshot();
+                    std::array::from_fn::<u64, 4, _>(|i| now[i] - before[i])
+                };
+                let before = whole.traffic.snapshot();
+                let mut want = vec![0f32; n * d];
+                let again = whole.activate(&x, n, threshold, keep).unwrap();
+                whole.add_down(&again, n, &mut want).unwrap();
+                let two_steps = since(before);
+                let mut want_parted = vec![0f32; n * d];
+                let again = parted.activate(&x, n, threshold, keep).unwrap();
+                parted.add_down(&again, n, &mut want_parted).unwrap();
+                assert_eq!(
+                    bits(&want_parted),
+                    bits(&want),
+                    "n {n} threshold {threshold}"
+                );
+                let before = whole.traffic.snapshot();
+                let (mut pa, mut pb) = (vec![0f32; n * d], vec![0f32; n * d]);
+                let fa = whole
+                    .activate_down(&x, n, threshold, keep, &mut pa)
+                    .unwrap();
+                let fb = parted
+                    .activate_down(&x, n, threshold, keep, &mut pb)
+                    .unwrap();
+                assert_eq!(since(before), two_steps, "n {n} threshold {threshold}");
+                assert_eq!(fa.positions, a.positions, "n {n} threshold {threshold}");
+                assert_eq!(fb.positions, a.positions, "n {n} threshold {threshold}");
+                assert_eq!(bits(&pa), bits(&pb), "n {n} threshold {threshold}");
+                assert_eq!(bits(&pa), bits(&want), "n {n} threshold {threshold}");
                 if threshold > 0.0 {
                     assert!(
                         a.positions.len() < cold_ids.len(),

@@ -186,13 +186,14 @@ impl super::CpuBackend {
     }
 }
 
-/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`:
-/// [`sparse_down`](super::sparse::sparse_down)'s split by output columns over all the neurons, so each token's result is one
-/// chain of multiply-adds from `out` in neuron order, the same bit for bit whatever the threads
-/// do, and the same as a cache unit's rounds over the neurons a token needs (a neuron whose
-/// activation is zero leaves the chain as it was). Per-thread partial sums added in the order
-/// work-stealing finished them made two runs of one command differ (SmolLM2 bundled: 1.5e-2 of
-/// the logit scale over 9 tokens, its 8-bit activations amplifying the last bits).
+/// `out[t] += Σ_i h[t·stride + col0 + i] · down_i` (out is `n × d`) over every neuron of `view`,
+/// row `i` being neuron `col0 + i`: [`sparse_down`](super::sparse::sparse_down) over all of
+/// them, in the one order of [`DOWN_BLOCK`](super::sparse::DOWN_BLOCK)s, so each token's result
+/// is the same bit for bit whatever the threads do, and the same as a cache unit's or the cold
+/// pass's over the neurons a token needs (a neuron whose activation is zero adds nothing). Sums
+/// added in the order work-stealing finished them made two runs of one command differ (SmolLM2
+/// bundled: 1.5e-2 of the logit scale over 9 tokens, its 8-bit activations amplifying the last
+/// bits).
 pub fn down_view(
     k: &Kernels,
     view: &Bundles,
@@ -206,6 +207,8 @@ pub fn down_view(
     let d = view.shape().d;
     assert!(h.len() == n * stride && col0 + neurons <= stride && out.len() == n * d);
     let idx: Vec<u32> = (0..neurons as u32).collect();
+    // The rows' ids from `col0` (a run of the layer's neurons from its first).
+    let ids: Vec<u32> = (col0 as u32..(col0 + neurons) as u32).collect();
     let compact: Vec<f32> = (0..n)
         .flat_map(|t| {
             h[t * stride + col0..t * stride + col0 + neurons]
@@ -213,7 +216,7 @@ pub fn down_view(
                 .copied()
         })
         .collect();
-    sparse_down_split(k, view, &idx, &compact, n, out, DownSplit::Output)
+    sparse_down_split(k, view, (&idx, &ids), &compact, n, out, DownSplit::Output)
         .expect("every neuron of the view, h and out sized to it (asserted)");
 }
 

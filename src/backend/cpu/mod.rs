@@ -724,7 +724,7 @@ impl Backend for CpuBackend {
         (b, rest): (&CpuWeight, Option<&CpuWeight>),
         shape: BundleShape,
         h: &CpuTensor,
-        idx: &[u32],
+        (idx, ids): (&[u32], &[u32]),
         out: &mut CpuTensor,
     ) -> Result<()> {
         let op = "ffn_bundles_down_listed";
@@ -744,7 +744,7 @@ impl Backend for CpuBackend {
         }
         b.with_listed(op, shape, rest, |view| {
             self.pool.install(|| {
-                sparse::sparse_down(self.kernels, view, idx, &compact, n, &mut out.data)
+                sparse::sparse_down(self.kernels, view, (idx, ids), &compact, n, &mut out.data)
             })
         })?
     }

@@ -368,9 +368,10 @@ impl Backend for CudaBackend {
         listed: (&CudaWeight, Option<&CudaWeight>),
         shape: BundleShape,
         h: &CudaTensor,
-        idx: &[u32],
+        (idx, _ids): (&[u32], &[u32]),
         out: &mut CudaTensor,
     ) -> Result<()> {
+        // CUDA sums in its own order (no bit parity is claimed there): the ids are not needed.
         bundles::ffn_bundles_down_listed(self, listed, shape, h, idx, out)
     }
 

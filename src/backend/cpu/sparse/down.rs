@@ -1,6 +1,8 @@
 //! The down side over bundles: the listed neurons' down columns weighted by their hidden
-//! activations, added into the output ([`sparse_down`]), split over threads one of two ways
-//! ([`DownSplit`]).
+//! activations, added into the output ([`sparse_down`]) in one order ([`DOWN_BLOCK`]), split
+//! over threads one of two ways ([`DownSplit`]).
+
+use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -9,6 +11,7 @@ use super::items::in_fours;
 use super::vector::{axpy4, f16_fast, ops};
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::{BundleShape, Result};
+use crate::store::GROUP_ROWS;
 use crate::store::quant::INT4_GROUP;
 
 /// How [`sparse_down_split`] spreads its work over threads.
@@ -17,9 +20,8 @@ pub enum DownSplit {
     /// Each task owns a range of output columns and reads that range of every listed column:
     /// no reduction, the task's outputs stay in L1.
     Output,
-    /// Each task sums the listed neurons of a fixed range of neuron ids into its own `n × d`
-    /// accumulator; the accumulators are added at the end in task order (a token's result
-    /// depends on its own neurons only, but on the list being whole: not for a unit's rounds).
+    /// Each [`DOWN_BLOCK`] is a task summing its listed neurons into an `n × d` sum of its own;
+    /// the sums are added at the end in block order.
     Partials,
 }
 
@@ -32,29 +34,50 @@ const MIN_COLS_PER_TASK: usize = 256;
 /// threads share the columns evenly: at 64, SmolLM2's 576 split 320/256 over two threads.
 const COLS_ALIGN: usize = INT4_GROUP;
 
-/// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), split over
-/// output columns ([`DownSplit::Output`]): each token's result is one chain of multiply-adds
-/// from `out` in list order, so it is what the token gets alone, bit for bit, whatever the
-/// other tokens list, however a cache unit cuts the list into rounds and whichever slots hold
-/// the neurons. (`gpu-offload bench sparse` times both splits; on this project's 2-core
-/// machine they measured within noise of each other, 1 and 4 tokens, f16/int8/int4, 10 and
-/// 50% active.)
+/// Neuron ids per block of the one order every CPU and budgeted-device FFN sums its down
+/// products in: a token's output is what `out` held plus, block by block in id order, the sum
+/// of the block's terms in list order from zero. Blocks of ids (not list positions, nor a share
+/// of the threads), so a token's result does not depend on what the other tokens list (their
+/// neurons weigh zero for it), on which slots hold the neurons, or on the pool; and the blocks
+/// can be summed apart (the one-walk cold pass, [`super::sparse_ffn`], gives each thread its
+/// own). A list cut into calls on block boundaries sums what it sums whole: the store's
+/// resident prefixes and the split's CPU rows are whole checksum groups, so this is the group.
+pub const DOWN_BLOCK: u32 = GROUP_ROWS as u32;
+
+/// The runs of list positions `0..m` whose neurons (`id(j)`) fall in one [`DOWN_BLOCK`].
+pub(crate) fn block_runs(m: usize, id: impl Fn(usize) -> u32) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for j in 0..m {
+        let block = id(j) / DOWN_BLOCK;
+        match runs.last_mut() {
+            Some(r) if id(r.start) / DOWN_BLOCK == block => r.end = j + 1,
+            _ => runs.push(j..j + 1),
+        }
+    }
+    runs
+}
+
+/// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` for `n` tokens (`out` is `n × d`), in the order
+/// [`DOWN_BLOCK`] gives by the neurons' ids (`ids[j]` is `idx[j]`'s: a unit's entries are slots),
+/// split over output columns ([`DownSplit::Output`]). (`gpu-offload bench sparse` times both
+/// splits; on this project's 2-core machine they measured within noise of each other, 1 and 4
+/// tokens, f16/int8/int4, 10 and 50% active.)
 pub fn sparse_down(
     k: &Kernels,
     b: &Bundles,
-    idx: &[u32],
+    (idx, ids): (&[u32], &[u32]),
     h: &[f32],
     n: usize,
     out: &mut [f32],
 ) -> Result<()> {
-    sparse_down_split(k, b, idx, h, n, out, DownSplit::Output)
+    sparse_down_split(k, b, (idx, ids), h, n, out, DownSplit::Output)
 }
 
-/// [`sparse_down`] with the thread split chosen by the caller.
+/// [`sparse_down`] with the thread split chosen by the caller: the same bits either way.
 pub fn sparse_down_split(
     k: &Kernels,
     b: &Bundles,
-    idx: &[u32],
+    (idx, ids): (&[u32], &[u32]),
     h: &[f32],
     n: usize,
     out: &mut [f32],
@@ -63,13 +86,14 @@ pub fn sparse_down_split(
     let op = "sparse_down";
     let BundleShape { parts, d } = b.shape;
     let m = idx.len();
-    if h.len() != n * m || out.len() != n * d {
+    if h.len() != n * m || out.len() != n * d || ids.len() != m {
         return Err(err(
             op,
             format!(
-                "h has {} values, out {}: want {n}×{m} and {n}×{d}",
+                "h has {} values, out {}, {} ids: want {n}×{m}, {n}×{d} and {m}",
                 h.len(),
-                out.len()
+                out.len(),
+                ids.len()
             ),
         ));
     }
@@ -80,19 +104,21 @@ pub fn sparse_down_split(
     let o = ops(k);
     let fast = f16_fast(o, b.is_f16());
     let down = parts - 1;
-    // Sum the columns of the neurons at positions `js` over `c0..c1` into `acc`
+    // Each block's positions whose neuron weighs anything for some token: neurons with a zero
+    // weight for every token add nothing (and ReLU models have many), and a block with none
+    // adds nothing at all.
+    let blocks: Vec<Vec<usize>> = block_runs(m, |j| ids[j])
+        .into_iter()
+        .map(|r| r.filter(|&j| (0..n).any(|t| h[t * m + j] != 0.0)).collect())
+        .filter(|live: &Vec<usize>| !live.is_empty())
+        .collect();
+    // Sum the columns of the neurons at positions `live` over `c0..c1` into `acc`
     // (`n × (c1 − c0)`). Four columns at a time, so each pass reads and writes the output tile
     // once per four; every kernel adds a neuron's term with one fused multiply-add per output
     // in list order, so a neuron whose weight for a token is zero leaves that token's sums
     // exactly as they were.
-    let columns = |js: &[usize], c0: usize, c1: usize, acc: &mut [f32]| {
+    let columns = |live: &[usize], c0: usize, c1: usize, acc: &mut [f32]| {
         let w = c1 - c0;
-        // Neurons with a zero weight for every token add nothing (and ReLU models have many).
-        let live: Vec<usize> = js
-            .iter()
-            .copied()
-            .filter(|&j| (0..n).any(|t| h[t * m + j] != 0.0))
-            .collect();
         // Padding columns (repeats) get weight zero.
         let a = |group: &[usize], t: usize| {
             [0, 1, 2, 3].map(|q| group.get(q).map_or(0.0, |&j| h[t * m + j]))
@@ -100,7 +126,7 @@ pub fn sparse_down_split(
         match fast {
             Some(f) => {
                 let cols = |g: &[usize; 4]| g.map(|j| &b.part_f16(idx[j] as usize, down)[c0..c1]);
-                in_fours(&live, 4, cols, |cols, next, group| {
+                in_fours(live, 4, cols, |cols, next, group| {
                     for t in 0..n {
                         (f.axpy4)(a(group, t), cols, next, &mut acc[t * w..(t + 1) * w]);
                     }
@@ -108,7 +134,7 @@ pub fn sparse_down_split(
             }
             None => {
                 let cols = |g: &[usize; 4]| g.map(|j| b.part(idx[j] as usize, down).slice(c0, c1));
-                in_fours(&live, 4, cols, |cols, next, group| {
+                in_fours(live, 4, cols, |cols, next, group| {
                     for t in 0..n {
                         let out = &mut acc[t * w..(t + 1) * w];
                         axpy4(o, a(group, t), cols, next, group.len(), out);
@@ -120,10 +146,8 @@ pub fn sparse_down_split(
     let threads = rayon::current_num_threads().max(1);
     match split {
         DownSplit::Output => {
-            // Each task carries its columns of `out` through every listed neuron: a token's
-            // result is one chain of multiply-adds from `out` in list order, the same however
-            // the list is cut into calls (a unit's rounds) or which slots hold the neurons.
-            let all: Vec<usize> = (0..m).collect();
+            // Each task carries its columns of `out` through every block, each block summed
+            // from zero in a tile of its own and then added.
             let per = columns_per_task(d, threads);
             let tasks = d.div_ceil(per);
             let cols = |task: usize| (task * per, ((task + 1) * per).min(d));
@@ -134,7 +158,12 @@ pub fn sparse_down_split(
                     let mut acc: Vec<f32> = (0..n)
                         .flat_map(|t| out[t * d + c0..t * d + c1].iter().copied())
                         .collect();
-                    columns(&all, c0, c1, &mut acc);
+                    let mut block = vec![0f32; acc.len()];
+                    for live in &blocks {
+                        block.fill(0.0);
+                        columns(live, c0, c1, &mut block);
+                        acc.iter_mut().zip(&block).for_each(|(a, s)| *a += s);
+                    }
                     acc
                 })
                 .collect();
@@ -147,36 +176,35 @@ pub fn sparse_down_split(
             }
         }
         DownSplit::Partials => {
-            // Each task owns a fixed range of neuron ids (not of positions in the list), and
-            // the partial sums are added in task order: a token's result does not depend on
-            // the neurons listed for the other tokens of the call (their weights for it are
-            // zero) nor on how the threads divide the work.
-            let per = b.neurons.div_ceil(threads * 4).max(16);
-            let mut tasks: Vec<Vec<usize>> = vec![Vec::new(); b.neurons.div_ceil(per)];
-            for (j, &i) in idx.iter().enumerate() {
-                let at = ((i & !crate::backend::IN_REST) as usize / per).min(tasks.len() - 1);
-                tasks[at].push(j);
-            }
-            let sums: Vec<Vec<f32>> = tasks
+            // Each block summed whole by a task of its own, the sums added in block order.
+            let sums: Vec<Vec<f32>> = blocks
                 .par_iter()
-                .filter(|js| !js.is_empty())
-                .map(|js| {
+                .map(|live| {
                     let mut acc = vec![0f32; n * d];
-                    columns(js, 0, d, &mut acc);
+                    columns(live, 0, d, &mut acc);
                     acc
                 })
                 .collect();
-            // Added over column chunks in parallel, each in task order.
-            const CHUNK: usize = 1024;
-            out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
-                for sum in &sums {
-                    let part = &sum[c * CHUNK..c * CHUNK + o.len()];
-                    o.iter_mut().zip(part).for_each(|(x, s)| *x += s);
-                }
-            });
+            add_in_order(&sums, out);
         }
     }
     Ok(())
+}
+
+/// `out += sums[0]`, then `sums[1]`, … (each as long as `out`), over column chunks in parallel.
+pub(crate) fn add_in_order(sums: &[Vec<f32>], out: &mut [f32]) {
+    const CHUNK: usize = 1024;
+    let add = |(c, o): (usize, &mut [f32])| {
+        for sum in sums {
+            let part = &sum[c * CHUNK..c * CHUNK + o.len()];
+            o.iter_mut().zip(part).for_each(|(x, s)| *x += s);
+        }
+    };
+    if out.len() <= CHUNK {
+        add((0, out));
+    } else {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(add);
+    }
 }
 
 /// Output columns per task of the [`DownSplit::Output`] split of `d` columns over `threads`:

@@ -2,13 +2,15 @@
 //! group of four neurons' deciding parts, then the up parts of those the decision leaves on,
 //! while their lines are still coming in. Hybrid's cold neurons took this in two passes (every
 //! deciding part, then the ups of the active), each a parallel call and a walk through the
-//! layer of its own.
+//! layer of its own. [`sparse_ffn`] adds the down side to the same pass: an active neuron's
+//! whole bundle is read in one run.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::bundle::{Bundles, check_x_h, err};
-use super::items::per_items;
-use super::vector::{Vector, dot4, f16_fast, ops};
+use super::down::{add_in_order, block_runs};
+use super::items::{per_items, per_runs};
+use super::vector::{Vector, axpy4, dot4, f16_fast, ops};
 use crate::backend::Result;
 use crate::backend::cpu::kernels::Kernels;
 
@@ -22,6 +24,8 @@ pub enum FfnParts<'a> {
         decide: Bundles<'a>,
         /// The up rows of a gated FFN.
         up: Option<Bundles<'a>>,
+        /// The down columns (as rows), for [`sparse_ffn`].
+        down: Option<Bundles<'a>>,
     },
 }
 
@@ -30,6 +34,7 @@ pub enum FfnParts<'a> {
 enum Role {
     Decide,
     Up,
+    Down,
 }
 
 impl<'a> FfnParts<'a> {
@@ -51,17 +56,24 @@ impl<'a> FfnParts<'a> {
     fn is_f16(&self) -> bool {
         match self {
             FfnParts::Bundles(b) => b.is_f16(),
-            FfnParts::Apart { decide, up } => decide.is_f16() && up.is_none_or(|u| u.is_f16()),
+            FfnParts::Apart { decide, up, down } => {
+                decide.is_f16() && up.is_none_or(|u| u.is_f16()) && down.is_none_or(|u| u.is_f16())
+            }
         }
     }
 
     /// Where `role` of a neuron is: the bundles and the part within each.
+    /// (A down part of parts taken apart without one is never asked for: [`sparse_ffn`] checks.)
     fn at(&self, role: Role) -> (&Bundles<'a>, usize) {
         match (self, role) {
             (FfnParts::Bundles(b), Role::Decide) => (b, 0),
             (FfnParts::Bundles(b), Role::Up) => (b, 1),
+            (FfnParts::Bundles(b), Role::Down) => (b, b.shape.parts - 1),
             (FfnParts::Apart { decide, .. }, Role::Decide) => (decide, 0),
             (FfnParts::Apart { up, decide, .. }, Role::Up) => (up.as_ref().unwrap_or(decide), 0),
+            (FfnParts::Apart { down, decide, .. }, Role::Down) => {
+                (down.as_ref().unwrap_or(decide), 0)
+            }
         }
     }
 
@@ -84,8 +96,11 @@ impl<'a> FfnParts<'a> {
                 }
                 b.check_idx(op, idx)
             }
-            FfnParts::Apart { decide, up } => {
-                for b in [Some(decide), up.as_ref()].into_iter().flatten() {
+            FfnParts::Apart { decide, up, down } => {
+                for b in [Some(decide), up.as_ref(), down.as_ref()]
+                    .into_iter()
+                    .flatten()
+                {
                     if b.shape.parts != 1
                         || b.shape.d != decide.shape.d
                         || b.neurons != decide.neurons
@@ -145,16 +160,106 @@ pub fn sparse_decide_up(
             (vals, &on),
             |i, r| parts.part_f16(i, r),
             |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
+            None,
         ),
         None => walk.run(
             js,
             (vals, &on),
             |i, r| parts.part(i, r),
             |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
+            None,
         ),
     });
     Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
 }
+
+/// [`sparse_decide_up`] and the down side in the same pass: `h` as it gives, and
+/// `out[t] += Σ_j h[t·m + j] · down_{idx[j]}` (`out` is `n × d`; `ids[j]` is `idx[j]`'s neuron
+/// id, which places its term in the order).
+/// Each group's down columns are added right after its up dots, so an active neuron's bundle is
+/// read in one run rather than in two passes over the layer (SmolLM2's f16 layers, 84% on,
+/// 2 threads: 5.4–5.6 ms against 6.3–6.8 for 30 layers). Each [`DOWN_BLOCK`](super::DOWN_BLOCK) of the list is a
+/// task with a sum of its own, the sums added to `out` in block order: the order
+/// [`super::sparse_down`] sums in, so the result is its result over the same `h`, bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn sparse_ffn(
+    k: &Kernels,
+    parts: FfnParts,
+    (idx, ids): (&[u32], &[u32]),
+    x: &[f32],
+    n: usize,
+    decide: impl Fn(usize, usize, f32) -> f32 + Sync,
+    h: &mut [f32],
+    out: &mut [f32],
+) -> Result<Vec<usize>> {
+    let op = "sparse_ffn";
+    let (d, m) = (parts.d(), idx.len());
+    check_x_h(op, (x, h), n, (d, m))?;
+    parts.check(op, idx)?;
+    if let FfnParts::Apart { down: None, .. } = parts {
+        return Err(err(
+            op,
+            "the parts taken apart came without their down rows".into(),
+        ));
+    }
+    if out.len() != n * d || ids.len() != m {
+        return Err(err(
+            op,
+            format!(
+                "out has {} values, {} ids: want {n}×{d} and {m}",
+                out.len(),
+                ids.len()
+            ),
+        ));
+    }
+    if m == 0 || n == 0 {
+        return Ok(Vec::new());
+    }
+    let o = ops(k);
+    let xt = |t: usize| &x[t * d..(t + 1) * d];
+    let walk = Walk {
+        idx,
+        n,
+        gated: parts.gated(),
+        decide: &decide,
+    };
+    let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
+    let runs = block_runs(m, |j| ids[j]);
+    let sums = per_runs(&runs, n, h, |js, vals| {
+        let mut acc = vec![0f32; n * d];
+        match f16_fast(o, parts.is_f16()) {
+            Some(f) => walk.run(
+                js.clone(),
+                (vals, &on),
+                |i, r| parts.part_f16(i, r),
+                |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
+                Some((&mut acc, &|a, cols, next, _, out| {
+                    (f.axpy4)(a, cols, next, out)
+                })),
+            ),
+            None => walk.run(
+                js.clone(),
+                (vals, &on),
+                |i, r| parts.part(i, r),
+                |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
+                Some((&mut acc, &|a, cols, next, live, out| {
+                    axpy4(o, a, cols, next, live, out)
+                })),
+            ),
+        }
+        // A block with no neuron on adds nothing (as in `sparse_down`).
+        js.into_iter()
+            .any(|j| on[j].load(Ordering::Relaxed))
+            .then_some(acc)
+    });
+    let sums: Vec<Vec<f32>> = sums.into_iter().flatten().collect();
+    add_in_order(&sums, out);
+    Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
+}
+
+/// Adds `a[r] · cols[r]` into an output row for the first `live` columns, the `next` group's
+/// fetched ahead (the down kernels' signature).
+type Axpy<'f, V> = &'f dyn Fn([f32; 4], [V; 4], [V; 4], usize, &mut [f32]);
 
 /// What one task of [`sparse_decide_up`] walks.
 struct Walk<'a, D> {
@@ -168,13 +273,15 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
     /// The list positions `js` in groups of four: their values item-major into `vals`
     /// (`vals[(j − js.start)·n + t]`), those on flagged in `live` (by position). `part(i, role)` is a
     /// part of neuron `i`, `dots(rows, next, live, t)` four rows against token `t`, the
-    /// `next` rows fetched ahead.
+    /// `next` rows fetched ahead. With `down` (an `n × d` sum and its kernel), each group's
+    /// down columns of the neurons on are added into the sum after the group's up dots.
     fn run<V: Copy>(
         &self,
         js: std::ops::Range<usize>,
         (vals, live): (&mut [f32], &[AtomicBool]),
         part: impl Fn(usize, Role) -> V,
         dots: impl Fn([V; 4], [V; 4], usize, usize) -> [f32; 4],
+        mut down: Option<(&mut [f32], Axpy<'_, V>)>,
     ) {
         let n = self.n;
         let j0 = js.start;
@@ -211,35 +318,48 @@ impl<D: Fn(usize, usize, f32) -> f32> Walk<'_, D> {
         if groups.is_empty() {
             return;
         }
-        if !self.gated {
-            for gi in 0..groups.len() {
-                decide_group(gi, vals);
-            }
-            return;
-        }
-        // Gated: each group decided one group ahead of its ups, so the up dots fetch behind
-        // them exactly the next group's ups that are on. Each part's rows then come in two
-        // dots ahead (a gate/up walk read 20–29 GB/s against 18–21 one dot ahead, Zen 4,
-        // 2 threads), and no up row is asked for that is not read: the deciding dots used to
-        // fetch all four ups of their group, three in four of them off at 27% on.
-        let ups_of = |(on, nl): ([usize; 4], usize)| {
-            [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), Role::Up))
+        // Each group is decided one group ahead of its ups (gated) and its downs, so the dots
+        // and sums fetch behind them exactly the next group's parts that are on. Each part's
+        // rows then come in two dots ahead (a gate/up walk read 20–29 GB/s against 18–21 one
+        // dot ahead, Zen 4, 2 threads), and no row is asked for that is not read: the deciding
+        // dots used to fetch all four ups of their group, three in four of them off at 27% on.
+        let of = |(on, nl): ([usize; 4], usize), role| {
+            [0, 1, 2, 3].map(|r| part(neuron(on[r.min(nl - 1)]), role))
+        };
+        let ahead_of = |next: Option<([usize; 4], usize)>, role, cur: [V; 4]| match next {
+            Some(g) if g.1 > 0 => of(g, role),
+            _ => cur,
         };
         let mut cur = decide_group(0, vals);
         for gi in 0..groups.len() {
             let (on, nl) = cur;
             let next = (gi + 1 < groups.len()).then(|| decide_group(gi + 1, vals));
-            if nl > 0 {
-                let ups = ups_of(cur);
-                let ahead = match next {
-                    Some(g) if g.1 > 0 => ups_of(g),
-                    _ => ups,
-                };
+            if nl > 0 && self.gated {
+                let ups = of(cur, Role::Up);
+                let ahead = ahead_of(next, Role::Up, ups);
                 for t in 0..n {
                     let u = dots(ups, ahead, nl, t);
                     for (r, &j) in on[..nl].iter().enumerate() {
                         vals[(j - j0) * n + t] *= u[r];
                     }
+                }
+            }
+            if nl > 0
+                && let Some((acc, axpy)) = &mut down
+            {
+                let d = acc.len() / n;
+                let cols = of(cur, Role::Down);
+                let ahead = ahead_of(next, Role::Down, cols);
+                for t in 0..n {
+                    // Padding columns weigh zero.
+                    let a = [0, 1, 2, 3].map(|r| {
+                        if r < nl {
+                            vals[(on[r] - j0) * n + t]
+                        } else {
+                            0.0
+                        }
+                    });
+                    axpy(a, cols, ahead, nl, &mut acc[t * d..(t + 1) * d]);
                 }
             }
             if let Some(g) = next {

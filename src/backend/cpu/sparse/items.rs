@@ -16,30 +16,54 @@ pub(crate) fn per_items(
     out: &mut [f32],
     f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
+    let runs: Vec<_> = (0..m)
+        .step_by(NEURONS_PER_TASK)
+        .map(|j| j..(j + NEURONS_PER_TASK).min(m))
+        .collect();
+    per_runs(&runs, n, out, f);
+}
+
+/// [`per_items`] over the given runs of items (consecutive, from 0, covering all `m`), a task
+/// each, each task's result returned in run order.
+pub(crate) fn per_runs<R: Send>(
+    runs: &[std::ops::Range<usize>],
+    n: usize,
+    out: &mut [f32],
+    f: impl Fn(std::ops::Range<usize>, &mut [f32]) -> R + Sync,
+) -> Vec<R> {
+    let m = runs.last().map_or(0, |r| r.end);
     debug_assert_eq!(out.len(), m * n);
-    let task = |(c, o): (usize, &mut [f32])| {
-        let j0 = c * NEURONS_PER_TASK;
-        f(j0..j0 + o.len() / n.max(1), o)
-    };
+    // Each run's slice of an item-major buffer.
+    fn split<'b>(
+        runs: &[std::ops::Range<usize>],
+        n: usize,
+        mut buf: &'b mut [f32],
+    ) -> Vec<(std::ops::Range<usize>, &'b mut [f32])> {
+        runs.iter()
+            .map(|r| {
+                let (this, rest) = std::mem::take(&mut buf).split_at_mut(r.len() * n);
+                buf = rest;
+                (r.clone(), this)
+            })
+            .collect()
+    }
+    let task = |(js, vals): (std::ops::Range<usize>, &mut [f32])| f(js, vals);
     if n == 1 {
-        if m <= NEURONS_PER_TASK {
-            out.chunks_mut(NEURONS_PER_TASK).enumerate().for_each(task);
+        let tasks = split(runs, n, out);
+        return if tasks.len() <= 1 {
+            tasks.into_iter().map(task).collect()
         } else {
-            out.par_chunks_mut(NEURONS_PER_TASK)
-                .enumerate()
-                .for_each(task);
-        }
-        return;
+            tasks.into_par_iter().map(task).collect()
+        };
     }
     let mut tr = vec![0f32; m * n];
-    tr.par_chunks_mut(NEURONS_PER_TASK * n)
-        .enumerate()
-        .for_each(task);
+    let results = split(runs, n, &mut tr).into_par_iter().map(task).collect();
     for (j, v) in tr.chunks(n).enumerate() {
         for (t, &x) in v.iter().enumerate() {
             out[t * m + j] = x;
         }
     }
+    results
 }
 
 /// Groups of four vectors over a run of items (the last group padded with repeats of its last

@@ -12,7 +12,8 @@
 //!   (GGUF blocks or floats), for models whose FFN is not bundled.
 //!
 //! A listed neuron appearing twice is computed twice (and added twice by the down functions):
-//! the sums run over the list.
+//! the sums run over the list. The down functions over bundles sum in one order
+//! ([`DOWN_BLOCK`]), so every mode's sum is the same bit for bit.
 //!
 //! Where things are: the bundle view (`bundle`), one weight vector in its encoding and its
 //! dot/axpy by group of four (`vector`), the inner kernels `Kernels` lacks (`ops`: the table;
@@ -34,8 +35,8 @@ mod vector;
 mod x86;
 
 pub use bundle::Bundles;
-pub use down::{DownSplit, sparse_down, sparse_down_split};
-pub use ffn::{FfnParts, sparse_decide_up};
+pub use down::{DOWN_BLOCK, DownSplit, sparse_down, sparse_down_split};
+pub use ffn::{FfnParts, sparse_decide_up, sparse_ffn};
 pub(crate) use items::per_items;
 pub use matrix::{sparse_down_blocks, sparse_rows};
 pub use up::{sparse_part_dots, sparse_up};

@@ -19,7 +19,7 @@ use crate::tensor::{Bytes, DType, HostTensor};
 // Tolerance. For float bundles `sparse_up` runs the dense kernel on the same row and
 // activations, so it matches exactly; INT8/INT4 differ from the dequantized-f32 oracle by
 // one rounding per product (`s·(q·x)` against `(s·q)·x`). The down sums add the same terms
-// in another association (per-task partials, runs of blocks): reassociating a sum of N terms
+// in another association than the oracle's chain (blocks of ids): reassociating a sum of N terms
 // moves it by at most about N·ε·Σ|terms| (ε = 2⁻²⁴), and N ≤ 200 here, so every check is
 // `|got − want| ≤ 2e-5 · Σ|terms|`, Σ|terms| computed in f64 from the oracle's values.
 pub(super) const REL: f64 = 2e-5;
@@ -61,7 +61,9 @@ pub(super) fn each_token_as_alone(
     }
 }
 
-/// [`each_token_as_alone`] for [`sparse_down_split`].
+/// [`each_token_as_alone`] for [`sparse_down_split`], over the list in ascending order (as the
+/// engine lists neurons: in another order, the neurons other tokens need may cut a token's
+/// blocks of ids into more runs than its own list does).
 fn down_as_alone(
     rng: &mut StdRng,
     k: &Kernels,
@@ -71,8 +73,15 @@ fn down_as_alone(
     what: &str,
     split: DownSplit,
 ) {
-    each_token_as_alone(rng, idx, h, n, out0, what, |i, h, n, o| {
-        sparse_down_split(k, b, i, h, n, o, split).unwrap();
+    let m = idx.len();
+    let mut order: Vec<usize> = (0..m).collect();
+    order.sort_by_key(|&j| idx[j]);
+    let idx: Vec<u32> = order.iter().map(|&j| idx[j]).collect();
+    let h: Vec<f32> = (0..n)
+        .flat_map(|t| order.iter().map(move |&j| h[t * m + j]))
+        .collect();
+    each_token_as_alone(rng, &idx, &h, n, out0, what, |i, h, n, o| {
+        sparse_down_split(k, b, (i, i), h, n, o, split).unwrap();
     });
 }
 
@@ -239,7 +248,7 @@ fn bundles_equal_dense_with_masked_h() {
                             let w = format!("{what} {split:?}");
                             down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
                             let mut got = out0.clone();
-                            sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
+                            sparse_down_split(k, &b, (&idx, &idx), &h, n, &mut got, split).unwrap();
                             for t in 0..n {
                                 for c in 0..d {
                                     let mag: f64 = out0[t * d + c].abs() as f64
@@ -333,9 +342,17 @@ fn rows_taken_apart_compute_as_their_bundles() {
                 let h = rand_vec(&mut rng, n * m, 1.0);
                 let out0 = rand_vec(&mut rng, n * d, 1.0);
                 let (mut want, mut got) = (out0.clone(), out0);
-                sparse_down(k, &b, &idx, &h, n, &mut want).unwrap();
+                sparse_down(k, &b, (&idx, &idx), &h, n, &mut want).unwrap();
                 let downs = matrix(2);
-                sparse_down(k, &Bundles::of_rows(&downs).unwrap(), &idx, &h, n, &mut got).unwrap();
+                sparse_down(
+                    k,
+                    &Bundles::of_rows(&downs).unwrap(),
+                    (&idx, &idx),
+                    &h,
+                    n,
+                    &mut got,
+                )
+                .unwrap();
                 assert_eq!(want, got, "{} {dtype} down, {n} tokens", k.name);
             }
         }
@@ -417,11 +434,13 @@ fn grouped_paths_equal_per_row() {
                             }
                         }
                         let out0 = rand_vec(&mut rng, n * d, 1.0);
+                        let mut by_split = Vec::new();
                         for split in [DownSplit::Output, DownSplit::Partials] {
                             let w = format!("{what} {split:?}");
                             down_as_alone(&mut rng, k, &b, (&idx, &h, n), &out0, &w, split);
                             let mut got = out0.clone();
-                            sparse_down_split(k, &b, &idx, &h, n, &mut got, split).unwrap();
+                            sparse_down_split(k, &b, (&idx, &idx), &h, n, &mut got, split).unwrap();
+                            by_split.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
                             for t in 0..n {
                                 let mut want = out0[t * d..(t + 1) * d].to_vec();
                                 let mut mag = 0f32;
@@ -435,6 +454,8 @@ fn grouped_paths_equal_per_row() {
                                 }
                             }
                         }
+                        // One order of blocks of ids, however the threads share the work.
+                        assert_eq!(by_split[0], by_split[1], "{what}: the two splits");
                     }
                 }
             }
@@ -442,8 +463,8 @@ fn grouped_paths_equal_per_row() {
     }
 }
 
-/// The output-column split gives the same bits on any number of threads: each output is one
-/// chain of multiply-adds in list order whichever task owns its column (576 columns: one task,
+/// The output-column split gives the same bits on any number of threads: each output is summed
+/// in the one order of blocks of ids whichever task owns its column (576 columns: one task,
 /// two of 288, three of 256/256/64), f16 and INT4, 1 and 3 tokens.
 #[test]
 fn down_split_by_columns_is_the_same_on_any_threads() {
@@ -464,7 +485,7 @@ fn down_split_by_columns_is_the_same_on_any_threads() {
                         .build()
                         .unwrap();
                     let mut out = out0.clone();
-                    pool.install(|| sparse_down(k, &b, &idx, &h, n, &mut out))
+                    pool.install(|| sparse_down(k, &b, (&idx, &idx), &h, n, &mut out))
                         .unwrap();
                     out
                 };
@@ -501,7 +522,7 @@ fn bad_inputs_are_errors() {
     assert!(sparse_up(k, &b, &[10], &x, 1, relu, None, &mut h).is_err());
     assert!(sparse_up(k, &b, &[9], &x[1..], 1, relu, None, &mut h).is_err());
     let mut out = vec![0f32; 64];
-    assert!(sparse_down(k, &b, &[9, 1], &h, 1, &mut out).is_err());
+    assert!(sparse_down(k, &b, (&[9, 1], &[9, 1]), &h, 1, &mut out).is_err());
     let w = HostTensor::from_f32("w", 4, 8, vec![0.0; 32]);
     assert!(sparse_rows(k, &w, &[4], &x[..8], 1, &mut h).is_err());
     assert!(sparse_down_blocks(k, &w, &[8], &h, 1, &mut out[..4]).is_err());
@@ -511,7 +532,8 @@ fn bad_inputs_are_errors() {
 /// (the deciding part's dots, then the up dots of what the decision leaves on), in every
 /// encoding, gated or not, whole bundles or taken apart, lists in random order, 1 and 3 tokens,
 /// each token its own mask: the same values bit for bit, the same neurons on. (The modes' parity
-/// on profiled SwiGLU models rests on those bits: a threshold flips neurons on a rounding.)
+/// on profiled SwiGLU models rests on those bits: a threshold flips neurons on a rounding.) The
+/// down side in the same pass too ([`whole_ffn_in_one_pass`]).
 #[test]
 fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
     let mut rng = StdRng::seed_from_u64(31);
@@ -537,6 +559,7 @@ fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
                     let parts = FfnParts::Apart {
                         decide: r(0),
                         up: gated.then(|| r(1)),
+                        down: Some(r(l.shape.parts - 1)),
                     };
                     layouts.push(("apart", parts));
                 }
@@ -582,8 +605,160 @@ fn decide_and_up_in_one_pass_equal_two_passes_bit_for_bit() {
                             sparse_decide_up(k, *parts, &idx, &x, n, decide, &mut got).unwrap();
                         assert_eq!(got_on, live, "{what}");
                         assert_eq!(bits(&got), bits(&want), "{what}");
+                        whole_ffn_in_one_pass(k, (*parts, &b), (&idx, &x, n), decide, &want, &what);
                     }
                 }
+            }
+        }
+    }
+}
+
+/// [`sparse_ffn`] over `parts` (the bundles `b` or their parts taken apart) against
+/// [`sparse_decide_up`]'s values `want` (`n × m`) and [`sparse_down`] over them: the same
+/// values bit for bit, the same sum from a sum already under way (bit for bit where the list
+/// ascends, as every list the engine makes does; within rounding where a list in random order
+/// cuts its blocks of ids differently once the neurons off are left out). Over the list in
+/// ascending order, each token's sum is bit for bit its sum alone over the neurons on for it
+/// (the others' add exact zeros within the same blocks of ids), and bit for bit the sum of the
+/// neurons on over the whole list (the dense order).
+fn whole_ffn_in_one_pass(
+    k: &Kernels,
+    (parts, b): (FfnParts, &Bundles),
+    (idx, x, n): (&[u32], &[f32], usize),
+    decide: impl Fn(usize, usize, f32) -> f32 + Sync,
+    want: &[f32],
+    what: &str,
+) {
+    let (m, d) = (idx.len(), b.shape.d);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let live: Vec<usize> = (0..m)
+        .filter(|&j| (0..n).any(|t| want[t * m + j] != 0.0))
+        .collect();
+    let out0: Vec<f32> = (0..n * d).map(|i| (i % 5) as f32 * 0.25 - 0.5).collect();
+    let mut got = out0.clone();
+    let mut h = vec![f32::NAN; n * m];
+    let on = sparse_ffn(k, parts, (idx, idx), x, n, &decide, &mut h, &mut got).unwrap();
+    assert_eq!(on, live, "{what}: one pass");
+    assert_eq!(bits(&h), bits(want), "{what}: one pass");
+    let listed: Vec<u32> = live.iter().map(|&j| idx[j]).collect();
+    let hs: Vec<f32> = (0..n)
+        .flat_map(|t| live.iter().map(move |&j| want[t * m + j]))
+        .collect();
+    let mut two = out0.clone();
+    sparse_down(k, b, (&listed, &listed), &hs, n, &mut two).unwrap();
+    if idx.is_sorted() {
+        assert_eq!(bits(&got), bits(&two), "{what}: one pass against two");
+    }
+    let scale = two.iter().fold(1f32, |a, v| a.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(&two).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * scale,
+            "{what}: out[{i}] {g} against {w}"
+        );
+    }
+    // Ascending, each token alone over its own neurons.
+    let mut order: Vec<usize> = (0..m).collect();
+    order.sort_by_key(|&j| idx[j]);
+    let sorted: Vec<u32> = order.iter().map(|&j| idx[j]).collect();
+    let dec_sorted = |jj: usize, t: usize, v: f32| decide(order[jj], t, v);
+    let mut all = out0.clone();
+    let mut hh = vec![0f32; n * m];
+    sparse_ffn(
+        k,
+        parts,
+        (&sorted, &sorted),
+        x,
+        n,
+        dec_sorted,
+        &mut hh,
+        &mut all,
+    )
+    .unwrap();
+    // The dense order: every neuron of the layer listed, those off weighing zero.
+    let neurons = b.neurons();
+    let mut dense_h = vec![0f32; n * neurons];
+    for t in 0..n {
+        for (jj, &i) in sorted.iter().enumerate() {
+            dense_h[t * neurons + i as usize] += hh[t * m + jj];
+        }
+    }
+    if sorted.windows(2).all(|w| w[0] < w[1]) {
+        let every: Vec<u32> = (0..neurons as u32).collect();
+        let mut dense = out0.clone();
+        sparse_down(k, b, (&every, &every), &dense_h, n, &mut dense).unwrap();
+        assert_eq!(bits(&dense), bits(&all), "{what}: the dense order");
+    }
+    for t in 0..n {
+        let mine: Vec<usize> = (0..m).filter(|&jj| hh[t * m + jj] != 0.0).collect();
+        let list: Vec<u32> = mine.iter().map(|&jj| sorted[jj]).collect();
+        let xt = &x[t * d..(t + 1) * d];
+        let dec_t = |a: usize, _: usize, v: f32| decide(order[mine[a]], t, v);
+        let mut alone = out0[t * d..(t + 1) * d].to_vec();
+        let mut ht = vec![0f32; list.len()];
+        sparse_ffn(k, parts, (&list, &list), xt, 1, dec_t, &mut ht, &mut alone).unwrap();
+        assert_eq!(
+            bits(&alone),
+            bits(&all[t * d..(t + 1) * d]),
+            "{what}: token {t} alone"
+        );
+    }
+}
+
+/// A list cut into calls on [`DOWN_BLOCK`] boundaries (a stream's resident and streamed runs, the
+/// split's device and CPU rows, a unit's rounds) sums what one call over the whole list does,
+/// bit for bit, from a sum already under way; the blocks are the ids', not the entries': the
+/// same neurons listed by other entries (a unit's slots) sum the same.
+#[test]
+fn calls_cut_on_block_boundaries_sum_what_one_call_does() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let b64 = DOWN_BLOCK as usize;
+    let (neurons, d) = (4 * b64 + 17, 96);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for k in kernel_sets() {
+        for enc in [Encoding::F16, Encoding::Int8] {
+            let l = layer(&mut rng, enc, true, neurons, d);
+            let bytes = aligned(&l.bytes);
+            let b = Bundles::new(bytes.as_slice(), enc, l.shape).unwrap();
+            let mut idx = rand_idx(&mut rng, neurons, 0.7);
+            idx.sort();
+            let m = idx.len();
+            for n in [1usize, 3] {
+                let h = rand_vec(&mut rng, n * m, 1.0);
+                let out0 = rand_vec(&mut rng, n * d, 1.0);
+                let mut whole = out0.clone();
+                sparse_down(k, &b, (&idx, &idx), &h, n, &mut whole).unwrap();
+                // Cut at the first entry of blocks 1 and 3.
+                let cuts: Vec<usize> = [1, 3]
+                    .iter()
+                    .map(|&blk| idx.partition_point(|&i| (i as usize) < blk * b64))
+                    .collect();
+                let mut parts = out0.clone();
+                let mut from = 0;
+                for &to in cuts.iter().chain([m].iter()) {
+                    let hs: Vec<f32> = (0..n)
+                        .flat_map(|t| h[t * m + from..t * m + to].iter().copied())
+                        .collect();
+                    let list = &idx[from..to];
+                    sparse_down(k, &b, (list, list), &hs, n, &mut parts).unwrap();
+                    from = to;
+                }
+                let what = format!("{} {enc:?} n {n}", k.name);
+                assert_eq!(bits(&parts), bits(&whole), "{what}: cut on blocks");
+                // The same neurons read through other entries (in reverse row order of a copy).
+                let copy_rows: Vec<u32> = idx.iter().rev().copied().collect();
+                let rb = bytes.as_slice().len() / neurons;
+                let mut copy = Vec::with_capacity(m * rb);
+                for &i in &copy_rows {
+                    copy.extend_from_slice(
+                        &bytes.as_slice()[i as usize * rb..(i as usize + 1) * rb],
+                    );
+                }
+                let copy = aligned(&copy);
+                let cb = Bundles::new(copy.as_slice(), enc, l.shape).unwrap();
+                let slots: Vec<u32> = (0..m as u32).rev().collect();
+                let mut by_slot = out0.clone();
+                sparse_down(k, &cb, (&slots, &idx), &h, n, &mut by_slot).unwrap();
+                assert_eq!(bits(&by_slot), bits(&whole), "{what}: by slot");
             }
         }
     }
