@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::bundle::{Bundles, check_x_h, err};
 use super::down::{add_in_order, block_runs};
-use super::items::{per_items, per_runs};
+use super::items::{item_runs, per_runs};
 use super::vector::{Vector, axpy4, dot4, f16_fast, ops};
 use crate::backend::Result;
 use crate::backend::cpu::kernels::Kernels;
@@ -144,33 +144,7 @@ pub fn sparse_decide_up(
     if m == 0 || n == 0 {
         return Ok(Vec::new());
     }
-    let o = ops(k);
-    let xt = |t: usize| &x[t * d..(t + 1) * d];
-    let walk = Walk {
-        idx,
-        n,
-        gated: parts.gated(),
-        decide: &decide,
-    };
-    // Runs of positions over tasks, each filling its values and flagging those on.
-    let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
-    per_items(m, n, h, |js, vals| match f16_fast(o, parts.is_f16()) {
-        Some(f) => walk.run(
-            js,
-            (vals, &on),
-            |i, r| parts.part_f16(i, r),
-            |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
-            None,
-        ),
-        None => walk.run(
-            js,
-            (vals, &on),
-            |i, r| parts.part(i, r),
-            |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
-            None,
-        ),
-    });
-    Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
+    walk_listed(k, parts, idx, x, n, &decide, h, None)
 }
 
 /// [`sparse_decide_up`] and the down side in the same pass: `h` as it gives, and
@@ -215,45 +189,75 @@ pub fn sparse_ffn(
     if m == 0 || n == 0 {
         return Ok(Vec::new());
     }
+    walk_listed(k, parts, idx, x, n, &decide, h, Some((ids, out)))
+}
+
+/// The walk of [`sparse_decide_up`] (`down`: none) and of [`sparse_ffn`] (`down`: the ids and
+/// the output), the arguments checked. Without a down side, runs of positions go to tasks;
+/// with one, each [`DOWN_BLOCK`](super::DOWN_BLOCK) is a task with a sum of its own.
+#[allow(clippy::too_many_arguments)]
+fn walk_listed(
+    k: &Kernels,
+    parts: FfnParts,
+    idx: &[u32],
+    x: &[f32],
+    n: usize,
+    decide: &(impl Fn(usize, usize, f32) -> f32 + Sync),
+    h: &mut [f32],
+    down: Option<(&[u32], &mut [f32])>,
+) -> Result<Vec<usize>> {
+    let (d, m) = (parts.d(), idx.len());
+    if m == 0 || n == 0 {
+        return Ok(Vec::new());
+    }
     let o = ops(k);
     let xt = |t: usize| &x[t * d..(t + 1) * d];
     let walk = Walk {
         idx,
         n,
         gated: parts.gated(),
-        decide: &decide,
+        decide,
     };
+    // Each task fills its values and flags those on.
     let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
-    let runs = block_runs(m, |j| ids[j]);
+    let runs = match &down {
+        Some((ids, _)) => block_runs(m, |j| ids[j]),
+        None => item_runs(m),
+    };
+    let summed = down.is_some();
     let sums = per_runs(&runs, n, h, |js, vals| {
-        let mut acc = vec![0f32; n * d];
+        let mut acc = vec![0f32; if summed { n * d } else { 0 }];
+        let sum = summed.then_some(&mut acc[..]);
         match f16_fast(o, parts.is_f16()) {
-            Some(f) => walk.run(
-                js.clone(),
-                (vals, &on),
-                |i, r| parts.part_f16(i, r),
-                |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
-                Some((&mut acc, &|a, cols, next, _, out| {
-                    (f.axpy4)(a, cols, next, out)
-                })),
-            ),
-            None => walk.run(
-                js.clone(),
-                (vals, &on),
-                |i, r| parts.part(i, r),
-                |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
-                Some((&mut acc, &|a, cols, next, live, out| {
-                    axpy4(o, a, cols, next, live, out)
-                })),
-            ),
+            Some(f) => {
+                let axpy = |a, cols, next, _, out: &mut [f32]| (f.axpy4)(a, cols, next, out);
+                walk.run(
+                    js.clone(),
+                    (vals, &on),
+                    |i, r| parts.part_f16(i, r),
+                    |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
+                    sum.map(|s| (s, &axpy as Axpy<'_, _>)),
+                )
+            }
+            None => {
+                let axpy =
+                    |a, cols, next, live, out: &mut [f32]| axpy4(o, a, cols, next, live, out);
+                walk.run(
+                    js.clone(),
+                    (vals, &on),
+                    |i, r| parts.part(i, r),
+                    |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
+                    sum.map(|s| (s, &axpy as Axpy<'_, _>)),
+                )
+            }
         }
         // A block with no neuron on adds nothing (as in `sparse_down`).
-        js.into_iter()
-            .any(|j| on[j].load(Ordering::Relaxed))
-            .then_some(acc)
+        (summed && js.into_iter().any(|j| on[j].load(Ordering::Relaxed))).then_some(acc)
     });
-    let sums: Vec<Vec<f32>> = sums.into_iter().flatten().collect();
-    add_in_order(&sums, out);
+    if let Some((_, out)) = down {
+        let sums: Vec<Vec<f32>> = sums.into_iter().flatten().collect();
+        add_in_order(&sums, out);
+    }
     Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
 }
 

@@ -16,11 +16,15 @@ pub(crate) fn per_items(
     out: &mut [f32],
     f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
-    let runs: Vec<_> = (0..m)
+    per_runs(&item_runs(m), n, out, f);
+}
+
+/// `0..m` in runs of [`NEURONS_PER_TASK`] items, a task's each.
+pub(crate) fn item_runs(m: usize) -> Vec<std::ops::Range<usize>> {
+    (0..m)
         .step_by(NEURONS_PER_TASK)
         .map(|j| j..(j + NEURONS_PER_TASK).min(m))
-        .collect();
-    per_runs(&runs, n, out, f);
+        .collect()
 }
 
 /// [`per_items`] over the given runs of items (consecutive, from 0, covering all `m`), a task
