@@ -214,13 +214,12 @@ pub trait ColdNeurons: Send + Sync {
         threshold: f32,
         keep: Option<&[bool]>,
     ) -> Result<ColdActive>;
-    /// Add to `out` (`n × d_model`) the down products of `active`, each token's terms in
-    /// neuron order after what `out` holds.
+    /// Add to `out` (`n × d_model`) the down products of `active`, each token's terms after
+    /// what `out` holds, in the one order of blocks of ids (`backend::cpu::sparse::DOWN_BLOCK`).
     fn add_down(&self, active: &ColdActive, n: usize, out: &mut [f32]) -> Result<()>;
     /// [`ColdNeurons::activate`] and [`ColdNeurons::add_down`] of what it activates, where the
     /// sum need not wait: over bundles, in one pass that reads an active neuron's bundle in
-    /// one run (its terms then summed in runs of neurons, added to `out` in order: within
-    /// rounding of the two steps).
+    /// one run (the same bits as the two steps).
     fn activate_down(
         &self,
         x: &[f32],

@@ -760,8 +760,8 @@ mod tests {
     /// Gated f16 bundles taken apart (hybrid's cold neurons with wide parts: the gates one
     /// matrix, the ups another, the downs a third) decide, activate and sum exactly what the
     /// whole bundles do, bit for bit, with and without a threshold and a predictor's flags, for
-    /// 1 and 3 tokens, in two steps and in one pass ([`ColdNeurons::activate_down`], within
-    /// rounding of the two); the CPU's reads are the same.
+    /// 1 and 3 tokens, in two steps and in one pass ([`ColdNeurons::activate_down`]); the CPU's
+    /// reads are the same.
     #[test]
     fn parted_bundles_compute_what_whole_bundles_do() {
         let k = kernels::best();

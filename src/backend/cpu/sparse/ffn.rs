@@ -137,14 +137,7 @@ pub fn sparse_decide_up(
     decide: impl Fn(usize, usize, f32) -> f32 + Sync,
     h: &mut [f32],
 ) -> Result<Vec<usize>> {
-    let op = "sparse_decide_up";
-    let (d, m) = (parts.d(), idx.len());
-    check_x_h(op, (x, h), n, (d, m))?;
-    parts.check(op, idx)?;
-    if m == 0 || n == 0 {
-        return Ok(Vec::new());
-    }
-    walk_listed(k, parts, idx, x, n, &decide, h, None)
+    walk_listed("sparse_decide_up", k, parts, idx, x, n, &decide, h, None)
 }
 
 /// [`sparse_decide_up`] and the down side in the same pass: `h` as it gives, and
@@ -168,8 +161,6 @@ pub fn sparse_ffn(
 ) -> Result<Vec<usize>> {
     let op = "sparse_ffn";
     let (d, m) = (parts.d(), idx.len());
-    check_x_h(op, (x, h), n, (d, m))?;
-    parts.check(op, idx)?;
     if let FfnParts::Apart { down: None, .. } = parts {
         return Err(err(
             op,
@@ -186,17 +177,16 @@ pub fn sparse_ffn(
             ),
         ));
     }
-    if m == 0 || n == 0 {
-        return Ok(Vec::new());
-    }
-    walk_listed(k, parts, idx, x, n, &decide, h, Some((ids, out)))
+    walk_listed(op, k, parts, idx, x, n, &decide, h, Some((ids, out)))
 }
 
 /// The walk of [`sparse_decide_up`] (`down`: none) and of [`sparse_ffn`] (`down`: the ids and
-/// the output), the arguments checked. Without a down side, runs of positions go to tasks;
-/// with one, each [`DOWN_BLOCK`](super::DOWN_BLOCK) is a task with a sum of its own.
+/// the output, checked by it), `x`, `h` and the parts checked here for `op`. Without a down
+/// side, runs of positions go to tasks; with one, each [`DOWN_BLOCK`](super::DOWN_BLOCK) is a
+/// task with a sum of its own.
 #[allow(clippy::too_many_arguments)]
 fn walk_listed(
+    op: &'static str,
     k: &Kernels,
     parts: FfnParts,
     idx: &[u32],
@@ -207,6 +197,8 @@ fn walk_listed(
     down: Option<(&[u32], &mut [f32])>,
 ) -> Result<Vec<usize>> {
     let (d, m) = (parts.d(), idx.len());
+    check_x_h(op, (x, h), n, (d, m))?;
+    parts.check(op, idx)?;
     if m == 0 || n == 0 {
         return Ok(Vec::new());
     }
