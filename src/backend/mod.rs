@@ -121,6 +121,13 @@ pub trait Backend: Send + Sync + 'static {
         rows: usize,
         cols: usize,
     ) -> Result<Self::Weight>;
+    /// `w` is whole, and from now on only the weight of [`Backend::matmul_into`] and
+    /// [`Backend::matmul_parts`]: lay its bytes out for this backend's products where it has a
+    /// faster layout (the CPU's many-row kernels read Q8_0/Q4_0/Q4_1 rows in tiles). The same
+    /// bytes, so the memory held does not change; the ops that read rows refuse it after.
+    fn lay_out_for_products(&self, _w: &mut Self::Weight) -> Result<()> {
+        Ok(())
+    }
     /// Place FFN neuron bundles on the device in a store encoding (f32, f16, bf16, INT8, INT4;
     /// see `store::Encoding`): `data` is whole bundles of `shape` laid out as the store writes
     /// them. The weight remembers its encoding; INT8/INT4 weights are taken by the bundle ops

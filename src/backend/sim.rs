@@ -210,7 +210,7 @@ impl SimBackend {
     /// The workspace CUDA takes to multiply `tokens` rows by `w` (coded bundles are no matrix:
     /// the CPU backend refuses them after this).
     fn check_matmul_workspace(&self, w: &SimWeight, tokens: usize) -> Result<()> {
-        match w.w.as_tensor() {
+        match w.w.matrix("matmul").ok().map(|m| m.t) {
             Some(t) => self.check_workspace(WorkspaceOp::Matmul {
                 dtype: t.dtype,
                 tokens,
@@ -362,6 +362,10 @@ impl Backend for SimBackend {
             w: self.cpu.upload_bundles(name, enc, shape, data)?,
             mem: self.mem.in_host(name)?,
         })
+    }
+
+    fn lay_out_for_products(&self, w: &mut SimWeight) -> Result<()> {
+        self.cpu.lay_out_for_products(&mut w.w)
     }
 
     fn alloc_weight(

@@ -77,13 +77,26 @@ impl<B: Backend> ResidentWeights<B> {
                 bias: l.bias.as_ref().map(up).transpose()?,
             })
         };
+        // Attention's matrices and an output matrix of its own are only ever multiplied: laid
+        // out for the products (the FFN's may be read by rows; a tied output is the embedding).
+        let product = |t: &HostTensor| -> Result<B::Weight> {
+            let mut w = up(t)?;
+            b.lay_out_for_products(&mut w)?;
+            Ok(w)
+        };
+        let matrix = |l: &Linear| -> Result<Lin<B>> {
+            Ok(Lin {
+                weight: product(&l.weight)?,
+                bias: l.bias.as_ref().map(up).transpose()?,
+            })
+        };
         let layer = |l: &LayerWeights| -> Result<Layer<B>> {
             Ok(Layer {
                 attn_norm: norm(&l.attn_norm)?,
-                wq: lin(&l.wq)?,
-                wk: lin(&l.wk)?,
-                wv: lin(&l.wv)?,
-                wo: lin(&l.wo)?,
+                wq: matrix(&l.wq)?,
+                wk: matrix(&l.wk)?,
+                wv: matrix(&l.wv)?,
+                wo: matrix(&l.wo)?,
                 qk_norm: match (&l.q_norm, &l.k_norm) {
                     (Some(q), Some(k)) => Some([up(&q.weight)?, up(&k.weight)?]),
                     _ => None,
@@ -104,7 +117,7 @@ impl<B: Backend> ResidentWeights<B> {
             pos_embd,
             layers: w.layers.iter().map(layer).collect::<Result<_>>()?,
             output_norm: norm(&w.output_norm)?,
-            output: w.output.as_ref().map(up).transpose()?,
+            output: w.output.as_ref().map(product).transpose()?,
             rope_freq_factors: w.rope_freq_factors.clone(),
             matmuls: MatmulShapes::of_weights(w),
         })

@@ -513,7 +513,7 @@ fn resident_reads(m: &Manifest) -> Result<(u64, Vec<u64>, u64), PlanError> {
     let mut staging = 0;
     for l in 0..n_layers {
         let mut layer = 0;
-        for p in [Part::Q, Part::K, Part::V, Part::O] {
+        for p in Part::ATTENTION {
             let s = seg(m, &part_segment_name(l, p))?;
             attention += device_bytes(s.bytes);
             layer += s.bytes;

@@ -46,6 +46,8 @@ impl Part {
     ];
     /// The FFN's parts, in the order tensor preservation keeps them.
     pub const FFN: [Part; 4] = [Part::Ffn, Part::Gate, Part::Up, Part::Down];
+    /// Attention's matrices.
+    pub const ATTENTION: [Part; 4] = [Part::Q, Part::K, Part::V, Part::O];
 
     pub fn index(self) -> usize {
         match self {
@@ -169,7 +171,7 @@ pub fn preserve(shape: &LayerShape, per_layer_budget: u64, grouped_query: bool) 
     let attention = if grouped_query {
         [Part::K, Part::V, Part::Q, Part::O]
     } else {
-        [Part::Q, Part::K, Part::V, Part::O]
+        Part::ATTENTION
     };
     let mut res = Residency::default();
     let mut left = per_layer_budget;

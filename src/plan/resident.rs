@@ -156,5 +156,5 @@ pub(super) fn base_of(
 }
 
 fn attention_parts(l: usize) -> [(usize, Part); 4] {
-    [Part::Q, Part::K, Part::V, Part::O].map(move |p| (l, p))
+    Part::ATTENTION.map(move |p| (l, p))
 }

@@ -118,7 +118,7 @@ impl<B: Backend> Head<B> {
     pub(super) fn load(loader: &mut Loader, b: &B, store: &Store) -> Result<Self> {
         let seg = head_segment(&store.manifest).map_err(|e| EngineError::Weights(e.to_string()))?;
         Ok(Head {
-            output: loader.load_to_device(b, seg, 0..seg.rows, device_dtype(seg))?,
+            output: loader.load_matrix(b, seg, 0..seg.rows)?,
             norm: (
                 loader.vector(b, names::OUTPUT_NORM)?,
                 loader.opt_vector(b, names::OUTPUT_NORM_BIAS)?,
@@ -260,6 +260,19 @@ impl<'a> Loader<'a> {
         Ok(w)
     }
 
+    /// Rows `rows` of `seg` into a new device weight that only the products read, laid out for
+    /// them ([`Backend::lay_out_for_products`]).
+    pub(super) fn load_matrix<B: Backend>(
+        &mut self,
+        b: &B,
+        seg: &Segment,
+        rows: std::ops::Range<usize>,
+    ) -> Result<B::Weight> {
+        let mut w = self.load_to_device(b, seg, rows, device_dtype(seg))?;
+        b.lay_out_for_products(&mut w)?;
+        Ok(w)
+    }
+
     pub(super) fn vector<B: Backend>(&mut self, b: &B, name: &str) -> Result<B::Weight> {
         let seg = self.store.require(name).map_err(store_err)?;
         self.load_to_device(b, seg, 0..seg.rows, DType::F32)
@@ -322,9 +335,9 @@ impl<B: Backend> Resident<B> {
         for l in 0..n_layers {
             let mut sm = Small::load(&mut loader, b, l)?;
             let mut att = Vec::with_capacity(4);
-            for p in [Part::Q, Part::K, Part::V, Part::O] {
+            for p in Part::ATTENTION {
                 let s = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                att.push(loader.load_to_device(b, s, 0..s.rows, device_dtype(s))?);
+                att.push(loader.load_matrix(b, s, 0..s.rows)?);
             }
             let att: [B::Weight; 4] = att
                 .try_into()

@@ -288,8 +288,12 @@ impl<B: Backend> ResidentShare<B> {
                 let r = residency.rows[p.index()];
                 if r > 0 {
                     let seg = store.require(&part_segment_name(l, p)).map_err(store_err)?;
-                    parts[p.index()] =
-                        Some(loader.load_to_device(b, seg, 0..r, device_dtype(seg))?);
+                    // Attention's rows are only multiplied: laid out for the products.
+                    parts[p.index()] = Some(if Part::ATTENTION.contains(&p) {
+                        loader.load_matrix(b, seg, 0..r)?
+                    } else {
+                        loader.load_to_device(b, seg, 0..r, device_dtype(seg))?
+                    });
                 }
             }
             resident.push(parts);

@@ -12,6 +12,37 @@ use crate::backend::{Act, BundleShape, Result, sparse_act};
 use crate::store::Encoding;
 use crate::tensor::{Bytes, HostTensor};
 
+/// `f` of weight `w` viewed as bundles of `shape` in its encoding (for `op`).
+pub(super) fn with_bundles<R>(
+    w: &CpuWeight,
+    op: &'static str,
+    shape: BundleShape,
+    f: impl FnOnce(&super::sparse::Bundles) -> R,
+) -> Result<R> {
+    let bytes = w.row_bytes_of(op)?;
+    let (rows, cols) = (w.rows(), w.cols());
+    let enc = w.encoding();
+    crate::backend::check_bundle_weight(op, w.name(), (rows, cols), enc, w.coded_parts(), shape)?;
+    with_view(bytes, enc, shape, f)
+}
+
+/// `f` of weight `w` viewed as bundles of `shape`, with `rest` beside it where given (a listed
+/// entry with [`crate::backend::IN_REST`] reads a row of `rest`).
+pub(super) fn with_listed<R>(
+    w: &CpuWeight,
+    op: &'static str,
+    shape: BundleShape,
+    rest: Option<&CpuWeight>,
+    f: impl FnOnce(&super::sparse::Bundles) -> R,
+) -> Result<R> {
+    let Some(rest) = rest else {
+        return with_bundles(w, op, shape, f);
+    };
+    with_bundles(w, op, shape, |a| {
+        with_bundles(rest, op, shape, |r| Ok(f(&(*a).with_rest(*r)?)))?
+    })?
+}
+
 /// `f` of `bytes` viewed as bundles of `shape` in `enc`, multiplied in their encoding by the
 /// best kernels (decoding rows to f32 first ran at ~1.4 GB/s). Bytes that cannot be viewed in
 /// place (misaligned) are copied once into an aligned buffer.
@@ -174,7 +205,7 @@ impl super::CpuBackend {
         let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
         let f = ops::activation(act);
         let bias = |i: u32| bias.map_or(0.0, |bb| bb[i as usize]);
-        let (v, live) = b.with_listed(op, shape, rest, |view| {
+        let (v, live) = with_listed(b, op, shape, rest, |view| {
             self.pool
                 .install(|| listed_acts(self.kernels, view, idx, &x.data, n, f, threshold, bias))
         })??;

@@ -30,6 +30,36 @@ impl OutPtr {
     }
 }
 
+/// How a weight's rows lie in its bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Layout {
+    /// One row after another.
+    #[default]
+    Rows,
+    /// Whole tiles of 16 rows laid out for the many-row kernels ([`kernels::tiles`]), the rows
+    /// past the last whole tile one after another: only for a set with those kernels
+    /// ([`Kernels::tiled`]).
+    ///
+    /// [`kernels::tiles`]: super::kernels::tiles
+    Tiles,
+}
+
+/// A weight as the products read it: the tensor, and how its rows lie in its bytes.
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    pub t: &'a HostTensor,
+    pub layout: Layout,
+}
+
+impl<'a> From<&'a HostTensor> for Matrix<'a> {
+    fn from(t: &'a HostTensor) -> Self {
+        Matrix {
+            t,
+            layout: Layout::Rows,
+        }
+    }
+}
+
 /// Activations prepared for one weight format.
 enum Prepared<'a> {
     Float(&'a [f32]),
@@ -66,20 +96,21 @@ fn quantize_rows<B: Default + Clone + Send>(
 /// `out[t * w.rows + r] = W[r] · x[t * w.cols ..]` for `n` tokens with kernel set `k`; runs on the
 /// current rayon pool.
 pub fn matmul(k: &Kernels, w: &HostTensor, x: &[f32], n: usize, out: &mut [f32]) {
-    matmul_strided(k, w, x, n, out, w.rows, 0)
+    matmul_strided(k, w.into(), x, n, out, w.rows, 0)
 }
 
 /// As [`matmul`], into columns `col0 .. col0 + w.rows` of an output with `stride` columns.
 pub fn matmul_strided(
     k: &Kernels,
-    w: &HostTensor,
+    w: Matrix<'_>,
     x: &[f32],
     n: usize,
     out: &mut [f32],
     stride: usize,
     col0: usize,
 ) {
-    matmul_block(k, w, (0..w.rows, 0..w.cols), x, n, out, stride, col0)
+    let whole = (0..w.t.rows, 0..w.t.cols);
+    product(k, w, whole, x, n, out, (stride, col0))
 }
 
 /// As [`matmul_strided`] with the block `rows × cols` of `w` for the weight (a mixture-of-experts
@@ -96,10 +127,31 @@ pub fn matmul_block(
     stride: usize,
     col0: usize,
 ) {
+    product(
+        k,
+        w.into(),
+        (row_range, col_range),
+        x,
+        n,
+        out,
+        (stride, col0),
+    )
+}
+
+/// [`matmul_block`] of a weight in either layout.
+fn product(
+    k: &Kernels,
+    w: Matrix<'_>,
+    (row_range, col_range): (std::ops::Range<usize>, std::ops::Range<usize>),
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    (stride, col0): (usize, usize),
+) {
     let (rows, cols) = (row_range.len(), col_range.len());
     assert!(out.len() == n * stride && col0 + rows <= stride);
     let part = Part::new(w, (row_range, col_range), x, n);
-    let prepared = prepare(k, w.dtype, x, n, cols);
+    let prepared = prepare(k, w.t.dtype, x, n, cols);
     let ptr = OutPtr(out.as_mut_ptr());
     run_parts(k, &[(part, &prepared, ptr, stride, col0)], n);
 }
@@ -114,22 +166,22 @@ pub fn matmul_block(
 /// output overlap (the caller checks both).
 pub fn matmul_parts(
     k: &Kernels,
-    parts: &[(&HostTensor, usize, usize)],
+    parts: &[(Matrix<'_>, usize, usize)],
     x: &[f32],
     n: usize,
     outs: &mut [&mut [f32]],
     strides: &[usize],
 ) {
     for (i, &(w, o, col0)) in parts.iter().enumerate() {
-        assert!(outs[o].len() == n * strides[o] && col0 + w.rows <= strides[o]);
+        assert!(outs[o].len() == n * strides[o] && col0 + w.t.rows <= strides[o]);
         for &(w2, o2, c2) in &parts[..i] {
-            assert!(o2 != o || c2 + w2.rows <= col0 || col0 + w.rows <= c2);
+            assert!(o2 != o || c2 + w2.t.rows <= col0 || col0 + w.t.rows <= c2);
         }
     }
     // One preparation of `x` per kind of activation block the parts' formats take.
     let kind = |d: DType| (d.is_k_quant(), d.is_quantized());
     let mut kinds: Vec<(DType, Prepared)> = Vec::new();
-    for &(w, _, _) in parts {
+    for &(Matrix { t: w, .. }, _, _) in parts {
         if !kinds.iter().any(|(d, _)| kind(*d) == kind(w.dtype)) {
             kinds.push((w.dtype, prepare(k, w.dtype, x, n, w.cols)));
         }
@@ -140,10 +192,10 @@ pub fn matmul_parts(
         .map(|&(w, o, col0)| {
             let prepared = &kinds
                 .iter()
-                .find(|(d, _)| kind(*d) == kind(w.dtype))
+                .find(|(d, _)| kind(*d) == kind(w.t.dtype))
                 .expect("prepared above")
                 .1;
-            let part = Part::new(w, (0..w.rows, 0..w.cols), x, n);
+            let part = Part::new(w, (0..w.t.rows, 0..w.t.cols), x, n);
             (part, prepared, ptrs[o], strides[o], col0)
         })
         .collect();
@@ -170,16 +222,25 @@ struct Part<'a> {
     sub_bytes: usize,
     /// From the block's first byte to the end of the weight's data.
     data: &'a [u8],
+    /// The rows laid out in tiles (a multiple of 16, from the first; none for
+    /// [`Layout::Rows`]).
+    tiled_rows: usize,
 }
 
 impl<'a> Part<'a> {
     fn new(
-        w: &'a HostTensor,
+        Matrix { t: w, layout }: Matrix<'a>,
         (row_range, col_range): (std::ops::Range<usize>, std::ops::Range<usize>),
         x: &[f32],
         n: usize,
     ) -> Self {
         let (rows, cols) = (row_range.len(), col_range.len());
+        // Tiles are read whole: a product of them takes every row and column.
+        let whole = row_range == (0..w.rows) && col_range == (0..w.cols);
+        assert!(
+            layout == Layout::Rows || whole,
+            "a block of a weight laid out in tiles"
+        );
         let block = w.dtype.block_len();
         assert!(
             row_range.end <= w.rows
@@ -198,6 +259,10 @@ impl<'a> Part<'a> {
             row_bytes,
             sub_bytes: w.dtype.bytes_for(cols),
             data: &w.data.as_slice()[first..],
+            tiled_rows: match layout {
+                Layout::Rows => 0,
+                Layout::Tiles => rows / ROW_TILE * ROW_TILE,
+            },
         }
     }
 
@@ -257,6 +322,12 @@ fn part_rows(
         Prepared::Quant(q) => k.many_rows(dtype, q, cols / QK),
         _ => None,
     };
+    let tiled = (part.tiled_rows > 0).then(|| k.tiled(dtype));
+    assert!(
+        tiled.is_none_or(|t| t.is_some() && many.is_some()),
+        "{dtype} rows in tiles for kernels without tiles ({})",
+        k.name
+    );
     // Float rows used by several tokens are decoded to f32 once per tile.
     let decode_rows = !dtype.is_quantized() && dtype != DType::F32 && n >= 4;
     let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
@@ -267,14 +338,26 @@ fn part_rows(
             let nt = t1 - t0;
             for ra in (r0..r1).step_by(ROW_TILE) {
                 let rb = (ra + ROW_TILE).min(r1);
-                let rows: [&[u8]; ROW_TILE] =
-                    std::array::from_fn(|i| part.row((ra + i).min(rb - 1)));
                 // The next rows stream in from DRAM while these compute (the kernel spreads
                 // the prefetches: a tile's lines at once filled the miss buffers).
                 let next =
                     (rb * row_bytes).min(data.len())..((rb + ROW_TILE) * row_bytes).min(data.len());
-                let rows = &rows[..rb - ra];
-                dots(rows, blocks, t0, &mut sums[..rows.len() * nt], &data[next]);
+                let sums = &mut sums[..(rb - ra) * nt];
+                match tiled.flatten() {
+                    // A task's rows start on a tile (`run_parts`), so a tile is whole here.
+                    Some(tiled) if rb <= part.tiled_rows => tiled(
+                        &data[ra * row_bytes..rb * row_bytes],
+                        blocks,
+                        t0,
+                        sums,
+                        &data[next],
+                    ),
+                    _ => {
+                        let rows: [&[u8]; ROW_TILE] =
+                            std::array::from_fn(|i| part.row((ra + i).min(rb - 1)));
+                        dots(&rows[..rb - ra], blocks, t0, sums, &data[next]);
+                    }
+                }
                 for (i, r) in (ra..rb).enumerate() {
                     for (t, v) in (t0..t1).zip(&sums[i * nt..(i + 1) * nt]) {
                         // SAFETY: as below.
@@ -473,11 +556,11 @@ mod tests {
             tensor(DType::Q4K, 40, cols, &mut rng),
         ];
         // (weight, output, first column): outputs of 3 + 70 + 19 and 33 + 40 + 1 columns.
-        let parts: Vec<(&HostTensor, usize, usize)> = vec![
-            (&ws[0], 0, 3),
-            (&ws[1], 0, 73),
-            (&ws[2], 1, 0),
-            (&ws[3], 1, 33),
+        let parts: Vec<(Matrix, usize, usize)> = vec![
+            ((&ws[0]).into(), 0, 3),
+            ((&ws[1]).into(), 0, 73),
+            ((&ws[2]).into(), 1, 0),
+            ((&ws[3]).into(), 1, 33),
         ];
         let strides = [92, 74];
         for k in super::super::kernels::available() {
@@ -495,16 +578,74 @@ mod tests {
                 for &(w, o, col0) in &parts {
                     matmul_strided(k, w, &x, n, &mut want[o], strides[o], col0);
                 }
-                for (o, (got, want)) in [o0, o1].iter().zip(&want).enumerate() {
-                    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-                        assert_eq!(
-                            a.to_bits(),
-                            b.to_bits(),
-                            "{} n={n} output {o} [{i}]",
-                            k.name
-                        );
-                    }
-                }
+                assert_same_bits(&[o0, o1], &want, &format!("{} n={n}", k.name));
+            }
+        }
+    }
+
+    /// Each output's values the same bits as the wanted ones'.
+    fn assert_same_bits(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+        for (o, (got, want)) in got.iter().zip(want).enumerate() {
+            for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {o} [{i}]");
+            }
+        }
+    }
+
+    /// `w` with its whole tiles of rows laid out for the many-row kernels.
+    fn in_tiles(w: &HostTensor) -> HostTensor {
+        let mut bytes = w.data.as_slice().to_vec();
+        super::super::kernels::tiles::tile_rows(w.dtype, &mut bytes, w.rows, w.row_bytes());
+        HostTensor {
+            data: Bytes::from_slice(&bytes),
+            ..w.clone()
+        }
+    }
+
+    /// Weights laid out in tiles multiply to their rows' bits: Q8_0, Q4_0 and Q4_1 of 70 rows
+    /// (four tiles and 6 rows left as rows), alone and as a part beside a weight of rows, one
+    /// token and many, over two threads (tasks start on whole tiles).
+    #[test]
+    fn tiles_multiply_to_the_rows_bits() {
+        let k = super::super::kernels::best();
+        let formats = [DType::Q8_0, DType::Q4_0, DType::Q4_1];
+        if formats.iter().any(|&d| k.tiled(d).is_none()) {
+            println!("skipped: the {} kernels read no tiles", k.name);
+            return;
+        }
+        let mut rng = StdRng::seed_from_u64(43);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let (rows, cols) = (70, 96);
+        let beside = tensor(DType::Q4_1, 19, cols, &mut rng);
+        for dtype in formats {
+            let w = tensor(dtype, rows, cols, &mut rng);
+            let tiled = in_tiles(&w);
+            assert_ne!(tiled.data.as_slice(), w.data.as_slice());
+            let m = Matrix {
+                t: &tiled,
+                layout: Layout::Tiles,
+            };
+            for n in [1, 3, 17] {
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|_| rng.random_range(-1.0f32..1.0))
+                    .collect();
+                let what = format!("{dtype} n={n}");
+                let mut want = vec![f32::NAN; n * rows];
+                pool.install(|| matmul(k, &w, &x, n, &mut want));
+                let mut got = vec![f32::NAN; n * rows];
+                pool.install(|| matmul_strided(k, m, &x, n, &mut got, rows, 0));
+                assert_same_bits(&[got], &[want], &what);
+                let stride = rows + beside.rows;
+                let parts = [(m, 0, 0), ((&beside).into(), 0, rows)];
+                let mut both = vec![f32::NAN; n * stride];
+                pool.install(|| matmul_parts(k, &parts, &x, n, &mut [&mut both], &[stride]));
+                let mut want = vec![f32::NAN; n * stride];
+                let plain = [((&w).into(), 0, 0), ((&beside).into(), 0, rows)];
+                pool.install(|| matmul_parts(k, &plain, &x, n, &mut [&mut want], &[stride]));
+                assert_same_bits(&[both], &[want], &format!("{what}, as parts"));
             }
         }
     }

@@ -10,9 +10,12 @@ pub mod matmul;
 pub mod ops;
 pub mod sparse;
 mod tensor;
+mod weight;
 
 pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
 pub use tensor::CpuTensor;
+pub use weight::CpuWeight;
+use weight::{bundle_weight, zeroed};
 
 use crate::backend::{Experts, Route};
 use rayon::prelude::*;
@@ -88,140 +91,6 @@ fn vector<'a>(op: &'static str, w: &'a CpuWeight, len: usize) -> Result<&'a [f32
     Ok(bytemuck::cast_slice(w.data.as_slice()))
 }
 
-/// A weight on the CPU backend: a host tensor used in place (borrowed from the model's map or a
-/// store buffer), remembering its encoding. INT8/INT4 FFN bundles have no storage format a
-/// matrix op could read, so only the bundle ops take them.
-#[derive(Clone, Debug)]
-pub struct CpuWeight {
-    /// The bytes as `rows × cols`; `dtype` is their format unless `coded` is set.
-    t: HostTensor,
-    /// INT8/INT4 bundles: their encoding and part count (a code's row size depends on it).
-    coded: Option<CodedBundles>,
-}
-
-/// What a [`CpuWeight`] of INT8/INT4 bundles holds beyond its bytes: no storage format reads
-/// them, so the encoding and the part count say how big a row is.
-#[derive(Clone, Copy, Debug)]
-struct CodedBundles {
-    enc: Encoding,
-    parts: usize,
-}
-
-impl From<HostTensor> for CpuWeight {
-    fn from(t: HostTensor) -> Self {
-        CpuWeight { t, coded: None }
-    }
-}
-
-impl CpuWeight {
-    /// Bytes of one row (one bundle, for bundles).
-    pub fn row_bytes(&self) -> usize {
-        match self.coded {
-            Some(CodedBundles { enc, parts }) => enc.row_bytes(self.t.cols, parts),
-            None => self.t.row_bytes(),
-        }
-    }
-
-    /// The weight as a tensor in its storage format (`None` for INT8/INT4 bundles).
-    pub fn as_tensor(&self) -> Option<&HostTensor> {
-        self.coded.is_none().then_some(&self.t)
-    }
-
-    pub fn encoding(&self) -> Encoding {
-        self.coded.map_or(Encoding::Format(self.t.dtype), |c| c.enc)
-    }
-
-    pub fn name(&self) -> &str {
-        &self.t.name
-    }
-
-    /// Rows: neurons of bundles, else the matrix's rows.
-    pub fn rows(&self) -> usize {
-        self.t.rows
-    }
-
-    /// The weight as a tensor for `op`, which reads one in its storage format.
-    fn tensor(&self, op: &'static str) -> Result<&HostTensor> {
-        super::check_not_coded(op, &self.t.name, self.coded.map(|c| c.enc))?;
-        Ok(&self.t)
-    }
-
-    /// `f` of the weight viewed as bundles of `shape` in its encoding.
-    fn with_bundles<R>(
-        &self,
-        op: &'static str,
-        shape: BundleShape,
-        f: impl FnOnce(&sparse::Bundles) -> R,
-    ) -> Result<R> {
-        super::check_bundle_weight(
-            op,
-            &self.t.name,
-            (self.t.rows, self.t.cols),
-            self.encoding(),
-            self.coded.map(|c| c.parts),
-            shape,
-        )?;
-        bundles::with_view(self.t.data.as_slice(), self.encoding(), shape, f)
-    }
-
-    /// `f` of the weight viewed as bundles of `shape`, with `rest` beside it where given (a
-    /// listed entry with [`super::IN_REST`] reads a row of `rest`).
-    fn with_listed<R>(
-        &self,
-        op: &'static str,
-        shape: BundleShape,
-        rest: Option<&CpuWeight>,
-        f: impl FnOnce(&sparse::Bundles) -> R,
-    ) -> Result<R> {
-        let Some(rest) = rest else {
-            return self.with_bundles(op, shape, f);
-        };
-        self.with_bundles(op, shape, |a| {
-            rest.with_bundles(op, shape, |r| Ok(f(&(*a).with_rest(*r)?)))?
-        })?
-    }
-}
-
-/// `bytes` zeroed bytes, word-backed (owned, so a slot can be filled in place).
-fn zeroed(bytes: usize) -> Bytes {
-    Bytes::Owned {
-        words: std::sync::Arc::new(vec![0u64; bytes.div_ceil(8)]),
-        len: bytes,
-    }
-}
-
-/// `rows` bundles of `shape` in `enc` held in `data` (sized by the caller): float bundles are a
-/// plain `rows × parts·d` tensor, as `upload` of the same bytes gives.
-fn bundle_weight(
-    name: &str,
-    enc: Encoding,
-    shape: BundleShape,
-    rows: usize,
-    data: Bytes,
-) -> CpuWeight {
-    let (dtype, coded) = match enc {
-        Encoding::Format(dtype) => (dtype, None),
-        // The dtype of coded bundles is never read (`CpuWeight::tensor` refuses them).
-        Encoding::Int8 | Encoding::Int4 => {
-            let coded = CodedBundles {
-                enc,
-                parts: shape.parts,
-            };
-            (DType::F32, Some(coded))
-        }
-    };
-    CpuWeight {
-        t: HostTensor {
-            name: name.to_string(),
-            rows,
-            cols: shape.parts * shape.d,
-            dtype,
-            data,
-        },
-        coded,
-    }
-}
-
 /// Row-parallel work pays off only above this many elements.
 const PAR_ELEMS: usize = 1 << 15;
 
@@ -246,6 +115,10 @@ impl Backend for CpuBackend {
 
     fn upload(&self, w: &HostTensor) -> Result<CpuWeight> {
         Ok(w.clone().into())
+    }
+
+    fn lay_out_for_products(&self, w: &mut CpuWeight) -> Result<()> {
+        w.lay_out_for_products(self.kernels)
     }
 
     fn upload_bundles(
@@ -313,46 +186,24 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        // A slot that held coded bundles becomes a plain tensor again.
-        w.coded = None;
-        let w = &mut w.t;
-        let Bytes::Owned { words, len } = &mut w.data else {
-            return Err(shape_err(
-                "retype_weight",
-                format!("`{}` is not a slot", w.name),
-            ));
-        };
-        *len = super::retyped_bytes(&w.name, dtype, rows, cols, (words.len() * 8) as u64)?;
-        w.dtype = dtype;
-        w.rows = rows;
-        w.cols = cols;
-        Ok(())
+        w.retype(dtype, rows, cols)
     }
 
     fn upload_into(&self, dst: &mut CpuWeight, first_row: usize, src: &[u8]) -> Result<()> {
         let rb = dst.row_bytes();
-        let dst = &mut dst.t;
         let start = first_row * rb;
-        if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > dst.data.len() {
+        let (name, bytes) = (dst.name().to_string(), dst.slot_mut("upload_into")?);
+        if rb == 0 || !src.len().is_multiple_of(rb) || start + src.len() > bytes.len() {
             return Err(shape_err(
                 "upload_into",
                 format!(
-                    "{} bytes at row {first_row} of `{}` ({} bytes)",
+                    "{} bytes at row {first_row} of `{name}` ({} bytes)",
                     src.len(),
-                    dst.name,
-                    dst.data.len()
+                    bytes.len()
                 ),
             ));
         }
-        let Bytes::Owned { words, .. } = &mut dst.data else {
-            return Err(shape_err(
-                "upload_into",
-                format!("`{}` is not a slot", dst.name),
-            ));
-        };
-        let words = std::sync::Arc::get_mut(words)
-            .ok_or_else(|| shape_err("upload_into", "slot is shared while being filled".into()))?;
-        let dst = &mut bytemuck::cast_slice_mut::<u64, u8>(words)[start..start + src.len()];
+        let dst = &mut bytes[start..start + src.len()];
         // A layer's streamed share (SmolLM2's attention: 553 KB) copied by one thread ran at
         // 7.6 GB/s here, under the budgeted device's link rate (one memcpy of a large buffer,
         // 9.4 GB/s); its pacing holds it to the link's rate.
@@ -574,9 +425,9 @@ impl Backend for CpuBackend {
         out: &mut CpuTensor,
         col0: usize,
     ) -> Result<()> {
-        let w = w.tensor("matmul")?;
-        let (wd, xd, od) = ((w.rows, w.cols), (x.rows, x.cols), (out.rows, out.cols));
-        super::check_matmul_shape(&w.name, wd, xd, od, col0)?;
+        let w = w.matrix("matmul")?;
+        let (wd, xd, od) = ((w.t.rows, w.t.cols), (x.rows, x.cols), (out.rows, out.cols));
+        super::check_matmul_shape(&w.t.name, wd, xd, od, col0)?;
         let stride = out.cols;
         self.pool.install(|| {
             matmul::matmul_strided(
@@ -600,15 +451,16 @@ impl Backend for CpuBackend {
         outs: &mut [&mut CpuTensor],
     ) -> Result<()> {
         super::check_parts(parts, outs.len())?;
-        let mut ws: Vec<(&HostTensor, usize, usize)> = Vec::with_capacity(parts.len());
+        let mut ws: Vec<(matmul::Matrix, usize, usize)> = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
-            let w = p.w.tensor("matmul_parts")?;
+            let m = p.w.matrix("matmul_parts")?;
+            let w = m.t;
             let (o, cols) = (&outs[p.out], p.col0..p.col0 + w.rows);
             let od = (o.rows, o.cols);
             super::check_matmul_shape(&w.name, (w.rows, w.cols), (x.rows, x.cols), od, p.col0)?;
             // The tasks write their columns through one pointer per output.
             if let Some(j) = ws.iter().position(|&(w2, out, col0)| {
-                out == p.out && col0 < cols.end && cols.start < col0 + w2.rows
+                out == p.out && col0 < cols.end && cols.start < col0 + w2.t.rows
             }) {
                 return Err(shape_err(
                     "matmul_parts",
@@ -618,7 +470,7 @@ impl Backend for CpuBackend {
                     ),
                 ));
             }
-            ws.push((w, p.out, p.col0));
+            ws.push((m, p.out, p.col0));
         }
         let strides: Vec<usize> = outs.iter().map(|o| o.cols).collect();
         let mut data: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.data.as_mut_slice()).collect();
@@ -656,7 +508,7 @@ impl Backend for CpuBackend {
         let bias = up_bias.map(|bb| vector(op, bb, h.cols)).transpose()?;
         let (stride, n) = (h.cols, x.rows);
         let f = ops::activation(act);
-        b.with_bundles(op, shape, |view| {
+        bundles::with_bundles(b, op, shape, |view| {
             self.pool.install(|| {
                 bundles::up_view(
                     self.kernels,
@@ -697,7 +549,7 @@ impl Backend for CpuBackend {
             ));
         }
         let (stride, n) = (h.cols, h.rows);
-        b.with_bundles(op, shape, |view| {
+        bundles::with_bundles(b, op, shape, |view| {
             self.pool.install(|| {
                 bundles::down_view(self.kernels, view, &h.data, n, stride, col0, &mut out.data)
             })
@@ -742,7 +594,7 @@ impl Backend for CpuBackend {
         for t in 0..n {
             compact[t * m..(t + 1) * m].copy_from_slice(&h.data[t * h.cols..t * h.cols + m]);
         }
-        b.with_listed(op, shape, rest, |view| {
+        bundles::with_listed(b, op, shape, rest, |view| {
             self.pool.install(|| {
                 sparse::sparse_down(self.kernels, view, (idx, ids), &compact, n, &mut out.data)
             })
@@ -752,18 +604,12 @@ impl Backend for CpuBackend {
     fn scatter_rows(&self, src: &CpuWeight, rows: &[u32], dst: &mut CpuWeight) -> Result<()> {
         let rb = dst.row_bytes();
         super::check_scatter(
-            (&src.t.name, src.t.rows, src.row_bytes(), src.encoding()),
-            (&dst.t.name, dst.t.rows, rb, dst.encoding()),
+            (src.name(), src.rows(), src.row_bytes(), src.encoding()),
+            (dst.name(), dst.rows(), rb, dst.encoding()),
             rows,
         )?;
-        let name = dst.t.name.clone();
-        let Bytes::Owned { words, .. } = &mut dst.t.data else {
-            return Err(shape_err("scatter_rows", format!("`{name}` is not a slot")));
-        };
-        let words = std::sync::Arc::get_mut(words)
-            .ok_or_else(|| shape_err("scatter_rows", format!("`{name}` is shared")))?;
-        let out = bytemuck::cast_slice_mut::<u64, u8>(words);
-        let from = src.t.data.as_slice();
+        let from = src.row_bytes_of("scatter_rows")?;
+        let out = dst.slot_mut("scatter_rows")?;
         for (i, &r) in rows.iter().enumerate() {
             let r = r as usize;
             out[r * rb..(r + 1) * rb].copy_from_slice(&from[i * rb..(i + 1) * rb]);

@@ -48,6 +48,9 @@ pub const KERNELS: Kernels = Kernels {
     dots_q8_0: None,
     dots_q4_0: Some(dots::<Q40>),
     dots_q4_1: Some(dots::<Q41>),
+    tiled_q8_0: None,
+    tiled_q4_0: None,
+    tiled_q4_1: None,
 };
 
 fn dot_q5_0(w: &[BlockQ5_0], x: &[ActBlock]) -> f32 {

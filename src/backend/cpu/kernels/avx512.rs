@@ -35,6 +35,9 @@ pub const KERNELS: Kernels = Kernels {
     dots_q8_0: Some(dots::<Q8>),
     dots_q4_0: Some(dots::<Q40>),
     dots_q4_1: Some(dots::<Q41>),
+    tiled_q8_0: Some(dots_tiled::<Q8>),
+    tiled_q4_0: Some(dots_tiled::<Q40>),
+    tiled_q4_1: Some(dots_tiled::<Q41>),
     ..super::avx2::KERNELS
 };
 
@@ -56,6 +59,23 @@ fn dots<const KIND: u8>(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f
     };
     // SAFETY: installed only after `supported()`.
     unsafe { qdots::dots(&k, rows, x, t0, out, next) }
+}
+
+/// This set's many-row kernel for `KIND` over rows laid out in tiles (`tiles`).
+fn dots_tiled<const KIND: u8>(
+    tiles: &[u8],
+    x: &TokenBlocks,
+    t0: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let k = qdots::TiledKernel {
+        kind: KIND,
+        tokens: &TILES,
+        tile: tiled::<KIND>,
+    };
+    // SAFETY: installed only after `supported()`.
+    unsafe { qdots::dots_tiled::<LANES>(&k, tiles, x, t0, out, next) }
 }
 
 /// The integer the block's sum of code products needs added (the arithmetic is `qdots`').
@@ -84,12 +104,132 @@ unsafe fn tile<const KIND: u8>(
     next: &[u8],
 ) {
     // SAFETY: the caller's promise, passed on.
+    unsafe { tile_of::<KIND, _>(RowLanes::new(rp), x, nb, tokens, out, next) }
+}
+
+/// As [`tile`], the 16 rows a tile laid out by `tiles::tile_rows` from `p`.
+///
+/// # Safety
+/// As [`tile`]: a whole tile of `nb` blocks a row at `p`.
+unsafe fn tiled<const KIND: u8>(
+    p: *const u8,
+    x: *const ActBlock,
+    nb: usize,
+    tokens: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { tile_of::<KIND, _>(TiledLanes(p), x, nb, tokens, out, next) }
+}
+
+/// # Safety
+/// As [`tile`], with `src` giving whole blocks.
+#[inline(always)]
+unsafe fn tile_of<const KIND: u8, S: Lanes>(
+    src: S,
+    x: *const ActBlock,
+    nb: usize,
+    tokens: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    // SAFETY: the caller's promise, passed on.
     unsafe {
         match tokens {
-            8 => tile_t::<KIND, 8>(rp, x, nb, out, next),
-            4 => tile_t::<KIND, 4>(rp, x, nb, out, next),
-            2 => tile_t::<KIND, 2>(rp, x, nb, out, next),
-            _ => tile_t::<KIND, 1>(rp, x, nb, out, next),
+            8 => tile_t::<KIND, 8, S>(src, x, nb, out, next),
+            4 => tile_t::<KIND, 4, S>(src, x, nb, out, next),
+            2 => tile_t::<KIND, 2, S>(src, x, nb, out, next),
+            _ => tile_t::<KIND, 1, S>(src, x, nb, out, next),
+        }
+    }
+}
+
+/// Where a tile's 16 rows' blocks come from: the rows themselves ([`RowLanes`]) or a tile laid
+/// out for the kernel ([`TiledLanes`]). Either gives the same values, so a result does not
+/// depend on the layout.
+trait Lanes: Copy {
+    /// Block `b`'s codes as vpdpbusd's unsigned operand: register j holds, in lane r, row r's
+    /// codes 4j .. 4j + 4, matching 32-bit word j of an activation block.
+    ///
+    /// # Safety
+    /// AVX-512; block `b` is whole in every row.
+    unsafe fn codes<const KIND: u8>(self, b: usize) -> [__m512i; 8];
+    /// Block `b`'s scales of the 16 rows, and their mins (Q4_1; the scales again otherwise).
+    ///
+    /// # Safety
+    /// As [`Lanes::codes`].
+    unsafe fn scales<const KIND: u8>(self, b: usize) -> (__m512, __m512);
+}
+
+/// 16 rows by their first bytes: each block's codes transposed, its scales gathered.
+#[derive(Clone, Copy)]
+struct RowLanes<'a> {
+    rp: &'a [*const u8; LANES],
+    /// Each lane's row as a distance from the first.
+    dist: [i64; LANES],
+}
+
+impl<'a> RowLanes<'a> {
+    fn new(rp: &'a [*const u8; LANES]) -> Self {
+        let base = rp[0];
+        let dist = std::array::from_fn(|i| (rp[i] as usize).wrapping_sub(base as usize) as i64);
+        RowLanes { rp, dist }
+    }
+}
+
+impl Lanes for RowLanes<'_> {
+    #[inline(always)]
+    unsafe fn codes<const KIND: u8>(self, b: usize) -> [__m512i; 8] {
+        // SAFETY: the caller's promise.
+        unsafe { codes16::<KIND>(self.rp, b * block_bytes(KIND)) }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<const KIND: u8>(self, b: usize) -> (__m512, __m512) {
+        // SAFETY: 16 i64 distances; block b of every row (the caller's promise).
+        unsafe {
+            let d = self.dist.as_ptr() as *const __m512i;
+            let (lo, hi) = (_mm512_loadu_si512(d), _mm512_loadu_si512(d.add(1)));
+            scales16::<KIND>(self.rp[0].add(b * block_bytes(KIND)), lo, hi)
+        }
+    }
+}
+
+/// A tile laid out by `tiles::tile_rows`, from its first byte: every operand one load.
+#[derive(Clone, Copy)]
+struct TiledLanes(*const u8);
+
+impl Lanes for TiledLanes {
+    #[inline(always)]
+    unsafe fn codes<const KIND: u8>(self, b: usize) -> [__m512i; 8] {
+        let head = if KIND == Q41 { 4 } else { 2 };
+        // SAFETY: a whole tile (the caller's promise): block b's codes at `head · 16` bytes
+        // into its span, 64 bytes a register.
+        unsafe {
+            let p = self.0.add(b * LANES * block_bytes(KIND) + head * LANES);
+            let reg = |j: usize| _mm512_loadu_si512(p.add(64 * j) as *const __m512i);
+            if KIND == Q8 {
+                let flip = _mm512_set1_epi8(-128);
+                std::array::from_fn(|j| _mm512_xor_si512(reg(j), flip))
+            } else {
+                nibbles(std::array::from_fn(reg))
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<const KIND: u8>(self, b: usize) -> (__m512, __m512) {
+        // SAFETY: a whole tile: block b's 16 f16 scales, then (Q4_1) its 16 mins.
+        unsafe {
+            let p = self.0.add(b * LANES * block_bytes(KIND));
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i));
+            let m = if KIND == Q41 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(p.add(32) as *const __m256i))
+            } else {
+                d
+            };
+            (d, m)
         }
     }
 }
@@ -99,36 +239,23 @@ unsafe fn tile<const KIND: u8>(
 #[inline(never)]
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_t<const KIND: u8, const T: usize>(
-    rp: &[*const u8; LANES],
+unsafe fn tile_t<const KIND: u8, const T: usize, S: Lanes>(
+    src: S,
     x: *const ActBlock,
     nb: usize,
     out: &mut [f32],
     next: &[u8],
 ) {
     assert!(out.len() >= T * LANES);
-    let block = block_bytes(KIND);
-    // Each lane's row as a distance from the first: the scales are gathered.
-    let base = rp[0];
-    let dist: [i64; LANES] =
-        std::array::from_fn(|i| (rp[i] as usize).wrapping_sub(base as usize) as i64);
-    // SAFETY: 16 i64.
-    let (lo, hi) = unsafe {
-        (
-            _mm512_loadu_si512(dist.as_ptr() as *const __m512i),
-            _mm512_loadu_si512(dist.as_ptr().add(8) as *const __m512i),
-        )
-    };
     let step = next.len().div_ceil(nb.max(1));
     let mut acc = [_mm512_setzero_ps(); T];
     for b in 0..nb {
-        let at = b * block;
         let ahead = (b * step).min(next.len())..((b + 1) * step).min(next.len());
         super::prefetch_far(&next[ahead]);
         // SAFETY: block b lies inside every row; token t's block b inside `x`.
         unsafe {
-            let codes = codes16::<KIND>(rp, at);
-            let (dw, mw) = scales16::<KIND>(base.add(at), lo, hi);
+            let codes = src.codes::<KIND>(b);
+            let (dw, mw) = src.scales::<KIND>(b);
             for t in 0..T {
                 let a = &*x.add(t * nb + b);
                 let q = a.qs.as_ptr() as *const i32;
@@ -200,18 +327,24 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
             let flip = _mm512_set1_epi8(-128);
             std::array::from_fn(|j| _mm512_xor_si512(if j < 4 { a[j] } else { b[j - 4] }, flip))
         } else {
-            // Byte i holds code i (low nibble) and code i + 16 (high nibble).
-            let t = transpose16(rp, at + block_bytes(KIND) - 16);
-            let mask = _mm512_set1_epi8(0x0f);
-            std::array::from_fn(|j| {
-                if j < 4 {
-                    _mm512_and_si512(t[j], mask)
-                } else {
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
-                }
-            })
+            nibbles(transpose16(rp, at + block_bytes(KIND) - 16))
         }
     }
+}
+
+/// Q4 codes from their bytes in lane order (byte i holds code i in its low nibble and code
+/// i + 16 in its high one): the low nibbles' registers, then the high ones'.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn nibbles(t: [__m512i; 4]) -> [__m512i; 8] {
+    let mask = _mm512_set1_epi8(0x0f);
+    std::array::from_fn(|j| {
+        if j < 4 {
+            _mm512_and_si512(t[j], mask)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
+        }
+    })
 }
 
 /// The scales of one block of 16 rows (`p`: the first row's block; `lo`, `hi`: each

@@ -31,6 +31,9 @@ pub const PORTABLE: Kernels = Kernels {
     dots_q8_0: None,
     dots_q4_0: None,
     dots_q4_1: None,
+    tiled_q8_0: None,
+    tiled_q4_0: None,
+    tiled_q4_1: None,
 };
 
 /// Eight lanes added as attention's scores add them: ((0+1)+(2+3))+((4+5)+(6+7)).

@@ -94,6 +94,81 @@ pub(super) unsafe fn dots<const LANES: usize>(
     );
     let groups = rows.len().div_ceil(LANES);
     let share = next.len().div_ceil(groups.max(1));
+    for (g, group) in rows.chunks(LANES).enumerate() {
+        let rp: [*const u8; LANES] =
+            std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
+        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
+        let out = &mut out[g * LANES * n..(g * LANES + group.len()) * n];
+        // SAFETY: whole rows of nb blocks, and tokens t0 .. t0 + n of nb blocks each (asserted
+        // above).
+        group_tokens::<LANES>(tiles, x, (t0, n), out, |tt, xb, sums, ahead_t| unsafe {
+            let ahead = if ahead_t { ahead } else { &[] };
+            tile(&rp, xb, nb, tt, sums, ahead)
+        });
+    }
+}
+
+/// A set's many-row kernel over rows laid out in tiles (`tiles::tile_rows`): the format, the
+/// token counts its tile takes (as [`Tiles`]), and the tile, given the tile's first byte.
+pub(super) struct TiledKernel {
+    pub(super) kind: u8,
+    pub(super) tokens: &'static [usize],
+    pub(super) tile: unsafe fn(*const u8, *const ActBlock, usize, usize, &mut [f32], &[u8]),
+}
+
+/// The many-row driver over whole tiles of `LANES` rows (`tiles`: their bytes): as [`dots`],
+/// each tile's rows through `k`'s tile.
+///
+/// # Safety
+/// `k.tile` must be safe to call on this CPU; it is given whole tiles and tokens (asserted
+/// here).
+pub(super) unsafe fn dots_tiled<const LANES: usize>(
+    k: &TiledKernel,
+    tiles: &[u8],
+    x: &TokenBlocks,
+    t0: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let nb = x.per_token;
+    let span = LANES * nb * block_bytes(k.kind);
+    let groups = tiles.len() / span.max(1);
+    let n = out.len() / (groups * LANES).max(1);
+    assert!(
+        span > 0
+            && tiles.len() == groups * span
+            && out.len() == groups * LANES * n
+            && t0 + n <= x.tokens(),
+        "dots_tiled: {} bytes of tiles of {span}, {nb} blocks per token, tokens {t0}+{n} of {}",
+        tiles.len(),
+        x.tokens()
+    );
+    let share = next.len().div_ceil(groups.max(1));
+    for (g, (tile, out)) in tiles
+        .chunks_exact(span)
+        .zip(out.chunks_exact_mut(LANES * n))
+        .enumerate()
+    {
+        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
+        // SAFETY: a whole tile of nb blocks a row, and tokens t0 .. t0 + n (asserted above).
+        group_tokens::<LANES>(k.tokens, x, (t0, n), out, |tt, xb, sums, ahead_t| unsafe {
+            let ahead = if ahead_t { ahead } else { &[] };
+            (k.tile)(tile.as_ptr(), xb, nb, tt, sums, ahead)
+        });
+    }
+}
+
+/// One group's rows (`out`: `n` results a row, its rows in order) against tokens
+/// `t0 .. t0 + n` of `x`, in tiles of the largest count in `tiles` that fits: `tile(count,
+/// the first token's blocks, sums, whether it is the first tile)` writes
+/// `sums[t·LANES + lane]`.
+fn group_tokens<const LANES: usize>(
+    tiles: &[usize],
+    x: &TokenBlocks,
+    (t0, n): (usize, usize),
+    out: &mut [f32],
+    mut tile: impl FnMut(usize, *const ActBlock, &mut [f32], bool),
+) {
     // On the stack: this runs for every tile of rows of every product.
     let mut sums = [0f32; MAX_TILE_SUMS];
     assert!(
@@ -101,28 +176,16 @@ pub(super) unsafe fn dots<const LANES: usize>(
         "a tile of {LANES} × {} sums",
         tiles[0]
     );
-    for (g, group) in rows.chunks(LANES).enumerate() {
-        let rp: [*const u8; LANES] =
-            std::array::from_fn(|i| group[i.min(group.len() - 1)].as_ptr());
-        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
-        let mut t = 0;
-        while t < n {
-            let tt = tiles.iter().copied().find(|&s| s <= n - t).unwrap_or(1);
-            let xb = x.blocks[(t0 + t) * nb..].as_ptr();
-            let ahead = if t == 0 { ahead } else { &[] };
-            // SAFETY: whole rows of nb blocks, and tokens t0 + t .. + tt of nb blocks each
-            // (asserted above); `sums` holds the largest tile.
-            unsafe { tile(&rp, xb, nb, tt, &mut sums, ahead) };
-            let r0 = g * LANES;
-            for (i, o) in out[r0 * n..(r0 + group.len()) * n]
-                .chunks_exact_mut(n)
-                .enumerate()
-            {
-                for (j, v) in o[t..t + tt].iter_mut().enumerate() {
-                    *v = sums[j * LANES + i];
-                }
+    let nb = x.per_token;
+    let mut t = 0;
+    while t < n {
+        let tt = tiles.iter().copied().find(|&s| s <= n - t).unwrap_or(1);
+        tile(tt, x.blocks[(t0 + t) * nb..].as_ptr(), &mut sums, t == 0);
+        for (i, o) in out.chunks_exact_mut(n).enumerate() {
+            for (j, v) in o[t..t + tt].iter_mut().enumerate() {
+                *v = sums[j * LANES + i];
             }
-            t += tt;
         }
+        t += tt;
     }
 }

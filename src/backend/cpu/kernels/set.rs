@@ -16,6 +16,11 @@ use crate::tensor::{
 /// the bytes the caller reads next, prefetched while these rows compute.
 pub type DotsFn = fn(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]);
 
+/// As [`DotsFn`], the rows of whole tiles laid out by [`super::tiles::tile_rows`] (`tiles`:
+/// their bytes, `out[r·n + j]` for the tiles' rows in order), each result bit for bit
+/// [`DotsFn`]'s of the same rows.
+pub type TiledFn = fn(tiles: &[u8], x: &TokenBlocks, t0: usize, out: &mut [f32], next: &[u8]);
+
 /// [`Kernels::scores`]: query rows, key rows, the products query-major.
 pub type ScoresFn = fn(&[&[f32]], &[&[f32]], &mut [f32]);
 
@@ -61,6 +66,11 @@ pub struct Kernels {
     pub dots_q8_0: Option<DotsFn>,
     pub dots_q4_0: Option<DotsFn>,
     pub dots_q4_1: Option<DotsFn>,
+    /// The many-row kernels over rows laid out in tiles, where this set has them (a decode
+    /// step's one token then reads every operand in one load).
+    pub tiled_q8_0: Option<TiledFn>,
+    pub tiled_q4_0: Option<TiledFn>,
+    pub tiled_q4_1: Option<TiledFn>,
 }
 
 impl Kernels {
@@ -70,6 +80,16 @@ impl Kernels {
             DType::Q8_0 => self.dots_q8_0,
             DType::Q4_0 => self.dots_q4_0,
             DType::Q4_1 => self.dots_q4_1,
+            _ => None,
+        }
+    }
+
+    /// The many-row kernel over tiles of weights in `dtype`, if this set has one.
+    pub fn tiled(&self, dtype: DType) -> Option<TiledFn> {
+        match dtype {
+            DType::Q8_0 => self.tiled_q8_0,
+            DType::Q4_0 => self.tiled_q4_0,
+            DType::Q4_1 => self.tiled_q4_1,
             _ => None,
         }
     }

@@ -4,6 +4,7 @@
 
 use half::{bf16, f16};
 
+use super::tiles::{TILE_ROWS, tile_rows};
 use super::*;
 use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, DType, QK};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
@@ -474,4 +475,46 @@ fn quantized_dot_is_close_to_float_dot() {
         (exact - approx).abs() < 0.05 * exact.abs().max(1.0),
         "{exact} vs {approx}"
     );
+}
+
+/// The many-row kernels over rows laid out in tiles give the row kernels' bits: every format,
+/// two tiles, token counts a tile takes whole and ones it splits, from a token past the first.
+#[test]
+fn tiled_dots_are_the_row_dots_bit_for_bit() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let mut ran = false;
+    for k in simd_sets() {
+        for dtype in [DType::Q8_0, DType::Q4_0, DType::Q4_1] {
+            let (Some(tiled), Some(dots)) = (k.tiled(dtype), k.dots(dtype)) else {
+                continue;
+            };
+            ran = true;
+            for blocks in [1usize, 18] {
+                let rows = random_rows(&mut rng, dtype, 2 * TILE_ROWS, blocks);
+                let refs: Vec<&[u8]> = rows.iter().map(|r| r.as_slice()).collect();
+                let mut in_tiles = rows.concat();
+                tile_rows(dtype, &mut in_tiles, rows.len(), rows[0].len());
+                for n in [1usize, 2, 3, 5, 8, 9, 16] {
+                    let x = rand_vec(&mut rng, (n + 1) * blocks * QK);
+                    let mut qa = vec![ActBlock::default(); (n + 1) * blocks];
+                    (k.quantize)(&x, &mut qa);
+                    let x = TokenBlocks {
+                        blocks: &qa,
+                        per_token: blocks,
+                    };
+                    let mut want = vec![f32::NAN; rows.len() * n];
+                    dots(&refs, &x, 1, &mut want, &[]);
+                    let mut got = vec![f32::NAN; rows.len() * n];
+                    tiled(&in_tiles, &x, 1, &mut got, &in_tiles[..64]);
+                    let what = format!("{} {dtype}, {blocks} blocks, {n} tokens", k.name);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(g.to_bits(), w.to_bits(), "{what}, value {i}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+    }
+    if !ran {
+        println!("skipped: no kernel set on this CPU reads rows in tiles");
+    }
 }
