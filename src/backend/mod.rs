@@ -108,6 +108,11 @@ pub trait Backend: Send + Sync + 'static {
         f()
     }
 
+    /// Serial work comes before the next op, which forks: keep the execution context ready
+    /// for it (the CPU backend keeps a pool worker from falling asleep until that op, or
+    /// 200 µs). Nothing by default.
+    fn keep_awake(&self) {}
+
     // ---- memory -------------------------------------------------------------------------
 
     /// Place a weight on the device.

@@ -3,6 +3,7 @@
 //! from the model's memory map), never inflated to f32.
 
 pub mod attention;
+mod awake;
 pub mod bundles;
 pub mod kernels;
 mod kv;
@@ -31,6 +32,7 @@ pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
     kernels: &'static kernels::Kernels,
+    awake: awake::Awake,
 }
 
 impl CpuBackend {
@@ -58,6 +60,7 @@ impl CpuBackend {
             pool,
             threads,
             kernels,
+            awake: awake::Awake::default(),
         })
     }
 
@@ -111,6 +114,12 @@ impl Backend for CpuBackend {
 
     fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn keep_awake(&self) {
+        if self.threads > 1 {
+            self.awake.keep(&self.pool);
+        }
     }
 
     fn upload(&self, w: &HostTensor) -> Result<CpuWeight> {
@@ -425,6 +434,7 @@ impl Backend for CpuBackend {
         out: &mut CpuTensor,
         col0: usize,
     ) -> Result<()> {
+        self.awake.release();
         let w = w.matrix("matmul")?;
         let (wd, xd, od) = ((w.t.rows, w.t.cols), (x.rows, x.cols), (out.rows, out.cols));
         super::check_matmul_shape(&w.t.name, wd, xd, od, col0)?;
@@ -451,6 +461,7 @@ impl Backend for CpuBackend {
         outs: &mut [&mut CpuTensor],
     ) -> Result<()> {
         super::check_parts(parts, outs.len())?;
+        self.awake.release();
         let mut ws: Vec<(matmul::Matrix, usize, usize)> = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
             let m = p.w.matrix("matmul_parts")?;
@@ -828,6 +839,7 @@ impl Backend for CpuBackend {
         s: AttnShape,
         out: &mut CpuTensor,
     ) -> Result<()> {
+        self.awake.release();
         let seq = AttnSeq {
             first_row: 0,
             rows: q.rows,
