@@ -143,6 +143,9 @@ pub(super) unsafe fn dots_tiled<const LANES: usize>(
         tiles.len(),
         x.tokens()
     );
+    if n == 0 {
+        return;
+    }
     let share = next.len().div_ceil(groups.max(1));
     for (g, (tile, out)) in tiles
         .chunks_exact(span)
