@@ -13,8 +13,9 @@ use crate::tensor::{
 
 /// Tokens handled together per weight row: their activations stay in L1 while rows stream by.
 const TOKEN_TILE: usize = 16;
-/// Weight rows per call of a many-row kernel (one register lane to a row in the AVX-512 set).
-const ROW_TILE: usize = 16;
+/// Weight rows per call of a many-row kernel (one register lane to a row in the AVX-512 set):
+/// the rows of a tile where a weight is laid out in tiles.
+const ROW_TILE: usize = super::kernels::tiles::TILE_ROWS;
 
 /// Raw pointer to the output, shared by tasks that write disjoint rows.
 #[derive(Clone, Copy)]
@@ -322,12 +323,17 @@ fn part_rows(
         Prepared::Quant(q) => k.many_rows(dtype, q, cols / QK),
         _ => None,
     };
-    let tiled = (part.tiled_rows > 0).then(|| k.tiled(dtype));
-    assert!(
-        tiled.is_none_or(|t| t.is_some() && many.is_some()),
-        "{dtype} rows in tiles for kernels without tiles ({})",
-        k.name
-    );
+    let tiled = if part.tiled_rows > 0 {
+        let tiled = k.tiled(dtype);
+        assert!(
+            tiled.is_some() && many.is_some(),
+            "{dtype} rows in tiles for kernels without tiles ({})",
+            k.name
+        );
+        tiled
+    } else {
+        None
+    };
     // Float rows used by several tokens are decoded to f32 once per tile.
     let decode_rows = !dtype.is_quantized() && dtype != DType::F32 && n >= 4;
     let mut row_f32 = vec![0f32; if decode_rows { cols } else { 0 }];
@@ -343,7 +349,7 @@ fn part_rows(
                 let next =
                     (rb * row_bytes).min(data.len())..((rb + ROW_TILE) * row_bytes).min(data.len());
                 let sums = &mut sums[..(rb - ra) * nt];
-                match tiled.flatten() {
+                match tiled {
                     // A task's rows start on a tile (`run_parts`), so a tile is whole here.
                     Some(tiled) if rb <= part.tiled_rows => tiled(
                         &data[ra * row_bytes..rb * row_bytes],

@@ -77,13 +77,14 @@ impl CpuWeight {
 
     /// The weight as a tensor for `op`, which reads its rows in its storage format.
     pub(super) fn tensor(&self, op: &'static str) -> Result<&HostTensor> {
-        self.rows_laid_out(op)?;
+        self.not_coded(op)?;
+        self.not_tiled(op)?;
         Ok(&self.t)
     }
 
     /// The weight as a matrix of the products (`op`), in either layout.
     pub(crate) fn matrix(&self, op: &'static str) -> Result<Matrix<'_>> {
-        super::super::check_not_coded(op, &self.t.name, self.coded.map(|c| c.enc))?;
+        self.not_coded(op)?;
         Ok(Matrix {
             t: &self.t,
             layout: self.layout,
@@ -133,8 +134,8 @@ impl CpuWeight {
     /// each tile's span, copied first where something else holds them. From now on only the
     /// products read it.
     pub(super) fn lay_out_for_products(&mut self, kernels: &Kernels) -> Result<()> {
+        self.not_coded("lay_out_for_products")?;
         let t = &self.t;
-        super::super::check_not_coded("lay_out_for_products", &t.name, self.coded.map(|c| c.enc))?;
         let fits = tiles_format(t.dtype) && kernels.tiled(t.dtype).is_some();
         if self.layout == Layout::Tiles || !fits || t.rows < TILE_ROWS {
             return Ok(());
@@ -164,10 +165,9 @@ impl CpuWeight {
         }
     }
 
-    /// Refuse `op` coded bundles and tiles: it reads rows in a storage format.
-    fn rows_laid_out(&self, op: &'static str) -> Result<()> {
-        super::super::check_not_coded(op, &self.t.name, self.coded.map(|c| c.enc))?;
-        self.not_tiled(op)
+    /// Refuse `op` coded bundles: it reads a storage format.
+    fn not_coded(&self, op: &'static str) -> Result<()> {
+        super::super::check_not_coded(op, &self.t.name, self.coded.map(|c| c.enc))
     }
 
     /// The matrix's columns (a bundle's values, for bundles).

@@ -196,6 +196,9 @@ impl Lanes for RowLanes<'_> {
     }
 }
 
+// A tile's rows are a register's lanes.
+const _: () = assert!(LANES == super::tiles::TILE_ROWS);
+
 /// A tile laid out by `tiles::tile_rows`, from its first byte: every operand one load.
 #[derive(Clone, Copy)]
 struct TiledLanes(*const u8);
