@@ -165,6 +165,9 @@ pub const PAGE: usize = 4096;
 /// A transparent huge page (x86-64, aarch64 with 4 KiB pages).
 const HUGE_PAGE: usize = 2 << 20;
 
+/// Where [`Bytes::pack_huge`] starts each buffer: a cache line.
+const PACK_ALIGN: usize = 64;
+
 /// Ask the kernel to back the whole 2 MiB pages inside `len` bytes at `start` with transparent
 /// huge pages (`madvise(MADV_HUGEPAGE)`; a hint, its failure changes nothing), before they are
 /// first touched. Weights are read in runs scattered over the whole buffer (a layer's listed
@@ -217,6 +220,36 @@ impl AlignedBuf {
         advise_huge_pages(raw, layout.size());
         // SAFETY: the allocation is `layout.size()` bytes, owned here.
         unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
+        AlignedBuf { ptr, len }
+    }
+
+    /// `len` bytes (rounded up to a whole page) holding `items`, each moved in at its offset
+    /// in `at` (ascending, each item inside `len`) and dropped as soon as it is copied, the rest
+    /// zeroed: at most one item is held twice, where copying them all first would hold every
+    /// one twice. Advised onto huge pages as [`AlignedBuf::zeroed`] is.
+    fn packed(len: usize, items: &mut [&mut Bytes], at: &[usize]) -> Self {
+        debug_assert_eq!(items.len(), at.len());
+        let layout = Self::layout(len);
+        // SAFETY: layout has non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let ptr =
+            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        advise_huge_pages(raw, layout.size());
+        let mut end = 0;
+        for (item, &start) in items.iter_mut().zip(at) {
+            let src = std::mem::take(&mut **item);
+            let n = src.len();
+            assert!(start >= end && start + n <= len, "packed items overlap");
+            // SAFETY: `end..start` and `start..start + n` lie inside the allocation (checked);
+            // `src` is other memory.
+            unsafe {
+                std::ptr::write_bytes(raw.add(end), 0, start - end);
+                std::ptr::copy_nonoverlapping(src.as_slice().as_ptr(), raw.add(start), n);
+            }
+            end = start + n;
+        }
+        // SAFETY: the tail lies inside the allocation.
+        unsafe { std::ptr::write_bytes(raw.add(end), 0, layout.size() - end) };
         AlignedBuf { ptr, len }
     }
 
@@ -338,6 +371,44 @@ impl Bytes {
 
     pub fn is_mapped(&self) -> bool {
         matches!(self, Bytes::Mapped { .. })
+    }
+
+    /// `items` moved into one buffer on transparent huge pages, each then a range of it
+    /// ([`Bytes::Aligned`], starting on a cache line) with the same bytes. Buffers read a few
+    /// rows at a time at scattered places (the CPU's cold neurons) cross a 4 KiB page every
+    /// few rows, and each crossing is a TLB miss that the prefetchers do not cover; buffers too
+    /// small to hold a huge page of their own get one only together. Left as they are where
+    /// all of them together are less than two huge pages. Not for buffers that are mapped for
+    /// a device one by one: these then share one allocation.
+    pub fn pack_huge(items: &mut [&mut Bytes]) {
+        let mut ranges = Vec::with_capacity(items.len());
+        let mut len = 0usize;
+        for b in items.iter() {
+            let start = len.next_multiple_of(PACK_ALIGN);
+            len = start + b.len();
+            ranges.push(start..len);
+        }
+        if len < 2 * HUGE_PAGE {
+            return;
+        }
+        let at: Vec<usize> = ranges.iter().map(|r| r.start).collect();
+        let buf = Arc::new(AlignedBuf::packed(len, items, &at));
+        for (item, range) in items.iter_mut().zip(ranges) {
+            **item = Bytes::Aligned {
+                buf: buf.clone(),
+                range,
+            };
+        }
+    }
+}
+
+impl Default for Bytes {
+    /// No bytes.
+    fn default() -> Self {
+        Bytes::Owned {
+            words: Arc::new(Vec::new()),
+            len: 0,
+        }
     }
 }
 
@@ -625,6 +696,44 @@ mod tests {
             let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
             assert_eq!(Bytes::from_slice(&src).as_slice(), &src[..], "{len}");
         }
+    }
+
+    /// Packed buffers keep their bytes, each starting on a cache line of one huge-page-aligned
+    /// buffer with the padding zeroed; a set too small to hold two huge pages is left alone.
+    #[test]
+    fn packed_buffers_keep_their_bytes_in_one_huge_page_buffer() {
+        let fill = |n: usize, seed: usize| -> Vec<u8> {
+            (0..n).map(|i| ((i * 7 + seed) % 253) as u8).collect()
+        };
+        let lens = [HUGE_PAGE - 3, 5, 0, HUGE_PAGE + 77, 3 * PAGE + 1];
+        let srcs: Vec<Vec<u8>> = lens.iter().enumerate().map(|(k, &n)| fill(n, k)).collect();
+        let mut items: Vec<Bytes> = srcs.iter().map(|v| Bytes::from_slice(v)).collect();
+        // One of them shared: packing copies it, the other holder keeps its bytes.
+        let shared = items[1].clone();
+        let mut refs: Vec<&mut Bytes> = items.iter_mut().collect();
+        Bytes::pack_huge(&mut refs);
+        let mut bufs = Vec::new();
+        let mut end = 0;
+        for (b, src) in items.iter().zip(&srcs) {
+            assert_eq!(b.as_slice(), &src[..]);
+            let Bytes::Aligned { buf, range } = b else {
+                panic!("{b:?} not packed");
+            };
+            assert!(range.start.is_multiple_of(PACK_ALIGN) && range.start >= end);
+            assert!(buf.as_slice()[end..range.start].iter().all(|&v| v == 0));
+            end = range.end;
+            bufs.push(buf.as_slice().as_ptr());
+        }
+        assert!(bufs.iter().all(|&p| p == bufs[0]));
+        assert!((bufs[0] as usize).is_multiple_of(HUGE_PAGE));
+        assert_eq!(shared.as_slice(), &srcs[1][..]);
+
+        let small = fill(HUGE_PAGE, 9);
+        let mut items = [Bytes::from_slice(&small), Bytes::from_slice(&small[..10])];
+        let mut refs: Vec<&mut Bytes> = items.iter_mut().collect();
+        Bytes::pack_huge(&mut refs);
+        assert!(items.iter().all(|b| matches!(b, Bytes::Owned { .. })));
+        assert_eq!(items[0].as_slice(), &small[..]);
     }
 
     /// A row past the tensor — a token id past a vocabulary that claims more rows than the

@@ -137,6 +137,7 @@ impl<B: Backend> HybridWeights<B> {
             hot_ffn.push(hot_part);
             Ok(())
         })?;
+        ColdLayer::pack_gathered(&mut cold);
         let partial = b.alloc(hot.batch.max(1), d)?;
         Ok(HybridWeights {
             bundle: BundleShape {

@@ -95,6 +95,7 @@ impl<B: Backend> CpuShare<B> {
                     layers.push(cold);
                     hot_ffn.push(part);
                 }
+                ColdLayer::pack_gathered(&mut layers);
                 Some(CpuShare {
                     layers,
                     device_ids: h.hot_neurons.clone(),

@@ -363,8 +363,12 @@ impl<'a> UnitFfnsLoader<'a> {
         &self,
         b: &B,
         ledger: &Arc<Ledger>,
-        layers: Vec<LayerFfn<B>>,
+        mut layers: Vec<LayerFfn<B>>,
     ) -> Result<UnitFfns<B>> {
+        ColdLayer::pack_gathered(layers.iter_mut().filter_map(|u| match u {
+            LayerFfn::Hybrid { cold, .. } => Some(cold),
+            LayerFfn::Unit(_) => None,
+        }));
         let hybrid = self.layout.hybrid;
         let biased = layers.iter().any(|u| match u {
             LayerFfn::Unit(u) => u.tiers.iter().flatten().any(|t| t.slot_bias.is_some()),
