@@ -528,6 +528,29 @@ pub fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     }
 }
 
+/// `dst.len() / width` runs of `width` f16 values into `dst` as f32, one after another: run `r`
+/// from `src[r · stride + col..]` (a block of a cache's rows, one head's columns of each) in one
+/// call, F16C where the CPU has it.
+pub fn f16_runs_to_f32(src: &[f16], (stride, col): (usize, usize), dst: &mut [f32], width: usize) {
+    if width == 0 {
+        return;
+    }
+    let run = |r: usize| &src[r * stride + col..][..width];
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
+        for (r, o) in dst.chunks_exact_mut(width).enumerate() {
+            // SAFETY: the features were just detected; both slices are `width` long.
+            unsafe { f16c_to_f32(run(r), o) };
+        }
+        return;
+    }
+    for (r, o) in dst.chunks_exact_mut(width).enumerate() {
+        for (o, h) in o.iter_mut().zip(run(r)) {
+            *o = h.to_f32();
+        }
+    }
+}
+
 /// Q8_0 blocks (their bytes, at any alignment: an f16 scale, 32 codes) into f32, as many
 /// values as both `bytes` and `dst` hold: each value d · q, the same bits however it is
 /// computed. Whole blocks AVX2 eight values at a time where the CPU has it: the baseline

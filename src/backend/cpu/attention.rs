@@ -8,13 +8,17 @@ use crate::backend::AttnShape;
 /// Rows of a KV cache one head's slice at a time, as f32 (borrowed, or decoded into `tmp`).
 pub trait KvRows: Sync {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32];
+    /// Rows `js`' values `col..` as f32 into `block`, each row's `block.len() / js.len()`
+    /// values one after another: what [`KvRows::slice`] gives each, in one call for a block of
+    /// rows (a call a row, through the cache's layers, cost more than decoding an f16 head).
+    fn decode_block(&self, js: std::ops::Range<usize>, col: usize, block: &mut [f32]);
     /// All rows as f32 values and the distance between rows, where they are stored so (an
     /// f32 cache, not paged): attention then indexes them directly.
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         None
     }
-    /// Ask the caches for row `j`'s values `col..col + width` ahead of use (a hint).
-    fn prefetch(&self, _j: usize, _col: usize, _width: usize) {}
+    /// Ask the caches for rows `js`' values `col..col + width` ahead of use (a hint).
+    fn prefetch(&self, _js: std::ops::Range<usize>, _col: usize, _width: usize) {}
 }
 
 /// Rows of attention's blocks of positions.
@@ -41,12 +45,10 @@ impl<'a> KvRun<'a> {
     ) -> Self {
         let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
         if direct.is_none() {
-            for ((r, j), tmp) in rows
-                .iter_mut()
-                .zip(js.clone())
-                .zip(block.chunks_exact_mut(width))
-            {
-                *r = cache.slice(j, col0, tmp);
+            let block = &mut block[..js.len() * width];
+            cache.decode_block(js.clone(), col0, block);
+            for (r, v) in rows.iter_mut().zip(block.chunks_exact(width)) {
+                *r = v;
             }
         }
         KvRun {
@@ -433,24 +435,28 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     scratch.tile.resize(per_head * ROWS, 0.0);
     let (block, scores, tile) = (&mut scratch.block, &mut scratch.scores, &mut scratch.tile);
     let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
-    let streams = qs.len() == 1;
+    // A lone row (a decode step: little arithmetic per byte) asks for every key and value row
+    // of the chunk at once, into L2, before it reads any: a cold pass between two layers has
+    // pushed the cache out of every level, and hints a block ahead of use kept too few lines in
+    // flight (SmolLM2 hybrid at 48M, its attention over 128-192 positions: 20.4-22.0 µs a layer
+    // against 22.6-24.2). Rows read in place, or by a tile of a prompt's rows, are slower with
+    // the hints.
+    if qs.len() == 1 {
+        for &col in cols {
+            if keys.is_none() {
+                k_cache.prefetch(start..start + width, col, hd);
+            }
+            if values.is_none() {
+                v_cache.prefetch(start..start + width, col, hd);
+            }
+        }
+    }
     // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
     // scored for every row and head that reaches it.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
         let block_run = KvRun::of(keys, k_cache, start + j0..start + j1, run, block);
-        // While this block computes, the next one's rows come in (the keys', then the values'
-        // first block), a head's columns at a time, where one row reads them (a decode step:
-        // little arithmetic per byte) and they are decoded (an f16 cache: the conversion then
-        // waits less on memory). Rows read in place, or by a tile of a prompt's rows, are
-        // slower with the hints.
-        let next = start + j1..start + (j1 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
-            if streams && next.is_empty() && values.is_none() {
-                (start..start + ROWS.min(width)).for_each(|j| v_cache.prefetch(j, col, hd));
-            } else if streams && keys.is_none() {
-                next.clone().for_each(|j| k_cache.prefetch(j, col, hd));
-            }
             // Every query head sharing this KV head against the whole block (a row that ends
             // inside it computes a few scores it leaves: only where a tile's rows meet their
             // own positions), then each row's own scaled into place.
@@ -485,11 +491,7 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
         let block_run = KvRun::of(values, v_cache, start + j0..start + j1, run, block);
-        let next = start + j1..start + (j1 + ROWS).min(width);
         for (h, &col) in cols.iter().enumerate() {
-            if streams && values.is_none() {
-                next.clone().for_each(|j| v_cache.prefetch(j, col, hd));
-            }
             let block_rows = block_run.head(col, hd);
             for (r, &end) in ends.iter().enumerate() {
                 let m = end.saturating_sub(j0).min(j1 - j0);

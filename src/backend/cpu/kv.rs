@@ -2,6 +2,8 @@
 //! converted with the same row codec every backend uses (`tensor::encode_row` / `decode_row`),
 //! and read back one head's slice at a time by attention.
 
+use std::ops::Range;
+
 use half::f16;
 
 use super::attention::KvRows;
@@ -183,16 +185,15 @@ impl CpuKv {
         }
     }
 
-    /// Ask the caches for row `j`'s values `col..col + width` ahead of use (a hint; nothing
-    /// past the row).
-    pub fn prefetch(&self, j: usize, col: usize, width: usize) {
-        if j >= self.rows {
-            return;
+    /// Ask L2 for rows `js`' values `col..col + width` ahead of use (a hint; nothing past a row
+    /// or past the cache).
+    pub fn prefetch(&self, js: Range<usize>, col: usize, width: usize) {
+        let js = js.start.min(self.rows)..js.end.min(self.rows);
+        let rb = self.row_bytes();
+        let at = |c: usize| self.ty.row_bytes(c).min(rb);
+        for row in self.raw_rows(js.start, js.len()).chunks_exact(rb) {
+            crate::backend::cpu::kernels::prefetch_far(&row[at(col)..at(col + width).max(at(col))]);
         }
-        let at = |c: usize| self.ty.row_bytes(c);
-        let row = self.raw_rows(j, 1);
-        let end = at(col + width).min(row.len());
-        crate::backend::cpu::kernels::prefetch(&row[at(col).min(end)..end]);
     }
 
     /// Values `col..col + out.len()` of row `j`, as f32: borrowed from an f32 cache, decoded
@@ -200,17 +201,58 @@ impl CpuKv {
     pub fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         row_slice(self.ty, self.raw_rows(j, 1), col, tmp)
     }
+
+    /// [`KvRows::decode_block`] of rows `js`, in one pass over their bytes.
+    pub fn decode_block(&self, js: Range<usize>, col: usize, block: &mut [f32]) {
+        let rows = (self.raw_rows(js.start, js.len()), self.row_bytes());
+        decode_block(self.ty, rows, col, block);
+    }
+}
+
+/// Rows of `ty` (`rows`: their raw bytes, `rb` a row), each row's values `col..` as f32 into
+/// `block`, `block.len() / rows` values a row (what [`row_slice`] gives each): an f16 cache's
+/// runs through one F16C loop, where a call a row cost more than the conversion.
+fn decode_block(ty: KvType, (rows, rb): (&[u8], usize), col: usize, block: &mut [f32]) {
+    let n = rows.len() / rb.max(1);
+    if n == 0 {
+        return;
+    }
+    let width = block.len() / n;
+    match ty {
+        KvType::F16 => {
+            crate::tensor::f16_runs_to_f32(bytemuck::cast_slice(rows), (rb / 2, col), block, width)
+        }
+        KvType::F32 => {
+            for (row, o) in rows
+                .chunks_exact(rb)
+                .zip(block.chunks_exact_mut(width.max(1)))
+            {
+                o.copy_from_slice(&bytemuck::cast_slice::<u8, f32>(row)[col..col + width]);
+            }
+        }
+        KvType::Q8_0 => {
+            for (row, tmp) in rows
+                .chunks_exact(rb)
+                .zip(block.chunks_exact_mut(width.max(1)))
+            {
+                row_slice(ty, row, col, tmp);
+            }
+        }
+    }
 }
 
 impl KvRows for CpuKv {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         CpuKv::slice(self, j, col, tmp)
     }
+    fn decode_block(&self, js: Range<usize>, col: usize, block: &mut [f32]) {
+        CpuKv::decode_block(self, js, col, block)
+    }
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         self.f32_values().map(|v| (v, self.cols))
     }
-    fn prefetch(&self, j: usize, col: usize, width: usize) {
-        CpuKv::prefetch(self, j, col, width)
+    fn prefetch(&self, js: Range<usize>, col: usize, width: usize) {
+        CpuKv::prefetch(self, js, col, width)
     }
 }
 
@@ -259,16 +301,22 @@ impl KvRows for SeqRows<'_> {
             SeqRows::Paged(p) => p.slice(j, col, tmp),
         }
     }
+    fn decode_block(&self, js: Range<usize>, col: usize, block: &mut [f32]) {
+        match self {
+            SeqRows::Whole(kv) => kv.decode_block(js, col, block),
+            SeqRows::Paged(p) => p.decode_block(js, col, block),
+        }
+    }
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         match self {
             SeqRows::Whole(kv) => KvRows::f32_rows(*kv),
             SeqRows::Paged(_) => None,
         }
     }
-    fn prefetch(&self, j: usize, col: usize, width: usize) {
+    fn prefetch(&self, js: Range<usize>, col: usize, width: usize) {
         match self {
-            SeqRows::Whole(kv) => kv.prefetch(j, col, width),
-            SeqRows::Paged(p) => p.prefetch(j, col, width),
+            SeqRows::Whole(kv) => kv.prefetch(js, col, width),
+            SeqRows::Paged(p) => p.prefetch(js, col, width),
         }
     }
 }
@@ -279,16 +327,53 @@ pub(super) struct PagedRows<'a> {
     pub blocks: &'a [u32],
 }
 
+impl PagedRows<'_> {
+    /// Rows `js` in runs that lie in one block each: `(where the run starts in the shared
+    /// cache, its offset in `js`, its length)`; a run whose block is not in the table ends them.
+    fn runs(&self, js: Range<usize>) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let b = crate::backend::KV_BLOCK;
+        let mut j = js.start;
+        std::iter::from_fn(move || {
+            if j >= js.end {
+                return None;
+            }
+            let block = *self.blocks.get(j / b)?;
+            let n = (b - j % b).min(js.end - j);
+            let run = (block as usize * b + j % b, j - js.start, n);
+            j += n;
+            Some(run)
+        })
+    }
+}
+
 impl KvRows for PagedRows<'_> {
     fn slice<'a>(&'a self, j: usize, col: usize, tmp: &'a mut [f32]) -> &'a [f32] {
         let b = crate::backend::KV_BLOCK;
         self.kv
             .slice(self.blocks[j / b] as usize * b + j % b, col, tmp)
     }
-    fn prefetch(&self, j: usize, col: usize, width: usize) {
-        let b = crate::backend::KV_BLOCK;
-        if let Some(&block) = self.blocks.get(j / b) {
-            self.kv.prefetch(block as usize * b + j % b, col, width);
+    fn decode_block(&self, js: Range<usize>, col: usize, block: &mut [f32]) {
+        let width = block.len() / js.len().max(1);
+        let mut done = 0;
+        for (at, off, n) in self.runs(js.clone()) {
+            self.kv
+                .decode_block(at..at + n, col, &mut block[off * width..(off + n) * width]);
+            done = off + n;
+        }
+        // A row past the table: an error as `slice` makes it.
+        if done < js.len() {
+            let (b, j) = (crate::backend::KV_BLOCK, js.start + done);
+            let at = self.blocks[j / b] as usize * b + j % b;
+            self.kv.decode_block(
+                at..at + 1,
+                col,
+                &mut block[done * width..(done + 1) * width],
+            );
+        }
+    }
+    fn prefetch(&self, js: Range<usize>, col: usize, width: usize) {
+        for (at, _, n) in self.runs(js) {
+            self.kv.prefetch(at..at + n, col, width);
         }
     }
 }
@@ -360,6 +445,15 @@ impl KvRows for RawRows<'_> {
         let rb = self.ty.row_bytes(self.cols);
         row_slice(self.ty, &self.bytes[j * rb..(j + 1) * rb], col, tmp)
     }
+    fn decode_block(&self, js: Range<usize>, col: usize, block: &mut [f32]) {
+        let rb = self.ty.row_bytes(self.cols);
+        decode_block(
+            self.ty,
+            (&self.bytes[js.start * rb..js.end * rb], rb),
+            col,
+            block,
+        );
+    }
 }
 
 /// Causal attention of `q` (`n` rows of `n_heads · head_dim`, row `t` at position
@@ -403,6 +497,63 @@ pub fn encode_rows(ty: KvType, values: &[f32], cols: usize) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block of rows decodes to what each row's `slice` gives, for every type, in a cache
+    /// of its own, through a paged table whose blocks lie out of order (runs split at each
+    /// block's end), and from raw rows.
+    #[test]
+    fn a_block_of_rows_decodes_as_each_row_alone() {
+        let b = crate::backend::KV_BLOCK;
+        let rows = 3 * b;
+        let cols = 96;
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53 % 211) as f32 - 105.0) / 9.0)
+            .collect();
+        for ty in [KvType::F32, KvType::F16, KvType::Q8_0] {
+            let mut kv = CpuKv::new(rows, cols, ty).unwrap();
+            kv.write(0, &vals).unwrap();
+            let table = [2u32, 0, 1];
+            let paged = PagedRows {
+                kv: &kv,
+                blocks: &table,
+            };
+            let raw = RawRows {
+                ty,
+                cols,
+                bytes: kv.raw_rows(0, rows),
+            };
+            // Logical row j of the paged view is physical row table[j / b]·b + j % b.
+            let physical = |j: usize| table[j / b] as usize * b + j % b;
+            for (js, col, width) in [
+                (0..5, 0, 32),
+                (b - 3..b + 7, 32, 64),
+                (1..2 * b + 2, 64, 32),
+            ] {
+                let mut block = vec![f32::NAN; js.len() * width];
+                let mut tmp = vec![0f32; width];
+                kv.decode_block(js.clone(), col, &mut block);
+                for (j, got) in js.clone().zip(block.chunks_exact(width)) {
+                    assert_eq!(got, kv.slice(j, col, &mut tmp), "{ty:?} row {j}");
+                }
+                raw.decode_block(js.clone(), col, &mut block);
+                for (j, got) in js.clone().zip(block.chunks_exact(width)) {
+                    assert_eq!(got, kv.slice(j, col, &mut tmp), "{ty:?} raw row {j}");
+                }
+                block.fill(f32::NAN);
+                paged.decode_block(js.clone(), col, &mut block);
+                for (j, got) in js.clone().zip(block.chunks_exact(width)) {
+                    assert_eq!(
+                        got,
+                        kv.slice(physical(j), col, &mut tmp),
+                        "{ty:?} paged {j}"
+                    );
+                }
+                // Hints past the cache or the table ask for nothing and fail nothing.
+                kv.prefetch(rows - 2..rows + 5, col, width);
+                paged.prefetch(js.start..rows + b, col, width);
+            }
+        }
+    }
 
     #[test]
     fn every_type_round_trips_within_its_precision() {

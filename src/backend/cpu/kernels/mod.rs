@@ -34,7 +34,7 @@ pub mod tiles;
 pub use activations::{ActBlock, TokenBlocks};
 pub use kq::{ActBlockK, quantize_k};
 pub use portable::PORTABLE;
-pub(crate) use prefetch::{prefetch, prefetch_far};
+pub(crate) use prefetch::prefetch_far;
 pub use set::{DotsFn, Kernels, ScoresFn, TiledFn};
 
 /// The AVX-512 kernel set's name (its sparse operators take AVX-512 four-row kernels).

@@ -1,14 +1,5 @@
-//! Cache hints: ask for bytes ahead of their use (the KV cache's rows into L1; the many-row
-//! kernels' next rows, streamed from DRAM, into L2).
-
-/// Ask the caches for `bytes` ahead of use (one hint per 64-byte line; a hint never faults).
-#[inline]
-pub(crate) fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(bytes);
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
-}
+//! Cache hints: ask L2 for bytes ahead of their use (the many-row kernels' next rows, streamed
+//! from DRAM; a decode step's KV rows).
 
 /// Ask L2 for `bytes`, read from DRAM a tile or more ahead of use (the many-row kernels' next
 /// rows). A hint into L1 holds one of L1's few line-fill buffers until the line arrives, which
