@@ -67,11 +67,19 @@ fn dram_total() -> Option<u64> {
 /// buffer (far larger than the caches) with the widest SIMD loads this CPU has (the best CPU
 /// kernel set's dot product of the data with itself: one stream, the second operand an L1 hit),
 /// so the bound is what our kernels can reach, not what a baseline loop does; the best of `reps`
-/// passes. Bytes/s.
+/// passes. The buffer is on transparent huge pages where the host gives them, as the weights
+/// the CPU streams are ([`crate::tensor::AlignedBuf`], [`crate::tensor::Bytes::pack_huge`]): on
+/// 4 KiB pages this project's 2-core VM read 22–25 GB/s in the same seconds as huge pages read
+/// 33–34, and hybrid's cold pass (on huge pages) read faster than such a bound. Bytes/s.
 pub fn dram_read_bandwidth(threads: usize, bytes: usize, reps: usize) -> f64 {
     let floats = (bytes / 4).max(1 << 17);
+    let mut pages = crate::tensor::AlignedBuf::zeroed(floats * 4);
+    let buf: &mut [f32] = bytemuck::cast_slice_mut(pages.as_mut_slice());
     // Non-zero contents so pages are really backed.
-    let buf: Vec<f32> = (0..floats).map(|i| (i % 7) as f32).collect();
+    for (i, v) in buf.iter_mut().enumerate() {
+        *v = (i % 7) as f32;
+    }
+    let buf: &[f32] = buf;
     let pool = match rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
