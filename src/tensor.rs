@@ -208,38 +208,44 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// `len` bytes (rounded up to a whole page), zeroed.
-    pub fn zeroed(len: usize) -> Self {
+    /// `len` bytes (rounded up to a whole page), not yet written: the allocation and its size,
+    /// advised onto huge pages before anything touches it. Not `alloc_zeroed`: at this alignment
+    /// it zeroes (touches) every page at once, before the pages could be advised huge. Fresh
+    /// large allocations are untouched mappings.
+    fn untouched(len: usize) -> (std::ptr::NonNull<u8>, usize) {
         let layout = Self::layout(len);
-        // Not `alloc_zeroed`: at this alignment it zeroes (touches) every page at once, before
-        // the pages could be advised huge. Fresh large allocations are untouched mappings.
         // SAFETY: layout has non-zero size.
         let raw = unsafe { std::alloc::alloc(layout) };
         let ptr =
             std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         advise_huge_pages(raw, layout.size());
-        // SAFETY: the allocation is `layout.size()` bytes, owned here.
-        unsafe { std::ptr::write_bytes(raw, 0, layout.size()) };
+        (ptr, layout.size())
+    }
+
+    /// `len` bytes (rounded up to a whole page), zeroed.
+    pub fn zeroed(len: usize) -> Self {
+        let (ptr, size) = Self::untouched(len);
+        // SAFETY: the allocation is `size` bytes, owned here.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size) };
         AlignedBuf { ptr, len }
     }
 
-    /// `len` bytes (rounded up to a whole page) holding `items`, each moved in at its offset
-    /// in `at` (ascending, each item inside `len`) and dropped as soon as it is copied, the rest
+    /// `len` bytes (rounded up to a whole page) holding `items`, each moved into its range of
+    /// `ranges` (ascending, each inside `len`) and dropped as soon as it is copied, the rest
     /// zeroed: at most one item is held twice, where copying them all first would hold every
     /// one twice. Advised onto huge pages as [`AlignedBuf::zeroed`] is.
-    fn packed(len: usize, items: &mut [&mut Bytes], at: &[usize]) -> Self {
-        debug_assert_eq!(items.len(), at.len());
-        let layout = Self::layout(len);
-        // SAFETY: layout has non-zero size.
-        let raw = unsafe { std::alloc::alloc(layout) };
-        let ptr =
-            std::ptr::NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        advise_huge_pages(raw, layout.size());
+    fn packed(len: usize, items: &mut [&mut Bytes], ranges: &[Range<usize>]) -> Self {
+        debug_assert_eq!(items.len(), ranges.len());
+        let (ptr, size) = Self::untouched(len);
+        let raw = ptr.as_ptr();
         let mut end = 0;
-        for (item, &start) in items.iter_mut().zip(at) {
+        for (item, range) in items.iter_mut().zip(ranges) {
             let src = std::mem::take(&mut **item);
-            let n = src.len();
-            assert!(start >= end && start + n <= len, "packed items overlap");
+            let (start, n) = (range.start, src.len());
+            assert!(
+                start >= end && n == range.len() && range.end <= len,
+                "packed items overlap"
+            );
             // SAFETY: `end..start` and `start..start + n` lie inside the allocation (checked);
             // `src` is other memory.
             unsafe {
@@ -249,7 +255,7 @@ impl AlignedBuf {
             end = start + n;
         }
         // SAFETY: the tail lies inside the allocation.
-        unsafe { std::ptr::write_bytes(raw.add(end), 0, layout.size() - end) };
+        unsafe { std::ptr::write_bytes(raw.add(end), 0, size - end) };
         AlignedBuf { ptr, len }
     }
 
@@ -391,8 +397,7 @@ impl Bytes {
         if len < 2 * HUGE_PAGE {
             return;
         }
-        let at: Vec<usize> = ranges.iter().map(|r| r.start).collect();
-        let buf = Arc::new(AlignedBuf::packed(len, items, &at));
+        let buf = Arc::new(AlignedBuf::packed(len, items, &ranges));
         for (item, range) in items.iter_mut().zip(ranges) {
             **item = Bytes::Aligned {
                 buf: buf.clone(),
@@ -517,15 +522,7 @@ pub fn encode_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Option<()> {
 /// decoding most of the time of attention over an f16 cache on the CPU.
 pub fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
-        // SAFETY: the features were just detected; `n` bounds both slices.
-        unsafe { f16c_to_f32(&src[..n], &mut dst[..n]) };
-        return;
-    }
-    for (o, h) in dst[..n].iter_mut().zip(&src[..n]) {
-        *o = h.to_f32();
-    }
+    f16_runs_to_f32(&src[..n], (n, 0), &mut dst[..n], n);
 }
 
 /// `dst.len() / width` runs of `width` f16 values into `dst` as f32, one after another: run `r`
