@@ -29,6 +29,7 @@ use super::hardware::HardwareProfile;
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
 use super::resident::{Base, BaseFor, SparsePerToken, base_of, layers_of};
 use super::stream::make_plan;
+use crate::backend::cpu::sparse::TILE_NEURONS;
 
 /// One layer's share of the placement.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -394,6 +395,10 @@ struct ColdWork {
     bytes: f64,
     /// Expected reads they come in (`FfnLayout::cold_reads`).
     reads: f64,
+    /// DRAM its cold neurons take, gathered (tiles hold whole fours: the last one padded).
+    dram: u64,
+    /// Whether the layer's cold neurons are laid out in tiles (`ColdCost::tiled`).
+    tiled: bool,
 }
 
 /// The cold work of a layer with frequencies `f` and `hot` neurons on the device, in a step of
@@ -439,13 +444,32 @@ fn cold_work(
         None => cold.len() as f64,
     };
     let c = lay.cost;
+    let needed_bytes = c.decide_bytes as f64 * examined
+        + c.active_bytes as f64 * active
+        + c.unit_bytes as f64 * touched;
+    // In tiles (every cold neuron examined: no predictor), each tile read whole where one of
+    // its neurons is on for some row.
+    let tile_on = cold.chunks(TILE_NEURONS).map(|t| {
+        let none = t.iter().map(|&j| 1.0 - needed(f[j])).product::<f64>();
+        1.0 - none.powi(rows.max(1) as i32)
+    });
+    let tiled = predictor.is_none() && lay.tiles_pay(tile_on, needed_bytes);
     ColdWork {
         flops: decide * examined + (neuron - decide) * active + predictor.map_or(0.0, |p| p.flops),
-        bytes: c.decide_bytes as f64 * examined
-            + c.active_bytes as f64 * active
-            + c.unit_bytes as f64 * touched
-            + predictor.map_or(0.0, |p| p.weight_bytes as f64),
-        reads: lay.cold_reads((examined, predictor.is_none()), active, touched),
+        bytes: needed_bytes + predictor.map_or(0.0, |p| p.weight_bytes as f64),
+        reads: if tiled {
+            cold.len().div_ceil(TILE_NEURONS) as f64
+        } else {
+            lay.cold_reads((examined, predictor.is_none()), active, touched)
+        },
+        dram: if tiled {
+            cold.len().next_multiple_of(TILE_NEURONS)
+        } else {
+            cold.len()
+        } as u64
+            / c.unit as u64
+            * lay.unit_bytes,
+        tiled,
     }
 }
 
@@ -500,6 +524,7 @@ fn finish(
     let mut hbm = g.small + g.head + base.attention_layers.iter().sum::<u64>();
     let mut cpu = 0u64;
     let mut cold_dram = 0u64;
+    let mut cold_cost = Vec::with_capacity(n_layers);
     let mut seconds = 0.0;
     let mut on_total = 0.0;
     for (l, ((ids, f), lay)) in hot_neurons.iter().zip(freqs).zip(layouts).enumerate() {
@@ -508,19 +533,17 @@ fn finish(
         let on: f64 = ids.iter().map(|&j| f[j as usize]).sum::<f64>() + 0.0;
         on_total += on;
         hot_device += lay.device_bytes(ids.len());
-        let hot_units = ids.len() / lay.cost.unit;
         let predictor = predictors.and_then(|p| p.get(l));
         let hot_raw = hot_read(f, ids, lay, rows, predictor);
         hbm += hot_raw;
-        let total_units = d_ff / lay.cost.unit;
-        cold_dram += (total_units - hot_units) as u64 * lay.unit_bytes;
-        let ColdWork {
-            flops: cold_row,
-            bytes: cold_bytes,
-            reads: cold_reads,
-        } = cold_work(f, ids, lay, rows, predictor, neuron_flops);
+        let work = cold_work(f, ids, lay, rows, predictor, neuron_flops);
+        cold_dram += work.dram;
+        cold_cost.push(ColdCost {
+            tiled: work.tiled,
+            ..lay.cost
+        });
         let cold = d_ff - ids.len();
-        cpu += cold_bytes as u64;
+        cpu += work.bytes as u64;
         let layer_attention = base.attention_layers[l];
         let gpu_s = batch::bounded(
             hot_raw as f64,
@@ -533,9 +556,9 @@ fn finish(
             0.0
         } else {
             batch::bounded_read(
-                hw.cpu_sparse_seconds(cold_bytes, cold_reads),
+                hw.cpu_sparse_seconds(work.bytes, work.reads),
                 rows,
-                cold_row,
+                work.flops,
                 cpu_rate,
             ) + sync
         };
@@ -558,8 +581,8 @@ fn finish(
             },
             runs: LayerRuns::of(ids.len(), cold),
             device_bytes: layer_attention + hot_raw,
-            cpu_bytes: cold_bytes as u64,
-            cpu_reads: cold_reads,
+            cpu_bytes: work.bytes as u64,
+            cpu_reads: work.reads,
             gpu_s,
             cpu_s,
         });
@@ -599,7 +622,7 @@ fn finish(
         activation_share: if total > 0.0 { on_total / total } else { 0.0 },
         solve_seconds: solved.solve_seconds,
         hot_neurons,
-        cold_cost: layouts.iter().map(|l| l.cost).collect(),
+        cold_cost,
         device: HybridDevice {
             attention: base.attention,
             hot: hot_device,

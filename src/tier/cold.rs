@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::backend::BundleShape;
 use crate::backend::cpu::kernels::Kernels;
 use crate::backend::cpu::sparse::{
-    Bundles, FfnParts, sparse_decide_up, sparse_down, sparse_down_blocks, sparse_ffn,
-    sparse_part_dots, sparse_rows,
+    Bundles, FfnParts, NeuronTiles, sparse_decide_up, sparse_down, sparse_down_blocks, sparse_ffn,
+    sparse_part_dots, sparse_rows, tile_bundles, tiled_down, tiled_ffn,
 };
 use crate::backend::sparse_act;
 use crate::engine::trace::{self, Phase, span};
@@ -82,6 +82,13 @@ pub(super) enum ColdData {
         ups: HostTensor,
         downs: HostTensor,
     },
+    /// Gathered gated f16 bundles laid out in tiles of four (hybrid's cold neurons where most
+    /// are on: [`ColdCost::tiled`]), `ids.len()` neurons: a tile is read as one run.
+    Tiled {
+        tiles: Bytes,
+        neurons: usize,
+        d: usize,
+    },
     /// Gathered gate and up rows; the down matrix's blocks of the cold units, row by row.
     Matrices {
         gate: Option<HostTensor>,
@@ -142,6 +149,7 @@ impl ColdLayer {
         for layer in layers {
             match &mut layer.data {
                 ColdData::Bundles { t, .. } => items.push(&mut t.data),
+                ColdData::Tiled { tiles, .. } => items.push(tiles),
                 ColdData::Parted { gates, ups, downs } => {
                     items.extend([&mut gates.data, &mut ups.data, &mut downs.data])
                 }
@@ -214,6 +222,7 @@ impl ColdLayer {
                 active_bytes: row - part,
                 unit_bytes: 0,
                 unit: 1,
+                tiled: false,
             },
             traffic: cpu.traffic,
             _hold: Some(hold),
@@ -342,7 +351,7 @@ impl ColdLayer {
     pub(super) fn bundles(&self) -> Option<&HostTensor> {
         match &self.data {
             ColdData::Bundles { t, .. } => Some(t),
-            ColdData::Parted { .. } | ColdData::Matrices { .. } => None,
+            ColdData::Parted { .. } | ColdData::Tiled { .. } | ColdData::Matrices { .. } => None,
         }
     }
 
@@ -415,6 +424,10 @@ impl ColdLayer {
         cand: &[u32],
         out: Option<&mut [f32]>,
     ) -> Result<ColdActive> {
+        if let ColdData::Tiled { tiles, neurons, d } = &self.data {
+            let tiles = NeuronTiles::new(tiles.as_slice(), *neurons, *d)?;
+            return self.activate_tiles(tiles, x, n, (threshold, keep), cand, out);
+        }
         let parts = match &self.data {
             ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
             ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
@@ -422,7 +435,7 @@ impl ColdLayer {
                 up: Some(Bundles::of_rows(ups)?),
                 down: Some(Bundles::of_rows(downs)?),
             },
-            ColdData::Matrices { .. } => {
+            ColdData::Tiled { .. } | ColdData::Matrices { .. } => {
                 return Err(weights_err("the FFN is stored as matrices, not bundles"));
             }
         };
@@ -444,6 +457,31 @@ impl ColdLayer {
                 pos
             }
         };
+        Ok(ColdActive {
+            positions: pos.iter().map(|&jj| cand[jj]).collect(),
+            values: select_cols(&h, n, c, &pos),
+        })
+    }
+
+    /// [`Self::activate_parts`] over neurons in tiles ([`tiled_ffn`]): the same bits.
+    fn activate_tiles(
+        &self,
+        tiles: NeuronTiles,
+        x: &[f32],
+        n: usize,
+        (threshold, keep): (f32, Option<&[bool]>),
+        cand: &[u32],
+        out: Option<&mut [f32]>,
+    ) -> Result<ColdActive> {
+        let decide =
+            |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (true, threshold), keep);
+        let c = cand.len();
+        let mut h = vec![0f32; n * c];
+        let down = out.is_some();
+        let listed = (cand, &self.ids_of(cand)[..]);
+        let pos = tiled_ffn(self.kernels, tiles, listed, x, n, decide, &mut h, out)?;
+        self.traffic
+            .add(&self.cost, c, if down { pos.len() } else { 0 }, 0);
         Ok(ColdActive {
             positions: pos.iter().map(|&jj| cand[jj]).collect(),
             values: select_cols(&h, n, c, &pos),
@@ -480,6 +518,16 @@ pub(super) fn parted(
         gates: tensor("gates", d, &gates),
         ups: tensor("ups", d, &ups),
         downs: tensor("downs", d, &downs),
+    }
+}
+
+/// Gated f16 bundles `rows` (of `bytes`, `rb` bytes each, `d` wide) laid out in tiles as
+/// [`ColdData::Tiled`] holds them: the same values, in another order.
+pub(super) fn tiled(d: usize, (bytes, rb): (&[u8], usize), rows: &[u32]) -> ColdData {
+    ColdData::Tiled {
+        tiles: Bytes::from_slice(&tile_bundles(bytes, rb, rows, d)),
+        neurons: rows.len(),
+        d,
     }
 }
 
@@ -575,6 +623,11 @@ impl ColdNeurons for ColdLayer {
             ColdData::Parted { downs, .. } => {
                 let downs = Bundles::of_rows(downs)?;
                 sparse_down(self.kernels, &downs, listed, values, n, out)?;
+                0
+            }
+            ColdData::Tiled { tiles, neurons, d } => {
+                let tiles = NeuronTiles::new(tiles.as_slice(), *neurons, *d)?;
+                tiled_down(self.kernels, tiles, listed, values, n, out)?;
                 0
             }
             ColdData::Matrices { down, .. } => {
@@ -745,6 +798,7 @@ mod tests {
                 active_bytes: up.row_bytes() as u64,
                 unit_bytes: (d * down_dtype.bytes_for(unit)) as u64,
                 unit,
+                tiled: false,
             };
             let cold = ColdLayer {
                 data: ColdData::Matrices {
@@ -787,8 +841,16 @@ mod tests {
     /// 1 and 3 tokens, in two steps and in one pass ([`ColdNeurons::activate_down`]); the CPU's
     /// reads are the same.
     #[test]
-    fn parted_bundles_compute_what_whole_bundles_do() {
-        let k = kernels::best();
+    fn parted_and_tiled_bundles_compute_what_whole_bundles_do() {
+        for k in [kernels::best(), &kernels::PORTABLE] {
+            for tiles in [false, true] {
+                layouts_agree(k, tiles);
+            }
+        }
+    }
+
+    /// Parts taken apart (or tiles) against whole bundles, with kernels `k`.
+    fn layouts_agree(k: &'static kernels::Kernels, tiles: bool) {
         let mut rng = StdRng::seed_from_u64(5);
         let (d, d_ff) = (96, 200);
         let silu = crate::backend::cpu::ops::activation(Act::Silu);
@@ -811,6 +873,7 @@ mod tests {
                 active_bytes: (2 * d * 2) as u64,
                 unit_bytes: 0,
                 unit: 1,
+                tiled: tiles,
             },
             traffic: Arc::new(ColdTraffic::default()),
             _hold: None,
@@ -825,7 +888,11 @@ mod tests {
             },
             shape,
         });
-        let parted = layer(parted("parted", DType::F16, d, (bytes, rb), &cold_ids));
+        let parted = layer(if tiles {
+            tiled(d, (bytes, rb), &cold_ids)
+        } else {
+            parted("parted", DType::F16, d, (bytes, rb), &cold_ids)
+        });
         for n in [1usize, 3] {
             let x: Vec<f32> = (0..n * d).map(|_| rng.random_range(-1.0..1.0)).collect();
             let keep: Vec<bool> = (0..n * d_ff).map(|_| rng.random_bool(0.7)).collect();

@@ -14,9 +14,10 @@
 
 use std::sync::Arc;
 
-use super::cold::{ColdData, ColdLayer, ColdTraffic, CpuSide, copy_rows, parted};
+use super::cold::{self, ColdData, ColdLayer, ColdTraffic, CpuSide, copy_rows, parted};
 use super::resident::{Resident, Small, linear, resident_source};
 use crate::backend::cpu::kernels::Kernels;
+use crate::backend::cpu::sparse::{tileable, tiles_bytes};
 use crate::backend::{Act, Backend, BundleShape};
 use crate::engine::{
     ColdMerge, ColdView, EngineError, FfnView, HeadView, LayerView, Result, WeightSource,
@@ -242,7 +243,7 @@ pub(super) fn layer_ffn<B: Backend>(
         cold: data,
         cold_bytes,
     } = if bundled {
-        gather_bundles(b, store, &split, up_bias_dev, d, d_ff)?
+        gather_bundles(b, store, &split, up_bias_dev, cost.tiled, (d, d_ff))?
     } else {
         gather_matrices(b, store, &split, cost, d, d_ff)?
     };
@@ -325,8 +326,8 @@ fn gather_bundles<B: Backend>(
     store: &Store,
     split: &NeuronSplit,
     up_bias_dev: &mut Option<B::Weight>,
-    d: usize,
-    d_ff: usize,
+    tiled: bool,
+    (d, d_ff): (usize, usize),
 ) -> Result<Gathered<B>> {
     let (l, ids, cold_ids) = (split.l, split.ids, &split.cold_ids);
     let s = store
@@ -353,9 +354,14 @@ fn gather_bundles<B: Backend>(
         upload(b, dev, bytemuck::cast_slice(&v))?;
     }
     let name = format!("{} cold", s.name);
-    let cold_bytes = (cold_ids.len() * rb) as u64;
-    // Gated float bundles are taken apart (the gates read as one run): the same bytes.
-    let cold = if cold_taken_apart(s, parts) {
+    let mut cold_bytes = (cold_ids.len() * rb) as u64;
+    // Where the plan says so, gated f16 bundles are laid out in tiles (a tile read as one
+    // run); other gated float bundles are taken apart (the gates read as one run): the same
+    // values.
+    let cold = if tiled && tileable(dtype, parts, d) {
+        cold_bytes = tiles_bytes(cold_ids.len(), d) as u64;
+        cold::tiled(d, (bytes, rb), cold_ids)
+    } else if cold_taken_apart(s, parts) {
         parted(&name, dtype, d, (bytes, rb), cold_ids)
     } else {
         ColdData::Bundles {

@@ -210,22 +210,17 @@ fn walk_listed(
         gated: parts.gated(),
         decide,
     };
-    // Each task fills its values and flags those on.
-    let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
-    let runs = match &down {
-        Some((ids, _)) => block_runs(m, |j| ids[j]),
-        None => item_runs(m),
-    };
-    let summed = down.is_some();
-    let sums = per_runs(&runs, n, h, |js, vals| {
-        let mut acc = vec![0f32; if summed { n * d } else { 0 }];
-        let sum = summed.then_some(&mut acc[..]);
-        match f16_fast(o, parts.is_f16()) {
+    let fast = f16_fast(o, parts.is_f16());
+    Ok(run_listed(
+        (m, n, d),
+        h,
+        down,
+        |js, vals, on, sum| match fast {
             Some(f) => {
                 let axpy = |a, cols, next, _, out: &mut [f32]| (f.axpy4)(a, cols, next, out);
                 walk.run(
-                    js.clone(),
-                    (vals, &on),
+                    js,
+                    (vals, on),
                     |i, r| parts.part_f16(i, r),
                     |rows, next, _, t| (f.dot4)(rows, next, xt(t)),
                     sum.map(|s| (s, &axpy as Axpy<'_, _>)),
@@ -235,14 +230,39 @@ fn walk_listed(
                 let axpy =
                     |a, cols, next, live, out: &mut [f32]| axpy4(o, a, cols, next, live, out);
                 walk.run(
-                    js.clone(),
-                    (vals, &on),
+                    js,
+                    (vals, on),
                     |i, r| parts.part(i, r),
                     |rows, next, live, t| dot4(k, o, rows, next, live, xt(t)),
                     sum.map(|s| (s, &axpy as Axpy<'_, _>)),
                 )
             }
-        }
+        },
+    ))
+}
+
+/// The tasks of a walk over `m` listed neurons for `n` tokens of width `d` (`h` is `n × m`):
+/// without a down side (`down`), runs of list positions; with one (the ids, which place each
+/// term in the order, and the `n × d` output), each [`DOWN_BLOCK`](super::DOWN_BLOCK) a task
+/// with a sum of its own, the sums added to the output in block order (the order
+/// [`super::sparse_down`] sums in). `task(js, vals, on, sum)` fills its positions' values
+/// item-major (`vals[(j − js.start)·n + t]`), flags those on in `on` (by position) and adds
+/// their down side into `sum` where there is one. Returns the positions on, ascending.
+pub(super) fn run_listed(
+    (m, n, d): (usize, usize, usize),
+    h: &mut [f32],
+    down: Option<(&[u32], &mut [f32])>,
+    task: impl Fn(std::ops::Range<usize>, &mut [f32], &[AtomicBool], Option<&mut [f32]>) + Sync,
+) -> Vec<usize> {
+    let on: Vec<AtomicBool> = (0..m).map(|_| AtomicBool::new(false)).collect();
+    let runs = match &down {
+        Some((ids, _)) => block_runs(m, |j| ids[j]),
+        None => item_runs(m),
+    };
+    let summed = down.is_some();
+    let sums = per_runs(&runs, n, h, |js, vals| {
+        let mut acc = vec![0f32; if summed { n * d } else { 0 }];
+        task(js.clone(), vals, &on, summed.then_some(&mut acc[..]));
         // A block with no neuron on adds nothing (as in `sparse_down`).
         (summed && js.into_iter().any(|j| on[j].load(Ordering::Relaxed))).then_some(acc)
     });
@@ -250,7 +270,7 @@ fn walk_listed(
         let sums: Vec<Vec<f32>> = sums.into_iter().flatten().collect();
         add_in_order(&sums, out);
     }
-    Ok((0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect())
+    (0..m).filter(|&j| on[j].load(Ordering::Relaxed)).collect()
 }
 
 /// Adds `a[r] · cols[r]` into an output row for the first `live` columns, the `next` group's

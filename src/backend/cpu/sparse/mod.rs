@@ -7,7 +7,7 @@
 //!   per listed neuron: `h[t·m + j]` belongs to neuron `idx[j]` (`m = idx.len()`).
 //! - [`sparse_decide_up`]: the up side with its decision in one pass (each listed neuron's
 //!   deciding part, then its up part where the decision leaves it on), over bundles or their
-//!   parts taken apart ([`FfnParts`]).
+//!   parts taken apart ([`FfnParts`]), and over neurons laid out in tiles ([`tiled_ffn`]).
 //! - [`sparse_rows`] / [`sparse_down_blocks`]: over weight matrices in their storage format
 //!   (GGUF blocks or floats), for models whose FFN is not bundled.
 //!
@@ -29,6 +29,7 @@ mod ops;
 mod portable;
 #[cfg(test)]
 mod tests;
+mod tiles;
 mod up;
 mod vector;
 #[cfg(target_arch = "x86_64")]
@@ -39,4 +40,6 @@ pub use down::{DOWN_BLOCK, DownSplit, sparse_down, sparse_down_split};
 pub use ffn::{FfnParts, sparse_decide_up, sparse_ffn};
 pub(crate) use items::per_items;
 pub use matrix::{sparse_down_blocks, sparse_rows};
+pub use ops::{TILE_COLS, TILE_NEURONS};
+pub use tiles::{NeuronTiles, tile_bundles, tileable, tiled_down, tiled_ffn, tiles_bytes};
 pub use up::{sparse_part_dots, sparse_up};

@@ -24,6 +24,10 @@ pub(super) struct Ops {
     pub(super) axpy4_f16: Option<Axpy4F16>,
     pub(super) axpy4_i8: Option<Axpy4I8>,
     pub(super) axpy4_i4: Option<Axpy4I4>,
+    /// [`Self::dot4_f16`] and [`Self::axpy4_f16`] over rows of neuron tiles
+    /// ([`super::tiles`]): the same sums, read where the tiles keep the rows.
+    pub(super) dot4_tiled: Option<Dot4Tiled>,
+    pub(super) axpy4_tiled: Option<Axpy4Tiled>,
 }
 
 // The four-row kernels: (rows, next rows, x) and (weights, columns, next columns, out).
@@ -33,6 +37,17 @@ pub(super) type Dot4I4 = fn([I4Row; 4], [I4Row; 4], &[f32]) -> [f32; 4];
 pub(super) type Axpy4F16 = fn([f32; 4], [&[f16]; 4], [&[f16]; 4], &mut [f32]);
 pub(super) type Axpy4I8 = fn([f32; 4], [&[i8]; 4], [&[i8]; 4], &mut [f32]);
 pub(super) type Axpy4I4 = fn([f32; 4], [I4Row; 4], [I4Row; 4], &mut [f32]);
+pub(super) type Dot4Tiled = fn([TileRow; 4], &[f32]) -> [f32; 4];
+pub(super) type Axpy4Tiled = fn([f32; 4], [TileRow; 4], &mut [f32]);
+
+/// Neurons to a tile ([`super::tiles`]): the four rows the four-row kernels take.
+pub const TILE_NEURONS: usize = 4;
+/// Columns to a tile's chunk: one 64-byte line of f16s per row.
+pub const TILE_COLS: usize = 32;
+
+/// A row of a neuron tile's part: the part (its rows interleaved a line at a time:
+/// [`super::tiles`]) and the row's place in it.
+pub(super) type TileRow<'a> = (&'a [f16], usize);
 
 /// An INT4 vector: its group scales (little-endian f16s) and packed codes.
 pub(super) type I4Row<'a> = (&'a [u8], &'a [u8]);

@@ -20,6 +20,8 @@ pub static OPS: Ops = Ops {
     axpy4_f16: None,
     axpy4_i8: None,
     axpy4_i4: None,
+    dot4_tiled: None,
+    axpy4_tiled: None,
 };
 
 fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
