@@ -54,12 +54,13 @@ impl ColdCost {
 /// 4,096 and 8,192 (the 1B and 7B shapes, 10–84% on).
 pub const APART_FROM_PART_BYTES: u64 = 2048;
 
-/// How much faster the CPU reads cold neurons laid out in tiles than as rows (bundles or parts
-/// taken apart), taken low: a layer goes in tiles where the tiles it is expected to read are
-/// at most this many times the bytes its neurons need. On the 2-core VM (30 SmolLM2 layers,
-/// 2 threads, out of tree, the same minutes) tiles read 46–52 GB/s where rows read 27–31, and
-/// 29–33 where rows read 18–25; at 84% of cold neurons on the tiles read 1.12× the bytes
-/// needed, at 50% 1.44×, at 27% 1.6×.
+/// How much faster the CPU reads cold neurons laid out in tiles than as rows (whole bundles or
+/// parts taken apart), taken low: a layer goes in tiles where the tiles it is expected to read
+/// come to at most this many times the bytes its neurons need. On the 2-core VM (30 SmolLM2
+/// layers of 1,536 f16 neurons, each on with a share p, the engine's one pass, 2 threads, out of
+/// tree, tiles and whole bundles alternated): p = 0.84 (tiles 1.12× the bytes needed)
+/// 4.06–4.28 ms in tiles against 4.95–5.01; p = 0.7 (1.24×) 4.32–4.60 against 4.71–4.77;
+/// p = 0.5 (1.44×) 4.80–6.09 against 4.22–5.02; p = 0.27 (1.6×) 6.3 against 4.3–4.5.
 pub const TILES_READ_FASTER: f64 = 1.25;
 
 /// Whether the hybrid source takes a layer's cold bundles `s` (of `parts` parts) apart on the

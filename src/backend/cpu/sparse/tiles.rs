@@ -5,12 +5,11 @@
 //! A tile holds its neurons' gates, then their ups, then their downs (a part each); within a
 //! part, chunk after chunk of [`TILE_COLS`] columns, each chunk the four rows' lines side by
 //! side. So the pass reads a tile as one run from its first line to its last, where bundles or
-//! parts taken apart are a run per row (or four runs at once): on the 2-core VM, 30 SmolLM2
-//! layers (1,536 neurons, 84% on, 2 threads, out of tree) read in tiles in 3.1–3.5 ms against
-//! 4.4–5.2 as parts or bundles (46–52 GB/s of tiles against 27–31 of the rows needed), in the
-//! same minutes. The price: a tile is read whole wherever one of its neurons is on, so the
-//! planner lays a layer out in tiles only where most of its cold neurons are on (its
-//! `TILES_READ_FASTER`).
+//! parts taken apart are a run per row (four at once): on the 2-core VM, 30 SmolLM2 layers
+//! (1,536 neurons, 84% on, 2 threads, out of tree) took 4.06–4.28 ms in tiles against
+//! 4.95–5.01 as whole bundles, alternated in the same minutes. The price: a tile is read whole
+//! wherever one of its neurons is on, so the planner lays a layer out in tiles only where most
+//! of its cold neurons are on (its `TILES_READ_FASTER`).
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -395,6 +394,92 @@ mod tests {
         assert!(NeuronTiles::new(&tiled, rows.len(), 48).is_err());
         assert!(!tileable(crate::tensor::DType::F16, 3, 48));
         assert!(!tileable(crate::tensor::DType::F32, 3, 64));
+    }
+
+    /// Over any list (out of order, repeats, a neuron of the padded last tile's neighbours) and
+    /// several tokens, the tiles give what the bundles give, bit for bit, with either kernel
+    /// set; a neuron past those held is refused.
+    #[test]
+    fn tiles_compute_what_bundles_do_over_any_list() {
+        use crate::backend::BundleShape;
+        use crate::backend::cpu::kernels::{self, PORTABLE};
+        use crate::backend::cpu::sparse::{Bundles, FfnParts, sparse_down, sparse_ffn};
+        use crate::store::Encoding;
+        let (d, neurons) = (64, 23);
+        let mut seed = 7u64;
+        let mut rand = move || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((seed >> 33) as f32 / (1u64 << 31) as f32) - 0.5
+        };
+        let halves: Vec<f16> = (0..neurons * PARTS * d)
+            .map(|_| f16::from_f32(rand()))
+            .collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&halves);
+        let rb = PARTS * 2 * d;
+        let all: Vec<u32> = (0..neurons as u32).collect();
+        let tiled = tile_bundles(bytes, rb, &all, d);
+        let tiles = NeuronTiles::new(&tiled, neurons, d).unwrap();
+        let shape = BundleShape { parts: 3, d };
+        let b = Bundles::new(bytes, Encoding::Format(crate::tensor::DType::F16), shape).unwrap();
+        let idx = [3u32, 0, 1, 2, 2, 9, 8, 22, 21, 20, 4, 5, 6, 7, 11];
+        let ids = idx;
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for k in [kernels::best(), &PORTABLE] {
+            for n in [1usize, 2] {
+                let x: Vec<f32> = (0..n * d).map(|_| rand()).collect();
+                // Off where the gate's dot is negative, half of it else.
+                let decide = |_: usize, _: usize, v: f32| if v < 0.0 { 0.0 } else { v * 0.5 };
+                let m = idx.len();
+                let (mut ha, mut hb) = (vec![0f32; n * m], vec![0f32; n * m]);
+                let start: Vec<f32> = (0..n * d).map(|i| i as f32 * 0.01).collect();
+                let (mut oa, mut ob) = (start.clone(), start.clone());
+                let pa = sparse_ffn(
+                    k,
+                    FfnParts::Bundles(b),
+                    (&idx, &ids),
+                    &x,
+                    n,
+                    decide,
+                    &mut ha,
+                    &mut oa,
+                )
+                .unwrap();
+                let pb = tiled_ffn(
+                    k,
+                    tiles,
+                    (&idx, &ids),
+                    &x,
+                    n,
+                    decide,
+                    &mut hb,
+                    Some(&mut ob),
+                )
+                .unwrap();
+                assert_eq!(pa, pb, "n {n}");
+                assert!(pa.len() < m && !pa.is_empty(), "some on, some off");
+                assert_eq!(bits(&ha), bits(&hb), "n {n}");
+                assert_eq!(bits(&oa), bits(&ob), "n {n}");
+                let (mut da, mut db) = (start.clone(), start.clone());
+                sparse_down(k, &b, (&idx, &ids), &ha, n, &mut da).unwrap();
+                tiled_down(k, tiles, (&idx, &ids), &ha, n, &mut db).unwrap();
+                assert_eq!(bits(&da), bits(&db), "n {n}");
+                let mut h = vec![0f32; n];
+                let mut out = vec![0f32; n * d];
+                let past = tiled_ffn(
+                    k,
+                    tiles,
+                    (&[24], &[24]),
+                    &x,
+                    n,
+                    decide,
+                    &mut h,
+                    Some(&mut out),
+                );
+                assert!(past.is_err());
+            }
+        }
     }
 
     /// A run of list positions splits where its neurons leave a tile or stop ascending.
