@@ -37,6 +37,19 @@ pub struct ColdCost {
 }
 
 impl ColdCost {
+    /// Of bundles of `row` bytes in `parts` parts, read as rows: the first part decides, the
+    /// rest follows for an active neuron.
+    pub fn of_bundles(row: u64, parts: u64) -> Self {
+        let part = row / parts;
+        ColdCost {
+            decide_bytes: part,
+            active_bytes: row - part,
+            unit_bytes: 0,
+            unit: 1,
+            tiled: false,
+        }
+    }
+
     /// Bytes read for `candidates` neurons examined, `active` of them computed, `units` down
     /// blocks touched.
     pub fn bytes(&self, candidates: u64, active: u64, units: u64) -> u64 {
@@ -112,24 +125,11 @@ impl FfnLayout {
             let SegmentKind::Bundles { parts } = s.kind else {
                 return Err(PlanError::Store(format!("`{}` is not bundles", s.name)));
             };
-            let row = s.row_bytes() as u64;
-            let part = row / parts as u64;
-            return Ok(FfnLayout {
-                unit_bytes: row,
-                cost: ColdCost {
-                    decide_bytes: part,
-                    active_bytes: row - part,
-                    unit_bytes: 0,
-                    unit: 1,
-                    tiled: false,
-                },
-                tensors: 1,
-                kind: FfnKind::Bundles {
-                    row_bytes: row,
-                    parted: cold_taken_apart(s, parts),
-                    tileable: tileable(device_dtype(s), parts, d),
-                },
-            });
+            return Ok(FfnLayout::bundles(
+                (s.row_bytes() as u64, parts as u64),
+                cold_taken_apart(s, parts),
+                tileable(device_dtype(s), parts, d),
+            ));
         }
         let up = seg(m, &part_segment_name(l, Part::Up))?;
         let down = seg(m, &part_segment_name(l, Part::Down))?;
@@ -172,6 +172,21 @@ impl FfnLayout {
                 up_bias,
             },
         })
+    }
+
+    /// Bundles of `row` bytes in `parts` parts (the first decides), taken apart on the CPU
+    /// (`parted`) or not, which tiles can hold (`tileable`) or not.
+    fn bundles((row, parts): (u64, u64), parted: bool, tileable: bool) -> Self {
+        FfnLayout {
+            unit_bytes: row,
+            cost: ColdCost::of_bundles(row, parts),
+            tensors: 1,
+            kind: FfnKind::Bundles {
+                row_bytes: row,
+                parted,
+                tileable,
+            },
+        }
     }
 
     /// Reads (each of one place: [`super::HardwareProfile::cpu_read_start_s`]) of the CPU's
@@ -339,22 +354,7 @@ mod tests {
     #[test]
     fn tiles_pay_where_most_neurons_are_on() {
         let (d, row) = (576u64, 3 * 576 * 2);
-        let lay = |tileable| FfnLayout {
-            unit_bytes: row,
-            cost: ColdCost {
-                decide_bytes: row / 3,
-                active_bytes: row - row / 3,
-                unit_bytes: 0,
-                unit: 1,
-                tiled: false,
-            },
-            tensors: 1,
-            kind: FfnKind::Bundles {
-                row_bytes: row,
-                parted: false,
-                tileable,
-            },
-        };
+        let lay = |tileable| FfnLayout::bundles((row, 3), false, tileable);
         // 1,536 cold neurons, each on with `p`, independently.
         let pays = |tileable, p: f64| {
             let needed = 1536.0 * (d * 2) as f64 + 1536.0 * p * (2 * d * 2) as f64;

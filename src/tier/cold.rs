@@ -197,7 +197,6 @@ impl ColdLayer {
             .map_err(store_err)?
             .map(|t| t.to_f32()[rows.clone()].to_vec());
         let row = rb as u64;
-        let part = row / parts as u64;
         Ok(ColdLayer {
             data: ColdData::Bundles {
                 t: HostTensor {
@@ -217,13 +216,7 @@ impl ColdLayer {
             d_ff: store.manifest.spec.d_ff,
             act: cpu.act,
             kernels: cpu.kernels,
-            cost: ColdCost {
-                decide_bytes: part,
-                active_bytes: row - part,
-                unit_bytes: 0,
-                unit: 1,
-                tiled: false,
-            },
+            cost: ColdCost::of_bundles(row, parts as u64),
             traffic: cpu.traffic,
             _hold: Some(hold),
         })
