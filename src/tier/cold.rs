@@ -5,8 +5,11 @@
 //!
 //! Per call the CPU reads each candidate neuron's deciding vector (the gate, or the up row of a
 //! two-part FFN), applies the activation and the mask, and reads the rest only of the neurons
-//! left on; a block-quantized down matrix is read in whole blocks. Bundles also serve cache
-//! units as the DRAM copy their misses are gathered from.
+//! left on; a block-quantized down matrix is read in whole blocks. Where the plan expects most
+//! of a layer's cold neurons on ([`ColdCost::tiled`]), its gated f16 bundles lie in tiles of
+//! four, and a tile with any neuron on is read whole as one run (its off rows' lines come with
+//! it; only the neurons' own bytes are counted). Bundles also serve cache units as the DRAM copy
+//! their misses are gathered from.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
