@@ -149,25 +149,50 @@ struct TileOps<'a> {
     tiles: NeuronTiles<'a>,
 }
 
-impl TileOps<'_> {
-    /// `[part p of neuron rows[q] · x]` for the first `live` (the rest repeat a live one).
-    fn dot4(&self, rows: [usize; 4], p: Part, live: usize, x: &[f32]) -> [f32; 4] {
-        if let Some(f) = self.o.dot4_tiled {
-            return f(rows.map(|i| self.tiles.row(i, p)), x);
+/// Four rows of one part, found once for every token that reads them: where the tiles keep
+/// them, or (portable) copied out.
+enum FourRows<'a> {
+    Tiles([TileRow<'a>; 4]),
+    Copied([Vec<f16>; 4]),
+}
+
+impl<'a> TileOps<'a> {
+    /// Part `p` of neurons `rows`.
+    fn rows(&self, rows: [usize; 4], p: Part) -> FourRows<'a> {
+        match self.o.dot4_tiled {
+            Some(_) => FourRows::Tiles(rows.map(|i| self.tiles.row(i, p))),
+            None => FourRows::Copied(rows.map(|i| self.tiles.row_values(i, p))),
         }
-        let v = rows.map(|i| self.tiles.row_values(i, p));
-        let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
-        dot4(self.k, self.o, vs, vs, live, x)
     }
 
-    /// `out += Σ_q a[q] · down of neuron rows[q]` in the order of `q` (`a = 0` past `live`).
-    fn axpy4(&self, a: [f32; 4], rows: [usize; 4], live: usize, out: &mut [f32]) {
-        if let Some(f) = self.o.axpy4_tiled {
-            return f(a, rows.map(|i| self.tiles.row(i, Part::Down)), out);
+    /// `[rows[q] · x]` for the first `live` (the rest repeat a live one).
+    fn dot4(&self, rows: &FourRows, live: usize, x: &[f32]) -> [f32; 4] {
+        match (rows, self.o.dot4_tiled) {
+            (FourRows::Tiles(r), Some(f)) => f(*r, x),
+            (FourRows::Copied(v), _) => {
+                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
+                dot4(self.k, self.o, vs, vs, live, x)
+            }
+            (FourRows::Tiles(r), None) => {
+                let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
+                self.dot4(&FourRows::Copied(v), live, x)
+            }
         }
-        let v = rows.map(|i| self.tiles.row_values(i, Part::Down));
-        let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
-        axpy4(self.o, a, vs, vs, live, out)
+    }
+
+    /// `out += Σ_q a[q] · rows[q]` in the order of `q` (`a = 0` past `live`).
+    fn axpy4(&self, a: [f32; 4], rows: &FourRows, live: usize, out: &mut [f32]) {
+        match (rows, self.o.axpy4_tiled) {
+            (FourRows::Tiles(r), Some(f)) => f(a, *r, out),
+            (FourRows::Copied(v), _) => {
+                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
+                axpy4(self.o, a, vs, vs, live, out)
+            }
+            (FourRows::Tiles(r), None) => {
+                let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
+                self.axpy4(a, &FourRows::Copied(v), live, out)
+            }
+        }
     }
 }
 
@@ -246,9 +271,9 @@ pub fn tiled_ffn(
     Ok(run_listed((m, n, d), h, down, |js, vals, live, mut sum| {
         let j0 = js.start;
         for g in tile_groups(idx, js) {
-            let rows = pad(g.clone().map(|j| idx[j] as usize));
+            let gates = t.rows(pad(g.clone().map(|j| idx[j] as usize)), Part::Gate);
             for tok in 0..n {
-                let s = t.dot4(rows, Part::Gate, g.len(), xt(tok));
+                let s = t.dot4(&gates, g.len(), xt(tok));
                 for (q, j) in g.clone().enumerate() {
                     vals[(j - j0) * n + tok] = decide(j, tok, s[q]);
                 }
@@ -265,13 +290,15 @@ pub fn tiled_ffn(
                 .iter()
                 .for_each(|&j| live[j].store(true, Ordering::Relaxed));
             let on_rows = pad(on[..nl].iter().map(|&j| idx[j] as usize));
+            let ups = t.rows(on_rows, Part::Up);
             for tok in 0..n {
-                let u = t.dot4(on_rows, Part::Up, nl, xt(tok));
+                let u = t.dot4(&ups, nl, xt(tok));
                 for (q, &j) in on[..nl].iter().enumerate() {
                     vals[(j - j0) * n + tok] *= u[q];
                 }
             }
             if let Some(acc) = sum.as_deref_mut() {
+                let downs = t.rows(on_rows, Part::Down);
                 for tok in 0..n {
                     // Padding rows weigh zero.
                     let a = [0, 1, 2, 3].map(|q| {
@@ -281,7 +308,7 @@ pub fn tiled_ffn(
                             0.0
                         }
                     });
-                    t.axpy4(a, on_rows, nl, &mut acc[tok * d..(tok + 1) * d]);
+                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d]);
                 }
             }
         }
@@ -324,10 +351,10 @@ pub fn tiled_down(
                     continue;
                 }
                 any = true;
-                let rows = pad(on[..nl].iter().map(|&j| idx[j] as usize));
+                let downs = t.rows(pad(on[..nl].iter().map(|&j| idx[j] as usize)), Part::Down);
                 for tok in 0..n {
                     let a = [0, 1, 2, 3].map(|q| if q < nl { h[tok * m + on[q]] } else { 0.0 });
-                    t.axpy4(a, rows, nl, &mut acc[tok * d..(tok + 1) * d]);
+                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d]);
                 }
             }
             any.then_some(acc)

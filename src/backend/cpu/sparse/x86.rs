@@ -569,13 +569,13 @@ unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut 
     }
 }
 
-/// Where tile row `w` keeps its values `o .. o + 8` (`o` a multiple of 8 below the row's
-/// width): in its part, chunk `o / 32`'s line of the row. Checked by the callers: the part
-/// holds [`TILE_NEURONS`] rows of `n` values, the row is one of them, `n` is a multiple of
-/// [`TILE_COLS`].
+/// Where tile row `w` keeps its values `i .. i + 32` (`i` a multiple of [`TILE_COLS`] below the
+/// row's width), from the row's first line: a chunk is [`TILE_NEURONS`] lines, the row's at
+/// its place among them. (Checked by the callers: the part holds [`TILE_NEURONS`] rows of `n`
+/// values, the row is one of them, `n` is a multiple of [`TILE_COLS`].)
 #[inline(always)]
-fn tile_at(w: &TileRow, o: usize) -> usize {
-    (o / TILE_COLS) * TILE_COLS * TILE_NEURONS + w.1 * TILE_COLS + o % TILE_COLS
+fn row_start(w: &TileRow) -> *const u16 {
+    w.0.as_ptr().wrapping_add(w.1 * TILE_COLS) as *const u16
 }
 
 /// Columns a tile part's rows share, checked: each part holds [`TILE_NEURONS`] rows of a
@@ -611,18 +611,20 @@ macro_rules! dot4_tiled_body {
         #[target_feature(enable = $features)]
         unsafe fn $name(w: [TileRow; 4], x: &[f32]) -> [f32; 4] {
             let n = tile_width(&w, x.len());
-            let p = w.map(|r| r.0.as_ptr() as *const u16);
+            let p = w.map(|r| row_start(&r));
             let xp = x.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 4]; 4];
-            // SAFETY: `tile_at(o) + 8 ≤` the part's length for `o + 8 ≤ n` (`tile_width`).
+            // SAFETY: the row's values `i + 8k .. i + 8k + 8` lie at `i·4 + 8k` from its start,
+            // within the part for `i + 32 ≤ n` (`tile_width`).
             unsafe {
                 for i in (0..n).step_by(TILE_COLS) {
-                    prefetch_chunk(p[0].add(tile_at(&w[0], i) - w[0].1 * TILE_COLS));
+                    let c = i * TILE_NEURONS;
+                    prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
                     for k in 0..4 {
                         let o = i + 8 * k;
                         let xv = _mm256_loadu_ps(xp.add(o));
                         for r in 0..4 {
-                            let at = p[r].add(tile_at(&w[r], o));
+                            let at = p[r].add(c + 8 * k);
                             let wv = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
                             acc[r][k] = _mm256_fmadd_ps(wv, xv, acc[r][k]);
                         }
@@ -647,16 +649,17 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32]) {
     let n = tile_width(&w, out.len());
     let av = a.map(|v| _mm256_set1_ps(v));
-    let p = w.map(|r| r.0.as_ptr() as *const u16);
+    let p = w.map(|r| row_start(&r));
     let op = out.as_mut_ptr();
     // SAFETY: as in `dot4_tiled_body`; `out` holds `n` values.
     unsafe {
         for i in (0..n).step_by(TILE_COLS) {
-            prefetch_chunk(p[0].add(tile_at(&w[0], i) - w[0].1 * TILE_COLS));
+            let c = i * TILE_NEURONS;
+            prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
             for o in (i..i + TILE_COLS).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
                 for r in 0..4 {
-                    let at = p[r].add(tile_at(&w[r], o));
+                    let at = p[r].add(c + o - i);
                     let c = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
                     v = _mm256_fmadd_ps(av[r], c, v);
                 }
