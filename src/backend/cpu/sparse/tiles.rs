@@ -165,32 +165,34 @@ impl<'a> TileOps<'a> {
         }
     }
 
-    /// `[rows[q] · x]` for the first `live` (the rest repeat a live one).
-    fn dot4(&self, rows: &FourRows, live: usize, x: &[f32]) -> [f32; 4] {
+    /// `[rows[q] · x]` for the first `live` (the rest repeat a live one); the lines after them
+    /// asked for where `ahead` (a step's first token).
+    fn dot4(&self, rows: &FourRows, live: usize, x: &[f32], ahead: bool) -> [f32; 4] {
         match (rows, self.o.dot4_tiled) {
-            (FourRows::Tiles(r), Some(f)) => f(*r, x),
+            (FourRows::Tiles(r), Some(f)) => f(*r, x, ahead),
             (FourRows::Copied(v), _) => {
                 let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
                 dot4(self.k, self.o, vs, vs, live, x)
             }
             (FourRows::Tiles(r), None) => {
                 let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
-                self.dot4(&FourRows::Copied(v), live, x)
+                self.dot4(&FourRows::Copied(v), live, x, ahead)
             }
         }
     }
 
-    /// `out += Σ_q a[q] · rows[q]` in the order of `q` (`a = 0` past `live`).
-    fn axpy4(&self, a: [f32; 4], rows: &FourRows, live: usize, out: &mut [f32]) {
+    /// `out += Σ_q a[q] · rows[q]` in the order of `q` (`a = 0` past `live`); `ahead` as for
+    /// [`Self::dot4`].
+    fn axpy4(&self, a: [f32; 4], rows: &FourRows, live: usize, out: &mut [f32], ahead: bool) {
         match (rows, self.o.axpy4_tiled) {
-            (FourRows::Tiles(r), Some(f)) => f(a, *r, out),
+            (FourRows::Tiles(r), Some(f)) => f(a, *r, out, ahead),
             (FourRows::Copied(v), _) => {
                 let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
                 axpy4(self.o, a, vs, vs, live, out)
             }
             (FourRows::Tiles(r), None) => {
                 let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
-                self.axpy4(a, &FourRows::Copied(v), live, out)
+                self.axpy4(a, &FourRows::Copied(v), live, out, ahead)
             }
         }
     }
@@ -273,7 +275,7 @@ pub fn tiled_ffn(
         for g in tile_groups(idx, js) {
             let gates = t.rows(pad(g.clone().map(|j| idx[j] as usize)), Part::Gate);
             for tok in 0..n {
-                let s = t.dot4(&gates, g.len(), xt(tok));
+                let s = t.dot4(&gates, g.len(), xt(tok), tok == 0);
                 for (q, j) in g.clone().enumerate() {
                     vals[(j - j0) * n + tok] = decide(j, tok, s[q]);
                 }
@@ -292,7 +294,7 @@ pub fn tiled_ffn(
             let on_rows = pad(on[..nl].iter().map(|&j| idx[j] as usize));
             let ups = t.rows(on_rows, Part::Up);
             for tok in 0..n {
-                let u = t.dot4(&ups, nl, xt(tok));
+                let u = t.dot4(&ups, nl, xt(tok), tok == 0);
                 for (q, &j) in on[..nl].iter().enumerate() {
                     vals[(j - j0) * n + tok] *= u[q];
                 }
@@ -308,7 +310,7 @@ pub fn tiled_ffn(
                             0.0
                         }
                     });
-                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d]);
+                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
         }
@@ -354,7 +356,7 @@ pub fn tiled_down(
                 let downs = t.rows(pad(on[..nl].iter().map(|&j| idx[j] as usize)), Part::Down);
                 for tok in 0..n {
                     let a = [0, 1, 2, 3].map(|q| if q < nl { h[tok * m + on[q]] } else { 0.0 });
-                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d]);
+                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
             any.then_some(acc)

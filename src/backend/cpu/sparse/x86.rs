@@ -96,17 +96,17 @@ fn axpy4_i4(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut [f32]) {
     // SAFETY: as above, plus F16C.
     unsafe { axpy4_i4_avx2(a, w, next, out) }
 }
-fn dot4_tiled(w: [TileRow; 4], x: &[f32]) -> [f32; 4] {
+fn dot4_tiled(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
     // SAFETY: as above, plus F16C.
-    unsafe { dot4_tiled_avx2(w, x) }
+    unsafe { dot4_tiled_avx2(w, x, ahead) }
 }
-fn dot4_tiled_512(w: [TileRow; 4], x: &[f32]) -> [f32; 4] {
+fn dot4_tiled_512(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
     // SAFETY: installed only with the AVX-512 kernel set (which requires AVX-512F/VL).
-    unsafe { dot4_tiled_avx512(w, x) }
+    unsafe { dot4_tiled_avx512(w, x, ahead) }
 }
-fn axpy4_tiled(a: [f32; 4], w: [TileRow; 4], out: &mut [f32]) {
+fn axpy4_tiled(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     // SAFETY: as above, plus F16C.
-    unsafe { axpy4_tiled_avx2(a, w, out) }
+    unsafe { axpy4_tiled_avx2(a, w, out, ahead) }
 }
 
 /// 8 signed bytes at `p` as floats.
@@ -609,7 +609,7 @@ fn prefetch_chunk(p: *const u16) {
 macro_rules! dot4_tiled_body {
     ($name:ident, $features:literal) => {
         #[target_feature(enable = $features)]
-        unsafe fn $name(w: [TileRow; 4], x: &[f32]) -> [f32; 4] {
+        unsafe fn $name(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
             let n = tile_width(&w, x.len());
             let p = w.map(|r| row_start(&r));
             let xp = x.as_ptr();
@@ -619,7 +619,11 @@ macro_rules! dot4_tiled_body {
             unsafe {
                 for i in (0..n).step_by(TILE_COLS) {
                     let c = i * TILE_NEURONS;
-                    prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+                    if ahead {
+                        if ahead {
+                            prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+                        }
+                    }
                     for k in 0..4 {
                         let o = i + 8 * k;
                         let xv = _mm256_loadu_ps(xp.add(o));
@@ -646,7 +650,7 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 
 /// [`axpy4_f16_avx2`] over tile rows: the same terms in the same order.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32]) {
+unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     let n = tile_width(&w, out.len());
     let av = a.map(|v| _mm256_set1_ps(v));
     let p = w.map(|r| row_start(&r));
@@ -655,7 +659,9 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32]) {
     unsafe {
         for i in (0..n).step_by(TILE_COLS) {
             let c = i * TILE_NEURONS;
-            prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+            if ahead {
+                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+            }
             for o in (i..i + TILE_COLS).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
                 for r in 0..4 {
