@@ -43,7 +43,7 @@ pub(super) type Axpy4I4 = fn([f32; 4], [I4Row; 4], [I4Row; 4], &mut [f32]);
 pub(super) type Dot4Tiled = fn([TileRow; 4], &[f32], bool) -> [f32; 4];
 pub(super) type Axpy4Tiled = fn([f32; 4], [TileRow; 4], &mut [f32], bool);
 
-/// Neurons to a tile ([`super::tiles`]): the four rows the four-row kernels take.
+/// Neurons to a tile (`NeuronTiles`): the four rows the four-row kernels take.
 pub const TILE_NEURONS: usize = 4;
 /// Columns to a tile's chunk: one 64-byte line of f16s per row.
 pub const TILE_COLS: usize = 32;

@@ -241,8 +241,8 @@ fn pad(items: impl Iterator<Item = usize>) -> [usize; 4] {
 /// [`super::sparse_ffn`] over neurons in tiles: for the listed neurons (`i = idx[j]`, id
 /// `ids[j]`) and `n` tokens (`x` is `n × d`), `h[t·m + j] = decide(j, t, gate_i·x_t) ·
 /// (up_i·x_t)`, the up dot only where `decide` is non-zero for some token, and with `out`
-/// (`n × d`) `out[t] += Σ_j h[t·m + j] · down_i` in the order of [`DOWN_BLOCK`]
-/// (super::DOWN_BLOCK). Returns the list positions `decide` left on for some token, ascending.
+/// (`n × d`) `out[t] += Σ_j h[t·m + j] · down_i` in the order of
+/// [`DOWN_BLOCK`](super::DOWN_BLOCK). Returns the list positions `decide` left on for some token, ascending.
 /// A tile's gates, then the ups and downs of its neurons on, are read in turn.
 #[allow(clippy::too_many_arguments)]
 pub fn tiled_ffn(
