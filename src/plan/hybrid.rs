@@ -426,18 +426,20 @@ fn cold_work(
         .iter()
         .map(|&j| batch::union_share(needed(f[j]), rows))
         .sum();
+    // The chance some row needs one of a set of neurons (frequencies `ps`).
+    let any_needed = |ps: &mut dyn Iterator<Item = f64>| {
+        let none = ps.map(|p| 1.0 - needed(p)).product::<f64>();
+        1.0 - if rows > 1 {
+            none.powi(rows as i32)
+        } else {
+            none
+        }
+    };
     let touched: f64 = f
         .chunks(lay.cost.unit)
         .enumerate()
         .filter(|(u, _)| !is_hot[u * lay.cost.unit])
-        .map(|(_, c)| {
-            let none = c.iter().map(|&p| 1.0 - needed(p)).product::<f64>();
-            1.0 - if rows > 1 {
-                none.powi(rows as i32)
-            } else {
-                none
-            }
-        })
+        .map(|(_, c)| any_needed(&mut c.iter().copied()))
         .sum();
     let examined = match predictor {
         Some(_) => active,
@@ -449,10 +451,9 @@ fn cold_work(
         + c.unit_bytes as f64 * touched;
     // In tiles (every cold neuron examined: no predictor), each tile read whole where one of
     // its neurons is on for some row.
-    let tile_on = cold.chunks(TILE_NEURONS).map(|t| {
-        let none = t.iter().map(|&j| 1.0 - needed(f[j])).product::<f64>();
-        1.0 - none.powi(rows.max(1) as i32)
-    });
+    let tile_on = cold
+        .chunks(TILE_NEURONS)
+        .map(|t| any_needed(&mut t.iter().map(|&j| f[j])));
     let tiled = predictor.is_none() && lay.tiles_pay(tile_on, needed_bytes);
     ColdWork {
         flops: decide * examined + (neuron - decide) * active + predictor.map_or(0.0, |p| p.flops),

@@ -410,7 +410,7 @@ impl ColdLayer {
     /// [`ColdNeurons::activate`] over float bundles or their parts taken apart: the decision
     /// and the up side in one pass over the candidates `cand` (the same bits as deciding over
     /// all, then reading the ups of the neurons left on); with `out`, the down side too, added
-    /// into it in the same pass ([`ColdNeurons::activate_down`]).
+    /// into it in the same pass ([`ColdNeurons::activate_down`]); over tiles, [`tiled_ffn`].
     fn activate_parts(
         &self,
         x: &[f32],
@@ -420,62 +420,39 @@ impl ColdLayer {
         cand: &[u32],
         out: Option<&mut [f32]>,
     ) -> Result<ColdActive> {
-        if let ColdData::Tiled { tiles, neurons, d } = &self.data {
-            let tiles = NeuronTiles::new(tiles.as_slice(), *neurons, *d)?;
-            return self.activate_tiles(tiles, x, n, (threshold, keep), cand, out);
-        }
-        let parts = match &self.data {
-            ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
-            ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
-                decide: Bundles::of_rows(gates)?,
-                up: Some(Bundles::of_rows(ups)?),
-                down: Some(Bundles::of_rows(downs)?),
-            },
-            ColdData::Tiled { .. } | ColdData::Matrices { .. } => {
-                return Err(weights_err("the FFN is stored as matrices, not bundles"));
-            }
-        };
-        let gated = parts.gated();
-        let decide =
-            |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (gated, threshold), keep);
-        let c = cand.len();
-        let mut h = vec![0f32; n * c];
-        let pos = match out {
-            Some(out) => {
-                let listed = (cand, &self.ids_of(cand)[..]);
-                let pos = sparse_ffn(self.kernels, parts, listed, x, n, decide, &mut h, out)?;
-                self.traffic.add(&self.cost, c, pos.len(), 0);
-                pos
-            }
-            None => {
-                let pos = sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?;
-                self.traffic.add(&self.cost, c, 0, 0);
-                pos
-            }
-        };
-        Ok(ColdActive {
-            positions: pos.iter().map(|&jj| cand[jj]).collect(),
-            values: select_cols(&h, n, c, &pos),
-        })
-    }
-
-    /// [`Self::activate_parts`] over neurons in tiles ([`tiled_ffn`]): the same bits.
-    fn activate_tiles(
-        &self,
-        tiles: NeuronTiles,
-        x: &[f32],
-        n: usize,
-        (threshold, keep): (f32, Option<&[bool]>),
-        cand: &[u32],
-        out: Option<&mut [f32]>,
-    ) -> Result<ColdActive> {
-        let decide =
-            |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (true, threshold), keep);
         let c = cand.len();
         let mut h = vec![0f32; n * c];
         let down = out.is_some();
-        let listed = (cand, &self.ids_of(cand)[..]);
-        let pos = tiled_ffn(self.kernels, tiles, listed, x, n, decide, &mut h, out)?;
+        let pos = if let ColdData::Tiled { tiles, neurons, d } = &self.data {
+            // Tiles hold gated bundles only.
+            let decide =
+                |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (true, threshold), keep);
+            let tiles = NeuronTiles::new(tiles.as_slice(), *neurons, *d)?;
+            let listed = (cand, &self.ids_of(cand)[..]);
+            tiled_ffn(self.kernels, tiles, listed, x, n, decide, &mut h, out)?
+        } else {
+            let parts = match &self.data {
+                ColdData::Bundles { t, shape } => FfnParts::Bundles(Bundles::from_host(t, *shape)?),
+                ColdData::Parted { gates, ups, downs } => FfnParts::Apart {
+                    decide: Bundles::of_rows(gates)?,
+                    up: Some(Bundles::of_rows(ups)?),
+                    down: Some(Bundles::of_rows(downs)?),
+                },
+                ColdData::Tiled { .. } | ColdData::Matrices { .. } => {
+                    return Err(weights_err("the FFN is stored as matrices, not bundles"));
+                }
+            };
+            let gated = parts.gated();
+            let decide =
+                |jj: usize, t: usize, v: f32| self.masked(cand[jj], t, v, (gated, threshold), keep);
+            match out {
+                Some(out) => {
+                    let listed = (cand, &self.ids_of(cand)[..]);
+                    sparse_ffn(self.kernels, parts, listed, x, n, decide, &mut h, out)?
+                }
+                None => sparse_decide_up(self.kernels, parts, cand, x, n, decide, &mut h)?,
+            }
+        };
         self.traffic
             .add(&self.cost, c, if down { pos.len() } else { 0 }, 0);
         Ok(ColdActive {

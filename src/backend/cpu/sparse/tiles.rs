@@ -19,7 +19,7 @@ use half::f16;
 use super::bundle::{check_x_h, err};
 use super::down::{add_in_order, block_runs};
 use super::ffn::run_listed;
-use super::ops::{Ops, TILE_COLS, TILE_NEURONS, TileRow};
+use super::ops::{Axpy4Tiled, Dot4Tiled, Ops, TILE_COLS, TILE_NEURONS, TileRow};
 use super::vector::{Vector, axpy4, dot4, ops};
 use crate::backend::Result;
 use crate::backend::cpu::kernels::Kernels;
@@ -111,11 +111,6 @@ impl<'a> NeuronTiles<'a> {
         Ok(NeuronTiles { halves, neurons, d })
     }
 
-    /// Neurons held.
-    pub fn neurons(&self) -> usize {
-        self.neurons
-    }
-
     /// Row `i`'s place: its tile's part `p` and its row there.
     fn row(&self, i: usize, p: Part) -> TileRow<'a> {
         let len = TILE_NEURONS * self.d;
@@ -150,49 +145,59 @@ struct TileOps<'a> {
 }
 
 /// Four rows of one part, found once for every token that reads them: where the tiles keep
-/// them, or (portable) copied out.
+/// them, with the tiles' kernels, or (portable) copied out, with the row kernels.
 enum FourRows<'a> {
-    Tiles([TileRow<'a>; 4]),
-    Copied([Vec<f16>; 4]),
+    Tiles {
+        rows: [TileRow<'a>; 4],
+        dot: Dot4Tiled,
+        axpy: Axpy4Tiled,
+    },
+    Copied {
+        rows: [Vec<f16>; 4],
+        k: &'a Kernels,
+        o: &'static Ops,
+    },
 }
 
 impl<'a> TileOps<'a> {
     /// Part `p` of neurons `rows`.
     fn rows(&self, rows: [usize; 4], p: Part) -> FourRows<'a> {
-        match self.o.dot4_tiled {
-            Some(_) => FourRows::Tiles(rows.map(|i| self.tiles.row(i, p))),
-            None => FourRows::Copied(rows.map(|i| self.tiles.row_values(i, p))),
+        match (self.o.dot4_tiled, self.o.axpy4_tiled) {
+            (Some(dot), Some(axpy)) => FourRows::Tiles {
+                rows: rows.map(|i| self.tiles.row(i, p)),
+                dot,
+                axpy,
+            },
+            _ => FourRows::Copied {
+                rows: rows.map(|i| self.tiles.row_values(i, p)),
+                k: self.k,
+                o: self.o,
+            },
         }
     }
+}
 
+impl FourRows<'_> {
     /// `[rows[q] · x]` for the first `live` (the rest repeat a live one); the lines after them
     /// asked for where `ahead` (a step's first token).
-    fn dot4(&self, rows: &FourRows, live: usize, x: &[f32], ahead: bool) -> [f32; 4] {
-        match (rows, self.o.dot4_tiled) {
-            (FourRows::Tiles(r), Some(f)) => f(*r, x, ahead),
-            (FourRows::Copied(v), _) => {
-                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
-                dot4(self.k, self.o, vs, vs, live, x)
-            }
-            (FourRows::Tiles(r), None) => {
-                let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
-                self.dot4(&FourRows::Copied(v), live, x, ahead)
+    fn dot4(&self, live: usize, x: &[f32], ahead: bool) -> [f32; 4] {
+        match self {
+            FourRows::Tiles { rows, dot, .. } => dot(*rows, x, ahead),
+            FourRows::Copied { rows, k, o } => {
+                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&rows[q]));
+                dot4(k, o, vs, vs, live, x)
             }
         }
     }
 
     /// `out += Σ_q a[q] · rows[q]` in the order of `q` (`a = 0` past `live`); `ahead` as for
     /// [`Self::dot4`].
-    fn axpy4(&self, a: [f32; 4], rows: &FourRows, live: usize, out: &mut [f32], ahead: bool) {
-        match (rows, self.o.axpy4_tiled) {
-            (FourRows::Tiles(r), Some(f)) => f(a, *r, out, ahead),
-            (FourRows::Copied(v), _) => {
-                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&v[q]));
-                axpy4(self.o, a, vs, vs, live, out)
-            }
-            (FourRows::Tiles(r), None) => {
-                let v = r.map(|(part, q)| (0..self.tiles.d).map(|c| part[at(q, c)]).collect());
-                self.axpy4(a, &FourRows::Copied(v), live, out, ahead)
+    fn axpy4(&self, a: [f32; 4], live: usize, out: &mut [f32], ahead: bool) {
+        match self {
+            FourRows::Tiles { rows, axpy, .. } => axpy(a, *rows, out, ahead),
+            FourRows::Copied { rows, o, .. } => {
+                let vs = [0, 1, 2, 3].map(|q| Vector::F16(&rows[q]));
+                axpy4(o, a, vs, vs, live, out)
             }
         }
     }
@@ -275,7 +280,7 @@ pub fn tiled_ffn(
         for g in tile_groups(idx, js) {
             let gates = t.rows(pad(g.clone().map(|j| idx[j] as usize)), Part::Gate);
             for tok in 0..n {
-                let s = t.dot4(&gates, g.len(), xt(tok), tok == 0);
+                let s = gates.dot4(g.len(), xt(tok), tok == 0);
                 for (q, j) in g.clone().enumerate() {
                     vals[(j - j0) * n + tok] = decide(j, tok, s[q]);
                 }
@@ -294,7 +299,7 @@ pub fn tiled_ffn(
             let on_rows = pad(on[..nl].iter().map(|&j| idx[j] as usize));
             let ups = t.rows(on_rows, Part::Up);
             for tok in 0..n {
-                let u = t.dot4(&ups, nl, xt(tok), tok == 0);
+                let u = ups.dot4(nl, xt(tok), tok == 0);
                 for (q, &j) in on[..nl].iter().enumerate() {
                     vals[(j - j0) * n + tok] *= u[q];
                 }
@@ -310,7 +315,7 @@ pub fn tiled_ffn(
                             0.0
                         }
                     });
-                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
+                    downs.axpy4(a, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
         }
@@ -356,7 +361,7 @@ pub fn tiled_down(
                 let downs = t.rows(pad(on[..nl].iter().map(|&j| idx[j] as usize)), Part::Down);
                 for tok in 0..n {
                     let a = [0, 1, 2, 3].map(|q| if q < nl { h[tok * m + on[q]] } else { 0.0 });
-                    t.axpy4(a, &downs, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
+                    downs.axpy4(a, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
             any.then_some(acc)
