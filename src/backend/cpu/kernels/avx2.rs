@@ -10,6 +10,7 @@ use super::avx2_attention::{axpy_rows_avx2, exp_sum_avx2, scores_avx2};
 use super::avx2_qdots::{self, dots};
 use super::kq::x86::{h2f8, hsum};
 use super::kq::{ActBlockK, quantize_k};
+use super::lanes;
 use super::portable::round_f16;
 use super::qdots::{Q40, Q41};
 use super::set::Kernels;
@@ -282,8 +283,9 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActBlock]) {
     let sign_mask = _mm256_set1_ps(-0.0);
     for (xs, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         // SAFETY: each chunk has exactly 32 floats.
-        let v: [__m256; 4] =
-            std::array::from_fn(|k| unsafe { _mm256_loadu_ps(xs.as_ptr().add(8 * k)) });
+        let v: [__m256; 4] = lanes!(4, sign_mask, |k| unsafe {
+            _mm256_loadu_ps(xs.as_ptr().add(8 * k))
+        });
         let mut m = _mm256_andnot_ps(sign_mask, v[0]);
         for vk in &v[1..] {
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign_mask, *vk));
@@ -294,7 +296,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActBlock]) {
         let amax = _mm_cvtss_f32(m4);
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
-        let q: [__m256i; 4] = std::array::from_fn(|k| {
+        let q: [__m256i; 4] = lanes!(4, _mm256_setzero_si256(), |k| {
             let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
                 _mm256_mul_ps(v[k], id),
             );

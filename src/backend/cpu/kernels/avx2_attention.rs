@@ -5,6 +5,7 @@
 
 use std::arch::x86_64::*;
 
+use super::lanes;
 use super::portable::score_tail;
 
 /// `exp(x)` for 8 lanes to within about 2 ulp: `2^n · e^r` with `n = round(x·log2 e)` and
@@ -211,7 +212,8 @@ pub(super) unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]])
     // SAFETY: every load and store touches 8 floats below n (64 in the first loop).
     unsafe {
         while i + 64 <= n {
-            let mut o = [0, 1, 2, 3, 4, 5, 6, 7].map(|k| _mm256_loadu_ps(op.add(i + 8 * k)));
+            let zero = _mm256_setzero_ps();
+            let mut o = lanes!(8, zero, |k| _mm256_loadu_ps(op.add(i + 8 * k)));
             for (&wj, row) in w.iter().zip(rows) {
                 let (wv, rp) = (_mm256_set1_ps(wj), row.as_ptr().add(i));
                 for (k, ok) in o.iter_mut().enumerate() {

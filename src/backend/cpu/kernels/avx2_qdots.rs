@@ -16,6 +16,7 @@ use std::arch::x86_64::*;
 
 use super::activations::{ActBlock, TokenBlocks};
 use super::kq::x86::hsum_i32;
+use super::lanes;
 use super::prefetch_far;
 use super::qdots::{self, Q40, Q41, block_bytes};
 use crate::tensor::{BlockQ4_0, BlockQ4_1};
@@ -225,14 +226,15 @@ unsafe fn tile_t<const KIND: u8, const T: usize>(
         prefetch_far(&next[(b * step).min(next.len())..((b + 1) * step).min(next.len())]);
         // SAFETY: block b lies inside every row; token t's block b inside `x`.
         unsafe {
+            let zero = _mm_setzero_si128();
             let c: [[__m128i; 2]; LANES] =
-                std::array::from_fn(|r| code_halves::<KIND>(rp[r].add(at)));
+                lanes!(LANES, [zero; 2], |r| code_halves::<KIND>(rp[r].add(at)));
             let (dw, mw) = scales8::<KIND>(rp, at);
             for (t, acc) in acc.iter_mut().enumerate() {
                 let a = &*x.add(t * nb + b);
                 let xq = a.qs.as_ptr() as *const __m128i;
                 let xv = [_mm_loadu_si128(xq), _mm_loadu_si128(xq.add(1))];
-                let mut s = totals(c.map(|c| products(c, xv)));
+                let mut s = totals(lanes!(LANES, zero, |r| products(c[r], xv)));
                 if KIND == Q40 {
                     s = _mm256_add_epi32(s, _mm256_set1_epi32(code_offset::<KIND>(a)));
                 }

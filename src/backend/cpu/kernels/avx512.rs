@@ -9,6 +9,7 @@ use super::activations::{ActBlock, TokenBlocks};
 use super::avx2_qdots::half_at;
 use super::kq::ActBlockK;
 use super::kq::x86::hsum_i32;
+use super::lanes;
 use super::qdots::{self, Q8, Q40, Q41, block_bytes};
 use super::set::Kernels;
 use crate::tensor::{
@@ -211,12 +212,17 @@ impl Lanes for TiledLanes {
         // into its span, 64 bytes a register.
         unsafe {
             let p = self.0.add(b * LANES * block_bytes(KIND) + head * LANES);
-            let reg = |j: usize| _mm512_loadu_si512(p.add(64 * j) as *const __m512i);
+            let zero = _mm512_setzero_si512();
             if KIND == Q8 {
                 let flip = _mm512_set1_epi8(-128);
-                std::array::from_fn(|j| _mm512_xor_si512(reg(j), flip))
+                lanes!(8, zero, |j| _mm512_xor_si512(
+                    _mm512_loadu_si512(p.add(64 * j) as *const __m512i),
+                    flip
+                ))
             } else {
-                nibbles(std::array::from_fn(reg))
+                nibbles(lanes!(4, zero, |j| _mm512_loadu_si512(
+                    p.add(64 * j) as *const __m512i
+                )))
             }
         }
     }
@@ -328,7 +334,10 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
             let a = transpose16(rp, at + 2);
             let b = transpose16(rp, at + 18);
             let flip = _mm512_set1_epi8(-128);
-            std::array::from_fn(|j| _mm512_xor_si512(if j < 4 { a[j] } else { b[j - 4] }, flip))
+            lanes!(8, flip, |j| _mm512_xor_si512(
+                if j < 4 { a[j] } else { b[j - 4] },
+                flip
+            ))
         } else {
             nibbles(transpose16(rp, at + block_bytes(KIND) - 16))
         }
@@ -341,7 +350,7 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 fn nibbles(t: [__m512i; 4]) -> [__m512i; 8] {
     let mask = _mm512_set1_epi8(0x0f);
-    std::array::from_fn(|j| {
+    lanes!(8, mask, |j| {
         if j < 4 {
             _mm512_and_si512(t[j], mask)
         } else {

@@ -37,6 +37,24 @@ pub use portable::PORTABLE;
 pub(crate) use prefetch::prefetch_far;
 pub use set::{DotsFn, Kernels, ScoresFn, TiledFn};
 
+/// `[body(0), body(1), …, body(n - 1)]` (each element first `zero`), built by a loop in the
+/// calling kernel. Not `std::array::from_fn` or `[T; N]::map` where `body` holds intrinsics:
+/// those are generic functions without the kernel's target features, so where LLVM leaves one
+/// out of line it cannot inline the intrinsics into it, and each becomes a call that passes its
+/// registers through memory. (It did in 15c43bc: the Q8_0 tile kernel's code loads, and with
+/// them the SmolLM2 head, took 4 ms a token instead of 1.) `tests/intrinsics_inlined.rs` checks
+/// the built binary for such calls.
+macro_rules! lanes {
+    ($n:expr, $zero:expr, |$i:ident| $body:expr) => {{
+        let mut out = [$zero; $n];
+        for ($i, o) in out.iter_mut().enumerate() {
+            *o = $body;
+        }
+        out
+    }};
+}
+pub(crate) use lanes;
+
 /// The AVX-512 kernel set's name (its sparse operators take AVX-512 four-row kernels).
 #[cfg(target_arch = "x86_64")]
 pub const AVX512_NAME: &str = avx512::KERNELS.name;

@@ -7,6 +7,7 @@ use std::arch::x86_64::*;
 
 use super::ops::{I4Row, Ops, TILE_COLS, TILE_NEURONS, TileRow, i4_scale};
 use crate::backend::cpu::kernels::kq::x86::hsum;
+use crate::backend::cpu::kernels::lanes;
 use crate::store::quant::INT4_GROUP;
 
 const AVX2: Ops = Ops {
@@ -366,12 +367,10 @@ macro_rules! dot4_f16_body {
                     i += 8;
                 }
             }
-            let mut s = acc.map(|a| {
-                hsum(_mm256_add_ps(
-                    _mm256_add_ps(a[0], a[1]),
-                    _mm256_add_ps(a[2], a[3]),
-                ))
-            });
+            let mut s = lanes!(4, 0.0, |r| hsum(_mm256_add_ps(
+                _mm256_add_ps(acc[r][0], acc[r][1]),
+                _mm256_add_ps(acc[r][2], acc[r][3]),
+            )));
             for j in i..n {
                 for r in 0..4 {
                     s[r] += w[r][j].to_f32() * x[j];
@@ -415,7 +414,7 @@ unsafe fn dot4_i8_avx2(q: [&[i8]; 4], next: [&[i8]; 4], x: &[f32]) -> [f32; 4] {
             i += 8;
         }
     }
-    let mut s = acc.map(|a| hsum(a));
+    let mut s = lanes!(4, 0.0, |r| hsum(acc[r]));
     for j in i..n {
         for r in 0..4 {
             s[r] += q[r][j] as f32 * x[j];
@@ -447,7 +446,7 @@ unsafe fn dot4_i4_avx2(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
         // SAFETY: group g < groups: 16 code bytes of every row and 32 activations in bounds.
         unsafe {
             let xp = x.as_ptr().add(g * INT4_GROUP);
-            let xv = [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xp.add(o)));
+            let xv = lanes!(4, _mm256_setzero_ps(), |k| _mm256_loadu_ps(xp.add(8 * k)));
             for r in 0..4 {
                 let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
                 let s = _mm256_fmadd_ps(v[1], xv[1], _mm256_mul_ps(v[0], xv[0]));
@@ -457,13 +456,13 @@ unsafe fn dot4_i4_avx2(w: [I4Row; 4], next: [I4Row; 4], x: &[f32]) -> [f32; 4] {
             }
         }
     }
-    acc.map(|a| hsum(a))
+    lanes!(4, 0.0, |r| hsum(acc[r]))
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy4_f16_avx2(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &mut [f32]) {
     let n = w.iter().map(|r| r.len()).fold(out.len(), usize::min);
-    let av = a.map(|v| _mm256_set1_ps(v));
+    let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| r.as_ptr() as *const u16);
     let nx = next.map(|r| r.as_ptr() as *const u8);
     let op = out.as_mut_ptr();
@@ -504,7 +503,7 @@ unsafe fn axpy4_f16_avx2(a: [f32; 4], w: [&[f16]; 4], next: [&[f16]; 4], out: &m
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy4_i8_avx2(a: [f32; 4], q: [&[i8]; 4], next: [&[i8]; 4], out: &mut [f32]) {
     let n = q.iter().map(|r| r.len()).fold(out.len(), usize::min);
-    let av = a.map(|v| _mm256_set1_ps(v));
+    let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = q.map(|r| r.as_ptr());
     let nx = next.map(|r| r.as_ptr() as *const u8);
     let op = out.as_mut_ptr();
@@ -554,7 +553,7 @@ unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut 
         // SAFETY: group g < groups: 16 code bytes of every row and 32 outputs in bounds.
         unsafe {
             let op = out.as_mut_ptr().add(g * INT4_GROUP);
-            let mut o = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(op.add(k)));
+            let mut o = lanes!(4, _mm256_setzero_ps(), |k| _mm256_loadu_ps(op.add(8 * k)));
             for r in 0..4 {
                 let s = _mm256_set1_ps(a[r] * scale_at(w[r].0, g));
                 let v = i4x32(w[r].1.as_ptr().add(g * INT4_GROUP / 2));
@@ -620,9 +619,7 @@ macro_rules! dot4_tiled_body {
                 for i in (0..n).step_by(TILE_COLS) {
                     let c = i * TILE_NEURONS;
                     if ahead {
-                        if ahead {
-                            prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
-                        }
+                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
                     }
                     for k in 0..4 {
                         let o = i + 8 * k;
@@ -635,12 +632,10 @@ macro_rules! dot4_tiled_body {
                     }
                 }
             }
-            acc.map(|a| {
-                hsum(_mm256_add_ps(
-                    _mm256_add_ps(a[0], a[1]),
-                    _mm256_add_ps(a[2], a[3]),
-                ))
-            })
+            lanes!(4, 0.0, |r| hsum(_mm256_add_ps(
+                _mm256_add_ps(acc[r][0], acc[r][1]),
+                _mm256_add_ps(acc[r][2], acc[r][3]),
+            )))
         }
     };
 }
@@ -652,7 +647,7 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     let n = tile_width(&w, out.len());
-    let av = a.map(|v| _mm256_set1_ps(v));
+    let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| row_start(&r));
     let op = out.as_mut_ptr();
     // SAFETY: as in `dot4_tiled_body`; `out` holds `n` values.
