@@ -238,8 +238,18 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
     // Phases are traced for --trace and --json: the last repetition's steps (the timings are
     // the other repetitions' where there are two or more).
     let trace = (a.json || a.trace.is_some()).then(|| StepTrace::new(running.ledger.clone()));
+    // Measured rates take the host's DRAM rate from probes between the repetitions too.
+    let live_dram = a.model.budget.hardware.is_none();
+    let threads = threads_of(&a.model);
+    let mut dram_probes = Vec::new();
+    let mut probe = || {
+        if live_dram {
+            dram_probes.push(bounds::dram_read_rate(threads));
+        }
+    };
+    let snapshot = || running.snapshot();
     let m = with_engine!(&running.engine, e => {
-        measure(e, ctx, &prompt, a.tokens, a.reps, &|| running.snapshot(), trace.clone())?
+        measure(e, ctx, &prompt, a.tokens, a.reps, (&snapshot, &mut probe), trace.clone())?
     });
     let log = trace.as_ref().map(|t| t.log());
     let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
@@ -255,9 +265,10 @@ fn run_single(a: &DecodeArgs) -> Result<DecodeRun> {
         a.model.budget.hardware.as_deref(),
         a.model.budget.emulate.as_deref(),
         device,
-        threads_of(&a.model),
+        threads,
         (ssd_dir.as_deref(), link),
-    )?;
+    )?
+    .with_dram_probes(&dram_probes, device != "cuda");
     let bound = Bound::of(&traffic, &rates);
     let predicted = running.predicted_tokens_per_s();
     if let (Some(path), Some(log)) = (&a.trace, &log) {

@@ -40,7 +40,8 @@ pub struct Measured {
 
 /// Generate `tokens` greedy tokens after `prompt` in a fresh session of `ctx` positions,
 /// `reps` times after one short warm-up run; medians of the timings. `snapshot` reads the
-/// device's ledger. With `trace`, the last repetition's steps are traced into it and, where
+/// device's ledger; `before_rep` runs before each repetition (untimed: a probe of the rates the
+/// run is bounded by, taken in the same minutes). With `trace`, the last repetition's steps are traced into it and, where
 /// there are two or more, the timings are the medians of the others: tracing marks every phase
 /// (on CUDA two timing events each, driver calls inside the step they time), so a traced step
 /// is slower than the step it explains ([`Measured::traced_decode_tokens_per_s`] says by how
@@ -51,7 +52,7 @@ pub fn measure<B: Backend>(
     prompt: &[u32],
     tokens: usize,
     reps: usize,
-    snapshot: &dyn Fn() -> LedgerSnapshot,
+    (snapshot, before_rep): (&dyn Fn() -> LedgerSnapshot, &mut dyn FnMut()),
     trace: Option<Arc<StepTrace>>,
 ) -> crate::engine::Result<Measured> {
     let run = |prompt: &[u32], tokens: usize| {
@@ -102,6 +103,7 @@ pub fn measure<B: Backend>(
     };
     let (mut ttft, mut prefill, mut decode) = (Vec::new(), Vec::new(), Vec::new());
     for rep in 0..reps {
+        before_rep();
         let traced_rep = traced && rep + 1 == reps;
         if traced_rep {
             engine.set_trace(trace.clone())?;

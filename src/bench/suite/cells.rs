@@ -47,7 +47,8 @@ impl LoaderCells<'_> {
         let running = loaded.start(self.args, Job::single(ctx, job.prompt_tokens, 1))?;
         let prompt = random_prompt(job.prompt_tokens, loaded.spec.vocab_size);
         let m = with_engine!(&running.engine, e => {
-            measure(e, ctx, &prompt, job.tokens, self.reps, &|| running.snapshot(), None)?
+            let snapshot = || running.snapshot();
+            measure(e, ctx, &prompt, job.tokens, self.reps, (&snapshot, &mut || {}), None)?
         });
         let memory = running.memory_json(m.after_prefill, m.end, prompt.len(), m.decode_steps);
         let traffic = traffic_of(
