@@ -134,7 +134,7 @@ fn host_rates(threads: usize, ssd_dir: Option<&std::path::Path>) -> (f64, f64) {
 }
 
 /// The host's DRAM read rate by `threads` threads, measured now (the best of three passes over
-/// [`PROBE_BYTES`]).
+/// 256 MiB).
 pub fn dram_read_rate(threads: usize) -> f64 {
     hw::dram_read_bandwidth(threads, PROBE_BYTES, 3)
 }
