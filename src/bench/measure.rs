@@ -41,11 +41,11 @@ pub struct Measured {
 /// Generate `tokens` greedy tokens after `prompt` in a fresh session of `ctx` positions,
 /// `reps` times after one short warm-up run; medians of the timings. `snapshot` reads the
 /// device's ledger; `before_rep` runs before each repetition (untimed: a probe of the rates the
-/// run is bounded by, taken in the same minutes). With `trace`, the last repetition's steps are traced into it and, where
-/// there are two or more, the timings are the medians of the others: tracing marks every phase
-/// (on CUDA two timing events each, driver calls inside the step they time), so a traced step
-/// is slower than the step it explains ([`Measured::traced_decode_tokens_per_s`] says by how
-/// much).
+/// run is bounded by, taken in the same minutes). With `trace`, the last repetition's steps are
+/// traced into it and, where there are two or more, the timings are the medians of the others:
+/// tracing marks every phase (on CUDA two timing events each, driver calls inside the step they
+/// time), so a traced step is slower than the step it explains
+/// ([`Measured::traced_decode_tokens_per_s`] says by how much).
 pub fn measure<B: Backend>(
     engine: &Engine<B>,
     ctx: usize,

@@ -283,7 +283,7 @@ unsafe fn quantize_avx2(x: &[f32], out: &mut [ActBlock]) {
     let sign_mask = _mm256_set1_ps(-0.0);
     for (xs, o) in x.chunks_exact(QK).zip(out.iter_mut()) {
         // SAFETY: each chunk has exactly 32 floats.
-        let v: [__m256; 4] = lanes!(4, sign_mask, |k| unsafe {
+        let v: [__m256; 4] = lanes!(4, _mm256_setzero_ps(), |k| unsafe {
             _mm256_loadu_ps(xs.as_ptr().add(8 * k))
         });
         let mut m = _mm256_andnot_ps(sign_mask, v[0]);

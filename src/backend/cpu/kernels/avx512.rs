@@ -334,7 +334,7 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
             let a = transpose16(rp, at + 2);
             let b = transpose16(rp, at + 18);
             let flip = _mm512_set1_epi8(-128);
-            lanes!(8, flip, |j| _mm512_xor_si512(
+            lanes!(8, _mm512_setzero_si512(), |j| _mm512_xor_si512(
                 if j < 4 { a[j] } else { b[j - 4] },
                 flip
             ))
@@ -350,7 +350,7 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 fn nibbles(t: [__m512i; 4]) -> [__m512i; 8] {
     let mask = _mm512_set1_epi8(0x0f);
-    lanes!(8, mask, |j| {
+    lanes!(8, _mm512_setzero_si512(), |j| {
         if j < 4 {
             _mm512_and_si512(t[j], mask)
         } else {

@@ -37,7 +37,7 @@ pub use portable::PORTABLE;
 pub(crate) use prefetch::prefetch_far;
 pub use set::{DotsFn, Kernels, ScoresFn, TiledFn};
 
-/// `[body(0), body(1), …, body(n - 1)]` (each element first `zero`), built by a loop in the
+/// `[body(0), body(1), …, body(n - 1)]` (`zero` fills it first), built by a loop in the
 /// calling kernel. Not `std::array::from_fn` or `[T; N]::map` where `body` holds intrinsics:
 /// those are generic functions without the kernel's target features, so where LLVM leaves one
 /// out of line it cannot inline the intrinsics into it, and each becomes a call that passes its
