@@ -342,8 +342,17 @@ fn part_rows(
         if let Some((blocks, dots)) = &many {
             let mut sums = [0f32; ROW_TILE * TOKEN_TILE];
             let nt = t1 - t0;
-            for ra in (r0..r1).step_by(ROW_TILE) {
-                let rb = (ra + ROW_TILE).min(r1);
+            let mut ra = r0;
+            while ra < r1 {
+                // Whole tiles go to the kernel as many at a call as `sums` holds (a decode
+                // step's one token: 16), so a call's fixed costs are paid once for them.
+                let rb = match tiled {
+                    Some(_) if ra < part.tiled_rows => {
+                        (ra + ROW_TILE * (TOKEN_TILE / nt)).min(part.tiled_rows)
+                    }
+                    _ => ra + ROW_TILE,
+                }
+                .min(r1);
                 // The next rows stream in from DRAM while these compute (the kernel spreads
                 // the prefetches: a tile's lines at once filled the miss buffers).
                 let next =
@@ -370,6 +379,7 @@ fn part_rows(
                         unsafe { *ptr.at(t * stride + col0 + r) = *v };
                     }
                 }
+                ra = rb;
             }
             continue;
         }
@@ -608,9 +618,10 @@ mod tests {
         }
     }
 
-    /// Weights laid out in tiles multiply to their rows' bits: Q8_0, Q4_0 and Q4_1 of 70 rows
-    /// (four tiles and 6 rows left as rows), alone and as a part beside a weight of rows, one
-    /// token and many, over two threads (tasks start on whole tiles).
+    /// Weights laid out in tiles multiply to their rows' bits: Q8_0, Q4_0 and Q4_1 of 150 rows
+    /// (nine tiles and 6 rows left as rows), alone and as a part beside a weight of rows, one
+    /// token and many, over two threads (tasks start on whole tiles; each takes two tiles in
+    /// one kernel call, the last its tiles then the rows).
     #[test]
     fn tiles_multiply_to_the_rows_bits() {
         let k = super::super::kernels::best();
@@ -624,7 +635,7 @@ mod tests {
             .num_threads(2)
             .build()
             .unwrap();
-        let (rows, cols) = (70, 96);
+        let (rows, cols) = (150, 96);
         let beside = tensor(DType::Q4_1, 19, cols, &mut rng);
         for dtype in formats {
             let w = tensor(dtype, rows, cols, &mut rng);

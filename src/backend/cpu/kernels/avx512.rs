@@ -74,6 +74,7 @@ fn dots_tiled<const KIND: u8>(
         kind: KIND,
         tokens: &TILES,
         tile: tiled::<KIND>,
+        one_token: tiled_one_token::<KIND>,
     };
     // SAFETY: installed only after `supported()`.
     unsafe { qdots::dots_tiled::<LANES>(&k, tiles, x, t0, out, next) }
@@ -124,6 +125,34 @@ unsafe fn tiled<const KIND: u8>(
     unsafe { tile_of::<KIND, _>(TiledLanes(p), x, nb, tokens, out, next) }
 }
 
+/// One token against whole tiles (`tiles`: their bytes), tile i's 16 results into
+/// `out[16·i ..]`: [`tiled`]'s one-token tile over each in one loop, no call between tiles
+/// (a decode step's products of a few dozen tiles paid a call's costs on each).
+///
+/// # Safety
+/// AVX-512 (this set's features); `tiles` whole tiles of `nb` blocks a row, `nb` blocks at
+/// `x`, and `out` 16 values a tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tiled_one_token<const KIND: u8>(
+    tiles: &[u8],
+    x: *const ActBlock,
+    nb: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
+    let span = LANES * nb * block_bytes(KIND);
+    for (i, (tile, out)) in tiles
+        .chunks_exact(span)
+        .zip(out.chunks_exact_mut(LANES))
+        .enumerate()
+    {
+        // Each tile hints the one after it; the last, `next`.
+        let ahead = tiles.get((i + 1) * span..(i + 2) * span).unwrap_or(next);
+        // SAFETY: the caller's promise, for this tile.
+        unsafe { tile_body::<KIND, 1, _>(TiledLanes(tile.as_ptr()), x, nb, out, ahead) }
+    }
+}
+
 /// # Safety
 /// As [`tile`], with `src` giving whole blocks.
 #[inline(always)]
@@ -151,7 +180,8 @@ unsafe fn tile_of<const KIND: u8, S: Lanes>(
 /// depend on the layout.
 trait Lanes: Copy {
     /// Block `b`'s codes as vpdpbusd's unsigned operand: register j holds, in lane r, row r's
-    /// codes 4j .. 4j + 4, matching 32-bit word j of an activation block.
+    /// codes 4j .. 4j + 4, matching 32-bit word j of an activation block (Q4: registers 4..8
+    /// each code 16 times over, [`nibbles`]).
     ///
     /// # Safety
     /// AVX-512; block `b` is whole in every row.
@@ -246,7 +276,6 @@ impl Lanes for TiledLanes {
 /// 16 rows × `T` tokens into `out[t·16 + lane]`. Never inlined: each `T` gets its own
 /// register allocation. The caller checks bounds.
 #[inline(never)]
-#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile_t<const KIND: u8, const T: usize, S: Lanes>(
     src: S,
@@ -255,9 +284,32 @@ unsafe fn tile_t<const KIND: u8, const T: usize, S: Lanes>(
     out: &mut [f32],
     next: &[u8],
 ) {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { tile_body::<KIND, T, S>(src, x, nb, out, next) }
+}
+
+/// [`tile_t`]'s work, inlined where it is called (in functions with this set's features).
+///
+/// # Safety
+/// As [`tile_t`], from a function with this set's features.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_body<const KIND: u8, const T: usize, S: Lanes>(
+    src: S,
+    x: *const ActBlock,
+    nb: usize,
+    out: &mut [f32],
+    next: &[u8],
+) {
     assert!(out.len() >= T * LANES);
-    let step = next.len().div_ceil(nb.max(1));
-    let mut acc = [_mm512_setzero_ps(); T];
+    // (No division where there is nothing to hint: a tile of a small product is short.)
+    let step = if next.is_empty() {
+        0
+    } else {
+        next.len().div_ceil(nb.max(1))
+    };
+    // SAFETY: this set's features (the caller's promise).
+    let mut acc = [unsafe { _mm512_setzero_ps() }; T];
     for b in 0..nb {
         let ahead = (b * step).min(next.len())..((b + 1) * step).min(next.len());
         super::prefetch_far(&next[ahead]);
@@ -271,13 +323,38 @@ unsafe fn tile_t<const KIND: u8, const T: usize, S: Lanes>(
                 // Two chains: integer sums add exactly in any order.
                 let mut s0 = _mm512_set1_epi32(code_offset::<KIND>(a));
                 let mut s1 = _mm512_setzero_si512();
-                for j in 0..4 {
-                    let x0 = _mm512_set1_epi32(q.add(2 * j).read_unaligned());
-                    let x1 = _mm512_set1_epi32(q.add(2 * j + 1).read_unaligned());
-                    s0 = _mm512_dpbusd_epi32(s0, codes[2 * j], x0);
-                    s1 = _mm512_dpbusd_epi32(s1, codes[2 * j + 1], x1);
-                }
-                let f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let sum = if KIND == Q8 {
+                    for j in 0..4 {
+                        s0 = _mm512_dpbusd_epi32(
+                            s0,
+                            codes[2 * j],
+                            _mm512_set1_epi32(q.add(2 * j).read_unaligned()),
+                        );
+                        s1 = _mm512_dpbusd_epi32(
+                            s1,
+                            codes[2 * j + 1],
+                            _mm512_set1_epi32(q.add(2 * j + 1).read_unaligned()),
+                        );
+                    }
+                    _mm512_add_epi32(s0, s1)
+                } else {
+                    // The high nibbles come 16 times over (`nibbles`): their chain's sum is
+                    // a multiple of 16, divided exactly.
+                    for j in 0..4 {
+                        s0 = _mm512_dpbusd_epi32(
+                            s0,
+                            codes[j],
+                            _mm512_set1_epi32(q.add(j).read_unaligned()),
+                        );
+                        s1 = _mm512_dpbusd_epi32(
+                            s1,
+                            codes[4 + j],
+                            _mm512_set1_epi32(q.add(4 + j).read_unaligned()),
+                        );
+                    }
+                    _mm512_add_epi32(s0, _mm512_srai_epi32::<4>(s1))
+                };
+                let f = _mm512_cvtepi32_ps(sum);
                 let scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d));
                 acc[t] = _mm512_fmadd_ps(scale, f, acc[t]);
                 if KIND == Q41 {
@@ -324,7 +401,7 @@ unsafe fn transpose16(rp: &[*const u8; LANES], at: usize) -> [__m512i; 4] {
 
 /// Block codes (at `at` in each row) of 16 rows as vpdpbusd's unsigned operand:
 /// register j holds, in lane r, row r's codes 4j .. 4j + 4, matching 32-bit word j of an
-/// activation block.
+/// activation block (as [`Lanes::codes`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512i; 8] {
@@ -345,16 +422,18 @@ unsafe fn codes16<const KIND: u8>(rp: &[*const u8; LANES], at: usize) -> [__m512
 }
 
 /// Q4 codes from their bytes in lane order (byte i holds code i in its low nibble and code
-/// i + 16 in its high one): the low nibbles' registers, then the high ones'.
+/// i + 16 in its high one): the low nibbles' registers, then the high nibbles' left in place,
+/// each 16 times its code (one operation a register where a shift took two more; vpdpbusd's
+/// sums stay exact, and the tile divides their sum by 16).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 fn nibbles(t: [__m512i; 4]) -> [__m512i; 8] {
-    let mask = _mm512_set1_epi8(0x0f);
+    let (low, high) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(0xf0u8 as i8));
     lanes!(8, _mm512_setzero_si512(), |j| {
         if j < 4 {
-            _mm512_and_si512(t[j], mask)
+            _mm512_and_si512(t[j], low)
         } else {
-            _mm512_and_si512(_mm512_srli_epi16::<4>(t[j - 4]), mask)
+            _mm512_and_si512(t[j - 4], high)
         }
     })
 }

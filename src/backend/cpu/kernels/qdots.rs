@@ -109,15 +109,18 @@ pub(super) unsafe fn dots<const LANES: usize>(
 }
 
 /// A set's many-row kernel over rows laid out in tiles (`tiles::tile_rows`): the format, the
-/// token counts its tile takes (as [`Tiles`]), and the tile, given the tile's first byte.
+/// token counts its tile takes (as [`Tiles`]), the tile, given the tile's first byte, and its
+/// one-token tile over whole tiles in one call (tiles, a token's blocks, blocks a row, 16
+/// results a tile, what follows to prefetch): the same arithmetic.
 pub(super) struct TiledKernel {
     pub(super) kind: u8,
     pub(super) tokens: &'static [usize],
     pub(super) tile: unsafe fn(*const u8, *const ActBlock, usize, usize, &mut [f32], &[u8]),
+    pub(super) one_token: unsafe fn(&[u8], *const ActBlock, usize, &mut [f32], &[u8]),
 }
 
 /// The many-row driver over whole tiles of `LANES` rows (`tiles`: their bytes): as [`dots`],
-/// each tile's rows through `k`'s tile.
+/// each tile's rows through `k`'s tile, each tile prefetching the next (the last, `next`).
 ///
 /// # Safety
 /// `k.tile` must be safe to call on this CPU; it is given whole tiles and tokens (asserted
@@ -146,13 +149,18 @@ pub(super) unsafe fn dots_tiled<const LANES: usize>(
     if n == 0 {
         return;
     }
-    let share = next.len().div_ceil(groups.max(1));
+    if n == 1 {
+        // SAFETY: whole tiles, token t0's nb blocks, 16 results a tile (asserted above).
+        unsafe { (k.one_token)(tiles, x.blocks[t0 * nb..].as_ptr(), nb, out, next) };
+        return;
+    }
     for (g, (tile, out)) in tiles
         .chunks_exact(span)
         .zip(out.chunks_exact_mut(LANES * n))
         .enumerate()
     {
-        let ahead = &next[(g * share).min(next.len())..((g + 1) * share).min(next.len())];
+        // Each tile hints the one after it; the last, `next`.
+        let ahead = tiles.get((g + 1) * span..(g + 2) * span).unwrap_or(next);
         // SAFETY: a whole tile of nb blocks a row, and tokens t0 .. t0 + n (asserted above).
         group_tokens::<LANES>(k.tokens, x, (t0, n), out, |tt, xb, sums, ahead_t| unsafe {
             let ahead = if ahead_t { ahead } else { &[] };
@@ -172,6 +180,12 @@ fn group_tokens<const LANES: usize>(
     out: &mut [f32],
     mut tile: impl FnMut(usize, *const ActBlock, &mut [f32], bool),
 ) {
+    let nb = x.per_token;
+    if n == 1 && out.len() == LANES {
+        // One token over a whole group: the tile's sums are the rows' results in order.
+        tile(1, x.blocks[t0 * nb..].as_ptr(), out, true);
+        return;
+    }
     // On the stack: this runs for every tile of rows of every product.
     let mut sums = [0f32; MAX_TILE_SUMS];
     assert!(
@@ -179,7 +193,6 @@ fn group_tokens<const LANES: usize>(
         "a tile of {LANES} × {} sums",
         tiles[0]
     );
-    let nb = x.per_token;
     let mut t = 0;
     while t < n {
         let tt = tiles.iter().copied().find(|&s| s <= n - t).unwrap_or(1);
