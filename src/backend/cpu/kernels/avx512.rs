@@ -127,7 +127,8 @@ unsafe fn tiled<const KIND: u8>(
 
 /// One token against whole tiles (`tiles`: their bytes), tile i's 16 results into
 /// `out[16·i ..]`: [`tiled`]'s one-token tile over each in one loop, no call between tiles
-/// (a decode step's products of a few dozen tiles paid a call's costs on each).
+/// (a decode step's products of a few dozen tiles paid a call's costs on each); the last
+/// hints `next`.
 ///
 /// # Safety
 /// AVX-512 (this set's features); `tiles` whole tiles of `nb` blocks a row, `nb` blocks at
@@ -146,8 +147,13 @@ unsafe fn tiled_one_token<const KIND: u8>(
         .zip(out.chunks_exact_mut(LANES))
         .enumerate()
     {
-        // Each tile hints the one after it; the last, `next`.
-        let ahead = tiles.get((i + 1) * span..(i + 2) * span).unwrap_or(next);
+        // What follows the tiles is hinted by the last one (the tiles themselves are one
+        // stream, which the hardware prefetchers follow).
+        let ahead = if (i + 1) * span == tiles.len() {
+            next
+        } else {
+            &[]
+        };
         // SAFETY: the caller's promise, for this tile.
         unsafe { tile_body::<KIND, 1, _>(TiledLanes(tile.as_ptr()), x, nb, out, ahead) }
     }

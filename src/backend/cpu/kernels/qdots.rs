@@ -120,7 +120,7 @@ pub(super) struct TiledKernel {
 }
 
 /// The many-row driver over whole tiles of `LANES` rows (`tiles`: their bytes): as [`dots`],
-/// each tile's rows through `k`'s tile, each tile prefetching the next (the last, `next`).
+/// each tile's rows through `k`'s tile, the last one hinting `next`.
 ///
 /// # Safety
 /// `k.tile` must be safe to call on this CPU; it is given whole tiles and tokens (asserted
@@ -159,8 +159,13 @@ pub(super) unsafe fn dots_tiled<const LANES: usize>(
         .zip(out.chunks_exact_mut(LANES * n))
         .enumerate()
     {
-        // Each tile hints the one after it; the last, `next`.
-        let ahead = tiles.get((g + 1) * span..(g + 2) * span).unwrap_or(next);
+        // What follows the tiles is hinted by the last one (the tiles themselves are one
+        // stream, which the hardware prefetchers follow).
+        let ahead = if (g + 1) * span == tiles.len() {
+            next
+        } else {
+            &[]
+        };
         // SAFETY: a whole tile of nb blocks a row, and tokens t0 .. t0 + n (asserted above).
         group_tokens::<LANES>(k.tokens, x, (t0, n), out, |tt, xb, sums, ahead_t| unsafe {
             let ahead = if ahead_t { ahead } else { &[] };
