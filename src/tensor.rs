@@ -334,15 +334,31 @@ impl Bytes {
     }
 
     pub fn from_slice(src: &[u8]) -> Self {
-        let mut words = vec![0u64; src.len().div_ceil(8)];
-        let bytes = bytemuck::cast_slice_mut::<u64, u8>(&mut words);
-        // Zeroed large vectors are fresh, untouched mappings: advised before the copy.
-        advise_huge_pages(bytes.as_mut_ptr(), bytes.len());
-        bytes[..src.len()].copy_from_slice(src);
+        let mut words = Self::zeroed_words(src.len());
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..src.len()].copy_from_slice(src);
         Bytes::Owned {
             words: Arc::new(words),
             len: src.len(),
         }
+    }
+
+    /// `len` zeroed bytes, owned (so they can be filled in place) and, where large, on huge
+    /// pages as [`Bytes::from_slice`]'s are: a device weight the budgeted device or the CPU
+    /// allocates, then fills.
+    pub fn zeroed(len: usize) -> Self {
+        Bytes::Owned {
+            words: Arc::new(Self::zeroed_words(len)),
+            len,
+        }
+    }
+
+    /// Words for `len` bytes, zeroed. Zeroed large vectors are fresh, untouched mappings:
+    /// advised before anything is written.
+    fn zeroed_words(len: usize) -> Vec<u64> {
+        let mut words = vec![0u64; len.div_ceil(8)];
+        let bytes = bytemuck::cast_slice_mut::<u64, u8>(&mut words);
+        advise_huge_pages(bytes.as_mut_ptr(), bytes.len());
+        words
     }
 
     /// A view of `range` inside `map`; copied into owned storage when the start is not 8-byte

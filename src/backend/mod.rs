@@ -133,6 +133,14 @@ pub trait Backend: Send + Sync + 'static {
     fn lay_out_for_products(&self, _w: &mut Self::Weight) -> Result<()> {
         Ok(())
     }
+    /// `ws` are whole, laid out and from now on read by the products only
+    /// ([`Backend::lay_out_for_products`]): keep them side by side where this backend reads them
+    /// faster so. The same bytes and the same device memory; nothing by default. The CPU puts
+    /// them in one buffer on huge pages (`Bytes::pack_huge`): a layer's attention matrices are
+    /// each too small for a huge page of their own.
+    fn pack_for_products(&self, _ws: &mut [&mut Self::Weight]) -> Result<()> {
+        Ok(())
+    }
     /// Place FFN neuron bundles on the device in a store encoding (f32, f16, bf16, INT8, INT4;
     /// see `store::Encoding`): `data` is whole bundles of `shape` laid out as the store writes
     /// them. The weight remembers its encoding; INT8/INT4 weights are taken by the bundle ops

@@ -372,6 +372,12 @@ impl Backend for SimBackend {
         self.cpu.lay_out_for_products(&mut w.w)
     }
 
+    fn pack_for_products(&self, ws: &mut [&mut SimWeight]) -> Result<()> {
+        // Host bytes moved; the device memory each holds stays reserved as it was.
+        let mut host: Vec<&mut CpuWeight> = ws.iter_mut().map(|w| &mut w.w).collect();
+        self.cpu.pack_for_products(&mut host)
+    }
+
     fn alloc_weight(
         &self,
         name: &str,

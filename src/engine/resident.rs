@@ -112,10 +112,16 @@ impl<B: Backend> ResidentWeights<B> {
             (Some(p), PositionEncoding::Learned { offset }) => Some((up(p)?, *offset)),
             _ => None,
         };
+        let mut layers: Vec<Layer<B>> = w.layers.iter().map(layer).collect::<Result<_>>()?;
+        let mut attention: Vec<&mut B::Weight> = layers
+            .iter_mut()
+            .flat_map(|l| [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo].map(|m| &mut m.weight))
+            .collect();
+        b.pack_for_products(&mut attention)?;
         Ok(ResidentWeights {
             token_embd: up(&w.token_embd)?,
             pos_embd,
-            layers: w.layers.iter().map(layer).collect::<Result<_>>()?,
+            layers,
             output_norm: norm(&w.output_norm)?,
             output: w.output.as_ref().map(product).transpose()?,
             rope_freq_factors: w.rope_freq_factors.clone(),

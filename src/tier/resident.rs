@@ -346,6 +346,8 @@ impl<B: Backend> Resident<B> {
             attention.push(att);
             small.push(sm);
         }
+        let mut all: Vec<&mut B::Weight> = attention.iter_mut().flatten().collect();
+        b.pack_for_products(&mut all)?;
         let head = Head::load(&mut loader, b, store)?;
         Ok(Resident {
             small,

@@ -667,6 +667,60 @@ mod tests {
         }
     }
 
+    /// Weights packed for the products (`Backend::pack_for_products`) lie side by side in one
+    /// buffer, each from a cache line on, and multiply to the bits they gave before; together
+    /// under two huge pages they are left where they were.
+    #[test]
+    fn packed_weights_lie_side_by_side_and_multiply_alike() {
+        use crate::backend::Backend;
+        let b = super::super::CpuBackend::new(2).unwrap();
+        let mut rng = StdRng::seed_from_u64(47);
+        let cols = 576;
+        for (rows, packed) in [(4096, true), (64, false)] {
+            let mut ws: Vec<super::super::CpuWeight> = [DType::Q8_0, DType::Q4_1, DType::Q8_0]
+                .iter()
+                .map(|&d| {
+                    let mut w = b.upload(&tensor(d, rows, cols, &mut rng)).unwrap();
+                    b.lay_out_for_products(&mut w).unwrap();
+                    w
+                })
+                .collect();
+            let mut x = b.alloc(1, cols).unwrap();
+            let xs: Vec<f32> = (0..cols).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            b.write(&mut x, &xs).unwrap();
+            let products = |ws: &[super::super::CpuWeight]| -> Vec<Vec<f32>> {
+                ws.iter()
+                    .map(|w| {
+                        let mut o = b.alloc(1, rows).unwrap();
+                        b.matmul(w, &x, &mut o).unwrap();
+                        let mut host = vec![0f32; rows];
+                        b.read(&o, &mut host).unwrap();
+                        host
+                    })
+                    .collect()
+            };
+            let before = products(&ws);
+            let starts = |ws: &mut [super::super::CpuWeight]| -> Vec<usize> {
+                ws.iter_mut()
+                    .map(|w| w.bytes_for_packing().as_slice().as_ptr() as usize)
+                    .collect()
+            };
+            let was = starts(&mut ws);
+            let mut refs: Vec<&mut super::super::CpuWeight> = ws.iter_mut().collect();
+            b.pack_for_products(&mut refs).unwrap();
+            let now = starts(&mut ws);
+            if packed {
+                for (i, w) in ws[..2].iter_mut().enumerate() {
+                    let len = w.bytes_for_packing().len().next_multiple_of(64);
+                    assert_eq!(now[i] + len, now[i + 1], "{rows} rows, weight {i}");
+                }
+            } else {
+                assert_eq!(now, was, "{rows} rows moved");
+            }
+            assert_same_bits(&products(&ws), &before, &format!("{rows} rows packed"));
+        }
+    }
+
     /// The backend's op refuses parts that would write the same columns of one output (its
     /// tasks write through one pointer per output), leaving the outputs as they were, and
     /// computes parts side by side.

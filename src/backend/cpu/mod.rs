@@ -16,7 +16,7 @@ mod weight;
 pub use kv::{CpuKv, CpuKvTable, attend_rows, decode_rows, encode_rows};
 pub use tensor::CpuTensor;
 pub use weight::CpuWeight;
-use weight::{bundle_weight, zeroed};
+use weight::bundle_weight;
 
 use crate::backend::{Experts, Route};
 use rayon::prelude::*;
@@ -130,6 +130,12 @@ impl Backend for CpuBackend {
         w.lay_out_for_products(self.kernels)
     }
 
+    fn pack_for_products(&self, ws: &mut [&mut CpuWeight]) -> Result<()> {
+        let mut bytes: Vec<&mut Bytes> = ws.iter_mut().map(|w| w.bytes_for_packing()).collect();
+        Bytes::pack_huge(&mut bytes);
+        Ok(())
+    }
+
     fn upload_bundles(
         &self,
         name: &str,
@@ -159,7 +165,7 @@ impl Backend for CpuBackend {
         rows: usize,
     ) -> Result<CpuWeight> {
         let bytes = super::bundle_bytes(name, enc, shape, rows)?;
-        Ok(bundle_weight(name, enc, shape, rows, zeroed(bytes)))
+        Ok(bundle_weight(name, enc, shape, rows, Bytes::zeroed(bytes)))
     }
 
     fn alloc_weight(
@@ -183,7 +189,7 @@ impl Backend for CpuBackend {
             rows,
             cols,
             dtype,
-            data: zeroed(bytes),
+            data: Bytes::zeroed(bytes),
         }
         .into())
     }

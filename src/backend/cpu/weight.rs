@@ -99,6 +99,11 @@ impl CpuWeight {
 
     /// The bytes of a slot (a weight the backend allocated, held by nothing else) for `op` to
     /// fill, rows one after another.
+    /// The bytes, to be moved (not changed) by `Bytes::pack_huge`.
+    pub(super) fn bytes_for_packing(&mut self) -> &mut Bytes {
+        &mut self.t.data
+    }
+
     pub(super) fn slot_mut(&mut self, op: &'static str) -> Result<&mut [u8]> {
         self.not_tiled(op)?;
         let name = &self.t.name;
@@ -178,14 +183,6 @@ impl CpuWeight {
     /// Coded bundles' part count (`None` for any other weight).
     pub(super) fn coded_parts(&self) -> Option<usize> {
         self.coded.map(|c| c.parts)
-    }
-}
-
-/// `bytes` zeroed bytes, word-backed (owned, so a slot can be filled in place).
-pub(super) fn zeroed(bytes: usize) -> Bytes {
-    Bytes::Owned {
-        words: std::sync::Arc::new(vec![0u64; bytes.div_ceil(8)]),
-        len: bytes,
     }
 }
 
