@@ -356,11 +356,10 @@ fn part_rows(
                 let sums = &mut sums[..(rb - ra) * nt];
                 match tiled {
                     // A task's rows start on a tile (`run_parts`), so a tile is whole here.
-                    // Tiles are one stream the hardware prefetchers follow unaided: hints a
-                    // tile ahead made a 49152×576 Q8_0 head (30 MB, 2 threads, from DRAM)
-                    // slower, 874-921 µs against 781-827 without, alternated call by call.
+                    // No hints: a 49152×576 Q8_0 head in tiles (30 MB, 2 threads, from DRAM)
+                    // took 874-921 µs with a tile ahead hinted, 781-827 without.
                     Some(tiled) if rb <= part.tiled_rows => {
-                        tiled(&data[ra * row_bytes..rb * row_bytes], blocks, t0, sums, &[])
+                        tiled(&data[ra * row_bytes..rb * row_bytes], blocks, t0, sums)
                     }
                     _ => {
                         // The next rows stream in from DRAM while these compute (the kernel

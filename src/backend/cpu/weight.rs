@@ -97,13 +97,13 @@ impl CpuWeight {
         Ok(self.t.data.as_slice())
     }
 
-    /// The bytes of a slot (a weight the backend allocated, held by nothing else) for `op` to
-    /// fill, rows one after another.
     /// The bytes, to be moved (not changed) by `Bytes::pack_huge`.
     pub(super) fn bytes_for_packing(&mut self) -> &mut Bytes {
         &mut self.t.data
     }
 
+    /// The bytes of a slot (a weight the backend allocated, held by nothing else) for `op` to
+    /// fill, rows one after another.
     pub(super) fn slot_mut(&mut self, op: &'static str) -> Result<&mut [u8]> {
         self.not_tiled(op)?;
         let name = &self.t.name;

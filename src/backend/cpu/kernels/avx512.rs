@@ -63,13 +63,7 @@ fn dots<const KIND: u8>(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f
 }
 
 /// This set's many-row kernel for `KIND` over rows laid out in tiles (`tiles`).
-fn dots_tiled<const KIND: u8>(
-    tiles: &[u8],
-    x: &TokenBlocks,
-    t0: usize,
-    out: &mut [f32],
-    next: &[u8],
-) {
+fn dots_tiled<const KIND: u8>(tiles: &[u8], x: &TokenBlocks, t0: usize, out: &mut [f32]) {
     let k = qdots::TiledKernel {
         kind: KIND,
         tokens: &TILES,
@@ -77,7 +71,7 @@ fn dots_tiled<const KIND: u8>(
         one_token: tiled_one_token::<KIND>,
     };
     // SAFETY: installed only after `supported()`.
-    unsafe { qdots::dots_tiled::<LANES>(&k, tiles, x, t0, out, next) }
+    unsafe { qdots::dots_tiled::<LANES>(&k, tiles, x, t0, out) }
 }
 
 /// The integer the block's sum of code products needs added (the arithmetic is `qdots`').
@@ -109,7 +103,8 @@ unsafe fn tile<const KIND: u8>(
     unsafe { tile_of::<KIND, _>(RowLanes::new(rp), x, nb, tokens, out, next) }
 }
 
-/// As [`tile`], the 16 rows a tile laid out by `tiles::tile_rows` from `p`.
+/// As [`tile`], the 16 rows a tile laid out by `tiles::tile_rows` from `p` (nothing to
+/// prefetch).
 ///
 /// # Safety
 /// As [`tile`]: a whole tile of `nb` blocks a row at `p`.
@@ -119,16 +114,14 @@ unsafe fn tiled<const KIND: u8>(
     nb: usize,
     tokens: usize,
     out: &mut [f32],
-    next: &[u8],
 ) {
     // SAFETY: the caller's promise, passed on.
-    unsafe { tile_of::<KIND, _>(TiledLanes(p), x, nb, tokens, out, next) }
+    unsafe { tile_of::<KIND, _>(TiledLanes(p), x, nb, tokens, out, &[]) }
 }
 
 /// One token against whole tiles (`tiles`: their bytes), tile i's 16 results into
 /// `out[16·i ..]`: [`tiled`]'s one-token tile over each in one loop, no call between tiles
-/// (a decode step's products of a few dozen tiles paid a call's costs on each); the last
-/// hints `next`.
+/// (a decode step's products of a few dozen tiles paid a call's costs on each).
 ///
 /// # Safety
 /// AVX-512 (this set's features); `tiles` whole tiles of `nb` blocks a row, `nb` blocks at
@@ -139,23 +132,11 @@ unsafe fn tiled_one_token<const KIND: u8>(
     x: *const ActBlock,
     nb: usize,
     out: &mut [f32],
-    next: &[u8],
 ) {
     let span = LANES * nb * block_bytes(KIND);
-    for (i, (tile, out)) in tiles
-        .chunks_exact(span)
-        .zip(out.chunks_exact_mut(LANES))
-        .enumerate()
-    {
-        // What follows the tiles is hinted by the last one (the tiles themselves are one
-        // stream, which the hardware prefetchers follow).
-        let ahead = if (i + 1) * span == tiles.len() {
-            next
-        } else {
-            &[]
-        };
+    for (tile, out) in tiles.chunks_exact(span).zip(out.chunks_exact_mut(LANES)) {
         // SAFETY: the caller's promise, for this tile.
-        unsafe { tile_body::<KIND, 1, _>(TiledLanes(tile.as_ptr()), x, nb, out, ahead) }
+        unsafe { tile_body::<KIND, 1, _>(TiledLanes(tile.as_ptr()), x, nb, out, &[]) }
     }
 }
 

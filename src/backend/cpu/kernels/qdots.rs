@@ -111,16 +111,16 @@ pub(super) unsafe fn dots<const LANES: usize>(
 /// A set's many-row kernel over rows laid out in tiles (`tiles::tile_rows`): the format, the
 /// token counts its tile takes (as [`Tiles`]), the tile, given the tile's first byte, and its
 /// one-token tile over whole tiles in one call (tiles, a token's blocks, blocks a row, 16
-/// results a tile, what follows to prefetch): the same arithmetic.
+/// results a tile): the same arithmetic. Nothing is prefetched ([`super::TiledFn`]).
 pub(super) struct TiledKernel {
     pub(super) kind: u8,
     pub(super) tokens: &'static [usize],
-    pub(super) tile: unsafe fn(*const u8, *const ActBlock, usize, usize, &mut [f32], &[u8]),
-    pub(super) one_token: unsafe fn(&[u8], *const ActBlock, usize, &mut [f32], &[u8]),
+    pub(super) tile: unsafe fn(*const u8, *const ActBlock, usize, usize, &mut [f32]),
+    pub(super) one_token: unsafe fn(&[u8], *const ActBlock, usize, &mut [f32]),
 }
 
 /// The many-row driver over whole tiles of `LANES` rows (`tiles`: their bytes): as [`dots`],
-/// each tile's rows through `k`'s tile, the last one hinting `next`.
+/// each tile's rows through `k`'s tile.
 ///
 /// # Safety
 /// `k.tile` must be safe to call on this CPU; it is given whole tiles and tokens (asserted
@@ -131,7 +131,6 @@ pub(super) unsafe fn dots_tiled<const LANES: usize>(
     x: &TokenBlocks,
     t0: usize,
     out: &mut [f32],
-    next: &[u8],
 ) {
     let nb = x.per_token;
     let span = LANES * nb * block_bytes(k.kind);
@@ -151,25 +150,16 @@ pub(super) unsafe fn dots_tiled<const LANES: usize>(
     }
     if n == 1 {
         // SAFETY: whole tiles, token t0's nb blocks, 16 results a tile (asserted above).
-        unsafe { (k.one_token)(tiles, x.blocks[t0 * nb..].as_ptr(), nb, out, next) };
+        unsafe { (k.one_token)(tiles, x.blocks[t0 * nb..].as_ptr(), nb, out) };
         return;
     }
-    for (g, (tile, out)) in tiles
+    for (tile, out) in tiles
         .chunks_exact(span)
         .zip(out.chunks_exact_mut(LANES * n))
-        .enumerate()
     {
-        // What follows the tiles is hinted by the last one (the tiles themselves are one
-        // stream, which the hardware prefetchers follow).
-        let ahead = if (g + 1) * span == tiles.len() {
-            next
-        } else {
-            &[]
-        };
         // SAFETY: a whole tile of nb blocks a row, and tokens t0 .. t0 + n (asserted above).
-        group_tokens::<LANES>(k.tokens, x, (t0, n), out, |tt, xb, sums, ahead_t| unsafe {
-            let ahead = if ahead_t { ahead } else { &[] };
-            (k.tile)(tile.as_ptr(), xb, nb, tt, sums, ahead)
+        group_tokens::<LANES>(k.tokens, x, (t0, n), out, |tt, xb, sums, _| unsafe {
+            (k.tile)(tile.as_ptr(), xb, nb, tt, sums)
         });
     }
 }
