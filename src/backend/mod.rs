@@ -568,6 +568,9 @@ pub trait Backend: Send + Sync + 'static {
         let x = input.rows(self)?;
         gate_up_then_down(self, x, (w_gate, w_up, w_down), how, (gate, up), out)
     }
+    /// Ask for the first `rows` positions of a layer's key and value caches ahead of the
+    /// attention that will read them, while other work runs (a hint: nothing by default).
+    fn prefetch_kv(&self, _k_cache: &Self::Kv, _v_cache: &Self::Kv, _rows: usize) {}
     /// Causal attention of `q` (`n × n_heads·head_dim`, row `i` at position `first_pos + i`)
     /// over the first `first_pos + n` rows of the caches (`ctx × n_kv_heads·head_dim`), which
     /// already hold this step's keys and values; with a `table`, the rows it maps the positions

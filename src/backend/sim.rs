@@ -1055,6 +1055,10 @@ impl Backend for SimBackend {
         )
     }
 
+    fn prefetch_kv(&self, k_cache: &SimKv, v_cache: &SimKv, rows: usize) {
+        self.cpu.prefetch_kv(&k_cache.kv, &v_cache.kv, rows)
+    }
+
     fn attention(
         &self,
         q: &SimTensor,

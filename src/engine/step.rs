@@ -242,6 +242,9 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let n = sc.n;
         let attention = trace::span(Phase::Attention);
+        if n == 1 && !Self::attends_on_host(session, on_cpu) {
+            self.prefetch_kv(session, l, pos);
+        }
 
         // Attention block: q, k and v; q and k rotated, k and v stored (on the host for a
         // host-kept cache attended on the CPU).

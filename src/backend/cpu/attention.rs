@@ -2,6 +2,7 @@
 //! softmax in chunks of positions, the weighted sum of values; over any cache that gives its rows
 //! as f32 ([`KvRows`]: the CPU's own cache, a paged sequence's blocks of it, raw host rows).
 
+use super::CpuKv;
 use super::kernels::Kernels;
 use crate::backend::AttnShape;
 
@@ -86,6 +87,16 @@ const CHUNK: usize = 256;
 /// Query rows a task takes together where they attend the same caches (a prompt's rows): each
 /// key and value row is read once for all of them.
 const ROW_TILE: usize = 8;
+
+/// Asks for the key and value rows of the first chunk an attention over `rows` positions reads,
+/// into L2: the hint [`attend_chunk`] gives a lone row at its start, given earlier.
+pub(super) fn prefetch_first_chunk(k_cache: &CpuKv, v_cache: &CpuKv, rows: usize) {
+    for c in [k_cache, v_cache] {
+        if c.f32_values().is_none() {
+            c.prefetch(0..rows.min(CHUNK), 0, c.cols);
+        }
+    }
+}
 
 /// Causal attention of the rows of `q` (`n_heads · head_dim` each) into the same rows of
 /// `out`: `caches(t)` gives row `t`'s key and value caches and how many of their positions it
@@ -538,8 +549,8 @@ fn merge_chunks(parts: &[ChunkPart], sums: &[f32], out: &mut [f32]) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kernels;
     use super::*;
-    use crate::backend::cpu::CpuKv;
 
     #[test]
     fn attention_over_one_position_returns_its_value() {
@@ -560,6 +571,28 @@ mod tests {
             &mut out,
         );
         assert_eq!(out, [3.0, 4.0]);
+    }
+
+    /// Asking for a cache's first chunk ahead changes nothing an attention then reads, however
+    /// many positions are asked for (none, past the cache) and in any cache type.
+    #[test]
+    fn prefetched_caches_attend_alike() {
+        for ty in [crate::backend::KvType::F32, crate::backend::KvType::F16] {
+            let mut k = CpuKv::new(3, 2, ty).unwrap();
+            k.write(0, &[1.0, 0.0, 0.5, 2.0, 9.0, 9.0]).unwrap();
+            let mut v = CpuKv::new(3, 2, ty).unwrap();
+            v.write(0, &[3.0, 4.0, -1.0, 0.25, 9.0, 9.0]).unwrap();
+            let run = |k: &CpuKv, v: &CpuKv| {
+                let mut out = [0f32; 2];
+                attend(kernels::best(), &[1.0, 1.0], k, v, 0, 2, 2, 0.5, &mut out);
+                out.map(f32::to_bits)
+            };
+            let want = run(&k, &v);
+            for rows in [0, 2, 3, 1000] {
+                prefetch_first_chunk(&k, &v, rows);
+                assert_eq!(run(&k, &v), want, "{ty:?}, {rows} rows asked for");
+            }
+        }
     }
 
     /// The query heads sharing a KV head, attended together, get what each gets alone, bit for

@@ -835,6 +835,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn prefetch_kv(&self, k_cache: &CpuKv, v_cache: &CpuKv, rows: usize) {
+        attention::prefetch_first_chunk(k_cache, v_cache, rows);
+    }
+
     fn attention(
         &self,
         q: &CpuTensor,
