@@ -2,7 +2,6 @@
 //! softmax in chunks of positions, the weighted sum of values; over any cache that gives its rows
 //! as f32 ([`KvRows`]: the CPU's own cache, a paged sequence's blocks of it, raw host rows).
 
-use super::CpuKv;
 use super::kernels::Kernels;
 use crate::backend::AttnShape;
 
@@ -90,10 +89,11 @@ const ROW_TILE: usize = 8;
 
 /// Asks for the key and value rows of the first chunk an attention over `rows` positions reads,
 /// into L2: the hint [`attend_chunk`] gives a lone row at its start, given earlier.
-pub(super) fn prefetch_first_chunk(k_cache: &CpuKv, v_cache: &CpuKv, rows: usize) {
-    for c in [k_cache, v_cache] {
-        if c.f32_values().is_none() {
-            c.prefetch(0..rows.min(CHUNK), 0, c.cols);
+/// `caches` are the key and value caches and their rows' values.
+pub(super) fn prefetch_first_chunk<R: KvRows>(caches: [(&R, usize); 2], rows: usize) {
+    for (c, cols) in caches {
+        if c.f32_rows().is_none() {
+            c.prefetch(0..rows.min(CHUNK), 0, cols);
         }
     }
 }
@@ -551,6 +551,7 @@ fn merge_chunks(parts: &[ChunkPart], sums: &[f32], out: &mut [f32]) {
 mod tests {
     use super::super::kernels;
     use super::*;
+    use crate::backend::cpu::CpuKv;
 
     #[test]
     fn attention_over_one_position_returns_its_value() {
@@ -589,7 +590,7 @@ mod tests {
             };
             let want = run(&k, &v);
             for rows in [0, 2, 3, 1000] {
-                prefetch_first_chunk(&k, &v, rows);
+                prefetch_first_chunk([(&k, 2), (&v, 2)], rows);
                 assert_eq!(run(&k, &v), want, "{ty:?}, {rows} rows asked for");
             }
         }

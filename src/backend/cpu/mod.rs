@@ -836,7 +836,7 @@ impl Backend for CpuBackend {
     }
 
     fn prefetch_kv(&self, k_cache: &CpuKv, v_cache: &CpuKv, rows: usize) {
-        attention::prefetch_first_chunk(k_cache, v_cache, rows);
+        attention::prefetch_first_chunk([(k_cache, k_cache.cols), (v_cache, v_cache.cols)], rows);
     }
 
     fn attention(
