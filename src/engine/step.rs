@@ -242,7 +242,7 @@ impl<B: Backend> Engine<B> {
         let b = &self.backend;
         let n = sc.n;
         let attention = trace::span(Phase::Attention);
-        if n == 1 && !Self::attends_on_host(session, on_cpu) {
+        if n == 1 {
             self.prefetch_kv(session, l, pos);
         }
 

@@ -89,7 +89,7 @@ const ROW_TILE: usize = 8;
 
 /// Asks for the key and value rows of the first chunk an attention over `rows` positions reads,
 /// into L2: the hint [`attend_chunk`] gives a lone row at its start, given earlier.
-/// `caches` are the key and value caches and their rows' values.
+/// `caches`: the key cache and the value cache, each with its values a row.
 pub(super) fn prefetch_first_chunk<R: KvRows>(caches: [(&R, usize); 2], rows: usize) {
     for (c, cols) in caches {
         if c.f32_rows().is_none() {
