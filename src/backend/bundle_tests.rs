@@ -501,7 +501,8 @@ fn in_place_reads_take_the_paced_link_as_copies_do() {
 
 /// Bundles read in place from host memory beside a unit's slots: one list over both computes
 /// what one list over the whole layer does, bit for bit (the entries' ids order each token's
-/// sum), in every encoding, with and without a gate, one token and several; the mapped bundles
+/// sum), in every encoding, with and without a gate, one token and several, in two ops or
+/// one (where the CPU reads gated f16 bundles in neuron tiles); the mapped bundles
 /// take no device memory; the link bytes counted are exactly what was read of them (every listed
 /// neuron's deciding part, the rest of those the mask leaves on); what cannot be mapped or read
 /// so is refused.
@@ -588,6 +589,26 @@ fn bundles_read_in_place_beside_slots_compute_as_one_layer() {
             assert_eq!(get(&sim, &o1), get(&sim, &o2), "{what}: down");
             let want = super::in_place_read_bytes(rb, parts, rest, rest_on, false);
             assert_eq!(down_bytes, want, "{what}: down's link bytes");
+            // Both sides in one op (f16 gated bundles: read a tile at a time, once): the same
+            // activations and output, the same link bytes.
+            let (mut h3, mut o3) = (sim.alloc(n, m).unwrap(), put(&sim, n, d, &vec![0.5; n * d]));
+            let before = ledger.snapshot().h2d_bytes;
+            let how = (act, threshold);
+            sim.ffn_bundles_listed_from(
+                pair,
+                shape,
+                &xt,
+                how,
+                None,
+                (&entries, &ids),
+                &mut h3,
+                &mut o3,
+            )
+            .unwrap();
+            assert_eq!(get(&sim, &h3), hv, "{what}: one op's up");
+            assert_eq!(get(&sim, &o3), get(&sim, &o1), "{what}: one op's down");
+            let both = ledger.snapshot().h2d_bytes - before;
+            assert_eq!(both, up_bytes + down_bytes, "{what}: one op's link bytes");
             // Refused: a whole-layer op on bundles read in place, an up bias with a rest, an
             // entry past the rest, bytes not in a buffer of their own.
             let e = shape_error(

@@ -178,7 +178,9 @@ pub trait Backend: Send + Sync + 'static {
     /// device memory taken, nothing copied. The bundle ops compute on it as on device bundles;
     /// every byte they read of it crosses the link ([`in_place_read_bytes`], counted as
     /// host→device); only the listed ops take it. `data` must be a page-aligned buffer of its own (read from the store) and
-    /// is shared, not copied. The CPU backend computes on it as on any bundles.
+    /// is shared, not copied. The CPU backend reads it in place as any bundles, and lays
+    /// gated f16 bundles out in neuron tiles too (a copy in host memory), which its listed ops
+    /// read a tile at a time.
     fn map_bundles(
         &self,
         name: &str,
@@ -441,6 +443,26 @@ pub trait Backend: Send + Sync + 'static {
         listed: (&[u32], &[u32]),
         out: &mut Self::Tensor,
     ) -> Result<()>;
+    /// [`Backend::ffn_bundles_up_listed_from`] into `h`, then
+    /// [`Backend::ffn_bundles_down_listed_from`] of that `h` into `out`, over one list: the
+    /// same `h` and `out`. A backend may read each neuron once for both (the CPU and the
+    /// budgeted device do where the rest lies in neuron tiles: two passes over SmolLM2's
+    /// tiles read 12–14 GB/s where one read 18–20).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_bundles_listed_from(
+        &self,
+        listed: (&Self::Weight, Option<&Self::Weight>),
+        shape: BundleShape,
+        x: &Self::Tensor,
+        (act, threshold): (Act, f32),
+        up_bias: Option<&Self::Weight>,
+        (idx, ids): (&[u32], &[u32]),
+        h: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<()> {
+        self.ffn_bundles_up_listed_from(listed, shape, x, act, threshold, up_bias, idx, h)?;
+        self.ffn_bundles_down_listed_from(listed, shape, h, (idx, ids), out)
+    }
     /// A mixture-of-experts FFN: `out[t] = Σ w · down_e(act(gate_e·x[t]) ⊙ up_e·x[t])` over the
     /// routes `(t, e, w)`, each expert's tokens in one product (llama.cpp's `mul_mat_id`), the
     /// terms added in expert order (as transformers adds them).

@@ -363,7 +363,7 @@ impl Backend for SimBackend {
         self.outside("map_bundles")?;
         super::check_mappable(name, data)?;
         Ok(SimWeight {
-            w: self.cpu.upload_bundles(name, enc, shape, data)?,
+            w: self.cpu.map_bundles(name, enc, shape, data)?,
             mem: self.mem.in_host(name)?,
         })
     }
@@ -795,19 +795,54 @@ impl Backend for SimBackend {
         // The neuron list is copied from the host: nothing a recording holds.
         self.outside("ffn_bundles_up_listed")?;
         let t0 = Instant::now();
-        let read = self.cpu.up_listed_reading(
+        let read = self.cpu.listed_reading(
             (&b.w, rest.map(|r| &r.w)),
             shape,
             &x.t,
-            act,
-            threshold,
+            (act, threshold),
             up_bias.map(|w| &w.w),
             idx,
             &mut h.t,
+            None,
         )?;
         let mut up = vec![false; idx.len()];
         read.iter().for_each(|&j| up[j] = true);
         self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
+        Ok(())
+    }
+
+    fn ffn_bundles_listed_from(
+        &self,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
+        shape: BundleShape,
+        x: &SimTensor,
+        how: (Act, f32),
+        up_bias: Option<&SimWeight>,
+        (idx, ids): (&[u32], &[u32]),
+        h: &mut SimTensor,
+        out: &mut SimTensor,
+    ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        self.outside("ffn_bundles_listed")?;
+        let t0 = Instant::now();
+        let read = self.cpu.listed_reading(
+            (&b.w, rest.map(|r| &r.w)),
+            shape,
+            &x.t,
+            how,
+            up_bias.map(|w| &w.w),
+            idx,
+            &mut h.t,
+            Some((ids, &mut out.t)),
+        )?;
+        // The link carries what the two listed ops would read: the up side's, then the down
+        // side's (the neurons with an activation for some token).
+        let mut up = vec![false; idx.len()];
+        read.iter().for_each(|&j| up[j] = true);
+        self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
+        let (rows, stride) = (h.t.rows, h.t.cols);
+        let live = |j: usize| (0..rows).any(|t| h.t.data[t * stride + j] != 0.0);
+        self.listed_in_place((b, rest), shape, idx, (false, &live), t0);
         Ok(())
     }
 

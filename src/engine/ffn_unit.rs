@@ -136,13 +136,18 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         let b = &self.backend;
         let listed = (w, rest);
+        let Some(keep) = keep else {
+            // Nothing between the two sides: one op, which may read each neuron once.
+            let how = (self.act, threshold);
+            let (h, out) = (&mut sc.up, &mut sc.proj);
+            b.ffn_bundles_listed_from(listed, shape, &sc.h, how, up_bias, (at, ids), h, out)?;
+            return Ok(());
+        };
         b.ffn_bundles_up_listed_from(
             listed, shape, &sc.h, self.act, threshold, up_bias, at, &mut sc.up,
         )?;
-        if let Some(keep) = keep {
-            // A neuron one token needs (in this precision) may be off for another.
-            self.mask_hidden(keep, Some(ids), &mut sc.up)?;
-        }
+        // A neuron one token needs (in this precision) may be off for another.
+        self.mask_hidden(keep, Some(ids), &mut sc.up)?;
         b.ffn_bundles_down_listed_from(listed, shape, &sc.up, (at, ids), &mut sc.proj)?;
         Ok(())
     }

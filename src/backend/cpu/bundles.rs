@@ -5,7 +5,8 @@
 
 use super::kernels::Kernels;
 use super::sparse::{
-    Bundles, DownSplit, FfnParts, sparse_decide_up, sparse_down_split, sparse_part_dots,
+    Bundles, DownSplit, FfnParts, NeuronTiles, TiledList, sparse_decide_up, sparse_down_split,
+    sparse_part_dots, tiled_ffn,
 };
 use super::{CpuTensor, CpuWeight, ops, shape_err, vector};
 use crate::backend::{Act, BundleShape, Result, sparse_act};
@@ -41,6 +42,34 @@ pub(super) fn with_listed<R>(
     with_bundles(w, op, shape, |a| {
         with_bundles(rest, op, shape, |r| Ok(f(&(*a).with_rest(*r)?)))?
     })?
+}
+
+/// Weight `b`'s bundles (a unit's slots) beside `rest`'s neuron tiles as one list (for `op`),
+/// where `rest` is laid out in them ([`CpuWeight::lay_out_neuron_tiles`]); else `None`, and
+/// the listed ops read rows.
+pub(super) fn tiled_list<'a>(
+    b: &'a CpuWeight,
+    op: &'static str,
+    shape: BundleShape,
+    rest: Option<&'a CpuWeight>,
+) -> Result<Option<TiledList<'a>>> {
+    let Some((rest, tiles)) = rest.and_then(|r| Some((r, r.neuron_tiles()?))) else {
+        return Ok(None);
+    };
+    for w in [b, rest] {
+        let (rows, cols) = (w.rows(), w.cols());
+        let enc = w.encoding();
+        crate::backend::check_bundle_weight(op, w.name(), (rows, cols), enc, None, shape)?;
+        if enc != Encoding::Format(crate::tensor::DType::F16) {
+            return Err(shape_err(
+                op,
+                format!("`{}` is {} beside f16 neuron tiles", w.name(), enc.name()),
+            ));
+        }
+    }
+    let slots = Bundles::new(b.row_bytes_of(op)?, b.encoding(), shape)?;
+    let tiles = NeuronTiles::new(tiles, rest.rows(), shape.d)?;
+    Ok(Some(TiledList::with_slots(slots, tiles)?))
 }
 
 /// `f` of `bytes` viewed as bundles of `shape` in `enc`, multiplied in their encoding by the
@@ -172,18 +201,20 @@ pub(crate) fn listed_acts(
 
 impl super::CpuBackend {
     /// [`Backend::ffn_bundles_up_listed_from`], giving the positions in `idx` whose up parts it
-    /// read (what the budgeted device counts crossing the link for neurons read in place).
+    /// read (what the budgeted device counts crossing the link for neurons read in place); with
+    /// `down` (the entries' ids and the output), [`Backend::ffn_bundles_listed_from`]: over a
+    /// [`TiledList`], each tile group's down columns added in the same pass.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn up_listed_reading(
+    pub(crate) fn listed_reading(
         &self,
         (b, rest): (&CpuWeight, Option<&CpuWeight>),
         shape: BundleShape,
         x: &CpuTensor,
-        act: Act,
-        threshold: f32,
+        (act, threshold): (Act, f32),
         up_bias: Option<&CpuWeight>,
         idx: &[u32],
         h: &mut CpuTensor,
+        down: Option<(&[u32], &mut CpuTensor)>,
     ) -> Result<Vec<usize>> {
         let op = "ffn_bundles_up_listed";
         let (n, m) = (x.rows, idx.len());
@@ -196,6 +227,19 @@ impl super::CpuBackend {
                 ),
             ));
         }
+        if let Some((ids, out)) = &down
+            && (out.cols != shape.d || out.rows != n || ids.len() != m)
+        {
+            return Err(shape_err(
+                op,
+                format!(
+                    "{m} neurons ({} ids) into {}x{}",
+                    ids.len(),
+                    out.rows,
+                    out.cols
+                ),
+            ));
+        }
         if rest.is_some() && up_bias.is_some() {
             return Err(shape_err(
                 op,
@@ -205,13 +249,35 @@ impl super::CpuBackend {
         let bias = up_bias.map(|bb| vector(op, bb, b.rows())).transpose()?;
         let f = ops::activation(act);
         let bias = |i: u32| bias.map_or(0.0, |bb| bb[i as usize]);
+        let fill = |h: &mut CpuTensor, v: &[f32]| {
+            let stride = h.cols;
+            for t in 0..n {
+                h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);
+            }
+        };
+        if let Some(list) = tiled_list(b, op, shape, rest)? {
+            let mut v = vec![0f32; n * m];
+            let decide = |_: usize, _: usize, g: f32| sparse_act(f(g), threshold);
+            // Without a down side the ids only size the check.
+            let (ids, out) = match down {
+                Some((ids, out)) => (ids, Some(&mut out.data[..])),
+                None => (idx, None),
+            };
+            let k = self.kernels;
+            let on = self
+                .pool
+                .install(|| tiled_ffn(k, list, (idx, ids), &x.data, n, decide, &mut v, out))?;
+            fill(h, &v);
+            return Ok(on);
+        }
         let (v, live) = with_listed(b, op, shape, rest, |view| {
             self.pool
                 .install(|| listed_acts(self.kernels, view, idx, &x.data, n, f, threshold, bias))
         })??;
-        let stride = h.cols;
-        for t in 0..n {
-            h.data[t * stride..t * stride + m].copy_from_slice(&v[t * m..(t + 1) * m]);
+        fill(h, &v);
+        if let Some((ids, out)) = down {
+            use crate::backend::Backend;
+            self.ffn_bundles_down_listed_from((b, rest), shape, h, (idx, ids), out)?;
         }
         Ok(live)
     }

@@ -154,7 +154,9 @@ impl Backend for CpuBackend {
         shape: BundleShape,
         data: &Bytes,
     ) -> Result<CpuWeight> {
-        self.upload_bundles(name, enc, shape, data)
+        let mut w = self.upload_bundles(name, enc, shape, data)?;
+        w.lay_out_neuron_tiles(shape);
+        Ok(w)
     }
 
     fn alloc_bundles(
@@ -584,7 +586,24 @@ impl Backend for CpuBackend {
         idx: &[u32],
         h: &mut CpuTensor,
     ) -> Result<()> {
-        self.up_listed_reading(listed, shape, x, act, threshold, up_bias, idx, h)?;
+        let how = (act, threshold);
+        self.listed_reading(listed, shape, x, how, up_bias, idx, h, None)?;
+        Ok(())
+    }
+
+    fn ffn_bundles_listed_from(
+        &self,
+        listed: (&CpuWeight, Option<&CpuWeight>),
+        shape: BundleShape,
+        x: &CpuTensor,
+        how: (Act, f32),
+        up_bias: Option<&CpuWeight>,
+        (idx, ids): (&[u32], &[u32]),
+        h: &mut CpuTensor,
+        out: &mut CpuTensor,
+    ) -> Result<()> {
+        let down = Some((ids, out));
+        self.listed_reading(listed, shape, x, how, up_bias, idx, h, down)?;
         Ok(())
     }
 
@@ -610,6 +629,12 @@ impl Backend for CpuBackend {
         let mut compact = vec![0f32; n * m];
         for t in 0..n {
             compact[t * m..(t + 1) * m].copy_from_slice(&h.data[t * h.cols..t * h.cols + m]);
+        }
+        if let Some(list) = bundles::tiled_list(b, op, shape, rest)? {
+            let (k, out) = (self.kernels, &mut out.data);
+            return self
+                .pool
+                .install(|| sparse::tiled_down(k, list, (idx, ids), &compact, n, out));
         }
         bundles::with_listed(b, op, shape, rest, |view| {
             self.pool.install(|| {

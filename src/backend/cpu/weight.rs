@@ -5,6 +5,7 @@
 use super::kernels::Kernels;
 use super::kernels::tiles::{TILE_ROWS, tile_rows, tiles_format};
 use super::matmul::{Layout, Matrix};
+use super::sparse::{tile_bundles, tileable};
 use super::{Result, shape_err};
 use crate::backend::BundleShape;
 use crate::store::Encoding;
@@ -22,6 +23,10 @@ pub struct CpuWeight {
     /// How the rows lie in the bytes: in tiles only once [`CpuWeight::lay_out_for_products`]
     /// put them so, after which only the products read them.
     layout: Layout,
+    /// Gated f16 bundles mapped for the listed ops to read in place: the same neurons laid out
+    /// in neuron tiles too ([`CpuWeight::lay_out_neuron_tiles`]), which those ops read instead
+    /// of the rows.
+    neuron_tiles: Option<Bytes>,
 }
 
 /// What a [`CpuWeight`] of INT8/INT4 bundles holds beyond its bytes: no storage format reads
@@ -38,6 +43,7 @@ impl From<HostTensor> for CpuWeight {
             t,
             coded: None,
             layout: Layout::Rows,
+            neuron_tiles: None,
         }
     }
 }
@@ -156,6 +162,24 @@ impl CpuWeight {
         Ok(())
     }
 
+    /// Lay bundles of `shape` out in neuron tiles beside their rows, where they can be (gated f16
+    /// bundles whose width is whole tile columns): the bytes a mapped weight's listed ops read.
+    /// Rows stay for every other reader (a gather into slots reads the store's copy, not this).
+    pub(super) fn lay_out_neuron_tiles(&mut self, shape: BundleShape) {
+        let t = &self.t;
+        if self.coded.is_some() || !tileable(t.dtype, shape.parts, shape.d) {
+            return;
+        }
+        let rows: Vec<u32> = (0..t.rows as u32).collect();
+        let tiles = tile_bundles(t.data.as_slice(), t.row_bytes(), &rows, shape.d);
+        self.neuron_tiles = Some(Bytes::from_slice(&tiles));
+    }
+
+    /// The neuron tiles [`CpuWeight::lay_out_neuron_tiles`] laid out, if any.
+    pub(super) fn neuron_tiles(&self) -> Option<&[u8]> {
+        self.neuron_tiles.as_ref().map(|b| b.as_slice())
+    }
+
     /// Refuse `op` a weight laid out in tiles, where it would read rows.
     fn not_tiled(&self, op: &'static str) -> Result<()> {
         match self.layout {
@@ -216,6 +240,7 @@ pub(super) fn bundle_weight(
         },
         coded,
         layout: Layout::Rows,
+        neuron_tiles: None,
     }
 }
 

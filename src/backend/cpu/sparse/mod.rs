@@ -41,5 +41,7 @@ pub use ffn::{FfnParts, sparse_decide_up, sparse_ffn};
 pub(crate) use items::per_items;
 pub use matrix::{sparse_down_blocks, sparse_rows};
 pub use ops::{TILE_COLS, TILE_NEURONS};
-pub use tiles::{NeuronTiles, tile_bundles, tileable, tiled_down, tiled_ffn, tiles_bytes};
+pub use tiles::{
+    NeuronTiles, TiledList, tile_bundles, tileable, tiled_down, tiled_ffn, tiles_bytes,
+};
 pub use up::{sparse_part_dots, sparse_up};

@@ -16,13 +16,13 @@ use std::sync::atomic::Ordering;
 
 use half::f16;
 
-use super::bundle::{check_x_h, err};
+use super::bundle::{Bundles, check_x_h, err};
 use super::down::{add_in_order, block_runs};
 use super::ffn::run_listed;
 use super::ops::{Axpy4Tiled, Dot4Tiled, Ops, TILE_COLS, TILE_NEURONS, TileRow};
 use super::vector::{Vector, axpy4, dot4, ops};
-use crate::backend::Result;
 use crate::backend::cpu::kernels::Kernels;
+use crate::backend::{IN_REST, Result};
 
 /// Parts of a gated bundle: gate, up, down.
 const PARTS: usize = 3;
@@ -135,13 +135,75 @@ impl<'a> NeuronTiles<'a> {
     }
 }
 
+/// The neurons a tiled walk lists: rows of tiles, or a cache unit's slots (gated f16 bundles)
+/// beside the tiles its other neurons rest in, an entry with [`IN_REST`] naming a row of the
+/// tiles and one without a slot. The unit's in-place neurons are then read a tile at a time,
+/// as hybrid's cold pass reads its own (SmolLM2's units at 48M, budgeted device: the slots and
+/// rows walked four rows at a time read their neurons at 9 GB/s where tiles read 20).
+#[derive(Clone, Copy)]
+pub struct TiledList<'a> {
+    tiles: NeuronTiles<'a>,
+    slots: Option<Bundles<'a>>,
+}
+
+impl<'a> From<NeuronTiles<'a>> for TiledList<'a> {
+    fn from(tiles: NeuronTiles<'a>) -> Self {
+        TiledList { tiles, slots: None }
+    }
+}
+
+/// Where a listed entry's neuron lies.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Tile(usize),
+    Slot(usize),
+}
+
+impl<'a> TiledList<'a> {
+    /// `slots` (gated f16 bundles as wide as the tiles) beside `tiles`, checked.
+    pub fn with_slots(slots: Bundles<'a>, tiles: NeuronTiles<'a>) -> Result<Self> {
+        if !slots.is_f16() || slots.shape.parts != PARTS || slots.shape.d != tiles.d {
+            return Err(err(
+                "TiledList",
+                format!(
+                    "slots of {}×{} beside tiles of gated f16 bundles of {}",
+                    slots.shape.parts, slots.shape.d, tiles.d
+                ),
+            ));
+        }
+        Ok(TiledList {
+            tiles,
+            slots: Some(slots),
+        })
+    }
+
+    fn place(&self, e: u32) -> Place {
+        match self.slots {
+            Some(_) if e & IN_REST == 0 => Place::Slot(e as usize),
+            _ => Place::Tile((e & !IN_REST) as usize),
+        }
+    }
+
+    fn check_idx(&self, op: &'static str, idx: &[u32]) -> Result<()> {
+        let (tiled, slotted): (Vec<u32>, Vec<u32>) = idx
+            .iter()
+            .partition(|&&e| matches!(self.place(e), Place::Tile(_)));
+        let tiled: Vec<u32> = tiled.iter().map(|&e| e & !IN_REST).collect();
+        self.tiles.check_idx(op, &tiled)?;
+        match &self.slots {
+            Some(slots) => slots.check_idx(op, &slotted),
+            None => Ok(()),
+        }
+    }
+}
+
 /// The four-row sums over tile rows: the tiles' own kernels, or (portable) each row copied out
-/// and summed as a row of bundles is.
+/// and summed as a row of bundles is; over slots, the row kernels.
 #[derive(Clone, Copy)]
 struct TileOps<'a> {
     k: &'a Kernels,
     o: &'static Ops,
-    tiles: NeuronTiles<'a>,
+    list: TiledList<'a>,
 }
 
 /// Four rows of one part, found once for every token that reads them: where the tiles keep
@@ -157,19 +219,39 @@ enum FourRows<'a> {
         k: &'a Kernels,
         o: &'static Ops,
     },
+    Slots {
+        rows: [Vector<'a>; 4],
+        k: &'a Kernels,
+        o: &'static Ops,
+    },
 }
 
 impl<'a> TileOps<'a> {
-    /// Part `p` of neurons `rows`.
-    fn rows(&self, rows: [usize; 4], p: Part) -> FourRows<'a> {
+    /// Part `p` of the neurons of entries `es` (one group's: all in tiles, or all in slots).
+    fn rows(&self, es: [u32; 4], p: Part) -> FourRows<'a> {
+        let places = es.map(|e| self.list.place(e));
+        if let (Place::Slot(_), Some(slots)) = (places[0], &self.list.slots) {
+            let at = |pl: Place| match pl {
+                Place::Slot(i) | Place::Tile(i) => i,
+            };
+            return FourRows::Slots {
+                rows: places.map(|pl| slots.part(at(pl), p as usize)),
+                k: self.k,
+                o: self.o,
+            };
+        }
+        let rows = places.map(|pl| match pl {
+            Place::Slot(i) | Place::Tile(i) => i,
+        });
+        let tiles = self.list.tiles;
         match (self.o.dot4_tiled, self.o.axpy4_tiled) {
             (Some(dot), Some(axpy)) => FourRows::Tiles {
-                rows: rows.map(|i| self.tiles.row(i, p)),
+                rows: rows.map(|i| tiles.row(i, p)),
                 dot,
                 axpy,
             },
             _ => FourRows::Copied {
-                rows: rows.map(|i| self.tiles.row_values(i, p)),
+                rows: rows.map(|i| tiles.row_values(i, p)),
                 k: self.k,
                 o: self.o,
             },
@@ -187,6 +269,7 @@ impl FourRows<'_> {
                 let vs = [0, 1, 2, 3].map(|q| Vector::F16(&rows[q]));
                 dot4(k, o, vs, vs, live, x)
             }
+            FourRows::Slots { rows, k, o } => dot4(k, o, *rows, *rows, live, x),
         }
     }
 
@@ -199,24 +282,29 @@ impl FourRows<'_> {
                 let vs = [0, 1, 2, 3].map(|q| Vector::F16(&rows[q]));
                 axpy4(o, a, vs, vs, live, out)
             }
+            FourRows::Slots { rows, o, .. } => axpy4(o, a, *rows, *rows, live, out),
         }
     }
 }
 
-/// The runs of `js` that each lie in one tile, their neurons (`idx`) ascending: a run's rows
-/// are read as one stream, in list order.
-fn tile_groups(idx: &[u32], js: Range<usize>) -> Vec<Range<usize>> {
+/// The runs of `js` that each lie in one tile, their neurons (`idx`) ascending, or are up to
+/// four slots: a run's rows are read as one stream (a tile's) or four (slots), in list order.
+fn list_groups(list: &TiledList, idx: &[u32], js: Range<usize>) -> Vec<Range<usize>> {
     let mut groups: Vec<Range<usize>> = Vec::new();
     for j in js {
-        let i = idx[j] as usize;
+        let here = list.place(idx[j]);
+        let joins = |g: &Range<usize>| {
+            g.len() < TILE_NEURONS
+                && match (list.place(idx[g.end - 1]), here) {
+                    (Place::Tile(a), Place::Tile(i)) => {
+                        a / TILE_NEURONS == i / TILE_NEURONS && a < i
+                    }
+                    (Place::Slot(_), Place::Slot(_)) => true,
+                    _ => false,
+                }
+        };
         match groups.last_mut() {
-            Some(g)
-                if g.len() < TILE_NEURONS
-                    && idx[g.end - 1] as usize / TILE_NEURONS == i / TILE_NEURONS
-                    && (idx[g.end - 1] as usize) < i =>
-            {
-                g.end = j + 1
-            }
+            Some(g) if joins(g) => g.end = j + 1,
             _ => groups.push(j..j + 1),
         }
     }
@@ -243,6 +331,11 @@ fn pad(items: impl Iterator<Item = usize>) -> [usize; 4] {
     out
 }
 
+/// The entries at list positions `js`.
+fn entries(idx: &[u32], js: [usize; 4]) -> [u32; 4] {
+    js.map(|j| idx[j])
+}
+
 /// [`super::sparse_ffn`] over neurons in tiles: for the listed neurons (`i = idx[j]`, id
 /// `ids[j]`) and `n` tokens (`x` is `n × d`), `h[t·m + j] = decide(j, t, gate_i·x_t) ·
 /// (up_i·x_t)`, the up dot only where `decide` is non-zero for some token, and with `out`
@@ -250,9 +343,9 @@ fn pad(items: impl Iterator<Item = usize>) -> [usize; 4] {
 /// [`DOWN_BLOCK`](super::DOWN_BLOCK). Returns the list positions `decide` left on for some token, ascending.
 /// A tile's gates, then the ups and downs of its neurons on, are read in turn.
 #[allow(clippy::too_many_arguments)]
-pub fn tiled_ffn(
+pub fn tiled_ffn<'a>(
     k: &Kernels,
-    tiles: NeuronTiles,
+    list: impl Into<TiledList<'a>>,
     (idx, ids): (&[u32], &[u32]),
     x: &[f32],
     n: usize,
@@ -261,24 +354,21 @@ pub fn tiled_ffn(
     out: Option<&mut [f32]>,
 ) -> Result<Vec<usize>> {
     let op = "tiled_ffn";
-    let (d, m) = (tiles.d, idx.len());
+    let list = list.into();
+    let (d, m) = (list.tiles.d, idx.len());
     check_x_h(op, (x, h), n, (d, m))?;
-    tiles.check_idx(op, idx)?;
+    list.check_idx(op, idx)?;
     check_down(op, (n, d, m), ids, out.as_deref())?;
     if m == 0 || n == 0 {
         return Ok(Vec::new());
     }
-    let t = TileOps {
-        k,
-        o: ops(k),
-        tiles,
-    };
+    let t = TileOps { k, o: ops(k), list };
     let xt = |tok: usize| &x[tok * d..(tok + 1) * d];
     let down = out.map(|o| (ids, o));
     Ok(run_listed((m, n, d), h, down, |js, vals, live, mut sum| {
         let j0 = js.start;
-        for g in tile_groups(idx, js) {
-            let gates = t.rows(pad(g.clone().map(|j| idx[j] as usize)), Part::Gate);
+        for g in list_groups(&list, idx, js) {
+            let gates = t.rows(entries(idx, pad(g.clone())), Part::Gate);
             for tok in 0..n {
                 let s = gates.dot4(g.len(), xt(tok), tok == 0);
                 for (q, j) in g.clone().enumerate() {
@@ -296,7 +386,7 @@ pub fn tiled_ffn(
             on[..nl]
                 .iter()
                 .for_each(|&j| live[j].store(true, Ordering::Relaxed));
-            let on_rows = pad(on[..nl].iter().map(|&j| idx[j] as usize));
+            let on_rows = entries(idx, pad(on[..nl].iter().copied()));
             let ups = t.rows(on_rows, Part::Up);
             for tok in 0..n {
                 let u = ups.dot4(nl, xt(tok), tok == 0);
@@ -324,9 +414,9 @@ pub fn tiled_ffn(
 
 /// [`super::sparse_down`] over neurons in tiles: `out[t] += Σ_j h[t·m + j] · down_{idx[j]}`
 /// (`h` is `n × m`, `out` `n × d`) in the order of [`DOWN_BLOCK`](super::DOWN_BLOCK) by `ids`.
-pub fn tiled_down(
+pub fn tiled_down<'a>(
     k: &Kernels,
-    tiles: NeuronTiles,
+    list: impl Into<TiledList<'a>>,
     (idx, ids): (&[u32], &[u32]),
     h: &[f32],
     n: usize,
@@ -334,23 +424,20 @@ pub fn tiled_down(
 ) -> Result<()> {
     use rayon::prelude::*;
     let op = "tiled_down";
-    let (d, m) = (tiles.d, idx.len());
-    tiles.check_idx(op, idx)?;
+    let list = list.into();
+    let (d, m) = (list.tiles.d, idx.len());
+    list.check_idx(op, idx)?;
     check_down(op, (n, d, m), ids, Some(out))?;
     if h.len() != n * m {
         return Err(err(op, format!("h has {} values: want {n}×{m}", h.len())));
     }
-    let t = TileOps {
-        k,
-        o: ops(k),
-        tiles,
-    };
+    let t = TileOps { k, o: ops(k), list };
     let sums: Vec<Vec<f32>> = block_runs(m, |j| ids[j])
         .into_par_iter()
         .filter_map(|js| {
             let mut acc = vec![0f32; n * d];
             let mut any = false;
-            for g in tile_groups(idx, js) {
+            for g in list_groups(&list, idx, js) {
                 // Listed neurons that weigh nothing for every token add nothing (as the
                 // bundles' down pass skips them).
                 let (on, nl) = fours(g.filter(|&j| (0..n).any(|tok| h[tok * m + j] != 0.0)));
@@ -358,7 +445,7 @@ pub fn tiled_down(
                     continue;
                 }
                 any = true;
-                let downs = t.rows(pad(on[..nl].iter().map(|&j| idx[j] as usize)), Part::Down);
+                let downs = t.rows(entries(idx, pad(on[..nl].iter().copied())), Part::Down);
                 for tok in 0..n {
                     let a = [0, 1, 2, 3].map(|q| if q < nl { h[tok * m + on[q]] } else { 0.0 });
                     downs.axpy4(a, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
@@ -516,14 +603,39 @@ mod tests {
         }
     }
 
-    /// A run of list positions splits where its neurons leave a tile or stop ascending.
+    /// A run of list positions splits where its neurons leave a tile or stop ascending; beside
+    /// slots, also where the entries pass from tiles to slots or back, and slots go four at a
+    /// time.
     #[test]
     fn groups_lie_in_one_tile_in_list_order() {
+        use crate::backend::BundleShape;
+        use crate::store::Encoding;
+        let d = TILE_COLS;
+        let bytes = vec![0u8; tiles_bytes(16, d)];
+        let tiles = NeuronTiles::new(&bytes, 16, d).unwrap();
+        let list = TiledList::from(tiles);
         let idx = [0u32, 1, 2, 3, 4, 6, 5, 9, 13, 14];
         assert_eq!(
-            tile_groups(&idx, 0..idx.len()),
+            list_groups(&list, &idx, 0..idx.len()),
             vec![0..4, 4..6, 6..7, 7..8, 8..10]
         );
-        assert_eq!(tile_groups(&idx, 2..5), vec![2..4, 4..5]);
+        assert_eq!(list_groups(&list, &idx, 2..5), vec![2..4, 4..5]);
+        let slot_bytes = vec![0u8; 6 * PARTS * 2 * d];
+        let shape = BundleShape { parts: PARTS, d };
+        let slots = Bundles::new(&slot_bytes, Encoding::F16, shape).unwrap();
+        let list = TiledList::with_slots(slots, tiles).unwrap();
+        let r = |i: u32| i | IN_REST;
+        let idx = [r(0), r(1), 5, r(2), r(3), 0, 1, 2, 3, 4, r(9), r(8)];
+        assert_eq!(
+            list_groups(&list, &idx, 0..idx.len()),
+            vec![0..2, 2..3, 3..5, 5..9, 9..10, 10..11, 11..12]
+        );
+        assert!(list.check_idx("t", &idx).is_ok());
+        assert!(list.check_idx("t", &[6]).is_err(), "past the slots");
+        assert!(list.check_idx("t", &[r(16)]).is_err(), "past the tiles");
+        // Slots must be f16 as the tiles are.
+        let int8_bytes = vec![0u8; 2 * Encoding::Int8.row_bytes(PARTS * d, PARTS)];
+        let int8 = Bundles::new(&int8_bytes, Encoding::Int8, shape).unwrap();
+        assert!(TiledList::with_slots(int8, tiles).is_err());
     }
 }
