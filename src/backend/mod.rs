@@ -83,6 +83,12 @@ impl From<KvColsError> for BackendError {
     }
 }
 
+/// Lays `rows` rows of `dtype` (`row_bytes` each) out in place as a backend's products read
+/// them, saying whether it did ([`Backend::host_matrix_layout`]). Shared with the thread that
+/// reads streamed layers into DRAM.
+pub type HostMatrixLayout =
+    std::sync::Arc<dyn Fn(DType, usize, usize, &mut [u8]) -> bool + Send + Sync>;
+
 /// A compute device. `Tensor` is a device buffer of f32 activations shaped `rows × cols`
 /// (row-major; one row per token); `Weight` a weight matrix resident on the device in its
 /// storage format, or FFN bundles in a store encoding ([`Backend::upload_bundles`]). Copies to
@@ -132,6 +138,21 @@ pub trait Backend: Send + Sync + 'static {
     /// bytes, so the memory held does not change; the ops that read rows refuse it after.
     fn lay_out_for_products(&self, _w: &mut Self::Weight) -> Result<()> {
         Ok(())
+    }
+    /// A function that lays a matrix's host bytes out in place as this backend's products read
+    /// it, before they are copied whole into a slot ([`Backend::upload_laid_out`]), and says
+    /// whether it did; `None` where rows are its only layout (CUDA). The CPU lays Q8_0/Q4_0/
+    /// Q4_1 rows out in tiles: a streamed layer then lands ready for its products, where tiling
+    /// each landed slot (2.8–3.3 GB/s) would cost more than it saves.
+    fn host_matrix_layout(&self) -> Option<HostMatrixLayout> {
+        None
+    }
+    /// [`Backend::upload_into`] of a whole matrix from its first row, its bytes laid out by
+    /// [`Backend::host_matrix_layout`]'s function (which said it did): from now on `dst` is
+    /// read in that layout, by the products only, until [`Backend::retype_weight`] makes it a
+    /// slot of rows again.
+    fn upload_laid_out(&self, dst: &mut Self::Weight, src: &[u8]) -> Result<()> {
+        self.upload_into(dst, 0, src)
     }
     /// `ws` are whole, laid out and from now on read by the products only
     /// ([`Backend::lay_out_for_products`]): keep them side by side where this backend reads them

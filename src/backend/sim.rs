@@ -413,6 +413,18 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn host_matrix_layout(&self) -> Option<crate::backend::HostMatrixLayout> {
+        self.cpu.host_matrix_layout()
+    }
+
+    fn upload_laid_out(&self, dst: &mut SimWeight, src: &[u8]) -> Result<()> {
+        self.outside("upload_laid_out")?;
+        let t0 = Instant::now();
+        self.cpu.upload_laid_out(&mut dst.w, src)?;
+        self.copied_in(src.len(), t0);
+        Ok(())
+    }
+
     fn copies_done(&self) -> Result<()> {
         self.outside("copies_done")?;
         Ok(())

@@ -11,9 +11,9 @@ use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::backend::HostPin;
+use crate::backend::{HostMatrixLayout, HostPin};
 use crate::footprint::ledger::{Ledger, Reservation, Tier};
-use crate::plan::{LayerShape, Part, Residency, part_segment_name};
+use crate::plan::{LayerShape, Part, Residency, device_dtype, part_segment_name};
 use crate::store::{Store, StoreError};
 use crate::tensor::AlignedBuf;
 
@@ -27,12 +27,21 @@ pub struct PartData {
     /// Where the rows start in `buf` (the read started on a page boundary).
     first: usize,
     len: usize,
+    /// Whether the rows were laid out for the device's products as they were read
+    /// ([`crate::backend::Backend::host_matrix_layout`]).
+    laid_out: bool,
     _hold: Reservation,
 }
 
 impl PartData {
     pub fn bytes(&self) -> &[u8] {
         &self.buf.as_slice()[self.first..self.first + self.len]
+    }
+
+    /// Whether [`PartData::bytes`] are laid out for the device's products, not rows: they go
+    /// into a slot by [`crate::backend::Backend::upload_laid_out`].
+    pub fn laid_out(&self) -> bool {
+        self.laid_out
     }
 }
 
@@ -52,6 +61,9 @@ struct Reader {
     ledger: Arc<Ledger>,
     shape: LayerShape,
     residency: Residency,
+    /// Lays attention's rows out for the device's products as they are read (they are only
+    /// multiplied), where the device has such a layout.
+    layout: Option<HostMatrixLayout>,
 }
 
 impl Reader {
@@ -95,6 +107,7 @@ impl Reader {
                 buf,
                 first: 0,
                 len: 0,
+                laid_out: false,
                 _hold: hold,
             });
         }
@@ -112,6 +125,13 @@ impl Reader {
             self.ledger.count_ssd(read);
             pd.first = first;
             pd.len = pd.rows.len() * seg.row_bytes();
+            pd.laid_out = match &self.layout {
+                Some(lay_out) if Part::ATTENTION.contains(&pd.part) => {
+                    let bytes = &mut pd.buf.as_mut_slice()[first..first + pd.len];
+                    lay_out(device_dtype(seg), pd.rows.len(), seg.row_bytes(), bytes)
+                }
+                _ => false,
+            };
             Ok(())
         };
         if data.parts.len() <= 1 {
@@ -178,7 +198,8 @@ pub struct DramCache {
 
 impl DramCache {
     /// Load the fixed area (layers `0..fixed_layers`) now and start the preloader for the rest
-    /// with `dynamic_buffers` buffers.
+    /// with `dynamic_buffers` buffers, each page-locked by `pin` where it can be and its
+    /// attention laid out by `layout` where the device has a layout of its own.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: Arc<Store>,
@@ -188,13 +209,14 @@ impl DramCache {
         n_layers: usize,
         fixed_layers: usize,
         dynamic_buffers: usize,
-        pin: PinFn,
+        (pin, layout): (PinFn, Option<HostMatrixLayout>),
     ) -> Result<Self, StoreError> {
         let reader = Reader {
             store,
             ledger,
             shape,
             residency,
+            layout,
         };
         let mut fixed = Vec::with_capacity(fixed_layers);
         for l in 0..fixed_layers.min(n_layers) {

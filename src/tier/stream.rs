@@ -232,7 +232,11 @@ impl<B: Backend> StreamWeights<B> {
             // This layer's format of the part (layers may differ, as in K-quant mixes).
             let (dtype, cols) = self.part_formats[layer][pd.part.index()];
             b.retype_weight(w, dtype, pd.rows.len(), cols)?;
-            b.upload_into(w, 0, pd.bytes())?;
+            if pd.laid_out() {
+                b.upload_laid_out(w, pd.bytes())?;
+            } else {
+                b.upload_into(w, 0, pd.bytes())?;
+            }
         }
         s.layer = Some(layer);
         s.ready = Some(b.copies_done()?);
@@ -384,15 +388,18 @@ fn dram_cache<B: Backend>(
             plan.dram.fixed_layers
         },
         plan.dram.dynamic_buffers,
-        &|buf: &AlignedBuf| match b.pin_host(buf.as_slice()) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(
-                    "cannot page-lock a DRAM buffer ({e}); copies from it will be slower"
-                );
-                None
-            }
-        },
+        (
+            &|buf: &AlignedBuf| match b.pin_host(buf.as_slice()) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot page-lock a DRAM buffer ({e}); copies from it will be slower"
+                    );
+                    None
+                }
+            },
+            b.host_matrix_layout(),
+        ),
     )
     .map_err(store_err)
 }

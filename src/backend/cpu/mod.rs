@@ -130,6 +130,20 @@ impl Backend for CpuBackend {
         w.lay_out_for_products(self.kernels)
     }
 
+    fn host_matrix_layout(&self) -> Option<crate::backend::HostMatrixLayout> {
+        let k = self.kernels;
+        Some(std::sync::Arc::new(move |dtype, rows, row_bytes, bytes| {
+            weight::lay_out_rows(k, dtype, rows, row_bytes, bytes)
+        }))
+    }
+
+    fn upload_laid_out(&self, dst: &mut CpuWeight, src: &[u8]) -> Result<()> {
+        dst.check_tiles("upload_laid_out", self.kernels)?;
+        self.upload_into(dst, 0, src)?;
+        dst.landed_in_tiles();
+        Ok(())
+    }
+
     fn pack_for_products(&self, ws: &mut [&mut CpuWeight]) -> Result<()> {
         let mut bytes: Vec<&mut Bytes> = ws.iter_mut().map(|w| w.bytes_for_packing()).collect();
         Bytes::pack_huge(&mut bytes);

@@ -27,6 +27,9 @@ pub struct CpuWeight {
     /// in neuron tiles too ([`CpuWeight::lay_out_neuron_tiles`]), which those ops read instead
     /// of the rows.
     neuron_tiles: Option<Bytes>,
+    /// The tiles were copied in whole ([`CpuWeight::landed_in_tiles`]): a slot, which
+    /// [`CpuWeight::retype`] may refill as rows (a matrix laid out in place may not be).
+    landed_in_tiles: bool,
 }
 
 /// What a [`CpuWeight`] of INT8/INT4 bundles holds beyond its bytes: no storage format reads
@@ -44,6 +47,7 @@ impl From<HostTensor> for CpuWeight {
             coded: None,
             layout: Layout::Rows,
             neuron_tiles: None,
+            landed_in_tiles: false,
         }
     }
 }
@@ -124,6 +128,11 @@ impl CpuWeight {
     /// The slot as `rows × cols` of `dtype` (a slot that held coded bundles becomes a plain
     /// tensor again).
     pub(super) fn retype(&mut self, dtype: DType, rows: usize, cols: usize) -> Result<()> {
+        if self.landed_in_tiles {
+            // A slot refilled holds rows again until its next bytes say otherwise.
+            self.layout = Layout::Rows;
+            self.landed_in_tiles = false;
+        }
         self.not_tiled("retype_weight")?;
         let w = &mut self.t;
         let Bytes::Owned { words, len } = &mut w.data else {
@@ -147,8 +156,7 @@ impl CpuWeight {
     pub(super) fn lay_out_for_products(&mut self, kernels: &Kernels) -> Result<()> {
         self.not_coded("lay_out_for_products")?;
         let t = &self.t;
-        let fits = tiles_format(t.dtype) && kernels.tiled(t.dtype).is_some();
-        if self.layout == Layout::Tiles || !fits || t.rows < TILE_ROWS {
+        if self.layout == Layout::Tiles || !tiles_apply(kernels, t.dtype, t.rows) {
             return Ok(());
         }
         let (rows, rb, dtype) = (t.rows, t.row_bytes(), t.dtype);
@@ -180,6 +188,29 @@ impl CpuWeight {
         self.neuron_tiles.as_ref().map(|b| b.as_slice())
     }
 
+    /// Refuse (for `op`) bytes laid out by [`lay_out_rows`] for this weight, where the
+    /// kernels have no tiles for its format and rows.
+    pub(super) fn check_tiles(&self, op: &'static str, kernels: &Kernels) -> Result<()> {
+        self.not_coded(op)?;
+        if !tiles_apply(kernels, self.t.dtype, self.t.rows) {
+            return Err(shape_err(
+                op,
+                format!(
+                    "`{}` ({} rows of {}) has no tiles for these kernels",
+                    self.t.name, self.t.rows, self.t.dtype
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The slot's bytes were just copied in whole, laid out by [`lay_out_rows`]
+    /// ([`CpuWeight::check_tiles`] passed): from now on only the products read them, in tiles.
+    pub(super) fn landed_in_tiles(&mut self) {
+        self.layout = Layout::Tiles;
+        self.landed_in_tiles = true;
+    }
+
     /// Refuse `op` a weight laid out in tiles, where it would read rows.
     fn not_tiled(&self, op: &'static str) -> Result<()> {
         match self.layout {
@@ -208,6 +239,33 @@ impl CpuWeight {
     pub(super) fn coded_parts(&self) -> Option<usize> {
         self.coded.map(|c| c.parts)
     }
+}
+
+/// Whether `kernels` multiply `rows` rows of `dtype` in tiles (a tiles format with many-row
+/// kernels, a whole tile at least).
+fn tiles_apply(kernels: &Kernels, dtype: DType, rows: usize) -> bool {
+    tiles_format(dtype) && kernels.tiled(dtype).is_some() && rows >= TILE_ROWS
+}
+
+/// Lay `rows` rows of `dtype` (`row_bytes` each) in `bytes` out in tiles in place, where
+/// `kernels` multiply them so; whether it did ([`Backend::host_matrix_layout`]'s function).
+///
+/// [`Backend::host_matrix_layout`]: crate::backend::Backend::host_matrix_layout
+pub(super) fn lay_out_rows(
+    kernels: &Kernels,
+    dtype: DType,
+    rows: usize,
+    row_bytes: usize,
+    bytes: &mut [u8],
+) -> bool {
+    if !tiles_apply(kernels, dtype, rows)
+        || bytes.len() < rows * row_bytes
+        || !row_bytes.is_multiple_of(dtype.block_bytes())
+    {
+        return false;
+    }
+    tile_rows(dtype, bytes, rows, row_bytes);
+    true
 }
 
 /// `rows` bundles of `shape` in `enc` held in `data` (sized by the caller): float bundles are a
@@ -241,6 +299,7 @@ pub(super) fn bundle_weight(
         coded,
         layout: Layout::Rows,
         neuron_tiles: None,
+        landed_in_tiles: false,
     }
 }
 
@@ -305,6 +364,61 @@ mod tests {
         let mut slot = b.alloc_weight("s", DType::Q4_1, 40, 64).unwrap();
         refused(b.scatter_rows(&tiled, &[0], &mut slot).unwrap_err());
         refused(b.retype_weight(&mut tiled, DType::Q8_0, 8, 64).unwrap_err());
+    }
+
+    /// Bytes laid out on the host by the backend's own function and copied whole into a slot
+    /// multiply to the bits the rows give; refilled, the slot holds rows again; what has no
+    /// tiles is left as rows by the function and refused by the upload.
+    #[test]
+    fn slots_filled_in_tiles_multiply_as_rows_and_refill_as_rows() {
+        let b = CpuBackend::new(2).unwrap();
+        let (rows_n, cols) = (40, 64);
+        let host = matrix(DType::Q4_1, rows_n, cols);
+        let rb = host.row_bytes();
+        let lay_out = b.host_matrix_layout().unwrap();
+        let mut bytes = host.data.as_slice().to_vec();
+        if !lay_out(DType::Q4_1, rows_n, rb, &mut bytes) {
+            println!("skipped: the {} kernels read no tiles", b.kernels.name);
+            return;
+        }
+        assert_ne!(bytes, host.data.as_slice(), "laid out");
+        let rows = b.upload(&host).unwrap();
+        let mut slot = b.alloc_weight("slot", DType::Q8_0, rows_n, cols).unwrap();
+        let mut x = b.alloc(3, cols).unwrap();
+        let xs: Vec<f32> = (0..3 * cols).map(|i| (i % 7) as f32 * 0.3 - 1.0).collect();
+        b.write(&mut x, &xs).unwrap();
+        let product = |w: &CpuWeight| {
+            let mut out = b.alloc(3, rows_n).unwrap();
+            b.matmul_into(w, &x, &mut out, 0).unwrap();
+            out.data.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+        };
+        let want = product(&rows);
+        for _ in 0..2 {
+            b.retype_weight(&mut slot, DType::Q4_1, rows_n, cols)
+                .unwrap();
+            b.upload_laid_out(&mut slot, &bytes).unwrap();
+            assert_eq!(slot.layout(), Layout::Tiles);
+            assert_eq!(product(&slot), want, "in tiles");
+            b.retype_weight(&mut slot, DType::Q4_1, rows_n, cols)
+                .unwrap();
+            assert_eq!(slot.layout(), Layout::Rows, "refilled as rows");
+            b.upload_into(&mut slot, 0, host.data.as_slice()).unwrap();
+            assert_eq!(product(&slot), want, "as rows");
+        }
+        // No tiles: f32, or fewer rows than a tile.
+        let mut f = matrix(DType::F32, 32, cols).data.as_slice().to_vec();
+        assert!(!lay_out(DType::F32, 32, cols * 4, &mut f));
+        let mut few = matrix(DType::Q8_0, 15, cols).data.as_slice().to_vec();
+        let few_rb = DType::Q8_0.bytes_for(cols);
+        assert!(!lay_out(DType::Q8_0, 15, few_rb, &mut few));
+        let mut f32_slot = b.alloc_weight("f", DType::F32, 32, cols).unwrap();
+        let zeros = vec![0u8; f.len()];
+        assert!(b.upload_laid_out(&mut f32_slot, &f).is_err());
+        assert_eq!(
+            f32_slot.as_tensor().unwrap().data.as_slice(),
+            &zeros[..],
+            "nothing copied"
+        );
     }
 
     /// Formats without tiles, and matrices of fewer rows than a tile, stay as rows.
