@@ -31,6 +31,7 @@ pub const REFUSED_WHILE_RECORDING: &[&str] = &[
     "upload_bundles",
     "map_bundles",
     "upload_into",
+    "upload_laid_out",
     "pace_copies",
     "write",
     "read",
@@ -43,6 +44,7 @@ pub const REFUSED_WHILE_RECORDING: &[&str] = &[
     "embed",
     "ffn_bundles_up_listed",
     "ffn_bundles_down_listed",
+    "ffn_bundles_listed",
     "scatter_rows",
     "a neuron list",
     // A position taken as an argument (a replay would repeat it), and the step position itself.
@@ -158,6 +160,53 @@ mod tests {
             .map_or("not refused".into(), |e| e.to_string())
     }
 
+    /// The neuron-list ops tried while recording (their weights and tensors made first).
+    fn neuron_list_refusals(sim: &SimBackend) -> Vec<(&'static str, String)> {
+        let shape = BundleShape { parts: 2, d: 32 };
+        let raw = Bytes::from_slice(&[0u8; 256]);
+        let host = HostTensor::from_f32("w", 2, 32, vec![0.5; 64]);
+        let w = sim.upload(&host).unwrap();
+        let mut slot = sim.alloc_weight("slot", DType::F32, 2, 32).unwrap();
+        let b = sim.upload_bundles("b", Encoding::F32, shape, &raw).unwrap();
+        let (mut x, mut h) = (sim.alloc(1, 32).unwrap(), sim.alloc(1, 2).unwrap());
+        let mut y = sim.alloc(1, 32).unwrap();
+        vec![
+            (
+                "ffn_bundles_up_listed",
+                refusal(sim, || {
+                    sim.ffn_bundles_up_listed(&b, shape, &x, Act::Relu, 0.0, None, &[0], &mut h)
+                }),
+            ),
+            (
+                "ffn_bundles_down_listed",
+                refusal(sim, || {
+                    sim.ffn_bundles_down_listed(&b, shape, &h, (&[0], &[0]), &mut x)
+                }),
+            ),
+            (
+                "ffn_bundles_listed",
+                refusal(sim, || {
+                    let how = (Act::Relu, 0.0);
+                    let listed = (&[0u32][..], &[0u32][..]);
+                    sim.ffn_bundles_listed_from(
+                        (&b, None),
+                        shape,
+                        &x,
+                        how,
+                        None,
+                        listed,
+                        &mut h,
+                        &mut y,
+                    )
+                }),
+            ),
+            (
+                "scatter_rows",
+                refusal(sim, || sim.scatter_rows(&w, &[1], &mut slot)),
+            ),
+        ]
+    }
+
     #[test]
     fn the_budgeted_device_refuses_every_listed_op_while_recording() {
         let sim = SimBackend::new(CpuBackend::new(1).unwrap(), Ledger::new(None, None));
@@ -165,15 +214,14 @@ mod tests {
         let host = HostTensor::from_f32("w", 2, 32, vec![0.5; 64]);
         let raw = Bytes::from_slice(&[0u8; 256]);
         let mut w = sim.upload(&host).unwrap();
-        let mut slot = sim.alloc_weight("slot", DType::F32, 2, 32).unwrap();
-        let b = sim.upload_bundles("b", Encoding::F32, shape, &raw).unwrap();
-        let (mut x, mut h) = (sim.alloc(1, 32).unwrap(), sim.alloc(1, 2).unwrap());
+        let mut x = sim.alloc(1, 32).unwrap();
         let mut kv = sim.alloc_kv(16, 32, KvType::F32).unwrap();
         let mut table = sim.alloc_kv_table(1).unwrap();
         sim.set_workspace(1 << 20).unwrap();
         sim.set_step_position(0).unwrap();
         let (mut values, mut bytes) = (vec![0f32; 32], vec![0u8; 128]);
-        let tried: Vec<(&str, String)> = vec![
+        let now = std::time::Instant::now();
+        let mut tried: Vec<(&str, String)> = vec![
             ("alloc", refusal(&sim, || sim.alloc(1, 1).map(drop))),
             (
                 "alloc_weight",
@@ -220,13 +268,19 @@ mod tests {
                 "upload_into",
                 refusal(&sim, || sim.upload_into(&mut w, 0, &bytes)),
             ),
+            (
+                "upload_laid_out",
+                refusal(&sim, || sim.upload_laid_out(&mut w, &bytes)),
+            ),
             ("pace_copies", refusal(&sim, || sim.pace_copies(1e9))),
             ("write", refusal(&sim, || sim.write(&mut x, &values))),
             ("read", refusal(&sim, || sim.read(&x, &mut values))),
             // SAFETY: `values` is not touched until the call has returned (it copies at once).
             (
                 "read_queued",
-                refusal(&sim, || unsafe { sim.read_queued(&x, &mut values) }),
+                refusal(&sim, || {
+                    unsafe { sim.read_queued(&x, &mut values) }.map(drop)
+                }),
             ),
             (
                 "write_kv_table",
@@ -250,22 +304,6 @@ mod tests {
             ),
             ("embed", refusal(&sim, || sim.embed(&w, &[0], &mut x))),
             (
-                "ffn_bundles_up_listed",
-                refusal(&sim, || {
-                    sim.ffn_bundles_up_listed(&b, shape, &x, Act::Relu, 0.0, None, &[0], &mut h)
-                }),
-            ),
-            (
-                "ffn_bundles_down_listed",
-                refusal(&sim, || {
-                    sim.ffn_bundles_down_listed(&b, shape, &h, (&[0], &[0]), &mut x)
-                }),
-            ),
-            (
-                "scatter_rows",
-                refusal(&sim, || sim.scatter_rows(&w, &[1], &mut slot)),
-            ),
-            (
                 "add_table_rows",
                 refusal(&sim, || sim.add_table_rows(&mut x, &w, 0)),
             ),
@@ -273,12 +311,16 @@ mod tests {
                 "set_step_position",
                 refusal(&sim, || sim.set_step_position(0)),
             ),
-            ("copies_done", refusal(&sim, || sim.copies_done())),
-            ("compute_done", refusal(&sim, || sim.compute_done())),
-            ("compute_waits", refusal(&sim, || sim.compute_waits(&()))),
-            ("copies_wait", refusal(&sim, || sim.copies_wait(&()))),
-            ("host_waits", refusal(&sim, || sim.host_waits(&()))),
+            ("copies_done", refusal(&sim, || sim.copies_done().map(drop))),
+            (
+                "compute_done",
+                refusal(&sim, || sim.compute_done().map(drop)),
+            ),
+            ("compute_waits", refusal(&sim, || sim.compute_waits(&now))),
+            ("copies_wait", refusal(&sim, || sim.copies_wait(&now))),
+            ("host_waits", refusal(&sim, || sim.host_waits(&now))),
         ];
+        tried.extend(neuron_list_refusals(&sim));
         for (op, e) in &tried {
             assert!(
                 e.starts_with(&format!("device error: {op} inside a recorded step")),

@@ -9,7 +9,7 @@ use crate::backend::{Experts, Route};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::cpu::{CpuBackend, CpuKv, CpuKvTable, CpuTensor, CpuWeight};
 use super::memory::{DeviceAlloc, DeviceMemory, Workspace, check_workspace};
@@ -23,6 +23,7 @@ use super::{
 use crate::footprint::ledger::Ledger;
 use crate::store::Encoding;
 use crate::tensor::{Bytes, DType, HostTensor};
+use link::wait_until;
 
 pub struct SimBackend {
     cpu: CpuBackend,
@@ -206,7 +207,6 @@ impl SimBackend {
         check_workspace(&op, self.workspace_held())
     }
 
-    /// Count a host→device copy of `bytes`, taking as long as the emulated link would.
     /// The workspace CUDA takes to multiply `tokens` rows by `w` (coded bundles are no matrix:
     /// the CPU backend refuses them after this).
     fn check_matmul_workspace(&self, w: &SimWeight, tokens: usize) -> Result<()> {
@@ -220,72 +220,14 @@ impl SimBackend {
             None => Ok(()),
         }
     }
-
-    /// When the paced link is free again: the end of the last paced copy or in-place read
-    /// (`None` while nothing paces it).
-    #[cfg(test)]
-    pub(super) fn link_free_at(&self) -> Option<Instant> {
-        self.pace
-            .lock()
-            .ok()
-            .and_then(|p| p.map(|(_, until)| until))
-    }
-
-    fn copied_in(&self, bytes: usize, started: Instant) {
-        self.ledger().count_h2d(bytes as u64);
-        let Ok(mut pace) = self.pace.lock() else {
-            return;
-        };
-        if let Some((rate, until)) = pace.as_mut() {
-            let end = (*until).max(started) + Duration::from_secs_f64(bytes as f64 / *rate);
-            *until = end;
-            wait_until(end);
-        }
-    }
-}
-
-/// Block the calling thread until `end`, to within a few microseconds. A plain sleep wakes up
-/// late by the thread's timer slack (Linux: 50 µs by default; measured on the 2-core CI machine,
-/// a 5 µs sleep took 61 µs and a 200 µs one 262 µs), which made each short paced copy and
-/// in-place read take several times its time at the link's rate. So the thread's slack is
-/// set to its minimum once (a 5 µs sleep then took 10 µs), the sleep stops short of `end`, and
-/// the rest is spun.
-fn wait_until(end: Instant) {
-    /// What is spun rather than slept: above the wake-up latency left with the minimal slack.
-    const SPIN: Duration = Duration::from_micros(20);
-    fine_timer_slack();
-    loop {
-        let now = Instant::now();
-        if now >= end {
-            return;
-        }
-        let left = end - now;
-        if left > SPIN {
-            std::thread::sleep(left - SPIN);
-        } else {
-            std::hint::spin_loop();
-        }
-    }
-}
-
-/// The calling thread's timer slack at its minimum (once per thread; Linux only).
-fn fine_timer_slack() {
-    thread_local!(static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-    SET.with(|set| {
-        if !set.replace(true) {
-            #[cfg(target_os = "linux")]
-            // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
-            unsafe {
-                libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0);
-            }
-        }
-    });
 }
 
 impl Backend for SimBackend {
     type Tensor = SimTensor;
     type Weight = SimWeight;
-    type Event = ();
+    /// When the work it marks is done: the host computes as asked, while copies queue on the
+    /// paced link as on CUDA's copy stream.
+    type Event = Instant;
     type Kv = SimKv;
     type KvTable = SimKvTable;
     type Recording = SimRecording;
@@ -409,7 +351,8 @@ impl Backend for SimBackend {
         self.outside("upload_into")?;
         let t0 = Instant::now();
         self.cpu.upload_into(&mut dst.w, first_row, src)?;
-        self.copied_in(src.len(), t0);
+        // On the copy stream: the caller waits for it by its event, as on CUDA.
+        self.queue_on_link(src.len(), t0);
         Ok(())
     }
 
@@ -421,33 +364,44 @@ impl Backend for SimBackend {
         self.outside("upload_laid_out")?;
         let t0 = Instant::now();
         self.cpu.upload_laid_out(&mut dst.w, src)?;
-        self.copied_in(src.len(), t0);
+        self.queue_on_link(src.len(), t0);
         Ok(())
     }
 
-    fn copies_done(&self) -> Result<()> {
+    fn copies_done(&self) -> Result<Instant> {
         self.outside("copies_done")?;
-        Ok(())
+        // When the last copy queued crosses the link (now where nothing paces it).
+        let now = Instant::now();
+        let until = self
+            .pace
+            .lock()
+            .ok()
+            .and_then(|p| p.map(|(_, until)| until));
+        Ok(until.map_or(now, |u| u.max(now)))
     }
 
-    fn compute_done(&self) -> Result<()> {
+    fn compute_done(&self) -> Result<Instant> {
         self.outside("compute_done")?;
-        Ok(())
+        // The host computes as it is asked: what was queued is done.
+        Ok(Instant::now())
     }
 
-    fn compute_waits(&self, _: &()) -> Result<()> {
+    fn compute_waits(&self, copied: &Instant) -> Result<()> {
         self.outside("compute_waits")?;
+        wait_until(*copied);
         Ok(())
     }
 
-    fn copies_wait(&self, _: &()) -> Result<()> {
+    fn copies_wait(&self, _: &Instant) -> Result<()> {
         self.outside("copies_wait")?;
+        // A copy queued from now starts no earlier than now, after any compute event.
         Ok(())
     }
 
-    fn host_waits(&self, _: &()) -> Result<()> {
+    fn host_waits(&self, ev: &Instant) -> Result<()> {
         self.outside("host_waits")?;
         self.ledger().count_host_wait();
+        wait_until(*ev);
         Ok(())
     }
 
@@ -488,12 +442,12 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    unsafe fn read_queued(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
+    unsafe fn read_queued(&self, src: &SimTensor, dst: &mut [f32]) -> Result<Instant> {
         self.outside("read_queued")?;
         // The copy is done at once; the wait is counted where the host waits on the event.
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
-        Ok(())
+        Ok(Instant::now())
     }
 
     fn copy_rows(
@@ -794,7 +748,7 @@ impl Backend for SimBackend {
 
     fn ffn_bundles_up_listed_from(
         &self,
-        (b, rest): (&SimWeight, Option<&SimWeight>),
+        listed: (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         x: &SimTensor,
         act: Act,
@@ -803,29 +757,22 @@ impl Backend for SimBackend {
         idx: &[u32],
         h: &mut SimTensor,
     ) -> Result<()> {
-        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
-        // The neuron list is copied from the host: nothing a recording holds.
-        self.outside("ffn_bundles_up_listed")?;
-        let t0 = Instant::now();
-        let read = self.cpu.listed_reading(
-            (&b.w, rest.map(|r| &r.w)),
+        let how = (act, threshold);
+        self.listed_op(
+            "ffn_bundles_up_listed",
+            listed,
             shape,
-            &x.t,
-            (act, threshold),
-            up_bias.map(|w| &w.w),
-            idx,
-            &mut h.t,
-            None,
-        )?;
-        let mut up = vec![false; idx.len()];
-        read.iter().for_each(|&j| up[j] = true);
-        self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
-        Ok(())
+            x,
+            how,
+            up_bias,
+            (idx, None),
+            h,
+        )
     }
 
     fn ffn_bundles_listed_from(
         &self,
-        (b, rest): (&SimWeight, Option<&SimWeight>),
+        listed: (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         x: &SimTensor,
         how: (Act, f32),
@@ -834,53 +781,28 @@ impl Backend for SimBackend {
         h: &mut SimTensor,
         out: &mut SimTensor,
     ) -> Result<()> {
-        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
-        self.outside("ffn_bundles_listed")?;
-        let t0 = Instant::now();
-        let read = self.cpu.listed_reading(
-            (&b.w, rest.map(|r| &r.w)),
+        let down = Some((ids, out));
+        self.listed_op(
+            "ffn_bundles_listed",
+            listed,
             shape,
-            &x.t,
+            x,
             how,
-            up_bias.map(|w| &w.w),
-            idx,
-            &mut h.t,
-            Some((ids, &mut out.t)),
-        )?;
-        // The link carries what the two listed ops would read: the up side's, then the down
-        // side's (the neurons with an activation for some token).
-        let mut up = vec![false; idx.len()];
-        read.iter().for_each(|&j| up[j] = true);
-        self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
-        let (rows, stride) = (h.t.rows, h.t.cols);
-        let live = |j: usize| (0..rows).any(|t| h.t.data[t * stride + j] != 0.0);
-        self.listed_in_place((b, rest), shape, idx, (false, &live), t0);
-        Ok(())
+            up_bias,
+            (idx, down),
+            h,
+        )
     }
 
     fn ffn_bundles_down_listed_from(
         &self,
-        (b, rest): (&SimWeight, Option<&SimWeight>),
+        listed: (&SimWeight, Option<&SimWeight>),
         shape: BundleShape,
         h: &SimTensor,
-        (idx, ids): (&[u32], &[u32]),
+        entries: (&[u32], &[u32]),
         out: &mut SimTensor,
     ) -> Result<()> {
-        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
-        self.outside("ffn_bundles_down_listed")?;
-        let t0 = Instant::now();
-        self.cpu.ffn_bundles_down_listed_from(
-            (&b.w, rest.map(|r| &r.w)),
-            shape,
-            &h.t,
-            (idx, ids),
-            &mut out.t,
-        )?;
-        // The down side reads the neurons with an activation for some token.
-        let (rows, stride) = (h.t.rows, h.t.cols);
-        let live = |j: usize| (0..rows).any(|t| h.t.data[t * stride + j] != 0.0);
-        self.listed_in_place((b, rest), shape, idx, (false, &live), t0);
-        Ok(())
+        self.listed_down(listed, shape, h, entries, out)
     }
 
     fn scatter_rows(&self, src: &SimWeight, rows: &[u32], dst: &mut SimWeight) -> Result<()> {
@@ -1214,6 +1136,8 @@ impl Backend for SimBackend {
 
 #[path = "sim_bundles.rs"]
 mod bundles;
+#[path = "sim_link.rs"]
+mod link;
 
 #[cfg(test)]
 #[path = "sim_tests.rs"]

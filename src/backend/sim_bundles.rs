@@ -1,12 +1,13 @@
 //! The budgeted device's accounting of its bundle ops (a child module of `sim`, kept in its own
-//! file): whole-run ops refused on host memory, the device reads they leave unread, the link
-//! bytes the listed ops read in place.
+//! file): whole-run ops refused on host memory, the device reads they leave unread, the listed
+//! ops and the link bytes they read in place.
 
 use std::time::Instant;
 
-use super::{SimBackend, SimWeight};
+use super::{SimBackend, SimTensor, SimWeight};
 use crate::backend::cpu::CpuTensor;
-use crate::backend::{BackendError, BundleShape, Result};
+use crate::backend::{Act, Backend, BackendError, BundleShape, Result};
+use crate::footprint::workspace::WorkspaceOp;
 
 impl SimBackend {
     /// Refuse `b` for `op` (a whole-bundle op) where it is host memory read in place: only the
@@ -73,4 +74,71 @@ impl SimBackend {
             self.copied_in(bytes as usize, t0);
         }
     }
+}
+
+impl SimBackend {
+    /// [`Backend::ffn_bundles_up_listed_from`] (`down`: none) and
+    /// [`Backend::ffn_bundles_listed_from`] (`down`: the entries' ids and the output) as `op`:
+    /// the CPU's op, its in-place reads paced as the link carries them (the up side's, then
+    /// the down side's: the neurons with an activation for some token).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn listed_op(
+        &self,
+        op: &'static str,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
+        shape: BundleShape,
+        x: &SimTensor,
+        how: (Act, f32),
+        up_bias: Option<&SimWeight>,
+        (idx, down): (&[u32], Option<(&[u32], &mut SimTensor)>),
+        h: &mut SimTensor,
+    ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        // The neuron list is copied from the host: nothing a recording holds.
+        self.outside(op)?;
+        let t0 = Instant::now();
+        let both = down.is_some();
+        let read = self.cpu.listed_reading(
+            (&b.w, rest.map(|r| &r.w)),
+            shape,
+            &x.t,
+            how,
+            up_bias.map(|w| &w.w),
+            idx,
+            &mut h.t,
+            down.map(|(ids, out)| (ids, &mut out.t)),
+        )?;
+        let mut up = vec![false; idx.len()];
+        read.iter().for_each(|&j| up[j] = true);
+        self.listed_in_place((b, rest), shape, idx, (true, &|j| up[j]), t0);
+        if both {
+            self.listed_in_place((b, rest), shape, idx, (false, &live_in(&h.t)), t0);
+        }
+        Ok(())
+    }
+
+    /// [`Backend::ffn_bundles_down_listed_from`]: the CPU's op, its in-place reads paced (the
+    /// neurons with an activation for some token).
+    pub(super) fn listed_down(
+        &self,
+        (b, rest): (&SimWeight, Option<&SimWeight>),
+        shape: BundleShape,
+        h: &SimTensor,
+        (idx, ids): (&[u32], &[u32]),
+        out: &mut SimTensor,
+    ) -> Result<()> {
+        self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
+        self.outside("ffn_bundles_down_listed")?;
+        let t0 = Instant::now();
+        let listed = (&b.w, rest.map(|r| &r.w));
+        self.cpu
+            .ffn_bundles_down_listed_from(listed, shape, &h.t, (idx, ids), &mut out.t)?;
+        self.listed_in_place((b, rest), shape, idx, (false, &live_in(&h.t)), t0);
+        Ok(())
+    }
+}
+
+/// Whether list position `j` of `h` (tokens × list) is non-zero for some token.
+fn live_in(h: &CpuTensor) -> impl Fn(usize) -> bool + '_ {
+    move |j| (0..h.rows).any(|t| h.data[t * h.cols + j] != 0.0)
 }

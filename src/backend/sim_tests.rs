@@ -1,5 +1,6 @@
 //! Tests of the budgeted device (a child module of `sim`, kept in its own file).
 use super::*;
+use std::time::Duration;
 
 #[test]
 fn device_memory_is_budgeted_and_copies_counted() {
@@ -130,4 +131,46 @@ fn paced_waits_end_no_earlier_than_asked() {
         wait_until(end);
         assert!(Instant::now() >= end, "{us} µs");
     }
+}
+
+/// Weight copies queue on the paced link as on CUDA's copy stream: an upload returns at once
+/// with its bytes in place, its event ends when they have crossed at the link's rate (behind the
+/// copy queued before it), and whoever waits on the event (the compute or the host) returns no
+/// earlier.
+#[test]
+fn weight_copies_queue_on_the_link_and_their_readers_wait() {
+    let ledger = Ledger::new(None, None);
+    let sim = SimBackend::new(CpuBackend::new(1).unwrap(), ledger.clone());
+    // A hundred bytes a millisecond: each 8 KiB copy takes 82 ms of link.
+    let rate = 1e5;
+    let half = 8192;
+    let crossing = Duration::from_secs_f64(half as f64 / rate);
+    sim.pace_copies(rate).unwrap();
+    let mut slot = sim.alloc_weight("slot", DType::F32, 4, 1024).unwrap();
+    let bytes: Vec<u8> = (0..2 * half).map(|i| (i % 251) as u8).collect();
+    let t0 = Instant::now();
+    sim.upload_into(&mut slot, 0, &bytes[..half]).unwrap();
+    let first = sim.copies_done().unwrap();
+    sim.upload_into(&mut slot, 2, &bytes[half..]).unwrap();
+    let second = sim.copies_done().unwrap();
+    assert!(
+        Instant::now() < first,
+        "the uploads returned before their bytes crossed"
+    );
+    assert_eq!(
+        slot.w.as_tensor().unwrap().data.as_slice(),
+        &bytes[..],
+        "the bytes are in place"
+    );
+    assert!(first >= t0 + crossing && second >= first + crossing);
+    sim.compute_waits(&first).unwrap();
+    assert!(
+        Instant::now() >= first,
+        "the compute waited for the first copy"
+    );
+    sim.host_waits(&second).unwrap();
+    assert!(Instant::now() >= second, "the host waited for the second");
+    assert_eq!(ledger.snapshot().h2d_bytes, 2 * half as u64);
+    // Compute is done when asked: its event is no later than now.
+    assert!(sim.compute_done().unwrap() <= Instant::now());
 }
