@@ -126,13 +126,6 @@ impl<'a> NeuronTiles<'a> {
         let (part, r) = self.row(i, p);
         (0..self.d).map(|c| part[at(r, c)]).collect()
     }
-
-    fn check_idx(&self, op: &'static str, idx: &[u32]) -> Result<()> {
-        match idx.iter().find(|&&i| i as usize >= self.neurons) {
-            Some(i) => Err(err(op, format!("neuron {i} of {}", self.neurons))),
-            None => Ok(()),
-        }
-    }
 }
 
 /// The neurons a tiled walk lists: rows of tiles, or a cache unit's slots (gated f16 bundles)
@@ -185,13 +178,17 @@ impl<'a> TiledList<'a> {
     }
 
     fn check_idx(&self, op: &'static str, idx: &[u32]) -> Result<()> {
-        let (tiled, slotted): (Vec<u32>, Vec<u32>) = idx
-            .iter()
-            .partition(|&&e| matches!(self.place(e), Place::Tile(_)));
-        let tiled: Vec<u32> = tiled.iter().map(|&e| e & !IN_REST).collect();
-        self.tiles.check_idx(op, &tiled)?;
-        match &self.slots {
-            Some(slots) => slots.check_idx(op, &slotted),
+        let slots = self.slots.as_ref().map_or(0, |s| s.neurons);
+        let bad = idx.iter().find(|&&e| match self.place(e) {
+            Place::Tile(i) => i >= self.tiles.neurons,
+            Place::Slot(i) => i >= slots,
+        });
+        match bad.map(|&e| self.place(e)) {
+            Some(Place::Tile(i)) => Err(err(
+                op,
+                format!("neuron {i} of {} in tiles", self.tiles.neurons),
+            )),
+            Some(Place::Slot(i)) => Err(err(op, format!("slot {i} of {slots}"))),
             None => Ok(()),
         }
     }
