@@ -372,12 +372,7 @@ impl Backend for SimBackend {
         self.outside("copies_done")?;
         // When the last copy queued crosses the link (now where nothing paces it).
         let now = Instant::now();
-        let until = self
-            .pace
-            .lock()
-            .ok()
-            .and_then(|p| p.map(|(_, until)| until));
-        Ok(until.map_or(now, |u| u.max(now)))
+        Ok(self.link_free_at().map_or(now, |u| u.max(now)))
     }
 
     fn compute_done(&self) -> Result<Instant> {

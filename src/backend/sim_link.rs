@@ -8,7 +8,6 @@ use super::SimBackend;
 impl SimBackend {
     /// When the paced link is free again: the end of the last paced copy or in-place read
     /// (`None` while nothing paces it).
-    #[cfg(test)]
     pub(crate) fn link_free_at(&self) -> Option<Instant> {
         self.pace
             .lock()

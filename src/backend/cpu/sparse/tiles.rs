@@ -152,6 +152,15 @@ enum Place {
     Slot(usize),
 }
 
+impl Place {
+    /// The row it names, of the tiles or of the slots.
+    fn row(self) -> usize {
+        match self {
+            Place::Tile(i) | Place::Slot(i) => i,
+        }
+    }
+}
+
 impl<'a> TiledList<'a> {
     /// `slots` (gated f16 bundles as wide as the tiles) beside `tiles`, checked.
     pub fn with_slots(slots: Bundles<'a>, tiles: NeuronTiles<'a>) -> Result<Self> {
@@ -226,20 +235,14 @@ enum FourRows<'a> {
 impl<'a> TileOps<'a> {
     /// Part `p` of the neurons of entries `es` (one group's: all in tiles, or all in slots).
     fn rows(&self, es: [u32; 4], p: Part) -> FourRows<'a> {
-        let places = es.map(|e| self.list.place(e));
-        if let (Place::Slot(_), Some(slots)) = (places[0], &self.list.slots) {
-            let at = |pl: Place| match pl {
-                Place::Slot(i) | Place::Tile(i) => i,
-            };
+        let rows = es.map(|e| self.list.place(e).row());
+        if let (Place::Slot(_), Some(slots)) = (self.list.place(es[0]), &self.list.slots) {
             return FourRows::Slots {
-                rows: places.map(|pl| slots.part(at(pl), p as usize)),
+                rows: rows.map(|i| slots.part(i, p as usize)),
                 k: self.k,
                 o: self.o,
             };
         }
-        let rows = places.map(|pl| match pl {
-            Place::Slot(i) | Place::Tile(i) => i,
-        });
         let tiles = self.list.tiles;
         match (self.o.dot4_tiled, self.o.axpy4_tiled) {
             (Some(dot), Some(axpy)) => FourRows::Tiles {
