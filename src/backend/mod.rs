@@ -108,16 +108,12 @@ pub trait Backend: Send + Sync + 'static {
 
     fn name(&self) -> String;
 
-    /// Run `f` in this backend's execution context (the CPU backend's thread pool), so the ops
-    /// it calls do not each pay to enter it.
+    /// Run `f` in this backend's execution context, so the ops it calls do not each pay to
+    /// enter it: the CPU backend's thread pool, its other workers kept taking tasks until `f`
+    /// returns (none falls asleep between the forks of a step).
     fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
-
-    /// Serial work comes before the next op, which forks: keep the execution context ready
-    /// for it (the CPU backend keeps a pool worker from falling asleep until that op, or
-    /// 200 µs). Nothing by default.
-    fn keep_awake(&self) {}
 
     // ---- memory -------------------------------------------------------------------------
 

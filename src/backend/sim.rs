@@ -244,10 +244,6 @@ impl Backend for SimBackend {
         self.cpu.enter(f)
     }
 
-    fn keep_awake(&self) {
-        self.cpu.keep_awake()
-    }
-
     fn upload(&self, w: &HostTensor) -> Result<SimWeight> {
         self.outside("upload")?;
         let hold = self.reserve(w.data.len(), &w.name)?;

@@ -81,8 +81,6 @@ impl<B: Backend> Engine<B> {
                     cold.neurons
                         .activate_down(x, n, threshold, keep, &mut part)?;
                 }
-                // Serial from here to the next layer's products.
-                b.keep_awake();
                 b.reshape(partial, n, d)?;
                 {
                     let _s = trace::span(Phase::H2d);

@@ -113,13 +113,10 @@ impl Backend for CpuBackend {
     }
 
     fn enter<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(f)
-    }
-
-    fn keep_awake(&self) {
-        if self.threads > 1 {
-            self.awake.keep(&self.pool);
-        }
+        self.pool.install(|| {
+            let _held = (self.threads > 1).then(|| self.awake.hold(&self.pool));
+            f()
+        })
     }
 
     fn upload(&self, w: &HostTensor) -> Result<CpuWeight> {
@@ -456,7 +453,6 @@ impl Backend for CpuBackend {
         out: &mut CpuTensor,
         col0: usize,
     ) -> Result<()> {
-        self.awake.release();
         let w = w.matrix("matmul")?;
         let (wd, xd, od) = ((w.t.rows, w.t.cols), (x.rows, x.cols), (out.rows, out.cols));
         super::check_matmul_shape(&w.t.name, wd, xd, od, col0)?;
@@ -483,7 +479,6 @@ impl Backend for CpuBackend {
         outs: &mut [&mut CpuTensor],
     ) -> Result<()> {
         super::check_parts(parts, outs.len())?;
-        self.awake.release();
         let mut ws: Vec<(matmul::Matrix, usize, usize)> = Vec::with_capacity(parts.len());
         for (i, p) in parts.iter().enumerate() {
             let m = p.w.matrix("matmul_parts")?;
@@ -888,7 +883,6 @@ impl Backend for CpuBackend {
         s: AttnShape,
         out: &mut CpuTensor,
     ) -> Result<()> {
-        self.awake.release();
         let seq = AttnSeq {
             first_row: 0,
             rows: q.rows,
