@@ -591,18 +591,34 @@ fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
     n
 }
 
-/// Asks for the chunk's lines `AHEAD` bytes further on, into L1: the tiles are read as one
-/// stream, and the hardware prefetchers alone keep too little in flight. Out of tree, 30
-/// SmolLM2 layers in tiles (1,536 neurons, 85% on, 2 threads, `tiled_ffn`, distances alternated
-/// in one process): on the Zen 5 VM (2 cores), 26.5 GB/s at 512 bytes into L2 (this code's
-/// hint until then), 38–39 at 4 KiB into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2,
-/// while its DRAM probe read 50–55; on the earlier Intel VM, 512 bytes into L2 had read 49–52
-/// against 46–50 without hints, and no distance up to 16 KiB into L2 had done better.
+/// How far ahead of the chunk being read the tile kernels ask for lines, into L1: the tiles are
+/// read as one stream, and the hardware prefetchers alone keep too little in flight. The best
+/// distance differs by vendor; out of tree, 30 SmolLM2 layers in tiles (1,536 neurons, 85%
+/// on, 2 threads, `tiled_ffn`, distances alternated in one process):
+/// - on the AMD Zen 5 VM (2 cores): 26.5 GB/s at 512 bytes into L2 (the hint until then),
+///   38–39 at 4 KiB into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2, while its DRAM
+///   probe read 50–55;
+/// - on the Intel Xeon VM with AVX-512 FP16 (2 cores, a worker kept between forks): the same
+///   kernels' loop out of tree read 20–25 GB/s at 2 KiB against 16–19 at 8 KiB; in the
+///   engine (`bench decode`, SmolLM2 bundled at 48M, budgeted device, alternated) hybrid's
+///   cold pass took 8.4–8.8 ms a token at 2 KiB against 9.2 at 8 KiB, hybrid ran at 76–88
+///   tok/s against 78–85 over seven rounds (the host's DRAM swinging), units at 0.72–0.76 of
+///   their bound against 0.70–0.71 over three; 1 KiB was between them. An earlier Intel VM had
+///   found no distance up to 16 KiB into L2 better than 512 bytes (L1 untried).
+fn tile_prefetch_distance() -> usize {
+    static DISTANCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *DISTANCE.get_or_init(|| {
+        let v = __cpuid(0);
+        let amd = [v.ebx, v.edx, v.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
+        if amd { 8192 } else { 2048 }
+    })
+}
+
+/// Asks for the chunk's lines `ahead` bytes further on, into L1 ([`tile_prefetch_distance`]).
 #[inline(always)]
-fn prefetch_chunk(p: *const u16) {
-    const AHEAD: usize = 8192;
+fn prefetch_chunk(p: *const u16, ahead: usize) {
     for line in 0..TILE_COLS * TILE_NEURONS * 2 / 64 {
-        let at = (p as *const i8).wrapping_add(AHEAD + 64 * line);
+        let at = (p as *const i8).wrapping_add(ahead + 64 * line);
         // SAFETY: a prefetch is a hint: it never faults, whatever the address.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
     }
@@ -616,6 +632,7 @@ macro_rules! dot4_tiled_body {
         #[target_feature(enable = $features)]
         unsafe fn $name(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
             let n = tile_width(&w, x.len());
+            let distance = tile_prefetch_distance();
             let p = w.map(|r| row_start(&r));
             let xp = x.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 4]; 4];
@@ -625,7 +642,7 @@ macro_rules! dot4_tiled_body {
                 for i in (0..n).step_by(TILE_COLS) {
                     let c = i * TILE_NEURONS;
                     if ahead {
-                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, distance);
                     }
                     for k in 0..4 {
                         let o = i + 8 * k;
@@ -653,6 +670,7 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     let n = tile_width(&w, out.len());
+    let distance = tile_prefetch_distance();
     let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| row_start(&r));
     let op = out.as_mut_ptr();
@@ -661,7 +679,7 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead:
         for i in (0..n).step_by(TILE_COLS) {
             let c = i * TILE_NEURONS;
             if ahead {
-                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16);
+                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, distance);
             }
             for o in (i..i + TILE_COLS).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
