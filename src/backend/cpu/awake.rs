@@ -32,19 +32,19 @@ const MOST_IDLE: Duration = Duration::from_micros(100);
 /// Whether workers are held, and which hold: workers kept by an earlier hold end when the
 /// generation passes theirs.
 #[derive(Default)]
-pub(super) struct Awake {
-    holds: Arc<AtomicUsize>,
-    generation: Arc<AtomicU64>,
+pub(super) struct Awake(Arc<Counts>);
+
+#[derive(Default)]
+struct Counts {
+    holds: AtomicUsize,
+    generation: AtomicU64,
     /// Workers keeping now, and keepers started ever.
-    kept: Arc<AtomicUsize>,
-    started: Arc<AtomicUsize>,
+    kept: AtomicUsize,
+    started: AtomicUsize,
 }
 
 /// Workers kept while this lives (see [`Awake::hold`]).
-pub(super) struct Held {
-    holds: Arc<AtomicUsize>,
-    generation: Arc<AtomicU64>,
-}
+pub(super) struct Held(Arc<Counts>);
 
 impl Awake {
     /// Keep every worker of `pool` but the calling one taking its tasks until the returned
@@ -52,20 +52,20 @@ impl Awake {
     /// pool's workers (inside `pool.install`); it never runs a keeper itself, so its own
     /// forks and their joins never wait on one.
     pub(super) fn hold(&self, pool: &rayon::ThreadPool) -> Held {
-        if self.holds.fetch_add(1, Ordering::AcqRel) == 0 {
-            let mine = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        let c = &self.0;
+        if c.holds.fetch_add(1, Ordering::AcqRel) == 0 {
+            let mine = c.generation.fetch_add(1, Ordering::AcqRel) + 1;
             let holder = pool.current_thread_index();
-            let (generation, kept) = (self.generation.clone(), self.kept.clone());
-            let started = self.started.clone();
+            let c = c.clone();
             pool.spawn_broadcast(move |ctx| {
                 if Some(ctx.index()) == holder {
                     return;
                 }
-                started.fetch_add(1, Ordering::AcqRel);
-                kept.fetch_add(1, Ordering::AcqRel);
+                c.started.fetch_add(1, Ordering::AcqRel);
+                c.kept.fetch_add(1, Ordering::AcqRel);
                 let mut idle = 0u32;
                 let mut last_task = Instant::now();
-                while generation.load(Ordering::Acquire) == mine {
+                while c.generation.load(Ordering::Acquire) == mine {
                     if let Some(rayon::Yield::Executed) = rayon::yield_now() {
                         idle = 0;
                         last_task = Instant::now();
@@ -81,20 +81,17 @@ impl Awake {
                         std::hint::spin_loop();
                     }
                 }
-                kept.fetch_sub(1, Ordering::AcqRel);
+                c.kept.fetch_sub(1, Ordering::AcqRel);
             });
         }
-        Held {
-            holds: self.holds.clone(),
-            generation: self.generation.clone(),
-        }
+        Held(self.0.clone())
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.holds.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.generation.fetch_add(1, Ordering::AcqRel);
+        if self.0.holds.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.generation.fetch_add(1, Ordering::AcqRel);
         }
     }
 }
@@ -128,14 +125,14 @@ mod tests {
                 .build()
                 .unwrap();
             let awake = Awake::default();
-            let kept = || awake.kept.load(Ordering::Acquire);
-            let started = || awake.started.load(Ordering::Acquire);
+            let kept = || awake.0.kept.load(Ordering::Acquire);
+            let started = || awake.0.started.load(Ordering::Acquire);
             pool.install(|| {
                 let held = awake.hold(&pool);
-                let generation = awake.generation.load(Ordering::Acquire);
+                let generation = awake.0.generation.load(Ordering::Acquire);
                 assert!(soon(|| started() == 2), "the two other workers keep");
                 let inner = awake.hold(&pool);
-                assert_eq!(awake.generation.load(Ordering::Acquire), generation);
+                assert_eq!(awake.0.generation.load(Ordering::Acquire), generation);
                 let sum: u64 = (0..100_000u64).into_par_iter().map(|i| i % 7).sum();
                 assert_eq!(sum, (0..100_000u64).map(|i| i % 7).sum::<u64>());
                 for _ in 0..100 {
@@ -143,18 +140,18 @@ mod tests {
                 }
                 drop(inner);
                 assert_eq!(
-                    awake.holds.load(Ordering::Acquire),
+                    awake.0.holds.load(Ordering::Acquire),
                     1,
                     "the outer hold lasts"
                 );
-                assert_eq!(awake.generation.load(Ordering::Acquire), generation);
+                assert_eq!(awake.0.generation.load(Ordering::Acquire), generation);
                 // Idle for longer than a keeper waits: both leave, the hold still on.
                 std::thread::sleep(MOST_IDLE * 20);
                 assert!(soon(|| kept() == 0), "idle keepers leave");
                 assert_eq!(rayon::join(|| 1, || 2), (1, 2));
                 drop(held);
             });
-            assert_eq!(awake.holds.load(Ordering::Acquire), 0);
+            assert_eq!(awake.0.holds.load(Ordering::Acquire), 0);
             // A new hold keeps afresh, and its keepers end with it.
             pool.install(|| {
                 let _held = awake.hold(&pool);
