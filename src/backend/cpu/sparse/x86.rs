@@ -591,36 +591,83 @@ fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
     n
 }
 
-/// How far ahead of the chunk being read the tile kernels ask for lines, into L1: the tiles are
-/// read as one stream, and the hardware prefetchers alone keep too little in flight. The best
-/// distance differs by vendor; out of tree, 30 SmolLM2 layers in tiles (1,536 neurons, 85%
-/// on, 2 threads, `tiled_ffn`, distances alternated in one process):
-/// - on the AMD Zen 5 VM (2 cores): 26.5 GB/s at 512 bytes into L2 (the hint until then),
-///   38–39 at 4 KiB into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2, while its DRAM
-///   probe read 50–55;
-/// - on the Intel Xeon VM with AVX-512 FP16 (2 cores, a worker kept between forks): the same
-///   kernels' loop out of tree read 20–25 GB/s at 2 KiB against 16–19 at 8 KiB; in the
-///   engine (`bench decode`, SmolLM2 bundled at 48M, budgeted device, alternated) hybrid's
-///   cold pass took 8.4–8.8 ms a token at 2 KiB against 9.2 at 8 KiB, hybrid ran at 76–88
-///   tok/s against 78–85 over seven rounds (the host's DRAM swinging), units at 0.72–0.76 of
-///   their bound against 0.70–0.71 over three; 1 KiB was between them. An earlier Intel VM had
-///   found no distance up to 16 KiB into L2 better than 512 bytes (L1 untried).
-fn tile_prefetch_distance() -> usize {
-    static DISTANCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *DISTANCE.get_or_init(|| {
+/// How far ahead of the chunk being read the tile kernels ask for lines, and into which cache:
+/// the tiles are read as one stream, and the hardware prefetchers alone keep too little in
+/// flight. The best choice differs by core; out of tree, 30 SmolLM2 layers in tiles (1,536
+/// neurons, 85% on, 2 threads, `tiled_ffn`) unless said otherwise:
+/// - on an AMD Zen 5 VM (family 1Ah, 2 cores): 26.5 GB/s at 512 bytes into L2, 38–39 at 4 KiB
+///   into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2, while its DRAM probe read 50–55;
+/// - on an Intel Xeon VM with AVX-512 FP16 (2 cores, a worker kept between forks): 20–25 GB/s
+///   at 2 KiB into L1 against 16–19 at 8 KiB; in the engine (`bench decode`, SmolLM2 bundled at
+///   48M, budgeted device, alternated) hybrid's cold pass took 8.4–8.8 ms a token at 2 KiB
+///   against 9.2 at 8 KiB. An earlier Intel VM had found no distance up to 16 KiB into L2
+///   better than 512 bytes (L1 untried);
+/// - on an AMD Zen 4 VM (family 19h, 2 cores, DRAM probe 31–37 GB/s): in the engine (as above,
+///   traced, six rounds alternated) the cold pass took 5.4–7.2 ms a token at 16 KiB into L2
+///   against 7.2–9.6 at 8 KiB into L1, lower in every round; 4, 32 and 64 KiB into L2 were
+///   within the noise of 16. A hint into L1 holds one of L1's few miss buffers until its line
+///   arrives (the cap the many-row products' far hints avoid: `kernels::prefetch`), which
+///   this core's longer DRAM latency turns into the limit. (Zen 3, also family 19h, untried.)
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct TilePrefetch {
+    /// Bytes past the chunk being read.
+    distance: usize,
+    /// Into L2 (`prefetcht1`) rather than L1 (`prefetcht0`).
+    into_l2: bool,
+}
+
+/// [`TilePrefetch`] for a core by its CPUID vendor and (display) family.
+fn tile_prefetch_for(amd: bool, family: u32) -> TilePrefetch {
+    match (amd, family) {
+        (true, 0x19) => TilePrefetch {
+            distance: 16 << 10,
+            into_l2: true,
+        },
+        (true, _) => TilePrefetch {
+            distance: 8 << 10,
+            into_l2: false,
+        },
+        (false, _) => TilePrefetch {
+            distance: 2 << 10,
+            into_l2: false,
+        },
+    }
+}
+
+/// This core's [`TilePrefetch`], read once.
+fn tile_prefetch() -> TilePrefetch {
+    static PREFETCH: std::sync::OnceLock<TilePrefetch> = std::sync::OnceLock::new();
+    *PREFETCH.get_or_init(|| {
         let v = __cpuid(0);
         let amd = [v.ebx, v.edx, v.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
-        if amd { 8192 } else { 2048 }
+        tile_prefetch_for(amd, display_family(__cpuid(1).eax))
     })
 }
 
-/// Asks for the chunk's lines `ahead` bytes further on, into L1 ([`tile_prefetch_distance`]).
+/// The family CPUID leaf 1 reports in `eax`: the base family, plus the extended family where
+/// the base is 0Fh.
+fn display_family(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xf;
+    if base == 0xf {
+        base + ((eax >> 20) & 0xff)
+    } else {
+        base
+    }
+}
+
+/// Asks for the chunk's lines as [`TilePrefetch`] says.
 #[inline(always)]
-fn prefetch_chunk(p: *const u16, ahead: usize) {
+fn prefetch_chunk(p: *const u16, how: TilePrefetch) {
     for line in 0..TILE_COLS * TILE_NEURONS * 2 / 64 {
-        let at = (p as *const i8).wrapping_add(ahead + 64 * line);
+        let at = (p as *const i8).wrapping_add(how.distance + 64 * line);
         // SAFETY: a prefetch is a hint: it never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
+        unsafe {
+            if how.into_l2 {
+                _mm_prefetch::<_MM_HINT_T1>(at)
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(at)
+            }
+        };
     }
 }
 
@@ -632,7 +679,7 @@ macro_rules! dot4_tiled_body {
         #[target_feature(enable = $features)]
         unsafe fn $name(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
             let n = tile_width(&w, x.len());
-            let distance = tile_prefetch_distance();
+            let how = tile_prefetch();
             let p = w.map(|r| row_start(&r));
             let xp = x.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 4]; 4];
@@ -642,7 +689,7 @@ macro_rules! dot4_tiled_body {
                 for i in (0..n).step_by(TILE_COLS) {
                     let c = i * TILE_NEURONS;
                     if ahead {
-                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, distance);
+                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
                     }
                     for k in 0..4 {
                         let o = i + 8 * k;
@@ -670,7 +717,7 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     let n = tile_width(&w, out.len());
-    let distance = tile_prefetch_distance();
+    let how = tile_prefetch();
     let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| row_start(&r));
     let op = out.as_mut_ptr();
@@ -679,7 +726,7 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead:
         for i in (0..n).step_by(TILE_COLS) {
             let c = i * TILE_NEURONS;
             if ahead {
-                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, distance);
+                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
             }
             for o in (i..i + TILE_COLS).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
@@ -691,5 +738,26 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead:
                 _mm256_storeu_ps(op.add(o), v);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CPUID leaf 1's family: Intel's base family 6, AMD's 0Fh plus the extended (Zen 4:
+    /// 19h, Zen 5: 1Ah); Zen 3/4 hint into L2, other cores into L1.
+    #[test]
+    fn the_tile_hints_follow_the_core_family() {
+        // Sapphire Rapids (family 6, model 8Fh), EPYC Genoa (19h, 11h), EPYC Turin (1Ah, 02h).
+        assert_eq!(display_family(0x0008_06f8), 6);
+        assert_eq!(display_family(0x00a1_0f11), 0x19);
+        assert_eq!(display_family(0x00b0_0f21), 0x1a);
+        assert!(tile_prefetch_for(true, 0x19).into_l2);
+        assert!(!tile_prefetch_for(true, 0x1a).into_l2);
+        assert!(!tile_prefetch_for(false, 6).into_l2);
+        assert_eq!(tile_prefetch_for(false, 6).distance, 2048);
+        let here = tile_prefetch();
+        assert!(here.distance > 0 && here.distance.is_multiple_of(64));
     }
 }
