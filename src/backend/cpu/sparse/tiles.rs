@@ -233,25 +233,32 @@ enum FourRows<'a> {
 }
 
 impl<'a> TileOps<'a> {
-    /// Part `p` of the neurons of entries `es` (one group's: all in tiles, or all in slots).
+    /// Part `p` of the neurons of entries `es` (one group's: all in one tile, or all in slots).
     fn rows(&self, es: [u32; 4], p: Part) -> FourRows<'a> {
-        let rows = es.map(|e| self.list.place(e).row());
-        if let (Place::Slot(_), Some(slots)) = (self.list.place(es[0]), &self.list.slots) {
+        let first = self.list.place(es[0]);
+        if let (Place::Slot(_), Some(slots)) = (first, &self.list.slots) {
+            let part = |e: u32| slots.part(self.list.place(e).row(), p as usize);
             return FourRows::Slots {
-                rows: rows.map(|i| slots.part(i, p as usize)),
+                rows: [part(es[0]), part(es[1]), part(es[2]), part(es[3])],
                 k: self.k,
                 o: self.o,
             };
         }
         let tiles = self.list.tiles;
+        let row = |e: u32| self.list.place(e).row();
         match (self.o.dot4_tiled, self.o.axpy4_tiled) {
-            (Some(dot), Some(axpy)) => FourRows::Tiles {
-                rows: rows.map(|i| tiles.row(i, p)),
-                dot,
-                axpy,
-            },
+            (Some(dot), Some(axpy)) => {
+                // A group lies in one tile: its part found once, each row's place in it.
+                let (part, _) = tiles.row(first.row(), p);
+                let at = |e: u32| (part, row(e) % TILE_NEURONS);
+                FourRows::Tiles {
+                    rows: [at(es[0]), at(es[1]), at(es[2]), at(es[3])],
+                    dot,
+                    axpy,
+                }
+            }
             _ => FourRows::Copied {
-                rows: rows.map(|i| tiles.row_values(i, p)),
+                rows: es.map(|e| tiles.row_values(row(e), p)),
                 k: self.k,
                 o: self.o,
             },
@@ -287,53 +294,67 @@ impl FourRows<'_> {
     }
 }
 
-/// The runs of `js` that each lie in one tile, their neurons (`idx`) ascending, or are up to
-/// four slots: a run's rows are read as one stream (a tile's) or four (slots), in list order.
-fn list_groups(list: &TiledList, idx: &[u32], js: Range<usize>) -> Vec<Range<usize>> {
-    let mut groups: Vec<Range<usize>> = Vec::new();
-    for j in js {
-        let here = list.place(idx[j]);
-        let joins = |g: &Range<usize>| {
-            g.len() < TILE_NEURONS
-                && match (list.place(idx[g.end - 1]), here) {
-                    (Place::Tile(a), Place::Tile(i)) => {
-                        a / TILE_NEURONS == i / TILE_NEURONS && a < i
-                    }
-                    (Place::Slot(_), Place::Slot(_)) => true,
-                    _ => false,
-                }
+/// Where the run of `js` that starts at list position `j` ends: the positions after `j` whose
+/// neurons (`idx`) ascend within `j`'s tile, or up to four slots beside `j`'s slot. A run's rows
+/// are read as one stream (a tile's) or four (slots), in list order.
+fn group_end(list: &TiledList, idx: &[u32], j: usize, end: usize) -> usize {
+    let mut last = list.place(idx[j]);
+    let mut e = j + 1;
+    while e < end && e - j < TILE_NEURONS {
+        let here = list.place(idx[e]);
+        let joins = match (last, here) {
+            (Place::Tile(a), Place::Tile(i)) => a / TILE_NEURONS == i / TILE_NEURONS && a < i,
+            (Place::Slot(_), Place::Slot(_)) => true,
+            _ => false,
         };
-        match groups.last_mut() {
-            Some(g) if joins(g) => g.end = j + 1,
-            _ => groups.push(j..j + 1),
+        if !joins {
+            break;
         }
+        last = here;
+        e += 1;
     }
-    groups
+    e
 }
 
-/// Up to four items (a tile's) and their number.
-fn fours(items: impl Iterator<Item = usize>) -> ([usize; 4], usize) {
+/// The runs of `js` that each lie in one tile or are up to four slots ([`group_end`]), in order.
+fn list_groups(
+    list: &TiledList,
+    idx: &[u32],
+    js: Range<usize>,
+) -> impl Iterator<Item = Range<usize>> {
+    let mut j = js.start;
+    std::iter::from_fn(move || {
+        (j < js.end).then(|| {
+            let e = group_end(list, idx, j, js.end);
+            let g = j..e;
+            j = e;
+            g
+        })
+    })
+}
+
+/// The entries at list positions `js[..len]`, padded to four with repeats of the last.
+fn entries(idx: &[u32], js: &[usize; 4], len: usize) -> [u32; 4] {
+    let at = |q: usize| idx[js[q.min(len - 1)]];
+    [at(0), at(1), at(2), at(3)]
+}
+
+/// The positions of `g` (up to four) for which `on` holds, and their number.
+fn fours(g: Range<usize>, on: impl Fn(usize) -> bool) -> ([usize; 4], usize) {
     let mut out = [0; 4];
     let mut k = 0;
-    for (o, i) in out.iter_mut().zip(items) {
-        *o = i;
-        k += 1;
+    for j in g {
+        if on(j) {
+            out[k] = j;
+            k += 1;
+        }
     }
     (out, k)
 }
 
-/// One to four items padded to four with repeats of the last.
-fn pad(items: impl Iterator<Item = usize>) -> [usize; 4] {
-    let (mut out, k) = fours(items);
-    for q in k.max(1)..4 {
-        out[q] = out[k.max(1) - 1];
-    }
-    out
-}
-
-/// The entries at list positions `js`.
-fn entries(idx: &[u32], js: [usize; 4]) -> [u32; 4] {
-    js.map(|j| idx[j])
+/// A group's positions (one to four), as [`entries`] takes them.
+fn positions(g: &Range<usize>) -> [usize; 4] {
+    [g.start, g.start + 1, g.start + 2, g.start + 3]
 }
 
 /// [`super::sparse_ffn`] over neurons in tiles: for the listed neurons (`i = idx[j]`, id
@@ -368,25 +389,27 @@ pub fn tiled_ffn<'a>(
     Ok(run_listed((m, n, d), h, down, |js, vals, live, mut sum| {
         let j0 = js.start;
         for g in list_groups(&list, idx, js) {
-            let gates = t.rows(entries(idx, pad(g.clone())), Part::Gate);
+            let len = g.len();
+            let gates = t.rows(entries(idx, &positions(&g), len), Part::Gate);
             for tok in 0..n {
-                let s = gates.dot4(g.len(), xt(tok), tok == 0);
-                for (q, j) in g.clone().enumerate() {
-                    vals[(j - j0) * n + tok] = decide(j, tok, s[q]);
+                let s = gates.dot4(len, xt(tok), tok == 0);
+                for (q, &v) in s[..len].iter().enumerate() {
+                    let j = g.start + q;
+                    vals[(j - j0) * n + tok] = decide(j, tok, v);
                 }
             }
-            let (on, nl) = fours(g.filter(|&j| {
+            let (on, nl) = fours(g, |j| {
                 vals[(j - j0) * n..(j - j0 + 1) * n]
                     .iter()
                     .any(|&v| v != 0.0)
-            }));
+            });
             if nl == 0 {
                 continue;
             }
-            on[..nl]
-                .iter()
-                .for_each(|&j| live[j].store(true, Ordering::Relaxed));
-            let on_rows = entries(idx, pad(on[..nl].iter().copied()));
+            for &j in &on[..nl] {
+                live[j].store(true, Ordering::Relaxed);
+            }
+            let on_rows = entries(idx, &on, nl);
             let ups = t.rows(on_rows, Part::Up);
             for tok in 0..n {
                 let u = ups.dot4(nl, xt(tok), tok == 0);
@@ -398,13 +421,10 @@ pub fn tiled_ffn<'a>(
                 let downs = t.rows(on_rows, Part::Down);
                 for tok in 0..n {
                     // Padding rows weigh zero.
-                    let a = [0, 1, 2, 3].map(|q| {
-                        if q < nl {
-                            vals[(on[q] - j0) * n + tok]
-                        } else {
-                            0.0
-                        }
-                    });
+                    let mut a = [0f32; 4];
+                    for (a, &j) in a.iter_mut().zip(&on[..nl]) {
+                        *a = vals[(j - j0) * n + tok];
+                    }
                     downs.axpy4(a, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
@@ -440,14 +460,17 @@ pub fn tiled_down<'a>(
             for g in list_groups(&list, idx, js) {
                 // Listed neurons that weigh nothing for every token add nothing (as the
                 // bundles' down pass skips them).
-                let (on, nl) = fours(g.filter(|&j| (0..n).any(|tok| h[tok * m + j] != 0.0)));
+                let (on, nl) = fours(g, |j| (0..n).any(|tok| h[tok * m + j] != 0.0));
                 if nl == 0 {
                     continue;
                 }
                 any = true;
-                let downs = t.rows(entries(idx, pad(on[..nl].iter().copied())), Part::Down);
+                let downs = t.rows(entries(idx, &on, nl), Part::Down);
                 for tok in 0..n {
-                    let a = [0, 1, 2, 3].map(|q| if q < nl { h[tok * m + on[q]] } else { 0.0 });
+                    let mut a = [0f32; 4];
+                    for (a, &j) in a.iter_mut().zip(&on[..nl]) {
+                        *a = h[tok * m + j];
+                    }
                     downs.axpy4(a, nl, &mut acc[tok * d..(tok + 1) * d], tok == 0);
                 }
             }
@@ -615,11 +638,12 @@ mod tests {
         let tiles = NeuronTiles::new(&bytes, 16, d).unwrap();
         let list = TiledList::from(tiles);
         let idx = [0u32, 1, 2, 3, 4, 6, 5, 9, 13, 14];
+        let groups = |idx: &[u32], js| list_groups(&list, idx, js).collect::<Vec<_>>();
         assert_eq!(
-            list_groups(&list, &idx, 0..idx.len()),
+            groups(&idx, 0..idx.len()),
             vec![0..4, 4..6, 6..7, 7..8, 8..10]
         );
-        assert_eq!(list_groups(&list, &idx, 2..5), vec![2..4, 4..5]);
+        assert_eq!(groups(&idx, 2..5), vec![2..4, 4..5]);
         let slot_bytes = vec![0u8; 6 * PARTS * 2 * d];
         let shape = BundleShape { parts: PARTS, d };
         let slots = Bundles::new(&slot_bytes, Encoding::F16, shape).unwrap();
@@ -627,7 +651,7 @@ mod tests {
         let r = |i: u32| i | IN_REST;
         let idx = [r(0), r(1), 5, r(2), r(3), 0, 1, 2, 3, 4, r(9), r(8)];
         assert_eq!(
-            list_groups(&list, &idx, 0..idx.len()),
+            list_groups(&list, &idx, 0..idx.len()).collect::<Vec<_>>(),
             vec![0..2, 2..3, 3..5, 5..9, 9..10, 10..11, 11..12]
         );
         assert!(list.check_idx("t", &idx).is_ok());
