@@ -2,6 +2,8 @@
 //! softmax in chunks of positions, the weighted sum of values; over any cache that gives its rows
 //! as f32 ([`KvRows`]: the CPU's own cache, a paged sequence's blocks of it, raw host rows).
 
+use half::f16;
+
 use super::kernels::Kernels;
 use crate::backend::AttnShape;
 
@@ -17,6 +19,11 @@ pub trait KvRows: Sync {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         None
     }
+    /// All rows as f16 values and the distance between rows, where they are stored so (an f16
+    /// cache, not paged): a lone row's attention then reads them in place.
+    fn f16_rows(&self) -> Option<(&[f16], usize)> {
+        None
+    }
     /// Ask the caches for rows `js`' values `col..col + width` ahead of use (a hint).
     fn prefetch(&self, _js: std::ops::Range<usize>, _col: usize, _width: usize) {}
 }
@@ -24,20 +31,47 @@ pub trait KvRows: Sync {
 /// Rows of attention's blocks of positions.
 const ROWS: usize = 16;
 
+/// Where attention reads a cache's rows in place, and the distance between rows.
+#[derive(Clone, Copy)]
+enum InPlace<'a> {
+    /// An f32 cache (not paged).
+    F32(&'a [f32], usize),
+    /// An f16 cache (not paged), for a lone row: the kernels widen each value as they load it,
+    /// where decoding a block first cost a pass over it for one query's few products.
+    F16(&'a [f16], usize),
+}
+
+impl<'a> InPlace<'a> {
+    /// How `cache` is read in place, if it is: f32 rows always, f16 rows for a `lone` row.
+    fn of(cache: &'a impl KvRows, lone: bool) -> Option<Self> {
+        if let Some((v, stride)) = cache.f32_rows() {
+            return Some(InPlace::F32(v, stride));
+        }
+        let (v, stride) = cache.f16_rows().filter(|_| lone)?;
+        Some(InPlace::F16(v, stride))
+    }
+}
+
+/// A block's rows of one head, as the kernels take them.
+enum HeadRows<'a> {
+    F32([&'a [f32]; ROWS]),
+    F16([&'a [f16]; ROWS]),
+}
+
 /// Rows `js` (at most [`ROWS`]) of a cache, the columns of a run of KV heads: `width` values
-/// from `col0` on. Straight from `direct` (f32 rows, their stride) where there is one; else
-/// each row's run decoded into `block` in one call, `width` apart (one call a row, not one a
-/// row and head: a Q8_0 row's blocks then go through the bulk decoder together).
+/// from `col0` on. In place where the cache is read so ([`InPlace`]); else each row's run
+/// decoded into `block` in one call, `width` apart (one call a row, not one a row and head: a
+/// Q8_0 row's blocks then go through the bulk decoder together).
 struct KvRun<'a> {
     rows: [&'a [f32]; ROWS],
     col0: usize,
-    /// Rows read in place: the f32 values and the distance between rows, and the block's rows.
-    direct: Option<(&'a [f32], usize, std::ops::Range<usize>)>,
+    /// Rows read in place, and the block's rows.
+    direct: Option<(InPlace<'a>, std::ops::Range<usize>)>,
 }
 
 impl<'a> KvRun<'a> {
     fn of(
-        direct: Option<(&'a [f32], usize)>,
+        direct: Option<InPlace<'a>>,
         cache: &'a impl KvRows,
         js: std::ops::Range<usize>,
         (col0, width): (usize, usize),
@@ -54,23 +88,31 @@ impl<'a> KvRun<'a> {
         KvRun {
             rows,
             col0,
-            direct: direct.map(|(v, stride)| (v, stride, js)),
+            direct: direct.map(|d| (d, js)),
         }
     }
 
     /// The block's rows, `hd` values from cache column `col` (within the run).
-    fn head(&self, col: usize, hd: usize) -> [&'a [f32]; ROWS] {
-        match &self.direct {
-            Some((v, stride, js)) => {
-                let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
-                for (r, j) in rows.iter_mut().zip(js.clone()) {
-                    *r = &v[j * stride + col..j * stride + col + hd];
-                }
-                rows
+    fn head(&self, col: usize, hd: usize) -> HeadRows<'a> {
+        fn rows<'a, T>(
+            v: &'a [T],
+            stride: usize,
+            js: &std::ops::Range<usize>,
+            col: usize,
+            hd: usize,
+        ) -> [&'a [T]; ROWS] {
+            let mut rows: [&[T]; ROWS] = [&[]; ROWS];
+            for (r, j) in rows.iter_mut().zip(js.clone()) {
+                *r = &v[j * stride + col..j * stride + col + hd];
             }
+            rows
+        }
+        match &self.direct {
+            Some((InPlace::F32(v, stride), js)) => HeadRows::F32(rows(v, *stride, js, col, hd)),
+            Some((InPlace::F16(v, stride), js)) => HeadRows::F16(rows(v, *stride, js, col, hd)),
             None => {
                 let at = col - self.col0;
-                self.rows.map(|r| r.get(at..at + hd).unwrap_or(&[]))
+                HeadRows::F32(self.rows.map(|r| r.get(at..at + hd).unwrap_or(&[])))
             }
         }
     }
@@ -445,19 +487,20 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     scratch.scores.resize(qs.len() * heads * CHUNK, 0.0);
     scratch.tile.resize(per_head * ROWS, 0.0);
     let (block, scores, tile) = (&mut scratch.block, &mut scratch.scores, &mut scratch.tile);
-    let (keys, values) = (k_cache.f32_rows(), v_cache.f32_rows());
+    let lone = qs.len() == 1;
+    let (keys, values) = (InPlace::of(k_cache, lone), InPlace::of(v_cache, lone));
     // A lone row (a decode step: little arithmetic per byte) asks for every key and value row
     // of the chunk at once, into L2, before it reads any: a cold pass between two layers has
     // pushed the cache out of every level, and hints a block ahead of use kept too few lines in
     // flight (SmolLM2 hybrid at 48M, its attention over 128-192 positions: 20.4-22.0 µs a layer
     // against 22.6-24.2). Rows read in place, or by a tile of a prompt's rows, are slower with
     // the hints.
-    if qs.len() == 1 {
+    if lone {
         for &col in cols {
-            if keys.is_none() {
+            if k_cache.f32_rows().is_none() {
                 k_cache.prefetch(start..start + width, col, hd);
             }
-            if values.is_none() {
+            if v_cache.f32_rows().is_none() {
                 v_cache.prefetch(start..start + width, col, hd);
             }
         }
@@ -471,14 +514,13 @@ fn attend_chunk<K: KvRows, V: KvRows>(
             // Every query head sharing this KV head against the whole block (a row that ends
             // inside it computes a few scores it leaves: only where a tile's rows meet their
             // own positions), then each row's own scaled into place.
-            let block_rows = block_run.head(col, hd);
             let w = j1 - j0;
             let tile = &mut tile[..per_head * w];
-            (k.scores)(
-                &queries[h * per_head..(h + 1) * per_head],
-                &block_rows[..w],
-                tile,
-            );
+            let qh = &queries[h * per_head..(h + 1) * per_head];
+            match block_run.head(col, hd) {
+                HeadRows::F32(rows) => (k.scores)(qh, &rows[..w], tile),
+                HeadRows::F16(rows) => (k.scores_f16)(qh, &rows[..w], tile),
+            }
             for (r, &end) in ends.iter().enumerate() {
                 let m = end.saturating_sub(j0).min(w);
                 for g in 0..group {
@@ -511,11 +553,14 @@ fn attend_chunk<K: KvRows, V: KvRows>(
                 }
                 for g in 0..group {
                     let i = r * heads + h * group + g;
-                    (k.axpy_rows)(
+                    let (a, w) = (
                         &mut acc[i * hd..(i + 1) * hd],
                         &scores[i * CHUNK + j0..][..m],
-                        &block_rows[..m],
                     );
+                    match &block_rows {
+                        HeadRows::F32(rows) => (k.axpy_rows)(a, w, &rows[..m]),
+                        HeadRows::F16(rows) => (k.axpy_rows_f16)(a, w, &rows[..m]),
+                    }
                 }
             }
         }

@@ -251,6 +251,12 @@ impl KvRows for CpuKv {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         self.f32_values().map(|v| (v, self.cols))
     }
+    fn f16_rows(&self) -> Option<(&[f16], usize)> {
+        match &self.data {
+            Rows::F16(v) => Some((v, self.cols)),
+            _ => None,
+        }
+    }
     fn prefetch(&self, js: Range<usize>, col: usize, width: usize) {
         CpuKv::prefetch(self, js, col, width)
     }
@@ -310,6 +316,12 @@ impl KvRows for SeqRows<'_> {
     fn f32_rows(&self) -> Option<(&[f32], usize)> {
         match self {
             SeqRows::Whole(kv) => KvRows::f32_rows(*kv),
+            SeqRows::Paged(_) => None,
+        }
+    }
+    fn f16_rows(&self) -> Option<(&[f16], usize)> {
+        match self {
+            SeqRows::Whole(kv) => KvRows::f16_rows(*kv),
             SeqRows::Paged(_) => None,
         }
     }

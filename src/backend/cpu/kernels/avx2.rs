@@ -28,7 +28,9 @@ pub const KERNELS: Kernels = Kernels {
     name: "avx2",
     dot_f32,
     axpy_rows,
+    axpy_rows_f16,
     scores,
+    scores_f16,
     exp_sum,
     dot_f16,
     dot_bf16,
@@ -93,7 +95,15 @@ fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
     // SAFETY: as above.
     unsafe { axpy_rows_avx2(out, w, rows) }
 }
+fn axpy_rows_f16(out: &mut [f32], w: &[f32], rows: &[&[f16]]) {
+    // SAFETY: as above.
+    unsafe { axpy_rows_avx2(out, w, rows) }
+}
 fn scores(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { scores_avx2(qs, keys, out) }
+}
+fn scores_f16(qs: &[&[f32]], keys: &[&[f16]], out: &mut [f32]) {
     // SAFETY: as above.
     unsafe { scores_avx2(qs, keys, out) }
 }

@@ -6,7 +6,7 @@
 use std::arch::x86_64::*;
 
 use super::lanes;
-use super::portable::score_tail;
+use super::portable::{KvValue, score_tail};
 
 /// `exp(x)` for 8 lanes to within about 2 ulp: `2^n · e^r` with `n = round(x·log2 e)` and
 /// `r = x − n·ln 2` (split in two constants, so `r` is exact to f32), `e^r` by its Taylor
@@ -96,19 +96,19 @@ pub(super) unsafe fn exp_sum_avx2(s: &mut [f32], max: f32) -> f64 {
 /// [`Kernels::scores`](super::Kernels::scores): two queries against four keys at a time (eight
 /// accumulators, each key loaded once for both), a lone query against eight; whatever the tile,
 /// a product is one chain of multiply-adds per lane and the same reduction.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn scores_avx2(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scores_avx2<K: KvValue>(qs: &[&[f32]], keys: &[&[K]], out: &mut [f32]) {
     let m = keys.len();
     let n = qs.first().map_or(0, |q| q.len());
     if m == 0 || out.len() < qs.len() * m {
         return;
     }
-    if qs.iter().chain(keys).any(|r| r.len() != n) {
+    if qs.iter().any(|r| r.len() != n) || keys.iter().any(|r| r.len() != n) {
         // Rows of unlike lengths (never in attention): each product alone, as defined.
         for (q, o) in qs.iter().zip(out.chunks_mut(m)) {
             for (o, k) in o.iter_mut().zip(keys) {
                 // SAFETY: AVX2+FMA enabled on this function; the tile reads below `whole`.
-                *o = unsafe { score_tiles::<1, 1>([q], [k], q.len().min(k.len())) }[0];
+                *o = unsafe { score_tiles::<1, 1, K>([q], [k], q.len().min(k.len())) }[0];
             }
         }
         return;
@@ -121,13 +121,13 @@ pub(super) unsafe fn scores_avx2(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]
             let mut j = 0;
             while j + 4 <= m {
                 let k = [keys[j], keys[j + 1], keys[j + 2], keys[j + 3]];
-                let s = score_tiles::<2, 4>(q, k, n);
+                let s = score_tiles::<2, 4, K>(q, k, n);
                 out[i * m + j..][..4].copy_from_slice(&s[..4]);
                 out[(i + 1) * m + j..][..4].copy_from_slice(&s[4..]);
                 j += 4;
             }
             for j in j..m {
-                let s = score_tiles::<2, 1>(q, [keys[j]], n);
+                let s = score_tiles::<2, 1, K>(q, [keys[j]], n);
                 (out[i * m + j], out[(i + 1) * m + j]) = (s[0], s[1]);
             }
             i += 2;
@@ -136,11 +136,11 @@ pub(super) unsafe fn scores_avx2(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]
             let mut j = 0;
             while j + 4 <= m {
                 let k = [keys[j], keys[j + 1], keys[j + 2], keys[j + 3]];
-                out[i * m + j..][..4].copy_from_slice(&score_tiles::<1, 4>([q], k, n)[..4]);
+                out[i * m + j..][..4].copy_from_slice(&score_tiles::<1, 4, K>([q], k, n)[..4]);
                 j += 4;
             }
             for j in j..m {
-                out[i * m + j] = score_tiles::<1, 1>([q], [keys[j]], n)[0];
+                out[i * m + j] = score_tiles::<1, 1, K>([q], [keys[j]], n)[0];
             }
         }
     }
@@ -150,10 +150,10 @@ pub(super) unsafe fn scores_avx2(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]
 /// query-major: a lane chain of multiply-adds per 8-wide step, the lanes added pairwise
 /// ([`reduce_lanes`]), then the tail ([`score_tail`]).
 #[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn score_tiles<const QN: usize, const KN: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn score_tiles<const QN: usize, const KN: usize, K: KvValue>(
     q: [&[f32]; QN],
-    k: [&[f32]; KN],
+    k: [&[K]; KN],
     n: usize,
 ) -> [f32; 8] {
     let whole = n / 8 * 8;
@@ -167,7 +167,7 @@ unsafe fn score_tiles<const QN: usize, const KN: usize>(
                 qv[a] = _mm256_loadu_ps(q[a].as_ptr().add(t));
             }
             for b in 0..KN {
-                let kv = _mm256_loadu_ps(k[b].as_ptr().add(t));
+                let kv = load8(k[b].as_ptr().add(t));
                 for a in 0..QN {
                     acc[a * KN + b] = _mm256_fmadd_ps(qv[a], kv, acc[a * KN + b]);
                 }
@@ -202,9 +202,26 @@ fn reduce_lanes(a: [__m256; 8]) -> __m256 {
     )
 }
 
+/// 8 values of a cache row from `p` as f32 (an f16 row's widened exactly).
+///
+/// # Safety
+/// 8 values readable at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<K: KvValue>(p: *const K) -> __m256 {
+    // SAFETY: the caller's promise; `K` is f32 or f16, as `HALF` says.
+    unsafe {
+        if K::HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        } else {
+            _mm256_loadu_ps(p.cast())
+        }
+    }
+}
+
 /// 64 outputs (8 registers) at a time through every row, a fused multiply-add per term.
-#[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn axpy_rows_avx2<K: KvValue>(out: &mut [f32], w: &[f32], rows: &[&[K]]) {
     let rows = &rows[..w.len().min(rows.len())];
     let n = rows.iter().map(|r| r.len()).fold(out.len(), usize::min);
     let op = out.as_mut_ptr();
@@ -217,7 +234,7 @@ pub(super) unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]])
             for (&wj, row) in w.iter().zip(rows) {
                 let (wv, rp) = (_mm256_set1_ps(wj), row.as_ptr().add(i));
                 for (k, ok) in o.iter_mut().enumerate() {
-                    *ok = _mm256_fmadd_ps(wv, _mm256_loadu_ps(rp.add(8 * k)), *ok);
+                    *ok = _mm256_fmadd_ps(wv, load8(rp.add(8 * k)), *ok);
                 }
             }
             for (k, ok) in o.iter().enumerate() {
@@ -228,7 +245,7 @@ pub(super) unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]])
         while i + 8 <= n {
             let mut o = _mm256_loadu_ps(op.add(i));
             for (&wj, row) in w.iter().zip(rows) {
-                let v = _mm256_loadu_ps(row.as_ptr().add(i));
+                let v = load8(row.as_ptr().add(i));
                 o = _mm256_fmadd_ps(_mm256_set1_ps(wj), v, o);
             }
             _mm256_storeu_ps(op.add(i), o);
@@ -237,7 +254,7 @@ pub(super) unsafe fn axpy_rows_avx2(out: &mut [f32], w: &[f32], rows: &[&[f32]])
     }
     for j in i..n {
         for (&wj, row) in w.iter().zip(rows) {
-            out[j] = wj.mul_add(row[j], out[j]);
+            out[j] = wj.mul_add(row[j].into(), out[j]);
         }
     }
 }

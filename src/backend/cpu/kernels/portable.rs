@@ -11,8 +11,10 @@ use crate::tensor::{BlockQ4_0, BlockQ4_1, BlockQ8_0, QK};
 pub const PORTABLE: Kernels = Kernels {
     name: "portable",
     dot_f32,
-    axpy_rows,
-    scores,
+    axpy_rows: axpy_rows_of::<f32>,
+    axpy_rows_f16: axpy_rows_of::<f16>,
+    scores: scores_of::<f32>,
+    scores_f16: scores_of::<f16>,
     exp_sum,
     dot_f16,
     dot_bf16,
@@ -41,10 +43,25 @@ pub(super) fn pairwise(l: [f32; 8]) -> f32 {
     ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
 }
 
+/// A value of a KV cache's rows as attention reads them: f32, or f16 widened to f32 as it is
+/// loaded (exactly), so an f16 row read in place gives the products its decoded copy gives.
+pub trait KvValue: Copy + Into<f32> + 'static {
+    /// Whether the value is f16 (the SIMD sets' loads convert it).
+    const HALF: bool;
+}
+
+impl KvValue for f32 {
+    const HALF: bool = false;
+}
+
+impl KvValue for f16 {
+    const HALF: bool = true;
+}
+
 /// A score's lanes' `sum` and the products of `q` and `k` from `whole` on, in order.
-pub(super) fn score_tail(mut sum: f32, q: &[f32], k: &[f32], whole: usize) -> f32 {
+pub(super) fn score_tail<K: KvValue>(mut sum: f32, q: &[f32], k: &[K], whole: usize) -> f32 {
     for t in whole..q.len().min(k.len()) {
-        sum += q[t] * k[t];
+        sum += q[t] * k[t].into();
     }
     sum
 }
@@ -57,7 +74,7 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     dot_as_f32(w, x, |v| v)
 }
 
-pub fn scores(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+pub fn scores_of<K: KvValue>(qs: &[&[f32]], keys: &[&[K]], out: &mut [f32]) {
     if keys.is_empty() {
         return;
     }
@@ -70,21 +87,23 @@ pub fn scores(qs: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
 
 /// One of [`scores`]'s products: the lanes' sums (a multiply then an add each, as the
 /// other portable dots round), added pairwise, then the tail.
-fn score(q: &[f32], k: &[f32]) -> f32 {
+fn score<K: KvValue>(q: &[f32], k: &[K]) -> f32 {
     let n = q.len().min(k.len());
     let whole = n / 8 * 8;
     let mut lanes = [0f32; 8];
     for (qc, kc) in q[..whole].chunks_exact(8).zip(k[..whole].chunks_exact(8)) {
         for l in 0..8 {
-            lanes[l] += qc[l] * kc[l];
+            lanes[l] += qc[l] * kc[l].into();
         }
     }
     score_tail(pairwise(lanes), q, k, whole)
 }
 
-pub fn axpy_rows(out: &mut [f32], w: &[f32], rows: &[&[f32]]) {
+pub fn axpy_rows_of<K: KvValue>(out: &mut [f32], w: &[f32], rows: &[&[K]]) {
     for (&w, row) in w.iter().zip(rows) {
-        out.iter_mut().zip(*row).for_each(|(o, &v)| *o += w * v);
+        out.iter_mut()
+            .zip(*row)
+            .for_each(|(o, &v)| *o += w * v.into());
     }
 }
 

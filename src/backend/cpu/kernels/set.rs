@@ -22,8 +22,11 @@ pub type DotsFn = fn(rows: &[&[u8]], x: &TokenBlocks, t0: usize, out: &mut [f32]
 /// hardware prefetchers follow unaided (hints a tile ahead made a 30 MB head slower).
 pub type TiledFn = fn(tiles: &[u8], x: &TokenBlocks, t0: usize, out: &mut [f32]);
 
-/// [`Kernels::scores`]: query rows, key rows, the products query-major.
-pub type ScoresFn = fn(&[&[f32]], &[&[f32]], &mut [f32]);
+/// [`Kernels::scores`]: query rows, key rows (of `K` values), the products query-major.
+pub type ScoresOf<K> = fn(&[&[f32]], &[&[K]], &mut [f32]);
+
+/// [`Kernels::scores`] over f32 key rows.
+pub type ScoresFn = ScoresOf<f32>;
 
 /// The kernel set for this machine.
 pub struct Kernels {
@@ -34,6 +37,9 @@ pub struct Kernels {
     /// rows. Each output depends on its own column alone, so a row's sums do not depend on
     /// the rows beside it.
     pub axpy_rows: fn(&mut [f32], &[f32], &[&[f32]]),
+    /// [`Kernels::axpy_rows`] over rows of f16 read in place, each value widened as it is
+    /// loaded: the sums the rows' f32 copies give, without the copies.
+    pub axpy_rows_f16: fn(&mut [f32], &[f32], &[&[f16]]),
     /// `out[i · keys.len() + j] = qs[i] · keys[j]`: attention's scores, a tile of query heads
     /// (a prompt's rows, the heads sharing a KV head) against a block of key rows. Each product
     /// is summed alike wherever it falls in the tile (eight lanes of multiply-adds over the
@@ -42,6 +48,10 @@ pub struct Kernels {
     /// gives what the same row gives in a prompt, while a tile reads each key row once for two
     /// queries.
     pub scores: ScoresFn,
+    /// [`Kernels::scores`] against key rows of f16 read in place, each value widened as it is
+    /// loaded: the products the rows' f32 copies give (a decode step's row reads an f16 cache
+    /// without decoding it first).
+    pub scores_f16: ScoresOf<f16>,
     /// `s[i] = exp(s[i] − max)` for scores at most `max`, returning their sum: a softmax's
     /// numerators. Each value depends on its input alone (not on where it lies in `s`).
     pub exp_sum: fn(&mut [f32], f32) -> f64,

@@ -72,7 +72,7 @@ fn scores_are_each_pairs_alone_bit_for_bit() {
             let qr: Vec<&[f32]> = qs.iter().map(|r| r.as_slice()).collect();
             let kr: Vec<&[f32]> = ks.iter().map(|r| r.as_slice()).collect();
             let mut want = vec![0f32; nq * nk];
-            portable::scores(&qr, &kr, &mut want);
+            portable::scores_of(&qr, &kr, &mut want);
             for k in available() {
                 let mut got = vec![f32::NAN; nq * nk];
                 (k.scores)(&qr, &kr, &mut got);
@@ -88,6 +88,56 @@ fn scores_are_each_pairs_alone_bit_for_bit() {
                     );
                     assert!(rel(g, w) < 1e-5, "{} {g} vs portable {w}", k.name);
                 }
+            }
+        }
+    }
+}
+
+/// Every set's f16 attention kernels (rows read in place, each value widened as it is
+/// loaded) give bit for bit what its f32 kernels give over the rows widened first: an f16
+/// cache's row attends alike read in place or decoded.
+#[test]
+fn f16_rows_attend_as_their_f32_copies() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for width in [3usize, 8, 40, 64, 75, 128] {
+        for (nq, nk) in [(1usize, 1usize), (1, 9), (3, 16), (2, 4), (5, 13)] {
+            let half = |rng: &mut StdRng| -> Vec<f16> {
+                rand_vec(rng, width)
+                    .into_iter()
+                    .map(f16::from_f32)
+                    .collect()
+            };
+            let qs: Vec<Vec<f32>> = (0..nq).map(|_| rand_vec(&mut rng, width)).collect();
+            let ks: Vec<Vec<f16>> = (0..nk).map(|_| half(&mut rng)).collect();
+            let wide: Vec<Vec<f32>> = ks
+                .iter()
+                .map(|r| r.iter().map(|v| v.to_f32()).collect())
+                .collect();
+            let qr: Vec<&[f32]> = qs.iter().map(|r| r.as_slice()).collect();
+            let kr: Vec<&[f16]> = ks.iter().map(|r| r.as_slice()).collect();
+            let wr: Vec<&[f32]> = wide.iter().map(|r| r.as_slice()).collect();
+            let w = rand_vec(&mut rng, nk);
+            let out0 = rand_vec(&mut rng, width);
+            for k in available() {
+                let (mut a, mut b) = (vec![f32::NAN; nq * nk], vec![f32::NAN; nq * nk]);
+                (k.scores_f16)(&qr, &kr, &mut a);
+                (k.scores)(&qr, &wr, &mut b);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&a),
+                    bits(&b),
+                    "{} scores, width {width}, {nq}x{nk}",
+                    k.name
+                );
+                let (mut a, mut b) = (out0.clone(), out0.clone());
+                (k.axpy_rows_f16)(&mut a, &w, &kr);
+                (k.axpy_rows)(&mut b, &w, &wr);
+                assert_eq!(
+                    bits(&a),
+                    bits(&b),
+                    "{} axpy, width {width}, {nk} rows",
+                    k.name
+                );
             }
         }
     }
