@@ -58,7 +58,14 @@ fn phases_tile_the_steps_and_carry_the_ledgers_bytes() {
     let bytes = decode.bytes();
     assert_eq!(bytes.h2d, after.h2d_bytes - before.h2d_bytes);
     assert_eq!(bytes.d2h, after.d2h_bytes - before.d2h_bytes);
+    assert_eq!(
+        bytes.device,
+        after.device_read_bytes - before.device_read_bytes
+    );
     let sum = |p: Phase| decode.phases.get(&p).copied().unwrap_or_default();
+    // Attention reads its resident weights and the KV cache, the head its weights.
+    assert!(sum(Phase::Attention).bytes.device > 0);
+    assert!(sum(Phase::Head).bytes.device > 0);
     assert!(
         sum(Phase::H2d).bytes.h2d > 0,
         "streamed layers are copied in"
@@ -67,9 +74,9 @@ fn phases_tile_the_steps_and_carry_the_ledgers_bytes() {
     assert!(sum(Phase::Head).bytes.d2h > 0, "the logits come back");
     let other = sum(Phase::Other).bytes;
     assert_eq!(
-        (other.h2d, other.d2h),
-        (0, 0),
-        "every copy is in a named phase"
+        (other.h2d, other.d2h, other.device),
+        (0, 0, 0),
+        "every copy and every device read is in a named phase"
     );
     // Every span of a layer names it; those of the embedding and the head none.
     let layers = store.manifest.spec.n_layers as u32;
@@ -291,6 +298,14 @@ fn every_mode_traces_its_own_phases() {
                 "{mode}: {name} has no bound: {p}"
             );
         }
+        // Every mode's attention reads its weights and KV cache from device memory: bytes
+        // and a bound.
+        let attention = &ph["attention"];
+        assert!(
+            attention["device_bytes"].as_f64().is_some_and(|b| b > 0.0)
+                && attention["bound_seconds"].as_f64().is_some_and(|b| b > 0.0),
+            "{mode}: attention reads nothing of the device's memory: {p}"
+        );
         let step = p["step_seconds"].as_f64().unwrap();
         let sum = p["phase_seconds"].as_f64().unwrap();
         assert!((sum - step).abs() <= 0.05 * step, "{mode}: {p}");
@@ -363,10 +378,10 @@ fn timings_leave_the_traced_repetition_out() {
 }
 
 /// The traced steps' per-token phases (`phases_per_token`) are `tokens - 1` decode steps and
-/// their host↔device bytes are the ledger's over the same steps.
+/// their host↔device and device-read bytes are the ledger's over the same steps.
 fn phases_match_the_ledger(p: &Value, tokens: u64, what: &str) {
     assert_eq!(p["decode_steps"], tokens - 1, "{what}: {p}");
-    for k in ["h2d", "d2h"] {
+    for k in ["h2d", "d2h", "device"] {
         assert_eq!(
             p["bytes"][k], p["ledger_bytes"][k],
             "{what}: {k} bytes: {p}"
@@ -379,8 +394,9 @@ fn phases_match_the_ledger(p: &Value, tokens: u64, what: &str) {
 /// the cache units' loads are the plan's expectation from the profile (within 25%), and so are
 /// the CPU's bytes (the unit's deciding rows and the misses it gathers; hybrid's cold neurons,
 /// within 25%); the split's CPU rows are read only where the masks leave a neuron on, so at
-/// most the plan's. Every resource has a predicted and a measured time (not compared: no
-/// wall-clock is asserted).
+/// most the plan's; the device's reads of its weights and KV caches are the plan's within 25%.
+/// Every resource has a predicted and a measured time (not compared: no wall-clock is
+/// asserted).
 fn check_plan_against_trace(c: &Value, mode: &str) {
     let f = |r: &str, k: &str| {
         c[r][k]
@@ -409,6 +425,16 @@ fn check_plan_against_trace(c: &Value, mode: &str) {
         "cpu" => within("cpu", 0.25),
         _ => {}
     }
+    // The device's reads of its weights and KV caches: the plan's, within 25%; at most the
+    // plan's where it counts every bundle whole and the masks leave some parts unread.
+    let (want, got) = (
+        f("device", "predicted_bytes"),
+        f("device", "measured_bytes"),
+    );
+    assert!(
+        got > 0.0 && got <= want * 1.25 && got >= want * 0.75,
+        "{mode}: device bytes {got} against the plan's {want}: {c}"
+    );
     for r in ["link", "cpu", "device"] {
         f(r, "predicted_seconds");
         f(r, "measured_seconds");

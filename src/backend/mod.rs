@@ -28,6 +28,7 @@ pub mod cuda;
 mod fused;
 mod kv_table;
 pub mod memory;
+pub mod reads;
 mod recording;
 pub mod sim;
 mod transfer;

@@ -132,6 +132,15 @@ impl SimBackend {
 
     /// Fail if a step is being recorded: `op` is nothing a CUDA graph holds (one of
     /// [`REFUSED_WHILE_RECORDING`](super::recording::REFUSED_WHILE_RECORDING), as on CUDA).
+    /// Count what a product reads of `w` in device memory (host memory read in place is the
+    /// link's, counted where it is read).
+    fn read_weight(&self, w: &SimWeight) {
+        if !w.mem.in_host {
+            let bytes = super::reads::product(w.w.rows(), w.w.row_bytes());
+            self.ledger().count_device_read(bytes);
+        }
+    }
+
     fn outside(&self, op: &'static str) -> Result<()> {
         outside_recording(op, self.steps()?.signing.is_some())
     }
@@ -625,6 +634,8 @@ impl Backend for SimBackend {
         self.check_workspace(WorkspaceOp::Embed { tokens: ids.len() })?;
         self.cpu.embed(&table.w, ids, &mut out.t)?;
         self.ledger().count_h2d(std::mem::size_of_val(ids) as u64);
+        let read = super::reads::embedding(ids.len(), table.w.row_bytes());
+        self.ledger().count_device_read(read);
         Ok(())
     }
 
@@ -646,7 +657,9 @@ impl Backend for SimBackend {
             "matmul_into",
             &[w.mem.id, a[0], a[1], a[2], b[0], b[1], b[2], col0 as u64],
         )?;
-        self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)
+        self.cpu.matmul_into(&w.w, &x.t, &mut out.t, col0)?;
+        self.read_weight(w);
+        Ok(())
     }
 
     /// As CUDA: each part takes the workspace one matmul of it takes (block formats share one
@@ -674,7 +687,9 @@ impl Backend for SimBackend {
             })
             .collect();
         let mut cpu_outs: Vec<&mut CpuTensor> = outs.iter_mut().map(|o| &mut o.t).collect();
-        self.cpu.matmul_parts(&x.t, &cpu_parts, &mut cpu_outs)
+        self.cpu.matmul_parts(&x.t, &cpu_parts, &mut cpu_outs)?;
+        parts.iter().for_each(|p| self.read_weight(p.w));
+        Ok(())
     }
 
     fn ffn_bundles_up(
@@ -916,7 +931,20 @@ impl Backend for SimBackend {
             down: &experts.down.w,
             width: experts.width,
         };
-        self.cpu.moe_ffn(cpu_experts, &x.t, routes, act, &mut out.t)
+        self.cpu
+            .moe_ffn(cpu_experts, &x.t, routes, act, &mut out.t)?;
+        let mut routed: Vec<u32> = routes.iter().map(|r| r.expert).collect();
+        routed.sort_unstable();
+        routed.dedup();
+        let stacks: Vec<(usize, usize)> = [experts.gate, Some(experts.up), Some(experts.down)]
+            .into_iter()
+            .flatten()
+            .map(|w| (w.w.rows(), w.w.row_bytes()))
+            .collect();
+        let n_experts = experts.up.w.rows() / experts.width.max(1);
+        let read = super::reads::experts(routed.len(), n_experts, &stacks);
+        self.ledger().count_device_read(read);
+        Ok(())
     }
 
     fn rms_norm_heads(
@@ -1012,7 +1040,10 @@ impl Backend for SimBackend {
             (act, threshold),
             &mut gate.t,
             &mut up.t,
-        )
+        )?;
+        self.read_weight(w_gate);
+        self.read_weight(w_up);
+        Ok(())
     }
 
     fn prefetch_kv(&self, k_cache: &SimKv, v_cache: &SimKv, rows: usize) {
@@ -1064,7 +1095,10 @@ impl Backend for SimBackend {
             first_pos,
             shape,
             &mut out.t,
-        )
+        )?;
+        let read = super::reads::attention(first_pos + q.t.rows, k_cache.kv.row_bytes());
+        self.ledger().count_device_read(read);
+        Ok(())
     }
 
     fn records_steps(&self) -> bool {

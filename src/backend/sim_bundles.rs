@@ -1,6 +1,6 @@
 //! The budgeted device's accounting of its bundle ops (a child module of `sim`, kept in its own
-//! file): whole-run ops refused on host memory, the device reads they leave unread, the listed
-//! ops and the link bytes they read in place.
+//! file): whole-run ops refused on host memory, the device reads they make and leave unread, the
+//! listed ops and the bytes they read, over the link where they read in place.
 
 use std::time::Instant;
 
@@ -25,8 +25,8 @@ impl SimBackend {
         Ok(())
     }
 
-    /// Count in the ledger what a whole-run bundle op (`up` side or down) of `b` left unread:
-    /// the CPU's kernels, as CUDA's, read the up part of a gated neuron only where its gate
+    /// Count in the ledger what a whole-run bundle op (`up` side or down) of `b` read and what
+    /// it left unread: the CPU's kernels, as CUDA's, read the up part of a gated neuron only where its gate
     /// leaves it on for some token, and its down part only where its activation (column
     /// `col0 + i` of `h`) is non-zero for some token. A neuron whose gate is on but whose up
     /// product is exactly zero counts as off (its up part read all the same): a bound taking
@@ -46,11 +46,12 @@ impl SimBackend {
         let rb = b.w.row_bytes();
         let read = |live| crate::backend::in_place_read_bytes(rb, shape.parts, neurons, live, up);
         self.ledger().count_reads_skipped(read(neurons) - read(on));
+        self.ledger().count_device_read(read(on));
     }
 
     /// Count (paced as a copy from `t0`) the link bytes a listed op read of the sets it was
-    /// given that rest in host memory: entry `j` of `idx` read its up or down part where
-    /// `live(j)`.
+    /// given that rest in host memory, and the device bytes it read of those in device memory:
+    /// entry `j` of `idx` read its up or down part where `live(j)`.
     pub(super) fn listed_in_place(
         &self,
         (b, rest): (&SimWeight, Option<&SimWeight>),
@@ -59,17 +60,24 @@ impl SimBackend {
         (up, live): (bool, &dyn Fn(usize) -> bool),
         t0: Instant,
     ) {
-        let mut bytes = 0;
+        let (mut bytes, mut device) = (0, 0);
         for (w, in_rest) in [(Some(b), false), (rest, true)] {
-            let Some(w) = w.filter(|w| w.mem.in_host) else {
+            let Some(w) = w else {
                 continue;
             };
             let mine = |j: &usize| (idx[*j] & crate::backend::IN_REST != 0) == in_rest;
             let listed = (0..idx.len()).filter(mine).count();
             let on = (0..idx.len()).filter(mine).filter(|&j| live(j)).count();
-            bytes +=
+            let read =
                 crate::backend::in_place_read_bytes(w.w.row_bytes(), shape.parts, listed, on, up);
+            // Read over the link where it rests in host memory, else from device memory.
+            *if w.mem.in_host {
+                &mut bytes
+            } else {
+                &mut device
+            } += read;
         }
+        self.ledger().count_device_read(device);
         if bytes > 0 {
             self.copied_in(bytes as usize, t0);
         }

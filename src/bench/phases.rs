@@ -83,10 +83,10 @@ fn at_rate(bytes: f64, rate: f64) -> Option<f64> {
 }
 
 /// Per decoded token, each phase's seconds and bytes beside its bound (the time its bytes take
-/// at the rates: host↔device over PCIe, CPU reads from DRAM; the device's reads of its own
-/// memory are not counted per phase, so no phase is bounded by HBM here); the steps' own time;
-/// and the ledger's host↔device bytes over the same steps (`decode` = the snapshots after the
-/// prompt and at the end), which the phases' bytes equal.
+/// at the rates, added: host↔device over PCIe, the device's reads of its weights and KV caches
+/// from its memory, CPU reads from DRAM); the steps' own time; and the ledger's host↔device and
+/// device-read bytes over the same steps (`decode` = the snapshots after the prompt and at the
+/// end), which the phases' bytes equal.
 pub fn per_token_json(
     t: &PhaseTotals,
     rates: &Rates,
@@ -97,13 +97,15 @@ pub fn per_token_json(
         .iter()
         .filter_map(|p| t.phases.get(p).map(|s| (p, s)))
         .map(|(p, s)| {
-            let (h2d, d2h, cpu) = (
+            let (h2d, d2h, device, cpu) = (
                 s.bytes.h2d as f64 / n,
                 s.bytes.d2h as f64 / n,
+                s.bytes.device as f64 / n,
                 s.bytes.cpu as f64 / n,
             );
             let parts = [
                 ("PCIe", at_rate(h2d + d2h, rates.h2d_bytes_per_s)),
+                ("HBM", at_rate(device, rates.hbm_read_bytes_per_s)),
                 ("DRAM", at_rate(cpu, rates.dram_read_bytes_per_s)),
             ];
             let bound: Option<f64> = parts
@@ -116,7 +118,8 @@ pub fn per_token_json(
                 .map(|(n, _)| *n)
                 .collect();
             let v = json!({
-                "seconds": s.seconds / n, "h2d_bytes": h2d, "d2h_bytes": d2h, "cpu_bytes": cpu,
+                "seconds": s.seconds / n, "h2d_bytes": h2d, "d2h_bytes": d2h,
+                "device_bytes": device, "cpu_bytes": cpu,
                 "bound_seconds": bound, "bound_by": if by.is_empty() { None } else { Some(by.join("+")) },
                 "fraction_of_bound": bound.map(|b| b / (s.seconds / n)),
                 "spans": s.spans as f64 / n,
@@ -133,9 +136,11 @@ pub fn per_token_json(
         "step_seconds": t.step_seconds / n,
         "phase_seconds": t.phase_seconds() / n,
         "phases": phases,
-        "bytes": {"h2d": bytes.h2d as f64 / n, "d2h": bytes.d2h as f64 / n, "cpu": bytes.cpu as f64 / n},
+        "bytes": {"h2d": bytes.h2d as f64 / n, "d2h": bytes.d2h as f64 / n,
+                  "device": bytes.device as f64 / n, "cpu": bytes.cpu as f64 / n},
         "ledger_bytes": {"h2d": (b.h2d_bytes - a.h2d_bytes) as f64 / n,
-                         "d2h": (b.d2h_bytes - a.d2h_bytes) as f64 / n},
+                         "d2h": (b.d2h_bytes - a.d2h_bytes) as f64 / n,
+                         "device": (b.device_read_bytes - a.device_read_bytes) as f64 / n},
     })
 }
 
@@ -203,8 +208,8 @@ fn resource(p: Phase) -> &'static str {
 
 /// The cost model beside the trace, per decoded token: for the link, the CPU and the device,
 /// what the plan predicted (bytes, and seconds at its rates) and what the traced phases on
-/// that resource measured (their seconds; the link's and the CPU's bytes, which the trace
-/// counts — the device's reads of its own memory it does not). The host's waits and
+/// that resource measured (their seconds and bytes: the device's, its reads of the weights and
+/// KV caches in its memory). The host's waits and
 /// bookkeeping are measured only. A device phase that reads host memory in place over the
 /// link (cache units' misses) counts towards the link for as long as its bytes need at the
 /// measured link rate (`rates`), the rest towards the device: its kernels wait on the link
@@ -238,7 +243,7 @@ pub fn plan_vs_trace_json(t: &PhaseTotals, planned: &PlannedCosts, rates: &Rates
         "cpu": {"predicted_seconds": planned.cpu_seconds, "measured_seconds": measured("cpu"),
                 "predicted_bytes": planned.cpu_bytes, "measured_bytes": b.cpu as f64 / n},
         "device": {"predicted_seconds": planned.device_seconds, "measured_seconds": measured("device"),
-                   "predicted_bytes": planned.device_bytes, "measured_bytes": null},
+                   "predicted_bytes": planned.device_bytes, "measured_bytes": b.device as f64 / n},
         "host": {"measured_seconds": measured("host")},
     })
 }

@@ -90,12 +90,14 @@ impl Phase {
     }
 }
 
-/// Bytes moved during a span: host→device and device→host (the ledger's counts), and read by
-/// the CPU for neurons (gathered misses, deciding rows, cold neurons).
+/// Bytes moved during a span: host→device and device→host, and read by the device's kernels
+/// of the weights and KV caches in its memory (the ledger's counts), and read by the CPU for
+/// neurons (gathered misses, deciding rows, cold neurons).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SpanBytes {
     pub h2d: u64,
     pub d2h: u64,
+    pub device: u64,
     pub cpu: u64,
 }
 
@@ -103,6 +105,7 @@ impl SpanBytes {
     pub fn add(&mut self, o: &SpanBytes) {
         self.h2d += o.h2d;
         self.d2h += o.d2h;
+        self.device += o.device;
         self.cpu += o.cpu;
     }
 }
@@ -153,6 +156,7 @@ struct Open {
     start: Instant,
     h2d: u64,
     d2h: u64,
+    device: u64,
     cpu: u64,
     /// The device clock's mark at the start, where the step has a clock.
     mark: Option<usize>,
@@ -198,22 +202,24 @@ impl StepTrace {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn copies(&self) -> (u64, u64) {
-        self.ledger.as_ref().map_or((0, 0), |l| {
+    /// The ledger's host→device, device→host and device-read bytes so far.
+    fn counts(&self) -> (u64, u64, u64) {
+        self.ledger.as_ref().map_or((0, 0, 0), |l| {
             let s = l.snapshot();
-            (s.h2d_bytes, s.d2h_bytes)
+            (s.h2d_bytes, s.d2h_bytes, s.device_read_bytes)
         })
     }
 
     /// Close the open span at `now` and open `phase` there.
     fn switch(&self, s: &mut State, phase: Option<Phase>, now: Instant) {
-        let (h2d, d2h) = self.copies();
+        let (h2d, d2h, device) = self.counts();
         // A clock that fails gives no device times, never a failed step.
         let mark = s.clock.as_ref().and_then(|(c, _)| c.mark().ok());
         if let (Some(o), Some((step, _, _))) = (s.open.take(), s.step) {
             let bytes = SpanBytes {
                 h2d: h2d - o.h2d,
                 d2h: d2h - o.d2h,
+                device: device - o.device,
                 cpu: s.cpu - o.cpu,
             };
             let dur = now.saturating_duration_since(o.start);
@@ -237,6 +243,7 @@ impl StepTrace {
             start: now,
             h2d,
             d2h,
+            device,
             cpu: s.cpu,
             mark,
         });
@@ -509,6 +516,7 @@ mod tests {
                 ledger.count_h2d(100);
             }
             ledger.count_d2h(7);
+            ledger.count_device_read(11);
             add_cpu_bytes(5);
         }
         set_layer(None);
@@ -521,7 +529,9 @@ mod tests {
         let h2d = all.phases[&Phase::H2d];
         assert_eq!((h2d.bytes.h2d, h2d.bytes.d2h), (100, 0));
         let att = all.phases[&Phase::Attention];
-        assert_eq!((att.bytes.h2d, att.bytes.d2h, att.bytes.cpu), (0, 7, 5));
+        let b = att.bytes;
+        assert_eq!((b.h2d, b.d2h, b.device, b.cpu), (0, 7, 11, 5));
+        assert_eq!(h2d.bytes.device, 0);
         assert!(att.seconds >= 0.002);
         assert!(
             log.spans

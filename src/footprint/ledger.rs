@@ -69,6 +69,7 @@ pub struct Ledger {
     waits: AtomicU64,
     ssd: AtomicU64,
     skipped: AtomicU64,
+    device_reads: AtomicU64,
 }
 
 /// Bytes held in one tier until dropped.
@@ -114,6 +115,9 @@ pub struct LedgerSnapshot {
     /// Device memory the FFN's bundle kernels did not read: the parts of neurons off for every
     /// token ([`Ledger::count_reads_skipped`]).
     pub device_reads_skipped: u64,
+    /// Device memory the device's kernels read of the weights and KV caches it holds
+    /// ([`Ledger::count_device_read`]): what bounds a phase of device work by its memory's rate.
+    pub device_read_bytes: u64,
 }
 
 impl Ledger {
@@ -128,6 +132,7 @@ impl Ledger {
             waits: AtomicU64::new(0),
             ssd: AtomicU64::new(0),
             skipped: AtomicU64::new(0),
+            device_reads: AtomicU64::new(0),
         })
     }
 
@@ -209,6 +214,14 @@ impl Ledger {
         self.skipped.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// The device's kernels read `bytes` of the weights and KV caches in its own memory (its
+    /// activations left out: a layer's are a few KB beside its MB of weights). Counted by every
+    /// backend with the same formulas ([`crate::backend::reads`]), so a phase's bytes bound it
+    /// alike on the budgeted device and on CUDA.
+    pub fn count_device_read(&self, bytes: u64) {
+        self.device_reads.fetch_add(bytes, Ordering::Relaxed);
+    }
+
     /// Forget the peaks (usage stays): to measure the steady state after start-up.
     pub fn reset_peaks(&self) {
         let mut s = self.lock();
@@ -231,6 +244,7 @@ impl Ledger {
             ssd_read_bytes: self.ssd.load(Ordering::Relaxed),
             host_waits: self.waits.load(Ordering::Relaxed),
             device_reads_skipped: self.skipped.load(Ordering::Relaxed),
+            device_read_bytes: self.device_reads.load(Ordering::Relaxed),
         }
     }
 }

@@ -202,6 +202,9 @@ impl Running {
             "dram_peak_bytes": end.dram_total_peak,
             "h2d_bytes_per_token": per(after_prefill.h2d_bytes, end.h2d_bytes),
             "ssd_bytes_per_token": per(after_prefill.ssd_read_bytes, end.ssd_read_bytes),
+            // What the device's kernels read of its weights and KV caches (src/backend/reads.rs;
+            // CUDA counts a bundle kernel's masked-off parts as read: its host does not see them).
+            "device_read_bytes_per_token": per(after_prefill.device_read_bytes, end.device_read_bytes),
             // What the FFN's bundle kernels left unread: the budgeted device counts it; CUDA's
             // kernels skip the same, unseen by the host (null there, not a count of none).
             "device_reads_skipped_per_token": matches!(self.engine, AnyEngine::Sim(_)).then(|| per(

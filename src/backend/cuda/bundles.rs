@@ -69,15 +69,16 @@ fn bundle_kernels(enc: Encoding) -> (launches::BundlesUp, launches::BundlesDown)
 }
 
 impl CudaBackend {
-    /// Count the link bytes the kernels read of `rows` listed bundles of `b` where `b` is host
-    /// memory they read in place (the up side or the down one). The kernels skip the parts of
-    /// neurons the mask leaves off, which the host does not see: counted as if every listed
-    /// neuron were on (the budgeted device counts the exact bytes).
+    /// Count the bytes the kernels read of `rows` listed bundles of `b` (the up side or the
+    /// down one): over the link where `b` is host memory they read in place, else of device
+    /// memory. The kernels skip the parts of neurons the mask leaves off, which the host does
+    /// not see: counted as if every listed neuron were on (the budgeted device counts the exact
+    /// bytes).
     fn count_in_place(&self, b: &CudaWeight, shape: BundleShape, rows: usize, up: bool) {
-        if b.host.is_some() {
-            let bytes =
-                crate::backend::in_place_read_bytes(b.row_bytes(), shape.parts, rows, rows, up);
-            self.ledger().count_h2d(bytes);
+        let bytes = crate::backend::in_place_read_bytes(b.row_bytes(), shape.parts, rows, rows, up);
+        match b.host {
+            Some(_) => self.ledger().count_h2d(bytes),
+            None => self.ledger().count_device_read(bytes),
         }
     }
 

@@ -392,6 +392,15 @@ impl CudaBackend {
         self.mem.ledger()
     }
 
+    /// Count what products read of `ws` in device memory (host memory read in place is the
+    /// link's, counted where it is read).
+    pub(super) fn read_weights(&self, ws: &[&super::CudaWeight]) {
+        for w in ws.iter().filter(|w| w.host.is_none()) {
+            let bytes = crate::backend::reads::product(w.rows, w.row_bytes());
+            self.ledger().count_device_read(bytes);
+        }
+    }
+
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }

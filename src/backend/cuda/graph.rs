@@ -12,6 +12,10 @@ use crate::backend::{BackendError, Result, STEP_POSITION_BYTES};
 pub struct CudaRecording {
     graph: cudarc::driver::CudaGraph,
     nodes: u64,
+    /// What the recorded ops counted of the device's memory read: a replay reads it again (its
+    /// attention over the recording step's positions, a few KB a position short of a later
+    /// step's).
+    device_reads: u64,
 }
 
 // SAFETY: a graph needs its calls serialised, not a thread of its own (CUDA's graph thread-safety
@@ -76,6 +80,7 @@ pub(super) fn record<E: From<BackendError>>(
         .map_err(dev)?;
     cuda.recording
         .store(true, std::sync::atomic::Ordering::SeqCst);
+    let reads_before = cuda.ledger().snapshot().device_read_bytes;
     let ran = ops();
     cuda.recording
         .store(false, std::sync::atomic::Ordering::SeqCst);
@@ -101,6 +106,7 @@ pub(super) fn record<E: From<BackendError>>(
     Ok(CudaRecording {
         graph,
         nodes: nodes as u64,
+        device_reads: cuda.ledger().snapshot().device_read_bytes - reads_before,
     })
 }
 
@@ -114,5 +120,6 @@ pub(super) fn replay<E: From<BackendError>>(
     rec.graph.launch().map_err(dev)?;
     cuda.device_ops
         .fetch_add(rec.nodes, std::sync::atomic::Ordering::Relaxed);
+    cuda.ledger().count_device_read(rec.device_reads);
     Ok(())
 }

@@ -284,7 +284,10 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32], out: &mut CudaTensor) -> Result<()> {
-        elementwise::embed(self, table, ids, out)
+        elementwise::embed(self, table, ids, out)?;
+        let read = super::reads::embedding(ids.len(), table.row_bytes());
+        self.ledger().count_device_read(read);
+        Ok(())
     }
 
     fn add_table_rows(
@@ -303,7 +306,9 @@ impl Backend for CudaBackend {
         out: &mut CudaTensor,
         col0: usize,
     ) -> Result<()> {
-        matmul::matmul_into(self, w, x, out, col0)
+        matmul::matmul_into(self, w, x, out, col0)?;
+        self.read_weights(&[w]);
+        Ok(())
     }
 
     fn matmul_parts(
@@ -312,7 +317,9 @@ impl Backend for CudaBackend {
         parts: &[MatmulPart<'_, CudaWeight>],
         outs: &mut [&mut CudaTensor],
     ) -> Result<()> {
-        matmul::matmul_parts(self, x, parts, outs)
+        matmul::matmul_parts(self, x, parts, outs)?;
+        self.read_weights(&parts.iter().map(|p| p.w).collect::<Vec<_>>());
+        Ok(())
     }
 
     fn matmul_parts_of(
@@ -321,7 +328,9 @@ impl Backend for CudaBackend {
         parts: &[MatmulPart<'_, CudaWeight>],
         outs: &mut [&mut CudaTensor],
     ) -> Result<()> {
-        matmul::matmul_parts_of(self, input, parts, outs)
+        matmul::matmul_parts_of(self, input, parts, outs)?;
+        self.read_weights(&parts.iter().map(|p| p.w).collect::<Vec<_>>());
+        Ok(())
     }
 
     fn ffn_bundles_up(
@@ -431,7 +440,19 @@ impl Backend for CudaBackend {
         act: Act,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        experts::moe_ffn(self, e, x, routes, act, out)
+        let stacks: Vec<(usize, usize)> = [e.gate, Some(e.up), Some(e.down)]
+            .into_iter()
+            .flatten()
+            .map(|w| (w.rows, w.row_bytes()))
+            .collect();
+        let n_experts = e.up.rows / e.width.max(1);
+        experts::moe_ffn(self, e, x, routes, act, out)?;
+        let mut routed: Vec<u32> = routes.iter().map(|r| r.expert).collect();
+        routed.sort_unstable();
+        routed.dedup();
+        let read = super::reads::experts(routed.len(), n_experts, &stacks);
+        self.ledger().count_device_read(read);
+        Ok(())
     }
 
     fn rms_norm_heads(
@@ -477,7 +498,9 @@ impl Backend for CudaBackend {
         gate: &mut CudaTensor,
         up: &mut CudaTensor,
     ) -> Result<()> {
-        matmul::gate_up(self, x, (w_gate, w_up), (act, threshold), gate, up)
+        matmul::gate_up(self, x, (w_gate, w_up), (act, threshold), gate, up)?;
+        self.read_weights(&[w_gate, w_up]);
+        Ok(())
     }
 
     fn gate_up_down(
@@ -495,7 +518,9 @@ impl Backend for CudaBackend {
             (act, threshold),
             (gate, up),
             out,
-        )
+        )?;
+        self.read_weights(&[w_gate, w_up, w_down]);
+        Ok(())
     }
 
     fn activate(&self, x: &mut CudaTensor, act: Act, threshold: f32) -> Result<()> {
@@ -522,7 +547,11 @@ impl Backend for CudaBackend {
         s: AttnShape,
         out: &mut CudaTensor,
     ) -> Result<()> {
-        attention::attention(self, q, k_cache, v_cache, table, first_pos, s, out)
+        attention::attention(self, q, k_cache, v_cache, table, first_pos, s, out)?;
+        let row_bytes = k_cache.ty.row_bytes(k_cache.cols);
+        let read = super::reads::attention(first_pos + q.rows, row_bytes);
+        self.ledger().count_device_read(read);
+        Ok(())
     }
 
     fn records_steps(&self) -> bool {
