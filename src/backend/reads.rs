@@ -21,12 +21,16 @@ pub fn embedding(tokens: usize, row_bytes: usize) -> u64 {
     (tokens * row_bytes) as u64
 }
 
-/// A mixture-of-experts FFN over `routed` distinct experts of `n_experts`, each a like share of
-/// every stack (`stacks`: each stack's rows and row bytes: gate, up, down): those experts' rows
-/// read once.
-pub fn experts(routed: usize, n_experts: usize, stacks: &[(usize, usize)]) -> u64 {
+/// A mixture-of-experts FFN of experts `width` neurons wide over `routes`: each distinct expert
+/// they name has its rows of every stack read once (`stacks`: each stack's rows and row bytes,
+/// the first the gate or up stack of `experts · width` rows, then the others).
+pub fn experts(routes: &[super::Route], width: usize, stacks: &[(usize, usize)]) -> u64 {
+    let mut routed: Vec<u32> = routes.iter().map(|r| r.expert).collect();
+    routed.sort_unstable();
+    routed.dedup();
+    let n_experts = stacks.first().map_or(0, |&(rows, _)| rows / width.max(1));
     let all: usize = stacks.iter().map(|&(rows, rb)| rows * rb).sum();
-    (all / n_experts.max(1) * routed) as u64
+    (all / n_experts.max(1) * routed.len()) as u64
 }
 
 #[cfg(test)]
@@ -40,6 +44,15 @@ mod tests {
         assert_eq!(attention(96, 384), 73_728);
         assert_eq!(embedding(2, 612), 1224);
         // 2 of 8 experts of 16 neurons: gate and up 128 rows of 40 bytes, down 8·32 rows of 20.
-        assert_eq!(experts(2, 8, &[(128, 40), (128, 40), (256, 20)]), 2 * 1920);
+        let route = |token, expert| crate::backend::Route {
+            token,
+            expert,
+            weight: 0.5,
+        };
+        let routes = [route(0, 3), route(0, 5), route(1, 3)];
+        assert_eq!(
+            experts(&routes, 16, &[(128, 40), (128, 40), (256, 20)]),
+            2 * 1920
+        );
     }
 }

@@ -933,16 +933,12 @@ impl Backend for SimBackend {
         };
         self.cpu
             .moe_ffn(cpu_experts, &x.t, routes, act, &mut out.t)?;
-        let mut routed: Vec<u32> = routes.iter().map(|r| r.expert).collect();
-        routed.sort_unstable();
-        routed.dedup();
         let stacks: Vec<(usize, usize)> = [experts.gate, Some(experts.up), Some(experts.down)]
             .into_iter()
             .flatten()
             .map(|w| (w.w.rows(), w.w.row_bytes()))
             .collect();
-        let n_experts = experts.up.w.rows() / experts.width.max(1);
-        let read = super::reads::experts(routed.len(), n_experts, &stacks);
+        let read = super::reads::experts(routes, experts.width, &stacks);
         self.ledger().count_device_read(read);
         Ok(())
     }

@@ -26,11 +26,11 @@ impl SimBackend {
     }
 
     /// Count in the ledger what a whole-run bundle op (`up` side or down) of `b` read and what
-    /// it left unread: the CPU's kernels, as CUDA's, read the up part of a gated neuron only where its gate
-    /// leaves it on for some token, and its down part only where its activation (column
-    /// `col0 + i` of `h`) is non-zero for some token. A neuron whose gate is on but whose up
-    /// product is exactly zero counts as off (its up part read all the same): a bound taking
-    /// these bytes off stays a bound.
+    /// it left unread: the CPU's kernels, as CUDA's, read the up part of a gated neuron only
+    /// where its gate leaves it on for some token, and its down part only where its activation
+    /// (column `col0 + i` of `h`) is non-zero for some token. A neuron whose gate is on but
+    /// whose up product is exactly zero counts as off (its up part read all the same): a bound
+    /// taking these bytes off stays a bound.
     pub(super) fn count_skipped(
         &self,
         b: &SimWeight,

@@ -496,11 +496,12 @@ fn attend_chunk<K: KvRows, V: KvRows>(
     // against 22.6-24.2). Rows read in place, or by a tile of a prompt's rows, are slower with
     // the hints.
     if lone {
+        let hinted = |c: &Option<InPlace>| !matches!(c, Some(InPlace::F32(..)));
         for &col in cols {
-            if k_cache.f32_rows().is_none() {
+            if hinted(&keys) {
                 k_cache.prefetch(start..start + width, col, hd);
             }
-            if v_cache.f32_rows().is_none() {
+            if hinted(&values) {
                 v_cache.prefetch(start..start + width, col, hd);
             }
         }

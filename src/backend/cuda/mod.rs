@@ -445,12 +445,9 @@ impl Backend for CudaBackend {
             .flatten()
             .map(|w| (w.rows, w.row_bytes()))
             .collect();
-        let n_experts = e.up.rows / e.width.max(1);
+        let width = e.width;
         experts::moe_ffn(self, e, x, routes, act, out)?;
-        let mut routed: Vec<u32> = routes.iter().map(|r| r.expert).collect();
-        routed.sort_unstable();
-        routed.dedup();
-        let read = super::reads::experts(routed.len(), n_experts, &stacks);
+        let read = super::reads::experts(routes, width, &stacks);
         self.ledger().count_device_read(read);
         Ok(())
     }
