@@ -506,28 +506,43 @@ fn attend_chunk<K: KvRows, V: KvRows>(
             }
         }
     }
-    // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
-    // scored for every row and head that reaches it.
-    for j0 in (0..width).step_by(ROWS) {
-        let j1 = (j0 + ROWS).min(width);
-        let block_run = KvRun::of(keys, k_cache, start + j0..start + j1, run, block);
-        for (h, &col) in cols.iter().enumerate() {
-            // Every query head sharing this KV head against the whole block (a row that ends
-            // inside it computes a few scores it leaves: only where a tile's rows meet their
-            // own positions), then each row's own scaled into place.
-            let w = j1 - j0;
-            let tile = &mut tile[..per_head * w];
-            let qh = &queries[h * per_head..(h + 1) * per_head];
-            match block_run.head(col, hd) {
-                HeadRows::F32(rows) => (k.scores)(qh, &rows[..w], tile),
-                HeadRows::F16(rows) => (k.scores_f16)(qh, &rows[..w], tile),
-            }
-            for (r, &end) in ends.iter().enumerate() {
-                let m = end.saturating_sub(j0).min(w);
-                for g in 0..group {
-                    let from = &tile[(r * group + g) * w..][..m];
-                    let s = &mut scores[(r * heads + h * group + g) * CHUNK + j0..][..m];
-                    s.iter_mut().zip(from).for_each(|(s, &v)| *s = v * scale);
+    // A lone row over rows read in place takes each KV head's chunk in one call a kernel.
+    let direct = if lone { keys.zip(values) } else { None };
+    if let Some((kr, _)) = direct {
+        tile.resize(per_head * width, 0.0);
+        lone_scores(
+            k,
+            &queries,
+            (kr, cols),
+            (start, width),
+            hd,
+            scale,
+            (tile, scores),
+        );
+    } else {
+        // (Row r, head i)'s scores at (r·heads + i)·CHUNK. Key rows a block at a time, each block
+        // scored for every row and head that reaches it.
+        for j0 in (0..width).step_by(ROWS) {
+            let j1 = (j0 + ROWS).min(width);
+            let block_run = KvRun::of(keys, k_cache, start + j0..start + j1, run, block);
+            for (h, &col) in cols.iter().enumerate() {
+                // Every query head sharing this KV head against the whole block (a row that ends
+                // inside it computes a few scores it leaves: only where a tile's rows meet their
+                // own positions), then each row's own scaled into place.
+                let w = j1 - j0;
+                let tile = &mut tile[..per_head * w];
+                let qh = &queries[h * per_head..(h + 1) * per_head];
+                match block_run.head(col, hd) {
+                    HeadRows::F32(rows) => (k.scores)(qh, &rows[..w], tile),
+                    HeadRows::F16(rows) => (k.scores_f16)(qh, &rows[..w], tile),
+                }
+                for (r, &end) in ends.iter().enumerate() {
+                    let m = end.saturating_sub(j0).min(w);
+                    for g in 0..group {
+                        let from = &tile[(r * group + g) * w..][..m];
+                        let s = &mut scores[(r * heads + h * group + g) * CHUNK + j0..][..m];
+                        s.iter_mut().zip(from).for_each(|(s, &v)| *s = v * scale);
+                    }
                 }
             }
         }
@@ -541,6 +556,10 @@ fn attend_chunk<K: KvRows, V: KvRows>(
         };
     }
     acc.fill(0.0);
+    if let Some((_, vr)) = direct {
+        lone_values(k, (vr, cols), (start, width), hd, scores, acc);
+        return;
+    }
     // Value rows a block at a time, each head's sum held in registers across the block.
     for j0 in (0..width).step_by(ROWS) {
         let j1 = (j0 + ROWS).min(width);
@@ -566,6 +585,91 @@ fn attend_chunk<K: KvRows, V: KvRows>(
             }
         }
     }
+}
+
+/// Rows `js` of a cache read in place (`v`, `stride` apart), `hd` values from column `col`.
+fn rows_at<T>(
+    v: &[T],
+    stride: usize,
+    js: std::ops::Range<usize>,
+    col: usize,
+    hd: usize,
+) -> Vec<&[T]> {
+    js.map(|j| &v[j * stride + col..j * stride + col + hd])
+        .collect()
+}
+
+/// [`attend_chunk`]'s scores for a lone row over key rows read in place, positions `start..`
+/// (`width` of them): each KV head's query heads (`queries`, `group` a head, in `cols`' order)
+/// against the chunk's rows in one call, scaled into `scores` (head `i` at `i·CHUNK`). The
+/// kernels take each (query, key) product alone, so the same bits as block by block.
+fn lone_scores(
+    k: &Kernels,
+    queries: &[&[f32]],
+    (keys, cols): (InPlace, &[usize]),
+    (start, width): (usize, usize),
+    hd: usize,
+    scale: f32,
+    (tile, scores): (&mut [f32], &mut [f32]),
+) {
+    let group = queries.len() / cols.len().max(1);
+    let js = start..start + width;
+    for (h, &col) in cols.iter().enumerate() {
+        let qh = &queries[h * group..(h + 1) * group];
+        let tile = &mut tile[..group * width];
+        match keys {
+            InPlace::F32(v, stride) => {
+                (k.scores)(qh, &rows_at(v, stride, js.clone(), col, hd), tile)
+            }
+            InPlace::F16(v, stride) => {
+                (k.scores_f16)(qh, &rows_at(v, stride, js.clone(), col, hd), tile)
+            }
+        }
+        for g in 0..group {
+            let s = &mut scores[(h * group + g) * CHUNK..][..width];
+            let from = &tile[g * width..][..width];
+            s.iter_mut().zip(from).for_each(|(s, &v)| *s = v * scale);
+        }
+    }
+}
+
+/// [`attend_chunk`]'s weighted sums for a lone row over value rows read in place: each query
+/// head's `hd` values of `acc` (zeroed) plus its weights (`scores`, head `i` at `i·CHUNK`) times
+/// the chunk's rows, in one call a head. The kernels add the rows in order into `acc` as
+/// loaded, so the same bits as block by block.
+fn lone_values(
+    k: &Kernels,
+    (values, cols): (InPlace, &[usize]),
+    (start, width): (usize, usize),
+    hd: usize,
+    scores: &[f32],
+    acc: &mut [f32],
+) {
+    let group = acc.len() / hd.max(1) / cols.len().max(1);
+    let js = start..start + width;
+    for (h, &col) in cols.iter().enumerate() {
+        let rows = match values {
+            InPlace::F32(v, stride) => HeadVec::F32(rows_at(v, stride, js.clone(), col, hd)),
+            InPlace::F16(v, stride) => HeadVec::F16(rows_at(v, stride, js.clone(), col, hd)),
+        };
+        for g in 0..group {
+            let i = h * group + g;
+            let (a, w) = (
+                &mut acc[i * hd..(i + 1) * hd],
+                &scores[i * CHUNK..][..width],
+            );
+            match &rows {
+                HeadVec::F32(rows) => (k.axpy_rows)(a, w, rows),
+                HeadVec::F16(rows) => (k.axpy_rows_f16)(a, w, rows),
+            }
+        }
+    }
+}
+
+/// A head's rows of a chunk read in place, as the kernels take them.
+enum HeadVec<'a> {
+    F32(Vec<&'a [f32]>),
+    F16(Vec<&'a [f16]>),
 }
 
 /// The chunks' parts (chunk by chunk, a part per head) and weighted sums (`hd` values per head)
