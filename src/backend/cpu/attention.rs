@@ -50,28 +50,35 @@ impl<'a> InPlace<'a> {
         let (v, stride) = cache.f16_rows().filter(|_| lone)?;
         Some(InPlace::F16(v, stride))
     }
+
+    /// The f32 rows and their distance, where these are f32.
+    fn f32(self) -> Option<(&'a [f32], usize)> {
+        match self {
+            InPlace::F32(v, stride) => Some((v, stride)),
+            InPlace::F16(..) => None,
+        }
+    }
 }
 
-/// A block's rows of one head, as the kernels take them.
-enum HeadRows<'a> {
-    F32([&'a [f32]; ROWS]),
-    F16([&'a [f16]; ROWS]),
+/// Row `j` of a cache read in place (`v`, rows `stride` apart): `hd` values from column `col`.
+fn row_at<T>(v: &[T], stride: usize, j: usize, col: usize, hd: usize) -> &[T] {
+    &v[j * stride + col..j * stride + col + hd]
 }
 
 /// Rows `js` (at most [`ROWS`]) of a cache, the columns of a run of KV heads: `width` values
-/// from `col0` on. In place where the cache is read so ([`InPlace`]); else each row's run
-/// decoded into `block` in one call, `width` apart (one call a row, not one a row and head: a
-/// Q8_0 row's blocks then go through the bulk decoder together).
+/// from `col0` on. Straight from `direct` (f32 rows, their stride) where there is one; else
+/// each row's run decoded into `block` in one call, `width` apart (one call a row, not one a
+/// row and head: a Q8_0 row's blocks then go through the bulk decoder together).
 struct KvRun<'a> {
     rows: [&'a [f32]; ROWS],
     col0: usize,
-    /// Rows read in place, and the block's rows.
-    direct: Option<(InPlace<'a>, std::ops::Range<usize>)>,
+    /// Rows read in place: the f32 values and the distance between rows, and the block's rows.
+    direct: Option<(&'a [f32], usize, std::ops::Range<usize>)>,
 }
 
 impl<'a> KvRun<'a> {
     fn of(
-        direct: Option<InPlace<'a>>,
+        direct: Option<(&'a [f32], usize)>,
         cache: &'a impl KvRows,
         js: std::ops::Range<usize>,
         (col0, width): (usize, usize),
@@ -88,31 +95,23 @@ impl<'a> KvRun<'a> {
         KvRun {
             rows,
             col0,
-            direct: direct.map(|d| (d, js)),
+            direct: direct.map(|(v, stride)| (v, stride, js)),
         }
     }
 
     /// The block's rows, `hd` values from cache column `col` (within the run).
-    fn head(&self, col: usize, hd: usize) -> HeadRows<'a> {
-        fn rows<'a, T>(
-            v: &'a [T],
-            stride: usize,
-            js: &std::ops::Range<usize>,
-            col: usize,
-            hd: usize,
-        ) -> [&'a [T]; ROWS] {
-            let mut rows: [&[T]; ROWS] = [&[]; ROWS];
-            for (r, j) in rows.iter_mut().zip(js.clone()) {
-                *r = &v[j * stride + col..j * stride + col + hd];
-            }
-            rows
-        }
+    fn head(&self, col: usize, hd: usize) -> [&'a [f32]; ROWS] {
         match &self.direct {
-            Some((InPlace::F32(v, stride), js)) => HeadRows::F32(rows(v, *stride, js, col, hd)),
-            Some((InPlace::F16(v, stride), js)) => HeadRows::F16(rows(v, *stride, js, col, hd)),
+            Some((v, stride, js)) => {
+                let mut rows: [&[f32]; ROWS] = [&[]; ROWS];
+                for (r, j) in rows.iter_mut().zip(js.clone()) {
+                    *r = row_at(v, *stride, j, col, hd);
+                }
+                rows
+            }
             None => {
                 let at = col - self.col0;
-                HeadRows::F32(self.rows.map(|r| r.get(at..at + hd).unwrap_or(&[])))
+                self.rows.map(|r| r.get(at..at + hd).unwrap_or(&[]))
             }
         }
     }
@@ -506,8 +505,11 @@ fn attend_chunk<K: KvRows, V: KvRows>(
             }
         }
     }
-    // A lone row over rows read in place takes each KV head's chunk in one call a kernel.
+    // A lone row over rows read in place (f32, or f16 widened as loaded) takes each KV head's
+    // chunk in one call of each kernel; any other row goes a block at a time, reading only f32
+    // rows in place.
     let direct = if lone { keys.zip(values) } else { None };
+    let (keys, values) = (keys.and_then(InPlace::f32), values.and_then(InPlace::f32));
     if let Some((kr, _)) = direct {
         tile.resize(per_head * width, 0.0);
         lone_scores(
@@ -532,10 +534,7 @@ fn attend_chunk<K: KvRows, V: KvRows>(
                 let w = j1 - j0;
                 let tile = &mut tile[..per_head * w];
                 let qh = &queries[h * per_head..(h + 1) * per_head];
-                match block_run.head(col, hd) {
-                    HeadRows::F32(rows) => (k.scores)(qh, &rows[..w], tile),
-                    HeadRows::F16(rows) => (k.scores_f16)(qh, &rows[..w], tile),
-                }
+                (k.scores)(qh, &block_run.head(col, hd)[..w], tile);
                 for (r, &end) in ends.iter().enumerate() {
                     let m = end.saturating_sub(j0).min(w);
                     for g in 0..group {
@@ -577,17 +576,14 @@ fn attend_chunk<K: KvRows, V: KvRows>(
                         &mut acc[i * hd..(i + 1) * hd],
                         &scores[i * CHUNK + j0..][..m],
                     );
-                    match &block_rows {
-                        HeadRows::F32(rows) => (k.axpy_rows)(a, w, &rows[..m]),
-                        HeadRows::F16(rows) => (k.axpy_rows_f16)(a, w, &rows[..m]),
-                    }
+                    (k.axpy_rows)(a, w, &block_rows[..m]);
                 }
             }
         }
     }
 }
 
-/// Rows `js` of a cache read in place (`v`, `stride` apart), `hd` values from column `col`.
+/// Rows `js` of a cache read in place, as [`row_at`] gives each.
 fn rows_at<T>(
     v: &[T],
     stride: usize,
@@ -595,8 +591,7 @@ fn rows_at<T>(
     col: usize,
     hd: usize,
 ) -> Vec<&[T]> {
-    js.map(|j| &v[j * stride + col..j * stride + col + hd])
-        .collect()
+    js.map(|j| row_at(v, stride, j, col, hd)).collect()
 }
 
 /// [`attend_chunk`]'s scores for a lone row over key rows read in place, positions `start..`
