@@ -591,10 +591,11 @@ fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
     n
 }
 
-/// How far ahead of the chunk being read the tile kernels ask for lines, and into which cache:
-/// the tiles are read as one stream, and the hardware prefetchers alone keep too little in
-/// flight. The best choice differs by core; out of tree, 30 SmolLM2 layers in tiles (1,536
-/// neurons, 85% on, 2 threads, `tiled_ffn`) unless said otherwise:
+/// How far ahead of the chunk being read the tile kernels ask for lines (into L1), where hints
+/// pay: the tiles are read as one stream, and on some cores the hardware
+/// prefetchers alone keep too little in flight. The best choice differs by core; out of tree,
+/// 30 SmolLM2 layers in tiles (1,536 neurons, 85% on, 2 threads, `tiled_ffn`) unless said
+/// otherwise:
 /// - on an AMD Zen 5 VM (family 1Ah, 2 cores): 26.5 GB/s at 512 bytes into L2, 38–39 at 4 KiB
 ///   into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2, while its DRAM probe read 50–55;
 /// - on an Intel Xeon VM with AVX-512 FP16 (2 cores, a worker kept between forks): 20–25 GB/s
@@ -602,41 +603,35 @@ fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
 ///   48M, budgeted device, alternated) hybrid's cold pass took 8.4–8.8 ms a token at 2 KiB
 ///   against 9.2 at 8 KiB. An earlier Intel VM had found no distance up to 16 KiB into L2
 ///   better than 512 bytes (L1 untried);
-/// - on an AMD Zen 4 VM (family 19h, 2 cores, DRAM probe 31–37 GB/s): in the engine (as above,
-///   traced, six rounds alternated) the cold pass took 5.4–7.2 ms a token at 16 KiB into L2
-///   against 7.2–9.6 at 8 KiB into L1, lower in every round; 4, 32 and 64 KiB into L2 were
-///   within the noise of 16. A hint into L1 holds one of L1's few miss buffers until its line
-///   arrives (the cap the many-row products' far hints avoid: `kernels::prefetch`), which
-///   this core's longer DRAM latency turns into the limit. (Zen 3, also family 19h, untried.)
+/// - on an AMD Zen 4 VM (family 19h, 2 cores), no hints at all: the hardware prefetchers keep
+///   the stream at the memory's rate, and hints only take issue slots and miss buffers from
+///   it. Out of tree, three runs each alternated, 16 KiB into L2 read 30.9–31.6 GB/s against
+///   32.7–35.4 without hints while a plain read of the same bytes took 32–37 (the machine's
+///   slower memory placement); with its faster one (plain read 55–72) 34–39 against 45–48.
+///   In the engine (as above, eight rounds alternated, DRAM probe 34–37 GB/s in each) hybrid
+///   decoded 122–135 tokens/s with hints (0.67–0.73 of its bound) and 135–143 without
+///   (0.70–0.76), faster in every round. (Hints into L1 had been slower still: the cold pass
+///   7.2–9.6 ms a token at 8 KiB against 5.4–7.2 at 16 KiB into L2. Zen 3, also family 19h,
+///   untried.)
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct TilePrefetch {
     /// Bytes past the chunk being read.
     distance: usize,
-    /// Into L2 (`prefetcht1`) rather than L1 (`prefetcht0`).
-    into_l2: bool,
 }
 
-/// [`TilePrefetch`] for a core by its CPUID vendor and (display) family.
-fn tile_prefetch_for(amd: bool, family: u32) -> TilePrefetch {
+/// [`TilePrefetch`] for a core by its CPUID vendor and (display) family; `None` where the
+/// kernels give no hints.
+fn tile_prefetch_for(amd: bool, family: u32) -> Option<TilePrefetch> {
     match (amd, family) {
-        (true, 0x19) => TilePrefetch {
-            distance: 16 << 10,
-            into_l2: true,
-        },
-        (true, _) => TilePrefetch {
-            distance: 8 << 10,
-            into_l2: false,
-        },
-        (false, _) => TilePrefetch {
-            distance: 2 << 10,
-            into_l2: false,
-        },
+        (true, 0x19) => None,
+        (true, _) => Some(TilePrefetch { distance: 8 << 10 }),
+        (false, _) => Some(TilePrefetch { distance: 2 << 10 }),
     }
 }
 
 /// This core's [`TilePrefetch`], read once.
-fn tile_prefetch() -> TilePrefetch {
-    static PREFETCH: std::sync::OnceLock<TilePrefetch> = std::sync::OnceLock::new();
+fn tile_prefetch() -> Option<TilePrefetch> {
+    static PREFETCH: std::sync::OnceLock<Option<TilePrefetch>> = std::sync::OnceLock::new();
     *PREFETCH.get_or_init(|| {
         let v = __cpuid(0);
         let amd = [v.ebx, v.edx, v.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163];
@@ -661,13 +656,7 @@ fn prefetch_chunk(p: *const u16, how: TilePrefetch) {
     for line in 0..TILE_COLS * TILE_NEURONS * 2 / 64 {
         let at = (p as *const i8).wrapping_add(how.distance + 64 * line);
         // SAFETY: a prefetch is a hint: it never faults, whatever the address.
-        unsafe {
-            if how.into_l2 {
-                _mm_prefetch::<_MM_HINT_T1>(at)
-            } else {
-                _mm_prefetch::<_MM_HINT_T0>(at)
-            }
-        };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at) };
     }
 }
 
@@ -679,7 +668,7 @@ macro_rules! dot4_tiled_body {
         #[target_feature(enable = $features)]
         unsafe fn $name(w: [TileRow; 4], x: &[f32], ahead: bool) -> [f32; 4] {
             let n = tile_width(&w, x.len());
-            let how = tile_prefetch();
+            let hints = if ahead { tile_prefetch() } else { None };
             let p = w.map(|r| row_start(&r));
             let xp = x.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 4]; 4];
@@ -688,7 +677,7 @@ macro_rules! dot4_tiled_body {
             unsafe {
                 for i in (0..n).step_by(TILE_COLS) {
                     let c = i * TILE_NEURONS;
-                    if ahead {
+                    if let Some(how) = hints {
                         prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
                     }
                     for k in 0..4 {
@@ -717,7 +706,7 @@ dot4_tiled_body!(dot4_tiled_avx512, "avx2,fma,f16c,avx512f,avx512vl");
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead: bool) {
     let n = tile_width(&w, out.len());
-    let how = tile_prefetch();
+    let hints = if ahead { tile_prefetch() } else { None };
     let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| row_start(&r));
     let op = out.as_mut_ptr();
@@ -725,7 +714,7 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead:
     unsafe {
         for i in (0..n).step_by(TILE_COLS) {
             let c = i * TILE_NEURONS;
-            if ahead {
+            if let Some(how) = hints {
                 prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
             }
             for o in (i..i + TILE_COLS).step_by(8) {
@@ -746,18 +735,24 @@ mod tests {
     use super::*;
 
     /// CPUID leaf 1's family: Intel's base family 6, AMD's 0Fh plus the extended (Zen 4:
-    /// 19h, Zen 5: 1Ah); Zen 3/4 hint into L2, other cores into L1.
+    /// 19h, Zen 5: 1Ah); Zen 3/4 give no hints, other cores hint into L1.
     #[test]
     fn the_tile_hints_follow_the_core_family() {
         // Sapphire Rapids (family 6, model 8Fh), EPYC Genoa (19h, 11h), EPYC Turin (1Ah, 02h).
         assert_eq!(display_family(0x0008_06f8), 6);
         assert_eq!(display_family(0x00a1_0f11), 0x19);
         assert_eq!(display_family(0x00b0_0f21), 0x1a);
-        assert!(tile_prefetch_for(true, 0x19).into_l2);
-        assert!(!tile_prefetch_for(true, 0x1a).into_l2);
-        assert!(!tile_prefetch_for(false, 6).into_l2);
-        assert_eq!(tile_prefetch_for(false, 6).distance, 2048);
-        let here = tile_prefetch();
-        assert!(here.distance > 0 && here.distance.is_multiple_of(64));
+        assert_eq!(tile_prefetch_for(true, 0x19), None);
+        assert_eq!(
+            tile_prefetch_for(true, 0x1a),
+            Some(TilePrefetch { distance: 8192 })
+        );
+        assert_eq!(
+            tile_prefetch_for(false, 6),
+            Some(TilePrefetch { distance: 2048 })
+        );
+        if let Some(here) = tile_prefetch() {
+            assert!(here.distance > 0 && here.distance.is_multiple_of(64));
+        }
     }
 }
