@@ -592,10 +592,9 @@ fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
 }
 
 /// How far ahead of the chunk being read the tile kernels ask for lines (into L1), where hints
-/// pay: the tiles are read as one stream, and on some cores the hardware
-/// prefetchers alone keep too little in flight. The best choice differs by core; out of tree,
-/// 30 SmolLM2 layers in tiles (1,536 neurons, 85% on, 2 threads, `tiled_ffn`) unless said
-/// otherwise:
+/// pay: the tiles are read as one stream, and on some cores the hardware prefetchers alone keep
+/// too little in flight. The best choice differs by core; out of tree, 30 SmolLM2 layers in
+/// tiles (1,536 neurons, 85% on, 2 threads, `tiled_ffn`) unless said otherwise:
 /// - on an AMD Zen 5 VM (family 1Ah, 2 cores): 26.5 GB/s at 512 bytes into L2, 38–39 at 4 KiB
 ///   into L1, 41–42 from 8 to 24 KiB, 34 at 16 KiB into L2, while its DRAM probe read 50–55;
 /// - on an Intel Xeon VM with AVX-512 FP16 (2 cores, a worker kept between forks): 20–25 GB/s
