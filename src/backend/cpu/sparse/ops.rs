@@ -48,9 +48,36 @@ pub const TILE_NEURONS: usize = 4;
 /// Columns to a tile's chunk: one 64-byte line of f16s per row.
 pub const TILE_COLS: usize = 32;
 
-/// A row of a neuron tile's part: the part (its rows interleaved a line at a time:
-/// [`super::tiles`]) and the row's place in it.
-pub(super) type TileRow<'a> = (&'a [f16], usize);
+/// A row the tile kernels read: one of a neuron tile's part (its [`TILE_NEURONS`] rows
+/// interleaved a line at a time: [`super::tiles`]), or a row of its own (a cache unit's slot
+/// beside the tiles), read as a part of one row. Its values `i .. i + TILE_COLS` lie at
+/// `i · lanes + place · TILE_COLS` in `part`.
+#[derive(Clone, Copy)]
+pub(super) struct TileRow<'a> {
+    pub(super) part: &'a [f16],
+    pub(super) place: usize,
+    pub(super) lanes: usize,
+}
+
+impl<'a> TileRow<'a> {
+    /// Row `place` of a tile's part.
+    pub(super) fn in_tile(part: &'a [f16], place: usize) -> Self {
+        TileRow {
+            part,
+            place,
+            lanes: TILE_NEURONS,
+        }
+    }
+
+    /// A row of its own.
+    pub(super) fn alone(row: &'a [f16]) -> Self {
+        TileRow {
+            part: row,
+            place: 0,
+            lanes: 1,
+        }
+    }
+}
 
 /// An INT4 vector: its group scales (little-endian f16s) and packed codes.
 pub(super) type I4Row<'a> = (&'a [u8], &'a [u8]);

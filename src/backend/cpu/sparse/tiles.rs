@@ -115,7 +115,7 @@ impl<'a> NeuronTiles<'a> {
     fn row(&self, i: usize, p: Part) -> TileRow<'a> {
         let len = TILE_NEURONS * self.d;
         let tile = i / TILE_NEURONS;
-        (
+        TileRow::in_tile(
             &self.halves[(tile * PARTS + p as usize) * len..][..len],
             i % TILE_NEURONS,
         )
@@ -123,8 +123,8 @@ impl<'a> NeuronTiles<'a> {
 
     /// Part `p` of neuron `i` as a row of its own.
     fn row_values(&self, i: usize, p: Part) -> Vec<f16> {
-        let (part, r) = self.row(i, p);
-        (0..self.d).map(|c| part[at(r, c)]).collect()
+        let row = self.row(i, p);
+        (0..self.d).map(|c| row.part[at(row.place, c)]).collect()
     }
 }
 
@@ -233,32 +233,39 @@ enum FourRows<'a> {
 }
 
 impl<'a> TileOps<'a> {
-    /// Part `p` of the neurons of entries `es` (one group's: all in one tile, or all in slots).
+    /// Part `p` of the neurons of entries `es` (one group's: those in tiles all in one, beside
+    /// any in slots).
     fn rows(&self, es: [u32; 4], p: Part) -> FourRows<'a> {
-        let first = self.list.place(es[0]);
-        if let (Place::Slot(_), Some(slots)) = (first, &self.list.slots) {
-            let part = |e: u32| slots.part(self.list.place(e).row(), p as usize);
+        let slots = self.list.slots.as_ref();
+        let places = es.map(|e| self.list.place(e));
+        if let Some(slots) = slots.filter(|_| places.iter().all(|q| matches!(q, Place::Slot(_)))) {
+            let part = |q: Place| slots.part(q.row(), p as usize);
             return FourRows::Slots {
-                rows: [part(es[0]), part(es[1]), part(es[2]), part(es[3])],
+                rows: places.map(part),
                 k: self.k,
                 o: self.o,
             };
         }
         let tiles = self.list.tiles;
-        let row = |e: u32| self.list.place(e).row();
+        // A slot's part as a row of its own (slots are f16 as the tiles are: `with_slots`).
+        let slot = |q: Place| match (q, slots) {
+            (Place::Slot(i), Some(s)) => Some(s.part_f16(i, p as usize)),
+            _ => None,
+        };
         match (self.o.dot4_tiled, self.o.axpy4_tiled) {
-            (Some(dot), Some(axpy)) => {
-                // A group lies in one tile: its part found once, each row's place in it.
-                let (part, _) = tiles.row(first.row(), p);
-                let at = |e: u32| (part, row(e) % TILE_NEURONS);
-                FourRows::Tiles {
-                    rows: [at(es[0]), at(es[1]), at(es[2]), at(es[3])],
-                    dot,
-                    axpy,
-                }
-            }
+            (Some(dot), Some(axpy)) => FourRows::Tiles {
+                rows: places.map(|q| match slot(q) {
+                    Some(row) => TileRow::alone(row),
+                    None => tiles.row(q.row(), p),
+                }),
+                dot,
+                axpy,
+            },
             _ => FourRows::Copied {
-                rows: es.map(|e| tiles.row_values(row(e), p)),
+                rows: places.map(|q| match slot(q) {
+                    Some(row) => row.to_vec(),
+                    None => tiles.row_values(q.row(), p),
+                }),
                 k: self.k,
                 o: self.o,
             },
@@ -294,23 +301,22 @@ impl FourRows<'_> {
     }
 }
 
-/// Where the run of `js` that starts at list position `j` ends: the positions after `j` whose
-/// neurons (`idx`) ascend within `j`'s tile, or up to four slots beside `j`'s slot. A run's rows
-/// are read as one stream (a tile's) or four (slots), in list order.
+/// Where the run of `js` that starts at list position `j` ends: up to four positions, those
+/// whose neurons (`idx`) lie in tiles all in one and ascending there, beside any in slots. A
+/// run's rows are read in one pass of the four-row kernels, in list order: a tile's lines as
+/// one stream, a slot's row beside them. (A unit's slots stand among the neurons resting in
+/// tiles, one of a tile's four in a tenth of them: SmolLM2's units at 48M. Runs cut where a
+/// slot stands read a tile in two or three passes, each computing four rows.)
 fn group_end(list: &TiledList, idx: &[u32], j: usize, end: usize) -> usize {
-    let mut last = list.place(idx[j]);
-    let mut e = j + 1;
+    let mut last = None;
+    let mut e = j;
     while e < end && e - j < TILE_NEURONS {
-        let here = list.place(idx[e]);
-        let joins = match (last, here) {
-            (Place::Tile(a), Place::Tile(i)) => a / TILE_NEURONS == i / TILE_NEURONS && a < i,
-            (Place::Slot(_), Place::Slot(_)) => true,
-            _ => false,
-        };
-        if !joins {
-            break;
+        if let Place::Tile(i) = list.place(idx[e]) {
+            if last.is_some_and(|a: usize| a / TILE_NEURONS != i / TILE_NEURONS || a >= i) {
+                break;
+            }
+            last = Some(i);
         }
-        last = here;
         e += 1;
     }
     e
@@ -626,9 +632,8 @@ mod tests {
         }
     }
 
-    /// A run of list positions splits where its neurons leave a tile or stop ascending; beside
-    /// slots, also where the entries pass from tiles to slots or back, and slots go four at a
-    /// time.
+    /// A run of list positions splits where its neurons leave a tile or stop ascending, and
+    /// after four; slots join a run wherever they stand.
     #[test]
     fn groups_lie_in_one_tile_in_list_order() {
         use crate::backend::BundleShape;
@@ -649,10 +654,25 @@ mod tests {
         let slots = Bundles::new(&slot_bytes, Encoding::F16, shape).unwrap();
         let list = TiledList::with_slots(slots, tiles).unwrap();
         let r = |i: u32| i | IN_REST;
-        let idx = [r(0), r(1), 5, r(2), r(3), 0, 1, 2, 3, 4, r(9), r(8)];
+        let idx = [
+            r(0),
+            r(1),
+            5,
+            r(2),
+            r(3),
+            0,
+            1,
+            2,
+            3,
+            4,
+            r(9),
+            r(8),
+            r(12),
+            5,
+        ];
         assert_eq!(
             list_groups(&list, &idx, 0..idx.len()).collect::<Vec<_>>(),
-            vec![0..2, 2..3, 3..5, 5..9, 9..10, 10..11, 11..12]
+            vec![0..4, 4..8, 8..11, 11..12, 12..14]
         );
         assert!(list.check_idx("t", &idx).is_ok());
         assert!(list.check_idx("t", &[6]).is_err(), "past the slots");

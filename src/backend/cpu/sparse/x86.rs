@@ -569,23 +569,26 @@ unsafe fn axpy4_i4_avx2(a: [f32; 4], w: [I4Row; 4], next: [I4Row; 4], out: &mut 
 }
 
 /// Where tile row `w` keeps its values `i .. i + 32` (`i` a multiple of [`TILE_COLS`] below the
-/// row's width), from the row's first line: a chunk is [`TILE_NEURONS`] lines, the row's at
-/// its place among them. (Checked by the callers: the part holds [`TILE_NEURONS`] rows of `n`
-/// values, the row is one of them, `n` is a multiple of [`TILE_COLS`].)
+/// row's width), from the row's first line: a chunk is `lanes` lines (a tile's [`TILE_NEURONS`],
+/// or a row of its own's one), the row's at its place among them; so at `i · lanes` from it.
+/// (Checked by the callers: the part holds `lanes` rows of `n` values, the row is one of them,
+/// `n` is a multiple of [`TILE_COLS`].)
 #[inline(always)]
 fn row_start(w: &TileRow) -> *const u16 {
-    w.0.as_ptr().wrapping_add(w.1 * TILE_COLS) as *const u16
+    w.part.as_ptr().wrapping_add(w.place * TILE_COLS) as *const u16
 }
 
-/// Columns a tile part's rows share, checked: each part holds [`TILE_NEURONS`] rows of a
-/// multiple of [`TILE_COLS`] values, each row one of them; `x` (or `out`) as wide.
+/// Columns the rows share, checked: each row one of a tile's part ([`TILE_NEURONS`] rows of a
+/// multiple of [`TILE_COLS`] values) or a row of its own as wide; `x` (or `out`) as wide.
 fn tile_width(w: &[TileRow; 4], x: usize) -> usize {
-    let n = w[0].0.len() / TILE_NEURONS;
+    let n = x;
     assert!(
         n.is_multiple_of(TILE_COLS)
-            && x == n
-            && w.iter()
-                .all(|r| r.0.len() == n * TILE_NEURONS && r.1 < TILE_NEURONS),
+            && w.iter().all(|r| {
+                (r.lanes == TILE_NEURONS || r.lanes == 1)
+                    && r.part.len() == n * r.lanes
+                    && r.place < r.lanes
+            }),
         "tile rows out of shape"
     );
     n
@@ -669,21 +672,21 @@ macro_rules! dot4_tiled_body {
             let n = tile_width(&w, x.len());
             let hints = if ahead { tile_prefetch() } else { None };
             let p = w.map(|r| row_start(&r));
+            let lanes = w.map(|r| r.lanes);
             let xp = x.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); 4]; 4];
-            // SAFETY: the row's values `i + 8k .. i + 8k + 8` lie at `i·4 + 8k` from its start,
-            // within the part for `i + 32 ≤ n` (`tile_width`).
+            // SAFETY: the row's values `i + 8k .. i + 8k + 8` lie at `i·lanes + 8k` from its
+            // start, within the part for `i + 32 ≤ n` (`tile_width`).
             unsafe {
                 for i in (0..n).step_by(TILE_COLS) {
-                    let c = i * TILE_NEURONS;
                     if let Some(how) = hints {
-                        prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
+                        prefetch_chunk(w[0].part.as_ptr().add(i * lanes[0]) as *const u16, how);
                     }
                     for k in 0..4 {
                         let o = i + 8 * k;
                         let xv = _mm256_loadu_ps(xp.add(o));
                         for r in 0..4 {
-                            let at = p[r].add(c + 8 * k);
+                            let at = p[r].add(i * lanes[r] + 8 * k);
                             let wv = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
                             acc[r][k] = _mm256_fmadd_ps(wv, xv, acc[r][k]);
                         }
@@ -708,18 +711,18 @@ unsafe fn axpy4_tiled_avx2(a: [f32; 4], w: [TileRow; 4], out: &mut [f32], ahead:
     let hints = if ahead { tile_prefetch() } else { None };
     let av = lanes!(4, _mm256_setzero_ps(), |r| _mm256_set1_ps(a[r]));
     let p = w.map(|r| row_start(&r));
+    let lanes = w.map(|r| r.lanes);
     let op = out.as_mut_ptr();
     // SAFETY: as in `dot4_tiled_body`; `out` holds `n` values.
     unsafe {
         for i in (0..n).step_by(TILE_COLS) {
-            let c = i * TILE_NEURONS;
             if let Some(how) = hints {
-                prefetch_chunk(w[0].0.as_ptr().add(c) as *const u16, how);
+                prefetch_chunk(w[0].part.as_ptr().add(i * lanes[0]) as *const u16, how);
             }
             for o in (i..i + TILE_COLS).step_by(8) {
                 let mut v = _mm256_loadu_ps(op.add(o));
                 for r in 0..4 {
-                    let at = p[r].add(c + o - i);
+                    let at = p[r].add(i * lanes[r] + o - i);
                     let c = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
                     v = _mm256_fmadd_ps(av[r], c, v);
                 }
