@@ -447,10 +447,12 @@ fn aligned(bytes: &[u8]) -> Bytes {
     }
 }
 
-/// A paced link carries what the listed ops read in place as it carries copies: the op
-/// returns no earlier than the bytes it counted could cross at the link's rate, and the link
-/// is busy until then (what `bench decode` relies on to hold the budgeted device to the rate
-/// its bound divides by).
+/// A paced link carries what the listed ops read in place as it carries copies: the link is
+/// busy until the bytes the op counted could cross at its rate, and so is the compute stream
+/// (what `bench decode` relies on to hold the budgeted device to the rate its bound divides
+/// by). As on CUDA, the host is not held meanwhile: it may queue a copy, which crosses behind
+/// the reads; the stream's next op, a read of what it computed and the trace's clock wait for
+/// them.
 #[test]
 fn in_place_reads_take_the_paced_link_as_copies_do() {
     let mut rng = StdRng::seed_from_u64(61);
@@ -490,12 +492,37 @@ fn in_place_reads_take_the_paced_link_as_copies_do() {
         bytes as usize >= neurons * 2 * d,
         "every gate read in place: {bytes}"
     );
+    let returned = std::time::Instant::now();
     let free = sim.link_free_at().unwrap();
     let crossing = std::time::Duration::from_secs_f64(bytes as f64 / rate);
     assert!(free >= t0 + crossing, "the link carried {bytes} bytes");
+    assert!(returned < free, "the host was not held by the reads");
+    let done = sim.compute_done().unwrap();
+    assert!(done >= free, "the stream's work ends with its reads");
+    let clock = sim.device_clock().unwrap();
+    let first = clock.mark().unwrap();
+    // A copy queued now crosses behind the reads, and the host is not held by it either.
+    let mut slot = sim
+        .alloc_weight("slot", crate::tensor::DType::F32, 1, 16)
+        .unwrap();
+    sim.copies_wait(&done).unwrap();
+    sim.upload_into(&mut slot, 0, &[7u8; 64]).unwrap();
+    let copied = sim.copies_done().unwrap();
+    assert!(copied >= free + std::time::Duration::from_secs_f64(64.0 / rate));
+    assert!(std::time::Instant::now() < free, "the copy did not wait");
+    // The stream's next op starts once the reads have crossed.
+    sim.zero(&mut h).unwrap();
+    let after = std::time::Instant::now();
+    assert!(after >= free, "the next op waited for the reads");
+    let second = clock.mark().unwrap();
+    let times = clock.take().unwrap();
+    assert_eq!((first, second, times.len()), (0, 1, 2));
+    // The clock's first mark was on the stream's end: between the marks the stream spent only
+    // the op's own time (microseconds), not the reads' crossing again.
+    assert!(times[1][0] < crossing.as_secs_f64() / 2.0, "{:?}", times[1]);
     assert!(
-        std::time::Instant::now() >= free,
-        "the op waited for its reads"
+        times[1][1] >= 64.0 / rate,
+        "the copy crossed between the marks"
     );
 }
 

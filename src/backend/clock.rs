@@ -1,7 +1,8 @@
 //! A clock on the device's own streams, for traces: marks recorded in stream order and read back
 //! once the device has passed them, so a span of host work can be given the time the device's
-//! streams advanced between its ends. Synchronous backends have none (their device time is the
-//! host's).
+//! streams advanced between its ends. CUDA's are events; the budgeted device's are when its
+//! compute stream's in-place reads and its link's copies end. The CPU has none (its device time
+//! is the host's).
 
 use super::Result;
 

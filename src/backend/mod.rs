@@ -655,7 +655,8 @@ pub trait Backend: Send + Sync + 'static {
     }
 
     /// A clock on the device's streams for traces, where the device runs apart from the host
-    /// (CUDA); `None` where its time is the host's.
+    /// (CUDA, and the budgeted device's link and in-place reads); `None` where its time is the
+    /// host's.
     fn device_clock(&self) -> Option<std::sync::Arc<dyn clock::DeviceClock>> {
         None
     }

@@ -3,7 +3,10 @@
 //! one arena), and the same workspace for the same ops (the CUDA formula,
 //! [`crate::footprint::workspace_bytes`]) — and counts every host→device and device→host copy, so the
 //! offload policies run in CI with the byte accounting a GPU would show. Weights uploaded here
-//! are real copies, as on a GPU. The math is the CPU backend's.
+//! are real copies, as on a GPU. The math is the CPU backend's. Its ops run as the host asks
+//! them, but an op's in-place reads cross the paced link after its math, as a CUDA kernel's
+//! reads of mapped host memory do: the host goes on meanwhile (to queue a copy, say), and the
+//! next op, or a read of what was computed, waits for them.
 
 use crate::backend::{Experts, Route};
 use std::collections::hash_map::DefaultHasher;
@@ -29,8 +32,12 @@ pub struct SimBackend {
     cpu: CpuBackend,
     mem: DeviceMemory,
     workspace: Workspace<DeviceAlloc>,
-    /// Emulated link: (bytes/s, when the last paced copy may end).
-    pace: Mutex<Option<(f64, Instant)>>,
+    /// Emulated link: (bytes/s, when the last paced copy may end). Shared with the trace's clock.
+    pace: Arc<Mutex<Option<(f64, Instant)>>>,
+    /// When the compute stream's work queued so far ends: its in-place reads still crossing the
+    /// link after the CPU has computed ([`SimBackend::stream_busy_until`]). Shared with the
+    /// trace's clock.
+    stream: Arc<Mutex<Option<Instant>>>,
     steps: Mutex<Steps>,
 }
 
@@ -105,7 +112,8 @@ impl SimBackend {
             cpu,
             mem: DeviceMemory::new(ledger),
             workspace: Workspace::default(),
-            pace: Mutex::new(None),
+            pace: Arc::default(),
+            stream: Arc::default(),
             steps: Mutex::new(Steps::default()),
         }
     }
@@ -118,6 +126,8 @@ impl SimBackend {
 
     /// Note `op` with `args` in the step being recorded or replayed, if any.
     fn sign(&self, op: &'static str, args: &[u64]) -> Result<()> {
+        // Every signed op is the compute stream's: it starts once the stream's earlier work ends.
+        self.stream_waits();
         let mut steps = self.steps()?;
         if let Some(ops) = steps.signing.as_mut() {
             let mut h = DefaultHasher::new();
@@ -382,8 +392,9 @@ impl Backend for SimBackend {
 
     fn compute_done(&self) -> Result<Instant> {
         self.outside("compute_done")?;
-        // The host computes as it is asked: what was queued is done.
-        Ok(Instant::now())
+        // The host computes as it is asked: what was queued is done once its in-place reads
+        // have crossed the link.
+        Ok(self.stream_ends())
     }
 
     fn compute_waits(&self, copied: &Instant) -> Result<()> {
@@ -392,9 +403,11 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn copies_wait(&self, _: &Instant) -> Result<()> {
+    fn copies_wait(&self, ev: &Instant) -> Result<()> {
         self.outside("copies_wait")?;
-        // A copy queued from now starts no earlier than now, after any compute event.
+        // A copy queued from now starts no earlier than now, and than the compute event (the
+        // end of in-place reads still crossing).
+        self.link_busy_until(*ev);
         Ok(())
     }
 
@@ -436,6 +449,7 @@ impl Backend for SimBackend {
 
     fn read(&self, src: &SimTensor, dst: &mut [f32]) -> Result<()> {
         self.outside("read")?;
+        self.stream_waits();
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
         self.ledger().count_host_wait();
@@ -444,10 +458,11 @@ impl Backend for SimBackend {
 
     unsafe fn read_queued(&self, src: &SimTensor, dst: &mut [f32]) -> Result<Instant> {
         self.outside("read_queued")?;
-        // The copy is done at once; the wait is counted where the host waits on the event.
+        // The copy is done at once (the values are computed); it lands once the compute stream's
+        // work ends. The wait is counted where the host waits on the event.
         self.cpu.read(&src.t, dst)?;
         self.ledger().count_d2h(std::mem::size_of_val(dst) as u64);
-        Ok(Instant::now())
+        Ok(self.stream_ends())
     }
 
     fn copy_rows(
@@ -596,6 +611,7 @@ impl Backend for SimBackend {
 
     fn read_kv(&self, src: &SimKv, first: usize, out: &mut [f32]) -> Result<()> {
         self.outside("read_kv")?;
+        self.stream_waits();
         self.cpu.read_kv(&src.kv, first, out)?;
         self.ledger().count_host_wait();
         let rows = out.len() / src.kv.cols.max(1);
@@ -605,6 +621,7 @@ impl Backend for SimBackend {
 
     fn write_kv(&self, dst: &mut SimKv, first: usize, values: &[f32]) -> Result<()> {
         self.outside("write_kv")?;
+        self.stream_waits();
         let t0 = Instant::now();
         self.cpu.write_kv(&mut dst.kv, first, values)?;
         let rows = values.len() / dst.kv.cols.max(1);
@@ -614,6 +631,7 @@ impl Backend for SimBackend {
 
     fn read_kv_raw(&self, src: &SimKv, first: usize, out: &mut [u8]) -> Result<()> {
         self.outside("read_kv_raw")?;
+        self.stream_waits();
         self.cpu.read_kv_raw(&src.kv, first, out)?;
         self.ledger().count_host_wait();
         self.ledger().count_d2h(out.len() as u64);
@@ -622,6 +640,7 @@ impl Backend for SimBackend {
 
     fn write_kv_raw(&self, dst: &mut SimKv, first: usize, src: &[u8]) -> Result<()> {
         self.outside("write_kv_raw")?;
+        self.stream_waits();
         let t0 = Instant::now();
         self.cpu.write_kv_raw(&mut dst.kv, first, src)?;
         self.copied_in(src.len(), t0);
@@ -631,6 +650,7 @@ impl Backend for SimBackend {
     fn embed(&self, table: &SimWeight, ids: &[u32], out: &mut SimTensor) -> Result<()> {
         // The ids are copied from the host: a recorded step starts after its embedding.
         self.outside("embed")?;
+        self.stream_waits();
         self.check_workspace(WorkspaceOp::Embed { tokens: ids.len() })?;
         self.cpu.embed(&table.w, ids, &mut out.t)?;
         self.ledger().count_h2d(std::mem::size_of_val(ids) as u64);
@@ -641,6 +661,7 @@ impl Backend for SimBackend {
 
     fn add_table_rows(&self, x: &mut SimTensor, table: &SimWeight, first_row: usize) -> Result<()> {
         self.outside("add_table_rows")?;
+        self.stream_waits();
         self.cpu.add_table_rows(&mut x.t, &table.w, first_row)
     }
 
@@ -816,6 +837,7 @@ impl Backend for SimBackend {
             neurons: rows.len(),
         })?;
         self.outside("scatter_rows")?;
+        self.stream_waits();
         self.cpu.scatter_rows(&src.w, rows, &mut dst.w)
     }
 
@@ -1095,6 +1117,10 @@ impl Backend for SimBackend {
         let read = super::reads::attention(first_pos + q.t.rows, k_cache.kv.row_bytes());
         self.ledger().count_device_read(read);
         Ok(())
+    }
+
+    fn device_clock(&self) -> Option<Arc<dyn super::clock::DeviceClock>> {
+        Some(Arc::new(self.clock()))
     }
 
     fn records_steps(&self) -> bool {

@@ -79,7 +79,10 @@ impl SimBackend {
         }
         self.ledger().count_device_read(device);
         if bytes > 0 {
-            self.copied_in(bytes as usize, t0);
+            // The stream's: the host goes on (to copies, say) while they cross, as it does on
+            // CUDA while the kernel reads; the stream's next op waits for them.
+            let end = self.queue_on_link(bytes as usize, t0);
+            self.stream_busy_until(end);
         }
     }
 }
@@ -104,6 +107,7 @@ impl SimBackend {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
         // The neuron list is copied from the host: nothing a recording holds.
         self.outside(op)?;
+        self.stream_waits();
         let t0 = Instant::now();
         let both = down.is_some();
         let read = self.cpu.listed_reading(
@@ -137,6 +141,7 @@ impl SimBackend {
     ) -> Result<()> {
         self.check_workspace(WorkspaceOp::Listed { neurons: idx.len() })?;
         self.outside("ffn_bundles_down_listed")?;
+        self.stream_waits();
         let t0 = Instant::now();
         let listed = (&b.w, rest.map(|r| &r.w));
         self.cpu
