@@ -76,15 +76,9 @@ impl<B: Backend> Engine<B> {
                     for (&(a, len), &ring_at) in groups.iter().zip(&ring) {
                         sc.narrow(b, len)?;
                         hidden.get(b, a, &mut sc.x)?;
-                        self.run_layer(
-                            &mut layer,
-                            l,
-                            session,
-                            &mut sc,
-                            pos + a,
-                            Some(ring_at),
-                            false,
-                        )?;
+                        let at = (pos + a, Some(ring_at));
+                        self.attention_block(&mut layer, l, session, &mut sc, at, false)?;
+                        self.finish_layer(&mut layer, l, &mut sc)?;
                         self.add_residual(&mut sc)?;
                         if check_layers && non_finite.is_none() && !self.all_finite(&sc.x)? {
                             non_finite = Some(l);

@@ -86,7 +86,8 @@ impl<B: Backend> Engine<B> {
             for l in 0..self.spec.n_layers {
                 {
                     let mut layer = source.layer(b, l)?;
-                    self.run_layer(&mut layer, l, session, sc, pos, None, false)?;
+                    self.attention_block(&mut layer, l, session, sc, (pos, None), false)?;
+                    self.finish_layer(&mut layer, l, sc)?;
                 }
                 source.layer_done(b, l)?;
             }

@@ -187,9 +187,16 @@ impl<B: Backend> Engine<B> {
                     let _s = trace::span(Phase::Attention);
                     self.kv_layer_begin(session, l, pos, on_cpu)?;
                 }
-                self.run_layer(&mut layer, l, session, &mut sc, pos, Some(ring_at), on_cpu)?;
-                let _s = trace::span(Phase::Attention);
-                self.kv_layer_end(session, l, pos, n, on_cpu)?;
+                let at = (pos, Some(ring_at));
+                self.attention_block(&mut layer, l, session, &mut sc, at, on_cpu)?;
+                {
+                    // A host-kept cache's new rows go back before the FFN is queued: after it,
+                    // their read waits for the FFN's device work too (a cache unit's in-place
+                    // reads), and the host queues nothing meanwhile.
+                    let _s = trace::span(Phase::Attention);
+                    self.kv_layer_end(session, l, pos, n, on_cpu)?;
+                }
+                self.finish_layer(&mut layer, l, &mut sc)?;
                 if let Some(t) = &self.step_tap {
                     t.group_done(l, 0, n);
                 }
@@ -224,19 +231,18 @@ impl<B: Backend> Engine<B> {
         out
     }
 
-    /// Layer `l` over the rows of `sc.x` (the step's `n` rows, row `i` at position `pos + i`):
-    /// attention (storing the rows' keys and values), then the FFN, each added to `sc.x`. The
-    /// newest queries go into the session's probe from ring row `ring_at`, or (`None`, a
-    /// recorded step's one row) into its staging row.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn run_layer(
+    /// Layer `l`'s attention over the rows of `sc.x` (the step's `n` rows, row `i` at position
+    /// `pos + i`), up to its output in `sc.attn`: q, k and v, the rows' keys and values stored,
+    /// the attention; [`Self::finish_layer`] then adds it and the FFN to `sc.x`. The newest
+    /// queries go into the session's probe from ring row `ring_at`, or (`None`, a recorded
+    /// step's one row) into its staging row.
+    pub(super) fn attention_block(
         &self,
         layer: &mut LayerView<B>,
         l: usize,
         session: &mut Session<B>,
         sc: &mut Scratch<B>,
-        pos: usize,
-        ring_at: Option<usize>,
+        (pos, ring_at): (usize, Option<usize>),
         on_cpu: bool,
     ) -> Result<()> {
         let b = &self.backend;
@@ -272,7 +278,7 @@ impl<B: Backend> Engine<B> {
         }
         self.attend(session, l, pos, (&sc.q, &sc.k, &sc.v), &mut sc.attn, on_cpu)?;
         drop(attention);
-        self.finish_layer(layer, l, sc)
+        Ok(())
     }
 
     /// The rest of layer `l` once `sc.attn` holds the attention output: the output projection
