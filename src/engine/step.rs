@@ -179,22 +179,29 @@ impl<B: Backend> Engine<B> {
             source.embed(b, tokens, pos, &mut sc.x)?;
         }
         let ring_at = session.probe.as_ref().map_or(0, |p| p.next);
+        if spec.n_layers > 0 {
+            trace::set_layer(Some(0));
+            let _s = trace::span(Phase::Attention);
+            self.kv_layer_begin(session, 0, pos, on_cpu)?;
+        }
         for l in 0..spec.n_layers {
             trace::set_layer(Some(l));
             {
                 let mut layer = source.layer(b, l)?;
-                {
-                    let _s = trace::span(Phase::Attention);
-                    self.kv_layer_begin(session, l, pos, on_cpu)?;
-                }
                 let at = (pos, Some(ring_at));
                 self.attention_block(&mut layer, l, session, &mut sc, at, on_cpu)?;
                 {
-                    // A host-kept cache's new rows go back before the FFN is queued: after it,
-                    // their read waits for the FFN's device work too (a cache unit's in-place
-                    // reads), and the host queues nothing meanwhile.
+                    // A host-kept cache's new rows go back, and the next layer's rows go up into
+                    // the work buffers this layer's attention has done with, before the FFN is
+                    // queued. After it, the read waited for the FFN's device work too (a cache
+                    // unit's in-place reads) with the host queuing nothing, and the rows going
+                    // up crossed the link behind the slot refill queued at the layer's end,
+                    // holding the next attention back until both had crossed.
                     let _s = trace::span(Phase::Attention);
                     self.kv_layer_end(session, l, pos, n, on_cpu)?;
+                    if l + 1 < spec.n_layers {
+                        self.kv_layer_begin(session, l + 1, pos, on_cpu)?;
+                    }
                 }
                 self.finish_layer(&mut layer, l, &mut sc)?;
                 if let Some(t) = &self.step_tap {
