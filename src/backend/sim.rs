@@ -386,8 +386,7 @@ impl Backend for SimBackend {
     fn copies_done(&self) -> Result<Instant> {
         self.outside("copies_done")?;
         // When the last copy queued crosses the link (now where nothing paces it).
-        let now = Instant::now();
-        Ok(self.link_free_at().map_or(now, |u| u.max(now)))
+        Ok(self.link_ends())
     }
 
     fn compute_done(&self) -> Result<Instant> {

@@ -12,11 +12,15 @@ use crate::backend::{BackendError, Result};
 impl SimBackend {
     /// When the paced link is free again: the end of the last paced copy or in-place read
     /// (`None` while nothing paces it).
+    #[cfg(test)]
     pub(crate) fn link_free_at(&self) -> Option<Instant> {
-        self.pace
-            .lock()
-            .ok()
-            .and_then(|p| p.map(|(_, until)| until))
+        link_until(&self.pace)
+    }
+
+    /// When the paced link has carried what is queued on it (now, if it has): the copy
+    /// stream's end.
+    pub(super) fn link_ends(&self) -> Instant {
+        later_of_now(link_until(&self.pace))
     }
 
     /// Count a host→device copy of `bytes` (or an in-place read) started at `started`, taking
@@ -55,9 +59,7 @@ impl SimBackend {
             None => started,
         }
     }
-}
 
-impl SimBackend {
     /// The compute stream's work queued so far ends no earlier than `end` (an op's in-place reads
     /// crossing the link after the CPU computed it). The host is not held: as on CUDA, where
     /// a kernel reading mapped host memory runs while the host queues what comes next (a
@@ -92,12 +94,18 @@ impl SimBackend {
 
 /// When the work a stream has queued ends: its end, or now if that has passed.
 fn ends(stream: &Mutex<Option<Instant>>) -> Instant {
+    later_of_now(stream.lock().ok().and_then(|s| *s))
+}
+
+/// When the paced link's last copy or in-place read ends (`None` while nothing paces it).
+fn link_until(pace: &Mutex<Option<(f64, Instant)>>) -> Option<Instant> {
+    pace.lock().ok().and_then(|p| p.map(|(_, until)| until))
+}
+
+/// `end`, or now where it has passed or there is none.
+fn later_of_now(end: Option<Instant>) -> Instant {
     let now = Instant::now();
-    stream
-        .lock()
-        .ok()
-        .and_then(|s| *s)
-        .map_or(now, |t| t.max(now))
+    end.map_or(now, |t| t.max(now))
 }
 
 /// The budgeted device's streams as a trace's clock: a mark on the compute stream is when the
@@ -121,13 +129,7 @@ impl SimClock {
 
 impl DeviceClock for SimClock {
     fn mark(&self) -> Result<usize> {
-        let now = Instant::now();
-        let copy = self
-            .pace
-            .lock()
-            .ok()
-            .and_then(|p| p.map(|(_, until)| until))
-            .map_or(now, |u| u.max(now));
+        let copy = later_of_now(link_until(&self.pace));
         let mut marks = self.marks()?;
         marks.push([ends(&self.stream), copy]);
         Ok(marks.len() - 1)
