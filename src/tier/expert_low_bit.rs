@@ -158,7 +158,7 @@ impl<B: Backend> LowBitArea<B> {
             }
         }
         let landed = b.copies_done()?;
-        b.compute_waits(&landed)?;
+        super::compute_waits_for(b, &landed)?;
         let local: Vec<Route> = low
             .iter()
             .map(|r| Route {

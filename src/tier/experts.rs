@@ -561,7 +561,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
         if !device.is_empty()
             && let Some(ev) = self.layer.landed.take()
         {
-            b.compute_waits(&ev)?;
+            super::compute_waits_for(b, &ev)?;
         }
         Ok((device, cpu))
     }
@@ -627,7 +627,7 @@ impl<B: Backend> ExpertCache<B> for ExpertStep<'_, B> {
             .ssd_bytes
             .fetch_add(reads * host.expert_bytes(), Ordering::Relaxed);
         let landed = b.copies_done()?;
-        b.compute_waits(&landed)?;
+        super::compute_waits_for(b, &landed)?;
         self.traffic
             .streamed
             .fetch_add(ids.len() as u64, Ordering::Relaxed);

@@ -34,3 +34,15 @@ pub mod resident;
 pub mod split;
 pub mod stream;
 pub mod units;
+
+/// `b.compute_waits(ev)` traced as a host wait: the budgeted device's host blocks there until
+/// the copy has landed (CUDA queues the wait on its stream and returns at once), and untraced
+/// that time fell into the step's `other` (SmolLM2 streamed at 48M with one slot: a third of
+/// the step).
+pub(crate) fn compute_waits_for<B: crate::backend::Backend>(
+    b: &B,
+    ev: &B::Event,
+) -> crate::backend::Result<()> {
+    let _wait = crate::engine::trace::span(crate::engine::trace::Phase::HostWait);
+    b.compute_waits(ev)
+}

@@ -426,7 +426,7 @@ impl<B: Backend> WeightSource<B> for StreamWeights<B> {
                 }
             };
             if let Some(ev) = &self.slots[i].ready {
-                b.compute_waits(ev)?;
+                super::compute_waits_for(b, ev)?;
             }
             Some(&self.slots[i])
         } else {

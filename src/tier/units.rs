@@ -855,7 +855,7 @@ impl<B: Backend> UnitStep<'_, B> {
         }
         let landed = b.copies_done()?;
         drop(copy);
-        b.compute_waits(&landed)?;
+        super::compute_waits_for(b, &landed)?;
         let scatter = span(Phase::Scatter);
         b.scatter_rows(st_bundles, &slots, &mut unit.unit)?;
         if let (Some(sb), Some(dst)) = (st_bias.as_ref(), &mut unit.slot_bias) {
