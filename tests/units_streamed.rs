@@ -370,3 +370,57 @@ fn units_refused_only_below_their_least_budget() {
         }
     }
 }
+
+/// Where the KV cache lives in host memory, each token brings every layer's rows so far (half
+/// the context on average) over the link, or the CPU reads them where it attends there: the
+/// units' per-token bytes count them to the byte, and their time pays for them (a link slow
+/// enough to bind, so the brought-in rows show in the prediction).
+#[test]
+fn a_host_kept_cache_is_in_the_units_link_or_cpu_bytes_and_time() {
+    let mut rng = StdRng::seed_from_u64(67);
+    let dir = tempfile::tempdir().unwrap();
+    let store = store_of(&common::stories260k(), &dir);
+    let spec = store.manifest.spec.clone();
+    let profile = common::random_profile(&store, &mut rng);
+    let toks = 8;
+    let (_, resident) = least_budgets(&store, &profile, toks);
+    let hw = HardwareProfile::load("cpu-sim").unwrap();
+    let plan = gpu_offload::plan::make_plan(&store.manifest, &budget(resident, toks), &hw).unwrap();
+    let units = |kv_host: bool, cpu_attention: bool| {
+        let mut p = plan.clone();
+        p.prefill.kv_host = kv_host;
+        p.prefill.cpu_attention = cpu_attention;
+        p.hardware.h2d_pinned_bytes_per_s = 1e6;
+        plan_units(&store.manifest, &p, Some(&profile), 0.5, Precision::FP16).unwrap()
+    };
+    let (device, link, cpu) = (units(false, false), units(true, false), units(true, true));
+    let mid = gpu_offload::footprint::kv_bytes(&spec, plan.budget.ctx, plan.budget.kv_type) / 2;
+    assert!(mid > 0);
+    let (d, l, c) = (&device.per_token, &link.per_token, &cpu.per_token);
+    assert_eq!(l.pcie_bytes - d.pcie_bytes, mid, "brought in over the link");
+    assert_eq!((l.cpu_bytes, l.hbm_bytes), (d.cpu_bytes, d.hbm_bytes));
+    assert_eq!(c.cpu_bytes - d.cpu_bytes, mid, "read by the CPU");
+    assert_eq!((c.pcie_bytes, c.hbm_bytes), (d.pcie_bytes, d.hbm_bytes));
+    for (i, ((d, l), c)) in device
+        .layers
+        .iter()
+        .zip(&link.layers)
+        .zip(&cpu.layers)
+        .enumerate()
+    {
+        assert!(
+            l.seconds > d.seconds,
+            "layer {i}: {} against {}",
+            l.seconds,
+            d.seconds
+        );
+        assert!(
+            c.seconds > d.seconds,
+            "layer {i}: {} against {}",
+            c.seconds,
+            d.seconds
+        );
+    }
+    assert!(link.predicted_tokens_per_s < device.predicted_tokens_per_s);
+    assert!(cpu.predicted_tokens_per_s < device.predicted_tokens_per_s);
+}

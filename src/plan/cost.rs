@@ -89,20 +89,14 @@ pub(super) fn decode_cost(
     // it attends (measured by `doctor`, else the DRAM read rate).
     let mut prefill = prefill;
     prefill.cpu_attention = prefill.kv_host && hw.cpu_attention_rate() >= hw.h2d_pinned_bytes_per_s;
-    let kv_mid = if prefill.kv_host {
-        kv_bytes(spec, budget.ctx, budget.kv_type) / 2
-    } else {
-        0
-    };
     // Where one row of a step of `rows` attends: the KV it brings in, the KV the CPU reads, the
     // rows crossing for CPU attention.
     let attention_of = |rows: usize| {
-        let on_cpu = batch::attends_on_cpu(&prefill, rows);
         let layout = PrefillLayout {
-            cpu_attention: on_cpu,
+            cpu_attention: batch::attends_on_cpu(&prefill, rows),
             ..prefill
         };
-        let (kv_in, kv_cpu) = if on_cpu { (0, kv_mid) } else { (kv_mid, 0) };
+        let (kv_in, kv_cpu) = host_kv_per_row(spec, budget, &prefill, rows);
         (kv_in, kv_cpu, cpu_attention_rows(spec, layout))
     };
     let (kv_in, kv_cpu, (rows_in, rows_out)) = attention_of(1);
@@ -267,11 +261,7 @@ fn decode_step(
     } else {
         0.0
     };
-    let kv_cpu = if on_cpu {
-        kv_bytes(spec, budget.ctx, budget.kv_type) / 2
-    } else {
-        0
-    };
+    let (_, kv_cpu) = host_kv_per_row(spec, budget, prefill, rows);
     DecodeStep {
         sequences: rows,
         h2d_bytes: bytes.0,
@@ -289,6 +279,26 @@ fn decode_step(
 pub fn causal_attention_flops(rows: usize, context: usize, q_dim: usize) -> f64 {
     let (rows, context) = (rows as f64, context as f64);
     4.0 * q_dim as f64 * (rows * context + rows * (rows + 1.0) / 2.0)
+}
+
+/// The KV bytes one row of a decode step of `rows` rows moves, every layer, where `prefill`
+/// keeps the cache in host memory (half the context on average): `(brought in over the link,
+/// read by the CPU where it attends there)`; none where the cache is on the device.
+pub(super) fn host_kv_per_row(
+    spec: &ModelSpec,
+    budget: &Budget,
+    prefill: &PrefillLayout,
+    rows: usize,
+) -> (u64, u64) {
+    if !prefill.kv_host {
+        return (0, 0);
+    }
+    let mid = kv_bytes(spec, budget.ctx, budget.kv_type) / 2;
+    if batch::attends_on_cpu(prefill, rows) {
+        (0, mid)
+    } else {
+        (mid, 0)
+    }
 }
 
 /// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key

@@ -38,6 +38,7 @@ use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, PredictorCost, hot_device_bytes};
+use super::cost::host_kv_per_row;
 use super::hardware::HardwareProfile;
 use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for};
 use super::manifest::{part_segment_name, seg};
@@ -365,7 +366,8 @@ fn plan_units_in(
             );
             hbm += u.ffn_bytes[0];
             cpu += u.ffn_bytes[1];
-            pcie += u.ffn_bytes[2] + room.streamed;
+            pcie += u.ffn_bytes[2] + room.streamed + costs.kv_in;
+            cpu += costs.kv_cpu;
             seconds += u.seconds;
             layers.push(u);
             continue;
@@ -402,7 +404,8 @@ fn plan_units_in(
         // into their slots on the device.
         hbm += active + moved;
         cpu += decided + moved;
-        pcie += moved + r * (d * 4) as u64 + room.streamed;
+        pcie += moved + r * (d * 4) as u64 + room.streamed + costs.kv_in;
+        cpu += costs.kv_cpu;
         seconds += layer_s;
         layers.push(UnitLayer {
             mode: UnitMode::Unit,
@@ -544,6 +547,11 @@ struct LayerCosts<'a> {
     predictors: Option<Vec<PredictorCost>>,
     attention_row: f64,
     sync: f64,
+    /// Where the KV cache lives in host memory, what a layer's attention takes from it each
+    /// step: the bytes the link brings in (its rows so far, half the context on average), or
+    /// the bytes the CPU reads where it attends there.
+    kv_in: u64,
+    kv_cpu: u64,
 }
 
 impl<'a> LayerCosts<'a> {
@@ -556,6 +564,8 @@ impl<'a> LayerCosts<'a> {
         let spec = &plan.spec;
         let hw = &plan.hardware;
         let parts = if spec.gated_ffn { 3 } else { 2 };
+        let (kv_in, kv_cpu) = host_kv_per_row(spec, &plan.budget, &plan.prefill, rows);
+        let per_layer = |bytes: u64| rows as u64 * bytes / spec.n_layers.max(1) as u64;
         LayerCosts {
             plan,
             attention_layers: &room.attention_layers,
@@ -567,6 +577,8 @@ impl<'a> LayerCosts<'a> {
             attention_row: batch::projection_flops(spec)
                 + batch::attention_flops(spec, plan.budget.ctx / 2),
             sync: hw.op_overhead_s + (rows * spec.d_model * 4) as f64 / hw.h2d_pinned_bytes_per_s,
+            kv_in: per_layer(kv_in),
+            kv_cpu: per_layer(kv_cpu),
         }
     }
 
@@ -583,7 +595,13 @@ impl<'a> LayerCosts<'a> {
         }
     }
 
-    /// Seconds of layer `l`'s attention on the device.
+    /// Seconds the CPU takes to attend a layer's host-kept cache (none where the device does).
+    fn kv_cpu_s(&self) -> f64 {
+        self.kv_cpu as f64 / self.plan.hardware.cpu_attention_rate()
+    }
+
+    /// Seconds of layer `l`'s attention on the device (and on the CPU, over a host-kept cache
+    /// it attends).
     fn attention(&self, l: usize) -> f64 {
         let hw = &self.plan.hardware;
         batch::bounded(
@@ -592,13 +610,14 @@ impl<'a> LayerCosts<'a> {
             self.rows,
             self.attention_row,
             hw.matmul_flops_per_s,
-        )
+        ) + self.kv_cpu_s()
     }
 
-    /// Seconds the copy link needs for layer `l`: its streamed attention and `moved` bytes
-    /// beside (a step's the layers take in turn, so a layer takes at least its share).
+    /// Seconds the copy link needs for layer `l`: its streamed attention, its host-kept KV
+    /// rows and `moved` bytes beside (a step's the layers take in turn, so a layer takes at
+    /// least its share).
     fn link(&self, moved: u64) -> f64 {
-        (self.streamed + moved) as f64 / self.plan.hardware.h2d_pinned_bytes_per_s
+        (self.streamed + self.kv_in + moved) as f64 / self.plan.hardware.h2d_pinned_bytes_per_s
     }
 
     /// Seconds of layer `l` as a cache unit reading `active` bytes of neurons (`mu` of them) on
@@ -617,7 +636,8 @@ impl<'a> LayerCosts<'a> {
             rows,
             self.attention_row + mu * batch::neuron_flops(spec),
             hw.matmul_flops_per_s,
-        ) + 2.0 * moved as f64 / hw.hbm_bytes_per_s;
+        ) + 2.0 * moved as f64 / hw.hbm_bytes_per_s
+            + self.kv_cpu_s();
         let (decided, decide_flops) = self.deciding(l);
         // The CPU decides, then gathers the misses from DRAM into the staging buffer (the
         // trace's gather: on the budgeted device it took longer than their copy).
@@ -658,7 +678,8 @@ impl<'a> LayerCosts<'a> {
             self.rows,
             self.attention_row + mu * batch::neuron_flops(spec),
             hw.matmul_flops_per_s,
-        ) + read as f64 / hw.h2d_pinned_bytes_per_s;
+        ) + read as f64 / hw.h2d_pinned_bytes_per_s
+            + self.kv_cpu_s();
         let launches = 2.0 * calls * hw.op_overhead_s;
         if on_device {
             return (device + launches).max(self.link(read));
