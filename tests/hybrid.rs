@@ -621,7 +621,7 @@ fn the_cpus_cold_pass_pays_each_reads_start() {
 
 /// On the budgeted device the split's copies, device reads and CPU rows take turns (one CPU
 /// runs them all: SmolLM2's split at 48M spent 4.3, 4.7 and 6.1 ms of a 15.2 ms step on them),
-/// so its decode prediction is their sum; on a GPU, the longest.
+/// so its decode prediction is their sum; on a GPU with two streaming slots, the longest.
 #[test]
 fn the_budgeted_devices_split_takes_turns() {
     let dir = tempfile::tempdir().unwrap();
@@ -632,14 +632,15 @@ fn the_budgeted_devices_split_takes_turns() {
         ..Budget::new(g, None, 2, 14, 10)
     };
     let (min, all) = common::gpu_range(&store.manifest, &hw, budget);
-    let split = |hw: &HardwareProfile| {
+    // A budget where the CPU takes rows, beside `window` streaming slots.
+    let split = |hw: &HardwareProfile, window: usize| {
         (0..16)
             .map(|i| min + (all - min) * i / 16)
             .map(|g| make_plan(&store.manifest, &budget(g), hw).unwrap())
-            .find(|p| p.residency.cpu_rows > 0)
+            .find(|p| p.residency.cpu_rows > 0 && p.window == window)
             .expect("a budget where the CPU takes rows")
     };
-    let plan = split(&hw);
+    let plan = split(&hw, 1);
     let p = &plan.prediction;
     assert!(p.cpu_s > 0.0 && p.pcie_s > 0.0, "{p:?}");
     let device = p.hbm_s.max(p.step.compute_s);
@@ -652,7 +653,9 @@ fn the_budgeted_devices_split_takes_turns() {
         copies_share_memory: false,
         ..hw.clone()
     };
-    let beside = split(&gpu).prediction;
+    // Two slots: copies run ahead beside the compute (one would make them take turns, as
+    // `one_streaming_slot_prices_copies_and_compute_in_turn` shows).
+    let beside = split(&gpu, 2).prediction;
     let longest = [
         beside.pcie_s,
         beside.hbm_s.max(beside.step.compute_s) + beside.cpu_s,

@@ -391,3 +391,45 @@ fn a_budget_below_the_asked_window_narrows_it() {
     assert!(plan.report().contains("of 3 asked"), "{}", plan.report());
     check(&store, &plan, &want, &toks);
 }
+
+/// On a card whose copies run beside its compute, a prefetch window of one slot prices them in
+/// turn (the next layer's copy waits for this layer's compute to free the slot, and its compute
+/// for the copy): the link's and the device's times add up; with two slots copies run ahead,
+/// and the slower of the two bounds the step.
+#[test]
+fn one_streaming_slot_prices_copies_and_compute_in_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = common::store_of(&common::stories260k(), &dir);
+    let hw = HardwareProfile::load("h100-80g").unwrap();
+    assert!(!hw.copies_share_memory);
+    let (min, all) = common::gpu_range(&store.manifest, &hw, |g| budget(g, None, 2));
+    let mut priced = 0;
+    for g in (1..8).map(|i| min + (all - min) * i / 8) {
+        let plan = |window| make_plan(&store.manifest, &budget(g, None, window), &hw).unwrap();
+        let (one, two) = (plan(1), plan(2));
+        // Budgets that hold two slots beside what they keep resident.
+        if two.window != 2 {
+            continue;
+        }
+        priced += 1;
+        assert_eq!(one.window, 1, "at {g} bytes");
+        for (p, in_turn) in [(&one, true), (&two, false)] {
+            let q = &p.prediction;
+            assert!(q.pcie_s > 0.0 && q.hbm_s > 0.0 && q.cpu_s == 0.0, "{q:?}");
+            let bound = if in_turn {
+                q.pcie_s + q.hbm_s
+            } else {
+                q.pcie_s.max(q.hbm_s)
+            };
+            let want = 1.0 / (bound + q.ops_s);
+            assert!(
+                (q.tokens_per_s - want).abs() <= 1e-9 * want,
+                "window {} at {g} bytes: {} against {want} ({q:?})",
+                p.window,
+                q.tokens_per_s
+            );
+        }
+        assert_eq!(one.prediction.limited_by, "PCIe+HBM");
+    }
+    assert!(priced >= 3, "{priced} budgets held two slots");
+}

@@ -34,6 +34,8 @@ pub(super) struct DecodeInputs<'a> {
     pub(super) ssd_bytes: u64,
     /// Bytes of every layer's FFN rows the CPU computes (the split; 0 without).
     pub(super) cpu_rows: u64,
+    /// The prefetch window: slots for streamed layers (0: every layer resident).
+    pub(super) window: usize,
 }
 
 /// The split's copies up of one decode token where the CPU computes FFN rows (`cpu_rows` bytes
@@ -80,6 +82,7 @@ pub(super) fn decode_cost(
         per_session,
         ssd_bytes,
         cpu_rows,
+        window,
     } = *placed;
     let n_layers = spec.n_layers;
     let streamed_all: u64 = shapes.iter().map(|sh| residency.streamed_bytes(sh)).sum();
@@ -161,7 +164,10 @@ pub(super) fn decode_cost(
     } else {
         "HBM"
     };
-    let (limited_by, bound) = decode_bound(hw, (pcie_s, ssd_s, cpu_s), (device, device_s));
+    // One slot: the next layer's copy waits for this layer's compute to free it, and its
+    // compute for the copy; with two or more, copies run ahead beside the compute.
+    let in_turn = hw.copies_share_memory || window == 1;
+    let (limited_by, bound) = decode_bound(in_turn, (pcie_s, ssd_s, cpu_s), (device, device_s));
     let prediction = Prediction {
         tokens_per_s: rows as f64 / (bound + ops_s),
         limited_by: limited_by.to_string(),
@@ -182,16 +188,17 @@ pub(super) fn decode_cost(
 /// What bounds a decode step whose link, SSD and CPU take `pcie_s`, `ssd_s` and `cpu_s` and
 /// whose device takes `device_s` (limited by `device`: its memory or its compute), and for
 /// how long: the longest of them, the device with the CPU's share serial with it, and where
-/// copies and device reads share one memory they take turns (see
-/// `HardwareProfile::copies_share_memory`), and so does the CPU's share there: the budgeted
-/// device's kernels and copies run on the CPU that computes it (SmolLM2's split at 48M: link
-/// 4.3, CPU 6.1 and device 4.7 ms of a 15.2 ms step).
+/// copies and compute take turns (`in_turn`) their sum, the CPU's share with them. They take
+/// turns where copies and device reads share one memory (see
+/// `HardwareProfile::copies_share_memory`: the budgeted device's kernels and copies run on the
+/// CPU that computes it; SmolLM2's split at 48M: link 4.3, CPU 6.1 and device 4.7 ms of a
+/// 15.2 ms step), and where a window of one slot makes each copy wait for the compute before.
 fn decode_bound(
-    hw: &HardwareProfile,
+    in_turn: bool,
     (pcie_s, ssd_s, cpu_s): (f64, f64, f64),
     (device, device_s): (&'static str, f64),
 ) -> (&'static str, f64) {
-    let shared_s = if hw.copies_share_memory {
+    let shared_s = if in_turn {
         pcie_s + device_s + cpu_s
     } else {
         0.0

@@ -64,6 +64,7 @@ pub fn make_plan(m: &Manifest, budget: &Budget, hw: &HardwareProfile) -> Result<
             per_session: frame.kv / budget.sessions as u64,
             ssd_bytes: dram.ssd_bytes,
             cpu_rows,
+            window,
         },
     );
     Ok(Plan {
