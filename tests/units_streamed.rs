@@ -14,6 +14,7 @@ use gpu_offload::backend::sim::SimBackend;
 use gpu_offload::engine::{Engine, backend_act};
 use gpu_offload::footprint::Ledger;
 use gpu_offload::plan::choice::{Cold, plan_cold};
+use gpu_offload::plan::hybrid::plan_hot_neurons;
 use gpu_offload::plan::precision::Precision;
 use gpu_offload::plan::units::{HybridLayers, UnitMode, UnitPlan, plan_units};
 use gpu_offload::plan::{Budget, HardwareProfile, Plan, PlanError};
@@ -224,7 +225,6 @@ fn units_beside_streamed_attention_equal_streaming_and_fill_the_plan() {
 /// counts.
 #[test]
 fn unit_and_hybrid_layers_mix_beside_streamed_attention() {
-    use gpu_offload::plan::hybrid::plan_hot_neurons;
     use gpu_offload::plan::units::plan_units_streamed;
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let mut rng = StdRng::seed_from_u64(59);
@@ -373,10 +373,11 @@ fn units_refused_only_below_their_least_budget() {
 
 /// Where the KV cache lives in host memory, each token brings every layer's rows so far (half
 /// the context on average) over the link, or the CPU reads them where it attends there: the
-/// units' per-token bytes count them to the byte, and their time pays for them (a link slow
-/// enough to bind, so the brought-in rows show in the prediction).
+/// per-token bytes of cache units and of hybrid execution count them to the byte, and their
+/// time pays for them (a link slow enough to bind, so the brought-in rows show in the
+/// prediction).
 #[test]
-fn a_host_kept_cache_is_in_the_units_link_or_cpu_bytes_and_time() {
+fn a_host_kept_cache_is_in_the_sparse_plans_link_or_cpu_bytes_and_time() {
     let mut rng = StdRng::seed_from_u64(67);
     let dir = tempfile::tempdir().unwrap();
     let store = store_of(&common::stories260k(), &dir);
@@ -386,11 +387,15 @@ fn a_host_kept_cache_is_in_the_units_link_or_cpu_bytes_and_time() {
     let (_, resident) = least_budgets(&store, &profile, toks);
     let hw = HardwareProfile::load("cpu-sim").unwrap();
     let plan = gpu_offload::plan::make_plan(&store.manifest, &budget(resident, toks), &hw).unwrap();
-    let units = |kv_host: bool, cpu_attention: bool| {
+    let with_kv = |kv_host: bool, cpu_attention: bool| {
         let mut p = plan.clone();
         p.prefill.kv_host = kv_host;
         p.prefill.cpu_attention = cpu_attention;
         p.hardware.h2d_pinned_bytes_per_s = 1e6;
+        p
+    };
+    let units = |kv_host, cpu_attention| {
+        let p = with_kv(kv_host, cpu_attention);
         plan_units(&store.manifest, &p, Some(&profile), 0.5, Precision::FP16).unwrap()
     };
     let (device, link, cpu) = (units(false, false), units(true, false), units(true, true));
@@ -421,6 +426,30 @@ fn a_host_kept_cache_is_in_the_units_link_or_cpu_bytes_and_time() {
             d.seconds
         );
     }
+    assert!(link.predicted_tokens_per_s < device.predicted_tokens_per_s);
+    assert!(cpu.predicted_tokens_per_s < device.predicted_tokens_per_s);
+    // Hybrid execution with every layer's attention resident, at twice the budget.
+    let hybrid = |kv_host, cpu_attention| {
+        let mut p = with_kv(kv_host, cpu_attention);
+        p.budget.gpu_mem = 2 * resident;
+        plan_hot_neurons(&store.manifest, &p, &profile, 0.5).unwrap()
+    };
+    let (device, link, cpu) = (
+        hybrid(false, false),
+        hybrid(true, false),
+        hybrid(true, true),
+    );
+    assert!(device.base_plan.is_none());
+    assert_eq!(link.hot_neurons, device.hot_neurons);
+    let (d, l, c) = (&device.per_token, &link.per_token, &cpu.per_token);
+    assert_eq!(
+        l.pcie_bytes - d.pcie_bytes,
+        mid,
+        "hybrid: brought in over the link"
+    );
+    assert_eq!((l.cpu_bytes, l.hbm_bytes), (d.cpu_bytes, d.hbm_bytes));
+    assert_eq!(c.cpu_bytes - d.cpu_bytes, mid, "hybrid: read by the CPU");
+    assert_eq!((c.pcie_bytes, c.hbm_bytes), (d.pcie_bytes, d.hbm_bytes));
     assert!(link.predicted_tokens_per_s < device.predicted_tokens_per_s);
     assert!(cpu.predicted_tokens_per_s < device.predicted_tokens_per_s);
 }

@@ -308,6 +308,28 @@ pub(super) fn host_kv_per_row(
     }
 }
 
+/// What a decode step of a plan moves for its KV cache where the plan keeps it in host memory
+/// (every layer, every row; none where it is on the device): the bytes the link brings in, or
+/// those the CPU reads where it attends there, and the seconds that reading takes.
+pub(super) struct HostKv {
+    pub(super) link: u64,
+    pub(super) cpu: u64,
+    pub(super) cpu_s: f64,
+}
+
+impl HostKv {
+    /// For a decode step of `rows` rows under `plan`.
+    pub(super) fn of(plan: &Plan, rows: usize) -> Self {
+        let (link, cpu) = host_kv_per_row(&plan.spec, &plan.budget, &plan.prefill, rows);
+        let (link, cpu) = (rows as u64 * link, rows as u64 * cpu);
+        HostKv {
+            link,
+            cpu,
+            cpu_s: cpu as f64 / plan.hardware.cpu_attention_rate(),
+        }
+    }
+}
+
 /// Bytes a decoded token writes back per token where the KV cache lives in host memory: its key
 /// and value rows of every layer.
 fn kv_row_out(spec: &ModelSpec, budget: &Budget, prefill: PrefillLayout) -> u64 {

@@ -24,7 +24,7 @@ use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, FfnLayout, PredictorCost, hot_rounding};
-use super::cost::split_trip_bytes;
+use super::cost::{HostKv, split_trip_bytes};
 use super::hardware::HardwareProfile;
 use super::placement::{PlacementLayer, min_gpu_neurons, place_hot_neurons};
 use super::resident::{Base, BaseFor, SparsePerToken, base_of, layers_of};
@@ -588,6 +588,9 @@ fn finish(
             cpu_s,
         });
     }
+    // A host-kept KV cache the CPU attends (one the link brings in is in `base.streamed`).
+    let kv = HostKv::of(plan, rows);
+    (cpu, seconds) = (cpu + kv.cpu, seconds + kv.cpu_s);
     let per_session = g.kv / plan.budget.sessions.max(1) as u64;
     hbm += r * per_session / 2;
     seconds += batch::bounded(
@@ -599,11 +602,9 @@ fn finish(
     );
     // About 16 ops a layer (norms, projections, rope, attention, FFN, merge, adds).
     seconds += (n_layers * 16 + 4) as f64 * hw.op_overhead_s;
-    let pcie = r
-        * (2 * n_layers as u64 * spec.d_model as u64 * 4
-            + spec.d_model as u64 * 4
-            + spec.vocab_size as u64 * 4)
-        + base.streamed;
+    // Per row and layer the FFN input down and the partial sum up; the token's row; logits.
+    let vectors = ((2 * n_layers + 1) * spec.d_model + spec.vocab_size) as u64 * 4;
+    let pcie = r * vectors + base.streamed;
     // Streamed attention comes in beside the compute, or in turn on the budgeted device.
     let seconds = hw.together_s(seconds, base.streamed as f64 / hw.h2d_pinned_bytes_per_s);
     let placed_bytes = base.everything_else + hot_device;

@@ -63,7 +63,8 @@ pub(super) struct Base {
     pub(super) everything_else: u64,
     /// What the ILP may place (raw bytes), with room for each hot tensor's rounding.
     pub(super) budget_bytes: u64,
-    /// Bytes streamed per token (attention that does not fit), 0 when all of it is resident.
+    /// Bytes the link brings per token beside the FFN's: attention that does not fit, and a
+    /// host-kept KV cache's rows so far where the device attends it.
     pub(super) streamed: u64,
 }
 
@@ -97,6 +98,8 @@ pub(super) fn base_of(
 ) -> Result<(Base, Vec<FfnLayout>), PlanError> {
     let spec = &plan.spec;
     let n_layers = spec.n_layers;
+    let rows = super::batch::step_rows(&plan.budget, &plan.prefill);
+    let kv = super::cost::HostKv::of(plan, rows);
     let (layouts, attention_layers) = layers_of(m, n_layers)?;
     let mut attention = 0;
     let mut staging = 0;
@@ -149,7 +152,7 @@ pub(super) fn base_of(
             merge,
             everything_else,
             budget_bytes: usable - everything_else - rounding,
-            streamed: 0,
+            streamed: kv.link,
         },
         layouts,
     ))

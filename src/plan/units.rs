@@ -38,7 +38,7 @@ use super::Plan;
 use super::batch;
 use super::budget::{Budget, PlanError, human_bytes};
 use super::cold::{ColdCost, PredictorCost, hot_device_bytes};
-use super::cost::host_kv_per_row;
+use super::cost::HostKv;
 use super::hardware::HardwareProfile;
 use super::hybrid::{HybridPlan, plan_hot_streamed, predictors_for};
 use super::manifest::{part_segment_name, seg};
@@ -564,8 +564,8 @@ impl<'a> LayerCosts<'a> {
         let spec = &plan.spec;
         let hw = &plan.hardware;
         let parts = if spec.gated_ffn { 3 } else { 2 };
-        let (kv_in, kv_cpu) = host_kv_per_row(spec, &plan.budget, &plan.prefill, rows);
-        let per_layer = |bytes: u64| rows as u64 * bytes / spec.n_layers.max(1) as u64;
+        let kv = HostKv::of(plan, rows);
+        let per_layer = |bytes: u64| bytes / spec.n_layers.max(1) as u64;
         LayerCosts {
             plan,
             attention_layers: &room.attention_layers,
@@ -577,8 +577,8 @@ impl<'a> LayerCosts<'a> {
             attention_row: batch::projection_flops(spec)
                 + batch::attention_flops(spec, plan.budget.ctx / 2),
             sync: hw.op_overhead_s + (rows * spec.d_model * 4) as f64 / hw.h2d_pinned_bytes_per_s,
-            kv_in: per_layer(kv_in),
-            kv_cpu: per_layer(kv_cpu),
+            kv_in: per_layer(kv.link),
+            kv_cpu: per_layer(kv.cpu),
         }
     }
 
